@@ -1,0 +1,104 @@
+"""Torch reference implementations of every kernel in kernels/ (float32 math).
+
+They define the semantics the Triton kernels must match, and they are the worker's CPU path.
+Shapes (T = new tokens in the batch, B = requests, S = slots in the KV pool, D = head dim):
+  q [T, Hq, D]; k_new, v_new [T, Hkv, D]; k_cache, v_cache [S, Hkv, D] (one layer);
+  qo_indptr [B+1]: request i owns rows qo_indptr[i]:qo_indptr[i+1] of q / k_new / v_new;
+  kv_indptr [B+1], kv_indices [nnz]: request i's KV slots are kv_indices[kv_indptr[i]:kv_indptr[i+1]].
+Hq must be a multiple of Hkv (GQA: query head h reads KV head h // (Hq // Hkv)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float) -> torch.Tensor:
+    """q [n, Hq, D] attends k, v [n_prefix + n, Hkv, D]; query j sees keys 0 .. n_prefix + j."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
+    total = k.shape[0]
+    allowed = torch.arange(total).unsqueeze(0) <= (n_prefix + torch.arange(n)).unsqueeze(1)
+    scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
+    the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
+    in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for i in range(len(qo) - 1):
+        rows = slice(qo[i], qo[i + 1])
+        if qo[i] == qo[i + 1]:
+            continue
+        slots = kv_indices[kvp[i] : kvp[i + 1]].long()
+        k = torch.cat([k_cache[slots], k_new[rows]])
+        v = torch.cat([v_cache[slots], v_new[rows]])
+        out[rows] = _attend(q[rows], k, v, len(slots), scale).to(q.dtype)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """One query token per request, q [B, Hq, D], over all of its KV slots (the current token's
+    K/V already stored). Returns [B, Hq, D] in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    out = torch.empty_like(q)
+    kvp = kv_indptr.tolist()
+    for i in range(q.shape[0]):
+        slots = kv_indices[kvp[i] : kvp[i + 1]].long()
+        # the single query is the last of the sequence: it sees every slot
+        out[i] = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale)[0].to(q.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] -> x / rms(x) * weight, computed in float32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding, NeoX / HF-Llama layout (rotate the two halves of each head).
+    ``cos_sin_cache`` [max_pos, D]: cos in [:, :D/2], sin in [:, D/2:]. Returns new (q, k)."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float()[..., :half], x.float()[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write k, v [T, Hkv, D] into the pool rows ``slots`` [T] (in place)."""
+    k_cache[slots.long()] = k.to(k_cache.dtype)
+    v_cache[slots.long()] = v.to(v_cache.dtype)
