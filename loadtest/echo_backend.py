@@ -1,0 +1,192 @@
+"""A fast OpenAI-compatible stand-in backend for router tests and router-overhead benchmarks.
+
+It has no model: it tokenizes like the router's `bytes` mode, keeps an LRU prefix cache of block
+hashes so it reports honest `cached_tokens`, optionally waits a simulated prefill/decode time, and
+streams SSE chunks. Never use it to claim anything about inference speed.
+
+    python -m loadtest.echo_backend --port 9001 [--name w1] [--cache-blocks 4096]
+        [--prefill-us-per-token 0] [--decode-ms-per-token 0] [--tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from router.block_hash import block_hashes
+from router.tokenization import ByteTokenizer
+
+
+class PrefixLRU:
+    """Which block hashes are 'cached', with a block budget; leaves of a chain age out first."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def match_and_insert(self, hashes: list[int]) -> int:
+        matched = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            matched += 1
+        for h in reversed(hashes):  # parents end up more recent than children
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        return matched
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+
+def build_app(
+    name: str,
+    model: str = "echo",
+    block_size: int = 16,
+    cache_blocks: int = 4096,
+    prefill_us_per_token: float = 0.0,
+    decode_ms_per_token: float = 0.0,
+    tokens: int = 4,
+) -> Starlette:
+    tokenizer = ByteTokenizer()
+    cache = PrefixLRU(cache_blocks)
+    state = {"running": 0, "requests": 0}
+
+    def error(status: int, message: str) -> Response:
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": None}}
+        return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+    async def handle(request: Request, chat: bool) -> Response:
+        try:
+            body = orjson.loads(await request.body())
+            if not isinstance(body, dict):
+                raise ValueError("body must be an object")
+            ids = tokenizer.encode_chat(body["messages"]) if chat else tokenizer.encode_prompt(body["prompt"])
+            max_tokens = int(body.get("max_tokens") or tokens)
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            return error(400, f"bad request: {exc}")
+        if not ids:
+            return error(400, "empty prompt")
+        req_model = body.get("model", model)
+        if req_model != model:
+            return error(404, f"model {req_model!r} not found")
+        hashes = block_hashes(ids, block_size, model)
+        cached = cache.match_and_insert(hashes) * block_size
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": max_tokens,
+            "total_tokens": len(ids) + max_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        rid = uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        state["requests"] += 1
+        state["running"] += 1
+        try:
+            if prefill_us_per_token:
+                await asyncio.sleep((len(ids) - cached) * prefill_us_per_token / 1e6)
+            if not body.get("stream"):
+                if decode_ms_per_token:
+                    await asyncio.sleep(max_tokens * decode_ms_per_token / 1e3)
+                text = "x" * max_tokens
+                choice = {"index": 0, "finish_reason": "length"}
+                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+                out = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+                return Response(orjson.dumps(out), media_type="application/json", headers={"x-backend": name})
+        finally:
+            if not body.get("stream"):
+                state["running"] -= 1
+
+        async def events():
+            try:
+                for i in range(max_tokens):
+                    if decode_ms_per_token and i:
+                        await asyncio.sleep(decode_ms_per_token / 1e3)
+                    delta = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                    delta["finish_reason"] = "length" if i == max_tokens - 1 else None
+                    chunk = {"id": rid, "object": obj + ".chunk", "created": created, "model": model}
+                    chunk["choices"] = [delta]
+                    yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                final = {"id": rid, "object": obj + ".chunk", "created": created, "model": model}
+                final.update({"choices": [], "usage": usage})
+                yield b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n"
+            finally:
+                state["running"] -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-backend": name})
+
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, True)
+
+    async def completions(request: Request) -> Response:
+        return await handle(request, False)
+
+    async def models(request: Request) -> Response:
+        data = {"object": "list", "data": [{"id": model, "object": "model", "owned_by": name}]}
+        return Response(orjson.dumps(data), media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        body = {"status": "ok", "name": name, "running": state["running"], "waiting": 0}
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    async def flush(request: Request) -> Response:
+        cache.clear()
+        return Response(orjson.dumps({"flushed": True}), media_type="application/json")
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/flush", flush, methods=["POST"]),
+        ]
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9001)
+    p.add_argument("--name", default=None)
+    p.add_argument("--model", default="echo")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cache-blocks", type=int, default=4096)
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    p.add_argument("--decode-ms-per-token", type=float, default=0.0)
+    p.add_argument("--tokens", type=int, default=4, help="completion tokens when max_tokens is absent")
+    args = p.parse_args()
+    app = build_app(
+        args.name or f"{args.host}:{args.port}",
+        args.model,
+        args.block_size,
+        args.cache_blocks,
+        args.prefill_us_per_token,
+        args.decode_ms_per_token,
+        args.tokens,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

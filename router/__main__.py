@@ -1,0 +1,50 @@
+"""`python -m router --workers URL[,URL...]`: run the radixgate router."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from router.app import build_app
+from router.config import build_config
+from router.launcher import WorkerLauncher
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = build_config(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    launcher = None
+    if config.launch_workers:
+        launcher = WorkerLauncher(
+            config.launch_workers, config.worker_model, config.worker_args, config.redis_url
+        )
+        config.workers = config.workers + launcher.start()
+    if not config.workers:
+        logging.getLogger("radixgate.router").warning(
+            "no workers configured: add some with --workers, --launch-workers or POST /workers"
+        )
+    try:
+        uvicorn.run(
+            build_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,
+            timeout_keep_alive=30,
+        )
+    finally:
+        if launcher is not None:
+            launcher.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Per-worker circuit breaker: closed -> open after consecutive failures -> half-open probe.
+
+Only worker faults count (connect errors, timeouts, 5xx); a client's own bad input never does.
+Time is passed in (monotonic seconds) so behaviour is testable without sleeping."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class BreakerState(enum.IntEnum):
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+@dataclass
+class CircuitBreaker:
+    failure_threshold: int = 3  # consecutive failures that open the breaker
+    open_seconds: float = 5.0  # first cool-down; doubles on each failed probe up to max_open_seconds
+    max_open_seconds: float = 60.0
+    state: BreakerState = BreakerState.CLOSED
+    consecutive_failures: int = 0
+    _open_until: float = 0.0
+    _cooldown: float = 0.0
+    _probe_in_flight: bool = False
+
+    def allows(self, now: float) -> bool:
+        """May a request be sent now? In half-open state only one probe at a time passes."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.OPEN and now >= self._open_until:
+            self.state = BreakerState.HALF_OPEN
+            self._probe_in_flight = False
+        return self.state is BreakerState.HALF_OPEN and not self._probe_in_flight
+
+    def on_send(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self._probe_in_flight = True
+
+    def record_success(self) -> None:
+        self.state = BreakerState.CLOSED
+        self.consecutive_failures = 0
+        self._cooldown = 0.0
+        self._probe_in_flight = False
+
+    def record_failure(self, now: float) -> None:
+        self.consecutive_failures += 1
+        if self.state is BreakerState.HALF_OPEN:
+            self._cooldown = min(self.max_open_seconds, max(self.open_seconds, self._cooldown * 2))
+            self._open(now)
+        elif self.state is BreakerState.CLOSED and self.consecutive_failures >= self.failure_threshold:
+            self._cooldown = self.open_seconds
+            self._open(now)
+
+    def reset(self) -> None:
+        """Forget history (a worker re-added, or a fresh start of the same address)."""
+        self.record_success()
+
+    def _open(self, now: float) -> None:
+        self.state = BreakerState.OPEN
+        self._open_until = now + self._cooldown
+        self._probe_in_flight = False

@@ -1,0 +1,175 @@
+"""Router settings: one dataclass, filled from defaults < YAML (--config) < env (RADIXGATE_*) < flags.
+
+Defaults work on a laptop. Unknown YAML keys and malformed values are errors at start-up, never
+silently ignored."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+POLICY_NAMES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware")
+
+
+@dataclass
+class RouterConfig:
+    workers: list[str] = field(default_factory=list)  # worker base URLs
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "cache_aware"
+    policy_params: dict[str, Any] = field(default_factory=dict)  # see router/policies.py
+    tokenizer: str = "bytes"  # "bytes" or a directory with tokenizer.json (+ chat template)
+    block_size: int = 16  # tokens per block until workers advertise theirs (/v1/cache/info)
+    max_index_entries: int = 2_000_000  # ONE budget of (block, worker) entries for the whole index
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    breaker_failure_threshold: int = 3
+    breaker_open_s: float = 2.0
+    max_retries: int = 2  # extra workers tried on connect error / 5xx before the first byte
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0  # upstream must answer (headers) within this
+    request_timeout_s: float = 600.0  # whole request
+    max_body_bytes: int = 16 * 1024 * 1024
+    admin_token: str | None = None  # required by /workers when set
+    kv_events: str = "auto"  # auto | redis | http | off
+    redis_url: str | None = None
+    launch_workers: int = 0  # start N local workers (python -m worker) as child processes
+    worker_model: str = "tiny"  # --model for launched workers
+    worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if self.kv_events not in ("auto", "redis", "http", "off"):
+            raise ValueError("kv_events must be auto, redis, http or off")
+        if self.kv_events == "redis" and not self.redis_url:
+            raise ValueError("kv_events=redis needs redis_url")
+        for name in ("block_size", "max_index_entries", "port"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_retries < 0 or self.launch_workers < 0:
+            raise ValueError("max_retries and launch_workers must be >= 0")
+        for url in self.workers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a YAML or env value into the field's type; raises ValueError with the field name."""
+    kind = _FIELDS[name].type
+    try:
+        if kind == "list[str]":
+            if isinstance(value, str):
+                return [v.strip() for v in value.replace(",", " ").split() if v.strip()]
+            return [str(v) for v in value]
+        if kind == "dict[str, Any]":
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if not isinstance(value, dict):
+                raise TypeError("expected a mapping")
+            return value
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "str | None":
+            return None if value in (None, "") else str(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad value for {name}: {value!r} ({exc})") from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    raw = raw.get("router", raw)  # allow a file with a top-level `router:` section
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            raise ValueError(f"{path}: unknown setting {key!r}")
+        out[name] = _coerce(name, value)
+    return out
+
+
+def from_env(environ: dict[str, str]) -> dict[str, Any]:
+    out = {}
+    for name in _FIELDS:
+        value = environ.get("RADIXGATE_" + name.upper())
+        if value is not None:
+            out[name] = _coerce(name, value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m router", description="radixgate cache-aware router")
+    p.add_argument("--workers", help="comma-separated worker base URLs")
+    p.add_argument("--worker-urls", nargs="+", help="worker base URLs (sglang-router spelling)")
+    p.add_argument("--config", help="YAML settings file")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--policy", choices=POLICY_NAMES)
+    p.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy parameter, repeatable (e.g. balance_abs=4)",
+    )
+    p.add_argument("--tokenizer", help="'bytes' (default) or a directory holding tokenizer.json")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-index-entries", type=int)
+    p.add_argument("--health-interval-s", type=float)
+    p.add_argument("--max-retries", type=int)
+    p.add_argument("--request-timeout-s", type=float)
+    p.add_argument("--admin-token")
+    p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))
+    p.add_argument("--redis-url")
+    p.add_argument("--launch-workers", type=int, metavar="N", help="start N local workers")
+    p.add_argument("--model", dest="worker_model", help="model for --launch-workers (default tiny)")
+    p.add_argument(
+        "--worker-arg",
+        dest="worker_args",
+        action="append",
+        help="extra flag passed to launched workers, repeatable",
+    )
+    p.add_argument("--log-level")
+    return p
+
+
+def build_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> RouterConfig:
+    """Merge defaults < YAML < env < flags and validate. Raises ValueError / SystemExit on bad input."""
+    args = build_parser().parse_args(argv)
+    settings: dict[str, Any] = {}
+    if args.config:
+        settings.update(load_yaml(args.config))
+    settings.update(from_env(dict(os.environ) if environ is None else environ))
+    flags = {k: v for k, v in vars(args).items() if v is not None and k in _FIELDS}
+    if args.workers:
+        flags["workers"] = _coerce("workers", args.workers)
+    if args.worker_urls:
+        flags["workers"] = flags.get("workers", []) + list(args.worker_urls)
+    if args.policy_param:
+        params = dict(settings.get("policy_params", {}))
+        for item in args.policy_param:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--policy-param expects KEY=VALUE, got {item!r}")
+            params[key] = yaml.safe_load(value)
+        flags["policy_params"] = params
+    settings.update(flags)
+    config = RouterConfig(**settings)
+    config.workers = [w.rstrip("/") for w in config.workers]
+    config.validate()
+    return config

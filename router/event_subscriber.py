@@ -1,0 +1,228 @@
+"""KV events from workers into the prefix index: Redis Streams, or each worker's HTTP event stream.
+
+Every router replica reads every event (no consumer groups). Per worker it tracks (epoch, seq); on
+subscribe, on a gap and on a new epoch it re-syncs from the worker's snapshot, so a router that
+joins mid-stream still learns what was cached before it joined. Malformed batches are dropped and
+trigger a re-sync; they never stop the subscriber."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from router.kv_events import EventFormatError, KVEventBatch, decode
+from router.workers import Worker
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+log = logging.getLogger("radixgate.router.events")
+
+STREAM_PREFIX = "radixgate:kv:"  # + model name: one Redis Stream per model
+_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class _Cursor:
+    epoch: str | None = None
+    seq: int = -1
+
+
+class EventSubscriber:
+    def __init__(self, router: Router, mode: str, redis_url: str | None) -> None:
+        self._router = router
+        if mode == "auto":
+            mode = "redis" if redis_url else "http"
+        self.mode = mode
+        self._redis_url = redis_url
+        self._cursors: dict[str, _Cursor] = {}
+        self._tasks: dict[str, asyncio.Task] = {}  # worker url (http) or stream key (redis) -> reader
+        self._resyncs: set[asyncio.Task] = set()
+        self._redis = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        if self.mode == "off":
+            return
+        registry = self._router.workers
+        registry.on_added.append(self._watch)
+        registry.on_removed.append(self._unwatch)
+        if self.mode == "redis":
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(self._redis_url, socket_timeout=10, socket_connect_timeout=2)
+        for worker in registry:
+            self._watch(worker)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values()) + list(self._resyncs)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    def _watch(self, worker: Worker) -> None:
+        if self.mode == "http":
+            if worker.url not in self._tasks:
+                self._tasks[worker.url] = asyncio.get_running_loop().create_task(self._http_reader(worker))
+        elif self.mode == "redis":
+            self._ensure_redis_readers()
+            self.resync_soon(worker)
+
+    def _unwatch(self, worker: Worker) -> None:
+        self._cursors.pop(worker.url, None)
+        task = self._tasks.pop(worker.url, None)
+        if task is not None:
+            task.cancel()
+
+    # ---------------------------------------------------------------- applying
+    def _worker_for(self, name: str) -> Worker | None:
+        """Map a batch's ``worker`` field (the worker's advertised URL) to a registered worker."""
+        worker = self._router.workers.get(name.rstrip("/"))
+        if worker is not None:
+            return worker
+        for w in self._router.workers:
+            if w.cache_info is not None and w.cache_info.get("advertise_url") == name:
+                return w
+        return None
+
+    def apply(self, worker: Worker, batch: KVEventBatch) -> bool:
+        """Apply one batch in order. Returns False (and applies nothing) on a gap or new epoch."""
+        cursor = self._cursors.setdefault(worker.url, _Cursor())
+        if batch.epoch == cursor.epoch and batch.seq <= cursor.seq:
+            return True  # already covered by the snapshot we synced from
+        if batch.epoch != cursor.epoch or batch.seq != cursor.seq + 1:
+            return False
+        self._apply_batch(worker, batch)
+        cursor.seq = batch.seq
+        return True
+
+    def _apply_batch(self, worker: Worker, batch: KVEventBatch) -> None:
+        index = self._router.index
+        if batch.cleared:
+            index.clear_worker(worker.url)
+        for run in batch.stored:
+            index.apply_stored(worker.url, run.parent_hash, run.block_hashes)
+        if batch.removed:
+            index.apply_removed(worker.url, batch.removed)
+        worker.stats.kv_event_batches += 1
+
+    async def resync(self, worker: Worker) -> bool:
+        """Replace what the index holds for ``worker`` by the worker's snapshot."""
+        session = self._router.upstream.session
+        assert session is not None
+        try:
+            async with session.get(
+                worker.url + "/v1/cache/snapshot", timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
+                if resp.status != 200:
+                    return False
+                snapshot = decode(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EventFormatError) as exc:
+            log.info("snapshot of %s unavailable: %r", worker.url, exc)
+            return False
+        if self._router.workers.get(worker.url) is not worker:
+            return False
+        index = self._router.index
+        index.clear_worker(worker.url)
+        for run in snapshot.stored:
+            index.apply_stored(worker.url, run.parent_hash, run.block_hashes)
+        self._cursors[worker.url] = _Cursor(snapshot.epoch, snapshot.seq)
+        worker.stats.kv_resyncs += 1
+        log.info(
+            "re-synced %s from its snapshot (epoch %s, seq %d)", worker.url, snapshot.epoch, snapshot.seq
+        )
+        return True
+
+    def resync_soon(self, worker: Worker) -> None:
+        """Schedule a re-sync (used by the health checker when a worker restarts)."""
+        if self.mode == "off":
+            return
+        self._cursors.pop(worker.url, None)
+        task = asyncio.get_running_loop().create_task(self.resync(worker))
+        self._resyncs.add(task)
+        task.add_done_callback(self._resyncs.discard)
+
+    async def _handle(self, raw: bytes, expected: Worker | None = None) -> None:
+        try:
+            batch = decode(raw)
+        except EventFormatError as exc:
+            log.warning("dropping malformed KV event batch: %s", exc)
+            if expected is not None:
+                await self.resync(expected)
+            return
+        worker = expected or self._worker_for(batch.worker)
+        if worker is None:
+            return  # a worker this router does not route to
+        if not self.apply(worker, batch) and await self.resync(worker):
+            self.apply(worker, batch)
+
+    # ---------------------------------------------------------------- transports
+    async def _http_reader(self, worker: Worker) -> None:
+        """Follow GET /v1/cache/events (SSE); after (re)connecting, sync from the snapshot."""
+        attempt = 0
+        session = self._router.upstream.session
+        assert session is not None
+        while self._router.workers.get(worker.url) is worker:
+            try:
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=None)
+                async with session.get(worker.url + "/v1/cache/events", timeout=timeout) as resp:
+                    if resp.status == 404:
+                        log.info("%s has no KV event stream: routing on predictions only", worker.url)
+                        return
+                    if resp.status != 200:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    attempt = 0
+                    self._cursors.pop(worker.url, None)
+                    await self.resync(worker)  # after subscribing, so nothing falls between
+                    async for line in resp.content:
+                        if line.startswith(b"data:"):
+                            await self._handle(line[5:].strip(), worker)
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                log.debug("event stream of %s interrupted: %r", worker.url, exc)
+            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            attempt += 1
+
+    def _ensure_redis_readers(self) -> None:
+        for model in self._router.workers.models() or {""}:
+            key = STREAM_PREFIX + model
+            if key not in self._tasks:
+                self._tasks[key] = asyncio.get_running_loop().create_task(self._redis_reader(key))
+
+    async def _redis_reader(self, key: str) -> None:
+        """Read one model's stream from its current end; every worker was re-synced on watch."""
+        import redis.exceptions
+
+        assert self._redis is not None
+        last_id = "$"
+        attempt = 0
+        while True:
+            try:
+                if last_id == "$":
+                    newest = await self._redis.xrevrange(key, count=1)
+                    last_id = newest[0][0] if newest else "0-0"
+                reply = await self._redis.xread({key: last_id}, block=5000, count=256)
+                attempt = 0
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        raw = fields.get(b"batch")
+                        if raw is not None:
+                            await self._handle(raw)
+            except asyncio.CancelledError:
+                raise
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.warning("redis stream %s: %r", key, exc)
+                await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                attempt += 1

@@ -1,0 +1,108 @@
+"""Periodic health and load polling of every worker.
+
+A worker is routable only after a passing check. On recovery it learns the worker's models and
+cache info again; a new epoch (the worker restarted) drops what the index believed was cached."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+import orjson
+
+from router.workers import Worker
+
+if TYPE_CHECKING:
+    from router.app import Router
+
+log = logging.getLogger("radixgate.router.health")
+
+
+class HealthChecker:
+    def __init__(self, router: Router, interval_s: float, timeout_s: float) -> None:
+        self._router = router
+        self._interval = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not stop health checking for good
+                log.exception("health check round failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self._router.workers))
+
+    async def _get_json(self, url: str) -> tuple[int, object]:
+        session = self._router.upstream.session
+        assert session is not None
+        async with session.get(url, timeout=self._timeout) as resp:
+            payload = await resp.read()
+            try:
+                return resp.status, orjson.loads(payload) if payload else None
+            except orjson.JSONDecodeError:
+                return resp.status, None
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            status, body = await self._get_json(worker.url + "/health")
+            ok = status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok, body = False, None
+        if self._router.workers.get(worker.url) is not worker:
+            return  # removed while we were asking
+        if not ok:
+            if worker.healthy:
+                log.warning("worker %s failed its health check: not routable", worker.url)
+            worker.healthy = False
+            return
+        report = body if isinstance(body, dict) else {}
+        queue = report.get("running", 0), report.get("waiting", 0)
+        worker.reported_queue = float(sum(v for v in queue if isinstance(v, (int, float))))
+        epoch = report.get("epoch") if isinstance(report.get("epoch"), str) else None
+        restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
+        if not worker.healthy or restarted:
+            await self._learn(worker)
+            worker.breaker.reset()
+            log.info("worker %s is healthy%s", worker.url, " (restarted: new epoch)" if restarted else "")
+        if restarted:
+            self._router.index.clear_worker(worker.url)
+            self._router.events.resync_soon(worker)
+        if epoch is not None:
+            worker.epoch = epoch
+        worker.healthy = True
+        worker.last_check_ok_at = time.monotonic()
+
+    async def _learn(self, worker: Worker) -> None:
+        """Served models and, for radixgate workers, cache info (block size, namespace)."""
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, body = await self._get_json(worker.url + "/v1/models")
+            if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list):
+                worker.models = {
+                    m["id"] for m in body["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)
+                }
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, body = await self._get_json(worker.url + "/v1/cache/info")
+            if status == 200 and isinstance(body, dict) and isinstance(body.get("block_size"), int):
+                worker.cache_info = body
+                if body["block_size"] != self._router.block_size:
+                    log.info("block size %d advertised by %s", body["block_size"], worker.url)
+                    self._router.block_size = body["block_size"]
+                if isinstance(body.get("epoch"), str) and worker.epoch is None:
+                    worker.epoch = body["epoch"]

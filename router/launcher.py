@@ -1,0 +1,56 @@
+"""`--launch-workers N`: start N local workers (python -m worker) as child processes.
+
+The router owns their lifetime: they get free loopback ports, and are terminated (then killed
+after a grace period) when the router exits, whatever way it exits."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+import subprocess
+import sys
+
+log = logging.getLogger("radixgate.router.launcher")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WorkerLauncher:
+    def __init__(self, count: int, model: str, extra_args: list[str], redis_url: str | None) -> None:
+        self.count = count
+        self.model = model
+        self.extra_args = extra_args
+        self.redis_url = redis_url
+        self.processes: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+
+    def start(self) -> list[str]:
+        for _ in range(self.count):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "worker", "--model", self.model, "--host", "127.0.0.1"]
+            cmd += ["--port", str(port), "--advertise-url", url, *self.extra_args]
+            if self.redis_url:
+                cmd += ["--redis-url", self.redis_url]
+            log.info("starting worker: %s", " ".join(cmd))
+            self.processes.append(subprocess.Popen(cmd))
+            self.urls.append(url)
+        atexit.register(self.stop)
+        return self.urls
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.processes.clear()

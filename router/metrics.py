@@ -1,0 +1,163 @@
+"""Prometheus metrics of the router (names documented in docs/metrics.md).
+
+Per-worker counters live in router.workers.WorkerStats (one copy of each fact); this module
+exposes them at scrape time, derives hit rates from them, and owns the latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.workers import WorkerRegistry
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+class _WorkerCollector:
+    """Reads the worker registry and the prefix index when Prometheus scrapes."""
+
+    def __init__(self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]]) -> None:
+        self._workers = workers
+        self._index_size = index_size
+
+    def collect(self) -> Iterable[Metric]:
+        label = ["worker"]
+        requests = CounterMetricFamily(
+            "radixgate_worker_requests", "Requests sent to the worker", labels=label
+        )
+        errors = CounterMetricFamily(
+            "radixgate_worker_errors", "Worker faults (connect, timeout, http_5xx)", labels=["worker", "kind"]
+        )
+        retries = CounterMetricFamily(
+            "radixgate_worker_retries",
+            "Requests moved to another worker before their first byte",
+            labels=label,
+        )
+        in_flight = GaugeMetricFamily(
+            "radixgate_worker_in_flight", "Requests open to the worker", labels=label
+        )
+        load = GaugeMetricFamily("radixgate_worker_load", "Blended load used for routing", labels=label)
+        healthy = GaugeMetricFamily(
+            "radixgate_worker_healthy", "1 if the last health check passed", labels=label
+        )
+        breaker = GaugeMetricFamily(
+            "radixgate_worker_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", labels=label
+        )
+        prompt = CounterMetricFamily(
+            "radixgate_worker_prompt_tokens", "Prompt tokens routed (router's tokenizer)", labels=label
+        )
+        predicted = CounterMetricFamily(
+            "radixgate_worker_predicted_cached_tokens",
+            "Prompt tokens the index predicted cached",
+            labels=label,
+        )
+        usage_prompt = CounterMetricFamily(
+            "radixgate_worker_usage_prompt_tokens", "Prompt tokens as reported in worker usage", labels=label
+        )
+        cached = CounterMetricFamily(
+            "radixgate_worker_cached_tokens",
+            "usage.prompt_tokens_details.cached_tokens reported",
+            labels=label,
+        )
+        hit_rate = GaugeMetricFamily(
+            "radixgate_worker_hit_rate",
+            "Cumulative prefix hit rate: predicted (index) or actual (worker usage)",
+            labels=["worker", "source"],
+        )
+        events = CounterMetricFamily(
+            "radixgate_worker_kv_event_batches", "KV event batches applied", labels=label
+        )
+        resyncs = CounterMetricFamily("radixgate_worker_kv_resyncs", "Snapshot re-syncs", labels=label)
+        fleet = GaugeMetricFamily("radixgate_fleet_hit_rate", "Fleet prefix hit rate", labels=["source"])
+        totals = [0, 0, 0, 0]
+        for w in self._workers:
+            s = w.stats
+            requests.add_metric([w.url], s.requests)
+            for kind, n in s.errors.items():
+                errors.add_metric([w.url, kind], n)
+            retries.add_metric([w.url], s.retries)
+            in_flight.add_metric([w.url], w.in_flight)
+            load.add_metric([w.url], w.load)
+            healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            breaker.add_metric([w.url], int(w.breaker.state))
+            prompt.add_metric([w.url], s.prompt_tokens)
+            predicted.add_metric([w.url], s.predicted_cached_tokens)
+            usage_prompt.add_metric([w.url], s.usage_prompt_tokens)
+            cached.add_metric([w.url], s.cached_tokens)
+            hit_rate.add_metric([w.url, "predicted"], _ratio(s.predicted_cached_tokens, s.prompt_tokens))
+            hit_rate.add_metric([w.url, "actual"], _ratio(s.cached_tokens, s.usage_prompt_tokens))
+            events.add_metric([w.url], s.kv_event_batches)
+            resyncs.add_metric([w.url], s.kv_resyncs)
+            for i, v in enumerate(
+                (s.predicted_cached_tokens, s.prompt_tokens, s.cached_tokens, s.usage_prompt_tokens)
+            ):
+                totals[i] += v
+        fleet.add_metric(["predicted"], _ratio(totals[0], totals[1]))
+        fleet.add_metric(["actual"], _ratio(totals[2], totals[3]))
+        entries, nodes = self._index_size()
+        index_entries = GaugeMetricFamily(
+            "radixgate_prefix_index_entries", "(block, worker) entries held by the prefix index"
+        )
+        index_entries.add_metric([], entries)
+        index_nodes = GaugeMetricFamily(
+            "radixgate_prefix_index_blocks", "Distinct blocks held by the prefix index"
+        )
+        index_nodes.add_metric([], nodes)
+        workers_total = GaugeMetricFamily("radixgate_workers", "Registered workers")
+        workers_total.add_metric([], len(self._workers))
+        yield from (requests, errors, retries, in_flight, load, healthy, breaker, prompt, predicted)
+        yield from (
+            usage_prompt,
+            cached,
+            hit_rate,
+            events,
+            resyncs,
+            fleet,
+            index_entries,
+            index_nodes,
+            workers_total,
+        )
+
+
+class RouterMetrics:
+    """One registry per router app, so several apps in one process (tests) never collide."""
+
+    def __init__(self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_WorkerCollector(workers, index_size))
+        self.requests = Counter(
+            "radixgate_requests",
+            "Client requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "radixgate_ttft_seconds",
+            "Router-observed time to first byte of the upstream response body (streams: first chunk)",
+            ["stream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "radixgate_request_duration_seconds",
+            "Whole request as the router saw it",
+            ["stream"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.decision = Histogram(
+            "radixgate_route_decision_seconds",
+            "Tokenize + hash + index match + policy select",
+            buckets=_DECISION_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

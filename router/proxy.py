@@ -1,0 +1,151 @@
+"""Upstream calls to workers over one pooled aiohttp session: non-stream and SSE pass-through.
+
+Retries (connect error, timeout or 5xx before the first byte) go to the next best worker, bounded
+by the caller. Once a byte has reached the client a request is never retried. Every path releases
+the worker's in-flight count exactly once and reads usage (cached tokens) from the response."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from router.workers import Worker
+
+# Headers of the client request worth passing on; hop-by-hop and length headers are recomputed.
+FORWARDED_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
+
+
+class UpstreamFailure(Exception):
+    """The worker failed before sending a usable response: retry elsewhere if allowed."""
+
+    def __init__(self, kind: str, message: str, status: int = 502, body: bytes | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect | timeout | http_5xx
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def parse_usage(obj: object) -> Usage | None:
+    """usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens of a response or chunk."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = usage.get("prompt_tokens")
+    return Usage(
+        prompt_tokens=prompt if isinstance(prompt, int) else 0,
+        cached_tokens=cached if isinstance(cached, int) else 0,
+    )
+
+
+class SSEUsageScanner:
+    """Finds the usage object in an SSE byte stream without holding more than one partial line."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.usage: Usage | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._partial + chunk if self._partial else chunk
+        end = data.rfind(b"\n")
+        if end < 0:
+            self._partial = data
+            return
+        self._partial = data[end + 1 :]
+        if b'"usage"' not in data:
+            return
+        for line in data[:end].split(b"\n"):
+            if line.startswith(b"data:") and b'"usage"' in line:
+                try:
+                    found = parse_usage(orjson.loads(line[5:]))
+                except orjson.JSONDecodeError:
+                    continue
+                if found is not None:
+                    self.usage = found
+
+
+class Upstream:
+    """The pooled HTTP client to all workers."""
+
+    def __init__(
+        self, connect_timeout_s: float, first_byte_timeout_s: float, request_timeout_s: float
+    ) -> None:
+        self._connect_timeout = connect_timeout_s
+        self._first_byte_timeout = first_byte_timeout_s
+        self._request_timeout = request_timeout_s
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def open(
+        self, worker: Worker, path: str, body: bytes, headers: dict[str, str]
+    ) -> aiohttp.ClientResponse:
+        """Send the request and wait for the response headers. Raises UpstreamFailure on a worker
+        fault (the response is closed); returns the open response on any status < 500."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(
+            total=self._request_timeout,
+            sock_connect=self._connect_timeout,
+            sock_read=self._first_byte_timeout,
+        )
+        try:
+            resp = await self.session.post(worker.url + path, data=body, headers=headers, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamFailure("timeout", f"worker {worker.url} did not answer in time", 504) from None
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc!r}", 502) from None
+        if resp.status >= 500:
+            try:
+                payload = await asyncio.wait_for(resp.read(), timeout=self._connect_timeout)
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                payload = None
+            resp.close()
+            raise UpstreamFailure(
+                "http_5xx", f"worker {worker.url} answered {resp.status}", resp.status, payload
+            )
+        return resp
+
+    async def read_all(self, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.read()
+        except asyncio.TimeoutError:
+            raise UpstreamFailure(
+                "timeout", "worker stopped sending before the response ended", 504
+            ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamFailure("connect", f"worker connection lost: {exc!r}", 502) from None
+        finally:
+            resp.release()
+
+
+async def iter_stream(resp: aiohttp.ClientResponse, scanner: SSEUsageScanner) -> AsyncIterator[bytes]:
+    """Yield the upstream body chunk by chunk as it arrives (no re-framing, no buffering)."""
+    async for chunk in resp.content.iter_any():
+        scanner.feed(chunk)
+        yield chunk
+
+
+def now() -> float:
+    return time.perf_counter()
