@@ -1,0 +1,276 @@
+"""The router as a real process in front of real upstream servers (echo backends) on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+
+import httpx
+import orjson
+import pytest
+
+from tests.support import wait_until
+
+SYSTEM = "You are a meticulous assistant for the radixgate test-suite. " * 8
+
+
+def chat(user: str, system: str = SYSTEM, **extra) -> dict:
+    body = {
+        "model": "echo",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+    body.update(extra)
+    return body
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """{label-string: value} for one metric family in Prometheus text format."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, _, value = line.rpartition(" ")
+            out[key[len(name) :]] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fleet(launch_module):
+    """Three echo backends (20 ms per output token) behind one cache_aware router."""
+    backends = [
+        launch_module.echo_backend("--decode-ms-per-token", "20", "--name", f"b{i}") for i in range(3)
+    ]
+    router = launch_module.router([b.url for b in backends], "--admin-token", "s3cret")
+    return router, backends
+
+
+def test_same_long_prefix_goes_to_same_worker_and_hits(fleet):
+    router, _ = fleet
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        workers, cached = [], []
+        for i in range(6):
+            r = client.post("/v1/chat/completions", json=chat(f"question {i}", system="Tenant A. " * 40))
+            assert r.status_code == 200, r.text
+            workers.append(r.headers["x-radixgate-worker"])
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(set(workers)) == 1
+    assert cached[0] == 0
+    assert all(c >= 384 for c in cached[1:])  # the 40-sentence system prompt came from the cache
+
+
+def test_hot_prefix_spreads_under_load_and_keeps_hit_rate(fleet):
+    router, _ = fleet
+
+    async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await client.post(
+            "/v1/chat/completions", json=chat(f"q{i}", system="Hot prefix! " * 60, max_tokens=10)
+        )
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
+            await one(client, -1)  # warm: the prefix is now cached on one worker
+            return await asyncio.gather(*(one(client, i) for i in range(48)))
+
+    responses = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in responses)
+    spread = Counter(r.headers["x-radixgate-worker"] for r in responses)
+    assert len(spread) >= 2, spread  # 48 concurrent requests did not pile onto one worker
+    usage = [r.json()["usage"] for r in responses]
+    hit = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage) / sum(
+        u["prompt_tokens"] for u in usage
+    )
+    # Every worker that receives the prefix computes it once; the rest are hits.
+    misses_at_most = len(spread)
+    assert hit >= (len(responses) - misses_at_most) / len(responses) * 0.9
+
+
+def test_streaming_passes_chunks_through_as_they_arrive(launch):
+    slow = launch.echo_backend("--decode-ms-per-token", "250")
+    router = launch.router([slow.url])
+    arrivals = []
+    t0 = time.perf_counter()
+    with httpx.stream(
+        "POST",
+        router.url + "/v1/completions",
+        json={"model": "echo", "prompt": "stream me", "max_tokens": 4, "stream": True},
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for chunk in r.iter_raw():
+            arrivals.append((time.perf_counter() - t0, chunk))
+    body = b"".join(c for _, c in arrivals)
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert body.count(b'"text":"x"') == 4
+    # The backend waits 250 ms between tokens: a buffering proxy would deliver everything at the end.
+    first_token_at = next(t for t, c in arrivals if b'"text":"x"' in c)
+    assert first_token_at < arrivals[-1][0] - 0.5
+
+
+def test_round_robin_spreads_evenly(launch):
+    backends = [launch.echo_backend() for _ in range(4)]
+    router = launch.router([b.url for b in backends], "--policy", "round_robin")
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        seen = Counter(
+            client.post("/v1/completions", json={"model": "echo", "prompt": "same prompt " * 20}).headers[
+                "x-radixgate-worker"
+            ]
+            for _ in range(40)
+        )
+    assert sorted(seen.values()) == [10, 10, 10, 10]
+
+
+def test_killed_worker_is_skipped_and_no_request_hangs(launch):
+    backends = [launch.echo_backend() for _ in range(3)]
+    router = launch.router([b.url for b in backends], "--policy", "round_robin")
+    victim = backends[1]
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=20) as client:
+            statuses = []
+            for i in range(30):
+                if i == 10:
+                    victim.proc.kill()
+                    victim.proc.wait()
+                r = await client.post("/v1/completions", json={"model": "echo", "prompt": f"p{i} " * 10})
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    assert r.headers["x-radixgate-worker"] != victim.url or i < 10
+            return statuses
+
+    statuses = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    assert statuses == [200] * 30  # the dead worker's share was retried elsewhere
+    metrics = httpx.get(router.url + "/metrics").text
+    errors = metric_values(metrics, "radixgate_worker_errors_total")
+    assert any(victim.url in k and v >= 1 for k, v in errors.items())
+
+
+def test_frozen_worker_is_routed_around_and_gets_traffic_after_it_resumes(launch):
+    backends = [launch.echo_backend() for _ in range(2)]
+    router = launch.router([b.url for b in backends], "--policy", "round_robin")
+    frozen = backends[0]
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:
+
+        def frozen_unhealthy() -> bool:
+            workers = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+            return not next(w for w in workers if w["url"] == frozen.url)["healthy"]
+
+        wait_until(frozen_unhealthy, timeout=15, what="frozen worker marked unhealthy")
+        with httpx.Client(base_url=router.url, timeout=10) as client:
+            served = {
+                client.post("/v1/completions", json={"model": "echo", "prompt": f"x{i}"}).headers[
+                    "x-radixgate-worker"
+                ]
+                for i in range(10)
+            }
+        assert served == {backends[1].url}
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+
+    def traffic_returns() -> bool:
+        r = httpx.post(router.url + "/v1/completions", json={"model": "echo", "prompt": "back?"}, timeout=10)
+        return r.headers.get("x-radixgate-worker") == frozen.url
+
+    wait_until(traffic_returns, timeout=15, interval=0.2, what="traffic back to the resumed worker")
+
+
+def test_client_errors_do_not_count_against_the_worker(launch):
+    backend = launch.echo_backend()
+    router = launch.router([backend.url])
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        for _ in range(10):  # the backend rejects an empty prompt with 400
+            r = client.post("/v1/completions", json={"model": "echo", "prompt": ""})
+            assert r.status_code == 400
+        assert client.post("/v1/completions", json={"model": "echo", "prompt": "fine"}).status_code == 200
+        workers = client.get("/workers").json()["workers"]
+    assert workers[0]["breaker"] == "closed"
+    errors = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_worker_errors_total")
+    assert sum(errors.values()) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "code"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, "invalid_json"),
+        ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request"),
+        ("/v1/chat/completions", orjson.dumps({"model": "echo"}), 400, "invalid_request"),
+        ("/v1/chat/completions", orjson.dumps({"model": "echo", "messages": "hi"}), 400, "invalid_request"),
+        ("/v1/chat/completions", orjson.dumps({"model": 3, "messages": []}), 400, "invalid_type"),
+        ("/v1/completions", orjson.dumps({"model": "echo", "prompt": {"a": 1}}), 400, "invalid_request"),
+        (
+            "/v1/completions",
+            orjson.dumps({"model": "echo", "prompt": "x", "stream": "yes"}),
+            400,
+            "invalid_type",
+        ),
+        ("/v1/completions", orjson.dumps({"model": "gpt-nope", "prompt": "x"}), 404, "model_not_found"),
+        (
+            "/v1/completions",
+            b'{"model": "echo", "prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}',
+            413,
+            "body_too_large",
+        ),
+    ],
+)
+def test_bad_input_gets_openai_error_and_router_keeps_serving(fleet, path, body, status, code):
+    router, _ = fleet
+    r = httpx.post(router.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"]
+    ok = httpx.post(
+        router.url + "/v1/completions", json={"model": "echo", "prompt": "still alive"}, timeout=10
+    )
+    assert ok.status_code == 200
+
+
+def test_admin_add_and_remove_workers(fleet, launch):
+    router, backends = fleet
+    extra = launch.echo_backend()
+    auth = {"authorization": "Bearer s3cret"}
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        assert client.post("/workers", json={"url": extra.url}).status_code == 401
+        r = client.post("/workers", json={"url": extra.url}, headers=auth)
+        assert r.status_code == 201 and r.json()["healthy"] is True
+        urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}
+        assert urls == {b.url for b in backends} | {extra.url}
+        assert client.post("/workers", json={"url": "ftp://x"}, headers=auth).status_code == 400
+        assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 200
+        assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 404
+        urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}
+        assert urls == {b.url for b in backends}
+
+
+def test_debug_route_explains_without_sending(fleet):
+    router, _ = fleet
+    body = chat("explain me", system="Debug route prefix. " * 30)
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        before = client.post("/debug/route", json=body).json()
+        assert all(c["matched_tokens"] == 0 for c in before["candidates"])
+        served = client.post("/v1/chat/completions", json=body).headers["x-radixgate-worker"]
+        after = client.post("/debug/route", json=body).json()
+    assert after["worker"] == served
+    assert after["policy"] == "cache_aware" and after["reason"]
+    matched = {c["url"]: c["matched_tokens"] for c in after["candidates"]}
+    assert matched[served] >= after["prompt_tokens"] - after["block_size"]
+    assert all(v == 0 for url, v in matched.items() if url != served)
+
+
+def test_metrics_report_predicted_and_actual_hits_per_worker(fleet):
+    router, _ = fleet
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        for i in range(3):
+            assert (
+                client.post("/v1/chat/completions", json=chat(f"m{i}", system="Metrics! " * 50)).status_code
+                == 200
+            )
+        text = client.get("/metrics").text
+    cached = metric_values(text, "radixgate_worker_cached_tokens_total")
+    predicted = metric_values(text, "radixgate_worker_predicted_cached_tokens_total")
+    assert sum(cached.values()) > 0 and sum(predicted.values()) > 0
+    hit = metric_values(text, "radixgate_fleet_hit_rate")
+    assert 0 < hit['{source="actual"}'] <= 1
+    assert "radixgate_ttft_seconds_bucket" in text and "radixgate_route_decision_seconds_bucket" in text
+    assert metric_values(text, "radixgate_prefix_index_entries")[""] > 0
