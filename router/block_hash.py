@@ -29,7 +29,7 @@ def root_hash(namespace: str) -> int:
 
 
 def block_hashes(
-    token_ids: Sequence[int] | array,
+    token_ids: Sequence[int] | array | bytes,
     block_size: int,
     namespace: str = "",
     parent: int | None = None,
@@ -41,6 +41,8 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        token_ids = array("B", token_ids)  # one token per byte, not raw uint32 memory
     tokens = array("I", token_ids)  # raises OverflowError on ids outside uint32
     if sys.byteorder == "big":  # pragma: no cover - the contract is little-endian
         tokens.byteswap()
