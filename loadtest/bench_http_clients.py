@@ -1,0 +1,114 @@
+"""Which upstream HTTP client should the router use? The same minimal starlette proxy, once with
+httpx's async pool and once with aiohttp's, in front of the echo backend; closed-loop load.
+
+    python -m loadtest.bench_http_clients --concurrency 32 --requests 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import sys
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from loadtest.bench_router_overhead import run_load, start
+from router.launcher import free_port
+
+
+def proxy_app(client: str, upstream: str) -> Starlette:
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        if client == "httpx":
+            import httpx
+
+            state["c"] = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            )
+        else:
+            import aiohttp
+
+            state["c"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await state["c"].aclose() if client == "httpx" else await state["c"].close()
+
+    async def forward(request: Request) -> Response:
+        body = await request.body()
+        headers = {"content-type": "application/json"}
+        if client == "httpx":
+            r = await state["c"].post(upstream + "/v1/completions", content=body, headers=headers)
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        async with state["c"].post(upstream + "/v1/completions", data=body, headers=headers) as r:
+            payload = await r.read()
+            return Response(payload, status_code=r.status, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return Response(b"ok")
+
+    return Starlette(
+        routes=[Route("/v1/completions", forward, methods=["POST"]), Route("/health", health)],
+        lifespan=lifespan,
+    )
+
+
+def serve(client: str, upstream: str, port: int) -> None:
+    uvicorn.run(
+        proxy_app(client, upstream), host="127.0.0.1", port=port, log_level="warning", access_log=False
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--out", default="docs/benchmarks/http-clients.json")
+    p.add_argument("--serve", nargs=3, metavar=("CLIENT", "UPSTREAM", "PORT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve[0], args.serve[1], int(args.serve[2]))
+        return
+    backend_port = free_port()
+    backend = start(["-m", "loadtest.echo_backend", "--port", str(backend_port)], backend_port)
+    upstream = f"http://127.0.0.1:{backend_port}"
+    rows = {"backend alone": asyncio.run(run_load(upstream, args.concurrency, args.requests, False))}
+    try:
+        for client in ("httpx", "aiohttp"):
+            port = free_port()
+            proc = start(["-m", "loadtest.bench_http_clients", "--serve", client, upstream, str(port)], port)
+            try:
+                rows[f"proxy with {client}"] = asyncio.run(
+                    run_load(f"http://127.0.0.1:{port}", args.concurrency, args.requests, False)
+                )
+            finally:
+                proc.terminate()
+                proc.wait(timeout=15)
+    finally:
+        backend.terminate()
+        backend.wait(timeout=15)
+    result = {
+        "benchmark": "upstream-http-client",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared by client, proxy and backend",
+        "python": platform.python_version(),
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print("| setup | req/s | p50 ms | p99 ms |\n|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |", file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Router overhead: latency and throughput through the router versus straight to the backend.
+
+Starts an echo backend (loadtest/echo_backend.py, no simulated delay) and a router in front of it
+as real processes on loopback, then runs closed-loop load at several concurrencies, stream and
+non-stream, against both. Writes JSON and prints a markdown table.
+
+    python -m loadtest.bench_router_overhead --out docs/benchmarks/router-overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from router.launcher import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "You are a helpful assistant. " * 40  # ~1.1 KiB
+
+
+def start(args: list[str], port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            import urllib.request
+
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{args} did not start")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> dict:
+    """Closed loop: `concurrency` clients each send requests back to back."""
+    body = {"model": "echo", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
+    latencies: list[float] = []
+    ttfts: list[float] = []
+    errors = 0
+    remaining = requests
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client(i: int) -> None:
+            nonlocal remaining, errors
+            payload = json.dumps({**body, "prompt": f"{i} " + PROMPT}).encode()  # per-client prefix
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                async with session.post(url + "/v1/completions", data=payload) as resp:
+                    first = None
+                    async for _ in resp.content.iter_any():
+                        if first is None:
+                            first = time.perf_counter()
+                    if resp.status != 200:
+                        errors += 1
+                end = time.perf_counter()
+                latencies.append(end - t0)
+                ttfts.append((first or end) - t0)
+
+        await asyncio.gather(*(client(i) for i in range(concurrency)))  # warm-up round
+        latencies.clear()
+        ttfts.clear()
+        remaining = requests
+        t_start = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        wall = time.perf_counter() - t_start
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "req_per_s": len(latencies) / wall,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": pct(latencies, 0.99) * 1e3,
+        "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+        "ttft_p99_ms": pct(ttfts, 0.99) * 1e3,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--requests", type=int, default=2000, help="per measurement")
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--out", default="docs/benchmarks/router-overhead.json")
+    args = p.parse_args()
+    backend_port, router_port = free_port(), free_port()
+    backend = start(["-m", "loadtest.echo_backend", "--port", str(backend_port)], backend_port)
+    router = start(
+        ["-m", "router", "--port", str(router_port), "--workers", f"http://127.0.0.1:{backend_port}",
+         "--policy", args.policy, "--log-level", "warning"],
+        router_port,
+    )  # fmt: skip
+    rows = []
+    try:
+        for stream in (False, True):
+            for c in (int(x) for x in args.concurrency.split(",")):
+                direct = asyncio.run(run_load(f"http://127.0.0.1:{backend_port}", c, args.requests, stream))
+                routed = asyncio.run(run_load(f"http://127.0.0.1:{router_port}", c, args.requests, stream))
+                rows.append({"stream": stream, "concurrency": c, "direct": direct, "router": routed})
+                print(f"stream={stream} c={c}: direct {direct['p50_ms']:.2f} ms, router {routed['p50_ms']:.2f} ms",
+                      file=sys.stderr)  # fmt: skip
+    finally:
+        for proc in (router, backend):
+            proc.terminate()
+            proc.wait(timeout=15)
+    result = {
+        "benchmark": "router-overhead",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (client, router and backend share them)",
+        "python": platform.python_version(),
+        "policy": args.policy,
+        "requests_per_point": args.requests,
+        "prompt_bytes": len(PROMPT) + 4,
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print("| stream | conc | direct p50 ms | router p50 ms | added p50 ms | added p99 ms | added TTFT p50 ms |"
+          " direct req/s | router req/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d, x = r["direct"], r["router"]
+        print(
+            f"| {'yes' if r['stream'] else 'no'} | {r['concurrency']} | {d['p50_ms']:.2f} | {x['p50_ms']:.2f} | "
+            f"{x['p50_ms'] - d['p50_ms']:.2f} | {x['p99_ms'] - d['p99_ms']:.2f} | "
+            f"{x['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} | {d['req_per_s']:.0f} | {x['req_per_s']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
