@@ -1,0 +1,276 @@
+"""Routing policies: pick one worker for a request from its block hashes and the workers' loads.
+
+Pure and synchronous: no I/O, no clocks, no awaiting; the caller owns loads and health. Every
+policy reports predicted cached tokens for every candidate and a human-readable reason.
+
+Policies and parameters (``make_policy(name, index, params)``; ``describe()`` returns them):
+
+- ``round_robin``: candidates in turn. No parameters.
+- ``random``: uniform choice. ``seed`` (int | None, default None).
+- ``least_load``: power of two choices — two distinct random candidates, the lower load wins.
+  ``seed`` (int | None, default None).
+- ``prefix_hash``: consistent hashing (mmh3 ring, virtual nodes) of the first ``prefix_blocks``
+  blocks (default 8) with bounded loads: a worker whose load after taking the request would
+  exceed ceil(``load_factor`` (default 1.25) x the mean) passes the request on clockwise; if every
+  worker is over, the least loaded takes it. ``vnodes`` (default 100) points per worker.
+  Prompts shorter than one block go to the least loaded worker.
+- ``cache_aware`` (default): admissible workers are those with
+  ``load <= min_load + max(balance_abs, balance_rel x mean_load)`` (defaults 2.0 and 0.10, in
+  load units: outstanding requests); among them the longest predicted cached prefix wins; ties go
+  to the lower load, then to the highest rendezvous hash of (worker, first block) so that
+  router replicas agree where a new prefix goes. Misses therefore go to the least loaded worker,
+  never to the worker with the smallest cache. A hot prefix spreads to a second worker once its
+  holder is busier than the window, and that worker becomes a holder too (insert on route).
+
+Every policy inserts the routed prompt into the prefix index in ``on_routed`` (optimistic), so
+predicted cached tokens stay meaningful whichever policy runs; worker events correct it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import mmh3
+
+from router.prefix_index import PrefixIndex
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    url: str
+    load: float  # blended load (router in-flight + worker-reported queue), lower is better
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    block_hashes: list[int]  # chained hashes of the prompt's full blocks
+    prompt_tokens: int
+    block_size: int  # tokens per block
+
+
+@dataclass(slots=True)
+class Decision:
+    url: str
+    matched_tokens: dict[str, int]  # predicted cached tokens per candidate (every candidate, 0 if none)
+    reason: str  # why the winner won, human-readable, for /debug/route and logs
+
+
+def _h64(data: bytes) -> int:
+    return mmh3.hash128(data, 0, True, False) & _MASK64
+
+
+def _rendezvous(url: str, key: int) -> int:
+    """Highest-random-weight score of ``url`` for ``key`` (a block hash); same on every replica."""
+    return _h64(key.to_bytes(8, "little") + url.encode("utf-8"))
+
+
+def _least_loaded(candidates: Sequence[Candidate], key: int) -> Candidate:
+    """Lowest load; exact ties broken by rendezvous hash of ``key``."""
+    low = min(c.load for c in candidates)
+    tied = [c for c in candidates if c.load == low]
+    if len(tied) == 1:
+        return tied[0]
+    return max(tied, key=lambda c: _rendezvous(c.url, key))
+
+
+class Policy:
+    """Base: parameter handling, predicted cached tokens, optimistic insert on route."""
+
+    name: ClassVar[str]
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        params = dict(params or {})
+        unknown = set(params) - set(self.defaults)
+        if unknown:
+            accepted = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(
+                f"policy {self.name!r}: unknown parameter(s) {sorted(unknown)}; accepts {accepted}"
+            )
+        self.index = index
+        self.params: dict[str, Any] = {**self.defaults, **params}
+
+    def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Pick one of ``candidates`` (non-empty) for ``req``."""
+        raise NotImplementedError
+
+    def on_routed(self, req: RouteRequest, url: str) -> None:
+        """The request was sent to ``url``: optimistically record its prefix there."""
+        self.index.insert(url, req.block_hashes)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "params": dict(self.params)}
+
+    def _matched_blocks(self, req: RouteRequest, candidates: Sequence[Candidate]) -> dict[str, int]:
+        held = self.index.match(req.block_hashes) if req.block_hashes else {}
+        return {c.url: held.get(c.url, 0) for c in candidates}
+
+    @staticmethod
+    def _tokens(blocks: dict[str, int], req: RouteRequest) -> dict[str, int]:
+        return {url: n * req.block_size for url, n in blocks.items()}
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        super().__init__(index, params)
+        self._turn = 0
+
+    def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        pick = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        blocks = self._matched_blocks(req, candidates)
+        return Decision(pick.url, self._tokens(blocks, req), "round robin turn")
+
+
+class RandomChoice(Policy):
+    name = "random"
+    defaults = {"seed": None}
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        super().__init__(index, params)
+        self._rng = random.Random(self.params["seed"])
+
+    def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        pick = self._rng.choice(candidates)
+        blocks = self._matched_blocks(req, candidates)
+        return Decision(pick.url, self._tokens(blocks, req), "uniform random choice")
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+    defaults = {"seed": None}
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        super().__init__(index, params)
+        self._rng = random.Random(self.params["seed"])
+
+    def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        blocks = self._matched_blocks(req, candidates)
+        if len(candidates) == 1:
+            return Decision(candidates[0].url, self._tokens(blocks, req), "only candidate")
+        a, b = self._rng.sample(range(len(candidates)), 2)
+        first, second = candidates[a], candidates[b]
+        pick, other = (first, second) if first.load <= second.load else (second, first)
+        reason = f"power of two choices: load {pick.load:g} vs {other.load:g} on {other.url}"
+        return Decision(pick.url, self._tokens(blocks, req), reason)
+
+
+class PrefixHash(Policy):
+    name = "prefix_hash"
+    defaults = {"prefix_blocks": 8, "load_factor": 1.25, "vnodes": 100}
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        super().__init__(index, params)
+        if int(self.params["prefix_blocks"]) < 1 or int(self.params["vnodes"]) < 1:
+            raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
+        if float(self.params["load_factor"]) < 1.0:
+            raise ValueError("prefix_hash: load_factor must be >= 1.0")
+        self._ring_urls: tuple[str, ...] = ()
+        self._points: list[int] = []  # sorted ring positions (64-bit)
+        self._owners: list[str] = []  # url owning each point
+
+    def _ring(self, urls: tuple[str, ...]) -> None:
+        if urls == self._ring_urls:
+            return
+        vnodes = int(self.params["vnodes"])
+        points = sorted((_h64(f"{url}#{i}".encode()), url) for url in urls for i in range(vnodes))
+        self._points = [p for p, _ in points]
+        self._owners = [u for _, u in points]
+        self._ring_urls = urls
+
+    def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        blocks = self._matched_blocks(req, candidates)
+        if not req.block_hashes:
+            pick = _least_loaded(candidates, 0)
+            return Decision(
+                pick.url, self._tokens(blocks, req), "prompt shorter than one block: least loaded"
+            )
+        # NOTE: hashes chain, so the hash of block k-1 identifies the whole k-block leading prefix.
+        key = req.block_hashes[min(int(self.params["prefix_blocks"]), len(req.block_hashes)) - 1]
+        self._ring(tuple(sorted(c.url for c in candidates)))
+        by_url = {c.url: c for c in candidates}
+        total = sum(c.load for c in candidates)
+        # NOTE: the ceiling keeps at least one worker under the bound when loads are integers.
+        cap = math.ceil(float(self.params["load_factor"]) * (total + 1) / len(candidates))
+        start = bisect_right(self._points, key)
+        seen: set[str] = set()
+        n_points = len(self._points)
+        for i in range(n_points):
+            url = self._owners[(start + i) % n_points]
+            if url in seen:
+                continue
+            seen.add(url)
+            load = by_url[url].load
+            if load + 1 <= cap:
+                skipped = len(seen) - 1
+                why = "ring owner" if not skipped else f"ring successor #{skipped} (earlier ones over bound)"
+                reason = f"consistent hash of leading prefix: {why}, load {load:g} <= bound {cap:g}"
+                return Decision(url, self._tokens(blocks, req), reason)
+            if len(seen) == len(by_url):
+                break
+        pick = _least_loaded(candidates, key)
+        reason = f"every worker over the load bound {cap:g}: least loaded"
+        return Decision(pick.url, self._tokens(blocks, req), reason)
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+    defaults = {"balance_abs": 2.0, "balance_rel": 0.10}
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        super().__init__(index, params)
+        self._abs = float(self.params["balance_abs"])
+        self._rel = float(self.params["balance_rel"])
+        if self._abs < 0 or self._rel < 0:
+            raise ValueError("cache_aware: balance_abs and balance_rel must be >= 0")
+
+    def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        blocks = self._matched_blocks(req, candidates)
+        loads = [c.load for c in candidates]
+        min_load = min(loads)
+        window = max(self._abs, self._rel * sum(loads) / len(loads))
+        limit = min_load + window
+        admissible = [c for c in candidates if c.load <= limit]
+        best = max(admissible, key=lambda c: (blocks[c.url], -c.load))
+        top = (blocks[best.url], best.load)
+        tied = [c for c in admissible if (blocks[c.url], c.load) == top]
+        key = req.block_hashes[0] if req.block_hashes else 0
+        if len(tied) > 1:
+            best = max(tied, key=lambda c: _rendezvous(c.url, key))
+        matched = blocks[best.url] * req.block_size
+        if matched:
+            reason = f"longest cached prefix among admissible: {matched} tokens (load {best.load:g})"
+        else:
+            reason = f"no cached prefix among admissible: least loaded (load {best.load:g})"
+        if len(tied) > 1:
+            reason += f", rendezvous tie-break among {len(tied)}"
+        holder = max(candidates, key=lambda c: blocks[c.url])
+        if blocks[holder.url] > blocks[best.url]:
+            reason += (
+                f"; {holder.url} holds {blocks[holder.url] * req.block_size} tokens but its load "
+                f"{holder.load:g} is over the window {limit:g}"
+            )
+        return Decision(best.url, self._tokens(blocks, req), reason)
+
+
+_POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (RoundRobin, RandomChoice, LeastLoad, PrefixHash, CacheAware)
+}
+POLICY_NAMES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware")
+
+
+def make_policy(name: str, index: PrefixIndex, params: dict[str, Any] | None = None) -> Policy:
+    """Build the policy ``name`` over ``index``; unknown names or parameters raise ValueError."""
+    cls = _POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return cls(index, params)

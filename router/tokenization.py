@@ -1,0 +1,295 @@
+"""Prompt tokenizers shared by the router and the worker (contract 2: the same request gives the same ids).
+
+Two kinds: ``bytes`` (UTF-8 bytes, fixed chat template) and a model directory (tokenizer.json + chat
+template rendered like HF does). Must never import torch: the router imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Protocol, runtime_checkable
+
+_REPLACEMENT = "\ufffd"
+
+
+@runtime_checkable
+class PromptTokenizer(Protocol):
+    """What the router and the worker need from a tokenizer."""
+
+    name: str  # identity: equal names promise equal token ids for equal requests
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    def encode_prompt(self, prompt: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate OpenAI chat messages; returns copies whose ``content`` is a plain string.
+
+    Content may be a string, a list of ``{"type": "text", "text": ...}`` parts (joined with
+    newlines), or None for an assistant message. Anything else raises ValueError.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of message objects")
+    out: list[dict] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        if "content" not in message:
+            raise ValueError(f"messages[{i}] has no 'content'")
+        content = message["content"]
+        if content is None and role == "assistant":
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts: list[str] = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError(f"messages[{i}].content[{j}] must be a {{'type': 'text'}} part")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+                parts.append(part["text"])
+            text = "\n".join(parts)
+        else:
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({**message, "content": text})
+    return out
+
+
+class ByteTokenizer:
+    """Token id = UTF-8 byte value (0..255); special tokens follow (256 = ``<|eos|>``).
+
+    The router's default ``bytes`` mode and the built-in ``tiny`` model's tokenizer. No BOS.
+    """
+
+    EOS = 256
+    SPECIALS = ("<|eos|>",)
+
+    def __init__(self) -> None:
+        self.name = "bytes"
+        self.vocab_size = 256 + len(self.SPECIALS)
+        self.eos_token_ids = [self.EOS]
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        return list(prompt.encode("utf-8"))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The fixed plain chat template: ``<|role|>\\n{content}\\n`` per message, then the
+        generation prompt ``<|assistant|>\\n``."""
+        rendered = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in normalize_messages(messages))
+        return rendered + "<|assistant|>\n"
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return list(self.render_chat(messages).encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytearray()
+        text: list[str] = []
+        for t in token_ids:
+            t = int(t)
+            if 0 <= t < 256:
+                data.append(t)
+            elif 256 <= t < self.vocab_size:
+                if not skip_special_tokens:
+                    text.append(data.decode("utf-8", errors="replace"))
+                    data.clear()
+                    text.append(self.SPECIALS[t - 256])
+            else:
+                raise ValueError(f"token id {t} outside the byte vocabulary [0, {self.vocab_size})")
+        text.append(data.decode("utf-8", errors="replace"))
+        return "".join(text)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _find_chat_template(directory: str, config: dict) -> str | None:
+    """chat_template.jinja, chat_template.json, or tokenizer_config.json's ``chat_template``
+    (a string, or a list of named templates of which ``default`` is used)."""
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    template = _read_json(os.path.join(directory, "chat_template.json")).get("chat_template")
+    if template is None:
+        template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class HFTokenizer:
+    """A model directory's tokenizer.json (via ``tokenizers``) plus its jinja chat template."""
+
+    def __init__(self, directory: str) -> None:
+        from tokenizers import Tokenizer
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.exists(path):
+            raise ValueError(f"no tokenizer.json in {directory}")
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        self.name = f"hf:{digest[:16]}"
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        self.special_tokens: dict[str, str] = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            content = _token_content(config.get(key))
+            if content is not None:
+                self.special_tokens[key] = content
+        bos = self.special_tokens.get("bos_token")
+        self.bos_token_id = self._tok.token_to_id(bos) if bos else None
+        self._add_bos = config.get("add_bos_token")  # None: leave it to tokenizer.json's post-processor
+        eos_ids: list[int] = []
+        eos = self.special_tokens.get("eos_token")
+        if eos is not None and self._tok.token_to_id(eos) is not None:
+            eos_ids.append(self._tok.token_to_id(eos))
+        for extra in ("generation_config.json", "config.json"):
+            eos_ids += _as_id_list(_read_json(os.path.join(directory, extra)).get("eos_token_id"))
+        self.eos_token_ids = list(dict.fromkeys(eos_ids))
+        self.chat_template = _find_chat_template(directory, config)
+        self._template: Any = None
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        ids = self._tok.encode(prompt, add_special_tokens=self._add_bos is not False).ids
+        if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as text, rendered by the model's chat template like HF does."""
+        messages = normalize_messages(messages)
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        from jinja2 import TemplateError
+
+        try:
+            return self._compiled().render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
+        except TemplateError as exc:  # raise_exception() in the template: a bad conversation
+            raise ValueError(f"chat template rejected the messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
+        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+
+    def _compiled(self) -> Any:
+        if self._template is None:
+            self._template = _compile_template(self.chat_template or "")
+        return self._template
+
+
+def _compile_template(source: str) -> Any:
+    """Jinja environment as HF builds it: sandboxed, trim/lstrip blocks, loop controls,
+    ``raise_exception``, ``strftime_now`` and a non-ASCII-escaping ``tojson``."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)  # fmt: skip
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+def load_tokenizer(spec: str) -> PromptTokenizer:
+    """``"bytes"`` or a directory holding tokenizer.json (a model directory)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if os.path.isdir(spec):
+        return HFTokenizer(spec)
+    raise ValueError(f"unknown tokenizer {spec!r}: expected 'bytes' or a directory with tokenizer.json")
+
+
+class IncrementalDetokenizer:
+    """Streams text from generated ids: ``feed`` returns only newly completed text.
+
+    NOTE: trailing U+FFFD (half a UTF-8 character, or an unfinished byte-fallback sequence) is held
+    back until the character completes or ``flush`` is called. Text is decoded over a short window
+    of ids (re-anchored at clean boundaries) that starts with a few earlier ids, so tokenizers that
+    strip a leading space at the start of a decode (SentencePiece) still space words correctly.
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, prompt_ids: Sequence[int] = (), context: int = 5) -> None:
+        self._tok = tokenizer
+        self._context = max(1, context)  # ids kept before the unread ones
+        self._ids: list[int] = [int(t) for t in list(prompt_ids)[-self._context :]]
+        self._start = 0  # the window is _ids[_start:]
+        self._emitted = len(self._tok.decode(self._ids))  # chars of the window's text already out
+
+    def feed(self, new_ids: Sequence[int]) -> str:
+        self._ids.extend(int(t) for t in new_ids)
+        text = self._tok.decode(self._ids[self._start :])
+        stable = len(text.rstrip(_REPLACEMENT))
+        out = text[self._emitted : stable] if stable > self._emitted else ""
+        self._emitted = max(self._emitted, stable)
+        if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
+            # clean boundary: everything is out, so restart the window a few ids back
+            self._start = len(self._ids) - self._context
+            self._emitted = len(self._tok.decode(self._ids[self._start :]))
+        return out
+
+    def flush(self) -> str:
+        """Whatever is still held back (possibly U+FFFD for an unfinished character)."""
+        text = self._tok.decode(self._ids[self._start :])
+        out = text[self._emitted :]
+        self._emitted = len(text)
+        return out

@@ -1,0 +1,257 @@
+"""Load driver against a real OpenAI-shaped HTTP server on loopback (aiohttp.web, SSE streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections import Counter
+
+import orjson
+import pytest
+from aiohttp import web
+
+from loadtest import report
+from loadtest.driver import LoadConfig, run_load
+from loadtest.workloads import prompt_text
+
+
+class FakeOpenAI:
+    """Tiny OpenAI-compatible server that remembers what it was sent and what it answered.
+
+    Request n (1-based arrival order) fails with the first status whose divisor divides n.
+    ``hang_after``: later requests wait until shutdown. ``barrier``: each request waits until
+    that many are in flight at once (503 after ``barrier_timeout_s``).
+    """
+
+    def __init__(self, *, fail_every=None, workers=("w0", "w1", "w2"), hang_after=None, barrier=None,
+                 barrier_timeout_s=5.0, fail_marker=None):  # fmt: skip
+        self.fail_every = fail_every or {}
+        self.workers = workers
+        self.hang_after, self.barrier, self.barrier_timeout_s = hang_after, barrier, barrier_timeout_s
+        self.fail_marker = fail_marker
+        self.arrivals = 0
+        self.inflight = 0
+        self.max_inflight = 0
+        self.status_counts: Counter = Counter()
+        self.worker_counts: Counter = Counter()
+        self.prompt_total = 0
+        self.cached_total = 0
+        self.bodies: list[dict] = []
+        self.replies: dict[str, str] = {}  # messages JSON -> the reply sent for it
+        self.seen_prefixes: set[str] = set()
+        self.release = asyncio.Event()
+        self.crowd = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/v1/models", self.models)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        self.release.set()
+        self.crowd.set()
+        await self.runner.cleanup()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.arrivals += 1
+        n = self.arrivals
+        self.bodies.append(body)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            return await self._answer(request, body, n)
+        finally:
+            self.inflight -= 1
+
+    async def _answer(self, request: web.Request, body: dict, n: int) -> web.StreamResponse:
+        if self.barrier is not None:
+            if self.inflight >= self.barrier:
+                self.crowd.set()
+            try:
+                await asyncio.wait_for(self.crowd.wait(), self.barrier_timeout_s)
+            except asyncio.TimeoutError:
+                return self._error(503)
+        if self.hang_after is not None and n > self.hang_after:
+            await self.release.wait()
+        text = prompt_text(body)
+        if self.fail_marker and self.fail_marker in text:
+            return self._error(500)
+        for status, every in self.fail_every.items():
+            if n % every == 0:
+                return self._error(status)
+        prompt_tokens = len(text.encode())
+        cached = prompt_tokens // 2 if text[:48] in self.seen_prefixes else 0
+        self.seen_prefixes.add(text[:48])
+        self.prompt_total += prompt_tokens
+        self.cached_total += cached
+        self.status_counts[200] += 1
+        worker = self.workers[n % len(self.workers)] if self.workers else None
+        headers = {"x-radixgate-worker": worker} if worker else {}
+        self.worker_counts[worker or "direct"] += 1
+        pieces = [f"answer-{n} ", "is ", "here"]
+        self.replies[json.dumps(body.get("messages"))] = "".join(pieces)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
+                 "total_tokens": prompt_tokens + len(pieces),
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        chat = "messages" in body
+        if not body.get("stream"):
+            choice = {"index": 0, "finish_reason": "length"}
+            choice.update({"message": {"role": "assistant", "content": "".join(pieces)}} if chat
+                          else {"text": "".join(pieces)})  # fmt: skip
+            return web.json_response({"choices": [choice], "usage": usage}, headers=headers)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", **headers})
+        await resp.prepare(request)
+        for piece in pieces:
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def _error(self, status: int) -> web.Response:
+        self.status_counts[status] += 1
+        err = {"error": {"message": "injected", "type": "server_error", "code": status}}
+        return web.json_response(err, status=status)
+
+
+@pytest.fixture
+async def server_factory():
+    servers: list[FakeOpenAI] = []
+
+    async def make(**kw) -> FakeOpenAI:
+        s = FakeOpenAI(**kw)
+        await s.start()
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        await s.stop()
+
+
+def _config(server: FakeOpenAI, **kw) -> LoadConfig:
+    base = dict(url=server.url, workload="tenants", requests=40, max_tokens=3,
+                options={"num_tenants": 3, "system_tokens": 200, "question_tokens": 20})  # fmt: skip
+    return LoadConfig(**{**base, **kw})
+
+
+async def test_closed_loop_stream_counts_errors_workers_and_hit_rate(server_factory):
+    server = await server_factory(fail_every={429: 5, 500: 7})
+    results = await run_load(_config(server, mode="closed", concurrency=4, stream=True, label="rr"))
+    s = results.summary()
+    assert s["sent"] == 40 and server.arrivals == 40
+    assert s["ok"] == server.status_counts[200]
+    assert s["errors_by_kind"] == {
+        "http_429": server.status_counts[429],
+        "http_500": server.status_counts[500],
+    }
+    assert s["errors"] == 40 - s["ok"] > 0
+    assert s["prompt_tokens"] == server.prompt_total
+    assert s["cached_tokens"] == server.cached_total > 0
+    assert s["hit_rate"] == round(server.cached_total / server.prompt_total, 4)
+    assert s["per_worker"] == dict(server.worker_counts)
+    assert s["load_spread"] == pytest.approx(max(server.worker_counts.values()) / (s["ok"] / 3), abs=1e-3)
+    assert server.max_inflight <= 4
+    assert all(b["model"] == "fake-model" and b["stream_options"]["include_usage"] for b in server.bodies)
+    ok = [r for r in results.records if r.ok]
+    assert all(r.ttft_s is not None and r.ttft_s <= r.latency_s for r in ok)
+    assert all(r.completion_tokens == 3 for r in ok)
+
+
+async def test_non_stream_completions_without_worker_header_is_direct(server_factory):
+    server = await server_factory(workers=())
+    results = await run_load(_config(server, api="completions", requests=6, concurrency=2, model="m"))
+    s = results.summary()
+    assert s["ok"] == 6 and s["per_worker"] == {"direct": 6}
+    assert all("prompt" in b and b["model"] == "m" and "stream" not in b for b in server.bodies)
+    assert all(r.ttft_s is not None and r.ttft_s <= r.latency_s for r in results.records)
+
+
+async def test_open_loop_does_not_wait_for_responses(server_factory):
+    # Every response waits until 8 requests are in flight at once: only an open loop gets there.
+    server = await server_factory(barrier=8)
+    results = await run_load(_config(server, mode="open", rate=500.0, requests=8))
+    assert results.summary()["ok"] == 8 and server.max_inflight == 8
+
+
+async def test_closed_loop_caps_in_flight(server_factory):
+    server = await server_factory(barrier=8, barrier_timeout_s=0.3)
+    results = await run_load(_config(server, mode="closed", concurrency=2, requests=4))
+    assert results.summary()["errors_by_kind"] == {"http_503": 4}
+    assert server.max_inflight == 2
+
+
+async def test_duration_bound_cancels_in_flight_closed(server_factory):
+    server = await server_factory(hang_after=3)
+    results = await run_load(_config(server, mode="closed", concurrency=4, requests=100, duration_s=1.0))
+    s = results.summary()
+    assert s["ok"] == 3 and s["cancelled"] == 4 and s["sent"] == 7 and s["errors"] == 0
+
+
+async def test_duration_bound_open_loop_stops_sending(server_factory):
+    server = await server_factory(hang_after=0)
+    results = await run_load(_config(server, mode="open", rate=40.0, requests=1000, duration_s=0.5))
+    s = results.summary()
+    assert 0 < s["sent"] < 1000 and s["cancelled"] == s["sent"] and s["ok"] == 0
+    assert server.arrivals <= s["sent"]
+
+
+async def test_multi_turn_resends_history_with_actual_replies(server_factory):
+    server = await server_factory()
+    cfg = _config(server, workload="multi_turn", requests=9, concurrency=3, stream=True,
+                  options={"turns": 3, "think_time_s": 0.0, "system_tokens": 64, "user_tokens": 16})  # fmt: skip
+    results = await run_load(cfg)
+    assert results.summary()["ok"] == 9
+    later = [b for b in server.bodies if len(b["messages"]) > 2]
+    assert len(later) == 6
+    for b in later:
+        prefix, assistant = b["messages"][:-2], b["messages"][-2]
+        assert assistant["role"] == "assistant"
+        assert assistant["content"] == server.replies[json.dumps(prefix)]
+
+
+async def test_multi_turn_skips_turns_after_a_failed_turn(server_factory):
+    server = await server_factory(fail_marker="[1.0]")
+    cfg = _config(server, workload="multi_turn", requests=9, concurrency=2,
+                  options={"turns": 3, "think_time_s": 0.0, "system_tokens": 64, "user_tokens": 16})  # fmt: skip
+    s = (await run_load(cfg)).summary()
+    assert s["ok"] == 6 and s["errors_by_kind"] == {"http_500": 1} and s["skipped"] == 2
+
+
+async def test_cli_writes_json_markdown_plot_and_compare(server_factory, tmp_path):
+    server = await server_factory()
+    outs = []
+    for label in ("a", "b"):
+        out = tmp_path / f"{label}.json"
+        args = ["--url", server.url, "--workload", "rag", "--requests", "10", "--concurrency", "2",
+                "--stream", "--label", label, "--out", str(out), "--md", str(tmp_path / f"{label}.md"),
+                "--option", "num_docs=4", "--option", "doc_tokens=100", "--no-progress"]  # fmt: skip
+        if label == "a":
+            args += ["--plot", str(tmp_path / "a.png")]
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest.driver", *args,
+                                                    stdout=asyncio.subprocess.PIPE)  # fmt: skip
+        stdout, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0
+        assert "| ok / sent | 10 / 10 |" in stdout.decode()
+        outs.append(out)
+    loaded = report.read_json(outs[0])
+    assert loaded.summary()["ok"] == 10 and len(loaded.records) == 10
+    assert (tmp_path / "a.md").read_text().startswith("| metric | a |")
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    table = report.compare(outs, md=tmp_path / "cmp.md")
+    assert table.splitlines()[0] == "| metric | a | b |"
+    assert "| ok / sent | 10 / 10 | 10 / 10 |" in table

@@ -1,0 +1,185 @@
+"""Routing policies: spread, load awareness, consistent hashing, cache affinity under load."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter
+
+import pytest
+
+from router.block_hash import block_hashes
+from router.policies import POLICY_NAMES, Candidate, RouteRequest, make_policy
+from router.prefix_index import PrefixIndex
+
+BLOCK = 4  # tokens per block, small to keep the simulations fast
+
+
+def request(tokens: list[int]) -> RouteRequest:
+    return RouteRequest(block_hashes(tokens, BLOCK), len(tokens), BLOCK)
+
+
+def idle(urls: list[str]) -> list[Candidate]:
+    return [Candidate(u, 0.0) for u in urls]
+
+
+URLS = [f"http://w{i}" for i in range(4)]
+
+
+def test_every_policy_reports_predicted_tokens_for_every_candidate() -> None:
+    for name in POLICY_NAMES:
+        index = PrefixIndex()
+        policy = make_policy(name, index, {"seed": 1} if name in ("random", "least_load") else None)
+        req = request(list(range(40)))
+        index.insert(URLS[2], req.block_hashes[:3])
+        decision = policy.select(req, idle(URLS))
+        assert decision.url in URLS
+        assert decision.matched_tokens == {URLS[0]: 0, URLS[1]: 0, URLS[2]: 12, URLS[3]: 0}
+        assert decision.reason
+        policy.on_routed(req, decision.url)
+        assert index.match(req.block_hashes)[decision.url] == 10  # optimistic insert on route
+        assert policy.describe()["name"] == name
+
+
+def test_unknown_policy_or_parameter_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("smallest_tree", PrefixIndex())
+    with pytest.raises(ValueError, match="balance_abs"):
+        make_policy("cache_aware", PrefixIndex(), {"balance": 3})
+    assert make_policy("cache_aware", PrefixIndex()).describe()["params"] == {
+        "balance_abs": 2.0,
+        "balance_rel": 0.10,
+    }
+
+
+def test_round_robin_spreads_evenly() -> None:
+    policy = make_policy("round_robin", PrefixIndex())
+    req = request(list(range(16)))
+    counts = Counter(policy.select(req, idle(URLS)).url for _ in range(400))
+    assert counts == {u: 100 for u in URLS}
+
+
+def test_least_load_prefers_the_lighter_worker() -> None:
+    policy = make_policy("least_load", PrefixIndex(), {"seed": 3})
+    req = request(list(range(16)))
+    two = [Candidate("http://busy", 10.0), Candidate("http://free", 0.0)]
+    assert {policy.select(req, two).url for _ in range(50)} == {"http://free"}
+    three = [*two, Candidate("http://mid", 5.0)]
+    picks = Counter(policy.select(req, three).url for _ in range(300))
+    assert picks["http://busy"] == 0  # the heaviest never wins a pair
+    assert picks["http://free"] > picks["http://mid"]
+
+
+def test_prefix_hash_moves_only_about_one_nth_of_keys_when_a_worker_joins() -> None:
+    policy = make_policy("prefix_hash", PrefixIndex(), {"prefix_blocks": 2})
+    reqs = [request([k, k + 1, k + 2, k + 3, 7, 7, 7, 7, 9]) for k in range(0, 4000, 4)]
+    before = [policy.select(r, idle(URLS)).url for r in reqs]
+    assert min(Counter(before).values()) > 150  # 1000 keys over 4 workers, none starved
+    grown = [*URLS, "http://w4"]
+    after = [policy.select(r, idle(grown)).url for r in reqs]
+    moved = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert 0.1 < len(moved) / len(reqs) < 0.3  # ~1/5 expected
+    assert all(b == "http://w4" for _, b in moved)  # keys only move to the newcomer
+
+
+def test_prefix_hash_bounds_the_load_of_a_hot_prefix() -> None:
+    policy = make_policy("prefix_hash", PrefixIndex(), {"load_factor": 1.25})
+    req = request(list(range(64)))
+    loads = dict.fromkeys(URLS, 0.0)
+    for _ in range(200):  # one hot prefix, nothing completes: load only grows
+        url = policy.select(req, [Candidate(u, load) for u, load in loads.items()]).url
+        loads[url] += 1
+        mean = sum(loads.values()) / len(loads)
+        assert max(loads.values()) <= 1.25 * mean + 1
+    assert policy.select(request(list(range(64))), idle(URLS)).url == policy.select(req, idle(URLS)).url
+
+
+# ---- closed-loop simulation: load = outstanding requests ----------------------------------------
+
+
+def simulate(policy_name: str, workload: str, seed: int = 0, params: dict | None = None) -> dict[str, float]:
+    """Clients send a request, wait for it, then send the next. Service time grows with uncached
+    blocks (what the worker really holds, tracked separately) and with the worker's load."""
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    if policy_name in ("random", "least_load"):
+        params = {"seed": seed}
+    policy = make_policy(policy_name, index, params)
+    cached: dict[str, set[int]] = {u: set() for u in URLS}  # what each worker really holds
+    outstanding = dict.fromkeys(URLS, 0)
+    load_sum = dict.fromkeys(URLS, 0.0)
+    system = [rng.randrange(1000) for _ in range(32 * BLOCK)]
+    clients = 48
+    history: list[list[int]] = [[rng.randrange(1000) for _ in range(8 * BLOCK)] for _ in range(clients)]
+    last_worker: list[str | None] = [None] * clients
+    stay = moves = hot_hits = hot = miss_blocks = 0
+    hot_workers: Counter[str] = Counter()
+    events: list[tuple[float, int, str]] = []
+    now = 0.0
+
+    def send(client: int) -> None:
+        nonlocal stay, moves, hot_hits, hot, miss_blocks
+        if workload == "chat":  # the conversation's history grows every turn
+            history[client] += [rng.randrange(1000) for _ in range(rng.randrange(2, 6) * BLOCK)]
+            tokens = history[client]
+        else:  # 80% of requests share one system prompt, the rest are unique
+            is_hot = rng.random() < 0.8
+            tail = [rng.randrange(1000) for _ in range(rng.randrange(2, 6) * BLOCK)]
+            tokens = system + tail if is_hot else tail + [rng.randrange(1000) for _ in range(24 * BLOCK)]
+        req = RouteRequest(block_hashes(tokens, BLOCK), len(tokens), BLOCK)
+        decision = policy.select(req, [Candidate(u, float(outstanding[u])) for u in URLS])
+        url = decision.url
+        policy.on_routed(req, url)
+        for u in URLS:
+            load_sum[u] += outstanding[u]
+        if workload == "chat" and last_worker[client] is not None:
+            stay += last_worker[client] == url
+            moves += last_worker[client] != url
+        if workload == "hot" and is_hot:
+            hot += 1
+            hot_workers[url] += 1
+            hot_hits += decision.matched_tokens[url] >= len(system)
+        last_worker[client] = url
+        held = cached[url]
+        misses = sum(1 for h in req.block_hashes if h not in held)
+        held.update(req.block_hashes)
+        miss_blocks += misses
+        outstanding[url] += 1
+        service = (1.0 + 0.2 * misses) * (1.0 + 0.1 * outstanding[url])
+        heapq.heappush(events, (now + service, client, url))
+
+    for c in range(clients):
+        send(c)
+    for _ in range(1500):
+        now, client, url = heapq.heappop(events)
+        outstanding[url] -= 1
+        send(client)
+    mean_load = sum(load_sum.values()) / len(URLS)
+    return {
+        "imbalance": max(load_sum.values()) / mean_load,  # max/mean of time-averaged load
+        "affinity": stay / max(1, stay + moves),
+        "miss_blocks": miss_blocks,  # prefill work the fleet really did
+        "hot_workers": sum(1 for n in hot_workers.values() if n > 0.05 * hot),
+        "hot_busiest_share": max(hot_workers.values(), default=0) / max(1, hot),
+        "hot_hit_rate": hot_hits / max(1, hot),
+    }
+
+
+def test_cache_aware_keeps_conversations_on_their_worker_with_even_load() -> None:
+    aware = simulate("cache_aware", "chat")
+    assert aware["affinity"] >= 0.9
+    assert aware["imbalance"] <= 1.10
+    spread = simulate("least_load", "chat")
+    assert spread["affinity"] < 0.6  # what a load-only policy gives up
+    assert aware["miss_blocks"] < 0.5 * spread["miss_blocks"]
+
+
+def test_cache_aware_spreads_a_hot_system_prompt_instead_of_piling_it_on_one_worker() -> None:
+    aware = simulate("cache_aware", "hot")
+    assert aware["hot_workers"] >= 2
+    assert aware["hot_busiest_share"] <= 0.5
+    assert aware["imbalance"] <= 1.25
+    assert aware["hot_hit_rate"] >= 0.9  # spreading keeps the prefix cached where it goes
+    # Without the load window, affinity alone piles the hot prefix onto its first holder.
+    piled = simulate("cache_aware", "hot", params={"balance_abs": 1e9})
+    assert piled["hot_busiest_share"] > 0.9

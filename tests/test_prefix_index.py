@@ -1,0 +1,207 @@
+"""Prefix index: matching across workers, worker events, the global LRU budget, worker removal."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.block_hash import block_hashes
+from router.prefix_index import PrefixIndex
+
+
+def chain(tokens: list[int], block_size: int = 1) -> list[int]:
+    return block_hashes(tokens, block_size)
+
+
+def _holds(index: PrefixIndex, worker: str, h: int) -> bool:
+    """Whether the index holds block ``h`` for ``worker`` (a mid-chain block only matches from the root)."""
+    slot = index._slot.get(worker)
+    return slot is not None and bool(index._mask.get(h, 0) >> slot & 1)
+
+
+def test_one_match_reports_every_worker_prefix_length() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(300)))
+    lengths = {f"w{i}": (i * 7) % 300 for i in range(200)}
+    for worker, n in lengths.items():
+        index.add_worker(worker)
+        index.insert(worker, hashes[:n])
+    expected = {w: n for w, n in lengths.items() if n > 0}
+    assert index.match(hashes) == expected
+    # A prompt that diverges after block 10 matches at most 10 blocks anywhere.
+    other = chain(list(range(10)) + [9999] * 20)
+    assert index.match(other) == {w: min(n, 10) for w, n in expected.items()}
+    assert index.match(chain([12345, 1])) == {}
+    assert index.match([]) == {}
+
+
+def test_stored_event_extends_a_prefix_and_removed_event_cuts_it() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(10)))
+    index.apply_stored("a", None, hashes[:4])
+    index.apply_stored("a", hashes[3], hashes[4:8])
+    assert index.match(hashes) == {"a": 8}
+    index.apply_removed("a", hashes[6:8])
+    assert index.match(hashes) == {"a": 6}
+    # A hole ends the match even though later blocks are still held.
+    index.apply_removed("a", [hashes[2]])
+    assert index.match(hashes) == {"a": 2}
+    assert index.worker_entries("a") == 5
+    index.apply_removed("a", [123, 456])  # unknown hashes are ignored
+    index.apply_removed("nobody", hashes)
+    assert index.num_entries == 5
+
+
+def test_run_with_unknown_parent_is_recorded_and_matches_once_the_prefix_is_known() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(8)))
+    index.apply_stored("a", hashes[3], hashes[4:])  # parent never seen by this index
+    assert index.worker_entries("a") == 4
+    assert index.match(hashes) == {}
+    index.insert("a", hashes[:4])  # the prefix above becomes known (optimistic insert)
+    assert index.match(hashes) == {"a": 8}
+
+
+def test_clear_worker_forgets_only_that_worker() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(6)))
+    index.insert("a", hashes)
+    index.insert("b", hashes[:3])
+    index.clear_worker("a")
+    assert index.match(hashes) == {"b": 3}
+    assert index.worker_entries("a") == 0
+    assert index.num_entries == 3
+    index.insert("a", hashes[:2])  # still a known worker after a clear
+    assert index.match(hashes) == {"a": 2, "b": 3}
+
+
+def test_remove_worker_drops_entries_and_its_bit_is_reused_clean() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(5)))
+    for w in ("a", "b", "c"):
+        index.insert(w, hashes)
+    index.remove_worker("b")
+    assert index.num_entries == 10
+    assert index.match(hashes) == {"a": 5, "c": 5}
+    assert "b" not in index.workers
+    index.add_worker("d")  # takes b's freed bit
+    assert index._slot["d"] == 1
+    assert index.match(hashes) == {"a": 5, "c": 5}
+    index.insert("d", hashes[:2])
+    assert index.match(hashes) == {"a": 5, "c": 5, "d": 2}
+    index.remove_worker("a")
+    index.remove_worker("c")
+    index.remove_worker("d")
+    assert index.num_entries == 0 and index.num_nodes == 0
+
+
+def test_budget_evicts_leaves_before_their_ancestors() -> None:
+    index = PrefixIndex(max_entries=6)
+    first = chain([1, 2, 3, 4])
+    index.insert("a", first)
+    index.insert("b", chain([7, 8, 9]))  # 7 entries > 6: one of "a"'s must go
+    assert index.num_entries == 6
+    assert index.match(first) == {"a": 3}  # the leaf went, not the root
+    index.insert("b", chain([7, 8, 9, 10, 11]))  # two more entries over budget
+    assert index.num_entries == 6
+    assert index.match(first) == {"a": 1}
+
+
+def test_touching_a_leaf_keeps_its_ancestors_alive() -> None:
+    index = PrefixIndex(max_entries=8)
+    hashes = chain([1, 2, 3])
+    index.insert("a", hashes[:2])
+    index.insert("b", chain([5, 6, 7, 8]))
+    # The stored event touches a's run and its ancestors, so b's older entries go first.
+    index.apply_stored("a", hashes[1], hashes[2:])
+    index.insert("c", chain([9, 10]))
+    assert index.num_entries == 8
+    assert index.match(hashes) == {"a": 3}
+
+
+def test_budget_is_never_exceeded_and_prefixes_stay_closed() -> None:
+    rng = random.Random(7)
+    index = PrefixIndex(max_entries=200)
+    workers = [f"w{i}" for i in range(6)]
+    prompts = [chain([rng.randrange(4) for _ in range(rng.randrange(1, 40))]) for _ in range(60)]
+    for step in range(600):
+        worker, prompt = rng.choice(workers), rng.choice(prompts)
+        if rng.random() < 0.7:
+            index.insert(worker, prompt)
+        else:
+            # Like a worker: store the part of the prompt after what it already holds.
+            cut = min(index.match(prompt).get(worker, 0), len(prompt) - 1)
+            index.apply_stored(worker, prompt[cut - 1] if cut else None, prompt[cut:])
+        assert index.num_entries <= 200
+        assert sum(index.worker_entries(w) for w in workers) == index.num_entries
+        if step % 25 == 0:
+            # Evicting leaves first never opens a hole: every held block's parent is held too.
+            for w in workers:
+                for prompt in prompts:
+                    held = [_holds(index, w, h) for h in prompt]
+                    assert held == sorted(held, reverse=True), "a held block below an evicted one"
+
+
+def test_a_single_insert_longer_than_the_budget_keeps_its_leading_blocks() -> None:
+    index = PrefixIndex(max_entries=5)
+    hashes = chain(list(range(12)))
+    index.insert("a", hashes)
+    assert index.num_entries == 5
+    assert index.match(hashes) == {"a": 5}
+
+
+# ---- property test against a brute-force model ------------------------------------------------
+
+WORKERS = ["a", "b", "c"]
+prompts_st = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), min_size=1, max_size=5)
+op_st = st.tuples(
+    st.sampled_from(["insert", "stored", "removed", "clear", "remove_worker"]),
+    st.sampled_from(WORKERS),
+    st.integers(0, 4),  # which prompt
+    st.integers(0, 8),  # cut points
+    st.integers(0, 8),
+)
+
+
+def model_match(model: set[tuple[str, tuple[int, ...]]], tokens: list[int]) -> dict[str, int]:
+    out = {}
+    for w in WORKERS:
+        n = 0
+        while n < len(tokens) and (w, tuple(tokens[: n + 1])) in model:
+            n += 1
+        if n:
+            out[w] = n
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompts=prompts_st, ops=st.lists(op_st, max_size=30))
+def test_index_matches_a_brute_force_model(prompts: list[list[int]], ops: list[tuple]) -> None:
+    index = PrefixIndex(max_entries=10_000)  # no budget pressure
+    model: set[tuple[str, tuple[int, ...]]] = set()
+    for kind, w, which, i, j in ops:
+        tokens = prompts[which % len(prompts)]
+        hashes = chain(tokens)
+        lo, hi = sorted((min(i, len(tokens)), min(j, len(tokens))))
+        if kind == "insert":
+            index.insert(w, hashes[:hi])
+            model |= {(w, tuple(tokens[: k + 1])) for k in range(hi)}
+        elif kind == "stored":
+            index.apply_stored(w, hashes[lo - 1] if lo else None, hashes[lo:hi])
+            model |= {(w, tuple(tokens[: k + 1])) for k in range(lo, hi)}
+        elif kind == "removed":
+            index.apply_removed(w, hashes[lo:hi])
+            model -= {(w, tuple(tokens[: k + 1])) for k in range(lo, hi)}
+        elif kind == "clear":
+            index.clear_worker(w)
+            model = {e for e in model if e[0] != w}
+        else:
+            index.remove_worker(w)
+            model = {e for e in model if e[0] != w}
+        assert index.num_entries == len(model)
+        for probe in prompts:
+            assert index.match(chain(probe)) == model_match(model, probe)
+    for w in WORKERS:
+        assert index.worker_entries(w) == sum(1 for e in model if e[0] == w)

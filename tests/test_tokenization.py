@@ -1,0 +1,248 @@
+"""Prompt tokenizers (contract 2): byte mode, HF tokenizer.json + chat template (checked against
+transformers), message validation, and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.tokenization import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    load_tokenizer,
+    normalize_messages,
+)
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if loop.index0 == 0 and m['role'] == 'assistant' %}{{ raise_exception('must start with a user') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": [{"type": "text", "text": "Héllo 🙂"}, {"type": "text", "text": "twice"}]},
+]
+SAMPLE_TEXTS = [
+    "Hello world, the quick brown fox.",
+    "naïve café 東京 🙂 done",
+    " leading and  double  spaces ",
+]
+
+
+def byte_level_dir(directory: Path, generation_eos: list[int] | None = None) -> Path:
+    """GPT-2 style byte-level BPE with BOS added by the post-processor (like Llama 3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=330,
+        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(SAMPLE_TEXTS * 3, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "bos_token": {"content": "<s>", "__type": "AddedToken"},
+        "eos_token": "<|im_end|>",
+        "chat_template": TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_eos is not None:
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return directory
+
+
+def sentencepiece_dir(directory: Path) -> Path:
+    """Llama-2 style: Metaspace pieces, byte fallback for anything outside the vocabulary, and a
+    decoder that strips the leading space of a decode."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    pieces = ["▁", *"abcdefghijklmnopqrstuvwxyzTH", "▁t", "he", "▁the", "▁a", "in", "▁in"]
+    vocab |= {p: len(vocab) + i for i, p in enumerate(dict.fromkeys(pieces))}
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("i", "n"), ("▁", "in")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return byte_level_dir(tmp_path_factory.mktemp("bytelevel"), generation_eos=[2, 0])
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory) -> Path:
+    return sentencepiece_dir(tmp_path_factory.mktemp("sentencepiece"))
+
+
+# ---- bytes -------------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_ids_are_utf8_bytes():
+    tok = ByteTokenizer()
+    assert tok.name == "bytes" and tok.vocab_size == 257 and tok.eos_token_ids == [256]
+    assert tok.encode_prompt("hé") == [104, 0xC3, 0xA9]
+    assert tok.decode([*tok.encode_prompt("naïve 🙂"), 256]) == "naïve 🙂"
+    assert tok.decode([104, 256], skip_special_tokens=False) == "h<|eos|>"
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([300])
+
+
+def test_byte_chat_template_is_fixed_and_plain():
+    tok = ByteTokenizer()
+    text = "<|system|>\nYou are terse.\n<|user|>\nHéllo 🙂\ntwice\n<|assistant|>\n"
+    assert tok.render_chat(CHAT) == text
+    assert tok.encode_chat(CHAT) == list(text.encode("utf-8"))
+    assert load_tokenizer("bytes").encode_chat(CHAT) == tok.encode_chat(CHAT)
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ("hi", "non-empty list"),
+        ([], "non-empty list"),
+        (["hi"], r"messages\[0\] must be an object"),
+        ([{"content": "hi"}], r"messages\[0\].role"),
+        ([{"role": 3, "content": "hi"}], r"messages\[0\].role"),
+        ([{"role": "user"}], "has no 'content'"),
+        ([{"role": "user", "content": None}], "content must be"),
+        ([{"role": "user", "content": 5}], "content must be"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text'} part"),
+        ([{"role": "user", "content": [{"type": "text", "text": 1}]}], r"content\[0\].text"),
+    ],
+)
+def test_invalid_messages_raise_clear_errors(messages, message):
+    with pytest.raises(ValueError, match=message):
+        ByteTokenizer().encode_chat(messages)
+
+
+def test_assistant_content_may_be_null():
+    out = normalize_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}])
+    assert out[1]["content"] == ""
+
+
+# ---- HF tokenizer.json + chat template ---------------------------------------------------------
+
+
+def test_hf_tokenizer_matches_transformers(hf_dir):
+    from transformers import AutoTokenizer
+
+    ours, theirs = HFTokenizer(str(hf_dir)), AutoTokenizer.from_pretrained(hf_dir)
+    for text in SAMPLE_TEXTS:
+        assert ours.encode_prompt(text) == theirs(text).input_ids
+        assert ours.encode_prompt(text)[0] == 0  # BOS from the post-processor
+    flat = normalize_messages(CHAT)
+    rendered = theirs.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
+    assert ours.render_chat(CHAT) == rendered
+    assert ours.encode_chat(CHAT) == theirs(rendered, add_special_tokens=False).input_ids
+    ids = ours.encode_chat(CHAT)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def test_hf_identity_eos_and_loading(hf_dir, tmp_path):
+    tok = load_tokenizer(str(hf_dir))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.name.startswith("hf:") and len(tok.name) == 3 + 16
+    assert tok.name == HFTokenizer(str(hf_dir)).name
+    # eos from tokenizer_config first, then generation_config.json, no duplicates
+    assert tok.eos_token_ids == [2, 0]
+    other = byte_level_dir(tmp_path / "other")
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace("<s>", "<S>"))
+    assert HFTokenizer(str(other)).name != tok.name
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        load_tokenizer(str(tmp_path / "nowhere"))
+
+
+def test_chat_template_errors_are_value_errors(hf_dir, sp_dir):
+    tok = HFTokenizer(str(hf_dir))
+    with pytest.raises(ValueError, match="must start with a user"):
+        tok.encode_chat([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(ValueError, match="no chat template"):
+        HFTokenizer(str(sp_dir)).encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_file_takes_precedence(hf_dir, tmp_path):
+    import shutil
+
+    directory = tmp_path / "with_jinja"
+    shutil.copytree(hf_dir, directory)
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert HFTokenizer(str(directory)).render_chat([{"role": "user", "content": "x"}]) == "[x]"
+
+
+def test_sentencepiece_prompt_gets_bos_and_byte_fallback(sp_dir):
+    tok = HFTokenizer(str(sp_dir))
+    ids = tok.encode_prompt("the cat 🙂")
+    assert ids[0] == 1
+    assert tok.decode(ids) == "the cat 🙂"
+    assert len([i for i in ids if 3 <= i < 259]) == 4  # the emoji's four UTF-8 bytes
+
+
+# ---- streaming detokenization ------------------------------------------------------------------
+
+
+def stream(tok, ids, chunk: int = 1, prompt_ids=()) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    pieces = [detok.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return [*pieces, detok.flush()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40), chunk=st.integers(1, 5), prompt=st.text(max_size=8))
+def test_byte_stream_never_splits_a_character(text, chunk, prompt):
+    tok = ByteTokenizer()
+    pieces = stream(tok, tok.encode_prompt(text), chunk, prompt_ids=tok.encode_prompt(prompt))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_holds_back_half_a_character_until_complete():
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok)
+    emoji = "🙂".encode()
+    assert detok.feed([ord("a"), emoji[0]]) == "a"
+    assert detok.feed([emoji[1], emoji[2]]) == ""
+    assert detok.feed([emoji[3]]) == "🙂"
+    assert detok.feed([0xFF, ord("b")]) == "\ufffdb"  # an invalid byte is not held forever
+    assert detok.feed([0xE2]) == ""
+    assert detok.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("text", ["the cat 🙂 in the hat", " the  theta", "naïve 東京 the end"])
+def test_sentencepiece_stream_keeps_spaces_and_whole_characters(sp_dir, text):
+    tok = HFTokenizer(str(sp_dir))
+    prompt = tok.encode_prompt("in the")
+    ids = tok.encode_prompt(text)[1:]  # generated tokens carry no BOS
+    pieces = stream(tok, ids, prompt_ids=prompt)
+    assert "".join(pieces) == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_router_import_does_not_pull_in_torch():
+    code = "import sys, router.tokenization; sys.exit('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0
