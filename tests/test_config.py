@@ -34,3 +34,11 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
     cfg.write_text("polcy: cache_aware\n")
     with pytest.raises(ValueError, match="unknown setting"):
         build_config(["--config", str(cfg)], environ={})
+
+
+def test_shipped_example_config_loads():
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "router.yaml")
+    config = build_config(["--config", path], environ={})
+    assert config.policy == "cache_aware" and len(config.workers) == 2
