@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float
+) -> torch.Tensor:
     """q [n, Hq, D] attends k, v [n_prefix + n, Hkv, D]; query j sees keys 0 .. n_prefix + j."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
@@ -21,7 +23,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
     total = k.shape[0]
-    allowed = torch.arange(total).unsqueeze(0) <= (n_prefix + torch.arange(n)).unsqueeze(1)
+    allowed = torch.arange(total, device=q.device).unsqueeze(0) <= (
+        n_prefix + torch.arange(n, device=q.device)
+    ).unsqueeze(1)
     scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -34,7 +35,11 @@ class WorkerLauncher:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "worker", "--model", self.model, "--host", "127.0.0.1"]
-            cmd += ["--port", str(port), "--advertise-url", url, *self.extra_args]
+            cmd += ["--port", str(port), "--advertise-url", url]
+            if not any(a.startswith("--cpu-threads") for a in self.extra_args):
+                # CPU workers sharing one machine: split the cores instead of oversubscribing them
+                cmd += ["--cpu-threads", str(max(1, (os.cpu_count() or 1) // self.count))]
+            cmd += self.extra_args
             if self.redis_url:
                 cmd += ["--redis-url", self.redis_url]
             log.info("starting worker: %s", " ".join(cmd))

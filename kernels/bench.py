@@ -1,0 +1,376 @@
+"""`python -m kernels.bench`: Triton extend/decode attention vs torch SDPA (flash) and the GPU's own
+measured copy bandwidth and matmul rate, all in one run; JSON to --out, a table printed last.
+
+Needs CUDA: without it, it measures nothing and exits non-zero. Numbers are never estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
+EXTEND_PREFIXES = (0, 1024, 4096, 16384)  # cached prefix per request (tokens)
+EXTEND_NEWS = (256, 1024, 4096)  # new tokens per request
+EXTEND_TOKENS_PER_CALL = 16384  # batch = this // new tokens, so each call does a similar amount of work
+DECODE_BATCHES = (1, 8, 32, 128)
+DECODE_CONTEXTS = (1024, 4096, 16384, 65536)  # KV length per request (tokens)
+DECODE_MAX_TOKENS = 1 << 20  # cap on batch x context: 1M tokens x 8 heads x 128 x 2 B x 2 = 4 GiB of KV
+LONG_CONTEXT = 16384  # decode target (>= 70% of copy bandwidth) is judged at contexts >= this
+PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged allocator leaves it
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # key of DTYPES
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.finfo(DTYPES[self.dtype]).bits // 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendShape:
+    batch: int
+    prefix: int  # tokens
+    new: int  # tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    context: int  # tokens
+
+
+def extend_grid(
+    prefixes: Sequence[int] = EXTEND_PREFIXES,
+    news: Sequence[int] = EXTEND_NEWS,
+    tokens_per_call: int = EXTEND_TOKENS_PER_CALL,
+) -> list[ExtendShape]:
+    """Every (prefix, new) pair, batched so that each call carries ~tokens_per_call new tokens."""
+    return [ExtendShape(max(1, tokens_per_call // n), p, n) for p in prefixes for n in news]
+
+
+def decode_grid(
+    batches: Sequence[int] = DECODE_BATCHES,
+    contexts: Sequence[int] = DECODE_CONTEXTS,
+    max_tokens: int = DECODE_MAX_TOKENS,
+) -> list[DecodeShape]:
+    """Every (batch, context) pair whose KV (batch x context tokens) fits under max_tokens."""
+    return [DecodeShape(b, c) for b in batches for c in contexts if b * c <= max_tokens]
+
+
+def extend_flops(shape: ExtendShape, model: Model) -> int:
+    """Useful FLOPs: QK^T and PV (2 FLOP per MAC each) over the keys each query may see
+    (its prefix, then new tokens causally: query j sees prefix + j + 1 keys)."""
+    keys_per_request = shape.prefix * shape.new + shape.new * (shape.new + 1) // 2
+    return 4 * model.num_q_heads * model.head_dim * shape.batch * keys_per_request
+
+
+def decode_bytes(shape: DecodeShape, model: Model, index_bytes: int = 4) -> int:
+    """Bytes a decode call must move: each K and V row once per KV head, q in and out back, slot indices."""
+    tokens = shape.batch * shape.context
+    kv = 2 * tokens * model.num_kv_heads * model.head_dim * model.elem_bytes
+    q_and_out = 2 * shape.batch * model.num_q_heads * model.head_dim * model.elem_bytes
+    return kv + q_and_out + tokens * index_bytes
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for the default --out path)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def shuffled_slots(tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """A permutation of slots [0, tokens) made of PAGE_TOKENS-slot pages in random order (int32),
+    the layout a paged allocator leaves behind after some churn."""
+    pages = torch.randperm(math.ceil(tokens / PAGE_TOKENS), generator=generator)
+    slots = (pages[:, None] * PAGE_TOKENS + torch.arange(PAGE_TOKENS)[None, :]).reshape(-1)
+    return slots[slots < tokens].to(torch.int32)
+
+
+# ---------------------------------------------------------------- GPU-only below: nothing runs on import
+
+
+def _time_ms(fn: Callable[[], Any]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def measure_copy_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy of nbytes: (read + write) bytes / time, GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = _time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def extend_case(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
+    """(kernel_args, sdpa_args): the paged inputs of extend_attention, and the same logical attention
+    for SDPA, contiguous per request with K/V heads expanded to Hq: (q, k, v, attn_mask)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    dt, hq, hkv, d = DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
+    b, p, n = shape.batch, shape.prefix, shape.new
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device=device, dtype=dt)
+
+    q, k_new, v_new = rand(b * n, hq, d), rand(b * n, hkv, d), rand(b * n, hkv, d)
+    k_cache, v_cache = rand(max(b * p, 1), hkv, d), rand(max(b * p, 1), hkv, d)
+    kv_indices = shuffled_slots(b * p, gen).to(device)
+    qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * n
+    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * p
+    kernel_args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
+
+    def dense(cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        prefix = cache[kv_indices.long()].view(b, p, hkv, d)
+        full = torch.cat([prefix, new.view(b, n, hkv, d)], 1)
+        return full.repeat_interleave(hq // hkv, 2).transpose(1, 2)
+
+    # NOTE: lower-right causal: new token j sees all p prefix keys and new keys 0..j.
+    mask = None if p == 0 else causal_lower_right(n, p + n)
+    sdpa_args = (q.view(b, n, hq, d).transpose(1, 2), dense(k_cache, k_new), dense(v_cache, v_new), mask)
+    return kernel_args, sdpa_args
+
+
+def sdpa_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+    """SDPA over extend_case's sdpa_args, returned as [T, Hq, D] like the kernel's output."""
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])
+
+
+def decode_case(shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
+    """(kernel_args, sdpa_args): paged inputs of decode_attention, and (q, k, v) for SDPA with
+    contiguous per-request K/V keeping the native KV heads (SDPA's enable_gqa)."""
+    dt, hq, hkv, d = DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
+    b, c = shape.batch, shape.context
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device=device, dtype=dt)
+
+    q, k_cache, v_cache = rand(b, hq, d), rand(b * c, hkv, d), rand(b * c, hkv, d)
+    kv_indices = shuffled_slots(b * c, gen).to(device)
+    kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * c
+    k_dense = k_cache[kv_indices.long()].view(b, c, hkv, d).transpose(1, 2)
+    v_dense = v_cache[kv_indices.long()].view(b, c, hkv, d).transpose(1, 2)
+    return (q, k_cache, v_cache, kv_indptr, kv_indices), (q.view(b, hq, 1, d), k_dense, v_dense)
+
+
+def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over decode_case's sdpa_args (K/V may also be pre-expanded to Hq heads), as [B, Hq, D]."""
+    gqa = k.shape[1] != q.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    return out.view(q.shape[0], q.shape[1], q.shape[3])
+
+
+def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import extend_attention as ext
+
+    kernel_args, sdpa_args = extend_case(shape, model, device, gen)
+    out = torch.empty_like(kernel_args[0])
+
+    def triton_call() -> None:
+        ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out)
+
+    def sdpa_call() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return sdpa_extend(*sdpa_args)
+
+    flops = extend_flops(shape, model)
+    row: dict[str, Any] = {"batch": shape.batch, "prefix": shape.prefix, "new": shape.new, "flops": flops}
+    triton_call()
+    row["triton_ms"] = _time_ms(triton_call)
+    row["triton_tflops"] = flops / (row["triton_ms"] * 1e-3) / 1e12
+    try:
+        row["rel_err_vs_sdpa"] = _rel_err(out, sdpa_call())
+        row["sdpa_ms"] = _time_ms(sdpa_call)
+        row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
+        row["ratio_vs_sdpa"] = row["triton_tflops"] / row["sdpa_tflops"]
+    except RuntimeError as exc:  # flash backend refused the shape: say so instead of timing another backend
+        row["sdpa_error"] = str(exc).splitlines()[0][:200]
+    return row
+
+
+def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import decode_attention as dec
+
+    kernel_args, sdpa_args = decode_case(shape, model, device, gen)
+    out = torch.empty_like(kernel_args[0])
+    nbytes = decode_bytes(shape, model, kernel_args[-1].element_size())
+
+    def triton_call() -> None:
+        dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out)
+
+    def sdpa_call() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return sdpa_decode(*sdpa_args)
+
+    row: dict[str, Any] = {"batch": shape.batch, "context": shape.context, "bytes": nbytes}
+    triton_call()
+    row["triton_ms"] = _time_ms(triton_call)
+    row["triton_gbs"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
+    try:
+        try:
+            ref = sdpa_call()
+        except RuntimeError:  # flash without GQA support: expand K/V (SDPA then reads group x the bytes)
+            group = model.num_q_heads // model.num_kv_heads
+            q_s, k_s, v_s = sdpa_args
+            sdpa_args = (q_s, k_s.repeat_interleave(group, 1), v_s.repeat_interleave(group, 1))
+            row["sdpa_kv_expanded"] = True
+            ref = sdpa_call()
+        row["rel_err_vs_sdpa"] = _rel_err(out, ref)
+        row["sdpa_ms"] = _time_ms(sdpa_call)
+        row["sdpa_gbs"] = nbytes / (row["sdpa_ms"] * 1e-3) / 1e9
+    except RuntimeError as exc:
+        row["sdpa_error"] = str(exc).splitlines()[0][:200]
+    return row
+
+
+def summarize(result: dict) -> dict:
+    """Target checks: decode >= 70% of copy bandwidth at long contexts; extend >= 80% of flash SDPA."""
+    copy = result["device"]["copy_gbs"]
+    long_rows = [r for r in result["decode"] if r["context"] >= LONG_CONTEXT]
+    decode_frac = min((r["triton_gbs"] / copy for r in long_rows), default=None)
+    ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
+    extend_ratio = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+    return {
+        "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
+        "decode_target_met": None if decode_frac is None else decode_frac >= 0.70,
+        "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
+        "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
+        "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80,
+    }
+
+
+def format_table(result: dict) -> str:
+    """Plain-text table of every measured shape (the last thing the command prints)."""
+    copy, mm = result["device"]["copy_gbs"], result["device"]["matmul_tflops"]
+
+    def f(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"{'kind':<7}{'shape':<28}{'triton':>12}{'sdpa':>12}{'vs sdpa':>9}{'of peak':>9}{'err':>10}"]
+    for r in result["extend"]:
+        shape = f"b={r['batch']} prefix={r['prefix']} new={r['new']}"
+        lines.append(
+            f"{'extend':<7}{shape:<28}{f(r['triton_tflops'], '.1f') + ' TF/s':>12}"
+            f"{f(r.get('sdpa_tflops'), '.1f') + ' TF/s':>12}{f(r.get('ratio_vs_sdpa'), '.2f'):>9}"
+            f"{f(r['triton_tflops'] / mm, '.0%'):>9}{f(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
+        )
+    for r in result["decode"]:
+        shape = f"b={r['batch']} ctx={r['context']}"
+        sdpa = r.get("sdpa_gbs")
+        lines.append(
+            f"{'decode':<7}{shape:<28}{f(r['triton_gbs'], '.0f') + ' GB/s':>12}"
+            f"{f(sdpa, '.0f') + ' GB/s':>12}{f(None if sdpa is None else r['triton_gbs'] / sdpa, '.2f'):>9}"
+            f"{f(r['triton_gbs'] / copy, '.0%'):>9}{f(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
+        )
+    s = result["summary"]
+    lines.append(
+        f"device {result['device']['name']}: copy {copy:.0f} GB/s, matmul {mm:.0f} TF/s | "
+        f"decode >= {f(s['decode_min_fraction_of_copy_bw_at_long_context'], '.0%')} of copy bw at "
+        f"ctx >= {LONG_CONTEXT} (target 70%) | extend {f(s['extend_geomean_ratio_vs_sdpa_flash'], '.2f')}x "
+        "flash SDPA, geomean (target 0.80)"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default docs/benchmarks/kernels-<gpu>.json)"
+    )
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    ap.add_argument("--quick", action="store_true", help="a 2x2 subset of each grid")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "kernels.bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
+            file=sys.stderr,
+        )
+        return 2
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    model = Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    ext_shapes = extend_grid(EXTEND_PREFIXES[1:3], EXTEND_NEWS[:2]) if args.quick else extend_grid()
+    dec_shapes = decode_grid(DECODE_BATCHES[1:3], DECODE_CONTEXTS[1:3]) if args.quick else decode_grid()
+
+    import triton
+
+    started = time.time()
+    result: dict[str, Any] = {
+        "device": {
+            "name": gpu,
+            "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
+            "copy_gbs": measure_copy_gbs(device),
+            "matmul_tflops": measure_matmul_tflops(device, DTYPES[args.dtype]),
+        },
+        "software": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+        },
+        "model": dataclasses.asdict(model),
+        "timing": "triton.testing.do_bench median, L2 flushed before each run, Python launch included",
+    }
+    result["extend"] = []
+    for shape in ext_shapes:
+        result["extend"].append(bench_extend(shape, model, device, gen))
+        torch.cuda.empty_cache()  # each shape allocates its own pool; do not let them pile up
+        print(f"extend {shape}: {result['extend'][-1]['triton_tflops']:.1f} TF/s", file=sys.stderr)
+    result["decode"] = []
+    for shape in dec_shapes:
+        result["decode"].append(bench_decode(shape, model, device, gen))
+        torch.cuda.empty_cache()
+        print(f"decode {shape}: {result['decode'][-1]['triton_gbs']:.0f} GB/s", file=sys.stderr)
+    result["summary"] = summarize(result)
+    result["wall_s"] = round(time.time() - started, 1)
+    out = args.out or Path("docs/benchmarks") / f"kernels-{gpu_slug(gpu)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Triton decode attention (one query token per request) over a paged KV pool: split-K + merge.
+
+Semantics are kernels.reference.decode_attention; this module must never change them.
+Shapes (B = requests, S = slots in the pool, D = head dim):
+  q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] (one layer, fp16/bf16/fp32);
+  kv_indptr [B+1], kv_indices [nnz] (int32/int64): request i's slots, the current token's included.
+  Output [B, Hq, D] in q's dtype; a request with no slots gets zeros (as the reference does).
+Each program owns (request, KV head, split): it reads that KV head once for all Hq // Hkv query heads
+(stacked as the rows of one tl.dot), writes a partial output and its log2-sum-exp, and a second
+kernel merges the splits. Scores, softmax and accumulation in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import interpret_requested
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+_LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
+MAX_SPLITS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tile size (tokens), the shortest split worth its merge cost (tokens), launch shape."""
+
+    block_n: int
+    min_split_len: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """H100-oriented defaults; tiny tiles and splits in the interpreter so tests cross every boundary."""
+    if INTERPRETED:
+        return DecodeConfig(block_n=16, min_split_len=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return DecodeConfig(block_n=32, min_split_len=256, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None, min_split_len: int = 256
+) -> int:
+    """Most splits any request may use: enough (request, KV head, split) programs for ~2 waves of SMs,
+    never more than the longest request can fill with ``min_split_len``-token chunks.
+    NOTE: inside the kernel each request further limits itself to cdiv(len, min_split_len) splits,
+    so short requests in a long batch are not split needlessly (no host sync needed for that)."""
+    programs = max(1, batch * num_kv_heads)
+    splits = triton.cdiv(2 * num_sms, programs)
+    if max_kv_len is not None:
+        splits = min(splits, triton.cdiv(max(max_kv_len, 1), min_split_len))
+    return int(min(max(splits, 1), MAX_SPLITS))
+
+
+@triton.jit
+def _num_splits_of(kv_len, MAX_SPLIT: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+    return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), MAX_SPLIT)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K_cache,
+    V_cache,
+    kv_indptr,
+    kv_indices,
+    Mid_out,  # [B, Hq, NUM_SPLITS, D] fp32, each split normalised by its own sum
+    Mid_lse,  # [B, Hq, NUM_SPLITS] fp32, log2(sum exp2(score)) of the split; -inf when empty
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr + req).to(tl.int64)
+    kv_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
+    n_splits = _num_splits_of(kv_len, NUM_SPLITS, MIN_SPLIT_LEN)
+    if split >= n_splits:  # the merge kernel derives n_splits the same way and never reads this one
+        return
+    chunk = tl.cdiv(kv_len, n_splits)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n_lo in range(lo, hi, BLOCK_N):
+        n = n_lo + offs_n
+        mask_n = n < hi
+        slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_cache + slots[None, :] * stride_kcs + kv_head * stride_kch + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        p_lo = p.to(v.dtype)  # P@V runs at the input precision, as on the GPU
+        if DOT_FP32:
+            p_lo = p_lo.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=PRECISION)
+        m_i = m_new
+
+    # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
+    # lse = -inf and a zero partial, so the merge gives it weight 0.
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(
+        Mid_out + req * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
+        acc / l_safe[:, None],
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+    tl.store(Mid_lse + req * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Mid_out,
+    Mid_lse,
+    Out,
+    kv_indptr,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
+    n_splits = _num_splits_of(kv_len, NUM_SPLITS, MIN_SPLIT_LEN)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < n_splits
+    lse = tl.load(Mid_lse + req * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    live = mask_s & (lse > float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # no live split at all: every weight is exp2(-inf) = 0
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    part = tl.load(
+        Mid_out + req * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        Out + req * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+    max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
+    when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). Never syncs."""
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    cfg = config or default_config(d, q.dtype)
+    if num_splits is None:
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
+        num_splits = choose_num_splits(batch, hkv, sms, max_kv_len, cfg.min_split_len)
+    num_splits = int(min(max(num_splits, 1), MAX_SPLITS))
+    group = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))
+    mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    _decode_split_kernel[(batch, hkv, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        kv_indptr,
+        kv_indices,
+        mid_out,
+        mid_lse,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n,
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT_LEN=cfg.min_split_len,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _decode_merge_kernel[(batch, hq)](
+        mid_out,
+        mid_lse,
+        out,
+        kv_indptr,
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        MIN_SPLIT_LEN=cfg.min_split_len,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out

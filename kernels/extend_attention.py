@@ -1,0 +1,256 @@
+"""Triton extend (prefill with a cached prefix) attention over a paged KV pool, ragged batch in one launch.
+
+Semantics are kernels.reference.extend_attention; this module must never change them.
+Shapes (T = new tokens in the batch, B = requests, S = slots in the pool, D = head dim):
+  q [T, Hq, D]; k_new, v_new [T, Hkv, D]; k_cache, v_cache [S, Hkv, D] (one layer, fp16/bf16/fp32);
+  qo_indptr [B+1] (int32/int64): request i owns rows qo_indptr[i]:qo_indptr[i+1] of q / k_new / v_new;
+  kv_indptr [B+1], kv_indices [nnz] (int32/int64): request i's *prefix* slots, in token order.
+  Output [T, Hq, D] in q's dtype. Query head h reads KV head h // (Hq // Hkv).
+Math: scores and softmax in fp32 (exp2 with log2(e) folded into the scale), P@V accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import interpret_requested
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+_LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendConfig:
+    """Tile sizes (tokens) and launch shape for one head_dim / dtype."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
+    """H100-oriented defaults; small tiles in the interpreter so short test sequences span many tiles."""
+    if INTERPRETED:
+        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:  # twice the shared memory per tile: halve the tiles
+        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K_new,
+    V_new,
+    K_cache,
+    V_cache,
+    Out,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+):
+    head = tl.program_id(0)
+    m_block = tl.program_id(1)
+    req = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    q_len = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
+    m_lo = m_block * BLOCK_M
+    if m_lo >= q_len:  # NOTE: the grid covers the longest request; shorter ones exit here
+        return
+    prefix_start = tl.load(kv_indptr + req).to(tl.int64)
+    prefix_len = (tl.load(kv_indptr + req + 1) - prefix_start).to(tl.int32)
+
+    offs_m = m_lo + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+
+    rows = q_start + offs_m
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # NOTE: every valid row sees key 0 in the first tile it processes, so m_i is finite after one tile
+    # and masked scores (-inf) contribute exactly zero.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Stage 1: the cached prefix, gathered slot by slot; every query sees every prefix key.
+    for n_lo in range(0, prefix_len, BLOCK_N):
+        n = n_lo + offs_n
+        mask_n = n < prefix_len
+        slots = tl.load(kv_indices + prefix_start + n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_cache + slots[None, :] * stride_kcs + kv_head * stride_kch + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        p_lo = p.to(v.dtype)  # P@V runs at the input precision, as on the GPU
+        if DOT_FP32:
+            p_lo = p_lo.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=PRECISION)
+        m_i = m_new
+
+    # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j).
+    n_end = tl.minimum(q_len, m_lo + BLOCK_M)
+    for n_lo in range(0, n_end, BLOCK_N):
+        n = n_lo + offs_n
+        mask_n = n < q_len
+        k_rows = q_start + n
+        k = tl.load(
+            K_new + k_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        allowed = mask_n[None, :] & (n[None, :] <= offs_m[:, None])
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_new + k_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        p_lo = p.to(v.dtype)  # P@V runs at the input precision, as on the GPU
+        if DOT_FP32:
+            p_lo = p_lo.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padded rows only; they are not stored
+    out = acc / l_safe[:, None]
+    tl.store(
+        Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    max_extend_len: int | None = None,
+    out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+) -> torch.Tensor:
+    """See the module docstring. ``max_extend_len`` (tokens) bounds the grid; when None it is read
+    from qo_indptr, which costs one device-to-host sync. ``out`` [T, Hq, D] may be preallocated."""
+    t, hq, d = q.shape
+    hkv = k_new.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    if out is None:
+        out = torch.empty_like(q)
+    batch = qo_indptr.numel() - 1
+    if t == 0 or batch == 0:
+        return out
+    if max_extend_len is None:
+        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
+    if max_extend_len == 0:
+        return out
+    cfg = config or default_config(d, q.dtype)
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch)
+    _extend_kernel[grid](
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        out,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out

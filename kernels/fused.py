@@ -1,0 +1,164 @@
+"""Triton RMSNorm, rotary embedding (NeoX / HF-Llama halves) and KV-store into the paged pool.
+
+Semantics are kernels.reference.{rms_norm, apply_rope, store_kv}; this module must never change them.
+Shapes: x [T, H] (or [..., H]); q [T, Hq, D], k [T, Hkv, D]; positions [T] (token positions);
+cos_sin_cache [max_pos, D] with cos in [:, :D/2] and sin in [:, D/2:]; k_cache, v_cache [S, Hkv, D];
+slots [T] (pool row per token). All math in fp32, results in the input's (or the pool's) dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import interpret_requested
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+
+
+def _warps_for(elements: int) -> int:
+    return 1 if INTERPRETED else min(16, max(1, elements // 512))
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Out, stride_x, stride_o, eps, H: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
+    tl.store(Out + row * stride_o + offs, (x * inv_rms * w).to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., H] -> x / rms(x) * weight over the last dim, in x's dtype; ``out`` (contiguous, x's
+    shape) may be preallocated."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = out.view(-1, h)
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(h)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, x2.stride(0), out.stride(0), eps, H=h, BLOCK=block, num_warps=_warps_for(block)
+        )
+    return out.reshape(x.shape)
+
+
+@triton.jit
+def _rotate_heads(
+    X, Out, row, stride_xt, stride_xh, stride_ot, stride_oh, cos, sin,
+    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    src = X + row * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Q_out, K_out, positions, cos_sin_cache,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions + row).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos = tl.load(cos_sin_cache + pos * stride_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_cache + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    cos = cos[None, :]
+    sin = sin[None, :]
+    _rotate_heads(Q, Q_out, row, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
+                  NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)  # fmt: skip
+    _rotate_heads(K, K_out, row, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
+                  NUM_K_HEADS, HALF, BLOCK_HK, BLOCK_HALF)  # fmt: skip
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T]; returns new (q, k).
+    ``q_out``/``k_out`` may be preallocated (same shapes); passing q and k themselves rotates in place."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if d % 2 != 0 or cos_sin_cache.shape[-1] != d:
+        raise ValueError(f"head_dim {d} must be even and match cos_sin_cache [max_pos, {d}]")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("q, k and cos_sin_cache must be contiguous in the last dim")
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device) if q_out is None else q_out
+    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device) if k_out is None else k_out
+    if t > 0:
+        half = d // 2
+        block_half = triton.next_power_of_2(half)
+        block_hq = triton.next_power_of_2(hq)
+        _rope_kernel[(t,)](
+            q, k, q_out, k_out, positions, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+            NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half,
+            BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
+            num_warps=_warps_for(block_hq * block_half),
+        )  # fmt: skip
+    return q_out, k_out
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, K_cache, V_cache, slots,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + row).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + row * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + row * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_dst = K_cache + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    v_dst = V_cache + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(k_dst, k.to(K_cache.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(V_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write k, v [T, Hkv, D] into pool rows ``slots`` [T] of k_cache, v_cache [S, Hkv, D] (in place).
+    NOTE: slots must be distinct within one call (the pool allocator guarantees it)."""
+    t, hkv, d = k.shape
+    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+    if t == 0:
+        return
+    block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=_warps_for(block_h * block_d),
+    )  # fmt: skip

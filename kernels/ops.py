@@ -1,0 +1,124 @@
+"""Public kernel entry points: Triton on CUDA tensors (or under TRITON_INTERPRET=1), torch references otherwise.
+
+Signatures and semantics are exactly those of kernels.reference; this module must never import triton
+unless a Triton path is taken (the CPU worker may run without triton installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from kernels import interpret_requested, reference
+
+_KERNEL_MODULES = ("extend_attention", "decode_attention", "fused")
+
+
+def triton_library_interpreted() -> bool:
+    """Whether triton was imported in interpreter mode (importing it now if needed, under the current
+    TRITON_INTERPRET). Triton fixes this per process: its own @jit library functions (tl.zeros,
+    tl.cdiv, ...) are decorated once, at import, so interpreted and compiled kernels cannot mix."""
+    import triton.language.standard as tl_standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl_standard.cdiv, InterpretedFunction)
+
+
+def kernel_module(name: str, interpret: bool) -> ModuleType:
+    """The Triton module ``kernels.<name>``, checked to run interpreted (CPU) or compiled (CUDA)."""
+    if name not in _KERNEL_MODULES:
+        raise ValueError(f"unknown kernel module {name!r}; expected one of {_KERNEL_MODULES}")
+    library = triton_library_interpreted()
+    module = importlib.import_module(f"kernels.{name}")
+    if library != interpret or interpret != module.INTERPRETED:
+        want = "interpreted" if interpret else "compiled"
+        raise RuntimeError(
+            f"{want} Triton kernels requested, but this process imported triton "
+            f"{'interpreted' if library else 'compiled'} and kernels.{name} "
+            f"{'interpreted' if module.INTERPRETED else 'compiled'}; TRITON_INTERPRET must be set "
+            "(or unset) before triton and kernels.* are first imported"
+        )
+    return module
+
+
+def _triton_mode(x: torch.Tensor) -> bool | None:
+    """None: use the reference. Otherwise whether to run Triton interpreted (True) or compiled."""
+    interpret = interpret_requested()
+    if not (x.is_cuda or interpret):
+        return None
+    if importlib.util.find_spec("triton") is None:
+        if x.is_cuda:
+            raise RuntimeError("CUDA tensors need triton installed (pip install 'radixgate[worker]')")
+        return None
+    return interpret
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Prefill with a cached prefix; see kernels.reference.extend_attention."""
+    mode = _triton_mode(q)
+    if mode is None:
+        return reference.extend_attention(
+            q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale
+        )
+    return kernel_module("extend_attention", mode).extend_attention(
+        q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """One query token per request; see kernels.reference.decode_attention."""
+    mode = _triton_mode(q)
+    if mode is None:
+        return reference.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale)
+    return kernel_module("decode_attention", mode).decode_attention(
+        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """See kernels.reference.rms_norm."""
+    mode = _triton_mode(x)
+    if mode is None:
+        return reference.rms_norm(x, weight, eps)
+    return kernel_module("fused", mode).rms_norm(x, weight, eps)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.apply_rope."""
+    mode = _triton_mode(q)
+    if mode is None:
+        return reference.apply_rope(q, k, positions, cos_sin_cache)
+    return kernel_module("fused", mode).apply_rope(q, k, positions, cos_sin_cache)
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """See kernels.reference.store_kv."""
+    mode = _triton_mode(k)
+    if mode is None:
+        reference.store_kv(k_cache, v_cache, slots, k, v)
+        return
+    kernel_module("fused", mode).store_kv(k_cache, v_cache, slots, k, v)

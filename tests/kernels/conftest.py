@@ -1,0 +1,100 @@
+"""Kernel test backends: Triton's CPU interpreter (no GPU) or compiled Triton on CUDA (GPU present).
+
+Triton fixes interpreted-vs-compiled per process at import, so this file imports triton and the kernel
+modules once under TRITON_INTERPRET=1 when there is no GPU, then restores the environment: other
+test files and any child process they start never see the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+import torch
+
+from kernels import interpret_requested, ops
+
+_KERNEL_MODULES = ("kernels.extend_attention", "kernels.decode_attention", "kernels.fused")
+
+
+def _prepare_interpreter() -> str | None:
+    """Import triton and the kernels interpreted when possible; return why not otherwise."""
+    if interpret_requested():  # the caller asked for the interpreter for the whole run
+        return None
+    if torch.cuda.is_available():
+        return "CUDA present: this run tests compiled kernels (TRITON_INTERPRET=1 tests the interpreter)"
+    already = [m for m in ("triton", *_KERNEL_MODULES) if m in sys.modules]
+    if already:
+        return f"{already} imported compiled before tests/kernels; run tests/kernels in its own process"
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        # imported lazily on first launch otherwise, and it checks the interpreter setting it sees then
+        with contextlib.suppress(ImportError):
+            import triton.experimental.gluon  # noqa: F401
+        for name in _KERNEL_MODULES:
+            __import__(name)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return None
+
+
+INTERPRETER_UNAVAILABLE = _prepare_interpreter()
+CUDA_UNAVAILABLE = (
+    "no CUDA device"
+    if not torch.cuda.is_available()
+    else ("TRITON_INTERPRET=1: kernels are interpreted in this run" if interpret_requested() else None)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """Where a kernel test runs: device for the tensors, and the matching kernel modules."""
+
+    name: str
+    device: torch.device
+    interpret: bool
+
+    def module(self, name: str) -> ModuleType:
+        return ops.kernel_module(name, self.interpret)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@pytest.fixture(params=["interpret", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    if request.param == "interpret":
+        if INTERPRETER_UNAVAILABLE:
+            pytest.skip(INTERPRETER_UNAVAILABLE)
+        return Backend("interpret", torch.device("cpu"), interpret=True)
+    if CUDA_UNAVAILABLE:
+        pytest.skip(CUDA_UNAVAILABLE)
+    return Backend("cuda", torch.device("cuda"), interpret=False)
+
+
+# ||out - ref|| / ||ref|| bounds: a missing key, a wrong mask or a wrong head is > 5e-2.
+REL_TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def assert_close_rel() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        out_f, ref_f = out.detach().float().cpu(), ref.detach().float().cpu()
+        assert torch.isfinite(out_f).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+        err = ((out_f - ref_f).norm() / ref_f.norm().clamp_min(1e-30)).item()
+        assert err <= REL_TOL[ref.dtype], f"relative error {err:.2e} > {REL_TOL[ref.dtype]:.0e} ({ref.dtype})"
+
+    return check

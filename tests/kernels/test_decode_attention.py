@@ -1,0 +1,85 @@
+"""Triton split-K decode attention vs kernels.reference.decode_attention on paged, GQA batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+
+CASES = [
+    (torch.float32, 64, 4, 4),
+    (torch.float32, 128, 8, 1),
+    (torch.float16, 128, 8, 2),
+    (torch.float16, 64, 8, 1),
+    (torch.bfloat16, 64, 2, 2),
+    (torch.bfloat16, 128, 16, 2),
+]
+KV_LENS = [1, 2, 17, 50, 33]  # tokens per request, the current token's slot included
+
+
+def make_batch(kv_lens, hq, hkv, d, dtype, device, seed=0):
+    """Random inputs; pool slots no request references hold NaN, so a stray read fails."""
+    g = torch.Generator().manual_seed(seed)
+    used = sum(kv_lens)
+    pool = used + 29
+    k_cache = torch.full((pool, hkv, d), float("nan"))
+    v_cache = torch.full((pool, hkv, d), float("nan"))
+    slots = torch.randperm(pool, generator=g)[:used]
+    k_cache[slots] = torch.randn(used, hkv, d, generator=g)
+    v_cache[slots] = torch.randn(used, hkv, d, generator=g)
+    q = torch.randn(len(kv_lens), hq, d, generator=g)
+    kvp = torch.tensor([0, *kv_lens]).cumsum(0)
+    to = dict(device=device, dtype=dtype)
+    ix = dict(device=device, dtype=torch.int32)
+    return q.to(**to), k_cache.to(**to), v_cache.to(**to), kvp.to(**ix), slots.to(**ix)
+
+
+def reference_on_cpu(args, sm_scale=None):
+    return reference.decode_attention(*(a.cpu() for a in args), sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits):
+    dec = backend.module("decode_attention")
+    lens = KV_LENS if not backend.is_cuda else [n * 97 for n in KV_LENS]
+    args = make_batch(lens, hq, hkv, head_dim, dtype, backend.device)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: any head the kernel skips fails
+    dec.decode_attention(*args, num_splits=num_splits, out=out)
+    assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+def test_decode_default_split_choice_and_sm_scale(backend, assert_close_rel):
+    dec = backend.module("decode_attention")
+    lens = [3, 64, 40] if not backend.is_cuda else [3, 6400, 40000]
+    args = make_batch(lens, 8, 2, 128, torch.float16, backend.device)
+    assert_close_rel(dec.decode_attention(*args, sm_scale=0.2).cpu(), reference_on_cpu(args, sm_scale=0.2))
+
+
+def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel):
+    """With 1-token splits, a 5-token request cut into 4 splits of 2 leaves the last split empty;
+    a request with no slots must come out as zeros, like the reference."""
+    dec = backend.module("decode_attention")
+    cfg = dec.DecodeConfig(block_n=16, min_split_len=1, num_warps=4, num_stages=1)
+    args = make_batch([5, 0, 9], 4, 1, 64, torch.float32, backend.device)
+    out = torch.full_like(args[0], float("nan"))
+    dec.decode_attention(*args, num_splits=4, config=cfg, out=out)
+    ref = reference_on_cpu(args)
+    assert torch.equal(out[1].cpu(), torch.zeros_like(ref[1]))
+    assert_close_rel(out.cpu(), ref)
+
+
+@pytest.mark.parametrize(
+    ("batch", "hkv", "sms", "max_len", "expected"),
+    [
+        (1, 8, 132, None, 33),  # one long request: split until ~2 programs per SM
+        (1, 8, 132, 1000, 4),  # ... but never into chunks shorter than 256 tokens
+        (256, 8, 132, 32768, 1),  # a big batch fills the GPU without splitting
+        (1, 1, 132, None, 64),  # capped at MAX_SPLITS
+        (4, 8, 132, 0, 1),
+    ],
+)
+def test_choose_num_splits(backend, batch, hkv, sms, max_len, expected):
+    dec = backend.module("decode_attention")
+    assert dec.choose_num_splits(batch, hkv, sms, max_len, min_split_len=256) == expected

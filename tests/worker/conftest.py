@@ -1,0 +1,135 @@
+"""Small random HF checkpoints (transformers models saved with save_pretrained) plus a tokenizer.
+
+Session-scoped so every worker test can reuse them; each fixture returns the directory path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CHATML_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}"
+    "{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Cache-aware routing sends shared prefixes to the worker that already holds them.",
+    "You are a helpful assistant. Answer briefly and accurately.",
+    "Paged attention stores keys and values in fixed-size pages of tokens.",
+    "Héllo wörld — naïve café, 東京, emoji 🙂 and numbers 0123456789.",
+]
+
+
+def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
+    """A byte-level BPE tokenizer.json (+ tokenizer_config.json with a chat template); returns
+    its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if add_bos:
+        bos = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<unk>",
+        "chat_template": CHATML_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
+    """A tiny random transformers model of ``model_type`` ("llama" or "qwen2") saved as safetensors."""
+    import torch
+    import transformers
+
+    vocab = write_tokenizer(directory, add_bos=model_type == "llama")
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.2,  # large enough that logits differ clearly between tokens
+        "bos_token_id": 1,
+        "eos_token_id": 4,
+    }
+    common.update(overrides)
+    if model_type == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(1234)
+    model = cls(config).float().eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with GQA (4 heads, 2 KV heads), untied embeddings, BOS added to prompts."""
+    return save_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2: q/k/v biases, tied embeddings, no BOS."""
+    return save_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def llama3_scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 3 style: rope_theta 500000 with llama3 rope scaling, head_dim 32."""
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return save_checkpoint(
+        tmp_path_factory.mktemp("llama3"),
+        "llama",
+        rope_scaling=scaling,
+        rope_theta=500000.0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+
+
+@pytest.fixture(scope="session")
+def sharded_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The llama fixture's architecture split over several safetensors shards (with an index)."""
+    return save_checkpoint(tmp_path_factory.mktemp("sharded"), "llama", max_shard_size="100KB")

@@ -1,0 +1,152 @@
+"""Engine with the tiny model on CPU: cached, batched and chunked runs give the same greedy tokens;
+stop strings; a small KV pool queues requests; aborts and failed forwards release every page."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from worker.config import WorkerConfig
+from worker.engine import Engine, build_engine
+from worker.sampling import SamplingParams
+
+SHARED = "System: you are a terse assistant that answers in one line. Context: " * 3  # ~210 tokens
+
+
+def make_engine(**overrides) -> Engine:
+    cfg = WorkerConfig(**{"model": "tiny", "device": "cpu", "kv_cache_tokens": 8192, **overrides})
+    engine = build_engine(cfg)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = make_engine()
+    yield eng
+    eng.stop()
+
+
+async def generate(engine: Engine, prompt: str, max_tokens: int = 8, **params):
+    """(text, token ids, last output) of one greedy request."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    handle = engine.submit(engine.tokenizer.encode_prompt(prompt), sp)
+    text, tokens = [], []
+    while True:
+        out = await asyncio.wait_for(handle.outputs.get(), 60)
+        assert out.error is None, out.error
+        text.append(out.text)
+        tokens += out.token_ids
+        if out.finish_reason is not None:
+            return "".join(text), tokens, out
+
+
+async def idle(engine: Engine, deadline_s: float = 10.0) -> None:
+    """Wait until no request holds a page; assert nothing leaked."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        snap = engine.snapshot()
+        if snap.running == 0 and snap.waiting == 0 and snap.kv_pages_active == 0:
+            break
+        await asyncio.sleep(0.01)
+    snap = engine.snapshot()
+    assert (snap.running, snap.waiting, snap.kv_pages_active) == (0, 0, 0)
+    assert snap.kv_pages_free + snap.kv_pages_cached == snap.kv_pages_total
+
+
+async def test_cached_prefix_gives_the_same_greedy_tokens(engine):
+    await engine.flush_cache()
+    question = SHARED + "Question: what is the capital of France?"
+    _, cold, out_cold = await generate(engine, question, 12)
+    assert out_cold.cached_tokens == 0
+    await engine.flush_cache()
+    await generate(engine, SHARED + "Question: unrelated warm-up", 2)
+    _, warm, out_warm = await generate(engine, question, 12)
+    assert out_warm.cached_tokens >= 192  # the shared system prompt's full pages
+    assert warm == cold
+    await idle(engine)
+
+
+async def test_batch_gives_the_same_tokens_as_one_by_one(engine):
+    prompts = [f"Request {i}: {'abc' * (i + 3)} tell me more" for i in range(5)]
+    await engine.flush_cache()
+    alone = [(await generate(engine, p, 10))[1] for p in prompts]
+    await engine.flush_cache()
+    together = await asyncio.gather(*(generate(engine, p, 10) for p in prompts))
+    assert [t[1] for t in together] == alone
+    await idle(engine)
+
+
+async def test_chunked_prefill_gives_the_same_tokens():
+    chunked = make_engine(chunked_prefill_tokens=32)
+    try:
+        prompt = SHARED + "Question: and Germany?"
+        _, tokens, out = await generate(chunked, prompt, 10)
+        assert chunked.scheduler.stats.prefill_tokens == out.prompt_tokens
+    finally:
+        chunked.stop()
+    whole = make_engine(chunked_prefill_tokens=4096)
+    try:
+        assert (await generate(whole, prompt, 10))[1] == tokens
+    finally:
+        whole.stop()
+
+
+async def test_stop_string_and_max_tokens(engine):
+    prompt = "Stop strings end the text: "
+    text, _, out = await generate(engine, prompt, 20)
+    assert out.finish_reason == "length" and out.completion_tokens == 20
+    stop = text[5:7]
+    assert stop and stop in text
+    cut, _, out = await generate(engine, prompt, 20, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert cut == text[: text.index(stop)]
+    await idle(engine)
+
+
+async def test_small_kv_pool_queues_requests_and_all_complete():
+    # 16 pages of 16 tokens; each request may need 80 + 60 tokens = 9 pages.
+    small = make_engine(kv_cache_tokens=256, decode_reserve_tokens=8)
+    try:
+        prompts = [f"{i:02d} " + "x" * 77 for i in range(6)]
+        results = await asyncio.gather(*(generate(small, p, 60, ignore_eos=True) for p in prompts))
+        assert all(out.finish_reason == "length" and out.completion_tokens == 60 for _, _, out in results)
+        assert small.snapshot().finished.get("length") == 6
+        await idle(small)
+    finally:
+        small.stop()
+
+
+async def test_abort_releases_pages(engine):
+    sp = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    handle = engine.submit(engine.tokenizer.encode_prompt(SHARED + "a long answer please"), sp)
+    await asyncio.wait_for(handle.outputs.get(), 30)  # it is decoding now
+    assert engine.snapshot().kv_pages_active > 0
+    engine.abort(handle.rid)
+    await idle(engine)
+    assert engine.snapshot().finished.get("abort", 0) >= 1
+
+
+async def test_failed_forward_fails_its_requests_and_the_engine_keeps_serving(engine):
+    real = engine.executor.run
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device error")
+        return real(batch)
+
+    engine.executor.run = flaky
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=4)
+        handle = engine.submit(engine.tokenizer.encode_prompt("this one fails"), sp)
+        out = await asyncio.wait_for(handle.outputs.get(), 30)
+        assert out.finish_reason == "error" and out.error_status == 500
+        _, _, ok = await generate(engine, "this one works", 4)
+        assert ok.finish_reason == "length"
+    finally:
+        engine.executor.run = real
+    await idle(engine)

@@ -1,0 +1,177 @@
+"""KV publisher: numbered batches, a real Redis Stream whose events replay to the worker's snapshot,
+Redis outages that drop (and count) instead of blocking, slow SSE subscribers cut off."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from router.kv_events import StoredBlocks, decode
+from worker.kv_publisher import KVPublisher, stream_name
+
+REDIS = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port, socket_timeout=1)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    if REDIS is None:
+        pytest.skip("redis-server binary not found")
+    port = free_port()
+    proc = start_redis(port)
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+def poll(fn, what: str, deadline_s: float = 15.0):
+    end = time.monotonic() + deadline_s
+    while not (value := fn()):
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def run(i: int) -> StoredBlocks:
+    return StoredBlocks([i], 0, [i] * 4)
+
+
+def test_batches_are_numbered_and_empty_ones_skipped():
+    pub = KVPublisher("http://w:1", block_size=4)
+    assert pub.publish([], [], False) is None
+    first = pub.publish([], [], True, force=True)
+    second = pub.publish([run(1)], [], False)
+    third = pub.publish([], [1], False)
+    assert [b.seq for b in (first, second, third)] == [0, 1, 2]
+    assert len({b.epoch for b in (first, second, third)}) == 1 and len(pub.epoch) == 32
+    assert KVPublisher("http://w:1", 4).epoch != pub.epoch  # a restart is a new epoch
+    snap = decode(pub.snapshot_batch([run(1)]))
+    assert snap.seq == 2 and snap.cleared and snap.stored == [run(1)]
+
+
+@pytest.mark.redis
+def test_redis_outage_drops_and_counts_then_recovers():
+    if REDIS is None:
+        pytest.skip("redis-server binary not found")
+    port = free_port()  # nothing listens here yet
+    pub = KVPublisher("http://w:1", 4, redis_url=f"redis://127.0.0.1:{port}/0", stream="radixgate:kv:t")
+    pub.start()
+    proc = None
+    try:
+        for i in range(20):
+            pub.publish([run(i)], [], False)  # returns at once even though Redis is down
+        poll(lambda: pub.stats["redis_dropped"] == 20, "all batches dropped")
+        proc = start_redis(port)
+        import redis
+
+        client = redis.Redis(port=port)
+
+        def delivered():
+            pub.publish([run(99)], [], False)
+            return client.xlen("radixgate:kv:t") > 0
+
+        poll(delivered, "delivery after Redis came back", deadline_s=30)
+        last = decode(client.xrevrange("radixgate:kv:t", count=1)[0][1][b"batch"])
+        assert last.seq > 20  # the dropped ones left a seq gap a router detects
+    finally:
+        pub.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+
+
+async def test_slow_sse_subscriber_is_cut_off_without_blocking_the_publisher():
+    pub = KVPublisher("http://w:1", 4, subscriber_queue_size=4)
+    slow = pub.subscribe()
+    engine = threading.Thread(target=lambda: [pub.publish([run(i)], [], False) for i in range(10)])
+    engine.start()
+    engine.join(10)
+    assert not engine.is_alive()
+    await asyncio.wait_for(_until(lambda: pub.stats["subscribers_dropped"] == 1), 10)
+    assert pub.num_subscribers == 0
+    assert await slow.queue.get() is None  # the stream ends; the client re-syncs from the snapshot
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.redis
+async def test_engine_events_in_redis_are_consecutive_and_replay_to_the_snapshot(redis_port):
+    import redis
+
+    from worker.config import WorkerConfig
+    from worker.engine import build_engine
+    from worker.sampling import SamplingParams
+
+    cfg = WorkerConfig(
+        model="tiny", device="cpu", kv_cache_tokens=1024, redis_url=f"redis://127.0.0.1:{redis_port}/0"
+    )
+    engine = build_engine(cfg)
+    engine.start()
+    try:
+
+        async def complete(prompt: str) -> None:
+            handle = engine.submit(list(prompt.encode()), SamplingParams(temperature=0.0, max_tokens=20))
+            while (await asyncio.wait_for(handle.outputs.get(), 30)).finish_reason is None:
+                pass
+
+        system = "Shared instructions for every request in this test. " * 3
+        await asyncio.gather(*(complete(system + f"question {i}") for i in range(4)))
+        await engine.flush_cache()
+        # 1024-token pool: these evict each other, so removals are in the stream too
+        for i in range(6):
+            await complete(f"{i} " * 80)
+        snapshot = decode(await engine.snapshot_events())
+        client = redis.Redis(port=redis_port)
+        key = stream_name("tiny")
+        poll(
+            lambda: engine.publisher.stats["redis_sent"] == engine.publisher.stats["published"], "Redis sends"
+        )
+        batches = [decode(fields[b"batch"]) for _, fields in client.xrange(key)]
+    finally:
+        engine.stop()
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    assert batches[-1].seq == snapshot.seq and {b.epoch for b in batches} == {snapshot.epoch}
+    assert batches[0].cleared and any(b.cleared for b in batches[1:])  # start and flush
+    assert any(b.removed for b in batches) and engine.snapshot().evicted_pages > 0
+    blocks: set[int] = set()
+    for b in batches:
+        if b.cleared:
+            blocks.clear()
+        for s in b.stored:
+            blocks.update(s.block_hashes)
+        blocks.difference_update(b.removed)
+    assert blocks == {h for s in snapshot.stored for h in s.block_hashes} and blocks

@@ -1,0 +1,277 @@
+"""The Llama-family model over the paged KV pool agrees with transformers, whatever way the work
+is split: cached prefixes, batches, chunked prefill, decode steps; plus the loader and ``tiny``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from router.tokenization import ByteTokenizer, HFTokenizer
+from worker.forward_batch import ForwardBatch
+from worker.kv_pool import KVPool, slots_for
+from worker.model import LlamaForCausalLM, ModelConfig, load_model
+from worker.model.llama import rope_inv_freq
+
+PAGE_SIZE = 4  # tokens
+ATOL = 2e-4
+
+
+def new_pool(config: ModelConfig, num_pages: int = 64) -> KVPool:
+    return KVPool(
+        num_pages, PAGE_SIZE, config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, "cpu"
+    )
+
+
+def scattered_slots(pool: KVPool, lengths: list[int]) -> list[list[int]]:
+    """Slots for sequences of ``lengths`` tokens, pages handed out round-robin so that no
+    sequence's slots are contiguous."""
+    pages: list[list[int]] = [[] for _ in lengths]
+    while any(len(p) * PAGE_SIZE < n for p, n in zip(pages, lengths, strict=True)):
+        for p, n in zip(pages, lengths, strict=True):
+            if len(p) * PAGE_SIZE < n:
+                p.append(int(pool.allocator.alloc(1)[0]))
+    return [slots_for(np.array(p), 0, n, PAGE_SIZE).tolist() for p, n in zip(pages, lengths, strict=True)]
+
+
+def extend(model, pool, chunks, starts, slots, all_logits=True):
+    """One extend forward: request i adds tokens ``chunks[i]`` at position ``starts[i]``; ``slots[i]``
+    are all of its slots (prefix = the first starts[i])."""
+    batch = ForwardBatch.build(
+        "extend",
+        chunks,
+        starts,
+        [s[st : st + len(c)] for c, st, s in zip(chunks, starts, slots, strict=True)],
+        [s[:st] for st, s in zip(starts, slots, strict=True)],
+        return_all_logits=all_logits,
+    )
+    return model(batch, pool)
+
+
+def decode(model, pool, tokens, positions, slots):
+    batch = ForwardBatch.build(
+        "decode", [[t] for t in tokens], positions, [[s[p]] for s, p in zip(slots, positions, strict=True)],
+        [s[: p + 1] for s, p in zip(slots, positions, strict=True)],
+    )  # fmt: skip
+    return model(batch, pool)
+
+
+def hf_model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def llama(llama_checkpoint):
+    return load_model(str(llama_checkpoint)), hf_model(llama_checkpoint)
+
+
+PROMPT = (
+    "Cache-aware routing sends shared prefixes to the worker, naïve café 🙂. "
+    "Zebras quietly juggle vivid kumquats while pixels hum."
+)
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    ["llama_checkpoint", "qwen2_checkpoint", "llama3_scaled_checkpoint", "sharded_llama_checkpoint"],
+)
+def test_prefill_and_greedy_decode_match_transformers(fixture, request):
+    path = request.getfixturevalue(fixture)
+    loaded, hf = load_model(str(path)), hf_model(path)
+    ids = loaded.tokenizer.encode_prompt(PROMPT)
+    assert len(ids) > 40  # long enough to pass llama3's original context (32 tokens) in rope
+    pool = new_pool(loaded.config)
+    steps = 6
+    [slots] = scattered_slots(pool, [len(ids) + steps])
+    ours = extend(loaded.model, pool, [ids], [0], [slots])
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=1e-4)
+
+    # greedy decode step by step against transformers' incremental (KV-cached) forward
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), use_cache=True)
+    hf_tokens, our_tokens = [], []
+    our_last, hf_last = ours[-1:], out.logits[0, -1:]
+    for step in range(steps):
+        torch.testing.assert_close(our_last, hf_last, atol=ATOL, rtol=1e-4)
+        our_tokens.append(int(our_last.argmax()))
+        hf_tokens.append(int(hf_last.argmax()))
+        with torch.no_grad():
+            out = hf(torch.tensor([[hf_tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        hf_last = out.logits[0, -1:]
+        our_last = decode(loaded.model, pool, [our_tokens[-1]], [len(ids) + step], [slots])
+    assert our_tokens == hf_tokens
+
+
+def test_cached_prefix_gives_the_same_logits_as_recomputing(llama):
+    loaded, _ = llama
+    model, pool = loaded.model, new_pool(loaded.config)
+    ids = loaded.tokenizer.encode_prompt(PROMPT)
+    [first] = scattered_slots(pool, [len(ids)])
+    full = extend(model, pool, [ids], [0], [first])
+    # a second request shares the first 13 tokens: it reuses their slots and computes only the rest
+    shared = 13
+    [own] = scattered_slots(pool, [len(ids) - shared])
+    slots = first[:shared] + own
+    suffix = extend(model, pool, [ids[shared:]], [shared], [slots])
+    torch.testing.assert_close(suffix, full[shared:], atol=ATOL, rtol=1e-4)
+
+
+def test_chunked_prefill_matches_one_pass(llama):
+    loaded, _ = llama
+    model = loaded.model
+    ids = loaded.tokenizer.encode_prompt(PROMPT)
+    pool = new_pool(loaded.config)
+    [slots] = scattered_slots(pool, [len(ids)])
+    whole = extend(model, pool, [ids], [0], [slots])
+    pool = new_pool(loaded.config)
+    [slots] = scattered_slots(pool, [len(ids)])
+    cuts = [0, 7, 30, len(ids)]
+    parts = [extend(model, pool, [ids[a:b]], [a], [slots]) for a, b in itertools.pairwise(cuts)]
+    torch.testing.assert_close(torch.cat(parts), whole, atol=ATOL, rtol=1e-4)
+    last_only = extend(model, new_pool(loaded.config), [ids], [0], [slots], all_logits=False)
+    torch.testing.assert_close(last_only, whole[-1:], atol=ATOL, rtol=1e-4)
+
+
+def test_batch_matches_one_by_one(llama):
+    loaded, _ = llama
+    model, tok = loaded.model, loaded.tokenizer
+    prompts = [tok.encode_prompt(p) for p in ("Hi", PROMPT, "The quick brown fox jumps over")]
+    lengths = [len(p) for p in prompts]
+    pool = new_pool(loaded.config)
+    slots = scattered_slots(pool, [n + 3 for n in lengths])
+    # batch: prefill all three (last logits per request), then three decode steps together
+    batched = [extend(model, pool, prompts, [0, 0, 0], slots, all_logits=False)]
+    for step in range(3):
+        tokens = batched[-1].argmax(-1).tolist()
+        batched.append(decode(model, pool, tokens, [n + step for n in lengths], slots))
+    # one by one in a fresh pool
+    for i, ids in enumerate(prompts):
+        pool = new_pool(loaded.config)
+        [own] = scattered_slots(pool, [lengths[i] + 3])
+        logits = extend(model, pool, [ids], [0], [own], all_logits=False)
+        torch.testing.assert_close(logits[0], batched[0][i], atol=ATOL, rtol=1e-4)
+        for step in range(3):
+            token = int(batched[step][i].argmax())
+            logits = decode(model, pool, [token], [lengths[i] + step], [own])
+            torch.testing.assert_close(logits[0], batched[step + 1][i], atol=ATOL, rtol=1e-4)
+
+
+def test_every_layer_stores_new_kv_at_out_slots(llama):
+    loaded, _ = llama
+    pool = new_pool(loaded.config)
+    ids = loaded.tokenizer.encode_prompt("Hello there")
+    [slots] = scattered_slots(pool, [len(ids)])
+    extend(loaded.model, pool, [ids], [0], [slots])
+    written = torch.tensor(slots)
+    untouched = torch.ones(pool.k_cache[0].shape[0], dtype=torch.bool)
+    untouched[written] = False
+    for layer in range(loaded.config.num_layers):
+        assert pool.k_cache[layer][written].abs().sum(dim=(1, 2)).gt(0).all()
+        assert pool.v_cache[layer][written].abs().sum(dim=(1, 2)).gt(0).all()
+        assert pool.k_cache[layer][untouched].eq(0).all()
+
+
+def test_config_reads_transformers_4_and_5_rope_fields(llama3_scaled_checkpoint):
+    v5 = json.loads((llama3_scaled_checkpoint / "config.json").read_text())
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4["rope_theta"] = v5["rope_parameters"]["rope_theta"]
+    v4["rope_scaling"] = {k: v for k, v in v5["rope_parameters"].items() if k != "rope_theta"}
+    a, b = ModelConfig.from_hf(v5), ModelConfig.from_hf(v4)
+    assert a == b
+    assert a.rope_theta == 500000.0 and a.rope_scaling["rope_type"] == "llama3"
+    unscaled = ModelConfig.from_hf({**v4, "rope_scaling": None})
+    # llama3 scaling slows the low frequencies and keeps the high ones
+    assert rope_inv_freq(a)[-1] < rope_inv_freq(unscaled)[-1]
+    assert rope_inv_freq(a)[0] == rope_inv_freq(unscaled)[0]
+
+
+def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="neither 'tiny' nor a local directory"):
+        load_model(str(tmp_path / "missing"))
+    cfg = json.loads((llama_checkpoint / "config.json").read_text())
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf({**cfg, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope type"):
+        ModelConfig.from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    # a checkpoint with a layer's weights missing
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_checkpoint, broken)
+    cfg["num_hidden_layers"] = 3
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing"):
+        load_model(str(broken))
+
+
+def test_loader_returns_tokenizer_and_name(llama_checkpoint, qwen2_checkpoint):
+    loaded = load_model(str(llama_checkpoint))
+    assert isinstance(loaded.tokenizer, HFTokenizer)
+    assert loaded.name == llama_checkpoint.name
+    assert loaded.model.embed_tokens.dtype == torch.float32
+    assert loaded.tokenizer.eos_token_ids == [4]
+    assert loaded.tokenizer.encode_prompt("hi")[0] == 1  # llama adds BOS
+    qwen = load_model(str(qwen2_checkpoint), dtype=torch.bfloat16)
+    assert qwen.model.lm_head is qwen.model.embed_tokens  # tied
+    assert qwen.model.embed_tokens.dtype == torch.bfloat16
+
+
+def greedy(loaded, prompt: str, n: int) -> list[int]:
+    ids = loaded.tokenizer.encode_prompt(prompt)
+    pool = new_pool(loaded.config, num_pages=(len(ids) + n) // PAGE_SIZE + 2)
+    [slots] = scattered_slots(pool, [len(ids) + n])
+    logits = extend(loaded.model, pool, [ids], [0], [slots], all_logits=False)
+    out: list[int] = []
+    for step in range(n):
+        out.append(int(logits.argmax()))
+        logits = decode(loaded.model, pool, [out[-1]], [len(ids) + step], [slots])
+    return out
+
+
+def test_tiny_loads_the_same_weights_every_time_and_talks():
+    a, b = load_model("tiny"), load_model("tiny")
+    assert a.name == "tiny" and isinstance(a.tokenizer, ByteTokenizer)
+    assert a.config.max_context >= 4096 and a.config.vocab_size == a.tokenizer.vocab_size
+    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    first = greedy(a, "Hello, how are you?", 32)
+    assert first == greedy(b, "Hello, how are you?", 32)
+    assert len(set(first)) >= 5  # not one byte repeated
+    assert greedy(a, "Tell me a story.", 32) != first
+
+
+def test_model_rejects_wrong_weight_shapes():
+    config = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=4, max_position_embeddings=16)  # fmt: skip
+    model = LlamaForCausalLM(config, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="shape"):
+        model.load_weights([("model.embed_tokens.weight", torch.zeros(11, 8))])
+    with pytest.raises(ValueError, match="unexpected weight"):
+        model.load_weights([("model.layers.0.self_attn.q_proj.bias", torch.zeros(8))])
+
+
+def test_cpu_batched_decode_attention_matches_the_reference():
+    from kernels import reference
+    from worker import attention
+
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(64, 2, 8, generator=gen), torch.randn(64, 2, 8, generator=gen)
+    q = torch.randn(3, 4, 8, generator=gen)
+    lengths = [1, 7, 20]
+    indices = torch.randperm(64, generator=gen)[: sum(lengths)]
+    batch = ForwardBatch.build(
+        "decode", [[0]] * 3, [n - 1 for n in lengths], [[0]] * 3,
+        [indices[a:b].tolist() for a, b in itertools.pairwise([0, 1, 8, 28])],
+    )  # fmt: skip
+    ours = attention.decode(q, k_cache, v_cache, batch, 0.3)
+    ref = reference.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,126 @@
+"""Sampling: greedy, seeds, top-k / top-p, temperature, and parameter validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from worker.sampling import SamplingParams, make_generator, sample
+
+
+def logits_from_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def draw(probs: list[float], params: SamplingParams, n: int) -> list[int]:
+    logits = logits_from_probs(probs)
+    gen = make_generator(params, "cpu")
+    return [int(sample(logits, [params], [gen])[0]) for _ in range(n)]
+
+
+def test_temperature_zero_is_argmax_per_row():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 5)
+    assert out.tolist() == logits.argmax(-1).tolist()
+    assert torch.equal(logits, before)  # the caller's logits are left alone
+
+
+def test_same_seed_same_tokens_and_different_seed_different_tokens():
+    probs = [1 / 20] * 20
+    a = draw(probs, SamplingParams(seed=7), 30)
+    b = draw(probs, SamplingParams(seed=7), 30)
+    c = draw(probs, SamplingParams(seed=8), 30)
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 5  # a stream, not one token repeated
+
+
+def test_a_seeded_request_does_not_depend_on_its_batch_neighbours():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 100, generator=gen)
+    seeded = SamplingParams(seed=42)
+    alone = sample(logits[1:2], [seeded])
+    batched = sample(logits, [SamplingParams(temperature=0.0), seeded, SamplingParams(seed=1)])
+    assert int(batched[1]) == int(alone[0])
+    assert int(batched[0]) == int(logits[0].argmax())
+
+
+def test_sampling_follows_the_distribution():
+    probs = [0.5, 0.3, 0.2]
+    tokens = draw(probs, SamplingParams(seed=0), 3000)
+    for token, p in enumerate(probs):
+        assert abs(tokens.count(token) / len(tokens) - p) < 0.04
+
+
+def test_low_temperature_sharpens():
+    probs = [0.4, 0.35, 0.25]
+    cold = draw(probs, SamplingParams(temperature=0.05, seed=0), 300)
+    assert cold.count(0) / len(cold) > 0.9
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    probs = [0.05, 0.3, 0.1, 0.25, 0.2, 0.1]
+    tokens = draw(probs, SamplingParams(temperature=2.0, top_k=3, seed=0), 400)
+    assert set(tokens) == {1, 3, 4}
+    assert set(draw(probs, SamplingParams(temperature=5.0, top_k=1, seed=0), 50)) == {1}
+
+
+def test_top_p_keeps_the_nucleus():
+    probs = [0.1, 0.4, 0.3, 0.2]
+    # 0.4 + 0.3 reaches 0.6: tokens 1 and 2 stay, the rest go
+    assert set(draw(probs, SamplingParams(top_p=0.6, seed=0), 400)) == {1, 2}
+    assert set(draw(probs, SamplingParams(top_p=0.01, seed=0), 50)) == {1}
+
+
+def test_mixed_batch_applies_each_requests_own_filters():
+    probs = [0.1, 0.4, 0.3, 0.2]
+    logits = logits_from_probs(probs).repeat(2, 1)
+    params = [SamplingParams(top_k=1, seed=0), SamplingParams(top_p=1.0, seed=0)]
+    gens = [make_generator(p, "cpu") for p in params]
+    seen = [set(), set()]
+    for _ in range(200):
+        out = sample(logits, params, gens)
+        seen[0].add(int(out[0]))
+        seen[1].add(int(out[1]))
+    assert seen[0] == {1}
+    assert seen[1] == {0, 1, 2, 3}
+
+
+def test_logits_and_params_must_line_up():
+    with pytest.raises(ValueError, match="do not match"):
+        sample(torch.zeros(2, 5), [SamplingParams()])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature"),
+        ("temperature", float("nan"), "temperature"),
+        ("temperature", "hot", "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", 0, "top_k"),
+        ("top_k", -2, "top_k"),
+        ("top_k", 2.5, "top_k"),
+        ("max_tokens", 0, "max_tokens"),
+        ("max_tokens", True, "max_tokens"),
+        ("seed", 2**70, "seed"),
+        ("seed", "abc", "seed"),
+        ("stop", [""], "stop"),
+        ("stop", "END", "stop"),
+        ("stop_token_ids", [-1], "stop_token_ids"),
+        ("ignore_eos", "yes", "ignore_eos"),
+    ],
+)
+def test_validate_names_the_bad_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_validate_accepts_sensible_values():
+    params = SamplingParams(temperature=0.0, top_p=0.9, top_k=40, seed=-5, max_tokens=1, stop=["\n"],
+                            stop_token_ids=[2], ignore_eos=True)  # fmt: skip
+    assert params.validate() is params

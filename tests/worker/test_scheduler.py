@@ -1,0 +1,260 @@
+"""Scheduler: the tokens a request sees through its KV slots are its own, whatever the cache, chunking,
+batching or memory pressure; every page comes back; LPM order with an age bound; bounded queue."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from worker.kv_pool import PageAllocator
+from worker.radix_cache import RadixCache
+from worker.scheduler import QueueFullError, Request, ScheduledBatch, Scheduler, SchedulerConfig
+
+PS = 4
+
+
+class ToyModel:
+    """Stores each token id in its KV slot; the next token is a hash of the context read back
+    through ``kv_indices``. A wrong slot, stale page or shared-page mix-up changes the output."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.kv = np.full(num_pages * PS, -1, dtype=np.int64)
+
+    @staticmethod
+    def next_token(context: list[int]) -> int:
+        h = 7
+        for i, t in enumerate(context):
+            h = (h * 31 + t * (i + 1)) % 1_000_003
+        return h % 200
+
+    def forward(self, batch: ScheduledBatch) -> list[int]:
+        self.kv[batch.out_slots] = batch.input_ids  # K/V written for the new tokens
+        out = []
+        for i in range(len(batch.requests)):
+            kv = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]]
+            new = batch.input_ids[batch.qo_indptr[i] : batch.qo_indptr[i + 1]]
+            context = self.kv[kv].tolist()
+            if batch.mode == "extend":
+                context += new.tolist()
+            assert -1 not in context, "read a slot that was never written"
+            out.append(self.next_token(context))
+        return out
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(ToyModel.next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+def make(num_pages: int = 64, **cfg) -> tuple[Scheduler, ToyModel]:
+    alloc = PageAllocator(num_pages)
+    cache = RadixCache(alloc, PS, namespace="toy")
+    return Scheduler(SchedulerConfig(page_size=PS, **cfg), alloc, cache), ToyModel(num_pages)
+
+
+def run(sched: Scheduler, model: ToyModel, max_steps: int = 10_000) -> list[ScheduledBatch]:
+    steps = []
+    while sched.has_work():
+        batch = sched.schedule()
+        assert batch is not None, "work left but nothing scheduled"
+        steps.append(batch)
+        for req in sched.commit(batch, model.forward(batch)):
+            if req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+        assert len(steps) < max_steps
+    return steps
+
+
+def assert_no_leak(sched: Scheduler) -> None:
+    free, tree, owned = sched.pages_accounted()
+    assert owned == 0
+    assert free + tree == sched.allocator.num_pages
+    assert sched.cache.protected_pages == 0
+    sched.cache.check_invariants()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 200, n).tolist()
+
+
+def test_cached_prefix_gives_the_same_tokens_and_counts_cached_tokens():
+    sched, model = make()
+    shared = prompt(1, 30)
+    a = Request("a", [*shared, 5, 6, 7], max_tokens=6)
+    sched.add(a)
+    run(sched, model)
+    b = Request("b", [*shared, 8, 9], max_tokens=6)
+    sched.add(b)
+    run(sched, model)
+    assert a.output_ids == reference(a.prompt_ids, 6)
+    assert b.output_ids == reference(b.prompt_ids, 6)
+    assert a.cached_tokens == 0 and b.cached_tokens == 28  # 7 full pages of the shared 30 tokens
+    assert sched.stats.cached_tokens == 28 and sched.stats.prompt_tokens == 33 + 32
+    assert_no_leak(sched)
+
+
+def test_batched_chunked_and_one_by_one_agree():
+    prompts = [prompt(i, 10 + 7 * i) for i in range(6)]
+    together, model = make(max_running=8)
+    reqs = [Request(str(i), p, max_tokens=5) for i, p in enumerate(prompts)]
+    for r in reqs:
+        together.add(r)
+    steps = run(together, model)
+    assert max(len(s.requests) for s in steps if s.mode == "decode") > 1  # really batched
+    chunked, model = make(chunked_prefill_tokens=8)
+    creqs = [Request(str(i), p, max_tokens=5) for i, p in enumerate(prompts)]
+    for r in creqs:
+        chunked.add(r)
+    csteps = run(chunked, model)
+    assert max(s.num_new_tokens for s in csteps if s.mode == "extend") <= 8
+    for r, c, p in zip(reqs, creqs, prompts, strict=False):
+        assert r.output_ids == c.output_ids == reference(p, 5)
+    assert_no_leak(together)
+    assert_no_leak(chunked)
+
+
+def test_same_new_prefix_in_one_round_is_computed_once():
+    sched, model = make()
+    shared = prompt(3, 40)
+    a, b = Request("a", [*shared, 1], max_tokens=2), Request("b", [*shared, 2], max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert first.requests == [a]  # b would recompute a's pages: it waits one step
+    for req in sched.commit(first, model.forward(first)):
+        assert req.finish_reason is None
+    run(sched, model)
+    assert b.cached_tokens == 40
+    assert sched.stats.prefill_tokens == 41 + 1  # b computed only its last token
+    assert b.output_ids == reference(b.prompt_ids, 2)
+    assert_no_leak(sched)
+
+
+def test_small_kv_pool_queues_requests_and_all_complete():
+    # 12 pages = 48 tokens; each request needs up to 12 + 24 = 36 tokens (9 pages).
+    sched, model = make(num_pages=12, decode_reserve_tokens=2)
+    reqs = [Request(str(i), prompt(10 + i, 12), max_tokens=24) for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    for r in reqs:
+        assert r.finish_reason == "length"
+        assert r.output_ids == reference(r.prompt_ids, 24)
+    assert sched.stats.retractions > 0  # the small reserve forced preemption, and it was correct
+    assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("stage", ["waiting", "prefilling", "running"])
+def test_abort_at_any_stage_releases_every_page(stage):
+    sched, model = make(chunked_prefill_tokens=8)
+    victim = Request("v", prompt(5, 30), max_tokens=50)
+    other = Request("o", prompt(6, 9), max_tokens=50)
+    sched.add(other)
+    sched.add(victim)
+    while True:
+        in_stage = {"waiting": sched.waiting, "prefilling": sched.prefilling, "running": sched.running}
+        if victim in in_stage[stage]:
+            break
+        batch = sched.schedule()
+        sched.commit(batch, model.forward(batch))
+    sched.abort(victim)
+    sched.abort(other)
+    assert victim.finish_reason == "abort" and not sched.has_work()
+    assert_no_leak(sched)
+
+
+def test_failed_step_releases_its_requests():
+    sched, _ = make()
+    reqs = [Request(str(i), prompt(i, 13), max_tokens=3) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    failed = sched.fail(sched.schedule())
+    assert set(failed) == set(reqs) and all(r.finish_reason == "error" for r in reqs)
+    assert not sched.has_work()
+    assert_no_leak(sched)
+
+
+def test_lpm_prefers_cached_prefix_but_old_requests_go_first():
+    sched, model = make(max_running=1, max_wait_s=10.0)
+    shared = prompt(7, 32)
+    sched.add(Request("warm", [*shared, 1], max_tokens=1))
+    run(sched, model)
+    cold = Request("cold", prompt(8, 20), max_tokens=1, arrival=100.0)
+    hit = Request("hit", [*shared, 2], max_tokens=1, arrival=101.0)
+    sched.add(cold)
+    sched.add(hit)
+    assert sched.schedule(now=102.0).requests == [hit]  # longest prefix match first
+    sched2, model2 = make(max_running=1, max_wait_s=10.0)
+    sched2.add(Request("warm", [*shared, 1], max_tokens=1))
+    run(sched2, model2)
+    cold2 = Request("cold", prompt(8, 20), max_tokens=1, arrival=100.0)
+    sched2.add(cold2)
+    sched2.add(Request("hit", [*shared, 2], max_tokens=1, arrival=101.0))
+    assert sched2.schedule(now=111.0).requests == [cold2]  # waited > max_wait_s: goes first
+
+
+def test_fcfs_keeps_arrival_order():
+    sched, model = make(max_running=1, policy="fcfs")
+    shared = prompt(7, 32)
+    sched.add(Request("warm", [*shared, 1], max_tokens=1))
+    run(sched, model)
+    cold = Request("cold", prompt(8, 20), max_tokens=1)
+    sched.add(cold)
+    sched.add(Request("hit", [*shared, 2], max_tokens=1))
+    assert sched.schedule().requests == [cold]
+
+
+def test_eos_finishes_and_waiting_queue_is_bounded():
+    sched, model = make(max_waiting=2)
+    p = prompt(9, 10)
+    first = reference(p, 1)[0]
+    r = Request("r", p, max_tokens=10, stop_token_ids=frozenset({first}))
+    sched.add(r)
+    sched.add(Request("x", p, max_tokens=1))
+    with pytest.raises(QueueFullError):
+        sched.add(Request("y", p, max_tokens=1))
+    run(sched, model)
+    assert r.finish_reason == "stop" and r.output_ids == [first]
+    assert_no_leak(sched)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed):
+    rng = np.random.default_rng(seed)
+    sched, model = make(
+        num_pages=24,
+        decode_reserve_tokens=int(rng.integers(0, 12)),
+        chunked_prefill_tokens=int(rng.choice([4, 10, 64])),
+        max_running=int(rng.integers(1, 6)),
+    )
+    pending: list[Request] = []
+    for i in range(10):  # few distinct first pages, so prompts share prefixes of varied length
+        p = [int(rng.integers(0, 3)), 1, 2, 3] + [
+            int(rng.integers(0, 2)) for _ in range(int(rng.integers(1, 40)))
+        ]
+        pending.append(Request(str(i), p, max_tokens=int(rng.integers(1, 40))))
+    all_requests = list(pending)
+    aborted: set[str] = set()
+    while pending or sched.has_work():
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop())
+        batch = sched.schedule()
+        if batch is None:
+            continue
+        for req in sched.commit(batch, model.forward(batch)):
+            if req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+        if rng.random() < 0.03 and sched.running:
+            victim = sched.running[int(rng.integers(0, len(sched.running)))]
+            aborted.add(victim.rid)
+            sched.abort(victim)
+        free, tree, owned = sched.pages_accounted()
+        assert free + tree + owned == 24
+        sched.cache.check_invariants()
+    assert_no_leak(sched)
+    for req in all_requests:
+        if req.rid not in aborted:
+            assert req.output_ids == reference(req.prompt_ids, req.num_output)
+            assert req.finish_reason == "length" and req.num_output == req.max_tokens

@@ -1,0 +1,305 @@
+"""Worker HTTP API on a real uvicorn server (loopback, tiny model on CPU): OpenAI responses and usage,
+cached tokens in usage and /metrics, honest 4xx/5xx, disconnects release pages, KV snapshot and SSE
+event stream agree."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from worker.config import WorkerConfig
+from worker.engine import Engine, build_engine
+from worker.server import create_app
+
+ADMIN = "s3cret"
+SYSTEM = "You are a helpful assistant. Always answer briefly and precisely. " * 4  # ~270 tokens
+
+
+class LiveServer:
+    """A worker app served by uvicorn in a thread, on a loopback port picked by the OS."""
+
+    def __init__(self, engine: Engine, admin_token: str | None = None) -> None:
+        self.engine = engine
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(create_app(engine, admin_token), log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+def serve(**overrides) -> LiveServer:
+    cfg = WorkerConfig(**{"model": "tiny", "device": "cpu", "kv_cache_tokens": 8192, **overrides})
+    return LiveServer(build_engine(cfg), admin_token=overrides.get("admin_token"))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with serve(admin_token=ADMIN) as live:
+        yield live
+
+
+@pytest.fixture
+def client(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict | str]:
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            yield data if data == "[DONE]" else orjson.loads(data)
+
+
+def poll(fn, what: str, deadline_s: float = 15.0):
+    end = time.monotonic() + deadline_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def idle(client: httpx.Client) -> dict:
+    """Wait until no request holds KV pages; returns /health."""
+
+    def check():
+        h = client.get("/health").json()
+        return h if h["running"] == 0 and h["waiting"] == 0 and h["kv_pages_active"] == 0 else None
+
+    health = poll(check, "all pages released")
+    assert (
+        health["kv_usage"] == 0.0
+        and health["kv_pages_free"] + health["kv_pages_cached"] == health["kv_pages_total"]
+    )
+    return health
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def test_stream_and_non_stream_agree_and_report_usage(client):
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()
+    assert plain["object"] == "text_completion" and plain["choices"][0]["finish_reason"] == "length"
+    usage = plain["usage"]
+    assert usage["prompt_tokens"] == 19 and usage["completion_tokens"] == 12 and usage["total_tokens"] == 31
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(resp.iter_lines()))
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+    text = "".join(e["choices"][0]["text"] for e in events[:-2])
+    assert text == plain["choices"][0]["text"]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_completion_stream_and_non_stream(client):
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 6, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=body).json()
+    message = plain["choices"][0]["message"]
+    assert plain["object"] == "chat.completion" and message["role"] == "assistant"
+    assert plain["usage"]["completion_tokens"] == 6
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        events = list(sse_events(resp.iter_lines()))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2]) == message["content"]
+    assert (
+        events[-2]["choices"] == [] and events[-2]["usage"]["total_tokens"] == plain["usage"]["total_tokens"]
+    )
+
+
+def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
+    before = metric(client, "radixgate_worker_cached_tokens_total")
+    first = {"prompt": SYSTEM + "Question one?", "max_tokens": 2, "temperature": 0}
+    client.post("/v1/completions", json=first).raise_for_status()
+    second = client.post("/v1/completions", json={**first, "prompt": SYSTEM + "Question two?"}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 256 and cached % 16 == 0
+    assert metric(client, "radixgate_worker_cached_tokens_total") - before >= cached
+    assert 0 < metric(client, "radixgate_worker_cache_hit_rate") <= 1
+    assert metric(client, "radixgate_worker_time_to_first_token_seconds_count") >= 2
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status"),
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1, 2]", 400),
+        ("/v1/completions", b'{"prompt": ""}', 400),
+        ("/v1/completions", b'{"prompt": 42}', 400),
+        ("/v1/completions", b'{"prompt": ["a", "b"]}', 400),
+        ("/v1/completions", b'{"prompt": [1, 99999]}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404),
+        ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 413),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, path, raw, status):
+    resp = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert error["message"] and error["type"]
+    ok = client.post("/v1/completions", json={"prompt": "still alive?", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_client_disconnect_mid_stream_releases_pages(client, server):
+    idle(client)
+    aborted_before = server.engine.snapshot().finished.get("abort", 0)
+    body = {"prompt": SYSTEM + "Write forever.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        got = [e for _, e in zip(range(3), sse_events(lines), strict=False)]
+        assert len(got) == 3
+        assert client.get("/health").json()["kv_pages_active"] > 0
+    health = idle(client)  # the closed connection aborted the request and freed its pages
+    assert health["status"] == "ok"
+    assert server.engine.snapshot().finished.get("abort", 0) == aborted_before + 1
+
+
+def test_models_and_cache_info(client):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    info = client.get("/v1/cache/info").json()
+    assert info["block_size"] == 16 and info["capacity_tokens"] == 8192
+    assert info["namespace"] == "tiny" and info["tokenizer"] == "bytes"
+    assert info["epoch"] == client.get("/health").json()["epoch"]
+
+
+def test_flush_needs_the_admin_token(client):
+    client.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}).raise_for_status()
+    assert client.post("/v1/cache/flush").status_code == 401
+    assert client.post("/v1/cache/flush", headers={"authorization": "Bearer wrong"}).status_code == 401
+    resp = client.post("/v1/cache/flush", headers={"authorization": f"Bearer {ADMIN}"})
+    assert resp.status_code == 200 and resp.json()["flushed_pages"] > 0
+    assert client.get("/health").json()["kv_pages_cached"] == 0
+
+
+def apply_batch(blocks: set[int], batch: dict) -> None:
+    if batch["cleared"]:
+        blocks.clear()
+    for run in batch["stored"]:
+        blocks.update(run["block_hashes"])
+    blocks.difference_update(batch["removed"])
+
+
+async def test_sse_event_stream_matches_the_snapshot(server):
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=60) as c,
+        c.stream("GET", "/v1/cache/events") as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        start = orjson.loads((await c.get("/v1/cache/snapshot")).content)
+        blocks: set[int] = set()
+        apply_batch(blocks, start)
+        jobs = [
+            c.post("/v1/completions", json={"prompt": SYSTEM + f"Q{i}", "max_tokens": 3}) for i in range(3)
+        ]
+        await asyncio.gather(*jobs)
+        await c.post("/v1/cache/flush", headers={"authorization": f"Bearer {ADMIN}"})
+        await c.post("/v1/completions", json={"prompt": SYSTEM + "after flush", "max_tokens": 2})
+        end = orjson.loads((await c.get("/v1/cache/snapshot")).content)
+        seq = start["seq"]
+        async for line in lines:
+            if not line.startswith("data: "):
+                continue
+            batch = orjson.loads(line[6:])
+            if batch["seq"] <= start["seq"]:
+                continue  # already in the starting snapshot
+            assert batch["seq"] == seq + 1 and batch["epoch"] == start["epoch"]
+            seq = batch["seq"]
+            apply_batch(blocks, batch)
+            if seq == end["seq"]:
+                break
+    assert end["cleared"] is True
+    expect: set[int] = set()
+    apply_batch(expect, end)
+    assert blocks == expect and len(expect) >= 17
+
+
+def test_queue_full_429_prompt_too_long_413_and_dead_engine_503():
+    with (
+        serve(kv_cache_tokens=512, max_running=1, max_waiting=1) as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        long_body = {"prompt": "busy " * 10, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        too_long = c.post("/v1/completions", json={"prompt": "y" * 600, "max_tokens": 1})
+        assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        with c.stream("POST", "/v1/completions", json=long_body) as running:
+            events = sse_events(running.iter_lines())  # NOTE: keep a reference: dropping it disconnects
+            next(events)
+            waiting_result: dict = {}
+
+            def send_waiting() -> None:
+                with httpx.Client(base_url=live.url, timeout=60) as c2:
+                    waiting_result["resp"] = c2.post(
+                        "/v1/completions", json={"prompt": "queued", "max_tokens": 1}
+                    )
+
+            t = threading.Thread(target=send_waiting)
+            t.start()
+            poll(lambda: c.get("/health").json()["waiting"] == 1, "a queued request")
+            full = c.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 1})
+            assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+        t.join(30)
+        assert waiting_result["resp"].status_code == 200  # the queued one ran once the first left
+        live.engine.stop()
+        assert c.get("/health").status_code == 503
+        dead = c.post("/v1/completions", json={"prompt": "anyone?", "max_tokens": 1})
+        assert dead.status_code == 503 and dead.json()["error"]["message"]
+
+
+def test_sim_engine_serves_the_same_api_and_says_it_is_simulated():
+    from worker.sim_engine import build_sim_engine
+
+    cfg = WorkerConfig(engine="sim", model="sim-8b", kv_cache_tokens=4096)
+    with LiveServer(build_sim_engine(cfg)) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        assert c.get("/health").json()["simulated"] is True
+        body = {"model": "sim-8b", "prompt": SYSTEM + "first", "max_tokens": 5}
+        first = c.post("/v1/completions", json=body).json()
+        again = c.post("/v1/completions", json=body).json()
+        assert first["simulated"] is True and first["usage"]["completion_tokens"] == 5
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]  # deterministic
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            events = list(sse_events(resp.iter_lines()))
+        assert all(e["simulated"] is True for e in events[:-1])

@@ -1,0 +1,49 @@
+"""CLI entry: ``python -m worker --model tiny|PATH [...]`` -> WorkerConfig -> engine -> uvicorn.
+
+Only wiring: every behaviour lives in config, engine, server and the modules they use."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from worker.config import WorkerConfig, parse_args
+
+
+def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch out of import time
+    """The engine named by ``cfg`` (real model or cost model) wrapped in the HTTP app."""
+    from worker.server import create_app
+
+    if cfg.engine == "sim":
+        from worker.sim_engine import build_sim_engine
+
+        engine = build_sim_engine(cfg)
+    else:
+        from worker.engine import build_engine
+
+        engine = build_engine(cfg)
+    return create_app(engine, admin_token=cfg.admin_token)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        app = build(cfg)
+    except (ValueError, OSError) as exc:
+        logging.getLogger("worker").error("cannot start: %s", exc)
+        return 2
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                timeout_graceful_shutdown=5)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Worker settings: one dataclass, filled from flags, with env defaults (RADIXGATE_WORKER_<FLAG>).
+
+Defaults work on a laptop (CPU, the tiny model). Malformed values are errors at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "RADIXGATE_WORKER_"
+
+
+@dataclass
+class WorkerConfig:
+    model: str = "tiny"  # "tiny" or a local HF model directory
+    engine: str = "model"  # "model" (real forward) or "sim" (cost-model forward, see sim_engine.py)
+    host: str = "127.0.0.1"
+    port: int = 8100
+    device: str = "auto"  # auto | cuda | cpu
+    block_size: int = 16  # tokens per KV page = block size of the KV events
+    kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
+    mem_fraction: float = 0.85  # of free GPU memory after loading the model, for the KV pool
+    max_running: int = 256  # requests admitted at once
+    chunked_prefill_tokens: int = 2048  # prompt tokens per prefill step
+    schedule_policy: str = "lpm"  # lpm | fcfs
+    max_wait_s: float = 5.0  # LPM age bound: a request queued longer goes first
+    decode_reserve_tokens: int = 256  # decode tokens per request kept free when admitting
+    max_waiting: int = 1024  # queued requests before HTTP 429
+    redis_url: str | None = None  # KV events to the Redis Stream radixgate:kv:<served name>
+    stream_maxlen: int = 100_000  # entries kept in that stream (approximate trim)
+    advertise_url: str | None = None  # how routers reach this worker; default http://host:port
+    served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
+    admin_token: str | None = None  # required by POST /v1/cache/flush when set
+    log_level: str = "info"
+    cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
+    # --engine sim only (see worker/sim_engine.py for the defaults' sources)
+    sim_prefill_ms_per_token: float = 0.07
+    sim_decode_base_ms: float = 7.0
+    sim_decode_ms_per_seq: float = 0.06
+    sim_context_tokens: int = 8192
+
+    def validate(self) -> None:
+        if self.engine not in ("model", "sim"):
+            raise ValueError("--engine must be model or sim")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError("--device must be auto, cuda or cpu")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError("--schedule-policy must be lpm or fcfs")
+        for name in ("port", "block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError("--kv-cache-tokens must hold at least one block")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError("--mem-fraction must be in (0, 1]")
+        if self.cpu_threads < 0:
+            raise ValueError("--cpu-threads must be >= 0")
+        if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
+            raise ValueError("--max-wait-s and --decode-reserve-tokens must be >= 0")
+
+    def resolved_advertise_url(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = WorkerConfig()
+    p = argparse.ArgumentParser(prog="python -m worker", description="radixgate inference worker")
+
+    def opt(flag: str, kind: Any, help_text: str, **kw: Any) -> None:
+        name = flag.lstrip("-").replace("-", "_")
+        p.add_argument(flag, type=kind, default=_env(name, getattr(d, name)), help=help_text, **kw)
+
+    opt("--model", str, "'tiny' or a local HF model directory")
+    opt("--engine", str, "model (real forward) or sim (cost model)", choices=["model", "sim"])
+    opt("--host", str, "bind address")
+    opt("--port", int, "bind port")
+    opt("--device", str, "auto | cuda | cpu", choices=["auto", "cuda", "cpu"])
+    opt("--block-size", int, "tokens per KV page (the advertised block size)")
+    opt("--kv-cache-tokens", int, "KV pool size in tokens (default: --mem-fraction on CUDA, 64k on CPU)")
+    opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
+    opt("--max-running", int, "requests admitted at once")
+    opt("--chunked-prefill-tokens", int, "prompt tokens per prefill step")
+    opt("--schedule-policy", str, "lpm (longest cached prefix first) or fcfs", choices=["lpm", "fcfs"])
+    opt("--max-wait-s", float, "LPM age bound in seconds")
+    opt("--decode-reserve-tokens", int, "decode tokens per request kept free when admitting")
+    opt("--max-waiting", int, "queued requests before 429")
+    opt("--redis-url", str, "publish KV events to this Redis (redis://host:port/0)")
+    opt("--stream-maxlen", int, "entries kept in the Redis Stream")
+    opt("--advertise-url", str, "URL routers use for this worker (default http://host:port)")
+    opt("--served-model-name", str, "model id in the API (default: the model's name)")
+    opt("--admin-token", str, "token required by POST /v1/cache/flush")
+    opt("--log-level", str, "debug | info | warning | error")
+    opt("--cpu-threads", int, "torch threads on CPU (0 = all cores; give each of N local workers cores/N)")
+    opt("--sim-prefill-ms-per-token", float, "sim: prefill cost per uncached token (ms)")
+    opt("--sim-decode-base-ms", float, "sim: decode step cost at batch size 1 (ms)")
+    opt("--sim-decode-ms-per-seq", float, "sim: extra decode step cost per running request (ms)")
+    opt("--sim-context-tokens", int, "sim: context length of the simulated model (tokens)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> WorkerConfig:
+    """Flags (and env defaults) -> a validated WorkerConfig; exits with usage on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = WorkerConfig(**vars(args))
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg

@@ -1,0 +1,479 @@
+"""Engine: one thread owns the scheduler, radix cache, KV pool and executor (model or cost model).
+
+The HTTP event loop talks to it only through a thread-safe inbox and per-request asyncio queues fed
+with loop.call_soon_threadsafe, so the loop never blocks on the model. Stop strings, EOS and
+max_tokens end requests here; text is detokenised incrementally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from router.tokenization import IncrementalDetokenizer, PromptTokenizer
+from worker.kv_pool import PageAllocator
+from worker.kv_publisher import KVPublisher
+from worker.metrics import EngineSnapshot, WorkerMetrics
+from worker.radix_cache import RadixCache
+from worker.sampling import SamplingParams
+from worker.scheduler import QueueFullError, Request, ScheduledBatch, Scheduler, SchedulerConfig
+
+log = logging.getLogger("worker.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; the worker cannot serve (HTTP 503)."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the context or the KV pool (HTTP 413)."""
+
+
+@dataclass
+class RequestOutput:
+    """One delta for a request. The last one has ``finish_reason`` set (or ``error``)."""
+
+    text: str = ""  # new text since the previous output
+    token_ids: list[int] = field(default_factory=list)  # new generated ids
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the radix cache
+    completion_tokens: int = 0  # generated so far
+    error: str | None = None
+    error_status: int = 0  # HTTP status for ``error`` (429 queue full, 500 model failure, 503 dead)
+
+
+@dataclass
+class RequestHandle:
+    rid: str
+    prompt_tokens: int
+    max_tokens: int  # after clamping to the context / pool
+    outputs: asyncio.Queue  # of RequestOutput
+
+
+class Executor(Protocol):
+    """Computes one scheduled step: returns one sampled token per request with ``batch.sample``."""
+
+    def run(self, batch: ScheduledBatch) -> list[int]: ...
+
+
+@dataclass
+class RequestState:
+    """The engine's side of a request (the scheduler's ``Request.payload``)."""
+
+    handle: RequestHandle
+    loop: asyncio.AbstractEventLoop
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    hold: int  # chars held back while they may start a stop string
+    arrival: float  # monotonic s
+    pending: str = ""  # detokenised text not yet sent
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    generator: Any = None  # per-request RNG, created by the executor for seeded requests
+
+
+class Engine:
+    """Owns everything request-related on one thread; see the module docstring."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        allocator: PageAllocator,
+        cache: RadixCache,
+        scheduler_config: SchedulerConfig,
+        tokenizer: PromptTokenizer,
+        max_context: int,  # tokens the model serves (prompt + output)
+        publisher: KVPublisher,
+        served_model_name: str,
+        simulated: bool = False,
+    ) -> None:
+        self.executor = executor
+        self.allocator = allocator
+        self.cache = cache
+        self.scheduler = Scheduler(scheduler_config, allocator, cache)
+        self.tokenizer = tokenizer
+        self.page_size = scheduler_config.page_size
+        self.capacity_tokens = allocator.num_pages * self.page_size
+        self.max_total_tokens = min(max_context, self.capacity_tokens)  # prompt + output
+        self.publisher = publisher
+        self.served_model_name = served_model_name
+        self.simulated = simulated
+        self.max_waiting = scheduler_config.max_waiting
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._queued = 0  # "add" messages not yet taken by the engine thread
+        self._queued_lock = threading.Lock()
+        self._requests: dict[str, Request] = {}  # engine thread only
+        self._finished: Counter[str] = Counter()
+        self._outbox: list[tuple[RequestState, RequestOutput]] = []
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._snap = EngineSnapshot()
+        self.metrics = WorkerMetrics(self.snapshot, lambda: dict(publisher.stats))
+        self._refresh()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.publisher.start()
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.publisher.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    def snapshot(self) -> EngineSnapshot:
+        """Latest state (any thread; refreshed after every step)."""
+        return self._snap
+
+    # ------------------------------------------------------------------ API for the event loop
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request. Raises EngineDeadError, PromptTooLongError, QueueFullError or ValueError."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_total_tokens:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens; this worker serves at most {self.max_total_tokens - 1} "
+                f"(context {self.max_total_tokens} tokens including at least one output token)"
+            )
+        with self._queued_lock:
+            if self._queued + self._snap.waiting >= self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._queued += 1
+        max_tokens = min(params.max_tokens, self.max_total_tokens - n)
+        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        handle = RequestHandle(rid, n, max_tokens, asyncio.Queue())
+        req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)))
+        req.payload = RequestState(
+            handle=handle,
+            loop=asyncio.get_running_loop(),
+            params=params,
+            detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids)),
+            hold=max((len(s) for s in params.stop), default=1) - 1,
+            arrival=req.arrival,
+        )
+        self._inbox.put(("add", req))
+        return handle
+
+    def abort(self, rid: str) -> None:
+        """Cancel a request (client gone); its pages are released on the engine thread."""
+        self._inbox.put(("abort", rid))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps (cache flush, snapshot) and return its result."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def flush_cache(self) -> int:
+        """Drop every cached page no request holds; returns pages freed."""
+
+        def flush() -> int:
+            freed = self.cache.flush()
+            self._publish_events()
+            self._refresh()
+            return freed
+
+        return await self.call(flush)
+
+    async def snapshot_events(self) -> bytes:
+        """The cache as one encoded KV event batch consistent with the published stream."""
+
+        def snap() -> bytes:
+            self._publish_events()
+            return self.publisher.snapshot_batch(self.cache.snapshot())
+
+        return await self.call(snap)
+
+    # ------------------------------------------------------------------ engine thread
+    def _main(self) -> None:
+        try:
+            self.publisher.publish([], [], cleared=True, force=True)  # seq 0: a new, empty cache
+            while not self._stopping:
+                self._drain_inbox(block=not self.scheduler.has_work())
+                if self._stopping:
+                    break
+                batch = self.scheduler.schedule()
+                if batch is not None:
+                    self._step(batch)
+                self._publish_events()
+                self._refresh()  # NOTE: before delivery, so /health after a response shows its release
+                self._flush_outbox()
+        except BaseException as exc:
+            log.exception("engine thread died")
+            self.dead = exc
+            self._fail_everything(exc)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            req: Request = msg[1]
+            with self._queued_lock:
+                self._queued -= 1
+            try:
+                self.scheduler.add(req)
+                self._requests[req.rid] = req
+            except QueueFullError as exc:
+                self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429))
+        elif kind == "abort":
+            req = self._requests.pop(msg[1], None)
+            if req is not None:
+                self.scheduler.abort(req)
+                self._finished["abort"] += 1
+        elif kind == "call":
+            fn, fut = msg[1], msg[2]
+            try:
+                fut.set_result(fn())
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _step(self, batch: ScheduledBatch) -> None:
+        try:
+            sampled = self.executor.run(batch)
+        except Exception as exc:
+            log.exception("forward failed for %d requests", len(batch.requests))
+            for req in self.scheduler.fail(batch):
+                self._requests.pop(req.rid, None)
+                self._finished["error"] += 1
+                self._emit(req, RequestOutput(finish_reason="error", error=f"forward failed: {exc}",
+                                              error_status=500))  # fmt: skip
+            return
+        it = iter(sampled)
+        tokens = [next(it) if s else -1 for s in batch.sample]
+        now = time.monotonic()
+        for req in self.scheduler.commit(batch, tokens):
+            self._on_token(req, now)
+
+    def _on_token(self, req: Request, now: float) -> None:
+        st: RequestState = req.payload
+        if st.first_token_at is None:
+            st.first_token_at = now
+            self.metrics.ttft.observe(now - st.arrival)
+        else:
+            self.metrics.itl.observe(now - st.last_token_at)
+        st.last_token_at = now
+        token = req.token_ids[-1]
+        finish = req.finish_reason
+        if not (finish == "stop" and token in req.stop_token_ids):  # EOS / stop ids are not text
+            st.pending += st.detok.feed([token])
+        if finish is not None:
+            st.pending += st.detok.flush()
+        cut = min((i for i in (st.pending.find(s) for s in st.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, st.pending, finish = st.pending[:cut], "", "stop"
+        elif finish is not None:
+            text, st.pending = st.pending, ""
+        else:
+            keep = max(0, len(st.pending) - st.hold)
+            text, st.pending = st.pending[:keep], st.pending[keep:]
+        if finish is not None:
+            req.finish_reason = finish
+            self.scheduler.finish(req, finish)
+            self._requests.pop(req.rid, None)
+            self._finished[finish] += 1
+            self.metrics.e2e.observe(now - st.arrival)
+        self._emit(req, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
+
+    def _emit(self, req: Request, out: RequestOutput) -> None:
+        out.prompt_tokens = req.prompt_len
+        out.cached_tokens = max(req.cached_tokens, 0)
+        out.completion_tokens = req.num_output
+        self._outbox.append((req.payload, out))
+
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for st, out in self._outbox:
+            by_loop[st.loop].append((st.handle.outputs, out))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(_deliver, items)
+
+    def _publish_events(self) -> None:
+        stored, removed, cleared = self.cache.drain_events()
+        self.publisher.publish(stored, removed, cleared)
+
+    def _refresh(self) -> None:
+        s, cache = self.scheduler.stats, self.cache
+        self._snap = EngineSnapshot(
+            t=time.monotonic(),
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_pages_total=self.allocator.num_pages,
+            kv_pages_free=self.allocator.num_free,
+            kv_pages_cached=cache.total_pages,
+            kv_pages_evictable=cache.evictable_pages,
+            page_size=self.page_size,
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            prefill_tokens=s.prefill_tokens,
+            decode_tokens=s.decode_tokens,
+            evicted_pages=s.evicted_pages,
+            retractions=s.retractions,
+            finished=dict(self._finished),
+        )
+        self.metrics.record(self._snap)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """The engine died: end every request and pending call so no client waits forever."""
+        for req in list(self._requests.values()):
+            self._emit(req, RequestOutput(finish_reason="error", error=f"engine stopped: {exc}",
+                                          error_status=503))  # fmt: skip
+        self._requests.clear()
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "add":
+                self._emit(msg[1], RequestOutput(finish_reason="error", error="engine stopped",
+                                                 error_status=503))  # fmt: skip
+            elif msg[0] == "call":
+                msg[2].set_exception(EngineDeadError("the engine stopped"))
+        with contextlib.suppress(Exception):
+            self._flush_outbox()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+class ModelExecutor:
+    """Runs a scheduled step through the torch model and samples the requests that need a token."""
+
+    def __init__(self, model: Any, kv_pool: Any, device: Any) -> None:
+        self.model, self.kv_pool, self.device = model, kv_pool, device
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        import torch
+
+        from worker.forward_batch import ForwardBatch
+        from worker.sampling import make_generator, sample
+
+        fb = ForwardBatch(
+            mode=batch.mode,
+            input_ids=torch.from_numpy(batch.input_ids),
+            positions=torch.from_numpy(batch.positions),
+            out_slots=torch.from_numpy(batch.out_slots),
+            qo_indptr=torch.from_numpy(batch.qo_indptr),
+            kv_indptr=torch.from_numpy(batch.kv_indptr),
+            kv_indices=torch.from_numpy(batch.kv_indices),
+        ).to(self.device)
+        logits = self.model.forward(fb, self.kv_pool)
+        rows = [i for i, s in enumerate(batch.sample) if s]
+        if not rows:
+            return []
+        if len(rows) != len(batch.sample):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        states: list[RequestState] = [batch.requests[i].payload for i in rows]
+        for st in states:
+            if st.generator is None and st.params.seed is not None:
+                st.generator = make_generator(st.params, logits.device)
+        tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
+        return tokens.tolist()
+
+
+def kv_pool_pages(cfg: Any, page_bytes: int, device: Any) -> int:
+    """Pages for the KV pool: --kv-cache-tokens, else --mem-fraction of free GPU memory (CUDA),
+    else 64k tokens capped at 4 GiB (CPU)."""
+    if cfg.kv_cache_tokens:
+        return max(1, cfg.kv_cache_tokens // cfg.block_size)
+    if device.type == "cuda":
+        import torch
+
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free_bytes * cfg.mem_fraction) // page_bytes)
+    return max(1, min(65536 // cfg.block_size, (4 << 30) // page_bytes))
+
+
+def build_engine(cfg: Any) -> Engine:
+    """Load the model named by a WorkerConfig and wire pool, cache, publisher and scheduler."""
+    import torch
+
+    from worker.kv_pool import KVPool
+    from worker.model import load_model
+
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)  # NOTE: oversubscribed cores make CPU decode 10x slower
+    loaded = load_model(cfg.model, device)
+    mc = loaded.config
+    dtype = loaded.model.dtype
+    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    pages = kv_pool_pages(cfg, page_bytes, device)
+    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+    name = cfg.served_model_name or loaded.name
+    log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
+             cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
+    return _assemble(cfg, ModelExecutor(loaded.model, pool, device), pool.allocator, loaded.tokenizer,
+                     mc.max_context, name)  # fmt: skip
+
+
+def _assemble(
+    cfg: Any, executor: Executor, allocator: PageAllocator, tokenizer: PromptTokenizer, max_context: int,
+    name: str, simulated: bool = False,
+) -> Engine:  # fmt: skip
+    from worker.kv_publisher import stream_name
+
+    cache = RadixCache(allocator, cfg.block_size, namespace=name, enable_events=True)
+    publisher = KVPublisher(
+        worker=cfg.resolved_advertise_url(),
+        block_size=cfg.block_size,
+        redis_url=cfg.redis_url,
+        stream=stream_name(name),
+        stream_maxlen=cfg.stream_maxlen,
+    )
+    sched = SchedulerConfig(
+        page_size=cfg.block_size,
+        max_running=cfg.max_running,
+        chunked_prefill_tokens=cfg.chunked_prefill_tokens,
+        policy=cfg.schedule_policy,
+        max_wait_s=cfg.max_wait_s,
+        max_waiting=cfg.max_waiting,
+        decode_reserve_tokens=cfg.decode_reserve_tokens,
+    )
+    return Engine(executor, allocator, cache, sched, tokenizer, max_context, publisher, name, simulated)

@@ -1,0 +1,98 @@
+"""ForwardBatch: everything one model forward needs to know about its requests and KV slots.
+
+A plain container built by the scheduler; it never allocates KV slots or touches the pool itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One forward over B requests and T new tokens (request-major).
+
+    NOTE: extend -> ``kv_indices`` holds each request's PREFIX slots only (already in the pool; the
+    new tokens' K/V come from this forward); decode -> one new token per request and ``kv_indices``
+    holds all of its slots including the new token's own (written before attention runs).
+    """
+
+    mode: Literal["extend", "decode"]
+    input_ids: torch.Tensor  # int64 [T] new tokens of all requests, request-major
+    positions: torch.Tensor  # int64 [T] absolute positions (tokens)
+    out_slots: torch.Tensor  # int64 [T] pool slots where each new token's K/V is written
+    qo_indptr: torch.Tensor  # int32 [B+1] rows of request i in input_ids
+    kv_indptr: torch.Tensor  # int32 [B+1] request i's entries of kv_indices
+    kv_indices: torch.Tensor  # int32/int64 [nnz] pool slots (see the NOTE above)
+    return_all_logits: bool = False  # logits of every new token instead of the last per request
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """The same batch with every tensor on ``device``."""
+        return ForwardBatch(
+            mode=self.mode,
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            out_slots=self.out_slots.to(device, non_blocking=True),
+            qo_indptr=self.qo_indptr.to(device, non_blocking=True),
+            kv_indptr=self.kv_indptr.to(device, non_blocking=True),
+            kv_indices=self.kv_indices.to(device, non_blocking=True),
+            return_all_logits=self.return_all_logits,
+        )
+
+    @staticmethod
+    def build(
+        mode: Literal["extend", "decode"],
+        new_tokens: Sequence[Sequence[int]],
+        start_positions: Sequence[int],
+        new_slots: Sequence[Sequence[int]],
+        kv_slots: Sequence[Sequence[int]],
+        device: torch.device | str = "cpu",
+        return_all_logits: bool = False,
+    ) -> ForwardBatch:
+        """From per-request lists: request i's new tokens begin at position ``start_positions[i]``,
+        their K/V go to ``new_slots[i]``, and ``kv_slots[i]`` is its prefix (extend) or all of its
+        slots including the new token's (decode)."""
+        if not len(new_tokens) == len(start_positions) == len(new_slots) == len(kv_slots):
+            raise ValueError("per-request lists must all have one entry per request")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        kv: list[int] = []
+        qo_indptr, kv_indptr = [0], [0]
+        for toks, start, out, prefix in zip(new_tokens, start_positions, new_slots, kv_slots, strict=True):
+            if len(toks) != len(out):
+                raise ValueError("each new token needs exactly one output slot")
+            if mode == "decode" and len(toks) != 1:
+                raise ValueError("decode takes exactly one new token per request")
+            ids.extend(toks)
+            positions.extend(range(start, start + len(toks)))
+            slots.extend(out)
+            kv.extend(prefix)
+            qo_indptr.append(len(ids))
+            kv_indptr.append(len(kv))
+
+        def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return ForwardBatch(
+            mode=mode,
+            input_ids=t(ids, torch.int64),
+            positions=t(positions, torch.int64),
+            out_slots=t(slots, torch.int64),
+            qo_indptr=t(qo_indptr, torch.int32),
+            kv_indptr=t(kv_indptr, torch.int32),
+            kv_indices=t(kv, torch.int64),
+            return_all_logits=return_all_logits,
+        )

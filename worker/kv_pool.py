@@ -1,0 +1,118 @@
+"""Paged KV pool: a page allocator (bookkeeping only) and per-layer K/V tensors addressed by slot.
+
+Never frees a page twice or hands out a page it does not own; torch is imported only by KVPool,
+so the allocator (used by the cluster simulator) stays cheap to import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+
+class PageAllocator:
+    """Hands out page ids in [0, num_pages); a page is either free here or owned by exactly one
+    holder (a running request or the radix cache)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        # NOTE: _stack[:_top] are the free pages; alloc pops from the top. Reversed so that a fresh
+        # allocator hands out pages 0, 1, 2, ... (stable layouts make tests and dumps readable).
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = num_pages
+        self._is_free = np.ones(num_pages, dtype=bool)
+
+    @property
+    def num_free(self) -> int:
+        """Free pages."""
+        return self._top
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        """``n`` page ids (int64), or None and nothing taken when fewer than ``n`` are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > self._top:
+            return None
+        pages = self._stack[self._top - n : self._top][::-1].copy()
+        self._top -= n
+        self._is_free[pages] = False
+        return pages
+
+    def free(self, pages: np.ndarray) -> None:
+        """Return ``pages`` to the pool. Out-of-range ids, pages already free, or an id listed
+        twice raise ValueError and leave the allocator unchanged."""
+        pages = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if pages.size == 0:
+            return
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise ValueError(f"page id out of range [0, {self.num_pages})")
+        if self._is_free[pages].any():
+            bad = pages[self._is_free[pages]]
+            raise ValueError(f"double free of pages {bad[:8].tolist()}")
+        if np.unique(pages).size != pages.size:
+            raise ValueError("the same page is listed twice in one free()")
+        self._is_free[pages] = True
+        self._stack[self._top : self._top + pages.size] = pages
+        self._top += pages.size
+
+    def is_free(self, pages: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of ``pages`` are currently free (for invariant checks)."""
+        return self._is_free[np.asarray(pages, dtype=np.int64)]
+
+
+def slots_for(pages: np.ndarray, start: int, end: int, page_size: int) -> np.ndarray:
+    """Slot ids (int64) of token positions [start, end) of a sequence laid out on ``pages``.
+
+    Token j of page p lives in slot p * page_size + j.
+    """
+    pages = np.asarray(pages, dtype=np.int64)
+    if not 0 <= start <= end <= pages.size * page_size:
+        raise ValueError(
+            f"positions [{start}, {end}) outside the {pages.size * page_size} tokens of {pages.size} pages"
+        )
+    pos = np.arange(start, end, dtype=np.int64)
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+class KVPool:
+    """Preallocated K and V caches for every layer, each [num_pages * page_size, Hkv, D]."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        import torch
+
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_layers = num_layers
+        self.allocator = PageAllocator(num_pages)
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k_cache: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v_cache: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def page_bytes(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any) -> int:
+        """Bytes one page takes: K and V, all layers."""
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize

@@ -1,0 +1,205 @@
+"""KV event publisher: turns radix-cache events into numbered batches (contract 3) and hands them to a
+Redis Stream and to in-process SSE subscribers. It never blocks the engine: every queue is bounded,
+and a batch that cannot be delivered is dropped and counted (consumers re-sync on the seq gap)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from router.kv_events import KVEventBatch, StoredBlocks, encode
+
+log = logging.getLogger("worker.kv_publisher")
+
+STREAM_PREFIX = "radixgate:kv:"
+
+
+def stream_name(served_model_name: str) -> str:
+    """The Redis Stream that carries one model's KV events (every router replica reads all of it)."""
+    return STREAM_PREFIX + served_model_name
+
+
+class Subscriber:
+    """One SSE client: a bounded queue of encoded batches; ``None`` ends the stream (dropped)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=maxsize)
+        self.dropped = False
+
+    def _offer(self, data: bytes) -> bool:
+        """Runs on the subscriber's loop. False when it fell behind and was cut off."""
+        if self.dropped:
+            return False
+        try:
+            self.queue.put_nowait(data)
+            return True
+        except asyncio.QueueFull:
+            self.dropped = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)  # NOTE: the client reconnects and re-syncs from the snapshot
+            return False
+
+
+class KVPublisher:
+    """Numbers batches (``epoch`` per start, ``seq`` +1 per batch) and fans them out.
+
+    ``publish`` is called on the engine thread only; ``subscribe`` on an event loop.
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        block_size: int,
+        redis_url: str | None = None,
+        stream: str = STREAM_PREFIX + "default",
+        stream_maxlen: int = 100_000,  # entries kept in the Redis Stream (approximate trim)
+        redis_queue_size: int = 1024,  # batches waiting for Redis before new ones are dropped
+        subscriber_queue_size: int = 1024,  # batches buffered per SSE client before it is cut off
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.worker = worker
+        self.block_size = block_size
+        self.epoch = uuid.uuid4().hex
+        self.last_seq = -1  # seq of the last published batch
+        self.redis_url = redis_url
+        self.stream = stream
+        self.stream_maxlen = stream_maxlen
+        self.subscriber_queue_size = subscriber_queue_size
+        self._clock = clock
+        self._subscribers: set[Subscriber] = set()
+        self._lock = threading.Lock()
+        self._redis_queue: queue.Queue[bytes | None] = queue.Queue(maxsize=redis_queue_size)
+        self._redis_thread: threading.Thread | None = None
+        self.stats = {"published": 0, "redis_sent": 0, "redis_dropped": 0, "subscribers_dropped": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.redis_url and self._redis_thread is None:
+            self._redis_thread = threading.Thread(target=self._redis_loop, name="kv-redis", daemon=True)
+            self._redis_thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the Redis thread after it sends what is queued (up to ``timeout`` s)."""
+        if self._redis_thread is not None:
+            with contextlib.suppress(queue.Full):
+                self._redis_queue.put(None, timeout=timeout)
+            self._redis_thread.join(timeout)
+            self._redis_thread = None
+
+    # ------------------------------------------------------------------ publishing (engine thread)
+    def publish(
+        self, stored: list[StoredBlocks], removed: list[int], cleared: bool, force: bool = False
+    ) -> KVEventBatch | None:
+        """Number and send one batch; empty batches are skipped unless ``force``."""
+        if not (stored or removed or cleared or force):
+            return None
+        self.last_seq += 1
+        batch = KVEventBatch(
+            worker=self.worker,
+            epoch=self.epoch,
+            seq=self.last_seq,
+            ts=self._clock(),
+            block_size=self.block_size,
+            stored=stored,
+            removed=removed,
+            cleared=cleared,
+        )
+        data = encode(batch)
+        self.stats["published"] += 1
+        if self.redis_url:
+            try:
+                self._redis_queue.put_nowait(data)
+            except queue.Full:
+                self.stats["redis_dropped"] += 1
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for sub in subscribers:
+            try:
+                sub.loop.call_soon_threadsafe(self._deliver, sub, data)
+            except RuntimeError:  # its loop is closed
+                self.unsubscribe(sub)
+        return batch
+
+    def snapshot_batch(self, stored: list[StoredBlocks]) -> bytes:
+        """The whole cache as one batch: cleared=true, seq = the last published seq, so a consumer
+        applies it and then every batch with a larger seq (call on the engine thread, after
+        publishing pending events)."""
+        batch = KVEventBatch(
+            worker=self.worker,
+            epoch=self.epoch,
+            seq=max(self.last_seq, 0),
+            ts=self._clock(),
+            block_size=self.block_size,
+            stored=stored,
+            removed=[],
+            cleared=True,
+        )
+        return encode(batch)
+
+    def _deliver(self, sub: Subscriber, data: bytes) -> None:
+        if not sub._offer(data) and sub in self._subscribers:
+            self.stats["subscribers_dropped"] += 1
+            self.unsubscribe(sub)
+
+    # ------------------------------------------------------------------ SSE subscribers (event loop)
+    def subscribe(self) -> Subscriber:
+        sub = Subscriber(asyncio.get_running_loop(), self.subscriber_queue_size)
+        with self._lock:
+            self._subscribers.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        with self._lock:
+            self._subscribers.discard(sub)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    # ------------------------------------------------------------------ Redis (own thread)
+    def _redis_loop(self) -> None:
+        import redis
+
+        client = None
+        retry_at = 0.0  # monotonic s: after a failure, drop batches until then instead of waiting
+        failures = 0
+        while True:
+            data = self._redis_queue.get()
+            if data is None:
+                break
+            if time.monotonic() < retry_at:
+                self.stats["redis_dropped"] += 1
+                continue
+            try:
+                if client is None:
+                    client = redis.Redis.from_url(
+                        self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+                    )
+                client.xadd(self.stream, {"batch": data}, maxlen=self.stream_maxlen, approximate=True)
+                self.stats["redis_sent"] += 1
+                failures = 0
+            except (redis.RedisError, OSError) as exc:
+                self.stats["redis_dropped"] += 1
+                failures += 1
+                backoff = min(5.0, 0.2 * 2 ** min(failures, 5))
+                retry_at = time.monotonic() + backoff
+                if failures == 1 or failures % 50 == 0:
+                    log.warning(
+                        "KV events: Redis publish failed (%s); dropping batches for %.1fs", exc, backoff
+                    )
+                try:
+                    if client is not None:
+                        client.close()
+                except Exception:
+                    pass
+                client = None
+        if client is not None:
+            client.close()

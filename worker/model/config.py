@@ -1,0 +1,93 @@
+"""ModelConfig: the Llama-family hyperparameters the worker needs, read from an HF config.json.
+
+Pure data; never imports torch. Unsupported architectures or RoPE types fail here, at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ...}
+    max_position_embeddings: int = 4096  # tokens
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence (prompt + output tokens) the model serves."""
+        return self.max_position_embeddings
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
+        """From a parsed HF config.json (transformers 4.x ``rope_scaling``/``rope_theta`` or 5.x
+        ``rope_parameters``). Raises ValueError on what this model cannot run."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only silu (SwiGLU) is implemented")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads")
+
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+
+        attention_bias = bool(cfg.get("attention_bias", False))
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window")
+        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            # NOTE: attention here is always full; within the window that is exactly what the
+            # model computes, so serve no more than one window.
+            max_positions = min(max_positions, int(window))
+        eos = cfg.get("eos_token_id")
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # NOTE: Qwen2 always has q/k/v biases and no o_proj bias.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            model_type=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )

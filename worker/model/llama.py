@@ -1,0 +1,198 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV pool, driven by a ForwardBatch.
+
+Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
+or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker import attention
+from worker.forward_batch import ForwardBatch
+from worker.model.config import ModelConfig
+
+
+def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] (float64), with linear or llama3 scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_context = float(scaling["original_max_position_embeddings"])  # tokens
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    blended = torch.where(wavelen > old_context / low, inv_freq / factor, blended)
+    return torch.where(wavelen < old_context / high, inv_freq, blended)
+
+
+def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """[max_context, D] float32: cos in [:, :D/2], sin in [:, D/2:] (kernels.reference layout)."""
+    positions = torch.arange(config.max_context, dtype=torch.float64)
+    freqs = torch.outer(positions, rope_inv_freq(config))
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv_rows = self.q_size + 2 * self.kv_size
+        w = {"device": device, "dtype": dtype}
+        self.input_layernorm = _weight(c.hidden_size, **w)
+        self.qkv_proj = _weight(qkv_rows, c.hidden_size, **w)
+        self.qkv_bias = _weight(qkv_rows, **w) if c.qkv_bias else None
+        self.o_proj = _weight(c.hidden_size, self.q_size, **w)
+        self.o_bias = _weight(c.hidden_size, **w) if c.o_bias else None
+        self.post_attention_layernorm = _weight(c.hidden_size, **w)
+        self.gate_up_proj = _weight(2 * c.intermediate_size, c.hidden_size, **w)
+        self.gate_up_bias = _weight(2 * c.intermediate_size, **w) if c.mlp_bias else None
+        self.down_proj = _weight(c.hidden_size, c.intermediate_size, **w)
+        self.down_bias = _weight(c.hidden_size, **w) if c.mlp_bias else None
+        self.config = c
+        self.sm_scale = c.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        c, ops = self.config, attention.kernel_ops(x.device)
+        t = x.shape[0]
+        h = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        q, k = ops.apply_rope(q, k, batch.positions, cos_sin_cache)
+        # NOTE: decode attention reads the new token's K/V from the pool, so store first.
+        attention.store_kv(k_cache, v_cache, batch, k, v)
+        if batch.mode == "extend":
+            out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale)
+        else:
+            out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale)
+        x = x + F.linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        h = ops.rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+
+
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(batch, kv_pool)`` -> float32 logits [B, vocab] (last new token per request), or
+    [T, vocab] when ``batch.return_all_logits``. ``kv_pool`` has per-layer ``k_cache``/``v_cache``."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config, self.device, self.dtype = config, device, dtype
+        w = {"device": device, "dtype": dtype}
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **w)
+        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        self.norm = _weight(config.hidden_size, **w)
+        # NOTE: tied embeddings share one tensor; loading either name fills both.
+        if config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _weight(config.vocab_size, config.hidden_size, **w)
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: object) -> torch.Tensor:
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        k_caches, v_caches = kv_pool.k_cache, kv_pool.v_cache  # type: ignore[attr-defined]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, k_caches[i], v_caches[i], self.cos_sin_cache)
+        if not batch.return_all_logits and batch.mode == "extend":
+            x = x[batch.qo_indptr[1:].long() - 1]
+        x = attention.kernel_ops(x.device).rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def weight_slot(self, name: str) -> torch.Tensor | None:
+        """The parameter (or the rows of a stacked one) that HF weight ``name`` fills; None for
+        names that carry nothing to load (rotary caches, a tied lm_head)."""
+        c = self.config
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens
+        if name == "lm_head.weight":
+            return None if c.tie_word_embeddings else self.lm_head
+        if name == "model.norm.weight":
+            return self.norm
+        m = _LAYER_WEIGHT.match(name)
+        if m is None or int(m.group(1)) >= c.num_layers:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        layer: DecoderLayer = self.layers[int(m.group(1))]  # type: ignore[assignment]
+        part, kind = m.group(2), m.group(3)
+        q, kv, inter = layer.q_size, layer.kv_size, c.intermediate_size
+        stacked = {
+            "self_attn.q_proj": ("qkv", 0, q),
+            "self_attn.k_proj": ("qkv", q, q + kv),
+            "self_attn.v_proj": ("qkv", q + kv, q + 2 * kv),
+            "mlp.gate_proj": ("gate_up", 0, inter),
+            "mlp.up_proj": ("gate_up", inter, 2 * inter),
+        }
+        single = {
+            ("input_layernorm", "weight"): layer.input_layernorm,
+            ("post_attention_layernorm", "weight"): layer.post_attention_layernorm,
+            ("self_attn.o_proj", "weight"): layer.o_proj,
+            ("self_attn.o_proj", "bias"): layer.o_bias,
+            ("mlp.down_proj", "weight"): layer.down_proj,
+            ("mlp.down_proj", "bias"): layer.down_bias,
+        }
+        if part in stacked:
+            group, start, end = stacked[part]
+            target = getattr(layer, f"{group}_proj" if kind == "weight" else f"{group}_bias")
+            if target is not None:
+                return target[start:end]
+        elif single.get((part, kind)) is not None:
+            return single[(part, kind)]
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (cast to this model's dtype and device). Raises ValueError on
+        an unknown name, a shape mismatch, or when any parameter was left unfilled."""
+        filled = 0
+        for name, tensor in weights:
+            target = self.weight_slot(name)
+            if target is None:
+                continue
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(tensor)
+            filled += target.numel()
+        expected = sum(p.numel() for p in self.parameters())
+        if filled != expected:
+            raise ValueError(
+                f"checkpoint filled {filled} of {expected} parameter values; weights are missing"
+            )

@@ -1,0 +1,75 @@
+"""Loads a model for the worker: ``tiny`` (built in) or a local HF directory (config.json + safetensors).
+
+Reads only local files (never downloads); the tokenizer comes from the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaForCausalLM
+from worker.model.tiny import build_tiny, tiny_config
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: PromptTokenizer
+    name: str  # served model name (also the block-hash namespace)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on CPU (the reference kernels compute in it anyway), bfloat16 on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def safetensors_files(directory: str) -> list[str]:
+    """The checkpoint's shard files: from model.safetensors.index.json, else every *.safetensors."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights in {directory}")
+    return [os.path.join(directory, n) for n in files]
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor, one at a time (peak memory: one tensor, not the model)."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> LoadedModel:
+    """``"tiny"`` or the path of a local HF model directory. Raises ValueError when the directory
+    is not a supported checkpoint."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    if spec == "tiny":
+        return LoadedModel(build_tiny(device, dtype), tiny_config(), ByteTokenizer(), "tiny")
+    if not os.path.isdir(spec):
+        raise ValueError(f"model {spec!r} is neither 'tiny' nor a local directory")
+    with open(os.path.join(spec, "config.json"), encoding="utf-8") as f:
+        config = ModelConfig.from_hf(json.load(f))
+    tokenizer = HFTokenizer(spec)
+    model = LlamaForCausalLM(config, device, dtype)
+    model.load_weights(iter_safetensors(safetensors_files(spec)))
+    name = os.path.basename(os.path.normpath(spec))
+    return LoadedModel(model, config, tokenizer, name)

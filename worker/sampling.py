@@ -1,0 +1,119 @@
+"""Sampling: per-request temperature / top-k / top-p / seed over a batch of float32 logits.
+
+Pure function of (logits, params, generators); never mutates the logits passed in. Stop handling
+(strings, stop ids, max_tokens) belongs to the engine; the parameters only travel with the request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = -1  # -1 = all tokens
+    seed: int | None = None  # same seed, same prompt -> same tokens
+    max_tokens: int = 16  # output tokens
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the first bad field; returns self so calls can chain."""
+
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not integer(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if self.seed is not None and (not integer(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed!r}")
+        if not integer(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            integer(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        return self
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """A generator seeded from ``params.seed`` (None when unseeded). Keep one per request for its
+    whole life so that its token stream, not just its first token, is reproducible."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """One token id per row of ``logits`` [B, V] float32 -> int64 [B] (on logits' device).
+
+    ``generators[i]`` drives request i's randomness; when ``generators`` is None, seeded requests
+    get a fresh generator from their seed on each call.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(params):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
+    if generators is None:
+        generators = [make_generator(p, logits.device) for p in params]
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    scores = logits.index_select(0, index).float()
+    temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+    scores = scores / temps.unsqueeze(1)
+    scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
+    probs = scores.softmax(dim=-1)
+    # NOTE: exponential race: argmax(p / E), E ~ Exp(1), draws from p; each row's noise comes from
+    # its own generator so one request's seed never depends on its batch neighbours.
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        noise[j].exponential_(generator=generators[i])
+    out[index] = (probs / noise).argmax(dim=-1)
+    return out
+
+
+def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every token outside each row's top-k and its top-p nucleus."""
+    if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
+        return scores
+    vocab = scores.shape[-1]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
+    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=scores.device)
+    drop = ranks >= k.unsqueeze(1)
+    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+    probs = sorted_scores.softmax(dim=-1)
+    # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(top_p, device=scores.device, dtype=probs.dtype).unsqueeze(1)
+    sorted_scores = sorted_scores.masked_fill(mass_before >= p, float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)

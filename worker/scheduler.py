@@ -1,0 +1,477 @@
+"""Continuous-batching scheduler: picks each step's requests, their KV pages and token ranges.
+
+Pure Python + numpy (no torch) so the simulators reuse it. It decides; it never runs a model, and it
+never leaks a page: every page is free, in the radix tree, or held by exactly one live request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from worker.kv_pool import PageAllocator
+from worker.radix_cache import RadixCache
+
+_NO_PAGES = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int = 16  # tokens per KV page (= the advertised block size)
+    max_running: int = 256  # requests admitted at once (prefilling + decoding)
+    chunked_prefill_tokens: int = 2048  # new prompt tokens per extend step
+    policy: Literal["lpm", "fcfs"] = "lpm"
+    max_wait_s: float = 5.0  # age bound (s): a request waiting longer goes first, in arrival order
+    max_waiting: int = 1024  # waiting-queue bound; the caller turns "full" into HTTP 429
+    decode_reserve_tokens: int = 256  # per request, decode tokens kept free when admitting more
+    lpm_window: int = 256  # oldest waiting requests considered by LPM ordering per step
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting``."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler sees it (token ids, progress, KV ownership)."""
+
+    rid: str
+    prompt_ids: Sequence[int]
+    max_tokens: int  # output tokens at most (already clamped to the context / pool)
+    stop_token_ids: frozenset[int] = frozenset()  # a sampled id in here finishes with "stop"
+    arrival: float = field(default_factory=time.monotonic)  # s, monotonic
+    payload: Any = None  # the engine's per-request state (sampling params, detokenizer, ...)
+    # --- progress and KV ownership (scheduler only) ---
+    token_ids: list[int] = field(init=False)  # prompt + generated so far
+    prompt_len: int = field(init=False)
+    kv_len: int = 0  # tokens whose K/V are in the pool (positions [0, kv_len))
+    pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # hold positions [0, len*page)
+    slots: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # slot of every position of pages
+    tree_len: int = 0  # leading tokens whose pages belong to the tree, locked via lock_node
+    lock_node: Any = None
+    cached_tokens: int = -1  # prompt tokens served from cache at first admission (-1: not yet)
+    finish_reason: str | None = None
+    retractions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = [int(t) for t in self.prompt_ids]
+        self.prompt_len = len(self.token_ids)
+        if self.prompt_len == 0:
+            raise ValueError("empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes. Request i writes tokens [starts[i], ends[i]) into its pages;
+    ``sample[i]`` says whether its last new token's logits yield a sampled token."""
+
+    mode: Literal["extend", "decode"]
+    requests: list[Request]
+    starts: list[int]
+    ends: list[int]
+    sample: list[bool]
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    out_slots: np.ndarray  # int64 [T]
+    qo_indptr: np.ndarray  # int32 [B+1]
+    kv_indptr: np.ndarray  # int32 [B+1]
+    kv_indices: np.ndarray  # int64: extend -> prefix slots; decode -> all slots incl. the new one
+
+    @property
+    def num_new_tokens(self) -> int:
+        return int(self.input_ids.size)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens read from the pool as context (extend: cached prefixes)."""
+        return int(self.kv_indices.size)
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters (tokens unless named otherwise)."""
+
+    prompt_tokens: int = 0  # at first admission
+    cached_tokens: int = 0  # of those, served from the radix cache
+    prefill_tokens: int = 0  # tokens computed by extend steps (includes recompute after retraction)
+    decode_tokens: int = 0
+    evicted_pages: int = 0
+    retractions: int = 0
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    """Owns the waiting queue and running set; allocates pages from ``allocator`` and shares full
+    pages through ``cache``. Call ``schedule`` then ``commit`` (or ``fail``) once per step."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, cache: RadixCache) -> None:
+        self.cfg = config
+        self.allocator = allocator
+        self.cache = cache
+        self.ps = config.page_size
+        self.waiting: deque[Request] = deque()  # arrival order (retracted requests at the front)
+        self.prefilling: list[Request] = []  # admitted, prompt not fully computed yet
+        self.running: list[Request] = []  # decoding, in admission order (oldest first)
+        self.stats = SchedulerStats()
+        self._last_mode: str | None = None
+
+    # ------------------------------------------------------------------ queue
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def add(self, req: Request) -> None:
+        """Queue a request; raises QueueFullError at ``max_waiting``."""
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+        self.waiting.append(req)
+
+    def abort(self, req: Request, reason: str = "abort") -> None:
+        """Drop a request wherever it is and release its pages (its computed full pages stay cached)."""
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        self._remove_active(req)
+        self._release(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a running request (e.g. a stop string the engine found): cache and release its pages."""
+        self.abort(req, reason)
+
+    def _remove_active(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+
+    # ------------------------------------------------------------------ step
+    def schedule(self, now: float | None = None) -> ScheduledBatch | None:
+        """The next step, or None when there is nothing to do. Prefill first, except that a decode
+        step follows every extend step while requests are decoding (bounds inter-token latency)."""
+        now = time.monotonic() if now is None else now
+        batch = self._pick(now)
+        # NOTE: admission reserves pages by estimate; if prefilling requests alone are stuck with no
+        # decode to free pages, retract the newest until one can move.
+        while batch is None and not self.running and len(self.prefilling) > 1:
+            self._retract(self.prefilling[-1])
+            batch = self._pick(now)
+        return batch
+
+    def _pick(self, now: float) -> ScheduledBatch | None:
+        if not (self.running and self._last_mode == "extend"):
+            batch = self._schedule_extend(now)
+            if batch is not None:
+                self._last_mode = "extend"
+                return batch
+        if self.running:
+            self._last_mode = "decode"
+            return self._schedule_decode()
+        batch = self._schedule_extend(now)
+        self._last_mode = None if batch is None else "extend"
+        return batch
+
+    def commit(self, batch: ScheduledBatch, next_tokens: Sequence[int]) -> list[Request]:
+        """Record a finished step: K/V now cover ``ends``; sampled tokens are appended. Returns the
+        requests that got a token; ``finish_reason`` is set on those that hit EOS or max_tokens
+        (the caller passes them to ``finish`` after its own checks, e.g. stop strings)."""
+        out: list[Request] = []
+        for i, req in enumerate(batch.requests):
+            req.kv_len = batch.ends[i]
+            if batch.mode == "extend":
+                self.stats.prefill_tokens += batch.ends[i] - batch.starts[i]
+                self._cache_computed_pages(req)
+            else:
+                self.stats.decode_tokens += 1
+            if not batch.sample[i]:
+                continue
+            token = int(next_tokens[i])
+            req.token_ids.append(token)
+            if batch.mode == "extend":
+                self.prefilling.remove(req)
+                self.running.append(req)
+            if token in req.stop_token_ids:
+                req.finish_reason = "stop"
+            elif req.num_output >= req.max_tokens:
+                req.finish_reason = "length"
+            out.append(req)
+        return out
+
+    def fail(self, batch: ScheduledBatch, reason: str = "error") -> list[Request]:
+        """The step's forward failed: end its requests and release their pages (nothing from this
+        step is committed). Returns the failed requests."""
+        for req in batch.requests:
+            req.finish_reason = reason
+            self._remove_active(req)
+            self._release(req)
+        return list(batch.requests)
+
+    # ------------------------------------------------------------------ pages
+    def _ensure_free(self, n: int) -> bool:
+        """At least ``n`` free pages, evicting unlocked cache leaves if needed."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.stats.evicted_pages += self.cache.evict(short)
+        return self.allocator.num_free >= n
+
+    def _grow(self, req: Request, end: int) -> None:
+        """Give ``req`` pages covering positions [0, end); caller ensured they are free."""
+        need = _pages_for(end, self.ps) - req.pages.size
+        if need > 0:
+            new = self.allocator.alloc(need)
+            assert new is not None, "caller must ensure free pages first"
+            req.pages = np.concatenate([req.pages, new])
+            req.slots = np.concatenate([req.slots, self._page_slots(new)])
+
+    def _page_slots(self, pages: np.ndarray) -> np.ndarray:
+        """Slots of every token position held by ``pages`` (slot = page * page_size + offset)."""
+        return (pages[:, None] * self.ps + np.arange(self.ps, dtype=np.int64)).reshape(-1)
+
+    def _set_pages(self, req: Request, pages: np.ndarray) -> None:
+        req.pages = pages
+        req.slots = self._page_slots(pages)
+
+    def _future_pages(self, req: Request) -> int:
+        """Pages ``req`` may still need beyond what it holds: the rest of its prompt plus up to
+        ``decode_reserve_tokens`` of output (an estimate; a shortfall is met by retraction)."""
+        decode = min(req.max_tokens - req.num_output, self.cfg.decode_reserve_tokens)
+        return max(0, _pages_for(len(req.token_ids) + decode, self.ps) - req.pages.size)
+
+    def _cache_computed_pages(self, req: Request) -> None:
+        """Insert the full pages computed so far into the tree and lock them, so a waiting request
+        sharing this prefix reuses them next step (in-batch prefix sharing)."""
+        full = req.kv_len // self.ps * self.ps
+        if full <= req.tree_len:
+            return
+        tokens = np.asarray(req.token_ids[:full], dtype=np.int32)
+        self._insert(req, tokens, full)
+        # NOTE: the probe token past ``full`` is never matched (match leaves >= 1 token uncached).
+        match = self.cache.match_prefix(np.append(tokens, np.int32(0)))
+        assert match.num_tokens == full, "pages just inserted must match"
+        self.cache.lock(match.last_node)
+        if req.lock_node is not None:
+            self.cache.unlock(req.lock_node)
+        req.lock_node = match.last_node
+        self._set_pages(req, np.concatenate([match.pages, req.pages[full // self.ps :]]))
+        req.tree_len = full
+
+    def _insert(self, req: Request, tokens: np.ndarray, full: int) -> None:
+        """Insert tokens[:full] with req's pages; frees req's duplicates of pages the tree already had."""
+        n = full // self.ps
+        already = self.cache.insert(tokens[:full], req.pages[:n])
+        # NOTE: pages [0, tree_len) came from the tree; ours in [tree_len, already) are duplicates;
+        # pages [already, full) now belong to the tree.
+        dup = req.pages[req.tree_len // self.ps : already // self.ps]
+        if dup.size:
+            self.allocator.free(dup)
+
+    def _release(self, req: Request) -> None:
+        """Cache the request's computed full pages, free the rest, drop its lock."""
+        full = req.kv_len // self.ps * self.ps
+        n_tree = req.tree_len // self.ps
+        if full > req.tree_len:
+            self._insert(req, np.asarray(req.token_ids[:full], dtype=np.int32), full)
+            n_tree = full // self.ps
+        tail = req.pages[n_tree:]
+        if tail.size:
+            self.allocator.free(tail)
+        if req.lock_node is not None:
+            self.cache.unlock(req.lock_node)
+        self._set_pages(req, _NO_PAGES)
+        req.kv_len, req.tree_len, req.lock_node = 0, 0, None
+
+    def _retract(self, req: Request) -> None:
+        """Preempt a request to free pages: cache what it computed, requeue it at the front."""
+        self._remove_active(req)
+        self._release(req)
+        req.retractions += 1
+        self.stats.retractions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ extend
+    def _order_waiting(self, now: float) -> list[tuple[Request, Any]]:
+        """Waiting requests in admission order, with their prefix matches (LPM) or None (FCFS).
+        Requests older than ``max_wait_s`` come first in arrival order, so nothing starves."""
+        window = list(self.waiting)[: self.cfg.lpm_window]
+        if self.cfg.policy == "fcfs":
+            return [(r, None) for r in window]
+        old = [r for r in window if now - r.arrival > self.cfg.max_wait_s]
+        old_ids = {id(r) for r in old}
+        young = [r for r in window if id(r) not in old_ids]
+        matched = [(r, self.cache.match_prefix(np.asarray(r.token_ids, dtype=np.int32))) for r in young]
+        matched.sort(key=lambda rm: (-rm[1].num_tokens, rm[0].arrival))
+        return [(r, None) for r in sorted(old, key=lambda r: r.arrival)] + matched
+
+    def _chunk_end(self, start: int, total: int, budget: int) -> int:
+        """End of a chunk from ``start``; page-aligned when it does not reach ``total``."""
+        end = min(total, start + budget)
+        if end < total and end // self.ps * self.ps > start:
+            end = end // self.ps * self.ps
+        return end
+
+    def _new_page_key(self, req: Request, cached: int) -> tuple[int, bytes] | None:
+        """Identifies the first uncomputed full page after ``cached`` tokens (sharing detection)."""
+        if cached + self.ps > len(req.token_ids):
+            return None
+        return cached, np.asarray(req.token_ids[cached : cached + self.ps], dtype=np.int32).tobytes()
+
+    def _schedule_extend(self, now: float) -> ScheduledBatch | None:
+        if not (self.prefilling or self.waiting):
+            return None
+        budget = self.cfg.chunked_prefill_tokens
+        items: list[tuple[Request, int, int]] = []
+        reserved = sum(self._future_pages(r) for r in self.running)
+        in_flight_keys: set[tuple[int, bytes]] = set()
+        for req in self.prefilling:
+            key = self._new_page_key(req, req.tree_len)
+            if key is not None:
+                in_flight_keys.add(key)
+            if budget <= 0:
+                reserved += self._future_pages(req)
+                continue
+            end = self._chunk_end(req.kv_len, len(req.token_ids), budget)
+            need = _pages_for(end, self.ps) - req.pages.size
+            if not self._ensure_free(need):
+                reserved += self._future_pages(req)
+                budget = 0
+                continue
+            self._grow(req, end)
+            items.append((req, req.kv_len, end))
+            budget -= end - req.kv_len
+            reserved += self._future_pages(req)
+
+        room = self.allocator.num_free + self.cache.evictable_pages - reserved
+        if self.waiting and budget > 0 and room > 0 and self.num_running < self.cfg.max_running:
+            self._admit(now, budget, reserved, in_flight_keys, items)
+        if not items:
+            return None
+        return self._build(
+            "extend", items, [end == len(r.token_ids) for r, _, end in items], prefix_only=True
+        )
+
+    def _admit(
+        self,
+        now: float,
+        budget: int,
+        reserved: int,
+        in_flight_keys: set[tuple[int, bytes]],
+        items: list[tuple[Request, int, int]],
+    ) -> None:
+        """Move waiting requests into ``prefilling`` while token budget, slots and pages allow."""
+        for req, _ in self._order_waiting(now):
+            if budget <= 0 or self.num_running >= self.cfg.max_running:
+                break
+            match = self.cache.match_prefix(np.asarray(req.token_ids, dtype=np.int32))
+            key = self._new_page_key(req, match.num_tokens)
+            if key is not None and key in in_flight_keys:
+                continue  # NOTE: another request computes this page now; take it from the tree next step
+            self.cache.lock(match.last_node)
+            self._set_pages(req, match.pages.copy())
+            req.kv_len, req.tree_len, req.lock_node = match.num_tokens, match.num_tokens, match.last_node
+            end = self._chunk_end(req.kv_len, len(req.token_ids), budget)
+            need_now = _pages_for(end, self.ps) - req.pages.size
+            need_total = self._future_pages(req)
+            available = self.allocator.num_free + self.cache.evictable_pages - reserved
+            if need_total > available or not self._ensure_free(need_now):
+                self.cache.unlock(match.last_node)
+                self._set_pages(req, _NO_PAGES)
+                req.kv_len, req.tree_len, req.lock_node = 0, 0, None
+                break  # NOTE: no skipping ahead of a request that does not fit: it would starve
+            self._grow(req, end)
+            reserved += need_total - need_now
+            self.waiting.remove(req)
+            self.prefilling.append(req)
+            if req.cached_tokens < 0:
+                req.cached_tokens = match.num_tokens
+                self.stats.prompt_tokens += req.prompt_len
+                self.stats.cached_tokens += match.num_tokens
+            if key is not None:
+                in_flight_keys.add(key)
+            items.append((req, req.kv_len, end))
+            budget -= end - req.kv_len
+
+    # ------------------------------------------------------------------ decode
+    def _schedule_decode(self) -> ScheduledBatch:
+        def needs_page(r: Request) -> bool:
+            return r.kv_len >= r.pages.size * self.ps
+
+        # NOTE: the oldest request is never retracted, and alone it always fits (its prompt plus
+        # max_tokens were clamped to the pool size), so decode always makes progress.
+        while not self._ensure_free(sum(needs_page(r) for r in self.running)):
+            victim = self.prefilling[-1] if self.prefilling else self.running[-1]
+            if victim is self.running[0]:
+                raise RuntimeError("KV pool cannot hold a single request; check its capacity")
+            self._retract(victim)
+        items = []
+        for req in self.running:
+            self._grow(req, req.kv_len + 1)
+            items.append((req, req.kv_len, req.kv_len + 1))
+        return self._build("decode", items, [True] * len(items), prefix_only=False)
+
+    def _build(
+        self, mode: Literal["extend", "decode"], items: list[tuple[Request, int, int]], sample: list[bool],
+        prefix_only: bool,
+    ) -> ScheduledBatch:  # fmt: skip
+        reqs = [r for r, _, _ in items]
+        starts = [st for _, st, _ in items]
+        ends = [e for _, _, e in items]
+        # NOTE: req.slots[p] is position p's slot; it covers every page the request holds.
+        kv = [r.slots[: st if prefix_only else e] for r, st, e in items]
+        if mode == "decode":  # one token each: skip per-request array building (hot path)
+            input_ids = np.fromiter((r.token_ids[st] for r, st, _ in items), np.int64, len(items))
+            positions = np.asarray(starts, dtype=np.int64)
+            out_slots = np.fromiter((r.slots[st] for r, st, _ in items), np.int64, len(items))
+            qo = np.arange(len(items) + 1, dtype=np.int32)
+        else:
+            input_ids = np.concatenate([np.asarray(r.token_ids[st:e], dtype=np.int64) for r, st, e in items])
+            positions = np.concatenate([np.arange(st, e, dtype=np.int64) for _, st, e in items])
+            out_slots = np.concatenate([r.slots[st:e] for r, st, e in items])
+            qo = np.zeros(len(items) + 1, dtype=np.int32)
+            np.cumsum([e - st for _, st, e in items], out=qo[1:])
+        kvp = np.zeros(len(items) + 1, dtype=np.int32)
+        np.cumsum([k.size for k in kv], out=kvp[1:])
+        return ScheduledBatch(
+            mode=mode,
+            requests=reqs,
+            starts=starts,
+            ends=ends,
+            sample=sample,
+            input_ids=input_ids,
+            positions=positions,
+            out_slots=out_slots,
+            qo_indptr=qo,
+            kv_indptr=kvp,
+            kv_indices=np.concatenate(kv),
+        )
+
+    # ------------------------------------------------------------------ checks
+    def pages_accounted(self) -> tuple[int, int, int]:
+        """(free, tree, request-owned) pages; they sum to the pool size when nothing leaked."""
+        owned = sum(r.pages.size - r.tree_len // self.ps for r in (*self.prefilling, *self.running))
+        return self.allocator.num_free, self.cache.total_pages, owned

@@ -1,0 +1,389 @@
+"""Worker HTTP API (starlette): OpenAI completions and chat, health, metrics, cache info/flush/snapshot
+and the KV event stream. It validates and streams; it never blocks on the model, and bad input never
+reaches the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from router.block_hash import HASH_VERSION
+from router.errors import error_response
+from router.kv_events import EVENT_VERSION
+from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestHandle, RequestOutput
+from worker.sampling import SamplingParams
+from worker.scheduler import QueueFullError
+
+log = logging.getLogger("worker.server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
+_POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class WorkerAPI:
+    """Routes bound to one engine."""
+
+    def __init__(self, engine: Engine, admin_token: str | None = None, advertise_url: str = "") -> None:
+        self.engine = engine
+        self.name = engine.served_model_name
+        self.admin_token = admin_token
+        self.advertise_url = advertise_url
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ parsing
+    async def _body(self, request: Request) -> dict:
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            raise APIError(400, f"malformed JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise APIError(
+                404, f"model {model!r} not found; this worker serves {self.name!r}", "model_not_found"
+            )
+        if body.get("n", 1) not in (1, None):
+            raise APIError(400, "only n=1 is supported")
+        if body.get("best_of", 1) not in (1, None):
+            raise APIError(400, "only best_of=1 is supported")
+        if not isinstance(body.get("stream", False), (bool, type(None))):
+            raise APIError(400, "'stream' must be a boolean")
+        return body
+
+    def _sampling(self, body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> SamplingParams:
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        max_tokens = body.get(max_key)
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        top_k = body.get("top_k")
+        params = SamplingParams(
+            temperature=1.0 if body.get("temperature") is None else body["temperature"],
+            top_p=1.0 if body.get("top_p") is None else body["top_p"],
+            top_k=-1 if top_k in (None, 0) else top_k,
+            seed=body.get("seed"),
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            stop=[] if stop is None else stop,
+            stop_token_ids=body.get("stop_token_ids") or [],
+            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"],
+        )
+        try:
+            return params.validate()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    async def _prompt_ids(self, prompt: Any) -> list[int]:
+        tok = self.engine.tokenizer
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "the prompt is empty")
+            return await run_in_threadpool(tok.encode_prompt, prompt)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            if not prompt:
+                raise APIError(400, "the prompt is empty")
+            if any(not 0 <= t < tok.vocab_size for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})")
+            return prompt
+        if isinstance(prompt, list):
+            raise APIError(400, "batched prompts are not supported; send one prompt per request")
+        raise APIError(400, "'prompt' must be a string or a list of token ids")
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        if "prompt" not in body:
+            raise APIError(400, "'prompt' is required")
+        ids = await self._prompt_ids(body["prompt"])
+        params = self._sampling(body, default_max_tokens=16)
+        return await self._generate(request, body, ids, params, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        try:
+            ids = await run_in_threadpool(self.engine.tokenizer.encode_chat, body.get("messages"))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        if not ids:
+            raise APIError(400, "the conversation renders to an empty prompt")
+        params = self._sampling(body, self.engine.max_total_tokens, max_key="max_completion_tokens")
+        return await self._generate(request, body, ids, params, chat=True)
+
+    async def _generate(
+        self, request: Request, body: dict, ids: list[int], params: SamplingParams, chat: bool
+    ) -> Response:
+        try:
+            handle = self.engine.submit(ids, params)
+        except PromptTooLongError as exc:
+            raise APIError(413, str(exc), "context_length_exceeded") from None
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "queue_full") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        try:
+            first = await self._next(request, handle)
+        except BaseException:
+            self.engine.abort(handle.rid)
+            raise
+        if first is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if first.error is not None:
+            raise APIError(first.error_status or 500, first.error)
+        if body.get("stream"):
+            return StreamingResponse(
+                self._stream(request, handle, first, rid, chat),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
+        text, out = [first.text], first
+        try:
+            while out.finish_reason is None:
+                out = await self._next(request, handle)
+                if out is None:
+                    return Response(status_code=499)
+                text.append(out.text)
+        except BaseException:
+            self.engine.abort(handle.rid)
+            raise
+        if out.error is not None:
+            raise APIError(out.error_status or 500, out.error)
+        return _json(self._final_body(rid, chat, "".join(text), out))
+
+    async def _next(self, request: Request, handle: RequestHandle) -> RequestOutput | None:
+        """The request's next output; None (and the request aborted) if the client went away."""
+        while True:
+            try:
+                return await asyncio.wait_for(handle.outputs.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.engine.abort(handle.rid)
+                    return None
+                if not self.engine.alive:
+                    return RequestOutput(finish_reason="error", error="engine stopped", error_status=503)
+
+    def _usage(self, out: RequestOutput) -> dict:
+        return {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        }
+
+    def _envelope(self, rid: str, obj: str, **rest: Any) -> dict:
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.name, **rest}
+        if self.engine.simulated:
+            body["simulated"] = True
+        return body
+
+    def _final_body(self, rid: str, chat: bool, text: str, out: RequestOutput) -> dict:
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": out.finish_reason}  # fmt: skip
+            return self._envelope(rid, "chat.completion", choices=[choice], usage=self._usage(out))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+        return self._envelope(rid, "text_completion", choices=[choice], usage=self._usage(out))
+
+    def _chunk(self, rid: str, chat: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta: dict = {} if text is None else {"content": text}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return self._envelope(rid, "chat.completion.chunk", choices=[choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self._envelope(rid, "text_completion", choices=[choice])
+
+    async def _stream(
+        self, request: Request, handle: RequestHandle, first: RequestOutput, rid: str, chat: bool
+    ) -> AsyncIterator[bytes]:
+        out: RequestOutput | None = first
+        finished = False
+        try:
+            if chat:
+                yield _sse(self._chunk(rid, chat, None, None, role=True))
+            while out is not None:
+                if out.error is not None:
+                    err = {"message": out.error, "type": "server_error", "code": out.error_status}
+                    yield _sse({"error": err})
+                    finished = True
+                    break
+                if out.text:
+                    yield _sse(self._chunk(rid, chat, out.text, None))
+                if out.finish_reason is not None:
+                    finished = True
+                    yield _sse(self._chunk(rid, chat, None if chat else "", out.finish_reason))
+                    obj = "chat.completion.chunk" if chat else "text_completion"
+                    yield _sse(self._envelope(rid, obj, choices=[], usage=self._usage(out)))
+                    break
+                out = await self._next(request, handle)
+            if finished:
+                yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:  # NOTE: client gone (or the stream cancelled): free its pages now
+                self.engine.abort(handle.rid)
+
+    # ------------------------------------------------------------------ info, health, metrics
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "radixgate",
+                 "max_model_len": self.engine.max_total_tokens}  # fmt: skip
+        return _json({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        snap = self.engine.snapshot()
+        alive = self.engine.alive
+        body = {
+            "status": "ok" if alive else "dead",
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "kv_usage": round(snap.kv_usage, 6),
+            "epoch": self.engine.publisher.epoch,
+            "model": self.name,
+            "kv_pages_total": snap.kv_pages_total,
+            "kv_pages_free": snap.kv_pages_free,
+            "kv_pages_cached": snap.kv_pages_cached,
+            "kv_pages_active": snap.kv_pages_active,
+        }
+        if self.engine.simulated:
+            body["simulated"] = True
+        return _json(body, 200 if alive else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def cache_info(self, request: Request) -> Response:
+        e = self.engine
+        body = {
+            "block_size": e.page_size,
+            "capacity_tokens": e.capacity_tokens,
+            "namespace": self.name,
+            "model": self.name,
+            "tokenizer": e.tokenizer.name,
+            "epoch": e.publisher.epoch,
+            "worker": e.publisher.worker,
+            "hash_version": HASH_VERSION,
+            "event_version": EVENT_VERSION,
+            "redis_stream": e.publisher.stream if e.publisher.redis_url else None,
+        }
+        if e.simulated:
+            body["simulated"] = True
+        return _json(body)
+
+    async def cache_flush(self, request: Request) -> Response:
+        if self.admin_token:
+            auth = request.headers.get("authorization", "")
+            if (
+                auth != f"Bearer {self.admin_token}"
+                and request.headers.get("x-admin-token") != self.admin_token
+            ):
+                return error_response(401, "admin token required (Authorization: Bearer <token>)")
+        try:
+            freed = await self.engine.flush_cache()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        return _json({"flushed_pages": freed, "flushed_tokens": freed * self.engine.page_size})
+
+    async def cache_snapshot(self, request: Request) -> Response:
+        try:
+            data = await self.engine.snapshot_events()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        return Response(data, media_type="application/json")
+
+    async def cache_events(self, request: Request) -> Response:
+        publisher = self.engine.publisher
+        sub = publisher.subscribe()
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                yield b": kv events " + publisher.epoch.encode() + b"\n\n"
+                while True:
+                    try:
+                        data = await asyncio.wait_for(sub.queue.get(), SSE_PING_S)
+                    except asyncio.TimeoutError:
+                        yield b": ping\n\n"
+                        continue
+                    if data is None:  # fell behind: end the stream; the client re-syncs
+                        break
+                    yield b"data: " + data + b"\n\n"
+            finally:
+                publisher.unsubscribe(sub)
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+
+
+def create_app(engine: Engine, admin_token: str | None = None) -> Starlette:
+    """The worker app; its lifespan starts the engine (if not started) and stops it."""
+    api = WorkerAPI(engine, admin_token)
+
+    def guarded(handler: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+                return error_response(exc.status, exc.message, exc.code)
+            except Exception:  # a bug must not take the worker down: answer 500 and log it
+                log.exception("%s %s failed", request.method, request.url.path)
+                return error_response(500, "internal error", "internal_error")
+
+        return endpoint
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not engine.alive:
+            engine.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.stop)
+
+    routes = [
+        Route("/v1/completions", guarded(api.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(api.chat), methods=["POST"]),
+        Route("/v1/models", guarded(api.models), methods=["GET"]),
+        Route("/health", guarded(api.health), methods=["GET"]),
+        Route("/metrics", guarded(api.metrics), methods=["GET"]),
+        Route("/v1/cache/info", guarded(api.cache_info), methods=["GET"]),
+        Route("/v1/cache/flush", guarded(api.cache_flush), methods=["POST"]),
+        Route("/v1/cache/snapshot", guarded(api.cache_snapshot), methods=["GET"]),
+        Route("/v1/cache/events", guarded(api.cache_events), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
