@@ -31,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("radixgate.router").warning(
             "no workers configured: add some with --workers, --launch-workers or POST /workers"
         )
+    # NOTE: uvicorn re-raises SIGTERM/SIGINT after shutdown, so launched workers are stopped by
+    # the app's shutdown hook; the finally and atexit cover start-up failures.
     try:
         uvicorn.run(
-            build_app(config),
+            build_app(config, on_shutdown=[launcher.stop] if launcher else None),
             host=config.host,
             port=config.port,
             log_level=config.log_level,

@@ -325,6 +325,7 @@ class Router:
             "prompt_tokens": route.prompt_tokens,
             "block_size": route.block_size,
             "blocks": len(route.block_hashes),
+            "block_hashes": [str(h) for h in route.block_hashes],  # strings: exact in any JSON client
             "candidates": [
                 {
                     "url": w.url,
@@ -361,7 +362,8 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def build_app(config: RouterConfig) -> Starlette:
+def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None = None) -> Starlette:
+    """The router app; ``on_shutdown`` callbacks run when it stops (e.g. stopping launched workers)."""
     router = Router(config)
 
     async def completion(request: Request, chat: bool, path: str, endpoint: str) -> Response:
@@ -470,6 +472,8 @@ def build_app(config: RouterConfig) -> Starlette:
             yield
         finally:
             await router.stop()
+            for callback in on_shutdown or ():
+                callback()
 
     app = Starlette(
         routes=[

@@ -184,13 +184,21 @@ class EventSubscriber:
                     attempt = 0
                     self._cursors.pop(worker.url, None)
                     await self.resync(worker)  # after subscribing, so nothing falls between
-                    async for line in resp.content:
-                        if line.startswith(b"data:"):
-                            await self._handle(line[5:].strip(), worker)
+                    # NOTE: not `async for line in resp.content`: aiohttp caps a line at 128 KiB and
+                    # one batch for a long prompt (its token ids) can be larger.
+                    pending = b""
+                    async for chunk in resp.content.iter_any():
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            if line.startswith(b"data:"):
+                                await self._handle(line[5:].strip(), worker)
             except asyncio.CancelledError:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 log.debug("event stream of %s interrupted: %r", worker.url, exc)
+            except Exception:  # a bug must not end the subscription for good
+                log.exception("event stream of %s failed", worker.url)
             await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
             attempt += 1
 

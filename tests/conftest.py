@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from tests.support import Proc, start_module
+from router.launcher import free_port
+from tests.support import Proc, start_module, start_redis
 
 
 class Launcher:
     def __init__(self, tmp_dir: str) -> None:
         self.tmp_dir = tmp_dir
         self.procs: list[Proc] = []
+        self.servers: list[subprocess.Popen] = []
 
     def echo_backend(self, *args: str, port: int | None = None) -> Proc:
         proc = start_module("loadtest.echo_backend", list(args), self.tmp_dir, port=port)
@@ -28,10 +32,20 @@ class Launcher:
         self.procs.append(proc)
         return proc
 
+    def redis(self) -> str:
+        """Start a redis-server on a free loopback port; returns its URL."""
+        port = free_port()
+        self.servers.append(start_redis(port))
+        return f"redis://127.0.0.1:{port}/0"
+
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+        for server in self.servers:
+            server.terminate()
+            server.wait(timeout=10)
+        self.servers.clear()
 
 
 @pytest.fixture

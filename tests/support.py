@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import httpx
 
 from router.launcher import free_port
 
+REDIS = shutil.which("redis-server")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -92,3 +94,25 @@ def start_module(
     if proc.poll() is not None:
         raise AssertionError(f"{module} exited with {proc.returncode}:\n{handle.log()[-3000:]}")
     return handle
+
+
+def start_redis(port: int) -> subprocess.Popen:
+    """A throwaway redis-server on a loopback port (no persistence); returns once it answers PING."""
+    import redis
+
+    assert REDIS is not None, "redis-server not installed"
+    proc = subprocess.Popen(
+        [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, socket_timeout=1)
+
+    def pong() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.ConnectionError:
+            return False
+
+    wait_until(pong, timeout=10, interval=0.02, what="redis-server")
+    return proc

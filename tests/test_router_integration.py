@@ -274,3 +274,24 @@ def test_metrics_report_predicted_and_actual_hits_per_worker(fleet):
     assert 0 < hit['{source="actual"}'] <= 1
     assert "radixgate_ttft_seconds_bucket" in text and "radixgate_route_decision_seconds_bucket" in text
     assert metric_values(text, "radixgate_prefix_index_entries")[""] > 0
+
+
+def test_worker_restarted_on_same_address_gets_traffic_again(launch):
+    backends = [launch.echo_backend() for _ in range(2)]
+    router = launch.router([b.url for b in backends], "--policy", "round_robin")
+    victim = backends[0]
+    port = int(victim.url.rsplit(":", 1)[1])
+    victim.proc.kill()
+    victim.proc.wait()
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        for i in range(6):  # served by the survivor meanwhile
+            assert (
+                client.post("/v1/completions", json={"model": "echo", "prompt": f"d{i}"}).status_code == 200
+            )
+        launch.echo_backend(port=port)
+
+        def gets_traffic() -> bool:
+            r = client.post("/v1/completions", json={"model": "echo", "prompt": "back"})
+            return r.status_code == 200 and r.headers["x-radixgate-worker"] == victim.url
+
+        wait_until(gets_traffic, timeout=15, interval=0.2, what="traffic to the restarted worker")

@@ -4,9 +4,6 @@ Redis outages that drop (and count) instead of blocking, slow SSE subscribers cu
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -14,34 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from router.kv_events import StoredBlocks, decode
+from tests.support import REDIS, free_port, start_redis
 from worker.kv_publisher import KVPublisher, stream_name
-
-REDIS = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port, socket_timeout=1)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.02)
 
 
 @pytest.fixture

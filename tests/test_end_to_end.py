@@ -1,0 +1,135 @@
+"""Router + real radixgate workers (tiny model, CPU) as processes on loopback: the whole loop."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from router.kv_events import decode
+from router.launcher import free_port
+from tests.support import REDIS, wait_until
+from tests.worker.conftest import save_checkpoint
+
+SYSTEM = "You are radixgate's test assistant. Answer in one short sentence, politely. " * 20  # ~1.5k tokens
+
+
+def chat(user: str, model: str = "tiny", max_tokens: int = 4) -> dict:
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+    }
+
+
+def worker_metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+def matched_tokens(router_url: str, body: dict) -> dict[str, int]:
+    decision = httpx.post(router_url + "/debug/route", json=body, timeout=10).json()
+    return {c["url"]: c["matched_tokens"] for c in decision["candidates"]}
+
+
+def test_launch_workers_main_command_reuses_prefixes(launch):
+    """`python -m router --launch-workers 2`: the README's main command, end to end."""
+    router = launch.module("router", "--launch-workers", "2", timeout=120)
+    wait_until(lambda: httpx.get(router.url + "/ready", timeout=2).status_code == 200, 120, what="ready")
+    workers = [w["url"] for w in httpx.get(router.url + "/workers").json()["workers"]]
+    assert len(workers) == 2
+    with httpx.Client(base_url=router.url, timeout=120) as client:
+        first = client.post("/v1/chat/completions", json=chat("What is a radix tree?"))
+        assert first.status_code == 200, first.text
+        served = first.headers["x-radixgate-worker"]
+        computed_before = worker_metric(served, "radixgate_worker_prefill_computed_tokens_total")
+        second = client.post("/v1/chat/completions", json=chat("And a KV cache?"))
+        assert second.status_code == 200
+        computed_after = worker_metric(served, "radixgate_worker_prefill_computed_tokens_total")
+    assert second.headers["x-radixgate-worker"] == served
+    usage = second.json()["usage"]
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM)  # the system prompt was reused
+    # The worker computed only the new part of the second prompt.
+    assert (
+        computed_after - computed_before
+        <= usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    )
+    assert worker_metric(served, "radixgate_worker_cached_tokens_total") >= len(SYSTEM)
+    router.stop()
+    for url in workers:  # launched workers go down with the router
+        wait_until(lambda url=url: not _answers(url), timeout=30, what=f"{url} stopped")
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def _tiny_worker(launch, *extra: str):
+    port = free_port()
+    args = ["--model", "tiny", "--cpu-threads", "1", "--advertise-url", f"http://127.0.0.1:{port}", *extra]
+    return launch.module("worker", *args, port=port, timeout=120)
+
+
+@pytest.mark.parametrize("transport", ["http", pytest.param("redis", marks=pytest.mark.redis)])
+def test_worker_cache_events_correct_the_router_index(launch, tmp_path, transport):
+    """A prefix cached on a worker behind the router's back shows up in the router's index via
+    KV events, and disappears when that worker flushes its cache."""
+    extra: list[str] = []
+    if transport == "redis":
+        if REDIS is None:
+            pytest.skip("redis-server not installed")
+        extra = ["--redis-url", launch.redis()]
+    a, b = _tiny_worker(launch, *extra), _tiny_worker(launch, *extra)
+    router = launch.router([a.url, b.url], "--kv-events", transport, *extra)
+    body = chat("Sent straight to worker b.")
+    assert max(matched_tokens(router.url, body).values()) == 0
+    wait_until(lambda: _resynced(router.url), 30, what="router subscribed to both workers")
+    direct = httpx.post(b.url + "/v1/chat/completions", json=body, timeout=60)
+    assert direct.status_code == 200
+    wait_until(
+        lambda: matched_tokens(router.url, body)[b.url] >= len(SYSTEM), 30, what="stored event applied"
+    )
+    assert matched_tokens(router.url, body)[a.url] == 0
+    assert httpx.post(b.url + "/v1/cache/flush", timeout=30).status_code == 200
+    wait_until(lambda: matched_tokens(router.url, body)[b.url] == 0, 30, what="flush reached the router")
+
+
+def _resynced(router_url: str) -> bool:
+    text = httpx.get(router_url + "/metrics", timeout=5).text
+    values = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("radixgate_worker_kv_resyncs")
+    ]
+    return len(values) == 2 and all(v >= 1 for v in values)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
+def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, tokenizer):
+    """Contract 2: for the same request, the router's predicted block hashes are exactly the ones
+    the worker stores (tiny + bytes, and an HF checkpoint + its tokenizer.json and chat template)."""
+    if tokenizer == "hf":
+        model_dir = save_checkpoint(tmp_path / "ckpt", "llama", max_position_embeddings=4096)
+        worker = launch.module("worker", "--model", str(model_dir), "--cpu-threads", "1", timeout=120)
+        router = launch.router([worker.url], "--tokenizer", str(model_dir))
+        model = model_dir.name
+    else:
+        worker = _tiny_worker(launch)
+        router = launch.router([worker.url])
+        model = "tiny"
+    body = chat("Which hashes?", model=model)
+    predicted = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+    assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+    stored = decode(httpx.get(worker.url + "/v1/cache/snapshot", timeout=10).content)
+    stored_hashes = {h for run in stored.stored for h in run.block_hashes}
+    router_hashes = [int(h) for h in predicted["block_hashes"]]
+    assert len(router_hashes) >= 8
+    assert predicted["block_size"] == stored.block_size
+    assert set(router_hashes) <= stored_hashes
