@@ -85,8 +85,9 @@ class Upstream:
         self, connect_timeout_s: float, first_byte_timeout_s: float, request_timeout_s: float
     ) -> None:
         self._connect_timeout = connect_timeout_s
-        self._first_byte_timeout = first_byte_timeout_s
-        self._request_timeout = request_timeout_s
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout_s, sock_connect=connect_timeout_s, sock_read=first_byte_timeout_s
+        )
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -105,13 +106,10 @@ class Upstream:
         """Send the request and wait for the response headers. Raises UpstreamFailure on a worker
         fault (the response is closed); returns the open response on any status < 500."""
         assert self.session is not None
-        timeout = aiohttp.ClientTimeout(
-            total=self._request_timeout,
-            sock_connect=self._connect_timeout,
-            sock_read=self._first_byte_timeout,
-        )
         try:
-            resp = await self.session.post(worker.url + path, data=body, headers=headers, timeout=timeout)
+            resp = await self.session.post(
+                worker.url + path, data=body, headers=headers, timeout=self._timeout
+            )
         except asyncio.TimeoutError:
             raise UpstreamFailure("timeout", f"worker {worker.url} did not answer in time", 504) from None
         except (aiohttp.ClientConnectionError, OSError) as exc:
