@@ -11,7 +11,6 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,21 +30,13 @@ from router.metrics import RouterMetrics
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
+from router.request_parsing import ParsedRequest, parse_request, read_body
 from router.tokenization import load_tokenizer
 from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixgate.router")
 
 WORKER_HEADER = "x-radixgate-worker"
-
-
-@dataclass(slots=True)
-class ParsedRequest:
-    body: dict[str, Any]
-    raw: bytes
-    model: str | None
-    stream: bool
-    token_ids: list[int]
 
 
 class ClientGone(Exception):
@@ -131,44 +122,7 @@ class Router:
 
     # ---------------------------------------------------------------- parsing
     def parse(self, raw: bytes, chat: bool) -> ParsedRequest:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise RouterError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise RouterError(400, "request body must be a JSON object", "invalid_request")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RouterError(400, "'model' must be a string", "invalid_type")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RouterError(400, "'stream' must be a boolean", "invalid_type")
-        try:
-            if chat:
-                if "messages" not in body:
-                    raise ValueError("missing required field 'messages'")
-                token_ids = self.tokenizer.encode_chat(body["messages"])
-            else:
-                token_ids = self._prompt_tokens(body)
-        except ValueError as exc:
-            raise RouterError(400, str(exc), "invalid_request") from None
-        return ParsedRequest(body, raw, model, stream, token_ids)
-
-    def _prompt_tokens(self, body: dict[str, Any]) -> list[int]:
-        if "prompt" not in body:
-            raise ValueError("missing required field 'prompt'")
-        prompt = body["prompt"]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode_prompt(prompt)
-        if isinstance(prompt, list) and prompt:
-            first = prompt[0]  # a batch of prompts is routed by its first prompt
-            if all(type(t) is int for t in prompt):
-                return list(prompt)
-            if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-                return self.tokenizer.encode_prompt(first)
-            if isinstance(first, list) and all(type(t) is int for t in first):
-                return list(first)
-        raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids")
+        return parse_request(raw, chat, self.tokenizer)
 
     def namespace(self, model: str | None) -> str:
         """Root of the block-hash chain: the model name, as the workers use for their events."""
@@ -345,19 +299,6 @@ class Router:
 
 
 # -------------------------------------------------------------------- HTTP layer
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
@@ -370,7 +311,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         started = time.perf_counter()
         status = 500
         try:
-            raw = await _read_body(request, config.max_body_bytes)
+            raw = await read_body(request, config.max_body_bytes)
             parsed = router.parse(raw, chat)
             router.check_model(parsed.model)
             response = await router.forward(request, parsed, path, started)
@@ -430,7 +371,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         url = request.query_params.get("url")
         if url is None:
             try:
-                body = orjson.loads(await _read_body(request, 65536) or b"{}")
+                body = orjson.loads(await read_body(request, 65536) or b"{}")
             except (orjson.JSONDecodeError, RouterError):
                 return error_response(400, 'expected a JSON body {"url": ...} or ?url=', "invalid_request")
             url = body.get("url") if isinstance(body, dict) else None
@@ -453,7 +394,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
 
     async def debug_route(request: Request) -> Response:
         try:
-            raw = await _read_body(request, config.max_body_bytes)
+            raw = await read_body(request, config.max_body_bytes)
             body = orjson.loads(raw) if raw else None
             chat = isinstance(body, dict) and "messages" in body
             parsed = router.parse(raw, chat)

@@ -1,0 +1,80 @@
+"""Reading and validating OpenAI request bodies: what the router needs, nothing more.
+
+Bad input raises RouterError (an OpenAI-shaped 4xx); workers validate sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from router.errors import RouterError
+from router.tokenization import PromptTokenizer
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    body: dict[str, Any]
+    raw: bytes
+    model: str | None
+    stream: bool
+    token_ids: list[int]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) more than ``limit`` bytes without reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:
+    """Validate what the router needs of an OpenAI request and tokenize its prompt."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object", "invalid_request")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RouterError(400, "'model' must be a string", "invalid_type")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RouterError(400, "'stream' must be a boolean", "invalid_type")
+    try:
+        if chat:
+            if "messages" not in body:
+                raise ValueError("missing required field 'messages'")
+            token_ids = tokenizer.encode_chat(body["messages"])
+        else:
+            token_ids = _prompt_tokens(body, tokenizer)
+    except ValueError as exc:
+        raise RouterError(400, str(exc), "invalid_request") from None
+    return ParsedRequest(body, raw, model, stream, token_ids)
+
+
+def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> list[int]:
+    if "prompt" not in body:
+        raise ValueError("missing required field 'prompt'")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return tokenizer.encode_prompt(prompt)
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]  # a batch of prompts is routed by its first prompt
+        if all(type(t) is int for t in prompt):
+            return list(prompt)
+        if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+            return tokenizer.encode_prompt(first)
+        if isinstance(first, list) and all(type(t) is int for t in first):
+            return list(first)
+    raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids")
