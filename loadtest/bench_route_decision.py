@@ -1,8 +1,9 @@
 """Route-decision latency: block hashing + prefix-index match + cache_aware select + insert.
 
 ``python -m loadtest.bench_route_decision`` times 32 KiB prompts (bytes tokenizer: token id =
-UTF-8 byte) against a warm index for 16, 64 and 256 workers; prints a table, writes JSON.
-It measures one process on this machine's CPU; it must never be read as a fleet benchmark.
+UTF-8 byte) against a warm index for 16, 64 and 256 workers, plus 16 workers under a budget small
+enough that every insert evicts; prints a table, writes JSON. It measures one process on this
+machine's CPU; it must never be read as a fleet benchmark.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_case(workers: int, iterations: int, seed: int) -> dict[str, Any]:
+def run_case(workers: int, iterations: int, seed: int, budget: int = 2_000_000) -> dict[str, Any]:
     """Warm an index with conversations routed by cache_aware, then time fresh decisions."""
     rng = random.Random(seed)
     urls = [f"http://worker-{i}:8000" for i in range(workers)]
-    index = PrefixIndex()  # default budget: 2,000,000 (block, worker) entries
+    index = PrefixIndex(max_entries=budget)  # (block, worker) entries; the router's default is 2M
     policy = make_policy("cache_aware", index)
     systems = [_text(rng, SYSTEM_BYTES) for _ in range(4)]
     # Conversations: a system prompt + a long unique history; each request adds a new turn.
@@ -59,18 +60,22 @@ def run_case(workers: int, iterations: int, seed: int) -> dict[str, Any]:
         # Loads jitter inside cache_aware's default window (2.0): a holder is usually admissible.
         return [Candidate(u, float(rng.randrange(0, 3))) for u in urls]
 
-    def decide(prompt: bytes) -> tuple[int, int]:
-        """One decision, timed: (hashing ns, match + select + insert ns)."""
+    def decide(prompt: bytes) -> tuple[int, int, int, int]:
+        """One decision, timed in parts (ns): hashing, select (its own match included), insert on
+        route; plus a standalone match of the same hashes just before select (not in the total)."""
         cands = candidates()
         t0 = time.perf_counter_ns()
         tokens = list(prompt)
         hashes = block_hashes(tokens, BLOCK_SIZE)
         t1 = time.perf_counter_ns()
+        index.match(hashes)
+        t2 = time.perf_counter_ns()
         req = RouteRequest(hashes, len(tokens), BLOCK_SIZE)
         decision = policy.select(req, cands)
+        t3 = time.perf_counter_ns()
         policy.on_routed(req, decision.url)
-        t2 = time.perf_counter_ns()
-        return t1 - t0, t2 - t1
+        t4 = time.perf_counter_ns()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
     for history in histories:  # warm: every conversation is held somewhere
         decide(history + _text(rng, TURN_BYTES))
@@ -82,20 +87,24 @@ def run_case(workers: int, iterations: int, seed: int) -> dict[str, Any]:
         for kind in kinds
     ]
     gc.collect()
-    hash_ns, rest_ns, total_ns = [], [], []
+    hash_ns, match_ns, select_ns, insert_ns, rest_ns, total_ns = [], [], [], [], [], []
     by_kind: dict[str, list[int]] = {"warm": [], "cold": []}
     for kind, prompt in zip(kinds, prompts, strict=True):
-        h, r = decide(prompt)
+        h, m, s, i = decide(prompt)
         hash_ns.append(h)
-        rest_ns.append(r)
-        total_ns.append(h + r)
-        by_kind[kind].append(h + r)
+        match_ns.append(m)
+        select_ns.append(s)
+        insert_ns.append(i)
+        rest_ns.append(s + i)
+        total_ns.append(h + s + i)
+        by_kind[kind].append(h + s + i)
 
     def ms(values: list[int], q: float) -> float:
         return round(_percentile(values, q) / 1e6, 4)
 
     return {
         "workers": workers,
+        "budget_entries": budget,
         "iterations": iterations,
         "p50_ms": ms(total_ns, 0.50),
         "p99_ms": ms(total_ns, 0.99),
@@ -107,6 +116,12 @@ def run_case(workers: int, iterations: int, seed: int) -> dict[str, Any]:
         "cold_p99_ms": ms(by_kind["cold"], 0.99),
         "hash_p50_ms": ms(hash_ns, 0.50),
         "hash_p99_ms": ms(hash_ns, 0.99),
+        "match_p50_ms": ms(match_ns, 0.50),  # standalone, the same work select does first
+        "match_p99_ms": ms(match_ns, 0.99),
+        "select_p50_ms": ms(select_ns, 0.50),  # cache_aware select, its match included
+        "select_p99_ms": ms(select_ns, 0.99),
+        "insert_p50_ms": ms(insert_ns, 0.50),  # insert on route, eviction included
+        "insert_p99_ms": ms(insert_ns, 0.99),
         "index_policy_p50_ms": ms(rest_ns, 0.50),
         "index_policy_p99_ms": ms(rest_ns, 0.99),
         "index_entries": index.num_entries,
@@ -137,24 +152,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="16,64,256", help="comma-separated worker counts")
     parser.add_argument("--iterations", type=int, default=1000, help="timed decisions per worker count")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pressure-budget",
+        type=int,
+        default=250_000,
+        help="extra 16-worker case with this (block, worker) budget, below its working set; 0 = skip",
+    )
     parser.add_argument("--out", default="docs/benchmarks/route-decision.json")
     args = parser.parse_args(argv)
 
     load_at_start = os.getloadavg()[0]
     memory = measure_memory()
     cases = [run_case(int(w), args.iterations, args.seed) for w in args.workers.split(",")]
+    if args.pressure_budget:
+        cases.append(run_case(16, args.iterations, args.seed, budget=args.pressure_budget))
+    load_at_end = os.getloadavg()[0]
     header = (
-        f"{'workers':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'warm p50':>9} {'cold p50':>9} "
-        f"{'hash p50':>9} {'idx+pol p50':>12} {'idx+pol p99':>12} {'entries':>9}"
+        f"{'workers':>8} {'budget':>9} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'cold p99':>8} "
+        f"{'hash p50/p99':>13} {'match p50/p99':>14} {'select p50/p99':>15} {'insert p50/p99':>15} {'entries':>8}"
     )
     print(f"route decision, {PROMPT_BYTES // 1024} KiB prompt, block {BLOCK_SIZE}, cache_aware, warm index")
     print(header)
     for c in cases:
-        print(
-            f"{c['workers']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} {c['max_ms']:>8.1f} "
-            f"{c['warm_p50_ms']:>9.3f} {c['cold_p50_ms']:>9.3f} {c['hash_p50_ms']:>9.3f} "
-            f"{c['index_policy_p50_ms']:>12.3f} {c['index_policy_p99_ms']:>12.3f} {c['index_entries']:>9}"
+        parts = " ".join(
+            f"{c[f'{p}_p50_ms']:>{w - 7}.3f}/{c[f'{p}_p99_ms']:.3f}"
+            for p, w in (("hash", 14), ("match", 15), ("select", 16), ("insert", 16))
         )
+        print(
+            f"{c['workers']:>8} {c['budget_entries']:>9} {c['p50_ms']:>7.3f} {c['p99_ms']:>7.3f} "
+            f"{c['max_ms']:>7.2f} {c['cold_p99_ms']:>8.3f} {parts} {c['index_entries']:>8}"
+        )
+    print(
+        f"load average (1 min): {load_at_start:.2f} at start, {load_at_end:.2f} at end, {os.cpu_count()} CPUs"
+    )
     print(
         f"memory: {memory['bytes_per_entry_first_worker']} B/entry (first worker on a block), "
         f"{memory['bytes_per_entry_extra_worker']} B/entry (each extra worker)"
@@ -162,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "route_decision",
         "what": "block hashing + prefix index match + cache_aware select + insert, one decision",
+        "index": "radix tree with compressed edges (router/prefix_index.py)",
         "prompt_bytes": PROMPT_BYTES,
         "tokenizer": "bytes",
         "block_size": BLOCK_SIZE,
@@ -172,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "load_average_1m_at_start": round(load_at_start, 2),  # other processes share the CPUs
+            "load_average_1m_at_end": round(load_at_end, 2),
         },
         "cases": cases,
         "memory": memory,

@@ -3,45 +3,65 @@
 One walk over a prompt's block hashes matches every worker at once; memory is bounded by one
 global budget of (block, worker) entries. It never raises on odd events and never does I/O.
 
-Layout (a flat radix index: chained hashes make each block hash name its whole prefix):
+Layout: a radix tree with compressed edges over chained block hashes (a hash names its prefix).
+A ``_Node`` holds a run of consecutive hashes held by the same workers (``mask``: bit i = slot i),
+children keyed by first hash, and ``tick`` (last update touching it or a descendant). ``_where[h]``
+is the node holding block ``h``, written for new blocks and on splits, never on a touch.
+``_roots[parent_hash]`` holds parentless nodes: None (or a namespace root hash) starts a prompt;
+other keys are parents this index does not hold (orphan runs). ``_leaves``: heap of leaves, lazy.
 
-- ``_mask[h]``: bitmask of the workers holding block ``h`` (bit i = the worker in slot i);
-- ``_parent[h]``: the hash before ``h`` in its chain (None at the root, or an unknown hash);
-- ``_lru``: one OrderedDict over every (block, worker) entry, keyed ``h | slot << 64``, oldest first.
+NOTE: invariants after every public call — each held hash lies in exactly one live node, mapped
+by ``_where``; live masks are non-zero; no ``_roots`` key is in ``_where`` (orphans are adopted
+when their parent block is inserted, unless inconsistent chains would make a cycle); every live
+leaf is in ``_leaves``; a node's tick >= its children's; ``num_entries`` <= ``max_entries``.
 
-NOTE: invariant — for every entry, ``h in _mask`` with the worker's bit set iff its key is in
-``_lru``; ``num_entries == len(_lru)`` never exceeds ``max_entries`` after a public call returns.
-NOTE: invariant — whenever an entry is touched, its held ancestors are touched after it, so a
-worker's ancestors are always more recent than its descendants and LRU eviction (oldest first)
-removes a worker's leaves before their ancestors: it never opens a hole in a cached prefix.
+Match: a worker matches the leading blocks it holds *contiguously* from block 0; a hole ends its
+match. Runs stored under a parent the index does not hold are recorded (they cost budget) and
+match once the prefix above is known again; until then they age out like any leaf.
+Eviction: the least recently touched *leaf* loses tail blocks, for every worker on it, until the
+index is under budget (it may free up to workers-on-the-block - 1 entries more than needed).
+Leaves go before ancestors, so it never opens a hole. Ticks are per node, not per worker.
 
-Match semantics: a worker matches the leading blocks it holds *contiguously* from block 0; a hole
-(block missing from the index) ends its match even if later blocks are held. Runs stored under a
-parent the index does not hold (evicted here, or an event not seen yet) are recorded anyway: the
-worker really holds them (a worker's radix cache cannot hold a child without its parent), they
-cost budget like any entry, and they start matching once the prefix above them is known again
-(an optimistic insert on route or a later event); until then they age out through the LRU.
-
-Memory: about 210 bytes per (block, worker) entry for the first worker on a block (node + LRU
-entry) and about 145 bytes for each extra worker on the same block (CPython 3.11, tracemalloc,
-``python -m loadtest.bench_route_decision``); the default 2,000,000 entries ~ 0.3-0.45 GB.
-Cost: ``match`` and ``insert`` are O(prompt blocks), run mostly in C iterators and do not depend
-on the number of workers (bits of one int); on large indexes they are bound by memory latency
-(one random dict access per block and table). While the index grows, an insert that resizes a
-million-entry table pauses for a while (amortised O(1)). ``remove_worker`` and ``clear_worker``
-scan every node. Updates naming a worker not added yet add it.
+Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
+else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
+~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~200 per node; another
+worker on a node costs one bit. ``remove_worker``/``clear_worker`` visit every node.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
-from collections import OrderedDict, deque
-from collections.abc import Sequence
-from itertools import accumulate, chain, repeat, takewhile
-from operator import add, and_, neg, or_
+from collections import deque
+from collections.abc import Iterator, Sequence
+from itertools import count, repeat
 
-_MASK64 = (1 << 64) - 1
+
+class _Node:
+    __slots__ = ("children", "mask", "parent", "run", "tick", "up")
+
+    def __init__(self, run: list[int], mask: int, tick: int, parent: _Node | None, up: int | None) -> None:
+        self.run = run  # consecutive block hashes, oldest first; never empty while live
+        self.mask = mask  # workers holding every block of the run; 0 = dropped
+        self.tick = tick
+        self.parent = parent
+        self.children: dict[int, _Node] = {}  # first hash of the child's run -> child
+        self.up = up  # the hash before the run, kept only while parent is None
+
+
+def _agree(query: Sequence[int], start: int, run: list[int], off: int) -> int:
+    """Blocks of ``query[start:]`` equal to ``run[off:]``, given that the first pair is equal."""
+    n = min(len(run) - off, len(query) - start)
+    if query[start + n - 1] == run[off + n - 1]:
+        return n
+    # NOTE: hashes chain, so agreement is monotone: bisect for the first disagreement.
+    lo, hi = 1, n - 1  # agree at lo - 1, disagree at hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if query[start + mid] == run[off + mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class PrefixIndex:
@@ -55,9 +75,13 @@ class PrefixIndex:
         self._names: list[str | None] = []  # bit index -> worker (None = free slot)
         self._free: list[int] = []  # min-heap of free bit indexes, reused lowest first
         self._counts: list[int] = []  # bit index -> entries held by that worker
-        self._mask: dict[int, int] = {}  # block hash -> worker bitmask (never 0)
-        self._parent: dict[int, int | None] = {}  # block hash -> previous hash in its chain
-        self._lru: OrderedDict[int, None] = OrderedDict()  # entry key -> None, oldest first
+        self._where: dict[int, _Node] = {}  # block hash -> node holding it
+        self._roots: dict[int | None, dict[int, _Node]] = {}  # parent hash -> first hash -> node
+        self._leaves: list[tuple[int, int, _Node]] = []  # heap of (tick, seq, leaf), lazy
+        self._seq = count()
+        self._tick = 0  # bumped once per insert / stored event
+        self._entries = 0
+        self._nodes = 0
 
     # ---- workers ---------------------------------------------------------------------------
 
@@ -70,7 +94,7 @@ class PrefixIndex:
         slot = self._slot.get(worker)
         if slot is None:
             return
-        self._drop_slot_entries(slot)
+        self.clear_worker(worker)
         del self._slot[worker]
         self._names[slot] = None
         heapq.heappush(self._free, slot)
@@ -79,7 +103,8 @@ class PrefixIndex:
         """``worker``'s cache was dropped (or is about to be re-synced): forget its entries."""
         slot = self._slot.get(worker)
         if slot is not None:
-            self._drop_slot_entries(slot)
+            for node in [n for n in self._all_nodes() if n.mask >> slot & 1]:
+                self._lose(node, slot)
 
     @property
     def workers(self) -> list[str]:
@@ -90,35 +115,38 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """worker -> number of leading blocks of ``block_hashes`` it holds (only workers with > 0).
 
-        One walk for all workers: ``live[i]`` is the AND of the masks of blocks 0..i, so it only
-        loses bits; the walk stops at the first block no worker holds. Drop-out points are then
-        found by bisection (``live`` is numerically non-increasing: losing bits lowers the int).
+        One walk for all workers along the nodes of the query's path: ``live`` is the AND of the
+        masks so far, so it only loses bits; a worker's match ends where its bit drops out.
         """
-        live = list(takewhile(bool, accumulate(map(self._mask.get, block_hashes, repeat(0)), and_)))
         out: dict[str, int] = {}
-        n = len(live)
-        pos = 0
-        while pos < n:
-            value = live[pos]
-            end = bisect_right(live, -value, lo=pos, key=neg)  # first index with fewer workers
-            dropped = value & ~live[end] if end < n else value
-            names = self._names
-            while dropped:
-                low = dropped & -dropped
-                out[names[low.bit_length() - 1]] = end  # type: ignore[index]
-                dropped ^= low
-            pos = end
+        where, n = self._where, len(block_hashes)
+        i = live = 0
+        while i < n:
+            node = where.get(block_hashes[i])
+            if node is None or node.run[0] != block_hashes[i]:
+                break
+            mask = node.mask & live if i else node.mask
+            if mask != live and i:
+                self._name_bits(out, live & ~mask, i)
+            if not (live := mask):
+                break
+            k = _agree(block_hashes, i, node.run, 0)
+            i += k
+            if k < len(node.run):
+                break  # the query leaves this run partway: nothing below it can match
+        if i and live:
+            self._name_bits(out, live, i)
         return out
 
     @property
     def num_entries(self) -> int:
         """(block, worker) entries held, across all workers; never above ``max_entries``."""
-        return len(self._lru)
+        return self._entries
 
     @property
     def num_nodes(self) -> int:
         """Distinct block hashes held by at least one worker."""
-        return len(self._mask)
+        return len(self._where)
 
     def worker_entries(self, worker: str) -> int:
         slot = self._slot.get(worker)
@@ -131,15 +159,9 @@ class PrefixIndex:
         (optimistic insert on route). Only the first ``max_entries`` blocks are kept."""
         if not block_hashes:
             return
-        hashes = block_hashes[: self.max_entries]
         slot = self._slot_of(worker)
-        keys = list(map(add, hashes, repeat(slot << 64))) if slot else list(hashes)
-        # Fast path: the leading blocks the worker already holds only need a touch.
-        held = len(list(takewhile(self._lru.__contains__, keys)))
-        if held < len(keys):
-            self._add_run(slot, None if held == 0 else hashes[held - 1], hashes[held:], keys[held:])
-        # NOTE: touch deepest first so that ancestors end up more recent than descendants.
-        deque(map(self._lru.move_to_end, reversed(keys)), maxlen=0)
+        self._tick += 1
+        self._touch_up(self._hold(slot, None, 0, None, list(block_hashes[: self.max_entries])))
         self._evict_over_budget()
 
     def apply_stored(self, worker: str, parent_hash: int | None, block_hashes: Sequence[int]) -> None:
@@ -149,20 +171,15 @@ class PrefixIndex:
         ``max_entries`` blocks of a run are kept."""
         if not block_hashes:
             return
-        hashes = block_hashes[: self.max_entries]
         slot = self._slot_of(worker)
-        keys = list(map(add, hashes, repeat(slot << 64))) if slot else list(hashes)
-        self._add_run(slot, parent_hash, hashes, keys)
-        lru = self._lru
-        deque(map(lru.move_to_end, reversed(keys)), maxlen=0)
-        # NOTE: touch the worker's held ancestors, nearest first, to keep leaves older than them.
-        bit = 1 << slot
-        seen = set(hashes)  # guards against cycles in bogus parent links
-        h = parent_hash
-        while h is not None and h not in seen and self._mask.get(h, 0) & bit:
-            seen.add(h)
-            lru.move_to_end(h | slot << 64)
-            h = self._parent.get(h)
+        self._tick += 1
+        at = None if parent_hash is None else self._where.get(parent_hash)
+        end = 0
+        if at is not None:
+            end = len(at.run) if at.run[-1] == parent_hash else at.run.index(parent_hash) + 1
+        hashes = list(block_hashes[: self.max_entries])
+        # NOTE: touching the run's ancestors keeps them more recent than its leaves.
+        self._touch_up(self._hold(slot, at, end, parent_hash, hashes))
         self._evict_over_budget()
 
     def apply_removed(self, worker: str, block_hashes: Sequence[int]) -> None:
@@ -170,8 +187,28 @@ class PrefixIndex:
         slot = self._slot.get(worker)
         if slot is None:
             return
+        bit = 1 << slot
+        gone: dict[_Node, set[int]] = {}
         for h in block_hashes:
-            self._drop_entry(h, slot)
+            node = self._where.get(h)
+            if node is not None and node.mask & bit:
+                gone.setdefault(node, set()).add(h)
+        for node, hashes in gone.items():
+            spans: list[list[int]] = []  # [start, end) offsets of removed stretches
+            for i in [i for i, h in enumerate(node.run) if h in hashes]:
+                if spans and spans[-1][1] == i:
+                    spans[-1][1] = i + 1
+                else:
+                    spans.append([i, i + 1])
+            cur: _Node = node
+            for start, end in reversed(spans):  # right to left: earlier offsets stay valid
+                if end < len(cur.run):
+                    cur = self._split(cur, end)[0]
+                if start:
+                    cur, piece = self._split(cur, start)
+                else:
+                    piece = cur
+                self._lose(piece, slot)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -188,63 +225,210 @@ class PrefixIndex:
             self._slot[worker] = slot
         return slot
 
-    def _add_run(self, slot: int, parent: int | None, hashes: Sequence[int], keys: list[int]) -> None:
-        """Set ``slot``'s bit on a chain of blocks (parent links from ``parent``); entries it
-        already held are left alone (the caller touches them)."""
-        bit = 1 << slot
-        masks, parents, lru = self._mask, self._parent, self._lru
-        if not any(map(lru.__contains__, keys)):
-            # Fast path (a new prompt or tail): the worker holds none of them, so every block
-            # gains its bit; C-level bulk updates instead of a Python loop per block.
-            # NOTE: a hash's parent is fixed by the chain, so rewriting a known one is a no-op.
-            masks.update(zip(hashes, map(or_, map(masks.get, hashes, repeat(0)), repeat(bit)), strict=True))
-            parents.update(zip(hashes, chain((parent,), hashes), strict=False))
-            lru.update(dict.fromkeys(keys))
-            self._counts[slot] += len(keys)
-            return
-        added = 0
-        prev = parent
-        for h, key in zip(hashes, keys, strict=True):
-            m = masks.get(h)
-            if m is None:
-                masks[h] = bit
-                parents[h] = prev
-                lru[key] = None
-                added += 1
-            elif not m & bit:
-                masks[h] = m | bit
-                lru[key] = None
-                added += 1
-            prev = h
-        self._counts[slot] += added
+    def _name_bits(self, out: dict[str, int], bits: int, blocks: int) -> None:
+        names = self._names
+        while bits:
+            low = bits & -bits
+            out[names[low.bit_length() - 1]] = blocks  # type: ignore[index]
+            bits ^= low
 
-    def _drop_entry(self, h: int, slot: int) -> None:
-        m = self._mask.get(h)
-        bit = 1 << slot
-        if m is None or not m & bit:
-            return
-        del self._lru[h | slot << 64]
-        self._counts[slot] -= 1
-        if m == bit:
-            del self._mask[h]
-            del self._parent[h]
+    def _count(self, mask: int, delta: int) -> None:
+        """Add ``delta`` entries to every worker in ``mask``."""
+        counts = self._counts
+        while mask:
+            low = mask & -mask
+            counts[low.bit_length() - 1] += delta
+            mask ^= low
+
+    def _hold(self, slot: int, at: _Node | None, end: int, up: int | None, hashes: list[int]) -> _Node:
+        """Set ``slot``'s bit on the chain ``hashes``, which follows block ``end - 1`` of node
+        ``at`` (None: a parentless run after hash ``up``). Touches and returns the last node."""
+        bit, where, tick = 1 << slot, self._where, self._tick
+        i, n = 0, len(hashes)
+        while i < n:
+            node = where.get(hashes[i])
+            if node is None:  # new blocks from here: one new run (or the extension of ``at``)
+                if at is not None and end < len(at.run):
+                    at = self._split(at, end)[0]
+                added = self._new_run(bit, at, up, hashes[i:])  # a copy: runs are cut in place
+                i += added
+                at = where[hashes[i - 1]]
+                end = len(at.run)
+                continue
+            run = node.run
+            off = 0 if run[0] == hashes[i] else run.index(hashes[i])
+            k = _agree(hashes, i, run, off)
+            if not node.mask & bit:  # the worker gains these k blocks: they get their own node
+                if off:
+                    node = self._split(node, off)[1]
+                    off = 0
+                if k < len(node.run):
+                    node = self._split(node, k)[0]
+                node.mask |= bit
+                self._entries += k
+                self._counts[slot] += k
+            node.tick = tick
+            at, end = node, off + k
+            i += k
+        return at  # type: ignore[return-value]
+
+    def _new_run(self, bit: int, at: _Node | None, up: int | None, run: list[int]) -> int:
+        """Store blocks new to the index as one run after ``at``; returns how many were new (a
+        chain that meets known blocks or repeats a hash is cut there)."""
+        where, tick = self._where, self._tick
+        # NOTE: a sole holder's leaf grows in place, so a long conversation stays one node.
+        extend = at is not None and not at.children and at.mask == bit
+        owner = at if at is not None and extend else _Node([], bit, tick, at, None if at else up)
+        before = len(where)
+        deque(map(where.setdefault, run, repeat(owner)), maxlen=0)
+        if len(where) - before != len(run):
+            run = self._keep_new(run, owner)
+        if extend:
+            owner.run.extend(run)
+            owner.tick = tick
         else:
-            self._mask[h] = m & ~bit
+            owner.run = run
+            siblings = at.children if at is not None else self._roots.setdefault(up, {})
+            siblings[run[0]] = owner
+            self._nodes += 1
+            self._push_leaf(owner)
+        self._entries += len(run)
+        self._counts[bit.bit_length() - 1] += len(run)
+        self._adopt_orphans(run)
+        return len(run)
 
-    def _drop_slot_entries(self, slot: int) -> None:
-        bit = 1 << slot
-        for h in [h for h, m in self._mask.items() if m & bit]:
-            self._drop_entry(h, slot)
+    def _keep_new(self, run: list[int], owner: _Node) -> list[int]:
+        """Slow path of ``_new_run``: keep the leading blocks that were really new."""
+        where, held, seen = self._where, set(owner.run), set()
+        keep = 0
+        for h in run:
+            if h in seen or h in held or where[h] is not owner:
+                break
+            seen.add(h)
+            keep += 1
+        for h in run[keep:]:
+            if h not in seen and h not in held and where.get(h) is owner:
+                del where[h]
+        return run[:keep]
+
+    def _adopt_orphans(self, run: list[int]) -> None:
+        """Parentless runs waiting under a hash of ``run`` become children of its node."""
+        roots, where = self._roots, self._where
+        if len(roots) <= len(run):
+            ups = [u for u in roots if u is not None and u in where]
+        else:
+            ups = [h for h in run if h in roots]
+        for up in ups:
+            node = where[up]
+            pos = node.run.index(up) + 1
+            if pos < len(node.run):
+                node = self._split(node, pos)[0]
+            top = node
+            while top.parent is not None:
+                top = top.parent
+            waiting = roots.pop(up)
+            for first, orphan in list(waiting.items()):
+                if orphan is top:  # inconsistent chains: adopting would make a cycle
+                    continue
+                del waiting[first]
+                orphan.parent, orphan.up = node, None
+                node.children[first] = orphan
+            if waiting:
+                roots[up] = waiting
+
+    def _split(self, node: _Node, k: int) -> tuple[_Node, _Node]:
+        """Cut ``node``'s run before offset ``k`` (0 < k < len); returns (head, tail). The new
+        object takes the shorter half, so only that half's hashes are re-pointed in ``_where``."""
+        run = node.run
+        self._nodes += 1
+        if 2 * k <= len(run):
+            head = _Node(run[:k], node.mask, node.tick, node.parent, node.up)
+            del run[:k]
+            self._siblings(head)[head.run[0]] = head
+            head.children = {run[0]: node}
+            node.parent, node.up = head, None
+            self._where.update(zip(head.run, repeat(head)))
+            return head, node
+        tail = _Node(run[k:], node.mask, node.tick, node, None)
+        del run[k:]
+        tail.children, node.children = node.children, {tail.run[0]: tail}
+        for child in tail.children.values():
+            child.parent = tail
+        self._where.update(zip(tail.run, repeat(tail)))
+        if not tail.children:
+            self._push_leaf(tail)
+        return node, tail
+
+    def _drop(self, node: _Node) -> None:
+        """Remove a live node for every worker; its children become orphans under its last hash."""
+        run, where = node.run, self._where
+        deque(map(where.pop, run), maxlen=0)
+        self._entries -= len(run) * node.mask.bit_count()
+        self._count(node.mask, -len(run))
+        self._nodes -= 1
+        siblings = self._siblings(node)
+        del siblings[run[0]]
+        if node.parent is None and not siblings:
+            del self._roots[node.up]
+        elif node.parent is not None and not siblings:
+            self._push_leaf(node.parent)
+        if node.children:
+            orphans = self._roots.setdefault(run[-1], {})
+            for first, child in node.children.items():
+                child.parent, child.up = None, run[-1]
+                orphans[first] = child
+        node.children, node.mask = {}, 0
+
+    def _siblings(self, node: _Node) -> dict[int, _Node]:
+        """The dict that holds ``node``: its parent's children, or its ``_roots`` entry."""
+        return node.parent.children if node.parent is not None else self._roots[node.up]
+
+    def _touch_up(self, node: _Node | None) -> None:
+        tick = self._tick
+        while node is not None:
+            node.tick = tick
+            node = node.parent
+
+    def _all_nodes(self) -> Iterator[_Node]:
+        stack = [node for runs in self._roots.values() for node in runs.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _lose(self, node: _Node, slot: int) -> None:
+        """The worker in ``slot`` no longer holds ``node``'s blocks."""
+        if node.mask == 1 << slot:
+            self._drop(node)
+            return
+        node.mask ^= 1 << slot
+        self._entries -= len(node.run)
+        self._counts[slot] -= len(node.run)
+
+    def _push_leaf(self, node: _Node) -> None:
+        leaves = self._leaves
+        heapq.heappush(leaves, (node.tick, next(self._seq), node))
+        if len(leaves) > 2 * self._nodes + 1024:  # mostly stale entries: rebuild, amortised O(1)
+            live = {id(n): n for _, _, n in leaves if n.mask and not n.children}
+            self._leaves = [(n.tick, next(self._seq), n) for n in live.values()]
+            heapq.heapify(self._leaves)
 
     def _evict_over_budget(self) -> None:
-        lru = self._lru
-        while len(lru) > self.max_entries:
-            key, _ = lru.popitem(last=False)
-            h, slot = key & _MASK64, key >> 64
-            m = self._mask[h] & ~(1 << slot)
-            self._counts[slot] -= 1
-            if m:
-                self._mask[h] = m
-            else:
-                del self._mask[h]
-                del self._parent[h]
+        while self._entries > self.max_entries and self._leaves:
+            tick, _, node = heapq.heappop(self._leaves)
+            if not node.mask or node.children:
+                continue  # dropped, or no longer a leaf
+            if tick != node.tick:
+                self._push_leaf(node)  # touched since it was queued
+                continue
+            holders = node.mask.bit_count()
+            blocks = -(-(self._entries - self.max_entries) // holders)
+            if blocks >= len(node.run):
+                self._drop(node)
+                continue
+            tail = node.run[-blocks:]
+            del node.run[-blocks:]
+            deque(map(self._where.pop, tail), maxlen=0)
+            self._entries -= blocks * holders
+            self._count(node.mask, -blocks)
+            self._push_leaf(node)

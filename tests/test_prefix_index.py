@@ -18,7 +18,8 @@ def chain(tokens: list[int], block_size: int = 1) -> list[int]:
 def _holds(index: PrefixIndex, worker: str, h: int) -> bool:
     """Whether the index holds block ``h`` for ``worker`` (a mid-chain block only matches from the root)."""
     slot = index._slot.get(worker)
-    return slot is not None and bool(index._mask.get(h, 0) >> slot & 1)
+    node = index._where.get(h)
+    return slot is not None and node is not None and bool(node.mask >> slot & 1)
 
 
 def test_one_match_reports_every_worker_prefix_length() -> None:
@@ -205,3 +206,106 @@ def test_index_matches_a_brute_force_model(prompts: list[list[int]], ops: list[t
             assert index.match(chain(probe)) == model_match(model, probe)
     for w in WORKERS:
         assert index.worker_entries(w) == sum(1 for e in model if e[0] == w)
+
+
+def test_stored_run_under_a_mid_run_parent_branches_there() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(10)))
+    index.insert("a", hashes)
+    branch = block_hashes([99, 98], 1, parent=hashes[3])  # a different continuation of blocks 0-3
+    index.apply_stored("b", hashes[3], branch)
+    assert index.match(hashes[:4] + branch) == {"a": 4}  # b lacks blocks 0-3: a hole at block 0
+    index.insert("b", hashes[:4])
+    assert index.match(hashes[:4] + branch) == {"a": 4, "b": 6}
+    assert index.match(hashes) == {"a": 10, "b": 4}
+
+
+def test_removed_middle_block_reattaches_when_stored_again() -> None:
+    index = PrefixIndex()
+    hashes = chain(list(range(12)))
+    index.insert("a", hashes)
+    index.apply_removed("a", [hashes[5]])
+    assert index.match(hashes) == {"a": 5}
+    assert index.worker_entries("a") == 11
+    index.apply_stored("a", hashes[4], [hashes[5]])  # the hole is filled: the tail matches again
+    assert index.match(hashes) == {"a": 12}
+    assert index.num_entries == 12 and index.num_nodes == 12
+
+
+def test_eviction_under_steady_churn_keeps_budget_and_no_holes() -> None:
+    rng = random.Random(3)
+    index = PrefixIndex(max_entries=500)
+    system = list(range(1000, 1040))
+    for step in range(300):
+        tokens = system + [rng.randrange(50) for _ in range(rng.randrange(0, 60))]
+        index.insert(f"w{step % 5}", chain(tokens))
+        assert index.num_entries <= 500
+        _check_invariants(index)
+    # The shared prefix is touched by every request, so it outlives the unique tails.
+    assert max(index.match(chain(system)).values()) == len(system)
+
+
+def _check_invariants(index: PrefixIndex) -> None:
+    """The module's stated invariants, from the outside of its public interface."""
+    nodes = []
+    stack = [n for runs in index._roots.values() for n in runs.values()]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        assert len(nodes) <= len(index._where) + 1, "a cycle in the tree"
+        for first, child in node.children.items():
+            assert child.parent is node and child.run[0] == first and child.tick <= node.tick
+            stack.append(child)
+    assert len(nodes) == index._nodes
+    assert all(node.mask and node.run for node in nodes)
+    assert sum(len(node.run) for node in nodes) == len(index._where)
+    assert all(index._where[h] is node for node in nodes for h in node.run)
+    assert sum(len(n.run) * n.mask.bit_count() for n in nodes) == index.num_entries <= index.max_entries
+    assert sum(index._counts) == index.num_entries
+    queued = {id(n) for _, _, n in index._leaves}
+    assert all(id(n) in queued for n in nodes if not n.children), "a leaf missing from the heap"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "stored", "bogus", "removed", "clear"]),
+            st.sampled_from(WORKERS),
+            st.lists(st.integers(0, 3), min_size=1, max_size=12),
+            st.integers(0, 12),
+        ),
+        max_size=40,
+    ),
+    budget=st.integers(1, 40),
+)
+def test_invariants_hold_under_budget_pressure_and_bogus_events(ops: list[tuple], budget: int) -> None:
+    index = PrefixIndex(max_entries=budget)
+    for kind, w, tokens, cut in ops:
+        hashes = chain(tokens)
+        cut = min(cut, len(hashes))
+        if kind == "insert":
+            index.insert(w, hashes)
+        elif kind == "stored":
+            index.apply_stored(w, hashes[cut - 1] if cut else None, hashes[cut:])
+        elif kind == "bogus":  # repeated hashes, a parent inside its own run, unknown parents
+            index.apply_stored(w, hashes[-1], hashes[cut:] + hashes[:cut] + hashes[cut:])
+        elif kind == "removed":
+            index.apply_removed(w, hashes[cut:] + hashes[: cut // 2])
+        else:
+            index.clear_worker(w)
+        _check_invariants(index)
+        index.match(hashes)
+
+
+def test_stored_and_removed_churn_does_not_grow_bookkeeping() -> None:
+    index = PrefixIndex()
+    base = chain([1, 2, 3])
+    index.insert("a", base)
+    for i in range(3000):  # each cycle leaves a dead leaf behind in the eviction queue
+        run = block_hashes([i + 10], 1, parent=base[-1])
+        index.apply_stored("a", base[-1], run)
+        index.apply_removed("a", run)
+    assert index.match(base) == {"a": 3} and index.num_entries == 3
+    assert len(index._leaves) <= 2 * index._nodes + 1024
+    _check_invariants(index)
