@@ -243,7 +243,7 @@ class PrefixIndex:
     def _hold(self, slot: int, at: _Node | None, end: int, up: int | None, hashes: list[int]) -> _Node:
         """Set ``slot``'s bit on the chain ``hashes``, which follows block ``end - 1`` of node
         ``at`` (None: a parentless run after hash ``up``). Touches and returns the last node."""
-        bit, where, tick = 1 << slot, self._where, self._tick
+        bit, where = 1 << slot, self._where
         i, n = 0, len(hashes)
         while i < n:
             node = where.get(hashes[i])
@@ -267,7 +267,7 @@ class PrefixIndex:
                 node.mask |= bit
                 self._entries += k
                 self._counts[slot] += k
-            node.tick = tick
+            self._touch_up(node)  # NOTE: bogus chains may jump between branches
             at, end = node, off + k
             i += k
         return at  # type: ignore[return-value]
@@ -294,6 +294,7 @@ class PrefixIndex:
             self._push_leaf(owner)
         self._entries += len(run)
         self._counts[bit.bit_length() - 1] += len(run)
+        self._touch_up(owner)
         self._adopt_orphans(run)
         return len(run)
 
@@ -384,8 +385,14 @@ class PrefixIndex:
         return node.parent.children if node.parent is not None else self._roots[node.up]
 
     def _touch_up(self, node: _Node | None) -> None:
+        """Mark ``node`` and its ancestors as used now; stops at an ancestor already marked in
+        this operation, so touching many nodes of one path costs O(path)."""
+        if node is None:
+            return
         tick = self._tick
-        while node is not None:
+        node.tick = tick
+        node = node.parent
+        while node is not None and node.tick != tick:
             node.tick = tick
             node = node.parent
 
