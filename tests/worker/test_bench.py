@@ -1,0 +1,102 @@
+"""python -m worker.bench: a quick tiny-model run on CPU writes every measurement; a cached prefix
+means fewer computed tokens (engine counters); the 8B-shaped model is refused on CPU; the
+random-weight model path serves requests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from worker.bench import IdTokenizer, build_bench_engine, run_request
+from worker.config import WorkerConfig
+from worker.model.config import ModelConfig
+
+QUICK = ["--quick", "--device", "cpu", "--cpu-threads", "1", "--prompt-tokens", "160", "--batches", "1,3",
+         "--decode-steps", "6", "--decode-prompt-tokens", "16", "--reps", "1", "--radix-iters", "3"]  # fmt: skip
+
+
+def run_bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker.bench", *args], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "worker.json"
+    proc = run_bench(*QUICK, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_json_records_machine_params_and_every_measurement(quick_run):
+    doc, _ = quick_run
+    machine = doc["machine"]
+    assert machine["device"] == "cpu" and machine["device_name"]
+    assert machine["torch"] and machine["torch_threads"] == 1
+    assert len(machine["loadavg_start"]) == 3
+    params = doc["params"]
+    assert params["prompt_tokens"] == 160 and params["batches"] == [1, 3] and params["quick"] is True
+    assert doc["command"].startswith("python -m worker.bench --quick")
+
+    assert doc["prefill"]["tokens_per_s"] > 0
+    assert doc["prefill"]["computed_tokens"] == params["prefill_prompts"] * 160  # nothing cached
+    assert [d["batch"] for d in doc["decode"]] == [1, 3]
+    for d in doc["decode"]:
+        assert d["tokens_per_s"] > 0 and d["step_ms"] > 0 and d["window_steps"] >= 1
+        assert d["decode_tokens_counted"] >= d["window_tokens"]
+    assert [t["cached_fraction"] for t in doc["ttft"]] == [0.0, 0.5, 0.9]
+    assert all(t["ttft_ms_median"] > 0 for t in doc["ttft"])
+    ops = {(r["op"], r["tokens"]) for r in doc["radix"]}
+    assert {("match_hit", 1024), ("insert_new", 1024), ("match_hit", 32768), ("insert_new", 32768)} <= ops
+    assert all(r["median_us"] > 0 for r in doc["radix"])
+
+
+def test_cached_prefix_means_fewer_computed_tokens(quick_run):
+    doc, _ = quick_run
+    cold, half, warm = doc["ttft"]
+    assert cold["cached_tokens"] == 0 and cold["computed_tokens"] == 160
+    assert half["cached_tokens"] == 80 and half["computed_tokens"] == 80
+    # 90% of 160 = 144 tokens = 9 full pages of 16: all of them hit
+    assert warm["cached_tokens"] == 144 and warm["computed_tokens"] == 16
+    assert warm["computed_tokens"] < half["computed_tokens"] < cold["computed_tokens"]
+
+
+def test_markdown_table_is_printed_last(quick_run):
+    _, stdout = quick_run
+    lines = stdout.strip().splitlines()
+    assert lines[-1].startswith("| radix")
+    assert "| measurement | value | unit |" in lines
+    assert any(line.startswith("| TTFT, 90% of 160 tokens cached (16 computed)") for line in lines)
+
+
+def test_llama3_shape_is_refused_on_cpu():
+    proc = run_bench("--model", "llama3-8b-shape", "--device", "cpu")
+    assert proc.returncode == 2
+    assert "needs a CUDA GPU" in proc.stderr
+
+
+def test_bad_batches_are_a_usage_error():
+    proc = run_bench("--batches", "1,x", "--device", "cpu")
+    assert proc.returncode == 2 and "--batches" in proc.stderr
+
+
+async def test_random_weight_model_serves_through_the_engine():
+    """The llama3-8b-shape wiring (random weights built on the device, id-only tokenizer), small."""
+    shape = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+    cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, served_model_name="shape")
+    engine = build_bench_engine(cfg, shape)
+    assert isinstance(engine.tokenizer, IdTokenizer)
+    engine.start()
+    try:
+        prompt = list(range(900, 940))
+        trace = await run_request(engine, prompt, 5)
+        again = await run_request(engine, prompt, 5)
+    finally:
+        engine.stop()
+    assert trace.last.finish_reason == "length" and trace.last.completion_tokens == 5
+    assert len(trace.token_times) == 5
+    assert again.last.cached_tokens == 32  # two full pages of the 40-token prompt

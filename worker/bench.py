@@ -1,0 +1,378 @@
+"""Worker benchmark: prefill and decode tokens/s and TTFT with a cached prefix, through the real engine.
+
+`python -m worker.bench [--model tiny|llama3-8b-shape] [...]` drives Engine.submit in-process (scheduler,
+radix cache, model); it never starts an HTTP server and never reads a checkpoint from disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from worker import bench_radix
+from worker.config import WorkerConfig
+from worker.engine import Engine, RequestOutput
+from worker.model.config import ModelConfig
+from worker.sampling import SamplingParams
+
+LLAMA3_8B_SHAPE = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,  # tokens
+)
+MODELS = ("tiny", "llama3-8b-shape")
+CACHED_FRACTIONS = (0.0, 0.5, 0.9)  # of the prompt already in the radix cache before a TTFT request
+REQUEST_TIMEOUT_S = 600.0
+# flag -> (normal default, --quick default); an explicit flag always wins
+DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "prompt_tokens": (2048, 256),
+    "batches": ("1,16,64", "1,4"),
+    "decode_steps": (64, 8),
+    "decode_prompt_tokens": (512, 32),
+    "prefill_prompts": (4, 2),
+    "reps": (5, 2),
+    "radix_iters": (200, 10),
+}
+
+
+@dataclass
+class BenchParams:
+    model: str
+    device: str  # resolved: cpu | cuda
+    prompt_tokens: int  # prefill and TTFT prompts
+    batches: list[int]
+    decode_steps: int  # generated tokens per decode request (ignore_eos)
+    decode_prompt_tokens: int  # prompt of each decode request (the decode context starts here)
+    prefill_prompts: int  # uncached prompts submitted together for the prefill measurement
+    reps: int  # TTFT requests per cached fraction (median reported)
+    radix_iters: int
+    cpu_threads: int  # requested; 0 = torch's default
+    kv_cache_tokens: int | None
+    block_size: int
+    chunked_prefill_tokens: int
+    seed: int
+    quick: bool
+
+
+class IdTokenizer:
+    """Stand-in tokenizer for a model without one (the engine only decodes): decoded text is empty."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.name, self.vocab_size, self.eos_token_ids = "ids", vocab_size, []
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) -> Any:
+    """A LlamaForCausalLM with random weights generated directly on ``device`` (no host copy)."""
+    import torch
+
+    from worker.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # RMSNorm gains (Llama has no biases)
+            else:  # NOTE: std 1/sqrt(fan_in) keeps activations O(1) through 32 layers in bf16
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    return model
+
+
+def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = None) -> Engine:
+    """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
+    import torch
+
+    from worker.engine import ModelExecutor, _assemble, build_engine, kv_pool_pages
+    from worker.kv_pool import KVPool
+    from worker.model.loader import default_dtype
+
+    if model_config is None:
+        return build_engine(cfg)
+    device = torch.device(cfg.device)
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    dtype = default_dtype(device)
+    model = random_llama(model_config, device, dtype)
+    mc = model_config
+    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    pages = kv_pool_pages(cfg, page_bytes, device)
+    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+    executor, tokenizer = ModelExecutor(model, pool, device), IdTokenizer(mc.vocab_size)
+    # NOTE: _assemble is build_engine's own wiring (cache, publisher, scheduler); only the model differs
+    name = cfg.served_model_name or "random"
+    return _assemble(cfg, executor, pool.allocator, tokenizer, mc.max_context, name)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- driving requests
+@dataclass
+class Trace:
+    submitted: float  # perf_counter s
+    token_times: list[float]  # arrival of each generated token at the caller (perf_counter s)
+    last: RequestOutput
+
+
+async def run_request(engine: Engine, prompt: list[int], max_tokens: int) -> Trace:
+    """Submit one greedy ignore_eos request and collect its tokens' arrival times."""
+    # NOTE: the engine thread calls .tolist() on the sampled ids before emitting, which waits for
+    # the device, so an output that reaches us carries a finished step (CUDA included).
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    submitted = time.perf_counter()
+    handle = engine.submit(prompt, params)
+    times: list[float] = []
+    while True:
+        out = await asyncio.wait_for(handle.outputs.get(), REQUEST_TIMEOUT_S)
+        now = time.perf_counter()
+        if out.error is not None:
+            raise RuntimeError(f"request failed: {out.error}")
+        times.extend([now] * len(out.token_ids))
+        if out.finish_reason is not None:
+            return Trace(submitted, times, out)
+
+
+class Prompts:
+    """Distinct random token-id prompts (so nothing is cached by accident)."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+
+    def make(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.vocab, size=n).tolist()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+async def measure_prefill(engine: Engine, p: BenchParams, prompts: Prompts) -> dict:
+    """Uncached prompts submitted together, one output token each: computed prompt tokens / wall s."""
+    await engine.flush_cache()
+    batch = [prompts.make(p.prompt_tokens) for _ in range(p.prefill_prompts)]
+    _sync(p.device)
+    before, t0 = engine.snapshot(), time.perf_counter()
+    await asyncio.gather(*(run_request(engine, x, 1) for x in batch))
+    elapsed = time.perf_counter() - t0
+    computed = engine.snapshot().prefill_tokens - before.prefill_tokens
+    return {
+        "computed_tokens": computed,
+        "elapsed_s": round(elapsed, 4),
+        "tokens_per_s": round(computed / elapsed, 1),
+    }
+
+
+async def measure_decode(engine: Engine, p: BenchParams, prompts: Prompts, batch: int) -> dict:
+    """``batch`` requests decoding together. Measured over the window in which all of them decode:
+    from the last first token (every prefill done) to the first finish (nobody left yet)."""
+    await engine.flush_cache()
+    _sync(p.device)
+    before = engine.snapshot()
+    traces = await asyncio.gather(
+        *(run_request(engine, prompts.make(p.decode_prompt_tokens), p.decode_steps) for _ in range(batch))
+    )
+    start = max(t.token_times[0] for t in traces)
+    first_done = min(traces, key=lambda t: t.token_times[-1])
+    end = first_done.token_times[-1]
+    # NOTE: every request gets one token per step inside the window, so count the window's steps on
+    # one request: callers wake one after another, so stamps of one step differ by µs between them.
+    steps = sum(1 for x in first_done.token_times if start < x <= end)
+    if steps == 0 or end <= start:
+        raise RuntimeError(f"no decode step with all {batch} requests running; raise --decode-steps")
+    window = end - start  # s
+    counted = engine.snapshot().decode_tokens - before.decode_tokens  # whole run, incl. outside the window
+    return {"batch": batch, "window_steps": steps, "window_tokens": batch * steps, "window_s": round(window, 5),
+            "tokens_per_s": round(batch * steps / window, 1), "step_ms": round(window / steps * 1e3, 3),
+            "decode_tokens_counted": counted}  # fmt: skip
+
+
+async def measure_ttft(engine: Engine, p: BenchParams, prompts: Prompts, fraction: float) -> dict:
+    """Warm the cache with the first ``fraction`` of a prompt, then time the full prompt's first
+    token on an idle engine; computed/cached tokens come from the engine's counters."""
+    ttfts, computed, cached = [], [], []  # ms, tokens, tokens
+    for _ in range(p.reps):
+        await engine.flush_cache()
+        prompt = prompts.make(p.prompt_tokens)
+        prefix = int(len(prompt) * fraction)
+        if prefix:
+            await run_request(engine, prompt[:prefix], 1)
+        _sync(p.device)
+        before = engine.snapshot()
+        trace = await run_request(engine, prompt, 1)
+        ttfts.append((trace.token_times[0] - trace.submitted) * 1e3)
+        computed.append(engine.snapshot().prefill_tokens - before.prefill_tokens)
+        cached.append(trace.last.cached_tokens)
+    return {"cached_fraction": fraction, "cached_tokens": min(cached), "computed_tokens": max(computed),
+            "ttft_ms_median": round(statistics.median(ttfts), 3), "ttft_ms_min": round(min(ttfts), 3),
+            "ttft_ms_max": round(max(ttfts), 3)}  # fmt: skip
+
+
+async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
+    # NOTE: tiny prompts are byte ids only (no special tokens); other models draw from the vocabulary
+    prompts = Prompts(256 if p.model == "tiny" else engine.tokenizer.vocab_size, p.seed)
+    # warm-up: first calls pay for allocator growth, kernel selection and (CUDA) Triton compilation
+    await run_request(engine, prompts.make(p.prompt_tokens), 4)
+    warm = [prompts.make(p.decode_prompt_tokens) for _ in range(max(p.batches))]
+    await asyncio.gather(*(run_request(engine, x, 4) for x in warm))
+    prefill = await measure_prefill(engine, p, prompts)
+    decode = [await measure_decode(engine, p, prompts, b) for b in p.batches]
+    ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
+    await engine.flush_cache()
+    return {"prefill": prefill, "decode": decode, "ttft": ttft}
+
+
+# ---------------------------------------------------------------------------- machine and report
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        models = []
+    return models[0] if models else platform.processor() or platform.machine()
+
+
+def machine_info(device: str) -> dict:
+    import torch
+
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
+    return {"device": device, "device_name": name, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version()}  # fmt: skip
+
+
+def markdown_table(doc: dict) -> str:
+    p, m = doc["params"], doc["machine"]
+    rows = [(f"prefill, {p['prefill_prompts']} x {p['prompt_tokens']}-token prompts, no cache",
+             f"{doc['prefill']['tokens_per_s']:,.0f}", "tokens/s")]  # fmt: skip
+    for d in doc["decode"]:
+        rows.append((f"decode, batch {d['batch']} ({p['decode_prompt_tokens']}-token prompts)",
+                     f"{d['tokens_per_s']:,.0f}", f"tokens/s ({d['step_ms']:.2f} ms/step)"))  # fmt: skip
+    for t in doc["ttft"]:
+        rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached "
+                     f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
+                     f"ms (median of {p['reps']})"))  # fmt: skip
+    # NOTE: the engine's cache publishes KV events, so its radix costs are the events=True rows
+    for r in doc["radix"]:
+        if r["events"] and r["op"] in ("match_hit", "insert_new"):
+            rows.append((f"radix {r['op']}, {r['tokens']} tokens", f"{r['median_us']:.1f}", "µs (median)"))
+    head = f"**{doc['model']['name']} on {m['device_name']}, {m['torch_threads']} torch threads**"
+    lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']})", "",
+             "| measurement | value | unit |", "|---|---:|---|"]  # fmt: skip
+    return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
+
+
+# ---------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__)
+    ap.add_argument("--model", choices=MODELS, default="tiny",
+                    help="tiny, or Llama-3-8B-shaped with random bf16 weights (CUDA only)")  # fmt: skip
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--prompt-tokens", type=int, help="prefill and TTFT prompt length (tokens)")
+    ap.add_argument("--batches", help="decode batch sizes, comma-separated")
+    ap.add_argument("--decode-steps", type=int, help="tokens generated per decode request")
+    ap.add_argument("--decode-prompt-tokens", type=int, help="prompt length of decode requests (tokens)")
+    ap.add_argument("--prefill-prompts", type=int, help="uncached prompts in the prefill measurement")
+    ap.add_argument("--reps", type=int, help="TTFT requests per cached fraction")
+    ap.add_argument("--radix-iters", type=int, help="iterations of each radix microbenchmark")
+    ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
+    ap.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: the worker's)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--chunked-prefill-tokens", type=int, default=2048, help="prompt tokens per prefill step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    return ap
+
+
+def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchParams:
+    """Explicit flags, else the --quick or normal defaults; the device resolved; bad input exits."""
+    import torch
+
+    sizes = {
+        k: v[int(args.quick)] if getattr(args, k) is None else getattr(args, k) for k, v in DEFAULTS.items()
+    }
+    try:
+        sizes["batches"] = [int(b) for b in str(sizes["batches"]).split(",")]
+    except ValueError:
+        parser.error("--batches must be comma-separated integers, e.g. 1,16,64")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    if args.model == "llama3-8b-shape" and device != "cuda":
+        parser.error("--model llama3-8b-shape needs a CUDA GPU (16 GB of bf16 weights; one prefill "
+                     "would take minutes on CPU); use --model tiny on CPU")  # fmt: skip
+    if min(sizes["batches"] + [v for k, v in sizes.items() if k != "batches"]) <= 0:
+        parser.error("sizes, counts and batch sizes must be positive")
+    if sizes["decode_steps"] < 2:
+        parser.error("--decode-steps must be at least 2 (the first token comes from prefill)")
+    return BenchParams(model=args.model, device=device, cpu_threads=args.cpu_threads, seed=args.seed,
+                       kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+                       chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick, **sizes)  # fmt: skip
+
+
+def run_benchmark(p: BenchParams, command: str) -> dict:
+    """Build the engine from a WorkerConfig, run every measurement, return the JSON document."""
+    load_start, t0 = os.getloadavg(), time.perf_counter()
+    width = max(p.batches)
+    cfg = WorkerConfig(model="tiny", device=p.device, block_size=p.block_size, cpu_threads=p.cpu_threads,
+                       kv_cache_tokens=p.kv_cache_tokens, chunked_prefill_tokens=p.chunked_prefill_tokens,
+                       served_model_name=None if p.model == "tiny" else p.model,
+                       max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
+    cfg.validate()
+    engine = build_bench_engine(cfg, None if p.model == "tiny" else LLAMA3_8B_SHAPE)
+    engine.start()
+    try:
+        results = asyncio.run(run_engine_benchmarks(engine, p))
+    finally:
+        engine.stop()
+    model = engine.executor.model  # type: ignore[attr-defined]
+    info = {"name": p.model, "dtype": str(model.dtype).removeprefix("torch."),
+            "parameters": sum(x.numel() for x in model.parameters()), "config": asdict(model.config)}  # fmt: skip
+    machine = machine_info(p.device)
+    machine["loadavg_start"] = [round(x, 2) for x in load_start]
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    radix = bench_radix.run(p.radix_iters, seed=p.seed)
+    return {"benchmark": "worker", "command": command, "params": asdict(p), "machine": machine, "model": info,
+            "kv_capacity_tokens": engine.capacity_tokens, **results, "radix": radix,
+            "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    doc = run_benchmark(resolve_params(args, parser), " ".join(["python -m worker.bench", *argv]))
+    out = args.out
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "wb") as f:
+            f.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"wrote {out}")
+    print(markdown_table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
