@@ -30,51 +30,55 @@ class _WorkerCollector:
     def collect(self) -> Iterable[Metric]:
         label = ["worker"]
         requests = CounterMetricFamily(
-            "radixgate_worker_requests", "Requests sent to the worker", labels=label
+            "radixgate_upstream_requests", "Requests sent to the worker", labels=label
         )
         errors = CounterMetricFamily(
-            "radixgate_worker_errors", "Worker faults (connect, timeout, http_5xx)", labels=["worker", "kind"]
+            "radixgate_upstream_errors",
+            "Worker faults (connect, timeout, http_5xx)",
+            labels=["worker", "kind"],
         )
         retries = CounterMetricFamily(
-            "radixgate_worker_retries",
+            "radixgate_upstream_retries",
             "Requests moved to another worker before their first byte",
             labels=label,
         )
         in_flight = GaugeMetricFamily(
-            "radixgate_worker_in_flight", "Requests open to the worker", labels=label
+            "radixgate_upstream_in_flight", "Requests open to the worker", labels=label
         )
-        load = GaugeMetricFamily("radixgate_worker_load", "Blended load used for routing", labels=label)
+        load = GaugeMetricFamily("radixgate_upstream_load", "Blended load used for routing", labels=label)
         healthy = GaugeMetricFamily(
-            "radixgate_worker_healthy", "1 if the last health check passed", labels=label
+            "radixgate_upstream_healthy", "1 if the last health check passed", labels=label
         )
         breaker = GaugeMetricFamily(
-            "radixgate_worker_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", labels=label
+            "radixgate_upstream_breaker_state", "Circuit breaker: 0 closed, 1 open, 2 half-open", labels=label
         )
         prompt = CounterMetricFamily(
-            "radixgate_worker_prompt_tokens", "Prompt tokens routed (router's tokenizer)", labels=label
+            "radixgate_upstream_prompt_tokens", "Prompt tokens routed (router's tokenizer)", labels=label
         )
         predicted = CounterMetricFamily(
-            "radixgate_worker_predicted_cached_tokens",
+            "radixgate_upstream_predicted_cached_tokens",
             "Prompt tokens the index predicted cached",
             labels=label,
         )
         usage_prompt = CounterMetricFamily(
-            "radixgate_worker_usage_prompt_tokens", "Prompt tokens as reported in worker usage", labels=label
+            "radixgate_upstream_usage_prompt_tokens",
+            "Prompt tokens as reported in worker usage",
+            labels=label,
         )
         cached = CounterMetricFamily(
-            "radixgate_worker_cached_tokens",
+            "radixgate_upstream_cached_tokens",
             "usage.prompt_tokens_details.cached_tokens reported",
             labels=label,
         )
         hit_rate = GaugeMetricFamily(
-            "radixgate_worker_hit_rate",
+            "radixgate_upstream_hit_rate",
             "Cumulative prefix hit rate: predicted (index) or actual (worker usage)",
             labels=["worker", "source"],
         )
         events = CounterMetricFamily(
-            "radixgate_worker_kv_event_batches", "KV event batches applied", labels=label
+            "radixgate_upstream_kv_event_batches", "KV event batches applied", labels=label
         )
-        resyncs = CounterMetricFamily("radixgate_worker_kv_resyncs", "Snapshot re-syncs", labels=label)
+        resyncs = CounterMetricFamily("radixgate_upstream_kv_resyncs", "Snapshot re-syncs", labels=label)
         fleet = GaugeMetricFamily("radixgate_fleet_hit_rate", "Fleet prefix hit rate", labels=["source"])
         totals = [0, 0, 0, 0]
         for w in self._workers:

@@ -106,7 +106,7 @@ def _resynced(router_url: str) -> bool:
     values = [
         float(line.split()[-1])
         for line in text.splitlines()
-        if line.startswith("radixgate_worker_kv_resyncs")
+        if line.startswith("radixgate_upstream_kv_resyncs")
     ]
     return len(values) == 2 and all(v >= 1 for v in values)
 

@@ -142,7 +142,7 @@ def test_killed_worker_is_skipped_and_no_request_hangs(launch):
     statuses = asyncio.run(asyncio.wait_for(run(), timeout=60))
     assert statuses == [200] * 30  # the dead worker's share was retried elsewhere
     metrics = httpx.get(router.url + "/metrics").text
-    errors = metric_values(metrics, "radixgate_worker_errors_total")
+    errors = metric_values(metrics, "radixgate_upstream_errors_total")
     assert any(victim.url in k and v >= 1 for k, v in errors.items())
 
 
@@ -186,7 +186,7 @@ def test_client_errors_do_not_count_against_the_worker(launch):
         assert client.post("/v1/completions", json={"model": "echo", "prompt": "fine"}).status_code == 200
         workers = client.get("/workers").json()["workers"]
     assert workers[0]["breaker"] == "closed"
-    errors = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_worker_errors_total")
+    errors = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_upstream_errors_total")
     assert sum(errors.values()) == 0
 
 
@@ -267,8 +267,8 @@ def test_metrics_report_predicted_and_actual_hits_per_worker(fleet):
                 == 200
             )
         text = client.get("/metrics").text
-    cached = metric_values(text, "radixgate_worker_cached_tokens_total")
-    predicted = metric_values(text, "radixgate_worker_predicted_cached_tokens_total")
+    cached = metric_values(text, "radixgate_upstream_cached_tokens_total")
+    predicted = metric_values(text, "radixgate_upstream_predicted_cached_tokens_total")
     assert sum(cached.values()) > 0 and sum(predicted.values()) > 0
     hit = metric_values(text, "radixgate_fleet_hit_rate")
     assert 0 < hit['{source="actual"}'] <= 1
@@ -295,3 +295,32 @@ def test_worker_restarted_on_same_address_gets_traffic_again(launch):
             return r.status_code == 200 and r.headers["x-radixgate-worker"] == victim.url
 
         wait_until(gets_traffic, timeout=15, interval=0.2, what="traffic to the restarted worker")
+
+
+def test_client_disconnect_releases_load_and_cancels_upstream(launch):
+    slow = launch.echo_backend("--decode-ms-per-token", "300")
+    router = launch.router([slow.url])
+
+    def router_in_flight() -> int:
+        return httpx.get(router.url + "/workers", timeout=5).json()["workers"][0]["in_flight"]
+
+    def backend_running() -> int:
+        return httpx.get(slow.url + "/health", timeout=5).json()["running"]
+
+    body = {"model": "echo", "prompt": "hang up on me", "max_tokens": 50, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = r.iter_raw()  # held: dropping the iterator would close the response
+        next(chunks)  # the stream is flowing
+        assert router_in_flight() == 1 and backend_running() == 1
+        chunks.close()
+    # closing the client's connection must close the upstream one: the backend stops generating
+    wait_until(lambda: router_in_flight() == 0, timeout=10, what="router in-flight released")
+    wait_until(lambda: backend_running() == 0, timeout=10, what="upstream stream cancelled")
+
+    with pytest.raises(httpx.ReadTimeout):  # non-stream: the client gives up while the backend works
+        httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    wait_until(lambda: router_in_flight() == 0, timeout=10, what="router in-flight released (non-stream)")
+    ok = httpx.post(
+        router.url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False}, timeout=30
+    )
+    assert ok.status_code == 200

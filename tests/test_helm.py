@@ -1,0 +1,550 @@
+"""The Helm chart (helm/radixgate) and the Prometheus rules (configs/prometheus-rules.yaml).
+
+The chart is linted and rendered offline with Helm's own Go code (helm-python-sdk), every
+manifest is validated against the Kubernetes schemas (kubernetes-validate, bundled schemas),
+and the wiring a fleet depends on is checked: the routers' worker URLs are the workers' stable
+DNS names and equal what each worker advertises in its KV events, the rendered args parse with
+the real CLIs, GPU requests, Redis, model volume, admin token, Prometheus scraping. Neither
+package needs a helm binary or network at run time.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed (pip install -e '.[test]')")
+kube_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate not installed (pip install -e '.[test]')"
+)
+
+from router.config import build_config  # noqa: E402
+from worker.config import ENV_PREFIX as WORKER_ENV_PREFIX  # noqa: E402
+from worker.config import parse_args as parse_worker_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "radixgate"
+CPU_VALUES = CHART / "values-cpu.yaml"
+RULES = ROOT / "configs" / "prometheus-rules.yaml"
+KUBE_VERSION = "1.30"  # the chart asks for >= 1.25; 1.30 is a supported release with its schemas bundled
+RELEASE, NAMESPACE = "rg", "llm"
+GPU = "nvidia.com/gpu"
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _profile_values(profile: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    base = yaml.safe_load(CPU_VALUES.read_text()) if profile == "cpu" else {}
+    return _deep_merge(base, overrides or {})
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart, profile: str = "default", **overrides: Any) -> list[dict[str, Any]]:
+    """Render with a profile plus overrides; returns every Kubernetes object as a dict."""
+    manifests = chart.render(_profile_values(profile, overrides), name=RELEASE, namespace=NAMESPACE)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if not path.endswith(".yaml"):
+            continue  # NOTES.txt
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def one(objects: list[dict[str, Any]], kind: str, component: str | None = None) -> dict[str, Any]:
+    found = [
+        o
+        for o in objects
+        if o["kind"] == kind
+        and (component is None or o["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
+    assert len(found) == 1, f"expected one {kind} {component or ''}, got {len(found)}"
+    return found[0]
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value of `--name VALUE` or `--name=VALUE` in an args list; None when absent."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def env_secret_refs(c: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {
+        e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def worker_argv(sts: dict[str, Any], ordinal: int) -> list[str]:
+    """The worker's argv as Kubernetes hands it over: $(POD_NAME) expanded for one pod."""
+    c = container(sts)
+    pod_name_env = next(e for e in c["env"] if e["name"] == "POD_NAME")
+    assert pod_name_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    pod = f"{sts['metadata']['name']}-{ordinal}"
+    return [a.replace("$(POD_NAME)", pod) for a in c["args"]]
+
+
+# Values that switch on every optional object, so the schema check sees them all.
+EVERYTHING = {
+    "adminToken": {"value": "s3cret"},
+    "model": {"source": "pvc", "dir": "llama", "pvc": {"claimName": "models"}},
+    "router": {"tokenizer": "model", "config": {"breaker_open_s": 5.0}, "policyParams": {"balance_abs": 4}},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    "worker": {"flags": {"max-running": 128}, "podAnnotations": {"team": "ml"}},
+}
+
+
+# ------------------------------------------------------------------------------- lint, schemas
+@pytest.mark.parametrize("profile", ["default", "cpu"])
+def test_chart_lints_without_warnings(profile: str) -> None:
+    report = helm.lint(CHART, _profile_values(profile), strict=True, kube_version=f"v{KUBE_VERSION}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 = warning, 3 = error
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize(
+    ("profile", "overrides"),
+    [("default", {}), ("cpu", {}), ("default", EVERYTHING), ("cpu", {"redis": {"enabled": False}})],
+    ids=["default", "cpu", "everything-on", "cpu-no-redis"],
+)
+def test_every_manifest_validates_against_kubernetes_schemas(chart, profile: str, overrides: dict) -> None:
+    objects = render(chart, profile, **overrides)
+    errors = []
+    for obj in objects:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        assert obj["metadata"]["namespace"] == NAMESPACE, where
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no bundled schema; checked by test_service_monitors_select_the_services
+        try:
+            kube_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kube_validate.ValidationError as exc:
+            errors.append(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message}")
+    assert errors == []
+    kinds = sorted(o["kind"] for o in objects)
+    expected = [
+        "Deployment",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "Service",
+        "Service",
+        "StatefulSet",
+    ]
+    if overrides.get("redis", {}).get("enabled") is False:
+        expected = ["Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
+    if overrides is EVERYTHING:
+        expected = sorted([*expected, "ConfigMap", "Secret", "ServiceMonitor", "ServiceMonitor"])
+    assert kinds == expected
+
+
+# -------------------------------------------------------------------- router <-> worker wiring
+@pytest.mark.parametrize(("profile", "replicas"), [("default", 2), ("cpu", 1), ("cpu", 5)])
+def test_router_addresses_each_worker_by_its_stable_dns_name(chart, profile: str, replicas: int) -> None:
+    objects = render(chart, profile, worker={"replicas": replicas})
+    sts = one(objects, "StatefulSet", "worker")
+    headless = next(
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == sts["spec"]["serviceName"]
+    )
+    assert headless["spec"]["clusterIP"] == "None"
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    port = container(sts)["ports"][0]["containerPort"]
+    assert headless["spec"]["ports"][0]["port"] == port
+
+    router = build_config(container(one(objects, "Deployment", "router"))["args"], environ={})
+    expected = [
+        f"http://{sts['metadata']['name']}-{i}.{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
+        for i in range(replicas)
+    ]
+    assert router.workers == expected
+    assert (router.host, router.port) == ("0.0.0.0", 8000)
+    assert sts["spec"]["replicas"] == replicas
+    # NOTE: the router matches KV event batches to workers by the advertised URL.
+    for i, url in enumerate(expected):
+        worker = parse_worker_args(worker_argv(sts, i))
+        assert worker.resolved_advertise_url() == url
+        assert (worker.host, worker.port) == ("0.0.0.0", port)
+
+
+def test_router_service_pdb_and_probes_target_the_router_pods(chart) -> None:
+    objects = render(chart, router={"replicas": 3, "pdb": {"minAvailable": 2}})
+    deploy = one(objects, "Deployment", "router")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert deploy["spec"]["replicas"] == 3
+    service = one(objects, "Service", "router")
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    pdb = one(objects, "PodDisruptionBudget", "router")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pdb["spec"] == {**pdb["spec"], "minAvailable": 2} and "maxUnavailable" not in pdb["spec"]
+    c = container(deploy)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["requests"]["cpu"]
+    assert {p["name"] for p in c["ports"]} == {"http"}
+
+
+# ----------------------------------------------------------------------------------------- GPU
+def test_gpu_is_requested_by_default_and_only_by_workers(chart) -> None:
+    objects = render(chart, worker={"gpu": {"count": 2}})
+    c = container(one(objects, "StatefulSet", "worker"))
+    assert c["resources"]["limits"][GPU] == 2 and c["resources"]["requests"][GPU] == 2
+    assert c["resources"]["requests"]["memory"] == "32Gi"  # the rest of worker.resources is kept
+    assert flag(c["args"], "--device") == "cuda"
+    router_and_redis = [o for o in objects if o["kind"] == "Deployment"]
+    assert GPU not in yaml.safe_dump(router_and_redis)
+
+
+def test_cpu_profile_requests_no_gpu(chart) -> None:
+    objects = render(chart, "cpu")
+    assert GPU not in yaml.safe_dump(objects)
+    sts = one(objects, "StatefulSet", "worker")
+    worker = parse_worker_args(worker_argv(sts, 0))
+    assert (worker.device, worker.model, worker.kv_cache_tokens) == ("cpu", "tiny", 65536)
+
+
+def test_worker_flags_keep_whole_numbers_whole(chart) -> None:
+    objects = render(chart, "cpu", worker={"flags": {"stream-maxlen": 1000000, "mem-fraction": 0.9}})
+    args = container(one(objects, "StatefulSet", "worker"))["args"]
+    assert "--stream-maxlen=1000000" in args and "--mem-fraction=0.9" in args
+    worker = parse_worker_args(worker_argv(one(objects, "StatefulSet", "worker"), 0))
+    assert (worker.stream_maxlen, worker.mem_fraction) == (1_000_000, 0.9)
+
+
+# --------------------------------------------------------------------------------------- Redis
+def test_bundled_redis_is_used_by_routers_and_workers(chart) -> None:
+    objects = render(chart, "cpu")
+    service = one(objects, "Service", "redis")
+    one(objects, "Deployment", "redis")
+    url = f"redis://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+    assert flag(container(one(objects, "Deployment", "router"))["args"], "--redis-url") == url
+    assert flag(container(one(objects, "StatefulSet", "worker"))["args"], "--redis-url") == url
+
+
+def test_disabling_bundled_redis_drops_it_and_uses_the_external_url(chart) -> None:
+    external = "redis://redis.shared.svc:6379/3"
+    objects = render(chart, "cpu", redis={"enabled": False, "externalUrl": external})
+    assert not [o for o in objects if o["metadata"]["labels"].get("app.kubernetes.io/component") == "redis"]
+    router = build_config(container(one(objects, "Deployment", "router"))["args"], environ={})
+    assert router.redis_url == external
+    worker = parse_worker_args(worker_argv(one(objects, "StatefulSet", "worker"), 0))
+    assert worker.redis_url == external
+
+
+def test_no_redis_at_all_means_http_event_streams(chart) -> None:
+    objects = render(chart, "cpu", redis={"enabled": False})
+    router = build_config(container(one(objects, "Deployment", "router"))["args"], environ={})
+    assert router.redis_url is None and router.kv_events == "auto"
+    assert flag(container(one(objects, "StatefulSet", "worker"))["args"], "--redis-url") is None
+
+
+def test_redis_url_with_credentials_comes_from_a_secret(chart) -> None:
+    objects = render(chart, "cpu", redis={"enabled": False, "urlSecret": {"name": "redis-creds"}})
+    router_c = container(one(objects, "Deployment", "router"))
+    worker_c = container(one(objects, "StatefulSet", "worker"))
+    assert flag(router_c["args"], "--redis-url") is None and flag(worker_c["args"], "--redis-url") is None
+    assert env_secret_refs(router_c)["RADIXGATE_REDIS_URL"] == ("redis-creds", "url")
+    assert env_secret_refs(worker_c)[WORKER_ENV_PREFIX + "REDIS_URL"] == ("redis-creds", "url")
+
+
+def test_external_redis_with_the_bundled_one_on_is_refused(chart) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape("redis.enabled=false")):
+        render(chart, redis={"externalUrl": "redis://elsewhere:6379/0"})
+
+
+# ------------------------------------------------------------------------ model, secret, config
+def test_model_from_a_pvc_is_mounted_in_workers_and_routers(chart) -> None:
+    overrides = copy.deepcopy(EVERYTHING)
+    del overrides["router"]["config"]  # the router's args then parse without the mounted file
+    objects = render(chart, **overrides)
+    sts = one(objects, "StatefulSet", "worker")
+    worker = parse_worker_args(worker_argv(sts, 0))
+    assert worker.model == "/models/llama"
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(sts)["volumeMounts"]
+    deploy = one(objects, "Deployment", "router")
+    assert build_config(container(deploy)["args"], environ={}).tokenizer == "/models/llama"
+    router_volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert router_volumes["model"] == volumes["model"]
+
+
+def test_model_from_a_host_path(chart) -> None:
+    objects = render(chart, model={"source": "hostPath", "hostPath": {"path": "/data/llama-3-8b"}})
+    sts = one(objects, "StatefulSet", "worker")
+    assert flag(container(sts)["args"], "--model") == "/models"
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["hostPath"] == {"path": "/data/llama-3-8b", "type": "Directory"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model": {"source": "pvc"}}, "claimName"),
+        ({"model": {"source": "s3"}}, "model.source"),
+        ({"router": {"tokenizer": "model"}}, "router.tokenizer=model"),
+    ],
+)
+def test_incomplete_model_settings_fail_to_render(chart, overrides: dict, message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(chart, **overrides)
+
+
+def test_admin_token_reaches_router_and_workers_from_a_secret(chart) -> None:
+    objects = render(chart, "cpu", adminToken={"value": "s3cret"})
+    secret = one(objects, "Secret")
+    name = secret["metadata"]["name"]
+    router_refs = env_secret_refs(container(one(objects, "Deployment", "router")))
+    worker_refs = env_secret_refs(container(one(objects, "StatefulSet", "worker")))
+    assert router_refs["RADIXGATE_ADMIN_TOKEN"] == (name, "token")
+    assert worker_refs[WORKER_ENV_PREFIX + "ADMIN_TOKEN"] == (name, "token")
+    assert build_config([], environ={"RADIXGATE_ADMIN_TOKEN": "s3cret"}).admin_token == "s3cret"
+
+    objects = render(chart, "cpu", adminToken={"existingSecret": "ops-token", "secretKey": "t"})
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert env_secret_refs(container(one(objects, "Deployment", "router")))["RADIXGATE_ADMIN_TOKEN"] == (
+        "ops-token",
+        "t",
+    )
+    objects = render(chart, "cpu")
+    assert "RADIXGATE_ADMIN_TOKEN" not in env_secret_refs(container(one(objects, "Deployment", "router")))
+
+
+def test_router_config_is_a_valid_router_yaml(chart, tmp_path: Path) -> None:
+    objects = render(chart, **EVERYTHING)
+    cm = one(objects, "ConfigMap", "router")
+    config_file = tmp_path / "router.yaml"
+    config_file.write_text(cm["data"]["router.yaml"])
+    deploy = one(objects, "Deployment", "router")
+    args = container(deploy)["args"]
+    assert flag(args, "--config") == "/etc/radixgate/router.yaml"
+    mounts = {m["name"]: m["mountPath"] for m in container(deploy)["volumeMounts"]}
+    assert mounts["config"] == "/etc/radixgate"
+    local_args = [str(config_file) if a == "/etc/radixgate/router.yaml" else a for a in args]
+    router = build_config(local_args, environ={})
+    assert router.breaker_open_s == 5.0 and router.policy_params == {"balance_abs": 4}
+    assert "checksum/config" in deploy["spec"]["template"]["metadata"]["annotations"]
+
+
+# ------------------------------------------------------------------------------------- metrics
+def test_pods_carry_prometheus_scrape_annotations(chart) -> None:
+    objects = render(chart)
+    for kind, component in (("Deployment", "router"), ("StatefulSet", "worker")):
+        workload = one(objects, kind, component)
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        port = container(workload)["ports"][0]["containerPort"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (
+            str(port),
+            "/metrics",
+        )
+    objects = render(chart, metrics={"podAnnotations": False})
+    for kind, component in (("Deployment", "router"), ("StatefulSet", "worker")):
+        assert "annotations" not in one(objects, kind, component)["spec"]["template"]["metadata"]
+
+
+def test_service_monitors_select_the_services(chart) -> None:
+    assert not [o for o in render(chart) if o["kind"] == "ServiceMonitor"]
+    objects = render(chart, **EVERYTHING)
+    for component in ("router", "worker"):
+        monitor = one(objects, "ServiceMonitor", component)
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        service = one(objects, "Service", component)
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+        assert endpoint["path"] == "/metrics"
+    redis_service = one(objects, "Service", "redis")
+    for monitor in (o for o in objects if o["kind"] == "ServiceMonitor"):
+        assert (
+            not monitor["spec"]["selector"]["matchLabels"].items()
+            <= redis_service["metadata"]["labels"].items()
+        )
+
+
+# ---------------------------------------------------------------------------- Prometheus rules
+REQUIRED_ALERTS = {
+    "RadixgateNoHealthyWorkers",
+    "RadixgateWorkerBreakerOpen",
+    "RadixgateHigh5xxRate",
+    "RadixgateHitRatePredictionGap",
+    "RadixgateWorkerKVUsageHigh",
+}
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(RULES.read_text())
+    assert set(doc) == {"groups"}
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def _documented_metrics() -> set[str]:
+    text = (ROOT / "docs" / "metrics.md").read_text() + (ROOT / "docs" / "worker.md").read_text()
+    return set(re.findall(r"`(radixgate_[a-z0-9_]+)", text))
+
+
+def test_rules_file_has_the_expected_structure() -> None:
+    doc = yaml.safe_load(RULES.read_text())
+    names = [g["name"] for g in doc["groups"]]
+    assert len(names) == len(set(names)) and all(g["rules"] for g in doc["groups"])
+    records, alerts = set(), set()
+    for rule in _rules():
+        assert ("record" in rule) != ("alert" in rule), rule
+        assert isinstance(rule["expr"], str) and rule["expr"].strip()
+        assert rule["expr"].count("(") == rule["expr"].count(")")
+        if "record" in rule:
+            assert re.fullmatch(r"radixgate:[a-z0-9_]+:[a-z0-9_]+", rule["record"]), rule["record"]
+            records.add(rule["record"])
+        else:
+            alerts.add(rule["alert"])
+            assert re.fullmatch(r"\d+[smh]", rule["for"])
+            assert rule["labels"]["severity"] in {"warning", "critical"}
+            assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    assert alerts >= REQUIRED_ALERTS
+    assert "radixgate:fleet_hit_rate_actual:ratio_rate5m" in records
+    used = {name for rule in _rules() for name in re.findall(r"radixgate:[a-z0-9_:]+", rule["expr"])}
+    assert used <= records, f"recording rules used but not defined: {used - records}"
+
+
+def test_rules_reference_only_documented_metrics() -> None:
+    documented = _documented_metrics()
+    assert "radixgate_worker_kv_usage" in documented and "radixgate_requests_total" in documented
+    unknown = set()
+    for rule in _rules():
+        text = rule["expr"] + " ".join(rule.get("annotations", {}).values())
+        for name in re.findall(r"(?<![a-z0-9_:])radixgate_[a-z0-9_]+", text):
+            base = next((name[: -len(s)] for s in HISTOGRAM_SUFFIXES if name.endswith(s)), name)
+            if name not in documented and base not in documented:
+                unknown.add(name)
+    assert unknown == set()
+
+
+PROMTOOL_TESTS = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      # router r1: worker a healthy, b down; router r2: no workers registered at all
+      - series: 'radixgate_upstream_healthy{{namespace="llm",instance="r1",worker="http://a"}}'
+        values: '1x20'
+      - series: 'radixgate_upstream_healthy{{namespace="llm",instance="r1",worker="http://b"}}'
+        values: '0x20'
+      - series: 'radixgate_workers{{namespace="llm",instance="r1"}}'
+        values: '2x20'
+      - series: 'radixgate_workers{{namespace="llm",instance="r2"}}'
+        values: '0x20'
+      - series: 'radixgate_upstream_breaker_state{{namespace="llm",instance="r1",worker="http://b"}}'
+        values: '0 1 1 2 1 1 1 1 1 1 1'
+      # 1000 prompt tokens/min, 600 cached in usage, 900 predicted: actual 0.6, predicted 0.9
+      - series: 'radixgate_upstream_usage_prompt_tokens_total{{namespace="llm",worker="http://a"}}'
+        values: '0+6000x30'
+      - series: 'radixgate_upstream_cached_tokens_total{{namespace="llm",worker="http://a"}}'
+        values: '0+3600x30'
+      - series: 'radixgate_upstream_prompt_tokens_total{{namespace="llm",worker="http://a"}}'
+        values: '0+6000x30'
+      - series: 'radixgate_upstream_predicted_cached_tokens_total{{namespace="llm",worker="http://a"}}'
+        values: '0+5400x30'
+      # the worker's own series of the same names (no worker label) must not count
+      - series: 'radixgate_worker_cached_tokens_total{{namespace="llm",instance="w0"}}'
+        values: '0+6000x30'
+      - series: 'radixgate_worker_prompt_tokens_total{{namespace="llm",instance="w0"}}'
+        values: '0+6000x30'
+      - series: 'radixgate_requests_total{{namespace="llm",endpoint="chat",status="200"}}'
+        values: '0+540x30'
+      - series: 'radixgate_requests_total{{namespace="llm",endpoint="chat",status="503"}}'
+        values: '0+60x30'
+      - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w0"}}'
+        values: '0.95x20'
+      - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w1"}}'
+        values: '0.5x20'
+    # Alerts are checked through the ALERTS series: alert_rule_test would also pin every
+    # annotation's text.
+    promql_expr_test:
+      - expr: round(radixgate:fleet_hit_rate_actual:ratio_rate5m, 0.001)
+        eval_time: 10m
+        exp_samples: [{{labels: '{{namespace="llm"}}', value: 0.6}}]
+      - expr: round(radixgate:fleet_hit_rate_predicted:ratio_rate5m, 0.001)
+        eval_time: 10m
+        exp_samples: [{{labels: '{{namespace="llm"}}', value: 0.9}}]
+      - expr: ALERTS{{alertname="RadixgateNoHealthyWorkers", alertstate="firing"}}
+        eval_time: 5m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateNoHealthyWorkers", alertstate="firing", severity="critical", namespace="llm", instance="r2"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateWorkerBreakerOpen", alertstate="firing"}}
+        eval_time: 5m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateWorkerBreakerOpen", alertstate="firing", severity="warning", namespace="llm", worker="http://b"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateHigh5xxRate", alertstate="firing"}}
+        eval_time: 20m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateHigh5xxRate", alertstate="firing", severity="critical", namespace="llm"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateHitRatePredictionGap"}}
+        eval_time: 10m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateHitRatePredictionGap", alertstate="pending", severity="warning", namespace="llm"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateHitRatePredictionGap", alertstate="firing"}}
+        eval_time: 25m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateHitRatePredictionGap", alertstate="firing", severity="warning", namespace="llm"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateWorkerKVUsageHigh", alertstate="firing"}}
+        eval_time: 15m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateWorkerKVUsageHigh", alertstate="firing", severity="warning", namespace="llm", instance="w0"}}'
+            value: 1
+"""
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None,
+    reason="promtool not on PATH (Prometheus' own tool, e.g. the Debian package 'prometheus'); "
+    "the rules' PromQL is then checked only structurally",
+)
+def test_rules_pass_promtool_and_fire_on_synthetic_series(tmp_path: Path) -> None:
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = tmp_path / "rules_test.yaml"
+    tests.write_text(PROMTOOL_TESTS.format(rules=RULES))
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
