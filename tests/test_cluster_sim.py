@@ -1,0 +1,157 @@
+"""The fleet simulator: real policies, index and radix caches under a deterministic cost-model clock."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from loadtest.cluster_sim import (
+    ClusterSim,
+    SimConfig,
+    TraceSource,
+    WorkerModel,
+    WorkloadSource,
+    main,
+    parse_run,
+)
+from router.block_hash import block_hashes
+
+
+def run(policy: str, source, workers: int = 4, **kw) -> tuple[dict, ClusterSim]:
+    model = kw.pop("model", WorkerModel(kv_tokens=8192))
+    sim = ClusterSim(SimConfig(workers, policy, kw.pop("params", {}), model=model, **kw), source)
+    return sim.run(), sim
+
+
+def tenants(n: int = 300, **options) -> WorkloadSource:
+    return WorkloadSource("tenants", n, 40.0, 16, 0, {"num_tenants": 16, "system_tokens": 1024, **options})
+
+
+def assert_fleet_consistent(sim: ClusterSim) -> None:
+    """Nothing running is left holding pages, and every cache's pages are accounted for."""
+    for w in sim.workers:
+        w.cache.check_invariants()
+        assert w.outstanding == 0 and not w.waiting and not w.decoding and not w.prefilling
+        assert w.cache.protected_pages == 0
+        assert w.alloc.num_free + w.cache.total_pages == w.alloc.num_pages
+
+
+@pytest.mark.parametrize(
+    "policy", ["round_robin", "random", "least_load", "prefix_hash", "cache_aware", "sticky"]
+)
+def test_every_policy_completes_the_workload_and_leaves_caches_consistent(policy):
+    summary, sim = run(policy, tenants(), params={"seed": 1} if policy in ("random", "least_load") else {})
+    assert summary["simulated"] is True
+    assert summary["completed"] == summary["requests"] == 300
+    assert summary["rejected"] == 0
+    assert 0.0 < summary["hit_rate"] < 1.0
+    assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"] <= summary["latency_p99_ms"]
+    assert_fleet_consistent(sim)
+
+
+def test_worker_events_keep_the_router_index_equal_to_the_caches():
+    summary, sim = run("cache_aware", tenants(), model=WorkerModel(kv_tokens=4096))
+    assert summary["index_entries"] > 0
+    for w in sim.workers:  # evictions happened (small caches) and were reported back
+        assert sim.index.worker_entries(w.url) == w.cache.total_pages
+
+
+def test_without_events_the_index_keeps_blocks_the_workers_evicted():
+    summary, sim = run("cache_aware", tenants(), model=WorkerModel(kv_tokens=4096), events=False)
+    assert sum(w.cache.total_pages for w in sim.workers) < summary["index_entries"]
+
+
+def test_cache_aware_beats_round_robin_hit_rate_when_caches_are_bounded():
+    src = WorkloadSource("rag", 400, 20.0, 16, 0, {"num_docs": 24, "doc_tokens": 1024, "zipf_s": 0.5})
+    rr, _ = run("round_robin", src, model=WorkerModel(kv_tokens=8192))
+    ca, _ = run("cache_aware", src, model=WorkerModel(kv_tokens=8192))
+    assert ca["hit_rate"] > rr["hit_rate"] + 0.15
+    assert ca["load_spread_requests"] < 1.5
+
+
+def test_sticky_pins_a_hot_group_to_one_worker_and_cache_aware_spreads_it():
+    src = WorkloadSource("seed", 300, 200.0, 16, 0, {"hot_fraction": 0.8})
+    sticky, _ = run("sticky", src)
+    ca, _ = run("cache_aware", src)
+    assert sticky["load_spread_requests"] > 2.5  # ~80% of requests on one of 4 workers
+    assert ca["load_spread_requests"] < 1.6
+    assert ca["hit_rate"] > 0.5
+
+
+def test_later_turns_hit_the_previous_turn_and_its_reply_on_one_worker():
+    def source() -> WorkloadSource:
+        return WorkloadSource("multi_turn", 40, 5.0, 32, 0, {"turns": 4, "think_time_s": 0.5})
+
+    summary, sim = run("round_robin", source(), workers=1, model=WorkerModel(kv_tokens=65536))
+    offline = source()
+    lengths = [offline.prompt_ids(i).size for i in range(40)]
+    # every later turn finds the previous prompt + its 32-token reply, whole 16-token pages of it
+    floor = sum((lengths[r.after] + 32) // 16 * 16 for r in offline.reqs if r.after is not None)
+    assert summary["cached_tokens"] >= floor
+    unique, _ = run("round_robin", WorkloadSource("unique", 40, 5.0, 32, 0, {}), workers=1)
+    assert unique["hit_rate"] < 0.01  # only the chat template's first bytes can repeat
+    assert_fleet_consistent(sim)
+
+
+def test_single_request_timing_follows_the_cost_model():
+    src = WorkloadSource("unique", 1, 1.0, 10, 0, {"prompt_tokens": 500})
+    m = WorkerModel(prefill_ms_per_token=0.1, decode_base_ms=5.0, decode_ms_per_seq=1.0)
+    summary, _ = run("round_robin", src, workers=1, model=m)
+    prompt = summary["prompt_tokens"]
+    assert summary["ttft_p50_ms"] == pytest.approx(0.1 * prompt, abs=0.01)  # one prefill step
+    assert summary["latency_p50_ms"] == pytest.approx(0.1 * prompt + 9 * 6.0, abs=0.01)  # + 9 decode steps
+
+
+def test_trace_ids_become_shared_token_prefixes_and_costs_scale_back(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
+        {"timestamp": 500, "input_length": 1500, "output_length": 4, "hash_ids": [7, 8, 9]},
+        {"timestamp": 900, "input_length": 512, "output_length": 4, "hash_ids": [5]},
+    ]
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows))
+    src = TraceSource(str(path), None, 32, 1.0, 0)
+    a, b, c = (src.prompt_ids(i) for i in range(3))
+    assert src.weight == 16 and a.size == 64 and b.size == 93 and c.size == 32
+    assert block_hashes(a.tolist(), 16) == block_hashes(b.tolist(), 16)[:4]  # two shared ids
+    assert block_hashes(c.tolist(), 16)[0] != block_hashes(a.tolist(), 16)[0]
+    assert [t for t, _ in src.first_turns()] == [0.0, 0.5, 0.9]
+    summary, _ = run("cache_aware", src, workers=2)
+    assert summary["completed"] == 3 and summary["cached_tokens"] == 64  # b reuses a's two ids
+
+
+def test_requests_larger_than_a_worker_pool_are_rejected_not_hung():
+    src = WorkloadSource("unique", 5, 10.0, 8, 0, {"prompt_tokens": 3000})
+    summary, sim = run("least_load", src, workers=2, model=WorkerModel(kv_tokens=1024), params={"seed": 0})
+    assert summary["rejected"] == 5 and summary["completed"] == 0
+    assert_fleet_consistent(sim)
+
+
+def test_parse_run_reads_labels_and_typed_parameters():
+    assert parse_run("cache_aware") == ("cache_aware", "cache_aware", {})
+    assert parse_run("wide=cache_aware:balance_abs=8,balance_rel=0.2") == (
+        "wide",
+        "cache_aware",
+        {"balance_abs": 8, "balance_rel": 0.2},
+    )
+    with pytest.raises(ValueError):
+        parse_run("cache_aware:balance_abs")
+
+
+def test_cli_prints_a_simulated_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["--workload", "tenants", "--requests", "120", "--workers", "3", "--policies", "round_robin",
+            "--run", "wide=cache_aware:balance_abs=6", "--kv-tokens", "8192", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| simulated | round_robin | wide |")
+    doc = orjson.loads(out.read_bytes())
+    assert doc["simulated"] is True
+    assert [r["label"] for r in doc["runs"]] == ["round_robin", "wide"]
+    assert doc["runs"][1]["params"]["balance_abs"] == 6
+
+
+def test_cli_rejects_unknown_policies_and_options(capsys):
+    assert main(["--policies", "fastest"]) == 2
+    assert main(["--workload", "tenants", "--option", "bogus=1"]) == 2
+    assert "error" in capsys.readouterr().err

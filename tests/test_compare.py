@@ -1,0 +1,70 @@
+"""Compare mode: real echo-backend workers and a real router per policy, on loopback, torn down by PID."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from loadtest import compare as compare_mod
+from loadtest.compare import Backend, CompareConfig, compare, main
+from loadtest.driver import LoadConfig
+
+STARTED: list = []
+
+
+class RecordingFleet(compare_mod._Fleet):
+    """The real fleet, remembering its processes so the test can check they are gone."""
+
+    def start(self, cmd, name):
+        super().start(cmd, name)
+        STARTED.append(self.procs[-1])
+
+
+@pytest.fixture(autouse=True)
+def recording_fleet(monkeypatch):
+    STARTED.clear()
+    monkeypatch.setattr(compare_mod, "_Fleet", RecordingFleet)
+    yield
+    assert all(p.poll() is not None for p in STARTED), "a started process is still running"
+
+
+def rag_load() -> LoadConfig:
+    options = {"num_docs": 8, "doc_tokens": 2048, "zipf_s": 0.5}
+    return LoadConfig(workload="rag", mode="closed", concurrency=4, requests=40, max_tokens=8,
+                      stream=True, duration_s=60.0, options=options)  # fmt: skip
+
+
+def test_side_by_side_table_json_and_plot_for_each_policy(tmp_path):
+    backend = Backend("echo", cache_tokens=10240, decode_ms_per_token=1.0)
+    runs = [("round_robin", "round_robin", {}), ("wide", "cache_aware", {"balance_abs": 3})]
+    result = compare(CompareConfig(runs, rag_load(), workers=2, backend=backend, out_dir=str(tmp_path)))
+    assert "loadtest.echo_backend" in result["table"]
+    assert "| metric | round_robin | wide |" in result["table"]
+    assert "| ok / sent | 40 / 40 | 40 / 40 |" in result["table"]
+    doc = orjson.loads((tmp_path / "compare.json").read_bytes())
+    assert doc["backend"] == "echo" and [r["label"] for r in doc["runs"]] == ["round_robin", "wide"]
+    rr, ca = (r["summary"] for r in doc["runs"])
+    assert sorted(rr["per_worker"].values()) == [20, 20]  # round robin alternates the 2 workers
+    assert sum(ca["per_worker"].values()) == 40
+    # hit rates come from the workers' own usage reports (which policy wins is the simulator's job:
+    # on two real processes it depends on timing)
+    assert 0.0 < rr["hit_rate"] < 1.0 and 0.0 < ca["hit_rate"] < 1.0
+    assert len(STARTED) == 6  # 2 workers + 1 router per run
+    for name in ("round_robin.json", "wide.json", "compare.md", "compare.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_a_router_that_cannot_start_stops_the_workers_and_reports(tmp_path, capsys):
+    argv = ["--backend", "echo", "--workers", "2", "--requests", "5", "--policies", "",
+            "--run", "broken=cache_aware:no_such_param=1", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err
+    assert len(STARTED) == 3  # two workers and the router, all stopped (checked by the fixture)
+
+
+def test_bounds_on_runs_and_workers(tmp_path):
+    with pytest.raises(ValueError):
+        compare(CompareConfig([("a", "round_robin", {})], workers=64, out_dir=str(tmp_path)))
+    with pytest.raises(ValueError):
+        compare(CompareConfig([("a", "round_robin", {}), ("a", "cache_aware", {})], out_dir=str(tmp_path)))
+    assert not STARTED  # refused before starting anything
