@@ -71,10 +71,10 @@ def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> list[int
         return tokenizer.encode_prompt(prompt)
     if isinstance(prompt, list) and prompt:
         first = prompt[0]  # a batch of prompts is routed by its first prompt
-        if all(type(t) is int for t in prompt):
+        if all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return list(prompt)
         if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
             return tokenizer.encode_prompt(first)
-        if isinstance(first, list) and all(type(t) is int for t in first):
+        if isinstance(first, list) and all(type(t) is int and 0 <= t < 2**32 for t in first):
             return list(first)
-    raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids")
+    raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids (0 <= id < 2**32)")

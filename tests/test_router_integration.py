@@ -199,6 +199,7 @@ def test_client_errors_do_not_count_against_the_worker(launch):
         ("/v1/chat/completions", orjson.dumps({"model": "echo", "messages": "hi"}), 400, "invalid_request"),
         ("/v1/chat/completions", orjson.dumps({"model": 3, "messages": []}), 400, "invalid_type"),
         ("/v1/completions", orjson.dumps({"model": "echo", "prompt": {"a": 1}}), 400, "invalid_request"),
+        ("/v1/completions", orjson.dumps({"model": "echo", "prompt": [1, -5]}), 400, "invalid_request"),
         (
             "/v1/completions",
             orjson.dumps({"model": "echo", "prompt": "x", "stream": "yes"}),
