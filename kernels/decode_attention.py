@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels import interpret_requested
+from kernels.online_softmax import attend_tile
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -142,25 +143,12 @@ def _decode_split_kernel(
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
-        p_lo = p.to(v.dtype)  # P@V runs at the input precision, as on the GPU
-        if DOT_FP32:
-            p_lo = p_lo.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION, DOT_FP32)
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
     # lse = -inf and a zero partial, so the merge gives it weight 0.

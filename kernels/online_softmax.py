@@ -1,0 +1,38 @@
+"""The online-softmax step shared by the attention kernels (flash-attention recurrence).
+
+One tile of keys/values updates the running row max ``m``, row sum ``l`` and accumulator ``acc``
+(all float32). It never loads or stores: callers gather K/V however their layout needs."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_tile(
+    q,  # [M, D] queries (input dtype)
+    k,  # [D, N] keys, transposed
+    v,  # [N, D] values
+    allowed,  # [M, N] bool: which scores count (padding and causal masks)
+    m_i,  # [M] running max of scaled scores (log2 domain)
+    l_i,  # [M] running sum of exp2(score - m_i)
+    acc,  # [M, D] running sum of p @ v
+    qk_scale,  # sm_scale * log2(e)
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+):
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p_lo = p.to(v.dtype)  # P@V runs at the input precision, as on the GPU
+    if DOT_FP32:
+        p_lo = p_lo.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p_lo, v, input_precision=PRECISION)
+    return m_new, l_i, acc
