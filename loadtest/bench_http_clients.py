@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from loadtest.bench_router_overhead import run_load, start
-from router.launcher import free_port
+from router.launcher import free_port, stop_processes
 
 
 def proxy_app(client: str, upstream: str) -> Starlette:
@@ -90,11 +90,9 @@ def main() -> None:
                     run_load(f"http://127.0.0.1:{port}", args.concurrency, args.requests, False)
                 )
             finally:
-                proc.terminate()
-                proc.wait(timeout=15)
+                stop_processes([proc])
     finally:
-        backend.terminate()
-        backend.wait(timeout=15)
+        stop_processes([backend])
     result = {
         "benchmark": "upstream-http-client",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared by client, proxy and backend",

@@ -21,7 +21,7 @@ import time
 
 import aiohttp
 
-from router.launcher import free_port
+from router.launcher import free_port, stop_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "You are a helpful assistant. " * 40  # ~1.1 KiB
@@ -118,9 +118,7 @@ def main() -> None:
                 print(f"stream={stream} c={c}: direct {direct['p50_ms']:.2f} ms, router {routed['p50_ms']:.2f} ms",
                       file=sys.stderr)  # fmt: skip
     finally:
-        for proc in (router, backend):
-            proc.terminate()
-            proc.wait(timeout=15)
+        stop_processes([router, backend])
     result = {
         "benchmark": "router-overhead",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (client, router and backend share them)",

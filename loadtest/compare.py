@@ -24,7 +24,7 @@ import orjson
 from loadtest import report
 from loadtest.cluster_sim import parse_run
 from loadtest.driver import LoadConfig, run_load
-from router.launcher import free_port
+from router.launcher import free_port, stop_processes
 
 MAX_RUNS, MAX_WORKERS = 8, 16
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,15 +103,7 @@ class _Fleet:
         raise RuntimeError(f"{url} not ready after {timeout_s} s; logs in {self.log_dir}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, grace_s)
         self.procs.clear()
 
 

@@ -21,6 +21,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM every process still running, then SIGKILL whatever outlives ``grace_s``."""
+    for proc in processes:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in processes:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class WorkerLauncher:
     def __init__(self, count: int, model: str, extra_args: list[str], redis_url: str | None) -> None:
         self.count = count
@@ -49,13 +62,5 @@ class WorkerLauncher:
         return self.urls
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.processes:
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.processes, grace_s)
         self.processes.clear()

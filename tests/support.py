@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from router.launcher import free_port
+from router.launcher import free_port, stop_processes
 
 REDIS = shutil.which("redis-server")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,12 +48,7 @@ class Proc:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)  # in case a test froze it
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], grace_s=15)
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
