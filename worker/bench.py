@@ -102,7 +102,7 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch
 
-    from worker.engine import ModelExecutor, _assemble, build_engine, kv_pool_pages
+    from worker.engine import ModelExecutor, assemble_engine, build_engine, kv_pool_pages
     from worker.kv_pool import KVPool
     from worker.model.loader import default_dtype
 
@@ -118,9 +118,9 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     pages = kv_pool_pages(cfg, page_bytes, device)
     pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
     executor, tokenizer = ModelExecutor(model, pool, device), IdTokenizer(mc.vocab_size)
-    # NOTE: _assemble is build_engine's own wiring (cache, publisher, scheduler); only the model differs
+    # NOTE: assemble_engine is build_engine's own wiring (cache, publisher, scheduler); only the model differs
     name = cfg.served_model_name or "random"
-    return _assemble(cfg, executor, pool.allocator, tokenizer, mc.max_context, name)  # type: ignore[arg-type]
+    return assemble_engine(cfg, executor, pool.allocator, tokenizer, mc.max_context, name)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- driving requests

@@ -449,14 +449,16 @@ def build_engine(cfg: Any) -> Engine:
     name = cfg.served_model_name or loaded.name
     log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
              cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
-    return _assemble(cfg, ModelExecutor(loaded.model, pool, device), pool.allocator, loaded.tokenizer,
+    return assemble_engine(cfg, ModelExecutor(loaded.model, pool, device), pool.allocator, loaded.tokenizer,
                      mc.max_context, name)  # fmt: skip
 
 
-def _assemble(
+def assemble_engine(
     cfg: Any, executor: Executor, allocator: PageAllocator, tokenizer: PromptTokenizer, max_context: int,
     name: str, simulated: bool = False,
 ) -> Engine:  # fmt: skip
+    """Wire cache, KV publisher and scheduler around any executor (the model, the sim cost model,
+    or a benchmark's random-weight model): the one place an Engine is put together."""
     from worker.kv_publisher import stream_name
 
     cache = RadixCache(allocator, cfg.block_size, namespace=name, enable_events=True)

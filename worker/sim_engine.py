@@ -20,7 +20,7 @@ import numpy as np
 
 from router.tokenization import ByteTokenizer
 from worker.config import WorkerConfig
-from worker.engine import Engine, _assemble
+from worker.engine import Engine, assemble_engine
 from worker.kv_pool import PageAllocator
 from worker.scheduler import ScheduledBatch
 
@@ -61,4 +61,6 @@ def build_sim_engine(cfg: WorkerConfig) -> Engine:
     allocator = PageAllocator(max(1, capacity // cfg.block_size))
     executor = SimExecutor(cfg.sim_prefill_ms_per_token, cfg.sim_decode_base_ms, cfg.sim_decode_ms_per_seq)
     name = cfg.served_model_name or cfg.model
-    return _assemble(cfg, executor, allocator, ByteTokenizer(), cfg.sim_context_tokens, name, simulated=True)
+    return assemble_engine(
+        cfg, executor, allocator, ByteTokenizer(), cfg.sim_context_tokens, name, simulated=True
+    )
