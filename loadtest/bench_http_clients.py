@@ -1,5 +1,6 @@
-"""Which upstream HTTP client should the router use? The same minimal starlette proxy, once with
-httpx's async pool and once with aiohttp's, in front of the echo backend; closed-loop load.
+"""Which upstream HTTP client should the router use? The same minimal starlette proxy in front of
+the echo backend, once per client: httpx's async pool, aiohttp's, and the router's own pooled
+client (router/http_client.py); closed-loop load.
 
     python -m loadtest.bench_http_clients --concurrency 32 --requests 3000
 """
@@ -35,12 +36,21 @@ def proxy_app(client: str, upstream: str) -> Starlette:
             state["c"] = httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
             )
+        elif client == "radixgate":
+            from router.http_client import HTTPClient
+
+            state["c"] = HTTPClient()
         else:
             import aiohttp
 
             state["c"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
-        await state["c"].aclose() if client == "httpx" else await state["c"].close()
+        if client == "httpx":
+            await state["c"].aclose()
+        elif client == "radixgate":
+            state["c"].close()
+        else:
+            await state["c"].close()
 
     async def forward(request: Request) -> Response:
         body = await request.body()
@@ -48,6 +58,13 @@ def proxy_app(client: str, upstream: str) -> Starlette:
         if client == "httpx":
             r = await state["c"].post(upstream + "/v1/completions", content=body, headers=headers)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
+        if client == "radixgate":
+            r = await state["c"].post(upstream, "/v1/completions", body, headers)
+            try:
+                payload = await r.read()
+            finally:
+                r.close()
+            return Response(payload, status_code=r.status, media_type="application/json")
         async with state["c"].post(upstream + "/v1/completions", data=body, headers=headers) as r:
             payload = await r.read()
             return Response(payload, status_code=r.status, media_type="application/json")
@@ -82,7 +99,7 @@ def main() -> None:
     upstream = f"http://127.0.0.1:{backend_port}"
     rows = {"backend alone": asyncio.run(run_load(upstream, args.concurrency, args.requests, False))}
     try:
-        for client in ("httpx", "aiohttp"):
+        for client in ("httpx", "aiohttp", "radixgate"):
             port = free_port()
             proc = start(["-m", "loadtest.bench_http_clients", "--serve", client, upstream, str(port)], port)
             try:

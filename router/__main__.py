@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             log_level=config.log_level,
             access_log=False,
             timeout_keep_alive=30,
+            proxy_headers=False,  # the router never reads client addresses; skip the middleware
         )
     finally:
         if launcher is not None:

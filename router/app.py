@@ -10,75 +10,61 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
-from router.block_hash import block_hashes
+from router.affinity import UNGROUPED, AffinityGroups
+from router.block_hash import PromptHashes, SpanMemo
 from router.circuit_breaker import CircuitBreaker
 from router.config import RouterConfig
-from router.errors import RouterError, error_response
+from router.errors import RouterError, error_body, error_response
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
+from router.http_client import HTTPClientError
+from router.http_client import Response as UpstreamResponse
 from router.metrics import RouterMetrics
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
-from router.request_parsing import ParsedRequest, parse_request, read_body
+from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body, read_body
 from router.tokenization import load_tokenizer
 from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixgate.router")
 
 WORKER_HEADER = "x-radixgate-worker"
+WORKER_HEADER_B = WORKER_HEADER.encode()
+JSON = b"application/json"
+COMPLETION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
+class _ClientWatch:
+    """Cancels the request's task when its client disconnects: one watcher task per request,
+    started once the body is read (from then on the only message ``receive`` yields is the
+    disconnect). ``stop()`` before the last ``send``: the server then reports a disconnect too."""
 
+    __slots__ = ("_task", "_watcher", "gone")
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        self._task = asyncio.current_task()
+        self.gone = False
+        self._watcher = asyncio.ensure_future(self._listen(receive))
 
+    async def _listen(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._task is not None:
+            self._task.cancel()
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Run ``work`` but cancel it (closing its upstream connection) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone
-    finally:
-        watcher.cancel()
-
-
-class _UpstreamStream(StreamingResponse):
-    """A streamed upstream answer whose cleanup runs however the response ends, even if the
-    client vanished before the first chunk was pulled (a generator's finally would not run)."""
-
-    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
 class Router:
@@ -89,6 +75,8 @@ class Router:
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.block_size = config.block_size
         self.index = PrefixIndex(max_entries=config.max_index_entries)
+        self.affinity = AffinityGroups.from_config(config.affinity_groups)
+        self.hash_memo = SpanMemo()  # hashes of hot prompt spans (shared prefixes), bounded
         self.policy = make_policy(config.policy, self.index, config.policy_params)
         self.workers = WorkerRegistry(
             lambda: CircuitBreaker(
@@ -133,7 +121,8 @@ class Router:
 
     # ---------------------------------------------------------------- routing
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
-        hashes = block_hashes(parsed.token_ids, self.block_size, self.namespace(parsed.model))
+        """The request as policies see it; its block hashes are computed as the decision reads them."""
+        hashes = PromptHashes(parsed.token_ids, self.block_size, self.namespace(parsed.model), self.hash_memo)
         return RouteRequest(hashes, len(parsed.token_ids), self.block_size)
 
     def check_model(self, model: str | None) -> None:
@@ -142,55 +131,117 @@ class Router:
         if model is not None and not self.workers.serves(model):
             raise RouterError(404, f"model {model!r} is not served by any worker", "model_not_found")
 
-    def decide(self, route: RouteRequest, model: str | None, exclude: set[str]) -> Decision | None:
-        candidates = self.workers.candidates(model, exclude)
+    def decide(
+        self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None
+    ) -> tuple[Decision | None, str]:
+        """The policy's pick among available workers (narrowed by the request's affinity group),
+        and the affinity outcome (ungrouped / in_group / overflow)."""
+        candidates = [Candidate(w.url, w.load) for w in self.workers.candidates(model, exclude)]
+        outcome = UNGROUPED
+        if self.affinity and candidates:
+            fleet = tuple(w.url for w in self.workers if model is None or not w.models or model in w.models)
+            candidates, outcome = self.affinity.filter(group, candidates, fleet)
         if not candidates:
-            return None
-        return self.policy.select(route, [Candidate(w.url, w.load) for w in candidates])
+            return None, outcome
+        decision = self.policy.select(route, candidates)
+        if group is not None:
+            decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
+        return decision, outcome
 
-    async def forward(self, request: Request, parsed: ParsedRequest, path: str, started: float) -> Response:
+    async def handle_completion(self, scope: dict, receive: Callable, send: Callable, endpoint: str) -> None:
+        """One completion request, straight on ASGI (the hot path: no framework objects)."""
+        started = time.perf_counter()
+        status = 500
+        watch: _ClientWatch | None = None
+        try:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
+            parsed = self.parse(raw, endpoint == "chat")
+            self.check_model(parsed.model)
+            group = self.affinity.match(parsed.body, endpoint == "chat", headers) if self.affinity else None
+            watch = _ClientWatch(receive)
+            status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
+        except RouterError as exc:
+            status = exc.status
+            if exc.status >= 500:
+                log.warning("%s: %d %s", endpoint, exc.status, exc.message)
+            else:
+                log.info("%s: rejected %d %s", endpoint, exc.status, exc.message)
+            if watch is not None:
+                watch.stop()
+            await _send_bytes(send, exc.status, error_body(exc.status, exc.message, exc.code), JSON)
+        except ClientGone:
+            status = 499  # the client closed the connection; nobody reads an answer
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            status = 499
+        finally:
+            if watch is not None:
+                watch.stop()
+            self.metrics.count_request(endpoint, status)
+
+    async def forward(
+        self,
+        send: Callable,
+        watch: _ClientWatch,
+        parsed: ParsedRequest,
+        path: str,
+        client_headers: dict[str, str],
+        started: float,
+        group: str | None = None,
+    ) -> int:
+        """Route, send upstream (retrying elsewhere before the first byte), answer the client.
+        Returns the status sent; raises RouterError when no worker could answer."""
         t0 = time.perf_counter()
         route = self.route_request(parsed)
         headers = {"content-type": "application/json"}
         for name in FORWARDED_HEADERS:
-            value = request.headers.get(name)
+            value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         for attempt in range(self.config.max_retries + 1):
-            decision = self.decide(route, parsed.model, tried)
+            decision, outcome = self.decide(route, parsed.model, tried, group)
             if attempt == 0:
                 self.metrics.decision.observe(time.perf_counter() - t0)
+                if self.affinity:
+                    self.metrics.affinity.labels(group or "", outcome).inc()
             if decision is None:
                 break
             worker = self.workers.get(decision.url)
             assert worker is not None
-            self.policy.on_routed(route, worker.url)
+            # The optimistic index insert (and hashing the rest of the prompt) runs once the
+            # request is on its way: it does not delay this request.
+            asyncio.get_running_loop().call_soon(self.policy.on_routed, route, worker.url)
             worker.in_flight += 1
             worker.breaker.on_send()
             worker.stats.requests += 1
             try:
-                resp = await _unless_disconnected(
-                    request, self.upstream.open(worker, path, parsed.raw, headers)
-                )
-            except UpstreamFailure as exc:
+                try:
+                    resp = await self.upstream.open(worker, path, parsed.raw, headers)
+                except UpstreamFailure as exc:
+                    self._record_failure(worker, exc.kind)
+                    worker.stats.retries += 1
+                    tried.add(worker.url)
+                    failure = exc
+                    log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
+                    continue
+                worker.breaker.record_success()  # any answer below 500, client errors included
+                worker.stats.prompt_tokens += route.prompt_tokens
+                worker.stats.predicted_cached_tokens += decision.matched_tokens.get(worker.url, 0)
+                try:
+                    if parsed.stream and resp.status == 200:
+                        await self._send_stream(send, watch, worker, resp, started)
+                    else:
+                        await self._send_full(send, watch, worker, resp, started)
+                finally:
+                    resp.close()
+                return resp.status
+            finally:
                 worker.in_flight -= 1
-                self._record_failure(worker, exc.kind)
-                worker.stats.retries += 1
-                tried.add(worker.url)
-                failure = exc
-                log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
-                continue
-            except BaseException:
-                worker.in_flight -= 1
-                raise
-            worker.breaker.record_success()  # any answer below 500, client errors included
-            worker.stats.prompt_tokens += route.prompt_tokens
-            worker.stats.predicted_cached_tokens += decision.matched_tokens.get(worker.url, 0)
-            if parsed.stream and resp.status == 200:
-                return self._stream_response(worker, resp, started)
-            return await self._full_response(request, worker, resp, started)
         if failure is not None:
             raise RouterError(
                 failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind
@@ -206,76 +257,77 @@ class Router:
             worker.stats.usage_prompt_tokens += usage.prompt_tokens
             worker.stats.cached_tokens += usage.cached_tokens
 
-    async def _full_response(
-        self, request: Request, worker: Worker, resp: aiohttp.ClientResponse, started: float
-    ) -> Response:
+    async def _send_full(
+        self, send: Callable, watch: _ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
+    ) -> None:
         try:
-            payload = await _unless_disconnected(request, self.upstream.read_all(resp))
+            payload = await self.upstream.read_all(resp)
         except UpstreamFailure as exc:
             self._record_failure(worker, exc.kind)
             raise RouterError(exc.status, str(exc), exc.kind) from None
-        finally:
-            resp.close()
-            worker.in_flight -= 1
         elapsed = time.perf_counter() - started
-        self.metrics.ttft.labels("false").observe(elapsed)
-        self.metrics.duration.labels("false").observe(elapsed)
+        self.metrics.ttft_of[False].observe(elapsed)
+        self.metrics.duration_of[False].observe(elapsed)
         if resp.status == 200:
             with contextlib.suppress(orjson.JSONDecodeError):
                 self._record_usage(worker, parse_usage(orjson.loads(payload)))
-        return Response(
-            payload,
-            status_code=resp.status,
-            media_type=resp.headers.get("content-type", "application/json"),
-            headers={WORKER_HEADER: worker.url},
-        )
+        watch.stop()
+        content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
+        await _send_bytes(send, resp.status, payload, content_type, worker.url.encode("latin-1"))
 
-    def _stream_response(self, worker: Worker, resp: aiohttp.ClientResponse, started: float) -> Response:
+    async def _send_stream(
+        self, send: Callable, watch: _ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
+    ) -> None:
+        """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering."""
         scanner = SSEUsageScanner()
-        closed = False
-
-        async def chunks():
-            first = True
-            try:
-                async for chunk in resp.content.iter_any():
-                    if first:
-                        self.metrics.ttft.labels("true").observe(time.perf_counter() - started)
-                        first = False
-                    scanner.feed(chunk)
-                    yield chunk
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                # The worker broke mid-stream: bytes already reached the client, so no retry; the
-                # client sees the stream end without [DONE].
-                self._record_failure(worker, "stream_broken")
-                log.warning("stream from %s broke: %r", worker.url, exc)
-
-        def on_close() -> None:
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            resp.close()
-            worker.in_flight -= 1
-            self._record_usage(worker, scanner.usage)
-            self.metrics.duration.labels("true").observe(time.perf_counter() - started)
-
-        return _UpstreamStream(
-            chunks(),
-            on_close,
-            status_code=resp.status,
-            media_type=resp.headers.get("content-type", "text/event-stream"),
-            headers={WORKER_HEADER: worker.url, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        content_type = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": resp.status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                    (WORKER_HEADER_B, worker.url.encode("latin-1")),
+                ],
+            }
         )
+        first, finished = True, False
+        try:
+            async for chunk in resp.chunks():
+                if first:
+                    self.metrics.ttft_of[True].observe(time.perf_counter() - started)
+                    first = False
+                scanner.feed(chunk)
+                finished = resp.at_end  # the last chunk: end the client's stream in the same write
+                if finished:
+                    watch.stop()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
+        except HTTPClientError as exc:
+            # The worker broke mid-stream: bytes already reached the client, so no retry; the
+            # client sees the stream end without [DONE].
+            self._record_failure(worker, "stream_broken")
+            log.warning("stream from %s broke: %s", worker.url, exc)
+        finally:
+            self._record_usage(worker, scanner.usage)
+            self.metrics.duration_of[True].observe(time.perf_counter() - started)
+        if not finished:
+            watch.stop()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ---------------------------------------------------------------- explain
-    def explain(self, parsed: ParsedRequest) -> dict[str, Any]:
+    def explain(self, parsed: ParsedRequest, chat: bool, headers: Mapping[str, str]) -> dict[str, Any]:
         route = self.route_request(parsed)
-        decision = self.decide(route, parsed.model, set())
+        group = self.affinity.match(parsed.body, chat, headers) if self.affinity else None
+        decision, outcome = self.decide(route, parsed.model, set(), group)
         matched = self.index.match(route.block_hashes)
         return {
             "worker": None if decision is None else decision.url,
             "reason": "no healthy worker" if decision is None else decision.reason,
             "policy": self.policy.name,
+            "affinity_group": group,
+            "affinity_outcome": outcome,
             "prompt_tokens": route.prompt_tokens,
             "block_size": route.block_size,
             "blocks": len(route.block_hashes),
@@ -303,38 +355,23 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None = None) -> Starlette:
+async def _method_not_allowed(request: Request) -> Response:
+    return error_response(405, f"{request.url.path} takes POST", "method_not_allowed")
+
+
+async def _send_bytes(
+    send: Callable, status: int, body: bytes, content_type: bytes, worker: bytes | None = None
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if worker is not None:
+        headers.append((WORKER_HEADER_B, worker))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None = None) -> RouterApp:
     """The router app; ``on_shutdown`` callbacks run when it stops (e.g. stopping launched workers)."""
     router = Router(config)
-
-    async def completion(request: Request, chat: bool, path: str, endpoint: str) -> Response:
-        started = time.perf_counter()
-        status = 500
-        try:
-            raw = await read_body(request, config.max_body_bytes)
-            parsed = router.parse(raw, chat)
-            router.check_model(parsed.model)
-            response = await router.forward(request, parsed, path, started)
-            status = response.status_code
-            return response
-        except RouterError as exc:
-            status = exc.status
-            if exc.status >= 500:
-                log.warning("%s: %d %s", endpoint, exc.status, exc.message)
-            else:
-                log.info("%s: rejected %d %s", endpoint, exc.status, exc.message)
-            return error_response(exc.status, exc.message, exc.code)
-        except (ClientGone, ClientDisconnect):
-            status = 499  # the client closed the connection; nobody reads this answer
-            return Response(status_code=499)
-        finally:
-            router.metrics.requests.labels(endpoint, str(status)).inc()
-
-    async def chat_completions(request: Request) -> Response:
-        return await completion(request, True, "/v1/chat/completions", "chat")
-
-    async def completions(request: Request) -> Response:
-        return await completion(request, False, "/v1/completions", "completions")
 
     async def models(request: Request) -> Response:
         data = [
@@ -367,7 +404,10 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 401, "admin endpoints need 'Authorization: Bearer <admin token>'", "unauthorized"
             )
         if request.method == "GET":
-            return _json({"workers": router.workers.describe()})
+            fleet = [w.url for w in router.workers]
+            return _json(
+                {"workers": router.workers.describe(), "affinity_groups": router.affinity.describe(fleet)}
+            )
         url = request.query_params.get("url")
         if url is None:
             try:
@@ -403,7 +443,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
-        return _json(router.explain(parsed))
+        return _json(router.explain(parsed, chat, request.headers))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -418,8 +458,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", _method_not_allowed, methods=["GET"]),
+            Route("/v1/completions", _method_not_allowed, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
@@ -430,4 +470,22 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         lifespan=lifespan,
     )
     app.state.router = router
-    return app
+    return RouterApp(router, app)
+
+
+class RouterApp:
+    """The ASGI entry point: POSTs to the two completion endpoints take the router's direct path
+    (Router.handle_completion); everything else, lifespan included, goes to the Starlette app."""
+
+    def __init__(self, router: Router, app: Starlette) -> None:
+        self.router = router
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = COMPLETION_ENDPOINTS.get(scope["path"])
+            if endpoint is not None:
+                await self.router.handle_completion(scope, receive, send, endpoint)
+                return
+        await self.app(scope, receive, send)

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from router.affinity import AffinityGroups
+
 POLICY_NAMES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware")
 
 
@@ -42,6 +44,7 @@ class RouterConfig:
     worker_model: str = "tiny"  # --model for launched workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
     log_level: str = "info"
+    affinity_groups: list[dict[str, Any]] = field(default_factory=list)  # see router/affinity.py
 
     def validate(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -58,6 +61,7 @@ class RouterConfig:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+        AffinityGroups.from_config(self.affinity_groups)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
@@ -76,6 +80,14 @@ def _coerce(name: str, value: Any) -> Any:
                 value = yaml.safe_load(value)
             if not isinstance(value, dict):
                 raise TypeError("expected a mapping")
+            return value
+        if kind == "list[dict[str, Any]]":
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if value is None:
+                return []
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise TypeError("expected a list of mappings")
             return value
         if kind == "int":
             return int(value)

@@ -6,6 +6,7 @@ exposes them at scrape time, derives hit rates from them, and owns the latency h
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -158,10 +159,27 @@ class RouterMetrics:
         )
         self.decision = Histogram(
             "radixgate_route_decision_seconds",
-            "Tokenize + hash + index match + policy select",
+            "Block hashing (as far as the match needs) + index match + policy select",
             buckets=_DECISION_BUCKETS,
             registry=self.registry,
         )
+        self.affinity = Counter(
+            "radixgate_affinity_requests",
+            "Routed requests by affinity group and outcome (in_group, overflow, ungrouped)",
+            ["group", "outcome"],
+            registry=self.registry,
+        )
+
+        # Labelled children resolved once: .labels() costs microseconds on every request.
+        self.ttft_of = {True: self.ttft.labels("true"), False: self.ttft.labels("false")}
+        self.duration_of = {True: self.duration.labels("true"), False: self.duration.labels("false")}
+        self._requests: dict[tuple[str, int], Any] = {}
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        child = self._requests.get((endpoint, status))
+        if child is None:
+            child = self._requests[(endpoint, status)] = self.requests.labels(endpoint, str(status))
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

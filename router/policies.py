@@ -50,7 +50,7 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    block_hashes: list[int]  # chained hashes of the prompt's full blocks
+    block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks (may be lazy: PromptHashes)
     prompt_tokens: int
     block_size: int  # tokens per block
 

@@ -49,12 +49,21 @@ class _Node:
 
 
 def _agree(query: Sequence[int], start: int, run: list[int], off: int) -> int:
-    """Blocks of ``query[start:]`` equal to ``run[off:]``, given that the first pair is equal."""
+    """Blocks of ``query[start:]`` equal to ``run[off:]``, given that the first pair is equal.
+
+    Hashes chain, so agreement is monotone: gallop (1, 3, 7, ...) to bracket the first
+    disagreement, then bisect. O(log k) comparisons for an agreement of k, and a lazily hashed
+    query (block_hash.PromptHashes) is never read much beyond where it stops agreeing."""
     n = min(len(run) - off, len(query) - start)
-    if query[start + n - 1] == run[off + n - 1]:
-        return n
-    # NOTE: hashes chain, so agreement is monotone: bisect for the first disagreement.
-    lo, hi = 1, n - 1  # agree at lo - 1, disagree at hi
+    lo, step = 1, 2  # agree at lo - 1
+    while True:
+        probe = min(n, lo - 1 + step)  # the count agreeing if query[start + probe - 1] matches
+        if query[start + probe - 1] != run[off + probe - 1]:
+            hi = probe - 1  # disagree at hi
+            break
+        if probe == n:
+            return n
+        lo, step = probe, step * 2
     while lo < hi:
         mid = (lo + hi) // 2
         if query[start + mid] == run[off + mid]:

@@ -1,4 +1,4 @@
-"""Upstream calls to workers over one pooled aiohttp session: non-stream and SSE pass-through.
+"""Upstream calls to workers over pooled keep-alive connections: non-stream and SSE pass-through.
 
 Retries (connect error, timeout or 5xx before the first byte) go to the next best worker, bounded
 by the caller. Once a byte has reached the client a request is never retried. Every path releases
@@ -7,13 +7,12 @@ the worker's in-flight count exactly once and reads usage (cached tokens) from t
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 
+from router.http_client import HTTPClient, HTTPClientError, Response, ResponseTimeout
 from router.workers import Worker
 
 # Headers of the client request worth passing on; hop-by-hop and length headers are recomputed.
@@ -79,15 +78,14 @@ class SSEUsageScanner:
 
 
 class Upstream:
-    """The pooled HTTP client to all workers."""
+    """Upstream clients to all workers: the pooled hot-path client for completions
+    (router/http_client.py) and an aiohttp session for health checks and event streams."""
 
     def __init__(
         self, connect_timeout_s: float, first_byte_timeout_s: float, request_timeout_s: float
     ) -> None:
         self._connect_timeout = connect_timeout_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=request_timeout_s, sock_connect=connect_timeout_s, sock_read=first_byte_timeout_s
-        )
+        self.client = HTTPClient(connect_timeout_s, first_byte_timeout_s, request_timeout_s)
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -97,27 +95,23 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        self.client.close()
         if self.session is not None:
             await self.session.close()
 
-    async def open(
-        self, worker: Worker, path: str, body: bytes, headers: dict[str, str]
-    ) -> aiohttp.ClientResponse:
-        """Send the request and wait for the response headers. Raises UpstreamFailure on a worker
+    async def open(self, worker: Worker, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """Send the request and wait for the response head. Raises UpstreamFailure on a worker
         fault (the response is closed); returns the open response on any status < 500."""
-        assert self.session is not None
         try:
-            resp = await self.session.post(
-                worker.url + path, data=body, headers=headers, timeout=self._timeout
-            )
-        except asyncio.TimeoutError:
+            resp = await self.client.post(worker.url, path, body, headers)
+        except ResponseTimeout:
             raise UpstreamFailure("timeout", f"worker {worker.url} did not answer in time", 504) from None
-        except (aiohttp.ClientConnectionError, OSError) as exc:
-            raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc!r}", 502) from None
+        except HTTPClientError as exc:
+            raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc}", 502) from None
         if resp.status >= 500:
             try:
                 payload = await asyncio.wait_for(resp.read(), timeout=self._connect_timeout)
-            except (asyncio.TimeoutError, aiohttp.ClientError):
+            except (asyncio.TimeoutError, HTTPClientError):
                 payload = None
             resp.close()
             raise UpstreamFailure(
@@ -125,25 +119,13 @@ class Upstream:
             )
         return resp
 
-    async def read_all(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def read_all(self, resp: Response) -> bytes:
+        """The whole body; the caller closes ``resp``."""
         try:
             return await resp.read()
-        except asyncio.TimeoutError:
+        except ResponseTimeout:
             raise UpstreamFailure(
                 "timeout", "worker stopped sending before the response ended", 504
             ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamFailure("connect", f"worker connection lost: {exc!r}", 502) from None
-        finally:
-            resp.release()
-
-
-async def iter_stream(resp: aiohttp.ClientResponse, scanner: SSEUsageScanner) -> AsyncIterator[bytes]:
-    """Yield the upstream body chunk by chunk as it arrives (no re-framing, no buffering)."""
-    async for chunk in resp.content.iter_any():
-        scanner.feed(chunk)
-        yield chunk
-
-
-def now() -> float:
-    return time.perf_counter()
+        except HTTPClientError as exc:
+            raise UpstreamFailure("connect", f"worker connection lost: {exc}", 502) from None

@@ -4,6 +4,7 @@ Bad input raises RouterError (an OpenAI-shaped 4xx); workers validate sampling p
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,11 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.tokenization import PromptTokenizer
+from router.tokenization import ByteTokenizer, PromptTokenizer
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was complete."""
 
 
 @dataclass(slots=True)
@@ -20,7 +25,7 @@ class ParsedRequest:
     raw: bytes
     model: str | None
     stream: bool
-    token_ids: list[int]
+    token_ids: Sequence[int]  # bytes for the bytes tokenizer (one id per byte), else a list
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -35,6 +40,25 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_asgi_body(receive: Callable[[], Awaitable[dict]], declared: str | None, limit: int) -> bytes:
+    """The body from raw ASGI ``receive``, refusing (413) more than ``limit`` bytes without
+    reading them all. Raises ClientGone if the client disconnects mid-body."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:
@@ -55,7 +79,10 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
         if chat:
             if "messages" not in body:
                 raise ValueError("missing required field 'messages'")
-            token_ids = tokenizer.encode_chat(body["messages"])
+            if isinstance(tokenizer, ByteTokenizer):
+                token_ids = tokenizer.encode_chat_bytes(body["messages"])
+            else:
+                token_ids = tokenizer.encode_chat(body["messages"])
         else:
             token_ids = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
@@ -63,17 +90,21 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     return ParsedRequest(body, raw, model, stream, token_ids)
 
 
-def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> list[int]:
+def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> Sequence[int]:
     if "prompt" not in body:
         raise ValueError("missing required field 'prompt'")
     prompt = body["prompt"]
     if isinstance(prompt, str):
+        if isinstance(tokenizer, ByteTokenizer):
+            return tokenizer.encode_prompt_bytes(prompt)
         return tokenizer.encode_prompt(prompt)
     if isinstance(prompt, list) and prompt:
         first = prompt[0]  # a batch of prompts is routed by its first prompt
         if all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return list(prompt)
         if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+            if isinstance(tokenizer, ByteTokenizer):
+                return tokenizer.encode_prompt_bytes(first)
             return tokenizer.encode_prompt(first)
         if isinstance(first, list) and all(type(t) is int and 0 <= t < 2**32 for t in first):
             return list(first)

@@ -96,6 +96,16 @@ class ByteTokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return list(self.render_chat(messages).encode("utf-8"))
 
+    # The router's hot path: the same ids as ``bytes`` (a sequence of ints), without building a
+    # list of one Python int per byte (~5 us per KiB of prompt).
+    def encode_prompt_bytes(self, prompt: str) -> bytes:
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        return prompt.encode("utf-8")
+
+    def encode_chat_bytes(self, messages: list[dict]) -> bytes:
+        return self.render_chat(messages).encode("utf-8")
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         data = bytearray()
         text: list[str] = []

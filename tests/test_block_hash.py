@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import random
 import struct
 
 import mmh3
 import pytest
 
-from router.block_hash import block_hashes, root_hash
+from router.block_hash import PromptHashes, SpanMemo, block_hashes, root_hash
 
 
 def spec_hash(data: bytes) -> int:
@@ -53,3 +54,49 @@ def test_accepts_bytes_and_rejects_bad_input():
         block_hashes([1, 2], 0)
     with pytest.raises(OverflowError):
         block_hashes([-1] * 16, 16)
+
+
+def test_prompt_hashes_equal_block_hashes_lazily():
+    rng = random.Random(7)
+    memo = SpanMemo(max_bytes=1 << 20)
+    for trial in range(60):
+        n = rng.randrange(0, 2500)
+        tokens = (
+            bytes(rng.randrange(256) for _ in range(n))
+            if trial % 2
+            else [rng.randrange(2**32) for _ in range(n)]
+        )
+        bs = rng.choice([1, 4, 16])
+        expected = block_hashes(tokens, bs, "m")
+        for use_memo in (None, memo, memo):  # the second pass with the memo reads hits
+            lazy = PromptHashes(tokens, bs, "m", use_memo)
+            assert len(lazy) == len(expected)
+            if expected:
+                i = rng.randrange(len(expected))
+                assert lazy[i] == expected[i]
+                assert lazy.computed() < len(expected) or i >= len(expected) - 2 * SpanMemo.SPAN_BLOCKS
+                assert lazy[-1] == expected[-1]
+                assert lazy[i : i + 3] == expected[i : i + 3]
+                assert lazy[::-5] == expected[::-5]
+            assert list(lazy) == expected
+    assert memo.hits > 0
+
+
+def test_prompt_hashes_compute_only_what_is_read():
+    tokens = bytes(range(256)) * 64  # 16,384 tokens, 1,024 blocks of 16
+    lazy = PromptHashes(tokens, 16, "m")
+    assert lazy[0] == block_hashes(tokens[:16], 16, "m")[0]
+    assert lazy.computed() <= SpanMemo.SPAN_BLOCKS
+    with pytest.raises(IndexError):
+        lazy[len(lazy)]
+
+
+def test_span_memo_is_bounded_and_keys_by_content():
+    memo = SpanMemo(max_bytes=4096)
+    a = bytes(range(256)) * 8  # 2,048 tokens: 4 spans of 32 blocks of 16
+    b = bytes(reversed(range(256))) * 8
+    for tokens in (a, b, a, b):
+        assert list(PromptHashes(tokens, 16, "m", memo)) == block_hashes(tokens, 16, "m")
+    assert memo._bytes <= 4096 and len(memo) <= 4096 // 512
+    # Same tokens, another block size: never served from the other block size's spans.
+    assert list(PromptHashes(a, 8, "m", memo)) == block_hashes(a, 8, "m")

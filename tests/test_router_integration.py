@@ -325,3 +325,41 @@ def test_client_disconnect_releases_load_and_cancels_upstream(launch):
         router.url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False}, timeout=30
     )
     assert ok.status_code == 200
+
+
+def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
+    """A tenant pinned by header to one exclusive worker: its requests all land there, other
+    traffic never does; /debug/route and the metrics say so."""
+    backends = [launch.echo_backend("--name", f"b{i}") for i in range(3)]
+    pinned = backends[1].url
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "router:\n"
+        "  affinity_groups:\n"
+        "    - name: acme\n"
+        "      match: {header: {x-tenant: acme}}\n"
+        f"      workers: [{pinned}]\n"
+        "      exclusive: true\n"
+    )
+    router = launch.router([b.url for b in backends], "--config", str(config), "--policy", "round_robin")
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        acme = [
+            client.post(
+                "/v1/completions", json={"model": "echo", "prompt": f"p{i}"}, headers={"x-tenant": "acme"}
+            )
+            for i in range(6)
+        ]
+        others = [client.post("/v1/completions", json={"model": "echo", "prompt": f"o{i}"}) for i in range(6)]
+        assert all(r.status_code == 200 for r in acme + others)
+        assert {r.headers["x-radixgate-worker"] for r in acme} == {pinned}
+        assert pinned not in {r.headers["x-radixgate-worker"] for r in others}
+        explained = client.post(
+            "/debug/route", json={"model": "echo", "prompt": "x"}, headers={"x-tenant": "acme"}
+        ).json()
+        assert explained["affinity_group"] == "acme" and explained["worker"] == pinned
+        assert explained["affinity_outcome"] == "in_group"
+        groups = client.get("/workers").json()["affinity_groups"]
+        assert groups[0]["name"] == "acme" and groups[0]["members"] == [pinned]
+        counts = metric_values(client.get("/metrics").text, "radixgate_affinity_requests_total")
+    assert counts['{group="acme",outcome="in_group"}'] == 6
+    assert counts['{group="",outcome="ungrouped"}'] == 6

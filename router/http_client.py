@@ -1,0 +1,347 @@
+"""A small pooled HTTP/1.1 client for the router's hot path: POST a body, get the status and
+headers, then read the body whole or chunk by chunk as it arrives.
+
+Why not aiohttp here: measured on this project's CI machine, one aiohttp request costs ~300 us of
+CPU, more than the router's whole added-latency budget; this client (asyncio protocol + httptools,
+the parser uvicorn uses) costs ~80 us for the same request (docs/benchmarks/router-overhead.md).
+It does only what the router needs: POST with a body, keep-alive pooling per origin, chunked and
+content-length responses, streaming with back-pressure, three timeouts, http and https.
+Health checks and event streams (not per request) keep using aiohttp.
+
+Timeouts: ``connect_timeout`` for opening a connection; ``read_timeout`` for the response head and
+for every gap between body chunks (a stuck worker); ``total_timeout`` for the whole exchange.
+
+A request that fails on a *reused* keep-alive connection before any response byte arrived (the
+server closed an idle connection as we wrote) is sent once more on a new connection; any other
+failure raises, and the caller decides about retrying on another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from urllib.parse import urlsplit
+
+import httptools
+
+_HIGH_WATER = 1 << 20  # pause reading a streamed body when this many bytes wait unread
+_LOW_WATER = 1 << 18
+
+
+class HTTPClientError(Exception):
+    """Base of every failure this client raises."""
+
+
+class ConnectFailed(HTTPClientError):
+    """The connection could not be opened (refused, unreachable, connect timeout)."""
+
+
+class ResponseTimeout(HTTPClientError):
+    """No response head, or no next body chunk, within the timeout; or the total timeout ran out."""
+
+
+class ConnectionBroken(HTTPClientError):
+    """The connection closed or sent something unparseable before the response ended."""
+
+
+class Response:
+    """One response. Read it with ``read()`` or ``chunks()``, then ``close()`` (always; it returns
+    the connection to the pool when the body was fully read, else closes it)."""
+
+    __slots__ = ("_conn", "headers", "status")
+
+    def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = headers  # lower-case names; the last value wins for repeated headers
+
+    async def read(self) -> bytes:
+        parts = []
+        while (chunk := await self._conn.next_chunk()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def chunks(self):
+        """The body as the server sends it, one read at a time (no re-framing)."""
+        while (chunk := await self._conn.next_chunk()) is not None:
+            yield chunk
+
+    @property
+    def at_end(self) -> bool:
+        """The whole body has arrived and been handed out (the last chunk was the last)."""
+        return self._conn.drained
+
+    def close(self) -> None:
+        self._conn.release()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: one request at a time, its response parsed as bytes arrive."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self._pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._headers: dict[str, str] = {}
+        self._waiter: asyncio.Future | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._head_done = False
+        self._complete = False
+        self._error: HTTPClientError | None = None
+        self.received = False
+        self._paused = False
+        self._until_close = False
+        self._keep_alive = False
+
+    # ------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(ConnectionBroken("the server tried to switch protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionBroken(f"malformed response: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._head_done and self._until_close and not self._complete:
+            self.on_message_complete()  # no length and not chunked: the body ends at close
+        elif not self._complete:
+            self._fail(ConnectionBroken(f"connection closed before the response ended ({exc or 'EOF'})"))
+
+    def pause_writing(self) -> None:  # big bodies are handed to the transport whole
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ------------------------------------------------------------ httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        headers = self._headers
+        self._until_close = "content-length" not in headers and "chunked" not in headers.get(
+            "transfer-encoding", ""
+        )
+        self._head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()  # only valid inside the callback
+        self._wake()
+
+    # ------------------------------------------------------------ request side
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: HTTPClientError) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake()
+        if self._transport is not None:
+            self._transport.close()
+
+    async def _wait(self, deadline: float, read_timeout: float) -> None:
+        """Wait for the next parser event, or raise the connection's error or a timeout."""
+        if self._error is not None:
+            raise self._error
+        timeout = min(read_timeout, deadline - self._loop.time())
+        if timeout <= 0:
+            raise ResponseTimeout("the request's total timeout ran out")
+        self._waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+        if self._error is not None:
+            raise self._error
+
+    async def send(self, head: bytes, body: bytes, deadline: float) -> Response:
+        self._reset()
+        self._deadline = deadline
+        assert self._transport is not None
+        self._transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self._transport.write(body)
+        while not self._head_done:
+            await self._wait(deadline, self._pool.read_timeout)
+        status = self._parser.get_status_code()
+        return Response(self, status, self._headers)
+
+    async def next_chunk(self) -> bytes | None:
+        while not self._chunks:
+            if self._complete:
+                return None
+            await self._wait(self._deadline, self._pool.read_timeout)
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered < _LOW_WATER and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return chunk
+
+    @property
+    def drained(self) -> bool:
+        return self._complete and not self._chunks
+
+    def release(self) -> None:
+        """Back to the pool if the exchange ended cleanly and the server keeps the connection."""
+        reusable = (
+            self._complete
+            and self._error is None
+            and not self.closed
+            and not self._until_close
+            and self._keep_alive
+        )
+        if reusable:
+            self._parser = httptools.HttpResponseParser(self)
+            self.idle_since = self._loop.time()
+            self._pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(ResponseTimeout("no response from the worker within the read timeout"))
+
+
+class _Pool:
+    """Idle connections to one origin, most recently used first."""
+
+    def __init__(self, client: HTTPClient, host: str, port: int, tls: bool) -> None:
+        self.host, self.port = host, port
+        self.ssl = ssl.create_default_context() if tls else None
+        self.read_timeout = client.read_timeout
+        self._client = client
+        self._idle: list[_Connection] = []
+        self.host_header = host if port in (80, 443) else f"{host}:{port}"
+
+    def put(self, conn: _Connection) -> None:
+        self._idle.append(conn)
+
+    def take(self) -> _Connection | None:
+        idle, now = self._idle, asyncio.get_running_loop().time()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self._client.idle_timeout:
+                return conn
+            conn.abort()
+        return None
+
+    async def connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl),
+                self._client.connect_timeout,
+            )
+        except asyncio.TimeoutError:
+            raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConnectFailed(f"connect to {self.host}:{self.port} failed: {exc}") from None
+        return conn
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()
+
+
+class HTTPClient:
+    """Pooled keep-alive connections to any number of origins (one pool per scheme/host/port)."""
+
+    def __init__(
+        self,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 120.0,
+        total_timeout: float = 600.0,
+        idle_timeout: float = 4.0,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.total_timeout = total_timeout
+        self.idle_timeout = idle_timeout  # below uvicorn's default keep-alive of 5 s
+        self._pools: dict[str, tuple[_Pool, bytes]] = {}
+
+    def _pool(self, base_url: str) -> tuple[_Pool, bytes]:
+        found = self._pools.get(base_url)
+        if found is None:
+            parts = urlsplit(base_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"not an http(s) URL: {base_url!r}")
+            tls = parts.scheme == "https"
+            pool = _Pool(self, parts.hostname, parts.port or (443 if tls else 80), tls)
+            found = self._pools[base_url] = (pool, parts.path.rstrip("/").encode("latin-1"))
+        return found
+
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> Response:
+        """Send ``POST base_url + path`` and return once the response head arrived."""
+        pool, prefix = self._pool(base_url)
+        lines = [
+            b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
+            % (prefix, path.encode("latin-1"), pool.host_header.encode("latin-1"), len(body))
+        ]
+        for name, value in (headers or {}).items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"header {name!r} contains a line break")
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        deadline = asyncio.get_running_loop().time() + self.total_timeout
+        conn = pool.take()
+        if conn is not None:
+            try:
+                return await conn.send(head, body, deadline)
+            except ConnectionBroken:
+                conn.abort()
+                if conn.received:
+                    raise
+                # The server closed this idle connection as we wrote: once more on a new one.
+            except BaseException:
+                conn.abort()
+                raise
+        conn = await pool.connect()
+        try:
+            return await conn.send(head, body, deadline)
+        except BaseException:
+            conn.abort()
+            raise
+
+    def close(self) -> None:
+        for pool, _ in self._pools.values():
+            pool.close()
+        self._pools.clear()

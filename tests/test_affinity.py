@@ -1,0 +1,361 @@
+"""Affinity groups: validation, matching, rendezvous member placement, exclusivity and overflow."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from router.affinity import IN_GROUP, OVERFLOW, UNGROUPED, AffinityGroups
+from router.config import build_config
+from router.policies import Candidate
+
+FLEET = tuple(f"http://w{i}:8000" for i in range(8))
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
+
+
+def groups(*raw: dict) -> AffinityGroups:
+    return AffinityGroups.from_config(list(raw))
+
+
+def idle(urls, load: float = 0.0) -> list[Candidate]:
+    return [Candidate(u, load) for u in urls]
+
+
+def urls(cands: list[Candidate]) -> set[str]:
+    return {c.url for c in cands}
+
+
+def chat(system: object = None, user: str = "hi", model: str = "llama-3-8b") -> dict:
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    return {"model": model, "messages": [*messages, {"role": "user", "content": user}]}
+
+
+# ---------------------------------------------------------------------- validation
+GOOD = {"name": "g", "match": {"model": "m*"}, "size": 1}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([{**GOOD, "wokers": ["http://a"]}], r"'g': unknown key\(s\) \['wokers'\]"),
+        ([{**GOOD, "match": {}}], r"'g': match: required"),
+        ([{**GOOD, "match": {"modle": "x"}}], r"'g': match: unknown key\(s\) \['modle'\]"),
+        ([{"name": "g", "size": 1}], r"'g': match: required"),
+        ([{**GOOD, "share": 0.5}], r"'g': give exactly one of workers, size, share"),
+        ([{**GOOD, "workers": ["http://a"]}], r"'g': give exactly one"),
+        ([{"name": "g", "match": {"model": "m"}}], r"'g': give exactly one"),
+        ([{**GOOD, "overflow": "nowhere"}], r"'g': overflow names no group: 'nowhere'"),
+        ([{**GOOD, "overflow": "g"}], r"'g': overflow cannot name the group itself"),
+        ([GOOD, {**GOOD, "size": 2}], r"'g': name is used by another group"),
+        ([{**GOOD, "name": "fleet"}], r"'fleet': name: 'fleet' is reserved"),
+        ([{**GOOD, "name": ""}], r"affinity_groups\[0\]: name: required"),
+        ([{**GOOD, "size": 0}], r"'g': size: expected a whole number >= 1"),
+        ([{**GOOD, "size": "2"}], r"'g': size:"),
+        ([{**GOOD, "size": True}], r"'g': size:"),
+        ([{**GOOD, "size": None, "share": 1.5}], r"'g': share: expected a number in \(0, 1\]"),
+        ([{**GOOD, "size": None, "share": "0.5"}], r"'g': share:"),
+        ([{**GOOD, "size": None, "workers": "http://a"}], r"'g': workers: expected a non-empty list"),
+        ([{**GOOD, "size": None, "workers": ["10.0.0.1:8000"]}], r"'g': workers: '10.0.0.1:8000' must"),
+        (
+            [{**GOOD, "size": None, "workers": ["http://a/", "http://a"]}],
+            r"'g': workers: a worker is listed twice",
+        ),
+        ([{**GOOD, "exclusive": "yes"}], r"'g': exclusive: expected true or false"),
+        ([{**GOOD, "overflow_load": -1}], r"'g': overflow_load: expected a number > 0"),
+        ([{**GOOD, "overflow": "none", "overflow_load": 4}], r"'g': overflow_load: has no effect"),
+        ([{**GOOD, "match": {"model": 3}}], r"'g': match.model"),
+        ([{**GOOD, "match": {"header": {"x-tier": 1}}}], r"'g': match.header: 'x-tier'"),
+        ([{**GOOD, "match": {"header": "x-tier"}}], r"'g': match.header: expected a mapping"),
+        ([{**GOOD, "match": {"system_prompt": ""}}], r"'g': match.system_prompt"),
+        (["g"], r"affinity_groups\[0\]: expected a mapping"),
+        ({"name": "g"}, r"affinity_groups must be a list"),
+        (
+            [
+                {"name": "a", "match": {"model": "a"}, "workers": ["http://w1"], "exclusive": True},
+                {"name": "b", "match": {"model": "b"}, "workers": ["http://w1/"]},
+            ],
+            r"'b': workers: http://w1 is also listed by group 'a'",
+        ),
+    ],
+)
+def test_bad_groups_are_errors_naming_group_and_key(raw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        AffinityGroups.from_config(raw)
+
+
+def test_empty_config_is_falsy_and_leaves_candidates_alone() -> None:
+    none = AffinityGroups.from_config([])
+    assert not none and not AffinityGroups.from_config(None)
+    assert none.match(chat("sys"), True, {}) is None
+    assert none.filter(None, idle(FLEET), FLEET) == (idle(FLEET), UNGROUPED)
+    assert groups(GOOD)
+
+
+def test_config_validates_affinity_groups(tmp_path) -> None:
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("router:\n  affinity_groups:\n    - {name: g, match: {model: m}, size: 1, overflow: x}\n")
+    with pytest.raises(ValueError, match="overflow names no group"):
+        build_config(["--config", str(cfg)], environ={})
+    cfg.write_text("router:\n  affinity_groups: {name: g}\n")
+    with pytest.raises(ValueError, match="bad value for affinity_groups"):
+        build_config(["--config", str(cfg)], environ={})
+
+
+def test_shipped_affinity_example_loads_and_places_members() -> None:
+    config = build_config(["--config", os.path.join(CONFIGS, "affinity-groups.yaml")], environ={})
+    affinity = AffinityGroups.from_config(config.affinity_groups)
+    described = {d["name"]: d for d in affinity.describe(config.workers)}
+    assert list(described) == ["acme", "support-agent", "llama-3"]
+    assert len(described["acme"]["members"]) == 2 and described["acme"]["exclusive"]
+    assert len(described["support-agent"]["members"]) == 2  # ceil(0.25 x 8)
+    assert len(described["llama-3"]["members"]) == 3
+    reserved = set(described["acme"]["members"])
+    assert not reserved & set(described["support-agent"]["members"])
+    assert not reserved & set(described["llama-3"]["members"])
+    assert affinity.match(chat(model="llama-3.1-70b"), True, {}) == "llama-3"
+    assert affinity.match(chat(model="llama-3.1-70b"), True, {"x-tenant": "acme"}) == "acme"
+    body = chat("You are the support assistant for Initech.", model="qwen")
+    assert affinity.match(body, True, {}) == "support-agent"
+
+
+# ---------------------------------------------------------------------- matching
+def test_match_by_each_condition_and_all_together() -> None:
+    affinity = groups(
+        {
+            "name": "all",
+            "match": {"model": "llama-*", "header": {"X-Tenant": "acme"}, "system_prompt": "You are Acme"},
+            "size": 1,
+        },
+        {"name": "model", "match": {"model": "llama-3-?b"}, "size": 1},
+        {"name": "header", "match": {"header": {"x-tenant": "acme", "x-tier": "gold*"}}, "size": 1},
+        {"name": "prompt", "match": {"system_prompt": "You are Acme"}, "size": 1},
+    )
+    acme = {"x-tenant": "acme"}
+    assert affinity.match(chat("You are Acme's bot", model="llama-2"), True, acme) == "all"
+    assert affinity.match(chat("You are Acme's bot", model="llama-3-8b"), True, {}) == "model"
+    assert affinity.match(chat("You are Acme's bot", model="llama-3-70b"), True, {}) == "prompt"
+    assert affinity.match(chat(model="qwen"), True, {**acme, "x-tier": "gold-plus"}) == "header"
+    assert affinity.match(chat(model="qwen"), True, {**acme, "x-tier": "silver"}) is None
+    assert affinity.match(chat(model="qwen"), True, acme) is None  # one header of two is not enough
+    assert affinity.match(chat("You are Initech", model="qwen"), True, {}) is None
+    assert affinity.match({"messages": []}, True, {}) is None  # no model: model globs fail
+
+
+def test_first_matching_group_wins_in_file_order() -> None:
+    affinity = groups(
+        {"name": "first", "match": {"model": "llama-*"}, "size": 1},
+        {"name": "second", "match": {"model": "llama-3-8b"}, "size": 1},
+    )
+    assert affinity.match(chat(model="llama-3-8b"), True, {}) == "first"
+    swapped = groups(
+        {"name": "second", "match": {"model": "llama-3-8b"}, "size": 1},
+        {"name": "first", "match": {"model": "llama-*"}, "size": 1},
+    )
+    assert swapped.match(chat(model="llama-3-8b"), True, {}) == "second"
+
+
+def test_header_names_any_case_values_case_sensitive() -> None:
+    from starlette.datastructures import Headers
+
+    affinity = groups({"name": "t", "match": {"header": {"X-TENANT": "acme"}}, "size": 1})
+    assert affinity.match(chat(), True, {"x-tenant": "acme"}) == "t"
+    assert affinity.match(chat(), True, Headers({"X-Tenant": "acme"})) == "t"  # starlette, as the app has
+    assert affinity.match(chat(), True, {"x-tenant": "ACME"}) is None
+    assert affinity.match(chat(), True, {"x-tenant": "acme-corp"}) is None  # globs match the whole value
+
+
+def test_system_prompt_from_content_parts_and_completions() -> None:
+    affinity = groups({"name": "p", "match": {"system_prompt": "You are Acme.\nBe brief"}, "size": 1})
+    parts = [{"type": "text", "text": "You are Acme."}, {"type": "text", "text": "Be brief."}]
+    assert affinity.match(chat(parts), True, {}) == "p"
+    assert affinity.match(chat("You are Acme.\nBe brief, always."), True, {}) == "p"
+    assert affinity.match(chat([{"type": "text", "text": "You are Acme."}]), True, {}) is None
+    user_first = {"messages": [{"role": "user", "content": "You are Acme.\nBe brief"}]}
+    assert affinity.match(user_first, True, {}) is None  # only a leading system message counts
+    assert affinity.match({"prompt": "You are Acme.\nBe brief. Q:"}, False, {}) == "p"
+    assert affinity.match({"prompt": ["You are Acme.\nBe brief. Q:", "x"]}, False, {}) == "p"
+    assert affinity.match({"prompt": [1, 2, 3]}, False, {}) is None
+    assert affinity.match({"prompt": "You are Acme.\nBe brief"}, True, {}) is None  # chat reads messages
+    assert affinity.match({"messages": "junk"}, True, {}) is None  # odd shapes never raise
+
+
+# ---------------------------------------------------------------------- placement
+def test_members_are_the_same_on_every_replica_whatever_the_fleet_order() -> None:
+    raw = [{"name": "g", "match": {"model": "m"}, "size": 3}]
+    a, b = AffinityGroups.from_config(raw), AffinityGroups.from_config(raw)
+    members = a.members("g", FLEET)
+    assert len(members) == 3 and members <= set(FLEET)
+    assert b.members("g", tuple(reversed(FLEET))) == members
+    assert b.members("g", [u + "/" for u in FLEET]) == members  # trailing slashes ignored
+    other = groups({"name": "h", "match": {"model": "m"}, "size": 3})
+    assert any(other.members("h", FLEET[:n]) != groups(*raw).members("g", FLEET[:n]) for n in range(3, 9))
+
+
+def test_adding_or_removing_a_worker_moves_at_most_one_member() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "size": 4})
+    fleet = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(64)]
+    moved_total = 0
+    for n in range(8, 64):
+        before = affinity.members("g", fleet[:n])
+        after = affinity.members("g", fleet[: n + 1])
+        assert len(before) == len(after) == 4
+        moved = len(before - after)
+        assert moved <= 1 and (moved == 0 or after - before == {fleet[n]})
+        moved_total += moved
+    assert 0 < moved_total < 56 // 2  # the new worker wins a seat about 4/n of the time
+    members = affinity.members("g", fleet)
+    for gone in fleet:
+        after = affinity.members("g", [u for u in fleet if u != gone])
+        if gone in members:
+            assert len(after - members) == 1 and members - after == {gone}
+        else:
+            assert after == members
+
+
+@pytest.mark.parametrize(
+    ("share", "fleet_size", "members"),
+    [(0.07, 100, 7), (0.14, 50, 7), (0.25, 8, 2), (0.3, 8, 3), (0.01, 8, 1), (1, 5, 5)],
+)
+def test_share_rounds_up_with_at_least_one_member(share, fleet_size, members) -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "share": share})
+    fleet = [f"http://w{i}" for i in range(fleet_size)]
+    assert len(affinity.members("g", fleet)) == members
+
+
+def test_size_larger_than_the_fleet_takes_what_there_is() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "size": 5})
+    assert affinity.members("g", FLEET[:2]) == set(FLEET[:2])
+    assert affinity.members("g", []) == frozenset()
+
+
+def test_explicit_members_only_count_when_registered() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "workers": [FLEET[0] + "/", "http://gone:1"]})
+    assert affinity.members("g", FLEET) == {FLEET[0]}
+    assert affinity.describe(FLEET)[0]["sized_by"] == {"workers": [FLEET[0], "http://gone:1"]}
+
+
+def test_sized_groups_never_pick_exclusive_members() -> None:
+    pinned = {"name": "pinned", "match": {"model": "p"}, "workers": list(FLEET[:6]), "exclusive": True}
+    for shared in ({"size": 2}, {"share": 1.0}):
+        affinity = groups(pinned, {"name": "shared", "match": {"model": "s"}, **shared})
+        assert affinity.members("shared", FLEET) == set(FLEET[6:])
+
+
+def test_exclusive_sized_groups_do_not_overlap_any_group() -> None:
+    affinity = groups(
+        {"name": "plain", "match": {"model": "a"}, "share": 1.0},  # before the exclusive ones in the file
+        {"name": "listed", "match": {"model": "b"}, "workers": [FLEET[0], FLEET[1]]},
+        {"name": "x1", "match": {"model": "c"}, "size": 3, "exclusive": True},
+        {"name": "x2", "match": {"model": "d"}, "size": 3, "exclusive": True},
+    )
+    x1, x2 = affinity.members("x1", FLEET), affinity.members("x2", FLEET)
+    assert len(x1) == len(x2) == 3 and not x1 & x2
+    assert not (x1 | x2) & {FLEET[0], FLEET[1]}  # explicitly listed workers are never taken
+    assert affinity.members("plain", FLEET) == set(FLEET) - x1 - x2
+
+
+# ---------------------------------------------------------------------- filter
+def test_grouped_requests_stay_on_members() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "size": 2})
+    members = affinity.members("g", FLEET)
+    chosen, outcome = affinity.filter("g", idle(FLEET, 5.0), FLEET)
+    assert (urls(chosen), outcome) == (members, IN_GROUP)
+    chosen, outcome = affinity.filter(None, idle(FLEET), FLEET)  # not exclusive: others may use them
+    assert (urls(chosen), outcome) == (set(FLEET), UNGROUPED)
+
+
+def test_exclusive_members_are_kept_from_other_traffic_while_others_are_available() -> None:
+    affinity = groups(
+        {"name": "acme", "match": {"model": "a"}, "workers": list(FLEET[:2]), "exclusive": True},
+        {"name": "other", "match": {"model": "o"}, "size": 1, "overflow_load": 1},
+    )
+    chosen, outcome = affinity.filter(None, idle(FLEET), FLEET)
+    assert (urls(chosen), outcome) == (set(FLEET[2:]), UNGROUPED)
+    chosen, outcome = affinity.filter("other", idle(FLEET, 3.0), FLEET)  # spills, but not onto acme
+    assert (urls(chosen), outcome) == (set(FLEET[2:]), OVERFLOW)
+    chosen, _ = affinity.filter(None, idle(FLEET[:2]), FLEET)  # only acme's workers are up
+    assert urls(chosen) == set(FLEET[:2])
+    chosen, outcome = affinity.filter("acme", idle(FLEET), FLEET)
+    assert (urls(chosen), outcome) == (set(FLEET[:2]), IN_GROUP)
+
+
+def test_overflow_fleet_by_unavailability_and_by_load() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "size": 2, "overflow_load": 4})
+    members = affinity.members("g", FLEET)
+    others = [u for u in FLEET if u not in members]
+    chosen, outcome = affinity.filter("g", idle(others), FLEET)  # every member is down
+    assert (urls(chosen), outcome) == (set(others), OVERFLOW)
+    busy = [Candidate(u, 4.0 if u in members else 0.0) for u in FLEET]
+    chosen, outcome = affinity.filter("g", busy, FLEET)
+    assert (urls(chosen), outcome) == (set(FLEET), OVERFLOW)  # the members stay eligible
+    one_free = [Candidate(u, 3.0 if u == min(members) else 9.0) for u in FLEET]
+    chosen, outcome = affinity.filter("g", one_free, FLEET)
+    assert (urls(chosen), outcome) == (members, IN_GROUP)
+
+
+def test_without_overflow_load_busy_members_keep_the_traffic() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "size": 2})
+    chosen, outcome = affinity.filter("g", idle(FLEET, 1000.0), FLEET)
+    assert (urls(chosen), outcome) == (affinity.members("g", FLEET), IN_GROUP)
+
+
+def test_overflow_none_stays_in_group_even_when_empty() -> None:
+    affinity = groups({"name": "g", "match": {"model": "m"}, "workers": [FLEET[0]], "overflow": "none"})
+    assert affinity.filter("g", idle(FLEET[1:]), FLEET) == ([], IN_GROUP)
+    chosen, outcome = affinity.filter("g", idle(FLEET, 50.0), FLEET)
+    assert (urls(chosen), outcome) == ({FLEET[0]}, IN_GROUP)
+
+
+def test_overflow_to_another_group_then_to_the_fleet() -> None:
+    affinity = groups(
+        {
+            "name": "g",
+            "match": {"model": "m"},
+            "workers": [FLEET[0]],
+            "overflow": "spare",
+            "overflow_load": 2,
+        },
+        {"name": "spare", "match": {"model": "s"}, "workers": list(FLEET[1:3]), "exclusive": True},
+    )
+    chosen, outcome = affinity.filter("g", idle(FLEET[1:]), FLEET)  # member down: to spare, exclusive or not
+    assert (urls(chosen), outcome) == (set(FLEET[1:3]), OVERFLOW)
+    chosen, outcome = affinity.filter("g", idle(FLEET, 2.0), FLEET)  # member busy: member + spare
+    assert (urls(chosen), outcome) == (set(FLEET[:3]), OVERFLOW)
+    chosen, outcome = affinity.filter("g", idle(FLEET[3:]), FLEET)  # spare down too: the fleet
+    assert (urls(chosen), outcome) == (set(FLEET[3:]), OVERFLOW)
+    chosen, outcome = affinity.filter("g", idle(FLEET[1:2] + FLEET[5:]), FLEET)
+    assert (urls(chosen), outcome) == ({FLEET[1]}, OVERFLOW)
+
+
+@pytest.mark.parametrize("overflow", ["fleet", "spare"])
+def test_filter_never_empties_a_non_empty_candidate_list(overflow) -> None:
+    affinity = groups(
+        {"name": "g", "match": {"model": "m"}, "size": 2, "overflow": overflow, "overflow_load": 1},
+        {"name": "spare", "match": {"model": "s"}, "size": 1, "exclusive": True},
+        {"name": "x", "match": {"model": "x"}, "workers": list(FLEET[:3]), "exclusive": True},
+    )
+    subsets = [FLEET[i:j] for i in range(len(FLEET)) for j in range(i + 1, len(FLEET) + 1)]
+    subsets += [FLEET[::2], FLEET[1::2], FLEET[:3]]
+    for subset in subsets:
+        for load in (0.0, 5.0):
+            for group in (None, "g", "spare", "x"):
+                chosen, outcome = affinity.filter(group, idle(subset, load), FLEET)
+                assert chosen and urls(chosen) <= set(subset), (group, subset, load)
+                assert outcome in (UNGROUPED, IN_GROUP, OVERFLOW)
+    for group in (None, "g"):
+        assert affinity.filter(group, [], FLEET)[0] == []
+
+
+def test_unknown_group_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown affinity group"):
+        groups(GOOD).filter("nope", idle(FLEET), FLEET)
+
+
+def test_describe_reports_members_now() -> None:
+    affinity = groups({"name": "g", "match": {"header": {"x-tenant": "a"}}, "share": 0.5, "overflow": "none"})
+    (entry,) = affinity.describe(FLEET[:4])
+    assert entry["name"] == "g" and entry["match"] == {"header": {"x-tenant": "a"}}
+    assert entry["sized_by"] == {"share": 0.5} and entry["overflow"] == "none"
+    assert entry["exclusive"] is False and entry["overflow_load"] is None
+    assert set(entry["members"]) == affinity.members("g", FLEET[:4]) and len(entry["members"]) == 2

@@ -1,0 +1,273 @@
+"""The router's upstream HTTP/1.1 client against real servers on loopback: a uvicorn app for the
+normal paths and raw asyncio servers for the misbehaving ones (stalls, drops, no length)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from router.http_client import ConnectFailed, ConnectionBroken, HTTPClient, ResponseTimeout
+from router.launcher import free_port
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _echo(request: Request) -> Response:
+    body = await request.body()
+    return JSONResponse(
+        {"len": len(body), "auth": request.headers.get("authorization"), "path": request.url.path}
+    )
+
+
+async def _stream(request: Request) -> Response:
+    async def chunks():
+        for i in range(5):
+            yield f"data: {i}\n\n".encode()
+            await asyncio.sleep(0.02)
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+async def _fail(request: Request) -> Response:
+    return JSONResponse({"error": "boom"}, status_code=503)
+
+
+@contextlib.asynccontextmanager
+async def uvicorn_server(keep_alive: float = 5.0):
+    app = Starlette(
+        routes=[
+            Route("/echo", _echo, methods=["POST"]),
+            Route("/base/echo", _echo, methods=["POST"]),
+            Route("/stream", _stream, methods=["POST"]),
+            Route("/fail", _fail, methods=["POST"]),
+        ]
+    )
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=keep_alive
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler):
+    """A TCP server whose connections run ``handler(reader, writer)``; yields its URL."""
+    connections: list[int] = []
+
+    async def on_connect(reader, writer):
+        connections.append(1)
+        try:
+            await handler(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", connections
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+async def test_post_reads_body_and_reuses_the_connection():
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient()
+        bodies = []
+        conns = set()
+        for n in (0, 10, 100_000):  # 100 KB goes out as a second write
+            resp = await client.post(url, "/echo", b"x" * n, {"authorization": "Bearer t"})
+            conns.add(id(resp._conn))
+            assert resp.status == 200
+            assert resp.headers["content-type"] == "application/json"
+            bodies.append(await resp.read())
+            resp.close()
+        assert [b'"len":%d' % n in b for n, b in zip((0, 10, 100_000), bodies, strict=True)] == [True] * 3
+        assert b'"auth":"Bearer t"' in bodies[0]
+        assert len(conns) == 1  # one keep-alive connection served all three
+        client.close()
+
+
+async def test_base_url_path_prefix_is_kept():
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient()
+        resp = await client.post(url + "/base/", "/echo", b"{}")
+        assert b'"path":"/base/echo"' in await resp.read()
+        resp.close()
+        client.close()
+
+
+async def test_streamed_body_arrives_chunk_by_chunk():
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient()
+        resp = await client.post(url, "/stream", b"{}")
+        assert resp.status == 200
+        seen = []
+        async for chunk in resp.chunks():
+            seen.append(chunk)
+        resp.close()
+        assert b"".join(seen) == b"".join(f"data: {i}\n\n".encode() for i in range(5))
+        assert len(seen) >= 3  # chunked framing removed, chunks not merged into one
+        assert resp.at_end
+        client.close()
+
+
+async def test_error_status_is_returned_not_raised():
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient()
+        resp = await client.post(url, "/fail", b"{}")
+        assert resp.status == 503 and b"boom" in await resp.read()
+        resp.close()
+        client.close()
+
+
+async def test_connection_refused_is_connect_failed():
+    client = HTTPClient(connect_timeout=1.0)
+    with pytest.raises(ConnectFailed):
+        await client.post(f"http://127.0.0.1:{free_port()}", "/echo", b"{}")
+
+
+async def test_read_timeout_when_the_server_never_answers():
+    async def stall(reader, writer):
+        await _read_request(reader)
+        await asyncio.sleep(5)
+
+    async with raw_server(stall) as (url, _):
+        client = HTTPClient(read_timeout=0.2)
+        with pytest.raises(ResponseTimeout):
+            await client.post(url, "/x", b"{}")
+        client.close()
+
+
+async def test_timeout_between_body_chunks():
+    async def half(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with raw_server(half) as (url, _):
+        client = HTTPClient(read_timeout=0.2)
+        resp = await client.post(url, "/x", b"{}")
+        with pytest.raises(ResponseTimeout):
+            await resp.read()
+        resp.close()
+        client.close()
+
+
+async def test_connection_dropped_mid_body_is_broken():
+    async def drop(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc")
+        await writer.drain()
+
+    async with raw_server(drop) as (url, _):
+        client = HTTPClient()
+        resp = await client.post(url, "/x", b"{}")
+        with pytest.raises(ConnectionBroken):
+            await resp.read()
+        resp.close()
+        client.close()
+
+
+async def test_body_until_close_without_length():
+    async def no_length(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        await writer.drain()
+
+    async with raw_server(no_length) as (url, conns):
+        client = HTTPClient()
+        for _ in range(2):
+            resp = await client.post(url, "/x", b"{}")
+            assert await resp.read() == b"all of it"
+            resp.close()
+        assert len(conns) == 2  # a connection that closes is never pooled
+        client.close()
+
+
+async def test_garbage_response_is_broken():
+    async def garbage(reader, writer):
+        await _read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with raw_server(garbage) as (url, _):
+        client = HTTPClient(read_timeout=2)
+        with pytest.raises(ConnectionBroken):
+            await client.post(url, "/x", b"{}")
+        client.close()
+
+
+async def test_idle_connection_closed_by_server_is_replaced_transparently():
+    """The server drops idle keep-alive connections (here after 0.2 s); the next request must
+    not fail because of that."""
+    async with uvicorn_server(keep_alive=0.2) as (url, _):
+        client = HTTPClient(idle_timeout=60)  # keep our side's idle limit out of the way
+        resp = await client.post(url, "/echo", b"{}")
+        first = resp._conn
+        await resp.read()
+        resp.close()
+        await asyncio.sleep(0.6)  # the server has closed it by now
+        resp = await client.post(url, "/echo", b"{}")
+        assert resp.status == 200 and resp._conn is not first
+        await resp.read()
+        resp.close()
+        client.close()
+
+
+async def test_stale_connection_that_dies_as_we_write_is_retried_once():
+    """The race the idle check cannot see: the pooled connection is still open when taken, and
+    the server closes it without reading the request. One fresh connection, no error."""
+    served = 0
+
+    async def once_then_drop(reader, writer):
+        nonlocal served
+        await _read_request(reader)
+        served += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(reader.read(1), 0.3)  # close as the next request arrives
+
+    async with raw_server(once_then_drop) as (url, conns):
+        client = HTTPClient(idle_timeout=60)
+        for _ in range(2):
+            resp = await client.post(url, "/x", b"{}")
+            assert await resp.read() == b"ok"
+            resp.close()
+        assert served == 2 and len(conns) == 2
+        client.close()
+
+
+async def test_header_injection_is_refused():
+    client = HTTPClient()
+    with pytest.raises(ValueError):
+        await client.post("http://127.0.0.1:1", "/x", b"", {"x-a": "v\r\nx-evil: 1"})
+    with pytest.raises(ValueError):
+        await client.post("ftp://example", "/x", b"")
