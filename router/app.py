@@ -175,7 +175,9 @@ class Router:
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            task = asyncio.current_task()
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is handled here
+                task.uncancel()
             status = 499
         finally:
             if watch is not None:

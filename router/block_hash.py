@@ -86,8 +86,8 @@ def block_hashes(
 class SpanMemo:
     """LRU memo of chained hashes per aligned span of blocks, keyed by the exact bytes hashed
     (block size, parent hash, the span's tokens), so a hit never returns another prompt's hashes.
-    Bounded by ``max_bytes`` of keys (64 MiB: 64 M tokens of bytes-tokenizer prompts, more than
-    the prefix index's default budget covers). A span is ``SPAN_BLOCKS`` blocks."""
+    Bounded by ``max_bytes`` of keys and values (64 MiB: ~40 M tokens of bytes-tokenizer prompts,
+    about what the prefix index's default budget covers). A span is ``SPAN_BLOCKS`` blocks."""
 
     SPAN_BLOCKS = 32
 
@@ -108,10 +108,10 @@ class SpanMemo:
 
     def put(self, key: bytes, hashes: bytes) -> None:
         self._spans[key] = hashes
-        self._bytes += len(key)
+        self._bytes += len(key) + len(hashes)
         while self._bytes > self.max_bytes:
-            old, _ = self._spans.popitem(last=False)
-            self._bytes -= len(old)
+            old, value = self._spans.popitem(last=False)
+            self._bytes -= len(old) + len(value)
 
     def __len__(self) -> int:
         return len(self._spans)

@@ -63,7 +63,8 @@ class Response:
         return b"".join(parts)
 
     async def chunks(self):
-        """The body as the server sends it, one read at a time (no re-framing)."""
+        """The body as it arrives: each item is everything received since the last one (no
+        re-framing, no waiting to fill a buffer)."""
         while (chunk := await self._conn.next_chunk()) is not None:
             yield chunk
 
@@ -199,8 +200,12 @@ class _Connection(asyncio.Protocol):
             if self._complete:
                 return None
             await self._wait(self._deadline, self._pool.read_timeout)
-        chunk = self._chunks.popleft()
-        self._buffered -= len(chunk)
+        chunks = self._chunks
+        # Everything that has already arrived, in one piece: a fast upstream's SSE events then
+        # cost one write to the client, not one each. Nothing waits for more to arrive.
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
         if self._paused and self._buffered < _LOW_WATER and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
