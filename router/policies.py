@@ -14,13 +14,20 @@ Policies and parameters (``make_policy(name, index, params)``; ``describe()`` re
   exceed ceil(``load_factor`` (default 1.25) x the mean) passes the request on clockwise; if every
   worker is over, the least loaded takes it. ``vnodes`` (default 100) points per worker.
   Prompts shorter than one block go to the least loaded worker.
-- ``cache_aware`` (default): admissible workers are those with
-  ``load <= min_load + max(balance_abs, balance_rel x mean_load)`` (defaults 2.0 and 0.10, in
-  load units: outstanding requests); among them the longest predicted cached prefix wins; ties go
-  to the lower load, then to the highest rendezvous hash of (worker, first block) so that
-  router replicas agree where a new prefix goes. Misses therefore go to the least loaded worker,
-  never to the worker with the smallest cache. A hot prefix spreads to a second worker once its
-  holder is busier than the window, and that worker becomes a holder too (insert on route).
+- ``cache_aware`` (default): the longest predicted cached prefix wins among admissible workers;
+  ties go to the lower load, then to the highest rendezvous hash of (worker, first block) so that
+  router replicas agree where a new prefix goes. Worker ``w`` is admissible when
+  ``load_w - min_load <= max(balance_abs, min(balance_rel x mean_load, saved_w / tokens_per_load))``
+  where ``saved_w`` = its predicted cached tokens minus the most that any least-loaded worker holds
+  (the prefill it saves over going to the least loaded). So a holder may be ``balance_abs`` (default
+  2.0) requests busier than the least loaded worker whatever it saves or, if more, one request per
+  ``tokens_per_load`` (default 32) tokens it saves, that part capped at ``balance_rel`` (default
+  1.0) x the mean load. Loads are in load units (outstanding requests). ``tokens_per_load=0`` gives
+  any saving the whole ``balance_rel`` window: the saving-blind rule (the former default, with
+  ``balance_rel=0.1``).
+  Misses therefore go to the least loaded worker, never to the worker with the smallest cache. A
+  hot prefix spreads to a second worker once its holder is busier than its window, and that worker
+  becomes a holder too (insert on route).
 
 Every policy inserts the routed prompt into the prefix index in ``on_routed`` (optimistic), so
 predicted cached tokens stay meaningful whichever policy runs; worker events correct it.
@@ -224,42 +231,68 @@ class PrefixHash(Policy):
 
 class CacheAware(Policy):
     name = "cache_aware"
-    defaults = {"balance_abs": 2.0, "balance_rel": 0.10}
+    defaults = {"balance_abs": 2.0, "balance_rel": 1.0, "tokens_per_load": 32.0}
 
     def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
         super().__init__(index, params)
         self._abs = float(self.params["balance_abs"])
         self._rel = float(self.params["balance_rel"])
-        if self._abs < 0 or self._rel < 0:
-            raise ValueError("cache_aware: balance_abs and balance_rel must be >= 0")
+        self._tokens_per_load = float(self.params["tokens_per_load"])
+        if not (self._abs >= 0 and self._rel >= 0 and self._tokens_per_load >= 0):  # NaN fails too
+            raise ValueError("cache_aware: balance_abs, balance_rel and tokens_per_load must be >= 0")
+
+    def _window(self, saved_tokens: int, mean_load: float) -> float:
+        """Load above the least loaded worker that a worker saving ``saved_tokens`` may carry."""
+        cap = self._rel * mean_load
+        if saved_tokens > 0:
+            earned = cap if self._tokens_per_load == 0 else min(cap, saved_tokens / self._tokens_per_load)
+        else:
+            earned = 0.0
+        return max(self._abs, earned)
 
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         blocks = self._matched_blocks(req, candidates)
-        loads = [c.load for c in candidates]
-        min_load = min(loads)
-        window = max(self._abs, self._rel * sum(loads) / len(loads))
-        limit = min_load + window
-        admissible = [c for c in candidates if c.load <= limit]
+        tokens = self._tokens(blocks, req)
+        min_load = min(c.load for c in candidates)
+        mean_load = sum(c.load for c in candidates) / len(candidates)
+        # NOTE: the baseline is what the request gets at no extra load: the best least-loaded worker.
+        base = max(tokens[c.url] for c in candidates if c.load == min_load)
+        near = min_load + self._abs
+        # NOTE: only a worker past balance_abs that saves something needs its own window (O(holders)).
+        admissible = [
+            c
+            for c in candidates
+            if c.load <= near
+            or (tokens[c.url] > base and c.load - min_load <= self._window(tokens[c.url] - base, mean_load))
+        ]
         best = max(admissible, key=lambda c: (blocks[c.url], -c.load))
         top = (blocks[best.url], best.load)
         tied = [c for c in admissible if (blocks[c.url], c.load) == top]
         key = req.block_hashes[0] if req.block_hashes else 0
         if len(tied) > 1:
             best = max(tied, key=lambda c: _rendezvous(c.url, key))
-        matched = blocks[best.url] * req.block_size
+        matched = tokens[best.url]
         if matched:
-            reason = f"longest cached prefix among admissible: {matched} tokens (load {best.load:g})"
+            reason = f"longest cached prefix among admissible: {matched} tokens (load {best.load:g}"
+            if best.load > min_load:
+                reason += (
+                    f", {best.load - min_load:g} over the least loaded, window "
+                    f"{self._window(matched - base, mean_load):g} for {matched - base} tokens saved"
+                )
+            reason += ")"
         else:
             reason = f"no cached prefix among admissible: least loaded (load {best.load:g})"
         if len(tied) > 1:
             reason += f", rendezvous tie-break among {len(tied)}"
-        holder = max(candidates, key=lambda c: blocks[c.url])
-        if blocks[holder.url] > blocks[best.url]:
+        most = max(blocks.values())
+        if most > blocks[best.url]:
+            holder = min((c for c in candidates if blocks[c.url] == most), key=lambda c: c.load)
+            window = self._window(tokens[holder.url] - base, mean_load)
             reason += (
-                f"; {holder.url} holds {blocks[holder.url] * req.block_size} tokens but its load "
-                f"{holder.load:g} is over the window {limit:g}"
+                f"; {holder.url} holds {tokens[holder.url]} tokens but its load {holder.load:g} is "
+                f"{holder.load - min_load:g} over the least loaded, past its window {window:g}"
             )
-        return Decision(best.url, self._tokens(blocks, req), reason)
+        return Decision(best.url, tokens, reason)
 
 
 _POLICIES: dict[str, type[Policy]] = {

@@ -48,8 +48,12 @@ def test_unknown_policy_or_parameter_is_rejected() -> None:
         make_policy("cache_aware", PrefixIndex(), {"balance": 3})
     assert make_policy("cache_aware", PrefixIndex()).describe()["params"] == {
         "balance_abs": 2.0,
-        "balance_rel": 0.10,
+        "balance_rel": 1.0,
+        "tokens_per_load": 32.0,
     }
+    for bad in ({"tokens_per_load": -1}, {"balance_rel": -0.5}, {"balance_abs": float("nan")}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            make_policy("cache_aware", PrefixIndex(), bad)
 
 
 def test_round_robin_spreads_evenly() -> None:
@@ -92,6 +96,59 @@ def test_prefix_hash_bounds_the_load_of_a_hot_prefix() -> None:
         mean = sum(loads.values()) / len(loads)
         assert max(loads.values()) <= 1.25 * mean + 1
     assert policy.select(request(list(range(64))), idle(URLS)).url == policy.select(req, idle(URLS)).url
+
+
+# ---- cache_aware: the load window grows with the predicted saving ----------------------------------
+
+
+def holder_setup(
+    held_tokens: int, holder_load: float, other_load: float
+) -> tuple[RouteRequest, PrefixIndex, list[Candidate]]:
+    """URLS[0] holds the first ``held_tokens`` of a 1,024-token prompt; the others hold nothing."""
+    index = PrefixIndex()
+    req = request(list(range(1024)))
+    index.insert(URLS[0], req.block_hashes[: held_tokens // BLOCK])
+    loads = [holder_load] + [other_load] * (len(URLS) - 1)
+    return req, index, [Candidate(u, load) for u, load in zip(URLS, loads, strict=True)]
+
+
+def test_cache_aware_keeps_a_long_prefix_on_a_busier_holder_but_not_a_short_one() -> None:
+    # Loads 10 vs 6: the holder is 4 requests busier than the least loaded, mean load 7.
+    req, index, candidates = holder_setup(256, 10.0, 6.0)
+    decision = make_policy("cache_aware", index).select(req, candidates)
+    assert decision.url == URLS[0]  # 256 tokens saved buy 256 / 32 = 8 requests, capped at 1.0 x 7
+    assert "256 tokens saved" in decision.reason and "window 7" in decision.reason
+    # The saving-blind window (2 requests, or 0.1 x mean) sends the same request away.
+    blind = {"balance_rel": 0.1, "tokens_per_load": 0}
+    assert make_policy("cache_aware", index, blind).select(req, candidates).url != URLS[0]
+
+    req, index, candidates = holder_setup(32, 10.0, 6.0)  # 32 tokens saved buy one request only
+    decision = make_policy("cache_aware", index).select(req, candidates)
+    assert decision.url != URLS[0] and decision.matched_tokens[decision.url] == 0
+    assert f"{URLS[0]} holds 32 tokens" in decision.reason and "past its window 2" in decision.reason
+
+
+def test_cache_aware_still_spreads_a_hot_prefix_whose_holder_is_far_busier() -> None:
+    # The whole 1,024-token prompt is cached on the holder, but it is 14 requests busier than the
+    # rest: the saving's window is capped at balance_rel x mean load (9.5), so the prefix spreads.
+    req, index, candidates = holder_setup(1024, 20.0, 6.0)
+    decision = make_policy("cache_aware", index).select(req, candidates)
+    assert decision.url != URLS[0]
+    assert decision.matched_tokens == {URLS[0]: 1024, URLS[1]: 0, URLS[2]: 0, URLS[3]: 0}
+    assert "past its window 9.5" in decision.reason
+    # An idle fleet gives no relative window at all: at 3 vs 0 the holder is past balance_abs.
+    req, index, candidates = holder_setup(1024, 3.0, 0.0)
+    assert make_policy("cache_aware", index).select(req, candidates).url != URLS[0]
+
+
+def test_cache_aware_counts_the_saving_over_the_least_loaded_workers_prefix() -> None:
+    index = PrefixIndex()
+    req = request(list(range(1024)))
+    index.insert(URLS[0], req.block_hashes[:64])  # 256 tokens on a busy worker
+    index.insert(URLS[1], req.block_hashes[:60])  # 240 of them on an idle one: 16 tokens saved
+    candidates = [Candidate(URLS[0], 10.0)] + [Candidate(u, 6.0) for u in URLS[1:]]
+    decision = make_policy("cache_aware", index).select(req, candidates)
+    assert decision.url == URLS[1] and decision.matched_tokens[URLS[1]] == 240
 
 
 # ---- closed-loop simulation: load = outstanding requests ----------------------------------------
