@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import sys
+import time
 
 import uvicorn
 from starlette.applications import Starlette
@@ -78,6 +79,44 @@ def proxy_app(client: str, upstream: str) -> Starlette:
     )
 
 
+async def client_cpu(upstream: str, requests: int) -> dict[str, float]:
+    """CPU (user + system, this process) per request of each client alone: sequential POSTs of a
+    1 KiB body, response read whole, keep-alive, after a warm-up."""
+    import aiohttp
+
+    from router.http_client import HTTPClient
+
+    body = b'{"model": "echo", "prompt": "' + b"x" * 1024 + b'", "max_tokens": 4}'
+    headers = {"content-type": "application/json"}
+    out = {}
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    own = HTTPClient()
+
+    async def via_aiohttp() -> None:
+        async with session.post(upstream + "/v1/completions", data=body, headers=headers) as r:
+            await r.read()
+
+    async def via_own() -> None:
+        r = await own.post(upstream, "/v1/completions", body, headers)
+        try:
+            await r.read()
+        finally:
+            r.close()
+
+    try:
+        for name, one in (("aiohttp", via_aiohttp), ("radixgate", via_own)):
+            for _ in range(100):
+                await one()
+            cpu = time.process_time()
+            for _ in range(requests):
+                await one()
+            out[name] = (time.process_time() - cpu) / requests * 1e6
+    finally:
+        await session.close()
+        own.close()
+    return out
+
+
 def serve(client: str, upstream: str, port: int) -> None:
     uvicorn.run(
         proxy_app(client, upstream), host="127.0.0.1", port=port, log_level="warning", access_log=False
@@ -98,6 +137,7 @@ def main() -> None:
     backend = start(["-m", "loadtest.echo_backend", "--port", str(backend_port)], backend_port)
     upstream = f"http://127.0.0.1:{backend_port}"
     rows = {"backend alone": asyncio.run(run_load(upstream, args.concurrency, args.requests, False))}
+    cpu = asyncio.run(client_cpu(upstream, args.requests))
     try:
         for client in ("httpx", "aiohttp", "radixgate"):
             port = free_port()
@@ -117,12 +157,16 @@ def main() -> None:
         "concurrency": args.concurrency,
         "requests": args.requests,
         "rows": rows,
+        "client_cpu_us_per_request": cpu,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print("| setup | req/s | p50 ms | p99 ms |\n|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['req_per_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |", file=sys.stdout)
+    print("\n| client alone | CPU us per request |\n|---|---|")
+    for name, us in cpu.items():
+        print(f"| {name} | {us:.0f} |")
 
 
 if __name__ == "__main__":

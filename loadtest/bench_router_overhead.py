@@ -44,16 +44,6 @@ def start(args: list[str], port: int) -> subprocess.Popen:
     raise RuntimeError(f"{args} did not start")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -104,10 +94,16 @@ async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> d
     }
 
 
+def median_of(runs: list[dict]) -> dict:
+    """Per-field median over repeated runs of the same point."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,16,64")
-    p.add_argument("--requests", type=int, default=2000, help="per measurement")
+    p.add_argument("--requests", type=int, default=1000, help="per measurement and round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating direct/router runs per point")
     p.add_argument("--policy", default="cache_aware")
     p.add_argument("--out", default="docs/benchmarks/router-overhead.json")
     args = p.parse_args()
@@ -122,13 +118,26 @@ def main() -> None:
     try:
         for stream in (False, True):
             for c in (int(x) for x in args.concurrency.split(",")):
-                direct = asyncio.run(run_load(f"http://127.0.0.1:{backend_port}", c, args.requests, stream))
-                cpu0 = cpu_seconds(router.pid)
-                routed = asyncio.run(run_load(f"http://127.0.0.1:{router_port}", c, args.requests, stream))
-                cpu1 = cpu_seconds(router.pid)
-                if cpu0 is not None and cpu1 is not None:  # the warm-up round (c requests) included
-                    routed["router_cpu_us_per_request"] = (cpu1 - cpu0) / (args.requests + c) * 1e6
-                rows.append({"stream": stream, "concurrency": c, "direct": direct, "router": routed})
+                # Direct and routed runs alternate, `rounds` times; each figure is the median over
+                # rounds, so one noisy stretch on a shared machine does not decide a row.
+                directs, routeds = [], []
+                for _ in range(args.rounds):
+                    directs.append(
+                        asyncio.run(run_load(f"http://127.0.0.1:{backend_port}", c, args.requests, stream))
+                    )
+                    routeds.append(
+                        asyncio.run(run_load(f"http://127.0.0.1:{router_port}", c, args.requests, stream))
+                    )
+                direct, routed = median_of(directs), median_of(routeds)
+                rows.append(
+                    {
+                        "stream": stream,
+                        "concurrency": c,
+                        "direct": direct,
+                        "router": routed,
+                        "rounds": {"direct": directs, "router": routeds},
+                    }
+                )
                 print(f"stream={stream} c={c}: direct {direct['p50_ms']:.2f} ms, router {routed['p50_ms']:.2f} ms",
                       file=sys.stderr)  # fmt: skip
     finally:
@@ -139,6 +148,7 @@ def main() -> None:
         "python": platform.python_version(),
         "policy": args.policy,
         "requests_per_point": args.requests,
+        "rounds": args.rounds,
         "prompt_bytes": len(PROMPT) + 4,
         "rows": rows,
     }
@@ -146,15 +156,14 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print("| stream | conc | direct p50 ms | router p50 ms | added p50 ms | added p99 ms | added TTFT p50 ms |"
-          " direct req/s | router req/s | router CPU us/req |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          " direct req/s | router req/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d, x = r["direct"], r["router"]
         print(
             f"| {'yes' if r['stream'] else 'no'} | {r['concurrency']} | {d['p50_ms']:.2f} | {x['p50_ms']:.2f} | "
             f"{x['p50_ms'] - d['p50_ms']:.2f} | {x['p99_ms'] - d['p99_ms']:.2f} | "
-            f"{x['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} | {d['req_per_s']:.0f} | {x['req_per_s']:.0f} | "
-            f"{x.get('router_cpu_us_per_request', float('nan')):.0f} |"
+            f"{x['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} | {d['req_per_s']:.0f} | {x['req_per_s']:.0f} |"
         )
 
 

@@ -14,6 +14,7 @@ conversation) are hashed once, not once per request.
 
 from __future__ import annotations
 
+import functools
 import sys
 from array import array
 from collections import OrderedDict
@@ -30,6 +31,7 @@ def _h(data: bytes) -> int:
     return mmh3.hash128(data, 0, True, False) & _MASK64
 
 
+@functools.lru_cache(maxsize=256)  # a handful of model names, asked for on every request
 def root_hash(namespace: str) -> int:
     """h_{-1}: the parent of block 0, derived from the model namespace (usually its name)."""
     return _h(namespace.encode("utf-8"))

@@ -1,9 +1,10 @@
 """A small pooled HTTP/1.1 client for the router's hot path: POST a body, get the status and
 headers, then read the body whole or chunk by chunk as it arrives.
 
-Why not aiohttp here: measured on this project's CI machine, one aiohttp request costs ~300 us of
-CPU, more than the router's whole added-latency budget; this client (asyncio protocol + httptools,
-the parser uvicorn uses) costs ~80 us for the same request (docs/benchmarks/router-overhead.md).
+Why not aiohttp here: on this project's CI machine one aiohttp request costs ~370 us of CPU,
+more than the router's whole added-latency budget; this client (asyncio protocol + httptools,
+the parser uvicorn uses) costs ~135 us for the same request (python -m loadtest.bench_http_clients,
+docs/benchmarks/router-overhead.md).
 It does only what the router needs: POST with a body, keep-alive pooling per origin, chunked and
 content-length responses, streaming with back-pressure, three timeouts, http and https.
 Health checks and event streams (not per request) keep using aiohttp.
