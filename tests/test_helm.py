@@ -118,7 +118,14 @@ def worker_argv(sts: dict[str, Any], ordinal: int) -> list[str]:
 EVERYTHING = {
     "adminToken": {"value": "s3cret"},
     "model": {"source": "pvc", "dir": "llama", "pvc": {"claimName": "models"}},
-    "router": {"tokenizer": "model", "config": {"breaker_open_s": 5.0}, "policyParams": {"balance_abs": 4}},
+    "router": {
+        "tokenizer": "model",
+        "config": {
+            "breaker_open_s": 5.0,
+            "affinity_groups": [{"name": "acme", "match": {"header": {"x-tenant": "acme"}}, "share": 0.25}],
+        },
+        "policyParams": {"balance_abs": 4},
+    },
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
     "worker": {"flags": {"max-running": 128}, "podAnnotations": {"team": "ml"}},
 }
@@ -353,6 +360,7 @@ def test_router_config_is_a_valid_router_yaml(chart, tmp_path: Path) -> None:
     local_args = [str(config_file) if a == "/etc/radixgate/router.yaml" else a for a in args]
     router = build_config(local_args, environ={})
     assert router.breaker_open_s == 5.0 and router.policy_params == {"balance_abs": 4}
+    assert router.affinity_groups[0]["name"] == "acme"  # validated by build_config on the way
     assert "checksum/config" in deploy["spec"]["template"]["metadata"]["annotations"]
 
 
