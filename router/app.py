@@ -11,6 +11,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import orjson
@@ -215,15 +216,17 @@ class Router:
                 break
             worker = self.workers.get(decision.url)
             assert worker is not None
-            # The optimistic index insert (and hashing the rest of the prompt) runs once the
-            # request is on its way: it does not delay this request.
-            asyncio.get_running_loop().call_soon(self.policy.on_routed, route, worker.url)
             worker.in_flight += 1
             worker.breaker.on_send()
             worker.stats.requests += 1
             try:
                 try:
-                    resp = await self.upstream.open(worker, path, parsed.raw, headers)
+                    # The optimistic index insert (and hashing the rest of the prompt) runs once
+                    # the request is written: it does not delay it, and a worker that could not
+                    # be reached records nothing.
+                    resp = await self.upstream.open(
+                        worker, path, parsed.raw, headers, partial(self.policy.on_routed, route, worker.url)
+                    )
                 except UpstreamFailure as exc:
                     self._record_failure(worker, exc.kind)
                     worker.stats.retries += 1

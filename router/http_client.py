@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -184,13 +185,17 @@ class _Connection(asyncio.Protocol):
         if self._error is not None:
             raise self._error
 
-    async def send(self, head: bytes, body: bytes, deadline: float) -> Response:
+    async def send(
+        self, head: bytes, body: bytes, deadline: float, on_sent: Callable[[], None] | None
+    ) -> Response:
         self._reset()
         self._deadline = deadline
         assert self._transport is not None
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
+        if on_sent is not None:
+            on_sent()
         while not self._head_done:
             await self._wait(deadline, self._pool.read_timeout)
         status = self._parser.get_status_code()
@@ -313,9 +318,17 @@ class HTTPClient:
         return found
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: dict[str, str] | None = None
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> Response:
-        """Send ``POST base_url + path`` and return once the response head arrived."""
+        """Send ``POST base_url + path`` and return once the response head arrived.
+
+        ``on_sent`` runs once, right after the request has been handed to a connection (never
+        if no connection could be opened): work that must not delay the request goes there."""
         pool, prefix = self._pool(base_url)
         lines = [
             b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
@@ -331,18 +344,19 @@ class HTTPClient:
         conn = pool.take()
         if conn is not None:
             try:
-                return await conn.send(head, body, deadline)
+                return await conn.send(head, body, deadline, on_sent)
             except ConnectionBroken:
                 conn.abort()
                 if conn.received:
                     raise
                 # The server closed this idle connection as we wrote: once more on a new one.
+                on_sent = None  # it already ran
             except BaseException:
                 conn.abort()
                 raise
         conn = await pool.connect()
         try:
-            return await conn.send(head, body, deadline)
+            return await conn.send(head, body, deadline, on_sent)
         except BaseException:
             conn.abort()
             raise

@@ -7,6 +7,7 @@ the worker's in-flight count exactly once and reads usage (cached tokens) from t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -99,11 +100,19 @@ class Upstream:
         if self.session is not None:
             await self.session.close()
 
-    async def open(self, worker: Worker, path: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def open(
+        self,
+        worker: Worker,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        on_sent: Callable[[], None] | None = None,
+    ) -> Response:
         """Send the request and wait for the response head. Raises UpstreamFailure on a worker
-        fault (the response is closed); returns the open response on any status < 500."""
+        fault (the response is closed); returns the open response on any status < 500.
+        ``on_sent`` runs once the request is on a connection (never if none could be opened)."""
         try:
-            resp = await self.client.post(worker.url, path, body, headers)
+            resp = await self.client.post(worker.url, path, body, headers, on_sent)
         except ResponseTimeout:
             raise UpstreamFailure("timeout", f"worker {worker.url} did not answer in time", 504) from None
         except HTTPClientError as exc:

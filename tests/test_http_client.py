@@ -271,3 +271,37 @@ async def test_header_injection_is_refused():
         await client.post("http://127.0.0.1:1", "/x", b"", {"x-a": "v\r\nx-evil: 1"})
     with pytest.raises(ValueError):
         await client.post("ftp://example", "/x", b"")
+
+
+async def test_on_sent_runs_once_after_the_write_and_never_without_a_connection():
+    calls: list[str] = []
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient()
+        resp = await client.post(url, "/echo", b"{}", on_sent=lambda: calls.append("sent"))
+        assert calls == ["sent"]  # before the response head was awaited
+        await resp.read()
+        resp.close()
+        client.close()
+    dead = HTTPClient(connect_timeout=1.0)
+    with pytest.raises(ConnectFailed):
+        await dead.post(f"http://127.0.0.1:{free_port()}", "/x", b"{}", on_sent=lambda: calls.append("dead"))
+    assert calls == ["sent"]
+
+
+async def test_on_sent_runs_once_across_the_stale_connection_retry():
+    async def once_then_drop(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(reader.read(1), 0.3)
+
+    calls = []
+    async with raw_server(once_then_drop) as (url, conns):
+        client = HTTPClient(idle_timeout=60)
+        for i in range(2):
+            resp = await client.post(url, "/x", b"{}", on_sent=lambda i=i: calls.append(i))
+            assert await resp.read() == b"ok"
+            resp.close()
+        assert len(conns) == 2 and calls == [0, 1]
+        client.close()
