@@ -1,6 +1,6 @@
 """Route-decision latency: block hashing (as far as needed) + prefix-index match + cache_aware select.
 
-Timed the way the router runs it (router/app.py): the decision reads block hashes lazily
+Timed the way the router runs it (router/gateway.py): the decision reads block hashes lazily
 (router.block_hash.PromptHashes with the router's span memo), and the rest of the hashing plus the
 optimistic insert run after the request is sent; both parts are reported.
 

@@ -19,7 +19,7 @@ from router.kv_events import EventFormatError, KVEventBatch, decode
 from router.workers import Worker
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.gateway import Router
 
 log = logging.getLogger("radixgate.router.events")
 

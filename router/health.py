@@ -17,7 +17,7 @@ import orjson
 from router.workers import Worker
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.gateway import Router
 
 log = logging.getLogger("radixgate.router.health")
 

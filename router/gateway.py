@@ -1,0 +1,364 @@
+"""The request path: parse and validate an OpenAI request, pick a worker, stream the answer back.
+
+Data flows one way: parse -> tokenize + hash -> policy picks -> proxy streams. Bad input gets an
+OpenAI-shaped 4xx and never touches a worker; no request path leaves a worker's load counted.
+``Router`` holds all router state (workers, prefix index, policy, metrics, upstream clients,
+health checks, event subscriptions); router/app.py puts it behind HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+from typing import Any
+
+import orjson
+
+from router.affinity import UNGROUPED, AffinityGroups
+from router.block_hash import PromptHashes, SpanMemo
+from router.circuit_breaker import CircuitBreaker
+from router.config import RouterConfig
+from router.errors import RouterError, error_body
+from router.event_subscriber import EventSubscriber
+from router.health import HealthChecker
+from router.http_client import HTTPClientError
+from router.http_client import Response as UpstreamResponse
+from router.metrics import RouterMetrics
+from router.policies import Candidate, Decision, RouteRequest, make_policy
+from router.prefix_index import PrefixIndex
+from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
+from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body
+from router.tokenization import load_tokenizer
+from router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("radixgate.router")
+
+WORKER_HEADER = "x-radixgate-worker"
+WORKER_HEADER_B = WORKER_HEADER.encode()
+JSON = b"application/json"
+
+
+class _ClientWatch:
+    """Cancels the request's task when its client disconnects: one watcher task per request,
+    started once the body is read (from then on the only message ``receive`` yields is the
+    disconnect). ``stop()`` before the last ``send``: the server then reports a disconnect too."""
+
+    __slots__ = ("_task", "_watcher", "gone")
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        self._task = asyncio.current_task()
+        self.gone = False
+        self._watcher = asyncio.ensure_future(self._listen(receive))
+
+    async def _listen(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self._watcher.cancel()
+
+
+class Router:
+    """All router state; one instance per app."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        self.block_size = config.block_size
+        self.index = PrefixIndex(max_entries=config.max_index_entries)
+        self.affinity = AffinityGroups.from_config(config.affinity_groups)
+        self.hash_memo = SpanMemo()  # hashes of hot prompt spans (shared prefixes), bounded
+        self.policy = make_policy(config.policy, self.index, config.policy_params)
+        self.workers = WorkerRegistry(
+            lambda: CircuitBreaker(
+                failure_threshold=config.breaker_failure_threshold, open_seconds=config.breaker_open_s
+            )
+        )
+        self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
+        self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
+        self.metrics = RouterMetrics(self.workers, lambda: (self.index.num_entries, self.index.num_nodes))
+        self.upstream = Upstream(
+            config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s
+        )
+        self.health = HealthChecker(self, config.health_interval_s, config.health_timeout_s)
+        self.events = EventSubscriber(self, config.kv_events, config.redis_url)
+        for url in config.workers:
+            self.workers.add(url)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.upstream.start()
+        await self.health.check_all()
+        healthy = [w.url for w in self.workers if w.healthy]
+        log.info("workers: %d configured, healthy: %s", len(self.workers), ", ".join(healthy) or "none")
+        self.health.start()
+        await self.events.start()
+
+    async def stop(self) -> None:
+        await self.events.stop()
+        await self.health.stop()
+        await self.upstream.close()
+
+    # ---------------------------------------------------------------- parsing
+    def parse(self, raw: bytes, chat: bool) -> ParsedRequest:
+        return parse_request(raw, chat, self.tokenizer)
+
+    def namespace(self, model: str | None) -> str:
+        """Root of the block-hash chain: the model name, as the workers use for their events."""
+        if model is not None:
+            return model
+        models = self.workers.models()
+        return next(iter(models)) if len(models) == 1 else ""
+
+    # ---------------------------------------------------------------- routing
+    def route_request(self, parsed: ParsedRequest) -> RouteRequest:
+        """The request as policies see it; its block hashes are computed as the decision reads them."""
+        hashes = PromptHashes(parsed.token_ids, self.block_size, self.namespace(parsed.model), self.hash_memo)
+        return RouteRequest(hashes, len(parsed.token_ids), self.block_size)
+
+    def check_model(self, model: str | None) -> None:
+        if not len(self.workers):
+            raise RouterError(503, "no workers are registered", "no_workers")
+        if model is not None and not self.workers.serves(model):
+            raise RouterError(404, f"model {model!r} is not served by any worker", "model_not_found")
+
+    def decide(
+        self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None
+    ) -> tuple[Decision | None, str]:
+        """The policy's pick among available workers (narrowed by the request's affinity group),
+        and the affinity outcome (ungrouped / in_group / overflow)."""
+        candidates = [Candidate(w.url, w.load) for w in self.workers.candidates(model, exclude)]
+        outcome = UNGROUPED
+        if self.affinity and candidates:
+            fleet = tuple(w.url for w in self.workers if model is None or not w.models or model in w.models)
+            candidates, outcome = self.affinity.filter(group, candidates, fleet)
+        if not candidates:
+            return None, outcome
+        decision = self.policy.select(route, candidates)
+        if group is not None:
+            decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
+        return decision, outcome
+
+    async def handle_completion(self, scope: dict, receive: Callable, send: Callable, endpoint: str) -> None:
+        """One completion request, straight on ASGI (the hot path: no framework objects)."""
+        started = time.perf_counter()
+        status = 500
+        watch: _ClientWatch | None = None
+        try:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
+            parsed = self.parse(raw, endpoint == "chat")
+            self.check_model(parsed.model)
+            group = self.affinity.match(parsed.body, endpoint == "chat", headers) if self.affinity else None
+            watch = _ClientWatch(receive)
+            status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
+        except RouterError as exc:
+            status = exc.status
+            if exc.status >= 500:
+                log.warning("%s: %d %s", endpoint, exc.status, exc.message)
+            else:
+                log.info("%s: rejected %d %s", endpoint, exc.status, exc.message)
+            if watch is not None:
+                watch.stop()
+            await _send_bytes(send, exc.status, error_body(exc.status, exc.message, exc.code), JSON)
+        except ClientGone:
+            status = 499  # the client closed the connection; nobody reads an answer
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            task = asyncio.current_task()
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation is handled here
+                task.uncancel()
+            status = 499
+        finally:
+            if watch is not None:
+                watch.stop()
+            self.metrics.count_request(endpoint, status)
+
+    async def forward(
+        self,
+        send: Callable,
+        watch: _ClientWatch,
+        parsed: ParsedRequest,
+        path: str,
+        client_headers: dict[str, str],
+        started: float,
+        group: str | None = None,
+    ) -> int:
+        """Route, send upstream (retrying elsewhere before the first byte), answer the client.
+        Returns the status sent; raises RouterError when no worker could answer."""
+        t0 = time.perf_counter()
+        route = self.route_request(parsed)
+        headers = {"content-type": "application/json"}
+        for name in FORWARDED_HEADERS:
+            value = client_headers.get(name)
+            if value is not None:
+                headers[name] = value
+        tried: set[str] = set()
+        failure: UpstreamFailure | None = None
+        for attempt in range(self.config.max_retries + 1):
+            decision, outcome = self.decide(route, parsed.model, tried, group)
+            if attempt == 0:
+                self.metrics.decision.observe(time.perf_counter() - t0)
+                if self.affinity:
+                    self.metrics.affinity.labels(group or "", outcome).inc()
+            if decision is None:
+                break
+            worker = self.workers.get(decision.url)
+            assert worker is not None
+            worker.in_flight += 1
+            worker.breaker.on_send()
+            worker.stats.requests += 1
+            try:
+                try:
+                    # The optimistic index insert (and hashing the rest of the prompt) runs once
+                    # the request is written: it does not delay it, and a worker that could not
+                    # be reached records nothing.
+                    resp = await self.upstream.open(
+                        worker, path, parsed.raw, headers, partial(self.policy.on_routed, route, worker.url)
+                    )
+                except UpstreamFailure as exc:
+                    self._record_failure(worker, exc.kind)
+                    worker.stats.retries += 1
+                    tried.add(worker.url)
+                    failure = exc
+                    log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
+                    continue
+                worker.breaker.record_success()  # any answer below 500, client errors included
+                worker.stats.prompt_tokens += route.prompt_tokens
+                worker.stats.predicted_cached_tokens += decision.matched_tokens.get(worker.url, 0)
+                try:
+                    if parsed.stream and resp.status == 200:
+                        await self._send_stream(send, watch, worker, resp, started)
+                    else:
+                        await self._send_full(send, watch, worker, resp, started)
+                finally:
+                    resp.close()
+                return resp.status
+            finally:
+                worker.in_flight -= 1
+        if failure is not None:
+            raise RouterError(
+                failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind
+            )
+        raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
+
+    def _record_failure(self, worker: Worker, kind: str) -> None:
+        worker.stats.errors[kind] += 1
+        worker.breaker.record_failure(time.monotonic())
+
+    def _record_usage(self, worker: Worker, usage: Usage | None) -> None:
+        if usage is not None:
+            worker.stats.usage_prompt_tokens += usage.prompt_tokens
+            worker.stats.cached_tokens += usage.cached_tokens
+
+    async def _send_full(
+        self, send: Callable, watch: _ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
+    ) -> None:
+        try:
+            payload = await self.upstream.read_all(resp)
+        except UpstreamFailure as exc:
+            self._record_failure(worker, exc.kind)
+            raise RouterError(exc.status, str(exc), exc.kind) from None
+        elapsed = time.perf_counter() - started
+        self.metrics.ttft_of[False].observe(elapsed)
+        self.metrics.duration_of[False].observe(elapsed)
+        if resp.status == 200:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                self._record_usage(worker, parse_usage(orjson.loads(payload)))
+        watch.stop()
+        content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
+        await _send_bytes(send, resp.status, payload, content_type, worker.url.encode("latin-1"))
+
+    async def _send_stream(
+        self, send: Callable, watch: _ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
+    ) -> None:
+        """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering."""
+        scanner = SSEUsageScanner()
+        content_type = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
+        await send(
+            {
+                "type": "http.response.start",
+                "status": resp.status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                    (WORKER_HEADER_B, worker.url.encode("latin-1")),
+                ],
+            }
+        )
+        first, finished = True, False
+        try:
+            async for chunk in resp.chunks():
+                if first:
+                    self.metrics.ttft_of[True].observe(time.perf_counter() - started)
+                    first = False
+                scanner.feed(chunk)
+                finished = resp.at_end  # the last chunk: end the client's stream in the same write
+                if finished:
+                    watch.stop()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
+        except HTTPClientError as exc:
+            # The worker broke mid-stream: bytes already reached the client, so no retry; the
+            # client sees the stream end without [DONE].
+            self._record_failure(worker, "stream_broken")
+            log.warning("stream from %s broke: %s", worker.url, exc)
+        finally:
+            self._record_usage(worker, scanner.usage)
+            self.metrics.duration_of[True].observe(time.perf_counter() - started)
+        if not finished:
+            watch.stop()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # ---------------------------------------------------------------- explain
+    def explain(self, parsed: ParsedRequest, chat: bool, headers: Mapping[str, str]) -> dict[str, Any]:
+        route = self.route_request(parsed)
+        group = self.affinity.match(parsed.body, chat, headers) if self.affinity else None
+        decision, outcome = self.decide(route, parsed.model, set(), group)
+        matched = self.index.match(route.block_hashes)
+        return {
+            "worker": None if decision is None else decision.url,
+            "reason": "no healthy worker" if decision is None else decision.reason,
+            "policy": self.policy.name,
+            "affinity_group": group,
+            "affinity_outcome": outcome,
+            "prompt_tokens": route.prompt_tokens,
+            "block_size": route.block_size,
+            "blocks": len(route.block_hashes),
+            "block_hashes": [str(h) for h in route.block_hashes],  # strings: exact in any JSON client
+            "candidates": [
+                {
+                    "url": w.url,
+                    "healthy": w.healthy,
+                    "available": w.available(time.monotonic()),
+                    "load": w.load,
+                    "in_flight": w.in_flight,
+                    "matched_tokens": (
+                        decision.matched_tokens.get(w.url, 0)
+                        if decision is not None and w.url in decision.matched_tokens
+                        else matched.get(w.url, 0) * route.block_size
+                    ),
+                }
+                for w in self.workers
+            ],
+        }
+
+
+# -------------------------------------------------------------------- HTTP layer
+
+
+async def _send_bytes(
+    send: Callable, status: int, body: bytes, content_type: bytes, worker: bytes | None = None
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if worker is not None:
+        headers.append((WORKER_HEADER_B, worker))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
