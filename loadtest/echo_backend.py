@@ -99,8 +99,10 @@ def build_app(
             if prefill_us_per_token:
                 await asyncio.sleep((len(ids) - cached) * prefill_us_per_token / 1e6)
             if not body.get("stream"):
-                if decode_ms_per_token:
-                    await asyncio.sleep(max_tokens * decode_ms_per_token / 1e3)
+                for _ in range(max_tokens if decode_ms_per_token else 0):
+                    await asyncio.sleep(decode_ms_per_token / 1e3)
+                    if await request.is_disconnected():  # like a real server: stop generating
+                        return Response(status_code=499)
                 text = "x" * max_tokens
                 choice = {"index": 0, "finish_reason": "length"}
                 choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})

@@ -321,6 +321,9 @@ def test_client_disconnect_releases_load_and_cancels_upstream(launch):
     with pytest.raises(httpx.ReadTimeout):  # non-stream: the client gives up while the backend works
         httpx.post(router.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
     wait_until(lambda: router_in_flight() == 0, timeout=10, what="router in-flight released (non-stream)")
+    wait_until(lambda: backend_running() == 0, timeout=10, what="upstream request cancelled (non-stream)")
+    metrics = httpx.get(router.url + "/metrics", timeout=5).text
+    assert metric_values(metrics, "radixgate_requests_total")['{endpoint="completions",status="499"}'] == 2
     ok = httpx.post(
         router.url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False}, timeout=30
     )
