@@ -22,7 +22,7 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
 
         engine = build_sim_engine(cfg)
     else:
-        from worker.engine import build_engine
+        from worker.assembly import build_engine
 
         engine = build_engine(cfg)
     return create_app(engine, admin_token=cfg.admin_token)

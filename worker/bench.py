@@ -102,7 +102,7 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch
 
-    from worker.engine import ModelExecutor, assemble_engine, build_engine, kv_pool_pages
+    from worker.assembly import ModelExecutor, assemble_engine, build_engine, kv_pool_pages
     from worker.kv_pool import KVPool
     from worker.model.loader import default_dtype
 

@@ -19,8 +19,9 @@ import mmh3
 import numpy as np
 
 from router.tokenization import ByteTokenizer
+from worker.assembly import assemble_engine
 from worker.config import WorkerConfig
-from worker.engine import Engine, assemble_engine
+from worker.engine import Engine
 from worker.kv_pool import PageAllocator
 from worker.scheduler import ScheduledBatch
 

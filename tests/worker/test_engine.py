@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from worker.assembly import build_engine
 from worker.config import WorkerConfig
-from worker.engine import Engine, build_engine
+from worker.engine import Engine
 from worker.sampling import SamplingParams
 
 SHARED = "System: you are a terse assistant that answers in one line. Context: " * 3  # ~210 tokens

@@ -103,8 +103,8 @@ async def _until(cond) -> None:
 async def test_engine_events_in_redis_are_consecutive_and_replay_to_the_snapshot(redis_port):
     import redis
 
+    from worker.assembly import build_engine
     from worker.config import WorkerConfig
-    from worker.engine import build_engine
     from worker.sampling import SamplingParams
 
     cfg = WorkerConfig(

@@ -15,8 +15,9 @@ import orjson
 import pytest
 import uvicorn
 
+from worker.assembly import build_engine
 from worker.config import WorkerConfig
-from worker.engine import Engine, build_engine
+from worker.engine import Engine
 from worker.server import create_app
 
 ADMIN = "s3cret"

@@ -1,0 +1,119 @@
+"""Putting an Engine together: the torch model executor, KV pool sizing, and the one place where
+radix cache, KV event publisher and scheduler are wired around an executor (the model, the sim
+cost model, or a benchmark's random-weight model)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from router.tokenization import PromptTokenizer
+from worker.engine import Engine, Executor, RequestState
+from worker.kv_pool import PageAllocator
+from worker.kv_publisher import KVPublisher
+from worker.radix_cache import RadixCache
+from worker.scheduler import ScheduledBatch, SchedulerConfig
+
+log = logging.getLogger("worker.engine")
+
+
+class ModelExecutor:
+    """Runs a scheduled step through the torch model and samples the requests that need a token."""
+
+    def __init__(self, model: Any, kv_pool: Any, device: Any) -> None:
+        self.model, self.kv_pool, self.device = model, kv_pool, device
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        import torch
+
+        from worker.forward_batch import ForwardBatch
+        from worker.sampling import make_generator, sample
+
+        fb = ForwardBatch(
+            mode=batch.mode,
+            input_ids=torch.from_numpy(batch.input_ids),
+            positions=torch.from_numpy(batch.positions),
+            out_slots=torch.from_numpy(batch.out_slots),
+            qo_indptr=torch.from_numpy(batch.qo_indptr),
+            kv_indptr=torch.from_numpy(batch.kv_indptr),
+            kv_indices=torch.from_numpy(batch.kv_indices),
+        ).to(self.device)
+        logits = self.model.forward(fb, self.kv_pool)
+        rows = [i for i, s in enumerate(batch.sample) if s]
+        if not rows:
+            return []
+        if len(rows) != len(batch.sample):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        states: list[RequestState] = [batch.requests[i].payload for i in rows]
+        for st in states:
+            if st.generator is None and st.params.seed is not None:
+                st.generator = make_generator(st.params, logits.device)
+        tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
+        return tokens.tolist()
+
+
+def kv_pool_pages(cfg: Any, page_bytes: int, device: Any) -> int:
+    """Pages for the KV pool: --kv-cache-tokens, else --mem-fraction of free GPU memory (CUDA),
+    else 64k tokens capped at 4 GiB (CPU)."""
+    if cfg.kv_cache_tokens:
+        return max(1, cfg.kv_cache_tokens // cfg.block_size)
+    if device.type == "cuda":
+        import torch
+
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free_bytes * cfg.mem_fraction) // page_bytes)
+    return max(1, min(65536 // cfg.block_size, (4 << 30) // page_bytes))
+
+
+def build_engine(cfg: Any) -> Engine:
+    """Load the model named by a WorkerConfig and wire pool, cache, publisher and scheduler."""
+    import torch
+
+    from worker.kv_pool import KVPool
+    from worker.model import load_model
+
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)  # NOTE: oversubscribed cores make CPU decode 10x slower
+    loaded = load_model(cfg.model, device)
+    mc = loaded.config
+    dtype = loaded.model.dtype
+    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    pages = kv_pool_pages(cfg, page_bytes, device)
+    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+    name = cfg.served_model_name or loaded.name
+    log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
+             cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
+    return assemble_engine(cfg, ModelExecutor(loaded.model, pool, device), pool.allocator, loaded.tokenizer,
+                     mc.max_context, name)  # fmt: skip
+
+
+def assemble_engine(
+    cfg: Any, executor: Executor, allocator: PageAllocator, tokenizer: PromptTokenizer, max_context: int,
+    name: str, simulated: bool = False,
+) -> Engine:  # fmt: skip
+    """Wire cache, KV publisher and scheduler around any executor (the model, the sim cost model,
+    or a benchmark's random-weight model): the one place an Engine is put together."""
+    from worker.kv_publisher import stream_name
+
+    cache = RadixCache(allocator, cfg.block_size, namespace=name, enable_events=True)
+    publisher = KVPublisher(
+        worker=cfg.resolved_advertise_url(),
+        block_size=cfg.block_size,
+        redis_url=cfg.redis_url,
+        stream=stream_name(name),
+        stream_maxlen=cfg.stream_maxlen,
+    )
+    sched = SchedulerConfig(
+        page_size=cfg.block_size,
+        max_running=cfg.max_running,
+        chunked_prefill_tokens=cfg.chunked_prefill_tokens,
+        policy=cfg.schedule_policy,
+        max_wait_s=cfg.max_wait_s,
+        max_waiting=cfg.max_waiting,
+        decode_reserve_tokens=cfg.decode_reserve_tokens,
+    )
+    return Engine(executor, allocator, cache, sched, tokenizer, max_context, publisher, name, simulated)
