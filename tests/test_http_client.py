@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import subprocess
 
 import pytest
 import uvicorn
@@ -59,6 +61,25 @@ async def uvicorn_server(keep_alive: float = 5.0):
         await asyncio.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def tls_server(cert: str, key: str):
+    """The same app over TLS on 127.0.0.1."""
+    app = Starlette(routes=[Route("/echo", _echo, methods=["POST"])])
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"https://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         await task
@@ -304,4 +325,25 @@ async def test_on_sent_runs_once_across_the_stale_connection_retry():
             assert await resp.read() == b"ok"
             resp.close()
         assert len(conns) == 2 and calls == [0, 1]
+        client.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_https_upstream_verifies_the_certificate(tmp_path, monkeypatch):
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    async with tls_server(cert, key) as url:
+        untrusted = HTTPClient(connect_timeout=2)
+        with pytest.raises(ConnectFailed):  # a self-signed certificate nobody trusts is refused
+            await untrusted.post(url, "/echo", b"{}")
+        monkeypatch.setenv("SSL_CERT_FILE", cert)  # the operator's CA, as OpenSSL reads it
+        client = HTTPClient()
+        for _ in range(2):
+            resp = await client.post(url, "/echo", b"tls")
+            assert resp.status == 200 and b'"len":3' in await resp.read()
+            resp.close()
         client.close()
