@@ -119,6 +119,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._pool.discard(self)  # an idle connection the server closed leaves the pool at once
         if self._head_done and self._until_close and not self._complete:
             self.on_message_complete()  # no length and not chunked: the body ends at close
         elif not self._complete:
@@ -256,16 +257,19 @@ class _Pool:
         self.ssl = ssl.create_default_context() if tls else None
         self.read_timeout = client.read_timeout
         self._client = client
-        self._idle: list[_Connection] = []
+        self._idle: dict[_Connection, None] = {}  # an ordered set: most recently used last
         self.host_header = host if port in (80, 443) else f"{host}:{port}"
 
     def put(self, conn: _Connection) -> None:
-        self._idle.append(conn)
+        self._idle[conn] = None
+
+    def discard(self, conn: _Connection) -> None:
+        self._idle.pop(conn, None)
 
     def take(self) -> _Connection | None:
         idle, now = self._idle, asyncio.get_running_loop().time()
         while idle:
-            conn = idle.pop()
+            conn, _ = idle.popitem()
             if not conn.closed and now - conn.idle_since < self._client.idle_timeout:
                 return conn
             conn.abort()
@@ -285,7 +289,7 @@ class _Pool:
         return conn
 
     def close(self) -> None:
-        for conn in self._idle:
+        for conn in list(self._idle):
             conn.abort()
         self._idle.clear()
 

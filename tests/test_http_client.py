@@ -255,6 +255,7 @@ async def test_idle_connection_closed_by_server_is_replaced_transparently():
         await resp.read()
         resp.close()
         await asyncio.sleep(0.6)  # the server has closed it by now
+        assert not client._pools[url][0]._idle  # and it left the pool when it closed
         resp = await client.post(url, "/echo", b"{}")
         assert resp.status == 200 and resp._conn is not first
         await resp.read()
