@@ -29,17 +29,8 @@ class ParsedRequest:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing (413) more than ``limit`` bytes without reading them all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """``read_asgi_body`` for a Starlette request (the admin and debug endpoints)."""
+    return await read_asgi_body(request.receive, request.headers.get("content-length"), limit)
 
 
 async def read_asgi_body(receive: Callable[[], Awaitable[dict]], declared: str | None, limit: int) -> bytes:

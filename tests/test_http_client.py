@@ -42,7 +42,8 @@ async def _fail(request: Request) -> Response:
 
 
 @contextlib.asynccontextmanager
-async def uvicorn_server(keep_alive: float = 5.0):
+async def uvicorn_server(keep_alive: float = 5.0, cert: str | None = None, key: str | None = None):
+    """The test app on 127.0.0.1 (over TLS when ``cert``/``key`` are given); yields (URL, server)."""
     app = Starlette(
         routes=[
             Route("/echo", _echo, methods=["POST"]),
@@ -53,33 +54,15 @@ async def uvicorn_server(keep_alive: float = 5.0):
     )
     port = free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=keep_alive
-    )
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=keep_alive,
+        ssl_certfile=cert, ssl_keyfile=key,
+    )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        await task
-
-
-@contextlib.asynccontextmanager
-async def tls_server(cert: str, key: str):
-    """The same app over TLS on 127.0.0.1."""
-    app = Starlette(routes=[Route("/echo", _echo, methods=["POST"])])
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"https://127.0.0.1:{port}"
+        yield f"{'https' if cert else 'http'}://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         await task
@@ -337,7 +320,7 @@ async def test_https_upstream_verifies_the_certificate(tmp_path, monkeypatch):
          "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
         check=True, capture_output=True,
     )  # fmt: skip
-    async with tls_server(cert, key) as url:
+    async with uvicorn_server(cert=cert, key=key) as (url, _):
         untrusted = HTTPClient(connect_timeout=2)
         with pytest.raises(ConnectFailed):  # a self-signed certificate nobody trusts is refused
             await untrusted.post(url, "/echo", b"{}")
