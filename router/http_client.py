@@ -125,12 +125,6 @@ class _Connection(asyncio.Protocol):
         elif not self._complete:
             self._fail(ConnectionBroken(f"connection closed before the response ended ({exc or 'EOF'})"))
 
-    def pause_writing(self) -> None:  # big bodies are handed to the transport whole
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # ------------------------------------------------------------ httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")

@@ -70,10 +70,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
         if chat:
             if "messages" not in body:
                 raise ValueError("missing required field 'messages'")
-            if isinstance(tokenizer, ByteTokenizer):
-                token_ids = tokenizer.encode_chat_bytes(body["messages"])
-            else:
-                token_ids = tokenizer.encode_chat(body["messages"])
+            token_ids = _encode_chat(tokenizer, body["messages"])
         else:
             token_ids = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
@@ -81,22 +78,31 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     return ParsedRequest(body, raw, model, stream, token_ids)
 
 
+# The bytes tokenizer hands over ``bytes`` (a sequence of ids): no list of one int per byte.
+def _encode_prompt(tokenizer: PromptTokenizer, text: str) -> Sequence[int]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode_prompt_bytes(text)
+    return tokenizer.encode_prompt(text)
+
+
+def _encode_chat(tokenizer: PromptTokenizer, messages: Any) -> Sequence[int]:
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode_chat_bytes(messages)
+    return tokenizer.encode_chat(messages)
+
+
 def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> Sequence[int]:
     if "prompt" not in body:
         raise ValueError("missing required field 'prompt'")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        if isinstance(tokenizer, ByteTokenizer):
-            return tokenizer.encode_prompt_bytes(prompt)
-        return tokenizer.encode_prompt(prompt)
+        return _encode_prompt(tokenizer, prompt)
     if isinstance(prompt, list) and prompt:
         first = prompt[0]  # a batch of prompts is routed by its first prompt
         if all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return list(prompt)
         if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-            if isinstance(tokenizer, ByteTokenizer):
-                return tokenizer.encode_prompt_bytes(first)
-            return tokenizer.encode_prompt(first)
+            return _encode_prompt(tokenizer, first)
         if isinstance(first, list) and all(type(t) is int and 0 <= t < 2**32 for t in first):
             return list(first)
     raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids (0 <= id < 2**32)")
