@@ -20,8 +20,10 @@ log = logging.getLogger("worker.engine")
 class ModelExecutor:
     """Runs a scheduled step through the torch model and samples the requests that need a token."""
 
-    def __init__(self, model: Any, kv_pool: Any, device: Any) -> None:
+    def __init__(self, model: Any, kv_pool: Any, device: Any, decode_graphs: Any = None) -> None:
         self.model, self.kv_pool, self.device = model, kv_pool, device
+        self.decode_graphs = decode_graphs  # a DecodeGraphRunner (CUDA) or None: every step eager
+        self.graph_steps = 0  # decode steps replayed from a graph (the rest ran eagerly)
 
     def run(self, batch: ScheduledBatch) -> list[int]:
         import torch
@@ -29,16 +31,20 @@ class ModelExecutor:
         from worker.forward_batch import ForwardBatch
         from worker.sampling import make_generator, sample
 
-        fb = ForwardBatch(
-            mode=batch.mode,
-            input_ids=torch.from_numpy(batch.input_ids),
-            positions=torch.from_numpy(batch.positions),
-            out_slots=torch.from_numpy(batch.out_slots),
-            qo_indptr=torch.from_numpy(batch.qo_indptr),
-            kv_indptr=torch.from_numpy(batch.kv_indptr),
-            kv_indices=torch.from_numpy(batch.kv_indices),
-        ).to(self.device)
-        logits = self.model.forward(fb, self.kv_pool)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            logits = self.decode_graphs.run(batch)
+            self.graph_steps += 1
+        else:
+            fb = ForwardBatch(
+                mode=batch.mode,
+                input_ids=torch.from_numpy(batch.input_ids),
+                positions=torch.from_numpy(batch.positions),
+                out_slots=torch.from_numpy(batch.out_slots),
+                qo_indptr=torch.from_numpy(batch.qo_indptr),
+                kv_indptr=torch.from_numpy(batch.kv_indptr),
+                kv_indices=torch.from_numpy(batch.kv_indices),
+            ).to(self.device)
+            logits = self.model.forward(fb, self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]
         if not rows:
             return []
@@ -50,6 +56,21 @@ class ModelExecutor:
                 st.generator = make_generator(st.params, logits.device)
         tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
         return tokens.tolist()
+
+
+def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: int) -> ModelExecutor:
+    """The executor for ``model``; on CUDA with --cuda-graph-max-bs > 0 its decode steps replay
+    CUDA graphs (captured here, after the KV pool exists: the graphs address its tensors)."""
+    graphs = None
+    max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running)
+    if device.type == "cuda" and max_bs > 0:
+        from worker.cuda_graph import DecodeGraphRunner
+
+        # NOTE: a request reads at most min(context, pool) slots, so this bound never sends a step
+        # of <= max_bs requests to the eager path.
+        per_request = min(max_context, pool.allocator.num_pages * pool.page_size)
+        graphs = DecodeGraphRunner(model, pool, max_bs, max_bs * per_request)
+    return ModelExecutor(model, pool, device, graphs)
 
 
 def kv_pool_pages(cfg: Any, page_bytes: int, device: Any) -> int:
@@ -87,8 +108,8 @@ def build_engine(cfg: Any) -> Engine:
     name = cfg.served_model_name or loaded.name
     log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
              cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
-    return assemble_engine(cfg, ModelExecutor(loaded.model, pool, device), pool.allocator, loaded.tokenizer,
-                     mc.max_context, name)  # fmt: skip
+    executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
+    return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name)
 
 
 def assemble_engine(

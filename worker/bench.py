@@ -67,6 +67,7 @@ class BenchParams:
     kv_cache_tokens: int | None
     block_size: int
     chunked_prefill_tokens: int
+    cuda_graph_max_bs: int  # decode steps of up to this many requests replay CUDA graphs (CUDA only)
     seed: int
     quick: bool
 
@@ -102,7 +103,7 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch
 
-    from worker.assembly import ModelExecutor, assemble_engine, build_engine, kv_pool_pages
+    from worker.assembly import assemble_engine, build_engine, kv_pool_pages, model_executor
     from worker.kv_pool import KVPool
     from worker.model.loader import default_dtype
 
@@ -117,7 +118,7 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
     pages = kv_pool_pages(cfg, page_bytes, device)
     pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
-    executor, tokenizer = ModelExecutor(model, pool, device), IdTokenizer(mc.vocab_size)
+    executor, tokenizer = model_executor(cfg, model, pool, device, mc.max_context), IdTokenizer(mc.vocab_size)
     # NOTE: assemble_engine is build_engine's own wiring (cache, publisher, scheduler); only the model differs
     name = cfg.served_model_name or "random"
     return assemble_engine(cfg, executor, pool.allocator, tokenizer, mc.max_context, name)  # type: ignore[arg-type]
@@ -241,6 +242,50 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     return {"prefill": prefill, "decode": decode, "ttft": ttft}
 
 
+# ---------------------------------------------------------------------------- the decode floor
+DECODE_FLOOR_TARGET = 1.3  # a batch-1 decode step within this many times the weight-read floor
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Weight bytes one decode step must read: every parameter except the embedding table, of which a
+    step reads one row per token (a tied table is read whole as the LM head, so then it counts)."""
+    total = sum(x.numel() * x.element_size() for x in model.parameters())  # a tied tensor counts once
+    if not model.config.tie_word_embeddings:
+        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return total
+
+
+def measure_copy_gbs(device: str, nbytes: int = 256 << 20) -> float:
+    """Memory bandwidth of ``device`` as a large copy moves it: (read + write) bytes / time, GB/s."""
+    import torch
+
+    if device == "cuda":
+        from kernels.bench import measure_copy_gbs as gpu_copy_gbs
+
+        return gpu_copy_gbs(torch.device("cuda"))
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def decode_floor(model: Any, decode: list[dict], copy_gbs: float) -> dict | None:
+    """The batch-1 decode step against weight bytes / measured bandwidth (None without a batch-1 row)."""
+    row = next((d for d in decode if d["batch"] == 1), None)
+    if row is None:
+        return None
+    weight_bytes = decode_weight_bytes(model)
+    floor_ms = weight_bytes / (copy_gbs * 1e9) * 1e3
+    ratio = row["step_ms"] / floor_ms
+    return {"weight_bytes": weight_bytes, "copy_gbs": round(copy_gbs, 1), "floor_ms": round(floor_ms, 4),
+            "step_ms": row["step_ms"], "ratio": round(ratio, 3), "target": DECODE_FLOOR_TARGET,
+            "met": ratio <= DECODE_FLOOR_TARGET}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- machine and report
 def cpu_model() -> str:
     try:
@@ -271,12 +316,19 @@ def markdown_table(doc: dict) -> str:
         rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached "
                      f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
                      f"ms (median of {p['reps']})"))  # fmt: skip
+    floor = doc.get("decode_floor")
+    if floor:
+        rows.append(("decode batch 1 step / weight-read floor", f"{floor['ratio']:.2f}",
+                     f"x ({floor['weight_bytes'] / 1e9:.2f} GB / {floor['copy_gbs']:,.0f} GB/s = "
+                     f"{floor['floor_ms']:.2f} ms; target <= {floor['target']})"))  # fmt: skip
     # NOTE: the engine's cache publishes KV events, so its radix costs are the events=True rows
     for r in doc["radix"]:
         if r["events"] and r["op"] in ("match_hit", "insert_new"):
             rows.append((f"radix {r['op']}, {r['tokens']} tokens", f"{r['median_us']:.1f}", "µs (median)"))
     head = f"**{doc['model']['name']} on {m['device_name']}, {m['torch_threads']} torch threads**"
-    lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']})", "",
+    graphs = (f", CUDA graphs up to batch {p['cuda_graph_max_bs']} ({doc['decode_graph_steps']} decode steps "
+              "replayed)" if doc.get("decode_graph_steps") else "")  # fmt: skip
+    lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']}{graphs})", "",
              "| measurement | value | unit |", "|---|---:|---|"]  # fmt: skip
     return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
 
@@ -298,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: the worker's)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--chunked-prefill-tokens", type=int, default=2048, help="prompt tokens per prefill step")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=WorkerConfig.cuda_graph_max_bs,
+                    help="CUDA: decode steps of up to N requests replay captured graphs (0 = eager)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -325,10 +379,13 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                      "would take minutes on CPU); use --model tiny on CPU")  # fmt: skip
     if min(sizes["batches"] + [v for k, v in sizes.items() if k != "batches"]) <= 0:
         parser.error("sizes, counts and batch sizes must be positive")
+    if args.cuda_graph_max_bs < 0:
+        parser.error("--cuda-graph-max-bs must be >= 0")
     if sizes["decode_steps"] < 2:
         parser.error("--decode-steps must be at least 2 (the first token comes from prefill)")
     return BenchParams(model=args.model, device=device, cpu_threads=args.cpu_threads, seed=args.seed,
                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+                       cuda_graph_max_bs=args.cuda_graph_max_bs,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick, **sizes)  # fmt: skip
 
 
@@ -339,6 +396,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     cfg = WorkerConfig(model="tiny", device=p.device, block_size=p.block_size, cpu_threads=p.cpu_threads,
                        kv_cache_tokens=p.kv_cache_tokens, chunked_prefill_tokens=p.chunked_prefill_tokens,
                        served_model_name=None if p.model == "tiny" else p.model,
+                       cuda_graph_max_bs=p.cuda_graph_max_bs,
                        max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
     engine = build_bench_engine(cfg, None if p.model == "tiny" else LLAMA3_8B_SHAPE)
@@ -353,10 +411,12 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     machine = machine_info(p.device)
     machine["loadavg_start"] = [round(x, 2) for x in load_start]
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    floor = decode_floor(model, results["decode"], measure_copy_gbs(p.device))
     radix = bench_radix.run(p.radix_iters, seed=p.seed)
     return {"benchmark": "worker", "command": command, "params": asdict(p), "machine": machine, "model": info,
-            "kv_capacity_tokens": engine.capacity_tokens, **results, "radix": radix,
-            "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+            "kv_capacity_tokens": engine.capacity_tokens, **results, "decode_floor": floor,
+            "decode_graph_steps": engine.executor.graph_steps,  # type: ignore[attr-defined]
+            "radix": radix, "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,7 @@ class WorkerConfig:
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
     mem_fraction: float = 0.85  # of free GPU memory after loading the model, for the KV pool
     max_running: int = 256  # requests admitted at once
+    cuda_graph_max_bs: int = 128  # decode steps of up to this many requests replay CUDA graphs; 0 = off
     chunked_prefill_tokens: int = 2048  # prompt tokens per prefill step
     schedule_policy: str = "lpm"  # lpm | fcfs
     max_wait_s: float = 5.0  # LPM age bound: a request queued longer goes first
@@ -57,6 +58,8 @@ class WorkerConfig:
             raise ValueError("--kv-cache-tokens must hold at least one block")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError("--cuda-graph-max-bs must be >= 0")
         if self.cpu_threads < 0:
             raise ValueError("--cpu-threads must be >= 0")
         if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--kv-cache-tokens", int, "KV pool size in tokens (default: --mem-fraction on CUDA, 64k on CPU)")
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
     opt("--max-running", int, "requests admitted at once")
+    opt("--cuda-graph-max-bs", int, "CUDA: decode steps of up to N requests replay captured graphs (0 = off)")
     opt("--chunked-prefill-tokens", int, "prompt tokens per prefill step")
     opt("--schedule-policy", str, "lpm (longest cached prefix first) or fcfs", choices=["lpm", "fcfs"])
     opt("--max-wait-s", float, "LPM age bound in seconds")

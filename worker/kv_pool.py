@@ -81,7 +81,10 @@ def slots_for(pages: np.ndarray, start: int, end: int, page_size: int) -> np.nda
 
 
 class KVPool:
-    """Preallocated K and V caches for every layer, each [num_pages * page_size, Hkv, D]."""
+    """Preallocated K and V caches for every layer, each [num_pages * page_size + 1, Hkv, D].
+
+    NOTE: the last row, ``scratch_slot``, belongs to no page: padded rows of a fixed-size batch (CUDA
+    graphs) write their K/V there, and nothing ever reads it."""
 
     def __init__(
         self,
@@ -101,7 +104,8 @@ class KVPool:
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.allocator = PageAllocator(num_pages)
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.scratch_slot = num_pages * page_size
+        shape = (num_pages * page_size + 1, num_kv_heads, head_dim)
         self.k_cache: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]

@@ -64,6 +64,37 @@ def test_cached_prefix_means_fewer_computed_tokens(quick_run):
     assert warm["computed_tokens"] < half["computed_tokens"] < cold["computed_tokens"]
 
 
+def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth(quick_run):
+    doc, stdout = quick_run
+    floor = doc["decode_floor"]
+    tiny = doc["model"]
+    # tiny's LM head is its own matrix: every parameter but the embedding table counts (fp32)
+    vocab, hidden = tiny["config"]["vocab_size"], tiny["config"]["hidden_size"]
+    assert not tiny["config"]["tie_word_embeddings"]
+    assert floor["weight_bytes"] == 4 * (tiny["parameters"] - vocab * hidden)
+    assert floor["copy_gbs"] > 0
+    assert floor["floor_ms"] == pytest.approx(floor["weight_bytes"] / floor["copy_gbs"] / 1e6, rel=1e-3)
+    assert floor["step_ms"] == doc["decode"][0]["step_ms"]
+    assert floor["ratio"] == pytest.approx(floor["step_ms"] / floor["floor_ms"], rel=1e-2)
+    assert floor["met"] == (floor["ratio"] <= 1.3)
+    assert doc["decode_graph_steps"] == 0  # CPU: every step eager
+    assert any(line.startswith("| decode batch 1 step / weight-read floor |") for line in stdout.splitlines())
+
+
+def test_decode_weight_bytes_skips_an_untied_embedding_table():
+    import torch
+
+    from worker.bench import decode_weight_bytes, random_llama
+
+    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+    untied = random_llama(ModelConfig(**shape), "cpu", torch.bfloat16)
+    tied = random_llama(ModelConfig(**shape, tie_word_embeddings=True), "cpu", torch.bfloat16)
+    params = sum(p.numel() for p in untied.parameters())
+    assert decode_weight_bytes(untied) == 2 * (params - 1000 * 64)
+    assert decode_weight_bytes(tied) == 2 * sum(p.numel() for p in tied.parameters())
+
+
 def test_markdown_table_is_printed_last(quick_run):
     _, stdout = quick_run
     lines = stdout.strip().splitlines()

@@ -71,7 +71,9 @@ def test_kv_pool_shapes_and_slot_addressing() -> None:
     pool = KVPool(num_pages=6, page_size=4, num_layers=2, num_kv_heads=2, head_dim=8,
                   dtype=torch.float16, device="cpu")  # fmt: skip
     assert len(pool.k_cache) == len(pool.v_cache) == 2
-    assert pool.k_cache[0].shape == (24, 2, 8) and pool.k_cache[0].dtype == torch.float16
+    # 6 pages x 4 slots, plus the scratch row that no page owns
+    assert pool.k_cache[0].shape == (25, 2, 8) and pool.k_cache[0].dtype == torch.float16
+    assert pool.scratch_slot == 24
     pages = pool.allocator.alloc(2)
     slots = torch.from_numpy(slots_for(pages, 0, 6, pool.page_size))
     k = torch.randn(6, 2, 8, dtype=torch.float16)

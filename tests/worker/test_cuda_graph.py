@@ -1,0 +1,221 @@
+"""Decode graphs: a padded, replayed decode step computes what the eager step computes, and padded
+rows touch nothing but the scratch slot.
+
+On CPU the capture itself is replaced by re-running the function over the same static buffers (the
+only part that needs a GPU); the gpu-marked test captures real CUDA graphs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from worker.assembly import build_engine
+from worker.config import WorkerConfig
+from worker.cuda_graph import DecodeGraphRunner, graph_batch_sizes
+from worker.engine import Engine
+from worker.forward_batch import ForwardBatch
+from worker.kv_pool import KVPool, slots_for
+from worker.model import load_model
+from worker.sampling import SamplingParams
+from worker.scheduler import ScheduledBatch
+
+PAGE = 4  # tokens
+
+
+class EagerReplay:
+    """Replays by calling the captured function again, into the output tensor of the first call."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []  # rows of each capture's output, in capture order
+
+    def capture(self, fn):
+        out = fn()
+        self.captured.append(out.shape[0])
+
+        def replay() -> None:
+            with torch.inference_mode():
+                out.copy_(fn())
+
+        return replay, out
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(0) == []
+
+
+class Fleet:
+    """Requests with prompts of different lengths prefilled into a pool; builds their decode steps."""
+
+    def __init__(self, model, device: str, lengths: list[int], seed: int = 0) -> None:
+        c = model.config
+        self.model = model
+        self.pool = KVPool(256, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
+        rng = np.random.default_rng(seed)
+        self.tokens = [rng.integers(0, 256, n).tolist() for n in lengths]
+        self.pages = [self.pool.allocator.alloc(-(-(n + 8) // PAGE)) for n in lengths]  # room for 8 steps
+        slots = [slots_for(p, 0, n, PAGE).tolist() for p, n in zip(self.pages, lengths, strict=True)]
+        batch = ForwardBatch.build("extend", self.tokens, [0] * len(lengths), slots, [[] for _ in lengths],
+                                   device=device)  # fmt: skip
+        model(batch, self.pool)
+
+    def decode_step(self, rows: list[int], next_tokens: list[int]) -> ScheduledBatch:
+        """Requests ``rows`` each add one token (position = their current length)."""
+        pos = [len(self.tokens[r]) for r in rows]
+        all_slots = [slots_for(self.pages[r], 0, p + 1, PAGE) for r, p in zip(rows, pos, strict=True)]
+        for r, t in zip(rows, next_tokens, strict=True):
+            self.tokens[r].append(t)
+        lens = [len(s) for s in all_slots]
+        return ScheduledBatch(
+            mode="decode",
+            requests=[object()] * len(rows),  # type: ignore[list-item]
+            starts=pos,
+            ends=[p + 1 for p in pos],
+            sample=[True] * len(rows),
+            input_ids=np.array(next_tokens, dtype=np.int64),
+            positions=np.array(pos, dtype=np.int64),
+            out_slots=np.array([s[-1] for s in all_slots], dtype=np.int64),
+            qo_indptr=np.arange(len(rows) + 1, dtype=np.int32),
+            kv_indptr=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+            kv_indices=np.concatenate(all_slots).astype(np.int64),
+        )
+
+
+def eager_logits(model, pool, step: ScheduledBatch) -> torch.Tensor:
+    device = pool.k_cache[0].device
+    fb = ForwardBatch(
+        mode="decode",
+        input_ids=torch.from_numpy(step.input_ids),
+        positions=torch.from_numpy(step.positions),
+        out_slots=torch.from_numpy(step.out_slots),
+        qo_indptr=torch.from_numpy(step.qo_indptr),
+        kv_indptr=torch.from_numpy(step.kv_indptr),
+        kv_indices=torch.from_numpy(step.kv_indices),
+    ).to(device)
+    return model(fb, pool)
+
+
+def clone_pool_into(dst: KVPool, src: KVPool) -> None:
+    for d, s in zip(dst.k_cache + dst.v_cache, src.k_cache + src.v_cache, strict=True):
+        d.copy_(s)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", "cpu").model
+
+
+def test_replayed_steps_match_eager_steps_at_every_padding(tiny):
+    """Batches of 1, 3, 5 and 8 requests (padded to 1, 4, 8, 8) over prompts of different lengths:
+    same logits and same pool contents as eager steps on a copy of the pool."""
+    lengths = [5, 17, 9, 30, 2, 12, 21, 7]
+    graphed, eager = Fleet(tiny, "cpu", lengths), Fleet(tiny, "cpu", lengths)
+    backend = EagerReplay()
+    runner = DecodeGraphRunner(tiny, graphed.pool, max_batch=8, max_kv_indices=8 * 64, backend=backend)
+    assert backend.captured == [8, 4, 2, 1]  # largest first
+    rng = np.random.default_rng(1)
+    for rows in ([3], [0, 4, 6], [1, 2, 3, 5, 7], list(range(8)), [6]):
+        toks = rng.integers(0, 256, len(rows)).tolist()
+        step_g, step_e = graphed.decode_step(rows, toks), eager.decode_step(rows, toks)
+        assert runner.can_run(step_g)
+        got = runner.run(step_g).clone()
+        want = eager_logits(tiny, eager.pool, step_e)
+        assert got.shape == want.shape == (len(rows), tiny.config.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        real = slice(0, graphed.pool.scratch_slot)  # every slot but the scratch row
+        for g, e in zip(graphed.pool.k_cache + graphed.pool.v_cache, eager.pool.k_cache + eager.pool.v_cache,
+                        strict=True):  # fmt: skip
+            torch.testing.assert_close(g[real], e[real], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_rows_write_only_the_scratch_slot(tiny):
+    fleet = Fleet(tiny, "cpu", [6, 11, 3])
+    runner = DecodeGraphRunner(tiny, fleet.pool, max_batch=8, max_kv_indices=512, backend=EagerReplay())
+    before = [t.clone() for t in fleet.pool.k_cache + fleet.pool.v_cache]
+    step = fleet.decode_step([0, 1, 2], [65, 66, 67])  # 3 requests -> the 4-row graph: one padded row
+    logits = runner.run(step)
+    assert torch.isfinite(logits).all()
+    changed = set()
+    for old, new in zip(before, fleet.pool.k_cache + fleet.pool.v_cache, strict=True):
+        changed |= set(torch.nonzero((old != new).flatten(1).any(1)).flatten().tolist())
+    assert changed == {*step.out_slots.tolist(), fleet.pool.scratch_slot}
+
+
+def test_steps_a_graph_cannot_hold_run_eagerly(tiny):
+    fleet = Fleet(tiny, "cpu", [4, 4, 4])
+    runner = DecodeGraphRunner(tiny, fleet.pool, max_batch=2, max_kv_indices=10, backend=EagerReplay())
+    assert runner.can_run(fleet.decode_step([0, 1], [1, 2]))  # 2 requests x 5 slots = 10 indices
+    assert not runner.can_run(fleet.decode_step([0, 1, 2], [1, 2, 3]))  # 3 requests > 2
+    assert not runner.can_run(fleet.decode_step([0, 1], [1, 2]))  # 2 x 7 slots > 10 indices
+    prefill = fleet.decode_step([2], [4])
+    prefill.mode = "extend"
+    assert not runner.can_run(prefill)
+    with pytest.raises(ValueError):
+        DecodeGraphRunner(tiny, fleet.pool, max_batch=0, max_kv_indices=9, backend=EagerReplay())
+
+
+async def test_engine_with_decode_graphs_generates_the_same_tokens():
+    """The executor replays decode steps through the runner (batch sizes shrinking as requests
+    finish) and the greedy tokens equal those of an engine without graphs."""
+    prompts = [
+        f"Request {i}: tell me about paged attention and radix caches." * (1 + i % 3) for i in range(6)
+    ]
+    lengths = [3, 9, 14, 5, 11, 7]  # tokens generated: batches of 6, 5, 4, ... requests decode together
+
+    async def run_all(engine: Engine) -> list[list[int]]:
+        async def one(prompt: str, n: int) -> list[int]:
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            handle = engine.submit(engine.tokenizer.encode_prompt(prompt), params)
+            tokens: list[int] = []
+            while True:
+                out = await asyncio.wait_for(handle.outputs.get(), 60)
+                assert out.error is None, out.error
+                tokens += out.token_ids
+                if out.finish_reason is not None:
+                    return tokens
+
+        return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths, strict=True)))
+
+    cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=4096)
+    plain, graphed = build_engine(cfg), build_engine(cfg)
+    executor = graphed.executor
+    executor.decode_graphs = DecodeGraphRunner(executor.model, executor.kv_pool, max_batch=8,
+                                               max_kv_indices=8 * 4096, backend=EagerReplay())  # fmt: skip
+    for engine in (plain, graphed):
+        engine.start()
+    try:
+        want, got = await run_all(plain), await run_all(graphed)
+    finally:
+        plain.stop()
+        graphed.stop()
+    assert got == want
+    assert [len(t) for t in got] == lengths
+    assert executor.graph_steps >= max(lengths) - 1  # every decode step went through the graphs
+    assert plain.executor.graph_steps == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_matches_eager_on_the_gpu():
+    """Real capture (Triton kernels inside the graph) against eager steps on a copy of the pool."""
+    model = load_model("tiny", "cuda").model
+    lengths = [5, 40, 9, 130, 2, 64, 21, 7, 300, 16]
+    graphed, eager = Fleet(model, "cuda", lengths), Fleet(model, "cuda", lengths)
+    clone_pool_into(eager.pool, graphed.pool)
+    runner = DecodeGraphRunner(model, graphed.pool, max_batch=16, max_kv_indices=16 * 256)
+    rng = np.random.default_rng(2)
+    for rows in ([3], [0, 8, 6], list(range(10)), [9, 1]):
+        toks = rng.integers(0, 256, len(rows)).tolist()
+        step_g, step_e = graphed.decode_step(rows, toks), eager.decode_step(rows, toks)
+        got = runner.run(step_g).float().cpu()
+        want = eager_logits(model, eager.pool, step_e).float().cpu()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-2, f"graph vs eager relative error {err:.2e}"
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()

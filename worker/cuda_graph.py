@@ -1,0 +1,176 @@
+"""CUDA graphs for decode steps: one captured model forward per padded batch size, replayed after the
+step's inputs are copied into static buffers. At small batches this removes the per-kernel launch
+cost that otherwise dominates a decode step.
+
+Never changes what a step computes: a padded row writes its K/V only to the pool's scratch slot,
+attends to no slot, and its logits are dropped. Runs decode only (extend shapes vary too much).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from worker.forward_batch import ForwardBatch
+from worker.scheduler import ScheduledBatch
+
+log = logging.getLogger("worker.engine")
+
+Capture = tuple[Callable[[], None], torch.Tensor]  # (replay, the output tensor every replay rewrites)
+
+
+class GraphBackend(Protocol):
+    """Turns a function of static buffers into a replayable step."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Capture: ...
+
+
+class CudaGraphBackend:
+    """torch.cuda.CUDAGraph capture; every graph shares one memory pool (captured largest first,
+    so the pool is sized by the first capture and the smaller ones reuse it)."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Capture:
+        # NOTE: two warm-up calls on a side stream first: Triton compiles its kernels and torch
+        # picks its GEMM algorithms outside the capture, where a host sync is allowed.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, out
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch``
+    (a step pads to the next size up: at most 7 wasted rows, ~1.3x the graphs of powers of two)."""
+    if max_batch <= 0:
+        return []
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphRunner:
+    """Captured decode forwards for ``graph_batch_sizes(max_batch)`` requests.
+
+    Static inputs live in ONE int64 device buffer at fixed offsets:
+    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices]``
+    (B = the largest size). A step fills the same layout in a pinned host buffer and moves it with a
+    single host-to-device copy of the used prefix, then replays the graph of the next size up.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv_pool: Any,
+        max_batch: int,
+        max_kv_indices: int,
+        backend: GraphBackend | None = None,
+    ) -> None:
+        self.sizes = graph_batch_sizes(max_batch)
+        if not self.sizes:
+            raise ValueError("max_batch must be positive")
+        if max_kv_indices <= 0:
+            raise ValueError("max_kv_indices must be positive")
+        device = model.device
+        big = self.sizes[-1]
+        self.max_batch, self.max_kv_indices = big, max_kv_indices
+        self.scratch_slot = int(kv_pool.scratch_slot)
+        self._offsets = {"input_ids": 0, "positions": big, "out_slots": 2 * big, "kv_indptr": 3 * big}
+        self._kv_start = 4 * big + 1
+        total = self._kv_start + max_kv_indices
+        self._device_buf = torch.zeros(total, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self._host_buf = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
+        self._host = self._host_buf.numpy()  # NOTE: shares memory with the pinned tensor
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._replays: dict[int, Callable[[], None]] = {}
+        backend = backend or CudaGraphBackend()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                batch = self._static_batch(size)
+                # padded rows only during capture: every row attends to nothing, writes the scratch slot
+                self._fill(size, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           np.zeros(1, np.int64), np.zeros(0, np.int64))  # fmt: skip
+                replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
+                self._replays[size], self._outputs[size] = replay, out
+        log.info(
+            "decode graphs for batch sizes %s captured in %.1f s", self.sizes, time.perf_counter() - started
+        )
+
+    def _view(self, name: str, length: int) -> torch.Tensor:
+        start = self._offsets[name]
+        return self._device_buf[start : start + length]
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(
+            mode="decode",
+            input_ids=self._view("input_ids", size),
+            positions=self._view("positions", size),
+            out_slots=self._view("out_slots", size),
+            qo_indptr=torch.arange(size + 1, dtype=torch.int32, device=self._device_buf.device),
+            kv_indptr=self._view("kv_indptr", size + 1),
+            kv_indices=self._device_buf[self._kv_start :],
+        )
+
+    def _fill(
+        self,
+        size: int,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        out_slots: np.ndarray,
+        kv_indptr: np.ndarray,
+        kv_indices: np.ndarray,
+    ) -> int:
+        """Write a step of ``len(input_ids)`` requests, padded to ``size``, into the host buffer and
+        copy it to the device; returns the elements copied."""
+        h, o, n = self._host, self._offsets, len(input_ids)
+        for name, values, pad in (
+            ("input_ids", input_ids, 0),
+            ("positions", positions, 0),
+            ("out_slots", out_slots, self.scratch_slot),
+        ):
+            h[o[name] : o[name] + n] = values
+            h[o[name] + n : o[name] + size] = pad
+        ptr = o["kv_indptr"]
+        h[ptr : ptr + n + 1] = kv_indptr
+        h[ptr + n + 1 : ptr + size + 1] = kv_indptr[-1]  # padded rows: zero slots
+        h[self._kv_start : self._kv_start + len(kv_indices)] = kv_indices
+        used = self._kv_start + len(kv_indices)
+        # NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
+        # sampled tokens (a device sync) before it builds the next step.
+        self._device_buf[:used].copy_(self._host_buf[:used], non_blocking=True)
+        return used
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return (
+            batch.mode == "decode"
+            and len(batch.requests) <= self.max_batch
+            and batch.kv_indices.size <= self.max_kv_indices
+        )
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of a decode step. NOTE: a view of the graph's output buffer,
+        valid until the next replay; the executor samples from it before building the next step."""
+        n = len(batch.requests)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.kv_indptr, batch.kv_indices)
+        self._replays[size]()
+        return self._outputs[size][:n]
