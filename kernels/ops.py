@@ -66,16 +66,21 @@ def extend_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float | None = None,
+    *,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
-    """Prefill with a cached prefix; see kernels.reference.extend_attention."""
+    """Prefill with a cached prefix; see kernels.reference.extend_attention. ``max_extend_len``
+    (tokens, the most rows of any request) spares the Triton path a device-to-host sync."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.extend_attention(
-            q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale
-        )
+            q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
+            max_extend_len=max_extend_len,
+        )  # fmt: skip
     return kernel_module("extend_attention", mode).extend_attention(
-        q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale
-    )
+        q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
+        max_extend_len=max_extend_len,
+    )  # fmt: skip
 
 
 def decode_attention(

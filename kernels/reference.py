@@ -40,10 +40,12 @@ def extend_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float | None = None,
+    *,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
     the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
-    in q's dtype."""
+    in q's dtype. ``max_extend_len`` is a launch hint for the Triton kernel; ignored here."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from router.tokenization import PromptTokenizer
 from worker.engine import Engine, Executor, RequestState
 from worker.kv_pool import PageAllocator
@@ -43,6 +45,7 @@ class ModelExecutor:
                 qo_indptr=torch.from_numpy(batch.qo_indptr),
                 kv_indptr=torch.from_numpy(batch.kv_indptr),
                 kv_indices=torch.from_numpy(batch.kv_indices),
+                max_extend_len=int(np.diff(batch.qo_indptr).max(initial=0)),
             ).to(self.device)
             logits = self.model.forward(fb, self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]

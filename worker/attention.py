@@ -1,7 +1,8 @@
 """Attention over one layer of the KV pool: Triton kernels (kernels.ops) on CUDA, torch on CPU.
 
 Chooses the backend only; never decides which slots a request owns (the ForwardBatch says so).
-On CPU, decode runs one padded batched computation (same semantics as kernels.reference).
+On CPU, decode runs one padded batched computation (same semantics as kernels.reference);
+TRITON_INTERPRET=1 sends CPU tensors through the Triton kernels too (tests: the model on the kernels).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import interpret_requested, reference
 from worker.forward_batch import ForwardBatch
 
 _ops: ModuleType | None = None
@@ -18,10 +19,10 @@ _ops_tried = False
 
 
 def kernel_ops(device: torch.device) -> ModuleType:
-    """The module whose functions run on ``device``: ``kernels.ops`` on CUDA when it imports,
-    else ``kernels.reference`` (both expose the same signatures)."""
+    """The module whose functions run on ``device``: ``kernels.ops`` on CUDA (or any device under
+    TRITON_INTERPRET=1) when it imports, else ``kernels.reference`` (both expose the same signatures)."""
     global _ops, _ops_tried
-    if device.type != "cuda":
+    if device.type != "cuda" and not interpret_requested():
         return reference
     if not _ops_tried:
         _ops_tried = True
@@ -54,8 +55,9 @@ def extend(
     (causal). Returns [T, Hq, D]."""
     ops = kernel_ops(q.device)
     return ops.extend_attention(
-        q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale
-    )
+        q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
+        max_extend_len=batch.max_extend_len,
+    )  # fmt: skip
 
 
 def decode(
@@ -63,9 +65,9 @@ def decode(
 ) -> torch.Tensor:
     """One token per request: q [B, Hq, D] attends all of the request's slots (its own K/V must
     already be stored). Returns [B, Hq, D]."""
-    if q.device.type == "cpu":
-        return _decode_padded(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
     ops = kernel_ops(q.device)
+    if ops is reference:
+        return _decode_padded(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
     return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
 
 

@@ -29,6 +29,8 @@ class ForwardBatch:
     kv_indptr: torch.Tensor  # int32 [B+1] request i's entries of kv_indices
     kv_indices: torch.Tensor  # int32/int64 [nnz] pool slots (see the NOTE above)
     return_all_logits: bool = False  # logits of every new token instead of the last per request
+    # NOTE: host-side, so the extend kernel's grid needs no device-to-host sync (one per layer otherwise)
+    max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
 
     @property
     def batch_size(self) -> int:
@@ -49,6 +51,7 @@ class ForwardBatch:
             kv_indptr=self.kv_indptr.to(device, non_blocking=True),
             kv_indices=self.kv_indices.to(device, non_blocking=True),
             return_all_logits=self.return_all_logits,
+            max_extend_len=self.max_extend_len,
         )
 
     @staticmethod
@@ -95,4 +98,5 @@ class ForwardBatch:
             kv_indptr=t(kv_indptr, torch.int32),
             kv_indices=t(kv, torch.int64),
             return_all_logits=return_all_logits,
+            max_extend_len=max((len(t) for t in new_tokens), default=0),
         )
