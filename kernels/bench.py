@@ -1,5 +1,6 @@
 """`python -m kernels.bench`: Triton extend/decode attention vs torch SDPA (flash) and the GPU's own
-measured copy bandwidth and matmul rate, all in one run; JSON to --out, a table printed last.
+measured copy bandwidth and matmul rate, all in one run; JSON to --out, a markdown report beside it
+(same stem, .md), a table printed last.
 
 Needs CUDA: without it, it measures nothing and exits non-zero. Numbers are never estimated.
 """
@@ -272,37 +273,105 @@ def summarize(result: dict) -> dict:
     }
 
 
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def format_table(result: dict) -> str:
     """Plain-text table of every measured shape (the last thing the command prints)."""
     copy, mm = result["device"]["copy_gbs"], result["device"]["matmul_tflops"]
-
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
 
     lines = [f"{'kind':<7}{'shape':<28}{'triton':>12}{'sdpa':>12}{'vs sdpa':>9}{'of peak':>9}{'err':>10}"]
     for r in result["extend"]:
         shape = f"b={r['batch']} prefix={r['prefix']} new={r['new']}"
         lines.append(
-            f"{'extend':<7}{shape:<28}{f(r['triton_tflops'], '.1f') + ' TF/s':>12}"
-            f"{f(r.get('sdpa_tflops'), '.1f') + ' TF/s':>12}{f(r.get('ratio_vs_sdpa'), '.2f'):>9}"
-            f"{f(r['triton_tflops'] / mm, '.0%'):>9}{f(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
+            f"{'extend':<7}{shape:<28}{_fmt(r['triton_tflops'], '.1f') + ' TF/s':>12}"
+            f"{_fmt(r.get('sdpa_tflops'), '.1f') + ' TF/s':>12}{_fmt(r.get('ratio_vs_sdpa'), '.2f'):>9}"
+            f"{_fmt(r['triton_tflops'] / mm, '.0%'):>9}{_fmt(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
         )
     for r in result["decode"]:
         shape = f"b={r['batch']} ctx={r['context']}"
         sdpa = r.get("sdpa_gbs")
+        vs_sdpa = None if sdpa is None else r["triton_gbs"] / sdpa
         lines.append(
-            f"{'decode':<7}{shape:<28}{f(r['triton_gbs'], '.0f') + ' GB/s':>12}"
-            f"{f(sdpa, '.0f') + ' GB/s':>12}{f(None if sdpa is None else r['triton_gbs'] / sdpa, '.2f'):>9}"
-            f"{f(r['triton_gbs'] / copy, '.0%'):>9}{f(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
+            f"{'decode':<7}{shape:<28}{_fmt(r['triton_gbs'], '.0f') + ' GB/s':>12}"
+            f"{_fmt(sdpa, '.0f') + ' GB/s':>12}{_fmt(vs_sdpa, '.2f'):>9}"
+            f"{_fmt(r['triton_gbs'] / copy, '.0%'):>9}{_fmt(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
         )
     s = result["summary"]
     lines.append(
         f"device {result['device']['name']}: copy {copy:.0f} GB/s, matmul {mm:.0f} TF/s | "
-        f"decode >= {f(s['decode_min_fraction_of_copy_bw_at_long_context'], '.0%')} of copy bw at "
-        f"ctx >= {LONG_CONTEXT} (target 70%) | extend {f(s['extend_geomean_ratio_vs_sdpa_flash'], '.2f')}x "
-        "flash SDPA, geomean (target 0.80)"
+        f"decode >= {_fmt(s['decode_min_fraction_of_copy_bw_at_long_context'], '.0%')} of copy bw at "
+        f"ctx >= {LONG_CONTEXT} (target 70%) | "
+        f"extend {_fmt(s['extend_geomean_ratio_vs_sdpa_flash'], '.2f')}x flash SDPA, geomean (target 0.80)"
     )
     return "\n".join(lines)
+
+
+def _verdict(met: bool | None) -> str:
+    return "not measured" if met is None else ("met" if met else "**missed**")
+
+
+def format_markdown(result: dict) -> str:
+    """Markdown report: device, software, command, the device's measured peaks, the two targets'
+    verdicts, then every measured shape (SDPA refusals listed under their table)."""
+    dev, sw, m, s = result["device"], result["software"], result["model"], result["summary"]
+    copy, mm = dev["copy_gbs"], dev["matmul_tflops"]
+    decode_frac, extend_ratio = (
+        s["decode_min_fraction_of_copy_bw_at_long_context"],
+        s["extend_geomean_ratio_vs_sdpa_flash"],
+    )
+    lines = [
+        f"# Attention kernels on {dev['name']}",
+        "",
+        f"torch {sw['torch']}, triton {sw['triton']}, Python {sw['python']}; {m['num_q_heads']} query heads, "
+        f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}, {m['dtype']}.",
+        f"Command: `{result['command']}`. Timing: {result['timing']}.",
+        "",
+        f"Measured on this device: copy **{copy:,.0f} GB/s** (read + write), "
+        f"matmul **{mm:,.0f} TF/s** ({m['dtype']}).",
+        "",
+        "| target | measured | goal | verdict |",
+        "|---|---:|---:|---|",
+        f"| decode: worst Triton bandwidth at context >= {LONG_CONTEXT}, of copy bandwidth "
+        f"| {_fmt(decode_frac, '.0%')} | >= 70% | {_verdict(s['decode_target_met'])} |",
+        f"| extend: Triton / flash SDPA, geomean (min {_fmt(s['extend_min_ratio_vs_sdpa_flash'], '.2f')}) "
+        f"| {_fmt(extend_ratio, '.2f')} | >= 0.80 | {_verdict(s['extend_target_met'])} |",
+        "",
+        "## Extend (prefill over a cached prefix)",
+        "",
+        "| batch | prefix | new | Triton TF/s | SDPA flash TF/s | Triton / SDPA | of matmul peak | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    refused = []
+    for r in result["extend"]:
+        lines.append(
+            f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['triton_tflops']:.1f} "
+            f"| {_fmt(r.get('sdpa_tflops'), '.1f')} | {_fmt(r.get('ratio_vs_sdpa'), '.2f')} "
+            f"| {r['triton_tflops'] / mm:.0%} | {_fmt(r.get('rel_err_vs_sdpa'), '.1e')} |"
+        )
+        if "sdpa_error" in r:
+            refused.append(f"- extend b={r['batch']} prefix={r['prefix']} new={r['new']}: {r['sdpa_error']}")
+    lines += [
+        "",
+        "## Decode (one query token per request)",
+        "",
+        "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["decode"]:
+        sdpa = r.get("sdpa_gbs")
+        expanded = " (K/V expanded)" if r.get("sdpa_kv_expanded") else ""
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['triton_gbs']:,.0f} | {_fmt(sdpa, ',.0f')}{expanded} "
+            f"| {_fmt(None if sdpa is None else r['triton_gbs'] / sdpa, '.2f')} "
+            f"| {r['triton_gbs'] / copy:.0%} | {_fmt(r.get('rel_err_vs_sdpa'), '.1e')} |"
+        )
+        if "sdpa_error" in r:
+            refused.append(f"- decode b={r['batch']} ctx={r['context']}: {r['sdpa_error']}")
+    if refused:
+        lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -320,6 +389,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -349,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "triton": triton.__version__,
             "python": platform.python_version(),
         },
+        "command": " ".join(["python -m kernels.bench", *argv]),
         "model": dataclasses.asdict(model),
         "timing": "triton.testing.do_bench median, L2 flushed before each run, Python launch included",
     }
@@ -367,7 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or Path("docs/benchmarks") / f"kernels-{gpu_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    report = out.with_suffix(".md")
+    report.write_text(format_markdown(result))
+    print(f"wrote {out} and {report}")
     print(format_table(result))
     return 0
 

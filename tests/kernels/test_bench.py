@@ -76,9 +76,14 @@ def test_decode_sdpa_baseline_computes_the_same_attention_as_the_reference():
     torch.testing.assert_close(bench.sdpa_decode(*expanded), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_summary_judges_targets_on_long_contexts_only():
-    result = {
-        "device": {"name": "X", "copy_gbs": 1000.0, "matmul_tflops": 500.0},
+def synthetic_result() -> dict:
+    """A kernels.bench result as main() builds it, with made-up numbers (no GPU involved)."""
+    return {
+        "device": {"name": "NVIDIA H100 80GB HBM3", "copy_gbs": 1000.0, "matmul_tflops": 500.0},
+        "software": {"torch": "2.11.0+cu130", "triton": "3.6.0", "python": "3.12.3"},
+        "command": "python -m kernels.bench --quick",
+        "model": {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf16"},
+        "timing": "do_bench median",
         "extend": [
             {
                 "batch": 1,
@@ -87,6 +92,7 @@ def test_summary_judges_targets_on_long_contexts_only():
                 "triton_tflops": 90.0,
                 "sdpa_tflops": 100.0,
                 "ratio_vs_sdpa": 0.9,
+                "rel_err_vs_sdpa": 0.00123,
             },
             {"batch": 1, "prefix": 8, "new": 8, "triton_tflops": 70.0, "sdpa_error": "refused"},
         ],
@@ -95,6 +101,10 @@ def test_summary_judges_targets_on_long_contexts_only():
             {"batch": 1, "context": bench.LONG_CONTEXT, "triton_gbs": 750.0, "sdpa_gbs": 800.0},
         ],
     }
+
+
+def test_summary_judges_targets_on_long_contexts_only():
+    result = synthetic_result()
     result["summary"] = s = bench.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.75)
     assert s["decode_target_met"] is True
@@ -102,6 +112,57 @@ def test_summary_judges_targets_on_long_contexts_only():
     assert s["extend_target_met"] is True
     table = bench.format_table(result)
     assert table.splitlines()[0].startswith("kind") and len(table.splitlines()) == 1 + 2 + 2 + 1
+
+
+def table_rows(markdown: str, heading: str) -> list[list[str]]:
+    """The body rows of the first table after ``heading``, as lists of stripped cells."""
+    lines = markdown.splitlines()
+    start = lines.index(heading)
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|") and not line.startswith("|-"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows[1:]  # without the header row
+
+
+def test_markdown_report_names_the_setup_and_judges_both_targets():
+    result = synthetic_result()
+    result["summary"] = bench.summarize(result)
+    md = bench.format_markdown(result)
+    assert md.startswith("# Attention kernels on NVIDIA H100 80GB HBM3\n")
+    assert "torch 2.11.0+cu130, triton 3.6.0, Python 3.12.3" in md
+    assert "`python -m kernels.bench --quick`" in md
+    assert "copy **1,000 GB/s**" in md and "matmul **500 TF/s** (bf16)" in md
+    targets = table_rows(md, md.splitlines()[0])
+    assert targets[0][1:] == ["75%", ">= 70%", "met"]  # 750 of 1000 GB/s at the long context only
+    assert targets[1][1:] == ["0.90", ">= 0.80", "met"]
+    assert "(min 0.90)" in targets[1][0]
+    extend = table_rows(md, "## Extend (prefill over a cached prefix)")
+    assert extend == [
+        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03"],
+        ["1", "8", "8", "70.0", "-", "-", "14%", "-"],
+    ]
+    decode = table_rows(md, "## Decode (one query token per request)")
+    assert decode == [
+        ["1", "1024", "100", "-", "-", "10%", "-"],
+        ["1", str(bench.LONG_CONTEXT), "750", "800", "0.94", "75%", "-"],
+    ]
+    assert md.rstrip().endswith("- extend b=1 prefix=8 new=8: refused")  # why the row has no baseline
+
+
+def test_markdown_report_says_when_a_target_is_missed_or_unmeasured():
+    result = synthetic_result()
+    result["decode"][1]["triton_gbs"] = 650.0  # 65% of copy bandwidth
+    result["extend"] = [{"batch": 1, "prefix": 0, "new": 8, "triton_tflops": 1.0, "sdpa_error": "refused"}]
+    result["decode"][1]["sdpa_kv_expanded"] = True
+    result["summary"] = bench.summarize(result)
+    md = bench.format_markdown(result)
+    targets = table_rows(md, md.splitlines()[0])
+    assert targets[0][1:] == ["65%", ">= 70%", "**missed**"]
+    assert targets[1][1:] == ["-", ">= 0.80", "not measured"]
+    assert "| 800 (K/V expanded) |" in md
 
 
 def test_gpu_slug():
