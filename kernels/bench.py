@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kernels.bench_report import format_markdown, format_table, summarize
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
 EXTEND_PREFIXES = (0, 1024, 4096, 16384)  # cached prefix per request (tokens)
 EXTEND_NEWS = (256, 1024, 4096)  # new tokens per request
@@ -28,7 +30,6 @@ EXTEND_TOKENS_PER_CALL = 16384  # batch = this // new tokens, so each call does 
 DECODE_BATCHES = (1, 8, 32, 128)
 DECODE_CONTEXTS = (1024, 4096, 16384, 65536)  # KV length per request (tokens)
 DECODE_MAX_TOKENS = 1 << 20  # cap on batch x context: 1M tokens x 8 heads x 128 x 2 B x 2 = 4 GiB of KV
-LONG_CONTEXT = 16384  # decode target (>= 70% of copy bandwidth) is judged at contexts >= this
 PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged allocator leaves it
 
 
@@ -255,123 +256,6 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     except RuntimeError as exc:
         row["sdpa_error"] = str(exc).splitlines()[0][:200]
     return row
-
-
-def summarize(result: dict) -> dict:
-    """Target checks: decode >= 70% of copy bandwidth at long contexts; extend >= 80% of flash SDPA."""
-    copy = result["device"]["copy_gbs"]
-    long_rows = [r for r in result["decode"] if r["context"] >= LONG_CONTEXT]
-    decode_frac = min((r["triton_gbs"] / copy for r in long_rows), default=None)
-    ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
-    extend_ratio = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
-    return {
-        "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
-        "decode_target_met": None if decode_frac is None else decode_frac >= 0.70,
-        "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
-        "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
-        "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80,
-    }
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def format_table(result: dict) -> str:
-    """Plain-text table of every measured shape (the last thing the command prints)."""
-    copy, mm = result["device"]["copy_gbs"], result["device"]["matmul_tflops"]
-
-    lines = [f"{'kind':<7}{'shape':<28}{'triton':>12}{'sdpa':>12}{'vs sdpa':>9}{'of peak':>9}{'err':>10}"]
-    for r in result["extend"]:
-        shape = f"b={r['batch']} prefix={r['prefix']} new={r['new']}"
-        lines.append(
-            f"{'extend':<7}{shape:<28}{_fmt(r['triton_tflops'], '.1f') + ' TF/s':>12}"
-            f"{_fmt(r.get('sdpa_tflops'), '.1f') + ' TF/s':>12}{_fmt(r.get('ratio_vs_sdpa'), '.2f'):>9}"
-            f"{_fmt(r['triton_tflops'] / mm, '.0%'):>9}{_fmt(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
-        )
-    for r in result["decode"]:
-        shape = f"b={r['batch']} ctx={r['context']}"
-        sdpa = r.get("sdpa_gbs")
-        vs_sdpa = None if sdpa is None else r["triton_gbs"] / sdpa
-        lines.append(
-            f"{'decode':<7}{shape:<28}{_fmt(r['triton_gbs'], '.0f') + ' GB/s':>12}"
-            f"{_fmt(sdpa, '.0f') + ' GB/s':>12}{_fmt(vs_sdpa, '.2f'):>9}"
-            f"{_fmt(r['triton_gbs'] / copy, '.0%'):>9}{_fmt(r.get('rel_err_vs_sdpa'), '.1e'):>10}"
-        )
-    s = result["summary"]
-    lines.append(
-        f"device {result['device']['name']}: copy {copy:.0f} GB/s, matmul {mm:.0f} TF/s | "
-        f"decode >= {_fmt(s['decode_min_fraction_of_copy_bw_at_long_context'], '.0%')} of copy bw at "
-        f"ctx >= {LONG_CONTEXT} (target 70%) | "
-        f"extend {_fmt(s['extend_geomean_ratio_vs_sdpa_flash'], '.2f')}x flash SDPA, geomean (target 0.80)"
-    )
-    return "\n".join(lines)
-
-
-def _verdict(met: bool | None) -> str:
-    return "not measured" if met is None else ("met" if met else "**missed**")
-
-
-def format_markdown(result: dict) -> str:
-    """Markdown report: device, software, command, the device's measured peaks, the two targets'
-    verdicts, then every measured shape (SDPA refusals listed under their table)."""
-    dev, sw, m, s = result["device"], result["software"], result["model"], result["summary"]
-    copy, mm = dev["copy_gbs"], dev["matmul_tflops"]
-    decode_frac, extend_ratio = (
-        s["decode_min_fraction_of_copy_bw_at_long_context"],
-        s["extend_geomean_ratio_vs_sdpa_flash"],
-    )
-    lines = [
-        f"# Attention kernels on {dev['name']}",
-        "",
-        f"torch {sw['torch']}, triton {sw['triton']}, Python {sw['python']}; {m['num_q_heads']} query heads, "
-        f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}, {m['dtype']}.",
-        f"Command: `{result['command']}`. Timing: {result['timing']}.",
-        "",
-        f"Measured on this device: copy **{copy:,.0f} GB/s** (read + write), "
-        f"matmul **{mm:,.0f} TF/s** ({m['dtype']}).",
-        "",
-        "| target | measured | goal | verdict |",
-        "|---|---:|---:|---|",
-        f"| decode: worst Triton bandwidth at context >= {LONG_CONTEXT}, of copy bandwidth "
-        f"| {_fmt(decode_frac, '.0%')} | >= 70% | {_verdict(s['decode_target_met'])} |",
-        f"| extend: Triton / flash SDPA, geomean (min {_fmt(s['extend_min_ratio_vs_sdpa_flash'], '.2f')}) "
-        f"| {_fmt(extend_ratio, '.2f')} | >= 0.80 | {_verdict(s['extend_target_met'])} |",
-        "",
-        "## Extend (prefill over a cached prefix)",
-        "",
-        "| batch | prefix | new | Triton TF/s | SDPA flash TF/s | Triton / SDPA | of matmul peak | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    refused = []
-    for r in result["extend"]:
-        lines.append(
-            f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['triton_tflops']:.1f} "
-            f"| {_fmt(r.get('sdpa_tflops'), '.1f')} | {_fmt(r.get('ratio_vs_sdpa'), '.2f')} "
-            f"| {r['triton_tflops'] / mm:.0%} | {_fmt(r.get('rel_err_vs_sdpa'), '.1e')} |"
-        )
-        if "sdpa_error" in r:
-            refused.append(f"- extend b={r['batch']} prefix={r['prefix']} new={r['new']}: {r['sdpa_error']}")
-    lines += [
-        "",
-        "## Decode (one query token per request)",
-        "",
-        "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in result["decode"]:
-        sdpa = r.get("sdpa_gbs")
-        expanded = " (K/V expanded)" if r.get("sdpa_kv_expanded") else ""
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['triton_gbs']:,.0f} | {_fmt(sdpa, ',.0f')}{expanded} "
-            f"| {_fmt(None if sdpa is None else r['triton_gbs'] / sdpa, '.2f')} "
-            f"| {r['triton_gbs'] / copy:.0%} | {_fmt(r.get('rel_err_vs_sdpa'), '.1e')} |"
-        )
-        if "sdpa_error" in r:
-            refused.append(f"- decode b={r['batch']} ctx={r['context']}: {r['sdpa_error']}")
-    if refused:
-        lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
-    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

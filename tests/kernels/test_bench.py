@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import bench, reference
+from kernels import bench, bench_report, reference
 
 MODEL = bench.Model(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="fp32")
 
@@ -20,7 +20,7 @@ def test_extend_grid_covers_every_pair_with_similar_work_per_call():
 def test_decode_grid_respects_the_token_cap_and_reaches_long_contexts():
     grid = bench.decode_grid()
     assert all(s.batch * s.context <= bench.DECODE_MAX_TOKENS for s in grid)
-    assert any(s.context >= bench.LONG_CONTEXT for s in grid)  # where the bandwidth target is judged
+    assert any(s.context >= bench_report.LONG_CONTEXT for s in grid)  # where the bandwidth target is judged
     assert bench.decode_grid((4, 64), (100, 1000), max_tokens=4000) == [
         bench.DecodeShape(4, 100),
         bench.DecodeShape(4, 1000),
@@ -98,19 +98,19 @@ def synthetic_result() -> dict:
         ],
         "decode": [
             {"batch": 1, "context": 1024, "triton_gbs": 100.0},  # short: launch-bound, not judged
-            {"batch": 1, "context": bench.LONG_CONTEXT, "triton_gbs": 750.0, "sdpa_gbs": 800.0},
+            {"batch": 1, "context": bench_report.LONG_CONTEXT, "triton_gbs": 750.0, "sdpa_gbs": 800.0},
         ],
     }
 
 
 def test_summary_judges_targets_on_long_contexts_only():
     result = synthetic_result()
-    result["summary"] = s = bench.summarize(result)
+    result["summary"] = s = bench_report.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.75)
     assert s["decode_target_met"] is True
     assert s["extend_geomean_ratio_vs_sdpa_flash"] == pytest.approx(0.9)
     assert s["extend_target_met"] is True
-    table = bench.format_table(result)
+    table = bench_report.format_table(result)
     assert table.splitlines()[0].startswith("kind") and len(table.splitlines()) == 1 + 2 + 2 + 1
 
 
@@ -129,8 +129,8 @@ def table_rows(markdown: str, heading: str) -> list[list[str]]:
 
 def test_markdown_report_names_the_setup_and_judges_both_targets():
     result = synthetic_result()
-    result["summary"] = bench.summarize(result)
-    md = bench.format_markdown(result)
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
     assert md.startswith("# Attention kernels on NVIDIA H100 80GB HBM3\n")
     assert "torch 2.11.0+cu130, triton 3.6.0, Python 3.12.3" in md
     assert "`python -m kernels.bench --quick`" in md
@@ -147,7 +147,7 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
         ["1", "1024", "100", "-", "-", "10%", "-"],
-        ["1", str(bench.LONG_CONTEXT), "750", "800", "0.94", "75%", "-"],
+        ["1", str(bench_report.LONG_CONTEXT), "750", "800", "0.94", "75%", "-"],
     ]
     assert md.rstrip().endswith("- extend b=1 prefix=8 new=8: refused")  # why the row has no baseline
 
@@ -157,8 +157,8 @@ def test_markdown_report_says_when_a_target_is_missed_or_unmeasured():
     result["decode"][1]["triton_gbs"] = 650.0  # 65% of copy bandwidth
     result["extend"] = [{"batch": 1, "prefix": 0, "new": 8, "triton_tflops": 1.0, "sdpa_error": "refused"}]
     result["decode"][1]["sdpa_kv_expanded"] = True
-    result["summary"] = bench.summarize(result)
-    md = bench.format_markdown(result)
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
     targets = table_rows(md, md.splitlines()[0])
     assert targets[0][1:] == ["65%", ">= 70%", "**missed**"]
     assert targets[1][1:] == ["-", ">= 0.80", "not measured"]
