@@ -1,0 +1,225 @@
+"""`python -m kernels.tune`: time every candidate tile configuration of the extend and decode kernels on
+a few representative shapes, check each one's output against SDPA, and print the fastest next to the
+current default (kernels.*.default_config). Needs CUDA; it changes no default itself.
+
+A candidate that fails to compile or launch (too much shared memory, say) or computes a wrong answer
+is recorded with its reason and never chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels import bench
+
+# bf16 against SDPA in bf16: a wrong mask or a missing tile is > 5e-2
+MAX_REL_ERR = 2e-2
+EXTEND_SHAPES = (
+    bench.ExtendShape(batch=16, prefix=0, new=1024),
+    bench.ExtendShape(batch=4, prefix=0, new=4096),
+    bench.ExtendShape(batch=16, prefix=4096, new=1024),
+    bench.ExtendShape(batch=4, prefix=16384, new=256),
+)
+DECODE_SHAPES = (
+    bench.DecodeShape(batch=1, context=16384),
+    bench.DecodeShape(batch=32, context=4096),
+    bench.DecodeShape(batch=8, context=65536),
+)
+SPLIT_LENGTHS = (64, 128, 256, 512, 1024)  # tokens: decode's min_split_len, tried on the best tile
+
+
+def extend_candidates() -> list[Any]:
+    from kernels.extend_attention import ExtendConfig
+
+    return [ExtendConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
+            for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]  # fmt: skip
+
+
+def decode_candidates(min_split_len: int = 256) -> list[Any]:
+    from kernels.decode_attention import DecodeConfig
+
+    return [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=s)
+            for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]  # fmt: skip
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The fastest row that ran and was accurate (None when none did)."""
+    ok = [r for r in rows if r.get("ms") is not None and r.get("rel_err", 1.0) <= MAX_REL_ERR]
+    return min(ok, key=lambda r: r["ms"], default=None)
+
+
+def try_config(call: Callable[[], torch.Tensor], ref: torch.Tensor, config: Any) -> dict:
+    """One candidate: its output's error against ``ref`` and its median time, or why it has none."""
+    row: dict[str, Any] = {"config": dataclasses.asdict(config)}
+    try:
+        out = call()
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        row["rel_err"] = bench._rel_err(out, ref)
+        if row["rel_err"] > MAX_REL_ERR or row["rel_err"] != row["rel_err"]:  # too large, or NaN
+            row["error"] = f"inaccurate: rel err {row['rel_err']:.2e} > {MAX_REL_ERR:.0e}"
+            return row
+        row["ms"] = bench._time_ms(call)
+    except Exception as exc:  # Triton raises several kinds: out of resources, compilation errors
+        first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
+        row["error"] = f"{type(exc).__name__}: {first_line}"
+    return row
+
+
+def tune_extend(
+    shape: bench.ExtendShape, model: bench.Model, device: torch.device, gen: torch.Generator
+) -> dict:
+    from kernels import extend_attention as ext
+
+    kernel_args, sdpa_args = bench.extend_case(shape, model, device, gen)
+    ref = bench.sdpa_extend(*sdpa_args)
+    out = torch.empty_like(kernel_args[0])
+    default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype])
+    rows = []
+    candidates = extend_candidates()
+    for cfg in candidates if default in candidates else [default, *candidates]:
+
+        def call(cfg: Any = cfg) -> torch.Tensor:
+            return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)
+
+        out.fill_(float("nan"))  # an element the kernel never writes fails the error check
+        rows.append(try_config(call, ref, cfg))
+    return summarize_shape(
+        "extend", dataclasses.asdict(shape), default, rows, bench.extend_flops(shape, model)
+    )
+
+
+def tune_decode(
+    shape: bench.DecodeShape, model: bench.Model, device: torch.device, gen: torch.Generator
+) -> dict:
+    from kernels import decode_attention as dec
+
+    kernel_args, sdpa_args = bench.decode_case(shape, model, device, gen)
+    ref = bench.sdpa_decode(*sdpa_args)
+    out = torch.empty_like(kernel_args[0])
+    default = dec.default_config(model.head_dim, bench.DTYPES[model.dtype])
+
+    def run(configs: list[Any]) -> list[dict]:
+        rows = []
+        for cfg in configs:
+
+            def call(cfg: Any = cfg) -> torch.Tensor:
+                return dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=cfg)
+
+            out.fill_(float("nan"))
+            rows.append(try_config(call, ref, cfg))
+        return rows
+
+    candidates = decode_candidates(default.min_split_len)
+    rows = run(candidates if default in candidates else [default, *candidates])
+    tile = best_row(rows)
+    if tile is not None:  # then the split length, on the best tile
+        base = dec.DecodeConfig(**tile["config"])
+        lengths = [n for n in SPLIT_LENGTHS if n != base.min_split_len]
+        rows += run([dataclasses.replace(base, min_split_len=n) for n in lengths])
+    nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size())
+    return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
+
+
+def summarize_shape(kind: str, shape: dict, default: Any, rows: list[dict], work: int) -> dict:
+    """Default vs best for one shape; ``work`` is FLOPs (extend) or bytes (decode)."""
+    default_cfg = dataclasses.asdict(default)
+    default_row = next((r for r in rows if r["config"] == default_cfg), None)
+    best = best_row(rows)
+    default_ms = None if default_row is None else default_row.get("ms")
+    return {
+        "kind": kind,
+        "shape": shape,
+        "work": work,
+        "default": {"config": default_cfg, "ms": default_ms},
+        "best": best,
+        "speedup_vs_default": None if best is None or default_ms is None else default_ms / best["ms"],
+        "rows": rows,
+    }
+
+
+def format_table(results: list[dict]) -> str:
+    """One line per shape: default time, best time, best config (printed last)."""
+    lines = [f"{'kind':<7}{'shape':<34}{'default ms':>11}{'best ms':>9}{'speedup':>9}  best config"]
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    for r in results:
+        shape = " ".join(f"{k}={v}" for k, v in r["shape"].items())
+        best = r["best"] or {}
+        cfg = " ".join(f"{k}={v}" for k, v in best.get("config", {}).items()) or "-"
+        lines.append(
+            f"{r['kind']:<7}{shape:<34}{fmt(r['default']['ms'], '.3f'):>11}{fmt(best.get('ms'), '.3f'):>9}"
+            f"{fmt(r['speedup_vs_default'], '.2f'):>9}  {cfg}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m kernels.tune", description=__doc__)
+    ap.add_argument("--kind", choices=("extend", "decode", "all"), default="all")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default docs/benchmarks/kernels-tune-<gpu>.json)"
+    )
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.tune needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    import triton
+
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    started = time.time()
+    results = []
+    if args.kind in ("extend", "all"):
+        for shape in EXTEND_SHAPES:
+            results.append(tune_extend(shape, model, device, gen))
+            torch.cuda.empty_cache()
+            print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
+    if args.kind in ("decode", "all"):
+        for shape in DECODE_SHAPES:
+            results.append(tune_decode(shape, model, device, gen))
+            torch.cuda.empty_cache()
+            print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
+    doc = {
+        "device": {"name": gpu, "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
+        "software": {"torch": torch.__version__, "triton": triton.__version__},
+        "command": " ".join(["python -m kernels.tune", *argv]),
+        "model": dataclasses.asdict(model),
+        "max_rel_err": MAX_REL_ERR,
+        "results": results,
+        "wall_s": round(time.time() - started, 1),
+    }
+    out = args.out or Path("docs/benchmarks") / f"kernels-tune-{bench.gpu_slug(gpu)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}")
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

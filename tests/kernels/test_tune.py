@@ -1,0 +1,84 @@
+"""kernels.tune: every candidate runs and is checked against SDPA; the fastest accurate one wins; a
+failing or inaccurate candidate is recorded and never chosen. On CPU the kernels run interpreted and
+only the CUDA-event timer is replaced (by a made-up time per configuration)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import bench, tune
+
+MODEL = bench.Model(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="fp32")
+
+
+def fake_time(times: list[tuple[dict, float]]) -> object:
+    """A timer under which each listed configuration takes its time (ms) and every other 2 ms."""
+
+    def time_ms(call) -> float:
+        cfg = dataclasses.asdict(call.__defaults__[0])  # the candidate the tuner bound to ``call``
+        return next((ms for c, ms in times if c == cfg), 2.0)
+
+    return time_ms
+
+
+def test_best_row_skips_failed_and_inaccurate_rows():
+    rows = [
+        {"config": {"a": 1}, "error": "OutOfResources: shared memory"},
+        {"config": {"a": 2}, "rel_err": 0.5, "error": "inaccurate"},
+        {"config": {"a": 3}, "rel_err": 1e-3, "ms": 3.0},
+        {"config": {"a": 4}, "rel_err": 1e-3, "ms": 2.0},
+    ]
+    assert tune.best_row(rows)["config"] == {"a": 4}
+    assert tune.best_row(rows[:2]) is None
+
+
+def test_a_candidate_that_raises_or_computes_wrong_is_recorded_not_chosen():
+    ref = torch.ones(4, 2)
+    wrong = tune.try_config(lambda: torch.zeros(4, 2), ref, bench.DecodeShape(1, 1))
+    assert "inaccurate" in wrong["error"] and "ms" not in wrong
+
+    def boom() -> torch.Tensor:
+        raise RuntimeError("out of resource: shared memory, Required: 262144")
+
+    failed = tune.try_config(boom, ref, bench.DecodeShape(1, 1))
+    assert failed["error"].startswith("RuntimeError: out of resource") and "ms" not in failed
+
+
+@pytest.mark.slow
+def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monkeypatch):
+    if not backend.interpret:
+        pytest.skip("the real timing runs in python -m kernels.tune")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+
+    want = dataclasses.asdict(tune.extend_candidates()[5])
+    monkeypatch.setattr(bench, "_time_ms", fake_time([(want, 1.0)]))
+    result = tune.tune_extend(bench.ExtendShape(batch=2, prefix=5, new=9), MODEL, backend.device, gen)
+    assert len(result["rows"]) == len(tune.extend_candidates()) + 1  # + the interpreter's own default
+    assert all("error" not in r and r["rel_err"] < 1e-4 for r in result["rows"]), result["rows"]
+    assert result["best"]["config"] == want
+    assert result["default"]["ms"] == 2.0 and result["speedup_vs_default"] == 2.0
+
+    decode_tiles = tune.decode_candidates(16)  # the interpreter's default split length
+    tile = dataclasses.asdict(decode_tiles[3])
+    want = {**tile, "min_split_len": 64}
+    monkeypatch.setattr(bench, "_time_ms", fake_time([(tile, 1.5), (want, 1.0)]))
+    result = tune.tune_decode(bench.DecodeShape(batch=3, context=40), MODEL, backend.device, gen)
+    # the default and every tile first; then every split length on the fastest tile
+    assert len(result["rows"]) == 1 + len(decode_tiles) + len(tune.SPLIT_LENGTHS)
+    assert all("error" not in r and r["rel_err"] < 1e-4 for r in result["rows"]), result["rows"]
+    assert [r["config"]["min_split_len"] for r in result["rows"][-5:]] == list(tune.SPLIT_LENGTHS)
+    assert all(r["config"]["block_n"] == tile["block_n"] for r in result["rows"][-5:])
+    assert result["best"]["config"] == want and result["speedup_vs_default"] == 2.0
+    table = tune.format_table([result])
+    assert table.splitlines()[1].startswith("decode batch=3 context=40")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_tune_without_cuda_exits_nonzero(tmp_path, capsys):
+    assert tune.main(["--out", str(tmp_path / "t.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
