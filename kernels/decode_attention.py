@@ -148,7 +148,9 @@ def _decode_split_kernel(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
-        m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION, DOT_FP32)
+        m_i, l_i, acc = attend_tile(
+            q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
+        )
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
     # lse = -inf and a zero partial, so the merge gives it weight 0.

@@ -49,6 +49,25 @@ def default_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
 
 
 @triton.jit
+def _attend_rows(
+    q, K, V, rows, mask_n, offs_m, n, stride_k, stride_v, offs_d, mask_d, m_i, l_i, acc, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """One key tile: K/V of one head at token ``rows`` (pool slots or new-token rows) into the running
+    softmax. MASKED: apply ``mask_n`` (and, when CAUSAL, key n <= query m) to the scores."""
+    k = tl.load(
+        K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0
+    )
+    v = tl.load(
+        V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+    )
+    allowed = mask_n[None, :]
+    if CAUSAL:
+        allowed = allowed & (n[None, :] <= offs_m[:, None])
+    return attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, MASKED, PRECISION, DOT_FP32)
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K_new,
@@ -114,51 +133,39 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Stage 1: the cached prefix, gathered slot by slot; every query sees every prefix key.
-    for n_lo in range(0, prefix_len, BLOCK_N):
+    # Stage 1: the cached prefix, gathered slot by slot; every query sees every prefix key. Whole
+    # tiles need no score mask; only the last, partial one does.
+    K_c, V_c = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
+    full_end = (prefix_len // BLOCK_N) * BLOCK_N
+    for n_lo in range(0, full_end, BLOCK_N):
+        n = n_lo + offs_n
+        slots = tl.load(kv_indices + prefix_start + n).to(tl.int64)
+        m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, n < prefix_len, offs_m, n, stride_kcs, stride_vcs,
+                                     offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
+                                     PRECISION, DOT_FP32)  # fmt: skip
+    for n_lo in range(full_end, prefix_len, BLOCK_N):
         n = n_lo + offs_n
         mask_n = n < prefix_len
         slots = tl.load(kv_indices + prefix_start + n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K_cache + slots[None, :] * stride_kcs + kv_head * stride_kch + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, PRECISION, DOT_FP32)
+        m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, mask_n, offs_m, n, stride_kcs, stride_vcs,
+                                     offs_d, mask_d, m_i, l_i, acc, qk_scale, True, False,
+                                     PRECISION, DOT_FP32)  # fmt: skip
 
-    # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j).
-    n_end = tl.minimum(q_len, m_lo + BLOCK_M)
-    for n_lo in range(0, n_end, BLOCK_N):
+    # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j). Whole tiles
+    # left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
+    K_n, V_n = K_new + kv_head * stride_knh, V_new + kv_head * stride_vnh
+    diag_lo = (m_lo // BLOCK_N) * BLOCK_N
+    for n_lo in range(0, diag_lo, BLOCK_N):
         n = n_lo + offs_n
-        mask_n = n < q_len
-        k_rows = q_start + n
-        k = tl.load(
-            K_new + k_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V_new + k_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        m_i, l_i, acc = attend_tile(
-            q,
-            k,
-            v,
-            mask_n[None, :] & (n[None, :] <= offs_m[:, None]),
-            m_i,
-            l_i,
-            acc,
-            qk_scale,
-            PRECISION,
-            DOT_FP32,
-        )
+        m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
+                                     offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
+                                     PRECISION, DOT_FP32)  # fmt: skip
+    n_end = tl.minimum(q_len, m_lo + BLOCK_M)
+    for n_lo in range(diag_lo, n_end, BLOCK_N):
+        n = n_lo + offs_n
+        m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
+                                     offs_d, mask_d, m_i, l_i, acc, qk_scale, True, True,
+                                     PRECISION, DOT_FP32)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padded rows only; they are not stored
     out = acc / l_safe[:, None]

@@ -14,18 +14,20 @@ def attend_tile(
     q,  # [M, D] queries (input dtype)
     k,  # [D, N] keys, transposed
     v,  # [N, D] values
-    allowed,  # [M, N] bool: which scores count (padding and causal masks)
+    allowed,  # [M, N] bool: which scores count (padding and causal masks); read only when MASKED
     m_i,  # [M] running max of scaled scores (log2 domain)
     l_i,  # [M] running sum of exp2(score - m_i)
     acc,  # [M, D] running sum of p @ v
     qk_scale,  # sm_scale * log2(e)
+    MASKED: tl.constexpr,  # False for a tile where every score counts: skips the select
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
 ):
     if DOT_FP32:
         k = k.to(tl.float32)
     qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-    qk = tl.where(allowed, qk, float("-inf"))
+    if MASKED:
+        qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])

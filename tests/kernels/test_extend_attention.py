@@ -54,6 +54,20 @@ def test_extend_matches_reference_on_ragged_paged_batch(backend, assert_close_re
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
+@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 32), (32, 64)])
+def test_extend_is_exact_for_any_tile_shape(backend, assert_close_rel, block_m, block_n):
+    """Unmasked whole tiles (prefix and left of the diagonal) and masked edge tiles meet correctly
+    whether query blocks are larger or smaller than key tiles (the shapes kernels.tune tries)."""
+    ext = backend.module("extend_attention")
+    cfg = ext.ExtendConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+    # prefixes: none, under one tile, exactly tiles, tiles + a tail; new: 1 up to three query blocks
+    requests = [(0, 1), (5, 70), (64, 33), (96, 64), (100, 129)]
+    args = make_batch(requests, 4, 2, 64, torch.float32, backend.device, seed=block_m + block_n)
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, out=out, config=cfg)
+    assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
 def test_extend_honours_sm_scale_int64_indices_and_computes_its_own_grid(backend, assert_close_rel):
     ext = backend.module("extend_attention")
     args = make_batch([(5, 3), (20, 18)], 4, 2, 64, torch.float16, backend.device, index_dtype=torch.int64)
