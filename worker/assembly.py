@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
-
 from router.tokenization import PromptTokenizer
 from worker.engine import Engine, Executor, RequestState
 from worker.kv_pool import PageAllocator
@@ -37,17 +35,7 @@ class ModelExecutor:
             logits = self.decode_graphs.run(batch)
             self.graph_steps += 1
         else:
-            fb = ForwardBatch(
-                mode=batch.mode,
-                input_ids=torch.from_numpy(batch.input_ids),
-                positions=torch.from_numpy(batch.positions),
-                out_slots=torch.from_numpy(batch.out_slots),
-                qo_indptr=torch.from_numpy(batch.qo_indptr),
-                kv_indptr=torch.from_numpy(batch.kv_indptr),
-                kv_indices=torch.from_numpy(batch.kv_indices),
-                max_extend_len=int(np.diff(batch.qo_indptr).max(initial=0)),
-            ).to(self.device)
-            logits = self.model.forward(fb, self.kv_pool)
+            logits = self.model.forward(ForwardBatch.from_step(batch, self.device), self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]
         if not rows:
             return []

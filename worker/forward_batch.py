@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
 
@@ -53,6 +54,20 @@ class ForwardBatch:
             return_all_logits=self.return_all_logits,
             max_extend_len=self.max_extend_len,
         )
+
+    @staticmethod
+    def from_step(step: Any, device: torch.device | str) -> ForwardBatch:
+        """From a scheduled step's numpy arrays (worker.scheduler.ScheduledBatch), on ``device``."""
+        return ForwardBatch(
+            mode=step.mode,
+            input_ids=torch.from_numpy(step.input_ids),
+            positions=torch.from_numpy(step.positions),
+            out_slots=torch.from_numpy(step.out_slots),
+            qo_indptr=torch.from_numpy(step.qo_indptr),
+            kv_indptr=torch.from_numpy(step.kv_indptr),
+            kv_indices=torch.from_numpy(step.kv_indices),
+            max_extend_len=int(np.diff(step.qo_indptr).max(initial=0)),
+        ).to(device)
 
     @staticmethod
     def build(

@@ -89,17 +89,7 @@ class Fleet:
 
 
 def eager_logits(model, pool, step: ScheduledBatch) -> torch.Tensor:
-    device = pool.k_cache[0].device
-    fb = ForwardBatch(
-        mode="decode",
-        input_ids=torch.from_numpy(step.input_ids),
-        positions=torch.from_numpy(step.positions),
-        out_slots=torch.from_numpy(step.out_slots),
-        qo_indptr=torch.from_numpy(step.qo_indptr),
-        kv_indptr=torch.from_numpy(step.kv_indptr),
-        kv_indices=torch.from_numpy(step.kv_indices),
-    ).to(device)
-    return model(fb, pool)
+    return model(ForwardBatch.from_step(step, pool.k_cache[0].device), pool)
 
 
 def clone_pool_into(dst: KVPool, src: KVPool) -> None:
