@@ -258,17 +258,22 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     return row
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The attention shape and dtype flags (Llama-3-8B's by default) and the input seed."""
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__)
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default docs/benchmarks/kernels-<gpu>.json)"
     )
-    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    add_model_args(ap)
     ap.add_argument("--quick", action="store_true", help="a 2x2 subset of each grid")
-    ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 

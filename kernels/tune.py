@@ -75,6 +75,27 @@ def try_config(call: Callable[[], torch.Tensor], ref: torch.Tensor, config: Any)
     return row
 
 
+def run_candidates(
+    configs: list[Any], launch: Callable[[Any], torch.Tensor], out: torch.Tensor, ref: torch.Tensor
+) -> list[dict]:
+    """try_config for each configuration; ``launch(cfg)`` runs the kernel into ``out``, which is
+    NaN-poisoned first so that an element the kernel never writes fails the error check."""
+    rows = []
+    for cfg in configs:
+
+        def call(cfg: Any = cfg) -> torch.Tensor:
+            return launch(cfg)
+
+        out.fill_(float("nan"))
+        rows.append(try_config(call, ref, cfg))
+    return rows
+
+
+def with_default(candidates: list[Any], default: Any) -> list[Any]:
+    """The candidates, the current default first when it is not among them (so it is always timed)."""
+    return candidates if default in candidates else [default, *candidates]
+
+
 def tune_extend(
     shape: bench.ExtendShape, model: bench.Model, device: torch.device, gen: torch.Generator
 ) -> dict:
@@ -84,15 +105,11 @@ def tune_extend(
     ref = bench.sdpa_extend(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
     default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype])
-    rows = []
-    candidates = extend_candidates()
-    for cfg in candidates if default in candidates else [default, *candidates]:
 
-        def call(cfg: Any = cfg) -> torch.Tensor:
-            return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)
+    def launch(cfg: Any) -> torch.Tensor:
+        return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)
 
-        out.fill_(float("nan"))  # an element the kernel never writes fails the error check
-        rows.append(try_config(call, ref, cfg))
+    rows = run_candidates(with_default(extend_candidates(), default), launch, out, ref)
     return summarize_shape(
         "extend", dataclasses.asdict(shape), default, rows, bench.extend_flops(shape, model)
     )
@@ -108,24 +125,17 @@ def tune_decode(
     out = torch.empty_like(kernel_args[0])
     default = dec.default_config(model.head_dim, bench.DTYPES[model.dtype])
 
-    def run(configs: list[Any]) -> list[dict]:
-        rows = []
-        for cfg in configs:
+    def launch(cfg: Any) -> torch.Tensor:
+        return dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=cfg)
 
-            def call(cfg: Any = cfg) -> torch.Tensor:
-                return dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=cfg)
-
-            out.fill_(float("nan"))
-            rows.append(try_config(call, ref, cfg))
-        return rows
-
-    candidates = decode_candidates(default.min_split_len)
-    rows = run(candidates if default in candidates else [default, *candidates])
+    rows = run_candidates(with_default(decode_candidates(default.min_split_len), default), launch, out, ref)
     tile = best_row(rows)
     if tile is not None:  # then the split length, on the best tile
         base = dec.DecodeConfig(**tile["config"])
         lengths = [n for n in SPLIT_LENGTHS if n != base.min_split_len]
-        rows += run([dataclasses.replace(base, min_split_len=n) for n in lengths])
+        rows += run_candidates(
+            [dataclasses.replace(base, min_split_len=n) for n in lengths], launch, out, ref
+        )
     nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size())
     return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
 
@@ -171,11 +181,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default docs/benchmarks/kernels-tune-<gpu>.json)"
     )
-    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    bench.add_model_args(ap)
     return ap.parse_args(argv)
 
 
