@@ -1,0 +1,98 @@
+"""The launches kernels.compile_check compiles: each kernel's host wrapper called on small CPU tensors of a
+model's attention shape, with the default configuration or a kernels.tune candidate.
+
+Sizes (tokens, slots) are tiny because nothing runs; what is compiled depends only on dtype, head counts,
+head_dim, the configuration and 16-byte divisibility, which match a real launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DECODE_SPLITS = 8  # NUM_SPLITS is a constexpr; one value stands for the rest
+Case = tuple[str, dict, Callable[[], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    dtype: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} hd{self.head_dim} gqa{self.q_heads // self.kv_heads}"
+
+
+def _tensors(shape: Shape, tokens: int = 32, slots: int = 64) -> dict[str, torch.Tensor]:
+    dt = DTYPES[shape.dtype]
+    hq, hkv, d = shape.q_heads, shape.kv_heads, shape.head_dim
+    return {
+        "q": torch.zeros(tokens, hq, d, dtype=dt),
+        "k": torch.zeros(tokens, hkv, d, dtype=dt),
+        "v": torch.zeros(tokens, hkv, d, dtype=dt),
+        "k_cache": torch.zeros(slots, hkv, d, dtype=dt),
+        "v_cache": torch.zeros(slots, hkv, d, dtype=dt),
+        "indptr": torch.zeros(tokens + 1, dtype=torch.int32),
+        "indices": torch.zeros(slots, dtype=torch.int32),
+        "positions": torch.zeros(tokens, dtype=torch.int64),
+        "cos_sin": torch.zeros(slots, d, dtype=torch.float32),
+        "x": torch.zeros(tokens, shape.hidden, dtype=dt),
+        "w": torch.zeros(shape.hidden, dtype=dt),
+    }
+
+
+def decode_case(shape: Shape, config: Any, label: str) -> Case:
+    from kernels.decode_attention import decode_attention
+
+    t = _tensors(shape)
+
+    def call() -> Any:
+        return decode_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indices"],
+                                num_splits=DECODE_SPLITS, config=config)  # fmt: skip
+
+    return label, dataclasses.asdict(config), call
+
+
+def extend_case(shape: Shape, config: Any, label: str) -> Case:
+    from kernels.extend_attention import extend_attention
+
+    t = _tensors(shape)
+
+    def call() -> Any:
+        return extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"],
+                                t["indices"], max_extend_len=32, config=config)  # fmt: skip
+
+    return label, dataclasses.asdict(config), call
+
+
+def defaults(shape: Shape) -> list[Case]:
+    """Every kernel the worker launches, with its default configuration for ``shape``."""
+    from kernels import decode_attention, extend_attention, fused
+
+    dt = DTYPES[shape.dtype]
+    t = _tensors(shape)
+    return [
+        decode_case(shape, decode_attention.default_config(shape.head_dim, dt), f"decode {shape.label}"),
+        extend_case(shape, extend_attention.default_config(shape.head_dim, dt), f"extend {shape.label}"),
+        (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: fused.rms_norm(t["x"], t["w"], 1e-5)),
+        (f"rope {shape.label}", {}, lambda: fused.apply_rope(t["q"], t["k"], t["positions"], t["cos_sin"])),
+        (f"store_kv {shape.label}", {},
+         lambda: fused.store_kv(t["k_cache"], t["v_cache"], t["positions"], t["k"], t["v"])),
+    ]  # fmt: skip
+
+
+def tune_candidates(shape: Shape) -> list[Case]:
+    """Every configuration kernels.tune would time, for ``shape``."""
+    from kernels import tune
+
+    return [extend_case(shape, c, f"candidate extend {shape.label}") for c in tune.extend_candidates()] + [
+        decode_case(shape, c, f"candidate decode {shape.label}") for c in tune.decode_candidates()
+    ]

@@ -1,0 +1,301 @@
+"""`python -m kernels.compile_check`: compile every Triton kernel for a GPU architecture (sm_90, H100, by
+default) on a machine without a GPU, and report what that GPU would be given: registers per thread,
+spilled bytes, shared memory, estimated resident blocks per SM, and the instructions that decide speed
+(tensor-core MMA kind, async copies, 128-bit loads, local-memory traffic).
+
+It calls the real host wrappers (kernels.decode_attention / extend_attention / fused) on small CPU tensors,
+so the specialisations (constexprs, 16-byte divisibility of pointers and strides) are the ones a CUDA
+launch would compile; only the launch itself is skipped. ptxas, cuobjdump and nvdisasm come with Triton.
+Exit status 1 when a default configuration spills or does not fit the architecture.
+--candidates adds every kernels.tune candidate, so a GPU session need not time the ones that cannot win.
+NOTE: these are compiler facts for the Triton here (its version is recorded), not speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM resources of one compute capability (CUDA programming guide, compute capabilities table)."""
+
+    name: str
+    smem_per_block: int  # bytes, opt-in maximum for one block
+    smem_per_sm: int  # bytes
+    regs_per_sm: int = 65536
+    threads_per_sm: int = 2048
+    blocks_per_sm: int = 32
+    smem_reserved_per_block: int = 1024  # bytes the runtime keeps per resident block
+
+
+ARCHS = {
+    80: ArchLimits("sm_80 (A100)", smem_per_block=166912, smem_per_sm=167936),
+    89: ArchLimits("sm_89 (L4, L40S)", smem_per_block=101376, smem_per_sm=102400, threads_per_sm=1536),
+    90: ArchLimits("sm_90 (H100, H200)", smem_per_block=232448, smem_per_sm=233472),
+}
+SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL")
+_SASS_RE = re.compile(r"\b(HGMMA|HMMA|LDGSTS|UTMALDG|LDG|LDL|STL)(\.[A-Z0-9_.]+)?")
+_USAGE_RE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+class _CompileOnlyDriver:
+    """Enough of a Triton driver to compile for ``arch``: there is no device, so nothing is launched."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_active_torch_device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def compile_only(arch: int) -> Iterator[list[tuple[str, Any]]]:
+    """While active, every @triton.jit launch compiles for ``arch`` and returns without running; the
+    compiled kernels are appended to the yielded list as (kernel name, CompiledKernel)."""
+    from kernels import interpret_requested
+
+    if interpret_requested():
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    compiled: list[tuple[str, Any]] = []
+    launch = JITFunction.run
+
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    previous = driver._active  # NOTE: None on a machine without a GPU; reset_active() would raise there
+    driver.set_active(_CompileOnlyDriver(arch))
+    JITFunction.run = run
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = launch
+        driver.set_active(previous)
+
+
+def _tool(name: str) -> str:
+    from triton import knobs
+
+    return getattr(knobs.nvidia, name).path
+
+
+def parse_resource_usage(text: str) -> dict[str, dict[str, int]]:
+    """`cuobjdump --dump-resource-usage` output -> {function: {regs, stack, local}} (bytes per thread)."""
+    return {
+        m.group(1): {"regs": int(m.group(2)), "stack": int(m.group(3)), "local": int(m.group(5))}
+        for m in _USAGE_RE.finditer(text)
+    }
+
+
+def count_sass_ops(sass: str) -> dict[str, int]:
+    """Static counts of the instructions in SASS_OPS (LDG.E.128: 128-bit global loads)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for m in _SASS_RE.finditer(sass):
+        op, mods = m.group(1), m.group(2) or ""
+        if op == "LDG":
+            if mods.endswith(".128"):
+                counts["LDG.E.128"] += 1
+            continue
+        counts[op] += 1
+    return {op: counts.get(op, 0) for op in SASS_OPS}
+
+
+def blocks_per_sm(limits: ArchLimits, regs: int, shared: int, num_warps: int) -> int:
+    """Resident blocks per SM by registers (allocated per warp in units of 256), shared memory and
+    threads; 0 when one block does not fit at all."""
+    threads = num_warps * 32
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = limits.regs_per_sm // (regs_per_warp * num_warps)
+    by_smem = limits.smem_per_sm // (shared + limits.smem_reserved_per_block)
+    by_threads = limits.threads_per_sm // threads
+    if shared > limits.smem_per_block or regs > 255:
+        return 0
+    return max(0, min(by_regs, by_smem, by_threads, limits.blocks_per_sm))
+
+
+def inspect_kernel(name: str, kernel: Any, limits: ArchLimits) -> dict[str, Any]:
+    """One compiled kernel -> its report row (resources from cuobjdump, instructions from nvdisasm)."""
+    md = kernel.metadata
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage_text = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    usage = parse_resource_usage(usage_text).get(md.name)
+    if usage is None:
+        raise RuntimeError(f"cuobjdump reported no resource usage for {md.name}")
+    ops = count_sass_ops(sass)
+    blocks = blocks_per_sm(limits, usage["regs"], md.shared, md.num_warps)
+    spill_bytes = usage["local"] + usage["stack"]
+    return {
+        "kernel": name,
+        "regs": usage["regs"],
+        "spill_bytes": spill_bytes,
+        "shared_bytes": md.shared,
+        "num_warps": md.num_warps,
+        "num_stages": md.num_stages,
+        "blocks_per_sm": blocks,
+        "sass": ops,
+        "ok": blocks > 0 and spill_bytes == 0 and ops["STL"] == 0,
+    }
+
+
+def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
+    from kernels import compile_cases
+
+    cases: dict[str, tuple[str, dict, Callable[[], Any]]] = {}
+    for dtype in args.dtypes:
+        for head_dim in args.head_dims:
+            shape = compile_cases.Shape(dtype, args.q_heads, args.kv_heads, head_dim, args.hidden)
+            for case in compile_cases.defaults(shape):
+                cases.setdefault(case[0], case)  # rms_norm does not depend on head_dim: compiled once
+    return list(cases.values())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Compile the cases for args.arch; the report as a dict (rows per kernel and a pass/fail)."""
+    import triton
+
+    from kernels import compile_cases
+
+    limits = ARCHS[args.arch]
+    rows: list[dict[str, Any]] = []
+    cases = _default_cases(args)
+    if args.candidates:
+        shape = compile_cases.Shape(
+            args.dtypes[0], args.q_heads, args.kv_heads, args.head_dims[0], args.hidden
+        )
+        cases += compile_cases.tune_candidates(shape)
+    for label, config, call in cases:
+        with compile_only(args.arch) as compiled:
+            try:
+                call()
+                error = None
+            except Exception as exc:  # a configuration Triton refuses (e.g. out of shared memory at compile)
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        if error is not None:
+            rows.append({"case": label, "config": config, "kernel": None, "ok": False, "error": error})
+        for name, kernel in compiled:
+            rows.append({"case": label, "config": config, **inspect_kernel(name, kernel, limits)})
+    defaults_ok = all(r["ok"] for r in rows if not r["case"].startswith("candidate"))
+    return {
+        "command": " ".join(["python -m kernels.compile_check", *args.argv]),
+        "arch": args.arch,
+        "arch_name": limits.name,
+        "triton": triton.__version__,
+        "limits": dataclasses.asdict(limits),
+        "rows": rows,
+        "defaults_ok": defaults_ok,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Markdown table of the report rows."""
+    head = ("| case | kernel | config | regs | spill B | smem KiB | warps | stages | blocks/SM | "
+            "HGMMA | HMMA | LDGSTS | LDG.128 | ok |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in report["rows"]:
+        cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())
+        if r.get("kernel") is None:
+            lines.append(f"| {r['case']} | - | {cfg} | | | | | | | | | | | {r['error']} |")
+            continue
+        s = r["sass"]
+        lines.append(
+            f"| {r['case']} | {r['kernel']} | {cfg} | {r['regs']} | {r['spill_bytes']} | "
+            f"{r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['num_stages']} | {r['blocks_per_sm']} | "
+            f"{s['HGMMA']} | {s['HMMA']} | {s['LDGSTS']} | {s['LDG.E.128']} | {'yes' if r['ok'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    lim = report["limits"]
+    failing = sorted(
+        {r["case"] for r in report["rows"] if not r["ok"] and not r["case"].startswith("candidate")}
+    )
+    verdict = (
+        "every default fits and spills nothing"
+        if not failing
+        else f"defaults that FAIL: {', '.join(failing)}"
+    )
+    return "\n".join([
+        f"# Triton kernels compiled for {report['arch_name']} (no GPU; compiler facts, not speeds)",
+        "",
+        f"`{report['command']}`, Triton {report['triton']}. "
+        f"Limits: {lim['smem_per_block'] // 1024} KiB shared memory per block, {lim['regs_per_sm']} registers "
+        f"and {lim['threads_per_sm']} threads per SM. Result: {verdict}.",
+        "",
+        "Counts are static instructions in the SASS (not executions). HGMMA = Hopper warpgroup MMA, "
+        "HMMA = mma.sync, LDGSTS = cp.async into shared memory, LDG.128 = 128-bit global loads. "
+        "blocks/SM is an occupancy estimate from registers, shared memory and threads.",
+        "",
+        format_table(report),
+        "",
+    ])  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__)
+    ap.add_argument("--arch", type=int, choices=sorted(ARCHS), default=90)
+    ap.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16", "fp16"])
+    ap.add_argument("--head-dims", nargs="+", type=int, choices=(64, 128), default=[128, 64])
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=4096, help="RMSNorm width")
+    ap.add_argument("--candidates", action="store_true", help="also every kernels.tune candidate")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path; a .md table is written next to it")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except (RuntimeError, FileNotFoundError, subprocess.CalledProcessError) as exc:
+        print(f"compile_check: {exc}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(format_markdown(report))
+    print(format_table(report))
+    return 0 if report["defaults_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""kernels.compile_check: the kernels compile for sm_90 on a machine without a GPU, the report reads the
+real cubin (registers, spills, shared memory, instructions), and a configuration that spills fails it.
+
+Compilation runs in child processes: this test process has the kernels imported interpreted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from kernels import compile_check
+
+
+def _python(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_parse_resource_usage_reads_registers_and_spills():
+    text = textwrap.dedent("""\
+        Resource usage:
+         Common:
+          GLOBAL:11 CONSTANT[4]:8
+         Function _extend_kernel:
+          REG:255 STACK:16 SHARED:1024 LOCAL:296 CONSTANT[0]:672 TEXTURE:0 SURFACE:0 SAMPLER:0
+         Function _other:
+          REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:600 TEXTURE:0 SURFACE:0 SAMPLER:0
+        """)
+    usage = compile_check.parse_resource_usage(text)
+    assert usage == {"_extend_kernel": {"regs": 255, "stack": 16, "local": 296},
+                     "_other": {"regs": 40, "stack": 0, "local": 0}}  # fmt: skip
+
+
+def test_count_sass_ops_tells_load_widths_and_mma_kinds_apart():
+    sass = textwrap.dedent("""\
+        /*0100*/ LDGSTS.E.BYPASS.128 [R5], desc[UR6][R2.64] ;
+        /*0110*/ @!P0 LDG.E.128 R8, desc[UR6][R2.64] ;
+        /*0120*/ LDG.E R9, desc[UR6][R4.64] ;
+        /*0130*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0140*/ HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0150*/ STL.64 [R1], R10 ;
+        /*0160*/ LDL R3, [R1+0x8] ;
+        """)
+    assert compile_check.count_sass_ops(sass) == {
+        "HGMMA": 1, "HMMA": 1, "LDGSTS": 1, "UTMALDG": 0, "LDG.E.128": 1, "LDL": 1, "STL": 1}  # fmt: skip
+
+
+def test_blocks_per_sm_is_bounded_by_registers_shared_memory_and_threads():
+    h100 = compile_check.ARCHS[90]
+    assert compile_check.blocks_per_sm(h100, regs=233, shared=96 * 1024, num_warps=8) == 1  # registers
+    assert compile_check.blocks_per_sm(h100, regs=32, shared=100 * 1024, num_warps=4) == 2  # shared memory
+    assert compile_check.blocks_per_sm(h100, regs=32, shared=0, num_warps=16) == 4  # threads
+    assert compile_check.blocks_per_sm(h100, regs=16, shared=0, num_warps=1) == 32  # block slots
+    assert compile_check.blocks_per_sm(h100, regs=32, shared=230 * 1024, num_warps=4) == 0  # too much smem
+    a100 = compile_check.ARCHS[80]
+    assert compile_check.blocks_per_sm(a100, regs=32, shared=200 * 1024, num_warps=4) == 0
+
+
+def test_default_configurations_compile_for_h100_without_spills(tmp_path):
+    out = tmp_path / "sm90.json"
+    proc = _python("", "-m", "kernels.compile_check", "--arch", "90", "--dtypes", "bf16",
+                   "--head-dims", "128", "64", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["arch"] == 90 and report["defaults_ok"] is True
+    rows = {(r["case"], r["kernel"]): r for r in report["rows"]}
+    kernels = {kernel for _, kernel in rows}
+    assert kernels == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel",
+                       "_rms_norm_kernel", "_rope_kernel", "_store_kv_kernel"}  # fmt: skip
+    for r in report["rows"]:
+        assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
+        assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
+    for hd in (128, 64):
+        extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
+        decode = rows[(f"decode bf16 hd{hd} gqa4", "_decode_split_kernel")]
+        assert extend["sass"]["HGMMA"] > 0, "extend should use Hopper warpgroup MMA on sm_90"
+        assert extend["sass"]["LDGSTS"] > 0 and decode["sass"]["LDGSTS"] > 0, "KV gathers should be cp.async"
+        assert decode["sass"]["HMMA"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "sm_90" in md and "every default fits and spills nothing" in md
+
+
+def test_a_spilling_configuration_is_reported_as_failing():
+    code = textwrap.dedent("""\
+        import json
+        from kernels import compile_cases, compile_check
+        from kernels.extend_attention import ExtendConfig
+        shape = compile_cases.Shape("bf16", 32, 8, 128, 4096)
+        big = ExtendConfig(block_m=128, block_n=128, num_warps=4, num_stages=2)
+        with compile_check.compile_only(90) as compiled:
+            compile_cases.extend_case(shape, big, "big")[2]()
+        print(json.dumps([compile_check.inspect_kernel(n, k, compile_check.ARCHS[90]) for n, k in compiled]))
+        """)
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["kernel"] == "_extend_kernel"
+    assert row["spill_bytes"] > 0 and row["ok"] is False
+
+
+def test_compile_only_refuses_to_run_under_the_interpreter():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.compile_check"],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "unset TRITON_INTERPRET" in proc.stderr
