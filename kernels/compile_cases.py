@@ -89,10 +89,11 @@ def defaults(shape: Shape) -> list[Case]:
     ]  # fmt: skip
 
 
-def tune_candidates(shape: Shape) -> list[Case]:
-    """Every configuration kernels.tune would time, for ``shape``."""
+def tune_candidates(shape: Shape, with_configs: bool = False) -> list:
+    """Every tile configuration kernels.tune would time, for ``shape``; with_configs appends each
+    case's configuration object to its tuple."""
     from kernels import tune
 
-    return [extend_case(shape, c, f"candidate extend {shape.label}") for c in tune.extend_candidates()] + [
-        decode_case(shape, c, f"candidate decode {shape.label}") for c in tune.decode_candidates()
-    ]
+    pairs = [(extend_case(shape, c, f"candidate extend {shape.label}"), c) for c in tune.extend_candidates()]
+    pairs += [(decode_case(shape, c, f"candidate decode {shape.label}"), c) for c in tune.decode_candidates()]
+    return [(*case, config) if with_configs else case for case, config in pairs]

@@ -173,6 +173,19 @@ def inspect_kernel(name: str, kernel: Any, limits: ArchLimits) -> dict[str, Any]
     }
 
 
+def compile_rows(call: Callable[[], Any], arch: int) -> list[dict[str, Any]]:
+    """Run one host-wrapper call compiling for ``arch``: a report row per kernel it compiled, and an
+    error row (kernel None, not ok) when Triton refused to compile."""
+    rows = []
+    with compile_only(arch) as compiled:
+        try:
+            call()
+        except Exception as exc:  # a configuration Triton refuses to compile
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            rows.append({"kernel": None, "ok": False, "error": error})
+    return [inspect_kernel(name, kernel, ARCHS[arch]) for name, kernel in compiled] + rows
+
+
 def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
     from kernels import compile_cases
 
@@ -200,16 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         cases += compile_cases.tune_candidates(shape)
     for label, config, call in cases:
-        with compile_only(args.arch) as compiled:
-            try:
-                call()
-                error = None
-            except Exception as exc:  # a configuration Triton refuses (e.g. out of shared memory at compile)
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-        if error is not None:
-            rows.append({"case": label, "config": config, "kernel": None, "ok": False, "error": error})
-        for name, kernel in compiled:
-            rows.append({"case": label, "config": config, **inspect_kernel(name, kernel, limits)})
+        rows += [{"case": label, "config": config, **row} for row in compile_rows(call, args.arch)]
     defaults_ok = all(r["ok"] for r in rows if not r["case"].startswith("candidate"))
     return {
         "command": " ".join(["python -m kernels.compile_check", *args.argv]),

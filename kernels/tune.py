@@ -76,12 +76,21 @@ def try_config(call: Callable[[], torch.Tensor], ref: torch.Tensor, config: Any)
 
 
 def run_candidates(
-    configs: list[Any], launch: Callable[[Any], torch.Tensor], out: torch.Tensor, ref: torch.Tensor
+    configs: list[Any],
+    launch: Callable[[Any], torch.Tensor],
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    rejected: dict[tuple, str] | None = None,
 ) -> list[dict]:
     """try_config for each configuration; ``launch(cfg)`` runs the kernel into ``out``, which is
-    NaN-poisoned first so that an element the kernel never writes fails the error check."""
+    NaN-poisoned first so that an element the kernel never writes fails the error check. A
+    configuration in ``rejected`` (config_key -> reason, from static_check) is recorded, not run."""
     rows = []
     for cfg in configs:
+        reason = (rejected or {}).get(config_key(cfg))
+        if reason is not None:
+            rows.append({"config": dataclasses.asdict(cfg), "error": reason})
+            continue
 
         def call(cfg: Any = cfg) -> torch.Tensor:
             return launch(cfg)
@@ -91,13 +100,43 @@ def run_candidates(
     return rows
 
 
+def config_key(config: Any) -> tuple:
+    """A hashable identity for a configuration: its class name and field values."""
+    return (type(config).__name__, *dataclasses.astuple(config))
+
+
+def static_check(model: bench.Model, arch: int, cases: list | None = None) -> dict[tuple, str]:
+    """Compile every tile candidate (or ``cases``, from kernels.compile_cases) for ``arch`` without
+    running it; config_key -> why, for each one that spills registers or does not fit.
+    NOTE: on a GPU the timed launches should then find these compilations in Triton's cache (same
+    target and specialisation), so the check costs little; not yet seen on one."""
+    from kernels import compile_cases, compile_check
+
+    shape = compile_cases.Shape(model.dtype, model.num_q_heads, model.num_kv_heads, model.head_dim, 4096)
+    rejected: dict[tuple, str] = {}
+    for *_, call, config in cases or compile_cases.tune_candidates(shape, with_configs=True):
+        bad = [r for r in compile_check.compile_rows(call, arch) if not r["ok"]]
+        if bad:
+            r = bad[0]
+            rejected[config_key(config)] = (
+                f"static check (sm_{arch}): {r.get('error') or ''}" if r["kernel"] is None else
+                f"static check (sm_{arch}): {r['kernel']} spills {r['spill_bytes']} B/thread, "
+                f"{r['regs']} registers, {r['shared_bytes']} B shared, {r['blocks_per_sm']} blocks/SM"
+            )  # fmt: skip
+    return rejected
+
+
 def with_default(candidates: list[Any], default: Any) -> list[Any]:
     """The candidates, the current default first when it is not among them (so it is always timed)."""
     return candidates if default in candidates else [default, *candidates]
 
 
 def tune_extend(
-    shape: bench.ExtendShape, model: bench.Model, device: torch.device, gen: torch.Generator
+    shape: bench.ExtendShape,
+    model: bench.Model,
+    device: torch.device,
+    gen: torch.Generator,
+    rejected: dict[tuple, str] | None = None,
 ) -> dict:
     from kernels import extend_attention as ext
 
@@ -109,14 +148,18 @@ def tune_extend(
     def launch(cfg: Any) -> torch.Tensor:
         return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)
 
-    rows = run_candidates(with_default(extend_candidates(), default), launch, out, ref)
+    rows = run_candidates(with_default(extend_candidates(), default), launch, out, ref, rejected)
     return summarize_shape(
         "extend", dataclasses.asdict(shape), default, rows, bench.extend_flops(shape, model)
     )
 
 
 def tune_decode(
-    shape: bench.DecodeShape, model: bench.Model, device: torch.device, gen: torch.Generator
+    shape: bench.DecodeShape,
+    model: bench.Model,
+    device: torch.device,
+    gen: torch.Generator,
+    rejected: dict[tuple, str] | None = None,
 ) -> dict:
     from kernels import decode_attention as dec
 
@@ -128,7 +171,8 @@ def tune_decode(
     def launch(cfg: Any) -> torch.Tensor:
         return dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=cfg)
 
-    rows = run_candidates(with_default(decode_candidates(default.min_split_len), default), launch, out, ref)
+    candidates = with_default(decode_candidates(default.min_split_len), default)
+    rows = run_candidates(candidates, launch, out, ref, rejected)
     tile = best_row(rows)
     if tile is not None:  # then the split length, on the best tile
         base = dec.DecodeConfig(**tile["config"])
@@ -181,6 +225,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default docs/benchmarks/kernels-tune-<gpu>.json)"
     )
+    ap.add_argument("--no-static-check", action="store_true",
+                    help="time every candidate, even those that spill registers when compiled")  # fmt: skip
     bench.add_model_args(ap)
     return ap.parse_args(argv)
 
@@ -199,15 +245,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
     started = time.time()
+    rejected: dict[tuple, str] = {}
+    major, minor = torch.cuda.get_device_capability(device)
+    if not args.no_static_check:
+        try:
+            rejected = static_check(model, major * 10 + minor)
+        except Exception as exc:  # the check only saves time: without it every candidate is timed
+            print(f"static check skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"static check: {len(rejected)} candidate(s) spill or do not fit; not timed", file=sys.stderr)
     results = []
     if args.kind in ("extend", "all"):
         for shape in EXTEND_SHAPES:
-            results.append(tune_extend(shape, model, device, gen))
+            results.append(tune_extend(shape, model, device, gen, rejected))
             torch.cuda.empty_cache()
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
     if args.kind in ("decode", "all"):
         for shape in DECODE_SHAPES:
-            results.append(tune_decode(shape, model, device, gen))
+            results.append(tune_decode(shape, model, device, gen, rejected))
             torch.cuda.empty_cache()
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
     doc = {

@@ -5,6 +5,10 @@ only the CUDA-event timer is replaced (by a made-up time per configuration)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -45,6 +49,46 @@ def test_a_candidate_that_raises_or_computes_wrong_is_recorded_not_chosen():
 
     failed = tune.try_config(boom, ref, bench.DecodeShape(1, 1))
     assert failed["error"].startswith("RuntimeError: out of resource") and "ms" not in failed
+
+
+def test_run_candidates_records_statically_rejected_configs_without_launching(monkeypatch):
+    from kernels.decode_attention import DecodeConfig
+
+    monkeypatch.setattr(bench, "_time_ms", fake_time([]))
+    spills, fine = DecodeConfig(128, 256, 2, 2), DecodeConfig(64, 256, 4, 2)
+    launched = []
+
+    def launch(cfg):
+        launched.append(cfg)
+        return torch.ones(2)
+
+    rejected = {tune.config_key(spills): "static check: spills 56 B/thread"}
+    rows = tune.run_candidates([spills, fine], launch, torch.empty(2), torch.ones(2), rejected)
+    assert launched == [fine]
+    assert rows[0] == {"config": dataclasses.asdict(spills), "error": "static check: spills 56 B/thread"}
+    assert "error" not in rows[1] and rows[1]["rel_err"] == 0.0 and rows[1]["ms"] == 2.0
+    assert tune.best_row(rows)["config"] == dataclasses.asdict(fine)
+
+
+def test_static_check_rejects_a_spilling_candidate_and_keeps_the_default():
+    """Compiles for sm_90 in a child process (this one has the kernels imported interpreted)."""
+    code = textwrap.dedent("""\
+        from kernels import bench, compile_cases, tune
+        from kernels.extend_attention import ExtendConfig, default_config
+        import torch
+        model = bench.Model(32, 8, 128, "bf16")
+        shape = compile_cases.Shape("bf16", 32, 8, 128, 4096)
+        default, big = default_config(128, torch.bfloat16), ExtendConfig(128, 128, 4, 2)
+        cases = [(*compile_cases.extend_case(shape, c, "x"), c) for c in (default, big)]
+        rejected = tune.static_check(model, 90, cases)
+        print(sorted(rejected) == [tune.config_key(big)], rejected[tune.config_key(big)])
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    verdict, _, reason = proc.stdout.strip().splitlines()[-1].partition(" ")
+    assert verdict == "True", proc.stdout
+    assert "spills" in reason and "sm_90" in reason
 
 
 @pytest.mark.slow
