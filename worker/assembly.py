@@ -128,4 +128,8 @@ def assemble_engine(
         max_waiting=cfg.max_waiting,
         decode_reserve_tokens=cfg.decode_reserve_tokens,
     )
-    return Engine(executor, allocator, cache, sched, tokenizer, max_context, publisher, name, simulated)
+    # NOTE: the cost model compiles nothing, so a simulated worker serves at once
+    warmup = 0 if simulated else cfg.warmup_tokens
+    return Engine(
+        executor, allocator, cache, sched, tokenizer, max_context, publisher, name, simulated, warmup
+    )

@@ -38,6 +38,7 @@ class WorkerConfig:
     admin_token: str | None = None  # required by POST /v1/cache/flush when set
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
+    warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
     # --engine sim only (see worker/sim_engine.py for the defaults' sources)
     sim_prefill_ms_per_token: float = 0.07
     sim_decode_base_ms: float = 7.0
@@ -62,6 +63,8 @@ class WorkerConfig:
             raise ValueError("--cuda-graph-max-bs must be >= 0")
         if self.cpu_threads < 0:
             raise ValueError("--cpu-threads must be >= 0")
+        if self.warmup_tokens < 0:
+            raise ValueError("--warmup-tokens must be >= 0")
         if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
             raise ValueError("--max-wait-s and --decode-reserve-tokens must be >= 0")
 
@@ -106,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--admin-token", str, "token required by POST /v1/cache/flush")
     opt("--log-level", str, "debug | info | warning | error")
     opt("--cpu-threads", int, "torch threads on CPU (0 = all cores; give each of N local workers cores/N)")
+    opt(
+        "--warmup-tokens",
+        int,
+        "prompt tokens of a throw-away request run before /health reports ready "
+        "(compiles kernels before the first client's request; 0 = none)",
+    )
     opt("--sim-prefill-ms-per-token", float, "sim: prefill cost per uncached token (ms)")
     opt("--sim-decode-base-ms", float, "sim: decode step cost at batch size 1 (ms)")
     opt("--sim-decode-ms-per-seq", float, "sim: extra decode step cost per running request (ms)")

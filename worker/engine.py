@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import types
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -27,7 +28,14 @@ from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
 from worker.radix_cache import RadixCache
 from worker.sampling import SamplingParams
-from worker.scheduler import QueueFullError, Request, ScheduledBatch, Scheduler, SchedulerConfig
+from worker.scheduler import (
+    QueueFullError,
+    Request,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerStats,
+)
 
 log = logging.getLogger("worker.engine")
 
@@ -98,6 +106,7 @@ class Engine:
         publisher: KVPublisher,
         served_model_name: str,
         simulated: bool = False,
+        warmup_tokens: int = 0,
     ) -> None:
         self.executor = executor
         self.allocator = allocator
@@ -110,6 +119,8 @@ class Engine:
         self.publisher = publisher
         self.served_model_name = served_model_name
         self.simulated = simulated
+        self.warmup_tokens = warmup_tokens  # prompt tokens of the request run before serving; 0 = none
+        self.ready = threading.Event()  # set once the warm-up is over (at once without one)
         self.max_waiting = scheduler_config.max_waiting
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._queued = 0  # "add" messages not yet taken by the engine thread
@@ -214,6 +225,9 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
         try:
+            if self.warmup_tokens > 0:
+                self._warmup(self.warmup_tokens)
+            self.ready.set()
             self.publisher.publish([], [], cleared=True, force=True)  # seq 0: a new, empty cache
             while not self._stopping:
                 self._drain_inbox(block=not self.scheduler.has_work())
@@ -276,11 +290,40 @@ class Engine:
                 self._emit(req, RequestOutput(finish_reason="error", error=f"forward failed: {exc}",
                                               error_status=500))  # fmt: skip
             return
-        it = iter(sampled)
-        tokens = [next(it) if s else -1 for s in batch.sample]
         now = time.monotonic()
-        for req in self.scheduler.commit(batch, tokens):
+        for req in self.scheduler.commit(batch, _per_request(batch, sampled)):
             self._on_token(req, now)
+
+    def _warmup(self, prompt_tokens: int, output_tokens: int = 4) -> None:
+        """Run one throw-away request through schedule -> forward -> commit before any client's, so
+        the first client does not pay for kernel compilation (Triton on CUDA) and first-use setup.
+        It leaves no trace: its pages are flushed from the cache, their events dropped (seq 0,
+        published next, announces an empty cache) and the counters reset. A failure is logged, not
+        fatal: requests then fail the same way, each with its own error."""
+        started = time.monotonic()
+        n = max(1, min(prompt_tokens, self.max_total_tokens - output_tokens - 1))
+        ids = [1 + i % 200 for i in range(n)]  # NOTE: valid ids in any vocabulary the worker loads
+        req = Request("warmup", ids, max_tokens=max(1, min(output_tokens, self.max_total_tokens - n)))
+        # NOTE: executors read only .params and .generator of a payload; nobody receives its tokens
+        req.payload = types.SimpleNamespace(params=SamplingParams(), generator=None)
+        self.scheduler.add(req)
+        try:
+            while self.scheduler.has_work():
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    break
+                for r in self.scheduler.commit(batch, _per_request(batch, self.executor.run(batch))):
+                    if r.finish_reason is not None:
+                        self.scheduler.finish(r, r.finish_reason)
+        except Exception:
+            log.exception("warm-up forward failed; serving anyway")
+        if req.finish_reason is None:
+            self.scheduler.abort(req)
+        self.cache.flush()
+        self.cache.drain_events()
+        self.scheduler.stats = SchedulerStats()
+        log.info("warm-up: %d prompt + %d output tokens in %.2f s", n, req.num_output,
+                 time.monotonic() - started)  # fmt: skip
 
     def _on_token(self, req: Request, now: float) -> None:
         st: RequestState = req.payload
@@ -372,6 +415,13 @@ class Engine:
                 msg[2].set_exception(EngineDeadError("the engine stopped"))
         with contextlib.suppress(Exception):
             self._flush_outbox()
+
+
+def _per_request(batch: ScheduledBatch, sampled: Sequence[int]) -> list[int]:
+    """The executor's sampled tokens (one per sampling request) spread over the batch; -1 where a
+    request sampled nothing this step (a prefill chunk that is not its last)."""
+    it = iter(sampled)
+    return [next(it) if s else -1 for s in batch.sample]
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

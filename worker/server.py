@@ -267,8 +267,9 @@ class WorkerAPI:
     async def health(self, request: Request) -> Response:
         snap = self.engine.snapshot()
         alive = self.engine.alive
+        ready = alive and self.engine.ready.is_set()  # not before the warm-up is over
         body = {
-            "status": "ok" if alive else "dead",
+            "status": "ok" if ready else ("starting" if alive else "dead"),
             "running": snap.running,
             "waiting": snap.waiting,
             "kv_usage": round(snap.kv_usage, 6),
@@ -281,7 +282,7 @@ class WorkerAPI:
         }
         if self.engine.simulated:
             body["simulated"] = True
-        return _json(body, 200 if alive else 503)
+        return _json(body, 200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
