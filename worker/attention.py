@@ -1,8 +1,10 @@
 """Attention over one layer of the KV pool: Triton kernels (kernels.ops) on CUDA, torch on CPU.
 
 Chooses the backend only; never decides which slots a request owns (the ForwardBatch says so).
-On CPU, decode runs one padded batched computation (same semantics as kernels.reference);
-TRITON_INTERPRET=1 sends CPU tensors through the Triton kernels too (tests: the model on the kernels).
+On CPU both run through torch's fused attention (scaled_dot_product_attention) in float32, with the
+semantics of kernels.reference: prefill one request at a time (a causal mask offset by its cached
+prefix), decode as one padded batch. TRITON_INTERPRET=1 sends CPU tensors through the Triton
+kernels instead (tests: the model on the kernels).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from kernels import interpret_requested, reference
 from worker.forward_batch import ForwardBatch
@@ -54,10 +57,51 @@ def extend(
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
     (causal). Returns [T, Hq, D]."""
     ops = kernel_ops(q.device)
+    if ops is reference:
+        return _extend_sdpa(q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
+                            sm_scale)  # fmt: skip
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len,
     )  # fmt: skip
+
+
+def _extend_sdpa(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """kernels.reference.extend_attention through SDPA, one request at a time, float32 math: new
+    token j of a request with p cached tokens sees keys 0 .. p + j (plain causal when p == 0)."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_new.shape[1]
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for i in range(len(qo) - 1):
+        rows, p = slice(qo[i], qo[i + 1]), kvp[i + 1] - kvp[i]
+        n = qo[i + 1] - qo[i]
+        if n == 0:
+            continue
+        k, v = k_new[rows], v_new[rows]
+        mask = None
+        if p:
+            slots = kv_indices[kvp[i] : kvp[i + 1]].long()
+            k = torch.cat([k_cache.index_select(0, slots), k])
+            v = torch.cat([v_cache.index_select(0, slots), v])
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        # NOTE: [1, heads, tokens, D] views (3-D inputs take torch's slow unfused path); SDPA
+        # repeats each KV head for its query heads (enable_gqa)
+        o = F.scaled_dot_product_attention(
+            *(x.float().transpose(0, 1).unsqueeze(0) for x in (q[rows], k, v)),
+            attn_mask=mask, is_causal=mask is None, scale=sm_scale, enable_gqa=gqa,
+        )  # fmt: skip
+        out[rows] = o[0].transpose(0, 1).to(q.dtype)
+    return out
 
 
 def decode(
@@ -86,10 +130,14 @@ def _decode_padded(
     starts, lens = kv_indptr[:-1].long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
     offsets = torch.arange(int(lens.max()), device=q.device)
     valid = offsets.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-    slots = kv_indices.long()[torch.where(valid, starts.unsqueeze(1) + offsets, 0)]
-    k, v = k_cache[slots].float(), v_cache[slots].float()  # [B, L, Hkv, D]
-    # NOTE: query head h reads KV head h // (Hq // Hkv): view q as [B, Hkv, group, D].
-    scores = torch.einsum("bhgd,blhd->bhgl", q.float().view(b, hkv, hq // hkv, d), k) * sm_scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), v)
+    slots = kv_indices.long()[torch.where(valid, starts.unsqueeze(1) + offsets, 0)].flatten()
+    # NOTE: index_select gathers rows ~10x faster than advanced indexing (k_cache[slots]) on CPU
+    k = k_cache.index_select(0, slots).view(b, -1, hkv, d).float()  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, slots).view(b, -1, hkv, d).float()
+    # NOTE: query head h reads KV head h // (Hq // Hkv): view q as [B, Hkv, group, D], so the group
+    # of query heads sharing a KV head becomes SDPA's query-length axis.
+    out = F.scaled_dot_product_attention(
+        q.float().view(b, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=sm_scale,
+    )  # fmt: skip
     return out.reshape(b, hq, d).to(q.dtype)

@@ -259,13 +259,43 @@ def test_model_rejects_wrong_weight_shapes():
         model.load_weights([("model.layers.0.self_attn.q_proj.bias", torch.zeros(8))])
 
 
-def test_cpu_batched_decode_attention_matches_the_reference():
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_cpu_extend_attention_matches_the_reference(group):
+    """Ragged batch: cached prefixes of 0 to 40 tokens, new tokens 0 to 33, GQA 1/4/8."""
+    from kernels import reference
+    from worker import attention
+
+    gen = torch.Generator().manual_seed(group)
+    hkv, d, pool = 2, 16, 128
+    k_cache, v_cache = torch.randn(pool, hkv, d, generator=gen), torch.randn(pool, hkv, d, generator=gen)
+    shapes = [(0, 5), (3, 1), (40, 33), (17, 0), (16, 16), (0, 1)]  # (prefix, new) per request
+    perm = torch.randperm(pool, generator=gen).tolist()
+    prefixes = []
+    for p, _ in shapes:
+        prefixes.append(perm[:p])
+        perm = perm[p:]
+    t = sum(n for _, n in shapes)
+    q = torch.randn(t, hkv * group, d, generator=gen)
+    k_new, v_new = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
+    batch = ForwardBatch.build(
+        "extend", [[0] * n for _, n in shapes], [p for p, _ in shapes],
+        [list(range(n)) for _, n in shapes], prefixes,
+    )  # fmt: skip
+    ours = attention.extend(q, k_new, v_new, k_cache, v_cache, batch, 0.3)
+    ref = reference.extend_attention(
+        q, k_new, v_new, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, 0.3
+    )
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_cpu_batched_decode_attention_matches_the_reference(group):
     from kernels import reference
     from worker import attention
 
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(64, 2, 8, generator=gen), torch.randn(64, 2, 8, generator=gen)
-    q = torch.randn(3, 4, 8, generator=gen)
+    q = torch.randn(3, 2 * group, 8, generator=gen)
     lengths = [1, 7, 20]
     indices = torch.randperm(64, generator=gen)[: sum(lengths)]
     batch = ForwardBatch.build(
