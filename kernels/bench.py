@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kernels import compile_check
 from kernels.bench_report import format_markdown, format_table, summarize
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
@@ -323,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.empty_cache()
         print(f"decode {shape}: {result['decode'][-1]['triton_gbs']:.0f} GB/s", file=sys.stderr)
     result["summary"] = summarize(result)
+    result["compiled"] = compile_check.loaded_kernels()  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)
     out = args.out or Path("docs/benchmarks") / f"kernels-{gpu_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -122,4 +122,23 @@ def format_markdown(result: dict) -> str:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}: {r['sdpa_error']}")
     if refused:
         lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
+    if result.get("compiled"):
+        lines += ["", "## Compiled kernels (as loaded on this GPU)", "", compiled_table(result["compiled"])]
     return "\n".join(lines) + "\n"
+
+
+def compiled_table(rows: list[dict]) -> str:
+    """Markdown table of kernels.compile_check.loaded_kernels() rows: tiles, launch shape, resources."""
+    lines = [
+        "| kernel | tiles | warps | stages | smem KiB | registers | spills |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        tiles = " ".join(
+            f"{k}={v}" for k, v in r["constants"].items() if k.startswith(("BLOCK", "NUM_SPLITS"))
+        )
+        lines.append(
+            f"| {r['kernel']} | {tiles} | {r['num_warps']} | {r['num_stages']} | {r['shared_bytes'] / 1024:.1f} "
+            f"| {_fmt(r['regs'], 'd')} | {_fmt(r['spills'], 'd')} |"
+        )
+    return "\n".join(lines)

@@ -186,6 +186,33 @@ def compile_rows(call: Callable[[], Any], arch: int) -> list[dict[str, Any]]:
     return [inspect_kernel(name, kernel, ARCHS[arch]) for name, kernel in compiled] + rows
 
 
+def loaded_kernels() -> list[dict[str, Any]]:
+    """Every kernels.* Triton kernel this process has compiled: its constexprs, launch shape and
+    shared memory, and once loaded onto a GPU the registers and spills the driver reports (None
+    before). kernels.bench and kernels.tune record this next to their timings.
+    NOTE: reads Triton's per-device JIT caches (the same layout in Triton 3.6 and 3.9)."""
+    from triton.runtime.jit import JITFunction
+
+    from kernels import decode_attention, extend_attention, fused
+
+    rows = []
+    for module in (extend_attention, decode_attention, fused):
+        for fn in vars(module).values():
+            if not isinstance(fn, JITFunction) or not fn.__name__.endswith("_kernel"):
+                continue
+            for caches in fn.device_caches.values():
+                for kernel in caches[0].values():
+                    md = kernel.metadata
+                    constants = {fn.arg_names[k[0]]: v for k, v in kernel.src.constants.items()
+                                 if len(k) == 1 and isinstance(v, (int, float, str, bool))}  # fmt: skip
+                    rows.append({
+                        "kernel": md.name, "constants": constants, "num_warps": md.num_warps,
+                        "num_stages": md.num_stages, "shared_bytes": md.shared,
+                        "regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                    })  # fmt: skip
+    return rows
+
+
 def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
     from kernels import compile_cases
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import bench
+from kernels import bench, compile_check
 
 # bf16 against SDPA in bf16: a wrong mask or a missing tile is > 5e-2
 MAX_REL_ERR = 2e-2
@@ -271,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": dataclasses.asdict(model),
         "max_rel_err": MAX_REL_ERR,
         "results": results,
+        "compiled": compile_check.loaded_kernels(),  # every candidate's registers and spills on this GPU
         "wall_s": round(time.time() - started, 1),
     }
     out = args.out or Path("docs/benchmarks") / f"kernels-tune-{bench.gpu_slug(gpu)}.json"
