@@ -58,8 +58,7 @@ def extend(
     (causal). Returns [T, Hq, D]."""
     ops = kernel_ops(q.device)
     if ops is reference:
-        return _extend_sdpa(q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-                            sm_scale)  # fmt: skip
+        return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale)
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len,
@@ -67,21 +66,14 @@ def extend(
 
 
 def _extend_sdpa(
-    q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    batch: ForwardBatch, sm_scale: float,
+) -> torch.Tensor:  # fmt: skip
     """kernels.reference.extend_attention through SDPA, one request at a time, float32 math: new
     token j of a request with p cached tokens sees keys 0 .. p + j (plain causal when p == 0)."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_new.shape[1]
-    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    qo, kvp, kv_indices = batch.qo_indptr.tolist(), batch.kv_indptr.tolist(), batch.kv_indices
     for i in range(len(qo) - 1):
         rows, p = slice(qo[i], qo[i + 1]), kvp[i + 1] - kvp[i]
         n = qo[i + 1] - qo[i]
