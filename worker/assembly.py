@@ -12,7 +12,7 @@ from worker.engine import Engine, Executor, RequestState
 from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.radix_cache import RadixCache
-from worker.scheduler import ScheduledBatch, SchedulerConfig
+from worker.request import ScheduledBatch, SchedulerConfig
 
 log = logging.getLogger("worker.engine")
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from worker.forward_batch import ForwardBatch
-from worker.scheduler import ScheduledBatch
+from worker.request import ScheduledBatch
 
 log = logging.getLogger("worker.engine")
 

@@ -27,15 +27,9 @@ from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
 from worker.radix_cache import RadixCache
+from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
 from worker.sampling import SamplingParams
-from worker.scheduler import (
-    QueueFullError,
-    Request,
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerStats,
-)
+from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker.engine")
 

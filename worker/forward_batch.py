@@ -57,7 +57,7 @@ class ForwardBatch:
 
     @staticmethod
     def from_step(step: Any, device: torch.device | str) -> ForwardBatch:
-        """From a scheduled step's numpy arrays (worker.scheduler.ScheduledBatch), on ``device``."""
+        """From a scheduled step's numpy arrays (worker.request.ScheduledBatch), on ``device``."""
         return ForwardBatch(
             mode=step.mode,
             input_ids=torch.from_numpy(step.input_ids),

@@ -9,109 +9,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
-
-_NO_PAGES = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class SchedulerConfig:
-    page_size: int = 16  # tokens per KV page (= the advertised block size)
-    max_running: int = 256  # requests admitted at once (prefilling + decoding)
-    chunked_prefill_tokens: int = 2048  # new prompt tokens per extend step
-    policy: Literal["lpm", "fcfs"] = "lpm"
-    max_wait_s: float = 5.0  # age bound (s): a request waiting longer goes first, in arrival order
-    max_waiting: int = 1024  # waiting-queue bound; the caller turns "full" into HTTP 429
-    decode_reserve_tokens: int = 256  # per request, decode tokens kept free when admitting more
-    lpm_window: int = 256  # oldest waiting requests considered by LPM ordering per step
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``."""
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request as the scheduler sees it (token ids, progress, KV ownership)."""
-
-    rid: str
-    prompt_ids: Sequence[int]
-    max_tokens: int  # output tokens at most (already clamped to the context / pool)
-    stop_token_ids: frozenset[int] = frozenset()  # a sampled id in here finishes with "stop"
-    arrival: float = field(default_factory=time.monotonic)  # s, monotonic
-    payload: Any = None  # the engine's per-request state (sampling params, detokenizer, ...)
-    # --- progress and KV ownership (scheduler only) ---
-    token_ids: list[int] = field(init=False)  # prompt + generated so far
-    prompt_len: int = field(init=False)
-    kv_len: int = 0  # tokens whose K/V are in the pool (positions [0, kv_len))
-    pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # hold positions [0, len*page)
-    slots: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # slot of every position of pages
-    tree_len: int = 0  # leading tokens whose pages belong to the tree, locked via lock_node
-    lock_node: Any = None
-    cached_tokens: int = -1  # prompt tokens served from cache at first admission (-1: not yet)
-    finish_reason: str | None = None
-    retractions: int = 0
-
-    def __post_init__(self) -> None:
-        self.token_ids = [int(t) for t in self.prompt_ids]
-        self.prompt_len = len(self.token_ids)
-        if self.prompt_len == 0:
-            raise ValueError("empty prompt")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
-
-
-@dataclass
-class ScheduledBatch:
-    """What one step computes. Request i writes tokens [starts[i], ends[i]) into its pages;
-    ``sample[i]`` says whether its last new token's logits yield a sampled token."""
-
-    mode: Literal["extend", "decode"]
-    requests: list[Request]
-    starts: list[int]
-    ends: list[int]
-    sample: list[bool]
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    out_slots: np.ndarray  # int64 [T]
-    qo_indptr: np.ndarray  # int32 [B+1]
-    kv_indptr: np.ndarray  # int32 [B+1]
-    kv_indices: np.ndarray  # int64: extend -> prefix slots; decode -> all slots incl. the new one
-
-    @property
-    def num_new_tokens(self) -> int:
-        return int(self.input_ids.size)
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        """Tokens read from the pool as context (extend: cached prefixes)."""
-        return int(self.kv_indices.size)
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters (tokens unless named otherwise)."""
-
-    prompt_tokens: int = 0  # at first admission
-    cached_tokens: int = 0  # of those, served from the radix cache
-    prefill_tokens: int = 0  # tokens computed by extend steps (includes recompute after retraction)
-    decode_tokens: int = 0
-    evicted_pages: int = 0
-    retractions: int = 0
+from worker.request import NO_PAGES, QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -303,7 +207,7 @@ class Scheduler:
             self.allocator.free(tail)
         if req.lock_node is not None:
             self.cache.unlock(req.lock_node)
-        self._set_pages(req, _NO_PAGES)
+        self._set_pages(req, NO_PAGES)
         req.kv_len, req.tree_len, req.lock_node = 0, 0, None
 
     def _retract(self, req: Request) -> None:
@@ -400,7 +304,7 @@ class Scheduler:
             available = self.allocator.num_free + self.cache.evictable_pages - reserved
             if need_total > available or not self._ensure_free(need_now):
                 self.cache.unlock(match.last_node)
-                self._set_pages(req, _NO_PAGES)
+                self._set_pages(req, NO_PAGES)
                 req.kv_len, req.tree_len, req.lock_node = 0, 0, None
                 break  # NOTE: no skipping ahead of a request that does not fit: it would starve
             self._grow(req, end)

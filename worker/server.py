@@ -24,8 +24,8 @@ from router.block_hash import HASH_VERSION
 from router.errors import error_response
 from router.kv_events import EVENT_VERSION
 from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestHandle, RequestOutput
+from worker.request import QueueFullError
 from worker.sampling import SamplingParams
-from worker.scheduler import QueueFullError
 
 log = logging.getLogger("worker.server")
 

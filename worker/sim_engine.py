@@ -23,7 +23,7 @@ from worker.assembly import assemble_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.kv_pool import PageAllocator
-from worker.scheduler import ScheduledBatch
+from worker.request import ScheduledBatch
 
 DEFAULT_SIM_KV_TOKENS = 400_000  # estimate for Llama-3-8B on an 80 GB H100, see the docstring
 _PRINTABLE = np.arange(32, 127)  # byte tokens the simulated model emits (printable ASCII)

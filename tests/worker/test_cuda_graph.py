@@ -19,8 +19,8 @@ from worker.engine import Engine
 from worker.forward_batch import ForwardBatch
 from worker.kv_pool import KVPool, slots_for
 from worker.model import load_model
+from worker.request import ScheduledBatch
 from worker.sampling import SamplingParams
-from worker.scheduler import ScheduledBatch
 
 PAGE = 4  # tokens
 

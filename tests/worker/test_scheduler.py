@@ -8,7 +8,8 @@ import pytest
 
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
-from worker.scheduler import QueueFullError, Request, ScheduledBatch, Scheduler, SchedulerConfig
+from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig
+from worker.scheduler import Scheduler
 
 PS = 4
 
