@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import orjson
 
 from worker import bench_radix
+from worker.bench_report import decode_floor, machine_info, markdown_table, measure_copy_gbs
 from worker.config import WorkerConfig
 from worker.engine import Engine, RequestOutput
 from worker.model.config import ModelConfig
@@ -240,97 +240,6 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
     await engine.flush_cache()
     return {"prefill": prefill, "decode": decode, "ttft": ttft}
-
-
-# ---------------------------------------------------------------------------- the decode floor
-DECODE_FLOOR_TARGET = 1.3  # a batch-1 decode step within this many times the weight-read floor
-
-
-def decode_weight_bytes(model: Any) -> int:
-    """Weight bytes one decode step must read: every parameter except the embedding table, of which a
-    step reads one row per token (a tied table is read whole as the LM head, so then it counts)."""
-    total = sum(x.numel() * x.element_size() for x in model.parameters())  # a tied tensor counts once
-    if not model.config.tie_word_embeddings:
-        total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
-    return total
-
-
-def measure_copy_gbs(device: str, nbytes: int = 256 << 20) -> float:
-    """Memory bandwidth of ``device`` as a large copy moves it: (read + write) bytes / time, GB/s."""
-    import torch
-
-    if device == "cuda":
-        from kernels.bench import measure_copy_gbs as gpu_copy_gbs
-
-        return gpu_copy_gbs(torch.device("cuda"))
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
-def decode_floor(model: Any, decode: list[dict], copy_gbs: float) -> dict | None:
-    """The batch-1 decode step against weight bytes / measured bandwidth (None without a batch-1 row)."""
-    row = next((d for d in decode if d["batch"] == 1), None)
-    if row is None:
-        return None
-    weight_bytes = decode_weight_bytes(model)
-    floor_ms = weight_bytes / (copy_gbs * 1e9) * 1e3
-    ratio = row["step_ms"] / floor_ms
-    return {"weight_bytes": weight_bytes, "copy_gbs": round(copy_gbs, 1), "floor_ms": round(floor_ms, 4),
-            "step_ms": row["step_ms"], "ratio": round(ratio, 3), "target": DECODE_FLOOR_TARGET,
-            "met": ratio <= DECODE_FLOOR_TARGET}  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- machine and report
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        models = []
-    return models[0] if models else platform.processor() or platform.machine()
-
-
-def machine_info(device: str) -> dict:
-    import torch
-
-    name = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
-    return {"device": device, "device_name": name, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version()}  # fmt: skip
-
-
-def markdown_table(doc: dict) -> str:
-    p, m = doc["params"], doc["machine"]
-    rows = [(f"prefill, {p['prefill_prompts']} x {p['prompt_tokens']}-token prompts, no cache",
-             f"{doc['prefill']['tokens_per_s']:,.0f}", "tokens/s")]  # fmt: skip
-    for d in doc["decode"]:
-        rows.append((f"decode, batch {d['batch']} ({p['decode_prompt_tokens']}-token prompts)",
-                     f"{d['tokens_per_s']:,.0f}", f"tokens/s ({d['step_ms']:.2f} ms/step)"))  # fmt: skip
-    for t in doc["ttft"]:
-        rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached "
-                     f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
-                     f"ms (median of {p['reps']})"))  # fmt: skip
-    floor = doc.get("decode_floor")
-    if floor:
-        rows.append(("decode batch 1 step / weight-read floor", f"{floor['ratio']:.2f}",
-                     f"x ({floor['weight_bytes'] / 1e9:.2f} GB / {floor['copy_gbs']:,.0f} GB/s = "
-                     f"{floor['floor_ms']:.2f} ms; target <= {floor['target']})"))  # fmt: skip
-    # NOTE: the engine's cache publishes KV events, so its radix costs are the events=True rows
-    for r in doc["radix"]:
-        if r["events"] and r["op"] in ("match_hit", "insert_new"):
-            rows.append((f"radix {r['op']}, {r['tokens']} tokens", f"{r['median_us']:.1f}", "µs (median)"))
-    head = f"**{doc['model']['name']} on {m['device_name']}, {m['torch_threads']} torch threads**"
-    graphs = (f", CUDA graphs up to batch {p['cuda_graph_max_bs']} ({doc['decode_graph_steps']} decode steps "
-              "replayed)" if doc.get("decode_graph_steps") else "")  # fmt: skip
-    lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']}{graphs})", "",
-             "| measurement | value | unit |", "|---|---:|---|"]  # fmt: skip
-    return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -84,7 +84,8 @@ def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth
 def test_decode_weight_bytes_skips_an_untied_embedding_table():
     import torch
 
-    from worker.bench import decode_weight_bytes, random_llama
+    from worker.bench import random_llama
+    from worker.bench_report import decode_weight_bytes
 
     shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
