@@ -134,9 +134,7 @@ def compiled_table(rows: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        tiles = " ".join(
-            f"{k}={v}" for k, v in r["constants"].items() if k.startswith(("BLOCK", "NUM_SPLITS"))
-        )
+        tiles = " ".join(f"{k}={v}" for k, v in r["constants"].items() if k.startswith("BLOCK"))
         lines.append(
             f"| {r['kernel']} | {tiles} | {r['num_warps']} | {r['num_stages']} | {r['shared_bytes'] / 1024:.1f} "
             f"| {_fmt(r['regs'], 'd')} | {_fmt(r['spills'], 'd')} |"

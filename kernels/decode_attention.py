@@ -69,19 +69,21 @@ def choose_num_splits(
 
 
 @triton.jit
-def _num_splits_of(kv_len, MAX_SPLIT: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
-    return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), MAX_SPLIT)
+def _num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
+    return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), max_splits)
 
 
-@triton.jit
+# NOTE: num_splits is a plain (unspecialised) argument: one compiled split kernel serves every split
+# count, so capturing CUDA graphs for many batch sizes compiles it once, not once per count.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q,
     K_cache,
     V_cache,
     kv_indptr,
     kv_indices,
-    Mid_out,  # [B, Hq, NUM_SPLITS, D] fp32, each split normalised by its own sum
-    Mid_lse,  # [B, Hq, NUM_SPLITS] fp32, log2(sum exp2(score)) of the split; -inf when empty
+    Mid_out,  # [B, Hq, num_splits, D] fp32, each split normalised by its own sum
+    Mid_lse,  # [B, Hq, num_splits] fp32, log2(sum exp2(score)) of the split; -inf when empty
     qk_scale,  # sm_scale * log2(e)
     stride_qb,
     stride_qh,
@@ -94,12 +96,12 @@ def _decode_split_kernel(
     stride_ms,
     stride_lb,
     stride_lh,
+    num_splits,  # the most splits any request may use (the grid's third dimension)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
@@ -110,7 +112,7 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     kv_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
-    n_splits = _num_splits_of(kv_len, NUM_SPLITS, MIN_SPLIT_LEN)
+    n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if split >= n_splits:  # the merge kernel derives n_splits the same way and never reads this one
         return
     chunk = tl.cdiv(kv_len, n_splits)
@@ -165,7 +167,7 @@ def _decode_split_kernel(
     tl.store(Mid_lse + req * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     Mid_out,
     Mid_lse,
@@ -178,16 +180,16 @@ def _decode_merge_kernel(
     stride_lh,
     stride_ob,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
     MIN_SPLIT_LEN: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    n_splits = _num_splits_of(kv_len, NUM_SPLITS, MIN_SPLIT_LEN)
+    n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -245,7 +247,9 @@ def decode_attention(
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
     mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    # NOTE: rows padded to a multiple of 16 splits so that mid_lse's strides, like mid_out's, keep
+    # their 16-divisibility for any split count: one compiled kernel pair serves them all.
+    mid_lse = torch.empty((batch, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=q.device)
     scale = d**-0.5 if sm_scale is None else sm_scale
     _decode_split_kernel[(batch, hkv, num_splits)](
         q,
@@ -267,12 +271,12 @@ def decode_attention(
         mid_out.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        num_splits,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=d,
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits,
         MIN_SPLIT_LEN=cfg.min_split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
@@ -291,9 +295,9 @@ def decode_attention(
         mid_lse.stride(1),
         out.stride(0),
         out.stride(1),
+        num_splits,
         HEAD_DIM=d,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         MIN_SPLIT_LEN=cfg.min_split_len,
         num_warps=4 if block_d >= 128 else 2,

@@ -184,11 +184,11 @@ def test_markdown_report_lists_the_compiled_kernels_when_recorded():
     result["compiled"] = [
         {"kernel": "_extend_kernel", "constants": {"GROUP": 4, "BLOCK_M": 128, "BLOCK_N": 64},
          "num_warps": 8, "num_stages": 2, "shared_bytes": 98304, "regs": 232, "spills": 0},
-        {"kernel": "_decode_split_kernel", "constants": {"BLOCK_N": 64, "NUM_SPLITS": 33},
+        {"kernel": "_decode_merge_kernel", "constants": {"HEAD_DIM": 128, "BLOCK_S": 64},
          "num_warps": 4, "num_stages": 2, "shared_bytes": 38912, "regs": None, "spills": None},
     ]  # fmt: skip
     md = bench_report.format_markdown(result)
     assert table_rows(md, "## Compiled kernels (as loaded on this GPU)") == [
         ["_extend_kernel", "BLOCK_M=128 BLOCK_N=64", "8", "2", "96.0", "232", "0"],
-        ["_decode_split_kernel", "BLOCK_N=64 NUM_SPLITS=33", "4", "2", "38.0", "-", "-"],
+        ["_decode_merge_kernel", "BLOCK_S=64", "4", "2", "38.0", "-", "-"],
     ]

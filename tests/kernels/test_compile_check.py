@@ -117,20 +117,30 @@ def test_compile_only_refuses_to_run_under_the_interpreter():
 def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     code = textwrap.dedent("""\
         import json
+        import torch
         from kernels import compile_cases, compile_check
+        from kernels.decode_attention import default_config
         shape = compile_cases.Shape("bf16", 32, 8, 128, 4096)
         with compile_check.compile_only(90):
             for case in compile_cases.defaults(shape):
                 case[2]()
+            # a second split count: the same split kernel, another merge kernel (BLOCK_S 16)
+            compile_cases.DECODE_SPLITS = 16  # divisible by 16: specialised unless told not to
+            compile_cases.decode_case(shape, default_config(128, torch.bfloat16), "16")[2]()
         print(json.dumps(compile_check.loaded_kernels()))
         """)
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
-    rows = {r["kernel"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = [r["kernel"] for r in loaded]
+    assert names.count("_decode_split_kernel") == 1, "one split kernel serves every split count"
+    merge_blocks = sorted(r["constants"]["BLOCK_S"] for r in loaded if r["kernel"] == "_decode_merge_kernel")
+    assert merge_blocks == [8, 16]
+    rows = {r["kernel"]: r for r in loaded}
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel",
                          "_rms_norm_kernel", "_rope_kernel", "_store_kv_kernel"}  # fmt: skip
     extend = rows["_extend_kernel"]
     assert extend["constants"]["BLOCK_M"] == 128 and extend["constants"]["GROUP"] == 4
     assert extend["num_warps"] == 8 and extend["shared_bytes"] > 0
     assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
-    assert rows["_decode_split_kernel"]["constants"]["NUM_SPLITS"] == 8
+    assert "num_splits" not in rows["_decode_split_kernel"]["constants"]
