@@ -324,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.empty_cache()
         print(f"decode {shape}: {result['decode'][-1]['triton_gbs']:.0f} GB/s", file=sys.stderr)
     result["summary"] = summarize(result)
-    result["compiled"] = compile_check.loaded_kernels()  # registers and spills as loaded on this GPU
+    compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)
     out = args.out or Path("docs/benchmarks") / f"kernels-{gpu_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

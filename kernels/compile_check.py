@@ -213,6 +213,15 @@ def loaded_kernels() -> list[dict[str, Any]]:
     return rows
 
 
+def record_loaded_kernels(doc: dict[str, Any]) -> None:
+    """doc["compiled"] = loaded_kernels(); a failure (Triton internals moved) is recorded instead of
+    raised, so a benchmark's measurements are never lost to this diagnostic."""
+    try:
+        doc["compiled"] = loaded_kernels()
+    except Exception as exc:
+        doc["compiled_error"] = f"{type(exc).__name__}: {exc}"
+
+
 def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
     from kernels import compile_cases
 

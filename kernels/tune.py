@@ -271,9 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": dataclasses.asdict(model),
         "max_rel_err": MAX_REL_ERR,
         "results": results,
-        "compiled": compile_check.loaded_kernels(),  # every candidate's registers and spills on this GPU
         "wall_s": round(time.time() - started, 1),
     }
+    compile_check.record_loaded_kernels(doc)  # every candidate's registers and spills on this GPU
     out = args.out or Path("docs/benchmarks") / f"kernels-tune-{bench.gpu_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -144,3 +144,14 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     assert extend["num_warps"] == 8 and extend["shared_bytes"] > 0
     assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
     assert "num_splits" not in rows["_decode_split_kernel"]["constants"]
+
+
+def test_record_loaded_kernels_records_a_failure_instead_of_raising(monkeypatch):
+    def broken():
+        raise AttributeError("'JITFunction' object has no attribute 'device_caches'")
+
+    monkeypatch.setattr(compile_check, "loaded_kernels", broken)
+    doc: dict = {"extend": [1.0]}
+    compile_check.record_loaded_kernels(doc)
+    assert doc == {"extend": [1.0], "compiled_error": "AttributeError: 'JITFunction' object has no "
+                   "attribute 'device_caches'"}  # fmt: skip
