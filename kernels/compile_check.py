@@ -7,7 +7,7 @@ It calls the real host wrappers (kernels.decode_attention / extend_attention / f
 so the specialisations (constexprs, 16-byte divisibility of pointers and strides) are the ones a CUDA
 launch would compile; only the launch itself is skipped. ptxas, cuobjdump and nvdisasm come with Triton.
 Exit status 1 when a default configuration spills or does not fit the architecture.
---candidates adds every kernels.tune candidate, so a GPU session need not time the ones that cannot win.
+--candidates adds every kernels.tune candidate (kernels.tune itself runs this check before timing).
 NOTE: these are compiler facts for the Triton here (its version is recorded), not speeds.
 """
 
