@@ -322,10 +322,15 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     floor = decode_floor(model, results["decode"], measure_copy_gbs(p.device))
     radix = bench_radix.run(p.radix_iters, seed=p.seed)
-    return {"benchmark": "worker", "command": command, "params": asdict(p), "machine": machine, "model": info,
-            "kv_capacity_tokens": engine.capacity_tokens, **results, "decode_floor": floor,
-            "decode_graph_steps": engine.executor.graph_steps,  # type: ignore[attr-defined]
-            "radix": radix, "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    doc = {"benchmark": "worker", "command": command, "params": asdict(p), "machine": machine, "model": info,
+           "kv_capacity_tokens": engine.capacity_tokens, **results, "decode_floor": floor,
+           "decode_graph_steps": engine.executor.graph_steps,  # type: ignore[attr-defined]
+           "radix": radix, "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    if p.device == "cuda":  # the Triton kernels the model ran, with registers and spills as loaded
+        from kernels import compile_check
+
+        compile_check.record_loaded_kernels(doc)
+    return doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
