@@ -73,15 +73,15 @@ def extend_case(shape: Shape, config: Any, label: str) -> Case:
     return label, dataclasses.asdict(config), call
 
 
-def defaults(shape: Shape) -> list[Case]:
-    """Every kernel the worker launches, with its default configuration for ``shape``."""
+def defaults(shape: Shape, arch: int = 90) -> list[Case]:
+    """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
     from kernels import decode_attention, extend_attention, fused
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
     return [
         decode_case(shape, decode_attention.default_config(shape.head_dim, dt), f"decode {shape.label}"),
-        extend_case(shape, extend_attention.default_config(shape.head_dim, dt), f"extend {shape.label}"),
+        extend_case(shape, extend_attention.default_config(shape.head_dim, dt, arch), f"extend {shape.label}"),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: fused.rms_norm(t["x"], t["w"], 1e-5)),
         (f"rope {shape.label}", {}, lambda: fused.apply_rope(t["q"], t["k"], t["positions"], t["cos_sin"])),
         (f"store_kv {shape.label}", {},

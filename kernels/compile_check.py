@@ -229,7 +229,7 @@ def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
             shape = compile_cases.Shape(dtype, args.q_heads, args.kv_heads, head_dim, args.hidden)
-            for case in compile_cases.defaults(shape):
+            for case in compile_cases.defaults(shape, args.arch):
                 cases.setdefault(case[0], case)  # rms_norm does not depend on head_dim: compiled once
     return list(cases.values())
 

@@ -12,6 +12,7 @@ Math: scores and softmax in fp32 (exp2 with log2(e) folded into the scale), P@V 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -35,20 +36,36 @@ class ExtendConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
-    """H100-oriented defaults; small tiles in the interpreter so short test sequences span many tiles."""
+def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> ExtendConfig:
+    """Defaults for compute capability ``arch`` (x10: 90 = H100); small tiles in the interpreter so
+    short test sequences span many tiles."""
     if INTERPRETED:
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    # NOTE: each choice compiles for sm_90 without register spills (python -m kernels.compile_check);
-    # 128x64 with 4 warps spills at head_dim 64. fp32 (an ieee dot on CUDA cores, a correctness path)
-    # spills at head_dim 128 with every tile tried; 32x16 spills least.
+    # NOTE: each fp16/bf16 choice compiles without register spills for sm_80, sm_89 and sm_90
+    # (python -m kernels.compile_check --arch N): 128x64 with 4 warps spills at head_dim 64 on sm_90,
+    # and before Hopper (mma.sync, no wgmma) 128x64 spills at head_dim 128 while 128x32 does not.
+    # fp32 (an ieee dot on CUDA cores, a correctness path) spills at head_dim 128 with every tile
+    # tried on sm_90; 32x16 spills least.
     if dtype == torch.float32:
         if head_dim <= 64:
             return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
-    if head_dim <= 128:
+    if head_dim <= 64 or (head_dim <= 128 and arch >= 90):
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
     return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _arch_of(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def cuda_arch(device: torch.device) -> int:
+    """Compute capability x10 of a CUDA device (90 for H100), cached."""
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit
@@ -212,7 +229,7 @@ def extend_attention(
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
     if max_extend_len == 0:
         return out
-    cfg = config or default_config(d, q.dtype)
+    cfg = config or default_config(d, q.dtype, cuda_arch(q.device) if q.is_cuda else 90)
     scale = d**-0.5 if sm_scale is None else sm_scale
     grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch)
     _extend_kernel[grid](

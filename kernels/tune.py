@@ -143,7 +143,8 @@ def tune_extend(
     kernel_args, sdpa_args = bench.extend_case(shape, model, device, gen)
     ref = bench.sdpa_extend(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
-    default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype])
+    arch = ext.cuda_arch(device) if device.type == "cuda" else 90
+    default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype], arch)
 
     def launch(cfg: Any) -> torch.Tensor:
         return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)

@@ -155,3 +155,17 @@ def test_record_loaded_kernels_records_a_failure_instead_of_raising(monkeypatch)
     compile_check.record_loaded_kernels(doc)
     assert doc == {"extend": [1.0], "compiled_error": "AttributeError: 'JITFunction' object has no "
                    "attribute 'device_caches'"}  # fmt: skip
+
+
+def test_defaults_before_hopper_fit_without_spills_on_mma_sync(tmp_path):
+    """sm_80 (A100) has no wgmma: the head_dim-128 extend default is 128x32 there, which does not spill
+    (128x64, the H100 choice, spills on sm_80 and sm_89)."""
+    out = tmp_path / "sm80.json"
+    proc = _python("", "-m", "kernels.compile_check", "--arch", "80", "--dtypes", "bf16",
+                   "--head-dims", "128", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    extend = next(r for r in report["rows"] if r["kernel"] == "_extend_kernel")
+    assert extend["config"] == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    assert extend["ok"] and extend["spill_bytes"] == 0
+    assert extend["sass"]["HGMMA"] == 0 and extend["sass"]["HMMA"] > 0
