@@ -103,15 +103,15 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch
 
-    from worker.assembly import assemble_engine, build_engine, kv_pool_pages, model_executor
+    from worker.assembly import assemble_engine, build_engine, kv_pool_pages, model_executor, tune_cpu_process
     from worker.kv_pool import KVPool
     from worker.model.loader import default_dtype
 
     if model_config is None:
         return build_engine(cfg)
     device = torch.device(cfg.device)
-    if device.type == "cpu" and cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
+    if device.type == "cpu":
+        tune_cpu_process(cfg.cpu_threads)
     dtype = default_dtype(device)
     model = random_llama(model_config, device, dtype)
     mc = model_config
