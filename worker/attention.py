@@ -103,23 +103,70 @@ def decode(
     already be stored). Returns [B, Hq, D]."""
     ops = kernel_ops(q.device)
     if ops is reference:
-        return _decode_padded(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
+        return decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
     return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
 
 
-def _decode_padded(
+def decode_grouped(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float,
+    min_saved_slots: int = 4096,
 ) -> torch.Tensor:
-    """kernels.reference.decode_attention for the whole batch at once: every request's slots are
-    gathered into [B, L_max] (padding masked out), float32 math, GQA by grouping query heads."""
+    """kernels.reference.decode_attention, one padded computation per group of requests of similar
+    length (a group's longest at most twice its shortest), so a long request does not make every
+    short one in the batch gather and attend over its length. Groups are used only when each extra
+    one saves at least ``min_saved_slots`` padded slots: below that, its extra gather and attention
+    call cost more than the padding (python -m worker.bench_cpu_attention)."""
+    starts, lens = kv_indptr[:-1].long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
+    groups = decode_groups(lens.tolist(), min_saved_slots)
+    if len(groups) <= 1:
+        return attend_padded(q, k_cache, v_cache, starts, lens, kv_indices, sm_scale)
+    out = torch.empty_like(q)
+    for rows in groups:
+        idx = torch.tensor(rows, device=q.device)
+        out[idx] = attend_padded(q[idx], k_cache, v_cache, starts[idx], lens[idx], kv_indices, sm_scale)
+    return out
+
+
+def decode_groups(lengths: list[int], min_saved_slots: int = 4096) -> list[list[int]]:
+    """length_groups(lengths), or one group of all when the split saves fewer than
+    ``min_saved_slots`` padded slots per extra group."""
+    groups = length_groups(lengths)
+    if len(groups) > 1:
+        saved = len(lengths) * max(lengths) - sum(len(g) * lengths[g[-1]] for g in groups)
+        if saved < min_saved_slots * (len(groups) - 1):
+            return [list(range(len(lengths)))]
+    return groups
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of ``lengths`` in groups, shortest first; a group's longest is at most twice its shortest."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and lengths[i] <= 2 * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def attend_padded(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Requests' slots kv_indices[starts[i] : starts[i] + lens[i]] gathered into [B, L_max] (padding
+    masked out), float32 math, GQA by grouping query heads."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    starts, lens = kv_indptr[:-1].long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
     offsets = torch.arange(int(lens.max()), device=q.device)
     valid = offsets.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
     slots = kv_indices.long()[torch.where(valid, starts.unsqueeze(1) + offsets, 0)].flatten()

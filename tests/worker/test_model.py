@@ -290,18 +290,43 @@ def test_cpu_extend_attention_matches_the_reference(group):
 
 @pytest.mark.parametrize("group", [1, 2, 8])
 def test_cpu_batched_decode_attention_matches_the_reference(group):
+    """Lengths 1 to 40 in one batch: several length groups, some with more than one request."""
     from kernels import reference
     from worker import attention
 
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = torch.randn(64, 2, 8, generator=gen), torch.randn(64, 2, 8, generator=gen)
-    q = torch.randn(3, 2 * group, 8, generator=gen)
-    lengths = [1, 7, 20]
-    indices = torch.randperm(64, generator=gen)[: sum(lengths)]
+    k_cache, v_cache = torch.randn(128, 2, 8, generator=gen), torch.randn(128, 2, 8, generator=gen)
+    lengths = [1, 7, 20, 12, 9, 40, 2]
+    assert len(attention.length_groups(lengths)) == 3  # [1, 2], [7, 9, 12], [20, 40]
+    q = torch.randn(len(lengths), 2 * group, 8, generator=gen)
+    indices = torch.randperm(128, generator=gen)[: sum(lengths)].tolist()
+    bounds = list(itertools.accumulate(lengths, initial=0))
     batch = ForwardBatch.build(
-        "decode", [[0]] * 3, [n - 1 for n in lengths], [[0]] * 3,
-        [indices[a:b].tolist() for a, b in itertools.pairwise([0, 1, 8, 28])],
+        "decode", [[0]] * len(lengths), [n - 1 for n in lengths], [[0]] * len(lengths),
+        [indices[a:b] for a, b in itertools.pairwise(bounds)],
     )  # fmt: skip
-    ours = attention.decode(q, k_cache, v_cache, batch, 0.3)
+    ours = attention.decode(q, k_cache, v_cache, batch, 0.3)  # too little padding to split: one group
     ref = reference.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    grouped = attention.decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3, 0)
+    torch.testing.assert_close(grouped, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_length_groups_keep_each_groups_longest_within_twice_its_shortest():
+    from worker.attention import length_groups
+
+    lengths = [300, 5, 9, 600, 10, 11, 4000, 1, 2]
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each request once
+    assert [[lengths[i] for i in g] for g in groups] == [[1, 2], [5, 9, 10], [11], [300, 600], [4000]]
+    assert length_groups([]) == [] and length_groups([7, 7, 7]) == [[0, 1, 2]]
+
+
+def test_decode_groups_split_only_when_the_padding_saved_pays_for_the_extra_calls():
+    from worker.attention import decode_groups
+
+    one_long = [4000] + [200] * 31  # one padded: 128,000 slots; two groups: 10,200
+    assert decode_groups(one_long) == [list(range(1, 32)), [0]]
+    short = [1, 7, 20, 12, 9, 40, 2]  # 280 slots padded: not worth 2 extra calls
+    assert decode_groups(short) == [list(range(7))]
+    assert len(decode_groups(short, min_saved_slots=0)) == 3
