@@ -132,14 +132,13 @@ def count_sass_ops(sass: str) -> dict[str, int]:
 def blocks_per_sm(limits: ArchLimits, regs: int, shared: int, num_warps: int) -> int:
     """Resident blocks per SM by registers (allocated per warp in units of 256), shared memory and
     threads; 0 when one block does not fit at all."""
-    threads = num_warps * 32
+    if shared > limits.smem_per_block or regs > 255:
+        return 0
     regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
     by_regs = limits.regs_per_sm // (regs_per_warp * num_warps)
     by_smem = limits.smem_per_sm // (shared + limits.smem_reserved_per_block)
-    by_threads = limits.threads_per_sm // threads
-    if shared > limits.smem_per_block or regs > 255:
-        return 0
-    return max(0, min(by_regs, by_smem, by_threads, limits.blocks_per_sm))
+    by_threads = limits.threads_per_sm // (num_warps * 32)
+    return min(by_regs, by_smem, by_threads, limits.blocks_per_sm)
 
 
 def inspect_kernel(name: str, kernel: Any, limits: ArchLimits) -> dict[str, Any]:

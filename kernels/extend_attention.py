@@ -63,8 +63,11 @@ def _arch_of(index: int) -> int:
     return major * 10 + minor
 
 
-def cuda_arch(device: torch.device) -> int:
-    """Compute capability x10 of a CUDA device (90 for H100), cached."""
+def device_arch(device: torch.device) -> int:
+    """Compute capability x10 of a CUDA device (cached); 90, the H100 the defaults are chosen for, for
+    any other device."""
+    if device.type != "cuda":
+        return 90
     return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -229,7 +232,7 @@ def extend_attention(
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
     if max_extend_len == 0:
         return out
-    cfg = config or default_config(d, q.dtype, cuda_arch(q.device) if q.is_cuda else 90)
+    cfg = config or default_config(d, q.dtype, device_arch(q.device))
     scale = d**-0.5 if sm_scale is None else sm_scale
     grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch)
     _extend_kernel[grid](

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import bench, compile_check
+from kernels import bench, compile_cases, compile_check
 
 # bf16 against SDPA in bf16: a wrong mask or a missing tile is > 5e-2
 MAX_REL_ERR = 2e-2
@@ -110,8 +110,6 @@ def static_check(model: bench.Model, arch: int, cases: list | None = None) -> di
     running it; config_key -> why, for each one that spills registers or does not fit.
     NOTE: on a GPU the timed launches should then find these compilations in Triton's cache (same
     target and specialisation), so the check costs little; not yet seen on one."""
-    from kernels import compile_cases, compile_check
-
     shape = compile_cases.Shape(model.dtype, model.num_q_heads, model.num_kv_heads, model.head_dim, 4096)
     rejected: dict[tuple, str] = {}
     for *_, call, config in cases or compile_cases.tune_candidates(shape, with_configs=True):
@@ -143,8 +141,7 @@ def tune_extend(
     kernel_args, sdpa_args = bench.extend_case(shape, model, device, gen)
     ref = bench.sdpa_extend(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
-    arch = ext.cuda_arch(device) if device.type == "cuda" else 90
-    default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype], arch)
+    default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype], ext.device_arch(device))
 
     def launch(cfg: Any) -> torch.Tensor:
         return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)
