@@ -1,8 +1,11 @@
-"""Side-by-side router comparison on loopback: per policy configuration, start N workers and a router
-as real processes, drive one workload through loadtest.driver.run_load, then stop them by PID.
+"""Side-by-side router comparison on loopback: per run, start N workers and a router as real
+processes, drive one workload through loadtest.driver.run_load, read what the workers and the router
+process counted, then stop them by PID.
 
-`python -m loadtest.compare --policies round_robin,cache_aware --workers 2 --requests 40`. Bounded in
-runs, workers and wall time; never leaves a process it started running.
+`python -m loadtest.compare --policies round_robin,cache_aware --workers 2 --requests 40`. A run is a
+radixgate router policy (`--policies`, `--run`) or another router started from a command line
+(`--external LABEL=COMMAND`, e.g. sglang-router: docs/loadtest.md). Bounded in runs, workers and wall
+time; never leaves a process it started running.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -20,6 +24,7 @@ from typing import Any
 
 import httpx
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import report
 from loadtest.cluster_sim import parse_run
@@ -67,6 +72,28 @@ class Backend:
                 f"{self.cache_tokens // self.block_size} blocks)")  # fmt: skip
 
 
+# NOTE: placeholders of an external router's command; {worker_urls} must be a whole argument
+# and becomes one argument per worker URL (sglang-router's and vllm-router's --worker-urls take a list)
+PLACEHOLDERS = ("{port}", "{worker_urls}", "{workers}", "{block_size}", "{python}")
+
+
+def external_command(template: str, port: int, urls: list[str], block_size: int) -> list[str]:
+    """argv of another router from its command-line template (see PLACEHOLDERS)."""
+    args = shlex.split(template)
+    if "{port}" not in template:
+        raise ValueError(f"an external router's command must listen on {{port}}: {template!r}")
+    out: list[str] = []
+    for arg in args:
+        if arg == "{worker_urls}":
+            out += urls
+            continue
+        for key, value in (("{port}", str(port)), ("{workers}", ",".join(urls)),
+                           ("{block_size}", str(block_size)), ("{python}", sys.executable)):  # fmt: skip
+            arg = arg.replace(key, value)
+        out.append(arg)
+    return out
+
+
 @dataclass
 class CompareConfig:
     runs: list[tuple[str, str, dict[str, Any]]]  # (label, router policy, policy params)
@@ -75,6 +102,10 @@ class CompareConfig:
     backend: Backend = field(default_factory=Backend)
     out_dir: str = "compare-results"
     startup_timeout_s: float = 90.0  # per process, to answer GET /health (router: GET /ready)
+    external: list[tuple[str, str]] = field(default_factory=list)  # (label, command template)
+
+    def labels(self) -> list[str]:
+        return [label for label, _, _ in self.runs] + [label for label, _ in self.external]
 
 
 class _Fleet:
@@ -107,8 +138,83 @@ class _Fleet:
         self.procs.clear()
 
 
-def run_one(config: CompareConfig, label: str, policy: str, params: dict[str, Any]) -> report.Results:
-    """Start the fleet for one configuration, drive the workload, stop the fleet."""
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a running process (all its threads), from /proc; None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def worker_counts(url: str) -> dict[str, float] | None:
+    """What a radixgate worker counted since it started (requests, prompt / cached tokens, evicted
+    pages), from its /metrics; None for a backend without them (the echo backend)."""
+    try:
+        resp = httpx.get(url + "/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    wanted = {"radixgate_worker_requests_finished": "requests", "radixgate_worker_prompt_tokens": "prompt_tokens",
+              "radixgate_worker_cached_tokens": "cached_tokens", "radixgate_worker_evicted_pages": "evicted_pages"}  # fmt: skip
+    counts = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(resp.text):
+        if family.name in wanted:
+            counts[wanted[family.name]] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return counts
+
+
+def fleet_summary(
+    counts: list[dict[str, float] | None], router_cpu_s: float | None, ok: int
+) -> dict[str, Any]:
+    """The workers' own counts (the same for every router, since they do not rely on a response
+    header) and the router process's CPU time."""
+    out: dict[str, Any] = {
+        "router_cpu_s": None if router_cpu_s is None else round(router_cpu_s, 3),
+        "router_cpu_ms_per_request": round(router_cpu_s * 1e3 / ok, 3) if router_cpu_s and ok else None,
+    }
+    if counts and all(c is not None for c in counts):
+        requests = [int(c["requests"]) for c in counts]
+        prompt = sum(c["prompt_tokens"] for c in counts)
+        out["worker_requests"] = requests
+        out["worker_spread"] = (
+            round(max(requests) / (sum(requests) / len(requests)), 3) if sum(requests) else None
+        )
+        out["worker_hit_rate"] = (
+            round(sum(c["cached_tokens"] for c in counts) / prompt, 4) if prompt else None
+        )
+        out["evicted_pages"] = int(sum(c["evicted_pages"] for c in counts))
+    return out
+
+
+def with_worker_counts(summary: dict[str, Any], fleet: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary with "workers used" and "load spread" from the workers' own request counts
+    where they have them: the response header those come from otherwise is radixgate's only."""
+    if fleet.get("worker_requests") is None:
+        return summary
+    per_worker = {f"w{i}": n for i, n in enumerate(fleet["worker_requests"]) if n}
+    return {**summary, "per_worker": per_worker, "load_spread": fleet["worker_spread"]}
+
+
+def router_command(config: CompareConfig, label: str, port: int, urls: list[str]) -> tuple[list[str], str]:
+    """argv of the run's router and the path that answers 200 once it can route."""
+    external = dict(config.external)
+    if label in external:
+        # NOTE: another router's /v1/models is proxied to a worker: 200 means workers are registered
+        return external_command(external[label], port, urls, config.backend.block_size), "/v1/models"
+    _, policy, params = next(run for run in config.runs if run[0] == label)
+    events = "auto" if config.backend.resolved() == "sim" else "off"  # the echo backend has none
+    cmd = [sys.executable, "-m", "router", "--port", str(port), "--workers", ",".join(urls),
+           "--policy", policy, "--block-size", str(config.backend.block_size), "--kv-events", events,
+           "--log-level", "warning"]  # fmt: skip
+    for key, value in params.items():
+        cmd += ["--policy-param", f"{key}={value}"]
+    return cmd, "/ready"
+
+
+def run_one(config: CompareConfig, label: str) -> tuple[report.Results, dict[str, Any]]:
+    """Start the fleet for one run, drive the workload, read the counts, stop the fleet."""
     log_dir = Path(config.out_dir) / "logs" / label
     log_dir.mkdir(parents=True, exist_ok=True)
     fleet = _Fleet(log_dir)
@@ -121,47 +227,87 @@ def run_one(config: CompareConfig, label: str, policy: str, params: dict[str, An
         for url in urls:
             fleet.wait_ready(url + "/health", config.startup_timeout_s)
         port = free_port()
-        events = "auto" if config.backend.resolved() == "sim" else "off"  # the echo backend has none
-        cmd = [sys.executable, "-m", "router", "--port", str(port), "--workers", ",".join(urls),
-               "--policy", policy, "--block-size", str(config.backend.block_size), "--kv-events", events,
-               "--log-level", "warning"]  # fmt: skip
-        for key, value in params.items():
-            cmd += ["--policy-param", f"{key}={value}"]
+        cmd, ready = router_command(config, label, port, urls)
         fleet.start(cmd, "router")
-        fleet.wait_ready(f"http://127.0.0.1:{port}/ready", config.startup_timeout_s)
-        load = LoadConfig(**{**asdict(config.load), "url": f"http://127.0.0.1:{port}", "label": label})
-        return asyncio.run(run_load(load))
+        router = fleet.procs[-1]
+        fleet.wait_ready(f"http://127.0.0.1:{port}{ready}", config.startup_timeout_s)
+        cpu0 = process_cpu_s(router.pid)
+        # NOTE: the model id comes from a worker: another router may list its own ("unknown" for
+        # sglang-router in front of a backend without /model_info), which the workers refuse
+        model = config.load.model or httpx.get(urls[0] + "/v1/models", timeout=5.0).json()["data"][0]["id"]
+        load = LoadConfig(
+            **{**asdict(config.load), "url": f"http://127.0.0.1:{port}", "label": label, "model": model}
+        )
+        results = asyncio.run(run_load(load))
+        cpu1 = process_cpu_s(router.pid)
+        cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+        ok = sum(1 for r in results.records if r.ok)
+        return results, fleet_summary([worker_counts(url) for url in urls], cpu, ok)
     finally:
         fleet.stop()
 
 
+_FLEET_ROWS = [  # (row title, fleet summary key, format)
+    ("hit rate (workers' counts)", "worker_hit_rate", "{:.1%}"),
+    ("requests per worker (workers' counts)", "worker_requests", None),
+    ("evicted KV pages", "evicted_pages", "{}"),
+    ("router CPU (ms per request)", "router_cpu_ms_per_request", "{:.2f}"),
+]
+
+
+def _fleet_cell(value: Any, fmt: str | None) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, list):
+        return " / ".join(map(str, value))
+    return fmt.format(value) if fmt else str(value)
+
+
+def fleet_rows(fleets: list[dict[str, Any]]) -> str:
+    """Markdown rows (for compare.md) of what the workers and the router process counted."""
+    lines = []
+    for title, key, fmt in _FLEET_ROWS:
+        cells = [_fleet_cell(f.get(key), fmt) for f in fleets]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def compare(config: CompareConfig) -> dict[str, Any]:
     """Every run in turn; writes <label>.json, compare.md, compare.json and compare.png to out_dir."""
-    if not 1 <= len(config.runs) <= MAX_RUNS or not 1 <= config.workers <= MAX_WORKERS:
+    labels = config.labels()
+    if not 1 <= len(labels) <= MAX_RUNS or not 1 <= config.workers <= MAX_WORKERS:
         raise ValueError(f"compare takes 1..{MAX_RUNS} runs and 1..{MAX_WORKERS} workers")
-    labels = [label for label, _, _ in config.runs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"run labels must be distinct, got {labels}")
+    for _, template in config.external:
+        external_command(template, 0, [], config.backend.block_size)  # refuses a bad template up front
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for label, policy, params in config.runs:
-        res = run_one(config, label, policy, params)
+    results, fleets = [], []
+    for label in labels:
+        res, fleet = run_one(config, label)
         report.write_json(res, out / f"{label}.json")
         results.append(res)
+        fleets.append(fleet)
     header = (f"{config.workers} workers: {config.backend.describe()}; workload {config.load.workload}, "
-              f"{config.load.mode} loop\n\n")  # fmt: skip
-    table = header + report.markdown_table([r.summary() for r in results])
+              f"{config.load.mode} loop")  # fmt: skip
+    if any(f.get("worker_requests") for f in fleets):
+        header += "; workers used and load spread as the workers counted their requests"
+    header += "\n\n"
+    summaries = [with_worker_counts(r.summary(), f) for r, f in zip(results, fleets, strict=True)]
+    table = header + report.markdown_table(summaries) + fleet_rows(fleets)
     (out / "compare.md").write_text(table)
     report.plot(results, out / "compare.png")
+    specs = {label: {"policy": pol, "params": prm} for label, pol, prm in config.runs}
+    specs |= {label: {"command": template} for label, template in config.external}
     doc = {
         "backend": config.backend.resolved(),
         "backend_description": config.backend.describe(),
         "workers": config.workers,
         "load": asdict(config.load),
         "runs": [
-            {"label": lbl, "policy": pol, "params": prm, "summary": r.summary()}
-            for (lbl, pol, prm), r in zip(config.runs, results, strict=True)
+            {"label": lbl, **specs[lbl], "summary": summary, "fleet": f}
+            for lbl, summary, f in zip(labels, summaries, fleets, strict=True)
         ],
     }
     (out / "compare.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
@@ -173,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="round_robin,least_load,prefix_hash,cache_aware")
     p.add_argument("--run", action="append", default=[], metavar="LABEL=POLICY:K=V,...",
                    help="an extra run with router policy parameters (repeatable)")  # fmt: skip
+    p.add_argument("--external", action="append", default=[], metavar="LABEL=COMMAND",
+                   help="a run with another router, started by COMMAND (placeholders: "
+                   + ", ".join(PLACEHOLDERS) + "; repeatable)")  # fmt: skip
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--backend", default="auto", choices=["auto", "sim", "echo"])
     p.add_argument("--cache-tokens", type=int, default=Backend.cache_tokens, help="per worker")
@@ -197,13 +346,21 @@ def main(argv: list[str] | None = None) -> int:
                           rate=a.rate, requests=a.requests, duration_s=a.duration, max_tokens=a.max_tokens,
                           stream=True, seed=a.seed, options=options, block_chars=32 if a.trace else None)  # fmt: skip
         backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token)
-        result = compare(CompareConfig(runs, load, a.workers, backend, a.out_dir))
+        external = [_external(x) for x in a.external]
+        result = compare(CompareConfig(runs, load, a.workers, backend, a.out_dir, external=external))
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(result["table"])
     print(f"\nresults: {a.out_dir}/compare.json, compare.md, compare.png", file=sys.stderr)
     return 0
+
+
+def _external(text: str) -> tuple[str, str]:
+    label, sep, command = text.partition("=")
+    if not sep or not label.strip() or not command.strip():
+        raise ValueError(f"--external takes LABEL=COMMAND, got {text!r}")
+    return label.strip(), command
 
 
 def _value(text: str) -> Any:

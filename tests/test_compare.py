@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import orjson
 import pytest
 
@@ -68,3 +70,53 @@ def test_bounds_on_runs_and_workers(tmp_path):
     with pytest.raises(ValueError):
         compare(CompareConfig([("a", "round_robin", {}), ("a", "cache_aware", {})], out_dir=str(tmp_path)))
     assert not STARTED  # refused before starting anything
+
+
+def test_external_command_placeholders():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    argv = compare_mod.external_command(
+        "{python} -m x --port {port} --worker-urls {worker_urls} --workers={workers} --bs {block_size}",
+        7,
+        urls,
+        16,
+    )
+    assert argv[1:] == ["-m", "x", "--port", "7", "--worker-urls", *urls,
+                        f"--workers={urls[0]},{urls[1]}", "--bs", "16"]  # fmt: skip
+    assert argv[0] == sys.executable
+    with pytest.raises(ValueError, match="port"):
+        compare_mod.external_command("other-router --workers {workers}", 7, urls, 16)
+
+
+def test_bad_external_runs_are_refused_before_anything_starts(tmp_path, capsys):
+    assert main(["--policies", "", "--external", "no-command", "--out-dir", str(tmp_path)]) == 2
+    assert "LABEL=COMMAND" in capsys.readouterr().err
+    assert main(["--policies", "", "--external", "x=router --no-port", "--out-dir", str(tmp_path)]) == 2
+    assert "{port}" in capsys.readouterr().err
+    assert not STARTED
+
+
+def test_external_router_and_the_workers_counts(tmp_path):
+    """A run of a router started from a command line (here radixgate's own, so the test needs nothing
+    else) beside a radixgate run, on simulated radixgate workers: both are judged by what the workers
+    counted, and the router process's CPU time is read before it stops."""
+    backend = Backend("sim", cache_tokens=8192, prefill_ms_per_token=0.01, decode_ms_per_token=1.0)
+    load = LoadConfig(workload="tenants", mode="closed", concurrency=4, requests=24, max_tokens=4,
+                      stream=True, duration_s=60.0, options={"num_tenants": 3, "system_tokens": 256})  # fmt: skip
+    command = "{python} -m router --port {port} --workers {workers} --policy round_robin --kv-events off"
+    config = CompareConfig([("ours", "cache_aware", {})], load, workers=2, backend=backend,
+                           out_dir=str(tmp_path), external=[("other", command)])  # fmt: skip
+    result = compare(config)
+    assert len(STARTED) == 6
+    ours, other = result["runs"]
+    assert other["command"] == command and ours["policy"] == "cache_aware"
+    for run in (ours, other):
+        assert run["summary"]["ok"] == 24
+        fleet = run["fleet"]
+        assert sum(fleet["worker_requests"]) == 24
+        # the workers' own counts agree with the usage the responses carried
+        assert fleet["worker_hit_rate"] == pytest.approx(run["summary"]["hit_rate"], abs=1e-3)
+        assert fleet["router_cpu_s"] > 0
+    assert other["fleet"]["worker_requests"] == [12, 12]  # round robin over two workers
+    assert other["summary"]["load_spread"] == 1.0 and other["summary"]["per_worker"] == {"w0": 12, "w1": 12}
+    assert "| requests per worker (workers' counts) | " in result["table"]
+    assert "| ok / sent | 24 / 24 | 24 / 24 |" in result["table"]
