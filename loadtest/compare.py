@@ -165,6 +165,19 @@ def worker_counts(url: str) -> dict[str, float] | None:
     return counts
 
 
+def settled_counts(urls: list[str], finished: int, timeout_s: float = 5.0) -> list[dict[str, float] | None]:
+    """Every worker's counts once they add up to ``finished`` requests (a worker publishes its
+    counters after the step that finished a request, so the last response can arrive first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = [worker_counts(url) for url in urls]
+        if any(c is None for c in counts) or sum(c["requests"] for c in counts) >= finished:
+            return counts
+        if time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)  # NOTE: polling with a deadline, not a blind wait
+
+
 def fleet_summary(
     counts: list[dict[str, float] | None], router_cpu_s: float | None, ok: int
 ) -> dict[str, Any]:
@@ -242,7 +255,7 @@ def run_one(config: CompareConfig, label: str) -> tuple[report.Results, dict[str
         cpu1 = process_cpu_s(router.pid)
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         ok = sum(1 for r in results.records if r.ok)
-        return results, fleet_summary([worker_counts(url) for url in urls], cpu, ok)
+        return results, fleet_summary(settled_counts(urls, ok), cpu, ok)
     finally:
         fleet.stop()
 

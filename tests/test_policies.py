@@ -48,7 +48,7 @@ def test_unknown_policy_or_parameter_is_rejected() -> None:
         make_policy("cache_aware", PrefixIndex(), {"balance": 3})
     assert make_policy("cache_aware", PrefixIndex()).describe()["params"] == {
         "balance_abs": 2.0,
-        "balance_rel": 1.0,
+        "balance_rel": 2.0,
         "tokens_per_load": 32.0,
     }
     for bad in ({"tokens_per_load": -1}, {"balance_rel": -0.5}, {"balance_abs": float("nan")}):
@@ -116,8 +116,8 @@ def test_cache_aware_keeps_a_long_prefix_on_a_busier_holder_but_not_a_short_one(
     # Loads 10 vs 6: the holder is 4 requests busier than the least loaded, mean load 7.
     req, index, candidates = holder_setup(256, 10.0, 6.0)
     decision = make_policy("cache_aware", index).select(req, candidates)
-    assert decision.url == URLS[0]  # 256 tokens saved buy 256 / 32 = 8 requests, capped at 1.0 x 7
-    assert "256 tokens saved" in decision.reason and "window 7" in decision.reason
+    assert decision.url == URLS[0]  # 256 tokens saved buy 256 / 32 = 8 requests (cap: 2.0 x 7)
+    assert "256 tokens saved" in decision.reason and "window 8" in decision.reason
     # The saving-blind window (2 requests, or 0.1 x mean) sends the same request away.
     blind = {"balance_rel": 0.1, "tokens_per_load": 0}
     assert make_policy("cache_aware", index, blind).select(req, candidates).url != URLS[0]
@@ -129,13 +129,16 @@ def test_cache_aware_keeps_a_long_prefix_on_a_busier_holder_but_not_a_short_one(
 
 
 def test_cache_aware_still_spreads_a_hot_prefix_whose_holder_is_far_busier() -> None:
-    # The whole 1,024-token prompt is cached on the holder, but it is 14 requests busier than the
-    # rest: the saving's window is capped at balance_rel x mean load (9.5), so the prefix spreads.
-    req, index, candidates = holder_setup(1024, 20.0, 6.0)
+    # The whole 1,024-token prompt is cached on the holder, but it is 34 requests busier than the
+    # rest: the saving's window is capped at balance_rel x mean load (2 x 14.5), so the prefix spreads.
+    req, index, candidates = holder_setup(1024, 40.0, 6.0)
     decision = make_policy("cache_aware", index).select(req, candidates)
     assert decision.url != URLS[0]
     assert decision.matched_tokens == {URLS[0]: 1024, URLS[1]: 0, URLS[2]: 0, URLS[3]: 0}
-    assert "past its window 9.5" in decision.reason
+    assert "past its window 29" in decision.reason
+    # ... while 14 requests busier (mean 9.5) is inside the cap: the holder keeps it.
+    req, index, candidates = holder_setup(1024, 20.0, 6.0)
+    assert make_policy("cache_aware", index).select(req, candidates).url == URLS[0]
     # An idle fleet gives no relative window at all: at 3 vs 0 the holder is past balance_abs.
     req, index, candidates = holder_setup(1024, 3.0, 0.0)
     assert make_policy("cache_aware", index).select(req, candidates).url != URLS[0]
