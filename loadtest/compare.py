@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -139,12 +140,19 @@ class _Fleet:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a running process (all its threads), from /proc; None elsewhere."""
+    """CPU seconds a running process has used so far, all its threads, from /proc; None elsewhere.
+
+    NOTE: the scheduler's nanosecond run time (schedstat), not /proc/PID/stat's clock ticks, which
+    are sampled and can read 0 for a process that ran 20 ms in short slices."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    total_ns = 0
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended in between
+            total_ns += int((task / "schedstat").read_text().split()[0])
+    return total_ns / 1e9
 
 
 def worker_counts(url: str) -> dict[str, float] | None:
