@@ -179,9 +179,8 @@ def settled_counts(urls: list[str], finished: int, timeout_s: float = 5.0) -> li
     deadline = time.monotonic() + timeout_s
     while True:
         counts = [worker_counts(url) for url in urls]
-        if any(c is None for c in counts) or sum(c["requests"] for c in counts) >= finished:
-            return counts
-        if time.monotonic() > deadline:
+        settled = any(c is None for c in counts) or sum(c["requests"] for c in counts) >= finished
+        if settled or time.monotonic() > deadline:
             return counts
         time.sleep(0.05)  # NOTE: polling with a deadline, not a blind wait
 
