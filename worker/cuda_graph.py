@@ -138,9 +138,9 @@ class DecodeGraphRunner:
         out_slots: np.ndarray,
         kv_indptr: np.ndarray,
         kv_indices: np.ndarray,
-    ) -> int:
+    ) -> None:
         """Write a step of ``len(input_ids)`` requests, padded to ``size``, into the host buffer and
-        copy it to the device; returns the elements copied."""
+        copy its used prefix to the device."""
         h, o, n = self._host, self._offsets, len(input_ids)
         for name, values, pad in (
             ("input_ids", input_ids, 0),
@@ -157,7 +157,6 @@ class DecodeGraphRunner:
         # NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
         # sampled tokens (a device sync) before it builds the next step.
         self._device_buf[:used].copy_(self._host_buf[:used], non_blocking=True)
-        return used
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (

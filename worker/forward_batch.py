@@ -113,5 +113,5 @@ class ForwardBatch:
             kv_indptr=t(kv_indptr, torch.int32),
             kv_indices=t(kv, torch.int64),
             return_all_logits=return_all_logits,
-            max_extend_len=max((len(t) for t in new_tokens), default=0),
+            max_extend_len=max((len(toks) for toks in new_tokens), default=0),
         )
