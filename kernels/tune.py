@@ -244,10 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     started = time.time()
     rejected: dict[tuple, str] = {}
-    major, minor = torch.cuda.get_device_capability(device)
     if not args.no_static_check:
+        from kernels.extend_attention import device_arch
+
         try:
-            rejected = static_check(model, major * 10 + minor)
+            rejected = static_check(model, device_arch(device))
         except Exception as exc:  # the check only saves time: without it every candidate is timed
             print(f"static check skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(f"static check: {len(rejected)} candidate(s) spill or do not fit; not timed", file=sys.stderr)
