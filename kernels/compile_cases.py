@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from kernels.bench import DTYPES
+
 DECODE_SPLITS = 8  # a runtime argument of the split kernel; only the merge kernel's BLOCK_S follows it
 Case = tuple[str, dict, Callable[[], Any]]
 
