@@ -92,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="append", default=[], metavar="LABEL=POLICY:K=V,...",
                    help="an extra run with policy parameters (repeatable)")  # fmt: skip
     d = WorkerModel()
-    for name in asdict(d):
-        p.add_argument("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
+    for name, value in asdict(d).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # NOTE: --prefix-sharing / --no-prefix-sharing
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            p.add_argument(flag, type=type(value), default=value)
     p.add_argument("--no-events", action="store_true", help="router index learns only from its own routing")
     p.add_argument("--event-delay-ms", type=float, default=0.0)
     p.add_argument("--index-entries", type=int, default=2_000_000)

@@ -39,15 +39,24 @@ class WorkerModel:
     worker/sim_engine.py for where the defaults come from). The defaults are ESTIMATES for one H100
     serving Llama-3-8B in bf16, not measurements: a prefill (extend) step costs 0.07 ms per uncached
     prompt token (~14k tokens/s); a decode step costs 7 ms + 0.06 ms per decoding request; the KV pool
-    holds 400k tokens. Prefill and decode steps alternate (a prefill step stalls decoding)."""
+    holds 400k tokens. Prefill and decode steps alternate (a prefill step stalls decoding).
+
+    ``prefix_sharing`` (default True) follows radixgate's worker scheduler: the full pages a prefill
+    step computes enter the radix cache at once (and the router hears of them), and a waiting
+    request whose next uncached page another admitted request is computing waits a step to reuse it
+    instead of computing it again. With False a request's pages enter the cache when it finishes and
+    concurrent requests with one prefix each compute it. Admission is FCFS over the oldest
+    ``admit_window`` waiting requests (the worker's ``--schedule-policy fcfs``)."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
     decode_ms_per_seq: float = 0.06  # per decoding request in the step
-    max_running: int = 256  # requests admitted at once; the rest wait in FCFS order
+    max_running: int = 256  # requests admitted at once; the rest wait (FCFS, see prefix_sharing)
     chunked_prefill_tokens: int = 2048  # real prompt tokens prefilled per step
     kv_tokens: int = 400_000  # KV pool per worker, in simulated tokens (pages = kv_tokens // block_size)
     block_size: int = 16  # tokens per page = router block size
+    prefix_sharing: bool = True  # cache computed pages per step; wait for a shared page in flight
+    admit_window: int = 256  # oldest waiting requests considered for admission per step
 
 
 @dataclass
@@ -83,12 +92,16 @@ class StickyPolicy(Policy):
 
 
 class _Job:
-    __slots__ = ("cached", "id", "ids", "node", "out_ids", "pages", "prefill_left", "prefix_pages",
-                 "start", "steps_left", "ttft")  # fmt: skip
+    """One admitted or waiting request. ``pages`` hold the whole sequence (prompt + output); the
+    first ``tree_n`` of them belong to the radix cache, locked through ``node``."""
+
+    __slots__ = ("id", "ids", "node", "out_ids", "pages", "prefill_left", "start", "steps_left",
+                 "tree_n", "ttft")  # fmt: skip
 
     def __init__(self, rid: int, ids: np.ndarray, out_ids: np.ndarray, steps: int, start: float):
         self.id, self.ids, self.out_ids, self.steps_left, self.start = rid, ids, out_ids, steps, start
         self.ttft = 0.0
+        self.tree_n = 0
 
 
 class _Worker:
@@ -224,6 +237,8 @@ class ClusterSim:
                 job.steps_left -= steps
         for job, n in w.chunk:
             job.prefill_left -= n
+            if self.m.prefix_sharing:
+                self._cache_prompt(w, job)
             if job.prefill_left == 0:
                 job.ttft = t
                 job.steps_left -= 1  # NOTE: the step that finishes a prefill emits the first token
@@ -240,18 +255,44 @@ class ClusterSim:
             w.decoding = keep
         self._boundary(w, t)
 
+    def _insert(self, w: _Worker, job: _Job, tokens: np.ndarray) -> None:
+        """Cache ``tokens`` (whole pages, job's sequence) held in the job's pages; free the job's
+        pages whose tokens another request cached meanwhile (the tree keeps its own)."""
+        pos = w.cache.insert(tokens, job.pages[: tokens.size // self.m.block_size])
+        dup = job.pages[job.tree_n : pos // self.m.block_size]
+        if dup.size:
+            w.alloc.free(dup)
+
+    def _cache_prompt(self, w: _Worker, job: _Job) -> None:
+        """After a prefill step: the prompt's computed full pages enter the cache, locked for the
+        job, which now reads the tree's pages for them (as the worker's scheduler does)."""
+        ps = self.m.block_size
+        full = (job.ids.size - job.prefill_left) // ps
+        if full <= job.tree_n:
+            return
+        tokens = job.ids[: full * ps]
+        self._insert(w, job, tokens)
+        # NOTE: match leaves one token uncached, so a probe token past the pages lets all of them match
+        match = w.cache.match_prefix(np.append(tokens, np.int32(0)))
+        w.cache.lock(match.last_node)
+        w.cache.unlock(job.node)
+        job.node, job.tree_n = match.last_node, full
+        job.pages = np.concatenate((match.pages, job.pages[full:]))
+
+    def _in_flight_key(self, job: _Job, cached: int) -> bytes | None:
+        """The first page past ``cached`` tokens of job's prompt, as the key of its computation."""
+        ps = self.m.block_size
+        if cached + ps > job.ids.size:
+            return None
+        return cached.to_bytes(4, "little") + job.ids[cached : cached + ps].tobytes()
+
     def _finish(self, w: _Worker, job: _Job, t: float) -> None:
-        ps, cache = self.m.block_size, w.cache
+        ps = self.m.block_size
         seq = np.concatenate((job.ids, job.out_ids))
         n_full = seq.size // ps
-        n_prefix = job.prefix_pages.size
-        own = n_full - n_prefix  # NOTE: our pages that hold full pages of the sequence
-        pos = cache.insert(seq[: n_full * ps], np.concatenate((job.prefix_pages, job.pages[:own])))
-        dup = pos // ps - n_prefix  # our pages whose tokens another request cached meanwhile
-        if dup > 0:
-            w.alloc.free(job.pages[:dup])
-        w.alloc.free(job.pages[own:])
-        cache.unlock(job.node)
+        self._insert(w, job, seq[: n_full * ps])
+        w.alloc.free(job.pages[n_full:])
+        w.cache.unlock(job.node)
         w.outstanding -= 1
         self.ttft.append(job.ttft - job.start)
         self.latency.append(t - job.start)
@@ -263,16 +304,26 @@ class ClusterSim:
 
     def _admit(self, w: _Worker) -> None:
         m, cache, alloc = self.m, w.cache, w.alloc
-        while w.waiting and len(w.prefilling) + len(w.decoding) < m.max_running:
-            job = w.waiting[0]
+        in_flight: set[bytes] = set()
+        if m.prefix_sharing:
+            in_flight = {k for j in w.prefilling if (k := self._in_flight_key(j, j.tree_n * m.block_size))}
+        deferred = 0  # waiting requests passed over this step, kept at the head of the queue
+        while len(w.waiting) > deferred and len(w.prefilling) + len(w.decoding) < m.max_running:
+            if deferred >= m.admit_window:
+                break
+            job = w.waiting[deferred]
             total = job.ids.size + job.out_ids.size
             if -(-total // m.block_size) > self.pool_pages:  # can never fit: like HTTP 413
-                w.waiting.popleft()
+                del w.waiting[deferred]
                 w.outstanding -= 1
                 self.rejected += 1
                 self.skipped += self.src.drop_conversation(job.id)
                 continue
             match = cache.match_prefix(job.ids)
+            key = self._in_flight_key(job, match.num_tokens) if m.prefix_sharing else None
+            if key is not None and key in in_flight:
+                deferred += 1  # NOTE: another request computes this page now; take it from the tree next step
+                continue
             need = -(-(total - match.num_tokens) // m.block_size)
             cache.lock(match.last_node)
             if alloc.num_free < need:
@@ -281,13 +332,15 @@ class ClusterSim:
             if pages is None:  # NOTE: running requests hold the pool; retry when one finishes
                 cache.unlock(match.last_node)
                 return
-            w.waiting.popleft()
-            job.node, job.prefix_pages, job.pages = match.last_node, match.pages, pages
-            job.cached = match.num_tokens
+            del w.waiting[deferred]
+            job.node, job.pages = match.last_node, np.concatenate((match.pages, pages))
+            job.tree_n = match.pages.size
             job.prefill_left = job.ids.size - match.num_tokens
             self.prompt_tokens += job.ids.size
             self.cached_tokens += match.num_tokens
             w.prefilling.append(job)
+            if key is not None:
+                in_flight.add(key)
 
     def _boundary(self, w: _Worker, t: float) -> None:
         """At a step boundary: admit, plan the next segment, publish the cache's events."""
