@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-events", action="store_true", help="router index learns only from its own routing")
     p.add_argument("--event-delay-ms", type=float, default=0.0)
     p.add_argument("--index-entries", type=int, default=2_000_000)
+    p.add_argument("--prefill-tokens-per-load", type=float, default=SimConfig.prefill_tokens_per_load,
+                   help="the router's setting: unanswered prefill tokens worth one request of load (0: off)")  # fmt: skip
     p.add_argument("--json", help="write all summaries here")
     p.add_argument("--md", help="write the markdown table here")
     a = p.parse_args(argv)
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     for label, policy, params in runs:
         cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
-                        a.index_entries)  # fmt: skip
+                        a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load)  # fmt: skip
         summaries.append(ClusterSim(cfg, source).run())
         print(f"# {label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)

@@ -23,6 +23,7 @@ from loadtest.sim_sources import Source
 from router.block_hash import block_hashes
 from router.policies import Candidate, Policy, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
+from router.workers import blended_load
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
 
@@ -69,6 +70,9 @@ class SimConfig:
     events: bool = True  # worker KV events (stored/removed) flow back into the router's index
     event_delay_s: float = 0.0  # simulated delay from a worker step to the router applying its events
     index_entries: int = 2_000_000  # router PrefixIndex budget of (block, worker) entries
+    # the router's --prefill-tokens-per-load: a request's predicted uncached prompt tokens count in
+    # its worker's load until its first token (a streamed answer's first chunk); 0 = requests only
+    prefill_tokens_per_load: float = 256.0
     namespace: str = "default"  # block-hash root: the model name
 
 
@@ -95,13 +99,14 @@ class _Job:
     """One admitted or waiting request. ``pages`` hold the whole sequence (prompt + output); the
     first ``tree_n`` of them belong to the radix cache, locked through ``node``."""
 
-    __slots__ = ("id", "ids", "node", "out_ids", "pages", "prefill_left", "start", "steps_left",
-                 "tree_n", "ttft")  # fmt: skip
+    __slots__ = ("id", "ids", "node", "out_ids", "pages", "pending", "prefill_left", "start",
+                 "steps_left", "tree_n", "ttft")  # fmt: skip
 
     def __init__(self, rid: int, ids: np.ndarray, out_ids: np.ndarray, steps: int, start: float):
         self.id, self.ids, self.out_ids, self.steps_left, self.start = rid, ids, out_ids, steps, start
         self.ttft = 0.0
         self.tree_n = 0
+        self.pending = 0  # prefill tokens the router counts in the worker's load until the first token
 
 
 class _Worker:
@@ -114,6 +119,7 @@ class _Worker:
         self.decoding: list[_Job] = []
         self.chunk: list[tuple[_Job, int]] = []  # prefill work of the current step (job, tokens)
         self.outstanding = 0  # routed, not finished: what the router counts as in flight
+        self.pending_prefill = 0  # the router's Worker.pending_prefill
         self.requests = 0
         self.busy_s = 0.0
         self.max_waiting = 0
@@ -140,6 +146,8 @@ class ClusterSim:
         for w in self.workers:
             self.index.add_worker(w.url)
         self.pool_pages = max(1, self.m.kv_tokens // self.m.block_size)
+        tpl = config.prefill_tokens_per_load
+        self.prefill_weight = 1.0 / tpl if tpl > 0 else 0.0
         self.heap: list[tuple[float, int, int, Any]] = []  # (time s, seq, kind, payload)
         self.seq = 0
         self.ttft: list[float] = []
@@ -189,17 +197,27 @@ class ClusterSim:
         bs, policy = self.m.block_size, self.policy
         t0 = time.perf_counter_ns()
         route = RouteRequest(block_hashes(tokens, bs, self.c.namespace), len(tokens), bs)
-        candidates = [Candidate(w.url, float(w.outstanding)) for w in self.workers]
+        weight = self.prefill_weight
+        candidates = [
+            Candidate(w.url, blended_load(w.outstanding, 0.0, w.pending_prefill, weight))
+            for w in self.workers
+        ]
+        pending = 0
         if isinstance(policy, StickyPolicy):
             url = policy.select_group(self.src.group(rid), candidates)
         else:
-            url = policy.select(route, candidates).url
+            decision = policy.select(route, candidates)
+            url = decision.url
+            pending = len(tokens) - decision.matched_tokens[url]
         policy.on_routed(route, url)
         self.decision_ns.append(time.perf_counter_ns() - t0)
         w = self.by_url[url]
         w.outstanding += 1
         w.requests += 1
-        w.waiting.append(_Job(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t))
+        job = _Job(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
+        job.pending = pending
+        w.pending_prefill += pending
+        w.waiting.append(job)
         w.max_waiting = max(w.max_waiting, len(w.waiting))
         self._kick(w, t)
 
@@ -241,6 +259,7 @@ class ClusterSim:
                 self._cache_prompt(w, job)
             if job.prefill_left == 0:
                 job.ttft = t
+                w.pending_prefill -= job.pending
                 job.steps_left -= 1  # NOTE: the step that finishes a prefill emits the first token
                 w.prefilling.remove(job)
                 w.decoding.append(job)
@@ -316,6 +335,7 @@ class ClusterSim:
             if -(-total // m.block_size) > self.pool_pages:  # can never fit: like HTTP 413
                 del w.waiting[deferred]
                 w.outstanding -= 1
+                w.pending_prefill -= job.pending
                 self.rejected += 1
                 self.skipped += self.src.drop_conversation(job.id)
                 continue

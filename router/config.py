@@ -28,6 +28,9 @@ class RouterConfig:
     tokenizer: str = "bytes"  # "bytes" or a directory with tokenizer.json (+ chat template)
     block_size: int = 16  # tokens per block until workers advertise theirs (/v1/cache/info)
     max_index_entries: int = 2_000_000  # ONE budget of (block, worker) entries for the whole index
+    # predicted uncached prompt tokens (router tokens), sent and not yet answered, that weigh as much
+    # in a worker's load as one outstanding request; 0 counts requests only (router/workers.py)
+    prefill_tokens_per_load: float = 256.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     breaker_failure_threshold: int = 3
@@ -56,6 +59,8 @@ class RouterConfig:
         for name in ("block_size", "max_index_entries", "port"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not self.prefill_tokens_per_load >= 0:  # NaN fails too
+            raise ValueError("prefill_tokens_per_load must be >= 0 (0: load counts requests only)")
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
@@ -142,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="'bytes' (default) or a directory holding tokenizer.json")
     p.add_argument("--block-size", type=int)
     p.add_argument("--max-index-entries", type=int)
+    p.add_argument(
+        "--prefill-tokens-per-load",
+        type=float,
+        help="unanswered prefill tokens that count as one request of load (default 256; 0: off)",
+    )
     p.add_argument("--health-interval-s", type=float)
     p.add_argument("--max-retries", type=int)
     p.add_argument("--request-timeout-s", type=float)

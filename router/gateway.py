@@ -64,6 +64,23 @@ class _ClientWatch:
         self._watcher.cancel()
 
 
+class PendingPrefill:
+    """A request's predicted uncached prompt tokens, counted in its worker's load (``Worker.load``)
+    from the send until its first byte comes back (a stream's first chunk, else the whole answer)
+    or the attempt fails: the prefill queued there that requests of equal count do not show."""
+
+    __slots__ = ("tokens", "worker")
+
+    def __init__(self, worker: Worker, tokens: int) -> None:
+        self.worker, self.tokens = worker, max(0, tokens)
+        worker.pending_prefill += self.tokens
+
+    def release(self) -> None:
+        """Idempotent: the first call takes the tokens off the worker's load."""
+        self.worker.pending_prefill -= self.tokens
+        self.tokens = 0
+
+
 class Router:
     """All router state; one instance per app."""
 
@@ -78,7 +95,8 @@ class Router:
         self.workers = WorkerRegistry(
             lambda: CircuitBreaker(
                 failure_threshold=config.breaker_failure_threshold, open_seconds=config.breaker_open_s
-            )
+            ),
+            config.prefill_tokens_per_load,
         )
         self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
         self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
@@ -213,6 +231,7 @@ class Router:
             worker = self.workers.get(decision.url)
             assert worker is not None
             worker.in_flight += 1
+            prefill = PendingPrefill(worker, route.prompt_tokens - decision.matched_tokens.get(worker.url, 0))
             worker.breaker.on_send()
             worker.stats.requests += 1
             try:
@@ -235,7 +254,7 @@ class Router:
                 worker.stats.predicted_cached_tokens += decision.matched_tokens.get(worker.url, 0)
                 try:
                     if parsed.stream and resp.status == 200:
-                        await self._send_stream(send, watch, worker, resp, started)
+                        await self._send_stream(send, watch, worker, resp, started, prefill)
                     else:
                         await self._send_full(send, watch, worker, resp, started)
                 finally:
@@ -243,6 +262,7 @@ class Router:
                 return resp.status
             finally:
                 worker.in_flight -= 1
+                prefill.release()
         if failure is not None:
             raise RouterError(
                 failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind
@@ -277,7 +297,13 @@ class Router:
         await _send_bytes(send, resp.status, payload, content_type, worker.url.encode("latin-1"))
 
     async def _send_stream(
-        self, send: Callable, watch: _ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
+        self,
+        send: Callable,
+        watch: _ClientWatch,
+        worker: Worker,
+        resp: UpstreamResponse,
+        started: float,
+        prefill: PendingPrefill,
     ) -> None:
         """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering."""
         scanner = SSEUsageScanner()
@@ -299,6 +325,7 @@ class Router:
             async for chunk in resp.chunks():
                 if first:
                     self.metrics.ttft_of[True].observe(time.perf_counter() - started)
+                    prefill.release()
                     first = False
                 scanner.feed(chunk)
                 finished = resp.at_end  # the last chunk: end the client's stream in the same write
@@ -340,6 +367,7 @@ class Router:
                     "available": w.available(time.monotonic()),
                     "load": w.load,
                     "in_flight": w.in_flight,
+                    "pending_prefill_tokens": w.pending_prefill,
                     "matched_tokens": (
                         decision.matched_tokens.get(w.url, 0)
                         if decision is not None and w.url in decision.matched_tokens

@@ -47,6 +47,11 @@ class _WorkerCollector:
             "radixgate_upstream_in_flight", "Requests open to the worker", labels=label
         )
         load = GaugeMetricFamily("radixgate_upstream_load", "Blended load used for routing", labels=label)
+        pending = GaugeMetricFamily(
+            "radixgate_upstream_pending_prefill_tokens",
+            "Predicted uncached prompt tokens sent and not yet answered",
+            labels=label,
+        )
         healthy = GaugeMetricFamily(
             "radixgate_upstream_healthy", "1 if the last health check passed", labels=label
         )
@@ -90,6 +95,7 @@ class _WorkerCollector:
             retries.add_metric([w.url], s.retries)
             in_flight.add_metric([w.url], w.in_flight)
             load.add_metric([w.url], w.load)
+            pending.add_metric([w.url], w.pending_prefill)
             healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
             breaker.add_metric([w.url], int(w.breaker.state))
             prompt.add_metric([w.url], s.prompt_tokens)
@@ -117,7 +123,7 @@ class _WorkerCollector:
         index_nodes.add_metric([], nodes)
         workers_total = GaugeMetricFamily("radixgate_workers", "Registered workers")
         workers_total.add_metric([], len(self._workers))
-        yield from (requests, errors, retries, in_flight, load, healthy, breaker, prompt, predicted)
+        yield from (requests, errors, retries, in_flight, load, pending, healthy, breaker, prompt, predicted)
         yield from (
             usage_prompt,
             cached,

@@ -22,7 +22,8 @@ Policies and parameters (``make_policy(name, index, params)``; ``describe()`` re
   (the prefill it saves over going to the least loaded). So a holder may be ``balance_abs`` (default
   2.0) requests busier than the least loaded worker whatever it saves or, if more, one request per
   ``tokens_per_load`` (default 32) tokens it saves, that part capped at ``balance_rel`` (default
-  2.0) x the mean load. Loads are in load units (outstanding requests). ``tokens_per_load=0`` gives
+  2.0) x the mean load. Loads are in load units: outstanding requests, plus the router's pending
+  prefill (router/workers.py). ``tokens_per_load=0`` gives
   any saving the whole ``balance_rel`` window: the saving-blind rule (the former default, with
   ``balance_rel=0.1``).
   Misses therefore go to the least loaded worker, never to the worker with the smallest cache. A

@@ -1,7 +1,8 @@
 """The router's view of its workers: address, health, circuit breaker, load and per-worker counters.
 
 A worker's load lives here and only here: in-flight requests counted by this router on every path,
-blended with the queue the worker itself reports (which includes other router replicas' traffic)."""
+blended with the queue the worker itself reports (which includes other router replicas' traffic),
+plus the prefill this router has sent there and not yet seen answered, in request units."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class Worker:
     healthy: bool = False  # last health check passed (a new worker is unhealthy until checked)
     in_flight: int = 0  # requests this router has open to the worker right now
     reported_queue: float = 0.0  # running + waiting as the worker last reported (0 if it doesn't)
+    # predicted uncached prompt tokens of our requests there without a first byte yet (gateway.Prefill)
+    pending_prefill: int = 0
+    prefill_weight: float = 0.0  # load units per pending prefill token (1 / prefill_tokens_per_load)
     models: set[str] = field(default_factory=set)  # served model ids (empty = unknown, serves all)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
     epoch: str | None = None  # the worker's start identity, from /health or cache info
@@ -43,8 +47,11 @@ class Worker:
 
     @property
     def load(self) -> float:
-        """Outstanding requests: ours, or the worker's own count when other replicas add to it."""
-        return float(max(self.in_flight, self.reported_queue))
+        """Outstanding requests (ours, or the worker's own count when other replicas add to it),
+        plus one per ``prefill_tokens_per_load`` tokens of prefill we sent that is still unanswered.
+        NOTE: a request's count says little about the work it brings: a miss on a long prompt
+        queues every request behind its prefill, a hit on the same prompt costs a few tokens."""
+        return blended_load(self.in_flight, self.reported_queue, self.pending_prefill, self.prefill_weight)
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
@@ -54,12 +61,23 @@ class Worker:
         return None if self.cache_info is None else self.cache_info.get("block_size")
 
 
-class WorkerRegistry:
-    """Workers by URL. Listeners hear about additions and removals (index, event subscriptions)."""
+def blended_load(in_flight: int, reported_queue: float, pending_prefill: int, prefill_weight: float) -> float:
+    """A worker's load in request units; the fleet simulator computes its loads with this too."""
+    return float(max(in_flight, reported_queue)) + pending_prefill * prefill_weight
 
-    def __init__(self, breaker_factory: Callable[[], CircuitBreaker]) -> None:
+
+class WorkerRegistry:
+    """Workers by URL. Listeners hear about additions and removals (index, event subscriptions).
+    ``prefill_tokens_per_load``: pending prefill tokens worth one request of load (0: not counted)."""
+
+    def __init__(
+        self, breaker_factory: Callable[[], CircuitBreaker], prefill_tokens_per_load: float = 0.0
+    ) -> None:
+        if not prefill_tokens_per_load >= 0:
+            raise ValueError("prefill_tokens_per_load must be >= 0")
         self._workers: dict[str, Worker] = {}
         self._breaker_factory = breaker_factory
+        self._prefill_weight = 1.0 / prefill_tokens_per_load if prefill_tokens_per_load else 0.0
         self.on_added: list[Callable[[Worker], None]] = []
         self.on_removed: list[Callable[[Worker], None]] = []
 
@@ -67,7 +85,7 @@ class WorkerRegistry:
         url = url.rstrip("/")
         if url in self._workers:
             return self._workers[url]
-        worker = Worker(url=url, breaker=self._breaker_factory())
+        worker = Worker(url=url, breaker=self._breaker_factory(), prefill_weight=self._prefill_weight)
         self._workers[url] = worker
         for listener in self.on_added:
             listener(worker)
@@ -119,6 +137,7 @@ class WorkerRegistry:
                 "breaker": BreakerState(w.breaker.state).name.lower(),
                 "in_flight": w.in_flight,
                 "reported_queue": w.reported_queue,
+                "pending_prefill_tokens": w.pending_prefill,
                 "load": w.load,
                 "models": sorted(w.models),
                 "block_size": w.block_size,

@@ -22,7 +22,14 @@ def test_worker_flags_both_spellings():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--workers", "a:1"], ["--block-size", "0"], ["--kv-events", "redis"], ["--policy-param", "novalue"]],
+    [
+        ["--workers", "a:1"],
+        ["--block-size", "0"],
+        ["--kv-events", "redis"],
+        ["--policy-param", "novalue"],
+        ["--prefill-tokens-per-load", "-1"],
+        ["--prefill-tokens-per-load", "nan"],
+    ],
 )
 def test_bad_settings_are_errors(argv):
     with pytest.raises(ValueError):
@@ -42,3 +49,23 @@ def test_shipped_example_config_loads():
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "router.yaml")
     config = build_config(["--config", path], environ={})
     assert config.policy == "cache_aware" and len(config.workers) == 2
+
+
+def test_prefill_weight_reaches_every_worker_load():
+    from router.circuit_breaker import CircuitBreaker
+    from router.workers import WorkerRegistry
+
+    config = build_config(["--prefill-tokens-per-load", "100"], environ={})
+    assert config.prefill_tokens_per_load == 100.0
+    assert build_config([], environ={}).prefill_tokens_per_load == 256.0
+    registry = WorkerRegistry(CircuitBreaker, config.prefill_tokens_per_load)
+    w = registry.add("http://a:1")
+    w.in_flight, w.pending_prefill = 2, 250
+    assert w.load == pytest.approx(4.5)  # 2 requests + 250 unanswered prefill tokens / 100
+    w.reported_queue = 5.0  # the worker's own count covers other routers' requests
+    assert w.load == pytest.approx(7.5)
+    off = WorkerRegistry(CircuitBreaker, 0.0).add("http://b:1")
+    off.in_flight, off.pending_prefill = 2, 250
+    assert off.load == 2.0
+    with pytest.raises(ValueError):
+        WorkerRegistry(CircuitBreaker, -1.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from collections import Counter
 
@@ -144,6 +145,8 @@ def test_killed_worker_is_skipped_and_no_request_hangs(launch):
     metrics = httpx.get(router.url + "/metrics").text
     errors = metric_values(metrics, "radixgate_upstream_errors_total")
     assert any(victim.url in k and v >= 1 for k, v in errors.items())
+    for w in httpx.get(router.url + "/workers").json()["workers"]:  # failed attempts gave their load back
+        assert (w["in_flight"], w["pending_prefill_tokens"]) == (0, 0)
 
 
 def test_frozen_worker_is_routed_around_and_gets_traffic_after_it_resumes(launch):
@@ -296,6 +299,51 @@ def test_worker_restarted_on_same_address_gets_traffic_again(launch):
             return r.status_code == 200 and r.headers["x-radixgate-worker"] == victim.url
 
         wait_until(gets_traffic, timeout=15, interval=0.2, what="traffic to the restarted worker")
+
+
+def test_unanswered_prefill_counts_in_load_until_the_first_chunk(launch):
+    # 20 ms per uncached prompt token before the first byte, then 200 ms per output token
+    slow = launch.echo_backend("--prefill-us-per-token", "20000", "--decode-ms-per-token", "200")
+    router = launch.router([slow.url], "--prefill-tokens-per-load", "10")
+    body = {"model": "echo", "prompt": "a prompt the worker has never seen", "max_tokens": 4, "stream": True}
+    prompt_tokens = httpx.post(router.url + "/debug/route", json=body, timeout=5).json()["prompt_tokens"]
+
+    def view() -> dict:
+        return httpx.get(router.url + "/workers", timeout=5).json()["workers"][0]
+
+    def pending_metric() -> float:
+        text = httpx.get(router.url + "/metrics", timeout=5).text
+        return metric_values(text, "radixgate_upstream_pending_prefill_tokens")[f'{{worker="{slow.url}"}}']
+
+    first_chunk, finish = threading.Event(), threading.Event()
+    chunks: list[bytes] = []
+
+    def client() -> None:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+            it = r.iter_raw()
+            chunks.append(next(it))
+            first_chunk.set()
+            finish.wait(30)
+            chunks.extend(it)
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        wait_until(lambda: view()["in_flight"] == 1, timeout=10, what="request sent")
+        w = view()  # still in prefill: nothing cached, so the whole prompt is pending
+        assert not first_chunk.is_set()
+        assert w["pending_prefill_tokens"] == prompt_tokens > 0
+        assert w["load"] == pytest.approx(1 + prompt_tokens / 10)
+        assert pending_metric() == prompt_tokens
+        assert first_chunk.wait(30)
+        w = view()  # decoding: the request still counts, its prefill no longer does
+        assert (w["in_flight"], w["pending_prefill_tokens"], w["load"]) == (1, 0, 1.0)
+    finally:
+        finish.set()
+        thread.join(30)
+    assert b"[DONE]" in b"".join(chunks)
+    wait_until(lambda: view()["in_flight"] == 0, timeout=10, what="request finished")
+    assert view()["pending_prefill_tokens"] == 0 and pending_metric() == 0
 
 
 def test_client_disconnect_releases_load_and_cancels_upstream(launch):
