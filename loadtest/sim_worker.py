@@ -1,0 +1,157 @@
+"""One simulated worker of the fleet simulator: its real radix cache over a bounded page pool, its
+queues, and how it admits requests and shares a prompt's pages. Time is the engine's business
+(loadtest/fleet_sim.py): nothing here reads a clock or plans a step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker.kv_pool import PageAllocator
+from worker.radix_cache import RadixCache
+
+
+@dataclass
+class WorkerModel:
+    """One worker's service model, the same cost model as ``python -m worker --engine sim`` (see
+    worker/sim_engine.py for where the defaults come from). The defaults are ESTIMATES for one H100
+    serving Llama-3-8B in bf16, not measurements: a prefill (extend) step costs 0.07 ms per uncached
+    prompt token (~14k tokens/s); a decode step costs 7 ms + 0.06 ms per decoding request; the KV pool
+    holds 400k tokens. Prefill and decode steps alternate (a prefill step stalls decoding).
+
+    ``prefix_sharing`` (default True) follows radixgate's worker scheduler: the full pages a prefill
+    step computes enter the radix cache at once (and the router hears of them), and a waiting
+    request whose next uncached page another admitted request is computing waits a step to reuse it
+    instead of computing it again. With False a request's pages enter the cache when it finishes and
+    concurrent requests with one prefix each compute it. Admission is FCFS over the oldest
+    ``admit_window`` waiting requests (the worker's ``--schedule-policy fcfs``)."""
+
+    prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
+    decode_base_ms: float = 7.0  # one decode step at batch size 1
+    decode_ms_per_seq: float = 0.06  # per decoding request in the step
+    max_running: int = 256  # requests admitted at once; the rest wait (FCFS, see prefix_sharing)
+    chunked_prefill_tokens: int = 2048  # real prompt tokens prefilled per step
+    kv_tokens: int = 400_000  # KV pool per worker, in simulated tokens (pages = kv_tokens // block_size)
+    block_size: int = 16  # tokens per page = router block size
+    prefix_sharing: bool = True  # cache computed pages per step; wait for a shared page in flight
+    admit_window: int = 256  # oldest waiting requests considered for admission per step
+
+
+class SimJob:
+    """One admitted or waiting request. ``pages`` hold the whole sequence (prompt + output); the
+    first ``tree_n`` of them belong to the radix cache, locked through ``node``."""
+
+    __slots__ = ("id", "ids", "node", "out_ids", "pages", "pending", "prefill_left", "start",
+                 "steps_left", "tree_n", "ttft")  # fmt: skip
+
+    def __init__(self, rid: int, ids: np.ndarray, out_ids: np.ndarray, steps: int, start: float):
+        self.id, self.ids, self.out_ids, self.steps_left, self.start = rid, ids, out_ids, steps, start
+        self.ttft = 0.0
+        self.tree_n = 0
+        self.pending = 0  # prefill tokens the router counts in the worker's load until the first token
+
+
+class SimWorker:
+    def __init__(self, url: str, m: WorkerModel, events: bool, namespace: str) -> None:
+        self.url, self.m = url, m
+        self.alloc = PageAllocator(max(1, m.kv_tokens // m.block_size))
+        self.cache = RadixCache(self.alloc, m.block_size, namespace, enable_events=events)
+        self.waiting: deque[SimJob] = deque()
+        self.prefilling: list[SimJob] = []
+        self.decoding: list[SimJob] = []
+        self.chunk: list[tuple[SimJob, int]] = []  # prefill work of the current step (job, tokens)
+        self.outstanding = 0  # routed, not finished: what the router counts as in flight
+        self.pending_prefill = 0  # the router's Worker.pending_prefill
+        self.requests = 0
+        self.prompt_tokens = self.cached_tokens = 0  # of admitted requests, cached as matched then
+        self.busy_s = 0.0
+        self.max_waiting = 0
+        self.seg: tuple[float, float, int] | None = None  # (start s, step s, steps) or idle
+        self.version = 0  # bumps when a planned segment end is moved
+
+    def admit(self) -> list[SimJob]:
+        """Move waiting requests into ``prefilling`` while batch room and pages allow. Returns the
+        requests taken off the queue because they can never fit the pool (the worker's 413)."""
+        m, cache, alloc = self.m, self.cache, self.alloc
+        pool_pages = alloc.num_pages
+        rejected: list[SimJob] = []
+        in_flight: set[bytes] = set()
+        if m.prefix_sharing:
+            in_flight = {k for j in self.prefilling if (k := self._in_flight_key(j, j.tree_n * m.block_size))}
+        deferred = 0  # waiting requests passed over this step, kept at the head of the queue
+        while len(self.waiting) > deferred and len(self.prefilling) + len(self.decoding) < m.max_running:
+            if deferred >= m.admit_window:
+                break
+            job = self.waiting[deferred]
+            total = job.ids.size + job.out_ids.size
+            if -(-total // m.block_size) > pool_pages:
+                del self.waiting[deferred]
+                rejected.append(job)
+                continue
+            match = cache.match_prefix(job.ids)
+            key = self._in_flight_key(job, match.num_tokens) if m.prefix_sharing else None
+            if key is not None and key in in_flight:
+                deferred += 1  # NOTE: another request computes this page now; take it from the tree next step
+                continue
+            need = -(-(total - match.num_tokens) // m.block_size)
+            cache.lock(match.last_node)
+            if alloc.num_free < need:
+                cache.evict(need - alloc.num_free)
+            pages = alloc.alloc(need)
+            if pages is None:  # NOTE: running requests hold the pool; retry when one finishes
+                cache.unlock(match.last_node)
+                break
+            del self.waiting[deferred]
+            job.node, job.pages = match.last_node, np.concatenate((match.pages, pages))
+            job.tree_n = match.pages.size
+            job.prefill_left = job.ids.size - match.num_tokens
+            self.prompt_tokens += job.ids.size
+            self.cached_tokens += match.num_tokens
+            self.prefilling.append(job)
+            if key is not None:
+                in_flight.add(key)
+        return rejected
+
+    def cache_prompt(self, job: SimJob) -> None:
+        """After a prefill step: the prompt's computed full pages enter the cache, locked for the
+        job, which now reads the tree's pages for them (as the worker's scheduler does)."""
+        ps = self.m.block_size
+        full = (job.ids.size - job.prefill_left) // ps
+        if full <= job.tree_n:
+            return
+        tokens = job.ids[: full * ps]
+        self._insert(job, tokens)
+        # NOTE: match leaves one token uncached, so a probe token past the pages lets all of them match
+        match = self.cache.match_prefix(np.append(tokens, np.int32(0)))
+        self.cache.lock(match.last_node)
+        self.cache.unlock(job.node)
+        job.node, job.tree_n = match.last_node, full
+        job.pages = np.concatenate((match.pages, job.pages[full:]))
+
+    def release(self, job: SimJob) -> None:
+        """A finished request: its sequence's full pages (prompt + output) enter the cache, the rest
+        of its pages go back to the pool, and its lock is dropped."""
+        ps = self.m.block_size
+        seq = np.concatenate((job.ids, job.out_ids))
+        n_full = seq.size // ps
+        self._insert(job, seq[: n_full * ps])
+        self.alloc.free(job.pages[n_full:])
+        self.cache.unlock(job.node)
+
+    def _insert(self, job: SimJob, tokens: np.ndarray) -> None:
+        """Cache ``tokens`` (whole pages, job's sequence) held in the job's pages; free the job's
+        pages whose tokens another request cached meanwhile (the tree keeps its own)."""
+        pos = self.cache.insert(tokens, job.pages[: tokens.size // self.m.block_size])
+        dup = job.pages[job.tree_n : pos // self.m.block_size]
+        if dup.size:
+            self.alloc.free(dup)
+
+    def _in_flight_key(self, job: SimJob, cached: int) -> bytes | None:
+        """The first page past ``cached`` tokens of job's prompt, as the key of its computation."""
+        ps = self.m.block_size
+        if cached + ps > job.ids.size:
+            return None
+        return cached.to_bytes(4, "little") + job.ids[cached : cached + ps].tobytes()
