@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index-entries", type=int, default=2_000_000)
     p.add_argument("--prefill-tokens-per-load", type=float, default=SimConfig.prefill_tokens_per_load,
                    help="the router's setting: unanswered prefill tokens worth one request of load (0: off)")  # fmt: skip
+    p.add_argument("--join-workers", type=int, default=0, help="workers that join the fleet at --join-at")
+    p.add_argument("--join-at", type=float, default=0.0, help="simulated time (s) of the join")
     p.add_argument("--json", help="write all summaries here")
     p.add_argument("--md", help="write the markdown table here")
     a = p.parse_args(argv)
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     summaries = []
     for label, policy, params in runs:
         cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
-                        a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load)  # fmt: skip
+                        a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load,
+                        join_workers=a.join_workers, join_at_s=a.join_at)  # fmt: skip
         summaries.append(ClusterSim(cfg, source).run())
         print(f"# {label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)

@@ -46,6 +46,8 @@ class SimConfig:
     # its worker's load until its first token (a streamed answer's first chunk); 0 = requests only
     prefill_tokens_per_load: float = 256.0
     namespace: str = "default"  # block-hash root: the model name
+    join_workers: int = 0  # workers added to the fleet (empty caches) at join_at_s: a scale-up
+    join_at_s: float = 0.0  # simulated time of the join (s; arrivals start near 0)
 
 
 class StickyPolicy(Policy):
@@ -78,13 +80,20 @@ class ClusterSim:
             self.policy: Policy = StickyPolicy(self.index, config.params)
         else:
             self.policy = make_policy(config.policy, self.index, config.params)
+        if config.join_workers < 0:
+            raise ValueError("join_workers must be >= 0")
         self.workers = [
             SimWorker(f"http://sim-worker-{i}", self.m, config.events, config.namespace)
-            for i in range(config.workers)
+            for i in range(config.workers + config.join_workers)
         ]
         self.by_url = {w.url: w for w in self.workers}
-        for w in self.workers:
+        self.active = self.workers[: config.workers]  # the router's candidates; joiners come later
+        for w in self.active:
             self.index.add_worker(w.url)
+        self.joined = False
+        self.joiner_urls = {w.url for w in self.workers[config.workers :]}
+        self.ttft_after_join: list[float] = []
+        self.routed_after_join = self.to_joiners = 0
         tpl = config.prefill_tokens_per_load
         self.prefill_weight = 1.0 / tpl if tpl > 0 else 0.0
         self.heap: list[tuple[float, int, int, Any]] = []  # (time s, seq, kind, payload)
@@ -111,6 +120,8 @@ class ClusterSim:
         gc.freeze()
         firsts = self.src.first_turns()  # (arrival s, id), sorted
         pos, heap = 0, self.heap
+        if self.c.join_workers:
+            self._push(self.c.join_at_s, 3, None)
         while pos < len(firsts) or heap:
             if pos < len(firsts) and (not heap or firsts[pos][0] <= heap[0][0]):
                 t, rid = firsts[pos]
@@ -124,6 +135,11 @@ class ClusterSim:
                     self._segment_end(w, t)
             elif kind == 1:  # a later turn arrives
                 self._arrive(payload, t)
+            elif kind == 3:  # the scale-up: new workers become candidates
+                for w in self.workers[self.c.workers :]:
+                    self.index.add_worker(w.url)
+                self.active = self.workers
+                self.joined = True
             else:  # KV events reach the router
                 self._apply_events(*payload)
         gc.unfreeze()
@@ -138,8 +154,7 @@ class ClusterSim:
         route = RouteRequest(block_hashes(tokens, bs, self.c.namespace), len(tokens), bs)
         weight = self.prefill_weight
         candidates = [
-            Candidate(w.url, blended_load(w.outstanding, 0.0, w.pending_prefill, weight))
-            for w in self.workers
+            Candidate(w.url, blended_load(w.outstanding, 0.0, w.pending_prefill, weight)) for w in self.active
         ]
         pending = 0
         if isinstance(policy, StickyPolicy):
@@ -153,6 +168,9 @@ class ClusterSim:
         w = self.by_url[url]
         w.outstanding += 1
         w.requests += 1
+        if self.joined:
+            self.routed_after_join += 1
+            self.to_joiners += url in self.joiner_urls
         job = SimJob(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
         job.pending = pending
         w.pending_prefill += pending
@@ -217,6 +235,8 @@ class ClusterSim:
         w.release(job)
         w.outstanding -= 1
         self.ttft.append(job.ttft - job.start)
+        if self.c.join_workers and job.start >= self.c.join_at_s:
+            self.ttft_after_join.append(job.ttft - job.start)
         self.latency.append(t - job.start)
         self.output_tokens += self.src.output_steps(job.id)
         self.last_finish = max(self.last_finish, t)
@@ -265,6 +285,25 @@ class ClusterSim:
                     self._apply_events(w.url, stored, removed, cleared)
 
     # ---------------------------------------------------------------- results
+    def _join_summary(self, ms: Any) -> dict[str, Any]:
+        """For a run with a scale-up: where the requests routed after the join went, and TTFT of
+        the requests that arrived after it."""
+        if not self.c.join_workers:
+            return {}
+        n, total = self.c.join_workers, self.c.workers + self.c.join_workers
+        return {
+            "join": {
+                "workers": n,
+                "at_s": self.c.join_at_s,
+                "routed_after": self.routed_after_join,
+                "share_to_joiners": round(self.to_joiners / max(1, self.routed_after_join), 4),
+                "fair_share": round(n / total, 4),
+                "joiner_requests": [w.requests for w in self.workers[self.c.workers :]],
+                "ttft_p50_ms_after": ms(self.ttft_after_join, 50),
+                "ttft_p99_ms_after": ms(self.ttft_after_join, 99),
+            }
+        }
+
     def _summary(self, wall_s: float, t_first: float) -> dict[str, Any]:
         n_done = len(self.latency)
         prompt = sum(w.prompt_tokens for w in self.workers)
@@ -316,6 +355,7 @@ class ClusterSim:
             "index_mem_mb_est": round(
                 (nodes * _BYTES_FIRST_ENTRY + (entries - nodes) * _BYTES_EXTRA_ENTRY) / 2**20, 1
             ),
+            **self._join_summary(ms),
             "wall_s": round(wall_s, 2),
             "config": {**asdict(self.c), "label": self.c.label or self.c.policy},
         }

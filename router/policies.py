@@ -28,7 +28,11 @@ Policies and parameters (``make_policy(name, index, params)``; ``describe()`` re
   ``balance_rel=0.1``).
   Misses therefore go to the least loaded worker, never to the worker with the smallest cache. A
   hot prefix spreads to a second worker once its holder is busier than its window, and that worker
-  becomes a holder too (insert on route).
+  becomes a holder too (insert on route). A fresh worker (nothing of it in the prefix index: just
+  added, restarted, or at start-up) earns the others no window: while one is among the least
+  loaded, holders are admissible only within ``balance_abs``. Without that, once enough of the
+  fleet holds the common prefixes, their windows exceed their loads and an added worker would get
+  no request at all.
 
 Every policy inserts the routed prompt into the prefix index in ``on_routed`` (optimistic), so
 predicted cached tokens stay meaningful whichever policy runs; worker events correct it.
@@ -242,9 +246,10 @@ class CacheAware(Policy):
         if not (self._abs >= 0 and self._rel >= 0 and self._tokens_per_load >= 0):  # NaN fails too
             raise ValueError("cache_aware: balance_abs, balance_rel and tokens_per_load must be >= 0")
 
-    def _window(self, saved_tokens: int, mean_load: float) -> float:
-        """Load above the least loaded worker that a worker saving ``saved_tokens`` may carry."""
-        cap = self._rel * mean_load
+    def _window(self, saved_tokens: int, cap_load: float) -> float:
+        """Load above the least loaded worker that a worker saving ``saved_tokens`` may carry, its
+        saving-earned part capped at ``balance_rel`` x ``cap_load`` (the mean load, or 0)."""
+        cap = self._rel * cap_load
         if saved_tokens > 0:
             earned = cap if self._tokens_per_load == 0 else min(cap, saved_tokens / self._tokens_per_load)
         else:
@@ -256,6 +261,11 @@ class CacheAware(Policy):
         tokens = self._tokens(blocks, req)
         min_load = min(c.load for c in candidates)
         mean_load = sum(c.load for c in candidates) / len(candidates)
+        # NOTE: a fresh least-loaded worker closes the saving-earned windows (see the module docstring)
+        fresh = next(
+            (c.url for c in candidates if c.load == min_load and not self.index.worker_entries(c.url)), None
+        )
+        cap_load = 0.0 if fresh else mean_load
         # NOTE: the baseline is what the request gets at no extra load: the best least-loaded worker.
         base = max(tokens[c.url] for c in candidates if c.load == min_load)
         near = min_load + self._abs
@@ -264,7 +274,7 @@ class CacheAware(Policy):
             c
             for c in candidates
             if c.load <= near
-            or (tokens[c.url] > base and c.load - min_load <= self._window(tokens[c.url] - base, mean_load))
+            or (tokens[c.url] > base and c.load - min_load <= self._window(tokens[c.url] - base, cap_load))
         ]
         best = max(admissible, key=lambda c: (blocks[c.url], -c.load))
         top = (blocks[best.url], best.load)
@@ -278,7 +288,7 @@ class CacheAware(Policy):
             if best.load > min_load:
                 reason += (
                     f", {best.load - min_load:g} over the least loaded, window "
-                    f"{self._window(matched - base, mean_load):g} for {matched - base} tokens saved"
+                    f"{self._window(matched - base, cap_load):g} for {matched - base} tokens saved"
                 )
             reason += ")"
         else:
@@ -288,11 +298,13 @@ class CacheAware(Policy):
         most = max(blocks.values())
         if most > blocks[best.url]:
             holder = min((c for c in candidates if blocks[c.url] == most), key=lambda c: c.load)
-            window = self._window(tokens[holder.url] - base, mean_load)
+            window = self._window(tokens[holder.url] - base, cap_load)
             reason += (
                 f"; {holder.url} holds {tokens[holder.url]} tokens but its load {holder.load:g} is "
                 f"{holder.load - min_load:g} over the least loaded, past its window {window:g}"
             )
+            if fresh:
+                reason += f" ({fresh} is fresh: windows are balance_abs)"
         return Decision(best.url, tokens, reason)
 
 

@@ -178,6 +178,21 @@ def test_pending_prefill_in_the_load_keeps_a_miss_off_a_worker_busy_prefilling(t
     assert requests == [1, 3] and ttft < 0.2  # r3 went to X and was served at once
 
 
+def test_workers_that_join_take_requests_only_after_the_join():
+    src = WorkloadSource("unique", 400, 40.0, 8, 0, {"prompt_tokens": 200})
+    summary, sim = run("round_robin", src, workers=2, join_workers=2, join_at_s=5.0)
+    join = summary["join"]
+    assert summary["completed"] == 400 and join["fair_share"] == 0.5
+    assert 0 < join["routed_after"] < 400  # the join fell inside the run
+    assert join["share_to_joiners"] == pytest.approx(0.5, abs=0.01)  # round robin over four from then on
+    assert sum(join["joiner_requests"]) == pytest.approx(join["routed_after"] / 2, abs=1)
+    first_two = [w.requests for w in sim.workers[:2]]
+    assert sum(first_two) == 400 - sum(join["joiner_requests"])
+    assert join["ttft_p50_ms_after"] is not None
+    assert_fleet_consistent(sim)
+    assert "join" not in run("round_robin", src, workers=2)[0]
+
+
 def test_requests_larger_than_a_worker_pool_are_rejected_not_hung():
     src = WorkloadSource("unique", 5, 10.0, 8, 0, {"prompt_tokens": 3000})
     summary, sim = run("least_load", src, workers=2, model=WorkerModel(kv_tokens=1024), params={"seed": 0})

@@ -102,12 +102,16 @@ def test_prefix_hash_bounds_the_load_of_a_hot_prefix() -> None:
 
 
 def holder_setup(
-    held_tokens: int, holder_load: float, other_load: float
+    held_tokens: int, holder_load: float, other_load: float, others_fresh: bool = False
 ) -> tuple[RouteRequest, PrefixIndex, list[Candidate]]:
-    """URLS[0] holds the first ``held_tokens`` of a 1,024-token prompt; the others hold nothing."""
+    """URLS[0] holds the first ``held_tokens`` of a 1,024-token prompt; the others hold nothing of
+    it (an unrelated prompt each, or, with ``others_fresh``, nothing at all)."""
     index = PrefixIndex()
     req = request(list(range(1024)))
     index.insert(URLS[0], req.block_hashes[: held_tokens // BLOCK])
+    if not others_fresh:
+        for i, url in enumerate(URLS[1:]):
+            index.insert(url, request([5000 + i] * 64).block_hashes)
     loads = [holder_load] + [other_load] * (len(URLS) - 1)
     return req, index, [Candidate(u, load) for u, load in zip(URLS, loads, strict=True)]
 
@@ -126,6 +130,27 @@ def test_cache_aware_keeps_a_long_prefix_on_a_busier_holder_but_not_a_short_one(
     decision = make_policy("cache_aware", index).select(req, candidates)
     assert decision.url != URLS[0] and decision.matched_tokens[decision.url] == 0
     assert f"{URLS[0]} holds 32 tokens" in decision.reason and "past its window 2" in decision.reason
+
+
+def test_a_fresh_least_loaded_worker_closes_the_holders_windows() -> None:
+    # As in the test above, 256 tokens saved would buy the holder 8 requests over the least loaded;
+    # but the others hold nothing at all (just added or restarted): windows shrink to balance_abs.
+    req, index, candidates = holder_setup(256, 10.0, 6.0, others_fresh=True)
+    decision = make_policy("cache_aware", index).select(req, candidates)
+    assert decision.url != URLS[0]
+    assert "past its window 2" in decision.reason and "is fresh" in decision.reason
+    req, index, candidates = holder_setup(256, 8.0, 6.0, others_fresh=True)  # within balance_abs
+    assert make_policy("cache_aware", index).select(req, candidates).url == URLS[0]
+    # Once every least-loaded worker holds anything, the saving earns its window again.
+    req, index, candidates = holder_setup(256, 10.0, 6.0, others_fresh=True)
+    policy = make_policy("cache_aware", index)
+    for i, url in enumerate(URLS[1:]):
+        policy.on_routed(request([9000 + i] * 64), url)
+        chosen = policy.select(req, candidates).url
+        if url != URLS[-1]:
+            assert chosen != URLS[0]  # another fresh worker is still among the least loaded
+        else:
+            assert chosen == URLS[0]
 
 
 def test_cache_aware_still_spreads_a_hot_prefix_whose_holder_is_far_busier() -> None:
