@@ -23,7 +23,7 @@ from loadtest.sim_worker import SimJob, SimWorker, WorkerModel
 from router.block_hash import block_hashes
 from router.policies import Candidate, Policy, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
-from router.workers import blended_load
+from router.workers import PendingPrefill, blended_load
 
 SIM_POLICIES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware", "sticky")
 # Index memory per block held (bytes): tracemalloc of PrefixIndex.insert for 100k fresh blocks,
@@ -88,10 +88,11 @@ class ClusterSim:
         ]
         self.by_url = {w.url: w for w in self.workers}
         self.active = self.workers[: config.workers]  # the router's candidates; joiners come later
+        self.joiners = self.workers[config.workers :]
         for w in self.active:
             self.index.add_worker(w.url)
         self.joined = False
-        self.joiner_urls = {w.url for w in self.workers[config.workers :]}
+        self.joiner_urls = {w.url for w in self.joiners}
         self.ttft_after_join: list[float] = []
         self.routed_after_join = self.to_joiners = 0
         tpl = config.prefill_tokens_per_load
@@ -136,7 +137,7 @@ class ClusterSim:
             elif kind == 1:  # a later turn arrives
                 self._arrive(payload, t)
             elif kind == 3:  # the scale-up: new workers become candidates
-                for w in self.workers[self.c.workers :]:
+                for w in self.joiners:
                     self.index.add_worker(w.url)
                 self.active = self.workers
                 self.joined = True
@@ -156,7 +157,7 @@ class ClusterSim:
         candidates = [
             Candidate(w.url, blended_load(w.outstanding, 0.0, w.pending_prefill, weight)) for w in self.active
         ]
-        pending = 0
+        pending = 0  # NOTE: sticky ignores loads
         if isinstance(policy, StickyPolicy):
             url = policy.select_group(self.src.group(rid), candidates)
         else:
@@ -172,8 +173,7 @@ class ClusterSim:
             self.routed_after_join += 1
             self.to_joiners += url in self.joiner_urls
         job = SimJob(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
-        job.pending = pending
-        w.pending_prefill += pending
+        job.prefill = PendingPrefill(w, pending)
         w.waiting.append(job)
         w.max_waiting = max(w.max_waiting, len(w.waiting))
         self._kick(w, t)
@@ -216,7 +216,7 @@ class ClusterSim:
                 w.cache_prompt(job)
             if job.prefill_left == 0:
                 job.ttft = t
-                w.pending_prefill -= job.pending
+                job.prefill.release()
                 job.steps_left -= 1  # NOTE: the step that finishes a prefill emits the first token
                 w.prefilling.remove(job)
                 w.decoding.append(job)
@@ -247,7 +247,7 @@ class ClusterSim:
     def _admit(self, w: SimWorker) -> None:
         for job in w.admit():  # NOTE: can never fit the pool: the worker's 413
             w.outstanding -= 1
-            w.pending_prefill -= job.pending
+            job.prefill.release()
             self.rejected += 1
             self.skipped += self.src.drop_conversation(job.id)
 
@@ -298,7 +298,7 @@ class ClusterSim:
                 "routed_after": self.routed_after_join,
                 "share_to_joiners": round(self.to_joiners / max(1, self.routed_after_join), 4),
                 "fair_share": round(n / total, 4),
-                "joiner_requests": [w.requests for w in self.workers[self.c.workers :]],
+                "joiner_requests": [w.requests for w in self.joiners],
                 "ttft_p50_ms_after": ms(self.ttft_after_join, 50),
                 "ttft_p99_ms_after": ms(self.ttft_after_join, 99),
             }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,14 +45,14 @@ class SimJob:
     """One admitted or waiting request. ``pages`` hold the whole sequence (prompt + output); the
     first ``tree_n`` of them belong to the radix cache, locked through ``node``."""
 
-    __slots__ = ("id", "ids", "node", "out_ids", "pages", "pending", "prefill_left", "start",
+    __slots__ = ("id", "ids", "node", "out_ids", "pages", "prefill", "prefill_left", "start",
                  "steps_left", "tree_n", "ttft")  # fmt: skip
 
     def __init__(self, rid: int, ids: np.ndarray, out_ids: np.ndarray, steps: int, start: float):
         self.id, self.ids, self.out_ids, self.steps_left, self.start = rid, ids, out_ids, steps, start
         self.ttft = 0.0
         self.tree_n = 0
-        self.pending = 0  # prefill tokens the router counts in the worker's load until the first token
+        self.prefill: Any = None  # router.workers.PendingPrefill: in the worker's load until the first token
 
 
 class SimWorker:

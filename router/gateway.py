@@ -32,7 +32,7 @@ from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
 from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body
 from router.tokenization import load_tokenizer
-from router.workers import Worker, WorkerRegistry
+from router.workers import PendingPrefill, Worker, WorkerRegistry
 
 log = logging.getLogger("radixgate.router")
 
@@ -62,23 +62,6 @@ class _ClientWatch:
 
     def stop(self) -> None:
         self._watcher.cancel()
-
-
-class PendingPrefill:
-    """A request's predicted uncached prompt tokens, counted in its worker's load (``Worker.load``)
-    from the send until its first byte comes back (a stream's first chunk, else the whole answer)
-    or the attempt fails: the prefill queued there that requests of equal count do not show."""
-
-    __slots__ = ("tokens", "worker")
-
-    def __init__(self, worker: Worker, tokens: int) -> None:
-        self.worker, self.tokens = worker, max(0, tokens)
-        worker.pending_prefill += self.tokens
-
-    def release(self) -> None:
-        """Idempotent: the first call takes the tokens off the worker's load."""
-        self.worker.pending_prefill -= self.tokens
-        self.tokens = 0
 
 
 class Router:
@@ -231,7 +214,8 @@ class Router:
             worker = self.workers.get(decision.url)
             assert worker is not None
             worker.in_flight += 1
-            prefill = PendingPrefill(worker, route.prompt_tokens - decision.matched_tokens.get(worker.url, 0))
+            predicted = decision.matched_tokens.get(worker.url, 0)
+            prefill = PendingPrefill(worker, route.prompt_tokens - predicted)
             worker.breaker.on_send()
             worker.stats.requests += 1
             try:
@@ -251,7 +235,7 @@ class Router:
                     continue
                 worker.breaker.record_success()  # any answer below 500, client errors included
                 worker.stats.prompt_tokens += route.prompt_tokens
-                worker.stats.predicted_cached_tokens += decision.matched_tokens.get(worker.url, 0)
+                worker.stats.predicted_cached_tokens += predicted
                 try:
                     if parsed.stream and resp.status == 200:
                         await self._send_stream(send, watch, worker, resp, started, prefill)

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from router.circuit_breaker import BreakerState, CircuitBreaker
 
@@ -36,7 +37,7 @@ class Worker:
     healthy: bool = False  # last health check passed (a new worker is unhealthy until checked)
     in_flight: int = 0  # requests this router has open to the worker right now
     reported_queue: float = 0.0  # running + waiting as the worker last reported (0 if it doesn't)
-    # predicted uncached prompt tokens of our requests there without a first byte yet (gateway.Prefill)
+    # predicted uncached prompt tokens of our requests there without a first byte yet (PendingPrefill)
     pending_prefill: int = 0
     prefill_weight: float = 0.0  # load units per pending prefill token (1 / prefill_tokens_per_load)
     models: set[str] = field(default_factory=set)  # served model ids (empty = unknown, serves all)
@@ -64,6 +65,28 @@ class Worker:
 def blended_load(in_flight: int, reported_queue: float, pending_prefill: int, prefill_weight: float) -> float:
     """A worker's load in request units; the fleet simulator computes its loads with this too."""
     return float(max(in_flight, reported_queue)) + pending_prefill * prefill_weight
+
+
+class _HasPendingPrefill(Protocol):
+    pending_prefill: int
+
+
+class PendingPrefill:
+    """A request's predicted uncached prompt tokens, counted in its worker's load (``Worker.load``)
+    from the send until its first byte comes back (a stream's first chunk, else the whole answer)
+    or the attempt fails: the prefill queued there that requests of equal count do not show. The
+    fleet simulator keeps its workers' pending prefill with it too."""
+
+    __slots__ = ("tokens", "worker")
+
+    def __init__(self, worker: _HasPendingPrefill, tokens: int) -> None:
+        self.worker, self.tokens = worker, max(0, tokens)
+        worker.pending_prefill += self.tokens
+
+    def release(self) -> None:
+        """Idempotent: the first call takes the tokens off the worker's load."""
+        self.worker.pending_prefill -= self.tokens
+        self.tokens = 0
 
 
 class WorkerRegistry:
