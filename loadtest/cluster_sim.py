@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the router's setting: unanswered prefill tokens worth one request of load (0: off)")  # fmt: skip
     p.add_argument("--join-workers", type=int, default=0, help="workers that join the fleet at --join-at")
     p.add_argument("--join-at", type=float, default=0.0, help="simulated time (s) of the join")
+    p.add_argument("--routers", default="1", metavar="N[,N...]",
+                   help="router replicas, each request to one at random; several counts: every run at each")  # fmt: skip
+    p.add_argument("--health-interval-s", type=float, default=SimConfig.health_interval_s,
+                   help="each replica's health-check round, when it reads the workers' load reports (0: never)")  # fmt: skip
+    p.add_argument("--no-prefill-report", action="store_true",
+                   help="workers report running + waiting only, no prefill backlog (as other servers)")  # fmt: skip
     p.add_argument("--json", help="write all summaries here")
     p.add_argument("--md", help="write the markdown table here")
     a = p.parse_args(argv)
@@ -113,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         for _, policy, _ in runs:
             if policy not in SIM_POLICIES:
                 raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(SIM_POLICIES)}")
+        replicas = [int(x) for x in a.routers.split(",")]
+        if min(replicas) < 1 or a.health_interval_s < 0:
+            raise ValueError("--routers must be >= 1 and --health-interval-s >= 0")
         options = dict(x.split("=", 1) for x in a.option)
         if a.workload == "trace":
             if not a.trace:
@@ -126,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = WorkerModel(**{k: getattr(a, k) for k in asdict(d)})
     summaries = []
-    for label, policy, params in runs:
+    for (label, policy, params), n in ((run, n) for n in replicas for run in runs):
+        label = label if len(replicas) == 1 else f"{label} x{n}"
         cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
                         a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load,
-                        join_workers=a.join_workers, join_at_s=a.join_at)  # fmt: skip
+                        join_workers=a.join_workers, join_at_s=a.join_at, routers=n,
+                        health_interval_s=a.health_interval_s, prefill_report=not a.no_prefill_report)  # fmt: skip
         summaries.append(ClusterSim(cfg, source).run())
         print(f"# {label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)

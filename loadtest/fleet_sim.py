@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import gc
 import heapq
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import mmh3
-
 from loadtest.report import percentile
+from loadtest.sim_router import SimRouter
 from loadtest.sim_sources import Source
 from loadtest.sim_worker import SimJob, SimWorker, WorkerModel
-from router.block_hash import block_hashes
-from router.policies import Candidate, Policy, RouteRequest, make_policy
-from router.prefix_index import PrefixIndex
-from router.workers import PendingPrefill, blended_load
+from router.workers import PendingPrefill
 
 SIM_POLICIES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware", "sticky")
 # Index memory per block held (bytes): tracemalloc of PrefixIndex.insert for 100k fresh blocks,
@@ -48,25 +45,9 @@ class SimConfig:
     namespace: str = "default"  # block-hash root: the model name
     join_workers: int = 0  # workers added to the fleet (empty caches) at join_at_s: a scale-up
     join_at_s: float = 0.0  # simulated time of the join (s; arrivals start near 0)
-
-
-class StickyPolicy(Policy):
-    """Reference client: every request of a group (conversation, tenant, document) goes to the
-    worker with the highest rendezvous hash for that group, whatever the load."""
-
-    name = "sticky"
-
-    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
-        super().__init__(index, params)
-        self._pinned: dict[str, str] = {}
-
-    def select_group(self, group: str, candidates: list[Candidate]) -> str:
-        url = self._pinned.get(group)
-        if url is None:
-            key = group.encode()
-            url = max(candidates, key=lambda c: mmh3.hash64(key + c.url.encode(), signed=False)[0]).url
-            self._pinned[group] = url
-        return url
+    routers: int = 1  # router replicas; each request goes to one at random (a Service's spread)
+    health_interval_s: float = 1.0  # each replica's health-check round: the workers' load reports
+    prefill_report: bool = True  # workers report their prefill backlog (radixgate's do; others don't)
 
 
 class ClusterSim:
@@ -75,13 +56,14 @@ class ClusterSim:
     def __init__(self, config: SimConfig, source: Source) -> None:
         self.c, self.m, self.src = config, config.model, source
         self.weight = source.weight  # real tokens per simulated token (trace scale-down)
-        self.index = PrefixIndex(config.index_entries)
-        if config.policy == "sticky":
-            self.policy: Policy = StickyPolicy(self.index, config.params)
-        else:
-            self.policy = make_policy(config.policy, self.index, config.params)
-        if config.join_workers < 0:
-            raise ValueError("join_workers must be >= 0")
+        if config.join_workers < 0 or config.routers < 1:
+            raise ValueError("join_workers must be >= 0 and routers >= 1")
+        self.routers = [
+            SimRouter(config.policy, config.params, config.index_entries, config.prefill_tokens_per_load,
+                      config.namespace)
+            for _ in range(config.routers)
+        ]  # fmt: skip
+        self.pick_router = random.Random(0)
         self.workers = [
             SimWorker(f"http://sim-worker-{i}", self.m, config.events, config.namespace)
             for i in range(config.workers + config.join_workers)
@@ -90,19 +72,16 @@ class ClusterSim:
         self.active = self.workers[: config.workers]  # the router's candidates; joiners come later
         self.joiners = self.workers[config.workers :]
         for w in self.active:
-            self.index.add_worker(w.url)
+            for r in self.routers:
+                r.add_worker(w.url)
         self.joined = False
         self.joiner_urls = {w.url for w in self.joiners}
         self.ttft_after_join: list[float] = []
         self.routed_after_join = self.to_joiners = 0
-        tpl = config.prefill_tokens_per_load
-        self.prefill_weight = 1.0 / tpl if tpl > 0 else 0.0
         self.heap: list[tuple[float, int, int, Any]] = []  # (time s, seq, kind, payload)
         self.seq = 0
         self.ttft: list[float] = []
         self.latency: list[float] = []
-        self.decision_ns: list[int] = []
-        self.event_ns = 0
         self.output_tokens = 0
         self.rejected = self.skipped = 0
         self.last_finish = 0.0
@@ -121,8 +100,12 @@ class ClusterSim:
         gc.freeze()
         firsts = self.src.first_turns()  # (arrival s, id), sorted
         pos, heap = 0, self.heap
+        self.arrivals_left = len(firsts)
         if self.c.join_workers:
             self._push(self.c.join_at_s, 3, None)
+        start, n, every = (firsts[0][0] if firsts else 0.0), len(self.routers), self.c.health_interval_s
+        for i in range(n if every > 0 else 0):  # NOTE: replicas poll out of phase
+            self._push(start + i * every / n, 4, i)
         while pos < len(firsts) or heap:
             if pos < len(firsts) and (not heap or firsts[pos][0] <= heap[0][0]):
                 t, rid = firsts[pos]
@@ -138,55 +121,44 @@ class ClusterSim:
                 self._arrive(payload, t)
             elif kind == 3:  # the scale-up: new workers become candidates
                 for w in self.joiners:
-                    self.index.add_worker(w.url)
+                    for r in self.routers:
+                        r.add_worker(w.url)
                 self.active = self.workers
                 self.joined = True
-            else:  # KV events reach the router
-                self._apply_events(*payload)
+            elif kind == 4:  # a replica's health-check round
+                self._poll(payload, t)
+            else:  # KV events reach the routers
+                for r in self.routers:
+                    r.apply_events(*payload)
         gc.unfreeze()
         return self._summary(time.perf_counter() - wall0, firsts[0][0] if firsts else 0.0)
 
-    # ---------------------------------------------------------------- router
+    # ---------------------------------------------------------------- routers
     def _arrive(self, rid: int, t: float) -> None:
+        self.arrivals_left -= 1
         ids = self.src.prompt_ids(rid)
         tokens = ids.tolist()  # NOTE: tokenization is not timed; the router's tokenizer gives a list
-        bs, policy = self.m.block_size, self.policy
-        t0 = time.perf_counter_ns()
-        route = RouteRequest(block_hashes(tokens, bs, self.c.namespace), len(tokens), bs)
-        weight = self.prefill_weight
-        candidates = [
-            Candidate(w.url, blended_load(w.outstanding, 0.0, w.pending_prefill, weight)) for w in self.active
-        ]
-        pending = 0  # NOTE: sticky ignores loads
-        if isinstance(policy, StickyPolicy):
-            url = policy.select_group(self.src.group(rid), candidates)
-        else:
-            decision = policy.select(route, candidates)
-            url = decision.url
-            pending = len(tokens) - decision.matched_tokens[url]
-        policy.on_routed(route, url)
-        self.decision_ns.append(time.perf_counter_ns() - t0)
-        w = self.by_url[url]
-        w.outstanding += 1
+        router = self.routers[self.pick_router.randrange(len(self.routers))]
+        urls = [w.url for w in self.active]
+        view, uncached = router.route(tokens, self.m.block_size, self.src.group(rid), urls)
+        w = self.by_url[view.url]
         w.requests += 1
         if self.joined:
             self.routed_after_join += 1
-            self.to_joiners += url in self.joiner_urls
+            self.to_joiners += w.url in self.joiner_urls
         job = SimJob(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
-        job.prefill = PendingPrefill(w, pending)
-        w.waiting.append(job)
-        w.max_waiting = max(w.max_waiting, len(w.waiting))
+        job.view, job.prefill = view, PendingPrefill(view, uncached)
+        w.enqueue(job)
         self._kick(w, t)
 
-    def _apply_events(self, url: str, stored: list, removed: list[int], cleared: bool) -> None:
-        t0 = time.perf_counter_ns()
-        if cleared:
-            self.index.clear_worker(url)
-        for run in stored:
-            self.index.apply_stored(url, run.parent_hash, run.block_hashes)
-        if removed:
-            self.index.apply_removed(url, removed)
-        self.event_ns += time.perf_counter_ns() - t0
+    def _poll(self, replica: int, t: float) -> None:
+        """What ``GET /health`` of every worker tells one replica; the next round while work remains."""
+        reports = {w.url: w.report() for w in self.active}
+        if not self.c.prefill_report:
+            reports = {url: (queue, 0) for url, (queue, _) in reports.items()}
+        self.routers[replica].apply_reports(reports)
+        if self.arrivals_left > 0 or any(w.has_work() for w in self.workers):
+            self._push(t + self.c.health_interval_s, 4, replica)
 
     # ---------------------------------------------------------------- workers
     def _kick(self, w: SimWorker, t: float) -> None:
@@ -233,7 +205,7 @@ class ClusterSim:
 
     def _finish(self, w: SimWorker, job: SimJob, t: float) -> None:
         w.release(job)
-        w.outstanding -= 1
+        job.view.in_flight -= 1
         self.ttft.append(job.ttft - job.start)
         if self.c.join_workers and job.start >= self.c.join_at_s:
             self.ttft_after_join.append(job.ttft - job.start)
@@ -246,7 +218,7 @@ class ClusterSim:
 
     def _admit(self, w: SimWorker) -> None:
         for job in w.admit():  # NOTE: can never fit the pool: the worker's 413
-            w.outstanding -= 1
+            job.view.in_flight -= 1
             job.prefill.release()
             self.rejected += 1
             self.skipped += self.src.drop_conversation(job.id)
@@ -282,7 +254,8 @@ class ClusterSim:
                 if self.c.event_delay_s > 0:
                     self._push(t + self.c.event_delay_s, 2, (w.url, stored, removed, cleared))
                 else:
-                    self._apply_events(w.url, stored, removed, cleared)
+                    for r in self.routers:
+                        r.apply_events(w.url, stored, removed, cleared)
 
     # ---------------------------------------------------------------- results
     def _join_summary(self, ms: Any) -> dict[str, Any]:
@@ -311,7 +284,8 @@ class ClusterSim:
         span = max(self.last_finish - t_first, 1e-9)
         reqs = [w.requests for w in self.workers]
         busy = [w.busy_s for w in self.workers]
-        dec_us = [ns / 1e3 for ns in self.decision_ns]
+        dec_us = [ns / 1e3 for r in self.routers for ns in r.decision_ns]
+        first = self.routers[0]  # NOTE: index size and event cost are per replica: the first one's
 
         def spread(xs: list[float]) -> float | None:
             mean = sum(xs) / len(xs)
@@ -321,15 +295,15 @@ class ClusterSim:
             v = percentile(xs, q)
             return None if v is None else round(v * 1e3, 2)
 
-        nodes, entries = self.index.num_nodes, self.index.num_entries
+        nodes, entries = first.index.num_nodes, first.index.num_entries
         return {
             "simulated": True,
             "label": self.c.label or self.c.policy,
             "policy": self.c.policy,
-            "params": self.policy.describe()["params"],
+            "params": first.policy.describe()["params"],
             "workers": self.c.workers,
             "source": self.src.describe(),
-            "requests": len(self.decision_ns),
+            "requests": len(dec_us),
             "completed": n_done,
             "rejected": self.rejected,
             "skipped": self.skipped,
@@ -349,7 +323,7 @@ class ClusterSim:
             "max_waiting": max(w.max_waiting for w in self.workers),
             "decision_us_p50": round(percentile(dec_us, 50) or 0.0, 1),
             "decision_us_p99": round(percentile(dec_us, 99) or 0.0, 1),
-            "event_apply_us_per_request": round(self.event_ns / 1e3 / max(1, len(dec_us)), 1),
+            "event_apply_us_per_request": round(first.event_ns / 1e3 / max(1, len(first.decision_ns)), 1),
             "index_entries": entries,
             "index_nodes": nodes,
             "index_mem_mb_est": round(

@@ -46,13 +46,15 @@ class SimJob:
     first ``tree_n`` of them belong to the radix cache, locked through ``node``."""
 
     __slots__ = ("id", "ids", "node", "out_ids", "pages", "prefill", "prefill_left", "start",
-                 "steps_left", "tree_n", "ttft")  # fmt: skip
+                 "steps_left", "tree_n", "ttft", "uncached", "view")  # fmt: skip
 
     def __init__(self, rid: int, ids: np.ndarray, out_ids: np.ndarray, steps: int, start: float):
         self.id, self.ids, self.out_ids, self.steps_left, self.start = rid, ids, out_ids, steps, start
         self.ttft = 0.0
         self.tree_n = 0
         self.prefill: Any = None  # router.workers.PendingPrefill: in the worker's load until the first token
+        self.view: Any = None  # router.workers.Worker: the routing replica's view of the worker
+        self.uncached = 0  # prompt tokens not cached when it arrived (the worker's backlog estimate)
 
 
 class SimWorker:
@@ -64,14 +66,26 @@ class SimWorker:
         self.prefilling: list[SimJob] = []
         self.decoding: list[SimJob] = []
         self.chunk: list[tuple[SimJob, int]] = []  # prefill work of the current step (job, tokens)
-        self.outstanding = 0  # routed, not finished: what the router counts as in flight
-        self.pending_prefill = 0  # the router's Worker.pending_prefill
         self.requests = 0
         self.prompt_tokens = self.cached_tokens = 0  # of admitted requests, cached as matched then
         self.busy_s = 0.0
         self.max_waiting = 0
         self.seg: tuple[float, float, int] | None = None  # (start s, step s, steps) or idle
         self.version = 0  # bumps when a planned segment end is moved
+
+    def enqueue(self, job: SimJob) -> None:
+        job.uncached = job.ids.size - self.cache.cached_prefix_len(job.ids)
+        self.waiting.append(job)
+        self.max_waiting = max(self.max_waiting, len(self.waiting))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def report(self) -> tuple[int, int]:
+        """What ``GET /health`` says: (running + waiting, prefill backlog tokens): the prompt
+        tokens admitted requests have still to compute plus waiting ones' uncached estimate."""
+        backlog = sum(j.prefill_left for j in self.prefilling) + sum(j.uncached for j in self.waiting)
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding), backlog
 
     def admit(self) -> list[SimJob]:
         """Move waiting requests into ``prefilling`` while batch room and pages allow. Returns the

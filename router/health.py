@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixgate.router.health")
 
 
+def _number(value: object) -> float:
+    """A count from a worker's report; anything else (absent, null, text, negative) is 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return max(0.0, float(value))
+
+
 class HealthChecker:
     def __init__(self, router: Router, interval_s: float, timeout_s: float) -> None:
         self._router = router
@@ -73,8 +80,8 @@ class HealthChecker:
             worker.healthy = False
             return
         report = body if isinstance(body, dict) else {}
-        queue = report.get("running", 0), report.get("waiting", 0)
-        worker.reported_queue = float(sum(v for v in queue if isinstance(v, (int, float))))
+        queue = (_number(report.get(k)) for k in ("running", "waiting"))
+        worker.apply_report(sum(queue), _number(report.get("prefill_backlog_tokens")))
         epoch = report.get("epoch") if isinstance(report.get("epoch"), str) else None
         restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
         if not worker.healthy or restarted:

@@ -1,8 +1,8 @@
 """The router's view of its workers: address, health, circuit breaker, load and per-worker counters.
 
-A worker's load lives here and only here: in-flight requests counted by this router on every path,
-blended with the queue the worker itself reports (which includes other router replicas' traffic),
-plus the prefill this router has sent there and not yet seen answered, in request units."""
+A worker's load lives here and only here: in-flight requests counted by this router on every path
+and the prefill it has sent there and not yet seen answered (live), plus what the worker's last
+health report showed beyond that (other router replicas' requests and prefill), in request units."""
 
 from __future__ import annotations
 
@@ -36,10 +36,13 @@ class Worker:
     breaker: CircuitBreaker
     healthy: bool = False  # last health check passed (a new worker is unhealthy until checked)
     in_flight: int = 0  # requests this router has open to the worker right now
-    reported_queue: float = 0.0  # running + waiting as the worker last reported (0 if it doesn't)
     # predicted uncached prompt tokens of our requests there without a first byte yet (PendingPrefill)
     pending_prefill: int = 0
     prefill_weight: float = 0.0  # load units per pending prefill token (1 / prefill_tokens_per_load)
+    reported_queue: float = 0.0  # running + waiting as the worker last reported (0 if it doesn't)
+    reported_prefill: float = 0.0  # prefill backlog tokens as the worker last reported (0 if it doesn't)
+    others_queue: float = 0.0  # of the last report, requests beyond ours then (apply_report)
+    others_prefill: float = 0.0  # of the last report, prefill tokens beyond our pending then
     models: set[str] = field(default_factory=set)  # served model ids (empty = unknown, serves all)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
     epoch: str | None = None  # the worker's start identity, from /health or cache info
@@ -48,11 +51,23 @@ class Worker:
 
     @property
     def load(self) -> float:
-        """Outstanding requests (ours, or the worker's own count when other replicas add to it),
-        plus one per ``prefill_tokens_per_load`` tokens of prefill we sent that is still unanswered.
+        """Our outstanding requests plus others' from the last report, plus one per
+        ``prefill_tokens_per_load`` tokens of unanswered prefill (ours and others').
         NOTE: a request's count says little about the work it brings: a miss on a long prompt
         queues every request behind its prefill, a hit on the same prompt costs a few tokens."""
-        return blended_load(self.in_flight, self.reported_queue, self.pending_prefill, self.prefill_weight)
+        prefill = (self.pending_prefill + self.others_prefill) * self.prefill_weight
+        return self.in_flight + self.others_queue + prefill
+
+    def apply_report(self, queue: float, prefill_backlog: float) -> None:
+        """A health report: the worker's running + waiting requests and its prefill backlog (prompt
+        tokens queued or in prefill). What exceeds our own count at this moment is other routers'
+        (or direct clients') work; it stays in the load until the next report.
+        NOTE: our own part is counted live. Taking max(ours, reported) instead would freeze the
+        load between reports wherever the report dominates (several replicas), so a replica would
+        send every request in that second to the same worker."""
+        self.reported_queue, self.reported_prefill = queue, prefill_backlog
+        self.others_queue = max(0.0, queue - self.in_flight)
+        self.others_prefill = max(0.0, prefill_backlog - self.pending_prefill)
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
@@ -60,11 +75,6 @@ class Worker:
     @property
     def block_size(self) -> int | None:
         return None if self.cache_info is None else self.cache_info.get("block_size")
-
-
-def blended_load(in_flight: int, reported_queue: float, pending_prefill: int, prefill_weight: float) -> float:
-    """A worker's load in request units; the fleet simulator computes its loads with this too."""
-    return float(max(in_flight, reported_queue)) + pending_prefill * prefill_weight
 
 
 class _HasPendingPrefill(Protocol):
@@ -160,6 +170,7 @@ class WorkerRegistry:
                 "breaker": BreakerState(w.breaker.state).name.lower(),
                 "in_flight": w.in_flight,
                 "reported_queue": w.reported_queue,
+                "reported_prefill_tokens": w.reported_prefill,
                 "pending_prefill_tokens": w.pending_prefill,
                 "load": w.load,
                 "models": sorted(w.models),

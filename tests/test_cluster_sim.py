@@ -29,9 +29,11 @@ def tenants(n: int = 300, **options) -> WorkloadSource:
 
 def assert_fleet_consistent(sim: ClusterSim) -> None:
     """Nothing running is left holding pages, and every cache's pages are accounted for."""
+    for r in sim.routers:  # every replica's count of in-flight requests and pending prefill is back to 0
+        assert all(v.in_flight == 0 and v.pending_prefill == 0 for v in r.workers)
     for w in sim.workers:
         w.cache.check_invariants()
-        assert w.outstanding == 0 and not w.waiting and not w.decoding and not w.prefilling
+        assert not w.has_work()
         assert w.cache.protected_pages == 0
         assert w.alloc.num_free + w.cache.total_pages == w.alloc.num_pages
 
@@ -53,7 +55,7 @@ def test_worker_events_keep_the_router_index_equal_to_the_caches():
     summary, sim = run("cache_aware", tenants(), model=WorkerModel(kv_tokens=4096))
     assert summary["index_entries"] > 0
     for w in sim.workers:  # evictions happened (small caches) and were reported back
-        assert sim.index.worker_entries(w.url) == w.cache.total_pages
+        assert sim.routers[0].index.worker_entries(w.url) == w.cache.total_pages
 
 
 def test_without_events_the_index_keeps_blocks_the_workers_evicted():
@@ -169,7 +171,8 @@ def test_pending_prefill_in_the_load_keeps_a_miss_off_a_worker_busy_prefilling(t
     for tokens_per_load in (0, 256):
         src = write_trace(tmp_path / "t.jsonl", rows)
         summary, sim = run("cache_aware", src, workers=2, prefill_tokens_per_load=tokens_per_load)
-        assert summary["completed"] == 4 and all(w.pending_prefill == 0 for w in sim.workers)
+        assert summary["completed"] == 4
+        assert_fleet_consistent(sim)
         second_slowest_ttft = sorted(sim.ttft)[-2]  # the slowest is r2's own long prefill
         by_setting[tokens_per_load] = summary["requests_per_worker_min_max"], second_slowest_ttft
     requests, ttft = by_setting[0]
@@ -215,18 +218,47 @@ def test_cli_prints_a_simulated_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "sim.json"
     argv = ["--workload", "tenants", "--requests", "120", "--workers", "3", "--policies", "round_robin",
             "--run", "wide=cache_aware:balance_abs=6", "--kv-tokens", "8192", "--no-prefix-sharing",
-            "--json", str(out)]  # fmt: skip
+            "--routers", "1,2", "--health-interval-s", "0.5", "--no-prefill-report", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| simulated | round_robin | wide |")
+    assert table.startswith("| simulated | round_robin x1 | wide x1 | round_robin x2 | wide x2 |")
     doc = orjson.loads(out.read_bytes())
     assert doc["simulated"] is True
-    assert [r["label"] for r in doc["runs"]] == ["round_robin", "wide"]
+    assert [r["config"]["routers"] for r in doc["runs"]] == [1, 1, 2, 2]
     assert doc["runs"][1]["params"]["balance_abs"] == 6
-    assert doc["runs"][0]["config"]["model"]["prefix_sharing"] is False
+    config = doc["runs"][2]["config"]
+    assert config["model"]["prefix_sharing"] is False
+    assert (config["routers"], config["health_interval_s"], config["prefill_report"]) == (2, 0.5, False)
 
 
 def test_cli_rejects_unknown_policies_and_options(capsys):
     assert main(["--policies", "fastest"]) == 2
+    assert main(["--routers", "0"]) == 2
     assert main(["--workload", "tenants", "--option", "bogus=1"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_router_replicas_share_the_requests_and_each_hears_every_kv_event():
+    summary, sim = run("cache_aware", tenants(), model=WorkerModel(kv_tokens=4096), routers=3)
+    assert summary["completed"] == summary["requests"] == 300
+    routed = [len(r.decision_ns) for r in sim.routers]
+    assert sum(routed) == 300 and min(routed) > 50  # each replica took its share at random
+    for r in sim.routers:  # every replica's index follows every worker's cache, not only its own routing
+        for w in sim.workers:
+            assert r.index.worker_entries(w.url) == w.cache.total_pages
+    assert_fleet_consistent(sim)
+    assert summary["config"]["routers"] == 3
+
+
+def test_a_replica_counts_what_workers_report_beyond_its_own_requests():
+    from loadtest.sim_router import SimRouter
+
+    router = SimRouter("least_load", {}, 1000, 100.0, "default")
+    for url in ("http://a", "http://b"):
+        router.add_worker(url)
+    view, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
+    router.apply_reports({view.url: (3, 500), "http://unknown": (9, 9)})  # 2 requests not ours there
+    assert view.others_queue == 2 and view.others_prefill == 500
+    assert view.load == pytest.approx(1 + 2 + 500 / 100)
+    other, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
+    assert other is not view  # least loaded: the worker other replicas keep busy is avoided

@@ -62,7 +62,7 @@ def test_prefill_weight_reaches_every_worker_load():
     w = registry.add("http://a:1")
     w.in_flight, w.pending_prefill = 2, 250
     assert w.load == pytest.approx(4.5)  # 2 requests + 250 unanswered prefill tokens / 100
-    w.reported_queue = 5.0  # the worker's own count covers other routers' requests
+    w.apply_report(5.0, 250.0)  # 3 more requests than ours there: other routers'
     assert w.load == pytest.approx(7.5)
     off = WorkerRegistry(CircuitBreaker, 0.0).add("http://b:1")
     off.in_flight, off.pending_prefill = 2, 250

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -133,3 +135,34 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
     assert len(router_hashes) >= 8
     assert predicted["block_size"] == stored.block_size
     assert set(router_hashes) <= stored_hashes
+
+
+def test_prefill_sent_by_another_router_shows_in_this_routers_load(launch):
+    """A sim worker prefills slowly a prompt sent to it directly (as another router replica would):
+    its /health reports the prefill backlog, and the router counts what exceeds its own (nothing
+    here) in the worker's load until the prefill is done."""
+    port = free_port()
+    worker = launch.module(
+        "worker", "--engine", "sim", "--sim-prefill-ms-per-token", "20", "--chunked-prefill-tokens", "32",
+        "--advertise-url", f"http://127.0.0.1:{port}", port=port,
+    )  # fmt: skip
+    router = launch.router([worker.url], "--health-interval-s", "0.1", "--prefill-tokens-per-load", "100")
+    prompt = "x" * 300  # byte tokens: ~6 s of prefill, 32 tokens per step
+    with ThreadPoolExecutor(1) as pool:
+        direct = pool.submit(
+            httpx.post, worker.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+            timeout=60,
+        )  # fmt: skip
+        wait_until(lambda: 0 < httpx.get(worker.url + "/health").json()["prefill_backlog_tokens"] < 300, 30,
+                   what="the worker prefilling")  # fmt: skip
+
+        def view() -> dict:
+            return httpx.get(router.url + "/workers", timeout=5).json()["workers"][0]
+
+        wait_until(lambda: view()["reported_prefill_tokens"] > 0, 30, what="the backlog in the router's view")
+        w = view()
+        assert (w["in_flight"], w["pending_prefill_tokens"], w["reported_queue"]) == (0, 0, 1)
+        assert 0 < w["reported_prefill_tokens"] <= 300
+        assert w["load"] == pytest.approx(1 + w["reported_prefill_tokens"] / 100)
+        assert direct.result().status_code == 200
+    wait_until(lambda: view()["load"] == 0, 30, what="the load gone with the request")

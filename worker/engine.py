@@ -376,6 +376,7 @@ class Engine:
             t=time.monotonic(),
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
+            prefill_backlog_tokens=self.scheduler.prefill_backlog,
             kv_pages_total=self.allocator.num_pages,
             kv_pages_free=self.allocator.num_free,
             kv_pages_cached=cache.total_pages,

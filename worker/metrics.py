@@ -24,6 +24,7 @@ class EngineSnapshot:
     t: float = 0.0  # monotonic s
     running: int = 0  # admitted requests (prefilling + decoding)
     waiting: int = 0  # queued, not admitted yet
+    prefill_backlog_tokens: int = 0  # prompt tokens still to prefill (Scheduler.prefill_backlog)
     kv_pages_total: int = 1
     kv_pages_free: int = 1
     kv_pages_cached: int = 0  # pages held by the radix tree (locked or not)
@@ -143,6 +144,8 @@ class _SnapshotCollector:
 
         yield gauge("running_requests", "Admitted requests (prefilling or decoding).", snap.running)
         yield gauge("waiting_requests", "Requests queued for admission.", snap.waiting)
+        yield gauge("prefill_backlog_tokens", "Prompt tokens still to prefill (admitted and waiting).",
+                    snap.prefill_backlog_tokens)  # fmt: skip
         yield gauge("kv_usage", "Fraction of KV pages held by requests (not reclaimable).", snap.kv_usage)
         yield gauge("kv_cached_pages", "KV pages held by the radix cache.", snap.kv_pages_cached)
         yield gauge("kv_capacity_tokens", "KV pool size in tokens.", snap.kv_pages_total * snap.page_size)

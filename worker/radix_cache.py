@@ -154,6 +154,25 @@ class RadixCache:
         pages = np.concatenate(found) if found else _EMPTY_PAGES
         return MatchResult(pages=pages, num_tokens=pos, last_node=node)
 
+    def cached_prefix_len(self, token_ids: np.ndarray) -> int:
+        """What ``match_prefix`` would match, in tokens, without touching the tree: no node split,
+        no LRU refresh (an estimate for a queued request is no use of its pages)."""
+        tokens = self._tokens(token_ids)
+        ps = self.page_size
+        limit = max(0, (tokens.size - 1) // ps * ps)
+        node, pos = self.root, 0
+        while pos < limit:
+            child = node.children.get(tokens[pos : pos + ps].tobytes())
+            if child is None:
+                break
+            n = min(child.key.size, limit - pos)
+            matched = self._common_pages(child.key[:n], tokens[pos : pos + n]) * ps
+            pos += matched
+            if matched < child.key.size:
+                break
+            node = child
+        return pos
+
     def _common_pages(self, a: np.ndarray, b: np.ndarray) -> int:
         """Whole pages on which equal-length int32 runs ``a`` and ``b`` agree, from the start."""
         diff = a != b

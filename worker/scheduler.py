@@ -49,11 +49,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
+    @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to prefill: the rest of every admitted request's prompt, plus each
+        waiting request's uncached part as of its arrival (LPM refreshes it every step it orders
+        the queue). Routers read it in /health to see prefill other routers sent here."""
+        return sum(len(r.token_ids) - r.kv_len for r in self.prefilling) + sum(
+            r.uncached_estimate for r in self.waiting
+        )
+
     def add(self, req: Request) -> None:
         """Queue a request; raises QueueFullError at ``max_waiting``."""
         if len(self.waiting) >= self.cfg.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+        self._estimate(req)
         self.waiting.append(req)
+
+    def _estimate(self, req: Request) -> None:
+        ids = np.asarray(req.token_ids, dtype=np.int32)
+        req.uncached_estimate = len(req.token_ids) - self.cache.cached_prefix_len(ids)
 
     def abort(self, req: Request, reason: str = "abort") -> None:
         """Drop a request wherever it is and release its pages (its computed full pages stay cached)."""
@@ -216,6 +230,7 @@ class Scheduler:
         self._release(req)
         req.retractions += 1
         self.stats.retractions += 1
+        self._estimate(req)
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ extend
@@ -229,6 +244,8 @@ class Scheduler:
         old_ids = {id(r) for r in old}
         young = [r for r in window if id(r) not in old_ids]
         matched = [(r, self.cache.match_prefix(np.asarray(r.token_ids, dtype=np.int32))) for r in young]
+        for r, m in matched:
+            r.uncached_estimate = len(r.token_ids) - m.num_tokens
         matched.sort(key=lambda rm: (-rm[1].num_tokens, rm[0].arrival))
         return [(r, None) for r in sorted(old, key=lambda r: r.arrival)] + matched
 

@@ -272,6 +272,7 @@ class WorkerAPI:
             "status": "ok" if ready else ("starting" if alive else "dead"),
             "running": snap.running,
             "waiting": snap.waiting,
+            "prefill_backlog_tokens": snap.prefill_backlog_tokens,
             "kv_usage": round(snap.kv_usage, 6),
             "epoch": self.engine.publisher.epoch,
             "model": self.name,

@@ -129,7 +129,9 @@ class CacheMachine(RuleBasedStateMachine):
     # -- rules
     @rule(tokens=TOKENS)
     def start_request(self, tokens: list[int]) -> None:
+        peeked = self.cache.cached_prefix_len(arr(tokens))
         m = self.cache.match_prefix(arr(tokens))
+        assert peeked == m.num_tokens
         expect = self.model_match(tokens, max(0, len(tokens) - 1))
         assert m.pages.tolist() == expect and m.num_tokens == len(expect) * PS
         assert m.num_tokens <= max(0, len(tokens) - 1)
@@ -149,6 +151,13 @@ class CacheMachine(RuleBasedStateMachine):
     def lookup_only(self, tokens: list[int]) -> None:
         m = self.cache.match_prefix(arr(tokens))
         assert m.pages.tolist() == self.model_match(tokens, max(0, len(tokens) - 1))
+
+    @rule(tokens=TOKENS)
+    def peek_only(self, tokens: list[int]) -> None:
+        nodes = self.cache._num_nodes
+        n = self.cache.cached_prefix_len(arr(tokens))
+        assert n == len(self.model_match(tokens, max(0, len(tokens) - 1))) * PS
+        assert self.cache._num_nodes == nodes  # no split
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -249,6 +258,19 @@ def test_match_reuses_cached_pages_and_leaves_one_token() -> None:
     m = cache.match_prefix(arr([0, 1, 2, 3, 4, 5, 99, 7, 8]))
     assert m.num_tokens == 4  # diverges inside page 1: only whole pages count
     assert cache.match_prefix(arr([])).num_tokens == 0
+
+
+def test_peeking_at_a_prefix_neither_splits_nodes_nor_refreshes_lru() -> None:
+    alloc, cache = make()
+    put(alloc, cache, [1] * 8)
+    put(alloc, cache, [2] * 8)
+    nodes = cache._num_nodes
+    assert cache.cached_prefix_len(arr([1] * 4 + [7] * 5)) == 4  # match would split [1]*8 here
+    assert cache.cached_prefix_len(arr([1] * 9)) == 8
+    assert cache._num_nodes == nodes
+    assert cache.evict(2) == 2  # [1]*8 is still the least recently used: peeking is no use
+    assert cache.cached_prefix_len(arr([1] * 9)) == 0 and cache.cached_prefix_len(arr([2] * 9)) == 8
+    cache.check_invariants()
 
 
 def test_insert_returns_shared_prefix_and_splits_on_page_boundary() -> None:

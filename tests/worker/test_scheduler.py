@@ -259,3 +259,27 @@ def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed):
         if req.rid not in aborted:
             assert req.output_ids == reference(req.prompt_ids, req.num_output)
             assert req.finish_reason == "length" and req.num_output == req.max_tokens
+
+
+def test_prefill_backlog_counts_prompt_tokens_admitted_and_waiting():
+    sched, model = make(max_running=3)
+    shared = prompt(7, 32)
+    a, b, d = (Request(n, [*shared, t], max_tokens=4) for n, t in (("a", 1), ("b", 2), ("d", 3)))
+    c = Request("c", prompt(8, 20), max_tokens=4)
+    for r in (a, b, c, d):
+        sched.add(r)
+    assert sched.prefill_backlog == 3 * 33 + 20  # nothing cached when they came
+    step = sched.schedule()
+    assert step.requests == [a, c]  # b and d wait for a's pages of the shared prefix
+    assert sched.prefill_backlog == 3 * 33 + 20  # admitted, nothing computed yet
+    sched.commit(step, model.forward(step))
+    assert sched.prefill_backlog == 2 * 33  # a and c decode; b and d still as estimated on arrival
+    decode = sched.schedule()
+    assert decode.mode == "decode"
+    sched.commit(decode, model.forward(decode))
+    step = sched.schedule()
+    assert step.mode == "extend" and step.requests == [b]  # the batch is full after b
+    assert sched.prefill_backlog == 1 + 1  # b's last token; d waits, re-estimated against the cache
+    run(sched, model)
+    assert sched.prefill_backlog == 0
+    assert_no_leak(sched)

@@ -279,6 +279,9 @@ def test_queue_full_429_prompt_too_long_413_and_dead_engine_503():
             t = threading.Thread(target=send_waiting)
             t.start()
             poll(lambda: c.get("/health").json()["waiting"] == 1, "a queued request")
+            queued = len(live.engine.tokenizer.encode_prompt("queued"))  # the running one is decoding
+            assert c.get("/health").json()["prefill_backlog_tokens"] == queued
+            assert f"radixgate_worker_prefill_backlog_tokens {float(queued)}" in c.get("/metrics").text
             full = c.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 1})
             assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
         t.join(30)

@@ -1,0 +1,103 @@
+"""One router replica of the fleet simulator: the real policy, prefix index and per-worker load
+(router.workers.Worker) of one ``python -m router`` process. Time is the engine's business
+(loadtest/fleet_sim.py); this module only decides, counts and learns.
+
+Several replicas model a deployment with more than one router (the Helm chart runs two): each
+routes its own share of the requests and counts only its own in-flight requests and pending
+prefill; other replicas' traffic reaches it only through the workers' periodic health reports;
+KV events (when on) reach every replica, as Redis delivers them to every router.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mmh3
+
+from router.block_hash import block_hashes
+from router.circuit_breaker import CircuitBreaker
+from router.policies import Candidate, Policy, RouteRequest, make_policy
+from router.prefix_index import PrefixIndex
+from router.workers import Worker, WorkerRegistry
+
+
+class StickyPolicy(Policy):
+    """Reference client: every request of a group (conversation, tenant, document) goes to the
+    worker with the highest rendezvous hash for that group, whatever the load."""
+
+    name = "sticky"
+
+    def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
+        super().__init__(index, params)
+        self._pinned: dict[str, str] = {}
+
+    def select_group(self, group: str, candidates: list[Candidate]) -> str:
+        url = self._pinned.get(group)
+        if url is None:
+            key = group.encode()
+            url = max(candidates, key=lambda c: mmh3.hash64(key + c.url.encode(), signed=False)[0]).url
+            self._pinned[group] = url
+        return url
+
+
+class SimRouter:
+    """A router replica: ``route`` picks a worker for a prompt and counts the request in that
+    worker's load here; ``apply_events`` and ``apply_reports`` are what it hears back."""
+
+    def __init__(
+        self, policy: str, params: dict[str, Any], index_entries: int, prefill_tokens_per_load: float,
+        namespace: str,
+    ) -> None:  # fmt: skip
+        self.index = PrefixIndex(index_entries)
+        self.namespace = namespace
+        if policy == "sticky":
+            self.policy: Policy = StickyPolicy(self.index, params)
+        else:
+            self.policy = make_policy(policy, self.index, params)
+        self.workers = WorkerRegistry(CircuitBreaker, prefill_tokens_per_load)
+        self.decision_ns: list[int] = []
+        self.event_ns = 0
+
+    def add_worker(self, url: str) -> None:
+        self.workers.add(url).healthy = True
+        self.index.add_worker(url)
+
+    def route(self, tokens: list[int], block_size: int, group: str, urls: list[str]) -> tuple[Worker, int]:
+        """The chosen worker (this replica's view of it, its in-flight count already raised) and
+        the prompt tokens the index predicts are not cached there. ``urls``: the candidates."""
+        t0 = time.perf_counter_ns()
+        policy, get = self.policy, self.workers.get
+        route = RouteRequest(block_hashes(tokens, block_size, self.namespace), len(tokens), block_size)
+        candidates = [Candidate(url, get(url).load) for url in urls]  # type: ignore[union-attr]
+        uncached = 0  # NOTE: sticky ignores loads and predictions
+        if isinstance(policy, StickyPolicy):
+            url = policy.select_group(group, candidates)
+        else:
+            decision = policy.select(route, candidates)
+            url = decision.url
+            uncached = len(tokens) - decision.matched_tokens[url]
+        policy.on_routed(route, url)
+        self.decision_ns.append(time.perf_counter_ns() - t0)
+        worker = get(url)
+        assert worker is not None
+        worker.in_flight += 1
+        return worker, uncached
+
+    def apply_events(self, url: str, stored: list, removed: list[int], cleared: bool) -> None:
+        t0 = time.perf_counter_ns()
+        if cleared:
+            self.index.clear_worker(url)
+        for run in stored:
+            self.index.apply_stored(url, run.parent_hash, run.block_hashes)
+        if removed:
+            self.index.apply_removed(url, removed)
+        self.event_ns += time.perf_counter_ns() - t0
+
+    def apply_reports(self, reports: dict[str, tuple[int, int]]) -> None:
+        """A health-check round: url -> (running + waiting, prefill backlog tokens) as each worker
+        reports them in ``GET /health``."""
+        for url, (queue, backlog) in reports.items():
+            worker = self.workers.get(url)
+            if worker is not None:
+                worker.apply_report(queue, backlog)

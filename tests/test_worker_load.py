@@ -1,0 +1,54 @@
+"""A worker's load in the router: our own requests and prefill counted live, plus what the last
+health report showed beyond them (other router replicas' work)."""
+
+import pytest
+
+from router.circuit_breaker import CircuitBreaker
+from router.workers import PendingPrefill, WorkerRegistry
+
+
+def worker(prefill_tokens_per_load: float = 100.0):
+    return WorkerRegistry(CircuitBreaker, prefill_tokens_per_load).add("http://w:1")
+
+
+def test_a_report_adds_only_what_exceeds_our_own_count():
+    w = worker()
+    w.in_flight = 2
+    w.apply_report(5, 0)
+    assert (w.others_queue, w.load) == (3.0, 5.0)
+    w.apply_report(1, 0)  # the worker has not seen all of ours yet: nobody else's work
+    assert (w.others_queue, w.load) == (0.0, 2.0)
+
+
+def test_our_own_sends_raise_the_load_between_reports():
+    w = worker()
+    w.apply_report(10, 0)  # other routers keep 10 requests there
+    loads = []
+    for _ in range(3):
+        w.in_flight += 1
+        loads.append(w.load)
+    assert loads == [11.0, 12.0, 13.0]  # max(ours, reported) would have stayed at 10 all along
+    w.in_flight -= 3
+    assert w.load == 10.0  # others' part stays until the next report
+    w.apply_report(0, 0)
+    assert w.load == 0.0
+
+
+def test_reported_prefill_backlog_beyond_our_pending_counts_in_request_units():
+    w = worker(prefill_tokens_per_load=100)
+    w.in_flight = 1
+    pending = PendingPrefill(w, 250)
+    w.apply_report(1, 1250)  # another router sent 1,000 prompt tokens to prefill here
+    assert w.others_prefill == 1000.0
+    assert w.load == pytest.approx(1 + (250 + 1000) / 100)
+    w.apply_report(1, 100)  # less than ours at report time: only our own part remains
+    assert w.others_prefill == 0.0 and w.load == pytest.approx(1 + 250 / 100)
+    w.apply_report(1, 1250)
+    pending.release()  # our request's first byte: its prefill leaves the load, others' stays
+    assert w.load == pytest.approx(1 + 1000 / 100)
+
+
+def test_without_a_prefill_weight_reported_backlog_adds_nothing():
+    w = worker(prefill_tokens_per_load=0)
+    w.apply_report(3, 50_000)
+    assert w.load == 3.0 and w.reported_prefill == 50_000
