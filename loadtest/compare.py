@@ -32,7 +32,7 @@ from loadtest.cluster_sim import parse_run
 from loadtest.driver import LoadConfig, run_load
 from router.launcher import free_port, stop_processes
 
-MAX_RUNS, MAX_WORKERS = 8, 16
+MAX_RUNS, MAX_WORKERS, MAX_ROUTERS = 8, 16, 4
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -104,6 +104,7 @@ class CompareConfig:
     out_dir: str = "compare-results"
     startup_timeout_s: float = 90.0  # per process, to answer GET /health (router: GET /ready)
     external: list[tuple[str, str]] = field(default_factory=list)  # (label, command template)
+    routers: int = 1  # router processes per run, each given every worker; the driver takes them in turn
 
     def labels(self) -> list[str]:
         return [label for label, _, _ in self.runs] + [label for label, _ in self.external]
@@ -153,6 +154,12 @@ def process_cpu_s(pid: int) -> float | None:
         with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended in between
             total_ns += int((task / "schedstat").read_text().split()[0])
     return total_ns / 1e9
+
+
+def _cpu_s(procs: list[subprocess.Popen]) -> float | None:
+    """CPU seconds the router processes have used, together (None if any cannot be read)."""
+    times = [process_cpu_s(p.pid) for p in procs]
+    return None if None in times else sum(t for t in times if t is not None)
 
 
 def worker_counts(url: str) -> dict[str, float] | None:
@@ -246,20 +253,21 @@ def run_one(config: CompareConfig, label: str) -> tuple[report.Results, dict[str
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             fleet.wait_ready(url + "/health", config.startup_timeout_s)
-        port = free_port()
-        cmd, ready = router_command(config, label, port, urls)
-        fleet.start(cmd, "router")
-        router = fleet.procs[-1]
-        fleet.wait_ready(f"http://127.0.0.1:{port}{ready}", config.startup_timeout_s)
-        cpu0 = process_cpu_s(router.pid)
+        ports = [free_port() for _ in range(config.routers)]
+        for i, port in enumerate(ports):
+            cmd, ready = router_command(config, label, port, urls)
+            fleet.start(cmd, "router" if i == 0 else f"router-{i}")
+        routers = fleet.procs[-len(ports) :]
+        for port in ports:
+            fleet.wait_ready(f"http://127.0.0.1:{port}{ready}", config.startup_timeout_s)
+        cpu0 = _cpu_s(routers)
         # NOTE: the model id comes from a worker: another router may list its own ("unknown" for
         # sglang-router in front of a backend without /model_info), which the workers refuse
         model = config.load.model or httpx.get(urls[0] + "/v1/models", timeout=5.0).json()["data"][0]["id"]
-        load = LoadConfig(
-            **{**asdict(config.load), "url": f"http://127.0.0.1:{port}", "label": label, "model": model}
-        )
+        router_urls = ",".join(f"http://127.0.0.1:{port}" for port in ports)
+        load = LoadConfig(**{**asdict(config.load), "url": router_urls, "label": label, "model": model})
         results = asyncio.run(run_load(load))
-        cpu1 = process_cpu_s(router.pid)
+        cpu1 = _cpu_s(routers)
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
         ok = sum(1 for r in results.records if r.ok)
         return results, fleet_summary(settled_counts(urls, ok), cpu, ok)
@@ -297,6 +305,8 @@ def compare(config: CompareConfig) -> dict[str, Any]:
     labels = config.labels()
     if not 1 <= len(labels) <= MAX_RUNS or not 1 <= config.workers <= MAX_WORKERS:
         raise ValueError(f"compare takes 1..{MAX_RUNS} runs and 1..{MAX_WORKERS} workers")
+    if not 1 <= config.routers <= MAX_ROUTERS:
+        raise ValueError(f"compare takes 1..{MAX_ROUTERS} routers per run")
     if len(set(labels)) != len(labels):
         raise ValueError(f"run labels must be distinct, got {labels}")
     for _, template in config.external:
@@ -311,6 +321,8 @@ def compare(config: CompareConfig) -> dict[str, Any]:
         fleets.append(fleet)
     header = (f"{config.workers} workers: {config.backend.describe()}; workload {config.load.workload}, "
               f"{config.load.mode} loop")  # fmt: skip
+    if config.routers > 1:
+        header += f"; {config.routers} router processes per run, requests to each in turn"
     if any(f.get("worker_requests") for f in fleets):
         header += "; workers used and load spread as the workers counted their requests"
     header += "\n\n"
@@ -324,6 +336,7 @@ def compare(config: CompareConfig) -> dict[str, Any]:
         "backend": config.backend.resolved(),
         "backend_description": config.backend.describe(),
         "workers": config.workers,
+        "routers": config.routers,
         "load": asdict(config.load),
         "runs": [
             {"label": lbl, **specs[lbl], "summary": summary, "fleet": f}
@@ -343,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a run with another router, started by COMMAND (placeholders: "
                    + ", ".join(PLACEHOLDERS) + "; repeatable)")  # fmt: skip
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--routers", type=int, default=1, help="router processes per run (replicas), used in turn")
     p.add_argument("--backend", default="auto", choices=["auto", "sim", "echo"])
     p.add_argument("--cache-tokens", type=int, default=Backend.cache_tokens, help="per worker")
     p.add_argument("--prefill-ms-per-token", type=float, default=Backend.prefill_ms_per_token)
@@ -367,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                           stream=True, seed=a.seed, options=options, block_chars=32 if a.trace else None)  # fmt: skip
         backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token)
         external = [_external(x) for x in a.external]
-        result = compare(CompareConfig(runs, load, a.workers, backend, a.out_dir, external=external))
+        config = CompareConfig(
+            runs, load, a.workers, backend, a.out_dir, external=external, routers=a.routers
+        )
+        result = compare(config)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

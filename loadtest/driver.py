@@ -39,7 +39,7 @@ _DURATION_ONLY_CLOSED_REQUESTS = 100_000  # request list size when only --durati
 
 @dataclass
 class LoadConfig:
-    url: str = "http://127.0.0.1:8000"
+    url: str = "http://127.0.0.1:8000"  # or several, comma-separated: request i goes to url i mod n
     workload: str = "tenants"  # a loadtest.workloads generator name, or "trace"
     trace: str | None = None  # Mooncake JSONL path (workload "trace")
     mode: str = "closed"  # closed: at most `concurrency` in flight; open: send at arrival times
@@ -113,6 +113,8 @@ class _Run:
 
     def __init__(self, config: LoadConfig, session: aiohttp.ClientSession, requests: list[Request]):
         self.config, self.session = config, session
+        # NOTE: several URLs (router replicas) take requests in turn, as a client-side balancer would
+        self.urls = [u.strip().rstrip("/") for u in config.url.split(",") if u.strip()]
         self.loop = asyncio.get_running_loop()
         self.by_id = {r.id: r for r in requests}
         self.dependents: dict[int, list[Request]] = {}
@@ -213,7 +215,7 @@ class _Run:
         started = self.loop.time()
         reply: list[str] = []
         try:
-            await self._post(req.api, body, rec, started, reply)
+            await self._post(self.urls[req.id % len(self.urls)], req.api, body, rec, started, reply)
             if rec.error is None:
                 rec.latency_s = self.loop.time() - started
         except asyncio.CancelledError:
@@ -234,13 +236,11 @@ class _Run:
             self._record(req, rec)
 
     async def _post(
-        self, api: str, body: dict[str, Any], rec: RequestRecord, started: float, reply: list[str]
+        self, url: str, api: str, body: dict[str, Any], rec: RequestRecord, started: float, reply: list[str]
     ) -> None:
         data = orjson.dumps(body)
         headers = {"content-type": "application/json"}
-        async with self.session.post(
-            self.config.url.rstrip("/") + API_PATHS[api], data=data, headers=headers
-        ) as resp:
+        async with self.session.post(url + API_PATHS[api], data=data, headers=headers) as resp:
             rec.status = resp.status
             rec.worker = resp.headers.get(WORKER_HEADER, "direct")
             if resp.status >= 400:
@@ -332,7 +332,8 @@ async def run_load(config: LoadConfig) -> Results:
     started_unix = time.time()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
         if config.model is None:
-            config = LoadConfig(**{**asdict(config), "model": await _discover_model(session, config.url)})
+            first_url = config.url.split(",")[0]
+            config = LoadConfig(**{**asdict(config), "model": await _discover_model(session, first_url)})
         run = _Run(config, session, requests)
         await run.execute()
         duration = run._now()
@@ -354,7 +355,9 @@ def _option(text: str) -> tuple[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m loadtest.driver", description=__doc__)
-    p.add_argument("--url", default=LoadConfig.url)
+    p.add_argument(
+        "--url", default=LoadConfig.url, help="base URL, or several comma-separated (taken in turn)"
+    )
     p.add_argument("--workload", default="tenants", choices=[*GENERATORS, "trace"])
     p.add_argument("--trace", help="Mooncake-format JSONL (with --workload trace)")
     p.add_argument("--mode", default="closed", choices=["closed", "open"])

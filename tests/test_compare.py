@@ -56,6 +56,19 @@ def test_side_by_side_table_json_and_plot_for_each_policy(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_several_router_processes_per_run_share_the_requests(tmp_path):
+    backend = Backend("echo", cache_tokens=10240, decode_ms_per_token=1.0)
+    config = CompareConfig([("ca", "cache_aware", {})], rag_load(), 2, backend, str(tmp_path), routers=2)
+    result = compare(config)
+    assert "2 router processes per run" in result["table"]
+    assert "| ok / sent | 40 / 40 |" in result["table"]
+    assert len(STARTED) == 4  # 2 workers + 2 routers
+    routers = [p for p in STARTED if "router" in p.args]
+    assert len(routers) == 2
+    doc = orjson.loads((tmp_path / "compare.json").read_bytes())
+    assert doc["routers"] == 2 and doc["runs"][0]["fleet"]["router_cpu_s"] > 0
+
+
 def test_a_router_that_cannot_start_stops_the_workers_and_reports(tmp_path, capsys):
     argv = ["--backend", "echo", "--workers", "2", "--requests", "5", "--policies", "",
             "--run", "broken=cache_aware:no_such_param=1", "--out-dir", str(tmp_path)]  # fmt: skip
@@ -69,6 +82,8 @@ def test_bounds_on_runs_and_workers(tmp_path):
         compare(CompareConfig([("a", "round_robin", {})], workers=64, out_dir=str(tmp_path)))
     with pytest.raises(ValueError):
         compare(CompareConfig([("a", "round_robin", {}), ("a", "cache_aware", {})], out_dir=str(tmp_path)))
+    with pytest.raises(ValueError):
+        compare(CompareConfig([("a", "round_robin", {})], out_dir=str(tmp_path), routers=5))
     assert not STARTED  # refused before starting anything
 
 

@@ -181,6 +181,13 @@ async def test_non_stream_completions_without_worker_header_is_direct(server_fac
     assert all(r.ttft_s is not None and r.ttft_s <= r.latency_s for r in results.records)
 
 
+async def test_several_urls_take_the_requests_in_turn(server_factory):
+    a, b = await server_factory(), await server_factory()
+    results = await run_load(_config(a, url=f"{a.url},{b.url}/", requests=10, concurrency=3))
+    assert results.summary()["ok"] == 10
+    assert (a.arrivals, b.arrivals) == (5, 5)
+
+
 async def test_open_loop_does_not_wait_for_responses(server_factory):
     # Every response waits until 8 requests are in flight at once: only an open loop gets there.
     server = await server_factory(barrier=8)
