@@ -23,10 +23,10 @@ log = logging.getLogger("radixgate.router.health")
 
 
 def _number(value: object) -> float:
-    """A count from a worker's report; anything else (absent, null, text, negative) is 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A count from a worker's report; anything else (absent, null, text, negative, NaN) is 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         return 0.0
-    return max(0.0, float(value))
+    return float(value)
 
 
 class HealthChecker:

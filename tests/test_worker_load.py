@@ -52,3 +52,13 @@ def test_without_a_prefill_weight_reported_backlog_adds_nothing():
     w = worker(prefill_tokens_per_load=0)
     w.apply_report(3, 50_000)
     assert w.load == 3.0 and w.reported_prefill == 50_000
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [(3, 3.0), (2.5, 2.5), (None, 0.0), ("7", 0.0), (True, 0.0), (-4, 0.0), ([1], 0.0), (float("nan"), 0.0)],
+)
+def test_a_health_report_value_that_is_not_a_count_reads_as_zero(value, read):
+    from router.health import _number
+
+    assert _number(value) == read
