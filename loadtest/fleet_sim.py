@@ -100,7 +100,7 @@ class ClusterSim:
         gc.freeze()
         firsts = self.src.first_turns()  # (arrival s, id), sorted
         pos, heap = 0, self.heap
-        self.arrivals_left = len(firsts)
+        self.arrivals_left = len(firsts)  # requests still to arrive: first turns, and later turns due
         if self.c.join_workers:
             self._push(self.c.join_at_s, 3, None)
         start, n, every = (firsts[0][0] if firsts else 0.0), len(self.routers), self.c.health_interval_s
@@ -214,6 +214,7 @@ class ClusterSim:
         self.last_finish = max(self.last_finish, t)
         nxt = self.src.next_turn(job.id)
         if nxt is not None:
+            self.arrivals_left += 1
             self._push(t + self.src.think_s(nxt), 1, nxt)
 
     def _admit(self, w: SimWorker) -> None:

@@ -262,3 +262,15 @@ def test_a_replica_counts_what_workers_report_beyond_its_own_requests():
     assert view.load == pytest.approx(1 + 2 + 500 / 100)
     other, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
     assert other is not view  # least loaded: the worker other replicas keep busy is avoided
+
+
+def test_health_reports_go_on_while_a_conversation_thinks_between_turns():
+    # one conversation at a time: the fleet is idle during every think time
+    src = WorkloadSource("multi_turn", 12, 0.2, 8, 0, {"turns": 4, "think_time_s": 3.0})
+    polls = []
+    sim = ClusterSim(SimConfig(2, "least_load", {"seed": 0}, model=WorkerModel(kv_tokens=8192)), src)
+    original = sim._poll
+    sim._poll = lambda replica, t: (polls.append(t), original(replica, t))
+    summary = sim.run()
+    assert summary["completed"] == 12
+    assert max(polls) >= sim.last_finish - 1.0  # still polling when the last turn ran
