@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="each replica's health-check round, when it reads the workers' load reports (0: never)")  # fmt: skip
     p.add_argument("--no-prefill-report", action="store_true",
                    help="workers report running + waiting only, no prefill backlog (as other servers)")  # fmt: skip
+    p.add_argument("--replica-sync-ms", type=float,
+                   help="replicas announce their counts to each other, heard this late (ms); default: off")  # fmt: skip
     p.add_argument("--json", help="write all summaries here")
     p.add_argument("--md", help="write the markdown table here")
     a = p.parse_args(argv)
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
                         a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load,
                         join_workers=a.join_workers, join_at_s=a.join_at, routers=n,
-                        health_interval_s=a.health_interval_s, prefill_report=not a.no_prefill_report)  # fmt: skip
+                        health_interval_s=a.health_interval_s, prefill_report=not a.no_prefill_report,
+                        replica_sync_delay_s=None if a.replica_sync_ms is None else a.replica_sync_ms / 1e3)  # fmt: skip
         summaries.append(ClusterSim(cfg, source).run())
         print(f"# {label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)

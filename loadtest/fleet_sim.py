@@ -14,13 +14,14 @@ import heapq
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from loadtest.report import percentile
 from loadtest.sim_router import SimRouter
 from loadtest.sim_sources import Source
 from loadtest.sim_worker import SimJob, SimWorker, WorkerModel
-from router.workers import PendingPrefill
+from router.workers import PendingPrefill, Worker
 
 SIM_POLICIES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware", "sticky")
 # Index memory per block held (bytes): tracemalloc of PrefixIndex.insert for 100k fresh blocks,
@@ -48,6 +49,9 @@ class SimConfig:
     routers: int = 1  # router replicas; each request goes to one at random (a Service's spread)
     health_interval_s: float = 1.0  # each replica's health-check round: the workers' load reports
     prefill_report: bool = True  # workers report their prefill backlog (radixgate's do; others don't)
+    # replica sync: each replica's in-flight and pending prefill per worker reach the others this
+    # late (s) after every change (router/replica_sync.py over Redis pub/sub); None = off
+    replica_sync_delay_s: float | None = None
 
 
 class ClusterSim:
@@ -58,11 +62,13 @@ class ClusterSim:
         self.weight = source.weight  # real tokens per simulated token (trace scale-down)
         if config.join_workers < 0 or config.routers < 1:
             raise ValueError("join_workers must be >= 0 and routers >= 1")
+        sync = config.replica_sync_delay_s is not None and config.routers > 1
         self.routers = [
             SimRouter(config.policy, config.params, config.index_entries, config.prefill_tokens_per_load,
-                      config.namespace)
-            for _ in range(config.routers)
+                      config.namespace, partial(self._announce, i) if sync else None)
+            for i in range(config.routers)
         ]  # fmt: skip
+        self.now = 0.0  # simulated time of the event being handled
         self.pick_router = random.Random(0)
         self.workers = [
             SimWorker(f"http://sim-worker-{i}", self.m, config.events, config.namespace)
@@ -110,9 +116,11 @@ class ClusterSim:
             if pos < len(firsts) and (not heap or firsts[pos][0] <= heap[0][0]):
                 t, rid = firsts[pos]
                 pos += 1
+                self.now = t
                 self._arrive(rid, t)
                 continue
             t, _, kind, payload = heapq.heappop(heap)
+            self.now = t
             if kind == 0:  # a worker's planned segment ends
                 w, version = payload
                 if version == w.version:
@@ -127,6 +135,11 @@ class ClusterSim:
                 self.joined = True
             elif kind == 4:  # a replica's health-check round
                 self._poll(payload, t)
+            elif kind == 5:  # a replica's announcement of its counts on a worker reaches the others
+                sender, url, in_flight, pending = payload
+                for i, r in enumerate(self.routers):
+                    if i != sender and (view := r.workers.get(url)) is not None:
+                        view.set_peer(str(sender), in_flight, pending)
             else:  # KV events reach the routers
                 for r in self.routers:
                     r.apply_events(*payload)
@@ -150,6 +163,11 @@ class ClusterSim:
         job.view, job.prefill = view, PendingPrefill(view, uncached)
         w.enqueue(job)
         self._kick(w, t)
+
+    def _announce(self, replica: int, view: Worker) -> None:
+        """Replica sync: ``replica``'s counts on a worker changed; the others hear it a bit later."""
+        payload = (replica, view.url, view.in_flight, view.pending_prefill)
+        self._push(self.now + (self.c.replica_sync_delay_s or 0.0), 5, payload)
 
     def _poll(self, replica: int, t: float) -> None:
         """What ``GET /health`` of every worker tells one replica; the next round while work remains."""
@@ -206,6 +224,7 @@ class ClusterSim:
     def _finish(self, w: SimWorker, job: SimJob, t: float) -> None:
         w.release(job)
         job.view.in_flight -= 1
+        job.view.changed()
         self.ttft.append(job.ttft - job.start)
         if self.c.join_workers and job.start >= self.c.join_at_s:
             self.ttft_after_join.append(job.ttft - job.start)
@@ -221,6 +240,7 @@ class ClusterSim:
         for job in w.admit():  # NOTE: can never fit the pool: the worker's 413
             job.view.in_flight -= 1
             job.prefill.release()
+            job.view.changed()
             self.rejected += 1
             self.skipped += self.src.drop_conversation(job.id)
 

@@ -3,14 +3,16 @@
 (loadtest/fleet_sim.py); this module only decides, counts and learns.
 
 Several replicas model a deployment with more than one router (the Helm chart runs two): each
-routes its own share of the requests and counts only its own in-flight requests and pending
-prefill; other replicas' traffic reaches it only through the workers' periodic health reports;
-KV events (when on) reach every replica, as Redis delivers them to every router.
+routes its own share of the requests and counts its own in-flight requests and pending prefill
+live; other replicas' traffic reaches it through the workers' periodic health reports and, with
+replica sync, through the other replicas' announcements (router/replica_sync.py); KV events (when
+on) reach every replica, as Redis delivers them to every router.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mmh3
@@ -47,7 +49,7 @@ class SimRouter:
 
     def __init__(
         self, policy: str, params: dict[str, Any], index_entries: int, prefill_tokens_per_load: float,
-        namespace: str,
+        namespace: str, on_change: Callable[[Worker], None] | None = None,
     ) -> None:  # fmt: skip
         self.index = PrefixIndex(index_entries)
         self.namespace = namespace
@@ -58,9 +60,11 @@ class SimRouter:
         self.workers = WorkerRegistry(CircuitBreaker, prefill_tokens_per_load)
         self.decision_ns: list[int] = []
         self.event_ns = 0
+        self.on_change = on_change  # replica sync: called when this replica's counts on a worker move
 
     def add_worker(self, url: str) -> None:
-        self.workers.add(url).healthy = True
+        worker = self.workers.add(url)
+        worker.healthy, worker.on_change = True, self.on_change
         self.index.add_worker(url)
 
     def route(self, tokens: list[int], block_size: int, group: str, urls: list[str]) -> tuple[Worker, int]:

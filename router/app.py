@@ -75,7 +75,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         if request.method == "GET":
             fleet = [w.url for w in router.workers]
             return _json(
-                {"workers": router.workers.describe(), "affinity_groups": router.affinity.describe(fleet)}
+                {
+                    "workers": router.workers.describe(),
+                    "affinity_groups": router.affinity.describe(fleet),
+                    "replica_sync": router.replica_sync.describe() if router.replica_sync else None,
+                }
             )
         url = request.query_params.get("url")
         if url is None:

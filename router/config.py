@@ -43,6 +43,10 @@ class RouterConfig:
     admin_token: str | None = None  # required by /workers when set
     kv_events: str = "auto"  # auto | redis | http | off
     redis_url: str | None = None
+    # router replicas announce their per-worker load to each other over Redis (router/replica_sync.py):
+    # auto = on when redis_url is set
+    replica_sync: str = "auto"  # auto | on | off
+    replica_sync_heartbeat_s: float = 1.0  # full announcements; a replica silent 3x this is forgotten
     launch_workers: int = 0  # start N local workers (python -m worker) as child processes
     worker_model: str = "tiny"  # --model for launched workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
@@ -56,6 +60,12 @@ class RouterConfig:
             raise ValueError("kv_events must be auto, redis, http or off")
         if self.kv_events == "redis" and not self.redis_url:
             raise ValueError("kv_events=redis needs redis_url")
+        if self.replica_sync not in ("auto", "on", "off"):
+            raise ValueError("replica_sync must be auto, on or off")
+        if self.replica_sync == "on" and not self.redis_url:
+            raise ValueError("replica_sync=on needs redis_url")
+        if not self.replica_sync_heartbeat_s > 0:
+            raise ValueError("replica_sync_heartbeat_s must be > 0")
         for name in ("block_size", "max_index_entries", "port"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -158,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token")
     p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))
     p.add_argument("--redis-url")
+    p.add_argument(
+        "--replica-sync",
+        choices=("auto", "on", "off"),
+        help="announce per-worker load to other router replicas over Redis (auto: when --redis-url)",
+    )
     p.add_argument("--launch-workers", type=int, metavar="N", help="start N local workers")
     p.add_argument("--model", dest="worker_model", help="model for --launch-workers (default tiny)")
     p.add_argument(

@@ -30,6 +30,7 @@ from router.metrics import RouterMetrics
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
+from router.replica_sync import ReplicaSync
 from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body
 from router.tokenization import load_tokenizer
 from router.workers import PendingPrefill, Worker, WorkerRegistry
@@ -83,12 +84,22 @@ class Router:
         )
         self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
         self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
-        self.metrics = RouterMetrics(self.workers, lambda: (self.index.num_entries, self.index.num_nodes))
+        self.metrics = RouterMetrics(
+            self.workers,
+            lambda: (self.index.num_entries, self.index.num_nodes),
+            lambda: self.replica_sync.describe() if self.replica_sync else None,
+        )
         self.upstream = Upstream(
             config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s
         )
         self.health = HealthChecker(self, config.health_interval_s, config.health_timeout_s)
         self.events = EventSubscriber(self, config.kv_events, config.redis_url)
+        sync = config.replica_sync == "on" or (config.replica_sync == "auto" and config.redis_url)
+        self.replica_sync = (
+            ReplicaSync(self.workers, config.redis_url, heartbeat_s=config.replica_sync_heartbeat_s,
+                        expire_s=3 * config.replica_sync_heartbeat_s)
+            if sync and config.redis_url else None
+        )  # fmt: skip
         for url in config.workers:
             self.workers.add(url)
 
@@ -100,8 +111,12 @@ class Router:
         log.info("workers: %d configured, healthy: %s", len(self.workers), ", ".join(healthy) or "none")
         self.health.start()
         await self.events.start()
+        if self.replica_sync is not None:
+            await self.replica_sync.start()
 
     async def stop(self) -> None:
+        if self.replica_sync is not None:
+            await self.replica_sync.stop()
         await self.events.stop()
         await self.health.stop()
         await self.upstream.close()
@@ -247,6 +262,7 @@ class Router:
             finally:
                 worker.in_flight -= 1
                 prefill.release()
+                worker.changed()
         if failure is not None:
             raise RouterError(
                 failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind

@@ -52,6 +52,16 @@ class _WorkerCollector:
             "Predicted uncached prompt tokens sent and not yet answered",
             labels=label,
         )
+        peer_in_flight = GaugeMetricFamily(
+            "radixgate_upstream_peer_in_flight",
+            "Requests other router replicas announced there",
+            labels=label,
+        )
+        peer_pending = GaugeMetricFamily(
+            "radixgate_upstream_peer_pending_prefill_tokens",
+            "Pending prefill tokens other router replicas announced there",
+            labels=label,
+        )
         healthy = GaugeMetricFamily(
             "radixgate_upstream_healthy", "1 if the last health check passed", labels=label
         )
@@ -96,6 +106,8 @@ class _WorkerCollector:
             in_flight.add_metric([w.url], w.in_flight)
             load.add_metric([w.url], w.load)
             pending.add_metric([w.url], w.pending_prefill)
+            peer_in_flight.add_metric([w.url], w.peer_queue)
+            peer_pending.add_metric([w.url], w.peer_prefill)
             healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
             breaker.add_metric([w.url], int(w.breaker.state))
             prompt.add_metric([w.url], s.prompt_tokens)
@@ -123,7 +135,8 @@ class _WorkerCollector:
         index_nodes.add_metric([], nodes)
         workers_total = GaugeMetricFamily("radixgate_workers", "Registered workers")
         workers_total.add_metric([], len(self._workers))
-        yield from (requests, errors, retries, in_flight, load, pending, healthy, breaker, prompt, predicted)
+        yield from (requests, errors, retries, in_flight, load, pending, peer_in_flight, peer_pending)
+        yield from (healthy, breaker, prompt, predicted)
         yield from (
             usage_prompt,
             cached,
@@ -137,12 +150,38 @@ class _WorkerCollector:
         )
 
 
+class _SyncCollector:
+    """Replica sync (router/replica_sync.py) counters, when it is on."""
+
+    def __init__(self, stats: Callable[[], dict | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        peers = GaugeMetricFamily("radixgate_replica_sync_peers", "Other router replicas heard from")
+        peers.add_metric([], len(s["peers_last_heard_s"]))
+        messages = CounterMetricFamily(
+            "radixgate_replica_sync_messages", "Replica sync messages by kind", labels=["kind"]
+        )
+        for kind in ("sent", "received", "malformed", "publish_errors"):
+            messages.add_metric([kind], s[kind])
+        expired = CounterMetricFamily("radixgate_replica_sync_expired", "Replicas forgotten after silence")
+        expired.add_metric([], s["expired"])
+        yield from (peers, messages, expired)
+
+
 class RouterMetrics:
     """One registry per router app, so several apps in one process (tests) never collide."""
 
-    def __init__(self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]],
+        sync_stats: Callable[[], dict | None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.registry = CollectorRegistry()
         self.registry.register(_WorkerCollector(workers, index_size))
+        self.registry.register(_SyncCollector(sync_stats))
         self.requests = Counter(
             "radixgate_requests",
             "Client requests by endpoint and HTTP status",

@@ -1,8 +1,9 @@
 """The router's view of its workers: address, health, circuit breaker, load and per-worker counters.
 
 A worker's load lives here and only here: in-flight requests counted by this router on every path
-and the prefill it has sent there and not yet seen answered (live), plus what the worker's last
-health report showed beyond that (other router replicas' requests and prefill), in request units."""
+and the prefill it has sent there and not yet seen answered (live), the same counts as other router
+replicas announce them (router/replica_sync.py, when on), plus what the worker's last health report
+showed beyond all that (replicas not heard from, other clients), in request units."""
 
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ class Worker:
     prefill_weight: float = 0.0  # load units per pending prefill token (1 / prefill_tokens_per_load)
     reported_queue: float = 0.0  # running + waiting as the worker last reported (0 if it doesn't)
     reported_prefill: float = 0.0  # prefill backlog tokens as the worker last reported (0 if it doesn't)
-    others_queue: float = 0.0  # of the last report, requests beyond ours then (apply_report)
-    others_prefill: float = 0.0  # of the last report, prefill tokens beyond our pending then
+    others_queue: float = 0.0  # of the last report, requests beyond ours and peers' then (apply_report)
+    others_prefill: float = 0.0  # of the last report, prefill tokens beyond ours and peers' then
+    peers: dict[str, tuple[int, int]] = field(default_factory=dict)  # replica -> (in-flight, pending)
+    peer_queue: int = 0  # sum of the peers' in-flight requests here
+    peer_prefill: int = 0  # sum of the peers' pending prefill tokens here
+    on_change: Callable[[Worker], None] | None = field(default=None, repr=False)  # our counts moved
     models: set[str] = field(default_factory=set)  # served model ids (empty = unknown, serves all)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
     epoch: str | None = None  # the worker's start identity, from /health or cache info
@@ -51,23 +56,36 @@ class Worker:
 
     @property
     def load(self) -> float:
-        """Our outstanding requests plus others' from the last report, plus one per
-        ``prefill_tokens_per_load`` tokens of unanswered prefill (ours and others').
+        """Outstanding requests (ours, the peers', the rest of the last report), plus one per
+        ``prefill_tokens_per_load`` tokens of unanswered prefill (counted the same three ways).
         NOTE: a request's count says little about the work it brings: a miss on a long prompt
         queues every request behind its prefill, a hit on the same prompt costs a few tokens."""
-        prefill = (self.pending_prefill + self.others_prefill) * self.prefill_weight
-        return self.in_flight + self.others_queue + prefill
+        prefill = (self.pending_prefill + self.peer_prefill + self.others_prefill) * self.prefill_weight
+        return self.in_flight + self.peer_queue + self.others_queue + prefill
+
+    def changed(self) -> None:
+        """Our in-flight count or pending prefill moved (replica sync announces it)."""
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def set_peer(self, replica: str, in_flight: int, pending_prefill: int) -> None:
+        """Another router replica's counts here, as it announced them (absolute, not deltas)."""
+        old_queue, old_prefill = self.peers.pop(replica, (0, 0))
+        if in_flight or pending_prefill:
+            self.peers[replica] = (in_flight, pending_prefill)
+        self.peer_queue += in_flight - old_queue
+        self.peer_prefill += pending_prefill - old_prefill
 
     def apply_report(self, queue: float, prefill_backlog: float) -> None:
         """A health report: the worker's running + waiting requests and its prefill backlog (prompt
-        tokens queued or in prefill). What exceeds our own count at this moment is other routers'
-        (or direct clients') work; it stays in the load until the next report.
-        NOTE: our own part is counted live. Taking max(ours, reported) instead would freeze the
-        load between reports wherever the report dominates (several replicas), so a replica would
-        send every request in that second to the same worker."""
+        tokens queued or in prefill). What exceeds our own and the peers' counts at this moment is
+        other routers' (or direct clients') work; it stays in the load until the next report.
+        NOTE: our own and the peers' parts are counted live. Taking max(ours, reported) instead
+        would freeze the load between reports wherever the report dominates (several replicas), so
+        a replica would send every request in that second to the same worker."""
         self.reported_queue, self.reported_prefill = queue, prefill_backlog
-        self.others_queue = max(0.0, queue - self.in_flight)
-        self.others_prefill = max(0.0, prefill_backlog - self.pending_prefill)
+        self.others_queue = max(0.0, queue - self.in_flight - self.peer_queue)
+        self.others_prefill = max(0.0, prefill_backlog - self.pending_prefill - self.peer_prefill)
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
@@ -79,6 +97,8 @@ class Worker:
 
 class _HasPendingPrefill(Protocol):
     pending_prefill: int
+
+    def changed(self) -> None: ...
 
 
 class PendingPrefill:
@@ -92,11 +112,14 @@ class PendingPrefill:
     def __init__(self, worker: _HasPendingPrefill, tokens: int) -> None:
         self.worker, self.tokens = worker, max(0, tokens)
         worker.pending_prefill += self.tokens
+        worker.changed()
 
     def release(self) -> None:
         """Idempotent: the first call takes the tokens off the worker's load."""
-        self.worker.pending_prefill -= self.tokens
-        self.tokens = 0
+        if self.tokens:
+            self.worker.pending_prefill -= self.tokens
+            self.tokens = 0
+            self.worker.changed()
 
 
 class WorkerRegistry:
@@ -171,6 +194,8 @@ class WorkerRegistry:
                 "in_flight": w.in_flight,
                 "reported_queue": w.reported_queue,
                 "reported_prefill_tokens": w.reported_prefill,
+                "peer_in_flight": w.peer_queue,
+                "peer_pending_prefill_tokens": w.peer_prefill,
                 "pending_prefill_tokens": w.pending_prefill,
                 "load": w.load,
                 "models": sorted(w.models),

@@ -1,0 +1,134 @@
+"""Replica sync: what one router replica does with the others' announcements (unit), and two real
+router processes sharing their load over a real Redis (integration)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import orjson
+import pytest
+
+from router.circuit_breaker import CircuitBreaker
+from router.launcher import free_port
+from router.replica_sync import ReplicaSync
+from router.workers import PendingPrefill, WorkerRegistry
+from tests.support import REDIS, wait_until
+
+A, B = "http://a:1", "http://b:1"
+
+
+def sync_over(*urls: str) -> ReplicaSync:
+    registry = WorkerRegistry(CircuitBreaker, 100.0)
+    for url in urls:
+        registry.add(url)
+    return ReplicaSync(registry, "redis://unused", expire_s=3.0)
+
+
+def message(replica: str, workers: dict, full: bool = False) -> bytes:
+    return orjson.dumps({"replica": replica, "full": full, "workers": workers})
+
+
+def test_announced_counts_add_to_the_load_and_replace_the_senders_earlier_ones():
+    sync = sync_over(A, B)
+    a = sync.registry.get(A)
+    a.in_flight = 1
+    sync.apply(message("r1", {A: [2, 300]}), now=0.0)
+    sync.apply(message("r2", {A: [1, 0]}), now=0.0)
+    assert (a.peer_queue, a.peer_prefill) == (3, 300)
+    assert a.load == pytest.approx(1 + 3 + 300 / 100)
+    sync.apply(message("r1", {A: [0, 0]}), now=0.1)  # absolute counts: r1 is done there
+    assert (a.peer_queue, a.peer_prefill) == (1, 0)
+    a.apply_report(5, 0)  # the report's rest beyond ours and the peers' is someone else's
+    assert a.others_queue == 3 and a.load == 1 + 1 + 3
+
+
+def test_a_full_message_zeroes_workers_it_does_not_list_and_an_empty_one_means_gone():
+    sync = sync_over(A, B)
+    a, b = sync.registry.get(A), sync.registry.get(B)
+    sync.apply(message("r1", {A: [1, 10], B: [2, 20]}), now=0.0)
+    sync.apply(message("r1", {B: [1, 5]}, full=True), now=1.0)
+    assert (a.peer_queue, b.peer_queue, b.peer_prefill) == (0, 1, 5)
+    sync.apply(message("r1", {}, full=True), now=1.5)  # r1 stopping
+    assert b.peer_queue == 0 and b.peers == {} and sync.describe()["peers_last_heard_s"] == {}
+
+
+def test_silent_replicas_are_forgotten_and_our_own_messages_ignored():
+    sync = sync_over(A)
+    a = sync.registry.get(A)
+    sync.apply(message("r1", {A: [4, 400]}), now=10.0)
+    sync.apply(message(sync.replica, {A: [9, 900]}), now=10.0)
+    assert a.peer_queue == 4
+    sync.expire(now=12.9)
+    assert a.peer_queue == 4
+    sync.expire(now=13.1)
+    assert (a.peer_queue, a.peer_prefill) == (0, 0) and sync.stats["expired"] == 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"not json", b"[]", message("r1", {A: [1]}), message("r1", {A: [-1, 0]}), message("r1", {A: [1.5, 0]}),
+     orjson.dumps({"replica": 7, "full": False, "workers": {}}), orjson.dumps({"replica": "r1"})],
+)  # fmt: skip
+def test_malformed_messages_are_counted_and_change_nothing(raw):
+    sync = sync_over(A)
+    sync.apply(raw, now=0.0)
+    assert sync.registry.get(A).peer_queue == 0 and sync.stats["malformed"] == 1
+
+
+def test_our_own_changes_are_marked_for_announcement():
+    sync = sync_over(A, B)
+    for w in sync.registry:
+        w.on_change = sync._changed
+    a = sync.registry.get(A)
+    a.in_flight += 1
+    pending = PendingPrefill(a, 50)
+    assert list(sync._dirty) == [A]
+    sync._dirty.clear()
+    pending.release()
+    assert list(sync._dirty) == [A]
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
+def test_two_router_processes_see_each_others_requests_at_once(launch):
+    port = free_port()
+    worker = launch.module(
+        "worker", "--engine", "sim", "--sim-prefill-ms-per-token", "20", "--chunked-prefill-tokens", "32",
+        "--advertise-url", f"http://127.0.0.1:{port}", port=port,
+    )  # fmt: skip
+    redis_url = launch.redis()
+    config = _heartbeat_yaml(launch.tmp_dir, 0.2)  # a replica silent for 3 heartbeats is forgotten
+    common = ["--redis-url", redis_url, "--kv-events", "http", "--health-interval-s", "60", "--config", config]
+    a, b = launch.router([worker.url], *common), launch.router([worker.url], *common)
+
+    def view(router) -> dict:
+        return httpx.get(router.url + "/workers", timeout=5).json()
+
+    wait_until(lambda: len(view(b)["replica_sync"]["peers_last_heard_s"]) == 1, 30, what="b hears a")
+    body = {"model": "tiny", "prompt": "x" * 160, "max_tokens": 2, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, a.url + "/v1/completions", json=body, timeout=60)
+        wait_until(lambda: view(b)["workers"][0]["peer_in_flight"] == 1, 10, what="a's request in b's view")
+        w = view(b)["workers"][0]
+        assert w["in_flight"] == 0 and w["reported_queue"] == 0  # b itself sent nothing, no report yet
+        assert w["peer_pending_prefill_tokens"] == 160  # a's prediction: nothing cached
+        assert w["load"] == pytest.approx(1 + 160 / 256)
+        assert sent.result().status_code == 200
+    wait_until(lambda: view(b)["workers"][0]["peer_in_flight"] == 0, 10, what="a's request done in b's view")
+    time.sleep(1.0)  # idle for longer than the expiry: a's heartbeats keep it known
+    metrics = httpx.get(b.url + "/metrics", timeout=5).text
+    assert "radixgate_replica_sync_peers 1.0" in metrics
+    # a dies without a word: b forgets it after 3 heartbeats of silence
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    wait_until(lambda: view(b)["replica_sync"]["peers_last_heard_s"] == {}, 10, what="a forgotten")
+
+
+def _heartbeat_yaml(tmp_dir: str, seconds: float) -> str:
+    path = f"{tmp_dir}/replica-sync.yaml"
+    with open(path, "w") as f:
+        f.write(f"replica_sync_heartbeat_s: {seconds}\nlog_level: warning\n")
+    return path
