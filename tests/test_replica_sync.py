@@ -101,7 +101,16 @@ def test_two_router_processes_see_each_others_requests_at_once(launch):
     )  # fmt: skip
     redis_url = launch.redis()
     config = _heartbeat_yaml(launch.tmp_dir, 0.2)  # a replica silent for 3 heartbeats is forgotten
-    common = ["--redis-url", redis_url, "--kv-events", "http", "--health-interval-s", "60", "--config", config]
+    common = [
+        "--redis-url",
+        redis_url,
+        "--kv-events",
+        "http",
+        "--health-interval-s",
+        "60",
+        "--config",
+        config,
+    ]
     a, b = launch.router([worker.url], *common), launch.router([worker.url], *common)
 
     def view(router) -> dict:
