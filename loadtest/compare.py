@@ -16,6 +16,8 @@ import contextlib
 import importlib.util
 import os
 import shlex
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -75,10 +77,12 @@ class Backend:
 
 # NOTE: placeholders of an external router's command; {worker_urls} must be a whole argument
 # and becomes one argument per worker URL (sglang-router's and vllm-router's --worker-urls take a list)
-PLACEHOLDERS = ("{port}", "{worker_urls}", "{workers}", "{block_size}", "{python}")
+PLACEHOLDERS = ("{port}", "{worker_urls}", "{workers}", "{block_size}", "{python}", "{redis_url}")
 
 
-def external_command(template: str, port: int, urls: list[str], block_size: int) -> list[str]:
+def external_command(
+    template: str, port: int, urls: list[str], block_size: int, redis_url: str = ""
+) -> list[str]:
     """argv of another router from its command-line template (see PLACEHOLDERS)."""
     args = shlex.split(template)
     if "{port}" not in template:
@@ -89,7 +93,8 @@ def external_command(template: str, port: int, urls: list[str], block_size: int)
             out += urls
             continue
         for key, value in (("{port}", str(port)), ("{workers}", ",".join(urls)),
-                           ("{block_size}", str(block_size)), ("{python}", sys.executable)):  # fmt: skip
+                           ("{block_size}", str(block_size)), ("{python}", sys.executable),
+                           ("{redis_url}", redis_url)):  # fmt: skip
             arg = arg.replace(key, value)
         out.append(arg)
     return out
@@ -105,6 +110,7 @@ class CompareConfig:
     startup_timeout_s: float = 90.0  # per process, to answer GET /health (router: GET /ready)
     external: list[tuple[str, str]] = field(default_factory=list)  # (label, command template)
     routers: int = 1  # router processes per run, each given every worker; the driver takes them in turn
+    redis: bool = False  # a redis-server per run: KV events (sim workers) and replica sync go through it
 
     def labels(self) -> list[str]:
         return [label for label, _, _ in self.runs] + [label for label, _ in self.external]
@@ -121,6 +127,21 @@ class _Fleet:
         with open(self.log_dir / f"{name}.log", "wb") as log:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
+
+    def start_redis(self, timeout_s: float = 10.0) -> str:
+        """A throwaway redis-server on a loopback port; returns its URL once it accepts connections."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("--redis needs redis-server on PATH")
+        port = free_port()
+        self.start([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                   "redis")  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return f"redis://127.0.0.1:{port}/0"
+            time.sleep(0.05)  # NOTE: polling with a deadline, not a blind wait
+        raise RuntimeError(f"redis-server did not start; logs in {self.log_dir}")
 
     def wait_ready(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -224,12 +245,16 @@ def with_worker_counts(summary: dict[str, Any], fleet: dict[str, Any]) -> dict[s
     return {**summary, "per_worker": per_worker, "load_spread": fleet["worker_spread"]}
 
 
-def router_command(config: CompareConfig, label: str, port: int, urls: list[str]) -> tuple[list[str], str]:
+def router_command(
+    config: CompareConfig, label: str, port: int, urls: list[str], redis_url: str = ""
+) -> tuple[list[str], str]:
     """argv of the run's router and the path that answers 200 once it can route."""
     external = dict(config.external)
     if label in external:
         # NOTE: another router's /v1/models is proxied to a worker: 200 means workers are registered
-        return external_command(external[label], port, urls, config.backend.block_size), "/v1/models"
+        return external_command(
+            external[label], port, urls, config.backend.block_size, redis_url
+        ), "/v1/models"
     _, policy, params = next(run for run in config.runs if run[0] == label)
     events = "auto" if config.backend.resolved() == "sim" else "off"  # the echo backend has none
     cmd = [sys.executable, "-m", "router", "--port", str(port), "--workers", ",".join(urls),
@@ -237,6 +262,8 @@ def router_command(config: CompareConfig, label: str, port: int, urls: list[str]
            "--log-level", "warning"]  # fmt: skip
     for key, value in params.items():
         cmd += ["--policy-param", f"{key}={value}"]
+    if redis_url:
+        cmd += ["--redis-url", redis_url]
     return cmd, "/ready"
 
 
@@ -246,16 +273,20 @@ def run_one(config: CompareConfig, label: str) -> tuple[report.Results, dict[str
     log_dir.mkdir(parents=True, exist_ok=True)
     fleet = _Fleet(log_dir)
     try:
+        redis_url = fleet.start_redis() if config.redis else ""
         urls = []
         for i in range(config.workers):
             port = free_port()
-            fleet.start(config.backend.command(port, f"w{i}"), f"worker-{i}")
+            cmd = config.backend.command(port, f"w{i}")
+            if redis_url and config.backend.resolved() == "sim":
+                cmd += ["--redis-url", redis_url]
+            fleet.start(cmd, f"worker-{i}")
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             fleet.wait_ready(url + "/health", config.startup_timeout_s)
         ports = [free_port() for _ in range(config.routers)]
         for i, port in enumerate(ports):
-            cmd, ready = router_command(config, label, port, urls)
+            cmd, ready = router_command(config, label, port, urls, redis_url)
             fleet.start(cmd, "router" if i == 0 else f"router-{i}")
         routers = fleet.procs[-len(ports) :]
         for port in ports:
@@ -323,6 +354,8 @@ def compare(config: CompareConfig) -> dict[str, Any]:
               f"{config.load.mode} loop")  # fmt: skip
     if config.routers > 1:
         header += f"; {config.routers} router processes per run, requests to each in turn"
+    if config.redis:
+        header += "; a redis-server per run (KV events, replica sync)"
     if any(f.get("worker_requests") for f in fleets):
         header += "; workers used and load spread as the workers counted their requests"
     header += "\n\n"
@@ -337,6 +370,7 @@ def compare(config: CompareConfig) -> dict[str, Any]:
         "backend_description": config.backend.describe(),
         "workers": config.workers,
         "routers": config.routers,
+        "redis": config.redis,
         "load": asdict(config.load),
         "runs": [
             {"label": lbl, **specs[lbl], "summary": summary, "fleet": f}
@@ -357,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                    + ", ".join(PLACEHOLDERS) + "; repeatable)")  # fmt: skip
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--routers", type=int, default=1, help="router processes per run (replicas), used in turn")
+    p.add_argument("--redis", action="store_true",
+                   help="start a redis-server per run for KV events and replica sync ({redis_url} in --external)")  # fmt: skip
     p.add_argument("--backend", default="auto", choices=["auto", "sim", "echo"])
     p.add_argument("--cache-tokens", type=int, default=Backend.cache_tokens, help="per worker")
     p.add_argument("--prefill-ms-per-token", type=float, default=Backend.prefill_ms_per_token)
@@ -382,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token)
         external = [_external(x) for x in a.external]
         config = CompareConfig(
-            runs, load, a.workers, backend, a.out_dir, external=external, routers=a.routers
+            runs, load, a.workers, backend, a.out_dir, external=external, routers=a.routers, redis=a.redis
         )
         result = compare(config)
     except (ValueError, RuntimeError, OSError) as exc:

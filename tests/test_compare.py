@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import orjson
@@ -67,6 +68,24 @@ def test_several_router_processes_per_run_share_the_requests(tmp_path):
     assert len(routers) == 2
     doc = orjson.loads((tmp_path / "compare.json").read_bytes())
     assert doc["routers"] == 2 and doc["runs"][0]["fleet"]["router_cpu_s"] > 0
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_a_redis_per_run_reaches_the_routers_and_external_commands(tmp_path):
+    backend = Backend("echo", cache_tokens=10240, decode_ms_per_token=1.0)
+    external = [("nosync", "{python} -m router --port {port} --workers {workers} --redis-url {redis_url} "
+                           "--replica-sync off --kv-events off")]  # fmt: skip
+    config = CompareConfig([("ca", "cache_aware", {})], rag_load(), 2, backend, str(tmp_path), external=external,
+                           routers=2, redis=True)  # fmt: skip
+    result = compare(config)
+    assert "a redis-server per run" in result["table"]
+    assert "| ok / sent | 40 / 40 | 40 / 40 |" in result["table"]
+    redis_runs = [p for p in STARTED if p.args[0].endswith("redis-server")]
+    assert len(redis_runs) == 2  # one per run, stopped with it (checked by the fixture)
+    routers = [p.args for p in STARTED if "router" in p.args]
+    assert len(routers) == 4 and all("--redis-url" in args for args in routers)
+    assert all(args[args.index("--redis-url") + 1].startswith("redis://127.0.0.1:") for args in routers)
 
 
 def test_a_router_that_cannot_start_stops_the_workers_and_reports(tmp_path, capsys):
