@@ -44,11 +44,13 @@ async def _receiver(redis_url: str, n: int, ready, out) -> None:
     await sync.start()
     await asyncio.sleep(0.5)  # subscribed before the sender starts
     ready.set()
+    cpu0 = time.process_time()
     deadline = time.monotonic() + 60
     while len([k for k in seen if k > 0]) < n and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    cpu = time.process_time() - cpu0
     await sync.stop()
-    out.put(orjson.dumps(seen, option=orjson.OPT_NON_STR_KEYS))
+    out.put(orjson.dumps({"seen": seen, "cpu_s": cpu}, option=orjson.OPT_NON_STR_KEYS))
 
 
 async def _sender(redis_url: str, n: int, rate: float, ready, out) -> None:
@@ -58,15 +60,21 @@ async def _sender(redis_url: str, n: int, rate: float, ready, out) -> None:
     await sync.start()
     while not ready.is_set():
         await asyncio.sleep(0.01)
+    base0 = time.process_time()  # NOTE: the pacing loop's own CPU, without changes, to subtract
+    for _ in range(min(n, 500)):
+        await asyncio.sleep(1.0 / rate)
+    baseline = (time.process_time() - base0) / min(n, 500)
     sent: dict[int, float] = {}
+    cpu0 = time.process_time()
     for i in range(1, n + 1):
         worker.in_flight = i
         sent[i] = time.monotonic()
         worker.changed()
         await asyncio.sleep(1.0 / rate)
+    cpu = time.process_time() - cpu0 - baseline * n
     await asyncio.sleep(0.5)
     await sync.stop()
-    out.put(orjson.dumps(sent, option=orjson.OPT_NON_STR_KEYS))
+    out.put(orjson.dumps({"sent": sent, "cpu_s": cpu}, option=orjson.OPT_NON_STR_KEYS))
 
 
 def _run(role: str, *args) -> None:
@@ -80,8 +88,9 @@ def measure(redis_url: str, n: int, rate: float) -> dict:
     sender = ctx.Process(target=_run, args=("sender", redis_url, n, rate, ready, out_s))
     receiver.start()
     sender.start()
-    sent = {int(k): v for k, v in orjson.loads(out_s.get(timeout=120)).items()}
-    seen = {int(k): v for k, v in orjson.loads(out_r.get(timeout=120)).items()}
+    s, r = orjson.loads(out_s.get(timeout=120)), orjson.loads(out_r.get(timeout=120))
+    sent = {int(k): v for k, v in s["sent"].items()}
+    seen = {int(k): v for k, v in r["seen"].items()}
     for p in (sender, receiver):
         p.join(30)
     lat = [(seen[i] - sent[i]) * 1e3 for i in sent if i in seen]
@@ -91,6 +100,10 @@ def measure(redis_url: str, n: int, rate: float) -> dict:
         "received": len(lat),
         "latency_ms": {f"p{q}": round(percentile(lat, q) or 0.0, 3) for q in (50, 90, 99)} if lat else None,
         "latency_ms_max": round(max(lat), 3) if lat else None,
+        # CPU per change: the sending replica's (announce; its pacing loop's own CPU subtracted) and
+        # the receiving one's (apply); a request changes a replica's counts about three times
+        "sender_cpu_us_per_change": round(s["cpu_s"] / n * 1e6, 1),
+        "receiver_cpu_us_per_change": round(r["cpu_s"] / n * 1e6, 1),
     }
 
 

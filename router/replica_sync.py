@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from router.resp import RespConnection, RespError, command
 from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixgate.router.replica_sync")
@@ -49,23 +50,23 @@ class ReplicaSync:
         self.expire_s = expire_s
         self.replica = uuid.uuid4().hex[:12]
         self._dirty: dict[str, Worker] = {}
-        self._wake = asyncio.Event()
+        self._flush_soon = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pub: RespConnection | None = None
         self._heard: dict[str, float] = {}  # replica -> monotonic time of its last message
         self._tasks: list[asyncio.Task] = []
-        self._redis: Any = None
         self.stats = {"sent": 0, "received": 0, "malformed": 0, "publish_errors": 0, "expired": 0}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self._loop = asyncio.get_running_loop()
         for worker in self.registry:
             worker.on_change = self._changed
         self.registry.on_added.append(self._added)
         self.registry.on_removed.append(self._removed)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(f()) for f in (self._publisher, self._subscriber, self._heartbeat)]
+        self._tasks = [
+            self._loop.create_task(f()) for f in (self._publisher, self._subscriber, self._heartbeat)
+        ]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -74,10 +75,11 @@ class ReplicaSync:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        if self._redis is not None:
-            with contextlib.suppress(Exception):  # NOTE: tell the others we are gone, if Redis lets us
-                await self._publish({}, full=True)
-            await self._redis.aclose()
+        if self._pub is not None and not self._pub.is_closed:
+            self._send({}, full=True)  # NOTE: tell the others we are gone
+            await asyncio.sleep(0)
+            self._pub.close()
+        self._pub = None
 
     def _added(self, worker: Worker) -> None:
         worker.on_change = self._changed
@@ -88,55 +90,74 @@ class ReplicaSync:
 
     # ---------------------------------------------------------------- publishing
     def _changed(self, worker: Worker) -> None:
+        """Our counts on ``worker`` moved: announce them at the end of this event-loop turn."""
         self._dirty[worker.url] = worker
-        self._wake.set()
+        if not self._flush_soon and self._loop is not None:
+            self._flush_soon = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_soon = False
+        dirty, self._dirty = self._dirty, {}
+        self._send({url: [w.in_flight, w.pending_prefill] for url, w in dirty.items()}, full=False)
+
+    def _send(self, workers: dict[str, list[int]], full: bool) -> None:
+        if self._pub is None or self._pub.is_closed:
+            self.stats["publish_errors"] += 1  # NOTE: Redis away: the health reports still carry the load
+            return
+        message = orjson.dumps({"replica": self.replica, "full": full, "workers": workers})
+        self._pub.send(command("PUBLISH", self.channel, message))
+        self.stats["sent"] += 1
+
+    def _publish_reply(self, value: Any) -> None:
+        if isinstance(value, RespError):
+            self.stats["publish_errors"] += 1
 
     async def _publisher(self) -> None:
+        """Keeps the publishing connection up (replies are only counted, never awaited)."""
+        failures = 0
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            dirty, self._dirty = self._dirty, {}
-            await self._publish(
-                {url: [w.in_flight, w.pending_prefill] for url, w in dirty.items()}, full=False
-            )
+            try:
+                self._pub = await RespConnection.open(self.redis_url, self._publish_reply)
+                failures = 0
+                await self._pub.closed
+            except (OSError, asyncio.TimeoutError, RespError) as exc:
+                self._log_failure("publish connection", exc, failures)
+            delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
+            failures += 1
+            await asyncio.sleep(delay)
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await self._publish({w.url: [w.in_flight, w.pending_prefill] for w in self.registry}, full=True)
+            self._send({w.url: [w.in_flight, w.pending_prefill] for w in self.registry}, full=True)
             self.expire(time.monotonic())
-
-    async def _publish(self, workers: dict[str, list[int]], full: bool) -> None:
-        message = orjson.dumps({"replica": self.replica, "full": full, "workers": workers})
-        try:
-            await self._redis.publish(self.channel, message)
-            self.stats["sent"] += 1
-        except Exception as exc:  # NOTE: Redis down: the health reports still carry the others' load
-            self.stats["publish_errors"] += 1
-            if self.stats["publish_errors"] in (1, 10, 100) or self.stats["publish_errors"] % 1000 == 0:
-                log.warning("replica sync: publish failed (%d so far): %s", self.stats["publish_errors"], exc)
 
     # ---------------------------------------------------------------- receiving
     async def _subscriber(self) -> None:
         failures = 0
         while True:
-            pubsub = self._redis.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
+                conn = await RespConnection.open(self.redis_url, self._on_message)
+                conn.send(command("SUBSCRIBE", self.channel))
                 failures = 0
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self.apply(message["data"], time.monotonic())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
-                failures += 1
-                log.warning("replica sync: subscription failed (%s); retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                try:
+                    await conn.closed
+                finally:
+                    conn.close()
+            except (OSError, asyncio.TimeoutError, RespError) as exc:
+                self._log_failure("subscription", exc, failures)
+            delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
+            failures += 1
+            await asyncio.sleep(delay)
+
+    def _on_message(self, value: Any) -> None:
+        if isinstance(value, list) and len(value) == 3 and value[0] == b"message":
+            self.apply(value[2], time.monotonic())
+
+    def _log_failure(self, what: str, exc: BaseException, failures: int) -> None:
+        if failures in (0, 5) or failures % 50 == 0:
+            log.warning("replica sync: %s to Redis failed (%s); retrying", what, exc or type(exc).__name__)
 
     def apply(self, raw: bytes | str, now: float) -> None:
         """One message from the channel; our own and malformed ones are ignored (malformed counted)."""
