@@ -1,9 +1,10 @@
 """A small Redis client for replica sync's two hot paths: PUBLISH without waiting for each reply,
 and one SUBSCRIBE stream delivered straight from the socket callback.
 
-Why not redis-py here: on this machine its asyncio client spent ~340 us of CPU per PUBLISH and
-~150 us per message received when messages come one at a time (connection pool, a reply awaited
-per command, a task switch each way); replica sync sends a few per request. Everything else that
+Why not redis-py here: with messages one at a time, as replica sync sends them (a few per request),
+its asyncio client spent 200-310 us of CPU per PUBLISH and 110-160 us per message received on this
+machine (connection pool, a reply awaited per command, a task switch each way); this client 33-96
+and 55-87 us (`python -m loadtest.bench_replica_sync`, three alternating runs each). Everything else that
 talks to Redis (KV event streams) keeps redis-py. Supports ``redis://`` and ``rediss://`` URLs with
 a user and password (parsed by redis-py); the database number does not matter to pub/sub.
 """
