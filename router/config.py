@@ -66,6 +66,13 @@ class RouterConfig:
             raise ValueError("replica_sync=on needs redis_url")
         if not self.replica_sync_heartbeat_s > 0:
             raise ValueError("replica_sync_heartbeat_s must be > 0")
+        if self.redis_url and self.replica_sync != "off":
+            from router.resp import tcp_url_options
+
+            try:
+                tcp_url_options(self.redis_url)
+            except ValueError as exc:
+                raise ValueError(f"replica sync: {exc}; or set replica_sync off") from None
         for name in ("block_size", "max_index_entries", "port"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

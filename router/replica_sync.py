@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from router.resp import RespConnection, RespError, command
+from router.resp import RespConnection, RespError, command, tcp_url_options
 from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixgate.router.replica_sync")
@@ -43,6 +43,7 @@ class ReplicaSync:
         self, registry: WorkerRegistry, redis_url: str, channel: str = CHANNEL, heartbeat_s: float = 1.0,
         expire_s: float = 3.0,
     ) -> None:  # fmt: skip
+        tcp_url_options(redis_url)  # NOTE: a bad URL stops the router at start-up, not a task later
         self.registry = registry
         self.redis_url = redis_url
         self.channel = channel

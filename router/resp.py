@@ -5,8 +5,9 @@ Why not redis-py here: with messages one at a time, as replica sync sends them (
 its asyncio client spent 200-310 us of CPU per PUBLISH and 110-160 us per message received on this
 machine (connection pool, a reply awaited per command, a task switch each way); this client 33-96
 and 55-87 us (`python -m loadtest.bench_replica_sync`, three alternating runs each). Everything else that
-talks to Redis (KV event streams) keeps redis-py. Supports ``redis://`` and ``rediss://`` URLs with
-a user and password (parsed by redis-py); the database number does not matter to pub/sub.
+talks to Redis (KV event streams) keeps redis-py. TCP URLs only: ``redis://`` with an optional user
+and password (parsed by redis-py), and ``rediss://`` (TLS with the system's CA store; not exercised
+by the tests). The database number does not matter to pub/sub.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def parse(buf: bytes | bytearray, pos: int = 0) -> tuple[Any, int]:
     raise ValueError(f"not RESP: {bytes(buf[pos : pos + 16])!r}")
 
 
+def tcp_url_options(url: str) -> dict[str, Any]:
+    """redis-py's reading of a Redis URL; ValueError unless it names a TCP server."""
+    opts = parse_url(url)
+    if "path" in opts:
+        raise ValueError(f"a TCP Redis URL is needed (redis:// or rediss://), not {url!r}")
+    return opts
+
+
 class _Protocol(asyncio.Protocol):
     """Parses replies as they arrive and hands each to ``on_value``."""
 
@@ -102,7 +111,7 @@ class RespConnection:
 
     @classmethod
     async def open(cls, url: str, on_value: Callable[[Any], None], timeout_s: float = 2.0) -> RespConnection:
-        opts = parse_url(url)
+        opts = tcp_url_options(url)
         tls = ssl.create_default_context() if opts.get("connection_class") is SSLConnection else None
         loop = asyncio.get_running_loop()
         handshake: asyncio.Queue[Any] = asyncio.Queue()

@@ -69,3 +69,15 @@ def test_prefill_weight_reaches_every_worker_load():
     assert off.load == 2.0
     with pytest.raises(ValueError):
         WorkerRegistry(CircuitBreaker, -1.0)
+
+
+def test_replica_sync_settings_are_checked():
+    assert build_config(["--redis-url", "redis://r:6379/0"], environ={}).replica_sync == "auto"
+    with pytest.raises(ValueError, match="needs redis_url"):
+        build_config(["--replica-sync", "on"], environ={})
+    with pytest.raises(ValueError, match="TCP Redis URL"):
+        build_config(["--redis-url", "unix:///tmp/redis.sock"], environ={})
+    off = build_config(["--redis-url", "unix:///tmp/redis.sock", "--replica-sync", "off"], environ={})
+    assert off.replica_sync == "off"
+    with pytest.raises(ValueError):
+        build_config([], environ={"RADIXGATE_REPLICA_SYNC_HEARTBEAT_S": "0"})

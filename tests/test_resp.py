@@ -15,6 +15,14 @@ from tests.support import REDIS
 MESSAGE = b"*3\r\n$7\r\nmessage\r\n$4\r\nchan\r\n$11\r\nhello\r\nbulk\r\n"
 
 
+def test_only_tcp_urls_are_taken():
+    from router.resp import tcp_url_options
+
+    assert tcp_url_options("redis://u:p@h:7000/2")["port"] == 7000
+    with pytest.raises(ValueError):
+        tcp_url_options("unix:///tmp/redis.sock")
+
+
 def test_commands_are_arrays_of_bulk_strings():
     assert command("PUBLISH", "c", b"a\r\nb") == b"*3\r\n$7\r\nPUBLISH\r\n$1\r\nc\r\n$4\r\na\r\nb\r\n"
 
