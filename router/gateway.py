@@ -368,6 +368,10 @@ class Router:
                     "load": w.load,
                     "in_flight": w.in_flight,
                     "pending_prefill_tokens": w.pending_prefill,
+                    "peer_in_flight": w.peer_queue,  # other replicas', as announced (replica sync)
+                    "peer_pending_prefill_tokens": w.peer_prefill,
+                    "others_queue": w.others_queue,  # the last report's rest
+                    "others_prefill_tokens": w.others_prefill,
                     "matched_tokens": (
                         decision.matched_tokens.get(w.url, 0)
                         if decision is not None and w.url in decision.matched_tokens

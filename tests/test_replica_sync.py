@@ -125,6 +125,12 @@ def test_two_router_processes_see_each_others_requests_at_once(launch):
         assert w["in_flight"] == 0 and w["reported_queue"] == 0  # b itself sent nothing, no report yet
         assert w["peer_pending_prefill_tokens"] == 160  # a's prediction: nothing cached
         assert w["load"] == pytest.approx(1 + 160 / 256)
+        debug = httpx.post(b.url + "/debug/route", json=body, timeout=5).json()["candidates"][0]
+        assert (debug["peer_in_flight"], debug["peer_pending_prefill_tokens"], debug["in_flight"]) == (
+            1,
+            160,
+            0,
+        )
         assert sent.result().status_code == 200
     wait_until(lambda: view(b)["workers"][0]["peer_in_flight"] == 0, 10, what="a's request done in b's view")
     time.sleep(1.0)  # idle for longer than the expiry: a's heartbeats keep it known
