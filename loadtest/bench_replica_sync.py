@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import shutil
-import subprocess
 import sys
 import time
 
@@ -22,7 +20,7 @@ import orjson
 
 from loadtest.report import percentile
 from router.circuit_breaker import CircuitBreaker
-from router.launcher import free_port
+from router.launcher import free_port, redis_server, stop_processes
 from router.replica_sync import ReplicaSync
 from router.workers import WorkerRegistry
 
@@ -117,21 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = a.redis_url
     if url is None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            print("error: no --redis-url and no redis-server on PATH", file=sys.stderr)
-            return 2
         port = free_port()
-        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no"], stdout=subprocess.DEVNULL)  # fmt: skip
-        time.sleep(0.5)
+        try:
+            server = redis_server(port)
+        except RuntimeError as exc:
+            print(f"error: no --redis-url and {exc}", file=sys.stderr)
+            return 2
         url = f"redis://127.0.0.1:{port}/0"
     try:
         result = measure(url, a.changes, a.rate)
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(10)
+            stop_processes([server])
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
     if a.json:
         with open(a.json, "wb") as f:

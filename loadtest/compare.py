@@ -16,8 +16,6 @@ import contextlib
 import importlib.util
 import os
 import shlex
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest import report
 from loadtest.cluster_sim import parse_run
 from loadtest.driver import LoadConfig, run_load
-from router.launcher import free_port, stop_processes
+from router.launcher import free_port, redis_server_command, stop_processes, wait_for_port
 
 MAX_RUNS, MAX_WORKERS, MAX_ROUTERS = 8, 16, 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,20 +126,12 @@ class _Fleet:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env))
 
-    def start_redis(self, timeout_s: float = 10.0) -> str:
-        """A throwaway redis-server on a loopback port; returns its URL once it accepts connections."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("--redis needs redis-server on PATH")
+    def start_redis(self) -> str:
+        """A throwaway redis-server on a loopback port, stopped with the fleet; returns its URL."""
         port = free_port()
-        self.start([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                   "redis")  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return f"redis://127.0.0.1:{port}/0"
-            time.sleep(0.05)  # NOTE: polling with a deadline, not a blind wait
-        raise RuntimeError(f"redis-server did not start; logs in {self.log_dir}")
+        self.start(redis_server_command(port), "redis")
+        wait_for_port(self.procs[-1], port)
+        return f"redis://127.0.0.1:{port}/0"
 
     def wait_ready(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -6,11 +6,14 @@ after a grace period) when the router exits, whatever way it exits."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 log = logging.getLogger("radixgate.router.launcher")
 
@@ -32,6 +35,34 @@ def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def redis_server_command(port: int, *args: str) -> list[str]:
+    """argv of a throwaway ``redis-server`` on a loopback port, without persistence (load tests,
+    benchmarks, tests). ``args``: extra server flags."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not on PATH")
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args]
+
+
+def wait_for_port(proc: subprocess.Popen, port: int, timeout_s: float = 10.0) -> None:
+    """Return once ``proc`` accepts connections on a loopback ``port``; stop it and raise if it
+    exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.02)  # NOTE: polling with a deadline, not a blind wait
+    stop_processes([proc])
+    raise RuntimeError(f"{proc.args[0]} did not listen on port {port}")
+
+
+def redis_server(port: int, *args: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    """Start ``redis_server_command(port, *args)``; returns once it accepts connections."""
+    proc = subprocess.Popen(redis_server_command(port, *args), stdout=stdout, stderr=subprocess.STDOUT)
+    wait_for_port(proc, port)
+    return proc
 
 
 class WorkerLauncher:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from router.launcher import free_port, stop_processes
+from router.launcher import free_port, redis_server, stop_processes
 
 REDIS = shutil.which("redis-server")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,22 +92,6 @@ def start_module(
 
 
 def start_redis(port: int) -> subprocess.Popen:
-    """A throwaway redis-server on a loopback port (no persistence); returns once it answers PING."""
-    import redis
-
+    """A throwaway redis-server on a loopback port (no persistence); returns once it accepts connections."""
     assert REDIS is not None, "redis-server not installed"
-    proc = subprocess.Popen(
-        [REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_timeout=1)
-
-    def pong() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-    wait_until(pong, timeout=10, interval=0.02, what="redis-server")
-    return proc
+    return redis_server(port)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from router.launcher import free_port
+from router.launcher import free_port, redis_server
 from router.resp import INCOMPLETE, RespConnection, RespError, command, parse
 from tests.support import REDIS
 
@@ -43,9 +43,7 @@ def test_every_kind_of_reply_parses_and_a_cut_anywhere_is_incomplete():
 
 def _redis(port: int, *args: str) -> subprocess.Popen:
     assert REDIS is not None
-    proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             *args], stdout=subprocess.DEVNULL)  # fmt: skip
-    return proc
+    return redis_server(port, *args)
 
 
 @pytest.mark.redis
@@ -57,13 +55,8 @@ def test_publish_and_subscribe_with_a_password_against_a_real_server():
 
         async def scenario() -> None:
             url = f"redis://:s3cret@127.0.0.1:{port}/3"
-            for _ in range(100):  # the server is starting
-                try:
-                    received: list = []
-                    sub = await RespConnection.open(url, received.append)
-                    break
-                except OSError:
-                    await asyncio.sleep(0.05)
+            received: list = []
+            sub = await RespConnection.open(url, received.append)
             sub.send(command("SUBSCRIBE", "chan"))
             replies: list = []
             pub = await RespConnection.open(url, replies.append)
