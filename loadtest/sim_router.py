@@ -90,12 +90,7 @@ class SimRouter:
 
     def apply_events(self, url: str, stored: list, removed: list[int], cleared: bool) -> None:
         t0 = time.perf_counter_ns()
-        if cleared:
-            self.index.clear_worker(url)
-        for run in stored:
-            self.index.apply_stored(url, run.parent_hash, run.block_hashes)
-        if removed:
-            self.index.apply_removed(url, removed)
+        self.index.apply_events(url, stored, removed, cleared)
         self.event_ns += time.perf_counter_ns() - t0
 
     def apply_reports(self, reports: dict[str, tuple[int, int]]) -> None:

@@ -107,13 +107,7 @@ class EventSubscriber:
         return True
 
     def _apply_batch(self, worker: Worker, batch: KVEventBatch) -> None:
-        index = self._router.index
-        if batch.cleared:
-            index.clear_worker(worker.url)
-        for run in batch.stored:
-            index.apply_stored(worker.url, run.parent_hash, run.block_hashes)
-        if batch.removed:
-            index.apply_removed(worker.url, batch.removed)
+        self._router.index.apply_events(worker.url, batch.stored, batch.removed, batch.cleared)
         worker.stats.kv_event_batches += 1
 
     async def resync(self, worker: Worker) -> bool:
@@ -132,10 +126,7 @@ class EventSubscriber:
             return False
         if self._router.workers.get(worker.url) is not worker:
             return False
-        index = self._router.index
-        index.clear_worker(worker.url)
-        for run in snapshot.stored:
-            index.apply_stored(worker.url, run.parent_hash, run.block_hashes)
+        self._router.index.apply_events(worker.url, snapshot.stored, [], cleared=True)
         self._cursors[worker.url] = _Cursor(snapshot.epoch, snapshot.seq)
         worker.stats.kv_resyncs += 1
         log.info(

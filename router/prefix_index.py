@@ -34,6 +34,10 @@ import heapq
 from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import count, repeat
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.kv_events import StoredBlocks
 
 
 class _Node:
@@ -190,6 +194,17 @@ class PrefixIndex:
         # NOTE: touching the run's ancestors keeps them more recent than its leaves.
         self._touch_up(self._hold(slot, at, end, parent_hash, hashes))
         self._evict_over_budget()
+
+    def apply_events(
+        self, worker: str, stored: Sequence[StoredBlocks], removed: Sequence[int], cleared: bool = False
+    ) -> None:
+        """One KV event batch of ``worker`` (contract 3): ``cleared``, then ``stored``, then ``removed``."""
+        if cleared:
+            self.clear_worker(worker)
+        for run in stored:
+            self.apply_stored(worker, run.parent_hash, run.block_hashes)
+        if removed:
+            self.apply_removed(worker, removed)
 
     def apply_removed(self, worker: str, block_hashes: Sequence[int]) -> None:
         """A worker event: ``worker`` no longer holds these blocks. Unknown hashes are ignored."""
