@@ -27,6 +27,11 @@ STREAM_PREFIX = "radixgate:kv:"  # + model name: one Redis Stream per model
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+def reconnect_delay(attempt: int) -> float:
+    """Seconds to wait before reconnecting after ``attempt`` failures in a row (0, 1, ...)."""
+    return _BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)]
+
+
 @dataclass
 class _Cursor:
     epoch: str | None = None
@@ -190,7 +195,7 @@ class EventSubscriber:
                 log.debug("event stream of %s interrupted: %r", worker.url, exc)
             except Exception:  # a bug must not end the subscription for good
                 log.exception("event stream of %s failed", worker.url)
-            await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+            await asyncio.sleep(reconnect_delay(attempt))
             attempt += 1
 
     def _ensure_redis_readers(self) -> None:
@@ -223,5 +228,5 @@ class EventSubscriber:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("redis stream %s: %r", key, exc)
-                await asyncio.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)])
+                await asyncio.sleep(reconnect_delay(attempt))
                 attempt += 1

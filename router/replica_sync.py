@@ -25,17 +25,18 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
 
+from router.event_subscriber import reconnect_delay
 from router.resp import RespConnection, RespError, command, tcp_url_options
 from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("radixgate.router.replica_sync")
 
 CHANNEL = "radixgate:router-load"
-_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class ReplicaSync:
@@ -70,16 +71,15 @@ class ReplicaSync:
         ]
 
     async def stop(self) -> None:
+        if self._pub is not None and not self._pub.is_closed:
+            self._send({}, full=True)  # NOTE: tell the others we are gone
+            await asyncio.sleep(0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        if self._pub is not None and not self._pub.is_closed:
-            self._send({}, full=True)  # NOTE: tell the others we are gone
-            await asyncio.sleep(0)
-            self._pub.close()
         self._pub = None
 
     def _added(self, worker: Worker) -> None:
@@ -100,7 +100,7 @@ class ReplicaSync:
     def _flush(self) -> None:
         self._flush_soon = False
         dirty, self._dirty = self._dirty, {}
-        self._send({url: [w.in_flight, w.pending_prefill] for url, w in dirty.items()}, full=False)
+        self._send(_own_counts(dirty.values()), full=False)
 
     def _send(self, workers: dict[str, list[int]], full: bool) -> None:
         if self._pub is None or self._pub.is_closed:
@@ -116,49 +116,50 @@ class ReplicaSync:
 
     async def _publisher(self) -> None:
         """Keeps the publishing connection up (replies are only counted, never awaited)."""
-        failures = 0
-        while True:
-            try:
-                self._pub = await RespConnection.open(self.redis_url, self._publish_reply)
-                failures = 0
-                await self._pub.closed
-            except (OSError, asyncio.TimeoutError, RespError) as exc:
-                self._log_failure("publish connection", exc, failures)
-            delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
-            failures += 1
-            await asyncio.sleep(delay)
+
+        def opened(conn: RespConnection) -> None:
+            self._pub = conn
+
+        await self._keep_connected("publish connection", self._publish_reply, opened)
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._send({w.url: [w.in_flight, w.pending_prefill] for w in self.registry}, full=True)
+            self._send(_own_counts(self.registry), full=True)
             self.expire(time.monotonic())
 
     # ---------------------------------------------------------------- receiving
     async def _subscriber(self) -> None:
+        await self._keep_connected(
+            "subscription", self._on_message, lambda conn: conn.send(command("SUBSCRIBE", self.channel))
+        )
+
+    async def _keep_connected(
+        self, what: str, on_value: Callable[[Any], None], on_open: Callable[[RespConnection], None]
+    ) -> None:
+        """Open a connection to Redis, hand it to ``on_open``, wait until it drops; again, backing
+        off while Redis cannot be reached."""
         failures = 0
         while True:
             try:
-                conn = await RespConnection.open(self.redis_url, self._on_message)
-                conn.send(command("SUBSCRIBE", self.channel))
+                conn = await RespConnection.open(self.redis_url, on_value)
                 failures = 0
+                on_open(conn)
                 try:
                     await conn.closed
                 finally:
                     conn.close()
             except (OSError, asyncio.TimeoutError, RespError) as exc:
-                self._log_failure("subscription", exc, failures)
-            delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
+                if failures in (0, 5) or failures % 50 == 0:
+                    log.warning(
+                        "replica sync: %s to Redis failed (%s); retrying", what, exc or type(exc).__name__
+                    )
+            await asyncio.sleep(reconnect_delay(failures))
             failures += 1
-            await asyncio.sleep(delay)
 
     def _on_message(self, value: Any) -> None:
         if isinstance(value, list) and len(value) == 3 and value[0] == b"message":
             self.apply(value[2], time.monotonic())
-
-    def _log_failure(self, what: str, exc: BaseException, failures: int) -> None:
-        if failures in (0, 5) or failures % 50 == 0:
-            log.warning("replica sync: %s to Redis failed (%s); retrying", what, exc or type(exc).__name__)
 
     def apply(self, raw: bytes | str, now: float) -> None:
         """One message from the channel; our own and malformed ones are ignored (malformed counted)."""
@@ -205,6 +206,11 @@ class ReplicaSync:
         now = time.monotonic()
         peers = {r: round(now - t, 3) for r, t in self._heard.items()}
         return {"replica": self.replica, "channel": self.channel, "peers_last_heard_s": peers, **self.stats}
+
+
+def _own_counts(workers: Iterable[Worker]) -> dict[str, list[int]]:
+    """This replica's [in-flight, pending prefill] per worker, as announced."""
+    return {w.url: [w.in_flight, w.pending_prefill] for w in workers}
 
 
 def _counts(value: Any) -> tuple[int, int]:
