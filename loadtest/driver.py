@@ -114,7 +114,7 @@ class _Run:
     def __init__(self, config: LoadConfig, session: aiohttp.ClientSession, requests: list[Request]):
         self.config, self.session = config, session
         # NOTE: several URLs (router replicas) take requests in turn, as a client-side balancer would
-        self.urls = [u.strip().rstrip("/") for u in config.url.split(",") if u.strip()]
+        self.urls = base_urls(config.url)
         self.loop = asyncio.get_running_loop()
         self.by_id = {r.id: r for r in requests}
         self.dependents: dict[int, list[Request]] = {}
@@ -312,6 +312,11 @@ def _apply_usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
         rec.cached_tokens = int(details["cached_tokens"])
 
 
+def base_urls(url: str) -> list[str]:
+    """``LoadConfig.url``: one base URL or several, comma-separated; without trailing slashes."""
+    return [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+
+
 async def _discover_model(session: aiohttp.ClientSession, url: str) -> str:
     try:
         async with session.get(url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
@@ -332,7 +337,7 @@ async def run_load(config: LoadConfig) -> Results:
     started_unix = time.time()
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
         if config.model is None:
-            first_url = config.url.split(",")[0]
+            first_url = base_urls(config.url)[0]
             config = LoadConfig(**{**asdict(config), "model": await _discover_model(session, first_url)})
         run = _Run(config, session, requests)
         await run.execute()

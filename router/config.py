@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from router.affinity import AffinityGroups
+from router.resp import tcp_url_options
 
 POLICY_NAMES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware")
 
@@ -53,6 +54,11 @@ class RouterConfig:
     log_level: str = "info"
     affinity_groups: list[dict[str, Any]] = field(default_factory=list)  # see router/affinity.py
 
+    @property
+    def replica_sync_enabled(self) -> bool:
+        """``replica_sync`` resolved: on unless off, and only with a Redis URL (``on`` demands one)."""
+        return bool(self.redis_url) and self.replica_sync != "off"
+
     def validate(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
@@ -66,9 +72,7 @@ class RouterConfig:
             raise ValueError("replica_sync=on needs redis_url")
         if not self.replica_sync_heartbeat_s > 0:
             raise ValueError("replica_sync_heartbeat_s must be > 0")
-        if self.redis_url and self.replica_sync != "off":
-            from router.resp import tcp_url_options
-
+        if self.replica_sync_enabled:
             try:
                 tcp_url_options(self.redis_url)
             except ValueError as exc:

@@ -94,11 +94,10 @@ class Router:
         )
         self.health = HealthChecker(self, config.health_interval_s, config.health_timeout_s)
         self.events = EventSubscriber(self, config.kv_events, config.redis_url)
-        sync = config.replica_sync == "on" or (config.replica_sync == "auto" and config.redis_url)
         self.replica_sync = (
             ReplicaSync(self.workers, config.redis_url, heartbeat_s=config.replica_sync_heartbeat_s,
                         expire_s=3 * config.replica_sync_heartbeat_s)
-            if sync and config.redis_url else None
+            if config.replica_sync_enabled and config.redis_url else None
         )  # fmt: skip
         for url in config.workers:
             self.workers.add(url)
