@@ -6,6 +6,8 @@ template rendered like HF does). Must never import torch: the router imports thi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -29,6 +31,8 @@ class PromptTokenizer(Protocol):
     def encode_chat(self, messages: list[dict]) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes | None: ...
 
 
 def normalize_messages(messages: Any) -> list[dict]:
@@ -122,6 +126,14 @@ class ByteTokenizer:
                 raise ValueError(f"token id {t} outside the byte vocabulary [0, {self.vocab_size})")
         text.append(data.decode("utf-8", errors="replace"))
         return "".join(text)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for (a special token: its name's UTF-8)."""
+        if 0 <= token_id < 256:
+            return bytes((token_id,))
+        if 256 <= token_id < self.vocab_size:
+            return self.SPECIALS[token_id - 256].encode()
+        return None
 
 
 def _token_content(value: Any) -> str | None:
@@ -229,10 +241,41 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, None where the vocabulary does not say: byte-level BPE
+        pieces (GPT-2, Llama 3) map back through the byte alphabet, SentencePiece byte-fallback
+        pieces ``<0xNN>`` are that byte, ``▁`` is a space."""
+        from tokenizers import decoders
+
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return None
+        if isinstance(self._tok.decoder, decoders.ByteLevel):
+            table = _byte_level_table()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes((int(piece[3:5], 16),))
+        text = piece.replace("\u2581", " ")
+        return None if _REPLACEMENT in text else text.encode()
+
     def _compiled(self) -> Any:
         if self._template is None:
             self._template = _compile_template(self.chat_template or "")
         return self._template
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet, inverted: the printable character that stands for each byte.
+    Bytes that print as themselves (33-126, 161-172, 174-255) keep their code point; the other 68
+    take 256, 257, ... in byte order."""
+    direct = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in direct}
+    for offset, b in enumerate(sorted(set(range(256)) - set(direct))):
+        table[chr(256 + offset)] = b
+    return table
 
 
 def _compile_template(source: str) -> Any:

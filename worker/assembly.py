@@ -29,7 +29,7 @@ class ModelExecutor:
         import torch
 
         from worker.forward_batch import ForwardBatch
-        from worker.sampling import make_generator, sample
+        from worker.sampling import make_generator, sample, token_logprobs
 
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             logits = self.decode_graphs.run(batch)
@@ -46,6 +46,12 @@ class ModelExecutor:
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
         tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
+        asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
+        if asking:
+            index = torch.tensor(asking, device=logits.device)
+            top = [states[j].params.logprobs for j in asking]
+            for j, lp in zip(asking, token_logprobs(logits[index], tokens[index], top), strict=True):
+                states[j].step_logprobs = lp
         return tokens.tolist()
 
 

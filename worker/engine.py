@@ -28,7 +28,7 @@ from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
 from worker.radix_cache import RadixCache
 from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
-from worker.sampling import SamplingParams
+from worker.sampling import SamplingParams, TokenLogprobs
 from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker.engine")
@@ -54,6 +54,8 @@ class RequestOutput:
     completion_tokens: int = 0  # generated so far
     error: str | None = None
     error_status: int = 0  # HTTP status for ``error`` (429 queue full, 500 model failure, 503 dead)
+    index: int = 0  # which of the request's choices (n > 1) this output belongs to
+    logprobs: TokenLogprobs | None = None  # of token_ids[0], when the request asked for logprobs
 
 
 @dataclass
@@ -61,7 +63,8 @@ class RequestHandle:
     rid: str
     prompt_tokens: int
     max_tokens: int  # after clamping to the context / pool
-    outputs: asyncio.Queue  # of RequestOutput
+    outputs: asyncio.Queue  # of RequestOutput (one queue may serve several choices: see .index)
+    index: int = 0
 
 
 class Executor(Protocol):
@@ -84,6 +87,7 @@ class RequestState:
     first_token_at: float | None = None
     last_token_at: float = 0.0
     generator: Any = None  # per-request RNG, created by the executor for seeded requests
+    step_logprobs: TokenLogprobs | None = None  # set by the executor with the token it samples
 
 
 class Engine:
@@ -152,8 +156,16 @@ class Engine:
         return self._snap
 
     # ------------------------------------------------------------------ API for the event loop
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request. Raises EngineDeadError, PromptTooLongError, QueueFullError or ValueError."""
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        outputs: asyncio.Queue | None = None,
+        index: int = 0,
+    ) -> RequestHandle:
+        """Queue a request. Raises EngineDeadError, PromptTooLongError, QueueFullError or ValueError.
+        Its outputs go to ``outputs`` (a new queue by default) tagged with ``index``, so the choices
+        of one n > 1 request can share one queue."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         n = len(prompt_ids)
@@ -171,7 +183,7 @@ class Engine:
         max_tokens = min(params.max_tokens, self.max_total_tokens - n)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        handle = RequestHandle(rid, n, max_tokens, asyncio.Queue())
+        handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)))
         req.payload = RequestState(
             handle=handle,
@@ -329,7 +341,10 @@ class Engine:
         st.last_token_at = now
         token = req.token_ids[-1]
         finish = req.finish_reason
-        if not (finish == "stop" and token in req.stop_token_ids):  # EOS / stop ids are not text
+        logprobs, st.step_logprobs = st.step_logprobs, None
+        if finish == "stop" and token in req.stop_token_ids:  # EOS / stop ids are neither text
+            logprobs = None  # nor tokens of the answer
+        else:
             st.pending += st.detok.feed([token])
         if finish is not None:
             st.pending += st.detok.flush()
@@ -347,12 +362,13 @@ class Engine:
             self._requests.pop(req.rid, None)
             self._finished[finish] += 1
             self.metrics.e2e.observe(now - st.arrival)
-        self._emit(req, RequestOutput(text=text, token_ids=[token], finish_reason=finish))
+        self._emit(req, RequestOutput(text=text, token_ids=[token], finish_reason=finish, logprobs=logprobs))
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         out.prompt_tokens = req.prompt_len
         out.cached_tokens = max(req.cached_tokens, 0)
         out.completion_tokens = req.num_output
+        out.index = req.payload.handle.index
         self._outbox.append((req.payload, out))
 
     def _flush_outbox(self) -> None:

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's bound for top_logprobs)
+
+# (sampled token's logprob, top ids, their logprobs), most likely first
+TokenLogprobs = tuple[float, list[int], list[float]]
 
 
 @dataclass
@@ -25,6 +29,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + the top k
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +62,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (
+            not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self
 
 
@@ -117,3 +126,22 @@ def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]
     p = torch.tensor(top_p, device=scores.device, dtype=probs.dtype).unsqueeze(1)
     sorted_scores = sorted_scores.masked_fill(mass_before >= p, float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int]) -> list[TokenLogprobs]:
+    """For each row of ``logits`` [B, V]: the log-probability of ``tokens[i]`` and the ``top[i]``
+    most likely tokens with theirs, under the model's own distribution (log-softmax of the raw
+    logits: before temperature, top-k and top-p, so equal prompts give equal numbers whatever the
+    sampling settings). One transfer to the host for the whole batch."""
+    if logits.dim() != 2 or logits.shape[0] != len(top) or tokens.shape != (len(top),):
+        raise ValueError(
+            f"logits {tuple(logits.shape)} / tokens {tuple(tokens.shape)} do not match {len(top)} rows"
+        )
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.view(-1, 1).long()).squeeze(1).tolist()
+    k = min(max(top, default=0), logp.shape[1])
+    if k == 0:
+        return [(c, [], []) for c in chosen]
+    values, ids = logp.topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, values, top, strict=True)]

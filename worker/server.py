@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,7 +24,8 @@ from starlette.routing import Route
 from router.block_hash import HASH_VERSION
 from router.errors import error_response
 from router.kv_events import EVENT_VERSION
-from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestHandle, RequestOutput
+from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestOutput
+from worker.openai_format import Choice, Responses, TokenNames
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams
 
@@ -32,6 +34,7 @@ log = logging.getLogger("worker.server")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
 _POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
+MAX_CHOICES = 64  # n: choices of one request (each is one engine request sharing the prompt's pages)
 
 
 class APIError(Exception):
@@ -57,6 +60,7 @@ class WorkerAPI:
         self.admin_token = admin_token
         self.advertise_url = advertise_url
         self.created = int(time.time())
+        self.token_names = TokenNames(engine.tokenizer)
 
     # ------------------------------------------------------------------ parsing
     async def _body(self, request: Request) -> dict:
@@ -73,15 +77,18 @@ class WorkerAPI:
             raise APIError(
                 404, f"model {model!r} not found; this worker serves {self.name!r}", "model_not_found"
             )
-        if body.get("n", 1) not in (1, None):
-            raise APIError(400, "only n=1 is supported")
-        if body.get("best_of", 1) not in (1, None):
-            raise APIError(400, "only best_of=1 is supported")
+        n = body.get("n")
+        if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
+            raise APIError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+        if body.get("best_of") not in (None, n or 1):
+            raise APIError(400, "best_of other than n is not supported")
         if not isinstance(body.get("stream", False), (bool, type(None))):
             raise APIError(400, "'stream' must be a boolean")
         return body
 
-    def _sampling(self, body: dict, default_max_tokens: int, max_key: str = "max_tokens") -> SamplingParams:
+    def _sampling(
+        self, body: dict, default_max_tokens: int, max_key: str = "max_tokens", logprobs: Any = None
+    ) -> SamplingParams:
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -98,6 +105,7 @@ class WorkerAPI:
             stop=[] if stop is None else stop,
             stop_token_ids=body.get("stop_token_ids") or [],
             ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"],
+            logprobs=logprobs,
         )
         try:
             return params.validate()
@@ -127,136 +135,138 @@ class WorkerAPI:
         body = await self._body(request)
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required")
+        if body.get("echo"):
+            raise APIError(400, "echo is not supported")
         ids = await self._prompt_ids(body["prompt"])
-        params = self._sampling(body, default_max_tokens=16)
+        params = self._sampling(body, default_max_tokens=16, logprobs=body.get("logprobs"))
         return await self._generate(request, body, ids, params, chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
+        want, top = body.get("logprobs"), body.get("top_logprobs")
+        if not isinstance(want, (bool, type(None))):
+            raise APIError(400, "'logprobs' must be a boolean")
+        if top is not None and not want:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true")
         try:
             ids = await run_in_threadpool(self.engine.tokenizer.encode_chat, body.get("messages"))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
-        params = self._sampling(body, self.engine.max_total_tokens, max_key="max_completion_tokens")
+        logprobs = (0 if top is None else top) if want else None
+        params = self._sampling(body, self.engine.max_total_tokens, "max_completion_tokens", logprobs)
         return await self._generate(request, body, ids, params, chat=True)
 
     async def _generate(
         self, request: Request, body: dict, ids: list[int], params: SamplingParams, chat: bool
     ) -> Response:
+        """Submit the request's n choices (sharing one output queue) and answer: one JSON body
+        once every choice is finished, or a stream of their chunks as they come."""
+        n = body.get("n") or 1
+        outputs: asyncio.Queue = asyncio.Queue()
+        live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         try:
-            handle = self.engine.submit(ids, params)
-        except PromptTooLongError as exc:
-            raise APIError(413, str(exc), "context_length_exceeded") from None
-        except QueueFullError as exc:
-            raise APIError(429, str(exc), "queue_full") from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "engine_dead") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        try:
-            first = await self._next(request, handle)
-        except BaseException:
-            self.engine.abort(handle.rid)
+            for i in range(n):
+                live[i] = self.engine.submit(ids, _choice_params(params, i), outputs, i).rid
+            first = await self._next(request, outputs, live)
+        except BaseException as exc:
+            self._abort(live)
+            if isinstance(exc, PromptTooLongError):
+                raise APIError(413, str(exc), "context_length_exceeded") from None
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, str(exc), "queue_full") from None
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc), "engine_dead") from None
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc)) from None
             raise
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        if first.error is not None:
-            raise APIError(first.error_status or 500, first.error)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        resp = Responses(
+            rid, self.name, chat, self.token_names, params.logprobs is not None, self.engine.simulated
+        )
+        choices = [Choice(i) for i in range(n)]
         if body.get("stream"):
+            if first.error is not None:
+                self._abort(live)
+                raise APIError(first.error_status or 500, first.error)
             return StreamingResponse(
-                self._stream(request, handle, first, rid, chat),
+                self._stream(request, outputs, live, first, choices, resp, len(ids)),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
-        text, out = [first.text], first
+        out: RequestOutput | None = first
         try:
-            while out.finish_reason is None:
-                out = await self._next(request, handle)
-                if out is None:
-                    return Response(status_code=499)
-                text.append(out.text)
-        except BaseException:
-            self.engine.abort(handle.rid)
-            raise
-        if out.error is not None:
-            raise APIError(out.error_status or 500, out.error)
-        return _json(self._final_body(rid, chat, "".join(text), out))
+            while out is not None:
+                if out.error is not None:
+                    raise APIError(out.error_status or 500, out.error)
+                choices[out.index].text.append(out.text)
+                if choices[out.index].add(out):
+                    del live[out.index]
+                if not live:
+                    return _json(resp.whole(choices, len(ids)))
+                out = await self._next(request, outputs, live)
+            return Response(status_code=499)
+        finally:
+            self._abort(live)
 
-    async def _next(self, request: Request, handle: RequestHandle) -> RequestOutput | None:
-        """The request's next output; None (and the request aborted) if the client went away."""
+    def _abort(self, live: dict[int, str]) -> None:
+        """Cancel the choices still running (client gone, or another choice failed)."""
+        for rid in live.values():
+            self.engine.abort(rid)
+        live.clear()
+
+    async def _next(
+        self, request: Request, outputs: asyncio.Queue, live: dict[int, str]
+    ) -> RequestOutput | None:
+        """The next output of any live choice; None (and the choices aborted) if the client went away."""
         while True:
             try:
-                return await asyncio.wait_for(handle.outputs.get(), _POLL_S)
+                return await asyncio.wait_for(outputs.get(), _POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    self.engine.abort(handle.rid)
+                    self._abort(live)
                     return None
                 if not self.engine.alive:
                     return RequestOutput(finish_reason="error", error="engine stopped", error_status=503)
 
-    def _usage(self, out: RequestOutput) -> dict:
-        return {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
-        }
-
-    def _envelope(self, rid: str, obj: str, **rest: Any) -> dict:
-        body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.name, **rest}
-        if self.engine.simulated:
-            body["simulated"] = True
-        return body
-
-    def _final_body(self, rid: str, chat: bool, text: str, out: RequestOutput) -> dict:
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": out.finish_reason}  # fmt: skip
-            return self._envelope(rid, "chat.completion", choices=[choice], usage=self._usage(out))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
-        return self._envelope(rid, "text_completion", choices=[choice], usage=self._usage(out))
-
-    def _chunk(self, rid: str, chat: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
-        if chat:
-            delta: dict = {} if text is None else {"content": text}
-            if role:
-                delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return self._envelope(rid, "chat.completion.chunk", choices=[choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return self._envelope(rid, "text_completion", choices=[choice])
-
     async def _stream(
-        self, request: Request, handle: RequestHandle, first: RequestOutput, rid: str, chat: bool
+        self,
+        request: Request,
+        outputs: asyncio.Queue,
+        live: dict[int, str],
+        first: RequestOutput,
+        choices: list[Choice],
+        resp: Responses,
+        prompt_tokens: int,
     ) -> AsyncIterator[bytes]:
         out: RequestOutput | None = first
-        finished = False
         try:
-            if chat:
-                yield _sse(self._chunk(rid, chat, None, None, role=True))
+            if resp.chat:
+                for c in choices:
+                    yield _sse(resp.role_chunk(c.index))
             while out is not None:
                 if out.error is not None:
                     err = {"message": out.error, "type": "server_error", "code": out.error_status}
                     yield _sse({"error": err})
-                    finished = True
+                    yield b"data: [DONE]\n\n"
                     break
+                c = choices[out.index]
+                if c.add(out):
+                    del live[out.index]
                 if out.text:
-                    yield _sse(self._chunk(rid, chat, out.text, None))
+                    yield _sse(resp.chunk(c, out.text))
                 if out.finish_reason is not None:
-                    finished = True
-                    yield _sse(self._chunk(rid, chat, None if chat else "", out.finish_reason))
-                    obj = "chat.completion.chunk" if chat else "text_completion"
-                    yield _sse(self._envelope(rid, obj, choices=[], usage=self._usage(out)))
-                    break
-                out = await self._next(request, handle)
-            if finished:
-                yield b"data: [DONE]\n\n"
+                    yield _sse(resp.chunk(c, "", out.finish_reason))
+                    if not live:
+                        yield _sse(resp.usage_chunk(choices, prompt_tokens))
+                        yield b"data: [DONE]\n\n"
+                        break
+                out = await self._next(request, outputs, live)
         finally:
-            if not finished:  # NOTE: client gone (or the stream cancelled): free its pages now
-                self.engine.abort(handle.rid)
+            self._abort(live)  # NOTE: client gone, stream cancelled or a choice failed: free pages now
 
     # ------------------------------------------------------------------ info, health, metrics
     async def models(self, request: Request) -> Response:
@@ -349,6 +359,14 @@ class WorkerAPI:
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: a seeded request gives choice i the seed + i, so its choices
+    differ from each other and each is reproducible."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def create_app(engine: Engine, admin_token: str | None = None) -> Starlette:

@@ -53,6 +53,9 @@ class SimExecutor:
                 context = np.asarray(req.token_ids[max(0, end - 8) : end], dtype=np.uint32).tobytes()
                 h = mmh3.hash(context + end.to_bytes(4, "little"), signed=False)
                 out.append(int(_PRINTABLE[h % _PRINTABLE.size]))
+                top = req.payload.params.logprobs
+                if top is not None:  # NOTE: the next token is certain here: logprob 0, no alternative
+                    req.payload.step_logprobs = (0.0, out[-1:] if top else [], [0.0] if top else [])
         return out
 
 

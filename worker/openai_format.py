@@ -1,0 +1,160 @@
+"""OpenAI response bodies for the worker: whole answers, stream chunks, usage and logprobs, in the
+chat shape and the legacy completions shape, built from what the engine produced per choice.
+
+Logprobs entries name tokens by their text (the tokenizer's decode of that one token, special
+tokens included) and, in the chat shape, their bytes (``None`` where the vocabulary cannot say).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.tokenization import PromptTokenizer
+from worker.engine import RequestOutput
+from worker.sampling import TokenLogprobs
+
+Logprob = tuple[int, TokenLogprobs]  # a generated token and its numbers
+
+
+class TokenNames:
+    """Token id -> (text, UTF-8 bytes as a list of ints or None), memoised: a stream with top-20
+    logprobs names 21 tokens per generated token, mostly the same few hundred."""
+
+    def __init__(self, tokenizer: PromptTokenizer, max_entries: int = 1 << 16) -> None:
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._names: dict[int, tuple[str, list[int] | None]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
+        name = self._names.get(token_id)
+        if name is None:
+            if len(self._names) >= self.max_entries:
+                self._names.clear()
+            raw = self.tokenizer.token_bytes(token_id)
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[call-arg]
+            name = self._names[token_id] = (text, None if raw is None else list(raw))
+        return name
+
+
+@dataclass
+class Choice:
+    """One choice of a request as it is being answered."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)  # not yet sent (stream) or all of them
+    text_offset: int = 0  # completions shape: characters of token text before the next token
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> bool:
+        """Account one engine output (its text aside); True when it finishes this choice."""
+        if out.logprobs is not None:
+            self.logprobs.append((out.token_ids[0], out.logprobs))
+        self.completion_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        return out.finish_reason is not None
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    """One request's usage: the prompt once, the tokens of every choice, and as cached the fewest
+    any choice found: choices after the first share the prompt pages the first one computed."""
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": min((c.cached_tokens for c in choices), default=0)},
+    }
+
+
+class Responses:
+    """Bodies of one request's answer: ``chat`` picks the shape, ``logprobs`` whether choices
+    carry a logprobs object (else ``null``)."""
+
+    def __init__(
+        self, rid: str, model: str, chat: bool, names: TokenNames, logprobs: bool, simulated: bool
+    ) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.names, self.logprobs, self.simulated = names, logprobs, simulated
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, **rest: Any) -> dict:
+        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, **rest}
+        if self.simulated:
+            body["simulated"] = True
+        return body
+
+    def whole(self, choices: list[Choice], prompt_tokens: int) -> dict:
+        """The non-streamed answer."""
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            lp = self._take_logprobs(c)
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                out.append(
+                    {"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
+            else:
+                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, choices=out, usage=usage(prompt_tokens, choices))
+
+    def role_chunk(self, index: int) -> dict:
+        """A chat stream's first chunk of a choice."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", choices=[choice])
+
+    def chunk(self, c: Choice, text: str, finish_reason: str | None = None) -> dict:
+        """A stream chunk with ``text`` and the logprobs of the tokens generated since the last."""
+        lp = self._take_logprobs(c)
+        if self.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", choices=[choice])
+        choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        return self._envelope("text_completion", choices=[choice])
+
+    def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict:
+        """A stream's last chunk (before ``[DONE]``): no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, choices=[], usage=usage(prompt_tokens, choices))
+
+    # ------------------------------------------------------------------ logprobs
+    def _take_logprobs(self, c: Choice) -> dict | None:
+        if not self.logprobs:
+            return None
+        entries, c.logprobs = c.logprobs, []
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
+        return self._completion_logprobs(c, entries)
+
+    def _chat_entry(self, entry: Logprob) -> dict:
+        token, (logprob, top_ids, top_lps) = entry
+        text, raw = self.names(token)
+        top = []
+        for tid, lp in zip(top_ids, top_lps, strict=True):
+            t, b = self.names(tid)
+            top.append({"token": t, "logprob": lp, "bytes": b})
+        return {"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": top}
+
+    def _completion_logprobs(self, c: Choice, entries: list[Logprob]) -> dict:
+        """The legacy shape: parallel lists; each ``top_logprobs`` dict holds the top tokens and
+        the sampled one (so up to k + 1 keys); ``text_offset`` counts characters of token text."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for token, (logprob, top_ids, top_lps) in entries:
+            text = self.names(token)[0]
+            top = {self.names(tid)[0]: lp for tid, lp in zip(top_ids, top_lps, strict=True)}
+            top.setdefault(text, logprob)
+            tokens.append(text)
+            lps.append(logprob)
+            tops.append(top)
+            offsets.append(c.text_offset)
+            c.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
