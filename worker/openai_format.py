@@ -43,6 +43,7 @@ class Choice:
     """One choice of a request as it is being answered."""
 
     index: int
+    prompt: int = 0  # which prompt of a batched completions request
     text: list[str] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)  # not yet sent (stream) or all of them
     text_offset: int = 0  # completions shape: characters of token text before the next token
@@ -60,15 +61,16 @@ class Choice:
         return out.finish_reason is not None
 
 
-def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
-    """One request's usage: the prompt once, the tokens of every choice, and as cached the fewest
-    any choice found: choices after the first share the prompt pages the first one computed."""
+def usage(prompt_tokens: list[int], choices: list[Choice]) -> dict:
+    """One request's usage: each prompt once, the tokens of every choice, and as cached per prompt
+    the fewest any of its choices found (the others share the pages the first one computed)."""
     completion = sum(c.completion_tokens for c in choices)
+    cached = [min(c.cached_tokens for c in choices if c.prompt == p) for p in range(len(prompt_tokens))]
     return {
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": sum(prompt_tokens),
         "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": min((c.cached_tokens for c in choices), default=0)},
+        "total_tokens": sum(prompt_tokens) + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached)},
     }
 
 
@@ -89,7 +91,7 @@ class Responses:
             body["simulated"] = True
         return body
 
-    def whole(self, choices: list[Choice], prompt_tokens: int) -> dict:
+    def whole(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:
         """The non-streamed answer."""
         out = []
         for c in choices:
@@ -121,7 +123,7 @@ class Responses:
         choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return self._envelope("text_completion", choices=[choice])
 
-    def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> dict:
+    def usage_chunk(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:
         """A stream's last chunk (before ``[DONE]``): no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, choices=[], usage=usage(prompt_tokens, choices))

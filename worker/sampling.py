@@ -6,6 +6,7 @@ Pure function of (logits, params, generators); never mutates the logits passed i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index`` of an n > 1 request: a seeded request gives it the seed + index, so its
+        choices differ from each other and each is reproducible."""
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % 2**64)
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first bad field; returns self so calls can chain."""

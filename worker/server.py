@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -34,7 +33,7 @@ log = logging.getLogger("worker.server")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
 _POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
-MAX_CHOICES = 64  # n: choices of one request (each is one engine request sharing the prompt's pages)
+MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
 
 
 class APIError(Exception):
@@ -112,10 +111,16 @@ class WorkerAPI:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
+    async def _prompts(self, prompt: Any) -> list[list[int]]:
+        """``prompt`` as token id lists: a string, a list of ids, or a batch (list) of either."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_CHOICES:
+                raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
+            return [await self._prompt_ids(p) for p in prompt]
+        return [await self._prompt_ids(prompt)]
+
     async def _prompt_ids(self, prompt: Any) -> list[int]:
         tok = self.engine.tokenizer
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, "the prompt is empty")
@@ -126,9 +131,7 @@ class WorkerAPI:
             if any(not 0 <= t < tok.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})")
             return prompt
-        if isinstance(prompt, list):
-            raise APIError(400, "batched prompts are not supported; send one prompt per request")
-        raise APIError(400, "'prompt' must be a string or a list of token ids")
+        raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of either")
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -137,9 +140,11 @@ class WorkerAPI:
             raise APIError(400, "'prompt' is required")
         if body.get("echo"):
             raise APIError(400, "echo is not supported")
-        ids = await self._prompt_ids(body["prompt"])
+        prompts = await self._prompts(body["prompt"])
+        if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
+            raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
         params = self._sampling(body, default_max_tokens=16, logprobs=body.get("logprobs"))
-        return await self._generate(request, body, ids, params, chat=False)
+        return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
@@ -156,19 +161,23 @@ class WorkerAPI:
             raise APIError(400, "the conversation renders to an empty prompt")
         logprobs = (0 if top is None else top) if want else None
         params = self._sampling(body, self.engine.max_total_tokens, "max_completion_tokens", logprobs)
-        return await self._generate(request, body, ids, params, chat=True)
+        return await self._generate(request, body, [ids], params, chat=True)
 
     async def _generate(
-        self, request: Request, body: dict, ids: list[int], params: SamplingParams, chat: bool
+        self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool
     ) -> Response:
-        """Submit the request's n choices (sharing one output queue) and answer: one JSON body
-        once every choice is finished, or a stream of their chunks as they come."""
+        """Submit n choices per prompt (all sharing one output queue; choice p * n + i is prompt p's
+        i-th) and answer: one JSON body once every choice is finished, or a stream of their chunks
+        as they come."""
         n = body.get("n") or 1
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
+        choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
+        prompt_tokens = [len(ids) for ids in prompts]
         try:
-            for i in range(n):
-                live[i] = self.engine.submit(ids, _choice_params(params, i), outputs, i).rid
+            for c in choices:
+                params_i = params.for_choice(c.index % n)
+                live[c.index] = self.engine.submit(prompts[c.prompt], params_i, outputs, c.index).rid
             first = await self._next(request, outputs, live)
         except BaseException as exc:
             self._abort(live)
@@ -187,13 +196,12 @@ class WorkerAPI:
         resp = Responses(
             rid, self.name, chat, self.token_names, params.logprobs is not None, self.engine.simulated
         )
-        choices = [Choice(i) for i in range(n)]
         if body.get("stream"):
             if first.error is not None:
                 self._abort(live)
                 raise APIError(first.error_status or 500, first.error)
             return StreamingResponse(
-                self._stream(request, outputs, live, first, choices, resp, len(ids)),
+                self._stream(request, outputs, live, first, choices, resp, prompt_tokens),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
@@ -206,7 +214,7 @@ class WorkerAPI:
                 if choices[out.index].add(out):
                     del live[out.index]
                 if not live:
-                    return _json(resp.whole(choices, len(ids)))
+                    return _json(resp.whole(choices, prompt_tokens))
                 out = await self._next(request, outputs, live)
             return Response(status_code=499)
         finally:
@@ -240,7 +248,7 @@ class WorkerAPI:
         first: RequestOutput,
         choices: list[Choice],
         resp: Responses,
-        prompt_tokens: int,
+        prompt_tokens: list[int],
     ) -> AsyncIterator[bytes]:
         out: RequestOutput | None = first
         try:
@@ -359,14 +367,6 @@ class WorkerAPI:
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s sampling: a seeded request gives choice i the seed + i, so its choices
-    differ from each other and each is reproducible."""
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
 
 def create_app(engine: Engine, admin_token: str | None = None) -> Starlette:

@@ -204,3 +204,21 @@ def test_a_stop_token_ends_the_answer_without_a_logprobs_entry(tiny_server):
     assert [e["bytes"][0] for e in choice["logprobs"]["content"]] == ids[
         :cut
     ]  # ...but not part of the answer
+
+
+def test_batched_prompts_answer_n_choices_each_in_order(tiny_server):
+    url = tiny_server.url + "/v1/completions"
+    prompts = ["First prompt: alpha. " * 3, [ord(c) for c in "Second prompt as ids."], "Third: gamma."]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0.7, "seed": 9, "ignore_eos": True}
+    data = httpx.post(url, json=body, timeout=60).json()
+    assert [c["index"] for c in data["choices"]] == list(range(6))
+    tok = ByteTokenizer()
+    lengths = [len(tok.encode_prompt(prompts[0])), len(prompts[1]), len(tok.encode_prompt(prompts[2]))]
+    assert data["usage"]["prompt_tokens"] == sum(lengths)
+    assert data["usage"]["completion_tokens"] == 6 * 4
+    # choice p * n + i is prompt p's i-th: the same as asking for prompt p alone
+    for p, prompt in enumerate(prompts):
+        alone = httpx.post(url, json={**body, "prompt": prompt}, timeout=60).json()
+        assert [c["text"] for c in alone["choices"]] == [
+            c["text"] for c in data["choices"][2 * p : 2 * p + 2]
+        ]
