@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import orjson
 import pytest
 
 from router.kv_events import decode
@@ -60,9 +61,31 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
         <= usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
     )
     assert worker_metric(served, "radixgate_worker_cached_tokens_total") >= len(SYSTEM)
+
+    # n choices with logprobs, streamed through the router: both choices arrive, usage counted once
+    usage_metric = f'radixgate_upstream_usage_prompt_tokens_total{{worker="{served}"}}'
+    before = router_metric(router.url, usage_metric)
+    body = {**chat("Two answers?"), "n": 2, "stream": True, "logprobs": True, "top_logprobs": 2}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.headers["x-radixgate-worker"] == served
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [orjson.loads(line) for line in lines[:-1]]
+    finished = {c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
+    assert finished == {0, 1}
+    assert any(c["choices"][0]["logprobs"] for c in chunks if c["choices"])
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    wait_until(lambda: router_metric(router.url, usage_metric) == before + prompt_tokens, 10, what="usage")
     router.stop()
     for url in workers:  # launched workers go down with the router
         wait_until(lambda url=url: not _answers(url), timeout=30, what=f"{url} stopped")
+
+
+def router_metric(url: str, series: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def _answers(url: str) -> bool:
