@@ -29,6 +29,7 @@ class ModelExecutor:
         import torch
 
         from worker.forward_batch import ForwardBatch
+        from worker.penalties import adjust_logits, adjusts
         from worker.sampling import make_generator, sample, token_logprobs
 
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
@@ -45,12 +46,19 @@ class ModelExecutor:
         for st in states:
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
-        tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
+        params = [st.params for st in states]
+        raw = logits  # NOTE: logprobs come from the model's logits, before penalties and bias
+        if any(adjusts(p) for p in params):
+            reqs = [batch.requests[i] for i in rows]
+            logits = adjust_logits(
+                logits, params, [(r.token_ids, r.prompt_len, r.stop_token_ids) for r in reqs]
+            )
+        tokens = sample(logits, params, [st.generator for st in states])
         asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
         if asking:
             index = torch.tensor(asking, device=logits.device)
             top = [states[j].params.logprobs for j in asking]
-            for j, lp in zip(asking, token_logprobs(logits[index], tokens[index], top), strict=True):
+            for j, lp in zip(asking, token_logprobs(raw[index], tokens[index], top), strict=True):
                 states[j].step_logprobs = lp
         return tokens.tolist()
 

@@ -31,6 +31,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + the top k
+    # history-dependent adjustments, applied by worker.penalties before sampling
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    frequency_penalty: float = 0.0  # [-2, 2]
+    presence_penalty: float = 0.0  # [-2, 2]
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    min_tokens: int = 0  # output tokens before EOS / stop ids may be sampled
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +76,19 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not number(rp) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+            integer(t) and t >= 0 and number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
+        ):
+            raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
+        if not integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (
             not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from router.block_hash import HASH_VERSION
 from router.errors import error_response
 from router.kv_events import EVENT_VERSION
+from worker.api_params import MAX_CHOICES, APIError, chat_logprobs, check_body, prompt_ids, sampling_params
 from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestOutput
 from worker.openai_format import Choice, Responses, TokenNames
 from worker.request import QueueFullError
@@ -33,13 +34,6 @@ log = logging.getLogger("worker.server")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
 _POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
-MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -61,106 +55,35 @@ class WorkerAPI:
         self.created = int(time.time())
         self.token_names = TokenNames(engine.tokenizer)
 
-    # ------------------------------------------------------------------ parsing
     async def _body(self, request: Request) -> dict:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        try:
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            raise APIError(400, f"malformed JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.name:
-            raise APIError(
-                404, f"model {model!r} not found; this worker serves {self.name!r}", "model_not_found"
-            )
-        n = body.get("n")
-        if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
-            raise APIError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-        if body.get("best_of") not in (None, n or 1):
-            raise APIError(400, "best_of other than n is not supported")
-        if not isinstance(body.get("stream", False), (bool, type(None))):
-            raise APIError(400, "'stream' must be a boolean")
-        return body
-
-    def _sampling(
-        self, body: dict, default_max_tokens: int, max_key: str = "max_tokens", logprobs: Any = None
-    ) -> SamplingParams:
-        stop = body.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        max_tokens = body.get(max_key)
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        top_k = body.get("top_k")
-        params = SamplingParams(
-            temperature=1.0 if body.get("temperature") is None else body["temperature"],
-            top_p=1.0 if body.get("top_p") is None else body["top_p"],
-            top_k=-1 if top_k in (None, 0) else top_k,
-            seed=body.get("seed"),
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            stop=[] if stop is None else stop,
-            stop_token_ids=body.get("stop_token_ids") or [],
-            ignore_eos=False if body.get("ignore_eos") is None else body["ignore_eos"],
-            logprobs=logprobs,
-        )
-        try:
-            return params.validate()
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
-
-    async def _prompts(self, prompt: Any) -> list[list[int]]:
-        """``prompt`` as token id lists: a string, a list of ids, or a batch (list) of either."""
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) > MAX_CHOICES:
-                raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
-            return [await self._prompt_ids(p) for p in prompt]
-        return [await self._prompt_ids(prompt)]
-
-    async def _prompt_ids(self, prompt: Any) -> list[int]:
-        tok = self.engine.tokenizer
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "the prompt is empty")
-            return await run_in_threadpool(tok.encode_prompt, prompt)
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            if not prompt:
-                raise APIError(400, "the prompt is empty")
-            if any(not 0 <= t < tok.vocab_size for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})")
-            return prompt
-        raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of either")
+        return check_body(await request.body(), self.name)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required")
-        if body.get("echo"):
-            raise APIError(400, "echo is not supported")
-        prompts = await self._prompts(body["prompt"])
+        prompts = await prompt_ids(body["prompt"], self.engine.tokenizer)
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
-        params = self._sampling(body, default_max_tokens=16, logprobs=body.get("logprobs"))
+        params = sampling_params(
+            body, self.engine.tokenizer.vocab_size, 16, "max_tokens", body.get("logprobs")
+        )
         return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
-        want, top = body.get("logprobs"), body.get("top_logprobs")
-        if not isinstance(want, (bool, type(None))):
-            raise APIError(400, "'logprobs' must be a boolean")
-        if top is not None and not want:
-            raise APIError(400, "'top_logprobs' needs 'logprobs': true")
+        logprobs = chat_logprobs(body)
         try:
             ids = await run_in_threadpool(self.engine.tokenizer.encode_chat, body.get("messages"))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
-        logprobs = (0 if top is None else top) if want else None
-        params = self._sampling(body, self.engine.max_total_tokens, "max_completion_tokens", logprobs)
+        vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
+        params = sampling_params(body, vocab, max_tokens, "max_completion_tokens", logprobs)
         return await self._generate(request, body, [ids], params, chat=True)
 
     async def _generate(

@@ -1,0 +1,125 @@
+"""Repetition / frequency / presence penalties, logit_bias and min_tokens: the logit arithmetic,
+that untouched rows stay untouched, and what a real worker generates with them."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import pytest
+import torch
+
+from tests.worker.test_choices_logprobs import serve
+from worker.penalties import adjust_logits
+from worker.sampling import SamplingParams, sample
+
+PROMPT = [5, 6, 7]
+
+
+def test_each_adjustment_does_its_arithmetic_on_its_own_row():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]] * 5)
+    params = [
+        SamplingParams(),
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(logit_bias={3: 10.0, 0: -1.0}),
+        SamplingParams(min_tokens=4, max_tokens=5),
+    ]
+    # prompt [0, 1], output [2, 2, 4]; stop ids {4}
+    histories = [([0, 1, 2, 2, 4], 2, frozenset({4}))] * 5
+    out = adjust_logits(logits, params, histories)
+    assert torch.equal(out[0], logits[0])
+    # repetition over prompt + output (0, 1, 2, 4): positive / 2, negative * 2
+    assert out[1].tolist() == [1.0, -4.0, 0.5, 0.5, 1.5]
+    # frequency over the output only: token 2 twice, token 4 once; presence once each
+    assert out[2].tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 0.5, 3.0 - 0.5 - 0.25]
+    assert out[3].tolist() == [1.0, -2.0, 1.0, 10.5, 3.0]
+    assert out[4, 4] == float("-inf") and out[4, :4].tolist() == [2.0, -2.0, 1.0, 0.5]
+    # min_tokens reached: the stop id is allowed again
+    done = adjust_logits(logits[:1], [params[4]], [([0, 1, 2, 2, 4, 3], 2, frozenset({4}))])
+    assert torch.equal(done[0], logits[0])
+
+
+def test_rows_without_adjustments_return_the_same_tensor_and_inputs_stay_unchanged():
+    logits = torch.randn(3, 10)
+    before = logits.clone()
+    assert adjust_logits(logits, [SamplingParams()] * 3, [(PROMPT, 3, frozenset())] * 3) is logits
+    adjust_logits(logits, [SamplingParams(presence_penalty=1.0)] * 3, [([*PROMPT, 1], 3, frozenset())] * 3)
+    assert torch.equal(logits, before)
+
+
+def test_greedy_follows_the_adjusted_logits():
+    logits = torch.tensor([[0.0, 5.0, 4.0]])
+    params = [SamplingParams(temperature=0.0, frequency_penalty=2.0)]
+    adjusted = adjust_logits(logits, params, [([0, 1, 1], 1, frozenset())])  # token 1 out twice: 5 - 4
+    assert int(sample(adjusted, params)[0]) == 2
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": "x"},
+        {"repetition_penalty": 0},
+        {"logit_bias": {1: 200.0}},
+        {"logit_bias": {-1: 1.0}},
+        {"min_tokens": 20, "max_tokens": 10},
+        {"min_tokens": -1},
+    ],
+)
+def test_bad_values_are_rejected(field):
+    with pytest.raises(ValueError):
+        SamplingParams(**field).validate()
+
+
+@pytest.fixture(scope="module")
+def tiny_url():
+    with serve("tiny") as live:
+        yield live.url
+
+
+def test_logit_bias_and_min_tokens_steer_a_real_worker(tiny_url):
+    url = tiny_url + "/v1/completions"
+    body = {"prompt": "Bias me: ", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    forced = httpx.post(url, json={**body, "logit_bias": {str(ord("Q")): 100}}, timeout=60).json()
+    assert forced["choices"][0]["text"] == "QQQQQ"
+    # greedy's first token as a stop id: without min_tokens the answer ends at once, with it later
+    first = httpx.post(url, json={**body, "max_tokens": 1, "logprobs": 0}, timeout=60).json()
+    stop_id = ord(first["choices"][0]["logprobs"]["tokens"][0])
+    assert stop_id < 128  # one ASCII byte: its text is the token
+    ended = httpx.post(url, json={**body, "stop_token_ids": [stop_id]}, timeout=60).json()
+    assert ended["usage"]["completion_tokens"] == 1 and ended["choices"][0]["finish_reason"] == "stop"
+    held = httpx.post(url, json={**body, "stop_token_ids": [stop_id], "min_tokens": 3}, timeout=60).json()
+    choice = held["choices"][0]
+    assert chr(stop_id) not in choice["text"][:3]
+    if choice["finish_reason"] == "stop":  # the stop id came at the 4th token or later
+        assert held["usage"]["completion_tokens"] >= 4
+    else:
+        assert held["usage"]["completion_tokens"] == 5 and choice["finish_reason"] == "length"
+
+
+def test_penalties_change_a_repetitive_greedy_answer(tiny_url):
+    url = tiny_url + "/v1/completions"
+    body = {"prompt": "aaaaaaaaaaaaaaaa", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    penalised = httpx.post(url, json={**body, "frequency_penalty": 2.0}, timeout=60).json()["choices"][0][
+        "text"
+    ]
+    most = Counter(plain).most_common(1)[0][1]
+    assert most >= 4  # greedy repeats itself here...
+    assert Counter(penalised).most_common(1)[0][1] < most  # ...and less with the penalty
+    repeated = httpx.post(url, json={**body, "repetition_penalty": 3.0}, timeout=60).json()["choices"][0][
+        "text"
+    ]
+    assert Counter(repeated).most_common(1)[0][1] < most
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"logit_bias": {"abc": 1}}, {"logit_bias": {"99999": 1}}, {"logit_bias": [1]}, {"frequency_penalty": 3}],
+)
+def test_bad_adjustments_get_400_and_the_worker_keeps_serving(tiny_url, extra):
+    url = tiny_url + "/v1/completions"
+    resp = httpx.post(url, json={"prompt": "x", "max_tokens": 1, **extra}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["message"]
+    assert httpx.post(url, json={"prompt": "x", "max_tokens": 1}, timeout=60).status_code == 200

@@ -1,0 +1,126 @@
+"""Reading OpenAI request bodies for the worker: the body's common fields, prompts as token ids,
+and the sampling parameters. Every problem is an APIError with the HTTP status to answer; nothing
+here touches the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.concurrency import run_in_threadpool
+
+from router.tokenization import PromptTokenizer
+from worker.sampling import SamplingParams
+
+MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def check_body(raw: bytes, served_model: str) -> dict:
+    """The JSON body, with the fields every generation request shares checked."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise APIError(
+            404, f"model {model!r} not found; this worker serves {served_model!r}", "model_not_found"
+        )
+    n = body.get("n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
+        raise APIError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    if body.get("best_of") not in (None, n or 1):
+        raise APIError(400, "best_of other than n is not supported")
+    if not isinstance(body.get("stream", False), (bool, type(None))):
+        raise APIError(400, "'stream' must be a boolean")
+    if body.get("echo"):
+        raise APIError(400, "echo is not supported")
+    return body
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (boolean) + ``top_logprobs`` as SamplingParams.logprobs."""
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if not isinstance(want, (bool, type(None))):
+        raise APIError(400, "'logprobs' must be a boolean")
+    if top is not None and not want:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true")
+    return (0 if top is None else top) if want else None
+
+
+def sampling_params(
+    body: dict, vocab_size: int, default_max_tokens: int, max_key: str, logprobs: Any
+) -> SamplingParams:
+    """The body's sampling fields (absent or null: the default), validated."""
+
+    def get(key: str, default: Any) -> Any:
+        value = body.get(key)
+        return default if value is None else value
+
+    stop = get("stop", [])
+    top_k = get("top_k", -1)
+    params = SamplingParams(
+        temperature=get("temperature", 1.0),
+        top_p=get("top_p", 1.0),
+        top_k=-1 if top_k == 0 else top_k,
+        seed=body.get("seed"),
+        max_tokens=get(max_key, get("max_tokens", default_max_tokens)),
+        stop=[stop] if isinstance(stop, str) else stop,
+        stop_token_ids=get("stop_token_ids", []),
+        ignore_eos=get("ignore_eos", False),
+        logprobs=logprobs,
+        repetition_penalty=get("repetition_penalty", 1.0),
+        frequency_penalty=get("frequency_penalty", 0.0),
+        presence_penalty=get("presence_penalty", 0.0),
+        logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
+        min_tokens=get("min_tokens", 0),
+    )
+    try:
+        return params.validate()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def logit_bias(bias: Any, vocab_size: int) -> dict[int, Any]:
+    """OpenAI's ``logit_bias`` (token ids as string keys) with int keys in the vocabulary."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise APIError(400, "logit_bias must be an object mapping token ids to numbers")
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
+        out[int(key)] = value
+    return out
+
+
+async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer) -> list[list[int]]:
+    """``prompt`` as token id lists: a string, a list of ids, or a batch (list) of either."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
+        return [await _one_prompt(p, tokenizer) for p in prompt]
+    return [await _one_prompt(prompt, tokenizer)]
+
+
+async def _one_prompt(prompt: Any, tokenizer: PromptTokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "the prompt is empty")
+        return await run_in_threadpool(tokenizer.encode_prompt, prompt)
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        if not prompt:
+            raise APIError(400, "the prompt is empty")
+        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})")
+        return prompt
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of either")
