@@ -43,6 +43,13 @@ def check_body(raw: bytes, served_model: str) -> dict:
         raise APIError(400, "'stream' must be a boolean")
     if body.get("echo"):
         raise APIError(400, "echo is not supported")
+    # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
+    # look like success to the client
+    if body.get("tools") or body.get("functions"):
+        raise APIError(400, "tool calling is not supported by this worker")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(400, "only response_format {'type': 'text'} is supported (no guided decoding)")
     return body
 
 

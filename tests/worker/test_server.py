@@ -169,6 +169,16 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logprobs": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "echo": true}', 400),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}',
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}',
+            400,
+        ),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "logprobs": 3}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}', 400),
         (
