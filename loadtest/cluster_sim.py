@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         for _, policy, _ in runs:
             if policy not in SIM_POLICIES:
                 raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(SIM_POLICIES)}")
+        if a.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError("--schedule-policy must be fcfs or lpm")
         replicas = [int(x) for x in a.routers.split(",")]
         if min(replicas) < 1 or a.health_interval_s < 0:
             raise ValueError("--routers must be >= 1 and --health-interval-s >= 0")

@@ -236,8 +236,8 @@ class ClusterSim:
             self.arrivals_left += 1
             self._push(t + self.src.think_s(nxt), 1, nxt)
 
-    def _admit(self, w: SimWorker) -> None:
-        for job in w.admit():  # NOTE: can never fit the pool: the worker's 413
+    def _admit(self, w: SimWorker, t: float) -> None:
+        for job in w.admit(t):  # NOTE: can never fit the pool: the worker's 413
             job.view.in_flight -= 1
             job.prefill.release()
             job.view.changed()
@@ -247,7 +247,7 @@ class ClusterSim:
     def _boundary(self, w: SimWorker, t: float) -> None:
         """At a step boundary: admit, plan the next segment, publish the cache's events."""
         m = self.m
-        self._admit(w)
+        self._admit(w, t)
         if w.prefilling:
             budget = max(1, int(m.chunked_prefill_tokens / self.weight))  # simulated tokens
             chunk = []

@@ -27,8 +27,12 @@ class WorkerModel:
     step computes enter the radix cache at once (and the router hears of them), and a waiting
     request whose next uncached page another admitted request is computing waits a step to reuse it
     instead of computing it again. With False a request's pages enter the cache when it finishes and
-    concurrent requests with one prefix each compute it. Admission is FCFS over the oldest
-    ``admit_window`` waiting requests (the worker's ``--schedule-policy fcfs``)."""
+    concurrent requests with one prefix each compute it.
+
+    Admission considers the oldest ``admit_window`` waiting requests in arrival order (``schedule_policy``
+    "fcfs", the worker's ``--schedule-policy fcfs``) or, as the worker does by default ("lpm"),
+    longest cached prefix first, except that those waiting longer than ``max_wait_s`` go first in
+    arrival order."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
@@ -39,6 +43,8 @@ class WorkerModel:
     block_size: int = 16  # tokens per page = router block size
     prefix_sharing: bool = True  # cache computed pages per step; wait for a shared page in flight
     admit_window: int = 256  # oldest waiting requests considered for admission per step
+    schedule_policy: str = "fcfs"  # admission order: "fcfs" or "lpm" (see above)
+    max_wait_s: float = 5.0  # lpm: a request waiting longer goes first, in arrival order
 
 
 class SimJob:
@@ -87,10 +93,28 @@ class SimWorker:
         backlog = sum(j.prefill_left for j in self.prefilling) + sum(j.uncached for j in self.waiting)
         return len(self.waiting) + len(self.prefilling) + len(self.decoding), backlog
 
-    def admit(self) -> list[SimJob]:
+    def _order(self, now: float) -> None:
+        """LPM: reorder the admission window as the worker's scheduler does; each request's
+        uncached estimate is refreshed on the way (the worker's backlog report)."""
+        window = [self.waiting.popleft() for _ in range(min(self.m.admit_window, len(self.waiting)))]
+        old = [j for j in window if now - j.start > self.m.max_wait_s]
+        old.sort(key=lambda j: j.start)
+        young = [j for j in window if now - j.start <= self.m.max_wait_s]
+        for j in young:
+            j.uncached = j.ids.size - self.cache.cached_prefix_len(j.ids)
+        young.sort(key=lambda j: (j.uncached - j.ids.size, j.start))  # longest cached prefix first
+        self.waiting.extendleft(reversed(old + young))
+
+    def admit(self, now: float = 0.0) -> list[SimJob]:
         """Move waiting requests into ``prefilling`` while batch room and pages allow. Returns the
         requests taken off the queue because they can never fit the pool (the worker's 413)."""
         m, cache, alloc = self.m, self.cache, self.alloc
+        if (
+            m.schedule_policy == "lpm"
+            and len(self.waiting) > 1
+            and len(self.prefilling) + len(self.decoding) < m.max_running
+        ):
+            self._order(now)
         pool_pages = alloc.num_pages
         rejected: list[SimJob] = []
         in_flight: set[bytes] = set()

@@ -274,3 +274,25 @@ def test_health_reports_go_on_while_a_conversation_thinks_between_turns():
     summary = sim.run()
     assert summary["completed"] == 12
     assert max(polls) >= sim.last_finish - 1.0  # still polling when the last turn ran
+
+
+@pytest.mark.parametrize(
+    ("policy", "now", "first"), [("fcfs", 1.0, "miss"), ("lpm", 1.0, "hit"), ("lpm", 9.0, "miss")]
+)
+def test_admission_order_follows_the_workers_schedule_policy(policy, now, first):
+    """LPM admits the longest cached prefix first, except a request older than max_wait_s (5 s)."""
+    import numpy as np
+
+    from loadtest.sim_worker import SimJob, SimWorker, WorkerModel
+
+    w = SimWorker("w", WorkerModel(max_running=1, kv_tokens=4096, schedule_policy=policy), False, "ns")
+    shared = np.arange(64, dtype=np.int32)
+    w.cache.insert(shared, w.alloc.alloc(4))
+    out = np.zeros(4, dtype=np.int32)
+    miss = SimJob(0, np.arange(1000, 1064, dtype=np.int32), out, 4, start=0.0)
+    hit = SimJob(1, np.concatenate((shared, np.arange(5000, 5016, dtype=np.int32))), out, 4, start=5.0)
+    w.enqueue(miss)
+    w.enqueue(hit)
+    assert w.admit(now) == []
+    assert [j.id for j in w.prefilling] == [0 if first == "miss" else 1]
+    assert hit.uncached == 16 and miss.uncached == 64
