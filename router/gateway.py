@@ -227,7 +227,7 @@ class Router:
                 break
             worker = self.workers.get(decision.url)
             assert worker is not None
-            worker.in_flight += 1
+            worker.in_flight += parsed.sequences  # NOTE: n choices run as n sequences on the worker
             predicted = decision.matched_tokens.get(worker.url, 0)
             prefill = PendingPrefill(worker, route.prompt_tokens - predicted)
             worker.breaker.on_send()
@@ -259,7 +259,7 @@ class Router:
                     resp.close()
                 return resp.status
             finally:
-                worker.in_flight -= 1
+                worker.in_flight -= parsed.sequences
                 prefill.release()
                 worker.changed()
         if failure is not None:

@@ -26,6 +26,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     token_ids: Sequence[int]  # bytes for the bytes tokenizer (one id per byte), else a list
+    sequences: int = 1  # sequences the worker will run: n x prompts (a batch), for the load count
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -75,7 +76,18 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
             token_ids = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
-    return ParsedRequest(body, raw, model, stream, token_ids)
+    return ParsedRequest(body, raw, model, stream, token_ids, _sequences(body, chat))
+
+
+def _sequences(body: dict[str, Any], chat: bool) -> int:
+    """n choices per prompt x prompts in a completions batch; the worker validates both, so an
+    odd value counts as 1 here."""
+    n = body.get("n")
+    n = n if type(n) is int and 1 <= n <= 1024 else 1
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return n * len(prompt)
+    return n
 
 
 # The bytes tokenizer hands over ``bytes`` (a sequence of ids): no list of one int per byte.

@@ -197,6 +197,8 @@ class WorkerRegistry:
                 "peer_in_flight": w.peer_queue,
                 "peer_pending_prefill_tokens": w.peer_prefill,
                 "pending_prefill_tokens": w.pending_prefill,
+                "others_queue": w.others_queue,  # what the last report showed beyond ours and peers'
+                "others_prefill_tokens": w.others_prefill,
                 "load": w.load,
                 "models": sorted(w.models),
                 "block_size": w.block_size,

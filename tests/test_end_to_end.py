@@ -189,3 +189,35 @@ def test_prefill_sent_by_another_router_shows_in_this_routers_load(launch):
         assert w["load"] == pytest.approx(1 + w["reported_prefill_tokens"] / 100)
         assert direct.result().status_code == 200
     wait_until(lambda: view()["load"] == 0, 30, what="the load gone with the request")
+
+
+def test_n_choices_and_batched_prompts_count_as_the_sequences_the_worker_runs(launch):
+    """The router's in-flight count (its load) counts n choices x prompts, as many as the worker
+    runs, so the health report's running + waiting adds nothing "from others" for them."""
+    port = free_port()
+    worker = launch.module(
+        "worker", "--engine", "sim", "--sim-prefill-ms-per-token", "10", "--chunked-prefill-tokens", "32",
+        "--advertise-url", f"http://127.0.0.1:{port}", port=port,
+    )  # fmt: skip
+    router = launch.router([worker.url], "--health-interval-s", "0.1")
+
+    def view() -> dict:
+        return httpx.get(router.url + "/workers", timeout=5).json()["workers"][0]
+
+    bodies = [
+        ({"model": "tiny", "prompt": "y" * 200, "max_tokens": 2, "n": 3}, 3),
+        ({"model": "tiny", "prompt": ["a" * 100, "b" * 100], "max_tokens": 2, "n": 2}, 4),
+    ]
+    for body, sequences in bodies:
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(httpx.post, router.url + "/v1/completions", json=body, timeout=60)
+            wait_until(lambda: view()["in_flight"] > 0, 30, what="the request in flight")
+            assert view()["in_flight"] == sequences
+            wait_until(lambda n=sequences: view()["reported_queue"] == n, 30, what="the worker's report")
+            w = view()
+            assert w["in_flight"] == sequences and w["others_queue"] == 0  # nothing "from others"
+            if len(body["prompt"]) == 200:  # n choices of one prompt: its prefill counted once by both
+                assert w["pending_prefill_tokens"] == 200 and w["others_prefill_tokens"] == 0
+            resp = sent.result()
+            assert resp.status_code == 200 and len(resp.json()["choices"]) == sequences
+        wait_until(lambda: view()["in_flight"] == 0, 10, what="the count released")

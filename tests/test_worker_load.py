@@ -62,3 +62,22 @@ def test_a_health_report_value_that_is_not_a_count_reads_as_zero(value, read):
     from router.health import _number
 
     assert _number(value) == read
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "sequences"),
+    [
+        (b'{"prompt": "a"}', False, 1),
+        (b'{"prompt": "a", "n": 4}', False, 4),
+        (b'{"prompt": ["a", "b", "c"], "n": 2}', False, 6),
+        (b'{"prompt": [[1, 2], [3]]}', False, 2),
+        (b'{"prompt": [1, 2, 3], "n": 2}', False, 2),  # one prompt of token ids
+        (b'{"prompt": "a", "n": "many"}', False, 1),  # the worker answers 400; counted as one
+        (b'{"messages": [{"role": "user", "content": "a"}], "n": 3}', True, 3),
+    ],
+)
+def test_a_request_counts_as_the_sequences_the_worker_will_run(body, chat, sequences):
+    from router.request_parsing import parse_request
+    from router.tokenization import ByteTokenizer
+
+    assert parse_request(body, chat, ByteTokenizer()).sequences == sequences

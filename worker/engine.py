@@ -162,10 +162,12 @@ class Engine:
         params: SamplingParams,
         outputs: asyncio.Queue | None = None,
         index: int = 0,
+        prompt_group: Any = None,
     ) -> RequestHandle:
         """Queue a request. Raises EngineDeadError, PromptTooLongError, QueueFullError or ValueError.
         Its outputs go to ``outputs`` (a new queue by default) tagged with ``index``, so the choices
-        of one n > 1 request can share one queue."""
+        of one n > 1 request can share one queue; their ``prompt_group`` tells the scheduler they
+        share the prompt (its prefill backlog counts it once)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         n = len(prompt_ids)
@@ -185,6 +187,7 @@ class Engine:
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)))
+        req.prompt_group = prompt_group
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),

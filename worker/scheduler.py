@@ -6,6 +6,7 @@ never leaks a page: every page is free, in the radix tree, or held by exactly on
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -53,10 +54,20 @@ class Scheduler:
     def prefill_backlog(self) -> int:
         """Prompt tokens still to prefill: the rest of every admitted request's prompt, plus each
         waiting request's uncached part as of its arrival (LPM refreshes it every step it orders
-        the queue). Routers read it in /health to see prefill other routers sent here."""
-        return sum(len(r.token_ids) - r.kv_len for r in self.prefilling) + sum(
-            r.uncached_estimate for r in self.waiting
+        the queue). Routers read it in /health to see prefill other routers sent here. Requests of
+        one ``prompt_group`` (the choices of an n > 1 request) compute their prompt once: the group
+        counts its largest part."""
+        total, groups = 0, {}
+        parts = itertools.chain(
+            ((len(r.token_ids) - r.kv_len, r.prompt_group) for r in self.prefilling),
+            ((r.uncached_estimate, r.prompt_group) for r in self.waiting),
         )
+        for rest, group in parts:
+            if group is None:
+                total += rest
+            else:
+                groups[group] = max(groups.get(group, 0), rest)
+        return total + sum(groups.values())
 
     def add(self, req: Request) -> None:
         """Queue a request; raises QueueFullError at ``max_waiting``."""

@@ -100,7 +100,8 @@ class WorkerAPI:
         try:
             for c in choices:
                 params_i = params.for_choice(c.index % n)
-                live[c.index] = self.engine.submit(prompts[c.prompt], params_i, outputs, c.index).rid
+                group = (id(outputs), c.prompt) if n > 1 else None
+                live[c.index] = self.engine.submit(prompts[c.prompt], params_i, outputs, c.index, group).rid
             first = await self._next(request, outputs, live)
         except BaseException as exc:
             self._abort(live)
