@@ -114,8 +114,9 @@ class Responses:
         return self._envelope("chat.completion.chunk", choices=[choice])
 
     def chunk(self, c: Choice, text: str, finish_reason: str | None = None) -> dict:
-        """A stream chunk with ``text`` and the logprobs of the tokens generated since the last."""
-        lp = self._take_logprobs(c)
+        """A stream chunk with ``text`` and the logprobs of the tokens generated since the last
+        (``null`` when there are none, as on a finish chunk)."""
+        lp = self._take_logprobs(c) if c.logprobs else None
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
