@@ -123,3 +123,26 @@ def test_bad_adjustments_get_400_and_the_worker_keeps_serving(tiny_url, extra):
     resp = httpx.post(url, json={"prompt": "x", "max_tokens": 1, **extra}, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["message"]
     assert httpx.post(url, json={"prompt": "x", "max_tokens": 1}, timeout=60).status_code == 200
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_adjustments_and_logprobs_agree_on_cuda_and_cpu():
+    from worker.sampling import token_logprobs
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 1000, generator=gen)
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                       logit_bias={7: 5.0, 999: -3.0}, min_tokens=8, max_tokens=16, logprobs=5),
+        SamplingParams(logprobs=0),
+    ] * 3  # fmt: skip
+    histories = [([*range(i, 40 + i), 3, 3, 9], 40, frozenset({3, 999})) for i in range(6)]
+    cpu = adjust_logits(logits, params, histories)
+    cuda = adjust_logits(logits.cuda(), params, histories).cpu()
+    torch.testing.assert_close(cuda, cpu)
+    tokens = cpu.argmax(-1)
+    want = token_logprobs(logits, tokens, [p.logprobs for p in params])
+    got = token_logprobs(logits.cuda(), tokens.cuda(), [p.logprobs for p in params])
+    for (c1, i1, v1), (c2, i2, v2) in zip(want, got, strict=True):
+        assert c1 == pytest.approx(c2, abs=1e-5) and i1 == i2 and v1 == pytest.approx(v2, abs=1e-5)
