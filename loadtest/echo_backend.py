@@ -129,9 +129,11 @@ def build_app(
                     chunk = {"id": rid, "object": obj + ".chunk", "created": created, "model": model}
                     chunk["choices"] = [delta]
                     yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-                final = {"id": rid, "object": obj + ".chunk", "created": created, "model": model}
-                final.update({"choices": [], "usage": usage})
-                yield b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n"
+                if (body.get("stream_options") or {}).get("include_usage"):  # as OpenAI: only when asked
+                    final = {"id": rid, "object": obj + ".chunk", "created": created, "model": model}
+                    final.update({"choices": [], "usage": usage})
+                    yield b"data: " + orjson.dumps(final) + b"\n\n"
+                yield b"data: [DONE]\n\n"
             finally:
                 state["running"] -= 1
 

@@ -31,7 +31,7 @@ from router.policies import Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
 from router.replica_sync import ReplicaSync
-from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body
+from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body, with_stream_usage
 from router.tokenization import load_tokenizer
 from router.workers import PendingPrefill, Worker, WorkerRegistry
 
@@ -215,6 +215,7 @@ class Router:
             value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
+        body, strip_usage = with_stream_usage(parsed) if parsed.stream else (parsed.raw, False)
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         for attempt in range(self.config.max_retries + 1):
@@ -238,7 +239,7 @@ class Router:
                     # the request is written: it does not delay it, and a worker that could not
                     # be reached records nothing.
                     resp = await self.upstream.open(
-                        worker, path, parsed.raw, headers, partial(self.policy.on_routed, route, worker.url)
+                        worker, path, body, headers, partial(self.policy.on_routed, route, worker.url)
                     )
                 except UpstreamFailure as exc:
                     self._record_failure(worker, exc.kind)
@@ -252,7 +253,7 @@ class Router:
                 worker.stats.predicted_cached_tokens += predicted
                 try:
                     if parsed.stream and resp.status == 200:
-                        await self._send_stream(send, watch, worker, resp, started, prefill)
+                        await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage)
                     else:
                         await self._send_full(send, watch, worker, resp, started)
                 finally:
@@ -303,9 +304,11 @@ class Router:
         resp: UpstreamResponse,
         started: float,
         prefill: PendingPrefill,
+        strip_usage: bool = False,
     ) -> None:
-        """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering."""
-        scanner = SSEUsageScanner()
+        """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering
+        (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for)."""
+        scanner = SSEUsageScanner(strip_usage)
         content_type = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
         await send(
             {
@@ -326,11 +329,13 @@ class Router:
                     self.metrics.ttft_of[True].observe(time.perf_counter() - started)
                     prefill.release()
                     first = False
-                scanner.feed(chunk)
+                out = scanner.feed(chunk)
                 finished = resp.at_end  # the last chunk: end the client's stream in the same write
                 if finished:
+                    out += scanner.flush()
                     watch.stop()
-                await send({"type": "http.response.body", "body": chunk, "more_body": not finished})
+                if out or finished:
+                    await send({"type": "http.response.body", "body": out, "more_body": not finished})
         except HTTPClientError as exc:
             # The worker broke mid-stream: bytes already reached the client, so no retry; the
             # client sees the stream end without [DONE].

@@ -53,29 +53,53 @@ def parse_usage(obj: object) -> Usage | None:
 
 
 class SSEUsageScanner:
-    """Finds the usage object in an SSE byte stream without holding more than one partial line."""
+    """Finds the usage object in an SSE byte stream without holding more than one partial line.
 
-    def __init__(self) -> None:
+    ``feed`` returns what to pass on to the client. By default that is the chunk itself, as it
+    came. With ``strip`` (the router asked for a usage chunk the client did not) it is the complete
+    lines so far without the usage-only event (``choices: []``); a partial line waits for its end."""
+
+    def __init__(self, strip: bool = False) -> None:
+        self.strip = strip
         self._partial = b""
+        self._drop_blank = False  # the dropped event's terminating blank line is still to come
         self.usage: Usage | None = None
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
         data = self._partial + chunk if self._partial else chunk
         end = data.rfind(b"\n")
         if end < 0:
             self._partial = data
-            return
+            return b"" if self.strip else chunk
         self._partial = data[end + 1 :]
-        if b'"usage"' not in data:
-            return
-        for line in data[:end].split(b"\n"):
+        complete = data[: end + 1]
+        if b'"usage"' not in complete and not self._drop_blank:
+            return complete if self.strip else chunk
+        kept = []
+        for line in complete[:-1].split(b"\n"):
+            if self._drop_blank and line in (b"", b"\r"):
+                self._drop_blank = False
+                continue
             if line.startswith(b"data:") and b'"usage"' in line:
                 try:
-                    found = parse_usage(orjson.loads(line[5:]))
+                    obj = orjson.loads(line[5:])
                 except orjson.JSONDecodeError:
-                    continue
+                    obj = None
+                found = parse_usage(obj)
                 if found is not None:
                     self.usage = found
+                    if self.strip and obj.get("choices") == []:  # type: ignore[union-attr]
+                        self._drop_blank = True
+                        continue
+            kept.append(line)
+        if not self.strip:
+            return chunk
+        return b"\n".join(kept) + b"\n" if kept else b""
+
+    def flush(self) -> bytes:
+        """The end of the stream: a held partial line (``strip`` only)."""
+        rest, self._partial = self._partial, b""
+        return rest if self.strip else b""
 
 
 class Upstream:

@@ -79,6 +79,21 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     return ParsedRequest(body, raw, model, stream, token_ids, _sequences(body, chat))
 
 
+def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:
+    """The body to send upstream for a stream, and whether the router must take the usage chunk
+    out again: the router reads usage (cached tokens) from every stream for its hit-rate metrics,
+    so it sets ``stream_options.include_usage`` where the client did not (OpenAI's default is no
+    usage chunk, and clients index ``choices[0]`` of every chunk). A malformed ``stream_options``
+    goes upstream as it came, for the worker to refuse."""
+    options = parsed.body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return parsed.raw, False
+    if options is not None and not isinstance(options, dict):
+        return parsed.raw, False
+    body = {**parsed.body, "stream_options": {**(options or {}), "include_usage": True}}
+    return orjson.dumps(body), True
+
+
 def _sequences(body: dict[str, Any], chat: bool) -> int:
     """n choices per prompt x prompts in a completions batch; the worker validates both, so an
     odd value counts as 1 here."""

@@ -62,20 +62,27 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
     )
     assert worker_metric(served, "radixgate_worker_cached_tokens_total") >= len(SYSTEM)
 
-    # n choices with logprobs, streamed through the router: both choices arrive, usage counted once
+    # n choices with logprobs, streamed through the router: both choices arrive, usage counted once;
+    # the router reads the usage chunk whether the client asked for it (OpenAI's default: not)
     usage_metric = f'radixgate_upstream_usage_prompt_tokens_total{{worker="{served}"}}'
-    before = router_metric(router.url, usage_metric)
     body = {**chat("Two answers?"), "n": 2, "stream": True, "logprobs": True, "top_logprobs": 2}
-    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=120) as resp:
-        assert resp.headers["x-radixgate-worker"] == served
-        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    chunks = [orjson.loads(line) for line in lines[:-1]]
-    finished = {c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
-    assert finished == {0, 1}
-    assert any(c["choices"][0]["logprobs"] for c in chunks if c["choices"])
-    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
-    wait_until(lambda: router_metric(router.url, usage_metric) == before + prompt_tokens, 10, what="usage")
+    prompt_tokens = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()["prompt_tokens"]
+    for asked in (False, True):
+        before = router_metric(router.url, usage_metric)
+        sent = {**body, "stream_options": {"include_usage": True}} if asked else body
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=sent, timeout=120) as resp:
+            assert resp.headers["x-radixgate-worker"] == served
+            lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        chunks = [orjson.loads(line) for line in lines[:-1]]
+        done = {c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
+        assert done == {0, 1}
+        assert any(c["choices"][0]["logprobs"] for c in chunks if c["choices"])
+        usage_chunks = [c for c in chunks if not c["choices"]]
+        assert [c["usage"]["prompt_tokens"] for c in usage_chunks] == ([prompt_tokens] if asked else [])
+        wait_until(
+            lambda b=before: router_metric(router.url, usage_metric) == b + prompt_tokens, 10, what="usage"
+        )
     router.stop()
     for url in workers:  # launched workers go down with the router
         wait_until(lambda url=url: not _answers(url), timeout=30, what=f"{url} stopped")

@@ -43,6 +43,12 @@ def check_body(raw: bytes, served_model: str) -> dict:
         raise APIError(400, "'stream' must be a boolean")
     if body.get("echo"):
         raise APIError(400, "echo is not supported")
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or not isinstance(options.get("include_usage", False), (bool, type(None)))
+    ):
+        raise APIError(400, "'stream_options' must be an object with a boolean 'include_usage'")
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
     # look like success to the client
     if body.get("tools") or body.get("functions"):
@@ -51,6 +57,11 @@ def check_body(raw: bytes, served_model: str) -> dict:
     if response_format is not None and response_format != {"type": "text"}:
         raise APIError(400, "only response_format {'type': 'text'} is supported (no guided decoding)")
     return body
+
+
+def include_usage(body: dict) -> bool:
+    """Does the client want a stream's usage chunk (``stream_options.include_usage``)?"""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 def chat_logprobs(body: dict) -> int | None:

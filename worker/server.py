@@ -23,7 +23,15 @@ from starlette.routing import Route
 from router.block_hash import HASH_VERSION
 from router.errors import error_response
 from router.kv_events import EVENT_VERSION
-from worker.api_params import MAX_CHOICES, APIError, chat_logprobs, check_body, prompt_ids, sampling_params
+from worker.api_params import (
+    MAX_CHOICES,
+    APIError,
+    chat_logprobs,
+    check_body,
+    include_usage,
+    prompt_ids,
+    sampling_params,
+)
 from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestOutput
 from worker.openai_format import Choice, Responses, TokenNames
 from worker.request import QueueFullError
@@ -125,7 +133,9 @@ class WorkerAPI:
                 self._abort(live)
                 raise APIError(first.error_status or 500, first.error)
             return StreamingResponse(
-                self._stream(request, outputs, live, first, choices, resp, prompt_tokens),
+                self._stream(
+                    request, outputs, live, first, choices, resp, prompt_tokens, include_usage(body)
+                ),
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
@@ -173,6 +183,7 @@ class WorkerAPI:
         choices: list[Choice],
         resp: Responses,
         prompt_tokens: list[int],
+        usage: bool,
     ) -> AsyncIterator[bytes]:
         out: RequestOutput | None = first
         try:
@@ -193,7 +204,8 @@ class WorkerAPI:
                 if out.finish_reason is not None:
                     yield _sse(resp.chunk(c, "", out.finish_reason))
                     if not live:
-                        yield _sse(resp.usage_chunk(choices, prompt_tokens))
+                        if usage:
+                            yield _sse(resp.usage_chunk(choices, prompt_tokens))
                         yield b"data: [DONE]\n\n"
                         break
                 out = await self._next(request, outputs, live)

@@ -113,7 +113,7 @@ def test_logprobs_are_none_unless_asked_and_zero_gives_only_the_sampled_token(ti
 
 
 def test_streamed_logprobs_cover_every_token_once(tiny_server):
-    body = {"prompt": "Stream me ", "max_tokens": 12, "logprobs": 2, "stream": True, "seed": 3,
+    body = {"prompt": "Stream me ", "max_tokens": 12, "logprobs": 2, "stream": True, "seed": 3, "stream_options": {"include_usage": True},
             "stop": ["zz"], "ignore_eos": True}  # fmt: skip
     with httpx.stream("POST", tiny_server.url + "/v1/completions", json=body, timeout=60) as resp:
         events = list(sse_events(resp.iter_lines()))
@@ -159,7 +159,7 @@ def test_n_choices_share_the_prompt_and_report_one_usage(tiny_server):
 
 
 def test_n_choices_stream_with_their_index(tiny_server):
-    body = {"messages": [{"role": "user", "content": "two please"}], "max_tokens": 5, "n": 2, "stream": True,
+    body = {"messages": [{"role": "user", "content": "two please"}], "max_tokens": 5, "n": 2, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}  # fmt: skip
     with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         events = list(sse_events(resp.iter_lines()))

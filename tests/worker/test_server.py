@@ -114,7 +114,9 @@ def test_stream_and_non_stream_agree_and_report_usage(client):
     usage = plain["usage"]
     assert usage["prompt_tokens"] == 19 and usage["completion_tokens"] == 12 and usage["total_tokens"] == 31
     assert "cached_tokens" in usage["prompt_tokens_details"]
-    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+    with client.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(resp.iter_lines()))
     assert events[-1] == "[DONE]"
@@ -123,6 +125,12 @@ def test_stream_and_non_stream_agree_and_report_usage(client):
     text = "".join(e["choices"][0]["text"] for e in events[:-2])
     assert text == plain["choices"][0]["text"]
     assert events[-3]["choices"][0]["finish_reason"] == "length"
+    # without stream_options.include_usage (OpenAI's default) no usage chunk: every chunk has a choice
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        bare = list(sse_events(resp.iter_lines()))
+    assert bare[-1] == "[DONE]" and len({e["id"] for e in bare[:-1]}) == 1
+    assert all(e["choices"] and "usage" not in e for e in bare[:-1])
+    assert "".join(e["choices"][0]["text"] for e in bare[:-1]) == text
 
 
 def test_chat_completion_stream_and_non_stream(client):
@@ -131,7 +139,11 @@ def test_chat_completion_stream_and_non_stream(client):
     message = plain["choices"][0]["message"]
     assert plain["object"] == "chat.completion" and message["role"] == "assistant"
     assert plain["usage"]["completion_tokens"] == 6
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as resp:
         events = list(sse_events(resp.iter_lines()))
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2]) == message["content"]

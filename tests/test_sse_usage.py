@@ -1,0 +1,71 @@
+"""The router's SSE usage scanner: usage found wherever the stream is cut, bytes passed on as
+they came, and with ``strip`` the usage-only event taken out (the client did not ask for it)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from router.proxy import SSEUsageScanner
+from router.request_parsing import parse_request, with_stream_usage
+from router.tokenization import ByteTokenizer
+
+CHUNK = b'data: {"choices": [{"index": 0, "text": "the usage of words"}]}\n\n'
+USAGE = (
+    b'data: {"choices": [], "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+STREAM = CHUNK + CHUNK + USAGE + DONE
+
+
+def run(scanner: SSEUsageScanner, pieces: list[bytes]) -> bytes:
+    return b"".join(scanner.feed(p) for p in pieces) + scanner.flush()
+
+
+@pytest.mark.parametrize("cut", range(0, len(STREAM), 7))
+def test_usage_is_found_and_only_the_usage_event_is_stripped_wherever_the_stream_is_cut(cut):
+    pieces = [STREAM[:cut], STREAM[cut : cut + 50], STREAM[cut + 50 :]]
+    passthrough = SSEUsageScanner()
+    assert run(passthrough, pieces) == STREAM
+    assert (passthrough.usage.prompt_tokens, passthrough.usage.cached_tokens) == (7, 3)
+    strip = SSEUsageScanner(strip=True)
+    assert run(strip, pieces) == CHUNK + CHUNK + DONE
+    assert strip.usage.cached_tokens == 3
+
+
+def test_byte_by_byte_and_crlf_events():
+    stream = STREAM.replace(b"\n", b"\r\n")
+    strip = SSEUsageScanner(strip=True)
+    assert run(strip, [stream[i : i + 1] for i in range(len(stream))]) == (CHUNK + CHUNK + DONE).replace(
+        b"\n", b"\r\n"
+    )
+    assert strip.usage.prompt_tokens == 7
+
+
+def test_a_chunk_with_choices_and_usage_is_kept():
+    both = b'data: {"choices": [{"index": 0, "text": "x"}], "usage": {"prompt_tokens": 2}}\n\n'
+    strip = SSEUsageScanner(strip=True)
+    assert run(strip, [both + DONE]) == both + DONE
+    assert strip.usage.prompt_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "strip", "sent"),
+    [
+        (None, True, {"include_usage": True}),
+        ({"include_usage": False}, True, {"include_usage": True}),
+        ({"include_usage": True}, False, {"include_usage": True}),
+        ({"continuous_usage_stats": False}, True, {"continuous_usage_stats": False, "include_usage": True}),
+        ("bad", False, "bad"),
+    ],
+)
+def test_the_router_asks_for_usage_where_the_client_did_not(options, strip, sent):
+    body = {"prompt": "hi", "stream": True, "max_tokens": 3}
+    if options is not None:
+        body["stream_options"] = options
+    raw = orjson.dumps(body)
+    out, must_strip = with_stream_usage(parse_request(raw, False, ByteTokenizer()))
+    assert must_strip == strip
+    assert orjson.loads(out) == {**body, "stream_options": sent}
+    if not strip:
+        assert out == raw  # sent as it came
