@@ -212,6 +212,28 @@ class WorkerAPI:
         finally:
             self._abort(live)  # NOTE: client gone, stream cancelled or a choice failed: free pages now
 
+    async def tokenize(self, request: Request) -> Response:
+        """``prompt`` (as /v1/completions tokenizes it) or ``messages`` (rendered as chat does)."""
+        body = await self._body(request)
+        tok = self.engine.tokenizer
+        if "messages" in body:
+            try:
+                ids = await run_in_threadpool(tok.encode_chat, body["messages"])
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+        elif isinstance(body.get("prompt"), str):
+            ids = await run_in_threadpool(tok.encode_prompt, body["prompt"])
+        else:
+            raise APIError(400, "'prompt' (a string) or 'messages' is required")
+        return _json({"count": len(ids), "max_model_len": self.engine.max_total_tokens, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        ids, tok = body.get("tokens"), self.engine.tokenizer
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {tok.vocab_size})")
+        return _json({"prompt": await run_in_threadpool(tok.decode, ids)})
+
     # ------------------------------------------------------------------ info, health, metrics
     async def models(self, request: Request) -> Response:
         model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "radixgate",
@@ -335,6 +357,8 @@ def create_app(engine: Engine, admin_token: str | None = None) -> Starlette:
         Route("/v1/completions", guarded(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(api.chat), methods=["POST"]),
         Route("/v1/models", guarded(api.models), methods=["GET"]),
+        Route("/tokenize", guarded(api.tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(api.detokenize), methods=["POST"]),
         Route("/health", guarded(api.health), methods=["GET"]),
         Route("/metrics", guarded(api.metrics), methods=["GET"]),
         Route("/v1/cache/info", guarded(api.cache_info), methods=["GET"]),

@@ -343,3 +343,19 @@ def test_sim_engine_serves_the_same_api_and_says_it_is_simulated():
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
             events = list(sse_events(resp.iter_lines()))
         assert all(e["simulated"] is True for e in events[:-1])
+
+
+def test_tokenize_and_detokenize_round_trip_as_generation_tokenizes(client):
+    text = "Héllo, radix caches!"
+    tokens = client.post("/tokenize", json={"prompt": text}).json()
+    assert tokens["tokens"] == list(text.encode()) and tokens["count"] == len(text.encode())
+    assert tokens["max_model_len"] == client.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert len(chat_ids) == answer["usage"]["prompt_tokens"]  # the same rendering as chat
+    for path, body in [("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [1, 999]}),
+                       ("/detokenize", {"tokens": "abc"}), ("/tokenize", {"messages": "x"})]:  # fmt: skip
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["message"], (path, body)
