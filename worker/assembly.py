@@ -50,9 +50,8 @@ class ModelExecutor:
         raw = logits  # NOTE: logprobs come from the model's logits, before penalties and bias
         if any(adjusts(p) for p in params):
             reqs = [batch.requests[i] for i in rows]
-            logits = adjust_logits(
-                logits, params, [(r.token_ids, r.prompt_len, r.stop_token_ids) for r in reqs]
-            )
+            history = [(r.token_ids, r.prompt_len, r.stop_token_ids, r.payload.memo) for r in reqs]
+            logits = adjust_logits(logits, params, history)
         tokens = sample(logits, params, [st.generator for st in states])
         asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
         if asking:

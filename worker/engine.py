@@ -88,6 +88,7 @@ class RequestState:
     last_token_at: float = 0.0
     generator: Any = None  # per-request RNG, created by the executor for seeded requests
     step_logprobs: TokenLogprobs | None = None  # set by the executor with the token it samples
+    memo: dict = field(default_factory=dict)  # the executor's per-request cache (penalties)
 
 
 class Engine:
@@ -314,7 +315,7 @@ class Engine:
         ids = [1 + i % 200 for i in range(n)]  # NOTE: valid ids in any vocabulary the worker loads
         req = Request("warmup", ids, max_tokens=max(1, min(output_tokens, self.max_total_tokens - n)))
         # NOTE: executors read only .params and .generator of a payload; nobody receives its tokens
-        req.payload = types.SimpleNamespace(params=SamplingParams(), generator=None)
+        req.payload = types.SimpleNamespace(params=SamplingParams(), generator=None, memo={})
         self.scheduler.add(req)
         try:
             while self.scheduler.has_work():

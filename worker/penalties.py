@@ -10,8 +10,10 @@ Semantics (those of vLLM and HF, which OpenAI clients expect):
 - ``logit_bias``: token id -> value added to its logit;
 - ``min_tokens`` m: while fewer than m tokens are out, EOS and ``stop_token_ids`` cannot be sampled.
 
-Rows that use none of them cost nothing; the others cost a few small ops each per step (the output's
-token counts are rebuilt from its ids every step: O(output length)).
+Rows that use none of them cost nothing. The others are adjusted together, a handful of tensor ops
+per step whatever their number: each kind of adjustment is one scatter over flat (row, token)
+indices. The prompt's distinct ids are computed once per request and kept in its ``memo`` (on the
+logits' device); only the output's ids travel each step.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 
 from worker.sampling import SamplingParams
 
-# (token ids so far: prompt + output, prompt length, ids that end the request)
-History = tuple[Sequence[int], int, frozenset[int]]
+# (token ids so far: prompt + output, prompt length, ids that end the request, the request's memo
+# dict for what does not change between steps, or None)
+History = tuple[Sequence[int], int, frozenset[int], dict | None]
 
 
 def adjusts(p: SamplingParams) -> bool:
@@ -40,30 +43,73 @@ def adjust_logits(
     logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History]
 ) -> torch.Tensor:
     """``logits`` [B, V] with each row adjusted for its request; the input is returned untouched
-    when no row needs anything, else a new tensor."""
+    when no row needs anything, else a new float32 tensor."""
     rows = [i for i, p in enumerate(params) if adjusts(p)]
     if not rows:
         return logits
+    device, vocab = logits.device, logits.shape[1]
+    sub = (
+        logits[torch.tensor(rows, device=device)].float()
+        if len(rows) < len(params)
+        else logits.float().clone()
+    )
+    flat = sub.view(-1)
+    ps = [params[i] for i in rows]
+    hs = [histories[i] for i in rows]
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    # the output's tokens as flat indices (row * vocab + id), for penalties and repetition
+    output = [r * vocab + t for r, (ids, prompt_len, _, _) in enumerate(hs) for t in ids[prompt_len:]]
+    out_flat = tensor(output, torch.long)
+
+    # NOTE: every update below touches only the (row, token) pairs it concerns: no [rows, vocab] temporaries
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        prompts = [_prompt_ids(h, device, vocab) for h in hs]
+        offsets = torch.repeat_interleave(
+            tensor([r * vocab for r in range(len(hs))], torch.long),
+            tensor([t.numel() for t in prompts], torch.long),
+        )
+        seen = torch.cat([torch.cat(prompts) + offsets, out_flat])  # repeats are harmless: same value
+        rp = tensor([float(p.repetition_penalty) for p in ps], torch.float32)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / rp, values * rp)
+    if output and any(p.frequency_penalty or p.presence_penalty for p in ps):
+        f = tensor([float(p.frequency_penalty) for p in ps], torch.float32)
+        pr = tensor([float(p.presence_penalty) for p in ps], torch.float32)
+        flat.index_add_(0, out_flat, -f[out_flat // vocab])  # once per occurrence: -f x count
+        present = torch.unique(out_flat)
+        flat.index_add_(0, present, -pr[present // vocab])
+    bias = [(r * vocab + t, float(b)) for r, p in enumerate(ps) for t, b in p.logit_bias.items() if t < vocab]
+    if bias:
+        flat.index_add_(
+            0, tensor([i for i, _ in bias], torch.long), tensor([b for _, b in bias], torch.float32)
+        )
+    stops = [
+        r * vocab + t
+        for r, (p, (ids, prompt_len, stop_ids, _)) in enumerate(zip(ps, hs, strict=True))
+        if len(ids) - prompt_len < p.min_tokens
+        for t in stop_ids
+        if t < vocab
+    ]
+    if stops:
+        flat[tensor(stops, torch.long)] = float("-inf")
+    if len(rows) == len(params):
+        return sub
     out = logits.float().clone()
-    vocab, device = out.shape[1], out.device
-    for i in rows:
-        p, row = params[i], out[i]
-        ids, prompt_len, stop_ids = histories[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(ids)), device=device, dtype=torch.long)
-            values = row[seen]
-            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        output = ids[prompt_len:]
-        if (p.frequency_penalty or p.presence_penalty) and len(output):
-            counts = torch.bincount(torch.tensor(list(output), device=device), minlength=vocab)[
-                :vocab
-            ].float()
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        bias = {t: b for t, b in p.logit_bias.items() if t < vocab}
-        if bias:
-            index = torch.tensor(list(bias), device=device, dtype=torch.long)
-            row[index] += torch.tensor(list(bias.values()), device=device, dtype=row.dtype)
-        stops = sorted(t for t in stop_ids if t < vocab)
-        if len(output) < p.min_tokens and stops:
-            row[torch.tensor(stops, device=device, dtype=torch.long)] = float("-inf")
+    out[torch.tensor(rows, device=device)] = sub
     return out
+
+
+def _prompt_ids(history: History, device: torch.device, vocab: int) -> torch.Tensor:
+    """The distinct ids of a request's prompt on ``device``, from its memo after the first step."""
+    ids, prompt_len, _, memo = history
+    cached = None if memo is None else memo.get("prompt_ids")
+    if cached is None or cached.device != device:
+        cached = torch.tensor(
+            sorted({t for t in ids[:prompt_len] if t < vocab}), dtype=torch.long, device=device
+        )
+        if memo is not None:
+            memo["prompt_ids"] = cached
+    return cached

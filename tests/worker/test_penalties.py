@@ -26,7 +26,7 @@ def test_each_adjustment_does_its_arithmetic_on_its_own_row():
         SamplingParams(min_tokens=4, max_tokens=5),
     ]
     # prompt [0, 1], output [2, 2, 4]; stop ids {4}
-    histories = [([0, 1, 2, 2, 4], 2, frozenset({4}))] * 5
+    histories = [([0, 1, 2, 2, 4], 2, frozenset({4}), None)] * 5
     out = adjust_logits(logits, params, histories)
     assert torch.equal(out[0], logits[0])
     # repetition over prompt + output (0, 1, 2, 4): positive / 2, negative * 2
@@ -36,23 +36,69 @@ def test_each_adjustment_does_its_arithmetic_on_its_own_row():
     assert out[3].tolist() == [1.0, -2.0, 1.0, 10.5, 3.0]
     assert out[4, 4] == float("-inf") and out[4, :4].tolist() == [2.0, -2.0, 1.0, 0.5]
     # min_tokens reached: the stop id is allowed again
-    done = adjust_logits(logits[:1], [params[4]], [([0, 1, 2, 2, 4, 3], 2, frozenset({4}))])
+    done = adjust_logits(logits[:1], [params[4]], [([0, 1, 2, 2, 4, 3], 2, frozenset({4}), None)])
     assert torch.equal(done[0], logits[0])
 
 
 def test_rows_without_adjustments_return_the_same_tensor_and_inputs_stay_unchanged():
     logits = torch.randn(3, 10)
     before = logits.clone()
-    assert adjust_logits(logits, [SamplingParams()] * 3, [(PROMPT, 3, frozenset())] * 3) is logits
-    adjust_logits(logits, [SamplingParams(presence_penalty=1.0)] * 3, [([*PROMPT, 1], 3, frozenset())] * 3)
+    assert adjust_logits(logits, [SamplingParams()] * 3, [(PROMPT, 3, frozenset(), None)] * 3) is logits
+    adjust_logits(
+        logits, [SamplingParams(presence_penalty=1.0)] * 3, [([*PROMPT, 1], 3, frozenset(), None)] * 3
+    )
     assert torch.equal(logits, before)
 
 
 def test_greedy_follows_the_adjusted_logits():
     logits = torch.tensor([[0.0, 5.0, 4.0]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=2.0)]
-    adjusted = adjust_logits(logits, params, [([0, 1, 1], 1, frozenset())])  # token 1 out twice: 5 - 4
+    adjusted = adjust_logits(logits, params, [([0, 1, 1], 1, frozenset(), None)])  # token 1 out twice: 5 - 4
     assert int(sample(adjusted, params)[0]) == 2
+
+
+def reference(
+    logits: torch.Tensor, p: SamplingParams, ids: list[int], prompt_len: int, stops
+) -> torch.Tensor:
+    """One row the plain way (float64): the semantics in the module docstring, step by step."""
+    row = logits.double().clone()
+    if p.repetition_penalty != 1.0:
+        for t in set(ids):
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    output = ids[prompt_len:]
+    for t in set(output):
+        row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    for t, b in p.logit_bias.items():
+        row[t] += b
+    if len(output) < p.min_tokens:
+        for t in stops:
+            row[t] = float("-inf")
+    return row
+
+
+def test_a_random_batch_matches_the_row_by_row_reference_and_the_memo_is_reused():
+    rng = torch.Generator().manual_seed(7)
+    vocab, rows = 300, 9
+    logits = torch.randn(rows, vocab, generator=rng) * 3
+    params, histories = [], []
+    for i in range(rows):
+        pick = torch.randint(0, 2, (5,), generator=rng).tolist()
+        params.append(SamplingParams(
+            repetition_penalty=[1.0, 1.7][pick[0]], frequency_penalty=[0.0, 0.6][pick[1]],
+            presence_penalty=[0.0, -0.4][pick[2]], logit_bias={7: 3.0, 250: -2.5} if pick[3] else {},
+            min_tokens=[0, 40][pick[4]], max_tokens=50,
+        ))  # fmt: skip
+        prompt_len = 10 + 7 * i
+        ids = torch.randint(0, 40, (prompt_len + 3 * i,), generator=rng).tolist()  # many repeats
+        histories.append((ids, prompt_len, frozenset({1, 2}), {}))
+    got = adjust_logits(logits, params, histories)
+    for i, (p, (ids, n, stops, _)) in enumerate(zip(params, histories, strict=True)):
+        want = reference(logits[i], p, ids, n, stops).float()
+        torch.testing.assert_close(got[i], want, msg=f"row {i}: {p}")
+    memos = [h[3].get("prompt_ids") for h in histories]
+    assert any(m is not None for m in memos)
+    again = adjust_logits(logits, params, histories)  # the second step reads the memo
+    assert torch.equal(again, got) and [h[3].get("prompt_ids") for h in histories] == memos
 
 
 @pytest.mark.parametrize(
@@ -137,7 +183,7 @@ def test_adjustments_and_logprobs_agree_on_cuda_and_cpu():
                        logit_bias={7: 5.0, 999: -3.0}, min_tokens=8, max_tokens=16, logprobs=5),
         SamplingParams(logprobs=0),
     ] * 3  # fmt: skip
-    histories = [([*range(i, 40 + i), 3, 3, 9], 40, frozenset({3, 999})) for i in range(6)]
+    histories = [([*range(i, 40 + i), 3, 3, 9], 40, frozenset({3, 999}), None) for i in range(6)]
     cpu = adjust_logits(logits, params, histories)
     cuda = adjust_logits(logits.cuda(), params, histories).cpu()
     torch.testing.assert_close(cuda, cpu)
