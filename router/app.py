@@ -19,6 +19,7 @@ from starlette.routing import Route
 from router.config import RouterConfig
 from router.errors import RouterError, error_response
 from router.gateway import Router
+from router.proxy import UpstreamFailure
 from router.request_parsing import read_body
 
 log = logging.getLogger("radixgate.router")
@@ -118,6 +119,36 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(exc.status, exc.message, exc.code)
         return _json(router.explain(parsed, chat, request.headers))
 
+    async def to_one_worker(request: Request) -> Response:
+        """/tokenize and /detokenize: answered by the least loaded healthy worker serving the body's
+        model (a model's workers share its tokenizer); nothing is routed by prefix or counted."""
+        try:
+            raw = await read_body(request, config.max_body_bytes)
+            body = orjson.loads(raw)
+            model = body.get("model") if isinstance(body, dict) else None
+            if model is not None:
+                router.check_model(model)
+        except orjson.JSONDecodeError:
+            return error_response(400, "request body is not valid JSON", "invalid_json")
+        except RouterError as exc:
+            return error_response(exc.status, exc.message, exc.code)
+        workers = router.workers.candidates(model if isinstance(model, str) else None)
+        if not workers:
+            return error_response(503, "no healthy worker is available", "no_healthy_worker")
+        worker = min(workers, key=lambda w: w.load)
+        try:
+            resp = await router.upstream.open(
+                worker, request.url.path, raw, {"content-type": "application/json"}
+            )
+            try:
+                payload = await router.upstream.read_all(resp)
+            finally:
+                resp.close()
+        except UpstreamFailure as exc:
+            return error_response(exc.status, str(exc), exc.kind)
+        content_type = resp.headers.get("content-type", "application/json")
+        return Response(payload, resp.status, {"x-radixgate-worker": worker.url}, content_type)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await router.start()
@@ -139,6 +170,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             Route("/metrics", metrics, methods=["GET"]),
             Route("/workers", workers_endpoint, methods=["GET", "POST", "DELETE"]),
             Route("/debug/route", debug_route, methods=["POST"]),
+            Route("/tokenize", to_one_worker, methods=["POST"]),
+            Route("/detokenize", to_one_worker, methods=["POST"]),
         ],
         lifespan=lifespan,
     )

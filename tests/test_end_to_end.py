@@ -83,6 +83,16 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
         wait_until(
             lambda b=before: router_metric(router.url, usage_metric) == b + prompt_tokens, 10, what="usage"
         )
+    # /tokenize and /detokenize through the router: one worker answers, as it would directly
+    for path, body in [
+        ("/tokenize", {"model": "tiny", "prompt": "Héllo"}),
+        ("/detokenize", {"tokens": [72, 105]}),
+    ]:
+        via_router = httpx.post(router.url + path, json=body, timeout=10)
+        assert via_router.status_code == 200 and via_router.headers["x-radixgate-worker"] in workers
+        assert via_router.json() == httpx.post(served + path, json=body, timeout=10).json()
+    assert httpx.post(router.url + "/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx.post(router.url + "/tokenize", json={"prompt": 5}).status_code == 400  # the worker's answer
     router.stop()
     for url in workers:  # launched workers go down with the router
         wait_until(lambda url=url: not _answers(url), timeout=30, what=f"{url} stopped")
