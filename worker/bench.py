@@ -39,6 +39,10 @@ LLAMA3_8B_SHAPE = ModelConfig(
 )
 MODELS = ("tiny", "llama3-8b-shape")
 CACHED_FRACTIONS = (0.0, 0.5, 0.9)  # of the prompt already in the radix cache before a TTFT request
+# what a client asking for everything costs per decode step: every history-dependent adjustment
+# (worker/penalties.py) and the top-5 logprobs, still greedy so the tokens stay comparable
+ADJUSTED = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.2,
+            "logit_bias": {5: 1.0}, "min_tokens": 1, "logprobs": 5}  # fmt: skip
 REQUEST_TIMEOUT_S = 600.0
 # flag -> (normal default, --quick default); an explicit flag always wins
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -132,11 +136,12 @@ class Trace:
     last: RequestOutput
 
 
-async def run_request(engine: Engine, prompt: list[int], max_tokens: int) -> Trace:
-    """Submit one greedy ignore_eos request and collect its tokens' arrival times."""
+async def run_request(engine: Engine, prompt: list[int], max_tokens: int, extra: dict | None = None) -> Trace:
+    """Submit one greedy ignore_eos request (``extra``: more SamplingParams fields) and collect its
+    tokens' arrival times."""
     # NOTE: the engine thread calls .tolist() on the sampled ids before emitting, which waits for
     # the device, so an output that reaches us carries a finished step (CUDA included).
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(extra or {}))
     submitted = time.perf_counter()
     handle = engine.submit(prompt, params)
     times: list[float] = []
@@ -183,14 +188,19 @@ async def measure_prefill(engine: Engine, p: BenchParams, prompts: Prompts) -> d
     }
 
 
-async def measure_decode(engine: Engine, p: BenchParams, prompts: Prompts, batch: int) -> dict:
-    """``batch`` requests decoding together. Measured over the window in which all of them decode:
+async def measure_decode(
+    engine: Engine, p: BenchParams, prompts: Prompts, batch: int, extra: dict | None = None
+) -> dict:
+    """``batch`` requests decoding together (each with ``extra`` sampling fields). Measured over the window in which all of them decode:
     from the last first token (every prefill done) to the first finish (nobody left yet)."""
     await engine.flush_cache()
     _sync(p.device)
     before = engine.snapshot()
     traces = await asyncio.gather(
-        *(run_request(engine, prompts.make(p.decode_prompt_tokens), p.decode_steps) for _ in range(batch))
+        *(
+            run_request(engine, prompts.make(p.decode_prompt_tokens), p.decode_steps, extra)
+            for _ in range(batch)
+        )
     )
     start = max(t.token_times[0] for t in traces)
     first_done = min(traces, key=lambda t: t.token_times[-1])
@@ -237,9 +247,18 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     await asyncio.gather(*(run_request(engine, x, 4) for x in warm))
     prefill = await measure_prefill(engine, p, prompts)
     decode = [await measure_decode(engine, p, prompts, b) for b in p.batches]
+    adjusted = await measure_decode(engine, p, prompts, max(p.batches), ADJUSTED)
     ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
     await engine.flush_cache()
-    return {"prefill": prefill, "decode": decode, "ttft": ttft}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "decode_adjusted": {
+            **adjusted,
+            "sampling": {**ADJUSTED, "logit_bias": {str(k): v for k, v in ADJUSTED["logit_bias"].items()}},
+        },
+        "ttft": ttft,
+    }
 
 
 # ---------------------------------------------------------------------------- CLI

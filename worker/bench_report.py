@@ -80,6 +80,10 @@ def markdown_table(doc: dict) -> str:
     for d in doc["decode"]:
         rows.append((f"decode, batch {d['batch']} ({p['decode_prompt_tokens']}-token prompts)",
                      f"{d['tokens_per_s']:,.0f}", f"tokens/s ({d['step_ms']:.2f} ms/step)"))  # fmt: skip
+    adj = doc.get("decode_adjusted")
+    if adj:
+        rows.append((f"decode, batch {adj['batch']}, every request with penalties, bias and top-5 logprobs",
+                     f"{adj['tokens_per_s']:,.0f}", f"tokens/s ({adj['step_ms']:.2f} ms/step)"))  # fmt: skip
     for t in doc["ttft"]:
         rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached "
                      f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",

@@ -47,6 +47,8 @@ def test_json_records_machine_params_and_every_measurement(quick_run):
     for d in doc["decode"]:
         assert d["tokens_per_s"] > 0 and d["step_ms"] > 0 and d["window_steps"] >= 1
         assert d["decode_tokens_counted"] >= d["window_tokens"]
+    adjusted = doc["decode_adjusted"]
+    assert adjusted["batch"] == 3 and adjusted["step_ms"] > 0 and adjusted["sampling"]["logprobs"] == 5
     assert [t["cached_fraction"] for t in doc["ttft"]] == [0.0, 0.5, 0.9]
     assert all(t["ttft_ms_median"] > 0 for t in doc["ttft"])
     ops = {(r["op"], r["tokens"]) for r in doc["radix"]}
