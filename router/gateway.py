@@ -230,7 +230,7 @@ class Router:
             assert worker is not None
             worker.in_flight += parsed.sequences  # NOTE: n choices run as n sequences on the worker
             predicted = decision.matched_tokens.get(worker.url, 0)
-            prefill = PendingPrefill(worker, route.prompt_tokens - predicted)
+            prefill = PendingPrefill(worker, route.prompt_tokens - predicted + parsed.other_prompt_tokens)
             worker.breaker.on_send()
             worker.stats.requests += 1
             try:

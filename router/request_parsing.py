@@ -27,6 +27,7 @@ class ParsedRequest:
     stream: bool
     token_ids: Sequence[int]  # bytes for the bytes tokenizer (one id per byte), else a list
     sequences: int = 1  # sequences the worker will run: n x prompts (a batch), for the load count
+    other_prompt_tokens: int = 0  # a batch's prompts after the first (routed by the first), counted uncached
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -67,6 +68,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", "invalid_type")
+    others = 0
     try:
         if chat:
             if "messages" not in body:
@@ -74,9 +76,19 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
             token_ids = _encode_chat(tokenizer, body["messages"])
         else:
             token_ids = _prompt_tokens(body, tokenizer)
+            others = _other_prompt_tokens(body["prompt"], tokenizer)
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
-    return ParsedRequest(body, raw, model, stream, token_ids, _sequences(body, chat))
+    return ParsedRequest(body, raw, model, stream, token_ids, _sequences(body, chat), others)
+
+
+def _other_prompt_tokens(prompt: Any, tokenizer: PromptTokenizer) -> int:
+    """Tokens of a batch's prompts after the first (0 for a single prompt)."""
+    if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], (str, list)):
+        return 0
+    # NOTE: an entry of the wrong type counts 0 here; the worker refuses the request
+    return sum(len(_encode_prompt(tokenizer, p)) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+               for p in prompt[1:])  # fmt: skip
 
 
 def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:

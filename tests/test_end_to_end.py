@@ -233,8 +233,8 @@ def test_n_choices_and_batched_prompts_count_as_the_sequences_the_worker_runs(la
             wait_until(lambda n=sequences: view()["reported_queue"] == n, 30, what="the worker's report")
             w = view()
             assert w["in_flight"] == sequences and w["others_queue"] == 0  # nothing "from others"
-            if len(body["prompt"]) == 200:  # n choices of one prompt: its prefill counted once by both
-                assert w["pending_prefill_tokens"] == 200 and w["others_prefill_tokens"] == 0
+            # both count a prompt's prefill once for its n choices, and every prompt of a batch
+            assert w["pending_prefill_tokens"] == 200 and w["others_prefill_tokens"] == 0
             resp = sent.result()
             assert resp.status_code == 200 and len(resp.json()["choices"]) == sequences
         wait_until(lambda: view()["in_flight"] == 0, 10, what="the count released")

@@ -81,3 +81,15 @@ def test_a_request_counts_as_the_sequences_the_worker_will_run(body, chat, seque
     from router.tokenization import ByteTokenizer
 
     assert parse_request(body, chat, ByteTokenizer()).sequences == sequences
+
+
+@pytest.mark.parametrize(
+    ("body", "others"),
+    [(b'{"prompt": "abc"}', 0), (b'{"prompt": ["abc", "de", "\xc3\xa9"]}', 4), (b'{"prompt": [[1, 2], [3, 4, 5]]}', 3),
+     (b'{"prompt": [[1, 2], 7]}', 0), (b'{"prompt": [1, 2, 3]}', 0)],
+)  # fmt: skip
+def test_a_batch_counts_its_other_prompts_as_uncached_prefill(body, others):
+    from router.request_parsing import parse_request
+    from router.tokenization import ByteTokenizer
+
+    assert parse_request(body, False, ByteTokenizer()).other_prompt_tokens == others
