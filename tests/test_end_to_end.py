@@ -68,6 +68,9 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
     body = {**chat("Two answers?"), "n": 2, "stream": True, "logprobs": True, "top_logprobs": 2}
     prompt_tokens = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()["prompt_tokens"]
     for asked in (False, True):
+        # NOTE: a health report taken while the last request ran counts as others' load until the
+        # next one (1 s); wait for it so the prefix, not that stale load, decides the worker
+        wait_until(lambda: idle(router.url, served), 10, what="the last request gone from the load")
         before = router_metric(router.url, usage_metric)
         sent = {**body, "stream_options": {"include_usage": True}} if asked else body
         with httpx.stream("POST", router.url + "/v1/chat/completions", json=sent, timeout=120) as resp:
@@ -96,6 +99,11 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
     router.stop()
     for url in workers:  # launched workers go down with the router
         wait_until(lambda url=url: not _answers(url), timeout=30, what=f"{url} stopped")
+
+
+def idle(router_url: str, worker_url: str) -> bool:
+    workers = httpx.get(router_url + "/workers", timeout=5).json()["workers"]
+    return next(w["load"] for w in workers if w["url"] == worker_url) == 0
 
 
 def router_metric(url: str, series: str) -> float:
