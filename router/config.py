@@ -48,6 +48,9 @@ class RouterConfig:
     # auto = on when redis_url is set
     replica_sync: str = "auto"  # auto | on | off
     replica_sync_heartbeat_s: float = 1.0  # full announcements; a replica silent 3x this is forgotten
+    # streams: ask workers for the usage chunk where the client did not (stream_options.include_usage)
+    # and take it out again, so stream hit rates are known from any backend (off: bodies pass unchanged)
+    stream_usage: bool = True
     launch_workers: int = 0  # start N local workers (python -m worker) as child processes
     worker_model: str = "tiny"  # --model for launched workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
@@ -115,6 +118,14 @@ def _coerce(name: str, value: Any) -> Any:
             if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
                 raise TypeError("expected a list of mappings")
             return value
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
         if kind == "int":
             return int(value)
         if kind == "float":
@@ -183,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-sync",
         choices=("auto", "on", "off"),
         help="announce per-worker load to other router replicas over Redis (auto: when --redis-url)",
+    )
+    p.add_argument(
+        "--stream-usage",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask workers for a stream's usage chunk where the client did not, and remove it (default on)",
     )
     p.add_argument("--launch-workers", type=int, metavar="N", help="start N local workers")
     p.add_argument("--model", dest="worker_model", help="model for --launch-workers (default tiny)")

@@ -215,7 +215,8 @@ class Router:
             value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
-        body, strip_usage = with_stream_usage(parsed) if parsed.stream else (parsed.raw, False)
+        inject = parsed.stream and self.config.stream_usage
+        body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         for attempt in range(self.config.max_retries + 1):

@@ -81,3 +81,15 @@ def test_replica_sync_settings_are_checked():
     assert off.replica_sync == "off"
     with pytest.raises(ValueError):
         build_config([], environ={"RADIXGATE_REPLICA_SYNC_HEARTBEAT_S": "0"})
+
+
+def test_stream_usage_reads_from_flags_env_and_yaml(tmp_path):
+    assert build_config([], environ={}).stream_usage is True
+    assert build_config(["--no-stream-usage"], environ={}).stream_usage is False
+    assert build_config([], environ={"RADIXGATE_STREAM_USAGE": "off"}).stream_usage is False
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("stream_usage: false\n")
+    assert build_config(["--config", str(cfg), "--stream-usage"], environ={}).stream_usage is True
+    assert build_config(["--config", str(cfg)], environ={}).stream_usage is False
+    with pytest.raises(ValueError):
+        build_config([], environ={"RADIXGATE_STREAM_USAGE": "maybe"})

@@ -441,3 +441,29 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
         counts = metric_values(client.get("/metrics").text, "radixgate_affinity_requests_total")
     assert counts['{group="acme",outcome="in_group"}'] == 6
     assert counts['{group="",outcome="ungrouped"}'] == 6
+
+
+@pytest.mark.parametrize("stream_usage", [True, False])
+def test_stream_usage_is_read_for_the_metrics_without_reaching_a_client_that_did_not_ask(
+    launch, stream_usage
+):
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], *([] if stream_usage else ["--no-stream-usage"]))
+    body = {"model": "echo", "prompt": "count my usage", "max_tokens": 3, "stream": True}
+    for options in (None, {"include_usage": True}):
+        sent = body if options is None else {**body, "stream_options": options}
+        with httpx.stream("POST", router.url + "/v1/completions", json=sent, timeout=30) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        usage_events = [e for e in events[:-1] if '"usage"' in e]
+        assert len(usage_events) == (0 if options is None else 1)  # only a client that asked sees it
+        assert all(orjson.loads(e)["choices"] for e in events[:-1] if e not in usage_events)
+
+    def recorded() -> float:
+        text = httpx.get(router.url + "/metrics").text
+        values = metric_values(text, "radixgate_upstream_usage_prompt_tokens_total")
+        return values.get(f'{{worker="{backend.url}"}}', 0.0)
+
+    # the router read both streams' usage, or (off) only the one whose client asked for it
+    want = len(b"count my usage") * (2 if stream_usage else 1)
+    wait_until(lambda: recorded() == want, 10, what=f"usage of {want} prompt tokens recorded")
