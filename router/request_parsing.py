@@ -68,27 +68,22 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", "invalid_type")
-    others = 0
+    rest: list = []  # a batch's prompts after the first
     try:
         if chat:
             if "messages" not in body:
                 raise ValueError("missing required field 'messages'")
             token_ids = _encode_chat(tokenizer, body["messages"])
         else:
-            token_ids = _prompt_tokens(body, tokenizer)
-            others = _other_prompt_tokens(body["prompt"], tokenizer)
+            token_ids, rest = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
-    return ParsedRequest(body, raw, model, stream, token_ids, _sequences(body, chat), others)
-
-
-def _other_prompt_tokens(prompt: Any, tokenizer: PromptTokenizer) -> int:
-    """Tokens of a batch's prompts after the first (0 for a single prompt)."""
-    if not isinstance(prompt, list) or len(prompt) < 2 or not isinstance(prompt[0], (str, list)):
-        return 0
     # NOTE: an entry of the wrong type counts 0 here; the worker refuses the request
-    return sum(len(_encode_prompt(tokenizer, p)) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
-               for p in prompt[1:])  # fmt: skip
+    others = sum(len(_encode_prompt(tokenizer, p)) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+                 for p in rest)  # fmt: skip
+    n = body.get("n")
+    n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
+    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others)
 
 
 def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:
@@ -106,17 +101,6 @@ def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:
     return orjson.dumps(body), True
 
 
-def _sequences(body: dict[str, Any], chat: bool) -> int:
-    """n choices per prompt x prompts in a completions batch; the worker validates both, so an
-    odd value counts as 1 here."""
-    n = body.get("n")
-    n = n if type(n) is int and 1 <= n <= 1024 else 1
-    prompt = body.get("prompt")
-    if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return n * len(prompt)
-    return n
-
-
 # The bytes tokenizer hands over ``bytes`` (a sequence of ids): no list of one int per byte.
 def _encode_prompt(tokenizer: PromptTokenizer, text: str) -> Sequence[int]:
     if isinstance(tokenizer, ByteTokenizer):
@@ -130,18 +114,19 @@ def _encode_chat(tokenizer: PromptTokenizer, messages: Any) -> Sequence[int]:
     return tokenizer.encode_chat(messages)
 
 
-def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> Sequence[int]:
+def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> tuple[Sequence[int], list]:
+    """The ids of the prompt to route by (a batch's first) and the batch's other prompts."""
     if "prompt" not in body:
         raise ValueError("missing required field 'prompt'")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return _encode_prompt(tokenizer, prompt)
+        return _encode_prompt(tokenizer, prompt), []
     if isinstance(prompt, list) and prompt:
         first = prompt[0]  # a batch of prompts is routed by its first prompt
         if all(type(t) is int and 0 <= t < 2**32 for t in prompt):
-            return list(prompt)
+            return list(prompt), []
         if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
-            return _encode_prompt(tokenizer, first)
+            return _encode_prompt(tokenizer, first), prompt[1:]
         if isinstance(first, list) and all(type(t) is int and 0 <= t < 2**32 for t in first):
-            return list(first)
+            return list(first), prompt[1:]
     raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids (0 <= id < 2**32)")

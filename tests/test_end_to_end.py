@@ -25,7 +25,8 @@ def chat(user: str, model: str = "tiny", max_tokens: int = 4) -> dict:
     }
 
 
-def worker_metric(url: str, name: str) -> float:
+def metric(url: str, name: str) -> float:
+    """One series (a name, or a name with its labels) from a worker's or router's /metrics."""
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
@@ -47,10 +48,10 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
         first = client.post("/v1/chat/completions", json=chat("What is a radix tree?"))
         assert first.status_code == 200, first.text
         served = first.headers["x-radixgate-worker"]
-        computed_before = worker_metric(served, "radixgate_worker_prefill_computed_tokens_total")
+        computed_before = metric(served, "radixgate_worker_prefill_computed_tokens_total")
         second = client.post("/v1/chat/completions", json=chat("And a KV cache?"))
         assert second.status_code == 200
-        computed_after = worker_metric(served, "radixgate_worker_prefill_computed_tokens_total")
+        computed_after = metric(served, "radixgate_worker_prefill_computed_tokens_total")
     assert second.headers["x-radixgate-worker"] == served
     usage = second.json()["usage"]
     assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -60,7 +61,7 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
         computed_after - computed_before
         <= usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
     )
-    assert worker_metric(served, "radixgate_worker_cached_tokens_total") >= len(SYSTEM)
+    assert metric(served, "radixgate_worker_cached_tokens_total") >= len(SYSTEM)
 
     # n choices with logprobs, streamed through the router: both choices arrive, usage counted once;
     # the router reads the usage chunk whether the client asked for it (OpenAI's default: not)
@@ -71,7 +72,7 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
         # NOTE: a health report taken while the last request ran counts as others' load until the
         # next one (1 s); wait for it so the prefix, not that stale load, decides the worker
         wait_until(lambda: idle(router.url, served), 10, what="the last request gone from the load")
-        before = router_metric(router.url, usage_metric)
+        before = metric(router.url, usage_metric)
         sent = {**body, "stream_options": {"include_usage": True}} if asked else body
         with httpx.stream("POST", router.url + "/v1/chat/completions", json=sent, timeout=120) as resp:
             assert resp.headers["x-radixgate-worker"] == served
@@ -83,9 +84,7 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
         assert any(c["choices"][0]["logprobs"] for c in chunks if c["choices"])
         usage_chunks = [c for c in chunks if not c["choices"]]
         assert [c["usage"]["prompt_tokens"] for c in usage_chunks] == ([prompt_tokens] if asked else [])
-        wait_until(
-            lambda b=before: router_metric(router.url, usage_metric) == b + prompt_tokens, 10, what="usage"
-        )
+        wait_until(lambda b=before: metric(router.url, usage_metric) == b + prompt_tokens, 10, what="usage")
     # /tokenize and /detokenize through the router: one worker answers, as it would directly
     for path, body in [
         ("/tokenize", {"model": "tiny", "prompt": "Héllo"}),
@@ -104,13 +103,6 @@ def test_launch_workers_main_command_reuses_prefixes(launch):
 def idle(router_url: str, worker_url: str) -> bool:
     workers = httpx.get(router_url + "/workers", timeout=5).json()["workers"]
     return next(w["load"] for w in workers if w["url"] == worker_url) == 0
-
-
-def router_metric(url: str, series: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def _answers(url: str) -> bool:

@@ -130,6 +130,14 @@ async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer) -> list[list[int]]
     return [await _one_prompt(prompt, tokenizer)]
 
 
+async def chat_ids(messages: Any, tokenizer: PromptTokenizer) -> list[int]:
+    """``messages`` rendered by the chat template and tokenized (a bad conversation: 400)."""
+    try:
+        return await run_in_threadpool(tokenizer.encode_chat, messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
 async def _one_prompt(prompt: Any, tokenizer: PromptTokenizer) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:

@@ -26,6 +26,7 @@ from router.kv_events import EVENT_VERSION
 from worker.api_params import (
     MAX_CHOICES,
     APIError,
+    chat_ids,
     chat_logprobs,
     check_body,
     include_usage,
@@ -84,10 +85,7 @@ class WorkerAPI:
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
         logprobs = chat_logprobs(body)
-        try:
-            ids = await run_in_threadpool(self.engine.tokenizer.encode_chat, body.get("messages"))
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        ids = await chat_ids(body.get("messages"), self.engine.tokenizer)
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
@@ -217,10 +215,7 @@ class WorkerAPI:
         body = await self._body(request)
         tok = self.engine.tokenizer
         if "messages" in body:
-            try:
-                ids = await run_in_threadpool(tok.encode_chat, body["messages"])
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
+            ids = await chat_ids(body["messages"], tok)
         elif isinstance(body.get("prompt"), str):
             ids = await run_in_threadpool(tok.encode_prompt, body["prompt"])
         else:
