@@ -259,7 +259,10 @@ class ClusterSim:
                     break
             w.chunk = chunk
             real = sum(n for _, n in chunk) * self.weight
-            step = m.prefill_ms_per_token * real / 1e3
+            copied = w.cache.offloaded_pages + w.cache.loaded_pages
+            copy_ms = m.host_copy_ms_per_token * (copied - w.copied_pages) * m.block_size * self.weight
+            w.copied_pages = copied
+            step = (m.prefill_ms_per_token * real + copy_ms) / 1e3
             w.seg = (t, step, 1)
         elif w.decoding:
             step = (m.decode_base_ms + m.decode_ms_per_seq * len(w.decoding)) / 1e3
@@ -331,6 +334,7 @@ class ClusterSim:
             "hit_rate": round(cached / prompt, 4) if prompt else None,
             "prompt_tokens": prompt,
             "cached_tokens": cached,
+            "host_loaded_tokens": sum(w.cache.loaded_pages for w in self.workers) * self.m.block_size,
             "ttft_p50_ms": ms(self.ttft, 50),
             "ttft_p99_ms": ms(self.ttft, 99),
             "latency_p50_ms": ms(self.latency, 50),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from worker.host_cache import HostKVPool
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
 
@@ -32,7 +33,13 @@ class WorkerModel:
     Admission considers the oldest ``admit_window`` waiting requests in arrival order (``schedule_policy``
     "fcfs", the worker's ``--schedule-policy fcfs``) or, as the worker does by default ("lpm"),
     longest cached prefix first, except that those waiting longer than ``max_wait_s`` go first in
-    arrival order."""
+    arrival order.
+
+    ``host_kv_tokens`` > 0 gives each worker the worker's host-memory KV tier (``--host-cache-tokens``):
+    evicted pages move there and a hit on them is copied back. Every page copied either way costs
+    ``host_copy_ms_per_token`` per token, added to the next prefill step (the worker copies on its
+    engine thread). The default is an ESTIMATE: Llama-3-8B's 128 KiB of KV per token over ~45 GB/s
+    of PCIe 5 pinned-memory copies."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
@@ -45,6 +52,8 @@ class WorkerModel:
     admit_window: int = 256  # oldest waiting requests considered for admission per step
     schedule_policy: str = "fcfs"  # admission order: "fcfs" or "lpm" (see above)
     max_wait_s: float = 5.0  # lpm: a request waiting longer goes first, in arrival order
+    host_kv_tokens: int = 0  # host-memory KV tier per worker, in simulated tokens (0: none)
+    host_copy_ms_per_token: float = 0.003  # a page copied to or from the host tier, per real token
 
 
 class SimJob:
@@ -67,7 +76,9 @@ class SimWorker:
     def __init__(self, url: str, m: WorkerModel, events: bool, namespace: str) -> None:
         self.url, self.m = url, m
         self.alloc = PageAllocator(max(1, m.kv_tokens // m.block_size))
-        self.cache = RadixCache(self.alloc, m.block_size, namespace, enable_events=events)
+        host = HostKVPool(m.host_kv_tokens // m.block_size) if m.host_kv_tokens >= m.block_size else None
+        self.cache = RadixCache(self.alloc, m.block_size, namespace, enable_events=events, host=host)
+        self.copied_pages = 0  # host-tier pages copied either way, as of the last step planned
         self.waiting: deque[SimJob] = deque()
         self.prefilling: list[SimJob] = []
         self.decoding: list[SimJob] = []
@@ -135,17 +146,18 @@ class SimWorker:
             if key is not None and key in in_flight:
                 deferred += 1  # NOTE: another request computes this page now; take it from the tree next step
                 continue
-            need = -(-(total - match.num_tokens) // m.block_size)
+            need = -(-total // m.block_size) - match.pages.size  # NOTE: host hits need device pages too
             cache.lock(match.last_node)
             if alloc.num_free < need:
                 cache.evict(need - alloc.num_free)
-            pages = alloc.alloc(need)
-            if pages is None:  # NOTE: running requests hold the pool; retry when one finishes
+            if alloc.num_free < need:  # NOTE: running requests hold the pool; retry when one finishes
                 cache.unlock(match.last_node)
                 break
+            tree_pages = cache.load_back(match) if match.host_nodes else match.pages
+            pages = alloc.alloc(need - (tree_pages.size - match.pages.size))
             del self.waiting[deferred]
-            job.node, job.pages = match.last_node, np.concatenate((match.pages, pages))
-            job.tree_n = match.pages.size
+            job.node, job.pages = match.last_node, np.concatenate((tree_pages, pages))
+            job.tree_n = tree_pages.size
             job.prefill_left = job.ids.size - match.num_tokens
             self.prompt_tokens += job.ids.size
             self.cached_tokens += match.num_tokens

@@ -63,6 +63,18 @@ def test_without_events_the_index_keeps_blocks_the_workers_evicted():
     assert sum(w.cache.total_pages for w in sim.workers) < summary["index_entries"]
 
 
+def test_a_host_tier_keeps_evicted_prefixes_cached_and_the_router_index_in_step():
+    src = WorkloadSource("rag", 400, 20.0, 16, 0, {"num_docs": 24, "doc_tokens": 1024, "zipf_s": 0.5})
+    device_only, _ = run("round_robin", src, model=WorkerModel(kv_tokens=4096))
+    tiered, sim = run("round_robin", src, model=WorkerModel(kv_tokens=4096, host_kv_tokens=32768))
+    assert tiered["hit_rate"] > device_only["hit_rate"] + 0.2 and device_only["host_loaded_tokens"] == 0
+    assert 0 < tiered["host_loaded_tokens"] <= tiered["cached_tokens"]
+    assert_fleet_consistent(sim)
+    for w in sim.workers:  # host pages are still cached: the index holds both tiers' blocks
+        assert w.cache.host_pages > 0
+        assert sim.routers[0].index.worker_entries(w.url) == w.cache.total_pages + w.cache.host_pages
+
+
 def test_cache_aware_beats_round_robin_hit_rate_when_caches_are_bounded():
     src = WorkloadSource("rag", 400, 20.0, 16, 0, {"num_docs": 24, "doc_tokens": 1024, "zipf_s": 0.5})
     rr, _ = run("round_robin", src, model=WorkerModel(kv_tokens=8192))

@@ -9,7 +9,8 @@ from typing import Any
 
 from router.tokenization import PromptTokenizer
 from worker.engine import Engine, Executor, RequestState
-from worker.kv_pool import PageAllocator
+from worker.host_cache import HostKVPool
+from worker.kv_pool import KVPool, PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.radix_cache import RadixCache
 from worker.request import ScheduledBatch, SchedulerConfig
@@ -117,7 +118,6 @@ def build_engine(cfg: Any) -> Engine:
     """Load the model named by a WorkerConfig and wire pool, cache, publisher and scheduler."""
     import torch
 
-    from worker.kv_pool import KVPool
     from worker.model import load_model
 
     if cfg.device == "auto":
@@ -135,19 +135,32 @@ def build_engine(cfg: Any) -> Engine:
     name = cfg.served_model_name or loaded.name
     log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
              cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
+    host = host_tier(cfg, pool)
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
-    return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name)
+    return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
+
+
+def host_tier(cfg: Any, pool: KVPool | None) -> HostKVPool | None:
+    """The host-memory KV tier ``--host-cache-tokens`` asks for (bookkeeping only without a pool)."""
+    pages = cfg.host_cache_tokens // cfg.block_size
+    if pages <= 0:
+        return None
+    host = HostKVPool(pages, pool)
+    if pool is not None:
+        log.info("host KV tier: %d pages x %d tokens (%.1f MiB)", pages, cfg.block_size,
+                 pages * HostKVPool.page_bytes(pool) / 2**20)  # fmt: skip
+    return host
 
 
 def assemble_engine(
     cfg: Any, executor: Executor, allocator: PageAllocator, tokenizer: PromptTokenizer, max_context: int,
-    name: str, simulated: bool = False,
+    name: str, simulated: bool = False, host: HostKVPool | None = None,
 ) -> Engine:  # fmt: skip
     """Wire cache, KV publisher and scheduler around any executor (the model, the sim cost model,
     or a benchmark's random-weight model): the one place an Engine is put together."""
     from worker.kv_publisher import stream_name
 
-    cache = RadixCache(allocator, cfg.block_size, namespace=name, enable_events=True)
+    cache = RadixCache(allocator, cfg.block_size, namespace=name, enable_events=True, host=host)
     publisher = KVPublisher(
         worker=cfg.resolved_advertise_url(),
         block_size=cfg.block_size,

@@ -69,6 +69,7 @@ class BenchParams:
     radix_iters: int
     cpu_threads: int  # requested; 0 = torch's default
     kv_cache_tokens: int | None
+    host_cache_tokens: int
     block_size: int
     chunked_prefill_tokens: int
     cuda_graph_max_bs: int  # decode steps of up to this many requests replay CUDA graphs (CUDA only)
@@ -107,7 +108,14 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch
 
-    from worker.assembly import assemble_engine, build_engine, kv_pool_pages, model_executor, tune_cpu_process
+    from worker.assembly import (
+        assemble_engine,
+        build_engine,
+        host_tier,
+        kv_pool_pages,
+        model_executor,
+        tune_cpu_process,
+    )
     from worker.kv_pool import KVPool
     from worker.model.loader import default_dtype
 
@@ -125,7 +133,8 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     executor, tokenizer = model_executor(cfg, model, pool, device, mc.max_context), IdTokenizer(mc.vocab_size)
     # NOTE: assemble_engine is build_engine's own wiring (cache, publisher, scheduler); only the model differs
     name = cfg.served_model_name or "random"
-    return assemble_engine(cfg, executor, pool.allocator, tokenizer, mc.max_context, name)  # type: ignore[arg-type]
+    return assemble_engine(cfg, executor, pool.allocator, tokenizer, mc.max_context, name,  # type: ignore[arg-type]
+                           host=host_tier(cfg, pool))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- driving requests
@@ -217,23 +226,31 @@ async def measure_decode(
             "decode_tokens_counted": counted}  # fmt: skip
 
 
-async def measure_ttft(engine: Engine, p: BenchParams, prompts: Prompts, fraction: float) -> dict:
-    """Warm the cache with the first ``fraction`` of a prompt, then time the full prompt's first
-    token on an idle engine; computed/cached tokens come from the engine's counters."""
-    ttfts, computed, cached = [], [], []  # ms, tokens, tokens
+async def measure_ttft(
+    engine: Engine, p: BenchParams, prompts: Prompts, fraction: float, from_host: bool = False
+) -> dict:
+    """Warm the cache with the first ``fraction`` of a prompt (``from_host``: then move it to the
+    host tier), time the full prompt's first token on an idle engine; token counts come from the
+    engine's counters."""
+    ttfts, computed, cached, loaded = [], [], [], []  # ms, tokens, tokens, tokens
     for _ in range(p.reps):
         await engine.flush_cache()
         prompt = prompts.make(p.prompt_tokens)
         prefix = int(len(prompt) * fraction)
         if prefix:
             await run_request(engine, prompt[:prefix], 1)
+        if from_host:
+            await engine.call(lambda: engine.cache.evict(engine.cache.total_pages))
         _sync(p.device)
         before = engine.snapshot()
         trace = await run_request(engine, prompt, 1)
         ttfts.append((trace.token_times[0] - trace.submitted) * 1e3)
-        computed.append(engine.snapshot().prefill_tokens - before.prefill_tokens)
+        after = engine.snapshot()
+        computed.append(after.prefill_tokens - before.prefill_tokens)
+        loaded.append((after.host_loaded_pages - before.host_loaded_pages) * after.page_size)
         cached.append(trace.last.cached_tokens)
-    return {"cached_fraction": fraction, "cached_tokens": min(cached), "computed_tokens": max(computed),
+    return {"cached_fraction": fraction, "from": "host" if from_host else "device",
+            "cached_tokens": min(cached), "computed_tokens": max(computed), "host_loaded_tokens": min(loaded),
             "ttft_ms_median": round(statistics.median(ttfts), 3), "ttft_ms_min": round(min(ttfts), 3),
             "ttft_ms_max": round(max(ttfts), 3)}  # fmt: skip
 
@@ -249,6 +266,8 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     decode = [await measure_decode(engine, p, prompts, b) for b in p.batches]
     adjusted = await measure_decode(engine, p, prompts, max(p.batches), ADJUSTED)
     ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
+    if engine.cache.host is not None:  # the same 90% hit, copied back from host memory
+        ttft.append(await measure_ttft(engine, p, prompts, CACHED_FRACTIONS[-1], from_host=True))
     await engine.flush_cache()
     return {
         "prefill": prefill,
@@ -276,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--radix-iters", type=int, help="iterations of each radix microbenchmark")
     ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
     ap.add_argument("--kv-cache-tokens", type=int, help="KV pool size (default: the worker's)")
+    ap.add_argument("--host-cache-tokens", type=int,
+                    help="host-memory KV tier for the TTFT-from-host row (default: 2 x --prompt-tokens; 0 = none)")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--chunked-prefill-tokens", type=int, default=2048, help="prompt tokens per prefill step")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=WorkerConfig.cuda_graph_max_bs,
@@ -313,6 +334,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--decode-steps must be at least 2 (the first token comes from prefill)")
     return BenchParams(model=args.model, device=device, cpu_threads=args.cpu_threads, seed=args.seed,
                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+                       host_cache_tokens=2 * sizes["prompt_tokens"] if args.host_cache_tokens is None
+                       else args.host_cache_tokens,
                        cuda_graph_max_bs=args.cuda_graph_max_bs,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick, **sizes)  # fmt: skip
 
@@ -323,6 +346,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     width = max(p.batches)
     cfg = WorkerConfig(model="tiny", device=p.device, block_size=p.block_size, cpu_threads=p.cpu_threads,
                        kv_cache_tokens=p.kv_cache_tokens, chunked_prefill_tokens=p.chunked_prefill_tokens,
+                       host_cache_tokens=p.host_cache_tokens,
                        served_model_name=None if p.model == "tiny" else p.model,
                        cuda_graph_max_bs=p.cuda_graph_max_bs,
                        max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip

@@ -85,7 +85,8 @@ def markdown_table(doc: dict) -> str:
         rows.append((f"decode, batch {adj['batch']}, every request with penalties, bias and top-5 logprobs",
                      f"{adj['tokens_per_s']:,.0f}", f"tokens/s ({adj['step_ms']:.2f} ms/step)"))  # fmt: skip
     for t in doc["ttft"]:
-        rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached "
+        where = " in host memory" if t.get("from") == "host" else ""
+        rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached{where} "
                      f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
                      f"ms (median of {p['reps']})"))  # fmt: skip
     floor = doc.get("decode_floor")

@@ -23,6 +23,7 @@ class WorkerConfig:
     device: str = "auto"  # auto | cuda | cpu
     block_size: int = 16  # tokens per KV page = block size of the KV events
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
+    host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = 0.85  # of free GPU memory after loading the model, for the KV pool
     max_running: int = 256  # requests admitted at once
     cuda_graph_max_bs: int = 128  # decode steps of up to this many requests replay CUDA graphs; 0 = off
@@ -57,6 +58,8 @@ class WorkerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError("--kv-cache-tokens must hold at least one block")
+        if self.host_cache_tokens < 0:
+            raise ValueError("--host-cache-tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.cuda_graph_max_bs < 0:
@@ -94,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--device", str, "auto | cuda | cpu", choices=["auto", "cuda", "cpu"])
     opt("--block-size", int, "tokens per KV page (the advertised block size)")
     opt("--kv-cache-tokens", int, "KV pool size in tokens (default: --mem-fraction on CUDA, 64k on CPU)")
+    opt(
+        "--host-cache-tokens",
+        int,
+        "host-memory KV tier in tokens: evicted KV pages move there and come back on a hit "
+        "(a copy instead of a prefill); 0 = none",
+    )
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
     opt("--max-running", int, "requests admitted at once")
     opt("--cuda-graph-max-bs", int, "CUDA: decode steps of up to N requests replay captured graphs (0 = off)")

@@ -408,6 +408,11 @@ class Engine:
             decode_tokens=s.decode_tokens,
             evicted_pages=s.evicted_pages,
             retractions=s.retractions,
+            host_pages_total=cache.host.num_pages if cache.host else 0,
+            host_pages_cached=cache.host_pages,
+            host_offloaded_pages=cache.offloaded_pages,
+            host_loaded_pages=cache.loaded_pages,
+            host_dropped_pages=cache.host_dropped_pages,
             finished=dict(self._finished),
         )
         self.metrics.record(self._snap)

@@ -1,111 +1,76 @@
 """RadixAttention: a radix tree over token ids whose nodes own full KV pages, with lock refs,
-LRU eviction and KV events (contract 3). It never evicts a locked node, never caches a partial
-page, and never frees a page it does not own.
+LRU eviction, an optional host-memory tier and KV events (contract 3). It never evicts a locked
+node, never caches a partial page, and never frees a page it does not own.
+
+A node's pages live on the device (``pages``) or, with a host tier, in host memory
+(``host_pages``): evicting a device leaf copies it to the host instead of dropping it, and a match
+that reaches host nodes lists them so the caller can ``load_back`` them (a copy, not a prefill).
+Host leaves are dropped LRU-first when the host tier is full. KV events follow the tree, not the
+tier: a block is stored when it enters the tree and removed when it leaves both tiers.
 
 Invariants (checked by ``check_invariants`` and the tests):
-  1. allocator free pages + tree pages + pages owned by running requests = pool size.
-  2. evictable_pages + protected_pages = total_pages = pages of all nodes; a node's pages are
-     protected iff its lock_ref > 0.
+  1. allocator free pages + device tree pages + pages owned by running requests = pool size;
+     host allocator free pages + host tree pages = host pool size.
+  2. evictable_pages + protected_pages = total_pages = device pages of all nodes; a node's pages
+     are protected iff its lock_ref > 0.
   3. a node with lock_ref > 0 has every ancestor with lock_ref > 0; locked nodes are never evicted.
-  4. a node's key holds len(pages) * page_size tokens (int32), at least one page; children are
-     keyed by the bytes of their first page, so siblings differ in their first page.
+  4. a node's key holds a whole number (>= 1) of pages of tokens (int32), all on the device or all
+     on the host; a device node's parent is the root or a device node (host nodes hang below);
+     children are keyed by the bytes of their first page, so siblings differ in their first page.
   5. with events on, node.hashes[i] is the chained block hash of page i (router.block_hash),
      continuing from the parent's last hash (the namespace root hash under the root).
-
-Event rule (``drain_events``): a drain returns (stored, removed, cleared) meant to be applied as
-cleared, then stored, then removed. A hash is in ``removed`` only if its last event before the
-drain was a removal: storing a hash drops it from the pending removals, so a store that follows
-a removal is never lost; a hash stored then removed may appear in both lists, which the
-application order resolves to "removed", its true final state.
 """
 
 from __future__ import annotations
 
 import heapq
-from array import array
-from dataclasses import dataclass
 
 import numpy as np
 
-from router.block_hash import block_hashes, root_hash
+from router.block_hash import root_hash
 from router.kv_events import StoredBlocks
+from worker.cache_events import CacheEventLog
+from worker.host_cache import HostKVPool
 from worker.kv_pool import PageAllocator
+from worker.radix_node import EMPTY_PAGES, MatchResult, TreeNode, page_hashes
+
+__all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
 _INT32_MAX = np.iinfo(np.int32).max
-_EMPTY_PAGES = np.zeros(0, dtype=np.int64)
-
-
-def _page_hashes(key: np.ndarray, page_size: int, parent_hash: int) -> list[int]:
-    """Chained block hashes of ``key``'s pages (router.block_hash), fed as a native uint32 array:
-    several times cheaper than a list of Python ints for long keys."""
-    return block_hashes(array("I", key.tobytes()), page_size, parent=parent_hash)
-
-
-class TreeNode:
-    """One edge of the radix tree: a run of whole pages and the tokens they hold."""
-
-    __slots__ = ("children", "hashes", "key", "last_access", "lock_ref", "pages", "parent", "removed")
-
-    def __init__(
-        self,
-        key: np.ndarray,
-        pages: np.ndarray,
-        parent: TreeNode | None,
-        hashes: list[int] | None,
-        last_access: int,
-    ) -> None:
-        self.key = key  # int32 tokens, len(pages) * page_size of them
-        self.pages = pages  # int64 page ids
-        self.hashes = hashes  # one block hash per page; None when events are off
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}  # keyed by first page's token bytes
-        self.lock_ref = 0
-        self.last_access = last_access  # logical clock tick, not seconds
-        self.removed = False  # evicted: a stale MatchResult must not lock it
-
-    def __repr__(self) -> str:
-        return f"TreeNode(pages={len(self.pages)}, lock_ref={self.lock_ref}, children={len(self.children)})"
-
-
-@dataclass
-class MatchResult:
-    pages: np.ndarray  # int64 page ids of the cached prefix, in order
-    num_tokens: int  # len(pages) * page_size; <= len(token_ids) - 1 so >= 1 token is left to compute
-    last_node: TreeNode  # deepest node of the match: pass to lock()/unlock()
 
 
 class RadixCache:
     """Prefix cache of full pages. Callers lock what they read (between match and insert too) and
     own their pages until they insert them. Not thread-safe: one engine thread owns it."""
 
-    # NOTE: if nobody drains for this many pending block events, the pending events are dropped
-    # and the next drain returns (snapshot(), [], cleared=True): always correct, bounded memory.
-    MAX_PENDING_BLOCKS = 1 << 18
-
     def __init__(
-        self, allocator: PageAllocator, page_size: int, namespace: str = "", enable_events: bool = True
-    ) -> None:
+        self, allocator: PageAllocator, page_size: int, namespace: str = "", enable_events: bool = True,
+        host: HostKVPool | None = None,
+    ) -> None:  # fmt: skip
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.namespace = namespace
         self.enable_events = enable_events
+        self.host = host
+        self.events = CacheEventLog()
         self._root_hash = root_hash(namespace)
-        self.root = TreeNode(np.zeros(0, dtype=np.int32), _EMPTY_PAGES, None, [], 0)
+        self.root = TreeNode(np.zeros(0, dtype=np.int32), EMPTY_PAGES, None, [], 0)
         self._clock = 0
-        self._evictable = 0  # pages in nodes with lock_ref == 0
-        self._protected = 0  # pages in nodes with lock_ref > 0
+        self._evictable = 0  # device pages in nodes with lock_ref == 0
+        self._protected = 0  # device pages in nodes with lock_ref > 0
+        self._host_pages = 0  # host pages in nodes
         self._num_nodes = 0  # excluding the root
-        # Lazy LRU heap of (last_access, seq, node); an entry is live iff the node is still in the
-        # tree, an unlocked leaf, and its last_access equals the entry's. Stale entries are skipped.
+        # Lazy LRU heaps of (last_access, seq, node), one per tier; an entry is live iff the node is
+        # still in the tree, an unlocked leaf of its tier, and its last_access equals the entry's.
+        # A device leaf has no device child (host children are fine). Stale entries are skipped.
         self._heap: list[tuple[int, int, TreeNode]] = []
+        self._host_heap: list[tuple[int, int, TreeNode]] = []
         self._seq = 0
-        self._pending_stored: list[StoredBlocks] = []
-        self._pending_removed: dict[int, None] = {}  # ordered set of hashes
-        self._pending_cleared = False
-        self._pending_blocks = 0
-        self._overflowed = False
+        self.offloaded_pages = 0  # device pages copied to the host tier on eviction (cumulative)
+        self.loaded_pages = 0  # host pages copied back to the device for a match (cumulative)
+        self.host_dropped_pages = 0  # host pages dropped to make room (cumulative)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -118,7 +83,13 @@ class RadixCache:
 
     @property
     def total_pages(self) -> int:
+        """Device pages held by the tree."""
         return self._evictable + self._protected
+
+    @property
+    def host_pages(self) -> int:
+        """Host pages held by the tree."""
+        return self._host_pages
 
     # ------------------------------------------------------------------ lookup
     def _tokens(self, token_ids: np.ndarray) -> np.ndarray:
@@ -126,37 +97,44 @@ class RadixCache:
 
     def match_prefix(self, token_ids: np.ndarray) -> MatchResult:
         """Longest cached run of whole pages that prefixes ``token_ids``, leaving at least one
-        token uncached. Refreshes the LRU time of the matched path. Pass int32 for speed."""
+        token uncached; its device part first, then its host part (``host_nodes``). Refreshes the
+        LRU time of the matched path. Pass int32 for speed."""
         tokens = self._tokens(token_ids)
         ps = self.page_size
         limit = max(0, (tokens.size - 1) // ps * ps)  # tokens that may match
         self._clock += 1
         now = self._clock
-        node = self.root
+        node = device_node = self.root
         pos = 0
         found: list[np.ndarray] = []
+        host_nodes: list[TreeNode] = []
         while pos < limit:
             child = node.children.get(tokens[pos : pos + ps].tobytes())
             if child is None:
                 break
             n = min(child.key.size, limit - pos)
             matched = self._common_pages(child.key[:n], tokens[pos : pos + n])
-            if matched < child.pages.size:
+            if matched * ps < child.key.size:
                 child = self._split(child, matched)
             child.last_access = now
-            found.append(child.pages)
+            if child.on_device:
+                found.append(child.pages)
+                device_node = child
+            else:
+                host_nodes.append(child)
             pos += matched * ps
             node = child
             if matched * ps < n:
                 break
-        if node is not self.root and not node.children and node.lock_ref == 0:
-            self._push(node)
-        pages = np.concatenate(found) if found else _EMPTY_PAGES
-        return MatchResult(pages=pages, num_tokens=pos, last_node=node)
+        self._push_if_leaf(device_node)
+        if host_nodes:
+            self._push_if_leaf(node)
+        pages = np.concatenate(found) if found else EMPTY_PAGES
+        return MatchResult(pages=pages, num_tokens=pos, last_node=node, host_nodes=host_nodes)
 
     def cached_prefix_len(self, token_ids: np.ndarray) -> int:
-        """What ``match_prefix`` would match, in tokens, without touching the tree: no node split,
-        no LRU refresh (an estimate for a queued request is no use of its pages)."""
+        """What ``match_prefix`` would match (both tiers), in tokens, without touching the tree:
+        no node split, no LRU refresh (an estimate for a queued request is no use of its pages)."""
         tokens = self._tokens(token_ids)
         ps = self.page_size
         limit = max(0, (tokens.size - 1) // ps * ps)
@@ -181,11 +159,11 @@ class RadixCache:
         return int(diff.argmax()) // self.page_size
 
     def _split(self, node: TreeNode, num_pages: int) -> TreeNode:
-        """Cut ``node`` after ``num_pages`` pages; returns the new upper node. ``node`` keeps the
-        lower part and its children, so heap entries and MatchResults pointing at it stay right."""
+        """Cut ``node`` after ``num_pages`` pages; returns the new upper node (same tier). ``node``
+        keeps the lower part and its children, so heap entries and MatchResults stay right."""
         cut = num_pages * self.page_size
         parent = node.parent
-        assert parent is not None and 0 < num_pages < node.pages.size
+        assert parent is not None and 0 < cut < node.key.size
         hashes = node.hashes
         # NOTE: halves are copies, not views, so evicting one never pins the other's old buffer.
         upper = TreeNode(
@@ -194,11 +172,13 @@ class RadixCache:
             parent,
             None if hashes is None else hashes[:num_pages],
             node.last_access,
+            node.host_pages[:num_pages].copy(),
         )
         upper.lock_ref = node.lock_ref  # same requests hold both halves
         parent.children[upper.key[: self.page_size].tobytes()] = upper
         node.key = node.key[cut:].copy()
         node.pages = node.pages[num_pages:].copy()
+        node.host_pages = node.host_pages[num_pages:].copy()
         node.hashes = None if hashes is None else hashes[num_pages:]
         node.parent = upper
         upper.children[node.key[: self.page_size].tobytes()] = node
@@ -209,9 +189,10 @@ class RadixCache:
     def insert(self, token_ids: np.ndarray, pages: np.ndarray) -> int:
         """Cache ``token_ids`` (a whole number of pages) held in ``pages``.
 
-        Returns how many leading tokens were already cached: the tree keeps its own pages for
-        those and the caller frees its duplicates among them; the remaining pages now belong to
-        the tree. The new run is unlocked: a caller still reading it must lock it (match again).
+        Returns how many leading tokens the tree already had on the device: it keeps its own pages
+        for those and the caller frees its duplicates among them; the remaining pages now belong
+        to the tree (a host node on the path takes the caller's pages and drops its host copy).
+        The new run is unlocked: a caller still reading it must lock it (match again).
         """
         ps = self.page_size
         raw = np.asarray(token_ids).reshape(-1)
@@ -227,33 +208,98 @@ class RadixCache:
         now = self._clock
         node = self.root
         pos = 0
+        on_device = None  # tokens the tree had on the device, once the walk leaves the device part
         while pos < tokens.size:
             child = node.children.get(tokens[pos : pos + ps].tobytes())
             if child is None:
                 self._add_leaf(node, tokens[pos:].copy(), pages[pos // ps :].copy(), now)
-                return pos
+                return pos if on_device is None else on_device
             n = min(child.key.size, tokens.size - pos)
             matched = self._common_pages(child.key[:n], tokens[pos : pos + n])
-            if matched < child.pages.size:
+            if matched * ps < child.key.size:
                 child = self._split(child, matched)
             child.last_access = now
+            if not child.on_device:
+                on_device = pos if on_device is None else on_device
+                self._promote(child, pages[pos // ps : pos // ps + matched].copy())
             pos += matched * ps
             node = child
-        if node is not self.root and not node.children and node.lock_ref == 0:
-            self._push(node)
-        return pos
+        self._push_if_leaf(node)
+        return pos if on_device is None else on_device
 
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, pages: np.ndarray, now: int) -> None:
         hashes = None
         if self.enable_events:
             parent_hash = parent.hashes[-1] if parent is not self.root else self._root_hash
-            hashes = _page_hashes(key, self.page_size, parent_hash)
-            self._emit_stored(StoredBlocks(list(hashes), parent_hash, key.tolist()))
+            hashes = page_hashes(key, self.page_size, parent_hash)
+            self.events.stored(StoredBlocks(list(hashes), parent_hash, key.tolist()))
         leaf = TreeNode(key, pages, parent, hashes, now)
         parent.children[key[: self.page_size].tobytes()] = leaf
         self._num_nodes += 1
         self._evictable += pages.size
         self._push(leaf)
+
+    # ------------------------------------------------------------------ host tier
+    def _promote(self, node: TreeNode, pages: np.ndarray) -> None:
+        """Host node ``node`` now lives in device ``pages`` (already holding its KV)."""
+        self.host.allocator.free(node.host_pages)  # type: ignore[union-attr]
+        self._host_pages -= node.host_pages.size
+        node.host_pages = EMPTY_PAGES
+        node.pages = pages
+        if node.lock_ref:
+            self._protected += pages.size
+        else:
+            self._evictable += pages.size
+        self._push_if_leaf(node)
+
+    def load_back(self, match: MatchResult) -> np.ndarray:
+        """Copy the match's host part to the device; returns the device pages of the whole match.
+        The caller locked ``match.last_node`` and made sure enough device pages are free."""
+        out = [match.pages]
+        for node in match.host_nodes:
+            assert not node.removed and not node.on_device and node.lock_ref > 0, (
+                "load_back needs the match locked"
+            )
+            pages = self.allocator.alloc(node.host_pages.size)
+            assert pages is not None, "caller must ensure free pages first"
+            self.host.load(node.host_pages, pages)  # type: ignore[union-attr]
+            self.loaded_pages += pages.size
+            self._promote(node, pages)
+            out.append(pages)
+        return np.concatenate(out)
+
+    def _offload(self, node: TreeNode) -> bool:
+        """Move unlocked device leaf ``node`` to the host tier, dropping host leaves LRU-first for
+        room; False (nothing changed) when the tier cannot hold it."""
+        host = self.host
+        if host is None or node.pages.size > host.num_pages:
+            return False
+        short = node.pages.size - host.allocator.num_free
+        if short > 0:
+            self._drop_host(short)
+        host_pages = host.allocator.alloc(node.pages.size)
+        if host_pages is None:
+            return False
+        host.save(node.pages, host_pages)
+        self.allocator.free(node.pages)
+        self.offloaded_pages += node.pages.size
+        self._evictable -= node.pages.size
+        self._host_pages += host_pages.size
+        node.pages, node.host_pages = EMPTY_PAGES, host_pages
+        self._push_if_leaf(node)
+        return True
+
+    def _drop_host(self, num_pages: int) -> int:
+        """Drop least recently used unlocked host leaves until ``num_pages`` host pages are freed
+        (or none is left); returns host pages freed."""
+        freed = 0
+        while freed < num_pages and self._host_heap:
+            access, _, node = heapq.heappop(self._host_heap)
+            if node.removed or node.on_device or node.children or node.lock_ref or node.last_access != access:
+                continue
+            freed += node.host_pages.size
+            self._drop(node)
+        return freed
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
@@ -276,111 +322,105 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += node.pages.size
                 self._protected -= node.pages.size
-                if not node.children:
-                    self._push(node)
+                self._push_if_leaf(node)
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """A leaf of its tier: a device node without device children, a host node without children."""
+        if node.on_device:
+            return not any(c.on_device for c in node.children.values())
+        return not node.children
+
+    def _push_if_leaf(self, node: TreeNode) -> None:
+        if node is not self.root and node.lock_ref == 0 and self._is_leaf(node):
+            self._push(node)
+
     def _push(self, node: TreeNode) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (node.last_access, self._seq, node))
-        if len(self._heap) > 2 * self._num_nodes + 1024:
-            self._rebuild_heap()
+        heapq.heappush(self._heap if node.on_device else self._host_heap, (node.last_access, self._seq, node))
+        if len(self._heap) + len(self._host_heap) > 2 * self._num_nodes + 1024:
+            self._rebuild_heaps()
 
-    def _rebuild_heap(self) -> None:
-        self._heap = []
-        stack = [self.root]
+    def _rebuild_heaps(self) -> None:
+        self._heap, self._host_heap = [], []
+        stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node is not self.root and not node.children and node.lock_ref == 0:
+            if node.lock_ref == 0 and self._is_leaf(node):
                 self._seq += 1
-                self._heap.append((node.last_access, self._seq, node))
+                (self._heap if node.on_device else self._host_heap).append(
+                    (node.last_access, self._seq, node)
+                )
         heapq.heapify(self._heap)
+        heapq.heapify(self._host_heap)
 
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from the least recently used unlocked leaves (a leaf is
-        trimmed from its tail when only part of it is needed; a parent whose children are all gone
-        becomes a leaf). Returns pages freed: less than asked only when nothing else is evictable."""
+    def evict(self, num_pages: int, offload: bool = True) -> int:
+        """Free up to ``num_pages`` device pages from the least recently used unlocked device
+        leaves: with a host tier (and ``offload``) they move to host memory, else they leave the
+        tree. A leaf is cut when only part of it is needed; a parent whose device children are
+        all gone becomes a leaf. Returns pages freed: less only when nothing else is evictable."""
         freed = 0
         while freed < num_pages and self._heap:
             access, _, node = self._heap[0]
-            if node.removed or node.children or node.lock_ref or node.last_access != access:
+            if (
+                node.removed or not node.on_device or node.lock_ref or node.last_access != access
+                or not self._is_leaf(node)
+            ):  # fmt: skip
                 heapq.heappop(self._heap)
                 continue
             take = min(num_pages - freed, node.pages.size)
-            keep = node.pages.size - take
-            first_page = node.key[: self.page_size].tobytes()
-            self.allocator.free(node.pages[keep:])
-            if node.hashes is not None:
-                self._emit_removed(node.hashes[keep:])
-                node.hashes = node.hashes[:keep]
-            node.pages = node.pages[:keep].copy()
-            node.key = node.key[: keep * self.page_size].copy()
-            self._evictable -= take
-            freed += take
-            if keep:
-                continue  # NOTE: all asked-for pages are freed; the trimmed leaf keeps its heap entry
+            if take < node.pages.size:
+                self._split(node, node.pages.size - take)  # NOTE: node keeps the tail, its entry stays live
             heapq.heappop(self._heap)
             parent = node.parent
-            del parent.children[first_page]
-            node.removed = True
-            node.parent = None
-            self._num_nodes -= 1
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                self._push(parent)
+            if not (offload and self._offload(node)):
+                self._drop(node)
+            freed += take
+            self._push_if_leaf(parent)  # type: ignore[arg-type]
         return freed
 
+    def _drop(self, node: TreeNode) -> None:
+        """Remove unlocked ``node`` and its subtree (host nodes only) from the tree, freeing pages."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[: self.page_size].tobytes()]
+        stack, subtree = [node], []
+        while stack:
+            n = stack.pop()
+            subtree.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(subtree):  # deepest first, as removal events should go
+            if n.hashes is not None:
+                self.events.removed(n.hashes)
+            if n.pages.size:
+                self.allocator.free(n.pages)
+                self._evictable -= n.pages.size
+            if n.host_pages.size:
+                self.host.allocator.free(n.host_pages)  # type: ignore[union-attr]
+                self._host_pages -= n.host_pages.size
+                self.host_dropped_pages += n.host_pages.size
+            n.removed = True
+            n.parent = None
+            n.children = {}
+            self._num_nodes -= 1
+        self._push_if_leaf(parent)
+
     def flush(self) -> int:
-        """Evict everything evictable; returns pages freed. If the tree ends up empty, the next
-        drain reports ``cleared`` instead of one removal per block."""
-        freed = self.evict(self.total_pages)
-        if self.total_pages == 0 and self.enable_events:
-            self._pending_stored.clear()
-            self._pending_removed.clear()
-            self._pending_blocks = 0
-            self._pending_cleared = True
-            self._overflowed = False
+        """Drop everything no request holds, in both tiers; returns device pages freed. If the tree
+        ends up empty, the next drain reports ``cleared`` instead of one removal per block."""
+        freed = self.evict(self.total_pages, offload=False)
+        self._drop_host(self._host_pages)
+        if self.total_pages == 0 and self._host_pages == 0 and self.enable_events:
+            self.events.cleared()
         return freed
 
     # ------------------------------------------------------------------ events
-    def _emit_stored(self, run: StoredBlocks) -> None:
-        if self._overflowed:
-            return
-        pending_removed = self._pending_removed
-        if pending_removed:
-            for h in run.block_hashes:
-                pending_removed.pop(h, None)
-        self._pending_stored.append(run)
-        self._count_pending(len(run.block_hashes))
-
-    def _emit_removed(self, hashes: list[int]) -> None:
-        if self._overflowed:
-            return
-        for h in reversed(hashes):  # deepest block first
-            self._pending_removed[h] = None
-        self._count_pending(len(hashes))
-
-    def _count_pending(self, n: int) -> None:
-        self._pending_blocks += n
-        if self._pending_blocks > self.MAX_PENDING_BLOCKS:
-            self._overflowed = True
-            self._pending_stored.clear()
-            self._pending_removed.clear()
-
     def drain_events(self) -> tuple[list[StoredBlocks], list[int], bool]:
         """(stored runs, removed hashes, cleared) since the last drain; apply as cleared, then
-        stored, then removed (see the event rule in the module docstring)."""
-        if self._overflowed:
-            out = (self.snapshot(), [], True)
-        else:
-            out = (self._pending_stored, list(self._pending_removed), self._pending_cleared)
-        self._pending_stored = []
-        self._pending_removed = {}
-        self._pending_cleared = False
-        self._pending_blocks = 0
-        self._overflowed = False
-        return out
+        stored, then removed (worker.cache_events)."""
+        return self.events.drain(self.snapshot)
 
     def snapshot(self) -> list[StoredBlocks]:
         """The tree's contents as stored runs, parents before children."""
@@ -390,7 +430,7 @@ class RadixCache:
             node, parent_hash = stack.pop()
             hashes = node.hashes
             if hashes is None:  # events off: hash on demand
-                hashes = _page_hashes(node.key, self.page_size, parent_hash)
+                hashes = page_hashes(node.key, self.page_size, parent_hash)
             out.append(StoredBlocks(list(hashes), parent_hash, node.key.tolist()))
             stack.extend((c, hashes[-1]) for c in node.children.values())
         return out
@@ -398,45 +438,6 @@ class RadixCache:
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (tests and debugging only)."""
-        ps = self.page_size
-        evictable = protected = nodes = 0
-        all_pages: list[np.ndarray] = []
-        live_entries = {(id(n), t) for t, _, n in self._heap}
-        stack: list[tuple[TreeNode, int]] = [(c, self._root_hash) for c in self.root.children.values()]
-        for k, c in self.root.children.items():
-            assert k == c.key[:ps].tobytes(), "root child keyed by a page that is not its first"
-        while stack:
-            node, parent_hash = stack.pop()
-            nodes += 1
-            parent = node.parent
-            assert parent is not None and not node.removed, "node in tree marked removed"
-            assert node.pages.size >= 1, "node without pages"
-            assert node.key.dtype == np.int32 and node.key.size == node.pages.size * ps, "key/pages mismatch"
-            assert node.lock_ref >= 0, "negative lock_ref"
-            if node.lock_ref > 0:
-                assert parent is self.root or parent.lock_ref > 0, "locked node under unlocked parent"
-                protected += node.pages.size
-            else:
-                evictable += node.pages.size
-            if node.lock_ref == 0 and not node.children:
-                assert (id(node), node.last_access) in live_entries, "evictable leaf missing from LRU heap"
-            all_pages.append(node.pages)
-            if self.enable_events:
-                expect = block_hashes(node.key.tolist(), ps, parent=parent_hash)
-                assert node.hashes == expect, "stored block hashes differ from router.block_hash"
-            # every lock on a descendant also counts on this node
-            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), (
-                "lock_ref below children's"
-            )
-            for k, c in node.children.items():
-                assert c.parent is node, "child's parent pointer is wrong"
-                assert k == c.key[:ps].tobytes(), "child keyed by a page that is not its first"
-            last = node.hashes[-1] if node.hashes else 0
-            stack.extend((c, last) for c in node.children.values())
-        assert evictable == self._evictable, f"evictable count {self._evictable} != {evictable}"
-        assert protected == self._protected, f"protected count {self._protected} != {protected}"
-        assert nodes == self._num_nodes, f"node count {self._num_nodes} != {nodes}"
-        if all_pages:
-            pages = np.concatenate(all_pages)
-            assert np.unique(pages).size == pages.size, "a page is owned by two nodes"
-            assert not self.allocator.is_free(pages).any(), "a tree page is also free in the allocator"
+        from worker.radix_invariants import check_invariants
+
+        check_invariants(self)

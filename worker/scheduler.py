@@ -202,7 +202,7 @@ class Scheduler:
         self._insert(req, tokens, full)
         # NOTE: the probe token past ``full`` is never matched (match leaves >= 1 token uncached).
         match = self.cache.match_prefix(np.append(tokens, np.int32(0)))
-        assert match.num_tokens == full, "pages just inserted must match"
+        assert match.num_tokens == full and not match.host_nodes, "pages just inserted must match"
         self.cache.lock(match.last_node)
         if req.lock_node is not None:
             self.cache.unlock(req.lock_node)
@@ -324,6 +324,7 @@ class Scheduler:
             if key is not None and key in in_flight_keys:
                 continue  # NOTE: another request computes this page now; take it from the tree next step
             self.cache.lock(match.last_node)
+            # NOTE: the match's host part needs device pages like uncached tokens, but no compute
             self._set_pages(req, match.pages.copy())
             req.kv_len, req.tree_len, req.lock_node = match.num_tokens, match.num_tokens, match.last_node
             end = self._chunk_end(req.kv_len, len(req.token_ids), budget)
@@ -335,6 +336,8 @@ class Scheduler:
                 self._set_pages(req, NO_PAGES)
                 req.kv_len, req.tree_len, req.lock_node = 0, 0, None
                 break  # NOTE: no skipping ahead of a request that does not fit: it would starve
+            if match.host_nodes:
+                self._set_pages(req, self.cache.load_back(match))
             self._grow(req, end)
             reserved += need_total - need_now
             self.waiting.remove(req)

@@ -252,6 +252,9 @@ class WorkerAPI:
             "kv_pages_cached": snap.kv_pages_cached,
             "kv_pages_active": snap.kv_pages_active,
         }
+        if snap.host_pages_total:
+            body["host_pages_total"] = snap.host_pages_total
+            body["host_pages_cached"] = snap.host_pages_cached
         if self.engine.simulated:
             body["simulated"] = True
         return _json(body, 200 if ready else 503)
@@ -264,6 +267,7 @@ class WorkerAPI:
         body = {
             "block_size": e.page_size,
             "capacity_tokens": e.capacity_tokens,
+            "host_capacity_tokens": e.cache.host.num_pages * e.page_size if e.cache.host else 0,
             "namespace": self.name,
             "model": self.name,
             "tokenizer": e.tokenizer.name,

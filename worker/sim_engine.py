@@ -19,7 +19,7 @@ import mmh3
 import numpy as np
 
 from router.tokenization import ByteTokenizer
-from worker.assembly import assemble_engine
+from worker.assembly import assemble_engine, host_tier
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.kv_pool import PageAllocator
@@ -66,5 +66,12 @@ def build_sim_engine(cfg: WorkerConfig) -> Engine:
     executor = SimExecutor(cfg.sim_prefill_ms_per_token, cfg.sim_decode_base_ms, cfg.sim_decode_ms_per_seq)
     name = cfg.served_model_name or cfg.model
     return assemble_engine(
-        cfg, executor, allocator, ByteTokenizer(), cfg.sim_context_tokens, name, simulated=True
+        cfg,
+        executor,
+        allocator,
+        ByteTokenizer(),
+        cfg.sim_context_tokens,
+        name,
+        simulated=True,
+        host=host_tier(cfg, None),
     )

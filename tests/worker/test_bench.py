@@ -49,7 +49,9 @@ def test_json_records_machine_params_and_every_measurement(quick_run):
         assert d["decode_tokens_counted"] >= d["window_tokens"]
     adjusted = doc["decode_adjusted"]
     assert adjusted["batch"] == 3 and adjusted["step_ms"] > 0 and adjusted["sampling"]["logprobs"] == 5
-    assert [t["cached_fraction"] for t in doc["ttft"]] == [0.0, 0.5, 0.9]
+    assert [(t["cached_fraction"], t["from"]) for t in doc["ttft"]] == [
+        (0.0, "device"), (0.5, "device"), (0.9, "device"), (0.9, "host")
+    ]  # fmt: skip
     assert all(t["ttft_ms_median"] > 0 for t in doc["ttft"])
     ops = {(r["op"], r["tokens"]) for r in doc["radix"]}
     assert {("match_hit", 1024), ("insert_new", 1024), ("match_hit", 32768), ("insert_new", 32768)} <= ops
@@ -58,11 +60,16 @@ def test_json_records_machine_params_and_every_measurement(quick_run):
 
 def test_cached_prefix_means_fewer_computed_tokens(quick_run):
     doc, _ = quick_run
-    cold, half, warm = doc["ttft"]
+    cold, half, warm, host = doc["ttft"]
     assert cold["cached_tokens"] == 0 and cold["computed_tokens"] == 160
     assert half["cached_tokens"] == 80 and half["computed_tokens"] == 80
     # 90% of 160 = 144 tokens = 9 full pages of 16: all of them hit
     assert warm["cached_tokens"] == 144 and warm["computed_tokens"] == 16
+    assert warm["host_loaded_tokens"] == 0
+    # the same hit after the prefix moved to host memory: copied back, not computed
+    assert (
+        host["cached_tokens"] == 144 and host["computed_tokens"] == 16 and host["host_loaded_tokens"] == 144
+    )
     assert warm["computed_tokens"] < half["computed_tokens"] < cold["computed_tokens"]
 
 

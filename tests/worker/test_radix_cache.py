@@ -370,7 +370,7 @@ def test_flush_with_a_locked_node_reports_removals_not_cleared() -> None:
 
 def test_undrained_overflow_resyncs_from_snapshot() -> None:
     alloc, cache = make(pool=256)
-    cache.MAX_PENDING_BLOCKS = 10
+    cache.events.max_pending_blocks = 10
     for i in range(8):
         put(alloc, cache, [i] * 8)
     cache.evict(5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.worker.test_host_cache import ToyKV
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
 from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig
@@ -49,10 +50,12 @@ def reference(prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def make(num_pages: int = 64, **cfg) -> tuple[Scheduler, ToyModel]:
+def make(num_pages: int = 64, host_pages: int = 0, **cfg) -> tuple[Scheduler, ToyModel]:
     alloc = PageAllocator(num_pages)
-    cache = RadixCache(alloc, PS, namespace="toy")
-    return Scheduler(SchedulerConfig(page_size=PS, **cfg), alloc, cache), ToyModel(num_pages)
+    model = ToyModel(num_pages)
+    host = ToyKV(host_pages, model.kv) if host_pages else None  # copies the toy KV, poisons what it leaves
+    cache = RadixCache(alloc, PS, namespace="toy", host=host)
+    return Scheduler(SchedulerConfig(page_size=PS, **cfg), alloc, cache), model
 
 
 def run(sched: Scheduler, model: ToyModel, max_steps: int = 10_000) -> list[ScheduledBatch]:
@@ -221,11 +224,13 @@ def test_eos_finishes_and_waiting_queue_is_bounded():
     assert_no_leak(sched)
 
 
+@pytest.mark.parametrize("host_pages", [0, 8, 64])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed):
+def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed, host_pages):
     rng = np.random.default_rng(seed)
     sched, model = make(
         num_pages=24,
+        host_pages=host_pages,
         decode_reserve_tokens=int(rng.integers(0, 12)),
         chunked_prefill_tokens=int(rng.choice([4, 10, 64])),
         max_running=int(rng.integers(1, 6)),
@@ -259,6 +264,25 @@ def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed):
         if req.rid not in aborted:
             assert req.output_ids == reference(req.prompt_ids, req.num_output)
             assert req.finish_reason == "length" and req.num_output == req.max_tokens
+
+
+def test_a_prefix_moved_to_host_memory_is_a_hit_and_only_the_rest_is_computed():
+    sched, model = make(num_pages=12, host_pages=32, decode_reserve_tokens=0)
+    shared = prompt(1, 30)
+    a = Request("a", [*shared, 1], max_tokens=2)
+    sched.add(a)
+    run(sched, model)
+    for i in range(3):  # each fills most of the pool: a's pages move to host memory
+        sched.add(Request(f"x{i}", prompt(10 + i, 40), max_tokens=2))
+        run(sched, model)
+    assert sched.cache.host_pages >= 7 and sched.cache.cached_prefix_len(np.asarray(shared)) == 28
+    b = Request("b", [*shared, 2, 3], max_tokens=4)
+    sched.add(b)
+    steps = run(sched, model)
+    assert b.cached_tokens == 28 and sched.cache.loaded_pages == 7
+    assert steps[0].mode == "extend" and steps[0].starts == [28]  # 28 tokens copied, not computed
+    assert b.output_ids == reference(b.prompt_ids, 4)
+    assert_no_leak(sched)
 
 
 def test_prefill_backlog_counts_prompt_tokens_admitted_and_waiting():
