@@ -175,6 +175,7 @@ class RadixCache:
             node.host_pages[:num_pages].copy(),
         )
         upper.lock_ref = node.lock_ref  # same requests hold both halves
+        upper.device_children = int(node.on_device)  # NOTE: it replaces node among parent's children
         parent.children[upper.key[: self.page_size].tobytes()] = upper
         node.key = node.key[cut:].copy()
         node.pages = node.pages[num_pages:].copy()
@@ -235,6 +236,7 @@ class RadixCache:
             self.events.stored(StoredBlocks(list(hashes), parent_hash, key.tolist()))
         leaf = TreeNode(key, pages, parent, hashes, now)
         parent.children[key[: self.page_size].tobytes()] = leaf
+        parent.device_children += 1
         self._num_nodes += 1
         self._evictable += pages.size
         self._push(leaf)
@@ -246,6 +248,7 @@ class RadixCache:
         self._host_pages -= node.host_pages.size
         node.host_pages = EMPTY_PAGES
         node.pages = pages
+        node.parent.device_children += 1  # type: ignore[union-attr]
         if node.lock_ref:
             self._protected += pages.size
         else:
@@ -286,6 +289,7 @@ class RadixCache:
         self._evictable -= node.pages.size
         self._host_pages += host_pages.size
         node.pages, node.host_pages = EMPTY_PAGES, host_pages
+        node.parent.device_children -= 1  # type: ignore[union-attr]
         self._push_if_leaf(node)
         return True
 
@@ -328,9 +332,7 @@ class RadixCache:
     # ------------------------------------------------------------------ eviction
     def _is_leaf(self, node: TreeNode) -> bool:
         """A leaf of its tier: a device node without device children, a host node without children."""
-        if node.on_device:
-            return not any(c.on_device for c in node.children.values())
-        return not node.children
+        return not (node.device_children if node.on_device else node.children)
 
     def _push_if_leaf(self, node: TreeNode) -> None:
         if node is not self.root and node.lock_ref == 0 and self._is_leaf(node):
@@ -386,6 +388,7 @@ class RadixCache:
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[: self.page_size].tobytes()]
+        parent.device_children -= int(node.on_device)  # NOTE: the rest of the subtree is on the host
         stack, subtree = [node], []
         while stack:
             n = stack.pop()

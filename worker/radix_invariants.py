@@ -24,6 +24,8 @@ def check_invariants(cache: RadixCache) -> None:
     stack: list[tuple[TreeNode, int]] = [(c, cache._root_hash) for c in cache.root.children.values()]
     for k, c in cache.root.children.items():
         assert k == c.key[:ps].tobytes(), "root child keyed by a page that is not its first"
+    root_device = sum(c.on_device for c in cache.root.children.values())
+    assert cache.root.device_children == root_device, "root's device_children off"
     while stack:
         node, parent_hash = stack.pop()
         nodes += 1
@@ -51,6 +53,7 @@ def check_invariants(cache: RadixCache) -> None:
             assert node.hashes == expect, "stored block hashes differ from router.block_hash"
         # every lock on a descendant also counts on this node
         assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock_ref below children's"
+        assert node.device_children == sum(c.on_device for c in node.children.values()), "device_children off"
         for k, c in node.children.items():
             assert c.parent is node, "child's parent pointer is wrong"
             assert k == c.key[:ps].tobytes(), "child keyed by a page that is not its first"

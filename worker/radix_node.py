@@ -22,7 +22,8 @@ class TreeNode:
     """One edge of the radix tree: a run of whole pages and the tokens they hold."""
 
     __slots__ = (
-        "children", "hashes", "host_pages", "key", "last_access", "lock_ref", "pages", "parent", "removed"
+        "children", "device_children", "hashes", "host_pages", "key", "last_access", "lock_ref", "pages",
+        "parent", "removed",
     )  # fmt: skip
 
     def __init__(
@@ -40,6 +41,7 @@ class TreeNode:
         self.hashes = hashes  # one block hash per page; None when events are off
         self.parent = parent
         self.children: dict[bytes, TreeNode] = {}  # keyed by first page's token bytes
+        self.device_children = 0  # children that live on the device (O(1) leaf test per tier)
         self.lock_ref = 0
         self.last_access = last_access  # logical clock tick, not seconds
         self.removed = False  # evicted: a stale MatchResult must not lock it
