@@ -47,6 +47,7 @@ class Backend:
     block_size: int = 16  # tokens per block
     prefill_ms_per_token: float = 0.07  # per uncached prompt token
     decode_ms_per_token: float = 7.0  # echo: per output token; sim: decode step at batch 1
+    host_cache_tokens: int = 0  # sim: each worker's host-memory KV tier, tokens (0: none)
 
     def resolved(self) -> str:
         if self.kind != "auto":
@@ -58,7 +59,8 @@ class Backend:
             return [sys.executable, "-m", "worker", "--engine", "sim", "--model", "tiny", "--port", str(port),
                     "--block-size", str(self.block_size), "--kv-cache-tokens", str(self.cache_tokens),
                     "--sim-prefill-ms-per-token", str(self.prefill_ms_per_token),
-                    "--sim-decode-base-ms", str(self.decode_ms_per_token), "--log-level", "warning"]  # fmt: skip
+                    "--sim-decode-base-ms", str(self.decode_ms_per_token), "--log-level", "warning",
+                    "--host-cache-tokens", str(self.host_cache_tokens)]  # fmt: skip
         return [sys.executable, "-m", "loadtest.echo_backend", "--port", str(port), "--name", name,
                 "--block-size", str(self.block_size), "--cache-blocks", str(self.cache_tokens // self.block_size),
                 "--prefill-us-per-token", str(self.prefill_ms_per_token * 1e3),
@@ -67,7 +69,8 @@ class Backend:
     def describe(self) -> str:
         if self.resolved() == "sim":
             return (f"python -m worker --engine sim (cost model: prefill {self.prefill_ms_per_token} ms/token, "
-                    f"decode step {self.decode_ms_per_token} ms at batch 1; KV {self.cache_tokens} tokens)")  # fmt: skip
+                    f"decode step {self.decode_ms_per_token} ms at batch 1; KV {self.cache_tokens} tokens"
+                    + (f", host tier {self.host_cache_tokens} tokens" if self.host_cache_tokens else "") + ")")  # fmt: skip
         return (f"python -m loadtest.echo_backend (sleeps {self.prefill_ms_per_token * 1e3:g} us per uncached "
                 f"prompt token and {self.decode_ms_per_token:g} ms per output token; LRU prefix cache of "
                 f"{self.cache_tokens // self.block_size} blocks)")  # fmt: skip
@@ -385,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="start a redis-server per run for KV events and replica sync ({redis_url} in --external)")  # fmt: skip
     p.add_argument("--backend", default="auto", choices=["auto", "sim", "echo"])
     p.add_argument("--cache-tokens", type=int, default=Backend.cache_tokens, help="per worker")
+    p.add_argument("--host-cache-tokens", type=int, default=0,
+                   help="sim backend: each worker's host-memory KV tier (tokens; 0 = none)")  # fmt: skip
     p.add_argument("--prefill-ms-per-token", type=float, default=Backend.prefill_ms_per_token)
     p.add_argument("--decode-ms-per-token", type=float, default=Backend.decode_ms_per_token)
     p.add_argument("--workload", default="tenants")
@@ -405,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         load = LoadConfig(workload=a.workload, trace=a.trace, mode=a.mode, concurrency=a.concurrency,
                           rate=a.rate, requests=a.requests, duration_s=a.duration, max_tokens=a.max_tokens,
                           stream=True, seed=a.seed, options=options, block_chars=32 if a.trace else None)  # fmt: skip
-        backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token)
+        if a.host_cache_tokens and a.backend == "echo":
+            raise ValueError("--host-cache-tokens needs the sim backend")
+        backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token,
+                          a.host_cache_tokens)  # fmt: skip
         external = [_external(x) for x in a.external]
         config = CompareConfig(
             runs, load, a.workers, backend, a.out_dir, external=external, routers=a.routers, redis=a.redis

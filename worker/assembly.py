@@ -8,7 +8,8 @@ import logging
 from typing import Any
 
 from router.tokenization import PromptTokenizer
-from worker.engine import Engine, Executor, RequestState
+from worker.engine import Engine
+from worker.engine_api import Executor, RequestState
 from worker.host_cache import HostKVPool
 from worker.kv_pool import KVPool, PageAllocator
 from worker.kv_publisher import KVPublisher

@@ -22,7 +22,8 @@ import orjson
 from worker import bench_radix
 from worker.bench_report import decode_floor, machine_info, markdown_table, measure_copy_gbs
 from worker.config import WorkerConfig
-from worker.engine import Engine, RequestOutput
+from worker.engine import Engine
+from worker.engine_api import RequestOutput
 from worker.model.config import ModelConfig
 from worker.sampling import SamplingParams
 

@@ -45,6 +45,7 @@ class WorkerConfig:
     sim_decode_base_ms: float = 7.0
     sim_decode_ms_per_seq: float = 0.06
     sim_context_tokens: int = 8192
+    sim_host_copy_ms_per_token: float = 0.003
 
     def validate(self) -> None:
         if self.engine not in ("model", "sim"):
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--sim-decode-base-ms", float, "sim: decode step cost at batch size 1 (ms)")
     opt("--sim-decode-ms-per-seq", float, "sim: extra decode step cost per running request (ms)")
     opt("--sim-context-tokens", int, "sim: context length of the simulated model (tokens)")
+    opt(
+        "--sim-host-copy-ms-per-token",
+        float,
+        "sim: cost of a token's KV copied to or from the host tier (ms)",
+    )
     return p
 
 

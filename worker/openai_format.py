@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.tokenization import PromptTokenizer
-from worker.engine import RequestOutput
+from worker.engine_api import RequestOutput
 from worker.sampling import TokenLogprobs
 
 Logprob = tuple[int, TokenLogprobs]  # a generated token and its numbers

@@ -273,7 +273,7 @@ class RadixCache:
 
     def _offload(self, node: TreeNode) -> bool:
         """Move unlocked device leaf ``node`` to the host tier, dropping host leaves LRU-first for
-        room; False (nothing changed) when the tier cannot hold it."""
+        room; False when no room can be made (too large, or the rest is locked): the caller drops it."""
         host = self.host
         if host is None or node.pages.size > host.num_pages:
             return False

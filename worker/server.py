@@ -33,7 +33,8 @@ from worker.api_params import (
     prompt_ids,
     sampling_params,
 )
-from worker.engine import Engine, EngineDeadError, PromptTooLongError, RequestOutput
+from worker.engine import Engine
+from worker.engine_api import EngineDeadError, PromptTooLongError, RequestOutput
 from worker.openai_format import Choice, Responses, TokenNames
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams

@@ -275,3 +275,24 @@ def test_a_worker_serves_a_prefix_from_host_memory_with_the_same_output() -> Non
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         got, want = (r["choices"][0]["logprobs"]["token_logprobs"] for r in (again, first))
         assert got == pytest.approx(want, abs=1e-4)  # NOTE: the KV itself came back, not just the argmax
+
+
+def test_the_sim_engine_charges_host_copies_to_the_step_they_delay() -> None:
+    from types import SimpleNamespace
+
+    from worker.config import WorkerConfig
+    from worker.sim_engine import build_sim_engine
+
+    cfg = WorkerConfig(
+        engine="sim", kv_cache_tokens=1024, host_cache_tokens=4096, sim_host_copy_ms_per_token=0.01
+    )
+    engine = build_sim_engine(cfg)
+    ex, cache = engine.executor, engine.cache
+    assert cache.host is not None and cache.host.num_pages == 256
+    decode = SimpleNamespace(mode="decode", requests=[0, 1])
+    assert ex.step_ms(decode) == pytest.approx(7.0 + 2 * 0.06)  # nothing copied yet
+    cache.offloaded_pages += 3  # NOTE: what an eviction of 3 pages to the host tier leaves behind
+    cache.loaded_pages += 1
+    extend = SimpleNamespace(mode="extend", num_new_tokens=100, requests=[0])
+    assert ex.step_ms(extend) == pytest.approx(100 * 0.07 + 4 * 16 * 0.01)
+    assert ex.step_ms(extend) == pytest.approx(100 * 0.07)  # each copy is charged once

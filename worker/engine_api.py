@@ -1,0 +1,69 @@
+"""What the engine's callers hold: a request's handle, its output deltas, the engine's side of a
+request, the executor protocol and the errors the HTTP layer maps to status codes. Plain data."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from router.tokenization import IncrementalDetokenizer
+from worker.request import ScheduledBatch
+from worker.sampling import SamplingParams, TokenLogprobs
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; the worker cannot serve (HTTP 503)."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the context or the KV pool (HTTP 413)."""
+
+
+@dataclass
+class RequestOutput:
+    """One delta for a request. The last one has ``finish_reason`` set (or ``error``)."""
+
+    text: str = ""  # new text since the previous output
+    token_ids: list[int] = field(default_factory=list)  # new generated ids
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the radix cache
+    completion_tokens: int = 0  # generated so far
+    error: str | None = None
+    error_status: int = 0  # HTTP status for ``error`` (429 queue full, 500 model failure, 503 dead)
+    index: int = 0  # which of the request's choices (n > 1) this output belongs to
+    logprobs: TokenLogprobs | None = None  # of token_ids[0], when the request asked for logprobs
+
+
+@dataclass
+class RequestHandle:
+    rid: str
+    prompt_tokens: int
+    max_tokens: int  # after clamping to the context / pool
+    outputs: asyncio.Queue  # of RequestOutput (one queue may serve several choices: see .index)
+    index: int = 0
+
+
+class Executor(Protocol):
+    """Computes one scheduled step: returns one sampled token per request with ``batch.sample``."""
+
+    def run(self, batch: ScheduledBatch) -> list[int]: ...
+
+
+@dataclass
+class RequestState:
+    """The engine's side of a request (the scheduler's ``Request.payload``)."""
+
+    handle: RequestHandle
+    loop: asyncio.AbstractEventLoop
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    hold: int  # chars held back while they may start a stop string
+    arrival: float  # monotonic s
+    pending: str = ""  # detokenised text not yet sent
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    generator: Any = None  # per-request RNG, created by the executor for seeded requests
+    step_logprobs: TokenLogprobs | None = None  # set by the executor with the token it samples
+    memo: dict = field(default_factory=dict)  # the executor's per-request cache (penalties)
