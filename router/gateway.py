@@ -243,7 +243,11 @@ class Router:
                         worker, path, body, headers, partial(self.policy.on_routed, route, worker.url)
                     )
                 except UpstreamFailure as exc:
-                    self._record_failure(worker, exc.kind)
+                    if exc.kind == "overloaded":  # NOTE: it answered, so no fault: its queue is full
+                        worker.breaker.record_success()
+                        worker.stats.overloaded += 1
+                    else:
+                        self._record_failure(worker, exc.kind)
                     worker.stats.retries += 1
                     tried.add(worker.url)
                     failure = exc
@@ -264,6 +268,8 @@ class Router:
                 worker.in_flight -= parsed.sequences
                 prefill.release()
                 worker.changed()
+        if failure is not None and failure.kind == "overloaded":
+            raise RouterError(429, f"every worker tried has a full queue ({failure})", "overloaded")
         if failure is not None:
             raise RouterError(
                 failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind

@@ -38,6 +38,11 @@ class _WorkerCollector:
             "Worker faults (connect, timeout, http_5xx)",
             labels=["worker", "kind"],
         )
+        overloaded = CounterMetricFamily(
+            "radixgate_upstream_overloaded",
+            "Requests the worker refused with 429 (queue full): retried elsewhere, or 429 when none had room",
+            labels=label,
+        )
         retries = CounterMetricFamily(
             "radixgate_upstream_retries",
             "Requests moved to another worker before their first byte",
@@ -103,6 +108,7 @@ class _WorkerCollector:
             for kind, n in s.errors.items():
                 errors.add_metric([w.url, kind], n)
             retries.add_metric([w.url], s.retries)
+            overloaded.add_metric([w.url], s.overloaded)
             in_flight.add_metric([w.url], w.in_flight)
             load.add_metric([w.url], w.load)
             pending.add_metric([w.url], w.pending_prefill)
@@ -135,7 +141,17 @@ class _WorkerCollector:
         index_nodes.add_metric([], nodes)
         workers_total = GaugeMetricFamily("radixgate_workers", "Registered workers")
         workers_total.add_metric([], len(self._workers))
-        yield from (requests, errors, retries, in_flight, load, pending, peer_in_flight, peer_pending)
+        yield from (
+            requests,
+            errors,
+            overloaded,
+            retries,
+            in_flight,
+            load,
+            pending,
+            peer_in_flight,
+            peer_pending,
+        )
         yield from (healthy, breaker, prompt, predicted)
         yield from (
             usage_prompt,

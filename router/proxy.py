@@ -1,7 +1,7 @@
 """Upstream calls to workers over pooled keep-alive connections: non-stream and SSE pass-through.
 
-Retries (connect error, timeout or 5xx before the first byte) go to the next best worker, bounded
-by the caller. Once a byte has reached the client a request is never retried. Every path releases
+Retries (connect error, timeout, 5xx, or a full queue's 429 before the first byte) go to the next
+best worker, bounded by the caller. Once a byte has reached the client a request is never retried. Every path releases
 the worker's in-flight count exactly once and reads usage (cached tokens) from the response."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class UpstreamFailure(Exception):
 
     def __init__(self, kind: str, message: str, status: int = 502, body: bytes | None = None) -> None:
         super().__init__(message)
-        self.kind = kind  # connect | timeout | http_5xx
+        self.kind = kind  # connect | timeout | http_5xx | overloaded (429: alive, but its queue is full)
         self.status = status
         self.body = body
 
@@ -133,7 +133,7 @@ class Upstream:
         on_sent: Callable[[], None] | None = None,
     ) -> Response:
         """Send the request and wait for the response head. Raises UpstreamFailure on a worker
-        fault (the response is closed); returns the open response on any status < 500.
+        fault or a 429 (the response is closed); returns the open response on any other status < 500.
         ``on_sent`` runs once the request is on a connection (never if none could be opened)."""
         try:
             resp = await self.client.post(worker.url, path, body, headers, on_sent)
@@ -141,15 +141,14 @@ class Upstream:
             raise UpstreamFailure("timeout", f"worker {worker.url} did not answer in time", 504) from None
         except HTTPClientError as exc:
             raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc}", 502) from None
-        if resp.status >= 500:
+        if resp.status >= 500 or resp.status == 429:
             try:
                 payload = await asyncio.wait_for(resp.read(), timeout=self._connect_timeout)
             except (asyncio.TimeoutError, HTTPClientError):
                 payload = None
             resp.close()
-            raise UpstreamFailure(
-                "http_5xx", f"worker {worker.url} answered {resp.status}", resp.status, payload
-            )
+            kind = "overloaded" if resp.status == 429 else "http_5xx"
+            raise UpstreamFailure(kind, f"worker {worker.url} answered {resp.status}", resp.status, payload)
         return resp
 
     async def read_all(self, resp: Response) -> bytes:

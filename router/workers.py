@@ -23,6 +23,7 @@ class WorkerStats:
     requests: int = 0
     errors: Counter = field(default_factory=Counter)  # kind -> count (connect, timeout, http_5xx)
     retries: int = 0  # requests that moved away from this worker before their first byte
+    overloaded: int = 0  # requests it refused with 429 (its queue was full)
     prompt_tokens: int = 0  # router-side token count of prompts sent here
     predicted_cached_tokens: int = 0  # what the prefix index predicted would be cached
     usage_prompt_tokens: int = 0  # prompt tokens as the worker reported them (usage)

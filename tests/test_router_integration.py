@@ -467,3 +467,52 @@ def test_stream_usage_is_read_for_the_metrics_without_reaching_a_client_that_did
     # the router read both streams' usage, or (off) only the one whose client asked for it
     want = len(b"count my usage") * (2 if stream_usage else 1)
     wait_until(lambda: recorded() == want, 10, what=f"usage of {want} prompt tokens recorded")
+
+
+def _burst(url: str, n: int, model: str = "sim-8b") -> list[httpx.Response]:
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            body = {"model": model, "max_tokens": 5}
+            return await asyncio.gather(
+                *(c.post("/v1/completions", json={**body, "prompt": f"q{i}"}) for i in range(n))
+            )
+
+    return asyncio.run(go())
+
+
+def _narrow_worker(launch) -> object:
+    """A simulated worker that runs one request and queues one more (200 ms per decode step)."""
+    return launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--max-running", "1",
+                         "--max-waiting", "1", "--sim-decode-base-ms", "200")  # fmt: skip
+
+
+def test_a_worker_with_a_full_queue_passes_the_request_to_one_with_room(launch):
+    narrow = _narrow_worker(launch)
+    roomy = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    router = launch.router([narrow.url, roomy.url], "--policy", "round_robin")
+    responses = _burst(router.url, 8)
+    assert [r.status_code for r in responses] == [200] * 8
+    served = Counter(r.headers["x-radixgate-worker"] for r in responses)
+    assert served[narrow.url] <= 2 and served[roomy.url] >= 6  # round robin sent it 4
+    text = httpx.get(router.url + "/metrics").text
+    assert metric_values(text, "radixgate_upstream_overloaded_total")[f'{{worker="{narrow.url}"}}'] >= 2
+    assert (
+        sum(metric_values(text, "radixgate_upstream_errors_total").values()) == 0
+    )  # a full queue is no fault
+    workers = {w["url"]: w for w in httpx.get(router.url + "/workers").json()["workers"]}
+    assert workers[narrow.url]["breaker"] == "closed"
+
+
+def test_when_every_worker_queue_is_full_the_client_gets_429(launch):
+    narrow = [_narrow_worker(launch) for _ in range(2)]
+    router = launch.router([w.url for w in narrow], "--policy", "round_robin")
+    responses = _burst(router.url, 8)  # room for 2 x (1 running + 1 waiting)
+    codes = Counter(r.status_code for r in responses)
+    assert set(codes) == {200, 429} and codes[200] >= 4
+    for r in responses:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "overloaded" and "full queue" in r.json()["error"]["message"]
+    ok = httpx.post(
+        router.url + "/v1/completions", json={"model": "sim-8b", "prompt": "later", "max_tokens": 1}
+    )
+    assert ok.status_code == 200  # nothing stays closed once the queues drain
