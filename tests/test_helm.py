@@ -11,6 +11,7 @@ package needs a helm binary or network at run time.
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 import subprocess
@@ -126,7 +127,10 @@ EVERYTHING = {
         },
         "policyParams": {"balance_abs": 4},
     },
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "grafanaDashboard": {"enabled": True},
+    },
     "worker": {"flags": {"max-running": 128}, "podAnnotations": {"team": "ml"}},
 }
 
@@ -170,7 +174,7 @@ def test_every_manifest_validates_against_kubernetes_schemas(chart, profile: str
     if overrides.get("redis", {}).get("enabled") is False:
         expected = ["Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
     if overrides is EVERYTHING:
-        expected = sorted([*expected, "ConfigMap", "Secret", "ServiceMonitor", "ServiceMonitor"])
+        expected = sorted([*expected, "ConfigMap", "ConfigMap", "Secret", "ServiceMonitor", "ServiceMonitor"])
     assert kinds == expected
 
 
@@ -556,3 +560,22 @@ def test_rules_pass_promtool_and_fire_on_synthetic_series(tmp_path: Path) -> Non
         ["promtool", "test", "rules", str(tests)], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_dashboard_ships_as_a_sidecar_configmap_when_asked(chart) -> None:
+    assert not [
+        o
+        for o in render(chart)
+        if o["kind"] == "ConfigMap" and "grafana_dashboard" in o["metadata"]["labels"]
+    ]
+    objects = render(
+        chart, metrics={"grafanaDashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM"}}}
+    )
+    (cm,) = [
+        o for o in objects if o["kind"] == "ConfigMap" and "grafana_dashboard" in o["metadata"]["labels"]
+    ]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    shipped = json.loads(cm["data"]["radixgate.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "radixgate.json").read_text())
+    assert shipped["uid"] == "radixgate" and len(shipped["panels"]) > 10
