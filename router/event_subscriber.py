@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +110,7 @@ class EventSubscriber:
             return False
         self._apply_batch(worker, batch)
         cursor.seq = batch.seq
+        self._router.metrics.event_lag.observe(max(0.0, time.time() - batch.ts))
         return True
 
     def _apply_batch(self, worker: Worker, batch: KVEventBatch) -> None:

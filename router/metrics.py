@@ -224,6 +224,12 @@ class RouterMetrics:
             buckets=_DECISION_BUCKETS,
             registry=self.registry,
         )
+        self.event_lag = Histogram(
+            "radixgate_kv_event_lag_seconds",
+            "Worker publish time (its clock) to this router applying a KV event batch (a skewed clock shifts it)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.affinity = Counter(
             "radixgate_affinity_requests",
             "Routed requests by affinity group and outcome (in_group, overflow, ungrouped)",

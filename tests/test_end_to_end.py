@@ -139,6 +139,8 @@ def test_worker_cache_events_correct_the_router_index(launch, tmp_path, transpor
         lambda: matched_tokens(router.url, body)[b.url] >= len(SYSTEM), 30, what="stored event applied"
     )
     assert matched_tokens(router.url, body)[a.url] == 0
+    count = metric(router.url, "radixgate_kv_event_lag_seconds_count")
+    assert count >= 1 and 0 <= metric(router.url, "radixgate_kv_event_lag_seconds_sum") < 30 * count
     assert httpx.post(b.url + "/v1/cache/flush", timeout=30).status_code == 200
     wait_until(lambda: matched_tokens(router.url, body)[b.url] == 0, 30, what="flush reached the router")
 
