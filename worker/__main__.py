@@ -25,7 +25,7 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
         from worker.assembly import build_engine
 
         engine = build_engine(cfg)
-    return create_app(engine, admin_token=cfg.admin_token)
+    return create_app(engine, admin_token=cfg.admin_token, max_stored_responses=cfg.max_stored_responses)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

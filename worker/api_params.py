@@ -10,6 +10,8 @@ import orjson
 from starlette.concurrency import run_in_threadpool
 
 from router.tokenization import PromptTokenizer
+from worker.engine_api import EngineDeadError, PromptTooLongError
+from worker.request import QueueFullError
 from worker.sampling import SamplingParams
 
 MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
@@ -57,6 +59,19 @@ def check_body(raw: bytes, served_model: str) -> dict:
     if response_format is not None and response_format != {"type": "text"}:
         raise APIError(400, "only response_format {'type': 'text'} is supported (no guided decoding)")
     return body
+
+
+def engine_error(exc: BaseException) -> APIError | None:
+    """What a client is told when the engine refuses a request; None for anything unexpected."""
+    if isinstance(exc, PromptTooLongError):
+        return APIError(413, str(exc), "context_length_exceeded")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), "queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "engine_dead")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return None
 
 
 def include_usage(body: dict) -> bool:

@@ -37,6 +37,7 @@ class WorkerConfig:
     advertise_url: str | None = None  # how routers reach this worker; default http://host:port
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
     admin_token: str | None = None  # required by POST /v1/cache/flush when set
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
@@ -59,6 +60,8 @@ class WorkerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError("--kv-cache-tokens must hold at least one block")
+        if self.max_stored_responses < 0:
+            raise ValueError("--max-stored-responses must be >= 0")
         if self.host_cache_tokens < 0:
             raise ValueError("--host-cache-tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -117,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--advertise-url", str, "URL routers use for this worker (default http://host:port)")
     opt("--served-model-name", str, "model id in the API (default: the model's name)")
     opt("--admin-token", str, "token required by POST /v1/cache/flush")
+    opt(
+        "--max-stored-responses",
+        int,
+        "responses kept for previous_response_id, least recently used dropped (0 = none)",
+    )
     opt("--log-level", str, "debug | info | warning | error")
     opt("--cpu-threads", int, "torch threads on CPU (0 = all cores; give each of N local workers cores/N)")
     opt(

@@ -29,14 +29,15 @@ from worker.api_params import (
     chat_ids,
     chat_logprobs,
     check_body,
+    engine_error,
     include_usage,
     prompt_ids,
     sampling_params,
 )
 from worker.engine import Engine
-from worker.engine_api import EngineDeadError, PromptTooLongError, RequestOutput
+from worker.engine_api import EngineDeadError, RequestOutput
 from worker.openai_format import Choice, Responses, TokenNames
-from worker.request import QueueFullError
+from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
 
 log = logging.getLogger("worker.server")
@@ -112,14 +113,9 @@ class WorkerAPI:
             first = await self._next(request, outputs, live)
         except BaseException as exc:
             self._abort(live)
-            if isinstance(exc, PromptTooLongError):
-                raise APIError(413, str(exc), "context_length_exceeded") from None
-            if isinstance(exc, QueueFullError):
-                raise APIError(429, str(exc), "queue_full") from None
-            if isinstance(exc, EngineDeadError):
-                raise APIError(503, str(exc), "engine_dead") from None
-            if isinstance(exc, ValueError):
-                raise APIError(400, str(exc)) from None
+            error = engine_error(exc)
+            if error is not None:
+                raise error from None
             raise
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -327,9 +323,10 @@ class WorkerAPI:
         )
 
 
-def create_app(engine: Engine, admin_token: str | None = None) -> Starlette:
+def create_app(engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024) -> Starlette:
     """The worker app; its lifespan starts the engine (if not started) and stops it."""
     api = WorkerAPI(engine, admin_token)
+    responses = ResponsesAPI(api, max_stored_responses)
 
     def guarded(handler: Any) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -356,6 +353,9 @@ def create_app(engine: Engine, admin_token: str | None = None) -> Starlette:
     routes = [
         Route("/v1/completions", guarded(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(api.chat), methods=["POST"]),
+        Route("/v1/responses", guarded(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
         Route("/v1/models", guarded(api.models), methods=["GET"]),
         Route("/tokenize", guarded(api.tokenize), methods=["POST"]),
         Route("/detokenize", guarded(api.detokenize), methods=["POST"]),

@@ -27,13 +27,16 @@ SYSTEM = "You are a helpful assistant. Always answer briefly and precisely. " * 
 class LiveServer:
     """A worker app served by uvicorn in a thread, on a loopback port picked by the OS."""
 
-    def __init__(self, engine: Engine, admin_token: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024
+    ) -> None:
         self.engine = engine
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(engine, admin_token), log_level="warning", lifespan="on")
+        app = create_app(engine, admin_token, max_stored_responses)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -53,7 +56,7 @@ class LiveServer:
 
 def serve(**overrides) -> LiveServer:
     cfg = WorkerConfig(**{"model": "tiny", "device": "cpu", "kv_cache_tokens": 8192, **overrides})
-    return LiveServer(build_engine(cfg), admin_token=overrides.get("admin_token"))
+    return LiveServer(build_engine(cfg), overrides.get("admin_token"), cfg.max_stored_responses)
 
 
 @pytest.fixture(scope="module")

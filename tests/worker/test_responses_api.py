@@ -1,0 +1,157 @@
+"""The worker's /v1/responses on a real server (tiny model, CPU): the response object and its
+stream events, stored conversations continued with previous_response_id (and their prefix served
+from the cache), retrieve and delete, and honest 4xx for what is not supported."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from router.responses_input import tag_of, worker_tag
+from tests.worker.test_server import LiveServer, serve
+
+INSTRUCTIONS = "You are a terse assistant for the radixgate test-suite. Answer in one line. " * 4
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    with serve(max_stored_responses=4) as server:
+        yield server
+
+
+@pytest.fixture
+def client(live) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        yield c
+
+
+def create(client: httpx.Client, **body) -> dict:
+    r = client.post("/v1/responses", json={"max_output_tokens": 8, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def output_text(resp: dict) -> str:
+    return "".join(part["text"] for item in resp["output"] for part in item["content"])
+
+
+def events(client: httpx.Client, **body) -> list[tuple[str, dict]]:
+    out = []
+    req = {"max_output_tokens": 8, "temperature": 0, "stream": True, **body}
+    with client.stream("POST", "/v1/responses", json=req) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = orjson.loads(line[len("data: ") :])
+                assert data["type"] == kind
+                out.append((kind, data))
+    return out
+
+
+def test_a_response_object_names_this_worker_and_counts_tokens(client, live) -> None:
+    resp = create(client, instructions=INSTRUCTIONS, input="Say hi.")
+    assert resp["object"] == "response" and resp["status"] in ("completed", "incomplete")
+    assert tag_of(resp["id"]) == worker_tag(live.engine.publisher.worker)
+    (item,) = resp["output"]
+    assert (
+        item["type"] == "message"
+        and item["role"] == "assistant"
+        and item["content"][0]["type"] == "output_text"
+    )
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Say hi."}]
+    expected = client.post("/tokenize", json={"messages": messages}).json()["count"]
+    usage = resp["usage"]
+    assert usage["input_tokens"] == expected and 1 <= usage["output_tokens"] <= 8
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert resp["instructions"] == INSTRUCTIONS and resp["previous_response_id"] is None
+
+
+def test_max_output_tokens_makes_an_incomplete_response(client) -> None:
+    resp = create(client, input="Count to one hundred.", max_output_tokens=2, ignore_eos=True)
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["usage"]["output_tokens"] == 2 and resp["output"][0]["status"] == "incomplete"
+
+
+def test_previous_response_id_continues_the_stored_conversation_from_the_cache(client) -> None:
+    first = create(client, instructions=INSTRUCTIONS, input="First question, please answer it.")
+    second = create(
+        client, instructions=INSTRUCTIONS, input="And a second one.", previous_response_id=first["id"]
+    )
+    assert second["previous_response_id"] == first["id"]
+    # the second prompt holds the first turn (its input and output) before the new input
+    history = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": "First question, please answer it."},
+        {"role": "assistant", "content": output_text(first)},
+        {"role": "user", "content": "And a second one."},
+    ]
+    expected = client.post("/tokenize", json={"messages": history}).json()["count"]
+    assert second["usage"]["input_tokens"] == expected
+    # ... and most of it comes from the radix cache: the first turn's prompt pages at least
+    assert (
+        second["usage"]["input_tokens_details"]["cached_tokens"]
+        >= first["usage"]["input_tokens"] // 16 * 16 - 16
+    )
+    got = client.get(f"/v1/responses/{second['id']}")
+    assert got.status_code == 200 and got.json() == second
+    deleted = client.delete(f"/v1/responses/{first['id']}").json()
+    assert deleted == {"id": first["id"], "object": "response", "deleted": True}
+    again = client.post("/v1/responses", json={"input": "x", "previous_response_id": first["id"]})
+    assert again.status_code == 404 and again.json()["error"]["code"] == "response_not_found"
+
+
+def test_store_false_and_the_bound_on_stored_responses(client) -> None:
+    unstored = create(client, input="Do not keep this.", store=False)
+    assert unstored["store"] is False and client.get(f"/v1/responses/{unstored['id']}").status_code == 404
+    ids = [create(client, input=f"Question {i}")["id"] for i in range(5)]  # the store keeps 4
+    assert client.get(f"/v1/responses/{ids[0]}").status_code == 404
+    assert all(client.get(f"/v1/responses/{i}").status_code == 200 for i in ids[1:])
+
+
+def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
+    body = {
+        "instructions": INSTRUCTIONS,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+    }
+    whole = create(client, **body)
+    evs = events(client, **body)
+    kinds = [k for k, _ in evs]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if whole["status"] == "completed" else "response.incomplete"]  # fmt: skip
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    deltas = "".join(d["delta"] for k, d in evs if k == "response.output_text.delta")
+    final = evs[-1][1]["response"]
+    assert deltas == output_text(final) == output_text(whole)
+    assert final["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert evs[0][1]["response"]["status"] == "in_progress" and evs[0][1]["response"]["id"] == final["id"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"input": ""}, 400),
+        ({"input": 5}, 400),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400),
+        ({"input": [{"role": "tool", "content": "x"}]}, 400),
+        ({"input": "hi", "instructions": 3}, 400),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, 400),
+        ({"input": "hi", "text": {"format": {"type": "json_object"}}}, 400),
+        ({"input": "hi", "store": "yes"}, 400),
+        ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
+        ({"input": "hi", "model": "other"}, 404),
+        ({"input": "hi", "max_output_tokens": -1}, 400),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body, status) -> None:
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == status and r.json()["error"]["message"]
+    assert create(client, input="still serving")["object"] == "response"

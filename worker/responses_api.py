@@ -1,0 +1,275 @@
+"""``/v1/responses`` on the worker: OpenAI's Responses API for text (create, stream, retrieve,
+delete). Stored conversations live in a bounded LRU on this worker only; their ids carry this
+worker's tag (router.responses_input) so that any router sends a ``previous_response_id`` here,
+where both the conversation and its KV cache are. Never blocks the engine; bad input is a 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from router.responses_input import input_messages, new_response_id, prompt_messages, worker_tag
+from worker.api_params import APIError, chat_ids, engine_error, sampling_params
+from worker.engine_api import RequestOutput
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from worker.server import WorkerAPI
+
+
+@dataclass
+class StoredResponse:
+    messages: list[dict[str, str]]  # the conversation so far, without instructions
+    response: dict  # the response object, as GET returns it
+
+
+class ResponseStore:
+    """Stored responses by id, least recently used dropped beyond ``max_entries``."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, rid: str, entry: StoredResponse) -> None:
+        if self.max_entries <= 0:
+            return
+        self._entries[rid] = entry
+        self._entries.move_to_end(rid)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, rid: str) -> StoredResponse | None:
+        entry = self._entries.get(rid)
+        if entry is not None:
+            self._entries.move_to_end(rid)
+        return entry
+
+    def delete(self, rid: str) -> bool:
+        return self._entries.pop(rid, None) is not None
+
+
+def _not_found(rid: Any) -> APIError:
+    return APIError(404, f"response {rid!r} not found on this worker", "response_not_found")
+
+
+class ResponsesAPI:
+    """The endpoints, bound to one worker's API object (engine, tokenizer, disconnect polling)."""
+
+    def __init__(self, api: WorkerAPI, max_stored: int) -> None:
+        self.api = api
+        self.store = ResponseStore(max_stored)
+        self.tag = worker_tag(api.engine.publisher.worker)  # NOTE: the URL routers know it by
+
+    # ------------------------------------------------------------------ create
+    async def create(self, request: Request) -> Response:
+        api = self.api
+        body = await api._body(request)
+        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        if body.get("text") is not None and fmt not in (None, {"type": "text"}):
+            raise APIError(400, "only text output ('text': {'format': {'type': 'text'}}) is supported")
+        store = body.get("store", True)
+        if not isinstance(store, bool):
+            raise APIError(400, "'store' must be a boolean")
+        history: list[dict[str, str]] = []
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            entry = self.store.get(previous) if isinstance(previous, str) else None
+            if entry is None:
+                raise _not_found(previous)
+            history = entry.messages
+        try:
+            messages = prompt_messages(body.get("instructions"), history, body.get("input"))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        ids = await chat_ids(messages, api.engine.tokenizer)
+        engine = api.engine
+        params = sampling_params(
+            body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", None
+        )
+        outputs: asyncio.Queue = asyncio.Queue()
+        live: dict[int, str] = {}
+        try:
+            live[0] = engine.submit(ids, params, outputs, 0, None).rid
+            first = await api._next(request, outputs, live)
+        except BaseException as exc:
+            api._abort(live)
+            error = engine_error(exc)
+            if error is not None:
+                raise error from None
+            raise
+        if first is None:
+            return Response(status_code=499)
+        conversation = history + input_messages(body["input"])
+        turn = _Turn(self, body, new_response_id(self.tag), len(ids), conversation, store)
+        if body.get("stream"):
+            if first.error is not None:
+                api._abort(live)
+                raise APIError(first.error_status or 500, first.error)
+            return StreamingResponse(
+                self._stream(request, outputs, live, first, turn),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )
+        out: RequestOutput | None = first
+        try:
+            while out is not None:
+                if out.error is not None:
+                    raise APIError(out.error_status or 500, out.error)
+                turn.add(out)
+                if out.finish_reason is not None:
+                    live.clear()
+                    return Response(orjson.dumps(turn.finish()), media_type="application/json")
+                out = await api._next(request, outputs, live)
+            return Response(status_code=499)
+        finally:
+            api._abort(live)
+
+    async def _stream(
+        self,
+        request: Request,
+        outputs: asyncio.Queue,
+        live: dict[int, str],
+        first: RequestOutput,
+        turn: _Turn,
+    ) -> AsyncIterator[bytes]:
+        events = turn.events
+        out: RequestOutput | None = first
+        try:
+            yield events.send("response.created", response=turn.response("in_progress"))
+            yield events.send("response.in_progress", response=turn.response("in_progress"))
+            item = turn.message("in_progress", [])
+            yield events.send("response.output_item.added", output_index=0, item=item)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield events.send("response.content_part.added", **turn.where(), part=part)
+            while out is not None:
+                if out.error is not None:
+                    yield events.send(
+                        "error", code=str(out.error_status or 500), message=out.error, param=None
+                    )
+                    break
+                turn.add(out)
+                if out.text:
+                    yield events.send(
+                        "response.output_text.delta", **turn.where(), delta=out.text, logprobs=[]
+                    )
+                if out.finish_reason is not None:
+                    live.clear()
+                    final = turn.finish()
+                    text = final["output"][0]["content"][0]
+                    yield events.send(
+                        "response.output_text.done", **turn.where(), text=text["text"], logprobs=[]
+                    )
+                    yield events.send("response.content_part.done", **turn.where(), part=text)
+                    yield events.send("response.output_item.done", output_index=0, item=final["output"][0])
+                    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+                    yield events.send(kind, response=final)
+                    break
+                out = await self.api._next(request, outputs, live)
+        finally:
+            self.api._abort(live)  # NOTE: client gone or failed: free the request's pages now
+
+    # ------------------------------------------------------------------ retrieve, delete
+    async def retrieve(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        entry = self.store.get(rid)
+        if entry is None:
+            raise _not_found(rid)
+        return Response(orjson.dumps(entry.response), media_type="application/json")
+
+    async def delete(self, request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        if not self.store.delete(rid):
+            raise _not_found(rid)
+        return Response(
+            orjson.dumps({"id": rid, "object": "response", "deleted": True}), media_type="application/json"
+        )
+
+
+class _Events:
+    """Server-sent events of one streamed response, numbered as the API numbers them."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def send(self, kind: str, **fields: Any) -> bytes:
+        data = orjson.dumps({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class _Turn:
+    """One response as it is generated: its text, counts and the objects the API returns."""
+
+    def __init__(
+        self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool
+    ) -> None:
+        self.endpoint, self.body, self.rid, self.store = endpoint, body, rid, store
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.messages = messages  # earlier turns + this input, without instructions
+        self.text: list[str] = []
+        self.output_tokens = self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.events = _Events()
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.output_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
+        self.finish_reason = out.finish_reason or self.finish_reason
+
+    def where(self) -> dict:
+        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+
+    def message(self, status: str, content: list) -> dict:
+        return {
+            "type": "message",
+            "id": self.msg_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def response(self, status: str, output: list | None = None, usage: dict | None = None) -> dict:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "error": None, "incomplete_details": incomplete, "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"), "model": self.endpoint.api.name,
+            "output": output or [], "parallel_tool_calls": True,
+            "previous_response_id": body.get("previous_response_id"), "store": self.store,
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "usage": usage, "metadata": body.get("metadata") or {},
+            **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
+        }  # fmt: skip
+
+    def finish(self) -> dict:
+        """The finished response object; stored with the conversation unless the client said not to."""
+        text = "".join(self.text)
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        part = {"type": "output_text", "text": text, "annotations": []}
+        usage = {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + self.output_tokens,
+        }
+        final = self.response(status, [self.message(status, [part])], usage)
+        if self.store:
+            conversation = [*self.messages, {"role": "assistant", "content": text}]
+            self.endpoint.store.put(self.rid, StoredResponse(conversation, final))
+        return final
