@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,10 +23,15 @@ from router.errors import RouterError, error_response
 from router.gateway import Router
 from router.proxy import UpstreamFailure
 from router.request_parsing import read_body
+from router.responses_input import tag_of
 
 log = logging.getLogger("radixgate.router")
 
-COMPLETION_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+COMPLETION_ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -149,6 +156,28 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         content_type = resp.headers.get("content-type", "application/json")
         return Response(payload, resp.status, {"x-radixgate-worker": worker.url}, content_type)
 
+    async def stored_response(request: Request) -> Response:
+        """GET / DELETE /v1/responses/{id}: answered by the worker the id names."""
+        rid = request.path_params["response_id"]
+        try:
+            tag = tag_of(rid)
+            if tag is None:
+                raise RouterError(404, f"response {rid!r} not found", "response_not_found")
+            url = router.pinned_worker(tag, rid)
+            session = router.upstream.session
+            assert session is not None
+            timeout = aiohttp.ClientTimeout(
+                total=config.first_byte_timeout_s, connect=config.connect_timeout_s
+            )
+            async with session.request(request.method, url + request.url.path, timeout=timeout) as resp:
+                payload = await resp.read()
+                content_type = resp.headers.get("content-type", "application/json")
+        except RouterError as exc:
+            return error_response(exc.status, exc.message, exc.code)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return error_response(502, f"worker {url} unreachable: {exc}", "connect")
+        return Response(payload, resp.status, {"x-radixgate-worker": url}, content_type)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await router.start()
@@ -164,6 +193,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         routes=[
             Route("/v1/chat/completions", _method_not_allowed, methods=["GET"]),
             Route("/v1/completions", _method_not_allowed, methods=["GET"]),
+            Route("/v1/responses", _method_not_allowed, methods=["GET"]),
+            Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),

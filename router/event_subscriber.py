@@ -97,7 +97,7 @@ class EventSubscriber:
         if worker is not None:
             return worker
         for w in self._router.workers:
-            if w.cache_info is not None and w.cache_info.get("advertise_url") == name:
+            if w.cache_info is not None and w.cache_info.get("worker") == name:
                 return w
         return None
 

@@ -31,7 +31,14 @@ from router.policies import Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
 from router.replica_sync import ReplicaSync
-from router.request_parsing import ClientGone, ParsedRequest, parse_request, read_asgi_body, with_stream_usage
+from router.request_parsing import (
+    ClientGone,
+    ParsedRequest,
+    parse_request,
+    parse_responses_request,
+    read_asgi_body,
+    with_stream_usage,
+)
 from router.tokenization import load_tokenizer
 from router.workers import PendingPrefill, Worker, WorkerRegistry
 
@@ -143,14 +150,25 @@ class Router:
         if model is not None and not self.workers.serves(model):
             raise RouterError(404, f"model {model!r} is not served by any worker", "model_not_found")
 
+    def pinned_worker(self, tag: str, response_id: Any) -> str:
+        """The registered worker a response id names; RouterError 404 when none is."""
+        worker = self.workers.tagged(tag)
+        if worker is None:
+            raise RouterError(404, f"response {response_id!r} not found: no registered worker holds it",
+                              "response_not_found")  # fmt: skip
+        return worker.url
+
     def decide(
-        self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None
-    ) -> tuple[Decision | None, str]:
-        """The policy's pick among available workers (narrowed by the request's affinity group),
-        and the affinity outcome (ungrouped / in_group / overflow)."""
+        self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None,
+        only: str | None = None,
+    ) -> tuple[Decision | None, str]:  # fmt: skip
+        """The policy's pick among available workers (narrowed by the request's affinity group, or
+        to ``only``), and the affinity outcome (ungrouped / in_group / overflow)."""
         candidates = [Candidate(w.url, w.load) for w in self.workers.candidates(model, exclude)]
         outcome = UNGROUPED
-        if self.affinity and candidates:
+        if only is not None:
+            candidates = [c for c in candidates if c.url == only]
+        elif self.affinity and candidates:
             fleet = tuple(w.url for w in self.workers if model is None or not w.models or model in w.models)
             candidates, outcome = self.affinity.filter(group, candidates, fleet)
         if not candidates:
@@ -168,9 +186,16 @@ class Router:
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
-            parsed = self.parse(raw, endpoint == "chat")
+            if endpoint == "responses":
+                parsed = parse_responses_request(raw, self.tokenizer)
+            else:
+                parsed = self.parse(raw, endpoint == "chat")
             self.check_model(parsed.model)
-            group = self.affinity.match(parsed.body, endpoint == "chat", headers) if self.affinity else None
+            group = None
+            if self.affinity and parsed.pinned_tag is None:
+                group = self.affinity.match(
+                    parsed.affinity_body or parsed.body, endpoint != "completions", headers
+                )
             watch = _ClientWatch(receive)
             status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
         except RouterError as exc:
@@ -215,12 +240,15 @@ class Router:
             value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
-        inject = parsed.stream and self.config.stream_usage
+        inject = parsed.stream and self.config.stream_usage and not parsed.usage_in_stream
         body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
+        # NOTE: a stored conversation lives on one worker: a follow-up goes there or nowhere
+        previous = parsed.body.get("previous_response_id")
+        only = self.pinned_worker(parsed.pinned_tag, previous) if parsed.pinned_tag is not None else None
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         for attempt in range(self.config.max_retries + 1):
-            decision, outcome = self.decide(route, parsed.model, tried, group)
+            decision, outcome = self.decide(route, parsed.model, tried, group, only)
             if attempt == 0:
                 self.metrics.decision.observe(time.perf_counter() - t0)
                 if self.affinity:
@@ -268,6 +296,9 @@ class Router:
                 worker.in_flight -= parsed.sequences
                 prefill.release()
                 worker.changed()
+        if only is not None and failure is None:
+            raise RouterError(503, f"the worker holding response {previous!r} ({only}) is not available",
+                              "worker_unavailable")  # fmt: skip
         if failure is not None and failure.kind == "overloaded":
             raise RouterError(429, f"every worker tried has a full queue ({failure})", "overloaded")
         if failure is not None:

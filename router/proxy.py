@@ -37,15 +37,19 @@ class Usage:
 
 
 def parse_usage(obj: object) -> Usage | None:
-    """usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens of a response or chunk."""
+    """usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens of a response or chunk;
+    for the Responses API, input_tokens and input_tokens_details of a response object or of the
+    ``response`` a stream event carries."""
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
+    if usage is None and isinstance(obj.get("response"), dict):
+        usage = obj["response"].get("usage")
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details")
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt = usage.get("prompt_tokens")
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     return Usage(
         prompt_tokens=prompt if isinstance(prompt, int) else 0,
         cached_tokens=cached if isinstance(cached, int) else 0,

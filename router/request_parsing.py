@@ -12,6 +12,7 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import RouterError
+from router.responses_input import prompt_messages, tag_of
 from router.tokenization import ByteTokenizer, PromptTokenizer
 
 
@@ -28,6 +29,11 @@ class ParsedRequest:
     token_ids: Sequence[int]  # bytes for the bytes tokenizer (one id per byte), else a list
     sequences: int = 1  # sequences the worker will run: n x prompts (a batch), for the load count
     other_prompt_tokens: int = 0  # a batch's prompts after the first (routed by the first), counted uncached
+    # /v1/responses only: the worker tag of previous_response_id (the request must go there), what
+    # affinity rules read (the prompt as chat messages), and that streams carry usage unasked
+    pinned_tag: str | None = None
+    affinity_body: dict[str, Any] | None = None
+    usage_in_stream: bool = False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -54,8 +60,8 @@ async def read_asgi_body(receive: Callable[[], Awaitable[dict]], declared: str |
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:
-    """Validate what the router needs of an OpenAI request and tokenize its prompt."""
+def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
+    """The JSON object body, its ``model`` and ``stream``, checked."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -68,6 +74,12 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", "invalid_type")
+    return body, model, stream
+
+
+def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:
+    """Validate what the router needs of an OpenAI request and tokenize its prompt."""
+    body, model, stream = _common_fields(raw)
     rest: list = []  # a batch's prompts after the first
     try:
         if chat:
@@ -84,6 +96,29 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     n = body.get("n")
     n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
     return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others)
+
+
+def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedRequest:
+    """A /v1/responses request: routed by ``instructions`` + ``input`` rendered as chat, or, with
+    ``previous_response_id``, pinned to the worker that holds that conversation (router.responses_input)."""
+    body, model, stream = _common_fields(raw)
+    previous = body.get("previous_response_id")
+    tag = None
+    try:
+        if previous is not None:
+            tag = tag_of(previous)
+            if tag is None:
+                raise RouterError(404, f"response {previous!r} not found", "response_not_found")
+            messages = prompt_messages(body.get("instructions"), [], body.get("input"))
+            token_ids: Sequence[int] = b""  # NOTE: the prompt starts with a history only its worker has
+        else:
+            messages = prompt_messages(body.get("instructions"), [], body.get("input"))
+            token_ids = _encode_chat(tokenizer, messages)
+    except ValueError as exc:
+        raise RouterError(400, str(exc), "invalid_request") from None
+    parsed = ParsedRequest(body, raw, model, stream, token_ids, pinned_tag=tag, usage_in_stream=True)
+    parsed.affinity_body = {"model": model, "messages": messages}
+    return parsed
 
 
 def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from router.circuit_breaker import BreakerState, CircuitBreaker
+from router.responses_input import worker_tag
 
 
 @dataclass
@@ -164,6 +165,15 @@ class WorkerRegistry:
 
     def __len__(self) -> int:
         return len(self._workers)
+
+    def tagged(self, tag: str) -> Worker | None:
+        """The worker whose tag (router.responses_input.worker_tag) is ``tag``, by the URL it is
+        registered under or the one it advertises (its KV events' name)."""
+        for w in self._workers.values():
+            names = (w.url, (w.cache_info or {}).get("worker"))
+            if any(isinstance(n, str) and worker_tag(n) == tag for n in names):
+                return w
+        return None
 
     def candidates(self, model: str | None, exclude: set[str] | frozenset = frozenset()) -> list[Worker]:
         """Workers that may take a request for ``model`` now: healthy, breaker allows, serve it."""

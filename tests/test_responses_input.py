@@ -1,0 +1,60 @@
+"""router.responses_input: the Responses API input as chat messages (as router and worker both
+render it), and response ids that name a worker (a pinned value: the contract in docs/contracts.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.responses_input import input_messages, new_response_id, prompt_messages, tag_of, worker_tag
+
+
+def test_worker_tag_is_pinned_and_ignores_a_trailing_slash() -> None:
+    assert worker_tag("http://10.0.0.5:8001") == "aaf1955667"  # mmh3 x64-128, first half, 40 bits
+    assert worker_tag("http://10.0.0.5:8001/") == "aaf1955667"
+    assert worker_tag("http://10.0.0.6:8001") != "aaf1955667"
+
+
+def test_response_ids_carry_the_tag_and_nothing_else_parses_as_ours() -> None:
+    rid = new_response_id("aaf1955667")
+    assert rid.startswith("resp_aaf1955667") and len(rid) == len("resp_") + 10 + 32
+    assert tag_of(rid) == "aaf1955667" and new_response_id("aaf1955667") != rid
+    for other in ("resp_XYZ", "resp_123", "chatcmpl-aaf1955667", 42, None, "resp_AAF1955667ff"):
+        assert tag_of(other) is None
+
+
+def test_input_becomes_chat_messages() -> None:
+    assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+        },
+        {"role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+    ]
+    assert input_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "ok"},
+    ]
+
+
+def test_instructions_come_first_then_history_then_input() -> None:
+    history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    assert prompt_messages("sys", history, "q2") == [
+        {"role": "system", "content": "sys"}, *history, {"role": "user", "content": "q2"}
+    ]  # fmt: skip
+    assert prompt_messages(None, [], "q") == [{"role": "user", "content": "q"}]
+
+
+@pytest.mark.parametrize(
+    "input_",
+    ["", [], None, 5, [5], [{"type": "function_call_output", "output": "1"}], [{"role": "tool", "content": "x"}],
+     [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], [{"role": "user", "content": 3}]],
+)  # fmt: skip
+def test_unsupported_input_is_a_value_error(input_) -> None:
+    with pytest.raises(ValueError):
+        input_messages(input_)
+    with pytest.raises(ValueError):
+        prompt_messages(3, [], "q")

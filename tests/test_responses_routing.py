@@ -1,0 +1,142 @@
+"""/v1/responses through the router, real processes on loopback (simulated workers): a new
+conversation is routed by its prompt; previous_response_id goes to the worker that holds the
+conversation, known by its registered or advertised URL, with no shared state between routers;
+stream usage reaches the hit-rate metrics; retrieve and delete reach the same worker."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from router.launcher import free_port
+from tests.support import REDIS, wait_until
+from tests.test_router_integration import metric_values
+
+INSTRUCTIONS = "You are the radixgate routing test assistant. Keep answers short. " * 12
+
+
+def _worker(launch, *extra: str):
+    port = free_port()
+    return launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--advertise-url",
+                         f"http://127.0.0.1:{port}", *extra, port=port)  # fmt: skip
+
+
+def _alias(url: str) -> str:
+    """The same worker under another name than it advertises."""
+    return url.replace("127.0.0.1", "localhost")
+
+
+def _create(router_url: str, **body) -> httpx.Response:
+    return httpx.post(
+        router_url + "/v1/responses", json={"model": "sim-8b", "max_output_tokens": 4, **body}, timeout=30
+    )
+
+
+def test_follow_ups_reach_the_worker_holding_the_conversation_through_any_router(launch) -> None:
+    workers = [_worker(launch) for _ in range(3)]
+    urls = [_alias(w.url) for w in workers]  # NOTE: tags must also resolve through advertised URLs
+    routers = [launch.router(urls, "--policy", "round_robin") for _ in range(2)]
+    first = _create(routers[0].url, instructions=INSTRUCTIONS, input="Turn one.")
+    assert first.status_code == 200
+    holder = first.headers["x-radixgate-worker"]
+    previous = first.json()["id"]
+    for turn in range(4):  # round robin would spread these; each must land on the holder
+        router = routers[turn % 2]
+        r = _create(router.url, input=f"Turn {turn + 2}.", previous_response_id=previous)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-radixgate-worker"] == holder
+        assert r.json()["previous_response_id"] == previous
+        previous = r.json()["id"]
+    got = httpx.get(f"{routers[1].url}/v1/responses/{previous}", timeout=10)
+    assert (
+        got.status_code == 200
+        and got.json()["id"] == previous
+        and got.headers["x-radixgate-worker"] == holder
+    )
+    assert httpx.delete(f"{routers[0].url}/v1/responses/{previous}", timeout=10).json()["deleted"] is True
+    gone = _create(routers[0].url, input="More.", previous_response_id=previous)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+
+
+def test_a_new_conversation_is_routed_by_its_prompt_and_streams_report_usage(launch) -> None:
+    workers = [_worker(launch) for _ in range(2)]
+    router = launch.router([w.url for w in workers])  # cache_aware
+    served = set()
+    for i in range(4):
+        with httpx.stream("POST", router.url + "/v1/responses", timeout=30,
+                          json={"model": "sim-8b", "instructions": INSTRUCTIONS, "input": f"Question {i}",
+                                "max_output_tokens": 4, "stream": True}) as r:  # fmt: skip
+            assert r.status_code == 200
+            served.add(r.headers["x-radixgate-worker"])
+            kinds = [line[len("event: ") :] for line in r.iter_lines() if line.startswith("event: ")]
+        assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert len(served) == 1  # one shared instructions prefix: one worker holds it
+    text = httpx.get(router.url + "/metrics").text
+    cached = sum(metric_values(text, "radixgate_upstream_cached_tokens_total").values())
+    prompt = sum(metric_values(text, "radixgate_upstream_usage_prompt_tokens_total").values())
+    assert (
+        prompt > 4 * len(INSTRUCTIONS) // 2 and cached > len(INSTRUCTIONS) // 2
+    )  # read from response.completed
+    assert (
+        sum(metric_values(text, 'radixgate_requests_total{endpoint="responses",status="200"}').values()) == 4
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"input": "x", "previous_response_id": "resp_notours"}, 404, "response_not_found"),
+        ({"input": "x", "previous_response_id": "resp_00000000001234"}, 404, "response_not_found"),
+        ({"input": [{"type": "function_call_output"}]}, 400, "invalid_request"),
+        ({"input": ""}, 400, "invalid_request"),
+    ],
+)
+def test_bad_follow_ups_and_inputs_get_clear_errors(launch, body, status, code) -> None:
+    router = launch.router([_worker(launch).url])
+    r = _create(router.url, **body)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+    assert _create(router.url, input="fine").status_code == 200
+
+
+def test_a_follow_up_whose_worker_is_down_is_503_not_sent_elsewhere(launch) -> None:
+    a, b = _worker(launch), _worker(launch)
+    router = launch.router([a.url, b.url], "--policy", "round_robin", "--health-interval-s", "0.2")
+    first = _create(router.url, input="Hello.")
+    holder = a if first.headers["x-radixgate-worker"] == a.url else b
+    holder.stop()
+    wait_until(lambda: not next(w for w in httpx.get(router.url + "/workers").json()["workers"]
+                                if w["url"] == holder.url)["healthy"], 15, what="holder marked down")  # fmt: skip
+    r = _create(router.url, input="Still there?", previous_response_id=first.json()["id"])
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+
+
+@pytest.mark.redis
+def test_kv_events_of_a_worker_known_by_another_name_reach_the_index(launch) -> None:
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url = launch.redis()
+    worker = _worker(launch, "--redis-url", redis_url)
+    alias = _alias(worker.url)
+    router = launch.router([alias], "--kv-events", "redis", "--redis-url", redis_url)
+    body = {
+        "model": "sim-8b",
+        "messages": [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "q"}],
+    }
+
+    def matched() -> int:
+        decision = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+        return next(c["matched_tokens"] for c in decision["candidates"] if c["url"] == alias)
+
+    wait_until(lambda: "radixgate_upstream_kv_resyncs_total" in httpx.get(router.url + "/metrics").text
+               and matched() == 0, 15, what="router subscribed")  # fmt: skip
+    assert (
+        httpx.post(
+            worker.url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30
+        ).status_code
+        == 200
+    )
+    wait_until(lambda: matched() >= len(INSTRUCTIONS) // 2, 15, what="stored event applied under the alias")
+    batches = metric_values(
+        httpx.get(router.url + "/metrics").text, "radixgate_upstream_kv_event_batches_total"
+    )
+    assert batches[f'{{worker="{alias}"}}'] >= 1
