@@ -24,6 +24,7 @@ from router.gateway import Router
 from router.proxy import UpstreamFailure
 from router.request_parsing import read_body
 from router.responses_input import tag_of
+from router.route_explain import explain
 
 log = logging.getLogger("radixgate.router")
 
@@ -124,7 +125,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
-        return _json(router.explain(parsed, chat, request.headers))
+        return _json(explain(router, parsed, chat, request.headers))
 
     async def to_one_worker(request: Request) -> Response:
         """/tokenize and /detokenize: answered by the least loaded healthy worker serving the body's

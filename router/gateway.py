@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -385,44 +385,6 @@ class Router:
         if not finished:
             watch.stop()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    # ---------------------------------------------------------------- explain
-    def explain(self, parsed: ParsedRequest, chat: bool, headers: Mapping[str, str]) -> dict[str, Any]:
-        route = self.route_request(parsed)
-        group = self.affinity.match(parsed.body, chat, headers) if self.affinity else None
-        decision, outcome = self.decide(route, parsed.model, set(), group)
-        matched = self.index.match(route.block_hashes)
-        return {
-            "worker": None if decision is None else decision.url,
-            "reason": "no healthy worker" if decision is None else decision.reason,
-            "policy": self.policy.name,
-            "affinity_group": group,
-            "affinity_outcome": outcome,
-            "prompt_tokens": route.prompt_tokens,
-            "block_size": route.block_size,
-            "blocks": len(route.block_hashes),
-            "block_hashes": [str(h) for h in route.block_hashes],  # strings: exact in any JSON client
-            "candidates": [
-                {
-                    "url": w.url,
-                    "healthy": w.healthy,
-                    "available": w.available(time.monotonic()),
-                    "load": w.load,
-                    "in_flight": w.in_flight,
-                    "pending_prefill_tokens": w.pending_prefill,
-                    "peer_in_flight": w.peer_queue,  # other replicas', as announced (replica sync)
-                    "peer_pending_prefill_tokens": w.peer_prefill,
-                    "others_queue": w.others_queue,  # the last report's rest
-                    "others_prefill_tokens": w.others_prefill,
-                    "matched_tokens": (
-                        decision.matched_tokens.get(w.url, 0)
-                        if decision is not None and w.url in decision.matched_tokens
-                        else matched.get(w.url, 0) * route.block_size
-                    ),
-                }
-                for w in self.workers
-            ],
-        }
 
 
 # -------------------------------------------------------------------- HTTP layer

@@ -1,0 +1,50 @@
+"""``POST /debug/route``: the routing decision for a request body, explained, without sending it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from router.gateway import Router
+from router.request_parsing import ParsedRequest
+
+
+def explain(router: Router, parsed: ParsedRequest, chat: bool, headers: Mapping[str, str]) -> dict[str, Any]:
+    """What the router would do with this request and why: each candidate's predicted cached tokens
+    and load (own, other replicas', the last report's rest). Reads state; sends nothing."""
+    route = router.route_request(parsed)
+    group = router.affinity.match(parsed.body, chat, headers) if router.affinity else None
+    decision, outcome = router.decide(route, parsed.model, set(), group)
+    matched = router.index.match(route.block_hashes)
+    return {
+        "worker": None if decision is None else decision.url,
+        "reason": "no healthy worker" if decision is None else decision.reason,
+        "policy": router.policy.name,
+        "affinity_group": group,
+        "affinity_outcome": outcome,
+        "prompt_tokens": route.prompt_tokens,
+        "block_size": route.block_size,
+        "blocks": len(route.block_hashes),
+        "block_hashes": [str(h) for h in route.block_hashes],  # strings: exact in any JSON client
+        "candidates": [
+            {
+                "url": w.url,
+                "healthy": w.healthy,
+                "available": w.available(time.monotonic()),
+                "load": w.load,
+                "in_flight": w.in_flight,
+                "pending_prefill_tokens": w.pending_prefill,
+                "peer_in_flight": w.peer_queue,  # other replicas', as announced (replica sync)
+                "peer_pending_prefill_tokens": w.peer_prefill,
+                "others_queue": w.others_queue,  # the last report's rest
+                "others_prefill_tokens": w.others_prefill,
+                "matched_tokens": (
+                    decision.matched_tokens.get(w.url, 0)
+                    if decision is not None and w.url in decision.matched_tokens
+                    else matched.get(w.url, 0) * route.block_size
+                ),
+            }
+            for w in router.workers
+        ],
+    }
