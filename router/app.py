@@ -23,7 +23,6 @@ from router.errors import RouterError, error_response
 from router.gateway import Router
 from router.proxy import UpstreamFailure
 from router.request_parsing import read_body
-from router.responses_input import tag_of
 from router.route_explain import explain
 
 log = logging.getLogger("radixgate.router")
@@ -158,13 +157,16 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         return Response(payload, resp.status, {"x-radixgate-worker": worker.url}, content_type)
 
     async def stored_response(request: Request) -> Response:
-        """GET / DELETE /v1/responses/{id}: answered by the worker the id names."""
+        """GET / DELETE /v1/responses/{id}: answered by the worker the id names (another backend's
+        id: by the least loaded healthy worker)."""
         rid = request.path_params["response_id"]
         try:
-            tag = tag_of(rid)
-            if tag is None:
-                raise RouterError(404, f"response {rid!r} not found", "response_not_found")
-            url = router.pinned_worker(tag, rid)
+            url = router.response_holder(rid)
+            if url is None:
+                workers = router.workers.candidates(None)
+                if not workers:
+                    raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
+                url = min(workers, key=lambda w: w.load).url
             session = router.upstream.session
             assert session is not None
             timeout = aiohttp.ClientTimeout(

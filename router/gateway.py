@@ -39,6 +39,7 @@ from router.request_parsing import (
     read_asgi_body,
     with_stream_usage,
 )
+from router.responses_input import tag_of
 from router.tokenization import load_tokenizer
 from router.workers import PendingPrefill, Worker, WorkerRegistry
 
@@ -150,13 +151,12 @@ class Router:
         if model is not None and not self.workers.serves(model):
             raise RouterError(404, f"model {model!r} is not served by any worker", "model_not_found")
 
-    def pinned_worker(self, tag: str, response_id: Any) -> str:
-        """The registered worker a response id names; RouterError 404 when none is."""
-        worker = self.workers.tagged(tag)
-        if worker is None:
-            raise RouterError(404, f"response {response_id!r} not found: no registered worker holds it",
-                              "response_not_found")  # fmt: skip
-        return worker.url
+    def response_holder(self, response_id: Any) -> str | None:
+        """The registered worker a response id of ours names (router.responses_input), or None:
+        an id of another backend (vLLM's), or of a worker no longer registered."""
+        tag = tag_of(response_id)
+        worker = None if tag is None else self.workers.tagged(tag)
+        return None if worker is None else worker.url
 
     def decide(
         self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None,
@@ -192,7 +192,7 @@ class Router:
                 parsed = self.parse(raw, endpoint == "chat")
             self.check_model(parsed.model)
             group = None
-            if self.affinity and parsed.pinned_tag is None:
+            if self.affinity and not parsed.follow_up:
                 group = self.affinity.match(
                     parsed.affinity_body or parsed.body, endpoint != "completions", headers
                 )
@@ -243,8 +243,9 @@ class Router:
         inject = parsed.stream and self.config.stream_usage and not parsed.usage_in_stream
         body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
         # NOTE: a stored conversation lives on one worker: a follow-up goes there or nowhere
+        # (an id that names no registered worker is routed by load: its worker answers 404 if need be)
         previous = parsed.body.get("previous_response_id")
-        only = self.pinned_worker(parsed.pinned_tag, previous) if parsed.pinned_tag is not None else None
+        only = self.response_holder(previous) if previous is not None else None
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         for attempt in range(self.config.max_retries + 1):

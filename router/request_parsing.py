@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.responses_input import prompt_messages, tag_of
+from router.responses_input import prompt_messages
 from router.tokenization import ByteTokenizer, PromptTokenizer
 
 
@@ -29,9 +29,9 @@ class ParsedRequest:
     token_ids: Sequence[int]  # bytes for the bytes tokenizer (one id per byte), else a list
     sequences: int = 1  # sequences the worker will run: n x prompts (a batch), for the load count
     other_prompt_tokens: int = 0  # a batch's prompts after the first (routed by the first), counted uncached
-    # /v1/responses only: the worker tag of previous_response_id (the request must go there), what
+    # /v1/responses only: a follow-up (previous_response_id: its worker holds the history), what
     # affinity rules read (the prompt as chat messages), and that streams carry usage unasked
-    pinned_tag: str | None = None
+    follow_up: bool = False
     affinity_body: dict[str, Any] | None = None
     usage_in_stream: bool = False
 
@@ -103,20 +103,17 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
     ``previous_response_id``, pinned to the worker that holds that conversation (router.responses_input)."""
     body, model, stream = _common_fields(raw)
     previous = body.get("previous_response_id")
-    tag = None
+    if previous is not None and not isinstance(previous, str):
+        raise RouterError(400, "'previous_response_id' must be a string", "invalid_type")
     try:
-        if previous is not None:
-            tag = tag_of(previous)
-            if tag is None:
-                raise RouterError(404, f"response {previous!r} not found", "response_not_found")
-            messages = prompt_messages(body.get("instructions"), [], body.get("input"))
-            token_ids: Sequence[int] = b""  # NOTE: the prompt starts with a history only its worker has
-        else:
-            messages = prompt_messages(body.get("instructions"), [], body.get("input"))
-            token_ids = _encode_chat(tokenizer, messages)
+        messages = prompt_messages(body.get("instructions"), [], body.get("input"))
+        # NOTE: a follow-up's prompt starts with a history only its worker has: nothing to match
+        token_ids: Sequence[int] = b"" if previous is not None else _encode_chat(tokenizer, messages)
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
-    parsed = ParsedRequest(body, raw, model, stream, token_ids, pinned_tag=tag, usage_in_stream=True)
+    parsed = ParsedRequest(
+        body, raw, model, stream, token_ids, follow_up=previous is not None, usage_in_stream=True
+    )
     parsed.affinity_body = {"model": model, "messages": messages}
     return parsed
 

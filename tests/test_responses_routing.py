@@ -85,8 +85,10 @@ def test_a_new_conversation_is_routed_by_its_prompt_and_streams_report_usage(lau
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
+        # ids naming no registered worker go to one chosen by load, which does not hold them
         ({"input": "x", "previous_response_id": "resp_notours"}, 404, "response_not_found"),
         ({"input": "x", "previous_response_id": "resp_00000000001234"}, 404, "response_not_found"),
+        ({"input": "x", "previous_response_id": 7}, 400, "invalid_type"),
         ({"input": [{"type": "function_call_output"}]}, 400, "invalid_request"),
         ({"input": ""}, 400, "invalid_request"),
     ],
