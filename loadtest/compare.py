@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--duration", type=float, default=120.0, help="wall-clock bound per run (s)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--api", default="chat", choices=["chat", "completions", "responses"],
+                   help="responses: later turns send previous_response_id, not the conversation")  # fmt: skip
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="workload knob")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="compare-results")
@@ -409,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         options = {k: _value(v) for k, v in (x.split("=", 1) for x in a.option)}
         load = LoadConfig(workload=a.workload, trace=a.trace, mode=a.mode, concurrency=a.concurrency,
                           rate=a.rate, requests=a.requests, duration_s=a.duration, max_tokens=a.max_tokens,
-                          stream=True, seed=a.seed, options=options, block_chars=32 if a.trace else None)  # fmt: skip
+                          stream=True, seed=a.seed, options=options, block_chars=32 if a.trace else None,
+                          api=a.api)  # fmt: skip
         if a.host_cache_tokens and a.backend == "echo":
             raise ValueError("--host-cache-tokens needs the sim backend")
         backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token,

@@ -21,7 +21,9 @@ import orjson
 from tqdm import tqdm
 
 from loadtest import report
+from loadtest.answers import read_completion, read_response
 from loadtest.report import RequestRecord, Results
+from loadtest.responses_client import responses_body
 from loadtest.trace import load_trace
 from loadtest.workloads import (
     API_PATHS,
@@ -123,6 +125,7 @@ class _Run:
                 self.dependents.setdefault(r.after, []).append(r)
         self.first_turns = [r for r in requests if r.after is None]
         self.full_bodies: dict[int, dict[str, Any]] = {}  # sent bodies that a later turn extends
+        self.response_ids: dict[int, str] = {}  # Responses API: a turn's id, for the next turn
         self.records: list[RequestRecord] = []
         self.skipped = 0
         self.remaining = len(requests)  # not yet recorded or skipped
@@ -207,6 +210,9 @@ class _Run:
             body.update(stream=True, stream_options={"include_usage": True})
         if self.config.ignore_eos:
             body["ignore_eos"] = True
+        if req.api == "responses":
+            previous = self.response_ids.pop(req.after) if req.after is not None else None
+            body = responses_body(body, req.body, previous)
         return body
 
     async def _send(self, req: Request) -> None:
@@ -215,7 +221,9 @@ class _Run:
         started = self.loop.time()
         reply: list[str] = []
         try:
-            await self._post(self.urls[req.id % len(self.urls)], req.api, body, rec, started, reply)
+            rid = await self._post(self.urls[req.id % len(self.urls)], req.api, body, rec, started, reply)
+            if rid is not None and req.id in self.dependents:
+                self.response_ids[req.id] = rid
             if rec.error is None:
                 rec.latency_s = self.loop.time() - started
         except asyncio.CancelledError:
@@ -237,7 +245,8 @@ class _Run:
 
     async def _post(
         self, url: str, api: str, body: dict[str, Any], rec: RequestRecord, started: float, reply: list[str]
-    ) -> None:
+    ) -> str | None:
+        """Send one request and record it; returns a Responses API answer's id (else None)."""
         data = orjson.dumps(body)
         headers = {"content-type": "application/json"}
         async with self.session.post(url + API_PATHS[api], data=data, headers=headers) as resp:
@@ -246,36 +255,12 @@ class _Run:
             if resp.status >= 400:
                 await resp.read()
                 rec.error = f"http_{resp.status}"
-                return
-            if not body.get("stream"):
-                payload = orjson.loads(await resp.read())
-                rec.ttft_s = self.loop.time() - started
-                choice = payload["choices"][0]
-                reply.append((choice.get("message") or {}).get("content") or choice.get("text") or "")
-                _apply_usage(rec, payload.get("usage"))
-                return
-            finished = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    finished = True
-                    break
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    rec.error = "stream_error"
-                    return
-                for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text")
-                    if text:
-                        if rec.ttft_s is None:
-                            rec.ttft_s = self.loop.time() - started
-                        reply.append(text)
-                _apply_usage(rec, chunk.get("usage"))
-            if not finished:
-                rec.error = "incomplete_stream"
+                return None
+            clock = self.loop.time
+            if api == "responses":
+                return await read_response(resp, bool(body.get("stream")), rec, started, clock, reply)
+            await read_completion(resp, bool(body.get("stream")), rec, started, clock, reply)
+            return None
 
     def _record(self, req: Request, rec: RequestRecord) -> None:
         self.records.append(rec)
@@ -300,16 +285,6 @@ class _Run:
         if self.remaining == 0:
             self.all_done.set()
             self.ready_event.set()  # wake idle closed-loop slots so they exit
-
-
-def _apply_usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
-    if not usage:
-        return
-    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-    rec.completion_tokens = usage.get("completion_tokens", rec.completion_tokens)
-    details = usage.get("prompt_tokens_details") or {}
-    if details.get("cached_tokens") is not None:
-        rec.cached_tokens = int(details["cached_tokens"])
 
 
 def base_urls(url: str) -> list[str]:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-API_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# NOTE: "responses" bodies are built as chat ones; the driver turns them into Responses requests
+API_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 _SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in "aeiou"] + ["qu", "th", "sh", "ch"]
 
 
@@ -51,7 +52,7 @@ class Request:
 
     id: int  # position in the workload; a turn's ``after`` is always a smaller id
     arrival_s: float  # open-loop send time, seconds after the run starts (first turns only)
-    api: str  # "chat" | "completions"
+    api: str  # "chat" | "completions" | "responses" (a chat body, sent as a Responses request)
     body: dict[str, Any]  # OpenAI request body (model, messages | prompt, max_tokens, ...)
     group: str  # what shares this request's prefix: "tenant-3", "doc-7", "conv-12", "unique", ...
     after: int | None = None  # id of the previous turn of the same conversation
@@ -68,7 +69,7 @@ def prompt_text(body: dict[str, Any]) -> str:
 def continue_body(previous_full: dict[str, Any], reply: str, turn: Request) -> dict[str, Any]:
     """Full body of a later turn: the previous turn's full body, its reply, then this turn's part."""
     body = dict(turn.body)
-    if turn.api == "chat":
+    if turn.api in ("chat", "responses"):
         body["messages"] = [
             *previous_full["messages"],
             {"role": "assistant", "content": reply},
@@ -135,7 +136,7 @@ class _Builder:
 
     def body(self, messages: list[dict[str, str]], *, continuation: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0}
-        if self.api == "chat":
+        if self.api in ("chat", "responses"):
             body["messages"] = messages
         else:
             text = "\n\n".join(m["content"] for m in messages)

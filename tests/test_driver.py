@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 from collections import Counter
@@ -262,3 +263,25 @@ async def test_cli_writes_json_markdown_plot_and_compare(server_factory, tmp_pat
     table = report.compare(outs, md=tmp_path / "cmp.md")
     assert table.splitlines()[0] == "| metric | a | b |"
     assert "| ok / sent | 10 / 10 | 10 / 10 |" in table
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_multi_turn_over_the_responses_api_continues_stored_conversations(launch, stream):
+    """Against a real (simulated) worker: later turns send only their message and the previous
+    response's id, and the worker's prompt still holds the whole conversation, mostly cached."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    cfg = LoadConfig(url=worker.url, workload="multi_turn", api="responses", requests=9, concurrency=3,
+                     stream=stream, max_tokens=4,
+                     options={"turns": 3, "think_time_s": 0.0, "system_tokens": 256, "user_tokens": 16})  # fmt: skip
+    results = await run_load(cfg)
+    assert results.summary()["ok"] == 9
+    by_conv: dict[str, list] = {}
+    for rec in sorted(results.records, key=lambda r: r.id):
+        by_conv.setdefault(rec.group, []).append(rec)
+    assert len(by_conv) == 3
+    for turns in by_conv.values():
+        tokens = [r.prompt_tokens for r in turns]
+        assert tokens == sorted(tokens) and tokens[0] < tokens[-1]  # the history grows on the server
+        for earlier, later in itertools.pairwise(turns):
+            # the previous turn's prompt (whole pages) is served from the cache
+            assert later.cached_tokens >= earlier.prompt_tokens // 16 * 16 - 16
