@@ -118,7 +118,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             raw = await read_body(request, config.max_body_bytes)
             body = orjson.loads(raw) if raw else None
             chat = isinstance(body, dict) and "messages" in body
-            parsed = router.parse(raw, chat)
+            parsed = router.parse(raw, "chat" if chat else "completions")
             router.check_model(parsed.model)
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")

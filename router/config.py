@@ -41,6 +41,11 @@ class RouterConfig:
     first_byte_timeout_s: float = 120.0  # upstream must answer (headers) within this
     request_timeout_s: float = 600.0  # whole request
     max_body_bytes: int = 16 * 1024 * 1024
+    # admission (router/admission.py): requests forwarded at once by this replica, 0 = no limit; the
+    # next ones wait FIFO (at most max_queued_requests, else 429) up to queue_timeout_s (else 503)
+    max_concurrent_requests: int = 0
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
     admin_token: str | None = None  # required by /workers when set
     kv_events: str = "auto"  # auto | redis | http | off
     redis_url: str | None = None
@@ -85,6 +90,10 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive")
         if not self.prefill_tokens_per_load >= 0:  # NaN fails too
             raise ValueError("prefill_tokens_per_load must be >= 0 (0: load counts requests only)")
+        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
+            raise ValueError(
+                "max_concurrent_requests and max_queued_requests must be >= 0, queue_timeout_s > 0"
+            )
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
@@ -186,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health-interval-s", type=float)
     p.add_argument("--max-retries", type=int)
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        help="requests forwarded at once by this router; the rest queue FIFO (default 0: no limit)",
+    )
+    p.add_argument("--max-queued-requests", type=int, help="queued requests before 429 (default 1024)")
+    p.add_argument("--queue-timeout-s", type=float, help="longest wait in the queue before 503 (default 30)")
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--admin-token")
     p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from router.admission import AdmissionGate
 from router.affinity import UNGROUPED, AffinityGroups
 from router.block_hash import PromptHashes, SpanMemo
 from router.circuit_breaker import CircuitBreaker
@@ -92,10 +93,14 @@ class Router:
         )
         self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
         self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
+        self.admission = AdmissionGate(
+            config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s
+        )
         self.metrics = RouterMetrics(
             self.workers,
             lambda: (self.index.num_entries, self.index.num_nodes),
             lambda: self.replica_sync.describe() if self.replica_sync else None,
+            self.admission if config.max_concurrent_requests else None,
         )
         self.upstream = Upstream(
             config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s
@@ -129,8 +134,11 @@ class Router:
         await self.upstream.close()
 
     # ---------------------------------------------------------------- parsing
-    def parse(self, raw: bytes, chat: bool) -> ParsedRequest:
-        return parse_request(raw, chat, self.tokenizer)
+    def parse(self, raw: bytes, endpoint: str) -> ParsedRequest:
+        """A request body of ``endpoint`` (chat, completions, responses), checked and tokenized."""
+        if endpoint == "responses":
+            return parse_responses_request(raw, self.tokenizer)
+        return parse_request(raw, endpoint == "chat", self.tokenizer)
 
     def namespace(self, model: str | None) -> str:
         """Root of the block-hash chain: the model name, as the workers use for their events."""
@@ -186,10 +194,7 @@ class Router:
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
-            if endpoint == "responses":
-                parsed = parse_responses_request(raw, self.tokenizer)
-            else:
-                parsed = self.parse(raw, endpoint == "chat")
+            parsed = self.parse(raw, endpoint)
             self.check_model(parsed.model)
             group = None
             if self.affinity and not parsed.follow_up:
@@ -197,7 +202,8 @@ class Router:
                     parsed.affinity_body or parsed.body, endpoint != "completions", headers
                 )
             watch = _ClientWatch(receive)
-            status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
+            async with self.admission.slot():  # NOTE: routed once admitted, by the load of that moment
+                status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
         except RouterError as exc:
             status = exc.status
             if exc.status >= 500:

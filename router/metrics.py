@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router.admission import AdmissionGate
 from router.workers import WorkerRegistry
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -188,15 +189,49 @@ class _SyncCollector:
         yield from (peers, messages, expired)
 
 
+class _AdmissionCollector:
+    """The router's admission gate (router/admission.py)."""
+
+    def __init__(self, gate: AdmissionGate | None) -> None:
+        self._gate = gate
+
+    def collect(self) -> Iterable[Metric]:
+        g = self._gate
+        if g is None:
+            return
+        yield GaugeMetricFamily(
+            "radixgate_router_active_requests", "Requests holding an admission slot", value=g.active
+        )
+        yield GaugeMetricFamily(
+            "radixgate_router_queued_requests", "Requests waiting for a slot", value=g.queued
+        )
+        refused = CounterMetricFamily(
+            "radixgate_router_queue_refused", "Requests refused by admission: full (429), timeout (503)",
+            labels=["reason"],
+        )  # fmt: skip
+        refused.add_metric(["full"], g.rejected)
+        refused.add_metric(["timeout"], g.timed_out)
+        yield refused
+        yield CounterMetricFamily(
+            "radixgate_router_queue_wait_seconds", "Time admitted requests spent queued", value=g.waited_s
+        )
+        yield CounterMetricFamily(
+            "radixgate_router_queue_admitted_after_wait",
+            "Requests admitted after queueing",
+            value=g.admitted_after_wait,
+        )
+
+
 class RouterMetrics:
     """One registry per router app, so several apps in one process (tests) never collide."""
 
     def __init__(
         self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]],
-        sync_stats: Callable[[], dict | None] = lambda: None,
+        sync_stats: Callable[[], dict | None] = lambda: None, admission: AdmissionGate | None = None,
     ) -> None:  # fmt: skip
         self.registry = CollectorRegistry()
         self.registry.register(_WorkerCollector(workers, index_size))
+        self.registry.register(_AdmissionCollector(admission))
         self.registry.register(_SyncCollector(sync_stats))
         self.requests = Counter(
             "radixgate_requests",

@@ -44,11 +44,14 @@ def test_every_panel_queries_the_prometheus_datasource_variable() -> None:
     graphs = [p for p in dash["panels"] if p["type"] != "row"]
     assert graphs and all(p["datasource"]["uid"] == "${datasource}" and p["targets"] for p in graphs)
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    cells = [(x, y) for p in dash["panels"] for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
+             for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])]  # fmt: skip
+    assert len(cells) == len(set(cells)), "panels overlap"
 
 
 def test_every_query_names_metrics_the_router_and_a_worker_export(launch) -> None:
     worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--host-cache-tokens", "4096")
-    router = launch.router([worker.url])
+    router = launch.router([worker.url], "--max-concurrent-requests", "8")  # admission metrics on
     body = {"model": "sim-8b", "prompt": "a dashboard needs at least one request", "max_tokens": 2}
     assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
     names = exported(httpx.get(router.url + "/metrics").text) | exported(

@@ -516,3 +516,49 @@ def test_when_every_worker_queue_is_full_the_client_gets_429(launch):
         router.url + "/v1/completions", json={"model": "sim-8b", "prompt": "later", "max_tokens": 1}
     )
     assert ok.status_code == 200  # nothing stays closed once the queues drain
+
+
+def _slow_worker(launch) -> object:
+    """A simulated worker whose requests take ~1 s (5 tokens at 200 ms a step)."""
+    return launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--sim-decode-base-ms", "200")
+
+
+def test_the_router_admits_a_bounded_number_queues_the_next_and_refuses_the_rest(launch):
+    worker = _slow_worker(launch)
+    router = launch.router([worker.url], "--max-concurrent-requests", "2", "--max-queued-requests", "2")
+    responses = _burst(router.url, 6)  # 2 forwarded, 2 queued until a slot frees, 2 refused
+    codes = Counter(r.status_code for r in responses)
+    assert codes == {200: 4, 429: 2}
+    assert all(r.json()["error"]["code"] == "router_queue_full" for r in responses if r.status_code == 429)
+    text = httpx.get(router.url + "/metrics").text
+    assert metric_values(text, "radixgate_router_queue_refused_total")['{reason="full"}'] == 2
+    assert metric_values(text, "radixgate_router_queue_admitted_after_wait_total")[""] == 2
+    assert metric_values(text, "radixgate_router_active_requests")[""] == 0  # every slot came back
+    assert metric_values(text, "radixgate_router_queued_requests")[""] == 0
+
+
+def test_a_request_queued_past_the_bound_is_503_and_a_client_that_leaves_frees_its_place(launch):
+    worker = _slow_worker(launch)
+    router = launch.router([worker.url], "--max-concurrent-requests", "1", "--queue-timeout-s", "0.5")
+    responses = _burst(router.url, 3)  # the first holds the slot for ~1 s; the others give up
+    assert sorted(r.status_code for r in responses) == [200, 503, 503]
+    assert all(r.json()["error"]["code"] == "router_queue_timeout" for r in responses if r.status_code == 503)
+
+    async def leave_while_queued() -> int:
+        async with httpx.AsyncClient(base_url=router.url, timeout=60) as c:
+            body = {"model": "sim-8b", "max_tokens": 5, "prompt": "holder"}
+            holder = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.05)  # NOTE: only orders the two sends; the assertion polls
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/completions", json={**body, "prompt": "leaver"}, timeout=0.1)
+            return (await holder).status_code
+
+    assert asyncio.run(leave_while_queued()) == 200
+    refused = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_router_queue_refused_total")
+    assert refused['{reason="timeout"}'] == 2  # the leaver left the queue; it did not time out in it
+    wait_until(lambda: metric_values(httpx.get(router.url + "/metrics").text, "radixgate_router_active_requests")[""] == 0,
+               10, what="every slot back")  # fmt: skip
+    ok = httpx.post(
+        router.url + "/v1/completions", json={"model": "sim-8b", "max_tokens": 1, "prompt": "x"}, timeout=30
+    )
+    assert ok.status_code == 200

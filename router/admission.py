@@ -1,0 +1,109 @@
+"""Router admission: at most ``max_concurrent`` requests are being forwarded at once; the next ones
+wait first come, first served in a bounded queue and are routed only when a slot frees (so the
+policy sees the load of that moment). A full queue is 429; a wait past ``timeout_s`` is 503.
+
+Per router replica (several replicas each admit their own). Never loses a slot: a waiter that
+leaves (client gone, timeout) after being handed one passes it on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from router.errors import RouterError
+
+
+class _QueueTimeout(Exception):
+    pass
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_exception(_QueueTimeout())
+
+
+class AdmissionGate:
+    """Slots for concurrent requests; ``max_concurrent`` 0 admits everything at once."""
+
+    def __init__(self, max_concurrent: int, max_queued: int, timeout_s: float) -> None:
+        self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self.timeout_s = timeout_s
+        self.active = 0  # requests holding a slot
+        self._waiters: deque[asyncio.Future] = deque()
+        self.rejected = 0  # queue full (429)
+        self.timed_out = 0  # waited longer than timeout_s (503)
+        self.waited_s = 0.0  # total time admitted requests spent queued
+        self.admitted_after_wait = 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        """Take a slot, waiting for one if all are held. Raises RouterError 429 / 503."""
+        if self.max_concurrent <= 0:
+            self.active += 1
+            return
+        if self.active < self.max_concurrent and not self._waiters:
+            self.active += 1
+            return
+        if len(self._waiters) >= self.max_queued:
+            self.rejected += 1
+            raise RouterError(
+                429, f"the router is at {self.max_concurrent} concurrent requests and "
+                f"{self.max_queued} queued; try again later", "router_queue_full",
+            )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        started = time.perf_counter()
+        expiry = loop.call_later(self.timeout_s, _expire, waiter)
+        try:
+            # NOTE: awaited directly (no wait_for), so a cancel that races the hand-over still
+            # raises here and _leave passes the slot on
+            await waiter
+        except _QueueTimeout:
+            self._leave(waiter)
+            self.timed_out += 1
+            raise RouterError(
+                503, f"no capacity within {self.timeout_s:g} s (the router queues at most "
+                f"{self.max_concurrent} concurrent requests)", "router_queue_timeout",
+            ) from None  # fmt: skip
+        except BaseException:  # the client went away while waiting
+            self._leave(waiter)
+            raise
+        finally:
+            expiry.cancel()
+        self.waited_s += time.perf_counter() - started
+        self.admitted_after_wait += 1
+
+    def _leave(self, waiter: asyncio.Future) -> None:
+        """A waiter gives up: out of the queue, or, if a slot was handed to it meanwhile, pass it on."""
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            self.release()
+            return
+        waiter.cancel()
+        with contextlib.suppress(ValueError):  # NOTE: release() may have popped it already
+            self._waiters.remove(waiter)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """``acquire`` on entry, ``release`` on exit, whatever happens in between."""
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give a slot back: to the oldest waiter (the slot moves, ``active`` stays) or free it."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.active -= 1
