@@ -498,6 +498,8 @@ tests:
         values: '0+540x30'
       - series: 'radixgate_requests_total{{namespace="llm",endpoint="chat",status="503"}}'
         values: '0+60x30'
+      - series: 'radixgate_requests_total{{namespace="llm",endpoint="chat",status="429"}}'
+        values: '0+60x30'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w0"}}'
         values: '0.95x20'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w1"}}'
@@ -535,6 +537,11 @@ tests:
         eval_time: 25m
         exp_samples:
           - labels: '{{__name__="ALERTS", alertname="RadixgateHitRatePredictionGap", alertstate="firing", severity="warning", namespace="llm"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateOutOfCapacity", alertstate="firing"}}
+        eval_time: 15m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateOutOfCapacity", alertstate="firing", severity="warning", namespace="llm"}}'
             value: 1
       - expr: ALERTS{{alertname="RadixgateWorkerKVUsageHigh", alertstate="firing"}}
         eval_time: 15m
