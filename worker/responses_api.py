@@ -75,8 +75,10 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         api = self.api
         body = await api._body(request)
-        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-        if body.get("text") is not None and fmt not in (None, {"type": "text"}):
+        text = body.get("text")
+        if text is not None and (
+            not isinstance(text, dict) or text.get("format") not in (None, {"type": "text"})
+        ):
             raise APIError(400, "only text output ('text': {'format': {'type': 'text'}}) is supported")
         store = body.get("store", True)
         if not isinstance(store, bool):

@@ -145,6 +145,7 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "instructions": 3}, 400),
         ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, 400),
         ({"input": "hi", "text": {"format": {"type": "json_object"}}}, 400),
+        ({"input": "hi", "text": "plain"}, 400),
         ({"input": "hi", "store": "yes"}, 400),
         ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
         ({"input": "hi", "model": "other"}, 404),
