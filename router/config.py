@@ -60,6 +60,7 @@ class RouterConfig:
     worker_model: str = "tiny"  # --model for launched workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
     log_level: str = "info"
+    access_log: bool = False  # one JSON line per completion request (router/access_log.py)
     affinity_groups: list[dict[str, Any]] = field(default_factory=list)  # see router/affinity.py
 
     @property
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra flag passed to launched workers, repeatable",
     )
     p.add_argument("--log-level")
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log one JSON line per completion request: worker, attempts, policy reason, predicted vs actual "
+        "cached tokens, TTFT and duration (logger radixgate.access)",
+    )
     return p
 
 

@@ -11,16 +11,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import orjson
 
+from router import access_log
 from router.admission import AdmissionGate
 from router.affinity import UNGROUPED, AffinityGroups
 from router.block_hash import PromptHashes, SpanMemo
 from router.circuit_breaker import CircuitBreaker
+from router.client_watch import ClientWatch
 from router.config import RouterConfig
 from router.errors import RouterError, error_body
 from router.event_subscriber import EventSubscriber
@@ -49,29 +51,6 @@ log = logging.getLogger("radixgate.router")
 WORKER_HEADER = "x-radixgate-worker"
 WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
-
-
-class _ClientWatch:
-    """Cancels the request's task when its client disconnects: one watcher task per request,
-    started once the body is read (from then on the only message ``receive`` yields is the
-    disconnect). ``stop()`` before the last ``send``: the server then reports a disconnect too."""
-
-    __slots__ = ("_task", "_watcher", "gone")
-
-    def __init__(self, receive: Callable[[], Awaitable[dict]]) -> None:
-        self._task = asyncio.current_task()
-        self.gone = False
-        self._watcher = asyncio.ensure_future(self._listen(receive))
-
-    async def _listen(self, receive: Callable[[], Awaitable[dict]]) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-        if self._task is not None:
-            self._task.cancel()
-
-    def stop(self) -> None:
-        self._watcher.cancel()
 
 
 class Router:
@@ -190,7 +169,8 @@ class Router:
         """One completion request, straight on ASGI (the hot path: no framework objects)."""
         started = time.perf_counter()
         status = 500
-        watch: _ClientWatch | None = None
+        watch: ClientWatch | None = None
+        access = access_log.start(self.config.access_log, endpoint)
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
@@ -201,11 +181,14 @@ class Router:
                 group = self.affinity.match(
                     parsed.affinity_body or parsed.body, endpoint != "completions", headers
                 )
-            watch = _ClientWatch(receive)
+            access_log.note(request_id=headers.get("x-request-id"), model=parsed.model, stream=parsed.stream,
+                            affinity_group=group)  # fmt: skip
+            watch = ClientWatch(receive)
             async with self.admission.slot():  # NOTE: routed once admitted, by the load of that moment
                 status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
         except RouterError as exc:
             status = exc.status
+            access_log.note(error=exc.code)
             if exc.status >= 500:
                 log.warning("%s: %d %s", endpoint, exc.status, exc.message)
             else:
@@ -226,11 +209,14 @@ class Router:
             if watch is not None:
                 watch.stop()
             self.metrics.count_request(endpoint, status)
+            if access is not None:
+                access.status = status
+                access_log.emit(access, started)
 
     async def forward(
         self,
         send: Callable,
-        watch: _ClientWatch,
+        watch: ClientWatch,
         parsed: ParsedRequest,
         path: str,
         client_headers: dict[str, str],
@@ -269,6 +255,8 @@ class Router:
             prefill = PendingPrefill(worker, route.prompt_tokens - predicted + parsed.other_prompt_tokens)
             worker.breaker.on_send()
             worker.stats.requests += 1
+            access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
+                            prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
             try:
                 try:
                     # The optimistic index insert (and hashing the rest of the prompt) runs once
@@ -322,9 +310,10 @@ class Router:
         if usage is not None:
             worker.stats.usage_prompt_tokens += usage.prompt_tokens
             worker.stats.cached_tokens += usage.cached_tokens
+            access_log.note(usage_prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
 
     async def _send_full(
-        self, send: Callable, watch: _ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
+        self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
     ) -> None:
         try:
             payload = await self.upstream.read_all(resp)
@@ -333,6 +322,7 @@ class Router:
             raise RouterError(exc.status, str(exc), exc.kind) from None
         elapsed = time.perf_counter() - started
         self.metrics.ttft_of[False].observe(elapsed)
+        access_log.note(ttft_ms=round(elapsed * 1e3, 3))
         self.metrics.duration_of[False].observe(elapsed)
         if resp.status == 200:
             with contextlib.suppress(orjson.JSONDecodeError):
@@ -344,7 +334,7 @@ class Router:
     async def _send_stream(
         self,
         send: Callable,
-        watch: _ClientWatch,
+        watch: ClientWatch,
         worker: Worker,
         resp: UpstreamResponse,
         started: float,
@@ -371,7 +361,9 @@ class Router:
         try:
             async for chunk in resp.chunks():
                 if first:
-                    self.metrics.ttft_of[True].observe(time.perf_counter() - started)
+                    ttft = time.perf_counter() - started
+                    self.metrics.ttft_of[True].observe(ttft)
+                    access_log.note(ttft_ms=round(ttft * 1e3, 3))
                     prefill.release()
                     first = False
                 out = scanner.feed(chunk)

@@ -562,3 +562,30 @@ def test_a_request_queued_past_the_bound_is_503_and_a_client_that_leaves_frees_i
         router.url + "/v1/completions", json={"model": "sim-8b", "max_tokens": 1, "prompt": "x"}, timeout=30
     )
     assert ok.status_code == 200
+
+
+def test_the_access_log_explains_each_request(launch):
+    import json
+
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], "--access-log")
+    body = chat("Explain the route.")
+    first = httpx.post(
+        router.url + "/v1/chat/completions", json=body, headers={"x-request-id": "req-1"}, timeout=10
+    )
+    second = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10)
+    bad = httpx.post(router.url + "/v1/chat/completions", json={**body, "model": "gpt-nope"}, timeout=10)
+    assert (first.status_code, second.status_code, bad.status_code) == (200, 200, 404)
+
+    def lines() -> list[dict]:
+        return [json.loads(line.split("radixgate.access: ", 1)[1]) for line in router.log().splitlines()
+                if "radixgate.access: " in line]  # fmt: skip
+
+    wait_until(lambda: len(lines()) == 3, 10, what="three access lines")
+    one, two, three = lines()
+    assert one["request_id"] == "req-1" and one["status"] == 200 and one["worker"] == backend.url
+    assert one["endpoint"] == "chat" and one["attempts"] == 1 and one["reason"]
+    assert one["prompt_tokens"] > len(SYSTEM) and one["usage_prompt_tokens"] > 0 and one["ttft_ms"] > 0
+    assert two["stream"] is True and two["predicted_cached_tokens"] > 0  # the index learned the prefix
+    assert two["cached_tokens"] is not None and two["duration_ms"] >= two["ttft_ms"]
+    assert three["status"] == 404 and three["error"] == "model_not_found" and three["worker"] is None
