@@ -41,7 +41,9 @@ CURRENT: ContextVar[AccessRecord | None] = ContextVar("radixgate_access_record",
 
 def start(enabled: bool, endpoint: str) -> AccessRecord | None:
     """The record of the request running on this task (None when the access log is off)."""
-    rec = AccessRecord(endpoint, time.time()) if enabled else None
+    if not enabled:
+        return None  # NOTE: a request's task starts with the default, None: nothing to set
+    rec = AccessRecord(endpoint, time.time())
     CURRENT.set(rec)
     return rec
 

@@ -184,8 +184,11 @@ class Router:
             access_log.note(request_id=headers.get("x-request-id"), model=parsed.model, stream=parsed.stream,
                             affinity_group=group)  # fmt: skip
             watch = ClientWatch(receive)
-            async with self.admission.slot():  # NOTE: routed once admitted, by the load of that moment
+            await self.admission.acquire()  # NOTE: routed once admitted, by the load of that moment
+            try:
                 status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
+            finally:
+                self.admission.release()
         except RouterError as exc:
             status = exc.status
             access_log.note(error=exc.code)
