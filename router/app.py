@@ -50,6 +50,18 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
     """The router app; ``on_shutdown`` callbacks run when it stops (e.g. stopping launched workers)."""
     router = Router(config)
 
+    def keyed(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """``handler`` behind the API key check (router.gateway.Router.check_api_key)."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                router.check_api_key(request.headers.get("authorization"))
+            except RouterError as exc:
+                return error_response(exc.status, exc.message, exc.code)
+            return await handler(request)
+
+        return endpoint
+
     async def models(request: Request) -> Response:
         data = [
             {"id": m, "object": "model", "owned_by": "radixgate"} for m in sorted(router.workers.models())
@@ -197,15 +209,15 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             Route("/v1/chat/completions", _method_not_allowed, methods=["GET"]),
             Route("/v1/completions", _method_not_allowed, methods=["GET"]),
             Route("/v1/responses", _method_not_allowed, methods=["GET"]),
-            Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
-            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/responses/{response_id}", keyed(stored_response), methods=["GET", "DELETE"]),
+            Route("/v1/models", keyed(models), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/workers", workers_endpoint, methods=["GET", "POST", "DELETE"]),
-            Route("/debug/route", debug_route, methods=["POST"]),
-            Route("/tokenize", to_one_worker, methods=["POST"]),
-            Route("/detokenize", to_one_worker, methods=["POST"]),
+            Route("/debug/route", keyed(debug_route), methods=["POST"]),
+            Route("/tokenize", keyed(to_one_worker), methods=["POST"]),
+            Route("/detokenize", keyed(to_one_worker), methods=["POST"]),
         ],
         lifespan=lifespan,
     )

@@ -47,6 +47,9 @@ class RouterConfig:
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
     admin_token: str | None = None  # required by /workers when set
+    # clients must send one of these as "Authorization: Bearer <key>" on /v1/*, /tokenize,
+    # /detokenize and /debug/route (empty: no check); /health, /ready and /metrics stay open
+    api_keys: list[str] = field(default_factory=list)
     kv_events: str = "auto"  # auto | redis | http | off
     redis_url: str | None = None
     # router replicas announce their per-worker load to each other over Redis (router/replica_sync.py):
@@ -205,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout-s", type=float, help="longest wait in the queue before 503 (default 30)")
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--admin-token")
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; env RADIXGATE_API_KEYS=a,b)",
+    )
     p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))
     p.add_argument("--redis-url")
     p.add_argument(

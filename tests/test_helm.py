@@ -586,3 +586,14 @@ def test_grafana_dashboard_ships_as_a_sidecar_configmap_when_asked(chart) -> Non
     shipped = json.loads(cm["data"]["radixgate.json"])
     assert shipped == json.loads((CHART / "dashboards" / "radixgate.json").read_text())
     assert shipped["uid"] == "radixgate" and len(shipped["panels"]) > 10
+
+
+def test_client_api_keys_reach_only_the_routers_from_a_secret(chart) -> None:
+    objects = render(chart)
+    assert "RADIXGATE_API_KEYS" not in env_secret_refs(container(one(objects, "Deployment", "router")))
+    objects = render(chart, router={"apiKeys": {"existingSecret": "client-keys", "secretKey": "list"}})
+    router_env = env_secret_refs(container(one(objects, "Deployment", "router")))
+    assert router_env["RADIXGATE_API_KEYS"] == ("client-keys", "list")
+    assert "RADIXGATE_API_KEYS" not in env_secret_refs(container(one(objects, "StatefulSet", "worker")))
+    environ = {"RADIXGATE_API_KEYS": "a, b"}
+    assert build_config(["--workers", "http://w:8001"], environ=environ).api_keys == ["a", "b"]

@@ -589,3 +589,27 @@ def test_the_access_log_explains_each_request(launch):
     assert two["stream"] is True and two["predicted_cached_tokens"] > 0  # the index learned the prefix
     assert two["cached_tokens"] is not None and two["duration_ms"] >= two["ttft_ms"]
     assert three["status"] == 404 and three["error"] == "model_not_found" and three["worker"] is None
+
+
+def test_api_keys_guard_the_client_endpoints_and_leave_probes_open(launch):
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], "--api-key", "k-one", "--api-key", "k-two")
+    body = chat("Who may ask?")
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k-one"}):
+        for method, path, payload in (("POST", "/v1/chat/completions", body), ("GET", "/v1/models", None),
+                                      ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/debug/route", body)):  # fmt: skip
+            r = httpx.request(method, router.url + path, json=payload, headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    for key in ("k-one", "k-two"):
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=10,
+        )
+        assert r.status_code == 200
+    assert httpx.get(router.url + "/v1/models", headers={"authorization": "Bearer k-two"}).status_code == 200
+    for probe in ("/health", "/ready", "/metrics"):
+        assert httpx.get(router.url + probe).status_code == 200
+    counted = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_requests_total")
+    assert counted['{endpoint="chat",status="401"}'] == 3 and counted['{endpoint="chat",status="200"}'] == 2
