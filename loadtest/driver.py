@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import heapq
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,7 +54,8 @@ class LoadConfig:
     stream: bool = False
     seed: int = 0
     model: str | None = None  # None: first id from GET /v1/models, else "default"
-    api: str = "chat"  # chat | completions
+    api: str = "chat"  # chat | completions | responses
+    api_key: str | None = None  # sent as "Authorization: Bearer <key>"; never written to results
     label: str = ""
     options: dict[str, Any] = field(default_factory=dict)  # workload generator knobs
     block_tokens: int = 512  # trace: tokens per hash id
@@ -310,7 +312,10 @@ async def run_load(config: LoadConfig) -> Results:
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0 if config.mode == "open" else max(1, config.concurrency))
     started_unix = time.time()
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, read_bufsize=1 << 20) as session:
+    auth = {"authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, read_bufsize=1 << 20, headers=auth
+    ) as session:
         if config.model is None:
             first_url = base_urls(config.url)[0]
             config = LoadConfig(**{**asdict(config), "model": await _discover_model(session, first_url)})
@@ -318,7 +323,8 @@ async def run_load(config: LoadConfig) -> Results:
         await run.execute()
         duration = run._now()
     run.records.sort(key=lambda r: r.start_s)
-    return Results(config.label, asdict(config), started_unix, duration, run.records, run.skipped)
+    recorded = {**asdict(config), "api_key": "<set>" if config.api_key else None}  # NOTE: never the key
+    return Results(config.label, recorded, started_unix, duration, run.records, run.skipped)
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -349,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
     p.add_argument("--stream", action="store_true", help="SSE streaming; TTFT = first content chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="model name (default: first of GET /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("RADIXGATE_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: env RADIXGATE_API_KEY)")  # fmt: skip
     p.add_argument("--api", default="chat", choices=sorted(API_PATHS))
     p.add_argument("--label", default="")
     p.add_argument("--option", action="append", type=_option, default=[], metavar="KEY=VALUE",
@@ -370,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
         stream=a.stream, seed=a.seed, model=a.model, api=a.api, label=a.label, options=dict(a.option),
         block_tokens=a.block_tokens, block_chars=a.block_chars, time_scale=a.time_scale,
         max_input_tokens=a.max_input_tokens, ignore_eos=a.ignore_eos, request_timeout_s=a.timeout,
-        progress=not a.no_progress,
+        progress=not a.no_progress, api_key=a.api_key,
     )  # fmt: skip
     return config, a
 

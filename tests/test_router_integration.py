@@ -613,3 +613,17 @@ def test_api_keys_guard_the_client_endpoints_and_leave_probes_open(launch):
         assert httpx.get(router.url + probe).status_code == 200
     counted = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_requests_total")
     assert counted['{endpoint="chat",status="401"}'] == 3 and counted['{endpoint="chat",status="200"}'] == 2
+
+
+def test_the_load_driver_sends_the_api_key_and_never_records_it(launch, tmp_path):
+    from loadtest.driver import LoadConfig, run_load
+
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], "--api-key", "drive-key")
+    config = LoadConfig(url=router.url, requests=4, concurrency=2, max_tokens=2, api_key="drive-key",
+                        options={"num_tenants": 2, "system_tokens": 64, "question_tokens": 8})  # fmt: skip
+    results = asyncio.run(run_load(config))
+    assert results.summary()["ok"] == 4
+    assert results.config["api_key"] == "<set>" and "drive-key" not in str(results.config)
+    without = asyncio.run(run_load(LoadConfig(**{**config.__dict__, "api_key": None, "model": "echo"})))
+    assert without.summary()["ok"] == 0
