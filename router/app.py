@@ -63,9 +63,15 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         return endpoint
 
     async def models(request: Request) -> Response:
-        data = [
-            {"id": m, "object": "model", "owned_by": "radixgate"} for m in sorted(router.workers.models())
-        ]
+        """The workers' models; ``max_model_len`` the smallest any healthy worker serving it reports
+        (a request may land on any of them)."""
+        data = []
+        for m in sorted(router.workers.models()):
+            entry: dict[str, Any] = {"id": m, "object": "model", "owned_by": "radixgate"}
+            limits = [w.max_model_len[m] for w in router.workers if w.healthy and m in w.max_model_len]
+            if limits:
+                entry["max_model_len"] = min(limits)
+            data.append(entry)
         return _json({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:

@@ -627,3 +627,12 @@ def test_the_load_driver_sends_the_api_key_and_never_records_it(launch, tmp_path
     assert results.config["api_key"] == "<set>" and "drive-key" not in str(results.config)
     without = asyncio.run(run_load(LoadConfig(**{**config.__dict__, "api_key": None, "model": "echo"})))
     assert without.summary()["ok"] == 0
+
+
+def test_models_report_the_smallest_context_of_the_workers_serving_them(launch):
+    short, long = (launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--sim-context-tokens", n)
+                   for n in ("4096", "8192"))  # fmt: skip
+    router = launch.router([short.url, long.url])
+    (model,) = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
+    assert model["id"] == "sim-8b" and model["max_model_len"] == 4096  # a request may land on either
+    assert httpx.get(long.url + "/v1/models").json()["data"][0]["max_model_len"] == 8192
