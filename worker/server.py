@@ -58,11 +58,10 @@ def _sse(obj: Any) -> bytes:
 class WorkerAPI:
     """Routes bound to one engine."""
 
-    def __init__(self, engine: Engine, admin_token: str | None = None, advertise_url: str = "") -> None:
+    def __init__(self, engine: Engine, admin_token: str | None = None) -> None:
         self.engine = engine
         self.name = engine.served_model_name
         self.admin_token = admin_token
-        self.advertise_url = advertise_url
         self.created = int(time.time())
         self.token_names = TokenNames(engine.tokenizer)
 
