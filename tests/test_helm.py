@@ -131,14 +131,17 @@ EVERYTHING = {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "grafanaDashboard": {"enabled": True},
     },
+    "networkPolicy": {"enabled": True},
     "worker": {"flags": {"max-running": 128}, "podAnnotations": {"team": "ml"}},
 }
 
 
 # ------------------------------------------------------------------------------- lint, schemas
-@pytest.mark.parametrize("profile", ["default", "cpu"])
-def test_chart_lints_without_warnings(profile: str) -> None:
-    report = helm.lint(CHART, _profile_values(profile), strict=True, kube_version=f"v{KUBE_VERSION}.0")
+@pytest.mark.parametrize(("profile", "overrides"), [("default", {}), ("cpu", {}), ("default", EVERYTHING)],
+                         ids=["default", "cpu", "everything-on"])  # fmt: skip
+def test_chart_lints_without_warnings(profile: str, overrides: dict) -> None:
+    values = _profile_values(profile, overrides)
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 = warning, 3 = error
     assert report["errors"] == [] and problems == [], report
 
@@ -174,7 +177,8 @@ def test_every_manifest_validates_against_kubernetes_schemas(chart, profile: str
     if overrides.get("redis", {}).get("enabled") is False:
         expected = ["Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
     if overrides is EVERYTHING:
-        expected = sorted([*expected, "ConfigMap", "ConfigMap", "Secret", "ServiceMonitor", "ServiceMonitor"])
+        expected = sorted([*expected, "ConfigMap", "ConfigMap", "NetworkPolicy", "NetworkPolicy", "Secret",
+                           "ServiceMonitor", "ServiceMonitor"])  # fmt: skip
     assert kinds == expected
 
 
@@ -597,3 +601,29 @@ def test_client_api_keys_reach_only_the_routers_from_a_secret(chart) -> None:
     assert "RADIXGATE_API_KEYS" not in env_secret_refs(container(one(objects, "StatefulSet", "worker")))
     environ = {"RADIXGATE_API_KEYS": "a, b"}
     assert build_config(["--workers", "http://w:8001"], environ=environ).api_keys == ["a", "b"]
+
+
+def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(chart) -> None:
+    assert not [o for o in render(chart) if o["kind"] == "NetworkPolicy"]
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    objects = render(chart, networkPolicy={"enabled": True, "metricsFrom": [scraper]})
+    policies = {
+        o["metadata"]["labels"]["app.kubernetes.io/component"]: o
+        for o in objects
+        if o["kind"] == "NetworkPolicy"
+    }
+    assert set(policies) == {"worker", "redis"}
+    for component, policy in policies.items():
+        kube_validate.validate(policy, KUBE_VERSION, strict=True)
+        target = one(objects, "StatefulSet" if component == "worker" else "Deployment", component)
+        pod_labels = target["spec"]["template"]["metadata"]["labels"]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        (rule,) = policy["spec"]["ingress"]
+        allowed = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in rule["from"]
+                   if "podSelector" in peer]  # fmt: skip
+        assert allowed == ["router", "worker"] and scraper in rule["from"]
+    assert "redis" not in {
+        o["metadata"]["labels"]["app.kubernetes.io/component"]
+        for o in render(chart, networkPolicy={"enabled": True}, redis={"enabled": False})
+        if o["kind"] == "NetworkPolicy"
+    }
