@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         dest="api_keys",
         action="append",
-        help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; env RADIXGATE_API_KEYS=a,b)",
+        metavar="KEY",
+        help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; prefer env "
+        "RADIXGATE_API_KEYS=a,b, which process listings do not show)",
     )
     p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))
     p.add_argument("--redis-url")
