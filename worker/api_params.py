@@ -115,6 +115,7 @@ def sampling_params(
         presence_penalty=get("presence_penalty", 0.0),
         logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
         min_tokens=get("min_tokens", 0),
+        priority=get("priority", 0),
     )
     try:
         return params.validate()

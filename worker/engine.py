@@ -137,7 +137,8 @@ class Engine:
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
-        req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)))
+        req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
+                      priority=params.priority)  # fmt: skip
         req.prompt_group = prompt_group
         req.payload = RequestState(
             handle=handle,

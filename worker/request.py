@@ -40,6 +40,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)  # s, monotonic
     payload: Any = None  # the engine's per-request state (sampling params, detokenizer, ...)
     prompt_group: Any = None  # requests sharing one prompt (n > 1 choices); None = alone
+    priority: int = 0  # lower is admitted first and preempted last
     # --- progress and KV ownership (scheduler only) ---
     token_ids: list[int] = field(init=False)  # prompt + generated so far
     prompt_len: int = field(init=False)

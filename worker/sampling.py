@@ -37,6 +37,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
     min_tokens: int = 0  # output tokens before EOS / stop ids may be sampled
+    # scheduling, not sampling (carried here as the request's parameters): lower is served first
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +70,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed!r}")
         if not integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not integer(self.priority) or not -(2**31) <= self.priority < 2**31:
+            raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(

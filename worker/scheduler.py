@@ -107,11 +107,21 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         batch = self._pick(now)
         # NOTE: admission reserves pages by estimate; if prefilling requests alone are stuck with no
-        # decode to free pages, retract the newest until one can move.
+        # decode to free pages, retract (lowest priority, newest first) until one can move.
         while batch is None and not self.running and len(self.prefilling) > 1:
-            self._retract(self.prefilling[-1])
+            self._retract(self._victim())  # type: ignore[arg-type]
             batch = self._pick(now)
         return batch
+
+    def _victim(self) -> Request | None:
+        """Whom to preempt for pages: the lowest priority (largest value), a prefilling request
+        before a decoding one, the newest first; None when a single request is active (it always
+        fits: its prompt plus max_tokens were clamped to the pool)."""
+        if len(self.running) + len(self.prefilling) <= 1:
+            return None
+        ranked = [((r.priority, 0, i), r) for i, r in enumerate(self.running)]
+        ranked += [((r.priority, 1, i), r) for i, r in enumerate(self.prefilling)]
+        return max(ranked, key=lambda kr: kr[0])[1]
 
     def _pick(self, now: float) -> ScheduledBatch | None:
         if not (self.running and self._last_mode == "extend"):
@@ -247,17 +257,18 @@ class Scheduler:
     # ------------------------------------------------------------------ extend
     def _order_waiting(self, now: float) -> list[tuple[Request, Any]]:
         """Waiting requests in admission order, with their prefix matches (LPM) or None (FCFS).
-        Requests older than ``max_wait_s`` come first in arrival order, so nothing starves."""
+        Lower ``priority`` goes first, except that requests older than ``max_wait_s`` come first in
+        arrival order (LPM), so nothing starves."""
         window = list(self.waiting)[: self.cfg.lpm_window]
         if self.cfg.policy == "fcfs":
-            return [(r, None) for r in window]
+            return [(r, None) for r in sorted(window, key=lambda r: r.priority)]  # stable: arrival order
         old = [r for r in window if now - r.arrival > self.cfg.max_wait_s]
         old_ids = {id(r) for r in old}
         young = [r for r in window if id(r) not in old_ids]
         matched = [(r, self.cache.match_prefix(np.asarray(r.token_ids, dtype=np.int32))) for r in young]
         for r, m in matched:
             r.uncached_estimate = len(r.token_ids) - m.num_tokens
-        matched.sort(key=lambda rm: (-rm[1].num_tokens, rm[0].arrival))
+        matched.sort(key=lambda rm: (rm[0].priority, -rm[1].num_tokens, rm[0].arrival))
         return [(r, None) for r in sorted(old, key=lambda r: r.arrival)] + matched
 
     def _chunk_end(self, start: int, total: int, budget: int) -> int:
@@ -356,11 +367,10 @@ class Scheduler:
         def needs_page(r: Request) -> bool:
             return r.kv_len >= r.pages.size * self.ps
 
-        # NOTE: the oldest request is never retracted, and alone it always fits (its prompt plus
-        # max_tokens were clamped to the pool size), so decode always makes progress.
+        # NOTE: one request alone always fits, so retracting others until it does ends in progress
         while not self._ensure_free(sum(needs_page(r) for r in self.running)):
-            victim = self.prefilling[-1] if self.prefilling else self.running[-1]
-            if victim is self.running[0]:
+            victim = self._victim()
+            if victim is None:
                 raise RuntimeError("KV pool cannot hold a single request; check its capacity")
             self._retract(victim)
         items = []

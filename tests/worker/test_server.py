@@ -204,6 +204,8 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "priority": "high"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "priority": 1e40}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404),
