@@ -241,7 +241,9 @@ def test_lpm_age_bound_still_beats_priority():
 
 
 def test_pages_run_out_the_lowest_priority_request_is_preempted_even_if_older():
-    sched, model = make(num_pages=24, decode_reserve_tokens=0, chunked_prefill_tokens=64)  # 96 tokens: one fits
+    sched, model = make(
+        num_pages=24, decode_reserve_tokens=0, chunked_prefill_tokens=64
+    )  # 96 tokens: one fits
     low = Request("low", prompt(1, 20), max_tokens=40, priority=3)
     high = Request("high", prompt(2, 20), max_tokens=40, priority=0)
     sched.add(low)
