@@ -1,6 +1,7 @@
 """Router admission: at most ``max_concurrent`` requests are being forwarded at once; the next ones
-wait first come, first served in a bounded queue and are routed only when a slot frees (so the
-policy sees the load of that moment). A full queue is 429; a wait past ``timeout_s`` is 503.
+wait in a bounded queue, lowest ``priority`` first (the request body's, as workers read it), first
+come first served within one, and are routed only when a slot frees (so the policy sees the load
+of that moment). A full queue is 429; a wait past ``timeout_s`` is 503.
 
 Per router replica (several replicas each admit their own). Never loses a slot: a waiter that
 leaves (client gone, timeout) after being handed one passes it on."""
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 
 from router.errors import RouterError
@@ -33,7 +35,8 @@ class AdmissionGate:
         self.max_queued = max_queued
         self.timeout_s = timeout_s
         self.active = 0  # requests holding a slot
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []  # heap of (priority, arrival, future)
+        self._arrivals = itertools.count()
         self.rejected = 0  # queue full (429)
         self.timed_out = 0  # waited longer than timeout_s (503)
         self.waited_s = 0.0  # total time admitted requests spent queued
@@ -43,8 +46,9 @@ class AdmissionGate:
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting for one if all are held. Raises RouterError 429 / 503."""
+    async def acquire(self, priority: int = 0) -> None:
+        """Take a slot, waiting for one if all are held (lower ``priority`` first). Raises
+        RouterError 429 / 503."""
         if self.max_concurrent <= 0:
             self.active += 1
             return
@@ -59,7 +63,7 @@ class AdmissionGate:
             )  # fmt: skip
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self._waiters.append(waiter)
+        heapq.heappush(self._waiters, (priority, next(self._arrivals), waiter))
         started = time.perf_counter()
         expiry = loop.call_later(self.timeout_s, _expire, waiter)
         try:
@@ -87,8 +91,10 @@ class AdmissionGate:
             self.release()
             return
         waiter.cancel()
-        with contextlib.suppress(ValueError):  # NOTE: release() may have popped it already
-            self._waiters.remove(waiter)
+        kept = [entry for entry in self._waiters if entry[2] is not waiter]  # NOTE: may be gone already
+        if len(kept) != len(self._waiters):
+            self._waiters = kept
+            heapq.heapify(self._waiters)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -100,9 +106,10 @@ class AdmissionGate:
             self.release()
 
     def release(self) -> None:
-        """Give a slot back: to the oldest waiter (the slot moves, ``active`` stays) or free it."""
+        """Give a slot back: to the first waiter, lowest priority then oldest (the slot moves,
+        ``active`` stays), or free it."""
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = heapq.heappop(self._waiters)[2]
             if not waiter.done():
                 waiter.set_result(None)
                 return

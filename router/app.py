@@ -51,11 +51,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
     router = Router(config)
 
     def keyed(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        """``handler`` behind the API key check (router.gateway.Router.check_api_key)."""
+        """``handler`` behind the API key check (router/api_keys.py)."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                router.check_api_key(request.headers.get("authorization"))
+                router.api_keys.check(request.headers.get("authorization"))
             except RouterError as exc:
                 return error_response(exc.status, exc.message, exc.code)
             return await handler(request)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import orjson
 from router import access_log
 from router.admission import AdmissionGate
 from router.affinity import UNGROUPED, AffinityGroups
+from router.api_keys import APIKeys
 from router.block_hash import PromptHashes, SpanMemo
 from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
@@ -73,7 +73,7 @@ class Router:
         )
         self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
         self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
-        self._api_keys = [f"Bearer {k}".encode() for k in config.api_keys]
+        self.api_keys = APIKeys(config.api_keys)
         self.admission = AdmissionGate(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s
         )
@@ -134,16 +134,6 @@ class Router:
         hashes = PromptHashes(parsed.token_ids, self.block_size, self.namespace(parsed.model), self.hash_memo)
         return RouteRequest(hashes, len(parsed.token_ids), self.block_size)
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """RouterError 401 unless API keys are off or ``authorization`` is 'Bearer <one of them>'."""
-        if not self._api_keys:
-            return
-        given = (authorization or "").encode()
-        if not any(hmac.compare_digest(given, key) for key in self._api_keys):
-            raise RouterError(
-                401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_api_key"
-            )
-
     def check_model(self, model: str | None) -> None:
         if not len(self.workers):
             raise RouterError(503, "no workers are registered", "no_workers")
@@ -185,7 +175,7 @@ class Router:
         access = access_log.start(self.config.access_log, endpoint)
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-            self.check_api_key(headers.get("authorization"))
+            self.api_keys.check(headers.get("authorization"))
             raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
             parsed = self.parse(raw, endpoint)
             self.check_model(parsed.model)
@@ -197,7 +187,8 @@ class Router:
             access_log.note(request_id=headers.get("x-request-id"), model=parsed.model, stream=parsed.stream,
                             affinity_group=group)  # fmt: skip
             watch = ClientWatch(receive)
-            await self.admission.acquire()  # NOTE: routed once admitted, by the load of that moment
+            priority = parsed.body.get("priority", 0)  # NOTE: the worker validates it; odd values wait as 0
+            await self.admission.acquire(priority if type(priority) is int else 0)  # routed once admitted
             try:
                 status = await self.forward(send, watch, parsed, scope["path"], headers, started, group)
             finally:

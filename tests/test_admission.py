@@ -90,3 +90,23 @@ async def test_no_limit_admits_everything_at_once() -> None:
     async with gate.slot():
         assert gate.active == 101
     assert gate.active == 100
+
+
+async def test_lower_priority_values_are_admitted_first_and_equal_ones_in_arrival_order() -> None:
+    gate = AdmissionGate(max_concurrent=1, max_queued=8, timeout_s=10)
+    await gate.acquire()
+    order: list[str] = []
+
+    async def wait(name: str, priority: int) -> None:
+        await gate.acquire(priority)
+        order.append(name)
+        gate.release()
+
+    tasks = []
+    for name, priority in (("batch-1", 5), ("normal-1", 0), ("batch-2", 5), ("urgent", -1), ("normal-2", 0)):
+        tasks.append(asyncio.create_task(wait(name, priority)))
+        await _settle()
+    gate.release()
+    await asyncio.gather(*tasks)
+    assert order == ["urgent", "normal-1", "normal-2", "batch-1", "batch-2"]
+    assert (gate.active, gate.queued) == (0, 0)
