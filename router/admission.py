@@ -9,11 +9,9 @@ leaves (client gone, timeout) after being handed one passes it on."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator
 
 from router.errors import RouterError
 
@@ -95,15 +93,6 @@ class AdmissionGate:
         if len(kept) != len(self._waiters):
             self._waiters = kept
             heapq.heapify(self._waiters)
-
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """``acquire`` on entry, ``release`` on exit, whatever happens in between."""
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
 
     def release(self) -> None:
         """Give a slot back: to the first waiter, lowest priority then oldest (the slot moves,

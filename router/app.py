@@ -24,6 +24,7 @@ from router.gateway import Router
 from router.proxy import UpstreamFailure
 from router.request_parsing import read_body
 from router.route_explain import explain
+from router.workers import Worker
 
 log = logging.getLogger("radixgate.router")
 
@@ -144,6 +145,13 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(exc.status, exc.message, exc.code)
         return _json(explain(router, parsed, chat, request.headers))
 
+    def least_loaded(model: str | None) -> Worker:
+        """The least loaded healthy worker serving ``model``; RouterError 503 when there is none."""
+        workers = router.workers.candidates(model)
+        if not workers:
+            raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
+        return min(workers, key=lambda w: w.load)
+
     async def to_one_worker(request: Request) -> Response:
         """/tokenize and /detokenize: answered by the least loaded healthy worker serving the body's
         model (a model's workers share its tokenizer); nothing is routed by prefix or counted."""
@@ -153,14 +161,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             model = body.get("model") if isinstance(body, dict) else None
             if model is not None:
                 router.check_model(model)
+            worker = least_loaded(model if isinstance(model, str) else None)
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
-        workers = router.workers.candidates(model if isinstance(model, str) else None)
-        if not workers:
-            return error_response(503, "no healthy worker is available", "no_healthy_worker")
-        worker = min(workers, key=lambda w: w.load)
         try:
             resp = await router.upstream.open(
                 worker, request.url.path, raw, {"content-type": "application/json"}
@@ -179,12 +184,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         id: by the least loaded healthy worker)."""
         rid = request.path_params["response_id"]
         try:
-            url = router.response_holder(rid)
-            if url is None:
-                workers = router.workers.candidates(None)
-                if not workers:
-                    raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
-                url = min(workers, key=lambda w: w.load).url
+            url = router.response_holder(rid) or least_loaded(None).url
             session = router.upstream.session
             assert session is not None
             timeout = aiohttp.ClientTimeout(

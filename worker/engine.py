@@ -138,8 +138,7 @@ class Engine:
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
-                      priority=params.priority)  # fmt: skip
-        req.prompt_group = prompt_group
+                      prompt_group=prompt_group, priority=params.priority)  # fmt: skip
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),

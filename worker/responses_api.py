@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from router.responses_input import input_messages, new_response_id, prompt_messages, worker_tag
-from worker.api_params import APIError, chat_ids, engine_error, sampling_params
+from worker.api_params import APIError, chat_ids, sampling_params
 from worker.engine_api import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -101,23 +101,12 @@ class ResponsesAPI:
         )
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}
-        try:
-            live[0] = engine.submit(ids, params, outputs, 0, None).rid
-            first = await api._next(request, outputs, live)
-        except BaseException as exc:
-            api._abort(live)
-            error = engine_error(exc)
-            if error is not None:
-                raise error from None
-            raise
+        first = await api._submit(request, [(0, ids, params, None)], outputs, live)
         if first is None:
             return Response(status_code=499)
         conversation = history + input_messages(body["input"])
         turn = _Turn(self, body, new_response_id(self.tag), len(ids), conversation, store)
         if body.get("stream"):
-            if first.error is not None:
-                api._abort(live)
-                raise APIError(first.error_status or 500, first.error)
             return StreamingResponse(
                 self._stream(request, outputs, live, first, turn),
                 media_type="text/event-stream",

@@ -104,18 +104,9 @@ class WorkerAPI:
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
         prompt_tokens = [len(ids) for ids in prompts]
-        try:
-            for c in choices:
-                params_i = params.for_choice(c.index % n)
-                group = (id(outputs), c.prompt) if n > 1 else None
-                live[c.index] = self.engine.submit(prompts[c.prompt], params_i, outputs, c.index, group).rid
-            first = await self._next(request, outputs, live)
-        except BaseException as exc:
-            self._abort(live)
-            error = engine_error(exc)
-            if error is not None:
-                raise error from None
-            raise
+        jobs = [(c.index, prompts[c.prompt], params.for_choice(c.index % n), (id(outputs), c.prompt) if n > 1 else None)
+                for c in choices]  # fmt: skip
+        first = await self._submit(request, jobs, outputs, live)
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -123,9 +114,6 @@ class WorkerAPI:
             rid, self.name, chat, self.token_names, params.logprobs is not None, self.engine.simulated
         )
         if body.get("stream"):
-            if first.error is not None:
-                self._abort(live)
-                raise APIError(first.error_status or 500, first.error)
             return StreamingResponse(
                 self._stream(
                     request, outputs, live, first, choices, resp, prompt_tokens, include_usage(body)
@@ -147,6 +135,28 @@ class WorkerAPI:
             return Response(status_code=499)
         finally:
             self._abort(live)
+
+    async def _submit(
+        self, request: Request, jobs: list[tuple[int, list[int], SamplingParams, Any]], outputs: asyncio.Queue,
+        live: dict[int, str],
+    ) -> RequestOutput | None:  # fmt: skip
+        """Submit engine requests ``(index, prompt ids, params, prompt group)`` answering on
+        ``outputs`` and wait for the first output; None if the client left. A refusal or a first
+        output that is an error is an APIError, with every submitted request aborted."""
+        try:
+            for index, ids, params, group in jobs:
+                live[index] = self.engine.submit(ids, params, outputs, index, group).rid
+            first = await self._next(request, outputs, live)
+        except BaseException as exc:
+            self._abort(live)
+            error = engine_error(exc)
+            if error is not None:
+                raise error from None
+            raise
+        if first is not None and first.error is not None:
+            self._abort(live)
+            raise APIError(first.error_status or 500, first.error)
+        return first
 
     def _abort(self, live: dict[int, str]) -> None:
         """Cancel the choices still running (client gone, or another choice failed)."""
