@@ -73,7 +73,11 @@ def build_app(
             body = orjson.loads(await request.body())
             if not isinstance(body, dict):
                 raise ValueError("body must be an object")
-            ids = tokenizer.encode_chat(body["messages"]) if chat else tokenizer.encode_prompt(body["prompt"])
+            ids = (
+                tokenizer.encode_chat(body["messages"], body.get("tools"))
+                if chat
+                else tokenizer.encode_prompt(body["prompt"])
+            )
             max_tokens = int(body.get("max_tokens") or tokens)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             return error(400, f"bad request: {exc}")

@@ -50,7 +50,11 @@ class WorkloadSource:
         body = r.body if r.after is None else continue_body(self._full.pop(r.after), self._reply(r.after), r)
         if rid in self._next:
             self._full[rid] = body
-        text = self._tok.render_chat(body["messages"]) if "messages" in body else body["prompt"]
+        text = (
+            self._tok.render_chat(body["messages"], body.get("tools"))
+            if "messages" in body
+            else body["prompt"]
+        )
         return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
 
     def output_ids(self, rid: int) -> np.ndarray:

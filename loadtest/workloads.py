@@ -7,6 +7,7 @@ bytes tokenizer).
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Callable
@@ -63,7 +64,8 @@ def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as one string (chat messages tagged by role): for prefix checks and sizes."""
     if "prompt" in body:
         return str(body["prompt"])
-    return "".join(f"<{m['role']}>{m['content']}" for m in body.get("messages", []))
+    tools = f"<tools>{json.dumps(body['tools'])}" if body.get("tools") else ""
+    return tools + "".join(f"<{m['role']}>{m['content']}" for m in body.get("messages", []))
 
 
 def continue_body(previous_full: dict[str, Any], reply: str, turn: Request) -> dict[str, Any]:
@@ -247,6 +249,47 @@ def _few_shot(
     return out
 
 
+def _agents(
+    b: _Builder,
+    n: int,
+    *,
+    num_agents: int = 8,
+    tools_per_agent: int = 12,
+    tool_tokens: int = 160,
+    question_tokens: int = 64,
+    zipf_s: float = 1.1,
+) -> list[Request]:
+    """Agent apps: each sends its own tool set (``tools_per_agent`` function schemas of about
+    ``tool_tokens`` each) with a short instruction and a user task. The shared prefix is the tools,
+    which the chat template renders into the prompt."""
+    agents = []
+    for k in range(num_agents):
+        tools = [
+            {"type": "function", "function": {
+                "name": f"agent{k}_tool{j}",
+                "description": b.text(tool_tokens - 100),
+                "parameters": {"type": "object", "required": ["query"],
+                               "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}},
+            }}
+            for j in range(tools_per_agent)
+        ]  # fmt: skip
+        agents.append((tools, f"You are agent {k}. Use the tools when they help."))
+    pick = b.zipf_picker(num_agents, zipf_s)
+    out = []
+    for i in range(n):
+        k = pick()
+        tools, system = agents[k]
+        body = b.body([_msg("system", system), _msg("user", b.text(question_tokens))])
+        if b.api == "chat":
+            body["tools"] = tools
+        else:  # NOTE: completions and Responses carry no tools here: the schemas go into the text
+            body = b.body(
+                [_msg("system", json.dumps(tools) + "\n" + system), _msg("user", b.text(question_tokens))]
+            )
+        out.append(Request(i, b.next_arrival(), b.api, body, f"agent-{k}"))
+    return out
+
+
 def _unique(b: _Builder, n: int, *, prompt_tokens: int = 512) -> list[Request]:
     return [
         Request(i, b.next_arrival(), b.api, b.body([_msg("user", b.text(prompt_tokens))]), "unique")
@@ -272,6 +315,7 @@ GENERATORS: dict[str, Callable[..., list[Request]]] = {
     "multi_turn": _multi_turn,
     "rag": _rag,
     "few_shot": _few_shot,
+    "agents": _agents,
     "unique": _unique,
     "seed": _seed,
 }

@@ -85,7 +85,9 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
         if chat:
             if "messages" not in body:
                 raise ValueError("missing required field 'messages'")
-            token_ids = _encode_chat(tokenizer, body["messages"])
+            # NOTE: tools are part of the prompt (the template renders them): a shared tool set is
+            # a shared prefix, so it counts for routing like a shared system prompt does
+            token_ids = _encode_chat(tokenizer, body["messages"], body.get("tools"))
         else:
             token_ids, rest = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
@@ -140,10 +142,10 @@ def _encode_prompt(tokenizer: PromptTokenizer, text: str) -> Sequence[int]:
     return tokenizer.encode_prompt(text)
 
 
-def _encode_chat(tokenizer: PromptTokenizer, messages: Any) -> Sequence[int]:
+def _encode_chat(tokenizer: PromptTokenizer, messages: Any, tools: Any = None) -> Sequence[int]:
     if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode_chat_bytes(messages)
-    return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat_bytes(messages, tools)
+    return tokenizer.encode_chat(messages, tools)
 
 
 def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> tuple[Sequence[int], list]:

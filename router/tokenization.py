@@ -28,7 +28,7 @@ class PromptTokenizer(Protocol):
 
     def encode_prompt(self, prompt: str) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
@@ -50,9 +50,12 @@ def normalize_messages(messages: Any) -> list[dict]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{i}].role must be a non-empty string")
-        if "content" not in message:
+        calls = message.get("tool_calls")
+        if calls is not None:
+            _check_tool_calls(calls, f"messages[{i}].tool_calls")
+        if "content" not in message and not (role == "assistant" and calls):
             raise ValueError(f"messages[{i}] has no 'content'")
-        content = message["content"]
+        content = message.get("content")
         if content is None and role == "assistant":
             text = ""
         elif isinstance(content, str):
@@ -70,6 +73,58 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         out.append({**message, "content": text})
     return out
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(
+                f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}"
+            )
+        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise ValueError(f"{where}[{j}].function.arguments must be a JSON string")
+
+
+def normalize_tools(tools: Any) -> list[dict] | None:
+    """OpenAI ``tools`` checked: None/empty for none, else a list of ``{"type": "function",
+    "function": {"name": ..., "description"?: ..., "parameters"?: {...}}}``. ValueError otherwise."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError("'tools' must be a list of {'type': 'function', 'function': {...}} objects")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string of at most 64 characters")
+        if name in names:
+            raise ValueError(f"tools[{i}]: two tools are named {name!r}")
+        names.add(name)
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def call_arguments(call: dict) -> Any:
+    """A message's tool call arguments as JSON data (OpenAI sends a JSON string; a string that is
+    not JSON stays a string)."""
+    args = call["function"].get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 class ByteTokenizer:
@@ -91,14 +146,24 @@ class ByteTokenizer:
             raise ValueError("prompt must be a string")
         return list(prompt.encode("utf-8"))
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The fixed plain chat template: ``<|role|>\\n{content}\\n`` per message, then the
-        generation prompt ``<|assistant|>\\n``."""
-        rendered = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in normalize_messages(messages))
-        return rendered + "<|assistant|>\n"
+        generation prompt ``<|assistant|>\\n``. Tools come first, as ``<|tools|>\\n{JSON list}\\n``
+        (one tool set shared by many conversations is then their shared prefix); an assistant
+        message's tool calls follow its content as ``<tool_call>{"name":...,"arguments":...}</tool_call>``,
+        the form the worker's ``hermes`` parser reads back; a tool's result is a ``tool`` message."""
+        tools = normalize_tools(tools)
+        parts = [f"<|tools|>\n{compact_json(tools)}\n"] if tools else []
+        for m in normalize_messages(messages):
+            calls = "".join(
+                f"<tool_call>{compact_json({'name': c['function']['name'], 'arguments': call_arguments(c)})}</tool_call>"
+                for c in m.get("tool_calls") or ()
+            )
+            parts.append(f"<|{m['role']}|>\n{m['content']}{calls}\n")
+        return "".join(parts) + "<|assistant|>\n"
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return list(self.render_chat(messages).encode("utf-8"))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return list(self.render_chat(messages, tools).encode("utf-8"))
 
     # The router's hot path: the same ids as ``bytes`` (a sequence of ints), without building a
     # list of one Python int per byte (~5 us per KiB of prompt).
@@ -107,8 +172,8 @@ class ByteTokenizer:
             raise ValueError("prompt must be a string")
         return prompt.encode("utf-8")
 
-    def encode_chat_bytes(self, messages: list[dict]) -> bytes:
-        return self.render_chat(messages).encode("utf-8")
+    def encode_chat_bytes(self, messages: list[dict], tools: list[dict] | None = None) -> bytes:
+        return self.render_chat(messages, tools).encode("utf-8")
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         data = bytearray()
@@ -216,9 +281,17 @@ class HFTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as text, rendered by the model's chat template like HF does."""
-        messages = normalize_messages(messages)
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as text, rendered by the model's chat template like HF does (``tools``
+        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does)."""
+        tools = normalize_tools(tools)
+        messages = [
+            {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in normalize_messages(messages)
+        ]  # fmt: skip
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         from jinja2 import TemplateError
@@ -227,16 +300,16 @@ class HFTokenizer:
             return self._compiled().render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )
         except TemplateError as exc:  # raise_exception() in the template: a bad conversation
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        return self._tok.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._tok.encode(self.render_chat(messages, tools), add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

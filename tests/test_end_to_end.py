@@ -25,6 +25,19 @@ def chat(user: str, model: str = "tiny", max_tokens: int = 4) -> dict:
     }
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": f"tool_{i}", "description": f"Does task number {i} for the user. " * 4,
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+                    "required": ["query"]}}}
+    for i in range(8)
+]  # fmt: skip
+TOOLS_BYTES = len(orjson.dumps(TOOLS))  # ~2.3k byte tokens, rendered first
+
+
+def agent(user: str) -> dict:
+    return {"model": "tiny", "max_tokens": 2, "tools": TOOLS, "messages": [{"role": "user", "content": user}]}
+
+
 def metric(url: str, name: str) -> float:
     """One series (a name, or a name with its labels) from a worker's or router's /metrics."""
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
@@ -168,7 +181,7 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
         worker = _tiny_worker(launch)
         router = launch.router([worker.url])
         model = "tiny"
-    body = chat("Which hashes?", model=model)
+    body = {**chat("Which hashes?", model=model), "tools": TOOLS[:2]}  # tools are part of the prompt
     predicted = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
     assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
     stored = decode(httpx.get(worker.url + "/v1/cache/snapshot", timeout=10).content)
@@ -177,6 +190,23 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
     assert len(router_hashes) >= 8
     assert predicted["block_size"] == stored.block_size
     assert set(router_hashes) <= stored_hashes
+
+
+def test_a_shared_tool_set_is_a_shared_prefix_the_router_routes_by(launch):
+    """Agents that share a long tool set but not their messages: the router renders the tools into
+    the prompt as the worker does, so the second conversation goes where the tools are cached."""
+    workers = [_tiny_worker(launch), _tiny_worker(launch)]
+    router = launch.router([w.url for w in workers])
+    with httpx.Client(base_url=router.url, timeout=120) as client:
+        first = client.post("/v1/chat/completions", json=agent("Book a table for two."))
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-radixgate-worker"]
+        second_body = agent("What is the weather in Oslo?")
+        wait_until(lambda: matched_tokens(router.url, second_body)[holder] >= TOOLS_BYTES - 64, 30,
+                   what="the tool prefix in the router's index")  # fmt: skip
+        second = client.post("/v1/chat/completions", json=second_body)
+    assert second.headers["x-radixgate-worker"] == holder
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= TOOLS_BYTES - 64
 
 
 def test_prefill_sent_by_another_router_shows_in_this_routers_load(launch):

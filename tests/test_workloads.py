@@ -15,6 +15,7 @@ SMALL = {
     "few_shot": {"num_tasks": 3, "examples": 4, "example_tokens": 60, "question_tokens": 30},
     "unique": {"prompt_tokens": 200},
     "seed": {"system_tokens": 300, "question_tokens": 30},
+    "agents": {"num_agents": 3, "tools_per_agent": 4, "tool_tokens": 150, "question_tokens": 30},
 }
 
 
@@ -107,6 +108,22 @@ def test_few_shot_shares_examples_within_a_task():
         for b in reqs:
             if a.group == b.group:
                 assert a.body["messages"][:-1] == b.body["messages"][:-1]
+
+
+def test_agents_share_their_tool_set_and_its_rendered_prefix():
+    from router.tokenization import ByteTokenizer, compact_json
+
+    reqs = generate("agents", 40, seed=2, **SMALL["agents"])
+    render = ByteTokenizer().render_chat
+    by_group: dict[str, list] = {}
+    for r in reqs:
+        by_group.setdefault(r.group, []).append(render(r.body["messages"], r.body["tools"]))
+    assert len(by_group) > 1 and all(len(g) > 1 for g in list(by_group.values())[:2])
+    for group, texts in by_group.items():
+        tools = next(r.body["tools"] for r in reqs if r.group == group)
+        assert all(_common_prefix(texts[0], t) > len(compact_json(tools)) for t in texts[1:])
+    firsts = [texts[0] for texts in by_group.values()]
+    assert all(_common_prefix(a, b) < 200 for i, a in enumerate(firsts) for b in firsts[i + 1 :])
 
 
 def test_seed_workload_puts_about_80_percent_on_one_system_prompt():

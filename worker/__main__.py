@@ -25,7 +25,10 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
         from worker.assembly import build_engine
 
         engine = build_engine(cfg)
-    return create_app(engine, admin_token=cfg.admin_token, max_stored_responses=cfg.max_stored_responses)
+    return create_app(
+        engine, admin_token=cfg.admin_token, max_stored_responses=cfg.max_stored_responses,
+        tool_call_parser=cfg.tool_call_parser,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

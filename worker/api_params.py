@@ -11,8 +11,10 @@ from starlette.concurrency import run_in_threadpool
 
 from router.tokenization import PromptTokenizer
 from worker.engine_api import EngineDeadError, PromptTooLongError
+from worker.guided import Guide, GuideCompiler, requested_grammar
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams
+from worker.tool_calls import ToolRequest, forced_grammar, tool_request
 
 MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
 
@@ -53,12 +55,32 @@ def check_body(raw: bytes, served_model: str) -> dict:
         raise APIError(400, "'stream_options' must be an object with a boolean 'include_usage'")
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
     # look like success to the client
-    if body.get("tools") or body.get("functions"):
-        raise APIError(400, "tool calling is not supported by this worker")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise APIError(400, "only response_format {'type': 'text'} is supported (no guided decoding)")
+    if body.get("functions") or body.get("function_call"):
+        raise APIError(400, "'functions' is deprecated and not supported; use 'tools' and 'tool_choice'")
     return body
+
+
+def tools_of(body: dict) -> ToolRequest | None:
+    """The chat body's ``tools`` / ``tool_choice``; None without tools."""
+    try:
+        return tool_request(body)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def output_guide(body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None) -> Guide | None:
+    """The constraint on the output: the structured output the body asks for, or the one a forced
+    tool call needs; compiled off the event loop (a large schema takes a while). None for free
+    text. A bad one is a 400 naming the problem."""
+    try:
+        asked = requested_grammar(body)
+        forced = forced_grammar(tools) if tools is not None else None
+        if asked is not None and forced is not None:
+            raise ValueError("a structured output format and a required tool call cannot be combined")
+        asked = asked or forced
+        return None if asked is None else await run_in_threadpool(compiler.compile, *asked)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
 
 
 def engine_error(exc: BaseException) -> APIError | None:
@@ -90,7 +112,12 @@ def chat_logprobs(body: dict) -> int | None:
 
 
 def sampling_params(
-    body: dict, vocab_size: int, default_max_tokens: int, max_key: str, logprobs: Any
+    body: dict,
+    vocab_size: int,
+    default_max_tokens: int,
+    max_key: str,
+    logprobs: Any,
+    guide: Guide | None = None,
 ) -> SamplingParams:
     """The body's sampling fields (absent or null: the default), validated."""
 
@@ -116,6 +143,7 @@ def sampling_params(
         logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
         min_tokens=get("min_tokens", 0),
         priority=get("priority", 0),
+        guide=guide,
     )
     try:
         return params.validate()
@@ -146,10 +174,10 @@ async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer) -> list[list[int]]
     return [await _one_prompt(prompt, tokenizer)]
 
 
-async def chat_ids(messages: Any, tokenizer: PromptTokenizer) -> list[int]:
-    """``messages`` rendered by the chat template and tokenized (a bad conversation: 400)."""
+async def chat_ids(messages: Any, tokenizer: PromptTokenizer, tools: list[dict] | None = None) -> list[int]:
+    """``messages`` (and ``tools``) rendered by the chat template and tokenized (a bad conversation: 400)."""
     try:
-        return await run_in_threadpool(tokenizer.encode_chat, messages)
+        return await run_in_threadpool(tokenizer.encode_chat, messages, tools)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 

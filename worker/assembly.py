@@ -26,11 +26,13 @@ class ModelExecutor:
         self.model, self.kv_pool, self.device = model, kv_pool, device
         self.decode_graphs = decode_graphs  # a DecodeGraphRunner (CUDA) or None: every step eager
         self.graph_steps = 0  # decode steps replayed from a graph (the rest ran eagerly)
+        self.vocab_size = model.config.vocab_size  # the logits' width (may exceed the tokenizer's)
 
     def run(self, batch: ScheduledBatch) -> list[int]:
         import torch
 
         from worker.forward_batch import ForwardBatch
+        from worker.guided import advance, constrain
         from worker.penalties import adjust_logits, adjusts
         from worker.sampling import make_generator, sample, token_logprobs
 
@@ -54,14 +56,20 @@ class ModelExecutor:
             reqs = [batch.requests[i] for i in rows]
             history = [(r.token_ids, r.prompt_len, r.stop_token_ids, r.payload.memo) for r in reqs]
             logits = adjust_logits(logits, params, history)
+        guided = any(p.guide is not None for p in params)
+        if guided:
+            logits = constrain(logits, states)
         tokens = sample(logits, params, [st.generator for st in states])
+        ids = tokens.tolist()
+        if guided:
+            advance(states, ids)
         asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
         if asking:
             index = torch.tensor(asking, device=logits.device)
             top = [states[j].params.logprobs for j in asking]
             for j, lp in zip(asking, token_logprobs(raw[index], tokens[index], top), strict=True):
                 states[j].step_logprobs = lp
-        return tokens.tolist()
+        return ids
 
 
 def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: int) -> ModelExecutor:

@@ -38,6 +38,7 @@ class WorkerConfig:
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
     admin_token: str | None = None  # required by POST /v1/cache/flush when set
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
+    tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
@@ -53,6 +54,8 @@ class WorkerConfig:
             raise ValueError("--engine must be model or sim")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError("--device must be auto, cuda or cpu")
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise ValueError("--tool-call-parser must be hermes or llama3_json")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
         for name in ("port", "block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
@@ -124,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-stored-responses",
         int,
         "responses kept for previous_response_id, least recently used dropped (0 = none)",
+    )
+    opt(
+        "--tool-call-parser",
+        str,
+        "format of tool calls in text (tool_choice auto): hermes (<tool_call>{...}</tool_call>, the "
+        "built-in template's) or llama3_json",
+        choices=["hermes", "llama3_json"],
     )
     opt("--log-level", str, "debug | info | warning | error")
     opt("--cpu-threads", int, "torch threads on CPU (0 = all cores; give each of N local workers cores/N)")

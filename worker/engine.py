@@ -30,6 +30,7 @@ from worker.engine_api import (
     RequestOutput,
     RequestState,
 )
+from worker.guided import GuideCompiler
 from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
@@ -62,6 +63,7 @@ class Engine:
         self.cache = cache
         self.scheduler = Scheduler(scheduler_config, allocator, cache)
         self.tokenizer = tokenizer
+        self.guides = GuideCompiler(tokenizer, getattr(executor, "vocab_size", tokenizer.vocab_size))
         self.page_size = scheduler_config.page_size
         self.capacity_tokens = allocator.num_pages * self.page_size
         self.max_total_tokens = min(max_context, self.capacity_tokens)  # prompt + output

@@ -14,6 +14,7 @@ from typing import Any
 from router.tokenization import PromptTokenizer
 from worker.engine_api import RequestOutput
 from worker.sampling import TokenLogprobs
+from worker.tool_calls import ToolOutput
 
 Logprob = tuple[int, TokenLogprobs]  # a generated token and its numbers
 
@@ -50,6 +51,7 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    tools: ToolOutput | None = None  # chat with tools: the text becomes content and tool calls
 
     def add(self, out: RequestOutput) -> bool:
         """Account one engine output (its text aside); True when it finishes this choice."""
@@ -99,9 +101,11 @@ class Responses:
             lp = self._take_logprobs(c)
             if self.chat:
                 message = {"role": "assistant", "content": text}
-                out.append(
-                    {"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
-                )
+                finish = c.finish_reason
+                if c.tools is not None:
+                    message = c.tools.message(text)
+                    finish = c.tools.finish_reason(finish)
+                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"
@@ -123,6 +127,23 @@ class Responses:
             return self._envelope("chat.completion.chunk", choices=[choice])
         choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return self._envelope("text_completion", choices=[choice])
+
+    def tool_chunks(self, c: Choice, text: str, finish_reason: str | None = None) -> list[dict]:
+        """A chat stream's chunks for a choice with tools: ``text`` as content and tool call deltas
+        (none while text is held back), then the finish chunk when ``finish_reason`` is given."""
+        assert c.tools is not None
+        deltas = c.tools.feed(text) + (c.tools.flush() if finish_reason is not None else [])
+        out = []
+        for delta in deltas:
+            lp = self._take_logprobs(c) if c.logprobs else None
+            choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None}
+            out.append(self._envelope("chat.completion.chunk", choices=[choice]))
+        if finish_reason is not None:
+            lp = self._take_logprobs(c) if c.logprobs else None
+            choice = {"index": c.index, "delta": {}, "logprobs": lp,
+                      "finish_reason": c.tools.finish_reason(finish_reason)}  # fmt: skip
+            out.append(self._envelope("chat.completion.chunk", choices=[choice]))
+        return out
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:
         """A stream's last chunk (before ``[DONE]``): no choices, the usage."""

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from router.responses_input import input_messages, new_response_id, prompt_messages, worker_tag
-from worker.api_params import APIError, chat_ids, sampling_params
+from worker.api_params import APIError, chat_ids, output_guide, sampling_params
 from worker.engine_api import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -59,6 +59,13 @@ class ResponseStore:
         return self._entries.pop(rid, None) is not None
 
 
+def _chat_format(fmt: Any) -> Any:
+    """The Responses API's ``text.format`` (json_schema fields inline) as chat's ``response_format``."""
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
+
+
 def _not_found(rid: Any) -> APIError:
     return APIError(404, f"response {rid!r} not found on this worker", "response_not_found")
 
@@ -75,11 +82,14 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         api = self.api
         body = await api._body(request)
+        if body.get("tools"):
+            raise APIError(400, "tools are served on /v1/chat/completions; /v1/responses takes none")
         text = body.get("text")
-        if text is not None and (
-            not isinstance(text, dict) or text.get("format") not in (None, {"type": "text"})
-        ):
-            raise APIError(400, "only text output ('text': {'format': {'type': 'text'}}) is supported")
+        if text is not None and not isinstance(text, dict):
+            raise APIError(400, "'text' must be an object such as {'format': {'type': 'json_schema', ...}}")
+        guide = await output_guide(
+            {"response_format": _chat_format((text or {}).get("format"))}, api.engine.guides
+        )
         store = body.get("store", True)
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")
@@ -97,7 +107,7 @@ class ResponsesAPI:
         ids = await chat_ids(messages, api.engine.tokenizer)
         engine = api.engine
         params = sampling_params(
-            body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", None
+            body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", None, guide
         )
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}
@@ -242,7 +252,7 @@ class _Turn:
             "output": output or [], "parallel_tool_calls": True,
             "previous_response_id": body.get("previous_response_id"), "store": self.store,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
             "usage": usage, "metadata": body.get("metadata") or {},
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip

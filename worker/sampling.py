@@ -10,6 +10,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class SamplingParams:
     min_tokens: int = 0  # output tokens before EOS / stop ids may be sampled
     # scheduling, not sampling (carried here as the request's parameters): lower is served first
     priority: int = 0
+    guide: Any = None  # a worker.guided.Guide: the output must follow its grammar (structured outputs)
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +99,9 @@ class SamplingParams:
             not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.guide is not None and (self.ignore_eos or self.min_tokens):
+            # NOTE: a finished grammar allows EOS only, which both of these forbid
+            raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs")
         return self
 
 

@@ -31,14 +31,17 @@ from worker.api_params import (
     check_body,
     engine_error,
     include_usage,
+    output_guide,
     prompt_ids,
     sampling_params,
+    tools_of,
 )
 from worker.engine import Engine
 from worker.engine_api import EngineDeadError, RequestOutput
 from worker.openai_format import Choice, Responses, TokenNames
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
+from worker.tool_calls import ToolOutput, ToolRequest
 
 log = logging.getLogger("worker.server")
 
@@ -58,8 +61,11 @@ def _sse(obj: Any) -> bytes:
 class WorkerAPI:
     """Routes bound to one engine."""
 
-    def __init__(self, engine: Engine, admin_token: str | None = None) -> None:
+    def __init__(
+        self, engine: Engine, admin_token: str | None = None, tool_call_parser: str = "hermes"
+    ) -> None:
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.name = engine.served_model_name
         self.admin_token = admin_token
         self.created = int(time.time())
@@ -75,27 +81,33 @@ class WorkerAPI:
         body = await self._body(request)
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required")
+        if body.get("tools"):
+            raise APIError(400, "'tools' apply to /v1/chat/completions")
         prompts = await prompt_ids(body["prompt"], self.engine.tokenizer)
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
+        guide = await output_guide(body, self.engine.guides)
         params = sampling_params(
-            body, self.engine.tokenizer.vocab_size, 16, "max_tokens", body.get("logprobs")
+            body, self.engine.tokenizer.vocab_size, 16, "max_tokens", body.get("logprobs"), guide
         )
         return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
         logprobs = chat_logprobs(body)
-        ids = await chat_ids(body.get("messages"), self.engine.tokenizer)
+        tools = tools_of(body)
+        ids = await chat_ids(body.get("messages"), self.engine.tokenizer, tools and tools.tools)
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
-        params = sampling_params(body, vocab, max_tokens, "max_completion_tokens", logprobs)
-        return await self._generate(request, body, [ids], params, chat=True)
+        guide = await output_guide(body, self.engine.guides, tools)
+        params = sampling_params(body, vocab, max_tokens, "max_completion_tokens", logprobs, guide)
+        return await self._generate(request, body, [ids], params, chat=True, tools=tools)
 
     async def _generate(
-        self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool
-    ) -> Response:
+        self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool,
+        tools: ToolRequest | None = None,
+    ) -> Response:  # fmt: skip
         """Submit n choices per prompt (all sharing one output queue; choice p * n + i is prompt p's
         i-th) and answer: one JSON body once every choice is finished, or a stream of their chunks
         as they come."""
@@ -103,6 +115,9 @@ class WorkerAPI:
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
+        if tools is not None and tools.choice != "none":
+            for c in choices:
+                c.tools = ToolOutput(tools, self.tool_call_parser)
         prompt_tokens = [len(ids) for ids in prompts]
         jobs = [(c.index, prompts[c.prompt], params.for_choice(c.index % n), (id(outputs), c.prompt) if n > 1 else None)
                 for c in choices]  # fmt: skip
@@ -203,10 +218,14 @@ class WorkerAPI:
                 c = choices[out.index]
                 if c.add(out):
                     del live[out.index]
-                if out.text:
+                if c.tools is not None:
+                    for chunk in resp.tool_chunks(c, out.text, out.finish_reason):
+                        yield _sse(chunk)
+                elif out.text:
                     yield _sse(resp.chunk(c, out.text))
                 if out.finish_reason is not None:
-                    yield _sse(resp.chunk(c, "", out.finish_reason))
+                    if c.tools is None:
+                        yield _sse(resp.chunk(c, "", out.finish_reason))
                     if not live:
                         if usage:
                             yield _sse(resp.usage_chunk(choices, prompt_tokens))
@@ -332,9 +351,12 @@ class WorkerAPI:
         )
 
 
-def create_app(engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024) -> Starlette:
+def create_app(
+    engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
+    tool_call_parser: str = "hermes",
+) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it."""
-    api = WorkerAPI(engine, admin_token)
+    api = WorkerAPI(engine, admin_token, tool_call_parser)
     responses = ResponsesAPI(api, max_stored_responses)
 
     def guarded(handler: Any) -> Any:

@@ -26,6 +26,7 @@ from router.tokenization import ByteTokenizer
 from worker.assembly import assemble_engine, host_tier
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.guided import advance, allowed_mask, matcher_of
 from worker.kv_pool import PageAllocator
 from worker.request import ScheduledBatch
 
@@ -67,7 +68,14 @@ class SimExecutor:
             if sample:
                 context = np.asarray(req.token_ids[max(0, end - 8) : end], dtype=np.uint32).tobytes()
                 h = mmh3.hash(context + end.to_bytes(4, "little"), signed=False)
-                out.append(int(_PRINTABLE[h % _PRINTABLE.size]))
+                st = req.payload
+                if st.params.guide is None:
+                    out.append(int(_PRINTABLE[h % _PRINTABLE.size]))
+                else:  # structured outputs: the hash picks among the tokens the grammar allows
+                    allowed = allowed_mask([matcher_of(st)], ByteTokenizer().vocab_size)[0]
+                    choices = allowed.nonzero().flatten()
+                    out.append(int(choices[h % choices.numel()]))
+                    advance([st], out[-1:])
                 top = req.payload.params.logprobs
                 if top is not None:  # NOTE: the next token is certain here: logprob 0, no alternative
                     req.payload.step_logprobs = (0.0, out[-1:] if top else [], [0.0] if top else [])

@@ -191,9 +191,18 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ),
         (
             "/v1/chat/completions",
-            b'{"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}',
+            b'{"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}',
             400,
         ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]}',
+            400,
+        ),
+        ("/v1/completions", b'{"prompt": "hi", "guided_regex": "[a-"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "guided_choice": ["a"], "ignore_eos": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "logprobs": 3}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}', 400),
         (

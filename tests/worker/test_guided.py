@@ -1,0 +1,244 @@
+"""Structured outputs: request spellings, masks from llguidance against the byte and an HF
+tokenizer, the masking step on logits, and real workers (tiny model, an HF checkpoint, the sim
+engine) whose outputs follow the asked-for schema, regex or choice whatever they sample."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import pytest
+import torch
+
+from router.tokenization import ByteTokenizer, HFTokenizer
+from worker.config import WorkerConfig
+from worker.guided import GuideCompiler, allowed_mask, constrain, requested_grammar
+from worker.sampling import SamplingParams
+from worker.sim_engine import build_sim_engine
+
+from .test_server import LiveServer, serve
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+def check_person(obj: dict) -> None:
+    assert set(obj) == {"name", "age", "role"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 8
+    assert type(obj["age"]) is int and 0 <= obj["age"] <= 150
+    assert obj["role"] in ("admin", "user")
+
+
+# ---------------------------------------------------------------------- request spellings
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
+            "json_schema",
+        ),
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        ({"structured_outputs": {"json": json.dumps(PERSON)}}, "json_schema"),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex"),
+        ({"guided_choice": ["a", "b"]}, "choice"),
+        ({"guided_grammar": 'start: "x"+'}, "grammar"),
+    ],
+)
+def test_every_spelling_names_its_kind(body, kind) -> None:
+    assert requested_grammar(body)[0] == kind
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"response_format": {"type": "yaml"}},
+        {"response_format": "json"},
+        {"response_format": {"type": "json_schema"}},
+        {"guided_regex": "a", "guided_choice": ["a"]},
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        {"guided_choice": []},
+        {"guided_choice": ["a", 3]},
+        {"guided_json": "{not json"},
+        {"guided_regex": ""},
+    ],
+)
+def test_malformed_or_ambiguous_constraints_are_refused(body) -> None:
+    with pytest.raises(ValueError):
+        requested_grammar(body)
+
+
+def test_free_text_has_no_grammar() -> None:
+    assert requested_grammar({}) is None
+    assert requested_grammar({"response_format": {"type": "text"}}) is None
+
+
+# ---------------------------------------------------------------------- masks
+def allowed_ids(matcher, vocab: int) -> set[int]:
+    return set(allowed_mask([matcher], vocab)[0].nonzero().flatten().tolist())
+
+
+def test_byte_masks_allow_exactly_the_grammar_and_eos_only_at_the_end() -> None:
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    guide = compiler.compile(*requested_grammar({"guided_regex": "ab|cd"}))
+    m = guide.matcher()
+    assert allowed_ids(m, 257) == {ord("a"), ord("c")}
+    assert m.consume_token(ord("c"))
+    assert allowed_ids(m, 257) == {ord("d")}
+    assert m.consume_token(ord("d"))
+    assert allowed_ids(m, 257) == {ByteTokenizer.EOS}
+    # each request gets its own state: a fresh matcher starts over
+    assert allowed_ids(guide.matcher(), 257) == {ord("a"), ord("c")}
+    # compiled once per grammar text
+    assert compiler.compile(*requested_grammar({"guided_regex": "ab|cd"})) is guide
+
+
+def test_invalid_grammars_name_the_problem() -> None:
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    with pytest.raises(ValueError, match="invalid regex"):
+        compiler.compile(*requested_grammar({"guided_regex": "[a-"}))
+    with pytest.raises(ValueError, match="invalid json schema"):
+        compiler.compile(*requested_grammar({"guided_json": {"type": "nonsense"}}))
+
+
+def random_walk(compiler: GuideCompiler, body: dict, vocab: int, eos: set[int], seed: int, limit: int = 400):
+    """Sample uniformly among allowed tokens until EOS: the tokens of one constrained output."""
+    rng = random.Random(seed)
+    m = compiler.compile(*requested_grammar(body)).matcher()
+    out = []
+    for _ in range(limit):
+        token = rng.choice(sorted(allowed_ids(m, vocab)))
+        if token in eos:
+            return out
+        assert m.consume_token(token)
+        out.append(token)
+    raise AssertionError(f"no EOS allowed after {limit} tokens")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_hf_tokenizer_walks_give_schema_valid_json(llama_checkpoint, seed) -> None:
+    tok = HFTokenizer(str(llama_checkpoint))
+    compiler = GuideCompiler(tok, tok.vocab_size)
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}
+    ids = random_walk(compiler, schema, tok.vocab_size, set(tok.eos_token_ids), seed)
+    check_person(json.loads(tok.decode(ids)))
+
+
+def test_constrain_masks_only_guided_rows_and_leaves_the_input_alone() -> None:
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    guide = compiler.compile(*requested_grammar({"guided_choice": ["yes", "no"]}))
+
+    class State:
+        def __init__(self, params):
+            self.params, self.memo = params, {}
+
+    states = [State(SamplingParams()), State(SamplingParams(guide=guide))]
+    logits = torch.randn(2, 257)
+    before = logits.clone()
+    out = constrain(logits, states)
+    assert torch.equal(logits, before)
+    assert torch.equal(out[0], logits[0])
+    finite = set(torch.isfinite(out[1]).nonzero().flatten().tolist())
+    assert finite == {ord("y"), ord("n")}
+    assert torch.equal(out[1][list(finite)], logits[1][list(finite)])
+    assert constrain(logits, states[:1]) is logits
+
+
+# ---------------------------------------------------------------------- real workers
+@pytest.fixture(scope="module")
+def tiny():
+    with serve() as live:
+        yield httpx.Client(base_url=live.url, timeout=120)
+
+
+def chat(client: httpx.Client, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": "Describe a user."}], "max_tokens": 80, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_json_schema_outputs_follow_the_schema_for_every_choice(tiny) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    body = chat(tiny, response_format=fmt, n=4, temperature=1.0, seed=7)
+    assert len(body["choices"]) == 4
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "stop"
+        check_person(json.loads(choice["message"]["content"]))
+
+
+def test_streamed_json_object_is_one_json_object(tiny) -> None:
+    body = {"prompt": "{", "max_tokens": 120, "response_format": {"type": "json_object"}, "stream": True,
+            "temperature": 0.8, "seed": 3}  # fmt: skip
+    text, finish = "", None
+    with tiny.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+    assert finish == "stop", text
+    assert isinstance(json.loads(text), dict)
+
+
+def test_regex_choice_and_grammar_constraints(tiny) -> None:
+    pattern = r"[a-z]{3}-[0-9]{2,4}"
+    for seed in range(3):
+        r = tiny.post("/v1/completions", json={"prompt": "id:", "max_tokens": 20, "guided_regex": pattern,
+                                               "temperature": 1.0, "seed": seed})  # fmt: skip
+        assert re.fullmatch(pattern, r.json()["choices"][0]["text"]), r.text
+    r = tiny.post("/v1/completions", json={"prompt": "ok?", "max_tokens": 20, "n": 6, "temperature": 1.5,
+                                           "structured_outputs": {"choice": ["yes", "no", "ça dépend"]}})  # fmt: skip
+    assert {c["text"] for c in r.json()["choices"]} <= {"yes", "no", "ça dépend"}
+    lark = 'start: "(" item ("," item)* ")"\nitem: /[0-9]/'
+    r = tiny.post("/v1/completions", json={"prompt": "t", "max_tokens": 30, "guided_grammar": lark})
+    assert re.fullmatch(r"\([0-9](,[0-9])*\)", r.json()["choices"][0]["text"]), r.text
+
+
+def test_truncated_output_says_length_and_the_worker_keeps_serving(tiny) -> None:
+    r = tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "guided_regex": "a{10}"})
+    assert r.json()["choices"][0] == {"index": 0, "text": "aaa", "logprobs": None, "finish_reason": "length"}
+    bad = tiny.post("/v1/completions", json={"prompt": "x", "guided_json": {"type": "nope"}})
+    assert bad.status_code == 400 and "invalid json schema" in bad.json()["error"]["message"]
+    assert tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_responses_api_text_format_json_schema(tiny) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON}
+    r = tiny.post("/v1/responses", json={"input": "a user", "text": {"format": fmt}, "max_output_tokens": 80})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text"] == {"format": fmt}
+    check_person(json.loads(body["output"][0]["content"][0]["text"]))
+
+
+def test_hf_model_worker_follows_a_schema(llama_checkpoint) -> None:
+    with serve(model=str(llama_checkpoint)) as live:
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "response_format": fmt,
+                "n": 3, "temperature": 1.0, "seed": 11}  # fmt: skip
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "stop", choice
+            check_person(json.loads(choice["message"]["content"]))
+
+
+def test_sim_worker_honours_constraints() -> None:
+    cfg = WorkerConfig(engine="sim", model="sim", kv_cache_tokens=4096, sim_decode_base_ms=0.0)
+    with LiveServer(build_sim_engine(cfg)) as live:
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "n:", "max_tokens": 12,
+                                                           "guided_regex": "[0-9]{4}"}, timeout=30)  # fmt: skip
+        body = r.json()
+        assert body["simulated"] is True
+        assert re.fullmatch("[0-9]{4}", body["choices"][0]["text"]), r.text

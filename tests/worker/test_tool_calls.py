@@ -1,0 +1,304 @@
+"""Tool calling: request checks, calls read from text (whole and streamed, which must agree), forced
+calls generated under a grammar by a real worker, tool turns in the prompt and its cache."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.tokenization import ByteTokenizer, HFTokenizer
+from worker.tool_calls import ToolOutput, ToolRequest, tool_request
+
+from .test_server import serve
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "maximum": 999},
+                "b": {"type": "integer", "maximum": 999},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+
+
+# ---------------------------------------------------------------------- request checks
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tools": {"a": 1}}, "must be a list"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools\\[0\\]"),
+        ({"tools": [WEATHER, WEATHER]}, "two tools"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tool_choice": "required"}, "needs 'tools'"),
+    ],
+)
+def test_malformed_tool_requests_are_refused(body, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        tool_request(body)
+
+
+def test_tool_choice_defaults_to_auto() -> None:
+    assert tool_request({}) is None
+    assert tool_request({"tools": TOOLS}) == ToolRequest(TOOLS, "auto")
+    named = tool_request({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert (named.choice, named.name) == ("function", "add")
+
+
+# ---------------------------------------------------------------------- reading calls
+def calls_of(message: dict) -> list[tuple[str, dict]]:
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])
+    ]
+
+
+def test_hermes_calls_and_the_text_around_them() -> None:
+    out = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes")
+    text = ('Let me check.\n<tool_call>{"name":"get_weather","arguments":{"city":"Paris","unit":"c"}}</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')  # fmt: skip
+    message = out.message(text)
+    assert message["content"] == "Let me check."
+    assert calls_of(message) == [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]
+    assert len({c["id"] for c in message["tool_calls"]}) == 2
+    assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+
+
+def test_text_that_is_not_a_call_stays_content() -> None:
+    out = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes")
+    text = "<tool_call>{broken</tool_call> and more"
+    assert out.message(text) == {"role": "assistant", "content": text}
+    assert out.finish_reason("stop") == "stop"
+
+
+def test_llama3_json_calls() -> None:
+    out = ToolOutput(ToolRequest(TOOLS, "auto"), "llama3_json")
+    message = out.message(
+        '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 3, "b": 4}}'
+    )
+    assert message["content"] is None
+    assert calls_of(message) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert ToolOutput(ToolRequest(TOOLS, "auto"), "llama3_json").message("{ not a call") == {
+        "role": "assistant",
+        "content": "{ not a call",
+    }
+
+
+def streamed(out: ToolOutput, pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    """Replay stream deltas into (content, calls) as a client does."""
+    deltas = [d for p in pieces for d in out.feed(p)] + out.flush()
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            entry = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            entry["name"] += c.get("function", {}).get("name", "")
+            entry["arguments"] += c.get("function", {}).get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))  # indices 0, 1, ... in order
+    return content, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
+
+
+HERMES_TEXTS = [
+    'Sure.<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>',
+    'A <tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call> B <tool_call>{"name":"x","arguments":{}}</tool_call>',
+    "no calls at all, just < and <tool and <tool_c",
+    '<tool_call>{"name":"add","arguments":{"a":1}}',  # unterminated (cut by max_tokens)
+    "<tool_call>not json</tool_call> tail",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.sampled_from(HERMES_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_streamed_hermes_agrees_with_the_whole_answer(text, cuts) -> None:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    whole = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(text)
+    content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "hermes"), pieces)
+    assert calls == calls_of(whole)
+    assert content.split() == (whole["content"] or "").split()
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "hermes"])
+def test_streamed_required_and_llama3_calls_come_whole(parser) -> None:
+    text = '[{"name":"add","parameters":{"a":1,"b":2}},{"name":"get_weather","parameters":{"city":"Oslo","unit":"c"}}]'
+    out = ToolOutput(ToolRequest(TOOLS, "required"), parser)
+    assert out.feed(text[:30]) == [] and out.feed(text[30:]) == []
+    content, calls = streamed(out, [])
+    assert content == "" and calls == [
+        ("add", {"a": 1, "b": 2}),
+        ("get_weather", {"city": "Oslo", "unit": "c"}),
+    ]
+    plain = ToolOutput(ToolRequest(TOOLS, "auto"), "llama3_json")
+    assert streamed(plain, ["  Hel", "lo"]) == ("  Hello", [])
+
+
+# ---------------------------------------------------------------------- prompts
+def test_byte_template_puts_tools_first_and_renders_tool_turns() -> None:
+    tok = ByteTokenizer()
+    turn = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]  # fmt: skip
+    text = tok.render_chat(turn, TOOLS)
+    assert text.startswith("<|tools|>\n[{") and text.endswith("<|tool|>\n5\n<|assistant|>\n")
+    assert '<|assistant|>\n<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call>\n' in text
+    # the rendered call is what the hermes parser reads back
+    assert calls_of(
+        ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(text.split("<|assistant|>\n")[1])
+    ) == [("add", {"a": 2, "b": 3})]
+    # without tools, the prompt is the plain template
+    assert tok.render_chat(turn[:1]) == "<|user|>\n2+3?\n<|assistant|>\n"
+
+
+def test_hf_template_gets_tools_and_arguments_as_data(tmp_path) -> None:
+    from .conftest import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}T={{ tools | map(attribute='function') | map(attribute='name') | join(',') }};{% endif %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %};"
+        "{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [
+        {
+            "role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}],
+        }
+    ]
+    assert (
+        HFTokenizer(str(tmp_path)).render_chat(messages, TOOLS)
+        == 'T=get_weather,add;assistant:[add {"a": 1}];'
+    )
+
+
+# ---------------------------------------------------------------------- a real worker
+@pytest.fixture(scope="module")
+def worker():
+    with serve() as live:
+        yield httpx.Client(base_url=live.url, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def test_named_tool_choice_gives_schema_valid_arguments(worker) -> None:
+    for seed in range(3):
+        body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "temperature": 1.0, "seed": seed,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+        choice = worker.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None
+        [(name, args)] = calls_of(choice["message"])
+        assert name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("c", "f")
+        assert choice["message"]["tool_calls"][0]["id"].startswith("call_")
+
+
+def test_required_tool_choice_gives_calls_of_known_tools(worker) -> None:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "tool_choice": "required",
+            "parallel_tool_calls": False, "n": 3, "temperature": 1.0, "seed": 5}  # fmt: skip
+    for choice in worker.post("/v1/chat/completions", json=body).json()["choices"]:
+        if choice["finish_reason"] == "length":  # a long random integer ran out of tokens: text, honestly
+            assert choice["message"]["content"] and "tool_calls" not in choice["message"]
+            continue
+        [(name, args)] = calls_of(choice["message"])
+        assert name in ("get_weather", "add")
+        assert set(args) == ({"city", "unit"} if name == "get_weather" else {"a", "b"})
+
+
+def test_streamed_named_call_equals_the_whole_answer(worker) -> None:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "add"}}}  # fmt: skip
+    whole = worker.post("/v1/chat/completions", json=body).json()["choices"][0]
+    name, arguments, finish = "", "", None
+    with worker.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                for call in choice["delta"].get("tool_calls", []):
+                    assert call["index"] == 0
+                    name += call.get("function", {}).get("name", "")
+                    arguments += call["function"].get("arguments", "")
+                finish = choice["finish_reason"] or finish
+    assert finish == whole["finish_reason"] == "tool_calls"
+    assert (name, arguments) == (whole["message"]["tool_calls"][0]["function"]["name"],
+                                 whole["message"]["tool_calls"][0]["function"]["arguments"])  # fmt: skip
+
+
+def test_tool_turns_reuse_the_cached_prefix_and_none_keeps_the_prompt(worker) -> None:
+    first = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 40, "temperature": 0,
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    answer = worker.post("/v1/chat/completions", json=first).json()
+    follow = [*MESSAGES, answer["choices"][0]["message"],
+                         {"role": "tool", "tool_call_id": answer["choices"][0]["message"]["tool_calls"][0]["id"],
+                          "content": '{"temp": 3}'},
+    ]  # fmt: skip
+    second = worker.post("/v1/chat/completions", json={"messages": follow, "tools": TOOLS, "max_tokens": 4})
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    page = worker.get("/v1/cache/info").json()["block_size"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= answer["usage"]["prompt_tokens"] // page * page
+    # tool_choice none: the same prompt as auto (tools rendered), so the same cached prefix
+    auto = worker.post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1}
+    ).json()
+    none = worker.post("/v1/chat/completions",
+                       json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "tool_choice": "none"}).json()  # fmt: skip
+    plain = worker.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert none["usage"]["prompt_tokens"] == auto["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert "tool_calls" not in none["choices"][0]["message"]
+
+
+def test_tool_errors_are_400_and_the_worker_keeps_serving(worker) -> None:
+    bad = [
+        {"messages": MESSAGES, "tools": [{"type": "function"}]},
+        {
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "x"}},
+        },
+        {
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]},
+    ]
+    for body in bad:
+        r = worker.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert (
+        worker.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+    )

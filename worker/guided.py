@@ -1,0 +1,236 @@
+"""Structured outputs: a request's tokens constrained to a grammar, enforced token by token.
+
+A constraint is one of: a JSON schema (OpenAI ``response_format`` ``json_schema``), any JSON object
+(``json_object``), a regex, one string of a list (``choice``) or a Lark grammar (vLLM's
+``structured_outputs`` / ``guided_*`` fields). Each is turned into an llguidance grammar; llguidance
+walks the tokenizer's vocabulary and says, before every sampled token, which tokens keep the output
+a prefix of the grammar's language (a bitmask), and EOS only once the output is complete.
+
+- ``GuideCompiler`` (one per engine, any thread): grammar text -> ``Guide``; compiling a schema can
+  take 100s of ms, so the API compiles on its thread pool and keeps the last few hundred (tool
+  schemas repeat) while the engine thread only copies a compiled matcher.
+- ``constrain`` / ``advance`` (engine thread): mask a step's logits for its guided rows and feed
+  each row's sampled token to its matcher. A request's matcher lives in its ``memo``.
+
+JSON is generated compact (no whitespace between tokens, ``,`` and ``:`` separators) unless the
+schema's ``x-guidance`` says otherwise: a model left free to emit whitespace can spend its whole
+budget on it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from router.tokenization import ByteTokenizer, PromptTokenizer
+
+JSON_DEFAULTS = {"whitespace_flexible": False}
+ANY_JSON_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True, eq=False)
+class Guide:
+    """A compiled constraint; ``matcher()`` gives each request (choice) its own state."""
+
+    kind: str  # json_schema, json_object, regex, choice, grammar: for errors and metrics
+    template: Any  # llguidance.LLMatcher at the grammar's start, never advanced
+
+    def matcher(self) -> Any:
+        return self.template.deep_copy()
+
+
+def json_schema_grammar(schema: Any) -> str:
+    from llguidance import LLMatcher
+
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("a JSON schema must be an object")
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    except ValueError as exc:
+        raise ValueError(f"invalid JSON schema: {exc}") from None
+
+
+def regex_grammar(regex: Any) -> str:
+    from llguidance import LLMatcher
+
+    if not isinstance(regex, str) or not regex:
+        raise ValueError("a regex must be a non-empty string")
+    return LLMatcher.grammar_from_regex(regex)
+
+
+def choice_grammar(choices: Any) -> str:
+    from llguidance import LLMatcher
+
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("a choice must be a non-empty list of non-empty strings")
+    # NOTE: Lark string literals take JSON's escapes, so json.dumps quotes any string safely
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def lark_grammar(text: Any) -> str:
+    from llguidance import LLMatcher
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("a grammar must be a non-empty Lark grammar string")
+    return LLMatcher.grammar_from_lark(text)
+
+
+# vLLM's spellings: ``structured_outputs: {kind: value}`` and the older top-level ``guided_<kind>``
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def requested_grammar(body: dict) -> tuple[str, str] | None:
+    """(kind, llguidance grammar) for the constraint a request body asks for, None for free text.
+    ValueError for a malformed or ambiguous request (more than one constraint)."""
+    asked: list[tuple[str, Any]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("response_format must be {'type': 'text' | 'json_object' | 'json_schema'}")
+        if fmt["type"] == "json_object":
+            asked.append(("json_object", ANY_JSON_OBJECT))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("response_format json_schema needs a 'json_schema' object")
+            asked.append(("json_schema", spec.get("schema", True)))  # no schema: any JSON value
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise ValueError("structured_outputs must be an object")
+        asked += [(_VLLM_KINDS[k], v) for k, v in structured.items() if k in _VLLM_KINDS and v is not None]
+        if structured.get("json_object"):
+            asked.append(("json_object", ANY_JSON_OBJECT))
+    asked += [
+        (kind, body[f"guided_{k}"]) for k, kind in _VLLM_KINDS.items() if body.get(f"guided_{k}") is not None
+    ]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ValueError(
+            f"one output constraint per request, got {len(asked)}: {', '.join(k for k, _ in asked)}"
+        )
+    return grammar_of(*asked[0])
+
+
+def grammar_of(kind: str, value: Any) -> tuple[str, str]:
+    """(kind, grammar) for one constraint; a JSON schema may come as JSON text."""
+    if kind in ("json_schema", "json_object"):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        return kind, json_schema_grammar(value)
+    if kind == "regex":
+        return kind, regex_grammar(value)
+    if kind == "choice":
+        return kind, choice_grammar(value)
+    return kind, lark_grammar(value)
+
+
+class GuideCompiler:
+    """Grammars compiled against one tokenizer, the last ``max_entries`` kept by grammar text."""
+
+    def __init__(self, tokenizer: PromptTokenizer, vocab_size: int, max_entries: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)  # the model's logits may be wider
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+        self._compiled: OrderedDict[str, Guide] = OrderedDict()
+
+    def compile(self, kind: str, grammar: str) -> Guide:
+        """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""
+        with self._lock:
+            guide = self._compiled.get(grammar)
+            if guide is not None:
+                self._compiled.move_to_end(grammar)
+                return guide
+        from llguidance import LLMatcher
+
+        # NOTE: outside the lock: compiling drops the GIL, so other requests compile meanwhile
+        template = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"invalid {kind.replace('_', ' ')}: {template.get_error()}")
+        guide = Guide(kind, template)
+        with self._lock:
+            self._compiled[grammar] = guide
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return guide
+
+    def _tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = _ll_tokenizer(self.tokenizer, self.vocab_size)
+            return self._ll_tokenizer
+
+
+def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
+    """llguidance's view of a tokenizer: the bytes of every token, EOS, specials."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    if isinstance(tokenizer, ByteTokenizer):
+
+        class _Bytes:
+            eos_token_id = ByteTokenizer.EOS
+            bos_token_id = None
+            tokens = [bytes((i,)) for i in range(256)] + [s.encode() for s in ByteTokenizer.SPECIALS]
+            special_token_ids = list(range(256, tokenizer.vocab_size))
+
+            def __call__(self, data: bytes) -> list[int]:
+                return list(data)
+
+        return LLTokenizer(TokenizerWrapper(_Bytes()), n_vocab=vocab_size)
+    backend = getattr(tokenizer, "_tok", None)  # an HFTokenizer: its tokenizers.Tokenizer
+    if backend is None:
+        raise ValueError(f"structured outputs are not available for tokenizer {tokenizer.name!r}")
+    eos = list(tokenizer.eos_token_ids)
+    return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+
+
+# ---------------------------------------------------------------------- engine thread
+def matcher_of(state: Any) -> Any:
+    """The request's matcher (made on its first sampled token), kept in its memo."""
+    m = state.memo.get("matcher")
+    if m is None:
+        m = state.memo["matcher"] = state.params.guide.matcher()
+    return m
+
+
+def allowed_mask(matchers: Sequence[Any], vocab: int) -> torch.Tensor:
+    """bool [len(matchers), vocab] on the CPU: the tokens each matcher allows next."""
+    words = (vocab + 31) // 32
+    bits = np.zeros((len(matchers), words), dtype=np.int32)
+    for i, m in enumerate(matchers):
+        m.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
+    shifts = torch.arange(32, dtype=torch.int32)
+    unpacked = (torch.from_numpy(bits).unsqueeze(-1) >> shifts) & 1
+    return unpacked.view(len(matchers), words * 32)[:, :vocab].bool()
+
+
+def constrain(logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
+    """``logits`` [B, V] with each guided row's disallowed tokens at -inf (a new tensor; the input
+    is returned untouched when no row is guided)."""
+    rows = [i for i, st in enumerate(states) if st.params.guide is not None]
+    if not rows:
+        return logits
+    allowed = torch.ones(logits.shape, dtype=torch.bool)
+    allowed[rows] = allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1])
+    return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+
+
+def advance(states: Sequence[Any], tokens: Sequence[int]) -> None:
+    """Feed each guided row its sampled token. A token the matcher refuses (only possible when a
+    row had no allowed token left) leaves it in an error state: every later mask allows EOS only."""
+    for st, token in zip(states, tokens, strict=True):
+        if st.params.guide is not None:
+            matcher_of(st).consume_token(int(token))
