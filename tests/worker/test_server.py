@@ -202,7 +202,11 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "guided_regex": "[a-"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}', 400),
         ("/v1/completions", b'{"prompt": "hi", "guided_choice": ["a"], "ignore_eos": true}', 400),
-        ("/v1/completions", b'{"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}', 400),
+        (
+            "/v1/completions",
+            b'{"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}',
+            400,
+        ),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "logprobs": 3}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}', 400),
         (
