@@ -206,26 +206,47 @@ def matcher_of(state: Any) -> Any:
     return m
 
 
-def allowed_mask(matchers: Sequence[Any], vocab: int) -> torch.Tensor:
-    """bool [len(matchers), vocab] on the CPU: the tokens each matcher allows next."""
+def packed_masks(matchers: Sequence[Any], vocab: int) -> np.ndarray:
+    """int32 [len(matchers), ceil(vocab / 32)]: bit t % 32 of word t // 32 set if token t is allowed."""
     words = (vocab + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)
     for i, m in enumerate(matchers):
         m.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
-    shifts = torch.arange(32, dtype=torch.int32)
-    unpacked = (torch.from_numpy(bits).unsqueeze(-1) >> shifts) & 1
-    return unpacked.view(len(matchers), words * 32)[:, :vocab].bool()
+    return bits
+
+
+def allowed_mask(matchers: Sequence[Any], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [len(matchers), vocab] on ``device``: the tokens each matcher allows next. A GPU gets the
+    packed words (1/8 of the bytes) and unpacks them itself; the CPU unpacks with numpy (the words'
+    bytes in memory order are tokens 0-7, 8-15, ...: little-endian, as on x86 and ARM)."""
+    bits = packed_masks(matchers, vocab)
+    if torch.device(device).type == "cpu":
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(unpacked.view(np.bool_))
+    return unpack_on(torch.from_numpy(bits).to(device, non_blocking=True), vocab)
+
+
+def unpack_on(packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 words -> bool [rows, vocab], on the words' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab].bool()
 
 
 def constrain(logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
     """``logits`` [B, V] with each guided row's disallowed tokens at -inf (a new tensor; the input
-    is returned untouched when no row is guided)."""
+    is returned untouched when no row is guided). The masks are computed on the CPU while the
+    GPU may still be running the step's forward (nothing here waits for it)."""
     rows = [i for i, st in enumerate(states) if st.params.guide is not None]
     if not rows:
         return logits
-    allowed = torch.ones(logits.shape, dtype=torch.bool)
-    allowed[rows] = allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1])
-    return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+    allowed = allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1], logits.device)
+    ninf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if len(rows) == len(states):
+        return torch.where(allowed, logits, ninf)
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = torch.where(allowed, logits[index], ninf)
+    return out
 
 
 def advance(states: Sequence[Any], tokens: Sequence[int]) -> None:

@@ -141,3 +141,16 @@ async def test_random_weight_model_serves_through_the_engine():
     assert trace.last.finish_reason == "length" and trace.last.completion_tokens == 5
     assert len(trace.token_times) == 5
     assert again.last.cached_tokens == 32  # two full pages of the 40-token prompt
+
+
+def test_guided_bench_times_masks_in_both_states_and_writes_json(tmp_path, capsys):
+    from worker import bench_guided
+
+    out = tmp_path / "guided.json"
+    bench_guided.main(["--vocab", "600", "--batch", "1,3", "--reps", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["vocab"] == 600 and [r["batch"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["allowed_in_string"] > 300  # inside a string almost any token may come next
+        assert all(row[k] > 0 for k in ("mask_ms_object_start", "mask_ms_in_string", "apply_ms_vocab_128256"))
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 |")

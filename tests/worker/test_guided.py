@@ -9,12 +9,13 @@ import random
 import re
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from router.tokenization import ByteTokenizer, HFTokenizer
 from worker.config import WorkerConfig
-from worker.guided import GuideCompiler, allowed_mask, constrain, requested_grammar
+from worker.guided import GuideCompiler, allowed_mask, constrain, requested_grammar, unpack_on
 from worker.sampling import SamplingParams
 from worker.sim_engine import build_sim_engine
 
@@ -131,6 +132,24 @@ def test_hf_tokenizer_walks_give_schema_valid_json(llama_checkpoint, seed) -> No
     schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}
     ids = random_walk(compiler, schema, tok.vocab_size, set(tok.eos_token_ids), seed)
     check_person(json.loads(tok.decode(ids)))
+
+
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_both_unpackings_agree_bit_for_bit(device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen)
+    vocab = 5 * 32 - 7  # a vocabulary that ends inside the last word
+    expected = torch.tensor(
+        [[(int(w) >> b) & 1 == 1 for w in row for b in range(32)][:vocab] for row in packed]
+    )
+    unpacked = np.unpackbits(packed.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    assert torch.equal(torch.from_numpy(unpacked.view(np.bool_)), expected)
+    assert torch.equal(unpack_on(packed.to(device), vocab).cpu(), expected)
 
 
 def test_constrain_masks_only_guided_rows_and_leaves_the_input_alone() -> None:
