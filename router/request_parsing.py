@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.responses_input import prompt_messages
+from router.responses_input import chat_tools, prompt_messages
 from router.tokenization import ByteTokenizer, PromptTokenizer
 
 
@@ -109,8 +109,9 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
         raise RouterError(400, "'previous_response_id' must be a string", "invalid_type")
     try:
         messages = prompt_messages(body.get("instructions"), [], body.get("input"))
+        tools = chat_tools(body.get("tools"))
         # NOTE: a follow-up's prompt starts with a history only its worker has: nothing to match
-        token_ids: Sequence[int] = b"" if previous is not None else _encode_chat(tokenizer, messages)
+        token_ids: Sequence[int] = b"" if previous is not None else _encode_chat(tokenizer, messages, tools)
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
     parsed = ParsedRequest(

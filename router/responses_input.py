@@ -53,28 +53,72 @@ def _text(content: Any) -> str:
     raise ValueError("message 'content' must be a string or a list of text parts")
 
 
-def input_messages(input_: Any) -> list[dict[str, str]]:
-    """``input`` (a string, or a list of message items) as chat messages."""
+def chat_tools(tools: Any) -> list[dict] | None:
+    """The Responses API's function tools (``{"type": "function", "name", "description",
+    "parameters"}``) in chat's shape (``{"type": "function", "function": {...}}``)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError("'tools' must be a list of function tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ValueError(f"tools[{i}]: only function tools are supported, got {kind!r}")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """The Responses API's ``tool_choice`` (``{"type": "function", "name": N}`` for one tool) in chat's shape."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def input_messages(input_: Any) -> list[dict[str, Any]]:
+    """``input`` (a string, or a list of message, ``function_call`` and ``function_call_output``
+    items) as chat messages: consecutive function calls are one assistant message's ``tool_calls``,
+    a call's output is a ``tool`` message."""
     if isinstance(input_, str):
         if not input_:
             raise ValueError("'input' is empty")
         return [{"role": "user", "content": input_}]
     if not isinstance(input_, list) or not input_:
         raise ValueError("'input' must be a non-empty string or list of messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for item in input_:
         if not isinstance(item, dict):
             raise ValueError("each 'input' item must be an object")
-        if item.get("type", "message") != "message":
-            raise ValueError(f"unsupported input item type {item.get('type')!r}: only messages are supported")
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise ValueError(f"unsupported role {item.get('role')!r}")
-        out.append({"role": role, "content": _text(item.get("content"))})
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+            if not all(isinstance(v, str) and v for v in (call_id, name)) or not isinstance(args, str):
+                raise ValueError("a function_call item needs string 'call_id', 'name' and 'arguments'")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not isinstance(output, str):
+                raise ValueError("a function_call_output item needs string 'call_id' and 'output'")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise ValueError(f"unsupported role {item.get('role')!r}")
+            out.append({"role": role, "content": _text(item.get("content"))})
+        else:
+            raise ValueError(
+                f"unsupported input item type {kind!r}: messages, function_call and function_call_output are"
+            )
     return out
 
 
-def prompt_messages(instructions: Any, history: list[dict[str, str]], input_: Any) -> list[dict[str, str]]:
+def prompt_messages(instructions: Any, history: list[dict[str, Any]], input_: Any) -> list[dict[str, Any]]:
     """The conversation to render: ``instructions`` as a system message (they are not carried over
     from a previous response), then the earlier turns, then this request's input."""
     if instructions is not None and not isinstance(instructions, str):

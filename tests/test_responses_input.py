@@ -58,3 +58,46 @@ def test_unsupported_input_is_a_value_error(input_) -> None:
         input_messages(input_)
     with pytest.raises(ValueError):
         prompt_messages(3, [], "q")
+
+
+def test_function_calls_and_their_outputs_become_tool_turns() -> None:
+    from router.responses_input import chat_tool_choice, chat_tools
+
+    items = [
+        {"role": "user", "content": "2+3 and 4+5?"},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":2,"b":3}'},
+        {"type": "function_call", "call_id": "c2", "name": "add", "arguments": '{"a":4,"b":5}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "5"},
+        {"type": "function_call_output", "call_id": "c2", "output": "9"},
+    ]
+    assert input_messages(items) == [
+        {"role": "user", "content": "2+3 and 4+5?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a":2,"b":3}'}},
+            {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a":4,"b":5}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c2", "content": "9"},
+    ]  # fmt: skip
+    tool = {"type": "function", "name": "add", "description": "a+b", "parameters": {"type": "object"}}
+    assert chat_tools([tool]) == [
+        {
+            "type": "function",
+            "function": {"name": "add", "description": "a+b", "parameters": {"type": "object"}},
+        }
+    ]
+    assert chat_tools(None) is None
+    assert chat_tool_choice({"type": "function", "name": "add"}) == {
+        "type": "function",
+        "function": {"name": "add"},
+    }
+    assert chat_tool_choice("required") == "required"
+    for bad in ([{"type": "file_search"}], "add", [3]):
+        with pytest.raises(ValueError):
+            chat_tools(bad)
+    for bad_item in (
+        {"type": "function_call", "name": "add"},
+        {"type": "function_call_output", "output": "1"},
+    ):
+        with pytest.raises(ValueError):
+            input_messages([bad_item])

@@ -137,7 +137,7 @@ def grammar_of(kind: str, value: Any) -> tuple[str, str]:
 
 
 class GuideCompiler:
-    """Grammars compiled against one tokenizer, the last ``max_entries`` kept by grammar text."""
+    """Grammars compiled against one tokenizer, the last ``max_entries`` kept by (kind, grammar text)."""
 
     def __init__(self, tokenizer: PromptTokenizer, vocab_size: int, max_entries: int = 256) -> None:
         self.tokenizer = tokenizer
@@ -145,14 +145,15 @@ class GuideCompiler:
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
-        self._compiled: OrderedDict[str, Guide] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Guide] = OrderedDict()
 
     def compile(self, kind: str, grammar: str) -> Guide:
         """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""
+        key = (kind, grammar)
         with self._lock:
-            guide = self._compiled.get(grammar)
+            guide = self._compiled.get(key)
             if guide is not None:
-                self._compiled.move_to_end(grammar)
+                self._compiled.move_to_end(key)
                 return guide
         from llguidance import LLMatcher
 
@@ -162,7 +163,7 @@ class GuideCompiler:
             raise ValueError(f"invalid {kind.replace('_', ' ')}: {template.get_error()}")
         guide = Guide(kind, template)
         with self._lock:
-            self._compiled[grammar] = guide
+            self._compiled[key] = guide
             while len(self._compiled) > self.max_entries:
                 self._compiled.popitem(last=False)
         return guide

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "radixgate_worker"
@@ -91,6 +91,18 @@ class WorkerMetrics:
             f"{PREFIX}_request_latency_seconds",
             "Arrival to last token.",
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.constrained = Counter(
+            f"{PREFIX}_constrained_requests_total",
+            "Requests generated under a grammar, by kind: json_schema, json_object, regex, choice, "
+            "grammar, tool_call (a required or named tool call).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.tool_calls = Counter(
+            f"{PREFIX}_tool_calls_total",
+            "Tool calls answered (read from the text, or generated for a required or named tool_choice).",
             registry=self.registry,
         )
         self.registry.register(_SnapshotCollector(self))

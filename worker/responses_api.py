@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,9 +16,18 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from router.responses_input import input_messages, new_response_id, prompt_messages, worker_tag
-from worker.api_params import APIError, chat_ids, output_guide, sampling_params
+from router.responses_input import (
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    new_response_id,
+    prompt_messages,
+    worker_tag,
+)
+from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
+from worker.responses_output import Events, OutputItems
+from worker.tool_calls import ToolOutput
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from worker.server import WorkerAPI
@@ -27,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @dataclass
 class StoredResponse:
-    messages: list[dict[str, str]]  # the conversation so far, without instructions
+    messages: list[dict[str, Any]]  # the conversation so far, without instructions
     response: dict  # the response object, as GET returns it
 
 
@@ -82,14 +90,17 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         api = self.api
         body = await api._body(request)
-        if body.get("tools"):
-            raise APIError(400, "tools are served on /v1/chat/completions; /v1/responses takes none")
+        try:
+            chat_form = {"tools": chat_tools(body.get("tools")), "tool_choice": chat_tool_choice(body.get("tool_choice")),
+                         "parallel_tool_calls": body.get("parallel_tool_calls", True)}  # fmt: skip
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        tools = tools_of(chat_form)
         text = body.get("text")
         if text is not None and not isinstance(text, dict):
             raise APIError(400, "'text' must be an object such as {'format': {'type': 'json_schema', ...}}")
-        guide = await output_guide(
-            {"response_format": _chat_format((text or {}).get("format"))}, api.engine.guides
-        )
+        fmt = {"response_format": _chat_format((text or {}).get("format"))}
+        guide = await output_guide(fmt, api.engine.guides, tools)
         store = body.get("store", True)
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")
@@ -104,7 +115,7 @@ class ResponsesAPI:
             messages = prompt_messages(body.get("instructions"), history, body.get("input"))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        ids = await chat_ids(messages, api.engine.tokenizer)
+        ids = await chat_ids(messages, api.engine.tokenizer, tools and tools.tools)
         engine = api.engine
         params = sampling_params(
             body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", None, guide
@@ -115,7 +126,10 @@ class ResponsesAPI:
         if first is None:
             return Response(status_code=499)
         conversation = history + input_messages(body["input"])
-        turn = _Turn(self, body, new_response_id(self.tag), len(ids), conversation, store)
+        reader = (
+            ToolOutput(tools, api.tool_call_parser) if tools is not None and tools.choice != "none" else None
+        )
+        turn = _Turn(self, body, new_response_id(self.tag), len(ids), conversation, store, reader)
         if body.get("stream"):
             return StreamingResponse(
                 self._stream(request, outputs, live, first, turn),
@@ -130,7 +144,7 @@ class ResponsesAPI:
                 turn.add(out)
                 if out.finish_reason is not None:
                     live.clear()
-                    return Response(orjson.dumps(turn.finish()), media_type="application/json")
+                    return Response(orjson.dumps(turn.finish()[0]), media_type="application/json")
                 out = await api._next(request, outputs, live)
             return Response(status_code=499)
         finally:
@@ -149,30 +163,22 @@ class ResponsesAPI:
         try:
             yield events.send("response.created", response=turn.response("in_progress"))
             yield events.send("response.in_progress", response=turn.response("in_progress"))
-            item = turn.message("in_progress", [])
-            yield events.send("response.output_item.added", output_index=0, item=item)
-            part = {"type": "output_text", "text": "", "annotations": []}
-            yield events.send("response.content_part.added", **turn.where(), part=part)
+            if turn.reader is None:  # plain text: the message opens at once, as OpenAI's does
+                for event in turn.items.open_message():
+                    yield event
             while out is not None:
                 if out.error is not None:
                     yield events.send(
                         "error", code=str(out.error_status or 500), message=out.error, param=None
                     )
                     break
-                turn.add(out)
-                if out.text:
-                    yield events.send(
-                        "response.output_text.delta", **turn.where(), delta=out.text, logprobs=[]
-                    )
+                for event in turn.add(out):
+                    yield event
                 if out.finish_reason is not None:
                     live.clear()
-                    final = turn.finish()
-                    text = final["output"][0]["content"][0]
-                    yield events.send(
-                        "response.output_text.done", **turn.where(), text=text["text"], logprobs=[]
-                    )
-                    yield events.send("response.content_part.done", **turn.where(), part=text)
-                    yield events.send("response.output_item.done", output_index=0, item=final["output"][0])
+                    final, closing = turn.finish()
+                    for event in closing:
+                        yield event
                     kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
                     yield events.send(kind, response=final)
                     break
@@ -197,50 +203,32 @@ class ResponsesAPI:
         )
 
 
-class _Events:
-    """Server-sent events of one streamed response, numbered as the API numbers them."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-
-    def send(self, kind: str, **fields: Any) -> bytes:
-        data = orjson.dumps({"type": kind, "sequence_number": self.seq, **fields})
-        self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
-
-
 class _Turn:
-    """One response as it is generated: its text, counts and the objects the API returns."""
+    """One response as it is generated: its output items, counts and the objects the API returns."""
 
     def __init__(
-        self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool
-    ) -> None:
+        self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool,
+        reader: ToolOutput | None = None,
+    ) -> None:  # fmt: skip
         self.endpoint, self.body, self.rid, self.store = endpoint, body, rid, store
-        self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.messages = messages  # earlier turns + this input, without instructions
-        self.text: list[str] = []
+        self.reader = reader  # with tools: reads calls out of the text
         self.output_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
-        self.events = _Events()
+        self.events = Events()
+        self.items = OutputItems(self.events)
 
-    def add(self, out: RequestOutput) -> None:
-        self.text.append(out.text)
+    def add(self, out: RequestOutput) -> list[bytes]:
+        """Account one engine output; the stream events for its text."""
         self.output_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
         self.finish_reason = out.finish_reason or self.finish_reason
-
-    def where(self) -> dict:
-        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
-
-    def message(self, status: str, content: list) -> dict:
-        return {
-            "type": "message",
-            "id": self.msg_id,
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
+        if self.reader is None:
+            deltas = [{"content": out.text}]
+        else:
+            deltas = self.reader.feed(out.text) + (self.reader.flush() if out.finish_reason else [])
+        return [event for d in deltas for event in self.items.delta(d)]
 
     def response(self, status: str, output: list | None = None, usage: dict | None = None) -> dict:
         body = self.body
@@ -249,19 +237,20 @@ class _Turn:
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
             "error": None, "incomplete_details": incomplete, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "model": self.endpoint.api.name,
-            "output": output or [], "parallel_tool_calls": True,
+            "output": output or [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"), "store": self.store,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
-            "usage": usage, "metadata": body.get("metadata") or {},
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "truncation": "disabled", "usage": usage, "metadata": body.get("metadata") or {},
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip
 
-    def finish(self) -> dict:
-        """The finished response object; stored with the conversation unless the client said not to."""
-        text = "".join(self.text)
+    def finish(self) -> tuple[dict, list[bytes]]:
+        """The finished response object (stored with the conversation unless the client said not
+        to) and the events that close its items."""
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        part = {"type": "output_text", "text": text, "annotations": []}
+        closing = self.items.close(status)
         usage = {
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": self.cached_tokens},
@@ -269,8 +258,10 @@ class _Turn:
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.prompt_tokens + self.output_tokens,
         }
-        final = self.response(status, [self.message(status, [part])], usage)
+        final = self.response(status, self.items.items, usage)
+        if self.reader is not None:
+            self.endpoint.api.engine.metrics.tool_calls.inc(self.reader.calls)
         if self.store:
-            conversation = [*self.messages, {"role": "assistant", "content": text}]
+            conversation = [*self.messages, self.items.assistant_message()]
             self.endpoint.store.put(self.rid, StoredResponse(conversation, final))
-        return final
+        return final, closing

@@ -145,7 +145,9 @@ class WorkerAPI:
                 if choices[out.index].add(out):
                     del live[out.index]
                 if not live:
-                    return _json(resp.whole(choices, prompt_tokens))
+                    answer = resp.whole(choices, prompt_tokens)
+                    self.engine.metrics.tool_calls.inc(sum(c.tools.calls for c in choices if c.tools))
+                    return _json(answer)
                 out = await self._next(request, outputs, live)
             return Response(status_code=499)
         finally:
@@ -171,6 +173,9 @@ class WorkerAPI:
         if first is not None and first.error is not None:
             self._abort(live)
             raise APIError(first.error_status or 500, first.error)
+        guide = jobs[0][2].guide
+        if guide is not None:
+            self.engine.metrics.constrained.labels(guide.kind).inc()
         return first
 
     def _abort(self, live: dict[int, str]) -> None:
@@ -226,6 +231,8 @@ class WorkerAPI:
                 if out.finish_reason is not None:
                     if c.tools is None:
                         yield _sse(resp.chunk(c, "", out.finish_reason))
+                    else:
+                        self.engine.metrics.tool_calls.inc(c.tools.calls)
                     if not live:
                         if usage:
                             yield _sse(resp.usage_chunk(choices, prompt_tokens))

@@ -71,7 +71,7 @@ def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
     """(kind, grammar) the output must follow for ``required`` and a named function; else None."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in req.tools}
     if req.choice == "function":
-        return grammar_of("json_schema", params[req.name])
+        return "tool_call", grammar_of("json_schema", params[req.name])[1]
     if req.choice != "required":
         return None
     item = {
@@ -86,7 +86,7 @@ def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
         ]
     }
     calls = {"type": "array", "items": item, "minItems": 1, **({} if req.parallel else {"maxItems": 1})}
-    return grammar_of("json_schema", calls)
+    return "tool_call", grammar_of("json_schema", calls)[1]
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -261,3 +261,19 @@ def test_sim_worker_honours_constraints() -> None:
         body = r.json()
         assert body["simulated"] is True
         assert re.fullmatch("[0-9]{4}", body["choices"][0]["text"]), r.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_worker_follows_a_schema_with_graph_replayed_steps() -> None:
+    """On CUDA the masks go to the device packed and are applied there, after eager or graph steps."""
+    with serve(device="cuda") as live:
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 80, "response_format": fmt,
+                "n": 4, "temperature": 1.0, "seed": 3}  # fmt: skip
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "stop", choice
+            check_person(json.loads(choice["message"]["content"]))
+        assert live.engine.executor.graph_steps > 0

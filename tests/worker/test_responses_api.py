@@ -139,11 +139,20 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
     [
         ({"input": ""}, 400),
         ({"input": 5}, 400),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, 400),
+        ({"input": [{"type": "reasoning", "summary": []}]}, 400),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400),
         ({"input": [{"role": "tool", "content": "x"}]}, 400),
         ({"input": "hi", "instructions": 3}, 400),
-        ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, 400),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400),
+        (
+            {
+                "input": "hi",
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": {"type": "function", "name": "g"},
+            },
+            400,
+        ),
         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, 400),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, 400),
         ({"input": "hi", "text": "plain"}, 400),
@@ -157,3 +166,65 @@ def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body,
     r = client.post("/v1/responses", json=body)
     assert r.status_code == status and r.json()["error"]["message"]
     assert create(client, input="still serving")["object"] == "response"
+
+
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two small numbers",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+CALL_ADD = {"type": "function", "name": "add"}
+
+
+def test_a_forced_function_call_is_a_function_call_item(client) -> None:
+    resp = create(client, input="2+3?", tools=[ADD], tool_choice=CALL_ADD, max_output_tokens=40)
+    assert resp["status"] == "completed" and resp["tools"] == [ADD] and resp["tool_choice"] == CALL_ADD
+    [item] = resp["output"]
+    assert item["type"] == "function_call" and item["name"] == "add" and item["status"] == "completed"
+    assert item["call_id"].startswith("call_") and item["id"].startswith("fc_")
+    assert set(orjson.loads(item["arguments"])) == {"a", "b"}
+
+
+def test_a_streamed_function_call_sends_its_arguments_and_the_same_item(client) -> None:
+    evs = events(client, input="2+3?", tools=[ADD], tool_choice=CALL_ADD, max_output_tokens=40)
+    kinds = [k for k, _ in evs]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    streamed = "".join(d["delta"] for k, d in evs if k == "response.function_call_arguments.delta")
+    final = evs[-1][1]["response"]["output"][0]
+    assert streamed == evs[-3][1]["arguments"] == final["arguments"]
+    assert evs[2][1]["item"]["id"] == final["id"] and evs[2][1]["item"]["call_id"] == final["call_id"]
+
+
+def test_a_function_call_output_continues_the_conversation_from_the_cache(client) -> None:
+    first = create(client, instructions=INSTRUCTIONS, input="2+3?", tools=[ADD], tool_choice=CALL_ADD,
+                   max_output_tokens=40)  # fmt: skip
+    call = first["output"][0]
+    follow = create(client, previous_response_id=first["id"], tools=[ADD], instructions=INSTRUCTIONS,
+                    input=[{"type": "function_call_output", "call_id": call["call_id"], "output": "5"}])  # fmt: skip
+    assert follow["status"] in ("completed", "incomplete")
+    assert follow["output"][0]["type"] == "message"
+    page = client.get("/v1/cache/info").json()["block_size"]
+    assert (
+        follow["usage"]["input_tokens_details"]["cached_tokens"]
+        >= first["usage"]["input_tokens"] // page * page
+    )
+    # the same conversation sent whole (no stored state) renders to the same prompt
+    whole = create(client, tools=[ADD], instructions=INSTRUCTIONS, store=False, input=[
+        {"role": "user", "content": "2+3?"},
+        {"type": "function_call", "call_id": call["call_id"], "name": "add", "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "5"},
+    ])  # fmt: skip
+    assert whole["usage"]["input_tokens"] == follow["usage"]["input_tokens"]

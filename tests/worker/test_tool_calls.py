@@ -280,6 +280,24 @@ def test_tool_turns_reuse_the_cached_prefix_and_none_keeps_the_prompt(worker) ->
     assert "tool_calls" not in none["choices"][0]["message"]
 
 
+def metric(client: httpx.Client, series: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_count_constrained_requests_and_tool_calls(worker) -> None:
+    forced = 'radixgate_worker_constrained_requests_total{kind="tool_call"}'
+    before = metric(worker, forced), metric(worker, "radixgate_worker_tool_calls_total")
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "n": 2, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    worker.post("/v1/chat/completions", json=body)
+    worker.post("/v1/chat/completions", json={**body, "stream": True})
+    assert metric(worker, forced) == before[0] + 2  # one per request
+    assert metric(worker, "radixgate_worker_tool_calls_total") == before[1] + 4  # one per choice
+
+
 def test_tool_errors_are_400_and_the_worker_keeps_serving(worker) -> None:
     bad = [
         {"messages": MESSAGES, "tools": [{"type": "function"}]},

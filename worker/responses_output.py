@@ -1,0 +1,127 @@
+"""A Responses API answer's ``output`` items, built from chat-shaped deltas (``{"content": ...}`` and
+``{"tool_calls": [...]}``, what worker.tool_calls produces), and the stream events that announce
+them: an assistant ``message`` with one ``output_text`` part, and one ``function_call`` item per
+call, each opened, filled and closed in order. A non-streamed answer goes through the same steps
+and keeps only the items."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+
+
+class Events:
+    """Server-sent events of one streamed response, numbered as the API numbers them."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def send(self, kind: str, **fields: Any) -> bytes:
+        data = orjson.dumps({"type": kind, "sequence_number": self.seq, **fields})
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class OutputItems:
+    def __init__(self, events: Events) -> None:
+        self.events = events
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the item being generated
+        self._calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
+
+    # ------------------------------------------------------------------ building
+    def open_message(self) -> list[bytes]:
+        out = self._close_open()
+        item = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
+                "role": "assistant", "content": []}  # fmt: skip
+        self._open = item
+        self.items.append(item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        out.append(
+            self.events.send("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        )
+        out.append(self.events.send("response.content_part.added", **self._where(), part=part))
+        item["content"].append(part)
+        return out
+
+    def delta(self, delta: dict) -> list[bytes]:
+        """Events for one chat delta (content text, or tool call headers / argument pieces)."""
+        out: list[bytes] = []
+        text = delta.get("content")
+        if text:
+            if self._open is None or self._open["type"] != "message":
+                out += self.open_message()
+            assert self._open is not None
+            self._open["content"][0]["text"] += text
+            out.append(
+                self.events.send("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+            )
+        for call in delta.get("tool_calls", ()):
+            fn = call.get("function", {})
+            if "id" in call:  # a new call
+                out += self._close_open()
+                item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
+                        "name": fn.get("name", ""), "arguments": "", "status": "in_progress"}  # fmt: skip
+                self._open = self._calls[call["index"]] = item
+                self.items.append(item)
+                index = len(self.items) - 1
+                out.append(self.events.send("response.output_item.added", output_index=index, item=item))
+            item = self._calls[call["index"]]
+            if fn.get("arguments"):
+                item["arguments"] += fn["arguments"]
+                out.append(self.events.send("response.function_call_arguments.delta", item_id=item["id"],
+                                            output_index=self.items.index(item), delta=fn["arguments"]))  # fmt: skip
+        return out
+
+    def close(self, status: str) -> list[bytes]:
+        """Close the open item and mark every item ``status`` (completed or incomplete)."""
+        if not self.items:  # nothing was generated: still one (empty) message, as the API has
+            self.open_message()
+        out = self._close_open(status)
+        for item in self.items:
+            item["status"] = status
+        return out
+
+    # ------------------------------------------------------------------ results
+    def assistant_message(self) -> dict:
+        """The answer as one chat message, for the stored conversation."""
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        calls = [
+            {
+                "id": i["call_id"],
+                "type": "function",
+                "function": {"name": i["name"], "arguments": i["arguments"]},
+            }
+            for i in self.items
+            if i["type"] == "function_call"
+        ]
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}
+
+    def _where(self) -> dict:
+        assert self._open is not None
+        return {"item_id": self._open["id"], "output_index": self.items.index(self._open), "content_index": 0}
+
+    def _close_open(self, status: str = "completed") -> list[bytes]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        item["status"] = status
+        send = self.events.send
+        if item["type"] == "message":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [
+                send("response.output_text.done", **where, text=part["text"], logprobs=[]),
+                send("response.content_part.done", **where, part=part),
+                send("response.output_item.done", output_index=index, item=item),
+            ]
+        return [
+            send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                 arguments=item["arguments"]),
+            send("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
