@@ -131,7 +131,8 @@ class Router:
     # ---------------------------------------------------------------- routing
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
         """The request as policies see it; its block hashes are computed as the decision reads them."""
-        hashes = PromptHashes(parsed.token_ids, self.block_size, self.namespace(parsed.model), self.hash_memo)
+        tokens = parsed.token_ids[:0] if parsed.full_prefill else parsed.token_ids  # nothing to match
+        hashes = PromptHashes(tokens, self.block_size, self.namespace(parsed.model), self.hash_memo)
         return RouteRequest(hashes, len(parsed.token_ids), self.block_size)
 
     def check_model(self, model: str | None) -> None:

@@ -34,6 +34,9 @@ class ParsedRequest:
     follow_up: bool = False
     affinity_body: dict[str, Any] | None = None
     usage_in_stream: bool = False
+    # /v1/completions with echo + logprobs: the worker computes the whole prompt (a cached prefix
+    # has no logits), so no prefix match saves anything: routed by load, all of it counted as prefill
+    full_prefill: bool = False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -97,7 +100,8 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
                  for p in rest)  # fmt: skip
     n = body.get("n")
     n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
-    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others)
+    full = not chat and body.get("echo") is True and body.get("logprobs") is not None
+    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others, full_prefill=full)
 
 
 def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedRequest:

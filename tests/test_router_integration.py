@@ -289,6 +289,28 @@ def test_debug_route_explains_without_sending(fleet):
     assert all(v == 0 for url, v in matched.items() if url != served)
 
 
+def test_prompt_scoring_is_routed_by_load_with_the_whole_prompt_as_prefill(fleet):
+    """echo + logprobs: the worker computes the whole prompt whatever it caches, so the router
+    matches nothing for it (and counts all of it as pending prefill)."""
+    router, _ = fleet
+    prompt = "A prompt to score, long enough for several blocks. " * 8
+    with httpx.Client(base_url=router.url, timeout=10) as client:
+        assert (
+            client.post(
+                "/v1/completions", json={"model": "echo", "prompt": prompt, "max_tokens": 1}
+            ).status_code
+            == 200
+        )
+        plain = client.post("/debug/route", json={"model": "echo", "prompt": prompt, "max_tokens": 1}).json()
+        scoring = client.post("/debug/route", json={"model": "echo", "prompt": prompt, "max_tokens": 0,
+                                                    "echo": True, "logprobs": 0}).json()  # fmt: skip
+    assert (
+        max(c["matched_tokens"] for c in plain["candidates"]) >= plain["prompt_tokens"] - plain["block_size"]
+    )
+    assert all(c["matched_tokens"] == 0 for c in scoring["candidates"])
+    assert scoring["prompt_tokens"] == plain["prompt_tokens"]
+
+
 def test_metrics_report_predicted_and_actual_hits_per_worker(fleet):
     router, _ = fleet
     with httpx.Client(base_url=router.url, timeout=10) as client:

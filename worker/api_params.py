@@ -45,8 +45,8 @@ def check_body(raw: bytes, served_model: str) -> dict:
         raise APIError(400, "best_of other than n is not supported")
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise APIError(400, "'stream' must be a boolean")
-    if body.get("echo"):
-        raise APIError(400, "echo is not supported")
+    if not isinstance(body.get("echo", False), bool):
+        raise APIError(400, "'echo' must be a boolean")
     options = body.get("stream_options")
     if options is not None and (
         not isinstance(options, dict)
@@ -165,9 +165,19 @@ def logit_bias(bias: Any, vocab_size: int) -> dict[int, Any]:
     return out
 
 
+def echo_texts(prompt: Any, ids: list[list[int]], tokenizer: PromptTokenizer) -> list[str]:
+    """What ``echo`` sends back for each prompt: the string as given, or token ids decoded."""
+    given = prompt if _is_batch(prompt) else [prompt]
+    return [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(given, ids, strict=True)]
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+
+
 async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer) -> list[list[int]]:
     """``prompt`` as token id lists: a string, a list of ids, or a batch (list) of either."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if _is_batch(prompt):
         if len(prompt) > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
         return [await _one_prompt(p, tokenizer) for p in prompt]

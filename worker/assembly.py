@@ -39,6 +39,10 @@ class ModelExecutor:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             logits = self.decode_graphs.run(batch)
             self.graph_steps += 1
+        elif batch.mode == "extend" and any(
+            r.payload.params.prompt_logprobs is not None for r in batch.requests
+        ):
+            logits = self._forward_scoring_prompts(batch, ForwardBatch.from_step(batch, self.device))
         else:
             logits = self.model.forward(ForwardBatch.from_step(batch, self.device), self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]
@@ -70,6 +74,44 @@ class ModelExecutor:
             for j, lp in zip(asking, token_logprobs(raw[index], tokens[index], top), strict=True):
                 states[j].step_logprobs = lp
         return ids
+
+    def _forward_scoring_prompts(self, batch: ScheduledBatch, fb: Any) -> Any:
+        """An extend step where some requests want their prompt's logprobs: logits for every new
+        token of those, the last of the others; the prompt numbers go to each request's state and
+        the last row per request comes back, as a plain forward gives it."""
+        import torch
+
+        from worker.sampling import token_logprobs
+
+        qo = batch.qo_indptr
+        rows: list[int] = []
+        last: list[int] = []
+        for i, req in enumerate(batch.requests):
+            a, b = int(qo[i]), int(qo[i + 1])
+            rows.extend(range(a, b) if req.payload.params.prompt_logprobs is not None else (b - 1,))
+            last.append(len(rows) - 1)
+        fb.logit_rows = torch.tensor(rows, device=self.device)
+        logits = self.model.forward(fb, self.kv_pool)
+        offset = 0
+        for i, req in enumerate(batch.requests):
+            st, start, end = req.payload, batch.starts[i], batch.ends[i]
+            k = st.params.prompt_logprobs
+            if k is None:
+                offset += 1
+                continue
+            # NOTE: the row at position p predicts the token at p + 1; prompt tokens only
+            n = max(0, min(end - start, req.prompt_len - 1 - start))
+            for a in range(0, n, SCORE_ROWS):  # bounded [rows, vocab] log-softmax temporaries
+                m = min(SCORE_ROWS, n - a)
+                target = torch.tensor(req.token_ids[start + 1 + a : start + 1 + a + m], device=logits.device)
+                scored = token_logprobs(logits[offset + a : offset + a + m], target, [k] * m)
+                for j, entry in enumerate(scored):
+                    st.prompt_logprobs[start + 1 + a + j] = entry
+            offset += end - start
+        return logits[torch.tensor(last, device=logits.device)]
+
+
+SCORE_ROWS = 256  # prompt positions scored per log-softmax
 
 
 def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: int) -> ModelExecutor:

@@ -140,7 +140,8 @@ class Engine:
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
-                      prompt_group=prompt_group, priority=params.priority)  # fmt: skip
+                      prompt_group=prompt_group, priority=params.priority,
+                      full_prefill=params.prompt_logprobs is not None)  # fmt: skip
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),
@@ -289,7 +290,8 @@ class Engine:
 
     def _on_token(self, req: Request, now: float) -> None:
         st: RequestState = req.payload
-        if st.first_token_at is None:
+        first = st.first_token_at is None
+        if first:
             st.first_token_at = now
             self.metrics.ttft.observe(now - st.arrival)
         else:
@@ -318,7 +320,10 @@ class Engine:
             self._requests.pop(req.rid, None)
             self._finished[finish] += 1
             self.metrics.e2e.observe(now - st.arrival)
-        self._emit(req, RequestOutput(text=text, token_ids=[token], finish_reason=finish, logprobs=logprobs))
+        out = RequestOutput(text=text, token_ids=[token], finish_reason=finish, logprobs=logprobs)
+        if first and st.params.prompt_logprobs is not None:
+            out.prompt_logprobs = [None] + [st.prompt_logprobs.get(p) for p in range(1, req.prompt_len)]
+        self._emit(req, out)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         out.prompt_tokens = req.prompt_len

@@ -34,6 +34,8 @@ class RequestOutput:
     error_status: int = 0  # HTTP status for ``error`` (429 queue full, 500 model failure, 503 dead)
     index: int = 0  # which of the request's choices (n > 1) this output belongs to
     logprobs: TokenLogprobs | None = None  # of token_ids[0], when the request asked for logprobs
+    # first output of a request with prompt logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -67,3 +69,4 @@ class RequestState:
     generator: Any = None  # per-request RNG, created by the executor for seeded requests
     step_logprobs: TokenLogprobs | None = None  # set by the executor with the token it samples
     memo: dict = field(default_factory=dict)  # the executor's per-request cache (penalties)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # prompt position -> numbers

@@ -16,7 +16,7 @@ from worker.engine_api import RequestOutput
 from worker.sampling import TokenLogprobs
 from worker.tool_calls import ToolOutput
 
-Logprob = tuple[int, TokenLogprobs]  # a generated token and its numbers
+Logprob = tuple[int, TokenLogprobs | None]  # a token and its numbers (None: a prompt's first token)
 
 
 class TokenNames:
@@ -52,14 +52,30 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     tools: ToolOutput | None = None  # chat with tools: the text becomes content and tool calls
+    # completions ``echo``: the prompt's text, sent before the first output, and its ids (whose
+    # logprobs come with the first output when logprobs are asked for)
+    echo: str | None = None
+    prompt_ids: list[int] | None = None
+    scoring_only: bool = False  # max_tokens 0 with echo: the one token generated is not answered
+
+    def visible(self, out: RequestOutput) -> str:
+        """The text of ``out`` the client sees (the echoed prompt first)."""
+        head, self.echo = self.echo or "", None
+        return head + ("" if self.scoring_only else out.text)
 
     def add(self, out: RequestOutput) -> bool:
         """Account one engine output (its text aside); True when it finishes this choice."""
-        if out.logprobs is not None:
+        if out.prompt_logprobs is not None and self.prompt_ids is not None:
+            self.logprobs.extend(zip(self.prompt_ids, out.prompt_logprobs, strict=True))
+        if out.logprobs is not None and not self.scoring_only:
             self.logprobs.append((out.token_ids[0], out.logprobs))
         self.completion_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
+        if self.scoring_only:
+            self.completion_tokens = 0
         if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
+            self.finish_reason = (
+                "length" if self.scoring_only and out.finish_reason != "error" else out.finish_reason
+            )
         return out.finish_reason is not None
 
 
@@ -172,13 +188,18 @@ class Responses:
         """The legacy shape: parallel lists; each ``top_logprobs`` dict holds the top tokens and
         the sampled one (so up to k + 1 keys); ``text_offset`` counts characters of token text."""
         tokens, lps, tops, offsets = [], [], [], []
-        for token, (logprob, top_ids, top_lps) in entries:
+        for token, numbers in entries:
             text = self.names(token)[0]
-            top = {self.names(tid)[0]: lp for tid, lp in zip(top_ids, top_lps, strict=True)}
-            top.setdefault(text, logprob)
             tokens.append(text)
-            lps.append(logprob)
-            tops.append(top)
+            if numbers is None:  # an echoed prompt's first token: nothing predicts it
+                lps.append(None)
+                tops.append(None)
+            else:
+                logprob, top_ids, top_lps = numbers
+                top = {self.names(tid)[0]: lp for tid, lp in zip(top_ids, top_lps, strict=True)}
+                top.setdefault(text, logprob)
+                lps.append(logprob)
+                tops.append(top)
             offsets.append(c.text_offset)
             c.text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

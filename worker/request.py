@@ -41,6 +41,7 @@ class Request:
     payload: Any = None  # the engine's per-request state (sampling params, detokenizer, ...)
     prompt_group: Any = None  # requests sharing one prompt (n > 1 choices); None = alone
     priority: int = 0  # lower is admitted first and preempted last
+    full_prefill: bool = False  # compute every prompt position, cached or not (prompt logprobs)
     # --- progress and KV ownership (scheduler only) ---
     token_ids: list[int] = field(init=False)  # prompt + generated so far
     prompt_len: int = field(init=False)

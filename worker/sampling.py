@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + the top k
+    # None: none; k >= 0: every prompt token's logprob (after the first) + the top k at its position.
+    # The whole prompt is then computed, cached or not: a cached prefix has no logits.
+    prompt_logprobs: int | None = None
     # history-dependent adjustments, applied by worker.penalties before sampling
     repetition_penalty: float = 1.0  # > 0; 1 = off
     frequency_penalty: float = 0.0  # [-2, 2]
@@ -99,6 +102,12 @@ class SamplingParams:
             not integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         if self.guide is not None and (self.ignore_eos or self.min_tokens):
             # NOTE: a finished grammar allows EOS only, which both of these forbid
             raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs")

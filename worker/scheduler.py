@@ -77,8 +77,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def _estimate(self, req: Request) -> None:
-        ids = np.asarray(req.token_ids, dtype=np.int32)
-        req.uncached_estimate = len(req.token_ids) - self.cache.cached_prefix_len(ids)
+        req.uncached_estimate = len(req.token_ids) - self.cache.cached_prefix_len(self._matchable(req))
+
+    @staticmethod
+    def _matchable(req: Request) -> np.ndarray:
+        """The tokens the cache may serve: none for a request that must compute its whole prompt."""
+        return np.asarray(req.token_ids[: 0 if req.full_prefill else len(req.token_ids)], dtype=np.int32)
 
     def abort(self, req: Request, reason: str = "abort") -> None:
         """Drop a request wherever it is and release its pages (its computed full pages stay cached)."""
@@ -265,7 +269,7 @@ class Scheduler:
         old = [r for r in window if now - r.arrival > self.cfg.max_wait_s]
         old_ids = {id(r) for r in old}
         young = [r for r in window if id(r) not in old_ids]
-        matched = [(r, self.cache.match_prefix(np.asarray(r.token_ids, dtype=np.int32))) for r in young]
+        matched = [(r, self.cache.match_prefix(self._matchable(r))) for r in young]
         for r, m in matched:
             r.uncached_estimate = len(r.token_ids) - m.num_tokens
         matched.sort(key=lambda rm: (rm[0].priority, -rm[1].num_tokens, rm[0].arrival))
@@ -330,8 +334,9 @@ class Scheduler:
         for req, _ in self._order_waiting(now):
             if budget <= 0 or self.num_running >= self.cfg.max_running:
                 break
-            match = self.cache.match_prefix(np.asarray(req.token_ids, dtype=np.int32))
-            key = self._new_page_key(req, match.num_tokens)
+            match = self.cache.match_prefix(self._matchable(req))
+            # NOTE: a full prefill computes its own pages whoever else computes the same ones
+            key = None if req.full_prefill else self._new_page_key(req, match.num_tokens)
             if key is not None and key in in_flight_keys:
                 continue  # NOTE: another request computes this page now; take it from the tree next step
             self.cache.lock(match.last_node)

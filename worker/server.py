@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from worker.api_params import (
     chat_ids,
     chat_logprobs,
     check_body,
+    echo_texts,
     engine_error,
     include_usage,
     output_guide,
@@ -83,17 +85,26 @@ class WorkerAPI:
             raise APIError(400, "'prompt' is required")
         if body.get("tools"):
             raise APIError(400, "'tools' apply to /v1/chat/completions")
+        if body.get("max_tokens") == 0 and not body.get("echo"):
+            raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
         prompts = await prompt_ids(body["prompt"], self.engine.tokenizer)
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
         guide = await output_guide(body, self.engine.guides)
-        params = sampling_params(
-            body, self.engine.tokenizer.vocab_size, 16, "max_tokens", body.get("logprobs"), guide
-        )
-        return await self._generate(request, body, prompts, params, chat=False)
+        # NOTE: echo with max_tokens 0 scores the prompt: one token is generated and not answered
+        scoring = body.get("echo") is True and body.get("max_tokens") == 0
+        fields = {**body, "max_tokens": 1} if scoring else body
+        logprobs = body.get("logprobs")
+        params = sampling_params(fields, self.engine.tokenizer.vocab_size, 16, "max_tokens", logprobs, guide)
+        echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer) if body.get("echo") else None
+        if echo is not None and params.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        return await self._generate(request, body, prompts, params, chat=False, echo=echo, scoring=scoring)
 
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
+        if body.get("echo"):
+            raise APIError(400, "'echo' applies to /v1/completions")
         logprobs = chat_logprobs(body)
         tools = tools_of(body)
         ids = await chat_ids(body.get("messages"), self.engine.tokenizer, tools and tools.tools)
@@ -106,7 +117,7 @@ class WorkerAPI:
 
     async def _generate(
         self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool,
-        tools: ToolRequest | None = None,
+        tools: ToolRequest | None = None, echo: list[str] | None = None, scoring: bool = False,
     ) -> Response:  # fmt: skip
         """Submit n choices per prompt (all sharing one output queue; choice p * n + i is prompt p's
         i-th) and answer: one JSON body once every choice is finished, or a stream of their chunks
@@ -115,9 +126,12 @@ class WorkerAPI:
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
-        if tools is not None and tools.choice != "none":
-            for c in choices:
+        for c in choices:
+            if tools is not None and tools.choice != "none":
                 c.tools = ToolOutput(tools, self.tool_call_parser)
+            if echo is not None:
+                c.echo, c.scoring_only = echo[c.prompt], scoring
+                c.prompt_ids = prompts[c.prompt] if params.prompt_logprobs is not None else None
         prompt_tokens = [len(ids) for ids in prompts]
         jobs = [(c.index, prompts[c.prompt], params.for_choice(c.index % n), (id(outputs), c.prompt) if n > 1 else None)
                 for c in choices]  # fmt: skip
@@ -141,7 +155,7 @@ class WorkerAPI:
             while out is not None:
                 if out.error is not None:
                     raise APIError(out.error_status or 500, out.error)
-                choices[out.index].text.append(out.text)
+                choices[out.index].text.append(choices[out.index].visible(out))
                 if choices[out.index].add(out):
                     del live[out.index]
                 if not live:
@@ -226,8 +240,8 @@ class WorkerAPI:
                 if c.tools is not None:
                     for chunk in resp.tool_chunks(c, out.text, out.finish_reason):
                         yield _sse(chunk)
-                elif out.text:
-                    yield _sse(resp.chunk(c, out.text))
+                elif text := c.visible(out):
+                    yield _sse(resp.chunk(c, text))
                 if out.finish_reason is not None:
                     if c.tools is None:
                         yield _sse(resp.chunk(c, "", out.finish_reason))

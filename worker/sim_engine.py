@@ -64,7 +64,19 @@ class SimExecutor:
         self.simulated_s += cost_s
         time.sleep(cost_s)
         out = []
-        for req, end, sample in zip(batch.requests, batch.ends, batch.sample, strict=True):
+        for req, start, end, sample in zip(
+            batch.requests, batch.starts, batch.ends, batch.sample, strict=True
+        ):
+            k = req.payload.params.prompt_logprobs
+            if (
+                k is not None and batch.mode == "extend"
+            ):  # NOTE: certain, as its tokens are: 0, no alternative
+                for p in range(start + 1, min(end + 1, req.prompt_len)):
+                    req.payload.prompt_logprobs[p] = (
+                        0.0,
+                        [req.token_ids[p]] if k else [],
+                        [0.0] if k else [],
+                    )
             if sample:
                 context = np.asarray(req.token_ids[max(0, end - 8) : end], dtype=np.uint32).tobytes()
                 h = mmh3.hash(context + end.to_bytes(4, "little"), signed=False)

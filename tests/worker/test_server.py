@@ -183,7 +183,8 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "n": 2, "best_of": 3}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logprobs": true}', 400),
-        ("/v1/completions", b'{"prompt": "hi", "echo": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "echo": "yes"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400),
         (
             "/v1/chat/completions",
             b'{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}',

@@ -104,7 +104,8 @@ _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 class LlamaForCausalLM(nn.Module):
     """``forward(batch, kv_pool)`` -> float32 logits [B, vocab] (last new token per request), or
-    [T, vocab] when ``batch.return_all_logits``. ``kv_pool`` has per-layer ``k_cache``/``v_cache``."""
+    [T, vocab] when ``batch.return_all_logits``, or one row per ``batch.logit_rows`` entry.
+    ``kv_pool`` has per-layer ``k_cache``/``v_cache``."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -127,7 +128,9 @@ class LlamaForCausalLM(nn.Module):
         k_caches, v_caches = kv_pool.k_cache, kv_pool.v_cache  # type: ignore[attr-defined]
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, k_caches[i], v_caches[i], self.cos_sin_cache)
-        if not batch.return_all_logits and batch.mode == "extend":
+        if batch.logit_rows is not None:
+            x = x[batch.logit_rows]
+        elif not batch.return_all_logits and batch.mode == "extend":
             x = x[batch.qo_indptr[1:].long() - 1]
         x = attention.kernel_ops(x.device).rms_norm(x, self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
