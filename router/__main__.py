@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     launcher = None
     if config.launch_workers:
         launcher = WorkerLauncher(
-            config.launch_workers, config.worker_model, config.worker_args, config.redis_url
+            config.launch_workers,
+            config.worker_model,
+            config.worker_args,
+            config.redis_url,
+            config.worker_api_key,
         )
         config.workers = config.workers + launcher.start()
     if not config.workers:

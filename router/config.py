@@ -50,6 +50,7 @@ class RouterConfig:
     # clients must send one of these as "Authorization: Bearer <key>" on /v1/*, /tokenize,
     # /detokenize and /debug/route (empty: no check); /health, /ready and /metrics stay open
     api_keys: list[str] = field(default_factory=list)
+    worker_api_key: str | None = None  # sent to workers as Authorization: Bearer (their --api-key)
     kv_events: str = "auto"  # auto | redis | http | off
     redis_url: str | None = None
     # router replicas announce their per-worker load to each other over Redis (router/replica_sync.py):
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; prefer env "
         "RADIXGATE_API_KEYS=a,b, which process listings do not show)",
+    )
+    p.add_argument(
+        "--worker-api-key",
+        metavar="KEY",
+        help="the key workers require ('Authorization: Bearer KEY', a radixgate worker's --api-key or "
+        "vLLM's): sent on every request to them instead of the client's (prefer env RADIXGATE_WORKER_API_KEY)",
     )
     p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))
     p.add_argument("--redis-url")

@@ -84,7 +84,10 @@ class Router:
             self.admission if config.max_concurrent_requests else None,
         )
         self.upstream = Upstream(
-            config.connect_timeout_s, config.first_byte_timeout_s, config.request_timeout_s
+            config.connect_timeout_s,
+            config.first_byte_timeout_s,
+            config.request_timeout_s,
+            config.worker_api_key,
         )
         self.health = HealthChecker(self, config.health_interval_s, config.health_timeout_s)
         self.events = EventSubscriber(self, config.kv_events, config.redis_url)
@@ -240,6 +243,8 @@ class Router:
             value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
+        if self.upstream.authorization is not None:  # the workers' key, never the client's
+            headers["authorization"] = self.upstream.authorization
         inject = parsed.stream and self.config.stream_usage and not parsed.usage_in_stream
         body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
         # NOTE: a stored conversation lives on one worker: a follow-up goes there or nowhere

@@ -66,11 +66,14 @@ def redis_server(port: int, *args: str, stdout=subprocess.DEVNULL) -> subprocess
 
 
 class WorkerLauncher:
-    def __init__(self, count: int, model: str, extra_args: list[str], redis_url: str | None) -> None:
+    def __init__(
+        self, count: int, model: str, extra_args: list[str], redis_url: str | None, api_key: str | None = None
+    ) -> None:
         self.count = count
         self.model = model
         self.extra_args = extra_args
         self.redis_url = redis_url
+        self.api_key = api_key  # the workers' --api-key, passed in their environment (not argv)
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
 
@@ -87,7 +90,8 @@ class WorkerLauncher:
             if self.redis_url:
                 cmd += ["--redis-url", self.redis_url]
             log.info("starting worker: %s", " ".join(cmd))
-            self.processes.append(subprocess.Popen(cmd))
+            env = {**os.environ, "RADIXGATE_WORKER_API_KEY": self.api_key} if self.api_key else None
+            self.processes.append(subprocess.Popen(cmd, env=env))
             self.urls.append(url)
         atexit.register(self.stop)
         return self.urls

@@ -111,16 +111,20 @@ class Upstream:
     (router/http_client.py) and an aiohttp session for health checks and event streams."""
 
     def __init__(
-        self, connect_timeout_s: float, first_byte_timeout_s: float, request_timeout_s: float
-    ) -> None:
+        self, connect_timeout_s: float, first_byte_timeout_s: float, request_timeout_s: float,
+        worker_api_key: str | None = None,
+    ) -> None:  # fmt: skip
         self._connect_timeout = connect_timeout_s
         self.client = HTTPClient(connect_timeout_s, first_byte_timeout_s, request_timeout_s)
         self.session: aiohttp.ClientSession | None = None
+        # NOTE: replaces the client's own Authorization on completions (router/gateway.py)
+        self.authorization = f"Bearer {worker_api_key}" if worker_api_key else None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30)
+        headers = {"Authorization": self.authorization} if self.authorization else None
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",), headers=headers
         )
 
     async def close(self) -> None:

@@ -209,6 +209,29 @@ def test_a_shared_tool_set_is_a_shared_prefix_the_router_routes_by(launch):
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= TOOLS_BYTES - 64
 
 
+def test_workers_behind_an_api_key_serve_the_router_that_holds_it(launch):
+    """`--worker-api-key` with `--launch-workers`: the workers started require the key (passed in
+    their environment), the router sends it on requests, health checks and the KV event stream,
+    and a client without it reaches nothing but the probes."""
+    key = "w0rker-k3y"
+    router = launch.module("router", "--launch-workers", "1", "--worker-api-key", key, "--api-key", "client-key",
+                           timeout=120)  # fmt: skip
+    wait_until(lambda: httpx.get(router.url + "/ready", timeout=2).status_code == 200, 120, what="ready")
+    [worker] = [w["url"] for w in httpx.get(router.url + "/workers").json()["workers"]]
+    body = chat("Who holds the key?")
+    client = {"authorization": "Bearer client-key"}
+    answer = httpx.post(router.url + "/v1/chat/completions", json=body, headers=client, timeout=120)
+    assert answer.status_code == 200, answer.text
+    for path in ("/v1/chat/completions", "/v1/cache/info"):  # the client's key is not the workers'
+        direct = httpx.request("POST" if "chat" in path else "GET", worker + path, json=body, headers=client)
+        assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_api_key"
+    assert (
+        httpx.get(worker + "/health").status_code == 200 and httpx.get(worker + "/metrics").status_code == 200
+    )
+    wait_until(lambda: metric(router.url, "radixgate_kv_event_lag_seconds_count") >= 1, 30,
+               what="KV events over the key-protected stream")  # fmt: skip
+
+
 def test_prefill_sent_by_another_router_shows_in_this_routers_load(launch):
     """A sim worker prefills slowly a prompt sent to it directly (as another router replica would):
     its /health reports the prefill backlog, and the router counts what exceeds its own (nothing

@@ -603,6 +603,22 @@ def test_client_api_keys_reach_only_the_routers_from_a_secret(chart) -> None:
     assert build_config(["--workers", "http://w:8001"], environ=environ).api_keys == ["a", "b"]
 
 
+def test_the_worker_api_key_reaches_routers_and_workers_under_one_name(chart, monkeypatch) -> None:
+    objects = render(chart)
+    assert "RADIXGATE_WORKER_API_KEY" not in env_secret_refs(container(one(objects, "StatefulSet", "worker")))
+    objects = render(chart, workerApiKey={"existingSecret": "worker-key", "secretKey": "k"})
+    for kind, name in (("Deployment", "router"), ("StatefulSet", "worker")):
+        assert env_secret_refs(container(one(objects, kind, name)))["RADIXGATE_WORKER_API_KEY"] == (
+            "worker-key",
+            "k",
+        )
+    # the same variable means --worker-api-key to a router and --api-key to a worker
+    environ = {"RADIXGATE_WORKER_API_KEY": "s3cret"}
+    assert build_config(["--workers", "http://w:8001"], environ=environ).worker_api_key == "s3cret"
+    monkeypatch.setenv("RADIXGATE_WORKER_API_KEY", "s3cret")
+    assert parse_worker_args([]).api_key == "s3cret"
+
+
 def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(chart) -> None:
     assert not [o for o in render(chart) if o["kind"] == "NetworkPolicy"]
     scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}

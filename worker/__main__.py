@@ -27,7 +27,7 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
         engine = build_engine(cfg)
     return create_app(
         engine, admin_token=cfg.admin_token, max_stored_responses=cfg.max_stored_responses,
-        tool_call_parser=cfg.tool_call_parser,
+        tool_call_parser=cfg.tool_call_parser, api_key=cfg.api_key,
     )  # fmt: skip
 
 

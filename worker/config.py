@@ -37,6 +37,7 @@ class WorkerConfig:
     advertise_url: str | None = None  # how routers reach this worker; default http://host:port
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
     admin_token: str | None = None  # required by POST /v1/cache/flush when set
+    api_key: str | None = None  # required (Authorization: Bearer) on every endpoint but /health, /metrics
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
     log_level: str = "info"
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--advertise-url", str, "URL routers use for this worker (default http://host:port)")
     opt("--served-model-name", str, "model id in the API (default: the model's name)")
     opt("--admin-token", str, "token required by POST /v1/cache/flush")
+    opt(
+        "--api-key",
+        str,
+        "key every endpoint but /health and /metrics requires as 'Authorization: Bearer KEY' (routers "
+        "send it with --worker-api-key; prefer env RADIXGATE_WORKER_API_KEY, which process listings do not show)",
+    )
     opt(
         "--max-stored-responses",
         int,

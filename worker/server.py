@@ -1,6 +1,6 @@
-"""Worker HTTP API (starlette): OpenAI completions and chat, health, metrics, cache info/flush/snapshot
-and the KV event stream. It validates and streams; it never blocks on the model, and bad input never
-reaches the engine."""
+"""Worker HTTP API (starlette): OpenAI completions and chat, tokenize, and the app that also serves
+the Responses API (worker/responses_api.py) and the operational endpoints (worker/ops_api.py). It
+validates and streams; it never blocks on the model, and bad input never reaches the engine."""
 
 from __future__ import annotations
 
@@ -8,22 +8,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from router.block_hash import HASH_VERSION
-from router.errors import error_response
-from router.kv_events import EVENT_VERSION
+from router.api_keys import APIKeys
+from router.errors import RouterError, error_response
 from worker.api_params import (
     MAX_CHOICES,
     APIError,
@@ -39,8 +36,9 @@ from worker.api_params import (
     tools_of,
 )
 from worker.engine import Engine
-from worker.engine_api import EngineDeadError, RequestOutput
+from worker.engine_api import RequestOutput
 from worker.openai_format import Choice, Responses, TokenNames
+from worker.ops_api import OpsAPI
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
 from worker.tool_calls import ToolOutput, ToolRequest
@@ -48,7 +46,6 @@ from worker.tool_calls import ToolOutput, ToolRequest
 log = logging.getLogger("worker.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
 _POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
 
 
@@ -63,14 +60,10 @@ def _sse(obj: Any) -> bytes:
 class WorkerAPI:
     """Routes bound to one engine."""
 
-    def __init__(
-        self, engine: Engine, admin_token: str | None = None, tool_call_parser: str = "hermes"
-    ) -> None:
+    def __init__(self, engine: Engine, tool_call_parser: str = "hermes") -> None:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.name = engine.served_model_name
-        self.admin_token = admin_token
-        self.created = int(time.time())
         self.token_names = TokenNames(engine.tokenizer)
 
     async def _body(self, request: Request) -> dict:
@@ -275,115 +268,26 @@ class WorkerAPI:
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {tok.vocab_size})")
         return _json({"prompt": await run_in_threadpool(tok.decode, ids)})
 
-    # ------------------------------------------------------------------ info, health, metrics
-    async def models(self, request: Request) -> Response:
-        model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "radixgate",
-                 "max_model_len": self.engine.max_total_tokens}  # fmt: skip
-        return _json({"object": "list", "data": [model]})
-
-    async def health(self, request: Request) -> Response:
-        snap = self.engine.snapshot()
-        alive = self.engine.alive
-        ready = alive and self.engine.ready.is_set()  # not before the warm-up is over
-        body = {
-            "status": "ok" if ready else ("starting" if alive else "dead"),
-            "running": snap.running,
-            "waiting": snap.waiting,
-            "prefill_backlog_tokens": snap.prefill_backlog_tokens,
-            "kv_usage": round(snap.kv_usage, 6),
-            "epoch": self.engine.publisher.epoch,
-            "model": self.name,
-            "kv_pages_total": snap.kv_pages_total,
-            "kv_pages_free": snap.kv_pages_free,
-            "kv_pages_cached": snap.kv_pages_cached,
-            "kv_pages_active": snap.kv_pages_active,
-        }
-        if snap.host_pages_total:
-            body["host_pages_total"] = snap.host_pages_total
-            body["host_pages_cached"] = snap.host_pages_cached
-        if self.engine.simulated:
-            body["simulated"] = True
-        return _json(body, 200 if ready else 503)
-
-    async def metrics(self, request: Request) -> Response:
-        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    async def cache_info(self, request: Request) -> Response:
-        e = self.engine
-        body = {
-            "block_size": e.page_size,
-            "capacity_tokens": e.capacity_tokens,
-            "host_capacity_tokens": e.cache.host.num_pages * e.page_size if e.cache.host else 0,
-            "namespace": self.name,
-            "model": self.name,
-            "tokenizer": e.tokenizer.name,
-            "epoch": e.publisher.epoch,
-            "worker": e.publisher.worker,
-            "hash_version": HASH_VERSION,
-            "event_version": EVENT_VERSION,
-            "redis_stream": e.publisher.stream if e.publisher.redis_url else None,
-        }
-        if e.simulated:
-            body["simulated"] = True
-        return _json(body)
-
-    async def cache_flush(self, request: Request) -> Response:
-        if self.admin_token:
-            auth = request.headers.get("authorization", "")
-            if (
-                auth != f"Bearer {self.admin_token}"
-                and request.headers.get("x-admin-token") != self.admin_token
-            ):
-                return error_response(401, "admin token required (Authorization: Bearer <token>)")
-        try:
-            freed = await self.engine.flush_cache()
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "engine_dead") from None
-        return _json({"flushed_pages": freed, "flushed_tokens": freed * self.engine.page_size})
-
-    async def cache_snapshot(self, request: Request) -> Response:
-        try:
-            data = await self.engine.snapshot_events()
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "engine_dead") from None
-        return Response(data, media_type="application/json")
-
-    async def cache_events(self, request: Request) -> Response:
-        publisher = self.engine.publisher
-        sub = publisher.subscribe()
-
-        async def stream() -> AsyncIterator[bytes]:
-            try:
-                yield b": kv events " + publisher.epoch.encode() + b"\n\n"
-                while True:
-                    try:
-                        data = await asyncio.wait_for(sub.queue.get(), SSE_PING_S)
-                    except asyncio.TimeoutError:
-                        yield b": ping\n\n"
-                        continue
-                    if data is None:  # fell behind: end the stream; the client re-syncs
-                        break
-                    yield b"data: " + data + b"\n\n"
-            finally:
-                publisher.unsubscribe(sub)
-
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
-        )
-
 
 def create_app(
     engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
-    tool_call_parser: str = "hermes",
+    tool_call_parser: str = "hermes", api_key: str | None = None,
 ) -> Starlette:  # fmt: skip
-    """The worker app; its lifespan starts the engine (if not started) and stops it."""
-    api = WorkerAPI(engine, admin_token, tool_call_parser)
+    """The worker app; its lifespan starts the engine (if not started) and stops it. With
+    ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it."""
+    api = WorkerAPI(engine, tool_call_parser)
+    ops = OpsAPI(engine, admin_token)
     responses = ResponsesAPI(api, max_stored_responses)
+    keys = APIKeys([api_key] if api_key else [])
 
-    def guarded(handler: Any) -> Any:
+    def guarded(handler: Any, open_: bool = False) -> Any:
         async def endpoint(request: Request) -> Response:
             try:
+                if not open_:
+                    keys.check(request.headers.get("authorization"))
                 return await handler(request)
+            except RouterError as exc:  # the key check
+                return error_response(exc.status, exc.message, exc.code)
             except APIError as exc:
                 log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
                 return error_response(exc.status, exc.message, exc.code)
@@ -408,14 +312,14 @@ def create_app(
         Route("/v1/responses", guarded(responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", guarded(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
-        Route("/v1/models", guarded(api.models), methods=["GET"]),
+        Route("/v1/models", guarded(ops.models), methods=["GET"]),
         Route("/tokenize", guarded(api.tokenize), methods=["POST"]),
         Route("/detokenize", guarded(api.detokenize), methods=["POST"]),
-        Route("/health", guarded(api.health), methods=["GET"]),
-        Route("/metrics", guarded(api.metrics), methods=["GET"]),
-        Route("/v1/cache/info", guarded(api.cache_info), methods=["GET"]),
-        Route("/v1/cache/flush", guarded(api.cache_flush), methods=["POST"]),
-        Route("/v1/cache/snapshot", guarded(api.cache_snapshot), methods=["GET"]),
-        Route("/v1/cache/events", guarded(api.cache_events), methods=["GET"]),
+        Route("/health", guarded(ops.health, open_=True), methods=["GET"]),
+        Route("/metrics", guarded(ops.metrics, open_=True), methods=["GET"]),
+        Route("/v1/cache/info", guarded(ops.cache_info), methods=["GET"]),
+        Route("/v1/cache/flush", guarded(ops.cache_flush), methods=["POST"]),
+        Route("/v1/cache/snapshot", guarded(ops.cache_snapshot), methods=["GET"]),
+        Route("/v1/cache/events", guarded(ops.cache_events), methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,130 @@
+"""The worker's operational endpoints: the model list, health, Prometheus metrics, and the radix
+cache's info, flush, snapshot and KV event stream (what routers and operators read)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from router.block_hash import HASH_VERSION
+from router.errors import error_response
+from router.kv_events import EVENT_VERSION
+from worker.api_params import APIError
+from worker.engine import Engine
+from worker.engine_api import EngineDeadError
+
+SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+class OpsAPI:
+    """Routes bound to one engine."""
+
+    def __init__(self, engine: Engine, admin_token: str | None = None) -> None:
+        self.engine = engine
+        self.admin_token = admin_token
+        self.created = int(time.time())
+
+    async def models(self, request: Request) -> Response:
+        model = {"id": self.engine.served_model_name, "object": "model", "created": self.created, "owned_by": "radixgate",
+                 "max_model_len": self.engine.max_total_tokens}  # fmt: skip
+        return _json({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        snap = self.engine.snapshot()
+        alive = self.engine.alive
+        ready = alive and self.engine.ready.is_set()  # not before the warm-up is over
+        body = {
+            "status": "ok" if ready else ("starting" if alive else "dead"),
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "prefill_backlog_tokens": snap.prefill_backlog_tokens,
+            "kv_usage": round(snap.kv_usage, 6),
+            "epoch": self.engine.publisher.epoch,
+            "model": self.engine.served_model_name,
+            "kv_pages_total": snap.kv_pages_total,
+            "kv_pages_free": snap.kv_pages_free,
+            "kv_pages_cached": snap.kv_pages_cached,
+            "kv_pages_active": snap.kv_pages_active,
+        }
+        if snap.host_pages_total:
+            body["host_pages_total"] = snap.host_pages_total
+            body["host_pages_cached"] = snap.host_pages_cached
+        if self.engine.simulated:
+            body["simulated"] = True
+        return _json(body, 200 if ready else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def cache_info(self, request: Request) -> Response:
+        e = self.engine
+        body = {
+            "block_size": e.page_size,
+            "capacity_tokens": e.capacity_tokens,
+            "host_capacity_tokens": e.cache.host.num_pages * e.page_size if e.cache.host else 0,
+            "namespace": self.engine.served_model_name,
+            "model": self.engine.served_model_name,
+            "tokenizer": e.tokenizer.name,
+            "epoch": e.publisher.epoch,
+            "worker": e.publisher.worker,
+            "hash_version": HASH_VERSION,
+            "event_version": EVENT_VERSION,
+            "redis_stream": e.publisher.stream if e.publisher.redis_url else None,
+        }
+        if e.simulated:
+            body["simulated"] = True
+        return _json(body)
+
+    async def cache_flush(self, request: Request) -> Response:
+        if self.admin_token:
+            auth = request.headers.get("authorization", "")
+            if (
+                auth != f"Bearer {self.admin_token}"
+                and request.headers.get("x-admin-token") != self.admin_token
+            ):
+                return error_response(401, "admin token required (Authorization: Bearer <token>)")
+        try:
+            freed = await self.engine.flush_cache()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        return _json({"flushed_pages": freed, "flushed_tokens": freed * self.engine.page_size})
+
+    async def cache_snapshot(self, request: Request) -> Response:
+        try:
+            data = await self.engine.snapshot_events()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        return Response(data, media_type="application/json")
+
+    async def cache_events(self, request: Request) -> Response:
+        publisher = self.engine.publisher
+        sub = publisher.subscribe()
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                yield b": kv events " + publisher.epoch.encode() + b"\n\n"
+                while True:
+                    try:
+                        data = await asyncio.wait_for(sub.queue.get(), SSE_PING_S)
+                    except asyncio.TimeoutError:
+                        yield b": ping\n\n"
+                        continue
+                    if data is None:  # fell behind: end the stream; the client re-syncs
+                        break
+                    yield b"data: " + data + b"\n\n"
+            finally:
+                publisher.unsubscribe(sub)
+
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
