@@ -5,7 +5,8 @@ request's token mask (llguidance, on the CPU) and applying the masks to a step's
 
 The tokenizer is a byte-level BPE trained here on seeded text to ``--vocab`` tokens (no download);
 masks are timed with every matcher inside a JSON string (the widest state: most tokens allowed) and
-at an object's start. Applying is timed at the vocabulary's width and at Llama 3's (128,256).
+at an object's start. Applying (packed masks to masked logits on ``--device``, the engine's path)
+is timed at the vocabulary's width and at Llama 3's (128,256).
 Prints a table last; writes JSON.
 """
 
@@ -18,10 +19,11 @@ import random
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from router.tokenization import HFTokenizer
-from worker.guided import GuideCompiler, allowed_mask, packed_masks, requested_grammar
+from worker.guided import GuideCompiler, allowed_mask, packed_masks, requested_grammar, unpack
 
 SCHEMA = {
     "type": "object",
@@ -55,12 +57,26 @@ def _tokenizer(vocab: int, directory: str) -> HFTokenizer:
     return HFTokenizer(directory)
 
 
-def _ms(fn: Callable[[], object], reps: int) -> float:
+def _ms(fn: Callable[[], object], reps: int, device: torch.device | None = None) -> float:
+    cuda = device is not None and device.type == "cuda"
     fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(reps):
         fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / reps * 1e3
+
+
+def _apply_ms(batch: int, width: int, device: torch.device, reps: int) -> float:
+    """The engine's path from packed masks (random bits) to masked logits on ``device``."""
+    gen = np.random.default_rng(0)
+    bits = gen.integers(-(2**31), 2**31 - 1, size=(batch, (width + 31) // 32), dtype=np.int32)
+    logits = torch.randn(batch, width, device=device)
+    ninf = torch.tensor(float("-inf"), device=device)
+    return _ms(lambda: torch.where(unpack(bits, width, device), logits, ninf), reps, device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--batch", default="1,16,64")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--device", default="cpu", help="where masks are applied: cpu or cuda")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
     with tempfile.TemporaryDirectory() as d:
         tok = _tokenizer(args.vocab, d)
@@ -97,15 +115,14 @@ def main(argv: list[str] | None = None) -> None:
             "allowed_in_string": allowed,
         }
         for width in (tok.vocab_size, 128256):
-            logits = torch.randn(batch, width)
-            mask = torch.rand(batch, width) > 0.5
-            ninf = torch.tensor(float("-inf"))
-            row[f"apply_ms_vocab_{width}"] = _ms(
-                lambda lg=logits, m=mask, n=ninf: torch.where(m, lg, n), args.reps
-            )
+            row[f"apply_ms_vocab_{width}"] = _apply_ms(batch, width, device, args.reps)
         rows.append(row)
+    machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads"
+    if device.type == "cuda":
+        machine += ", " + torch.cuda.get_device_name(device)
     result = {
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({torch.get_num_threads()} torch threads)",
+        "machine": machine,
+        "device": str(device),
         "vocab": tok.vocab_size,
         "tokenizer_build_ms": tokenizer_ms,
         "schema_compile_ms": compile_ms,

@@ -220,7 +220,11 @@ def allowed_mask(matchers: Sequence[Any], vocab: int, device: torch.device | str
     """bool [len(matchers), vocab] on ``device``: the tokens each matcher allows next. A GPU gets the
     packed words (1/8 of the bytes) and unpacks them itself; the CPU unpacks with numpy (the words'
     bytes in memory order are tokens 0-7, 8-15, ...: little-endian, as on x86 and ARM)."""
-    bits = packed_masks(matchers, vocab)
+    return unpack(packed_masks(matchers, vocab), vocab, device)
+
+
+def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Packed int32 words (``packed_masks``) -> bool [rows, vocab] on ``device``."""
     if torch.device(device).type == "cpu":
         unpacked = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
         return torch.from_numpy(unpacked.view(np.bool_))
