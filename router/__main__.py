@@ -9,13 +9,16 @@ import uvicorn
 
 from router.app import build_app
 from router.config import build_config
+from router.discovery import target_from_config
 from router.launcher import WorkerLauncher
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         config = build_config(argv)
-    except ValueError as exc:
+        if config.k8s_worker_service:
+            target_from_config(config)  # NOTE: fail here, with a clear message, not in the app
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             config.worker_api_key,
         )
         config.workers = config.workers + launcher.start()
-    if not config.workers:
+    if not config.workers and not config.k8s_worker_service:
         logging.getLogger("radixgate.router").warning(
             "no workers configured: add some with --workers, --launch-workers or POST /workers"
         )

@@ -106,6 +106,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                     "workers": router.workers.describe(),
                     "affinity_groups": router.affinity.describe(fleet),
                     "replica_sync": router.replica_sync.describe() if router.replica_sync else None,
+                    "discovery": router.discovery.describe() if router.discovery else None,
                 }
             )
         url = request.query_params.get("url")

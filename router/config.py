@@ -60,6 +60,15 @@ class RouterConfig:
     # streams: ask workers for the usage chunk where the client did not (stream_options.include_usage)
     # and take it out again, so stream hit rates are known from any backend (off: bodies pass unchanged)
     stream_usage: bool = True
+    # Kubernetes discovery (router/discovery.py): workers = the endpoints of this Service, re-listed
+    # every discovery_interval_s; the rest default to the pod's service account and cluster.local
+    k8s_worker_service: str | None = None
+    k8s_namespace: str | None = None
+    k8s_api_url: str | None = None
+    k8s_token_file: str | None = None
+    k8s_worker_port_name: str | None = None
+    k8s_cluster_domain: str = "cluster.local"
+    discovery_interval_s: float = 5.0
     launch_workers: int = 0  # start N local workers (python -m worker) as child processes
     worker_model: str = "tiny"  # --model for launched workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
@@ -99,6 +108,8 @@ class RouterConfig:
             raise ValueError(
                 "max_concurrent_requests and max_queued_requests must be >= 0, queue_timeout_s > 0"
             )
+        if not self.discovery_interval_s > 0:
+            raise ValueError("discovery_interval_s must be > 0")
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
@@ -223,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the key workers require ('Authorization: Bearer KEY', a radixgate worker's --api-key or "
         "vLLM's): sent on every request to them instead of the client's (prefer env RADIXGATE_WORKER_API_KEY)",
     )
+    p.add_argument(
+        "--k8s-worker-service",
+        metavar="SERVICE",
+        help="discover workers as the endpoints of this Kubernetes Service (its EndpointSlices, "
+        "re-listed every --discovery-interval-s; in-cluster credentials)",
+    )
+    p.add_argument("--k8s-namespace", help="the Service's namespace (default: this pod's)")
+    p.add_argument("--k8s-api-url", help="API server (default: https://$KUBERNETES_SERVICE_HOST:PORT)")
+    p.add_argument("--k8s-token-file", help="bearer token file (default: the service account's)")
+    p.add_argument("--k8s-worker-port-name", help="the Service port workers serve on (default: its first)")
+    p.add_argument("--k8s-cluster-domain", help="DNS domain of worker names (default cluster.local)")
+    p.add_argument("--discovery-interval-s", type=float)
     p.add_argument("--kv-events", choices=("auto", "redis", "http", "off"))
     p.add_argument("--redis-url")
     p.add_argument(

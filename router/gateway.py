@@ -25,6 +25,7 @@ from router.block_hash import PromptHashes, SpanMemo
 from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
 from router.config import RouterConfig
+from router.discovery import KubeDiscovery, target_from_config
 from router.errors import RouterError, error_body
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
@@ -98,10 +99,16 @@ class Router:
         )  # fmt: skip
         for url in config.workers:
             self.workers.add(url)
+        self.discovery = (
+            KubeDiscovery(self, target_from_config(config), config.discovery_interval_s)
+            if config.k8s_worker_service else None
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.upstream.start()
+        if self.discovery is not None:
+            await self.discovery.start()
         await self.health.check_all()
         healthy = [w.url for w in self.workers if w.healthy]
         log.info("workers: %d configured, healthy: %s", len(self.workers), ", ".join(healthy) or "none")
@@ -114,6 +121,8 @@ class Router:
         if self.replica_sync is not None:
             await self.replica_sync.stop()
         await self.events.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.health.stop()
         await self.upstream.close()
 

@@ -228,6 +228,12 @@ def test_workers_behind_an_api_key_serve_the_router_that_holds_it(launch):
     assert (
         httpx.get(worker + "/health").status_code == 200 and httpx.get(worker + "/metrics").status_code == 200
     )
+    # the event stream is subscribed (and the snapshot read) with the key; then a new prompt's events arrive
+    wait_until(lambda: metric(router.url, f'radixgate_upstream_kv_resyncs_total{{worker="{worker}"}}') >= 1, 30,
+               what="the key-protected KV snapshot")  # fmt: skip
+    second = httpx.post(router.url + "/v1/chat/completions", json=chat("Another question? " * 10), headers=client,
+                        timeout=120)  # fmt: skip
+    assert second.status_code == 200
     wait_until(lambda: metric(router.url, "radixgate_kv_event_lag_seconds_count") >= 1, 30,
                what="KV events over the key-protected stream")  # fmt: skip
 

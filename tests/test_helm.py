@@ -126,6 +126,7 @@ EVERYTHING = {
             "affinity_groups": [{"name": "acme", "match": {"header": {"x-tenant": "acme"}}, "share": 0.25}],
         },
         "policyParams": {"balance_abs": 4},
+        "discovery": "kubernetes",
     },
     "metrics": {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -178,7 +179,7 @@ def test_every_manifest_validates_against_kubernetes_schemas(chart, profile: str
         expected = ["Deployment", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
     if overrides is EVERYTHING:
         expected = sorted([*expected, "ConfigMap", "ConfigMap", "NetworkPolicy", "NetworkPolicy", "Secret",
-                           "ServiceMonitor", "ServiceMonitor"])  # fmt: skip
+                           "ServiceMonitor", "ServiceMonitor", "Role", "RoleBinding", "ServiceAccount"])  # fmt: skip
     assert kinds == expected
 
 
@@ -617,6 +618,34 @@ def test_the_worker_api_key_reaches_routers_and_workers_under_one_name(chart, mo
     assert build_config(["--workers", "http://w:8001"], environ=environ).worker_api_key == "s3cret"
     monkeypatch.setenv("RADIXGATE_WORKER_API_KEY", "s3cret")
     assert parse_worker_args([]).api_key == "s3cret"
+
+
+def test_kubernetes_discovery_lists_the_worker_service_with_a_namespaced_read_only_role(chart) -> None:
+    static = container(one(render(chart), "Deployment", "router"))
+    assert "--workers" in static["args"] and "--k8s-worker-service" not in static["args"]
+    assert not [o for o in render(chart) if o["kind"] in ("Role", "RoleBinding", "ServiceAccount")]
+    objects = render(chart, router={"discovery": "kubernetes", "discoveryIntervalS": 2})
+    deployment = one(objects, "Deployment", "router")
+    args = container(deployment)["args"]
+    assert "--workers" not in args
+    service = one(objects, "Service", "worker")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["ports"][0]["name"] == "http"
+    flags = dict(zip(args[::2], args[1::2], strict=False))  # flag, value pairs
+    assert flags["--k8s-worker-service"] == service["metadata"]["name"]
+    assert flags["--k8s-worker-port-name"] == "http" and flags["--discovery-interval-s"] == "2"
+    build_config(args)  # a router accepts them
+    pod = deployment["spec"]["template"]["spec"]
+    role, binding = one(objects, "Role", "router"), one(objects, "RoleBinding", "router")
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert (
+        binding["subjects"][0]["name"]
+        == pod["serviceAccountName"]
+        == one(objects, "ServiceAccount", "router")["metadata"]["name"]
+    )
+    assert pod["automountServiceAccountToken"] is True
 
 
 def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(chart) -> None:

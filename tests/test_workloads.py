@@ -111,7 +111,8 @@ def test_few_shot_shares_examples_within_a_task():
 
 
 def test_agents_share_their_tool_set_and_its_rendered_prefix():
-    from router.tokenization import ByteTokenizer, compact_json
+    from router.chat_tools import compact_json
+    from router.tokenization import ByteTokenizer
 
     reqs = generate("agents", 40, seed=2, **SMALL["agents"])
     render = ByteTokenizer().render_chat

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from router.tokenization import compact_json, normalize_tools
+from router.chat_tools import compact_json, normalize_tools
 from worker.guided import grammar_of
 
 PARSERS = ("hermes", "llama3_json")

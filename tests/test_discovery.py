@@ -1,0 +1,137 @@
+"""Kubernetes worker discovery: EndpointSlices to worker URLs, and a real router process following a
+Service's endpoints as they change (a small stand-in API server serves the EndpointSlice list)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.discovery import KubeTarget, worker_urls
+from tests.support import ROOT, wait_until
+
+TARGET = KubeTarget(service="rg-worker", namespace="llm", api_url="", token_file="", ca_file=None)
+
+
+def endpoint(hostname: str | None = None, address: str = "10.0.0.1", **conditions) -> dict:
+    out: dict = {"addresses": [address], "conditions": {"ready": True, **conditions}}
+    if hostname:
+        out["hostname"] = hostname
+    return out
+
+
+def test_statefulset_endpoints_become_their_stable_names() -> None:
+    slices = [
+        {"ports": [{"name": "metrics", "port": 9100}, {"name": "http", "port": 8001}],
+         "endpoints": [endpoint("rg-worker-0"), endpoint("rg-worker-1", ready=False),
+                       endpoint("rg-worker-2", terminating=True)]},
+        {"ports": [{"port": 8001}], "endpoints": [endpoint(address="10.0.0.9"), endpoint(address="fd00::7")]},
+        {"ports": [], "endpoints": [endpoint("no-port")]},
+    ]  # fmt: skip
+    assert worker_urls(slices, TARGET) == {
+        "http://rg-worker-0.rg-worker.llm.svc.cluster.local:9100",
+        "http://rg-worker-1.rg-worker.llm.svc.cluster.local:9100",  # not ready yet: health checks decide
+        "http://10.0.0.9:8001",
+        "http://[fd00::7]:8001",
+    }
+    named = KubeTarget("rg-worker", "llm", "", "", None, port_name="http", cluster_domain="k8s.example")
+    assert "http://rg-worker-0.rg-worker.llm.svc.k8s.example:8001" in worker_urls(slices, named)
+
+
+class FakeKubeAPI:
+    """The API server's EndpointSlice list for one Service, as the test sets it."""
+
+    TOKEN = "sa-token"
+
+    def __init__(self) -> None:
+        self.ports: list[int] = []  # one slice per port, like one worker per node port
+        self.fail = False
+        self.calls = 0
+
+        async def slices(request: Request) -> Response:
+            self.calls += 1
+            if request.headers.get("authorization") != f"Bearer {self.TOKEN}":
+                return Response(b"{}", 401)
+            if self.fail or request.query_params.get("labelSelector") != "kubernetes.io/service-name=workers":
+                return Response(b"{}", 500)
+            items = [{"ports": [{"name": "http", "port": p}], "endpoints": [endpoint(address="127.0.0.1")]}
+                     for p in self.ports]  # fmt: skip
+            return Response(
+                orjson.dumps({"kind": "EndpointSliceList", "items": items}), media_type="application/json"
+            )
+
+        app = Starlette(routes=[Route("/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices", slices)])
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 10, what="fake API server")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture
+def kube():
+    api = FakeKubeAPI()
+    yield api
+    api.close()
+
+
+def fleet(router_url: str) -> tuple[set[str], dict | None]:
+    body = httpx.get(router_url + "/workers", timeout=5).json()
+    return {w["url"] for w in body["workers"]}, body["discovery"]
+
+
+def test_the_router_follows_the_services_endpoints(launch, kube, tmp_path) -> None:
+    a, b, static = (launch.echo_backend("--name", n) for n in ("a", "b", "static"))
+    port = lambda proc: int(proc.url.rsplit(":", 1)[1])  # noqa: E731
+    kube.ports = [port(a)]
+    token = tmp_path / "token"
+    token.write_text(FakeKubeAPI.TOKEN + "\n")
+    router = launch.router(
+        [static.url], "--k8s-worker-service", "workers", "--k8s-namespace", "ns", "--k8s-api-url", kube.url,
+        "--k8s-token-file", str(token), "--discovery-interval-s", "0.1", "--policy", "round_robin",
+    )  # fmt: skip
+    # the first listing happens before the router serves
+    assert fleet(router.url)[0] == {static.url, a.url}
+    kube.ports = [port(a), port(b)]  # scaled up
+    wait_until(lambda: fleet(router.url)[0] == {static.url, a.url, b.url}, 10, what="b discovered")
+    body = {"model": "echo", "prompt": "hello", "max_tokens": 1}
+    served = {httpx.post(router.url + "/v1/completions", json=body, timeout=10).headers["x-radixgate-worker"]
+              for _ in range(12)}  # fmt: skip
+    assert served == {static.url, a.url, b.url}  # round robin over the whole fleet
+    # a listing that fails leaves the fleet alone
+    kube.fail = True
+    calls = kube.calls
+    wait_until(lambda: kube.calls >= calls + 3, 10, what="failed listings")
+    workers, discovery = fleet(router.url)
+    assert workers == {static.url, a.url, b.url} and discovery["failures"] >= 3
+    kube.fail = False
+    kube.ports = [port(b)]  # a scaled down; the static worker is never discovery's to remove
+    wait_until(lambda: fleet(router.url)[0] == {static.url, b.url}, 10, what="a removed")
+    # removed by hand, a listed worker comes back
+    assert httpx.delete(router.url + "/workers", params={"url": b.url}, timeout=5).status_code == 200
+    wait_until(lambda: b.url in fleet(router.url)[0], 10, what="b re-discovered")
+    assert fleet(router.url)[1]["workers"] == [b.url]
+
+
+def test_discovery_outside_a_pod_needs_an_api_url() -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT}  # NOTE: no KUBERNETES_SERVICE_HOST
+    proc = subprocess.run([sys.executable, "-m", "router", "--k8s-worker-service", "w", "--k8s-namespace", "ns"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2 and "--k8s-api-url" in proc.stderr, proc.stderr
