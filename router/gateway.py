@@ -83,6 +83,7 @@ class Router:
             lambda: (self.index.num_entries, self.index.num_nodes),
             lambda: self.replica_sync.describe() if self.replica_sync else None,
             self.admission if config.max_concurrent_requests else None,
+            lambda: self.discovery.describe() if self.discovery else None,
         )
         self.upstream = Upstream(
             config.connect_timeout_s,

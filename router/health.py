@@ -88,6 +88,8 @@ class HealthChecker:
             await self._learn(worker)
             worker.breaker.reset()
             log.info("worker %s is healthy%s", worker.url, " (restarted: new epoch)" if restarted else "")
+        elif not worker.models:  # NOTE: the last try to learn them failed (a slow answer): try again
+            await self._learn(worker)
         if restarted:
             self._router.index.clear_worker(worker.url)
             self._router.events.resync_soon(worker)

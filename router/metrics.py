@@ -189,6 +189,29 @@ class _SyncCollector:
         yield from (peers, messages, expired)
 
 
+class _DiscoveryCollector:
+    """Kubernetes worker discovery (router/discovery.py), when it is on."""
+
+    def __init__(self, stats: Callable[[], dict | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily(
+            "radixgate_discovered_workers",
+            "Workers registered from the Service's endpoints",
+            value=len(s["workers"]),
+        )
+        yield CounterMetricFamily("radixgate_discovery_rounds", "Endpoint listings tried", value=s["rounds"])
+        yield CounterMetricFamily(
+            "radixgate_discovery_failures",
+            "Endpoint listings that failed (the fleet kept)",
+            value=s["failures"],
+        )
+
+
 class _AdmissionCollector:
     """The router's admission gate (router/admission.py)."""
 
@@ -228,8 +251,10 @@ class RouterMetrics:
     def __init__(
         self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]],
         sync_stats: Callable[[], dict | None] = lambda: None, admission: AdmissionGate | None = None,
+        discovery_stats: Callable[[], dict | None] = lambda: None,
     ) -> None:  # fmt: skip
         self.registry = CollectorRegistry()
+        self.registry.register(_DiscoveryCollector(discovery_stats))
         self.registry.register(_WorkerCollector(workers, index_size))
         self.registry.register(_AdmissionCollector(admission))
         self.registry.register(_SyncCollector(sync_stats))

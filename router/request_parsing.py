@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from router.errors import RouterError
 from router.responses_input import chat_tools, prompt_messages
-from router.tokenization import ByteTokenizer, PromptTokenizer
+from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 
 
 class ClientGone(Exception):
@@ -90,7 +90,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
                 raise ValueError("missing required field 'messages'")
             # NOTE: tools are part of the prompt (the template renders them): a shared tool set is
             # a shared prefix, so it counts for routing like a shared system prompt does
-            token_ids = _encode_chat(tokenizer, body["messages"], body.get("tools"))
+            token_ids = _encode_chat(tokenizer, body["messages"], body.get("tools"), chat_options(body))
         else:
             token_ids, rest = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
@@ -147,10 +147,12 @@ def _encode_prompt(tokenizer: PromptTokenizer, text: str) -> Sequence[int]:
     return tokenizer.encode_prompt(text)
 
 
-def _encode_chat(tokenizer: PromptTokenizer, messages: Any, tools: Any = None) -> Sequence[int]:
+def _encode_chat(
+    tokenizer: PromptTokenizer, messages: Any, tools: Any = None, options: dict[str, bool] | None = None
+) -> Sequence[int]:
     if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode_chat_bytes(messages, tools)
-    return tokenizer.encode_chat(messages, tools)
+        return tokenizer.encode_chat_bytes(messages, tools, **(options or {}))
+    return tokenizer.encode_chat(messages, tools, **(options or {}))
 
 
 def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> tuple[Sequence[int], list]:

@@ -30,7 +30,10 @@ class PromptTokenizer(Protocol):
 
     def encode_prompt(self, prompt: str) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]: ...  # fmt: skip
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
@@ -77,6 +80,27 @@ def normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
+def chat_options(body: dict) -> dict[str, bool]:
+    """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (default
+    false: true makes the model continue the last, assistant, message, an "assistant prefill") as
+    ``encode_chat`` keyword arguments. ValueError when malformed or both true."""
+    add = body.get("add_generation_prompt", True)
+    cont = body.get("continue_final_message", False)
+    if not isinstance(add, bool) or not isinstance(cont, bool):
+        raise ValueError("'add_generation_prompt' and 'continue_final_message' must be booleans")
+    if add and cont and "add_generation_prompt" in body:
+        raise ValueError("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    return {"add_generation_prompt": add and not cont, "continue_final_message": cont}
+
+
+def _final_to_continue(messages: list[dict]) -> str:
+    """The content a ``continue_final_message`` prompt ends with (checked)."""
+    final = messages[-1]
+    if final["role"] != "assistant" or not final["content"]:
+        raise ValueError("continue_final_message needs a last message from the assistant with content")
+    return final["content"]
+
+
 class ByteTokenizer:
     """Token id = UTF-8 byte value (0..255); special tokens follow (256 = ``<|eos|>``).
 
@@ -96,24 +120,35 @@ class ByteTokenizer:
             raise ValueError("prompt must be a string")
         return list(prompt.encode("utf-8"))
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:  # fmt: skip
         """The fixed plain chat template: ``<|role|>\\n{content}\\n`` per message, then the
-        generation prompt ``<|assistant|>\\n``. Tools come first, as ``<|tools|>\\n{JSON list}\\n``
+        generation prompt ``<|assistant|>\\n`` (unless ``add_generation_prompt`` is false; with
+        ``continue_final_message`` the last message stays open: no newline, no generation prompt). Tools come first, as ``<|tools|>\\n{JSON list}\\n``
         (one tool set shared by many conversations is then their shared prefix); an assistant
         message's tool calls follow its content as ``<tool_call>{"name":...,"arguments":...}</tool_call>``,
         the form the worker's ``hermes`` parser reads back; a tool's result is a ``tool`` message."""
         tools = normalize_tools(tools)
+        messages = normalize_messages(messages)
+        if continue_final_message:
+            _final_to_continue(messages)
         parts = [f"<|tools|>\n{compact_json(tools)}\n"] if tools else []
-        for m in normalize_messages(messages):
+        for m in messages:
             calls = "".join(
                 f"<tool_call>{compact_json({'name': c['function']['name'], 'arguments': call_arguments(c)})}</tool_call>"
                 for c in m.get("tool_calls") or ()
             )
             parts.append(f"<|{m['role']}|>\n{m['content']}{calls}\n")
-        return "".join(parts) + "<|assistant|>\n"
+        if continue_final_message:
+            return "".join(parts)[:-1]
+        return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return list(self.render_chat(messages, tools).encode("utf-8"))
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, **options: bool
+    ) -> list[int]:
+        return list(self.render_chat(messages, tools, **options).encode("utf-8"))
 
     # The router's hot path: the same ids as ``bytes`` (a sequence of ints), without building a
     # list of one Python int per byte (~5 us per KiB of prompt).
@@ -122,8 +157,10 @@ class ByteTokenizer:
             raise ValueError("prompt must be a string")
         return prompt.encode("utf-8")
 
-    def encode_chat_bytes(self, messages: list[dict], tools: list[dict] | None = None) -> bytes:
-        return self.render_chat(messages, tools).encode("utf-8")
+    def encode_chat_bytes(
+        self, messages: list[dict], tools: list[dict] | None = None, **options: bool
+    ) -> bytes:
+        return self.render_chat(messages, tools, **options).encode("utf-8")
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         data = bytearray()
@@ -232,10 +269,13 @@ class HFTokenizer:
         return ids
 
     def render_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
-    ) -> str:
+        self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:  # fmt: skip
         """The conversation as text, rendered by the model's chat template like HF does (``tools``
-        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does)."""
+        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does). With
+        ``continue_final_message`` the text ends right after the last message's content, as HF
+        cuts it (no end-of-turn, no generation prompt)."""
         tools = normalize_tools(tools)
         messages = [
             {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
@@ -247,19 +287,29 @@ class HFTokenizer:
         from jinja2 import TemplateError
 
         try:
-            return self._compiled().render(
+            text = self._compiled().render(
                 messages=messages,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
                 tools=tools,
                 documents=None,
                 **self.special_tokens,
             )
         except TemplateError as exc:  # raise_exception() in the template: a bad conversation
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        if not continue_final_message:
+            return text
+        final = _final_to_continue(messages)
+        for piece in (final, final.strip()):
+            end = text.rfind(piece)
+            if piece and end >= 0:
+                return text[: end + len(piece)]
+        raise ValueError("continue_final_message: the chat template does not write the last message verbatim")
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, **options: bool
+    ) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        return self._tok.encode(self.render_chat(messages, tools), add_special_tokens=False).ids
+        return self._tok.encode(self.render_chat(messages, tools, **options), add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

@@ -1,5 +1,6 @@
-"""Kubernetes worker discovery: EndpointSlices to worker URLs, and a real router process following a
-Service's endpoints as they change (a small stand-in API server serves the EndpointSlice list)."""
+"""How a router learns its workers: Kubernetes discovery (EndpointSlices to worker URLs, and a real
+router process following a Service's endpoints as they change; a small stand-in API server serves
+the EndpointSlice list), and a worker's model list asked again after a failed answer."""
 
 from __future__ import annotations
 
@@ -128,6 +129,12 @@ def test_the_router_follows_the_services_endpoints(launch, kube, tmp_path) -> No
     assert httpx.delete(router.url + "/workers", params={"url": b.url}, timeout=5).status_code == 200
     wait_until(lambda: b.url in fleet(router.url)[0], 10, what="b re-discovered")
     assert fleet(router.url)[1]["workers"] == [b.url]
+    metrics = httpx.get(router.url + "/metrics", timeout=5).text
+    assert "radixgate_discovered_workers 1.0" in metrics
+    failures = next(
+        line for line in metrics.splitlines() if line.startswith("radixgate_discovery_failures_total")
+    )
+    assert float(failures.split()[-1]) >= 3
 
 
 def test_discovery_outside_a_pod_needs_an_api_url() -> None:
@@ -135,3 +142,38 @@ def test_discovery_outside_a_pod_needs_an_api_url() -> None:
     proc = subprocess.run([sys.executable, "-m", "router", "--k8s-worker-service", "w", "--k8s-namespace", "ns"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 2 and "--k8s-api-url" in proc.stderr, proc.stderr
+
+
+def test_a_worker_whose_model_list_failed_once_is_asked_again(launch) -> None:
+    """The first /v1/models answer fails (a slow or starting backend): the router asks again on
+    the next health check instead of taking the worker for one that serves any model for good."""
+    calls = {"models": 0}
+
+    async def models(request: Request) -> Response:
+        calls["models"] += 1
+        if calls["models"] == 1:
+            return Response(b"{}", 500)
+        return Response(orjson.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}),
+                        media_type="application/json")  # fmt: skip
+
+    async def health(request: Request) -> Response:
+        return Response(b'{"status": "ok"}', media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/health", health)])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 10, what="backend")
+        router = launch.router([url], "--health-interval-s", "0.1", "--kv-events", "off")
+        wait_until(lambda: fleet(router.url)[0] == {url} and httpx.get(router.url + "/workers").json()["workers"][0]["models"] == ["m"],
+                   10, what="the model list asked again")  # fmt: skip
+        assert calls["models"] >= 2
+        assert httpx.post(router.url + "/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

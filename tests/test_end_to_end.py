@@ -54,7 +54,9 @@ def matched_tokens(router_url: str, body: dict) -> dict[str, int]:
 def test_launch_workers_main_command_reuses_prefixes(launch):
     """`python -m router --launch-workers 2`: the README's main command, end to end."""
     router = launch.module("router", "--launch-workers", "2", timeout=120)
-    wait_until(lambda: httpx.get(router.url + "/ready", timeout=2).status_code == 200, 120, what="ready")
+    # NOTE: both up: a worker that has told no model yet might serve any (the 404 below)
+    wait_until(lambda: [(w["healthy"], w["models"]) for w in httpx.get(router.url + "/workers", timeout=2).json()["workers"]]
+               == [(True, ["tiny"])] * 2, 120, what="both workers healthy")  # fmt: skip
     workers = [w["url"] for w in httpx.get(router.url + "/workers").json()["workers"]]
     assert len(workers) == 2
     with httpx.Client(base_url=router.url, timeout=120) as client:
@@ -182,14 +184,19 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
         router = launch.router([worker.url])
         model = "tiny"
     body = {**chat("Which hashes?", model=model), "tools": TOOLS[:2]}  # tools are part of the prompt
-    predicted = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
-    assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-    stored = decode(httpx.get(worker.url + "/v1/cache/snapshot", timeout=10).content)
-    stored_hashes = {h for run in stored.stored for h in run.block_hashes}
-    router_hashes = [int(h) for h in predicted["block_hashes"]]
-    assert len(router_hashes) >= 8
-    assert predicted["block_size"] == stored.block_size
-    assert set(router_hashes) <= stored_hashes
+    # an assistant prefill: the last message left open, no generation prompt
+    prefill = chat("And a prefill?", model=model)
+    prefill["messages"].append({"role": "assistant", "content": "The answer, in one word, is"})
+    prefill["continue_final_message"] = True
+    for b in (body, prefill):
+        predicted = httpx.post(router.url + "/debug/route", json=b, timeout=10).json()
+        assert httpx.post(router.url + "/v1/chat/completions", json=b, timeout=120).status_code == 200
+        stored = decode(httpx.get(worker.url + "/v1/cache/snapshot", timeout=10).content)
+        stored_hashes = {h for run in stored.stored for h in run.block_hashes}
+        router_hashes = [int(h) for h in predicted["block_hashes"]]
+        assert len(router_hashes) >= 8
+        assert predicted["block_size"] == stored.block_size
+        assert set(router_hashes) <= stored_hashes
 
 
 def test_a_shared_tool_set_is_a_shared_prefix_the_router_routes_by(launch):

@@ -16,6 +16,7 @@ from router.tokenization import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,
+    chat_options,
     load_tokenizer,
     normalize_messages,
 )
@@ -161,6 +162,33 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
     assert ours.encode_chat(CHAT) == theirs(rendered, add_special_tokens=False).input_ids
     ids = ours.encode_chat(CHAT)
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def test_continue_final_message_and_no_generation_prompt_match_transformers(hf_dir):
+    from transformers import AutoTokenizer
+
+    ours, theirs = HFTokenizer(str(hf_dir)), AutoTokenizer.from_pretrained(hf_dir)
+    prefill = [*normalize_messages(CHAT), {"role": "assistant", "content": 'Sure: {"answer": '}]
+    expected = theirs.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
+    assert ours.render_chat(prefill, **chat_options({"continue_final_message": True})) == expected
+    assert expected.endswith('{"answer": ')
+    no_prompt = theirs.apply_chat_template(
+        normalize_messages(CHAT), add_generation_prompt=False, tokenize=False
+    )
+    assert ours.render_chat(CHAT, **chat_options({"add_generation_prompt": False})) == no_prompt
+    byte = ByteTokenizer().render_chat(prefill, **chat_options({"continue_final_message": True}))
+    assert byte.endswith('<|assistant|>\nSure: {"answer": ')
+    for bad in (
+        {"continue_final_message": True, "add_generation_prompt": True},
+        {"add_generation_prompt": "no"},
+    ):
+        with pytest.raises(ValueError):
+            chat_options(bad)
+    for tok in (ours, ByteTokenizer()):
+        with pytest.raises(ValueError, match="assistant"):
+            tok.encode_chat(
+                CHAT, **chat_options({"continue_final_message": True})
+            )  # last message: the user's
 
 
 def test_hf_identity_eos_and_loading(hf_dir, tmp_path):

@@ -4,12 +4,13 @@ here touches the engine."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
 
-from router.tokenization import PromptTokenizer
+from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar
 from worker.request import QueueFullError
@@ -184,10 +185,14 @@ async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer) -> list[list[int]]
     return [await _one_prompt(prompt, tokenizer)]
 
 
-async def chat_ids(messages: Any, tokenizer: PromptTokenizer, tools: list[dict] | None = None) -> list[int]:
-    """``messages`` (and ``tools``) rendered by the chat template and tokenized (a bad conversation: 400)."""
+async def chat_ids(
+    messages: Any, tokenizer: PromptTokenizer, tools: list[dict] | None = None, body: dict | None = None
+) -> list[int]:
+    """``messages`` (and ``tools``) rendered by the chat template and tokenized, with the body's
+    ``add_generation_prompt`` / ``continue_final_message`` (a bad conversation: 400)."""
     try:
-        return await run_in_threadpool(tokenizer.encode_chat, messages, tools)
+        options = chat_options(body or {})
+        return await run_in_threadpool(functools.partial(tokenizer.encode_chat, messages, tools, **options))
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 

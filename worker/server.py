@@ -100,7 +100,7 @@ class WorkerAPI:
             raise APIError(400, "'echo' applies to /v1/completions")
         logprobs = chat_logprobs(body)
         tools = tools_of(body)
-        ids = await chat_ids(body.get("messages"), self.engine.tokenizer, tools and tools.tools)
+        ids = await chat_ids(body.get("messages"), self.engine.tokenizer, tools and tools.tools, body)
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
@@ -254,7 +254,7 @@ class WorkerAPI:
         body = await self._body(request)
         tok = self.engine.tokenizer
         if "messages" in body:
-            ids = await chat_ids(body["messages"], tok)
+            ids = await chat_ids(body["messages"], tok, body.get("tools"), body)
         elif isinstance(body.get("prompt"), str):
             ids = await run_in_threadpool(tok.encode_prompt, body["prompt"])
         else:

@@ -364,6 +364,18 @@ def test_sim_engine_serves_the_same_api_and_says_it_is_simulated():
         assert all(e["simulated"] is True for e in events[:-1])
 
 
+def test_assistant_prefill_continues_the_last_message(client):
+    messages = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": '{"a": '}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    tokens = client.post("/tokenize", json={"messages": messages, **options}).json()["tokens"]
+    assert bytes(tokens).decode().endswith('<|assistant|>\n{"a": ')
+    body = {"messages": messages, **options, "max_tokens": 3, "temperature": 0}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] == len(tokens)
+    for bad in ({**body, "messages": messages[:1]}, {**body, "add_generation_prompt": True}):
+        assert client.post("/v1/chat/completions", json=bad).status_code == 400
+
+
 def test_tokenize_and_detokenize_round_trip_as_generation_tokenizes(client):
     text = "Héllo, radix caches!"
     tokens = client.post("/tokenize", json={"prompt": text}).json()
