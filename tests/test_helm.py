@@ -509,6 +509,15 @@ tests:
         values: '0.95x20'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w1"}}'
         values: '0.5x20'
+      # router r1 lists every 5 s (12 a minute) and every listing fails; r2 fails one in twelve
+      - series: 'radixgate_discovery_rounds_total{{namespace="llm",instance="r1"}}'
+        values: '0+12x30'
+      - series: 'radixgate_discovery_failures_total{{namespace="llm",instance="r1"}}'
+        values: '0+12x30'
+      - series: 'radixgate_discovery_rounds_total{{namespace="llm",instance="r2"}}'
+        values: '0+12x30'
+      - series: 'radixgate_discovery_failures_total{{namespace="llm",instance="r2"}}'
+        values: '0+1x30'
     # Alerts are checked through the ALERTS series: alert_rule_test would also pin every
     # annotation's text.
     promql_expr_test:
@@ -547,6 +556,11 @@ tests:
         eval_time: 15m
         exp_samples:
           - labels: '{{__name__="ALERTS", alertname="RadixgateOutOfCapacity", alertstate="firing", severity="warning", namespace="llm"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateWorkerDiscoveryFailing", alertstate="firing"}}
+        eval_time: 20m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateWorkerDiscoveryFailing", alertstate="firing", severity="warning", namespace="llm", instance="r1"}}'
             value: 1
       - expr: ALERTS{{alertname="RadixgateWorkerKVUsageHigh", alertstate="firing"}}
         eval_time: 15m
