@@ -15,7 +15,7 @@ from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams
-from worker.tool_calls import ToolRequest, forced_grammar, tool_request
+from worker.tool_calls import ToolRequest, auto_grammar, forced_grammar, tool_request
 
 MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
 
@@ -69,15 +69,26 @@ def tools_of(body: dict) -> ToolRequest | None:
         raise APIError(400, str(exc)) from None
 
 
-async def output_guide(body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None) -> Guide | None:
-    """The constraint on the output: the structured output the body asks for, or the one a forced
-    tool call needs; compiled off the event loop (a large schema takes a while). None for free
-    text. A bad one is a 400 naming the problem."""
+async def output_guide(
+    body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None, parser: str = "hermes"
+) -> Guide | None:
+    """The constraint on the output: the structured output the body asks for, the one a forced
+    tool call needs, or (``auto`` tools, hermes format, nothing else asked) well-formed calls in
+    free text; compiled off the event loop (a large schema takes a while). None for free text. A
+    bad one is a 400 naming the problem."""
     try:
         asked = requested_grammar(body)
         forced = forced_grammar(tools) if tools is not None else None
         if asked is not None and forced is not None:
             raise ValueError("a structured output format and a required tool call cannot be combined")
+        if (
+            asked is None
+            and forced is None
+            and tools is not None
+            and tools.choice == "auto"
+            and parser == "hermes"
+        ):
+            forced = auto_grammar(tools, compiler.special_token("<tool_call>"))
         asked = asked or forced
         return None if asked is None else await run_in_threadpool(compiler.compile, *asked)
     except ValueError as exc:

@@ -168,6 +168,15 @@ class GuideCompiler:
                 self._compiled.popitem(last=False)
         return guide
 
+    def special_token(self, text: str) -> bool:
+        """Is ``text`` one special token of this tokenizer (as ``<tool_call>`` is for some models)?"""
+        backend = getattr(self.tokenizer, "_tok", None)  # an HFTokenizer's tokenizers.Tokenizer
+        token_id = None if backend is None else backend.token_to_id(text)
+        if token_id is None:
+            return False
+        added = backend.get_added_tokens_decoder()
+        return token_id in added and added[token_id].special
+
     def _tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:

@@ -100,7 +100,7 @@ class ResponsesAPI:
         if text is not None and not isinstance(text, dict):
             raise APIError(400, "'text' must be an object such as {'format': {'type': 'json_schema', ...}}")
         fmt = {"response_format": _chat_format((text or {}).get("format"))}
-        guide = await output_guide(fmt, api.engine.guides, tools)
+        guide = await output_guide(fmt, api.engine.guides, tools, api.tool_call_parser)
         store = body.get("store", True)
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")

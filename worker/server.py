@@ -104,7 +104,7 @@ class WorkerAPI:
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
-        guide = await output_guide(body, self.engine.guides, tools)
+        guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser)
         params = sampling_params(body, vocab, max_tokens, "max_completion_tokens", logprobs, guide)
         return await self._generate(request, body, [ids], params, chat=True, tools=tools)
 

@@ -8,8 +8,9 @@ whole or as stream deltas.
 - ``auto``: free generation; calls are read from the text in the format ``--tool-call-parser``
   names: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, what the
   built-in chat template writes, Qwen 2.5 / Hermes models) or ``llama3_json`` (the whole answer is
-  ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+). Text that does not
-  parse as a call stays content: nothing the model wrote is dropped.
+  ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+). With hermes, what
+  follows a ``<tool_call>`` is also constrained to a valid call (``auto_grammar``). Text that does
+  not parse as a call stays content: nothing the model wrote is dropped.
 - ``required``: the output is constrained (worker.guided) to a JSON list of at least one
   ``{"name": <a tool>, "parameters": <its schema>}`` (exactly one when ``parallel_tool_calls`` is
   false), each item a call.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.chat_tools import compact_json, normalize_tools
-from worker.guided import grammar_of
+from worker.guided import JSON_DEFAULTS, grammar_of
 
 PARSERS = ("hermes", "llama3_json")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -67,9 +68,32 @@ def tool_request(body: dict) -> ToolRequest | None:
     return ToolRequest(tools, "function", name, parallel)
 
 
+def _params(req: ToolRequest) -> dict[str, Any]:
+    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in req.tools}
+
+
+def auto_grammar(req: ToolRequest, trigger_is_special: bool) -> tuple[str, str]:
+    """``auto`` with the hermes format: the text is free, but from each ``<tool_call>`` on the
+    output must be one call ``{"name": <a tool>, "arguments": <its schema>}`` and ``</tool_call>``
+    (llguidance's lazy trigger), so every call the model starts parses. ``trigger_is_special``:
+    the tokenizer has ``<tool_call>`` as a special token (matched as that token, not as text)."""
+    from llguidance import StructTag
+
+    call = {
+        "anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+             "required": ["name", "arguments"], "additionalProperties": False}
+            for name, schema in _params(req).items()
+        ],
+        "x-guidance": JSON_DEFAULTS,
+    }  # fmt: skip
+    tag = StructTag(trigger=_OPEN, begin=_OPEN, grammar=call, end=_CLOSE)
+    return "tool_auto", StructTag.to_grammar([tag], assume_special=trigger_is_special)
+
+
 def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
     """(kind, grammar) the output must follow for ``required`` and a named function; else None."""
-    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in req.tools}
+    params = _params(req)
     if req.choice == "function":
         return "tool_call", grammar_of("json_schema", params[req.name])[1]
     if req.choice != "required":

@@ -320,3 +320,80 @@ def test_tool_errors_are_400_and_the_worker_keeps_serving(worker) -> None:
     assert (
         worker.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).status_code == 200
     )
+
+
+# ---------------------------------------------------------------------- auto calls under a grammar
+def test_auto_calls_in_free_text_always_parse() -> None:
+    """tool_choice auto (hermes): text is free, and whatever follows a <tool_call> the model writes
+    is a call to one of the tools with arguments of its schema. Random walks that start calls often."""
+    import random
+
+    import numpy as np
+
+    from router.tokenization import ByteTokenizer
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import auto_grammar
+
+    req = ToolRequest(TOOLS, "auto")
+    guide = GuideCompiler(ByteTokenizer(), 257).compile(*auto_grammar(req, trigger_is_special=False))
+    calls_seen = 0
+    for seed in range(6):
+        rng, m, out = random.Random(seed), guide.matcher(), b""
+        while len(out) < 400:
+            allowed = set(np.flatnonzero(allowed_mask([m], 257)[0].numpy()).tolist())
+            want = b"<tool_call>"[len(out) - out.rfind(b"<") :] if b"<" in out[-11:] else b"<"
+            nxt = (
+                want[0] if want and want[0] in allowed and rng.random() < 0.9 else rng.choice(sorted(allowed))
+            )
+            if nxt == ByteTokenizer.EOS:
+                break
+            assert m.consume_token(nxt)
+            out += bytes([nxt])
+        text = out.decode("utf-8", errors="replace")
+        if "<tool_call>" in text and text.count("</tool_call>") == text.count("<tool_call>"):
+            message = ToolOutput(req, "hermes").message(text)
+            assert len(message["tool_calls"]) == text.count("<tool_call>")
+            for name, args in calls_of(message):
+                params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+                assert set(args) == set(params["required"])
+            calls_seen += len(message["tool_calls"])
+    assert calls_seen >= 3
+
+
+def test_a_special_tool_call_token_is_matched_as_that_token(tmp_path) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    from router.tokenization import HFTokenizer
+    from worker.guided import GuideCompiler
+    from worker.tool_calls import auto_grammar
+
+    from .conftest import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    assert not GuideCompiler(HFTokenizer(str(tmp_path)), 400).special_token("<tool_call>")
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<tool_call>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(str(tmp_path))
+    compiler = GuideCompiler(hf, hf.vocab_size)
+    assert compiler.special_token("<tool_call>")
+    m = compiler.compile(*auto_grammar(ToolRequest(TOOLS, "auto"), trigger_is_special=True)).matcher()
+    assert m.consume_tokens(hf.encode_prompt("Let me check.")[1:])  # [1:]: no BOS
+    assert m.consume_token(hf._tok.token_to_id("<tool_call>"))
+    assert m.consume_tokens(
+        hf._tok.encode('{"name":"add","arguments":{"a":1,"b":2}}', add_special_tokens=False).ids
+    )
+    assert not m.is_error()
+
+
+def test_auto_tools_are_constrained_unless_a_format_is_asked(worker) -> None:
+    series = 'radixgate_worker_constrained_requests_total{kind="tool_auto"}'
+    before = metric(worker, series)
+    r = worker.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 8})
+    assert r.status_code == 200 and metric(worker, series) == before + 1
+    # an explicit format wins over the auto tool grammar
+    fmt = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 40, "response_format": {"type": "json_object"},
+           "temperature": 0}  # fmt: skip
+    body = worker.post("/v1/chat/completions", json=fmt).json()
+    assert metric(worker, series) == before + 1
+    assert body["choices"][0]["message"]["content"].startswith("{")
