@@ -24,6 +24,7 @@ import torch
 
 from router.tokenization import HFTokenizer
 from worker.guided import GuideCompiler, allowed_mask, packed_masks, requested_grammar, unpack
+from worker.tool_calls import ToolRequest, auto_grammar
 
 SCHEMA = {
     "type": "object",
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     guide = compiler.compile(*requested_grammar({"guided_json": SCHEMA}))
     compile_ms = (time.perf_counter() - start) * 1e3
     in_string = tok.encode_prompt('{"name":"ab')
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": SCHEMA}}
+    auto = compiler.compile(*auto_grammar(ToolRequest([tool], "auto"), trigger_is_special=False))
+    in_text = tok.encode_prompt("Let me think about it ")
     rows = []
     for batch in batches:
         at_start = [guide.matcher() for _ in range(batch)]
@@ -108,10 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         for m in inside:
             assert m.consume_tokens(in_string), m.get_error()
         allowed = int(allowed_mask(inside[:1], tok.vocab_size)[0].sum())
+        free_text = [auto.matcher() for _ in range(batch)]  # tool_choice auto, between calls
+        for m in free_text:
+            assert m.consume_tokens(in_text), m.get_error()
         row = {
             "batch": batch,
             "mask_ms_object_start": _ms(lambda ms=at_start: packed_masks(ms, tok.vocab_size), args.reps),
             "mask_ms_in_string": _ms(lambda ms=inside: packed_masks(ms, tok.vocab_size), args.reps),
+            "mask_ms_auto_tools_text": _ms(lambda ms=free_text: packed_masks(ms, tok.vocab_size), args.reps),
             "allowed_in_string": allowed,
         }
         for width in (tok.vocab_size, 128256):
@@ -134,13 +142,13 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=2)
     print(f"vocab {tok.vocab_size}; llguidance tokenizer built in {tokenizer_ms:.0f} ms (once per worker); "
           f"schema compiled in {compile_ms:.1f} ms (once per schema, then cached)")  # fmt: skip
-    print("| batch | masks, object start (ms) | masks, in a string (ms) | tokens allowed in a string |"
-          f" apply at {tok.vocab_size} (ms) | apply at 128256 (ms) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| batch | masks, object start (ms) | masks, in a string (ms) | masks, auto tools text (ms) |"
+          f" tokens allowed in a string | apply at {tok.vocab_size} (ms) | apply at 128256 (ms) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['mask_ms_object_start']:.3f} | {r['mask_ms_in_string']:.3f} | "
-              f"{r['allowed_in_string']} | {r[f'apply_ms_vocab_{tok.vocab_size}']:.2f} | "
-              f"{r['apply_ms_vocab_128256']:.2f} |")  # fmt: skip
+              f"{r['mask_ms_auto_tools_text']:.3f} | {r['allowed_in_string']} | "
+              f"{r[f'apply_ms_vocab_{tok.vocab_size}']:.2f} | {r['apply_ms_vocab_128256']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
