@@ -253,8 +253,6 @@ class Router:
             value = client_headers.get(name)
             if value is not None:
                 headers[name] = value
-        if self.upstream.authorization is not None:  # the workers' key, never the client's
-            headers["authorization"] = self.upstream.authorization
         inject = parsed.stream and self.config.stream_usage and not parsed.usage_in_stream
         body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
         # NOTE: a stored conversation lives on one worker: a follow-up goes there or nowhere

@@ -117,7 +117,7 @@ class Upstream:
         self._connect_timeout = connect_timeout_s
         self.client = HTTPClient(connect_timeout_s, first_byte_timeout_s, request_timeout_s)
         self.session: aiohttp.ClientSession | None = None
-        # NOTE: replaces the client's own Authorization on completions (router/gateway.py)
+        # NOTE: replaces the client's own Authorization on every request to a worker (open, session)
         self.authorization = f"Bearer {worker_api_key}" if worker_api_key else None
 
     async def start(self) -> None:
@@ -142,7 +142,10 @@ class Upstream:
     ) -> Response:
         """Send the request and wait for the response head. Raises UpstreamFailure on a worker
         fault or a 429 (the response is closed); returns the open response on any other status < 500.
-        ``on_sent`` runs once the request is on a connection (never if none could be opened)."""
+        ``on_sent`` runs once the request is on a connection (never if none could be opened).
+        With a worker key, it is the request's Authorization (never the client's)."""
+        if self.authorization is not None:
+            headers = {**headers, "authorization": self.authorization}
         try:
             resp = await self.client.post(worker.url, path, body, headers, on_sent)
         except ResponseTimeout:

@@ -229,6 +229,8 @@ def test_workers_behind_an_api_key_serve_the_router_that_holds_it(launch):
     client = {"authorization": "Bearer client-key"}
     answer = httpx.post(router.url + "/v1/chat/completions", json=body, headers=client, timeout=120)
     assert answer.status_code == 200, answer.text
+    tokens = httpx.post(router.url + "/tokenize", json={"prompt": "keyed"}, headers=client, timeout=30)
+    assert tokens.status_code == 200 and tokens.json()["count"] == 5
     for path in ("/v1/chat/completions", "/v1/cache/info"):  # the client's key is not the workers'
         direct = httpx.request("POST" if "chat" in path else "GET", worker + path, json=body, headers=client)
         assert direct.status_code == 401 and direct.json()["error"]["code"] == "invalid_api_key"
