@@ -79,6 +79,17 @@ class Choice:
         return out.finish_reason is not None
 
 
+def logprob_entry(names: TokenNames, entry: Logprob) -> dict:
+    """One token's ``{token, logprob, bytes, top_logprobs}`` (chat's and the Responses API's shape)."""
+    token, (logprob, top_ids, top_lps) = entry  # type: ignore[misc]
+    text, raw = names(token)
+    top = []
+    for tid, lp in zip(top_ids, top_lps, strict=True):
+        t, b = names(tid)
+        top.append({"token": t, "logprob": lp, "bytes": b})
+    return {"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": top}
+
+
 def usage(prompt_tokens: list[int], choices: list[Choice]) -> dict:
     """One request's usage: each prompt once, the tokens of every choice, and as cached per prompt
     the fewest any of its choices found (the others share the pages the first one computed)."""
@@ -176,13 +187,7 @@ class Responses:
         return self._completion_logprobs(c, entries)
 
     def _chat_entry(self, entry: Logprob) -> dict:
-        token, (logprob, top_ids, top_lps) = entry
-        text, raw = self.names(token)
-        top = []
-        for tid, lp in zip(top_ids, top_lps, strict=True):
-            t, b = self.names(tid)
-            top.append({"token": t, "logprob": lp, "bytes": b})
-        return {"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": top}
+        return logprob_entry(self.names, entry)
 
     def _completion_logprobs(self, c: Choice, entries: list[Logprob]) -> dict:
         """The legacy shape: parallel lists; each ``top_logprobs`` dict holds the top tokens and

@@ -26,6 +26,7 @@ from router.responses_input import (
 )
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
+from worker.openai_format import logprob_entry
 from worker.responses_output import Events, OutputItems
 from worker.tool_calls import ToolOutput
 
@@ -65,6 +66,24 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         return self._entries.pop(rid, None) is not None
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs(body: dict, tools: Any) -> int | None:
+    """The alternatives per token (``top_logprobs``, 0-20) when ``include`` asks for
+    ``message.output_text.logprobs``, else None."""
+    include, top = body.get("include") or [], body.get("top_logprobs")
+    if not isinstance(include, list) or any(i != LOGPROBS_INCLUDE for i in include):
+        raise APIError(400, f"'include' supports only {LOGPROBS_INCLUDE!r}")
+    if top is not None and (type(top) is not int or not 0 <= top <= 20):
+        raise APIError(400, "'top_logprobs' must be an integer in [0, 20]")
+    if LOGPROBS_INCLUDE not in include:
+        return None
+    if tools is not None and tools.choice != "none":
+        raise APIError(400, "output logprobs are not available with tools")
+    return top or 0
 
 
 def _chat_format(fmt: Any) -> Any:
@@ -117,8 +136,9 @@ class ResponsesAPI:
             raise APIError(400, str(exc)) from None
         ids = await chat_ids(messages, api.engine.tokenizer, tools and tools.tools)
         engine = api.engine
+        logprobs = _logprobs(body, tools)
         params = sampling_params(
-            body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", None, guide
+            body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}
@@ -130,6 +150,7 @@ class ResponsesAPI:
             ToolOutput(tools, api.tool_call_parser) if tools is not None and tools.choice != "none" else None
         )
         turn = _Turn(self, body, new_response_id(self.tag), len(ids), conversation, store, reader)
+        turn.items.logprobs = logprobs is not None
         if body.get("stream"):
             return StreamingResponse(
                 self._stream(request, outputs, live, first, turn),
@@ -219,16 +240,26 @@ class _Turn:
         self.finish_reason: str | None = None
         self.events = Events()
         self.items = OutputItems(self.events)
+        self._logprobs: list[dict] = []  # entries of tokens whose text is not out yet
 
     def add(self, out: RequestOutput) -> list[bytes]:
         """Account one engine output; the stream events for its text."""
         self.output_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
         self.finish_reason = out.finish_reason or self.finish_reason
+        if out.logprobs is not None:
+            self._logprobs.append(
+                logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
+            )
         if self.reader is None:
-            deltas = [{"content": out.text}]
+            deltas = [{"content": out.text, "logprobs": self._logprobs}] if out.text else []
+            self._logprobs = [] if out.text else self._logprobs  # NOTE: held-back text keeps its numbers
         else:
             deltas = self.reader.feed(out.text) + (self.reader.flush() if out.finish_reason else [])
-        return [event for d in deltas for event in self.items.delta(d)]
+        events = [event for d in deltas for event in self.items.delta(d)]
+        if out.finish_reason is not None and self._logprobs:  # tokens of no text (a stop string's)
+            self.items.add_logprobs(self._logprobs)
+            self._logprobs = []
+        return events
 
     def response(self, status: str, output: list | None = None, usage: dict | None = None) -> dict:
         body = self.body

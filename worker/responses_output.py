@@ -25,8 +25,9 @@ class Events:
 
 
 class OutputItems:
-    def __init__(self, events: Events) -> None:
+    def __init__(self, events: Events, logprobs: bool = False) -> None:
         self.events = events
+        self.logprobs = logprobs  # message parts carry their tokens' logprobs (include asked for them)
         self.items: list[dict] = []
         self._open: dict | None = None  # the item being generated
         self._calls: dict[int, dict] = {}  # chat tool call index -> its function_call item
@@ -38,7 +39,12 @@ class OutputItems:
                 "role": "assistant", "content": []}  # fmt: skip
         self._open = item
         self.items.append(item)
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part = {
+            "type": "output_text",
+            "text": "",
+            "annotations": [],
+            **({"logprobs": []} if self.logprobs else {}),
+        }
         out.append(
             self.events.send("response.output_item.added", output_index=len(self.items) - 1, item=item)
         )
@@ -54,9 +60,13 @@ class OutputItems:
             if self._open is None or self._open["type"] != "message":
                 out += self.open_message()
             assert self._open is not None
-            self._open["content"][0]["text"] += text
+            part = self._open["content"][0]
+            part["text"] += text
+            logprobs = delta.get("logprobs") or []  # its tokens' numbers, when they were asked for
+            if "logprobs" in part:
+                part["logprobs"] += logprobs
             out.append(
-                self.events.send("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+                self.events.send("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)
             )
         for call in delta.get("tool_calls", ()):
             fn = call.get("function", {})
@@ -74,6 +84,12 @@ class OutputItems:
                 out.append(self.events.send("response.function_call_arguments.delta", item_id=item["id"],
                                             output_index=self.items.index(item), delta=fn["arguments"]))  # fmt: skip
         return out
+
+    def add_logprobs(self, entries: list[dict]) -> None:
+        """Entries for tokens that added no text: onto the last message's part, if it has logprobs."""
+        parts = [i["content"][0] for i in self.items if i["type"] == "message"]
+        if parts and "logprobs" in parts[-1]:
+            parts[-1]["logprobs"] += entries
 
     def close(self, status: str) -> list[bytes]:
         """Close the open item and mark every item ``status`` (completed or incomplete)."""
@@ -116,7 +132,9 @@ class OutputItems:
             part = item["content"][0]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             return [
-                send("response.output_text.done", **where, text=part["text"], logprobs=[]),
+                send(
+                    "response.output_text.done", **where, text=part["text"], logprobs=part.get("logprobs", [])
+                ),
                 send("response.content_part.done", **where, part=part),
                 send("response.output_item.done", output_index=index, item=item),
             ]

@@ -228,3 +228,31 @@ def test_a_function_call_output_continues_the_conversation_from_the_cache(client
         {"type": "function_call_output", "call_id": call["call_id"], "output": "5"},
     ])  # fmt: skip
     assert whole["usage"]["input_tokens"] == follow["usage"]["input_tokens"]
+
+
+def test_output_logprobs_when_included_match_chat_and_stream(client) -> None:
+    body = {"input": "Say something.", "max_output_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}  # fmt: skip
+    resp = create(client, **body)
+    part = resp["output"][0]["content"][0]
+    assert len(part["logprobs"]) == resp["usage"]["output_tokens"] == 6
+    assert "".join(e["token"] for e in part["logprobs"]) == part["text"]
+    chat = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logprobs": True, "top_logprobs": 2}).json()  # fmt: skip
+    theirs = chat["choices"][0]["logprobs"]["content"]  # NOTE: equal up to a cached prefix's rounding
+    assert [e["token"] for e in part["logprobs"]] == [e["token"] for e in theirs]
+    assert [e["logprob"] for e in part["logprobs"]] == pytest.approx([e["logprob"] for e in theirs], abs=1e-4)
+    assert all(len(e["top_logprobs"]) == 2 for e in part["logprobs"])
+    evs = events(client, **body)
+    streamed = [e for k, d in evs if k == "response.output_text.delta" for e in d["logprobs"]]
+    done = next(d for k, d in evs if k == "response.output_text.done")
+    assert streamed == done["logprobs"]
+    assert [e["logprob"] for e in streamed] == pytest.approx(
+        [e["logprob"] for e in part["logprobs"]], abs=1e-4
+    )
+    assert "logprobs" not in create(client, input="Say something.")["output"][0]["content"][0]
+    for bad in ({"include": ["reasoning.encrypted_content"]}, {"top_logprobs": 21},
+                {"include": ["message.output_text.logprobs"], "tools": [ADD]}):  # fmt: skip
+        r = client.post("/v1/responses", json={"input": "x", **bad})
+        assert r.status_code == 400, r.text
