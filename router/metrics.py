@@ -167,16 +167,25 @@ class _WorkerCollector:
         )
 
 
-class _SyncCollector:
-    """Replica sync (router/replica_sync.py) counters, when it is on."""
+class _StatsCollector:
+    """Families from a component's ``describe()``-style stats; nothing while it is off (None)."""
 
     def __init__(self, stats: Callable[[], dict | None]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
-        if s is None:
-            return
+        if s is not None:
+            yield from self.families(s)
+
+    def families(self, s: dict) -> Iterable[Metric]:
+        raise NotImplementedError
+
+
+class _SyncCollector(_StatsCollector):
+    """Replica sync (router/replica_sync.py) counters, when it is on."""
+
+    def families(self, s: dict) -> Iterable[Metric]:
         peers = GaugeMetricFamily("radixgate_replica_sync_peers", "Other router replicas heard from")
         peers.add_metric([], len(s["peers_last_heard_s"]))
         messages = CounterMetricFamily(
@@ -189,16 +198,10 @@ class _SyncCollector:
         yield from (peers, messages, expired)
 
 
-class _DiscoveryCollector:
+class _DiscoveryCollector(_StatsCollector):
     """Kubernetes worker discovery (router/discovery.py), when it is on."""
 
-    def __init__(self, stats: Callable[[], dict | None]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Iterable[Metric]:
-        s = self._stats()
-        if s is None:
-            return
+    def families(self, s: dict) -> Iterable[Metric]:
         yield GaugeMetricFamily(
             "radixgate_discovered_workers",
             "Workers registered from the Service's endpoints",
