@@ -288,9 +288,8 @@ def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed, 
         p = [int(rng.integers(0, 3)), 1, 2, 3] + [
             int(rng.integers(0, 2)) for _ in range(int(rng.integers(1, 40)))
         ]
-        pending.append(
-            Request(str(i), p, max_tokens=int(rng.integers(1, 40)), priority=int(rng.integers(0, 3)))
-        )
+        kw = {"priority": int(rng.integers(0, 3)), "full_prefill": bool(rng.random() < 0.3)}
+        pending.append(Request(str(i), p, max_tokens=int(rng.integers(1, 40)), **kw))
     all_requests = list(pending)
     aborted: set[str] = set()
     while pending or sched.has_work():
@@ -314,6 +313,8 @@ def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed, 
         if req.rid not in aborted:
             assert req.output_ids == reference(req.prompt_ids, req.num_output)
             assert req.finish_reason == "length" and req.num_output == req.max_tokens
+        if req.full_prefill and req.cached_tokens >= 0:  # NOTE: prompt logprobs need every position
+            assert req.cached_tokens == 0
 
 
 def test_a_prefix_moved_to_host_memory_is_a_hit_and_only_the_rest_is_computed():
