@@ -24,6 +24,8 @@ def explain(router: Router, parsed: ParsedRequest, chat: bool, headers: Mapping[
         "affinity_group": group,
         "affinity_outcome": outcome,
         "prompt_tokens": route.prompt_tokens,
+        # echo + logprobs: the worker computes the whole prompt, so nothing is matched (routed by load)
+        "whole_prompt_computed": parsed.full_prefill,
         "block_size": route.block_size,
         "blocks": len(route.block_hashes),
         "block_hashes": [str(h) for h in route.block_hashes],  # strings: exact in any JSON client

@@ -309,6 +309,7 @@ def test_prompt_scoring_is_routed_by_load_with_the_whole_prompt_as_prefill(fleet
     )
     assert all(c["matched_tokens"] == 0 for c in scoring["candidates"])
     assert scoring["prompt_tokens"] == plain["prompt_tokens"]
+    assert scoring["whole_prompt_computed"] is True and plain["whole_prompt_computed"] is False
 
 
 def test_metrics_report_predicted_and_actual_hits_per_worker(fleet):
