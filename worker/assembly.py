@@ -39,9 +39,7 @@ class ModelExecutor:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             logits = self.decode_graphs.run(batch)
             self.graph_steps += 1
-        elif batch.mode == "extend" and any(
-            r.payload.params.prompt_logprobs is not None for r in batch.requests
-        ):
+        elif batch.mode == "extend" and any(r.full_prefill for r in batch.requests):  # prompt logprobs
             logits = self._forward_scoring_prompts(batch, ForwardBatch.from_step(batch, self.device))
         else:
             logits = self.model.forward(ForwardBatch.from_step(batch, self.device), self.kv_pool)

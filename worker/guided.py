@@ -146,6 +146,7 @@ class GuideCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], Guide] = OrderedDict()
+        self._special: dict[str, bool] = {}
 
     def compile(self, kind: str, grammar: str) -> Guide:
         """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""
@@ -169,13 +170,15 @@ class GuideCompiler:
         return guide
 
     def special_token(self, text: str) -> bool:
-        """Is ``text`` one special token of this tokenizer (as ``<tool_call>`` is for some models)?"""
-        backend = getattr(self.tokenizer, "_tok", None)  # an HFTokenizer's tokenizers.Tokenizer
-        token_id = None if backend is None else backend.token_to_id(text)
-        if token_id is None:
-            return False
-        added = backend.get_added_tokens_decoder()
-        return token_id in added and added[token_id].special
+        """Is ``text`` one special token of this tokenizer (as ``<tool_call>`` is for some models)?
+        Asked per request with tools: answered once (the vocabulary does not change)."""
+        known = self._special.get(text)
+        if known is None:
+            backend = getattr(self.tokenizer, "_tok", None)  # an HFTokenizer's tokenizers.Tokenizer
+            token_id = None if backend is None else backend.token_to_id(text)
+            added = {} if token_id is None else backend.get_added_tokens_decoder()
+            known = self._special[text] = token_id in added and added[token_id].special
+        return known
 
     def _tokenizer(self) -> Any:
         with self._lock:

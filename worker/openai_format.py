@@ -8,8 +8,11 @@ tokens included) and, in the chat shape, their bytes (``None`` where the vocabul
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.responses import StreamingResponse
 
 from router.tokenization import PromptTokenizer
 from worker.engine_api import RequestOutput
@@ -77,6 +80,15 @@ class Choice:
                 "length" if self.scoring_only and out.finish_reason != "error" else out.finish_reason
             )
         return out.finish_reason is not None
+
+
+def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    """A streamed answer (server-sent events), not buffered by proxies on the way."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
 
 
 def logprob_entry(names: TokenNames, entry: Logprob) -> dict:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from router.responses_input import (
     chat_tool_choice,
@@ -26,7 +26,7 @@ from router.responses_input import (
 )
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
-from worker.openai_format import logprob_entry
+from worker.openai_format import event_stream, logprob_entry
 from worker.responses_output import Events, OutputItems
 from worker.tool_calls import ToolOutput
 
@@ -149,14 +149,10 @@ class ResponsesAPI:
         reader = (
             ToolOutput(tools, api.tool_call_parser) if tools is not None and tools.choice != "none" else None
         )
-        turn = _Turn(self, body, new_response_id(self.tag), len(ids), conversation, store, reader)
-        turn.items.logprobs = logprobs is not None
+        rid = new_response_id(self.tag)
+        turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None)
         if body.get("stream"):
-            return StreamingResponse(
-                self._stream(request, outputs, live, first, turn),
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-            )
+            return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
         try:
             while out is not None:
@@ -229,7 +225,7 @@ class _Turn:
 
     def __init__(
         self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool,
-        reader: ToolOutput | None = None,
+        reader: ToolOutput | None = None, logprobs: bool = False,
     ) -> None:  # fmt: skip
         self.endpoint, self.body, self.rid, self.store = endpoint, body, rid, store
         self.created = int(time.time())
@@ -239,7 +235,7 @@ class _Turn:
         self.output_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.events = Events()
-        self.items = OutputItems(self.events)
+        self.items = OutputItems(self.events, logprobs)
         self._logprobs: list[dict] = []  # entries of tokens whose text is not out yet
 
     def add(self, out: RequestOutput) -> list[bytes]:

@@ -16,7 +16,7 @@ import orjson
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api_keys import APIKeys
@@ -37,7 +37,7 @@ from worker.api_params import (
 )
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
-from worker.openai_format import Choice, Responses, TokenNames
+from worker.openai_format import Choice, Responses, TokenNames, event_stream
 from worker.ops_api import OpsAPI
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
@@ -136,12 +136,8 @@ class WorkerAPI:
             rid, self.name, chat, self.token_names, params.logprobs is not None, self.engine.simulated
         )
         if body.get("stream"):
-            return StreamingResponse(
-                self._stream(
-                    request, outputs, live, first, choices, resp, prompt_tokens, include_usage(body)
-                ),
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            return event_stream(
+                self._stream(request, outputs, live, first, choices, resp, prompt_tokens, include_usage(body))
             )
         out: RequestOutput | None = first
         try:

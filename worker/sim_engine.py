@@ -32,6 +32,7 @@ from worker.request import ScheduledBatch
 
 DEFAULT_SIM_KV_TOKENS = 400_000  # estimate for Llama-3-8B on an 80 GB H100, see the docstring
 _PRINTABLE = np.arange(32, 127)  # byte tokens the simulated model emits (printable ASCII)
+_BYTE_VOCAB = ByteTokenizer().vocab_size  # its vocabulary (bytes + specials), for grammar masks
 
 
 class SimExecutor:
@@ -84,7 +85,7 @@ class SimExecutor:
                 if st.params.guide is None:
                     out.append(int(_PRINTABLE[h % _PRINTABLE.size]))
                 else:  # structured outputs: the hash picks among the tokens the grammar allows
-                    allowed = allowed_mask([matcher_of(st)], ByteTokenizer().vocab_size)[0]
+                    allowed = allowed_mask([matcher_of(st)], _BYTE_VOCAB)[0]
                     choices = allowed.nonzero().flatten()
                     out.append(int(choices[h % choices.numel()]))
                     advance([st], out[-1:])
