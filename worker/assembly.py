@@ -73,6 +73,38 @@ class ModelExecutor:
                 states[j].step_logprobs = lp
         return ids
 
+    def verify(self, batch: ScheduledBatch) -> list[list[int]]:
+        """A verify step (speculative decoding): logits for every new token, then each request's
+        accepted tokens (worker.sampling.accept_draft) and their logprobs when it asks."""
+        import torch
+
+        from worker.forward_batch import ForwardBatch
+        from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
+
+        assert batch.drafts is not None
+        fb = ForwardBatch.from_step(batch, self.device)
+        fb.return_all_logits = True
+        logits = self.model.forward(fb, self.kv_pool)
+        qo = batch.qo_indptr.tolist()
+        greedy = any(r.payload.params.greedy for r in batch.requests)
+        best = logits.argmax(dim=-1).tolist() if greedy else []  # NOTE: one transfer for all of them
+        out: list[list[int]] = []
+        for i, req in enumerate(batch.requests):
+            st: RequestState = req.payload
+            if st.generator is None and st.params.seed is not None:
+                st.generator = make_generator(st.params, logits.device)
+            rows = logits[qo[i] : qo[i + 1]]
+            if st.params.greedy:
+                tokens = accept_greedy(best[qo[i] : qo[i + 1]], batch.drafts[i])
+            else:
+                tokens = accept_draft(rows, batch.drafts[i], st.params, st.generator)
+            if st.params.logprobs is not None:
+                index = torch.tensor(tokens, device=logits.device)
+                top = [st.params.logprobs] * len(tokens)
+                st.verify_logprobs = token_logprobs(rows[: len(tokens)], index, top)
+            out.append(tokens)
+        return out
+
     def _forward_scoring_prompts(self, batch: ScheduledBatch, fb: Any) -> Any:
         """An extend step where some requests want their prompt's logprobs: logits for every new
         token of those, the last of the others; the prompt numbers go to each request's state and
@@ -225,6 +257,10 @@ def assemble_engine(
         max_wait_s=cfg.max_wait_s,
         max_waiting=cfg.max_waiting,
         decode_reserve_tokens=cfg.decode_reserve_tokens,
+        speculative_tokens=cfg.speculative_tokens,
+        speculative_max_ngram=cfg.speculative_ngram_max,
+        speculative_min_ngram=cfg.speculative_ngram_min,
+        speculative_max_batch=cfg.speculative_max_batch,
     )
     # NOTE: the cost model compiles nothing, so a simulated worker serves at once
     warmup = 0 if simulated else cfg.warmup_tokens

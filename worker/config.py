@@ -43,6 +43,11 @@ class WorkerConfig:
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
+    # speculative decoding by prompt lookup (worker/speculative.py): draft tokens per step; 0 = off
+    speculative_tokens: int = 0
+    speculative_ngram_max: int = 4  # longest suffix looked up in the request's own tokens
+    speculative_ngram_min: int = 2  # shortest
+    speculative_max_batch: int = 32  # decode steps with more running requests do not speculate
     # --engine sim only (see worker/sim_engine.py for the defaults' sources)
     sim_prefill_ms_per_token: float = 0.07
     sim_decode_base_ms: float = 7.0
@@ -78,6 +83,16 @@ class WorkerConfig:
             raise ValueError("--warmup-tokens must be >= 0")
         if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
             raise ValueError("--max-wait-s and --decode-reserve-tokens must be >= 0")
+        if self.speculative_tokens < 0:
+            raise ValueError("--speculative-tokens must be >= 0")
+        if self.speculative_tokens and self.engine == "sim":
+            raise ValueError(
+                "--speculative-tokens needs --engine model (the sim has no logits to check drafts)"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("--speculative-ngram-min and -max need 1 <= min <= max")
+        if self.speculative_max_batch < 1:
+            raise ValueError("--speculative-max-batch must be positive")
 
     def resolved_advertise_url(self) -> str:
         if self.advertise_url:
@@ -150,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt tokens of a throw-away request run before /health reports ready "
         "(compiles kernels before the first client's request; 0 = none)",
     )
+    opt(
+        "--speculative-tokens",
+        int,
+        "speculative decoding by prompt lookup: up to N draft tokens per request per decode step, taken "
+        "from where the request's last tokens occurred earlier in its prompt or output (0 = off)",
+    )
+    opt("--speculative-ngram-max", int, "longest suffix of a request's tokens looked up for drafts")
+    opt("--speculative-ngram-min", int, "shortest suffix looked up for drafts")
+    opt("--speculative-max-batch", int, "decode steps with more running requests than this do not speculate")
     opt("--sim-prefill-ms-per-token", float, "sim: prefill cost per uncached token (ms)")
     opt("--sim-decode-base-ms", float, "sim: decode step cost at batch size 1 (ms)")
     opt("--sim-decode-ms-per-seq", float, "sim: extra decode step cost per running request (ms)")

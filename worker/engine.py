@@ -34,6 +34,7 @@ from worker.guided import GuideCompiler
 from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
+from worker.penalties import adjusts
 from worker.radix_cache import RadixCache
 from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
 from worker.sampling import SamplingParams
@@ -141,7 +142,8 @@ class Engine:
         handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
                       prompt_group=prompt_group, priority=params.priority,
-                      full_prefill=params.prompt_logprobs is not None)  # fmt: skip
+                      full_prefill=params.prompt_logprobs is not None,
+                      speculative=params.guide is None and not adjusts(params))  # fmt: skip
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),
@@ -244,7 +246,10 @@ class Engine:
 
     def _step(self, batch: ScheduledBatch) -> None:
         try:
-            sampled = self.executor.run(batch)
+            if batch.mode == "verify":
+                accepted = self.executor.verify(batch)  # type: ignore[attr-defined]
+            else:
+                sampled = self.executor.run(batch)
         except Exception as exc:
             log.exception("forward failed for %d requests", len(batch.requests))
             for req in self.scheduler.fail(batch):
@@ -254,6 +259,11 @@ class Engine:
                                               error_status=500))  # fmt: skip
             return
         now = time.monotonic()
+        if batch.mode == "verify":
+            sizes = [len(r.token_ids) for r in batch.requests]
+            for req, size in zip(self.scheduler.commit(batch, accepted), sizes, strict=True):
+                self._on_tokens(req, now, size)
+            return
         for req in self.scheduler.commit(batch, _per_request(batch, sampled)):
             self._on_token(req, now)
 
@@ -288,7 +298,22 @@ class Engine:
         log.info("warm-up: %d prompt + %d output tokens in %.2f s", n, req.num_output,
                  time.monotonic() - started)  # fmt: skip
 
-    def _on_token(self, req: Request, now: float) -> None:
+    def _on_tokens(self, req: Request, now: float, size: int) -> None:
+        """A verify step's tokens (those past ``size``), one at a time as decode steps give them;
+        a stop string ends the request at its token and drops the tokens after it."""
+        st: RequestState = req.payload
+        tokens, final = req.token_ids[size:], req.finish_reason
+        logprobs, st.verify_logprobs = st.verify_logprobs, None
+        for j in range(len(tokens)):
+            last = j == len(tokens) - 1
+            req.finish_reason = final if last else None
+            st.step_logprobs = None if logprobs is None else logprobs[j]
+            if self._on_token(req, now, tokens[j], keep_tokens=None if last else size + j + 1):
+                return
+
+    def _on_token(self, req: Request, now: float, token: int | None = None,
+                  keep_tokens: int | None = None) -> bool:  # fmt: skip
+        """Deliver ``token`` (default: the request's last); True when the request finished."""
         st: RequestState = req.payload
         first = st.first_token_at is None
         if first:
@@ -297,7 +322,7 @@ class Engine:
         else:
             self.metrics.itl.observe(now - st.last_token_at)
         st.last_token_at = now
-        token = req.token_ids[-1]
+        token = req.token_ids[-1] if token is None else token
         finish = req.finish_reason
         logprobs, st.step_logprobs = st.step_logprobs, None
         if finish == "stop" and token in req.stop_token_ids:  # EOS / stop ids are neither text
@@ -316,7 +341,7 @@ class Engine:
             text, st.pending = st.pending[:keep], st.pending[keep:]
         if finish is not None:
             req.finish_reason = finish
-            self.scheduler.finish(req, finish)
+            self.scheduler.finish(req, finish, keep_tokens)
             self._requests.pop(req.rid, None)
             self._finished[finish] += 1
             self.metrics.e2e.observe(now - st.arrival)
@@ -324,6 +349,9 @@ class Engine:
         if first and st.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + [st.prompt_logprobs.get(p) for p in range(1, req.prompt_len)]
         self._emit(req, out)
+        if keep_tokens is not None and finish is None:  # NOTE: later tokens of its step are not out yet
+            out.completion_tokens = keep_tokens - req.prompt_len
+        return finish is not None
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         out.prompt_tokens = req.prompt_len
@@ -370,6 +398,9 @@ class Engine:
             host_offloaded_pages=cache.offloaded_pages,
             host_loaded_pages=cache.loaded_pages,
             host_dropped_pages=cache.host_dropped_pages,
+            verify_steps=s.verify_steps,
+            draft_tokens=s.draft_tokens,
+            accepted_tokens=s.accepted_tokens,
             finished=dict(self._finished),
         )
         self.metrics.record(self._snap)

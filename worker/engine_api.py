@@ -48,7 +48,9 @@ class RequestHandle:
 
 
 class Executor(Protocol):
-    """Computes one scheduled step: returns one sampled token per request with ``batch.sample``."""
+    """Computes one scheduled step: returns one sampled token per request with ``batch.sample``.
+    Executors that can check drafts (speculative decoding) also have ``verify(batch)``: a verify
+    step's accepted tokens per request."""
 
     def run(self, batch: ScheduledBatch) -> list[int]: ...
 
@@ -68,5 +70,6 @@ class RequestState:
     last_token_at: float = 0.0
     generator: Any = None  # per-request RNG, created by the executor for seeded requests
     step_logprobs: TokenLogprobs | None = None  # set by the executor with the token it samples
+    verify_logprobs: list[TokenLogprobs] | None = None  # a verify step's: one per accepted token
     memo: dict = field(default_factory=dict)  # the executor's per-request cache (penalties)
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # prompt position -> numbers

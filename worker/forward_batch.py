@@ -59,9 +59,10 @@ class ForwardBatch:
 
     @staticmethod
     def from_step(step: Any, device: torch.device | str) -> ForwardBatch:
-        """From a scheduled step's numpy arrays (worker.request.ScheduledBatch), on ``device``."""
+        """From a scheduled step's numpy arrays (worker.request.ScheduledBatch), on ``device``. A
+        verify step is an extend to the model."""
         return ForwardBatch(
-            mode=step.mode,
+            mode="decode" if step.mode == "decode" else "extend",
             input_ids=torch.from_numpy(step.input_ids),
             positions=torch.from_numpy(step.positions),
             out_slots=torch.from_numpy(step.out_slots),

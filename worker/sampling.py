@@ -190,3 +190,43 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int
     values, ids = logp.topk(k, dim=-1)
     values, ids = values.tolist(), ids.tolist()
     return [(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, values, top, strict=True)]
+
+
+def accept_draft(
+    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: torch.Generator | None
+) -> list[int]:
+    """Speculative decoding's check of one request's draft tokens: ``logits`` [k + 1, V] are the
+    model's rows for its last token and its k drafts. Returns the drafts it keeps (a leading run)
+    then one token of its own, so 1 to k + 1 tokens, distributed exactly as sampling them one at a
+    time would be. Greedy: drafts are kept while each is the argmax, then the argmax. Sampled (the
+    draft is one fixed token, so the rule of Leviathan et al. reduces to this): draft d at row j is
+    kept with probability p_j(d); the first one rejected is replaced by a draw from p_j without d;
+    when all are kept, the last row adds a draw from p_k. p_j is the row's distribution after
+    temperature, top-k and top-p, as in ``sample``."""
+    k = len(draft)
+    if logits.dim() != 2 or logits.shape[0] != k + 1:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {k} draft tokens")
+    if params.greedy:
+        return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
+    scores = logits.float() / params.temperature
+    scores = _mask_top_k_top_p(scores, [params.top_k] * (k + 1), [params.top_p] * (k + 1))
+    probs = scores.softmax(dim=-1)
+    drafted = torch.tensor(list(draft), device=logits.device, dtype=torch.long)
+    p_draft = probs[torch.arange(k, device=logits.device), drafted]
+    u = torch.rand(k, device=logits.device, generator=generator)
+    rejected = (u >= p_draft).tolist()
+    kept = rejected.index(True) if True in rejected else k
+    row = probs[kept]
+    if kept < k:
+        row = row.clone()
+        row[draft[kept]] = 0.0  # NOTE: p - 1{d} clipped at 0 is p without d; the race renormalises
+    noise = torch.empty_like(row).exponential_(generator=generator)
+    return [*draft[:kept], int((row / noise).argmax())]
+
+
+def accept_greedy(best: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """``accept_draft`` for a greedy request from its rows' argmax ids (k + 1 of them)."""
+    kept = 0
+    while kept < len(draft) and best[kept] == draft[kept]:
+        kept += 1
+    return [*draft[:kept], int(best[kept])]

@@ -17,6 +17,7 @@ import numpy as np
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
 from worker.request import NO_PAGES, QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
+from worker.speculative import NgramProposer
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -37,6 +38,15 @@ class Scheduler:
         self.running: list[Request] = []  # decoding, in admission order (oldest first)
         self.stats = SchedulerStats()
         self._last_mode: str | None = None
+        self.proposer: NgramProposer | None = None  # speculative decoding's draft source
+        if config.speculative_tokens > 0:
+            c = config
+            self.proposer = NgramProposer(
+                c.speculative_tokens,
+                c.speculative_max_ngram,
+                c.speculative_min_ngram,
+                c.speculative_max_batch,
+            )
 
     # ------------------------------------------------------------------ queue
     @property
@@ -94,8 +104,13 @@ class Scheduler:
         self._remove_active(req)
         self._release(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a running request (e.g. a stop string the engine found): cache and release its pages."""
+    def finish(self, req: Request, reason: str, keep_tokens: int | None = None) -> None:
+        """End a running request (e.g. a stop string the engine found): cache and release its pages.
+        ``keep_tokens``: its tokens past that many are dropped first (a verify step's tokens after
+        the one that finished it)."""
+        if keep_tokens is not None and keep_tokens < len(req.token_ids):
+            del req.token_ids[keep_tokens:]
+            req.kv_len = min(req.kv_len, keep_tokens)
         self.abort(req, reason)
 
     def _remove_active(self, req: Request) -> None:
@@ -140,10 +155,13 @@ class Scheduler:
         self._last_mode = None if batch is None else "extend"
         return batch
 
-    def commit(self, batch: ScheduledBatch, next_tokens: Sequence[int]) -> list[Request]:
+    def commit(self, batch: ScheduledBatch, next_tokens: Sequence[Any]) -> list[Request]:
         """Record a finished step: K/V now cover ``ends``; sampled tokens are appended. Returns the
         requests that got a token; ``finish_reason`` is set on those that hit EOS or max_tokens
-        (the caller passes them to ``finish`` after its own checks, e.g. stop strings)."""
+        (the caller passes them to ``finish`` after its own checks, e.g. stop strings). A verify
+        step's ``next_tokens`` holds each request's accepted tokens, a list."""
+        if batch.mode == "verify":
+            return self._commit_verify(batch, next_tokens)
         out: list[Request] = []
         for i, req in enumerate(batch.requests):
             req.kv_len = batch.ends[i]
@@ -165,6 +183,26 @@ class Scheduler:
                 req.finish_reason = "length"
             out.append(req)
         return out
+
+    def _commit_verify(self, batch: ScheduledBatch, accepted: Sequence[list[int]]) -> list[Request]:
+        """Append each request's accepted tokens up to the first that finishes it; its K/V now
+        cover its last token and the drafts it kept (the rest of the step's K/V is left unused)."""
+        assert batch.drafts is not None
+        self.stats.verify_steps += 1
+        for req, draft, tokens in zip(batch.requests, batch.drafts, accepted, strict=True):
+            self.stats.draft_tokens += len(draft)
+            self.stats.accepted_tokens += len(tokens) - 1
+            for token in tokens:
+                req.token_ids.append(int(token))
+                self.stats.decode_tokens += 1
+                if token in req.stop_token_ids:
+                    req.finish_reason = "stop"
+                elif req.num_output >= req.max_tokens:
+                    req.finish_reason = "length"
+                if req.finish_reason is not None:
+                    break
+            req.kv_len = len(req.token_ids) - 1
+        return list(batch.requests)
 
     def fail(self, batch: ScheduledBatch, reason: str = "error") -> list[Request]:
         """The step's forward failed: end its requests and release their pages (nothing from this
@@ -382,11 +420,30 @@ class Scheduler:
         for req in self.running:
             self._grow(req, req.kv_len + 1)
             items.append((req, req.kv_len, req.kv_len + 1))
+        drafts = self._drafts()
+        if drafts is not None:
+            for i, (req, start, _) in enumerate(items):
+                self._grow(req, start + 1 + len(drafts[i]))
+                items[i] = (req, start, start + 1 + len(drafts[i]))
+            return self._build("verify", items, [True] * len(items), prefix_only=True, drafts=drafts)
         return self._build("decode", items, [True] * len(items), prefix_only=False)
 
+    def _drafts(self) -> list[list[int]] | None:
+        """Each running request's draft tokens for a verify step, or None for a plain decode step:
+        no proposer, too many requests, nothing proposed, or not enough free pages for the drafts
+        (a draft never evicts cached pages or preempts a request)."""
+        if self.proposer is None or len(self.running) > self.proposer.max_batch:
+            return None
+        drafts = [self.proposer.propose(r) for r in self.running]
+        if not any(drafts):
+            return None
+        grow = zip(self.running, drafts, strict=True)
+        need = sum(_pages_for(r.kv_len + 1 + len(d), self.ps) - r.pages.size for r, d in grow)
+        return drafts if need <= self.allocator.num_free else None
+
     def _build(
-        self, mode: Literal["extend", "decode"], items: list[tuple[Request, int, int]], sample: list[bool],
-        prefix_only: bool,
+        self, mode: Literal["extend", "decode", "verify"], items: list[tuple[Request, int, int]],
+        sample: list[bool], prefix_only: bool, drafts: list[list[int]] | None = None,
     ) -> ScheduledBatch:  # fmt: skip
         reqs = [r for r, _, _ in items]
         starts = [st for _, st, _ in items]
@@ -399,7 +456,13 @@ class Scheduler:
             out_slots = np.fromiter((r.slots[st] for r, st, _ in items), np.int64, len(items))
             qo = np.arange(len(items) + 1, dtype=np.int32)
         else:
-            input_ids = np.concatenate([np.asarray(r.token_ids[st:e], dtype=np.int64) for r, st, e in items])
+            if drafts is None:
+                input_ids = np.concatenate(
+                    [np.asarray(r.token_ids[st:e], dtype=np.int64) for r, st, e in items]
+                )
+            else:  # verify: each request's last token, then its drafts
+                ids = [t for (r, st, _), d in zip(items, drafts, strict=True) for t in (r.token_ids[st], *d)]
+                input_ids = np.asarray(ids, dtype=np.int64)
             positions = np.concatenate([np.arange(st, e, dtype=np.int64) for _, st, e in items])
             out_slots = np.concatenate([r.slots[st:e] for r, st, e in items])
             qo = np.zeros(len(items) + 1, dtype=np.int32)
@@ -418,6 +481,7 @@ class Scheduler:
             qo_indptr=qo,
             kv_indptr=kvp,
             kv_indices=np.concatenate(kv),
+            drafts=drafts,
         )
 
     # ------------------------------------------------------------------ checks

@@ -10,6 +10,7 @@ from tests.worker.test_host_cache import ToyKV
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
 from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig
+from worker.sampling import accept_greedy
 from worker.scheduler import Scheduler
 
 PS = 4
@@ -19,40 +20,47 @@ class ToyModel:
     """Stores each token id in its KV slot; the next token is a hash of the context read back
     through ``kv_indices``. A wrong slot, stale page or shared-page mix-up changes the output."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, vocab: int = 200) -> None:
         self.kv = np.full(num_pages * PS, -1, dtype=np.int64)
+        self.vocab = vocab
 
     @staticmethod
-    def next_token(context: list[int]) -> int:
+    def next_token(context: list[int], vocab: int = 200) -> int:
         h = 7
         for i, t in enumerate(context):
             h = (h * 31 + t * (i + 1)) % 1_000_003
-        return h % 200
+        return h % vocab
 
-    def forward(self, batch: ScheduledBatch) -> list[int]:
+    def forward(self, batch: ScheduledBatch) -> list:
+        """Extend / decode: the next token per request. Verify: the drafts the toy agrees with
+        plus its own next token (greedy acceptance), per request."""
         self.kv[batch.out_slots] = batch.input_ids  # K/V written for the new tokens
         out = []
         for i in range(len(batch.requests)):
             kv = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]]
             new = batch.input_ids[batch.qo_indptr[i] : batch.qo_indptr[i + 1]]
             context = self.kv[kv].tolist()
+            assert -1 not in context, "read a slot that was never written"
+            if batch.mode == "verify":
+                best = [self.next_token(context + new[: j + 1].tolist(), self.vocab) for j in range(new.size)]
+                out.append(accept_greedy(best, batch.drafts[i]))
+                continue
             if batch.mode == "extend":
                 context += new.tolist()
-            assert -1 not in context, "read a slot that was never written"
-            out.append(self.next_token(context))
+            out.append(self.next_token(context, self.vocab))
         return out
 
 
-def reference(prompt: list[int], n: int) -> list[int]:
+def reference(prompt: list[int], n: int, vocab: int = 200) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
-        tokens.append(ToyModel.next_token(tokens))
+        tokens.append(ToyModel.next_token(tokens, vocab))
     return tokens[len(prompt) :]
 
 
-def make(num_pages: int = 64, host_pages: int = 0, **cfg) -> tuple[Scheduler, ToyModel]:
+def make(num_pages: int = 64, host_pages: int = 0, vocab: int = 200, **cfg) -> tuple[Scheduler, ToyModel]:
     alloc = PageAllocator(num_pages)
-    model = ToyModel(num_pages)
+    model = ToyModel(num_pages, vocab)
     host = ToyKV(host_pages, model.kv) if host_pages else None  # copies the toy KV, poisons what it leaves
     cache = RadixCache(alloc, PS, namespace="toy", host=host)
     return Scheduler(SchedulerConfig(page_size=PS, **cfg), alloc, cache), model

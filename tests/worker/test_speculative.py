@@ -1,0 +1,274 @@
+"""Speculative decoding by prompt lookup: drafts come from the most recent earlier occurrence of a
+request's last tokens; a verify step keeps exactly the drafts one-at-a-time decoding would have
+produced (greedy: the same tokens; sampled: the same distribution); the scheduler's pages and KV
+stay right when drafts are rejected or a request ends inside a step; a real worker answers the
+same with and without it (text, logprobs, stop strings, streams) and counts drafts in /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from worker.assembly import build_engine
+from worker.config import WorkerConfig
+from worker.request import Request
+from worker.sampling import SamplingParams, accept_draft, accept_greedy
+from worker.speculative import NgramProposer
+
+from .test_scheduler import assert_no_leak, make, reference
+from .test_server import LiveServer
+
+
+def decoding(tokens: list[int], prompt_len: int | None = None, max_tokens: int = 100) -> Request:
+    n = len(tokens) if prompt_len is None else prompt_len
+    req = Request("r", tokens[:n], max_tokens=max_tokens, speculative=True)
+    req.token_ids.extend(tokens[n:])
+    return req
+
+
+# ------------------------------------------------------------------ proposer
+def test_drafts_follow_the_most_recent_occurrence_of_the_longest_suffix():
+    p = NgramProposer(num_tokens=3, max_ngram=3, min_ngram=1)
+    #              0  1  2  3  4  5  6  7  8  9 10 11
+    req = decoding([5, 6, 7, 1, 2, 9, 6, 7, 3, 4, 0, 6, 7])
+    # suffix [0, 6, 7] never occurred; [6, 7] at 1 and 6: the later one continues 3, 4, 0
+    assert p.propose(req) == [3, 4, 0]
+    req = decoding([1, 2, 3, 8, 2, 3, 9, 1, 2, 3])
+    assert p.propose(req) == [8, 2, 3]  # [1, 2, 3] matched at 0 beats the later [2, 3] at 4
+
+
+def test_no_draft_without_a_match_or_room_or_permission():
+    p = NgramProposer(num_tokens=4, max_ngram=3, min_ngram=2)
+    assert p.propose(decoding([1, 2, 3, 4, 5])) == []  # no repeated pair
+    two_out = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert p.propose(decoding(two_out, prompt_len=6, max_tokens=4)) == [3]  # 2 left: 1 draft + its own
+    assert p.propose(decoding(two_out, prompt_len=6, max_tokens=3)) == []  # 1 left: its own token only
+    req = decoding([1, 2, 3, 1, 2])
+    req.speculative = False  # penalties or a grammar: never speculates
+    assert p.propose(req) == []
+    short = decoding([1, 2, 5, 1, 2])
+    assert p.propose(short) == [5, 1, 2]  # the continuation runs into the suffix itself
+
+
+def test_the_lookup_sees_tokens_appended_after_the_last_proposal():
+    p = NgramProposer(num_tokens=2, max_ngram=2, min_ngram=2)
+    req = decoding([1, 2, 3, 4], prompt_len=2)
+    assert p.propose(req) == []
+    req.token_ids.extend([9, 3, 4])  # now [3, 4] occurred at 2, followed by 9, 3
+    assert p.propose(req) == [9, 3]
+    req.token_ids.extend([8, 7])
+    assert p.propose(req) == []  # [8, 7] is new
+
+
+@pytest.mark.parametrize("bad", [{"num_tokens": 0}, {"num_tokens": 2, "min_ngram": 0},
+                                 {"num_tokens": 2, "min_ngram": 3, "max_ngram": 2},
+                                 {"num_tokens": 2, "max_batch": 0}])  # fmt: skip
+def test_bad_proposer_settings_are_errors(bad):
+    with pytest.raises(ValueError):
+        NgramProposer(**bad)
+
+
+# ------------------------------------------------------------------ acceptance
+def test_greedy_acceptance_keeps_the_agreed_run_then_the_models_token():
+    assert accept_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all kept + bonus
+    assert accept_greedy([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # second rejected: the model's own
+    assert accept_greedy([1, 5, 6, 7], [4, 5, 6]) == [1]
+    logits = torch.full((3, 10), -5.0)
+    logits[0, 3], logits[1, 8], logits[2, 2] = 1.0, 1.0, 1.0
+    assert accept_draft(logits, [3, 4], SamplingParams(temperature=0), None) == [3, 8]
+
+
+def _tv(counts: np.ndarray, p: torch.Tensor) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p.numpy()).sum())
+
+
+@pytest.mark.parametrize("top_k", [-1, 3])
+def test_sampled_acceptance_gives_each_position_the_models_distribution(top_k):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=gen) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=top_k)
+    scores = logits / 0.8
+    if top_k > 0:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    p = scores.softmax(dim=-1)
+    draft = [int(p[0].argmax()), int(p[1].argmin() if top_k < 0 else p[1].argmax())]
+    first = np.zeros(6)
+    second = np.zeros(6)  # the next position's token, when the first draft was kept
+    lengths = set()
+    for _ in range(20_000):
+        out = accept_draft(logits, draft, params, gen)
+        lengths.add(len(out))
+        first[out[0]] += 1
+        if out[0] == draft[0]:
+            second[out[1]] += 1
+    assert _tv(first, p[0]) < 0.02
+    assert _tv(second, p[1]) < 0.03
+    assert lengths == {1, 2, 3}  # rejected at once, at the second draft, and all kept + bonus
+    if top_k > 0:
+        assert not (first[p[0] == 0]).any() and not (second[p[1] == 0]).any()
+
+
+def test_acceptance_checks_its_input_shape():
+    with pytest.raises(ValueError):
+        accept_draft(torch.zeros(2, 5), [1, 2], SamplingParams(), None)
+
+
+# ------------------------------------------------------------------ scheduler
+@pytest.mark.parametrize("seed", range(6))
+def test_verify_steps_under_pressure_keep_outputs_pages_and_kv_right(seed):
+    """A 3-token vocabulary, so drafts are often right and often not. The toy model reads every
+    context token back through its KV slots: a rejected draft's K/V taken for valid, a wrong slot
+    or a page lost shows up as a wrong token or an unwritten slot."""
+    rng = np.random.default_rng(seed)
+    sched, model = make(
+        num_pages=24, vocab=3, speculative_tokens=int(rng.integers(1, 6)), speculative_min_ngram=1,
+        speculative_max_batch=int(rng.integers(1, 5)), max_running=int(rng.integers(1, 6)),
+        decode_reserve_tokens=int(rng.integers(0, 8)), chunked_prefill_tokens=int(rng.choice([4, 64])),
+    )  # fmt: skip
+    pending = []
+    for i in range(10):
+        tokens = rng.integers(0, 3, int(rng.integers(2, 30))).tolist()
+        max_tokens, speculative = int(rng.integers(1, 40)), bool(rng.random() < 0.8)
+        pending.append(Request(str(i), tokens, max_tokens=max_tokens, speculative=speculative))
+    everyone = list(pending)
+    cut: dict[str, int] = {}  # requests ended inside a verify step (as a stop string does)
+    verify_steps = 0
+    while pending or sched.has_work():
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop())
+        batch = sched.schedule()
+        if batch is None:
+            continue
+        verify_steps += batch.mode == "verify"
+        sizes = {r.rid: len(r.token_ids) for r in batch.requests}
+        for req in sched.commit(batch, model.forward(batch)):
+            size = sizes[req.rid]
+            if req.finish_reason is None and len(req.token_ids) - size >= 2 and rng.random() < 0.2:
+                cut[req.rid] = size + 1 - req.prompt_len
+                sched.finish(req, "stop", keep_tokens=size + 1)
+            elif req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+        free, tree, owned = sched.pages_accounted()
+        assert free + tree + owned == 24
+    assert_no_leak(sched)
+    assert verify_steps > 0 and sched.stats.accepted_tokens > 0
+    assert sched.stats.accepted_tokens < sched.stats.draft_tokens  # some drafts were rejected
+    for req in everyone:
+        assert req.output_ids == reference(req.prompt_ids, req.num_output, vocab=3)
+        assert req.num_output == cut.get(req.rid, req.max_tokens)
+
+
+def test_no_verify_step_above_the_batch_bound_or_without_drafts():
+    sched, model = make(speculative_tokens=3, speculative_max_batch=1, speculative_min_ngram=1, vocab=3)
+    sched.add(Request("a", [1, 2, 0, 1, 2, 0, 1, 2], max_tokens=4, speculative=True))
+    sched.add(Request("b", [1, 2, 0, 1, 2, 0, 1, 2], max_tokens=30, speculative=True))
+    modes = []
+    while sched.has_work():
+        batch = sched.schedule()
+        modes.append((batch.mode, len(batch.requests)))
+        for req in sched.commit(batch, model.forward(batch)):
+            if req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+    assert ("verify", 2) not in modes and ("decode", 2) in modes  # two running: plain decode
+    assert ("verify", 1) in modes  # one left: it speculates
+
+
+# ------------------------------------------------------------------ real worker
+PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
+
+
+@pytest.fixture(scope="module")
+def workers():
+    def serve(**extra) -> LiveServer:
+        cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=8192, warmup_tokens=0, **extra)
+        return LiveServer(build_engine(cfg))
+
+    with serve() as plain, serve(speculative_tokens=4) as spec:
+        yield plain, spec
+
+
+def complete(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def spec_counts(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("radixgate_worker_spec_")
+    }
+
+
+def test_greedy_answers_and_logprobs_are_the_same_with_drafts(workers):
+    plain, spec = workers
+    before = spec_counts(spec.url)
+    for body in ({"max_tokens": 80, "logprobs": 2}, {"max_tokens": 33, "n": 2}, {"max_tokens": 7}):
+        a, b = complete(plain.url, **body), complete(spec.url, **body)
+        assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+        assert a["usage"] == b["usage"]
+        if "logprobs" in body:
+            la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+            assert la["tokens"] == lb["tokens"]
+            assert la["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-4)
+    after = spec_counts(spec.url)
+    assert (
+        after["radixgate_worker_spec_verify_steps_total"] > before["radixgate_worker_spec_verify_steps_total"]
+    )
+    assert (
+        after["radixgate_worker_spec_accepted_tokens_total"]
+        > before["radixgate_worker_spec_accepted_tokens_total"]
+    )
+    assert spec_counts(plain.url)["radixgate_worker_spec_draft_tokens_total"] == 0
+
+
+def test_stop_strings_and_ids_end_at_the_same_token_with_drafts(workers):
+    """Stops at many places, so some end a request inside a verify step (its later tokens dropped):
+    a stop string completes on a kept draft only when it is longer than the matched n-gram and
+    starts before the copied run, hence the longer ones."""
+    plain, spec = workers
+    text = complete(plain.url, max_tokens=80)["choices"][0]["text"]
+    bodies = [{"max_tokens": 80, "stop": [text[i : i + n]]} for i in range(10, 70, 3) for n in (2, 7)]
+    bodies += [{"max_tokens": 80, "stop_token_ids": [ord(text[i])]} for i in range(10, 70, 6)]
+    for body in bodies:
+        a, b = complete(plain.url, **body), complete(spec.url, **body)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"], body
+        assert a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"] == "stop"
+        assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"] < 80
+
+
+def test_a_stream_with_drafts_equals_the_whole_answer(workers):
+    _, spec = workers
+    whole = complete(spec.url, max_tokens=60)["choices"][0]["text"]
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 60, "stream": True}
+    parts = []
+    with httpx.stream("POST", spec.url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                parts.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(parts) == whole and len(parts) > 1
+
+
+def test_seeded_sampling_with_drafts_repeats_and_penalties_do_not_speculate(workers):
+    _, spec = workers
+    body = {"max_tokens": 60, "temperature": 0.7, "seed": 11}
+    assert (
+        complete(spec.url, **body)["choices"][0]["text"] == complete(spec.url, **body)["choices"][0]["text"]
+    )
+    before = spec_counts(spec.url)
+    complete(spec.url, max_tokens=60, frequency_penalty=0.5)
+    assert spec_counts(spec.url) == before
+
+
+def test_speculation_needs_the_model_engine_and_sane_flags():
+    for bad in ({"engine": "sim", "speculative_tokens": 2}, {"speculative_tokens": -1},
+                {"speculative_ngram_min": 3, "speculative_ngram_max": 2}, {"speculative_max_batch": 0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            WorkerConfig(**bad).validate()

@@ -1,0 +1,80 @@
+"""Speculative decoding by prompt lookup: draft tokens for a decoding request from its own text.
+
+A request whose last n tokens (n from ``max_ngram`` down to ``min_ngram``) occurred earlier in its
+prompt or output proposes the tokens that followed the most recent such occurrence: an answer that
+quotes its context (code edits, extraction, RAG citations, a tool result repeated) continues the
+way the context did. The scheduler turns the drafts into a verify step (each request's last token
+plus its drafts as new tokens over its cached KV, one forward), and worker.sampling.accept_draft
+keeps the longest run of drafts the model agrees with plus one token of its own. Output is what
+decoding one token at a time gives: the same tokens for greedy requests, the same distribution for
+sampled ones; a step just yields more than one token when drafts are right.
+
+Pure numpy; the scheduler calls ``propose`` once per decoding request per step, so the lookup is a
+vectorised scan of the request's ids (kept as an int32 array, appended to as tokens arrive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class NgramProposer:
+    num_tokens: int  # drafts per request per step (k): a verify step computes k + 1 tokens each
+    max_ngram: int = 4  # longest suffix looked up
+    min_ngram: int = 2  # shortest suffix looked up (shorter ones match too often to be right)
+    max_batch: int = 32  # decode steps with more running requests than this do not speculate
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError("speculative tokens must be at least 1")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("speculative n-gram sizes need 1 <= min <= max")
+        if self.max_batch < 1:
+            raise ValueError("speculative max batch must be at least 1")
+
+    def propose(self, req: Any) -> list[int]:
+        """Draft tokens for ``req`` (a worker.request.Request that is decoding): at most
+        ``num_tokens``, and never more than its remaining output allows (the verify step adds one
+        token of the model's own); empty when it may not speculate or nothing matches."""
+        room = min(self.num_tokens, req.max_tokens - req.num_output - 1)
+        if room <= 0 or not req.speculative:
+            return []
+        ids = _history(req)
+        n_ids = ids.size
+        for n in range(min(self.max_ngram, n_ids - 1), self.min_ngram - 1, -1):
+            tail = ids[n_ids - n :]
+            # NOTE: occurrences starting before n_ids - n, so at least one token follows each
+            starts = np.flatnonzero(ids[: n_ids - n] == tail[0])
+            for j in range(1, n):
+                if starts.size == 0:
+                    break
+                starts = starts[ids[starts + j] == tail[j]]
+            if starts.size:
+                follow = int(starts[-1]) + n
+                return ids[follow : follow + room].tolist()
+        return []
+
+
+class _History:
+    """A request's token ids as one int32 array sized for its whole life, filled as they arrive."""
+
+    __slots__ = ("ids", "size")
+
+    def __init__(self, capacity: int) -> None:
+        self.ids = np.empty(capacity, dtype=np.int32)
+        self.size = 0
+
+
+def _history(req: Any) -> np.ndarray:
+    tokens = req.token_ids
+    hist: _History | None = req.draft_history
+    if hist is None or hist.ids.size < len(tokens) or hist.size > len(tokens):
+        hist = req.draft_history = _History(max(len(tokens), req.prompt_len + req.max_tokens))
+    if hist.size < len(tokens):
+        hist.ids[hist.size : len(tokens)] = tokens[hist.size :]
+        hist.size = len(tokens)
+    return hist.ids[: hist.size]
