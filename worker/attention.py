@@ -3,7 +3,8 @@
 Chooses the backend only; never decides which slots a request owns (the ForwardBatch says so).
 On CPU both run through torch's fused attention (scaled_dot_product_attention) in float32, with the
 semantics of kernels.reference: prefill one request at a time (a causal mask offset by its cached
-prefix), decode as one padded batch. TRITON_INTERPRET=1 sends CPU tensors through the Triton
+prefix), or padded batches when every request has few new tokens (verify steps), decode as padded
+batches of similar lengths. TRITON_INTERPRET=1 sends CPU tensors through the Triton
 kernels instead (tests: the model on the kernels).
 """
 
@@ -58,6 +59,8 @@ def extend(
     (causal). Returns [T, Hq, D]."""
     ops = kernel_ops(q.device)
     if ops is reference:
+        if batch.batch_size > 1 and (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND:
+            return extend_short(q, k_cache, v_cache, batch, sm_scale)
         return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale)
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
@@ -94,6 +97,71 @@ def _extend_sdpa(
         )  # fmt: skip
         out[rows] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+SHORT_EXTEND = 16  # CPU: extend steps whose requests have at most this many new tokens go batched
+
+
+def extend_short(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, sm_scale: float,
+    min_saved_slots: int = 4096,
+) -> torch.Tensor:  # fmt: skip
+    """``_extend_sdpa`` for requests with few new tokens each (speculative decoding's verify steps,
+    small prefill chunks), as padded batches like decode instead of one call per request: the new
+    tokens' K/V are already in the pool (stored before attention), so request i attends its prefix
+    slots then its own new slots, new token j up to its own position."""
+    qo, kvp, out_slots = batch.qo_indptr.tolist(), batch.kv_indptr.tolist(), batch.out_slots
+    pieces = []
+    for i in range(len(qo) - 1):
+        pieces += [batch.kv_indices[kvp[i] : kvp[i + 1]].long(), out_slots[qo[i] : qo[i + 1]].long()]
+    slots = torch.cat(pieces)
+    lens = [kvp[i + 1] - kvp[i] + qo[i + 1] - qo[i] for i in range(len(qo) - 1)]
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    out = torch.empty_like(q)
+    for rows in decode_groups(lens, min_saved_slots):
+        new = [qo[i + 1] - qo[i] for i in rows]
+        width = max(new)
+        # NOTE: request r's new token j goes to padded row r * width + j
+        src = torch.tensor(
+            [qo[i] + j for i, n in zip(rows, new, strict=True) for j in range(n)], device=q.device
+        )
+        dst = torch.tensor([r * width + j for r, n in enumerate(new) for j in range(n)], device=q.device)
+        padded = q.new_zeros(len(rows) * width, *q.shape[1:])
+        padded[dst] = q[src]
+        idx = torch.tensor(rows, device=q.device)
+        o = _attend_rows(padded.view(len(rows), width, *q.shape[1:]), k_cache, v_cache,
+                         torch.tensor(starts, device=q.device)[idx], torch.tensor(lens, device=q.device)[idx],
+                         torch.tensor(new, device=q.device), slots, sm_scale)  # fmt: skip
+        out[src] = o.reshape(-1, *q.shape[1:])[dst]
+    return out
+
+
+def _attend_rows(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+    new: torch.Tensor, slots: torch.Tensor, sm_scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """q [B, N, Hq, D]: request b's slots slots[starts[b] : starts[b] + lens[b]], its last new[b]
+    being its new tokens; query row j sees the first lens[b] - new[b] + j + 1 of them (rows past
+    new[b] are padding). Float32 math, GQA as in ``attend_padded``. Returns [B, N, Hq, D]."""
+    b, n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    offsets = torch.arange(int(lens.max()), device=q.device)
+    valid = offsets.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+    index = slots[torch.where(valid, starts.unsqueeze(1) + offsets, 0)].flatten()
+    k = k_cache.index_select(0, index).view(b, -1, hkv, d).float()
+    v = v_cache.index_select(0, index).view(b, -1, hkv, d).float()
+    limit = (lens - new).unsqueeze(1) + torch.arange(1, n + 1, device=q.device)  # [B, N]
+    mask = offsets.view(1, 1, -1) < limit.unsqueeze(2)  # [B, N, L]; padding rows stay non-empty
+    mask = mask[:, None, :, None, :].expand(b, 1, n, g, mask.shape[-1]).reshape(b, 1, n * g, -1)
+    # NOTE: rows ordered (token, query head of the group): [B, Hkv, N * group, D]
+    qh = q.float().view(b, n, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, n * g, d)
+    out = F.scaled_dot_product_attention(
+        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=sm_scale
+    )
+    return out.view(b, hkv, n, g, d).permute(0, 2, 1, 3, 4).reshape(b, n, hq, d).to(q.dtype)
 
 
 def decode(

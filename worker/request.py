@@ -122,5 +122,6 @@ class SchedulerStats:
     evicted_pages: int = 0
     retractions: int = 0
     verify_steps: int = 0  # decode steps that checked drafts
+    verify_requests: int = 0  # requests in those steps (a request per step)
     draft_tokens: int = 0  # drafts proposed to those steps
     accepted_tokens: int = 0  # of those, kept

@@ -189,6 +189,7 @@ class Scheduler:
         cover its last token and the drafts it kept (the rest of the step's K/V is left unused)."""
         assert batch.drafts is not None
         self.stats.verify_steps += 1
+        self.stats.verify_requests += len(batch.requests)
         for req, draft, tokens in zip(batch.requests, batch.drafts, accepted, strict=True):
             self.stats.draft_tokens += len(draft)
             self.stats.accepted_tokens += len(tokens) - 1

@@ -64,6 +64,7 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
     for name in ("extend_attention", "decode_attention", "rms_norm", "apply_rope", "store_kv"):
         monkeypatch.setattr(reference, name, no_reference)
     monkeypatch.setattr(attention, "decode_grouped", no_reference)
+    monkeypatch.setattr(attention, "extend_short", no_reference)
 
     dtype = torch.float32 if backend.interpret else torch.bfloat16
     if backend.interpret:

@@ -154,3 +154,19 @@ def test_guided_bench_times_masks_in_both_states_and_writes_json(tmp_path, capsy
         assert row["allowed_in_string"] > 300  # inside a string almost any token may come next
         assert all(row[k] > 0 for k in ("mask_ms_object_start", "mask_ms_in_string", "apply_ms_vocab_128256"))
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 |")
+
+
+def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
+    from worker import bench_speculative
+
+    out, md = tmp_path / "spec.json", tmp_path / "spec.md"
+    bench_speculative.main(["--quick", "--out", str(out), "--markdown", str(md)])
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["step_cost"]] == [1, 2]
+    for row in result["step_cost"]:
+        assert row["k0_ms"] > 0 and row["k2_ms"] > 0 and row["k2_vs_decode"] > 0
+    off, on = result["end_to_end"]
+    assert off["drafts_per_step"] == 0 and off["verify_steps"] == 0 and off["draft_tokens"] == 0
+    assert on["drafts_per_step"] == 4 and on["same_output_as_off"] is True
+    assert off["output_tokens"] == on["output_tokens"] == 2 * 24
+    assert md.read_text() in capsys.readouterr().out

@@ -288,6 +288,39 @@ def test_cpu_extend_attention_matches_the_reference(group):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_cpu_short_extends_batched_match_the_reference(group):
+    """Verify steps and small chunks (at most 16 new tokens each) run as padded batches reading the
+    new K/V from the pool: prefixes of 0 to 300 tokens (two length groups), 0 to 16 new tokens."""
+    from kernels import reference
+    from worker import attention
+
+    gen = torch.Generator().manual_seed(group)
+    hkv, d, pool = 2, 16, 1024
+    k_cache, v_cache = torch.randn(pool, hkv, d, generator=gen), torch.randn(pool, hkv, d, generator=gen)
+    shapes = [(0, 3), (10, 1), (7, 5), (33, 16), (300, 5), (290, 0), (1, 2)]  # (prefix, new)
+    perm = torch.randperm(pool, generator=gen).tolist()
+    prefixes, outs = [], []
+    for p, n in shapes:
+        prefixes.append(perm[:p])
+        outs.append(perm[p : p + n])
+        perm = perm[p + n :]
+    t = sum(n for _, n in shapes)
+    q = torch.randn(t, hkv * group, d, generator=gen)
+    k_new, v_new = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
+    batch = ForwardBatch.build("extend", [[0] * n for _, n in shapes], [p for p, _ in shapes], outs, prefixes)
+    ref = reference.extend_attention(
+        q, k_new, v_new, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, 0.3
+    )
+    reference.store_kv(k_cache, v_cache, batch.out_slots, k_new, v_new)  # as the model does first
+    assert len(attention.decode_groups([p + n for p, n in shapes], 0)) > 1
+    torch.testing.assert_close(attention.extend(q, k_new, v_new, k_cache, v_cache, batch, 0.3), ref,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        attention.extend_short(q, k_cache, v_cache, batch, 0.3), ref, atol=1e-5, rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize("group", [1, 2, 8])
 def test_cpu_batched_decode_attention_matches_the_reference(group):
     """Lengths 1 to 40 in one batch: several length groups, some with more than one request."""
