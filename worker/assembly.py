@@ -79,6 +79,7 @@ class ModelExecutor:
         import torch
 
         from worker.forward_batch import ForwardBatch
+        from worker.guided import draft_masks, matcher_of
         from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
 
         assert batch.drafts is not None
@@ -86,7 +87,7 @@ class ModelExecutor:
         fb.return_all_logits = True
         logits = self.model.forward(fb, self.kv_pool)
         qo = batch.qo_indptr.tolist()
-        greedy = any(r.payload.params.greedy for r in batch.requests)
+        greedy = any(r.payload.params.greedy and r.payload.params.guide is None for r in batch.requests)
         best = logits.argmax(dim=-1).tolist() if greedy else []  # NOTE: one transfer for all of them
         out: list[list[int]] = []
         for i, req in enumerate(batch.requests):
@@ -94,10 +95,18 @@ class ModelExecutor:
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
             rows = logits[qo[i] : qo[i + 1]]
-            if st.params.greedy:
-                tokens = accept_greedy(best[qo[i] : qo[i + 1]], batch.drafts[i])
+            draft = batch.drafts[i]
+            if st.params.guide is not None:  # NOTE: each row under the grammar's state at its position
+                allowed = draft_masks(st, draft, rows.shape[1], rows.device)
+                masked = torch.where(
+                    allowed, rows, torch.tensor(float("-inf"), dtype=rows.dtype, device=rows.device)
+                )
+                tokens = accept_draft(masked, draft, st.params, st.generator)
+                matcher_of(st).consume_tokens(tokens)
+            elif st.params.greedy:
+                tokens = accept_greedy(best[qo[i] : qo[i + 1]], draft)
             else:
-                tokens = accept_draft(rows, batch.drafts[i], st.params, st.generator)
+                tokens = accept_draft(rows, draft, st.params, st.generator)
             if st.params.logprobs is not None:
                 index = torch.tensor(tokens, device=logits.device)
                 top = [st.params.logprobs] * len(tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import queue
@@ -30,7 +31,7 @@ from worker.engine_api import (
     RequestOutput,
     RequestState,
 )
-from worker.guided import GuideCompiler
+from worker.guided import GuideCompiler, check_drafts
 from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
@@ -143,7 +144,7 @@ class Engine:
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
                       prompt_group=prompt_group, priority=params.priority,
                       full_prefill=params.prompt_logprobs is not None,
-                      speculative=params.guide is None and not adjusts(params))  # fmt: skip
+                      speculative=not adjusts(params))  # fmt: skip
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),
@@ -152,6 +153,8 @@ class Engine:
             hold=max((len(s) for s in params.stop), default=1) - 1,
             arrival=req.arrival,
         )
+        if params.guide is not None:
+            req.draft_check = functools.partial(check_drafts, req.payload)
         self._inbox.put(("add", req))
         return handle
 

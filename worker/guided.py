@@ -272,3 +272,28 @@ def advance(states: Sequence[Any], tokens: Sequence[int]) -> None:
     for st, token in zip(states, tokens, strict=True):
         if st.params.guide is not None:
             matcher_of(st).consume_token(int(token))
+
+
+def check_drafts(state: Any, drafts: list[int]) -> list[int]:
+    """Speculative decoding under a grammar: the tokens the grammar forces next, when it does (a
+    JSON key, punctuation: right whatever the model prefers, so always kept), else the leading
+    drafts it allows."""
+    m = matcher_of(state)
+    forced = m.compute_ff_tokens()
+    if forced:
+        return list(forced)
+    return drafts[: m.validate_tokens(drafts)] if drafts else []
+
+
+def draft_masks(state: Any, draft: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """bool [len(draft) + 1, vocab]: row j allows what the grammar allows after the request's
+    tokens so far plus draft[:j] (the matcher is advanced through the draft and rolled back)."""
+    m = matcher_of(state)
+    words = (vocab + 31) // 32
+    bits = np.zeros((len(draft) + 1, words), dtype=np.int32)
+    for j in range(len(draft) + 1):
+        m.unsafe_compute_mask_ptr(bits[j].ctypes.data, words * 4)
+        if j < len(draft) and not m.consume_token(int(draft[j])):
+            raise RuntimeError("a draft token the grammar refused reached a verify step")
+    m.rollback(len(draft))
+    return unpack(bits, vocab, device)

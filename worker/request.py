@@ -48,6 +48,7 @@ class Request:
     priority: int = 0  # lower is admitted first and preempted last
     full_prefill: bool = False  # compute every prompt position, cached or not (prompt logprobs)
     speculative: bool = False  # its decode steps may verify drafts (sampling with no history terms)
+    draft_check: Any = None  # drafts -> the drafts it may take (a grammar's forced or valid tokens)
     # --- progress and KV ownership (scheduler only) ---
     token_ids: list[int] = field(init=False)  # prompt + generated so far
     prompt_len: int = field(init=False)

@@ -39,10 +39,17 @@ class NgramProposer:
     def propose(self, req: Any) -> list[int]:
         """Draft tokens for ``req`` (a worker.request.Request that is decoding): at most
         ``num_tokens``, and never more than its remaining output allows (the verify step adds one
-        token of the model's own); empty when it may not speculate or nothing matches."""
+        token of the model's own); empty when it may not speculate or nothing matches. A request
+        with a ``draft_check`` (a grammar) gets what that makes of the lookup's drafts."""
         room = min(self.num_tokens, req.max_tokens - req.num_output - 1)
         if room <= 0 or not req.speculative:
             return []
+        drafts = self._lookup(req, room)
+        if req.draft_check is not None:  # NOTE: structured outputs: what the grammar forces or allows
+            drafts = req.draft_check(drafts)[:room]
+        return drafts
+
+    def _lookup(self, req: Any, room: int) -> list[int]:
         ids = _history(req)
         n_ids = ids.size
         for n in range(min(self.max_ngram, n_ids - 1), self.min_ngram - 1, -1):

@@ -267,6 +267,60 @@ def test_seeded_sampling_with_drafts_repeats_and_penalties_do_not_speculate(work
     assert spec_counts(spec.url) == before
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"enum": ["add", "sub"]}},
+    },
+    "required": ["name", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_take_forced_and_allowed_drafts_with_the_same_answer(workers):
+    """Under a grammar, drafts are the tokens it forces (JSON keys, punctuation) or the lookup's
+    drafts it allows; every row is masked as one-at-a-time decoding masks it."""
+    plain, spec = workers
+    bodies = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}, "max_tokens": 120},
+        {"structured_outputs": {"regex": "(add|sub)(, (add|sub)){3,8}"}, "max_tokens": 80},
+        {"structured_outputs": {"choice": ["return a + b", "return a - b"]}, "max_tokens": 20, "temperature": 0.8,
+         "seed": 3},
+    ]  # fmt: skip
+    before = spec_counts(spec.url)
+    for body in bodies:
+        answers = [complete(url, **body)["choices"][0] for url in (plain.url, spec.url)]
+        assert answers[0]["text"] == answers[1]["text"] or "seed" in body
+        assert answers[1]["finish_reason"] == "stop"
+    doc = json.loads(complete(spec.url, **bodies[0])["choices"][0]["text"])
+    assert set(doc) == {"name", "tags"} and all(t in ("add", "sub") for t in doc["tags"])
+    after = spec_counts(spec.url)
+    kept = (
+        after["radixgate_worker_spec_accepted_tokens_total"]
+        - before["radixgate_worker_spec_accepted_tokens_total"]
+    )
+    assert kept >= len('{"name":"') + len('","tags":[')  # at least the forced keys came as drafts
+
+
+def test_an_hf_checkpoint_answers_the_same_with_drafts_free_and_under_a_schema(llama_checkpoint):
+    """BPE tokens: the grammar's forced tokens are a tokenization the model may not pick; they are
+    checked like any draft."""
+
+    def serve(**extra) -> LiveServer:
+        cfg = WorkerConfig(
+            model=str(llama_checkpoint), device="cpu", kv_cache_tokens=4096, warmup_tokens=0, **extra
+        )
+        return LiveServer(build_engine(cfg))
+
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}}
+    with serve() as plain, serve(speculative_tokens=3, speculative_ngram_min=1) as spec:
+        for body in ({"max_tokens": 60}, {**schema, "max_tokens": 60}):
+            a, b = complete(plain.url, **body), complete(spec.url, **body)
+            assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"] == b["usage"]
+        assert spec_counts(spec.url)["radixgate_worker_spec_verify_steps_total"] > 0
+
+
 def test_speculation_needs_the_model_engine_and_sane_flags():
     for bad in ({"engine": "sim", "speculative_tokens": 2}, {"speculative_tokens": -1},
                 {"speculative_ngram_min": 3, "speculative_ngram_max": 2}, {"speculative_max_batch": 0}):  # fmt: skip
