@@ -74,9 +74,24 @@ def step_costs(
     return rows
 
 
-async def generate(engine: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """One greedy ignore_eos request's output ids."""
-    handle = engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+# structured outputs: a record whose keys (forced by the grammar) are half of its bytes
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_name": {"type": "string", "maxLength": 16},
+        "shipping_address": {"type": "string", "maxLength": 24},
+        "order_status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "priority_level": {"type": "integer", "minimum": 0, "maximum": 9},
+        "requires_signature": {"type": "boolean"},
+    },
+    "required": ["customer_name", "shipping_address", "order_status", "priority_level", "requires_signature"],
+    "additionalProperties": False,
+}
+
+
+async def generate(engine: Any, prompt: list[int], params: SamplingParams) -> list[int]:
+    """One request's output ids."""
+    handle = engine.submit(prompt, params)
     ids: list[int] = []
     while True:
         out = await asyncio.wait_for(handle.outputs.get(), REQUEST_TIMEOUT_S)
@@ -88,23 +103,36 @@ async def generate(engine: Any, prompt: list[int], max_tokens: int) -> list[int]
 
 
 def end_to_end(
-    cfg: WorkerConfig, model_config: Any, prompts: list[list[int]], max_tokens: int, k: int
+    cfg: WorkerConfig,
+    model_config: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    k: int,
+    schema: bool = False,
 ) -> dict:
     """The prompts decoded together, greedy, ``k`` drafts per step (0 = off), on a fresh engine
-    after a warm-up request; the output ids are returned under "_outputs" for comparison."""
+    after a warm-up request; ``schema``: under ORDER_SCHEMA (until it is complete), else exactly
+    ``max_tokens`` each. The output ids are returned under "_outputs" for comparison."""
+    from worker.guided import grammar_of
+
     cfg.speculative_tokens = k
     engine = build_bench_engine(cfg, model_config)
     engine.start()
+    if schema:
+        guide = engine.guides.compile(*grammar_of("json_schema", ORDER_SCHEMA))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, guide=guide)
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     async def go() -> tuple[list[list[int]], float, Any, Any]:
-        await generate(engine, prompts[0][: len(prompts[0]) // 2], 8)
+        await generate(engine, prompts[0][: len(prompts[0]) // 2], params)
         await engine.flush_cache()
 
         def stats() -> Any:  # NOTE: run on the engine thread, which owns the counters
             return dataclasses.replace(engine.scheduler.stats)
 
         before, t0 = await engine.call(stats), time.perf_counter()
-        outputs = await asyncio.gather(*(generate(engine, p, max_tokens) for p in prompts))
+        outputs = await asyncio.gather(*(generate(engine, p, params) for p in prompts))
         return outputs, time.perf_counter() - t0, before, await engine.call(stats)
 
     try:
@@ -114,7 +142,8 @@ def end_to_end(
     fields = ("verify_steps", "verify_requests", "draft_tokens", "accepted_tokens")
     steps, checks, drafted, kept = (getattr(after, f) - getattr(before, f) for f in fields)
     generated = sum(len(o) for o in outputs)
-    return {"drafts_per_step": k, "requests": len(prompts), "output_tokens": generated,
+    return {"output": "json_schema" if schema else "free", "drafts_per_step": k, "requests": len(prompts),
+            "output_tokens": generated,
             "elapsed_s": round(elapsed, 4), "tokens_per_s": round(generated / elapsed, 1),
             "verify_steps": steps, "draft_tokens": drafted, "accepted_tokens": kept,
             "accepted_fraction": round(kept / drafted, 3) if drafted else None,
@@ -134,12 +163,12 @@ def markdown(doc: dict) -> str:
         cells = " | ".join(f"{r[f'k{k}_ms']} ({r[f'k{k}_vs_decode']}x)" for k in ks)
         lines.append(f"| {r['batch']} | {r['k0_ms']} | {cells} |")
     lines += ["", f"End to end: {p['requests']} greedy requests together, {p['prompt_tokens']}-token random "
-              f"prompts, {p['max_tokens']} tokens each:", "",
-              "| drafts/step | tokens/s | verify steps | drafts kept | tokens per request per verify step | same output |",
-              "|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+              f"prompts, {p['max_tokens']} tokens each (json_schema: until the record is complete):", "",
+              "| output | drafts/step | tokens/s | verify steps | drafts kept | tokens per request per verify step | same output |",
+              "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in doc["end_to_end"]:
         kept = "-" if r["accepted_fraction"] is None else f"{r['accepted_tokens']}/{r['draft_tokens']}"
-        lines.append(f"| {r['drafts_per_step']} | {r['tokens_per_s']} | {r['verify_steps']} | {kept} | "
+        lines.append(f"| {r['output']} | {r['drafts_per_step']} | {r['tokens_per_s']} | {r['verify_steps']} | {kept} | "
                      f"{r['tokens_per_request_step'] or '-'} | {r.get('same_output_as_off', '-')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -214,9 +243,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = WorkerConfig(model="tiny", device=device, cpu_threads=a.cpu_threads, warmup_tokens=0,
                        served_model_name=None if shape is None else a.model,
                        kv_cache_tokens=a.requests * (a.prompt_tokens + a.max_tokens + 64) * 2)  # fmt: skip
-    runs = [end_to_end(cfg, shape, prompts, a.max_tokens, k) for k in (0, a.spec_tokens)]
-    off = runs[0].pop("_outputs")
-    runs[1]["same_output_as_off"] = runs[1].pop("_outputs") == off
+    runs = []
+    # NOTE: grammars need a tokenizer; the shape-only model has none
+    for schema in (False, True) if shape is None else (False,):
+        off, on = (end_to_end(cfg, shape, prompts, a.max_tokens, k, schema) for k in (0, a.spec_tokens))
+        on["same_output_as_off"] = on.pop("_outputs") == off.pop("_outputs")
+        runs += [off, on]
     params = {"model": a.model, "device": device, "batches": batches, "drafts": drafts, "context": a.context,
               "reps": a.reps, "requests": a.requests, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
               "spec_tokens": a.spec_tokens, "cpu_threads": a.cpu_threads, "quick": a.quick}  # fmt: skip

@@ -165,8 +165,10 @@ def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
     assert [r["batch"] for r in result["step_cost"]] == [1, 2]
     for row in result["step_cost"]:
         assert row["k0_ms"] > 0 and row["k2_ms"] > 0 and row["k2_vs_decode"] > 0
-    off, on = result["end_to_end"]
+    off, on, schema_off, schema_on = result["end_to_end"]
     assert off["drafts_per_step"] == 0 and off["verify_steps"] == 0 and off["draft_tokens"] == 0
     assert on["drafts_per_step"] == 4 and on["same_output_as_off"] is True
     assert off["output_tokens"] == on["output_tokens"] == 2 * 24
+    assert schema_off["output"] == schema_on["output"] == "json_schema" and schema_on["same_output_as_off"]
+    assert schema_on["accepted_tokens"] >= len('{"customer_name":"')  # the forced key at least
     assert md.read_text() in capsys.readouterr().out
