@@ -157,6 +157,7 @@ class ToolOutput:
         self._in_call = False  # hermes stream: inside <tool_call> ... </tool_call>
         self._decided = False  # llama3_json stream: is the answer a call (buffer) or text (stream)?
         self._json = False  # ... decided: a call
+        self._array = _CallArray() if req.choice == "required" else None  # required: streamed calls
 
     # ------------------------------------------------------------------ whole answers
     def message(self, text: str) -> dict:
@@ -195,8 +196,12 @@ class ToolOutput:
             if text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out
+        if self._array is not None:
+            out = self._array.feed(text)
+            self.calls = self._array.calls
+            return out
         self._pending += text
-        if mode == "required" or self.parser == "llama3_json":
+        if self.parser == "llama3_json":
             return self._feed_json()
         return self._feed_hermes()
 
@@ -205,6 +210,8 @@ class ToolOutput:
         mode, rest, self._pending = self.req.choice, self._pending, ""
         if mode in ("none", "function"):
             return self.feed("") if mode == "function" else []
+        if self._array is not None:  # NOTE: a call cut short (max_tokens) stays as far as it got
+            return []
         if not rest:
             return []
         if mode == "required" or self.parser == "llama3_json" or self._in_call:
@@ -219,15 +226,15 @@ class ToolOutput:
         return {"tool_calls": [{"index": first + k, **c} for k, c in enumerate(calls)]}
 
     def _feed_json(self) -> list[dict]:
-        """``required`` and llama3_json: a call is buffered whole (emitted by ``flush``); an
-        llama3_json answer that turns out to be text streams as it comes."""
+        """llama3_json: a call is buffered whole (emitted by ``flush``); an answer that turns out
+        to be text streams as it comes."""
         if self.req.choice == "auto" and not self._decided:
             head = self._pending.lstrip()
             if not head or _PYTHON_TAG.startswith(head):
                 return []  # too early to tell
             self._decided = True
             self._json = head.startswith(("{", "[", _PYTHON_TAG))
-        if self.req.choice == "required" or self._json:
+        if self._json:
             return []
         out, self._pending = self._pending, ""
         return [{"content": out}] if out else []
@@ -258,6 +265,82 @@ class ToolOutput:
                 out.append({"content": body})
                 self._pending = self._pending[len(body) :]
             return out
+
+
+class _CallArray:
+    """A ``required`` answer streamed as it is generated. The grammar makes it a JSON array of
+    ``{"name": ..., "parameters": {...}}`` objects: each call's head goes out once its name is read,
+    its arguments as their characters come (as a named call's do)."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # heads sent
+        self._depth = 0  # [ and { open at the scan position: the array is 1, an item's keys are at 2
+        self._string = self._escape = False
+        self._token = ""  # the string being read at depth 2 (a key or a value)
+        self._key: str | None = None  # the item's current key
+        self._expect_key = True  # at depth 2: the next string is a key (else its value)
+        self._sent_head = False  # the current item's head went out
+        self._in_args = False  # inside the current item's arguments value
+        self._held = ""  # arguments read before the name (another key order)
+
+    def feed(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        args: list[str] = []  # the current call's argument characters in this piece
+        for ch in text:
+            if self._in_args:
+                args.append(ch)
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._string = False
+                    if self._depth == 2:
+                        self._item_string(out)
+                elif self._depth == 2:
+                    self._token += ch
+                continue
+            if ch == '"':
+                self._string, self._token = True, ""
+            elif ch in "[{":
+                if self._depth == 2 and self._key in ("parameters", "arguments"):
+                    self._in_args = True
+                    args.append(ch)
+                self._depth += 1
+                if self._depth == 2:  # a new item
+                    self._key, self._expect_key, self._sent_head, self._held = None, True, False, ""
+            elif ch in "]}":
+                self._depth -= 1
+                if self._in_args and self._depth == 2:
+                    self._in_args = False
+                    self._args(out, args)
+                    args = []
+            elif self._depth == 2 and ch in ":,":
+                self._expect_key = ch == ","
+        self._args(out, args)
+        return out
+
+    def _item_string(self, out: list[dict]) -> None:
+        """A string at an item's top level ended: a key, or a value (the name: send the head)."""
+        if self._expect_key:
+            self._key = self._token
+            return
+        if self._key == "name" and not self._sent_head:
+            name = json.loads(f'"{self._token}"')
+            out.append({"tool_calls": [{"index": self.calls, **_call(name, "")}]})
+            self.calls += 1
+            self._sent_head = True
+            held, self._held = self._held, ""
+            self._args(out, list(held))
+
+    def _args(self, out: list[dict], chars: list[str]) -> None:
+        if not chars:
+            return
+        if not self._sent_head:
+            self._held += "".join(chars)
+            return
+        out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": "".join(chars)}}]})
 
 
 def _hermes_block(block: str) -> list[dict] | None:

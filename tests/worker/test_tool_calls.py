@@ -145,16 +145,42 @@ def test_streamed_hermes_agrees_with_the_whole_answer(text, cuts) -> None:
     assert content.split() == (whole["content"] or "").split()
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "hermes"])
-def test_streamed_required_and_llama3_calls_come_whole(parser) -> None:
-    text = '[{"name":"add","parameters":{"a":1,"b":2}},{"name":"get_weather","parameters":{"city":"Oslo","unit":"c"}}]'
+REQUIRED_TEXT = (
+    '[{"name":"add","parameters":{"a":1,"b":2}},'
+    '{"name":"get_weather","parameters":{"city":"O\\"s}l[o","unit":"c"}}]'
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, 200), max_size=12), parser=st.sampled_from(["hermes", "llama3_json"]))
+def test_streamed_required_calls_come_as_generated_and_agree_with_the_whole_answer(cuts, parser) -> None:
+    text = REQUIRED_TEXT
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    whole = ToolOutput(ToolRequest(TOOLS, "required"), parser).message(text)
     out = ToolOutput(ToolRequest(TOOLS, "required"), parser)
-    assert out.feed(text[:30]) == [] and out.feed(text[30:]) == []
-    content, calls = streamed(out, [])
-    assert content == "" and calls == [
+    content, calls = streamed(out, pieces)
+    assert content == "" and calls == calls_of(whole) == [
         ("add", {"a": 1, "b": 2}),
-        ("get_weather", {"city": "Oslo", "unit": "c"}),
+        ("get_weather", {"city": 'O"s}l[o', "unit": "c"}),
     ]
+    assert out.finish_reason("stop") == "tool_calls"
+
+
+def test_a_required_call_is_sent_before_the_answer_ends() -> None:
+    out = ToolOutput(ToolRequest(TOOLS, "required"), "hermes")
+    assert out.feed('[{"name":"ad') == []
+    head, args = out.feed('d","parameters":{"a"')
+    assert head["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert args == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
+    assert out.feed(":1") == [{"tool_calls": [{"index": 0, "function": {"arguments": ":1"}}]}]
+
+
+def test_streamed_llama3_json_calls_come_whole() -> None:
+    text = '[{"name":"add","parameters":{"a":1,"b":2}}]'
+    out = ToolOutput(ToolRequest(TOOLS, "auto"), "llama3_json")
+    assert out.feed(text[:20]) == [] and out.feed(text[20:]) == []
+    assert streamed(out, []) == ("", [("add", {"a": 1, "b": 2})])
     plain = ToolOutput(ToolRequest(TOOLS, "auto"), "llama3_json")
     assert streamed(plain, ["  Hel", "lo"]) == ("  Hello", [])
 
