@@ -5,6 +5,7 @@ here touches the engine."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -26,8 +27,9 @@ class APIError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-def check_body(raw: bytes, served_model: str) -> dict:
-    """The JSON body, with the fields every generation request shares checked."""
+def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
+    """The JSON body, with the fields every generation request shares checked; ``model`` (optional)
+    is one of ``served_models`` (the base model, then its LoRA adapters)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -35,10 +37,9 @@ def check_body(raw: bytes, served_model: str) -> dict:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served_model:
-        raise APIError(
-            404, f"model {model!r} not found; this worker serves {served_model!r}", "model_not_found"
-        )
+    if model is not None and model not in served_models:
+        served = ", ".join(repr(m) for m in served_models)
+        raise APIError(404, f"model {model!r} not found; this worker serves {served}", "model_not_found")
     n = body.get("n")
     if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
         raise APIError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}")

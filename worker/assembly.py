@@ -31,7 +31,6 @@ class ModelExecutor:
     def run(self, batch: ScheduledBatch) -> list[int]:
         import torch
 
-        from worker.forward_batch import ForwardBatch
         from worker.guided import advance, constrain
         from worker.penalties import adjust_logits, adjusts
         from worker.sampling import make_generator, sample, token_logprobs
@@ -40,9 +39,9 @@ class ModelExecutor:
             logits = self.decode_graphs.run(batch)
             self.graph_steps += 1
         elif batch.mode == "extend" and any(r.full_prefill for r in batch.requests):  # prompt logprobs
-            logits = self._forward_scoring_prompts(batch, ForwardBatch.from_step(batch, self.device))
+            logits = self._forward_scoring_prompts(batch, self._forward_batch(batch))
         else:
-            logits = self.model.forward(ForwardBatch.from_step(batch, self.device), self.kv_pool)
+            logits = self.model.forward(self._forward_batch(batch), self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]
         if not rows:
             return []
@@ -73,17 +72,27 @@ class ModelExecutor:
                 states[j].step_logprobs = lp
         return ids
 
+    def _forward_batch(self, batch: ScheduledBatch) -> Any:
+        """The step's ForwardBatch on the model's device, with its LoRA rows when it has any."""
+        from worker.forward_batch import ForwardBatch
+        from worker.model.lora import lora_batch
+
+        fb = ForwardBatch.from_step(batch, self.device)
+        adapters = [r.adapter for r in batch.requests]
+        if any(adapters):
+            fb.lora = lora_batch(self.model.adapters, adapters, batch.qo_indptr.tolist(), self.device)
+        return fb
+
     def verify(self, batch: ScheduledBatch) -> list[list[int]]:
         """A verify step (speculative decoding): logits for every new token, then each request's
         accepted tokens (worker.sampling.accept_draft) and their logprobs when it asks."""
         import torch
 
-        from worker.forward_batch import ForwardBatch
         from worker.guided import draft_masks, matcher_of
         from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
 
         assert batch.drafts is not None
-        fb = ForwardBatch.from_step(batch, self.device)
+        fb = self._forward_batch(batch)
         fb.return_all_logits = True
         logits = self.model.forward(fb, self.kv_pool)
         qo = batch.qo_indptr.tolist()
@@ -226,8 +235,24 @@ def build_engine(cfg: Any) -> Engine:
     log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
              cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
     host = host_tier(cfg, pool)
+    load_adapters(cfg, loaded.model)
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
+
+
+def load_adapters(cfg: Any, model: Any) -> None:
+    """``--lora-adapter NAME=PATH`` each onto the model (``model.adapters``, ids 1, 2, ...)."""
+    from worker.model.lora import MAX_ADAPTERS, load_adapter
+    from worker.radix_node import ADAPTER_SHIFT
+
+    if not cfg.lora_adapters:
+        return
+    if len(cfg.lora_adapters) > MAX_ADAPTERS or model.config.vocab_size > 1 << ADAPTER_SHIFT:
+        raise ValueError(f"LoRA adapters: at most {MAX_ADAPTERS}, on vocabularies below {1 << ADAPTER_SHIFT}")
+    for spec in cfg.lora_adapters:
+        name, _, path = spec.partition("=")
+        model.adapters.append(load_adapter(name, path, model))
+        log.info("LoRA adapter %s from %s (rank %d)", name, path, model.adapters[-1].rank)
 
 
 def host_tier(cfg: Any, pool: KVPool | None) -> HostKVPool | None:
@@ -250,7 +275,10 @@ def assemble_engine(
     or a benchmark's random-weight model): the one place an Engine is put together."""
     from worker.kv_publisher import stream_name
 
-    cache = RadixCache(allocator, cfg.block_size, namespace=name, enable_events=True, host=host)
+    adapters = [a.partition("=")[0] for a in getattr(cfg, "lora_adapters", [])]
+    cache = RadixCache(
+        allocator, cfg.block_size, namespace=name, enable_events=True, host=host, adapters=adapters
+    )
     publisher = KVPublisher(
         worker=cfg.resolved_advertise_url(),
         block_size=cfg.block_size,
@@ -274,5 +302,15 @@ def assemble_engine(
     # NOTE: the cost model compiles nothing, so a simulated worker serves at once
     warmup = 0 if simulated else cfg.warmup_tokens
     return Engine(
-        executor, allocator, cache, sched, tokenizer, max_context, publisher, name, simulated, warmup
+        executor,
+        allocator,
+        cache,
+        sched,
+        tokenizer,
+        max_context,
+        publisher,
+        name,
+        simulated,
+        warmup,
+        adapters,
     )

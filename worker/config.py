@@ -8,7 +8,7 @@ import argparse
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
@@ -43,6 +43,7 @@ class WorkerConfig:
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
+    lora_adapters: list[str] = field(default_factory=list)  # "NAME=PATH" of PEFT LoRA directories
     # speculative decoding by prompt lookup (worker/speculative.py): draft tokens per step; 0 = off
     speculative_tokens: int = 0
     speculative_ngram_max: int = 4  # longest suffix looked up in the request's own tokens
@@ -93,6 +94,19 @@ class WorkerConfig:
             raise ValueError("--speculative-ngram-min and -max need 1 <= min <= max")
         if self.speculative_max_batch < 1:
             raise ValueError("--speculative-max-batch must be positive")
+        names = [a.partition("=")[0] for a in self.lora_adapters]
+        if any(
+            "=" not in a or not n or not a.partition("=")[2]
+            for a, n in zip(self.lora_adapters, names, strict=True)
+        ):
+            raise ValueError("--lora-adapter takes NAME=PATH")
+        served = self.served_model_name or os.path.basename(
+            os.path.normpath(self.model)
+        )  # as the loader names it
+        if len(set(names)) != len(names) or served in names:
+            raise ValueError("--lora-adapter names must differ from each other and from the model's")
+        if self.lora_adapters and self.engine == "sim":
+            raise ValueError("--lora-adapter needs --engine model")
 
     def resolved_advertise_url(self) -> str:
         if self.advertise_url:
@@ -174,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--speculative-ngram-max", int, "longest suffix of a request's tokens looked up for drafts")
     opt("--speculative-ngram-min", int, "shortest suffix looked up for drafts")
     opt("--speculative-max-batch", int, "decode steps with more running requests than this do not speculate")
+    p.add_argument(
+        "--lora-adapter",
+        dest="lora_adapters",
+        action="append",
+        default=[a for a in _env("lora_adapters", "").split(",") if a],
+        metavar="NAME=PATH",
+        help="serve a PEFT LoRA adapter directory as model NAME beside the base (repeat for more; env "
+        "RADIXGATE_WORKER_LORA_ADAPTERS=NAME=PATH,...)",
+    )
     opt("--sim-prefill-ms-per-token", float, "sim: prefill cost per uncached token (ms)")
     opt("--sim-decode-base-ms", float, "sim: decode step cost at batch size 1 (ms)")
     opt("--sim-decode-ms-per-seq", float, "sim: extra decode step cost per running request (ms)")

@@ -162,6 +162,7 @@ class DecodeGraphRunner:
         return (
             batch.mode == "decode"
             and len(batch.requests) <= self.max_batch
+            and not any(r.adapter for r in batch.requests)  # NOTE: LoRA steps run eagerly
             and batch.kv_indices.size <= self.max_kv_indices
         )
 

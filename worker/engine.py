@@ -59,6 +59,7 @@ class Engine:
         served_model_name: str,
         simulated: bool = False,
         warmup_tokens: int = 0,
+        adapter_names: Sequence[str] = (),
     ) -> None:
         self.executor = executor
         self.allocator = allocator
@@ -71,6 +72,7 @@ class Engine:
         self.max_total_tokens = min(max_context, self.capacity_tokens)  # prompt + output
         self.publisher = publisher
         self.served_model_name = served_model_name
+        self.adapter_names = list(adapter_names)  # LoRA adapters served beside the base (ids 1, 2, ...)
         self.simulated = simulated
         self.warmup_tokens = warmup_tokens  # prompt tokens of the request run before serving; 0 = none
         self.ready = threading.Event()  # set once the warm-up is over (at once without one)
@@ -144,7 +146,7 @@ class Engine:
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
                       prompt_group=prompt_group, priority=params.priority,
                       full_prefill=params.prompt_logprobs is not None,
-                      speculative=not adjusts(params))  # fmt: skip
+                      speculative=not adjusts(params), adapter=params.adapter)  # fmt: skip
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),

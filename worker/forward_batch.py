@@ -33,6 +33,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None  # int64: the new tokens to give logits for (overrides both)
     # NOTE: host-side, so the extend kernel's grid needs no device-to-host sync (one per layer otherwise)
     max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
+    lora: Any = None  # a worker.model.lora.LoraBatch when requests of LoRA adapters are in the batch
 
     @property
     def batch_size(self) -> int:
@@ -55,6 +56,7 @@ class ForwardBatch:
             return_all_logits=self.return_all_logits,
             logit_rows=None if self.logit_rows is None else self.logit_rows.to(device, non_blocking=True),
             max_extend_len=self.max_extend_len,
+            lora=self.lora,
         )
 
     @staticmethod

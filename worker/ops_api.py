@@ -35,9 +35,11 @@ class OpsAPI:
         self.created = int(time.time())
 
     async def models(self, request: Request) -> Response:
-        model = {"id": self.engine.served_model_name, "object": "model", "created": self.created, "owned_by": "radixgate",
+        base = self.engine.served_model_name
+        model = {"id": base, "object": "model", "created": self.created, "owned_by": "radixgate",
                  "max_model_len": self.engine.max_total_tokens}  # fmt: skip
-        return _json({"object": "list", "data": [model]})
+        adapters = [{**model, "id": name, "parent": base} for name in self.engine.adapter_names]
+        return _json({"object": "list", "data": [model, *adapters]})
 
     async def health(self, request: Request) -> Response:
         snap = self.engine.snapshot()

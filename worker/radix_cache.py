@@ -24,6 +24,7 @@ Invariants (checked by ``check_invariants`` and the tests):
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from router.kv_events import StoredBlocks
 from worker.cache_events import CacheEventLog
 from worker.host_cache import HostKVPool
 from worker.kv_pool import PageAllocator
-from worker.radix_node import EMPTY_PAGES, MatchResult, TreeNode, page_hashes
+from worker.radix_node import ADAPTER_SHIFT, EMPTY_PAGES, TOKEN_MASK, MatchResult, TreeNode, page_hashes
 
 __all__ = ["MatchResult", "RadixCache", "TreeNode"]
 
@@ -45,7 +46,7 @@ class RadixCache:
 
     def __init__(
         self, allocator: PageAllocator, page_size: int, namespace: str = "", enable_events: bool = True,
-        host: HostKVPool | None = None,
+        host: HostKVPool | None = None, adapters: Sequence[str] = (),
     ) -> None:  # fmt: skip
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -56,6 +57,8 @@ class RadixCache:
         self.host = host
         self.events = CacheEventLog()
         self._root_hash = root_hash(namespace)
+        # NOTE: LoRA adapter i's subtrees (keys from radix_node.adapter_keys) hash in its own namespace
+        self._roots = [self._root_hash, *(root_hash(a) for a in adapters)]
         self.root = TreeNode(np.zeros(0, dtype=np.int32), EMPTY_PAGES, None, [], 0)
         self._clock = 0
         self._evictable = 0  # device pages in nodes with lock_ref == 0
@@ -231,9 +234,9 @@ class RadixCache:
     def _add_leaf(self, parent: TreeNode, key: np.ndarray, pages: np.ndarray, now: int) -> None:
         hashes = None
         if self.enable_events:
-            parent_hash = parent.hashes[-1] if parent is not self.root else self._root_hash
-            hashes = page_hashes(key, self.page_size, parent_hash)
-            self.events.stored(StoredBlocks(list(hashes), parent_hash, key.tolist()))
+            tokens, parent_hash = self.event_view(key, parent.hashes[-1] if parent is not self.root else None)
+            hashes = page_hashes(tokens, self.page_size, parent_hash)
+            self.events.stored(StoredBlocks(list(hashes), parent_hash, tokens.tolist()))
         leaf = TreeNode(key, pages, parent, hashes, now)
         parent.children[key[: self.page_size].tobytes()] = leaf
         parent.device_children += 1
@@ -428,15 +431,25 @@ class RadixCache:
     def snapshot(self) -> list[StoredBlocks]:
         """The tree's contents as stored runs, parents before children."""
         out: list[StoredBlocks] = []
-        stack: list[tuple[TreeNode, int]] = [(c, self._root_hash) for c in self.root.children.values()]
+        stack: list[tuple[TreeNode, int | None]] = [(c, None) for c in self.root.children.values()]
         while stack:
-            node, parent_hash = stack.pop()
+            node, parent = stack.pop()
+            tokens, parent_hash = self.event_view(node.key, parent)
             hashes = node.hashes
             if hashes is None:  # events off: hash on demand
-                hashes = page_hashes(node.key, self.page_size, parent_hash)
-            out.append(StoredBlocks(list(hashes), parent_hash, node.key.tolist()))
+                hashes = page_hashes(tokens, self.page_size, parent_hash)
+            out.append(StoredBlocks(list(hashes), parent_hash, tokens.tolist()))
             stack.extend((c, hashes[-1]) for c in node.children.values())
         return out
+
+    def event_view(self, key: np.ndarray, parent_hash: int | None) -> tuple[np.ndarray, int]:
+        """A node key's tokens and parent hash as KV events carry them: the model's token ids, and
+        under the root its namespace's root hash (the base model's or its LoRA adapter's)."""
+        if len(self._roots) == 1:
+            return key, self._root_hash if parent_hash is None else parent_hash
+        if parent_hash is None:
+            parent_hash = self._roots[int(key[0]) >> ADAPTER_SHIFT]
+        return key & np.int32(TOKEN_MASK), parent_hash
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:

@@ -21,7 +21,7 @@ def check_invariants(cache: RadixCache) -> None:
     device_pages: list[np.ndarray] = []
     host_pages: list[np.ndarray] = []
     live = {(id(n), t) for t, _, n in cache._heap} | {(id(n), t) for t, _, n in cache._host_heap}
-    stack: list[tuple[TreeNode, int]] = [(c, cache._root_hash) for c in cache.root.children.values()]
+    stack: list[tuple[TreeNode, int | None]] = [(c, None) for c in cache.root.children.values()]
     for k, c in cache.root.children.items():
         assert k == c.key[:ps].tobytes(), "root child keyed by a page that is not its first"
     root_device = sum(c.on_device for c in cache.root.children.values())
@@ -49,7 +49,8 @@ def check_invariants(cache: RadixCache) -> None:
         device_pages.append(node.pages)
         host_pages.append(node.host_pages)
         if cache.enable_events:
-            expect = block_hashes(node.key.tolist(), ps, parent=parent_hash)
+            tokens, parent_hash = cache.event_view(node.key, parent_hash)
+            expect = block_hashes(tokens.tolist(), ps, parent=parent_hash)
             assert node.hashes == expect, "stored block hashes differ from router.block_hash"
         # every lock on a descendant also counts on this node
         assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock_ref below children's"

@@ -11,6 +11,17 @@ from router.block_hash import block_hashes
 
 EMPTY_PAGES = np.zeros(0, dtype=np.int64)
 
+# LoRA adapters: adapter a's token t is keyed t + (a << ADAPTER_SHIFT), so each adapter's prefixes
+# form their own subtrees (its KV differs from the base's for the same tokens); vocabularies below
+# 2**20 tokens, adapters 1..2047 (keys stay int32)
+ADAPTER_SHIFT = 20
+TOKEN_MASK = (1 << ADAPTER_SHIFT) - 1
+
+
+def adapter_keys(tokens: np.ndarray, adapter: int) -> np.ndarray:
+    """The tree keys of ``tokens`` (int32) for a request of ``adapter`` (0: the base model's)."""
+    return tokens if adapter == 0 else tokens + np.int32(adapter << ADAPTER_SHIFT)
+
 
 def page_hashes(key: np.ndarray, page_size: int, parent_hash: int) -> list[int]:
     """Chained block hashes of ``key``'s pages (router.block_hash), fed as a native uint32 array:

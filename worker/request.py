@@ -49,6 +49,7 @@ class Request:
     full_prefill: bool = False  # compute every prompt position, cached or not (prompt logprobs)
     speculative: bool = False  # its decode steps may verify drafts (sampling with no history terms)
     draft_check: Any = None  # drafts -> the drafts it may take (a grammar's forced or valid tokens)
+    adapter: int = 0  # LoRA adapter id (0 = the base model): its KV and cache entries are its own
     # --- progress and KV ownership (scheduler only) ---
     token_ids: list[int] = field(init=False)  # prompt + generated so far
     prompt_len: int = field(init=False)

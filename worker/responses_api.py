@@ -140,6 +140,7 @@ class ResponsesAPI:
         params = sampling_params(
             body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )
+        params = api.for_model(params, body)
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}
         first = await api._submit(request, [(0, ids, params, None)], outputs, live)
@@ -263,7 +264,7 @@ class _Turn:
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
             "error": None, "incomplete_details": incomplete, "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"), "model": self.endpoint.api.name,
+            "max_output_tokens": body.get("max_output_tokens"), "model": body.get("model") or self.endpoint.api.name,
             "output": output or [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"), "store": self.store,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),

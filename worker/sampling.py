@@ -43,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0  # output tokens before EOS / stop ids may be sampled
     # scheduling, not sampling (carried here as the request's parameters): lower is served first
     priority: int = 0
+    adapter: int = 0  # the LoRA adapter serving the request (0: the base model), by the worker's order
     guide: Any = None  # a worker.guided.Guide: the output must follow its grammar (structured outputs)
 
     @property

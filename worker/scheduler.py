@@ -16,12 +16,18 @@ import numpy as np
 
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
+from worker.radix_node import adapter_keys
 from worker.request import NO_PAGES, QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
 from worker.speculative import NgramProposer
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+def _keys(req: Request, n: int) -> np.ndarray:
+    """The radix-tree keys of the request's first ``n`` tokens (its LoRA adapter's own range)."""
+    return adapter_keys(np.asarray(req.token_ids[:n], dtype=np.int32), req.adapter)
 
 
 class Scheduler:
@@ -92,7 +98,7 @@ class Scheduler:
     @staticmethod
     def _matchable(req: Request) -> np.ndarray:
         """The tokens the cache may serve: none for a request that must compute its whole prompt."""
-        return np.asarray(req.token_ids[: 0 if req.full_prefill else len(req.token_ids)], dtype=np.int32)
+        return _keys(req, 0 if req.full_prefill else len(req.token_ids))
 
     def abort(self, req: Request, reason: str = "abort") -> None:
         """Drop a request wherever it is and release its pages (its computed full pages stay cached)."""
@@ -251,7 +257,7 @@ class Scheduler:
         full = req.kv_len // self.ps * self.ps
         if full <= req.tree_len:
             return
-        tokens = np.asarray(req.token_ids[:full], dtype=np.int32)
+        tokens = _keys(req, full)
         self._insert(req, tokens, full)
         # NOTE: the probe token past ``full`` is never matched (match leaves >= 1 token uncached).
         match = self.cache.match_prefix(np.append(tokens, np.int32(0)))
@@ -278,7 +284,7 @@ class Scheduler:
         full = req.kv_len // self.ps * self.ps
         n_tree = req.tree_len // self.ps
         if full > req.tree_len:
-            self._insert(req, np.asarray(req.token_ids[:full], dtype=np.int32), full)
+            self._insert(req, _keys(req, full), full)
             n_tree = full // self.ps
         tail = req.pages[n_tree:]
         if tail.size:
@@ -325,7 +331,7 @@ class Scheduler:
         """Identifies the first uncomputed full page after ``cached`` tokens (sharing detection)."""
         if cached + self.ps > len(req.token_ids):
             return None
-        return cached, np.asarray(req.token_ids[cached : cached + self.ps], dtype=np.int32).tobytes()
+        return cached, _keys(req, cached + self.ps)[cached:].tobytes()
 
     def _schedule_extend(self, now: float) -> ScheduledBatch | None:
         if not (self.prefilling or self.waiting):

@@ -64,12 +64,22 @@ class WorkerAPI:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.name = engine.served_model_name
+        self.models = [self.name, *engine.adapter_names]  # request adapter id = index here
         self.token_names = TokenNames(engine.tokenizer)
 
     async def _body(self, request: Request) -> dict:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        return check_body(await request.body(), self.name)
+        return check_body(await request.body(), self.models)
+
+    def for_model(self, params: SamplingParams, body: dict) -> SamplingParams:
+        """``params`` for the body's model: the base, or one of its LoRA adapters."""
+        model = body.get("model")
+        return (
+            params
+            if model in (None, self.name)
+            else dataclasses.replace(params, adapter=self.models.index(model))
+        )
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -92,6 +102,7 @@ class WorkerAPI:
         echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer) if body.get("echo") else None
         if echo is not None and params.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        params = self.for_model(params, body)
         return await self._generate(request, body, prompts, params, chat=False, echo=echo, scoring=scoring)
 
     async def chat(self, request: Request) -> Response:
@@ -106,6 +117,7 @@ class WorkerAPI:
         vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
         guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser)
         params = sampling_params(body, vocab, max_tokens, "max_completion_tokens", logprobs, guide)
+        params = self.for_model(params, body)
         return await self._generate(request, body, [ids], params, chat=True, tools=tools)
 
     async def _generate(
@@ -133,7 +145,12 @@ class WorkerAPI:
             return Response(status_code=499)  # the client is gone; nobody reads this
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         resp = Responses(
-            rid, self.name, chat, self.token_names, params.logprobs is not None, self.engine.simulated
+            rid,
+            body.get("model") or self.name,
+            chat,
+            self.token_names,
+            params.logprobs is not None,
+            self.engine.simulated,
         )
         if body.get("stream"):
             return event_stream(

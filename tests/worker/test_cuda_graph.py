@@ -7,6 +7,7 @@ only part that needs a GPU); the gpu-marked test captures real CUDA graphs."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 import numpy as np
 import pytest
@@ -75,7 +76,7 @@ class Fleet:
         lens = [len(s) for s in all_slots]
         return ScheduledBatch(
             mode="decode",
-            requests=[object()] * len(rows),  # type: ignore[list-item]
+            requests=[types.SimpleNamespace(adapter=0)] * len(rows),  # type: ignore[list-item]
             starts=pos,
             ends=[p + 1 for p in pos],
             sample=[True] * len(rows),
@@ -147,6 +148,10 @@ def test_steps_a_graph_cannot_hold_run_eagerly(tiny):
     prefill = fleet.decode_step([2], [4])
     prefill.mode = "extend"
     assert not runner.can_run(prefill)
+    lora = fleet.decode_step([2], [5])
+    assert runner.can_run(lora)
+    lora.requests = [types.SimpleNamespace(adapter=1)]  # LoRA rows are not in the captured graph
+    assert not runner.can_run(lora)
     with pytest.raises(ValueError):
         DecodeGraphRunner(tiny, fleet.pool, max_batch=0, max_kv_indices=9, backend=EagerReplay())
 

@@ -51,9 +51,10 @@ def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tenso
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         c = config
+        self.index = index  # layer number (LoRA weights are per layer)
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
         w = {"device": device, "dtype": dtype}
@@ -80,8 +81,11 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         c, ops = self.config, attention.kernel_ops(x.device)
         t = x.shape[0]
+        lora, i = batch.lora, self.index
         h = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
@@ -93,10 +97,17 @@ class DecoderLayer(nn.Module):
             out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale)
         else:
             out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale)
-        x = x + F.linear(out.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        out = out.reshape(t, self.q_size)
+        o = F.linear(out, self.o_proj, self.o_bias)
+        x = x + (o if lora is None else lora.apply(i, "o", out, o))
         h = ops.rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
+        if lora is not None:
+            gate_up = lora.apply(i, "gate_up", h, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = F.linear(act, self.down_proj, self.down_bias)
+        return x + (down if lora is None else lora.apply(i, "down", act, down))
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -113,7 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.device, self.dtype = config, device, dtype
         w = {"device": device, "dtype": dtype}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **w)
-        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype, i) for i in range(config.num_layers))
+        self.adapters: list = []  # LoRA adapters (worker.model.lora); request adapter id i is adapters[i - 1]
         self.norm = _weight(config.hidden_size, **w)
         # NOTE: tied embeddings share one tensor; loading either name fills both.
         if config.tie_word_embeddings:

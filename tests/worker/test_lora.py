@@ -1,0 +1,227 @@
+"""LoRA adapters beside their base model: an adapter answers exactly as its weights merged into the
+base would; base and adapter requests share batches without touching each other; their cached
+prefixes stay apart and their KV events hash in the adapter's namespace; a router routes by
+adapter like any model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from router.block_hash import block_hashes, root_hash
+from tests.support import wait_until
+from worker.assembly import build_engine
+from worker.config import WorkerConfig
+from worker.kv_pool import PageAllocator
+from worker.radix_cache import RadixCache
+from worker.radix_node import adapter_keys
+
+from .test_server import LiveServer
+
+TARGETS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+RANK, ALPHA = 4, 8.0
+PROMPT = "Cache-aware routing sends shared prefixes to the worker that already holds them."
+
+
+def write_adapter(base: Path, out: Path, seed: int = 0, rank: int = RANK) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA directory for every projection of the checkpoint at ``base``; returns the delta
+    (scale * B @ A) per HF weight name."""
+    weights = load_file(str(next(base.glob("*.safetensors"))))
+    gen = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for name, w in weights.items():
+        parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}.weight
+        if len(parts) != 6 or parts[4] not in TARGETS.get(parts[3], ()):
+            continue
+        a = torch.randn(rank, w.shape[1], generator=gen) * 0.3
+        b = torch.randn(w.shape[0], rank, generator=gen) * 0.3
+        prefix = "base_model.model." + ".".join(parts[:5])
+        tensors[prefix + ".lora_A.weight"], tensors[prefix + ".lora_B.weight"] = a, b
+        deltas[name] = ALPHA / rank * b @ a
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": ALPHA, "bias": "none",
+              "target_modules": [t for ts in TARGETS.values() for t in ts]}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return deltas
+
+
+def merged_checkpoint(base: Path, deltas: dict[str, torch.Tensor], out: Path) -> Path:
+    shutil.copytree(base, out)
+    path = next(out.glob("*.safetensors"))
+    weights = load_file(str(path))
+    save_file(
+        {n: w + deltas[n] if n in deltas else w for n, w in weights.items()},
+        str(path),
+        metadata={"format": "pt"},
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_setup(llama_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    deltas = write_adapter(llama_checkpoint, root / "ad")
+    merged = merged_checkpoint(llama_checkpoint, deltas, root / "merged")
+
+    def serve(model: Path, **extra) -> LiveServer:
+        cfg = WorkerConfig(model=str(model), device="cpu", kv_cache_tokens=4096, warmup_tokens=0, **extra)
+        return LiveServer(build_engine(cfg))
+
+    with (
+        serve(llama_checkpoint, lora_adapters=[f"ad={root / 'ad'}"]) as both,
+        serve(merged) as merged_worker,
+        serve(llama_checkpoint) as base,
+    ):
+        yield both, merged_worker, base, root
+
+
+def complete(url: str, model: str | None, prompt: str = PROMPT, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1, **extra}
+    if model is not None:
+        body["model"] = model
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_an_adapter_answers_like_its_weights_merged_into_the_base(lora_setup, llama_checkpoint):
+    both, merged, base, _ = lora_setup
+    name = llama_checkpoint.name
+    for prompt in (PROMPT, "The quick brown fox", "Paged attention stores keys"):
+        got, want = complete(both.url, "ad", prompt), complete(merged.url, None, prompt)
+        assert got["model"] == "ad"
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        lp_got, lp_want = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+        assert lp_got["token_logprobs"] == pytest.approx(lp_want["token_logprobs"], abs=1e-4)
+        # the base model, served beside the adapter, is untouched
+        plain, same = complete(base.url, None, prompt), complete(both.url, name, prompt)
+        assert same["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert same["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            plain["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
+        )
+    assert got["choices"][0]["text"] != same["choices"][0]["text"]  # the adapter does change answers
+
+
+def test_base_and_adapter_requests_in_one_batch_answer_as_alone(lora_setup, llama_checkpoint):
+    both, _, _, _ = lora_setup
+    name = llama_checkpoint.name
+    prompts = [f"{PROMPT} Question {i}." for i in range(6)]
+    models = [name, "ad", "ad", name, "ad", name]
+    alone = [
+        complete(both.url, m, p, max_tokens=8)["choices"][0]["text"]
+        for m, p in zip(models, prompts, strict=True)
+    ]
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            bodies = [
+                {"prompt": p, "model": m, "max_tokens": 8, "temperature": 0}
+                for m, p in zip(models, prompts, strict=True)
+            ]
+            answers = await asyncio.gather(
+                *(client.post(both.url + "/v1/completions", json=b) for b in bodies)
+            )
+        return [a.json()["choices"][0]["text"] for a in answers]
+
+    assert asyncio.run(together()) == alone
+
+
+def test_adapter_prefixes_are_cached_apart(lora_setup, llama_checkpoint):
+    both, _, _, _ = lora_setup
+    name = llama_checkpoint.name
+    prompt = "Each adapter computes its own keys and values for the same tokens, so " * 3
+
+    def cached(model: str) -> int:
+        return complete(both.url, model, prompt, max_tokens=1)["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+
+    assert cached(name) == 0
+    assert cached("ad") == 0  # the base's pages are not the adapter's
+    assert cached("ad") > 0 and cached(name) > 0
+
+
+def test_models_list_adapters_and_an_unknown_model_is_404(lora_setup, llama_checkpoint):
+    both, _, _, _ = lora_setup
+    models = httpx.get(both.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [llama_checkpoint.name, "ad"]
+    assert models[1]["parent"] == llama_checkpoint.name
+    r = httpx.post(both.url + "/v1/completions", json={"prompt": "x", "model": "other"})
+    assert r.status_code == 404 and "'ad'" in r.json()["error"]["message"]
+    chat = httpx.post(both.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "ad", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["model"] == "ad"
+
+
+def test_kv_events_of_an_adapter_hash_in_its_namespace():
+    ps = 4
+    cache = RadixCache(PageAllocator(16), ps, namespace="base", adapters=["ad1", "ad2"])
+    tokens = np.arange(1, 9, dtype=np.int32)
+    for adapter in (0, 2):
+        pages = cache.allocator.alloc(2)
+        assert cache.insert(adapter_keys(tokens, adapter), pages) == 0  # apart: nothing shared
+    stored, _, _ = cache.drain_events()
+    assert [(s.parent_hash, s.token_ids) for s in stored] == [
+        (root_hash("base"), tokens.tolist()),
+        (root_hash("ad2"), tokens.tolist()),
+    ]
+    assert stored[1].block_hashes == block_hashes(tokens.tolist(), ps, namespace="ad2")
+    snapshot = {(s.parent_hash, tuple(s.block_hashes), tuple(s.token_ids)) for s in cache.snapshot()}
+    assert snapshot == {(s.parent_hash, tuple(s.block_hashes), tuple(s.token_ids)) for s in stored}
+    cache.check_invariants()
+    assert cache.match_prefix(adapter_keys(np.append(tokens, 0), 1)).num_tokens == 0
+
+
+def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
+    write_adapter(llama_checkpoint, tmp_path / "r4")
+    wrong = tmp_path / "wrong"
+    write_adapter(llama_checkpoint, wrong)
+    weights = load_file(str(wrong / "adapter_model.safetensors"))
+    key = next(k for k in weights if k.endswith("q_proj.lora_A.weight"))
+    weights[key] = weights[key][:, :-1].contiguous()  # not the base's hidden size
+    save_file(weights, str(wrong / "adapter_model.safetensors"))
+    for spec, words in ((f"w={wrong}", "needs A"), (f"m={tmp_path / 'missing'}", "cannot read")):
+        cfg = WorkerConfig(
+            model=str(llama_checkpoint), device="cpu", kv_cache_tokens=1024, lora_adapters=[spec]
+        )
+        with pytest.raises(ValueError, match=words):
+            build_engine(cfg)
+    for adapters in (["noequals"], ["a=/x", "a=/y"], [f"{llama_checkpoint.name}=/x"]):
+        with pytest.raises(ValueError):
+            WorkerConfig(model=str(llama_checkpoint), lora_adapters=adapters).validate()
+    with pytest.raises(ValueError):
+        WorkerConfig(engine="sim", lora_adapters=[f"a={tmp_path / 'r4'}"]).validate()
+
+
+def test_a_router_routes_an_adapter_by_its_own_prefixes(launch, lora_setup, llama_checkpoint):
+    """Real processes: the router learns the adapter from /v1/models and predicts its cached prefix
+    from the worker's KV events (hashed in the adapter's namespace)."""
+    _, _, _, root = lora_setup
+    worker = launch.module("worker", "--model", str(llama_checkpoint), "--lora-adapter", f"ad={root / 'ad'}",
+                           "--device", "cpu", "--kv-cache-tokens", "4096", "--warmup-tokens", "0", timeout=120)  # fmt: skip
+    router = launch.module("router", "--workers", worker.url, "--kv-events", "http")
+    wait_until(lambda: httpx.get(router.url + "/v1/models", timeout=2).json()["data"] and
+               {m["id"] for m in httpx.get(router.url + "/v1/models", timeout=2).json()["data"]} == {llama_checkpoint.name, "ad"},
+               60, what="router sees the adapter")  # fmt: skip
+    body = {"model": "ad", "prompt": PROMPT * 2, "max_tokens": 1}
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "ad"
+
+    def predicted(model: str) -> int:
+        decision = httpx.post(router.url + "/debug/route", json={**body, "model": model}, timeout=10).json()
+        return decision["candidates"][0]["matched_tokens"]
+
+    wait_until(lambda: predicted("ad") > 0, 30, what="the adapter's KV events reach the router")
+    assert predicted(llama_checkpoint.name) == 0  # the base has none of it

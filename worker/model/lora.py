@@ -1,0 +1,144 @@
+"""LoRA adapters served beside their base model: each request names the base or one adapter, and a
+batch mixes them.
+
+An adapter is a PEFT directory (adapter_config.json + adapter_model.safetensors) for the base's
+q/k/v/o and gate/up/down projections. A targeted projection's output for a request of adapter a
+gains ``scale_a * (x @ A_a^T) @ B_a^T`` (A: [r, in], B: [out, r], scale = lora_alpha / r, or
+lora_alpha / sqrt(r) with rslora), computed for that adapter's rows of the batch only; the base
+weights are never changed, so base requests in the same batch are untouched.
+
+``LoraBatch`` is what one forward needs: for each adapter present, the rows (new tokens) of its
+requests. The KV a request computes depends on its adapter, so the radix cache keeps each adapter's
+prefixes apart (worker.radix_node.adapter_keys) and routers see them as separate models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+# PEFT's target name -> (our stacked projection, which part of its output rows)
+TARGETS = {
+    "q_proj": ("qkv", "q"),
+    "k_proj": ("qkv", "k"),
+    "v_proj": ("qkv", "v"),
+    "o_proj": ("o", None),
+    "gate_proj": ("gate_up", "gate"),
+    "up_proj": ("gate_up", "up"),
+    "down_proj": ("down", None),
+}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+MAX_ADAPTERS = 2047  # adapter ids 1..2047 (worker.radix_node.ADAPTER_SHIFT keeps them apart in the cache)
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    rank: int
+    scale: float
+    # (layer, projection) -> [(output rows start, end, A [r, in], B [rows, r])]
+    weights: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+
+@dataclass
+class LoraBatch:
+    """For each adapter in a forward: its new tokens' rows (int64 on the model's device)."""
+
+    groups: list[tuple[LoraAdapter, torch.Tensor]]
+
+    def apply(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (= the base projection of ``x``) plus each adapter's delta on its rows."""
+        for adapter, rows in self.groups:
+            parts = adapter.weights.get((layer, proj))
+            if not parts:
+                continue
+            xs = x.index_select(0, rows)
+            delta = torch.zeros(rows.numel(), out.shape[1], dtype=out.dtype, device=out.device)
+            for start, end, a, b in parts:
+                delta[:, start:end] = (xs @ a.t()) @ b.t() * adapter.scale
+            out = out.index_add(0, rows, delta)
+        return out
+
+
+def lora_batch(
+    adapters: list[LoraAdapter], per_request: list[int], qo_indptr: list[int], device: torch.device
+) -> LoraBatch | None:
+    """Rows of each adapter's requests (``per_request[i]``: request i's adapter id, 0 = the base);
+    None when every request is the base's."""
+    rows: dict[int, list[int]] = {}
+    for i, a in enumerate(per_request):
+        if a:
+            rows.setdefault(a, []).extend(range(qo_indptr[i], qo_indptr[i + 1]))
+    if not rows:
+        return None
+    return LoraBatch(
+        [(adapters[a - 1], torch.tensor(r, dtype=torch.long, device=device)) for a, r in rows.items()]
+    )
+
+
+def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
+    """A PEFT LoRA directory for ``model`` (its device and dtype). ValueError names what does not fit."""
+    from safetensors.torch import load_file
+
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ValueError(
+            f"adapter {name!r}: cannot read {path}/adapter_config.json ({exc.strerror})"
+        ) from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {name!r}: only LoRA adapters are supported, not {config.get('peft_type')}")
+    if config.get("bias", "none") != "none" or config.get("fan_in_fan_out") or config.get("use_dora"):
+        raise ValueError(f"adapter {name!r}: LoRA biases, fan_in_fan_out and DoRA are not supported")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.exists(weights_path):
+        raise ValueError(f"adapter {name!r}: no adapter_model.safetensors in {path}")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(weights_path).items():
+        m = _KEY.match(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise ValueError(
+                f"adapter {name!r}: unsupported weight {key!r} (LoRA on q/k/v/o/gate/up/down only)"
+            )
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
+    c = model.config  # type: ignore[attr-defined]
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    rows = {
+        "q": (0, q),
+        "k": (q, q + kv),
+        "v": (q + kv, q + 2 * kv),
+        "gate": (0, inter),
+        "up": (inter, 2 * inter),
+    }
+    inputs = {"qkv": c.hidden_size, "o": q, "gate_up": c.hidden_size, "down": inter}
+    outputs = {"o": c.hidden_size, "down": c.hidden_size}
+    adapter = LoraAdapter(name, rank, scale)
+    dev, dtype = model.device, model.dtype  # type: ignore[attr-defined]
+    for (layer, target), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"} or layer >= c.num_layers:
+            raise ValueError(
+                f"adapter {name!r}: layer {layer} {target} needs lora_A and lora_B of a base layer"
+            )
+        proj, part = TARGETS[target]
+        start, end = rows[part] if part else (0, outputs[proj])
+        a, b = ab["A"], ab["B"]
+        if a.shape != (rank, inputs[proj]) or b.shape != (end - start, rank):
+            raise ValueError(
+                f"adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)}, B {tuple(b.shape)}; "
+                f"the base needs A ({rank}, {inputs[proj]}), B ({end - start}, {rank})"
+            )
+        entry = (start, end, a.to(dev, dtype), b.to(dev, dtype))
+        adapter.weights.setdefault((layer, proj), []).append(entry)
+    if not adapter.weights:
+        raise ValueError(f"adapter {name!r}: no LoRA weights in {weights_path}")
+    return adapter
