@@ -80,7 +80,7 @@ class ModelExecutor:
         fb = ForwardBatch.from_step(batch, self.device)
         adapters = [r.adapter for r in batch.requests]
         if any(adapters):
-            fb.lora = lora_batch(self.model.adapters, adapters, batch.qo_indptr.tolist(), self.device)
+            fb.lora = lora_batch(self.model.lora, adapters, batch.qo_indptr.tolist(), self.device)
         return fb
 
     def verify(self, batch: ScheduledBatch) -> list[list[int]]:
@@ -241,7 +241,7 @@ def build_engine(cfg: Any) -> Engine:
 
 
 def load_adapters(cfg: Any, model: Any) -> None:
-    """``--lora-adapter NAME=PATH`` each onto the model (``model.adapters``, ids 1, 2, ...)."""
+    """``--lora-adapter NAME=PATH`` each onto the model (``model.lora``, ids 1, 2, ...)."""
     from worker.model.lora import MAX_ADAPTERS, load_adapter
     from worker.radix_node import ADAPTER_SHIFT
 
@@ -251,8 +251,8 @@ def load_adapters(cfg: Any, model: Any) -> None:
         raise ValueError(f"LoRA adapters: at most {MAX_ADAPTERS}, on vocabularies below {1 << ADAPTER_SHIFT}")
     for spec in cfg.lora_adapters:
         name, _, path = spec.partition("=")
-        model.adapters.append(load_adapter(name, path, model))
-        log.info("LoRA adapter %s from %s (rank %d)", name, path, model.adapters[-1].rank)
+        model.lora.append(load_adapter(name, path, model))
+        log.info("LoRA adapter %s from %s (rank %d)", name, path, model.lora[-1].rank)
 
 
 def host_tier(cfg: Any, pool: KVPool | None) -> HostKVPool | None:

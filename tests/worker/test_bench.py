@@ -172,3 +172,14 @@ def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
     assert schema_off["output"] == schema_on["output"] == "json_schema" and schema_on["same_output_as_off"]
     assert schema_on["accepted_tokens"] >= len('{"customer_name":"')  # the forced key at least
     assert md.read_text() in capsys.readouterr().out
+
+
+def test_lora_bench_times_steps_with_growing_adapter_counts(tmp_path, capsys):
+    from worker import bench_lora
+
+    out = tmp_path / "lora.json"
+    bench_lora.main(["--quick", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["adapters"] for r in rows] == [0, 1, 2]
+    assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in rows) and rows[0]["decode_vs_base"] == 1.0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 2 |")

@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         w = {"device": device, "dtype": dtype}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **w)
         self.layers = nn.ModuleList(DecoderLayer(config, device, dtype, i) for i in range(config.num_layers))
-        self.adapters: list = []  # LoRA adapters (worker.model.lora); request adapter id i is adapters[i - 1]
+        self.lora: list = []  # LoRA adapters served (worker.model.lora): request adapter id i is lora[i - 1]
         self.norm = _weight(config.hidden_size, **w)
         # NOTE: tied embeddings share one tensor; loading either name fills both.
         if config.tie_word_embeddings:

@@ -8,7 +8,8 @@ lora_alpha / sqrt(r) with rslora), computed for that adapter's rows of the batch
 weights are never changed, so base requests in the same batch are untouched.
 
 ``LoraBatch`` is what one forward needs: for each adapter present, the rows (new tokens) of its
-requests. The KV a request computes depends on its adapter, so the radix cache keeps each adapter's
+requests; each adapter's weights are read once per step, at four small products per projection
+(python -m worker.bench_lora measures what that costs as adapters per step grow). The KV a request computes depends on its adapter, so the radix cache keeps each adapter's
 prefixes apart (worker.radix_node.adapter_keys) and routers see them as separate models.
 """
 
@@ -41,37 +42,33 @@ class LoraAdapter:
     name: str
     rank: int
     scale: float
-    # (layer, projection) -> [(output rows start, end, A [r, in], B [rows, r])]
-    weights: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    # (layer, projection) -> (A [R, in], B [out, R]) with B scaled: the projection's whole output
+    # gains (x @ A^T) @ B^T. A stacked projection (qkv, gate_up) concatenates its parts' A along R
+    # and places their B block-diagonally, so each part sees only its own A.
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
 class LoraBatch:
-    """For each adapter in a forward: its new tokens' rows (int64 on the model's device)."""
+    """One forward's adapters: for each adapter present, the rows (new tokens) of its requests
+    (int64 on the model's device)."""
 
     groups: list[tuple[LoraAdapter, torch.Tensor]]
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (= the base projection of ``x``) plus each adapter's delta on its rows."""
         for adapter, rows in self.groups:
-            parts = adapter.weights.get((layer, proj))
-            if not parts:
-                continue
-            xs = x.index_select(0, rows)
-            delta = torch.zeros(rows.numel(), out.shape[1], dtype=out.dtype, device=out.device)
-            for start, end, a, b in parts:
-                delta[:, start:end] = (xs @ a.t()) @ b.t() * adapter.scale
-            out = out.index_add(0, rows, delta)
+            ab = adapter.weights.get((layer, proj))
+            if ab is not None:
+                out = out.index_add(0, rows, (x.index_select(0, rows) @ ab[0].t()) @ ab[1].t())
         return out
 
 
 def lora_batch(
     adapters: list[LoraAdapter], per_request: list[int], qo_indptr: list[int], device: torch.device
 ) -> LoraBatch | None:
-    """Rows of each adapter's requests (``per_request[i]``: request i's adapter id, 0 = the base);
-    None when every request is the base's."""
+    """Rows of each adapter's requests (``per_request[i]``: request i's adapter id, 0 = the base,
+    i = ``adapters[i - 1]``); None when every request is the base's."""
     rows: dict[int, list[int]] = {}
     for i, a in enumerate(per_request):
         if a:
@@ -124,6 +121,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     outputs = {"o": c.hidden_size, "down": c.hidden_size}
     adapter = LoraAdapter(name, rank, scale)
     dev, dtype = model.device, model.dtype  # type: ignore[attr-defined]
+    parts: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, target), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"} or layer >= c.num_layers:
             raise ValueError(
@@ -137,8 +135,14 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
                 f"adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)}, B {tuple(b.shape)}; "
                 f"the base needs A ({rank}, {inputs[proj]}), B ({end - start}, {rank})"
             )
-        entry = (start, end, a.to(dev, dtype), b.to(dev, dtype))
-        adapter.weights.setdefault((layer, proj), []).append(entry)
+        parts.setdefault((layer, proj), []).append((start, end, a, b))
+    for key, found in parts.items():
+        width = outputs.get(key[1]) or {"qkv": q + 2 * kv, "gate_up": 2 * inter}[key[1]]
+        stacked_b = torch.zeros(width, rank * len(found))
+        for n, (start, end, _, b) in enumerate(found):
+            stacked_b[start:end, n * rank : (n + 1) * rank] = b.float() * scale
+        stacked_a = torch.cat([a.float() for _, _, a, _ in found])
+        adapter.weights[key] = (stacked_a.to(dev, dtype), stacked_b.to(dev, dtype))
     if not adapter.weights:
         raise ValueError(f"adapter {name!r}: no LoRA weights in {weights_path}")
     return adapter
