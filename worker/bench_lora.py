@@ -10,17 +10,14 @@ number of distinct adapters in a step; this measures by how much.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
-
 from worker.bench import LLAMA3_8B_SHAPE, random_llama
-from worker.bench_report import machine_info
+from worker.bench_report import machine_info, write_results
 
 
 def random_adapter(model: Any, name: str, rank: int, seed: int) -> Any:
@@ -160,14 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"benchmark": "lora", "command": " ".join(["python -m worker.bench_lora", *argv]), "model": a.model,
            "params": params, "machine": machine_info(device), "rows": rows,
            "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-    for path, data in ((a.out, orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"),
-                       (a.markdown, markdown(doc).encode())):  # fmt: skip
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
-            print(f"wrote {path}")
-    print(markdown(doc))
+    write_results(doc, a.out, a.markdown, markdown(doc))
     return 0
 
 

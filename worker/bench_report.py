@@ -104,3 +104,18 @@ def markdown_table(doc: dict) -> str:
     lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']}{graphs})", "",
              "| measurement | value | unit |", "|---|---:|---|"]  # fmt: skip
     return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
+
+
+def write_results(doc: dict, json_path: str | None, markdown_path: str | None, table: str) -> None:
+    """A benchmark's JSON document and markdown table to the paths asked for (each optional), then
+    the table on stdout, last."""
+    import orjson
+
+    for path, data in ((json_path, orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"),
+                       (markdown_path, table.encode())):  # fmt: skip
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+            print(f"wrote {path}")
+    print(table)

@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
-
 from worker.bench import LLAMA3_8B_SHAPE, REQUEST_TIMEOUT_S, Prompts, build_bench_engine
-from worker.bench_report import machine_info
+from worker.bench_report import machine_info, write_results
 from worker.config import WorkerConfig
 from worker.sampling import SamplingParams
 
@@ -255,14 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"benchmark": "speculative", "command": " ".join(["python -m worker.bench_speculative", *argv]),
            "model": a.model, "params": params, "machine": machine_info(device), "step_cost": costs,
            "end_to_end": runs, "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-    for path, data in ((a.out, orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n"),
-                       (a.markdown, markdown(doc).encode())):  # fmt: skip
-        if path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path, "wb") as f:
-                f.write(data)
-            print(f"wrote {path}")
-    print(markdown(doc))
+    write_results(doc, a.out, a.markdown, markdown(doc))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""What the scheduler works on: requests, the batch it schedules each step, its configuration and
-counters. Pure Python + numpy, shared by the engine, the executors and the simulators."""
+"""What the scheduler works on: requests, the batch it schedules each step (and how its arrays are
+built), its configuration and counters. Pure Python + numpy, shared by the engine, the executors
+and the simulators."""
 
 from __future__ import annotations
 
@@ -127,3 +128,49 @@ class SchedulerStats:
     verify_requests: int = 0  # requests in those steps (a request per step)
     draft_tokens: int = 0  # drafts proposed to those steps
     accepted_tokens: int = 0  # of those, kept
+
+
+def build_batch(
+    mode: Literal["extend", "decode", "verify"], items: list[tuple[Request, int, int]], sample: list[bool],
+    prefix_only: bool, drafts: list[list[int]] | None = None,
+) -> ScheduledBatch:  # fmt: skip
+    """The step computing tokens [start, end) of each (request, start, end) of ``items``: ids,
+    positions and pool slots of the new tokens; each request's context slots (``prefix_only``:
+    those before ``start``, else all up to ``end``); verify steps take their new tokens from
+    ``drafts``."""
+    reqs = [r for r, _, _ in items]
+    starts = [st for _, st, _ in items]
+    ends = [e for _, _, e in items]
+    # NOTE: req.slots[p] is position p's slot; it covers every page the request holds.
+    kv = [r.slots[: st if prefix_only else e] for r, st, e in items]
+    if mode == "decode":  # one token each: skip per-request array building (hot path)
+        input_ids = np.fromiter((r.token_ids[st] for r, st, _ in items), np.int64, len(items))
+        positions = np.asarray(starts, dtype=np.int64)
+        out_slots = np.fromiter((r.slots[st] for r, st, _ in items), np.int64, len(items))
+        qo = np.arange(len(items) + 1, dtype=np.int32)
+    else:
+        if drafts is None:
+            input_ids = np.concatenate([np.asarray(r.token_ids[st:e], dtype=np.int64) for r, st, e in items])
+        else:  # verify: each request's last token, then its drafts
+            ids = [t for (r, st, _), d in zip(items, drafts, strict=True) for t in (r.token_ids[st], *d)]
+            input_ids = np.asarray(ids, dtype=np.int64)
+        positions = np.concatenate([np.arange(st, e, dtype=np.int64) for _, st, e in items])
+        out_slots = np.concatenate([r.slots[st:e] for r, st, e in items])
+        qo = np.zeros(len(items) + 1, dtype=np.int32)
+        np.cumsum([e - st for _, st, e in items], out=qo[1:])
+    kvp = np.zeros(len(items) + 1, dtype=np.int32)
+    np.cumsum([k.size for k in kv], out=kvp[1:])
+    return ScheduledBatch(
+        mode=mode,
+        requests=reqs,
+        starts=starts,
+        ends=ends,
+        sample=sample,
+        input_ids=input_ids,
+        positions=positions,
+        out_slots=out_slots,
+        qo_indptr=qo,
+        kv_indptr=kvp,
+        kv_indices=np.concatenate(kv),
+        drafts=drafts,
+    )

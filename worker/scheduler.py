@@ -10,15 +10,23 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from worker.kv_pool import PageAllocator
 from worker.radix_cache import RadixCache
 from worker.radix_node import adapter_keys
-from worker.request import NO_PAGES, QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
-from worker.speculative import NgramProposer
+from worker.request import (
+    NO_PAGES,
+    QueueFullError,
+    Request,
+    ScheduledBatch,
+    SchedulerConfig,
+    SchedulerStats,
+    build_batch,
+)
+from worker.speculative import NgramProposer, commit_verify
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -167,7 +175,7 @@ class Scheduler:
         (the caller passes them to ``finish`` after its own checks, e.g. stop strings). A verify
         step's ``next_tokens`` holds each request's accepted tokens, a list."""
         if batch.mode == "verify":
-            return self._commit_verify(batch, next_tokens)
+            return commit_verify(self.stats, batch, next_tokens)
         out: list[Request] = []
         for i, req in enumerate(batch.requests):
             req.kv_len = batch.ends[i]
@@ -189,27 +197,6 @@ class Scheduler:
                 req.finish_reason = "length"
             out.append(req)
         return out
-
-    def _commit_verify(self, batch: ScheduledBatch, accepted: Sequence[list[int]]) -> list[Request]:
-        """Append each request's accepted tokens up to the first that finishes it; its K/V now
-        cover its last token and the drafts it kept (the rest of the step's K/V is left unused)."""
-        assert batch.drafts is not None
-        self.stats.verify_steps += 1
-        self.stats.verify_requests += len(batch.requests)
-        for req, draft, tokens in zip(batch.requests, batch.drafts, accepted, strict=True):
-            self.stats.draft_tokens += len(draft)
-            self.stats.accepted_tokens += len(tokens) - 1
-            for token in tokens:
-                req.token_ids.append(int(token))
-                self.stats.decode_tokens += 1
-                if token in req.stop_token_ids:
-                    req.finish_reason = "stop"
-                elif req.num_output >= req.max_tokens:
-                    req.finish_reason = "length"
-                if req.finish_reason is not None:
-                    break
-            req.kv_len = len(req.token_ids) - 1
-        return list(batch.requests)
 
     def fail(self, batch: ScheduledBatch, reason: str = "error") -> list[Request]:
         """The step's forward failed: end its requests and release their pages (nothing from this
@@ -363,7 +350,7 @@ class Scheduler:
             self._admit(now, budget, reserved, in_flight_keys, items)
         if not items:
             return None
-        return self._build(
+        return build_batch(
             "extend", items, [end == len(r.token_ids) for r, _, end in items], prefix_only=True
         )
 
@@ -432,8 +419,8 @@ class Scheduler:
             for i, (req, start, _) in enumerate(items):
                 self._grow(req, start + 1 + len(drafts[i]))
                 items[i] = (req, start, start + 1 + len(drafts[i]))
-            return self._build("verify", items, [True] * len(items), prefix_only=True, drafts=drafts)
-        return self._build("decode", items, [True] * len(items), prefix_only=False)
+            return build_batch("verify", items, [True] * len(items), prefix_only=True, drafts=drafts)
+        return build_batch("decode", items, [True] * len(items), prefix_only=False)
 
     def _drafts(self) -> list[list[int]] | None:
         """Each running request's draft tokens for a verify step, or None for a plain decode step:
@@ -447,49 +434,6 @@ class Scheduler:
         grow = zip(self.running, drafts, strict=True)
         need = sum(_pages_for(r.kv_len + 1 + len(d), self.ps) - r.pages.size for r, d in grow)
         return drafts if need <= self.allocator.num_free else None
-
-    def _build(
-        self, mode: Literal["extend", "decode", "verify"], items: list[tuple[Request, int, int]],
-        sample: list[bool], prefix_only: bool, drafts: list[list[int]] | None = None,
-    ) -> ScheduledBatch:  # fmt: skip
-        reqs = [r for r, _, _ in items]
-        starts = [st for _, st, _ in items]
-        ends = [e for _, _, e in items]
-        # NOTE: req.slots[p] is position p's slot; it covers every page the request holds.
-        kv = [r.slots[: st if prefix_only else e] for r, st, e in items]
-        if mode == "decode":  # one token each: skip per-request array building (hot path)
-            input_ids = np.fromiter((r.token_ids[st] for r, st, _ in items), np.int64, len(items))
-            positions = np.asarray(starts, dtype=np.int64)
-            out_slots = np.fromiter((r.slots[st] for r, st, _ in items), np.int64, len(items))
-            qo = np.arange(len(items) + 1, dtype=np.int32)
-        else:
-            if drafts is None:
-                input_ids = np.concatenate(
-                    [np.asarray(r.token_ids[st:e], dtype=np.int64) for r, st, e in items]
-                )
-            else:  # verify: each request's last token, then its drafts
-                ids = [t for (r, st, _), d in zip(items, drafts, strict=True) for t in (r.token_ids[st], *d)]
-                input_ids = np.asarray(ids, dtype=np.int64)
-            positions = np.concatenate([np.arange(st, e, dtype=np.int64) for _, st, e in items])
-            out_slots = np.concatenate([r.slots[st:e] for r, st, e in items])
-            qo = np.zeros(len(items) + 1, dtype=np.int32)
-            np.cumsum([e - st for _, st, e in items], out=qo[1:])
-        kvp = np.zeros(len(items) + 1, dtype=np.int32)
-        np.cumsum([k.size for k in kv], out=kvp[1:])
-        return ScheduledBatch(
-            mode=mode,
-            requests=reqs,
-            starts=starts,
-            ends=ends,
-            sample=sample,
-            input_ids=input_ids,
-            positions=positions,
-            out_slots=out_slots,
-            qo_indptr=qo,
-            kv_indptr=kvp,
-            kv_indices=np.concatenate(kv),
-            drafts=drafts,
-        )
 
     # ------------------------------------------------------------------ checks
     def pages_accounted(self) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ vectorised scan of the request's ids (kept as an int32 array, appended to as tok
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +86,26 @@ def _history(req: Any) -> np.ndarray:
         hist.ids[hist.size : len(tokens)] = tokens[hist.size :]
         hist.size = len(tokens)
     return hist.ids[: hist.size]
+
+
+def commit_verify(stats: Any, batch: Any, accepted: Sequence[list[int]]) -> list[Any]:
+    """Record a verify step (worker.scheduler.Scheduler.commit): append each request's accepted
+    tokens up to the first that finishes it; its K/V now cover its last token and the drafts it
+    kept (the rest of the step's K/V is left unused). ``stats``: the SchedulerStats to count in."""
+    assert batch.drafts is not None
+    stats.verify_steps += 1
+    stats.verify_requests += len(batch.requests)
+    for req, draft, tokens in zip(batch.requests, batch.drafts, accepted, strict=True):
+        stats.draft_tokens += len(draft)
+        stats.accepted_tokens += len(tokens) - 1
+        for token in tokens:
+            req.token_ids.append(int(token))
+            stats.decode_tokens += 1
+            if token in req.stop_token_ids:
+                req.finish_reason = "stop"
+            elif req.num_output >= req.max_tokens:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                break
+        req.kv_len = len(req.token_ids) - 1
+    return list(batch.requests)
