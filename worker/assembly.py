@@ -31,10 +31,6 @@ class ModelExecutor:
     def run(self, batch: ScheduledBatch) -> list[int]:
         import torch
 
-        from worker.guided import advance, constrain
-        from worker.penalties import adjust_logits, adjusts
-        from worker.sampling import make_generator, sample, token_logprobs
-
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             logits = self.decode_graphs.run(batch)
             self.graph_steps += 1
@@ -47,14 +43,24 @@ class ModelExecutor:
             return []
         if len(rows) != len(batch.sample):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        states: list[RequestState] = [batch.requests[i].payload for i in rows]
+        return self._sample(logits, [batch.requests[i] for i in rows])
+
+    def _sample(self, logits: Any, reqs: list[Any]) -> list[int]:
+        """One token per request from its row of ``logits``: penalties and bias, the grammar's
+        mask, sampling, the grammar advanced, logprobs (of the raw row) to ``step_logprobs``."""
+        import torch
+
+        from worker.guided import advance, constrain
+        from worker.penalties import adjust_logits, adjusts
+        from worker.sampling import make_generator, sample, token_logprobs
+
+        states: list[RequestState] = [r.payload for r in reqs]
         for st in states:
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
         params = [st.params for st in states]
         raw = logits  # NOTE: logprobs come from the model's logits, before penalties and bias
         if any(adjusts(p) for p in params):
-            reqs = [batch.requests[i] for i in rows]
             history = [(r.token_ids, r.prompt_len, r.stop_token_ids, r.payload.memo) for r in reqs]
             logits = adjust_logits(logits, params, history)
         guided = any(p.guide is not None for p in params)
@@ -85,7 +91,9 @@ class ModelExecutor:
 
     def verify(self, batch: ScheduledBatch) -> list[list[int]]:
         """A verify step (speculative decoding): logits for every new token, then each request's
-        accepted tokens (worker.sampling.accept_draft) and their logprobs when it asks."""
+        accepted tokens (worker.sampling.accept_draft) and their logprobs when it asks. Only
+        speculating requests have drafts (no penalties or bias: a draft's row would need them
+        replayed), so a request with none is sampled exactly as in a decode step."""
         import torch
 
         from worker.guided import draft_masks, matcher_of
@@ -96,11 +104,24 @@ class ModelExecutor:
         fb.return_all_logits = True
         logits = self.model.forward(fb, self.kv_pool)
         qo = batch.qo_indptr.tolist()
-        greedy = any(r.payload.params.greedy and r.payload.params.guide is None for r in batch.requests)
+        out: list[list[int]] = [[] for _ in batch.requests]
+        # NOTE: requests without drafts (penalties, nothing matched) take their one token as a
+        # decode step gives it
+        plain = [i for i, d in enumerate(batch.drafts) if not d]
+        if plain:
+            last = torch.tensor([qo[i] for i in plain], device=logits.device)
+            for i, token in zip(
+                plain, self._sample(logits[last], [batch.requests[i] for i in plain]), strict=True
+            ):
+                st = batch.requests[i].payload
+                out[i] = [token]
+                st.verify_logprobs = None if st.step_logprobs is None else [st.step_logprobs]
+                st.step_logprobs = None
+        drafted = [i for i, d in enumerate(batch.drafts) if d]
+        greedy = any(batch.requests[i].payload.params.greedy for i in drafted)
         best = logits.argmax(dim=-1).tolist() if greedy else []  # NOTE: one transfer for all of them
-        out: list[list[int]] = []
-        for i, req in enumerate(batch.requests):
-            st: RequestState = req.payload
+        for i in drafted:
+            st: RequestState = batch.requests[i].payload
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
             rows = logits[qo[i] : qo[i + 1]]
@@ -120,7 +141,7 @@ class ModelExecutor:
                 index = torch.tensor(tokens, device=logits.device)
                 top = [st.params.logprobs] * len(tokens)
                 st.verify_logprobs = token_logprobs(rows[: len(tokens)], index, top)
-            out.append(tokens)
+            out[i] = tokens
         return out
 
     def _forward_scoring_prompts(self, batch: ScheduledBatch, fb: Any) -> Any:

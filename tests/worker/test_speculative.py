@@ -6,6 +6,7 @@ same with and without it (text, logprobs, stop strings, streams) and counts draf
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -265,6 +266,29 @@ def test_seeded_sampling_with_drafts_repeats_and_penalties_do_not_speculate(work
     before = spec_counts(spec.url)
     complete(spec.url, max_tokens=60, frequency_penalty=0.5)
     assert spec_counts(spec.url) == before
+
+
+def test_requests_beside_a_verify_step_sample_as_in_a_decode_step(workers):
+    """A verify step holds every running request: one with penalties and bias (never drafts) is
+    sampled with them, as plain decoding does, while another request's drafts are checked."""
+    plain, spec = workers
+    penalized = {"prompt": "Paged attention and radix trees. " * 3, "max_tokens": 40, "temperature": 0,
+                 "frequency_penalty": 1.5, "presence_penalty": 1.0, "logit_bias": {"32": -100}, "logprobs": 1}  # fmt: skip
+    alone = httpx.post(plain.url + "/v1/completions", json=penalized, timeout=60).json()["choices"][0]
+    before = spec_counts(spec.url)["radixgate_worker_spec_verify_steps_total"]
+
+    async def together() -> dict:
+        async with httpx.AsyncClient(timeout=120) as client:
+            drafting = client.post(
+                spec.url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "max_tokens": 120}
+            )
+            beside = client.post(spec.url + "/v1/completions", json=penalized)
+            return (await asyncio.gather(drafting, beside))[1].json()["choices"][0]
+
+    got = asyncio.run(together())
+    assert got["text"] == alone["text"] and " " not in got["text"]  # the bias holds in verify steps too
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(alone["logprobs"]["token_logprobs"], abs=1e-4)
+    assert spec_counts(spec.url)["radixgate_worker_spec_verify_steps_total"] > before
 
 
 SCHEMA = {
