@@ -65,13 +65,16 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
 
     async def models(request: Request) -> Response:
         """The workers' models; ``max_model_len`` the smallest any healthy worker serving it reports
-        (a request may land on any of them)."""
+        (a request may land on any of them); ``parent``: a LoRA adapter's base model."""
         data = []
         for m in sorted(router.workers.models()):
             entry: dict[str, Any] = {"id": m, "object": "model", "owned_by": "radixgate"}
             limits = [w.max_model_len[m] for w in router.workers if w.healthy and m in w.max_model_len]
             if limits:
                 entry["max_model_len"] = min(limits)
+            parent = next((w.parents[m] for w in router.workers if m in w.parents), None)
+            if parent is not None:
+                entry["parent"] = parent
             data.append(entry)
         return _json({"object": "list", "data": data})
 

@@ -52,6 +52,7 @@ class Worker:
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)  # our counts moved
     models: set[str] = field(default_factory=set)  # served model ids (empty = unknown, serves all)
     max_model_len: dict[str, int] = field(default_factory=dict)  # model id -> its /v1/models max_model_len
+    parents: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> its base model's (/v1/models)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
     epoch: str | None = None  # the worker's start identity, from /health or cache info
     last_check_ok_at: float = 0.0

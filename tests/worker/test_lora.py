@@ -215,6 +215,10 @@ def test_a_router_routes_an_adapter_by_its_own_prefixes(launch, lora_setup, llam
     wait_until(lambda: httpx.get(router.url + "/v1/models", timeout=2).json()["data"] and
                {m["id"] for m in httpx.get(router.url + "/v1/models", timeout=2).json()["data"]} == {llama_checkpoint.name, "ad"},
                60, what="router sees the adapter")  # fmt: skip
+    listed = {
+        m["id"]: m.get("parent") for m in httpx.get(router.url + "/v1/models", timeout=5).json()["data"]
+    }
+    assert listed == {llama_checkpoint.name: None, "ad": llama_checkpoint.name}
     body = {"model": "ad", "prompt": PROMPT * 2, "max_tokens": 1}
     r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["model"] == "ad"
