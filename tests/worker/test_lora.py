@@ -80,7 +80,13 @@ def lora_setup(llama_checkpoint, tmp_path_factory):
         return LiveServer(build_engine(cfg))
 
     with (
-        serve(llama_checkpoint, lora_adapters=[f"ad={root / 'ad'}"]) as both,
+        # NOTE: with speculative decoding too: every answer below also goes through verify steps
+        serve(
+            llama_checkpoint,
+            lora_adapters=[f"ad={root / 'ad'}"],
+            speculative_tokens=3,
+            speculative_ngram_min=1,
+        ) as both,
         serve(merged) as merged_worker,
         serve(llama_checkpoint) as base,
     ):
@@ -112,6 +118,12 @@ def test_an_adapter_answers_like_its_weights_merged_into_the_base(lora_setup, ll
             plain["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
         )
     assert got["choices"][0]["text"] != same["choices"][0]["text"]  # the adapter does change answers
+    spec = [
+        line
+        for line in httpx.get(both.url + "/metrics").text.splitlines()
+        if line.startswith("radixgate_worker_spec_verify")
+    ]
+    assert float(spec[0].split()[1]) > 0
 
 
 def test_base_and_adapter_requests_in_one_batch_answer_as_alone(lora_setup, llama_checkpoint):
