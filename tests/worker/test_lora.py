@@ -217,6 +217,16 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
         WorkerConfig(engine="sim", lora_adapters=[f"a={tmp_path / 'r4'}"]).validate()
 
 
+def test_adapters_come_from_flags_and_the_environment(monkeypatch, tmp_path):
+    from worker.config import parse_args
+
+    assert parse_args(["--lora-adapter", "a=/x", "--lora-adapter", "b=/y"]).lora_adapters == ["a=/x", "b=/y"]
+    monkeypatch.setenv("RADIXGATE_WORKER_LORA_ADAPTERS", "a=/x,b=/y")
+    assert parse_args([]).lora_adapters == ["a=/x", "b=/y"]
+    with pytest.raises(SystemExit):
+        parse_args(["--lora-adapter", "a"])
+
+
 def test_a_router_routes_an_adapter_by_its_own_prefixes(launch, lora_setup, llama_checkpoint):
     """Real processes: the router learns the adapter from /v1/models and predicts its cached prefix
     from the worker's KV events (hashed in the adapter's namespace)."""
