@@ -88,7 +88,9 @@ class HealthChecker:
             await self._learn(worker)
             worker.breaker.reset()
             log.info("worker %s is healthy%s", worker.url, " (restarted: new epoch)" if restarted else "")
-        elif not worker.models:  # NOTE: the last try to learn them failed (a slow answer): try again
+        elif not worker.models or _models_changed(report, worker):
+            # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
+            # models (a LoRA adapter loaded or unloaded): ask again
             await self._learn(worker)
         if restarted:
             self._router.index.clear_worker(worker.url)
@@ -118,3 +120,10 @@ class HealthChecker:
                     self._router.block_size = body["block_size"]
                 if isinstance(body.get("epoch"), str) and worker.epoch is None:
                     worker.epoch = body["epoch"]
+
+
+def _models_changed(report: dict, worker: Worker) -> bool:
+    """A radixgate worker's /health lists the models it serves; True when they are not the ones
+    the router learned."""
+    listed = report.get("models")
+    return isinstance(listed, list) and {m for m in listed if isinstance(m, str)} != worker.models

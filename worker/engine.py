@@ -72,7 +72,9 @@ class Engine:
         self.max_total_tokens = min(max_context, self.capacity_tokens)  # prompt + output
         self.publisher = publisher
         self.served_model_name = served_model_name
-        self.adapter_names = list(adapter_names)  # LoRA adapters served beside the base (ids 1, 2, ...)
+        # LoRA adapters beside the base: id i is adapter_names[i - 1] (None once unloaded; ids are
+        # never reused, so a name loaded again gets a fresh id and cache range)
+        self.adapter_names: list[str | None] = list(adapter_names)
         self.simulated = simulated
         self.warmup_tokens = warmup_tokens  # prompt tokens of the request run before serving; 0 = none
         self.ready = threading.Event()  # set once the warm-up is over (at once without one)
@@ -159,6 +161,10 @@ class Engine:
             req.draft_check = functools.partial(check_drafts, req.payload)
         self._inbox.put(("add", req))
         return handle
+
+    def served_models(self) -> list[str]:
+        """The base model's name, then the adapters loaded now."""
+        return [self.served_model_name, *(n for n in self.adapter_names if n is not None)]
 
     def abort(self, rid: str) -> None:
         """Cancel a request (client gone); its pages are released on the engine thread."""

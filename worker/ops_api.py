@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -38,7 +39,7 @@ class OpsAPI:
         base = self.engine.served_model_name
         model = {"id": base, "object": "model", "created": self.created, "owned_by": "radixgate",
                  "max_model_len": self.engine.max_total_tokens}  # fmt: skip
-        adapters = [{**model, "id": name, "parent": base} for name in self.engine.adapter_names]
+        adapters = [{**model, "id": name, "parent": base} for name in self.engine.served_models()[1:]]
         return _json({"object": "list", "data": [model, *adapters]})
 
     async def health(self, request: Request) -> Response:
@@ -53,6 +54,7 @@ class OpsAPI:
             "kv_usage": round(snap.kv_usage, 6),
             "epoch": self.engine.publisher.epoch,
             "model": self.engine.served_model_name,
+            "models": self.engine.served_models(),  # NOTE: routers re-read /v1/models when this changes
             "kv_pages_total": snap.kv_pages_total,
             "kv_pages_free": snap.kv_pages_free,
             "kv_pages_cached": snap.kv_pages_cached,
@@ -87,7 +89,8 @@ class OpsAPI:
             body["simulated"] = True
         return _json(body)
 
-    async def cache_flush(self, request: Request) -> Response:
+    def _not_admin(self, request: Request) -> Response | None:
+        """401 when ``--admin-token`` is set and the request does not carry it."""
         if self.admin_token:
             auth = request.headers.get("authorization", "")
             if (
@@ -95,6 +98,53 @@ class OpsAPI:
                 and request.headers.get("x-admin-token") != self.admin_token
             ):
                 return error_response(401, "admin token required (Authorization: Bearer <token>)")
+        return None
+
+    async def load_adapter(self, request: Request) -> Response:
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"}: a PEFT LoRA directory served as
+        model lora_name from now on (loaded off the engine thread, then added between steps)."""
+        from worker.model.lora import add_adapter, load_adapter
+
+        if (denied := self._not_admin(request)) is not None:
+            return denied
+        body = await _adapter_body(request, "lora_name", "lora_path")
+        name, path = body["lora_name"], body["lora_path"]
+        engine = self.engine
+        if engine.simulated:
+            raise APIError(400, "LoRA adapters need --engine model")
+        if name in engine.served_models():
+            raise APIError(400, f"model {name!r} is already served")
+        model = engine.executor.model  # type: ignore[attr-defined]
+        try:
+            adapter = await run_in_threadpool(load_adapter, name, path, model)
+            adapter_id = await engine.call(lambda: add_adapter(engine, adapter))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        return _json({"lora_name": name, "rank": adapter.rank, "adapter_id": adapter_id})
+
+    async def unload_adapter(self, request: Request) -> Response:
+        """POST /v1/unload_lora_adapter {"lora_name"}: stop serving it and free its weights; 409
+        while requests of it are queued or running."""
+        from worker.model.lora import AdapterBusyError, remove_adapter
+
+        if (denied := self._not_admin(request)) is not None:
+            return denied
+        name = (await _adapter_body(request, "lora_name"))["lora_name"]
+        if name not in self.engine.adapter_names:
+            raise APIError(404, f"no LoRA adapter {name!r} is loaded", "model_not_found")
+        try:
+            freed = await self.engine.call(lambda: remove_adapter(self.engine, name))
+        except AdapterBusyError as exc:
+            raise APIError(409, str(exc), "adapter_in_use") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_dead") from None
+        return _json({"lora_name": name, "unloaded": True, "freed_tokens": freed * self.engine.page_size})
+
+    async def cache_flush(self, request: Request) -> Response:
+        if (denied := self._not_admin(request)) is not None:
+            return denied
         try:
             freed = await self.engine.flush_cache()
         except EngineDeadError as exc:
@@ -130,3 +180,15 @@ class OpsAPI:
         return StreamingResponse(
             stream(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
+
+
+async def _adapter_body(request: Request, *fields: str) -> dict:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON: {exc}") from None
+    if not isinstance(body, dict) or not all(isinstance(body.get(f), str) and body[f] for f in fields):
+        raise APIError(
+            400, f"the body must be a JSON object with non-empty string fields {', '.join(fields)}"
+        )
+    return body

@@ -387,7 +387,7 @@ class RadixCache:
         return freed
 
     def _drop(self, node: TreeNode) -> None:
-        """Remove unlocked ``node`` and its subtree (host nodes only) from the tree, freeing pages."""
+        """Remove unlocked ``node`` and its whole subtree from the tree, freeing their pages."""
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[: self.page_size].tobytes()]
@@ -441,6 +441,25 @@ class RadixCache:
             out.append(StoredBlocks(list(hashes), parent_hash, tokens.tolist()))
             stack.extend((c, hashes[-1]) for c in node.children.values())
         return out
+
+    def drop_namespace(self, adapter: int) -> int:
+        """Remove LoRA adapter ``adapter``'s subtrees (unloaded: none of it is locked), both tiers,
+        with their removal events; returns device pages freed."""
+        doomed = [c for c in self.root.children.values() if int(c.key[0]) >> ADAPTER_SHIFT == adapter]
+        freed = 0
+        for node in doomed:
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                assert n.lock_ref == 0, "an unloaded adapter's pages are locked"
+                freed += n.pages.size
+                stack.extend(n.children.values())
+            self._drop(node)
+        return freed
+
+    def add_namespace(self, name: str) -> None:
+        """A LoRA adapter added at runtime: its subtrees (keys of id len(namespaces)) hash as ``name``."""
+        self._roots.append(root_hash(name))
 
     def event_view(self, key: np.ndarray, parent_hash: int | None) -> tuple[np.ndarray, int]:
         """A node key's tokens and parent hash as KV events carry them: the model's token ids, and

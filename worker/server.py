@@ -64,22 +64,20 @@ class WorkerAPI:
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.name = engine.served_model_name
-        self.models = [self.name, *engine.adapter_names]  # request adapter id = index here
         self.token_names = TokenNames(engine.tokenizer)
 
     async def _body(self, request: Request) -> dict:
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
             raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        return check_body(await request.body(), self.models)
+        return check_body(await request.body(), self.engine.served_models())
 
     def for_model(self, params: SamplingParams, body: dict) -> SamplingParams:
         """``params`` for the body's model: the base, or one of its LoRA adapters."""
         model = body.get("model")
-        return (
-            params
-            if model in (None, self.name)
-            else dataclasses.replace(params, adapter=self.models.index(model))
-        )
+        if model in (None, self.name):
+            return params
+        # NOTE: adapter ids are positions in adapter_names (+1); an unloaded one keeps its slot
+        return dataclasses.replace(params, adapter=self.engine.adapter_names.index(model) + 1)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -332,6 +330,8 @@ def create_app(
         Route("/metrics", guarded(ops.metrics, open_=True), methods=["GET"]),
         Route("/v1/cache/info", guarded(ops.cache_info), methods=["GET"]),
         Route("/v1/cache/flush", guarded(ops.cache_flush), methods=["POST"]),
+        Route("/v1/load_lora_adapter", guarded(ops.load_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", guarded(ops.unload_adapter), methods=["POST"]),
         Route("/v1/cache/snapshot", guarded(ops.cache_snapshot), methods=["GET"]),
         Route("/v1/cache/events", guarded(ops.cache_events), methods=["GET"]),
     ]

@@ -217,6 +217,71 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
         WorkerConfig(engine="sim", lora_adapters=[f"a={tmp_path / 'r4'}"]).validate()
 
 
+def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_path):
+    """POST /v1/load_lora_adapter serves a new adapter between steps (answers as merged); unload
+    refuses while it has requests in flight, then stops serving it; bad input is an error and
+    the worker keeps serving."""
+    both, merged, _, root = lora_setup
+    name = llama_checkpoint.name
+    url = both.url
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(url + path, json=body, timeout=60)
+
+    assert (
+        post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(root / "ad")}).status_code == 200
+    )
+    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [name, "ad", "late"]
+    assert httpx.get(url + "/health").json()["models"] == [name, "ad", "late"]
+    got, want = complete(url, "late"), complete(merged.url, None)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]  # the same weights as "ad"
+    for bad, status in (
+        ({"lora_name": "late", "lora_path": str(root / "ad")}, 400),  # already served
+        ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, 400),  # no adapter there
+        ({"lora_name": "x"}, 400),
+    ):
+        r = post("/v1/load_lora_adapter", bad)
+        assert r.status_code == status and r.json()["error"]["message"], r.text
+
+    # a request of "late" in flight: unloading waits for it
+    body = {"model": "late", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        busy = post("/v1/unload_lora_adapter", {"lora_name": "late"})
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    cached_before = metric(url, "radixgate_worker_kv_cached_pages")
+    unloaded = post("/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert unloaded.status_code == 200 and unloaded.json()["freed_tokens"] > 0  # its prefixes went too
+    left = (
+        cached_before - unloaded.json()["freed_tokens"] // 16
+    )  # NOTE: metrics refresh after the engine's turn
+    wait_until(
+        lambda: metric(url, "radixgate_worker_kv_cached_pages") == left, 10, what="pages freed in metrics"
+    )
+    assert complete_status(url, "late") == 404
+    assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+    # loaded again under the same name: a fresh id, nothing cached for it
+    assert (
+        post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(root / "ad")}).status_code == 200
+    )
+    assert complete(url, "late")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert complete(url, "ad")["choices"][0]["text"] == want["choices"][0]["text"]  # the others serve on
+
+
+def metric(url: str, name: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def complete_status(url: str, model: str) -> int:
+    return httpx.post(
+        url + "/v1/completions", json={"prompt": "x", "model": model, "max_tokens": 1}
+    ).status_code
+
+
 def test_adapters_come_from_flags_and_the_environment(monkeypatch, tmp_path):
     from worker.config import parse_args
 
@@ -251,3 +316,16 @@ def test_a_router_routes_an_adapter_by_its_own_prefixes(launch, lora_setup, llam
 
     wait_until(lambda: predicted("ad") > 0, 30, what="the adapter's KV events reach the router")
     assert predicted(llama_checkpoint.name) == 0  # the base has none of it
+
+    # an adapter loaded at runtime: the router sees it on the worker's next health report
+    r = httpx.post(
+        worker.url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(root / "ad")}
+    )
+    assert r.status_code == 200, r.text
+
+    def late_status() -> int:
+        return httpx.post(
+            router.url + "/v1/completions", json={**body, "model": "late"}, timeout=60
+        ).status_code
+
+    wait_until(lambda: late_status() == 200, 30, what="the router routes the new adapter")

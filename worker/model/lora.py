@@ -20,6 +20,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -146,3 +147,37 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     if not adapter.weights:
         raise ValueError(f"adapter {name!r}: no LoRA weights in {weights_path}")
     return adapter
+
+
+class AdapterBusyError(RuntimeError):
+    """An adapter with requests queued or running cannot be unloaded."""
+
+
+def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
+    """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
+    from worker.radix_node import ADAPTER_SHIFT
+
+    model = engine.executor.model
+    if len(engine.adapter_names) >= MAX_ADAPTERS:
+        raise ValueError(f"at most {MAX_ADAPTERS} LoRA adapters can be loaded over a worker's life")
+    if model.config.vocab_size > 1 << ADAPTER_SHIFT:
+        raise ValueError(f"LoRA adapters need a vocabulary below {1 << ADAPTER_SHIFT} tokens")
+    model.lora.append(adapter)
+    engine.cache.add_namespace(adapter.name)
+    engine.adapter_names.append(adapter.name)
+    return len(engine.adapter_names)
+
+
+def remove_adapter(engine: Any, name: str) -> int:
+    """Stop serving adapter ``name`` (engine thread): its weights and its cached pages go (their
+    removal events tell routers); returns the pages freed. Its id is never reused."""
+    adapter_id = engine.adapter_names.index(name) + 1
+    sched = engine.scheduler
+    busy = sum(r.adapter == adapter_id for r in (*sched.waiting, *sched.prefilling, *sched.running))
+    if busy:
+        raise AdapterBusyError(
+            f"LoRA adapter {name!r} has {busy} requests queued or running; retry when they finish"
+        )
+    engine.adapter_names[adapter_id - 1] = None
+    engine.executor.model.lora[adapter_id - 1] = None
+    return engine.cache.drop_namespace(adapter_id)
