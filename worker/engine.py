@@ -238,6 +238,10 @@ class Engine:
             req: Request = msg[1]
             with self._queued_lock:
                 self._queued -= 1
+            if req.adapter and self.adapter_names[req.adapter - 1] is None:  # NOTE: unloaded since its check
+                self._emit(req, RequestOutput(finish_reason="error", error="the LoRA adapter was unloaded",
+                                              error_status=404))  # fmt: skip
+                return
             try:
                 self.scheduler.add(req)
                 self._requests[req.rid] = req

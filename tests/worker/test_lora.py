@@ -271,6 +271,27 @@ def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_p
     assert complete(url, "ad")["choices"][0]["text"] == want["choices"][0]["text"]  # the others serve on
 
 
+def test_a_request_reaching_the_engine_after_its_adapter_was_unloaded_fails_alone(lora_setup):
+    """The API checks the model, then the request waits its turn: an unload in between must give
+    that request a 404, not the step it would join a failed forward."""
+    from worker.sampling import SamplingParams
+
+    both, merged, _, root = lora_setup
+    loaded = httpx.post(
+        both.url + "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(root / "ad")}
+    )
+    adapter_id = loaded.json()["adapter_id"]
+    assert httpx.post(both.url + "/v1/unload_lora_adapter", json={"lora_name": "gone"}).status_code == 200
+
+    async def submit():
+        handle = both.engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=2, adapter=adapter_id))
+        return await asyncio.wait_for(handle.outputs.get(), 30)
+
+    out = asyncio.run(submit())
+    assert out.finish_reason == "error" and out.error_status == 404 and "unloaded" in out.error
+    assert complete(both.url, "ad")["choices"][0]["text"] == complete(merged.url, None)["choices"][0]["text"]
+
+
 def metric(url: str, name: str) -> float:
     line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(name + " "))
     return float(line.split()[1])
