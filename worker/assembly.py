@@ -91,12 +91,13 @@ class ModelExecutor:
 
     def verify(self, batch: ScheduledBatch) -> list[list[int]]:
         """A verify step (speculative decoding): logits for every new token, then each request's
-        accepted tokens (worker.sampling.accept_draft) and their logprobs when it asks. Only
-        speculating requests have drafts (no penalties or bias: a draft's row would need them
-        replayed), so a request with none is sampled exactly as in a decode step."""
+        accepted tokens (worker.sampling.accept_draft) and their logprobs when it asks. Each row is
+        scored as one-at-a-time decoding would score it (penalties over the history up to it, the
+        grammar's mask in its state there); a request without drafts is sampled as in a decode step."""
         import torch
 
         from worker.guided import draft_masks, matcher_of
+        from worker.penalties import adjust_logits, adjusts
         from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
 
         assert batch.drafts is not None
@@ -105,8 +106,7 @@ class ModelExecutor:
         logits = self.model.forward(fb, self.kv_pool)
         qo = batch.qo_indptr.tolist()
         out: list[list[int]] = [[] for _ in batch.requests]
-        # NOTE: requests without drafts (penalties, nothing matched) take their one token as a
-        # decode step gives it
+        # NOTE: requests without drafts (nothing matched) take their one token as a decode step gives it
         plain = [i for i, d in enumerate(batch.drafts) if not d]
         if plain:
             last = torch.tensor([qo[i] for i in plain], device=logits.device)
@@ -118,25 +118,31 @@ class ModelExecutor:
                 st.verify_logprobs = None if st.step_logprobs is None else [st.step_logprobs]
                 st.step_logprobs = None
         drafted = [i for i, d in enumerate(batch.drafts) if d]
-        greedy = any(batch.requests[i].payload.params.greedy for i in drafted)
-        best = logits.argmax(dim=-1).tolist() if greedy else []  # NOTE: one transfer for all of them
+        plain_greedy = [i for i in drafted if _plain_greedy(batch.requests[i].payload.params)]
+        best = logits.argmax(dim=-1).tolist() if plain_greedy else []  # NOTE: one transfer for all of them
         for i in drafted:
-            st: RequestState = batch.requests[i].payload
+            req, draft = batch.requests[i], batch.drafts[i]
+            st: RequestState = req.payload
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
             rows = logits[qo[i] : qo[i + 1]]
-            draft = batch.drafts[i]
-            if st.params.guide is not None:  # NOTE: each row under the grammar's state at its position
-                allowed = draft_masks(st, draft, rows.shape[1], rows.device)
-                masked = torch.where(
-                    allowed, rows, torch.tensor(float("-inf"), dtype=rows.dtype, device=rows.device)
-                )
-                tokens = accept_draft(masked, draft, st.params, st.generator)
-                matcher_of(st).consume_tokens(tokens)
-            elif st.params.greedy:
+            if _plain_greedy(st.params):
                 tokens = accept_greedy(best[qo[i] : qo[i + 1]], draft)
             else:
-                tokens = accept_draft(rows, draft, st.params, st.generator)
+                # NOTE: row j as decoding would see it after draft[:j]: penalties and bias over that
+                # history, then the grammar's mask in the state it would be in
+                scores = rows
+                if adjusts(st.params):
+                    history = [(req.token_ids + draft[:j], req.prompt_len, req.stop_token_ids, st.memo)
+                               for j in range(len(draft) + 1)]  # fmt: skip
+                    scores = adjust_logits(rows, [st.params] * (len(draft) + 1), history)
+                if st.params.guide is not None:
+                    allowed = draft_masks(st, draft, rows.shape[1], rows.device)
+                    ninf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+                    scores = torch.where(allowed, scores, ninf)
+                tokens = accept_draft(scores, draft, st.params, st.generator)
+                if st.params.guide is not None:
+                    matcher_of(st).consume_tokens(tokens)
             if st.params.logprobs is not None:
                 index = torch.tensor(tokens, device=logits.device)
                 top = [st.params.logprobs] * len(tokens)
@@ -181,6 +187,13 @@ class ModelExecutor:
 
 
 SCORE_ROWS = 256  # prompt positions scored per log-softmax
+
+
+def _plain_greedy(params: Any) -> bool:
+    """Greedy with nothing that changes a row before its argmax (penalties, bias, a grammar)."""
+    from worker.penalties import adjusts
+
+    return params.greedy and params.guide is None and not adjusts(params)
 
 
 def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: int) -> ModelExecutor:

@@ -35,7 +35,6 @@ from worker.guided import GuideCompiler, check_drafts
 from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
-from worker.penalties import adjusts
 from worker.radix_cache import RadixCache
 from worker.request import QueueFullError, Request, ScheduledBatch, SchedulerConfig, SchedulerStats
 from worker.sampling import SamplingParams
@@ -148,7 +147,7 @@ class Engine:
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
                       prompt_group=prompt_group, priority=params.priority,
                       full_prefill=params.prompt_logprobs is not None,
-                      speculative=not adjusts(params), adapter=params.adapter)  # fmt: skip
+                      speculative=True, adapter=params.adapter)  # fmt: skip
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),

@@ -48,7 +48,7 @@ class Request:
     prompt_group: Any = None  # requests sharing one prompt (n > 1 choices); None = alone
     priority: int = 0  # lower is admitted first and preempted last
     full_prefill: bool = False  # compute every prompt position, cached or not (prompt logprobs)
-    speculative: bool = False  # its decode steps may verify drafts (sampling with no history terms)
+    speculative: bool = False  # its decode steps may verify drafts (the engine's requests; not the warm-up)
     draft_check: Any = None  # drafts -> the drafts it may take (a grammar's forced or valid tokens)
     adapter: int = 0  # LoRA adapter id (0 = the base model): its KV and cache entries are its own
     # --- progress and KV ownership (scheduler only) ---

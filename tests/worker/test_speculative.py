@@ -257,20 +257,38 @@ def test_a_stream_with_drafts_equals_the_whole_answer(workers):
     assert "".join(parts) == whole and len(parts) > 1
 
 
-def test_seeded_sampling_with_drafts_repeats_and_penalties_do_not_speculate(workers):
+def test_seeded_sampling_with_drafts_repeats(workers):
     _, spec = workers
     body = {"max_tokens": 60, "temperature": 0.7, "seed": 11}
     assert (
         complete(spec.url, **body)["choices"][0]["text"] == complete(spec.url, **body)["choices"][0]["text"]
     )
-    before = spec_counts(spec.url)
-    complete(spec.url, max_tokens=60, frequency_penalty=0.5)
-    assert spec_counts(spec.url) == before
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"frequency_penalty": 0.4, "presence_penalty": 0.3},
+        {"repetition_penalty": 1.15, "logit_bias": {"89": 3.0}},
+        {"min_tokens": 30, "stop_token_ids": [84]},
+        {"frequency_penalty": 0.3, "response_format": {"type": "json_object"}},
+    ],
+)
+def test_penalties_bias_and_min_tokens_speculate_with_the_same_answer(workers, extra):
+    """Each verify row is adjusted over the history up to it (the drafts before it included)."""
+    plain, spec = workers
+    before = spec_counts(spec.url)["radixgate_worker_spec_accepted_tokens_total"]
+    body = {"max_tokens": 90, "logprobs": 1, **extra}
+    a, b = complete(plain.url, **body), complete(spec.url, **body)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"] == b["usage"]
+    la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+    assert la["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-4)
+    assert spec_counts(spec.url)["radixgate_worker_spec_accepted_tokens_total"] > before  # drafts were kept
 
 
 def test_requests_beside_a_verify_step_sample_as_in_a_decode_step(workers):
-    """A verify step holds every running request: one with penalties and bias (never drafts) is
-    sampled with them, as plain decoding does, while another request's drafts are checked."""
+    """A verify step holds every running request: one with penalties and bias is sampled with
+    them, as plain decoding does, while another request's drafts are checked."""
     plain, spec = workers
     penalized = {"prompt": "Paged attention and radix trees. " * 3, "max_tokens": 40, "temperature": 0,
                  "frequency_penalty": 1.5, "presence_penalty": 1.0, "logit_bias": {"32": -100}, "logprobs": 1}  # fmt: skip
