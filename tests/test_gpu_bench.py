@@ -21,9 +21,10 @@ def run_script(*args: str, site: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_kernels_step_without_cuda_fails_clearly_and_changes_nothing(tmp_path):
+@pytest.mark.parametrize("step", ["kernels", "features"])
+def test_a_step_without_cuda_fails_clearly_and_changes_nothing(tmp_path, step):
     out, site = tmp_path / "out", tmp_path / "site"
-    proc = run_script("kernels", str(out), site=site)
+    proc = run_script(step, str(out), site=site)
     assert proc.returncode == 3
     assert "no CUDA GPU" in proc.stdout + proc.stderr
     assert [p.name for p in out.iterdir()] == ["gpu-bench.log"]  # no benchmark JSON or markdown
