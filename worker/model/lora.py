@@ -8,9 +8,11 @@ lora_alpha / sqrt(r) with rslora), computed for that adapter's rows of the batch
 weights are never changed, so base requests in the same batch are untouched.
 
 ``LoraBatch`` is what one forward needs: for each adapter present, the rows (new tokens) of its
-requests; each adapter's weights are read once per step, at four small products per projection
-(python -m worker.bench_lora measures what that costs as adapters per step grow). The KV a request computes depends on its adapter, so the radix cache keeps each adapter's
-prefixes apart (worker.radix_node.adapter_keys) and routers see them as separate models.
+requests; each adapter's weights are read once per step, in a few small products per projection
+(python -m worker.bench_lora measures what that costs as adapters per step grow). The KV a request
+computes depends on its adapter, so the radix cache keeps each adapter's prefixes apart
+(worker.radix_node.adapter_keys) and routers see them as separate models. Adapters can be added
+and removed between steps (``add_adapter`` / ``remove_adapter``, on the engine thread).
 """
 
 from __future__ import annotations
