@@ -204,7 +204,14 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
     key = next(k for k in weights if k.endswith("q_proj.lora_A.weight"))
     weights[key] = weights[key][:, :-1].contiguous()  # not the base's hidden size
     save_file(weights, str(wrong / "adapter_model.safetensors"))
-    for spec, words in ((f"w={wrong}", "needs A"), (f"m={tmp_path / 'missing'}", "cannot read")):
+    no_rank, damaged = tmp_path / "no_rank", tmp_path / "damaged"
+    shutil.copytree(tmp_path / "r4", no_rank)
+    (no_rank / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 8}))
+    shutil.copytree(tmp_path / "r4", damaged)
+    (damaged / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    cases = ((f"w={wrong}", "needs A"), (f"m={tmp_path / 'missing'}", "cannot read"),
+             (f"n={no_rank}", "positive integer 'r'"), (f"d={damaged}", "cannot read"))  # fmt: skip
+    for spec, words in cases:
         cfg = WorkerConfig(
             model=str(llama_checkpoint), device="cpu", kv_cache_tokens=1024, lora_adapters=[spec]
         )

@@ -94,6 +94,13 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         raise ValueError(
             f"adapter {name!r}: cannot read {path}/adapter_config.json ({exc.strerror})"
         ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"adapter {name!r}: adapter_config.json is not JSON ({exc})") from None
+    r = config.get("r") if isinstance(config, dict) else None
+    if type(r) is not int or r <= 0 or not isinstance(config.get("lora_alpha", r), (int, float)):
+        raise ValueError(
+            f"adapter {name!r}: adapter_config.json needs a positive integer 'r' and a numeric 'lora_alpha'"
+        )
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {name!r}: only LoRA adapters are supported, not {config.get('peft_type')}")
     if config.get("bias", "none") != "none" or config.get("fan_in_fan_out") or config.get("use_dora"):
@@ -104,7 +111,11 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     if not os.path.exists(weights_path):
         raise ValueError(f"adapter {name!r}: no adapter_model.safetensors in {path}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(weights_path).items():
+    try:
+        tensors = load_file(weights_path)
+    except Exception as exc:  # NOTE: safetensors raises its own error type for a damaged file
+        raise ValueError(f"adapter {name!r}: cannot read {weights_path}: {exc}") from None
+    for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in TARGETS:
             raise ValueError(
