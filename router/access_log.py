@@ -20,6 +20,7 @@ class AccessRecord:
     endpoint: str
     ts: float  # unix seconds at arrival
     request_id: str | None = None  # the client's x-request-id
+    api_key: str | None = None  # the name of the client's API key (never the key itself)
     model: str | None = None
     stream: bool = False
     status: int = 0

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from router.affinity import AffinityGroups
+from router.api_keys import check_limits
 from router.resp import tcp_url_options
 
 POLICY_NAMES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware")
@@ -49,7 +50,8 @@ class RouterConfig:
     admin_token: str | None = None  # required by /workers when set
     # clients must send one of these as "Authorization: Bearer <key>" on /v1/*, /tokenize,
     # /detokenize and /debug/route (empty: no check); /health, /ready and /metrics stay open
-    api_keys: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)  # KEY or NAME:KEY (router/api_keys.py)
+    api_key_limits: dict[str, Any] = field(default_factory=dict)  # NAME -> {requests_per_minute: N}
     worker_api_key: str | None = None  # sent to workers as Authorization: Bearer (their --api-key)
     kv_events: str = "auto"  # auto | redis | http | off
     redis_url: str | None = None
@@ -116,6 +118,7 @@ class RouterConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
         AffinityGroups.from_config(self.affinity_groups)
+        check_limits(self.api_keys, self.api_key_limits)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}

@@ -22,11 +22,14 @@ _TYPES = {
 class RouterError(Exception):
     """Raised anywhere below the app; the app turns it into an OpenAI error response."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.retry_after = retry_after  # s: sent as Retry-After (a rate limit)
 
 
 def error_body(status: int, message: str, code: str | None = None) -> bytes:
@@ -37,3 +40,8 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
 
 def error_response(status: int, message: str, code: str | None = None) -> Response:
     return Response(error_body(status, message, code), status_code=status, media_type="application/json")
+
+
+def retry_headers(exc: RouterError) -> list[tuple[bytes, bytes]]:
+    """``Retry-After`` for an error that says when to come back, else nothing."""
+    return [] if exc.retry_after is None else [(b"retry-after", str(exc.retry_after).encode())]

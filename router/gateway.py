@@ -26,7 +26,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
 from router.config import RouterConfig
 from router.discovery import KubeDiscovery, target_from_config
-from router.errors import RouterError, error_body
+from router.errors import RouterError, error_body, retry_headers
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
 from router.http_client import HTTPClientError
@@ -74,7 +74,7 @@ class Router:
         )
         self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
         self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
-        self.api_keys = APIKeys(config.api_keys)
+        self.api_keys = APIKeys(config.api_keys, config.api_key_limits)
         self.admission = AdmissionGate(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s
         )
@@ -181,6 +181,15 @@ class Router:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome
 
+    def admit_key(self, key: str) -> None:
+        """The key's rate limit (router/api_keys.py), counted per key name; raises RouterError 429."""
+        try:
+            self.api_keys.admit(key)
+        except RouterError:
+            self.metrics.count_key(key, "rate_limited")
+            raise
+        self.metrics.count_key(key, "admitted")
+
     async def handle_completion(self, scope: dict, receive: Callable, send: Callable, endpoint: str) -> None:
         """One completion request, straight on ASGI (the hot path: no framework objects)."""
         started = time.perf_counter()
@@ -189,7 +198,10 @@ class Router:
         access = access_log.start(self.config.access_log, endpoint)
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-            self.api_keys.check(headers.get("authorization"))
+            key = self.api_keys.check(headers.get("authorization"))
+            if key is not None:
+                access_log.note(api_key=key)
+                self.admit_key(key)
             raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
             parsed = self.parse(raw, endpoint)
             self.check_model(parsed.model)
@@ -216,7 +228,8 @@ class Router:
                 log.info("%s: rejected %d %s", endpoint, exc.status, exc.message)
             if watch is not None:
                 watch.stop()
-            await _send_bytes(send, exc.status, error_body(exc.status, exc.message, exc.code), JSON)
+            body = error_body(exc.status, exc.message, exc.code)
+            await _send_bytes(send, exc.status, body, JSON, extra=retry_headers(exc))
         except ClientGone:
             status = 499  # the client closed the connection; nobody reads an answer
         except asyncio.CancelledError:
@@ -411,9 +424,10 @@ class Router:
 
 
 async def _send_bytes(
-    send: Callable, status: int, body: bytes, content_type: bytes, worker: bytes | None = None
-) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    send: Callable, status: int, body: bytes, content_type: bytes, worker: bytes | None = None,
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> None:  # fmt: skip
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(extra or ())]
     if worker is not None:
         headers.append((WORKER_HEADER_B, worker))
     await send({"type": "http.response.start", "status": status, "headers": headers})

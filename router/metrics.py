@@ -261,6 +261,12 @@ class RouterMetrics:
         self.registry.register(_WorkerCollector(workers, index_size))
         self.registry.register(_AdmissionCollector(admission))
         self.registry.register(_SyncCollector(sync_stats))
+        self.key_requests = Counter(
+            "radixgate_api_key_requests",
+            "Generation requests by API key name (never the key) and outcome: admitted, rate_limited",
+            ["key", "outcome"],
+            registry=self.registry,
+        )
         self.requests = Counter(
             "radixgate_requests",
             "Client requests by endpoint and HTTP status",
@@ -304,6 +310,10 @@ class RouterMetrics:
         self.ttft_of = {True: self.ttft.labels("true"), False: self.ttft.labels("false")}
         self.duration_of = {True: self.duration.labels("true"), False: self.duration.labels("false")}
         self._requests: dict[tuple[str, int], Any] = {}
+
+    def count_key(self, key: str, outcome: str) -> None:
+        """A generation request of API key ``key`` (its name): admitted or rate_limited."""
+        self.key_requests.labels(key, outcome).inc()
 
     def count_request(self, endpoint: str, status: int) -> None:
         child = self._requests.get((endpoint, status))
