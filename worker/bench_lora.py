@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.bench import LLAMA3_8B_SHAPE, random_llama
-from worker.bench_report import machine_info, write_results
+from worker.bench_report import bench_device, machine_info, write_results
 
 
 def random_adapter(model: Any, name: str, rank: int, seed: int) -> Any:
@@ -110,7 +110,6 @@ def markdown(doc: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from worker.assembly import tune_cpu_process
     from worker.model import load_model
     from worker.model.loader import default_dtype
 
@@ -137,13 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.batch, a.context, a.prefill, a.reps, adapters = 4, 32, 32, 2, [1, 2]
     if min([a.batch, a.context, a.prefill, a.reps, *adapters]) <= 0 or max(adapters) > a.batch:
         ap.error("sizes must be positive and adapters at most --batch")
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is available")
-    if a.model != "tiny" and device != "cuda":
-        ap.error("--model llama3-8b-shape needs a CUDA GPU; use --model tiny on CPU")
-    if device == "cpu":
-        tune_cpu_process(a.cpu_threads)
+    device = bench_device(ap, a.device, a.model, a.cpu_threads)
     dev = torch.device(device)
     model = (
         load_model("tiny", dev).model

@@ -119,3 +119,20 @@ def write_results(doc: dict, json_path: str | None, markdown_path: str | None, t
                 f.write(data)
             print(f"wrote {path}")
     print(table)
+
+
+def bench_device(parser: Any, device: str, model: str, cpu_threads: int) -> str:
+    """The device a benchmark CLI runs on (``auto``: CUDA when there is one); usage errors for a
+    CUDA request without a GPU and for a shape-only model off CUDA; CPU threads set for the CPU."""
+    import torch
+
+    from worker.assembly import tune_cpu_process
+
+    resolved = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if resolved == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    if model != "tiny" and resolved != "cuda":
+        parser.error(f"--model {model} needs a CUDA GPU; use --model tiny on CPU")
+    if resolved == "cpu":
+        tune_cpu_process(cpu_threads)
+    return resolved

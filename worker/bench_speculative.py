@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from worker.bench import LLAMA3_8B_SHAPE, REQUEST_TIMEOUT_S, Prompts, build_bench_engine
-from worker.bench_report import machine_info, write_results
+from worker.bench_report import bench_device, machine_info, write_results
 from worker.config import WorkerConfig
 from worker.sampling import SamplingParams
 
@@ -194,7 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from worker.assembly import tune_cpu_process
     from worker.bench import random_llama
     from worker.model import load_model
     from worker.model.loader import default_dtype
@@ -220,13 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [*batches, *drafts, a.context, a.reps, a.requests, a.prompt_tokens, a.max_tokens, a.spec_tokens]
     if min(sizes) <= 0:
         ap.error("sizes, counts, batch sizes and draft counts must be positive")
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: no CUDA device is available")
-    if a.model != "tiny" and device != "cuda":
-        ap.error("--model llama3-8b-shape needs a CUDA GPU; use --model tiny on CPU")
-    if device == "cpu":
-        tune_cpu_process(a.cpu_threads)
+    device = bench_device(ap, a.device, a.model, a.cpu_threads)
     t0 = time.perf_counter()
     shape = None if a.model == "tiny" else LLAMA3_8B_SHAPE
     if shape is None:
