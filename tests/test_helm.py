@@ -686,3 +686,15 @@ def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(cha
         for o in render(chart, networkPolicy={"enabled": True}, redis={"enabled": False})
         if o["kind"] == "NetworkPolicy"
     }
+
+
+def test_lora_adapters_reach_the_workers_as_their_variable(chart, monkeypatch) -> None:
+    worker = container(one(render(chart), "StatefulSet", "worker"))
+    assert "RADIXGATE_WORKER_LORA_ADAPTERS" not in {e["name"] for e in worker["env"]}
+    objects = render(
+        chart, worker={"loraAdapters": ["sql=/models/adapters/sql", "chat=/models/adapters/chat"]}
+    )
+    env = {e["name"]: e.get("value") for e in container(one(objects, "StatefulSet", "worker"))["env"]}
+    value = env["RADIXGATE_WORKER_LORA_ADAPTERS"]
+    monkeypatch.setenv("RADIXGATE_WORKER_LORA_ADAPTERS", value)
+    assert parse_worker_args([]).lora_adapters == ["sql=/models/adapters/sql", "chat=/models/adapters/chat"]
