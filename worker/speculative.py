@@ -51,20 +51,23 @@ class NgramProposer:
         return drafts
 
     def _lookup(self, req: Any, room: int) -> list[int]:
+        """The tokens after the most recent earlier occurrence of the longest suffix (of
+        ``min_ngram`` to ``max_ngram`` tokens) of the request's ids."""
         ids = _history(req)
-        n_ids = ids.size
-        for n in range(min(self.max_ngram, n_ids - 1), self.min_ngram - 1, -1):
-            tail = ids[n_ids - n :]
-            # NOTE: occurrences starting before n_ids - n, so at least one token follows each
-            starts = np.flatnonzero(ids[: n_ids - n] == tail[0])
-            for j in range(1, n):
-                if starts.size == 0:
-                    break
-                starts = starts[ids[starts + j] == tail[j]]
-            if starts.size:
-                follow = int(starts[-1]) + n
-                return ids[follow : follow + room].tolist()
-        return []
+        last = ids.size - 1
+        # NOTE: one scan over the ids (for their last token), then the matches only are extended
+        # backwards one token at a time: cost O(len) once, not once per n-gram size
+        ends = np.flatnonzero(ids[:last] == ids[last])  # earlier positions holding the last token
+        best, matched = -1, 1
+        while ends.size:
+            if matched >= self.min_ngram:
+                best = int(ends[-1])  # the most recent occurrence of the last `matched` tokens
+            if matched == self.max_ngram or matched >= last:
+                break
+            ends = ends[ends >= matched]
+            ends = ends[ids[ends - matched] == ids[last - matched]]
+            matched += 1
+        return [] if best < 0 else ids[best + 1 : best + 1 + room].tolist()
 
 
 class _History:

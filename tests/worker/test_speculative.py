@@ -65,6 +65,27 @@ def test_the_lookup_sees_tokens_appended_after_the_last_proposal():
     assert p.propose(req) == []  # [8, 7] is new
 
 
+def naive_drafts(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:
+    """The proposer's rule, spelt out: for n from longest down, the latest earlier start of the
+    last n tokens, and the k tokens after it."""
+    for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
+        tail = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tail]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_the_lookup_agrees_with_the_rule_spelt_out():
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(2, 50))).tolist()
+        longest = int(rng.integers(1, 6))
+        shortest, k = int(rng.integers(1, longest + 1)), int(rng.integers(1, 6))
+        got = NgramProposer(k, longest, shortest).propose(decoding(tokens, max_tokens=1000))
+        assert got == naive_drafts(tokens, k, longest, shortest), (tokens, k, longest, shortest)
+
+
 @pytest.mark.parametrize("bad", [{"num_tokens": 0}, {"num_tokens": 2, "min_ngram": 0},
                                  {"num_tokens": 2, "min_ngram": 3, "max_ngram": 2},
                                  {"num_tokens": 2, "max_batch": 0}])  # fmt: skip
