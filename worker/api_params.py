@@ -27,15 +27,21 @@ class APIError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
-    """The JSON body, with the fields every generation request shares checked; ``model`` (optional)
-    is one of ``served_models`` (the base model, then its LoRA adapters)."""
+def json_object(raw: bytes) -> dict:
+    """A request body that must be one JSON object; APIError 400 otherwise."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
+    """The JSON body, with the fields every generation request shares checked; ``model`` (optional)
+    is one of ``served_models`` (the base model, then its LoRA adapters)."""
+    body = json_object(raw)
     model = body.get("model")
     if model is not None and model not in served_models:
         served = ", ".join(repr(m) for m in served_models)

@@ -13,6 +13,7 @@ from worker.engine_api import Executor, RequestState
 from worker.host_cache import HostKVPool
 from worker.kv_pool import KVPool, PageAllocator
 from worker.kv_publisher import KVPublisher
+from worker.penalties import adjusts
 from worker.radix_cache import RadixCache
 from worker.request import ScheduledBatch, SchedulerConfig
 
@@ -51,7 +52,7 @@ class ModelExecutor:
         import torch
 
         from worker.guided import advance, constrain
-        from worker.penalties import adjust_logits, adjusts
+        from worker.penalties import adjust_logits
         from worker.sampling import make_generator, sample, token_logprobs
 
         states: list[RequestState] = [r.payload for r in reqs]
@@ -97,7 +98,7 @@ class ModelExecutor:
         import torch
 
         from worker.guided import draft_masks, matcher_of
-        from worker.penalties import adjust_logits, adjusts
+        from worker.penalties import adjust_logits
         from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
 
         assert batch.drafts is not None
@@ -191,8 +192,6 @@ SCORE_ROWS = 256  # prompt positions scored per log-softmax
 
 def _plain_greedy(params: Any) -> bool:
     """Greedy with nothing that changes a row before its argmax (penalties, bias, a grammar)."""
-    from worker.penalties import adjusts
-
     return params.greedy and params.guide is None and not adjusts(params)
 
 
@@ -276,13 +275,11 @@ def build_engine(cfg: Any) -> Engine:
 
 def load_adapters(cfg: Any, model: Any) -> None:
     """``--lora-adapter NAME=PATH`` each onto the model (``model.lora``, ids 1, 2, ...)."""
-    from worker.model.lora import MAX_ADAPTERS, load_adapter
-    from worker.radix_node import ADAPTER_SHIFT
+    from worker.model.lora import check_room, load_adapter
 
     if not cfg.lora_adapters:
         return
-    if len(cfg.lora_adapters) > MAX_ADAPTERS or model.config.vocab_size > 1 << ADAPTER_SHIFT:
-        raise ValueError(f"LoRA adapters: at most {MAX_ADAPTERS}, on vocabularies below {1 << ADAPTER_SHIFT}")
+    check_room(model, len(cfg.lora_adapters))
     for spec in cfg.lora_adapters:
         name, _, path = spec.partition("=")
         model.lora.append(load_adapter(name, path, model))

@@ -10,14 +10,13 @@ number of distinct adapters in a step; this measures by how much.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from worker.bench import LLAMA3_8B_SHAPE, random_llama
-from worker.bench_report import bench_device, machine_info, write_results
+from worker.bench_report import bench_device, machine_info, median_ms, write_results
 
 
 def random_adapter(model: Any, name: str, rank: int, seed: int) -> Any:
@@ -50,18 +49,13 @@ def random_adapter(model: Any, name: str, rank: int, seed: int) -> Any:
 def forward_ms(model: Any, pool: Any, fb: Any, reps: int, device: str) -> float:
     import torch
 
-    times = []
-    for rep in range(reps + 2):  # NOTE: the first two warm allocators and kernels, not kept
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def forward() -> None:
         with torch.inference_mode():
             model.forward(fb, pool)
         if device == "cuda":
             torch.cuda.synchronize()
-        if rep >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 3)
+
+    return median_ms(forward, reps)
 
 
 def run(

@@ -136,3 +136,17 @@ def bench_device(parser: Any, device: str, model: str, cpu_threads: int) -> str:
     if resolved == "cpu":
         tune_cpu_process(cpu_threads)
     return resolved
+
+
+def median_ms(run: Any, reps: int, warmup: int = 2) -> float:
+    """Median wall ms of ``run()`` over ``reps`` calls after ``warmup`` untimed ones (they warm
+    allocators and kernels); ``run`` returns only once its work is done (it reads a result back or
+    synchronises the device)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from worker.bench import LLAMA3_8B_SHAPE, REQUEST_TIMEOUT_S, Prompts, build_bench_engine
-from worker.bench_report import bench_device, machine_info, write_results
+from worker.bench_report import bench_device, machine_info, median_ms, write_results
 from worker.config import WorkerConfig
 from worker.sampling import SamplingParams
 
@@ -57,14 +56,14 @@ def step_costs(
         row: dict[str, Any] = {"batch": b, "context": context}
         for k in [0, *(k for k in drafts if k > 0)]:
             fb = step(k)
-            times = []
-            for rep in range(reps + 2):  # NOTE: the first two warm allocators and kernels, not kept
-                t0 = time.perf_counter()
+
+            def forward(fb: ForwardBatch = fb) -> None:
                 with torch.inference_mode():
-                    model.forward(fb, pool).argmax(dim=-1).tolist()
-                if rep >= 2:
-                    times.append((time.perf_counter() - t0) * 1e3)
-            row[f"k{k}_ms"] = round(statistics.median(times), 3)
+                    model.forward(fb, pool).argmax(
+                        dim=-1
+                    ).tolist()  # NOTE: the read-back waits for the device
+
+            row[f"k{k}_ms"] = median_ms(forward, reps)
             if k:
                 row[f"k{k}_vs_decode"] = round(row[f"k{k}_ms"] / row["k0_ms"], 3)
         rows.append(row)

@@ -362,15 +362,14 @@ class Engine:
         out = RequestOutput(text=text, token_ids=[token], finish_reason=finish, logprobs=logprobs)
         if first and st.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + [st.prompt_logprobs.get(p) for p in range(1, req.prompt_len)]
-        self._emit(req, out)
-        if keep_tokens is not None and finish is None:  # NOTE: later tokens of its step are not out yet
-            out.completion_tokens = keep_tokens - req.prompt_len
+        # NOTE: tokens of its verify step after this one are not out yet
+        self._emit(req, out, req.num_output if keep_tokens is None else keep_tokens - req.prompt_len)
         return finish is not None
 
-    def _emit(self, req: Request, out: RequestOutput) -> None:
+    def _emit(self, req: Request, out: RequestOutput, completion_tokens: int | None = None) -> None:
         out.prompt_tokens = req.prompt_len
         out.cached_tokens = max(req.cached_tokens, 0)
-        out.completion_tokens = req.num_output
+        out.completion_tokens = req.num_output if completion_tokens is None else completion_tokens
         out.index = req.payload.handle.index
         self._outbox.append((req.payload, out))
 

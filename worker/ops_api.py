@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from router.block_hash import HASH_VERSION
 from router.errors import error_response
 from router.kv_events import EVENT_VERSION
-from worker.api_params import APIError
+from worker.api_params import APIError, json_object
 from worker.engine import Engine
 from worker.engine_api import EngineDeadError
 
@@ -183,11 +183,8 @@ class OpsAPI:
 
 
 async def _adapter_body(request: Request, *fields: str) -> dict:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON: {exc}") from None
-    if not isinstance(body, dict) or not all(isinstance(body.get(f), str) and body[f] for f in fields):
+    body = json_object(await request.body())
+    if not all(isinstance(body.get(f), str) and body[f] for f in fields):
         raise APIError(
             400, f"the body must be a JSON object with non-empty string fields {', '.join(fields)}"
         )

@@ -386,8 +386,9 @@ class RadixCache:
             self._push_if_leaf(parent)  # type: ignore[arg-type]
         return freed
 
-    def _drop(self, node: TreeNode) -> None:
-        """Remove unlocked ``node`` and its whole subtree from the tree, freeing their pages."""
+    def _drop(self, node: TreeNode) -> int:
+        """Remove unlocked ``node`` and its whole subtree from the tree, freeing their pages;
+        returns the device pages freed."""
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[: self.page_size].tobytes()]
@@ -397,12 +398,15 @@ class RadixCache:
             n = stack.pop()
             subtree.append(n)
             stack.extend(n.children.values())
+        freed = 0
         for n in reversed(subtree):  # deepest first, as removal events should go
+            assert n.lock_ref == 0, "dropping a locked node"
             if n.hashes is not None:
                 self.events.removed(n.hashes)
             if n.pages.size:
                 self.allocator.free(n.pages)
                 self._evictable -= n.pages.size
+                freed += n.pages.size
             if n.host_pages.size:
                 self.host.allocator.free(n.host_pages)  # type: ignore[union-attr]
                 self._host_pages -= n.host_pages.size
@@ -412,6 +416,7 @@ class RadixCache:
             n.children = {}
             self._num_nodes -= 1
         self._push_if_leaf(parent)
+        return freed
 
     def flush(self) -> int:
         """Drop everything no request holds, in both tiers; returns device pages freed. If the tree
@@ -446,16 +451,7 @@ class RadixCache:
         """Remove LoRA adapter ``adapter``'s subtrees (unloaded: none of it is locked), both tiers,
         with their removal events; returns device pages freed."""
         doomed = [c for c in self.root.children.values() if int(c.key[0]) >> ADAPTER_SHIFT == adapter]
-        freed = 0
-        for node in doomed:
-            stack = [node]
-            while stack:
-                n = stack.pop()
-                assert n.lock_ref == 0, "an unloaded adapter's pages are locked"
-                freed += n.pages.size
-                stack.extend(n.children.values())
-            self._drop(node)
-        return freed
+        return sum(self._drop(node) for node in doomed)
 
     def add_namespace(self, name: str) -> None:
         """A LoRA adapter added at runtime: its subtrees (keys of id len(namespaces)) hash as ``name``."""

@@ -241,16 +241,21 @@ def test_responses_api_text_format_json_schema(tiny) -> None:
     check_person(json.loads(body["output"][0]["content"][0]["text"]))
 
 
+def check_sampled_people(url: str, max_tokens: int, n: int, seed: int) -> None:
+    """n sampled chat choices under the PERSON schema: each complete and valid."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "response_format": fmt,
+            "n": n, "temperature": 1.0, "seed": seed}  # fmt: skip
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        check_person(json.loads(choice["message"]["content"]))
+
+
 def test_hf_model_worker_follows_a_schema(llama_checkpoint) -> None:
     with serve(model=str(llama_checkpoint)) as live:
-        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "response_format": fmt,
-                "n": 3, "temperature": 1.0, "seed": 11}  # fmt: skip
-        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        for choice in r.json()["choices"]:
-            assert choice["finish_reason"] == "stop", choice
-            check_person(json.loads(choice["message"]["content"]))
+        check_sampled_people(live.url, max_tokens=60, n=3, seed=11)
 
 
 def test_sim_worker_honours_constraints() -> None:
@@ -268,12 +273,5 @@ def test_sim_worker_honours_constraints() -> None:
 def test_cuda_worker_follows_a_schema_with_graph_replayed_steps() -> None:
     """On CUDA the masks go to the device packed and are applied there, after eager or graph steps."""
     with serve(device="cuda") as live:
-        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 80, "response_format": fmt,
-                "n": 4, "temperature": 1.0, "seed": 3}  # fmt: skip
-        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        for choice in r.json()["choices"]:
-            assert choice["finish_reason"] == "stop", choice
-            check_person(json.loads(choice["message"]["content"]))
+        check_sampled_people(live.url, max_tokens=80, n=4, seed=3)
         assert live.engine.executor.graph_steps > 0

@@ -166,15 +166,20 @@ class AdapterBusyError(RuntimeError):
     """An adapter with requests queued or running cannot be unloaded."""
 
 
-def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
-    """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
+def check_room(model: Any, adapters: int) -> None:
+    """ValueError unless ``adapters`` adapters over a worker's life fit the cache's key ranges."""
     from worker.radix_node import ADAPTER_SHIFT
 
-    model = engine.executor.model
-    if len(engine.adapter_names) >= MAX_ADAPTERS:
+    if adapters > MAX_ADAPTERS:
         raise ValueError(f"at most {MAX_ADAPTERS} LoRA adapters can be loaded over a worker's life")
     if model.config.vocab_size > 1 << ADAPTER_SHIFT:
         raise ValueError(f"LoRA adapters need a vocabulary below {1 << ADAPTER_SHIFT} tokens")
+
+
+def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
+    """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
+    model = engine.executor.model
+    check_room(model, len(engine.adapter_names) + 1)
     model.lora.append(adapter)
     engine.cache.add_namespace(adapter.name)
     engine.adapter_names.append(adapter.name)
