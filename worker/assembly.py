@@ -29,6 +29,12 @@ class ModelExecutor:
         self.graph_steps = 0  # decode steps replayed from a graph (the rest ran eagerly)
         self.vocab_size = model.config.vocab_size  # the logits' width (may exceed the tokenizer's)
 
+    def close(self) -> None:
+        """Release what the model holds outside this process (the other tensor-parallel ranks)."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
+
     def run(self, batch: ScheduledBatch) -> list[int]:
         import torch
 
@@ -200,7 +206,8 @@ def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: in
     CUDA graphs (captured here, after the KV pool exists: the graphs address its tensors)."""
     graphs = None
     max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running)
-    if device.type == "cuda" and max_bs > 0:
+    # NOTE: the other ranks of a tensor-parallel model run every step eagerly, so rank 0 does too
+    if device.type == "cuda" and max_bs > 0 and cfg.tensor_parallel_size == 1:
         from worker.cuda_graph import DecodeGraphRunner
 
         # NOTE: a request reads at most min(context, pool) slots, so this bound never sends a step
@@ -256,21 +263,38 @@ def build_engine(cfg: Any) -> Engine:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(cfg.device)
-    if device.type == "cpu":
-        tune_cpu_process(cfg.cpu_threads)
-    loaded = load_model(cfg.model, device)
+    if cfg.tensor_parallel_size > 1:
+        from worker.tensor_parallel import start_ranks
+
+        loaded, pool, host = start_ranks(cfg, device)
+    else:
+        if device.type == "cpu":
+            tune_cpu_process(cfg.cpu_threads)
+        loaded = load_model(cfg.model, device)
+        pool = make_kv_pool(cfg, loaded.model, device)
+        host = host_tier(cfg, pool)
     mc = loaded.config
-    dtype = loaded.model.dtype
-    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-    pages = kv_pool_pages(cfg, page_bytes, device)
-    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
     name = cfg.served_model_name or loaded.name
-    log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB)", name, device, pages,
-             cfg.block_size, pages * page_bytes / 2**20)  # fmt: skip
-    host = host_tier(cfg, pool)
+    pool_bytes = pool.num_pages * KVPool.page_bytes(
+        cfg.block_size, mc.num_layers, pool.k_cache[0].shape[1], mc.head_dim, loaded.model.dtype
+    )
+    log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB per rank)", name, device,
+             pool.num_pages, cfg.block_size, pool_bytes / 2**20)  # fmt: skip
     load_adapters(cfg, loaded.model)
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
+
+
+def make_kv_pool(cfg: Any, model: Any, device: Any, agree: Any = None) -> KVPool:
+    """The KV pool for ``model``'s KV heads (this rank's, when tensor parallel); ``agree`` maps the
+    pages this process can hold to the pages every rank uses."""
+    mc = model.config
+    kv_heads = mc.num_kv_heads // model.shard.size
+    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, model.dtype)
+    pages = kv_pool_pages(cfg, page_bytes, device)
+    if agree is not None:
+        pages = agree(pages)
+    return KVPool(pages, cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, model.dtype, device)
 
 
 def load_adapters(cfg: Any, model: Any) -> None:

@@ -76,6 +76,7 @@ class BenchParams:
     cuda_graph_max_bs: int  # decode steps of up to this many requests replay CUDA graphs (CUDA only)
     seed: int
     quick: bool
+    tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
 
 
 class IdTokenizer:
@@ -302,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunked-prefill-tokens", type=int, default=2048, help="prompt tokens per prefill step")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=WorkerConfig.cuda_graph_max_bs,
                     help="CUDA: decode steps of up to N requests replay captured graphs (0 = eager)")  # fmt: skip
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the tiny model over N ranks (CPU processes, or GPUs cuda:0..N-1)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -331,6 +334,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("sizes, counts and batch sizes must be positive")
     if args.cuda_graph_max_bs < 0:
         parser.error("--cuda-graph-max-bs must be >= 0")
+    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.model != "tiny"):
+        parser.error("--tensor-parallel-size must be >= 1, and above 1 only with --model tiny")
     if sizes["decode_steps"] < 2:
         parser.error("--decode-steps must be at least 2 (the first token comes from prefill)")
     return BenchParams(model=args.model, device=device, cpu_threads=args.cpu_threads, seed=args.seed,
@@ -338,7 +343,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        host_cache_tokens=2 * sizes["prompt_tokens"] if args.host_cache_tokens is None
                        else args.host_cache_tokens,
                        cuda_graph_max_bs=args.cuda_graph_max_bs,
-                       chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick, **sizes)  # fmt: skip
+                       chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
+                       tensor_parallel_size=args.tensor_parallel_size, **sizes)  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:
@@ -349,7 +355,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        kv_cache_tokens=p.kv_cache_tokens, chunked_prefill_tokens=p.chunked_prefill_tokens,
                        host_cache_tokens=p.host_cache_tokens,
                        served_model_name=None if p.model == "tiny" else p.model,
-                       cuda_graph_max_bs=p.cuda_graph_max_bs,
+                       cuda_graph_max_bs=p.cuda_graph_max_bs, tensor_parallel_size=p.tensor_parallel_size,
                        max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
     engine = build_bench_engine(cfg, None if p.model == "tiny" else LLAMA3_8B_SHAPE)

@@ -44,6 +44,7 @@ class WorkerConfig:
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
     lora_adapters: list[str] = field(default_factory=list)  # "NAME=PATH" of PEFT LoRA directories
+    tensor_parallel_size: int = 1  # ranks (GPUs) one model is split over (worker/tensor_parallel.py)
     # speculative decoding by prompt lookup (worker/speculative.py): draft tokens per step; 0 = off
     speculative_tokens: int = 0
     speculative_ngram_max: int = 4  # longest suffix looked up in the request's own tokens
@@ -107,6 +108,10 @@ class WorkerConfig:
             raise ValueError("--lora-adapter names must differ from each other and from the model's")
         if self.lora_adapters and self.engine == "sim":
             raise ValueError("--lora-adapter needs --engine model")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.engine == "sim":
+            raise ValueError("--tensor-parallel-size needs --engine model")
 
     def resolved_advertise_url(self) -> str:
         if self.advertise_url:
@@ -188,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--speculative-ngram-max", int, "longest suffix of a request's tokens looked up for drafts")
     opt("--speculative-ngram-min", int, "shortest suffix looked up for drafts")
     opt("--speculative-max-batch", int, "decode steps with more running requests than this do not speculate")
+    opt(
+        "--tensor-parallel-size",
+        int,
+        "split the model over N ranks: GPUs cuda:0..N-1 (one process each, NCCL), or N CPU processes (gloo)",
+    )
     p.add_argument(
         "--lora-adapter",
         dest="lora_adapters",

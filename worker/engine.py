@@ -104,6 +104,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self.publisher.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None and not (self._thread is not None and self._thread.is_alive()):
+            close()
 
     @property
     def alive(self) -> bool:

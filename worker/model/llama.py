@@ -17,6 +17,7 @@ from torch import nn
 from worker import attention
 from worker.forward_batch import ForwardBatch
 from worker.model.config import ModelConfig
+from worker.model.shard import WHOLE, Shard
 
 
 def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -51,11 +52,16 @@ def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tenso
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, index: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device, dtype: torch.dtype, index: int = 0, shard: Shard = WHOLE
+    ) -> None:  # fmt: skip
         super().__init__()
         c = config
         self.index = index  # layer number (LoRA weights are per layer)
-        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.shard = shard
+        self.heads, self.kv_heads = shard.local(c, "heads"), shard.local(c, "kv_heads")  # this rank's
+        self.inter = shard.local(c, "intermediate")
+        self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
         w = {"device": device, "dtype": dtype}
         self.input_layernorm = _weight(c.hidden_size, **w)
@@ -64,10 +70,12 @@ class DecoderLayer(nn.Module):
         self.o_proj = _weight(c.hidden_size, self.q_size, **w)
         self.o_bias = _weight(c.hidden_size, **w) if c.o_bias else None
         self.post_attention_layernorm = _weight(c.hidden_size, **w)
-        self.gate_up_proj = _weight(2 * c.intermediate_size, c.hidden_size, **w)
-        self.gate_up_bias = _weight(2 * c.intermediate_size, **w) if c.mlp_bias else None
-        self.down_proj = _weight(c.hidden_size, c.intermediate_size, **w)
+        self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **w)
+        self.gate_up_bias = _weight(2 * self.inter, **w) if c.mlp_bias else None
+        self.down_proj = _weight(c.hidden_size, self.inter, **w)
         self.down_bias = _weight(c.hidden_size, **w) if c.mlp_bias else None
+        # NOTE: o_proj / down_proj outputs are summed over ranks: their biases are added by rank 0 only
+        self.bias_here = shard.rank == 0
         self.config = c
         self.sm_scale = c.head_dim**-0.5
 
@@ -87,9 +95,9 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             qkv = lora.apply(i, "qkv", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, c.num_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        q = q.reshape(t, self.heads, c.head_dim)
+        k = k.reshape(t, self.kv_heads, c.head_dim)
+        v = v.reshape(t, self.kv_heads, c.head_dim)
         q, k = ops.apply_rope(q, k, batch.positions, cos_sin_cache)
         # NOTE: decode attention reads the new token's K/V from the pool, so store first.
         attention.store_kv(k_cache, v_cache, batch, k, v)
@@ -98,16 +106,16 @@ class DecoderLayer(nn.Module):
         else:
             out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale)
         out = out.reshape(t, self.q_size)
-        o = F.linear(out, self.o_proj, self.o_bias)
-        x = x + (o if lora is None else lora.apply(i, "o", out, o))
+        o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
+        x = x + self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
         h = ops.rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        down = F.linear(act, self.down_proj, self.down_bias)
-        return x + (down if lora is None else lora.apply(i, "down", act, down))
+        down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
+        return x + self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down))
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -116,22 +124,32 @@ _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 class LlamaForCausalLM(nn.Module):
     """``forward(batch, kv_pool)`` -> float32 logits [B, vocab] (last new token per request), or
     [T, vocab] when ``batch.return_all_logits``, or one row per ``batch.logit_rows`` entry.
-    ``kv_pool`` has per-layer ``k_cache``/``v_cache``."""
+    ``kv_pool`` has per-layer ``k_cache``/``v_cache``. With a ``shard`` of size > 1 it is one rank
+    of a tensor-parallel model (worker.model.shard): every rank runs the same batch in step, and
+    each returns the whole logits."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype, shard: Shard = WHOLE
+    ) -> None:  # fmt: skip
         super().__init__()
+        shard.check(config)
         device = torch.device(device)
-        self.config, self.device, self.dtype = config, device, dtype
+        self.config, self.device, self.dtype, self.shard = config, device, dtype, shard
         w = {"device": device, "dtype": dtype}
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, **w)
-        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device, dtype, i, shard) for i in range(config.num_layers)
+        )
         self.lora: list = []  # LoRA adapters served (worker.model.lora): request adapter id i is lora[i - 1]
         self.norm = _weight(config.hidden_size, **w)
+        self.vocab_lo, self.vocab_hi = shard.vocab_range(config.vocab_size)  # this rank's lm_head rows
         # NOTE: tied embeddings share one tensor; loading either name fills both.
         if config.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+            self.lm_head = (
+                self.embed_tokens[self.vocab_lo : self.vocab_hi] if shard.size > 1 else self.embed_tokens
+            )
         else:
-            self.lm_head = _weight(config.vocab_size, config.hidden_size, **w)
+            self.lm_head = _weight(self.vocab_hi - self.vocab_lo, config.hidden_size, **w)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
 
     @torch.inference_mode()
@@ -145,7 +163,16 @@ class LlamaForCausalLM(nn.Module):
         elif not batch.return_all_logits and batch.mode == "extend":
             x = x[batch.qo_indptr[1:].long() - 1]
         x = attention.kernel_ops(x.device).rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.shard.gather_vocab(F.linear(x, self.lm_head).float(), self.config.vocab_size)
+
+    def add_lora(self, adapter: object) -> int:
+        """Serve a loaded LoRA adapter (worker.model.lora); returns its adapter id."""
+        self.lora.append(adapter)
+        return len(self.lora)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Drop adapter ``adapter_id``'s weights (ids are never reused)."""
+        self.lora[adapter_id - 1] = None
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -166,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         layer: DecoderLayer = self.layers[int(m.group(1))]  # type: ignore[assignment]
         part, kind = m.group(2), m.group(3)
-        q, kv, inter = layer.q_size, layer.kv_size, c.intermediate_size
+        q, kv, inter = layer.q_size, layer.kv_size, layer.inter  # this rank's sizes
         stacked = {
             "self_attn.q_proj": ("qkv", 0, q),
             "self_attn.k_proj": ("qkv", q, q + kv),
@@ -199,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
             target = self.weight_slot(name)
             if target is None:
                 continue
+            tensor = self.shard.weight(self.config, name, tensor)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

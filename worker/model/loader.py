@@ -15,6 +15,7 @@ import torch
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
+from worker.model.shard import WHOLE, Shard
 from worker.model.tiny import build_tiny, tiny_config
 
 
@@ -55,21 +56,29 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(
-    spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
-) -> LoadedModel:
-    """``"tiny"`` or the path of a local HF model directory. Raises ValueError when the directory
-    is not a supported checkpoint."""
-    device = torch.device(device)
-    dtype = dtype or default_dtype(device)
+def read_config(spec: str) -> ModelConfig:
+    """The ModelConfig of ``"tiny"`` or a local HF model directory, without loading weights."""
     if spec == "tiny":
-        return LoadedModel(build_tiny(device, dtype), tiny_config(), ByteTokenizer(), "tiny")
+        return tiny_config()
     if not os.path.isdir(spec):
         raise ValueError(f"model {spec!r} is neither 'tiny' nor a local directory")
     with open(os.path.join(spec, "config.json"), encoding="utf-8") as f:
-        config = ModelConfig.from_hf(json.load(f))
+        return ModelConfig.from_hf(json.load(f))
+
+
+def load_model(
+    spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE
+) -> LoadedModel:
+    """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
+    tensor-parallel model holds). Raises ValueError when the directory is not a supported
+    checkpoint or does not split over the shard's ranks."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    if spec == "tiny":
+        return LoadedModel(build_tiny(device, dtype, shard), tiny_config(), ByteTokenizer(), "tiny")
+    config = read_config(spec)
     tokenizer = HFTokenizer(spec)
-    model = LlamaForCausalLM(config, device, dtype)
+    model = LlamaForCausalLM(config, device, dtype, shard)
     model.load_weights(iter_safetensors(safetensors_files(spec)))
     name = os.path.basename(os.path.normpath(spec))
     return LoadedModel(model, config, tokenizer, name)

@@ -45,6 +45,7 @@ class LoraAdapter:
     name: str
     rank: int
     scale: float
+    path: str = ""  # the PEFT directory it was read from
     # (layer, projection) -> (A [R, in], B [out, R]) with B scaled: the projection's whole output
     # gains (x @ A^T) @ B^T. A stacked projection (qkv, gate_up) concatenates its parts' A along R
     # and places their B block-diagonally, so each part sees only its own A.
@@ -133,7 +134,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     }
     inputs = {"qkv": c.hidden_size, "o": q, "gate_up": c.hidden_size, "down": inter}
     outputs = {"o": c.hidden_size, "down": c.hidden_size}
-    adapter = LoraAdapter(name, rank, scale)
+    adapter = LoraAdapter(name, rank, scale, path)
     dev, dtype = model.device, model.dtype  # type: ignore[attr-defined]
     parts: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, target), ab in sorted(pairs.items()):
@@ -156,6 +157,8 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         for n, (start, end, _, b) in enumerate(found):
             stacked_b[start:end, n * rank : (n + 1) * rank] = b.float() * scale
         stacked_a = torch.cat([a.float() for _, _, a, _ in found])
+        # NOTE: one rank of a tensor-parallel model keeps the part its projection computes
+        stacked_a, stacked_b = model.shard.lora(c, key[1], stacked_a, stacked_b)  # type: ignore[attr-defined]
         adapter.weights[key] = (stacked_a.to(dev, dtype), stacked_b.to(dev, dtype))
     if not adapter.weights:
         raise ValueError(f"adapter {name!r}: no LoRA weights in {weights_path}")
@@ -180,7 +183,7 @@ def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
     """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
     model = engine.executor.model
     check_room(model, len(engine.adapter_names) + 1)
-    model.lora.append(adapter)
+    model.add_lora(adapter)
     engine.cache.add_namespace(adapter.name)
     engine.adapter_names.append(adapter.name)
     return len(engine.adapter_names)
@@ -197,5 +200,5 @@ def remove_adapter(engine: Any, name: str) -> int:
             f"LoRA adapter {name!r} has {busy} requests queued or running; retry when they finish"
         )
     engine.adapter_names[adapter_id - 1] = None
-    engine.executor.model.lora[adapter_id - 1] = None
+    engine.executor.model.remove_lora(adapter_id)
     return engine.cache.drop_namespace(adapter_id)

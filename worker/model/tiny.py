@@ -11,6 +11,7 @@ import torch
 from router.tokenization import ByteTokenizer
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
+from worker.model.shard import WHOLE, Shard
 
 TINY_SEED = 20240601
 # NOTE: residual dimension 0 carries a constant through every layer and the lm_head reads it as
@@ -82,8 +83,8 @@ def tiny_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-def build_tiny(device: torch.device | str, dtype: torch.dtype) -> LlamaForCausalLM:
+def build_tiny(device: torch.device | str, dtype: torch.dtype, shard: Shard = WHOLE) -> LlamaForCausalLM:
     config = tiny_config()
-    model = LlamaForCausalLM(config, device, dtype)
+    model = LlamaForCausalLM(config, device, dtype, shard)
     model.load_weights(tiny_weights(config).items())
     return model

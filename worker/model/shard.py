@@ -1,0 +1,129 @@
+"""Tensor parallelism inside the model: which part of each weight a rank holds, and the two
+collectives a sharded forward needs.
+
+Megatron-style split over ``size`` ranks: q/k/v and gate/up are split by output rows (attention
+heads, intermediate units), o_proj and down_proj by input columns, so each layer needs one sum
+over ranks after o_proj and one after down_proj; the lm_head is split by vocabulary rows and the
+logits gathered. Embedding and norms are whole on every rank. Each rank's KV pool holds its own
+KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.config import ModelConfig
+
+_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias)$")
+# HF projection -> how its weight is split: by output rows of which size, or by input columns
+_ROWS = {
+    "self_attn.q_proj": "heads",
+    "self_attn.k_proj": "kv_heads",
+    "self_attn.v_proj": "kv_heads",
+    "mlp.gate_proj": "intermediate",
+    "mlp.up_proj": "intermediate",
+}
+_COLUMNS = {"self_attn.o_proj": "heads", "mlp.down_proj": "intermediate"}
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed process group of the ranks (None when size is 1)
+
+    def check(self, config: ModelConfig) -> None:
+        """ValueError unless ``config`` splits evenly over ``size`` ranks."""
+        for what, n in (
+            ("num_attention_heads", config.num_heads),
+            ("num_key_value_heads", config.num_kv_heads),
+            ("intermediate_size", config.intermediate_size),
+        ):
+            if n % self.size:
+                raise ValueError(
+                    f"--tensor-parallel-size {self.size} does not divide the model's {what} ({n})"
+                )
+
+    def local(self, config: ModelConfig, what: str) -> int:
+        """This rank's count of ``heads``, ``kv_heads`` or ``intermediate`` units."""
+        total = {"heads": config.num_heads, "kv_heads": config.num_kv_heads,
+                 "intermediate": config.intermediate_size}[what]  # fmt: skip
+        return total // self.size
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's lm_head rows [lo, hi): equal parts of ceil(vocab / size), the last shorter."""
+        per = -(-vocab_size // self.size)
+        lo = min(vocab_size, self.rank * per)
+        return lo, min(vocab_size, lo + per)
+
+    def weight(self, config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of HF weight ``name`` (the whole tensor) this rank holds."""
+        if self.size == 1:
+            return tensor
+        if name == "lm_head.weight":
+            lo, hi = self.vocab_range(config.vocab_size)
+            return tensor[lo:hi]
+        m = _LAYER_WEIGHT.match(name)
+        if m is None:
+            return tensor
+        part, kind = m.group(1), m.group(2)
+        unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) != "intermediate" else 1
+        if part in _ROWS:
+            n = self.local(config, _ROWS[part]) * unit
+            return tensor[self.rank * n : (self.rank + 1) * n]
+        if part in _COLUMNS and kind == "weight":
+            n = self.local(config, _COLUMNS[part]) * unit
+            return tensor[:, self.rank * n : (self.rank + 1) * n]
+        return tensor  # norms, and o_proj / down_proj biases (added once, after the sum)
+
+    def lora(
+        self, config: ModelConfig, proj: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA pair for stacked projection ``proj`` (A [R, in], B [out, R],
+        whole): B's rows of the outputs this rank computes (qkv, gate_up), or A's columns of the
+        inputs it holds (o, down: each rank's delta is then a part of the sum, like its output)."""
+        if self.size == 1:
+            return a, b
+        d = config.head_dim
+        if proj == "qkv":
+            q, kv = config.num_heads * d, config.num_kv_heads * d
+            spans = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+        elif proj == "gate_up":
+            n = config.intermediate_size
+            spans = [(0, n), (n, 2 * n)]
+        else:
+            n = a.shape[1] // self.size
+            return a[:, self.rank * n : (self.rank + 1) * n], b
+        rows = []
+        for lo, hi in spans:
+            n = (hi - lo) // self.size
+            rows.append(b[lo + self.rank * n : lo + (self.rank + 1) * n])
+        return a, torch.cat(rows)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over ranks (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's logit columns side by side: [N, vocab_size]."""
+        if self.size == 1:
+            return logits
+        import torch.distributed as dist
+
+        per = -(-vocab_size // self.size)
+        logits = F.pad(logits, (0, per - logits.shape[1])).contiguous()
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        dist.all_gather(parts, logits, group=self.group)
+        return torch.cat(parts, dim=1)[:, :vocab_size]
+
+
+WHOLE = Shard()  # the unsharded model
