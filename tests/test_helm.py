@@ -241,6 +241,19 @@ def test_gpu_is_requested_by_default_and_only_by_workers(chart) -> None:
     assert GPU not in yaml.safe_dump(router_and_redis)
 
 
+def test_tensor_parallel_workers_request_a_gpu_per_rank(chart) -> None:
+    objects = render(chart, worker={"tensorParallelSize": 4})
+    sts = one(objects, "StatefulSet", "worker")
+    c = container(sts)
+    assert c["resources"]["limits"][GPU] == 4 and c["resources"]["requests"][GPU] == 4
+    assert parse_worker_args(worker_argv(sts, 0)).tensor_parallel_size == 4
+    c = container(
+        one(render(chart, worker={"tensorParallelSize": 2, "gpu": {"count": 8}}), "StatefulSet", "worker")
+    )
+    assert c["resources"]["limits"][GPU] == 8  # more GPUs than ranks asked for: kept
+    assert "--tensor-parallel-size" not in container(one(render(chart), "StatefulSet", "worker"))["args"]
+
+
 def test_cpu_profile_requests_no_gpu(chart) -> None:
     objects = render(chart, "cpu")
     assert GPU not in yaml.safe_dump(objects)
