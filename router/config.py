@@ -33,6 +33,9 @@ class RouterConfig:
     # predicted uncached prompt tokens (router tokens), sent and not yet answered, that weigh as much
     # in a worker's load as one outstanding request; 0 counts requests only (router/workers.py)
     prefill_tokens_per_load: float = 256.0
+    # hint the picked worker (header x-radixgate-kv-source) to fetch a prefix's KV from another worker
+    # predicted to hold at least this many more of the prompt's tokens than it does; 0 = off
+    kv_fetch_min_tokens: int = 0
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     breaker_failure_threshold: int = 3
@@ -104,6 +107,8 @@ class RouterConfig:
         for name in ("block_size", "max_index_entries", "port"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.kv_fetch_min_tokens < 0:
+            raise ValueError("kv_fetch_min_tokens must be >= 0 (0: off)")
         if not self.prefill_tokens_per_load >= 0:  # NaN fails too
             raise ValueError("prefill_tokens_per_load must be >= 0 (0: load counts requests only)")
         if self.max_concurrent_requests < 0 or self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
@@ -211,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-tokens-per-load",
         type=float,
         help="unanswered prefill tokens that count as one request of load (default 256; 0: off)",
+    )
+    p.add_argument(
+        "--kv-fetch-min-tokens",
+        type=int,
+        metavar="N",
+        help="when the picked worker is predicted to hold N or more fewer tokens of the prompt than another "
+        "worker, name that worker in x-radixgate-kv-source: a radixgate worker fetches the KV from it "
+        "instead of computing that prefill (default 0: off)",
     )
     p.add_argument("--health-interval-s", type=float)
     p.add_argument("--max-retries", type=int)

@@ -31,6 +31,7 @@ from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
 from router.http_client import HTTPClientError
 from router.http_client import Response as UpstreamResponse
+from router.kv_events import KV_SOURCE_HEADER
 from router.metrics import RouterMetrics
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
@@ -181,6 +182,18 @@ class Router:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome
 
+    def kv_source(self, decision: Decision) -> str | None:
+        """The worker ``decision``'s pick may fetch the prompt's cached KV from (--kv-fetch-min-tokens):
+        the candidate predicted to hold the most of the prompt, when that is at least the setting's
+        tokens more than the pick holds (ties: the least loaded); None when off or no worker does."""
+        need = self.config.kv_fetch_min_tokens
+        matched = decision.matched_tokens
+        most = max(matched.values(), default=0)
+        if not need or most - matched.get(decision.url, 0) < need:
+            return None
+        holders = (self.workers.get(url) for url, n in matched.items() if n == most)
+        return min((w for w in holders if w is not None), key=lambda w: w.load).url
+
     def admit_key(self, key: str) -> None:
         """The key's rate limit (router/api_keys.py), counted per key name; raises RouterError 429."""
         try:
@@ -291,14 +304,19 @@ class Router:
             worker.stats.requests += 1
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
                             prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
+            source = self.kv_source(decision)
+            if source is not None:
+                worker.stats.kv_fetch_hints += 1
+                access_log.note(kv_source=source)
             try:
                 try:
                     # The optimistic index insert (and hashing the rest of the prompt) runs once
                     # the request is written: it does not delay it, and a worker that could not
                     # be reached records nothing.
                     resp = await self.upstream.open(
-                        worker, path, body, headers, partial(self.policy.on_routed, route, worker.url)
-                    )
+                        worker, path, body, headers if source is None else {**headers, KV_SOURCE_HEADER: source},
+                        partial(self.policy.on_routed, route, worker.url),
+                    )  # fmt: skip
                 except UpstreamFailure as exc:
                     if exc.kind == "overloaded":  # NOTE: it answered, so no fault: its queue is full
                         worker.breaker.record_success()

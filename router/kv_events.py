@@ -15,6 +15,10 @@ import orjson
 EVENT_VERSION = 1
 _U64 = (1 << 64) - 1
 
+# A router's hint to the worker it picked: another worker (base URL) predicted to hold more of the
+# prompt's KV, which the picked worker may fetch before computing the prefill (worker/kv_transfer.py).
+KV_SOURCE_HEADER = "x-radixgate-kv-source"
+
 
 class EventFormatError(ValueError):
     """A batch that does not follow the format; the consumer drops it and re-syncs."""

@@ -101,6 +101,11 @@ class _WorkerCollector:
             "radixgate_upstream_kv_event_batches", "KV event batches applied", labels=label
         )
         resyncs = CounterMetricFamily("radixgate_upstream_kv_resyncs", "Snapshot re-syncs", labels=label)
+        hints = CounterMetricFamily(
+            "radixgate_upstream_kv_fetch_hints",
+            "Requests sent there naming another worker to fetch their prefix's KV from (--kv-fetch-min-tokens)",
+            labels=label,
+        )
         fleet = GaugeMetricFamily("radixgate_fleet_hit_rate", "Fleet prefix hit rate", labels=["source"])
         totals = [0, 0, 0, 0]
         for w in self._workers:
@@ -125,6 +130,7 @@ class _WorkerCollector:
             hit_rate.add_metric([w.url, "actual"], _ratio(s.cached_tokens, s.usage_prompt_tokens))
             events.add_metric([w.url], s.kv_event_batches)
             resyncs.add_metric([w.url], s.kv_resyncs)
+            hints.add_metric([w.url], s.kv_fetch_hints)
             for i, v in enumerate(
                 (s.predicted_cached_tokens, s.prompt_tokens, s.cached_tokens, s.usage_prompt_tokens)
             ):
@@ -160,6 +166,7 @@ class _WorkerCollector:
             hit_rate,
             events,
             resyncs,
+            hints,
             fleet,
             index_entries,
             index_nodes,

@@ -29,6 +29,7 @@ class WorkerStats:
     predicted_cached_tokens: int = 0  # what the prefix index predicted would be cached
     usage_prompt_tokens: int = 0  # prompt tokens as the worker reported them (usage)
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens reported by the worker
+    kv_fetch_hints: int = 0  # requests sent here naming another worker to fetch their prefix's KV from
     kv_event_batches: int = 0
     kv_resyncs: int = 0
 

@@ -29,6 +29,7 @@ def test_worker_flags_both_spellings():
         ["--policy-param", "novalue"],
         ["--prefill-tokens-per-load", "-1"],
         ["--prefill-tokens-per-load", "nan"],
+        ["--kv-fetch-min-tokens", "-1"],
     ],
 )
 def test_bad_settings_are_errors(argv):

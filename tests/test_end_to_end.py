@@ -308,3 +308,36 @@ def test_n_choices_and_batched_prompts_count_as_the_sequences_the_worker_runs(la
             resp = sent.result()
             assert resp.status_code == 200 and len(resp.json()["choices"]) == sequences
         wait_until(lambda: view()["in_flight"] == 0, 10, what="the count released")
+
+
+def test_a_request_sent_away_from_its_prefix_fetches_the_kv_from_the_holder(launch):
+    """`--kv-fetch-min-tokens`: round robin sends the second request of a shared system prompt to
+    the other worker; the router names the first as the KV source, the second worker fetches the
+    prefix from it (behind the workers' key) instead of computing it, and answers the same."""
+    key = "fleet-k3y"
+    router = launch.module("router", "--launch-workers", "2", "--policy", "round_robin", "--kv-fetch-min-tokens",
+                           "64", "--worker-api-key", key, timeout=120)  # fmt: skip
+    wait_until(lambda: [w["healthy"] for w in httpx.get(router.url + "/workers", timeout=2).json()["workers"]]
+               == [True, True], 120, what="both workers healthy")  # fmt: skip
+    first = httpx.post(router.url + "/v1/chat/completions", json=chat("Where is the cache?"), timeout=120)
+    holder = first.headers["x-radixgate-worker"]
+    body = chat("Where is the KV?")
+    second = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
+    assert second.status_code == 200, second.text
+    other = second.headers["x-radixgate-worker"]
+    assert other != holder
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM) // 16 * 16
+    auth = {"authorization": f"Bearer {key}"}
+    fetched = httpx.get(other + "/metrics", headers=auth).text
+    assert 'radixgate_worker_kv_fetch_total{outcome="ok"} 1.0' in fetched
+    assert metric(router.url, f'radixgate_upstream_kv_fetch_hints_total{{worker="{other}"}}') == 1
+    assert metric(router.url, f'radixgate_upstream_kv_fetch_hints_total{{worker="{holder}"}}') == 0
+    # the same answer as the holder computes for it
+    direct = httpx.post(holder + "/v1/chat/completions", json=body, headers=auth, timeout=120).json()
+    assert direct["choices"][0]["message"] == second.json()["choices"][0]["message"]
+    # both hold the prefix now: no source is named for it; /debug/route names one for a new prefix
+    assert httpx.post(router.url + "/debug/route", json=chat("Now?"), timeout=10).json()["kv_source"] is None
+    fresh = {**body, "messages": [{"role": "system", "content": "A new system prompt. " * 20}]}
+    assert httpx.post(router.url + "/v1/chat/completions", json=fresh, timeout=120).status_code == 200
+    explained = httpx.post(router.url + "/debug/route", json=fresh, timeout=10).json()
+    assert explained["kv_source"] is not None and explained["kv_source"] != explained["worker"]

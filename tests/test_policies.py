@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 
 from router.block_hash import block_hashes
-from router.policies import POLICY_NAMES, Candidate, RouteRequest, make_policy
+from router.config import RouterConfig
+from router.gateway import Router
+from router.policies import POLICY_NAMES, Candidate, Decision, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
 
 BLOCK = 4  # tokens per block, small to keep the simulations fast
@@ -268,3 +270,16 @@ def test_cache_aware_spreads_a_hot_system_prompt_instead_of_piling_it_on_one_wor
     # Without the load window, affinity alone piles the hot prefix onto its first holder.
     piled = simulate("cache_aware", "hot", params={"balance_abs": 1e9})
     assert piled["hot_busiest_share"] > 0.9
+
+
+def test_the_kv_source_is_the_best_holder_when_it_holds_enough_more_than_the_pick():
+    urls = ["http://a:1", "http://b:1", "http://c:1"]
+    router = Router(RouterConfig(workers=urls, kv_fetch_min_tokens=64))
+    router.workers.get("http://b:1").in_flight = 3
+    pick = Decision("http://a:1", {"http://a:1": 32, "http://b:1": 96, "http://c:1": 96}, "")
+    assert router.kv_source(pick) == "http://c:1"  # b and c hold as much: the less loaded one
+    assert router.kv_source(Decision("http://a:1", {**pick.matched_tokens, "http://a:1": 33}, "")) is None
+    assert router.kv_source(Decision("http://c:1", pick.matched_tokens, "")) is None  # the pick holds most
+    assert router.kv_source(Decision("http://a:1", {"http://a:1": 0}, "")) is None
+    router.config.kv_fetch_min_tokens = 0  # off
+    assert router.kv_source(pick) is None

@@ -38,6 +38,10 @@ class WorkerConfig:
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
     admin_token: str | None = None  # required by POST /v1/cache/flush when set
     api_key: str | None = None  # required (Authorization: Bearer) on every endpoint but /health, /metrics
+    # KV moved between workers (worker/kv_transfer.py): the most one fetch or export carries (MiB),
+    # 0 = off (the router's x-radixgate-kv-source hint ignored, /v1/kv/export refused)
+    kv_transfer_max_mib: int = 1024
+    kv_fetch_timeout_s: float = 5.0  # one fetch's HTTP exchange with the source worker
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
     log_level: str = "info"
@@ -75,6 +79,8 @@ class WorkerConfig:
             raise ValueError("--max-stored-responses must be >= 0")
         if self.host_cache_tokens < 0:
             raise ValueError("--host-cache-tokens must be >= 0")
+        if self.kv_transfer_max_mib < 0 or not self.kv_fetch_timeout_s > 0:
+            raise ValueError("--kv-transfer-max-mib must be >= 0 and --kv-fetch-timeout-s > 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.cuda_graph_max_bs < 0:
@@ -145,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         "host-memory KV tier in tokens: evicted KV pages move there and come back on a hit "
         "(a copy instead of a prefill); 0 = none",
     )
+    opt(
+        "--kv-transfer-max-mib",
+        int,
+        "KV moved between workers: the most one fetch (before a request a router hinted with "
+        "x-radixgate-kv-source) or one export to another worker carries, in MiB (0 = off)",
+    )
+    opt("--kv-fetch-timeout-s", float, "longest a KV fetch from another worker may take (seconds)")
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
     opt("--max-running", int, "requests admitted at once")
     opt("--cuda-graph-max-bs", int, "CUDA: decode steps of up to N requests replay captured graphs (0 = off)")

@@ -108,6 +108,29 @@ class WorkerMetrics:
             "Tool calls answered (read from the text, or generated for a required or named tool_choice).",
             registry=self.registry,
         )
+        self.kv_fetch = Counter(
+            f"{PREFIX}_kv_fetch_total",
+            "KV fetches from another worker before a request a router hinted (x-radixgate-kv-source), by "
+            "outcome: ok, cached (nothing to fetch), miss (the source had nothing more), error.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.kv_fetched_tokens = Counter(
+            f"{PREFIX}_kv_fetched_tokens",
+            "Prompt tokens whose KV was fetched from another worker and cached here.",
+            registry=self.registry,
+        )
+        self.kv_fetch_seconds = Histogram(
+            f"{PREFIX}_kv_fetch_seconds",
+            "A successful KV fetch, from the local lookup to the KV cached here.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_exported_tokens = Counter(
+            f"{PREFIX}_kv_exported_tokens",
+            "Cached tokens whose KV this worker sent to another worker.",
+            registry=self.registry,
+        )
         self.registry.register(_SnapshotCollector(self))
 
     def record(self, snap: EngineSnapshot) -> None:

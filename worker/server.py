@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from router.api_keys import APIKeys
 from router.errors import RouterError, error_response
+from router.kv_events import KV_SOURCE_HEADER
 from worker.api_params import (
     MAX_CHOICES,
     APIError,
@@ -37,6 +38,7 @@ from worker.api_params import (
 )
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
+from worker.kv_transfer import EXPORT_PATH, KVTransfer
 from worker.openai_format import Choice, Responses, TokenNames, event_stream
 from worker.ops_api import OpsAPI
 from worker.responses_api import ResponsesAPI
@@ -60,8 +62,11 @@ def _sse(obj: Any) -> bytes:
 class WorkerAPI:
     """Routes bound to one engine."""
 
-    def __init__(self, engine: Engine, tool_call_parser: str = "hermes") -> None:
+    def __init__(
+        self, engine: Engine, tool_call_parser: str = "hermes", kv: KVTransfer | None = None
+    ) -> None:
         self.engine = engine
+        self.kv = kv  # fetches a prompt's cached KV from the worker a router names (worker/kv_transfer.py)
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
@@ -178,6 +183,14 @@ class WorkerAPI:
         """Submit engine requests ``(index, prompt ids, params, prompt group)`` answering on
         ``outputs`` and wait for the first output; None if the client left. A refusal or a first
         output that is an error is an APIError, with every submitted request aborted."""
+        source = request.headers.get(KV_SOURCE_HEADER)
+        if source and self.kv is not None and self.kv.enabled:
+            pulled: set[int] = set()
+            for _, ids, params, _ in jobs:  # NOTE: the n choices of a prompt share its list
+                # NOTE: prompt logprobs compute the whole prompt: a cached prefix would not be used
+                if params.adapter == 0 and params.prompt_logprobs is None and id(ids) not in pulled:
+                    pulled.add(id(ids))
+                    await self.kv.pull(source, ids)
         try:
             for index, ids, params, group in jobs:
                 live[index] = self.engine.submit(ids, params, outputs, index, group).rid
@@ -282,11 +295,13 @@ class WorkerAPI:
 
 def create_app(
     engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
-    tool_call_parser: str = "hermes", api_key: str | None = None,
+    tool_call_parser: str = "hermes", api_key: str | None = None, kv_transfer_max_mib: int = 1024,
+    kv_fetch_timeout_s: float = 5.0,
 ) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it. With
     ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it."""
-    api = WorkerAPI(engine, tool_call_parser)
+    kv = KVTransfer(engine, api_key, kv_transfer_max_mib << 20, kv_fetch_timeout_s)
+    api = WorkerAPI(engine, tool_call_parser, kv)
     ops = OpsAPI(engine, admin_token)
     responses = ResponsesAPI(api, max_stored_responses)
     keys = APIKeys([api_key] if api_key else [])
@@ -315,6 +330,7 @@ def create_app(
         try:
             yield
         finally:
+            await kv.close()
             await run_in_threadpool(engine.stop)
 
     routes = [
@@ -334,5 +350,6 @@ def create_app(
         Route("/v1/unload_lora_adapter", guarded(ops.unload_adapter), methods=["POST"]),
         Route("/v1/cache/snapshot", guarded(ops.cache_snapshot), methods=["GET"]),
         Route("/v1/cache/events", guarded(ops.cache_events), methods=["GET"]),
+        Route(EXPORT_PATH, guarded(kv.export), methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

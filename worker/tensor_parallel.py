@@ -8,7 +8,8 @@ meeting in each layer's sums and the logits gather (worker.model.shard; NCCL bet
 cuda:0..N-1, gloo between CPU processes). Host-tier copies are sent the same way, so every rank's
 pages always hold the same tokens.
 
-Control messages go over a gloo group (pickled, one broadcast per step: a few KiB of indices).
+Control messages go over a gloo group (pickled, one broadcast per step: a few KiB of indices);
+KV moved to or from another worker (worker.kv_transfer) is split or gathered by KV head the same way.
 Ranks cannot go on without each other (a collective would wait forever), so rank 0 exits (status
 1) when another rank dies, for its supervisor to restart the worker, and the other ranks exit
 when rank 0 is gone.
@@ -30,6 +31,7 @@ import torch
 from worker.forward_batch import ForwardBatch
 from worker.host_cache import HostKVPool
 from worker.kv_pool import KVPool
+from worker.kv_transfer import read_kv, write_kv
 from worker.model.shard import Shard
 
 log = logging.getLogger("worker.tp")
@@ -47,6 +49,14 @@ class Channel:
         import torch.distributed as dist
 
         dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (in rank order); None on the others."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * dist.get_world_size(self.group) if dist.get_rank() == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
 
     def recv(self) -> tuple:
         import torch.distributed as dist
@@ -115,6 +125,18 @@ class LeaderModel:
         self.channel.send(("lora_remove", adapter_id))
         self.model.remove_lora(adapter_id)
 
+    def read_kv(self, pool: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``slots`` with every rank's KV heads (worker.kv_transfer)."""
+        self.channel.send(("kv_read", slots.numpy()))
+        parts = self.channel.gather(read_kv(pool, slots))
+        assert parts is not None
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
+    def write_kv(self, pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of every KV head into ``slots``: each rank takes its heads."""
+        self.channel.send(("kv_write", slots.numpy(), k, v))
+        write_heads(pool, slots, k, v, self.model.shard)
+
     def close(self) -> None:
         self.ranks.close(self.channel)
 
@@ -178,6 +200,13 @@ class Ranks:
             if p.is_alive():
                 p.terminate()
         _leave_group()
+
+
+def write_heads(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> None:
+    """This rank's KV heads of [layers, n, all heads, dim] K/V written into ``slots``."""
+    n = pool.k_cache[0].shape[1]
+    part = slice(shard.rank * n, (shard.rank + 1) * n)
+    write_kv(pool, slots, k[:, :, part], v[:, :, part])
 
 
 def _leave_group() -> None:
@@ -272,6 +301,10 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
             msg = channel.recv()
             if msg[0] == "step":
                 model.forward(step_batch(msg, device, model.lora), pool)
+            elif msg[0] == "kv_read":
+                channel.gather(read_kv(pool, torch.from_numpy(msg[1])))
+            elif msg[0] == "kv_write":
+                write_heads(pool, torch.from_numpy(msg[1]), msg[2], msg[3], shard)
             elif msg[0] == "lora_add":
                 model.add_lora(load_adapter(msg[1], msg[2], model))
             elif msg[0] == "lora_remove":

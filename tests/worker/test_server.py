@@ -28,15 +28,16 @@ class LiveServer:
     """A worker app served by uvicorn in a thread, on a loopback port picked by the OS."""
 
     def __init__(
-        self, engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024
+        self, engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024, **app: object
     ) -> None:
         self.engine = engine
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = create_app(engine, admin_token, max_stored_responses)
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            create_app(engine, admin_token, max_stored_responses, **app), log_level="warning", lifespan="on"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -56,7 +57,10 @@ class LiveServer:
 
 def serve(**overrides) -> LiveServer:
     cfg = WorkerConfig(**{"model": "tiny", "device": "cpu", "kv_cache_tokens": 8192, **overrides})
-    return LiveServer(build_engine(cfg), overrides.get("admin_token"), cfg.max_stored_responses)
+    return LiveServer(
+        build_engine(cfg), cfg.admin_token, cfg.max_stored_responses,
+        kv_transfer_max_mib=cfg.kv_transfer_max_mib, kv_fetch_timeout_s=cfg.kv_fetch_timeout_s,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,22 @@ def test_host_tier_copies_reach_every_rank(tiny_pair):
     assert metric(two.url, "radixgate_worker_host_loaded_tokens_total") > before
 
 
+def test_kv_moves_between_one_rank_and_two_ranks_both_ways(tiny_pair):
+    """A two-rank worker exports KV gathered from both ranks' heads and imports KV split over them:
+    fetched in either direction, the answer is the one computed from scratch."""
+    one, two = tiny_pair
+    for n, (source, receiver) in enumerate(((one, two), (two, one))):
+        shared = f"kv transfer {n}: " + "the archive lists every shipment by port and date. " * 7
+        complete(source.url, prompt=shared + "first", max_tokens=1, temperature=0)
+        before = metric(receiver.url, "radixgate_worker_kv_fetched_tokens_total")
+        body = {"prompt": shared + "second", "temperature": 0, "logprobs": 2}
+        hinted = httpx.post(receiver.url + "/v1/completions", json={"max_tokens": 16, **body}, timeout=120,
+                            headers={"x-radixgate-kv-source": source.url}).json()  # fmt: skip
+        fetched = metric(receiver.url, "radixgate_worker_kv_fetched_tokens_total") - before
+        assert fetched == hinted["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shared) - 16
+        assert_same(hinted, complete(source.url, **body))
+
+
 def test_speculative_decoding_with_two_ranks(tiny_pair, tmp_path):
     one, _ = tiny_pair
     spec = start_module(

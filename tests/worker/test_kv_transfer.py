@@ -1,0 +1,212 @@
+"""KV moved between workers (worker/kv_transfer.py) on real uvicorn servers (tiny model, CPU): a worker
+hinted with x-radixgate-kv-source fetches what the source caches of the prompt beyond its own prefix
+and answers exactly as a worker that computed the prefill; the fetched blocks are published as its
+own; every failure (miss, unreachable source, another layout, a full pool) leaves the answer right;
+the export endpoint refuses bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from router.block_hash import block_hashes
+from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
+from router.kv_events import decode
+from router.launcher import free_port
+from tests.worker.test_server import LiveServer, serve
+from worker.kv_transfer import EXPORT_PATH
+from worker.kv_transfer import decode as decode_export
+
+PAGE = 16
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 250) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[LiveServer, LiveServer, LiveServer]]:
+    """source, receiver, and a plain worker that is never hinted (the reference answers)."""
+    with serve() as source, serve() as receiver, serve() as plain:
+        yield source, receiver, plain
+
+
+def complete(url: str, ids: list[int], source: str | None = None, **extra) -> dict:
+    headers = {SOURCE_HEADER: source} if source else {}
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0, "logprobs": 2, **extra}
+    r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def assert_same_answer(a: dict, b: dict) -> None:
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+    assert la["tokens"] == lb["tokens"]
+    for x, y in zip(la["token_logprobs"], lb["token_logprobs"], strict=True):
+        assert abs(x - y) < 1e-4, (x, y)
+
+
+def counter(url: str, name: str, label: str = "") -> float:
+    """A counter's value on /metrics (0 before its first increment)."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name}{label} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+FETCH, FETCHED = "radixgate_worker_kv_fetch_total", "radixgate_worker_kv_fetched_tokens_total"
+EXPORTED = "radixgate_worker_kv_exported_tokens_total"
+
+
+def outcome(url: str, name: str) -> float:
+    return counter(url, FETCH, f'{{outcome="{name}"}}')
+
+
+def cached_hashes(url: str) -> set[int]:
+    snap = decode(httpx.get(url + "/v1/cache/snapshot", timeout=10).content)
+    return {h for blocks in snap.stored for h in blocks.block_hashes}
+
+
+def test_a_hinted_worker_fetches_the_prefix_and_answers_as_if_it_computed_it(fleet):
+    source, receiver, plain = fleet
+    shared = prompt(1, 700)
+    complete(source.url, shared + prompt(2, 30))
+    ok, fetched, exported = (
+        outcome(receiver.url, "ok"),
+        counter(receiver.url, FETCHED),
+        counter(source.url, EXPORTED),
+    )
+    ids = shared + prompt(3, 40)
+    hinted = complete(receiver.url, ids, source.url)
+    reference = complete(plain.url, ids)
+    assert cached(reference) == 0
+    assert cached(hinted) == 700 // PAGE * PAGE  # every whole page of the shared prefix the source held
+    assert_same_answer(hinted, reference)
+    assert outcome(receiver.url, "ok") == ok + 1
+    assert counter(receiver.url, FETCHED) == fetched + cached(hinted)
+    assert counter(source.url, EXPORTED) == exported + cached(hinted)
+    # the fetched blocks are the receiver's own now: in its snapshot (and KV events) for routers to learn
+    assert set(block_hashes(ids[: cached(hinted)], PAGE, "tiny")) <= cached_hashes(receiver.url)
+    # a second request finds them (and its own prompt) locally: nothing fetched
+    again = complete(receiver.url, ids, source.url)
+    assert cached(again) == (len(ids) - 1) // PAGE * PAGE and outcome(receiver.url, "cached") >= 1
+    assert_same_answer(again, reference)
+
+
+def test_only_what_the_receiver_lacks_is_fetched(fleet):
+    source, receiver, plain = fleet
+    head, tail = prompt(10, 320), prompt(11, 480)
+    complete(receiver.url, head + prompt(12, 20))  # the receiver holds the first 320 tokens itself
+    complete(source.url, head + tail + prompt(13, 20))
+    exported, fetched = counter(source.url, EXPORTED), counter(receiver.url, FETCHED)
+    ids = head + tail + prompt(14, 20)
+    hinted = complete(receiver.url, ids, source.url)
+    assert cached(hinted) == 800
+    assert counter(source.url, EXPORTED) - exported == 480  # from the receiver's own 320 on
+    assert counter(receiver.url, FETCHED) - fetched == 480
+    assert_same_answer(hinted, complete(plain.url, ids))
+
+
+def test_chat_streams_and_several_prompts_fetch_too(fleet):
+    source, receiver, _ = fleet
+    system = {"role": "system", "content": "Answer as a ship's log would. " * 30}
+    chat = {"model": "tiny", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    httpx.post(source.url + "/v1/chat/completions", json={**chat, "messages": [system]}, timeout=60)
+    body = {**chat, "messages": [system, {"role": "user", "content": "Where are we?"}]}
+    with httpx.stream("POST", receiver.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={SOURCE_HEADER: source.url}) as r:  # fmt: skip
+        chunks = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(system["content"]) // PAGE * PAGE - PAGE
+    # a list of prompts: each is fetched for
+    a, b = prompt(20, 200), prompt(21, 200)
+    complete(source.url, [*a, 5])
+    complete(source.url, [*b, 5])
+    r = httpx.post(receiver.url + "/v1/completions", json={"model": "tiny", "prompt": [[*a, 7], [*b, 7]],
+                   "max_tokens": 2}, headers={SOURCE_HEADER: source.url}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * 192
+
+
+def test_failures_leave_the_answer_right(fleet):
+    source, receiver, plain = fleet
+    ids = prompt(30, 400)
+    # the source holds nothing of it: a miss
+    misses = outcome(receiver.url, "miss")
+    assert_same_answer(complete(receiver.url, ids, source.url), complete(plain.url, ids))
+    assert outcome(receiver.url, "miss") == misses + 1
+    # nothing listens there: an error, and the request computes its prefill
+    errors = outcome(receiver.url, "error")
+    ids = prompt(31, 400)
+    answer = complete(receiver.url, ids, f"http://127.0.0.1:{free_port()}")
+    assert cached(answer) == 0 and outcome(receiver.url, "error") == errors + 1
+    assert_same_answer(answer, complete(plain.url, ids))
+    # a source with another page size: its KV is refused
+    with serve(block_size=32) as other:
+        ids = prompt(32, 400)
+        complete(other.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], other.url)
+        assert cached(answer) == 0 and outcome(receiver.url, "error") == errors + 2
+        assert_same_answer(answer, complete(plain.url, [*ids, 2]))
+
+
+def test_a_full_pool_makes_room_and_the_byte_cap_bounds_a_fetch(fleet):
+    source, _, plain = fleet
+    # tiny: 4 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 2 KiB a token; 1 MiB = 512 tokens
+    with serve(kv_cache_tokens=2048, kv_transfer_max_mib=1) as small:
+        for seed in range(60, 68):  # fill the pool with other prefixes
+            complete(small.url, prompt(seed, 240))
+        ids = prompt(45, 700)
+        complete(source.url, [*ids, 3])
+        assert counter(small.url, "radixgate_worker_evicted_pages_total") == 0
+        answer = complete(small.url, [*ids, 4], source.url)
+        assert counter(small.url, "radixgate_worker_evicted_pages_total") > 0
+        assert cached(answer) == 512
+        assert_same_answer(answer, complete(plain.url, [*ids, 4]))
+        asyncio.run(small.engine.call(small.engine.cache.check_invariants))  # on the engine thread
+        health = httpx.get(small.url + "/health", timeout=10).json()
+        assert health["kv_pages_free"] + health["kv_pages_cached"] == health["kv_pages_total"]
+
+
+def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
+    source, _, _ = fleet
+    ids = prompt(50, 100)
+    complete(source.url, [*ids, 1])
+    url = source.url + EXPORT_PATH
+    for body, status in [
+        ({"token_ids": "abc"}, 400),
+        ({"token_ids": [1, -2]}, 400),
+        ({"token_ids": ids, "start": 5}, 400),
+        ({"token_ids": ids, "max_tokens": -16}, 400),
+        ({"token_ids": ids, "model": "other"}, 400),
+        ({"token_ids": prompt(51, 100)}, 404),
+        ({"token_ids": [*ids, 1], "start": 96}, 404),  # nothing cached beyond 96
+    ]:
+        r = httpx.post(url, json=body, timeout=10)
+        assert r.status_code == status, (body, r.text)
+        assert "message" in r.json()["error"]
+    assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
+    r = httpx.post(url, json={"token_ids": [*ids, 1], "start": 32, "max_tokens": 32}, timeout=10)
+    assert r.status_code == 200
+    start, block_size, k, v = decode_export(r.content)
+    assert (start, block_size, tuple(k.shape), k.dtype) == (32, PAGE, (4, 32, 2, 32), v.dtype)
+    with pytest.raises(ValueError, match="not a KV export"):
+        decode_export(b"garbage")
+    with serve(kv_transfer_max_mib=0) as off:
+        r = httpx.post(off.url + EXPORT_PATH, json={"token_ids": ids}, timeout=10)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "kv_transfer_unsupported"
+        # a worker with transfers off ignores the hint
+        answer = complete(off.url, [*ids, 1], source.url)
+        assert cached(answer) == 0
+    assert complete(source.url, [*ids, 1])["usage"]["prompt_tokens"] == 101
