@@ -20,6 +20,7 @@ block size and dtype; anything else is refused. Base-model prompts only (not LoR
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -200,36 +201,52 @@ class KVTransfer:
 
         engine, ps = self.engine, self.engine.page_size
         have = await engine.call(lambda: engine.cache.cached_prefix_len(tokens))
-        if (tokens.size - 1) // ps * ps <= have:
+        matchable = (tokens.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
+        if matchable <= have:
             return "cached"
-        cap = min(self.max_tokens, engine.capacity_tokens // 2 // ps * ps)  # NOTE: room left for the rest
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        cap = min(self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have)  # NOTE: + room
         body = {"model": engine.served_model_name, "token_ids": tokens.tolist(), "start": have,
                 "max_tokens": cap}  # fmt: skip
         try:
-            resp = await self._client.post(source.rstrip("/") + EXPORT_PATH, json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            log.warning("KV fetch from %s failed: %s", source, exc)
-            return "error"
-        if resp.status_code == 404:
-            return "miss"
-        if resp.status_code != 200:
-            log.warning("KV fetch from %s answered %d: %s", source, resp.status_code, resp.text[:200])
-            return "error"
-        try:
-            start, block_size, k, v = decode(resp.content)
-            self._check(start, block_size, have, k, v)
-        except ValueError as exc:
-            log.warning("KV fetch from %s refused: %s", source, exc)
+            async with asyncio.timeout(self.timeout_s):  # NOTE: the whole exchange, not each read
+                payload = await self._fetch(source, body, cap)
+            if payload is None:
+                return "miss"
+            start, block_size, k, v = decode(payload)
+            self._check(start, block_size, have, cap, k, v)
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+            log.warning("KV fetch from %s failed: %s", source, str(exc) or "timed out")
             return "error"
         imported = await engine.call(lambda: import_kv(engine, tokens, start, k, v))
         engine.metrics.kv_fetched_tokens.inc(imported)
         return "ok" if imported else "cached"
 
-    def _check(self, start: int, block_size: int, have: int, k: Any, v: Any) -> None:
-        """ValueError unless the export is this pool's layout from ``have``, in whole pages."""
+    async def _fetch(self, source: str, body: dict, cap: int) -> bytes | None:
+        """The export's body; None when the source has nothing (404). ValueError on another answer
+        or a body larger than ``cap`` tokens of KV can be."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limit = cap * kv_bytes_per_token(self.engine) + (1 << 16)  # NOTE: + the safetensors header
+        async with self._client.stream(
+            "POST", source.rstrip("/") + EXPORT_PATH, json=body, headers=headers
+        ) as resp:
+            if resp.status_code == 404:
+                return None
+            if resp.status_code != 200:
+                raise ValueError(f"answered {resp.status_code}: {(await resp.aread())[:200]!r}")
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise ValueError(f"answer larger than {limit} bytes")
+        return b"".join(chunks)
+
+    def _check(self, start: int, block_size: int, have: int, cap: int, k: Any, v: Any) -> None:
+        """ValueError unless the export is this pool's layout from ``have``, whole pages, <= ``cap``."""
         pool = self.engine.executor.kv_pool
         layers, _, heads, dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
         heads_here = pool.k_cache[0].shape[1] * self.engine.executor.tensor_parallel_size
@@ -238,7 +255,7 @@ class KVTransfer:
                              f"of {self.engine.page_size}")  # fmt: skip
         if (layers, heads, dim) != (pool.num_layers, heads_here, pool.k_cache[0].shape[2]):
             raise ValueError(f"KV shape {tuple(k.shape)} is not this model's")
-        if k.dtype != pool.k_cache[0].dtype or k.shape[1] % block_size or k.shape[1] == 0:
+        if k.dtype != pool.k_cache[0].dtype or k.shape[1] % block_size or not 0 < k.shape[1] <= cap:
             raise ValueError(f"KV of {k.shape[1]} tokens in {k.dtype}; this pool is {pool.k_cache[0].dtype}")
 
     async def close(self) -> None:

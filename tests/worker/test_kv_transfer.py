@@ -7,19 +7,24 @@ the export endpoint refuses bad input."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import orjson
 import pytest
+import torch
 
 from router.block_hash import block_hashes
 from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
 from router.launcher import free_port
 from tests.worker.test_server import LiveServer, serve
-from worker.kv_transfer import EXPORT_PATH
+from worker.kv_transfer import EXPORT_PATH, encode
 from worker.kv_transfer import decode as decode_export
 
 PAGE = 16
@@ -210,3 +215,44 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
         answer = complete(off.url, [*ids, 1], source.url)
         assert cached(answer) == 0
     assert complete(source.url, [*ids, 1])["usage"]["prompt_tokens"] == 101
+
+
+class _BadPeer(BaseHTTPRequestHandler):
+    """A peer that answers an export too slowly (/slow) or with more KV than asked for (/big)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-type", "application/octet-stream")
+        self.end_headers()
+        with contextlib.suppress(OSError):  # NOTE: the receiver hangs up once it has had enough
+            if self.path.startswith("/slow"):
+                for _ in range(600):  # 30 s unless the receiver gives up
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            else:  # a well-formed export of 1024 tokens (2 MiB) of zeros: more than was asked for
+                self.wfile.write(encode(torch.zeros(4, 1024, 2, 32), torch.zeros(4, 1024, 2, 32), 0, PAGE))
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_slow_or_oversized_answer_is_cut_off(fleet):
+    _, _, plain = fleet
+    peer = ThreadingHTTPServer(("127.0.0.1", 0), _BadPeer)
+    threading.Thread(target=peer.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{peer.server_address[1]}"
+    try:
+        with serve(kv_transfer_max_mib=1, kv_fetch_timeout_s=0.5) as receiver:
+            for path in ("/slow", "/big"):
+                ids = prompt(70 + len(path), 1100)
+                started = time.monotonic()
+                answer = complete(receiver.url, ids, base + path)
+                assert time.monotonic() - started < 10  # NOTE: a bound on the wait, not a timing claim
+                assert cached(answer) == 0
+                assert_same_answer(answer, complete(plain.url, ids))
+            assert outcome(receiver.url, "error") == 2
+    finally:
+        peer.shutdown()
+        peer.server_close()
