@@ -33,6 +33,7 @@ class AccessRecord:
     predicted_cached_tokens: int = 0  # what the prefix index predicted for the chosen worker
     usage_prompt_tokens: int | None = None  # the worker's usage, when it reported one
     cached_tokens: int | None = None
+    kv_source: str | None = None  # the worker named for a KV fetch (--kv-fetch-min-tokens), if one was
     ttft_ms: float | None = None
     duration_ms: float | None = None
 

@@ -305,9 +305,9 @@ class Router:
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
                             prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
             source = self.kv_source(decision)
+            access_log.note(kv_source=source)
             if source is not None:
                 worker.stats.kv_fetch_hints += 1
-                access_log.note(kv_source=source)
             try:
                 try:
                     # The optimistic index insert (and hashing the rest of the prompt) runs once

@@ -316,7 +316,7 @@ def test_a_request_sent_away_from_its_prefix_fetches_the_kv_from_the_holder(laun
     prefix from it (behind the workers' key) instead of computing it, and answers the same."""
     key = "fleet-k3y"
     router = launch.module("router", "--launch-workers", "2", "--policy", "round_robin", "--kv-fetch-min-tokens",
-                           "64", "--worker-api-key", key, timeout=120)  # fmt: skip
+                           "64", "--worker-api-key", key, "--access-log", timeout=120)  # fmt: skip
     wait_until(lambda: [w["healthy"] for w in httpx.get(router.url + "/workers", timeout=2).json()["workers"]]
                == [True, True], 120, what="both workers healthy")  # fmt: skip
     first = httpx.post(router.url + "/v1/chat/completions", json=chat("Where is the cache?"), timeout=120)
@@ -332,6 +332,13 @@ def test_a_request_sent_away_from_its_prefix_fetches_the_kv_from_the_holder(laun
     assert 'radixgate_worker_kv_fetch_total{outcome="ok"} 1.0' in fetched
     assert metric(router.url, f'radixgate_upstream_kv_fetch_hints_total{{worker="{other}"}}') == 1
     assert metric(router.url, f'radixgate_upstream_kv_fetch_hints_total{{worker="{holder}"}}') == 0
+
+    def access() -> list[dict]:
+        return [orjson.loads(line.split("radixgate.access: ", 1)[1]) for line in router.log().splitlines()
+                if "radixgate.access: " in line]  # fmt: skip
+
+    wait_until(lambda: len(access()) == 2, 10, what="two access lines")
+    assert [a["kv_source"] for a in access()] == [None, holder]
     # the same answer as the holder computes for it
     direct = httpx.post(holder + "/v1/chat/completions", json=body, headers=auth, timeout=120).json()
     assert direct["choices"][0]["message"] == second.json()["choices"][0]["message"]

@@ -6,8 +6,11 @@ A router sends the hint as the header ``x-radixgate-kv-source: <worker URL>`` (r
 --kv-fetch-min-tokens). The receiving worker, before submitting the request, looks up how much of
 the prompt it has cached itself; when less, it asks the source (``POST /v1/kv/export``: prompt ids,
 the page-aligned position to start from, a token cap) for the KV of what the source holds beyond
-that, on the device. The answer is a safetensors body: ``k`` and ``v`` [layers, tokens, KV heads,
-head dim] in the pool's dtype, metadata ``start`` and ``block_size``. The receiver writes it into
+that, on the device. The answer's body is that KV as raw bytes: one C-contiguous tensor [2 (K, V),
+layers, tokens, KV heads, head dim] in the pool's dtype; its headers say what it is
+(``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``), so the receiver checks the layout
+before reading the body, reads it into one buffer and views it as a tensor (no copies beyond the
+socket's and the device's). The receiver writes it into
 free pages of its pool and inserts them into its radix cache (which publishes their KV events, so
 routers learn the new holder); the request then finds them as any cache hit. Export and import
 run on each engine thread between steps; serialization and the HTTP exchange do not.
@@ -37,27 +40,33 @@ EXPORT_PATH = "/v1/kv/export"
 
 
 # ---------------------------------------------------------------------------- engine thread
-def read_kv(pool: Any, slots: Any) -> tuple[Any, Any]:
-    """K and V of pool ``slots`` (int64 tensor), every layer, on the CPU: [layers, n, heads, dim]."""
+def read_kv(pool: Any, slots: Any) -> Any:
+    """K and V of pool ``slots`` (int64 tensor), every layer, in one C-contiguous CPU tensor
+    [2, layers, n, heads, dim]: gathered on the pool's device, then copied to the host at once."""
     import torch
 
-    idx = slots.to(pool.k_cache[0].device)
-    k = torch.stack([c.index_select(0, idx) for c in pool.k_cache]).cpu()
-    v = torch.stack([c.index_select(0, idx) for c in pool.v_cache]).cpu()
-    return k, v
-
-
-def write_kv(pool: Any, slots: Any, k: Any, v: Any) -> None:
-    """Write [layers, n, heads, dim] K and V into pool ``slots``."""
     device = pool.k_cache[0].device
     idx = slots.to(device)
+    heads, dim = pool.k_cache[0].shape[1:]
+    out = torch.empty(2, pool.num_layers, idx.numel(), heads, dim, dtype=pool.k_cache[0].dtype, device=device)
     for layer in range(pool.num_layers):
-        pool.k_cache[layer].index_copy_(0, idx, k[layer].to(device))
-        pool.v_cache[layer].index_copy_(0, idx, v[layer].to(device))
+        torch.index_select(pool.k_cache[layer], 0, idx, out=out[0, layer])
+        torch.index_select(pool.v_cache[layer], 0, idx, out=out[1, layer])
+    return out.cpu()
 
 
-def export_kv(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> tuple[Any, Any] | None:
-    """K and V of the device-cached prefix of ``tokens`` from ``start`` (page-aligned), at most
+def write_kv(pool: Any, slots: Any, kv: Any) -> None:
+    """Write [2, layers, n, heads, dim] K and V into pool ``slots``."""
+    device = pool.k_cache[0].device
+    idx = slots.to(device)
+    kv = kv.to(device)
+    for layer in range(pool.num_layers):
+        pool.k_cache[layer].index_copy_(0, idx, kv[0, layer])
+        pool.v_cache[layer].index_copy_(0, idx, kv[1, layer])
+
+
+def export_kv(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> Any | None:
+    """K and V ([2, layers, n, heads, dim]) of the device-cached prefix of ``tokens`` from ``start`` (page-aligned), at most
     ``max_tokens`` of them (whole pages); None when this worker caches nothing beyond ``start``."""
     import torch
 
@@ -70,14 +79,14 @@ def export_kv(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> t
     return engine.executor.read_kv(slots)
 
 
-def import_kv(engine: Any, tokens: np.ndarray, start: int, k: Any, v: Any) -> int:
-    """Cache ``tokens[start:start + n]`` with the given K/V (n = k.shape[1], whole pages) behind
-    the cached ``tokens[:start]``; returns the tokens newly cached (0 when this worker's own prefix
-    left the device meanwhile, it already had them, or no pages could be freed)."""
+def import_kv(engine: Any, tokens: np.ndarray, start: int, kv: Any) -> int:
+    """Cache ``tokens[start:start + n]`` with the given K/V ([2, layers, n, heads, dim], whole pages)
+    behind the cached ``tokens[:start]``; returns the tokens newly cached (0 when this worker's own
+    prefix left the device meanwhile, it already had them, or no pages could be freed)."""
     import torch
 
     cache, ps = engine.cache, engine.page_size
-    end = start + k.shape[1]
+    end = start + kv.shape[2]
     # NOTE: one extra token so that the match may cover all of [0, end) (it always leaves one out)
     match = cache.match_prefix(np.append(tokens[:end], 0).astype(np.int32))
     have = match.pages.size * ps  # on the device here; a host-tier part of it is imported over
@@ -95,7 +104,7 @@ def import_kv(engine: Any, tokens: np.ndarray, start: int, k: Any, v: Any) -> in
     if pages is None:
         return 0
     slots = torch.from_numpy(slots_for(pages, 0, need * ps, ps))
-    engine.executor.write_kv(slots, k[:, have - start :], v[:, have - start :])
+    engine.executor.write_kv(slots, kv[:, :, have - start :])
     already = cache.insert(tokens[:end], np.concatenate([match.pages, pages]))
     duplicates = max(0, already - have) // ps
     if duplicates:
@@ -104,27 +113,36 @@ def import_kv(engine: Any, tokens: np.ndarray, start: int, k: Any, v: Any) -> in
 
 
 # ---------------------------------------------------------------------------- wire format
-def encode(k: Any, v: Any, start: int, block_size: int) -> bytes:
-    from safetensors.torch import save
-
-    return save(
-        {"k": k.contiguous(), "v": v.contiguous()}, {"start": str(start), "block_size": str(block_size)}
-    )
+_META = "x-radixgate-kv-"
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def decode(body: bytes) -> tuple[int, int, Any, Any]:
-    """(start, block_size, k, v) of an export; ValueError when it is not one."""
-    import json
+def export_headers(kv: Any, start: int, block_size: int) -> dict[str, str]:
+    """What an export's body is: its place in the prompt, page size, shape and dtype."""
+    return {_META + "start": str(start), _META + "block-size": str(block_size),
+            _META + "shape": ",".join(map(str, kv.shape)), _META + "dtype": str(kv.dtype).removeprefix("torch.")}  # fmt: skip
 
-    from safetensors.torch import load
+
+def body_view(kv: Any) -> memoryview:
+    """The bytes of a C-contiguous tensor, without a copy."""
+    import torch
+
+    return memoryview(kv.view(-1).view(torch.uint8).numpy())
+
+
+def read_headers(headers: Any) -> tuple[int, int, tuple[int, ...], Any]:
+    """(start, block size, shape, torch dtype) an export's headers announce; ValueError otherwise."""
+    import torch
 
     try:
-        tensors = load(body)
-        header_len = int.from_bytes(body[:8], "little")
-        meta = json.loads(body[8 : 8 + header_len]).get("__metadata__") or {}
-        return int(meta["start"]), int(meta["block_size"]), tensors["k"], tensors["v"]
-    except Exception as exc:  # NOTE: safetensors raises its own error types for damaged input
-        raise ValueError(f"not a KV export: {exc}") from None
+        start, block = int(headers[_META + "start"]), int(headers[_META + "block-size"])
+        shape = tuple(int(d) for d in headers[_META + "shape"].split(","))
+        name = headers[_META + "dtype"]
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"not a KV export: {exc!r}") from None
+    if name not in _DTYPES or len(shape) != 5 or min(shape) < 0:
+        raise ValueError(f"not a KV export: shape {shape}, dtype {name!r}")
+    return start, block, shape, getattr(torch, name)
 
 
 # ---------------------------------------------------------------------------- HTTP
@@ -155,7 +173,6 @@ class KVTransfer:
     async def export(self, request: Any) -> Any:
         """POST /v1/kv/export {"token_ids", "start", "max_tokens", "model"}: the KV this worker has
         cached for the prompt from ``start``; 404 ``kv_not_cached`` when it has none beyond it."""
-        from starlette.concurrency import run_in_threadpool
         from starlette.responses import Response
 
         engine = self.engine
@@ -177,10 +194,9 @@ class KVTransfer:
         found = await engine.call(lambda: export_kv(engine, tokens, start, cap))
         if found is None:
             raise APIError(404, "no KV cached here beyond 'start' for this prompt", "kv_not_cached")
-        k, v = found
-        engine.metrics.kv_exported_tokens.inc(k.shape[1])
-        payload = await run_in_threadpool(encode, k, v, start, engine.page_size)
-        return Response(payload, media_type="application/octet-stream")
+        engine.metrics.kv_exported_tokens.inc(found.shape[2])
+        return Response(body_view(found), media_type="application/octet-stream",
+                        headers=export_headers(found, start, engine.page_size))  # fmt: skip
 
     async def pull(self, source: str, ids: list[int]) -> str:
         """Fetch what ``source`` caches of prompt ``ids`` beyond this worker's own cached prefix and
@@ -209,54 +225,59 @@ class KVTransfer:
                 "max_tokens": cap}  # fmt: skip
         try:
             async with asyncio.timeout(self.timeout_s):  # NOTE: the whole exchange, not each read
-                payload = await self._fetch(source, body, cap)
-            if payload is None:
-                return "miss"
-            start, block_size, k, v = decode(payload)
-            self._check(start, block_size, have, cap, k, v)
+                kv = await self._fetch(source, body, have, cap)
         except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             log.warning("KV fetch from %s failed: %s", source, str(exc) or "timed out")
             return "error"
-        imported = await engine.call(lambda: import_kv(engine, tokens, start, k, v))
+        if kv is None:
+            return "miss"
+        imported = await engine.call(lambda: import_kv(engine, tokens, have, kv))
         engine.metrics.kv_fetched_tokens.inc(imported)
         return "ok" if imported else "cached"
 
-    async def _fetch(self, source: str, body: dict, cap: int) -> bytes | None:
-        """The export's body; None when the source has nothing (404). ValueError on another answer
-        or a body larger than ``cap`` tokens of KV can be."""
+    async def _fetch(self, source: str, body: dict, have: int, cap: int) -> Any | None:
+        """The export's KV; None when the source has nothing (404). ValueError on another answer,
+        or when its headers announce another layout than this pool's or more than ``cap`` tokens
+        (checked before the body is read) or the body is not what they announce."""
         import httpx
+        import torch
 
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.timeout_s)
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        limit = cap * kv_bytes_per_token(self.engine) + (1 << 16)  # NOTE: + the safetensors header
-        async with self._client.stream(
-            "POST", source.rstrip("/") + EXPORT_PATH, json=body, headers=headers
-        ) as resp:
+        url = source.rstrip("/") + EXPORT_PATH
+        async with self._client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code == 404:
                 return None
             if resp.status_code != 200:
                 raise ValueError(f"answered {resp.status_code}: {(await resp.aread())[:200]!r}")
-            chunks, size = [], 0
+            start, block_size, shape, dtype = read_headers(resp.headers)
+            self._check(start, block_size, shape, dtype, have, cap)
+            size = int(np.prod(shape)) * dtype.itemsize
+            buf, pos = bytearray(size), 0
             async for chunk in resp.aiter_bytes():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > limit:
-                    raise ValueError(f"answer larger than {limit} bytes")
-        return b"".join(chunks)
+                if pos + len(chunk) > size:
+                    raise ValueError(f"body longer than the {size} bytes announced")
+                buf[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+        if pos != size:
+            raise ValueError(f"body of {pos} bytes; {size} announced")
+        return torch.frombuffer(buf, dtype=dtype).view(shape)
 
-    def _check(self, start: int, block_size: int, have: int, cap: int, k: Any, v: Any) -> None:
-        """ValueError unless the export is this pool's layout from ``have``, whole pages, <= ``cap``."""
+    def _check(
+        self, start: int, block_size: int, shape: tuple[int, ...], dtype: Any, have: int, cap: int
+    ) -> None:
+        """ValueError unless an export is this pool's layout from ``have``, whole pages, <= ``cap``."""
         pool = self.engine.executor.kv_pool
-        layers, _, heads, dim = k.shape if k.dim() == 4 else (0, 0, 0, 0)
+        kind, layers, n, heads, dim = shape
         heads_here = pool.k_cache[0].shape[1] * self.engine.executor.tensor_parallel_size
-        if block_size != self.engine.page_size or start != have or k.shape != v.shape:
+        if block_size != self.engine.page_size or start != have:
             raise ValueError(f"export from {start} in blocks of {block_size}; asked from {have} in blocks "
                              f"of {self.engine.page_size}")  # fmt: skip
-        if (layers, heads, dim) != (pool.num_layers, heads_here, pool.k_cache[0].shape[2]):
-            raise ValueError(f"KV shape {tuple(k.shape)} is not this model's")
-        if k.dtype != pool.k_cache[0].dtype or k.shape[1] % block_size or not 0 < k.shape[1] <= cap:
-            raise ValueError(f"KV of {k.shape[1]} tokens in {k.dtype}; this pool is {pool.k_cache[0].dtype}")
+        if (kind, layers, heads, dim) != (2, pool.num_layers, heads_here, pool.k_cache[0].shape[2]):
+            raise ValueError(f"KV shape {shape} is not this model's")
+        if dtype != pool.k_cache[0].dtype or n % block_size or not 0 < n <= cap:
+            raise ValueError(f"KV of {n} tokens in {dtype}; asked for <= {cap} in {pool.k_cache[0].dtype}")
 
     async def close(self) -> None:
         if self._client is not None:

@@ -125,17 +125,17 @@ class LeaderModel:
         self.channel.send(("lora_remove", adapter_id))
         self.model.remove_lora(adapter_id)
 
-    def read_kv(self, pool: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_kv(self, pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
         """K/V of ``slots`` with every rank's KV heads (worker.kv_transfer)."""
         self.channel.send(("kv_read", slots.numpy()))
         parts = self.channel.gather(read_kv(pool, slots))
         assert parts is not None
-        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+        return torch.cat(parts, dim=3)
 
-    def write_kv(self, pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(self, pool: KVPool, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Write K/V of every KV head into ``slots``: each rank takes its heads."""
-        self.channel.send(("kv_write", slots.numpy(), k, v))
-        write_heads(pool, slots, k, v, self.model.shard)
+        self.channel.send(("kv_write", slots.numpy(), kv))
+        write_heads(pool, slots, kv, self.model.shard)
 
     def close(self) -> None:
         self.ranks.close(self.channel)
@@ -202,11 +202,10 @@ class Ranks:
         _leave_group()
 
 
-def write_heads(pool: KVPool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Shard) -> None:
-    """This rank's KV heads of [layers, n, all heads, dim] K/V written into ``slots``."""
+def write_heads(pool: KVPool, slots: torch.Tensor, kv: torch.Tensor, shard: Shard) -> None:
+    """This rank's KV heads of [2, layers, n, all heads, dim] K/V written into ``slots``."""
     n = pool.k_cache[0].shape[1]
-    part = slice(shard.rank * n, (shard.rank + 1) * n)
-    write_kv(pool, slots, k[:, :, part], v[:, :, part])
+    write_kv(pool, slots, kv[:, :, :, shard.rank * n : (shard.rank + 1) * n])
 
 
 def _leave_group() -> None:
@@ -304,7 +303,7 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
             elif msg[0] == "kv_read":
                 channel.gather(read_kv(pool, torch.from_numpy(msg[1])))
             elif msg[0] == "kv_write":
-                write_heads(pool, torch.from_numpy(msg[1]), msg[2], msg[3], shard)
+                write_heads(pool, torch.from_numpy(msg[1]), msg[2], shard)
             elif msg[0] == "lora_add":
                 model.add_lora(load_adapter(msg[1], msg[2], model))
             elif msg[0] == "lora_remove":

@@ -183,3 +183,17 @@ def test_lora_bench_times_steps_with_growing_adapter_counts(tmp_path, capsys):
     assert [r["adapters"] for r in rows] == [0, 1, 2]
     assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in rows) and rows[0]["decode_vs_base"] == 1.0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 2 |")
+
+
+def test_kv_transfer_bench_fetches_every_prompt_it_times(tmp_path, capsys):
+    from worker import bench_kv_transfer
+
+    out = tmp_path / "kv.json"
+    bench_kv_transfer.main(["--quick", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert [r["prompt_tokens"] for r in doc["rows"]] == [256, 1024]
+    for row in doc["rows"]:
+        assert row["fetched_tokens"] == row["prompt_tokens"]  # the whole prefix came from the source
+        assert row["kv_mib"] == row["prompt_tokens"] * doc["kv_bytes_per_token"] / 2**20
+        assert row["fetch_ms"] > 0 and min(row["ttft_computed_ms"], row["ttft_fetched_ms"]) > 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 1024 |")

@@ -24,8 +24,7 @@ from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
 from router.launcher import free_port
 from tests.worker.test_server import LiveServer, serve
-from worker.kv_transfer import EXPORT_PATH, encode
-from worker.kv_transfer import decode as decode_export
+from worker.kv_transfer import EXPORT_PATH, body_view, export_headers, read_headers
 
 PAGE = 16
 
@@ -204,10 +203,16 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
     assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
     r = httpx.post(url, json={"token_ids": [*ids, 1], "start": 32, "max_tokens": 32}, timeout=10)
     assert r.status_code == 200
-    start, block_size, k, v = decode_export(r.content)
-    assert (start, block_size, tuple(k.shape), k.dtype) == (32, PAGE, (4, 32, 2, 32), v.dtype)
-    with pytest.raises(ValueError, match="not a KV export"):
-        decode_export(b"garbage")
+    shape = (2, 4, 32, 2, 32)  # K and V, 4 layers, 32 tokens, 2 KV heads, 32 dims
+    assert read_headers(r.headers) == (32, PAGE, shape, torch.float32)
+    assert len(r.content) == 2 * 4 * 32 * 2 * 32 * 4
+    for bad in (
+        {},
+        {**r.headers, "x-radixgate-kv-shape": "2,4"},
+        {**r.headers, "x-radixgate-kv-dtype": "int8"},
+    ):
+        with pytest.raises(ValueError, match="not a KV export"):
+            read_headers(bad)
     with serve(kv_transfer_max_mib=0) as off:
         r = httpx.post(off.url + EXPORT_PATH, json={"token_ids": ids}, timeout=10)
         assert r.status_code == 409 and r.json()["error"]["code"] == "kv_transfer_unsupported"
@@ -218,21 +223,31 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
 
 
 class _BadPeer(BaseHTTPRequestHandler):
-    """A peer that answers an export too slowly (/slow) or with more KV than asked for (/big)."""
+    """A peer whose exports are wrong: too slow (/slow), more tokens than asked for (/big), more
+    bytes than announced (/long), fewer (/short). The receiver asks for at most 512 tokens."""
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["content-length"]))
+        mode = self.path.split("/")[1]  # NOTE: the receiver asks for <base URL>/v1/kv/export
+        tokens = 1024 if mode == "big" else 512
+        kv = torch.zeros(2, 4, tokens, 2, 32)
+        body = body_view(kv).tobytes()
+        body = body + b"x" if mode == "long" else body[:-1] if mode == "short" else body
         self.send_response(200)
-        self.send_header("content-type", "application/octet-stream")
+        for name, value in {
+            **export_headers(kv, 0, PAGE),
+            "content-type": "application/octet-stream",
+        }.items():
+            self.send_header(name, value)
         self.end_headers()
         with contextlib.suppress(OSError):  # NOTE: the receiver hangs up once it has had enough
-            if self.path.startswith("/slow"):
-                for _ in range(600):  # 30 s unless the receiver gives up
-                    self.wfile.write(b"x")
+            if mode == "slow":
+                for i in range(0, 600):  # 30 s unless the receiver gives up
+                    self.wfile.write(body[i * 64 : (i + 1) * 64])
                     self.wfile.flush()
                     time.sleep(0.05)
-            else:  # a well-formed export of 1024 tokens (2 MiB) of zeros: more than was asked for
-                self.wfile.write(encode(torch.zeros(4, 1024, 2, 32), torch.zeros(4, 1024, 2, 32), 0, PAGE))
+            else:
+                self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
@@ -245,14 +260,14 @@ def test_a_slow_or_oversized_answer_is_cut_off(fleet):
     base = f"http://127.0.0.1:{peer.server_address[1]}"
     try:
         with serve(kv_transfer_max_mib=1, kv_fetch_timeout_s=0.5) as receiver:
-            for path in ("/slow", "/big"):
-                ids = prompt(70 + len(path), 1100)
+            for path in ("/slow", "/big", "/long", "/short"):
+                ids = prompt(70 + len(path) + ord(path[1]), 1100)
                 started = time.monotonic()
                 answer = complete(receiver.url, ids, base + path)
                 assert time.monotonic() - started < 10  # NOTE: a bound on the wait, not a timing claim
-                assert cached(answer) == 0
+                assert cached(answer) == 0, path
                 assert_same_answer(answer, complete(plain.url, ids))
-            assert outcome(receiver.url, "error") == 2
+            assert outcome(receiver.url, "error") == 4
     finally:
         peer.shutdown()
         peer.server_close()
