@@ -24,6 +24,7 @@ block size and dtype; anything else is refused. Base-model prompts only (not LoR
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -163,12 +164,22 @@ class KVTransfer:
     ) -> None:
         self.engine = engine
         self.api_key = api_key  # the fleet's worker key: what the source requires too
-        # NOTE: whole pages; 0 (off) when not even one page fits
-        per_page = 0 if engine.simulated else kv_bytes_per_token(engine) * engine.page_size
-        self.max_tokens = max_bytes // per_page * engine.page_size if per_page else 0
-        self.enabled = self.max_tokens > 0
+        self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self._client: Any = None
+
+    @functools.cached_property
+    def max_tokens(self) -> int:
+        """Whole pages of KV one transfer may carry (0: none; read once the pool is there)."""
+        if self.max_bytes <= 0 or self.engine.simulated:
+            return 0
+        per_page = kv_bytes_per_token(self.engine) * self.engine.page_size
+        return self.max_bytes // per_page * self.engine.page_size
+
+    @property
+    def enabled(self) -> bool:
+        """Fetches and exports are on: a real pool and room for at least a page."""
+        return self.max_tokens > 0
 
     async def export(self, request: Any) -> Any:
         """POST /v1/kv/export {"token_ids", "start", "max_tokens", "model"}: the KV this worker has
