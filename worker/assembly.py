@@ -37,18 +37,14 @@ class ModelExecutor:
         """K/V of pool ``slots`` [2, layers, n, KV heads, dim], every rank's heads, on the CPU."""
         from worker.kv_transfer import read_kv
 
-        ranks = getattr(self.model, "read_kv", None)  # NOTE: a tensor-parallel model's, across ranks
-        return ranks(self.kv_pool, slots) if ranks is not None else read_kv(self.kv_pool, slots)
+        # NOTE: a tensor-parallel model has its own, across ranks
+        return getattr(self.model, "read_kv", read_kv)(self.kv_pool, slots)
 
     def write_kv(self, slots: Any, kv: Any) -> None:
         """Write K/V [2, layers, n, KV heads (all ranks'), dim] into pool ``slots``."""
         from worker.kv_transfer import write_kv
 
-        ranks = getattr(self.model, "write_kv", None)
-        if ranks is not None:
-            ranks(self.kv_pool, slots, kv)
-        else:
-            write_kv(self.kv_pool, slots, kv)
+        getattr(self.model, "write_kv", write_kv)(self.kv_pool, slots, kv)
 
     def close(self) -> None:
         """Release what the model holds outside this process (the other tensor-parallel ranks)."""

@@ -67,11 +67,9 @@ def ttft_ms(client: Any, url: str, ids: list[int], source: str | None = None) ->
     return elapsed, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def fetch_seconds(client: Any, url: str) -> float:
-    for line in client.get(url + "/metrics").text.splitlines():
-        if line.startswith("radixgate_worker_kv_fetch_seconds_sum "):
-            return float(line.split()[-1])
-    return 0.0
+def fetch_seconds(served: Served) -> float:
+    """The receiver's radixgate_worker_kv_fetch_seconds sum, read from its registry in-process."""
+    return served.engine.metrics.registry.get_sample_value("radixgate_worker_kv_fetch_seconds_sum") or 0.0
 
 
 def measure(
@@ -93,10 +91,10 @@ def measure(
                 shared = prompts.make(n)
                 ttft_ms(client, source.url, [*shared, 1])  # the source caches the prefix
                 local.append(ttft_ms(client, source.url, [*shared, 2])[0])
-                before = fetch_seconds(client, receiver.url)
+                before = fetch_seconds(receiver)
                 ms, cached = ttft_ms(client, receiver.url, [*shared, 3], source.url)
                 fetched.append(ms)
-                fetch_ms.append((fetch_seconds(client, receiver.url) - before) * 1e3)
+                fetch_ms.append((fetch_seconds(receiver) - before) * 1e3)
                 hits.append(cached)
             moved = statistics.median(hits) * per_token
             row = {"prompt_tokens": n, "fetched_tokens": statistics.median(hits), "kv_mib": round(moved / 2**20, 2),

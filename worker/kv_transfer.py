@@ -33,7 +33,7 @@ import numpy as np
 
 from worker.api_params import APIError, json_object
 from worker.engine_api import EngineDeadError
-from worker.kv_pool import slots_for
+from worker.kv_pool import KVPool, slots_for
 
 log = logging.getLogger("worker.kv_transfer")
 
@@ -147,12 +147,16 @@ def read_headers(headers: Any) -> tuple[int, int, tuple[int, ...], Any]:
 
 
 # ---------------------------------------------------------------------------- HTTP
-def kv_bytes_per_token(engine: Any) -> int:
-    """Bytes of K and V one cached token holds, every layer and every rank's KV heads."""
+def kv_layout(engine: Any) -> tuple[int, int, int, Any]:
+    """(layers, KV heads of every rank, head dim, dtype) of the engine's pool: a transfer's token."""
     pool = engine.executor.kv_pool
     heads, dim = pool.k_cache[0].shape[1:]
-    per_layer = heads * engine.executor.tensor_parallel_size * dim * pool.k_cache[0].element_size()
-    return 2 * pool.num_layers * per_layer
+    return pool.num_layers, heads * engine.executor.tensor_parallel_size, dim, pool.k_cache[0].dtype
+
+
+def kv_bytes_per_token(engine: Any) -> int:
+    """Bytes of K and V one cached token holds, every layer and every rank's KV heads."""
+    return KVPool.page_bytes(1, *kv_layout(engine))
 
 
 class KVTransfer:
@@ -169,12 +173,17 @@ class KVTransfer:
         self._client: Any = None
 
     @functools.cached_property
+    def layout(self) -> tuple[int, int, int, Any]:
+        """This pool's ``kv_layout`` (read on first use, once the executor holds its pool)."""
+        return kv_layout(self.engine)
+
+    @functools.cached_property
     def max_tokens(self) -> int:
-        """Whole pages of KV one transfer may carry (0: none; read once the pool is there)."""
+        """Whole pages of KV one transfer may carry (0: none)."""
         if self.max_bytes <= 0 or self.engine.simulated:
             return 0
-        per_page = kv_bytes_per_token(self.engine) * self.engine.page_size
-        return self.max_bytes // per_page * self.engine.page_size
+        ps = self.engine.page_size
+        return self.max_bytes // KVPool.page_bytes(ps, *self.layout) * ps
 
     @property
     def enabled(self) -> bool:
@@ -215,7 +224,7 @@ class KVTransfer:
         engine = self.engine
         t0 = time.perf_counter()
         try:
-            outcome = await self._pull(source, np.asarray(ids, dtype=np.int32))
+            outcome = await self._pull(source, ids)
         except EngineDeadError:
             outcome = "error"  # NOTE: the submit that follows answers 503
         engine.metrics.kv_fetch.labels(outcome).inc()
@@ -223,16 +232,17 @@ class KVTransfer:
             engine.metrics.kv_fetch_seconds.observe(time.perf_counter() - t0)
         return outcome
 
-    async def _pull(self, source: str, tokens: np.ndarray) -> str:
+    async def _pull(self, source: str, ids: list[int]) -> str:
         import httpx
 
         engine, ps = self.engine, self.engine.page_size
+        tokens = np.asarray(ids, dtype=np.int32)
         have = await engine.call(lambda: engine.cache.cached_prefix_len(tokens))
         matchable = (tokens.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
         if matchable <= have:
             return "cached"
         cap = min(self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have)  # NOTE: + room
-        body = {"model": engine.served_model_name, "token_ids": tokens.tolist(), "start": have,
+        body = {"model": engine.served_model_name, "token_ids": ids, "start": have,
                 "max_tokens": cap}  # fmt: skip
         try:
             async with asyncio.timeout(self.timeout_s):  # NOTE: the whole exchange, not each read
@@ -279,16 +289,15 @@ class KVTransfer:
         self, start: int, block_size: int, shape: tuple[int, ...], dtype: Any, have: int, cap: int
     ) -> None:
         """ValueError unless an export is this pool's layout from ``have``, whole pages, <= ``cap``."""
-        pool = self.engine.executor.kv_pool
         kind, layers, n, heads, dim = shape
-        heads_here = pool.k_cache[0].shape[1] * self.engine.executor.tensor_parallel_size
+        own_layers, own_heads, own_dim, own_dtype = self.layout
         if block_size != self.engine.page_size or start != have:
             raise ValueError(f"export from {start} in blocks of {block_size}; asked from {have} in blocks "
                              f"of {self.engine.page_size}")  # fmt: skip
-        if (kind, layers, heads, dim) != (2, pool.num_layers, heads_here, pool.k_cache[0].shape[2]):
+        if (kind, layers, heads, dim) != (2, own_layers, own_heads, own_dim):
             raise ValueError(f"KV shape {shape} is not this model's")
-        if dtype != pool.k_cache[0].dtype or n % block_size or not 0 < n <= cap:
-            raise ValueError(f"KV of {n} tokens in {dtype}; asked for <= {cap} in {pool.k_cache[0].dtype}")
+        if dtype != own_dtype or n % block_size or not 0 < n <= cap:
+            raise ValueError(f"KV of {n} tokens in {dtype}; asked for <= {cap} in {own_dtype}")
 
     async def close(self) -> None:
         if self._client is not None:
