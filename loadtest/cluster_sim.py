@@ -28,6 +28,7 @@ _ROWS = [  # (title, key, format)
     ("load max/mean (requests)", "load_spread_requests", "{:.2f}"),
     ("load max/mean (busy time)", "load_spread_busy", "{:.2f}"),
     ("max queue on a worker", "max_waiting", "{}"),
+    ("KV fetched (% of prompt tokens)", "kv_fetched_share", "{:.1%}"),
     ("completed / rejected", None, None),
     ("router CPU/decision p50 (us, measured)", "decision_us_p50", "{:.0f}"),
     ("router CPU/decision p99 (us, measured)", "decision_us_p99", "{:.0f}"),
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="workers report running + waiting only, no prefill backlog (as other servers)")  # fmt: skip
     p.add_argument("--replica-sync-ms", type=float,
                    help="replicas announce their counts to each other, heard this late (ms); default: off")  # fmt: skip
+    p.add_argument("--kv-fetch-min-tokens", default="0", metavar="N[,N...]",
+                   help="the router's setting: fetch KV from a holder of >= N more prompt tokens (0: off); "
+                        "several values: every run at each")  # fmt: skip
     p.add_argument("--json", help="write all summaries here")
     p.add_argument("--md", help="write the markdown table here")
     a = p.parse_args(argv)
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError("--schedule-policy must be fcfs or lpm")
         replicas = [int(x) for x in a.routers.split(",")]
-        if min(replicas) < 1 or a.health_interval_s < 0:
-            raise ValueError("--routers must be >= 1 and --health-interval-s >= 0")
+        fetches = [int(x) for x in a.kv_fetch_min_tokens.split(",")]
+        if min(replicas) < 1 or a.health_interval_s < 0 or min(fetches) < 0:
+            raise ValueError("--routers must be >= 1, --health-interval-s and --kv-fetch-min-tokens >= 0")
         options = dict(x.split("=", 1) for x in a.option)
         if a.workload == "trace":
             if not a.trace:
@@ -139,13 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = WorkerModel(**{k: getattr(a, k) for k in asdict(d)})
     summaries = []
-    for (label, policy, params), n in ((run, n) for n in replicas for run in runs):
+    for (label, policy, params), n, fetch in ((run, n, f) for n in replicas for f in fetches for run in runs):
         label = label if len(replicas) == 1 else f"{label} x{n}"
+        label = label if len(fetches) == 1 else f"{label} fetch>={fetch}" if fetch else f"{label} no fetch"
         cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
                         a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load,
                         join_workers=a.join_workers, join_at_s=a.join_at, routers=n,
                         health_interval_s=a.health_interval_s, prefill_report=not a.no_prefill_report,
-                        replica_sync_delay_s=None if a.replica_sync_ms is None else a.replica_sync_ms / 1e3)  # fmt: skip
+                        replica_sync_delay_s=None if a.replica_sync_ms is None else a.replica_sync_ms / 1e3,
+                        kv_fetch_min_tokens=fetch)  # fmt: skip
         summaries.append(ClusterSim(cfg, source).run())
         print(f"# {label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)

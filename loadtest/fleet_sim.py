@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,9 @@ class SimConfig:
     # replica sync: each replica's in-flight and pending prefill per worker reach the others this
     # late (s) after every change (router/replica_sync.py over Redis pub/sub); None = off
     replica_sync_delay_s: float | None = None
+    # the router's --kv-fetch-min-tokens (real tokens; 0 = off): a request whose pick is predicted to
+    # hold this many fewer prompt tokens than another candidate fetches that KV (WorkerModel's kv_fetch_*)
+    kv_fetch_min_tokens: int = 0
 
 
 class ClusterSim:
@@ -63,9 +67,11 @@ class ClusterSim:
         if config.join_workers < 0 or config.routers < 1:
             raise ValueError("join_workers must be >= 0 and routers >= 1")
         sync = config.replica_sync_delay_s is not None and config.routers > 1
+        # NOTE: the router sees simulated tokens
+        fetch_min = math.ceil(config.kv_fetch_min_tokens / self.weight)
         self.routers = [
             SimRouter(config.policy, config.params, config.index_entries, config.prefill_tokens_per_load,
-                      config.namespace, partial(self._announce, i) if sync else None)
+                      config.namespace, partial(self._announce, i) if sync else None, fetch_min)
             for i in range(config.routers)
         ]  # fmt: skip
         self.now = 0.0  # simulated time of the event being handled
@@ -91,6 +97,9 @@ class ClusterSim:
         self.output_tokens = 0
         self.rejected = self.skipped = 0
         self.last_finish = 0.0
+        self.kv_fetches = {"ok": 0, "cached": 0, "miss": 0}  # outcomes, as the worker counts them
+        self.kv_fetched_tokens = 0  # real tokens
+        self.kv_fetch_s: list[float] = []  # hint to request queued, fetches that brought KV
 
     # ---------------------------------------------------------------- event loop
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -135,6 +144,8 @@ class ClusterSim:
                 self.joined = True
             elif kind == 4:  # a replica's health-check round
                 self._poll(payload, t)
+            elif kind == 6:  # a KV fetch's stage: the receiver's lookup, the export, the import
+                self._fetch_stage(*payload)
             elif kind == 5:  # a replica's announcement of its counts on a worker reaches the others
                 sender, url, in_flight, pending = payload
                 for i, r in enumerate(self.routers):
@@ -153,7 +164,7 @@ class ClusterSim:
         tokens = ids.tolist()  # NOTE: tokenization is not timed; the router's tokenizer gives a list
         router = self.routers[self.pick_router.randrange(len(self.routers))]
         urls = [w.url for w in self.active]
-        view, uncached = router.route(tokens, self.m.block_size, self.src.group(rid), urls)
+        view, uncached, source = router.route(tokens, self.m.block_size, self.src.group(rid), urls)
         w = self.by_url[view.url]
         w.requests += 1
         if self.joined:
@@ -161,8 +172,51 @@ class ClusterSim:
             self.to_joiners += w.url in self.joiner_urls
         job = SimJob(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
         job.view, job.prefill = view, PendingPrefill(view, uncached)
+        if source is not None:
+            self._push(w.next_boundary(t), 6, ("lookup", w, self.by_url[source], job, t, 0, 0))
+            return
         w.enqueue(job)
         self._kick(w, t)
+
+    # ---------------------------------------------------------------- KV transfer
+    def _fetch_stage(self, stage: str, w: SimWorker, src: SimWorker, job: SimJob, t0: float, have: int,
+                     n: int) -> None:  # fmt: skip
+        """One stage of worker ``w`` fetching ``job``'s prompt KV from ``src`` (worker/kv_transfer.py):
+        the lookup of its own cached prefix and the import run between w's steps, the export between
+        src's; the request joins w's queue when the fetch ends, whatever its outcome."""
+        m, t, ps = self.m, self.now, self.m.block_size
+        if stage == "lookup":
+            have = w.cache.cached_prefix_len(job.ids)
+            matchable = (job.ids.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
+            cap = min(int(m.kv_fetch_max_tokens / self.weight), w.alloc.num_pages // 2 * ps, matchable - have)
+            if cap < ps:
+                self._fetched(w, job, "cached", t0)
+                return
+            self._push(src.next_boundary(t), 6, ("export", w, src, job, t0, have, cap))
+        elif stage == "export":
+            n = src.export_len(job.ids, have, n)
+            if n == 0:
+                self._push(t + m.kv_fetch_base_ms / 1e3, 6, ("miss", w, src, job, t0, have, 0))
+                return
+            copy_ms = m.host_copy_ms_per_token * n * self.weight
+            if src.seg is not None:  # NOTE: a busy source's next step waits for the copy
+                src.extra_ms += copy_ms
+            link_ms = m.kv_fetch_base_ms + m.kv_fetch_ms_per_token * n * self.weight
+            self._push(t + (copy_ms + link_ms) / 1e3, 6, ("import", w, src, job, t0, have, n))
+        elif stage == "import":
+            got, pages = w.import_len(job.ids, have, n)
+            w.extra_ms += m.host_copy_ms_per_token * pages * ps * self.weight
+            self.kv_fetched_tokens += got * self.weight
+            self._fetched(w, job, "ok" if got else "cached", t0)
+        else:
+            self._fetched(w, job, "miss", t0)
+
+    def _fetched(self, w: SimWorker, job: SimJob, outcome: str, t0: float) -> None:
+        self.kv_fetches[outcome] += 1
+        if outcome == "ok":
+            self.kv_fetch_s.append(self.now - t0)
+        w.enqueue(job)
+        self._kick(w, self.now)
 
     def _announce(self, replica: int, view: Worker) -> None:
         """Replica sync: ``replica``'s counts on a worker changed; the others hear it a bit later."""
@@ -262,13 +316,16 @@ class ClusterSim:
             copied = w.cache.offloaded_pages + w.cache.loaded_pages
             copy_ms = m.host_copy_ms_per_token * (copied - w.copied_pages) * m.block_size * self.weight
             w.copied_pages = copied
-            step = (m.prefill_ms_per_token * real + copy_ms) / 1e3
-            w.seg = (t, step, 1)
+            step = (m.prefill_ms_per_token * real + copy_ms + w.extra_ms) / 1e3
+            w.seg, w.extra_ms = (t, step, 1), 0.0
         elif w.decoding:
             step = (m.decode_base_ms + m.decode_ms_per_seq * len(w.decoding)) / 1e3
-            w.seg = (t, step, min(job.steps_left for job in w.decoding))
+            if w.extra_ms:  # NOTE: one step carries the copies between steps
+                w.seg, w.extra_ms = (t, step + w.extra_ms / 1e3, 1), 0.0
+            else:
+                w.seg = (t, step, min(job.steps_left for job in w.decoding))
         else:
-            w.seg = None
+            w.seg, w.extra_ms = None, 0.0
         if w.seg is not None:
             w.version += 1
             self._push(t + w.seg[1] * w.seg[2], 0, (w, w.version))
@@ -335,6 +392,10 @@ class ClusterSim:
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "host_loaded_tokens": sum(w.cache.loaded_pages for w in self.workers) * self.m.block_size,
+            "kv_fetches": dict(self.kv_fetches),
+            "kv_fetched_tokens": self.kv_fetched_tokens,
+            "kv_fetched_share": round(self.kv_fetched_tokens / prompt / self.weight, 4) if prompt else None,
+            "kv_fetch_p50_ms": ms(self.kv_fetch_s, 50),
             "ttft_p50_ms": ms(self.ttft, 50),
             "ttft_p99_ms": ms(self.ttft, 99),
             "latency_p50_ms": ms(self.latency, 50),

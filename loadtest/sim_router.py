@@ -19,7 +19,7 @@ import mmh3
 
 from router.block_hash import block_hashes
 from router.circuit_breaker import CircuitBreaker
-from router.policies import Candidate, Policy, RouteRequest, make_policy
+from router.policies import Candidate, Policy, RouteRequest, kv_fetch_source, make_policy
 from router.prefix_index import PrefixIndex
 from router.workers import Worker, WorkerRegistry
 
@@ -49,10 +49,11 @@ class SimRouter:
 
     def __init__(
         self, policy: str, params: dict[str, Any], index_entries: int, prefill_tokens_per_load: float,
-        namespace: str, on_change: Callable[[Worker], None] | None = None,
+        namespace: str, on_change: Callable[[Worker], None] | None = None, kv_fetch_min_tokens: int = 0,
     ) -> None:  # fmt: skip
         self.index = PrefixIndex(index_entries)
         self.namespace = namespace
+        self.kv_fetch_min_tokens = kv_fetch_min_tokens  # --kv-fetch-min-tokens (simulated tokens; 0: off)
         if policy == "sticky":
             self.policy: Policy = StickyPolicy(self.index, params)
         else:
@@ -67,26 +68,30 @@ class SimRouter:
         worker.healthy, worker.on_change = True, self.on_change
         self.index.add_worker(url)
 
-    def route(self, tokens: list[int], block_size: int, group: str, urls: list[str]) -> tuple[Worker, int]:
-        """The chosen worker (this replica's view of it, its in-flight count already raised) and
-        the prompt tokens the index predicts are not cached there. ``urls``: the candidates."""
+    def route(
+        self, tokens: list[int], block_size: int, group: str, urls: list[str]
+    ) -> tuple[Worker, int, str | None]:
+        """The chosen worker (this replica's view of it, its in-flight count already raised), the
+        prompt tokens the index predicts are not cached there, and the worker it is told to fetch
+        the prompt's KV from (--kv-fetch-min-tokens; None: none). ``urls``: the candidates."""
         t0 = time.perf_counter_ns()
         policy, get = self.policy, self.workers.get
         route = RouteRequest(block_hashes(tokens, block_size, self.namespace), len(tokens), block_size)
         candidates = [Candidate(url, get(url).load) for url in urls]  # type: ignore[union-attr]
-        uncached = 0  # NOTE: sticky ignores loads and predictions
+        uncached, source = 0, None  # NOTE: sticky ignores loads and predictions
         if isinstance(policy, StickyPolicy):
             url = policy.select_group(group, candidates)
         else:
             decision = policy.select(route, candidates)
             url = decision.url
             uncached = len(tokens) - decision.matched_tokens[url]
+            source = kv_fetch_source(decision, self.kv_fetch_min_tokens, self.workers.load)
         policy.on_routed(route, url)
         self.decision_ns.append(time.perf_counter_ns() - t0)
         worker = get(url)
         assert worker is not None
         worker.in_flight += 1
-        return worker, uncached
+        return worker, uncached, source
 
     def apply_events(self, url: str, stored: list, removed: list[int], cleared: bool) -> None:
         t0 = time.perf_counter_ns()

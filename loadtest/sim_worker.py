@@ -13,6 +13,7 @@ import numpy as np
 
 from worker.host_cache import HostKVPool
 from worker.kv_pool import PageAllocator
+from worker.kv_transfer import export_span, import_pages
 from worker.radix_cache import RadixCache
 
 
@@ -39,7 +40,17 @@ class WorkerModel:
     evicted pages move there and a hit on them is copied back. Every page copied either way costs
     ``host_copy_ms_per_token`` per token, added to the next prefill step (the worker copies on its
     engine thread). The default is an ESTIMATE: Llama-3-8B's 128 KiB of KV per token over ~45 GB/s
-    of PCIe 5 pinned-memory copies."""
+    of PCIe 5 pinned-memory copies.
+
+    KV transfer (the router's --kv-fetch-min-tokens, ``SimConfig.kv_fetch_min_tokens``): a worker
+    told to fetch a prompt's KV looks up its own cached prefix between two of its steps, the source
+    exports what it holds beyond it between two of its own steps (its device-to-host copy,
+    ``host_copy_ms_per_token`` per token, delays its next step), the KV crosses the link
+    (``kv_fetch_base_ms`` + ``kv_fetch_ms_per_token`` per token), and the receiver caches it (its
+    host-to-device copy delays its next step) before the request joins its queue. The link defaults
+    are ESTIMATES for the worker's HTTP path: Llama-3-8B's 128 KiB per token at ~1.1 GB/s (what
+    httpx moved over loopback, docs/benchmarks/kv-transfer.md) and ~3 ms up to the answer's headers.
+    ``kv_fetch_max_tokens`` is the worker's --kv-transfer-max-mib (1024) in Llama-3-8B tokens."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
@@ -54,6 +65,9 @@ class WorkerModel:
     max_wait_s: float = 5.0  # lpm: a request waiting longer goes first, in arrival order
     host_kv_tokens: int = 0  # host-memory KV tier per worker, in simulated tokens (0: none)
     host_copy_ms_per_token: float = 0.003  # a page copied to or from the host tier, per real token
+    kv_fetch_ms_per_token: float = 0.12  # KV fetched from another worker: link time per real token
+    kv_fetch_base_ms: float = 3.0  # KV fetch: the exchange's fixed cost
+    kv_fetch_max_tokens: int = 8192  # KV fetch: most real tokens one fetch moves
 
 
 class SimJob:
@@ -79,6 +93,7 @@ class SimWorker:
         host = HostKVPool(m.host_kv_tokens // m.block_size) if m.host_kv_tokens >= m.block_size else None
         self.cache = RadixCache(self.alloc, m.block_size, namespace, enable_events=events, host=host)
         self.copied_pages = 0  # host-tier pages copied either way, as of the last step planned
+        self.extra_ms = 0.0  # engine-thread work between steps (KV export/import), added to the next step
         self.waiting: deque[SimJob] = deque()
         self.prefilling: list[SimJob] = []
         self.decoding: list[SimJob] = []
@@ -199,6 +214,30 @@ class SimWorker:
         dup = job.pages[job.tree_n : pos // self.m.block_size]
         if dup.size:
             self.alloc.free(dup)
+
+    def next_boundary(self, t: float) -> float:
+        """When the engine next runs work queued at ``t`` between steps: now if idle, else at the end
+        of the step under way."""
+        if self.seg is None:
+            return t
+        start, step, steps = self.seg
+        return start + min(steps, int((t - start) / step) + 1) * step
+
+    def export_len(self, ids: np.ndarray, start: int, cap: int) -> int:
+        """Tokens of ``ids`` past ``start`` an export sends (the worker's own export_span)."""
+        _, end = export_span(self.cache, self.m.block_size, ids, start, cap)
+        return max(0, end - start)
+
+    def import_len(self, ids: np.ndarray, start: int, n: int) -> tuple[int, int]:
+        """Cache ``ids[start:start + n]`` as fetched KV (the worker's own import_pages); returns the
+        tokens newly cached and the pages written (a host-to-device copy each)."""
+        written = [0]
+
+        def write(pages: np.ndarray, skip: int) -> None:
+            written[0] = pages.size
+
+        got = import_pages(self.cache, self.alloc, self.m.block_size, ids, start, start + n, write)
+        return got, written[0]
 
     def _in_flight_key(self, job: SimJob, cached: int) -> bytes | None:
         """The first page past ``cached`` tokens of job's prompt, as the key of its computation."""

@@ -33,7 +33,7 @@ from router.http_client import HTTPClientError
 from router.http_client import Response as UpstreamResponse
 from router.kv_events import KV_SOURCE_HEADER
 from router.metrics import RouterMetrics
-from router.policies import Candidate, Decision, RouteRequest, make_policy
+from router.policies import Candidate, Decision, RouteRequest, kv_fetch_source, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
 from router.replica_sync import ReplicaSync
@@ -183,16 +183,8 @@ class Router:
         return decision, outcome
 
     def kv_source(self, decision: Decision) -> str | None:
-        """The worker ``decision``'s pick may fetch the prompt's cached KV from (--kv-fetch-min-tokens):
-        the candidate predicted to hold the most of the prompt, when that is at least the setting's
-        tokens more than the pick holds (ties: the least loaded); None when off or no worker does."""
-        need = self.config.kv_fetch_min_tokens
-        matched = decision.matched_tokens
-        most = max(matched.values(), default=0)
-        if not need or most - matched.get(decision.url, 0) < need:
-            return None
-        holders = (self.workers.get(url) for url, n in matched.items() if n == most)
-        return min((w for w in holders if w is not None), key=lambda w: w.load).url
+        """Where ``decision``'s pick may fetch the prompt's cached KV (router/policies.kv_fetch_source)."""
+        return kv_fetch_source(decision, self.config.kv_fetch_min_tokens, self.workers.load)
 
     def admit_key(self, key: str) -> None:
         """The key's rate limit (router/api_keys.py), counted per key name; raises RouterError 429."""

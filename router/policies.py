@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,6 +72,19 @@ class Decision:
     url: str
     matched_tokens: dict[str, int]  # predicted cached tokens per candidate (every candidate, 0 if none)
     reason: str  # why the winner won, human-readable, for /debug/route and logs
+
+
+def kv_fetch_source(decision: Decision, min_tokens: int, load: Callable[[str], float | None]) -> str | None:
+    """The worker ``decision``'s pick may fetch the prompt's cached KV from (router
+    --kv-fetch-min-tokens): the candidate predicted to hold the most of the prompt, when that is at
+    least ``min_tokens`` more than the pick holds (ties: the least loaded; ``load`` is None for a
+    worker no longer known); None when ``min_tokens`` is 0 (off) or no candidate does."""
+    matched = decision.matched_tokens
+    most = max(matched.values(), default=0)
+    if not min_tokens or most - matched.get(decision.url, 0) < min_tokens:
+        return None
+    holders = [(lo, url) for url, n in matched.items() if n == most and (lo := load(url)) is not None]
+    return min(holders)[1] if holders else None
 
 
 def _h64(data: bytes) -> int:

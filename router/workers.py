@@ -163,6 +163,11 @@ class WorkerRegistry:
     def get(self, url: str) -> Worker | None:
         return self._workers.get(url)
 
+    def load(self, url: str) -> float | None:
+        """The worker's load (Worker.load); None for a URL not in the fleet."""
+        worker = self._workers.get(url)
+        return None if worker is None else worker.load
+
     def __iter__(self):
         return iter(list(self._workers.values()))
 

@@ -268,11 +268,11 @@ def test_a_replica_counts_what_workers_report_beyond_its_own_requests():
     router = SimRouter("least_load", {}, 1000, 100.0, "default")
     for url in ("http://a", "http://b"):
         router.add_worker(url)
-    view, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
+    view, _, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
     router.apply_reports({view.url: (3, 500), "http://unknown": (9, 9)})  # 2 requests not ours there
     assert view.others_queue == 2 and view.others_prefill == 500
     assert view.load == pytest.approx(1 + 2 + 500 / 100)
-    other, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
+    other, _, _ = router.route(list(range(64)), 16, "g", ["http://a", "http://b"])
     assert other is not view  # least loaded: the worker other replicas keep busy is avoided
 
 
@@ -308,3 +308,56 @@ def test_admission_order_follows_the_workers_schedule_policy(policy, now, first)
     assert w.admit(now) == []
     assert [j.id for j in w.prefilling] == [0 if first == "miss" else 1]
     assert hit.uncached == 16 and miss.uncached == 64
+
+
+def test_a_request_sent_away_from_its_prefix_fetches_the_kv_and_pays_the_link_not_the_prefill(tmp_path):
+    # r0 caches ids 7, 8 (64 simulated tokens, 1,024 real) on worker 0; round robin sends r1, which
+    # extends them, to worker 1: with fetches on it takes the 4 pages from worker 0 over the link
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
+            {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]}]  # fmt: skip
+    m = WorkerModel(prefill_ms_per_token=0.07, host_copy_ms_per_token=0.003, kv_fetch_ms_per_token=0.12,
+                    kv_fetch_base_ms=3.0)  # fmt: skip
+    summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=2, model=m,
+                       kv_fetch_min_tokens=256)  # fmt: skip
+    assert summary["kv_fetches"] == {"ok": 1, "cached": 0, "miss": 0}
+    assert summary["kv_fetched_tokens"] == 1024 and summary["cached_tokens"] == 64
+    # export copy + link, then the import's copy and the 512 uncached tokens in r1's prefill step
+    fetch_ms = 0.003 * 1024 + 3.0 + 0.12 * 1024
+    assert summary["kv_fetch_p50_ms"] == pytest.approx(fetch_ms, abs=0.01)
+    assert sim.ttft[1] * 1e3 == pytest.approx(fetch_ms + 0.003 * 1024 + 0.07 * 512, abs=0.01)
+    w1 = sim.workers[1]
+    index = sim.routers[0].index  # the receiver's stored events told the router it holds them now
+    assert index.worker_entries(w1.url) == w1.cache.total_pages
+    assert_fleet_consistent(sim)
+    # the same run without fetches computes the whole prompt on worker 1
+    summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=2, model=m)
+    assert summary["kv_fetches"]["ok"] == 0 and summary["cached_tokens"] == 0
+    assert sim.ttft[1] * 1e3 == pytest.approx(0.07 * 1536, abs=0.01)
+
+
+def test_a_fetch_from_a_worker_that_evicted_the_prefix_is_a_miss_and_the_request_computes_it(tmp_path):
+    # no events: the router still believes worker 0 holds ids 7, 8 after r2 (its whole pool) evicted them
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
+            {"timestamp": 1000, "input_length": 512, "output_length": 4, "hash_ids": [5]},
+            {"timestamp": 2000, "input_length": 2560, "output_length": 4, "hash_ids": [1, 2, 3, 4, 6]},
+            {"timestamp": 3000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]}]  # fmt: skip
+    m = WorkerModel(kv_tokens=11 * 16, kv_fetch_base_ms=3.0)
+    summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=2, model=m,
+                       kv_fetch_min_tokens=256, events=False)  # fmt: skip
+    assert summary["completed"] == 4
+    assert summary["kv_fetches"] == {"ok": 0, "cached": 0, "miss": 1}
+    assert summary["cached_tokens"] == 0  # nothing fetched, nothing cached on worker 1
+    assert sim.ttft[3] * 1e3 == pytest.approx(3.0 + m.prefill_ms_per_token * 1536, abs=0.01)
+    assert_fleet_consistent(sim)
+
+
+def test_the_cli_runs_every_policy_at_each_fetch_setting(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["--workload", "multi_turn", "--requests", "200", "--rate", "40", "--workers", "3",
+                 "--kv-tokens", "4096", "--policies", "least_load", "--kv-fetch-min-tokens", "0,64",
+                 "--json", str(out)]) == 0  # fmt: skip
+    runs = orjson.loads(out.read_bytes())["runs"]
+    assert [r["label"] for r in runs] == ["least_load no fetch", "least_load fetch>=64"]
+    assert runs[0]["kv_fetched_tokens"] == 0 and runs[1]["kv_fetches"]["ok"] > 0
+    assert runs[1]["kv_fetched_share"] > 0 and "KV fetched" in capsys.readouterr().out
+    assert main(["--kv-fetch-min-tokens", "-1"]) == 2

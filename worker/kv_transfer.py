@@ -27,6 +27,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,28 +67,36 @@ def write_kv(pool: Any, slots: Any, kv: Any) -> None:
         pool.v_cache[layer].index_copy_(0, idx, kv[1, layer])
 
 
+def export_span(
+    cache: Any, page_size: int, tokens: np.ndarray, start: int, max_tokens: int
+) -> tuple[Any, int]:
+    """The device pages of ``tokens``' cached prefix and the end of what an export from ``start``
+    (page-aligned) sends: at most ``max_tokens`` (whole pages); end <= start when nothing."""
+    match = cache.match_prefix(tokens)
+    return match.pages, min(match.pages.size * page_size, start + max_tokens // page_size * page_size)
+
+
 def export_kv(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> Any | None:
     """K and V ([2, layers, n, heads, dim]) of the device-cached prefix of ``tokens`` from ``start`` (page-aligned), at most
     ``max_tokens`` of them (whole pages); None when this worker caches nothing beyond ``start``."""
     import torch
 
-    ps = engine.page_size
-    match = engine.cache.match_prefix(tokens)
-    end = min(match.pages.size * ps, start + max_tokens // ps * ps)
+    pages, end = export_span(engine.cache, engine.page_size, tokens, start, max_tokens)
     if end <= start:
         return None
-    slots = torch.from_numpy(slots_for(match.pages, start, end, ps))
-    return engine.executor.read_kv(slots)
+    return engine.executor.read_kv(torch.from_numpy(slots_for(pages, start, end, engine.page_size)))
 
 
-def import_kv(engine: Any, tokens: np.ndarray, start: int, kv: Any) -> int:
-    """Cache ``tokens[start:start + n]`` with the given K/V ([2, layers, n, heads, dim], whole pages)
-    behind the cached ``tokens[:start]``; returns the tokens newly cached (0 when this worker's own
-    prefix left the device meanwhile, it already had them, or no pages could be freed)."""
-    import torch
-
-    cache, ps = engine.cache, engine.page_size
-    end = start + kv.shape[2]
+def import_pages(
+    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int,
+    write: Callable[[np.ndarray, int], None],
+) -> int:  # fmt: skip
+    """Cache ``tokens[start:end]`` (whole pages) behind the cached ``tokens[:start]``: free pages are
+    taken (evicting LRU ones, never the prefix extended), ``write(pages, skip)`` fills them with the
+    KV of ``tokens[start + skip:end]``, and they enter the radix cache. Returns the tokens newly
+    cached (0 when this worker's own prefix left the device meanwhile, it already had them, or no
+    pages could be freed)."""
+    ps = page_size
     # NOTE: one extra token so that the match may cover all of [0, end) (it always leaves one out)
     match = cache.match_prefix(np.append(tokens[:end], 0).astype(np.int32))
     have = match.pages.size * ps  # on the device here; a host-tier part of it is imported over
@@ -96,21 +105,33 @@ def import_kv(engine: Any, tokens: np.ndarray, start: int, kv: Any) -> int:
     need = (end - have) // ps
     cache.lock(match.last_node)  # NOTE: making room must not evict the prefix this run extends
     try:
-        short = need - engine.allocator.num_free
+        short = need - allocator.num_free
         if short > 0:
             cache.evict(short)
-        pages = engine.allocator.alloc(need)
+        pages = allocator.alloc(need)
     finally:
         cache.unlock(match.last_node)
     if pages is None:
         return 0
-    slots = torch.from_numpy(slots_for(pages, 0, need * ps, ps))
-    engine.executor.write_kv(slots, kv[:, :, have - start :])
+    write(pages, have - start)
     already = cache.insert(tokens[:end], np.concatenate([match.pages, pages]))
     duplicates = max(0, already - have) // ps
     if duplicates:
-        engine.allocator.free(pages[:duplicates])
+        allocator.free(pages[:duplicates])
     return end - max(have, already)
+
+
+def import_kv(engine: Any, tokens: np.ndarray, start: int, kv: Any) -> int:
+    """``import_pages`` of ``tokens[start:start + n]`` with the given K/V ([2, layers, n, heads, dim])."""
+    import torch
+
+    ps = engine.page_size
+
+    def write(pages: np.ndarray, skip: int) -> None:
+        slots = torch.from_numpy(slots_for(pages, 0, pages.size * ps, ps))
+        engine.executor.write_kv(slots, kv[:, :, skip:])
+
+    return import_pages(engine.cache, engine.allocator, ps, tokens, start, start + kv.shape[2], write)
 
 
 # ---------------------------------------------------------------------------- wire format
