@@ -154,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--kv-transfer-max-mib",
         int,
-        "KV moved between workers: the most one fetch (before a request a router hinted with "
-        "x-radixgate-kv-source) or one export to another worker carries, in MiB (0 = off)",
+        "KV moved between workers: the most this worker holds in host memory for transfers under way, "
+        "fetches (before a request a router hinted with x-radixgate-kv-source) and exports together, "
+        "in MiB, and so the most one transfer carries (0 = off)",
     )
     opt("--kv-fetch-timeout-s", float, "longest a KV fetch from another worker may take (seconds)")
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")

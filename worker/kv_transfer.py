@@ -180,9 +180,28 @@ def kv_bytes_per_token(engine: Any) -> int:
     return KVPool.page_bytes(1, *kv_layout(engine))
 
 
+class KVBusy(Exception):
+    """A transfer that would take this worker (or the source) past its KV transfer memory bound."""
+
+
+class _HeldResponse:
+    """An export's answer: the KV bytes, and their share of the memory bound given back once they
+    are sent (or the client is gone)."""
+
+    def __init__(self, response: Any, release: Callable[[], None]) -> None:
+        self.response, self.release = response, release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
+
+
 class KVTransfer:
     """The export endpoint and the fetch before a hinted request, for one engine. ``max_bytes``
-    bounds one transfer either way (0: both off); ``timeout_s`` bounds one fetch's HTTP exchange."""
+    bounds the KV this worker holds in host memory for transfers at once, fetches and exports
+    together, and so one transfer (0: both off); ``timeout_s`` bounds one fetch's HTTP exchange."""
 
     def __init__(
         self, engine: Any, api_key: str | None = None, max_bytes: int = 1 << 30, timeout_s: float = 5.0
@@ -192,6 +211,17 @@ class KVTransfer:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self._client: Any = None
+        self.held = 0  # bytes of KV in host memory for transfers under way (event loop only)
+
+    def _hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` against the bound; False (nothing counted) when they do not fit."""
+        if self.held + nbytes > self.max_bytes:
+            return False
+        self.held += nbytes
+        return True
+
+    def _drop(self, nbytes: int) -> None:
+        self.held -= nbytes
 
     @functools.cached_property
     def layout(self) -> tuple[int, int, int, Any]:
@@ -213,7 +243,8 @@ class KVTransfer:
 
     async def export(self, request: Any) -> Any:
         """POST /v1/kv/export {"token_ids", "start", "max_tokens", "model"}: the KV this worker has
-        cached for the prompt from ``start``; 404 ``kv_not_cached`` when it has none beyond it."""
+        cached for the prompt from ``start``; 404 ``kv_not_cached`` when it has none beyond it, 503
+        ``kv_transfer_busy`` when the transfers under way leave no room for ``max_tokens`` of KV."""
         from starlette.responses import Response
 
         engine = self.engine
@@ -232,16 +263,28 @@ class KVTransfer:
                 raise APIError(400, f"'{name}' must be a non-negative multiple of {engine.page_size}")
         tokens = np.asarray(ids, dtype=np.int32)
         cap = min(cap, self.max_tokens)
-        found = await engine.call(lambda: export_kv(engine, tokens, start, cap))
+        need = cap // engine.page_size * KVPool.page_bytes(engine.page_size, *self.layout)
+        if not self._hold(need):
+            raise APIError(503, "KV transfers under way fill this worker's --kv-transfer-max-mib; try later",
+                           "kv_transfer_busy")  # fmt: skip
+        try:
+            found = await engine.call(lambda: export_kv(engine, tokens, start, cap))
+        except BaseException:
+            self._drop(need)
+            raise
+        sent = 0 if found is None else found.numel() * found.element_size()
+        self._drop(need - sent)  # NOTE: what it found; the rest of the bound is free again now
         if found is None:
             raise APIError(404, "no KV cached here beyond 'start' for this prompt", "kv_not_cached")
         engine.metrics.kv_exported_tokens.inc(found.shape[2])
-        return Response(body_view(found), media_type="application/octet-stream",
-                        headers=export_headers(found, start, engine.page_size))  # fmt: skip
+        answer = Response(body_view(found), media_type="application/octet-stream",
+                          headers=export_headers(found, start, engine.page_size))  # fmt: skip
+        return _HeldResponse(answer, functools.partial(self._drop, sent))
 
     async def pull(self, source: str, ids: list[int]) -> str:
         """Fetch what ``source`` caches of prompt ``ids`` beyond this worker's own cached prefix and
-        cache it here. Returns the outcome: ok, cached (nothing to fetch), miss, error."""
+        cache it here. Returns the outcome: ok, cached (nothing to fetch), miss, busy (this worker's
+        or the source's transfers are at their memory bound), error."""
         engine = self.engine
         t0 = time.perf_counter()
         try:
@@ -268,19 +311,27 @@ class KVTransfer:
         try:
             async with asyncio.timeout(self.timeout_s):  # NOTE: the whole exchange, not each read
                 kv = await self._fetch(source, body, have, cap)
+        except KVBusy as exc:
+            log.info("KV fetch from %s skipped: %s", source, exc)
+            return "busy"
         except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             log.warning("KV fetch from %s failed: %s", source, str(exc) or "timed out")
             return "error"
         if kv is None:
             return "miss"
-        imported = await engine.call(lambda: import_kv(engine, tokens, have, kv))
+        try:
+            imported = await engine.call(lambda: import_kv(engine, tokens, have, kv))
+        finally:
+            self._drop(kv.numel() * kv.element_size())
         engine.metrics.kv_fetched_tokens.inc(imported)
         return "ok" if imported else "cached"
 
     async def _fetch(self, source: str, body: dict, have: int, cap: int) -> Any | None:
-        """The export's KV; None when the source has nothing (404). ValueError on another answer,
-        or when its headers announce another layout than this pool's or more than ``cap`` tokens
-        (checked before the body is read) or the body is not what they announce."""
+        """The export's KV, counted against this worker's memory bound (the caller gives it back);
+        None when the source has nothing (404). KVBusy when the source answers 503 or the KV does
+        not fit the bound now. ValueError on another answer, or when its headers announce another
+        layout than this pool's or more than ``cap`` tokens (checked before the body is read) or
+        the body is not what they announce."""
         import httpx
         import torch
 
@@ -291,19 +342,27 @@ class KVTransfer:
         async with self._client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code == 404:
                 return None
+            if resp.status_code == 503:
+                raise KVBusy(f"the source's transfers are at their bound: {(await resp.aread())[:200]!r}")
             if resp.status_code != 200:
                 raise ValueError(f"answered {resp.status_code}: {(await resp.aread())[:200]!r}")
             start, block_size, shape, dtype = read_headers(resp.headers)
             self._check(start, block_size, shape, dtype, have, cap)
             size = int(np.prod(shape)) * dtype.itemsize
-            buf, pos = bytearray(size), 0
-            async for chunk in resp.aiter_bytes():
-                if pos + len(chunk) > size:
-                    raise ValueError(f"body longer than the {size} bytes announced")
-                buf[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-        if pos != size:
-            raise ValueError(f"body of {pos} bytes; {size} announced")
+            if not self._hold(size):
+                raise KVBusy(f"{size} bytes would pass --kv-transfer-max-mib with {self.held} under way")
+            try:
+                buf, pos = bytearray(size), 0
+                async for chunk in resp.aiter_bytes():
+                    if pos + len(chunk) > size:
+                        raise ValueError(f"body longer than the {size} bytes announced")
+                    buf[pos : pos + len(chunk)] = chunk
+                    pos += len(chunk)
+                if pos != size:
+                    raise ValueError(f"body of {pos} bytes; {size} announced")
+            except BaseException:
+                self._drop(size)
+                raise
         return torch.frombuffer(buf, dtype=dtype).view(shape)
 
     def _check(

@@ -111,7 +111,8 @@ class WorkerMetrics:
         self.kv_fetch = Counter(
             f"{PREFIX}_kv_fetch_total",
             "KV fetches from another worker before a request a router hinted (x-radixgate-kv-source), by "
-            "outcome: ok, cached (nothing to fetch), miss (the source had nothing more), error.",
+            "outcome: ok, cached (nothing to fetch), miss (the source had nothing more), busy (this worker's or "
+            "the source's transfers at their memory bound), error.",
             ["outcome"],
             registry=self.registry,
         )
