@@ -49,7 +49,7 @@ class WorkerModel:
     (``kv_fetch_base_ms`` + ``kv_fetch_ms_per_token`` per token), and the receiver caches it (its
     host-to-device copy delays its next step) before the request joins its queue. The link defaults
     are ESTIMATES for the worker's HTTP path: Llama-3-8B's 128 KiB per token at ~1.1 GB/s (what
-    httpx moved over loopback, docs/benchmarks/kv-transfer.md) and ~3 ms up to the answer's headers.
+    an HTTP body moved over loopback, docs/benchmarks/kv-transfer.md) and ~3 ms up to the answer's headers.
     ``kv_fetch_max_tokens`` is the worker's --kv-transfer-max-mib (1024) in Llama-3-8B tokens."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)

@@ -31,7 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 
+from router.http_client import HTTPClient, HTTPClientError
 from worker.api_params import APIError, json_object
 from worker.engine_api import EngineDeadError
 from worker.kv_pool import KVPool, slots_for
@@ -297,8 +299,6 @@ class KVTransfer:
         return outcome
 
     async def _pull(self, source: str, ids: list[int]) -> str:
-        import httpx
-
         engine, ps = self.engine, self.engine.page_size
         tokens = np.asarray(ids, dtype=np.int32)
         have = await engine.call(lambda: engine.cache.cached_prefix_len(tokens))
@@ -314,7 +314,7 @@ class KVTransfer:
         except KVBusy as exc:
             log.info("KV fetch from %s skipped: %s", source, exc)
             return "busy"
-        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+        except (HTTPClientError, TimeoutError, ValueError) as exc:
             log.warning("KV fetch from %s failed: %s", source, str(exc) or "timed out")
             return "error"
         if kv is None:
@@ -332,20 +332,22 @@ class KVTransfer:
         not fit the bound now. ValueError on another answer, or when its headers announce another
         layout than this pool's or more than ``cap`` tokens (checked before the body is read) or
         the body is not what they announce."""
-        import httpx
         import torch
 
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        url = source.rstrip("/") + EXPORT_PATH
-        async with self._client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code == 404:
+            t = self.timeout_s
+            self._client = HTTPClient(connect_timeout=t, read_timeout=t, total_timeout=t)
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        resp = await self._client.post(source.rstrip("/"), EXPORT_PATH, orjson.dumps(body), headers)
+        try:
+            if resp.status == 404:
                 return None
-            if resp.status_code == 503:
-                raise KVBusy(f"the source's transfers are at their bound: {(await resp.aread())[:200]!r}")
-            if resp.status_code != 200:
-                raise ValueError(f"answered {resp.status_code}: {(await resp.aread())[:200]!r}")
+            if resp.status == 503:
+                raise KVBusy(f"the source's transfers are at their bound: {(await resp.read())[:200]!r}")
+            if resp.status != 200:
+                raise ValueError(f"answered {resp.status}: {(await resp.read())[:200]!r}")
             start, block_size, shape, dtype = read_headers(resp.headers)
             self._check(start, block_size, shape, dtype, have, cap)
             size = int(np.prod(shape)) * dtype.itemsize
@@ -353,7 +355,7 @@ class KVTransfer:
                 raise KVBusy(f"{size} bytes would pass --kv-transfer-max-mib with {self.held} under way")
             try:
                 buf, pos = bytearray(size), 0
-                async for chunk in resp.aiter_bytes():
+                async for chunk in resp.chunks():
                     if pos + len(chunk) > size:
                         raise ValueError(f"body longer than the {size} bytes announced")
                     buf[pos : pos + len(chunk)] = chunk
@@ -363,6 +365,8 @@ class KVTransfer:
             except BaseException:
                 self._drop(size)
                 raise
+        finally:
+            resp.close()
         return torch.frombuffer(buf, dtype=dtype).view(shape)
 
     def _check(
@@ -381,4 +385,4 @@ class KVTransfer:
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            self._client.close()
