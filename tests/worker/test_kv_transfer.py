@@ -264,64 +264,62 @@ class _BadPeer(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_slow_or_oversized_answer_is_cut_off(fleet):
+@pytest.fixture(scope="module")
+def bad_peer() -> Iterator[str]:
+    """The base URL of a _BadPeer server."""
+    peer = ThreadingHTTPServer(("127.0.0.1", 0), _BadPeer)
+    threading.Thread(target=peer.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{peer.server_address[1]}"
+    finally:
+        peer.shutdown()
+        peer.server_close()
+
+
+def test_a_slow_or_oversized_answer_is_cut_off(fleet, bad_peer):
     _, _, plain = fleet
-    peer = ThreadingHTTPServer(("127.0.0.1", 0), _BadPeer)
-    threading.Thread(target=peer.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{peer.server_address[1]}"
-    try:
-        with serve(kv_transfer_max_mib=1, kv_fetch_timeout_s=0.5) as receiver:
-            for path in ("/slow", "/big", "/long", "/short"):
-                ids = prompt(70 + len(path) + ord(path[1]), 1100)
-                started = time.monotonic()
-                answer = complete(receiver.url, ids, base + path)
-                assert time.monotonic() - started < 10  # NOTE: a bound on the wait, not a timing claim
-                assert cached(answer) == 0, path
-                assert_same_answer(answer, complete(plain.url, ids))
-            assert outcome(receiver.url, "error") == 4
-    finally:
-        peer.shutdown()
-        peer.server_close()
-
-
-def test_transfers_under_way_bound_the_kv_a_worker_holds_and_give_it_back(fleet):
-    source, _, plain = fleet
-    peer = ThreadingHTTPServer(("127.0.0.1", 0), _BadPeer)
-    threading.Thread(target=peer.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{peer.server_address[1]}"
-    try:
-        # 1 MiB = 512 tiny tokens: the slow peer's 512-token answer holds all of it until the timeout
-        with serve(kv_transfer_max_mib=1, kv_fetch_timeout_s=4) as receiver:
-            held = prompt(90, 300)
-            complete(receiver.url, [*held, 1])  # something the receiver could export
-            _BadPeer.sending.clear()
-            slow = threading.Thread(target=complete, args=(receiver.url, prompt(91, 1100), base + "/slow"))
-            slow.start()
-            assert _BadPeer.sending.wait(10)
-            time.sleep(0.3)  # NOTE: the receiver counts the KV once it has read the answer's headers
-            r = httpx.post(receiver.url + EXPORT_PATH, json={"token_ids": [*held, 1]}, timeout=10)
-            assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_busy"
-            ids = prompt(92, 600)
-            complete(source.url, [*ids, 1])
-            answer = complete(receiver.url, [*ids, 2], source.url)  # fits the source, not the receiver
-            assert cached(answer) == 0 and outcome(receiver.url, "busy") == 1
-            assert_same_answer(answer, complete(plain.url, [*ids, 2]))
-            slow.join(30)
-            assert outcome(receiver.url, "error") == 1  # the slow fetch timed out and gave its bytes back
-            ids = prompt(94, 600)  # NOTE: the busy request left [*ids, 2] cached here
-            complete(source.url, [*ids, 1])
-            answer = complete(receiver.url, [*ids, 2], source.url)
-            assert cached(answer) == 512 and outcome(receiver.url, "ok") == 1
-            assert_same_answer(answer, complete(plain.url, [*ids, 2]))
-            for _ in range(2):  # NOTE: the second fits only if the first gave its bytes back once sent
-                r = httpx.post(receiver.url + EXPORT_PATH, json={"token_ids": [*held, 1]}, timeout=10)
-                assert r.status_code == 200 and len(r.content) == 288 * 2048
-        # a source whose transfers are at their bound answers 503, and its receiver computes
-        with serve(kv_transfer_max_mib=1) as receiver:
-            ids = prompt(93, 400)
-            answer = complete(receiver.url, ids, base + "/busy")
-            assert cached(answer) == 0 and outcome(receiver.url, "busy") == 1
+    with serve(kv_transfer_max_mib=1, kv_fetch_timeout_s=0.5) as receiver:
+        for path in ("/slow", "/big", "/long", "/short"):
+            ids = prompt(70 + len(path) + ord(path[1]), 1100)
+            started = time.monotonic()
+            answer = complete(receiver.url, ids, bad_peer + path)
+            assert time.monotonic() - started < 10  # NOTE: a bound on the wait, not a timing claim
+            assert cached(answer) == 0, path
             assert_same_answer(answer, complete(plain.url, ids))
-    finally:
-        peer.shutdown()
-        peer.server_close()
+        assert outcome(receiver.url, "error") == 4
+
+
+def test_transfers_under_way_bound_the_kv_a_worker_holds_and_give_it_back(fleet, bad_peer):
+    source, _, plain = fleet
+    # 1 MiB = 512 tiny tokens: the slow peer's 512-token answer holds all of it until the timeout
+    with serve(kv_transfer_max_mib=1, kv_fetch_timeout_s=4) as receiver:
+        held = prompt(90, 300)
+        complete(receiver.url, [*held, 1])  # something the receiver could export
+        _BadPeer.sending.clear()
+        slow = threading.Thread(target=complete, args=(receiver.url, prompt(91, 1100), bad_peer + "/slow"))
+        slow.start()
+        assert _BadPeer.sending.wait(10)
+        time.sleep(0.3)  # NOTE: the receiver counts the KV once it has read the answer's headers
+        r = httpx.post(receiver.url + EXPORT_PATH, json={"token_ids": [*held, 1]}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_busy"
+        ids = prompt(92, 600)
+        complete(source.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], source.url)  # fits the source, not the receiver
+        assert cached(answer) == 0 and outcome(receiver.url, "busy") == 1
+        assert_same_answer(answer, complete(plain.url, [*ids, 2]))
+        slow.join(30)
+        assert outcome(receiver.url, "error") == 1  # the slow fetch timed out and gave its bytes back
+        ids = prompt(94, 600)  # NOTE: the busy request left [*ids, 2] cached here
+        complete(source.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], source.url)
+        assert cached(answer) == 512 and outcome(receiver.url, "ok") == 1
+        assert_same_answer(answer, complete(plain.url, [*ids, 2]))
+        for _ in range(2):  # NOTE: the second fits only if the first gave its bytes back once sent
+            r = httpx.post(receiver.url + EXPORT_PATH, json={"token_ids": [*held, 1]}, timeout=10)
+            assert r.status_code == 200 and len(r.content) == 288 * 2048
+    # a source whose transfers are at their bound answers 503, and its receiver computes
+    with serve(kv_transfer_max_mib=1) as receiver:
+        ids = prompt(93, 400)
+        answer = complete(receiver.url, ids, bad_peer + "/busy")
+        assert cached(answer) == 0 and outcome(receiver.url, "busy") == 1
+        assert_same_answer(answer, complete(plain.url, ids))
