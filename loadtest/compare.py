@@ -48,6 +48,7 @@ class Backend:
     prefill_ms_per_token: float = 0.07  # per uncached prompt token
     decode_ms_per_token: float = 7.0  # echo: per output token; sim: decode step at batch 1
     host_cache_tokens: int = 0  # sim: each worker's host-memory KV tier, tokens (0: none)
+    kv_fetch_ms_per_token: float = 0.12  # sim: a KV fetch's link time per token (a run's kv_fetch_min_tokens)
 
     def resolved(self) -> str:
         if self.kind != "auto":
@@ -60,7 +61,8 @@ class Backend:
                     "--block-size", str(self.block_size), "--kv-cache-tokens", str(self.cache_tokens),
                     "--sim-prefill-ms-per-token", str(self.prefill_ms_per_token),
                     "--sim-decode-base-ms", str(self.decode_ms_per_token), "--log-level", "warning",
-                    "--host-cache-tokens", str(self.host_cache_tokens)]  # fmt: skip
+                    "--host-cache-tokens", str(self.host_cache_tokens),
+                    "--sim-kv-fetch-ms-per-token", str(self.kv_fetch_ms_per_token)]  # fmt: skip
         return [sys.executable, "-m", "loadtest.echo_backend", "--port", str(port), "--name", name,
                 "--block-size", str(self.block_size), "--cache-blocks", str(self.cache_tokens // self.block_size),
                 "--prefill-us-per-token", str(self.prefill_ms_per_token * 1e3),
@@ -186,7 +188,8 @@ def worker_counts(url: str) -> dict[str, float] | None:
     if resp.status_code != 200:
         return None
     wanted = {"radixgate_worker_requests_finished": "requests", "radixgate_worker_prompt_tokens": "prompt_tokens",
-              "radixgate_worker_cached_tokens": "cached_tokens", "radixgate_worker_evicted_pages": "evicted_pages"}  # fmt: skip
+              "radixgate_worker_cached_tokens": "cached_tokens", "radixgate_worker_evicted_pages": "evicted_pages",
+              "radixgate_worker_kv_fetched_tokens": "fetched_tokens"}  # fmt: skip
     counts = dict.fromkeys(wanted.values(), 0.0)
     for family in text_string_to_metric_families(resp.text):
         if family.name in wanted:
@@ -226,6 +229,7 @@ def fleet_summary(
             round(sum(c["cached_tokens"] for c in counts) / prompt, 4) if prompt else None
         )
         out["evicted_pages"] = int(sum(c["evicted_pages"] for c in counts))
+        out["fetched_share"] = round(sum(c["fetched_tokens"] for c in counts) / prompt, 4) if prompt else None
     return out
 
 
@@ -253,6 +257,9 @@ def router_command(
     cmd = [sys.executable, "-m", "router", "--port", str(port), "--workers", ",".join(urls),
            "--policy", policy, "--block-size", str(config.backend.block_size), "--kv-events", events,
            "--log-level", "warning"]  # fmt: skip
+    params = dict(params)
+    if "kv_fetch_min_tokens" in params:  # NOTE: a router setting, not a policy parameter
+        cmd += ["--kv-fetch-min-tokens", str(params.pop("kv_fetch_min_tokens"))]
     for key, value in params.items():
         cmd += ["--policy-param", f"{key}={value}"]
     if redis_url:
@@ -303,6 +310,7 @@ _FLEET_ROWS = [  # (row title, fleet summary key, format)
     ("hit rate (workers' counts)", "worker_hit_rate", "{:.1%}"),
     ("requests per worker (workers' counts)", "worker_requests", None),
     ("evicted KV pages", "evicted_pages", "{}"),
+    ("KV fetched from other workers (% of prompt)", "fetched_share", "{:.1%}"),
     ("router CPU (ms per request)", "router_cpu_ms_per_request", "{:.2f}"),
 ]
 
@@ -392,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sim backend: each worker's host-memory KV tier (tokens; 0 = none)")  # fmt: skip
     p.add_argument("--prefill-ms-per-token", type=float, default=Backend.prefill_ms_per_token)
     p.add_argument("--decode-ms-per-token", type=float, default=Backend.decode_ms_per_token)
+    p.add_argument("--kv-fetch-ms-per-token", type=float, default=Backend.kv_fetch_ms_per_token,
+                   help="sim: link time per token of KV fetched between workers (runs with kv_fetch_min_tokens=N)")  # fmt: skip
     p.add_argument("--workload", default="tenants")
     p.add_argument("--trace", help="Mooncake JSONL with --workload trace")
     p.add_argument("--mode", default="closed", choices=["closed", "open"])
@@ -416,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.host_cache_tokens and a.backend == "echo":
             raise ValueError("--host-cache-tokens needs the sim backend")
         backend = Backend(a.backend, a.cache_tokens, 16, a.prefill_ms_per_token, a.decode_ms_per_token,
-                          a.host_cache_tokens)  # fmt: skip
+                          a.host_cache_tokens, a.kv_fetch_ms_per_token)  # fmt: skip
         external = [_external(x) for x in a.external]
         config = CompareConfig(
             runs, load, a.workers, backend, a.out_dir, external=external, routers=a.routers, redis=a.redis

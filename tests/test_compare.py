@@ -154,3 +154,18 @@ def test_external_router_and_the_workers_counts(tmp_path):
     assert other["summary"]["load_spread"] == 1.0 and other["summary"]["per_worker"] == {"w0": 12, "w1": 12}
     assert "| requests per worker (workers' counts) | " in result["table"]
     assert "| ok / sent | 24 / 24 | 24 / 24 |" in result["table"]
+
+
+def test_a_run_with_kv_fetch_hints_has_sim_workers_fetch_prefixes_from_each_other(tmp_path):
+    """kv_fetch_min_tokens in a run's spec is the router's --kv-fetch-min-tokens: round robin sends
+    a tenant's requests to both workers, and with hints the second fetches the prefix the first holds."""
+    backend = Backend("sim", cache_tokens=8192, prefill_ms_per_token=0.01, decode_ms_per_token=1.0,
+                      kv_fetch_ms_per_token=0.001)  # fmt: skip
+    load = LoadConfig(workload="tenants", mode="closed", concurrency=1, requests=12, max_tokens=4,
+                      stream=True, duration_s=60.0, options={"num_tenants": 2, "system_tokens": 512})  # fmt: skip
+    runs = [("rr", "round_robin", {}), ("rr_fetch", "round_robin", {"kv_fetch_min_tokens": 64})]
+    result = compare(CompareConfig(runs, load, workers=2, backend=backend, out_dir=str(tmp_path)))
+    plain, fetch = (run["fleet"] for run in result["runs"])
+    assert plain["fetched_share"] == 0 and fetch["fetched_share"] > 0.05  # each tenant's prefix, once
+    assert fetch["worker_hit_rate"] > plain["worker_hit_rate"]
+    assert "| KV fetched from other workers (% of prompt) | 0.0% |" in result["table"]

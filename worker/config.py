@@ -60,6 +60,7 @@ class WorkerConfig:
     sim_decode_ms_per_seq: float = 0.06
     sim_context_tokens: int = 8192
     sim_host_copy_ms_per_token: float = 0.003
+    sim_kv_fetch_ms_per_token: float = 0.12
 
     def validate(self) -> None:
         if self.engine not in ("model", "sim"):
@@ -79,6 +80,8 @@ class WorkerConfig:
             raise ValueError("--max-stored-responses must be >= 0")
         if self.host_cache_tokens < 0:
             raise ValueError("--host-cache-tokens must be >= 0")
+        if self.sim_host_copy_ms_per_token < 0 or self.sim_kv_fetch_ms_per_token < 0:
+            raise ValueError("--sim-host-copy-ms-per-token and --sim-kv-fetch-ms-per-token must be >= 0")
         if self.kv_transfer_max_mib < 0 or not self.kv_fetch_timeout_s > 0:
             raise ValueError("--kv-transfer-max-mib must be >= 0 and --kv-fetch-timeout-s > 0")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -228,7 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--sim-host-copy-ms-per-token",
         float,
-        "sim: cost of a token's KV copied to or from the host tier (ms)",
+        "sim: cost of a token's KV copied to or from the host tier, or for a transfer to or from another "
+        "worker (ms)",
+    )
+    opt(
+        "--sim-kv-fetch-ms-per-token",
+        float,
+        "sim: a KV fetch from another worker waits this long per token it brings, for the link (ms)",
     )
     return p
 

@@ -203,12 +203,16 @@ class _HeldResponse:
 class KVTransfer:
     """The export endpoint and the fetch before a hinted request, for one engine. ``max_bytes``
     bounds the KV this worker holds in host memory for transfers at once, fetches and exports
-    together, and so one transfer (0: both off); ``timeout_s`` bounds one fetch's HTTP exchange."""
+    together, and so one transfer (0: both off); ``timeout_s`` bounds one fetch's HTTP exchange.
+    ``link_ms_per_token`` > 0 (``--engine sim``) makes a fetch also wait that long per token it
+    brings, for a link the loopback does not model."""
 
     def __init__(
-        self, engine: Any, api_key: str | None = None, max_bytes: int = 1 << 30, timeout_s: float = 5.0
-    ) -> None:
+        self, engine: Any, api_key: str | None = None, max_bytes: int = 1 << 30, timeout_s: float = 5.0,
+        link_ms_per_token: float = 0.0,
+    ) -> None:  # fmt: skip
         self.engine = engine
+        self.link_ms_per_token = link_ms_per_token
         self.api_key = api_key  # the fleet's worker key: what the source requires too
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
@@ -233,7 +237,7 @@ class KVTransfer:
     @functools.cached_property
     def max_tokens(self) -> int:
         """Whole pages of KV one transfer may carry (0: none)."""
-        if self.max_bytes <= 0 or self.engine.simulated:
+        if self.max_bytes <= 0:
             return 0
         ps = self.engine.page_size
         return self.max_bytes // KVPool.page_bytes(ps, *self.layout) * ps
@@ -251,8 +255,7 @@ class KVTransfer:
 
         engine = self.engine
         if not self.enabled:
-            why = "a simulated worker holds no KV" if engine.simulated else "KV transfer is off here"
-            raise APIError(409, why, "kv_transfer_unsupported")
+            raise APIError(409, "KV transfer is off here", "kv_transfer_unsupported")
         body = json_object(await request.body())
         ids, start = body.get("token_ids"), body.get("start", 0)
         cap = body.get("max_tokens", self.max_tokens)
@@ -362,6 +365,8 @@ class KVTransfer:
                     pos += len(chunk)
                 if pos != size:
                     raise ValueError(f"body of {pos} bytes; {size} announced")
+                if self.link_ms_per_token > 0:  # NOTE: --engine sim: the modelled link's time
+                    await asyncio.sleep(shape[2] * self.link_ms_per_token / 1e3)
             except BaseException:
                 self._drop(size)
                 raise

@@ -12,12 +12,20 @@ pool defaults to 400k tokens: (80 GB x 0.85 - 16 GB weights) / 128 KiB per token
 (``--host-cache-tokens``) every page copied to or from it adds ``host_copy_ms_per_token`` x its
 tokens to the step being scheduled: 0.003 ms, 128 KiB per token over ~45 GB/s of pinned-memory copies
 (an estimate for PCIe 5).
+
+KV moved between workers (worker/kv_transfer.py) works as on a real worker, over a placeholder pool
+of 4 bytes a token (one layer, one head, one float16 dim: what moves is the exchange, not KV); each
+token exported or imported costs ``host_copy_ms_per_token`` on that engine's next step (the
+device-host copy), and the receiver waits ``--sim-kv-fetch-ms-per-token`` per token fetched for the
+link (0.12 ms: Llama-3-8B's 128 KiB at ~1.1 GB/s, an estimate for the HTTP path).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import mmh3
 import numpy as np
@@ -27,7 +35,8 @@ from worker.assembly import assemble_engine, host_tier
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.guided import advance, allowed_mask, matcher_of
-from worker.kv_pool import PageAllocator
+from worker.kv_pool import KVPool, PageAllocator
+from worker.kv_transfer import read_kv, write_kv
 from worker.request import ScheduledBatch
 
 DEFAULT_SIM_KV_TOKENS = 400_000  # estimate for Llama-3-8B on an 80 GB H100, see the docstring
@@ -38,10 +47,14 @@ _BYTE_VOCAB = ByteTokenizer().vocab_size  # its vocabulary (bytes + specials), f
 class SimExecutor:
     """Sleeps for the modelled step time; the next token is a hash of the request's recent context."""
 
+    tensor_parallel_size = 1
+
     def __init__(
         self, prefill_ms_per_token: float, decode_base_ms: float, decode_ms_per_seq: float,
-        host_copy_ms_per_token: float = 0.0,
+        host_copy_ms_per_token: float = 0.0, num_pages: int = 0, page_size: int = 16,
     ) -> None:  # fmt: skip
+        self.num_pages, self.page_size = num_pages, page_size
+        self.transferred = 0  # tokens of KV exported or imported (a device-host copy each)
         self.prefill_ms_per_token = prefill_ms_per_token
         self.decode_base_ms = decode_base_ms
         self.decode_ms_per_seq = decode_ms_per_seq
@@ -52,9 +65,24 @@ class SimExecutor:
         )  # host-tier tokens copied so far (the cache's count)
         self._copied = 0
 
+    @functools.cached_property
+    def kv_pool(self) -> KVPool:
+        """The placeholder KV a transfer moves: 4 bytes a token (made on first use)."""
+        import torch
+
+        return KVPool(self.num_pages, self.page_size, 1, 1, 1, torch.float16, "cpu")
+
+    def read_kv(self, slots: Any) -> Any:
+        self.transferred += slots.numel()
+        return read_kv(self.kv_pool, slots)
+
+    def write_kv(self, slots: Any, kv: Any) -> None:
+        self.transferred += slots.numel()
+        write_kv(self.kv_pool, slots, kv)
+
     def step_ms(self, batch: ScheduledBatch) -> float:
         # NOTE: host-tier copies happen while a step is scheduled, so they delay that step
-        copied = self.copied_tokens()
+        copied = self.copied_tokens() + self.transferred
         copy_ms, self._copied = self.host_copy_ms_per_token * (copied - self._copied), copied
         if batch.mode == "extend":
             return self.prefill_ms_per_token * batch.num_new_tokens + copy_ms
@@ -100,7 +128,7 @@ def build_sim_engine(cfg: WorkerConfig) -> Engine:
     capacity = cfg.kv_cache_tokens or DEFAULT_SIM_KV_TOKENS
     allocator = PageAllocator(max(1, capacity // cfg.block_size))
     executor = SimExecutor(cfg.sim_prefill_ms_per_token, cfg.sim_decode_base_ms, cfg.sim_decode_ms_per_seq,
-                           cfg.sim_host_copy_ms_per_token)  # fmt: skip
+                           cfg.sim_host_copy_ms_per_token, allocator.num_pages, cfg.block_size)  # fmt: skip
     name = cfg.served_model_name or cfg.model
     engine = assemble_engine(
         cfg,

@@ -323,3 +323,24 @@ def test_transfers_under_way_bound_the_kv_a_worker_holds_and_give_it_back(fleet,
         answer = complete(receiver.url, ids, bad_peer + "/busy")
         assert cached(answer) == 0 and outcome(receiver.url, "busy") == 1
         assert_same_answer(answer, complete(plain.url, ids))
+
+
+def test_simulated_workers_move_placeholder_kv_and_model_the_link_and_copies():
+    from worker.config import WorkerConfig
+    from worker.sim_engine import build_sim_engine
+
+    def sim() -> LiveServer:
+        cfg = WorkerConfig(engine="sim", kv_cache_tokens=8192, sim_decode_base_ms=1.0)
+        return LiveServer(build_sim_engine(cfg), kv_link_ms_per_token=0.12)
+
+    with sim() as source, sim() as receiver:
+        ids = prompt(95, 1000)
+        complete(source.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], source.url)
+        assert answer["simulated"] is True and cached(answer) == 992  # 62 whole pages of the 1,000
+        assert outcome(receiver.url, "ok") == 1
+        assert source.engine.executor.transferred == receiver.engine.executor.transferred == 992
+        assert cached_hashes(receiver.url) >= set(block_hashes([*ids, 2][:992], PAGE, "tiny"))
+        fetch = receiver.engine.metrics.kv_fetch_seconds.collect()[0]
+        total = next(s.value for s in fetch.samples if s.name.endswith("_sum"))
+        assert total >= 0.9 * 992 * 0.12e-3  # NOTE: the modelled link's wait is part of the fetch
