@@ -97,7 +97,7 @@ class ClusterSim:
         self.output_tokens = 0
         self.rejected = self.skipped = 0
         self.last_finish = 0.0
-        self.kv_fetches = {"ok": 0, "cached": 0, "miss": 0}  # outcomes, as the worker counts them
+        self.kv_fetches = dict.fromkeys(("ok", "cached", "miss", "busy", "error"), 0)  # as the worker counts
         self.kv_fetched_tokens = 0  # real tokens
         self.kv_fetch_s: list[float] = []  # hint to request queued, fetches that brought KV
 
@@ -173,43 +173,70 @@ class ClusterSim:
         job = SimJob(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
         job.view, job.prefill = view, PendingPrefill(view, uncached)
         if source is not None:
-            self._push(w.next_boundary(t), 6, ("lookup", w, self.by_url[source], job, t, 0, 0))
+            self._push(w.next_boundary(t), 6, ("lookup", w, self.by_url[source], job, t, 0, 0, 0.0))
             return
         w.enqueue(job)
         self._kick(w, t)
 
     # ---------------------------------------------------------------- KV transfer
     def _fetch_stage(self, stage: str, w: SimWorker, src: SimWorker, job: SimJob, t0: float, have: int,
-                     n: int) -> None:  # fmt: skip
+                     n: int, deadline: float) -> None:  # fmt: skip
         """One stage of worker ``w`` fetching ``job``'s prompt KV from ``src`` (worker/kv_transfer.py):
         the lookup of its own cached prefix and the import run between w's steps, the export between
-        src's; the request joins w's queue when the fetch ends, whatever its outcome."""
+        src's; the request joins w's queue when the fetch ends, whatever its outcome. As on the
+        worker, a fetch gives up at ``kv_fetch_timeout_s`` after the lookup, and the KV of transfers
+        under way on a worker, out and in together, stays within ``kv_fetch_max_tokens``."""
         m, t, ps = self.m, self.now, self.m.block_size
+        bound = int(m.kv_fetch_max_tokens / self.weight)  # simulated tokens
         if stage == "lookup":
             have = w.cache.cached_prefix_len(job.ids)
             matchable = (job.ids.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
-            cap = min(int(m.kv_fetch_max_tokens / self.weight), w.alloc.num_pages // 2 * ps, matchable - have)
+            cap = min(bound, w.alloc.num_pages // 2 * ps, matchable - have)
             if cap < ps:
                 self._fetched(w, job, "cached", t0)
                 return
-            self._push(src.next_boundary(t), 6, ("export", w, src, job, t0, have, cap))
+            self._push(
+                src.next_boundary(t), 6, ("export", w, src, job, t0, have, cap, t + m.kv_fetch_timeout_s)
+            )
         elif stage == "export":
+            answered = t + m.kv_fetch_base_ms / 1e3
+            if src.kv_held + n > bound:  # NOTE: the source's 503 kv_transfer_busy
+                self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
+                return
             n = src.export_len(job.ids, have, n)
             if n == 0:
-                self._push(t + m.kv_fetch_base_ms / 1e3, 6, ("miss", w, src, job, t0, have, 0))
+                self._push(answered, 6, ("miss", w, src, job, t0, have, 0, deadline))
+                return
+            if w.kv_held + n > bound:  # NOTE: the receiver drops it on reading the headers
+                self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
                 return
             copy_ms = m.host_copy_ms_per_token * n * self.weight
             if src.seg is not None:  # NOTE: a busy source's next step waits for the copy
                 src.extra_ms += copy_ms
-            link_ms = m.kv_fetch_base_ms + m.kv_fetch_ms_per_token * n * self.weight
-            self._push(t + (copy_ms + link_ms) / 1e3, 6, ("import", w, src, job, t0, have, n))
-        elif stage == "import":
+            src.kv_held += n
+            w.kv_held += n
+            # NOTE: one transfer at a time on the source's way out and on the receiver's way in
+            start = max(t + (copy_ms + m.kv_fetch_base_ms) / 1e3, src.link_out_free, w.link_in_free)
+            end = start + m.kv_fetch_ms_per_token * n * self.weight / 1e3
+            if end > deadline:  # NOTE: cut off; the link carried it until then
+                if start < deadline:
+                    src.link_out_free = w.link_in_free = deadline
+                self._push(deadline, 6, ("timeout", w, src, job, t0, have, n, deadline))
+                return
+            src.link_out_free = w.link_in_free = end
+            self._push(end, 6, ("import", w, src, job, t0, have, n, deadline))
+        elif stage in ("import", "timeout"):
+            src.kv_held -= n
+            w.kv_held -= n
+            if stage == "timeout":
+                self._fetched(w, job, "error", t0)
+                return
             got, pages = w.import_len(job.ids, have, n)
             w.extra_ms += m.host_copy_ms_per_token * pages * ps * self.weight
             self.kv_fetched_tokens += got * self.weight
             self._fetched(w, job, "ok" if got else "cached", t0)
-        else:
-            self._fetched(w, job, "miss", t0)
+        else:  # miss or busy
+            self._fetched(w, job, stage, t0)
 
     def _fetched(self, w: SimWorker, job: SimJob, outcome: str, t0: float) -> None:
         self.kv_fetches[outcome] += 1

@@ -47,10 +47,15 @@ class WorkerModel:
     exports what it holds beyond it between two of its own steps (its device-to-host copy,
     ``host_copy_ms_per_token`` per token, delays its next step), the KV crosses the link
     (``kv_fetch_base_ms`` + ``kv_fetch_ms_per_token`` per token), and the receiver caches it (its
-    host-to-device copy delays its next step) before the request joins its queue. The link defaults
+    host-to-device copy delays its next step) before the request joins its queue. A worker's link
+    carries one transfer at a time each way: concurrent fetches from one source, or into one
+    receiver, queue for it. The link defaults
     are ESTIMATES for the worker's HTTP path: Llama-3-8B's 128 KiB per token at ~1.1 GB/s (what
     an HTTP body moved over loopback, docs/benchmarks/kv-transfer.md) and ~3 ms up to the answer's headers.
-    ``kv_fetch_max_tokens`` is the worker's --kv-transfer-max-mib (1024) in Llama-3-8B tokens."""
+    ``kv_fetch_max_tokens`` is the worker's --kv-transfer-max-mib (1024) in Llama-3-8B tokens: the
+    most one worker's transfers under way hold, sending and receiving (beyond it a source answers
+    busy, a receiver drops the fetch), so also the most one fetch moves; ``kv_fetch_timeout_s`` is
+    its --kv-fetch-timeout-s, counted from the lookup."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
@@ -67,7 +72,8 @@ class WorkerModel:
     host_copy_ms_per_token: float = 0.003  # a page copied to or from the host tier, per real token
     kv_fetch_ms_per_token: float = 0.12  # KV fetched from another worker: link time per real token
     kv_fetch_base_ms: float = 3.0  # KV fetch: the exchange's fixed cost
-    kv_fetch_max_tokens: int = 8192  # KV fetch: most real tokens one fetch moves
+    kv_fetch_max_tokens: int = 8192  # KV transfers under way on a worker, out and in: most real tokens
+    kv_fetch_timeout_s: float = 5.0  # KV fetch: given up after this long (the worker's --kv-fetch-timeout-s)
 
 
 class SimJob:
@@ -94,6 +100,8 @@ class SimWorker:
         self.cache = RadixCache(self.alloc, m.block_size, namespace, enable_events=events, host=host)
         self.copied_pages = 0  # host-tier pages copied either way, as of the last step planned
         self.extra_ms = 0.0  # engine-thread work between steps (KV export/import), added to the next step
+        self.link_out_free = self.link_in_free = 0.0  # when its link is free to send / receive KV (s)
+        self.kv_held = 0  # simulated tokens of KV in transfers under way, out and in (the worker's bound)
         self.waiting: deque[SimJob] = deque()
         self.prefilling: list[SimJob] = []
         self.decoding: list[SimJob] = []
