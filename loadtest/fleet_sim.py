@@ -99,6 +99,7 @@ class ClusterSim:
         self.last_finish = 0.0
         self.kv_fetches = dict.fromkeys(("ok", "cached", "miss", "busy", "error"), 0)  # as the worker counts
         self.kv_fetched_tokens = 0  # real tokens
+        self.fetching = 0  # requests whose KV fetch is under way (in no worker's queue yet)
         self.kv_fetch_s: list[float] = []  # hint to request queued, fetches that brought KV
 
     # ---------------------------------------------------------------- event loop
@@ -173,6 +174,7 @@ class ClusterSim:
         job = SimJob(rid, ids, self.src.output_ids(rid), self.src.output_steps(rid), t)
         job.view, job.prefill = view, PendingPrefill(view, uncached)
         if source is not None:
+            self.fetching += 1
             self._push(w.next_boundary(t), 6, ("lookup", w, self.by_url[source], job, t, 0, 0, 0.0))
             return
         w.enqueue(job)
@@ -239,6 +241,7 @@ class ClusterSim:
             self._fetched(w, job, stage, t0)
 
     def _fetched(self, w: SimWorker, job: SimJob, outcome: str, t0: float) -> None:
+        self.fetching -= 1
         self.kv_fetches[outcome] += 1
         if outcome == "ok":
             self.kv_fetch_s.append(self.now - t0)
@@ -256,7 +259,7 @@ class ClusterSim:
         if not self.c.prefill_report:
             reports = {url: (queue, 0) for url, (queue, _) in reports.items()}
         self.routers[replica].apply_reports(reports)
-        if self.arrivals_left > 0 or any(w.has_work() for w in self.workers):
+        if self.arrivals_left > 0 or self.fetching or any(w.has_work() for w in self.workers):
             self._push(t + self.c.health_interval_s, 4, replica)
 
     # ---------------------------------------------------------------- workers

@@ -390,7 +390,7 @@ def test_a_fetch_past_the_transfer_bound_is_busy_and_one_past_the_timeout_is_giv
     assert summary["kv_fetches"] == {"ok": 1, "cached": 0, "miss": 0, "busy": 1, "error": 0}
     assert summary["kv_fetched_tokens"] == 1024
     assert_fleet_consistent(sim)
-    assert all(w.kv_held == 0 for w in sim.workers)
+    assert all(w.kv_held == 0 for w in sim.workers) and sim.fetching == 0
     # 1,024 tokens at 0.12 ms take 123 ms on the link: a 0.1 s timeout gives up and r1 computes
     m = WorkerModel(kv_fetch_timeout_s=0.1, kv_fetch_base_ms=3.0, prefill_ms_per_token=0.07)
     summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows[:2]), workers=2, model=m,
