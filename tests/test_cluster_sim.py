@@ -363,15 +363,24 @@ def test_the_cli_runs_every_policy_at_each_fetch_setting(tmp_path, capsys):
     assert main(["--kv-fetch-min-tokens", "-1"]) == 2
 
 
+# r0 caches ids 7, 8 on worker 0; r1 and r2 extend them at the same moment and round robin sends
+# them to workers 1 and 2, which both fetch the 1,024 real tokens from worker 0
+TWO_FETCH_THE_SAME = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
+    {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]},
+    {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 10]},
+]
+
+
+def fetch_run(tmp_path, rows: list, m: WorkerModel) -> tuple[dict, ClusterSim]:
+    """Round robin over one worker per request, with KV fetch hints at 256 tokens."""
+    return run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=len(rows), model=m,
+               kv_fetch_min_tokens=256)  # fmt: skip
+
+
 def test_concurrent_fetches_from_one_source_queue_for_its_link(tmp_path):
-    # r0 caches ids 7, 8 on worker 0; r1 and r2 extend them at the same moment and round robin sends
-    # them to workers 1 and 2, which both fetch the 1,024 real tokens from worker 0
-    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
-            {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]},
-            {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 10]}]  # fmt: skip
     m = WorkerModel(host_copy_ms_per_token=0.003, kv_fetch_ms_per_token=0.12, kv_fetch_base_ms=3.0)
-    summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=3, model=m,
-                       kv_fetch_min_tokens=256)  # fmt: skip
+    summary, sim = fetch_run(tmp_path, TWO_FETCH_THE_SAME, m)
     assert summary["kv_fetches"]["ok"] == 2
     first = 0.003 * 1024 + 3.0 + 0.12 * 1024
     # NOTE: both exports run at the same step boundary (the source's copies are charged to its next step)
@@ -380,21 +389,16 @@ def test_concurrent_fetches_from_one_source_queue_for_its_link(tmp_path):
 
 
 def test_a_fetch_past_the_transfer_bound_is_busy_and_one_past_the_timeout_is_given_up(tmp_path):
-    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
-            {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]},
-            {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 10]}]  # fmt: skip
     # a bound of 1,024 real tokens: worker 0 sends one of the two fetches and refuses the other
     m = WorkerModel(kv_fetch_max_tokens=1024, kv_fetch_base_ms=3.0, prefill_ms_per_token=0.07)
-    summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=3, model=m,
-                       kv_fetch_min_tokens=256)  # fmt: skip
+    summary, sim = fetch_run(tmp_path, TWO_FETCH_THE_SAME, m)
     assert summary["kv_fetches"] == {"ok": 1, "cached": 0, "miss": 0, "busy": 1, "error": 0}
     assert summary["kv_fetched_tokens"] == 1024
     assert_fleet_consistent(sim)
     assert all(w.kv_held == 0 for w in sim.workers) and sim.fetching == 0
     # 1,024 tokens at 0.12 ms take 123 ms on the link: a 0.1 s timeout gives up and r1 computes
     m = WorkerModel(kv_fetch_timeout_s=0.1, kv_fetch_base_ms=3.0, prefill_ms_per_token=0.07)
-    summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows[:2]), workers=2, model=m,
-                       kv_fetch_min_tokens=256)  # fmt: skip
+    summary, sim = fetch_run(tmp_path, TWO_FETCH_THE_SAME[:2], m)
     assert summary["kv_fetches"]["error"] == 1 and summary["cached_tokens"] == 0
     assert sim.ttft[1] * 1e3 == pytest.approx(100.0 + 0.07 * 1536, abs=0.01)
     assert_fleet_consistent(sim)
