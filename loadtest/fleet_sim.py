@@ -272,7 +272,7 @@ class ClusterSim:
         start, step, steps = w.seg
         if w.chunk or len(w.prefilling) + len(w.decoding) >= self.m.max_running:
             return  # a prefill step is a single step; a full batch admits nothing until a finish
-        done = min(steps, int((t - start) / step) + 1)
+        done = w.steps_by(t)
         if done < steps:
             w.seg = (start, step, done)
             w.version += 1

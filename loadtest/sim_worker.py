@@ -223,13 +223,18 @@ class SimWorker:
         if dup.size:
             self.alloc.free(dup)
 
+    def steps_by(self, t: float) -> int:
+        """Steps of the planned segment finished once the step under way at ``t`` ends."""
+        start, step, steps = self.seg  # type: ignore[misc]
+        return min(steps, int((t - start) / step) + 1)
+
     def next_boundary(self, t: float) -> float:
         """When the engine next runs work queued at ``t`` between steps: now if idle, else at the end
         of the step under way."""
         if self.seg is None:
             return t
-        start, step, steps = self.seg
-        return start + min(steps, int((t - start) / step) + 1) * step
+        start, step, _ = self.seg
+        return start + self.steps_by(t) * step
 
     def export_len(self, ids: np.ndarray, start: int, cap: int) -> int:
         """Tokens of ``ids`` past ``start`` an export sends (the worker's own export_span)."""

@@ -79,9 +79,11 @@ def kv_fetch_source(decision: Decision, min_tokens: int, load: Callable[[str], f
     --kv-fetch-min-tokens): the candidate predicted to hold the most of the prompt, when that is at
     least ``min_tokens`` more than the pick holds (ties: the least loaded; ``load`` is None for a
     worker no longer known); None when ``min_tokens`` is 0 (off) or no candidate does."""
+    if not min_tokens:  # NOTE: off, the default: every request passes here
+        return None
     matched = decision.matched_tokens
     most = max(matched.values(), default=0)
-    if not min_tokens or most - matched.get(decision.url, 0) < min_tokens:
+    if most - matched.get(decision.url, 0) < min_tokens:
         return None
     holders = [(lo, url) for url, n in matched.items() if n == most and (lo := load(url)) is not None]
     return min(holders)[1] if holders else None

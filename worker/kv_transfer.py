@@ -235,16 +235,20 @@ class KVTransfer:
         return kv_layout(self.engine)
 
     @functools.cached_property
+    def page_bytes(self) -> int:
+        """Bytes of KV one page of this pool carries in a transfer."""
+        return KVPool.page_bytes(self.engine.page_size, *self.layout)
+
+    @functools.cached_property
     def max_tokens(self) -> int:
         """Whole pages of KV one transfer may carry (0: none)."""
         if self.max_bytes <= 0:
             return 0
-        ps = self.engine.page_size
-        return self.max_bytes // KVPool.page_bytes(ps, *self.layout) * ps
+        return self.max_bytes // self.page_bytes * self.engine.page_size
 
     @property
     def enabled(self) -> bool:
-        """Fetches and exports are on: a real pool and room for at least a page."""
+        """Fetches and exports are on: room for at least a page."""
         return self.max_tokens > 0
 
     async def export(self, request: Any) -> Any:
@@ -268,7 +272,7 @@ class KVTransfer:
                 raise APIError(400, f"'{name}' must be a non-negative multiple of {engine.page_size}")
         tokens = np.asarray(ids, dtype=np.int32)
         cap = min(cap, self.max_tokens)
-        need = cap // engine.page_size * KVPool.page_bytes(engine.page_size, *self.layout)
+        need = cap // engine.page_size * self.page_bytes
         if not self._hold(need):
             raise APIError(503, "KV transfers under way fill this worker's --kv-transfer-max-mib; try later",
                            "kv_transfer_busy")  # fmt: skip
