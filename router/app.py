@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.config import RouterConfig
-from router.errors import RouterError, error_response
+from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.gateway import Router
 from router.proxy import UpstreamFailure
 from router.request_parsing import read_body
@@ -35,16 +35,19 @@ COMPLETION_ENDPOINTS = {
 }
 
 
+_NOT_POST = ["GET", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 async def _method_not_allowed(request: Request) -> Response:
-    return error_response(405, f"{request.url.path} takes POST", "method_not_allowed")
-
-
-async def _method_not_allowed(request: Request) -> Response:
-    return error_response(405, f"{request.url.path} takes POST", "method_not_allowed")
+    """Any method but POST on a completion endpoint (POSTs never reach the Starlette app)."""
+    what = f"{request.method} {request.url.path}"
+    response = error_response(405, f"{what}: method not allowed (allowed: POST)", "method_not_allowed")
+    response.headers["allow"] = "POST"
+    return response
 
 
 def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None = None) -> RouterApp:
@@ -216,9 +219,9 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", _method_not_allowed, methods=["GET"]),
-            Route("/v1/completions", _method_not_allowed, methods=["GET"]),
-            Route("/v1/responses", _method_not_allowed, methods=["GET"]),
+            Route("/v1/chat/completions", _method_not_allowed, methods=_NOT_POST),
+            Route("/v1/completions", _method_not_allowed, methods=_NOT_POST),
+            Route("/v1/responses", _method_not_allowed, methods=_NOT_POST),
             Route("/v1/responses/{response_id}", keyed(stored_response), methods=["GET", "DELETE"]),
             Route("/v1/models", keyed(models), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
@@ -230,6 +233,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             Route("/detokenize", keyed(to_one_worker), methods=["POST"]),
         ],
         lifespan=lifespan,
+        exception_handlers=HTTP_ERROR_HANDLERS,
     )
     app.state.router = router
     return RouterApp(router, app)

@@ -5,12 +5,15 @@ Every error the router returns goes through here, so clients see one shape."""
 from __future__ import annotations
 
 import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "bad_gateway",
@@ -45,3 +48,23 @@ def error_response(status: int, message: str, code: str | None = None) -> Respon
 def retry_headers(exc: RouterError) -> list[tuple[bytes, bytes]]:
     """``Retry-After`` for an error that says when to come back, else nothing."""
     return [] if exc.retry_after is None else [(b"retry-after", str(exc.retry_after).encode())]
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such endpoint, a method the endpoint does not take) in the same
+    shape, so a client's error handling never meets a plain-text body."""
+    assert isinstance(exc, HTTPException)
+    what = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message, code = f"no such endpoint: {what}", "unknown_endpoint"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message, code = f"{what}: method not allowed (allowed: {allowed})", "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    response = error_response(exc.status_code, message, code)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+HTTP_ERROR_HANDLERS = {HTTPException: http_error}

@@ -230,6 +230,27 @@ def test_bad_input_gets_openai_error_and_router_keeps_serving(fleet, path, body,
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code", "allow"),
+    [
+        ("POST", "/v1/embeddings", 404, "unknown_endpoint", None),
+        ("GET", "/nope", 404, "unknown_endpoint", None),
+        ("GET", "/v1/chat/completions", 405, "method_not_allowed", "POST"),
+        ("PUT", "/v1/completions", 405, "method_not_allowed", "POST"),
+        ("POST", "/v1/models", 405, "method_not_allowed", "GET, HEAD"),
+    ],
+)
+def test_unknown_endpoints_and_methods_get_openai_errors(fleet, method, path, status, code, allow):
+    router, _ = fleet
+    r = httpx.request(method, router.url + path, timeout=10)
+    assert r.status_code == status and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == code and f"{method} {path}" in err["message"]
+    assert (r.headers.get("allow") and set(r.headers["allow"].split(", "))) == (
+        allow and set(allow.split(", "))
+    )
+
+
 def test_admin_add_and_remove_workers(fleet, launch):
     router, backends = fleet
     extra = launch.echo_backend()

@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api_keys import APIKeys
-from router.errors import RouterError, error_response
+from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.kv_events import KV_SOURCE_HEADER
 from worker.api_params import (
     MAX_CHOICES,
@@ -352,4 +352,4 @@ def create_app(
         Route("/v1/cache/events", guarded(ops.cache_events), methods=["GET"]),
         Route(EXPORT_PATH, guarded(kv.export), methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=HTTP_ERROR_HANDLERS)

@@ -241,6 +241,22 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, path,
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("POST", "/v1/embeddings", 404, "unknown_endpoint"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("PUT", "/v1/responses/resp_x", 405, "method_not_allowed"),
+    ],
+)
+def test_unknown_endpoints_and_methods_get_openai_errors(client, method, path, status, code):
+    resp = client.request(method, path)
+    assert resp.status_code == status and resp.headers["content-type"] == "application/json"
+    error = resp.json()["error"]
+    assert error["code"] == code and f"{method} {path}" in error["message"]
+    assert (resp.headers.get("allow") is not None) == (status == 405)
+
+
 def test_client_disconnect_mid_stream_releases_pages(client, server):
     idle(client)
     aborted_before = server.engine.snapshot().finished.get("abort", 0)
