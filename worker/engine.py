@@ -256,6 +256,8 @@ class Engine:
                 self._finished["abort"] += 1
         elif kind == "call":
             fn, fut = msg[1], msg[2]
+            if not fut.set_running_or_notify_cancel():  # NOTE: its caller was cancelled: skip it
+                return
             try:
                 fut.set_result(fn())
             except Exception as exc:

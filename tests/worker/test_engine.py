@@ -151,3 +151,23 @@ async def test_failed_forward_fails_its_requests_and_the_engine_keeps_serving(en
     finally:
         engine.executor.run = real
     await idle(engine)
+
+
+async def test_a_call_cancelled_before_it_runs_is_skipped_and_the_engine_lives_on(engine):
+    import threading
+
+    release, ran = threading.Event(), []
+    blocker = asyncio.ensure_future(engine.call(lambda: release.wait(10)))  # holds the engine thread
+    await asyncio.sleep(0.05)
+    cancelled = asyncio.ensure_future(engine.call(lambda: ran.append(1)))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.sleep(0.05)  # NOTE: the cancel reaches the engine's future in a loop callback
+    release.set()
+    assert await blocker is True
+    assert await engine.call(lambda: "still here") == "still here" and engine.alive
+    assert ran == [] and cancelled.cancelled()
+    _, _, out = await generate(engine, "after a cancelled call", 2)
+    assert out.finish_reason == "length"
