@@ -23,6 +23,7 @@ from loadtest.sim_router import SimRouter
 from loadtest.sim_sources import Source
 from loadtest.sim_worker import SimJob, SimWorker, WorkerModel
 from router.workers import PendingPrefill, Worker
+from worker.kv_transfer import transfer_chunking
 
 SIM_POLICIES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware", "sticky")
 # Index memory per block held (bytes): tracemalloc of PrefixIndex.insert for 100k fresh blocks,
@@ -187,13 +188,19 @@ class ClusterSim:
         the lookup of its own cached prefix and the import run between w's steps, the export between
         src's; the request joins w's queue when the fetch ends, whatever its outcome. As on the
         worker, a fetch gives up at ``kv_fetch_timeout_s`` after the lookup, and the KV of transfers
-        under way on a worker, out and in together, stays within ``kv_fetch_max_tokens``."""
+        under way on a worker, out and in together, hold at most ``kv_fetch_max_tokens`` in host
+        memory (each two groups of layers: the worker's transfer_chunking)."""
         m, t, ps = self.m, self.now, self.m.block_size
         bound = int(m.kv_fetch_max_tokens / self.weight)  # simulated tokens
+        slabs = 2 * m.kv_layers
+
+        def held(n: int) -> float:  # NOTE: in tokens' KV, as the bound
+            return transfer_chunking(n, slabs, bound * slabs)[1] / slabs
+
         if stage == "lookup":
             have = w.cache.cached_prefix_len(job.ids)
             matchable = (job.ids.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
-            cap = min(bound, w.alloc.num_pages // 2 * ps, matchable - have)
+            cap = min(bound * slabs // 2 // ps * ps, w.alloc.num_pages // 2 * ps, matchable - have)
             if cap < ps:
                 self._fetched(w, job, "cached", t0)
                 return
@@ -202,21 +209,21 @@ class ClusterSim:
             )
         elif stage == "export":
             answered = t + m.kv_fetch_base_ms / 1e3
-            if src.kv_held + n > bound:  # NOTE: the source's 503 kv_transfer_busy
+            if src.kv_held + held(n) > bound:  # NOTE: the source's 503 kv_transfer_busy (n: asked for)
                 self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
                 return
             n = src.export_len(job.ids, have, n)
             if n == 0:
                 self._push(answered, 6, ("miss", w, src, job, t0, have, 0, deadline))
                 return
-            if w.kv_held + n > bound:  # NOTE: the receiver drops it on reading the headers
+            if w.kv_held + held(n) > bound:  # NOTE: the receiver drops it on reading the headers
                 self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
                 return
             copy_ms = m.host_copy_ms_per_token * n * self.weight
             if src.seg is not None:  # NOTE: a busy source's next step waits for the copy
                 src.extra_ms += copy_ms
-            src.kv_held += n
-            w.kv_held += n
+            src.kv_held += held(n)
+            w.kv_held += held(n)
             # NOTE: one transfer at a time on the source's way out and on the receiver's way in
             start = max(t + (copy_ms + m.kv_fetch_base_ms) / 1e3, src.link_out_free, w.link_in_free)
             end = start + m.kv_fetch_ms_per_token * n * self.weight / 1e3
@@ -228,8 +235,8 @@ class ClusterSim:
             src.link_out_free = w.link_in_free = end
             self._push(end, 6, ("import", w, src, job, t0, have, n, deadline))
         elif stage in ("import", "timeout"):
-            src.kv_held -= n
-            w.kv_held -= n
+            src.kv_held -= held(n)
+            w.kv_held -= held(n)
             if stage == "timeout":
                 self._fetched(w, job, "error", t0)
                 return

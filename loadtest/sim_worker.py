@@ -13,7 +13,7 @@ import numpy as np
 
 from worker.host_cache import HostKVPool
 from worker.kv_pool import PageAllocator
-from worker.kv_transfer import export_span, import_pages
+from worker.kv_transfer import Pinned, export_span, import_pages
 from worker.radix_cache import RadixCache
 
 
@@ -53,9 +53,11 @@ class WorkerModel:
     are ESTIMATES for the worker's HTTP path: Llama-3-8B's 128 KiB per token at ~1.1 GB/s (what
     an HTTP body moved over loopback, docs/benchmarks/kv-transfer.md) and ~3 ms up to the answer's headers.
     ``kv_fetch_max_tokens`` is the worker's --kv-transfer-max-mib (1024) in Llama-3-8B tokens: the
-    most one worker's transfers under way hold, sending and receiving (beyond it a source answers
-    busy, a receiver drops the fetch), so also the most one fetch moves; ``kv_fetch_timeout_s`` is
-    its --kv-fetch-timeout-s, counted from the lookup."""
+    most one worker's transfers under way hold in host memory, sending and receiving (beyond it a
+    source answers busy, a receiver drops the fetch). Transfers stream a group of ``kv_layers``
+    layers' K or V at a time and each holds two groups, as the worker's (transfer_chunking), so a
+    fetch moves at most ``kv_layers`` times the bound (and half the receiver's pool);
+    ``kv_fetch_timeout_s`` is its --kv-fetch-timeout-s, counted from the lookup."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
@@ -72,7 +74,10 @@ class WorkerModel:
     host_copy_ms_per_token: float = 0.003  # a page copied to or from the host tier, per real token
     kv_fetch_ms_per_token: float = 0.12  # KV fetched from another worker: link time per real token
     kv_fetch_base_ms: float = 3.0  # KV fetch: the exchange's fixed cost
-    kv_fetch_max_tokens: int = 8192  # KV transfers under way on a worker, out and in: most real tokens
+    kv_fetch_max_tokens: int = (
+        8192  # KV transfers under way on a worker, out and in: host memory, real tokens
+    )
+    kv_layers: int = 32  # the model's layers: a transfer streams one layer's K or V at a time, or more
     kv_fetch_timeout_s: float = 5.0  # KV fetch: given up after this long (the worker's --kv-fetch-timeout-s)
 
 
@@ -246,8 +251,8 @@ class SimWorker:
         tokens newly cached and the pages written (a host-to-device copy each)."""
         written = [0]
 
-        def write(pages: np.ndarray, skip: int) -> None:
-            written[0] = pages.size
+        def write(pin: Pinned) -> None:
+            written[0] = pin.pages.size
 
         got = import_pages(self.cache, self.alloc, self.m.block_size, ids, start, start + n, write)
         return got, written[0]

@@ -389,8 +389,9 @@ def test_concurrent_fetches_from_one_source_queue_for_its_link(tmp_path):
 
 
 def test_a_fetch_past_the_transfer_bound_is_busy_and_one_past_the_timeout_is_given_up(tmp_path):
-    # a bound of 1,024 real tokens: worker 0 sends one of the two fetches and refuses the other
-    m = WorkerModel(kv_fetch_max_tokens=1024, kv_fetch_base_ms=3.0, prefill_ms_per_token=0.07)
+    # a bound of 48 real tokens' KV: a 1,024-token transfer streams (64 slabs: 32 layers' K and V) a
+    # slab of 16 tokens' KV at a time and holds two, 32; worker 0 sends one fetch, refuses the other
+    m = WorkerModel(kv_fetch_max_tokens=48, kv_fetch_base_ms=3.0, prefill_ms_per_token=0.07)
     summary, sim = fetch_run(tmp_path, TWO_FETCH_THE_SAME, m)
     assert summary["kv_fetches"] == {"ok": 1, "cached": 0, "miss": 0, "busy": 1, "error": 0}
     assert summary["kv_fetched_tokens"] == 1024

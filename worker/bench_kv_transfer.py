@@ -40,6 +40,7 @@ class Served:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         app = create_app(engine, kv_transfer_max_mib=max_mib, kv_fetch_timeout_s=120.0)
+        self.kv = app.state.kv_transfer
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -86,6 +87,7 @@ def measure(
         ttft_ms(client, receiver.url, [*warm, 2], source.url)
         for n in lengths:
             computed, fetched, local, fetch_ms, hits = [], [], [], [], []
+            source.kv.peak_held = receiver.kv.peak_held = 0
             for _ in range(reps):
                 computed.append(ttft_ms(client, receiver.url, prompts.make(n))[0])
                 shared = prompts.make(n)
@@ -101,7 +103,8 @@ def measure(
                    "ttft_computed_ms": round(statistics.median(computed), 2),
                    "ttft_fetched_ms": round(statistics.median(fetched), 2),
                    "ttft_local_hit_ms": round(statistics.median(local), 2),
-                   "fetch_ms": round(statistics.median(fetch_ms), 2)}  # fmt: skip
+                   "fetch_ms": round(statistics.median(fetch_ms), 2),
+                   "peak_held_mib": [round(x.kv.peak_held / 2**20, 2) for x in (source, receiver)]}  # fmt: skip
             row["fetch_gbs"] = round(moved / (row["fetch_ms"] / 1e3) / 1e9, 3) if row["fetch_ms"] else None
             rows.append(row)
             print(row, file=sys.stderr)
@@ -113,10 +116,12 @@ def markdown(doc: dict) -> str:
     lines = [f"**{p['model']} on {m['device_name']}** ({p['reps']} prompts per length, medians; KV "
              f"{doc['kv_bytes_per_token']} bytes a token; both workers in one process)", "",
              "| prompt tokens | KV moved (MiB) | TTFT computed (ms) | TTFT fetched (ms) | TTFT local hit (ms) "
-             "| fetch (ms) | fetch GB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| fetch (ms) | fetch GB/s | host MiB held (source, receiver) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in doc["rows"]:
         lines.append(f"| {r['prompt_tokens']} | {r['kv_mib']} | {r['ttft_computed_ms']} | {r['ttft_fetched_ms']} | "
-                     f"{r['ttft_local_hit_ms']} | {r['fetch_ms']} | {r['fetch_gbs']} |")  # fmt: skip
+                     f"{r['ttft_local_hit_ms']} | {r['fetch_ms']} | {r['fetch_gbs']} | "
+                     f"{', '.join(map(str, r['peak_held_mib']))} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", default="256,1024,2048,4000", help="comma-separated prompt lengths")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kv-cache-tokens", type=int, default=32768, help="each worker's KV pool (tokens)")
+    p.add_argument("--kv-transfer-max-mib", type=int, default=1024,
+                   help="each worker's --kv-transfer-max-mib")  # fmt: skip
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads (CPU; each worker's steps)")
     p.add_argument("--quick", action="store_true", help="two short lengths (256,1024), two prompts each")
     p.add_argument("--seed", type=int, default=0)
@@ -145,9 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = None if args.model == "tiny" else LLAMA3_8B_SHAPE
     cfg = WorkerConfig(device=device, kv_cache_tokens=args.kv_cache_tokens, warmup_tokens=128,
                        cpu_threads=args.cpu_threads, served_model_name="bench")  # fmt: skip
-    max_mib = 1 << 16  # NOTE: no byte cap below the pool's half: the lengths asked for are measured whole
-    source = Served(build_bench_engine(cfg, shape), max_mib)
-    receiver = Served(build_bench_engine(cfg, shape), max_mib)
+    source = Served(build_bench_engine(cfg, shape), args.kv_transfer_max_mib)
+    receiver = Served(build_bench_engine(cfg, shape), args.kv_transfer_max_mib)
     try:
         vocab = receiver.engine.tokenizer.vocab_size
         rows = measure(source, receiver, lengths, args.reps, min(vocab, 250), args.seed)

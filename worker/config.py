@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "KV moved between workers: the most this worker holds in host memory for transfers under way, "
         "fetches (before a request a router hinted with x-radixgate-kv-source) and exports together, "
-        "in MiB, and so the most one transfer carries (0 = off)",
+        "in MiB; each streams, holding two groups of layers (a group at most 1/16 of this, or one "
+        "layer's K or V when larger), so one transfer carries at most this / 2 per layer's K or V "
+        "(0 = off)",
     )
     opt("--kv-fetch-timeout-s", float, "longest a KV fetch from another worker may take (seconds)")
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")

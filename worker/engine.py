@@ -172,13 +172,18 @@ class Engine:
         """Cancel a request (client gone); its pages are released on the engine thread."""
         self._inbox.put(("abort", rid))
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread between steps (cache flush, snapshot) and return its result."""
+    def post(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queue ``fn`` to run on the engine thread between steps, in order with every other call;
+        its future (cancelled before it runs: skipped). Safe from any thread."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, fut))
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps (cache flush, snapshot) and return its result."""
+        return await asyncio.wrap_future(self.post(fn))
 
     async def flush_cache(self) -> int:
         """Drop every cached page no request holds; returns pages freed."""

@@ -9,11 +9,13 @@ the page-aligned position to start from, a token cap) for the KV of what the sou
 that, on the device. The answer's body is that KV as raw bytes: one C-contiguous tensor [2 (K, V),
 layers, tokens, KV heads, head dim] in the pool's dtype; its headers say what it is
 (``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``), so the receiver checks the layout
-before reading the body, reads it into one buffer and views it as a tensor (no copies beyond the
-socket's and the device's). The receiver writes it into
-free pages of its pool and inserts them into its radix cache (which publishes their KV events, so
-routers learn the new holder); the request then finds them as any cache hit. Export and import
-run on each engine thread between steps; serialization and the HTTP exchange do not.
+before reading the body. The transfer streams, a group of layers at a time: the source pins the
+pages and reads each group from its pool between its engine's steps while the one before is sent;
+the receiver takes free pages of its pool once the headers arrive, writes each group into them as
+its bytes arrive, and then inserts them into its radix cache (which publishes their KV events, so
+routers learn the new holder); the request then finds them as any cache hit. Neither side holds
+more than two groups in host memory, whatever the prompt's length. Pool reads and writes run on
+each engine thread between steps; serialization and the HTTP exchange do not.
 
 Nothing here can fail a request: an unreachable source, a miss, a timeout, a different model or
 block size, or no free pages, and the request simply computes its prefill (each outcome counted in
@@ -24,6 +26,8 @@ block size and dtype; anything else is refused. Base-model prompts only (not LoR
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -44,96 +48,125 @@ EXPORT_PATH = "/v1/kv/export"
 
 
 # ---------------------------------------------------------------------------- engine thread
-def read_kv(pool: Any, slots: Any) -> Any:
-    """K and V of pool ``slots`` (int64 tensor), every layer, in one C-contiguous CPU tensor
-    [2, layers, n, heads, dim]: gathered on the pool's device, then copied to the host at once."""
+# A transfer's KV is 2 x layers "slabs": K of layer 0 .. L-1, then V of layer 0 .. L-1, each [tokens,
+# KV heads, head dim]; slab f is K (f < L) or V of layer f % L. It moves a group of slabs at a time.
+def _slab(pool: Any, f: int) -> Any:
+    return (pool.k_cache if f < pool.num_layers else pool.v_cache)[f % pool.num_layers]
+
+
+def read_kv(pool: Any, slots: Any, lo: int = 0, hi: int | None = None) -> Any:
+    """Slabs ``lo`` .. ``hi`` (default: all) of pool ``slots`` (int64 tensor) in one C-contiguous
+    CPU tensor [hi - lo, n, heads, dim]: gathered on the pool's device, then copied to the host."""
     import torch
 
+    hi = 2 * pool.num_layers if hi is None else hi
     device = pool.k_cache[0].device
     idx = slots.to(device)
     heads, dim = pool.k_cache[0].shape[1:]
-    out = torch.empty(2, pool.num_layers, idx.numel(), heads, dim, dtype=pool.k_cache[0].dtype, device=device)
-    for layer in range(pool.num_layers):
-        torch.index_select(pool.k_cache[layer], 0, idx, out=out[0, layer])
-        torch.index_select(pool.v_cache[layer], 0, idx, out=out[1, layer])
+    out = torch.empty(hi - lo, idx.numel(), heads, dim, dtype=pool.k_cache[0].dtype, device=device)
+    for i in range(hi - lo):
+        torch.index_select(_slab(pool, lo + i), 0, idx, out=out[i])
     return out.cpu()
 
 
-def write_kv(pool: Any, slots: Any, kv: Any) -> None:
-    """Write [2, layers, n, heads, dim] K and V into pool ``slots``."""
+def write_kv(pool: Any, slots: Any, slabs: Any, lo: int = 0) -> None:
+    """Write slabs ``lo`` .. ``lo + len(slabs)`` ([m, n, heads, dim]) into pool ``slots``."""
     device = pool.k_cache[0].device
     idx = slots.to(device)
-    kv = kv.to(device)
-    for layer in range(pool.num_layers):
-        pool.k_cache[layer].index_copy_(0, idx, kv[0, layer])
-        pool.v_cache[layer].index_copy_(0, idx, kv[1, layer])
+    slabs = slabs.to(device)
+    for i in range(slabs.shape[0]):
+        _slab(pool, lo + i).index_copy_(0, idx, slabs[i])
 
 
 def export_span(
     cache: Any, page_size: int, tokens: np.ndarray, start: int, max_tokens: int
 ) -> tuple[Any, int]:
-    """The device pages of ``tokens``' cached prefix and the end of what an export from ``start``
+    """The match of ``tokens``' device-cached prefix and the end of what an export from ``start``
     (page-aligned) sends: at most ``max_tokens`` (whole pages); end <= start when nothing."""
     match = cache.match_prefix(tokens)
-    return match.pages, min(match.pages.size * page_size, start + max_tokens // page_size * page_size)
+    return match, min(match.pages.size * page_size, start + max_tokens // page_size * page_size)
 
 
-def export_kv(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> Any | None:
-    """K and V ([2, layers, n, heads, dim]) of the device-cached prefix of ``tokens`` from ``start`` (page-aligned), at most
-    ``max_tokens`` of them (whole pages); None when this worker caches nothing beyond ``start``."""
+@dataclasses.dataclass
+class Pinned:
+    """Pool slots a transfer reads or writes while it is under way, their radix node locked so they
+    stay (an export's cached pages; an import's prefix, ``pages`` taken for what it brings)."""
+
+    node: Any
+    slots: Any  # int64 tensor: the slots the transfer's tokens occupy, in order
+    have: int = 0  # import: the tokens cached here when it began (its first ``skip`` are not written)
+    prefix: Any = None  # import: the device pages of tokens[:have]
+    pages: Any = None  # import: the pages taken for tokens[have:end]
+
+
+def export_begin(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> Pinned | None:
+    """Pin the device-cached KV of ``tokens`` from ``start`` (page-aligned), at most ``max_tokens``
+    (whole pages), for an export; None when nothing is cached beyond ``start``."""
     import torch
 
-    pages, end = export_span(engine.cache, engine.page_size, tokens, start, max_tokens)
+    match, end = export_span(engine.cache, engine.page_size, tokens, start, max_tokens)
     if end <= start:
         return None
-    return engine.executor.read_kv(torch.from_numpy(slots_for(pages, start, end, engine.page_size)))
+    engine.cache.lock(match.last_node)
+    return Pinned(match.last_node, torch.from_numpy(slots_for(match.pages, start, end, engine.page_size)))
 
 
-def import_pages(
-    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int,
-    write: Callable[[np.ndarray, int], None],
-) -> int:  # fmt: skip
-    """Cache ``tokens[start:end]`` (whole pages) behind the cached ``tokens[:start]``: free pages are
-    taken (evicting LRU ones, never the prefix extended), ``write(pages, skip)`` fills them with the
-    KV of ``tokens[start + skip:end]``, and they enter the radix cache. Returns the tokens newly
-    cached (0 when this worker's own prefix left the device meanwhile, it already had them, or no
-    pages could be freed)."""
+def import_begin(
+    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int
+) -> Pinned | None:
+    """Take free pages for ``tokens[have:end]`` behind the cached ``tokens[:have]`` (``have`` >=
+    ``start``; LRU pages are evicted for room, never the prefix extended, which stays locked until
+    ``import_end``). None when this worker's own prefix is shorter than ``start`` now (it left the
+    device), it already caches the whole span, or no pages could be freed."""
+    import torch
+
     ps = page_size
     # NOTE: one extra token so that the match may cover all of [0, end) (it always leaves one out)
     match = cache.match_prefix(np.append(tokens[:end], 0).astype(np.int32))
     have = match.pages.size * ps  # on the device here; a host-tier part of it is imported over
     if have < start or have >= end:
-        return 0
+        return None
     need = (end - have) // ps
-    cache.lock(match.last_node)  # NOTE: making room must not evict the prefix this run extends
-    try:
-        short = need - allocator.num_free
-        if short > 0:
-            cache.evict(short)
-        pages = allocator.alloc(need)
-    finally:
-        cache.unlock(match.last_node)
+    cache.lock(match.last_node)
+    short = need - allocator.num_free
+    if short > 0:
+        cache.evict(short)
+    pages = allocator.alloc(need)
     if pages is None:
+        cache.unlock(match.last_node)
+        return None
+    slots = torch.from_numpy(slots_for(pages, 0, need * ps, ps))
+    return Pinned(match.last_node, slots, have, match.pages, pages)
+
+
+def import_end(
+    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, end: int, pin: Pinned, ok: bool
+) -> int:
+    """Finish an ``import_begin``: with ``ok`` its pages (now written) enter the radix cache (which
+    publishes them), else they are freed. Returns the tokens newly cached."""
+    cache.unlock(pin.node)
+    if not ok:
+        allocator.free(pin.pages)
         return 0
-    write(pages, have - start)
-    already = cache.insert(tokens[:end], np.concatenate([match.pages, pages]))
-    duplicates = max(0, already - have) // ps
+    already = cache.insert(tokens[:end], np.concatenate([pin.prefix, pin.pages]))
+    duplicates = max(0, already - pin.have) // page_size  # NOTE: computed here meanwhile
     if duplicates:
-        allocator.free(pages[:duplicates])
-    return end - max(have, already)
+        allocator.free(pin.pages[:duplicates])
+    return end - max(pin.have, already)
 
 
-def import_kv(engine: Any, tokens: np.ndarray, start: int, kv: Any) -> int:
-    """``import_pages`` of ``tokens[start:start + n]`` with the given K/V ([2, layers, n, heads, dim])."""
-    import torch
-
-    ps = engine.page_size
-
-    def write(pages: np.ndarray, skip: int) -> None:
-        slots = torch.from_numpy(slots_for(pages, 0, pages.size * ps, ps))
-        engine.executor.write_kv(slots, kv[:, :, skip:])
-
-    return import_pages(engine.cache, engine.allocator, ps, tokens, start, start + kv.shape[2], write)
+def import_pages(
+    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int,
+    write: Callable[[Pinned], None],
+) -> int:  # fmt: skip
+    """Cache ``tokens[start:end]`` (whole pages) behind the cached ``tokens[:start]`` at once:
+    ``import_begin``, ``write(pinned)`` fills its pages, ``import_end``. Returns the tokens newly
+    cached (0 when ``import_begin`` found nothing to do)."""
+    pin = import_begin(cache, allocator, page_size, tokens, start, end)
+    if pin is None:
+        return 0
+    write(pin)
+    return import_end(cache, allocator, page_size, tokens, end, pin, True)
 
 
 # ---------------------------------------------------------------------------- wire format
@@ -141,10 +174,18 @@ _META = "x-radixgate-kv-"
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
-def export_headers(kv: Any, start: int, block_size: int) -> dict[str, str]:
-    """What an export's body is: its place in the prompt, page size, shape and dtype."""
+def export_headers(shape: tuple[int, ...], dtype: Any, start: int, block_size: int) -> dict[str, str]:
+    """What an export's body is: its place in the prompt, page size, shape and dtype (and length)."""
+    size = int(np.prod(shape)) * torch_itemsize(dtype)
     return {_META + "start": str(start), _META + "block-size": str(block_size),
-            _META + "shape": ",".join(map(str, kv.shape)), _META + "dtype": str(kv.dtype).removeprefix("torch.")}  # fmt: skip
+            _META + "shape": ",".join(map(str, shape)), _META + "dtype": str(dtype).removeprefix("torch."),
+            "content-length": str(size)}  # fmt: skip
+
+
+def torch_itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def body_view(kv: Any) -> memoryview:
@@ -182,13 +223,21 @@ def kv_bytes_per_token(engine: Any) -> int:
     return KVPool.page_bytes(1, *kv_layout(engine))
 
 
+def transfer_chunking(slab_bytes: int, slabs: int, max_bytes: int) -> tuple[int, int]:
+    """(slabs a group carries, host bytes a transfer holds: two groups) for a transfer of ``slabs``
+    slabs of ``slab_bytes`` each under a ``max_bytes`` bound: a group is at most 1/16 of the bound,
+    or one slab where a slab is larger."""
+    group = max(1, min(slabs, max_bytes // 16 // max(slab_bytes, 1)))
+    return group, min(2 * group, slabs) * slab_bytes
+
+
 class KVBusy(Exception):
     """A transfer that would take this worker (or the source) past its KV transfer memory bound."""
 
 
 class _HeldResponse:
-    """An export's answer: the KV bytes, and their share of the memory bound given back once they
-    are sent (or the client is gone)."""
+    """An export's answer, and what it holds (its pinned pages, its share of the memory bound)
+    given back once it is sent (or the client is gone)."""
 
     def __init__(self, response: Any, release: Callable[[], None]) -> None:
         self.response, self.release = response, release
@@ -200,10 +249,41 @@ class _HeldResponse:
             self.release()
 
 
+class _Body:
+    """An answer's body read in exact sizes, as it arrives."""
+
+    def __init__(self, resp: Any) -> None:
+        self._chunks = resp.chunks()
+        self._rest = memoryview(b"")
+
+    async def read(self, size: int) -> bytearray:
+        buf, pos = bytearray(size), 0
+        while pos < size:
+            if not self._rest:
+                chunk = await anext(self._chunks, None)
+                if chunk is None:
+                    raise ValueError(f"body ended {size - pos} bytes short of what its headers announce")
+                self._rest = memoryview(chunk)
+            k = min(len(self._rest), size - pos)
+            buf[pos : pos + k] = self._rest[:k]
+            self._rest, pos = self._rest[k:], pos + k
+        return buf
+
+    async def end(self) -> None:
+        if self._rest or await anext(self._chunks, None) is not None:
+            raise ValueError("body longer than its headers announce")
+
+
 class KVTransfer:
-    """The export endpoint and the fetch before a hinted request, for one engine. ``max_bytes``
-    bounds the KV this worker holds in host memory for transfers at once, fetches and exports
-    together, and so one transfer (0: both off); ``timeout_s`` bounds one fetch's HTTP exchange.
+    """The export endpoint and the fetch before a hinted request, for one engine.
+
+    A transfer streams: the source reads a group of slabs (module comment above) from its pool at a
+    time, between its engine's steps, and sends each while it reads the next; the receiver takes
+    the pool pages it needs once the answer's headers arrive and writes each group as its bytes
+    arrive, while the next arrives. ``max_bytes`` bounds the KV this worker holds in host memory
+    for transfers at once, fetches and exports together: each holds two groups (a group is at
+    most 1/16 of the bound, or one slab where a slab is larger), so one transfer carries at most
+    ``max_bytes / 2`` per slab (0: transfers off). ``timeout_s`` bounds one fetch's HTTP exchange.
     ``link_ms_per_token`` > 0 (``--engine sim``) makes a fetch also wait that long per token it
     brings, for a link the loopback does not model."""
 
@@ -218,12 +298,14 @@ class KVTransfer:
         self.timeout_s = timeout_s
         self._client: Any = None
         self.held = 0  # bytes of KV in host memory for transfers under way (event loop only)
+        self.peak_held = 0  # the most ``held`` has been (benchmarks reset it)
 
     def _hold(self, nbytes: int) -> bool:
         """Count ``nbytes`` against the bound; False (nothing counted) when they do not fit."""
         if self.held + nbytes > self.max_bytes:
             return False
         self.held += nbytes
+        self.peak_held = max(self.peak_held, self.held)
         return True
 
     def _drop(self, nbytes: int) -> None:
@@ -235,27 +317,51 @@ class KVTransfer:
         return kv_layout(self.engine)
 
     @functools.cached_property
-    def page_bytes(self) -> int:
-        """Bytes of KV one page of this pool carries in a transfer."""
-        return KVPool.page_bytes(self.engine.page_size, *self.layout)
+    def slab_token_bytes(self) -> int:
+        """Bytes of one token in one slab: K or V of one layer, every KV head."""
+        _, heads, dim, dtype = self.layout
+        return heads * dim * torch_itemsize(dtype)
+
+    def chunking(self, n: int) -> tuple[int, int]:
+        """(slabs a group of an ``n``-token transfer carries, host bytes the transfer holds)."""
+        return transfer_chunking(n * self.slab_token_bytes, 2 * self.layout[0], self.max_bytes)
 
     @functools.cached_property
     def max_tokens(self) -> int:
         """Whole pages of KV one transfer may carry (0: none)."""
-        if self.max_bytes <= 0:
-            return 0
-        return self.max_bytes // self.page_bytes * self.engine.page_size
+        ps = self.engine.page_size
+        return max(0, self.max_bytes) // (2 * self.slab_token_bytes) // ps * ps
 
     @property
     def enabled(self) -> bool:
         """Fetches and exports are on: room for at least a page."""
         return self.max_tokens > 0
 
+    async def _pinned(self, begin: Callable[[], Any], undo: Callable[[Any], Any]) -> Any:
+        """``begin()``'s result, run on the engine thread. Should this task be cancelled first, what
+        it pinned is given back with ``undo`` once it has run."""
+        fut = self.engine.post(begin)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+
+            def orphan(f: Any) -> None:
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    undo(f.result())
+
+            fut.add_done_callback(orphan)
+            raise
+
+    def _unpin(self, pin: Pinned) -> None:
+        """Unlock an export's pages, after every read queued before (engine calls run in order)."""
+        with contextlib.suppress(EngineDeadError):
+            self.engine.post(lambda: self.engine.cache.unlock(pin.node))
+
     async def export(self, request: Any) -> Any:
         """POST /v1/kv/export {"token_ids", "start", "max_tokens", "model"}: the KV this worker has
-        cached for the prompt from ``start``; 404 ``kv_not_cached`` when it has none beyond it, 503
-        ``kv_transfer_busy`` when the transfers under way leave no room for ``max_tokens`` of KV."""
-        from starlette.responses import Response
+        cached for the prompt from ``start``, streamed; 404 ``kv_not_cached`` when it has none beyond
+        it, 503 ``kv_transfer_busy`` when the transfers under way leave no room for this one."""
+        from starlette.responses import StreamingResponse
 
         engine = self.engine
         if not self.enabled:
@@ -272,23 +378,69 @@ class KVTransfer:
                 raise APIError(400, f"'{name}' must be a non-negative multiple of {engine.page_size}")
         tokens = np.asarray(ids, dtype=np.int32)
         cap = min(cap, self.max_tokens)
-        need = cap // engine.page_size * self.page_bytes
-        if not self._hold(need):
-            raise APIError(503, "KV transfers under way fill this worker's --kv-transfer-max-mib; try later",
-                           "kv_transfer_busy")  # fmt: skip
+        busy = APIError(503, "KV transfers under way fill this worker's --kv-transfer-max-mib; try later",
+                        "kv_transfer_busy")  # fmt: skip
+        held = self.chunking(cap)[1]  # NOTE: what it may hold; made exact once it knows what it sends
+        if not self._hold(held):
+            raise busy
         try:
-            found = await engine.call(lambda: export_kv(engine, tokens, start, cap))
+            first = await self._pinned(
+                lambda: self._export_first(tokens, start, cap), lambda f: self._unpin(f[0])
+            )
         except BaseException:
-            self._drop(need)
+            self._drop(held)
             raise
-        sent = 0 if found is None else found.numel() * found.element_size()
-        self._drop(need - sent)  # NOTE: what it found; the rest of the bound is free again now
-        if found is None:
+        if first is None:
+            self._drop(held)
             raise APIError(404, "no KV cached here beyond 'start' for this prompt", "kv_not_cached")
-        engine.metrics.kv_exported_tokens.inc(found.shape[2])
-        answer = Response(body_view(found), media_type="application/octet-stream",
-                          headers=export_headers(found, start, engine.page_size))  # fmt: skip
-        return _HeldResponse(answer, functools.partial(self._drop, sent))
+        pin, group, kv = first
+        n = pin.slots.numel()
+        exact = self.chunking(n)[1]
+        self._drop(held)
+        if not self._hold(exact):
+            self._unpin(pin)
+            raise busy
+        engine.metrics.kv_exported_tokens.inc(n)
+        layers, heads, dim, dtype = self.layout
+        headers = export_headers((2, layers, n, heads, dim), dtype, start, engine.page_size)
+        answer = StreamingResponse(self._export_body(pin.slots, group, kv), headers=headers,
+                                   media_type="application/octet-stream")  # fmt: skip
+
+        def release() -> None:
+            self._unpin(pin)
+            self._drop(exact)
+
+        return _HeldResponse(answer, release)
+
+    def _export_first(self, tokens: np.ndarray, start: int, cap: int) -> tuple[Pinned, int, Any] | None:
+        """(On the engine thread.) ``export_begin``, and the transfer's first group of slabs read,
+        with the group's size: one call, so a transfer of one group costs the engine one."""
+        pin = export_begin(self.engine, tokens, start, cap)
+        if pin is None:
+            return None
+        group = self.chunking(pin.slots.numel())[0]
+        return pin, group, self.engine.executor.read_kv(pin.slots, 0, min(group, 2 * self.layout[0]))
+
+    async def _export_body(self, slots: Any, group: int, kv: Any) -> Any:
+        """The slabs of pool ``slots``, a group at a time from the first (``kv``, already read):
+        each next read between the engine's steps while the one before is sent."""
+        engine, total = self.engine, 2 * self.layout[0]
+
+        def read(lo: int) -> Any:
+            return asyncio.wrap_future(
+                engine.post(lambda: engine.executor.read_kv(slots, lo, min(lo + group, total)))
+            )
+
+        pending = None
+        try:
+            for lo in range(group, total, group):
+                pending = read(lo)
+                yield body_view(kv)
+                kv = await pending
+            yield body_view(kv)
+        finally:
+            if pending is not None:
+                pending.cancel()  # NOTE: the client is gone; a read not begun is skipped
 
     async def pull(self, source: str, ids: list[int]) -> str:
         """Fetch what ``source`` caches of prompt ``ids`` beyond this worker's own cached prefix and
@@ -315,68 +467,113 @@ class KVTransfer:
         cap = min(self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have)  # NOTE: + room
         body = {"model": engine.served_model_name, "token_ids": ids, "start": have,
                 "max_tokens": cap}  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + self.timeout_s  # NOTE: the exchange, not each read
         try:
-            async with asyncio.timeout(self.timeout_s):  # NOTE: the whole exchange, not each read
-                kv = await self._fetch(source, body, have, cap)
+            got = await self._fetch(source, body, tokens, have, cap, deadline)
         except KVBusy as exc:
             log.info("KV fetch from %s skipped: %s", source, exc)
             return "busy"
         except (HTTPClientError, TimeoutError, ValueError) as exc:
             log.warning("KV fetch from %s failed: %s", source, str(exc) or "timed out")
             return "error"
-        if kv is None:
+        if got is None:
             return "miss"
-        try:
-            imported = await engine.call(lambda: import_kv(engine, tokens, have, kv))
-        finally:
-            self._drop(kv.numel() * kv.element_size())
-        engine.metrics.kv_fetched_tokens.inc(imported)
-        return "ok" if imported else "cached"
+        engine.metrics.kv_fetched_tokens.inc(got)
+        return "ok" if got else "cached"
 
-    async def _fetch(self, source: str, body: dict, have: int, cap: int) -> Any | None:
-        """The export's KV, counted against this worker's memory bound (the caller gives it back);
-        None when the source has nothing (404). KVBusy when the source answers 503 or the KV does
-        not fit the bound now. ValueError on another answer, or when its headers announce another
-        layout than this pool's or more than ``cap`` tokens (checked before the body is read) or
-        the body is not what they announce."""
-        import torch
-
+    async def _fetch(
+        self, source: str, body: dict, tokens: np.ndarray, have: int, cap: int, deadline: float
+    ) -> int | None:
+        """Tokens the export brought and this worker newly cached; None when the source has nothing
+        (404). KVBusy when the source answers 503 or the transfer does not fit the bound now.
+        ValueError on another answer, or when its headers announce another layout than this pool's
+        or more than ``cap`` tokens (checked before the body is read) or the body is not what they
+        announce."""
         if self._client is None:
             t = self.timeout_s
             self._client = HTTPClient(connect_timeout=t, read_timeout=t, total_timeout=t)
         headers = {"content-type": "application/json"}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
-        resp = await self._client.post(source.rstrip("/"), EXPORT_PATH, orjson.dumps(body), headers)
+        async with asyncio.timeout_at(deadline):
+            resp = await self._client.post(source.rstrip("/"), EXPORT_PATH, orjson.dumps(body), headers)
         try:
-            if resp.status == 404:
-                return None
-            if resp.status == 503:
-                raise KVBusy(f"the source's transfers are at their bound: {(await resp.read())[:200]!r}")
             if resp.status != 200:
-                raise ValueError(f"answered {resp.status}: {(await resp.read())[:200]!r}")
+                async with asyncio.timeout_at(deadline):
+                    said = (await resp.read())[:200]
+                if resp.status == 404:
+                    return None
+                if resp.status == 503:
+                    raise KVBusy(f"the source's transfers are at their bound: {said!r}")
+                raise ValueError(f"answered {resp.status}: {said!r}")
             start, block_size, shape, dtype = read_headers(resp.headers)
             self._check(start, block_size, shape, dtype, have, cap)
-            size = int(np.prod(shape)) * dtype.itemsize
-            if not self._hold(size):
-                raise KVBusy(f"{size} bytes would pass --kv-transfer-max-mib with {self.held} under way")
+            group, held = self.chunking(shape[2])
+            if not self._hold(held):
+                raise KVBusy(f"{held} bytes would pass --kv-transfer-max-mib with {self.held} under way")
             try:
-                buf, pos = bytearray(size), 0
-                async for chunk in resp.chunks():
-                    if pos + len(chunk) > size:
-                        raise ValueError(f"body longer than the {size} bytes announced")
-                    buf[pos : pos + len(chunk)] = chunk
-                    pos += len(chunk)
-                if pos != size:
-                    raise ValueError(f"body of {pos} bytes; {size} announced")
-                if self.link_ms_per_token > 0:  # NOTE: --engine sim: the modelled link's time
-                    await asyncio.sleep(shape[2] * self.link_ms_per_token / 1e3)
-            except BaseException:
-                self._drop(size)
-                raise
+                return await self._receive(_Body(resp), tokens, have, shape, dtype, group, deadline)
+            finally:
+                self._drop(held)
         finally:
             resp.close()
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+    async def _receive(
+        self, body: _Body, tokens: np.ndarray, start: int, shape: tuple[int, ...], dtype: Any, group: int,
+        deadline: float,
+    ) -> int:  # fmt: skip
+        """Write each group of slabs into pool pages as it arrives (while the next arrives), then
+        cache them. The first group's call also takes the pages (``import_begin``) and the last's
+        caches them (``import_end``), so a transfer of one group costs the engine one call. Returns
+        the tokens newly cached."""
+        import torch
+
+        engine, ps = self.engine, self.engine.page_size
+        cache, alloc = engine.cache, engine.allocator
+        _, layers, n, heads, dim = shape
+        end, total = start + n, 2 * layers
+        taken: dict[str, Pinned | None] = {}  # NOTE: engine thread only: import_begin's pages until cached
+
+        def write(slabs: Any, lo: int) -> int:
+            if lo == 0:
+                taken["pin"] = import_begin(cache, alloc, ps, tokens, start, end)
+            pin = taken.get("pin")
+            if pin is None:
+                return 0  # NOTE: computed here meanwhile, or this worker's prefix left the device
+            engine.executor.write_kv(pin.slots, slabs[:, pin.have - start :], lo)
+            if lo + slabs.shape[0] < total:
+                return -1  # more to come
+            del taken["pin"]
+            return import_end(cache, alloc, ps, tokens, end, pin, True)
+
+        def give_back() -> None:
+            if (pin := taken.pop("pin", None)) is not None:
+                import_end(cache, alloc, ps, tokens, end, pin, False)
+
+        writing, cached = None, None
+        try:
+            for lo in range(0, total, group):
+                m = min(group, total - lo)
+                async with asyncio.timeout_at(deadline):
+                    buf = await body.read(m * n * self.slab_token_bytes)
+                    if lo + m == total:
+                        await body.end()
+                    if self.link_ms_per_token > 0:  # NOTE: --engine sim: the modelled link's time
+                        await asyncio.sleep(n * self.link_ms_per_token * m / total / 1e3)
+                if writing is not None and await writing == 0:
+                    cached = 0
+                    return cached
+                slabs = torch.frombuffer(buf, dtype=dtype).view(m, n, heads, dim)
+                writing = asyncio.wrap_future(engine.post(functools.partial(write, slabs, lo)))
+            assert writing is not None
+            cached = await writing
+            return cached
+        finally:
+            if cached is None:  # NOTE: cut off: give the pages back after every write posted
+                if writing is not None:
+                    writing.cancel()  # NOTE: a write not begun is skipped
+                with contextlib.suppress(EngineDeadError):
+                    engine.post(give_back)
 
     def _check(
         self, start: int, block_size: int, shape: tuple[int, ...], dtype: Any, have: int, cap: int

@@ -352,4 +352,6 @@ def create_app(
         Route("/v1/cache/events", guarded(ops.cache_events), methods=["GET"]),
         Route(EXPORT_PATH, guarded(kv.export), methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=HTTP_ERROR_HANDLERS)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=HTTP_ERROR_HANDLERS)
+    app.state.kv_transfer = kv
+    return app

@@ -72,13 +72,14 @@ class SimExecutor:
 
         return KVPool(self.num_pages, self.page_size, 1, 1, 1, torch.float16, "cpu")
 
-    def read_kv(self, slots: Any) -> Any:
-        self.transferred += slots.numel()
-        return read_kv(self.kv_pool, slots)
+    def read_kv(self, slots: Any, lo: int = 0, hi: int | None = None) -> Any:
+        kv = read_kv(self.kv_pool, slots, lo, hi)
+        self.transferred += slots.numel() * kv.shape[0] / (2 * self.kv_pool.num_layers)  # NOTE: slabs a token
+        return kv
 
-    def write_kv(self, slots: Any, kv: Any) -> None:
-        self.transferred += slots.numel()
-        write_kv(self.kv_pool, slots, kv)
+    def write_kv(self, slots: Any, slabs: Any, lo: int = 0) -> None:
+        self.transferred += slabs.shape[1] * slabs.shape[0] / (2 * self.kv_pool.num_layers)
+        write_kv(self.kv_pool, slots, slabs, lo)
 
     def step_ms(self, batch: ScheduledBatch) -> float:
         # NOTE: host-tier copies happen while a step is scheduled, so they delay that step

@@ -125,17 +125,17 @@ class LeaderModel:
         self.channel.send(("lora_remove", adapter_id))
         self.model.remove_lora(adapter_id)
 
-    def read_kv(self, pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
-        """K/V of ``slots`` with every rank's KV heads (worker.kv_transfer)."""
-        self.channel.send(("kv_read", slots.numpy()))
-        parts = self.channel.gather(read_kv(pool, slots))
+    def read_kv(self, pool: KVPool, slots: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Slabs ``lo`` .. ``hi`` of ``slots`` with every rank's KV heads (worker.kv_transfer)."""
+        self.channel.send(("kv_read", slots.numpy(), lo, hi))
+        parts = self.channel.gather(read_kv(pool, slots, lo, hi))
         assert parts is not None
-        return torch.cat(parts, dim=3)
+        return torch.cat(parts, dim=2)
 
-    def write_kv(self, pool: KVPool, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write K/V of every KV head into ``slots``: each rank takes its heads."""
-        self.channel.send(("kv_write", slots.numpy(), kv))
-        write_heads(pool, slots, kv, self.model.shard)
+    def write_kv(self, pool: KVPool, slots: torch.Tensor, slabs: torch.Tensor, lo: int = 0) -> None:
+        """Write slabs ``lo`` .. of every KV head into ``slots``: each rank takes its heads."""
+        self.channel.send(("kv_write", slots.numpy(), slabs, lo))
+        write_heads(pool, slots, slabs, lo, self.model.shard)
 
     def close(self) -> None:
         self.ranks.close(self.channel)
@@ -202,10 +202,10 @@ class Ranks:
         _leave_group()
 
 
-def write_heads(pool: KVPool, slots: torch.Tensor, kv: torch.Tensor, shard: Shard) -> None:
-    """This rank's KV heads of [2, layers, n, all heads, dim] K/V written into ``slots``."""
+def write_heads(pool: KVPool, slots: torch.Tensor, slabs: torch.Tensor, lo: int, shard: Shard) -> None:
+    """This rank's KV heads of slabs ``lo`` .. ([m, n, all heads, dim]) written into ``slots``."""
     n = pool.k_cache[0].shape[1]
-    write_kv(pool, slots, kv[:, :, :, shard.rank * n : (shard.rank + 1) * n])
+    write_kv(pool, slots, slabs[:, :, shard.rank * n : (shard.rank + 1) * n], lo)
 
 
 def _leave_group() -> None:
@@ -301,9 +301,9 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
             if msg[0] == "step":
                 model.forward(step_batch(msg, device, model.lora), pool)
             elif msg[0] == "kv_read":
-                channel.gather(read_kv(pool, torch.from_numpy(msg[1])))
+                channel.gather(read_kv(pool, torch.from_numpy(msg[1]), msg[2], msg[3]))
             elif msg[0] == "kv_write":
-                write_heads(pool, torch.from_numpy(msg[1]), msg[2], shard)
+                write_heads(pool, torch.from_numpy(msg[1]), msg[2], msg[3], shard)
             elif msg[0] == "lora_add":
                 model.add_lora(load_adapter(msg[1], msg[2], model))
             elif msg[0] == "lora_remove":
