@@ -189,7 +189,9 @@ class ClusterSim:
         src's; the request joins w's queue when the fetch ends, whatever its outcome. As on the
         worker, a fetch gives up at ``kv_fetch_timeout_s`` after the lookup, and the KV of transfers
         under way on a worker, out and in together, hold at most ``kv_fetch_max_tokens`` in host
-        memory (each two groups of layers: the worker's transfer_chunking)."""
+        memory (each two groups of layers: the worker's transfer_chunking); a fetch that would wait
+        more than ``kv_fetch_max_wait_ms`` for the receiver's link in, or an export for the source's
+        link out, is refused (busy)."""
         m, t, ps = self.m, self.now, self.m.block_size
         bound = int(m.kv_fetch_max_tokens / self.weight)  # simulated tokens
         slabs = 2 * m.kv_layers
@@ -200,16 +202,23 @@ class ClusterSim:
         if stage == "lookup":
             have = w.cache.cached_prefix_len(job.ids)
             matchable = (job.ids.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
-            cap = min(bound * slabs // 2 // ps * ps, w.alloc.num_pages // 2 * ps, matchable - have)
+            timely = w.link.timely(m.kv_fetch_timeout_s, 1, ps)  # NOTE: the worker's, in simulated tokens
+            cap = min(bound * slabs // 2 // ps * ps, w.alloc.num_pages // 2 * ps, matchable - have, timely)
             if cap < ps:
                 self._fetched(w, job, "cached", t0)
+                return
+            if m.kv_fetch_max_wait_ms and w.link_in_free - t > m.kv_fetch_max_wait_ms / 1e3:
+                self._fetched(w, job, "busy", t0)  # NOTE: the receiver does not ask
                 return
             self._push(
                 src.next_boundary(t), 6, ("export", w, src, job, t0, have, cap, t + m.kv_fetch_timeout_s)
             )
         elif stage == "export":
             answered = t + m.kv_fetch_base_ms / 1e3
-            if src.kv_held + held(n) > bound:  # NOTE: the source's 503 kv_transfer_busy (n: asked for)
+            queued = m.kv_fetch_max_wait_ms and src.link_out_free - t > m.kv_fetch_max_wait_ms / 1e3
+            if (
+                queued or src.kv_held + held(n) > bound
+            ):  # NOTE: the source's 503 kv_transfer_busy (n: asked for)
                 self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
                 return
             n = src.export_len(job.ids, have, n)
@@ -240,6 +249,7 @@ class ClusterSim:
             if stage == "timeout":
                 self._fetched(w, job, "error", t0)
                 return
+            w.link.seen(n, t - (deadline - m.kv_fetch_timeout_s))  # NOTE: from the lookup, as the worker
             got, pages = w.import_len(job.ids, have, n)
             w.extra_ms += m.host_copy_ms_per_token * pages * ps * self.weight
             self.kv_fetched_tokens += got * self.weight

@@ -13,7 +13,7 @@ import numpy as np
 
 from worker.host_cache import HostKVPool
 from worker.kv_pool import PageAllocator
-from worker.kv_transfer import Pinned, export_span, import_pages
+from worker.kv_transfer import LinkRate, Pinned, export_span, import_pages
 from worker.radix_cache import RadixCache
 
 
@@ -56,8 +56,11 @@ class WorkerModel:
     most one worker's transfers under way hold in host memory, sending and receiving (beyond it a
     source answers busy, a receiver drops the fetch). Transfers stream a group of ``kv_layers``
     layers' K or V at a time and each holds two groups, as the worker's (transfer_chunking), so a
-    fetch moves at most ``kv_layers`` times the bound (and half the receiver's pool);
-    ``kv_fetch_timeout_s`` is its --kv-fetch-timeout-s, counted from the lookup."""
+    fetch moves at most ``kv_layers`` times the bound (and half the receiver's pool), and what its
+    link has brought in half the timeout (LinkRate); ``kv_fetch_timeout_s`` is its
+    --kv-fetch-timeout-s, counted from the lookup; ``kv_fetch_max_wait_ms`` its
+    --kv-transfer-max-wait-ms: a fetch that would queue longer than that for the receiver's link
+    in, or an export for the source's link out, is refused (busy)."""
 
     prefill_ms_per_token: float = 0.07  # per uncached prompt token (real tokens)
     decode_base_ms: float = 7.0  # one decode step at batch size 1
@@ -79,6 +82,9 @@ class WorkerModel:
     )
     kv_layers: int = 32  # the model's layers: a transfer streams one layer's K or V at a time, or more
     kv_fetch_timeout_s: float = 5.0  # KV fetch: given up after this long (the worker's --kv-fetch-timeout-s)
+    kv_fetch_max_wait_ms: float = (
+        200.0  # a transfer queued longer for a link is refused (--kv-transfer-max-wait-ms)
+    )
 
 
 class SimJob:
@@ -107,6 +113,7 @@ class SimWorker:
         self.extra_ms = 0.0  # engine-thread work between steps (KV export/import), added to the next step
         self.link_out_free = self.link_in_free = 0.0  # when its link is free to send / receive KV (s)
         self.kv_held = 0  # simulated tokens of KV in transfers under way, out and in (the worker's bound)
+        self.link = LinkRate()  # the rate its fetches came at, in simulated tokens: what it asks for
         self.waiting: deque[SimJob] = deque()
         self.prefilling: list[SimJob] = []
         self.decoding: list[SimJob] = []

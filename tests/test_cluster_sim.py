@@ -388,6 +388,21 @@ def test_concurrent_fetches_from_one_source_queue_for_its_link(tmp_path):
     assert_fleet_consistent(sim)
 
 
+def test_a_fetch_that_would_queue_past_the_wait_bound_is_busy(tmp_path):
+    # three fetches of the same 1,024 tokens from worker 0 at once: each holds its link ~126 ms, so
+    # the third would wait ~250 ms, past the 200 ms bound (the worker's --kv-transfer-max-wait-ms)
+    rows = [
+        *TWO_FETCH_THE_SAME,
+        {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 11]},
+    ]
+    m = WorkerModel(kv_fetch_ms_per_token=0.12, kv_fetch_base_ms=3.0)
+    summary, sim = fetch_run(tmp_path, rows, m)
+    assert summary["kv_fetches"] == {"ok": 2, "cached": 0, "miss": 0, "busy": 1, "error": 0}
+    assert_fleet_consistent(sim)
+    summary, _ = fetch_run(tmp_path, rows, WorkerModel(kv_fetch_ms_per_token=0.12, kv_fetch_max_wait_ms=0))
+    assert summary["kv_fetches"]["ok"] == 3  # 0: no bound
+
+
 def test_a_fetch_past_the_transfer_bound_is_busy_and_one_past_the_timeout_is_given_up(tmp_path):
     # a bound of 48 real tokens' KV: a 1,024-token transfer streams (64 slabs: 32 layers' K and V) a
     # slab of 16 tokens' KV at a time and holds two, 32; worker 0 sends one fetch, refuses the other
@@ -402,4 +417,35 @@ def test_a_fetch_past_the_transfer_bound_is_busy_and_one_past_the_timeout_is_giv
     summary, sim = fetch_run(tmp_path, TWO_FETCH_THE_SAME[:2], m)
     assert summary["kv_fetches"]["error"] == 1 and summary["cached_tokens"] == 0
     assert sim.ttft[1] * 1e3 == pytest.approx(100.0 + 0.07 * 1536, abs=0.01)
+    assert_fleet_consistent(sim)
+
+
+def test_a_fetch_asks_for_what_its_link_brings_in_half_the_timeout(tmp_path):
+    # round robin over 3 workers: w2 fetches 1,024 tokens from w0 (measured), then 4,096 from w1:
+    # 3 + 4,096 x 0.12 = 495 ms + copies, past a 0.5 s timeout, so it asks for what comes in 0.25 s
+    # at the rate it measured and computes the rest
+    long = list(range(30, 38))
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [7, 8]},
+        {"timestamp": 0, "input_length": 4096, "output_length": 4, "hash_ids": long},
+        {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]},
+        {"timestamp": 1000, "input_length": 512, "output_length": 4, "hash_ids": [50]},
+        {"timestamp": 1000, "input_length": 512, "output_length": 4, "hash_ids": [51]},
+        {"timestamp": 2000, "input_length": 4608, "output_length": 4, "hash_ids": [*long, 38]},
+    ]
+    m = WorkerModel(kv_fetch_timeout_s=0.5, kv_fetch_base_ms=3.0, kv_fetch_ms_per_token=0.12)
+
+    def on_three(rows: list) -> tuple[dict, ClusterSim]:
+        trace = write_trace(tmp_path / "t.jsonl", rows)
+        return run("round_robin", trace, workers=3, model=m, kv_fetch_min_tokens=256)
+
+    summary, sim = on_three(rows)
+    assert summary["kv_fetches"] == {"ok": 2, "cached": 0, "miss": 0, "busy": 0, "error": 0}
+    # NOTE: 1,024 tokens in the first fetch's time (the source's step boundary included), for 0.25 s,
+    # in whole pages (16 simulated tokens = 256 real at this trace's weight)
+    assert summary["kv_fetched_tokens"] - 1024 == int(1024 / sim.kv_fetch_s[0] * 0.25) // 256 * 256 > 1024
+    assert_fleet_consistent(sim)
+    # the same long fetch as the worker's first: nothing measured, it asks for all and times out
+    summary, sim = on_three([rows[1], rows[3], rows[5]])
+    assert summary["kv_fetches"]["error"] == 1 and summary["kv_fetched_tokens"] == 0
     assert_fleet_consistent(sim)

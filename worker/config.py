@@ -38,10 +38,11 @@ class WorkerConfig:
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
     admin_token: str | None = None  # required by POST /v1/cache/flush when set
     api_key: str | None = None  # required (Authorization: Bearer) on every endpoint but /health, /metrics
-    # KV moved between workers (worker/kv_transfer.py): the most one fetch or export carries (MiB),
+    # KV moved between workers (worker/kv_transfer.py): host memory for transfers under way (MiB),
     # 0 = off (the router's x-radixgate-kv-source hint ignored, /v1/kv/export refused)
     kv_transfer_max_mib: int = 1024
     kv_fetch_timeout_s: float = 5.0  # one fetch's HTTP exchange with the source worker
+    kv_transfer_max_wait_ms: float = 200.0  # a transfer queued behind more than this is refused (0: never)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
     log_level: str = "info"
@@ -82,8 +83,14 @@ class WorkerConfig:
             raise ValueError("--host-cache-tokens must be >= 0")
         if self.sim_host_copy_ms_per_token < 0 or self.sim_kv_fetch_ms_per_token < 0:
             raise ValueError("--sim-host-copy-ms-per-token and --sim-kv-fetch-ms-per-token must be >= 0")
-        if self.kv_transfer_max_mib < 0 or not self.kv_fetch_timeout_s > 0:
-            raise ValueError("--kv-transfer-max-mib must be >= 0 and --kv-fetch-timeout-s > 0")
+        if (
+            self.kv_transfer_max_mib < 0
+            or not self.kv_fetch_timeout_s > 0
+            or self.kv_transfer_max_wait_ms < 0
+        ):
+            raise ValueError(
+                "--kv-transfer-max-mib and --kv-transfer-max-wait-ms must be >= 0 and --kv-fetch-timeout-s > 0"
+            )
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.cuda_graph_max_bs < 0:
@@ -163,7 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
         "layer's K or V when larger), so one transfer carries at most this / 2 per layer's K or V "
         "(0 = off)",
     )
-    opt("--kv-fetch-timeout-s", float, "longest a KV fetch from another worker may take (seconds)")
+    opt(
+        "--kv-transfer-max-wait-ms",
+        float,
+        "a KV transfer that would wait longer than this behind those under way (their bytes left at "
+        "the rate transfers have come) is refused: the source answers busy, a receiver does not ask "
+        "(0 = never)",
+    )
+    opt(
+        "--kv-fetch-timeout-s",
+        float,
+        "longest a KV fetch from another worker may take (seconds); a fetch asks for no more than its "
+        "link has brought in half this time",
+    )
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
     opt("--max-running", int, "requests admitted at once")
     opt("--cuda-graph-max-bs", int, "CUDA: decode steps of up to N requests replay captured graphs (0 = off)")
@@ -239,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--sim-kv-fetch-ms-per-token",
         float,
-        "sim: a KV fetch from another worker waits this long per token it brings, for the link (ms)",
+        "sim: a KV export to another worker takes this long per token it sends, for the link (ms)",
     )
     return p
 

@@ -231,6 +231,33 @@ def transfer_chunking(slab_bytes: int, slabs: int, max_bytes: int) -> tuple[int,
     return group, min(2 * group, slabs) * slab_bytes
 
 
+class LinkRate:
+    """The rate transfers one way have gone at (recent ones weigh most, large ones by their size);
+    what a fetch can bring in half its timeout at that rate (a long prefix on a slow link fetches
+    what it can and computes the rest instead of timing out); and how long the transfers under way
+    (``left`` of their amount) hold up a new one."""
+
+    def __init__(self) -> None:
+        self.amount = self.seconds = 0.0
+        self.left = 0.0  # what the transfers under way have still to move
+
+    def seen(self, amount: float, seconds: float) -> None:
+        self.amount, self.seconds = self.amount * 0.9 + amount, self.seconds * 0.9 + seconds
+
+    def backlog_s(self) -> float:
+        """Seconds the transfers under way take yet at this rate (0 until one has been seen)."""
+        return self.left * self.seconds / self.amount if self.amount > 0 else 0.0
+
+    def timely(self, timeout_s: float, per_token: float, page_size: int) -> int:
+        """Whole pages of tokens (``per_token`` of the amount each) that come in ``timeout_s / 2``;
+        unbounded until a fetch has been seen."""
+        if self.seconds <= 0:
+            return 1 << 62
+        return max(
+            page_size, int(self.amount / self.seconds * timeout_s / 2 / per_token) // page_size * page_size
+        )
+
+
 class KVBusy(Exception):
     """A transfer that would take this worker (or the source) past its KV transfer memory bound."""
 
@@ -252,9 +279,11 @@ class _HeldResponse:
 class _Body:
     """An answer's body read in exact sizes, as it arrives."""
 
-    def __init__(self, resp: Any) -> None:
+    def __init__(self, resp: Any, link: LinkRate) -> None:
         self._chunks = resp.chunks()
         self._rest = memoryview(b"")
+        self.link = link  # its ``left`` goes down as the body is read
+        self.taken = 0
 
     async def read(self, size: int) -> bytearray:
         buf, pos = bytearray(size), 0
@@ -267,6 +296,8 @@ class _Body:
             k = min(len(self._rest), size - pos)
             buf[pos : pos + k] = self._rest[:k]
             self._rest, pos = self._rest[k:], pos + k
+        self.link.left -= size
+        self.taken += size
         return buf
 
     async def end(self) -> None:
@@ -279,19 +310,22 @@ class KVTransfer:
 
     A transfer streams: the source reads a group of slabs (module comment above) from its pool at a
     time, between its engine's steps, and sends each while it reads the next; the receiver takes
-    the pool pages it needs once the answer's headers arrive and writes each group as its bytes
-    arrive, while the next arrives. ``max_bytes`` bounds the KV this worker holds in host memory
+    the pool pages it needs with the first group and writes each group as its bytes arrive, while
+    the next arrives. ``max_bytes`` bounds the KV this worker holds in host memory
     for transfers at once, fetches and exports together: each holds two groups (a group is at
     most 1/16 of the bound, or one slab where a slab is larger), so one transfer carries at most
     ``max_bytes / 2`` per slab (0: transfers off). ``timeout_s`` bounds one fetch's HTTP exchange.
-    ``link_ms_per_token`` > 0 (``--engine sim``) makes a fetch also wait that long per token it
-    brings, for a link the loopback does not model."""
+    ``link_ms_per_token`` > 0 (``--engine sim``) makes an export take that long per token it
+    sends, for a link the loopback does not model. A transfer that would wait more than
+    ``max_wait_s`` behind those under way the same way (``LinkRate.backlog_s``) is refused: an
+    export answers 503, a fetch is not asked for (both ``busy``)."""
 
     def __init__(
         self, engine: Any, api_key: str | None = None, max_bytes: int = 1 << 30, timeout_s: float = 5.0,
-        link_ms_per_token: float = 0.0,
+        link_ms_per_token: float = 0.0, max_wait_s: float = 0.2,
     ) -> None:  # fmt: skip
         self.engine = engine
+        self.max_wait_s = max_wait_s  # a transfer queued behind more than this is refused (0: never)
         self.link_ms_per_token = link_ms_per_token
         self.api_key = api_key  # the fleet's worker key: what the source requires too
         self.max_bytes = max_bytes
@@ -299,6 +333,8 @@ class KVTransfer:
         self._client: Any = None
         self.held = 0  # bytes of KV in host memory for transfers under way (event loop only)
         self.peak_held = 0  # the most ``held`` has been (benchmarks reset it)
+        self.link = LinkRate()  # fetches, in bytes
+        self.link_out = LinkRate()  # exports, in bytes
 
     def _hold(self, nbytes: int) -> bool:
         """Count ``nbytes`` against the bound; False (nothing counted) when they do not fit."""
@@ -377,7 +413,10 @@ class KVTransfer:
             if type(value) is not int or value < 0 or value % engine.page_size:
                 raise APIError(400, f"'{name}' must be a non-negative multiple of {engine.page_size}")
         tokens = np.asarray(ids, dtype=np.int32)
-        cap = min(cap, self.max_tokens)
+        cap = min(cap, self.max_tokens, tokens.size // engine.page_size * engine.page_size)
+        if self.max_wait_s and (wait := self.link_out.backlog_s()) > self.max_wait_s:
+            raise APIError(503, f"KV exports under way would hold this one up ~{wait * 1e3:.0f} ms "
+                           "(--kv-transfer-max-wait-ms); try later", "kv_transfer_busy")  # fmt: skip
         busy = APIError(503, "KV transfers under way fill this worker's --kv-transfer-max-mib; try later",
                         "kv_transfer_busy")  # fmt: skip
         held = self.chunking(cap)[1]  # NOTE: what it may hold; made exact once it knows what it sends
@@ -403,7 +442,8 @@ class KVTransfer:
         engine.metrics.kv_exported_tokens.inc(n)
         layers, heads, dim, dtype = self.layout
         headers = export_headers((2, layers, n, heads, dim), dtype, start, engine.page_size)
-        answer = StreamingResponse(self._export_body(pin.slots, group, kv), headers=headers,
+        size = int(headers["content-length"])
+        answer = StreamingResponse(self._export_body(pin.slots, group, kv, size), headers=headers,
                                    media_type="application/octet-stream")  # fmt: skip
 
         def release() -> None:
@@ -421,24 +461,35 @@ class KVTransfer:
         group = self.chunking(pin.slots.numel())[0]
         return pin, group, self.engine.executor.read_kv(pin.slots, 0, min(group, 2 * self.layout[0]))
 
-    async def _export_body(self, slots: Any, group: int, kv: Any) -> Any:
+    async def _export_body(self, slots: Any, group: int, kv: Any, size: int) -> Any:
         """The slabs of pool ``slots``, a group at a time from the first (``kv``, already read):
-        each next read between the engine's steps while the one before is sent."""
-        engine, total = self.engine, 2 * self.layout[0]
+        each next read between the engine's steps while the one before is sent; ``size`` bytes in
+        all, counted in ``link_out`` (what is left while it is sent, its rate once it is)."""
+        engine, total, link = self.engine, 2 * self.layout[0], self.link_out
 
         def read(lo: int) -> Any:
             return asyncio.wrap_future(
                 engine.post(lambda: engine.executor.read_kv(slots, lo, min(lo + group, total)))
             )
 
-        pending = None
+        def send_time(kv: Any) -> Any:  # NOTE: --engine sim: the modelled link's time for a group
+            return asyncio.sleep(kv.shape[1] * self.link_ms_per_token * kv.shape[0] / total / 1e3)
+
+        pending, left, t0 = None, size, asyncio.get_running_loop().time()
+        link.left += left
         try:
             for lo in range(group, total, group):
                 pending = read(lo)
+                await send_time(kv)
                 yield body_view(kv)
+                link.left -= kv.nbytes
+                left -= kv.nbytes
                 kv = await pending
-            yield body_view(kv)
+            await send_time(kv)
+            yield body_view(kv)  # NOTE: resumed once it is sent
+            link.seen(size, asyncio.get_running_loop().time() - t0)
         finally:
+            link.left -= left
             if pending is not None:
                 pending.cancel()  # NOTE: the client is gone; a read not begun is skipped
 
@@ -457,6 +508,12 @@ class KVTransfer:
             engine.metrics.kv_fetch_seconds.observe(time.perf_counter() - t0)
         return outcome
 
+    def timely_tokens(self) -> int:
+        """The most a fetch asks for: what it can bring in half its timeout (``LinkRate``)."""
+        return self.link.timely(
+            self.timeout_s, self.slab_token_bytes * 2 * self.layout[0], self.engine.page_size
+        )
+
     async def _pull(self, source: str, ids: list[int]) -> str:
         engine, ps = self.engine, self.engine.page_size
         tokens = np.asarray(ids, dtype=np.int32)
@@ -464,7 +521,14 @@ class KVTransfer:
         matchable = (tokens.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
         if matchable <= have:
             return "cached"
-        cap = min(self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have)  # NOTE: + room
+        if self.max_wait_s and (wait := self.link.backlog_s()) > self.max_wait_s:
+            log.info(
+                "KV fetch from %s skipped: fetches under way would hold it up ~%.0f ms", source, wait * 1e3
+            )
+            return "busy"
+        cap = min(
+            self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have, self.timely_tokens()
+        )
         body = {"model": engine.served_model_name, "token_ids": ids, "start": have,
                 "max_tokens": cap}  # fmt: skip
         deadline = asyncio.get_running_loop().time() + self.timeout_s  # NOTE: the exchange, not each read
@@ -495,6 +559,7 @@ class KVTransfer:
         headers = {"content-type": "application/json"}
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
+        t0 = asyncio.get_running_loop().time()
         async with asyncio.timeout_at(deadline):
             resp = await self._client.post(source.rstrip("/"), EXPORT_PATH, orjson.dumps(body), headers)
         try:
@@ -511,10 +576,17 @@ class KVTransfer:
             group, held = self.chunking(shape[2])
             if not self._hold(held):
                 raise KVBusy(f"{held} bytes would pass --kv-transfer-max-mib with {self.held} under way")
+            size = int(np.prod(shape)) * dtype.itemsize
+            body = _Body(resp, self.link)
+            self.link.left += size
             try:
-                return await self._receive(_Body(resp), tokens, have, shape, dtype, group, deadline)
+                got = await self._receive(body, tokens, have, shape, dtype, group, deadline)
             finally:
                 self._drop(held)
+                self.link.left -= size - body.taken
+            if resp.at_end:  # NOTE: the whole body came (not cut short: nothing left to import)
+                self.link.seen(size, asyncio.get_running_loop().time() - t0)
+            return got
         finally:
             resp.close()
 
@@ -558,8 +630,6 @@ class KVTransfer:
                     buf = await body.read(m * n * self.slab_token_bytes)
                     if lo + m == total:
                         await body.end()
-                    if self.link_ms_per_token > 0:  # NOTE: --engine sim: the modelled link's time
-                        await asyncio.sleep(n * self.link_ms_per_token * m / total / 1e3)
                 if writing is not None and await writing == 0:
                     cached = 0
                     return cached

@@ -296,11 +296,12 @@ class WorkerAPI:
 def create_app(
     engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
     tool_call_parser: str = "hermes", api_key: str | None = None, kv_transfer_max_mib: int = 1024,
-    kv_fetch_timeout_s: float = 5.0, kv_link_ms_per_token: float = 0.0,
+    kv_fetch_timeout_s: float = 5.0, kv_link_ms_per_token: float = 0.0, kv_transfer_max_wait_ms: float = 200.0,
 ) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it. With
     ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it."""
-    kv = KVTransfer(engine, api_key, kv_transfer_max_mib << 20, kv_fetch_timeout_s, kv_link_ms_per_token)
+    kv = KVTransfer(engine, api_key, kv_transfer_max_mib << 20, kv_fetch_timeout_s, kv_link_ms_per_token,
+                    kv_transfer_max_wait_ms / 1e3)  # fmt: skip
     api = WorkerAPI(engine, tool_call_parser, kv)
     ops = OpsAPI(engine, admin_token)
     responses = ResponsesAPI(api, max_stored_responses)

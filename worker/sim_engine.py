@@ -16,7 +16,7 @@ tokens to the step being scheduled: 0.003 ms, 128 KiB per token over ~45 GB/s of
 KV moved between workers (worker/kv_transfer.py) works as on a real worker, over a placeholder pool
 of 4 bytes a token (one layer, one head, one float16 dim: what moves is the exchange, not KV); each
 token exported or imported costs ``host_copy_ms_per_token`` on that engine's next step (the
-device-host copy), and the receiver waits ``--sim-kv-fetch-ms-per-token`` per token fetched for the
+device-host copy), and the source takes ``--sim-kv-fetch-ms-per-token`` per token it exports for the
 link (0.12 ms: Llama-3-8B's 128 KiB at ~1.1 GB/s, an estimate for the HTTP path).
 """
 

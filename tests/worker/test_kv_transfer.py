@@ -87,14 +87,16 @@ def assert_nothing_held(server: LiveServer) -> None:
     """Once transfers end: no host memory counted, no pages pinned or taken and lost, a sound tree."""
     cache = server.engine.cache
 
-    def state() -> tuple[int, int]:
+    kv = server.app.state.kv_transfer
+
+    def state() -> tuple[int, ...]:
         cache.check_invariants()
-        return server.app.state.kv_transfer.held, cache.protected_pages
+        return kv.held, kv.link.left, kv.link_out.left, cache.protected_pages
 
     deadline = time.monotonic() + 10
-    while (now := asyncio.run(server.engine.call(state))) != (0, 0) and time.monotonic() < deadline:
+    while (now := asyncio.run(server.engine.call(state))) != (0, 0, 0, 0) and time.monotonic() < deadline:
         time.sleep(0.02)  # NOTE: an export gives its share back just after its last byte is sent
-    assert now == (0, 0)
+    assert now == (0, 0, 0, 0)
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert health["kv_pages_free"] + health["kv_pages_cached"] == health["kv_pages_total"]
 
@@ -372,3 +374,57 @@ def test_simulated_workers_move_placeholder_kv_and_model_the_link_and_copies():
         fetch = receiver.engine.metrics.kv_fetch_seconds.collect()[0]
         total = next(s.value for s in fetch.samples if s.name.endswith("_sum"))
         assert total >= 0.9 * 992 * 0.12e-3  # NOTE: the modelled link's wait is part of the fetch
+
+
+def test_a_fetch_asks_for_what_the_link_brings_in_half_its_timeout():
+    from worker.config import WorkerConfig
+    from worker.sim_engine import build_sim_engine
+
+    def sim() -> LiveServer:  # NOTE: a link of 1 ms a token and a 2 s timeout
+        cfg = WorkerConfig(engine="sim", kv_cache_tokens=16384, sim_decode_base_ms=1.0)
+        return LiveServer(build_sim_engine(cfg), kv_link_ms_per_token=1.0, kv_fetch_timeout_s=2.0)
+
+    with sim() as source, sim() as receiver:
+        kv = receiver.app.state.kv_transfer
+        assert kv.timely_tokens() > 16384  # nothing measured yet
+        ids = prompt(96, 500)
+        complete(source.url, [*ids, 1])
+        assert cached(complete(receiver.url, [*ids, 2], source.url)) == 496  # ~0.5 s: measured
+        timely = kv.timely_tokens()
+        assert 400 <= timely <= 1008  # ~1,000 tokens a second, for 1 s
+        ids = prompt(97, 3000)  # 3 s on this link: past the timeout
+        complete(source.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], source.url)
+        assert cached(answer) == timely and outcome(receiver.url, "ok") == 2
+        assert outcome(receiver.url, "error") == 0
+        assert_nothing_held(receiver)
+
+
+def test_a_transfer_queued_behind_too_much_is_refused(caplog):
+    from worker.config import WorkerConfig
+    from worker.sim_engine import build_sim_engine
+
+    def sim() -> LiveServer:  # NOTE: a link of 1 ms a token; transfers may wait 200 ms (the default)
+        cfg = WorkerConfig(engine="sim", kv_cache_tokens=16384, sim_decode_base_ms=1.0)
+        return LiveServer(build_sim_engine(cfg), kv_link_ms_per_token=1.0, kv_fetch_timeout_s=10.0)
+
+    with sim() as source, sim() as receiver:
+        for seed, n in ((100, 300), (101, 1600), (102, 600)):
+            complete(source.url, [*prompt(seed, n), 1])
+        assert cached(complete(receiver.url, [*prompt(100, 300), 2], source.url)) == 288  # measured
+        long = threading.Thread(target=complete, args=(receiver.url, [*prompt(101, 1600), 2], source.url))
+        long.start()  # ~1.6 s on this link
+        time.sleep(0.4)
+        assert receiver.app.state.kv_transfer.link.backlog_s() > 0.2
+        assert source.app.state.kv_transfer.link_out.backlog_s() > 0.2
+        with caplog.at_level("INFO", logger="worker.kv_transfer"):
+            answer = complete(receiver.url, [*prompt(102, 600), 2], source.url)
+        assert cached(answer) == 0 and outcome(receiver.url, "busy") == 1
+        assert "fetches under way would hold it up" in caplog.text  # NOTE: not asked for
+        r = httpx.post(source.url + EXPORT_PATH, json={"token_ids": [*prompt(102, 600), 1]}, timeout=10)
+        assert r.status_code == 503 and "would hold this one up" in r.json()["error"]["message"]
+        long.join(30)
+        assert outcome(receiver.url, "ok") == 2
+        assert cached(complete(receiver.url, [*prompt(102, 600), 3], source.url)) == 592
+        assert_nothing_held(receiver)
+        assert_nothing_held(source)
