@@ -459,7 +459,11 @@ class KVTransfer:
         if pin is None:
             return None
         group = self.chunking(pin.slots.numel())[0]
-        return pin, group, self.engine.executor.read_kv(pin.slots, 0, min(group, 2 * self.layout[0]))
+        try:
+            return pin, group, self.engine.executor.read_kv(pin.slots, 0, min(group, 2 * self.layout[0]))
+        except BaseException:
+            self.engine.cache.unlock(pin.node)
+            raise
 
     async def _export_body(self, slots: Any, group: int, kv: Any, size: int) -> Any:
         """The slabs of pool ``slots``, a group at a time from the first (``kv``, already read):
