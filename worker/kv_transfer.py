@@ -335,6 +335,7 @@ class KVTransfer:
         self.peak_held = 0  # the most ``held`` has been (benchmarks reset it)
         self.link = LinkRate()  # fetches, in bytes
         self.link_out = LinkRate()  # exports, in bytes
+        engine.metrics.kv_transfer_held.set_function(lambda: self.held)
 
     def _hold(self, nbytes: int) -> bool:
         """Count ``nbytes`` against the bound; False (nothing counted) when they do not fit."""
@@ -414,13 +415,16 @@ class KVTransfer:
                 raise APIError(400, f"'{name}' must be a non-negative multiple of {engine.page_size}")
         tokens = np.asarray(ids, dtype=np.int32)
         cap = min(cap, self.max_tokens, tokens.size // engine.page_size * engine.page_size)
+        counted = engine.metrics.kv_export.labels
         if self.max_wait_s and (wait := self.link_out.backlog_s()) > self.max_wait_s:
+            counted("busy").inc()
             raise APIError(503, f"KV exports under way would hold this one up ~{wait * 1e3:.0f} ms "
                            "(--kv-transfer-max-wait-ms); try later", "kv_transfer_busy")  # fmt: skip
         busy = APIError(503, "KV transfers under way fill this worker's --kv-transfer-max-mib; try later",
                         "kv_transfer_busy")  # fmt: skip
         held = self.chunking(cap)[1]  # NOTE: what it may hold; made exact once it knows what it sends
         if not self._hold(held):
+            counted("busy").inc()
             raise busy
         try:
             first = await self._pinned(
@@ -431,6 +435,7 @@ class KVTransfer:
             raise
         if first is None:
             self._drop(held)
+            counted("not_cached").inc()
             raise APIError(404, "no KV cached here beyond 'start' for this prompt", "kv_not_cached")
         pin, group, kv = first
         n = pin.slots.numel()
@@ -438,7 +443,9 @@ class KVTransfer:
         self._drop(held)
         if not self._hold(exact):
             self._unpin(pin)
+            counted("busy").inc()
             raise busy
+        counted("ok").inc()
         engine.metrics.kv_exported_tokens.inc(n)
         layers, heads, dim, dtype = self.layout
         headers = export_headers((2, layers, n, heads, dim), dtype, start, engine.page_size)

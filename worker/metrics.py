@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "radixgate_worker"
@@ -112,7 +112,7 @@ class WorkerMetrics:
             f"{PREFIX}_kv_fetch_total",
             "KV fetches from another worker before a request a router hinted (x-radixgate-kv-source), by "
             "outcome: ok, cached (nothing to fetch), miss (the source had nothing more), busy (this worker's or "
-            "the source's transfers at their memory bound), error.",
+            "the source's transfers at their memory bound, or queued past --kv-transfer-max-wait-ms), error.",
             ["outcome"],
             registry=self.registry,
         )
@@ -130,6 +130,19 @@ class WorkerMetrics:
         self.kv_exported_tokens = Counter(
             f"{PREFIX}_kv_exported_tokens",
             "Cached tokens whose KV this worker sent to another worker.",
+            registry=self.registry,
+        )
+        self.kv_export = Counter(
+            f"{PREFIX}_kv_export_total",
+            "KV exports asked of this worker by others (POST /v1/kv/export), by outcome: ok, not_cached "
+            "(nothing cached beyond 'start'), busy (transfers under way at the memory bound, or queued past "
+            "--kv-transfer-max-wait-ms).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.kv_transfer_held = Gauge(
+            f"{PREFIX}_kv_transfer_held_bytes",
+            "Host memory held now for KV transfers under way, fetches and exports (bound: --kv-transfer-max-mib).",
             registry=self.registry,
         )
         self.registry.register(_SnapshotCollector(self))

@@ -78,6 +78,10 @@ def outcome(url: str, name: str) -> float:
     return counter(url, FETCH, f'{{outcome="{name}"}}')
 
 
+def exports(url: str, name: str) -> float:
+    return counter(url, "radixgate_worker_kv_export_total", f'{{outcome="{name}"}}')
+
+
 def cached_hashes(url: str) -> set[int]:
     snap = decode(httpx.get(url + "/v1/cache/snapshot", timeout=10).content)
     return {h for blocks in snap.stored for h in blocks.block_hashes}
@@ -212,6 +216,7 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
     ids = prompt(50, 100)
     complete(source.url, [*ids, 1])
     url = source.url + EXPORT_PATH
+    not_cached = exports(source.url, "not_cached")
     for body, status in [
         ({"token_ids": "abc"}, 400),
         ({"token_ids": [1, -2]}, 400),
@@ -225,6 +230,7 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
         assert r.status_code == status, (body, r.text)
         assert "message" in r.json()["error"]
     assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
+    assert exports(source.url, "not_cached") == not_cached + 2
     r = httpx.post(url, json={"token_ids": [*ids, 1], "start": 32, "max_tokens": 32}, timeout=10)
     assert r.status_code == 200
     shape = (2, 4, 32, 2, 32)  # K and V, 4 layers, 32 tokens, 2 KV heads, 32 dims
@@ -328,8 +334,10 @@ def test_transfers_under_way_bound_the_kv_a_worker_holds_and_give_it_back(fleet,
         assert _BadPeer.sending.wait(10)
         time.sleep(0.3)  # NOTE: the receiver counts the KV once it has read the answer's headers
         assert receiver.app.state.kv_transfer.held == 1 << 20
+        assert counter(receiver.url, "radixgate_worker_kv_transfer_held_bytes") == 1 << 20
         r = httpx.post(receiver.url + EXPORT_PATH, json={"token_ids": [*held, 1]}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer_busy"
+        assert exports(receiver.url, "busy") == 1
         ids = prompt(92, 600)
         complete(source.url, [*ids, 1])
         answer = complete(receiver.url, [*ids, 2], source.url)  # fits the source, not the receiver
@@ -423,6 +431,7 @@ def test_a_transfer_queued_behind_too_much_is_refused(caplog):
         assert "fetches under way would hold it up" in caplog.text  # NOTE: not asked for
         r = httpx.post(source.url + EXPORT_PATH, json={"token_ids": [*prompt(102, 600), 1]}, timeout=10)
         assert r.status_code == 503 and "would hold this one up" in r.json()["error"]["message"]
+        assert exports(source.url, "busy") == 1 and exports(source.url, "ok") == 2
         long.join(30)
         assert outcome(receiver.url, "ok") == 2
         assert cached(complete(receiver.url, [*prompt(102, 600), 3], source.url)) == 592
