@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 import torch
@@ -437,3 +438,40 @@ def test_a_transfer_queued_behind_too_much_is_refused(caplog):
         assert cached(complete(receiver.url, [*prompt(102, 600), 3], source.url)) == 592
         assert_nothing_held(receiver)
         assert_nothing_held(source)
+
+
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slabs_read_and_written_a_group_at_a_time_move_every_layers_k_and_v(device: str, dtype) -> None:
+    from worker.kv_pool import KVPool, slots_for
+    from worker.kv_transfer import read_kv, write_kv
+
+    layers, ps = 3, 4
+    src = KVPool(8, ps, num_layers=layers, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)
+    dst = KVPool(8, ps, num_layers=layers, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)
+    for cache in (*src.k_cache, *src.v_cache):
+        cache.copy_(torch.randn(cache.shape).to(dtype))
+    for cache in (*dst.k_cache, *dst.v_cache):
+        cache.fill_(float("nan"))
+    from_slots = torch.from_numpy(slots_for(np.array([5, 2, 7]), 0, 12, ps))
+    to_slots = torch.from_numpy(slots_for(np.array([1, 6]), 0, 8, ps))
+    whole = read_kv(src, from_slots)  # [2 x layers, n, heads, dim]: K of each layer, then V
+    assert whole.shape == (2 * layers, 12, 2, 8) and whole.device.type == "cpu"
+    for layer in range(layers):  # NOTE: the wire's order (docs/contracts.md)
+        assert torch.equal(whole[layer], src.k_cache[layer][from_slots.to(device)].cpu())
+        assert torch.equal(whole[layers + layer], src.v_cache[layer][from_slots.to(device)].cpu())
+    for lo in range(0, 2 * layers, 4):  # groups of 4 slabs, the last of 2
+        group = read_kv(src, from_slots, lo, min(lo + 4, 2 * layers))
+        assert torch.equal(group, whole[lo : lo + 4])
+        write_kv(dst, to_slots, group[:, 4:], lo)  # NOTE: the first page is cached there already
+    for layer in range(layers):
+        for got, want in ((dst.k_cache[layer], src.k_cache[layer]), (dst.v_cache[layer], src.v_cache[layer])):
+            assert torch.equal(got[to_slots.to(device)], want[from_slots[4:].to(device)])
+            untouched = torch.ones(got.shape[0], dtype=torch.bool, device=device)
+            untouched[to_slots.to(device)] = False
+            assert torch.isnan(got[untouched].float()).all()
