@@ -442,7 +442,7 @@ class Engine:
             if msg[0] == "add":
                 self._emit(msg[1], RequestOutput(finish_reason="error", error="engine stopped",
                                                  error_status=503))  # fmt: skip
-            elif msg[0] == "call":
+            elif msg[0] == "call" and msg[2].set_running_or_notify_cancel():  # NOTE: not if cancelled
                 msg[2].set_exception(EngineDeadError("the engine stopped"))
         with contextlib.suppress(Exception):
             self._flush_outbox()
