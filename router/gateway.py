@@ -164,10 +164,11 @@ class Router:
 
     def decide(
         self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None,
-        only: str | None = None,
+        only: str | None = None, preview: bool = False,
     ) -> tuple[Decision | None, str]:  # fmt: skip
         """The policy's pick among available workers (narrowed by the request's affinity group, or
-        to ``only``), and the affinity outcome (ungrouped / in_group / overflow)."""
+        to ``only``), and the affinity outcome (ungrouped / in_group / overflow). ``preview``: the
+        pick without moving the policy on (Policy.preview)."""
         candidates = [Candidate(w.url, w.load) for w in self.workers.candidates(model, exclude)]
         outcome = UNGROUPED
         if only is not None:
@@ -177,7 +178,7 @@ class Router:
             candidates, outcome = self.affinity.filter(group, candidates, fleet)
         if not candidates:
             return None, outcome
-        decision = self.policy.select(route, candidates)
+        decision = (self.policy.preview if preview else self.policy.select)(route, candidates)
         if group is not None:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome

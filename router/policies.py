@@ -128,6 +128,17 @@ class Policy:
         """Pick one of ``candidates`` (non-empty) for ``req``."""
         raise NotImplementedError
 
+    def preview(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """``select`` without moving the policy on (its random draws; round robin's turn): what
+        /debug/route shows is what the next request would get, and asking does not change that."""
+        rng = getattr(self, "_rng", None)
+        state = None if rng is None else rng.getstate()
+        try:
+            return self.select(req, candidates)
+        finally:
+            if rng is not None:
+                rng.setstate(state)
+
     def on_routed(self, req: RouteRequest, url: str) -> None:
         """The request was sent to ``url``: optimistically record its prefix there."""
         self.index.insert(url, req.block_hashes)
@@ -152,8 +163,12 @@ class RoundRobin(Policy):
         self._turn = 0
 
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        pick = candidates[self._turn % len(candidates)]
+        decision = self.preview(req, candidates)
         self._turn += 1
+        return decision
+
+    def preview(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        pick = candidates[self._turn % len(candidates)]
         blocks = self._matched_blocks(req, candidates)
         return Decision(pick.url, self._tokens(blocks, req), "round robin turn")
 

@@ -43,6 +43,21 @@ def test_every_policy_reports_predicted_tokens_for_every_candidate() -> None:
         assert policy.describe()["name"] == name
 
 
+def test_a_preview_is_what_the_next_select_picks_and_moves_no_policy_on() -> None:
+    # /debug/route previews: asking must not spend round robin's turn or a random draw
+    for name in POLICY_NAMES:
+        policy = make_policy(name, PrefixIndex(), {"seed": 3} if name in ("random", "least_load") else None)
+        req = request(list(range(40)))
+        picks = []
+        for _ in range(12):
+            previews = {policy.preview(req, idle(URLS)).url for _ in range(3)}
+            picked = policy.select(req, idle(URLS)).url
+            assert previews == {picked}, name
+            picks.append(picked)
+        if name in ("round_robin", "random"):
+            assert len(set(picks)) > 1, name  # NOTE: the policy still moves on when it selects
+
+
 def test_unknown_policy_or_parameter_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("smallest_tree", PrefixIndex())
