@@ -522,6 +522,17 @@ tests:
         values: '0.95x20'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w1"}}'
         values: '0.5x20'
+      # namespace llm: 10 KV fetches a minute ok, 20 busy, 5 error (71% wasted); ns ok: 1 busy in 10
+      - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w0",outcome="ok"}}'
+        values: '0+10x40'
+      - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w0",outcome="busy"}}'
+        values: '0+20x40'
+      - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w1",outcome="error"}}'
+        values: '0+5x40'
+      - series: 'radixgate_worker_kv_fetch_total{{namespace="ok",instance="w2",outcome="ok"}}'
+        values: '0+9x40'
+      - series: 'radixgate_worker_kv_fetch_total{{namespace="ok",instance="w2",outcome="busy"}}'
+        values: '0+1x40'
       # router r1 lists every 5 s (12 a minute) and every listing fails; r2 fails one in twelve
       - series: 'radixgate_discovery_rounds_total{{namespace="llm",instance="r1"}}'
         values: '0+12x30'
@@ -579,6 +590,11 @@ tests:
         eval_time: 15m
         exp_samples:
           - labels: '{{__name__="ALERTS", alertname="RadixgateWorkerKVUsageHigh", alertstate="firing", severity="warning", namespace="llm", instance="w0"}}'
+            value: 1
+      - expr: ALERTS{{alertname="RadixgateKVFetchesWasted", alertstate="firing"}}
+        eval_time: 30m
+        exp_samples:
+          - labels: '{{__name__="ALERTS", alertname="RadixgateKVFetchesWasted", alertstate="firing", severity="warning", namespace="llm"}}'
             value: 1
 """
 
