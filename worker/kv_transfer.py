@@ -514,6 +514,9 @@ class KVTransfer:
             outcome = await self._pull(source, ids)
         except EngineDeadError:
             outcome = "error"  # NOTE: the submit that follows answers 503
+        except Exception:  # NOTE: a bug or a device error here must not fail the request: it computes
+            log.exception("KV fetch from %s failed", source)
+            outcome = "error"
         engine.metrics.kv_fetch.labels(outcome).inc()
         if outcome == "ok":
             engine.metrics.kv_fetch_seconds.observe(time.perf_counter() - t0)

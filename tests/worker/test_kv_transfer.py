@@ -212,6 +212,30 @@ def test_a_full_pool_makes_room_and_half_the_pool_bounds_a_fetch(fleet):
     assert_nothing_held(source)
 
 
+def test_a_failing_pool_write_leaves_the_answer_right_and_gives_the_pages_back(fleet):
+    source, _, plain = fleet
+    with serve(kv_transfer_max_mib=1) as receiver:  # NOTE: 8 groups: the third write fails
+        real, calls = receiver.engine.executor.write_kv, []
+
+        def failing(slots, slabs, lo=0):
+            calls.append(lo)
+            if len(calls) == 3:
+                raise RuntimeError("simulated device error")
+            return real(slots, slabs, lo)
+
+        receiver.engine.executor.write_kv = failing
+        ids = prompt(48, 700)
+        complete(source.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], source.url)
+        assert cached(answer) == 0 and outcome(receiver.url, "error") == 1 and len(calls) == 3
+        assert_same_answer(answer, complete(plain.url, [*ids, 2]))
+        assert_nothing_held(receiver)
+        receiver.engine.executor.write_kv = real
+        ids = prompt(49, 700)
+        complete(source.url, [*ids, 1])
+        assert cached(complete(receiver.url, [*ids, 2], source.url)) == 688
+
+
 def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
     source, _, _ = fleet
     ids = prompt(50, 100)
