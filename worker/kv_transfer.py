@@ -504,11 +504,13 @@ class KVTransfer:
             if pending is not None:
                 pending.cancel()  # NOTE: the client is gone; a read not begun is skipped
 
-    async def pull(self, source: str, ids: list[int]) -> str:
+    async def pull(self, source: str, ids: list[int]) -> None:
         """Fetch what ``source`` caches of prompt ``ids`` beyond this worker's own cached prefix and
-        cache it here. Returns the outcome: ok, cached (nothing to fetch), miss, busy (this worker's
-        or the source's transfers are at their memory bound), error."""
-        engine = self.engine
+        cache it here. Its last write, which caches the pages, may still be queued on the engine
+        when this returns: it runs before anything submitted after (engine calls and requests
+        are handled in order), so the request finds the pages without waiting another step. The
+        outcome is counted once known (``radixgate_worker_kv_fetch_total``): ok, cached (nothing
+        to fetch), miss, busy (either side at its memory or queueing bound), error."""
         t0 = time.perf_counter()
         try:
             outcome = await self._pull(source, ids)
@@ -517,10 +519,26 @@ class KVTransfer:
         except Exception:  # NOTE: a bug or a device error here must not fail the request: it computes
             log.exception("KV fetch from %s failed", source)
             outcome = "error"
-        engine.metrics.kv_fetch.labels(outcome).inc()
+        if isinstance(outcome, str):
+            self._counted(outcome, 0, t0)
+        else:  # NOTE: the last write's future: counted on the engine thread when it has run
+            outcome.add_done_callback(functools.partial(self._finished, source, t0))
+
+    def _finished(self, source: str, t0: float, fut: Any) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            if not fut.cancelled():
+                log.error("KV fetch from %s failed", source, exc_info=fut.exception())
+            self._counted("error", 0, t0)
+        else:
+            self._counted("ok" if fut.result() else "cached", fut.result(), t0)
+
+    def _counted(self, outcome: str, fetched: int, t0: float) -> None:
+        metrics = self.engine.metrics
+        metrics.kv_fetch.labels(outcome).inc()
+        if fetched:
+            metrics.kv_fetched_tokens.inc(fetched)
         if outcome == "ok":
-            engine.metrics.kv_fetch_seconds.observe(time.perf_counter() - t0)
-        return outcome
+            metrics.kv_fetch_seconds.observe(time.perf_counter() - t0)
 
     def timely_tokens(self) -> int:
         """The most a fetch asks for: what it can bring in half its timeout (``LinkRate``)."""
@@ -528,7 +546,8 @@ class KVTransfer:
             self.timeout_s, self.slab_token_bytes * 2 * self.layout[0], self.engine.page_size
         )
 
-    async def _pull(self, source: str, ids: list[int]) -> str:
+    async def _pull(self, source: str, ids: list[int]) -> str | Any:
+        """The outcome, or the future of the last write (tokens it newly cached)."""
         engine, ps = self.engine, self.engine.page_size
         tokens = np.asarray(ids, dtype=np.int32)
         have = await engine.call(lambda: engine.cache.cached_prefix_len(tokens))
@@ -556,14 +575,13 @@ class KVTransfer:
             return "error"
         if got is None:
             return "miss"
-        engine.metrics.kv_fetched_tokens.inc(got)
-        return "ok" if got else "cached"
+        return "cached" if got == 0 else got
 
     async def _fetch(
         self, source: str, body: dict, tokens: np.ndarray, have: int, cap: int, deadline: float
-    ) -> int | None:
-        """Tokens the export brought and this worker newly cached; None when the source has nothing
-        (404). KVBusy when the source answers 503 or the transfer does not fit the bound now.
+    ) -> Any:
+        """The future of the last write (the tokens it newly caches), or 0 when the transfer ended
+        before it (nothing to import); None when the source has nothing (404). KVBusy when the source answers 503 or the transfer does not fit the bound now.
         ValueError on another answer, or when its headers announce another layout than this pool's
         or more than ``cap`` tokens (checked before the body is read) or the body is not what they
         announce."""
@@ -593,11 +611,16 @@ class KVTransfer:
             size = int(np.prod(shape)) * dtype.itemsize
             body = _Body(resp, self.link)
             self.link.left += size
+            got: Any = 0
             try:
                 got = await self._receive(body, tokens, have, shape, dtype, group, deadline)
             finally:
-                self._drop(held)
                 self.link.left -= size - body.taken
+                if isinstance(got, int):
+                    self._drop(held)
+                else:  # NOTE: the last group's bytes are held until the engine has written them
+                    loop = asyncio.get_running_loop()
+                    got.add_done_callback(lambda _: loop.call_soon_threadsafe(self._drop, held))
             if resp.at_end:  # NOTE: the whole body came (not cut short: nothing left to import)
                 self.link.seen(size, asyncio.get_running_loop().time() - t0)
             return got
@@ -607,11 +630,12 @@ class KVTransfer:
     async def _receive(
         self, body: _Body, tokens: np.ndarray, start: int, shape: tuple[int, ...], dtype: Any, group: int,
         deadline: float,
-    ) -> int:  # fmt: skip
+    ) -> Any:  # fmt: skip
         """Write each group of slabs into pool pages as it arrives (while the next arrives), then
         cache them. The first group's call also takes the pages (``import_begin``) and the last's
         caches them (``import_end``), so a transfer of one group costs the engine one call. Returns
-        the tokens newly cached."""
+        the last call's future (the tokens it newly caches), posted and not awaited, or 0 when the
+        transfer ended before it (nothing to import here)."""
         import torch
 
         engine, ps = self.engine, self.engine.page_size
@@ -620,23 +644,27 @@ class KVTransfer:
         end, total = start + n, 2 * layers
         taken: dict[str, Pinned | None] = {}  # NOTE: engine thread only: import_begin's pages until cached
 
-        def write(slabs: Any, lo: int) -> int:
-            if lo == 0:
-                taken["pin"] = import_begin(cache, alloc, ps, tokens, start, end)
-            pin = taken.get("pin")
-            if pin is None:
-                return 0  # NOTE: computed here meanwhile, or this worker's prefix left the device
-            engine.executor.write_kv(pin.slots, slabs[:, pin.have - start :], lo)
-            if lo + slabs.shape[0] < total:
-                return -1  # more to come
-            del taken["pin"]
-            return import_end(cache, alloc, ps, tokens, end, pin, True)
-
         def give_back() -> None:
             if (pin := taken.pop("pin", None)) is not None:
                 import_end(cache, alloc, ps, tokens, end, pin, False)
 
-        writing, cached = None, None
+        def write(slabs: Any, lo: int) -> int:
+            try:
+                if lo == 0:
+                    taken["pin"] = import_begin(cache, alloc, ps, tokens, start, end)
+                pin = taken.get("pin")
+                if pin is None:
+                    return 0  # NOTE: computed here meanwhile, or this worker's prefix left the device
+                engine.executor.write_kv(pin.slots, slabs[:, pin.have - start :], lo)
+                if lo + slabs.shape[0] < total:
+                    return -1  # more to come
+                del taken["pin"]
+                return import_end(cache, alloc, ps, tokens, end, pin, True)
+            except BaseException:
+                give_back()
+                raise
+
+        writing, last = None, None
         try:
             for lo in range(0, total, group):
                 m = min(group, total - lo)
@@ -644,16 +672,14 @@ class KVTransfer:
                     buf = await body.read(m * n * self.slab_token_bytes)
                     if lo + m == total:
                         await body.end()
-                if writing is not None and await writing == 0:
-                    cached = 0
-                    return cached
+                if writing is not None and await asyncio.wrap_future(writing) == 0:
+                    return 0
                 slabs = torch.frombuffer(buf, dtype=dtype).view(m, n, heads, dim)
-                writing = asyncio.wrap_future(engine.post(functools.partial(write, slabs, lo)))
-            assert writing is not None
-            cached = await writing
-            return cached
+                writing = engine.post(functools.partial(write, slabs, lo))
+            last = writing
+            return last
         finally:
-            if cached is None:  # NOTE: cut off: give the pages back after every write posted
+            if last is None:  # NOTE: cut off: give the pages back after every write posted
                 if writing is not None:
                     writing.cancel()  # NOTE: a write not begun is skipped
                 with contextlib.suppress(EngineDeadError):

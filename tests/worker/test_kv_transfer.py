@@ -212,26 +212,27 @@ def test_a_full_pool_makes_room_and_half_the_pool_bounds_a_fetch(fleet):
     assert_nothing_held(source)
 
 
-def test_a_failing_pool_write_leaves_the_answer_right_and_gives_the_pages_back(fleet):
+@pytest.mark.parametrize("failing", [1, 3, 8])  # NOTE: the first (takes the pages), one between, the last
+def test_a_failing_pool_write_leaves_the_answer_right_and_gives_the_pages_back(fleet, failing):
     source, _, plain = fleet
-    with serve(kv_transfer_max_mib=1) as receiver:  # NOTE: 8 groups: the third write fails
+    with serve(kv_transfer_max_mib=1) as receiver:  # NOTE: 8 groups of one slab
         real, calls = receiver.engine.executor.write_kv, []
 
-        def failing(slots, slabs, lo=0):
+        def flaky(slots, slabs, lo=0):
             calls.append(lo)
-            if len(calls) == 3:
+            if len(calls) == failing:
                 raise RuntimeError("simulated device error")
             return real(slots, slabs, lo)
 
-        receiver.engine.executor.write_kv = failing
-        ids = prompt(48, 700)
+        receiver.engine.executor.write_kv = flaky
+        ids = prompt(48 + 10 * failing, 700)
         complete(source.url, [*ids, 1])
         answer = complete(receiver.url, [*ids, 2], source.url)
-        assert cached(answer) == 0 and outcome(receiver.url, "error") == 1 and len(calls) == 3
+        assert cached(answer) == 0 and outcome(receiver.url, "error") == 1 and len(calls) == failing
         assert_same_answer(answer, complete(plain.url, [*ids, 2]))
         assert_nothing_held(receiver)
         receiver.engine.executor.write_kv = real
-        ids = prompt(49, 700)
+        ids = prompt(49 + 10 * failing, 700)
         complete(source.url, [*ids, 1])
         assert cached(complete(receiver.url, [*ids, 2], source.url)) == 688
 
