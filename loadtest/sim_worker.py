@@ -77,14 +77,10 @@ class WorkerModel:
     host_copy_ms_per_token: float = 0.003  # a page copied to or from the host tier, per real token
     kv_fetch_ms_per_token: float = 0.12  # KV fetched from another worker: link time per real token
     kv_fetch_base_ms: float = 3.0  # KV fetch: the exchange's fixed cost
-    kv_fetch_max_tokens: int = (
-        8192  # KV transfers under way on a worker, out and in: host memory, real tokens
-    )
+    kv_fetch_max_tokens: int = 8192  # host memory of a worker's KV transfers under way, real tokens
     kv_layers: int = 32  # the model's layers: a transfer streams one layer's K or V at a time, or more
     kv_fetch_timeout_s: float = 5.0  # KV fetch: given up after this long (the worker's --kv-fetch-timeout-s)
-    kv_fetch_max_wait_ms: float = (
-        200.0  # a transfer queued longer for a link is refused (--kv-transfer-max-wait-ms)
-    )
+    kv_fetch_max_wait_ms: float = 200.0  # queued longer for a link: refused (--kv-transfer-max-wait-ms)
 
 
 class SimJob:

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -43,11 +44,9 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 async def _method_not_allowed(request: Request) -> Response:
-    """Any method but POST on a completion endpoint (POSTs never reach the Starlette app)."""
-    what = f"{request.method} {request.url.path}"
-    response = error_response(405, f"{what}: method not allowed (allowed: POST)", "method_not_allowed")
-    response.headers["allow"] = "POST"
-    return response
+    """Any method but POST on a completion endpoint (POSTs never reach the Starlette app): answered
+    by the app's handler of Starlette's own errors (router/errors.http_error)."""
+    raise HTTPException(405, headers={"Allow": "POST"})
 
 
 def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None = None) -> RouterApp:

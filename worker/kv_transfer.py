@@ -176,16 +176,10 @@ _DTYPES = ("float32", "float16", "bfloat16")
 
 def export_headers(shape: tuple[int, ...], dtype: Any, start: int, block_size: int) -> dict[str, str]:
     """What an export's body is: its place in the prompt, page size, shape and dtype (and length)."""
-    size = int(np.prod(shape)) * torch_itemsize(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
     return {_META + "start": str(start), _META + "block-size": str(block_size),
             _META + "shape": ",".join(map(str, shape)), _META + "dtype": str(dtype).removeprefix("torch."),
             "content-length": str(size)}  # fmt: skip
-
-
-def torch_itemsize(dtype: Any) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def body_view(kv: Any) -> memoryview:
@@ -357,7 +351,7 @@ class KVTransfer:
     def slab_token_bytes(self) -> int:
         """Bytes of one token in one slab: K or V of one layer, every KV head."""
         _, heads, dim, dtype = self.layout
-        return heads * dim * torch_itemsize(dtype)
+        return heads * dim * dtype.itemsize
 
     def chunking(self, n: int) -> tuple[int, int]:
         """(slabs a group of an ``n``-token transfer carries, host bytes the transfer holds)."""
@@ -449,7 +443,7 @@ class KVTransfer:
         engine.metrics.kv_exported_tokens.inc(n)
         layers, heads, dim, dtype = self.layout
         headers = export_headers((2, layers, n, heads, dim), dtype, start, engine.page_size)
-        size = int(headers["content-length"])
+        size = n * 2 * layers * self.slab_token_bytes
         answer = StreamingResponse(self._export_body(pin.slots, group, kv, size), headers=headers,
                                    media_type="application/octet-stream")  # fmt: skip
 
@@ -543,7 +537,7 @@ class KVTransfer:
     def timely_tokens(self) -> int:
         """The most a fetch asks for: what it can bring in half its timeout (``LinkRate``)."""
         return self.link.timely(
-            self.timeout_s, self.slab_token_bytes * 2 * self.layout[0], self.engine.page_size
+            self.timeout_s, 2 * self.layout[0] * self.slab_token_bytes, self.engine.page_size
         )
 
     async def _pull(self, source: str, ids: list[int]) -> str | Any:
