@@ -199,6 +199,9 @@ class ClusterSim:
         def held(n: int) -> float:  # NOTE: in tokens' KV, as the bound
             return transfer_chunking(n, slabs, bound * slabs)[1] / slabs
 
+        def queued_too_long(link_free: float) -> bool:  # NOTE: the worker's --kv-transfer-max-wait-ms
+            return bool(m.kv_fetch_max_wait_ms) and link_free - t > m.kv_fetch_max_wait_ms / 1e3
+
         if stage == "lookup":
             have = w.cache.cached_prefix_len(job.ids)
             matchable = (job.ids.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
@@ -207,7 +210,7 @@ class ClusterSim:
             if cap < ps:
                 self._fetched(w, job, "cached", t0)
                 return
-            if m.kv_fetch_max_wait_ms and w.link_in_free - t > m.kv_fetch_max_wait_ms / 1e3:
+            if queued_too_long(w.link_in_free):
                 self._fetched(w, job, "busy", t0)  # NOTE: the receiver does not ask
                 return
             self._push(
@@ -215,24 +218,23 @@ class ClusterSim:
             )
         elif stage == "export":
             answered = t + m.kv_fetch_base_ms / 1e3
-            queued = m.kv_fetch_max_wait_ms and src.link_out_free - t > m.kv_fetch_max_wait_ms / 1e3
-            if (
-                queued or src.kv_held + held(n) > bound
-            ):  # NOTE: the source's 503 kv_transfer_busy (n: asked for)
+            # NOTE: the source's 503 kv_transfer_busy (n: what was asked for)
+            if queued_too_long(src.link_out_free) or src.kv_held + held(n) > bound:
                 self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
                 return
             n = src.export_len(job.ids, have, n)
             if n == 0:
                 self._push(answered, 6, ("miss", w, src, job, t0, have, 0, deadline))
                 return
-            if w.kv_held + held(n) > bound:  # NOTE: the receiver drops it on reading the headers
+            h = held(n)
+            if w.kv_held + h > bound:  # NOTE: the receiver drops it on reading the headers
                 self._push(answered, 6, ("busy", w, src, job, t0, have, 0, deadline))
                 return
             copy_ms = m.host_copy_ms_per_token * n * self.weight
             if src.seg is not None:  # NOTE: a busy source's next step waits for the copy
                 src.extra_ms += copy_ms
-            src.kv_held += held(n)
-            w.kv_held += held(n)
+            src.kv_held += h
+            w.kv_held += h
             # NOTE: one transfer at a time on the source's way out and on the receiver's way in
             start = max(t + (copy_ms + m.kv_fetch_base_ms) / 1e3, src.link_out_free, w.link_in_free)
             end = start + m.kv_fetch_ms_per_token * n * self.weight / 1e3
