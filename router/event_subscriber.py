@@ -84,6 +84,16 @@ class EventSubscriber:
             self._ensure_redis_readers()
             self.resync_soon(worker)
 
+    def models_learned(self, worker: Worker) -> None:
+        """The health checker learned what ``worker`` serves. In Redis mode its models' streams are
+        read from now on and, if the worker was never synced (it was down when watched), its
+        snapshot is read now: a worker that starts after the router is followed like any other."""
+        if self._redis is None:
+            return  # not started (start() watches every worker) or not Redis mode
+        self._ensure_redis_readers()
+        if worker.url not in self._cursors:
+            self.resync_soon(worker)
+
     def _unwatch(self, worker: Worker) -> None:
         self._cursors.pop(worker.url, None)
         task = self._tasks.pop(worker.url, None)

@@ -84,6 +84,7 @@ class HealthChecker:
         worker.apply_report(sum(queue), _number(report.get("prefill_backlog_tokens")))
         epoch = report.get("epoch") if isinstance(report.get("epoch"), str) else None
         restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
+        learned = True
         if not worker.healthy or restarted:
             await self._learn(worker)
             worker.breaker.reset()
@@ -92,6 +93,10 @@ class HealthChecker:
             # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
             # models (a LoRA adapter loaded or unloaded): ask again
             await self._learn(worker)
+        else:
+            learned = False
+        if learned:
+            self._router.events.models_learned(worker)
         if restarted:
             self._router.index.clear_worker(worker.url)
             self._router.events.resync_soon(worker)

@@ -160,6 +160,30 @@ def test_worker_cache_events_correct_the_router_index(launch, tmp_path, transpor
     wait_until(lambda: matched_tokens(router.url, body)[b.url] == 0, 30, what="flush reached the router")
 
 
+@pytest.mark.redis
+def test_a_worker_started_after_the_router_is_followed_over_redis(launch):
+    """Redis mode, the router up first (as when workers load a model for minutes): once the worker
+    is healthy the router reads its model's stream and snapshot, so a flush reaches the index."""
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url, port = launch.redis(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = launch.router(
+        [url], "--kv-events", "redis", "--redis-url", redis_url, "--health-interval-s", "0.2"
+    )
+    worker = launch.module(
+        "worker", "--engine", "sim", "--redis-url", redis_url, "--advertise-url", url, port=port
+    )
+    wait_until(lambda: httpx.get(router.url + "/workers", timeout=2).json()["workers"][0]["healthy"], 30,
+               what="worker healthy")  # fmt: skip
+    body = chat("Cached after the router started.")
+    assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    wait_until(lambda: matched_tokens(router.url, body)[url] >= len(SYSTEM), 30, what="routed prefix")
+    assert httpx.post(worker.url + "/v1/cache/flush", timeout=30).status_code == 200
+    wait_until(lambda: matched_tokens(router.url, body)[url] == 0, 30, what="the flush's event applied")
+    assert metric(router.url, f'radixgate_upstream_kv_event_batches_total{{worker="{url}"}}') >= 1
+
+
 def _resynced(router_url: str) -> bool:
     text = httpx.get(router_url + "/metrics", timeout=5).text
     values = [
