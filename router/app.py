@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from starlette.routing import Route
 from router.config import RouterConfig
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.gateway import Router
-from router.proxy import UpstreamFailure
+from router.proxy import FORWARDED_HEADERS, UpstreamFailure
 from router.request_parsing import read_body
 from router.route_explain import explain
 from router.workers import Worker
@@ -104,6 +105,12 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(
                 401, "admin endpoints need 'Authorization: Bearer <admin token>'", "unauthorized"
             )
+        if request.method != "GET" and not config.admin_token and (config.api_keys or config.worker_api_key):
+            # NOTE: a router that guards its clients or its workers with keys must not let anyone
+            # register a worker: it would be sent the worker key and the clients' prompts
+            return error_response(
+                403, "changing workers on a router with API keys needs --admin-token", "admin_token_required"
+            )
         if request.method == "GET":
             fleet = [w.url for w in router.workers]
             return _json(
@@ -151,6 +158,18 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(exc.status, exc.message, exc.code)
         return _json(explain(router, parsed, chat, request.headers))
 
+    def passed_on(request: Request) -> dict[str, str]:
+        """Headers for a request passed to one worker: the client's own (its key, when the router
+        has no --worker-api-key, as on completions; else the worker key replaces it)."""
+        headers = {"content-type": "application/json"}
+        for name in FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        if router.upstream.authorization is not None:
+            headers["authorization"] = router.upstream.authorization
+        return headers
+
     def least_loaded(model: str | None) -> Worker:
         """The least loaded healthy worker serving ``model``; RouterError 503 when there is none."""
         workers = router.workers.candidates(model)
@@ -173,9 +192,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
         try:
-            resp = await router.upstream.open(
-                worker, request.url.path, raw, {"content-type": "application/json"}
-            )
+            resp = await router.upstream.open(worker, request.url.path, raw, passed_on(request))
             try:
                 payload = await router.upstream.read_all(resp)
             finally:
@@ -190,18 +207,27 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         id: by the least loaded healthy worker)."""
         rid = request.path_params["response_id"]
         try:
-            url = router.response_holder(rid) or least_loaded(None).url
+            url = router.response_holder(rid)
+            holder = None if url is None else router.workers.get(url)
+            if holder is not None and not holder.available(time.monotonic()):
+                raise RouterError(503, f"the worker holding response {rid!r} ({url}) is not available",
+                                  "worker_unavailable")  # fmt: skip
+            url = url or least_loaded(None).url
             session = router.upstream.session
             assert session is not None
             timeout = aiohttp.ClientTimeout(
                 total=config.first_byte_timeout_s, connect=config.connect_timeout_s
             )
-            async with session.request(request.method, url + request.url.path, timeout=timeout) as resp:
+            async with session.request(
+                request.method, url + request.url.path, timeout=timeout, headers=passed_on(request)
+            ) as resp:
                 payload = await resp.read()
                 content_type = resp.headers.get("content-type", "application/json")
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except asyncio.TimeoutError:
+            return error_response(504, f"worker {url} did not answer in time", "timeout")
+        except aiohttp.ClientError as exc:
             return error_response(502, f"worker {url} unreachable: {exc}", "connect")
         return Response(payload, resp.status, {"x-radixgate-worker": url}, content_type)
 

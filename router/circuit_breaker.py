@@ -35,9 +35,18 @@ class CircuitBreaker:
             self._probe_in_flight = False
         return self.state is BreakerState.HALF_OPEN and not self._probe_in_flight
 
-    def on_send(self) -> None:
+    def on_send(self) -> bool:
+        """A request is being sent; True when it is the half-open probe (see ``abandon_probe``)."""
         if self.state is BreakerState.HALF_OPEN:
             self._probe_in_flight = True
+            return True
+        return False
+
+    def abandon_probe(self) -> None:
+        """The probe ended with no verdict (its client left, or it ran out of the request's own
+        time): the next request may probe. Without this the breaker would stay half-open for good."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probe_in_flight = False
 
     def record_success(self) -> None:
         self.state = BreakerState.CLOSED

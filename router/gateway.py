@@ -29,7 +29,7 @@ from router.discovery import KubeDiscovery, target_from_config
 from router.errors import RouterError, error_body, retry_headers
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
-from router.http_client import HTTPClientError
+from router.http_client import HTTPClientError, ResponseTimeout
 from router.http_client import Response as UpstreamResponse
 from router.kv_events import KV_SOURCE_HEADER
 from router.metrics import RouterMetrics
@@ -280,6 +280,10 @@ class Router:
         only = self.response_holder(previous) if previous is not None else None
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
+        moved_from: Worker | None = None  # the worker the last attempt failed on
+        # NOTE: a non-stream answer's head comes when the whole answer is done: only the request's
+        # own time bounds it (a stream's head comes at once, so first_byte_timeout_s bounds that)
+        head_timeout = None if parsed.stream else self.config.request_timeout_s
         for attempt in range(self.config.max_retries + 1):
             decision, outcome = self.decide(route, parsed.model, tried, group, only)
             if attempt == 0:
@@ -288,12 +292,14 @@ class Router:
                     self.metrics.affinity.labels(group or "", outcome).inc()
             if decision is None:
                 break
+            if moved_from is not None:
+                moved_from.stats.retries += 1
             worker = self.workers.get(decision.url)
             assert worker is not None
             worker.in_flight += parsed.sequences  # NOTE: n choices run as n sequences on the worker
             predicted = decision.matched_tokens.get(worker.url, 0)
             prefill = PendingPrefill(worker, route.prompt_tokens - predicted + parsed.other_prompt_tokens)
-            worker.breaker.on_send()
+            probe = worker.breaker.on_send()
             worker.stats.requests += 1
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
                             prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
@@ -301,29 +307,39 @@ class Router:
             access_log.note(kv_source=source)
             if source is not None:
                 worker.stats.kv_fetch_hints += 1
+            context = worker.max_model_len.get(parsed.model or "")  # tokens, when the worker told
+            record = partial(
+                self.policy.on_routed, route, worker.url, context and context // route.block_size
+            )
             try:
                 try:
                     # The optimistic index insert (and hashing the rest of the prompt) runs once
                     # the request is written: it does not delay it, and a worker that could not
-                    # be reached records nothing.
+                    # be reached records nothing. An error answer takes it back (on_refused).
                     resp = await self.upstream.open(
                         worker, path, body, headers if source is None else {**headers, KV_SOURCE_HEADER: source},
-                        partial(self.policy.on_routed, route, worker.url),
+                        record, head_timeout,
                     )  # fmt: skip
                 except UpstreamFailure as exc:
+                    self.policy.on_refused(route, worker.url, predicted // route.block_size)
+                    failure = exc
+                    if exc.kind == "request_timeout":
+                        break  # NOTE: the request's own time ran out: no fault of the worker's, no retry
                     if exc.kind == "overloaded":  # NOTE: it answered, so no fault: its queue is full
                         worker.breaker.record_success()
                         worker.stats.overloaded += 1
                     else:
                         self._record_failure(worker, exc.kind)
-                    worker.stats.retries += 1
                     tried.add(worker.url)
-                    failure = exc
+                    moved_from = worker
                     log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
                     continue
                 worker.breaker.record_success()  # any answer below 500, client errors included
-                worker.stats.prompt_tokens += route.prompt_tokens
-                worker.stats.predicted_cached_tokens += predicted
+                if resp.status >= 400:
+                    self.policy.on_refused(route, worker.url, predicted // route.block_size)
+                else:
+                    worker.stats.prompt_tokens += route.prompt_tokens + parsed.other_prompt_tokens
+                    worker.stats.predicted_cached_tokens += predicted
                 try:
                     if parsed.stream and resp.status == 200:
                         await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage)
@@ -333,6 +349,8 @@ class Router:
                     resp.close()
                 return resp.status
             finally:
+                if probe:
+                    worker.breaker.abandon_probe()  # NOTE: no verdict came (the client left): free the probe
                 worker.in_flight -= parsed.sequences
                 prefill.release()
                 worker.changed()
@@ -348,6 +366,8 @@ class Router:
         raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
 
     def _record_failure(self, worker: Worker, kind: str) -> None:
+        if kind == "request_timeout":
+            return  # NOTE: the request's own time ran out (request_timeout_s): not a worker fault
         worker.stats.errors[kind] += 1
         worker.breaker.record_failure(time.monotonic())
 
@@ -419,9 +439,10 @@ class Router:
                 if out or finished:
                     await send({"type": "http.response.body", "body": out, "more_body": not finished})
         except HTTPClientError as exc:
-            # The worker broke mid-stream: bytes already reached the client, so no retry; the
-            # client sees the stream end without [DONE].
-            self._record_failure(worker, "stream_broken")
+            # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
+            # already reached the client, so no retry; the client sees the stream end without [DONE].
+            total = isinstance(exc, ResponseTimeout) and exc.total
+            self._record_failure(worker, "request_timeout" if total else "stream_broken")
             log.warning("stream from %s broke: %s", worker.url, exc)
         finally:
             self._record_usage(worker, scanner.usage)

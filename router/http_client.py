@@ -40,7 +40,12 @@ class ConnectFailed(HTTPClientError):
 
 
 class ResponseTimeout(HTTPClientError):
-    """No response head, or no next body chunk, within the timeout; or the total timeout ran out."""
+    """No response head, or no next body chunk, within the timeout; or (``total``) the request's
+    total timeout ran out."""
+
+    def __init__(self, message: str, total: bool = False) -> None:
+        super().__init__(message)
+        self.total = total
 
 
 class ConnectionBroken(HTTPClientError):
@@ -167,11 +172,11 @@ class _Connection(asyncio.Protocol):
         """Wait for the next parser event, or raise the connection's error or a timeout."""
         if self._error is not None:
             raise self._error
-        timeout = min(read_timeout, deadline - self._loop.time())
-        if timeout <= 0:
-            raise ResponseTimeout("the request's total timeout ran out")
+        left = deadline - self._loop.time()
+        if left <= 0:
+            raise ResponseTimeout(_TOTAL_RAN_OUT, total=True)
         self._waiter = waiter = self._loop.create_future()
-        timer = self._loop.call_later(timeout, _expire, waiter)
+        timer = self._loop.call_later(min(read_timeout, left), _expire, waiter, left <= read_timeout)
         try:
             await waiter
         finally:
@@ -181,7 +186,12 @@ class _Connection(asyncio.Protocol):
             raise self._error
 
     async def send(
-        self, head: bytes, body: bytes, deadline: float, on_sent: Callable[[], None] | None
+        self,
+        head: bytes,
+        body: bytes,
+        deadline: float,
+        on_sent: Callable[[], None] | None,
+        head_timeout: float | None = None,
     ) -> Response:
         self._reset()
         self._deadline = deadline
@@ -192,7 +202,7 @@ class _Connection(asyncio.Protocol):
         if on_sent is not None:
             on_sent()
         while not self._head_done:
-            await self._wait(deadline, self._pool.read_timeout)
+            await self._wait(deadline, self._pool.read_timeout if head_timeout is None else head_timeout)
         status = self._parser.get_status_code()
         return Response(self, status, self._headers)
 
@@ -238,9 +248,13 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
 
-def _expire(waiter: asyncio.Future) -> None:
+_TOTAL_RAN_OUT = "the request's total timeout ran out"
+
+
+def _expire(waiter: asyncio.Future, total: bool) -> None:
     if not waiter.done():
-        waiter.set_exception(ResponseTimeout("no response from the worker within the read timeout"))
+        message = _TOTAL_RAN_OUT if total else "no response from the worker within the read timeout"
+        waiter.set_exception(ResponseTimeout(message, total))
 
 
 class _Pool:
@@ -322,11 +336,14 @@ class HTTPClient:
         body: bytes,
         headers: dict[str, str] | None = None,
         on_sent: Callable[[], None] | None = None,
+        head_timeout: float | None = None,
     ) -> Response:
         """Send ``POST base_url + path`` and return once the response head arrived.
 
         ``on_sent`` runs once, right after the request has been handed to a connection (never
-        if no connection could be opened): work that must not delay the request goes there."""
+        if no connection could be opened): work that must not delay the request goes there.
+        ``head_timeout`` replaces the read timeout for the head (a server that answers only when
+        done: only the total timeout bounds it)."""
         pool, prefix = self._pool(base_url)
         lines = [
             b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n"
@@ -342,7 +359,7 @@ class HTTPClient:
         conn = pool.take()
         if conn is not None:
             try:
-                return await conn.send(head, body, deadline, on_sent)
+                return await conn.send(head, body, deadline, on_sent, head_timeout)
             except ConnectionBroken:
                 conn.abort()
                 if conn.received:
@@ -354,7 +371,7 @@ class HTTPClient:
                 raise
         conn = await pool.connect()
         try:
-            return await conn.send(head, body, deadline, on_sent)
+            return await conn.send(head, body, deadline, on_sent, head_timeout)
         except BaseException:
             conn.abort()
             raise

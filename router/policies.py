@@ -139,9 +139,21 @@ class Policy:
             if rng is not None:
                 rng.setstate(state)
 
-    def on_routed(self, req: RouteRequest, url: str) -> None:
-        """The request was sent to ``url``: optimistically record its prefix there."""
-        self.index.insert(url, req.block_hashes)
+    def on_routed(self, req: RouteRequest, url: str, max_blocks: int | None = None) -> None:
+        """The request was sent to ``url``: optimistically record its prefix there (at most
+        ``max_blocks``: what the worker's context can hold, so no prompt it must refuse floods the
+        index's budget)."""
+        hashes = req.block_hashes
+        self.index.insert(
+            url, hashes if max_blocks is None or max_blocks >= len(hashes) else hashes[:max_blocks]
+        )
+
+    def on_refused(self, req: RouteRequest, url: str, held_blocks: int) -> None:
+        """``url`` refused the request (an error answer, or none): take back what ``on_routed``
+        recorded beyond the ``held_blocks`` it was predicted to hold before. KV events never would:
+        they only tell what a worker stored or removed."""
+        if len(req.block_hashes) > held_blocks:
+            self.index.apply_removed(url, req.block_hashes[held_blocks:])
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "params": dict(self.params)}

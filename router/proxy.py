@@ -25,7 +25,9 @@ class UpstreamFailure(Exception):
 
     def __init__(self, kind: str, message: str, status: int = 502, body: bytes | None = None) -> None:
         super().__init__(message)
-        self.kind = kind  # connect | timeout | http_5xx | overloaded (429: alive, but its queue is full)
+        # connect | timeout | http_5xx | overloaded (429: alive, but its queue is full) | request_timeout
+        # (the request's own total time, request_timeout_s, ran out: no fault of the worker's)
+        self.kind = kind
         self.status = status
         self.body = body
 
@@ -106,6 +108,14 @@ class SSEUsageScanner:
         return rest if self.strip else b""
 
 
+def _timeout(exc: ResponseTimeout, message: str) -> UpstreamFailure:
+    if exc.total:
+        return UpstreamFailure(
+            "request_timeout", "the request ran past its total timeout (request_timeout_s)", 504
+        )
+    return UpstreamFailure("timeout", message, 504)
+
+
 class Upstream:
     """Upstream clients to all workers: the pooled hot-path client for completions
     (router/http_client.py) and an aiohttp session for health checks and event streams."""
@@ -139,17 +149,18 @@ class Upstream:
         body: bytes,
         headers: dict[str, str],
         on_sent: Callable[[], None] | None = None,
+        head_timeout: float | None = None,
     ) -> Response:
-        """Send the request and wait for the response head. Raises UpstreamFailure on a worker
+        """Send the request and wait for the response head (``head_timeout``: HTTPClient.post). Raises UpstreamFailure on a worker
         fault or a 429 (the response is closed); returns the open response on any other status < 500.
         ``on_sent`` runs once the request is on a connection (never if none could be opened).
         With a worker key, it is the request's Authorization (never the client's)."""
         if self.authorization is not None:
             headers = {**headers, "authorization": self.authorization}
         try:
-            resp = await self.client.post(worker.url, path, body, headers, on_sent)
-        except ResponseTimeout:
-            raise UpstreamFailure("timeout", f"worker {worker.url} did not answer in time", 504) from None
+            resp = await self.client.post(worker.url, path, body, headers, on_sent, head_timeout)
+        except ResponseTimeout as exc:
+            raise _timeout(exc, f"worker {worker.url} did not answer in time") from None
         except HTTPClientError as exc:
             raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc}", 502) from None
         if resp.status >= 500 or resp.status == 429:
@@ -166,9 +177,7 @@ class Upstream:
         """The whole body; the caller closes ``resp``."""
         try:
             return await resp.read()
-        except ResponseTimeout:
-            raise UpstreamFailure(
-                "timeout", "worker stopped sending before the response ended", 504
-            ) from None
+        except ResponseTimeout as exc:
+            raise _timeout(exc, "worker stopped sending before the response ended") from None
         except HTTPClientError as exc:
             raise UpstreamFailure("connect", f"worker connection lost: {exc}", 502) from None

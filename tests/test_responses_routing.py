@@ -110,6 +110,31 @@ def test_a_follow_up_whose_worker_is_down_is_503_not_sent_elsewhere(launch) -> N
                                 if w["url"] == holder.url)["healthy"], 15, what="holder marked down")  # fmt: skip
     r = _create(router.url, input="Still there?", previous_response_id=first.json()["id"])
     assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+    for method in ("GET", "DELETE"):  # retrieve and delete: the same answer, not sent elsewhere
+        r = httpx.request(method, f"{router.url}/v1/responses/{first.json()['id']}", timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable", r.text
+
+
+def test_a_client_key_reaches_workers_that_check_it_on_every_endpoint(launch) -> None:
+    """No --worker-api-key: the client's key is passed on (as to vLLM's --api-key), also on
+    retrieve / delete and /tokenize, which go to one worker without being routed."""
+    worker = _worker(launch, "--api-key", "shared")
+    router = launch.router([worker.url], "--api-key", "shared")
+    key = {"authorization": "Bearer shared"}
+    created = httpx.post(router.url + "/v1/responses", headers=key, timeout=30,
+                         json={"model": "sim-8b", "max_output_tokens": 4, "input": "Keyed."})  # fmt: skip
+    assert created.status_code == 200, created.text
+    rid = created.json()["id"]
+    got = httpx.get(f"{router.url}/v1/responses/{rid}", headers=key, timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == rid
+    tokens = httpx.post(router.url + "/tokenize", json={"prompt": "four"}, headers=key, timeout=10)
+    assert tokens.status_code == 200 and tokens.json()["count"] == 4
+    assert httpx.delete(f"{router.url}/v1/responses/{rid}", headers=key, timeout=10).json()["deleted"] is True
+    # with keys but no admin token, nobody may add a worker (it would be sent the clients' prompts)
+    for headers in ({}, key):
+        added = httpx.post(router.url + "/workers", params={"url": "http://127.0.0.1:9"}, headers=headers)
+        assert added.status_code == 403 and added.json()["error"]["code"] == "admin_token_required"
+    assert [w["url"] for w in httpx.get(router.url + "/workers").json()["workers"]] == [worker.url]
 
 
 @pytest.mark.redis

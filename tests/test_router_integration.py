@@ -680,3 +680,96 @@ def test_models_report_the_smallest_context_of_the_workers_serving_them(launch):
     (model,) = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
     assert model["id"] == "sim-8b" and model["max_model_len"] == 4096  # a request may land on either
     assert httpx.get(long.url + "/v1/models").json()["data"][0]["max_model_len"] == 8192
+
+
+def _router_with(launch, tmp_path, backends, **settings) -> object:
+    """A router over ``backends`` with YAML ``settings`` (timeouts and breaker have no flags)."""
+    path = tmp_path / "router.yaml"
+    path.write_text("".join(f"{k}: {v}\n" for k, v in settings.items()))
+    return launch.router([b.url for b in backends], "--config", str(path))
+
+
+def _worker_row(router_url: str) -> dict:
+    return httpx.get(router_url + "/workers", timeout=5).json()["workers"][0]
+
+
+def test_a_half_open_probe_whose_client_leaves_does_not_shut_the_worker_out(launch, tmp_path):
+    """The breaker opens on three head timeouts; its probe's client leaves before any verdict; the
+    next request must still reach the worker (no 503 for good), and nothing was retried."""
+    slow = launch.echo_backend("--prefill-us-per-token", "1000000", "--decode-ms-per-token", "100")
+    router = _router_with(launch, tmp_path, [slow], first_byte_timeout_s=0.3, breaker_open_s=0.5,
+                          max_retries=0, health_interval_s=60)  # fmt: skip
+    prompts = [f"prompt {i} ".ljust(32, "x") for i in range(3)]  # 2 whole blocks: cached once seen
+    for prompt in prompts:  # uncached: 32 s of prefill before the stream's head
+        body = {"model": "echo", "prompt": prompt, "max_tokens": 2, "stream": True}
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    opened = time.monotonic()
+    assert _worker_row(router.url)["breaker"] == "open"
+    wait_until(lambda: time.monotonic() > opened + 0.6, 5, what="the breaker's cool-down")
+    probe = {"model": "echo", "prompt": prompts[0], "max_tokens": 50}  # cached: 5 s of decode
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json=probe, timeout=0.3)
+    wait_until(lambda: _worker_row(router.url)["in_flight"] == 0, 10, what="the probe released")
+    after = httpx.post(router.url + "/v1/completions", json={**probe, "max_tokens": 1}, timeout=10)
+    assert after.status_code == 200, after.text
+    assert _worker_row(router.url)["breaker"] == "closed"
+    retried = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_upstream_retries_total")
+    assert sum(retried.values()) == 0  # --max-retries 0: three failures, nothing moved elsewhere
+
+
+def test_a_long_non_stream_answer_is_not_a_timeout_and_the_request_timeout_is_no_worker_fault(
+    launch, tmp_path
+):
+    """A non-stream answer's head comes when it is done: first_byte_timeout_s must not cut it off
+    (nor retry it elsewhere); request_timeout_s does, with 504 request_timeout, charging no worker."""
+    backends = [launch.echo_backend("--decode-ms-per-token", "100") for _ in range(2)]
+    router = _router_with(launch, tmp_path, backends, first_byte_timeout_s=0.3, request_timeout_s=1.5)
+    body = {"model": "echo", "prompt": "take your time", "max_tokens": 8}  # ~0.8 s
+    answer = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "x" * 8
+    too_long = httpx.post(router.url + "/v1/completions", json={**body, "max_tokens": 30}, timeout=10)
+    assert too_long.status_code == 504 and too_long.json()["error"]["code"] == "request_timeout"
+    with httpx.stream("POST", router.url + "/v1/completions", json={**body, "max_tokens": 30, "stream": True},
+                      timeout=10) as stream:  # fmt: skip
+        text = b"".join(stream.iter_raw())
+    assert stream.status_code == 200 and b"data:" in text and b"[DONE]" not in text  # cut off
+    metrics = httpx.get(router.url + "/metrics").text
+    assert sum(metric_values(metrics, "radixgate_upstream_errors_total").values()) == 0
+    assert sum(metric_values(metrics, "radixgate_upstream_retries_total").values()) == 0
+    assert sum(metric_values(metrics, "radixgate_upstream_requests_total").values()) == 3  # each sent once
+    rows = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+    assert [w["breaker"] for w in rows] == ["closed", "closed"]
+
+
+def test_a_refused_request_is_not_recorded_as_cached_on_the_worker(launch):
+    backend = launch.echo_backend()
+    router = launch.router([backend.url])
+    body = chat("Refuse me, please.", max_tokens="many")  # the backend answers 400
+    routed = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+    assert routed["candidates"][0]["matched_tokens"] == 0
+    refused = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=10)
+    assert refused.status_code == 400
+    routed = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+    assert routed["candidates"][0]["matched_tokens"] == 0
+    ok = httpx.post(router.url + "/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=10)
+    assert ok.status_code == 200  # what is answered is recorded: the next one matches
+    routed = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+    assert routed["candidates"][0]["matched_tokens"] >= len(SYSTEM) - 16
+
+
+def test_a_prompt_longer_than_the_workers_context_cannot_flush_the_index(launch):
+    """The index records at most what the worker's context holds: a refused 4,000-token prompt
+    must not evict what a 200-entry index learned before (the refusal is then taken back)."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--sim-context-tokens", "1024")
+    router = launch.router([worker.url], "--max-index-entries", "200")
+    wait_until(lambda: _worker_row(router.url)["models"] == ["sim-8b"], 10, what="the worker's models")
+    kept = {"model": "sim-8b", "prompt": "a prefix worth keeping " * 20, "max_tokens": 1}
+    assert httpx.post(router.url + "/v1/completions", json=kept, timeout=30).status_code == 200
+    held = httpx.post(router.url + "/debug/route", json=kept, timeout=10).json()["candidates"][0]
+    assert held["matched_tokens"] >= 400
+    huge = {"model": "sim-8b", "prompt": "far too long " * 330, "max_tokens": 1}  # ~4.3k tokens
+    refused = httpx.post(router.url + "/v1/completions", json=huge, timeout=30)
+    assert refused.status_code == 413, refused.text
+    after = httpx.post(router.url + "/debug/route", json=kept, timeout=10).json()["candidates"][0]
+    assert after["matched_tokens"] == held["matched_tokens"]
