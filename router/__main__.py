@@ -8,7 +8,7 @@ import sys
 import uvicorn
 
 from router.app import build_app
-from router.config import build_config
+from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
 from router.launcher import WorkerLauncher
 
@@ -16,6 +16,7 @@ from router.launcher import WorkerLauncher
 def main(argv: list[str] | None = None) -> int:
     try:
         config = build_config(argv)
+        check_tokenizer(config.tokenizer)  # NOTE: loaded again by the app; a bad one fails here, clearly
         if config.k8s_worker_service:
             target_from_config(config)  # NOTE: fail here, with a clear message, not in the app
     except (ValueError, OSError) as exc:

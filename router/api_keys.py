@@ -4,8 +4,8 @@ them, compared in constant time. No keys configured: every request passes.
 A key may be named, ``NAME:KEY`` (NAME of letters, digits, ``_`` and ``-``; an unnamed key is
 ``key-<i>``, its place in the list): the name, never the key, appears in metrics and logs, and
 ``api_key_limits`` (YAML ``{NAME: {requests_per_minute: N}}``) caps a key's generation requests.
-A limit is a token bucket holding a minute's requests, refilled continuously; a request that
-finds it empty is a 429 with ``Retry-After``. Each router replica counts its own requests.
+A limit is a token bucket holding a minute's requests (at least one), refilled continuously; a
+request that finds it empty is a 429 with ``Retry-After``. Each router replica counts its own requests.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def check_limits(keys: list[str], limits: dict[str, Any]) -> None:
 
 class _Bucket:
     def __init__(self, per_minute: float, clock: Callable[[], float]) -> None:
-        self.capacity = float(per_minute)
+        # NOTE: at least one whole request: under 1 a minute the bucket would never hold one
+        self.capacity = max(1.0, float(per_minute))
         self.rate = per_minute / 60.0  # tokens per second
         self.tokens = self.capacity
         self.clock = clock

@@ -15,9 +15,24 @@ import yaml
 
 from router.affinity import AffinityGroups
 from router.api_keys import check_limits
+from router.policies import POLICY_NAMES, make_policy
+from router.prefix_index import PrefixIndex
 from router.resp import tcp_url_options
+from router.tokenization import load_tokenizer
 
-POLICY_NAMES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
+# seconds that must be > 0: at 0 a timeout fails every request, an interval spins a core
+_POSITIVE_SECONDS = (
+    "health_interval_s",
+    "health_timeout_s",
+    "breaker_open_s",
+    "connect_timeout_s",
+    "first_byte_timeout_s",
+    "request_timeout_s",
+    "replica_sync_heartbeat_s",
+    "queue_timeout_s",
+    "discovery_interval_s",
+)
 
 
 @dataclass
@@ -87,8 +102,16 @@ class RouterConfig:
         return bool(self.redis_url) and self.replica_sync != "off"
 
     def validate(self) -> None:
+        """ValueError naming the first setting that is malformed or would break the router. Only
+        what needs no filesystem: the tokenizer is loaded by ``check_tokenizer`` at start-up."""
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        try:
+            make_policy(self.policy, PrefixIndex(), self.policy_params)  # a throw-away, as a check
+        except ValueError as exc:
+            raise ValueError(f"policy_params: {exc}") from None
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         if self.kv_events not in ("auto", "redis", "http", "off"):
             raise ValueError("kv_events must be auto, redis, http or off")
         if self.kv_events == "redis" and not self.redis_url:
@@ -97,26 +120,25 @@ class RouterConfig:
             raise ValueError("replica_sync must be auto, on or off")
         if self.replica_sync == "on" and not self.redis_url:
             raise ValueError("replica_sync=on needs redis_url")
-        if not self.replica_sync_heartbeat_s > 0:
-            raise ValueError("replica_sync_heartbeat_s must be > 0")
+        for name in _POSITIVE_SECONDS:
+            if not getattr(self, name) > 0:  # NaN fails too
+                raise ValueError(f"{name} must be > 0 seconds, not {getattr(self, name)!r}")
         if self.replica_sync_enabled:
             try:
                 tcp_url_options(self.redis_url)
             except ValueError as exc:
                 raise ValueError(f"replica sync: {exc}; or set replica_sync off") from None
-        for name in ("block_size", "max_index_entries", "port"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+        for name in ("block_size", "max_index_entries", "max_body_bytes", "breaker_failure_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, not {getattr(self, name)!r}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in 1..65535, not {self.port}")
         if self.kv_fetch_min_tokens < 0:
             raise ValueError("kv_fetch_min_tokens must be >= 0 (0: off)")
         if not self.prefill_tokens_per_load >= 0:  # NaN fails too
             raise ValueError("prefill_tokens_per_load must be >= 0 (0: load counts requests only)")
-        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0 or not self.queue_timeout_s > 0:
-            raise ValueError(
-                "max_concurrent_requests and max_queued_requests must be >= 0, queue_timeout_s > 0"
-            )
-        if not self.discovery_interval_s > 0:
-            raise ValueError("discovery_interval_s must be > 0")
+        if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
+            raise ValueError("max_concurrent_requests and max_queued_requests must be >= 0")
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
@@ -132,6 +154,14 @@ _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
 def _coerce(name: str, value: Any) -> Any:
     """Turn a YAML or env value into the field's type; raises ValueError with the field name."""
     kind = _FIELDS[name].type
+    # NOTE: YAML 1.1 reads unquoted on/off (yes/no) as booleans; for the modes they are the words
+    if name in ("kv_events", "replica_sync") and isinstance(value, bool):
+        if value and name == "kv_events":
+            raise ValueError(
+                "kv_events: true (YAML reads unquoted on/yes as true) is not a mode; "
+                "write one of auto, redis, http or off, quoted if in doubt"
+            )
+        return "on" if value else "off"
     try:
         if kind == "list[str]":
             if isinstance(value, str):
@@ -139,13 +169,13 @@ def _coerce(name: str, value: Any) -> Any:
             return [str(v) for v in value]
         if kind == "dict[str, Any]":
             if isinstance(value, str):
-                value = yaml.safe_load(value)
+                value = _yaml_value(value)
             if not isinstance(value, dict):
                 raise TypeError("expected a mapping")
             return value
         if kind == "list[dict[str, Any]]":
             if isinstance(value, str):
-                value = yaml.safe_load(value)
+                value = _yaml_value(value)
             if value is None:
                 return []
             if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
@@ -170,15 +200,39 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"bad value for {name}: {value!r} ({exc})") from None
 
 
+def _yaml_value(text: str) -> Any:
+    """One value written in YAML (env values, --policy-param); ValueError when it is not YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not valid YAML: {text!r} ({getattr(exc, 'problem', None) or exc})") from None
+
+
 def load_yaml(path: str) -> dict[str, Any]:
+    """The settings of a YAML file: a mapping of them, or one under a top-level ``router:`` key
+    (then nothing else may be at the top level: a setting there by mistake would be ignored)."""
     with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f) or {}
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
-    raw = raw.get("router", raw)  # allow a file with a top-level `router:` section
+    if "router" in raw:
+        others = sorted(str(k) for k in raw if k != "router")
+        if others:
+            raise ValueError(
+                f"{path}: unknown top-level key(s) {', '.join(map(repr, others))} beside router:; "
+                "settings go under router:"
+            )
+        raw = raw["router"]
+        if not isinstance(raw, dict):
+            what = "empty" if raw is None else f"a {type(raw).__name__}"
+            raise ValueError(f"{path}: the router: section must be a mapping of settings; it is {what}")
     out = {}
     for key, value in raw.items():
-        name = key.replace("-", "_")
+        name = str(key).replace("-", "_")
         if name not in _FIELDS:
             raise ValueError(f"{path}: unknown setting {key!r}")
         out[name] = _coerce(name, value)
@@ -312,10 +366,23 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"--policy-param expects KEY=VALUE, got {item!r}")
-            params[key] = yaml.safe_load(value)
+            try:
+                params[key] = _yaml_value(value)
+            except ValueError as exc:
+                raise ValueError(f"--policy-param {key}: {exc}") from None
         flags["policy_params"] = params
     settings.update(flags)
     config = RouterConfig(**settings)
     config.workers = [w.rstrip("/") for w in config.workers]
+    config.log_level = config.log_level.lower()  # NOTE: uvicorn knows only the lower-case names
     config.validate()
     return config
+
+
+def check_tokenizer(spec: str) -> None:
+    """ValueError unless ``spec`` (the tokenizer setting) loads. Called at start-up, not by
+    ``validate``: a config names paths of the machine it runs on (a Helm chart's, a pod's)."""
+    try:
+        load_tokenizer(spec)
+    except Exception as exc:  # NOTE: the tokenizers library raises bare Exceptions on a bad file
+        raise ValueError(f"tokenizer {spec!r} does not load: {exc}") from None

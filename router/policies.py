@@ -124,6 +124,26 @@ class Policy:
         self.index = index
         self.params: dict[str, Any] = {**self.defaults, **params}
 
+    def _number(self, name: str, kind: type[int] | type[float] = float) -> Any:
+        """Parameter ``name`` as ``kind``; ValueError naming it when it is not one (a bool, text,
+        a fraction where a count is wanted)."""
+        value = self.params[name]
+        try:
+            if isinstance(value, bool) or (
+                kind is int and isinstance(value, float) and not value.is_integer()
+            ):
+                raise TypeError
+            return kind(value)
+        except (TypeError, ValueError):
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"policy {self.name!r}: {name} must be {what}, not {value!r}") from None
+
+    def _seeded_rng(self) -> random.Random:
+        seed = self.params["seed"]
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"policy {self.name!r}: seed must be an integer or null, not {seed!r}")
+        return random.Random(seed)
+
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Pick one of ``candidates`` (non-empty) for ``req``."""
         raise NotImplementedError
@@ -191,7 +211,7 @@ class RandomChoice(Policy):
 
     def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
         super().__init__(index, params)
-        self._rng = random.Random(self.params["seed"])
+        self._rng = self._seeded_rng()
 
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         pick = self._rng.choice(candidates)
@@ -205,7 +225,7 @@ class LeastLoad(Policy):
 
     def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
         super().__init__(index, params)
-        self._rng = random.Random(self.params["seed"])
+        self._rng = self._seeded_rng()
 
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         blocks = self._matched_blocks(req, candidates)
@@ -224,9 +244,9 @@ class PrefixHash(Policy):
 
     def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
         super().__init__(index, params)
-        if int(self.params["prefix_blocks"]) < 1 or int(self.params["vnodes"]) < 1:
+        if self._number("prefix_blocks", int) < 1 or self._number("vnodes", int) < 1:
             raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
-        if float(self.params["load_factor"]) < 1.0:
+        if not self._number("load_factor") >= 1.0:  # NaN fails too
             raise ValueError("prefix_hash: load_factor must be >= 1.0")
         self._ring_urls: tuple[str, ...] = ()
         self._points: list[int] = []  # sorted ring positions (64-bit)
@@ -282,9 +302,9 @@ class CacheAware(Policy):
 
     def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
         super().__init__(index, params)
-        self._abs = float(self.params["balance_abs"])
-        self._rel = float(self.params["balance_rel"])
-        self._tokens_per_load = float(self.params["tokens_per_load"])
+        self._abs = self._number("balance_abs")
+        self._rel = self._number("balance_rel")
+        self._tokens_per_load = self._number("tokens_per_load")
         if not (self._abs >= 0 and self._rel >= 0 and self._tokens_per_load >= 0):  # NaN fails too
             raise ValueError("cache_aware: balance_abs, balance_rel and tokens_per_load must be >= 0")
 

@@ -74,15 +74,30 @@ def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RouterError(400, "'model' must be a string", "invalid_type")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")  # NOTE: null is no stream, as OpenAI and the worker read it
+    if stream is not None and not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", "invalid_type")
-    return body, model, stream
+    return body, model, bool(stream)
+
+
+def _check_stream_options(body: dict[str, Any]) -> None:
+    """``stream_options`` of a chat or completion request: null, or an object whose
+    ``include_usage`` is a boolean, null or absent (the worker's rule). Checked here because the
+    router rewrites it for streams (``with_stream_usage``): a malformed one would otherwise pass."""
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict)
+        or not isinstance(options.get("include_usage", False), (bool, type(None)))
+    ):
+        raise RouterError(
+            400, "'stream_options' must be an object with a boolean 'include_usage'", "invalid_type"
+        )
 
 
 def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:
     """Validate what the router needs of an OpenAI request and tokenize its prompt."""
     body, model, stream = _common_fields(raw)
+    _check_stream_options(body)
     rest: list = []  # a batch's prompts after the first
     try:
         if chat:
@@ -129,12 +144,10 @@ def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:
     """The body to send upstream for a stream, and whether the router must take the usage chunk
     out again: the router reads usage (cached tokens) from every stream for its hit-rate metrics,
     so it sets ``stream_options.include_usage`` where the client did not (OpenAI's default is no
-    usage chunk, and clients index ``choices[0]`` of every chunk). A malformed ``stream_options``
-    goes upstream as it came, for the worker to refuse."""
+    usage chunk, and clients index ``choices[0]`` of every chunk). ``stream_options`` was checked
+    by ``parse_request``."""
     options = parsed.body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
-        return parsed.raw, False
-    if options is not None and not isinstance(options, dict):
         return parsed.raw, False
     body = {**parsed.body, "stream_options": {**(options or {}), "include_usage": True}}
     return orjson.dumps(body), True

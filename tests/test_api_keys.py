@@ -60,6 +60,25 @@ def test_a_limit_allows_a_minutes_requests_then_refills_continuously():
         keys.admit("a")
 
 
+def test_a_limit_below_one_a_minute_spaces_single_requests_out():
+    clock = Clock()
+    keys = APIKeys(["a:ka"], {"a": {"requests_per_minute": 0.5}}, clock=clock)
+    keys.admit("a")  # one request at once, as for any limit
+    with pytest.raises(RouterError) as err:
+        keys.admit("a")
+    assert err.value.status == 429 and err.value.retry_after == 120  # 0.5 a minute: one per 2 minutes
+    clock.t += 119.0
+    with pytest.raises(RouterError) as err:
+        keys.admit("a")
+    assert err.value.retry_after == 1
+    clock.t += 1.0
+    keys.admit("a")
+    clock.t += 3600.0
+    keys.admit("a")  # never more than one at once
+    with pytest.raises(RouterError):
+        keys.admit("a")
+
+
 @pytest.mark.parametrize(
     ("limits", "words"),
     [

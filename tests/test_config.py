@@ -1,17 +1,22 @@
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 
-from router.config import build_config
+from router.config import RouterConfig, build_config, build_parser
+from router.launcher import free_port
 
 
 def test_precedence_defaults_yaml_env_flags(tmp_path):
     cfg = tmp_path / "router.yaml"
-    cfg.write_text("router:\n  port: 9000\n  policy: round_robin\n  policy_params: {balance_abs: 3}\n")
+    cfg.write_text("router:\n  port: 9000\n  policy: least_load\n  policy_params: {seed: 3}\n")
     config = build_config(["--config", str(cfg)], environ={"RADIXGATE_PORT": "9100"})
-    assert (config.port, config.policy, config.policy_params) == (9100, "round_robin", {"balance_abs": 3})
-    config = build_config(
-        ["--config", str(cfg), "--port", "9200", "--policy-param", "balance_abs=5"], environ={}
-    )
-    assert config.port == 9200 and config.policy_params == {"balance_abs": 5}
+    assert (config.port, config.policy, config.policy_params) == (9100, "least_load", {"seed": 3})
+    config = build_config(["--config", str(cfg), "--port", "9200", "--policy-param", "seed=5"], environ={})
+    assert config.port == 9200 and config.policy_params == {"seed": 5}
     assert config.health_interval_s == 1.0  # untouched default
 
 
@@ -45,8 +50,6 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
 
 
 def test_shipped_example_config_loads():
-    import os
-
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "router.yaml")
     config = build_config(["--config", path], environ={})
     assert config.policy == "cache_aware" and len(config.workers) == 2
@@ -94,3 +97,107 @@ def test_stream_usage_reads_from_flags_env_and_yaml(tmp_path):
     assert build_config(["--config", str(cfg)], environ={}).stream_usage is False
     with pytest.raises(ValueError):
         build_config([], environ={"RADIXGATE_STREAM_USAGE": "maybe"})
+
+
+# ------------------------------------------------------------------ start-up errors, from the real CLI
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_router(*args: str) -> subprocess.CompletedProcess:
+    """``python -m router ARGS`` as an operator runs it (no RADIXGATE_* from the test's environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RADIXGATE_")}
+    env["PYTHONPATH"] = ROOT
+    argv = [sys.executable, "-m", "router", "--port", str(free_port()), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "args", "words"),
+    [
+        ("router:\n  port: [8000\n", [], "not valid YAML"),
+        (None, ["--policy-param", "bogus=1"], "bogus"),
+        (None, ["--policy-param", "balance_abs=abc"], "balance_abs"),
+        (None, ["--policy", "prefix_hash", "--policy-param", "vnodes=many"], "vnodes"),
+        ("policy_params: {balance_abs: abc}\n", [], "balance_abs"),
+        (None, ["--tokenizer", "/nonexistent"], "tokenizer"),
+        (None, ["--log-level", "bogus"], "log_level"),
+        ("router:\n", [], "router: section"),
+        ("router:\n  - port: 9000\n", [], "router: section"),
+        (None, ["--port", "70000"], "port"),
+    ],
+)
+def test_bad_start_up_settings_exit_2_with_a_message_not_a_traceback(tmp_path, yaml_text, args, words):
+    if yaml_text is not None:
+        cfg = tmp_path / "router.yaml"
+        cfg.write_text(yaml_text)
+        args = [*args, "--config", str(cfg)]
+    done = run_router(*args)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error:") and "Traceback" not in done.stderr, done.stderr
+    assert words in done.stderr
+
+
+def test_a_tokenizer_directory_without_a_loadable_tokenizer_is_refused(tmp_path):
+    assert run_router("--tokenizer", str(tmp_path)).stderr.startswith("error: tokenizer")  # no tokenizer.json
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    done = run_router("--tokenizer", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.startswith("error: tokenizer"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_top_level_keys_beside_a_router_section_are_errors(tmp_path):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("router:\n  port: 9000\nworkers:\n  - http://a:1\n")  # workers indented wrongly
+    with pytest.raises(ValueError, match=r"'workers'.*under router:"):
+        build_config(["--config", str(cfg)], environ={})
+
+
+@pytest.mark.parametrize("name", ["router.yaml", "affinity-groups.yaml"])
+def test_every_shipped_config_loads(name):
+    config = build_config(["--config", os.path.join(ROOT, "configs", name)], environ={})
+    assert config.workers and config.policy == "cache_aware"
+
+
+def test_unquoted_on_and_off_are_read_as_modes(tmp_path):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("router:\n  kv_events: off\n  replica_sync: off\n  redis_url: unix:///tmp/r.sock\n")
+    config = build_config(["--config", str(cfg)], environ={})
+    assert (config.kv_events, config.replica_sync) == ("off", "off")
+    cfg.write_text("replica_sync: on\nredis_url: redis://r:6379/0\n")
+    assert build_config(["--config", str(cfg)], environ={}).replica_sync == "on"
+    cfg.write_text("kv_events: on\n")
+    with pytest.raises(ValueError, match=r"kv_events.*quote"):
+        build_config(["--config", str(cfg)], environ={})
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "name"),
+    [
+        (["--health-interval-s", "0"], {}, "health_interval_s"),
+        (["--request-timeout-s", "0"], {}, "request_timeout_s"),
+        (["--request-timeout-s", "-5"], {}, "request_timeout_s"),
+        ([], {"RADIXGATE_CONNECT_TIMEOUT_S": "0"}, "connect_timeout_s"),
+        ([], {"RADIXGATE_FIRST_BYTE_TIMEOUT_S": "-1"}, "first_byte_timeout_s"),
+        ([], {"RADIXGATE_HEALTH_TIMEOUT_S": "0"}, "health_timeout_s"),
+        ([], {"RADIXGATE_HEALTH_TIMEOUT_S": "nan"}, "health_timeout_s"),
+        ([], {"RADIXGATE_BREAKER_FAILURE_THRESHOLD": "0"}, "breaker_failure_threshold"),
+        ([], {"RADIXGATE_BREAKER_OPEN_S": "0"}, "breaker_open_s"),
+        ([], {"RADIXGATE_MAX_BODY_BYTES": "0"}, "max_body_bytes"),
+        ([], {"RADIXGATE_REPLICA_SYNC_HEARTBEAT_S": "0"}, "replica_sync_heartbeat_s"),
+        (["--port", "65536"], {}, "port"),
+        (["--port", "0"], {}, "port"),
+    ],
+)
+def test_settings_that_would_break_the_router_are_refused(argv, environ, name):
+    with pytest.raises(ValueError, match=name):
+        build_config(argv, environ=environ)
+    assert build_config(["--port", "65535"], environ={}).port == 65535
+
+
+def test_the_settings_doc_names_exactly_the_fields_without_a_flag():
+    dests = {action.dest for action in build_parser()._actions} | {"policy_params"}  # --policy-param
+    flagless = {f.name for f in dataclasses.fields(RouterConfig)} - dests
+    with open(os.path.join(ROOT, "docs", "router.md"), encoding="utf-8") as f:
+        settings = f.read().partition("## Settings")[2].partition("\n## ")[0]
+    listed = settings.partition("No flag, YAML and env only:")[2].partition(".")[0]
+    assert set(re.findall(r"`(\w+)`", listed)) == flagless

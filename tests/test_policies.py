@@ -298,3 +298,27 @@ def test_the_kv_source_is_the_best_holder_when_it_holds_enough_more_than_the_pic
     assert router.kv_source(Decision("http://a:1", {"http://a:1": 0}, "")) is None
     router.config.kv_fetch_min_tokens = 0  # off
     assert router.kv_source(pick) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "words"),
+    [
+        ("cache_aware", {"balance_abs": "abc"}, "balance_abs must be a number, not 'abc'"),
+        ("cache_aware", {"tokens_per_load": True}, "tokens_per_load must be a number"),
+        ("cache_aware", {"bogus": 1}, "unknown parameter(s) ['bogus']"),
+        ("prefix_hash", {"vnodes": "many"}, "vnodes must be an integer, not 'many'"),
+        ("prefix_hash", {"prefix_blocks": 2.5}, "prefix_blocks must be an integer"),
+        ("prefix_hash", {"load_factor": float("nan")}, "load_factor must be >= 1.0"),
+        ("random", {"seed": [1]}, "seed must be an integer or null"),
+        ("least_load", {"seed": 1.5}, "seed must be an integer or null"),
+    ],
+)
+def test_a_bad_parameter_is_refused_by_name(name, params, words) -> None:
+    with pytest.raises(ValueError) as err:
+        make_policy(name, PrefixIndex(), params)
+    assert words in str(err.value)
+
+
+def test_whole_numbers_and_numeric_text_are_parameters_still() -> None:
+    policy = make_policy("prefix_hash", PrefixIndex(), {"vnodes": 4.0, "load_factor": "1.5"})
+    assert policy.describe()["params"] == {"prefix_blocks": 8, "load_factor": "1.5", "vnodes": 4.0}

@@ -56,7 +56,6 @@ def test_a_chunk_with_choices_and_usage_is_kept():
         ({"include_usage": False}, True, {"include_usage": True}),
         ({"include_usage": True}, False, {"include_usage": True}),
         ({"continuous_usage_stats": False}, True, {"continuous_usage_stats": False, "include_usage": True}),
-        ("bad", False, "bad"),
     ],
 )
 def test_the_router_asks_for_usage_where_the_client_did_not(options, strip, sent):

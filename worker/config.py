@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 
 
 @dataclass
@@ -72,7 +73,18 @@ class WorkerConfig:
             raise ValueError("--tool-call-parser must be hermes or llama3_json")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
-        for name in ("port", "block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 1..65535, not {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        if self.redis_url:
+            from redis.connection import parse_url  # NOTE: here, not at import: only with --redis-url
+
+            try:
+                parse_url(self.redis_url)  # the reading the KV publisher's client makes of it
+            except ValueError as exc:
+                raise ValueError(f"--redis-url {self.redis_url!r}: {exc}") from None
+        for name in ("block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -268,6 +280,7 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = WorkerConfig(**vars(args))
+    cfg.log_level = cfg.log_level.lower()  # NOTE: uvicorn knows only the lower-case names
     try:
         cfg.validate()
     except ValueError as exc:

@@ -186,7 +186,7 @@ class KVPublisher:
                 client.xadd(self.stream, {"batch": data}, maxlen=self.stream_maxlen, approximate=True)
                 self.stats["redis_sent"] += 1
                 failures = 0
-            except (redis.RedisError, OSError) as exc:
+            except (redis.RedisError, OSError, ValueError) as exc:  # ValueError: a URL redis cannot read
                 self.stats["redis_dropped"] += 1
                 failures += 1
                 backoff = min(5.0, 0.2 * 2 ** min(failures, 5))

@@ -51,6 +51,21 @@ def test_batches_are_numbered_and_empty_ones_skipped():
     assert snap.seq == 2 and snap.cleared and snap.stored == [run(1)]
 
 
+def test_a_redis_url_redis_cannot_read_drops_and_counts_every_batch(caplog):
+    # NOTE: the worker's config refuses such a URL; a publisher built with one must still not lose
+    # batches silently (its Redis thread dying on the first one, the rest never counted)
+    pub = KVPublisher("http://w:1", 4, redis_url="127.0.0.1:6379", stream="radixgate:kv:t")
+    pub.start()
+    try:
+        for i in range(5):
+            pub.publish([run(i)], [], False)
+        poll(lambda: pub.stats["redis_dropped"] == 5, "every batch counted as dropped")
+        assert pub.stats["redis_sent"] == 0
+        assert "Redis URL must specify one of the following schemes" in caplog.text
+    finally:
+        pub.close()
+
+
 @pytest.mark.redis
 def test_redis_outage_drops_and_counts_then_recovers():
     if REDIS is None:

@@ -1,0 +1,43 @@
+"""Request bodies as the router reads them: ``stream: null`` is no stream (as OpenAI and the worker
+read it), and a malformed ``stream_options`` is the router's own 400, never silently replaced."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from router.errors import RouterError
+from router.request_parsing import parse_responses_request
+from router.tokenization import ByteTokenizer
+
+from .test_router_integration import chat
+
+
+def test_stream_null_is_no_stream_and_bad_stream_options_are_400(launch):
+    backend = launch.echo_backend()
+    router = launch.router([backend.url])
+    completion = {"model": "echo", "prompt": "Hello there", "max_tokens": 4}
+    for path, body in (("/v1/chat/completions", chat("Hi", stream=None)), ("/v1/completions", completion)):
+        answer = httpx.post(router.url + path, json={**body, "stream": None}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["content-type"].startswith("application/json") and answer.json()["choices"]
+    for options in ({"include_usage": "yes"}, "yes", [True]):
+        for path, body in (("/v1/chat/completions", chat("Hi")), ("/v1/completions", completion)):
+            answer = httpx.post(
+                router.url + path, json={**body, "stream": True, "stream_options": options}, timeout=10
+            )
+            assert answer.status_code == 400, (path, options, answer.text)
+            error = answer.json()["error"]
+            assert error["type"] == "invalid_request_error" and "stream_options" in error["message"]
+    fine = httpx.post(router.url + "/v1/chat/completions", timeout=10,
+                      json=chat("Hi", stream=True, stream_options={"include_usage": None}))  # fmt: skip
+    assert fine.status_code == 200 and fine.headers["content-type"].startswith("text/event-stream")
+
+
+def test_responses_read_stream_null_as_no_stream():
+    body = {"model": "m", "input": "Hello", "stream": None}
+    assert parse_responses_request(orjson.dumps(body), ByteTokenizer()).stream is False
+    with pytest.raises(RouterError) as err:
+        parse_responses_request(orjson.dumps({**body, "stream": "yes"}), ByteTokenizer())
+    assert err.value.status == 400
