@@ -185,10 +185,10 @@ class Engine:
         """Run ``fn`` on the engine thread between steps (cache flush, snapshot) and return its result."""
         return await asyncio.wrap_future(self.post(fn))
 
-    async def flush_cache(self) -> int:
-        """Drop every cached page no request holds; returns pages freed."""
+    async def flush_cache(self) -> tuple[int, int]:
+        """Drop every cached page no request holds; returns the (device, host tier) pages freed."""
 
-        def flush() -> int:
+        def flush() -> tuple[int, int]:
             freed = self.cache.flush()
             self._publish_events()
             self._refresh()
@@ -247,13 +247,14 @@ class Engine:
                 self._queued -= 1
             if req.adapter and self.adapter_names[req.adapter - 1] is None:  # NOTE: unloaded since its check
                 self._emit(req, RequestOutput(finish_reason="error", error="the LoRA adapter was unloaded",
-                                              error_status=404))  # fmt: skip
+                                              error_status=404, error_code="model_not_found"))  # fmt: skip
                 return
             try:
                 self.scheduler.add(req)
                 self._requests[req.rid] = req
-            except QueueFullError as exc:
-                self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429))
+            except QueueFullError as exc:  # NOTE: submit's check saw a waiting count one step old
+                self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
+                                              error_code="queue_full"))  # fmt: skip
         elif kind == "abort":
             req = self._requests.pop(msg[1], None)
             if req is not None:

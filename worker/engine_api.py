@@ -32,6 +32,7 @@ class RequestOutput:
     completion_tokens: int = 0  # generated so far
     error: str | None = None
     error_status: int = 0  # HTTP status for ``error`` (429 queue full, 500 model failure, 503 dead)
+    error_code: str | None = None  # OpenAI error ``code`` for ``error`` (429: "queue_full")
     index: int = 0  # which of the request's choices (n > 1) this output belongs to
     logprobs: TokenLogprobs | None = None  # of token_ids[0], when the request asked for logprobs
     # first output of a request with prompt logprobs: one entry per prompt token, None for the first

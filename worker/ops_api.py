@@ -146,10 +146,13 @@ class OpsAPI:
         if (denied := self._not_admin(request)) is not None:
             return denied
         try:
-            freed = await self.engine.flush_cache()
+            device, host = await self.engine.flush_cache()
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "engine_dead") from None
-        return _json({"flushed_pages": freed, "flushed_tokens": freed * self.engine.page_size})
+        ps = self.engine.page_size
+        # NOTE: flushed_pages / flushed_tokens stay the device pool's (as before the host tier existed)
+        return _json({"flushed_pages": device, "flushed_tokens": device * ps,
+                      "flushed_host_pages": host, "flushed_host_tokens": host * ps})  # fmt: skip
 
     async def cache_snapshot(self, request: Request) -> Response:
         try:

@@ -418,14 +418,18 @@ class RadixCache:
         self._push_if_leaf(parent)
         return freed
 
-    def flush(self) -> int:
-        """Drop everything no request holds, in both tiers; returns device pages freed. If the tree
-        ends up empty, the next drain reports ``cleared`` instead of one removal per block."""
+    def flush(self) -> tuple[int, int]:
+        """Drop everything no request holds, in both tiers; returns the (device, host) pages freed.
+        If the tree ends up empty, the next drain reports ``cleared`` instead of one removal per
+        block."""
+        host_before = self._host_pages
+        # NOTE: dropping a device leaf drops its host-only descendants too, so host pages freed are
+        # counted as the tier's change, not from _drop_host's return
         freed = self.evict(self.total_pages, offload=False)
         self._drop_host(self._host_pages)
         if self.total_pages == 0 and self._host_pages == 0 and self.enable_events:
             self.events.cleared()
-        return freed
+        return freed, host_before - self._host_pages
 
     # ------------------------------------------------------------------ events
     def drain_events(self) -> tuple[list[StoredBlocks], list[int], bool]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_MIN_TEMPERATURE, _MAX_TEMPERATURE = 1e-6, 1e6  # what sampling divides by (see _divisor)
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's bound for top_logprobs)
 
 # (sampled token's logprob, top ids, their logprobs), most likely first
@@ -58,18 +59,20 @@ class SamplingParams:
         return dataclasses.replace(self, seed=(self.seed + index) % 2**64)
 
     def validate(self) -> SamplingParams:
-        """Raise ValueError naming the first bad field; returns self so calls can chain."""
-
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        """Raise ValueError naming the first bad field; returns self so calls can chain. The
+        real-valued fields (temperature, top_p, the penalties, logit_bias values) become floats:
+        a JSON integer such as 2**63 is a valid temperature, but not as an int64 tensor."""
 
         def integer(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        if not number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        temperature = _finite_float(self.temperature)
+        if temperature is None or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        top_p = _finite_float(self.top_p)
+        if top_p is None or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.temperature, self.top_p = temperature, top_p
         if not integer(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and (not integer(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
@@ -87,16 +90,22 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if not number(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        rp = self.repetition_penalty
-        if not number(rp) or not math.isfinite(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+            value = _finite_float(getattr(self, name))
+            if value is None or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}")
+            setattr(self, name, value)
+        rp = _finite_float(self.repetition_penalty)
+        if rp is None or rp <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        self.repetition_penalty = rp
         if not isinstance(self.logit_bias, dict) or not all(
-            integer(t) and t >= 0 and number(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()
+            integer(t) and t >= 0 and (b := _finite_float(v)) is not None and -100.0 <= b <= 100.0
+            for t, v in self.logit_bias.items()
         ):
             raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
+        self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
         if not integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (
@@ -113,6 +122,18 @@ class SamplingParams:
             # NOTE: a finished grammar allows EOS only, which both of these forbid
             raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs")
         return self
+
+
+def _finite_float(value: object) -> float | None:
+    """``value`` as a finite float; None for a bool, a non-number, NaN, an infinity, or an int too
+    large for a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -143,7 +164,9 @@ def sample(
         return out
     index = torch.tensor(rows, device=logits.device)
     scores = logits.index_select(0, index).float()
-    temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+    temps = torch.tensor(
+        [_divisor(params[i].temperature) for i in rows], dtype=scores.dtype, device=logits.device
+    )
     scores = scores / temps.unsqueeze(1)
     scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = scores.softmax(dim=-1)
@@ -154,6 +177,14 @@ def sample(
         noise[j].exponential_(generator=generators[i])
     out[index] = (probs / noise).argmax(dim=-1)
     return out
+
+
+def _divisor(temperature: float) -> float:
+    """What a row's float32 logits are divided by: the temperature, kept where float32 division
+    stays finite (a valid 1e-300 or 1e300 would make inf / 0 and then NaN, and a NaN row samples
+    tokens that top-k, a grammar or min_tokens excluded). Below 1e-6 sampling is the argmax but
+    for ties; above 1e6 it is uniform over the tokens allowed."""
+    return min(max(float(temperature), _MIN_TEMPERATURE), _MAX_TEMPERATURE)
 
 
 def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -170,7 +201,8 @@ def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]
     # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
     mass_before = probs.cumsum(dim=-1) - probs
     p = torch.tensor(top_p, device=scores.device, dtype=probs.dtype).unsqueeze(1)
-    sorted_scores = sorted_scores.masked_fill(mass_before >= p, float("-inf"))
+    # NOTE: the top token is kept explicitly: a top_p that underflows float32 to 0 would drop it
+    sorted_scores = sorted_scores.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
 
 
@@ -209,7 +241,7 @@ def accept_draft(
         raise ValueError(f"logits {tuple(logits.shape)} do not match {k} draft tokens")
     if params.greedy:
         return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
-    scores = logits.float() / params.temperature
+    scores = logits.float() / _divisor(params.temperature)
     scores = _mask_top_k_top_p(scores, [params.top_k] * (k + 1), [params.top_p] * (k + 1))
     probs = scores.softmax(dim=-1)
     drafted = torch.tensor(list(draft), device=logits.device, dtype=torch.long)

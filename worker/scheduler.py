@@ -96,7 +96,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request; raises QueueFullError at ``max_waiting``."""
         if len(self.waiting) >= self.cfg.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({self.cfg.max_waiting} requests)")
+            raise QueueFullError(f"the waiting queue is full ({self.cfg.max_waiting} requests)")
         self._estimate(req)
         self.waiting.append(req)
 

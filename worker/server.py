@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -57,6 +58,15 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _client_gone(request: Request) -> bool:
+    """Has the client disconnected? Asks the server at most once per ``_POLL_S`` per request."""
+    now = time.monotonic()
+    if now < getattr(request.state, "disconnect_check_at", 0.0):
+        return False
+    request.state.disconnect_check_at = now + _POLL_S
+    return await request.is_disconnected()
 
 
 class WorkerAPI:
@@ -163,7 +173,7 @@ class WorkerAPI:
         try:
             while out is not None:
                 if out.error is not None:
-                    raise APIError(out.error_status or 500, out.error)
+                    raise APIError(out.error_status or 500, out.error, out.error_code)
                 choices[out.index].text.append(choices[out.index].visible(out))
                 if choices[out.index].add(out):
                     del live[out.index]
@@ -182,7 +192,14 @@ class WorkerAPI:
     ) -> RequestOutput | None:  # fmt: skip
         """Submit engine requests ``(index, prompt ids, params, prompt group)`` answering on
         ``outputs`` and wait for the first output; None if the client left. A refusal or a first
-        output that is an error is an APIError, with every submitted request aborted."""
+        output that is an error is an APIError, with every submitted request aborted. More choices
+        than the waiting queue holds is a 400: a 429 would have the client retry what never fits."""
+        if len(jobs) > self.engine.max_waiting:
+            raise APIError(
+                400,
+                f"this request has {len(jobs)} choices (prompts x n) and this worker queues at most "
+                f"{self.engine.max_waiting} requests (--max-waiting); send fewer per request",
+            )
         source = request.headers.get(KV_SOURCE_HEADER)
         if source and self.kv is not None and self.kv.enabled:
             pulled: set[int] = set()
@@ -203,7 +220,7 @@ class WorkerAPI:
             raise
         if first is not None and first.error is not None:
             self._abort(live)
-            raise APIError(first.error_status or 500, first.error)
+            raise APIError(first.error_status or 500, first.error, first.error_code)
         guide = jobs[0][2].guide
         if guide is not None:
             self.engine.metrics.constrained.labels(guide.kind).inc()
@@ -221,13 +238,18 @@ class WorkerAPI:
         """The next output of any live choice; None (and the choices aborted) if the client went away."""
         while True:
             try:
-                return await asyncio.wait_for(outputs.get(), _POLL_S)
+                out = await asyncio.wait_for(outputs.get(), _POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self._abort(live)
-                    return None
-                if not self.engine.alive:
-                    return RequestOutput(finish_reason="error", error="engine stopped", error_status=503)
+                out = None
+            # NOTE: asked by the clock, not only when outputs stop: a decoding request has one every
+            # step, and a non-streamed answer writes nothing that would fail on a closed socket
+            if await _client_gone(request):
+                self._abort(live)
+                return None
+            if out is not None:
+                return out
+            if not self.engine.alive:
+                return RequestOutput(finish_reason="error", error="engine stopped", error_status=503)
 
     async def _stream(
         self,

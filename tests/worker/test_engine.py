@@ -4,6 +4,7 @@ stop strings; a small KV pool queues requests; aborts and failed forwards releas
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -151,6 +152,59 @@ async def test_failed_forward_fails_its_requests_and_the_engine_keeps_serving(en
     finally:
         engine.executor.run = real
     await idle(engine)
+
+
+async def test_a_huge_integer_temperature_does_not_fail_the_requests_in_its_step(engine):
+    """temperature 2**63 (a JSON integer, validated as the server does) in one extend step with
+    greedy and integer-temperature requests: every request of the step finishes."""
+    release = threading.Event()
+    # NOTE: the engine thread waits in this call, so the requests below are added in one drain
+    # (prompts shorter than a page: none waits for another to compute a shared page)
+    held = asyncio.ensure_future(engine.call(lambda: release.wait(30)))
+    handles = [
+        engine.submit(
+            engine.tokenizer.encode_prompt(f"step mate {i}"),
+            SamplingParams(temperature=t, max_tokens=3, seed=i).validate(),
+        )
+        for i, t in enumerate([2**63, 0, 1, 2])
+    ]
+    release.set()
+    assert await held is True
+    for handle in handles:
+        while (out := await asyncio.wait_for(handle.outputs.get(), 30)).finish_reason is None:
+            pass
+        assert out.error is None and out.finish_reason == "length"
+    await idle(engine)
+
+
+async def test_a_full_queue_is_refused_alike_by_submit_and_by_the_engine_thread():
+    """submit checks the waiting count of the last step; a request it let through that finds the
+    queue full on the engine thread gets the same 429, code and message as one submit refused."""
+    from worker.request import QueueFullError
+
+    small = make_engine(max_running=1, max_waiting=1)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+        running = small.submit(small.tokenizer.encode_prompt("keeps the only slot"), greedy)
+        await asyncio.wait_for(running.outputs.get(), 30)  # decoding: the next request must wait
+        waiting = small.submit(small.tokenizer.encode_prompt("waits"), greedy)
+        entered, release = threading.Event(), threading.Event()
+        # NOTE: the engine thread takes `waiting` into the queue, then stops here before its snapshot
+        held = asyncio.ensure_future(small.call(lambda: entered.set() or release.wait(30)))
+        assert await asyncio.to_thread(entered.wait, 30)
+        late = small.submit(small.tokenizer.encode_prompt("let through"), greedy)
+        with pytest.raises(QueueFullError) as refused:
+            small.submit(small.tokenizer.encode_prompt("refused at once"), greedy)
+        release.set()
+        assert await held is True
+        out = await asyncio.wait_for(late.outputs.get(), 30)
+        assert (out.finish_reason, out.error_status, out.error_code) == ("error", 429, "queue_full")
+        assert out.error == str(refused.value)
+        small.abort(running.rid)
+        small.abort(waiting.rid)
+        await idle(small)
+    finally:
+        small.stop()
 
 
 async def test_a_call_cancelled_before_it_runs_is_skipped_and_the_engine_lives_on(engine):

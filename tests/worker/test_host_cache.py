@@ -15,6 +15,7 @@ from worker.kv_pool import KVPool, PageAllocator
 from worker.radix_cache import MatchResult, RadixCache
 
 PS = 4
+PAGE_TOKENS = 16  # the worker's default page size (serve())
 
 
 class ToyKV(HostKVPool):
@@ -161,14 +162,14 @@ def test_flush_empties_both_tiers_and_a_locked_path_survives() -> None:
     f.cache.evict(4)
     f.compute(b)
     f.sync()
-    f.cache.flush()
+    assert f.cache.flush() == (4, 4)  # b from the device, a from the host
     assert f.cache.total_pages == f.cache.host_pages == 0 and f.alloc.num_free == 8
     assert f.cache.drain_events() == ([], [], True)
     f.compute(a)
     m = f.cache.match_prefix(arr([*a[:8], 0]))
     f.cache.lock(m.last_node)
     f.cache.evict(2)  # the unlocked tail of a moves to the host
-    f.cache.flush()
+    assert f.cache.flush() == (0, 2)
     f.cache.check_invariants()
     assert f.cache.total_pages == 2 and f.cache.host_pages == 0
     f.cache.unlock(m.last_node)
@@ -275,6 +276,34 @@ def test_a_worker_serves_a_prefix_from_host_memory_with_the_same_output() -> Non
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         got, want = (r["choices"][0]["logprobs"]["token_logprobs"] for r in (again, first))
         assert got == pytest.approx(want, abs=1e-4)  # NOTE: the KV itself came back, not just the argmax
+
+
+def test_flush_reports_what_it_drops_from_each_tier() -> None:
+    """POST /v1/cache/flush on a worker with a host tier: device and host pages dropped, each
+    counted once, and both tiers empty afterwards."""
+    import httpx
+
+    from tests.worker.test_server import idle, serve
+
+    with (
+        serve(kv_cache_tokens=1024, host_cache_tokens=4096) as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        for i in range(3):  # NOTE: ~700 tokens each: the first two are pushed to the host tier
+            prompt = f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(120))
+            c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).raise_for_status()
+        before = idle(c)
+        assert before["host_pages_cached"] > 0 and before["kv_pages_cached"] > 0
+        flushed = c.post("/v1/cache/flush").json()
+        assert flushed == {
+            "flushed_pages": before["kv_pages_cached"],
+            "flushed_tokens": before["kv_pages_cached"] * PAGE_TOKENS,
+            "flushed_host_pages": before["host_pages_cached"],
+            "flushed_host_tokens": before["host_pages_cached"] * PAGE_TOKENS,
+        }
+        after = c.get("/health").json()
+        assert after["kv_pages_cached"] == after["host_pages_cached"] == 0
+        assert c.post("/v1/cache/flush").json()["flushed_host_pages"] == 0
 
 
 def test_the_sim_engine_charges_host_copies_to_the_step_they_delay() -> None:

@@ -98,7 +98,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def evict(self, n: int, flush: bool = False) -> int:
         before = dict(self.model)
-        freed = self.cache.flush() if flush else self.cache.evict(n)
+        freed = self.cache.flush()[0] if flush else self.cache.evict(n)  # no host tier: device pages
         after = cached_prefixes(self.cache)
         assert all(before.get(p) == page for p, page in after.items()), "eviction changed a page"
         gone = [page for p, page in before.items() if p not in after]
@@ -311,7 +311,7 @@ def test_locked_path_is_never_evicted_and_unlock_releases_it() -> None:
     cache.unlock(m.last_node)
     with pytest.raises(ValueError):
         cache.unlock(m.last_node)
-    assert cache.flush() == 4 and alloc.num_free == 8
+    assert cache.flush() == (4, 0) and alloc.num_free == 8
     with pytest.raises(ValueError):
         cache.lock(m.last_node)  # evicted: a stale match cannot be locked
 
@@ -363,7 +363,7 @@ def test_flush_with_a_locked_node_reports_removals_not_cleared() -> None:
     cache.drain_events()
     m = cache.match_prefix(arr([1] * 9))
     cache.lock(m.last_node)
-    assert cache.flush() == 2
+    assert cache.flush() == (2, 0)
     stored, removed, cleared = cache.drain_events()
     assert not cleared and stored == [] and set(removed) == set(block_hashes([2] * 8, 4, NS))
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.sampling import SamplingParams, make_generator, sample
+from worker.sampling import SamplingParams, accept_draft, make_generator, sample
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -113,6 +113,20 @@ def test_logits_and_params_must_line_up():
         ("stop", "END", "stop"),
         ("stop_token_ids", [-1], "stop_token_ids"),
         ("ignore_eos", "yes", "ignore_eos"),
+        ("temperature", True, "temperature"),
+        pytest.param("temperature", 10**400, "temperature", id="temperature-int-beyond-float"),
+        ("temperature", float("inf"), "temperature"),
+        ("top_p", True, "top_p"),
+        ("top_p", float("nan"), "top_p"),
+        pytest.param(
+            "repetition_penalty", 10**400, "repetition_penalty", id="repetition_penalty-int-beyond-float"
+        ),
+        ("repetition_penalty", float("inf"), "repetition_penalty"),
+        ("frequency_penalty", True, "frequency_penalty"),
+        ("presence_penalty", float("nan"), "presence_penalty"),
+        ("logit_bias", {3: True}, "logit_bias"),
+        pytest.param("logit_bias", {3: 10**400}, "logit_bias", id="logit_bias-int-beyond-float"),
+        ("logit_bias", {True: 1.0}, "logit_bias"),
     ],
 )
 def test_validate_names_the_bad_field(field, value, message):
@@ -124,3 +138,52 @@ def test_validate_accepts_sensible_values():
     params = SamplingParams(temperature=0.0, top_p=0.9, top_k=40, seed=-5, max_tokens=1, stop=["\n"],
                             stop_token_ids=[2], ignore_eos=True)  # fmt: skip
     assert params.validate() is params
+
+
+def test_validate_makes_real_valued_fields_floats():
+    params = SamplingParams(temperature=2**63, top_p=1, repetition_penalty=2, frequency_penalty=1,
+                            presence_penalty=-2, logit_bias={3: 5}).validate()  # fmt: skip
+    assert params.temperature == 2.0**63 and type(params.temperature) is float
+    assert (params.top_p, params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (
+        1.0, 2.0, 1.0, -2.0,
+    )  # fmt: skip
+    fields = (params.top_p, params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+    assert all(type(v) is float for v in fields)
+    assert params.logit_bias == {3: 5.0} and type(params.logit_bias[3]) is float
+
+
+def test_an_integer_temperature_too_large_for_int64_does_not_fail_its_batch():
+    """Integer temperatures (as JSON gives them) next to greedy rows: the batch samples."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [
+        SamplingParams(temperature=2**63, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1),
+    ]
+    out = sample(logits, params)
+    assert out.shape == (3,) and int(out[1]) == int(logits[1].argmax())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e300, seed=0),  # float32 inf: -inf / inf is NaN
+        SamplingParams(temperature=1e-300, seed=0),  # float32 0: x / 0 is inf or NaN
+        SamplingParams(top_p=1e-300, seed=0),  # float32 0: every token outside the nucleus
+    ],
+)
+def test_extreme_valid_values_never_sample_an_excluded_token(params):
+    """A row with excluded tokens (-inf: a grammar, min_tokens) samples only allowed ones, the
+    most likely of them where the temperature or top_p is tiny."""
+    logits = torch.tensor([[float("-inf"), 0.5, 2.0, 1.0, float("-inf")]])
+    tokens = draw_from(logits, params, 200)
+    assert set(tokens) <= {1, 2, 3}
+    if params.temperature < 1 or params.top_p < 1:
+        assert set(tokens) == {2}
+    draft = accept_draft(logits.repeat(2, 1), [0], params, make_generator(params, "cpu"))
+    assert draft[-1] in {1, 2, 3} and draft[:-1] == []
+
+
+def draw_from(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
+    gen = make_generator(params, "cpu")
+    return [int(sample(logits, [params], [gen])[0]) for _ in range(n)]

@@ -220,6 +220,10 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
             400,
         ),
         ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "temperature": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "top_p": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": false}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": true}}', 400),
         ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400),
         ("/v1/completions", b'{"prompt": "hi", "priority": "high"}', 400),
@@ -239,6 +243,17 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, path,
     assert error["message"] and error["type"]
     ok = client.post("/v1/completions", json={"prompt": "still alive?", "max_tokens": 1})
     assert ok.status_code == 200
+
+
+async def test_a_huge_integer_temperature_is_served_beside_other_requests(server):
+    """temperature 2**63 (a JSON integer beyond int64) is a (very high) temperature: it is answered,
+    and so are the greedy requests sent with it."""
+    bodies = [{"prompt": "hot", "max_tokens": 4, "temperature": 2**63}]
+    bodies += [{"prompt": f"cold {i}", "max_tokens": 4, "temperature": 0} for i in range(3)]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+        answers = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.json()["usage"]["completion_tokens"] == 4 for a in answers)
 
 
 @pytest.mark.parametrize(
@@ -267,6 +282,33 @@ def test_client_disconnect_mid_stream_releases_pages(client, server):
         assert len(got) == 3
         assert client.get("/health").json()["kv_pages_active"] > 0
     health = idle(client)  # the closed connection aborted the request and freed its pages
+    assert health["status"] == "ok"
+    assert server.engine.snapshot().finished.get("abort", 0) == aborted_before + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": SYSTEM + "Write forever."}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": SYSTEM + "Write forever."}]}),
+        ("/v1/responses", {"input": SYSTEM + "Write forever."}),
+    ],
+)
+def test_client_disconnect_mid_answer_aborts_a_non_streamed_request(client, server, path, body):
+    """A client that closes its connection while its (non-streamed) answer is being generated:
+    the request is aborted and its pages released in far less time than it would take to finish
+    (3,000+ tokens, about 10 s on this model)."""
+    idle(client)
+    aborted_before = server.engine.snapshot().finished.get("abort", 0)
+    raw = orjson.dumps({**body, "max_tokens": 4000, "ignore_eos": True})
+    head = f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+    head += f"content-length: {len(raw)}\r\n\r\n"
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + raw)
+        poll(lambda: client.get("/health").json()["kv_pages_active"] > 0, "the request running")
+    poll(lambda: client.get("/health").json()["running"] == 0, "the request aborted", deadline_s=5.0)
+    health = idle(client)
     assert health["status"] == "ok"
     assert server.engine.snapshot().finished.get("abort", 0) == aborted_before + 1
 
@@ -365,6 +407,22 @@ def test_queue_full_429_prompt_too_long_413_and_dead_engine_503():
         assert c.get("/health").status_code == 503
         dead = c.post("/v1/completions", json={"prompt": "anyone?", "max_tokens": 1})
         assert dead.status_code == 503 and dead.json()["error"]["message"]
+
+
+def test_more_choices_than_the_queue_holds_is_a_400_not_a_429():
+    """prompts x n above --max-waiting can never be queued at once: a 400 saying so (a 429 would
+    have the client retry forever), on an idle worker; as many choices as the queue holds run."""
+    with serve(max_waiting=2) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        for body in ({"prompt": "hi", "n": 3}, {"prompt": ["a", "b", "c"]}):
+            resp = c.post("/v1/completions", json={**body, "max_tokens": 2})
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["type"] == "invalid_request_error" and "--max-waiting" in error["message"]
+        ok = c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2}
+        assert c.post("/v1/chat/completions", json=chat).status_code == 400
+        idle(c)
 
 
 def test_sim_engine_serves_the_same_api_and_says_it_is_simulated():
