@@ -9,13 +9,15 @@ only router CPU per decision is measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import asdict
 from typing import Any
 
 import orjson
 
-from loadtest.fleet_sim import SIM_POLICIES, ClusterSim, SimConfig, WorkerModel
+from loadtest.fleet_sim import ClusterSim, SimConfig, WorkerModel, check_config
+from loadtest.report import prepare_output
 from loadtest.sim_sources import Source, TraceSource, WorkloadSource
 
 _ROWS = [  # (title, key, format)
@@ -68,6 +70,14 @@ def parse_run(text: str) -> tuple[str, str, dict[str, Any]]:
     return label or (policy if not params else f"{policy}({raw})"), policy, params
 
 
+def parse_option(text: str) -> tuple[str, str]:
+    """``--option KEY=VALUE`` -> (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--option expects KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def _number(value: str) -> Any:
     for cast in (int, float):
         try:
@@ -75,6 +85,26 @@ def _number(value: str) -> Any:
         except ValueError:
             pass
     return None if value == "None" else value
+
+
+def run_configs(
+    a: argparse.Namespace, runs: list[tuple[str, str, dict[str, Any]]], replicas: list[int],
+    fetches: list[int], model: WorkerModel,
+) -> list[SimConfig]:  # fmt: skip
+    """One SimConfig per run, router count and fetch setting; each checked (ValueError) before any runs."""
+    configs = []
+    for n, fetch, (label, policy, params) in itertools.product(replicas, fetches, runs):
+        label = label if len(replicas) == 1 else f"{label} x{n}"
+        label = label if len(fetches) == 1 else f"{label} fetch>={fetch}" if fetch else f"{label} no fetch"
+        cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
+                        a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load,
+                        join_workers=a.join_workers, join_at_s=a.join_at, routers=n,
+                        health_interval_s=a.health_interval_s, prefill_report=not a.no_prefill_report,
+                        replica_sync_delay_s=None if a.replica_sync_ms is None else a.replica_sync_ms / 1e3,
+                        kv_fetch_min_tokens=fetch)  # fmt: skip
+        check_config(cfg)
+        configs.append(cfg)
+    return configs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,16 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         runs = [parse_run(x) for x in filter(None, a.policies.split(","))] + [parse_run(x) for x in a.run]
-        for _, policy, _ in runs:
-            if policy not in SIM_POLICIES:
-                raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(SIM_POLICIES)}")
-        if a.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError("--schedule-policy must be fcfs or lpm")
         replicas = [int(x) for x in a.routers.split(",")]
         fetches = [int(x) for x in a.kv_fetch_min_tokens.split(",")]
         if min(replicas) < 1 or a.health_interval_s < 0 or min(fetches) < 0:
             raise ValueError("--routers must be >= 1, --health-interval-s and --kv-fetch-min-tokens >= 0")
-        options = dict(x.split("=", 1) for x in a.option)
+        for flag, value, least in (("--max-tokens", a.max_tokens, 1), ("--time-scale", a.time_scale, 0),
+                                   ("--event-delay-ms", a.event_delay_ms, 0),
+                                   ("--replica-sync-ms", a.replica_sync_ms or 0.0, 0)):  # fmt: skip
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
+        options = dict(parse_option(x) for x in a.option)
+        for path in (a.md, a.json):  # NOTE: before the runs, not after them
+            if path:
+                prepare_output(path)
+        model = WorkerModel(**{k: getattr(a, k) for k in asdict(d)})
+        configs = run_configs(a, runs, replicas, fetches, model)
         if a.workload == "trace":
             if not a.trace:
                 raise ValueError("--workload trace needs --trace PATH")
@@ -142,19 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    model = WorkerModel(**{k: getattr(a, k) for k in asdict(d)})
     summaries = []
-    for (label, policy, params), n, fetch in ((run, n, f) for n in replicas for f in fetches for run in runs):
-        label = label if len(replicas) == 1 else f"{label} x{n}"
-        label = label if len(fetches) == 1 else f"{label} fetch>={fetch}" if fetch else f"{label} no fetch"
-        cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,
-                        a.index_entries, prefill_tokens_per_load=a.prefill_tokens_per_load,
-                        join_workers=a.join_workers, join_at_s=a.join_at, routers=n,
-                        health_interval_s=a.health_interval_s, prefill_report=not a.no_prefill_report,
-                        replica_sync_delay_s=None if a.replica_sync_ms is None else a.replica_sync_ms / 1e3,
-                        kv_fetch_min_tokens=fetch)  # fmt: skip
+    for cfg in configs:
         summaries.append(ClusterSim(cfg, source).run())
-        print(f"# {label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
+        print(f"# {cfg.label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)
     sys.stdout.write(table)
     if a.md:

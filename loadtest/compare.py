@@ -19,7 +19,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import report
-from loadtest.cluster_sim import parse_run
-from loadtest.driver import LoadConfig, run_load
+from loadtest.cluster_sim import parse_option, parse_run
+from loadtest.driver import LoadConfig, build_requests, check_config, run_load
 from router.launcher import free_port, redis_server_command, stop_processes, wait_for_port
+from router.policies import make_policy
+from router.prefix_index import PrefixIndex
 
 MAX_RUNS, MAX_WORKERS, MAX_ROUTERS = 8, 16, 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -341,8 +343,16 @@ def compare(config: CompareConfig) -> dict[str, Any]:
         raise ValueError(f"compare takes 1..{MAX_ROUTERS} routers per run")
     if len(set(labels)) != len(labels):
         raise ValueError(f"run labels must be distinct, got {labels}")
+    # NOTE: everything a run could refuse is checked here, before the first process starts
     for _, template in config.external:
-        external_command(template, 0, [], config.backend.block_size)  # refuses a bad template up front
+        external_command(template, 0, [], config.backend.block_size)
+    for label, policy, params in config.runs:
+        fetch = params.get("kv_fetch_min_tokens", 0)  # NOTE: a router setting, not a policy parameter
+        if not isinstance(fetch, int) or fetch < 0:
+            raise ValueError(f"run {label!r}: kv_fetch_min_tokens must be a whole number >= 0, got {fetch!r}")
+        make_policy(policy, PrefixIndex(1), {k: v for k, v in params.items() if k != "kv_fetch_min_tokens"})
+    check_config(config.load)
+    build_requests(replace(config.load, requests=1))  # the workload's name and knobs, a trace's file
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results, fleets = [], []
@@ -418,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         runs = [parse_run(x) for x in filter(None, a.policies.split(","))] + [parse_run(x) for x in a.run]
-        options = {k: _value(v) for k, v in (x.split("=", 1) for x in a.option)}
+        options = {k: _value(v) for k, v in map(parse_option, a.option)}
         load = LoadConfig(workload=a.workload, trace=a.trace, mode=a.mode, concurrency=a.concurrency,
                           rate=a.rate, requests=a.requests, duration_s=a.duration, max_tokens=a.max_tokens,
                           stream=True, seed=a.seed, options=options, block_chars=32 if a.trace else None,

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -304,10 +305,25 @@ async def _discover_model(session: aiohttp.ClientSession, url: str) -> str:
     return "default"
 
 
-async def run_load(config: LoadConfig) -> Results:
-    """Run one load test in-process and return its results (see loadtest.report for the numbers)."""
+def check_config(config: LoadConfig) -> None:
+    """Raise ValueError for settings a run cannot honour, before anything is sent."""
     if config.mode not in ("closed", "open"):
         raise ValueError(f"mode must be 'closed' or 'open', got {config.mode!r}")
+    urls = base_urls(config.url)
+    if not urls:
+        raise ValueError("url is empty")
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"url must be http://HOST:PORT or https://HOST:PORT, got {url!r}")
+    # NOTE: a rate is requests/s; 0 would send nothing (None is the default: trace timestamps, or 10)
+    if config.rate is not None and config.rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s, got {config.rate}")
+
+
+async def run_load(config: LoadConfig) -> Results:
+    """Run one load test in-process and return its results (see loadtest.report for the numbers)."""
+    check_config(config)
     requests = build_requests(config)
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0 if config.mode == "open" else max(1, config.concurrency))
@@ -389,8 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         return report.main(argv)
     config, args = parse_args(argv)
     try:
+        for path in (args.out, args.md, args.plot):  # NOTE: before the run, not after it
+            if path:
+                report.prepare_output(path)
         results = asyncio.run(run_load(config))
-    except (ValueError, OSError) as e:  # bad workload options, unreadable trace
+    except (ValueError, OSError) as e:  # bad settings or knobs, unreadable trace, unwritable output
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = report.markdown_table([results.summary()])
@@ -398,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         report.write_json(results, args.out)
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(table)
+        report.prepare_output(args.md).write_text(table)
     if args.plot:
         report.plot([results], args.plot)
     return 0

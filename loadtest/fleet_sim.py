@@ -59,14 +59,33 @@ class SimConfig:
     kv_fetch_min_tokens: int = 0
 
 
+def check_config(config: SimConfig) -> None:
+    """Raise ValueError for a configuration the simulator cannot run: counts below 1, negative
+    sizes or times, an unknown schedule policy, or a policy name or parameter the router refuses
+    (the policy is built once here, so a bad run is refused before any run starts)."""
+    c = config
+    for name in ("workers", "routers", "index_entries"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(c, name)}")
+    for name in ("join_workers", "join_at_s", "event_delay_s", "prefill_tokens_per_load",
+                 "health_interval_s", "kv_fetch_min_tokens"):  # fmt: skip
+        if getattr(c, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(c, name)}")
+    if c.replica_sync_delay_s is not None and c.replica_sync_delay_s < 0:
+        raise ValueError(f"replica_sync_delay_s must be >= 0, got {c.replica_sync_delay_s}")
+    c.model.check()
+    if c.policy not in SIM_POLICIES:
+        raise ValueError(f"unknown policy {c.policy!r}; choose from {', '.join(SIM_POLICIES)}")
+    SimRouter(c.policy, c.params, 1, c.prefill_tokens_per_load, c.namespace)  # NOTE: refuses bad params
+
+
 class ClusterSim:
     """One simulation run: ``ClusterSim(config, source).run()`` -> summary dict."""
 
     def __init__(self, config: SimConfig, source: Source) -> None:
+        check_config(config)
         self.c, self.m, self.src = config, config.model, source
         self.weight = source.weight  # real tokens per simulated token (trace scale-down)
-        if config.join_workers < 0 or config.routers < 1:
-            raise ValueError("join_workers must be >= 0 and routers >= 1")
         sync = config.replica_sync_delay_s is not None and config.routers > 1
         # NOTE: the router sees simulated tokens
         fetch_min = math.ceil(config.kv_fetch_min_tokens / self.weight)

@@ -7,6 +7,7 @@ a.json b.json --md out.md --plot out.png` sets several runs side by side.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -119,22 +120,45 @@ def to_dict(results: Results) -> dict[str, Any]:
     }
 
 
+def prepare_output(path: str | Path) -> Path:
+    """Create ``path``'s missing parent folders and check that a file can be written there, so a
+    run fails before it starts, not after (OSError with the path if not)."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"cannot write {out}: cannot create its folder ({exc.strerror or exc})") from None
+    if out.is_dir():
+        raise IsADirectoryError(f"cannot write {out}: it is a folder")
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise PermissionError(f"cannot write {out}: permission denied")
+    return out
+
+
 def write_json(results: Results, path: str | Path) -> None:
-    Path(path).write_bytes(orjson.dumps(to_dict(results), option=orjson.OPT_INDENT_2))
+    prepare_output(path).write_bytes(orjson.dumps(to_dict(results), option=orjson.OPT_INDENT_2))
 
 
 def read_json(path: str | Path) -> Results:
-    data = orjson.loads(Path(path).read_bytes())
-    if data.get("format") != RESULTS_FORMAT:
-        raise ValueError(f"{path}: results format {data.get('format')!r}, expected {RESULTS_FORMAT}")
-    return Results(
-        label=data["label"],
-        config=data["config"],
-        started_unix=data["started_unix"],
-        duration_s=data["duration_s"],
-        records=[RequestRecord(**r) for r in data["records"]],
-        skipped=data.get("skipped", 0),
-    )
+    """A results file written by ``write_json``; ValueError (naming the file) for anything else."""
+    try:
+        data = orjson.loads(Path(path).read_bytes())
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != RESULTS_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise ValueError(f"{path}: not a loadtest results file (format {found!r}, expected {RESULTS_FORMAT})")
+    try:
+        return Results(
+            label=data["label"],
+            config=data["config"],
+            started_unix=data["started_unix"],
+            duration_s=data["duration_s"],
+            records=[RequestRecord(**r) for r in data["records"]],
+            skipped=data.get("skipped", 0),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a complete loadtest results file ({exc!r})") from None
 
 
 _ROWS = [  # (row title, summary key, format)
@@ -219,6 +243,9 @@ def plot(runs: list[Results], path: str | Path) -> None:
 def compare(paths: list[str | Path], md: str | Path | None = None, png: str | Path | None = None) -> str:
     """Side-by-side markdown table of several result JSONs (optionally written, and plotted)."""
     runs = [read_json(p) for p in paths]
+    for out in (md, png):
+        if out:
+            prepare_output(out)
     table = markdown_table([summarize(r) for r in runs])
     if md:
         Path(md).write_text(table)
@@ -235,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--md", help="write the markdown table here")
     cmp.add_argument("--plot", help="write the TTFT CDF + hit-rate PNG here")
     args = parser.parse_args(argv)
-    sys.stdout.write(compare(args.results, args.md, args.plot))
+    try:
+        table = compare(args.results, args.md, args.plot)
+    except (ValueError, OSError) as exc:  # a missing or foreign file, an unwritable output
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(table)
     return 0
 
 

@@ -6,7 +6,7 @@ queues, and how it admits requests and shares a prompt's pages. Time is the engi
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,17 @@ class WorkerModel:
     kv_layers: int = 32  # the model's layers: a transfer streams one layer's K or V at a time, or more
     kv_fetch_timeout_s: float = 5.0  # KV fetch: given up after this long (the worker's --kv-fetch-timeout-s)
     kv_fetch_max_wait_ms: float = 200.0  # queued longer for a link: refused (--kv-transfer-max-wait-ms)
+
+    def check(self) -> None:
+        """Raise ValueError unless every count is >= 1 where 0 could never admit a request or would
+        divide by zero (max_running, admit_window, block_size, kv_layers), every other number is
+        >= 0 and the schedule policy is known."""
+        for name, value in asdict(self).items():
+            least = 1 if name in ("max_running", "block_size", "admit_window", "kv_layers") else 0
+            if isinstance(value, int | float) and not isinstance(value, bool) and value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
 
 
 class SimJob:

@@ -321,6 +321,24 @@ GENERATORS: dict[str, Callable[..., list[Request]]] = {
 }
 
 
+# NOTE: knobs that count what requests share (tenants, documents, turns, ...) need at least one;
+# the others are sizes, times or Zipf exponents (>= 0), and hot_fraction a fraction (<= 1)
+_COUNT_KNOBS = frozenset({"num_tenants", "turns", "num_docs", "num_tasks", "num_agents"})
+
+
+def _check_knob(workload: str, key: str, value: Any, default: int | float) -> None:
+    """ValueError unless ``value`` suits knob ``key``: a whole number where its default is one, a
+    number otherwise, and in range."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if not (whole or (isinstance(value, float) and not isinstance(default, int))):
+        kind = "a whole number" if isinstance(default, int) else "a number"
+        raise ValueError(f"workload {workload!r}: option {key} must be {kind}, got {value!r}")
+    least = 1 if key in _COUNT_KNOBS else 0
+    if not value >= least or (key == "hot_fraction" and value > 1):
+        bound = "between 0 and 1" if key == "hot_fraction" else f">= {least}"
+        raise ValueError(f"workload {workload!r}: option {key} must be {bound}, got {value!r}")
+
+
 def generate(
     name: str,
     num_requests: int,
@@ -346,4 +364,6 @@ def generate(
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"workload {name!r} has no option(s) {unknown}; it takes {sorted(known)}")
+    for key, value in options.items():
+        _check_knob(name, key, value, gen.__kwdefaults__[key])
     return gen(_Builder(name, seed, rate, api, model, max_tokens), num_requests, **options)

@@ -250,6 +250,45 @@ def test_cli_rejects_unknown_policies_and_options(capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)  # NOTE: before the check, 0 running slots or a 0 window never ended
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-running", "0"], "max_running must be >= 1, got 0"),
+        (["--admit-window", "0"], "admit_window must be >= 1, got 0"),
+        (["--workers", "0"], "workers must be >= 1, got 0"),
+        (["--block-size", "0"], "block_size must be >= 1, got 0"),
+        (["--index-entries", "0"], "index_entries must be >= 1, got 0"),
+        (["--run", "x=cache_aware:bogus=1"], "unknown parameter(s) ['bogus']"),
+        (["--run", "x=cache_aware:balance_abs=abc"], "balance_abs"),
+        (["--option", "foo"], "--option expects KEY=VALUE, got 'foo'"),
+        (["--option", "num_tenants=abc"], "num_tenants must be a whole number"),
+    ],
+)
+def test_cli_refuses_settings_it_cannot_run_before_any_run(argv, message, tmp_path, capsys):
+    """A clear error and exit status 2, before the first (valid) run, not a hang or a traceback."""
+    out = tmp_path / "sim.md"
+    argv = ["--requests", "20", "--workers", "2", "--policies", "round_robin", "--md", str(out), *argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and message in captured.err
+    assert captured.out == "" and not out.exists()  # round_robin did not run first
+
+
+@pytest.mark.timeout(60)
+def test_a_sim_config_that_could_never_finish_is_refused_in_process():
+    with pytest.raises(ValueError, match="max_running must be >= 1"):
+        ClusterSim(SimConfig(2, "round_robin", model=WorkerModel(max_running=0)), tenants(10))
+
+
+def test_cli_creates_the_output_folders(tmp_path, capsys):
+    md, js = tmp_path / "out" / "sim.md", tmp_path / "json" / "sim.json"
+    assert main(["--requests", "20", "--workers", "2", "--policies", "round_robin", "--md", str(md),
+                 "--json", str(js)]) == 0  # fmt: skip
+    assert md.read_text() == capsys.readouterr().out
+    assert orjson.loads(js.read_bytes())["runs"][0]["completed"] == 20
+
+
 def test_router_replicas_share_the_requests_and_each_hears_every_kv_event():
     summary, sim = run("cache_aware", tenants(), model=WorkerModel(kv_tokens=4096), routers=3)
     assert summary["completed"] == summary["requests"] == 300

@@ -90,10 +90,29 @@ def test_a_redis_per_run_reaches_the_routers_and_external_commands(tmp_path):
 
 def test_a_router_that_cannot_start_stops_the_workers_and_reports(tmp_path, capsys):
     argv = ["--backend", "echo", "--workers", "2", "--requests", "5", "--policies", "",
-            "--run", "broken=cache_aware:no_such_param=1", "--out-dir", str(tmp_path)]  # fmt: skip
+            "--external", "broken={python} -c 'raise SystemExit(3)' {port}", "--out-dir", str(tmp_path)]  # fmt: skip
     assert main(argv) == 2
-    assert "error" in capsys.readouterr().err
+    assert "a process exited during start-up" in capsys.readouterr().err
     assert len(STARTED) == 3  # two workers and the router, all stopped (checked by the fixture)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "bogus"], "unknown policy 'bogus'"),
+        (["--policies", "round_robin,sticky"], "unknown policy 'sticky'"),  # the simulator's only
+        (["--run", "broken=cache_aware:no_such_param=1"], "unknown parameter(s) ['no_such_param']"),
+        (["--run", "f=cache_aware:kv_fetch_min_tokens=-1"], "kv_fetch_min_tokens must be"),
+        (["--option", "foo"], "--option expects KEY=VALUE, got 'foo'"),
+        (["--workload", "rag", "--option", "num_docs=abc"], "num_docs must be a whole number"),
+        (["--mode", "open", "--rate", "0"], "rate must be > 0"),
+    ],
+)
+def test_bad_runs_and_settings_are_refused_before_anything_starts(argv, message, tmp_path, capsys):
+    assert main(["--backend", "echo", "--requests", "5", "--out-dir", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert not STARTED and not (tmp_path / "out").exists()
 
 
 def test_bounds_on_runs_and_workers(tmp_path):

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from loadtest import report
 from loadtest.driver import LoadConfig, run_load
+from loadtest.driver import main as driver_main
 from loadtest.workloads import prompt_text
 
 
@@ -285,3 +286,68 @@ async def test_multi_turn_over_the_responses_api_continues_stored_conversations(
         for earlier, later in itertools.pairwise(turns):
             # the previous turn's prompt (whole pages) is served from the cache
             assert later.cached_tokens >= earlier.prompt_tokens // 16 * 16 - 16
+
+
+async def test_cli_creates_missing_output_folders(server_factory, tmp_path):
+    """The docs' quick start writes to results/...: a folder that does not exist yet is created,
+    rather than the run ending in FileNotFoundError with its results lost."""
+    server = await server_factory()
+    out = tmp_path / "results" / "run"
+    args = ["--url", server.url, "--requests", "4", "--concurrency", "2", "--no-progress",
+            "--option", "system_tokens=50", "--out", str(out / "x.json"), "--md", str(out / "x.md"),
+            "--plot", str(tmp_path / "plots" / "x.png")]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest.driver", *args,
+                                                stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, stderr.decode()
+    assert report.read_json(out / "x.json").summary()["ok"] == 4
+    assert (out / "x.md").read_text().startswith("| metric |")
+    assert (tmp_path / "plots" / "x.png").read_bytes()[:4] == b"\x89PNG"
+
+
+async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(server_factory, tmp_path):
+    server = await server_factory()
+    (tmp_path / "taken").write_text("a file where a folder should be")
+    out = tmp_path / "taken" / "x.json"
+    args = ["--url", server.url, "--requests", "4", "--no-progress", "--out", str(out)]
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest.driver", *args,
+                                                stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert stderr.decode().startswith(f"error: cannot write {out}")
+    assert server.arrivals == 0  # refused before the run, not after it
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--option", "num_tenants=abc"], "option num_tenants must be a whole number, got 'abc'"),
+        (["--mode", "open", "--rate", "0"], "rate must be > 0"),
+        (["--mode", "open", "--rate", "-5"], "rate must be > 0"),
+        (["--url", "localhost:18400"], "url must be http://HOST:PORT or https://HOST:PORT"),
+        (["--url", "http://127.0.0.1:18400,127.0.0.1:18401"], "got '127.0.0.1:18401'"),
+        (["compare", "/nonexistent/a.json"], "No such file"),
+    ],
+)
+def test_cli_bad_settings_are_one_clear_error_line(argv, message, capsys):
+    """Refused before any request is sent (nothing listens on these ports), exit status 2, no traceback."""
+    assert driver_main([*argv, "--no-progress"] if argv[0] != "compare" else argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "not a loadtest results file"),
+        (b'{"format": 1, "label": "x"}', "not a complete loadtest results file"),
+    ],
+)
+def test_compare_refuses_a_file_that_is_not_a_results_file(tmp_path, capsys, content, message):
+    path = tmp_path / "other.json"
+    path.write_bytes(content)
+    assert driver_main(["compare", str(path)]) == 2
+    assert report.main(["compare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"error: {path}: {message}") == 2 and "Traceback" not in err

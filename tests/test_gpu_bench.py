@@ -3,7 +3,10 @@ nothing and writes no result; bad arguments are refused before anything runs."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu-bench"
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT, WHEELS = ROOT / "scripts" / "gpu-bench", ROOT / "scripts" / "gpu-wheels"
 
 
 def run_script(*args: str, site: Path) -> subprocess.CompletedProcess:
@@ -47,3 +51,99 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _script_list(text: str, name: str) -> list[str]:
+    """The words a bash script assigns to ``name`` (NAME="..." and NAME+=" ..." lines, or NAME=(...))."""
+    words = []
+    for match in re.finditer(rf'^{name}\+?=(?:"([^"]*)"|\(([^)]*)\))', text, re.M):
+        words += (match.group(1) or match.group(2)).split()
+    return words
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function (dotted, as written)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def _third_party_imports(entries: list[Path]) -> set[str]:
+    """Top-level names of what ``entries`` and the project modules they reach import from outside
+    the project and the standard library."""
+    ours = {"router", "worker", "kernels", "loadtest", "tests"}
+    seen, todo, found = set(), list(entries), set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top not in ours:
+                found.add(top)
+                continue
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):  # every package on the way, and the module itself
+                base = ROOT.joinpath(*parts[:i])
+                todo += [p for p in (base / "__init__.py", base.with_suffix(".py")) if p.exists()]
+    return found - set(sys.stdlib_module_names) - {"__future__"}
+
+
+def test_the_import_check_lists_every_module_the_steps_import():
+    """A module the GPU machine lacks is caught by the probe, before any step runs, only if it is
+    listed: every `python -m` the script runs (pytest: the gpu test folders) is followed through
+    the project's own modules to what they import."""
+    text = SCRIPT.read_text()
+    steps = set(re.findall(r'"\$PYTHON" -m ([\w.]+)', text)) - {"pip"}
+    assert {"worker.bench", "worker.bench_kv_transfer", "kernels.bench", "pytest"} <= steps
+    entries = []
+    for module in steps:
+        if module == "pytest":
+            entries += [*(ROOT / "tests" / "kernels").rglob("*.py"), *(ROOT / "tests" / "worker").rglob("*.py"),
+                        ROOT / "tests" / "conftest.py", ROOT / "tests" / "support.py"]  # fmt: skip
+        else:
+            entries.append(ROOT.joinpath(*module.split(".")).with_suffix(".py"))
+    needed = set(_script_list(text, "NEEDED_MODULES"))
+    assert _third_party_imports(entries) - {"torch", "triton"} <= needed
+    assert {"prometheus_client", "llguidance"} <= needed  # worker/metrics.py, worker/guided.py
+
+
+def test_the_wheels_are_the_modules_the_image_lacks():
+    """scripts/gpu-wheels downloads the distributions of the first line of NEEDED_MODULES, no more."""
+    first_line = re.search(r'^NEEDED_MODULES="([^"]*)"', SCRIPT.read_text(), re.M).group(1).split()
+    packages = {_canonical(p) for p in _script_list(WHEELS.read_text(), "PACKAGES")}
+    dists = importlib.metadata.packages_distributions()
+    assert {_canonical(d) for module in first_line for d in dists[module]} == packages
+
+
+def _canonical(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def test_a_module_that_does_not_import_stops_the_run_before_any_step(tmp_path):
+    """With a (stand-in) GPU there but prometheus_client missing, nothing runs and the log says why."""
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        "__version__ = 'stand-in'\n"
+        "class cuda:\n    is_available = staticmethod(lambda: True)\n"
+        "    get_device_name = staticmethod(lambda: 'Stand-in GPU')\n"
+        "class version:\n    cuda = '0'\n"
+    )
+    (fake / "triton.py").write_text("__version__ = 'stand-in'\n")
+    (fake / "prometheus_client.py").write_text("raise ImportError('not on this machine')\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_BENCH_SITE": str(tmp_path / "site")}
+    env["PYTHONPATH"] = str(fake)  # NOTE: ahead of site-packages: the stand-ins shadow any real torch
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(SCRIPT), "kernels", str(out)], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 4
+    log = (out / "gpu-bench.log").read_text()
+    assert "cannot import prometheus_client (not on this machine). Nothing was run" in log
+    assert "=== kernels" not in log and [p.name for p in out.iterdir()] == ["gpu-bench.log"]

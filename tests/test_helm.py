@@ -691,6 +691,35 @@ def test_kubernetes_discovery_lists_the_worker_service_with_a_namespaced_read_on
     assert pod["automountServiceAccountToken"] is True
 
 
+def notes(chart, **overrides: Any) -> str:
+    """What `helm install` prints after installing (templates/NOTES.txt)."""
+    manifests = chart.render(_profile_values("default", overrides), name=RELEASE, namespace=NAMESPACE)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def test_notes_say_how_to_scale_workers_as_the_routers_find_them(chart) -> None:
+    workers = f"{RELEASE}-radixgate-worker"
+    worker_url = f"http://{workers}-1.{workers}.{NAMESPACE}.svc.cluster.local:8001"
+    static = notes(chart)
+    assert worker_url in static  # the rendered --workers list
+    assert "helm upgrade --set worker.replicas=N`,\nnot `kubectl scale`" in static
+    found = notes(chart, router={"discovery": "kubernetes", "discoveryIntervalS": 2})
+    assert worker_url not in found and "helm upgrade --set worker.replicas" not in found
+    assert f"endpoints of Service {workers} every\n2 s" in found
+    assert f"kubectl -n {NAMESPACE} scale statefulset {workers} --replicas N" in found
+
+
+def test_deploy_docs_list_every_kind_of_object_the_chart_creates(chart) -> None:
+    everything = {"router": {"discovery": "kubernetes", "config": {"health_interval_s": 2}},
+                  "adminToken": {"value": "t"}, "networkPolicy": {"enabled": True},
+                  "metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}}}  # fmt: skip
+    kinds = {o["kind"] for o in render(chart, **everything)}
+    table = (ROOT / "docs" / "deploy.md").read_text().split("## What it creates")[1].split("\n## ")[0]
+    documented = {word for line in table.splitlines() if line.startswith("| ")
+                  for word in re.findall(r"[A-Za-z]+", line.split("|")[1])}  # fmt: skip
+    assert kinds - documented == set()
+
+
 def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(chart) -> None:
     assert not [o for o in render(chart) if o["kind"] == "NetworkPolicy"]
     scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}

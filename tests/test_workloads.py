@@ -150,6 +150,26 @@ def test_bad_arguments_are_rejected():
         generate("tenants", 1, api="embeddings")
 
 
+@pytest.mark.parametrize(
+    ("name", "knob", "value", "message"),
+    [
+        ("tenants", "num_tenants", "abc", "num_tenants must be a whole number, got 'abc'"),
+        ("tenants", "system_tokens", 2.5, "system_tokens must be a whole number"),
+        ("rag", "zipf_s", "steep", "zipf_s must be a number"),
+        ("tenants", "num_tenants", 0, "num_tenants must be >= 1"),
+        ("multi_turn", "turns", 0, "turns must be >= 1"),
+        ("rag", "doc_tokens", -5, "doc_tokens must be >= 0"),
+        ("seed", "hot_fraction", 1.5, "hot_fraction must be between 0 and 1"),
+    ],
+)
+def test_knobs_of_the_wrong_type_or_out_of_range_are_refused_by_name(name, knob, value, message):
+    """What `--option KEY=VALUE` passes: a word, a fraction for a count, or no tenants at all
+    is a ValueError naming the knob, not a TypeError or IndexError from inside a generator."""
+    with pytest.raises(ValueError, match=message):
+        generate(name, 5, **{knob: value})
+    assert len(generate(name, 5, **{knob: 1})) == 5  # a whole number does for every numeric knob
+
+
 def test_poisson_arrivals_are_seeded_and_increasing():
     a = poisson_arrivals(200, 50.0, seed=1)
     assert a == poisson_arrivals(200, 50.0, seed=1) != poisson_arrivals(200, 50.0, seed=2)
