@@ -11,7 +11,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
@@ -392,6 +392,7 @@ class IncrementalDetokenizer:
     back until the character completes or ``flush`` is called. Text is decoded over a short window
     of ids (re-anchored at clean boundaries) that starts with a few earlier ids, so tokenizers that
     strip a leading space at the start of a decode (SentencePiece) still space words correctly.
+    Special tokens are not text, except those ``show`` names (a tool call's tags for its reader).
     """
 
     def __init__(self, tokenizer: PromptTokenizer, prompt_ids: Sequence[int] = (), context: int = 5) -> None:
@@ -399,23 +400,47 @@ class IncrementalDetokenizer:
         self._context = max(1, context)  # ids kept before the unread ones
         self._ids: list[int] = [int(t) for t in list(prompt_ids)[-self._context :]]
         self._start = 0  # the window is _ids[_start:]
-        self._emitted = len(self._tok.decode(self._ids))  # chars of the window's text already out
+        self._shown: frozenset[int] = frozenset()  # special tokens decoded as their text
+        self._special: dict[int, bool] = {}  # token id -> is it special (asked only once one is shown)
+        self._emitted = len(self._decode(self._ids))  # chars of the window's text already out
+
+    def show(self, special_ids: Collection[int]) -> None:
+        """Decode these special tokens as their text (other special tokens stay hidden). Called
+        before the first generated id is fed."""
+        self._shown = frozenset(int(t) for t in special_ids)
+        self._emitted = len(self._decode(self._ids[self._start :]))
 
     def feed(self, new_ids: Sequence[int]) -> str:
         self._ids.extend(int(t) for t in new_ids)
-        text = self._tok.decode(self._ids[self._start :])
+        text = self._decode(self._ids[self._start :])
         stable = len(text.rstrip(_REPLACEMENT))
         out = text[self._emitted : stable] if stable > self._emitted else ""
         self._emitted = max(self._emitted, stable)
         if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
             # clean boundary: everything is out, so restart the window a few ids back
             self._start = len(self._ids) - self._context
-            self._emitted = len(self._tok.decode(self._ids[self._start :]))
+            self._emitted = len(self._decode(self._ids[self._start :]))
         return out
 
     def flush(self) -> str:
         """Whatever is still held back (possibly U+FFFD for an unfinished character)."""
-        text = self._tok.decode(self._ids[self._start :])
+        text = self._decode(self._ids[self._start :])
         out = text[self._emitted :]
         self._emitted = len(text)
         return out
+
+    def _decode(self, ids: list[int]) -> str:
+        if not self._shown:
+            return self._tok.decode(ids)
+        # NOTE: one decode with the shown tokens kept, as the tokenizer joins special tokens to text
+        kept = [t for t in ids if t in self._shown or not self._is_special(t)]
+        return self._tok.decode(kept, skip_special_tokens=False)  # type: ignore[call-arg]
+
+    def _is_special(self, token_id: int) -> bool:
+        """A special token is one the tokenizer decodes to nothing unless asked to keep specials."""
+        special = self._special.get(token_id)
+        if special is None:
+            hidden = self._tok.decode([token_id]) == ""
+            shown = self._tok.decode([token_id], skip_special_tokens=False) != ""  # type: ignore[call-arg]
+            special = self._special[token_id] = hidden and shown
+        return special

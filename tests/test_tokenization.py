@@ -270,6 +270,33 @@ def test_sentencepiece_stream_keeps_spaces_and_whole_characters(sp_dir, text):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_shown_special_tokens_are_text_and_the_others_stay_hidden(tmp_path):
+    """A request whose tool reader needs hermes' tags, special tokens here, gets them in its text;
+    every other special token stays out of it, as it does for a request that shows none."""
+    from tokenizers import AddedToken, Tokenizer
+
+    directory = byte_level_dir(tmp_path)
+    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<tool_call>"), AddedToken("</tool_call>")])
+    backend.save(str(directory / "tokenizer.json"))
+    tok = HFTokenizer(str(directory))
+    open_tag, close_tag, im_start = (
+        backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<|im_start|>")
+    )
+
+    def text(s: str) -> list[int]:
+        return backend.encode(s, add_special_tokens=False).ids
+
+    prompt = tok.encode_chat([{"role": "user", "content": "naïve?"}])  # ends in <|im_start|>assistant\n
+    ids = [*text("Hi "), open_tag, *text('{"a":"é"}'), close_tag, im_start, *text(" done")]
+    for chunk in (1, 3):
+        detok = IncrementalDetokenizer(tok, prompt)
+        detok.show([open_tag, close_tag])
+        pieces = [detok.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [detok.flush()]
+        assert "".join(pieces) == 'Hi <tool_call>{"a":"é"}</tool_call> done'
+        assert "".join(stream(tok, ids, chunk, prompt)) == 'Hi {"a":"é"} done'
+
+
 def test_router_import_does_not_pull_in_torch():
     code = "import sys, router.tokenization; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[1]

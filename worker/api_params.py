@@ -95,7 +95,8 @@ async def output_guide(
             and tools.choice == "auto"
             and parser == "hermes"
         ):
-            forced = auto_grammar(tools, compiler.special_token("<tool_call>"))
+            special = compiler.special_token
+            forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
         asked = asked or forced
         return None if asked is None else await run_in_threadpool(compiler.compile, *asked)
     except ValueError as exc:

@@ -151,11 +151,14 @@ class Engine:
                       prompt_group=prompt_group, priority=params.priority,
                       full_prefill=params.prompt_logprobs is not None,
                       speculative=True, adapter=params.adapter)  # fmt: skip
+        detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
+        if params.guide is not None and params.guide.shown:
+            detok.show(params.guide.shown)  # NOTE: a tool call's tags are text for its reader
         req.payload = RequestState(
             handle=handle,
             loop=asyncio.get_running_loop(),
             params=params,
-            detok=IncrementalDetokenizer(self.tokenizer, list(prompt_ids)),
+            detok=detok,
             hold=max((len(s) for s in params.stop), default=1) - 1,
             arrival=req.arrival,
         )

@@ -10,7 +10,8 @@ a prefix of the grammar's language (a bitmask), and EOS only once the output is 
   take 100s of ms, so the API compiles on its thread pool and keeps the last few hundred (tool
   schemas repeat) while the engine thread only copies a compiled matcher.
 - ``constrain`` / ``advance`` (engine thread): mask a step's logits for its guided rows and feed
-  each row's sampled token to its matcher. A request's matcher lives in its ``memo``.
+  each row's sampled token to its matcher. A request's matcher lives in its ``memo``; special
+  tokens its grammar names (hermes' tool call tags) are text of its output (``Guide.shown``).
 
 JSON is generated compact (no whitespace between tokens, ``,`` and ``:`` separators) unless the
 schema's ``x-guidance`` says otherwise: a model left free to emit whitespace can spend its whole
@@ -41,6 +42,9 @@ class Guide:
 
     kind: str  # json_schema, json_object, regex, choice, grammar: for errors and metrics
     template: Any  # llguidance.LLMatcher at the grammar's start, never advanced
+    # special tokens the grammar names (hermes' <tool_call> tags where they are special): they are
+    # text of the output, so the request's detokenizer shows them (others stay hidden)
+    shown: frozenset[int] = frozenset()
 
     def matcher(self) -> Any:
         return self.template.deep_copy()
@@ -146,7 +150,7 @@ class GuideCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], Guide] = OrderedDict()
-        self._special: dict[str, bool] = {}
+        self._specials = _special_tokens(tokenizer)  # text -> id; the vocabulary does not change
 
     def compile(self, kind: str, grammar: str) -> Guide:
         """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""
@@ -162,7 +166,7 @@ class GuideCompiler:
         template = LLMatcher(self._tokenizer(), grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"invalid {kind.replace('_', ' ')}: {template.get_error()}")
-        guide = Guide(kind, template)
+        guide = Guide(kind, template, self._named_specials(grammar))
         with self._lock:
             self._compiled[key] = guide
             while len(self._compiled) > self.max_entries:
@@ -171,14 +175,18 @@ class GuideCompiler:
 
     def special_token(self, text: str) -> bool:
         """Is ``text`` one special token of this tokenizer (as ``<tool_call>`` is for some models)?
-        Asked per request with tools: answered once (the vocabulary does not change)."""
-        known = self._special.get(text)
-        if known is None:
-            backend = getattr(self.tokenizer, "_tok", None)  # an HFTokenizer's tokenizers.Tokenizer
-            token_id = None if backend is None else backend.token_to_id(text)
-            added = {} if token_id is None else backend.get_added_tokens_decoder()
-            known = self._special[text] = token_id in added and added[token_id].special
-        return known
+        An added token that is not special (Qwen's ``<tool_call>``) is text, as llguidance sees it."""
+        return text in self._specials
+
+    def _named_specials(self, grammar: str) -> frozenset[int]:
+        """The special tokens (EOS aside) whose text ``grammar`` contains: a tag it references or
+        forces, which the output's text must then show."""
+        eos = set(self.tokenizer.eos_token_ids)
+        return frozenset(
+            token_id
+            for text, token_id in self._specials.items()
+            if token_id not in eos and (text in grammar or json.dumps(text)[1:-1] in grammar)
+        )
 
     def _tokenizer(self) -> Any:
         with self._lock:
@@ -190,6 +198,7 @@ class GuideCompiler:
 def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
     """llguidance's view of a tokenizer: the bytes of every token, EOS, specials."""
     from llguidance import LLTokenizer, TokenizerWrapper
+    from tokenizers import Tokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
 
@@ -207,7 +216,38 @@ def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
     if backend is None:
         raise ValueError(f"structured outputs are not available for tokenizer {tokenizer.name!r}")
     eos = list(tokenizer.eos_token_ids)
-    return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+    whole = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+    # NOTE: two departures from llguidance's reading of a tokenizer.json. It takes every added token
+    # for a special one, which no text of a grammar can contain, but Qwen's <tool_call>, </tool_call>
+    # and <think> are added tokens that are not special (the model writes them inside text); and it
+    # tokenizes a grammar's forced text with special tokens read in it ("</tool_call>" as that special
+    # token), a token it then refuses as not text, ending the answer. So it gets the vocabulary with
+    # only the special tokens marked, and a tokenizer that reads no special token in text.
+    text_only = Tokenizer.from_str(backend.to_str())
+    text_only.encode_special_tokens = True
+
+    class _Vocab:
+        eos_token_id = whole.eos_token
+        bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        tokens = [whole.decode_bytes([i]) for i in range(backend.get_vocab_size(with_added_tokens=True))]
+        special_token_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+        def __call__(self, text: bytes) -> list[int]:
+            return text_only.encode(
+                bytes(text).decode("utf-8", errors="replace"), add_special_tokens=False
+            ).ids
+
+    return LLTokenizer(TokenizerWrapper(_Vocab()), n_vocab=vocab_size, eos_token=eos or None)
+
+
+def _special_tokens(tokenizer: PromptTokenizer) -> dict[str, int]:
+    """Text -> id of the tokenizer's special tokens (an HFTokenizer's added tokens marked special)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {text: ByteTokenizer.EOS + i for i, text in enumerate(ByteTokenizer.SPECIALS)}
+    backend = getattr(tokenizer, "_tok", None)
+    if backend is None:
+        return {}
+    return {token.content: i for i, token in backend.get_added_tokens_decoder().items() if token.special}
 
 
 # ---------------------------------------------------------------------- engine thread

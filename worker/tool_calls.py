@@ -9,11 +9,12 @@ whole or as stream deltas.
   names: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, what the
   built-in chat template writes, Qwen 2.5 / Hermes models) or ``llama3_json`` (the whole answer is
   ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+). With hermes, what
-  follows a ``<tool_call>`` is also constrained to a valid call (``auto_grammar``). Text that does
+  follows a ``<tool_call>`` is also constrained to a valid call (``auto_grammar``). Where the tags
+  are special tokens, the request's text shows them to this reader (worker.guided). Text that does
   not parse as a call stays content: nothing the model wrote is dropped.
 - ``required``: the output is constrained (worker.guided) to a JSON list of at least one
   ``{"name": <a tool>, "parameters": <its schema>}`` (exactly one when ``parallel_tool_calls`` is
-  false), each item a call.
+  false), each item a call; one cut off by max_tokens keeps the calls read so far, whole or streamed.
 - ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's parameters
   schema and is that call's arguments, streamed as argument deltas as they are generated.
 
@@ -72,13 +73,15 @@ def _params(req: ToolRequest) -> dict[str, Any]:
     return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in req.tools}
 
 
-def auto_grammar(req: ToolRequest, trigger_is_special: bool) -> tuple[str, str]:
+def auto_grammar(
+    req: ToolRequest, trigger_is_special: bool, close_is_special: bool = False
+) -> tuple[str, str]:
     """``auto`` with the hermes format: the text is free, but from each ``<tool_call>`` on the
-    output must be one call ``{"name": <a tool>, "arguments": <its schema>}`` and ``</tool_call>``
-    (llguidance's lazy trigger), so every call the model starts parses. ``trigger_is_special``:
-    the tokenizer has ``<tool_call>`` as a special token (matched as that token, not as text)."""
-    from llguidance import StructTag
-
+    output must be one call ``{"name": <a tool>, "arguments": <its schema>}`` and ``</tool_call>``,
+    so every call the model starts parses. ``trigger_is_special``: the tokenizer has
+    ``<tool_call>`` as a special token (matched as that token; else as text, llguidance's lazy
+    trigger); ``close_is_special`` the same for ``</tool_call>`` (else written as text, which the
+    model spells)."""
     call = {
         "anyOf": [
             {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
@@ -87,8 +90,13 @@ def auto_grammar(req: ToolRequest, trigger_is_special: bool) -> tuple[str, str]:
         ],
         "x-guidance": JSON_DEFAULTS,
     }  # fmt: skip
-    tag = StructTag(trigger=_OPEN, begin=_OPEN, grammar=call, end=_CLOSE)
-    return "tool_auto", StructTag.to_grammar([tag], assume_special=trigger_is_special)
+    close = _CLOSE if close_is_special else json.dumps(_CLOSE)
+    body = f"%json {json.dumps(call)} {close}"
+    if trigger_is_special:
+        rules = f"call: TEXT {_OPEN} {body}"
+    else:
+        rules = f"call_start[lazy]: TEXT {json.dumps(_OPEN)}\ncall: call_start {body}"
+    return "tool_auto", f"%llguidance {{}}\nstart: call* free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
 
 
 def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
@@ -166,8 +174,8 @@ class ToolOutput:
             return {"role": "assistant", "content": text}
         if mode == "function":
             calls = [_call(self.req.name or "", text)]
-        elif mode == "required":
-            calls = _json_calls(text) or []
+        elif mode == "required":  # NOTE: read as a stream is, so one cut off by max_tokens agrees with it
+            calls, text = _CallArray().calls_in(text), ""  # the calls' JSON is not content
         elif self.parser == "llama3_json":
             calls = _json_calls(text.removeprefix(_PYTHON_TAG)) or []
             text = "" if calls else text  # all of it is the calls
@@ -321,6 +329,18 @@ class _CallArray:
         self._args(out, args)
         return out
 
+    def calls_in(self, text: str) -> list[dict]:
+        """The calls of a whole answer: its stream's deltas put together (a call cut off by
+        max_tokens as far as it got)."""
+        calls: list[dict] = []
+        for delta in self.feed(text):
+            for piece in delta["tool_calls"]:
+                if piece["index"] == len(calls):  # a head
+                    calls.append({k: v for k, v in piece.items() if k != "index"})
+                else:
+                    calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+        return calls
+
     def _item_string(self, out: list[dict]) -> None:
         """A string at an item's top level ended: a key, or a value (the name: send the head)."""
         if self._expect_key:
@@ -356,11 +376,12 @@ _HERMES = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|$)"
 
 def _hermes(text: str) -> tuple[str, list[dict]]:
     """(content, calls) of a hermes-format answer: every ``<tool_call>`` block that parses as a call
-    is one (an unterminated last block too); the rest is content."""
+    is one (an unterminated last block too); the rest is content (a last, empty block aside)."""
     calls, content, last = [], [], 0
     for m in _HERMES.finditer(text):
-        found = _hermes_block(m.group(1))
-        if found:
+        found = _hermes_block(m.group(1)) or []
+        # NOTE: an answer cut off right after a <tool_call> shows no tag (as its stream ends)
+        if found or (m.group(0) == _OPEN and m.end() == len(text)):
             content.append(text[last : m.start()])
             calls += found
             last = m.end()

@@ -133,3 +133,20 @@ def llama3_scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sharded_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The llama fixture's architecture split over several safetensors shards (with an index)."""
     return save_checkpoint(tmp_path_factory.mktemp("sharded"), "llama", max_shard_size="100KB")
+
+
+TOOL_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def save_tool_tag_checkpoint(directory: Path, special: bool) -> Path:
+    """The llama checkpoint with hermes' ``<tool_call>`` and ``</tool_call>`` added to its tokenizer
+    (the vocabulary's last two ids): special tokens (as Hermes 2 Pro has them) or not (Qwen 2.5 / 3)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    vocab = write_tokenizer(directory)
+    save_checkpoint(directory, "llama", vocab_size=vocab + len(TOOL_TAGS))
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tags = [AddedToken(tag, special=special, normalized=False) for tag in TOOL_TAGS]
+    assert (tok.add_special_tokens if special else tok.add_tokens)(tags) == len(TOOL_TAGS)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory

@@ -134,6 +134,19 @@ def test_hf_tokenizer_walks_give_schema_valid_json(llama_checkpoint, seed) -> No
     check_person(json.loads(tok.decode(ids)))
 
 
+def test_forced_text_that_spells_a_special_token_is_written_as_text(llama_checkpoint) -> None:
+    """Text a grammar forces is text even where a special token has the same spelling: the special
+    token (which no grammar text can be) is never offered, so the output is not cut off there."""
+    tok = HFTokenizer(str(llama_checkpoint))
+    compiler = GuideCompiler(tok, tok.vocab_size)
+    im_start = tok._tok.token_to_id("<|im_start|>")
+    for seed in range(3):
+        ids = random_walk(
+            compiler, {"guided_choice": ["<|im_start|>x"]}, tok.vocab_size, set(tok.eos_token_ids), seed
+        )
+        assert im_start not in ids and tok.decode(ids) == "<|im_start|>x"
+
+
 CUDA = pytest.param(
     "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 )

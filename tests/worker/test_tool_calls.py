@@ -131,6 +131,7 @@ HERMES_TEXTS = [
     "no calls at all, just < and <tool and <tool_c",
     '<tool_call>{"name":"add","arguments":{"a":1}}',  # unterminated (cut by max_tokens)
     "<tool_call>not json</tool_call> tail",
+    'Let me look.<tool_call>{"name":"add","arguments":{}}</tool_call> <tool_call>',  # cut off at a tag
 ]
 
 
@@ -165,6 +166,36 @@ def test_streamed_required_calls_come_as_generated_and_agree_with_the_whole_answ
         ("get_weather", {"city": 'O"s}l[o', "unit": "c"}),
     ]
     assert out.finish_reason("stop") == "tool_calls"
+
+
+def raw_calls(message_or_deltas: dict | list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments text) of a message's calls, or of stream deltas put together."""
+    if isinstance(message_or_deltas, dict):
+        return [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in message_or_deltas.get("tool_calls", [])
+        ]
+    calls: dict[int, list[str]] = {}
+    for d in message_or_deltas:
+        for c in d.get("tool_calls", []):
+            entry = calls.setdefault(c["index"], ["", ""])
+            entry[0] += c.get("function", {}).get("name", "")
+            entry[1] += c.get("function", {}).get("arguments", "")
+    return [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+
+
+def test_a_required_answer_cut_off_gives_the_calls_so_far_whole_as_streamed() -> None:
+    for end in range(len(REQUIRED_TEXT) + 1):
+        text = REQUIRED_TEXT[:end]
+        whole = ToolOutput(ToolRequest(TOOLS, "required"), "hermes")
+        message = whole.message(text)
+        stream = ToolOutput(ToolRequest(TOOLS, "required"), "hermes")
+        deltas = stream.feed(text) + stream.flush()
+        assert raw_calls(message) == raw_calls(deltas), text
+        assert message["content"] == ("" if not deltas else None)
+        assert whole.finish_reason("length") == "length" and whole.calls == stream.calls
+    assert raw_calls(ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(REQUIRED_TEXT[:83])) == [
+        ("add", '{"a":1,"b":2}'), ("get_weather", '{"cit')]  # fmt: skip
 
 
 def test_a_required_call_is_sent_before_the_answer_ends() -> None:
@@ -255,12 +286,35 @@ def test_required_tool_choice_gives_calls_of_known_tools(worker) -> None:
     body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "tool_choice": "required",
             "parallel_tool_calls": False, "n": 3, "temperature": 1.0, "seed": 5}  # fmt: skip
     for choice in worker.post("/v1/chat/completions", json=body).json()["choices"]:
-        if choice["finish_reason"] == "length":  # a long random integer ran out of tokens: text, honestly
-            assert choice["message"]["content"] and "tool_calls" not in choice["message"]
+        if choice["finish_reason"] == "length":  # a long random integer ran out of tokens: the call so far
+            assert choice["message"]["content"] is None
+            assert {c["function"]["name"] for c in choice["message"]["tool_calls"]} <= {"get_weather", "add"}
             continue
         [(name, args)] = calls_of(choice["message"])
         assert name in ("get_weather", "add")
         assert set(args) == ({"city", "unit"} if name == "get_weather" else {"a", "b"})
+
+
+def test_a_required_answer_cut_off_by_max_tokens_gives_the_same_calls_whole_and_streamed(worker) -> None:
+    body = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    choice = worker.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+    calls = raw_calls(choice["message"])
+    assert calls and {name for name, _ in calls} <= {"get_weather", "add"}
+    deltas, finish = [], None
+    with worker.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed_choice = json.loads(line[6:])["choices"][0]
+                deltas.append(streamed_choice["delta"])
+                finish = streamed_choice["finish_reason"] or finish
+    assert (raw_calls(deltas), finish) == (calls, "length")
 
 
 def test_streamed_named_call_equals_the_whole_answer(worker) -> None:
@@ -423,3 +477,110 @@ def test_auto_tools_are_constrained_unless_a_format_is_asked(worker) -> None:
     body = worker.post("/v1/chat/completions", json=fmt).json()
     assert metric(worker, series) == before + 1
     assert body["choices"][0]["message"]["content"].startswith("{")
+
+
+# ---------------------------------------------------------------------- tags that are added tokens
+@pytest.fixture(scope="module", params=[True, False], ids=["special-tags", "text-tags"])
+def tagged(request, tmp_path_factory):
+    """A worker whose tokenizer has <tool_call> and </tool_call> as added tokens, special (Hermes 2
+    Pro) or not (Qwen 2.5 / 3); yields (client, checkpoint directory, the two tags' ids)."""
+    from .conftest import TOOL_TAGS, save_tool_tag_checkpoint
+
+    directory = save_tool_tag_checkpoint(tmp_path_factory.mktemp("tagged"), special=request.param)
+    tags = [HFTokenizer(str(directory))._tok.token_to_id(t) for t in TOOL_TAGS]
+    with serve(model=str(directory)) as live:
+        yield httpx.Client(base_url=live.url, timeout=120), directory, tags
+
+
+def streamed_answer(client: httpx.Client, body: dict) -> tuple[str, list[tuple[str, dict]], str | None]:
+    """A streamed chat answer as a client puts it together: (content, calls, finish_reason)."""
+    content, calls, finish = "", {}, None
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                content += choice["delta"].get("content") or ""
+                for c in choice["delta"].get("tool_calls", []):
+                    entry = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+                    entry["name"] += c.get("function", {}).get("name", "")
+                    entry["arguments"] += c.get("function", {}).get("arguments", "")
+                finish = choice["finish_reason"] or finish
+    return content, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
+
+
+def test_auto_calls_are_read_when_the_tags_are_added_tokens(tagged) -> None:
+    """The model opens a call with its own <tool_call> token (pushed by logit_bias): the grammar
+    allows it, the reader sees the tags, the answer is that call (the arguments the model wrote),
+    whole and streamed, and no tag shows as content."""
+    client, _, (open_id, _) = tagged
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 150, "temperature": 0,
+            "logit_bias": {str(open_id): 100}, "stop": ["</tool_call>"]}  # fmt: skip
+    choice = client.post("/v1/chat/completions", json={**body, "logprobs": True}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    [(name, args)] = calls_of(choice["message"])
+    written = bytes(b for entry in choice["logprobs"]["content"] for b in entry["bytes"]).decode()
+    assert written.startswith("<tool_call>{")
+    assert json.loads(written.removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
+        "name": name, "arguments": args}  # fmt: skip
+    assert name == "get_weather" and set(args) == {"city", "unit"}
+    assert streamed_answer(client, body) == ("", [(name, args)], "tool_calls")
+
+
+def test_auto_calls_follow_one_another_when_the_tags_are_added_tokens(tagged) -> None:
+    """After a call's </tool_call> the text is free again: the model opens the next call."""
+    client, _, (open_id, _) = tagged
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 200, "temperature": 0,
+            "logit_bias": {str(open_id): 100}}  # fmt: skip
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    calls = calls_of(choice["message"])
+    assert len(calls) >= 2 and {name for name, _ in calls} == {"get_weather"}, choice
+    content, streamed_calls, finish = streamed_answer(client, body)
+    assert (streamed_calls, finish) == (calls, choice["finish_reason"])
+    assert content.split() == (choice["message"]["content"] or "").split()
+
+
+def test_a_call_is_closed_with_the_models_own_close_tag_token(tagged) -> None:
+    """Both tags are tokens of the model's: the answer opens and closes the call with them (one
+    token each), not with the close tag spelled out piece by piece."""
+    client, directory, (open_id, close_id) = tagged
+    bias = {str(open_id): 100}
+    if HFTokenizer(str(directory))._tok.get_added_tokens_decoder()[close_id].special:
+        bias[str(close_id)] = 100  # NOTE: else a text token, which free text may hold anywhere
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 150, "temperature": 0, "logprobs": True,
+            "logit_bias": bias}  # fmt: skip
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert calls_of(choice["message"]), choice  # (calls follow one another up to max_tokens)
+    tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert tokens[0] == "<tool_call>" and "</tool_call>" in tokens, tokens
+
+
+def test_auto_grammar_allows_the_models_own_tag_tokens(tagged) -> None:
+    """Under tool_choice auto the tag tokens are allowed where a call opens and closes, and the
+    text is free again after a call, whether the tags are special tokens or not."""
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import auto_grammar
+
+    _, directory, (open_id, close_id) = tagged
+    tok = HFTokenizer(str(directory))
+    compiler = GuideCompiler(tok, tok.vocab_size)
+    special = compiler.special_token("<tool_call>")
+    assert special == tok._tok.get_added_tokens_decoder()[open_id].special
+    req = ToolRequest([WEATHER], "auto")
+    # (grammar, is the close the model's own token?): a special close is spelled unless it is named
+    cases = [(auto_grammar(req, special), not special)]
+    if special:
+        cases.append((auto_grammar(req, True, close_is_special=True), True))
+    for grammar, close_is_the_token in cases:
+        m = compiler.compile(*grammar).matcher()
+        for _ in range(2):  # a second call after the first
+            assert allowed_mask([m], tok.vocab_size)[0][open_id]
+            assert m.consume_token(open_id)
+            body = '{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}'
+            assert m.consume_tokens(tok._tok.encode(body, add_special_tokens=False).ids)
+            close = m.compute_ff_tokens()  # forced
+            assert tok.decode(close, skip_special_tokens=False) == "</tool_call>"
+            assert (close == [close_id]) == close_is_the_token
+            assert m.consume_tokens(close) and not m.is_error()
+            assert allowed_mask([m], tok.vocab_size)[0][tok.eos_token_ids].all()
