@@ -10,7 +10,10 @@ from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
+from router.errors import RouterError
+from router.request_parsing import ClientGone, read_body
 from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar
@@ -25,6 +28,17 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+
+
+async def read_bounded(request: Request, limit: int) -> bytes:
+    """The request's body; 413 past ``limit`` bytes, counted as they arrive (a chunked body
+    declares no length), without reading the rest."""
+    try:
+        return await read_body(request, limit)
+    except RouterError as exc:
+        raise APIError(exc.status, exc.message, exc.code) from None
+    except ClientGone:
+        raise APIError(499, "the client disconnected while sending its request") from None
 
 
 def json_object(raw: bytes) -> dict:

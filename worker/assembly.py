@@ -386,4 +386,5 @@ def assemble_engine(
         simulated,
         warmup,
         adapters,
+        cfg.stall_timeout_s,
     )

@@ -49,6 +49,7 @@ class WorkerConfig:
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
+    stall_timeout_s: float = 120.0  # one engine step (or call) running longer: /health answers 503
     lora_adapters: list[str] = field(default_factory=list)  # "NAME=PATH" of PEFT LoRA directories
     tensor_parallel_size: int = 1  # ranks (GPUs) one model is split over (worker/tensor_parallel.py)
     # speculative decoding by prompt lookup (worker/speculative.py): draft tokens per step; 0 = off
@@ -111,6 +112,8 @@ class WorkerConfig:
             raise ValueError("--cpu-threads must be >= 0")
         if self.warmup_tokens < 0:
             raise ValueError("--warmup-tokens must be >= 0")
+        if not self.stall_timeout_s > 0:
+            raise ValueError("--stall-timeout-s must be > 0")
         if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
             raise ValueError("--max-wait-s and --decode-reserve-tokens must be >= 0")
         if self.speculative_tokens < 0:
@@ -233,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "prompt tokens of a throw-away request run before /health reports ready "
         "(compiles kernels before the first client's request; 0 = none)",
+    )
+    opt(
+        "--stall-timeout-s",
+        float,
+        "an engine step (or a call on the engine thread) running longer than this is a stall: /health "
+        "answers 503 'stalled' until it ends, so routers send work elsewhere (a hung tensor-parallel rank)",
     )
     opt(
         "--speculative-tokens",

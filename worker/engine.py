@@ -59,6 +59,7 @@ class Engine:
         simulated: bool = False,
         warmup_tokens: int = 0,
         adapter_names: Sequence[str] = (),
+        stall_timeout_s: float = 120.0,
     ) -> None:
         self.executor = executor
         self.allocator = allocator
@@ -76,6 +77,10 @@ class Engine:
         self.adapter_names: list[str | None] = list(adapter_names)
         self.simulated = simulated
         self.warmup_tokens = warmup_tokens  # prompt tokens of the request run before serving; 0 = none
+        self.stall_timeout_s = stall_timeout_s
+        # NOTE: monotonic time the engine thread's current piece of work began; None while it waits
+        # for work. A step stuck in a collective (a hung tensor-parallel rank) shows as a stall.
+        self.busy_since: float | None = None
         self.ready = threading.Event()  # set once the warm-up is over (at once without one)
         self.max_waiting = scheduler_config.max_waiting
         self._inbox: queue.Queue[tuple] = queue.Queue()
@@ -111,6 +116,12 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stalled(self) -> bool:
+        """Has the engine thread been on one step (or call) longer than ``stall_timeout_s``?"""
+        since = self.busy_since
+        return since is not None and time.monotonic() - since > self.stall_timeout_s
 
     def snapshot(self) -> EngineSnapshot:
         """Latest state (any thread; refreshed after every step)."""
@@ -216,9 +227,12 @@ class Engine:
             self.ready.set()
             self.publisher.publish([], [], cleared=True, force=True)  # seq 0: a new, empty cache
             while not self._stopping:
+                self.busy_since = None
                 self._drain_inbox(block=not self.scheduler.has_work())
                 if self._stopping:
                     break
+                if self.busy_since is None:
+                    self.busy_since = time.monotonic()
                 batch = self.scheduler.schedule()
                 if batch is not None:
                     self._step(batch)
@@ -235,6 +249,7 @@ class Engine:
             msg = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        self.busy_since = time.monotonic()
         while True:
             self._handle(msg)
             try:

@@ -46,8 +46,11 @@ class OpsAPI:
         snap = self.engine.snapshot()
         alive = self.engine.alive
         ready = alive and self.engine.ready.is_set()  # not before the warm-up is over
+        status = "ok" if ready else ("starting" if alive else "dead")
+        if ready and self.engine.stalled:  # NOTE: a step that does not end (a hung rank): send no work
+            ready, status = False, "stalled"
         body = {
-            "status": "ok" if ready else ("starting" if alive else "dead"),
+            "status": status,
             "running": snap.running,
             "waiting": snap.waiting,
             "prefill_backlog_tokens": snap.prefill_backlog_tokens,

@@ -34,6 +34,7 @@ from worker.api_params import (
     include_usage,
     output_guide,
     prompt_ids,
+    read_bounded,
     sampling_params,
     tools_of,
 )
@@ -82,9 +83,7 @@ class WorkerAPI:
         self.token_names = TokenNames(engine.tokenizer)
 
     async def _body(self, request: Request) -> dict:
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        return check_body(await request.body(), self.engine.served_models())
+        return check_body(await read_bounded(request, MAX_BODY_BYTES), self.engine.served_models())
 
     def for_model(self, params: SamplingParams, body: dict) -> SamplingParams:
         """``params`` for the body's model: the base, or one of its LoRA adapters."""
@@ -92,7 +91,11 @@ class WorkerAPI:
         if model in (None, self.name):
             return params
         # NOTE: adapter ids are positions in adapter_names (+1); an unloaded one keeps its slot
-        return dataclasses.replace(params, adapter=self.engine.adapter_names.index(model) + 1)
+        try:
+            adapter = self.engine.adapter_names.index(model) + 1
+        except ValueError:  # NOTE: unloaded since the body was checked
+            raise APIError(404, f"model {model!r} is not served here", "model_not_found") from None
+        return dataclasses.replace(params, adapter=adapter)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:

@@ -468,3 +468,54 @@ def test_tokenize_and_detokenize_round_trip_as_generation_tokenizes(client):
                        ("/detokenize", {"tokens": "abc"}), ("/tokenize", {"messages": "x"})]:  # fmt: skip
         resp = client.post(path, json=body)
         assert resp.status_code == 400 and resp.json()["error"]["message"], (path, body)
+
+
+def test_a_stalled_engine_step_makes_health_503_until_it_ends() -> None:
+    """A step (here a call) that does not end, as one stuck in a hung tensor-parallel rank's
+    collective: /health answers 503 'stalled' so routers send work elsewhere, then ok again."""
+    release = threading.Event()
+    with serve(stall_timeout_s=0.3) as live:
+        assert httpx.get(live.url + "/health").json()["status"] == "ok"
+        held = live.engine.post(lambda: release.wait(30))
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(live.url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, "never reported stalled"
+        assert health.status_code == 503 and health.json()["status"] == "stalled"
+        release.set()
+        held.result(timeout=10)
+        deadline = time.monotonic() + 10
+        while httpx.get(live.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "still stalled after the step ended"
+        body = {"prompt": "after the stall", "max_tokens": 2}
+        assert httpx.post(live.url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_a_chunked_body_past_the_bound_is_413_like_a_declared_one(server) -> None:
+    """The body bound counts bytes as they arrive: a chunked body declares no length."""
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(33):
+            yield b"x" * (1 << 20)
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(
+        server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    assert (
+        httpx.post(server.url + "/v1/completions", json={"prompt": "fine", "max_tokens": 1}).status_code
+        == 200
+    )
+
+
+def test_a_request_for_an_adapter_unloaded_after_its_check_is_404(server) -> None:
+    """An adapter unloaded between the body's check and the request's submission: 404, not 500."""
+    from worker.api_params import APIError
+    from worker.sampling import SamplingParams
+    from worker.server import WorkerAPI
+
+    api = WorkerAPI(server.engine)
+    with pytest.raises(APIError) as caught:
+        api.for_model(SamplingParams(), {"model": "gone-adapter"})
+    assert (caught.value.status, caught.value.code) == (404, "model_not_found")
