@@ -75,20 +75,29 @@ def target_from_config(config: Any) -> KubeTarget:
     )
 
 
-def worker_urls(slices: Iterable[dict], target: KubeTarget) -> set[str]:
-    """Worker URLs in an EndpointSliceList's items."""
+def worker_urls(slices: Iterable[object], target: KubeTarget) -> set[str]:
+    """Worker URLs in an EndpointSliceList's items. Entries of the wrong shape are skipped; a
+    dual-stack Service's IPv6 slices are skipped when it has IPv4 ones (one URL per pod)."""
+    items = [item for item in slices if isinstance(item, dict)]
+    ipv4 = any(item.get("addressType") == "IPv4" for item in items)
     urls = set()
-    for item in slices:
-        ports = item.get("ports") or []
+    for item in items:
+        if ipv4 and item.get("addressType") == "IPv6":
+            continue
+        ports = [p for p in _list_of(item.get("ports")) if isinstance(p, dict)]
         chosen = [p for p in ports if target.port_name is None or p.get("name") == target.port_name]
-        if not chosen or not isinstance(chosen[0].get("port"), int):
+        if not chosen or type(chosen[0].get("port")) is not int:
             continue
         port = chosen[0]["port"]
-        for endpoint in item.get("endpoints") or []:
-            if (endpoint.get("conditions") or {}).get("terminating"):
+        for endpoint in _list_of(item.get("endpoints")):
+            if not isinstance(endpoint, dict):
                 continue
-            hostname, addresses = endpoint.get("hostname"), endpoint.get("addresses") or []
-            if hostname:
+            conditions = endpoint.get("conditions")
+            if isinstance(conditions, dict) and conditions.get("terminating"):
+                continue
+            hostname = endpoint.get("hostname")
+            addresses = [a for a in _list_of(endpoint.get("addresses")) if isinstance(a, str) and a]
+            if isinstance(hostname, str) and hostname:
                 host = f"{hostname}.{target.service}.{target.namespace}.svc.{target.cluster_domain}"
             elif addresses:
                 host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
@@ -96,6 +105,10 @@ def worker_urls(slices: Iterable[dict], target: KubeTarget) -> set[str]:
                 continue
             urls.add(f"http://{host}:{port}")
     return urls
+
+
+def _list_of(value: object) -> list:
+    return value if isinstance(value, list) else []
 
 
 class KubeDiscovery:
@@ -128,7 +141,11 @@ class KubeDiscovery:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:  # NOTE: a bug here must not end discovery for good
+                self.failures += 1
+                log.exception("discovery round failed")
 
     async def sync(self) -> None:
         """One round: list, then add and remove. A failure leaves the fleet alone."""
@@ -137,14 +154,17 @@ class KubeDiscovery:
             urls = worker_urls(await self._list(), self.target)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             self.failures += 1
-            log.warning("listing %s/%s endpoints failed: %s", self.target.namespace, self.target.service, exc)
+            log.warning("listing %s/%s endpoints failed: %r", self.target.namespace, self.target.service, exc)
             return
         workers = self._router.workers
-        for url in sorted(urls):
-            if workers.get(url) is None:  # new, or removed by hand: the Service is the truth
-                self.found.add(url)
-                await self._router.health.check(workers.add(url))
-                log.info("worker discovered: %s", url)
+        new = [
+            url for url in sorted(urls) if workers.get(url) is None
+        ]  # or removed by hand: the Service rules
+        for url in new:
+            self.found.add(url)
+            log.info("worker discovered: %s", url)
+        # NOTE: at once: N pods that do not answer yet cost one health timeout, not N
+        await asyncio.gather(*(self._router.health.check(workers.add(url)) for url in new))
         for url in sorted(self.found - urls):
             workers.remove(url)
             self.found.discard(url)
@@ -164,7 +184,8 @@ class KubeDiscovery:
             body = await resp.read()
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}: {body[:200]!r}")
-        items = orjson.loads(body).get("items")
+        listing = orjson.loads(body)
+        items = listing.get("items") if isinstance(listing, dict) else None
         if not isinstance(items, list):
             raise ValueError("not an EndpointSliceList")
         return items

@@ -3,7 +3,9 @@
 Every router replica reads every event (no consumer groups). Per worker it tracks (epoch, seq); on
 subscribe, on a gap and on a new epoch it re-syncs from the worker's snapshot, so a router that
 joins mid-stream still learns what was cached before it joined. Malformed batches are dropped and
-trigger a re-sync; they never stop the subscriber."""
+trigger a re-sync; they never stop the subscriber. A re-sync runs beside the readers, one at a
+time per worker, holding that worker's batches meanwhile: a worker whose snapshot is slow delays
+only its own events, never those of the workers sharing its stream."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ log = logging.getLogger("radixgate.router.events")
 
 STREAM_PREFIX = "radixgate:kv:"  # + model name: one Redis Stream per model
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+_HELD_BATCHES = 4096  # batches of one worker held while its re-sync runs; past it they are dropped
 
 
 def reconnect_delay(attempt: int) -> float:
@@ -49,6 +52,7 @@ class EventSubscriber:
         self._cursors: dict[str, _Cursor] = {}
         self._tasks: dict[str, asyncio.Task] = {}  # worker url (http) or stream key (redis) -> reader
         self._resyncs: set[asyncio.Task] = set()
+        self._held: dict[str, list[KVEventBatch]] = {}  # worker url -> batches during its re-sync
         self._redis = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -152,13 +156,27 @@ class EventSubscriber:
         return True
 
     def resync_soon(self, worker: Worker) -> None:
-        """Schedule a re-sync (used by the health checker when a worker restarts)."""
-        if self.mode == "off":
+        """Re-sync ``worker`` in the background (unless it is already), holding its batches that
+        arrive meanwhile, then applying those the snapshot does not cover."""
+        if self.mode == "off" or worker.url in self._held:
             return
         self._cursors.pop(worker.url, None)
-        task = asyncio.get_running_loop().create_task(self.resync(worker))
+        self._held[worker.url] = []
+        task = asyncio.get_running_loop().create_task(self._resync_and_replay(worker))
         self._resyncs.add(task)
         task.add_done_callback(self._resyncs.discard)
+
+    async def _resync_and_replay(self, worker: Worker) -> None:
+        try:
+            synced = await self.resync(worker)
+        finally:
+            held = self._held.pop(worker.url, [])
+        if not synced:
+            return  # NOTE: the worker's next batch asks again (a gap: no cursor)
+        for batch in held:
+            if not self.apply(worker, batch):  # a batch was lost meanwhile: once more
+                self.resync_soon(worker)
+                return
 
     async def _handle(self, raw: bytes, expected: Worker | None = None) -> None:
         try:
@@ -166,13 +184,19 @@ class EventSubscriber:
         except EventFormatError as exc:
             log.warning("dropping malformed KV event batch: %s", exc)
             if expected is not None:
-                await self.resync(expected)
+                self.resync_soon(expected)
             return
         worker = expected or self._worker_for(batch.worker)
         if worker is None:
             return  # a worker this router does not route to
-        if not self.apply(worker, batch) and await self.resync(worker):
-            self.apply(worker, batch)
+        held = self._held.get(worker.url)
+        if held is not None:  # NOTE: its re-sync runs: applied after it, if the snapshot lacks it
+            if len(held) < _HELD_BATCHES:
+                held.append(batch)
+            return
+        if not self.apply(worker, batch):
+            self.resync_soon(worker)
+            self._held.get(worker.url, []).append(batch)
 
     # ---------------------------------------------------------------- transports
     async def _http_reader(self, worker: Worker) -> None:
@@ -240,5 +264,9 @@ class EventSubscriber:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:
                 log.warning("redis stream %s: %r", key, exc)
+                await asyncio.sleep(reconnect_delay(attempt))
+                attempt += 1
+            except Exception:  # NOTE: a bug must not end the model's stream for good
+                log.exception("redis stream %s failed", key)
                 await asyncio.sleep(reconnect_delay(attempt))
                 attempt += 1

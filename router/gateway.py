@@ -75,6 +75,7 @@ class Router:
         )
         self.workers.on_added.append(lambda w: self.index.add_worker(w.url))
         self.workers.on_removed.append(lambda w: self.index.remove_worker(w.url))
+        self.workers.on_removed.append(lambda w: self.upstream.client.forget(w.url))
         self.api_keys = APIKeys(config.api_keys, config.api_key_limits)
         self.admission = AdmissionGate(
             config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s

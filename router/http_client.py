@@ -267,9 +267,13 @@ class _Pool:
         self._client = client
         self._idle: dict[_Connection, None] = {}  # an ordered set: most recently used last
         self.host_header = host if port in (80, 443) else f"{host}:{port}"
+        self.closed = False  # forgotten by its client: connections coming back are closed
 
     def put(self, conn: _Connection) -> None:
-        self._idle[conn] = None
+        if self.closed:
+            conn.abort()
+        else:
+            self._idle[conn] = None
 
     def discard(self, conn: _Connection) -> None:
         self._idle.pop(conn, None)
@@ -297,6 +301,7 @@ class _Pool:
         return conn
 
     def close(self) -> None:
+        self.closed = True
         for conn in list(self._idle):
             conn.abort()
         self._idle.clear()
@@ -375,6 +380,13 @@ class HTTPClient:
         except BaseException:
             conn.abort()
             raise
+
+    def forget(self, base_url: str) -> None:
+        """Drop ``base_url``'s pool (a worker removed from the fleet): its idle connections are
+        closed now, those in use when their exchange ends. A later request opens a new one."""
+        found = self._pools.pop(base_url, None)
+        if found is not None:
+            found[0].close()
 
     def close(self) -> None:
         for pool, _ in self._pools.values():

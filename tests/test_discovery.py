@@ -49,6 +49,17 @@ def test_statefulset_endpoints_become_their_stable_names() -> None:
     assert "http://rg-worker-0.rg-worker.llm.svc.k8s.example:8001" in worker_urls(slices, named)
 
 
+def test_malformed_slices_are_skipped_and_a_dual_stack_pod_is_one_worker() -> None:
+    good = {"addressType": "IPv4", "ports": [{"port": 8001}], "endpoints": [endpoint(address="10.0.0.2")]}
+    odd = [None, 7, "x", {"ports": None, "endpoints": [endpoint()]}, {"ports": [None, {"port": "80"}]},
+           {"ports": [{"port": 8001}], "endpoints": [None, 3, {"addresses": [None, 5]}, {"addresses": "10.0.0.3"},
+                                                      {"conditions": None, "addresses": ["10.0.0.4"]}]}]  # fmt: skip
+    assert worker_urls([*odd, good], TARGET) == {"http://10.0.0.4:8001", "http://10.0.0.2:8001"}
+    ipv6 = {"addressType": "IPv6", "ports": [{"port": 8001}], "endpoints": [endpoint(address="fd00::2")]}
+    assert worker_urls([good, ipv6], TARGET) == {"http://10.0.0.2:8001"}  # the same pod, once
+    assert worker_urls([ipv6], TARGET) == {"http://[fd00::2]:8001"}  # an IPv6-only Service
+
+
 class FakeKubeAPI:
     """The API server's EndpointSlice list for one Service, as the test sets it."""
 
@@ -57,6 +68,7 @@ class FakeKubeAPI:
     def __init__(self) -> None:
         self.ports: list[int] = []  # one slice per port, like one worker per node port
         self.fail = False
+        self.garbage: bytes | None = None  # a 200 answer that is not an EndpointSliceList
         self.calls = 0
 
         async def slices(request: Request) -> Response:
@@ -65,6 +77,8 @@ class FakeKubeAPI:
                 return Response(b"{}", 401)
             if self.fail or request.query_params.get("labelSelector") != "kubernetes.io/service-name=workers":
                 return Response(b"{}", 500)
+            if self.garbage is not None:
+                return Response(self.garbage, media_type="application/json")
             items = [{"ports": [{"name": "http", "port": p}], "endpoints": [endpoint(address="127.0.0.1")]}
                      for p in self.ports]  # fmt: skip
             return Response(
@@ -123,6 +137,16 @@ def test_the_router_follows_the_services_endpoints(launch, kube, tmp_path) -> No
     workers, discovery = fleet(router.url)
     assert workers == {static.url, a.url, b.url} and discovery["failures"] >= 3
     kube.fail = False
+    for garbage in (b"[1, 2]", b"null", b'{"items": "none"}'):  # a 200 of the wrong shape is a failure
+        kube.garbage, failed = garbage, fleet(router.url)[1]["failures"]
+        wait_until(
+            lambda f=failed: fleet(router.url)[1]["failures"] >= f + 2, 10, what=f"{garbage!r} refused"
+        )
+        assert fleet(router.url)[0] == {static.url, a.url, b.url}
+    # a list whose entries are of the wrong shape: they are skipped (here: no endpoint at all)
+    kube.garbage = b'{"items": [{"ports": [{"port": 1}], "endpoints": [null, 3]}, 7]}'
+    wait_until(lambda: fleet(router.url)[0] == {static.url}, 10, what="an empty listing applied")
+    kube.garbage = None
     kube.ports = [port(b)]  # a scaled down; the static worker is never discovery's to remove
     wait_until(lambda: fleet(router.url)[0] == {static.url, b.url}, 10, what="a removed")
     # removed by hand, a listed worker comes back

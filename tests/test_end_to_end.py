@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -182,6 +183,76 @@ def test_a_worker_started_after_the_router_is_followed_over_redis(launch):
     assert httpx.post(worker.url + "/v1/cache/flush", timeout=30).status_code == 200
     wait_until(lambda: matched_tokens(router.url, body)[url] == 0, 30, what="the flush's event applied")
     assert metric(router.url, f'radixgate_upstream_kv_event_batches_total{{worker="{url}"}}') >= 1
+
+
+class _SlowSnapshotWorker:
+    """A worker that answers its probes but never its snapshot, and publishes batches with gaps to
+    the same Redis stream as a real worker (as one whose HTTP side is overloaded would)."""
+
+    def __init__(self, redis_url: str) -> None:
+        import asyncio
+        import socket
+        import threading
+
+        import redis
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        from router.kv_events import KVEventBatch, encode
+
+        async def snapshot(request):
+            await asyncio.sleep(60)
+
+        app = Starlette(routes=[
+            Route("/health", lambda r: JSONResponse({"status": "ok", "running": 0, "waiting": 0})),
+            Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "sim-8b"}]})),
+            Route("/v1/cache/info", lambda r: JSONResponse({"block_size": 16})),
+            Route("/v1/cache/snapshot", snapshot),
+        ])  # fmt: skip
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True).start()
+        wait_until(lambda: self.server.started, 10, what="the slow-snapshot worker")
+        self.stop = threading.Event()
+        client = redis.Redis.from_url(redis_url)
+
+        def publish() -> None:
+            seq = 0
+            while not self.stop.wait(0.2):
+                seq += 2  # NOTE: every batch a gap: each asks the router for a re-sync
+                batch = KVEventBatch(self.url, "e1", seq, time.time(), 16)
+                client.xadd("radixgate:kv:sim-8b", {"batch": encode(batch)})
+
+        threading.Thread(target=publish, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.should_exit = True
+
+
+@pytest.mark.redis
+def test_a_worker_whose_snapshot_hangs_delays_no_other_workers_events(launch):
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url = launch.redis()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    real = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--redis-url", redis_url,
+                         "--advertise-url", url, port=port)  # fmt: skip
+    slow = _SlowSnapshotWorker(redis_url)
+    try:
+        router = launch.router([url, slow.url], "--kv-events", "redis", "--redis-url", redis_url)
+        wait_until(lambda: metric(router.url, f'radixgate_upstream_kv_resyncs_total{{worker="{url}"}}') >= 1,
+                   30, what="the real worker synced")  # fmt: skip
+        body = {"model": "sim-8b", "prompt": "cached behind the router's back " * 8, "max_tokens": 1}
+        assert httpx.post(real.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        wait_until(lambda: matched_tokens(router.url, body)[url] >= 128, 8, what="the real worker's event")
+    finally:
+        slow.close()
 
 
 def _resynced(router_url: str) -> bool:

@@ -331,3 +331,30 @@ async def test_https_upstream_verifies_the_certificate(tmp_path, monkeypatch):
             assert resp.status == 200 and b'"len":3' in await resp.read()
             resp.close()
         client.close()
+
+
+async def test_a_forgotten_origin_closes_its_connections_idle_and_in_use():
+    """A worker removed from the fleet: its idle connection is closed at once, one in use when its
+    exchange ends, and nothing of it stays in the client; a later request opens a new pool."""
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient()
+        idle = await client.post(url, "/echo", b"{}")
+        await idle.read()
+        idle.close()  # back to the pool
+        idle_conn = idle._conn
+        busy = await client.post(url, "/stream", b"{}")  # takes the idle connection
+        assert busy._conn is idle_conn
+        second = await client.post(url, "/echo", b"{}")  # a second connection, now idle after reading
+        await second.read()
+        second.close()
+        client.forget(url)
+        assert second._conn.closed and not client._pools
+        async for _ in busy.chunks():
+            pass
+        busy.close()
+        assert busy._conn.closed  # not kept: its pool was forgotten
+        again = await client.post(url, "/echo", b"{}")
+        assert again.status == 200 and again._conn is not busy._conn
+        await again.read()
+        again.close()
+        client.close()
