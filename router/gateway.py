@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import orjson
@@ -33,7 +32,7 @@ from router.http_client import HTTPClientError, ResponseTimeout
 from router.http_client import Response as UpstreamResponse
 from router.kv_events import KV_SOURCE_HEADER
 from router.metrics import RouterMetrics
-from router.policies import Candidate, Decision, RouteRequest, kv_fetch_source, make_policy
+from router.policies import Candidate, Decision, OptimisticInsert, RouteRequest, kv_fetch_source, make_policy
 from router.prefix_index import PrefixIndex
 from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
 from router.replica_sync import ReplicaSync
@@ -309,24 +308,25 @@ class Router:
             if source is not None:
                 worker.stats.kv_fetch_hints += 1
             context = worker.max_model_len.get(parsed.model or "")  # tokens, when the worker told
-            record = partial(
-                self.policy.on_routed, route, worker.url, context and context // route.block_size
-            )
+            # The optimistic index insert (and hashing the rest of the prompt) runs once the
+            # request is written: it does not delay it, and a worker that could not be reached
+            # records nothing; a refusal takes it back. At most what the worker's context holds.
+            insert = OptimisticInsert(self.policy, route, worker.url, predicted // route.block_size,
+                                      context and context // route.block_size)  # fmt: skip
             try:
                 try:
-                    # The optimistic index insert (and hashing the rest of the prompt) runs once
-                    # the request is written: it does not delay it, and a worker that could not
-                    # be reached records nothing. An error answer takes it back (on_refused).
                     resp = await self.upstream.open(
                         worker, path, body, headers if source is None else {**headers, KV_SOURCE_HEADER: source},
-                        record, head_timeout,
+                        insert, head_timeout,
                     )  # fmt: skip
                 except UpstreamFailure as exc:
-                    self.policy.on_refused(route, worker.url, predicted // route.block_size)
                     failure = exc
-                    if exc.kind == "request_timeout":
-                        break  # NOTE: the request's own time ran out: no fault of the worker's, no retry
+                    if exc.kind == "request_timeout":  # NOTE: the request's own time ran out: no retry
+                        if not parsed.stream:  # nothing came in all that time: a black hole is charged
+                            self._record_failure(worker, "timeout")
+                        break
                     if exc.kind == "overloaded":  # NOTE: it answered, so no fault: its queue is full
+                        insert.take_back()
                         worker.breaker.record_success()
                         worker.stats.overloaded += 1
                     else:
@@ -337,7 +337,7 @@ class Router:
                     continue
                 worker.breaker.record_success()  # any answer below 500, client errors included
                 if resp.status >= 400:
-                    self.policy.on_refused(route, worker.url, predicted // route.block_size)
+                    insert.take_back()
                 else:
                     worker.stats.prompt_tokens += route.prompt_tokens + parsed.other_prompt_tokens
                     worker.stats.predicted_cached_tokens += predicted

@@ -159,21 +159,22 @@ class Policy:
             if rng is not None:
                 rng.setstate(state)
 
-    def on_routed(self, req: RouteRequest, url: str, max_blocks: int | None = None) -> None:
+    def on_routed(self, req: RouteRequest, url: str, max_blocks: int | None = None) -> int:
         """The request was sent to ``url``: optimistically record its prefix there (at most
         ``max_blocks``: what the worker's context can hold, so no prompt it must refuse floods the
-        index's budget)."""
+        index's budget). Returns the insert's tick (``on_refused``)."""
         hashes = req.block_hashes
-        self.index.insert(
+        return self.index.insert(
             url, hashes if max_blocks is None or max_blocks >= len(hashes) else hashes[:max_blocks]
         )
 
-    def on_refused(self, req: RouteRequest, url: str, held_blocks: int) -> None:
-        """``url`` refused the request (an error answer, or none): take back what ``on_routed``
-        recorded beyond the ``held_blocks`` it was predicted to hold before. KV events never would:
-        they only tell what a worker stored or removed."""
+    def on_refused(self, req: RouteRequest, url: str, held_blocks: int, tick: int) -> None:
+        """``url`` answered that it will not serve the request (4xx): take back what ``on_routed``
+        recorded at ``tick`` beyond the ``held_blocks`` it was predicted to hold before, unless
+        something touched it since (PrefixIndex.take_back). KV events never would: they only tell
+        what a worker stored or removed."""
         if len(req.block_hashes) > held_blocks:
-            self.index.apply_removed(url, req.block_hashes[held_blocks:])
+            self.index.take_back(url, req.block_hashes[held_blocks:], tick)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "params": dict(self.params)}
@@ -185,6 +186,29 @@ class Policy:
     @staticmethod
     def _tokens(blocks: dict[str, int], req: RouteRequest) -> dict[str, int]:
         return {url: n * req.block_size for url, n in blocks.items()}
+
+
+class OptimisticInsert:
+    """One attempt's optimistic insert (called once the request is written) and its take-back when
+    the worker answers that it will not serve it (4xx, 429): a refused prompt is not recorded as
+    cached there. After a timeout or a 5xx it stays: the worker may well have computed it."""
+
+    __slots__ = ("_max_blocks", "_policy", "_req", "_tick", "_url", "held_blocks")
+
+    def __init__(
+        self, policy: Policy, req: RouteRequest, url: str, held_blocks: int, max_blocks: int | None
+    ) -> None:
+        self._policy, self._req, self._url = policy, req, url
+        self.held_blocks = held_blocks  # what the worker was predicted to hold before
+        self._max_blocks = max_blocks
+        self._tick: int | None = None  # set once inserted
+
+    def __call__(self) -> None:
+        self._tick = self._policy.on_routed(self._req, self._url, self._max_blocks)
+
+    def take_back(self) -> None:
+        if self._tick is not None:
+            self._policy.on_refused(self._req, self._url, self.held_blocks, self._tick)
 
 
 class RoundRobin(Policy):

@@ -167,15 +167,32 @@ class PrefixIndex:
 
     # ---- updates ---------------------------------------------------------------------------
 
-    def insert(self, worker: str, block_hashes: Sequence[int]) -> None:
+    def insert(self, worker: str, block_hashes: Sequence[int]) -> int:
         """Record that ``worker`` now holds the chain ``block_hashes`` starting at the root
-        (optimistic insert on route). Only the first ``max_entries`` blocks are kept."""
+        (optimistic insert on route). Only the first ``max_entries`` blocks are kept. Returns the
+        insert's tick, for ``take_back``."""
         if not block_hashes:
-            return
+            return self._tick
         slot = self._slot_of(worker)
         self._tick += 1
         self._touch_up(self._hold(slot, None, 0, None, list(block_hashes[: self.max_entries])))
         self._evict_over_budget()
+        return self._tick
+
+    def take_back(self, worker: str, block_hashes: Sequence[int], tick: int) -> None:
+        """Undo an insert made at ``tick`` (the worker refused the request): ``worker`` loses those
+        of ``block_hashes`` whose node nothing has touched since, neither another request's insert
+        nor a stored event; blocks someone else relies on stay (ticks are per node, so in doubt a
+        block stays). Ticks only grow, and a node's is at least its children's, so what goes is a
+        tail: no hole is opened."""
+        bit = 1 << self._slot[worker] if worker in self._slot else 0
+        untouched = []
+        for h in block_hashes:
+            node = self._where.get(h)
+            if node is not None and node.mask & bit and node.tick == tick:
+                untouched.append(h)
+        if untouched:
+            self.apply_removed(worker, untouched)
 
     def apply_stored(self, worker: str, parent_hash: int | None, block_hashes: Sequence[int]) -> None:
         """A worker event: ``worker`` stored the run ``block_hashes`` whose first block follows

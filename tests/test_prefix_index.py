@@ -309,3 +309,25 @@ def test_stored_and_removed_churn_does_not_grow_bookkeeping() -> None:
     assert index.match(base) == {"a": 3} and index.num_entries == 3
     assert len(index._leaves) <= 2 * index._nodes + 1024
     _check_invariants(index)
+
+
+def test_take_back_removes_only_what_nothing_touched_since() -> None:
+    """A refused request's insert is undone, but not the blocks a later insert or a stored event
+    touched (another request relies on them), and never with a hole."""
+    shared, a_tail, b_tail = list(range(1, 9)), [100, 101, 102], [200, 201]
+    index = PrefixIndex()
+    a_tick = index.insert("w", chain(shared + a_tail))
+    index.take_back("w", chain(shared + a_tail), a_tick)
+    assert index.match(chain(shared + a_tail)) == {}  # nothing else touched it: all of it goes
+    a_tick = index.insert("w", chain(shared + a_tail))
+    index.insert("w", chain(shared + b_tail))  # B, routed on the same prefix, sent after A
+    index.take_back("w", chain(shared + a_tail), a_tick)
+    # B's blocks stay; so does A's tail here (it shared a node with the prefix B touched: ticks are
+    # per node, and in doubt a block stays)
+    assert index.match(chain(shared + b_tail)) == {"w": len(shared) + len(b_tail)}
+    assert index.match(chain(shared + a_tail))["w"] >= len(shared)
+    c = chain([7, 7, 7, 7])
+    c_tick = index.insert("w", c)
+    index.apply_stored("w", None, c)  # the worker says it stored them: they stay
+    index.take_back("w", c, c_tick)
+    assert index.match(c) == {"w": 4}

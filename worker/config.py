@@ -42,7 +42,7 @@ class WorkerConfig:
     # KV moved between workers (worker/kv_transfer.py): host memory for transfers under way (MiB),
     # 0 = off (the router's x-radixgate-kv-source hint ignored, /v1/kv/export refused)
     kv_transfer_max_mib: int = 1024
-    kv_fetch_timeout_s: float = 5.0  # one fetch's HTTP exchange with the source worker
+    kv_fetch_timeout_s: float = 5.0  # a request's KV fetches from the source worker, all its prompts
     kv_transfer_max_wait_ms: float = 200.0  # a transfer queued behind more than this is refused (0: never)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
@@ -195,8 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--kv-fetch-timeout-s",
         float,
-        "longest a KV fetch from another worker may take (seconds); a fetch asks for no more than its "
-        "link has brought in half this time",
+        "longest a request's KV fetches from another worker may take, all its prompts together (seconds); "
+        "a fetch asks for no more than its link has brought in half the time left",
     )
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
     opt("--max-running", int, "requests admitted at once")

@@ -4,41 +4,45 @@ holds fetches that prefix's KV from it instead, so a request routed away from it
 
 A router sends the hint as the header ``x-radixgate-kv-source: <worker URL>`` (router
 --kv-fetch-min-tokens). The receiving worker, before submitting the request, looks up how much of
-the prompt it has cached itself; when less, it asks the source (``POST /v1/kv/export``: prompt ids,
-the page-aligned position to start from, a token cap) for the KV of what the source holds beyond
-that, on the device. The answer's body is that KV as raw bytes: one C-contiguous tensor [2 (K, V),
-layers, tokens, KV heads, head dim] in the pool's dtype; its headers say what it is
-(``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``), so the receiver checks the layout
-before reading the body. The transfer streams, a group of layers at a time: the source pins the
-pages and reads each group from its pool between its engine's steps while the one before is sent;
-the receiver takes free pages of its pool once the headers arrive, writes each group into them as
-its bytes arrive, and then inserts them into its radix cache (which publishes their KV events, so
-routers learn the new holder); the request then finds them as any cache hit. Neither side holds
-more than two groups in host memory, whatever the prompt's length. Pool reads and writes run on
-each engine thread between steps; serialization and the HTTP exchange do not.
+the prompt it has cached itself (both tiers); when less, it asks the source (``POST /v1/kv/export``:
+prompt ids, the page-aligned position to start from, a token cap) for the KV of what the source
+holds beyond that, in either tier (a host-tier part is loaded back to the device first, as for a
+local hit: routers see one cache). The answer's body is that KV as raw bytes: one C-contiguous
+tensor [2 (K, V), layers, tokens, KV heads, head dim] in the pool's dtype; its headers say what it
+is (``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``), so the receiver checks the
+layout before reading the body. The transfer streams, a group of layers at a time: the source pins
+the pages and reads each group from its pool between its engine's steps while the one before is
+sent; the receiver takes free pages of its pool once the headers arrive, writes each group into them
+as its bytes arrive, and then inserts them into its radix cache (which publishes their KV events, so
+routers learn the new holder); the request then finds them as any cache hit. Neither side holds more
+than two groups in host memory, whatever the prompt's length. Pool reads and writes run on each
+engine thread between steps; serialization and the HTTP exchange do not.
 
-Nothing here can fail a request: an unreachable source, a miss, a timeout, a different model or
-block size, or no free pages, and the request simply computes its prefill (each outcome counted in
-``radixgate_worker_kv_fetch_total``). The KV must be what the receiver would compute: same model,
-block size and dtype; anything else is refused. Base-model prompts only (not LoRA adapters).
+A request's prompts are fetched one after another within one timeout; once the source fails one, the
+rest are not asked. Nothing here can fail a request: an unreachable source, a miss, a timeout, a
+different model or block size, or no free pages, and the request simply computes its prefill (each
+outcome counted in ``radixgate_worker_kv_fetch_total``). The KV must be what the receiver would
+compute: same model, block size and dtype; anything else is refused. Base-model prompts only (not
+LoRA adapters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 
 from router.http_client import HTTPClient, HTTPClientError
-from worker.api_params import APIError, json_object
+from worker.api_params import APIError, json_object, read_bounded
 from worker.engine_api import EngineDeadError
 from worker.kv_pool import KVPool, slots_for
 
@@ -81,10 +85,15 @@ def write_kv(pool: Any, slots: Any, slabs: Any, lo: int = 0) -> None:
 def export_span(
     cache: Any, page_size: int, tokens: np.ndarray, start: int, max_tokens: int
 ) -> tuple[Any, int]:
-    """The match of ``tokens``' device-cached prefix and the end of what an export from ``start``
-    (page-aligned) sends: at most ``max_tokens`` (whole pages); end <= start when nothing."""
-    match = cache.match_prefix(tokens)
-    return match, min(match.pages.size * page_size, start + max_tokens // page_size * page_size)
+    """The match of ``tokens``' cached prefix (both tiers) as far as an export from ``start``
+    (page-aligned) goes, and where that is: at most ``max_tokens`` (whole pages) past ``start``;
+    end <= start when nothing. The match stops there, so no more of a host part is loaded back
+    than is sent."""
+    ps = page_size
+    limit = max(0, min((tokens.size - 1) // ps * ps, start + max_tokens // ps * ps))
+    # NOTE: one extra token so that the match may cover all of [0, limit) (it always leaves one out)
+    match = cache.match_prefix(np.append(tokens[:limit], 0).astype(np.int32))
+    return match, match.num_tokens
 
 
 @dataclasses.dataclass
@@ -100,43 +109,64 @@ class Pinned:
 
 
 def export_begin(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> Pinned | None:
-    """Pin the device-cached KV of ``tokens`` from ``start`` (page-aligned), at most ``max_tokens``
-    (whole pages), for an export; None when nothing is cached beyond ``start``."""
+    """Pin the cached KV of ``tokens`` from ``start`` (page-aligned), at most ``max_tokens`` (whole
+    pages), for an export; None when nothing is cached beyond ``start``. Routers see one cache, so
+    a host-tier part is sent too: loaded back to the device first, as a local hit's is (LRU pages
+    evicted for room); where no room can be made, only the device part is sent."""
     import torch
 
-    match, end = export_span(engine.cache, engine.page_size, tokens, start, max_tokens)
+    cache, ps = engine.cache, engine.page_size
+    match, end = export_span(cache, ps, tokens, start, max_tokens)
     if end <= start:
         return None
-    engine.cache.lock(match.last_node)
-    return Pinned(match.last_node, torch.from_numpy(slots_for(match.pages, start, end, engine.page_size)))
+    cache.lock(match.last_node)
+    pages = match.pages
+    if match.host_nodes:
+        host = match.host_tokens // ps
+        short = host - engine.allocator.num_free
+        if short > 0:
+            cache.evict(short)
+        if engine.allocator.num_free >= host:
+            pages = cache.load_back(match)
+        end = pages.size * ps
+        if end <= start:
+            cache.unlock(match.last_node)
+            return None
+    return Pinned(match.last_node, torch.from_numpy(slots_for(pages, start, end, ps)))
 
 
 def import_begin(
     cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int
-) -> Pinned | None:
+) -> Pinned | str:
     """Take free pages for ``tokens[have:end]`` behind the cached ``tokens[:have]`` (``have`` >=
-    ``start``; LRU pages are evicted for room, never the prefix extended, which stays locked until
-    ``import_end``). None when this worker's own prefix is shorter than ``start`` now (it left the
-    device), it already caches the whole span, or no pages could be freed."""
+    ``start``, both tiers: a host-tier part is loaded back to the device first, as a local hit's
+    is; LRU pages are evicted for room, never the prefix extended, which stays locked until
+    ``import_end``). Else the outcome, the transfer being of no use here: "cached" when this worker
+    caches the whole span already (computed meanwhile), "wasted" when its own prefix is shorter
+    than ``start`` now (it left the cache meanwhile) or no pages could be freed."""
     import torch
 
     ps = page_size
     # NOTE: one extra token so that the match may cover all of [0, end) (it always leaves one out)
     match = cache.match_prefix(np.append(tokens[:end], 0).astype(np.int32))
-    have = match.pages.size * ps  # on the device here; a host-tier part of it is imported over
-    if have < start or have >= end:
-        return None
-    need = (end - have) // ps
+    have = match.num_tokens
+    if have >= end:
+        return "cached"
+    if have < start:
+        return "wasted"
+    new = (end - have) // ps
+    need = new + match.host_tokens // ps
     cache.lock(match.last_node)
     short = need - allocator.num_free
     if short > 0:
         cache.evict(short)
-    pages = allocator.alloc(need)
-    if pages is None:
+    if allocator.num_free < need:
         cache.unlock(match.last_node)
-        return None
-    slots = torch.from_numpy(slots_for(pages, 0, need * ps, ps))
-    return Pinned(match.last_node, slots, have, match.pages, pages)
+        return "wasted"
+    prefix = cache.load_back(match) if match.host_nodes else match.pages
+    pages = allocator.alloc(new)
+    slots = torch.from_numpy(slots_for(pages, 0, new * ps, ps))
+    return Pinned(match.last_node, slots, have, prefix, pages)
 
 
 def import_end(
@@ -161,9 +191,9 @@ def import_pages(
 ) -> int:  # fmt: skip
     """Cache ``tokens[start:end]`` (whole pages) behind the cached ``tokens[:start]`` at once:
     ``import_begin``, ``write(pinned)`` fills its pages, ``import_end``. Returns the tokens newly
-    cached (0 when ``import_begin`` found nothing to do)."""
+    cached (0 when ``import_begin`` took no pages)."""
     pin = import_begin(cache, allocator, page_size, tokens, start, end)
-    if pin is None:
+    if isinstance(pin, str):
         return 0
     write(pin)
     return import_end(cache, allocator, page_size, tokens, end, pin, True)
@@ -303,16 +333,16 @@ class KVTransfer:
     """The export endpoint and the fetch before a hinted request, for one engine.
 
     A transfer streams: the source reads a group of slabs (module comment above) from its pool at a
-    time, between its engine's steps, and sends each while it reads the next; the receiver takes
-    the pool pages it needs with the first group and writes each group as its bytes arrive, while
-    the next arrives. ``max_bytes`` bounds the KV this worker holds in host memory
-    for transfers at once, fetches and exports together: each holds two groups (a group is at
-    most 1/16 of the bound, or one slab where a slab is larger), so one transfer carries at most
-    ``max_bytes / 2`` per slab (0: transfers off). ``timeout_s`` bounds one fetch's HTTP exchange.
-    ``link_ms_per_token`` > 0 (``--engine sim``) makes an export take that long per token it
-    sends, for a link the loopback does not model. A transfer that would wait more than
-    ``max_wait_s`` behind those under way the same way (``LinkRate.backlog_s``) is refused: an
-    export answers 503, a fetch is not asked for (both ``busy``)."""
+    time, between its engine's steps, and sends each while it reads the next; the receiver takes the
+    pool pages it needs with the first group and writes each group as its bytes arrive, while the
+    next arrives. ``max_bytes`` bounds the KV this worker holds in host memory for transfers at
+    once, fetches and exports together: each holds two groups (a group is at most 1/16 of the bound,
+    or one slab where a slab is larger), so one transfer carries at most ``max_bytes / 2`` per slab
+    (0: transfers off). ``timeout_s`` bounds a request's fetches, all its prompts' together.
+    ``link_ms_per_token`` > 0 (``--engine sim``) makes an export take that long per token it sends,
+    for a link the loopback does not model. A transfer that would wait more than ``max_wait_s``
+    behind those under way the same way (``LinkRate.backlog_s``) is refused: an export answers 503,
+    a fetch is not asked for (both ``busy``)."""
 
     def __init__(
         self, engine: Any, api_key: str | None = None, max_bytes: int = 1 << 30, timeout_s: float = 5.0,
@@ -397,7 +427,7 @@ class KVTransfer:
         engine = self.engine
         if not self.enabled:
             raise APIError(409, "KV transfer is off here", "kv_transfer_unsupported")
-        body = json_object(await request.body())
+        body = json_object(await read_bounded(request, self.max_export_body))  # NOTE: 413 past it
         ids, start = body.get("token_ids"), body.get("start", 0)
         cap = body.get("max_tokens", self.max_tokens)
         if body.get("model", engine.served_model_name) != engine.served_model_name:
@@ -453,6 +483,13 @@ class KVTransfer:
 
         return _HeldResponse(answer, release)
 
+    @functools.cached_property
+    def max_export_body(self) -> int:
+        """Bytes an export's body may have (counted as they arrive: a chunked body announces no
+        length): the token ids of this worker's whole context (11 bytes each at most, as JSON, and a
+        separator) and 64 KiB for the rest."""
+        return (64 << 10) + 12 * self.engine.max_total_tokens
+
     def _export_first(self, tokens: np.ndarray, start: int, cap: int) -> tuple[Pinned, int, Any] | None:
         """(On the engine thread.) ``export_begin``, and the transfer's first group of slabs read,
         with the group's size: one call, so a transfer of one group costs the engine one."""
@@ -498,16 +535,40 @@ class KVTransfer:
             if pending is not None:
                 pending.cancel()  # NOTE: the client is gone; a read not begun is skipped
 
-    async def pull(self, source: str, ids: list[int]) -> None:
-        """Fetch what ``source`` caches of prompt ``ids`` beyond this worker's own cached prefix and
-        cache it here. Its last write, which caches the pages, may still be queued on the engine
-        when this returns: it runs before anything submitted after (engine calls and requests
-        are handled in order), so the request finds the pages without waiting another step. The
-        outcome is counted once known (``radixgate_worker_kv_fetch_total``): ok, cached (nothing
-        to fetch), miss, busy (either side at its memory or queueing bound), error."""
+    async def pull(
+        self, source: str, prompts: Sequence[list[int]], client_gone: Callable[[], Awaitable[bool]]
+    ) -> bool:
+        """Fetch what ``source`` caches of each of a request's ``prompts`` beyond this worker's own
+        cached prefix and cache it here: one prompt after another, all of them within one
+        ``timeout_s`` (each asks for what the link brings in half the time left). Once the source
+        has failed one (error, busy) or the time is up, the rest are not asked: they compute. False
+        when the client has left (asked before each prompt; the rest not asked).
+
+        A fetch's last write, which caches the pages, may still be queued on the engine when this
+        returns: it runs before anything submitted after (engine calls and requests are handled in
+        order), so the request finds the pages without waiting another step. Each prompt's outcome
+        is counted once known (``radixgate_worker_kv_fetch_total``): ok, cached (nothing to fetch),
+        miss, busy (either side at its memory or queueing bound), wasted (the KV came but this
+        worker's prefix left its cache meanwhile or no pages could be freed), error."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s  # NOTE: the request's fetches, not each exchange
+        for ids in prompts:
+            if await client_gone():
+                log.info("KV fetches from %s stopped: the client left", source)
+                return False
+            if loop.time() >= deadline:
+                log.info("KV fetch from %s: the request's --kv-fetch-timeout-s is spent", source)
+                break
+            if await self._pull_counted(source, ids, deadline) in ("error", "busy"):
+                break  # NOTE: the next prompt would wait for the same failure
+        return True
+
+    async def _pull_counted(self, source: str, ids: list[int], deadline: float) -> str:
+        """One prompt's fetch, its outcome counted once known; returns it ("ok" once the last write is
+        queued, whatever that write then finds)."""
         t0 = time.perf_counter()
         try:
-            outcome = await self._pull(source, ids)
+            outcome = await self._pull(source, ids, deadline)
         except EngineDeadError:
             outcome = "error"  # NOTE: the submit that follows answers 503
         except Exception:  # NOTE: a bug or a device error here must not fail the request: it computes
@@ -515,16 +576,20 @@ class KVTransfer:
             outcome = "error"
         if isinstance(outcome, str):
             self._counted(outcome, 0, t0)
-        else:  # NOTE: the last write's future: counted on the engine thread when it has run
-            outcome.add_done_callback(functools.partial(self._finished, source, t0))
+            return outcome
+        # NOTE: the last write's future: counted on the engine thread when it has run
+        outcome.add_done_callback(functools.partial(self._finished, source, t0))
+        return "ok"
 
     def _finished(self, source: str, t0: float, fut: Any) -> None:
         if fut.cancelled() or fut.exception() is not None:
             if not fut.cancelled():
                 log.error("KV fetch from %s failed", source, exc_info=fut.exception())
             self._counted("error", 0, t0)
+        elif isinstance(got := fut.result(), str):  # NOTE: a transfer of one group found no use here
+            self._counted(got, 0, t0)
         else:
-            self._counted("ok" if fut.result() else "cached", fut.result(), t0)
+            self._counted("ok" if got else "cached", got, t0)
 
     def _counted(self, outcome: str, fetched: int, t0: float) -> None:
         metrics = self.engine.metrics
@@ -534,17 +599,21 @@ class KVTransfer:
         if outcome == "ok":
             metrics.kv_fetch_seconds.observe(time.perf_counter() - t0)
 
-    def timely_tokens(self) -> int:
-        """The most a fetch asks for: what it can bring in half its timeout (``LinkRate``)."""
+    def timely_tokens(self, seconds: float | None = None) -> int:
+        """The most a fetch asks for: what it can bring in half ``seconds`` (default: its timeout) at
+        the rate fetches have come (``LinkRate``)."""
         return self.link.timely(
-            self.timeout_s, 2 * self.layout[0] * self.slab_token_bytes, self.engine.page_size
+            self.timeout_s if seconds is None else seconds,
+            2 * self.layout[0] * self.slab_token_bytes,
+            self.engine.page_size,
         )
 
-    async def _pull(self, source: str, ids: list[int]) -> str | Any:
-        """The outcome, or the future of the last write (tokens it newly cached)."""
+    async def _pull(self, source: str, ids: list[int], deadline: float) -> str | Any:
+        """The outcome, or the future of the last write (tokens it newly cached, or the outcome when
+        the transfer was of no use here)."""
         engine, ps = self.engine, self.engine.page_size
         tokens = np.asarray(ids, dtype=np.int32)
-        have = await engine.call(lambda: engine.cache.cached_prefix_len(tokens))
+        have = await engine.call(lambda: engine.cache.cached_prefix_len(tokens))  # NOTE: both tiers
         matchable = (tokens.size - 1) // ps * ps  # NOTE: a match always leaves a token to compute
         if matchable <= have:
             return "cached"
@@ -553,12 +622,11 @@ class KVTransfer:
                 "KV fetch from %s skipped: fetches under way would hold it up ~%.0f ms", source, wait * 1e3
             )
             return "busy"
-        cap = min(
-            self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have, self.timely_tokens()
-        )
-        body = {"model": engine.served_model_name, "token_ids": ids, "start": have,
+        timely = self.timely_tokens(deadline - asyncio.get_running_loop().time())
+        cap = min(self.max_tokens, engine.capacity_tokens // 2 // ps * ps, matchable - have, timely)
+        # NOTE: the source needs the prompt only as far as it may send (and one token the match leaves)
+        body = {"model": engine.served_model_name, "token_ids": ids[: have + cap + 1], "start": have,
                 "max_tokens": cap}  # fmt: skip
-        deadline = asyncio.get_running_loop().time() + self.timeout_s  # NOTE: the exchange, not each read
         try:
             got = await self._fetch(source, body, tokens, have, cap, deadline)
         except KVBusy as exc:
@@ -567,15 +635,14 @@ class KVTransfer:
         except (HTTPClientError, TimeoutError, ValueError) as exc:
             log.warning("KV fetch from %s failed: %s", source, str(exc) or "timed out")
             return "error"
-        if got is None:
-            return "miss"
-        return "cached" if got == 0 else got
+        return "miss" if got is None else got
 
     async def _fetch(
         self, source: str, body: dict, tokens: np.ndarray, have: int, cap: int, deadline: float
     ) -> Any:
-        """The future of the last write (the tokens it newly caches), or 0 when the transfer ended
-        before it (nothing to import); None when the source has nothing (404). KVBusy when the source answers 503 or the transfer does not fit the bound now.
+        """The future of the last write (the tokens it newly caches), or the outcome when the
+        transfer ended before it (of no use here: ``import_begin``); None when the source has
+        nothing (404). KVBusy when the source answers 503 or the transfer does not fit the bound now.
         ValueError on another answer, or when its headers announce another layout than this pool's
         or more than ``cap`` tokens (checked before the body is read) or the body is not what they
         announce."""
@@ -605,12 +672,12 @@ class KVTransfer:
             size = int(np.prod(shape)) * dtype.itemsize
             body = _Body(resp, self.link)
             self.link.left += size
-            got: Any = 0
+            got: Any = None
             try:
                 got = await self._receive(body, tokens, have, shape, dtype, group, deadline)
             finally:
                 self.link.left -= size - body.taken
-                if isinstance(got, int):
+                if not isinstance(got, concurrent.futures.Future):
                     self._drop(held)
                 else:  # NOTE: the last group's bytes are held until the engine has written them
                     loop = asyncio.get_running_loop()
@@ -628,27 +695,28 @@ class KVTransfer:
         """Write each group of slabs into pool pages as it arrives (while the next arrives), then
         cache them. The first group's call also takes the pages (``import_begin``) and the last's
         caches them (``import_end``), so a transfer of one group costs the engine one call. Returns
-        the last call's future (the tokens it newly caches), posted and not awaited, or 0 when the
-        transfer ended before it (nothing to import here)."""
+        the last call's future (the tokens it newly caches, or ``import_begin``'s outcome), posted
+        and not awaited, or that outcome when the transfer ended before its last group."""
         import torch
 
         engine, ps = self.engine, self.engine.page_size
         cache, alloc = engine.cache, engine.allocator
         _, layers, n, heads, dim = shape
         end, total = start + n, 2 * layers
-        taken: dict[str, Pinned | None] = {}  # NOTE: engine thread only: import_begin's pages until cached
+        taken: dict[str, Pinned] = {}  # NOTE: engine thread only: import_begin's pages until cached
 
         def give_back() -> None:
             if (pin := taken.pop("pin", None)) is not None:
                 import_end(cache, alloc, ps, tokens, end, pin, False)
 
-        def write(slabs: Any, lo: int) -> int:
+        def write(slabs: Any, lo: int) -> int | str:
             try:
                 if lo == 0:
-                    taken["pin"] = import_begin(cache, alloc, ps, tokens, start, end)
-                pin = taken.get("pin")
-                if pin is None:
-                    return 0  # NOTE: computed here meanwhile, or this worker's prefix left the device
+                    begun = import_begin(cache, alloc, ps, tokens, start, end)
+                    if isinstance(begun, str):
+                        return begun  # NOTE: computed here meanwhile, the prefix gone, or no room
+                    taken["pin"] = begun
+                pin = taken["pin"]
                 engine.executor.write_kv(pin.slots, slabs[:, pin.have - start :], lo)
                 if lo + slabs.shape[0] < total:
                     return -1  # more to come
@@ -666,8 +734,8 @@ class KVTransfer:
                     buf = await body.read(m * n * self.slab_token_bytes)
                     if lo + m == total:
                         await body.end()
-                if writing is not None and await asyncio.wrap_future(writing) == 0:
-                    return 0
+                if writing is not None and isinstance(done := await asyncio.wrap_future(writing), str):
+                    return done
                 slabs = torch.frombuffer(buf, dtype=dtype).view(m, n, heads, dim)
                 writing = engine.post(functools.partial(write, slabs, lo))
             last = writing

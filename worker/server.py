@@ -205,12 +205,12 @@ class WorkerAPI:
             )
         source = request.headers.get(KV_SOURCE_HEADER)
         if source and self.kv is not None and self.kv.enabled:
-            pulled: set[int] = set()
-            for _, ids, params, _ in jobs:  # NOTE: the n choices of a prompt share its list
-                # NOTE: prompt logprobs compute the whole prompt: a cached prefix would not be used
-                if params.adapter == 0 and params.prompt_logprobs is None and id(ids) not in pulled:
-                    pulled.add(id(ids))
-                    await self.kv.pull(source, ids)
+            # NOTE: the n choices of a prompt share its list; prompt logprobs compute the whole
+            # prompt (a cached prefix would not be used); LoRA adapters' KV is not moved
+            prompts = {id(ids): ids for _, ids, params, _ in jobs
+                       if params.adapter == 0 and params.prompt_logprobs is None}  # fmt: skip
+            if not await self.kv.pull(source, list(prompts.values()), lambda: _client_gone(request)):
+                return None  # NOTE: the client left while its prompts' KV was fetched: nothing submitted
         try:
             for index, ids, params, group in jobs:
                 live[index] = self.engine.submit(ids, params, outputs, index, group).rid

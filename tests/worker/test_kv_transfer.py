@@ -279,6 +279,24 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
     assert complete(source.url, [*ids, 1])["usage"]["prompt_tokens"] == 101
 
 
+def test_an_export_body_past_its_bound_is_refused_whether_or_not_it_says_its_length(fleet):
+    source, _, _ = fleet
+    ids = prompt(55, 100)
+    complete(source.url, [*ids, 1])
+    bound = source.app.state.kv_transfer.max_export_body  # the token ids of the worker's context, and more
+    padded = orjson.dumps({"token_ids": [*ids, 1], "padding": "x" * bound})  # valid, but too large
+
+    def chunks() -> Iterator[bytes]:  # NOTE: an iterator is sent chunked: no content-length
+        for i in range(0, len(padded), 64 << 10):
+            yield padded[i : i + (64 << 10)]
+
+    for content in (padded, chunks()):
+        r = httpx.post(source.url + EXPORT_PATH, content=content, timeout=30)
+        assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    r = httpx.post(source.url + EXPORT_PATH, json={"token_ids": [*ids, 1]}, timeout=10)
+    assert r.status_code == 200 and read_headers(r.headers)[2][2] == 96  # and it keeps serving
+
+
 class _BadPeer(BaseHTTPRequestHandler):
     """A peer whose exports are wrong: too slow (/slow), more tokens than asked for (/big), more
     bytes than announced (/long), fewer (/short); or busy (/busy, 503). It announces the tokens
