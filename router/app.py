@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.circuit_breaker import BreakerState
 from router.config import RouterConfig
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.gateway import Router
-from router.proxy import FORWARDED_HEADERS, UpstreamFailure
+from router.proxy import UpstreamFailure, forwarded_headers
 from router.request_parsing import read_body
 from router.route_explain import explain
 from router.workers import Worker
@@ -158,18 +158,6 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(exc.status, exc.message, exc.code)
         return _json(explain(router, parsed, chat, request.headers))
 
-    def passed_on(request: Request) -> dict[str, str]:
-        """Headers for a request passed to one worker: the client's own (its key, when the router
-        has no --worker-api-key, as on completions; else the worker key replaces it)."""
-        headers = {"content-type": "application/json"}
-        for name in FORWARDED_HEADERS:
-            value = request.headers.get(name)
-            if value is not None:
-                headers[name] = value
-        if router.upstream.authorization is not None:
-            headers["authorization"] = router.upstream.authorization
-        return headers
-
     def least_loaded(model: str | None) -> Worker:
         """The least loaded healthy worker serving ``model``; RouterError 503 when there is none."""
         workers = router.workers.candidates(model)
@@ -192,7 +180,9 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
         try:
-            resp = await router.upstream.open(worker, request.url.path, raw, passed_on(request))
+            resp = await router.upstream.open(
+                worker, request.url.path, raw, forwarded_headers(request.headers)
+            )
             try:
                 payload = await router.upstream.read_all(resp)
             finally:
@@ -209,7 +199,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         try:
             url = router.response_holder(rid)
             holder = None if url is None else router.workers.get(url)
-            if holder is not None and not holder.available(time.monotonic()):
+            # NOTE: not available(): that may turn an open breaker half-open with no probe sent
+            if holder is not None and (not holder.healthy or holder.breaker.state is BreakerState.OPEN):
                 raise RouterError(503, f"the worker holding response {rid!r} ({url}) is not available",
                                   "worker_unavailable")  # fmt: skip
             url = url or least_loaded(None).url
@@ -218,9 +209,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             timeout = aiohttp.ClientTimeout(
                 total=config.first_byte_timeout_s, connect=config.connect_timeout_s
             )
-            async with session.request(
-                request.method, url + request.url.path, timeout=timeout, headers=passed_on(request)
-            ) as resp:
+            headers = forwarded_headers(request.headers)
+            if router.upstream.authorization is not None:  # NOTE: the session sends the worker key
+                del headers["authorization"]
+            async with session.request(request.method, url + request.url.path, timeout=timeout,
+                                       headers=headers) as resp:  # fmt: skip
                 payload = await resp.read()
                 content_type = resp.headers.get("content-type", "application/json")
         except RouterError as exc:

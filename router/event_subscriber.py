@@ -193,6 +193,10 @@ class EventSubscriber:
         if held is not None:  # NOTE: its re-sync runs: applied after it, if the snapshot lacks it
             if len(held) < _HELD_BATCHES:
                 held.append(batch)
+            elif len(held) == _HELD_BATCHES:  # NOTE: the replay will find a gap and re-sync again
+                held.append(batch)
+                log.warning("%s: %d KV event batches held during its re-sync; dropping more", worker.url,
+                            _HELD_BATCHES)  # fmt: skip
             return
         if not self.apply(worker, batch):
             self.resync_soon(worker)

@@ -34,7 +34,7 @@ from router.kv_events import KV_SOURCE_HEADER
 from router.metrics import RouterMetrics
 from router.policies import Candidate, Decision, OptimisticInsert, RouteRequest, kv_fetch_source, make_policy
 from router.prefix_index import PrefixIndex
-from router.proxy import FORWARDED_HEADERS, SSEUsageScanner, Upstream, UpstreamFailure, Usage, parse_usage
+from router.proxy import SSEUsageScanner, Upstream, UpstreamFailure, Usage, forwarded_headers, parse_usage
 from router.replica_sync import ReplicaSync
 from router.request_parsing import (
     ClientGone,
@@ -267,11 +267,7 @@ class Router:
         Returns the status sent; raises RouterError when no worker could answer."""
         t0 = time.perf_counter()
         route = self.route_request(parsed)
-        headers = {"content-type": "application/json"}
-        for name in FORWARDED_HEADERS:
-            value = client_headers.get(name)
-            if value is not None:
-                headers[name] = value
+        headers = forwarded_headers(client_headers)
         inject = parsed.stream and self.config.stream_usage and not parsed.usage_in_stream
         body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
         # NOTE: a stored conversation lives on one worker: a follow-up goes there or nowhere

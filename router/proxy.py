@@ -7,7 +7,7 @@ the worker's in-flight count exactly once and reads usage (cached tokens) from t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -18,6 +18,17 @@ from router.workers import Worker
 
 # Headers of the client request worth passing on; hop-by-hop and length headers are recomputed.
 FORWARDED_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
+
+
+def forwarded_headers(client: Mapping[str, str]) -> dict[str, str]:
+    """The headers a request to a worker carries: JSON, and the client's own worth passing on
+    (its Authorization is replaced by the worker key where the router has one: ``Upstream``)."""
+    headers = {"content-type": "application/json"}
+    for name in FORWARDED_HEADERS:
+        value = client.get(name)
+        if value is not None:
+            headers[name] = value
+    return headers
 
 
 class UpstreamFailure(Exception):

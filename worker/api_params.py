@@ -74,7 +74,9 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         not isinstance(options, dict)
         or not isinstance(options.get("include_usage", False), (bool, type(None)))
     ):
-        raise APIError(400, "'stream_options' must be an object with a boolean 'include_usage'")
+        raise APIError(
+            400, "'stream_options' must be an object with a boolean 'include_usage'", "invalid_type"
+        )
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
     # look like success to the client
     if body.get("functions") or body.get("function_call"):

@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from router.block_hash import HASH_VERSION
 from router.errors import error_response
 from router.kv_events import EVENT_VERSION
-from worker.api_params import APIError, json_object
+from worker.api_params import APIError, json_object, read_bounded
 from worker.engine import Engine
 from worker.engine_api import EngineDeadError
 
@@ -189,7 +189,7 @@ class OpsAPI:
 
 
 async def _adapter_body(request: Request, *fields: str) -> dict:
-    body = json_object(await request.body())
+    body = json_object(await read_bounded(request, 1 << 16))  # NOTE: names and a path: small
     if not all(isinstance(body.get(f), str) and body[f] for f in fields):
         raise APIError(
             400, f"the body must be a JSON object with non-empty string fields {', '.join(fields)}"
