@@ -16,7 +16,7 @@ from router.launcher import WorkerLauncher
 def main(argv: list[str] | None = None) -> int:
     try:
         config = build_config(argv)
-        check_tokenizer(config.tokenizer)  # NOTE: loaded again by the app; a bad one fails here, clearly
+        check_tokenizer(config.tokenizer)  # NOTE: a bad one fails here, clearly (the app reuses it)
         if config.k8s_worker_service:
             target_from_config(config)  # NOTE: fail here, with a clear message, not in the app
     except (ValueError, OSError) as exc:

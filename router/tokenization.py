@@ -376,8 +376,10 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+@functools.lru_cache(maxsize=8)
 def load_tokenizer(spec: str) -> PromptTokenizer:
-    """``"bytes"`` or a directory holding tokenizer.json (a model directory)."""
+    """``"bytes"`` or a directory holding tokenizer.json (a model directory). Loaded once per
+    process (the start-up check and the app share it)."""
     if spec == "bytes":
         return ByteTokenizer()
     if os.path.isdir(spec):
