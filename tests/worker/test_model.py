@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -209,8 +210,17 @@ def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     shutil.copytree(llama_checkpoint, broken)
     cfg["num_hidden_layers"] = 3
     (broken / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.2\.self_attn\.q_proj\.weight, "):
         load_model(str(broken))
+    # a tokenizer with ids the model has no embedding for
+    small = tmp_path / "small-vocab"
+    shutil.copytree(llama_checkpoint, small)
+    (small / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2, "vocab_size": 16}))
+    with pytest.raises(ValueError, match="vocab_size is only 16"):
+        load_model(str(small))
+    for rope in ({"rope_type": "linear"}, {"rope_type": "llama3", "factor": 8.0}):  # parameters missing
+        with pytest.raises(ValueError, match="needs numeric"):
+            ModelConfig.from_hf({**cfg, "rope_parameters": rope})
 
 
 def test_loader_returns_tokenizer_and_name(llama_checkpoint, qwen2_checkpoint):
@@ -257,6 +267,23 @@ def test_model_rejects_wrong_weight_shapes():
         model.load_weights([("model.embed_tokens.weight", torch.zeros(11, 8))])
     with pytest.raises(ValueError, match="unexpected weight"):
         model.load_weights([("model.layers.0.self_attn.q_proj.bias", torch.zeros(8))])
+
+
+def test_a_repeated_weight_cannot_hide_a_missing_one():
+    config = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=4, max_position_embeddings=16)  # fmt: skip
+    model = LlamaForCausalLM(config, "cpu", torch.float32)
+    weights = [(name, torch.zeros(model.weight_slot(name).shape)) for name in model._weight_names()]
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    v_proj = "model.layers.0.self_attn.v_proj.weight"
+    without_k = [(n, t) for n, t in weights if n != k_proj]
+    with pytest.raises(ValueError, match=f"missing weights: {re.escape(k_proj)}$"):
+        model.load_weights(without_k)
+    with pytest.raises(
+        ValueError, match=re.escape(f"{v_proj!r} appears twice")
+    ):  # same size as k here: counts agree
+        model.load_weights([*without_k, (v_proj, torch.zeros(4, 8))])
+    model.load_weights(weights)  # all of them, once: loads
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])

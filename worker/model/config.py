@@ -10,6 +10,11 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass
@@ -61,6 +66,9 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if not isinstance(rope.get(k), (int, float))]
+        if missing:
+            raise ValueError(f"rope type {rope_type!r} needs numeric {', '.join(missing)} in its parameters")
 
         attention_bias = bool(cfg.get("attention_bias", False))
         max_positions = int(cfg.get("max_position_embeddings", 4096))

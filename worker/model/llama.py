@@ -6,6 +6,7 @@ or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one mat
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterable
@@ -220,12 +221,16 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to this model's dtype and device). Raises ValueError on
-        an unknown name, a shape mismatch, or when any parameter was left unfilled."""
-        filled = 0
+        an unknown or repeated name, a shape mismatch, or when any parameter was left unfilled (naming
+        the weights missing)."""
+        filled, seen = 0, set()
         for name, tensor in weights:
             target = self.weight_slot(name)
             if target is None:
                 continue
+            if name in seen:  # NOTE: a second copy would hide a missing weight from the count
+                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
+            seen.add(name)
             tensor = self.shard.weight(self.config, name, tensor)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
@@ -236,6 +241,20 @@ class LlamaForCausalLM(nn.Module):
             filled += target.numel()
         expected = sum(p.numel() for p in self.parameters())
         if filled != expected:
-            raise ValueError(
-                f"checkpoint filled {filled} of {expected} parameter values; weights are missing"
-            )
+            missing = [n for n in self._weight_names() if n not in seen]
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing weights: {shown or 'unknown'}")
+
+    def _weight_names(self) -> list[str]:
+        """The HF names of every weight this model loads."""
+        parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")  # fmt: skip
+        names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
+                  for k in ("weight", "bias")]  # fmt: skip
+        out = []
+        for name in names:
+            with contextlib.suppress(ValueError):
+                if self.weight_slot(name) is not None:
+                    out.append(name)
+        return out

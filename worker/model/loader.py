@@ -78,6 +78,11 @@ def load_model(
         return LoadedModel(build_tiny(device, dtype, shard), tiny_config(), ByteTokenizer(), "tiny")
     config = read_config(spec)
     tokenizer = HFTokenizer(spec)
+    if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
+        raise ValueError(
+            f"{spec}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is only "
+            f"{config.vocab_size}"
+        )
     model = LlamaForCausalLM(config, device, dtype, shard)
     model.load_weights(iter_safetensors(safetensors_files(spec)))
     name = os.path.basename(os.path.normpath(spec))
