@@ -359,7 +359,7 @@ class ClusterSim:
             self._push(t + self.src.think_s(nxt), 1, nxt)
 
     def _admit(self, w: SimWorker, t: float) -> None:
-        for job in w.admit(t):  # NOTE: can never fit the pool: the worker's 413
+        for job in w.admit(t):  # NOTE: can never fit the pool: the worker's context_length_exceeded
             job.view.in_flight -= 1
             job.prefill.release()
             job.view.changed()

@@ -160,7 +160,7 @@ class SimWorker:
 
     def admit(self, now: float = 0.0) -> list[SimJob]:
         """Move waiting requests into ``prefilling`` while batch room and pages allow. Returns the
-        requests taken off the queue because they can never fit the pool (the worker's 413)."""
+        requests taken off the queue because they can never fit the pool (the worker's context_length_exceeded)."""
         m, cache, alloc = self.m, self.cache, self.alloc
         if (
             m.schedule_policy == "lpm"

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from router.config import RouterConfig
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.gateway import Router
 from router.proxy import UpstreamFailure, forwarded_headers
+from router.request_id import RequestId
 from router.request_parsing import read_body
 from router.route_explain import explain
 from router.workers import Worker
@@ -66,20 +68,30 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
 
         return endpoint
 
+    started = int(time.time())  # NOTE: a model's ``created``: when this router began serving it
+
+    def model_entry(m: str) -> dict[str, Any]:
+        """``max_model_len`` the smallest any healthy worker serving it reports (a request may land
+        on any of them); ``parent``: a LoRA adapter's base model."""
+        entry: dict[str, Any] = {"id": m, "object": "model", "created": started, "owned_by": "radixgate"}
+        limits = [w.max_model_len[m] for w in router.workers if w.healthy and m in w.max_model_len]
+        if limits:
+            entry["max_model_len"] = min(limits)
+        parent = next((w.parents[m] for w in router.workers if m in w.parents), None)
+        if parent is not None:
+            entry["parent"] = parent
+        return entry
+
     async def models(request: Request) -> Response:
-        """The workers' models; ``max_model_len`` the smallest any healthy worker serving it reports
-        (a request may land on any of them); ``parent``: a LoRA adapter's base model."""
-        data = []
-        for m in sorted(router.workers.models()):
-            entry: dict[str, Any] = {"id": m, "object": "model", "owned_by": "radixgate"}
-            limits = [w.max_model_len[m] for w in router.workers if w.healthy and m in w.max_model_len]
-            if limits:
-                entry["max_model_len"] = min(limits)
-            parent = next((w.parents[m] for w in router.workers if m in w.parents), None)
-            if parent is not None:
-                entry["parent"] = parent
-            data.append(entry)
-        return _json({"object": "list", "data": data})
+        """The workers' models."""
+        return _json({"object": "list", "data": [model_entry(m) for m in sorted(router.workers.models())]})
+
+    async def model(request: Request) -> Response:
+        """One of the workers' models (GET /v1/models/{model}); 404 for one no worker serves."""
+        m = request.path_params["model"]
+        if m not in router.workers.models():
+            return error_response(404, f"model {m!r} is not served by any worker", "model_not_found")
+        return _json(model_entry(m))
 
     async def health(request: Request) -> Response:
         healthy = sum(1 for w in router.workers if w.healthy)
@@ -242,6 +254,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             Route("/v1/responses", _method_not_allowed, methods=_NOT_POST),
             Route("/v1/responses/{response_id}", keyed(stored_response), methods=["GET", "DELETE"]),
             Route("/v1/models", keyed(models), methods=["GET"]),
+            Route("/v1/models/{model:path}", keyed(model), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -265,8 +278,12 @@ class RouterApp:
         self.router = router
         self.app = app
         self.state = app.state
+        self._entry = RequestId(self._dispatch)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _dispatch(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = COMPLETION_ENDPOINTS.get(scope["path"])
             if endpoint is not None:

@@ -103,9 +103,11 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not isinstance(output, str):
-                raise ValueError("a function_call_output item needs string 'call_id' and 'output'")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            if not isinstance(call_id, str) or not isinstance(output, (str, list)):
+                raise ValueError(
+                    "a function_call_output item needs string 'call_id' and 'output' (text or text parts)"
+                )
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _text(output)})
         elif kind == "message":
             role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:

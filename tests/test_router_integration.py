@@ -772,6 +772,24 @@ def test_a_prompt_longer_than_the_workers_context_cannot_flush_the_index(launch)
     assert held["matched_tokens"] >= 400
     huge = {"model": "sim-8b", "prompt": "far too long " * 330, "max_tokens": 1}  # ~4.3k tokens
     refused = httpx.post(router.url + "/v1/completions", json=huge, timeout=30)
-    assert refused.status_code == 413, refused.text
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     after = httpx.post(router.url + "/debug/route", json=kept, timeout=10).json()["candidates"][0]
     assert after["matched_tokens"] == held["matched_tokens"]
+
+
+def test_answers_carry_a_request_id_and_models_have_created_and_are_listed_one_by_one(fleet):
+    router, _ = fleet
+    body = chat("Which id?")
+    mine = httpx.post(
+        router.url + "/v1/chat/completions", json=body, headers={"x-request-id": "req-7"}, timeout=30
+    )
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "req-7"
+    made = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30)
+    assert made.status_code == 200 and len(made.headers["x-request-id"]) == 32
+    refused = httpx.post(router.url + "/v1/chat/completions", json={"model": "echo"}, timeout=30)
+    assert refused.status_code == 400 and refused.headers["x-request-id"]
+    listed = httpx.get(router.url + "/v1/models", timeout=5).json()["data"]
+    assert [m["id"] for m in listed] == ["echo"] and isinstance(listed[0]["created"], int)
+    assert httpx.get(router.url + "/v1/models/echo", timeout=5).json() == listed[0]
+    missing = httpx.get(router.url + "/v1/models/nope", timeout=5)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -67,7 +67,7 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         raise APIError(400, "best_of other than n is not supported")
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise APIError(400, "'stream' must be a boolean")
-    if not isinstance(body.get("echo", False), bool):
+    if not isinstance(body.get("echo") or False, bool):
         raise APIError(400, "'echo' must be a boolean")
     options = body.get("stream_options")
     if options is not None and (
@@ -122,7 +122,7 @@ async def output_guide(
 def engine_error(exc: BaseException) -> APIError | None:
     """What a client is told when the engine refuses a request; None for anything unexpected."""
     if isinstance(exc, PromptTooLongError):
-        return APIError(413, str(exc), "context_length_exceeded")
+        return APIError(400, str(exc), "context_length_exceeded")  # NOTE: as OpenAI and vLLM answer it
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "queue_full")
     if isinstance(exc, EngineDeadError):

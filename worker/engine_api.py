@@ -17,7 +17,7 @@ class EngineDeadError(RuntimeError):
 
 
 class PromptTooLongError(ValueError):
-    """The prompt does not fit the context or the KV pool (HTTP 413)."""
+    """The prompt does not fit the context or the KV pool (HTTP 400 context_length_exceeded)."""
 
 
 @dataclass

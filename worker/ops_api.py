@@ -35,12 +35,22 @@ class OpsAPI:
         self.admin_token = admin_token
         self.created = int(time.time())
 
-    async def models(self, request: Request) -> Response:
+    def _model_entries(self) -> list[dict]:
         base = self.engine.served_model_name
         model = {"id": base, "object": "model", "created": self.created, "owned_by": "radixgate",
                  "max_model_len": self.engine.max_total_tokens}  # fmt: skip
-        adapters = [{**model, "id": name, "parent": base} for name in self.engine.served_models()[1:]]
-        return _json({"object": "list", "data": [model, *adapters]})
+        return [model, *({**model, "id": name, "parent": base} for name in self.engine.served_models()[1:])]
+
+    async def models(self, request: Request) -> Response:
+        return _json({"object": "list", "data": self._model_entries()})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the base model or one of its adapters; 404 otherwise."""
+        name = request.path_params["model"]
+        found = next((m for m in self._model_entries() if m["id"] == name), None)
+        if found is None:
+            raise APIError(404, f"model {name!r} is not served here", "model_not_found")
+        return _json(found)
 
     async def health(self, request: Request) -> Response:
         snap = self.engine.snapshot()

@@ -120,9 +120,13 @@ class ResponsesAPI:
             raise APIError(400, "'text' must be an object such as {'format': {'type': 'json_schema', ...}}")
         fmt = {"response_format": _chat_format((text or {}).get("format"))}
         guide = await output_guide(fmt, api.engine.guides, tools, api.tool_call_parser)
-        store = body.get("store", True)
+        store = True if body.get("store") is None else body["store"]
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")
+        for name in ("conversation", "prompt", "background"):  # NOTE: refused, not silently dropped
+            if body.get(name) not in (None, False):
+                raise APIError(400, f"'{name}' is not supported: send the input itself (previous_response_id "
+                               "chains a conversation)")  # fmt: skip
         history: list[dict[str, str]] = []
         previous = body.get("previous_response_id")
         if previous is not None:

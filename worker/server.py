@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -23,6 +24,7 @@ from starlette.routing import Route
 from router.api_keys import APIKeys
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.kv_events import KV_SOURCE_HEADER
+from router.request_id import RequestId
 from worker.api_params import (
     MAX_CHOICES,
     APIError,
@@ -272,7 +274,11 @@ class WorkerAPI:
                     yield _sse(resp.role_chunk(c.index))
             while out is not None:
                 if out.error is not None:
-                    err = {"message": out.error, "type": "server_error", "code": out.error_status}
+                    err = {
+                        "message": out.error,
+                        "type": "server_error",
+                        "code": out.error_code or "internal_error",
+                    }
                     yield _sse({"error": err})
                     yield b"data: [DONE]\n\n"
                     break
@@ -366,6 +372,7 @@ def create_app(
         Route("/v1/responses/{response_id}", guarded(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
         Route("/v1/models", guarded(ops.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(ops.model), methods=["GET"]),
         Route("/tokenize", guarded(api.tokenize), methods=["POST"]),
         Route("/detokenize", guarded(api.detokenize), methods=["POST"]),
         Route("/health", guarded(ops.health, open_=True), methods=["GET"]),
@@ -378,6 +385,11 @@ def create_app(
         Route("/v1/cache/events", guarded(ops.cache_events), methods=["GET"]),
         Route(EXPORT_PATH, guarded(kv.export), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=HTTP_ERROR_HANDLERS)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers=HTTP_ERROR_HANDLERS,
+        middleware=[Middleware(RequestId)],
+    )
     app.state.kv_transfer = kv
     return app

@@ -157,6 +157,9 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, 400),
         ({"input": "hi", "text": "plain"}, 400),
         ({"input": "hi", "store": "yes"}, 400),
+        ({"input": "hi", "conversation": "conv_1"}, 400),  # features not served: refused, not dropped
+        ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400),
+        ({"input": "hi", "background": True}, 400),
         ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
         ({"input": "hi", "model": "other"}, 404),
         ({"input": "hi", "max_output_tokens": -1}, 400),
@@ -228,6 +231,14 @@ def test_a_function_call_output_continues_the_conversation_from_the_cache(client
         {"type": "function_call_output", "call_id": call["call_id"], "output": "5"},
     ])  # fmt: skip
     assert whole["usage"]["input_tokens"] == follow["usage"]["input_tokens"]
+    # the output as text parts (the SDK's other form), and store: null (the default), the same prompt
+    parts = create(client, tools=[ADD], instructions=INSTRUCTIONS, store=None, input=[
+        {"role": "user", "content": "2+3?"},
+        {"type": "function_call", "call_id": call["call_id"], "name": "add", "arguments": call["arguments"]},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": [{"type": "input_text", "text": "5"}]},
+    ])  # fmt: skip
+    assert parts["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert client.get(f"/v1/responses/{parts['id']}").status_code == 200  # stored
 
 
 def test_output_logprobs_when_included_match_chat_and_stream(client) -> None:

@@ -231,7 +231,7 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404),
-        ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 413),
+        ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 400),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400),
     ],
@@ -374,14 +374,14 @@ async def test_sse_event_stream_matches_the_snapshot(server):
     assert blocks == expect and len(expect) >= 17
 
 
-def test_queue_full_429_prompt_too_long_413_and_dead_engine_503():
+def test_queue_full_429_prompt_too_long_400_and_dead_engine_503():
     with (
         serve(kv_cache_tokens=512, max_running=1, max_waiting=1) as live,
         httpx.Client(base_url=live.url, timeout=60) as c,
     ):
         long_body = {"prompt": "busy " * 10, "max_tokens": 3000, "ignore_eos": True, "stream": True}
         too_long = c.post("/v1/completions", json={"prompt": "y" * 600, "max_tokens": 1})
-        assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
         with c.stream("POST", "/v1/completions", json=long_body) as running:
             events = sse_events(running.iter_lines())  # NOTE: keep a reference: dropping it disconnects
             next(events)
@@ -475,7 +475,7 @@ def test_a_stalled_engine_step_makes_health_503_until_it_ends() -> None:
     collective: /health answers 503 'stalled' so routers send work elsewhere, then ok again."""
     release = threading.Event()
     with serve(stall_timeout_s=0.3) as live:
-        assert httpx.get(live.url + "/health").json()["status"] == "ok"
+        poll(lambda: httpx.get(live.url + "/health").json()["status"] == "ok", "the warm-up to end")
         held = live.engine.post(lambda: release.wait(30))
         health = poll(lambda: (h := httpx.get(live.url + "/health")).status_code == 503 and h, "a stall")
         assert health.json()["status"] == "stalled"
@@ -515,3 +515,19 @@ def test_a_request_for_an_adapter_unloaded_after_its_check_is_404(server) -> Non
     with pytest.raises(APIError) as caught:
         api.for_model(SamplingParams(), {"model": "gone-adapter"})
     assert (caught.value.status, caught.value.code) == (404, "model_not_found")
+
+
+def test_every_answer_carries_a_request_id_and_models_are_listed_one_by_one(client) -> None:
+    mine = client.post(
+        "/v1/completions", json={"prompt": "id?", "max_tokens": 1}, headers={"x-request-id": "r-42"}
+    )
+    assert mine.headers["x-request-id"] == "r-42"
+    made = client.post(
+        "/v1/completions", json={"prompt": "id?", "max_tokens": 1, "echo": None}
+    )  # null: default
+    assert made.status_code == 200 and len(made.headers["x-request-id"]) == 32
+    assert client.get("/v1/nope").headers["x-request-id"]  # errors too
+    listed = client.get("/v1/models").json()["data"]
+    assert [client.get(f"/v1/models/{m['id']}").json() for m in listed] == listed
+    missing = client.get("/v1/models/not-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

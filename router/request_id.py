@@ -1,0 +1,32 @@
+"""Every HTTP answer carries ``x-request-id``: the client's own, or one made here. A made one is
+also added to the request's headers, so what the router forwards upstream (and its access log)
+carries the same id. Pure ASGI, shared by the router and the worker."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+HEADER = b"x-request-id"
+
+
+class RequestId:
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = next((value for name, value in scope["headers"] if name == HEADER), None)
+        if rid is None:
+            rid = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*scope["headers"], (HEADER, rid)]}
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (HEADER, rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
