@@ -18,6 +18,12 @@ from typing import Any, Protocol, runtime_checkable
 from router.chat_tools import call_arguments, check_tool_calls, compact_json, normalize_tools
 
 _REPLACEMENT = "\ufffd"
+# HF's marker for ``continue_final_message``: appended to the last message's content, and the
+# rendered text is cut where it shows up (the template's end of turn after it is dropped)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# A UTF-8 character is a lead byte and at most 3 continuation bytes, so a detokenizer window that
+# starts inside a character is at most 3 tokens past the character's first one.
+_MAX_STEPS_BACK = 3
 
 
 @runtime_checkable
@@ -284,6 +290,11 @@ class HFTokenizer:
         ]  # fmt: skip
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
+        if continue_final_message:
+            # NOTE: cut at a marker after the content, as HF does: searching for the content itself
+            # finds a short prefill ("<", "im") inside the end-of-turn text the template writes after it
+            final = _final_to_continue(messages)
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         from jinja2 import TemplateError
 
         try:
@@ -298,12 +309,11 @@ class HFTokenizer:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         if not continue_final_message:
             return text
-        final = _final_to_continue(messages)
-        for piece in (final, final.strip()):
-            end = text.rfind(piece)
-            if piece and end >= 0:
-                return text[: end + len(piece)]
-        raise ValueError("continue_final_message: the chat template does not write the last message verbatim")
+        end = text.rfind(_CONTINUE_TAG.strip())
+        if end < 0:
+            raise ValueError("continue_final_message: the chat template does not write the last message")
+        # a template that trims the content also trimmed the marker's space: trim the cut text too
+        return text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
 
     def encode_chat(
         self, messages: list[dict], tools: list[dict] | None = None, **options: bool
@@ -353,10 +363,27 @@ def _byte_level_table() -> dict[str, int]:
 
 def _compile_template(source: str) -> Any:
     """Jinja environment as HF builds it: sandboxed, trim/lstrip blocks, loop controls,
-    ``raise_exception``, ``strftime_now`` and a non-ASCII-escaping ``tojson``."""
+    ``{% generation %}`` blocks, ``raise_exception``, ``strftime_now`` and a non-ASCII-escaping
+    ``tojson``."""
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: HF's AssistantTracker marks the assistant's
+        text with it (for training masks; TRL's assistant_only_loss templates have it). The body
+        renders unchanged, in its own scope as a call block, as HF renders it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -369,7 +396,9 @@ def _compile_template(source: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -394,17 +423,20 @@ class IncrementalDetokenizer:
     back until the character completes or ``flush`` is called. Text is decoded over a short window
     of ids (re-anchored at clean boundaries) that starts with a few earlier ids, so tokenizers that
     strip a leading space at the start of a decode (SentencePiece) still space words correctly.
+    The window never starts inside a character: SentencePiece's byte fallback decodes a whole run
+    of ``<0xNN>`` tokens as U+FFFD when any of it is not UTF-8, so a run cut mid-character would
+    stay U+FFFD for every byte token that joins it later.
     Special tokens are not text, except those ``show`` names (a tool call's tags for its reader).
     """
 
     def __init__(self, tokenizer: PromptTokenizer, prompt_ids: Sequence[int] = (), context: int = 5) -> None:
         self._tok = tokenizer
         self._context = max(1, context)  # ids kept before the unread ones
-        self._ids: list[int] = [int(t) for t in list(prompt_ids)[-self._context :]]
-        self._start = 0  # the window is _ids[_start:]
         self._shown: frozenset[int] = frozenset()  # special tokens decoded as their text
         self._special: dict[int, bool] = {}  # token id -> is it special (asked only once one is shown)
-        self._emitted = len(self._decode(self._ids))  # chars of the window's text already out
+        self._ids: list[int] = [int(t) for t in list(prompt_ids)[-(self._context + _MAX_STEPS_BACK) :]]
+        self._start = self._prompt_start()  # the window is _ids[_start:]
+        self._emitted = len(self._decode(self._ids[self._start :]))  # chars of the window's text already out
 
     def show(self, special_ids: Collection[int]) -> None:
         """Decode these special tokens as their text (other special tokens stay hidden). Called
@@ -419,10 +451,32 @@ class IncrementalDetokenizer:
         out = text[self._emitted : stable] if stable > self._emitted else ""
         self._emitted = max(self._emitted, stable)
         if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
-            # clean boundary: everything is out, so restart the window a few ids back
-            self._start = len(self._ids) - self._context
-            self._emitted = len(self._decode(self._ids[self._start :]))
+            self._restart_window(text)
         return out
+
+    def _restart_window(self, text: str) -> None:
+        """Everything in ``text`` (the window's text) is out: restart the window a few ids back, at
+        the first start (stepping back) whose text is the end of ``text``, so the next decodes go on
+        from the same characters. None within reach (bytes that are not UTF-8): keep the window,
+        which grows until a later feed finds one."""
+        newest = len(self._ids) - self._context
+        for start in range(newest, max(self._start, newest - _MAX_STEPS_BACK - 1), -1):
+            window = self._decode(self._ids[start:])
+            if text.endswith(window):
+                self._start, self._emitted = start, len(window)
+                return
+
+    def _prompt_start(self) -> int:
+        """Where the window starts in the prompt's last ids: ``context`` ids back, or up to
+        ``_MAX_STEPS_BACK`` more to the token holding a character's first byte. (Read from the
+        token's bytes: the prompt's text is out already, so no decode tells where it was cut.)"""
+        start = max(0, len(self._ids) - self._context)
+        for _ in range(_MAX_STEPS_BACK):
+            data = self._tok.token_bytes(self._ids[start]) if start > 0 else None
+            if not data or not 0x80 <= data[0] < 0xC0:  # not a UTF-8 continuation byte
+                break
+            start -= 1
+        return start
 
     def flush(self) -> str:
         """Whatever is still held back (possibly U+FFFD for an unfinished character)."""

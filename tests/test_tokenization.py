@@ -191,6 +191,67 @@ def test_continue_final_message_and_no_generation_prompt_match_transformers(hf_d
             )  # last message: the user's
 
 
+def with_template(hf_dir: Path, directory: Path, template: str) -> HFTokenizer:
+    """The byte-level tokenizer with another chat template (chat_template.jinja takes precedence)."""
+    import shutil
+
+    shutil.copytree(hf_dir, directory)
+    (directory / "chat_template.jinja").write_text(template)
+    return HFTokenizer(str(directory))
+
+
+LLAMA3_TEMPLATE = (
+    "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template", [TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE], ids=["chatml", "llama3", "mistral"]
+)
+@pytest.mark.parametrize("prefill", ["<", "<|", "im", "e", "Sure: "])
+def test_a_short_prefill_is_continued_where_transformers_cuts(hf_dir, tmp_path, template, prefill):
+    """A prefill that also occurs in the end of turn the template writes after it ("<" before
+    "<|eot_id|>", "im" before "<|im_end|>") is cut right after the prefill, as HF cuts it."""
+    from transformers import AutoTokenizer
+
+    ours, theirs = with_template(hf_dir, tmp_path / "t", template), AutoTokenizer.from_pretrained(hf_dir)
+    messages = [{"role": "user", "content": "Answer in XML"}, {"role": "assistant", "content": prefill}]
+    expected = theirs.apply_chat_template(
+        messages, chat_template=template, continue_final_message=True, tokenize=False
+    )
+    assert ours.render_chat(messages, **chat_options({"continue_final_message": True})) == expected
+    assert expected.rstrip().endswith(prefill.strip())
+
+
+def test_generation_blocks_render_their_body_as_transformers_does(hf_dir, tmp_path):
+    """TRL assistant_only_loss templates wrap the assistant's turns in {% generation %} blocks (HF's
+    AssistantTracker): they are accepted and render their body, scope included, unchanged."""
+    from transformers import AutoTokenizer
+
+    template = (
+        "{{ bos_token }}{% set n = 0 %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' %}{% generation %}{% set n = 1 %}{{ m['content'] }}<|im_end|>"
+        "{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{{ n }}{% endif %}"
+    )
+    ours, theirs = with_template(hf_dir, tmp_path / "t", template), AutoTokenizer.from_pretrained(hf_dir)
+    messages = [
+        *normalize_messages(CHAT),
+        {"role": "assistant", "content": "naïve 🙂"},
+        {"role": "user", "content": "ok"},
+    ]
+    expected = theirs.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)  # fmt: skip
+    assert ours.encode_chat(messages) == expected
+    assert ours.render_chat(messages).endswith("<|im_start|>assistant\n0")
+
+
 def test_hf_identity_eos_and_loading(hf_dir, tmp_path):
     tok = load_tokenizer(str(hf_dir))
     assert isinstance(tok, HFTokenizer)
@@ -268,6 +329,46 @@ def test_sentencepiece_stream_keeps_spaces_and_whole_characters(sp_dir, text):
     pieces = stream(tok, ids, prompt_ids=prompt)
     assert "".join(pieces) == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
     assert not any("\ufffd" in p for p in pieces)
+
+
+# characters outside the SentencePiece fixture's vocabulary come as byte-fallback runs (<0xNN> tokens)
+BYTE_FALLBACK = "Жмирé東京🙂안녕"
+MIXED = BYTE_FALLBACK + "the a in "
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    text=st.text(alphabet=MIXED, max_size=30),
+    prompt=st.text(alphabet=MIXED, max_size=12),
+    chunk=st.integers(1, 4),
+)
+def test_byte_fallback_stream_is_the_decode_of_its_ids(sp_dir, text, prompt, chunk):
+    """Streamed text (and so the non-stream text, built from the same pieces) is what decoding all
+    the ids gives: a long run of byte tokens never turns into U+FFFD, with or without a prompt."""
+    tok = load_tokenizer(str(sp_dir))
+    ids, prompt_ids = tok.encode_prompt(text)[1:], tok.encode_prompt(prompt)
+    assert "".join(stream(tok, ids, chunk)) == tok.decode(ids)
+    expected = tok.decode(prompt_ids + ids)[len(tok.decode(prompt_ids)) :]
+    assert "".join(stream(tok, ids, chunk, prompt_ids)) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt=st.text(alphabet=BYTE_FALLBACK, min_size=1, max_size=12),
+    text=st.text(alphabet=MIXED, min_size=1, max_size=20),
+    chunk=st.integers(1, 4),
+)
+def test_byte_fallback_run_from_the_prompt_continues_into_the_output(sp_dir, prompt, text, chunk):
+    """The prompt ends in byte tokens and the output goes on with more of the same run (no space in
+    between): the output's characters come out whole."""
+    tok = load_tokenizer(str(sp_dir))
+    ids = tok.encode_prompt(prompt + text)
+    cut = len(tok.encode_prompt(prompt))
+    assert ids[:cut] == tok.encode_prompt(prompt)  # the prompt's bytes never merge with the text's
+    expected = tok.decode(ids)[len(tok.decode(ids[:cut])) :]
+    assert expected == text  # (the text starts right after the prompt: no space)
+    pieces = stream(tok, ids[cut:], chunk, ids[:cut])
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
 
 
 def test_shown_special_tokens_are_text_and_the_others_stay_hidden(tmp_path):

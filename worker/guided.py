@@ -223,7 +223,9 @@ def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
     # tokenizes a grammar's forced text with special tokens read in it ("</tool_call>" as that special
     # token), a token it then refuses as not text, ending the answer. So it gets the vocabulary with
     # only the special tokens marked, and a tokenizer that reads no special token in text.
-    text_only = Tokenizer.from_str(backend.to_str())
+    # That tokenizer must also leave out the leading space a SentencePiece-style one adds to every
+    # encode, as llguidance's own reading does (``_without_prefix_space``).
+    text_only = Tokenizer.from_str(json.dumps(_without_prefix_space(json.loads(backend.to_str()))))
     text_only.encode_special_tokens = True
 
     class _Vocab:
@@ -238,6 +240,40 @@ def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
             ).ids
 
     return LLTokenizer(TokenizerWrapper(_Vocab()), n_vocab=vocab_size, eos_token=eos or None)
+
+
+def _without_prefix_space(config: dict) -> dict:
+    """A tokenizer.json made to tokenize text as the middle of a text: without the space a
+    SentencePiece-style tokenizer (Llama 2, Mistral) prepends to every encode (a ``Prepend("▁")``
+    normalizer, a ``Metaspace`` pre-tokenizer) or a byte-level one with ``add_prefix_space``.
+
+    NOTE: llguidance tokenizes the text a grammar forces (``Hello`` of a choice, ``{"`` of JSON) and
+    requires the tokens to spell exactly those bytes; with the marker they spell `` Hello``, the
+    matcher errors and allows only EOS (an empty answer). The model writes the text with the
+    same tokens a decode would read back, marker-free, so that is the tokenization to give."""
+
+    def edit(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind == "Prepend":  # the marker itself (Llama 2's normalizer)
+            return None
+        if kind == "Sequence":
+            key = "normalizers" if "normalizers" in node else "pretokenizers"
+            return {**node, key: [n for n in map(edit, node.get(key) or []) if n is not None]}
+        if kind in ("Metaspace", "ByteLevel"):
+            node = dict(node)
+            if "prepend_scheme" in node:  # Metaspace, tokenizers >= 0.19
+                node["prepend_scheme"] = "never"
+            if "add_prefix_space" in node:  # older Metaspace, ByteLevel
+                node["add_prefix_space"] = False
+        return node
+
+    return {
+        **config,
+        "normalizer": edit(config.get("normalizer")),
+        "pre_tokenizer": edit(config.get("pre_tokenizer")),
+    }
 
 
 def _special_tokens(tokenizer: PromptTokenizer) -> dict[str, int]:

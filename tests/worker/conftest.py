@@ -150,3 +150,57 @@ def save_tool_tag_checkpoint(directory: Path, special: bool) -> Path:
     assert (tok.add_special_tokens if special else tok.add_tokens)(tags) == len(TOOL_TAGS)
     tok.save(str(directory / "tokenizer.json"))
     return directory
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def save_sentencepiece_checkpoint(directory: Path) -> Path:
+    """The llama checkpoint with a Llama 2 / Mistral style tokenizer: "▁" prepended to the text and
+    standing for spaces, BPE pieces trained on the corpus, every other character as byte-fallback
+    ``<0xNN>`` tokens, a decoder that strips the leading space; a Mistral-like chat template."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    specials = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; the 256 byte pieces follow
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)], show_progress=False
+    )
+    # NOTE: trained on pre-split words ("▁word") so no piece spans two words, then rebuilt whole
+    words = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    words.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    words.train_from_iterator(["▁" + s.replace(" ", "▁") for s in _CORPUS] * 4, trainer=trainer)
+    trained = json.loads(words.to_str())["model"]
+    tok = Tokenizer(models.BPE(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]],
+                               unk_token="<unk>", byte_fallback=True, fuse_unk=True))  # fmt: skip
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    save_checkpoint(directory, "llama", vocab_size=tok.get_vocab_size(), bos_token_id=1, eos_token_id=2)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+              "chat_template": MISTRAL_TEMPLATE, "tokenizer_class": "LlamaTokenizerFast"}  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 2 / Mistral style: SentencePiece-like tokenizer with byte fallback, BOS added."""
+    return save_sentencepiece_checkpoint(tmp_path_factory.mktemp("sentencepiece"))

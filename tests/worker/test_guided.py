@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -288,3 +290,108 @@ def test_cuda_worker_follows_a_schema_with_graph_replayed_steps() -> None:
     with serve(device="cuda") as live:
         check_sampled_people(live.url, max_tokens=80, n=4, seed=3)
         assert live.engine.executor.graph_steps > 0
+
+
+# ---------------------------------------------------------------------- SentencePiece-style tokenizer
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_worker(sentencepiece_checkpoint):
+    """A worker whose tokenizer prepends "▁" to every encode and spells "{", '"', ":" as
+    byte-fallback tokens (Llama 2 / Mistral)."""
+    with serve(model=str(sentencepiece_checkpoint)) as live:
+        yield httpx.Client(base_url=live.url, timeout=120)
+
+
+def prefix_space_tokenizer(style: str, sentencepiece: Path, byte_level: Path, directory: Path) -> HFTokenizer:
+    """A tokenizer that starts every encode with a space: the SentencePiece checkpoint's
+    (``Prepend("▁")`` normalizer), it with a ``Metaspace`` pre-tokenizer instead (Mistral v0.3), or
+    the byte-level one with ``add_prefix_space``."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    if style == "prepend":
+        return HFTokenizer(str(sentencepiece))
+    source = sentencepiece if style == "metaspace" else byte_level
+    backend = Tokenizer.from_file(str(source / "tokenizer.json"))
+    if style == "metaspace":
+        backend.normalizer = None
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    directory.mkdir()
+    backend.save(str(directory / "tokenizer.json"))
+    shutil.copy(source / "tokenizer_config.json", directory)
+    return HFTokenizer(str(directory))
+
+
+@pytest.mark.parametrize("style", ["prepend", "metaspace", "byte-level"])
+def test_forced_text_is_tokenized_without_the_leading_space_marker(
+    style, sentencepiece_checkpoint, llama_checkpoint, tmp_path
+) -> None:
+    """The text a grammar forces is spelt with the tokens the model writes mid-text: no leading
+    space ("▁") in front, which the grammar would refuse, leaving only EOS allowed."""
+    tok = prefix_space_tokenizer(style, sentencepiece_checkpoint, llama_checkpoint, tmp_path / "tok")
+    assert tok.token_bytes(tok._tok.encode("Hello", add_special_tokens=False).ids[0]).startswith(b" ")
+    compiler = GuideCompiler(tok, tok.vocab_size)
+    for text in ("Hello there", '{"a": 1}', "Привет мир"):
+        m = compiler.compile(*requested_grammar({"guided_choice": [text]})).matcher()
+        forced = m.compute_ff_tokens()
+        assert tok.decode(forced) == text and not m.is_error()
+        # the ids of the text written after other text
+        newline = tok._tok.encode("\n", add_special_tokens=False).ids
+        after = tok._tok.encode("\n" + text, add_special_tokens=False).ids
+        assert after[: len(newline)] == newline and forced == after[len(newline) :]
+
+
+SP_MESSAGES = [{"role": "user", "content": "Describe a user."}]
+
+
+def test_sentencepiece_json_object_answers_are_json_objects(sentencepiece_worker) -> None:
+    body = {"messages": SP_MESSAGES, "max_tokens": 150, "n": 3, "temperature": 1.0, "seed": 2,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    for choice in sentencepiece_worker.post("/v1/chat/completions", json=body).json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_sentencepiece_choice_answers_are_one_of_the_choices(sentencepiece_worker) -> None:
+    options = ["Hello there", "Привет мир", '{"ok": true}']  # pieces, byte fallback, both
+    body = {
+        "prompt": "Say:",
+        "max_tokens": 20,
+        "n": 6,
+        "temperature": 1.5,
+        "seed": 4,
+        "guided_choice": options,
+    }
+    choices = sentencepiece_worker.post("/v1/completions", json=body).json()["choices"]
+    assert len(choices) == 6 and {c["text"] for c in choices} <= set(options), choices
+    streamed = [""] * 6  # streamed answers: whole characters too
+    with sentencepiece_worker.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed[choice["index"]] += choice["text"]
+    assert set(streamed) <= set(options), streamed
+
+
+def test_sentencepiece_required_tool_choice_gives_a_call(sentencepiece_worker) -> None:
+    body = {"messages": SP_MESSAGES, "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 150,
+            "parallel_tool_calls": False, "temperature": 1.0, "seed": 6}  # fmt: skip
+    choice = sentencepiece_worker.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
