@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from starlette.responses import StreamingResponse
 
 from router.tokenization import PromptTokenizer
@@ -80,6 +81,20 @@ class Choice:
                 "length" if self.scoring_only and out.finish_reason != "error" else out.finish_reason
             )
         return out.finish_reason is not None
+
+
+# NOTE: JSON allows these raw, but line readers built on str.splitlines (Python's, httpx's
+# iter_lines) cut an event's data line at them; escaped, every event stays one line.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def sse_json(obj: Any) -> bytes:
+    """``obj`` as JSON for one server-sent event's data line."""
+    data = orjson.dumps(obj)
+    if b"\xe2\x80" in data or b"\xc2\x85" in data:
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:

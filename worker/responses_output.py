@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import orjson
+from worker.openai_format import sse_json
 
 
 class Events:
@@ -19,7 +19,7 @@ class Events:
         self.seq = 0
 
     def send(self, kind: str, **fields: Any) -> bytes:
-        data = orjson.dumps({"type": kind, "sequence_number": self.seq, **fields})
+        data = sse_json({"type": kind, "sequence_number": self.seq, **fields})
         self.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 

@@ -43,7 +43,7 @@ from worker.api_params import (
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
 from worker.kv_transfer import EXPORT_PATH, KVTransfer
-from worker.openai_format import Choice, Responses, TokenNames, event_stream
+from worker.openai_format import Choice, Responses, TokenNames, event_stream, sse_json
 from worker.ops_api import OpsAPI
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
@@ -60,7 +60,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return b"data: " + sse_json(obj) + b"\n\n"
 
 
 async def _client_gone(request: Request) -> bool:

@@ -96,7 +96,8 @@ def auto_grammar(
         rules = f"call: TEXT {_OPEN} {body}"
     else:
         rules = f"call_start[lazy]: TEXT {json.dumps(_OPEN)}\ncall: call_start {body}"
-    return "tool_auto", f"%llguidance {{}}\nstart: call* free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
+    calls = "call*" if req.parallel else "call?"  # NOTE: parallel_tool_calls false: one call at most
+    return "tool_auto", f"%llguidance {{}}\nstart: {calls} free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
 
 
 def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
@@ -181,6 +182,7 @@ class ToolOutput:
             text = "" if calls else text  # all of it is the calls
         else:
             text, calls = _hermes(text)
+        calls = self._allowed(calls)
         self.calls = len(calls)
         if not calls:
             return {"role": "assistant", "content": text}
@@ -225,9 +227,15 @@ class ToolOutput:
         if mode == "required" or self.parser == "llama3_json" or self._in_call:
             calls = _json_calls(rest.removeprefix(_PYTHON_TAG)) if not self._in_call else _hermes_block(rest)
             if calls:
-                return [self._delta(calls)]
+                calls = self._allowed(calls)
+                return [self._delta(calls)] if calls else []
             return [{"content": (_OPEN if self._in_call else "") + rest}]
         return [{"content": rest}] if rest.strip() or not self.calls else []
+
+    def _allowed(self, calls: list[dict]) -> list[dict]:
+        """``calls`` as far as the request allows: with ``parallel_tool_calls`` false one call in all
+        (the grammar allows one; text tags the model spells in its free text after it are dropped)."""
+        return calls if self.req.parallel else calls[: max(0, 1 - self.calls)]
 
     def _delta(self, calls: list[dict]) -> dict:
         first, self.calls = self.calls, self.calls + len(calls)
@@ -257,7 +265,10 @@ class ToolOutput:
                 block, self._pending = self._pending[:end], self._pending[end + len(_CLOSE) :]
                 self._in_call = False
                 calls = _hermes_block(block)
-                out.append(self._delta(calls) if calls else {"content": _OPEN + block + _CLOSE})
+                if not calls:
+                    out.append({"content": _OPEN + block + _CLOSE})
+                elif calls := self._allowed(calls):
+                    out.append(self._delta(calls))
                 continue
             start = self._pending.find(_OPEN)
             if start >= 0:

@@ -531,3 +531,12 @@ def test_every_answer_carries_a_request_id_and_models_are_listed_one_by_one(clie
     assert [client.get(f"/v1/models/{m['id']}").json() for m in listed] == listed
     missing = client.get("/v1/models/not-here")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_event_stays_one_line_for_line_readers_whatever_the_text() -> None:
+    """JSON allows U+2028, U+2029 and U+0085 raw; readers built on str.splitlines cut there."""
+    from worker.openai_format import sse_json
+
+    text = "a\u2028b\u2029c\x85d é"
+    data = sse_json({"content": text})
+    assert len(data.decode().splitlines()) == 1 and orjson.loads(data) == {"content": text}

@@ -541,6 +541,19 @@ def test_auto_calls_follow_one_another_when_the_tags_are_added_tokens(tagged) ->
     assert content.split() == (choice["message"]["content"] or "").split()
 
 
+def test_parallel_tool_calls_false_gives_one_call_at_most(tagged) -> None:
+    """The same push into calls as above, with parallel_tool_calls false: one call, whole and
+    streamed (the grammar allows one; a tag spelled in the free text after it is not a call)."""
+    client, _, (open_id, _) = tagged
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 200, "temperature": 0,
+            "logit_bias": {str(open_id): 100}, "parallel_tool_calls": False}  # fmt: skip
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    calls = calls_of(choice["message"])
+    assert len(calls) == 1 and calls[0][0] == "get_weather", choice
+    _, streamed_calls, _ = streamed_answer(client, body)
+    assert streamed_calls == calls
+
+
 def test_a_call_is_closed_with_the_models_own_close_tag_token(tagged) -> None:
     """Both tags are tokens of the model's: the answer opens and closes the call with them (one
     token each), not with the close tag spelled out piece by piece."""
