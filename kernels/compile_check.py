@@ -306,11 +306,20 @@ def format_markdown(report: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
+def _head_dim(text: str) -> int:
+    """--head-dims value: any even head_dim the kernels take (RoPE rotates halves), 16 to 512."""
+    d = int(text)
+    if d % 2 != 0 or not 16 <= d <= 512:
+        raise argparse.ArgumentTypeError(f"head_dim {d}: expected an even number from 16 to 512")
+    return d
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__)
     ap.add_argument("--arch", type=int, choices=sorted(ARCHS), default=90)
     ap.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16", "fp16"])
-    ap.add_argument("--head-dims", nargs="+", type=int, choices=(64, 128), default=[128, 64])
+    ap.add_argument("--head-dims", nargs="+", type=_head_dim, default=[128, 64], metavar="D",
+                    help="even head dims, 16 to 512 (e.g. 64 80 96 128 256)")  # fmt: skip
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=4096, help="RMSNorm width")

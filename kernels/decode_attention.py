@@ -5,6 +5,11 @@ Shapes (B = requests, S = slots in the pool, D = head dim):
   q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] (one layer, fp16/bf16/fp32);
   kv_indptr [B+1], kv_indices [nnz] (int32/int64): request i's slots, the current token's included.
   Output [B, Hq, D] in q's dtype; a request with no slots gets zeros (as the reference does).
+  One dtype for q and the pool; a preallocated ``out`` has q's shape and dtype. The wrapper checks this
+  from metadata (ValueError) and passes the index tensors on contiguous.
+CALLER CONTRACT, NOT CHECKED (it needs the index data: a device-to-host sync): kv_indptr is
+  non-decreasing, kv_indptr[-1] <= len(kv_indices), and every kv_indices entry is a slot in [0, S);
+  otherwise the kernel reads out of bounds.
 Each program owns (request, KV head, split): it reads that KV head once for all Hq // Hkv query heads
 (stacked as the rows of one tl.dot), writes a partial output and its log2-sum-exp, and a second
 kernel merges the splits. Scores, softmax and accumulation in fp32.
@@ -19,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import interpret_requested
+from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -227,14 +232,12 @@ def decode_attention(
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
-    when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). Never syncs."""
+    when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). Never syncs.
+    Raises ValueError on inconsistent shapes, dtypes or devices (from metadata)."""
+    hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     batch, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    if hq % hkv != 0:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
+    kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
+    kv_indices = host_checks.index_tensor("kv_indices", kv_indices, q.device)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:

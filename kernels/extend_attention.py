@@ -6,6 +6,14 @@ Shapes (T = new tokens in the batch, B = requests, S = slots in the pool, D = he
   qo_indptr [B+1] (int32/int64): request i owns rows qo_indptr[i]:qo_indptr[i+1] of q / k_new / v_new;
   kv_indptr [B+1], kv_indices [nnz] (int32/int64): request i's *prefix* slots, in token order.
   Output [T, Hq, D] in q's dtype. Query head h reads KV head h // (Hq // Hkv).
+  One dtype for q, k_new, v_new and the pool; a preallocated ``out`` has q's shape and dtype. The wrapper
+  checks all of this from metadata (ValueError) and passes the index tensors on contiguous.
+CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
+  - max_extend_len, when given, is >= the longest request's new tokens (max of qo_indptr's diffs);
+    a smaller hint silently leaves the later rows of longer requests unwritten (checked, ValueError,
+    only when qo_indptr is on the CPU: the interpreter and tests).
+  - qo_indptr and kv_indptr are non-decreasing, qo_indptr[-1] <= T, kv_indptr[-1] <= len(kv_indices),
+    and every kv_indices entry is a slot in [0, S); otherwise the kernel reads out of bounds.
 Math: scores and softmax in fp32 (exp2 with log2(e) folded into the scale), P@V accumulated in fp32.
 """
 
@@ -18,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import interpret_requested
+from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -45,7 +53,11 @@ def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> ExtendC
     # (python -m kernels.compile_check --arch N): 128x64 with 4 warps spills at head_dim 64 on sm_90,
     # and before Hopper (mma.sync, no wgmma) 128x64 spills at head_dim 128 while 128x32 does not.
     # fp32 (an ieee dot on CUDA cores, a correctness path) spills at head_dim 128 with every tile
-    # tried on sm_90; 32x16 spills least.
+    # tried on sm_90; 32x16 spills least. Above 128 (BLOCK_D 256) the former 64x32 with 4 warps spilled
+    # at head_dim 256 (255 registers; 120 / 128 / 16 B per thread on sm_90 / sm_80 / sm_89); 64x16 with
+    # 8 warps does not (195 registers on sm_90, with wgmma), nor, with more headroom before Hopper,
+    # 32x16 (128 on sm_80). At head_dim 512 64x16 spills 440 B on sm_90 and 32x16 does not (sm_80, sm_90;
+    # it still spills 24 B on sm_89). See docs/kernels.md.
     if dtype == torch.float32:
         if head_dim <= 64:
             return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
@@ -54,7 +66,9 @@ def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> ExtendC
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     if head_dim <= 128:
         return ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
-    return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 256 and arch >= 90:
+        return ExtendConfig(block_m=64, block_n=16, num_warps=8, num_stages=2)
+    return ExtendConfig(block_m=32, block_n=16, num_warps=8, num_stages=2)
 
 
 @functools.lru_cache(maxsize=8)
@@ -214,22 +228,25 @@ def extend_attention(
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
 ) -> torch.Tensor:
-    """See the module docstring. ``max_extend_len`` (tokens) bounds the grid; when None it is read
-    from qo_indptr, which costs one device-to-host sync. ``out`` [T, Hq, D] may be preallocated."""
+    """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
+    when None it is read from qo_indptr, which costs one device-to-host sync. ``out`` [T, Hq, D] may be
+    preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata only, no sync)."""
+    hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
-    hkv = k_new.shape[1]
-    if hq % hkv != 0:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
-    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
+    qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
+    batch = qo_indptr.numel() - 1
+    kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
+    kv_indices = host_checks.index_tensor("kv_indices", kv_indices, q.device)
     if out is None:
         out = torch.empty_like(q)
-    batch = qo_indptr.numel() - 1
-    if t == 0 or batch == 0:
+    if t == 0 or batch <= 0:
         return out
     if max_extend_len is None:
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
+    elif qo_indptr.device.type == "cpu":  # NOTE: free on CPU (interpreter, tests); a sync on CUDA
+        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+        if max_extend_len < longest:
+            raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
     if max_extend_len == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device))

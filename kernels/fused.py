@@ -4,6 +4,14 @@ Semantics are kernels.reference.{rms_norm, apply_rope, store_kv}; this module mu
 Shapes: x [T, H] (or [..., H]); q [T, Hq, D], k [T, Hkv, D]; positions [T] (token positions);
 cos_sin_cache [max_pos, D] with cos in [:, :D/2] and sin in [:, D/2:]; k_cache, v_cache [S, Hkv, D];
 slots [T] (pool row per token). All math in fp32, results in the input's (or the pool's) dtype.
+weight [H] (any strides), index tensors (int32/int64, any strides) are passed on contiguous; shapes, dtypes
+and devices are checked from metadata (ValueError).
+CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
+  - every position is in [0, max_pos) of cos_sin_cache; a position past the cache rotates by whatever
+    memory lies beyond it, silently (checked, ValueError, only when positions are on the CPU: the
+    interpreter and tests).
+  - every slot is in [0, S) and slots are distinct within one store_kv call; otherwise it writes out of
+    bounds or races.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import interpret_requested
+from kernels import host_checks, interpret_requested
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -36,9 +44,18 @@ def _rms_norm_kernel(X, W, Out, stride_x, stride_o, eps, H: tl.constexpr, BLOCK:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [..., H] -> x / rms(x) * weight over the last dim, in x's dtype; ``out`` (contiguous, x's
-    shape) may be preallocated."""
+    """x [..., H] -> x / rms(x) * weight [H] over the last dim, in x's dtype; ``out`` (contiguous, x's
+    shape and dtype) may be preallocated."""
     h = x.shape[-1]
+    if weight.shape != (h,):
+        raise ValueError(f"weight has shape {list(weight.shape)}, expected [{h}] (x's last dim)")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    weight = weight.contiguous()  # NOTE: the kernel reads it as W + offs; free when already contiguous
+    if out is not None:
+        host_checks.check_out("out", out, x, "x")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
     x2 = x.reshape(-1, h)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -101,14 +118,31 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T]; returns new (q, k).
     ``q_out``/``k_out`` may be preallocated (same shapes); passing q and k themselves rotates in place."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be 3-D [T, H, D], got shapes {list(q.shape)} and {list(k.shape)}")
     t, hq, d = q.shape
     hk = k.shape[1]
-    if d % 2 != 0 or cos_sin_cache.shape[-1] != d:
-        raise ValueError(f"head_dim {d} must be even and match cos_sin_cache [max_pos, {d}]")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("q, k and cos_sin_cache must be contiguous in the last dim")
+    if k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k has shape {list(k.shape)}, expected [{t}, Hkv, {d}] (T and D from q)")
+    if d % 2 != 0 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] != d:
+        raise ValueError(
+            f"head_dim {d} must be even and cos_sin_cache [max_pos, {d}], got {list(cos_sin_cache.shape)}"
+        )
+    if k.device != q.device or cos_sin_cache.device != q.device:
+        raise ValueError(f"q is on {q.device}, k on {k.device}, cos_sin_cache on {cos_sin_cache.device}")
+    positions = host_checks.index_tensor("positions", positions, q.device, numel=t)
+    host_checks.check_unit_stride(q=q, k=k, cos_sin_cache=cos_sin_cache)
+    if positions.device.type == "cpu" and t > 0:  # NOTE: free on CPU (interpreter, tests); a sync on CUDA
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"positions span [{lo}, {hi}], outside cos_sin_cache's {cos_sin_cache.shape[0]} rows"
+            )
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device) if q_out is None else q_out
     k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device) if k_out is None else k_out
+    host_checks.check_out("q_out", q_out, q, "q")
+    host_checks.check_out("k_out", k_out, k, "k")
+    host_checks.check_unit_stride(q_out=q_out, k_out=k_out)
     if t > 0:
         half = d // 2
         block_half = triton.next_power_of_2(half)
@@ -148,10 +182,21 @@ def store_kv(
 ) -> None:
     """Write k, v [T, Hkv, D] into pool rows ``slots`` [T] of k_cache, v_cache [S, Hkv, D] (in place).
     NOTE: slots must be distinct within one call (the pool allocator guarantees it)."""
+    if k.dim() != 3:
+        raise ValueError(f"k must be 3-D [T, Hkv, D], got shape {list(k.shape)}")
     t, hkv, d = k.shape
-    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {list(v.shape)}, k {list(k.shape)}: expected the same")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dim() != 3 or x.shape[1:] != k.shape[1:]:
+            raise ValueError(f"{name} has shape {list(x.shape)}, expected [S, {hkv}, {d}] (Hkv, D from k)")
+    elsewhere = {
+        n: x.device for n, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)) if x.device != k.device
+    }
+    if elsewhere:
+        raise ValueError(f"k is on {k.device} but {elsewhere}")
+    slots = host_checks.index_tensor("slots", slots, k.device, numel=t)
+    host_checks.check_unit_stride(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     if t == 0:
         return
     block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(d)

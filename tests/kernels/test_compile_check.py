@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from kernels import compile_check
 
 
@@ -169,3 +171,28 @@ def test_defaults_before_hopper_fit_without_spills_on_mma_sync(tmp_path):
     assert extend["config"] == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2}
     assert extend["ok"] and extend["spill_bytes"] == 0
     assert extend["sass"]["HGMMA"] == 0 and extend["sass"]["HMMA"] > 0
+
+
+def test_head_dims_beyond_64_and_128_are_accepted_and_checked():
+    args = compile_check.parse_args(["--head-dims", "80", "96", "256"])
+    assert args.head_dims == [80, 96, 256]
+    for bad in ("63", "0", "1024"):
+        proc = _python("", "-m", "kernels.compile_check", "--head-dims", bad, timeout=60)
+        assert proc.returncode == 2 and "even number from 16 to 512" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("arch", "block_m"), [(90, 64), (80, 32)])
+def test_defaults_above_head_dim_128_compile_without_spills(tmp_path, arch, block_m):
+    """The former head_dim-256 extend default (64x32, 4 warps) spilled 120-128 B per thread at 255
+    registers on sm_80 and sm_90; the defaults for head_dim > 128 use 16-key tiles and 8 warps."""
+    out = tmp_path / f"sm{arch}.json"
+    proc = _python("", "-m", "kernels.compile_check", "--arch", str(arch), "--dtypes", "bf16",
+                   "--head-dims", "256", "96", "80", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["defaults_ok"] is True
+    assert {r["case"].split()[2] for r in report["rows"] if r["kernel"] == "_extend_kernel"} == {
+        "hd256", "hd96", "hd80"}  # fmt: skip
+    extend = next(r for r in report["rows"] if r["case"] == "extend bf16 hd256 gqa4")
+    assert extend["config"] == {"block_m": block_m, "block_n": 16, "num_warps": 8, "num_stages": 2}
+    assert extend["spill_bytes"] == 0 and extend["regs"] <= 255 and extend["ok"]

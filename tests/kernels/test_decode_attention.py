@@ -83,3 +83,53 @@ def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel):
 def test_choose_num_splits(backend, batch, hkv, sms, max_len, expected):
     dec = backend.module("decode_attention")
     assert dec.choose_num_splits(batch, hkv, sms, max_len, min_split_len=256) == expected
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
+    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
+
+
+@pytest.mark.parametrize("index", [3, 4], ids=["kv_indptr", "kv_indices"])
+def test_decode_reads_strided_index_tensors_by_value(backend, assert_close_rel, index):
+    dec = backend.module("decode_attention")
+    args = list(make_batch([5, 17, 31], 4, 2, 64, torch.float32, backend.device, seed=3))
+    args[index] = strided(args[index])
+    assert not args[index].is_contiguous()
+    out = torch.full_like(args[0], float("nan"))
+    dec.decode_attention(*args, num_splits=2, out=out)
+    assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+def _mismatched(name):
+    """make_batch's arguments with one made inconsistent, and the error message it must raise."""
+    q, k_cache, v_cache, kvp, idx = make_batch([5, 17, 31], 4, 2, 64, torch.float16, "cpu")
+    kw = {}
+    if name == "head_dim":  # q 64, the pool 32
+        k_cache, v_cache, match = k_cache[..., :32], v_cache[..., :32], "k_cache has shape"
+    elif name == "v_pool_hkv":
+        v_cache, match = v_cache[:, :1], "v_cache has shape"
+    elif name == "hq_not_multiple":
+        q, match = q[:, :3], "Hq=3 is not a multiple of Hkv=2"
+    elif name == "small_out":  # the merge kernel would write past its end
+        kw["out"], match = torch.empty(1, 4, 64, dtype=torch.float16), "out has shape"
+    elif name == "bf16_pool":
+        k_cache, v_cache, match = k_cache.bfloat16(), v_cache.bfloat16(), "share one dtype"
+    elif name == "q_2d":
+        q, match = q[:, 0], "q must be 3-D"
+    elif name == "kv_indptr_length":  # the kernels would read kv_indptr[3] past its end
+        kvp, match = kvp[:-1], "kv_indptr must have 4 entries"
+    return (q, k_cache, v_cache, kvp, idx), kw, match
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["head_dim", "v_pool_hkv", "hq_not_multiple", "small_out", "bf16_pool", "q_2d", "kv_indptr_length"],
+)
+def test_decode_rejects_inconsistent_arguments_before_launch(backend, name):
+    dec = backend.module("decode_attention")
+    args, kw, match = _mismatched(name)
+    args = [a.to(backend.device) for a in args]
+    kw = {k: v.to(backend.device) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=match):
+        dec.decode_attention(*args, num_splits=2, **kw)

@@ -92,3 +92,85 @@ def test_extend_with_no_new_tokens_returns_empty(backend):
     ext = backend.module("extend_attention")
     args = make_batch([(4, 0), (9, 0)], 2, 1, 64, torch.float32, backend.device)
     assert ext.extend_attention(*args).shape == (0, 2, 64)
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
+    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
+
+
+@pytest.mark.parametrize("index", [5, 6, 7], ids=["qo_indptr", "kv_indptr", "kv_indices"])
+def test_extend_reads_strided_index_tensors_by_value(backend, assert_close_rel, index):
+    ext = backend.module("extend_attention")
+    args = make_batch([(20, 5), (33, 17)], 4, 2, 64, torch.float32, backend.device, seed=5)
+    args = list(args)
+    args[index] = strided(args[index])
+    assert not args[index].is_contiguous()
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, out=out, max_extend_len=17)
+    assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+def _mismatched(name):
+    """make_batch's arguments with one made inconsistent, and the error message it must raise."""
+    q, k_new, v_new, k_cache, v_cache, qo, kvp, idx = make_batch(
+        [(20, 5), (3, 7)], 4, 2, 64, torch.float16, "cpu"
+    )
+    kw = {}
+    if name == "pool_hkv":  # k_new has 2 KV heads, the pool 1
+        k_cache, v_cache, match = k_cache[:, :1], v_cache[:, :1], "k_new has shape"
+    elif name == "v_pool_hkv":
+        v_cache, match = v_cache[:, :1], "v_cache has shape"
+    elif name == "head_dim":  # q and k_new 64, the pool 32
+        k_cache, v_cache, match = k_cache[..., :32], v_cache[..., :32], "k_cache has shape"
+    elif name == "short_k_new":  # 10 rows of k_new for 12 queries: the kernel would read past its end
+        k_new, match = k_new[:-2], "k_new has shape"
+    elif name == "short_v_new":
+        v_new, match = v_new[:-2], "v_new has shape"
+    elif name == "small_out":  # the kernel would write past its end
+        kw["out"], match = torch.empty(3, 4, 64, dtype=torch.float16), "out has shape"
+    elif name == "out_dtype":
+        kw["out"], match = torch.empty(12, 4, 64), "out is torch.float32"
+    elif name == "fp16_q_bf16_pool":
+        k_cache, v_cache, match = k_cache.bfloat16(), v_cache.bfloat16(), "share one dtype"
+    elif name == "bf16_q_fp32_pool":  # runs interpreted, a CompilationError on sm_90
+        q, k_new, v_new = q.bfloat16(), k_new.bfloat16(), v_new.bfloat16()
+        k_cache, v_cache, match = k_cache.float(), v_cache.float(), "share one dtype"
+    elif name == "fp32_v_new":
+        v_new, match = v_new.float(), "share one dtype"
+    elif name == "q_2d":
+        q, match = q.reshape(12, 256), "q must be 3-D"
+    elif name == "kv_indptr_length":
+        kvp, match = kvp[:-1], "kv_indptr must have 3 entries"
+    elif name == "float_indices":
+        idx, match = idx.float(), "kv_indices must be int32 or int64"
+    return (q, k_new, v_new, k_cache, v_cache, qo, kvp, idx), kw, match
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["pool_hkv", "v_pool_hkv", "head_dim", "short_k_new", "short_v_new", "small_out", "out_dtype",
+     "fp16_q_bf16_pool", "bf16_q_fp32_pool", "fp32_v_new", "q_2d", "kv_indptr_length", "float_indices"],
+)  # fmt: skip
+def test_extend_rejects_inconsistent_arguments_before_launch(backend, name):
+    ext = backend.module("extend_attention")
+    args, kw, match = _mismatched(name)
+    args = [a.to(backend.device) for a in args]
+    kw = {k: v.to(backend.device) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=match):
+        ext.extend_attention(*args, max_extend_len=7, **kw)
+
+
+def test_extend_rejects_a_max_extend_len_below_the_longest_request_on_cpu(backend, assert_close_rel):
+    """A short hint would leave the last rows of the longest request unwritten. The check needs
+    qo_indptr's values, so it runs only where reading them is free (CPU tensors; on CUDA it is the
+    caller's contract, see the module docstring)."""
+    if backend.is_cuda:
+        pytest.skip("on CUDA the hint is a documented caller contract (checking it would sync)")
+    ext = backend.module("extend_attention")
+    args = make_batch([(20, 5), (33, 17)], 4, 2, 64, torch.float32, backend.device, seed=6)
+    with pytest.raises(ValueError, match="max_extend_len=16 < 17"):
+        ext.extend_attention(*args, max_extend_len=16)
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, max_extend_len=17, out=out)  # exactly the longest is enough
+    assert_close_rel(out.cpu(), reference_on_cpu(args))

@@ -88,3 +88,124 @@ def test_store_kv_writes_exactly_the_given_slots(backend, src_dtype, pool_dtype)
         else:
             torch.testing.assert_close(got[written], want[written], rtol=2**-7, atol=0)
         assert got[~written].isnan().all()  # no other slot touched
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
+    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
+
+
+def test_rms_norm_reads_a_strided_weight_by_value(backend, assert_close_rel):
+    fused = backend.module("fused")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 96, generator=g).to(backend.device)
+    w = strided(torch.randn(96, generator=g)).to(backend.device)
+    assert not w.is_contiguous()
+    assert_close_rel(fused.rms_norm(x, w, 1e-6).cpu(), reference.rms_norm(x.cpu(), w.cpu(), 1e-6))
+
+
+@pytest.mark.parametrize(
+    ("weight_shape", "out_shape", "match"),
+    [((64,), None, "weight has shape"),  # the kernel would read 32 elements past its end
+     ((96, 1), None, "weight has shape"),
+     ((96,), (3, 96), "out has shape")],
+)  # fmt: skip
+def test_rms_norm_rejects_a_weight_or_out_of_the_wrong_shape(backend, weight_shape, out_shape, match):
+    fused = backend.module("fused")
+    x = torch.randn(4, 96, device=backend.device)
+    out = None if out_shape is None else torch.empty(out_shape, device=backend.device)
+    with pytest.raises(ValueError, match=match):
+        fused.rms_norm(x, torch.ones(weight_shape, device=backend.device), 1e-6, out=out)
+
+
+def _rope_inputs(backend, t=6, hq=4, hkv=2, d=64, max_pos=64):
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(t, hq, d, generator=g).to(backend.device)
+    k = torch.randn(t, hkv, d, generator=g).to(backend.device)
+    return q, k, rope_cache(max_pos, d).to(backend.device)
+
+
+def test_rope_reads_strided_positions_by_value(backend, assert_close_rel):
+    fused = backend.module("fused")
+    q, k, cache = _rope_inputs(backend)
+    positions = strided(torch.tensor([5, 1, 60, 2, 0, 33])).to(backend.device)
+    assert not positions.is_contiguous()
+    q_ref, k_ref = reference.apply_rope(q.cpu(), k.cpu(), positions.cpu(), cache.cpu())
+    q_out, k_out = fused.apply_rope(q, k, positions, cache)
+    assert_close_rel(q_out.cpu(), q_ref)
+    assert_close_rel(k_out.cpu(), k_ref)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [("k_head_dim", "k has shape"), ("k_tokens", "k has shape"), ("positions_length", "positions must have 6"),
+     ("q_out_shape", "q_out has shape"), ("k_out_shape", "k_out has shape"), ("cache_width", "cos_sin_cache")],
+)  # fmt: skip
+def test_rope_rejects_inconsistent_shapes(backend, change, match):
+    fused = backend.module("fused")
+    q, k, cache = _rope_inputs(backend)
+    positions = torch.arange(6, device=backend.device)
+    kw = {}
+    if change == "k_head_dim":  # the kernel would rotate k with q's head_dim, reading past k's rows
+        k = k[..., :32]
+    elif change == "k_tokens":
+        k = k[:4]
+    elif change == "positions_length":
+        positions = positions[:4]
+    elif change == "q_out_shape":
+        kw["q_out"] = torch.empty(6, 2, 64, device=backend.device)
+    elif change == "k_out_shape":
+        kw["k_out"] = torch.empty(2, 2, 64, device=backend.device)
+    elif change == "cache_width":
+        cache = rope_cache(64, 32).to(backend.device)
+    with pytest.raises(ValueError, match=match):
+        fused.apply_rope(q, k, positions, cache, **kw)
+
+
+@pytest.mark.parametrize("positions", [[5, 64, 1000], [3, -1]])
+def test_rope_rejects_positions_outside_the_cache_on_cpu(backend, positions):
+    """The kernel would rotate by whatever memory lies past the cache (the reference raises an
+    IndexError). Checking needs the positions' values, so it runs only on CPU tensors; on CUDA it
+    is the caller's contract (module docstring)."""
+    if backend.is_cuda:
+        pytest.skip("on CUDA positions in range are a documented caller contract (checking would sync)")
+    fused = backend.module("fused")
+    q, k, cache = _rope_inputs(backend, t=len(positions))
+    with pytest.raises(ValueError, match="outside cos_sin_cache's 64 rows"):
+        fused.apply_rope(q, k, torch.tensor(positions), cache)
+
+
+def test_store_kv_reads_strided_slots_by_value(backend):
+    fused = backend.module("fused")
+    g = torch.Generator().manual_seed(7)
+    k_cache = torch.full((50, 2, 64), float("nan"), device=backend.device)
+    v_cache = torch.full((50, 2, 64), float("nan"), device=backend.device)
+    k, v = (torch.randn(4, 2, 64, generator=g).to(backend.device) for _ in range(2))
+    slots = torch.tensor([3, 9, 27, 44])
+    fused.store_kv(k_cache, v_cache, strided(slots).to(backend.device), k, v)
+    written = k_cache.cpu().isfinite().all(-1).all(-1).nonzero().flatten()
+    assert written.tolist() == slots.tolist()
+    assert torch.equal(k_cache[slots].cpu(), k.cpu()) and torch.equal(v_cache[slots].cpu(), v.cpu())
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [("pool_head_dim", "k_cache has shape"), ("v_pool_hkv", "v_cache has shape"), ("v_shape", "v has shape"),
+     ("slots_length", "slots must have 4")],
+)  # fmt: skip
+def test_store_kv_rejects_inconsistent_shapes(backend, change, match):
+    fused = backend.module("fused")
+    k_cache = torch.zeros(50, 2, 64, device=backend.device)
+    v_cache = torch.zeros(50, 2, 64, device=backend.device)
+    k = v = torch.randn(4, 2, 64, device=backend.device)
+    slots = torch.tensor([3, 9, 27, 44], device=backend.device)
+    if change == "pool_head_dim":
+        k_cache = k_cache[..., :32]
+    elif change == "v_pool_hkv":
+        v_cache = v_cache[:, :1]
+    elif change == "v_shape":
+        v = v[:, :1]
+    elif change == "slots_length":
+        slots = slots[:3]
+    with pytest.raises(ValueError, match=match):
+        fused.store_kv(k_cache, v_cache, slots, k, v)

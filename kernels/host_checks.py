@@ -1,0 +1,98 @@
+"""Argument checks the Triton host wrappers run before a launch: a bad shape, dtype or device is a
+ValueError here instead of an out-of-bounds read or write on the device.
+
+NOTE: they read tensor metadata only (shape, dtype, device, strides), never tensor data, so no check
+waits on the device (CUDA-graph safe); what needs the data is a documented caller contract instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def shape_of(x: torch.Tensor) -> list[int]:
+    return list(x.shape)
+
+
+def index_tensor(name: str, x: torch.Tensor, device: torch.device, numel: int | None = None) -> torch.Tensor:
+    """``x`` as the kernels read an index tensor (indptr, slots, positions): 1-D int32/int64 on
+    ``device`` with ``numel`` entries when given, returned contiguous.
+    NOTE: the kernels address it as ``ptr + i``; .contiguous() is free when it already is."""
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {shape_of(x)}")
+    if x.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the other inputs on {device}")
+    if numel is not None and x.numel() != numel:
+        raise ValueError(f"{name} must have {numel} entries, got {x.numel()}")
+    return x.contiguous()
+
+
+def check_unit_stride(**tensors: torch.Tensor) -> None:
+    """The kernels step through head_dim (the last dim) with stride 1."""
+    for name, x in tensors.items():
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {x.stride(-1)})")
+
+
+def check_out(name: str, out: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    """A preallocated output: exactly ``like``'s shape, dtype and device (the kernel writes every
+    element of that shape; a smaller tensor would be written past its end)."""
+    if out.shape != like.shape:
+        raise ValueError(f"{name} has shape {shape_of(out)}, expected {like_name}'s {shape_of(like)}")
+    if out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(
+            f"{name} is {out.dtype} on {out.device}, expected {like_name}'s {like.dtype} on {like.device}"
+        )
+
+
+def check_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> int:
+    """q [T, Hq, D]; k_cache, v_cache [S, Hkv, D]; k_new, v_new [T, Hkv, D] when given (extend); one
+    dtype (fp16/bf16/fp32) and device for all; Hq a multiple of Hkv; ``out`` like q. Returns Hkv."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D [tokens, Hq, D], got shape {shape_of(q)}")
+    t, hq, d = q.shape
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache must be 3-D [S, Hkv, D], got shape {shape_of(k_cache)}")
+    hkv = k_cache.shape[1]
+    pool_row = [hkv, d]
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dim() != 3 or list(x.shape[1:]) != pool_row:
+            raise ValueError(
+                f"{name} has shape {shape_of(x)}; expected [S, Hkv, D] with [Hkv, D] = {pool_row} "
+                f"(D from q {shape_of(q)}, Hkv from k_cache)"
+            )
+    new = [(name, x) for name, x in (("k_new", k_new), ("v_new", v_new)) if x is not None]
+    for name, x in new:
+        if list(x.shape) != [t, hkv, d]:
+            raise ValueError(
+                f"{name} has shape {shape_of(x)}; expected [T, Hkv, D] = {[t, hkv, d]} "
+                f"(T and D from q, Hkv from the pool)"
+            )
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    operands = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *new]
+    if q.dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"q is {q.dtype}; the attention kernels take fp16, bf16 or fp32")
+    mixed = {name: x.dtype for name, x in operands if x.dtype != q.dtype}
+    if mixed:
+        raise ValueError(f"q is {q.dtype} but {mixed}: q, k/v and the pool must share one dtype")
+    elsewhere = {name: x.device for name, x in operands if x.device != q.device}
+    if elsewhere:
+        raise ValueError(f"q is on {q.device} but {elsewhere}")
+    check_unit_stride(**dict(operands))
+    if out is not None:
+        check_out("out", out, q, "q")
+        check_unit_stride(out=out)
+    return hkv
