@@ -88,6 +88,9 @@ class IdTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        return None
+
 
 def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) -> Any:
     """A LlamaForCausalLM with random weights generated directly on ``device`` (no host copy)."""

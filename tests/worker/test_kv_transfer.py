@@ -447,7 +447,8 @@ def test_a_fetch_asks_for_what_the_link_brings_in_half_its_timeout():
         ids = prompt(97, 3000)  # 3 s on this link: past the timeout
         complete(source.url, [*ids, 1])
         answer = complete(receiver.url, [*ids, 2], source.url)
-        assert cached(answer) == timely and outcome(receiver.url, "ok") == 2
+        # NOTE: it asks for half the time left, a moment under the timeout: up to a page less
+        assert timely - 16 <= cached(answer) <= timely and outcome(receiver.url, "ok") == 2
         assert outcome(receiver.url, "error") == 0
         assert_nothing_held(receiver)
 
