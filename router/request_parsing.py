@@ -80,18 +80,23 @@ def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
     return body, model, bool(stream)
 
 
-def _check_stream_options(body: dict[str, Any]) -> None:
+STREAM_OPTIONS_ERROR = "'stream_options' must be an object with a boolean 'include_usage'"
+
+
+def stream_options_ok(body: dict[str, Any]) -> bool:
     """``stream_options`` of a chat or completion request: null, or an object whose
-    ``include_usage`` is a boolean, null or absent (the worker's rule). Checked here because the
-    router rewrites it for streams (``with_stream_usage``): a malformed one would otherwise pass."""
+    ``include_usage`` is a boolean, null or absent (one rule for the router and the worker)."""
     options = body.get("stream_options")
-    if options is not None and (
-        not isinstance(options, dict)
-        or not isinstance(options.get("include_usage", False), (bool, type(None)))
-    ):
-        raise RouterError(
-            400, "'stream_options' must be an object with a boolean 'include_usage'", "invalid_type"
-        )
+    return options is None or (
+        isinstance(options, dict) and isinstance(options.get("include_usage", False), (bool, type(None)))
+    )
+
+
+def _check_stream_options(body: dict[str, Any]) -> None:
+    """Checked here because the router rewrites ``stream_options`` for streams
+    (``with_stream_usage``): a malformed one would otherwise pass."""
+    if not stream_options_ok(body):
+        raise RouterError(400, STREAM_OPTIONS_ERROR, "invalid_type")
 
 
 def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.request_parsing import ClientGone, read_body
+from router.request_parsing import STREAM_OPTIONS_ERROR, ClientGone, read_body, stream_options_ok
 from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar
@@ -69,14 +69,8 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         raise APIError(400, "'stream' must be a boolean")
     if not isinstance(body.get("echo") or False, bool):
         raise APIError(400, "'echo' must be a boolean")
-    options = body.get("stream_options")
-    if options is not None and (
-        not isinstance(options, dict)
-        or not isinstance(options.get("include_usage", False), (bool, type(None)))
-    ):
-        raise APIError(
-            400, "'stream_options' must be an object with a boolean 'include_usage'", "invalid_type"
-        )
+    if not stream_options_ok(body):
+        raise APIError(400, STREAM_OPTIONS_ERROR, "invalid_type")
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
     # look like success to the client
     if body.get("functions") or body.get("function_call"):
