@@ -190,8 +190,7 @@ class SimWorker:
                 continue
             need = -(-total // m.block_size) - match.pages.size  # NOTE: host hits need device pages too
             cache.lock(match.last_node)
-            if alloc.num_free < need:
-                cache.evict(need - alloc.num_free)
+            cache.make_room(need)
             if alloc.num_free < need:  # NOTE: running requests hold the pool; retry when one finishes
                 cache.unlock(match.last_node)
                 break

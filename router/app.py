@@ -223,7 +223,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             )
             headers = forwarded_headers(request.headers)
             if router.upstream.authorization is not None:  # NOTE: the session sends the worker key
-                del headers["authorization"]
+                headers.pop("authorization", None)
             async with session.request(request.method, url + request.url.path, timeout=timeout,
                                        headers=headers) as resp:  # fmt: skip
                 payload = await resp.read()

@@ -200,7 +200,7 @@ class EventSubscriber:
             return
         if not self.apply(worker, batch):
             self.resync_soon(worker)
-            self._held.get(worker.url, []).append(batch)
+            self._held[worker.url].append(batch)
 
     # ---------------------------------------------------------------- transports
     async def _http_reader(self, worker: Worker) -> None:

@@ -84,7 +84,6 @@ class HealthChecker:
         worker.apply_report(sum(queue), _number(report.get("prefill_backlog_tokens")))
         epoch = report.get("epoch") if isinstance(report.get("epoch"), str) else None
         restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
-        learned = True
         if not worker.healthy or restarted:
             await self._learn(worker)
             worker.breaker.reset()
@@ -93,10 +92,6 @@ class HealthChecker:
             # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
             # models (a LoRA adapter loaded or unloaded): ask again
             await self._learn(worker)
-        else:
-            learned = False
-        if learned:
-            self._router.events.models_learned(worker)
         if restarted:
             self._router.index.clear_worker(worker.url)
             self._router.events.resync_soon(worker)
@@ -125,6 +120,7 @@ class HealthChecker:
                     self._router.block_size = body["block_size"]
                 if isinstance(body.get("epoch"), str) and worker.epoch is None:
                     worker.epoch = body["epoch"]
+        self._router.events.models_learned(worker)
 
 
 def _models_changed(report: dict, worker: Worker) -> bool:

@@ -168,13 +168,16 @@ class Policy:
             url, hashes if max_blocks is None or max_blocks >= len(hashes) else hashes[:max_blocks]
         )
 
-    def on_refused(self, req: RouteRequest, url: str, held_blocks: int, tick: int) -> None:
+    def on_refused(
+        self, req: RouteRequest, url: str, held_blocks: int, tick: int, max_blocks: int | None = None
+    ) -> None:
         """``url`` answered that it will not serve the request (4xx): take back what ``on_routed``
         recorded at ``tick`` beyond the ``held_blocks`` it was predicted to hold before, unless
         something touched it since (PrefixIndex.take_back). KV events never would: they only tell
-        what a worker stored or removed."""
+        what a worker stored or removed. Only the blocks ``on_routed`` could have recorded (at most
+        ``max_blocks``) are looked at: the rest of a long prompt is never hashed for it."""
         if len(req.block_hashes) > held_blocks:
-            self.index.take_back(url, req.block_hashes[held_blocks:], tick)
+            self.index.take_back(url, req.block_hashes[held_blocks:max_blocks], tick)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "params": dict(self.params)}
@@ -208,7 +211,7 @@ class OptimisticInsert:
 
     def take_back(self) -> None:
         if self._tick is not None:
-            self._policy.on_refused(self._req, self._url, self.held_blocks, self._tick)
+            self._policy.on_refused(self._req, self._url, self.held_blocks, self._tick, self._max_blocks)
 
 
 class RoundRobin(Policy):
@@ -268,9 +271,12 @@ class PrefixHash(Policy):
 
     def __init__(self, index: PrefixIndex, params: dict[str, Any] | None = None) -> None:
         super().__init__(index, params)
-        if self._number("prefix_blocks", int) < 1 or self._number("vnodes", int) < 1:
+        self._prefix_blocks = self._number("prefix_blocks", int)
+        self._vnodes = self._number("vnodes", int)
+        self._load_factor = self._number("load_factor")
+        if self._prefix_blocks < 1 or self._vnodes < 1:
             raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
-        if not self._number("load_factor") >= 1.0:  # NaN fails too
+        if not self._load_factor >= 1.0:  # NaN fails too
             raise ValueError("prefix_hash: load_factor must be >= 1.0")
         self._ring_urls: tuple[str, ...] = ()
         self._points: list[int] = []  # sorted ring positions (64-bit)
@@ -279,8 +285,7 @@ class PrefixHash(Policy):
     def _ring(self, urls: tuple[str, ...]) -> None:
         if urls == self._ring_urls:
             return
-        vnodes = int(self.params["vnodes"])
-        points = sorted((_h64(f"{url}#{i}".encode()), url) for url in urls for i in range(vnodes))
+        points = sorted((_h64(f"{url}#{i}".encode()), url) for url in urls for i in range(self._vnodes))
         self._points = [p for p, _ in points]
         self._owners = [u for _, u in points]
         self._ring_urls = urls
@@ -293,12 +298,12 @@ class PrefixHash(Policy):
                 pick.url, self._tokens(blocks, req), "prompt shorter than one block: least loaded"
             )
         # NOTE: hashes chain, so the hash of block k-1 identifies the whole k-block leading prefix.
-        key = req.block_hashes[min(int(self.params["prefix_blocks"]), len(req.block_hashes)) - 1]
+        key = req.block_hashes[min(self._prefix_blocks, len(req.block_hashes)) - 1]
         self._ring(tuple(sorted(c.url for c in candidates)))
         by_url = {c.url: c for c in candidates}
         total = sum(c.load for c in candidates)
         # NOTE: the ceiling keeps at least one worker under the bound when loads are integers.
-        cap = math.ceil(float(self.params["load_factor"]) * (total + 1) / len(candidates))
+        cap = math.ceil(self._load_factor * (total + 1) / len(candidates))
         start = bisect_right(self._points, key)
         seen: set[str] = set()
         n_points = len(self._points)

@@ -123,9 +123,7 @@ def export_begin(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -
     pages = match.pages
     if match.host_nodes:
         host = match.host_tokens // ps
-        short = host - engine.allocator.num_free
-        if short > 0:
-            cache.evict(short)
+        cache.make_room(host)
         if engine.allocator.num_free >= host:
             pages = cache.load_back(match)
         end = pages.size * ps
@@ -157,9 +155,7 @@ def import_begin(
     new = (end - have) // ps
     need = new + match.host_tokens // ps
     cache.lock(match.last_node)
-    short = need - allocator.num_free
-    if short > 0:
-        cache.evict(short)
+    cache.make_room(need)
     if allocator.num_free < need:
         cache.unlock(match.last_node)
         return "wasted"

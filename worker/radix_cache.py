@@ -361,6 +361,12 @@ class RadixCache:
         heapq.heapify(self._heap)
         heapq.heapify(self._host_heap)
 
+    def make_room(self, num_pages: int) -> int:
+        """Evict (``evict``) what it takes for ``num_pages`` free device pages, as far as anything
+        is evictable; returns the pages evicted. The caller checks ``allocator.num_free``."""
+        short = num_pages - self.allocator.num_free
+        return self.evict(short) if short > 0 else 0
+
     def evict(self, num_pages: int, offload: bool = True) -> int:
         """Free up to ``num_pages`` device pages from the least recently used unlocked device
         leaves: with a host tier (and ``offload``) they move to host memory, else they leave the

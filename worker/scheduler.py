@@ -210,9 +210,7 @@ class Scheduler:
     # ------------------------------------------------------------------ pages
     def _ensure_free(self, n: int) -> bool:
         """At least ``n`` free pages, evicting unlocked cache leaves if needed."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            self.stats.evicted_pages += self.cache.evict(short)
+        self.stats.evicted_pages += self.cache.make_room(n)
         return self.allocator.num_free >= n
 
     def _grow(self, req: Request, end: int) -> None:

@@ -98,3 +98,8 @@ def assert_close_rel() -> Callable[[torch.Tensor, torch.Tensor], None]:
         assert err <= REL_TOL[ref.dtype], f"relative error {err:.2e} > {REL_TOL[ref.dtype]:.0e} ({ref.dtype})"
 
     return check
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
+    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]

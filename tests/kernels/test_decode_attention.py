@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.kernels.conftest import strided
 
 CASES = [
     (torch.float32, 64, 4, 4),
@@ -83,11 +84,6 @@ def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel):
 def test_choose_num_splits(backend, batch, hkv, sms, max_len, expected):
     dec = backend.module("decode_attention")
     assert dec.choose_num_splits(batch, hkv, sms, max_len, min_split_len=256) == expected
-
-
-def strided(x: torch.Tensor) -> torch.Tensor:
-    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
-    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
 
 
 @pytest.mark.parametrize("index", [3, 4], ids=["kv_indptr", "kv_indices"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.kernels.conftest import strided
 
 # (dtype, head_dim, Hq, Hkv): GQA ratios 1 / 4 / 8 spread over both head dims and all three dtypes.
 CASES = [
@@ -92,11 +93,6 @@ def test_extend_with_no_new_tokens_returns_empty(backend):
     ext = backend.module("extend_attention")
     args = make_batch([(4, 0), (9, 0)], 2, 1, 64, torch.float32, backend.device)
     assert ext.extend_attention(*args).shape == (0, 2, 64)
-
-
-def strided(x: torch.Tensor) -> torch.Tensor:
-    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
-    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
 
 
 @pytest.mark.parametrize("index", [5, 6, 7], ids=["qo_indptr", "kv_indptr", "kv_indices"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.kernels.conftest import strided
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -88,11 +89,6 @@ def test_store_kv_writes_exactly_the_given_slots(backend, src_dtype, pool_dtype)
         else:
             torch.testing.assert_close(got[written], want[written], rtol=2**-7, atol=0)
         assert got[~written].isnan().all()  # no other slot touched
-
-
-def strided(x: torch.Tensor) -> torch.Tensor:
-    """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
-    return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
 
 
 def test_rms_norm_reads_a_strided_weight_by_value(backend, assert_close_rel):
