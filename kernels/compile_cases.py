@@ -81,7 +81,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
     return [
-        decode_case(shape, decode_attention.default_config(shape.head_dim, dt), f"decode {shape.label}"),
+        decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
         extend_case(shape, extend_attention.default_config(shape.head_dim, dt, arch), f"extend {shape.label}"),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: fused.rms_norm(t["x"], t["w"], 1e-5)),
         (f"rope {shape.label}", {}, lambda: fused.apply_rope(t["q"], t["k"], t["positions"], t["cos_sin"])),

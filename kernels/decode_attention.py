@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested
+from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -35,20 +36,28 @@ MAX_SPLITS = 64
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Tile size (tokens), the shortest split worth its merge cost (tokens), launch shape."""
+    """Tile size (tokens), the shortest split worth its merge cost (tokens), launch shape, and how many
+    waves of programs per SM the split count aims for (choose_num_splits)."""
 
     block_n: int
     min_split_len: int
     num_warps: int
     num_stages: int
+    split_waves: int = 2
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """H100-oriented defaults; tiny tiles and splits in the interpreter so tests cross every boundary."""
+def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeConfig:
+    """Defaults for compute capability ``arch`` (x10: 90 = H100/H200); tiny tiles and splits in the
+    interpreter so tests cross every boundary."""
     if INTERPRETED:
         return DecodeConfig(block_n=16, min_split_len=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # 4 warps spill at head_dim 128 on sm_90 (python -m kernels.compile_check)
         return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
+    # NOTE: on sm_90 (head_dim 128, bf16) python -m kernels.tune measured 128-token tiles 1.39x faster
+    # than 64 over its three shapes (geomean of CUDA-graph replays; 1.5x at batch 1 x 16k, 1.7x at
+    # 8 x 64k): docs/benchmarks/kernels-tune-nvidia-h200.json. Before Hopper 64 stays (less shared memory).
+    if 64 < head_dim <= 128 and arch >= 90:
+        return DecodeConfig(block_n=128, min_split_len=256, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
@@ -60,14 +69,19 @@ def _sm_count(device_index: int) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None, min_split_len: int = 256
+    batch: int,
+    num_kv_heads: int,
+    num_sms: int,
+    max_kv_len: int | None = None,
+    min_split_len: int = 256,
+    waves: int = 2,
 ) -> int:
-    """Most splits any request may use: enough (request, KV head, split) programs for ~2 waves of SMs,
-    never more than the longest request can fill with ``min_split_len``-token chunks.
+    """Most splits any request may use: enough (request, KV head, split) programs for ~``waves`` waves
+    of SMs, never more than the longest request can fill with ``min_split_len``-token chunks.
     NOTE: inside the kernel each request further limits itself to cdiv(len, min_split_len) splits,
     so short requests in a long batch are not split needlessly (no host sync needed for that)."""
     programs = max(1, batch * num_kv_heads)
-    splits = triton.cdiv(2 * num_sms, programs)
+    splits = triton.cdiv(waves * num_sms, programs)
     if max_kv_len is not None:
         splits = min(splits, triton.cdiv(max(max_kv_len, 1), min_split_len))
     return int(min(max(splits, 1), MAX_SPLITS))
@@ -242,10 +256,10 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    cfg = config or default_config(d, q.dtype)
+    cfg = config or default_config(d, q.dtype, device_arch(q.device))
     if num_splits is None:
         sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
-        num_splits = choose_num_splits(batch, hkv, sms, max_kv_len, cfg.min_split_len)
+        num_splits = choose_num_splits(batch, hkv, sms, max_kv_len, cfg.min_split_len, cfg.split_waves)
     num_splits = int(min(max(num_splits, 1), MAX_SPLITS))
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))

@@ -35,6 +35,7 @@ DECODE_SHAPES = (
     bench.DecodeShape(batch=8, context=65536),
 )
 SPLIT_LENGTHS = (64, 128, 256, 512, 1024)  # tokens: decode's min_split_len, tried on the best tile
+SPLIT_WAVES = (1, 2, 4, 8)  # decode's split_waves, tried on the best tile and split length
 
 
 def extend_candidates() -> list[Any]:
@@ -57,8 +58,14 @@ def best_row(rows: list[dict]) -> dict | None:
     return min(ok, key=lambda r: r["ms"], default=None)
 
 
-def try_config(call: Callable[[], torch.Tensor], ref: torch.Tensor, config: Any) -> dict:
-    """One candidate: its output's error against ``ref`` and its median time, or why it has none."""
+def try_config(
+    call: Callable[[], torch.Tensor],
+    ref: torch.Tensor,
+    config: Any,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
+) -> dict:
+    """One candidate: its output's error against ``ref`` and its median time (``timer``, default
+    bench._time_ms: eager calls), or why it has none."""
     row: dict[str, Any] = {"config": dataclasses.asdict(config)}
     try:
         out = call()
@@ -68,7 +75,7 @@ def try_config(call: Callable[[], torch.Tensor], ref: torch.Tensor, config: Any)
         if row["rel_err"] > MAX_REL_ERR or row["rel_err"] != row["rel_err"]:  # too large, or NaN
             row["error"] = f"inaccurate: rel err {row['rel_err']:.2e} > {MAX_REL_ERR:.0e}"
             return row
-        row["ms"] = bench._time_ms(call)
+        row["ms"] = (timer or bench._time_ms)(call)
     except Exception as exc:  # Triton raises several kinds: out of resources, compilation errors
         first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
         row["error"] = f"{type(exc).__name__}: {first_line}"
@@ -81,6 +88,7 @@ def run_candidates(
     out: torch.Tensor,
     ref: torch.Tensor,
     rejected: dict[tuple, str] | None = None,
+    timer: Callable[[Callable[[], Any]], float] | None = None,
 ) -> list[dict]:
     """try_config for each configuration; ``launch(cfg)`` runs the kernel into ``out``, which is
     NaN-poisoned first so that an element the kernel never writes fails the error check. A
@@ -96,7 +104,7 @@ def run_candidates(
             return launch(cfg)
 
         out.fill_(float("nan"))
-        rows.append(try_config(call, ref, cfg))
+        rows.append(try_config(call, ref, cfg, timer))
     return rows
 
 
@@ -164,19 +172,29 @@ def tune_decode(
     kernel_args, sdpa_args = bench.decode_case(shape, model, device, gen)
     ref = bench.sdpa_decode(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
-    default = dec.default_config(model.head_dim, bench.DTYPES[model.dtype])
+    default = dec.default_config(model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device))
 
     def launch(cfg: Any) -> torch.Tensor:
         return dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=cfg)
 
+    # NOTE: timed as CUDA-graph replays, as the worker runs decode steps: eager calls would measure
+    # Python's launch cost (~0.15 ms on an H200 host), as long as a whole call at short contexts.
+    timer = bench._time_replay_ms
     candidates = with_default(decode_candidates(default.min_split_len), default)
-    rows = run_candidates(candidates, launch, out, ref, rejected)
+    rows = run_candidates(candidates, launch, out, ref, rejected, timer)
     tile = best_row(rows)
     if tile is not None:  # then the split length, on the best tile
         base = dec.DecodeConfig(**tile["config"])
         lengths = [n for n in SPLIT_LENGTHS if n != base.min_split_len]
         rows += run_candidates(
-            [dataclasses.replace(base, min_split_len=n) for n in lengths], launch, out, ref
+            [dataclasses.replace(base, min_split_len=n) for n in lengths], launch, out, ref, timer=timer
+        )
+    best = best_row(rows)
+    if best is not None:  # then how many waves of programs the split count aims for
+        base = dec.DecodeConfig(**best["config"])
+        waves = [w for w in SPLIT_WAVES if w != base.split_waves]
+        rows += run_candidates(
+            [dataclasses.replace(base, split_waves=w) for w in waves], launch, out, ref, timer=timer
         )
     nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size())
     return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
@@ -269,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": " ".join(["python -m kernels.tune", *argv]),
         "model": dataclasses.asdict(model),
         "max_rel_err": MAX_REL_ERR,
+        "timing": "triton.testing.do_bench median, L2 flushed before each run; extend: eager calls; "
+        "decode: CUDA-graph replays",
         "results": results,
         "wall_s": round(time.time() - started, 1),
     }

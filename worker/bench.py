@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import os
 import statistics
 import sys
@@ -350,6 +351,30 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        tensor_parallel_size=args.tensor_parallel_size, **sizes)  # fmt: skip
 
 
+def time_graph_replays(runner: Any, batches: Sequence[int], reps: int = 50) -> dict[str, float]:
+    """Median ms of each batch size's captured decode forward replayed alone (CUDA events, no host
+    work between replays): the GPU's share of a decode step, against the step's wall time."""
+    import torch
+
+    times = {}
+    for batch in batches:
+        size = runner.sizes[bisect.bisect_left(runner.sizes, batch)] if batch <= runner.max_batch else None
+        if size is None:
+            continue
+        replay = runner.replay_of(size)
+        replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(reps):
+            start.record()
+            replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times[str(batch)] = round(statistics.median(samples), 4)
+    return times
+
+
 def run_benchmark(p: BenchParams, command: str) -> dict:
     """Build the engine from a WorkerConfig, run every measurement, return the JSON document."""
     load_start, t0 = os.getloadavg(), time.perf_counter()
@@ -373,7 +398,11 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     machine = machine_info(p.device)
     machine["loadavg_start"] = [round(x, 2) for x in load_start]
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    floor = decode_floor(model, results["decode"], measure_copy_gbs(p.device))
+    runner = engine.executor.decode_graphs  # type: ignore[attr-defined]
+    if runner is not None:  # NOTE: after the engine stopped: nothing else runs on the GPU
+        results["decode_graph_replay_ms"] = time_graph_replays(runner, p.batches)
+    floor = decode_floor(model, results["decode"], measure_copy_gbs(p.device),
+                         results.get("decode_graph_replay_ms", {}).get("1"))  # fmt: skip
     radix = bench_radix.run(p.radix_iters, seed=p.seed)
     doc = {"benchmark": "worker", "command": command, "params": asdict(p), "machine": machine, "model": info,
            "kv_capacity_tokens": engine.capacity_tokens, **results, "decode_floor": floor,

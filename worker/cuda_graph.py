@@ -166,6 +166,11 @@ class DecodeGraphRunner:
             and batch.kv_indices.size <= self.max_kv_indices
         )
 
+    def replay_of(self, size: int) -> Callable[[], None]:
+        """The captured forward of ``size`` (one of self.sizes), over whatever the static buffers hold
+        (the last step's inputs): for timing the GPU side of a step alone (worker.bench)."""
+        return self._replays[size]
+
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [B, vocab] (float32) of a decode step. NOTE: a view of the graph's output buffer,
         valid until the next replay; the executor samples from it before building the next step."""

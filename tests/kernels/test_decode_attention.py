@@ -86,6 +86,13 @@ def test_choose_num_splits(backend, batch, hkv, sms, max_len, expected):
     assert dec.choose_num_splits(batch, hkv, sms, max_len, min_split_len=256) == expected
 
 
+def test_choose_num_splits_aims_at_the_waves_asked_for(backend):
+    dec = backend.module("decode_attention")
+    assert [dec.choose_num_splits(1, 8, 132, None, waves=w) for w in (1, 2, 4)] == [17, 33, 64]
+    assert dec.choose_num_splits(1, 8, 132, 16384, waves=8) == 64  # MAX_SPLITS, then the length's 64
+    assert dec.choose_num_splits(2, 8, 132, 2048, waves=8) == 8  # 2048 tokens: 8 splits of 256
+
+
 @pytest.mark.parametrize("index", [3, 4], ids=["kv_indptr", "kv_indices"])
 def test_decode_reads_strided_index_tensors_by_value(backend, assert_close_rel, index):
     dec = backend.module("decode_attention")

@@ -95,7 +95,7 @@ def test_rms_norm_reads_a_strided_weight_by_value(backend, assert_close_rel):
     fused = backend.module("fused")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 96, generator=g).to(backend.device)
-    w = strided(torch.randn(96, generator=g)).to(backend.device)
+    w = strided(torch.randn(96, generator=g).to(backend.device))
     assert not w.is_contiguous()
     assert_close_rel(fused.rms_norm(x, w, 1e-6).cpu(), reference.rms_norm(x.cpu(), w.cpu(), 1e-6))
 
@@ -124,7 +124,7 @@ def _rope_inputs(backend, t=6, hq=4, hkv=2, d=64, max_pos=64):
 def test_rope_reads_strided_positions_by_value(backend, assert_close_rel):
     fused = backend.module("fused")
     q, k, cache = _rope_inputs(backend)
-    positions = strided(torch.tensor([5, 1, 60, 2, 0, 33])).to(backend.device)
+    positions = strided(torch.tensor([5, 1, 60, 2, 0, 33]).to(backend.device))
     assert not positions.is_contiguous()
     q_ref, k_ref = reference.apply_rope(q.cpu(), k.cpu(), positions.cpu(), cache.cpu())
     q_out, k_out = fused.apply_rope(q, k, positions, cache)
@@ -178,7 +178,9 @@ def test_store_kv_reads_strided_slots_by_value(backend):
     v_cache = torch.full((50, 2, 64), float("nan"), device=backend.device)
     k, v = (torch.randn(4, 2, 64, generator=g).to(backend.device) for _ in range(2))
     slots = torch.tensor([3, 9, 27, 44])
-    fused.store_kv(k_cache, v_cache, strided(slots).to(backend.device), k, v)
+    strided_slots = strided(slots.to(backend.device))
+    assert not strided_slots.is_contiguous()
+    fused.store_kv(k_cache, v_cache, strided_slots, k, v)
     written = k_cache.cpu().isfinite().all(-1).all(-1).nonzero().flatten()
     assert written.tolist() == slots.tolist()
     assert torch.equal(k_cache[slots].cpu(), k.cpu()) and torch.equal(v_cache[slots].cpu(), v.cpu())

@@ -108,14 +108,22 @@ def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monk
 
     decode_tiles = tune.decode_candidates(16)  # the interpreter's default split length
     tile = dataclasses.asdict(decode_tiles[3])
-    want = {**tile, "min_split_len": 64}
-    monkeypatch.setattr(bench, "_time_ms", fake_time([(tile, 1.5), (want, 1.0)]))
+    length = {**tile, "min_split_len": 64}
+    want = {**length, "split_waves": 8}
+    # decode is timed as graph replays (the eager timer would fail the test if used)
+    monkeypatch.setattr(bench, "_time_ms", None)
+    monkeypatch.setattr(bench, "_time_replay_ms", fake_time([(tile, 1.5), (length, 1.2), (want, 1.0)]))
     result = tune.tune_decode(bench.DecodeShape(batch=3, context=40), MODEL, backend.device, gen)
-    # the default and every tile first; then every split length on the fastest tile
-    assert len(result["rows"]) == 1 + len(decode_tiles) + len(tune.SPLIT_LENGTHS)
+    # the default and every tile first; then every split length on the fastest tile, then every
+    # number of waves on the fastest tile and length
+    waves = len(tune.SPLIT_WAVES) - 1
+    assert len(result["rows"]) == 1 + len(decode_tiles) + len(tune.SPLIT_LENGTHS) + waves
     assert all("error" not in r and r["rel_err"] < 1e-4 for r in result["rows"]), result["rows"]
-    assert [r["config"]["min_split_len"] for r in result["rows"][-5:]] == list(tune.SPLIT_LENGTHS)
-    assert all(r["config"]["block_n"] == tile["block_n"] for r in result["rows"][-5:])
+    lengths, wave_rows = result["rows"][-5 - waves : -waves], result["rows"][-waves:]
+    assert [r["config"]["min_split_len"] for r in lengths] == list(tune.SPLIT_LENGTHS)
+    assert all(r["config"]["block_n"] == tile["block_n"] for r in lengths)
+    assert [r["config"]["split_waves"] for r in wave_rows] == [w for w in tune.SPLIT_WAVES if w != 2]
+    assert all(r["config"]["min_split_len"] == 64 for r in wave_rows)
     assert result["best"]["config"] == want and result["speedup_vs_default"] == 2.0
     table = tune.format_table([result])
     assert table.splitlines()[1].startswith("decode batch=3 context=40")

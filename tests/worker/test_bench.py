@@ -87,7 +87,29 @@ def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth
     assert floor["ratio"] == pytest.approx(floor["step_ms"] / floor["floor_ms"], rel=1e-2)
     assert floor["met"] == (floor["ratio"] <= 1.3)
     assert doc["decode_graph_steps"] == 0  # CPU: every step eager
+    assert "replay_ms" not in floor and "decode_graph_replay_ms" not in doc  # no graphs to replay
     assert any(line.startswith("| decode batch 1 step / weight-read floor |") for line in stdout.splitlines())
+
+
+def test_decode_floor_splits_off_the_gpu_share_when_the_replay_was_timed():
+    import torch
+
+    from worker.bench import random_llama
+    from worker.bench_report import decode_floor, decode_weight_bytes
+
+    shape = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+    model = random_llama(ModelConfig(**shape), "cpu", torch.bfloat16)
+    copy_gbs = 0.1  # GB/s, so that the floor is a few ms
+    floor = decode_floor(model, [{"batch": 1, "step_ms": 6.0}], copy_gbs, replay_ms=4.5)
+    floor_ms = decode_weight_bytes(model) / (copy_gbs * 1e9) * 1e3
+    assert floor["floor_ms"] == pytest.approx(floor_ms, rel=1e-3)
+    assert floor["ratio"] == pytest.approx(6.0 / floor_ms, rel=1e-3)
+    assert floor["replay_ms"] == 4.5 and floor["replay_ratio"] == pytest.approx(4.5 / floor_ms, rel=1e-3)
+    assert decode_floor(model, [{"batch": 1, "step_ms": 6.0}], copy_gbs).keys() == floor.keys() - {
+        "replay_ms",
+        "replay_ratio",
+    }
 
 
 def test_decode_weight_bytes_skips_an_untied_embedding_table():

@@ -214,3 +214,26 @@ def test_cuda_graph_replay_matches_eager_on_the_gpu():
         err = ((got - want).norm() / want.norm()).item()
         # NOTE: bf16, and the padded batch may pick other GEMM kernels: equal up to rounding
         assert err < 1e-2, f"graph vs eager relative error {err:.2e}"
+    # worker.bench times the GPU's share of a step by replaying the captured forward alone
+    from worker.bench import time_graph_replays
+
+    logits = runner.run(step_g)  # a view of the size-2 graph's output; the same step again
+    before = logits.clone()
+    times = time_graph_replays(runner, [1, 3, 16, 17], reps=5)
+    assert list(times) == ["1", "3", "16"]  # 17 is past the largest graph: not timed
+    assert all(0 < ms < 1e3 for ms in times.values()), times
+    with torch.inference_mode():  # the graph's output buffer is an inference tensor
+        logits.fill_(float("nan"))
+    runner.replay_of(2)()
+    assert torch.equal(logits, before)
+
+
+def test_replay_of_is_the_replay_a_step_runs(tiny):
+    fleet = Fleet(tiny, "cpu", [5, 9, 3])
+    runner = DecodeGraphRunner(tiny, fleet.pool, max_batch=4, max_kv_indices=64, backend=EagerReplay())
+    logits = runner.run(fleet.decode_step([0, 1], [7, 8]))
+    want = logits.clone()
+    with torch.inference_mode():  # the graph's output buffer is an inference tensor
+        logits.fill_(float("nan"))
+    runner.replay_of(2)()  # the same static inputs: the same logits, into the same buffer
+    assert torch.equal(logits, want)
