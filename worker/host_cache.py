@@ -52,25 +52,50 @@ class HostKVPool:
         slots = (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
         return torch.from_numpy(slots).to(device)
 
+    def _runs(
+        self, host_pages: np.ndarray, device_pages: np.ndarray
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The pairs sorted by host page: (the device slots in that order, on the pool's device; the
+        host slot ranges [start, end) of each run of consecutive host pages, in that order).
+        NOTE: each run is one contiguous block of pinned memory, so it moves as one DMA copy, with no
+        gather or scatter on the CPU and no staging in pageable memory."""
+        ps = self.device_pool.page_size  # type: ignore[union-attr]
+        host = np.asarray(host_pages, dtype=np.int64)
+        order = np.argsort(host, kind="stable")
+        host = host[order]
+        cuts = np.flatnonzero(np.diff(host) != 1) + 1
+        starts, ends = np.concatenate(([0], cuts)), np.concatenate((cuts, [host.size]))
+        runs = [(int(host[a]) * ps, (int(host[b - 1]) + 1) * ps) for a, b in zip(starts, ends, strict=True)]
+        device = self.device_pool.k_cache[0].device  # type: ignore[union-attr]
+        return self._slots(np.asarray(device_pages, dtype=np.int64)[order], device), runs
+
     def save(self, device_pages: np.ndarray, host_pages: np.ndarray) -> None:
         """Copy the KV of ``device_pages`` into ``host_pages`` (same count, in order)."""
         pool = self.device_pool
-        if pool is None:
+        if pool is None or len(host_pages) == 0:
             return
-        src = self._slots(device_pages, pool.k_cache[0].device)
-        dst = self._slots(host_pages, self.k[0].device)
+        src, runs = self._runs(host_pages, device_pages)
         for layer in range(pool.num_layers):
-            self.k[layer].index_copy_(0, dst, pool.k_cache[layer].index_select(0, src).cpu())
-            self.v[layer].index_copy_(0, dst, pool.v_cache[layer].index_select(0, src).cpu())
+            for cache, host in ((pool.k_cache[layer], self.k[layer]), (pool.v_cache[layer], self.v[layer])):
+                gathered, at = cache.index_select(0, src), 0  # on the device, in host order
+                for start, end in runs:  # NOTE: synchronous: the host copy is complete on return
+                    host[start:end].copy_(gathered[at : at + end - start])
+                    at += end - start
 
     def load(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         """Copy the KV of ``host_pages`` into ``device_pages`` (same count, in order)."""
         pool = self.device_pool
-        if pool is None:
+        if pool is None or len(host_pages) == 0:
             return
-        device = pool.k_cache[0].device
-        src = self._slots(host_pages, self.k[0].device)
-        dst = self._slots(device_pages, device)
+        dst, runs = self._runs(host_pages, device_pages)
+        device = dst.device
         for layer in range(pool.num_layers):
-            pool.k_cache[layer].index_copy_(0, dst, self.k[layer].index_select(0, src).to(device))
-            pool.v_cache[layer].index_copy_(0, dst, self.v[layer].index_select(0, src).to(device))
+            for cache, host in ((pool.k_cache[layer], self.k[layer]), (pool.v_cache[layer], self.v[layer])):
+                at = 0
+                for start, end in runs:
+                    # NOTE: asynchronous from pinned memory, ordered before every later use of the pool
+                    # on this stream; the host pages are only written again by save, also in stream
+                    # order (its device-to-host copies wait for this one)
+                    block = host[start:end].to(device, non_blocking=True)
+                    cache.index_copy_(0, dst[at : at + end - start], block)
+                    at += end - start

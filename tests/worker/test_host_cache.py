@@ -245,6 +245,32 @@ def test_real_kv_pages_round_trip_through_host_memory(dtype: torch.dtype, device
         assert torch.isnan(pool.k_cache[layer][: 2 * PS].float()).all()  # nothing else written
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_pages_move_as_runs_of_consecutive_host_pages_in_any_order(device: str) -> None:
+    """Host pages in any order, fragmented: each run of consecutive host pages is one block copy,
+    and every page still lands in its own device page."""
+    pool = KVPool(12, PS, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, device=device)
+    for cache in pool.k_cache + pool.v_cache:
+        cache.copy_(torch.randn_like(cache))
+    before = [c.clone() for c in pool.k_cache + pool.v_cache]
+    host = HostKVPool(9, pool)
+    device_pages, host_pages = np.array([9, 1, 4, 11, 2, 6]), np.array([7, 5, 6, 2, 3, 0])
+    _, runs = host._runs(host_pages, device_pages)
+    assert runs == [(0, PS), (2 * PS, 4 * PS), (5 * PS, 8 * PS)]  # pages 0 | 2-3 | 5-7
+    host.save(device_pages, host_pages)
+    for cache in pool.k_cache + pool.v_cache:
+        cache.fill_(float("nan"))
+    back = np.array([0, 3, 5, 7, 8, 10])  # other device pages than they came from
+    host.load(host_pages, back)
+    for cache, old in zip(pool.k_cache + pool.v_cache, before, strict=True):
+        for src, dst in zip(device_pages, back, strict=True):
+            assert torch.equal(cache[dst * PS : (dst + 1) * PS], old[src * PS : (src + 1) * PS])
+        written = torch.zeros(cache.shape[0], dtype=torch.bool, device=cache.device)
+        for dst in back:
+            written[dst * PS : (dst + 1) * PS] = True
+        assert torch.isnan(cache[~written]).all()  # nothing else written
+
+
 def test_a_worker_serves_a_prefix_from_host_memory_with_the_same_output() -> None:
     """Tiny model on CPU, a 1,024-token device pool and a 4,096-token host tier: a prompt pushed out
         of the device by others comes back as a cache hit and generates what it did uncached, with the
