@@ -141,9 +141,14 @@ def test_a_module_that_does_not_import_stops_the_run_before_any_step(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "GPU_BENCH_SITE": str(tmp_path / "site")}
     env["PYTHONPATH"] = str(fake)  # NOTE: ahead of site-packages: the stand-ins shadow any real torch
     env.pop("OUT", None)
-    proc = subprocess.run(["bash", str(SCRIPT), "kernels", str(out)], env=env, capture_output=True, text=True,
+    # NOTE: a copy of the script in an empty checkout: wheels fetched into this one's .whl/ (for the
+    # GPU's Python, not this one) would stop the install before the check under test
+    script = tmp_path / "checkout" / "scripts" / "gpu-bench"
+    script.parent.mkdir(parents=True)
+    script.write_text(SCRIPT.read_text())
+    proc = subprocess.run(["bash", str(script), "kernels", str(out)], env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
-    assert proc.returncode == 4
+    assert proc.returncode == 4, proc.stdout + proc.stderr
     log = (out / "gpu-bench.log").read_text()
     assert "cannot import prometheus_client (not on this machine). Nothing was run" in log
     assert "=== kernels" not in log and [p.name for p in out.iterdir()] == ["gpu-bench.log"]

@@ -219,3 +219,44 @@ def test_kv_transfer_bench_fetches_every_prompt_it_times(tmp_path, capsys):
         assert row["kv_mib"] == row["prompt_tokens"] * doc["kv_bytes_per_token"] / 2**20
         assert row["fetch_ms"] > 0 and min(row["ttft_computed_ms"], row["ttft_fetched_ms"]) > 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 1024 |")
+
+
+def test_profile_groups_kernels_by_what_they_do():
+    from worker.bench_profile import group_of, group_times
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "matmul",
+        "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",
+        "_decode_split_kernel": "attention",
+        "_decode_merge_kernel": "attention",
+        "_rms_norm_kernel": "rms_norm",
+        "_rope_kernel": "rope",
+        "_store_kv_kernel": "kv_store",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>": "other",
+        "aten::addmm": "matmul",
+        "aten::mul": "other",
+    }
+    assert {n: group_of(n) for n in names} == names
+    events = [("_decode_split_kernel", 30.0, 4), ("nvjet_x", 90.0, 8), ("aten::mul", 0.0, 2)]
+    rows = group_times(events, steps=2)
+    assert rows[0] == {"group": "matmul", "us_per_step": 45.0, "calls_per_step": 4.0, "share": 0.75}
+    assert rows[1] == {"group": "attention", "us_per_step": 15.0, "calls_per_step": 2.0, "share": 0.25}
+    assert {r["group"] for r in rows} == {"attention", "matmul", "rms_norm", "rope", "kv_store", "other"}
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+
+
+def test_profile_bench_splits_a_cpu_decode_step_into_groups(tmp_path, capsys):
+    from worker import bench_profile
+
+    out, md = tmp_path / "profile.json", tmp_path / "profile.md"
+    assert bench_profile.main(["--quick", "--device", "cpu", "--out", str(out), "--markdown", str(md)]) == 0
+    doc = json.loads(out.read_text())
+    r = doc["result"]
+    assert r["eager_step_ms"] > 0 and r["replayed_step_ms"] is None  # no graphs on the CPU
+    groups = {g["group"]: g for g in r["groups"]}
+    assert groups["matmul"]["us_per_step"] > 0 and groups["matmul"]["calls_per_step"] >= 1
+    assert r["profiled_us_per_step"] == pytest.approx(sum(g["us_per_step"] for g in groups.values()), abs=0.1)
+    assert r["matmul_gbs"] == pytest.approx(
+        r["weight_bytes"] / groups["matmul"]["us_per_step"] / 1e3, rel=1e-2
+    )
+    assert md.read_text() in capsys.readouterr().out

@@ -1,0 +1,207 @@
+"""Where a decode step's time goes: `python -m worker.bench_profile [--model tiny|llama3-8b-shape]`.
+
+One decode step of B requests at a context of C tokens, three ways: its wall time run eagerly, its
+CUDA graph replayed (on CUDA; how the engine runs decode steps), and a profile of eager steps
+(torch.profiler) whose kernels are grouped by what they do: weight matmuls, attention, RMSNorm,
+RoPE, the KV store, everything else. The matmuls' time against the weight bytes a step must read
+gives the bandwidth they reach; the other groups and the kernel count per step show what the small
+kernels cost. On the CPU the groups are the leaf torch operators' own CPU time instead of kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from worker.bench import LLAMA3_8B_SHAPE, random_llama
+from worker.bench_report import (
+    bench_device,
+    decode_weight_bytes,
+    machine_info,
+    measure_copy_gbs,
+    median_ms,
+    write_results,
+)
+
+# NOTE: first match wins; names are CUDA kernel names (cuBLAS / CUTLASS / Triton) or, on the CPU, torch
+# operator names. Triton kernels are named after their @triton.jit functions (kernels/*.py).
+GROUPS = (
+    ("attention", re.compile(r"decode_split|decode_merge|extend_kernel|attention|flash|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|aten::(mm|addmm|bmm|matmul)$", re.I)),
+    ("rms_norm", re.compile(r"rms_norm", re.I)),
+    ("rope", re.compile(r"rope", re.I)),
+    ("kv_store", re.compile(r"store_kv|index_put|index_copy", re.I)),
+)
+OTHER = "other"
+
+
+def group_of(name: str) -> str:
+    """The group a kernel or operator name belongs to (OTHER when none matches)."""
+    return next((group for group, pattern in GROUPS if pattern.search(name)), OTHER)
+
+
+def group_times(events: Sequence[tuple[str, float, int]], steps: int) -> list[dict]:
+    """(name, self µs, calls) of profiled kernels over ``steps`` steps -> per-step µs and calls per
+    group, every group listed (zeros included), largest first, with each group's share."""
+    totals = {group: [0.0, 0] for group, _ in GROUPS} | {OTHER: [0.0, 0]}
+    for name, us, calls in events:
+        entry = totals[group_of(name)]
+        entry[0] += us
+        entry[1] += calls
+    step_us = sum(us for us, _ in totals.values()) / steps
+    rows = [{"group": g, "us_per_step": round(us / steps, 2), "calls_per_step": round(calls / steps, 2),
+             "share": round(us / steps / step_us, 4) if step_us else 0.0}
+            for g, (us, calls) in totals.items()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def profiled_events(run: Any, steps: int, cuda: bool) -> list[tuple[str, float, int]]:
+    """(name, self µs, calls) of every CUDA kernel (``cuda``) or leaf CPU operator that ``steps``
+    calls of ``run`` launched, summed by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            run()
+    events = []
+    for e in prof.key_averages():
+        if cuda:
+            if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                us = getattr(e, "self_device_time_total", None)
+                events.append((e.key, float(us if us is not None else e.self_cuda_time_total), e.count))
+        elif e.self_cpu_time_total > 0 and e.key.startswith("aten::"):
+            events.append((e.key, float(e.self_cpu_time_total), e.count))
+    return events
+
+
+def replay_ms(forward: Any, reps: int) -> float:
+    """Median ms of ``forward`` captured in a CUDA graph and replayed (CUDA events, no host work)."""
+    import torch
+
+    from worker.cuda_graph import CudaGraphBackend
+
+    replay, _ = CudaGraphBackend().capture(forward)
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return round(statistics.median(samples), 4)
+
+
+def run(model: Any, device: str, batch: int, context: int, reps: int) -> dict:
+    import torch
+
+    from worker.forward_batch import ForwardBatch
+    from worker.kv_pool import KVPool
+
+    c, ps = model.config, 16
+    span = -(-(context + 1) // ps) * ps
+    pool = KVPool(batch * span // ps, ps, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
+    for cache in pool.k_cache + pool.v_cache:  # NOTE: random KV: no timing on zeros
+        cache.copy_(torch.randn_like(cache, dtype=torch.float32).to(cache.dtype))
+    slots = [list(range(i * span, (i + 1) * span)) for i in range(batch)]
+    fb = ForwardBatch.build("decode", [[1]] * batch, [context] * batch, [s[context : context + 1] for s in slots],
+                            [s[: context + 1] for s in slots], device)  # fmt: skip
+    cuda = device == "cuda"
+
+    def forward() -> Any:
+        with torch.inference_mode():
+            return model.forward(fb, pool)
+
+    def step() -> None:
+        forward()
+        if cuda:
+            torch.cuda.synchronize()
+
+    eager = median_ms(step, reps)
+    groups = group_times(profiled_events(step, reps, cuda), reps)
+    weight_bytes = decode_weight_bytes(model)
+    copy_gbs = round(measure_copy_gbs(device), 1)
+    matmul_us = next(g["us_per_step"] for g in groups if g["group"] == "matmul")
+    doc = {
+        "eager_step_ms": eager,
+        "replayed_step_ms": replay_ms(forward, reps) if cuda else None,
+        "profiled_us_per_step": round(sum(g["us_per_step"] for g in groups), 2),
+        "calls_per_step": round(sum(g["calls_per_step"] for g in groups), 2),
+        "groups": groups,
+        "weight_bytes": weight_bytes,
+        "copy_gbs": copy_gbs,
+        "floor_ms": round(weight_bytes / (copy_gbs * 1e9) * 1e3, 4),
+        "matmul_gbs": round(weight_bytes / (matmul_us * 1e-6) / 1e9, 1) if matmul_us else None,
+    }
+    return doc
+
+
+def markdown(doc: dict) -> str:
+    p, r = doc["params"], doc["result"]
+    kind = "kernel" if p["device"] == "cuda" else "operator (CPU self time)"
+    replayed = (
+        "" if r["replayed_step_ms"] is None else f", replayed as a CUDA graph {r['replayed_step_ms']} ms"
+    )
+    lines = [f"Decode step of {p['batch']} request(s) at context {p['context']}, {doc['model']} on "
+             f"{doc['machine']['device_name']}: eager {r['eager_step_ms']} ms{replayed}; weight-read floor "
+             f"{r['floor_ms']} ms ({r['weight_bytes'] / 1e9:.2f} GB / {r['copy_gbs']:,.0f} GB/s); weight matmuls "
+             f"reach {r['matmul_gbs'] or '-'} GB/s. Profiled {kind} time per step, {r['profiled_us_per_step']} µs "
+             f"in {r['calls_per_step']} calls (the mean over {p['reps']} profiled steps):", "",
+             "| group | µs per step | share | calls per step |", "|---|---:|---:|---:|"]  # fmt: skip
+    for g in r["groups"]:
+        lines.append(
+            f"| {g['group']} | {g['us_per_step']:,.1f} | {g['share']:.1%} | {g['calls_per_step']:g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    from worker.model import load_model
+    from worker.model.loader import default_dtype
+
+    ap = argparse.ArgumentParser(prog="python -m worker.bench_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model", choices=["tiny", "llama3-8b-shape"], default="tiny")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--batch", type=int, default=1, help="decode requests in the step")
+    ap.add_argument("--context", type=int, default=512, help="context tokens per request")
+    ap.add_argument("--reps", type=int, default=20, help="steps timed, and steps profiled")
+    ap.add_argument("--cpu-threads", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--markdown", help="write the table as markdown here")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.context, a.reps = 32, 3
+    if min(a.batch, a.context, a.reps) <= 0:
+        ap.error("--batch, --context and --reps must be positive")
+    device = bench_device(ap, a.device, a.model, a.cpu_threads)
+    dev = torch.device(device)
+    model = (
+        load_model("tiny", dev).model
+        if a.model == "tiny"
+        else random_llama(LLAMA3_8B_SHAPE, dev, default_dtype(dev))
+    )
+    t0 = time.perf_counter()
+    result = run(model, device, a.batch, a.context, a.reps)
+    params = {"model": a.model, "device": device, "batch": a.batch, "context": a.context, "reps": a.reps,
+              "quick": a.quick}  # fmt: skip
+    doc = {"benchmark": "profile", "command": " ".join(["python -m worker.bench_profile", *argv]), "model": a.model,
+           "params": params, "machine": machine_info(device), "result": result,
+           "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    write_results(doc, a.out, a.markdown, markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
