@@ -375,6 +375,42 @@ def time_graph_replays(runner: Any, batches: Sequence[int], reps: int = 50) -> d
     return times
 
 
+def time_host_copies(host: Any, tokens: int, reps: int = 5) -> dict | None:
+    """Median GB/s of the host tier's two copies (save: device to host, load: host to device) for
+    ``tokens`` worth of pages, run directly on ``host`` (a HostKVPool) after the engine stopped:
+    the copy rate a hit from host memory pays, apart from its prefill. None without room."""
+    import torch
+
+    pool = host.device_pool
+    if pool is None:
+        return None
+    ps = pool.page_size
+    pages = min(tokens // ps, host.num_pages, pool.num_pages)  # whole pages, as the cache holds them
+    if pages <= 0:
+        return None
+    device_pages, host_pages = np.arange(pages), np.arange(pages)
+    nbytes = pages * host.page_bytes(pool)
+    cuda = pool.k_cache[0].is_cuda
+
+    def median_s(copy: Any) -> float:
+        times = []
+        for _ in range(reps + 1):  # NOTE: the first warms up (page faults on the host side)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copy()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    save_s = median_s(lambda: host.save(device_pages, host_pages))
+    load_s = median_s(lambda: host.load(host_pages, device_pages))
+    return {"tokens": pages * ps, "bytes": nbytes, "save_ms": round(save_s * 1e3, 3),
+            "load_ms": round(load_s * 1e3, 3), "save_gbs": round(nbytes / save_s / 1e9, 2),
+            "load_gbs": round(nbytes / load_s / 1e9, 2)}  # fmt: skip
+
+
 def run_benchmark(p: BenchParams, command: str) -> dict:
     """Build the engine from a WorkerConfig, run every measurement, return the JSON document."""
     load_start, t0 = os.getloadavg(), time.perf_counter()
@@ -398,6 +434,10 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     machine = machine_info(p.device)
     machine["loadavg_start"] = [round(x, 2) for x in load_start]
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    host = engine.cache.host
+    if host is not None and p.tensor_parallel_size == 1:  # NOTE: after the engine stopped
+        # the hit's size in the TTFT-from-host row
+        results["host_copies"] = time_host_copies(host, int(p.prompt_tokens * CACHED_FRACTIONS[-1]))
     runner = engine.executor.decode_graphs  # type: ignore[attr-defined]
     if runner is not None:  # NOTE: after the engine stopped: nothing else runs on the GPU
         results["decode_graph_replay_ms"] = time_graph_replays(runner, p.batches)

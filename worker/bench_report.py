@@ -95,6 +95,11 @@ def markdown_table(doc: dict) -> str:
         rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached{where} "
                      f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
                      f"ms (median of {p['reps']})"))  # fmt: skip
+    copies = doc.get("host_copies")
+    if copies:
+        rows.append((f"host tier copies, {copies['tokens']} tokens ({copies['bytes'] / 2**20:,.1f} MiB): "
+                     "device to host / host to device", f"{copies['save_gbs']:,.1f} / {copies['load_gbs']:,.1f}",
+                     f"GB/s ({copies['save_ms']:.1f} / {copies['load_ms']:.1f} ms)"))  # fmt: skip
     floor = doc.get("decode_floor")
     if floor:
         rows.append(("decode batch 1 step / weight-read floor", f"{floor['ratio']:.2f}",

@@ -71,6 +71,13 @@ def test_cached_prefix_means_fewer_computed_tokens(quick_run):
         host["cached_tokens"] == 144 and host["computed_tokens"] == 16 and host["host_loaded_tokens"] == 144
     )
     assert warm["computed_tokens"] < half["computed_tokens"] < cold["computed_tokens"]
+    # the copies alone, for the hit's 144 tokens (9 pages), timed on the host tier after the run
+    copies, c = doc["host_copies"], doc["model"]["config"]
+    assert copies["tokens"] == 144
+    assert copies["bytes"] == 144 * 2 * c["num_layers"] * c["num_kv_heads"] * c["head_dim"] * 4  # float32
+    assert copies["save_gbs"] > 0 and copies["load_gbs"] > 0
+    # NOTE: ms are rounded to 3 decimals, so a tiny copy agrees only loosely
+    assert copies["load_gbs"] == pytest.approx(copies["bytes"] / copies["load_ms"] / 1e6, rel=0.1)
 
 
 def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth(quick_run):
@@ -89,6 +96,7 @@ def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth
     assert doc["decode_graph_steps"] == 0  # CPU: every step eager
     assert "replay_ms" not in floor and "decode_graph_replay_ms" not in doc  # no graphs to replay
     assert any(line.startswith("| decode batch 1 step / weight-read floor |") for line in stdout.splitlines())
+    assert any(line.startswith("| host tier copies, 144 tokens") for line in stdout.splitlines())
 
 
 def test_decode_floor_splits_off_the_gpu_share_when_the_replay_was_timed():
