@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ import numpy as np
 import orjson
 
 from worker import bench_radix
+from worker.bench_parts import time_graph_replays, time_host_copies
 from worker.bench_report import decode_floor, machine_info, markdown_table, measure_copy_gbs
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -349,66 +349,6 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        cuda_graph_max_bs=args.cuda_graph_max_bs,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
                        tensor_parallel_size=args.tensor_parallel_size, **sizes)  # fmt: skip
-
-
-def time_graph_replays(runner: Any, batches: Sequence[int], reps: int = 50) -> dict[str, float]:
-    """Median ms of each batch size's captured decode forward replayed alone (CUDA events, no host
-    work between replays): the GPU's share of a decode step, against the step's wall time."""
-    import torch
-
-    times = {}
-    for batch in batches:
-        size = runner.sizes[bisect.bisect_left(runner.sizes, batch)] if batch <= runner.max_batch else None
-        if size is None:
-            continue
-        replay = runner.replay_of(size)
-        replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        samples = []
-        for _ in range(reps):
-            start.record()
-            replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        times[str(batch)] = round(statistics.median(samples), 4)
-    return times
-
-
-def time_host_copies(host: Any, tokens: int, reps: int = 5) -> dict | None:
-    """Median GB/s of the host tier's two copies (save: device to host, load: host to device) for
-    ``tokens`` worth of pages, run directly on ``host`` (a HostKVPool) after the engine stopped:
-    the copy rate a hit from host memory pays, apart from its prefill. None without room."""
-    import torch
-
-    pool = host.device_pool
-    if pool is None:
-        return None
-    ps = pool.page_size
-    pages = min(tokens // ps, host.num_pages, pool.num_pages)  # whole pages, as the cache holds them
-    if pages <= 0:
-        return None
-    device_pages, host_pages = np.arange(pages), np.arange(pages)
-    nbytes = pages * host.page_bytes(pool)
-    cuda = pool.k_cache[0].is_cuda
-
-    def median_s(copy: Any) -> float:
-        times = []
-        for _ in range(reps + 1):  # NOTE: the first warms up (page faults on the host side)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            copy()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
-
-    save_s = median_s(lambda: host.save(device_pages, host_pages))
-    load_s = median_s(lambda: host.load(host_pages, device_pages))
-    return {"tokens": pages * ps, "bytes": nbytes, "save_ms": round(save_s * 1e3, 3),
-            "load_ms": round(load_s * 1e3, 3), "save_gbs": round(nbytes / save_s / 1e9, 2),
-            "load_gbs": round(nbytes / load_s / 1e9, 2)}  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:

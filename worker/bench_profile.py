@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from worker.bench import LLAMA3_8B_SHAPE, random_llama
+from worker.bench_parts import cuda_median_ms
 from worker.bench_report import (
     bench_device,
     decode_weight_bytes,
@@ -82,21 +82,10 @@ def profiled_events(run: Any, steps: int, cuda: bool) -> list[tuple[str, float, 
 
 def replay_ms(forward: Any, reps: int) -> float:
     """Median ms of ``forward`` captured in a CUDA graph and replayed (CUDA events, no host work)."""
-    import torch
-
     from worker.cuda_graph import CudaGraphBackend
 
     replay, _ = CudaGraphBackend().capture(forward)
-    replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return round(statistics.median(samples), 4)
+    return cuda_median_ms(replay, reps)
 
 
 def run(model: Any, device: str, batch: int, context: int, reps: int) -> dict:

@@ -215,7 +215,7 @@ def test_cuda_graph_replay_matches_eager_on_the_gpu():
         # NOTE: bf16, and the padded batch may pick other GEMM kernels: equal up to rounding
         assert err < 1e-2, f"graph vs eager relative error {err:.2e}"
     # worker.bench times the GPU's share of a step by replaying the captured forward alone
-    from worker.bench import time_graph_replays
+    from worker.bench_parts import time_graph_replays
 
     logits = runner.run(step_g)  # a view of the size-2 graph's output; the same step again
     before = logits.clone()
