@@ -268,3 +268,18 @@ def test_profile_bench_splits_a_cpu_decode_step_into_groups(tmp_path, capsys):
         r["weight_bytes"] / groups["matmul"]["us_per_step"] / 1e3, rel=1e-2
     )
     assert md.read_text() in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_profile_bench_finds_the_kernels_of_a_cuda_decode_step(tmp_path):
+    from worker import bench_profile
+
+    out = tmp_path / "profile.json"
+    assert bench_profile.main(["--quick", "--device", "cuda", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["result"]
+    assert r["eager_step_ms"] > 0 and r["replayed_step_ms"] > 0
+    groups = {g["group"]: g for g in r["groups"]}
+    # the Triton kernels by their names, the projections by cuBLAS's
+    for group in ("matmul", "attention", "rms_norm", "rope", "kv_store"):
+        assert groups[group]["us_per_step"] > 0 and groups[group]["calls_per_step"] >= 1, groups
