@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.detokenizer import IncrementalDetokenizer
 from router.tokenization import (
     ByteTokenizer,
     HFTokenizer,
-    IncrementalDetokenizer,
     chat_options,
     load_tokenizer,
     normalize_messages,

@@ -22,7 +22,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from router.tokenization import IncrementalDetokenizer, PromptTokenizer
+from router.detokenizer import IncrementalDetokenizer
+from router.tokenization import PromptTokenizer
 from worker.engine_api import (
     EngineDeadError,
     Executor,

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.tokenization import IncrementalDetokenizer
+from router.detokenizer import IncrementalDetokenizer
 from worker.request import ScheduledBatch
 from worker.sampling import SamplingParams, TokenLogprobs
 

@@ -1,0 +1,98 @@
+"""Generated ids to streamed text (the worker's output side of router.tokenization's tokenizers)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from router.tokenization import PromptTokenizer
+
+_REPLACEMENT = "\ufffd"
+# A UTF-8 character is a lead byte and at most 3 continuation bytes, so a detokenizer window that
+# starts inside a character is at most 3 tokens past the character's first one.
+_MAX_STEPS_BACK = 3
+
+
+class IncrementalDetokenizer:
+    """Streams text from generated ids: ``feed`` returns only newly completed text.
+
+    NOTE: trailing U+FFFD (half a UTF-8 character, or an unfinished byte-fallback sequence) is held
+    back until the character completes or ``flush`` is called. Text is decoded over a short window
+    of ids (re-anchored at clean boundaries) that starts with a few earlier ids, so tokenizers that
+    strip a leading space at the start of a decode (SentencePiece) still space words correctly.
+    The window never starts inside a character: SentencePiece's byte fallback decodes a whole run
+    of ``<0xNN>`` tokens as U+FFFD when any of it is not UTF-8, so a run cut mid-character would
+    stay U+FFFD for every byte token that joins it later.
+    Special tokens are not text, except those ``show`` names (a tool call's tags for its reader).
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, prompt_ids: Sequence[int] = (), context: int = 5) -> None:
+        self._tok = tokenizer
+        self._context = max(1, context)  # ids kept before the unread ones
+        self._shown: frozenset[int] = frozenset()  # special tokens decoded as their text
+        self._special: dict[int, bool] = {}  # token id -> is it special (asked only once one is shown)
+        self._ids: list[int] = [int(t) for t in list(prompt_ids)[-(self._context + _MAX_STEPS_BACK) :]]
+        self._start = self._prompt_start()  # the window is _ids[_start:]
+        self._emitted = len(self._decode(self._ids[self._start :]))  # chars of the window's text already out
+
+    def show(self, special_ids: Collection[int]) -> None:
+        """Decode these special tokens as their text (other special tokens stay hidden). Called
+        before the first generated id is fed."""
+        self._shown = frozenset(int(t) for t in special_ids)
+        self._emitted = len(self._decode(self._ids[self._start :]))
+
+    def feed(self, new_ids: Sequence[int]) -> str:
+        self._ids.extend(int(t) for t in new_ids)
+        text = self._decode(self._ids[self._start :])
+        stable = len(text.rstrip(_REPLACEMENT))
+        out = text[self._emitted : stable] if stable > self._emitted else ""
+        self._emitted = max(self._emitted, stable)
+        if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
+            self._restart_window(text)
+        return out
+
+    def _restart_window(self, text: str) -> None:
+        """Everything in ``text`` (the window's text) is out: restart the window a few ids back, at
+        the first start (stepping back) whose text is the end of ``text``, so the next decodes go on
+        from the same characters. None within reach (bytes that are not UTF-8): keep the window,
+        which grows until a later feed finds one."""
+        newest = len(self._ids) - self._context
+        for start in range(newest, max(self._start, newest - _MAX_STEPS_BACK - 1), -1):
+            window = self._decode(self._ids[start:])
+            if text.endswith(window):
+                self._start, self._emitted = start, len(window)
+                return
+
+    def _prompt_start(self) -> int:
+        """Where the window starts in the prompt's last ids: ``context`` ids back, or up to
+        ``_MAX_STEPS_BACK`` more to the token holding a character's first byte. (Read from the
+        token's bytes: the prompt's text is out already, so no decode tells where it was cut.)"""
+        start = max(0, len(self._ids) - self._context)
+        for _ in range(_MAX_STEPS_BACK):
+            data = self._tok.token_bytes(self._ids[start]) if start > 0 else None
+            if not data or not 0x80 <= data[0] < 0xC0:  # not a UTF-8 continuation byte
+                break
+            start -= 1
+        return start
+
+    def flush(self) -> str:
+        """Whatever is still held back (possibly U+FFFD for an unfinished character)."""
+        text = self._decode(self._ids[self._start :])
+        out = text[self._emitted :]
+        self._emitted = len(text)
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        if not self._shown:
+            return self._tok.decode(ids)
+        # NOTE: one decode with the shown tokens kept, as the tokenizer joins special tokens to text
+        kept = [t for t in ids if t in self._shown or not self._is_special(t)]
+        return self._tok.decode(kept, skip_special_tokens=False)  # type: ignore[call-arg]
+
+    def _is_special(self, token_id: int) -> bool:
+        """A special token is one the tokenizer decodes to nothing unless asked to keep specials."""
+        special = self._special.get(token_id)
+        if special is None:
+            hidden = self._tok.decode([token_id]) == ""
+            shown = self._tok.decode([token_id], skip_special_tokens=False) != ""  # type: ignore[call-arg]
+            special = self._special[token_id] = hidden and shown
+        return special
