@@ -23,7 +23,7 @@ from loadtest.sim_router import SimRouter
 from loadtest.sim_sources import Source
 from loadtest.sim_worker import SimJob, SimWorker, WorkerModel
 from router.workers import PendingPrefill, Worker
-from worker.kv_transfer import transfer_chunking
+from worker.kv_pages import transfer_chunking
 
 SIM_POLICIES = ("round_robin", "random", "least_load", "prefix_hash", "cache_aware", "sticky")
 # Index memory per block held (bytes): tracemalloc of PrefixIndex.insert for 100k fresh blocks,

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from worker.host_cache import HostKVPool
+from worker.kv_pages import Pinned, export_span, import_pages
 from worker.kv_pool import PageAllocator
-from worker.kv_transfer import LinkRate, Pinned, export_span, import_pages
+from worker.kv_transfer import LinkRate
 from worker.radix_cache import RadixCache
 
 

@@ -34,16 +34,16 @@ class ModelExecutor:
         return self.model.shard.size
 
     def read_kv(self, slots: Any, lo: int = 0, hi: int | None = None) -> Any:
-        """Slabs ``lo`` .. ``hi`` of pool ``slots`` [hi - lo, n, KV heads, dim] (worker.kv_transfer),
+        """Slabs ``lo`` .. ``hi`` of pool ``slots`` [hi - lo, n, KV heads, dim] (worker.kv_pages),
         every rank's heads, on the CPU."""
-        from worker.kv_transfer import read_kv
+        from worker.kv_pages import read_kv
 
         # NOTE: a tensor-parallel model has its own, across ranks
         return getattr(self.model, "read_kv", read_kv)(self.kv_pool, slots, lo, hi)
 
     def write_kv(self, slots: Any, slabs: Any, lo: int = 0) -> None:
         """Write slabs ``lo`` .. ([m, n, KV heads (all ranks'), dim]) into pool ``slots``."""
-        from worker.kv_transfer import write_kv
+        from worker.kv_pages import write_kv
 
         getattr(self.model, "write_kv", write_kv)(self.kv_pool, slots, slabs, lo)
 

@@ -24,7 +24,7 @@ from router.kv_events import KV_SOURCE_HEADER
 from worker.bench import LLAMA3_8B_SHAPE, Prompts, build_bench_engine
 from worker.bench_report import bench_device, machine_info, write_results
 from worker.config import WorkerConfig
-from worker.kv_transfer import kv_bytes_per_token
+from worker.kv_pages import kv_bytes_per_token
 
 
 class Served:

@@ -1,22 +1,22 @@
-"""Cached KV moved between workers: a worker about to compute a prompt whose prefix another worker
-holds fetches that prefix's KV from it instead, so a request routed away from its prefix's holder
-(for load) still skips that prefill.
+"""Cached KV moved between workers over HTTP: a worker about to compute a prompt whose prefix another
+worker holds fetches that prefix's KV from it instead, so a request routed away from its prefix's
+holder (for load) still skips that prefill. The page side (pool slots pinned, taken, read and
+written; the body's layout and headers) is worker/kv_pages.py; this module is the exchange.
 
 A router sends the hint as the header ``x-radixgate-kv-source: <worker URL>`` (router
 --kv-fetch-min-tokens). The receiving worker, before submitting the request, looks up how much of
 the prompt it has cached itself (both tiers); when less, it asks the source (``POST /v1/kv/export``:
 prompt ids, the page-aligned position to start from, a token cap) for the KV of what the source
 holds beyond that, in either tier (a host-tier part is loaded back to the device first, as for a
-local hit: routers see one cache). The answer's body is that KV as raw bytes: one C-contiguous
-tensor [2 (K, V), layers, tokens, KV heads, head dim] in the pool's dtype; its headers say what it
-is (``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``), so the receiver checks the
-layout before reading the body. The transfer streams, a group of layers at a time: the source pins
-the pages and reads each group from its pool between its engine's steps while the one before is
-sent; the receiver takes free pages of its pool once the headers arrive, writes each group into them
-as its bytes arrive, and then inserts them into its radix cache (which publishes their KV events, so
-routers learn the new holder); the request then finds them as any cache hit. Neither side holds more
-than two groups in host memory, whatever the prompt's length. Pool reads and writes run on each
-engine thread between steps; serialization and the HTTP exchange do not.
+local hit: routers see one cache). The answer's body is that KV as raw bytes, its headers saying
+what it is, so the receiver checks the layout before reading the body. The transfer streams, a
+group of layers at a time: the source pins the pages and reads each group from its pool between its
+engine's steps while the one before is sent; the receiver takes free pages of its pool once the
+headers arrive, writes each group into them as its bytes arrive, and then inserts them into its
+radix cache (which publishes their KV events, so routers learn the new holder); the request then
+finds them as any cache hit. Neither side holds more than two groups in host memory, whatever the
+prompt's length. Pool reads and writes run on each engine thread between steps; serialization and
+the HTTP exchange do not.
 
 A request's prompts are fetched one after another within one timeout; once the source fails one, the
 rest are not asked. Nothing here can fail a request: an unreachable source, a miss, a timeout, a
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -44,211 +43,21 @@ import orjson
 from router.http_client import HTTPClient, HTTPClientError
 from worker.api_params import APIError, json_object, read_bounded
 from worker.engine_api import EngineDeadError
-from worker.kv_pool import KVPool, slots_for
+from worker.kv_pages import (
+    Pinned,
+    body_view,
+    export_begin,
+    export_headers,
+    import_begin,
+    import_end,
+    kv_layout,
+    read_headers,
+    transfer_chunking,
+)
 
 log = logging.getLogger("worker.kv_transfer")
 
 EXPORT_PATH = "/v1/kv/export"
-
-
-# ---------------------------------------------------------------------------- engine thread
-# A transfer's KV is 2 x layers "slabs": K of layer 0 .. L-1, then V of layer 0 .. L-1, each [tokens,
-# KV heads, head dim]; slab f is K (f < L) or V of layer f % L. It moves a group of slabs at a time.
-def _slab(pool: Any, f: int) -> Any:
-    return (pool.k_cache if f < pool.num_layers else pool.v_cache)[f % pool.num_layers]
-
-
-def read_kv(pool: Any, slots: Any, lo: int = 0, hi: int | None = None) -> Any:
-    """Slabs ``lo`` .. ``hi`` (default: all) of pool ``slots`` (int64 tensor) in one C-contiguous
-    CPU tensor [hi - lo, n, heads, dim]: gathered on the pool's device, then copied to the host."""
-    import torch
-
-    hi = 2 * pool.num_layers if hi is None else hi
-    device = pool.k_cache[0].device
-    idx = slots.to(device)
-    heads, dim = pool.k_cache[0].shape[1:]
-    out = torch.empty(hi - lo, idx.numel(), heads, dim, dtype=pool.k_cache[0].dtype, device=device)
-    for i in range(hi - lo):
-        torch.index_select(_slab(pool, lo + i), 0, idx, out=out[i])
-    return out.cpu()
-
-
-def write_kv(pool: Any, slots: Any, slabs: Any, lo: int = 0) -> None:
-    """Write slabs ``lo`` .. ``lo + len(slabs)`` ([m, n, heads, dim]) into pool ``slots``."""
-    device = pool.k_cache[0].device
-    idx = slots.to(device)
-    slabs = slabs.to(device)
-    for i in range(slabs.shape[0]):
-        _slab(pool, lo + i).index_copy_(0, idx, slabs[i])
-
-
-def export_span(
-    cache: Any, page_size: int, tokens: np.ndarray, start: int, max_tokens: int
-) -> tuple[Any, int]:
-    """The match of ``tokens``' cached prefix (both tiers) as far as an export from ``start``
-    (page-aligned) goes, and where that is: at most ``max_tokens`` (whole pages) past ``start``;
-    end <= start when nothing. The match stops there, so no more of a host part is loaded back
-    than is sent."""
-    ps = page_size
-    limit = max(0, min((tokens.size - 1) // ps * ps, start + max_tokens // ps * ps))
-    # NOTE: one extra token so that the match may cover all of [0, limit) (it always leaves one out)
-    match = cache.match_prefix(np.append(tokens[:limit], 0).astype(np.int32))
-    return match, match.num_tokens
-
-
-@dataclasses.dataclass
-class Pinned:
-    """Pool slots a transfer reads or writes while it is under way, their radix node locked so they
-    stay (an export's cached pages; an import's prefix, ``pages`` taken for what it brings)."""
-
-    node: Any
-    slots: Any  # int64 tensor: the slots the transfer's tokens occupy, in order
-    have: int = 0  # import: the tokens cached here when it began (its first ``skip`` are not written)
-    prefix: Any = None  # import: the device pages of tokens[:have]
-    pages: Any = None  # import: the pages taken for tokens[have:end]
-
-
-def export_begin(engine: Any, tokens: np.ndarray, start: int, max_tokens: int) -> Pinned | None:
-    """Pin the cached KV of ``tokens`` from ``start`` (page-aligned), at most ``max_tokens`` (whole
-    pages), for an export; None when nothing is cached beyond ``start``. Routers see one cache, so
-    a host-tier part is sent too: loaded back to the device first, as a local hit's is (LRU pages
-    evicted for room); where no room can be made, only the device part is sent."""
-    import torch
-
-    cache, ps = engine.cache, engine.page_size
-    match, end = export_span(cache, ps, tokens, start, max_tokens)
-    if end <= start:
-        return None
-    cache.lock(match.last_node)
-    pages = match.pages
-    if match.host_nodes:
-        host = match.host_tokens // ps
-        cache.make_room(host)
-        if engine.allocator.num_free >= host:
-            pages = cache.load_back(match)
-        end = pages.size * ps
-        if end <= start:
-            cache.unlock(match.last_node)
-            return None
-    return Pinned(match.last_node, torch.from_numpy(slots_for(pages, start, end, ps)))
-
-
-def import_begin(
-    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int
-) -> Pinned | str:
-    """Take free pages for ``tokens[have:end]`` behind the cached ``tokens[:have]`` (``have`` >=
-    ``start``, both tiers: a host-tier part is loaded back to the device first, as a local hit's
-    is; LRU pages are evicted for room, never the prefix extended, which stays locked until
-    ``import_end``). Else the outcome, the transfer being of no use here: "cached" when this worker
-    caches the whole span already (computed meanwhile), "wasted" when its own prefix is shorter
-    than ``start`` now (it left the cache meanwhile) or no pages could be freed."""
-    import torch
-
-    ps = page_size
-    # NOTE: one extra token so that the match may cover all of [0, end) (it always leaves one out)
-    match = cache.match_prefix(np.append(tokens[:end], 0).astype(np.int32))
-    have = match.num_tokens
-    if have >= end:
-        return "cached"
-    if have < start:
-        return "wasted"
-    new = (end - have) // ps
-    need = new + match.host_tokens // ps
-    cache.lock(match.last_node)
-    cache.make_room(need)
-    if allocator.num_free < need:
-        cache.unlock(match.last_node)
-        return "wasted"
-    prefix = cache.load_back(match) if match.host_nodes else match.pages
-    pages = allocator.alloc(new)
-    slots = torch.from_numpy(slots_for(pages, 0, new * ps, ps))
-    return Pinned(match.last_node, slots, have, prefix, pages)
-
-
-def import_end(
-    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, end: int, pin: Pinned, ok: bool
-) -> int:
-    """Finish an ``import_begin``: with ``ok`` its pages (now written) enter the radix cache (which
-    publishes them), else they are freed. Returns the tokens newly cached."""
-    cache.unlock(pin.node)
-    if not ok:
-        allocator.free(pin.pages)
-        return 0
-    already = cache.insert(tokens[:end], np.concatenate([pin.prefix, pin.pages]))
-    duplicates = max(0, already - pin.have) // page_size  # NOTE: computed here meanwhile
-    if duplicates:
-        allocator.free(pin.pages[:duplicates])
-    return end - max(pin.have, already)
-
-
-def import_pages(
-    cache: Any, allocator: Any, page_size: int, tokens: np.ndarray, start: int, end: int,
-    write: Callable[[Pinned], None],
-) -> int:  # fmt: skip
-    """Cache ``tokens[start:end]`` (whole pages) behind the cached ``tokens[:start]`` at once:
-    ``import_begin``, ``write(pinned)`` fills its pages, ``import_end``. Returns the tokens newly
-    cached (0 when ``import_begin`` took no pages)."""
-    pin = import_begin(cache, allocator, page_size, tokens, start, end)
-    if isinstance(pin, str):
-        return 0
-    write(pin)
-    return import_end(cache, allocator, page_size, tokens, end, pin, True)
-
-
-# ---------------------------------------------------------------------------- wire format
-_META = "x-radixgate-kv-"
-_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def export_headers(shape: tuple[int, ...], dtype: Any, start: int, block_size: int) -> dict[str, str]:
-    """What an export's body is: its place in the prompt, page size, shape and dtype (and length)."""
-    size = int(np.prod(shape)) * dtype.itemsize
-    return {_META + "start": str(start), _META + "block-size": str(block_size),
-            _META + "shape": ",".join(map(str, shape)), _META + "dtype": str(dtype).removeprefix("torch."),
-            "content-length": str(size)}  # fmt: skip
-
-
-def body_view(kv: Any) -> memoryview:
-    """The bytes of a C-contiguous tensor, without a copy."""
-    import torch
-
-    return memoryview(kv.view(-1).view(torch.uint8).numpy())
-
-
-def read_headers(headers: Any) -> tuple[int, int, tuple[int, ...], Any]:
-    """(start, block size, shape, torch dtype) an export's headers announce; ValueError otherwise."""
-    import torch
-
-    try:
-        start, block = int(headers[_META + "start"]), int(headers[_META + "block-size"])
-        shape = tuple(int(d) for d in headers[_META + "shape"].split(","))
-        name = headers[_META + "dtype"]
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"not a KV export: {exc!r}") from None
-    if name not in _DTYPES or len(shape) != 5 or min(shape) < 0:
-        raise ValueError(f"not a KV export: shape {shape}, dtype {name!r}")
-    return start, block, shape, getattr(torch, name)
-
-
-# ---------------------------------------------------------------------------- HTTP
-def kv_layout(engine: Any) -> tuple[int, int, int, Any]:
-    """(layers, KV heads of every rank, head dim, dtype) of the engine's pool: a transfer's token."""
-    pool = engine.executor.kv_pool
-    heads, dim = pool.k_cache[0].shape[1:]
-    return pool.num_layers, heads * engine.executor.tensor_parallel_size, dim, pool.k_cache[0].dtype
-
-
-def kv_bytes_per_token(engine: Any) -> int:
-    """Bytes of K and V one cached token holds, every layer and every rank's KV heads."""
-    return KVPool.page_bytes(1, *kv_layout(engine))
-
-
-def transfer_chunking(slab_bytes: int, slabs: int, max_bytes: int) -> tuple[int, int]:
-    """(slabs a group carries, host bytes a transfer holds: two groups) for a transfer of ``slabs``
-    slabs of ``slab_bytes`` each under a ``max_bytes`` bound: a group is at most 1/16 of the bound,
-    or one slab where a slab is larger."""
-    group = max(1, min(slabs, max_bytes // 16 // max(slab_bytes, 1)))
-    return group, min(2 * group, slabs) * slab_bytes
 
 
 class LinkRate:
@@ -328,7 +137,7 @@ class _Body:
 class KVTransfer:
     """The export endpoint and the fetch before a hinted request, for one engine.
 
-    A transfer streams: the source reads a group of slabs (module comment above) from its pool at a
+    A transfer streams: the source reads a group of slabs (worker/kv_pages.py) from its pool at a
     time, between its engine's steps, and sends each while it reads the next; the receiver takes the
     pool pages it needs with the first group and writes each group as its bytes arrive, while the
     next arrives. ``max_bytes`` bounds the KV this worker holds in host memory for transfers at

@@ -35,8 +35,8 @@ from worker.assembly import assemble_engine, host_tier
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.guided import advance, allowed_mask, matcher_of
+from worker.kv_pages import read_kv, write_kv
 from worker.kv_pool import KVPool, PageAllocator
-from worker.kv_transfer import read_kv, write_kv
 from worker.request import ScheduledBatch
 
 DEFAULT_SIM_KV_TOKENS = 400_000  # estimate for Llama-3-8B on an 80 GB H100, see the docstring

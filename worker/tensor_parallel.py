@@ -30,8 +30,8 @@ import torch
 
 from worker.forward_batch import ForwardBatch
 from worker.host_cache import HostKVPool
+from worker.kv_pages import read_kv, write_kv
 from worker.kv_pool import KVPool
-from worker.kv_transfer import read_kv, write_kv
 from worker.model.shard import Shard
 
 log = logging.getLogger("worker.tp")
@@ -126,7 +126,7 @@ class LeaderModel:
         self.model.remove_lora(adapter_id)
 
     def read_kv(self, pool: KVPool, slots: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Slabs ``lo`` .. ``hi`` of ``slots`` with every rank's KV heads (worker.kv_transfer)."""
+        """Slabs ``lo`` .. ``hi`` of ``slots`` with every rank's KV heads (worker.kv_pages)."""
         self.channel.send(("kv_read", slots.numpy(), lo, hi))
         parts = self.channel.gather(read_kv(pool, slots, lo, hi))
         assert parts is not None

@@ -26,7 +26,8 @@ from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
 from router.launcher import free_port
 from tests.worker.test_server import LiveServer, serve
-from worker.kv_transfer import EXPORT_PATH, body_view, export_headers, read_headers
+from worker.kv_pages import body_view, export_headers, read_headers
+from worker.kv_transfer import EXPORT_PATH
 
 PAGE = 16
 
@@ -492,8 +493,8 @@ CUDA = pytest.param(
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slabs_read_and_written_a_group_at_a_time_move_every_layers_k_and_v(device: str, dtype) -> None:
+    from worker.kv_pages import read_kv, write_kv
     from worker.kv_pool import KVPool, slots_for
-    from worker.kv_transfer import read_kv, write_kv
 
     layers, ps = 3, 4
     src = KVPool(8, ps, num_layers=layers, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)

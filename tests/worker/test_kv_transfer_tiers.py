@@ -25,7 +25,7 @@ from tests.worker.test_kv_transfer import (
 )
 from tests.worker.test_radix_cache import arr
 from tests.worker.test_server import LiveServer, serve
-from worker.kv_transfer import Pinned, import_begin, import_end
+from worker.kv_pages import Pinned, import_begin, import_end
 
 PAGE = 16
 
