@@ -97,8 +97,8 @@ def markdown_table(doc: dict) -> str:
                      f"ms (median of {p['reps']})"))  # fmt: skip
     copies = doc.get("host_copies")
     if copies:
-        rows.append((f"host tier copies, {copies['tokens']} tokens ({copies['bytes'] / 2**20:,.1f} MiB): "
-                     "device to host / host to device", f"{copies['save_gbs']:,.1f} / {copies['load_gbs']:,.1f}",
+        rows.append((f"host tier copies, {copies['tokens']} tokens ({copies['bytes'] / 2**20:,.1f} MiB, one run "
+                     "of pages: the best case): device to host / host to device", f"{copies['save_gbs']:,.1f} / {copies['load_gbs']:,.1f}",
                      f"GB/s ({copies['save_ms']:.1f} / {copies['load_ms']:.1f} ms)"))  # fmt: skip
     floor = doc.get("decode_floor")
     if floor:

@@ -78,9 +78,14 @@ class HostKVPool:
         for layer in range(pool.num_layers):
             for cache, host in ((pool.k_cache[layer], self.k[layer]), (pool.v_cache[layer], self.v[layer])):
                 gathered, at = cache.index_select(0, src), 0  # on the device, in host order
-                for start, end in runs:  # NOTE: synchronous: the host copy is complete on return
-                    host[start:end].copy_(gathered[at : at + end - start])
+                for start, end in runs:
+                    # NOTE: asynchronous into pinned memory (one wait below, not one per run)
+                    host[start:end].copy_(gathered[at : at + end - start], non_blocking=True)
                     at += end - start
+        if src.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(src.device).synchronize()  # the host copy is complete on return
 
     def load(self, host_pages: np.ndarray, device_pages: np.ndarray) -> None:
         """Copy the KV of ``host_pages`` into ``device_pages`` (same count, in order)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -197,6 +199,40 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "-",
         "-",
     ]
+
+
+def test_an_unwritten_or_wrong_output_misses_the_target_however_fast():
+    result = synthetic_result()
+    long_row = result["decode"][1]
+    # the replay left its (poisoned) output unwritten: NaN, which must not hide behind the eager error
+    long_row.update(triton_graph_gbs=900.0, rel_err_vs_sdpa=1e-3, rel_err_graph_vs_sdpa=float("nan"))
+    assert math.isnan(bench_report.decode_error(long_row))
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["decode_target_met"] is False and s["inaccurate"] == [
+        f"decode b=1 ctx={bench_report.LONG_CONTEXT}"
+    ]
+    assert s["extend_target_met"] is True  # the other kind keeps its verdict
+    md = bench_report.format_markdown(result)
+    assert "**Inaccurate** (rel err past 2e-02 or NaN): decode b=1" in md
+    assert (
+        bench_report.format_table(result)
+        .splitlines()[-1]
+        .endswith(f"INACCURATE: decode b=1 ctx={bench_report.LONG_CONTEXT}")
+    )
+    long_row["rel_err_graph_vs_sdpa"] = 0.05  # wrong but a number
+    result["extend"][0]["rel_err_vs_sdpa"] = 0.03
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["decode_target_met"] is False and s["extend_target_met"] is False and len(s["inaccurate"]) == 2
+
+
+def test_a_baseline_that_could_not_be_replayed_says_why():
+    result = synthetic_result()
+    result["decode"][1].update(
+        triton_graph_gbs=900.0, sdpa_graph_error="operation not permitted when stream is capturing"
+    )
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    assert f"- decode b=1 ctx={bench_report.LONG_CONTEXT}, replayed: operation not permitted" in md
 
 
 def test_gpu_slug():
