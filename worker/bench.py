@@ -110,6 +110,22 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
     return model
 
 
+def bench_model(name: str, device: str) -> Any:
+    """The model a step benchmark times: the built-in tiny model, or the Llama-3-8B shape with random
+    weights in the device's default dtype."""
+    import torch
+
+    from worker.model import load_model
+    from worker.model.loader import default_dtype
+
+    dev = torch.device(device)
+    return (
+        load_model("tiny", dev).model
+        if name == "tiny"
+        else random_llama(LLAMA3_8B_SHAPE, dev, default_dtype(dev))
+    )
+
+
 def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = None) -> Engine:
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from worker.bench import LLAMA3_8B_SHAPE, random_llama
-from worker.bench_report import bench_device, machine_info, median_ms, write_results
+from worker.bench import bench_model
+from worker.bench_report import add_step_bench_args, bench_device, machine_info, median_ms, write_results
 
 
 def random_adapter(model: Any, name: str, rank: int, seed: int) -> Any:
@@ -102,24 +102,14 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import torch
-
-    from worker.model import load_model
-    from worker.model.loader import default_dtype
-
     ap = argparse.ArgumentParser(prog="python -m worker.bench_lora", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--model", choices=["tiny", "llama3-8b-shape"], default="tiny")
-    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--batch", type=int, default=16, help="decode requests")
     ap.add_argument("--context", type=int, default=1024, help="decode context tokens per request")
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (one request)")
     ap.add_argument("--adapters", default="1,2,4,8", help="distinct adapters in the step, comma-separated")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--cpu-threads", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
-    ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--markdown", help="write the table as markdown here")
+    add_step_bench_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
     try:
@@ -131,12 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min([a.batch, a.context, a.prefill, a.reps, *adapters]) <= 0 or max(adapters) > a.batch:
         ap.error("sizes must be positive and adapters at most --batch")
     device = bench_device(ap, a.device, a.model, a.cpu_threads)
-    dev = torch.device(device)
-    model = (
-        load_model("tiny", dev).model
-        if a.model == "tiny"
-        else random_llama(LLAMA3_8B_SHAPE, dev, default_dtype(dev))
-    )
+    model = bench_model(a.model, device)
     t0 = time.perf_counter()
     rows = run(model, device, a.batch, a.context, a.prefill, adapters, a.reps)
     params = {"model": a.model, "device": device, "batch": a.batch, "context": a.context, "prefill": a.prefill,

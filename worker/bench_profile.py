@@ -17,9 +17,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from worker.bench import LLAMA3_8B_SHAPE, random_llama
+from worker.bench import bench_model
 from worker.bench_parts import cuda_median_ms
 from worker.bench_report import (
+    add_step_bench_args,
     bench_device,
     decode_weight_bytes,
     machine_info,
@@ -152,22 +153,12 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import torch
-
-    from worker.model import load_model
-    from worker.model.loader import default_dtype
-
     ap = argparse.ArgumentParser(prog="python -m worker.bench_profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--model", choices=["tiny", "llama3-8b-shape"], default="tiny")
-    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--batch", type=int, default=1, help="decode requests in the step")
     ap.add_argument("--context", type=int, default=512, help="context tokens per request")
     ap.add_argument("--reps", type=int, default=20, help="steps timed, and steps profiled")
-    ap.add_argument("--cpu-threads", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
-    ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--markdown", help="write the table as markdown here")
+    add_step_bench_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
     if a.quick:
@@ -175,12 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(a.batch, a.context, a.reps) <= 0:
         ap.error("--batch, --context and --reps must be positive")
     device = bench_device(ap, a.device, a.model, a.cpu_threads)
-    dev = torch.device(device)
-    model = (
-        load_model("tiny", dev).model
-        if a.model == "tiny"
-        else random_llama(LLAMA3_8B_SHAPE, dev, default_dtype(dev))
-    )
+    model = bench_model(a.model, device)
     t0 = time.perf_counter()
     result = run(model, device, a.batch, a.context, a.reps)
     params = {"model": a.model, "device": device, "batch": a.batch, "context": a.context, "reps": a.reps,

@@ -135,6 +135,16 @@ def write_results(doc: dict, json_path: str | None, markdown_path: str | None, t
     print(table)
 
 
+def add_step_bench_args(parser: Any) -> None:
+    """The flags every model-step benchmark shares: model, device, CPU threads, --quick, outputs."""
+    parser.add_argument("--model", choices=["tiny", "llama3-8b-shape"], default="tiny")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--markdown", help="write the table(s) as markdown here")
+
+
 def bench_device(parser: Any, device: str, model: str, cpu_threads: int) -> str:
     """The device a benchmark CLI runs on (``auto``: CUDA when there is one); usage errors for a
     CUDA request without a GPU and for a shape-only model off CUDA; CPU threads set for the CPU."""
