@@ -4,7 +4,6 @@ split a step's or a hit's wall time into the GPU's share and the rest."""
 
 from __future__ import annotations
 
-import bisect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,13 +32,10 @@ def cuda_median_ms(run: Callable[[], Any], reps: int) -> float:
 def time_graph_replays(runner: Any, batches: Sequence[int], reps: int = 50) -> dict[str, float]:
     """Median ms of each batch size's captured decode forward replayed alone (CUDA events, no host
     work between replays): the GPU's share of a decode step, against the step's wall time."""
-    times = {}
-    for batch in batches:
-        size = runner.sizes[bisect.bisect_left(runner.sizes, batch)] if batch <= runner.max_batch else None
-        if size is None:
-            continue
-        times[str(batch)] = cuda_median_ms(runner.replay_of(size), reps)
-    return times
+    sizes = {batch: runner.padded_size(batch) for batch in batches}
+    return {
+        str(b): cuda_median_ms(runner.replay_of(size), reps) for b, size in sizes.items() if size is not None
+    }
 
 
 def time_host_copies(host: Any, tokens: int, reps: int = 5) -> dict | None:

@@ -193,9 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from worker.bench import random_llama
-    from worker.model import load_model
-    from worker.model.loader import default_dtype
+    from worker.bench import bench_model
 
     ap = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -221,10 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = bench_device(ap, a.device, a.model, a.cpu_threads)
     t0 = time.perf_counter()
     shape = None if a.model == "tiny" else LLAMA3_8B_SHAPE
-    if shape is None:
-        model = load_model("tiny", torch.device(device)).model
-    else:
-        model = random_llama(shape, torch.device(device), default_dtype(torch.device(device)))
+    model = bench_model(a.model, device)
     costs = step_costs(model, torch.device(device), batches, drafts, a.context, a.reps)
     vocab = 256 if shape is None else model.config.vocab_size
     del model

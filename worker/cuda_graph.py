@@ -166,6 +166,10 @@ class DecodeGraphRunner:
             and batch.kv_indices.size <= self.max_kv_indices
         )
 
+    def padded_size(self, n: int) -> int | None:
+        """The captured size a step of ``n`` requests replays (the next one up); None past the largest."""
+        return self.sizes[bisect.bisect_left(self.sizes, n)] if n <= self.max_batch else None
+
     def replay_of(self, size: int) -> Callable[[], None]:
         """The captured forward of ``size`` (one of self.sizes), over whatever the static buffers hold
         (the last step's inputs): for timing the GPU side of a step alone (worker.bench)."""
@@ -175,7 +179,7 @@ class DecodeGraphRunner:
         """Logits [B, vocab] (float32) of a decode step. NOTE: a view of the graph's output buffer,
         valid until the next replay; the executor samples from it before building the next step."""
         n = len(batch.requests)
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = self.padded_size(n)
         self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.kv_indptr, batch.kv_indices)
         self._replays[size]()
         return self._outputs[size][:n]
