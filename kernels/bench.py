@@ -15,13 +15,13 @@ import platform
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kernels import compile_check
+from kernels import compile_check, timing
 from kernels.bench_report import format_markdown, format_table, summarize
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
@@ -31,6 +31,12 @@ EXTEND_TOKENS_PER_CALL = 16384  # batch = this // new tokens, so each call does 
 DECODE_BATCHES = (1, 8, 32, 128)
 DECODE_CONTEXTS = (1024, 4096, 16384, 65536)  # KV length per request (tokens)
 DECODE_MAX_TOKENS = 1 << 20  # cap on batch x context: 1M tokens x 8 heads x 128 x 2 B x 2 = 4 GiB of KV
+TIMING = (
+    "kernels.timing median, L2 evicted by a read before each run (clean lines, as a decode step's weight reads "
+    "leave it); extend: eager calls (Python launch included, as the worker runs prefill); decode: CUDA-graph "
+    "replays (as the worker runs decode steps), eager calls and replays after a writing flush (dirty L2) also "
+    "recorded"
+)
 PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged allocator leaves it
 
 
@@ -108,42 +114,18 @@ def shuffled_slots(tokens: int, generator: torch.Generator) -> torch.Tensor:
 # ---------------------------------------------------------------- GPU-only below: nothing runs on import
 
 
-def _time_ms(fn: Callable[[], Any]) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph, after one run on a side stream (compiles, allocates)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def _time_replay_ms(fn: Callable[[], Any]) -> float:
-    """Median time of ``fn`` captured once in a CUDA graph and replayed (no Python launch cost)."""
-    return _time_ms(_capture(fn).replay)
-
-
 def measure_copy_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy of nbytes: (read + write) bytes / time, GB/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src))
+    ms = timing.time_ms(lambda: dst.copy_(src))
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = _time_ms(lambda: a @ b)
+    ms = timing.time_ms(lambda: a @ b)
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
@@ -228,11 +210,11 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     flops = extend_flops(shape, model)
     row: dict[str, Any] = {"batch": shape.batch, "prefix": shape.prefix, "new": shape.new, "flops": flops}
     triton_call()
-    row["triton_ms"] = _time_ms(triton_call)
+    row["triton_ms"] = timing.time_ms(triton_call)
     row["triton_tflops"] = flops / (row["triton_ms"] * 1e-3) / 1e12
     try:
         row["rel_err_vs_sdpa"] = _rel_err(out, sdpa_call())
-        row["sdpa_ms"] = _time_ms(sdpa_call)
+        row["sdpa_ms"] = timing.time_ms(sdpa_call)
         row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
         row["ratio_vs_sdpa"] = row["triton_tflops"] / row["sdpa_tflops"]
     except RuntimeError as exc:  # flash backend refused the shape: say so instead of timing another backend
@@ -260,17 +242,21 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     out.fill_(float("nan"))  # every element must be written
     triton_call()
     eager_out = out.clone()
-    row["triton_ms"] = _time_ms(triton_call)
+    row["triton_ms"] = timing.time_ms(triton_call)
     row["triton_gbs"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
     # NOTE: the worker replays decode steps as CUDA graphs, so the kernels' own time is the replay's;
     # eager calls above also pay Python's launch cost (~0.15 ms on an H200 host), which dominates short
     # contexts.
-    graph = _capture(triton_call)
+    graph = timing.capture(triton_call)
     out.fill_(float("nan"))  # the replay must write every element itself
     graph.replay()
     graph_out = out.clone()
-    row["triton_graph_ms"] = _time_ms(graph.replay)
+    row["triton_graph_ms"] = timing.time_ms(graph.replay)
     row["triton_graph_gbs"] = nbytes / (row["triton_graph_ms"] * 1e-3) / 1e9
+    # NOTE: also after a writing flush (triton.testing.do_bench's), which leaves L2 full of dirty lines
+    # that this call then writes back: how these rows were measured before (kernels.timing).
+    row["triton_graph_dirty_ms"] = timing.time_ms(graph.replay, flush="dirty")
+    row["triton_graph_dirty_gbs"] = nbytes / (row["triton_graph_dirty_ms"] * 1e-3) / 1e9
     try:
         try:
             ref = sdpa_call()
@@ -282,13 +268,13 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
             ref = sdpa_call()
         row["rel_err_vs_sdpa"] = _rel_err(eager_out, ref)
         row["rel_err_graph_vs_sdpa"] = _rel_err(graph_out, ref)
-        row["sdpa_ms"] = _time_ms(sdpa_call)
+        row["sdpa_ms"] = timing.time_ms(sdpa_call)
         row["sdpa_gbs"] = nbytes / (row["sdpa_ms"] * 1e-3) / 1e9
     except RuntimeError as exc:
         row["sdpa_error"] = str(exc).splitlines()[0][:200]
         return row
     try:
-        row["sdpa_graph_ms"] = _time_replay_ms(sdpa_call)
+        row["sdpa_graph_ms"] = timing.time_replay_ms(sdpa_call)
         row["sdpa_graph_gbs"] = nbytes / (row["sdpa_graph_ms"] * 1e-3) / 1e9
     except RuntimeError as exc:  # SDPA could not be captured: the eager baseline stays
         row["sdpa_graph_error"] = str(exc).splitlines()[0][:200]
@@ -347,9 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "command": " ".join(["python -m kernels.bench", *argv]),
         "model": dataclasses.asdict(model),
-        "timing": "triton.testing.do_bench median, L2 flushed before each run; extend: eager calls (Python "
-        "launch included, as the worker runs prefill); decode: CUDA-graph replays (as the worker runs decode "
-        "steps), eager calls also recorded",
+        "timing": TIMING,
     }
     result["extend"] = []
     for shape in ext_shapes:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import bench, compile_cases, compile_check
+from kernels import bench, compile_cases, compile_check, timing
 from kernels.bench_report import MAX_REL_ERR  # the bench's accuracy bound: one for both
 
 EXTEND_SHAPES = (
@@ -64,7 +64,7 @@ def try_config(
     timer: Callable[[Callable[[], Any]], float] | None = None,
 ) -> dict:
     """One candidate: its output's error against ``ref`` and its median time (``timer``, default
-    bench._time_ms: eager calls), or why it has none."""
+    kernels.timing.time_ms: eager calls), or why it has none."""
     row: dict[str, Any] = {"config": dataclasses.asdict(config)}
     try:
         out = call()
@@ -74,7 +74,7 @@ def try_config(
         if row["rel_err"] > MAX_REL_ERR or row["rel_err"] != row["rel_err"]:  # too large, or NaN
             row["error"] = f"inaccurate: rel err {row['rel_err']:.2e} > {MAX_REL_ERR:.0e}"
             return row
-        row["ms"] = (timer or bench._time_ms)(call)
+        row["ms"] = (timer or timing.time_ms)(call)
     except Exception as exc:  # Triton raises several kinds: out of resources, compilation errors
         first_line = str(exc).splitlines()[0][:160] if str(exc) else ""
         row["error"] = f"{type(exc).__name__}: {first_line}"
@@ -178,7 +178,7 @@ def tune_decode(
 
     # NOTE: timed as CUDA-graph replays, as the worker runs decode steps: eager calls would measure
     # Python's launch cost (~0.15 ms on an H200 host), as long as a whole call at short contexts.
-    timer = bench._time_replay_ms
+    timer = timing.time_replay_ms
     candidates = with_default(decode_candidates(default.min_split_len), default)
     rows = run_candidates(candidates, launch, out, ref, rejected, timer)
     tile = best_row(rows)
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": " ".join(["python -m kernels.tune", *argv]),
         "model": dataclasses.asdict(model),
         "max_rel_err": MAX_REL_ERR,
-        "timing": "triton.testing.do_bench median, L2 flushed before each run; extend: eager calls; "
+        "timing": "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
         "decode: CUDA-graph replays",
         "results": results,
         "wall_s": round(time.time() - started, 1),

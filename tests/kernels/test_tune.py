@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from kernels import bench, tune
+from kernels import bench, timing, tune
 
 MODEL = bench.Model(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="fp32")
 
@@ -54,7 +54,7 @@ def test_a_candidate_that_raises_or_computes_wrong_is_recorded_not_chosen():
 def test_run_candidates_records_statically_rejected_configs_without_launching(monkeypatch):
     from kernels.decode_attention import DecodeConfig
 
-    monkeypatch.setattr(bench, "_time_ms", fake_time([]))
+    monkeypatch.setattr(timing, "time_ms", fake_time([]))
     spills, fine = DecodeConfig(128, 256, 2, 2), DecodeConfig(64, 256, 4, 2)
     launched = []
 
@@ -99,7 +99,7 @@ def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monk
     gen = torch.Generator().manual_seed(0)
 
     want = dataclasses.asdict(tune.extend_candidates()[5])
-    monkeypatch.setattr(bench, "_time_ms", fake_time([(want, 1.0)]))
+    monkeypatch.setattr(timing, "time_ms", fake_time([(want, 1.0)]))
     result = tune.tune_extend(bench.ExtendShape(batch=2, prefix=5, new=9), MODEL, backend.device, gen)
     assert len(result["rows"]) == len(tune.extend_candidates()) + 1  # + the interpreter's own default
     assert all("error" not in r and r["rel_err"] < 1e-4 for r in result["rows"]), result["rows"]
@@ -111,8 +111,8 @@ def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monk
     length = {**tile, "min_split_len": 64}
     want = {**length, "split_waves": 8}
     # decode is timed as graph replays (the eager timer would fail the test if used)
-    monkeypatch.setattr(bench, "_time_ms", None)
-    monkeypatch.setattr(bench, "_time_replay_ms", fake_time([(tile, 1.5), (length, 1.2), (want, 1.0)]))
+    monkeypatch.setattr(timing, "time_ms", None)
+    monkeypatch.setattr(timing, "time_replay_ms", fake_time([(tile, 1.5), (length, 1.2), (want, 1.0)]))
     result = tune.tune_decode(bench.DecodeShape(batch=3, context=40), MODEL, backend.device, gen)
     # the default and every tile first; then every split length on the fastest tile, then every
     # number of waves on the fastest tile and length
