@@ -23,10 +23,14 @@ log = logging.getLogger("worker.engine")
 class ModelExecutor:
     """Runs a scheduled step through the torch model and samples the requests that need a token."""
 
-    def __init__(self, model: Any, kv_pool: Any, device: Any, decode_graphs: Any = None) -> None:
+    def __init__(
+        self, model: Any, kv_pool: Any, device: Any, decode_graphs: Any = None, extend_graphs: Any = None
+    ) -> None:
         self.model, self.kv_pool, self.device = model, kv_pool, device
         self.decode_graphs = decode_graphs  # a DecodeGraphRunner (CUDA) or None: every step eager
+        self.extend_graphs = extend_graphs  # an ExtendGraphRunner (CUDA) or None: every step eager
         self.graph_steps = 0  # decode steps replayed from a graph (the rest ran eagerly)
+        self.extend_graph_steps = 0  # extend and verify steps replayed from a graph
         self.vocab_size = model.config.vocab_size  # the logits' width (may exceed the tokenizer's)
 
     @property
@@ -59,6 +63,9 @@ class ModelExecutor:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             logits = self.decode_graphs.run(batch)
             self.graph_steps += 1
+        elif self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+            logits = self.extend_graphs.run(batch)
+            self.extend_graph_steps += 1
         elif batch.mode == "extend" and any(r.full_prefill for r in batch.requests):  # prompt logprobs
             logits = self._forward_scoring_prompts(batch, self._forward_batch(batch))
         else:
@@ -126,9 +133,13 @@ class ModelExecutor:
         from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
 
         assert batch.drafts is not None
-        fb = self._forward_batch(batch)
-        fb.return_all_logits = True
-        logits = self.model.forward(fb, self.kv_pool)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(batch, "all"):
+            logits = self.extend_graphs.run(batch, "all")
+            self.extend_graph_steps += 1
+        else:
+            fb = self._forward_batch(batch)
+            fb.return_all_logits = True
+            logits = self.model.forward(fb, self.kv_pool)
         qo = batch.qo_indptr.tolist()
         out: list[list[int]] = [[] for _ in batch.requests]
         # NOTE: requests without drafts (nothing matched) take their one token as a decode step gives it
@@ -212,6 +223,7 @@ class ModelExecutor:
 
 
 SCORE_ROWS = 256  # prompt positions scored per log-softmax
+EXTEND_GRAPH_REQUESTS = 32  # most requests an extend graph takes (unless verify steps take more)
 
 
 def _plain_greedy(params: Any) -> bool:
@@ -220,19 +232,33 @@ def _plain_greedy(params: Any) -> bool:
 
 
 def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: int) -> ModelExecutor:
-    """The executor for ``model``; on CUDA with --cuda-graph-max-bs > 0 its decode steps replay
-    CUDA graphs (captured here, after the KV pool exists: the graphs address its tensors)."""
-    graphs = None
+    """The executor for ``model``; on CUDA its decode steps (--cuda-graph-max-bs > 0) and short
+    extend and verify steps (--cuda-graph-extend-tokens > 0) replay CUDA graphs, captured here, after
+    the KV pool exists (the graphs address its tensors)."""
+    decode = extend = None
     max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running)
     # NOTE: the other ranks of a tensor-parallel model run every step eagerly, so rank 0 does too
-    if device.type == "cuda" and max_bs > 0 and cfg.tensor_parallel_size == 1:
+    if device.type != "cuda" or cfg.tensor_parallel_size != 1:
+        return ModelExecutor(model, pool, device)
+    pool_tokens = pool.allocator.num_pages * pool.page_size
+    per_request = min(max_context, pool_tokens)  # the most slots a request reads
+    if max_bs > 0:
         from worker.cuda_graph import DecodeGraphRunner
 
-        # NOTE: a request reads at most min(context, pool) slots, so this bound never sends a step
-        # of <= max_bs requests to the eager path.
-        per_request = min(max_context, pool.allocator.num_pages * pool.page_size)
-        graphs = DecodeGraphRunner(model, pool, max_bs, max_bs * per_request)
-    return ModelExecutor(model, pool, device, graphs)
+        # NOTE: so no step of <= max_bs requests goes to the eager path for want of index room
+        decode = DecodeGraphRunner(model, pool, max_bs, max_bs * per_request)
+    extend_tokens = min(cfg.cuda_graph_extend_tokens, cfg.chunked_prefill_tokens)
+    if extend_tokens > 0:
+        from worker.extend_graph import ExtendGraphRunner
+
+        # NOTE: a "last" graph computes logits for all of its request rows, so keep them few: prefill
+        # steps hold a handful of requests, verify steps up to --speculative-max-batch
+        requests = min(extend_tokens, cfg.max_running, max(EXTEND_GRAPH_REQUESTS, cfg.speculative_max_batch))
+        verify = cfg.speculative_tokens > 0  # every token's logits: only verify steps ask for them
+        # NOTE: prefixes past the pool's size (only shared ones could) send a step to the eager path
+        max_kv = min(requests * per_request, pool_tokens)
+        extend = ExtendGraphRunner(model, pool, extend_tokens, requests, max_kv, verify)
+    return ModelExecutor(model, pool, device, decode, extend)
 
 
 def kv_pool_pages(cfg: Any, page_bytes: int, device: Any) -> int:

@@ -120,7 +120,12 @@ def extend_short(
     for n in lens[:-1]:
         starts.append(starts[-1] + n)
     out = torch.empty_like(q)
-    for rows in decode_groups(lens, min_saved_slots):
+    for group in decode_groups(lens, min_saved_slots):
+        rows = [
+            i for i in group if qo[i + 1] > qo[i]
+        ]  # NOTE: a request row may hold no tokens (graph padding)
+        if not rows:
+            continue
         new = [qo[i + 1] - qo[i] for i in rows]
         width = max(new)
         # NOTE: request r's new token j goes to padded row r * width + j

@@ -75,6 +75,7 @@ class BenchParams:
     block_size: int
     chunked_prefill_tokens: int
     cuda_graph_max_bs: int  # decode steps of up to this many requests replay CUDA graphs (CUDA only)
+    cuda_graph_extend_tokens: int  # extend steps of up to this many new tokens replay CUDA graphs (CUDA only)
     seed: int
     quick: bool
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
@@ -255,6 +256,7 @@ async def measure_ttft(
     host tier), time the full prompt's first token on an idle engine; token counts come from the
     engine's counters."""
     ttfts, computed, cached, loaded = [], [], [], []  # ms, tokens, tokens, tokens
+    graphed = getattr(engine.executor, "extend_graph_steps", 0)
     for _ in range(p.reps):
         await engine.flush_cache()
         prompt = prompts.make(p.prompt_tokens)
@@ -274,7 +276,8 @@ async def measure_ttft(
     return {"cached_fraction": fraction, "from": "host" if from_host else "device",
             "cached_tokens": min(cached), "computed_tokens": max(computed), "host_loaded_tokens": min(loaded),
             "ttft_ms_median": round(statistics.median(ttfts), 3), "ttft_ms_min": round(min(ttfts), 3),
-            "ttft_ms_max": round(max(ttfts), 3)}  # fmt: skip
+            "ttft_ms_max": round(max(ttfts), 3),
+            "extend_graph_steps": getattr(engine.executor, "extend_graph_steps", 0) - graphed}  # fmt: skip
 
 
 async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
@@ -290,6 +293,13 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
     if engine.cache.host is not None:  # the same 90% hit, copied back from host memory
         ttft.append(await measure_ttft(engine, p, prompts, CACHED_FRACTIONS[-1], from_host=True))
+    graphs = getattr(engine.executor, "extend_graphs", None)
+    if graphs is not None:  # the same 90% hit with its prefill launched eagerly: what the graphs save
+        await engine.call(lambda: setattr(engine.executor, "extend_graphs", None))
+        try:
+            ttft.append({**await measure_ttft(engine, p, prompts, CACHED_FRACTIONS[-1]), "eager": True})
+        finally:
+            await engine.call(lambda: setattr(engine.executor, "extend_graphs", graphs))
     await engine.flush_cache()
     return {
         "prefill": prefill,
@@ -323,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunked-prefill-tokens", type=int, default=2048, help="prompt tokens per prefill step")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=WorkerConfig.cuda_graph_max_bs,
                     help="CUDA: decode steps of up to N requests replay captured graphs (0 = eager)")  # fmt: skip
+    ap.add_argument("--cuda-graph-extend-tokens", type=int, default=WorkerConfig.cuda_graph_extend_tokens,
+                    help="CUDA: extend steps of up to N new tokens replay captured graphs (0 = eager)")  # fmt: skip
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the tiny model over N ranks (CPU processes, or GPUs cuda:0..N-1)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
@@ -352,8 +364,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                      "would take minutes on CPU); use --model tiny on CPU")  # fmt: skip
     if min(sizes["batches"] + [v for k, v in sizes.items() if k != "batches"]) <= 0:
         parser.error("sizes, counts and batch sizes must be positive")
-    if args.cuda_graph_max_bs < 0:
-        parser.error("--cuda-graph-max-bs must be >= 0")
+    if args.cuda_graph_max_bs < 0 or args.cuda_graph_extend_tokens < 0:
+        parser.error("--cuda-graph-max-bs and --cuda-graph-extend-tokens must be >= 0")
     if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and args.model != "tiny"):
         parser.error("--tensor-parallel-size must be >= 1, and above 1 only with --model tiny")
     if sizes["decode_steps"] < 2:
@@ -362,7 +374,7 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
                        host_cache_tokens=2 * sizes["prompt_tokens"] if args.host_cache_tokens is None
                        else args.host_cache_tokens,
-                       cuda_graph_max_bs=args.cuda_graph_max_bs,
+                       cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_extend_tokens=args.cuda_graph_extend_tokens,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
                        tensor_parallel_size=args.tensor_parallel_size, **sizes)  # fmt: skip
 
@@ -375,7 +387,8 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        kv_cache_tokens=p.kv_cache_tokens, chunked_prefill_tokens=p.chunked_prefill_tokens,
                        host_cache_tokens=p.host_cache_tokens,
                        served_model_name=None if p.model == "tiny" else p.model,
-                       cuda_graph_max_bs=p.cuda_graph_max_bs, tensor_parallel_size=p.tensor_parallel_size,
+                       cuda_graph_max_bs=p.cuda_graph_max_bs, cuda_graph_extend_tokens=p.cuda_graph_extend_tokens,
+                       tensor_parallel_size=p.tensor_parallel_size,
                        max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
     engine = build_bench_engine(cfg, None if p.model == "tiny" else LLAMA3_8B_SHAPE)
@@ -403,6 +416,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     doc = {"benchmark": "worker", "command": command, "params": asdict(p), "machine": machine, "model": info,
            "kv_capacity_tokens": engine.capacity_tokens, **results, "decode_floor": floor,
            "decode_graph_steps": engine.executor.graph_steps,  # type: ignore[attr-defined]
+           "extend_graph_steps": engine.executor.extend_graph_steps,  # type: ignore[attr-defined]
            "radix": radix, "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
     if p.device == "cuda":  # the Triton kernels the model ran, with registers and spills as loaded
         from kernels import compile_check

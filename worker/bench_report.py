@@ -92,6 +92,8 @@ def markdown_table(doc: dict) -> str:
                      f"{adj['tokens_per_s']:,.0f}", f"tokens/s ({adj['step_ms']:.2f} ms/step)"))  # fmt: skip
     for t in doc["ttft"]:
         where = " in host memory" if t.get("from") == "host" else ""
+        where += ", prefill launched eagerly" if t.get("eager") else ""
+        where += ", prefill replayed as a CUDA graph" if t.get("extend_graph_steps") else ""
         rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached{where} "
                      f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
                      f"ms (median of {p['reps']})"))  # fmt: skip
@@ -115,6 +117,9 @@ def markdown_table(doc: dict) -> str:
     head = f"**{doc['model']['name']} on {m['device_name']}, {m['torch_threads']} torch threads**"
     graphs = (f", CUDA graphs up to batch {p['cuda_graph_max_bs']} ({doc['decode_graph_steps']} decode steps "
               "replayed)" if doc.get("decode_graph_steps") else "")  # fmt: skip
+    if doc.get("extend_graph_steps"):
+        graphs += (f", extend graphs up to {p['cuda_graph_extend_tokens']} new tokens "
+                   f"({doc['extend_graph_steps']} steps replayed)")  # fmt: skip
     lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']}{graphs})", "",
              "| measurement | value | unit |", "|---|---:|---|"]  # fmt: skip
     return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])

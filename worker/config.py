@@ -28,6 +28,9 @@ class WorkerConfig:
     mem_fraction: float = 0.85  # of free GPU memory after loading the model, for the KV pool
     max_running: int = 256  # requests admitted at once
     cuda_graph_max_bs: int = 128  # decode steps of up to this many requests replay CUDA graphs; 0 = off
+    cuda_graph_extend_tokens: int = (
+        256  # extend/verify steps of up to this many new tokens replay graphs; 0 = off
+    )
     chunked_prefill_tokens: int = 2048  # prompt tokens per prefill step
     schedule_policy: str = "lpm"  # lpm | fcfs
     max_wait_s: float = 5.0  # LPM age bound: a request queued longer goes first
@@ -106,8 +109,8 @@ class WorkerConfig:
             )
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
-        if self.cuda_graph_max_bs < 0:
-            raise ValueError("--cuda-graph-max-bs must be >= 0")
+        if self.cuda_graph_max_bs < 0 or self.cuda_graph_extend_tokens < 0:
+            raise ValueError("--cuda-graph-max-bs and --cuda-graph-extend-tokens must be >= 0")
         if self.cpu_threads < 0:
             raise ValueError("--cpu-threads must be >= 0")
         if self.warmup_tokens < 0:
@@ -201,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
     opt("--max-running", int, "requests admitted at once")
     opt("--cuda-graph-max-bs", int, "CUDA: decode steps of up to N requests replay captured graphs (0 = off)")
+    opt(
+        "--cuda-graph-extend-tokens",
+        int,
+        "CUDA: prefill and verify steps of up to N new tokens (cache hits' short prefills, speculative "
+        "decoding) replay captured graphs (0 = off)",
+    )
     opt("--chunked-prefill-tokens", int, "prompt tokens per prefill step")
     opt("--schedule-policy", str, "lpm (longest cached prefix first) or fcfs", choices=["lpm", "fcfs"])
     opt("--max-wait-s", float, "LPM age bound in seconds")

@@ -94,6 +94,7 @@ def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth
     assert floor["ratio"] == pytest.approx(floor["step_ms"] / floor["floor_ms"], rel=1e-2)
     assert floor["met"] == (floor["ratio"] <= 1.3)
     assert doc["decode_graph_steps"] == 0  # CPU: every step eager
+    assert doc["extend_graph_steps"] == 0 and all(t["extend_graph_steps"] == 0 for t in doc["ttft"])
     assert "replay_ms" not in floor and "decode_graph_replay_ms" not in doc  # no graphs to replay
     assert any(line.startswith("| decode batch 1 step / weight-read floor |") for line in stdout.splitlines())
     assert any(line.startswith("| host tier copies, 144 tokens") for line in stdout.splitlines())
@@ -141,6 +142,23 @@ def test_markdown_table_is_printed_last(quick_run):
     assert lines[-1].startswith("| radix")
     assert "| measurement | value | unit |" in lines
     assert any(line.startswith("| TTFT, 90% of 160 tokens cached (16 computed)") for line in lines)
+
+
+def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quick_run):
+    from worker.bench_report import markdown_table
+
+    doc, _ = quick_run
+    warm = next(t for t in doc["ttft"] if t["cached_fraction"] == 0.9 and t["from"] == "device")
+    graphed = {**doc, "extend_graph_steps": 3, "params": {**doc["params"], "cuda_graph_extend_tokens": 256}}
+    graphed["ttft"] = [{**warm, "extend_graph_steps": 1}, {**warm, "eager": True}]
+    lines = markdown_table(graphed).splitlines()
+    assert "extend graphs up to 256 new tokens (3 steps replayed)" in lines[0]
+    ttft = [line for line in lines if line.startswith("| TTFT")]
+    assert ttft[0].startswith(
+        "| TTFT, 90% of 160 tokens cached, prefill replayed as a CUDA graph (16 computed)"
+    )
+    assert ttft[1].startswith("| TTFT, 90% of 160 tokens cached, prefill launched eagerly (16 computed)")
+    assert "extend graphs" not in markdown_table(doc).splitlines()[0]
 
 
 def test_llama3_shape_is_refused_on_cpu():

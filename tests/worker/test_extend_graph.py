@@ -1,0 +1,245 @@
+"""Extend graphs: a padded, replayed extend or verify step computes what the eager step computes, and
+its padding touches nothing but the scratch slot.
+
+On CPU the capture itself is replaced by re-running the function over the same static buffers (the
+only part that needs a GPU); the gpu-marked test captures real CUDA graphs."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.test_cuda_graph import EagerReplay, clone_pool_into
+from worker.assembly import build_engine
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.extend_graph import ExtendGraphRunner, graph_token_sizes
+from worker.forward_batch import ForwardBatch
+from worker.kv_pool import KVPool, slots_for
+from worker.model import load_model
+from worker.request import ScheduledBatch
+from worker.sampling import SamplingParams
+
+PAGE = 4  # tokens
+ROOM = 40  # tokens each request may add after its prompt
+
+
+class Cached:
+    """Requests whose prompts are already in a pool (cached prefixes); builds extend steps of more tokens."""
+
+    def __init__(self, model, device: str, lengths: list[int], seed: int = 0) -> None:
+        c = model.config
+        self.device = device
+        self.pool = KVPool(512, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
+        rng = np.random.default_rng(seed)
+        self.tokens = [rng.integers(0, 256, n).tolist() for n in lengths]
+        self.pages = [self.pool.allocator.alloc(-(-(n + ROOM) // PAGE)) for n in lengths]
+        slots = [slots_for(p, 0, n, PAGE).tolist() for p, n in zip(self.pages, lengths, strict=True)]
+        batch = ForwardBatch.build("extend", self.tokens, [0] * len(lengths), slots, [[] for _ in lengths],
+                                   device=device)  # fmt: skip
+        model(batch, self.pool)
+
+    def step(self, rows: list[int], new: list[list[int]], mode: str = "extend") -> ScheduledBatch:
+        """Requests ``rows`` each add their ``new`` tokens after what they hold (their cached prefix)."""
+        pos = [len(self.tokens[r]) for r in rows]
+        prefix = [slots_for(self.pages[r], 0, p, PAGE) for r, p in zip(rows, pos, strict=True)]
+        out = [slots_for(self.pages[r], p, p + len(t), PAGE) for r, p, t in zip(rows, pos, new, strict=True)]
+        for r, t in zip(rows, new, strict=True):
+            self.tokens[r] += t
+        return ScheduledBatch(
+            mode=mode,  # type: ignore[arg-type]
+            requests=[types.SimpleNamespace(adapter=0, full_prefill=False)] * len(rows),  # type: ignore[list-item]
+            starts=pos,
+            ends=[p + len(t) for p, t in zip(pos, new, strict=True)],
+            sample=[True] * len(rows),
+            input_ids=np.array([x for t in new for x in t], dtype=np.int64),
+            positions=np.concatenate([np.arange(p, p + len(t)) for p, t in zip(pos, new, strict=True)]),
+            out_slots=np.concatenate(out).astype(np.int64),
+            qo_indptr=np.concatenate([[0], np.cumsum([len(t) for t in new])]).astype(np.int32),
+            kv_indptr=np.concatenate([[0], np.cumsum([len(s) for s in prefix])]).astype(np.int32),
+            kv_indices=np.concatenate(prefix).astype(np.int64),
+            drafts=[t[1:] for t in new] if mode == "verify" else None,
+        )
+
+
+def eager_logits(model, pool, step: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+    batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
+    batch.return_all_logits = all_logits
+    return model(batch, pool)
+
+
+def changed_slots(before: list[torch.Tensor], pool: KVPool) -> set[int]:
+    changed: set[int] = set()
+    for old, new in zip(before, pool.k_cache + pool.v_cache, strict=True):
+        changed |= set(torch.nonzero((old != new).flatten(1).any(1)).flatten().tolist())
+    return changed
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", "cpu").model
+
+
+def test_graph_token_sizes():
+    assert graph_token_sizes(0) == []
+    assert graph_token_sizes(5) == [5]
+    assert graph_token_sizes(8) == [8]
+    assert graph_token_sizes(64) == [8, 16, 32, 64]
+    assert graph_token_sizes(100) == [8, 16, 32, 64, 100]
+
+
+STEPS = (  # (requests, new tokens of each): padded to 8, 16, 16 (no padding tokens), 32 and 64 tokens
+    ([2], [5]),
+    ([0, 3, 5], [3, 7, 2]),
+    ([1, 4], [9, 7]),
+    ([0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]),
+    ([2, 4], [30, 3]),
+)
+
+
+@pytest.mark.parametrize("kind", ["last", "all"])
+def test_replayed_steps_match_eager_steps_at_every_padding(tiny, kind):
+    """Extend steps over cached prefixes, padded to every captured size (and exactly filling one):
+    the same logits and the same pool contents as eager steps on a copy of the pool."""
+    lengths = [5, 17, 9, 30, 2, 12]
+    graphed, eager = Cached(tiny, "cpu", lengths), Cached(tiny, "cpu", lengths)
+    backend = EagerReplay()
+    runner = ExtendGraphRunner(tiny, graphed.pool, max_tokens=64, max_requests=6, max_kv_indices=6 * 128,
+                               all_logits=True, backend=backend)  # fmt: skip
+    # largest first, both kinds: "last" gives a row per request row (6, or fewer for 8 tokens), "all" per token
+    assert backend.captured == [6, 64, 6, 32, 6, 16, 6, 8]
+    rng = np.random.default_rng(1)
+    for rows, counts in STEPS:
+        new = [rng.integers(0, 256, n).tolist() for n in counts]
+        step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
+        assert runner.can_run(step_g, kind)
+        got = runner.run(step_g, kind).clone()
+        want = eager_logits(tiny, eager.pool, step_e, all_logits=kind == "all")
+        assert (
+            got.shape == want.shape == (len(rows) if kind == "last" else sum(counts), tiny.config.vocab_size)
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        real = slice(0, graphed.pool.scratch_slot)  # every slot but the scratch row
+        for g, e in zip(graphed.pool.k_cache + graphed.pool.v_cache, eager.pool.k_cache + eager.pool.v_cache,
+                        strict=True):  # fmt: skip
+            torch.testing.assert_close(g[real], e[real], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_writes_only_the_scratch_slot(tiny):
+    cached = Cached(tiny, "cpu", [6, 11, 3])
+    runner = ExtendGraphRunner(tiny, cached.pool, 32, 4, 256, backend=EagerReplay())
+    before = [t.clone() for t in cached.pool.k_cache + cached.pool.v_cache]
+    step = cached.step([0, 2], [[65, 66, 67], [68, 69]])  # 5 tokens -> the 8-token graph: 3 padding
+    logits = runner.run(step)
+    assert logits.shape == (2, tiny.config.vocab_size) and torch.isfinite(logits).all()
+    assert changed_slots(before, cached.pool) == {*step.out_slots.tolist(), cached.pool.scratch_slot}
+
+
+def test_steps_a_graph_cannot_hold_run_eagerly(tiny):
+    cached = Cached(tiny, "cpu", [4, 4, 4])
+    runner = ExtendGraphRunner(tiny, cached.pool, 16, 2, 12, backend=EagerReplay())
+    assert runner.can_run(cached.step([0, 1], [[1] * 8, [2] * 8]))  # 16 tokens, 2 requests, 8 indices
+    assert not runner.can_run(cached.step([0], [[1] * 17]))  # past the largest graph
+    assert not runner.can_run(cached.step([0, 1, 2], [[1], [2], [3]]))  # 3 requests > 2
+    assert not runner.can_run(cached.step([0, 1], [[1], [2]]))  # prefixes of 13 + 9 slots > 12 indices
+    assert not runner.can_run(cached.step([2], [[1]], mode="verify"), "all")  # no "all" graphs captured
+    fresh = Cached(tiny, "cpu", [4, 4])
+    assert not runner.can_run(fresh.step([0], [[]]))  # no tokens
+    lora = fresh.step([0], [[5]])
+    assert runner.can_run(lora)
+    lora.requests = [types.SimpleNamespace(adapter=1, full_prefill=False)]  # LoRA rows are not captured
+    assert not runner.can_run(lora)
+    lora.requests = [types.SimpleNamespace(adapter=0, full_prefill=True)]  # prompt logprobs: own logit rows
+    assert not runner.can_run(lora)
+    decode = fresh.step([1], [[6]])
+    decode.mode = "decode"
+    assert not runner.can_run(decode)
+    with pytest.raises(ValueError):
+        ExtendGraphRunner(tiny, fresh.pool, 0, 2, 12, backend=EagerReplay())
+
+
+async def run_all(engine: Engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    async def one(prompt: str) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        handle = engine.submit(engine.tokenizer.encode_prompt(prompt), params)
+        tokens: list[int] = []
+        while True:
+            out = await asyncio.wait_for(handle.outputs.get(), 60)
+            assert out.error is None, out.error
+            tokens += out.token_ids
+            if out.finish_reason is not None:
+                return tokens
+
+    results = []
+    for prompt in prompts:  # one at a time: each later prompt finds the earlier ones' prefix cached
+        results.append(await one(prompt))
+    return results
+
+
+async def test_engine_with_extend_graphs_generates_the_same_tokens():
+    """Cache hits prefill their uncached tail and speculative decoding verifies drafts through the
+    graphs; the greedy tokens equal those of an engine without graphs."""
+    shared = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
+    prompts = [shared + f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 2) for i in range(4)]
+    cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=4096, speculative_tokens=3,
+                       speculative_ngram_min=1)  # fmt: skip
+    plain, graphed = build_engine(cfg), build_engine(cfg)
+    executor = graphed.executor
+    executor.extend_graphs = ExtendGraphRunner(executor.model, executor.kv_pool, 64, 8, 8 * 4096,
+                                               all_logits=True, backend=EagerReplay())  # fmt: skip
+    kinds: list[str] = []
+    replay = executor.extend_graphs.run
+    executor.extend_graphs.run = lambda batch, kind="last": (kinds.append(kind), replay(batch, kind))[1]
+    for engine in (plain, graphed):
+        engine.start()
+    try:
+        want, got = await run_all(plain, prompts, 40), await run_all(graphed, prompts, 40)
+    finally:
+        plain.stop()
+        graphed.stop()
+    assert got == want
+    assert [len(t) for t in got] == [40] * len(prompts)
+    stats = graphed.scheduler.stats
+    assert stats.cached_tokens > 0  # the later prompts' shared prefix was a cache hit
+    assert stats.verify_steps > 0  # drafts were checked
+    assert {"last", "all"} <= set(kinds)  # prefill tails and verify steps both replayed
+    assert executor.extend_graph_steps == len(kinds) and plain.executor.extend_graph_steps == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_extend_graph_replay_matches_eager_on_the_gpu():
+    """Real capture (Triton kernels inside the graph) against eager steps on a copy of the pool."""
+    model = load_model("tiny", "cuda").model
+    lengths = [5, 40, 9, 130, 2, 64]
+    graphed, eager = Cached(model, "cuda", lengths), Cached(model, "cuda", lengths)
+    clone_pool_into(eager.pool, graphed.pool)
+    runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 256, all_logits=True)
+    rng = np.random.default_rng(2)
+    for kind in ("last", "all"):
+        for rows, counts in STEPS:
+            new = [rng.integers(0, 256, n).tolist() for n in counts]
+            step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
+            got = runner.run(step_g, kind).float().cpu()
+            want = eager_logits(model, eager.pool, step_e, all_logits=kind == "all").float().cpu()
+            err = ((got - want).norm() / want.norm()).item()
+            # NOTE: bf16, and the padded step may pick other GEMM kernels: equal up to rounding
+            assert err < 1e-2, f"{kind}: graph vs eager relative error {err:.2e}"
+
+
+def test_static_inputs_keep_the_kernels_contract_after_a_wider_step(tiny):
+    """A narrow step after a wide one in the same graph: the rows past its requests are empty (no
+    tokens, no prefix), never the wide step's leftovers (the kernels would read past their data)."""
+    cached = Cached(tiny, "cpu", [3, 5, 7, 9])
+    runner = ExtendGraphRunner(tiny, cached.pool, 16, 4, 256, backend=EagerReplay())
+    runner.run(cached.step([0, 1, 2, 3], [[1, 2], [3, 4], [5, 6], [7, 8]]))
+    narrow = cached.step([1], [[9, 10, 11]])
+    runner.run(narrow)
+    static = runner._static_batch(runner.padded_size(narrow.num_new_tokens), "last")
+    assert static.qo_indptr.tolist() == [0, 3, 3, 3, 3]
+    assert static.kv_indptr.tolist() == [0, 7, 7, 7, 7]  # request 1's 5 prompt + 2 earlier tokens
+    assert static.out_slots[3:].tolist() == [cached.pool.scratch_slot] * 5

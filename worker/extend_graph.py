@@ -1,0 +1,180 @@
+"""CUDA graphs for short extend steps: a cache hit's prefill of the few tokens past its cached prefix,
+and speculative decoding's verify steps. Eagerly, such a step launches every kernel of every layer
+from Python and waits on that far longer than on the GPU; replayed, it costs what its kernels cost.
+
+Never changes what a step computes. A step of n tokens over b requests replays the graph of the next
+token count T up: its T - n padding tokens belong to no request (attention skips them; every other
+layer works row by row), write their K/V only to the pool's scratch slot, and their rows are dropped;
+the graph's request rows past b hold no tokens and no prefix.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.cuda_graph import CudaGraphBackend, GraphBackend
+from worker.forward_batch import ForwardBatch
+from worker.request import ScheduledBatch
+
+log = logging.getLogger("worker.engine")
+
+MIN_GRAPH_TOKENS = 8
+
+
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts to capture: 8, 16, 32, ... up to ``max_tokens`` (which is always one)."""
+    if max_tokens <= 0:
+        return []
+    sizes = []
+    size = MIN_GRAPH_TOKENS
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_tokens]
+
+
+class ExtendGraphRunner:
+    """Captured extend forwards for ``graph_token_sizes(max_tokens)`` new tokens; the graph of T
+    tokens takes up to min(T, max_requests) requests. Two kinds of graph per size: ``last`` (logits
+    of each request's last token: prefill) and, with ``all_logits``, ``all`` (every token's: verify).
+
+    Static inputs live in ONE int64 device buffer at fixed offsets (T = max_tokens, R = its requests):
+    ``[input_ids T | positions T | out_slots T | qo_indptr R+1 | kv_indptr R+1 | kv_indices ...]``,
+    filled through a pinned host mirror with one host-to-device copy per step, as for decode graphs.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kv_pool: Any,
+        max_tokens: int,
+        max_requests: int,
+        max_kv_indices: int,
+        all_logits: bool = False,
+        backend: GraphBackend | None = None,
+    ) -> None:
+        self.sizes = graph_token_sizes(max_tokens)
+        if not self.sizes or max_requests <= 0 or max_kv_indices <= 0:
+            raise ValueError("max_tokens, max_requests and max_kv_indices must be positive")
+        big, self.max_requests, self.max_kv_indices = self.sizes[-1], max_requests, max_kv_indices
+        self.scratch_slot = int(kv_pool.scratch_slot)
+        rows = self._requests(big) + 1
+        self._offsets = {
+            "input_ids": 0,
+            "positions": big,
+            "out_slots": 2 * big,
+            "qo_indptr": 3 * big,
+            "kv_indptr": 3 * big + rows,
+        }
+        self._kv_start = 3 * big + 2 * rows
+        total = self._kv_start + max_kv_indices
+        self._device_buf = torch.zeros(total, dtype=torch.int64, device=model.device)
+        self._host_buf = torch.zeros(total, dtype=torch.int64, pin_memory=model.device.type == "cuda")
+        self._host = self._host_buf.numpy()  # NOTE: shares memory with the pinned tensor
+        self.kinds = ("last", "all") if all_logits else ("last",)
+        self._replays: dict[tuple[int, str], Callable[[], None]] = {}
+        self._outputs: dict[tuple[int, str], torch.Tensor] = {}
+        backend = backend or CudaGraphBackend()
+        started = time.perf_counter()
+        empty = np.zeros(0, np.int64)
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
+                for kind in self.kinds:
+                    batch = self._static_batch(size, kind)
+                    self._fill(size, empty, empty, empty, np.zeros(1, np.int64), np.zeros(1, np.int64), empty)
+                    replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
+                    self._replays[size, kind], self._outputs[size, kind] = replay, out
+        log.info(
+            "extend graphs (%s logits) for %s new tokens captured in %.1f s",
+            "/".join(self.kinds),
+            self.sizes,
+            time.perf_counter() - started,
+        )
+
+    def _requests(self, size: int) -> int:
+        """Most requests a graph of ``size`` tokens takes (each scheduled request has a new token)."""
+        return min(size, self.max_requests)
+
+    def _view(self, name: str, length: int) -> torch.Tensor:
+        start = self._offsets[name]
+        return self._device_buf[start : start + length]
+
+    def _static_batch(self, size: int, kind: str) -> ForwardBatch:
+        rows = self._requests(size)
+        return ForwardBatch(
+            mode="extend",
+            input_ids=self._view("input_ids", size),
+            positions=self._view("positions", size),
+            out_slots=self._view("out_slots", size),
+            qo_indptr=self._view("qo_indptr", rows + 1),
+            kv_indptr=self._view("kv_indptr", rows + 1),
+            kv_indices=self._device_buf[self._kv_start :],
+            return_all_logits=kind == "all",
+            max_extend_len=size,  # NOTE: the grid covers the whole graph; shorter requests exit early
+        )
+
+    def _fill(
+        self,
+        size: int,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        out_slots: np.ndarray,
+        qo_indptr: np.ndarray,
+        kv_indptr: np.ndarray,
+        kv_indices: np.ndarray,
+    ) -> None:
+        """Write a step of ``len(input_ids)`` tokens over ``len(qo_indptr) - 1`` requests, padded to
+        ``size`` tokens (owned by no request) and the graph's request rows (empty ones), into the host
+        buffer, and copy its used part to the device."""
+        h, o, n = self._host, self._offsets, len(input_ids)
+        for name, values, pad in (
+            ("input_ids", input_ids, 0),
+            ("positions", positions, 0),
+            ("out_slots", out_slots, self.scratch_slot),
+        ):
+            h[o[name] : o[name] + n] = values
+            h[o[name] + n : o[name] + size] = pad
+        b, rows = len(qo_indptr) - 1, self._requests(size)
+        for name, indptr in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+            start = o[name]
+            h[start : start + b + 1] = indptr
+            h[start + b + 1 : start + rows + 1] = indptr[-1]  # empty rows: no new tokens, no prefix
+        h[self._kv_start : self._kv_start + len(kv_indices)] = kv_indices
+        used = self._kv_start + len(kv_indices)
+        # NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
+        # sampled tokens (a device sync) before it builds the next step.
+        self._device_buf[:used].copy_(self._host_buf[:used], non_blocking=True)
+
+    def can_run(self, batch: ScheduledBatch, kind: str = "last") -> bool:
+        """Whether a graph holds ``batch`` (an extend or verify step) with ``kind`` logits."""
+        n = batch.num_new_tokens
+        return (
+            batch.mode in ("extend", "verify")
+            and kind in self.kinds
+            and 0 < n <= self.sizes[-1]
+            and len(batch.requests) <= self._requests(self.padded_size(n))
+            and not any(r.adapter for r in batch.requests)  # NOTE: LoRA steps run eagerly
+            and not any(r.full_prefill for r in batch.requests)  # prompt logprobs: their own logit rows
+            and batch.kv_indices.size <= self.max_kv_indices
+        )
+
+    def padded_size(self, n: int) -> int:
+        """The captured token count a step of ``n`` new tokens (<= the largest) replays."""
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def run(self, batch: ScheduledBatch, kind: str = "last") -> torch.Tensor:
+        """Logits (float32) of a step ``can_run`` accepted: [B, vocab] for ``last``, [T, vocab] for
+        ``all``. NOTE: a view of the graph's output buffer, valid until the next replay."""
+        size = self.padded_size(batch.num_new_tokens)
+        self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.qo_indptr, batch.kv_indptr,
+                   batch.kv_indices)  # fmt: skip
+        self._replays[size, kind]()
+        rows = len(batch.requests) if kind == "last" else batch.num_new_tokens
+        return self._outputs[size, kind][:rows]
