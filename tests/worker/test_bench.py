@@ -213,6 +213,8 @@ def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
     assert [r["batch"] for r in result["step_cost"]] == [1, 2]
     for row in result["step_cost"]:
         assert row["k0_ms"] > 0 and row["k2_ms"] > 0 and row["k2_vs_decode"] > 0
+        assert row["replayed"] is False  # CPU: eager steps (CUDA replays them, as the engine does)
+    assert "median of 2, eager steps)" in md.read_text().splitlines()[0]
     off, on, schema_off, schema_on = result["end_to_end"]
     assert off["drafts_per_step"] == 0 and off["verify_steps"] == 0 and off["draft_tokens"] == 0
     assert on["drafts_per_step"] == 4 and on["same_output_as_off"] is True
