@@ -108,6 +108,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernel_module("fused", mode).rms_norm(x, weight, eps)
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.add_rms_norm."""
+    mode = _triton_mode(x)
+    if mode is None:
+        return reference.add_rms_norm(x, delta, weight, eps)
+    return kernel_module("fused", mode).add_rms_norm(x, delta, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See kernels.reference.silu_and_mul."""
+    mode = _triton_mode(gate_up)
+    if mode is None:
+        return reference.silu_and_mul(gate_up)
+    return kernel_module("fused", mode).silu_and_mul(gate_up)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,3 +207,57 @@ def test_store_kv_rejects_inconsistent_shapes(backend, change, match):
         slots = slots[:3]
     with pytest.raises(ValueError, match=match):
         fused.store_kv(k_cache, v_cache, slots, k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 96), (3, 2, 64)])
+def test_add_rms_norm_matches_reference(backend, assert_close_rel, dtype, shape):
+    fused = backend.module("fused")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(*shape, generator=g) * 3).to(backend.device, dtype)
+    delta = strided(
+        torch.randn(*shape, generator=g).to(backend.device, dtype)
+    )  # a strided view is read by value
+    w = torch.randn(shape[-1], generator=g).to(backend.device, dtype)
+    out = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
+    total, normed = fused.add_rms_norm(x, delta, w, 1e-6, out=out)
+    assert total is out[0] and normed is out[1]
+    total_ref, normed_ref = reference.add_rms_norm(x.cpu(), delta.cpu(), w.cpu(), 1e-6)
+    assert_close_rel(total.cpu(), total_ref)
+    if not (backend.interpret and dtype == torch.bfloat16):  # NOTE: the interpreter truncates to bf16
+        assert torch.equal(total.cpu(), total_ref)  # one rounding of an fp32 sum, as the reference
+    assert_close_rel(normed.cpu(), normed_ref)
+    # the norm reads the sum as stored (rounded to dtype), exactly as rms_norm after an unfused add
+    assert_close_rel(
+        normed.cpu(), reference.rms_norm(total_ref.reshape(-1, shape[-1]), w.cpu(), 1e-6).reshape(shape)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 1100])  # one block; several blocks with a ragged last one
+def test_silu_and_mul_matches_reference(backend, assert_close_rel, dtype, inter):
+    fused = backend.module("fused")
+    g = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(backend.device, dtype)
+    out = torch.full((3, inter), float("nan"), dtype=dtype, device=backend.device)
+    assert fused.silu_and_mul(gate_up, out=out) is out
+    ref = reference.silu_and_mul(gate_up.cpu())
+    gate, up = gate_up.cpu().float().chunk(2, dim=-1)
+    assert_close_rel(out.cpu(), ref)
+    assert_close_rel(out.cpu(), (gate * torch.sigmoid(gate) * up).to(dtype))
+
+
+def test_add_rms_norm_and_silu_and_mul_reject_inconsistent_inputs(backend):
+    fused = backend.module("fused")
+    x = torch.randn(4, 32).to(backend.device)
+    w = torch.randn(32).to(backend.device)
+    with pytest.raises(ValueError, match="delta"):
+        fused.add_rms_norm(x, x[:, :16], w, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        fused.add_rms_norm(x, x, w[:16], 1e-6)
+    with pytest.raises(ValueError, match=r"out\[1\]"):
+        fused.add_rms_norm(x, x, w, 1e-6, out=(torch.empty_like(x), torch.empty(4, 16).to(backend.device)))
+    with pytest.raises(ValueError, match="gate_up"):
+        fused.silu_and_mul(torch.randn(4, 33).to(backend.device))
+    with pytest.raises(ValueError, match="out"):
+        fused.silu_and_mul(x, out=torch.empty(4, 32).to(backend.device))

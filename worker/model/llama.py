@@ -83,15 +83,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         batch: ForwardBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, delta) -> (x', delta'): the residual stream is x + delta (the previous layer's MLP
+        output, None before the first layer), added where the next norm reads it (one fused kernel:
+        add_rms_norm); the caller adds the last layer's delta."""
         c, ops = self.config, attention.kernel_ops(x.device)
         t = x.shape[0]
         lora, i = batch.lora, self.index
-        h = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        if delta is None:
+            h = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        else:
+            x, h = ops.add_rms_norm(x, delta, self.input_layernorm, c.rms_norm_eps)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
         if lora is not None:
             qkv = lora.apply(i, "qkv", h, qkv)
@@ -108,15 +115,14 @@ class DecoderLayer(nn.Module):
             out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale)
         out = out.reshape(t, self.q_size)
         o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
-        x = x + self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
-        h = ops.rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
+        x, h = ops.add_rms_norm(x, o, self.post_attention_layernorm, c.rms_norm_eps)
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = ops.silu_and_mul(gate_up)
         down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
-        return x + self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down))
+        return x, self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down))
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -157,13 +163,24 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_pool: object) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed_tokens)
         k_caches, v_caches = kv_pool.k_cache, kv_pool.v_cache  # type: ignore[attr-defined]
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, k_caches[i], v_caches[i], self.cos_sin_cache)
+            x, delta = layer(x, delta, batch, k_caches[i], v_caches[i], self.cos_sin_cache)
+        rows = None
         if batch.logit_rows is not None:
-            x = x[batch.logit_rows]
+            rows = batch.logit_rows
         elif not batch.return_all_logits and batch.mode == "extend":
-            x = x[batch.qo_indptr[1:].long() - 1]
-        x = attention.kernel_ops(x.device).rms_norm(x, self.norm, self.config.rms_norm_eps)
+            rows = batch.qo_indptr[1:].long() - 1
+        if rows is not None:
+            x = x[rows]
+            delta = None if delta is None else delta[rows]
+        ops = attention.kernel_ops(x.device)
+        eps = self.config.rms_norm_eps
+        x = (
+            ops.rms_norm(x, self.norm, eps)
+            if delta is None
+            else ops.add_rms_norm(x, delta, self.norm, eps)[1]
+        )
         return self.shard.gather_vocab(F.linear(x, self.lm_head).float(), self.config.vocab_size)
 
     def add_lora(self, adapter: object) -> int:
