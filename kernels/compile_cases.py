@@ -76,20 +76,20 @@ def extend_case(shape: Shape, config: Any, label: str) -> Case:
 
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
-    from kernels import decode_attention, extend_attention, fused
+    from kernels import decode_attention, extend_attention, fused, pointwise
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
     return [
         decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
         extend_case(shape, extend_attention.default_config(shape.head_dim, dt, arch), f"extend {shape.label}"),
-        (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: fused.rms_norm(t["x"], t["w"], 1e-5)),
+        (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),
         (f"add_rms_norm {shape.dtype} h{shape.hidden}", {},
-         lambda: fused.add_rms_norm(t["x"], t["x"], t["w"], 1e-5)),
-        (f"silu_and_mul {shape.dtype} 2i{shape.hidden}", {}, lambda: fused.silu_and_mul(t["x"])),
-        (f"rope {shape.label}", {}, lambda: fused.apply_rope(t["q"], t["k"], t["positions"], t["cos_sin"])),
-        (f"store_kv {shape.label}", {},
-         lambda: fused.store_kv(t["k_cache"], t["v_cache"], t["positions"], t["k"], t["v"])),
+         lambda: pointwise.add_rms_norm(t["x"], t["x"], t["w"], 1e-5)),
+        (f"silu_and_mul {shape.dtype} 2i{shape.hidden}", {}, lambda: pointwise.silu_and_mul(t["x"])),
+        (f"rope_store_kv {shape.label}", {},
+         lambda: fused.rope_store_kv(t["q"], t["k"], t["v"], t["positions"], t["cos_sin"], t["k_cache"],
+                                     t["v_cache"], t["positions"])),
     ]  # fmt: skip
 
 

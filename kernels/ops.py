@@ -14,7 +14,7 @@ import torch
 
 from kernels import interpret_requested, reference
 
-_KERNEL_MODULES = ("extend_attention", "decode_attention", "fused")
+_KERNEL_MODULES = ("extend_attention", "decode_attention", "pointwise", "fused")
 
 
 def triton_library_interpreted() -> bool:
@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     mode = _triton_mode(x)
     if mode is None:
         return reference.rms_norm(x, weight, eps)
-    return kernel_module("fused", mode).rms_norm(x, weight, eps)
+    return kernel_module("pointwise", mode).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
@@ -115,7 +115,7 @@ def add_rms_norm(
     mode = _triton_mode(x)
     if mode is None:
         return reference.add_rms_norm(x, delta, weight, eps)
-    return kernel_module("fused", mode).add_rms_norm(x, delta, weight, eps)
+    return kernel_module("pointwise", mode).add_rms_norm(x, delta, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     mode = _triton_mode(gate_up)
     if mode is None:
         return reference.silu_and_mul(gate_up)
-    return kernel_module("fused", mode).silu_and_mul(gate_up)
+    return kernel_module("pointwise", mode).silu_and_mul(gate_up)
 
 
 def apply_rope(
@@ -145,3 +145,22 @@ def store_kv(
         reference.store_kv(k_cache, v_cache, slots, k, v)
         return
     kernel_module("fused", mode).store_kv(k_cache, v_cache, slots, k, v)
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.rope_store_kv."""
+    mode = _triton_mode(q)
+    if mode is None:
+        return reference.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
+    return kernel_module("fused", mode).rope_store_kv(
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots
+    )

@@ -122,3 +122,19 @@ def store_kv(
     """Write k, v [T, Hkv, D] into the pool rows ``slots`` [T] (in place)."""
     k_cache[slots.long()] = k.to(k_cache.dtype)
     v_cache[slots.long()] = v.to(v_cache.dtype)
+
+
+def rope_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope, then store_kv of the rotated k and v; returns the rotated (q, k)."""
+    q, k = apply_rope(q, k, positions, cos_sin_cache)
+    store_kv(k_cache, v_cache, slots, k, v)
+    return q, k

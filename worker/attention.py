@@ -39,13 +39,6 @@ def kernel_ops(device: torch.device) -> ModuleType:
     return _ops if _ops is not None else reference
 
 
-def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write the new tokens' k, v [T, Hkv, D] into the layer's pool rows ``batch.out_slots``."""
-    kernel_ops(k.device).store_kv(k_cache, v_cache, batch.out_slots, k, v)
-
-
 def extend(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -2,8 +2,8 @@
 
 One decode step of B requests at a context of C tokens, three ways: its wall time run eagerly, its
 CUDA graph replayed (on CUDA; how the engine runs decode steps), and a profile of eager steps
-(torch.profiler) whose kernels are grouped by what they do: weight matmuls, attention, RMSNorm,
-RoPE, the KV store, everything else. The matmuls' time against the weight bytes a step must read
+(torch.profiler) whose kernels are grouped by what they do: weight matmuls, attention, RMSNorm (with
+the residual add), RoPE with the KV store, SiLU-and-multiply, everything else. The matmuls' time against the weight bytes a step must read
 gives the bandwidth they reach; the other groups and the kernel count per step show what the small
 kernels cost. On the CPU the groups are the leaf torch operators' own CPU time instead of kernels.
 """
@@ -34,9 +34,9 @@ from worker.bench_report import (
 GROUPS = (
     ("attention", re.compile(r"decode_split|decode_merge|extend_kernel|attention|flash|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|aten::(mm|addmm|bmm|matmul)$", re.I)),
-    ("rms_norm", re.compile(r"rms_norm", re.I)),
-    ("rope", re.compile(r"rope", re.I)),
-    ("kv_store", re.compile(r"store_kv|index_put|index_copy", re.I)),
+    ("rms_norm", re.compile(r"rms_norm", re.I)),  # with the residual add where fused (add_rms_norm)
+    ("rope_kv_store", re.compile(r"rope|store_kv|index_put|index_copy", re.I)),  # one kernel on the GPU
+    ("silu_mul", re.compile(r"silu", re.I)),
 )
 OTHER = "other"
 

@@ -19,7 +19,12 @@ import torch
 
 from kernels import interpret_requested, ops
 
-_KERNEL_MODULES = ("kernels.extend_attention", "kernels.decode_attention", "kernels.fused")
+_KERNEL_MODULES = (
+    "kernels.extend_attention",
+    "kernels.decode_attention",
+    "kernels.pointwise",
+    "kernels.fused",
+)
 
 
 def _prepare_interpreter() -> str | None:

@@ -1,4 +1,4 @@
-"""Triton RMSNorm, RoPE and KV-store vs kernels.reference on poisoned outputs."""
+"""Triton RoPE, KV-store and the two fused vs kernels.reference on poisoned outputs."""
 
 from __future__ import annotations
 
@@ -16,19 +16,6 @@ def rope_cache(max_pos: int, head_dim: int, theta: float = 10000.0) -> torch.Ten
     inv_freq = theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
     angles = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 96), (3, 2, 64)])  # non-power-of-two width; a [..., H] input
-def test_rms_norm_matches_reference(backend, assert_close_rel, dtype, shape):
-    fused = backend.module("fused")
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(*shape, generator=g) * 3).to(backend.device, dtype)
-    w = torch.randn(shape[-1], generator=g).to(backend.device, dtype)
-    out = torch.full_like(x, float("nan"))
-    fused.rms_norm(x, w, 1e-6, out=out)
-    ref = reference.rms_norm(x.cpu().reshape(-1, shape[-1]), w.cpu(), 1e-6).reshape(shape)
-    assert_close_rel(out.cpu(), ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,29 +76,6 @@ def test_store_kv_writes_exactly_the_given_slots(backend, src_dtype, pool_dtype)
         else:
             torch.testing.assert_close(got[written], want[written], rtol=2**-7, atol=0)
         assert got[~written].isnan().all()  # no other slot touched
-
-
-def test_rms_norm_reads_a_strided_weight_by_value(backend, assert_close_rel):
-    fused = backend.module("fused")
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 96, generator=g).to(backend.device)
-    w = strided(torch.randn(96, generator=g).to(backend.device))
-    assert not w.is_contiguous()
-    assert_close_rel(fused.rms_norm(x, w, 1e-6).cpu(), reference.rms_norm(x.cpu(), w.cpu(), 1e-6))
-
-
-@pytest.mark.parametrize(
-    ("weight_shape", "out_shape", "match"),
-    [((64,), None, "weight has shape"),  # the kernel would read 32 elements past its end
-     ((96, 1), None, "weight has shape"),
-     ((96,), (3, 96), "out has shape")],
-)  # fmt: skip
-def test_rms_norm_rejects_a_weight_or_out_of_the_wrong_shape(backend, weight_shape, out_shape, match):
-    fused = backend.module("fused")
-    x = torch.randn(4, 96, device=backend.device)
-    out = None if out_shape is None else torch.empty(out_shape, device=backend.device)
-    with pytest.raises(ValueError, match=match):
-        fused.rms_norm(x, torch.ones(weight_shape, device=backend.device), 1e-6, out=out)
 
 
 def _rope_inputs(backend, t=6, hq=4, hkv=2, d=64, max_pos=64):
@@ -209,55 +173,31 @@ def test_store_kv_rejects_inconsistent_shapes(backend, change, match):
         fused.store_kv(k_cache, v_cache, slots, k, v)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 96), (3, 2, 64)])
-def test_add_rms_norm_matches_reference(backend, assert_close_rel, dtype, shape):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "hq", "hkv"), [(64, 4, 4), (128, 8, 2)])
+def test_rope_store_kv_rotates_and_stores_exactly_the_given_slots(backend, assert_close_rel, dtype, head_dim,
+                                                                   hq, hkv):  # fmt: skip
     fused = backend.module("fused")
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(*shape, generator=g) * 3).to(backend.device, dtype)
-    delta = strided(
-        torch.randn(*shape, generator=g).to(backend.device, dtype)
-    )  # a strided view is read by value
-    w = torch.randn(shape[-1], generator=g).to(backend.device, dtype)
-    out = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
-    total, normed = fused.add_rms_norm(x, delta, w, 1e-6, out=out)
-    assert total is out[0] and normed is out[1]
-    total_ref, normed_ref = reference.add_rms_norm(x.cpu(), delta.cpu(), w.cpu(), 1e-6)
-    assert_close_rel(total.cpu(), total_ref)
-    if not (backend.interpret and dtype == torch.bfloat16):  # NOTE: the interpreter truncates to bf16
-        assert torch.equal(total.cpu(), total_ref)  # one rounding of an fp32 sum, as the reference
-    assert_close_rel(normed.cpu(), normed_ref)
-    # the norm reads the sum as stored (rounded to dtype), exactly as rms_norm after an unfused add
-    assert_close_rel(
-        normed.cpu(), reference.rms_norm(total_ref.reshape(-1, shape[-1]), w.cpu(), 1e-6).reshape(shape)
-    )
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [96, 1100])  # one block; several blocks with a ragged last one
-def test_silu_and_mul_matches_reference(backend, assert_close_rel, dtype, inter):
-    fused = backend.module("fused")
-    g = torch.Generator().manual_seed(6)
-    gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(backend.device, dtype)
-    out = torch.full((3, inter), float("nan"), dtype=dtype, device=backend.device)
-    assert fused.silu_and_mul(gate_up, out=out) is out
-    ref = reference.silu_and_mul(gate_up.cpu())
-    gate, up = gate_up.cpu().float().chunk(2, dim=-1)
-    assert_close_rel(out.cpu(), ref)
-    assert_close_rel(out.cpu(), (gate * torch.sigmoid(gate) * up).to(dtype))
-
-
-def test_add_rms_norm_and_silu_and_mul_reject_inconsistent_inputs(backend):
-    fused = backend.module("fused")
-    x = torch.randn(4, 32).to(backend.device)
-    w = torch.randn(32).to(backend.device)
-    with pytest.raises(ValueError, match="delta"):
-        fused.add_rms_norm(x, x[:, :16], w, 1e-6)
-    with pytest.raises(ValueError, match="weight"):
-        fused.add_rms_norm(x, x, w[:16], 1e-6)
-    with pytest.raises(ValueError, match=r"out\[1\]"):
-        fused.add_rms_norm(x, x, w, 1e-6, out=(torch.empty_like(x), torch.empty(4, 16).to(backend.device)))
-    with pytest.raises(ValueError, match="gate_up"):
-        fused.silu_and_mul(torch.randn(4, 33).to(backend.device))
-    with pytest.raises(ValueError, match="out"):
-        fused.silu_and_mul(x, out=torch.empty(4, 32).to(backend.device))
+    g = torch.Generator().manual_seed(7)
+    t, pool = 6, 40
+    qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(backend.device, dtype)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # strided views of one projection
+    positions = strided(torch.tensor([0, 9, 3, 63, 1, 17]).to(backend.device))
+    slots = torch.tensor([7, 0, 39, 12, 13, 21]).to(backend.device)
+    cache = rope_cache(64, head_dim).to(backend.device)
+    k_cache = torch.full((pool, hkv, head_dim), float("nan"), dtype=dtype, device=backend.device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+    got = fused.rope_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots, q_out=q_out, k_out=k_out)
+    assert got[0] is q_out and got[1] is k_out
+    k_ref, v_ref = torch.full_like(k_cache.cpu(), float("nan")), torch.full_like(v_cache.cpu(), float("nan"))
+    q_want, k_want = reference.rope_store_kv(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), cache.cpu(), k_ref, v_ref,
+                                             slots.cpu())  # fmt: skip
+    assert_close_rel(q_out.cpu(), q_want)
+    assert_close_rel(k_out.cpu(), k_want)
+    written = torch.zeros(pool, dtype=torch.bool)
+    written[slots.cpu()] = True
+    assert torch.equal(k_cache.cpu()[written], k_out.cpu()[torch.argsort(slots.cpu())])  # the rotated k
+    assert torch.equal(v_cache.cpu()[written], v.cpu()[torch.argsort(slots.cpu())])  # v as given
+    assert_close_rel(k_cache.cpu()[written], k_ref[written])
+    assert k_cache.cpu()[~written].isnan().all() and v_cache.cpu()[~written].isnan().all()  # no other slot

@@ -258,9 +258,12 @@ def test_profile_groups_kernels_by_what_they_do():
         "_decode_split_kernel": "attention",
         "_decode_merge_kernel": "attention",
         "_rms_norm_kernel": "rms_norm",
-        "_rope_kernel": "rope",
-        "_store_kv_kernel": "kv_store",
-        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>": "other",
+        "_add_rms_norm_kernel": "rms_norm",
+        "_rope_kernel": "rope_kv_store",
+        "_store_kv_kernel": "rope_kv_store",
+        "_rope_store_kv_kernel": "rope_kv_store",
+        "_silu_and_mul_kernel": "silu_mul",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>": "silu_mul",
         "aten::addmm": "matmul",
         "aten::mul": "other",
     }
@@ -269,7 +272,14 @@ def test_profile_groups_kernels_by_what_they_do():
     rows = group_times(events, steps=2)
     assert rows[0] == {"group": "matmul", "us_per_step": 45.0, "calls_per_step": 4.0, "share": 0.75}
     assert rows[1] == {"group": "attention", "us_per_step": 15.0, "calls_per_step": 2.0, "share": 0.25}
-    assert {r["group"] for r in rows} == {"attention", "matmul", "rms_norm", "rope", "kv_store", "other"}
+    assert {r["group"] for r in rows} == {
+        "attention",
+        "matmul",
+        "rms_norm",
+        "rope_kv_store",
+        "silu_mul",
+        "other",
+    }
     assert sum(r["share"] for r in rows) == pytest.approx(1.0)
 
 
@@ -301,5 +311,9 @@ def test_profile_bench_finds_the_kernels_of_a_cuda_decode_step(tmp_path):
     assert r["eager_step_ms"] > 0 and r["replayed_step_ms"] > 0
     groups = {g["group"]: g for g in r["groups"]}
     # the Triton kernels by their names, the projections by cuBLAS's
-    for group in ("matmul", "attention", "rms_norm", "rope", "kv_store"):
+    for group in ("matmul", "attention", "rms_norm", "rope_kv_store", "silu_mul"):
         assert groups[group]["us_per_step"] > 0 and groups[group]["calls_per_step"] >= 1, groups
+    # fused: one RoPE + KV-store kernel and one SiLU-and-multiply per layer; a norm per sublayer and the last
+    layers = groups["silu_mul"]["calls_per_step"]
+    assert groups["rope_kv_store"]["calls_per_step"] == layers
+    assert groups["rms_norm"]["calls_per_step"] == 2 * layers + 1

@@ -106,9 +106,8 @@ class DecoderLayer(nn.Module):
         q = q.reshape(t, self.heads, c.head_dim)
         k = k.reshape(t, self.kv_heads, c.head_dim)
         v = v.reshape(t, self.kv_heads, c.head_dim)
-        q, k = ops.apply_rope(q, k, batch.positions, cos_sin_cache)
-        # NOTE: decode attention reads the new token's K/V from the pool, so store first.
-        attention.store_kv(k_cache, v_cache, batch, k, v)
+        # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
+        q, k = ops.rope_store_kv(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots)
         if batch.mode == "extend":
             out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale)
         else:
