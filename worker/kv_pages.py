@@ -165,6 +165,7 @@ def import_pages(
 
 
 # ---------------------------------------------------------------------------- wire format
+EXPORT_PATH = "/v1/kv/export"  # the source's endpoint: POST {token_ids, start, max_tokens, model}
 _META = "x-radixgate-kv-"
 _DTYPES = ("float32", "float16", "bfloat16")
 

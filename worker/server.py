@@ -42,7 +42,8 @@ from worker.api_params import (
 )
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
-from worker.kv_transfer import EXPORT_PATH, KVTransfer
+from worker.kv_pages import EXPORT_PATH
+from worker.kv_transfer import KVTransfer
 from worker.openai_format import Choice, Responses, TokenNames, event_stream, sse_json
 from worker.ops_api import OpsAPI
 from worker.responses_api import ResponsesAPI

@@ -26,8 +26,7 @@ from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
 from router.launcher import free_port
 from tests.worker.test_server import LiveServer, serve
-from worker.kv_pages import body_view, export_headers, read_headers
-from worker.kv_transfer import EXPORT_PATH
+from worker.kv_pages import EXPORT_PATH, body_view, export_headers, read_headers
 
 PAGE = 16
 
