@@ -55,6 +55,43 @@ class CudaGraphBackend:
         return graph.replay, out
 
 
+class StaticInputs:
+    """A graph's integer inputs in ONE int64 device buffer, regions at fixed offsets (``lengths``, in
+    order: name -> most entries), and a pinned host mirror: a step writes each region's values and
+    padding into the mirror (``put``), then moves the written prefix with one host-to-device copy
+    (``upload``). Views of the device regions are what a captured graph reads."""
+
+    def __init__(self, lengths: dict[str, int], device: torch.device) -> None:
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, length in lengths.items():
+            self.offsets[name], total = total, total + length
+        self.device_buf = torch.zeros(total, dtype=torch.int64, device=device)
+        self._host_buf = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host = self._host_buf.numpy()  # NOTE: shares memory with the pinned tensor
+        self._end = 0  # the written prefix since the last upload
+
+    def view(self, name: str, length: int | None = None) -> torch.Tensor:
+        """The device region ``name`` (its first ``length`` entries; to the buffer's end when None)."""
+        start = self.offsets[name]
+        return self.device_buf[start:] if length is None else self.device_buf[start : start + length]
+
+    def put(self, name: str, values: np.ndarray, size: int | None = None, pad: int = 0) -> None:
+        """Region ``name`` := ``values``, then ``pad`` up to ``size`` entries (host side)."""
+        start, n = self.offsets[name], len(values)
+        end = start + max(n, size or 0)
+        self._host[start : start + n] = values
+        self._host[start + n : end] = pad
+        self._end = max(self._end, end)
+
+    def upload(self) -> None:
+        """Copy what ``put`` wrote to the device.
+        NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
+        sampled tokens (a device sync) before it builds the next step."""
+        self.device_buf[: self._end].copy_(self._host_buf[: self._end], non_blocking=True)
+        self._end = 0
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch``
     (a step pads to the next size up: at most 7 wasted rows, ~1.3x the graphs of powers of two)."""
@@ -88,17 +125,11 @@ class DecodeGraphRunner:
             raise ValueError("max_batch must be positive")
         if max_kv_indices <= 0:
             raise ValueError("max_kv_indices must be positive")
-        device = model.device
         big = self.sizes[-1]
         self.max_batch, self.max_kv_indices = big, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
-        self._offsets = {"input_ids": 0, "positions": big, "out_slots": 2 * big, "kv_indptr": 3 * big}
-        self._kv_start = 4 * big + 1
-        total = self._kv_start + max_kv_indices
-        self._device_buf = torch.zeros(total, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self._host_buf = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
-        self._host = self._host_buf.numpy()  # NOTE: shares memory with the pinned tensor
+        self._inputs = StaticInputs({"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1,
+                                     "kv_indices": max_kv_indices}, model.device)  # fmt: skip
         self._outputs: dict[int, torch.Tensor] = {}
         self._replays: dict[int, Callable[[], None]] = {}
         backend = backend or CudaGraphBackend()
@@ -115,19 +146,16 @@ class DecodeGraphRunner:
             "decode graphs for batch sizes %s captured in %.1f s", self.sizes, time.perf_counter() - started
         )
 
-    def _view(self, name: str, length: int) -> torch.Tensor:
-        start = self._offsets[name]
-        return self._device_buf[start : start + length]
-
     def _static_batch(self, size: int) -> ForwardBatch:
+        view = self._inputs.view
         return ForwardBatch(
             mode="decode",
-            input_ids=self._view("input_ids", size),
-            positions=self._view("positions", size),
-            out_slots=self._view("out_slots", size),
-            qo_indptr=torch.arange(size + 1, dtype=torch.int32, device=self._device_buf.device),
-            kv_indptr=self._view("kv_indptr", size + 1),
-            kv_indices=self._device_buf[self._kv_start :],
+            input_ids=view("input_ids", size),
+            positions=view("positions", size),
+            out_slots=view("out_slots", size),
+            qo_indptr=torch.arange(size + 1, dtype=torch.int32, device=self._inputs.device_buf.device),
+            kv_indptr=view("kv_indptr", size + 1),
+            kv_indices=view("kv_indices"),
         )
 
     def _fill(
@@ -139,24 +167,14 @@ class DecodeGraphRunner:
         kv_indptr: np.ndarray,
         kv_indices: np.ndarray,
     ) -> None:
-        """Write a step of ``len(input_ids)`` requests, padded to ``size``, into the host buffer and
-        copy its used prefix to the device."""
-        h, o, n = self._host, self._offsets, len(input_ids)
-        for name, values, pad in (
-            ("input_ids", input_ids, 0),
-            ("positions", positions, 0),
-            ("out_slots", out_slots, self.scratch_slot),
-        ):
-            h[o[name] : o[name] + n] = values
-            h[o[name] + n : o[name] + size] = pad
-        ptr = o["kv_indptr"]
-        h[ptr : ptr + n + 1] = kv_indptr
-        h[ptr + n + 1 : ptr + size + 1] = kv_indptr[-1]  # padded rows: zero slots
-        h[self._kv_start : self._kv_start + len(kv_indices)] = kv_indices
-        used = self._kv_start + len(kv_indices)
-        # NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
-        # sampled tokens (a device sync) before it builds the next step.
-        self._device_buf[:used].copy_(self._host_buf[:used], non_blocking=True)
+        """Write a step of ``len(input_ids)`` requests, padded to ``size``, and copy it to the device."""
+        put = self._inputs.put
+        put("input_ids", input_ids, size)
+        put("positions", positions, size)
+        put("out_slots", out_slots, size, self.scratch_slot)
+        put("kv_indptr", kv_indptr, size + 1, int(kv_indptr[-1]))  # padded rows: zero slots
+        put("kv_indices", kv_indices)
+        self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (

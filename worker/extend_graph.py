@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.cuda_graph import CudaGraphBackend, GraphBackend
+from worker.cuda_graph import CudaGraphBackend, GraphBackend, StaticInputs
 from worker.forward_batch import ForwardBatch
 from worker.request import ScheduledBatch
 
@@ -66,18 +66,8 @@ class ExtendGraphRunner:
         big, self.max_requests, self.max_kv_indices = self.sizes[-1], max_requests, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
         rows = self._requests(big) + 1
-        self._offsets = {
-            "input_ids": 0,
-            "positions": big,
-            "out_slots": 2 * big,
-            "qo_indptr": 3 * big,
-            "kv_indptr": 3 * big + rows,
-        }
-        self._kv_start = 3 * big + 2 * rows
-        total = self._kv_start + max_kv_indices
-        self._device_buf = torch.zeros(total, dtype=torch.int64, device=model.device)
-        self._host_buf = torch.zeros(total, dtype=torch.int64, pin_memory=model.device.type == "cuda")
-        self._host = self._host_buf.numpy()  # NOTE: shares memory with the pinned tensor
+        self._inputs = StaticInputs({"input_ids": big, "positions": big, "out_slots": big, "qo_indptr": rows,
+                                     "kv_indptr": rows, "kv_indices": max_kv_indices}, model.device)  # fmt: skip
         self.kinds = ("last", "all") if all_logits else ("last",)
         self._replays: dict[tuple[int, str], Callable[[], None]] = {}
         self._outputs: dict[tuple[int, str], torch.Tensor] = {}
@@ -102,20 +92,16 @@ class ExtendGraphRunner:
         """Most requests a graph of ``size`` tokens takes (each scheduled request has a new token)."""
         return min(size, self.max_requests)
 
-    def _view(self, name: str, length: int) -> torch.Tensor:
-        start = self._offsets[name]
-        return self._device_buf[start : start + length]
-
     def _static_batch(self, size: int, kind: str) -> ForwardBatch:
-        rows = self._requests(size)
+        rows, view = self._requests(size), self._inputs.view
         return ForwardBatch(
             mode="extend",
-            input_ids=self._view("input_ids", size),
-            positions=self._view("positions", size),
-            out_slots=self._view("out_slots", size),
-            qo_indptr=self._view("qo_indptr", rows + 1),
-            kv_indptr=self._view("kv_indptr", rows + 1),
-            kv_indices=self._device_buf[self._kv_start :],
+            input_ids=view("input_ids", size),
+            positions=view("positions", size),
+            out_slots=view("out_slots", size),
+            qo_indptr=view("qo_indptr", rows + 1),
+            kv_indptr=view("kv_indptr", rows + 1),
+            kv_indices=view("kv_indices"),
             return_all_logits=kind == "all",
             max_extend_len=size,  # NOTE: the grid covers the whole graph; shorter requests exit early
         )
@@ -133,24 +119,15 @@ class ExtendGraphRunner:
         """Write a step of ``len(input_ids)`` tokens over ``len(qo_indptr) - 1`` requests, padded to
         ``size`` tokens (owned by no request) and the graph's request rows (empty ones), into the host
         buffer, and copy its used part to the device."""
-        h, o, n = self._host, self._offsets, len(input_ids)
-        for name, values, pad in (
-            ("input_ids", input_ids, 0),
-            ("positions", positions, 0),
-            ("out_slots", out_slots, self.scratch_slot),
-        ):
-            h[o[name] : o[name] + n] = values
-            h[o[name] + n : o[name] + size] = pad
-        b, rows = len(qo_indptr) - 1, self._requests(size)
-        for name, indptr in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
-            start = o[name]
-            h[start : start + b + 1] = indptr
-            h[start + b + 1 : start + rows + 1] = indptr[-1]  # empty rows: no new tokens, no prefix
-        h[self._kv_start : self._kv_start + len(kv_indices)] = kv_indices
-        used = self._kv_start + len(kv_indices)
-        # NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
-        # sampled tokens (a device sync) before it builds the next step.
-        self._device_buf[:used].copy_(self._host_buf[:used], non_blocking=True)
+        put, rows = self._inputs.put, self._requests(size)
+        put("input_ids", input_ids, size)
+        put("positions", positions, size)
+        put("out_slots", out_slots, size, self.scratch_slot)
+        # NOTE: empty rows past the step's requests: no new tokens, no prefix
+        put("qo_indptr", qo_indptr, rows + 1, int(qo_indptr[-1]))
+        put("kv_indptr", kv_indptr, rows + 1, int(kv_indptr[-1]))
+        put("kv_indices", kv_indices)
+        self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch, kind: str = "last") -> bool:
         """Whether a graph holds ``batch`` (an extend or verify step) with ``kind`` logits."""

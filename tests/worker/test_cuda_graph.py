@@ -55,13 +55,16 @@ def test_graph_batch_sizes():
 class Fleet:
     """Requests with prompts of different lengths prefilled into a pool; builds their decode steps."""
 
-    def __init__(self, model, device: str, lengths: list[int], seed: int = 0) -> None:
+    def __init__(
+        self, model, device: str, lengths: list[int], seed: int = 0, room: int = 8, pool_pages: int = 256
+    ) -> None:
         c = model.config
         self.model = model
-        self.pool = KVPool(256, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
+        self.pool = KVPool(pool_pages, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
         rng = np.random.default_rng(seed)
         self.tokens = [rng.integers(0, 256, n).tolist() for n in lengths]
-        self.pages = [self.pool.allocator.alloc(-(-(n + 8) // PAGE)) for n in lengths]  # room for 8 steps
+        # NOTE: pages for ``room`` more tokens each (8: eight decode steps)
+        self.pages = [self.pool.allocator.alloc(-(-(n + room) // PAGE)) for n in lengths]
         slots = [slots_for(p, 0, n, PAGE).tolist() for p, n in zip(self.pages, lengths, strict=True)]
         batch = ForwardBatch.build("extend", self.tokens, [0] * len(lengths), slots, [[] for _ in lengths],
                                    device=device)  # fmt: skip

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.test_cuda_graph import EagerReplay, clone_pool_into
+from tests.worker.test_cuda_graph import EagerReplay, Fleet, clone_pool_into
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -28,20 +28,11 @@ PAGE = 4  # tokens
 ROOM = 40  # tokens each request may add after its prompt
 
 
-class Cached:
+class Cached(Fleet):
     """Requests whose prompts are already in a pool (cached prefixes); builds extend steps of more tokens."""
 
     def __init__(self, model, device: str, lengths: list[int], seed: int = 0) -> None:
-        c = model.config
-        self.device = device
-        self.pool = KVPool(512, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
-        rng = np.random.default_rng(seed)
-        self.tokens = [rng.integers(0, 256, n).tolist() for n in lengths]
-        self.pages = [self.pool.allocator.alloc(-(-(n + ROOM) // PAGE)) for n in lengths]
-        slots = [slots_for(p, 0, n, PAGE).tolist() for p, n in zip(self.pages, lengths, strict=True)]
-        batch = ForwardBatch.build("extend", self.tokens, [0] * len(lengths), slots, [[] for _ in lengths],
-                                   device=device)  # fmt: skip
-        model(batch, self.pool)
+        super().__init__(model, device, lengths, seed, room=ROOM, pool_pages=512)
 
     def step(self, rows: list[int], new: list[list[int]], mode: str = "extend") -> ScheduledBatch:
         """Requests ``rows`` each add their ``new`` tokens after what they hold (their cached prefix)."""
