@@ -44,8 +44,9 @@ class _Body:
         self.link = link  # its ``left`` goes down as the body is read
         self.taken = 0
 
-    async def read(self, size: int) -> bytearray:
-        buf, pos = bytearray(size), 0
+    async def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` (bytes) with the body's next ``len(out)`` bytes, as they arrive."""
+        size, pos = len(out), 0
         while pos < size:
             if not self._rest:
                 chunk = await anext(self._chunks, None)
@@ -53,11 +54,10 @@ class _Body:
                     raise ValueError(f"body ended {size - pos} bytes short of what its headers announce")
                 self._rest = memoryview(chunk)
             k = min(len(self._rest), size - pos)
-            buf[pos : pos + k] = self._rest[:k]
+            out[pos : pos + k] = self._rest[:k]
             self._rest, pos = self._rest[k:], pos + k
         self.link.left -= size
         self.taken += size
-        return buf
 
     async def end(self) -> None:
         if self._rest or await anext(self._chunks, None) is not None:
@@ -276,16 +276,24 @@ class KVFetch:
                 raise
 
         writing, last = None, None
+        # NOTE: two group buffers taken in turn: group i arrives while group i - 1 is written, and the
+        # buffer of group i - 2 is free by then (its write was awaited before i - 1's was posted).
+        # np.empty: never zero-filled, only ever overwritten by the body.
+        ring = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
         try:
-            for lo in range(0, total, group):
+            for k, lo in enumerate(range(0, total, group)):
                 m = min(group, total - lo)
+                size = m * n * self.slab_token_bytes
+                if ring[k % 2].size < size:
+                    ring[k % 2] = np.empty(size, np.uint8)
+                buf = ring[k % 2][:size]
                 async with asyncio.timeout_at(deadline):
-                    buf = await body.read(m * n * self.slab_token_bytes)
+                    await body.read_into(memoryview(buf))
                     if lo + m == total:
                         await body.end()
                 if writing is not None and isinstance(done := await asyncio.wrap_future(writing), str):
                     return done
-                slabs = torch.frombuffer(buf, dtype=dtype).view(m, n, heads, dim)
+                slabs = torch.from_numpy(buf).view(dtype).view(m, n, heads, dim)
                 writing = engine.post(functools.partial(write, slabs, lo))
             last = writing
             return last
