@@ -56,6 +56,37 @@ class Served:
         self.sock.close()
 
 
+class SourceProcess:
+    """The source worker in a child process (``--source-process``), as two workers run in production:
+    no event loop, engine thread or GIL shared with the receiver. Same flags; it serves until its
+    stdin closes."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.bench_kv_transfer", *argv, "--serve-source"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        self.url = ""
+        for line in self.proc.stdout:  # NOTE: blocks until it serves (or exits)
+            if line.startswith("serving http://"):
+                self.url = line.split()[1]
+                break
+        if not self.url:
+            self.stop()
+            raise RuntimeError(f"source process did not start (exit {self.proc.returncode})")
+        self.kv = None  # its transfers' host memory is not visible from here
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 def ttft_ms(client: Any, url: str, ids: list[int], source: str | None = None) -> tuple[float, int]:
     """Wall ms of a 1-token completion of ``ids`` and the cached tokens its usage reports."""
     headers = {KV_SOURCE_HEADER: source} if source else {}
@@ -74,7 +105,7 @@ def fetch_seconds(served: Served) -> float:
 
 
 def measure(
-    source: Served, receiver: Served, lengths: list[int], reps: int, vocab: int, seed: int
+    source: Served | SourceProcess, receiver: Served, lengths: list[int], reps: int, vocab: int, seed: int
 ) -> list[dict]:
     import httpx
 
@@ -87,7 +118,9 @@ def measure(
         ttft_ms(client, receiver.url, [*warm, 2], source.url)
         for n in lengths:
             computed, fetched, local, fetch_ms, hits = [], [], [], [], []
-            source.kv.peak_held = receiver.kv.peak_held = 0
+            receiver.kv.peak_held = 0
+            if source.kv is not None:
+                source.kv.peak_held = 0
             for _ in range(reps):
                 computed.append(ttft_ms(client, receiver.url, prompts.make(n))[0])
                 shared = prompts.make(n)
@@ -104,7 +137,8 @@ def measure(
                    "ttft_fetched_ms": round(statistics.median(fetched), 2),
                    "ttft_local_hit_ms": round(statistics.median(local), 2),
                    "fetch_ms": round(statistics.median(fetch_ms), 2),
-                   "peak_held_mib": [round(x.kv.peak_held / 2**20, 2) for x in (source, receiver)]}  # fmt: skip
+                   "peak_held_mib": [None if x.kv is None else round(x.kv.peak_held / 2**20, 2)
+                                     for x in (source, receiver)]}  # fmt: skip
             row["fetch_gbs"] = round(moved / (row["fetch_ms"] / 1e3) / 1e9, 3) if row["fetch_ms"] else None
             rows.append(row)
             print(row, file=sys.stderr)
@@ -113,15 +147,16 @@ def measure(
 
 def markdown(doc: dict) -> str:
     m, p = doc["machine"], doc["params"]
+    where = "the source in its own process" if p.get("source_process") else "both workers in one process"
     lines = [f"**{p['model']} on {m['device_name']}** ({p['reps']} prompts per length, medians; KV "
-             f"{doc['kv_bytes_per_token']} bytes a token; both workers in one process)", "",
+             f"{doc['kv_bytes_per_token']} bytes a token; {where})", "",
              "| prompt tokens | KV moved (MiB) | TTFT computed (ms) | TTFT fetched (ms) | TTFT local hit (ms) "
              "| fetch (ms) | fetch GB/s | host MiB held (source, receiver) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in doc["rows"]:
         lines.append(f"| {r['prompt_tokens']} | {r['kv_mib']} | {r['ttft_computed_ms']} | {r['ttft_fetched_ms']} | "
                      f"{r['ttft_local_hit_ms']} | {r['fetch_ms']} | {r['fetch_gbs']} | "
-                     f"{', '.join(map(str, r['peak_held_mib']))} |")  # fmt: skip
+                     f"{', '.join('-' if x is None else str(x) for x in r['peak_held_mib'])} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -135,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-max-mib", type=int, default=1024,
                    help="each worker's --kv-transfer-max-mib")  # fmt: skip
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads (CPU; each worker's steps)")
+    p.add_argument("--source-process", action="store_true",
+                   help="run the source worker in its own process, as in production (its host memory "
+                   "for transfers then goes unreported)")  # fmt: skip
+    p.add_argument("--serve-source", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     p.add_argument("--quick", action="store_true", help="two short lengths (256,1024), two prompts each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON result path")
@@ -152,7 +191,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = None if args.model == "tiny" else LLAMA3_8B_SHAPE
     cfg = WorkerConfig(device=device, kv_cache_tokens=args.kv_cache_tokens, warmup_tokens=128,
                        cpu_threads=args.cpu_threads, served_model_name="bench")  # fmt: skip
-    source = Served(build_bench_engine(cfg, shape), args.kv_transfer_max_mib)
+    if args.serve_source:  # NOTE: the child of --source-process: serve until stdin closes
+        served = Served(build_bench_engine(cfg, shape), args.kv_transfer_max_mib)
+        print("serving", served.url, flush=True)
+        sys.stdin.read()
+        served.stop()
+        return 0
+    child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--source-process"]
+    source: Served | SourceProcess = (
+        SourceProcess(child_argv)
+        if args.source_process
+        else Served(build_bench_engine(cfg, shape), args.kv_transfer_max_mib)
+    )
     receiver = Served(build_bench_engine(cfg, shape), args.kv_transfer_max_mib)
     try:
         vocab = receiver.engine.tokenizer.vocab_size

@@ -249,6 +249,19 @@ def test_kv_transfer_bench_fetches_every_prompt_it_times(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 1024 |")
 
 
+def test_kv_transfer_bench_runs_the_source_in_its_own_process_when_asked(tmp_path):
+    from worker import bench_kv_transfer
+
+    out, md = tmp_path / "kv.json", tmp_path / "kv.md"
+    bench_kv_transfer.main(["--source-process", "--prompt-tokens", "256", "--reps", "1", "--out", str(out),
+                            "--markdown", str(md)])  # fmt: skip
+    doc = json.loads(out.read_text())
+    [row] = doc["rows"]
+    assert row["fetched_tokens"] == 256 and row["fetch_ms"] > 0  # fetched from the child over loopback
+    assert row["peak_held_mib"][0] is None and row["peak_held_mib"][1] > 0  # the child's is not visible
+    assert "the source in its own process" in md.read_text()
+
+
 def test_profile_groups_kernels_by_what_they_do():
     from worker.bench_profile import group_of, group_times
 
