@@ -262,6 +262,21 @@ def test_kv_transfer_bench_runs_the_source_in_its_own_process_when_asked(tmp_pat
     assert "the source in its own process" in md.read_text()
 
 
+def test_host_bench_times_decode_steps_of_a_zero_cost_forward(tmp_path, capsys):
+    from worker import bench_host
+
+    out, md = tmp_path / "host.json", tmp_path / "host.md"
+    assert bench_host.main(["--batches", "1,3", "--contexts", "32", "--steps", "8", "--out", str(out),
+                            "--markdown", str(md)]) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert [(r["batch"], r["context"]) for r in doc["rows"]] == [(1, 32), (3, 32)]
+    for r in doc["rows"]:
+        assert 6 <= r["steps"] <= 8 and r["ms_per_step"] > 0  # the window: decode steps after the warm tokens
+        assert r["us_per_request_step"] == pytest.approx(r["ms_per_step"] * 1e3 / r["batch"], rel=1e-2)
+    assert md.read_text() in capsys.readouterr().out
+    assert "| 3 |" in md.read_text()
+
+
 def test_profile_groups_kernels_by_what_they_do():
     from worker.bench_profile import group_of, group_times
 

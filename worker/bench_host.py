@@ -1,0 +1,143 @@
+"""The engine's host time per decode step: `python -m worker.bench_host`.
+
+The real scheduler, radix cache, detokenizers, metrics and output delivery around a forward that
+costs nothing (``--engine sim`` with every cost at 0): B requests with C-token prompts decode together,
+and once every request has its first token, the wall time per decode step is what the engine's own
+Python spends per step. The engine does not overlap that work with the GPU, so a GPU decode step pays
+it on top of its kernels (worker.bench's step time against its graph replay shows the same gap).
+Sampling is not included (the sim picks tokens without logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from worker.bench_report import machine_info, write_results
+from worker.config import WorkerConfig
+from worker.sampling import SamplingParams
+
+WARM_TOKENS = 4  # decode tokens before the timed window (allocator growth, first pages)
+
+
+async def decode_window(engine: Any, batch: int, context: int, steps: int, seed: int) -> dict:
+    """B requests of ``context`` prompt tokens, ``WARM_TOKENS + steps`` tokens each; the wall time of
+    the decode steps after every request has its first WARM_TOKENS tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS + steps, ignore_eos=True)
+    warm = asyncio.Event()
+    ready = 0
+
+    async def one(i: int) -> None:
+        nonlocal ready
+        prompt = [
+            (j * 7 + i * 13 + seed) % 250 + 1 for j in range(context)
+        ]  # distinct prompts: no cache hits
+        handle = engine.submit(prompt, params)
+        got = 0
+        while True:
+            out = await handle.outputs.get()
+            if out.error is not None:
+                raise RuntimeError(out.error)
+            got += len(out.token_ids)
+            if got >= WARM_TOKENS and not warm.is_set() and got - len(out.token_ids) < WARM_TOKENS:
+                ready += 1
+                if ready == batch:
+                    warm.set()
+            if out.finish_reason is not None:
+                return
+
+    def decoded() -> int:  # NOTE: read on the engine thread, which owns the counters
+        return engine.scheduler.stats.decode_tokens
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(batch)]
+    waiting = asyncio.ensure_future(warm.wait())
+    await asyncio.wait([waiting, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    if not warm.is_set():  # NOTE: a request ended (or failed) before every one had its warm tokens
+        waiting.cancel()
+        await asyncio.gather(*tasks)  # raises a request's error
+        raise RuntimeError("a request finished before the others' warm-up tokens")
+    d0, t0 = await engine.call(decoded), time.perf_counter()
+    await asyncio.gather(*tasks)
+    elapsed, d1 = time.perf_counter() - t0, await engine.call(decoded)
+    window = (d1 - d0) / batch  # NOTE: the requests decode in lockstep: one token each per step
+    return {"batch": batch, "context": context, "steps": round(window, 1),
+            "ms_per_step": round(elapsed / window * 1e3, 4), "us_per_request_step": round(elapsed / window / batch * 1e6, 2)}  # fmt: skip
+
+
+def run(batches: list[int], contexts: list[int], steps: int, seed: int) -> list[dict]:
+    from worker.sim_engine import build_sim_engine
+
+    rows = []
+    first = True  # NOTE: the first engine also pays imports and first-use setup: run it once untimed
+    for context in contexts:
+        for batch in batches:
+            cfg = WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=0.0,
+                               sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0,
+                               kv_cache_tokens=batch * (context + WARM_TOKENS + steps + 64) + 4096,
+                               sim_context_tokens=context + WARM_TOKENS + steps + 64,
+                               max_running=max(256, batch), chunked_prefill_tokens=8192)  # fmt: skip
+            engine = build_sim_engine(cfg)
+            engine.start()
+            try:
+                if first:
+                    asyncio.run(decode_window(engine, batch, context, min(steps, 20), seed + 1))
+                    first = False
+                rows.append(asyncio.run(decode_window(engine, batch, context, steps, seed)))
+            finally:
+                engine.stop()
+            print(rows[-1], file=sys.stderr)
+    return rows
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    contexts = sorted({r["context"] for r in doc["rows"]})
+    batches = sorted({r["batch"] for r in doc["rows"]})
+    cell = {(r["batch"], r["context"]): r["ms_per_step"] for r in doc["rows"]}
+    lines = [f"Engine host time per decode step, ms (zero-cost forward; {m['cpu_model']}, {m['cpu_count']} cores, Python {m['python']}):", "",
+             "| batch | " + " | ".join(f"context {c}" for c in contexts) + " |",
+             "|---:|" + "---:|" * len(contexts)]  # fmt: skip
+    for b in batches:
+        lines.append(f"| {b} | " + " | ".join(f"{cell.get((b, c), '-')}" for c in contexts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker.bench_host", description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,16,64,128", help="requests decoding together, comma-separated")
+    p.add_argument("--contexts", default="256,2048,8192", help="prompt tokens per request, comma-separated")
+    p.add_argument("--steps", type=int, default=200, help="timed decode steps")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON result path")
+    p.add_argument("--markdown")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(x) for x in args.batches.split(",")]
+        contexts = [int(x) for x in args.contexts.split(",")]
+    except ValueError:
+        parser.error("--batches and --contexts must be comma-separated integers")
+    if args.quick:
+        batches, contexts, args.steps = [1, 4], [64, 512], 20
+    if min(batches + contexts) <= 0 or args.steps <= 0:
+        parser.error("batches, contexts and --steps must be positive")
+    started = time.perf_counter()
+    rows = run(batches, contexts, args.steps, args.seed)
+    doc = {"benchmark": "host_step", "command": "python -m worker.bench_host " + " ".join(argv or sys.argv[1:]),
+           "machine": machine_info("cpu"), "params": vars(args) | {"batches": batches, "contexts": contexts},
+           "rows": rows, "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    write_results(doc, args.out, args.markdown, markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
