@@ -123,6 +123,8 @@ def test_replayed_steps_match_eager_steps_at_every_padding(tiny, kind):
 def test_padding_writes_only_the_scratch_slot(tiny):
     cached = Cached(tiny, "cpu", [6, 11, 3])
     runner = ExtendGraphRunner(tiny, cached.pool, 32, 4, 256, backend=EagerReplay())
+    for t in cached.pool.k_cache + cached.pool.v_cache:  # NOTE: the captures wrote what padding writes again
+        t[cached.pool.scratch_slot] = 1234.5
     before = [t.clone() for t in cached.pool.k_cache + cached.pool.v_cache]
     step = cached.step([0, 2], [[65, 66, 67], [68, 69]])  # 5 tokens -> the 8-token graph: 3 padding
     logits = runner.run(step)
