@@ -96,6 +96,13 @@ def eager_logits(model, pool, step: ScheduledBatch) -> torch.Tensor:
     return model(ForwardBatch.from_step(step, pool.k_cache[0].device), pool)
 
 
+def assert_same_pool_but_scratch(got: KVPool, want: KVPool) -> None:
+    """Every slot's K and V alike in both pools, but the scratch row's (padding writes it)."""
+    real = slice(0, got.scratch_slot)
+    for g, e in zip(got.k_cache + got.v_cache, want.k_cache + want.v_cache, strict=True):
+        torch.testing.assert_close(g[real], e[real], rtol=1e-5, atol=1e-5)
+
+
 def clone_pool_into(dst: KVPool, src: KVPool) -> None:
     for d, s in zip(dst.k_cache + dst.v_cache, src.k_cache + src.v_cache, strict=True):
         d.copy_(s)
@@ -123,10 +130,7 @@ def test_replayed_steps_match_eager_steps_at_every_padding(tiny):
         want = eager_logits(tiny, eager.pool, step_e)
         assert got.shape == want.shape == (len(rows), tiny.config.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        real = slice(0, graphed.pool.scratch_slot)  # every slot but the scratch row
-        for g, e in zip(graphed.pool.k_cache + graphed.pool.v_cache, eager.pool.k_cache + eager.pool.v_cache,
-                        strict=True):  # fmt: skip
-            torch.testing.assert_close(g[real], e[real], rtol=1e-5, atol=1e-5)
+        assert_same_pool_but_scratch(graphed.pool, eager.pool)
 
 
 def test_padded_rows_write_only_the_scratch_slot(tiny):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.test_cuda_graph import EagerReplay, Fleet, clone_pool_into
+from tests.worker.test_cuda_graph import EagerReplay, Fleet, assert_same_pool_but_scratch, clone_pool_into
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -114,10 +114,7 @@ def test_replayed_steps_match_eager_steps_at_every_padding(tiny, kind):
             got.shape == want.shape == (len(rows) if kind == "last" else sum(counts), tiny.config.vocab_size)
         )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        real = slice(0, graphed.pool.scratch_slot)  # every slot but the scratch row
-        for g, e in zip(graphed.pool.k_cache + graphed.pool.v_cache, eager.pool.k_cache + eager.pool.v_cache,
-                        strict=True):  # fmt: skip
-            torch.testing.assert_close(g[real], e[real], rtol=1e-5, atol=1e-5)
+        assert_same_pool_but_scratch(graphed.pool, eager.pool)
 
 
 def test_padding_writes_only_the_scratch_slot(tiny):
