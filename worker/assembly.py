@@ -302,6 +302,7 @@ def build_engine(cfg: Any) -> Engine:
     import torch
 
     from worker.model import load_model
+    from worker.model.loader import model_dtype
 
     if cfg.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -314,7 +315,7 @@ def build_engine(cfg: Any) -> Engine:
     else:
         if device.type == "cpu":
             tune_cpu_process(cfg.cpu_threads)
-        loaded = load_model(cfg.model, device)
+        loaded = load_model(cfg.model, device, model_dtype(cfg.dtype, device))
         pool = make_kv_pool(cfg, loaded.model, device)
         host = host_tier(cfg, pool)
     mc = loaded.config

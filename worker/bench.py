@@ -111,20 +111,17 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
     return model
 
 
-def bench_model(name: str, device: str) -> Any:
+def bench_model(name: str, device: str, dtype: str = "auto") -> Any:
     """The model a step benchmark times: the built-in tiny model, or the Llama-3-8B shape with random
-    weights in the device's default dtype."""
+    weights; in ``dtype`` (a --dtype value: "auto" is the device's default)."""
     import torch
 
     from worker.model import load_model
-    from worker.model.loader import default_dtype
+    from worker.model.loader import model_dtype
 
     dev = torch.device(device)
-    return (
-        load_model("tiny", dev).model
-        if name == "tiny"
-        else random_llama(LLAMA3_8B_SHAPE, dev, default_dtype(dev))
-    )
+    dt = model_dtype(dtype, dev)
+    return load_model("tiny", dev, dt).model if name == "tiny" else random_llama(LLAMA3_8B_SHAPE, dev, dt)
 
 
 def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = None) -> Engine:
@@ -140,14 +137,14 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
         tune_cpu_process,
     )
     from worker.kv_pool import KVPool
-    from worker.model.loader import default_dtype
+    from worker.model.loader import model_dtype
 
     if model_config is None:
         return build_engine(cfg)
     device = torch.device(cfg.device)
     if device.type == "cpu":
         tune_cpu_process(cfg.cpu_threads)
-    dtype = default_dtype(device)
+    dtype = model_dtype(cfg.dtype, device)
     model = random_llama(model_config, device, dtype)
     mc = model_config
     page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)

@@ -23,7 +23,7 @@ from typing import Any
 
 from worker.bench import LLAMA3_8B_SHAPE, REQUEST_TIMEOUT_S, Prompts, build_bench_engine
 from worker.bench_report import bench_device, machine_info, median_ms, write_results
-from worker.config import WorkerConfig
+from worker.config import DTYPES, WorkerConfig
 from worker.sampling import SamplingParams
 
 
@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=256, help="end to end: prompt length")
     ap.add_argument("--max-tokens", type=int, default=256, help="end to end: tokens generated per request")
     ap.add_argument("--spec-tokens", type=int, default=4, help="end to end: drafts per step when on")
+    ap.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                    help="the model's dtype (auto: bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
     ap.add_argument("--cpu-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -237,12 +239,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = bench_device(ap, a.device, a.model, a.cpu_threads)
     t0 = time.perf_counter()
     shape = None if a.model == "tiny" else LLAMA3_8B_SHAPE
-    model = bench_model(a.model, device)
+    model = bench_model(a.model, device, a.dtype)
     costs = step_costs(model, torch.device(device), batches, drafts, a.context, a.reps)
     vocab = 256 if shape is None else model.config.vocab_size
     del model
     prompts = [Prompts(vocab, seed=i).make(a.prompt_tokens) for i in range(a.requests)]
-    cfg = WorkerConfig(model="tiny", device=device, cpu_threads=a.cpu_threads, warmup_tokens=0,
+    cfg = WorkerConfig(model="tiny", device=device, dtype=a.dtype, cpu_threads=a.cpu_threads, warmup_tokens=0,
                        served_model_name=None if shape is None else a.model,
                        kv_cache_tokens=a.requests * (a.prompt_tokens + a.max_tokens + 64) * 2)  # fmt: skip
     runs = []
@@ -253,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs += [off, on]
     params = {"model": a.model, "device": device, "batches": batches, "drafts": drafts, "context": a.context,
               "reps": a.reps, "requests": a.requests, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-              "spec_tokens": a.spec_tokens, "cpu_threads": a.cpu_threads, "quick": a.quick}  # fmt: skip
+              "spec_tokens": a.spec_tokens, "dtype": a.dtype, "cpu_threads": a.cpu_threads, "quick": a.quick}  # fmt: skip
     doc = {"benchmark": "speculative", "command": " ".join(["python -m worker.bench_speculative", *argv]),
            "model": a.model, "params": params, "machine": machine_info(device), "step_cost": costs,
            "end_to_end": runs, "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Any
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
 
 
 @dataclass
@@ -22,6 +23,9 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     device: str = "auto"  # auto | cuda | cpu
+    dtype: str = (
+        "auto"  # weights, activations and KV: auto (bfloat16 on CUDA, float32 on CPU) or one of DTYPES
+    )
     block_size: int = 16  # tokens per KV page = block size of the KV events
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
@@ -88,6 +92,8 @@ class WorkerConfig:
                 parse_url(self.redis_url)  # the reading the KV publisher's client makes of it
             except ValueError as exc:
                 raise ValueError(f"--redis-url {self.redis_url!r}: {exc}") from None
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -171,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--host", str, "bind address")
     opt("--port", int, "bind port")
     opt("--device", str, "auto | cuda | cpu", choices=["auto", "cuda", "cpu"])
+    opt(
+        "--dtype",
+        str,
+        "weights, activations and KV: auto (bfloat16 on CUDA, float32 on CPU)",
+        choices=["auto", *DTYPES],
+    )
     opt("--block-size", int, "tokens per KV page (the advertised block size)")
     opt("--kv-cache-tokens", int, "KV pool size in tokens (default: --mem-fraction on CUDA, 64k on CPU)")
     opt(

@@ -242,10 +242,11 @@ def load_rank(cfg: Any, shard: Shard, channel: Channel, device: torch.device) ->
 
     from worker.assembly import make_kv_pool, tune_cpu_process
     from worker.model import load_model
+    from worker.model.loader import model_dtype
 
     if device.type == "cpu":
         tune_cpu_process(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // shard.size))
-    loaded = load_model(cfg.model, device, shard=shard)
+    loaded = load_model(cfg.model, device, model_dtype(cfg.dtype, device), shard=shard)
 
     def agree(pages: int) -> int:
         t = torch.tensor([pages], dtype=torch.int64)

@@ -38,3 +38,20 @@ def test_redis_urls_of_each_scheme_are_accepted(url):
 def test_an_unknown_log_level_is_refused(capsys):
     assert "--log-level" in refused(capsys, ["--log-level", "bogus"])
     assert parse_args(["--log-level", "DEBUG"]).log_level == "debug"
+
+
+def test_dtype_picks_the_models_dtype_and_an_unknown_one_is_refused(capsys):
+    import torch
+
+    from worker.assembly import build_engine
+    from worker.config import WorkerConfig
+
+    assert "--dtype" in refused(capsys, ["--dtype", "int8"])
+    assert parse_args([]).dtype == "auto" and parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype"):
+        WorkerConfig(dtype="fp8").validate()
+    engine = build_engine(WorkerConfig(model="tiny", device="cpu", dtype="bfloat16", kv_cache_tokens=256))
+    model = engine.executor.model  # type: ignore[attr-defined]
+    assert model.dtype == torch.bfloat16 and engine.executor.kv_pool.k_cache[0].dtype == torch.bfloat16
+    auto = build_engine(WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=256))
+    assert auto.executor.model.dtype == torch.float32  # type: ignore[attr-defined]  # CPU's default

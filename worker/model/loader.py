@@ -32,6 +32,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype of a --dtype value: "auto" is ``default_dtype(device)``."""
+    return default_dtype(device) if name == "auto" else getattr(torch, name)
+
+
 def safetensors_files(directory: str) -> list[str]:
     """The checkpoint's shard files: from model.safetensors.index.json, else every *.safetensors."""
     index = os.path.join(directory, "model.safetensors.index.json")
