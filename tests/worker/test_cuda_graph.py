@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from worker.assembly import build_engine
+from worker.bench_speculative import generate
 from worker.config import WorkerConfig
 from worker.cuda_graph import DecodeGraphRunner, graph_batch_sizes
 from worker.engine import Engine
@@ -174,18 +175,11 @@ async def test_engine_with_decode_graphs_generates_the_same_tokens():
     lengths = [3, 9, 14, 5, 11, 7]  # tokens generated: batches of 6, 5, 4, ... requests decode together
 
     async def run_all(engine: Engine) -> list[list[int]]:
-        async def one(prompt: str, n: int) -> list[int]:
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            handle = engine.submit(engine.tokenizer.encode_prompt(prompt), params)
-            tokens: list[int] = []
-            while True:
-                out = await asyncio.wait_for(handle.outputs.get(), 60)
-                assert out.error is None, out.error
-                tokens += out.token_ids
-                if out.finish_reason is not None:
-                    return tokens
+        def params(n: int) -> SamplingParams:
+            return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
-        return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths, strict=True)))
+        return await asyncio.gather(*(generate(engine, engine.tokenizer.encode_prompt(p), params(n))
+                                      for p, n in zip(prompts, lengths, strict=True)))  # fmt: skip
 
     cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=4096)
     plain, graphed = build_engine(cfg), build_engine(cfg)

@@ -6,7 +6,6 @@ only part that needs a GPU); the gpu-marked test captures real CUDA graphs."""
 
 from __future__ import annotations
 
-import asyncio
 import types
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 
 from tests.worker.test_cuda_graph import EagerReplay, Fleet, assert_same_pool_but_scratch, clone_pool_into
 from worker.assembly import build_engine
+from worker.bench_speculative import generate
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.extend_graph import ExtendGraphRunner, graph_token_sizes
@@ -153,21 +153,9 @@ def test_steps_a_graph_cannot_hold_run_eagerly(tiny):
 
 
 async def run_all(engine: Engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    async def one(prompt: str) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        handle = engine.submit(engine.tokenizer.encode_prompt(prompt), params)
-        tokens: list[int] = []
-        while True:
-            out = await asyncio.wait_for(handle.outputs.get(), 60)
-            assert out.error is None, out.error
-            tokens += out.token_ids
-            if out.finish_reason is not None:
-                return tokens
-
-    results = []
-    for prompt in prompts:  # one at a time: each later prompt finds the earlier ones' prefix cached
-        results.append(await one(prompt))
-    return results
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # NOTE: one at a time: each later prompt finds the earlier ones' prefix cached
+    return [await generate(engine, engine.tokenizer.encode_prompt(p), params) for p in prompts]
 
 
 async def test_engine_with_extend_graphs_generates_the_same_tokens():
