@@ -25,43 +25,20 @@ def warps_for(elements: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Out, stride_x, stride_o, eps, H: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < H
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+def _store_rms_normed(Out, row, stride_o, x, W, offs, mask, eps, H: tl.constexpr):
+    """Row ``row`` of Out := x / rms(x) * W (x: the row in fp32)."""
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
     tl.store(Out + row * stride_o + offs, (x * inv_rms * w).to(Out.dtype.element_ty), mask=mask)
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [..., H] -> x / rms(x) * weight [H] over the last dim, in x's dtype; ``out`` (contiguous, x's
-    shape and dtype) may be preallocated."""
-    h = x.shape[-1]
-    if weight.shape != (h,):
-        raise ValueError(f"weight has shape {list(weight.shape)}, expected [{h}] (x's last dim)")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    weight = weight.contiguous()  # NOTE: the kernel reads it as W + offs; free when already contiguous
-    if out is not None:
-        host_checks.check_out("out", out, x, "x")
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-    x2 = x.reshape(-1, h)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out = out.view(-1, h)
-    if x2.shape[0] > 0:
-        block = triton.next_power_of_2(h)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, out, x2.stride(0), out.stride(0), eps, H=h, BLOCK=block, num_warps=warps_for(block)
-        )
-    return out.reshape(x.shape)
+@triton.jit
+def _rms_norm_kernel(X, W, Out, stride_x, stride_o, eps, H: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    _store_rms_normed(Out, row, stride_o, x, W, offs, mask, eps, H)
 
 
 @triton.jit
@@ -75,10 +52,7 @@ def _add_rms_norm_kernel(
     d = tl.load(Delta + row * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
     total = (x + d).to(Sum.dtype.element_ty)  # NOTE: the norm reads the sum as stored, as unfused code would
     tl.store(Sum + row * stride_s + offs, total, mask=mask)
-    total = total.to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(total * total, 0) / H + eps)
-    tl.store(Out + row * stride_o + offs, (total * inv_rms * w).to(Out.dtype.element_ty), mask=mask)
+    _store_rms_normed(Out, row, stride_o, total.to(tl.float32), W, offs, mask, eps, H)
 
 
 def _contiguous_out(name: str, out: torch.Tensor | None, like: torch.Tensor, like_name: str) -> torch.Tensor:
@@ -88,6 +62,34 @@ def _contiguous_out(name: str, out: torch.Tensor | None, like: torch.Tensor, lik
     host_checks.check_out(name, out, like, like_name)
     if not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+    return out
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., H] as [rows, H] with unit stride along H, after checking that the norm's weight is [H]
+    on x's device (callers pass it on contiguous: the kernels read it as W + offs)."""
+    h = x.shape[-1]
+    if weight.shape != (h,):
+        raise ValueError(f"weight has shape {list(weight.shape)}, expected [{h}] (x's last dim)")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    x2 = x.reshape(-1, h)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., H] -> x / rms(x) * weight [H] over the last dim, in x's dtype; ``out`` (contiguous, x's
+    shape and dtype) may be preallocated."""
+    h = x.shape[-1]
+    x2 = _rows(x, weight)
+    out = _contiguous_out("out", out, x, "x")
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(h)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight.contiguous(), out, x2.stride(0), h, eps, H=h, BLOCK=block, num_warps=warps_for(block)
+        )
     return out
 
 
@@ -102,17 +104,13 @@ def add_rms_norm(
     """(total, normed): total = x + delta [..., H] in x's dtype (the residual stream after a sublayer),
     normed = rms_norm(total, weight, eps) (the next sublayer's input); one pass over both inputs.
     ``out`` (total, normed) may be preallocated: contiguous, x's shape and dtype."""
-    h = x.shape[-1]
     if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
         raise ValueError(
             f"delta is {delta.dtype} {list(delta.shape)} on {delta.device}; expected x's {x.dtype} "
             f"{list(x.shape)} on {x.device}"
         )
-    if weight.shape != (h,) or weight.device != x.device:
-        raise ValueError(f"weight is {list(weight.shape)} on {weight.device}, expected [{h}] on {x.device}")
-    x2, d2 = x.reshape(-1, h), delta.reshape(-1, h)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    d2 = d2 if d2.stride(-1) == 1 else d2.contiguous()
+    h = x.shape[-1]
+    x2, d2 = _rows(x, weight), _rows(delta, weight)
     total = _contiguous_out("out[0]", None if out is None else out[0], x, "x")
     normed = _contiguous_out("out[1]", None if out is None else out[1], x, "x")
     if x2.shape[0] > 0:
