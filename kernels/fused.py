@@ -67,6 +67,16 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(cos_sin_cache, pos, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Position ``pos``'s cos and sin halves, fp32, as [1, BLOCK_HALF] rows."""
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos = tl.load(cos_sin_cache + pos * stride_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_cache + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    return cos[None, :], sin[None, :]
+
+
+@triton.jit
 def _rope_kernel(
     Q, K, Q_out, K_out, positions, cos_sin_cache,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
@@ -75,12 +85,7 @@ def _rope_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    cos = tl.load(cos_sin_cache + pos * stride_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_cache + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    cos = cos[None, :]
-    sin = sin[None, :]
+    cos, sin = _cos_sin(cos_sin_cache, pos, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(Q, Q_out, row, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
                   NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)  # fmt: skip
     _rotate_heads(K, K_out, row, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
@@ -154,6 +159,20 @@ def apply_rope(
 
 
 @triton.jit
+def _copy_heads(
+    Src, row, stride_st, stride_sh, Dst, dst_row, stride_dt, stride_dh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Dst[dst_row] := Src[row] ([heads, dim] each), converted to Dst's dtype."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    x = tl.load(Src + row * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :], mask=mask)
+    dst = Dst + dst_row * stride_dt + offs_h[:, None] * stride_dh + offs_d[None, :]
+    tl.store(dst, x.to(Dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, K_cache, V_cache, slots,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
@@ -161,15 +180,10 @@ def _store_kv_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + row * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(V + row * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k_dst = K_cache + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-    v_dst = V_cache + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
-    tl.store(k_dst, k.to(K_cache.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(V_cache.dtype.element_ty), mask=mask)
+    _copy_heads(K, row, stride_kt, stride_kh, K_cache, slot, stride_kcs, stride_kch,
+                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+    _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,
+                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
 
 
 def _store_kv_args(
@@ -224,12 +238,7 @@ def _rope_store_kv_kernel(
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row).to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    cos = tl.load(cos_sin_cache + pos * stride_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_cache + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[
-        None, :
-    ]
+    cos, sin = _cos_sin(cos_sin_cache, pos, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(Q, Q_out, row, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
                   NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF)  # fmt: skip
     first, second, mask = _rotated(
@@ -237,12 +246,8 @@ def _rope_store_kv_kernel(
     )
     _store_halves(K_out, row, stride_kot, stride_koh, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
     _store_halves(K_cache, slot, stride_kcs, stride_kch, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
-    offs_h = tl.arange(0, BLOCK_HK)
-    offs_v = tl.arange(0, BLOCK_D)
-    mask_v = (offs_h[:, None] < NUM_K_HEADS) & (offs_v[None, :] < HEAD_DIM)
-    v = tl.load(V + row * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=mask_v)
-    v_dst = V_cache + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_v[None, :]
-    tl.store(v_dst, v.to(V_cache.dtype.element_ty), mask=mask_v)
+    _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,
+                NUM_K_HEADS, HEAD_DIM, BLOCK_HK, BLOCK_D)  # fmt: skip
 
 
 def rope_store_kv(
