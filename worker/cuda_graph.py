@@ -92,6 +92,17 @@ class StaticInputs:
         self._end = 0
 
 
+def put_new_tokens(
+    inputs: StaticInputs, size: int, input_ids: np.ndarray, positions: np.ndarray, out_slots: np.ndarray,
+    scratch_slot: int,
+) -> None:  # fmt: skip
+    """A step's new tokens into ``inputs``, padded to ``size``: a padding token is token 0 at
+    position 0 whose K/V go to the pool's scratch slot (no page owns it, nothing reads it)."""
+    inputs.put("input_ids", input_ids, size)
+    inputs.put("positions", positions, size)
+    inputs.put("out_slots", out_slots, size, scratch_slot)
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch``
     (a step pads to the next size up: at most 7 wasted rows, ~1.3x the graphs of powers of two)."""
@@ -168,12 +179,9 @@ class DecodeGraphRunner:
         kv_indices: np.ndarray,
     ) -> None:
         """Write a step of ``len(input_ids)`` requests, padded to ``size``, and copy it to the device."""
-        put = self._inputs.put
-        put("input_ids", input_ids, size)
-        put("positions", positions, size)
-        put("out_slots", out_slots, size, self.scratch_slot)
-        put("kv_indptr", kv_indptr, size + 1, int(kv_indptr[-1]))  # padded rows: zero slots
-        put("kv_indices", kv_indices)
+        put_new_tokens(self._inputs, size, input_ids, positions, out_slots, self.scratch_slot)
+        self._inputs.put("kv_indptr", kv_indptr, size + 1, int(kv_indptr[-1]))  # padded rows: zero slots
+        self._inputs.put("kv_indices", kv_indices)
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.cuda_graph import CudaGraphBackend, GraphBackend, StaticInputs
+from worker.cuda_graph import CudaGraphBackend, GraphBackend, StaticInputs, put_new_tokens
 from worker.forward_batch import ForwardBatch
 from worker.request import ScheduledBatch
 
@@ -120,9 +120,7 @@ class ExtendGraphRunner:
         ``size`` tokens (owned by no request) and the graph's request rows (empty ones), into the host
         buffer, and copy its used part to the device."""
         put, rows = self._inputs.put, self._requests(size)
-        put("input_ids", input_ids, size)
-        put("positions", positions, size)
-        put("out_slots", out_slots, size, self.scratch_slot)
+        put_new_tokens(self._inputs, size, input_ids, positions, out_slots, self.scratch_slot)
         # NOTE: empty rows past the step's requests: no new tokens, no prefix
         put("qo_indptr", qo_indptr, rows + 1, int(qo_indptr[-1]))
         put("kv_indptr", kv_indptr, rows + 1, int(kv_indptr[-1]))
