@@ -37,14 +37,14 @@ async def decode_window(engine: Any, batch: int, context: int, steps: int, seed:
             (j * 7 + i * 13 + seed) % 250 + 1 for j in range(context)
         ]  # distinct prompts: no cache hits
         handle = engine.submit(prompt, params)
-        got = 0
+        got, counted = 0, False
         while True:
             out = await handle.outputs.get()
             if out.error is not None:
                 raise RuntimeError(out.error)
             got += len(out.token_ids)
-            if got >= WARM_TOKENS and not warm.is_set() and got - len(out.token_ids) < WARM_TOKENS:
-                ready += 1
+            if not counted and got >= WARM_TOKENS:
+                counted, ready = True, ready + 1
                 if ready == batch:
                     warm.set()
             if out.finish_reason is not None:
