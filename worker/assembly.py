@@ -9,7 +9,7 @@ from typing import Any
 
 from router.tokenization import PromptTokenizer
 from worker.engine import Engine
-from worker.engine_api import Executor, RequestState
+from worker.engine_api import Executor, LaunchedStep, RequestState, chainable_step
 from worker.host_cache import HostKVPool
 from worker.kv_pool import KVPool, PageAllocator
 from worker.kv_publisher import KVPublisher
@@ -76,6 +76,61 @@ class ModelExecutor:
         if len(rows) != len(batch.sample):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return self._sample(logits, [batch.requests[i] for i in rows])
+
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue a decode step on the device and return without waiting for it: the forward and
+        the sampling are enqueued, the tokens start their copy to pinned host memory. ``after``: the
+        launched step whose tokens are this step's inputs (``batch.inputs_from``; taken on the
+        device). Other steps (extend, or requests whose sampling needs more than the logits' argmax
+        or a draw: see chainable_step) run to the end here, as ``run``."""
+        import torch
+
+        from worker.sampling import make_generator, sample
+
+        if not chainable_step(batch):
+            if after is not None:
+                raise ValueError("only a chainable decode step takes its inputs from the step before")
+            return LaunchedStep(self.run(batch))
+        input_ids = None
+        if after is not None:
+            rows, tokens = batch.inputs_from, after.pending[0]
+            if rows is None or len(rows) != len(batch.requests):
+                raise ValueError("a step after another needs inputs_from, one row per request")
+            if rows[-1] == len(rows) - 1:  # NOTE: rows ascend: the first len(rows) of the step before
+                input_ids = tokens[: len(rows)]
+            else:
+                input_ids = tokens[torch.from_numpy(rows).to(tokens.device, non_blocking=True)]
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            logits = self.decode_graphs.run(batch, input_ids)
+            self.graph_steps += 1
+        else:
+            fb = self._forward_batch(batch)
+            if input_ids is not None:
+                fb.input_ids = input_ids
+            logits = self.model.forward(fb, self.kv_pool)
+        states: list[RequestState] = [r.payload for r in batch.requests]
+        for st in states:
+            if st.generator is None and st.params.seed is not None:
+                st.generator = make_generator(st.params, logits.device)
+        tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
+        host = ready = None
+        if tokens.is_cuda:  # NOTE: collect waits for this event, not for the steps queued after it
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        # NOTE: a tensor-parallel model ships its inputs to the other ranks from the host
+        return LaunchedStep(pending=(tokens, host, ready), chainable=self.tensor_parallel_size == 1)
+
+    def collect(self, launched: LaunchedStep) -> list[int]:
+        """The tokens of a launched step (waits for them)."""
+        if launched.result is not None:
+            return launched.result
+        tokens, host, ready = launched.pending
+        if ready is None:
+            return tokens.tolist()
+        ready.synchronize()
+        return host.tolist()
 
     def _sample(self, logits: Any, reqs: list[Any]) -> list[int]:
         """One token per request from its row of ``logits``: penalties and bias, the grammar's
@@ -401,6 +456,9 @@ def assemble_engine(
     )
     # NOTE: the cost model compiles nothing, so a simulated worker serves at once
     warmup = 0 if simulated else cfg.warmup_tokens
+    overlap = getattr(cfg, "overlap_schedule", "auto")
+    if overlap == "auto":  # NOTE: only an asynchronous device gains: on the CPU a step runs at launch
+        overlap = "on" if str(getattr(executor, "device", "")).startswith("cuda") else "off"
     return Engine(
         executor,
         allocator,
@@ -414,4 +472,5 @@ def assemble_engine(
         warmup,
         adapters,
         cfg.stall_timeout_s,
+        overlap == "on",
     )

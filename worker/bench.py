@@ -79,6 +79,7 @@ class BenchParams:
     seed: int
     quick: bool
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
+    overlap_schedule: str = "auto"  # decode steps scheduled while the one before runs (auto: on CUDA)
 
 
 class IdTokenizer:
@@ -240,10 +241,12 @@ async def measure_decode(
     if steps == 0 or end <= start:
         raise RuntimeError(f"no decode step with all {batch} requests running; raise --decode-steps")
     window = end - start  # s
-    counted = engine.snapshot().decode_tokens - before.decode_tokens  # whole run, incl. outside the window
+    after = engine.snapshot()
+    counted = after.decode_tokens - before.decode_tokens  # whole run, incl. outside the window
     return {"batch": batch, "window_steps": steps, "window_tokens": batch * steps, "window_s": round(window, 5),
             "tokens_per_s": round(batch * steps / window, 1), "step_ms": round(window / steps * 1e3, 3),
-            "decode_tokens_counted": counted}  # fmt: skip
+            "decode_tokens_counted": counted, "overlap": engine.overlap,
+            "overlapped_steps": after.ahead_steps - before.ahead_steps}  # fmt: skip
 
 
 async def measure_ttft(
@@ -287,6 +290,12 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     await asyncio.gather(*(run_request(engine, x, 4) for x in warm))
     prefill = await measure_prefill(engine, p, prompts)
     decode = [await measure_decode(engine, p, prompts, b) for b in p.batches]
+    if engine.overlap:  # the same batch-1 steps one at a time: what overlapping the host work saves
+        await engine.call(lambda: setattr(engine, "overlap", False))
+        try:
+            decode.append(await measure_decode(engine, p, prompts, min(p.batches)))
+        finally:
+            await engine.call(lambda: setattr(engine, "overlap", True))
     adjusted = await measure_decode(engine, p, prompts, max(p.batches), ADJUSTED)
     ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
     if engine.cache.host is not None:  # the same 90% hit, copied back from host memory
@@ -335,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CUDA: extend steps of up to N new tokens replay captured graphs (0 = eager)")  # fmt: skip
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the tiny model over N ranks (CPU processes, or GPUs cuda:0..N-1)")  # fmt: skip
+    ap.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
+                    help="schedule each decode step while the one before runs (auto: on CUDA); when on, "
+                         "the smallest batch is also timed one step at a time")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -374,7 +386,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        else args.host_cache_tokens,
                        cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_extend_tokens=args.cuda_graph_extend_tokens,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
-                       tensor_parallel_size=args.tensor_parallel_size, **sizes)  # fmt: skip
+                       tensor_parallel_size=args.tensor_parallel_size, overlap_schedule=args.overlap_schedule,
+                       **sizes)  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:
@@ -386,7 +399,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        host_cache_tokens=p.host_cache_tokens,
                        served_model_name=None if p.model == "tiny" else p.model,
                        cuda_graph_max_bs=p.cuda_graph_max_bs, cuda_graph_extend_tokens=p.cuda_graph_extend_tokens,
-                       tensor_parallel_size=p.tensor_parallel_size,
+                       tensor_parallel_size=p.tensor_parallel_size, overlap_schedule=p.overlap_schedule,
                        max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
     engine = build_bench_engine(cfg, None if p.model == "tiny" else LLAMA3_8B_SHAPE)

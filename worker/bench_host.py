@@ -3,9 +3,13 @@
 The real scheduler, radix cache, detokenizers, metrics and output delivery around a forward that
 costs nothing (``--engine sim`` with every cost at 0): B requests with C-token prompts decode together,
 and once every request has its first token, the wall time per decode step is what the engine's own
-Python spends per step. The engine does not overlap that work with the GPU, so a GPU decode step pays
-it on top of its kernels (worker.bench's step time against its graph replay shows the same gap).
+Python spends per step. One step at a time (``--overlap off``), a GPU decode step pays it on top of
+its kernels (worker.bench's step time against its graph replay shows the same gap).
 Sampling is not included (the sim picks tokens without logits).
+
+``--forward-ms F`` models a device that takes F ms per decode step (the sim queues a chained step
+behind the running one, as a CUDA stream does); with ``--overlap on`` the engine schedules each
+decode step while the one before runs, so a step takes max(F, host) instead of F + host.
 """
 
 from __future__ import annotations
@@ -68,41 +72,52 @@ async def decode_window(engine: Any, batch: int, context: int, steps: int, seed:
             "ms_per_step": round(elapsed / window * 1e3, 4), "us_per_request_step": round(elapsed / window / batch * 1e6, 2)}  # fmt: skip
 
 
-def run(batches: list[int], contexts: list[int], steps: int, seed: int) -> list[dict]:
+def run(
+    batches: list[int], contexts: list[int], steps: int, seed: int, forward_ms: float = 0.0,
+    overlaps: Sequence[str] = ("off",),
+) -> list[dict]:  # fmt: skip
     from worker.sim_engine import build_sim_engine
 
     rows = []
     first = True  # NOTE: the first engine also pays imports and first-use setup: run it once untimed
     for context in contexts:
         for batch in batches:
-            cfg = WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=0.0,
-                               sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0,
-                               kv_cache_tokens=batch * (context + WARM_TOKENS + steps + 64) + 4096,
-                               sim_context_tokens=context + WARM_TOKENS + steps + 64,
-                               max_running=max(256, batch), chunked_prefill_tokens=8192)  # fmt: skip
-            engine = build_sim_engine(cfg)
-            engine.start()
-            try:
-                if first:
-                    asyncio.run(decode_window(engine, batch, context, min(steps, 20), seed + 1))
-                    first = False
-                rows.append(asyncio.run(decode_window(engine, batch, context, steps, seed)))
-            finally:
-                engine.stop()
-            print(rows[-1], file=sys.stderr)
+            for overlap in overlaps:
+                cfg = WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=forward_ms,
+                                   sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0,
+                                   kv_cache_tokens=batch * (context + WARM_TOKENS + steps + 64) + 4096,
+                                   sim_context_tokens=context + WARM_TOKENS + steps + 64,
+                                   max_running=max(256, batch), chunked_prefill_tokens=8192,
+                                   overlap_schedule=overlap)  # fmt: skip
+                engine = build_sim_engine(cfg)
+                engine.start()
+                try:
+                    if first:
+                        asyncio.run(decode_window(engine, batch, context, min(steps, 20), seed + 1))
+                        first = False
+                    row = asyncio.run(decode_window(engine, batch, context, steps, seed))
+                    stats = engine.scheduler.stats  # NOTE: the engine thread is idle now
+                    row |= {"overlap": overlap, "forward_ms": forward_ms, "ahead_steps": stats.ahead_steps}
+                    rows.append(row)
+                finally:
+                    engine.stop()
+                print(rows[-1], file=sys.stderr)
     return rows
 
 
 def markdown(doc: dict) -> str:
     m = doc["machine"]
-    contexts = sorted({r["context"] for r in doc["rows"]})
-    batches = sorted({r["batch"] for r in doc["rows"]})
-    cell = {(r["batch"], r["context"]): r["ms_per_step"] for r in doc["rows"]}
-    lines = [f"Engine host time per decode step, ms (zero-cost forward; {m['cpu_model']}, {m['cpu_count']} cores, Python {m['python']}):", "",
-             "| batch | " + " | ".join(f"context {c}" for c in contexts) + " |",
-             "|---:|" + "---:|" * len(contexts)]  # fmt: skip
-    for b in batches:
-        lines.append(f"| {b} | " + " | ".join(f"{cell.get((b, c), '-')}" for c in contexts) + " |")
+    rows = doc["rows"]
+    contexts = sorted({r["context"] for r in rows})
+    keys = sorted({(r["batch"], r.get("overlap", "off")) for r in rows})
+    cell = {(r["batch"], r.get("overlap", "off"), r["context"]): r["ms_per_step"] for r in rows}
+    forward = max((r.get("forward_ms", 0.0) for r in rows), default=0.0)
+    what = f"a modelled {forward} ms device step" if forward else "zero-cost forward"
+    lines = [f"Engine time per decode step, ms ({what}; {m['cpu_model']}, {m['cpu_count']} cores, Python {m['python']}):", "",
+             "| batch | overlap | " + " | ".join(f"context {c}" for c in contexts) + " |",
+             "|---:|---|" + "---:|" * len(contexts)]  # fmt: skip
+    for b, o in keys:
+        lines.append(f"| {b} | {o} | " + " | ".join(f"{cell.get((b, o, c), '-')}" for c in contexts) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,16,64,128", help="requests decoding together, comma-separated")
     p.add_argument("--contexts", default="256,2048,8192", help="prompt tokens per request, comma-separated")
     p.add_argument("--steps", type=int, default=200, help="timed decode steps")
+    p.add_argument("--forward-ms", type=float, default=0.0, help="modelled device time per decode step (ms)")
+    p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                   help="schedule each decode step while the one before runs (--overlap-schedule)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON result path")
@@ -130,8 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches, contexts, args.steps = [1, 4], [64, 512], 20
     if min(batches + contexts) <= 0 or args.steps <= 0:
         parser.error("batches, contexts and --steps must be positive")
+    if args.forward_ms < 0:
+        parser.error("--forward-ms must be >= 0")
     started = time.perf_counter()
-    rows = run(batches, contexts, args.steps, args.seed)
+    overlaps = ("off", "on") if args.overlap == "both" else (args.overlap,)
+    rows = run(batches, contexts, args.steps, args.seed, args.forward_ms, overlaps)
     doc = {"benchmark": "host_step", "command": "python -m worker.bench_host " + " ".join(argv or sys.argv[1:]),
            "machine": machine_info("cpu"), "params": vars(args) | {"batches": batches, "contexts": contexts},
            "rows": rows, "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip

@@ -45,7 +45,7 @@ def decode_floor(
 ) -> dict | None:
     """The batch-1 decode step against weight bytes / measured bandwidth (None without a batch-1 row);
     with ``replay_ms`` (the step's captured forward replayed alone) also the GPU's share of it."""
-    row = next((d for d in decode if d["batch"] == 1), None)
+    row = next((d for d in decode if d["batch"] == 1), None)  # NOTE: the engine as configured (overlap)
     if row is None:
         return None
     weight_bytes = decode_weight_bytes(model)
@@ -84,7 +84,12 @@ def markdown_table(doc: dict) -> str:
     rows = [(f"prefill, {p['prefill_prompts']} x {p['prompt_tokens']}-token prompts, no cache",
              f"{doc['prefill']['tokens_per_s']:,.0f}", "tokens/s")]  # fmt: skip
     for d in doc["decode"]:
-        rows.append((f"decode, batch {d['batch']} ({p['decode_prompt_tokens']}-token prompts)",
+        how = (
+            ""
+            if d.get("overlap", True) or not any(x.get("overlap") for x in doc["decode"])
+            else ", one step at a time"
+        )
+        rows.append((f"decode, batch {d['batch']} ({p['decode_prompt_tokens']}-token prompts{how})",
                      f"{d['tokens_per_s']:,.0f}", f"tokens/s ({d['step_ms']:.2f} ms/step)"))  # fmt: skip
     adj = doc.get("decode_adjusted")
     if adj:

@@ -35,6 +35,8 @@ class WorkerConfig:
     cuda_graph_extend_tokens: int = (
         256  # extend/verify steps of up to this many new tokens replay graphs; 0 = off
     )
+    # schedule the next decode step while the current one runs: auto (on CUDA) | on | off
+    overlap_schedule: str = "auto"
     chunked_prefill_tokens: int = 2048  # prompt tokens per prefill step
     schedule_policy: str = "lpm"  # lpm | fcfs
     max_wait_s: float = 5.0  # LPM age bound: a request queued longer goes first
@@ -221,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "CUDA: prefill and verify steps of up to N new tokens (cache hits' short prefills, speculative "
         "decoding) replay captured graphs (0 = off)",
+    )
+    opt(
+        "--overlap-schedule",
+        str,
+        "queue the next decode step on the device before the current one's tokens are back, so "
+        "scheduling, output delivery and input copies overlap the forward: auto (on CUDA), on, off",
+        choices=["auto", "on", "off"],
     )
     opt("--chunked-prefill-tokens", int, "prompt tokens per prefill step")
     opt("--schedule-policy", str, "lpm (longest cached prefix first) or fcfs", choices=["lpm", "fcfs"])

@@ -67,7 +67,12 @@ class StaticInputs:
         for name, length in lengths.items():
             self.offsets[name], total = total, total + length
         self.device_buf = torch.zeros(total, dtype=torch.int64, device=device)
-        self._host_buf = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # NOTE: two host mirrors, used in turn: a step may be filled while the one before is still
+        # queued on the device (a step scheduled ahead), its copy from the other mirror not yet done
+        self._mirrors = [
+            torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
+        ]
+        self._host_buf = self._mirrors[0]
         self._host = self._host_buf.numpy()  # NOTE: shares memory with the pinned tensor
         self._end = 0  # the written prefix since the last upload
 
@@ -85,11 +90,14 @@ class StaticInputs:
         self._end = max(self._end, end)
 
     def upload(self) -> None:
-        """Copy what ``put`` wrote to the device.
-        NOTE: non_blocking from pinned memory is safe to reuse next step: the engine waits for the
-        sampled tokens (a device sync) before it builds the next step."""
+        """Copy what ``put`` wrote to the device, then switch to the other mirror.
+        NOTE: non_blocking from pinned memory: the mirror is written again two steps later, and the
+        engine waits for a step's tokens before it fills the step after next, so its copy is done.
+        A step's graph reads only what its own ``put`` calls wrote, so the switch loses nothing."""
         self.device_buf[: self._end].copy_(self._host_buf[: self._end], non_blocking=True)
         self._end = 0
+        self._host_buf = self._mirrors[1] if self._host_buf is self._mirrors[0] else self._mirrors[0]
+        self._host = self._host_buf.numpy()
 
 
 def put_new_tokens(
@@ -201,11 +209,14 @@ class DecodeGraphRunner:
         (the last step's inputs): for timing the GPU side of a step alone (worker.bench)."""
         return self._replays[size]
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of a decode step. NOTE: a view of the graph's output buffer,
-        valid until the next replay; the executor samples from it before building the next step."""
+    def run(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of a decode step; ``input_ids``: its new tokens on the device
+        (from the step before), instead of ``batch.input_ids``. NOTE: a view of the graph's output
+        buffer, valid until the next replay; the executor enqueues its sampling before that."""
         n = len(batch.requests)
         size = self.padded_size(n)
         self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.kv_indptr, batch.kv_indices)
+        if input_ids is not None:
+            self._inputs.view("input_ids", n).copy_(input_ids)
         self._replays[size]()
         return self._outputs[size][:n]

@@ -27,6 +27,7 @@ from router.tokenization import PromptTokenizer
 from worker.engine_api import (
     EngineDeadError,
     Executor,
+    LaunchedStep,
     PromptTooLongError,
     RequestHandle,
     RequestOutput,
@@ -61,8 +62,13 @@ class Engine:
         warmup_tokens: int = 0,
         adapter_names: Sequence[str] = (),
         stall_timeout_s: float = 120.0,
+        overlap: bool = False,
     ) -> None:
         self.executor = executor
+        # NOTE: an executor with launch/collect runs a step asynchronously; with ``overlap`` the engine
+        # keeps the next decode step queued behind the running one (see _advance)
+        self.overlap = overlap
+        self._running: tuple[ScheduledBatch, LaunchedStep] | None = None  # launched, not committed
         self.allocator = allocator
         self.cache = cache
         self.scheduler = Scheduler(scheduler_config, allocator, cache)
@@ -229,14 +235,16 @@ class Engine:
             self.publisher.publish([], [], cleared=True, force=True)  # seq 0: a new, empty cache
             while not self._stopping:
                 self.busy_since = None
-                self._drain_inbox(block=not self.scheduler.has_work())
+                self._drain_inbox(block=self._running is None and not self.scheduler.has_work())
                 if self._stopping:
                     break
                 if self.busy_since is None:
                     self.busy_since = time.monotonic()
-                batch = self.scheduler.schedule()
-                if batch is not None:
-                    self._step(batch)
+                if self._running is None:
+                    batch = self.scheduler.schedule()
+                    self._running = None if batch is None else self._launch(batch)
+                if self._running is not None:
+                    self._advance()
                 self._publish_events()
                 self._refresh()  # NOTE: before delivery, so /health after a response shows its release
                 self._flush_outbox()
@@ -288,28 +296,65 @@ class Engine:
             except Exception as exc:
                 fut.set_exception(exc)
 
-    def _step(self, batch: ScheduledBatch) -> None:
+    def _advance(self) -> None:
+        """Finish the running step. With overlap, the decode step after it is scheduled and launched
+        first (Scheduler.schedule_ahead), so the device has it queued while this thread waits for
+        the tokens, commits and delivers them, and schedules the one after."""
+        batch, launched = self._running  # type: ignore[misc]
+        self._running = None
+        if self.overlap and launched.chainable:
+            ahead = self.scheduler.schedule_ahead(batch)
+            if ahead is not None:
+                self._running = self._launch(ahead, launched)
+        self._finish(batch, launched)
+
+    def _launch(
+        self, batch: ScheduledBatch, after: LaunchedStep | None = None
+    ) -> tuple[ScheduledBatch, Any] | None:
+        """Start ``batch`` on the executor; ``after``: the launched step whose tokens are its inputs.
+        Executors without ``launch`` (and verify steps) run the whole step here."""
         try:
             if batch.mode == "verify":
-                accepted = self.executor.verify(batch)  # type: ignore[attr-defined]
-            else:
-                sampled = self.executor.run(batch)
+                return batch, LaunchedStep(self.executor.verify(batch))  # type: ignore[attr-defined]
+            launch = getattr(self.executor, "launch", None)
+            if launch is None:
+                return batch, LaunchedStep(self.executor.run(batch))
+            return batch, launch(batch, after)
         except Exception as exc:
-            log.exception("forward failed for %d requests", len(batch.requests))
-            for req in self.scheduler.fail(batch):
-                self._requests.pop(req.rid, None)
-                self._finished["error"] += 1
-                self._emit(req, RequestOutput(finish_reason="error", error=f"forward failed: {exc}",
-                                              error_status=500))  # fmt: skip
+            self._fail_step(batch, exc)
+            return None
+
+    def _finish(self, batch: ScheduledBatch, launched: LaunchedStep) -> None:
+        """Wait for ``batch``'s tokens, commit them and deliver each request's output."""
+        try:
+            result = launched.result
+            if result is None:
+                result = self.executor.collect(launched)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._fail_step(batch, exc)
             return
         now = time.monotonic()
         if batch.mode == "verify":
             sizes = [len(r.token_ids) for r in batch.requests]
-            for req, size in zip(self.scheduler.commit(batch, accepted), sizes, strict=True):
+            for req, size in zip(self.scheduler.commit(batch, result), sizes, strict=True):
                 self._on_tokens(req, now, size)
             return
-        for req in self.scheduler.commit(batch, _per_request(batch, sampled)):
+        for req in self.scheduler.commit(batch, _per_request(batch, result)):
             self._on_token(req, now)
+
+    def _step(self, batch: ScheduledBatch) -> None:
+        """Run one step to the end (no step ahead)."""
+        launched = self._launch(batch)
+        if launched is not None:
+            self._finish(*launched)
+
+    def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
+        log.exception("forward failed for %d requests", len(batch.requests))
+        for req in self.scheduler.fail(batch):
+            self._requests.pop(req.rid, None)
+            self._finished["error"] += 1
+            self._emit(req, RequestOutput(finish_reason="error", error=f"forward failed: {exc}",
+                                          error_status=500))  # fmt: skip
 
     def _warmup(self, prompt_tokens: int, output_tokens: int = 4) -> None:
         """Run one throw-away request through schedule -> forward -> commit before any client's, so
@@ -442,6 +487,7 @@ class Engine:
             host_loaded_pages=cache.loaded_pages,
             host_dropped_pages=cache.host_dropped_pages,
             verify_steps=s.verify_steps,
+            ahead_steps=s.ahead_steps,
             draft_tokens=s.draft_tokens,
             accepted_tokens=s.accepted_tokens,
             finished=dict(self._finished),

@@ -51,9 +51,37 @@ class RequestHandle:
 class Executor(Protocol):
     """Computes one scheduled step: returns one sampled token per request with ``batch.sample``.
     Executors that can check drafts (speculative decoding) also have ``verify(batch)``: a verify
-    step's accepted tokens per request."""
+    step's accepted tokens per request. Executors that run steps asynchronously also have
+    ``launch(batch, after) -> LaunchedStep`` and ``collect(LaunchedStep) -> tokens`` (what ``run``
+    returns); ``after`` is the launched step whose sampled tokens are ``batch``'s inputs
+    (``batch.inputs_from``)."""
 
     def run(self, batch: ScheduledBatch) -> list[int]: ...
+
+
+@dataclass
+class LaunchedStep:
+    """A step an executor launched: ``result`` when it ran to the end at once, else ``pending``
+    (the executor's own handle, for ``collect``). ``chainable``: a decode step may take its inputs
+    from this one's tokens before they are collected (Scheduler.schedule_ahead)."""
+
+    result: list[int] | None = None
+    pending: Any = None
+    chainable: bool = False
+
+
+def chainable_step(batch: ScheduledBatch) -> bool:
+    """Can a step be scheduled ahead of this one's tokens? Only a decode step whose requests sample
+    with nothing that reads their history or needs the logits after sampling: no penalties or
+    bias, no grammar, no logprobs."""
+    from worker.penalties import adjusts
+
+    if batch.mode != "decode":
+        return False
+    return all(
+        not adjusts(p) and p.guide is None and p.logprobs is None
+        for p in (r.payload.params for r in batch.requests)
+    )
 
 
 @dataclass

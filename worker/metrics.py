@@ -44,6 +44,7 @@ class EngineSnapshot:
     verify_steps: int = 0  # speculative decoding: decode steps that checked drafts
     draft_tokens: int = 0  # drafts proposed to those steps
     accepted_tokens: int = 0  # of those, kept
+    ahead_steps: int = 0  # decode steps scheduled while the step before ran (--overlap-schedule)
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
 
     @property
@@ -228,6 +229,8 @@ class _SnapshotCollector:
         yield counter(
             "spec_accepted_tokens", "Draft tokens the model agreed with (kept).", snap.accepted_tokens
         )
+        yield counter("overlapped_steps", "Decode steps scheduled and launched while the step before ran.",
+                      snap.ahead_steps)  # fmt: skip
         if snap.host_pages_total:
             ps = snap.page_size
             yield gauge(

@@ -103,6 +103,9 @@ class ScheduledBatch:
     kv_indptr: np.ndarray  # int32 [B+1]
     kv_indices: np.ndarray  # int64: extend, verify -> prefix slots; decode -> all slots incl. the new one
     drafts: list[list[int]] | None = None  # verify only: each request's draft tokens
+    # a step scheduled ahead: row i's input token is the one the step before sampled at row
+    # inputs_from[i] (still on the device when this step is built; input_ids holds zeros)
+    inputs_from: np.ndarray | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -128,23 +131,28 @@ class SchedulerStats:
     verify_requests: int = 0  # requests in those steps (a request per step)
     draft_tokens: int = 0  # drafts proposed to those steps
     accepted_tokens: int = 0  # of those, kept
+    ahead_steps: int = 0  # decode steps scheduled while the step before ran (Scheduler.schedule_ahead)
 
 
 def build_batch(
     mode: Literal["extend", "decode", "verify"], items: list[tuple[Request, int, int]], sample: list[bool],
-    prefix_only: bool, drafts: list[list[int]] | None = None,
+    prefix_only: bool, drafts: list[list[int]] | None = None, inputs_from: np.ndarray | None = None,
 ) -> ScheduledBatch:  # fmt: skip
     """The step computing tokens [start, end) of each (request, start, end) of ``items``: ids,
     positions and pool slots of the new tokens; each request's context slots (``prefix_only``:
     those before ``start``, else all up to ``end``); verify steps take their new tokens from
-    ``drafts``."""
+    ``drafts``; a decode step with ``inputs_from`` takes them from the step before, on the device
+    (see ScheduledBatch.inputs_from)."""
     reqs = [r for r, _, _ in items]
     starts = [st for _, st, _ in items]
     ends = [e for _, _, e in items]
     # NOTE: req.slots[p] is position p's slot; it covers every page the request holds.
     kv = [r.slots[: st if prefix_only else e] for r, st, e in items]
     if mode == "decode":  # one token each: skip per-request array building (hot path)
-        input_ids = np.fromiter((r.token_ids[st] for r, st, _ in items), np.int64, len(items))
+        if inputs_from is None:
+            input_ids = np.fromiter((r.token_ids[st] for r, st, _ in items), np.int64, len(items))
+        else:
+            input_ids = np.zeros(len(items), dtype=np.int64)
         positions = np.asarray(starts, dtype=np.int64)
         out_slots = np.fromiter((r.slots[st] for r, st, _ in items), np.int64, len(items))
         qo = np.arange(len(items) + 1, dtype=np.int32)
@@ -173,4 +181,5 @@ def build_batch(
         kv_indptr=kvp,
         kv_indices=np.concatenate(kv),
         drafts=drafts,
+        inputs_from=inputs_from,
     )

@@ -162,11 +162,9 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    index = torch.tensor(rows, device=logits.device)
+    index = _on(logits.device, rows, torch.int64)
     scores = logits.index_select(0, index).float()
-    temps = torch.tensor(
-        [_divisor(params[i].temperature) for i in rows], dtype=scores.dtype, device=logits.device
-    )
+    temps = _on(logits.device, [_divisor(params[i].temperature) for i in rows], scores.dtype)
     scores = scores / temps.unsqueeze(1)
     scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = scores.softmax(dim=-1)
@@ -177,6 +175,13 @@ def sample(
         noise[j].exponential_(generator=generators[i])
     out[index] = (probs / noise).argmax(dim=-1)
     return out
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory without waiting for the work
+    queued on the device (the step a sampled step may be queued behind: --overlap-schedule)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _divisor(temperature: float) -> float:
@@ -194,13 +199,13 @@ def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]
     vocab = scores.shape[-1]
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=scores.device)
+    k = _on(scores.device, [vocab if k == -1 else min(k, vocab) for k in top_k], torch.int64)
     drop = ranks >= k.unsqueeze(1)
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     probs = sorted_scores.softmax(dim=-1)
     # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=scores.device, dtype=probs.dtype).unsqueeze(1)
+    p = _on(scores.device, top_p, probs.dtype).unsqueeze(1)
     # NOTE: the top token is kept explicitly: a top_p that underflows float32 to 0 would drop it
     sorted_scores = sorted_scores.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)

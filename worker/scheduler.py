@@ -173,11 +173,15 @@ class Scheduler:
         """Record a finished step: K/V now cover ``ends``; sampled tokens are appended. Returns the
         requests that got a token; ``finish_reason`` is set on those that hit EOS or max_tokens
         (the caller passes them to ``finish`` after its own checks, e.g. stop strings). A verify
-        step's ``next_tokens`` holds each request's accepted tokens, a list."""
+        step's ``next_tokens`` holds each request's accepted tokens, a list. A request that ended
+        while the step ran (a step scheduled ahead: see ``schedule_ahead``) is skipped: its token
+        is dropped."""
         if batch.mode == "verify":
             return commit_verify(self.stats, batch, next_tokens)
         out: list[Request] = []
         for i, req in enumerate(batch.requests):
+            if req.finish_reason is not None:  # NOTE: ended at the step before (EOS, stop string, abort)
+                continue
             req.kv_len = batch.ends[i]
             if batch.mode == "extend":
                 self.stats.prefill_tokens += batch.ends[i] - batch.starts[i]
@@ -200,12 +204,13 @@ class Scheduler:
 
     def fail(self, batch: ScheduledBatch, reason: str = "error") -> list[Request]:
         """The step's forward failed: end its requests and release their pages (nothing from this
-        step is committed). Returns the failed requests."""
-        for req in batch.requests:
+        step is committed). Returns the failed requests; those that had already ended are not."""
+        failed = [r for r in batch.requests if r.finish_reason is None]
+        for req in failed:
             req.finish_reason = reason
             self._remove_active(req)
             self._release(req)
-        return list(batch.requests)
+        return failed
 
     # ------------------------------------------------------------------ pages
     def _ensure_free(self, n: int) -> bool:
@@ -419,6 +424,33 @@ class Scheduler:
                 items[i] = (req, start, start + 1 + len(drafts[i]))
             return build_batch("verify", items, [True] * len(items), prefix_only=True, drafts=drafts)
         return build_batch("decode", items, [True] * len(items), prefix_only=False)
+
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``batch`` (a decode step still running, not committed), or None
+        when it cannot be known before ``batch``'s tokens are: requests are waiting or prefilling
+        (the next step may be an extend), drafts may be proposed, or its pages would need a
+        retraction. Each request that ``batch`` does not finish by length decodes one position
+        further; its input token is ``batch``'s sampled token for it (row ``inputs_from[i]``),
+        which the executor takes on the device. A request that ``batch`` ends otherwise (EOS, a
+        stop string, an abort) is skipped at commit."""
+        if batch.mode != "decode" or self.waiting or self.prefilling:
+            return None
+        if self.proposer is not None and len(self.running) <= self.proposer.max_batch:
+            return None
+        live = [r.finish_reason is None and r.num_output + 1 < r.max_tokens for r in batch.requests]
+        rows = [i for i, ok in enumerate(live) if ok]
+        if not rows or len(self.running) != sum(r.finish_reason is None for r in batch.requests):
+            return None  # NOTE: every running request is in ``batch`` unless one joined since
+        ahead = [(batch.requests[i], batch.ends[i]) for i in rows]
+        need = sum(_pages_for(end + 1, self.ps) - r.pages.size for r, end in ahead)
+        if not self._ensure_free(need):
+            return None
+        for r, end in ahead:
+            self._grow(r, end + 1)
+        step = build_batch("decode", [(r, end, end + 1) for r, end in ahead], [True] * len(rows),
+                           prefix_only=False, inputs_from=np.asarray(rows, dtype=np.int64))  # fmt: skip
+        self.stats.ahead_steps += 1
+        return step
 
     def _drafts(self) -> list[list[int]] | None:
         """Each running request's draft tokens for a verify step, or None for a plain decode step:

@@ -37,6 +37,7 @@ from router.tokenization import ByteTokenizer
 from worker.assembly import assemble_engine, host_tier
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.engine_api import LaunchedStep, chainable_step
 from worker.guided import advance, allowed_mask, matcher_of
 from worker.kv_pages import read_kv, write_kv
 from worker.kv_pool import KVPool, PageAllocator
@@ -67,6 +68,7 @@ class SimExecutor:
             0
         )  # host-tier tokens copied so far (the cache's count)
         self._copied = 0
+        self._busy_until = 0.0  # monotonic s when the last launched step is done
 
     @functools.cached_property
     def kv_pool(self) -> KVPool:
@@ -96,6 +98,27 @@ class SimExecutor:
         cost_s = self.step_ms(batch) / 1000.0
         self.simulated_s += cost_s
         time.sleep(cost_s)
+        return self._tokens(batch)
+
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """A modelled device: a chainable decode step is queued behind the one before (its time
+        starts when that one's ends) and ``collect`` sleeps until it is done; other steps run now."""
+        if not chainable_step(batch):
+            return LaunchedStep(self.run(batch))
+        cost_s = self.step_ms(batch) / 1000.0
+        self.simulated_s += cost_s
+        self._busy_until = max(time.monotonic(), self._busy_until) + cost_s
+        return LaunchedStep(pending=(batch, self._busy_until), chainable=True)
+
+    def collect(self, launched: LaunchedStep) -> list[int]:
+        if launched.result is not None:
+            return launched.result
+        batch, done_at = launched.pending
+        time.sleep(max(0.0, done_at - time.monotonic()))
+        # NOTE: a step's tokens hash its context, which holds the step before's token by now
+        return self._tokens(batch)
+
+    def _tokens(self, batch: ScheduledBatch) -> list[int]:
         out = []
         for req, start, end, sample in zip(
             batch.requests, batch.starts, batch.ends, batch.sample, strict=True

@@ -161,6 +161,20 @@ def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quic
     assert "extend graphs" not in markdown_table(doc).splitlines()[0]
 
 
+def test_with_overlap_the_smallest_batch_is_also_timed_one_step_at_a_time(tmp_path):
+    out = tmp_path / "worker.json"
+    proc = run_bench(*QUICK, "--overlap-schedule", "on", "--decode-steps", "12", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert [(d["batch"], d["overlap"]) for d in doc["decode"]] == [(1, True), (3, True), (1, False)]
+    assert (
+        all(d["overlapped_steps"] > 0 for d in doc["decode"][:2])
+        and doc["decode"][2]["overlapped_steps"] == 0
+    )
+    assert doc["decode_floor"]["step_ms"] == doc["decode"][0]["step_ms"]  # NOTE: the engine as configured
+    assert "(16-token prompts, one step at a time)" in proc.stdout
+
+
 def test_llama3_shape_is_refused_on_cpu():
     proc = run_bench("--model", "llama3-8b-shape", "--device", "cpu")
     assert proc.returncode == 2

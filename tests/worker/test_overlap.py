@@ -1,0 +1,348 @@
+"""Overlapped scheduling: the decode step after a running one is scheduled and launched before the
+running one's tokens are back (Scheduler.schedule_ahead, Engine with --overlap-schedule on). The
+tokens, finish reasons and pages must be exactly those of one step at a time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.test_engine import SHARED, idle
+from tests.worker.test_scheduler import ToyModel, assert_no_leak, make, prompt, reference
+from worker.assembly import build_engine
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.request import Request, ScheduledBatch
+from worker.sampling import SamplingParams
+from worker.scheduler import Scheduler
+from worker.sim_engine import build_sim_engine
+
+
+def launch(model: ToyModel, batch: ScheduledBatch, before: list | None) -> list:
+    """The toy device runs steps in launch order; a step scheduled ahead reads its input tokens
+    from the step before's output, as the executor does on the device."""
+    if batch.inputs_from is not None:
+        assert before is not None
+        batch.input_ids[:] = np.asarray(before, dtype=np.int64)[batch.inputs_from]
+    return model.forward(batch)
+
+
+def run_overlapped(sched: Scheduler, model: ToyModel, on_step=None, max_steps: int = 10_000) -> int:
+    """Drive ``sched`` as the engine does with overlap: launch, schedule ahead, commit; returns
+    the steps run."""
+    running: tuple[ScheduledBatch, list] | None = None
+    steps = 0
+    while sched.has_work() or running is not None:
+        if running is None:
+            batch = sched.schedule()
+            if batch is None:
+                if on_step is not None:
+                    on_step()
+                continue
+            running = (batch, launch(model, batch, None))
+        batch, out = running
+        running = None
+        ahead = sched.schedule_ahead(batch)
+        if ahead is not None:
+            running = (ahead, launch(model, ahead, out))
+        for req in sched.commit(batch, out):
+            if req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+        steps += 1
+        assert steps < max_steps
+        if on_step is not None:
+            on_step()
+    return steps
+
+
+def test_a_step_ahead_decodes_one_position_further_with_the_step_befores_tokens():
+    sched, model = make()
+    a, b = Request("a", prompt(1, 9), max_tokens=5), Request("b", prompt(2, 6), max_tokens=2)
+    for r in (a, b):
+        sched.add(r)
+    first = sched.schedule()
+    assert first.mode == "extend" and sched.schedule_ahead(first) is None  # NOTE: extend: never ahead
+    sched.commit(first, model.forward(first))
+    decode = sched.schedule()
+    assert decode.mode == "decode" and decode.ends == [10, 7]
+    ahead = sched.schedule_ahead(decode)
+    # b gets its 2nd and last token from ``decode``: only a decodes ahead, at the next position
+    assert ahead is not None and ahead.requests == [a] and ahead.inputs_from.tolist() == [0]
+    assert ahead.starts == [10] and ahead.ends == [11] and ahead.positions.tolist() == [10]
+    assert ahead.kv_indices.tolist() == a.slots[:11].tolist() and ahead.out_slots.tolist() == [a.slots[10]]
+    assert sched.stats.ahead_steps == 1
+
+
+def test_nothing_is_scheduled_ahead_while_a_request_waits_or_prefills():
+    sched, model = make(chunked_prefill_tokens=4)
+    sched.add(Request("a", prompt(1, 5), max_tokens=8))
+    while not sched.running:
+        step = sched.schedule()
+        sched.commit(step, model.forward(step))
+    decode = sched.schedule()
+    assert decode.mode == "decode"
+    sched.add(Request("b", prompt(2, 12), max_tokens=4))
+    assert sched.schedule_ahead(decode) is None  # NOTE: the next step admits b (an extend)
+    sched.commit(decode, model.forward(decode))
+    step = sched.schedule()
+    assert step.mode == "extend"
+    sched.commit(step, model.forward(step))
+    assert sched.prefilling  # b's prompt is 3 chunks
+    decode = sched.schedule()
+    assert decode.mode == "decode" and sched.schedule_ahead(decode) is None
+
+
+def test_a_step_ahead_is_not_scheduled_when_its_pages_would_need_a_retraction():
+    sched, model = make(num_pages=6, decode_reserve_tokens=0)  # 24 slots
+    sched.add(Request("a", prompt(1, 11), max_tokens=40))
+    sched.add(Request("b", prompt(2, 11), max_tokens=40))
+    steps = 0
+    while sched.running or sched.prefilling or sched.waiting:
+        batch = sched.schedule()
+        if (
+            batch.mode == "decode"
+            and sched.allocator.num_free == 0
+            and any(r.kv_len + 1 >= r.pages.size * 4 for r in batch.requests)
+        ):
+            assert sched.schedule_ahead(batch) is None
+            return
+        for req in sched.commit(batch, model.forward(batch)):
+            if req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+        steps += 1
+        assert steps < 200
+    pytest.fail("the pool never ran full")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_overlapped_steps_give_the_tokens_and_pages_of_one_step_at_a_time(seed):
+    """Random prompts sharing prefixes, EOS ids, max_tokens, aborts between steps and a small pool:
+    every request's tokens are the reference's up to where it ended, and no page leaks."""
+    rng = np.random.default_rng(seed)
+    sched, model = make(num_pages=32, decode_reserve_tokens=int(rng.integers(0, 8)), max_running=6)
+    reqs = []
+    for i in range(8):
+        p = [int(rng.integers(0, 3)), 1, 2, 3] + [
+            int(rng.integers(0, 2)) for _ in range(int(rng.integers(1, 30)))
+        ]
+        stop = frozenset(int(t) for t in rng.integers(0, 200, int(rng.integers(0, 4))))
+        reqs.append(Request(str(i), p, max_tokens=int(rng.integers(1, 40)), stop_token_ids=stop))
+    pending, aborted = list(reqs), set()
+
+    def between_steps() -> None:  # NOTE: what the engine's inbox does while a step may be in flight
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop())
+        if rng.random() < 0.02 and sched.running:
+            victim = sched.running[int(rng.integers(0, len(sched.running)))]
+            aborted.add(victim.rid)
+            sched.abort(victim)
+        free, tree, owned = sched.pages_accounted()
+        assert free + tree + owned == 32
+        sched.cache.check_invariants()
+
+    while pending:
+        sched.add(pending.pop())
+        run_overlapped(sched, model, between_steps)
+    assert_no_leak(sched)
+    assert sched.stats.ahead_steps > 0
+    for req in reqs:
+        if req.rid in aborted:
+            continue
+        want = reference(req.prompt_ids, req.max_tokens)
+        ends = [i for i, t in enumerate(want) if t in req.stop_token_ids]
+        if ends:
+            want = want[: ends[0] + 1]
+        assert req.output_ids == want
+        assert req.finish_reason == ("stop" if ends else "length")
+
+
+# ---------------------------------------------------------------------------- engines
+
+
+def model_engine(overlap: str, **overrides) -> Engine:
+    cfg = WorkerConfig(
+        model="tiny", device="cpu", kv_cache_tokens=4096, overlap_schedule=overlap, **overrides
+    )
+    engine = build_engine(cfg)
+    engine.start()
+    return engine
+
+
+async def run_requests(engine: Engine, requests: list[tuple[str, SamplingParams]]) -> list[tuple]:
+    """(text, token ids, finish reason, logprobs) of requests sent together."""
+
+    async def one(text: str, sp: SamplingParams) -> tuple:
+        handle = engine.submit(engine.tokenizer.encode_prompt(text), sp)
+        chunks, tokens, logprobs = [], [], []
+        while True:
+            out = await asyncio.wait_for(handle.outputs.get(), 120)
+            assert out.error is None, out.error
+            chunks.append(out.text)
+            tokens += out.token_ids
+            logprobs.append(out.logprobs)
+            if out.finish_reason is not None:
+                return "".join(chunks), tokens, out.finish_reason, logprobs
+
+    return await asyncio.gather(*(one(t, sp) for t, sp in requests))
+
+
+def mixed_requests(stop_text: str, stop_id: int) -> list[tuple[str, SamplingParams]]:
+    return [
+        (SHARED + "one", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+        (SHARED + "two", SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)),
+        (SHARED + "three", SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)),
+        (SHARED + "four", SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_text])),
+        (SHARED + "five", SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id])),
+        (SHARED + "six", SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)),
+    ]
+
+
+async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap():
+    """Greedy and seeded requests, a stop string and a stop id that end requests while a step is
+    ahead of them, max_tokens, and a logprobs request (its steps are not chained)."""
+    off = model_engine("off")
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=40)
+        (text, _, _, _), (_, tokens, _, _) = await run_requests(
+            off, [(SHARED + "four", greedy), (SHARED + "five", greedy)]
+        )
+        stop_text = text[len(text) // 2 : len(text) // 2 + 2]
+        stop_id = next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
+        want = await run_requests(off, mixed_requests(stop_text, stop_id))
+        await idle(off)
+        assert off.scheduler.stats.ahead_steps == 0
+    finally:
+        off.stop()
+    assert want[3][2] == "stop" and want[4][2] == "stop"  # NOTE: both stops happen mid-decode
+    on = model_engine("on")
+    try:
+        got = await run_requests(on, mixed_requests(stop_text, stop_id))
+        await idle(on)
+        assert on.scheduler.stats.ahead_steps > 0
+    finally:
+        on.stop()
+    assert [g[:3] for g in got] == [w[:3] for w in want]  # text, token ids, finish reason
+    # NOTE: logprobs agree to float rounding (which requests share a step depends on arrival timing)
+    for g, w in zip(got[5][3], want[5][3], strict=True):
+        assert g[1] == w[1] and (g[0], *g[2]) == pytest.approx((w[0], *w[2]), abs=1e-4)
+
+
+async def test_an_abort_while_a_step_is_ahead_releases_every_page():
+    engine = model_engine("on")
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        handle = engine.submit(engine.tokenizer.encode_prompt(SHARED + "abort me"), long)
+        short = asyncio.ensure_future(
+            run_requests(
+                engine, [(SHARED + "keep", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))]
+            )
+        )
+        for _ in range(8):  # NOTE: both decode together by now, steps chained
+            await asyncio.wait_for(handle.outputs.get(), 60)
+        engine.abort(handle.rid)
+        ((_, tokens, reason, _),) = await short
+        assert reason == "length" and len(tokens) == 30
+        await idle(engine)
+        assert engine.scheduler.stats.ahead_steps > 0
+        assert engine.snapshot().finished.get("abort", 0) == 1
+    finally:
+        engine.stop()
+
+
+async def test_a_failed_step_while_one_is_ahead_fails_its_requests_and_the_engine_serves_on():
+    engine = model_engine("on")
+    real = engine.executor.collect
+    calls = {"n": 0}
+
+    def flaky(launched):
+        if launched.chainable:  # NOTE: a decode step, with one possibly launched behind it
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("simulated device error")
+        return real(launched)
+
+    engine.executor.collect = flaky
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        handles = [engine.submit(engine.tokenizer.encode_prompt(SHARED + w), sp) for w in ("x", "y")]
+        for h in handles:
+            while True:
+                out = await asyncio.wait_for(h.outputs.get(), 60)
+                if out.finish_reason is not None:
+                    break
+            assert out.finish_reason == "error" and out.error_status == 500
+        engine.executor.collect = real
+        ((_, tokens, reason, _),) = await run_requests(engine, [("after", sp)])
+        assert reason == "length" and len(tokens) == 20
+        await idle(engine)
+    finally:
+        engine.executor.collect = real
+        engine.stop()
+
+
+async def test_the_sim_engine_gives_the_same_tokens_with_and_without_overlap():
+    """The cost model queues a chained step behind the running one, as a device does."""
+
+    async def tokens(overlap: str) -> tuple[list, int]:
+        cfg = WorkerConfig(engine="sim", sim_decode_base_ms=1.0, sim_prefill_ms_per_token=0.0,
+                           overlap_schedule=overlap)  # fmt: skip
+        engine = build_sim_engine(cfg)
+        engine.start()
+        try:
+            sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 17)]
+            outs = await run_requests(engine, [(SHARED + str(i), p) for i, p in enumerate(sp)])
+            await idle(engine)
+            return [o[1] for o in outs], engine.scheduler.stats.ahead_steps
+        finally:
+            engine.stop()
+
+    want, none = await tokens("off")
+    got, ahead = await tokens("on")
+    assert got == want and none == 0 and ahead > 0
+    assert [len(t) for t in got] == [5, 30, 17]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_device_sync():
+    """Graphs, pinned mirrors used in turn, tokens copied on the device and an event per step: the
+    outputs equal one step at a time, and launching a chained step (greedy and sampled rows)
+    never waits for the step before."""
+    requests = [
+        (SHARED + "a", SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)),
+        (SHARED + "b", SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
+        (
+            SHARED + "c",
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, max_tokens=40, ignore_eos=True),
+        ),
+    ]
+    results = {}
+    for overlap in ("off", "on"):
+        engine = build_engine(
+            WorkerConfig(model="tiny", device="cuda", kv_cache_tokens=8192, overlap_schedule=overlap)
+        )
+        if overlap == "on":
+            real = engine.executor.launch
+
+            def strict(batch, after=None, real=real):
+                if after is None:
+                    return real(batch, after)
+                torch.cuda.set_sync_debug_mode("error")  # NOTE: a host-device sync raises
+                try:
+                    return real(batch, after)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            engine.executor.launch = strict
+        engine.start()
+        try:
+            results[overlap] = [r[:3] for r in await run_requests(engine, requests)]
+            await idle(engine)
+            results[overlap + "_ahead"] = engine.scheduler.stats.ahead_steps
+        finally:
+            engine.stop()
+    assert results["on"] == results["off"]
+    assert results["off_ahead"] == 0 and results["on_ahead"] > 0
