@@ -310,7 +310,7 @@ class Engine:
 
     def _launch(
         self, batch: ScheduledBatch, after: LaunchedStep | None = None
-    ) -> tuple[ScheduledBatch, Any] | None:
+    ) -> tuple[ScheduledBatch, LaunchedStep] | None:
         """Start ``batch`` on the executor; ``after``: the launched step whose tokens are its inputs.
         Executors without ``launch`` (and verify steps) run the whole step here."""
         try:
@@ -341,12 +341,6 @@ class Engine:
             return
         for req in self.scheduler.commit(batch, _per_request(batch, result)):
             self._on_token(req, now)
-
-    def _step(self, batch: ScheduledBatch) -> None:
-        """Run one step to the end (no step ahead)."""
-        launched = self._launch(batch)
-        if launched is not None:
-            self._finish(*launched)
 
     def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
         log.exception("forward failed for %d requests", len(batch.requests))
