@@ -20,9 +20,10 @@ def decode_rates(row: dict) -> tuple[float, float | None]:
 
 
 def decode_error(row: dict) -> float | None:
-    """The larger of the eager and replayed outputs' errors against SDPA, NaN when either is NaN (an
-    unwritten output); None when unmeasured."""
-    errors = [row[k] for k in ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa") if row.get(k) is not None]
+    """The largest of the eager, replayed and fused-merge outputs' errors against SDPA, NaN when any is
+    NaN (an unwritten output); None when unmeasured."""
+    keys = ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_fused_vs_sdpa")
+    errors = [row[k] for k in keys if row.get(k) is not None]
     return max(errors, key=lambda e: (math.isnan(e), e), default=None)
 
 
@@ -142,11 +143,12 @@ def format_markdown(result: dict) -> str:
         "Triton and SDPA timed as CUDA-graph replays (how the worker runs decode steps) where the row has"
         " them; the eager columns are single calls from Python, launch cost included. The dirty-L2 column"
         " replays Triton after a flush that writes L2 full (triton.testing.do_bench's), so the call also"
-        " writes those lines back.",
+        " writes those lines back. The fused-merge column replays Triton with the merge done by each"
+        " request's last split (DecodeConfig.fused_merge: one launch instead of two).",
         "",
         "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw "
-        "| Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| Triton, fused merge GB/s | Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["decode"]:
         triton, sdpa = decode_rates(r)
@@ -154,7 +156,7 @@ def format_markdown(result: dict) -> str:
         lines.append(
             f"| {r['batch']} | {r['context']} | {triton:,.0f} | {_fmt(sdpa, ',.0f')}{expanded} "
             f"| {_fmt(None if sdpa is None else triton / sdpa, '.2f')} | {triton / copy:.0%} "
-            f"| {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
+            f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
         )
         if "sdpa_error" in r:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}: {r['sdpa_error']}")

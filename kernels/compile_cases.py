@@ -82,6 +82,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     t = _tensors(shape)
     return [
         decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
+        decode_case(shape, dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch),
+                                               fused_merge=True), f"decode fused-merge {shape.label}"),
         extend_case(shape, extend_attention.default_config(shape.head_dim, dt, arch), f"extend {shape.label}"),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),
         (f"add_rms_norm {shape.dtype} h{shape.hidden}", {},

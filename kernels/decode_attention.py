@@ -13,6 +13,10 @@ CALLER CONTRACT, NOT CHECKED (it needs the index data: a device-to-host sync): k
 Each program owns (request, KV head, split): it reads that KV head once for all Hq // Hkv query heads
 (stacked as the rows of one tl.dot), writes a partial output and its log2-sum-exp, and a second
 kernel merges the splits. Scores, softmax and accumulation in fp32.
+With DecodeConfig.fused_merge the split kernel merges too: each program counts itself done on a
+per-(request, KV head) counter (an acq_rel atomic after a block barrier), and the program that counts
+last merges every split of its heads (reading them past L1) and resets the counter, so one launch
+does the step. The counters persist per device (zeros, reset by each call).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     split_waves: int = 2
+    fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
 
 
 def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeConfig:
@@ -92,6 +97,38 @@ def _num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
     return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), max_splits)
 
 
+@triton.jit
+def _merge_head(
+    Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    CACHE: tl.constexpr,
+):  # fmt: skip
+    """Out[req, head] := the splits' partial outputs weighted by exp2 of their log2-sum-exps (an empty
+    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < n_splits
+    lse = tl.load(Mid_lse + req * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"),
+                  cache_modifier=CACHE)  # fmt: skip
+    live = mask_s & (lse > float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # no live split at all: every weight is exp2(-inf) = 0
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    part = tl.load(
+        Mid_out + req * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        Out + req * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled split kernel serves every split
 # count, so capturing CUDA graphs for many batch sizes compiles it once, not once per count.
 @triton.jit(do_not_specialize=["num_splits"])
@@ -103,6 +140,8 @@ def _decode_split_kernel(
     kv_indices,
     Mid_out,  # [B, Hq, num_splits, D] fp32, each split normalised by its own sum
     Mid_lse,  # [B, Hq, num_splits] fp32, log2(sum exp2(score)) of the split; -inf when empty
+    Out,  # [B, Hq, D] (FUSED_MERGE only)
+    Counters,  # int32 [>= B * Hkv], zeros (FUSED_MERGE only): splits of (request, KV head) done
     qk_scale,  # sm_scale * log2(e)
     stride_qb,
     stride_qh,
@@ -115,6 +154,8 @@ def _decode_split_kernel(
     stride_ms,
     stride_lb,
     stride_lh,
+    stride_ob,
+    stride_oh,
     num_splits,  # the most splits any request may use (the grid's third dimension)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -124,6 +165,8 @@ def _decode_split_kernel(
     MIN_SPLIT_LEN: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+    FUSED_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= any num_splits, a power of two (FUSED_MERGE only)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,7 +175,9 @@ def _decode_split_kernel(
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     kv_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
     n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
-    if split >= n_splits:  # the merge kernel derives n_splits the same way and never reads this one
+    if FUSED_MERGE:  # NOTE: a request with no slots still needs one program to write its zeros
+        n_splits = tl.maximum(n_splits, 1)
+    if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
         return
     chunk = tl.cdiv(kv_len, n_splits)
     lo = split * chunk
@@ -184,6 +229,18 @@ def _decode_split_kernel(
         mask=mask_h[:, None] & mask_d[None, :],
     )
     tl.store(Mid_lse + req * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+    if FUSED_MERGE:
+        # NOTE: the barrier orders every thread's stores above before the release of the atomic; the
+        # program that takes the last ticket acquires them and reads past L1 (.cg), as another SM wrote them
+        tl.debug_barrier()
+        counter = Counters + req * tl.num_programs(1) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_splits - 1:
+            tl.store(counter, 0)  # NOTE: every split has counted: the next call starts from zero
+            for h in range(GROUP):
+                _merge_head(Mid_out, Mid_lse, Out, req, kv_head * GROUP + h, n_splits, stride_mb, stride_mh,
+                            stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S,
+                            ".cg")  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -209,27 +266,23 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     kv_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
     n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
+    _merge_head(Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
 
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < n_splits
-    lse = tl.load(Mid_lse + req * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    live = mask_s & (lse > float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # no live split at all: every weight is exp2(-inf) = 0
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    part = tl.load(
-        Mid_out + req * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        Out + req * stride_ob + head * stride_oh + offs_d,
-        out.to(Out.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The fused merge's per-(request, KV head) counters on ``device``: zeros, at least ``n`` (a call
+    leaves them at zero). Grown outside CUDA-graph capture: the worker's capture warms up first."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode merge counters must be allocated before CUDA-graph capture")
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def decode_attention(
@@ -268,6 +321,8 @@ def decode_attention(
     # their 16-divisibility for any split count: one compiled kernel pair serves them all.
     mid_lse = torch.empty((batch, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=q.device)
     scale = d**-0.5 if sm_scale is None else sm_scale
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    counters = merge_counters(q.device, batch * hkv) if cfg.fused_merge else mid_lse  # NOTE: unused unfused
     _decode_split_kernel[(batch, hkv, num_splits)](
         q,
         k_cache,
@@ -276,6 +331,8 @@ def decode_attention(
         kv_indices,
         mid_out,
         mid_lse,
+        out,
+        counters,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -288,6 +345,8 @@ def decode_attention(
         mid_out.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         num_splits,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
@@ -297,9 +356,13 @@ def decode_attention(
         MIN_SPLIT_LEN=cfg.min_split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        FUSED_MERGE=cfg.fused_merge,
+        BLOCK_S=MAX_SPLITS if cfg.fused_merge else 2,  # NOTE: not the split count: one kernel serves all
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if cfg.fused_merge:
+        return out
     _decode_merge_kernel[(batch, hq)](
         mid_out,
         mid_lse,
@@ -315,7 +378,7 @@ def decode_attention(
         num_splits,
         HEAD_DIM=d,
         BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_S=block_s,
         MIN_SPLIT_LEN=cfg.min_split_len,
         num_warps=4 if block_d >= 128 else 2,
     )

@@ -134,8 +134,8 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    names = [r["kernel"] for r in loaded]
-    assert names.count("_decode_split_kernel") == 1, "one split kernel serves every split count"
+    splits = [r["constants"]["FUSED_MERGE"] for r in loaded if r["kernel"] == "_decode_split_kernel"]
+    assert sorted(splits) == [False, True], "one split kernel (and one fused) serves every split count"
     merge_blocks = sorted(r["constants"]["BLOCK_S"] for r in loaded if r["kernel"] == "_decode_merge_kernel")
     assert merge_blocks == [8, 16]
     rows = {r["kernel"]: r for r in loaded}

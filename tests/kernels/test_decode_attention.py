@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,29 +42,52 @@ def reference_on_cpu(args, sm_scale=None):
     return reference.decode_attention(*(a.cpu() for a in args), sm_scale=sm_scale)
 
 
+def config_of(dec, args, fused: bool):
+    """The default configuration for ``args``, its merge fused into the split kernel or not."""
+    q = args[0]
+    return dataclasses.replace(dec.default_config(q.shape[-1], q.dtype), fused_merge=fused)
+
+
 @pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_matches_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits):
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
+def test_decode_matches_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, fused):
     dec = backend.module("decode_attention")
     lens = KV_LENS if not backend.is_cuda else [n * 97 for n in KV_LENS]
     args = make_batch(lens, hq, hkv, head_dim, dtype, backend.device)
     out = torch.full_like(args[0], float("nan"))  # poisoned: any head the kernel skips fails
-    dec.decode_attention(*args, num_splits=num_splits, out=out)
+    dec.decode_attention(*args, num_splits=num_splits, out=out, config=config_of(dec, args, fused))
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
-def test_decode_default_split_choice_and_sm_scale(backend, assert_close_rel):
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
+def test_decode_default_split_choice_and_sm_scale(backend, assert_close_rel, fused):
     dec = backend.module("decode_attention")
     lens = [3, 64, 40] if not backend.is_cuda else [3, 6400, 40000]
     args = make_batch(lens, 8, 2, 128, torch.float16, backend.device)
-    assert_close_rel(dec.decode_attention(*args, sm_scale=0.2).cpu(), reference_on_cpu(args, sm_scale=0.2))
+    got = dec.decode_attention(*args, sm_scale=0.2, config=config_of(dec, args, fused))
+    assert_close_rel(got.cpu(), reference_on_cpu(args, sm_scale=0.2))
 
 
-def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel):
+def test_fused_merge_leaves_its_counters_at_zero_so_every_call_merges(backend, assert_close_rel):
+    """Calls of different batch shapes in a row, as the layers and steps of a worker make them: each
+    merges every head (poisoned outputs) because the last split of each resets its counter."""
+    dec = backend.module("decode_attention")
+    scale = 1 if not backend.is_cuda else 97
+    for seed, lens in enumerate([[9, 40, 3], [40, 40], [1, 17, 33, 50, 2]] * 2):
+        args = make_batch([n * scale for n in lens], 8, 2, 64, torch.float16, backend.device, seed=seed)
+        out = torch.full_like(args[0], float("nan"))
+        dec.decode_attention(*args, num_splits=4, out=out, config=config_of(dec, args, True))
+        assert_close_rel(out.cpu(), reference_on_cpu(args))
+        assert int(dec.merge_counters(args[0].device, 1).count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
+def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel, fused):
     """With 1-token splits, a 5-token request cut into 4 splits of 2 leaves the last split empty;
     a request with no slots must come out as zeros, like the reference."""
     dec = backend.module("decode_attention")
-    cfg = dec.DecodeConfig(block_n=16, min_split_len=1, num_warps=4, num_stages=1)
+    cfg = dec.DecodeConfig(block_n=16, min_split_len=1, num_warps=4, num_stages=1, fused_merge=fused)
     args = make_batch([5, 0, 9], 4, 1, 64, torch.float32, backend.device)
     out = torch.full_like(args[0], float("nan"))
     dec.decode_attention(*args, num_splits=4, config=cfg, out=out)
