@@ -427,13 +427,14 @@ class Scheduler:
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The decode step after ``batch`` (a decode step still running, not committed), or None
-        when it cannot be known before ``batch``'s tokens are: requests are waiting or prefilling
-        (the next step may be an extend), drafts may be proposed, or its pages would need a
-        retraction. Each request that ``batch`` does not finish by length decodes one position
-        further; its input token is ``batch``'s sampled token for it (row ``inputs_from[i]``),
-        which the executor takes on the device. A request that ``batch`` ends otherwise (EOS, a
-        stop string, an abort) is skipped at commit."""
-        if batch.mode != "decode" or self.waiting or self.prefilling:
+        when it cannot be known before ``batch``'s tokens are: a request is prefilling or could be
+        admitted (the next step may be an extend; a waiting request with every slot of
+        ``max_running`` taken by requests that go on decoding cannot), drafts may be proposed, or
+        its pages would need a retraction. Each request that ``batch`` does not finish by length
+        decodes one position further; its input token is ``batch``'s sampled token for it (row
+        ``inputs_from[i]``), which the executor takes on the device. A request that ``batch`` ends
+        otherwise (EOS, a stop string, an abort) is skipped at commit."""
+        if batch.mode != "decode" or self.prefilling:
             return None
         if self.proposer is not None and len(self.running) <= self.proposer.max_batch:
             return None
@@ -441,6 +442,8 @@ class Scheduler:
         rows = [i for i, ok in enumerate(live) if ok]
         if not rows or len(self.running) != sum(r.finish_reason is None for r in batch.requests):
             return None  # NOTE: every running request is in ``batch`` unless one joined since
+        if self.waiting and len(rows) < self.cfg.max_running:
+            return None  # NOTE: a slot is (or will be, after ``batch``) free for a waiting request
         ahead = [(batch.requests[i], batch.ends[i]) for i in rows]
         need = sum(_pages_for(end + 1, self.ps) - r.pages.size for r, end in ahead)
         if not self._ensure_free(need):

@@ -95,6 +95,23 @@ def test_nothing_is_scheduled_ahead_while_a_request_waits_or_prefills():
     assert decode.mode == "decode" and sched.schedule_ahead(decode) is None
 
 
+def test_waiting_requests_stop_the_chain_only_while_a_slot_can_take_them():
+    sched, model = make(max_running=2)
+    a, b = Request("a", prompt(1, 9), max_tokens=6), Request("b", prompt(2, 6), max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    sched.commit(step, model.forward(step))
+    sched.add(Request("c", prompt(3, 7), max_tokens=4))  # NOTE: waits: both slots are taken
+    decode = sched.schedule()
+    assert decode.mode == "decode" and sched.waiting
+    ahead = sched.schedule_ahead(decode)
+    assert ahead is not None and ahead.requests == [a, b]  # every slot stays taken: c cannot start
+    sched.commit(decode, model.forward(decode))
+    # b's 3rd and last token comes from ``ahead``: a slot frees for c then, so nothing is chained
+    assert sched.schedule_ahead(ahead) is None
+
+
 def test_a_step_ahead_is_not_scheduled_when_its_pages_would_need_a_retraction():
     sched, model = make(num_pages=6, decode_reserve_tokens=0)  # 24 slots
     sched.add(Request("a", prompt(1, 11), max_tokens=40))
