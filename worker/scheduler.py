@@ -28,6 +28,8 @@ from worker.request import (
 )
 from worker.speculative import NgramProposer, commit_verify
 
+MAX_CHAIN_BLOCKED = 8  # decode steps chained ahead while a blocked request waits, before admission is retried
+
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
@@ -52,6 +54,10 @@ class Scheduler:
         self.running: list[Request] = []  # decoding, in admission order (oldest first)
         self.stats = SchedulerStats()
         self._last_mode: str | None = None
+        # NOTE: when the waiting queue's head could not be admitted (no pages): what admission saw then
+        # (see _admission_state); schedule_ahead chains decode steps while nothing there has changed
+        self._blocked: tuple | None = None
+        self._chained = 0  # decode steps scheduled ahead since the last schedule()
         self.proposer: NgramProposer | None = None  # speculative decoding's draft source
         if config.speculative_tokens > 0:
             c = config
@@ -157,11 +163,14 @@ class Scheduler:
         return max(ranked, key=lambda kr: kr[0])[1]
 
     def _pick(self, now: float) -> ScheduledBatch | None:
+        self._blocked, self._chained = None, 0
         if not (self.running and self._last_mode == "extend"):
             batch = self._schedule_extend(now)
             if batch is not None:
                 self._last_mode = "extend"
                 return batch
+            if self.waiting and not self.prefilling:
+                self._blocked = self._admission_state(len(self.running))
         if self.running:
             self._last_mode = "decode"
             return self._schedule_decode()
@@ -442,7 +451,7 @@ class Scheduler:
         rows = [i for i, ok in enumerate(live) if ok]
         if not rows or len(self.running) != sum(r.finish_reason is None for r in batch.requests):
             return None  # NOTE: every running request is in ``batch`` unless one joined since
-        if self.waiting and len(rows) < self.cfg.max_running:
+        if self.waiting and len(rows) < self.cfg.max_running and not self._still_blocked(len(rows)):
             return None  # NOTE: a slot is (or will be, after ``batch``) free for a waiting request
         ahead = [(batch.requests[i], batch.ends[i]) for i in rows]
         need = sum(_pages_for(end + 1, self.ps) - r.pages.size for r, end in ahead)
@@ -453,7 +462,24 @@ class Scheduler:
         step = build_batch("decode", [(r, end, end + 1) for r, end in ahead], [True] * len(rows),
                            prefix_only=False, inputs_from=np.asarray(rows, dtype=np.int64))  # fmt: skip
         self.stats.ahead_steps += 1
+        self._chained += 1
         return step
+
+    def _admission_state(self, running: int) -> tuple:
+        """What decides whether the waiting queue's head is admitted: which request heads the queue,
+        how many wait, how many decode, and the pages admission may count on."""
+        reserved = sum(self._future_pages(r) for r in self.running)
+        available = self.allocator.num_free + self.cache.evictable_pages - reserved
+        return id(self.waiting[0]), len(self.waiting), running, available
+
+    def _still_blocked(self, running: int) -> bool:
+        """Would admission still fail as it did at the last schedule()? The same head and queue, the same
+        requests decoding and no more pages to count on; rechecked at least every MAX_CHAIN_BLOCKED steps
+        (the queue's order also ages)."""
+        if self._blocked is None or self._chained >= MAX_CHAIN_BLOCKED:
+            return False
+        head, waiting, decoding, available = self._admission_state(running)
+        return (head, waiting, decoding) == self._blocked[:3] and available <= self._blocked[3]
 
     def _drafts(self) -> list[list[int]] | None:
         """Each running request's draft tokens for a verify step, or None for a plain decode step:

@@ -12,6 +12,7 @@ import torch
 
 from tests.worker.test_engine import SHARED, idle
 from tests.worker.test_scheduler import ToyModel, assert_no_leak, make, prompt, reference
+from worker import scheduler
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -110,6 +111,46 @@ def test_waiting_requests_stop_the_chain_only_while_a_slot_can_take_them():
     sched.commit(decode, model.forward(decode))
     # b's 3rd and last token comes from ``ahead``: a slot frees for c then, so nothing is chained
     assert sched.schedule_ahead(ahead) is None
+
+
+def test_a_request_waiting_for_pages_lets_the_chain_go_on_until_pages_or_the_queue_change():
+    """Pool-limited saturation: admission failed for lack of pages, and nothing changes that until a
+    request ends (or another arrives), so decode steps are chained meanwhile, admission retried at
+    least every MAX_CHAIN_BLOCKED steps; once b ends, the next step admits the waiting request."""
+    sched, model = make(num_pages=40, decode_reserve_tokens=8)  # 160 slots
+    a, b = Request("a", prompt(1, 14), max_tokens=60), Request("b", prompt(2, 60), max_tokens=24)
+    for r in (a, b):
+        sched.add(r)
+    while len(sched.running) < 2:
+        step = sched.schedule()
+        sched.commit(step, model.forward(step))
+    big = Request("c", prompt(3, 80), max_tokens=8)  # 80 + reserve: more pages than are left while b runs
+    sched.add(big)
+
+    def chain(step: ScheduledBatch) -> int:
+        """Run ``step`` and the steps chained after it (as the engine does); how many were chained."""
+        chained, out = 0, model.forward(step)
+        while True:
+            ahead = sched.schedule_ahead(step)
+            ahead_out = None if ahead is None else launch(model, ahead, out)
+            for req in sched.commit(step, out):
+                if req.finish_reason is not None:
+                    sched.finish(req, req.finish_reason)
+            if ahead is None:
+                return chained
+            chained, step, out = chained + 1, ahead, ahead_out
+
+    chains = []
+    while True:
+        step = sched.schedule()
+        if step.mode == "extend":
+            break
+        chains.append(chain(step))
+    assert step.requests == [big] and b.finish_reason == "length" and a.finish_reason is None
+    # the first decode step (right after the prefill) does not try admission; each one after does,
+    # then chains the cap's worth of steps, until b's last token frees its pages
+    assert chains[0] == 0 and set(chains[1:-1]) == {scheduler.MAX_CHAIN_BLOCKED}, chains
+    assert chains[-1] < scheduler.MAX_CHAIN_BLOCKED
 
 
 def test_a_step_ahead_is_not_scheduled_when_its_pages_would_need_a_retraction():
