@@ -5,6 +5,7 @@ cost model, or a benchmark's random-weight model)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.tokenization import PromptTokenizer
@@ -18,6 +19,20 @@ from worker.radix_cache import RadixCache
 from worker.request import ScheduledBatch, SchedulerConfig
 
 log = logging.getLogger("worker.engine")
+
+
+@dataclass
+class _Launched:
+    """A decode step ModelExecutor.launch queued: its sampled tokens on the device; what collect
+    reads back (the tokens, then the logprob tensors of the ``asking`` rows; pinned copies on CUDA,
+    valid once ``ready`` has happened)."""
+
+    tokens: Any
+    out: list
+    states: list
+    asking: list[int] = field(default_factory=list)
+    top: list[int] = field(default_factory=list)
+    ready: Any = None
 
 
 class ModelExecutor:
@@ -81,11 +96,12 @@ class ModelExecutor:
         """Queue a decode step on the device and return without waiting for it: the forward and
         the sampling are enqueued, the tokens start their copy to pinned host memory. ``after``: the
         launched step whose tokens are this step's inputs (``batch.inputs_from``; taken on the
-        device). Other steps (extend, or requests whose sampling needs more than the logits' argmax
-        or a draw: see chainable_step) run to the end here, as ``run``."""
+        device). Logprobs are computed now too, read back with the tokens. Other steps (extend
+        steps, requests whose sampling reads their history on the host: see chainable_step) run to
+        the end here, as ``run``."""
         import torch
 
-        from worker.sampling import make_generator, sample
+        from worker.sampling import logprob_tensors, make_generator, on_device, sample
 
         if not chainable_step(batch):
             if after is not None:
@@ -93,7 +109,7 @@ class ModelExecutor:
             return LaunchedStep(self.run(batch))
         input_ids = None
         if after is not None:
-            rows, tokens = batch.inputs_from, after.pending[0]
+            rows, tokens = batch.inputs_from, after.pending.tokens
             if rows is None or len(rows) != len(batch.requests):
                 raise ValueError("a step after another needs inputs_from, one row per request")
             if rows[-1] == len(rows) - 1:  # NOTE: rows ascend: the first len(rows) of the step before
@@ -113,24 +129,37 @@ class ModelExecutor:
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)
         tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
-        host = ready = None
+        step = _Launched(tokens, [tokens], states)
+        step.asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
+        if step.asking:  # NOTE: from the logits now: the next step's replay overwrites the graph's output
+            index = on_device(step.asking, logits.device, torch.int64)
+            step.top = [states[j].params.logprobs for j in step.asking]
+            step.out += logprob_tensors(
+                logits.index_select(0, index), tokens.index_select(0, index), step.top
+            )
         if tokens.is_cuda:  # NOTE: collect waits for this event, not for the steps queued after it
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+            step.out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                        for t in step.out]  # fmt: skip
+            step.ready = torch.cuda.Event()
+            step.ready.record()
         # NOTE: a tensor-parallel model ships its inputs to the other ranks from the host
-        return LaunchedStep(pending=(tokens, host, ready), chainable=self.tensor_parallel_size == 1)
+        return LaunchedStep(pending=step, chainable=self.tensor_parallel_size == 1)
 
     def collect(self, launched: LaunchedStep) -> list[int]:
-        """The tokens of a launched step (waits for them)."""
+        """The tokens of a launched step (waits for them); its logprobs go to each asking request's
+        ``step_logprobs``, as ``run`` leaves them."""
+        from worker.sampling import logprob_lists
+
         if launched.result is not None:
             return launched.result
-        tokens, host, ready = launched.pending
-        if ready is None:
-            return tokens.tolist()
-        ready.synchronize()
-        return host.tolist()
+        step: _Launched = launched.pending
+        if step.ready is not None:
+            step.ready.synchronize()
+        ids, *numbers = (t.tolist() for t in step.out)
+        if step.asking:
+            for j, lp in zip(step.asking, logprob_lists(*numbers, step.top), strict=True):
+                step.states[j].step_logprobs = lp
+        return ids
 
     def _sample(self, logits: Any, reqs: list[Any]) -> list[int]:
         """One token per request from its row of ``logits``: penalties and bias, the grammar's

@@ -72,16 +72,12 @@ class LaunchedStep:
 
 def chainable_step(batch: ScheduledBatch) -> bool:
     """Can a step be scheduled ahead of this one's tokens? Only a decode step whose requests sample
-    with nothing that reads their history or needs the logits after sampling: no penalties or
-    bias, no grammar, no logprobs."""
+    with nothing that reads their history on the host: no penalties or bias, no grammar."""
     from worker.penalties import adjusts
 
     if batch.mode != "decode":
         return False
-    return all(
-        not adjusts(p) and p.guide is None and p.logprobs is None
-        for p in (r.payload.params for r in batch.requests)
-    )
+    return all(not adjusts(p) and p.guide is None for p in (r.payload.params for r in batch.requests))
 
 
 @dataclass

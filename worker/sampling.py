@@ -162,9 +162,9 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    index = _on(logits.device, rows, torch.int64)
+    index = on_device(rows, logits.device, torch.int64)
     scores = logits.index_select(0, index).float()
-    temps = _on(logits.device, [_divisor(params[i].temperature) for i in rows], scores.dtype)
+    temps = on_device([_divisor(params[i].temperature) for i in rows], logits.device, scores.dtype)
     scores = scores / temps.unsqueeze(1)
     scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = scores.softmax(dim=-1)
@@ -177,7 +177,7 @@ def sample(
     return out
 
 
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+def on_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied from pinned memory without waiting for the work
     queued on the device (the step a sampled step may be queued behind: --overlap-schedule)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
@@ -199,13 +199,13 @@ def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]
     vocab = scores.shape[-1]
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
-    k = _on(scores.device, [vocab if k == -1 else min(k, vocab) for k in top_k], torch.int64)
+    k = on_device([vocab if k == -1 else min(k, vocab) for k in top_k], scores.device, torch.int64)
     drop = ranks >= k.unsqueeze(1)
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     probs = sorted_scores.softmax(dim=-1)
     # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
     mass_before = probs.cumsum(dim=-1) - probs
-    p = _on(scores.device, top_p, probs.dtype).unsqueeze(1)
+    p = on_device(top_p, scores.device, probs.dtype).unsqueeze(1)
     # NOTE: the top token is kept explicitly: a top_p that underflows float32 to 0 would drop it
     sorted_scores = sorted_scores.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
@@ -220,13 +220,22 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int
         raise ValueError(
             f"logits {tuple(logits.shape)} / tokens {tuple(tokens.shape)} do not match {len(top)} rows"
         )
+    return logprob_lists(*(t.tolist() for t in logprob_tensors(logits, tokens, top)), top)
+
+
+def logprob_tensors(
+    logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_logprobs' numbers on ``logits``' device, nothing read back: the chosen tokens'
+    log-probabilities [B], and the top max(top) log-probabilities and ids per row [B, k]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, tokens.view(-1, 1).long()).squeeze(1).tolist()
-    k = min(max(top, default=0), logp.shape[1])
-    if k == 0:
-        return [(c, [], []) for c in chosen]
-    values, ids = logp.topk(k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    chosen = logp.gather(1, tokens.view(-1, 1).long()).squeeze(1)
+    values, ids = logp.topk(min(max(top, default=0), logp.shape[1]), dim=-1)
+    return chosen, values, ids
+
+
+def logprob_lists(chosen: list, values: list, ids: list, top: Sequence[int]) -> list[TokenLogprobs]:
+    """logprob_tensors' numbers, read back as lists, per row: (logprob, top ids, top logprobs)."""
     return [(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, values, top, strict=True)]
 
 

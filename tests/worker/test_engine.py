@@ -187,10 +187,18 @@ async def test_a_full_queue_is_refused_alike_by_submit_and_by_the_engine_thread(
         greedy = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
         running = small.submit(small.tokenizer.encode_prompt("keeps the only slot"), greedy)
         await asyncio.wait_for(running.outputs.get(), 30)  # decoding: the next request must wait
+        # NOTE: the engine thread waits in a first call while `waiting` and a second call queue up
+        # behind it, so it takes both in one pass of its inbox: `waiting` joins the queue, then the
+        # second call holds the thread before its snapshot shows that
+        first, go = threading.Event(), threading.Event()
+        gate = asyncio.ensure_future(small.call(lambda: first.set() or go.wait(30)))
+        assert await asyncio.to_thread(first.wait, 30)
         waiting = small.submit(small.tokenizer.encode_prompt("waits"), greedy)
         entered, release = threading.Event(), threading.Event()
-        # NOTE: the engine thread takes `waiting` into the queue, then stops here before its snapshot
         held = asyncio.ensure_future(small.call(lambda: entered.set() or release.wait(30)))
+        await asyncio.sleep(0)  # NOTE: call() puts its message in the inbox when its task first runs
+        go.set()
+        assert await gate is True
         assert await asyncio.to_thread(entered.wait, 30)
         late = small.submit(small.tokenizer.encode_prompt("let through"), greedy)
         with pytest.raises(QueueFullError) as refused:

@@ -260,7 +260,7 @@ def mixed_requests(stop_text: str, stop_id: int) -> list[tuple[str, SamplingPara
 
 async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap():
     """Greedy and seeded requests, a stop string and a stop id that end requests while a step is
-    ahead of them, max_tokens, and a logprobs request (its steps are not chained)."""
+    ahead of them, max_tokens, and a logprobs request (read back with its step's tokens)."""
     off = model_engine("off")
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=40)
@@ -376,6 +376,7 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
             SHARED + "c",
             SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, max_tokens=40, ignore_eos=True),
         ),
+        (SHARED + "d", SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, ignore_eos=True)),
     ]
     results = {}
     for overlap in ("off", "on"):
