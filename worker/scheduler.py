@@ -470,7 +470,7 @@ class Scheduler:
         how many wait, how many decode, and the pages admission may count on."""
         reserved = sum(self._future_pages(r) for r in self.running)
         available = self.allocator.num_free + self.cache.evictable_pages - reserved
-        return id(self.waiting[0]), len(self.waiting), running, available
+        return self.waiting[0], len(self.waiting), running, available
 
     def _still_blocked(self, running: int) -> bool:
         """Would admission still fail as it did at the last schedule()? The same head and queue, the same
@@ -479,7 +479,9 @@ class Scheduler:
         if self._blocked is None or self._chained >= MAX_CHAIN_BLOCKED:
             return False
         head, waiting, decoding, available = self._admission_state(running)
-        return (head, waiting, decoding) == self._blocked[:3] and available <= self._blocked[3]
+        was_head, was_waiting, was_decoding, was_available = self._blocked
+        return (head is was_head and (waiting, decoding) == (was_waiting, was_decoding)
+                and available <= was_available)  # fmt: skip
 
     def _drafts(self) -> list[list[int]] | None:
         """Each running request's draft tokens for a verify step, or None for a plain decode step:
