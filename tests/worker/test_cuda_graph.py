@@ -44,6 +44,28 @@ class EagerReplay:
         return replay, out
 
 
+def test_static_inputs_fill_two_host_mirrors_in_turn():
+    """A step scheduled ahead is filled while the step before may not have been copied to the device
+    yet: the mirror that step was filled in must stay as it was until the step after next."""
+    from worker.cuda_graph import StaticInputs
+
+    inputs = StaticInputs({"a": 4, "b": 6}, torch.device("cpu"))
+    inputs.put("a", np.array([1, 2, 3]), 4, pad=-1)
+    inputs.put("b", np.array([7, 8]))
+    inputs.upload()
+    first = inputs.device_buf.clone()
+    assert first[:6].tolist() == [1, 2, 3, -1, 7, 8]
+    inputs.put("a", np.array([5]), 4)  # the next step, filled before the first one's copy has run
+    inputs.put("b", np.array([9, 9, 9]))
+    filled = [m[:7].tolist() for m in inputs._mirrors]
+    assert [1, 2, 3, -1, 7, 8] in [f[:6] for f in filled]  # NOTE: the first step's mirror is intact
+    inputs.upload()
+    assert inputs.device_buf[:7].tolist() == [5, 0, 0, 0, 9, 9, 9]
+    inputs.put("a", np.array([4, 4, 4, 4]))  # the step after next reuses the first mirror
+    inputs.upload()
+    assert inputs.device_buf[:4].tolist() == [4, 4, 4, 4]
+
+
 def test_graph_batch_sizes():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(5) == [1, 2, 4, 5]
