@@ -8,6 +8,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from router.tokenization import PromptTokenizer
 from worker.engine import Engine
 from worker.engine_api import Executor, LaunchedStep, RequestState, chainable_step
@@ -73,10 +75,19 @@ class ModelExecutor:
             close()
 
     def run(self, batch: ScheduledBatch) -> list[int]:
+        logits = self._logits(batch)
+        sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
+        return self._sample(logits, sampling) if sampling else []
+
+    def _logits(self, batch: ScheduledBatch, input_ids: Any = None) -> Any:
+        """The step's forward: logits of each request that samples (rows in order). ``input_ids``:
+        its new tokens on the device instead of ``batch.input_ids`` (a decode step)."""
         import torch
 
+        from worker.sampling import on_device
+
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            logits = self.decode_graphs.run(batch)
+            logits = self.decode_graphs.run(batch, input_ids)
             self.graph_steps += 1
         elif self.extend_graphs is not None and self.extend_graphs.can_run(batch):
             logits = self.extend_graphs.run(batch)
@@ -84,21 +95,22 @@ class ModelExecutor:
         elif batch.mode == "extend" and any(r.full_prefill for r in batch.requests):  # prompt logprobs
             logits = self._forward_scoring_prompts(batch, self._forward_batch(batch))
         else:
-            logits = self.model.forward(self._forward_batch(batch), self.kv_pool)
+            fb = self._forward_batch(batch)
+            if input_ids is not None:
+                fb.input_ids = input_ids
+            logits = self.model.forward(fb, self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]
-        if not rows:
-            return []
         if len(rows) != len(batch.sample):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return self._sample(logits, [batch.requests[i] for i in rows])
+            logits = logits.index_select(0, on_device(rows, logits.device, torch.int64))
+        return logits
 
     def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue a decode step on the device and return without waiting for it: the forward and
-        the sampling are enqueued, the tokens start their copy to pinned host memory. ``after``: the
-        launched step whose tokens are this step's inputs (``batch.inputs_from``; taken on the
-        device). Logprobs are computed now too, read back with the tokens. Other steps (extend
-        steps, requests whose sampling reads their history on the host: see chainable_step) run to
-        the end here, as ``run``."""
+        """Queue a decode or extend step on the device and return without waiting for it: the
+        forward and the sampling are enqueued, the tokens start their copy to pinned host memory.
+        ``after``: the launched step whose tokens are this decode step's inputs (``inputs_from``;
+        taken on the device). Logprobs are computed now too, read back with the tokens. Other steps
+        (requests whose sampling reads their history on the host, prompt logprobs: see
+        chainable_step) run to the end here, as ``run``."""
         import torch
 
         from worker.sampling import logprob_tensors, make_generator, on_device, sample
@@ -110,21 +122,23 @@ class ModelExecutor:
         input_ids = None
         if after is not None:
             rows, tokens = batch.inputs_from, after.pending.tokens
-            if rows is None or len(rows) != len(batch.requests):
-                raise ValueError("a step after another needs inputs_from, one row per request")
-            if rows[-1] == len(rows) - 1:  # NOTE: rows ascend: the first len(rows) of the step before
+            if rows is None or len(rows) != len(batch.requests) or batch.mode != "decode":
+                raise ValueError(
+                    "a step after another is a decode step with inputs_from, one row per request"
+                )
+            if (
+                rows[0] == 0 and rows[-1] == len(rows) - 1
+            ):  # NOTE: the first len(rows) tokens of the step before
                 input_ids = tokens[: len(rows)]
-            else:
-                input_ids = tokens[torch.from_numpy(rows).to(tokens.device, non_blocking=True)]
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            logits = self.decode_graphs.run(batch, input_ids)
-            self.graph_steps += 1
-        else:
-            fb = self._forward_batch(batch)
-            if input_ids is not None:
-                fb.input_ids = input_ids
-            logits = self.model.forward(fb, self.kv_pool)
-        states: list[RequestState] = [r.payload for r in batch.requests]
+            else:  # the host's tokens where rows is -1, the step before's elsewhere
+                mine = np.flatnonzero(rows >= 0)
+                input_ids = on_device(batch.input_ids.tolist(), tokens.device, torch.int64)
+                input_ids.index_copy_(0, on_device(mine.tolist(), tokens.device, torch.int64),
+                                      tokens.index_select(0, on_device(rows[mine].tolist(), tokens.device, torch.int64)))  # fmt: skip
+        logits = self._logits(batch, input_ids)
+        states: list[RequestState] = [
+            r.payload for r, s in zip(batch.requests, batch.sample, strict=True) if s
+        ]
         for st in states:
             if st.generator is None and st.params.seed is not None:
                 st.generator = make_generator(st.params, logits.device)

@@ -71,13 +71,17 @@ class LaunchedStep:
 
 
 def chainable_step(batch: ScheduledBatch) -> bool:
-    """Can a step be scheduled ahead of this one's tokens? Only a decode step whose requests sample
-    with nothing that reads their history on the host: no penalties or bias, no grammar."""
+    """Can a step be scheduled ahead of this one's tokens? A decode or extend step whose requests
+    sample with nothing that reads their history on the host (no penalties or bias, no grammar)
+    and want no prompt logprobs."""
     from worker.penalties import adjusts
 
-    if batch.mode != "decode":
+    if batch.mode not in ("decode", "extend"):
         return False
-    return all(not adjusts(p) and p.guide is None for p in (r.payload.params for r in batch.requests))
+    return all(
+        not adjusts(r.payload.params) and r.payload.params.guide is None and not r.full_prefill
+        for r in batch.requests
+    )
 
 
 @dataclass

@@ -103,8 +103,9 @@ class ScheduledBatch:
     kv_indptr: np.ndarray  # int32 [B+1]
     kv_indices: np.ndarray  # int64: extend, verify -> prefix slots; decode -> all slots incl. the new one
     drafts: list[list[int]] | None = None  # verify only: each request's draft tokens
-    # a step scheduled ahead: row i's input token is the one the step before sampled at row
-    # inputs_from[i] (still on the device when this step is built; input_ids holds zeros)
+    # a step scheduled ahead: row i's input token is the step before's sampled token number
+    # inputs_from[i] (of those it sampled; still on the device when this step is built, input_ids
+    # holds 0 there), or input_ids[i] where inputs_from[i] is -1 (a token the host has)
     inputs_from: np.ndarray | None = None
 
     @property
@@ -152,7 +153,10 @@ def build_batch(
         if inputs_from is None:
             input_ids = np.fromiter((r.token_ids[st] for r, st, _ in items), np.int64, len(items))
         else:
-            input_ids = np.zeros(len(items), dtype=np.int64)
+            host = (
+                0 if f >= 0 else r.token_ids[st] for (r, st, _), f in zip(items, inputs_from, strict=True)
+            )
+            input_ids = np.fromiter(host, np.int64, len(items))
         positions = np.asarray(starts, dtype=np.int64)
         out_slots = np.fromiter((r.slots[st] for r, st, _ in items), np.int64, len(items))
         qo = np.arange(len(items) + 1, dtype=np.int32)

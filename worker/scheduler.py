@@ -435,34 +435,50 @@ class Scheduler:
         return build_batch("decode", items, [True] * len(items), prefix_only=False)
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after ``batch`` (a decode step still running, not committed), or None
-        when it cannot be known before ``batch``'s tokens are: a request is prefilling or could be
-        admitted (the next step may be an extend; a waiting request with every slot of
-        ``max_running`` taken by requests that go on decoding cannot), drafts may be proposed, or
-        its pages would need a retraction. Each request that ``batch`` does not finish by length
-        decodes one position further; its input token is ``batch``'s sampled token for it (row
-        ``inputs_from[i]``), which the executor takes on the device. A request that ``batch`` ends
-        otherwise (EOS, a stop string, an abort) is skipped at commit."""
-        if batch.mode != "decode" or self.prefilling:
+        """The decode step after ``batch`` (a decode or extend step still running, not committed),
+        or None when it cannot be known before ``batch``'s tokens are. After a decode step: None
+        while a request is prefilling or could be admitted (the next step may be an extend; a
+        waiting request with every slot of ``max_running`` taken, or one that found too few pages
+        and nothing freed since, cannot). After an extend step the next step is a decode step
+        anyway (see schedule), over the running requests and those ``batch`` finishes prefilling.
+        Also None when drafts may be proposed or its pages would need a retraction.
+
+        Each request decodes one position further than ``batch`` leaves it: a request of ``batch``
+        takes ``batch``'s sampled token for it as input (``inputs_from``: taken on the device), a
+        request decoding beside an extend step its last token. A request that ``batch`` finishes
+        by length is left out; one that it ends otherwise (EOS, a stop string, an abort) is
+        skipped at commit."""
+        if batch.mode not in ("decode", "extend"):
             return None
-        if self.proposer is not None and len(self.running) <= self.proposer.max_batch:
+        sampled = np.cumsum(batch.sample) - 1  # NOTE: a row's place among the tokens ``batch`` samples
+        rows = [i for i, (r, s) in enumerate(zip(batch.requests, batch.sample, strict=True))
+                if s and r.finish_reason is None and r.num_output + 1 < r.max_tokens]  # fmt: skip
+        if batch.mode == "decode":
+            if self.prefilling:
+                return None
+            if len(self.running) != sum(r.finish_reason is None for r in batch.requests):
+                return None  # NOTE: every running request is in ``batch`` unless one joined since
+            if self.waiting and len(rows) < self.cfg.max_running and not self._still_blocked(len(rows)):
+                return None  # NOTE: a slot is (or will be, after ``batch``) free for a waiting request
+            beside: list[Request] = []
+        else:
+            beside = list(self.running)  # NOTE: an extend step's requests are all prefilling
+        if not rows and not beside:
             return None
-        live = [r.finish_reason is None and r.num_output + 1 < r.max_tokens for r in batch.requests]
-        rows = [i for i, ok in enumerate(live) if ok]
-        if not rows or len(self.running) != sum(r.finish_reason is None for r in batch.requests):
-            return None  # NOTE: every running request is in ``batch`` unless one joined since
-        if self.waiting and len(rows) < self.cfg.max_running and not self._still_blocked(len(rows)):
-            return None  # NOTE: a slot is (or will be, after ``batch``) free for a waiting request
-        ahead = [(batch.requests[i], batch.ends[i]) for i in rows]
+        if self.proposer is not None and len(beside) + len(rows) <= self.proposer.max_batch:
+            return None  # NOTE: that step may check drafts (a verify step)
+        ahead = [(r, r.kv_len) for r in beside] + [(batch.requests[i], batch.ends[i]) for i in rows]
         need = sum(_pages_for(end + 1, self.ps) - r.pages.size for r, end in ahead)
         if not self._ensure_free(need):
             return None
         for r, end in ahead:
             self._grow(r, end + 1)
-        step = build_batch("decode", [(r, end, end + 1) for r, end in ahead], [True] * len(rows),
-                           prefix_only=False, inputs_from=np.asarray(rows, dtype=np.int64))  # fmt: skip
+        inputs_from = np.asarray([-1] * len(beside) + [sampled[i] for i in rows], dtype=np.int64)
+        step = build_batch("decode", [(r, end, end + 1) for r, end in ahead], [True] * len(ahead),
+                           prefix_only=False, inputs_from=inputs_from)  # fmt: skip
         self.stats.ahead_steps += 1
         self._chained += 1
+        self._last_mode = "decode"
         return step
 
     def _admission_state(self, running: int) -> tuple:

@@ -132,16 +132,17 @@ async def test_abort_releases_pages(engine):
 
 
 async def test_failed_forward_fails_its_requests_and_the_engine_keeps_serving(engine):
-    real = engine.executor.run
+    model = engine.executor.model
+    real = model.forward
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device error")
-        return real(batch)
+        return real(*args)
 
-    engine.executor.run = flaky
+    model.forward = flaky
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=4)
         handle = engine.submit(engine.tokenizer.encode_prompt("this one fails"), sp)
@@ -150,7 +151,7 @@ async def test_failed_forward_fails_its_requests_and_the_engine_keeps_serving(en
         _, _, ok = await generate(engine, "this one works", 4)
         assert ok.finish_reason == "length"
     finally:
-        engine.executor.run = real
+        model.forward = real
     await idle(engine)
 
 

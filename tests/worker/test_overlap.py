@@ -5,6 +5,7 @@ tokens, finish reasons and pages must be exactly those of one step at a time."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -22,12 +23,17 @@ from worker.scheduler import Scheduler
 from worker.sim_engine import build_sim_engine
 
 
-def launch(model: ToyModel, batch: ScheduledBatch, before: list | None) -> list:
+def launch(model: ToyModel, batch: ScheduledBatch, before: tuple[ScheduledBatch, list] | None) -> list:
     """The toy device runs steps in launch order; a step scheduled ahead reads its input tokens
-    from the step before's output, as the executor does on the device."""
+    from the step before's sampled tokens (``before``: that step and the toy's output), as the
+    executor does on the device."""
     if batch.inputs_from is not None:
         assert before is not None
-        batch.input_ids[:] = np.asarray(before, dtype=np.int64)[batch.inputs_from]
+        prev, out = before
+        sampled = [t for t, s in zip(out, prev.sample, strict=True) if s]
+        for i, f in enumerate(batch.inputs_from):
+            if f >= 0:
+                batch.input_ids[i] = sampled[f]
     return model.forward(batch)
 
 
@@ -48,7 +54,7 @@ def run_overlapped(sched: Scheduler, model: ToyModel, on_step=None, max_steps: i
         running = None
         ahead = sched.schedule_ahead(batch)
         if ahead is not None:
-            running = (ahead, launch(model, ahead, out))
+            running = (ahead, launch(model, ahead, (batch, out)))
         for req in sched.commit(batch, out):
             if req.finish_reason is not None:
                 sched.finish(req, req.finish_reason)
@@ -65,16 +71,18 @@ def test_a_step_ahead_decodes_one_position_further_with_the_step_befores_tokens(
     for r in (a, b):
         sched.add(r)
     first = sched.schedule()
-    assert first.mode == "extend" and sched.schedule_ahead(first) is None  # NOTE: extend: never ahead
+    assert first.mode == "extend"
+    # after an extend step comes a decode step of what it prefilled: its first tokens, on the device
+    decode = sched.schedule_ahead(first)
+    assert decode.mode == "decode" and decode.requests == [a, b] and decode.inputs_from.tolist() == [0, 1]
+    assert decode.starts == [9, 6] and decode.ends == [10, 7] and decode.input_ids.tolist() == [0, 0]
     sched.commit(first, model.forward(first))
-    decode = sched.schedule()
-    assert decode.mode == "decode" and decode.ends == [10, 7]
     ahead = sched.schedule_ahead(decode)
     # b gets its 2nd and last token from ``decode``: only a decodes ahead, at the next position
     assert ahead is not None and ahead.requests == [a] and ahead.inputs_from.tolist() == [0]
     assert ahead.starts == [10] and ahead.ends == [11] and ahead.positions.tolist() == [10]
     assert ahead.kv_indices.tolist() == a.slots[:11].tolist() and ahead.out_slots.tolist() == [a.slots[10]]
-    assert sched.stats.ahead_steps == 1
+    assert sched.stats.ahead_steps == 2
 
 
 def test_nothing_is_scheduled_ahead_while_a_request_waits_or_prefills():
@@ -132,7 +140,7 @@ def test_a_request_waiting_for_pages_lets_the_chain_go_on_until_pages_or_the_que
         chained, out = 0, model.forward(step)
         while True:
             ahead = sched.schedule_ahead(step)
-            ahead_out = None if ahead is None else launch(model, ahead, out)
+            ahead_out = None if ahead is None else launch(model, ahead, (step, out))
             for req in sched.commit(step, out):
                 if req.finish_reason is not None:
                     sched.finish(req, req.finish_reason)
@@ -288,6 +296,41 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
         assert g[1] == w[1] and (g[0], *g[2]) == pytest.approx((w[0], *w[2]), abs=1e-4)
 
 
+async def test_requests_admitted_while_others_decode_get_the_same_tokens_with_and_without_overlap():
+    """Each late request is prefilled beside decoding ones; the decode step after that extend is
+    chained with its inputs from two places: the new request's first token on the device, the
+    others' last tokens from the host."""
+
+    async def staggered(engine: Engine) -> list[list[int]]:
+        sp = [SamplingParams(temperature=0.0, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(4)]
+        handles, tokens = [], [[] for _ in sp]
+        for i, p in enumerate(sp):
+            handles.append(engine.submit(engine.tokenizer.encode_prompt(f"{SHARED} late {i}"), p))
+            for _ in range(3 if i < len(sp) - 1 else 0):  # NOTE: the earlier ones decode a few steps first
+                tokens[0] += (await asyncio.wait_for(handles[0].outputs.get(), 60)).token_ids
+        for i, h in enumerate(handles):
+            while True:
+                out = await asyncio.wait_for(h.outputs.get(), 60)
+                assert out.error is None, out.error
+                tokens[i] += out.token_ids
+                if out.finish_reason is not None:
+                    break
+        await idle(engine)
+        return tokens
+
+    results = {}
+    for overlap in ("off", "on"):
+        engine = model_engine(overlap)
+        try:
+            results[overlap] = await staggered(engine)
+            results[overlap + "_ahead"] = engine.scheduler.stats.ahead_steps
+        finally:
+            engine.stop()
+    assert results["on"] == results["off"]
+    assert [len(t) for t in results["on"]] == [24, 21, 18, 15]
+    assert results["off_ahead"] == 0 and results["on_ahead"] > 0
+
+
 async def test_an_abort_while_a_step_is_ahead_releases_every_page():
     engine = model_engine("on")
     try:
@@ -313,19 +356,21 @@ async def test_an_abort_while_a_step_is_ahead_releases_every_page():
 async def test_a_failed_step_while_one_is_ahead_fails_its_requests_and_the_engine_serves_on():
     engine = model_engine("on")
     real = engine.executor.collect
-    calls = {"n": 0}
+    fail = threading.Event()
 
     def flaky(launched):
-        if launched.chainable:  # NOTE: a decode step, with one possibly launched behind it
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("simulated device error")
+        if fail.is_set() and launched.chainable:  # NOTE: a decode step, with one launched behind it
+            fail.clear()
+            raise RuntimeError("simulated device error")
         return real(launched)
 
     engine.executor.collect = flaky
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         handles = [engine.submit(engine.tokenizer.encode_prompt(SHARED + w), sp) for w in ("x", "y")]
+        for h in handles:  # NOTE: both decode from here on, in every step
+            assert (await asyncio.wait_for(h.outputs.get(), 60)).finish_reason is None
+        fail.set()
         for h in handles:
             while True:
                 out = await asyncio.wait_for(h.outputs.get(), 60)
@@ -361,6 +406,14 @@ async def test_the_sim_engine_gives_the_same_tokens_with_and_without_overlap():
     got, ahead = await tokens("on")
     assert got == want and none == 0 and ahead > 0
     assert [len(t) for t in got] == [5, 30, 17]
+
+
+async def run_when_decoding(engine: Engine, request: tuple[str, SamplingParams]) -> list[tuple]:
+    """``request`` sent once the engine has decoded a few more tokens (others are decoding)."""
+    start = engine.snapshot().decode_tokens
+    while engine.snapshot().decode_tokens < start + 8:
+        await asyncio.sleep(0.002)
+    return await run_requests(engine, [request])
 
 
 @pytest.mark.gpu
@@ -401,6 +454,13 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
             results[overlap] = [r[:3] for r in await run_requests(engine, requests)]
             await idle(engine)
             results[overlap + "_ahead"] = engine.scheduler.stats.ahead_steps
+            if overlap == "on":  # NOTE: a request admitted while others decode: inputs from host and device
+                greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+                both = await asyncio.gather(
+                    run_requests(engine, requests[:1]), run_when_decoding(engine, (SHARED + "late", greedy))
+                )
+                assert [len(r[0][1]) for r in both] == [48, 24]
+                await idle(engine)
         finally:
             engine.stop()
     assert results["on"] == results["off"]
