@@ -37,6 +37,24 @@ class _Launched:
     ready: Any = None
 
 
+def _chained_inputs(batch: ScheduledBatch, tokens: Any) -> Any:
+    """The new tokens of a decode step scheduled ahead, on ``tokens``' device without a sync: the
+    step before's sampled ``tokens`` picked by ``batch.inputs_from``, the host's where it is -1."""
+    import torch
+
+    from worker.sampling import on_device
+
+    rows = batch.inputs_from
+    if rows is None or len(rows) != len(batch.requests) or batch.mode != "decode":
+        raise ValueError("a step after another is a decode step with inputs_from, one row per request")
+    if np.array_equal(rows, np.arange(len(rows))):  # NOTE: the common case: the same requests again
+        return tokens[: len(rows)]
+    mine = np.flatnonzero(rows >= 0)
+    ids = on_device(batch.input_ids.tolist(), tokens.device, torch.int64)
+    taken = tokens.index_select(0, on_device(rows[mine].tolist(), tokens.device, torch.int64))
+    return ids.index_copy_(0, on_device(mine.tolist(), tokens.device, torch.int64), taken)
+
+
 class ModelExecutor:
     """Runs a scheduled step through the torch model and samples the requests that need a token."""
 
@@ -119,22 +137,7 @@ class ModelExecutor:
             if after is not None:
                 raise ValueError("only a chainable decode step takes its inputs from the step before")
             return LaunchedStep(self.run(batch))
-        input_ids = None
-        if after is not None:
-            rows, tokens = batch.inputs_from, after.pending.tokens
-            if rows is None or len(rows) != len(batch.requests) or batch.mode != "decode":
-                raise ValueError(
-                    "a step after another is a decode step with inputs_from, one row per request"
-                )
-            if (
-                rows[0] == 0 and rows[-1] == len(rows) - 1
-            ):  # NOTE: the first len(rows) tokens of the step before
-                input_ids = tokens[: len(rows)]
-            else:  # the host's tokens where rows is -1, the step before's elsewhere
-                mine = np.flatnonzero(rows >= 0)
-                input_ids = on_device(batch.input_ids.tolist(), tokens.device, torch.int64)
-                input_ids.index_copy_(0, on_device(mine.tolist(), tokens.device, torch.int64),
-                                      tokens.index_select(0, on_device(rows[mine].tolist(), tokens.device, torch.int64)))  # fmt: skip
+        input_ids = None if after is None else _chained_inputs(batch, after.pending.tokens)
         logits = self._logits(batch, input_ids)
         states: list[RequestState] = [
             r.payload for r, s in zip(batch.requests, batch.sample, strict=True) if s
