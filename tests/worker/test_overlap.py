@@ -185,10 +185,12 @@ def test_a_step_ahead_is_not_scheduled_when_its_pages_would_need_a_retraction():
 
 @pytest.mark.parametrize("seed", range(30))
 def test_overlapped_steps_give_the_tokens_and_pages_of_one_step_at_a_time(seed):
-    """Random prompts sharing prefixes, EOS ids, max_tokens, aborts between steps and a small pool:
-    every request's tokens are the reference's up to where it ended, and no page leaks."""
+    """Random prompts sharing prefixes, EOS ids, max_tokens, chunked prefills, aborts between steps
+    and a small pool: every request's tokens are the reference's up to where it ended, and no page
+    leaks."""
     rng = np.random.default_rng(seed)
-    sched, model = make(num_pages=32, decode_reserve_tokens=int(rng.integers(0, 8)), max_running=6)
+    sched, model = make(num_pages=32, decode_reserve_tokens=int(rng.integers(0, 8)), max_running=6,
+                        chunked_prefill_tokens=int(rng.choice([4, 10, 2048])))  # fmt: skip
     reqs = []
     for i in range(8):
         p = [int(rng.integers(0, 3)), 1, 2, 3] + [
