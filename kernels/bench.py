@@ -365,8 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["decode"].append(bench_decode(shape, model, device, gen))
         torch.cuda.empty_cache()
         row = result["decode"][-1]
-        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, {row['triton_gbs']:.0f} eager",
-              file=sys.stderr)  # fmt: skip
+        fused = row.get("triton_fused_graph_gbs")
+        fused_text = f"{fused:.0f} fused merge" if fused is not None else row.get("triton_fused_error", "-")
+        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, {row['triton_gbs']:.0f} eager, "
+              f"{fused_text}", file=sys.stderr)  # fmt: skip
     result["summary"] = summarize(result)
     compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)
