@@ -57,9 +57,10 @@ class CudaGraphBackend:
 
 class StaticInputs:
     """A graph's integer inputs in ONE int64 device buffer, regions at fixed offsets (``lengths``, in
-    order: name -> most entries), and a pinned host mirror: a step writes each region's values and
-    padding into the mirror (``put``), then moves the written prefix with one host-to-device copy
-    (``upload``). Views of the device regions are what a captured graph reads."""
+    order: name -> most entries), and two pinned host mirrors used in turn: a step writes each
+    region's values and padding into the current mirror (``put``), then moves the written prefix
+    with one host-to-device copy (``upload``). Views of the device regions are what a captured
+    graph reads."""
 
     def __init__(self, lengths: dict[str, int], device: torch.device) -> None:
         self.offsets: dict[str, int] = {}
@@ -127,8 +128,8 @@ class DecodeGraphRunner:
 
     Static inputs live in ONE int64 device buffer at fixed offsets:
     ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices]``
-    (B = the largest size). A step fills the same layout in a pinned host buffer and moves it with a
-    single host-to-device copy of the used prefix, then replays the graph of the next size up.
+    (B = the largest size). A step fills the same layout in pinned host memory (StaticInputs) and moves
+    it with a single host-to-device copy of the used prefix, then replays the graph of the next size up.
     """
 
     def __init__(
