@@ -105,6 +105,67 @@ def run(
     return rows
 
 
+async def saturate(engine: Any, requests: int, context: int, output: int, seed: int) -> float:
+    """``requests`` distinct ``context``-token prompts sent at once, ``output`` tokens each; seconds
+    until the last one finishes."""
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+
+    async def one(i: int) -> None:
+        handle = engine.submit([(j * 7 + i * 13 + seed) % 250 + 1 for j in range(context)], params)
+        while True:
+            out = await handle.outputs.get()
+            if out.error is not None:
+                raise RuntimeError(out.error)
+            if out.finish_reason is not None:
+                return
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(requests)))
+    return time.perf_counter() - started
+
+
+def run_saturated(
+    requests: int, context: int, output: int, forward_ms: float, max_running: int, kv_tokens: int | None,
+    overlaps: Sequence[str], seed: int,
+) -> list[dict]:  # fmt: skip
+    """A queue deeper than the engine serves at once (``max_running`` or the KV pool): its wall time
+    against the modelled device's busy time, one step at a time and overlapped."""
+    from worker.sim_engine import build_sim_engine
+
+    rows = []
+    for overlap in overlaps:
+        cfg = WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=forward_ms,
+                           sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0, max_running=max_running,
+                           kv_cache_tokens=kv_tokens, max_waiting=max(1024, requests),
+                           overlap_schedule=overlap)  # fmt: skip
+        engine = build_sim_engine(cfg)
+        engine.start()
+        try:
+            wall = asyncio.run(saturate(engine, requests, context, output, seed))
+            stats = engine.scheduler.stats  # NOTE: the engine thread is idle now
+            rows.append({"requests": requests, "context": context, "output": output, "max_running": max_running,
+                         "kv_cache_tokens": engine.capacity_tokens, "overlap": overlap, "forward_ms": forward_ms,
+                         "wall_s": round(wall, 4), "device_s": round(engine.executor.simulated_s, 4),
+                         "decode_tokens": stats.decode_tokens, "ahead_steps": stats.ahead_steps})  # fmt: skip
+        finally:
+            engine.stop()
+        print(rows[-1], file=sys.stderr)
+    return rows
+
+
+def markdown_saturated(doc: dict) -> str:
+    m, rows = doc["machine"], doc["rows"]
+    lines = [f"Saturated engine, {rows[0]['requests']} requests at once ({rows[0]['context']}-token prompts, "
+             f"{rows[0]['output']} output tokens each; a modelled {rows[0]['forward_ms']} ms device step; "
+             f"{m['cpu_model']}, {m['cpu_count']} cores):", "",
+             "| max running | KV tokens | overlap | wall s | device s | wall / device | chained steps |",
+             "|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['max_running']} | {r['kv_cache_tokens']} | {r['overlap']} | {r['wall_s']} | {r['device_s']} "
+                     f"| {r['wall_s'] / r['device_s']:.2f} | {r['ahead_steps']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def markdown(doc: dict) -> str:
     m = doc["machine"]
     rows = doc["rows"]
@@ -130,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", choices=["off", "on", "both"], default="off",
                    help="schedule each decode step while the one before runs (--overlap-schedule)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    p.add_argument("--saturate", type=int, metavar="REQUESTS",
+                   help="instead: REQUESTS prompts (the first --contexts, --steps output tokens each) sent at once "
+                        "to an engine that serves --max-running of them (or what --kv-cache-tokens holds)")  # fmt: skip
+    p.add_argument("--max-running", type=int, default=256, help="with --saturate: requests served at once")
+    p.add_argument("--kv-cache-tokens", type=int, help="with --saturate: the KV pool (default: the sim's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON result path")
     p.add_argument("--markdown")
@@ -150,13 +216,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("batches, contexts and --steps must be positive")
     if args.forward_ms < 0:
         parser.error("--forward-ms must be >= 0")
+    if args.saturate is not None and (
+        args.saturate <= 0 or args.max_running <= 0 or (args.kv_cache_tokens or 1) <= 0
+    ):
+        parser.error("--saturate, --max-running and --kv-cache-tokens must be positive")
     started = time.perf_counter()
     overlaps = ("off", "on") if args.overlap == "both" else (args.overlap,)
-    rows = run(batches, contexts, args.steps, args.seed, args.forward_ms, overlaps)
-    doc = {"benchmark": "host_step", "command": "python -m worker.bench_host " + " ".join(argv or sys.argv[1:]),
+    if args.saturate is not None:
+        rows = run_saturated(args.saturate, contexts[0], args.steps, args.forward_ms, args.max_running,
+                             args.kv_cache_tokens, overlaps, args.seed)  # fmt: skip
+    else:
+        rows = run(batches, contexts, args.steps, args.seed, args.forward_ms, overlaps)
+    doc = {"benchmark": "host_step_saturated" if args.saturate else "host_step",
+           "command": "python -m worker.bench_host " + " ".join(argv or sys.argv[1:]),
            "machine": machine_info("cpu"), "params": vars(args) | {"batches": batches, "contexts": contexts},
            "rows": rows, "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
-    write_results(doc, args.out, args.markdown, markdown(doc))
+    write_results(doc, args.out, args.markdown, markdown_saturated(doc) if args.saturate else markdown(doc))
     return 0
 
 

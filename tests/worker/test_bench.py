@@ -291,6 +291,23 @@ def test_host_bench_times_decode_steps_of_a_zero_cost_forward(tmp_path, capsys):
     assert "| 3 |" in md.read_text()
 
 
+def test_host_bench_saturates_an_engine_one_step_at_a_time_and_overlapped(tmp_path, capsys):
+    from worker import bench_host
+
+    out = tmp_path / "saturated.json"
+    assert bench_host.main(["--saturate", "6", "--contexts", "32", "--steps", "8", "--max-running", "2",
+                            "--forward-ms", "0.5", "--overlap", "both", "--out", str(out)]) == 0  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "host_step_saturated"
+    assert [(r["overlap"], r["max_running"]) for r in doc["rows"]] == [("off", 2), ("on", 2)]
+    off, on = doc["rows"]
+    # the same work both ways (the first token of each comes from its prefill), chained only when on
+    assert off["decode_tokens"] == on["decode_tokens"] == 6 * 7
+    assert off["ahead_steps"] == 0 < on["ahead_steps"]
+    assert off["device_s"] > 0 and off["wall_s"] > 0 and on["wall_s"] > 0
+    assert "| 2 |" in capsys.readouterr().out
+
+
 def test_profile_groups_kernels_by_what_they_do():
     from worker.bench_profile import group_of, group_times
 
