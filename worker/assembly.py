@@ -55,6 +55,16 @@ def _chained_inputs(batch: ScheduledBatch, tokens: Any) -> Any:
     return ids.index_copy_(0, on_device(mine.tolist(), tokens.device, torch.int64), taken)
 
 
+def _generators(states: list[RequestState], device: Any) -> list[Any]:
+    """Each request's RNG (None unless seeded), made on first use on ``device`` and kept in its state."""
+    from worker.sampling import make_generator
+
+    for st in states:
+        if st.generator is None and st.params.seed is not None:
+            st.generator = make_generator(st.params, device)
+    return [st.generator for st in states]
+
+
 class ModelExecutor:
     """Runs a scheduled step through the torch model and samples the requests that need a token."""
 
@@ -131,7 +141,7 @@ class ModelExecutor:
         chainable_step) run to the end here, as ``run``."""
         import torch
 
-        from worker.sampling import logprob_tensors, make_generator, on_device, sample
+        from worker.sampling import logprob_tensors, on_device, sample
 
         if not chainable_step(batch):
             if after is not None:
@@ -142,10 +152,7 @@ class ModelExecutor:
         states: list[RequestState] = [
             r.payload for r, s in zip(batch.requests, batch.sample, strict=True) if s
         ]
-        for st in states:
-            if st.generator is None and st.params.seed is not None:
-                st.generator = make_generator(st.params, logits.device)
-        tokens = sample(logits, [st.params for st in states], [st.generator for st in states])
+        tokens = sample(logits, [st.params for st in states], _generators(states, logits.device))
         step = _Launched(tokens, [tokens], states)
         step.asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
         if step.asking:  # NOTE: from the logits now: the next step's replay overwrites the graph's output
@@ -185,12 +192,10 @@ class ModelExecutor:
 
         from worker.guided import advance, constrain
         from worker.penalties import adjust_logits
-        from worker.sampling import make_generator, sample, token_logprobs
+        from worker.sampling import sample, token_logprobs
 
         states: list[RequestState] = [r.payload for r in reqs]
-        for st in states:
-            if st.generator is None and st.params.seed is not None:
-                st.generator = make_generator(st.params, logits.device)
+        generators = _generators(states, logits.device)
         params = [st.params for st in states]
         raw = logits  # NOTE: logprobs come from the model's logits, before penalties and bias
         if any(adjusts(p) for p in params):
@@ -199,7 +204,7 @@ class ModelExecutor:
         guided = any(p.guide is not None for p in params)
         if guided:
             logits = constrain(logits, states)
-        tokens = sample(logits, params, [st.generator for st in states])
+        tokens = sample(logits, params, generators)
         ids = tokens.tolist()
         if guided:
             advance(states, ids)
@@ -231,7 +236,7 @@ class ModelExecutor:
 
         from worker.guided import draft_masks, matcher_of
         from worker.penalties import adjust_logits
-        from worker.sampling import accept_draft, accept_greedy, make_generator, token_logprobs
+        from worker.sampling import accept_draft, accept_greedy, token_logprobs
 
         assert batch.drafts is not None
         if self.extend_graphs is not None and self.extend_graphs.can_run(batch, "all"):
@@ -260,8 +265,7 @@ class ModelExecutor:
         for i in drafted:
             req, draft = batch.requests[i], batch.drafts[i]
             st: RequestState = req.payload
-            if st.generator is None and st.params.seed is not None:
-                st.generator = make_generator(st.params, logits.device)
+            _generators([st], logits.device)
             rows = logits[qo[i] : qo[i + 1]]
             if _plain_greedy(st.params):
                 tokens = accept_greedy(best[qo[i] : qo[i + 1]], draft)
