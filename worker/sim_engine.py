@@ -94,21 +94,22 @@ class SimExecutor:
             return self.prefill_ms_per_token * batch.num_new_tokens + copy_ms
         return self.decode_base_ms + self.decode_ms_per_seq * len(batch.requests) + copy_ms
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        cost_s = self.step_ms(batch) / 1000.0
-        self.simulated_s += cost_s
-        time.sleep(cost_s)
-        return self._tokens(batch)
-
-    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
-        """A modelled device: a chainable decode step is queued behind the one before (its time
-        starts when that one's ends) and ``collect`` sleeps until it is done; other steps run now."""
-        if not chainable_step(batch):
-            return LaunchedStep(self.run(batch))
+    def _queue(self, batch: ScheduledBatch) -> float:
+        """Put ``batch`` on the modelled device, behind the step before: when it will be done."""
         cost_s = self.step_ms(batch) / 1000.0
         self.simulated_s += cost_s
         self._busy_until = max(time.monotonic(), self._busy_until) + cost_s
-        return LaunchedStep(pending=(batch, self._busy_until), chainable=True)
+        return self._busy_until
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        return self.collect(LaunchedStep(pending=(batch, self._queue(batch))))
+
+    def launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """A modelled device: a chainable step is queued behind the one before (its time starts
+        when that one's ends) and ``collect`` sleeps until it is done; other steps run now."""
+        if not chainable_step(batch):
+            return LaunchedStep(self.run(batch))
+        return LaunchedStep(pending=(batch, self._queue(batch)), chainable=True)
 
     def collect(self, launched: LaunchedStep) -> list[int]:
         if launched.result is not None:
