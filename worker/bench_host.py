@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from worker.bench_report import machine_info, write_results
@@ -26,6 +27,11 @@ from worker.config import WorkerConfig
 from worker.sampling import SamplingParams
 
 WARM_TOKENS = 4  # decode tokens before the timed window (allocator growth, first pages)
+
+
+def prompt(i: int, context: int, seed: int) -> list[int]:
+    """Request ``i``'s ``context`` prompt tokens: distinct for every request, so nothing is cached."""
+    return [(j * 7 + i * 13 + seed) % 250 + 1 for j in range(context)]
 
 
 async def decode_window(engine: Any, batch: int, context: int, steps: int, seed: int) -> dict:
@@ -37,10 +43,7 @@ async def decode_window(engine: Any, batch: int, context: int, steps: int, seed:
 
     async def one(i: int) -> None:
         nonlocal ready
-        prompt = [
-            (j * 7 + i * 13 + seed) % 250 + 1 for j in range(context)
-        ]  # distinct prompts: no cache hits
-        handle = engine.submit(prompt, params)
+        handle = engine.submit(prompt(i, context, seed), params)
         got, counted = 0, False
         while True:
             out = await handle.outputs.get()
@@ -72,35 +75,42 @@ async def decode_window(engine: Any, batch: int, context: int, steps: int, seed:
             "ms_per_step": round(elapsed / window * 1e3, 4), "us_per_request_step": round(elapsed / window / batch * 1e6, 2)}  # fmt: skip
 
 
+@contextlib.contextmanager
+def sim_engine(forward_ms: float, overlap: str, **cfg: Any) -> Iterator[Any]:
+    """A started sim engine whose only cost is ``forward_ms`` per decode step (``cfg``: more
+    WorkerConfig fields); stopped on exit."""
+    from worker.sim_engine import build_sim_engine
+
+    engine = build_sim_engine(WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=forward_ms,
+                                           sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0,
+                                           overlap_schedule=overlap, **cfg))  # fmt: skip
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 def run(
     batches: list[int], contexts: list[int], steps: int, seed: int, forward_ms: float = 0.0,
     overlaps: Sequence[str] = ("off",),
 ) -> list[dict]:  # fmt: skip
-    from worker.sim_engine import build_sim_engine
-
     rows = []
     first = True  # NOTE: the first engine also pays imports and first-use setup: run it once untimed
     for context in contexts:
         for batch in batches:
             for overlap in overlaps:
-                cfg = WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=forward_ms,
-                                   sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0,
-                                   kv_cache_tokens=batch * (context + WARM_TOKENS + steps + 64) + 4096,
-                                   sim_context_tokens=context + WARM_TOKENS + steps + 64,
-                                   max_running=max(256, batch), chunked_prefill_tokens=8192,
-                                   overlap_schedule=overlap)  # fmt: skip
-                engine = build_sim_engine(cfg)
-                engine.start()
-                try:
+                size = context + WARM_TOKENS + steps + 64
+                with sim_engine(forward_ms, overlap, kv_cache_tokens=batch * size + 4096, sim_context_tokens=size,
+                                max_running=max(256, batch), chunked_prefill_tokens=8192) as engine:  # fmt: skip
                     if first:
                         asyncio.run(decode_window(engine, batch, context, min(steps, 20), seed + 1))
                         first = False
                     row = asyncio.run(decode_window(engine, batch, context, steps, seed))
                     stats = engine.scheduler.stats  # NOTE: the engine thread is idle now
-                    row |= {"overlap": overlap, "forward_ms": forward_ms, "ahead_steps": stats.ahead_steps}
-                    rows.append(row)
-                finally:
-                    engine.stop()
+                    rows.append(
+                        row | {"overlap": overlap, "forward_ms": forward_ms, "ahead_steps": stats.ahead_steps}
+                    )
                 print(rows[-1], file=sys.stderr)
     return rows
 
@@ -111,7 +121,7 @@ async def saturate(engine: Any, requests: int, context: int, output: int, seed: 
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
 
     async def one(i: int) -> None:
-        handle = engine.submit([(j * 7 + i * 13 + seed) % 250 + 1 for j in range(context)], params)
+        handle = engine.submit(prompt(i, context, seed), params)
         while True:
             out = await handle.outputs.get()
             if out.error is not None:
@@ -130,25 +140,16 @@ def run_saturated(
 ) -> list[dict]:  # fmt: skip
     """A queue deeper than the engine serves at once (``max_running`` or the KV pool): its wall time
     against the modelled device's busy time, one step at a time and overlapped."""
-    from worker.sim_engine import build_sim_engine
-
     rows = []
     for overlap in overlaps:
-        cfg = WorkerConfig(engine="sim", sim_prefill_ms_per_token=0.0, sim_decode_base_ms=forward_ms,
-                           sim_decode_ms_per_seq=0.0, sim_host_copy_ms_per_token=0.0, max_running=max_running,
-                           kv_cache_tokens=kv_tokens, max_waiting=max(1024, requests),
-                           overlap_schedule=overlap)  # fmt: skip
-        engine = build_sim_engine(cfg)
-        engine.start()
-        try:
+        with sim_engine(forward_ms, overlap, max_running=max_running, kv_cache_tokens=kv_tokens,
+                        max_waiting=max(1024, requests)) as engine:  # fmt: skip
             wall = asyncio.run(saturate(engine, requests, context, output, seed))
             stats = engine.scheduler.stats  # NOTE: the engine thread is idle now
             rows.append({"requests": requests, "context": context, "output": output, "max_running": max_running,
                          "kv_cache_tokens": engine.capacity_tokens, "overlap": overlap, "forward_ms": forward_ms,
                          "wall_s": round(wall, 4), "device_s": round(engine.executor.simulated_s, 4),
                          "decode_tokens": stats.decode_tokens, "ahead_steps": stats.ahead_steps})  # fmt: skip
-        finally:
-            engine.stop()
         print(rows[-1], file=sys.stderr)
     return rows
 
