@@ -240,24 +240,29 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
             return sdpa_decode(*sdpa_args)
 
     row: dict[str, Any] = {"batch": shape.batch, "context": shape.context, "bytes": nbytes}
+
+    def timed(name: str, ms: float) -> None:
+        row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / (ms * 1e-3) / 1e9
+
+    def replayed(call: Any) -> tuple[Any, torch.Tensor]:
+        """``call`` captured as a CUDA graph, and what one replay writes into the poisoned ``out``."""
+        graph = timing.capture(call)
+        out.fill_(float("nan"))  # the replay must write every element itself
+        graph.replay()
+        return graph, out.clone()
+
     out.fill_(float("nan"))  # every element must be written
     triton_call()
     eager_out = out.clone()
-    row["triton_ms"] = timing.time_ms(triton_call)
-    row["triton_gbs"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
+    timed("triton", timing.time_ms(triton_call))
     # NOTE: the worker replays decode steps as CUDA graphs, so the kernels' own time is the replay's;
     # eager calls above also pay Python's launch cost (~0.15 ms on an H200 host), which dominates short
     # contexts.
-    graph = timing.capture(triton_call)
-    out.fill_(float("nan"))  # the replay must write every element itself
-    graph.replay()
-    graph_out = out.clone()
-    row["triton_graph_ms"] = timing.time_ms(graph.replay)
-    row["triton_graph_gbs"] = nbytes / (row["triton_graph_ms"] * 1e-3) / 1e9
+    graph, graph_out = replayed(triton_call)
+    timed("triton_graph", timing.time_ms(graph.replay))
     # NOTE: also after a writing flush (triton.testing.do_bench's), which leaves L2 full of dirty lines
     # that this call then writes back: how these rows were measured before (kernels.timing).
-    row["triton_graph_dirty_ms"] = timing.time_ms(graph.replay, flush="dirty")
-    row["triton_graph_dirty_gbs"] = nbytes / (row["triton_graph_dirty_ms"] * 1e-3) / 1e9
+    timed("triton_graph_dirty", timing.time_ms(graph.replay, flush="dirty"))
     # NOTE: the variant with the merge in the split kernel (DecodeConfig.fused_merge): one launch, not
     # two; a candidate, so its failure is recorded in the row and the benchmark goes on
     q, fused_out = kernel_args[0], None
@@ -265,14 +270,10 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         dec.default_config(q.shape[-1], q.dtype, device_arch(device)), fused_merge=True
     )
     try:
-        fused_graph = timing.capture(
+        fused_graph, fused_out = replayed(
             lambda: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=fused)
         )
-        out.fill_(float("nan"))
-        fused_graph.replay()
-        fused_out = out.clone()
-        row["triton_fused_graph_ms"] = timing.time_ms(fused_graph.replay)
-        row["triton_fused_graph_gbs"] = nbytes / (row["triton_fused_graph_ms"] * 1e-3) / 1e9
+        timed("triton_fused_graph", timing.time_ms(fused_graph.replay))
     except Exception as exc:  # a compile or launch error of the candidate
         row["triton_fused_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     try:
@@ -288,14 +289,12 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         row["rel_err_graph_vs_sdpa"] = _rel_err(graph_out, ref)
         if fused_out is not None:
             row["rel_err_fused_vs_sdpa"] = _rel_err(fused_out, ref)
-        row["sdpa_ms"] = timing.time_ms(sdpa_call)
-        row["sdpa_gbs"] = nbytes / (row["sdpa_ms"] * 1e-3) / 1e9
+        timed("sdpa", timing.time_ms(sdpa_call))
     except RuntimeError as exc:
         row["sdpa_error"] = str(exc).splitlines()[0][:200]
         return row
     try:
-        row["sdpa_graph_ms"] = timing.time_replay_ms(sdpa_call)
-        row["sdpa_graph_gbs"] = nbytes / (row["sdpa_graph_ms"] * 1e-3) / 1e9
+        timed("sdpa_graph", timing.time_replay_ms(sdpa_call))
     except RuntimeError as exc:  # SDPA could not be captured: the eager baseline stays
         row["sdpa_graph_error"] = str(exc).splitlines()[0][:200]
     return row
