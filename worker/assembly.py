@@ -65,6 +65,11 @@ def _generators(states: list[RequestState], device: Any) -> list[Any]:
     return [st.generator for st in states]
 
 
+def _histories(reqs: list[Any]) -> list[Any]:
+    """What worker.penalties reads of each request: its tokens so far, prompt length, stop ids, memo."""
+    return [(r.token_ids, r.prompt_len, r.stop_token_ids, r.payload.memo) for r in reqs]
+
+
 class ModelExecutor:
     """Runs a scheduled step through the torch model and samples the requests that need a token."""
 
@@ -137,10 +142,10 @@ class ModelExecutor:
         forward and the sampling are enqueued, the tokens start their copy to pinned host memory.
         ``after``: the launched step whose tokens are this decode step's inputs (``inputs_from``;
         taken on the device). Logprobs are computed now too, read back with the tokens. Other steps
-        (requests whose sampling reads their history on the host, prompt logprobs: see
-        chainable_step) run to the end here, as ``run``."""
+        (a grammar, prompt logprobs: see chainable_step) run to the end here, as ``run``."""
         import torch
 
+        from worker.penalties import adjust_logits
         from worker.sampling import logprob_tensors, on_device, sample
 
         if not chainable_step(batch):
@@ -148,19 +153,23 @@ class ModelExecutor:
                 raise ValueError("only a chainable decode step takes its inputs from the step before")
             return LaunchedStep(self.run(batch))
         input_ids = None if after is None else _chained_inputs(batch, after.pending.tokens)
-        logits = self._logits(batch, input_ids)
-        states: list[RequestState] = [
-            r.payload for r, s in zip(batch.requests, batch.sample, strict=True) if s
-        ]
-        tokens = sample(logits, [st.params for st in states], _generators(states, logits.device))
+        raw = self._logits(batch, input_ids)  # NOTE: logprobs come from these, before penalties and bias
+        reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
+        states: list[RequestState] = [r.payload for r in reqs]
+        params = [st.params for st in states]
+        logits = raw
+        if any(adjusts(p) for p in params):
+            # NOTE: a chained step samples every row; a row taking its input from the step before
+            # has that token (its newest) on the device only
+            late = [] if input_ids is None else np.flatnonzero(batch.inputs_from >= 0).tolist()
+            logits = adjust_logits(raw, params, _histories(reqs), (input_ids, late) if late else None)
+        tokens = sample(logits, params, _generators(states, logits.device))
         step = _Launched(tokens, [tokens], states)
         step.asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
         if step.asking:  # NOTE: from the logits now: the next step's replay overwrites the graph's output
-            index = on_device(step.asking, logits.device, torch.int64)
+            index = on_device(step.asking, raw.device, torch.int64)
             step.top = [states[j].params.logprobs for j in step.asking]
-            step.out += logprob_tensors(
-                logits.index_select(0, index), tokens.index_select(0, index), step.top
-            )
+            step.out += logprob_tensors(raw.index_select(0, index), tokens.index_select(0, index), step.top)
         if tokens.is_cuda:  # NOTE: collect waits for this event, not for the steps queued after it
             step.out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                         for t in step.out]  # fmt: skip
@@ -199,8 +208,7 @@ class ModelExecutor:
         params = [st.params for st in states]
         raw = logits  # NOTE: logprobs come from the model's logits, before penalties and bias
         if any(adjusts(p) for p in params):
-            history = [(r.token_ids, r.prompt_len, r.stop_token_ids, r.payload.memo) for r in reqs]
-            logits = adjust_logits(logits, params, history)
+            logits = adjust_logits(logits, params, _histories(reqs))
         guided = any(p.guide is not None for p in params)
         if guided:
             logits = constrain(logits, states)

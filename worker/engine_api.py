@@ -72,16 +72,12 @@ class LaunchedStep:
 
 def chainable_step(batch: ScheduledBatch) -> bool:
     """Can a step be scheduled ahead of this one's tokens? A decode or extend step whose requests
-    sample with nothing that reads their history on the host (no penalties or bias, no grammar)
-    and want no prompt logprobs."""
-    from worker.penalties import adjusts
-
+    follow no grammar (its state advances on the host with each token) and want no prompt logprobs.
+    Penalties, bias and ``min_tokens`` do chain: the token a step ahead lacks is on the device
+    (worker.penalties.adjust_logits, ``unseen``)."""
     if batch.mode not in ("decode", "extend"):
         return False
-    return all(
-        not adjusts(r.payload.params) and r.payload.params.guide is None and not r.full_prefill
-        for r in batch.requests
-    )
+    return all(r.payload.params.guide is None and not r.full_prefill for r in batch.requests)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.sampling import SamplingParams
+from worker.sampling import SamplingParams, on_device
 
 # (token ids so far: prompt + output, prompt length, ids that end the request, the request's memo
 # dict for what does not change between steps, or None)
@@ -40,47 +40,63 @@ def adjusts(p: SamplingParams) -> bool:
 
 
 def adjust_logits(
-    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[History],
+    unseen: tuple[torch.Tensor, Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """``logits`` [B, V] with each row adjusted for its request; the input is returned untouched
-    when no row needs anything, else a new float32 tensor."""
+    when no row needs anything, else a new float32 tensor. ``unseen``: (tokens [B] on the logits'
+    device, rows): each of those rows' newest output token is ``tokens[row]``, not yet in its history
+    (a step scheduled ahead of the one that samples it: --overlap-schedule).
+
+    Nothing here waits for the device: index lists travel through pinned memory, and no op has an
+    output whose size depends on the data."""
     rows = [i for i, p in enumerate(params) if adjusts(p)]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[1]
-    sub = (
-        logits[torch.tensor(rows, device=device)].float()
-        if len(rows) < len(params)
-        else logits.float().clone()
-    )
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return on_device(values, device, dtype)
+
+    some = len(rows) < len(params)
+    index = tensor(rows, torch.long) if some else None
+    sub = logits.index_select(0, index).float() if some else logits.float().clone()
     flat = sub.view(-1)
     ps = [params[i] for i in rows]
     hs = [histories[i] for i in rows]
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    pending = set() if unseen is None else set(unseen[1])
+    late = [r for r, i in enumerate(rows) if i in pending]  # adjusted rows with a token on the device
 
     # the output's tokens as flat indices (row * vocab + id), for penalties and repetition
     output = [r * vocab + t for r, (ids, prompt_len, _, _) in enumerate(hs) for t in ids[prompt_len:]]
     out_flat = tensor(output, torch.long)
+    if late:
+        assert unseen is not None
+        newest = unseen[0].index_select(0, tensor([rows[r] for r in late], torch.long))
+        out_flat = torch.cat([out_flat, newest.long() + tensor([r * vocab for r in late], torch.long)])
 
-    # NOTE: every update below touches only the (row, token) pairs it concerns: no [rows, vocab] temporaries
+    # NOTE: every update below touches only the (row, token) pairs it concerns: no [rows, vocab]
+    # temporaries; where a pair repeats, each write puts the same value
     if any(p.repetition_penalty != 1.0 for p in ps):
         prompts = [_prompt_ids(h, device, vocab) for h in hs]
-        offsets = torch.repeat_interleave(
+        sizes = [t.numel() for t in prompts]
+        offsets = torch.repeat_interleave(  # NOTE: output_size given: no wait for the device to count
             tensor([r * vocab for r in range(len(hs))], torch.long),
-            tensor([t.numel() for t in prompts], torch.long),
+            tensor(sizes, torch.long),
+            output_size=sum(sizes),
         )
-        seen = torch.cat([torch.cat(prompts) + offsets, out_flat])  # repeats are harmless: same value
+        seen = torch.cat([torch.cat(prompts) + offsets, out_flat])
         rp = tensor([float(p.repetition_penalty) for p in ps], torch.float32)[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / rp, values * rp)
-    if output and any(p.frequency_penalty or p.presence_penalty for p in ps):
+    if (output or late) and any(p.frequency_penalty or p.presence_penalty for p in ps):
         f = tensor([float(p.frequency_penalty) for p in ps], torch.float32)
         pr = tensor([float(p.presence_penalty) for p in ps], torch.float32)
-        flat.index_add_(0, out_flat, -f[out_flat // vocab])  # once per occurrence: -f x count
-        present = torch.unique(out_flat)
-        flat.index_add_(0, present, -pr[present // vocab])
+        owner = out_flat // vocab
+        flat[out_flat] = flat[out_flat] - pr[owner]  # once per distinct token
+        flat.index_add_(0, out_flat, -f[owner])  # once per occurrence: -f x count
     bias = [(r * vocab + t, float(b)) for r, p in enumerate(ps) for t, b in p.logit_bias.items() if t < vocab]
     if bias:
         flat.index_add_(
@@ -89,17 +105,15 @@ def adjust_logits(
     stops = [
         r * vocab + t
         for r, (p, (ids, prompt_len, stop_ids, _)) in enumerate(zip(ps, hs, strict=True))
-        if len(ids) - prompt_len < p.min_tokens
+        if len(ids) - prompt_len + (rows[r] in pending) < p.min_tokens
         for t in stop_ids
         if t < vocab
     ]
     if stops:
         flat[tensor(stops, torch.long)] = float("-inf")
-    if len(rows) == len(params):
+    if not some:
         return sub
-    out = logits.float().clone()
-    out[torch.tensor(rows, device=device)] = sub
-    return out
+    return logits.float().index_copy(0, index, sub)
 
 
 def _prompt_ids(history: History, device: torch.device, vocab: int) -> torch.Tensor:
@@ -107,9 +121,7 @@ def _prompt_ids(history: History, device: torch.device, vocab: int) -> torch.Ten
     ids, prompt_len, _, memo = history
     cached = None if memo is None else memo.get("prompt_ids")
     if cached is None or cached.device != device:
-        cached = torch.tensor(
-            sorted({t for t in ids[:prompt_len] if t < vocab}), dtype=torch.long, device=device
-        )
+        cached = on_device(sorted({t for t in ids[:prompt_len] if t < vocab}), device, torch.long)
         if memo is not None:
             memo["prompt_ids"] = cached
     return cached

@@ -265,12 +265,21 @@ def mixed_requests(stop_text: str, stop_id: int) -> list[tuple[str, SamplingPara
         (SHARED + "four", SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_text])),
         (SHARED + "five", SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id])),
         (SHARED + "six", SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)),
-    ]
+        # NOTE: penalties over a history whose newest token is on the device in a chained step
+        (SHARED + "seven", SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=1.5,
+                                          presence_penalty=0.5, repetition_penalty=1.3, ignore_eos=True)),
+        (SHARED + "eight", SamplingParams(temperature=0.9, seed=2, max_tokens=30, frequency_penalty=-1.0,
+                                          logit_bias={stop_id: -3.0}, ignore_eos=True)),
+        # NOTE: the stop id wins every step that min_tokens allows it: the 10th token ends the request
+        (SHARED + "nine", SamplingParams(temperature=0.0, max_tokens=30, min_tokens=9,
+                                         stop_token_ids=[stop_id], logit_bias={stop_id: 100.0})),
+    ]  # fmt: skip
 
 
 async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap():
     """Greedy and seeded requests, a stop string and a stop id that end requests while a step is
-    ahead of them, max_tokens, and a logprobs request (read back with its step's tokens)."""
+    ahead of them, max_tokens, a logprobs request (read back with its step's tokens), and
+    penalties, bias and min_tokens (their newest token is on the device when a step is ahead)."""
     off = model_engine("off")
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=40)
@@ -285,6 +294,7 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
     finally:
         off.stop()
     assert want[3][2] == "stop" and want[4][2] == "stop"  # NOTE: both stops happen mid-decode
+    assert want[8][2] == "stop" and len(want[8][1]) == 10 and want[8][1][-1] == stop_id
     on = model_engine("on")
     try:
         got = await run_requests(on, mixed_requests(stop_text, stop_id))
@@ -422,8 +432,8 @@ async def run_when_decoding(engine: Engine, request: tuple[str, SamplingParams])
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_device_sync():
     """Graphs, pinned mirrors used in turn, tokens copied on the device and an event per step: the
-    outputs equal one step at a time, and launching a chained step (greedy and sampled rows)
-    never waits for the step before."""
+    outputs equal one step at a time, and launching a chained step (greedy and sampled rows,
+    logprobs, penalties, bias and min_tokens) never waits for the step before."""
     requests = [
         (SHARED + "a", SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)),
         (SHARED + "b", SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
@@ -432,7 +442,9 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
             SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, max_tokens=40, ignore_eos=True),
         ),
         (SHARED + "d", SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, ignore_eos=True)),
-    ]
+        (SHARED + "e", SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=1.2, presence_penalty=0.4,
+                                      repetition_penalty=1.3, logit_bias={7: 2.0}, min_tokens=12)),
+    ]  # fmt: skip
     results = {}
     for overlap in ("off", "on"):
         engine = build_engine(

@@ -101,6 +101,42 @@ def test_a_random_batch_matches_the_row_by_row_reference_and_the_memo_is_reused(
     assert torch.equal(again, got) and [h[3].get("prompt_ids") for h in histories] == memos
 
 
+def test_a_newest_token_still_on_the_device_counts_as_if_it_were_in_the_history():
+    """A step scheduled ahead (--overlap-schedule) knows its rows' newest token only on the device
+    (``unseen``): every adjustment, min_tokens' count included, equals the one over the whole
+    history. Rows 0 and 3 reach min_tokens with that token; each row's newest token is one already
+    out (or in the prompt), so its count grows by one."""
+    rng = torch.Generator().manual_seed(11)
+    vocab, rows = 64, 8
+    logits = torch.randn(rows, vocab, generator=rng) * 3
+    params = [
+        SamplingParams(min_tokens=4, max_tokens=9),  # 3 out on the host, the 4th on the device
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.3),
+        SamplingParams(repetition_penalty=1.6),
+        SamplingParams(frequency_penalty=-0.5, min_tokens=4, max_tokens=9, logit_bias={9: 1.5}),
+        SamplingParams(),  # nothing to adjust, its token on the device all the same
+        SamplingParams(frequency_penalty=0.9, presence_penalty=0.4, repetition_penalty=1.3),
+        SamplingParams(logit_bias={2: -4.0}),
+        SamplingParams(presence_penalty=1.1, min_tokens=6, max_tokens=9),  # host: no token on the device
+    ]
+    outputs = [[3, 17, 20], [4, 4, 21], [30, 5], [6, 22, 23], [8], [40, 41, 40], [1], [9, 9]]
+    newest = [17, 4, 5, 22, 8, 41, 1, None]
+    late = [i for i, t in enumerate(newest) if t is not None]
+    whole, before = [], []
+    for out, t in zip(outputs, newest, strict=True):
+        prompt = [5, 9, 12, 5]
+        whole.append(([*prompt, *out, *([] if t is None else [t])], len(prompt), frozenset({17, 22}), None))
+        before.append(([*prompt, *out], len(prompt), frozenset({17, 22}), None))
+    tokens = torch.tensor([0 if t is None else t for t in newest])
+    want = adjust_logits(logits, params, whole)
+    got = adjust_logits(logits, params, before, (tokens, late))
+    torch.testing.assert_close(got, want)
+    assert want[0, 17] != float("-inf") and want[3, 22] != float("-inf")  # min_tokens reached with it
+    assert not torch.equal(adjust_logits(logits, params, before), want)  # NOTE: the token matters
+    # only the rows that adjust are read: an unseen row that does not is left as it is
+    torch.testing.assert_close(got[4], logits[4])
+
+
 @pytest.mark.parametrize(
     "field",
     [
