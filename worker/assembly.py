@@ -282,9 +282,9 @@ class ModelExecutor:
                 # history, then the grammar's mask in the state it would be in
                 scores = rows
                 if adjusts(st.params):
-                    history = [(req.token_ids + draft[:j], req.prompt_len, req.stop_token_ids, st.memo)
-                               for j in range(len(draft) + 1)]  # fmt: skip
-                    scores = adjust_logits(rows, [st.params] * (len(draft) + 1), history)
+                    n = len(draft) + 1
+                    drafted = [draft[:j] for j in range(n)]
+                    scores = adjust_logits(rows, [st.params] * n, _histories([req]) * n, drafted=drafted)
                 if st.params.guide is not None:
                     allowed = draft_masks(st, draft, rows.shape[1], rows.device)
                     ninf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)

@@ -12,14 +12,17 @@ Semantics (those of vLLM and HF, which OpenAI clients expect):
 
 Rows that use none of them cost nothing. The others are adjusted together, a handful of tensor ops
 per step whatever their number: each kind of adjustment is one scatter over flat (row, token)
-indices. The prompt's distinct ids are computed once per request and kept in its ``memo`` (on the
-logits' device); only the output's ids travel each step.
+indices. A request's ``memo`` keeps what carries over between its steps: the prompt's distinct ids
+(on the logits' device) and its output ids as a numpy array, to which each step appends only the
+tokens that are new, so the host's work per step grows with the batch, not with the output's
+length; the output ids are copied to the device as one array.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from worker.sampling import SamplingParams, on_device
@@ -44,11 +47,15 @@ def adjust_logits(
     params: Sequence[SamplingParams],
     histories: Sequence[History],
     unseen: tuple[torch.Tensor, Sequence[int]] | None = None,
+    drafted: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """``logits`` [B, V] with each row adjusted for its request; the input is returned untouched
-    when no row needs anything, else a new float32 tensor. ``unseen``: (tokens [B] on the logits'
-    device, rows): each of those rows' newest output token is ``tokens[row]``, not yet in its history
-    (a step scheduled ahead of the one that samples it: --overlap-schedule).
+    when no row needs anything, else a new float32 tensor. Beyond each row's history:
+    - ``unseen``: (tokens [B] on the logits' device, rows): each of those rows' newest output token
+      is ``tokens[row]``, not yet in its history (a step scheduled ahead of the one that samples it:
+      --overlap-schedule);
+    - ``drafted``: per row, draft tokens that follow its history (a verify step scores row j of a
+      request as if ``draft[:j]`` were out); they are not kept in the memo.
 
     Nothing here waits for the device: index lists travel through pinned memory, and no op has an
     output whose size depends on the data."""
@@ -69,8 +76,17 @@ def adjust_logits(
     pending = set() if unseen is None else set(unseen[1])
     late = [r for r, i in enumerate(rows) if i in pending]  # adjusted rows with a token on the device
 
+    extra = [()] * len(rows) if drafted is None else [drafted[i] for i in rows]
     # the output's tokens as flat indices (row * vocab + id), for penalties and repetition
-    output = [r * vocab + t for r, (ids, prompt_len, _, _) in enumerate(hs) for t in ids[prompt_len:]]
+    outputs = [_output_ids(h) for h in hs]
+    counts = [
+        o.size + len(e) + (rows[r] in pending) for r, (o, e) in enumerate(zip(outputs, extra, strict=True))
+    ]
+    flat_ids = [
+        np.concatenate([o, np.asarray(e, dtype=np.int64)]) if e else o
+        for o, e in zip(outputs, extra, strict=True)
+    ]
+    output = np.concatenate([ids + r * vocab for r, ids in enumerate(flat_ids)])
     out_flat = tensor(output, torch.long)
     if late:
         assert unseen is not None
@@ -91,7 +107,7 @@ def adjust_logits(
         rp = tensor([float(p.repetition_penalty) for p in ps], torch.float32)[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / rp, values * rp)
-    if (output or late) and any(p.frequency_penalty or p.presence_penalty for p in ps):
+    if (output.size or late) and any(p.frequency_penalty or p.presence_penalty for p in ps):
         f = tensor([float(p.frequency_penalty) for p in ps], torch.float32)
         pr = tensor([float(p.presence_penalty) for p in ps], torch.float32)
         owner = out_flat // vocab
@@ -104,8 +120,8 @@ def adjust_logits(
         )
     stops = [
         r * vocab + t
-        for r, (p, (ids, prompt_len, stop_ids, _)) in enumerate(zip(ps, hs, strict=True))
-        if len(ids) - prompt_len + (rows[r] in pending) < p.min_tokens
+        for r, (p, (_, _, stop_ids, _), count) in enumerate(zip(ps, hs, counts, strict=True))
+        if count < p.min_tokens
         for t in stop_ids
         if t < vocab
     ]
@@ -114,6 +130,27 @@ def adjust_logits(
     if not some:
         return sub
     return logits.float().index_copy(0, index, sub)
+
+
+def _output_ids(history: History) -> np.ndarray:
+    """A request's output ids (int64), from its memo: only the tokens out since the last call are
+    appended (the buffer doubles when full). The history is assumed to only grow; a shorter one
+    starts the buffer again."""
+    ids, prompt_len, _, memo = history
+    total = len(ids) - prompt_len
+    if memo is None:
+        return np.asarray(ids[prompt_len:], dtype=np.int64)
+    buf, known = memo.get("output_ids", (None, 0))
+    if buf is None or total < known:
+        buf, known = np.empty(max(16, total), dtype=np.int64), 0
+    if total > known:
+        if total > buf.size:
+            grown = np.empty(max(2 * buf.size, total), dtype=np.int64)
+            grown[:known] = buf[:known]
+            buf = grown
+        buf[known:total] = ids[prompt_len + known :]
+        memo["output_ids"] = (buf, total)
+    return buf[:total]
 
 
 def _prompt_ids(history: History, device: torch.device, vocab: int) -> torch.Tensor:

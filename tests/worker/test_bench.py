@@ -218,6 +218,18 @@ def test_guided_bench_times_masks_in_both_states_and_writes_json(tmp_path, capsy
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 |")
 
 
+def test_penalties_bench_times_each_batch_and_output_length_and_writes_json(tmp_path, capsys):
+    from worker import bench_penalties
+
+    out = tmp_path / "penalties.json"
+    bench_penalties.main(["--vocab", "500", "--batches", "1,3", "--outputs", "10,40", "--reps", "2",
+                          "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [(r["batch"], r["output_tokens"]) for r in result["rows"]] == [(1, 10), (1, 40), (3, 10), (3, 40)]
+    assert all(r["call_ms"] > 0 and r["vocab"] == 500 for r in result["rows"])
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 | 40 |")
+
+
 def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
     from worker import bench_speculative
 

@@ -101,6 +101,34 @@ def test_a_random_batch_matches_the_row_by_row_reference_and_the_memo_is_reused(
     assert torch.equal(again, got) and [h[3].get("prompt_ids") for h in histories] == memos
 
 
+def test_the_memo_appends_each_steps_new_tokens_and_gives_what_the_whole_history_gives():
+    """Outputs grow from none, one or three tokens a step (a verify step accepts several), past the
+    memo's first buffer; every step equals the memo-less result. A shorter history (not one the
+    engine makes) starts the memo again rather than read stale ids."""
+    rng = torch.Generator().manual_seed(3)
+    vocab = 50
+    logits = torch.randn(2, vocab, generator=rng)
+    params = [SamplingParams(frequency_penalty=0.8, presence_penalty=0.3, min_tokens=20, max_tokens=99),
+              SamplingParams(repetition_penalty=1.4, frequency_penalty=-0.6)]  # fmt: skip
+    ids = [[1, 2, 3], [4, 4, 5, 6]]
+    memos: list[dict] = [{}, {}]
+    for step in range(30):
+        for i, row in enumerate(ids):
+            row += torch.randint(0, 12, (1 + 2 * (step % 3 == 2) * i,), generator=rng).tolist()
+        with_memo = adjust_logits(logits, params, [(ids[0], 3, frozenset({7}), memos[0]),
+                                                   (ids[1], 4, frozenset({7}), memos[1])])  # fmt: skip
+        whole = adjust_logits(
+            logits, params, [(ids[0], 3, frozenset({7}), None), (ids[1], 4, frozenset({7}), None)]
+        )
+        torch.testing.assert_close(with_memo, whole, msg=f"step {step}")
+    assert memos[1]["output_ids"][0].size > 16  # NOTE: the buffer grew
+    other = [*ids[0][:3], 9, 9, 8]  # NOTE: a different, shorter output
+    shorter = adjust_logits(logits[:1], params[:1], [(other, 3, frozenset({7}), memos[0])])
+    torch.testing.assert_close(
+        shorter, adjust_logits(logits[:1], params[:1], [(other, 3, frozenset({7}), None)])
+    )
+
+
 def test_a_newest_token_still_on_the_device_counts_as_if_it_were_in_the_history():
     """A step scheduled ahead (--overlap-schedule) knows its rows' newest token only on the device
     (``unseen``): every adjustment, min_tokens' count included, equals the one over the whole
