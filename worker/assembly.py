@@ -25,16 +25,26 @@ log = logging.getLogger("worker.engine")
 
 @dataclass
 class _Launched:
-    """A decode step ModelExecutor.launch queued: its sampled tokens on the device; what collect
-    reads back (the tokens, then the logprob tensors of the ``asking`` rows; pinned copies on CUDA,
-    valid once ``ready`` has happened)."""
+    """A decode or extend step ModelExecutor.launch queued. ``raw``: its logits (rows that sample),
+    ``reqs``: those rows' requests, ``late``: rows whose newest token is the step before's, on the
+    device (``inputs``). Once sampled (``tokens`` set): what collect reads back (the tokens, then the
+    logprob tensors of the ``asking`` rows; pinned copies on CUDA, valid once ``ready`` has
+    happened) and ``guided``: rows whose grammar takes its token at collect."""
 
-    tokens: Any
-    out: list
-    states: list
+    raw: Any
+    reqs: list
+    inputs: Any = None
+    late: list[int] = field(default_factory=list)
+    tokens: Any = None
+    out: list = field(default_factory=list)
     asking: list[int] = field(default_factory=list)
     top: list[int] = field(default_factory=list)
+    guided: list[int] = field(default_factory=list)
     ready: Any = None
+
+    @property
+    def states(self) -> list[RequestState]:
+        return [r.payload for r in self.reqs]
 
 
 def _chained_inputs(batch: ScheduledBatch, tokens: Any) -> Any:
@@ -141,30 +151,58 @@ class ModelExecutor:
         """Queue a decode or extend step on the device and return without waiting for it: the
         forward and the sampling are enqueued, the tokens start their copy to pinned host memory.
         ``after``: the launched step whose tokens are this decode step's inputs (``inputs_from``;
-        taken on the device). Logprobs are computed now too, read back with the tokens. Other steps
-        (a grammar, prompt logprobs: see chainable_step) run to the end here, as ``run``."""
-        import torch
-
-        from worker.penalties import adjust_logits
-        from worker.sampling import logprob_tensors, on_device, sample
-
+        taken on the device). Logprobs are computed now too, read back with the tokens. A step after
+        another with a request under a grammar has only its forward queued here: its sampling needs
+        the grammar's state after the step before's token, so it is queued when its tokens are first
+        needed (the next launch, or collect), by then the step before has been collected. Steps with
+        prompt logprobs (see chainable_step) run to the end here, as ``run``."""
         if not chainable_step(batch):
             if after is not None:
                 raise ValueError("only a chainable decode step takes its inputs from the step before")
             return LaunchedStep(self.run(batch))
-        input_ids = None if after is None else _chained_inputs(batch, after.pending.tokens)
-        raw = self._logits(batch, input_ids)  # NOTE: logprobs come from these, before penalties and bias
+        input_ids = None if after is None else _chained_inputs(batch, self._sampled(after).tokens)
         reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
-        states: list[RequestState] = [r.payload for r in reqs]
+        step = _Launched(self._logits(batch, input_ids), reqs, input_ids)
+        if input_ids is not None:  # NOTE: a chained step samples every row (a decode step)
+            step.late = np.flatnonzero(batch.inputs_from >= 0).tolist()
+        if after is None or all(r.payload.params.guide is None for r in reqs):
+            self._sample_launched(step)
+        # NOTE: a tensor-parallel model ships its inputs to the other ranks from the host
+        return LaunchedStep(pending=step, chainable=self.tensor_parallel_size == 1)
+
+    def _sampled(self, launched: LaunchedStep) -> _Launched:
+        """The launched step, its sampling queued (now, if it was waiting for the step before)."""
+        step: _Launched = launched.pending
+        if step.tokens is None:
+            # NOTE: the step before has been collected and committed: every row's history and
+            # grammar now hold its token (rows it ended are dropped at commit, so left as they are)
+            step.late = []
+            self._sample_launched(step)
+        return step
+
+    def _sample_launched(self, step: _Launched) -> None:
+        """Queue the step's sampling (penalties and bias, grammar masks, sampling, logprobs) and
+        the copies collect reads, without waiting for the device."""
+        import torch
+
+        from worker.guided import constrain
+        from worker.penalties import adjust_logits
+        from worker.sampling import logprob_tensors, on_device, sample
+
+        raw, states = step.raw, step.states
         params = [st.params for st in states]
-        logits = raw
+        logits = raw  # NOTE: logprobs come from the raw logits, before penalties and bias
         if any(adjusts(p) for p in params):
-            # NOTE: a chained step samples every row; a row taking its input from the step before
-            # has that token (its newest) on the device only
-            late = [] if input_ids is None else np.flatnonzero(batch.inputs_from >= 0).tolist()
-            logits = adjust_logits(raw, params, _histories(reqs), (input_ids, late) if late else None)
-        tokens = sample(logits, params, _generators(states, logits.device))
-        step = _Launched(tokens, [tokens], states)
+            unseen = (step.inputs, step.late) if step.late else None
+            logits = adjust_logits(raw, params, _histories(step.reqs), unseen)
+        # NOTE: a request ended since this step was scheduled (by the step before, an abort) has a
+        # row that commit drops; its grammar may have finished: no mask, and it takes no token
+        step.guided = [j for j, (r, st) in enumerate(zip(step.reqs, states, strict=True))
+                       if st.params.guide is not None and r.finish_reason is None]  # fmt: skip
+        if step.guided:
+            logits = constrain(logits, states, step.guided)
+        tokens = step.tokens = sample(logits, params, _generators(states, logits.device))
+        step.out = [tokens]
         step.asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
         if step.asking:  # NOTE: from the logits now: the next step's replay overwrites the graph's output
             index = on_device(step.asking, raw.device, torch.int64)
@@ -175,23 +213,24 @@ class ModelExecutor:
                         for t in step.out]  # fmt: skip
             step.ready = torch.cuda.Event()
             step.ready.record()
-        # NOTE: a tensor-parallel model ships its inputs to the other ranks from the host
-        return LaunchedStep(pending=step, chainable=self.tensor_parallel_size == 1)
 
     def collect(self, launched: LaunchedStep) -> list[int]:
         """The tokens of a launched step (waits for them); its logprobs go to each asking request's
-        ``step_logprobs``, as ``run`` leaves them."""
+        ``step_logprobs`` and its guided rows' grammars take their tokens, as ``run`` leaves them."""
+        from worker.guided import advance
         from worker.sampling import logprob_lists
 
         if launched.result is not None:
             return launched.result
-        step: _Launched = launched.pending
+        step = self._sampled(launched)
         if step.ready is not None:
             step.ready.synchronize()
         ids, *numbers = (t.tolist() for t in step.out)
+        states = step.states
         if step.asking:
             for j, lp in zip(step.asking, logprob_lists(*numbers, step.top), strict=True):
-                step.states[j].step_logprobs = lp
+                states[j].step_logprobs = lp
+        advance([states[j] for j in step.guided], [ids[j] for j in step.guided])
         return ids
 
     def _sample(self, logits: Any, reqs: list[Any]) -> list[int]:

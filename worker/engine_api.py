@@ -72,12 +72,13 @@ class LaunchedStep:
 
 def chainable_step(batch: ScheduledBatch) -> bool:
     """Can a step be scheduled ahead of this one's tokens? A decode or extend step whose requests
-    follow no grammar (its state advances on the host with each token) and want no prompt logprobs.
-    Penalties, bias and ``min_tokens`` do chain: the token a step ahead lacks is on the device
-    (worker.penalties.adjust_logits, ``unseen``)."""
+    want no prompt logprobs. Penalties, bias and ``min_tokens`` read the token a step ahead lacks on
+    the device (worker.penalties.adjust_logits, ``unseen``); a grammar's mask waits for it on the
+    host, so such a step's sampling is queued after the step before is collected
+    (ModelExecutor.launch)."""
     if batch.mode not in ("decode", "extend"):
         return False
-    return all(r.payload.params.guide is None and not r.full_prefill for r in batch.requests)
+    return all(not r.full_prefill for r in batch.requests)
 
 
 @dataclass

@@ -316,7 +316,8 @@ def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu") -> 
     if torch.device(device).type == "cpu":
         unpacked = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
         return torch.from_numpy(unpacked.view(np.bool_))
-    return unpack_on(torch.from_numpy(bits).to(device, non_blocking=True), vocab)
+    # NOTE: from pinned memory: the copy does not wait for the work queued on the device
+    return unpack_on(torch.from_numpy(bits).pin_memory().to(device, non_blocking=True), vocab)
 
 
 def unpack_on(packed: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -325,21 +326,22 @@ def unpack_on(packed: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab].bool()
 
 
-def constrain(logits: torch.Tensor, states: Sequence[Any]) -> torch.Tensor:
+def constrain(logits: torch.Tensor, states: Sequence[Any], rows: Sequence[int] | None = None) -> torch.Tensor:
     """``logits`` [B, V] with each guided row's disallowed tokens at -inf (a new tensor; the input
-    is returned untouched when no row is guided). The masks are computed on the CPU while the
-    GPU may still be running the step's forward (nothing here waits for it)."""
-    rows = [i for i, st in enumerate(states) if st.params.guide is not None]
+    is returned untouched when no row is guided). ``rows``: the rows to mask (default: every
+    guided one). The masks are computed on the CPU while the GPU may still be running the step's
+    forward: nothing here waits for it."""
+    from worker.sampling import on_device
+
+    if rows is None:
+        rows = [i for i, st in enumerate(states) if st.params.guide is not None]
     if not rows:
         return logits
-    allowed = allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1], logits.device)
-    ninf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    blocked = ~allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1], logits.device)
     if len(rows) == len(states):
-        return torch.where(allowed, logits, ninf)
-    index = torch.tensor(rows, device=logits.device)
-    out = logits.clone()
-    out[index] = torch.where(allowed, logits[index], ninf)
-    return out
+        return logits.masked_fill(blocked, float("-inf"))
+    index = on_device(list(rows), logits.device, torch.int64)
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(blocked, float("-inf")))
 
 
 def advance(states: Sequence[Any], tokens: Sequence[int]) -> None:

@@ -185,6 +185,12 @@ def test_constrain_masks_only_guided_rows_and_leaves_the_input_alone() -> None:
     assert finite == {ord("y"), ord("n")}
     assert torch.equal(out[1][list(finite)], logits[1][list(finite)])
     assert constrain(logits, states[:1]) is logits
+    # only the rows asked for (a row whose request has ended is left alone)
+    assert constrain(logits, states, rows=[]) is logits
+    three = torch.randn(3, 257)
+    picked = constrain(three, [states[1], states[1], states[1]], rows=[2])
+    assert torch.equal(picked[:2], three[:2])
+    assert set(torch.isfinite(picked[2]).nonzero().flatten().tolist()) == {ord("y"), ord("n")}
 
 
 # ---------------------------------------------------------------------- real workers

@@ -5,6 +5,7 @@ tokens, finish reasons and pages must be exactly those of one step at a time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import numpy as np
@@ -17,6 +18,7 @@ from worker import scheduler
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.guided import requested_grammar
 from worker.request import Request, ScheduledBatch
 from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
@@ -257,7 +259,44 @@ async def run_requests(engine: Engine, requests: list[tuple[str, SamplingParams]
     return await asyncio.gather(*(one(t, sp) for t, sp in requests))
 
 
-def mixed_requests(stop_text: str, stop_id: int) -> list[tuple[str, SamplingParams]]:
+class Watched:
+    """A request's grammar matcher that keeps the tokens fed to it and counts the masks asked of it."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher, self.masks, self.fed = matcher, 0, []
+
+    def unsafe_compute_mask_ptr(self, *args):
+        self.masks += 1
+        return self.matcher.unsafe_compute_mask_ptr(*args)
+
+    def consume_token(self, token: int):
+        self.fed.append(token)
+        return self.matcher.consume_token(token)
+
+    def __getattr__(self, name: str):
+        return getattr(self.matcher, name)
+
+
+class Recorded:
+    """A grammar's template that keeps every matcher made from it (one per request), watched."""
+
+    def __init__(self, template, made: list) -> None:
+        self.template, self.made = template, made
+
+    def deep_copy(self) -> Watched:
+        self.made.append(Watched(self.template.deep_copy()))
+        return self.made[-1]
+
+
+def mixed_requests(
+    stop_text: str, stop_id: int, engine: Engine, made: list
+) -> list[tuple[str, SamplingParams]]:
+    def guide(body: dict):
+        compiled = engine.guides.compile(*requested_grammar(body))
+        return dataclasses.replace(compiled, template=Recorded(compiled.template, made))
+
+    json_object = guide({"response_format": {"type": "json_object"}})
+    choice = guide({"guided_choice": ["left", "right", "straight on"]})
     return [
         (SHARED + "one", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
         (SHARED + "two", SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)),
@@ -273,13 +312,20 @@ def mixed_requests(stop_text: str, stop_id: int) -> list[tuple[str, SamplingPara
         # NOTE: the stop id wins every step that min_tokens allows it: the 10th token ends the request
         (SHARED + "nine", SamplingParams(temperature=0.0, max_tokens=30, min_tokens=9,
                                          stop_token_ids=[stop_id], logit_bias={stop_id: 100.0})),
+        # NOTE: grammars: a chained step's masks wait for the step before's tokens; a choice ends
+        # (EOS) while a step is ahead of it
+        (SHARED + "ten", SamplingParams(temperature=0.0, max_tokens=50, guide=json_object)),
+        (SHARED + "eleven", SamplingParams(temperature=1.0, seed=8, max_tokens=50, guide=json_object,
+                                           frequency_penalty=0.7, logprobs=1)),
+        (SHARED + "twelve", SamplingParams(temperature=0.0, max_tokens=50, guide=choice)),
     ]  # fmt: skip
 
 
 async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap():
     """Greedy and seeded requests, a stop string and a stop id that end requests while a step is
-    ahead of them, max_tokens, a logprobs request (read back with its step's tokens), and
-    penalties, bias and min_tokens (their newest token is on the device when a step is ahead)."""
+    ahead of them, max_tokens, a logprobs request (read back with its step's tokens), penalties,
+    bias and min_tokens (their newest token is on the device when a step is ahead), and grammars
+    (a chained step's masks wait for the step before's tokens)."""
     off = model_engine("off")
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=40)
@@ -288,21 +334,29 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
         )
         stop_text = text[len(text) // 2 : len(text) // 2 + 2]
         stop_id = next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
-        want = await run_requests(off, mixed_requests(stop_text, stop_id))
+        made_off: list = []
+        want = await run_requests(off, mixed_requests(stop_text, stop_id, off, made_off))
         await idle(off)
         assert off.scheduler.stats.ahead_steps == 0
     finally:
         off.stop()
     assert want[3][2] == "stop" and want[4][2] == "stop"  # NOTE: both stops happen mid-decode
     assert want[8][2] == "stop" and len(want[8][1]) == 10 and want[8][1][-1] == stop_id
+    assert want[11][0] in ("left", "right", "straight on") and want[11][2] == "stop"
     on = model_engine("on")
     try:
-        got = await run_requests(on, mixed_requests(stop_text, stop_id))
+        made: list = []
+        got = await run_requests(on, mixed_requests(stop_text, stop_id, on, made))
         await idle(on)
         assert on.scheduler.stats.ahead_steps > 0
     finally:
         on.stop()
     assert [g[:3] for g in got] == [w[:3] for w in want]  # text, token ids, finish reason
+    # NOTE: each grammar got one mask and one token per token of its answer, none for a row scheduled
+    # ahead of its request's end
+    for matchers, results in ((made_off, want), (made, got)):
+        assert sorted((m.fed, m.masks) for m in matchers) == sorted((r[1], len(r[1])) for r in results[9:])
+    assert made[2].is_stopped() and not any(m.is_error() for m in made)
     # NOTE: logprobs agree to float rounding (which requests share a step depends on arrival timing)
     for g, w in zip(got[5][3], want[5][3], strict=True):
         assert g[1] == w[1] and (g[0], *g[2]) == pytest.approx((w[0], *w[2]), abs=1e-4)
@@ -408,8 +462,11 @@ async def test_the_sim_engine_gives_the_same_tokens_with_and_without_overlap():
         engine.start()
         try:
             sp = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 17)]
+            choice = engine.guides.compile(*requested_grammar({"guided_choice": ["north", "south"]}))
+            sp.append(SamplingParams(temperature=0.0, max_tokens=30, guide=choice))
             outs = await run_requests(engine, [(SHARED + str(i), p) for i, p in enumerate(sp)])
             await idle(engine)
+            assert outs[3][0] in ("north", "south") and outs[3][2] == "stop"
             return [o[1] for o in outs], engine.scheduler.stats.ahead_steps
         finally:
             engine.stop()
@@ -417,7 +474,7 @@ async def test_the_sim_engine_gives_the_same_tokens_with_and_without_overlap():
     want, none = await tokens("off")
     got, ahead = await tokens("on")
     assert got == want and none == 0 and ahead > 0
-    assert [len(t) for t in got] == [5, 30, 17]
+    assert [len(t) for t in got[:3]] == [5, 30, 17]
 
 
 async def run_when_decoding(engine: Engine, request: tuple[str, SamplingParams]) -> list[tuple]:
@@ -433,7 +490,8 @@ async def run_when_decoding(engine: Engine, request: tuple[str, SamplingParams])
 async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_device_sync():
     """Graphs, pinned mirrors used in turn, tokens copied on the device and an event per step: the
     outputs equal one step at a time, and launching a chained step (greedy and sampled rows,
-    logprobs, penalties, bias and min_tokens) never waits for the step before."""
+    logprobs, penalties, bias and min_tokens, and the grammar masks of the step before it, queued
+    then) never waits for the step before."""
     requests = [
         (SHARED + "a", SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)),
         (SHARED + "b", SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)),
@@ -450,6 +508,8 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
         engine = build_engine(
             WorkerConfig(model="tiny", device="cuda", kv_cache_tokens=8192, overlap_schedule=overlap)
         )
+        json_object = engine.guides.compile(*requested_grammar({"response_format": {"type": "json_object"}}))
+        guided = (SHARED + "f", SamplingParams(temperature=0.8, seed=1, max_tokens=40, guide=json_object))
         if overlap == "on":
             real = engine.executor.launch
 
@@ -465,7 +525,7 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
             engine.executor.launch = strict
         engine.start()
         try:
-            results[overlap] = [r[:3] for r in await run_requests(engine, requests)]
+            results[overlap] = [r[:3] for r in await run_requests(engine, [*requests, guided])]
             await idle(engine)
             results[overlap + "_ahead"] = engine.scheduler.stats.ahead_steps
             if overlap == "on":  # NOTE: a request admitted while others decode: inputs from host and device
