@@ -64,7 +64,7 @@ def adjust_logits(
         return logits
     device, vocab = logits.device, logits.shape[1]
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    def tensor(values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return on_device(values, device, dtype)
 
     some = len(rows) < len(params)
@@ -82,11 +82,11 @@ def adjust_logits(
     counts = [
         o.size + len(e) + (rows[r] in pending) for r, (o, e) in enumerate(zip(outputs, extra, strict=True))
     ]
-    flat_ids = [
+    per_row = [
         np.concatenate([o, np.asarray(e, dtype=np.int64)]) if e else o
         for o, e in zip(outputs, extra, strict=True)
     ]
-    output = np.concatenate([ids + r * vocab for r, ids in enumerate(flat_ids)])
+    output = np.concatenate([ids + r * vocab for r, ids in enumerate(per_row)])
     out_flat = tensor(output, torch.long)
     if late:
         assert unseen is not None

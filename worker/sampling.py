@@ -177,9 +177,10 @@ def sample(
     return out
 
 
-def on_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, copied from pinned memory without waiting for the work
-    queued on the device (the step a sampled step may be queued behind: --overlap-schedule)."""
+def on_device(values: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (a list or a numpy array) as a tensor on ``device``, copied from pinned memory
+    without waiting for the work queued on the device (the step a sampled step may be queued
+    behind: --overlap-schedule)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
