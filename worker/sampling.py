@@ -168,11 +168,15 @@ def sample(
     scores = scores / temps.unsqueeze(1)
     scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = scores.softmax(dim=-1)
-    # NOTE: exponential race: argmax(p / E), E ~ Exp(1), draws from p; each row's noise comes from
-    # its own generator so one request's seed never depends on its batch neighbours.
+    # NOTE: exponential race: argmax(p / E), E ~ Exp(1), draws from p. A seeded row's noise comes
+    # from its own generator, so one request's seed never depends on its batch neighbours; the
+    # unseeded rows share one draw from the default generator (one kernel for all of them).
     noise = torch.empty_like(probs)
-    for j, i in enumerate(rows):
-        noise[j].exponential_(generator=generators[i])
+    seeded = [(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None]
+    if len(seeded) < len(rows):
+        noise.exponential_()
+    for j, generator in seeded:
+        noise[j].exponential_(generator=generator)
     out[index] = (probs / noise).argmax(dim=-1)
     return out
 

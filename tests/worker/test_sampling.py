@@ -48,6 +48,28 @@ def test_a_seeded_request_does_not_depend_on_its_batch_neighbours():
     assert int(batched[0]) == int(logits[0].argmax())
 
 
+def test_unseeded_rows_draw_independently_and_leave_a_seeded_neighbour_alone():
+    """Unseeded rows share one draw from the default generator: each still follows its own
+    distribution, two equal rows do not move together, and a seeded row gives what it gives alone."""
+    torch.manual_seed(0)
+    a, b = [0.6, 0.3, 0.09, 0.01], [0.1, 0.2, 0.3, 0.4]
+    uniform = [0.25] * 4
+    logits = torch.cat([logits_from_probs(p) for p in (a, uniform, b, uniform, uniform)])
+    params = [SamplingParams(), SamplingParams(seed=5), SamplingParams(), SamplingParams(), SamplingParams()]
+    alone_gen, batch_gen = make_generator(params[1], "cpu"), make_generator(params[1], "cpu")
+    draws = [sample(logits, params, [None, batch_gen, None, None, None]).tolist() for _ in range(3000)]
+    for row, probs in ((0, a), (2, b), (3, uniform), (4, uniform)):
+        tokens = [d[row] for d in draws]
+        for token, p in enumerate(probs):
+            assert abs(tokens.count(token) / len(tokens) - p) < 0.04, (row, token)
+    alone = [int(sample(logits[1:2], params[1:2], [alone_gen])[0]) for _ in range(3000)]
+    assert [d[1] for d in draws] == alone
+    same = sum(d[3] == d[4] for d in draws) / len(
+        draws
+    )  # NOTE: two equal unseeded rows: 1/4 when independent
+    assert 0.2 < same < 0.3
+
+
 def test_sampling_follows_the_distribution():
     probs = [0.5, 0.3, 0.2]
     tokens = draw(probs, SamplingParams(seed=0), 3000)
