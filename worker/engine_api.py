@@ -71,14 +71,14 @@ class LaunchedStep:
 
 
 def chainable_step(batch: ScheduledBatch) -> bool:
-    """Can a step be scheduled ahead of this one's tokens? A decode or extend step whose requests
-    want no prompt logprobs. Penalties, bias and ``min_tokens`` read the token a step ahead lacks on
-    the device (worker.penalties.adjust_logits, ``unseen``); a grammar's mask waits for it on the
-    host, so such a step's sampling is queued after the step before is collected
-    (ModelExecutor.launch)."""
-    if batch.mode not in ("decode", "extend"):
-        return False
-    return all(not r.full_prefill for r in batch.requests)
+    """Can a step be scheduled ahead of this one's tokens? Any decode step, and an extend step unless
+    a request in it wants its prompt's logprobs (those are read back as the step runs). Penalties,
+    bias and ``min_tokens`` read the token a step ahead lacks on the device
+    (worker.penalties.adjust_logits, ``unseen``); a grammar's mask waits for it on the host, so such a
+    step's sampling is queued after the step before is collected (ModelExecutor.launch)."""
+    if batch.mode == "decode":
+        return True
+    return batch.mode == "extend" and not any(r.full_prefill for r in batch.requests)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from worker import scheduler
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.engine_api import chainable_step
 from worker.guided import requested_grammar
 from worker.request import Request, ScheduledBatch
 from worker.sampling import SamplingParams
@@ -85,6 +87,25 @@ def test_a_step_ahead_decodes_one_position_further_with_the_step_befores_tokens(
     assert ahead.starts == [10] and ahead.ends == [11] and ahead.positions.tolist() == [10]
     assert ahead.kv_indices.tolist() == a.slots[:11].tolist() and ahead.out_slots.tolist() == [a.slots[10]]
     assert sched.stats.ahead_steps == 2
+
+
+def test_only_an_extend_step_that_scores_its_prompt_is_not_chainable():
+    """Prompt logprobs are read back as the extend step runs; the request's decode steps chain."""
+    sched, model = make()
+    scoring = Request("a", prompt(1, 9), max_tokens=4, full_prefill=True)
+    sched.add(scoring)
+    sched.add(Request("b", prompt(2, 6), max_tokens=4))
+    for r in sched.waiting:
+        r.payload = types.SimpleNamespace(params=SamplingParams())
+    extend = sched.schedule()
+    assert extend.mode == "extend" and scoring in extend.requests and not chainable_step(extend)
+    sched.commit(extend, model.forward(extend))
+    decode = sched.schedule()
+    assert decode.mode == "decode" and scoring in decode.requests and chainable_step(decode)
+    plain = sched.schedule_ahead(decode)
+    assert plain is not None and chainable_step(plain)
+    extend.requests = [r for r in extend.requests if not r.full_prefill]
+    assert chainable_step(extend)
 
 
 def test_nothing_is_scheduled_ahead_while_a_request_waits_or_prefills():
@@ -318,6 +339,8 @@ def mixed_requests(
         (SHARED + "eleven", SamplingParams(temperature=1.0, seed=8, max_tokens=50, guide=json_object,
                                            frequency_penalty=0.7, logprobs=1)),
         (SHARED + "twelve", SamplingParams(temperature=0.0, max_tokens=50, guide=choice)),
+        # NOTE: its prefill scores the prompt (one step at a time); its decode steps chain
+        (SHARED + "thirteen", SamplingParams(temperature=0.0, max_tokens=25, prompt_logprobs=1, ignore_eos=True)),
     ]  # fmt: skip
 
 
@@ -355,7 +378,7 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
     # NOTE: each grammar got one mask and one token per token of its answer, none for a row scheduled
     # ahead of its request's end
     for matchers, results in ((made_off, want), (made, got)):
-        assert sorted((m.fed, m.masks) for m in matchers) == sorted((r[1], len(r[1])) for r in results[9:])
+        assert sorted((m.fed, m.masks) for m in matchers) == sorted((r[1], len(r[1])) for r in results[9:12])
     assert made[2].is_stopped() and not any(m.is_error() for m in made)
     # NOTE: logprobs agree to float rounding (which requests share a step depends on arrival timing)
     for g, w in zip(got[5][3], want[5][3], strict=True):
@@ -365,10 +388,12 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
 async def test_requests_admitted_while_others_decode_get_the_same_tokens_with_and_without_overlap():
     """Each late request is prefilled beside decoding ones; the decode step after that extend is
     chained with its inputs from two places: the new request's first token on the device, the
-    others' last tokens from the host."""
+    others' last tokens from the host. The first request, decoding beside every extend, scored its
+    prompt and has penalties (a decode step with it chains all the same)."""
 
     async def staggered(engine: Engine) -> list[list[int]]:
         sp = [SamplingParams(temperature=0.0, max_tokens=24 - 3 * i, ignore_eos=True) for i in range(4)]
+        sp[0] = dataclasses.replace(sp[0], prompt_logprobs=1, frequency_penalty=0.6)
         handles, tokens = [], [[] for _ in sp]
         for i, p in enumerate(sp):
             handles.append(engine.submit(engine.tokenizer.encode_prompt(f"{SHARED} late {i}"), p))
