@@ -140,7 +140,7 @@ class ModelExecutor:
         else:
             fb = self._forward_batch(batch)
             if input_ids is not None:
-                fb.input_ids = input_ids
+                fb.input_ids, fb.inputs_on_device = input_ids, True
             logits = self.model.forward(fb, self.kv_pool)
         rows = [i for i, s in enumerate(batch.sample) if s]
         if len(rows) != len(batch.sample):
@@ -167,8 +167,7 @@ class ModelExecutor:
             step.late = np.flatnonzero(batch.inputs_from >= 0).tolist()
         if after is None or all(r.payload.params.guide is None for r in reqs):
             self._sample_launched(step)
-        # NOTE: a tensor-parallel model ships its inputs to the other ranks from the host
-        return LaunchedStep(pending=step, chainable=self.tensor_parallel_size == 1)
+        return LaunchedStep(pending=step, chainable=True)
 
     def _sampled(self, launched: LaunchedStep) -> _Launched:
         """The launched step, its sampling queued (now, if it was waiting for the step before)."""

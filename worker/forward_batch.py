@@ -34,6 +34,11 @@ class ForwardBatch:
     # NOTE: host-side, so the extend kernel's grid needs no device-to-host sync (one per layer otherwise)
     max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
     lora: Any = None  # a worker.model.lora.LoraBatch when requests of LoRA adapters are in the batch
+    # the scheduled step it was built from (its numpy arrays: what tensor parallelism sends the
+    # other ranks), and whether ``input_ids`` came from the step before's sampled tokens on the
+    # device instead (a step scheduled ahead: --overlap-schedule)
+    host: Any = None
+    inputs_on_device: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -63,7 +68,7 @@ class ForwardBatch:
     def from_step(step: Any, device: torch.device | str) -> ForwardBatch:
         """From a scheduled step's numpy arrays (worker.request.ScheduledBatch), on ``device``. A
         verify step is an extend to the model."""
-        return ForwardBatch(
+        batch = ForwardBatch(
             mode="decode" if step.mode == "decode" else "extend",
             input_ids=torch.from_numpy(step.input_ids),
             positions=torch.from_numpy(step.positions),
@@ -73,6 +78,8 @@ class ForwardBatch:
             kv_indices=torch.from_numpy(step.kv_indices),
             max_extend_len=int(np.diff(step.qo_indptr).max(initial=0)),
         ).to(device)
+        batch.host = step
+        return batch
 
     @staticmethod
     def build(

@@ -8,8 +8,9 @@ meeting in each layer's sums and the logits gather (worker.model.shard; NCCL bet
 cuda:0..N-1, gloo between CPU processes). Host-tier copies are sent the same way, so every rank's
 pages always hold the same tokens.
 
-Control messages go over a gloo group (pickled, one broadcast per step: a few KiB of indices);
-KV moved to or from another worker (worker.kv_transfer) is split or gathered by KV head the same way.
+Control messages go over a gloo group (pickled, one broadcast per step: a few KiB of indices). A
+decode step scheduled ahead (--overlap-schedule) has its input ids on rank 0's device only: they
+follow the message as a broadcast on the model's group. KV moved to or from another worker (worker.kv_transfer) is split or gathered by KV head the same way.
 Ranks cannot go on without each other (a collective would wait forever), so rank 0 exits (status
 1) when another rank dies, for its supervisor to restart the worker, and the other ranks exit
 when rank 0 is gone.
@@ -67,8 +68,16 @@ class Channel:
 
 
 def step_message(batch: ForwardBatch, adapters: list) -> tuple:
-    """A ForwardBatch as host data, for the other ranks (LoRA rows by adapter id: ``adapters[id - 1]``)."""
-    arrays = {name: getattr(batch, name).cpu().numpy() for name in _FIELDS}
+    """A ForwardBatch as host data, for the other ranks (LoRA rows by adapter id: ``adapters[id - 1]``):
+    the scheduled step's own arrays when it has one (no copy back from the device). Input ids
+    sampled on the device by the step before (a step scheduled ahead) are not in it: they follow as
+    a broadcast on the model's group (``None`` in their place)."""
+    if batch.host is not None:
+        arrays = {name: getattr(batch.host, name) for name in _FIELDS}
+    else:
+        arrays = {name: getattr(batch, name).cpu().numpy() for name in _FIELDS}
+    if batch.inputs_on_device:
+        arrays["input_ids"] = None
     rows = None if batch.logit_rows is None else batch.logit_rows.cpu().numpy()
     lora = None
     if batch.lora is not None:
@@ -77,12 +86,18 @@ def step_message(batch: ForwardBatch, adapters: list) -> tuple:
     return ("step", batch.mode, arrays, batch.return_all_logits, rows, batch.max_extend_len, lora)
 
 
-def step_batch(msg: tuple, device: torch.device, adapters: list) -> ForwardBatch:
-    """``step_message``'s batch again, on ``device``, with this rank's parts of its adapters."""
+def step_batch(msg: tuple, device: torch.device, adapters: list, group: Any = None) -> ForwardBatch:
+    """``step_message``'s batch again, on ``device``, with this rank's parts of its adapters; input
+    ids that were left out are received from rank 0's broadcast on ``group``."""
+    import torch.distributed as dist
+
     from worker.model.lora import LoraBatch
 
     _, mode, arrays, all_logits, rows, max_extend, lora = msg
-    tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
+    tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items() if a is not None}
+    if arrays["input_ids"] is None:
+        tensors["input_ids"] = torch.empty(len(arrays["positions"]), dtype=torch.int64, device=device)
+        dist.broadcast(tensors["input_ids"], src=0, group=group)
     return ForwardBatch(
         mode=mode,
         **tensors,
@@ -106,8 +121,12 @@ class LeaderModel:
         return getattr(self.model, name)
 
     def forward(self, batch: ForwardBatch, kv_pool: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
         self.channel.send(step_message(batch, self.model.lora))
         try:
+            if batch.inputs_on_device:  # NOTE: queued on the device after the step that sampled them
+                dist.broadcast(batch.input_ids.contiguous(), src=0, group=self.model.shard.group)
             return self.model.forward(batch, kv_pool)
         except BaseException:
             # NOTE: the other ranks are inside this forward's collectives now and no step can be
@@ -300,7 +319,7 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
         while True:
             msg = channel.recv()
             if msg[0] == "step":
-                model.forward(step_batch(msg, device, model.lora), pool)
+                model.forward(step_batch(msg, device, model.lora, shard.group), pool)
             elif msg[0] == "kv_read":
                 channel.gather(read_kv(pool, torch.from_numpy(msg[1]), msg[2], msg[3]))
             elif msg[0] == "kv_write":

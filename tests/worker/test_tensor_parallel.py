@@ -1,7 +1,7 @@
 """Tensor parallelism (--tensor-parallel-size 2, two CPU processes over gloo): real worker processes
 answer as the one-rank worker does (text, logprobs, prompt logprobs, sampling, host tier,
-speculative decoding) for the tiny model and HF checkpoints with biases, tied embeddings and a
-vocabulary that does not split evenly; bad sizes are start-up errors; a rank's death stops the
+speculative decoding, overlapped decode steps) for the tiny model and HF checkpoints with biases,
+tied embeddings and a vocabulary that does not split evenly; bad sizes are start-up errors; a rank's death stops the
 worker and rank 0's death stops the others."""
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp-tiny")
-    # NOTE: a pool of 1024 tokens and a host tier: the long prompts below evict to the host and hit there
-    one, two = serve_pair("tiny", tmp, ["--kv-cache-tokens", "1024", "--host-cache-tokens", "8192"])
+    # NOTE: a pool of 1024 tokens and a host tier: the long prompts below evict to the host and hit
+    # there. The two ranks schedule each decode step while the one before runs (on by default on
+    # CUDA): its input ids go from rank 0 to rank 1 as a broadcast on the model's group
+    one, two = serve_pair("tiny", tmp, ["--kv-cache-tokens", "1024", "--host-cache-tokens", "8192"],
+                          ["--overlap-schedule", "on"])  # fmt: skip
     yield one, two
     two.stop()
     one.stop()
@@ -88,6 +91,8 @@ def test_two_ranks_answer_as_one(tiny_pair):
     ]
     for body in cases:
         assert_same(complete(one.url, **body), complete(two.url, **body))
+    assert metric(two.url, "radixgate_worker_overlapped_steps_total") > 0
+    assert metric(one.url, "radixgate_worker_overlapped_steps_total") == 0  # NOTE: the CPU default: off
 
 
 def test_host_tier_copies_reach_every_rank(tiny_pair):
