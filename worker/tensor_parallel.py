@@ -82,7 +82,9 @@ def step_message(batch: ForwardBatch, adapters: list) -> tuple:
     lora = None
     if batch.lora is not None:
         ids = {id(a): i for i, a in enumerate(adapters, start=1)}
-        lora = [(ids[id(a)], r.cpu().numpy()) for a, r in batch.lora.groups]
+        # NOTE: rank 0's rows come from worker.model.lora.lora_batch, which keeps them on the host too
+        pairs = zip(batch.lora.groups, batch.lora.host, strict=True)
+        lora = [(ids[id(a)], np.asarray(h, dtype=np.int64)) for (a, _), h in pairs]
     return ("step", batch.mode, arrays, batch.return_all_logits, rows, batch.max_extend_len, lora)
 
 

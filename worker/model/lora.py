@@ -58,6 +58,7 @@ class LoraBatch:
     (int64 on the model's device)."""
 
     groups: list[tuple[LoraAdapter, torch.Tensor]]
+    host: list[list[int]] | None = None  # the same rows on the host, group by group (for the other TP ranks)
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (= the base projection of ``x``) plus each adapter's delta on its rows."""
@@ -79,9 +80,11 @@ def lora_batch(
             rows.setdefault(a, []).extend(range(qo_indptr[i], qo_indptr[i + 1]))
     if not rows:
         return None
-    return LoraBatch(
-        [(adapters[a - 1], torch.tensor(r, dtype=torch.long, device=device)) for a, r in rows.items()]
-    )
+    from worker.sampling import on_device
+
+    # NOTE: through pinned memory: a step scheduled ahead builds this while the step before runs
+    groups = [(adapters[a - 1], on_device(r, torch.device(device), torch.long)) for a, r in rows.items()]
+    return LoraBatch(groups, host=list(rows.values()))
 
 
 def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
