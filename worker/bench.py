@@ -45,6 +45,8 @@ CACHED_FRACTIONS = (0.0, 0.5, 0.9)  # of the prompt already in the radix cache b
 # (worker/penalties.py) and the top-5 logprobs, still greedy so the tokens stay comparable
 ADJUSTED = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.2,
             "logit_bias": {5: 1.0}, "min_tokens": 1, "logprobs": 5}  # fmt: skip
+# what most clients ask: sampling (unseeded) with a nucleus; the sampler's own cost per decode step
+SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 REQUEST_TIMEOUT_S = 600.0
 # flag -> (normal default, --quick default); an explicit flag always wins
 DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -167,11 +169,13 @@ class Trace:
 
 
 async def run_request(engine: Engine, prompt: list[int], max_tokens: int, extra: dict | None = None) -> Trace:
-    """Submit one greedy ignore_eos request (``extra``: more SamplingParams fields) and collect its
-    tokens' arrival times."""
+    """Submit one greedy ignore_eos request (``extra``: more SamplingParams fields, or others in
+    their place) and collect its tokens' arrival times."""
     # NOTE: the engine thread calls .tolist() on the sampled ids before emitting, which waits for
     # the device, so an output that reaches us carries a finished step (CUDA included).
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **(extra or {}))
+    params = SamplingParams(
+        **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **(extra or {})}
+    )
     submitted = time.perf_counter()
     handle = engine.submit(prompt, params)
     times: list[float] = []
@@ -297,6 +301,7 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
         finally:
             await engine.call(lambda: setattr(engine, "overlap", True))
     adjusted = await measure_decode(engine, p, prompts, max(p.batches), ADJUSTED)
+    sampled = await measure_decode(engine, p, prompts, max(p.batches), SAMPLED)
     ttft = [await measure_ttft(engine, p, prompts, f) for f in CACHED_FRACTIONS]
     if engine.cache.host is not None:  # the same 90% hit, copied back from host memory
         ttft.append(await measure_ttft(engine, p, prompts, CACHED_FRACTIONS[-1], from_host=True))
@@ -315,6 +320,7 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
             **adjusted,
             "sampling": {**ADJUSTED, "logit_bias": {str(k): v for k, v in ADJUSTED["logit_bias"].items()}},
         },
+        "decode_sampled": {**sampled, "sampling": SAMPLED},
         "ttft": ttft,
     }
 

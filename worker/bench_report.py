@@ -95,6 +95,11 @@ def markdown_table(doc: dict) -> str:
     if adj:
         rows.append((f"decode, batch {adj['batch']}, every request with penalties, bias and top-5 logprobs",
                      f"{adj['tokens_per_s']:,.0f}", f"tokens/s ({adj['step_ms']:.2f} ms/step)"))  # fmt: skip
+    sampled = doc.get("decode_sampled")
+    if sampled:
+        how = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sampled["sampling"].items())
+        rows.append((f"decode, batch {sampled['batch']}, every request sampled ({how}, unseeded)",
+                     f"{sampled['tokens_per_s']:,.0f}", f"tokens/s ({sampled['step_ms']:.2f} ms/step)"))  # fmt: skip
     for t in doc["ttft"]:
         where = " in host memory" if t.get("from") == "host" else ""
         where += ", prefill launched eagerly" if t.get("eager") else ""

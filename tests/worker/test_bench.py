@@ -49,6 +49,8 @@ def test_json_records_machine_params_and_every_measurement(quick_run):
         assert d["decode_tokens_counted"] >= d["window_tokens"]
     adjusted = doc["decode_adjusted"]
     assert adjusted["batch"] == 3 and adjusted["step_ms"] > 0 and adjusted["sampling"]["logprobs"] == 5
+    sampled = doc["decode_sampled"]
+    assert sampled["batch"] == 3 and sampled["step_ms"] > 0 and sampled["sampling"]["temperature"] == 0.7
     assert [(t["cached_fraction"], t["from"]) for t in doc["ttft"]] == [
         (0.0, "device"), (0.5, "device"), (0.9, "device"), (0.9, "host")
     ]  # fmt: skip
@@ -98,6 +100,8 @@ def test_decode_floor_compares_the_batch_1_step_with_weight_bytes_over_bandwidth
     assert "replay_ms" not in floor and "decode_graph_replay_ms" not in doc  # no graphs to replay
     assert any(line.startswith("| decode batch 1 step / weight-read floor |") for line in stdout.splitlines())
     assert any(line.startswith("| host tier copies, 144 tokens") for line in stdout.splitlines())
+    assert any(line.startswith("| decode, batch 3, every request sampled (temperature 0.7, top-p 0.9, unseeded) |")
+               for line in stdout.splitlines())  # fmt: skip
 
 
 def test_decode_floor_splits_off_the_gpu_share_when_the_replay_was_timed():
