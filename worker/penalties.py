@@ -28,7 +28,8 @@ import torch
 from worker.sampling import SamplingParams, on_device
 
 # (token ids so far: prompt + output, prompt length, ids that end the request, the request's memo
-# dict for what does not change between steps, or None)
+# dict for what carries over between its steps: its prompt's distinct ids and its output ids so far,
+# or None)
 History = tuple[Sequence[int], int, frozenset[int], dict | None]
 
 
