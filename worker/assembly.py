@@ -233,34 +233,12 @@ class ModelExecutor:
         return ids
 
     def _sample(self, logits: Any, reqs: list[Any]) -> list[int]:
-        """One token per request from its row of ``logits``: penalties and bias, the grammar's
-        mask, sampling, the grammar advanced, logprobs (of the raw row) to ``step_logprobs``."""
-        import torch
-
-        from worker.guided import advance, constrain
-        from worker.penalties import adjust_logits
-        from worker.sampling import sample, token_logprobs
-
-        states: list[RequestState] = [r.payload for r in reqs]
-        generators = _generators(states, logits.device)
-        params = [st.params for st in states]
-        raw = logits  # NOTE: logprobs come from the model's logits, before penalties and bias
-        if any(adjusts(p) for p in params):
-            logits = adjust_logits(logits, params, _histories(reqs))
-        guided = any(p.guide is not None for p in params)
-        if guided:
-            logits = constrain(logits, states)
-        tokens = sample(logits, params, generators)
-        ids = tokens.tolist()
-        if guided:
-            advance(states, ids)
-        asking = [j for j, st in enumerate(states) if st.params.logprobs is not None]
-        if asking:
-            index = torch.tensor(asking, device=logits.device)
-            top = [states[j].params.logprobs for j in asking]
-            for j, lp in zip(asking, token_logprobs(raw[index], tokens[index], top), strict=True):
-                states[j].step_logprobs = lp
-        return ids
+        """One token per request from its row of ``logits``, waiting for them: what a launched step
+        samples (penalties and bias, the grammar's mask, sampling, logprobs of the raw row to
+        ``step_logprobs``), then what collect does (the grammar advanced)."""
+        step = _Launched(logits, list(reqs))
+        self._sample_launched(step)
+        return self.collect(LaunchedStep(pending=step))
 
     def _forward_batch(self, batch: ScheduledBatch) -> Any:
         """The step's ForwardBatch on the model's device, with its LoRA rows when it has any."""
