@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from tests.worker.test_engine import SHARED, idle
-from tests.worker.test_scheduler import ToyModel, assert_no_leak, make, prompt, reference
+from tests.worker.test_scheduler import (
+    ToyModel,
+    abort_at_random,
+    assert_no_leak,
+    assert_pages_accounted,
+    make,
+    prefix_sharing_prompt,
+    prompt,
+    reference,
+)
 from worker import scheduler
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
@@ -216,9 +225,7 @@ def test_overlapped_steps_give_the_tokens_and_pages_of_one_step_at_a_time(seed):
                         chunked_prefill_tokens=int(rng.choice([4, 10, 2048])))  # fmt: skip
     reqs = []
     for i in range(8):
-        p = [int(rng.integers(0, 3)), 1, 2, 3] + [
-            int(rng.integers(0, 2)) for _ in range(int(rng.integers(1, 30)))
-        ]
+        p = prefix_sharing_prompt(rng, 30)
         stop = frozenset(int(t) for t in rng.integers(0, 200, int(rng.integers(0, 4))))
         reqs.append(Request(str(i), p, max_tokens=int(rng.integers(1, 40)), stop_token_ids=stop))
     pending, aborted = list(reqs), set()
@@ -226,13 +233,8 @@ def test_overlapped_steps_give_the_tokens_and_pages_of_one_step_at_a_time(seed):
     def between_steps() -> None:  # NOTE: what the engine's inbox does while a step may be in flight
         if pending and rng.random() < 0.3:
             sched.add(pending.pop())
-        if rng.random() < 0.02 and sched.running:
-            victim = sched.running[int(rng.integers(0, len(sched.running)))]
-            aborted.add(victim.rid)
-            sched.abort(victim)
-        free, tree, owned = sched.pages_accounted()
-        assert free + tree + owned == 32
-        sched.cache.check_invariants()
+        abort_at_random(sched, rng, 0.02, aborted)
+        assert_pages_accounted(sched, 32)
 
     while pending:
         sched.add(pending.pop())

@@ -91,6 +91,28 @@ def prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 200, n).tolist()
 
 
+def prefix_sharing_prompt(rng: np.random.Generator, longest_tail: int) -> list[int]:
+    """Few distinct first pages, so random prompts share prefixes of varied length."""
+    return [int(rng.integers(0, 3)), 1, 2, 3] + [
+        int(rng.integers(0, 2)) for _ in range(int(rng.integers(1, longest_tail)))
+    ]
+
+
+def abort_at_random(sched: Scheduler, rng: np.random.Generator, p: float, aborted: set[str]) -> None:
+    """With probability ``p``, abort a running request picked at random (its id into ``aborted``)."""
+    if rng.random() < p and sched.running:
+        victim = sched.running[int(rng.integers(0, len(sched.running)))]
+        aborted.add(victim.rid)
+        sched.abort(victim)
+
+
+def assert_pages_accounted(sched: Scheduler, total: int) -> None:
+    """Every page free, in the tree or owned by a request, and the tree consistent."""
+    free, tree, owned = sched.pages_accounted()
+    assert free + tree + owned == total
+    sched.cache.check_invariants()
+
+
 def test_cached_prefix_gives_the_same_tokens_and_counts_cached_tokens():
     sched, model = make()
     shared = prompt(1, 30)
@@ -292,10 +314,8 @@ def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed, 
         max_running=int(rng.integers(1, 6)),
     )
     pending: list[Request] = []
-    for i in range(10):  # few distinct first pages, so prompts share prefixes of varied length
-        p = [int(rng.integers(0, 3)), 1, 2, 3] + [
-            int(rng.integers(0, 2)) for _ in range(int(rng.integers(1, 40)))
-        ]
+    for i in range(10):
+        p = prefix_sharing_prompt(rng, 40)
         kw = {"priority": int(rng.integers(0, 3)), "full_prefill": bool(rng.random() < 0.3)}
         pending.append(Request(str(i), p, max_tokens=int(rng.integers(1, 40)), **kw))
     all_requests = list(pending)
@@ -309,13 +329,8 @@ def test_random_arrivals_aborts_and_pressure_keep_outputs_and_pages_right(seed, 
         for req in sched.commit(batch, model.forward(batch)):
             if req.finish_reason is not None:
                 sched.finish(req, req.finish_reason)
-        if rng.random() < 0.03 and sched.running:
-            victim = sched.running[int(rng.integers(0, len(sched.running)))]
-            aborted.add(victim.rid)
-            sched.abort(victim)
-        free, tree, owned = sched.pages_accounted()
-        assert free + tree + owned == 24
-        sched.cache.check_invariants()
+        abort_at_random(sched, rng, 0.03, aborted)
+        assert_pages_accounted(sched, 24)
     assert_no_leak(sched)
     for req in all_requests:
         if req.rid not in aborted:
