@@ -26,15 +26,12 @@ log = logging.getLogger("worker.engine")
 @dataclass
 class _Launched:
     """A decode or extend step ModelExecutor.launch queued. ``raw``: its logits (rows that sample),
-    ``reqs``: those rows' requests, ``late``: rows whose newest token is the step before's, on the
-    device (``inputs``). Once sampled (``tokens`` set): what collect reads back (the tokens, then the
-    logprob tensors of the ``asking`` rows; pinned copies on CUDA, valid once ``ready`` has
-    happened) and ``guided``: rows whose grammar takes its token at collect."""
+    ``reqs``: those rows' requests. Once sampled (``tokens`` set): what collect reads back (the
+    tokens, then the logprob tensors of the ``asking`` rows; pinned copies on CUDA, valid once
+    ``ready`` has happened) and ``guided``: rows whose grammar takes its token at collect."""
 
     raw: Any
     reqs: list
-    inputs: Any = None
-    late: list[int] = field(default_factory=list)
     tokens: Any = None
     out: list = field(default_factory=list)
     asking: list[int] = field(default_factory=list)
@@ -162,11 +159,13 @@ class ModelExecutor:
             return LaunchedStep(self.run(batch))
         input_ids = None if after is None else _chained_inputs(batch, self._sampled(after).tokens)
         reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
-        step = _Launched(self._logits(batch, input_ids), reqs, input_ids)
-        if input_ids is not None:  # NOTE: a chained step samples every row (a decode step)
-            step.late = np.flatnonzero(batch.inputs_from >= 0).tolist()
-        if after is None or all(r.payload.params.guide is None for r in reqs):
+        step = _Launched(self._logits(batch, input_ids), reqs)
+        if after is None:
             self._sample_launched(step)
+        elif all(r.payload.params.guide is None for r in reqs):
+            # NOTE: a chained step samples every row (a decode step); a row taking its input from the
+            # step before has that token, its newest, on the device only
+            self._sample_launched(step, (input_ids, np.flatnonzero(batch.inputs_from >= 0).tolist()))
         return LaunchedStep(pending=step, chainable=True)
 
     def _sampled(self, launched: LaunchedStep) -> _Launched:
@@ -175,13 +174,13 @@ class ModelExecutor:
         if step.tokens is None:
             # NOTE: the step before has been collected and committed: every row's history and
             # grammar now hold its token (rows it ended are dropped at commit, so left as they are)
-            step.late = []
             self._sample_launched(step)
         return step
 
-    def _sample_launched(self, step: _Launched) -> None:
+    def _sample_launched(self, step: _Launched, unseen: tuple[Any, list[int]] | None = None) -> None:
         """Queue the step's sampling (penalties and bias, grammar masks, sampling, logprobs) and
-        the copies collect reads, without waiting for the device."""
+        the copies collect reads, without waiting for the device. ``unseen``: (input ids on the
+        device, rows whose newest token they hold and their history lacks; worker.penalties)."""
         import torch
 
         from worker.guided import constrain
@@ -192,7 +191,6 @@ class ModelExecutor:
         params = [st.params for st in states]
         logits = raw  # NOTE: logprobs come from the raw logits, before penalties and bias
         if any(adjusts(p) for p in params):
-            unseen = (step.inputs, step.late) if step.late else None
             logits = adjust_logits(raw, params, _histories(step.reqs), unseen)
         # NOTE: a request ended since this step was scheduled (by the step before, an abort) has a
         # row that commit drops; its grammar may have finished: no mask, and it takes no token
