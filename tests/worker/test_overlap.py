@@ -387,6 +387,30 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
         assert g[1] == w[1] and (g[0], *g[2]) == pytest.approx((w[0], *w[2]), abs=1e-4)
 
 
+async def test_penalties_in_chained_steps_count_the_newest_token_from_the_device():
+    """Requests with penalties, bias and min_tokens and no grammar beside them: every chained step
+    samples at launch, its rows' newest tokens still on the device (a grammar in the batch would
+    defer the sampling until they are on the host)."""
+    off = model_engine("off")
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=40)
+        ((_, tokens, _, _),) = await run_requests(off, [(SHARED + "five", greedy)])
+        stop_id = next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])
+        requests = mixed_requests("unused", stop_id, off, [])[6:9]  # NOTE: seven, eight, nine
+        want = await run_requests(off, requests)
+    finally:
+        off.stop()
+    on = model_engine("on")
+    try:
+        got = await run_requests(on, mixed_requests("unused", stop_id, on, [])[6:9])
+        await idle(on)
+        assert on.scheduler.stats.ahead_steps > 0
+    finally:
+        on.stop()
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    assert want[2][2] == "stop" and len(want[2][1]) == 10
+
+
 async def test_requests_admitted_while_others_decode_get_the_same_tokens_with_and_without_overlap():
     """Each late request is prefilled beside decoding ones; the decode step after that extend is
     chained with its inputs from two places: the new request's first token on the device, the
