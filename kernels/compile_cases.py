@@ -76,10 +76,18 @@ def extend_case(shape: Shape, config: Any, label: str) -> Case:
 
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
-    from kernels import decode_attention, extend_attention, fused, pointwise
+    from kernels import decode_attention, extend_attention, fused, lora, pointwise
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
+    qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
+
+    def lora_case(rank: int) -> Case:  # NOTE: q/k/v of rank-`rank` adapters (2 slots), decode rows
+        x, out = t["x"], torch.zeros(32, qkv, dtype=dt)
+        a, b = torch.zeros(2, 3 * rank, shape.hidden, dtype=dt), torch.zeros(2, qkv, 3 * rank, dtype=dt)
+        return (f"lora_add {shape.dtype} h{shape.hidden} r{3 * rank}", {},
+                lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1))  # fmt: skip
+
     return [
         decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
         decode_case(shape, dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch),
@@ -92,6 +100,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         (f"rope_store_kv {shape.label}", {},
          lambda: fused.rope_store_kv(t["q"], t["k"], t["v"], t["positions"], t["cos_sin"], t["k_cache"],
                                      t["v_cache"], t["positions"])),
+        lora_case(8),
+        lora_case(16),
     ]  # fmt: skip
 
 

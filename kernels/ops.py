@@ -14,7 +14,7 @@ import torch
 
 from kernels import interpret_requested, reference
 
-_KERNEL_MODULES = ("extend_attention", "decode_attention", "pointwise", "fused")
+_KERNEL_MODULES = ("extend_attention", "decode_attention", "pointwise", "fused", "lora")
 
 
 def triton_library_interpreted() -> bool:
@@ -164,3 +164,19 @@ def rope_store_kv(
     return kernel_module("fused", mode).rope_store_kv(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots
     )
+
+
+def lora_add(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_rows: int,
+) -> torch.Tensor:
+    """See kernels.reference.lora_add (``max_rows``: the most rows of any segment, the grid's size)."""
+    mode = _triton_mode(x)
+    if mode is None:
+        return reference.lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)
+    return kernel_module("lora", mode).lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)

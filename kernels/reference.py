@@ -138,3 +138,47 @@ def rope_store_kv(
     q, k = apply_rope(q, k, positions, cos_sin_cache)
     store_kv(k_cache, v_cache, slots, k, v)
     return q, k
+
+
+def lora_rows(
+    seg_indptr: torch.Tensor, seg_slots: torch.Tensor, max_rows: int | None = None
+) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its rows) for each adapter slot of lora_add's segments (int64 rows on seg_indptr's
+    device; slot -1 left out): what the reference path computes once per batch."""
+    bounds, slots = seg_indptr.long().cpu(), seg_slots.long().cpu()
+    lengths = (bounds[1:] - bounds[:-1]).clamp(min=0, max=max_rows)
+    segment = torch.repeat_interleave(torch.arange(slots.numel()), lengths)  # each covered row's segment
+    within = torch.arange(segment.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    rows, row_slots = bounds[:-1][segment] + within, slots[segment]
+    return [(s, rows[row_slots == s].to(seg_indptr.device)) for s in row_slots.unique().tolist() if s >= 0]
+
+
+def lora_add_rows(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor]],
+) -> torch.Tensor:
+    """lora_add with its segments given as lora_rows' groups: one pair of matmuls per adapter."""
+    for s, r in groups:
+        y = (x.index_select(0, r).float() @ a[s].float().t()).to(x.dtype).float()
+        out.index_copy_(0, r, (out.index_select(0, r).float() + y @ b[s].float().t()).to(out.dtype))
+    return out
+
+
+def lora_add(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """LoRA deltas of a batch that mixes adapters, added to ``out`` in place (returned).
+    x [T, K]; out [T, N] (the base projection of x); a [S, R, K]; b [S, N, R] (S adapter slots);
+    segment i owns rows seg_indptr[i]:seg_indptr[i+1] (its first ``max_rows`` only, when given) and
+    gains (x @ a[s]^T) @ b[s]^T with s = seg_slots[i]; a slot of -1 leaves its rows alone. Float32
+    math, with the [rows, R] product rounded to x's dtype (as two matmuls in that dtype round it)."""
+    return lora_add_rows(x, out, a, b, lora_rows(seg_indptr, seg_slots, max_rows))

@@ -246,7 +246,7 @@ class ModelExecutor:
         fb = ForwardBatch.from_step(batch, self.device)
         adapters = [r.adapter for r in batch.requests]
         if any(adapters):
-            fb.lora = lora_batch(self.model.lora, adapters, batch.qo_indptr.tolist(), self.device)
+            fb.lora = lora_batch(self.model.lora_stack, adapters, fb.qo_indptr, fb.max_extend_len)
         return fb
 
     def verify(self, batch: ScheduledBatch) -> list[list[int]]:
@@ -476,9 +476,12 @@ def load_adapters(cfg: Any, model: Any) -> None:
     if not cfg.lora_adapters:
         return
     check_room(model, len(cfg.lora_adapters))
+    # NOTE: rank 0 of a tensor-parallel model holds a LeaderModel, whose add_lora also tells the other
+    # ranks; here every rank loads the start-up adapters itself
+    local = getattr(model, "model", model)
     for spec in cfg.lora_adapters:
         name, _, path = spec.partition("=")
-        model.lora.append(load_adapter(name, path, model))
+        local.add_lora(load_adapter(name, path, model))
         log.info("LoRA adapter %s from %s (rank %d)", name, path, model.lora[-1].rank)
 
 

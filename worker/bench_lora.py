@@ -2,9 +2,11 @@
 
 One model forward (a decode step of B requests at a context of C tokens, and a prefill of P new
 tokens) with every request on the base, and with the requests spread over 1, 2, ... adapters of
-rank r on all seven projections (random weights), median ms over repetitions. The adapter deltas
-run as torch matmuls per adapter in the batch (worker/model/lora.py), so the cost grows with the
-number of distinct adapters in a step; this measures by how much.
+rank r on all seven projections (random weights), median ms over repetitions. On a GPU the adapter
+deltas are two Triton launches per projection whatever the adapters in the step (kernels/lora.py),
+and the decode step is also timed as a replayed CUDA graph (no host launch cost); on the CPU they are
+torch matmuls per adapter in the batch (kernels.reference.lora_add), so the cost grows with the
+number of distinct adapters in a step. This measures by how much.
 """
 
 from __future__ import annotations
@@ -58,6 +60,25 @@ def forward_ms(model: Any, pool: Any, fb: Any, reps: int, device: str) -> float:
     return median_ms(forward, reps)
 
 
+def graph_ms(model: Any, pool: Any, fb: Any, reps: int) -> float:
+    """Median ms of one replay of ``fb``'s forward captured in a CUDA graph (what a decode step costs
+    the GPU, without the host's kernel launches)."""
+    import torch
+
+    from worker.bench_parts import cuda_median_ms
+
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model.forward(fb, pool)  # NOTE: warm-up: Triton compiles outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model.forward(fb, pool)
+    return cuda_median_ms(graph.replay, reps)
+
+
 def run(
     model: Any, device: str, batch: int, context: int, prefill: int, adapters: list[int], reps: int
 ) -> list[dict]:
@@ -72,16 +93,22 @@ def run(
     decode = ForwardBatch.build("decode", [[1]] * batch, [context] * batch, [s[context : context + 1] for s in slots],
                                 [s[: context + 1] for s in slots], device)  # fmt: skip
     extend = ForwardBatch.build("extend", [[1] * prefill], [0], [slots[0][:prefill]], [[]], device)
-    weights = [random_adapter(model, f"a{i}", ADAPTER_RANK, i) for i in range(max(adapters))]
+    for i in range(max(adapters)):
+        model.add_lora(random_adapter(model, f"a{i}", ADAPTER_RANK, i))
     rows = []
     for n in [0, *adapters]:
         per_request = [1 + i % n if n else 0 for i in range(batch)]  # requests spread over n adapters
-        decode.lora = lora_batch(weights, per_request, list(range(batch + 1)), device)
-        extend.lora = lora_batch(weights, [1 if n else 0], [0, prefill], device)
-        rows.append({"adapters": n, "decode_ms": forward_ms(model, pool, decode, reps, device),
-                     "prefill_ms": forward_ms(model, pool, extend, reps, device)})  # fmt: skip
+        decode.lora = lora_batch(model.lora_stack, per_request, decode.qo_indptr, 1)
+        extend.lora = lora_batch(model.lora_stack, [1 if n else 0], extend.qo_indptr, prefill)
+        row = {"adapters": n, "decode_ms": forward_ms(model, pool, decode, reps, device),
+               "prefill_ms": forward_ms(model, pool, extend, reps, device)}  # fmt: skip
+        if device == "cuda":
+            row["decode_graph_ms"] = graph_ms(model, pool, decode, reps)
+        rows.append(row)
     for r in rows:
         r["decode_vs_base"] = round(r["decode_ms"] / rows[0]["decode_ms"], 3)
+        if "decode_graph_ms" in r:
+            r["decode_graph_vs_base"] = round(r["decode_graph_ms"] / rows[0]["decode_graph_ms"], 3)
         r["prefill_vs_base"] = round(r["prefill_ms"] / rows[0]["prefill_ms"], 3)
     return rows
 
@@ -95,8 +122,13 @@ def markdown(doc: dict) -> str:
              f"at context {p['context']}, prefill of {p['prefill']} tokens; rank {p['rank']} on all projections, "
              f"median of {p['reps']}:", "",
              "| adapters in the step | decode ms (x base) | prefill ms (x base) |", "|---:|---:|---:|"]  # fmt: skip
+    graphs = all("decode_graph_ms" in r for r in doc["rows"])
+    if graphs:
+        lines[-2:] = ["| adapters in the step | decode ms (x base) | decode graph replay ms (x base) | prefill ms (x base) |",
+                      "|---:|---:|---:|---:|"]  # fmt: skip
     for r in doc["rows"]:
-        lines.append(f"| {r['adapters'] or 'none (base)'} | {r['decode_ms']} ({r['decode_vs_base']}x) | "
+        graph = f"{r['decode_graph_ms']} ({r['decode_graph_vs_base']}x) | " if graphs else ""
+        lines.append(f"| {r['adapters'] or 'none (base)'} | {r['decode_ms']} ({r['decode_vs_base']}x) | {graph}"
                      f"{r['prefill_ms']} ({r['prefill_vs_base']}x) |")  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,9 @@ cost that otherwise dominates a decode step.
 
 Never changes what a step computes: a padded row writes its K/V only to the pool's scratch slot,
 attends to no slot, and its logits are dropped. Runs decode only (extend shapes vary too much).
+With LoRA adapters loaded at start-up, each size is captured a second time with the adapter deltas
+(kernels/lora.py), for steps with adapter requests: each request's adapter slot is one more static
+input (-1 for the base and for padded rows).
 """
 
 from __future__ import annotations
@@ -127,8 +130,8 @@ class DecodeGraphRunner:
     """Captured decode forwards for ``graph_batch_sizes(max_batch)`` requests.
 
     Static inputs live in ONE int64 device buffer at fixed offsets:
-    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices]``
-    (B = the largest size). A step fills the same layout in pinned host memory (StaticInputs) and moves
+    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices | lora_slots B]``
+    (B = the largest size; lora_slots only when the model has adapters). A step fills the same layout in pinned host memory (StaticInputs) and moves
     it with a single host-to-device copy of the used prefix, then replays the graph of the next size up.
     """
 
@@ -148,27 +151,35 @@ class DecodeGraphRunner:
         big = self.sizes[-1]
         self.max_batch, self.max_kv_indices = big, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
-        self._inputs = StaticInputs({"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1,
-                                     "kv_indices": max_kv_indices}, model.device)  # fmt: skip
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._replays: dict[int, Callable[[], None]] = {}
+        # NOTE: the adapters' stacked weights as captured: a later adapter that needs the stack to grow
+        # moves them, and LoRA steps run eagerly from then on (lora_version)
+        stack = getattr(model, "lora_stack", None)
+        self.lora = stack if stack is not None and stack.slot_of else None
+        self.lora_version = None if self.lora is None else self.lora.version
+        lengths = {"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1,
+                   "kv_indices": max_kv_indices} | ({"lora_slots": big} if self.lora else {})  # fmt: skip
+        self._inputs = StaticInputs(lengths, model.device)
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._replays: dict[tuple[int, bool], Callable[[], None]] = {}
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                batch = self._static_batch(size)
-                # padded rows only during capture: every row attends to nothing, writes the scratch slot
-                self._fill(size, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                           np.zeros(1, np.int64), np.zeros(0, np.int64))  # fmt: skip
-                replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
-                self._replays[size], self._outputs[size] = replay, out
-        log.info(
-            "decode graphs for batch sizes %s captured in %.1f s", self.sizes, time.perf_counter() - started
-        )
+                for lora in (False, True) if self.lora else (False,):
+                    batch = self._static_batch(size, lora)
+                    # padded rows only during capture: each attends to nothing, writes the scratch slot
+                    self._fill(size, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                               np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64) if lora else None)  # fmt: skip
+                    replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
+                    self._replays[size, lora], self._outputs[size, lora] = replay, out
+        log.info("decode graphs for batch sizes %s%s captured in %.1f s", self.sizes,
+                 " (with and without LoRA)" if self.lora else "", time.perf_counter() - started)  # fmt: skip
 
-    def _static_batch(self, size: int) -> ForwardBatch:
+    def _static_batch(self, size: int, lora: bool) -> ForwardBatch:
+        from worker.model.lora import LoraBatch
+
         view = self._inputs.view
-        return ForwardBatch(
+        batch = ForwardBatch(
             mode="decode",
             input_ids=view("input_ids", size),
             positions=view("positions", size),
@@ -177,6 +188,10 @@ class DecodeGraphRunner:
             kv_indptr=view("kv_indptr", size + 1),
             kv_indices=view("kv_indices"),
         )
+        if lora:
+            slots = view("lora_slots", size)
+            batch.lora = LoraBatch(self.lora, slots, batch.qo_indptr, 1, [], fixed=False)  # type: ignore[arg-type]
+        return batch
 
     def _fill(
         self,
@@ -186,19 +201,33 @@ class DecodeGraphRunner:
         out_slots: np.ndarray,
         kv_indptr: np.ndarray,
         kv_indices: np.ndarray,
+        lora_slots: np.ndarray | None = None,
     ) -> None:
-        """Write a step of ``len(input_ids)`` requests, padded to ``size``, and copy it to the device."""
+        """Write a step of ``len(input_ids)`` requests, padded to ``size``, and copy it to the device
+        (``lora_slots``: each request's adapter slot, for a LoRA graph)."""
         put_new_tokens(self._inputs, size, input_ids, positions, out_slots, self.scratch_slot)
         self._inputs.put("kv_indptr", kv_indptr, size + 1, int(kv_indptr[-1]))  # padded rows: zero slots
         self._inputs.put("kv_indices", kv_indices)
+        if lora_slots is not None:
+            self._inputs.put("lora_slots", lora_slots, size, -1)  # padded rows: no adapter
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (
             batch.mode == "decode"
             and len(batch.requests) <= self.max_batch
-            and not any(r.adapter for r in batch.requests)  # NOTE: LoRA steps run eagerly
+            and (not any(r.adapter for r in batch.requests) or self._lora_graphs_hold(batch))
             and batch.kv_indices.size <= self.max_kv_indices
+        )
+
+    def _lora_graphs_hold(self, batch: ScheduledBatch) -> bool:
+        """Whether the LoRA graphs can run this step's adapters: captured, with the stack's tensors
+        where they were then, and every adapter in it."""
+        stack = self.lora
+        return (
+            stack is not None
+            and stack.version == self.lora_version
+            and all(not r.adapter or r.adapter in stack.slot_of for r in batch.requests)
         )
 
     def padded_size(self, n: int) -> int | None:
@@ -208,7 +237,7 @@ class DecodeGraphRunner:
     def replay_of(self, size: int) -> Callable[[], None]:
         """The captured forward of ``size`` (one of self.sizes), over whatever the static buffers hold
         (the last step's inputs): for timing the GPU side of a step alone (worker.bench)."""
-        return self._replays[size]
+        return self._replays[size, False]
 
     def run(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, vocab] (float32) of a decode step; ``input_ids``: its new tokens on the device
@@ -216,8 +245,14 @@ class DecodeGraphRunner:
         buffer, valid until the next replay; the executor enqueues its sampling before that."""
         n = len(batch.requests)
         size = self.padded_size(n)
-        self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.kv_indptr, batch.kv_indices)
+        lora = any(r.adapter for r in batch.requests)
+        slots = None
+        if lora:
+            slots = np.array([self.lora.slot_of[r.adapter] if r.adapter else -1 for r in batch.requests])  # type: ignore[union-attr]
+        self._fill(
+            size, batch.input_ids, batch.positions, batch.out_slots, batch.kv_indptr, batch.kv_indices, slots
+        )
         if input_ids is not None:
             self._inputs.view("input_ids", n).copy_(input_ids)
-        self._replays[size]()
-        return self._outputs[size][:n]
+        self._replays[size, lora]()
+        return self._outputs[size, lora][:n]

@@ -67,9 +67,9 @@ class Channel:
         return box[0]
 
 
-def step_message(batch: ForwardBatch, adapters: list) -> tuple:
-    """A ForwardBatch as host data, for the other ranks (LoRA rows by adapter id: ``adapters[id - 1]``):
-    the scheduled step's own arrays when it has one (no copy back from the device). Input ids
+def step_message(batch: ForwardBatch) -> tuple:
+    """A ForwardBatch as host data, for the other ranks (each request's LoRA adapter id): the
+    scheduled step's own arrays when it has one (no copy back from the device). Input ids
     sampled on the device by the step before (a step scheduled ahead) are not in it: they follow as
     a broadcast on the model's group (``None`` in their place)."""
     if batch.host is not None:
@@ -79,37 +79,33 @@ def step_message(batch: ForwardBatch, adapters: list) -> tuple:
     if batch.inputs_on_device:
         arrays["input_ids"] = None
     rows = None if batch.logit_rows is None else batch.logit_rows.cpu().numpy()
-    lora = None
-    if batch.lora is not None:
-        ids = {id(a): i for i, a in enumerate(adapters, start=1)}
-        # NOTE: rank 0's rows come from worker.model.lora.lora_batch, which keeps them on the host too
-        pairs = zip(batch.lora.groups, batch.lora.host, strict=True)
-        lora = [(ids[id(a)], np.asarray(h, dtype=np.int64)) for (a, _), h in pairs]
+    lora = None if batch.lora is None else batch.lora.adapters
     return ("step", batch.mode, arrays, batch.return_all_logits, rows, batch.max_extend_len, lora)
 
 
-def step_batch(msg: tuple, device: torch.device, adapters: list, group: Any = None) -> ForwardBatch:
-    """``step_message``'s batch again, on ``device``, with this rank's parts of its adapters; input
-    ids that were left out are received from rank 0's broadcast on ``group``."""
+def step_batch(msg: tuple, device: torch.device, stack: Any, group: Any = None) -> ForwardBatch:
+    """``step_message``'s batch again, on ``device``, with this rank's parts of its adapters (from
+    ``stack``, a worker.model.lora.LoraStack); input ids that were left out are received from rank
+    0's broadcast on ``group``."""
     import torch.distributed as dist
 
-    from worker.model.lora import LoraBatch
+    from worker.model.lora import lora_batch
 
     _, mode, arrays, all_logits, rows, max_extend, lora = msg
     tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items() if a is not None}
     if arrays["input_ids"] is None:
         tensors["input_ids"] = torch.empty(len(arrays["positions"]), dtype=torch.int64, device=device)
         dist.broadcast(tensors["input_ids"], src=0, group=group)
-    return ForwardBatch(
+    batch = ForwardBatch(
         mode=mode,
         **tensors,
         return_all_logits=all_logits,
         logit_rows=None if rows is None else torch.from_numpy(rows).to(device),
         max_extend_len=max_extend,
-        lora=None
-        if lora is None
-        else LoraBatch([(adapters[i - 1], torch.from_numpy(r).to(device)) for i, r in lora]),
     )
+    if lora is not None:
+        batch.lora = lora_batch(stack, lora, batch.qo_indptr, max_extend)
+    return batch
 
 
 class LeaderModel:
@@ -125,7 +121,7 @@ class LeaderModel:
     def forward(self, batch: ForwardBatch, kv_pool: Any) -> torch.Tensor:
         import torch.distributed as dist
 
-        self.channel.send(step_message(batch, self.model.lora))
+        self.channel.send(step_message(batch))
         try:
             if batch.inputs_on_device:  # NOTE: queued on the device after the step that sampled them
                 dist.broadcast(batch.input_ids.contiguous(), src=0, group=self.model.shard.group)
@@ -321,7 +317,7 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
         while True:
             msg = channel.recv()
             if msg[0] == "step":
-                model.forward(step_batch(msg, device, model.lora, shard.group), pool)
+                model.forward(step_batch(msg, device, model.lora_stack, shard.group), pool)
             elif msg[0] == "kv_read":
                 channel.gather(read_kv(pool, torch.from_numpy(msg[1]), msg[2], msg[3]))
             elif msg[0] == "kv_write":

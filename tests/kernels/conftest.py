@@ -24,6 +24,7 @@ _KERNEL_MODULES = (
     "kernels.decode_attention",
     "kernels.pointwise",
     "kernels.fused",
+    "kernels.lora",
 )
 
 

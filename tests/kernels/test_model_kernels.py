@@ -18,9 +18,14 @@ CONFIG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_
 PAGES, PAGE = 48, 4  # tokens per page
 
 
-def run_steps(model: LlamaForCausalLM, device: torch.device) -> list[torch.Tensor]:
+def run_steps(
+    model: LlamaForCausalLM, device: torch.device, adapters: tuple[int, ...] = (0, 0, 0)
+) -> list[torch.Tensor]:
     """Request A (37 tokens) prefilled; B (A's first 24 tokens cached, 13 new) and C (new, 9 tokens)
-    prefilled together; then three decode steps of all three. Returns each step's logits."""
+    prefilled together; then three decode steps of all three. Returns each step's logits.
+    ``adapters``: A's, B's and C's LoRA adapter ids (0: the base)."""
+    from worker.model.lora import lora_batch
+
     g = torch.Generator().manual_seed(3)
     pool = KVPool(PAGES, PAGE, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, model.dtype, device)
     slots = torch.randperm(PAGES * PAGE, generator=g).tolist()  # scattered, as after churn
@@ -34,14 +39,18 @@ def run_steps(model: LlamaForCausalLM, device: torch.device) -> list[torch.Tenso
     seqs, seq_slots = [a, b, c], [a_slots, b_slots, c_slots]
     out = []
 
-    def forward(batch: ForwardBatch) -> torch.Tensor:
-        logits = model(batch.to(device), pool).float().cpu()
+    def forward(batch: ForwardBatch, ids: tuple[int, ...] = adapters) -> torch.Tensor:
+        batch = batch.to(device)
+        batch.lora = lora_batch(model.lora_stack, list(ids), batch.qo_indptr)
+        logits = model(batch, pool).float().cpu()
         out.append(logits)
         return logits
 
-    forward(ForwardBatch.build("extend", [a], [0], [a_slots[:37]], [[]], return_all_logits=True))
+    forward(
+        ForwardBatch.build("extend", [a], [0], [a_slots[:37]], [[]], return_all_logits=True), adapters[:1]
+    )
     forward(ForwardBatch.build("extend", [b[24:], c], [24, 0], [b_slots[24:37], c_slots[:9]],
-                               [b_slots[:24], []], return_all_logits=True))  # fmt: skip
+                               [b_slots[:24], []], return_all_logits=True), adapters[1:])  # fmt: skip
     for _ in range(3):
         nxt = torch.randint(0, 300, (3,), generator=g).tolist()  # the same tokens in both runs
         pos = [len(s) for s in seqs]
@@ -82,6 +91,62 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         assert g.shape == w.shape and torch.isfinite(g).all()
         err = ((g - w).norm() / w.norm()).item()
         assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
+
+
+def add_adapters(model: LlamaForCausalLM) -> None:
+    """Two LoRA adapters (ranks 3 and 6, on every projection but o in the first) large enough to move
+    the logits well past the tolerances below."""
+    from worker.model.lora import LoraAdapter
+
+    layer = model.layers[0]
+    g = torch.Generator().manual_seed(7)
+    for name, rank, projs in (
+        ("x", 3, ("qkv", "gate_up", "down")),
+        ("y", 6, ("qkv", "o", "gate_up", "down")),
+    ):
+        adapter = LoraAdapter(name, rank, 1.0)
+        for i in range(model.config.num_layers):
+            for proj in projs:
+                out, inp = getattr(layer, f"{proj}_proj").shape
+                a, b = (
+                    torch.randn(rank, inp, generator=g) / inp**0.5,
+                    torch.randn(out, rank, generator=g) * 0.5,
+                )
+                adapter.weights[(i, proj)] = (
+                    a.to(model.device, model.dtype),
+                    b.to(model.device, model.dtype),
+                )
+        model.add_lora(adapter)
+
+
+def test_lora_adapters_on_triton_kernels_match_the_reference_path(backend, monkeypatch):
+    """A batch mixing two adapters and the base (one adapter's rows in two requests of one step)."""
+    if backend.interpret:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
+    base = run_steps(cpu_model, torch.device("cpu"))
+    add_adapters(cpu_model)
+    adapters = (2, 0, 1)  # NOTE: the second step has the base and adapter 1, decode steps all three
+    want = run_steps(cpu_model, torch.device("cpu"), adapters)  # the torch reference path
+    for b, w in zip(base, want, strict=True):  # NOTE: the adapters do change the logits
+        assert ((b - w).norm() / w.norm()).item() > 0.05
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("torch reference path taken")
+
+    monkeypatch.setattr(reference, "lora_add_rows", no_reference)
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        model = cpu_model
+    else:
+        model = LlamaForCausalLM(CONFIG, backend.device, torch.bfloat16)
+        model.load_state_dict(cpu_model.state_dict())
+        add_adapters(model)
+    got = run_steps(model, backend.device, adapters)
+    tol = 1e-4 if backend.interpret else 3e-2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = ((g - w).norm() / w.norm()).item()
+        assert torch.isfinite(g).all() and err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
 
 
 # NOTE: padding rows carry whatever their never-written attention output held; numpy may overflow on them

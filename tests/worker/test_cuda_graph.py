@@ -253,6 +253,87 @@ def test_cuda_graph_replay_matches_eager_on_the_gpu():
     assert torch.equal(logits, before)
 
 
+def lora_logits(model, pool, step: ScheduledBatch) -> torch.Tensor:
+    """An eager step with its requests' adapters."""
+    from worker.model.lora import lora_batch
+
+    batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
+    batch.lora = lora_batch(model.lora_stack, [r.adapter for r in step.requests], batch.qo_indptr, 1)
+    return model(batch, pool)
+
+
+def with_adapters(step: ScheduledBatch, adapters: list[int]) -> ScheduledBatch:
+    step.requests = [types.SimpleNamespace(adapter=a) for a in adapters]  # type: ignore[misc]
+    return step
+
+
+def test_lora_steps_replay_their_own_graphs():
+    """With adapters loaded before the capture, every size is captured twice; a step mixing two
+    adapters and the base replays the LoRA graph (padded rows without an adapter) and matches its
+    eager step, a base step the plain graph. An adapter that makes the stack grow sends LoRA steps
+    back to the eager path."""
+    from tests.kernels.test_model_kernels import add_adapters
+    from worker.model.lora import LoraAdapter
+
+    model = load_model("tiny", "cpu").model
+    add_adapters(model)
+    lengths = [5, 17, 9, 30, 2]
+    graphed, eager = Fleet(model, "cpu", lengths), Fleet(model, "cpu", lengths)
+    backend = EagerReplay()
+    runner = DecodeGraphRunner(model, graphed.pool, max_batch=4, max_kv_indices=4 * 64, backend=backend)
+    assert backend.captured == [4, 4, 2, 2, 1, 1]
+    rng = np.random.default_rng(3)
+    for rows, adapters in (
+        ([0, 1, 2], [1, 0, 2]),
+        ([3], [2]),
+        ([4, 0], [0, 0]),
+        ([1, 2, 3, 4], [2, 2, 1, 1]),
+    ):
+        toks = rng.integers(0, 256, len(rows)).tolist()
+        step_g = with_adapters(graphed.decode_step(rows, toks), adapters)
+        step_e = with_adapters(eager.decode_step(rows, toks), adapters)
+        assert runner.can_run(step_g)
+        got = runner.run(step_g).clone()
+        base = eager_logits(model, eager.pool, step_e)  # NOTE: its K/V are overwritten by the next line's
+        want = lora_logits(model, eager.pool, step_e)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got, base, rtol=1e-2, atol=1e-2) == (not any(adapters))  # adapters matter
+        assert_same_pool_but_scratch(graphed.pool, eager.pool)
+    big = LoraAdapter("wide", 64, 1.0)
+    big.weights[(0, "o")] = (
+        torch.zeros(64, model.layers[0].o_proj.shape[1]),
+        torch.zeros(model.config.hidden_size, 64),
+    )
+    model.add_lora(big)  # NOTE: a larger rank than the stack has: its tensors are reallocated
+    step = with_adapters(graphed.decode_step([0], [1]), [1])
+    assert not runner.can_run(step)
+    assert runner.can_run(with_adapters(graphed.decode_step([1], [1]), [0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lora_graph_replay_matches_eager_on_the_gpu():
+    """Real capture of the LoRA graphs (the Triton LoRA kernels inside them) against eager steps."""
+    from tests.kernels.test_model_kernels import add_adapters
+
+    model = load_model("tiny", "cuda").model
+    add_adapters(model)
+    lengths = [5, 40, 9, 130, 2, 64, 21]
+    graphed, eager = Fleet(model, "cuda", lengths), Fleet(model, "cuda", lengths)
+    clone_pool_into(eager.pool, graphed.pool)
+    runner = DecodeGraphRunner(model, graphed.pool, max_batch=8, max_kv_indices=8 * 256)
+    rng = np.random.default_rng(5)
+    for rows, adapters in (([3], [1]), ([0, 6, 2], [2, 0, 1]), (list(range(7)), [1, 2, 0, 2, 1, 0, 2])):
+        toks = rng.integers(0, 256, len(rows)).tolist()
+        step_g = with_adapters(graphed.decode_step(rows, toks), adapters)
+        step_e = with_adapters(eager.decode_step(rows, toks), adapters)
+        assert runner.can_run(step_g)
+        got = runner.run(step_g).float().cpu()
+        want = lora_logits(model, eager.pool, step_e).float().cpu()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-2, f"LoRA graph vs eager relative error {err:.2e}"
+
+
 def test_replay_of_is_the_replay_a_step_runs(tiny):
     fleet = Fleet(tiny, "cpu", [5, 9, 3])
     runner = DecodeGraphRunner(tiny, fleet.pool, max_batch=4, max_kv_indices=64, backend=EagerReplay())

@@ -357,3 +357,60 @@ def test_a_router_routes_an_adapter_by_its_own_prefixes(launch, lora_setup, llam
         ).status_code
 
     wait_until(lambda: late_status() == 200, 30, what="the router routes the new adapter")
+
+
+def stack_adapter(name: str, rank: int, projs: dict[str, tuple[int, int]], seed: int) -> tuple:
+    """A LoraAdapter on ``projs`` (name -> (out, in)) of both layers of a 2-layer model, and a copy
+    of its (A, B) pairs (the stack empties the adapter's own)."""
+    from worker.model.lora import LoraAdapter
+
+    g = torch.Generator().manual_seed(seed)
+    adapter = LoraAdapter(name, rank, 1.0)
+    for layer in range(2):
+        for proj, (out, inp) in projs.items():
+            adapter.weights[(layer, proj)] = (
+                torch.randn(rank, inp, generator=g),
+                torch.randn(out, rank, generator=g),
+            )
+    return adapter, dict(adapter.weights)
+
+
+def test_the_stack_gives_each_request_its_own_adapters_delta_as_adapters_come_and_go():
+    from worker.model.lora import LoraStack, lora_batch
+
+    dims = {"qkv": (12, 8), "o": (8, 8), "gate_up": (10, 8), "down": (8, 5)}
+    stack = LoraStack(dims, 2, torch.device("cpu"), torch.float32)
+    a1, w1 = stack_adapter("one", 2, {"qkv": dims["qkv"], "down": dims["down"]}, 1)
+    a2, w2 = stack_adapter("two", 5, dims, 2)  # a larger rank: the stack grows, keeping "one"
+    stack.add(1, a1)
+    version = stack.version
+    stack.add(2, a2)
+    assert stack.version > version and not a1.weights and not a2.weights
+    assert stack.slot_of == {1: 0, 2: 1}
+
+    def check(per_request: list[int], weights: dict[int, dict]) -> None:
+        """Each projection of both layers over 3 requests of 1, 2 and 3 rows: a request's rows gain
+        its adapter's delta, nothing else."""
+        indptr = torch.tensor([0, 1, 3, 6], dtype=torch.int32)
+        batch = lora_batch(stack, per_request, indptr)
+        owner = torch.repeat_interleave(torch.tensor(per_request), torch.tensor([1, 2, 3]))
+        g = torch.Generator().manual_seed(9)
+        for layer in range(2):
+            for proj, (out, inp) in dims.items():
+                x, base = torch.randn(6, inp, generator=g), torch.randn(6, out, generator=g)
+                got = batch.apply(layer, proj, x, base.clone())
+                want = base.clone()
+                for row, adapter_id in enumerate(owner.tolist()):
+                    pair = weights.get(adapter_id, {}).get((layer, proj))
+                    if pair is not None:
+                        want[row] += x[row] @ pair[0].t() @ pair[1].t()
+                torch.testing.assert_close(got, want)
+
+    check([1, 0, 2], {1: w1, 2: w2})
+    check([2, 2, 1], {1: w1, 2: w2})
+    stack.remove(1)
+    a3, w3 = stack_adapter("three", 1, {"gate_up": dims["gate_up"]}, 3)
+    version = stack.version
+    stack.add(3, a3)  # NOTE: "one"'s slot, cleared: "three" has no qkv or down delta
+    assert stack.slot_of == {2: 1, 3: 0} and stack.version == version
+    check([3, 2, 0], {2: w2, 3: w3})

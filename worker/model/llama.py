@@ -18,6 +18,7 @@ from torch import nn
 from worker import attention
 from worker.forward_batch import ForwardBatch
 from worker.model.config import ModelConfig
+from worker.model.lora import LoraStack
 from worker.model.shard import WHOLE, Shard
 
 
@@ -147,6 +148,9 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, device, dtype, i, shard) for i in range(config.num_layers)
         )
         self.lora: list = []  # LoRA adapters served (worker.model.lora): request adapter id i is lora[i - 1]
+        layer = self.layers[0]
+        dims = {name: tuple(getattr(layer, f"{name}_proj").shape) for name in ("qkv", "o", "gate_up", "down")}
+        self.lora_stack = LoraStack(dims, config.num_layers, device, dtype)  # their weights
         self.norm = _weight(config.hidden_size, **w)
         self.vocab_lo, self.vocab_hi = shard.vocab_range(config.vocab_size)  # this rank's lm_head rows
         # NOTE: tied embeddings share one tensor; loading either name fills both.
@@ -183,13 +187,16 @@ class LlamaForCausalLM(nn.Module):
         return self.shard.gather_vocab(F.linear(x, self.lm_head).float(), self.config.vocab_size)
 
     def add_lora(self, adapter: object) -> int:
-        """Serve a loaded LoRA adapter (worker.model.lora); returns its adapter id."""
+        """Serve a loaded LoRA adapter (worker.model.lora; its weights move into ``lora_stack``);
+        returns its adapter id."""
         self.lora.append(adapter)
+        self.lora_stack.add(len(self.lora), adapter)  # type: ignore[arg-type]
         return len(self.lora)
 
     def remove_lora(self, adapter_id: int) -> None:
         """Drop adapter ``adapter_id``'s weights (ids are never reused)."""
         self.lora[adapter_id - 1] = None
+        self.lora_stack.remove(adapter_id)
 
     # ---- weights -------------------------------------------------------------------------------
 

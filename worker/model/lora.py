@@ -7,10 +7,11 @@ gains ``scale_a * (x @ A_a^T) @ B_a^T`` (A: [r, in], B: [out, r], scale = lora_a
 lora_alpha / sqrt(r) with rslora), computed for that adapter's rows of the batch only; the base
 weights are never changed, so base requests in the same batch are untouched.
 
-``LoraBatch`` is what one forward needs: for each adapter present, the rows (new tokens) of its
-requests; each adapter's weights are read once per step, in a few small products per projection
-(python -m worker.bench_lora measures what that costs as adapters per step grow). The KV a request
-computes depends on its adapter, so the radix cache keeps each adapter's prefixes apart
+The adapters' weights live in a ``LoraStack`` (one tensor pair per projection, a slot per adapter), and
+``LoraBatch`` is what one forward needs: each request's slot and rows. On a GPU the deltas of a whole
+batch are two Triton launches per projection however many adapters it mixes (kernels/lora.py); on the
+CPU they are a pair of matmuls per adapter in the batch (python -m worker.bench_lora measures both).
+The KV a request computes depends on its adapter, so the radix cache keeps each adapter's prefixes apart
 (worker.radix_node.adapter_keys) and routers see them as separate models. Adapters can be added
 and removed between steps (``add_adapter`` / ``remove_adapter``, on the engine thread).
 """
@@ -52,39 +53,115 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+class LoraStack:
+    """Every served adapter's weights in one pair of tensors per stacked projection, what
+    kernels.ops.lora_add reads: A [layers, slots, R, in] and B [layers, slots, out, R] (this rank's
+    parts). R is the largest rank an adapter has on that projection (q/k/v and gate/up stack their
+    parts' ranks); an adapter with a smaller rank, or without that projection in a layer, is zero
+    there. A removed adapter's slot is reused. Adding an adapter that needs more slots or rank than
+    the tensors have reallocates them (``version`` counts that: a CUDA graph keeps their addresses)."""
+
+    def __init__(
+        self, dims: dict[str, tuple[int, int]], layers: int, device: torch.device, dtype: torch.dtype
+    ):
+        self.dims = dims  # projection -> (out, in) of this rank's base weight
+        self.layers, self.device, self.dtype = layers, device, dtype
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        self.slot_of: dict[int, int] = {}  # adapter id -> slot
+        self.slots = 0
+        self.version = 0
+
+    def add(self, adapter_id: int, adapter: LoraAdapter) -> None:
+        """Stack ``adapter``'s weights in a free slot; the stack takes them (``adapter.weights`` is emptied)."""
+        used = set(self.slot_of.values())
+        slot = next(i for i in range(self.slots + 1) if i not in used)
+        ranks: dict[str, int] = {}
+        for (_, proj), (a, _) in adapter.weights.items():
+            ranks[proj] = max(ranks.get(proj, 0), a.shape[0])
+        self._grow(max(self.slots, slot + 1), ranks)
+        for proj in self.a:  # NOTE: zero A rows make zero products, whatever B holds past the new rank
+            self.a[proj][:, slot].zero_()
+        for (layer, proj), (a, b) in adapter.weights.items():
+            self.a[proj][layer, slot, : a.shape[0]] = a
+            self.b[proj][layer, slot, :, : b.shape[1]] = b
+        adapter.weights.clear()
+        self.slot_of[adapter_id] = slot
+
+    def remove(self, adapter_id: int) -> None:
+        """Free ``adapter_id``'s slot (cleared when the next adapter takes it)."""
+        self.slot_of.pop(adapter_id, None)
+
+    def _grow(self, slots: int, ranks: dict[str, int]) -> None:
+        """Make room for ``slots`` slots everywhere and for ``ranks`` on their projections."""
+        for proj in sorted(set(self.a) | set(ranks)):
+            old_a, old_b = self.a.get(proj), self.b.get(proj)
+            have = 0 if old_a is None else old_a.shape[2]
+            rank = max(have, ranks.get(proj, 0))
+            if old_a is not None and old_a.shape[1] == slots and have == rank:
+                continue
+            out, inp = self.dims[proj]
+            w = {"device": self.device, "dtype": self.dtype}
+            self.a[proj] = torch.zeros(self.layers, slots, rank, inp, **w)
+            self.b[proj] = torch.zeros(self.layers, slots, out, rank, **w)
+            if old_a is not None and old_b is not None:
+                self.a[proj][:, : old_a.shape[1], :have] = old_a
+                self.b[proj][:, : old_b.shape[1], :, :have] = old_b
+            self.version += 1
+        self.slots = slots
+
+    def apply(
+        self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch
+    ) -> torch.Tensor:
+        """``out`` (the base projection of ``x``, updated in place) plus each request's adapter delta."""
+        a = self.a.get(proj)
+        if a is None:
+            return out
+        from kernels import reference
+        from worker.attention import kernel_ops
+
+        ops = kernel_ops(x.device)
+        if ops is reference:  # NOTE: the batch's rows of each adapter, worked out once per forward
+            groups = batch.groups
+            if groups is None:
+                groups = reference.lora_rows(batch.indptr, batch.slots, batch.max_rows)
+                batch.groups = groups if batch.fixed else None
+            return reference.lora_add_rows(x, out, a[layer], self.b[proj][layer], groups)
+        return ops.lora_add(x, out, a[layer], self.b[proj][layer], batch.indptr, batch.slots, batch.max_rows)
+
+
 @dataclass
 class LoraBatch:
-    """One forward's adapters: for each adapter present, the rows (new tokens) of its requests
-    (int64 on the model's device)."""
+    """One forward's adapters: each request's slot in ``stack`` (-1: the base model) and its rows."""
 
-    groups: list[tuple[LoraAdapter, torch.Tensor]]
-    host: list[list[int]] | None = None  # the same rows on the host, group by group (for the other TP ranks)
+    stack: LoraStack
+    slots: torch.Tensor  # int32 [B] on the model's device
+    indptr: torch.Tensor  # int32 [B + 1]: request i's rows (new tokens), the batch's qo_indptr
+    max_rows: int  # most rows of any request
+    adapters: list[int]  # each request's adapter id (0: the base), on the host (for the other TP ranks)
+    fixed: bool = True  # False: ``slots`` is rewritten between forwards (a CUDA graph's static input)
+    groups: list | None = None  # the torch reference path's (slot, rows) pairs, once it has worked them out
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (= the base projection of ``x``) plus each adapter's delta on its rows."""
-        for adapter, rows in self.groups:
-            ab = adapter.weights.get((layer, proj))
-            if ab is not None:
-                out = out.index_add(0, rows, (x.index_select(0, rows) @ ab[0].t()) @ ab[1].t())
-        return out
+        return self.stack.apply(layer, proj, x, out, self)
 
 
 def lora_batch(
-    adapters: list[LoraAdapter], per_request: list[int], qo_indptr: list[int], device: torch.device
+    stack: LoraStack, per_request: list[int], qo_indptr: torch.Tensor, max_rows: int | None = None
 ) -> LoraBatch | None:
-    """Rows of each adapter's requests (``per_request[i]``: request i's adapter id, 0 = the base,
-    i = ``adapters[i - 1]``); None when every request is the base's."""
-    rows: dict[int, list[int]] = {}
-    for i, a in enumerate(per_request):
-        if a:
-            rows.setdefault(a, []).extend(range(qo_indptr[i], qo_indptr[i + 1]))
-    if not rows:
+    """The LoRA part of a forward whose request i is of adapter ``per_request[i]`` (0 = the base) and
+    owns rows ``qo_indptr[i]:qo_indptr[i + 1]`` (on the model's device; ``max_rows``: the most rows
+    of any request, read from ``qo_indptr`` when not given); None when every request is the base's."""
+    if not any(per_request):
         return None
     from worker.sampling import on_device
 
     # NOTE: through pinned memory: a step scheduled ahead builds this while the step before runs
-    groups = [(adapters[a - 1], on_device(r, torch.device(device), torch.long)) for a, r in rows.items()]
-    return LoraBatch(groups, host=list(rows.values()))
+    slots = on_device([stack.slot_of[a] if a else -1 for a in per_request], qo_indptr.device, torch.int32)
+    if max_rows is None:
+        max_rows = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    return LoraBatch(stack, slots, qo_indptr, max_rows, list(per_request))
 
 
 def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:

@@ -1,0 +1,178 @@
+"""Triton LoRA deltas for a batch that mixes adapters: every adapter's rows in two launches.
+
+Semantics are kernels.reference.lora_add; this module must never change them.
+Shapes (T = rows of the batch, n = segments, usually requests; S = adapter slots; R = the stack's rank):
+  x [T, K]; out [T, N] (the base projection of x, updated in place); a [S, R, K]; b [S, N, R];
+  seg_indptr [n+1]: segment i owns rows seg_indptr[i]:seg_indptr[i+1];
+  seg_slots [n]: segment i's slot in a / b, or -1 for rows the delta leaves alone (the base model's).
+Segment i's rows gain (x @ a[s]^T) @ b[s]^T. Math in fp32; the [rows, R] product is rounded to x's dtype
+between the two launches (as two matmuls in x's dtype would round it), out keeps its dtype.
+
+The first launch ("shrink", grid: segment x row block x K split) writes each K split's partial
+x @ a[s]^T in fp32; the second ("expand", grid: segment x row block x N block) sums the splits and adds
+the product with b[s] to out. Two launches whatever the number of adapters in the batch, and the grid
+depends on the batch's shape only (n, ``max_rows``), not on which adapters it holds: a decode step of
+one row per request replays in a CUDA graph with new slots written into the same buffers.
+CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
+  - seg_indptr is non-decreasing within [0, T]; no segment has more than ``max_rows`` rows (rows past
+    it get no delta);
+  - every slot is -1 or in [0, S).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import host_checks, interpret_requested
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+
+BLOCK_M = 16  # rows a program takes (tl.dot's smallest M; a decode segment uses one of them)
+BLOCK_K = 64  # x columns per step of the shrink's loop
+K_PER_SPLIT = 512  # x columns one shrink program reduces: K / 512 programs per row block
+MAX_SPLITS = 32
+BLOCK_N = 128  # out columns per expand program (32 in fp32, whose dot runs on FMA units: 128 spills)
+
+
+@triton.jit
+def _segment_rows(SEG_INDPTR, seg, block, slot, BLOCK_M: tl.constexpr):
+    """Rows (int64) of row block ``block`` of segment ``seg`` and their mask (none for slot -1)."""
+    start = tl.load(SEG_INDPTR + seg).to(tl.int64)
+    end = tl.load(SEG_INDPTR + seg + 1).to(tl.int64)
+    rows = start + block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows, rows < tl.where(slot >= 0, end, start)
+
+
+@triton.jit
+def _shrink_kernel(
+    X, A, Partial, SEG_INDPTR, SEG_SLOTS, K, R, stride_xt, stride_as, stride_ar, stride_pk, stride_pt,
+    COLS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
+):  # fmt: skip
+    seg, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
+    rows, row_mask = _segment_rows(SEG_INDPTR, seg, block, slot, BLOCK_M)
+    r = tl.arange(0, BLOCK_R)
+    rank = tl.where(slot >= 0, R, 0)  # NOTE: a base segment's program loads no weights
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k0 in range(split * COLS_PER_SPLIT, tl.minimum(K, (split + 1) * COLS_PER_SPLIT), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(
+            X + rows[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        a = tl.load(A + tl.maximum(slot, 0) * stride_as + r[None, :] * stride_ar + ks[:, None],
+                    mask=(r[None, :] < rank) & k_mask[:, None], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            x, a = x.to(tl.float32), a.to(tl.float32)
+        acc += tl.dot(x, a, input_precision=PRECISION, out_dtype=tl.float32)
+    dst = Partial + split * stride_pk + rows[:, None] * stride_pt + r[None, :]
+    tl.store(dst, acc, mask=row_mask[:, None] & (r[None, :] < R))
+
+
+@triton.jit
+def _expand_kernel(
+    Partial, B, Out, SEG_INDPTR, SEG_SLOTS, N, R, SPLITS, stride_pk, stride_pt, stride_bs, stride_bn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    seg, block, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
+    rows, row_mask = _segment_rows(SEG_INDPTR, seg, block, slot, BLOCK_M)
+    r = tl.arange(0, BLOCK_R)
+    rank = tl.where(slot >= 0, R, 0)  # NOTE: a base segment's program loads no weights
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    y = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    y_mask = row_mask[:, None] & (r[None, :] < R)
+    for split in range(0, SPLITS):
+        y += tl.load(
+            Partial + split * stride_pk + rows[:, None] * stride_pt + r[None, :], mask=y_mask, other=0.0
+        )
+    b = tl.load(B + tl.maximum(slot, 0) * stride_bs + cols[None, :] * stride_bn + r[:, None],
+                mask=(r[:, None] < rank) & col_mask[None, :], other=0.0)  # fmt: skip
+    # NOTE: the product is rounded to the inputs' dtype, as x @ a^T computed in that dtype would be
+    y = y.to(B.dtype.element_ty)
+    if DOT_FP32:
+        y, b = y.to(tl.float32), b.to(tl.float32)
+    delta = tl.dot(y, b, input_precision=PRECISION, out_dtype=tl.float32)
+    dst = Out + rows[:, None] * stride_ot + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    base = tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (base + delta).to(Out.dtype.element_ty), mask=mask)
+
+
+def _partials(*shape: int, device: torch.device) -> torch.Tensor:
+    """The shrink's fp32 output [splits, T, R] (every element the expand reads is written first)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _check(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if x.dim() != 2 or out.dim() != 2 or a.dim() != 3 or b.dim() != 3:
+        raise ValueError(
+            f"x [T, K], out [T, N], a [S, R, K] and b [S, N, R] expected, got x {host_checks.shape_of(x)}, "
+            f"out {host_checks.shape_of(out)}, a {host_checks.shape_of(a)}, b {host_checks.shape_of(b)}"
+        )
+    (t, k), (s, r, _) = x.shape, a.shape
+    if out.shape[0] != t or a.shape[2] != k or b.shape != (s, out.shape[1], r):
+        raise ValueError(
+            f"shapes do not agree: x {host_checks.shape_of(x)}, out {host_checks.shape_of(out)}, "
+            f"a {host_checks.shape_of(a)}, b {host_checks.shape_of(b)}"
+        )
+    if len({x.dtype, out.dtype, a.dtype, b.dtype}) != 1 or x.dtype not in host_checks.ATTENTION_DTYPES:
+        raise ValueError(f"x, out, a and b must share one of fp16/bf16/fp32, got {x.dtype}, {out.dtype}, "
+                         f"{a.dtype}, {b.dtype}")  # fmt: skip
+    if len({x.device, out.device, a.device, b.device}) != 1:
+        raise ValueError("x, out, a and b must be on one device")
+    if out.stride(-1) != 1:
+        raise ValueError("out must be contiguous in its last dim (it is updated in place)")
+
+
+def lora_add(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    max_rows: int,
+) -> torch.Tensor:
+    """``out`` with each segment's LoRA delta added (in place; returned). See the module docstring."""
+    _check(x, out, a, b)
+    n = seg_slots.numel()
+    seg_slots = host_checks.index_tensor("seg_slots", seg_slots, x.device)
+    seg_indptr = host_checks.index_tensor("seg_indptr", seg_indptr, x.device, n + 1)
+    (t, k), (_, r, _), n_cols = x.shape, a.shape, out.shape[1]
+    if n == 0 or t == 0 or max_rows <= 0 or r == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    block_r = max(16, triton.next_power_of_2(r))
+    splits = min(MAX_SPLITS, triton.cdiv(k, K_PER_SPLIT))
+    per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(k, per_split)
+    partial = _partials(splits, t, r, device=x.device)
+    row_blocks = triton.cdiv(max_rows, BLOCK_M)
+    common = {
+        "BLOCK_M": BLOCK_M,
+        "BLOCK_R": block_r,
+        "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+        "DOT_FP32": INTERPRETED and x.dtype == torch.bfloat16,
+        "num_warps": 1 if INTERPRETED else 4,
+    }
+    _shrink_kernel[(n, row_blocks, splits)](
+        x, a, partial, seg_indptr, seg_slots, k, r, x.stride(0), a.stride(0), a.stride(1),
+        partial.stride(0), partial.stride(1),
+        COLS_PER_SPLIT=per_split, BLOCK_K=BLOCK_K, **common,
+    )  # fmt: skip
+    block_n = 32 if x.dtype == torch.float32 else BLOCK_N
+    _expand_kernel[(n, row_blocks, triton.cdiv(n_cols, block_n))](
+        partial, b, out, seg_indptr, seg_slots, n_cols, r, splits, partial.stride(0), partial.stride(1),
+        b.stride(0), b.stride(1), out.stride(0),
+        BLOCK_N=block_n, **common,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,104 @@
+"""Triton LoRA deltas (kernels.lora) vs kernels.reference.lora_add: segments of any length (empty ones
+too), base segments, several adapters and one adapter in several segments, split-K, ranks that are not
+powers of two; rows no adapter covers must come back bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def lora_case(
+    lengths: list[int], slots: list[int], k: int, n: int, rank: int, dtype: torch.dtype, extra_rows: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """x [T, k], out [T, n], a [4, rank, k], b [4, n, rank] (4 slots, scaled as real adapters are:
+    the delta is a few percent of out), seg_indptr, seg_slots; ``extra_rows`` rows after the last segment."""
+    g = torch.Generator().manual_seed(sum(lengths) + k + rank)
+    t = sum(lengths) + extra_rows
+    x = torch.randn(t, k, generator=g).to(dtype)
+    out = torch.randn(t, n, generator=g).to(dtype)
+    a = (torch.randn(4, rank, k, generator=g) / k**0.5).to(dtype)
+    b = (torch.randn(4, n, rank, generator=g) / rank**0.5).to(dtype)
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return x, out, a, b, indptr, torch.tensor(slots, dtype=torch.int32)
+
+
+def per_segment(x, out, a, b, indptr, slots, max_rows=None):
+    """The definition, one segment at a time."""
+    out = out.clone()
+    for i, s in enumerate(slots.tolist()):
+        lo, hi = int(indptr[i]), int(indptr[i + 1])
+        hi = hi if max_rows is None else min(hi, lo + max_rows)
+        if s >= 0 and hi > lo:
+            y = (x[lo:hi].float() @ a[s].float().t()).to(x.dtype).float()
+            out[lo:hi] = (out[lo:hi].float() + y @ b[s].float().t()).to(out.dtype)
+    return out
+
+
+def test_the_reference_adds_each_segments_adapter_delta_to_its_rows():
+    x, out, a, b, indptr, slots = lora_case([3, 0, 5, 2, 4], [1, 2, -1, 1, 3], 24, 20, 6, torch.float32, 3)
+    want = per_segment(x, out, a, b, indptr, slots)
+    got = reference.lora_add(x, out.clone(), a, b, indptr, slots)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[3:8], out[3:8]) and torch.equal(got[14:], out[14:])  # base rows, uncovered rows
+    assert not torch.allclose(got[:3], out[:3])
+    capped = reference.lora_add(x, out.clone(), a, b, indptr, slots, max_rows=2)
+    torch.testing.assert_close(capped, per_segment(x, out, a, b, indptr, slots, max_rows=2))
+
+
+CASES = {
+    # lengths, slots, K, N, rank: extend-like segments (one adapter twice, an empty and a base segment),
+    # split K (1100 = 3 splits), N past one column block, rank 12 padded to 16
+    "extend": ([20, 0, 7, 33, 5], [2, 1, -1, 2, 0], 1100, 200, 12),
+    # decode: one row per request, a rank of 40 (padded to 64), K under one split
+    "decode": ([1] * 9, [0, -1, 3, 3, 1, -1, -1, 2, 0], 96, 130, 40),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_lora_add_matches_reference(backend, assert_close_rel, monkeypatch, dtype, case):
+    lora = backend.module("lora")
+    # NOTE: the split-K partials start as NaN, so a partial the shrink does not write poisons its rows
+    monkeypatch.setattr(
+        lora, "_partials", lambda *shape, device: torch.full(shape, float("nan"), device=device)
+    )
+    lengths, slots, k, n, rank = CASES[case]
+    x, out, a, b, indptr, seg_slots = lora_case(lengths, slots, k, n, rank, dtype, extra_rows=2)
+    want = reference.lora_add(x, out.clone(), a, b, indptr, seg_slots)
+    dev = [t.to(backend.device) for t in (x, out.clone(), a, b, indptr, seg_slots)]
+    got = lora.lora_add(*dev, max(lengths)).cpu()
+    rows = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths))
+    adapted = torch.nonzero(rows >= 0).squeeze(1)
+    untouched = torch.ones(len(out), dtype=torch.bool)
+    untouched[adapted] = False
+    assert torch.equal(got[untouched], out[untouched])  # the base's rows and the rows past the segments
+    # NOTE: the deltas alone, so an error in them is not hidden by out's larger values
+    delta, want_delta = ((t[adapted].float() - out[adapted].float()).to(dtype) for t in (got, want))
+    assert_close_rel(delta, want_delta)
+
+
+def test_lora_add_with_no_adapter_rows_leaves_out_alone(backend):
+    lora = backend.module("lora")
+    x, out, a, b, indptr, slots = lora_case([4, 3], [-1, -1], 64, 32, 8, torch.float32)
+    got = lora.lora_add(*(t.to(backend.device) for t in (x, out.clone(), a, b, indptr, slots)), 4)
+    assert torch.equal(got.cpu(), out)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [(lambda x, out, a, b: (x, out, a[:, :, :-1], b), "do not agree"),
+     (lambda x, out, a, b: (x, out[:, :-1], a, b), "do not agree"),
+     (lambda x, out, a, b: (x, out, a, b.to(torch.float16)), "must share"),
+     (lambda x, out, a, b: (x[0], out, a, b), "expected")],
+)  # fmt: skip
+def test_lora_add_rejects_inputs_that_do_not_fit(backend, change, match):
+    lora = backend.module("lora")
+    x, out, a, b, indptr, slots = lora_case([2, 2], [0, 1], 32, 16, 4, torch.float32)
+    x, out, a, b = change(*(t.to(backend.device) for t in (x, out, a, b)))
+    with pytest.raises(ValueError, match=match):
+        lora.lora_add(x, out, a, b, indptr.to(backend.device), slots.to(backend.device), 2)
