@@ -470,15 +470,18 @@ def make_kv_pool(cfg: Any, model: Any, device: Any, agree: Any = None) -> KVPool
 
 
 def load_adapters(cfg: Any, model: Any) -> None:
-    """``--lora-adapter NAME=PATH`` each onto the model (``model.lora``, ids 1, 2, ...)."""
+    """Room for --max-loras adapters, then ``--lora-adapter NAME=PATH`` each onto the model
+    (``model.lora``, ids 1, 2, ...)."""
     from worker.model.lora import check_room, load_adapter
 
-    if not cfg.lora_adapters:
-        return
-    check_room(model, len(cfg.lora_adapters))
     # NOTE: rank 0 of a tensor-parallel model holds a LeaderModel, whose add_lora also tells the other
     # ranks; here every rank loads the start-up adapters itself
     local = getattr(model, "model", model)
+    if cfg.max_loras:
+        local.lora_stack.reserve(cfg.max_loras, cfg.max_lora_rank)
+    if not cfg.lora_adapters:
+        return
+    check_room(model, len(cfg.lora_adapters))
     for spec in cfg.lora_adapters:
         name, _, path = spec.partition("=")
         local.add_lora(load_adapter(name, path, model))

@@ -60,6 +60,9 @@ class WorkerConfig:
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
     stall_timeout_s: float = 120.0  # one engine step (or call) running longer: /health answers 503
     lora_adapters: list[str] = field(default_factory=list)  # "NAME=PATH" of PEFT LoRA directories
+    # LoRA weight room made at start-up, so adapters loaded at runtime keep the CUDA graphs: adapters, rank
+    max_loras: int = 0
+    max_lora_rank: int = 16
     tensor_parallel_size: int = 1  # ranks (GPUs) one model is split over (worker/tensor_parallel.py)
     # speculative decoding by prompt lookup (worker/speculative.py): draft tokens per step; 0 = off
     speculative_tokens: int = 0
@@ -148,8 +151,10 @@ class WorkerConfig:
         )  # as the loader names it
         if len(set(names)) != len(names) or served in names:
             raise ValueError("--lora-adapter names must differ from each other and from the model's")
-        if self.lora_adapters and self.engine == "sim":
-            raise ValueError("--lora-adapter needs --engine model")
+        if (self.lora_adapters or self.max_loras) and self.engine == "sim":
+            raise ValueError("--lora-adapter and --max-loras need --engine model")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be >= 1")
         if self.tensor_parallel_size > 1 and self.engine == "sim":
@@ -296,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a PEFT LoRA adapter directory as model NAME beside the base (repeat for more; env "
         "RADIXGATE_WORKER_LORA_ADAPTERS=NAME=PATH,...)",
     )
+    opt(
+        "--max-loras",
+        int,
+        "LoRA adapters whose weights get room at start-up (0: only those of --lora-adapter): "
+        "adapters loaded at runtime within it keep steps on CUDA graphs",
+    )
+    opt("--max-lora-rank", int, "the largest adapter rank that room holds")
     opt("--sim-prefill-ms-per-token", float, "sim: prefill cost per uncached token (ms)")
     opt("--sim-decode-base-ms", float, "sim: decode step cost at batch size 1 (ms)")
     opt("--sim-decode-ms-per-seq", float, "sim: extra decode step cost per running request (ms)")

@@ -4,7 +4,7 @@ cost that otherwise dominates a decode step.
 
 Never changes what a step computes: a padded row writes its K/V only to the pool's scratch slot,
 attends to no slot, and its logits are dropped. Runs decode only (extend shapes vary too much).
-With LoRA adapters loaded at start-up, each size is captured a second time with the adapter deltas
+With LoRA adapters loaded at start-up (or room made for them: --max-loras), each size is captured a second time with the adapter deltas
 (kernels/lora.py), for steps with adapter requests: each request's adapter slot is one more static
 input (-1 for the base and for padded rows).
 """
@@ -151,10 +151,11 @@ class DecodeGraphRunner:
         big = self.sizes[-1]
         self.max_batch, self.max_kv_indices = big, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
-        # NOTE: the adapters' stacked weights as captured: a later adapter that needs the stack to grow
-        # moves them, and LoRA steps run eagerly from then on (lora_version)
+        # NOTE: the adapters' stacked weights as captured (adapters loaded, or room made: --max-loras);
+        # a later adapter that needs the stack to grow moves them, and LoRA steps run eagerly from then
+        # on (lora_version)
         stack = getattr(model, "lora_stack", None)
-        self.lora = stack if stack is not None and stack.slot_of else None
+        self.lora = stack if stack is not None and stack.slots else None
         self.lora_version = None if self.lora is None else self.lora.version
         lengths = {"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1,
                    "kv_indices": max_kv_indices} | ({"lora_slots": big} if self.lora else {})  # fmt: skip

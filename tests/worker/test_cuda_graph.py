@@ -334,6 +334,25 @@ def test_lora_graph_replay_matches_eager_on_the_gpu():
         assert err < 1e-2, f"LoRA graph vs eager relative error {err:.2e}"
 
 
+def test_adapters_loaded_after_the_capture_into_room_made_for_them_replay_the_lora_graphs():
+    """--max-loras: room made before the capture, no adapter yet; adapters loaded afterwards (as at
+    runtime) run in the LoRA graphs and match their eager steps."""
+    from tests.kernels.test_model_kernels import add_adapters
+
+    model = load_model("tiny", "cpu").model
+    model.lora_stack.reserve(2, 6)
+    fleet, eager = Fleet(model, "cpu", [7, 12]), Fleet(model, "cpu", [7, 12])
+    backend = EagerReplay()
+    runner = DecodeGraphRunner(model, fleet.pool, max_batch=2, max_kv_indices=64, backend=backend)
+    assert backend.captured == [2, 2, 1, 1] and runner.lora is model.lora_stack
+    add_adapters(model)
+    assert model.lora_stack.version == runner.lora_version
+    step = with_adapters(fleet.decode_step([0, 1], [3, 4]), [2, 1])
+    assert runner.can_run(step)
+    want = lora_logits(model, eager.pool, with_adapters(eager.decode_step([0, 1], [3, 4]), [2, 1]))
+    torch.testing.assert_close(runner.run(step), want, rtol=1e-5, atol=1e-5)
+
+
 def test_replay_of_is_the_replay_a_step_runs(tiny):
     fleet = Fleet(tiny, "cpu", [5, 9, 3])
     runner = DecodeGraphRunner(tiny, fleet.pool, max_batch=4, max_kv_indices=64, backend=EagerReplay())

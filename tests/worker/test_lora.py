@@ -318,6 +318,13 @@ def test_adapters_come_from_flags_and_the_environment(monkeypatch, tmp_path):
     assert parse_args([]).lora_adapters == ["a=/x", "b=/y"]
     with pytest.raises(SystemExit):
         parse_args(["--lora-adapter", "a"])
+    cfg = parse_args(["--max-loras", "4", "--max-lora-rank", "8"])
+    assert (cfg.max_loras, cfg.max_lora_rank) == (4, 8)
+    monkeypatch.setenv("RADIXGATE_WORKER_MAX_LORAS", "2")
+    assert parse_args([]).max_loras == 2
+    for bad in (["--max-loras", "-1"], ["--max-lora-rank", "0"], ["--max-loras", "1", "--engine", "sim"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_a_router_routes_an_adapter_by_its_own_prefixes(launch, lora_setup, llama_checkpoint):
@@ -414,3 +421,38 @@ def test_the_stack_gives_each_request_its_own_adapters_delta_as_adapters_come_an
     stack.add(3, a3)  # NOTE: "one"'s slot, cleared: "three" has no qkv or down delta
     assert stack.slot_of == {2: 1, 3: 0} and stack.version == version
     check([3, 2, 0], {2: w2, 3: w3})
+
+
+def test_room_made_at_start_up_takes_adapters_without_moving_the_stack():
+    """--max-loras / --max-lora-rank: adapters within the room keep the tensors (CUDA graphs hold their
+    addresses); one past it makes the stack grow."""
+    from types import SimpleNamespace
+
+    from worker.assembly import load_adapters
+    from worker.model.lora import LoraStack
+
+    dims = {"qkv": (12, 8), "o": (8, 8), "gate_up": (10, 8), "down": (8, 5)}
+    stack = LoraStack(dims, 2, torch.device("cpu"), torch.float32)
+    load_adapters(SimpleNamespace(max_loras=2, max_lora_rank=4, lora_adapters=[]),
+                  SimpleNamespace(lora_stack=stack))  # fmt: skip
+    assert (
+        stack.slots == 2
+        and stack.a["qkv"].shape == (2, 2, 12, 8)
+        and stack.b["gate_up"].shape == (2, 2, 10, 8)
+    )
+    version = stack.version
+    a1, w1 = stack_adapter(
+        "one", 4, {"qkv": dims["qkv"], "down": dims["down"]}, 1
+    )  # q/k/v stack: 12 <= 3 x 4
+    a2, _ = stack_adapter("two", 2, dims, 2)
+    stack.add(1, a1)
+    stack.add(2, a2)
+    assert stack.version == version
+    x = torch.randn(1, 8)
+    batch = SimpleNamespace(indptr=torch.tensor([0, 1], dtype=torch.int32), slots=torch.tensor([0], dtype=torch.int32),
+                            max_rows=1, groups=None, fixed=True)  # fmt: skip
+    a, b = w1[(1, "qkv")]
+    torch.testing.assert_close(stack.apply(1, "qkv", x, torch.zeros(1, 12), batch), x @ a.t() @ b.t())
+    a3, _ = stack_adapter("three", 1, {"o": dims["o"]}, 3)
+    stack.add(3, a3)  # NOTE: a third adapter: past the room
+    assert stack.version > version and stack.slots == 3

@@ -19,6 +19,7 @@ and removed between steps (``add_adapter`` / ``remove_adapter``, on the engine t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -38,7 +39,11 @@ TARGETS = {
     "down_proj": ("down", None),
 }
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-MAX_ADAPTERS = 2047  # adapter ids 1..2047 (worker.radix_node.ADAPTER_SHIFT keeps them apart in the cache)
+PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # PEFT targets stacked in each projection
+MAX_ADAPTERS = 2047
+log = logging.getLogger(
+    "worker.engine"
+)  # adapter ids 1..2047 (worker.radix_node.ADAPTER_SHIFT keeps them apart in the cache)
 
 
 @dataclass
@@ -87,6 +92,11 @@ class LoraStack:
             self.b[proj][layer, slot, :, : b.shape[1]] = b
         adapter.weights.clear()
         self.slot_of[adapter_id] = slot
+
+    def reserve(self, slots: int, rank: int) -> None:
+        """Room for ``slots`` adapters of rank up to ``rank`` on every projection (q/k/v and gate/up
+        stack their parts' ranks), so adding them later moves no tensor (``version`` unchanged)."""
+        self._grow(max(self.slots, slots), {proj: rank * PARTS[proj] for proj in self.dims})
 
     def remove(self, adapter_id: int) -> None:
         """Free ``adapter_id``'s slot (cleared when the next adapter takes it)."""
@@ -263,7 +273,13 @@ def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
     """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
     model = engine.executor.model
     check_room(model, len(engine.adapter_names) + 1)
+    version = model.lora_stack.version
     model.add_lora(adapter)
+    graphs = getattr(engine.executor, "decode_graphs", None)
+    if model.lora_stack.version != version and getattr(graphs, "lora", None) is not None:
+        log.warning("LoRA adapter %s needed more room than was made at start-up (--max-loras, "
+                    "--max-lora-rank): decode steps with adapters run without CUDA graphs from now on",
+                    adapter.name)  # fmt: skip
     engine.cache.add_namespace(adapter.name)
     engine.adapter_names.append(adapter.name)
     return len(engine.adapter_names)
