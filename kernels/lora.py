@@ -38,12 +38,15 @@ BLOCK_N = 128  # out columns per expand program (32 in fp32, whose dot runs on F
 
 
 @triton.jit
-def _segment_rows(SEG_INDPTR, seg, block, slot, BLOCK_M: tl.constexpr):
-    """Rows (int64) of row block ``block`` of segment ``seg`` and their mask (none for slot -1)."""
+def _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M: tl.constexpr):
+    """Row block ``block`` of segment ``seg``: its slot (0 for -1, a valid address), its rows (int64)
+    and their mask, and the rank its weights are read to (0 for slot -1: a base segment's program
+    loads no weights and stores nothing)."""
+    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
     start = tl.load(SEG_INDPTR + seg).to(tl.int64)
     end = tl.load(SEG_INDPTR + seg + 1).to(tl.int64)
     rows = start + block * BLOCK_M + tl.arange(0, BLOCK_M)
-    return rows, rows < tl.where(slot >= 0, end, start)
+    return tl.maximum(slot, 0), rows, rows < tl.where(slot >= 0, end, start), tl.where(slot >= 0, R, 0)
 
 
 @triton.jit
@@ -53,10 +56,8 @@ def _shrink_kernel(
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
 ):  # fmt: skip
     seg, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
-    rows, row_mask = _segment_rows(SEG_INDPTR, seg, block, slot, BLOCK_M)
+    slot, rows, row_mask, rank = _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
-    rank = tl.where(slot >= 0, R, 0)  # NOTE: a base segment's program loads no weights
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for k0 in range(split * COLS_PER_SPLIT, tl.minimum(K, (split + 1) * COLS_PER_SPLIT), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -64,7 +65,7 @@ def _shrink_kernel(
         x = tl.load(
             X + rows[:, None] * stride_xt + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
         )
-        a = tl.load(A + tl.maximum(slot, 0) * stride_as + r[None, :] * stride_ar + ks[:, None],
+        a = tl.load(A + slot * stride_as + r[None, :] * stride_ar + ks[:, None],
                     mask=(r[None, :] < rank) & k_mask[:, None], other=0.0)  # fmt: skip
         if DOT_FP32:
             x, a = x.to(tl.float32), a.to(tl.float32)
@@ -80,10 +81,8 @@ def _expand_kernel(
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     seg, block, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(SEG_SLOTS + seg).to(tl.int64)
-    rows, row_mask = _segment_rows(SEG_INDPTR, seg, block, slot, BLOCK_M)
+    slot, rows, row_mask, rank = _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
-    rank = tl.where(slot >= 0, R, 0)  # NOTE: a base segment's program loads no weights
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     y = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -92,7 +91,7 @@ def _expand_kernel(
         y += tl.load(
             Partial + split * stride_pk + rows[:, None] * stride_pt + r[None, :], mask=y_mask, other=0.0
         )
-    b = tl.load(B + tl.maximum(slot, 0) * stride_bs + cols[None, :] * stride_bn + r[:, None],
+    b = tl.load(B + slot * stride_bs + cols[None, :] * stride_bn + r[:, None],
                 mask=(r[:, None] < rank) & col_mask[None, :], other=0.0)  # fmt: skip
     # NOTE: the product is rounded to the inputs' dtype, as x @ a^T computed in that dtype would be
     y = y.to(B.dtype.element_ty)

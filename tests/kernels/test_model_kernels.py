@@ -16,6 +16,8 @@ from worker.model import LlamaForCausalLM, ModelConfig
 CONFIG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
 PAGES, PAGE = 48, 4  # tokens per page
+# the reference functions and CPU attention paths the model must not take on the Triton kernels
+REFERENCE_OPS = ("extend_attention", "decode_attention", "rms_norm", "apply_rope", "store_kv", "extend_short")
 
 
 def run_steps(
@@ -62,30 +64,35 @@ def run_steps(
     return out
 
 
+def no_reference(*args, **kwargs):
+    raise AssertionError("torch reference path taken")
+
+
+def kernel_model(
+    backend, monkeypatch, cpu_model: LlamaForCausalLM, forbidden: tuple[str, ...]
+) -> LlamaForCausalLM:
+    """The model to run on the Triton kernels: ``cpu_model`` itself with the interpreter switched on,
+    or a bf16 copy of its weights on CUDA; the kernels.reference and worker.attention functions named
+    in ``forbidden`` raise when called."""
+    for name in forbidden:
+        monkeypatch.setattr(reference if hasattr(reference, name) else attention, name, no_reference)
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        return cpu_model
+    model = LlamaForCausalLM(CONFIG, backend.device, torch.bfloat16)
+    model.load_state_dict(cpu_model.state_dict())
+    return model
+
+
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch):
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
     want = run_steps(cpu_model, torch.device("cpu"))  # torch reference kernels, float32
-
-    def no_reference(*args, **kwargs):
-        raise AssertionError("torch reference path taken")
-
-    for name in ("extend_attention", "decode_attention", "rms_norm", "apply_rope", "store_kv"):
-        monkeypatch.setattr(reference, name, no_reference)
-    monkeypatch.setattr(attention, "decode_grouped", no_reference)
-    monkeypatch.setattr(attention, "extend_short", no_reference)
-
-    dtype = torch.float32 if backend.interpret else torch.bfloat16
-    if backend.interpret:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        model = cpu_model
-    else:
-        model = LlamaForCausalLM(CONFIG, backend.device, dtype)
-        model.load_state_dict(cpu_model.state_dict())
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"))
     got = run_steps(model, backend.device)
 
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    tol = 1e-4 if backend.interpret else 3e-2
     assert len(got) == len(want) == 5
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape and torch.isfinite(g).all()
@@ -130,17 +137,8 @@ def test_lora_adapters_on_triton_kernels_match_the_reference_path(backend, monke
     want = run_steps(cpu_model, torch.device("cpu"), adapters)  # the torch reference path
     for b, w in zip(base, want, strict=True):  # NOTE: the adapters do change the logits
         assert ((b - w).norm() / w.norm()).item() > 0.05
-
-    def no_reference(*args, **kwargs):
-        raise AssertionError("torch reference path taken")
-
-    monkeypatch.setattr(reference, "lora_add_rows", no_reference)
-    if backend.interpret:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        model = cpu_model
-    else:
-        model = LlamaForCausalLM(CONFIG, backend.device, torch.bfloat16)
-        model.load_state_dict(cpu_model.state_dict())
+    model = kernel_model(backend, monkeypatch, cpu_model, ("lora_add_rows",))
+    if not backend.interpret:
         add_adapters(model)
     got = run_steps(model, backend.device, adapters)
     tol = 1e-4 if backend.interpret else 3e-2
@@ -171,19 +169,7 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
     ref = Cached(cpu_model, "cpu", lengths)
     want = [eager_logits(cpu_model, ref.pool, ref.step(rows, new), all_logits=kind == "all")
             for (rows, new), kind in zip(steps, kinds, strict=True)]  # fmt: skip
-
-    def no_reference(*args, **kwargs):
-        raise AssertionError("torch reference path taken")
-
-    for name in ("extend_attention", "decode_attention", "rms_norm", "apply_rope", "store_kv"):
-        monkeypatch.setattr(reference, name, no_reference)
-    monkeypatch.setattr(attention, "extend_short", no_reference)
-    if backend.interpret:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        model = cpu_model
-    else:
-        model = LlamaForCausalLM(CONFIG, backend.device, torch.bfloat16)
-        model.load_state_dict(cpu_model.state_dict())
+    model = kernel_model(backend, monkeypatch, cpu_model, REFERENCE_OPS)
     graphed = Cached(model, str(backend.device), lengths)
     runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 128, all_logits=True,
                                backend=EagerReplay() if backend.interpret else None)  # fmt: skip
