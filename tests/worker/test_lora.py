@@ -456,3 +456,8 @@ def test_room_made_at_start_up_takes_adapters_without_moving_the_stack():
     a3, _ = stack_adapter("three", 1, {"o": dims["o"]}, 3)
     stack.add(3, a3)  # NOTE: a third adapter: past the room
     assert stack.version > version and stack.slots == 3
+    engine = build_engine(
+        WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=256, max_loras=3, max_lora_rank=2)
+    )
+    tiny_stack = engine.executor.model.lora_stack
+    assert tiny_stack.slots == 3 and tiny_stack.a["qkv"].shape[2] == 6 and not tiny_stack.slot_of
