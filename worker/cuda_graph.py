@@ -4,9 +4,9 @@ cost that otherwise dominates a decode step.
 
 Never changes what a step computes: a padded row writes its K/V only to the pool's scratch slot,
 attends to no slot, and its logits are dropped. Runs decode only (extend shapes vary too much).
-With LoRA adapters loaded at start-up (or room made for them: --max-loras), each size is captured a second time with the adapter deltas
-(kernels/lora.py), for steps with adapter requests: each request's adapter slot is one more static
-input (-1 for the base and for padded rows).
+With LoRA adapters loaded at start-up (or room made for them: --max-loras), each size is captured a
+second time with the adapter deltas (kernels/lora.py), for steps with adapter requests: each
+request's adapter slot is one more static input (-1 for the base and for padded rows; GraphLora).
 """
 
 from __future__ import annotations
@@ -115,6 +115,46 @@ def put_new_tokens(
     inputs.put("out_slots", out_slots, size, scratch_slot)
 
 
+class GraphLora:
+    """What a graph runner keeps of the model's LoRA stack (worker.model.lora.LoraStack) when it has
+    adapters or room for them at capture (--max-loras): each batch shape is then captured a second
+    time with the adapter deltas, each request's slot one more static input. A later adapter that
+    makes the stack grow moves its tensors, and steps with adapters run eagerly from then on."""
+
+    def __init__(self, model: Any) -> None:
+        stack = getattr(model, "lora_stack", None)
+        self.stack = stack if stack is not None and stack.slots else None
+        self.version = None if self.stack is None else self.stack.version
+
+    @property
+    def variants(self) -> tuple[bool, ...]:
+        """Captures per shape: without adapters, and with them when there is a stack."""
+        return (False, True) if self.stack is not None else (False,)
+
+    def holds(self, batch: ScheduledBatch) -> bool:
+        """Whether the captured graphs can run ``batch``'s adapters (none, or all in the stack as captured)."""
+        if not any(r.adapter for r in batch.requests):
+            return True
+        stack = self.stack
+        return (
+            stack is not None
+            and stack.version == self.version
+            and all(not r.adapter or r.adapter in stack.slot_of for r in batch.requests)
+        )
+
+    def slots(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """Each request's slot (-1: the base) when ``batch`` has adapter requests, else None."""
+        if not any(r.adapter for r in batch.requests):
+            return None
+        return np.array([self.stack.slot_of[r.adapter] if r.adapter else -1 for r in batch.requests])  # type: ignore[union-attr]
+
+    def batch(self, slots: torch.Tensor, indptr: torch.Tensor, max_rows: int) -> Any:
+        """The LoRA part of a static batch: its slots are rewritten before each replay."""
+        from worker.model.lora import LoraBatch
+
+        return LoraBatch(self.stack, slots, indptr, max_rows, [], fixed=False)  # type: ignore[arg-type]
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch``
     (a step pads to the next size up: at most 7 wasted rows, ~1.3x the graphs of powers of two)."""
@@ -151,14 +191,9 @@ class DecodeGraphRunner:
         big = self.sizes[-1]
         self.max_batch, self.max_kv_indices = big, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
-        # NOTE: the adapters' stacked weights as captured (adapters loaded, or room made: --max-loras);
-        # a later adapter that needs the stack to grow moves them, and LoRA steps run eagerly from then
-        # on (lora_version)
-        stack = getattr(model, "lora_stack", None)
-        self.lora = stack if stack is not None and stack.slots else None
-        self.lora_version = None if self.lora is None else self.lora.version
+        self.lora = GraphLora(model)
         lengths = {"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1,
-                   "kv_indices": max_kv_indices} | ({"lora_slots": big} if self.lora else {})  # fmt: skip
+                   "kv_indices": max_kv_indices} | ({"lora_slots": big} if self.lora.stack else {})  # fmt: skip
         self._inputs = StaticInputs(lengths, model.device)
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._replays: dict[tuple[int, bool], Callable[[], None]] = {}
@@ -166,7 +201,7 @@ class DecodeGraphRunner:
         started = time.perf_counter()
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                for lora in (False, True) if self.lora else (False,):
+                for lora in self.lora.variants:
                     batch = self._static_batch(size, lora)
                     # padded rows only during capture: each attends to nothing, writes the scratch slot
                     self._fill(size, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
@@ -174,11 +209,9 @@ class DecodeGraphRunner:
                     replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
                     self._replays[size, lora], self._outputs[size, lora] = replay, out
         log.info("decode graphs for batch sizes %s%s captured in %.1f s", self.sizes,
-                 " (with and without LoRA)" if self.lora else "", time.perf_counter() - started)  # fmt: skip
+                 " (with and without LoRA)" if self.lora.stack else "", time.perf_counter() - started)  # fmt: skip
 
     def _static_batch(self, size: int, lora: bool) -> ForwardBatch:
-        from worker.model.lora import LoraBatch
-
         view = self._inputs.view
         batch = ForwardBatch(
             mode="decode",
@@ -190,8 +223,7 @@ class DecodeGraphRunner:
             kv_indices=view("kv_indices"),
         )
         if lora:
-            slots = view("lora_slots", size)
-            batch.lora = LoraBatch(self.lora, slots, batch.qo_indptr, 1, [], fixed=False)  # type: ignore[arg-type]
+            batch.lora = self.lora.batch(view("lora_slots", size), batch.qo_indptr, 1)
         return batch
 
     def _fill(
@@ -217,18 +249,8 @@ class DecodeGraphRunner:
         return (
             batch.mode == "decode"
             and len(batch.requests) <= self.max_batch
-            and (not any(r.adapter for r in batch.requests) or self._lora_graphs_hold(batch))
+            and self.lora.holds(batch)
             and batch.kv_indices.size <= self.max_kv_indices
-        )
-
-    def _lora_graphs_hold(self, batch: ScheduledBatch) -> bool:
-        """Whether the LoRA graphs can run this step's adapters: captured, with the stack's tensors
-        where they were then, and every adapter in it."""
-        stack = self.lora
-        return (
-            stack is not None
-            and stack.version == self.lora_version
-            and all(not r.adapter or r.adapter in stack.slot_of for r in batch.requests)
         )
 
     def padded_size(self, n: int) -> int | None:
@@ -246,14 +268,11 @@ class DecodeGraphRunner:
         buffer, valid until the next replay; the executor enqueues its sampling before that."""
         n = len(batch.requests)
         size = self.padded_size(n)
-        lora = any(r.adapter for r in batch.requests)
-        slots = None
-        if lora:
-            slots = np.array([self.lora.slot_of[r.adapter] if r.adapter else -1 for r in batch.requests])  # type: ignore[union-attr]
+        slots = self.lora.slots(batch)
         self._fill(
             size, batch.input_ids, batch.positions, batch.out_slots, batch.kv_indptr, batch.kv_indices, slots
         )
         if input_ids is not None:
             self._inputs.view("input_ids", n).copy_(input_ids)
-        self._replays[size, lora]()
-        return self._outputs[size, lora][:n]
+        self._replays[size, slots is not None]()
+        return self._outputs[size, slots is not None][:n]

@@ -5,7 +5,8 @@ from Python and waits on that far longer than on the GPU; replayed, it costs wha
 Never changes what a step computes. A step of n tokens over b requests replays the graph of the next
 token count T up: its T - n padding tokens belong to no request (attention skips them; every other
 layer works row by row), write their K/V only to the pool's scratch slot, and their rows are dropped;
-the graph's request rows past b hold no tokens and no prefix.
+the graph's request rows past b hold no tokens and no prefix. With LoRA adapters (or room for them)
+at capture, each shape is captured with the adapter deltas too (worker.cuda_graph.GraphLora).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.cuda_graph import CudaGraphBackend, GraphBackend, StaticInputs, put_new_tokens
+from worker.cuda_graph import CudaGraphBackend, GraphBackend, GraphLora, StaticInputs, put_new_tokens
 from worker.forward_batch import ForwardBatch
 from worker.request import ScheduledBatch
 
@@ -66,24 +67,29 @@ class ExtendGraphRunner:
         big, self.max_requests, self.max_kv_indices = self.sizes[-1], max_requests, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
         rows = self._requests(big) + 1
-        self._inputs = StaticInputs({"input_ids": big, "positions": big, "out_slots": big, "qo_indptr": rows,
-                                     "kv_indptr": rows, "kv_indices": max_kv_indices}, model.device)  # fmt: skip
+        self.lora = GraphLora(model)
+        lengths = {"input_ids": big, "positions": big, "out_slots": big, "qo_indptr": rows, "kv_indptr": rows,
+                   "kv_indices": max_kv_indices} | ({"lora_slots": rows} if self.lora.stack else {})  # fmt: skip
+        self._inputs = StaticInputs(lengths, model.device)
         self.kinds = ("last", "all") if all_logits else ("last",)
-        self._replays: dict[tuple[int, str], Callable[[], None]] = {}
-        self._outputs: dict[tuple[int, str], torch.Tensor] = {}
+        self._replays: dict[tuple[int, str, bool], Callable[[], None]] = {}
+        self._outputs: dict[tuple[int, str, bool], torch.Tensor] = {}
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         empty = np.zeros(0, np.int64)
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 for kind in self.kinds:
-                    batch = self._static_batch(size, kind)
-                    self._fill(size, empty, empty, empty, np.zeros(1, np.int64), np.zeros(1, np.int64), empty)
-                    replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
-                    self._replays[size, kind], self._outputs[size, kind] = replay, out
+                    for lora in self.lora.variants:
+                        batch = self._static_batch(size, kind, lora)
+                        self._fill(size, empty, empty, empty, np.zeros(1, np.int64), np.zeros(1, np.int64), empty,
+                                   empty if lora else None)  # fmt: skip
+                        replay, out = backend.capture(lambda b=batch: model.forward(b, kv_pool))
+                        self._replays[size, kind, lora], self._outputs[size, kind, lora] = replay, out
         log.info(
-            "extend graphs (%s logits) for %s new tokens captured in %.1f s",
+            "extend graphs (%s logits%s) for %s new tokens captured in %.1f s",
             "/".join(self.kinds),
+            ", with and without LoRA" if self.lora.stack else "",
             self.sizes,
             time.perf_counter() - started,
         )
@@ -92,9 +98,9 @@ class ExtendGraphRunner:
         """Most requests a graph of ``size`` tokens takes (each scheduled request has a new token)."""
         return min(size, self.max_requests)
 
-    def _static_batch(self, size: int, kind: str) -> ForwardBatch:
+    def _static_batch(self, size: int, kind: str, lora: bool) -> ForwardBatch:
         rows, view = self._requests(size), self._inputs.view
-        return ForwardBatch(
+        batch = ForwardBatch(
             mode="extend",
             input_ids=view("input_ids", size),
             positions=view("positions", size),
@@ -105,6 +111,9 @@ class ExtendGraphRunner:
             return_all_logits=kind == "all",
             max_extend_len=size,  # NOTE: the grid covers the whole graph; shorter requests exit early
         )
+        if lora:
+            batch.lora = self.lora.batch(view("lora_slots", rows), batch.qo_indptr, size)
+        return batch
 
     def _fill(
         self,
@@ -115,16 +124,20 @@ class ExtendGraphRunner:
         qo_indptr: np.ndarray,
         kv_indptr: np.ndarray,
         kv_indices: np.ndarray,
+        lora_slots: np.ndarray | None = None,
     ) -> None:
         """Write a step of ``len(input_ids)`` tokens over ``len(qo_indptr) - 1`` requests, padded to
         ``size`` tokens (owned by no request) and the graph's request rows (empty ones), into the host
-        buffer, and copy its used part to the device."""
+        buffer, and copy its used part to the device (``lora_slots``: each request's adapter slot,
+        for a LoRA graph)."""
         put, rows = self._inputs.put, self._requests(size)
         put_new_tokens(self._inputs, size, input_ids, positions, out_slots, self.scratch_slot)
         # NOTE: empty rows past the step's requests: no new tokens, no prefix
         put("qo_indptr", qo_indptr, rows + 1, int(qo_indptr[-1]))
         put("kv_indptr", kv_indptr, rows + 1, int(kv_indptr[-1]))
         put("kv_indices", kv_indices)
+        if lora_slots is not None:
+            put("lora_slots", lora_slots, rows, -1)  # NOTE: empty rows: no adapter
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch, kind: str = "last") -> bool:
@@ -135,7 +148,7 @@ class ExtendGraphRunner:
             and kind in self.kinds
             and 0 < n <= self.sizes[-1]
             and len(batch.requests) <= self._requests(self.padded_size(n))
-            and not any(r.adapter for r in batch.requests)  # NOTE: LoRA steps run eagerly
+            and self.lora.holds(batch)
             and not any(r.full_prefill for r in batch.requests)  # prompt logprobs: their own logit rows
             and batch.kv_indices.size <= self.max_kv_indices
         )
@@ -148,8 +161,9 @@ class ExtendGraphRunner:
         """Logits (float32) of a step ``can_run`` accepted: [B, vocab] for ``last``, [T, vocab] for
         ``all``. NOTE: a view of the graph's output buffer, valid until the next replay."""
         size = self.padded_size(batch.num_new_tokens)
+        slots = self.lora.slots(batch)
         self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.qo_indptr, batch.kv_indptr,
-                   batch.kv_indices)  # fmt: skip
-        self._replays[size, kind]()
+                   batch.kv_indices, slots)  # fmt: skip
+        self._replays[size, kind, slots is not None]()
         rows = len(batch.requests) if kind == "last" else batch.num_new_tokens
-        return self._outputs[size, kind][:rows]
+        return self._outputs[size, kind, slots is not None][:rows]

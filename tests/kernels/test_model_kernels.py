@@ -3,6 +3,8 @@ logits of the torch reference path: prefill, prefill on a cached prefix, then de
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -149,33 +151,54 @@ def test_lora_adapters_on_triton_kernels_match_the_reference_path(backend, monke
 
 # NOTE: padding rows carry whatever their never-written attention output held; numpy may overflow on them
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(backend, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(backend, monkeypatch, lora):
     """Extend and verify steps through worker.extend_graph (padding tokens owned by no request, empty
-    request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits.
+    request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits;
+    with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs).
     Interpreted, the capture is replaced by re-running the forward; on CUDA it is a real graph."""
     from tests.worker.test_cuda_graph import EagerReplay
-    from tests.worker.test_extend_graph import STEPS, Cached, eager_logits
+    from tests.worker.test_extend_graph import STEPS, Cached
     from worker.extend_graph import ExtendGraphRunner
+    from worker.model.lora import lora_batch
 
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
+    if lora:
+        add_adapters(cpu_model)
     lengths = [5, 17, 9, 30, 2, 12]
     g = torch.Generator().manual_seed(4)
     steps = [
         (rows, [torch.randint(0, 256, (n,), generator=g).tolist() for n in counts]) for rows, counts in STEPS
     ]
     kinds = ["last" if i % 2 else "all" for i in range(len(steps))]
+
+    def with_adapters(step):  # NOTE: with lora, the step's requests take adapters 1, 2, the base, 1, ...
+        step.requests = [types.SimpleNamespace(adapter=(1 + i) % 3 if lora else 0, full_prefill=False)
+                         for i in range(len(step.requests))]  # fmt: skip
+        return step
+
+    def eager(model, pool, step, kind):
+        batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
+        batch.return_all_logits = kind == "all"
+        batch.lora = lora_batch(model.lora_stack, [r.adapter for r in step.requests], batch.qo_indptr)
+        return model(batch, pool)
+
     ref = Cached(cpu_model, "cpu", lengths)
-    want = [eager_logits(cpu_model, ref.pool, ref.step(rows, new), all_logits=kind == "all")
+    want = [eager(cpu_model, ref.pool, with_adapters(ref.step(rows, new)), kind)
             for (rows, new), kind in zip(steps, kinds, strict=True)]  # fmt: skip
-    model = kernel_model(backend, monkeypatch, cpu_model, REFERENCE_OPS)
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "lora_add_rows"))
+    if lora and not backend.interpret:
+        add_adapters(model)
     graphed = Cached(model, str(backend.device), lengths)
     runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 128, all_logits=True,
                                backend=EagerReplay() if backend.interpret else None)  # fmt: skip
     tol = 1e-4 if backend.interpret else 3e-2
     for (rows, new), kind, w in zip(steps, kinds, want, strict=True):
-        got = runner.run(graphed.step(rows, new), kind).float().cpu()
+        step = with_adapters(graphed.step(rows, new))
+        assert runner.can_run(step, kind)
+        got = runner.run(step, kind).float().cpu()
         assert got.shape == w.shape and torch.isfinite(got).all()
         err = ((got - w).norm() / w.norm()).item()
         assert err < tol, (

@@ -344,9 +344,9 @@ def test_adapters_loaded_after_the_capture_into_room_made_for_them_replay_the_lo
     fleet, eager = Fleet(model, "cpu", [7, 12]), Fleet(model, "cpu", [7, 12])
     backend = EagerReplay()
     runner = DecodeGraphRunner(model, fleet.pool, max_batch=2, max_kv_indices=64, backend=backend)
-    assert backend.captured == [2, 2, 1, 1] and runner.lora is model.lora_stack
+    assert backend.captured == [2, 2, 1, 1] and runner.lora.stack is model.lora_stack
     add_adapters(model)
-    assert model.lora_stack.version == runner.lora_version
+    assert model.lora_stack.version == runner.lora.version
     step = with_adapters(fleet.decode_step([0, 1], [3, 4]), [2, 1])
     assert runner.can_run(step)
     want = lora_logits(model, eager.pool, with_adapters(eager.decode_step([0, 1], [3, 4]), [2, 1]))

@@ -117,6 +117,37 @@ def test_replayed_steps_match_eager_steps_at_every_padding(tiny, kind):
         assert_same_pool_but_scratch(graphed.pool, eager.pool)
 
 
+@pytest.mark.parametrize("kind", ["last", "all"])
+def test_steps_with_adapters_replay_the_lora_graphs(kind):
+    """Adapters at capture: extend steps mixing two adapters and the base replay the LoRA graphs and
+    match their eager steps, logits and pool."""
+    from tests.kernels.test_model_kernels import add_adapters
+    from worker.model.lora import lora_batch
+
+    model = load_model("tiny", "cpu").model
+    add_adapters(model)
+    lengths = [5, 17, 9, 30, 2, 12]
+    graphed, eager = Cached(model, "cpu", lengths), Cached(model, "cpu", lengths)
+    backend = EagerReplay()
+    runner = ExtendGraphRunner(model, graphed.pool, max_tokens=64, max_requests=6, max_kv_indices=6 * 128,
+                               all_logits=True, backend=backend)  # fmt: skip
+    assert len(backend.captured) == 16  # 4 sizes x 2 kinds x with and without adapters
+    rng = np.random.default_rng(2)
+    for rows, counts in STEPS:
+        new = [rng.integers(0, 256, n).tolist() for n in counts]
+        adapters = [(1 + r) % 3 for r in rows]  # NOTE: adapters 1, 2 and the base, by request
+        step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
+        for step in (step_g, step_e):
+            step.requests = [types.SimpleNamespace(adapter=a, full_prefill=False) for a in adapters]
+        assert runner.can_run(step_g, kind)
+        got = runner.run(step_g, kind).clone()
+        batch = ForwardBatch.from_step(step_e, "cpu")
+        batch.return_all_logits = kind == "all"
+        batch.lora = lora_batch(model.lora_stack, adapters, batch.qo_indptr, batch.max_extend_len)
+        torch.testing.assert_close(got, model(batch, eager.pool), rtol=1e-5, atol=1e-5)
+        assert_same_pool_but_scratch(graphed.pool, eager.pool)
+
+
 def test_padding_writes_only_the_scratch_slot(tiny):
     cached = Cached(tiny, "cpu", [6, 11, 3])
     runner = ExtendGraphRunner(tiny, cached.pool, 32, 4, 256, backend=EagerReplay())
@@ -217,7 +248,7 @@ def test_static_inputs_keep_the_kernels_contract_after_a_wider_step(tiny):
     runner.run(cached.step([0, 1, 2, 3], [[1, 2], [3, 4], [5, 6], [7, 8]]))
     narrow = cached.step([1], [[9, 10, 11]])
     runner.run(narrow)
-    static = runner._static_batch(runner.padded_size(narrow.num_new_tokens), "last")
+    static = runner._static_batch(runner.padded_size(narrow.num_new_tokens), "last", False)
     assert static.qo_indptr.tolist() == [0, 3, 3, 3, 3]
     assert static.kv_indptr.tolist() == [0, 7, 7, 7, 7]  # request 1's 5 prompt + 2 earlier tokens
     assert static.out_slots[3:].tolist() == [cached.pool.scratch_slot] * 5

@@ -276,7 +276,10 @@ def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
     version = model.lora_stack.version
     model.add_lora(adapter)
     graphs = getattr(engine.executor, "decode_graphs", None)
-    if model.lora_stack.version != version and getattr(graphs, "lora", None) is not None:
+    if (
+        model.lora_stack.version != version
+        and getattr(getattr(graphs, "lora", None), "stack", None) is not None
+    ):
         log.warning("LoRA adapter %s needed more room than was made at start-up (--max-loras, "
                     "--max-lora-rank): decode steps with adapters run without CUDA graphs from now on",
                     adapter.name)  # fmt: skip
