@@ -131,16 +131,17 @@ class GraphLora:
         """Captures per shape: without adapters, and with them when there is a stack."""
         return (False, True) if self.stack is not None else (False,)
 
+    def current(self) -> bool:
+        """Whether adapter steps can replay: a stack was captured and its tensors have not moved."""
+        return self.stack is not None and self.stack.version == self.version
+
     def holds(self, batch: ScheduledBatch) -> bool:
         """Whether the captured graphs can run ``batch``'s adapters (none, or all in the stack as captured)."""
         if not any(r.adapter for r in batch.requests):
             return True
-        stack = self.stack
-        return (
-            stack is not None
-            and stack.version == self.version
-            and all(not r.adapter or r.adapter in stack.slot_of for r in batch.requests)
-        )
+        return self.current() and all(
+            not r.adapter or r.adapter in self.stack.slot_of for r in batch.requests
+        )  # type: ignore[union-attr]
 
     def slots(self, batch: ScheduledBatch) -> np.ndarray | None:
         """Each request's slot (-1: the base) when ``batch`` has adapter requests, else None."""

@@ -353,6 +353,24 @@ def test_adapters_loaded_after_the_capture_into_room_made_for_them_replay_the_lo
     torch.testing.assert_close(runner.run(step), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("room", [0, 1])
+def test_an_adapter_loaded_at_runtime_without_room_in_the_graphs_is_logged(caplog, room):
+    from worker.model.lora import LoraAdapter, add_adapter
+
+    engine = build_engine(WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, max_loras=room))
+    executor = engine.executor
+    executor.decode_graphs = DecodeGraphRunner(executor.model, executor.kv_pool, max_batch=2, max_kv_indices=64,
+                                               backend=EagerReplay())  # fmt: skip
+    adapter = LoraAdapter("late", 4, 1.0)
+    out, inp = executor.model.layers[0].qkv_proj.shape
+    adapter.weights[(0, "qkv")] = (torch.zeros(4, inp), torch.zeros(out, 4))
+    with caplog.at_level("WARNING", logger="worker.engine"):
+        assert add_adapter(engine, adapter) == 1
+    warned = [r for r in caplog.records if "no room for it" in r.getMessage()]
+    assert len(warned) == (0 if room else 1)
+    assert executor.decode_graphs.lora.current() == bool(room)
+
+
 def test_replay_of_is_the_replay_a_step_runs(tiny):
     fleet = Fleet(tiny, "cpu", [5, 9, 3])
     runner = DecodeGraphRunner(tiny, fleet.pool, max_batch=4, max_kv_indices=64, backend=EagerReplay())

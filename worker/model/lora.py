@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from kernels import reference
+from worker.attention import kernel_ops
+
 # PEFT's target name -> (our stacked projection, which part of its output rows)
 TARGETS = {
     "q_proj": ("qkv", "q"),
@@ -40,10 +43,8 @@ TARGETS = {
 }
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # PEFT targets stacked in each projection
-MAX_ADAPTERS = 2047
-log = logging.getLogger(
-    "worker.engine"
-)  # adapter ids 1..2047 (worker.radix_node.ADAPTER_SHIFT keeps them apart in the cache)
+MAX_ADAPTERS = 2047  # adapter ids 1..2047 (worker.radix_node.ADAPTER_SHIFT keeps them apart in the cache)
+log = logging.getLogger("worker.engine")
 
 
 @dataclass
@@ -127,9 +128,6 @@ class LoraStack:
         a = self.a.get(proj)
         if a is None:
             return out
-        from kernels import reference
-        from worker.attention import kernel_ops
-
         ops = kernel_ops(x.device)
         if ops is reference:  # NOTE: the batch's rows of each adapter, worked out once per forward
             groups = batch.groups
@@ -273,16 +271,11 @@ def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
     """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
     model = engine.executor.model
     check_room(model, len(engine.adapter_names) + 1)
-    version = model.lora_stack.version
     model.add_lora(adapter)
     graphs = getattr(engine.executor, "decode_graphs", None)
-    if (
-        model.lora_stack.version != version
-        and getattr(getattr(graphs, "lora", None), "stack", None) is not None
-    ):
-        log.warning("LoRA adapter %s needed more room than was made at start-up (--max-loras, "
-                    "--max-lora-rank): decode steps with adapters run without CUDA graphs from now on",
-                    adapter.name)  # fmt: skip
+    if graphs is not None and not graphs.lora.current():
+        log.warning("LoRA adapter %s: the CUDA graphs hold no room for it (--max-loras, --max-lora-rank "
+                    "at start-up), so steps with adapters run without them", adapter.name)  # fmt: skip
     engine.cache.add_namespace(adapter.name)
     engine.adapter_names.append(adapter.name)
     return len(engine.adapter_names)
