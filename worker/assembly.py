@@ -443,6 +443,7 @@ def build_engine(cfg: Any) -> Engine:
         if device.type == "cpu":
             tune_cpu_process(cfg.cpu_threads)
         loaded = load_model(cfg.model, device, model_dtype(cfg.dtype, device))
+        load_adapters(cfg, loaded.model)  # NOTE: before the pool, which takes a share of what is left
         pool = make_kv_pool(cfg, loaded.model, device)
         host = host_tier(cfg, pool)
     mc = loaded.config
@@ -452,7 +453,6 @@ def build_engine(cfg: Any) -> Engine:
     )
     log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB per rank)", name, device,
              pool.num_pages, cfg.block_size, pool_bytes / 2**20)  # fmt: skip
-    load_adapters(cfg, loaded.model)
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
 
@@ -474,17 +474,14 @@ def load_adapters(cfg: Any, model: Any) -> None:
     (``model.lora``, ids 1, 2, ...)."""
     from worker.model.lora import check_room, load_adapter
 
-    # NOTE: rank 0 of a tensor-parallel model holds a LeaderModel, whose add_lora also tells the other
-    # ranks; here every rank loads the start-up adapters itself
-    local = getattr(model, "model", model)
     if cfg.max_loras:
-        local.lora_stack.reserve(cfg.max_loras, cfg.max_lora_rank)
+        model.lora_stack.reserve(cfg.max_loras, cfg.max_lora_rank)
     if not cfg.lora_adapters:
         return
     check_room(model, len(cfg.lora_adapters))
     for spec in cfg.lora_adapters:
         name, _, path = spec.partition("=")
-        local.add_lora(load_adapter(name, path, model))
+        model.add_lora(load_adapter(name, path, model))
         log.info("LoRA adapter %s from %s (rank %d)", name, path, model.lora[-1].rank)
 
 

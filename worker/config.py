@@ -29,7 +29,9 @@ class WorkerConfig:
     block_size: int = 16  # tokens per KV page = block size of the KV events
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
-    mem_fraction: float = 0.85  # of free GPU memory after loading the model, for the KV pool
+    mem_fraction: float = (
+        0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
+    )
     max_running: int = 256  # requests admitted at once
     cuda_graph_max_bs: int = 128  # decode steps of up to this many requests replay CUDA graphs; 0 = off
     cuda_graph_extend_tokens: int = (
@@ -220,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         "longest a request's KV fetches from another worker may take, all its prompts together (seconds); "
         "a fetch asks for no more than its link has brought in half the time left",
     )
-    opt("--mem-fraction", float, "fraction of free GPU memory for the KV pool")
+    opt(
+        "--mem-fraction",
+        float,
+        "fraction of the GPU memory free after the model and its LoRA adapters are loaded, for the KV pool",
+    )
     opt("--max-running", int, "requests admitted at once")
     opt("--cuda-graph-max-bs", int, "CUDA: decode steps of up to N requests replay captured graphs (0 = off)")
     opt(

@@ -257,13 +257,14 @@ def load_rank(cfg: Any, shard: Shard, channel: Channel, device: torch.device) ->
     """This rank's model part and KV pool; every rank takes the smallest pool any rank can hold."""
     import torch.distributed as dist
 
-    from worker.assembly import make_kv_pool, tune_cpu_process
+    from worker.assembly import load_adapters, make_kv_pool, tune_cpu_process
     from worker.model import load_model
     from worker.model.loader import model_dtype
 
     if device.type == "cpu":
         tune_cpu_process(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // shard.size))
     loaded = load_model(cfg.model, device, model_dtype(cfg.dtype, device), shard=shard)
+    load_adapters(cfg, loaded.model)  # NOTE: every rank its own part, before the pool takes what is left
 
     def agree(pages: int) -> int:
         t = torch.tensor([pages], dtype=torch.int64)
@@ -294,7 +295,6 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
 
 def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leader_pid: int) -> None:
     """Rank ``rank`` (>= 1): load its part, then run what rank 0 sends until told to stop."""
-    from worker.assembly import load_adapters
     from worker.model.lora import load_adapter
 
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
@@ -311,7 +311,6 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
         shard, channel = init_rank(rank, cfg.tensor_parallel_size, init_method, device)
         loaded, pool = load_rank(cfg, shard, channel, device)
         model = loaded.model
-        load_adapters(cfg, model)
         pages = cfg.host_cache_tokens // cfg.block_size
         host = HostKVPool(pages, pool) if pages > 0 else None
         while True:
