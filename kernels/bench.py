@@ -1,6 +1,7 @@
 """`python -m kernels.bench`: Triton extend/decode attention vs torch SDPA (flash) and the GPU's own
-measured copy bandwidth and matmul rate, all in one run; JSON to --out, a markdown report beside it
-(same stem, .md), a table printed last.
+measured copy bandwidth and matmul rate, and the LoRA deltas (kernels/lora.py) vs torch ops per
+adapter, all in one run; JSON to --out, a markdown report beside it (same stem, .md), a table printed
+last.
 
 Needs CUDA: without it, it measures nothing and exits non-zero. Numbers are never estimated.
 """
@@ -38,6 +39,10 @@ TIMING = (
     "recorded"
 )
 PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged allocator leaves it
+# LoRA deltas (kernels/lora.py) on Llama-3-8B's gate/up projection (the largest): rank 16 per part
+LORA_IN, LORA_OUT, LORA_RANK = 4096, 2 * 14336, 2 * 16
+LORA_BATCHES = (1, 16, 64)  # decode rows, one per request
+LORA_ADAPTERS = (1, 4)  # distinct adapters in the step (request i takes adapter i % n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +101,64 @@ def decode_bytes(shape: DecodeShape, model: Model, index_bytes: int = 4) -> int:
     kv = 2 * tokens * model.num_kv_heads * model.head_dim * model.elem_bytes
     q_and_out = 2 * shape.batch * model.num_q_heads * model.head_dim * model.elem_bytes
     return kv + q_and_out + tokens * index_bytes
+
+
+def lora_bytes(batch: int, adapters: int, elem_bytes: int) -> int:
+    """Bytes a LoRA delta must move at least: each distinct adapter's A and B once, x read, out read and
+    written."""
+    weights = adapters * (LORA_RANK * LORA_IN + LORA_OUT * LORA_RANK)
+    return (weights + batch * LORA_IN + 2 * batch * LORA_OUT) * elem_bytes
+
+
+def lora_case(
+    batch: int, adapters: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> tuple:
+    """x, out, a, b (adapters' weights at the scale of real ones), per-request indptr and slots."""
+    x = torch.randn(batch, LORA_IN, generator=gen).to(device, dtype)
+    out = torch.randn(batch, LORA_OUT, generator=gen).to(device, dtype)
+    a = (torch.randn(adapters, LORA_RANK, LORA_IN, generator=gen) / LORA_IN**0.5).to(device, dtype)
+    b = (torch.randn(adapters, LORA_OUT, LORA_RANK, generator=gen) / LORA_RANK**0.5).to(device, dtype)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    slots = (torch.arange(batch, dtype=torch.int32) % adapters).to(device)
+    return x, out, a, b, indptr, slots
+
+
+def lora_per_adapter(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     rows: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """The deltas as torch ops per adapter (``rows[s]``: adapter s's rows), in the model's dtype: what
+    the worker ran before kernels/lora.py, four kernels per adapter."""
+    for s, r in enumerate(rows):
+        out.index_add_(0, r, (x.index_select(0, r) @ a[s].t()) @ b[s].t())
+    return out
+
+
+def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, gen: torch.Generator) -> dict:
+    """kernels/lora.py against lora_per_adapter on one decode step's gate/up deltas, both replayed as
+    CUDA graphs (how the worker runs decode steps) and eager."""
+    from kernels import lora
+
+    x, base, a, b, indptr, slots = lora_case(batch, adapters, DTYPES[model.dtype], device, gen)
+    rows = [torch.nonzero(slots == s).flatten() for s in range(adapters)]
+    out, ref = base.clone(), lora_per_adapter(x, base.clone(), a, b, rows)
+    nbytes = lora_bytes(batch, adapters, model.elem_bytes)
+    row: dict[str, Any] = {"batch": batch, "adapters": adapters, "bytes": nbytes}
+
+    def timed(name: str, ms: float) -> None:
+        row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / (ms * 1e-3) / 1e9
+
+    def triton_call() -> None:  # NOTE: out drifts over the runs (each adds its delta); the time does not
+        lora.lora_add(x, out, a, b, indptr, slots, 1)
+
+    graph = timing.capture(triton_call)
+    out.copy_(base)
+    graph.replay()
+    row["rel_err_vs_torch"] = _rel_err(out - base, ref - base)  # NOTE: the deltas, not the sums
+    timed("triton_graph", timing.time_ms(graph.replay))
+    timed("triton", timing.time_ms(triton_call))
+    torch_out = base.clone()
+    timed("torch_graph", timing.time_replay_ms(lambda: lora_per_adapter(x, torch_out, a, b, rows)))
+    timed("torch", timing.time_ms(lambda: lora_per_adapter(x, torch_out, a, b, rows)))
+    return row
 
 
 def gpu_slug(name: str) -> str:
@@ -368,6 +431,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         fused_text = f"{fused:.0f} fused merge" if fused is not None else row.get("triton_fused_error", "-")
         print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, {row['triton_gbs']:.0f} eager, "
               f"{fused_text}", file=sys.stderr)  # fmt: skip
+    result["lora"] = []
+    for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
+        for adapters in LORA_ADAPTERS:
+            row = bench_lora(batch, adapters, model, device, gen)
+            result["lora"].append(row)
+            print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed, "
+                  f"{row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch", file=sys.stderr)  # fmt: skip
     result["summary"] = summarize(result)
     compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)

@@ -164,6 +164,27 @@ def format_markdown(result: dict) -> str:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}, replayed: {r['sdpa_graph_error']}")
     if refused:
         lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
+    if result.get("lora"):
+        lines += [
+            "",
+            "## LoRA deltas (kernels/lora.py), one decode step's gate/up projection",
+            "",
+            "Llama-3-8B's gate/up shape (4096 -> 28672), rank 16 per part (32 stacked), one row per request,"
+            " request i on adapter i % n. Against the same deltas as torch ops per adapter (index_select,"
+            " two matmuls, index_add: the worker's path before the kernels). Both replayed as CUDA graphs"
+            " and eager; GB/s counts each distinct adapter's weights once, x, and out read and written.",
+            "",
+            "| requests | adapters | Triton us | Triton GB/s | of copy bw | torch per adapter us | torch / Triton "
+            "| Triton eager us | torch eager us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in result["lora"]:
+            lines.append(
+                f"| {r['batch']} | {r['adapters']} | {r['triton_graph_ms'] * 1e3:.1f} | {r['triton_graph_gbs']:,.0f} "
+                f"| {r['triton_graph_gbs'] / copy:.0%} | {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
+                f"| {r['torch_ms'] * 1e3:.1f} | {r['rel_err_vs_torch']:.1e} |"
+            )
     if s.get("inaccurate"):
         lines += [
             "",

@@ -270,3 +270,31 @@ def test_markdown_report_lists_the_compiled_kernels_when_recorded():
         ["_extend_kernel", "BLOCK_M=128 BLOCK_N=64", "8", "2", "96.0", "232", "0"],
         ["_decode_merge_kernel", "BLOCK_S=64", "4", "2", "38.0", "-", "-"],
     ]
+
+
+def test_lora_bytes_count_each_adapters_weights_once():
+    weights = bench.LORA_RANK * bench.LORA_IN + bench.LORA_OUT * bench.LORA_RANK
+    one = (weights + bench.LORA_IN + 2 * bench.LORA_OUT) * 2
+    assert bench.lora_bytes(1, 1, 2) == one
+    assert bench.lora_bytes(64, 4, 2) == (4 * weights + 64 * bench.LORA_IN + 2 * 64 * bench.LORA_OUT) * 2
+
+
+def test_lora_per_adapter_baseline_computes_the_reference_deltas():
+    g = torch.Generator().manual_seed(3)
+    x, out = torch.randn(7, 24, generator=g), torch.randn(7, 40, generator=g)
+    a, b = torch.randn(3, 8, 24, generator=g), torch.randn(3, 40, 8, generator=g)
+    slots = torch.tensor([2, 0, 0, 1, 2, 2, 0], dtype=torch.int32)
+    rows = [torch.nonzero(slots == s).flatten() for s in range(3)]
+    want = reference.lora_add(x, out.clone(), a, b, torch.arange(8, dtype=torch.int32), slots)
+    torch.testing.assert_close(bench.lora_per_adapter(x, out.clone(), a, b, rows), want, rtol=1e-4, atol=1e-4)
+
+
+def test_markdown_report_has_the_lora_table_when_measured():
+    result = synthetic_result()
+    result["lora"] = [{"batch": 64, "adapters": 4, "triton_graph_ms": 0.02, "triton_graph_gbs": 500.0,
+                       "torch_graph_ms": 0.08, "triton_ms": 0.1, "torch_ms": 0.3, "rel_err_vs_torch": 0.004}]  # fmt: skip
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    rows = table_rows(md, "## LoRA deltas (kernels/lora.py), one decode step's gate/up projection")
+    assert rows == [["64", "4", "20.0", "500", "50%", "80.0", "4.00", "100.0", "300.0", "4.0e-03"]]
+    assert "## LoRA" not in bench_report.format_markdown(synthetic_result() | {"summary": result["summary"]})
