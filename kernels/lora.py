@@ -8,8 +8,8 @@ Shapes (T = rows of the batch, n = segments, usually requests; S = adapter slots
 Segment i's rows gain (x @ a[s]^T) @ b[s]^T. Math in fp32; the [rows, R] product is rounded to x's dtype
 between the two launches (as two matmuls in x's dtype would round it), out keeps its dtype.
 
-The first launch ("shrink", grid: segment x row block x K split) writes each K split's partial
-x @ a[s]^T in fp32; the second ("expand", grid: segment x row block x N block) sums the splits and adds
+The first launch ("shrink", grid: segment x row block x K split; K is split only when there are few
+rows, as in a decode step) writes each K split's partial x @ a[s]^T in fp32; the second ("expand", grid: segment x row block x N block) sums the splits and adds
 the product with b[s] to out. Two launches whatever the number of adapters in the batch, and the grid
 depends on the batch's shape only (n, ``max_rows``), not on which adapters it holds: a decode step of
 one row per request replays in a CUDA graph with new slots written into the same buffers.
@@ -32,8 +32,9 @@ INTERPRETED = interpret_requested()
 
 BLOCK_M = 16  # rows a program takes (tl.dot's smallest M; a decode segment uses one of them)
 BLOCK_K = 64  # x columns per step of the shrink's loop
-K_PER_SPLIT = 512  # x columns one shrink program reduces: K / 512 programs per row block
+K_PER_SPLIT = 512  # at least this many x columns per shrink program
 MAX_SPLITS = 32
+TARGET_PROGRAMS = 512  # shrink programs worth having: enough to spread a decode step over the SMs
 BLOCK_N = 128  # out columns per expand program (32 in fp32, whose dot runs on FMA units: 128 spills)
 
 
@@ -104,6 +105,15 @@ def _expand_kernel(
     tl.store(dst, (base + delta).to(Out.dtype.element_ty), mask=mask)
 
 
+def split_k(k: int, row_programs: int) -> tuple[int, int]:
+    """(splits, columns per split, a multiple of BLOCK_K) of the shrink's K for a grid of
+    ``row_programs`` (segment, row block) pairs: few rows (decode) split K to fill the GPU; many rows
+    (a prefill) need no split, and each split costs the expand a read of the partials per column block."""
+    most = min(MAX_SPLITS, triton.cdiv(k, K_PER_SPLIT), triton.cdiv(TARGET_PROGRAMS, max(1, row_programs)))
+    per_split = triton.cdiv(triton.cdiv(k, max(1, most)), BLOCK_K) * BLOCK_K
+    return triton.cdiv(k, per_split), per_split
+
+
 def _partials(*shape: int, device: torch.device) -> torch.Tensor:
     """The shrink's fp32 output [splits, T, R] (every element the expand reads is written first)."""
     return torch.empty(shape, dtype=torch.float32, device=device)
@@ -151,11 +161,9 @@ def lora_add(
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     block_r = max(16, triton.next_power_of_2(r))
-    splits = min(MAX_SPLITS, triton.cdiv(k, K_PER_SPLIT))
-    per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    splits = triton.cdiv(k, per_split)
-    partial = _partials(splits, t, r, device=x.device)
     row_blocks = triton.cdiv(max_rows, BLOCK_M)
+    splits, per_split = split_k(k, n * row_blocks)
+    partial = _partials(splits, t, r, device=x.device)
     common = {
         "BLOCK_M": BLOCK_M,
         "BLOCK_R": block_r,

@@ -102,3 +102,16 @@ def test_lora_add_rejects_inputs_that_do_not_fit(backend, change, match):
     x, out, a, b = change(*(t.to(backend.device) for t in (x, out, a, b)))
     with pytest.raises(ValueError, match=match):
         lora.lora_add(x, out, a, b, indptr.to(backend.device), slots.to(backend.device), 2)
+
+
+def test_k_is_split_for_few_rows_only():
+    from kernels.lora import BLOCK_K, split_k
+
+    assert split_k(4096, 1) == (8, 512)  # batch 1 decode: 8 programs of 512 columns
+    assert split_k(14336, 64) == (8, 1792)  # 64 decode rows: 512 programs
+    assert split_k(4096, 128) == (4, 1024)  # a 2,048-token prefill: 128 row blocks
+    assert split_k(14336, 4096) == (1, 14336)  # a long prefill: no split
+    assert split_k(100, 1) == (1, 128) and split_k(1100, 15) == (3, 384)
+    for k, programs in ((4096, 1), (14336, 64), (1100, 15), (96, 9)):
+        splits, per = split_k(k, programs)
+        assert per % BLOCK_K == 0 and (splits - 1) * per < k <= splits * per  # every column, no empty split
