@@ -474,15 +474,17 @@ def load_adapters(cfg: Any, model: Any) -> None:
     (``model.lora``, ids 1, 2, ...)."""
     from worker.model.lora import check_room, load_adapter
 
+    stack = model.lora_stack
     if cfg.max_loras:
-        model.lora_stack.reserve(cfg.max_loras, cfg.max_lora_rank)
-    if not cfg.lora_adapters:
-        return
-    check_room(model, len(cfg.lora_adapters))
+        stack.reserve(cfg.max_loras, cfg.max_lora_rank)
+    if cfg.lora_adapters:
+        check_room(model, len(cfg.lora_adapters))
     for spec in cfg.lora_adapters:
         name, _, path = spec.partition("=")
         model.add_lora(load_adapter(name, path, model))
         log.info("LoRA adapter %s from %s (rank %d)", name, path, model.lora[-1].rank)
+    if stack.slots:
+        log.info("LoRA weights: room for %d adapters, %.1f MiB", stack.slots, stack.nbytes() / 2**20)
 
 
 def host_tier(cfg: Any, pool: KVPool | None) -> HostKVPool | None:

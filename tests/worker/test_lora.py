@@ -440,6 +440,8 @@ def test_room_made_at_start_up_takes_adapters_without_moving_the_stack():
         and stack.a["qkv"].shape == (2, 2, 12, 8)
         and stack.b["gate_up"].shape == (2, 2, 10, 8)
     )
+    # per layer and slot: A rank x in and B out x rank for q/k/v (rank 12), o (4), gate/up (8), down (4)
+    assert stack.nbytes() == 4 * 2 * 2 * (12 * 8 + 12 * 12 + 4 * 8 + 8 * 4 + 8 * 8 + 10 * 8 + 4 * 5 + 8 * 4)
     version = stack.version
     a1, w1 = stack_adapter(
         "one", 4, {"qkv": dims["qkv"], "down": dims["down"]}, 1

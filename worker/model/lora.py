@@ -99,6 +99,10 @@ class LoraStack:
         stack their parts' ranks), so adding them later moves no tensor (``version`` unchanged)."""
         self._grow(max(self.slots, slots), {proj: rank * PARTS[proj] for proj in self.dims})
 
+    def nbytes(self) -> int:
+        """Bytes the stacked weights take on the device."""
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
     def remove(self, adapter_id: int) -> None:
         """Free ``adapter_id``'s slot (cleared when the next adapter takes it)."""
         self.slot_of.pop(adapter_id, None)
