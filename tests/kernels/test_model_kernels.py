@@ -102,13 +102,14 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
 
 
-def add_adapters(model: LlamaForCausalLM) -> None:
-    """Two LoRA adapters (ranks 3 and 6, on every projection but o in the first) large enough to move
-    the logits well past the tolerances below."""
+def random_adapters(model: LlamaForCausalLM) -> list:
+    """Two LoRA adapters for ``model`` (ranks 3 and 6, on every projection but o in the first) large
+    enough to move the logits well past the tolerances below; the same weights on every call."""
     from worker.model.lora import LoraAdapter
 
     layer = model.layers[0]
     g = torch.Generator().manual_seed(7)
+    adapters = []
     for name, rank, projs in (
         ("x", 3, ("qkv", "gate_up", "down")),
         ("y", 6, ("qkv", "o", "gate_up", "down")),
@@ -125,6 +126,13 @@ def add_adapters(model: LlamaForCausalLM) -> None:
                     a.to(model.device, model.dtype),
                     b.to(model.device, model.dtype),
                 )
+        adapters.append(adapter)
+    return adapters
+
+
+def add_adapters(model: LlamaForCausalLM) -> None:
+    """random_adapters onto ``model`` (adapter ids 1 and 2)."""
+    for adapter in random_adapters(model):
         model.add_lora(adapter)
 
 

@@ -593,3 +593,53 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
             engine.stop()
     assert results["on"] == results["off"]
     assert results["off_ahead"] == 0 and results["on_ahead"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_lora_steps_on_the_gpu_replay_graphs_and_chain_without_a_device_sync():
+    """Adapters loaded at runtime into room made at start-up (--max-loras): their decode steps replay
+    the LoRA graphs, a chained one launches without waiting for the step before, and the outputs equal
+    one step at a time."""
+    from tests.kernels.test_model_kernels import random_adapters
+    from worker.model.lora import add_adapter
+
+    def params(adapter: int, **kw) -> SamplingParams:
+        return SamplingParams(
+            **({"temperature": 0.0, "max_tokens": 24, "ignore_eos": True} | kw), adapter=adapter
+        )
+
+    requests = [(SHARED + "a", params(1)), (SHARED + "b", params(2, max_tokens=17)), (SHARED + "c", params(0)),
+                (SHARED + "d", params(2, temperature=0.8, seed=5, logprobs=2))]  # fmt: skip
+    results = {}
+    for overlap in ("off", "on"):
+        engine = build_engine(WorkerConfig(model="tiny", device="cuda", kv_cache_tokens=8192, max_loras=2,
+                                           max_lora_rank=6, overlap_schedule=overlap))  # fmt: skip
+        for adapter in random_adapters(engine.executor.model):
+            add_adapter(engine, adapter)
+        assert engine.executor.decode_graphs.lora.current()  # NOTE: the adapters fit the room
+        if overlap == "on":
+            real = engine.executor.launch
+
+            def strict(batch, after=None, real=real):
+                if after is None:
+                    return real(batch, after)
+                torch.cuda.set_sync_debug_mode("error")  # NOTE: a host-device sync raises
+                try:
+                    return real(batch, after)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            engine.executor.launch = strict
+        engine.start()
+        try:
+            results[overlap] = [r[:3] for r in await run_requests(engine, requests)]
+            await idle(engine)
+            results[overlap + "_graphs"] = engine.executor.graph_steps
+            results[overlap + "_ahead"] = engine.scheduler.stats.ahead_steps
+        finally:
+            engine.stop()
+    assert results["on"] == results["off"]
+    assert [len(r[1]) for r in results["on"]] == [24, 17, 24, 24]
+    assert results["off_graphs"] > 0 and results["on_graphs"] > 0  # every decode step had adapter rows
+    assert results["off_ahead"] == 0 and results["on_ahead"] > 0
