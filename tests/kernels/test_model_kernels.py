@@ -178,7 +178,10 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
     lengths = [5, 17, 9, 30, 2, 12]
     g = torch.Generator().manual_seed(4)
     steps = [
-        (rows, [torch.randint(0, 256, (n,), generator=g).tolist() for n in counts]) for rows, counts in STEPS
+        (rows, [torch.randint(0, 256, (n,), generator=g).tolist() for n in counts])
+        for rows, counts in (
+            STEPS[:4] if lora else STEPS
+        )  # NOTE: with lora, up to 32 tokens (interpreter time)
     ]
     kinds = ["last" if i % 2 else "all" for i in range(len(steps))]
 
@@ -200,7 +203,7 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
     if lora and not backend.interpret:
         add_adapters(model)
     graphed = Cached(model, str(backend.device), lengths)
-    runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 128, all_logits=True,
+    runner = ExtendGraphRunner(model, graphed.pool, 32 if lora else 64, 6, 6 * 128, all_logits=True,
                                backend=EagerReplay() if backend.interpret else None)  # fmt: skip
     tol = 1e-4 if backend.interpret else 3e-2
     for (rows, new), kind, w in zip(steps, kinds, want, strict=True):
