@@ -536,6 +536,23 @@ async def run_when_decoding(engine: Engine, request: tuple[str, SamplingParams])
     return await run_requests(engine, [request])
 
 
+def launch_chained_steps_strictly(engine: Engine) -> None:
+    """Make the engine's launch of a chained step (one after another: ``after``) raise on any
+    host-device sync (CUDA only)."""
+    real = engine.executor.launch
+
+    def strict(batch, after=None):
+        if after is None:
+            return real(batch, after)
+        torch.cuda.set_sync_debug_mode("error")  # NOTE: a host-device sync raises
+        try:
+            return real(batch, after)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.executor.launch = strict  # type: ignore[method-assign]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_device_sync():
@@ -562,18 +579,7 @@ async def test_overlap_on_the_gpu_gives_the_same_outputs_and_launches_without_a_
         json_object = engine.guides.compile(*requested_grammar({"response_format": {"type": "json_object"}}))
         guided = (SHARED + "f", SamplingParams(temperature=0.8, seed=1, max_tokens=40, guide=json_object))
         if overlap == "on":
-            real = engine.executor.launch
-
-            def strict(batch, after=None, real=real):
-                if after is None:
-                    return real(batch, after)
-                torch.cuda.set_sync_debug_mode("error")  # NOTE: a host-device sync raises
-                try:
-                    return real(batch, after)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-
-            engine.executor.launch = strict
+            launch_chained_steps_strictly(engine)
         engine.start()
         try:
             # NOTE: the grammar apart: beside it every chained step's sampling would wait for the host
@@ -619,18 +625,7 @@ async def test_lora_steps_on_the_gpu_replay_graphs_and_chain_without_a_device_sy
             add_adapter(engine, adapter)
         assert engine.executor.decode_graphs.lora.current()  # NOTE: the adapters fit the room
         if overlap == "on":
-            real = engine.executor.launch
-
-            def strict(batch, after=None, real=real):
-                if after is None:
-                    return real(batch, after)
-                torch.cuda.set_sync_debug_mode("error")  # NOTE: a host-device sync raises
-                try:
-                    return real(batch, after)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-
-            engine.executor.launch = strict
+            launch_chained_steps_strictly(engine)
         engine.start()
         try:
             results[overlap] = [r[:3] for r in await run_requests(engine, requests)]
