@@ -316,8 +316,10 @@ def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu") -> 
     if torch.device(device).type == "cpu":
         unpacked = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
         return torch.from_numpy(unpacked.view(np.bool_))
+    from worker.sampling import on_device
+
     # NOTE: from pinned memory: the copy does not wait for the work queued on the device
-    return unpack_on(torch.from_numpy(bits).pin_memory().to(device, non_blocking=True), vocab)
+    return unpack_on(on_device(bits, torch.device(device), torch.int32), vocab)
 
 
 def unpack_on(packed: torch.Tensor, vocab: int) -> torch.Tensor:
