@@ -147,7 +147,7 @@ class GraphLora:
         """Each request's slot (-1: the base) when ``batch`` has adapter requests, else None."""
         if not any(r.adapter for r in batch.requests):
             return None
-        return np.array([self.stack.slot_of[r.adapter] if r.adapter else -1 for r in batch.requests])  # type: ignore[union-attr]
+        return np.array(self.stack.slots_of([r.adapter for r in batch.requests]))  # type: ignore[union-attr]
 
     def batch(self, slots: torch.Tensor, indptr: torch.Tensor, max_rows: int) -> Any:
         """The LoRA part of a static batch: its slots are rewritten before each replay."""
@@ -171,9 +171,10 @@ class DecodeGraphRunner:
     """Captured decode forwards for ``graph_batch_sizes(max_batch)`` requests.
 
     Static inputs live in ONE int64 device buffer at fixed offsets:
-    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices | lora_slots B]``
-    (B = the largest size; lora_slots only when the model has adapters). A step fills the same layout in pinned host memory (StaticInputs) and moves
-    it with a single host-to-device copy of the used prefix, then replays the graph of the next size up.
+    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices |
+    lora_slots B]`` (B = the largest size; lora_slots only when the model has adapters). A step fills
+    the same layout in pinned host memory (StaticInputs) and moves it with a single host-to-device
+    copy of the used prefix, then replays the graph of the next size up.
     """
 
     def __init__(

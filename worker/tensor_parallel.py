@@ -10,7 +10,8 @@ pages always hold the same tokens.
 
 Control messages go over a gloo group (pickled, one broadcast per step: a few KiB of indices). A
 decode step scheduled ahead (--overlap-schedule) has its input ids on rank 0's device only: they
-follow the message as a broadcast on the model's group. KV moved to or from another worker (worker.kv_transfer) is split or gathered by KV head the same way.
+follow the message as a broadcast on the model's group. KV moved to or from another worker
+(worker.kv_transfer) is split or gathered by KV head the same way.
 Ranks cannot go on without each other (a collective would wait forever), so rank 0 exits (status
 1) when another rank dies, for its supervisor to restart the worker, and the other ranks exit
 when rank 0 is gone.

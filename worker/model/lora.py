@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,10 @@ class LoraStack:
             self.b[proj][layer, slot, :, : b.shape[1]] = b
         adapter.weights.clear()
         self.slot_of[adapter_id] = slot
+
+    def slots_of(self, adapter_ids: Sequence[int]) -> list[int]:
+        """Each adapter id's slot, -1 for 0 (the base model)."""
+        return [self.slot_of[a] if a else -1 for a in adapter_ids]
 
     def reserve(self, slots: int, rank: int) -> None:
         """Room for ``slots`` adapters of rank up to ``rank`` on every projection (q/k/v and gate/up
@@ -170,7 +175,7 @@ def lora_batch(
     from worker.sampling import on_device
 
     # NOTE: through pinned memory: a step scheduled ahead builds this while the step before runs
-    slots = on_device([stack.slot_of[a] if a else -1 for a in per_request], qo_indptr.device, torch.int32)
+    slots = on_device(stack.slots_of(per_request), qo_indptr.device, torch.int32)
     if max_rows is None:
         max_rows = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     return LoraBatch(stack, slots, qo_indptr, max_rows, list(per_request))
