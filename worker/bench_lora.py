@@ -65,17 +65,11 @@ def graph_ms(model: Any, pool: Any, fb: Any, reps: int) -> float:
     the GPU, without the host's kernel launches)."""
     import torch
 
+    from kernels.timing import capture
     from worker.bench_parts import cuda_median_ms
 
     with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            model.forward(fb, pool)  # NOTE: warm-up: Triton compiles outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model.forward(fb, pool)
+        graph = capture(lambda: model.forward(fb, pool))  # NOTE: one warm-up run first (Triton compiles)
     return cuda_median_ms(graph.replay, reps)
 
 
