@@ -165,10 +165,9 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
     request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits;
     with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs).
     Interpreted, the capture is replaced by re-running the forward; on CUDA it is a real graph."""
-    from tests.worker.test_cuda_graph import EagerReplay
+    from tests.worker.test_cuda_graph import EagerReplay, eager_logits
     from tests.worker.test_extend_graph import STEPS, Cached
     from worker.extend_graph import ExtendGraphRunner
-    from worker.model.lora import lora_batch
 
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -190,14 +189,8 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
                          for i in range(len(step.requests))]  # fmt: skip
         return step
 
-    def eager(model, pool, step, kind):
-        batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
-        batch.return_all_logits = kind == "all"
-        batch.lora = lora_batch(model.lora_stack, [r.adapter for r in step.requests], batch.qo_indptr)
-        return model(batch, pool)
-
     ref = Cached(cpu_model, "cpu", lengths)
-    want = [eager(cpu_model, ref.pool, with_adapters(ref.step(rows, new)), kind)
+    want = [eager_logits(cpu_model, ref.pool, with_adapters(ref.step(rows, new)), all_logits=kind == "all")
             for (rows, new), kind in zip(steps, kinds, strict=True)]  # fmt: skip
     model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "lora_add_rows"))
     if lora and not backend.interpret:

@@ -115,8 +115,19 @@ class Fleet:
         )
 
 
-def eager_logits(model, pool, step: ScheduledBatch) -> torch.Tensor:
-    return model(ForwardBatch.from_step(step, pool.k_cache[0].device), pool)
+def eager_logits(
+    model, pool, step: ScheduledBatch, all_logits: bool = False, lora: bool = True
+) -> torch.Tensor:
+    """The step run eagerly (every token's logits with ``all_logits``), with its requests' LoRA
+    adapters unless ``lora`` is False."""
+    from worker.model.lora import lora_batch
+
+    batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
+    batch.return_all_logits = all_logits
+    if lora:
+        batch.lora = lora_batch(model.lora_stack, [r.adapter for r in step.requests], batch.qo_indptr,
+                                batch.max_extend_len)  # fmt: skip
+    return model(batch, pool)
 
 
 def assert_same_pool_but_scratch(got: KVPool, want: KVPool) -> None:
@@ -253,15 +264,6 @@ def test_cuda_graph_replay_matches_eager_on_the_gpu():
     assert torch.equal(logits, before)
 
 
-def lora_logits(model, pool, step: ScheduledBatch) -> torch.Tensor:
-    """An eager step with its requests' adapters."""
-    from worker.model.lora import lora_batch
-
-    batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
-    batch.lora = lora_batch(model.lora_stack, [r.adapter for r in step.requests], batch.qo_indptr, 1)
-    return model(batch, pool)
-
-
 def with_adapters(step: ScheduledBatch, adapters: list[int]) -> ScheduledBatch:
     step.requests = [types.SimpleNamespace(adapter=a) for a in adapters]  # type: ignore[misc]
     return step
@@ -294,8 +296,8 @@ def test_lora_steps_replay_their_own_graphs():
         step_e = with_adapters(eager.decode_step(rows, toks), adapters)
         assert runner.can_run(step_g)
         got = runner.run(step_g).clone()
-        base = eager_logits(model, eager.pool, step_e)  # NOTE: its K/V are overwritten by the next line's
-        want = lora_logits(model, eager.pool, step_e)
+        base = eager_logits(model, eager.pool, step_e, lora=False)  # NOTE: its K/V are overwritten next
+        want = eager_logits(model, eager.pool, step_e)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.allclose(got, base, rtol=1e-2, atol=1e-2) == (not any(adapters))  # adapters matter
         assert_same_pool_but_scratch(graphed.pool, eager.pool)
@@ -329,7 +331,7 @@ def test_lora_graph_replay_matches_eager_on_the_gpu():
         step_e = with_adapters(eager.decode_step(rows, toks), adapters)
         assert runner.can_run(step_g)
         got = runner.run(step_g).float().cpu()
-        want = lora_logits(model, eager.pool, step_e).float().cpu()
+        want = eager_logits(model, eager.pool, step_e).float().cpu()
         err = ((got - want).norm() / want.norm()).item()
         assert err < 1e-2, f"LoRA graph vs eager relative error {err:.2e}"
 
@@ -349,7 +351,7 @@ def test_adapters_loaded_after_the_capture_into_room_made_for_them_replay_the_lo
     assert model.lora_stack.version == runner.lora.version
     step = with_adapters(fleet.decode_step([0, 1], [3, 4]), [2, 1])
     assert runner.can_run(step)
-    want = lora_logits(model, eager.pool, with_adapters(eager.decode_step([0, 1], [3, 4]), [2, 1]))
+    want = eager_logits(model, eager.pool, with_adapters(eager.decode_step([0, 1], [3, 4]), [2, 1]))
     torch.testing.assert_close(runner.run(step), want, rtol=1e-5, atol=1e-5)
 
 

@@ -12,13 +12,18 @@ import numpy as np
 import pytest
 import torch
 
-from tests.worker.test_cuda_graph import EagerReplay, Fleet, assert_same_pool_but_scratch, clone_pool_into
+from tests.worker.test_cuda_graph import (
+    EagerReplay,
+    Fleet,
+    assert_same_pool_but_scratch,
+    clone_pool_into,
+    eager_logits,
+)
 from worker.assembly import build_engine
 from worker.bench_speculative import generate
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.extend_graph import ExtendGraphRunner, graph_token_sizes
-from worker.forward_batch import ForwardBatch
 from worker.kv_pool import KVPool, slots_for
 from worker.model import load_model
 from worker.request import ScheduledBatch
@@ -55,12 +60,6 @@ class Cached(Fleet):
             kv_indices=np.concatenate(prefix).astype(np.int64),
             drafts=[t[1:] for t in new] if mode == "verify" else None,
         )
-
-
-def eager_logits(model, pool, step: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
-    batch = ForwardBatch.from_step(step, pool.k_cache[0].device)
-    batch.return_all_logits = all_logits
-    return model(batch, pool)
 
 
 def changed_slots(before: list[torch.Tensor], pool: KVPool) -> set[int]:
@@ -122,7 +121,6 @@ def test_steps_with_adapters_replay_the_lora_graphs(kind):
     """Adapters at capture: extend steps mixing two adapters and the base replay the LoRA graphs and
     match their eager steps, logits and pool."""
     from tests.kernels.test_model_kernels import add_adapters
-    from worker.model.lora import lora_batch
 
     model = load_model("tiny", "cpu").model
     add_adapters(model)
@@ -141,10 +139,8 @@ def test_steps_with_adapters_replay_the_lora_graphs(kind):
             step.requests = [types.SimpleNamespace(adapter=a, full_prefill=False) for a in adapters]
         assert runner.can_run(step_g, kind)
         got = runner.run(step_g, kind).clone()
-        batch = ForwardBatch.from_step(step_e, "cpu")
-        batch.return_all_logits = kind == "all"
-        batch.lora = lora_batch(model.lora_stack, adapters, batch.qo_indptr, batch.max_extend_len)
-        torch.testing.assert_close(got, model(batch, eager.pool), rtol=1e-5, atol=1e-5)
+        want = eager_logits(model, eager.pool, step_e, all_logits=kind == "all")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert_same_pool_but_scratch(graphed.pool, eager.pool)
 
 
