@@ -127,7 +127,9 @@ def adjust_logits(
         if t < vocab
     ]
     if stops:
-        flat[tensor(stops, torch.long)] = float("-inf")
+        # NOTE: index_fill_ takes the scalar as an argument; an indexed assignment of a Python float
+        # copies it to the device as a tensor, which waits for the device (a sync in a chained step)
+        flat.index_fill_(0, tensor(stops, torch.long), float("-inf"))
     if not some:
         return sub
     return logits.float().index_copy(0, index, sub)
