@@ -55,7 +55,22 @@ class CudaGraphBackend:
             out = fn()
         if self.pool is None:
             self.pool = graph.pool()
-        return graph.replay, out
+        return Replay(graph, fn), out
+
+
+class Replay:
+    """A captured graph, replayed by calling it. It holds the function it was captured from: the
+    graph reads the memory of every tensor that function holds (a static batch's qo_indptr, say),
+    and a tensor freed after the capture would be handed to other allocations while the graph still
+    reads it."""
+
+    __slots__ = ("fn", "graph")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], torch.Tensor]) -> None:
+        self.graph, self.fn = graph, fn
+
+    def __call__(self) -> None:
+        self.graph.replay()
 
 
 class StaticInputs:

@@ -44,6 +44,38 @@ class EagerReplay:
         return replay, out
 
 
+def test_a_captured_graph_holds_the_tensors_its_function_holds(monkeypatch):
+    """A CUDA graph reads the memory of every tensor its function held at capture (a static batch's
+    qo_indptr, say). Its replay must keep that function: a tensor freed after the capture goes back
+    to the allocator while the graph still reads it. torch.cuda's streams and graphs are stand-ins
+    here (only what the replay holds is checked); pytest -m gpu replays real graphs."""
+    import contextlib
+    import gc
+    import weakref
+
+    from worker.cuda_graph import CudaGraphBackend
+
+    replays = []
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    graph = types.SimpleNamespace(replay=lambda: replays.append(1), pool=lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    held = torch.arange(5, dtype=torch.int32)  # like a static batch's qo_indptr, made outside the capture
+    alive = weakref.ref(held)
+    replay, _ = CudaGraphBackend().capture(lambda t=held: t + 1)
+    del held
+    gc.collect()
+    assert alive() is not None
+    replay()
+    assert replays == [1]
+    del replay
+    gc.collect()
+    assert alive() is None
+
+
 def test_static_inputs_fill_two_host_mirrors_in_turn():
     """A step scheduled ahead is filled while the step before may not have been copied to the device
     yet: the mirror that step was filled in must stay as it was until the step after next."""
