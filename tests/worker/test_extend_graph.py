@@ -221,11 +221,11 @@ def test_cuda_extend_graph_replay_matches_eager_on_the_gpu():
     """Real capture (Triton kernels inside the graph) against eager steps on a copy of the pool."""
     model = load_model("tiny", "cuda").model
     lengths = [5, 40, 9, 130, 2, 64]
-    graphed, eager = Cached(model, "cuda", lengths), Cached(model, "cuda", lengths)
-    clone_pool_into(eager.pool, graphed.pool)
-    runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 256, all_logits=True)
     rng = np.random.default_rng(2)
-    for kind in ("last", "all"):
+    for kind in ("last", "all"):  # NOTE: fresh requests per kind: STEPS fill each one's ROOM once
+        graphed, eager = Cached(model, "cuda", lengths), Cached(model, "cuda", lengths)
+        clone_pool_into(eager.pool, graphed.pool)
+        runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 256, all_logits=True)
         for rows, counts in STEPS:
             new = [rng.integers(0, 256, n).tolist() for n in counts]
             step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
