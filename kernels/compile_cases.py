@@ -74,6 +74,19 @@ def extend_case(shape: Shape, config: Any, label: str) -> Case:
     return label, dataclasses.asdict(config), call
 
 
+def extend_short_case(shape: Shape, config: Any, label: str) -> Case:
+    from kernels.extend_short import extend_short_attention
+
+    t = _tensors(shape)
+
+    def call() -> Any:
+        return extend_short_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"], t["indices"],
+                                      t["positions"], max_extend_len=5, num_splits=DECODE_SPLITS,
+                                      config=config)  # fmt: skip
+
+    return label, dataclasses.asdict(config), call
+
+
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
     from kernels import decode_attention, extend_attention, fused, lora, pointwise
@@ -93,6 +106,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         decode_case(shape, dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch),
                                                fused_merge=True), f"decode fused-merge {shape.label}"),
         extend_case(shape, extend_attention.default_config(shape.head_dim, dt, arch), f"extend {shape.label}"),
+        extend_short_case(shape, decode_attention.default_config(shape.head_dim, dt, arch),
+                          f"extend-short {shape.label}"),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),
         (f"add_rms_norm {shape.dtype} h{shape.hidden}", {},
          lambda: pointwise.add_rms_norm(t["x"], t["x"], t["w"], 1e-5)),

@@ -14,7 +14,7 @@ import torch
 
 from kernels import interpret_requested, reference
 
-_KERNEL_MODULES = ("extend_attention", "decode_attention", "pointwise", "fused", "lora")
+_KERNEL_MODULES = ("extend_attention", "extend_short", "decode_attention", "pointwise", "fused", "lora")
 
 
 def triton_library_interpreted() -> bool:
@@ -79,6 +79,31 @@ def extend_attention(
         )  # fmt: skip
     return kernel_module("extend_attention", mode).extend_attention(
         q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
+        max_extend_len=max_extend_len,
+    )  # fmt: skip
+
+
+def extend_short_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    out_slots: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    max_extend_len: int,
+) -> torch.Tensor:
+    """Extend for few new tokens per request, their K/V already in the pool; see
+    kernels.reference.extend_short_attention. ``max_extend_len``: the most new tokens of any request."""
+    mode = _triton_mode(q)
+    if mode is None:
+        return reference.extend_short_attention(
+            q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale
+        )
+    return kernel_module("extend_short", mode).extend_short_attention(
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale,
         max_extend_len=max_extend_len,
     )  # fmt: skip
 

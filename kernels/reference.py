@@ -60,6 +60,26 @@ def extend_attention(
     return out
 
 
+def extend_short_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    out_slots: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    max_extend_len: int | None = None,
+) -> torch.Tensor:
+    """extend_attention with the new tokens' K/V read from the pool at ``out_slots`` (stored there
+    before attention, as the worker does). ``max_extend_len`` is a launch hint; ignored here."""
+    slots = out_slots.long()
+    return extend_attention(
+        q, k_cache[slots], v_cache[slots], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale
+    )
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

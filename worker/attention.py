@@ -49,12 +49,19 @@ def extend(
     sm_scale: float,
 ) -> torch.Tensor:
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
-    (causal). Returns [T, Hq, D]."""
+    (causal). Returns [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``:
+    steps of few new tokens per request (SHORT_EXTEND) read them there."""
     ops = kernel_ops(q.device)
+    short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND
     if ops is reference:
-        if batch.batch_size > 1 and (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND:
+        if batch.batch_size > 1 and short:
             return extend_short(q, k_cache, v_cache, batch, sm_scale)
         return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale)
+    if short:  # NOTE: verify steps, short cache-hit chunks: each KV head read once, split over the SMs
+        return ops.extend_short_attention(
+            q, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_slots, sm_scale,
+            max_extend_len=batch.max_extend_len,
+        )  # fmt: skip
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len,
@@ -92,7 +99,10 @@ def _extend_sdpa(
     return out
 
 
-SHORT_EXTEND = 16  # CPU: extend steps whose requests have at most this many new tokens go batched
+# extend steps whose requests have at most this many new tokens each (max_extend_len) go batched on
+# the CPU (extend_short) and through kernels/extend_short.py on the kernels: their new K/V are read
+# from the pool, where they were stored before attention
+SHORT_EXTEND = 16
 
 
 def extend_short(

@@ -45,6 +45,8 @@ class ExtendGraphRunner:
     """Captured extend forwards for ``graph_token_sizes(max_tokens)`` new tokens; the graph of T
     tokens takes up to min(T, max_requests) requests. Two kinds of graph per size: ``last`` (logits
     of each request's last token: prefill) and, with ``all_logits``, ``all`` (every token's: verify).
+    ``all_max_new``: the most new tokens of a request in an ``all`` step (a verify step's drafts + 1),
+    which its graphs' kernels are launched for; ``can_run`` refuses an ``all`` step past it.
 
     Static inputs live in ONE int64 device buffer at fixed offsets (T = max_tokens, R = its requests):
     ``[input_ids T | positions T | out_slots T | qo_indptr R+1 | kv_indptr R+1 | kv_indices ...]``,
@@ -60,6 +62,7 @@ class ExtendGraphRunner:
         max_kv_indices: int,
         all_logits: bool = False,
         backend: GraphBackend | None = None,
+        all_max_new: int | None = None,
     ) -> None:
         self.sizes = graph_token_sizes(max_tokens)
         if not self.sizes or max_requests <= 0 or max_kv_indices <= 0:
@@ -72,6 +75,9 @@ class ExtendGraphRunner:
                    "kv_indices": max_kv_indices} | ({"lora_slots": rows} if self.lora.stack else {})  # fmt: skip
         self._inputs = StaticInputs(lengths, model.device)
         self.kinds = ("last", "all") if all_logits else ("last",)
+        # NOTE: verify steps (the "all" kind) have few new tokens per request; the hint lets a graph
+        # run the short-extend kernel and size its grid by them rather than by the graph's tokens
+        self.all_max_new = all_max_new
         self._replays: dict[tuple[int, str, bool], Callable[[], None]] = {}
         self._outputs: dict[tuple[int, str, bool], torch.Tensor] = {}
         backend = backend or CudaGraphBackend()
@@ -109,7 +115,8 @@ class ExtendGraphRunner:
             kv_indptr=view("kv_indptr", rows + 1),
             kv_indices=view("kv_indices"),
             return_all_logits=kind == "all",
-            max_extend_len=size,  # NOTE: the grid covers the whole graph; shorter requests exit early
+            # NOTE: the grid covers the whole graph (or an "all" step's longest request); shorter exit early
+            max_extend_len=min(size, self.all_max_new or size) if kind == "all" else size,
         )
         if lora:
             batch.lora = self.lora.batch(view("lora_slots", rows), batch.qo_indptr, size)
@@ -151,6 +158,11 @@ class ExtendGraphRunner:
             and self.lora.holds(batch)
             and not any(r.full_prefill for r in batch.requests)  # prompt logprobs: their own logit rows
             and batch.kv_indices.size <= self.max_kv_indices
+            and (
+                kind != "all"
+                or not self.all_max_new
+                or int(np.diff(batch.qo_indptr).max()) <= self.all_max_new
+            )
         )
 
     def padded_size(self, n: int) -> int:

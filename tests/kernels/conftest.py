@@ -21,6 +21,7 @@ from kernels import interpret_requested, ops
 
 _KERNEL_MODULES = (
     "kernels.extend_attention",
+    "kernels.extend_short",
     "kernels.decode_attention",
     "kernels.pointwise",
     "kernels.fused",

@@ -179,6 +179,28 @@ def test_steps_a_graph_cannot_hold_run_eagerly(tiny):
         ExtendGraphRunner(tiny, fresh.pool, 0, 2, 12, backend=EagerReplay())
 
 
+def test_all_graphs_are_launched_for_the_verify_steps_bound(tiny):
+    """With ``all_max_new`` the "all" graphs' kernels are launched for requests of at most that many
+    new tokens (a verify step's drafts + 1): such a step replays and matches its eager step, one with a
+    longer request runs eagerly. "last" graphs keep their size as the bound."""
+    graphed, eager = Cached(tiny, "cpu", [4, 6, 8]), Cached(tiny, "cpu", [4, 6, 8])
+    runner = ExtendGraphRunner(tiny, graphed.pool, 16, 3, 64, all_logits=True, backend=EagerReplay(),
+                               all_max_new=3)  # fmt: skip
+    assert runner._static_batch(16, "all", False).max_extend_len == 3
+    assert runner._static_batch(16, "last", False).max_extend_len == 16
+    rows, new = [0, 2], [[1, 2, 3], [4]]
+    step_g, step_e = graphed.step(rows, new, mode="verify"), eager.step(rows, new, mode="verify")
+    assert runner.can_run(step_g, "all")
+    torch.testing.assert_close(
+        runner.run(step_g, "all"),
+        eager_logits(tiny, eager.pool, step_e, all_logits=True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    assert not runner.can_run(graphed.step([1], [[1, 2, 3, 4]], mode="verify"), "all")
+    assert runner.can_run(graphed.step([1], [[1, 2, 3, 4]]), "last")
+
+
 async def run_all(engine: Engine, prompts: list[str], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     # NOTE: one at a time: each later prompt finds the earlier ones' prefix cached
@@ -195,7 +217,8 @@ async def test_engine_with_extend_graphs_generates_the_same_tokens():
     plain, graphed = build_engine(cfg), build_engine(cfg)
     executor = graphed.executor
     executor.extend_graphs = ExtendGraphRunner(executor.model, executor.kv_pool, 64, 8, 8 * 4096,
-                                               all_logits=True, backend=EagerReplay())  # fmt: skip
+                                               all_logits=True, backend=EagerReplay(),
+                                               all_max_new=cfg.speculative_tokens + 1)  # fmt: skip
     kinds: list[str] = []
     replay = executor.extend_graphs.run
     executor.extend_graphs.run = lambda batch, kind="last": (kinds.append(kind), replay(batch, kind))[1]

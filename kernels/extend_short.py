@@ -1,0 +1,270 @@
+"""Triton extend attention for requests with few new tokens each (speculative decoding's verify steps,
+short cache-hit prefills): decode's split-K over the request's whole KV, its query tokens stacked.
+
+Semantics are kernels.reference.extend_short_attention (= extend_attention with each request's new
+K/V read from the pool at its out_slots); this module must never change them.
+Shapes (T = new tokens in the batch, B = requests, S = slots in the pool, D = head dim):
+  q [T, Hq, D]; k_cache, v_cache [S, Hkv, D] (one layer, fp16/bf16/fp32), the new tokens' K/V already
+  stored at out_slots (the worker stores them before attention);
+  qo_indptr [B+1]: request i owns rows qo_indptr[i]:qo_indptr[i+1] of q and of out_slots [T];
+  kv_indptr [B+1], kv_indices [nnz]: request i's *prefix* slots, in token order (as for extend);
+  max_extend_len: >= every request's new tokens (a host hint; it sizes the grid).
+  Output [T, Hq, D] in q's dtype. New token j of a request with p cached tokens sees positions 0 .. p + j.
+CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync): the
+  extend kernel's (kernels/extend_attention.py), and out_slots holds slots in [0, S).
+
+Why a second extend kernel: the extend kernel gives each (query head, 64-row block, request) one
+program that reads the request's KV alone, which suits long prompts. A verify step has a few tokens
+per request over a long prefix: there that kernel reads each KV head once per query head (Hq / Hkv
+times), one program per head for the whole prefix. Here a program owns (request, KV head, split of
+the KV, block of tokens): its rows are BLOCK_H // GROUP query tokens x the GROUP query heads of that
+KV head, so one pass over the KV serves all of them (decode's layout, with a causal limit per row),
+and the splits spread a long prefix over the SMs. A merge kernel combines the splits, as in decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import host_checks, interpret_requested
+from kernels.decode_attention import (
+    MAX_SPLITS,
+    DecodeConfig,
+    _merge_head,
+    _num_splits_of,
+    _sm_count,
+    choose_num_splits,
+    default_config,
+)
+from kernels.extend_attention import device_arch
+from kernels.online_softmax import attend_tile
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+_LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
+
+
+@triton.jit
+def _block_kv_len(prefix_len, n_new, t0, TOKENS: tl.constexpr):
+    """Positions a block of tokens t0 .. t0 + TOKENS - 1 sees at most: its last token's."""
+    return prefix_len + tl.minimum(t0 + TOKENS, n_new)
+
+
+# NOTE: num_splits and token_blocks are plain arguments: one compiled kernel serves every count
+@triton.jit(do_not_specialize=["num_splits", "token_blocks"])
+def _short_split_kernel(
+    Q,
+    K_cache,
+    V_cache,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    out_slots,
+    Mid_out,  # [T, Hq, num_splits, D] fp32, each split normalised by its own sum
+    Mid_lse,  # [T, Hq, >= num_splits] fp32, log2(sum exp2(score)) of the split; -inf when it sees nothing
+    qk_scale,  # sm_scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_mt,
+    stride_mh,
+    stride_ms,
+    stride_lt,
+    stride_lh,
+    num_splits,  # the most splits any block of tokens may use
+    token_blocks,  # blocks of TOKENS tokens per request in the grid (cdiv(max_extend_len, TOKENS))
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,  # query tokens per program: BLOCK_H // GROUP
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    block = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
+    t0 = block * TOKENS
+    if t0 >= n_new:
+        return
+    kv_start = tl.load(kv_indptr + req).to(tl.int64)
+    prefix_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
+    kv_len = _block_kv_len(prefix_len, n_new, t0, TOKENS)
+    n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
+    if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
+        return
+    chunk = tl.cdiv(kv_len, n_splits)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    offs_r = tl.arange(0, BLOCK_H)  # row r: token t0 + r // GROUP, query head kv_head * GROUP + r % GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = t0 + offs_r // GROUP
+    heads = kv_head * GROUP + offs_r % GROUP
+    mask_r = (offs_r < TOKENS * GROUP) & (tok < n_new)
+    mask_d = offs_d < HEAD_DIM
+    rows = q_start + tok
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_r[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    limit = prefix_len + tok + 1  # row r sees positions < limit (causal over its request's new tokens)
+    # NOTE: a row whose limit is at or before this split's start sees nothing here. It attends the whole
+    # split instead (a fully masked row would make exp2(-inf - -inf) = NaN) and is written as an empty
+    # split (lse -inf, zero partial), which the merge weighs 0; every row sees position 0 in split 0.
+    sees = limit > lo
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n_lo in range(lo, hi, BLOCK_N):
+        n = n_lo + offs_n
+        mask_n = n < hi
+        cached = n < prefix_len
+        from_prefix = tl.load(kv_indices + kv_start + n, mask=mask_n & cached, other=0)
+        from_new = tl.load(out_slots + q_start + (n - prefix_len), mask=mask_n & (n >= prefix_len), other=0)
+        slots = tl.where(cached, from_prefix.to(tl.int64), from_new.to(tl.int64))
+        k = tl.load(
+            K_cache + slots[None, :] * stride_kcs + kv_head * stride_kch + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        allowed = mask_n[None, :] & ((n[None, :] < limit[:, None]) | ~sees[:, None])
+        m_i, l_i, acc = attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32)
+
+    live = sees & (l_i > 0.0)  # l_i is 0 for a split with no tokens (lo >= hi)
+    l_safe = tl.where(live, l_i, 1.0)
+    lse = tl.where(live, m_i + tl.log2(l_safe), float("-inf"))
+    part = tl.where(live[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(
+        Mid_out
+        + rows[:, None] * stride_mt
+        + heads[:, None] * stride_mh
+        + split * stride_ms
+        + offs_d[None, :],
+        part,
+        mask=mask_r[:, None] & mask_d[None, :],
+    )
+    tl.store(Mid_lse + rows * stride_lt + heads * stride_lh + split, lse, mask=mask_r)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _short_merge_kernel(
+    Mid_out,
+    Mid_lse,
+    Out,
+    qo_indptr,
+    kv_indptr,
+    stride_mt,
+    stride_mh,
+    stride_ms,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
+    MIN_SPLIT_LEN: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    t0 = tl.program_id(2) * TOKENS
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
+    prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
+    n_splits = _num_splits_of(_block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
+    for i in range(TOKENS):
+        if t0 + i < n_new:
+            _merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh,
+                        stride_ms, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S,
+                        "")  # fmt: skip
+
+
+def extend_short_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    out_slots: torch.Tensor,
+    sm_scale: float | None = None,
+    *,
+    max_extend_len: int,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """See the module docstring. Never syncs. ``num_splits`` caps splits per block of tokens (from
+    choose_num_splits when None). Any max_extend_len >= the longest request's new tokens is right;
+    the grid grows with it, so for long ones the extend kernel is the better one (worker/attention.py
+    picks: up to 16 new tokens here). Raises ValueError on inconsistent shapes, dtypes or devices (from metadata) and on a
+    max_extend_len below 1."""
+    hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
+    t, hq, d = q.shape
+    batch = qo_indptr.numel() - 1
+    qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
+    kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
+    kv_indices = host_checks.index_tensor("kv_indices", kv_indices, q.device)
+    out_slots = host_checks.index_tensor("out_slots", out_slots, q.device, numel=t)
+    if max_extend_len < 1:
+        raise ValueError(f"max_extend_len must be >= 1, got {max_extend_len}")
+    if out is None:
+        out = torch.empty_like(q)
+    if batch < 1 or t == 0:
+        return out
+    cfg = config or default_config(d, q.dtype, device_arch(q.device))
+    group = hq // hkv
+    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
+    tokens = block_h // group
+    token_blocks = triton.cdiv(max_extend_len, tokens)
+    if num_splits is None:
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
+        num_splits = choose_num_splits(
+            batch * token_blocks, hkv, sms, None, cfg.min_split_len, cfg.split_waves
+        )
+    num_splits = int(min(max(num_splits, 1), MAX_SPLITS))
+    block_d = max(16, triton.next_power_of_2(d))
+    mid_out = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    # NOTE: padded to a multiple of 16 splits, as in decode: strides keep their 16-divisibility
+    mid_lse = torch.empty((t, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=q.device)
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    _short_split_kernel[(batch, hkv, num_splits * token_blocks)](
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, mid_out, mid_lse, scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        num_splits, token_blocks,
+        GROUP=group, TOKENS=tokens, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+        MIN_SPLIT_LEN=cfg.min_split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    _short_merge_kernel[(batch, hq, token_blocks)](
+        mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        MIN_SPLIT_LEN=cfg.min_split_len, num_warps=4 if block_d >= 128 else 2,
+    )  # fmt: skip
+    return out
