@@ -1,6 +1,6 @@
 """`python -m kernels.bench`: Triton extend/decode attention vs torch SDPA (flash) and the GPU's own
-measured copy bandwidth and matmul rate, and the LoRA deltas (kernels/lora.py) vs torch ops per
-adapter, all in one run; JSON to --out, a markdown report beside it (same stem, .md), a table printed
+measured copy bandwidth and matmul rate, the LoRA deltas (kernels/lora.py) vs torch ops per
+adapter, and verify-step attention (kernels/extend_short.py vs the extend kernel), all in one run; JSON to --out, a markdown report beside it (same stem, .md), a table printed
 last.
 
 Needs CUDA: without it, it measures nothing and exits non-zero. Numbers are never estimated.
@@ -43,6 +43,8 @@ PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged
 LORA_IN, LORA_OUT, LORA_RANK = 4096, 2 * 14336, 2 * 16
 LORA_BATCHES = (1, 16, 64)  # decode rows, one per request
 LORA_ADAPTERS = (1, 4)  # distinct adapters in the step (request i takes adapter i % n)
+# verify steps (speculative decoding): few new tokens per request over a long prefix, both extend kernels
+VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (batch, prefix, new)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +225,41 @@ def extend_case(shape: ExtendShape, model: Model, device: torch.device, gen: tor
     mask = None if p == 0 else causal_lower_right(n, p + n)
     sdpa_args = (q.view(b, n, hq, d).transpose(1, 2), dense(k_cache, k_new), dense(v_cache, v_new), mask)
     return kernel_args, sdpa_args
+
+
+def verify_bytes(shape: ExtendShape, model: Model) -> int:
+    """Fewest bytes a verify step's attention moves: every K/V of each request (prefix and new) read
+    once, q read and the output written."""
+    kv = shape.batch * (shape.prefix + shape.new) * model.num_kv_heads * model.head_dim * 2
+    return (kv + 2 * shape.batch * shape.new * model.num_q_heads * model.head_dim) * model.elem_bytes
+
+
+def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> dict:
+    """The short-extend kernel (kernels/extend_short.py, the new K/V read from the pool) against the
+    extend kernel on a verify step's shape, both replayed as CUDA graphs (how the worker runs them)."""
+    from kernels import extend_attention as ext
+    from kernels import extend_short
+
+    (q, k_new, v_new, k_cache, v_cache, qo, kvp, kv_indices), _ = extend_case(shape, model, device, gen)
+    k_pool, v_pool = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
+    out_slots = torch.arange(k_cache.shape[0], k_pool.shape[0], device=device)
+    short_out, ext_out = torch.empty_like(q), torch.empty_like(q)
+
+    def short_call() -> None:
+        extend_short.extend_short_attention(q, k_pool, v_pool, qo, kvp, kv_indices, out_slots,
+                                            max_extend_len=shape.new, out=short_out)  # fmt: skip
+
+    def extend_call() -> None:
+        ext.extend_attention(q, k_new, v_new, k_cache, v_cache, qo, kvp, kv_indices, max_extend_len=shape.new,
+                             out=ext_out)  # fmt: skip
+
+    nbytes = verify_bytes(shape, model)
+    row: dict[str, Any] = {"batch": shape.batch, "prefix": shape.prefix, "new": shape.new, "bytes": nbytes}
+    for name, call in (("short", short_call), ("extend", extend_call)):
+        row[f"{name}_graph_ms"] = timing.time_replay_ms(call)
+        row[f"{name}_graph_gbs"] = nbytes / (row[f"{name}_graph_ms"] * 1e-3) / 1e9
+    row["rel_err_vs_extend"] = _rel_err(short_out, ext_out)
+    return row
 
 
 def sdpa_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
@@ -438,6 +475,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["lora"].append(row)
             print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed, "
                   f"{row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch", file=sys.stderr)  # fmt: skip
+    result["verify"] = []
+    for batch, prefix, new_tokens in VERIFY_SHAPES[::2] if args.quick else VERIFY_SHAPES:
+        row = bench_verify(ExtendShape(batch, prefix, new_tokens), model, device, gen)
+        result["verify"].append(row)
+        torch.cuda.empty_cache()
+        print(f"verify b={batch} prefix={prefix} new={new_tokens}: {row['short_graph_ms'] * 1e3:.1f} us short, "
+              f"{row['extend_graph_ms'] * 1e3:.1f} us extend kernel", file=sys.stderr)  # fmt: skip
     result["summary"] = summarize(result)
     compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)

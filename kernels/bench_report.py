@@ -45,13 +45,15 @@ def summarize(result: dict) -> dict:
     ]
     wrong_extend = [f"extend b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result["extend"]
                     if inaccurate(r.get("rel_err_vs_sdpa"))]  # fmt: skip
+    wrong_verify = [f"verify b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result.get("verify", [])
+                    if inaccurate(r["rel_err_vs_extend"])]  # fmt: skip
     return {
         "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
         "decode_target_met": None if decode_frac is None else decode_frac >= 0.70 and not wrong,
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
-        "inaccurate": wrong_extend + wrong,
+        "inaccurate": wrong_extend + wrong + wrong_verify,
     }
 
 
@@ -184,6 +186,24 @@ def format_markdown(result: dict) -> str:
                 f"| {r['triton_graph_gbs'] / copy:.0%} | {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {r['rel_err_vs_torch']:.1e} |"
+            )
+    if result.get("verify"):
+        lines += [
+            "",
+            "## Verify steps: few new tokens per request over a long prefix",
+            "",
+            "Speculative decoding's verify step (the new tokens' K/V already in the pool): kernels/extend_short.py"
+            " (each KV head read once for its query heads and tokens, split over the SMs) against the extend"
+            " kernel, both replayed as CUDA graphs. GB/s counts each request's K/V read once, q and the output.",
+            "",
+            "| batch | prefix | new | short-extend us | GB/s | of copy bw | extend kernel us | extend / short | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in result["verify"]:
+            lines.append(
+                f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['short_graph_ms'] * 1e3:.1f} "
+                f"| {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} | {r['extend_graph_ms'] * 1e3:.1f} "
+                f"| {r['extend_graph_ms'] / r['short_graph_ms']:.2f} | {r['rel_err_vs_extend']:.1e} |"
             )
     if s.get("inaccurate"):
         lines += [

@@ -298,3 +298,25 @@ def test_markdown_report_has_the_lora_table_when_measured():
     rows = table_rows(md, "## LoRA deltas (kernels/lora.py), one decode step's gate/up projection")
     assert rows == [["64", "4", "20.0", "500", "50%", "80.0", "4.00", "100.0", "300.0", "4.0e-03"]]
     assert "## LoRA" not in bench_report.format_markdown(synthetic_result() | {"summary": result["summary"]})
+
+
+def test_verify_bytes_count_each_requests_kv_once():
+    model = bench.Model(32, 8, 128, "bf16")
+    shape = bench.ExtendShape(batch=2, prefix=100, new=5)
+    kv = 2 * 105 * 8 * 128 * 2  # K and V of every position, prefix and new
+    assert bench.verify_bytes(shape, model) == (kv + 2 * 2 * 5 * 32 * 128) * 2
+
+
+def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
+    result = synthetic_result()
+    result["verify"] = [
+        {"batch": 1, "prefix": 4096, "new": 5, "short_graph_ms": 0.02, "short_graph_gbs": 600.0,
+         "extend_graph_ms": 0.1, "rel_err_vs_extend": 0.002},
+        {"batch": 16, "prefix": 4096, "new": 5, "short_graph_ms": 0.2, "short_graph_gbs": 900.0,
+         "extend_graph_ms": 0.5, "rel_err_vs_extend": float("nan")},
+    ]  # fmt: skip
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    rows = table_rows(md, "## Verify steps: few new tokens per request over a long prefix")
+    assert rows[0] == ["1", "4096", "5", "20.0", "600", "60%", "100.0", "5.00", "2.0e-03"]
+    assert result["summary"]["inaccurate"] == ["verify b=16 prefix=4096 new=5"]
