@@ -205,9 +205,14 @@ def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]
     if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
         return scores
     vocab = scores.shape[-1]
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scores.device).unsqueeze(0)
-    k = on_device([vocab if k == -1 else min(k, vocab) for k in top_k], scores.device, torch.int64)
+    keep = [vocab if k == -1 else min(k, vocab) for k in top_k]
+    width = max(keep)
+    if width < vocab:  # NOTE: every row keeps at most `width` tokens: its candidates, in order, from topk
+        sorted_scores, order = scores.topk(width, dim=-1)
+    else:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(width, device=scores.device).unsqueeze(0)
+    k = on_device(keep, scores.device, torch.int64)
     drop = ranks >= k.unsqueeze(1)
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     probs = sorted_scores.softmax(dim=-1)

@@ -97,6 +97,24 @@ def test_top_p_keeps_the_nucleus():
     assert set(draw(probs, SamplingParams(top_p=0.01, seed=0), 50)) == {1}
 
 
+def test_top_k_rows_take_their_candidates_from_topk_and_mask_as_a_full_sort_does():
+    """When every row has a top_k, the candidates come from topk (not a sort of the vocabulary):
+    the same tokens survive, with the same scores, as ranking the whole vocabulary would keep."""
+    from worker.sampling import _mask_top_k_top_p
+
+    scores = torch.randn(5, 300, generator=torch.Generator().manual_seed(4)) * 2  # continuous: no ties
+    top_k, top_p = [1, 7, 40, 40, 3], [1.0, 0.5, 0.9, 1.0, 0.01]
+    got = _mask_top_k_top_p(scores, top_k, top_p)
+    for row, (k, p) in enumerate(zip(top_k, top_p, strict=True)):
+        order = scores[row].argsort(descending=True)[:k]  # the row's top-k by a full sort
+        probs = scores[row, order].softmax(0)
+        mass_before = probs.cumsum(0) - probs
+        kept = order[(mass_before < p) | (torch.arange(k) == 0)]
+        want = torch.full_like(scores[row], float("-inf"))
+        want[kept] = scores[row, kept]
+        assert torch.equal(got[row], want), row
+
+
 def test_mixed_batch_applies_each_requests_own_filters():
     probs = [0.1, 0.4, 0.3, 0.2]
     logits = logits_from_probs(probs).repeat(2, 1)
