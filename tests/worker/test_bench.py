@@ -234,6 +234,21 @@ def test_penalties_bench_times_each_batch_and_output_length_and_writes_json(tmp_
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 | 40 |")
 
 
+def test_sampling_bench_times_every_setting_and_the_sort_and_writes_json(tmp_path, capsys):
+    from worker import bench_sampling
+
+    out = tmp_path / "sampling.json"
+    bench_sampling.main(["--vocab", "500", "--batches", "1,3", "--reps", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    names = [*bench_sampling.SETTINGS, "sort alone"]
+    assert [(r["batch"], r["setting"]) for r in result["rows"]] == [(b, n) for b in (1, 3) for n in names]
+    assert all(r["call_ms"] > 0 and r["vocab"] == 500 for r in result["rows"])
+    assert (
+        capsys.readouterr().out.strip().splitlines()[-1]
+        == f"| 3 | sort alone | {result['rows'][-1]['call_ms']} |"
+    )
+
+
 def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
     from worker import bench_speculative
 
