@@ -30,7 +30,7 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.extend_attention import device_arch
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_tile, gather_kv
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -197,6 +197,7 @@ def _decode_split_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
+    K_head, V_head = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -204,16 +205,7 @@ def _decode_split_kernel(
         n = n_lo + offs_n
         mask_n = n < hi
         slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K_cache + slots[None, :] * stride_kcs + kv_head * stride_kch + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
         m_i, l_i, acc = attend_tile(
             q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
         )

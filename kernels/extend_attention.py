@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_tile, gather_kv
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -97,12 +97,7 @@ def _attend_rows(
 ):  # fmt: skip
     """One key tile: K/V of one head at token ``rows`` (pool slots or new-token rows) into the running
     softmax. MASKED: apply ``mask_n`` (and, when CAUSAL, key n <= query m) to the scores."""
-    k = tl.load(
-        K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0
-    )
-    v = tl.load(
-        V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
-    )
+    k, v = gather_kv(K, V, rows, mask_n, stride_k, stride_v, offs_d, mask_d)
     allowed = mask_n[None, :]
     if CAUSAL:
         allowed = allowed & (n[None, :] <= offs_m[:, None])

@@ -39,7 +39,7 @@ from kernels.decode_attention import (
     default_config,
 )
 from kernels.extend_attention import device_arch
-from kernels.online_softmax import attend_tile
+from kernels.online_softmax import attend_tile, gather_kv
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -129,6 +129,7 @@ def _short_split_kernel(
     # split (lse -inf, zero partial), which the merge weighs 0; every row sees position 0 in split 0.
     sees = limit > lo
 
+    K_head, V_head = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -139,16 +140,7 @@ def _short_split_kernel(
         from_prefix = tl.load(kv_indices + kv_start + n, mask=mask_n & cached, other=0)
         from_new = tl.load(out_slots + q_start + (n - prefix_len), mask=mask_n & (n >= prefix_len), other=0)
         slots = tl.where(cached, from_prefix.to(tl.int64), from_new.to(tl.int64))
-        k = tl.load(
-            K_cache + slots[None, :] * stride_kcs + kv_head * stride_kch + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V_cache + slots[:, None] * stride_vcs + kv_head * stride_vch + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
         allowed = mask_n[None, :] & ((n[None, :] < limit[:, None]) | ~sees[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32)
 

@@ -1,12 +1,27 @@
 """The online-softmax step shared by the attention kernels (flash-attention recurrence).
 
 One tile of keys/values updates the running row max ``m``, row sum ``l`` and accumulator ``acc``
-(all float32). It never loads or stores: callers gather K/V however their layout needs."""
+(all float32). It never loads or stores: callers gather K/V (gather_kv: one head's tile through
+slot or row indices) however their layout needs."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def gather_kv(K, V, rows, mask_n, stride_k, stride_v, offs_d, mask_d):
+    """One tile of one head's keys, transposed [D, N], and values [N, D]: ``K``/``V`` point at that
+    head, ``rows`` [N] are pool slots or token rows, and rows outside ``mask_n`` (or dims outside
+    ``mask_d``) read as 0."""
+    k = tl.load(
+        K + rows[None, :] * stride_k + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0
+    )
+    v = tl.load(
+        V + rows[:, None] * stride_v + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+    )
+    return k, v
 
 
 @triton.jit
