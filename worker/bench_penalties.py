@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
 
 import torch
 
+from worker.bench_report import machine_info, rows_markdown
 from worker.penalties import adjust_logits
 from worker.sampling import SamplingParams
 
@@ -73,17 +73,13 @@ def main(argv: list[str] | None = None) -> None:
         for b in (int(x) for x in args.batches.split(","))
         for n in (int(x) for x in args.outputs.split(","))
     ]
-    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-           or platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+    env = machine_info(device.type)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)
     cols = ["batch", "output_tokens", "call_ms"] + (["call_and_device_ms"] if device.type == "cuda" else [])
-    print(f"**adjust_logits per decode step, vocabulary {args.vocab:,}, {env['device']}**\n")
-    print("| " + " | ".join(c.replace("_", " ") for c in cols) + " |")
-    print("|" + "---:|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    title = f"adjust_logits per decode step, vocabulary {args.vocab:,}, {env['device_name']}"
+    print(rows_markdown(rows, cols, title))
 
 
 if __name__ == "__main__":

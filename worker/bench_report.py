@@ -79,6 +79,16 @@ def machine_info(device: str) -> dict:
             "python": platform.python_version()}  # fmt: skip
 
 
+def rows_markdown(rows: list[dict], cols: list[str], title: str) -> str:
+    """A bold title and a markdown table of ``rows``' ``cols`` (numbers right-aligned)."""
+    lines = [f"**{title}**", "", "| " + " | ".join(c.replace("_", " ") for c in cols) + " |"]
+    lines.append(
+        "|" + "|".join("---:" if isinstance(rows[0][c], (int, float)) else "---" for c in cols) + "|"
+    )
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def markdown_table(doc: dict) -> str:
     p, m = doc["params"], doc["machine"]
     rows = [(f"prefill, {p['prefill_prompts']} x {p['prompt_tokens']}-token prompts, no cache",
