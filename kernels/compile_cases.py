@@ -89,7 +89,7 @@ def extend_short_case(shape: Shape, config: Any, label: str) -> Case:
 
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
-    from kernels import decode_attention, extend_attention, fused, lora, pointwise
+    from kernels import decode_attention, extend_attention, fused, lora, pointwise, sampling
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
@@ -117,6 +117,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                                      t["v_cache"], t["positions"])),
         lora_case(8),
         lora_case(16),
+        ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
     ]  # fmt: skip
 
 

@@ -14,7 +14,15 @@ import torch
 
 from kernels import interpret_requested, reference
 
-_KERNEL_MODULES = ("extend_attention", "extend_short", "decode_attention", "pointwise", "fused", "lora")
+_KERNEL_MODULES = (
+    "extend_attention",
+    "extend_short",
+    "decode_attention",
+    "pointwise",
+    "fused",
+    "lora",
+    "sampling",
+)
 
 
 def triton_library_interpreted() -> bool:
@@ -205,3 +213,11 @@ def lora_add(
     if mode is None:
         return reference.lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)
     return kernel_module("lora", mode).lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p threshold without a sort; see kernels.reference.top_p_threshold."""
+    mode = _triton_mode(probs)
+    if mode is None:
+        return reference.top_p_threshold(probs, top_p)
+    return kernel_module("sampling", mode).top_p_threshold(probs, top_p)

@@ -202,3 +202,13 @@ def lora_add(
     gains (x @ a[s]^T) @ b[s]^T with s = seg_slots[i]; a slot of -1 leaves its rows alone. Float32
     math, with the [rows, R] product rounded to x's dtype (as two matmuls in that dtype round it)."""
     return lora_add_rows(x, out, a, b, lora_rows(seg_indptr, seg_slots, max_rows))
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p threshold [B] (float32): sort the row's probabilities [B, V], keep each token
+    whose higher-ranked tokens hold less than top_p of the mass (the top one always), and return the
+    smallest probability kept."""
+    ranked = probs.float().sort(dim=-1, descending=True).values
+    mass_before = ranked.cumsum(dim=-1) - ranked
+    kept = (mass_before < top_p.float().unsqueeze(1)).sum(dim=-1).clamp_min(1)  # NOTE: a prefix of the ranks
+    return ranked.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)

@@ -1,6 +1,7 @@
 """What sampling costs per decode step: worker.sampling.sample over a batch of logits with the
 common settings (greedy, temperature, top-p, top-k, both), and the full-vocabulary sort that top-p
-needs on its own, for the share it takes.
+needs without the kernels on its own, for the share it takes (on CUDA also the threshold kernel that
+replaces that sort, kernels/sampling.py).
 
 ``python -m worker.bench_sampling [--device cpu] [--vocab 128256] [--batches 1,16,64] [--out results.json]``
 
@@ -37,6 +38,11 @@ def measure(batch: int, vocab: int, device: torch.device, reps: int) -> list[dic
         for name, params in SETTINGS.items()
     }
     calls["sort alone"] = lambda: logits.sort(dim=-1, descending=True)
+    if device.type == "cuda":  # NOTE: what top-p alone takes instead of the sort on the kernels
+        from kernels import ops
+
+        probs, top_p = logits.softmax(dim=-1), torch.full((batch,), 0.9, device=device)
+        calls["top-p threshold kernel alone"] = lambda: ops.top_p_threshold(probs, top_p)
     rows = []
     for name, fn in calls.items():
         row = {"batch": batch, "vocab": vocab, "setting": name, "call_ms": median_ms(fn, reps)}

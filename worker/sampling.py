@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from kernels import reference
+from worker.attention import kernel_ops
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _MIN_TEMPERATURE, _MAX_TEMPERATURE = 1e-6, 1e6  # what sampling divides by (see _divisor)
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's bound for top_logprobs)
@@ -201,12 +204,20 @@ def _divisor(temperature: float) -> float:
 
 
 def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Set to -inf every token outside each row's top-k and its top-p nucleus."""
+    """Set to -inf every token outside each row's top-k and its top-p nucleus. The kept set comes from
+    ranking the row: by topk when every row has a top_k, by a threshold kernel per row (no sort:
+    kernels/sampling.py) for top-p alone on the kernels, else by sorting the vocabulary."""
     if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
         return scores
     vocab = scores.shape[-1]
     keep = [vocab if k == -1 else min(k, vocab) for k in top_k]
     width = max(keep)
+    if all(k == -1 for k in top_k):
+        ops = kernel_ops(scores.device)
+        if ops is not reference:  # NOTE: top-p alone on the kernels: a threshold per row, no vocabulary sort
+            probs = scores.softmax(dim=-1)
+            threshold = ops.top_p_threshold(probs, on_device(top_p, scores.device, torch.float32))
+            return scores.masked_fill(probs < threshold.unsqueeze(1), float("-inf"))
     if width < vocab:  # NOTE: every row keeps at most `width` tokens: its candidates, in order, from topk
         sorted_scores, order = scores.topk(width, dim=-1)
     else:

@@ -26,6 +26,7 @@ _KERNEL_MODULES = (
     "kernels.pointwise",
     "kernels.fused",
     "kernels.lora",
+    "kernels.sampling",
 )
 
 

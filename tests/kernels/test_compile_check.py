@@ -73,7 +73,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     kernels = {kernel for _, kernel in rows}
     assert kernels == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
-                       "_expand_kernel", "_short_split_kernel", "_short_merge_kernel"}  # fmt: skip
+                       "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
+                       "_top_p_threshold_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -142,7 +143,8 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     rows = {r["kernel"]: r for r in loaded}
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
-                       "_expand_kernel", "_short_split_kernel", "_short_merge_kernel"}  # fmt: skip
+                       "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
+                       "_top_p_threshold_kernel"}  # fmt: skip
     extend = rows["_extend_kernel"]
     assert extend["constants"]["BLOCK_M"] == 64 and extend["constants"]["GROUP"] == 4  # sm_90's default
     assert extend["num_warps"] == 4 and extend["shared_bytes"] > 0

@@ -1,0 +1,73 @@
+"""Triton top-p threshold (a bisection over float bit patterns, no sort) against its definition and
+against kernels.reference.top_p_threshold (a sort)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+
+
+def distributions(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from peaked to flat (scaled random logits), a row with underflowed zeros, and one with a
+    single token holding almost all the mass."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 12.0, rows).unsqueeze(1)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    logits[-1, min(3, vocab - 1)] = 60.0
+    return logits.softmax(dim=-1)
+
+
+@pytest.mark.parametrize("vocab", [1, 300, 1000])
+def test_threshold_keeps_the_nucleus_as_defined(backend, vocab):
+    """The tokens >= t hold at least top_p (up to fp32 rounding of the sums), and without the least
+    likely of them less than top_p: the smallest set of most likely tokens that reaches top_p. (At
+    top_p 1.0 the sums stay under 1 in fp32 and t is 0: every token.)"""
+    kernels = backend.module("sampling")
+    probs = distributions(9, vocab, seed=vocab)
+    top_p = torch.tensor([0.9, 0.5, 0.01, 0.999, 1.0, 0.3, 0.75, 0.95, 0.6])
+    t = kernels.top_p_threshold(probs.to(backend.device), top_p.to(backend.device)).cpu()
+    for row in range(probs.shape[0]):
+        kept = probs[row][probs[row] >= t[row]]
+        assert kept.numel() >= 1 and kept.sum() >= top_p[row] - 1e-5, row
+        assert kept.sum() - kept.min() < top_p[row] + 1e-5, row
+
+
+def test_threshold_agrees_with_the_sorted_reference(backend):
+    kernels = backend.module("sampling")
+    probs = distributions(6, 500, seed=1)
+    top_p = torch.tensor([0.9, 0.5, 0.2, 0.8, 0.95, 0.4])
+    got = kernels.top_p_threshold(probs.to(backend.device), top_p.to(backend.device)).cpu()
+    torch.testing.assert_close(got, reference.top_p_threshold(probs, top_p), rtol=0, atol=0)
+
+
+def test_bad_inputs_raise_value_errors(backend):
+    kernels = backend.module("sampling")
+    probs = torch.rand(2, 10, device=backend.device)
+    with pytest.raises(ValueError, match="probs"):
+        kernels.top_p_threshold(probs.half(), torch.ones(2, device=backend.device))
+    with pytest.raises(ValueError, match="top_p"):
+        kernels.top_p_threshold(probs, torch.ones(3, device=backend.device))
+
+
+def test_the_worker_masks_top_p_alone_with_the_kernel_as_a_sort_would(backend, monkeypatch):
+    """worker.sampling takes the threshold kernel for rows with top-p and no top-k; the tokens it
+    keeps, and their scores, are the sorted path's."""
+    from kernels import ops
+    from worker import sampling
+
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # NOTE: so the worker picks the kernels on the CPU
+    scores = (torch.randn(4, 400, generator=torch.Generator().manual_seed(7)) * 3).to(backend.device)
+    top_k, top_p = [-1] * 4, [0.9, 0.5, 0.2, 0.7]
+    calls = []
+    kernel = ops.top_p_threshold
+    monkeypatch.setattr(ops, "top_p_threshold", lambda *args: (calls.append(1), kernel(*args))[1])
+    got = sampling._mask_top_k_top_p(scores, top_k, top_p).cpu()
+    assert calls == [1]
+    monkeypatch.setattr(sampling, "kernel_ops", lambda device: reference)  # the sorted path
+    want = sampling._mask_top_k_top_p(scores, top_k, top_p).cpu()
+    assert torch.equal(got.isfinite(), want.isfinite())
+    assert torch.equal(got[got.isfinite()], want[want.isfinite()])
+    assert 1 < int(got.isfinite().sum()) < got.numel()  # some tokens kept, some dropped
