@@ -205,19 +205,16 @@ def _divisor(temperature: float) -> float:
 
 def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Set to -inf every token outside each row's top-k and its top-p nucleus. The kept set comes from
-    ranking the row: by topk when every row has a top_k, by a threshold kernel per row (no sort:
-    kernels/sampling.py) for top-p alone on the kernels, else by sorting the vocabulary."""
+    ranking the row: by topk when every row has a top_k; on the kernels, when some row has none, by
+    cuts and a threshold kernel instead (_mask_without_sort); else by sorting the vocabulary."""
     if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
         return scores
     vocab = scores.shape[-1]
     keep = [vocab if k == -1 else min(k, vocab) for k in top_k]
     width = max(keep)
-    if all(k == -1 for k in top_k):
-        ops = kernel_ops(scores.device)
-        if ops is not reference:  # NOTE: top-p alone on the kernels: a threshold per row, no vocabulary sort
-            probs = scores.softmax(dim=-1)
-            threshold = ops.top_p_threshold(probs, on_device(top_p, scores.device, torch.float32))
-            return scores.masked_fill(probs < threshold.unsqueeze(1), float("-inf"))
+    ops = kernel_ops(scores.device)
+    if width == vocab and ops is not reference:
+        return _mask_without_sort(scores, keep, top_p, ops)
     if width < vocab:  # NOTE: every row keeps at most `width` tokens: its candidates, in order, from topk
         sorted_scores, order = scores.topk(width, dim=-1)
     else:
@@ -230,9 +227,30 @@ def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]
     # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
     mass_before = probs.cumsum(dim=-1) - probs
     p = on_device(top_p, scores.device, probs.dtype).unsqueeze(1)
-    # NOTE: the top token is kept explicitly: a top_p that underflows float32 to 0 would drop it
-    sorted_scores = sorted_scores.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
+    # NOTE: the top token is kept explicitly (a top_p that underflows float32 to 0 would drop it), and
+    # a top_p of 1 keeps every token (float32 sums reach 1 before the last ones)
+    sorted_scores = sorted_scores.masked_fill((mass_before >= p) & (ranks > 0) & (p < 1.0), float("-inf"))
     return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+
+
+def _mask_without_sort(scores: torch.Tensor, keep: list[int], top_p: list[float], ops: Any) -> torch.Tensor:
+    """_mask_top_k_top_p on the kernels for a batch in which some row has no top_k (``keep``: each
+    row's k, the vocabulary size for none), without sorting the vocabulary: each top-k row is cut
+    below its k-th score (from topk of the largest such k), then every row below its top-p threshold
+    on what is left (kernels/sampling.py). Ties at a cut all stay."""
+    vocab = scores.shape[-1]
+    limited = [k < vocab for k in keep]
+    if any(limited):
+        kth = scores.topk(max(k for k in keep if k < vocab), dim=-1).values
+        index = on_device([k - 1 if k < vocab else 0 for k in keep], scores.device, torch.int64)
+        cut = kth.gather(1, index.unsqueeze(1)).squeeze(1)
+        cut = cut.masked_fill(~on_device(limited, scores.device, torch.bool), float("-inf"))
+        scores = scores.masked_fill(scores < cut.unsqueeze(1), float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        probs = scores.softmax(dim=-1)
+        threshold = ops.top_p_threshold(probs, on_device(top_p, scores.device, torch.float32))
+        scores = scores.masked_fill(probs < threshold.unsqueeze(1), float("-inf"))
+    return scores
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: Sequence[int]) -> list[TokenLogprobs]:

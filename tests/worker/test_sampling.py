@@ -115,6 +115,16 @@ def test_top_k_rows_take_their_candidates_from_topk_and_mask_as_a_full_sort_does
         assert torch.equal(got[row], want), row
 
 
+def test_top_p_one_keeps_every_token_beside_a_top_k_row():
+    """A request without top-p (1.0) next to one with a top_k goes through the ranked path: it keeps
+    its whole vocabulary, although float32 cumulative sums reach 1 before its last tokens."""
+    from worker.sampling import _mask_top_k_top_p
+
+    scores = torch.randn(2, 400, generator=torch.Generator().manual_seed(7)) * 3
+    got = _mask_top_k_top_p(scores, [-1, 3], [1.0, 1.0])
+    assert int(got[0].isfinite().sum()) == 400 and int(got[1].isfinite().sum()) == 3
+
+
 def test_mixed_batch_applies_each_requests_own_filters():
     probs = [0.1, 0.4, 0.3, 0.2]
     logits = logits_from_probs(probs).repeat(2, 1)
