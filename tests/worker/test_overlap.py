@@ -323,14 +323,15 @@ def mixed_requests(
     return [
         (SHARED + "one", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
         (SHARED + "two", SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)),
-        (SHARED + "three", SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)),
+        # NOTE: top-p beside a top-k row: on the kernels a threshold kernel and a k-th score cut, no sort
+        (SHARED + "three", SamplingParams(temperature=0.8, seed=5, top_p=0.9, max_tokens=30, ignore_eos=True)),
         (SHARED + "four", SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_text])),
         (SHARED + "five", SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id])),
         (SHARED + "six", SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)),
         # NOTE: penalties over a history whose newest token is on the device in a chained step
         (SHARED + "seven", SamplingParams(temperature=0.0, max_tokens=30, frequency_penalty=1.5,
                                           presence_penalty=0.5, repetition_penalty=1.3, ignore_eos=True)),
-        (SHARED + "eight", SamplingParams(temperature=0.9, seed=2, max_tokens=30, frequency_penalty=-1.0,
+        (SHARED + "eight", SamplingParams(temperature=0.9, seed=2, top_k=20, max_tokens=30, frequency_penalty=-1.0,
                                           logit_bias={stop_id: -3.0}, ignore_eos=True)),
         # NOTE: the stop id wins every step that min_tokens allows it: the 10th token ends the request
         (SHARED + "nine", SamplingParams(temperature=0.0, max_tokens=30, min_tokens=9,
