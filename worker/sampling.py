@@ -188,7 +188,7 @@ def on_device(values: Any, device: torch.device, dtype: torch.dtype) -> torch.Te
     """``values`` (a list or a numpy array) as a tensor on ``device``, copied from pinned memory
     without waiting for the work queued on the device (the step a sampled step may be queued
     behind: --overlap-schedule)."""
-    host = torch.as_tensor(values, dtype=dtype)
+    host = torch.tensor(values, dtype=dtype)  # NOTE: a copy: the caller may reuse its array
     if device.type == "cuda":
         # NOTE: torch.tensor(numpy_array, pin_memory=True) raises; pinning the built tensor works
         host = host.pin_memory()

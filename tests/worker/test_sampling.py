@@ -237,3 +237,16 @@ def test_extreme_valid_values_never_sample_an_excluded_token(params):
 def draw_from(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
     gen = make_generator(params, "cpu")
     return [int(sample(logits, [params], [gen])[0]) for _ in range(n)]
+
+
+def test_on_device_copies_the_callers_values():
+    """A step's index lists are built from arrays the caller keeps reusing (the penalties' memo): the
+    tensor must not see a later change."""
+    import numpy as np
+
+    from worker.sampling import on_device
+
+    values = np.array([1, 2, 3])
+    got = on_device(values, torch.device("cpu"), torch.int64)
+    values[0] = 9
+    assert got.tolist() == [1, 2, 3]
