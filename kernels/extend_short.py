@@ -213,8 +213,9 @@ def extend_short_attention(
     """See the module docstring. Never syncs. ``num_splits`` caps splits per block of tokens (from
     choose_num_splits when None). Any max_extend_len >= the longest request's new tokens is right;
     the grid grows with it, so for long ones the extend kernel is the better one (worker/attention.py
-    picks: up to 16 new tokens here). Raises ValueError on inconsistent shapes, dtypes or devices (from metadata) and on a
-    max_extend_len below 1."""
+    picks: up to 16 new tokens here). Rows of q past the last request (a graph's padding) are left
+    unwritten, as the extend kernel leaves them. Raises ValueError on inconsistent shapes, dtypes or
+    devices (from metadata) and on a max_extend_len below 1."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     t, hq, d = q.shape
     batch = qo_indptr.numel() - 1
