@@ -158,11 +158,7 @@ class ExtendGraphRunner:
             and self.lora.holds(batch)
             and not any(r.full_prefill for r in batch.requests)  # prompt logprobs: their own logit rows
             and batch.kv_indices.size <= self.max_kv_indices
-            and (
-                kind != "all"
-                or not self.all_max_new
-                or int(np.diff(batch.qo_indptr).max()) <= self.all_max_new
-            )
+            and (kind != "all" or not self.all_max_new or batch.max_new_tokens <= self.all_max_new)
         )
 
     def padded_size(self, n: int) -> int:

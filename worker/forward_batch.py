@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 
@@ -76,7 +75,7 @@ class ForwardBatch:
             qo_indptr=torch.from_numpy(step.qo_indptr),
             kv_indptr=torch.from_numpy(step.kv_indptr),
             kv_indices=torch.from_numpy(step.kv_indices),
-            max_extend_len=int(np.diff(step.qo_indptr).max(initial=0)),
+            max_extend_len=step.max_new_tokens,
         ).to(device)
         batch.host = step
         return batch

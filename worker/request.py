@@ -113,6 +113,11 @@ class ScheduledBatch:
         return int(self.input_ids.size)
 
     @property
+    def max_new_tokens(self) -> int:
+        """The most new tokens of any request in the step."""
+        return int(np.diff(self.qo_indptr).max(initial=0))
+
+    @property
     def num_prefix_tokens(self) -> int:
         """Tokens read from the pool as context (extend: cached prefixes)."""
         return int(self.kv_indices.size)
