@@ -92,6 +92,36 @@ def choose_num_splits(
     return int(min(max(splits, 1), MAX_SPLITS))
 
 
+def split_cap(
+    num_splits: int | None,
+    batch: int,
+    num_kv_heads: int,
+    device: torch.device,
+    cfg: DecodeConfig,
+    max_kv_len: int | None = None,
+) -> int:
+    """The split cap a launch uses: ``num_splits`` when given (a CUDA graph fixes it), else
+    choose_num_splits for ``batch`` (request, token block) rows on ``device``'s SMs; in 1..MAX_SPLITS."""
+    if num_splits is None:
+        sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+        num_splits = choose_num_splits(
+            batch, num_kv_heads, sms, max_kv_len, cfg.min_split_len, cfg.split_waves
+        )
+    return int(min(max(num_splits, 1), MAX_SPLITS))
+
+
+def split_partials(
+    rows: int, hq: int, num_splits: int, d: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The split kernel's outputs for the merge: each split's partial output [rows, Hq, splits, D] and
+    its log2-sum-exp [rows, Hq, >= splits] (fp32).
+    NOTE: the lse rows are padded to a multiple of 16 splits so that their strides, like the partials',
+    keep their 16-divisibility for any split count: one compiled kernel pair serves them all."""
+    mid_out = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=device)
+    mid_lse = torch.empty((rows, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=device)
+    return mid_out, mid_lse
+
+
 @triton.jit
 def _num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
     return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), max_splits)
@@ -302,16 +332,10 @@ def decode_attention(
     if batch == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device))
-    if num_splits is None:
-        sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
-        num_splits = choose_num_splits(batch, hkv, sms, max_kv_len, cfg.min_split_len, cfg.split_waves)
-    num_splits = int(min(max(num_splits, 1), MAX_SPLITS))
+    num_splits = split_cap(num_splits, batch, hkv, q.device, cfg, max_kv_len)
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
-    mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    # NOTE: rows padded to a multiple of 16 splits so that mid_lse's strides, like mid_out's, keep
-    # their 16-divisibility for any split count: one compiled kernel pair serves them all.
-    mid_lse = torch.empty((batch, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=q.device)
+    mid_out, mid_lse = split_partials(batch, hq, num_splits, d, q.device)
     scale = d**-0.5 if sm_scale is None else sm_scale
     block_s = max(2, triton.next_power_of_2(num_splits))
     counters = merge_counters(q.device, batch * hkv) if cfg.fused_merge else mid_lse  # NOTE: unused unfused

@@ -30,13 +30,12 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.decode_attention import (
-    MAX_SPLITS,
     DecodeConfig,
     _merge_head,
     _num_splits_of,
-    _sm_count,
-    choose_num_splits,
     default_config,
+    split_cap,
+    split_partials,
 )
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
@@ -234,16 +233,9 @@ def extend_short_attention(
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     tokens = block_h // group
     token_blocks = triton.cdiv(max_extend_len, tokens)
-    if num_splits is None:
-        sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
-        num_splits = choose_num_splits(
-            batch * token_blocks, hkv, sms, None, cfg.min_split_len, cfg.split_waves
-        )
-    num_splits = int(min(max(num_splits, 1), MAX_SPLITS))
+    num_splits = split_cap(num_splits, batch * token_blocks, hkv, q.device, cfg)
     block_d = max(16, triton.next_power_of_2(d))
-    mid_out = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    # NOTE: padded to a multiple of 16 splits, as in decode: strides keep their 16-divisibility
-    mid_lse = torch.empty((t, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=q.device)
+    mid_out, mid_lse = split_partials(t, hq, num_splits, d, q.device)
     scale = d**-0.5 if sm_scale is None else sm_scale
     _short_split_kernel[(batch, hkv, num_splits * token_blocks)](
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, mid_out, mid_lse, scale * _LOG2E,
