@@ -239,13 +239,12 @@ def _mask_without_sort(scores: torch.Tensor, keep: list[int], top_p: list[float]
     below its k-th score (from topk of the largest such k), then every row below its top-p threshold
     on what is left (kernels/sampling.py). Ties at a cut all stay."""
     vocab = scores.shape[-1]
-    limited = [k < vocab for k in keep]
-    if any(limited):
-        kth = scores.topk(max(k for k in keep if k < vocab), dim=-1).values
-        index = on_device([k - 1 if k < vocab else 0 for k in keep], scores.device, torch.int64)
-        cut = kth.gather(1, index.unsqueeze(1)).squeeze(1)
-        cut = cut.masked_fill(~on_device(limited, scores.device, torch.bool), float("-inf"))
-        scores = scores.masked_fill(scores < cut.unsqueeze(1), float("-inf"))
+    limited = [k for k in keep if k < vocab]
+    if limited:
+        kth = scores.topk(max(limited), dim=-1).values
+        k = on_device(keep, scores.device, torch.int64).unsqueeze(1)
+        cut = kth.gather(1, k.clamp(max=kth.shape[1]) - 1).masked_fill(k == vocab, float("-inf"))
+        scores = scores.masked_fill(scores < cut, float("-inf"))
     if any(p < 1.0 for p in top_p):
         probs = scores.softmax(dim=-1)
         threshold = ops.top_p_threshold(probs, on_device(top_p, scores.device, torch.float32))
