@@ -34,28 +34,6 @@ def test_threshold_keeps_the_nucleus_as_defined(backend, vocab):
         assert kept.sum() - kept.min() < top_p[row] + 1e-5, row
 
 
-def test_threshold_agrees_with_the_sorted_reference(backend):
-    """The same threshold as the sort, but where the row's mass reaches top_p within fp32 rounding
-    of a token (the two sum in different orders; none of these rows is such a case)."""
-    kernels = backend.module("sampling")
-    probs = distributions(6, 500, seed=1)
-    top_p = torch.tensor([0.9, 0.5, 0.2, 0.8, 0.95, 0.4])
-    got = kernels.top_p_threshold(probs.to(backend.device), top_p.to(backend.device)).cpu()
-    want = reference.top_p_threshold(probs, top_p)
-    ranked = probs.sort(dim=-1, descending=True).values.double().cumsum(dim=-1)
-    assert (ranked - top_p.double().unsqueeze(1)).abs().min() > 1e-5  # no row is a rounding case
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def test_bad_inputs_raise_value_errors(backend):
-    kernels = backend.module("sampling")
-    probs = torch.rand(2, 10, device=backend.device)
-    with pytest.raises(ValueError, match="probs"):
-        kernels.top_p_threshold(probs.half(), torch.ones(2, device=backend.device))
-    with pytest.raises(ValueError, match="top_p"):
-        kernels.top_p_threshold(probs, torch.ones(3, device=backend.device))
-
-
 def no_rounding_case(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> bool:
     """Whether no row's top-k distribution reaches its top_p below 1 within fp32 rounding at some token
     (where a sort's cumulative sum and the kernel's sums may keep different tokens)."""
@@ -66,6 +44,27 @@ def no_rounding_case(scores: torch.Tensor, top_k: list[int], top_p: list[float])
         if (ranked.softmax(0).double().cumsum(0) - p).abs().min() <= 1e-5:
             return False
     return True
+
+
+def test_threshold_agrees_with_the_sorted_reference(backend):
+    """The same threshold as the sort, but where the row's mass reaches top_p within fp32 rounding
+    of a token (the two sum in different orders; none of these rows is such a case)."""
+    kernels = backend.module("sampling")
+    probs = distributions(6, 500, seed=1)
+    top_p = torch.tensor([0.9, 0.5, 0.2, 0.8, 0.95, 0.4])
+    got = kernels.top_p_threshold(probs.to(backend.device), top_p.to(backend.device)).cpu()
+    want = reference.top_p_threshold(probs, top_p)
+    assert no_rounding_case(probs.log(), [-1] * 6, top_p.tolist())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_bad_inputs_raise_value_errors(backend):
+    kernels = backend.module("sampling")
+    probs = torch.rand(2, 10, device=backend.device)
+    with pytest.raises(ValueError, match="probs"):
+        kernels.top_p_threshold(probs.half(), torch.ones(2, device=backend.device))
+    with pytest.raises(ValueError, match="top_p"):
+        kernels.top_p_threshold(probs, torch.ones(3, device=backend.device))
 
 
 @pytest.mark.parametrize(
