@@ -198,11 +198,9 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
-def extend_case(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
-    """(kernel_args, sdpa_args): the paged inputs of extend_attention, and the same logical attention
-    for SDPA, contiguous per request with K/V heads expanded to Hq: (q, k, v, attn_mask)."""
-    from torch.nn.attention.bias import causal_lower_right
-
+def extend_inputs(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
+    """The paged inputs of extend_attention: (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr,
+    kv_indices), random, the prefix slots shuffled in pages."""
     dt, hq, hkv, d = DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
     b, p, n = shape.batch, shape.prefix, shape.new
 
@@ -214,7 +212,18 @@ def extend_case(shape: ExtendShape, model: Model, device: torch.device, gen: tor
     kv_indices = shuffled_slots(b * p, gen).to(device)
     qo_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * n
     kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * p
-    kernel_args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
+    return q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices
+
+
+def extend_case(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
+    """(kernel_args, sdpa_args): extend_inputs, and the same logical attention for SDPA, contiguous
+    per request with K/V heads expanded to Hq: (q, k, v, attn_mask)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
+    b, p, n = shape.batch, shape.prefix, shape.new
+    kernel_args = extend_inputs(shape, model, device, gen)
+    q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = kernel_args
 
     def dense(cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         prefix = cache[kv_indices.long()].view(b, p, hkv, d)
@@ -240,7 +249,7 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     from kernels import extend_attention as ext
     from kernels import extend_short
 
-    (q, k_new, v_new, k_cache, v_cache, qo, kvp, kv_indices), _ = extend_case(shape, model, device, gen)
+    q, k_new, v_new, k_cache, v_cache, qo, kvp, kv_indices = extend_inputs(shape, model, device, gen)
     k_pool, v_pool = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
     out_slots = torch.arange(k_cache.shape[0], k_pool.shape[0], device=device)
     short_out, ext_out = torch.empty_like(q), torch.empty_like(q)
