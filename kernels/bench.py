@@ -35,8 +35,8 @@ DECODE_MAX_TOKENS = 1 << 20  # cap on batch x context: 1M tokens x 8 heads x 128
 TIMING = (
     "kernels.timing median, L2 evicted by a read before each run (clean lines, as a decode step's weight reads "
     "leave it); extend: eager calls (Python launch included, as the worker runs prefill); decode: CUDA-graph "
-    "replays (as the worker runs decode steps), eager calls and replays after a writing flush (dirty L2) also "
-    "recorded"
+    "replays (as the worker runs decode steps), eager calls, replays after a writing flush (dirty L2) and "
+    "per-layer replays of a layer stack also recorded"
 )
 PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged allocator leaves it
 # LoRA deltas (kernels/lora.py) on Llama-3-8B's gate/up projection (the largest): rank 16 per part
@@ -45,6 +45,10 @@ LORA_BATCHES = (1, 16, 64)  # decode rows, one per request
 LORA_ADAPTERS = (1, 4)  # distinct adapters in the step (request i takes adapter i % n)
 # verify steps (speculative decoding): few new tokens per request over a long prefix, both extend kernels
 VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (batch, prefix, new)
+# decode also timed as a model step runs it: one layer after another in a single CUDA graph, each over its
+# own K/V (read once per replay, so L2 holds none of it), so one graph launch is shared by the stack
+STACK_LAYERS = 8
+STACK_BYTES = 8 << 30  # at most this much K/V in the stack's copies (the largest rows then stack fewer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +170,20 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
 def gpu_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for the default --out path)."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def stack_layers(kv_bytes: int, layers: int = STACK_LAYERS, max_bytes: int = STACK_BYTES) -> int:
+    """Layers in the decode stack for a call over ``kv_bytes`` of K/V: ``layers``, fewer when their
+    copies would pass ``max_bytes``, never under 2."""
+    return max(2, min(layers, 1 + max_bytes // max(kv_bytes, 1)))
+
+
+def layer_stack(kernel_args: tuple, layers: int) -> list[tuple]:
+    """decode_case's kernel_args for ``layers`` layers: the same q, indices and K/V values, each layer's
+    K/V in its own memory (the first layer's are the originals)."""
+    q, k_cache, v_cache, kv_indptr, kv_indices = kernel_args
+    copies = [(q, k_cache.clone(), v_cache.clone(), kv_indptr, kv_indices) for _ in range(layers - 1)]
+    return [kernel_args, *copies]
 
 
 def shuffled_slots(tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -372,6 +390,20 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     # NOTE: also after a writing flush (triton.testing.do_bench's), which leaves L2 full of dirty lines
     # that this call then writes back: how these rows were measured before (kernels.timing).
     timed("triton_graph_dirty", timing.time_ms(graph.replay, flush="dirty"))
+    # NOTE: per layer in a stack of layers replayed as one graph, as a model step runs them
+    kv_bytes = kernel_args[1].numel() * kernel_args[1].element_size() * 2
+    stack = layer_stack(kernel_args, stack_layers(kv_bytes))
+
+    def stack_call() -> None:
+        for args in stack:
+            dec.decode_attention(*args, max_kv_len=shape.context, out=out)
+
+    stack_graph, stack_out = replayed(stack_call)
+    timed("triton_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
+    row["stack_layers"] = len(stack)
+    del stack_graph  # NOTE: before the copies it reads are freed
+    stack.clear()
+    torch.cuda.empty_cache()
     # NOTE: the variant with the merge in the split kernel (DecodeConfig.fused_merge): one launch, not
     # two; a candidate, so its failure is recorded in the row and the benchmark goes on
     q, fused_out = kernel_args[0], None
@@ -396,6 +428,7 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
             ref = sdpa_call()
         row["rel_err_vs_sdpa"] = _rel_err(eager_out, ref)
         row["rel_err_graph_vs_sdpa"] = _rel_err(graph_out, ref)
+        row["rel_err_stack_vs_sdpa"] = _rel_err(stack_out, ref)
         if fused_out is not None:
             row["rel_err_fused_vs_sdpa"] = _rel_err(fused_out, ref)
         timed("sdpa", timing.time_ms(sdpa_call))
@@ -475,8 +508,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         row = result["decode"][-1]
         fused = row.get("triton_fused_graph_gbs")
         fused_text = f"{fused:.0f} fused merge" if fused is not None else row.get("triton_fused_error", "-")
-        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, {row['triton_gbs']:.0f} eager, "
-              f"{fused_text}", file=sys.stderr)  # fmt: skip
+        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, "
+              f"{row['triton_stack_graph_gbs']:.0f} per layer of {row['stack_layers']} replayed, "
+              f"{row['triton_gbs']:.0f} eager, {fused_text}", file=sys.stderr)  # fmt: skip
     result["lora"] = []
     for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
         for adapters in LORA_ADAPTERS:

@@ -46,6 +46,21 @@ def test_decode_bytes_equals_the_tensors_a_decode_call_touches():
     assert bench.decode_bytes(shape, model, kv_indices.element_size()) == touched
 
 
+def test_the_decode_layer_stack_copies_each_layers_kv_within_its_byte_budget():
+    assert bench.stack_layers(1 << 20) == bench.STACK_LAYERS  # small K/V: the full stack
+    assert bench.stack_layers(3 << 30, layers=8, max_bytes=8 << 30) == 3  # two copies fit, a third would not
+    assert bench.stack_layers(16 << 30, layers=8, max_bytes=8 << 30) == 2  # never fewer than two layers
+    gen = torch.Generator().manual_seed(0)
+    args, _ = bench.decode_case(bench.DecodeShape(2, 32), MODEL, torch.device("cpu"), gen)
+    stack = bench.layer_stack(args, 3)
+    assert len(stack) == 3 and stack[0] is args
+    for layer in stack[1:]:
+        assert layer[0] is args[0] and layer[3] is args[3] and layer[4] is args[4]  # q and the indices shared
+        for copy, original in zip(layer[1:3], args[1:3], strict=True):
+            assert copy.data_ptr() != original.data_ptr() and torch.equal(copy, original)
+    assert stack[1][1].data_ptr() != stack[2][1].data_ptr()
+
+
 def test_shuffled_slots_is_a_page_shuffled_permutation():
     for tokens in (96, 100):  # whole pages, and a partial last page
         slots = bench.shuffled_slots(tokens, torch.Generator().manual_seed(0))
@@ -148,8 +163,8 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
-        ["1", "1024", "100", "-", "-", "10%", "-", "-", "100", "-", "-"],
-        ["1", str(bench_report.LONG_CONTEXT), "750", "800", "0.94", "75%", "-", "-", "750", "800", "-"],
+        ["1", "1024", "100", "-", "-", "10%", "-", "-", "-", "100", "-", "-"],
+        ["1", str(bench_report.LONG_CONTEXT), "750", "800", "0.94", "75%", "-", "-", "-", "750", "800", "-"],
     ]
     assert md.rstrip().endswith("- extend b=1 prefix=8 new=8: refused")  # why the row has no baseline
 
@@ -174,13 +189,17 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         triton_graph_gbs=900.0,
         triton_graph_dirty_gbs=700.0,  # recorded beside, never judged
         triton_fused_graph_gbs=950.0,  # the fused-merge variant: recorded beside, never judged
+        triton_stack_graph_gbs=980.0,  # per layer of a replayed stack: recorded beside, never judged
+        stack_layers=8,
         sdpa_graph_gbs=600.0,
         rel_err_vs_sdpa=1e-3,
         rel_err_graph_vs_sdpa=4e-3,
-        rel_err_fused_vs_sdpa=5e-3,  # NOTE: the error column shows the worst of the three outputs
+        rel_err_stack_vs_sdpa=2e-3,
+        rel_err_fused_vs_sdpa=5e-3,  # NOTE: the error column shows the worst of the four outputs
     )
     result["summary"] = s = bench_report.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.9)
+    assert s["decode_min_fraction_in_layer_stack_at_long_context"] == pytest.approx(0.98)
     md = bench_report.format_markdown(result)
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode[1] == [
@@ -190,6 +209,7 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "600",
         "1.50",
         "90%",
+        "980 (8)",
         "950",
         "700",
         "750",
@@ -197,7 +217,9 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "5.0e-03",
     ]
     table = bench_report.format_table(result).splitlines()
-    assert "900 GB/s" in table[-2] and "600 GB/s" in table[-2] and table[-2].endswith("eager 750 GB/s")
+    assert "900 GB/s" in table[-2] and "600 GB/s" in table[-2] and "eager 750 GB/s" in table[-2]
+    assert table[-2].endswith("stacked 980 GB/s")
+    assert "the worst row at context >= 16384 reaches 98% of copy bandwidth" in md
     assert "5.0e-03" in table[-2]
     del long_row["sdpa_graph_gbs"]  # SDPA could not be replayed: no comparison against its eager time
     result["summary"] = bench_report.summarize(result)
