@@ -327,8 +327,8 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     kernel_args, sdpa_args = extend_case(shape, model, device, gen)
     out = torch.empty_like(kernel_args[0])
 
-    def triton_call() -> None:
-        ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out)
+    def triton_call() -> None:  # NOTE: with the worker's hint: its longest prefix picks the tiles
+        ext.extend_attention(*kernel_args, max_extend_len=shape.new, max_prefix_len=shape.prefix, out=out)
 
     def sdpa_call() -> torch.Tensor:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -336,11 +336,25 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
 
     flops = extend_flops(shape, model)
     row: dict[str, Any] = {"batch": shape.batch, "prefix": shape.prefix, "new": shape.new, "flops": flops}
+    arch, q = ext.device_arch(device), kernel_args[0]
+    chosen = ext.default_config(q.shape[-1], q.dtype, arch, shape.prefix)
+    row["config"] = dataclasses.asdict(chosen)
     triton_call()
     row["triton_ms"] = timing.time_ms(triton_call)
     row["triton_tflops"] = flops / (row["triton_ms"] * 1e-3) / 1e12
+    blind = ext.default_config(q.shape[-1], q.dtype, arch)
+    if blind != chosen:  # the prefix picked other tiles: time the ones a batch without the hint takes
+        ms = timing.time_ms(lambda: ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out,
+                                                         config=blind))  # fmt: skip
+        row["triton_blind_tflops"] = flops / (ms * 1e-3) / 1e12
+        row["config_blind"] = dataclasses.asdict(blind)
+        blind_out = out.clone()
+        triton_call()  # NOTE: out is the chosen tiles' again for the error below
     try:
-        row["rel_err_vs_sdpa"] = _rel_err(out, sdpa_call())
+        ref = sdpa_call()
+        row["rel_err_vs_sdpa"] = _rel_err(out, ref)
+        if blind != chosen:
+            row["rel_err_blind_vs_sdpa"] = _rel_err(blind_out, ref)
         row["sdpa_ms"] = timing.time_ms(sdpa_call)
         row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
         row["ratio_vs_sdpa"] = row["triton_tflops"] / row["sdpa_tflops"]

@@ -93,6 +93,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
+    extend_default = extend_attention.default_config(shape.head_dim, dt, arch)
+    long_prefix = extend_attention.default_config(shape.head_dim, dt, arch, extend_attention.LONG_PREFIX)
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
 
     def lora_case(rank: int) -> Case:  # NOTE: q/k/v of rank-`rank` adapters (2 slots), decode rows
@@ -105,7 +107,9 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
         decode_case(shape, dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch),
                                                fused_merge=True), f"decode fused-merge {shape.label}"),
-        extend_case(shape, extend_attention.default_config(shape.head_dim, dt, arch), f"extend {shape.label}"),
+        extend_case(shape, extend_default, f"extend {shape.label}"),
+        *([extend_case(shape, long_prefix, f"extend long-prefix {shape.label}")] if long_prefix != extend_default
+          else []),
         extend_short_case(shape, decode_attention.default_config(shape.head_dim, dt, arch),
                           f"extend-short {shape.label}"),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),

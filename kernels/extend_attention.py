@@ -8,6 +8,8 @@ Shapes (T = new tokens in the batch, B = requests, S = slots in the pool, D = he
   Output [T, Hq, D] in q's dtype. Query head h reads KV head h // (Hq // Hkv).
   One dtype for q, k_new, v_new and the pool; a preallocated ``out`` has q's shape and dtype. The wrapper
   checks all of this from metadata (ValueError) and passes the index tensors on contiguous.
+``max_prefix_len`` (tokens, the longest cached prefix) is a host hint for the tile choice only
+(default_config); it never changes what is computed.
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
   - max_extend_len, when given, is >= the longest request's new tokens (max of qo_indptr's diffs);
     a smaller hint silently leaves the later rows of longer requests unwritten (checked, ValueError,
@@ -32,6 +34,8 @@ from kernels.online_softmax import attend_tile, gather_kv
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
+# a batch whose longest cached prefix has at least this many tokens takes the long-prefix tiles on sm_90
+LONG_PREFIX = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +48,12 @@ class ExtendConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> ExtendConfig:
-    """Defaults for compute capability ``arch`` (x10: 90 = H100); small tiles in the interpreter so
-    short test sequences span many tiles."""
+def default_config(
+    head_dim: int, dtype: torch.dtype, arch: int = 90, max_prefix_len: int | None = None
+) -> ExtendConfig:
+    """Defaults for compute capability ``arch`` (x10: 90 = H100) and a batch whose longest cached prefix
+    is ``max_prefix_len`` tokens (None: unknown, as in a CUDA graph replayed over any prefix); small tiles
+    in the interpreter so short test sequences span many tiles."""
     if INTERPRETED:
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     # NOTE: each fp16/bf16 choice compiles without register spills for sm_80, sm_89 and sm_90
@@ -65,7 +72,13 @@ def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> ExtendC
     # NOTE: on sm_90 (head_dim 128, bf16) python -m kernels.tune measured 64x32 with 4 warps 1.19x faster
     # than 128x64 with 8 warps over its four shapes (geomean; 1.48x with a 4096-token prefix, 0.99x at
     # 4 x 4096 new tokens): docs/benchmarks/kernels-tune-nvidia-h200.json. Head dim 64 is not tuned yet.
+    # With a 16k prefix (4 x (16384 prefix + 256 new)) 128x64 with 8 warps and 3 stages ran 1.36x faster
+    # than 64x32 on both the H100 and the H200 (kernels-tune-nvidia-h100-80gb-hbm3.json and -h200.json);
+    # with a 4096-token prefix (16 x (4096 + 1024)) it was 1.12x slower on both, and slower still without
+    # a prefix. Where it starts to win between the two is not measured, hence LONG_PREFIX at 16384.
     if 64 < head_dim <= 128 and arch >= 90:
+        if max_prefix_len is not None and max_prefix_len >= LONG_PREFIX:
+            return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
@@ -225,12 +238,13 @@ def extend_attention(
     sm_scale: float | None = None,
     *,
     max_extend_len: int | None = None,
+    max_prefix_len: int | None = None,
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
-    when None it is read from qo_indptr, which costs one device-to-host sync. ``out`` [T, Hq, D] may be
-    preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata only, no sync)."""
+    when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len`` picks
+    the default tiles (``config`` overrides them). ``out`` [T, Hq, D] may be preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata only, no sync)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
@@ -249,7 +263,7 @@ def extend_attention(
             raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
     if max_extend_len == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device))
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len)
     scale = d**-0.5 if sm_scale is None else sm_scale
     grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch)
     _extend_kernel[grid](

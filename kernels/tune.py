@@ -27,6 +27,9 @@ EXTEND_SHAPES = (
     bench.ExtendShape(batch=4, prefix=0, new=4096),
     bench.ExtendShape(batch=16, prefix=4096, new=1024),
     bench.ExtendShape(batch=4, prefix=16384, new=256),
+    # where the long-prefix tiles (extend_attention.LONG_PREFIX) start to win: a shorter prefix, more new
+    bench.ExtendShape(batch=4, prefix=8192, new=256),
+    bench.ExtendShape(batch=4, prefix=16384, new=1024),
 )
 DECODE_SHAPES = (
     bench.DecodeShape(batch=1, context=16384),
@@ -148,7 +151,10 @@ def tune_extend(
     kernel_args, sdpa_args = bench.extend_case(shape, model, device, gen)
     ref = bench.sdpa_extend(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
-    default = ext.default_config(model.head_dim, bench.DTYPES[model.dtype], ext.device_arch(device))
+    # NOTE: the tiles the worker would take for this batch (its longest prefix picks them)
+    default = ext.default_config(
+        model.head_dim, bench.DTYPES[model.dtype], ext.device_arch(device), shape.prefix
+    )
 
     def launch(cfg: Any) -> torch.Tensor:
         return ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out, config=cfg)

@@ -32,6 +32,9 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None  # int64: the new tokens to give logits for (overrides both)
     # NOTE: host-side, so the extend kernel's grid needs no device-to-host sync (one per layer otherwise)
     max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
+    max_prefix_len: int | None = (
+        None  # extend: longest cached prefix (picks the kernel's tiles); None = unknown
+    )
     lora: Any = None  # a worker.model.lora.LoraBatch when requests of LoRA adapters are in the batch
     # the scheduled step it was built from (its numpy arrays: what tensor parallelism sends the
     # other ranks), and whether ``input_ids`` came from the step before's sampled tokens on the
@@ -60,6 +63,7 @@ class ForwardBatch:
             return_all_logits=self.return_all_logits,
             logit_rows=None if self.logit_rows is None else self.logit_rows.to(device, non_blocking=True),
             max_extend_len=self.max_extend_len,
+            max_prefix_len=self.max_prefix_len,
             lora=self.lora,
         )
 
@@ -76,6 +80,7 @@ class ForwardBatch:
             kv_indptr=torch.from_numpy(step.kv_indptr),
             kv_indices=torch.from_numpy(step.kv_indices),
             max_extend_len=step.max_new_tokens,
+            max_prefix_len=None if step.mode == "decode" else step.max_prefix_tokens,
         ).to(device)
         batch.host = step
         return batch
@@ -125,4 +130,5 @@ class ForwardBatch:
             kv_indices=t(kv, torch.int64),
             return_all_logits=return_all_logits,
             max_extend_len=max((len(toks) for toks in new_tokens), default=0),
+            max_prefix_len=max((len(prefix) for prefix in kv_slots), default=0) if mode == "extend" else None,
         )

@@ -118,6 +118,11 @@ class ScheduledBatch:
         return int(np.diff(self.qo_indptr).max(initial=0))
 
     @property
+    def max_prefix_tokens(self) -> int:
+        """The longest run of pool slots any request reads as context (extend: its cached prefix)."""
+        return int(np.diff(self.kv_indptr).max(initial=0))
+
+    @property
     def num_prefix_tokens(self) -> int:
         """Tokens read from the pool as context (extend: cached prefixes)."""
         return int(self.kv_indices.size)

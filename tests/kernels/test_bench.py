@@ -110,6 +110,7 @@ def synthetic_result() -> dict:
                 "sdpa_tflops": 100.0,
                 "ratio_vs_sdpa": 0.9,
                 "rel_err_vs_sdpa": 0.00123,
+                "config": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
             },
             {"batch": 1, "prefix": 8, "new": 8, "triton_tflops": 70.0, "sdpa_error": "refused"},
         ],
@@ -158,8 +159,8 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     assert "(min 0.90)" in targets[1][0]
     extend = table_rows(md, "## Extend (prefill over a cached prefix)")
     assert extend == [
-        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03"],
-        ["1", "8", "8", "70.0", "-", "-", "14%", "-"],
+        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03", "64x32/4w/2s", "-", "-"],
+        ["1", "8", "8", "70.0", "-", "-", "14%", "-", "-", "-", "-"],
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
@@ -229,6 +230,25 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "-",
         "-",
     ]
+
+
+def test_extend_rows_show_the_tiles_without_the_prefix_hint_and_judge_their_output_too():
+    result = synthetic_result()
+    result["extend"].append({
+        "batch": 4, "prefix": 16384, "new": 256, "triton_tflops": 200.0, "sdpa_tflops": 180.0,
+        "ratio_vs_sdpa": 200 / 180, "rel_err_vs_sdpa": 3e-3, "triton_blind_tflops": 150.0,
+        "config": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+        "config_blind": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
+        "rel_err_blind_vs_sdpa": 4e-3,
+    })  # fmt: skip
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["extend_target_met"] is True
+    rows = table_rows(bench_report.format_markdown(result), "## Extend (prefill over a cached prefix)")
+    assert rows[-1] == ["4", "16384", "256", "200.0", "180.0", "1.11", "40%", "4.0e-03", "128x64/8w/3s",
+                        "64x32/4w/2s", "150.0"]  # fmt: skip
+    result["extend"][-1]["rel_err_blind_vs_sdpa"] = float("nan")  # the timed alternative wrote nothing
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["extend_target_met"] is False and s["inaccurate"] == ["extend b=4 prefix=16384 new=256"]
 
 
 def test_an_unwritten_or_wrong_output_misses_the_target_however_fast():

@@ -78,6 +78,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
+    assert ("extend long-prefix bf16 hd128 gqa4", "_extend_kernel") in rows  # LONG_PREFIX's tiles
+    assert ("extend long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     for hd in (128, 64):
         extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
         decode = rows[(f"decode bf16 hd{hd} gqa4", "_decode_split_kernel")]

@@ -55,7 +55,7 @@ def test_extend_matches_reference_on_ragged_paged_batch(backend, assert_close_re
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
-@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 32), (32, 64)])
+@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32), (64, 32), (32, 64), (128, 64)])
 def test_extend_is_exact_for_any_tile_shape(backend, assert_close_rel, block_m, block_n):
     """Unmasked whole tiles (prefix and left of the diagonal) and masked edge tiles meet correctly
     whether query blocks are larger or smaller than key tiles (the shapes kernels.tune tries)."""
@@ -67,6 +67,34 @@ def test_extend_is_exact_for_any_tile_shape(backend, assert_close_rel, block_m, 
     out = torch.full_like(args[0], float("nan"))
     ext.extend_attention(*args, out=out, config=cfg)
     assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+def test_the_long_prefix_tiles_are_chosen_from_the_hint_on_hopper_only(monkeypatch):
+    from kernels import extend_attention as ext
+
+    monkeypatch.setattr(ext, "INTERPRETED", False)  # the compiled choice (the interpreter takes tiny tiles)
+    bf16, long = torch.bfloat16, ext.LONG_PREFIX
+    base = ext.default_config(128, bf16, 90)
+    assert ext.default_config(128, bf16, 90, long) == ext.ExtendConfig(128, 64, 8, 3)
+    assert ext.default_config(128, torch.float16, 90, 4 * long) == ext.ExtendConfig(128, 64, 8, 3)
+    assert ext.default_config(128, bf16, 90, long - 1) == base == ext.default_config(128, bf16, 90, None)
+    for head_dim, dtype, arch in [(128, bf16, 80), (128, bf16, 89), (64, bf16, 90), (128, torch.float32, 90)]:
+        assert ext.default_config(head_dim, dtype, arch, long) == ext.default_config(head_dim, dtype, arch)
+
+
+def test_extend_passes_its_prefix_hint_to_the_tile_choice(backend, assert_close_rel, monkeypatch):
+    """The hint reaches default_config, and the kernel with the tiles it picks (the long-prefix ones when
+    compiled for sm_90; the interpreter's small ones here) still matches the reference."""
+    ext = backend.module("extend_attention")
+    seen, choose = [], ext.default_config
+    monkeypatch.setattr(ext, "default_config", lambda *a: seen.append(a[3:]) or choose(*a))
+    args = make_batch([(40, 9), (3, 30)], 8, 2, 128, torch.bfloat16, backend.device)
+    ref = reference_on_cpu(args)
+    for hint in (ext.LONG_PREFIX, None):
+        out = torch.full_like(args[0], float("nan"))
+        ext.extend_attention(*args, max_prefix_len=hint, out=out)
+        assert_close_rel(out.cpu(), ref)
+    assert seen == [(ext.LONG_PREFIX,), (None,)]
 
 
 def test_extend_honours_sm_scale_int64_indices_and_computes_its_own_grid(backend, assert_close_rel):

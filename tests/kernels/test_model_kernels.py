@@ -102,6 +102,32 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
 
 
+def test_the_worker_gives_the_extend_kernel_its_longest_prefix(backend, assert_close_rel, monkeypatch):
+    """attention.extend hands the batch's longest cached prefix to the kernel's tile choice (a prefix
+    of 16k tokens or more takes other tiles on sm_90), and the result is the reference's."""
+    ext = backend.module("extend_attention")
+    seen, choose = [], ext.default_config
+    monkeypatch.setattr(ext, "default_config", lambda *a: seen.append(a[3]) or choose(*a))
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, pool = 8, 2, 64, 128
+    k_cache, v_cache = torch.randn(pool, hkv, d, generator=g), torch.randn(pool, hkv, d, generator=g)
+    slots = torch.randperm(pool, generator=g).tolist()
+    shapes = [(30, 20), (7, 17)]  # (prefix, new): more than attention.SHORT_EXTEND new tokens
+    batch = ForwardBatch.build("extend", [[0] * n for _, n in shapes], [p for p, _ in shapes],
+                               [slots[60:80], slots[80:97]], [slots[:30], slots[30:37]])  # fmt: skip
+    assert batch.max_prefix_len == 30
+    t = sum(n for _, n in shapes)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    args = [x.to(backend.device, torch.float32) for x in (q, k, v, k_cache, v_cache)]
+    out = attention.extend(*args, batch.to(backend.device), 0.25)
+    assert seen == [30]
+    ref = reference.extend_attention(q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr,
+                                     batch.kv_indices, 0.25)  # fmt: skip
+    assert_close_rel(out, ref)
+
+
 def random_adapters(model: LlamaForCausalLM) -> list:
     """Two LoRA adapters for ``model`` (ranks 3 and 6, on every projection but o in the first) large
     enough to move the logits well past the tolerances below; the same weights on every call."""

@@ -390,3 +390,31 @@ def test_decode_groups_split_only_when_the_padding_saved_pays_for_the_extra_call
     short = [1, 7, 20, 12, 9, 40, 2]  # 280 slots padded: not worth 2 extra calls
     assert decode_groups(short) == [list(range(7))]
     assert len(decode_groups(short, min_saved_slots=0)) == 3
+
+
+def test_extend_batches_know_their_longest_cached_prefix():
+    """The hint the extend kernel picks its tiles by: from per-request lists, from a scheduled step,
+    across devices and to the other tensor-parallel ranks; decode batches have none."""
+    from worker.request import ScheduledBatch
+    from worker.tensor_parallel import step_batch, step_message
+
+    batch = ForwardBatch.build("extend", [[1, 2], [3], [4]], [5, 0, 2], [[10, 11], [12], [13]],
+                               [[0, 1, 2, 3, 4], [], [5, 6]])  # fmt: skip
+    assert batch.max_prefix_len == 5 and batch.to("cpu").max_prefix_len == 5
+    assert step_batch(step_message(batch), torch.device("cpu"), None).max_prefix_len == 5
+    assert ForwardBatch.build("decode", [[1]], [3], [[3]], [[0, 1, 2, 3]]).max_prefix_len is None
+
+    def step(mode: str, kv_lens: list[int]) -> ScheduledBatch:
+        n = len(kv_lens)
+        return ScheduledBatch(
+            mode=mode, requests=[], starts=[0] * n, ends=[1] * n, sample=[True] * n,
+            input_ids=np.zeros(n, np.int64), positions=np.zeros(n, np.int64), out_slots=np.arange(n),
+            qo_indptr=np.arange(n + 1, dtype=np.int32),
+            kv_indptr=np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32),
+            kv_indices=np.arange(sum(kv_lens), dtype=np.int64),
+        )  # fmt: skip
+
+    assert step("extend", [5, 0, 7]).max_prefix_tokens == 7
+    assert ForwardBatch.from_step(step("extend", [5, 0, 7]), "cpu").max_prefix_len == 7
+    assert ForwardBatch.from_step(step("verify", [9, 2]), "cpu").max_prefix_len == 9
+    assert ForwardBatch.from_step(step("decode", [4, 6]), "cpu").max_prefix_len is None
