@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kernels import compile_check, timing
+from kernels import compile_check, reference, timing
 from kernels.bench_report import format_markdown, format_table, summarize
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
@@ -152,8 +152,13 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     def timed(name: str, ms: float) -> None:
         row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / (ms * 1e-3) / 1e9
 
+    # NOTE: the segments the worker passes (neighbouring requests of one adapter joined, 16 rows at most)
+    cap = reference.LORA_BLOCK_ROWS
+    seg_indptr, seg_slots = (torch.from_numpy(t).to(device, torch.int32)
+                             for t in reference.lora_segments(slots.cpu().numpy(), indptr.cpu().numpy(), cap))  # fmt: skip
+
     def triton_call() -> None:  # NOTE: out drifts over the runs (each adds its delta); the time does not
-        lora.lora_add(x, out, a, b, indptr, slots, 1)
+        lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap)
 
     graph = timing.capture(triton_call)
     out.copy_(base)
@@ -161,6 +166,12 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     row["rel_err_vs_torch"] = _rel_err(out - base, ref - base)  # NOTE: the deltas, not the sums
     timed("triton_graph", timing.time_ms(graph.replay))
     timed("triton", timing.time_ms(triton_call))
+    row["segments"] = int((seg_slots >= 0).sum())
+    # one segment per request, as the worker passed them before
+    timed(
+        "triton_per_request_graph",
+        timing.time_replay_ms(lambda: lora.lora_add(x, out, a, b, indptr, slots, 1)),
+    )
     torch_out = base.clone()
     timed("torch_graph", timing.time_replay_ms(lambda: lora_per_adapter(x, torch_out, a, b, rows)))
     timed("torch", timing.time_ms(lambda: lora_per_adapter(x, torch_out, a, b, rows)))

@@ -207,16 +207,21 @@ def format_markdown(result: dict) -> str:
             "Llama-3-8B's gate/up shape (4096 -> 28672), rank 16 per part (32 stacked), one row per request,"
             " request i on adapter i % n. Against the same deltas as torch ops per adapter (index_select,"
             " two matmuls, index_add: the worker's path before the kernels). Both replayed as CUDA graphs"
-            " and eager; GB/s counts each distinct adapter's weights once, x, and out read and written.",
+            " and eager; GB/s counts each distinct adapter's weights once, x, and out read and written."
+            " Triton takes the worker's segments (neighbouring requests of one adapter joined, up to 16 rows:"
+            " kernels.reference.lora_segments); the per-request column replays one segment per request.",
             "",
-            "| requests | adapters | Triton us | Triton GB/s | of copy bw | torch per adapter us | torch / Triton "
-            "| Triton eager us | torch eager us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| requests | adapters | segments | Triton us | Triton GB/s | of copy bw | per-request segments us "
+            "| torch per adapter us | torch / Triton | Triton eager us | torch eager us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["lora"]:
+            per_request = r.get("triton_per_request_graph_ms")
             lines.append(
-                f"| {r['batch']} | {r['adapters']} | {r['triton_graph_ms'] * 1e3:.1f} | {r['triton_graph_gbs']:,.0f} "
-                f"| {r['triton_graph_gbs'] / copy:.0%} | {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {r['batch']} | {r['adapters']} | {r.get('segments', '-')} | {r['triton_graph_ms'] * 1e3:.1f} "
+                f"| {r['triton_graph_gbs']:,.0f} | {r['triton_graph_gbs'] / copy:.0%} "
+                f"| {_fmt(None if per_request is None else per_request * 1e3, '.1f')} "
+                f"| {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {r['rel_err_vs_torch']:.1e} |"
             )

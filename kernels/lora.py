@@ -1,7 +1,8 @@
 """Triton LoRA deltas for a batch that mixes adapters: every adapter's rows in two launches.
 
 Semantics are kernels.reference.lora_add; this module must never change them.
-Shapes (T = rows of the batch, n = segments, usually requests; S = adapter slots; R = the stack's rank):
+Shapes (T = rows of the batch, n = segments: the worker's are reference.lora_segments'; S = adapter slots;
+R = the stack's rank):
   x [T, K]; out [T, N] (the base projection of x, updated in place); a [S, R, K]; b [S, N, R];
   seg_indptr [n+1]: segment i owns rows seg_indptr[i]:seg_indptr[i+1];
   seg_slots [n]: segment i's slot in a / b, or -1 for rows the delta leaves alone (the base model's).
@@ -26,11 +27,14 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested
+from kernels.reference import LORA_BLOCK_ROWS
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 
-BLOCK_M = 16  # rows a program takes (tl.dot's smallest M; a decode segment uses one of them)
+BLOCK_M = (
+    LORA_BLOCK_ROWS  # rows a program takes (16: tl.dot's smallest M; reference.lora_segments packs them)
+)
 BLOCK_K = 64  # x columns per step of the shrink's loop
 K_PER_SPLIT = 512  # at least this many x columns per shrink program
 MAX_SPLITS = 32

@@ -10,7 +10,12 @@ Hq must be a multiple of Hkv (GQA: query head h reads KV head h // (Hq // Hkv)).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+LORA_BLOCK_ROWS = 16  # rows one program of the LoRA kernels takes (kernels.lora.BLOCK_M)
 
 
 def _attend(
@@ -158,6 +163,35 @@ def rope_store_kv(
     q, k = apply_rope(q, k, positions, cos_sin_cache)
     store_kv(k_cache, v_cache, slots, k, v)
     return q, k
+
+
+def lora_segments(
+    slots: Sequence[int] | np.ndarray, indptr: Sequence[int] | np.ndarray, cap: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """lora_add's (seg_indptr [n+1], seg_slots [n]) (int64, host) for n requests where request i of
+    adapter slot ``slots[i]`` owns rows indptr[i]:indptr[i+1]: each run of neighbouring requests on one
+    slot is one segment, cut every ``cap`` rows. ``cap`` must be at least each request's rows, so
+    there are never more segments than requests: the unused ones are empty (at the end, slot -1), and
+    the kernels' grid, which is sized by the segment count and ``cap``, is the batch's whatever its
+    adapters. The rows and deltas are the same as with one segment per request; a run's rows then load
+    the adapter's weights once per ``LORA_BLOCK_ROWS`` rows instead of once per request."""
+    slots, indptr = np.asarray(slots, dtype=np.int64), np.asarray(indptr, dtype=np.int64)
+    n = slots.size
+    if indptr.size != n + 1:
+        raise ValueError(f"indptr needs {n + 1} entries for {n} slots, got {indptr.size}")
+    if cap <= 0 or (n and int(np.diff(indptr).max()) > cap):
+        raise ValueError(f"cap {cap} is below a request's rows")
+    first = np.ones(n, dtype=bool)
+    first[1:] = slots[1:] != slots[:-1]
+    starts = indptr[:-1][first]
+    ends = np.append(starts[1:], indptr[-1])
+    chunks = np.maximum(1, -(-(ends - starts) // cap))  # an empty run keeps one (empty) segment
+    within = np.arange(int(chunks.sum())) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    seg_indptr = np.full(n + 1, indptr[-1] if n else 0, dtype=np.int64)
+    seg_slots = np.full(n, -1, dtype=np.int64)
+    seg_indptr[: within.size] = np.repeat(starts, chunks) + within * cap
+    seg_slots[: within.size] = np.repeat(slots[first], chunks)
+    return seg_indptr, seg_slots
 
 
 def lora_rows(

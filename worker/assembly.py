@@ -246,7 +246,7 @@ class ModelExecutor:
         fb = ForwardBatch.from_step(batch, self.device)
         adapters = [r.adapter for r in batch.requests]
         if any(adapters):
-            fb.lora = lora_batch(self.model.lora_stack, adapters, fb.qo_indptr, fb.max_extend_len)
+            fb.lora = lora_batch(self.model.lora_stack, adapters, batch.qo_indptr, fb.max_extend_len)
         return fb
 
     def verify(self, batch: ScheduledBatch) -> list[list[int]]:

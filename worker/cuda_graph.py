@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kernels.reference import LORA_BLOCK_ROWS, lora_segments
 from worker.forward_batch import ForwardBatch
 from worker.request import ScheduledBatch
 
@@ -186,10 +187,11 @@ class DecodeGraphRunner:
     """Captured decode forwards for ``graph_batch_sizes(max_batch)`` requests.
 
     Static inputs live in ONE int64 device buffer at fixed offsets:
-    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | kv_indices max_kv_indices |
-    lora_slots B]`` (B = the largest size; lora_slots only when the model has adapters). A step fills
-    the same layout in pinned host memory (StaticInputs) and moves it with a single host-to-device
-    copy of the used prefix, then replays the graph of the next size up.
+    ``[input_ids B | positions B | out_slots B | kv_indptr B+1 | lora_slots B | lora_indptr B+1 |
+    kv_indices max_kv_indices]`` (B = the largest size; the LoRA segments' slots and bounds only
+    when the model has adapters). A step fills the same layout in pinned host memory (StaticInputs)
+    and moves it with a single host-to-device copy of the used prefix, then replays the graph of the
+    next size up.
     """
 
     def __init__(
@@ -209,8 +211,11 @@ class DecodeGraphRunner:
         self.max_batch, self.max_kv_indices = big, max_kv_indices
         self.scratch_slot = int(kv_pool.scratch_slot)
         self.lora = GraphLora(model)
-        lengths = {"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1,
-                   "kv_indices": max_kv_indices} | ({"lora_slots": big} if self.lora.stack else {})  # fmt: skip
+        # NOTE: kv_indices last: a step uploads the written prefix, so one with few slots copies little
+        lengths = {"input_ids": big, "positions": big, "out_slots": big, "kv_indptr": big + 1}
+        if self.lora.stack:  # the LoRA kernels' segments (kernels.reference.lora_segments)
+            lengths |= {"lora_slots": big, "lora_indptr": big + 1}
+        lengths["kv_indices"] = max_kv_indices
         self._inputs = StaticInputs(lengths, model.device)
         self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._replays: dict[tuple[int, bool], Callable[[], None]] = {}
@@ -240,7 +245,9 @@ class DecodeGraphRunner:
             kv_indices=view("kv_indices"),
         )
         if lora:
-            batch.lora = self.lora.batch(view("lora_slots", size), batch.qo_indptr, 1)
+            batch.lora = self.lora.batch(
+                view("lora_slots", size), view("lora_indptr", size + 1), LORA_BLOCK_ROWS
+            )
         return batch
 
     def _fill(
@@ -258,8 +265,12 @@ class DecodeGraphRunner:
         put_new_tokens(self._inputs, size, input_ids, positions, out_slots, self.scratch_slot)
         self._inputs.put("kv_indptr", kv_indptr, size + 1, int(kv_indptr[-1]))  # padded rows: zero slots
         self._inputs.put("kv_indices", kv_indices)
-        if lora_slots is not None:
-            self._inputs.put("lora_slots", lora_slots, size, -1)  # padded rows: no adapter
+        if lora_slots is not None:  # NOTE: one row per request: neighbours of one adapter share segments
+            padded = np.full(size, -1, dtype=np.int64)  # padded rows: no adapter
+            padded[: lora_slots.size] = lora_slots
+            seg_indptr, seg_slots = lora_segments(padded, np.arange(size + 1), LORA_BLOCK_ROWS)
+            self._inputs.put("lora_slots", seg_slots)
+            self._inputs.put("lora_indptr", seg_indptr)
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch) -> bool:

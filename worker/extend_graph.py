@@ -49,8 +49,9 @@ class ExtendGraphRunner:
     which its graphs' kernels are launched for; ``can_run`` refuses an ``all`` step past it.
 
     Static inputs live in ONE int64 device buffer at fixed offsets (T = max_tokens, R = its requests):
-    ``[input_ids T | positions T | out_slots T | qo_indptr R+1 | kv_indptr R+1 | kv_indices ...]``,
-    filled through a pinned host mirror with one host-to-device copy per step, as for decode graphs.
+    ``[input_ids T | positions T | out_slots T | qo_indptr R+1 | kv_indptr R+1 | lora_slots R+1 |
+    kv_indices ...]`` (lora_slots only with adapters), filled through a pinned host mirror with one
+    host-to-device copy per step, as for decode graphs.
     """
 
     def __init__(
@@ -71,8 +72,9 @@ class ExtendGraphRunner:
         self.scratch_slot = int(kv_pool.scratch_slot)
         rows = self._requests(big) + 1
         self.lora = GraphLora(model)
-        lengths = {"input_ids": big, "positions": big, "out_slots": big, "qo_indptr": rows, "kv_indptr": rows,
-                   "kv_indices": max_kv_indices} | ({"lora_slots": rows} if self.lora.stack else {})  # fmt: skip
+        # NOTE: kv_indices last: a step uploads the written prefix, so one with few slots copies little
+        lengths = {"input_ids": big, "positions": big, "out_slots": big, "qo_indptr": rows, "kv_indptr": rows}
+        lengths |= ({"lora_slots": rows} if self.lora.stack else {}) | {"kv_indices": max_kv_indices}
         self._inputs = StaticInputs(lengths, model.device)
         self.kinds = ("last", "all") if all_logits else ("last",)
         # NOTE: verify steps (the "all" kind) have few new tokens per request; the hint lets a graph

@@ -107,7 +107,7 @@ def step_batch(msg: tuple, device: torch.device, stack: Any, group: Any = None) 
         max_prefix_len=max_prefix,
     )
     if lora is not None:
-        batch.lora = lora_batch(stack, lora, batch.qo_indptr, max_extend)
+        batch.lora = lora_batch(stack, lora, arrays["qo_indptr"], max_extend)
     return batch
 
 

@@ -115,3 +115,51 @@ def test_k_is_split_for_few_rows_only():
     for k, programs in ((4096, 1), (14336, 64), (1100, 15), (96, 9)):
         splits, per = split_k(k, programs)
         assert per % BLOCK_K == 0 and (splits - 1) * per < k <= splits * per  # every column, no empty split
+
+
+def test_lora_segments_join_neighbouring_requests_of_one_adapter_cut_every_cap_rows():
+    import numpy as np
+
+    def segments(slots, lengths, cap):
+        indptr = np.concatenate([[0], np.cumsum(lengths)])
+        got = reference.lora_segments(slots, indptr, cap)
+        return got[0].tolist(), got[1].tolist()
+
+    # one row per request (a decode step): 40 on one adapter are three segments, padded to 40
+    indptr, slots = segments([3] * 40, [1] * 40, 16)
+    assert indptr == [0, 16, 32] + [40] * 38 and slots == [3, 3, 3] + [-1] * 37
+    # runs of an adapter, of the base, an empty request inside a run and one alone
+    assert segments([0, 0, 1, 1, -1, 0, 2], [3, 2, 0, 4, 3, 1, 0], 16) == (
+        [0, 5, 9, 12, 13, 13, 13, 13], [0, 1, -1, 0, 2, -1, -1],
+    )  # fmt: skip
+    assert segments([0, 1, 0, 1], [1, 1, 1, 1], 16) == ([0, 1, 2, 3, 4], [0, 1, 0, 1])  # no neighbours
+    assert segments([2, 2, 2], [10, 10, 10], 10) == ([0, 10, 20, 30], [2, 2, 2])  # full requests stay
+    assert segments([2, 2, 2], [3, 10, 4], 10) == ([0, 10, 17, 17], [2, 2, -1])  # cut inside a request
+    assert segments([], [], 16) == ([0], [])
+    with pytest.raises(ValueError, match="below a request's rows"):
+        segments([0, 1], [3, 20], 16)
+    with pytest.raises(ValueError, match="entries"):
+        reference.lora_segments([0, 1], [0, 1], 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_on_joined_segments_gives_each_requests_deltas(backend, assert_close_rel, dtype):
+    """A decode step of 45 rows (a run of 37 on one adapter, the base, another adapter) and a prefill
+    of short requests, as the worker passes them: the same deltas as one segment per request."""
+    lora = backend.module("lora")
+    for lengths, slots in (
+        ([1] * 45, [2] * 37 + [-1, -1, 0, 0, 0, 1, 1, 2]),
+        ([5, 9, 2, 7, 1], [1, 1, 1, -1, 1]),
+    ):
+        x, out, a, b, indptr, seg_slots = lora_case(lengths, slots, 200, 70, 8, dtype)
+        want = reference.lora_add(x, out.clone(), a, b, indptr, seg_slots)
+        cap = max(max(lengths), reference.LORA_BLOCK_ROWS)
+        joined = [
+            torch.from_numpy(t).to(torch.int32) for t in reference.lora_segments(slots, indptr.numpy(), cap)
+        ]
+        assert int((joined[1] >= 0).sum()) < sum(s >= 0 for s in slots)  # fewer segments than requests
+        same_rows = {s: r.tolist() for s, r in reference.lora_rows(indptr, seg_slots)}
+        assert {s: r.tolist() for s, r in reference.lora_rows(*joined, cap)} == same_rows
+        dev = [t.to(backend.device) for t in (x, out.clone(), a, b, *joined)]
+        got = lora.lora_add(*dev, cap).cpu()
+        assert_close_rel((got.float() - out.float()).to(dtype), (want.float() - out.float()).to(dtype))

@@ -347,17 +347,20 @@ def test_lora_steps_replay_their_own_graphs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lora_graph_replay_matches_eager_on_the_gpu():
-    """Real capture of the LoRA graphs (the Triton LoRA kernels inside them) against eager steps."""
+    """Real capture of the LoRA graphs (the Triton LoRA kernels inside them) against eager steps, the
+    LoRA segments joined across neighbouring requests of one adapter."""
     from tests.kernels.test_model_kernels import add_adapters
 
     model = load_model("tiny", "cuda").model
     add_adapters(model)
-    lengths = [5, 40, 9, 130, 2, 64, 21]
+    lengths = [5, 40, 9, 130, 2, 64, 21] + [7 + 5 * i for i in range(13)]
     graphed, eager = Fleet(model, "cuda", lengths), Fleet(model, "cuda", lengths)
     clone_pool_into(eager.pool, graphed.pool)
-    runner = DecodeGraphRunner(model, graphed.pool, max_batch=8, max_kv_indices=8 * 256)
+    runner = DecodeGraphRunner(model, graphed.pool, max_batch=24, max_kv_indices=24 * 256)
     rng = np.random.default_rng(5)
-    for rows, adapters in (([3], [1]), ([0, 6, 2], [2, 0, 1]), (list(range(7)), [1, 2, 0, 2, 1, 0, 2])):
+    # NOTE: the last step's 18 neighbours on adapter 1 make two segments (16 rows + 2) in its graph
+    for rows, adapters in (([3], [1]), ([0, 6, 2], [2, 0, 1]), (list(range(7)), [1, 2, 0, 2, 1, 0, 2]),
+                           (list(range(20)), [1] * 18 + [2, 0])):  # fmt: skip
         toks = rng.integers(0, 256, len(rows)).tolist()
         step_g = with_adapters(graphed.decode_step(rows, toks), adapters)
         step_e = with_adapters(eager.decode_step(rows, toks), adapters)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels import reference
@@ -152,9 +153,9 @@ class LoraBatch:
     """One forward's adapters: each request's slot in ``stack`` (-1: the base model) and its rows."""
 
     stack: LoraStack
-    slots: torch.Tensor  # int32 [B] on the model's device
-    indptr: torch.Tensor  # int32 [B + 1]: request i's rows (new tokens), the batch's qo_indptr
-    max_rows: int  # most rows of any request
+    slots: torch.Tensor  # int32 [B] on the model's device: each segment's slot (-1: the base model)
+    indptr: torch.Tensor  # int32 [B + 1]: segment i's rows (kernels.reference.lora_segments)
+    max_rows: int  # most rows of any segment
     adapters: list[int]  # each request's adapter id (0: the base), on the host (for the other TP ranks)
     fixed: bool = True  # False: ``slots`` is rewritten between forwards (a CUDA graph's static input)
     groups: list | None = None  # the torch reference path's (slot, rows) pairs, once it has worked them out
@@ -165,20 +166,29 @@ class LoraBatch:
 
 
 def lora_batch(
-    stack: LoraStack, per_request: list[int], qo_indptr: torch.Tensor, max_rows: int | None = None
+    stack: LoraStack,
+    per_request: list[int],
+    qo_indptr: np.ndarray | torch.Tensor,
+    max_rows: int | None = None,
 ) -> LoraBatch | None:
     """The LoRA part of a forward whose request i is of adapter ``per_request[i]`` (0 = the base) and
-    owns rows ``qo_indptr[i]:qo_indptr[i + 1]`` (on the model's device; ``max_rows``: the most rows
-    of any request, read from ``qo_indptr`` when not given); None when every request is the base's."""
+    owns rows ``qo_indptr[i]:qo_indptr[i + 1]`` (the scheduler's host array; a tensor is read back),
+    ``max_rows``: the most rows of any request (read from ``qo_indptr`` when not given); None when
+    every request is the base's. Neighbouring requests of one adapter share segments
+    (kernels.reference.lora_segments)."""
     if not any(per_request):
         return None
+    from kernels.reference import LORA_BLOCK_ROWS, lora_segments
     from worker.sampling import on_device
 
-    # NOTE: through pinned memory: a step scheduled ahead builds this while the step before runs
-    slots = on_device(stack.slots_of(per_request), qo_indptr.device, torch.int32)
+    host = qo_indptr.cpu().numpy() if isinstance(qo_indptr, torch.Tensor) else np.asarray(qo_indptr)
     if max_rows is None:
-        max_rows = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    return LoraBatch(stack, slots, qo_indptr, max_rows, list(per_request))
+        max_rows = int(np.diff(host).max(initial=0))
+    cap = max(max_rows, LORA_BLOCK_ROWS)  # NOTE: the kernels' row blocks per segment stay cdiv(max_rows, 16)
+    seg_indptr, seg_slots = lora_segments(stack.slots_of(per_request), host, cap)
+    # NOTE: through pinned memory: a step scheduled ahead builds this while the step before runs
+    slots = on_device(seg_slots, stack.device, torch.int32)
+    return LoraBatch(stack, slots, on_device(seg_indptr, stack.device, torch.int32), cap, list(per_request))
 
 
 def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
