@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -366,3 +367,56 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     rows = table_rows(md, "## Verify steps: few new tokens per request over a long prefix")
     assert rows[0] == ["1", "4096", "5", "20.0", "600", "60%", "100.0", "5.00", "2.0e-03"]
     assert result["summary"]["inaccurate"] == ["verify b=16 prefix=4096 new=5"]
+
+
+def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
+    """bench_decode, bench_extend and bench_lora (GPU-only in the command) on the interpreter: the CUDA
+    graphs re-run their calls and the host clock times them. The numbers mean nothing; every output is
+    checked against its baseline, and the rows have their fields, the long-prefix tiles' too."""
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.bench runs these rows for real")
+    from kernels import extend_attention as ext
+    from kernels import timing
+
+    def once(fn, **_):  # NOTE: one run on the host clock (kernels.timing's own CPU path: test_timing)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    monkeypatch.setattr(
+        timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
+    )
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(0)
+
+    row = bench.bench_decode(bench.DecodeShape(2, 40), MODEL, cpu, gen)
+    assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
+    assert bench_report.decode_error(row) < 1e-5
+
+    # the compiled sm_90 tile choice, with LONG_PREFIX lowered to this shape's prefix
+    choose = ext.default_config
+    monkeypatch.setattr(ext, "device_arch", lambda device: 90)
+    monkeypatch.setattr(ext, "LONG_PREFIX", 32)
+
+    def compiled_choice(*args):
+        monkeypatch.setattr(ext, "INTERPRETED", False)
+        try:
+            return choose(*args)
+        finally:
+            monkeypatch.setattr(ext, "INTERPRETED", True)
+
+    monkeypatch.setattr(ext, "default_config", compiled_choice)
+    row = bench.bench_extend(bench.ExtendShape(1, 40, 20), bench.Model(4, 2, 128, "fp16"), cpu, gen)
+    assert row["config"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    assert row["config_blind"] == {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    assert row["triton_blind_tflops"] > 0 and bench_report.extend_error(row) < 2e-3
+
+    monkeypatch.setattr(bench, "LORA_IN", 64)
+    monkeypatch.setattr(bench, "LORA_OUT", 48)
+    monkeypatch.setattr(bench, "LORA_RANK", 8)
+    joined, mixed = bench.bench_lora(20, 1, MODEL, cpu, gen), bench.bench_lora(20, 4, MODEL, cpu, gen)
+    assert (joined["segments"], mixed["segments"]) == (2, 20)  # 20 rows of one adapter: 16 + 4
+    for row in joined, mixed:
+        assert row["rel_err_vs_torch"] < 1e-5 and row["triton_per_request_graph_ms"] > 0
