@@ -32,9 +32,8 @@ from kernels.reference import LORA_BLOCK_ROWS
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 
-BLOCK_M = (
-    LORA_BLOCK_ROWS  # rows a program takes (16: tl.dot's smallest M; reference.lora_segments packs them)
-)
+# rows a program takes (16: tl.dot's smallest M; reference.lora_segments packs a run's rows by it)
+BLOCK_M = LORA_BLOCK_ROWS
 BLOCK_K = 64  # x columns per step of the shrink's loop
 K_PER_SPLIT = 512  # at least this many x columns per shrink program
 MAX_SPLITS = 32

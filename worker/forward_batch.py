@@ -32,9 +32,8 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None  # int64: the new tokens to give logits for (overrides both)
     # NOTE: host-side, so the extend kernel's grid needs no device-to-host sync (one per layer otherwise)
     max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
-    max_prefix_len: int | None = (
-        None  # extend: longest cached prefix (picks the kernel's tiles); None = unknown
-    )
+    # extend: the longest cached prefix of any request (picks the kernel's tiles); None = unknown
+    max_prefix_len: int | None = None
     lora: Any = None  # a worker.model.lora.LoraBatch when requests of LoRA adapters are in the batch
     # the scheduled step it was built from (its numpy arrays: what tensor parallelism sends the
     # other ranks), and whether ``input_ids`` came from the step before's sampled tokens on the

@@ -150,7 +150,8 @@ class LoraStack:
 
 @dataclass
 class LoraBatch:
-    """One forward's adapters: each request's slot in ``stack`` (-1: the base model) and its rows."""
+    """One forward's adapters: the segments of its rows (requests, neighbours of one adapter joined)
+    and each one's slot in ``stack`` (-1: the base model)."""
 
     stack: LoraStack
     slots: torch.Tensor  # int32 [B] on the model's device: each segment's slot (-1: the base model)
@@ -178,14 +179,13 @@ def lora_batch(
     (kernels.reference.lora_segments)."""
     if not any(per_request):
         return None
-    from kernels.reference import LORA_BLOCK_ROWS, lora_segments
     from worker.sampling import on_device
 
     host = qo_indptr.cpu().numpy() if isinstance(qo_indptr, torch.Tensor) else np.asarray(qo_indptr)
     if max_rows is None:
         max_rows = int(np.diff(host).max(initial=0))
-    cap = max(max_rows, LORA_BLOCK_ROWS)  # NOTE: the kernels' row blocks per segment stay cdiv(max_rows, 16)
-    seg_indptr, seg_slots = lora_segments(stack.slots_of(per_request), host, cap)
+    cap = max(max_rows, reference.LORA_BLOCK_ROWS)  # NOTE: row blocks per segment stay cdiv(max_rows, 16)
+    seg_indptr, seg_slots = reference.lora_segments(stack.slots_of(per_request), host, cap)
     # NOTE: through pinned memory: a step scheduled ahead builds this while the step before runs
     slots = on_device(seg_slots, stack.device, torch.int32)
     return LoraBatch(stack, slots, on_device(seg_indptr, stack.device, torch.int32), cap, list(per_request))
