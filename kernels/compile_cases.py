@@ -108,7 +108,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         decode_case(shape, dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch),
                                                fused_merge=True), f"decode fused-merge {shape.label}"),
         extend_case(shape, extend_default, f"extend {shape.label}"),
-        *([extend_case(shape, long_prefix, f"extend long-prefix {shape.label}")] if long_prefix != extend_default
+        *([extend_case(shape, long_prefix, f"extend-long-prefix {shape.label}")] if long_prefix != extend_default
           else []),
         extend_short_case(shape, decode_attention.default_config(shape.head_dim, dt, arch),
                           f"extend-short {shape.label}"),

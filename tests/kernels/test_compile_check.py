@@ -78,8 +78,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
-    assert ("extend long-prefix bf16 hd128 gqa4", "_extend_kernel") in rows  # LONG_PREFIX's tiles
-    assert ("extend long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
+    assert ("extend-long-prefix bf16 hd128 gqa4", "_extend_kernel") in rows  # LONG_PREFIX's tiles
+    assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     for hd in (128, 64):
         extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
         decode = rows[(f"decode bf16 hd{hd} gqa4", "_decode_split_kernel")]
@@ -147,10 +147,16 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
                        "_top_p_threshold_kernel"}  # fmt: skip
-    extend = rows["_extend_kernel"]
-    assert extend["constants"]["BLOCK_M"] == 64 and extend["constants"]["GROUP"] == 4  # sm_90's default
-    assert extend["num_warps"] == 4 and extend["shared_bytes"] > 0
-    assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
+    # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles
+    extends = sorted(
+        (r for r in loaded if r["kernel"] == "_extend_kernel"), key=lambda r: r["constants"]["BLOCK_M"]
+    )
+    assert [(r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["num_warps"]) for r in extends] == [
+        (64, 32, 4), (128, 64, 8),
+    ]  # fmt: skip
+    for extend in extends:
+        assert extend["constants"]["GROUP"] == 4 and extend["shared_bytes"] > 0
+        assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
     assert "num_splits" not in rows["_decode_split_kernel"]["constants"]
 
 
