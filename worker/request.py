@@ -153,7 +153,14 @@ def build_batch(
     positions and pool slots of the new tokens; each request's context slots (``prefix_only``:
     those before ``start``, else all up to ``end``); verify steps take their new tokens from
     ``drafts``; a decode step with ``inputs_from`` takes them from the step before, on the device
-    (see ScheduledBatch.inputs_from)."""
+    (see ScheduledBatch.inputs_from). Decode and verify steps with LoRA requests put each adapter's
+    requests side by side (a stable order by adapter id), so they share the LoRA kernels' segments
+    (kernels.reference.lora_segments)."""
+    if mode != "extend" and any(r.adapter for r, _, _ in items):
+        order = sorted(range(len(items)), key=lambda i: items[i][0].adapter)
+        items, sample = [items[i] for i in order], [sample[i] for i in order]
+        drafts = None if drafts is None else [drafts[i] for i in order]
+        inputs_from = None if inputs_from is None else np.asarray(inputs_from)[order]
     reqs = [r for r, _, _ in items]
     starts = [st for _, st, _ in items]
     ends = [e for _, _, e in items]

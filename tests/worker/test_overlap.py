@@ -388,6 +388,36 @@ async def test_the_model_engine_gives_the_same_outputs_with_and_without_overlap(
         assert g[1] == w[1] and (g[0], *g[2]) == pytest.approx((w[0], *w[2]), abs=1e-4)
 
 
+async def test_interleaved_adapters_chain_and_answer_as_one_step_at_a_time():
+    """Decode steps put each LoRA adapter's requests side by side (worker.request.build_batch); a step
+    scheduled ahead takes each row's input from the step before's sampled tokens through that order
+    (inputs_from): the outputs are the same with and without overlap."""
+    from tests.kernels.test_model_kernels import random_adapters
+    from worker.model.lora import add_adapter
+
+    def params(adapter: int, **kw) -> SamplingParams:
+        return SamplingParams(
+            **({"temperature": 0.0, "max_tokens": 20, "ignore_eos": True} | kw), adapter=adapter
+        )
+
+    requests = [(SHARED + "a", params(2)), (SHARED + "b", params(1, max_tokens=13)), (SHARED + "c", params(0)),
+                (SHARED + "d", params(2, temperature=0.8, seed=5)), (SHARED + "e", params(1))]  # fmt: skip
+    results = {}
+    for overlap in ("off", "on"):
+        engine = model_engine(overlap, max_loras=2, max_lora_rank=6)
+        try:
+            for adapter in random_adapters(engine.executor.model):
+                add_adapter(engine, adapter)
+            results[overlap] = [r[:3] for r in await run_requests(engine, requests)]
+            await idle(engine)
+            results[overlap + "_ahead"] = engine.scheduler.stats.ahead_steps
+        finally:
+            engine.stop()
+    assert results["on"] == results["off"]
+    assert [len(r[1]) for r in results["on"]] == [20, 13, 20, 20, 20]
+    assert results["off_ahead"] == 0 and results["on_ahead"] > 0
+
+
 async def test_penalties_in_chained_steps_count_the_newest_token_from_the_device():
     """Requests with penalties, bias and min_tokens and no grammar beside them: every chained step
     samples at launch, its rows' newest tokens still on the device (a grammar in the batch would

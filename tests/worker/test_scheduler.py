@@ -381,3 +381,42 @@ def test_prefill_backlog_counts_prompt_tokens_admitted_and_waiting():
     run(sched, model)
     assert sched.prefill_backlog == 0
     assert_no_leak(sched)
+
+
+def test_decode_and_verify_steps_put_each_adapters_requests_side_by_side():
+    """A stable order by adapter id, every per-request array (and drafts, inputs_from) following its
+    request; extend steps keep their order, and steps without adapters are built as given."""
+    from kernels.reference import lora_segments
+    from worker.request import build_batch
+
+    reqs = []
+    for i, adapter in enumerate([2, 1, 0, 2, 1]):
+        r = Request(str(i), [10 * i + 1, 10 * i + 2, 10 * i + 3], max_tokens=4, adapter=adapter)
+        r.slots = np.arange(100 * i, 100 * i + 8)
+        reqs.append(r)
+    items = [(r, 2, 3) for r in reqs]
+    step = build_batch("decode", items, [True, False, True, True, False], prefix_only=False,
+                       inputs_from=np.array([4, -1, 0, 1, 2]))  # fmt: skip
+    assert [r.rid for r in step.requests] == ["2", "1", "4", "0", "3"]
+    assert step.sample == [True, False, False, True, True]
+    assert step.inputs_from.tolist() == [0, -1, 2, 4, 1]
+    assert step.out_slots.tolist() == [202, 102, 402, 2, 302]  # each request's own slot for position 2
+    assert step.kv_indices.reshape(5, 3)[:, 0].tolist() == [200, 100, 400, 0, 300]
+    assert lora_segments([r.adapter for r in step.requests], step.qo_indptr, 16)[1].tolist() == [
+        0,
+        1,
+        2,
+        -1,
+        -1,
+    ]
+    verify = build_batch("verify", items, [True] * 5, prefix_only=True, drafts=[[i] * i for i in range(5)])
+    assert [r.rid for r in verify.requests] == ["2", "1", "4", "0", "3"]
+    assert verify.drafts == [[2, 2], [1], [4] * 4, [], [3] * 3]
+    assert verify.input_ids[:3].tolist() == [23, 2, 2]  # request 2's last token, then its drafts
+    extend = build_batch("extend", items, [True] * 5, prefix_only=True)
+    assert [r.rid for r in extend.requests] == ["0", "1", "2", "3", "4"]
+    for r in reqs:
+        r.adapter = 0
+    assert [r.rid for r in build_batch("decode", items, [True] * 5, prefix_only=False).requests] == list(
+        "01234"
+    )
