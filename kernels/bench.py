@@ -42,7 +42,7 @@ PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged
 # LoRA deltas (kernels/lora.py) on Llama-3-8B's gate/up projection (the largest): rank 16 per part
 LORA_IN, LORA_OUT, LORA_RANK = 4096, 2 * 14336, 2 * 16
 LORA_BATCHES = (1, 16, 64)  # decode rows, one per request
-LORA_ADAPTERS = (1, 4)  # distinct adapters in the step (request i takes adapter i % n)
+LORA_ADAPTERS = (1, 4)  # distinct adapters in the step, each on an equal run of neighbouring requests
 # verify steps (speculative decoding): few new tokens per request over a long prefix, both extend kernels
 VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (batch, prefix, new)
 # decode also timed as a model step runs it: one layer after another in a single CUDA graph, each over its
@@ -125,7 +125,8 @@ def lora_case(
     a = (torch.randn(adapters, LORA_RANK, LORA_IN, generator=gen) / LORA_IN**0.5).to(device, dtype)
     b = (torch.randn(adapters, LORA_OUT, LORA_RANK, generator=gen) / LORA_RANK**0.5).to(device, dtype)
     indptr = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    slots = (torch.arange(batch, dtype=torch.int32) % adapters).to(device)
+    # NOTE: each adapter's requests side by side, as worker.request.build_batch orders a decode step
+    slots = (torch.arange(batch, dtype=torch.int32) * adapters // batch).to(device)
     return x, out, a, b, indptr, slots
 
 

@@ -205,7 +205,7 @@ def format_markdown(result: dict) -> str:
             "## LoRA deltas (kernels/lora.py), one decode step's gate/up projection",
             "",
             "Llama-3-8B's gate/up shape (4096 -> 28672), rank 16 per part (32 stacked), one row per request,"
-            " request i on adapter i % n. Against the same deltas as torch ops per adapter (index_select,"
+            " each adapter on an equal run of neighbouring requests (the worker orders a step so). Against the same deltas as torch ops per adapter (index_select,"
             " two matmuls, index_add: the worker's path before the kernels). Both replayed as CUDA graphs"
             " and eager; GB/s counts each distinct adapter's weights once, x, and out read and written."
             " Triton takes the worker's segments (neighbouring requests of one adapter joined, up to 16 rows:"
