@@ -22,6 +22,8 @@ CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,19 @@ K_PER_SPLIT = 512  # at least this many x columns per shrink program
 MAX_SPLITS = 32
 TARGET_PROGRAMS = 512  # shrink programs worth having: enough to spread a decode step over the SMs
 BLOCK_N = 128  # out columns per expand program (32 in fp32, whose dot runs on FMA units: 128 spills)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """The shrink's least x columns per split program and the expand's out columns per program."""
+
+    k_per_split: int
+    block_n: int
+
+
+def default_config(dtype: torch.dtype) -> LoraConfig:
+    """K_PER_SPLIT and BLOCK_N (32 columns in fp32); python -m kernels.tune times the others."""
+    return LoraConfig(k_per_split=K_PER_SPLIT, block_n=32 if dtype == torch.float32 else BLOCK_N)
 
 
 @triton.jit
@@ -108,11 +123,12 @@ def _expand_kernel(
     tl.store(dst, (base + delta).to(Out.dtype.element_ty), mask=mask)
 
 
-def split_k(k: int, row_programs: int) -> tuple[int, int]:
+def split_k(k: int, row_programs: int, k_per_split: int = K_PER_SPLIT) -> tuple[int, int]:
     """(splits, columns per split, a multiple of BLOCK_K) of the shrink's K for a grid of
-    ``row_programs`` (segment, row block) pairs: few rows (decode) split K to fill the GPU; many rows
-    (a prefill) need no split, and each split costs the expand a read of the partials per column block."""
-    most = min(MAX_SPLITS, triton.cdiv(k, K_PER_SPLIT), triton.cdiv(TARGET_PROGRAMS, max(1, row_programs)))
+    ``row_programs`` (segment, row block) pairs, each split at least ``k_per_split`` columns: few rows
+    (decode) split K to fill the GPU; many rows (a prefill) need no split, and each split costs the
+    expand a read of the partials per column block."""
+    most = min(MAX_SPLITS, triton.cdiv(k, k_per_split), triton.cdiv(TARGET_PROGRAMS, max(1, row_programs)))
     per_split = triton.cdiv(triton.cdiv(k, max(1, most)), BLOCK_K) * BLOCK_K
     return triton.cdiv(k, per_split), per_split
 
@@ -151,8 +167,10 @@ def lora_add(
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     max_rows: int,
+    config: LoraConfig | None = None,
 ) -> torch.Tensor:
-    """``out`` with each segment's LoRA delta added (in place; returned). See the module docstring."""
+    """``out`` with each segment's LoRA delta added (in place; returned). See the module docstring.
+    ``config``: default_config(x.dtype) when None."""
     _check(x, out, a, b)
     n = seg_slots.numel()
     seg_slots = host_checks.index_tensor("seg_slots", seg_slots, x.device)
@@ -165,7 +183,8 @@ def lora_add(
     b = b if b.stride(-1) == 1 else b.contiguous()
     block_r = max(16, triton.next_power_of_2(r))
     row_blocks = triton.cdiv(max_rows, BLOCK_M)
-    splits, per_split = split_k(k, n * row_blocks)
+    cfg = config or default_config(x.dtype)
+    splits, per_split = split_k(k, n * row_blocks, cfg.k_per_split)
     partial = _partials(splits, t, r, device=x.device)
     common = {
         "BLOCK_M": BLOCK_M,
@@ -179,10 +198,9 @@ def lora_add(
         partial.stride(0), partial.stride(1),
         COLS_PER_SPLIT=per_split, BLOCK_K=BLOCK_K, **common,
     )  # fmt: skip
-    block_n = 32 if x.dtype == torch.float32 else BLOCK_N
-    _expand_kernel[(n, row_blocks, triton.cdiv(n_cols, block_n))](
+    _expand_kernel[(n, row_blocks, triton.cdiv(n_cols, cfg.block_n))](
         partial, b, out, seg_indptr, seg_slots, n_cols, r, splits, partial.stride(0), partial.stride(1),
         b.stride(0), b.stride(1), out.stride(0),
-        BLOCK_N=block_n, **common,
+        BLOCK_N=cfg.block_n, **common,
     )  # fmt: skip
     return out

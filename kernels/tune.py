@@ -1,6 +1,6 @@
-"""`python -m kernels.tune`: time every candidate tile configuration of the extend and decode kernels on
-a few representative shapes, check each one's output against SDPA, and print the fastest next to the
-current default (kernels.*.default_config). Needs CUDA; it changes no default itself.
+"""`python -m kernels.tune`: time every candidate tile configuration of the extend, decode and LoRA kernels
+on a few representative shapes, check each one's output against SDPA (LoRA's deltas against torch's
+ops), and print the fastest next to the current default (kernels.*.default_config). Needs CUDA; it changes no default itself.
 
 A candidate that fails to compile or launch (too much shared memory, say) or computes a wrong answer
 is recorded with its reason and never chosen.
@@ -36,6 +36,11 @@ DECODE_SHAPES = (
     bench.DecodeShape(batch=32, context=4096),
     bench.DecodeShape(batch=8, context=65536),
 )
+# LoRA deltas (kernels/lora.py): a decode step's gate/up projection (kernels.bench's shape), these many
+# requests on one adapter, in the segments the worker passes (kernels.reference.lora_segments)
+LORA_ROWS = (1, 16, 64)
+LORA_K_PER_SPLIT = (64, 128, 256, 512, 1024)  # the shrink's least columns per split
+LORA_BLOCK_N = (64, 128, 256)  # the expand's out columns per program
 SPLIT_LENGTHS = (64, 128, 256, 512, 1024)  # tokens: decode's min_split_len, tried on the best tile
 SPLIT_WAVES = (1, 2, 4, 8)  # decode's split_waves, tried on the best tile and split length
 
@@ -52,6 +57,12 @@ def decode_candidates(min_split_len: int = 256) -> list[Any]:
 
     return [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=s)
             for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]  # fmt: skip
+
+
+def lora_candidates() -> list[Any]:
+    from kernels.lora import LoraConfig
+
+    return [LoraConfig(k_per_split=k, block_n=n) for k in LORA_K_PER_SPLIT for n in LORA_BLOCK_N]
 
 
 def best_row(rows: list[dict]) -> dict | None:
@@ -211,8 +222,38 @@ def tune_decode(
     return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
 
 
+def tune_lora(rows: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> dict:
+    """Every LoRA candidate on one decode step's gate/up deltas, ``rows`` requests on one adapter: its
+    deltas checked against torch's, then timed as CUDA-graph replays (how the worker runs decode)."""
+    from kernels import lora, reference
+
+    dtype = bench.DTYPES[model.dtype]
+    x, base, a, b, indptr, slots = bench.lora_case(rows, 1, dtype, device, gen)
+    cap = reference.LORA_BLOCK_ROWS
+    seg_indptr, seg_slots = (torch.from_numpy(t).to(device, torch.int32)
+                             for t in reference.lora_segments(slots.cpu().numpy(), indptr.cpu().numpy(), cap))  # fmt: skip
+    ref = bench.lora_per_adapter(x, base.clone(), a, b, [torch.arange(rows, device=device)]) - base
+    out = base.clone()
+    default = lora.default_config(dtype)
+
+    def delta(cfg: Any) -> torch.Tensor:
+        out.copy_(base)
+        return lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, cfg) - base
+
+    def timer(check: Callable[[], Any]) -> float:  # NOTE: the kernels alone, without delta's copy
+        cfg = check.__defaults__[0]  # type: ignore[attr-defined]
+        return timing.time_replay_ms(
+            lambda cfg=cfg: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, cfg)
+        )
+
+    results = [try_config(lambda cfg=cfg: delta(cfg), ref, cfg, timer)
+               for cfg in with_default(lora_candidates(), default)]  # fmt: skip
+    return summarize_shape("lora", {"rows": rows, "adapters": 1}, default, results,
+                           bench.lora_bytes(rows, 1, model.elem_bytes))  # fmt: skip
+
+
 def summarize_shape(kind: str, shape: dict, default: Any, rows: list[dict], work: int) -> dict:
-    """Default vs best for one shape; ``work`` is FLOPs (extend) or bytes (decode)."""
+    """Default vs best for one shape; ``work`` is FLOPs (extend) or bytes (decode, lora)."""
     default_cfg = dataclasses.asdict(default)
     default_row = next((r for r in rows if r["config"] == default_cfg), None)
     best = best_row(rows)
@@ -248,7 +289,7 @@ def format_table(results: list[dict]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kernels.tune", description=__doc__)
-    ap.add_argument("--kind", choices=("extend", "decode", "all"), default="all")
+    ap.add_argument("--kind", choices=("extend", "decode", "lora", "all"), default="all")
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default docs/benchmarks/kernels-tune-<gpu>.json)"
     )
@@ -292,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(tune_decode(shape, model, device, gen, rejected))
             torch.cuda.empty_cache()
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
+    if args.kind in ("lora", "all"):
+        for rows in LORA_ROWS:
+            results.append(tune_lora(rows, model, device, gen))
+            print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
     doc = {
         "device": {"name": gpu, "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
         "software": {"torch": torch.__version__, "triton": triton.__version__},
@@ -299,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": dataclasses.asdict(model),
         "max_rel_err": MAX_REL_ERR,
         "timing": "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
-        "decode: CUDA-graph replays",
+        "decode and lora: CUDA-graph replays",
         "results": results,
         "wall_s": round(time.time() - started, 1),
     }

@@ -112,6 +112,7 @@ def test_k_is_split_for_few_rows_only():
     assert split_k(4096, 128) == (4, 1024)  # a 2,048-token prefill: 128 row blocks
     assert split_k(14336, 4096) == (1, 14336)  # a long prefill: no split
     assert split_k(100, 1) == (1, 128) and split_k(1100, 15) == (3, 384)
+    assert split_k(4096, 1, k_per_split=128) == (32, 128)  # a LoraConfig's shorter splits (kernels.tune)
     for k, programs in ((4096, 1), (14336, 64), (1100, 15), (96, 9)):
         splits, per = split_k(k, programs)
         assert per % BLOCK_K == 0 and (splits - 1) * per < k <= splits * per  # every column, no empty split

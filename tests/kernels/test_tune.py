@@ -130,6 +130,23 @@ def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monk
     assert table.splitlines()[1].startswith("decode batch=3 context=40")
 
 
+def test_lora_candidates_all_run_on_the_workers_segments_and_the_fastest_wins(backend, monkeypatch):
+    if not backend.interpret:
+        pytest.skip("the real timing runs in python -m kernels.tune")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name, value in (("LORA_IN", 200), ("LORA_OUT", 160), ("LORA_RANK", 8)):
+        monkeypatch.setattr(bench, name, value)
+    want = dataclasses.asdict(tune.lora_candidates()[4])
+    monkeypatch.setattr(timing, "time_ms", None)  # LoRA is timed as graph replays, the kernels alone
+    monkeypatch.setattr(timing, "time_replay_ms", fake_time([(want, 1.0)]))
+    result = tune.tune_lora(20, MODEL, backend.device, torch.Generator().manual_seed(0))
+    assert result["kind"] == "lora" and result["shape"] == {"rows": 20, "adapters": 1}
+    assert len(result["rows"]) == len(tune.lora_candidates()) + 1  # + fp32's own default (32 columns)
+    assert all("error" not in r and r["rel_err"] < 1e-5 for r in result["rows"]), result["rows"]
+    assert result["best"]["config"] == want and result["speedup_vs_default"] == 2.0
+    assert result["default"]["config"] == {"k_per_split": 512, "block_n": 32}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_tune_without_cuda_exits_nonzero(tmp_path, capsys):
     assert tune.main(["--out", str(tmp_path / "t.json")]) == 2
