@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.reference import lora_segments
 from worker.cuda_graph import CudaGraphBackend, GraphBackend, GraphLora, StaticInputs, put_new_tokens
 from worker.forward_batch import ForwardBatch
 from worker.request import ScheduledBatch
@@ -50,8 +51,8 @@ class ExtendGraphRunner:
 
     Static inputs live in ONE int64 device buffer at fixed offsets (T = max_tokens, R = its requests):
     ``[input_ids T | positions T | out_slots T | qo_indptr R+1 | kv_indptr R+1 | lora_slots R+1 |
-    kv_indices ...]`` (lora_slots only with adapters), filled through a pinned host mirror with one
-    host-to-device copy per step, as for decode graphs.
+    lora_indptr R+1 | kv_indices ...]`` (the LoRA segments only with adapters), filled through a pinned
+    host mirror with one host-to-device copy per step, as for decode graphs.
     """
 
     def __init__(
@@ -74,7 +75,9 @@ class ExtendGraphRunner:
         self.lora = GraphLora(model)
         # NOTE: kv_indices last: a step uploads the written prefix, so one with few slots copies little
         lengths = {"input_ids": big, "positions": big, "out_slots": big, "qo_indptr": rows, "kv_indptr": rows}
-        lengths |= ({"lora_slots": rows} if self.lora.stack else {}) | {"kv_indices": max_kv_indices}
+        if self.lora.stack:  # the LoRA kernels' segments (kernels.reference.lora_segments)
+            lengths |= {"lora_slots": rows, "lora_indptr": rows}
+        lengths["kv_indices"] = max_kv_indices
         self._inputs = StaticInputs(lengths, model.device)
         self.kinds = ("last", "all") if all_logits else ("last",)
         # NOTE: verify steps (the "all" kind) have few new tokens per request; the hint lets a graph
@@ -120,8 +123,8 @@ class ExtendGraphRunner:
             # NOTE: the grid covers the whole graph (or an "all" step's longest request); shorter exit early
             max_extend_len=min(size, self.all_max_new or size) if kind == "all" else size,
         )
-        if lora:
-            batch.lora = self.lora.batch(view("lora_slots", rows), batch.qo_indptr, size)
+        if lora:  # NOTE: segments of up to ``size`` rows: the kernels' grid is the same as the requests'
+            batch.lora = self.lora.batch(view("lora_slots", rows), view("lora_indptr", rows + 1), size)
         return batch
 
     def _fill(
@@ -145,8 +148,14 @@ class ExtendGraphRunner:
         put("qo_indptr", qo_indptr, rows + 1, int(qo_indptr[-1]))
         put("kv_indptr", kv_indptr, rows + 1, int(kv_indptr[-1]))
         put("kv_indices", kv_indices)
-        if lora_slots is not None:
-            put("lora_slots", lora_slots, rows, -1)  # NOTE: empty rows: no adapter
+        if lora_slots is not None:  # NOTE: neighbouring requests of one adapter share segments
+            padded = np.full(rows, -1, dtype=np.int64)  # empty rows: no adapter
+            padded[: lora_slots.size] = lora_slots
+            bounds = np.full(rows + 1, qo_indptr[-1], dtype=np.int64)
+            bounds[: qo_indptr.size] = qo_indptr
+            seg_indptr, seg_slots = lora_segments(padded, bounds, size)
+            put("lora_slots", seg_slots)
+            put("lora_indptr", seg_indptr)
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch, kind: str = "last") -> bool:

@@ -210,8 +210,8 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
     ]
     kinds = ["last" if i % 2 else "all" for i in range(len(steps))]
 
-    def with_adapters(step):  # NOTE: with lora, the step's requests take adapters 1, 2, the base, 1, ...
-        step.requests = [types.SimpleNamespace(adapter=(1 + i) % 3 if lora else 0, full_prefill=False)
+    def with_adapters(step):  # NOTE: with lora, the step's requests take adapters 1, 1, 2, 2, the base, ...
+        step.requests = [types.SimpleNamespace(adapter=(1 + i // 2) % 3 if lora else 0, full_prefill=False)
                          for i in range(len(step.requests))]  # fmt: skip
         return step
 
