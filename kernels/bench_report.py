@@ -266,3 +266,59 @@ def compiled_table(rows: list[dict]) -> str:
             f"| {_fmt(r['regs'], 'd')} | {_fmt(r['spills'], 'd')} |"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- two runs side by side
+
+COMPARED = {  # kind -> (shape keys, the number compared, higher is better)
+    "extend": (("batch", "prefix", "new"), "triton_tflops", True),
+    "decode": (("batch", "context"), "triton_graph_gbs", True),
+    "lora": (("batch", "adapters"), "triton_graph_ms", False),
+    "verify": (("batch", "prefix", "new"), "short_graph_ms", False),
+}
+
+
+def compare_markdown(before: dict, after: dict) -> str:
+    """Markdown: each shape both kernels.bench results measured, the compared number of each run and
+    after / before (a time's ratio inverted, so above 1 is faster). The devices are named: runs on two
+    machines of one kind compare those machines too."""
+    lines = [
+        f"# kernels.bench: {before['device']['name']} ({before.get('command', '?')}) against "
+        f"{after['device']['name']} ({after.get('command', '?')})",
+        "",
+        f"Copy bandwidth {before['device']['copy_gbs']:,.0f} against {after['device']['copy_gbs']:,.0f} GB/s.",
+    ]
+    for kind, (keys, metric, higher) in COMPARED.items():
+        old = {tuple(r[k] for k in keys): r for r in before.get(kind, []) if metric in r}
+        pairs = [(s, old[s], r) for r in after.get(kind, []) if metric in r for s in [tuple(r[k] for k in keys)]
+                 if s in old]  # fmt: skip
+        if not pairs:
+            continue
+        lines += ["", f"## {kind}: {metric}", "", f"| {' | '.join(keys)} | before | after | speedup |",
+                  "|" + "---:|" * (len(keys) + 3)]  # fmt: skip
+        for shape, b, a in pairs:
+            speedup = a[metric] / b[metric] if higher else b[metric] / a[metric]
+            lines.append(
+                f"| {' | '.join(map(str, shape))} | {b[metric]:.4g} | {a[metric]:.4g} | {speedup:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kernels.bench_report --compare BEFORE.json AFTER.json`: compare_markdown to stdout."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m kernels.bench_report", description=main.__doc__)
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), required=True)
+    args = ap.parse_args(argv)
+    before, after = (json.loads(Path(path).read_text(encoding="utf-8")) for path in args.compare)
+    print(compare_markdown(before, after), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -420,3 +421,32 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     assert (joined["segments"], mixed["segments"]) == (2, 4)  # one adapter: 16 + 4 rows; four: 5 rows each
     for row in joined, mixed:
         assert row["rel_err_vs_torch"] < 1e-5 and row["triton_per_request_graph_ms"] > 0
+
+
+def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
+    before = synthetic_result()
+    after = synthetic_result()
+    after["device"]["copy_gbs"] = 1500.0
+    after["extend"][0]["triton_tflops"] = 180.0  # twice the TF/s: 2.00
+    after["decode"][1]["triton_graph_gbs"] = 900.0
+    before["decode"][1]["triton_graph_gbs"] = 600.0  # 1.50
+    # NOTE: decode's first row has no replayed rate in either run: left out
+    before["lora"] = [{"batch": 64, "adapters": 1, "triton_graph_ms": 0.04}]
+    after["lora"] = [{"batch": 64, "adapters": 1, "triton_graph_ms": 0.01}, {"batch": 1, "adapters": 1,
+                                                                           "triton_graph_ms": 0.01}]  # fmt: skip
+    md = bench_report.compare_markdown(before, after)
+    assert "Copy bandwidth 1,000 against 1,500 GB/s." in md
+    assert table_rows(md, "## extend: triton_tflops") == [
+        ["1", "0", "8", "90", "180", "2.00"],
+        ["1", "8", "8", "70", "70", "1.00"],
+    ]
+    assert table_rows(md, "## decode: triton_graph_gbs") == [["1", "16384", "600", "900", "1.50"]]
+    assert table_rows(md, "## lora: triton_graph_ms") == [
+        ["64", "1", "0.04", "0.01", "4.00"]
+    ]  # a time: 4x faster
+    assert "## verify" not in md  # measured by neither run
+    paths = [tmp_path / "before.json", tmp_path / "after.json"]
+    for path, doc in zip(paths, (before, after), strict=True):
+        path.write_text(json.dumps(doc))
+    assert bench_report.main(["--compare", *map(str, paths)]) == 0
+    assert capsys.readouterr().out == md
