@@ -130,6 +130,14 @@ def lora_case(
     return x, out, a, b, indptr, slots
 
 
+def worker_segments(indptr: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lora_case's requests in the segments the worker passes a decode step (neighbouring requests of
+    one adapter joined, up to LORA_BLOCK_ROWS rows: kernels.reference.lora_segments), int32 on their
+    device."""
+    segments = reference.lora_segments(slots.cpu().numpy(), indptr.cpu().numpy(), reference.LORA_BLOCK_ROWS)
+    return tuple(torch.from_numpy(t).to(indptr.device, torch.int32) for t in segments)  # type: ignore[return-value]
+
+
 def lora_per_adapter(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      rows: list[torch.Tensor]) -> torch.Tensor:  # fmt: skip
     """The deltas as torch ops per adapter (``rows[s]``: adapter s's rows), in the model's dtype: what
@@ -153,10 +161,8 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     def timed(name: str, ms: float) -> None:
         row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / (ms * 1e-3) / 1e9
 
-    # NOTE: the segments the worker passes (neighbouring requests of one adapter joined, 16 rows at most)
     cap = reference.LORA_BLOCK_ROWS
-    seg_indptr, seg_slots = (torch.from_numpy(t).to(device, torch.int32)
-                             for t in reference.lora_segments(slots.cpu().numpy(), indptr.cpu().numpy(), cap))  # fmt: skip
+    seg_indptr, seg_slots = worker_segments(indptr, slots)
 
     def triton_call() -> None:  # NOTE: out drifts over the runs (each adds its delta); the time does not
         lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap)

@@ -230,8 +230,7 @@ def tune_lora(rows: int, model: bench.Model, device: torch.device, gen: torch.Ge
     dtype = bench.DTYPES[model.dtype]
     x, base, a, b, indptr, slots = bench.lora_case(rows, 1, dtype, device, gen)
     cap = reference.LORA_BLOCK_ROWS
-    seg_indptr, seg_slots = (torch.from_numpy(t).to(device, torch.int32)
-                             for t in reference.lora_segments(slots.cpu().numpy(), indptr.cpu().numpy(), cap))  # fmt: skip
+    seg_indptr, seg_slots = bench.worker_segments(indptr, slots)
     ref = bench.lora_per_adapter(x, base.clone(), a, b, [torch.arange(rows, device=device)]) - base
     out = base.clone()
     default = lora.default_config(dtype)
@@ -240,13 +239,14 @@ def tune_lora(rows: int, model: bench.Model, device: torch.device, gen: torch.Ge
         out.copy_(base)
         return lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, cfg) - base
 
-    def timer(check: Callable[[], Any]) -> float:  # NOTE: the kernels alone, without delta's copy
-        cfg = check.__defaults__[0]  # type: ignore[attr-defined]
-        return timing.time_replay_ms(
+    def timer(
+        cfg: Any,
+    ) -> Callable[[Callable[[], Any]], float]:  # NOTE: the kernels alone, without delta's copy
+        return lambda _: timing.time_replay_ms(
             lambda cfg=cfg: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, cfg)
         )
 
-    results = [try_config(lambda cfg=cfg: delta(cfg), ref, cfg, timer)
+    results = [try_config(lambda cfg=cfg: delta(cfg), ref, cfg, timer(cfg))
                for cfg in with_default(lora_candidates(), default)]  # fmt: skip
     return summarize_shape("lora", {"rows": rows, "adapters": 1}, default, results,
                            bench.lora_bytes(rows, 1, model.elem_bytes))  # fmt: skip

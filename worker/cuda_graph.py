@@ -131,6 +131,22 @@ def put_new_tokens(
     inputs.put("out_slots", out_slots, size, scratch_slot)
 
 
+def put_lora_segments(
+    inputs: StaticInputs, slots: np.ndarray, qo_indptr: np.ndarray, rows: int, cap: int
+) -> None:
+    """The LoRA kernels' segments (kernels.reference.lora_segments, cut every ``cap`` rows) of a step
+    whose request i, of adapter slot ``slots[i]``, owns rows qo_indptr[i]:qo_indptr[i + 1], padded to
+    the graph's ``rows`` requests (empty, no adapter), into the regions lora_slots and lora_indptr."""
+    n = len(slots)
+    padded = np.full(rows, -1, dtype=np.int64)
+    padded[:n] = slots
+    bounds = np.full(rows + 1, qo_indptr[n], dtype=np.int64)
+    bounds[: n + 1] = qo_indptr[: n + 1]
+    seg_indptr, seg_slots = lora_segments(padded, bounds, cap)
+    inputs.put("lora_slots", seg_slots)
+    inputs.put("lora_indptr", seg_indptr)
+
+
 class GraphLora:
     """What a graph runner keeps of the model's LoRA stack (worker.model.lora.LoraStack) when it has
     adapters or room for them at capture (--max-loras): each batch shape is then captured a second
@@ -265,12 +281,8 @@ class DecodeGraphRunner:
         put_new_tokens(self._inputs, size, input_ids, positions, out_slots, self.scratch_slot)
         self._inputs.put("kv_indptr", kv_indptr, size + 1, int(kv_indptr[-1]))  # padded rows: zero slots
         self._inputs.put("kv_indices", kv_indices)
-        if lora_slots is not None:  # NOTE: one row per request: neighbours of one adapter share segments
-            padded = np.full(size, -1, dtype=np.int64)  # padded rows: no adapter
-            padded[: lora_slots.size] = lora_slots
-            seg_indptr, seg_slots = lora_segments(padded, np.arange(size + 1), LORA_BLOCK_ROWS)
-            self._inputs.put("lora_slots", seg_slots)
-            self._inputs.put("lora_indptr", seg_indptr)
+        if lora_slots is not None:  # NOTE: one row per request; padded rows: no adapter
+            put_lora_segments(self._inputs, lora_slots, np.arange(len(lora_slots) + 1), size, LORA_BLOCK_ROWS)
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch) -> bool:

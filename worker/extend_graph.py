@@ -20,8 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.reference import lora_segments
-from worker.cuda_graph import CudaGraphBackend, GraphBackend, GraphLora, StaticInputs, put_new_tokens
+from worker.cuda_graph import (
+    CudaGraphBackend,
+    GraphBackend,
+    GraphLora,
+    StaticInputs,
+    put_lora_segments,
+    put_new_tokens,
+)
 from worker.forward_batch import ForwardBatch
 from worker.request import ScheduledBatch
 
@@ -148,14 +154,8 @@ class ExtendGraphRunner:
         put("qo_indptr", qo_indptr, rows + 1, int(qo_indptr[-1]))
         put("kv_indptr", kv_indptr, rows + 1, int(kv_indptr[-1]))
         put("kv_indices", kv_indices)
-        if lora_slots is not None:  # NOTE: neighbouring requests of one adapter share segments
-            padded = np.full(rows, -1, dtype=np.int64)  # empty rows: no adapter
-            padded[: lora_slots.size] = lora_slots
-            bounds = np.full(rows + 1, qo_indptr[-1], dtype=np.int64)
-            bounds[: qo_indptr.size] = qo_indptr
-            seg_indptr, seg_slots = lora_segments(padded, bounds, size)
-            put("lora_slots", seg_slots)
-            put("lora_indptr", seg_indptr)
+        if lora_slots is not None:
+            put_lora_segments(self._inputs, lora_slots, qo_indptr, rows, size)
         self._inputs.upload()
 
     def can_run(self, batch: ScheduledBatch, kind: str = "last") -> bool:
