@@ -289,10 +289,14 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     k_pool, v_pool = torch.cat([k_cache, k_new]), torch.cat([v_cache, v_new])
     out_slots = torch.arange(k_cache.shape[0], k_pool.shape[0], device=device)
     short_out, ext_out = torch.empty_like(q), torch.empty_like(q)
+    # NOTE: also launched as programmatic dependents (DecodeConfig.pdl), as decode's candidate
+    pdl = dataclasses.replace(
+        extend_short.default_config(q.shape[-1], q.dtype, ext.device_arch(device)), pdl=True
+    )
 
-    def short_call() -> None:
+    def short_call(config: Any = None) -> None:
         extend_short.extend_short_attention(q, k_pool, v_pool, qo, kvp, kv_indices, out_slots,
-                                            max_extend_len=shape.new, out=short_out)  # fmt: skip
+                                            max_extend_len=shape.new, out=short_out, config=config)  # fmt: skip
 
     def extend_call() -> None:
         ext.extend_attention(q, k_new, v_new, k_cache, v_cache, qo, kvp, kv_indices, max_extend_len=shape.new,
@@ -304,6 +308,12 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
         row[f"{name}_graph_ms"] = timing.time_replay_ms(call)
         row[f"{name}_graph_gbs"] = nbytes / (row[f"{name}_graph_ms"] * 1e-3) / 1e9
     row["rel_err_vs_extend"] = _rel_err(short_out, ext_out)
+    short_out.fill_(float("nan"))  # the candidate must write every element itself
+    try:
+        row["short_pdl_graph_ms"] = timing.time_replay_ms(lambda: short_call(pdl))
+        row["rel_err_pdl_vs_extend"] = _rel_err(short_out, ext_out)
+    except Exception as exc:  # a compile, launch or capture error of the candidate
+        row["short_pdl_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
 
 
@@ -425,30 +435,38 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     # NOTE: per layer in a stack of layers replayed as one graph, as a model step runs them
     kv_bytes = kernel_args[1].numel() * kernel_args[1].element_size() * 2
     stack = layer_stack(kernel_args, stack_layers(kv_bytes))
+    q = kernel_args[0]
+    # NOTE: candidates beside the default, each a failure recorded in the row rather than the end of the
+    # run: the merge in the split kernel (one launch, not two), and both kernels launched as programmatic
+    # dependents (each may launch while the kernel before drains)
+    base = dec.default_config(q.shape[-1], q.dtype, device_arch(device))
+    variants = {
+        "fused": dataclasses.replace(base, fused_merge=True),
+        "pdl": dataclasses.replace(base, pdl=True),
+    }
+    outs: dict[str, torch.Tensor] = {}
 
-    def stack_call() -> None:
+    def stack_call(config: Any = None) -> None:
         for args in stack:
-            dec.decode_attention(*args, max_kv_len=shape.context, out=out)
+            dec.decode_attention(*args, max_kv_len=shape.context, out=out, config=config)
+
+    def candidate(name: str, call: Any, layers: int = 1) -> None:
+        try:
+            cand_graph, outs[name] = replayed(call)
+            timed(f"triton_{name}_graph", timing.time_ms(cand_graph.replay) / layers)
+        except Exception as exc:  # a compile, launch or capture error of the candidate
+            row[f"triton_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
     stack_graph, stack_out = replayed(stack_call)
     timed("triton_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
     row["stack_layers"] = len(stack)
     del stack_graph  # NOTE: before the copies it reads are freed
+    candidate("pdl_stack", lambda: stack_call(variants["pdl"]), len(stack))
     stack.clear()
     torch.cuda.empty_cache()
-    # NOTE: the variant with the merge in the split kernel (DecodeConfig.fused_merge): one launch, not
-    # two; a candidate, so its failure is recorded in the row and the benchmark goes on
-    q, fused_out = kernel_args[0], None
-    fused = dataclasses.replace(
-        dec.default_config(q.shape[-1], q.dtype, device_arch(device)), fused_merge=True
-    )
-    try:
-        fused_graph, fused_out = replayed(
-            lambda: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=fused)
-        )
-        timed("triton_fused_graph", timing.time_ms(fused_graph.replay))
-    except Exception as exc:  # a compile or launch error of the candidate
-        row["triton_fused_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for name, config in variants.items():
+        candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
+                                                               config=c))  # fmt: skip
     try:
         try:
             ref = sdpa_call()
@@ -461,8 +479,8 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         row["rel_err_vs_sdpa"] = _rel_err(eager_out, ref)
         row["rel_err_graph_vs_sdpa"] = _rel_err(graph_out, ref)
         row["rel_err_stack_vs_sdpa"] = _rel_err(stack_out, ref)
-        if fused_out is not None:
-            row["rel_err_fused_vs_sdpa"] = _rel_err(fused_out, ref)
+        for name, cand_out in outs.items():
+            row[f"rel_err_{name}_vs_sdpa"] = _rel_err(cand_out, ref)
         timed("sdpa", timing.time_ms(sdpa_call))
     except RuntimeError as exc:
         row["sdpa_error"] = str(exc).splitlines()[0][:200]
@@ -538,11 +556,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["decode"].append(bench_decode(shape, model, device, gen))
         torch.cuda.empty_cache()
         row = result["decode"][-1]
-        fused = row.get("triton_fused_graph_gbs")
-        fused_text = f"{fused:.0f} fused merge" if fused is not None else row.get("triton_fused_error", "-")
+        cands = ", ".join(
+            f"{row[f'triton_{n}_graph_gbs']:.0f} {n}"
+            if f"triton_{n}_graph_gbs" in row
+            else f"{n}: {row.get(f'triton_{n}_error', '-')}"
+            for n in ("fused", "pdl", "pdl_stack")
+        )
         print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, "
               f"{row['triton_stack_graph_gbs']:.0f} per layer of {row['stack_layers']} replayed, "
-              f"{row['triton_gbs']:.0f} eager, {fused_text}", file=sys.stderr)  # fmt: skip
+              f"{row['triton_gbs']:.0f} eager; candidates {cands}", file=sys.stderr)  # fmt: skip
     result["lora"] = []
     for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
         for adapters in LORA_ADAPTERS:

@@ -20,9 +20,10 @@ def decode_rates(row: dict) -> tuple[float, float | None]:
 
 
 def decode_error(row: dict) -> float | None:
-    """The largest of the eager, replayed, layer-stack and fused-merge outputs' errors against SDPA, NaN when any is
-    NaN (an unwritten output); None when unmeasured."""
-    keys = ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_stack_vs_sdpa", "rel_err_fused_vs_sdpa")
+    """The largest of the eager, replayed, layer-stack and candidates' (fused merge, PDL) outputs' errors against
+    SDPA, NaN when any is NaN (an unwritten output); None when unmeasured."""
+    keys = ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_stack_vs_sdpa", "rel_err_fused_vs_sdpa",
+            "rel_err_pdl_vs_sdpa", "rel_err_pdl_stack_vs_sdpa")  # fmt: skip
     errors = [row[k] for k in keys if row.get(k) is not None]
     return max(errors, key=lambda e: (math.isnan(e), e), default=None)
 
@@ -31,6 +32,13 @@ def extend_error(row: dict) -> float | None:
     """The larger of the extend outputs' errors against SDPA (the worker's tiles, and the prefix-blind
     default's when the row timed them), NaN when either is NaN; None when unmeasured."""
     errors = [row[k] for k in ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa") if row.get(k) is not None]
+    return max(errors, key=lambda e: (math.isnan(e), e), default=None)
+
+
+def verify_error(row: dict) -> float | None:
+    """The larger of the short-extend outputs' errors against the extend kernel (the default launch, and
+    the PDL candidate's when the row has it), NaN when either is NaN."""
+    errors = [row[k] for k in ("rel_err_vs_extend", "rel_err_pdl_vs_extend") if row.get(k) is not None]
     return max(errors, key=lambda e: (math.isnan(e), e), default=None)
 
 
@@ -52,7 +60,10 @@ def summarize(result: dict) -> dict:
     copy = result["device"]["copy_gbs"]
     long_rows = [r for r in result["decode"] if r["context"] >= LONG_CONTEXT]
     decode_frac = min((decode_rates(r)[0] / copy for r in long_rows), default=None)
-    stacked = [r["triton_stack_graph_gbs"] / copy for r in long_rows if "triton_stack_graph_gbs" in r]
+
+    def worst(key: str) -> float | None:  # NOTE: information beside the verdict, from rows that have ``key``
+        return min((r[key] / copy for r in long_rows if key in r), default=None)
+
     ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
     extend_ratio = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
     wrong = [
@@ -61,12 +72,15 @@ def summarize(result: dict) -> dict:
     wrong_extend = [f"extend b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result["extend"]
                     if inaccurate(extend_error(r))]  # fmt: skip
     wrong_verify = [f"verify b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result.get("verify", [])
-                    if inaccurate(r["rel_err_vs_extend"])]  # fmt: skip
+                    if inaccurate(verify_error(r))]  # fmt: skip
     return {
         "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
         "decode_target_met": None if decode_frac is None else decode_frac >= 0.70 and not wrong,
-        # NOTE: information, not the verdict: per layer when layers replay back to back in one graph
-        "decode_min_fraction_in_layer_stack_at_long_context": min(stacked, default=None),
+        # NOTE: information, not the verdict: per layer when layers replay back to back in one graph, and
+        # with both kernels launched as programmatic dependents (DecodeConfig.pdl), single and stacked
+        "decode_min_fraction_in_layer_stack_at_long_context": worst("triton_stack_graph_gbs"),
+        "decode_min_fraction_with_pdl_at_long_context": worst("triton_pdl_graph_gbs"),
+        "decode_min_fraction_in_layer_stack_with_pdl_at_long_context": worst("triton_pdl_stack_graph_gbs"),
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
@@ -145,7 +159,10 @@ def format_markdown(result: dict) -> str:
         "The decode verdict is on single replays (one graph per call). Per layer in a stack of layers replayed"
         " as one graph, as a model step runs them, the worst row at context >= "
         f"{LONG_CONTEXT} reaches {_fmt(s.get('decode_min_fraction_in_layer_stack_at_long_context'), '.0%')}"
-        " of copy bandwidth.",
+        " of copy bandwidth. With both kernels launched as programmatic dependents (DecodeConfig.pdl, off by"
+        f" default) it reaches {_fmt(s.get('decode_min_fraction_with_pdl_at_long_context'), '.0%')} in single"
+        f" replays and {_fmt(s.get('decode_min_fraction_in_layer_stack_with_pdl_at_long_context'), '.0%')}"
+        " per layer of a stack.",
         "",
         "## Extend (prefill over a cached prefix)",
         "",
@@ -177,11 +194,14 @@ def format_markdown(result: dict) -> str:
         " writes those lines back. The fused-merge column replays Triton with the merge done by each"
         " request's last split (DecodeConfig.fused_merge: one launch instead of two). The stacked column"
         " replays the call once per layer of a stack (each layer over its own copy of the K/V) in one graph"
-        " and divides by the layers: the graph's launch is shared, as in a model step.",
+        " and divides by the layers: the graph's launch is shared, as in a model step. The PDL columns"
+        " replay both kernels launched as programmatic dependents (DecodeConfig.pdl: each may launch while"
+        " the kernel before it drains), single and stacked.",
         "",
         "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw "
-        "| Triton, stacked GB/s (layers) | Triton, fused merge GB/s | Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| Triton, stacked GB/s (layers) | PDL GB/s | PDL, stacked GB/s | Triton, fused merge GB/s "
+        "| Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["decode"]:
         triton, sdpa = decode_rates(r)
@@ -191,6 +211,7 @@ def format_markdown(result: dict) -> str:
             f"| {r['batch']} | {r['context']} | {triton:,.0f} | {_fmt(sdpa, ',.0f')}{expanded} "
             f"| {_fmt(None if sdpa is None else triton / sdpa, '.2f')} | {triton / copy:.0%} "
             f"| {_fmt(r.get('triton_stack_graph_gbs'), ',.0f')}{stack_layers} "
+            f"| {_fmt(r.get('triton_pdl_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_pdl_stack_graph_gbs'), ',.0f')} "
             f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
         )
         if "sdpa_error" in r:
@@ -232,16 +253,20 @@ def format_markdown(result: dict) -> str:
             "",
             "Speculative decoding's verify step (the new tokens' K/V already in the pool): kernels/extend_short.py"
             " (each KV head read once for its query heads and tokens, split over the SMs) against the extend"
-            " kernel, both replayed as CUDA graphs. GB/s counts each request's K/V read once, q and the output.",
+            " kernel, both replayed as CUDA graphs. GB/s counts each request's K/V read once, q and the output."
+            " The PDL column replays the short extend's kernels launched as programmatic dependents.",
             "",
-            "| batch | prefix | new | short-extend us | GB/s | of copy bw | extend kernel us | extend / short | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | prefix | new | short-extend us | GB/s | of copy bw | extend kernel us | extend / short "
+            "| short-extend PDL us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["verify"]:
+            pdl = r.get("short_pdl_graph_ms")
             lines.append(
                 f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['short_graph_ms'] * 1e3:.1f} "
                 f"| {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} | {r['extend_graph_ms'] * 1e3:.1f} "
-                f"| {r['extend_graph_ms'] / r['short_graph_ms']:.2f} | {r['rel_err_vs_extend']:.1e} |"
+                f"| {r['extend_graph_ms'] / r['short_graph_ms']:.2f} "
+                f"| {_fmt(None if pdl is None else pdl * 1e3, '.1f')} | {_fmt(verify_error(r), '.1e')} |"
             )
     if s.get("inaccurate"):
         lines += [

@@ -96,6 +96,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     extend_default = extend_attention.default_config(shape.head_dim, dt, arch)
     long_prefix = extend_attention.default_config(shape.head_dim, dt, arch, extend_attention.LONG_PREFIX)
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
+    pdl = dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch), pdl=True)  # sm_90+
 
     def lora_case(rank: int) -> Case:  # NOTE: q/k/v of rank-`rank` adapters (2 slots), decode rows
         x, out = t["x"], torch.zeros(32, qkv, dtype=dt)
@@ -112,6 +113,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
           else []),
         extend_short_case(shape, decode_attention.default_config(shape.head_dim, dt, arch),
                           f"extend-short {shape.label}"),
+        *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
+           f"extend-short pdl {shape.label}")] if arch >= 90 else []),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),
         (f"add_rms_norm {shape.dtype} h{shape.hidden}", {},
          lambda: pointwise.add_rms_norm(t["x"], t["x"], t["w"], 1e-5)),

@@ -45,8 +45,8 @@ ARCHS = {
     89: ArchLimits("sm_89 (L4, L40S)", smem_per_block=101376, smem_per_sm=102400, threads_per_sm=1536),
     90: ArchLimits("sm_90 (H100, H200)", smem_per_block=232448, smem_per_sm=233472),
 }
-SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL")
-_SASS_RE = re.compile(r"\b(HGMMA|HMMA|LDGSTS|UTMALDG|LDG|LDL|STL)(\.[A-Z0-9_.]+)?")
+SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL", "ACQBULK", "PREEXIT")
+_SASS_RE = re.compile(r"\b(HGMMA|HMMA|LDGSTS|UTMALDG|LDG|LDL|STL|ACQBULK|PREEXIT)(\.[A-Z0-9_.]+)?")
 _USAGE_RE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -264,18 +264,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     """Markdown table of the report rows."""
     head = ("| case | kernel | config | regs | spill B | smem KiB | warps | stages | blocks/SM | "
-            "HGMMA | HMMA | LDGSTS | LDG.128 | ok |")  # fmt: skip
+            "HGMMA | HMMA | LDGSTS | LDG.128 | ACQBULK | PREEXIT | ok |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["rows"]:
         cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())
         if r.get("kernel") is None:
-            lines.append(f"| {r['case']} | - | {cfg} | | | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['case']} | - | {cfg} | | | | | | | | | | | | | {r['error']} |")
             continue
         s = r["sass"]
         lines.append(
             f"| {r['case']} | {r['kernel']} | {cfg} | {r['regs']} | {r['spill_bytes']} | "
             f"{r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['num_stages']} | {r['blocks_per_sm']} | "
-            f"{s['HGMMA']} | {s['HMMA']} | {s['LDGSTS']} | {s['LDG.E.128']} | {'yes' if r['ok'] else 'NO'} |"
+            f"{s['HGMMA']} | {s['HMMA']} | {s['LDGSTS']} | {s['LDG.E.128']} | {s['ACQBULK']} | {s['PREEXIT']} | "
+            f"{'yes' if r['ok'] else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -298,7 +299,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"and {lim['threads_per_sm']} threads per SM. Result: {verdict}.",
         "",
         "Counts are static instructions in the SASS (not executions). HGMMA = Hopper warpgroup MMA, "
-        "HMMA = mma.sync, LDGSTS = cp.async into shared memory, LDG.128 = 128-bit global loads. "
+        "HMMA = mma.sync, LDGSTS = cp.async into shared memory, LDG.128 = 128-bit global loads, "
+        "ACQBULK / PREEXIT = griddepcontrol.wait / launch_dependents (programmatic dependent launch). "
         "blocks/SM is an occupancy estimate from registers, shared memory and threads.",
         "",
         format_table(report),

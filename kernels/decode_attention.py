@@ -17,6 +17,11 @@ With DecodeConfig.fused_merge the split kernel merges too: each program counts i
 per-(request, KV head) counter (an acq_rel atomic after a block barrier), and the program that counts
 last merges every split of its heads (reading them past L1) and resets the counter, so one launch
 does the step. The counters persist per device (zeros, reset by each call).
+With DecodeConfig.pdl (Hopper and later, compiled only) both kernels are launched as programmatic
+dependents (PDL): the GPU may launch a kernel while the one before it drains, and the kernel waits for
+that one's grid (griddepcontrol.wait) before it reads anything the grid wrote. Each split program waits
+first and then lets the merge launch; the merge reads kv_indptr (written before the split kernel
+started), waits, and merges. Off by default until a GPU run says it pays (kernels.bench, kernels.tune).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class DecodeConfig:
     num_stages: int
     split_waves: int = 2
     fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
+    pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
 
 
 def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeConfig:
@@ -120,6 +126,12 @@ def split_partials(
     mid_out = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=device)
     mid_lse = torch.empty((rows, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=device)
     return mid_out, mid_lse
+
+
+def pdl_active(cfg: DecodeConfig, arch: int) -> bool:
+    """Whether a launch with ``cfg`` on compute capability ``arch`` (x10) uses programmatic dependent
+    launch: asked for, compiled (the interpreter has no grid dependencies) and on 9.0 or later."""
+    return cfg.pdl and not INTERPRETED and arch >= 90
 
 
 @triton.jit
@@ -197,7 +209,13 @@ def _decode_split_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= any num_splits, a power of two (FUSED_MERGE only)
+    PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+)
 ):
+    if PDL:
+        # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
+        # merge may launch once every program has waited, as it reads kv_indptr before its own wait
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -283,11 +301,14 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
     MIN_SPLIT_LEN: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
     n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
+    if PDL:  # NOTE: the split kernel's partials are visible only past the wait
+        tl.extra.cuda.gdc_wait()
     _merge_head(Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                 stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
 
@@ -339,6 +360,7 @@ def decode_attention(
     scale = d**-0.5 if sm_scale is None else sm_scale
     block_s = max(2, triton.next_power_of_2(num_splits))
     counters = merge_counters(q.device, batch * hkv) if cfg.fused_merge else mid_lse  # NOTE: unused unfused
+    pdl = pdl_active(cfg, device_arch(q.device))
     _decode_split_kernel[(batch, hkv, num_splits)](
         q,
         k_cache,
@@ -374,8 +396,10 @@ def decode_attention(
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         FUSED_MERGE=cfg.fused_merge,
         BLOCK_S=MAX_SPLITS if cfg.fused_merge else 2,  # NOTE: not the split count: one kernel serves all
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=pdl,
     )
     if cfg.fused_merge:
         return out
@@ -396,6 +420,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_S=block_s,
         MIN_SPLIT_LEN=cfg.min_split_len,
+        PDL=pdl,
         num_warps=4 if block_d >= 128 else 2,
+        launch_pdl=pdl,
     )
     return out

@@ -19,7 +19,8 @@ per request over a long prefix: there that kernel reads each KV head once per qu
 times), one program per head for the whole prefix. Here a program owns (request, KV head, split of
 the KV, block of tokens): its rows are BLOCK_H // GROUP query tokens x the GROUP query heads of that
 KV head, so one pass over the KV serves all of them (decode's layout, with a causal limit per row),
-and the splits spread a long prefix over the SMs. A merge kernel combines the splits, as in decode.
+and the splits spread a long prefix over the SMs. A merge kernel combines the splits, as in decode,
+and DecodeConfig.pdl launches the pair as programmatic dependents, as in decode.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kernels.decode_attention import (
     _merge_head,
     _num_splits_of,
     default_config,
+    pdl_active,
     split_cap,
     split_partials,
 )
@@ -86,7 +88,11 @@ def _short_split_kernel(
     MIN_SPLIT_LEN: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+    PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+): as decode's split kernel
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     block = tl.program_id(2) // num_splits
@@ -179,6 +185,7 @@ def _short_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
     MIN_SPLIT_LEN: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -187,6 +194,8 @@ def _short_merge_kernel(
     n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
     prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
     n_splits = _num_splits_of(_block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
+    if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
+        tl.extra.cuda.gdc_wait()
     for i in range(TOKENS):
         if t0 + i < n_new:
             _merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh,
@@ -237,6 +246,7 @@ def extend_short_attention(
     block_d = max(16, triton.next_power_of_2(d))
     mid_out, mid_lse = split_partials(t, hq, num_splits, d, q.device)
     scale = d**-0.5 if sm_scale is None else sm_scale
+    pdl = pdl_active(cfg, device_arch(q.device))
     _short_split_kernel[(batch, hkv, num_splits * token_blocks)](
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, mid_out, mid_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -244,12 +254,13 @@ def extend_short_attention(
         num_splits, token_blocks,
         GROUP=group, TOKENS=tokens, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         MIN_SPLIT_LEN=cfg.min_split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     _short_merge_kernel[(batch, hq, token_blocks)](
         mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
         TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        MIN_SPLIT_LEN=cfg.min_split_len, num_warps=4 if block_d >= 128 else 2,
+        MIN_SPLIT_LEN=cfg.min_split_len, PDL=pdl, num_warps=4 if block_d >= 128 else 2, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -218,6 +218,10 @@ def tune_decode(
         rows += run_candidates(
             [dataclasses.replace(base, fused_merge=not base.fused_merge)], launch, out, ref, timer=timer
         )
+    best = best_row(rows)
+    if best is not None:  # then the best launched as programmatic dependents (or not, if it was)
+        base = dec.DecodeConfig(**best["config"])
+        rows += run_candidates([dataclasses.replace(base, pdl=not base.pdl)], launch, out, ref, timer=timer)
     nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size())
     return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
 

@@ -166,8 +166,23 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
-        ["1", "1024", "100", "-", "-", "10%", "-", "-", "-", "100", "-", "-"],
-        ["1", str(bench_report.LONG_CONTEXT), "750", "800", "0.94", "75%", "-", "-", "-", "750", "800", "-"],
+        ["1", "1024", "100", "-", "-", "10%", "-", "-", "-", "-", "-", "100", "-", "-"],
+        [
+            "1",
+            str(bench_report.LONG_CONTEXT),
+            "750",
+            "800",
+            "0.94",
+            "75%",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+            "750",
+            "800",
+            "-",
+        ],
     ]
     assert md.rstrip().endswith("- extend b=1 prefix=8 new=8: refused")  # why the row has no baseline
 
@@ -194,15 +209,21 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         triton_fused_graph_gbs=950.0,  # the fused-merge variant: recorded beside, never judged
         triton_stack_graph_gbs=980.0,  # per layer of a replayed stack: recorded beside, never judged
         stack_layers=8,
+        triton_pdl_graph_gbs=920.0,  # the PDL candidate, single and stacked: recorded beside, never judged
+        triton_pdl_stack_graph_gbs=990.0,
         sdpa_graph_gbs=600.0,
         rel_err_vs_sdpa=1e-3,
         rel_err_graph_vs_sdpa=4e-3,
         rel_err_stack_vs_sdpa=2e-3,
-        rel_err_fused_vs_sdpa=5e-3,  # NOTE: the error column shows the worst of the four outputs
+        rel_err_fused_vs_sdpa=5e-3,
+        rel_err_pdl_vs_sdpa=3e-3,
+        rel_err_pdl_stack_vs_sdpa=6e-3,  # NOTE: the error column shows the worst of the six outputs
     )
     result["summary"] = s = bench_report.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.9)
     assert s["decode_min_fraction_in_layer_stack_at_long_context"] == pytest.approx(0.98)
+    assert s["decode_min_fraction_with_pdl_at_long_context"] == pytest.approx(0.92)
+    assert s["decode_min_fraction_in_layer_stack_with_pdl_at_long_context"] == pytest.approx(0.99)
     md = bench_report.format_markdown(result)
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode[1] == [
@@ -213,17 +234,20 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "1.50",
         "90%",
         "980 (8)",
+        "920",
+        "990",
         "950",
         "700",
         "750",
         "800",
-        "5.0e-03",
+        "6.0e-03",
     ]
     table = bench_report.format_table(result).splitlines()
     assert "900 GB/s" in table[-2] and "600 GB/s" in table[-2] and "eager 750 GB/s" in table[-2]
     assert table[-2].endswith("stacked 980 GB/s")
     assert "the worst row at context >= 16384 reaches 98% of copy bandwidth" in md
-    assert "5.0e-03" in table[-2]
+    assert "it reaches 92% in single replays and 99% per layer of a stack" in md
+    assert "6.0e-03" in table[-2]
     del long_row["sdpa_graph_gbs"]  # SDPA could not be replayed: no comparison against its eager time
     result["summary"] = bench_report.summarize(result)
     assert table_rows(bench_report.format_markdown(result), "## Decode (one query token per request)")[1][
@@ -359,15 +383,23 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     result = synthetic_result()
     result["verify"] = [
         {"batch": 1, "prefix": 4096, "new": 5, "short_graph_ms": 0.02, "short_graph_gbs": 600.0,
-         "extend_graph_ms": 0.1, "rel_err_vs_extend": 0.002},
+         "extend_graph_ms": 0.1, "rel_err_vs_extend": 0.002, "short_pdl_graph_ms": 0.018,
+         "rel_err_pdl_vs_extend": 0.003},
         {"batch": 16, "prefix": 4096, "new": 5, "short_graph_ms": 0.2, "short_graph_gbs": 900.0,
          "extend_graph_ms": 0.5, "rel_err_vs_extend": float("nan")},
+        {"batch": 4, "prefix": 4096, "new": 5, "short_graph_ms": 0.1, "short_graph_gbs": 900.0,
+         "extend_graph_ms": 0.3, "rel_err_vs_extend": 0.002, "short_pdl_graph_ms": 0.09,
+         "rel_err_pdl_vs_extend": float("nan")},  # the candidate left its output unwritten
     ]  # fmt: skip
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     rows = table_rows(md, "## Verify steps: few new tokens per request over a long prefix")
-    assert rows[0] == ["1", "4096", "5", "20.0", "600", "60%", "100.0", "5.00", "2.0e-03"]
-    assert result["summary"]["inaccurate"] == ["verify b=16 prefix=4096 new=5"]
+    assert rows[0] == ["1", "4096", "5", "20.0", "600", "60%", "100.0", "5.00", "18.0", "3.0e-03"]
+    assert rows[1][-2:] == ["-", "nan"]
+    assert result["summary"]["inaccurate"] == [
+        "verify b=16 prefix=4096 new=5",
+        "verify b=4 prefix=4096 new=5",
+    ]
 
 
 def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
@@ -394,7 +426,11 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
 
     row = bench.bench_decode(bench.DecodeShape(2, 40), MODEL, cpu, gen)
     assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
+    for name in ("fused", "pdl", "pdl_stack"):  # NOTE: PDL falls back to plain launches here
+        assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 1e-5, name
     assert bench_report.decode_error(row) < 1e-5
+    row = bench.bench_verify(bench.ExtendShape(2, 40, 3), MODEL, cpu, gen)
+    assert row["short_pdl_graph_ms"] > 0 and bench_report.verify_error(row) < 1e-5
 
     # the compiled sm_90 tile choice, with LONG_PREFIX lowered to this shape's prefix
     choose = ext.default_config

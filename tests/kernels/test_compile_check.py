@@ -46,9 +46,13 @@ def test_count_sass_ops_tells_load_widths_and_mma_kinds_apart():
         /*0140*/ HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
         /*0150*/ STL.64 [R1], R10 ;
         /*0160*/ LDL R3, [R1+0x8] ;
+        /*0170*/ ACQBULK ;
+        /*0180*/ PREEXIT ;
+        /*0190*/ ACQBULK ;
         """)
     assert compile_check.count_sass_ops(sass) == {
-        "HGMMA": 1, "HMMA": 1, "LDGSTS": 1, "UTMALDG": 0, "LDG.E.128": 1, "LDL": 1, "STL": 1}  # fmt: skip
+        "HGMMA": 1, "HMMA": 1, "LDGSTS": 1, "UTMALDG": 0, "LDG.E.128": 1, "LDL": 1, "STL": 1, "ACQBULK": 2,
+        "PREEXIT": 1}  # fmt: skip
 
 
 def test_blocks_per_sm_is_bounded_by_registers_shared_memory_and_threads():
@@ -86,6 +90,15 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         assert extend["sass"]["HGMMA"] > 0, "extend should use Hopper warpgroup MMA on sm_90"
         assert extend["sass"]["LDGSTS"] > 0 and decode["sass"]["LDGSTS"] > 0, "KV gathers should be cp.async"
         assert decode["sass"]["HMMA"] > 0
+        # NOTE: the PDL cases wait for the kernel before (ACQBULK) in both kernels of a pair, and the split
+        # kernels let the merge launch early (PREEXIT); every other kernel does neither
+        for case in (f"decode pdl bf16 hd{hd} gqa4", f"extend-short pdl bf16 hd{hd} gqa4"):
+            pair = [r for (c, _), r in rows.items() if c == case]
+            assert len(pair) == 2 and all(r["sass"]["ACQBULK"] >= 1 for r in pair), pair
+            assert [r["sass"]["PREEXIT"] >= 1 for r in pair] == [True, False], pair
+    assert all(
+        r["sass"]["ACQBULK"] == r["sass"]["PREEXIT"] == 0 for (c, _), r in rows.items() if "pdl" not in c
+    )
     md = out.with_suffix(".md").read_text()
     assert "sm_90" in md and "every default fits and spills nothing" in md
 
@@ -138,10 +151,13 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    splits = [r["constants"]["FUSED_MERGE"] for r in loaded if r["kernel"] == "_decode_split_kernel"]
-    assert sorted(splits) == [False, True], "one split kernel (and one fused) serves every split count"
-    merge_blocks = sorted(r["constants"]["BLOCK_S"] for r in loaded if r["kernel"] == "_decode_merge_kernel")
-    assert merge_blocks == [8, 16]
+    splits = [(r["constants"]["FUSED_MERGE"], r["constants"]["PDL"]) for r in loaded
+              if r["kernel"] == "_decode_split_kernel"]  # fmt: skip
+    # one split kernel (and one fused, and one launched as a programmatic dependent) serves every split count
+    assert sorted(splits) == [(False, False), (False, True), (True, False)]
+    merge_blocks = sorted((r["constants"]["BLOCK_S"], r["constants"]["PDL"]) for r in loaded
+                          if r["kernel"] == "_decode_merge_kernel")  # fmt: skip
+    assert merge_blocks == [(8, False), (8, True), (16, False)]
     rows = {r["kernel"]: r for r in loaded}
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",

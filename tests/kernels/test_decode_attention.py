@@ -161,3 +161,57 @@ def test_decode_rejects_inconsistent_arguments_before_launch(backend, name):
     kw = {k: v.to(backend.device) for k, v in kw.items()}
     with pytest.raises(ValueError, match=match):
         dec.decode_attention(*args, num_splits=2, **kw)
+
+
+def test_pdl_is_used_only_compiled_on_hopper_or_later(backend, monkeypatch):
+    dec = backend.module("decode_attention")
+    cfg = dataclasses.replace(dec.default_config(128, torch.bfloat16), pdl=True)
+    monkeypatch.setattr(dec, "INTERPRETED", False)
+    assert [dec.pdl_active(cfg, arch) for arch in (80, 89, 90, 100)] == [False, False, True, True]
+    assert not dec.pdl_active(dataclasses.replace(cfg, pdl=False), 90)
+    monkeypatch.setattr(dec, "INTERPRETED", True)  # the interpreter has no grid dependencies
+    assert not dec.pdl_active(cfg, 90)
+
+
+def test_pdl_launches_match_the_reference_eager_and_replayed_in_one_graph(backend, assert_close_rel):
+    """Decode and a short extend launched as programmatic dependents, eagerly and then captured together
+    in one CUDA graph (the short extend's split kernel depends on decode's merge) and replayed over new
+    queries and keys written in place: each kernel must wait for the one before."""
+    if not backend.is_cuda:
+        pytest.skip("the interpreter has no grid dependencies (pdl_active is False there)")
+    from tests.kernels.test_extend_short import make_batch as short_batch
+    from tests.kernels.test_extend_short import want as short_want
+
+    dec, short = backend.module("decode_attention"), backend.module("extend_short")
+    cfg = dataclasses.replace(
+        dec.default_config(128, torch.bfloat16, dec.device_arch(backend.device)), pdl=True
+    )
+    d_args = make_batch([n * 97 for n in KV_LENS], 32, 8, 128, torch.bfloat16, backend.device)
+    s_args = short_batch([n * 53 for n in [0, 1, 37, 70]], [3, 1, 5, 9], 32, 8, 128, torch.bfloat16,
+                         backend.device)  # fmt: skip
+    d_out, s_out = torch.empty_like(d_args[0]), torch.empty_like(s_args[0])
+
+    def step() -> None:
+        dec.decode_attention(*d_args, num_splits=8, out=d_out, config=cfg)
+        short.extend_short_attention(*s_args, max_extend_len=9, num_splits=8, out=s_out, config=cfg)
+
+    def check() -> None:
+        assert_close_rel(d_out.cpu(), reference_on_cpu(d_args))
+        assert_close_rel(s_out.cpu(), short_want(s_args))
+
+    d_out.fill_(float("nan"))
+    s_out.fill_(float("nan"))
+    step()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    g = torch.Generator().manual_seed(7)
+    for args in (d_args, s_args):
+        args[0].copy_(torch.randn(args[0].shape, generator=g))
+        used = args[-1] if args is d_args else torch.cat([args[-2].long(), args[-1]])
+        args[1][used.long()] = torch.randn(used.numel(), *args[1].shape[1:], generator=g).to(args[1])
+    d_out.fill_(float("nan"))
+    s_out.fill_(float("nan"))
+    graph.replay()
+    check()
