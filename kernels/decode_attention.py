@@ -146,7 +146,10 @@ def _merge_head(
     CACHE: tl.constexpr,
 ):  # fmt: skip
     """Out[req, head] := the splits' partial outputs weighted by exp2 of their log2-sum-exps (an empty
-    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier."""
+    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier.
+    NOTE: every split below n_splits wrote a finite partial (zeros when empty), so the partials' load is
+    masked by the split count alone: it does not wait for the lse load, and both are in flight at once.
+    It stays after the weights in the source: placed first, the fused merge took 195 registers, not 162."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < n_splits
@@ -158,7 +161,7 @@ def _merge_head(
     w = tl.where(live, tl.exp2(lse - m), 0.0)
     part = tl.load(
         Mid_out + req * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
+        mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
         cache_modifier=CACHE,
     )
@@ -259,7 +262,8 @@ def _decode_split_kernel(
         )
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
-    # lse = -inf and a zero partial, so the merge gives it weight 0.
+    # lse = -inf and a zero partial, so the merge gives it weight 0; the partial must be finite, as the
+    # merge loads it before it knows the weight.
     nonempty = l_i > 0.0
     l_safe = tl.where(nonempty, l_i, 1.0)
     lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
