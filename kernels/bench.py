@@ -4,6 +4,9 @@ adapter, and verify-step attention (kernels/extend_short.py vs the extend kernel
 last.
 
 Needs CUDA: without it, it measures nothing and exits non-zero. Numbers are never estimated.
+Kinds are measured decode first (its long-context target is the one still open), then extend, LoRA and
+verify; --only names a subset. Interrupted (SIGINT: scripts/gpu-bench's deadline), it writes the rows
+measured so far, says so in the report, and exits 130.
 """
 
 from __future__ import annotations
@@ -492,6 +495,68 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     return row
 
 
+def measure_extend(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:
+    """Every extend shape of the grid (its 2x2 subset with --quick), appended to ``rows`` as measured."""
+    for shape in extend_grid(EXTEND_PREFIXES[1:3], EXTEND_NEWS[:2]) if args.quick else extend_grid():
+        rows.append(bench_extend(shape, model, device, gen))
+        torch.cuda.empty_cache()  # each shape allocates its own pool; do not let them pile up
+        print(f"extend {shape}: {rows[-1]['triton_tflops']:.1f} TF/s", file=sys.stderr)
+
+
+def measure_decode(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:
+    """Every decode shape of the grid, appended to ``rows`` as measured, with the candidates' rates."""
+    for shape in decode_grid(DECODE_BATCHES[1:3], DECODE_CONTEXTS[1:3]) if args.quick else decode_grid():
+        rows.append(row := bench_decode(shape, model, device, gen))
+        torch.cuda.empty_cache()
+        cands = ", ".join(
+            f"{row[f'triton_{n}_graph_gbs']:.0f} {n}"
+            if f"triton_{n}_graph_gbs" in row
+            else f"{n}: {row.get(f'triton_{n}_error', '-')}"
+            for n in ("fused", "pdl", "pdl_stack")
+        )
+        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, "
+              f"{row['triton_stack_graph_gbs']:.0f} per layer of {row['stack_layers']} replayed, "
+              f"{row['triton_gbs']:.0f} eager; candidates {cands}", file=sys.stderr)  # fmt: skip
+
+
+def measure_lora(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:
+    """LoRA deltas at every batch and adapter count, appended to ``rows`` as measured."""
+    for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
+        for adapters in LORA_ADAPTERS:
+            rows.append(row := bench_lora(batch, adapters, model, device, gen))
+            print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed, "
+                  f"{row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch", file=sys.stderr)  # fmt: skip
+
+
+def measure_verify(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:
+    """Every verify shape, appended to ``rows`` as measured."""
+    for batch, prefix, new_tokens in VERIFY_SHAPES[::2] if args.quick else VERIFY_SHAPES:
+        rows.append(row := bench_verify(ExtendShape(batch, prefix, new_tokens), model, device, gen))
+        torch.cuda.empty_cache()
+        print(f"verify b={batch} prefix={prefix} new={new_tokens}: {row['short_graph_ms'] * 1e3:.1f} us short, "
+              f"{row['extend_graph_ms'] * 1e3:.1f} us extend kernel", file=sys.stderr)  # fmt: skip
+
+
+# NOTE: measured in this order; decode first, as its long-context target is the one still open
+MEASURE = {"decode": measure_decode, "extend": measure_extend, "lora": measure_lora, "verify": measure_verify}
+KINDS = tuple(MEASURE)
+
+
+def measure_kinds(result: dict, kinds: Sequence[str], *args: Any) -> None:
+    """Each of ``kinds`` measured in KINDS' order into result[kind] (every kind's list is there, empty
+    when not asked for). Interrupted (scripts/gpu-bench's deadline sends SIGINT), it keeps the rows
+    measured so far and says where it stopped (result["interrupted"])."""
+    result.update({kind: [] for kind in KINDS})
+    result["kinds"] = [kind for kind in KINDS if kind in kinds]
+    kind = None
+    try:
+        for kind in result["kinds"]:
+            MEASURE[kind](result[kind], *args)
+    except KeyboardInterrupt:
+        result["interrupted"] = f"during {kind}"
+        print(f"interrupted {result['interrupted']}: writing the rows measured so far", file=sys.stderr)
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     """The attention shape and dtype flags (Llama-3-8B's by default) and the input seed."""
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
@@ -508,6 +573,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add_model_args(ap)
     ap.add_argument("--quick", action="store_true", help="a 2x2 subset of each grid")
+    ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
+                    help=f"measure only these kinds ({', '.join(KINDS)}; default all)")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -524,8 +591,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(device)
     model = Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
-    ext_shapes = extend_grid(EXTEND_PREFIXES[1:3], EXTEND_NEWS[:2]) if args.quick else extend_grid()
-    dec_shapes = decode_grid(DECODE_BATCHES[1:3], DECODE_CONTEXTS[1:3]) if args.quick else decode_grid()
 
     import triton
 
@@ -546,39 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": dataclasses.asdict(model),
         "timing": TIMING,
     }
-    result["extend"] = []
-    for shape in ext_shapes:
-        result["extend"].append(bench_extend(shape, model, device, gen))
-        torch.cuda.empty_cache()  # each shape allocates its own pool; do not let them pile up
-        print(f"extend {shape}: {result['extend'][-1]['triton_tflops']:.1f} TF/s", file=sys.stderr)
-    result["decode"] = []
-    for shape in dec_shapes:
-        result["decode"].append(bench_decode(shape, model, device, gen))
-        torch.cuda.empty_cache()
-        row = result["decode"][-1]
-        cands = ", ".join(
-            f"{row[f'triton_{n}_graph_gbs']:.0f} {n}"
-            if f"triton_{n}_graph_gbs" in row
-            else f"{n}: {row.get(f'triton_{n}_error', '-')}"
-            for n in ("fused", "pdl", "pdl_stack")
-        )
-        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, "
-              f"{row['triton_stack_graph_gbs']:.0f} per layer of {row['stack_layers']} replayed, "
-              f"{row['triton_gbs']:.0f} eager; candidates {cands}", file=sys.stderr)  # fmt: skip
-    result["lora"] = []
-    for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
-        for adapters in LORA_ADAPTERS:
-            row = bench_lora(batch, adapters, model, device, gen)
-            result["lora"].append(row)
-            print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed, "
-                  f"{row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch", file=sys.stderr)  # fmt: skip
-    result["verify"] = []
-    for batch, prefix, new_tokens in VERIFY_SHAPES[::2] if args.quick else VERIFY_SHAPES:
-        row = bench_verify(ExtendShape(batch, prefix, new_tokens), model, device, gen)
-        result["verify"].append(row)
-        torch.cuda.empty_cache()
-        print(f"verify b={batch} prefix={prefix} new={new_tokens}: {row['short_graph_ms'] * 1e3:.1f} us short, "
-              f"{row['extend_graph_ms'] * 1e3:.1f} us extend kernel", file=sys.stderr)  # fmt: skip
+    measure_kinds(result, args.only, args, model, device, gen)
     result["summary"] = summarize(result)
     compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)
@@ -589,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.write_text(format_markdown(result))
     print(f"wrote {out} and {report}")
     print(format_table(result))
-    return 0
+    return 130 if "interrupted" in result else 0
 
 
 if __name__ == "__main__":

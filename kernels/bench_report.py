@@ -126,6 +126,20 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _coverage(result: dict) -> list[str]:
+    """Lines saying what the run left out: the kinds not asked for (--only), and an interruption."""
+    lines = []
+    kinds = result.get("kinds")
+    if kinds is not None and set(kinds) != {"extend", "decode", "lora", "verify"}:
+        lines.append(f"Measured only: {', '.join(kinds)} (--only); the other tables are empty.")
+    if result.get("interrupted"):
+        lines.append(
+            f"**Interrupted** {result['interrupted']} (a deadline): every table holds only the rows measured"
+            " before it."
+        )
+    return lines
+
+
 def _verdict(met: bool | None) -> str:
     return "not measured" if met is None else ("met" if met else "**missed**")
 
@@ -145,6 +159,7 @@ def format_markdown(result: dict) -> str:
         f"torch {sw['torch']}, triton {sw['triton']}, Python {sw['python']}; {m['num_q_heads']} query heads, "
         f"{m['num_kv_heads']} KV heads, head dim {m['head_dim']}, {m['dtype']}.",
         f"Command: `{result['command']}`. Timing: {result['timing']}.",
+        *_coverage(result),
         "",
         f"Measured on this device: copy **{copy:,.0f} GB/s** (read + write), "
         f"matmul **{mm:,.0f} TF/s** ({m['dtype']}).",

@@ -486,3 +486,44 @@ def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
         path.write_text(json.dumps(doc))
     assert bench_report.main(["--compare", *map(str, paths)]) == 0
     assert capsys.readouterr().out == md
+
+
+def test_an_interrupted_run_keeps_the_rows_measured_so_far(monkeypatch):
+    """scripts/gpu-bench's deadline interrupts kernels.bench with SIGINT: the rows measured before it stay,
+    the kinds not reached are empty, and the report says where the run stopped."""
+    order = []
+
+    def measured(kind, row, interrupt=False):
+        def measure(rows, *args):
+            order.append(kind)
+            rows.extend([row] if row else [])
+            if interrupt:
+                raise KeyboardInterrupt
+
+        return measure
+
+    decode_row = {"batch": 1, "context": bench_report.LONG_CONTEXT, "triton_gbs": 800.0}
+    extend_row = {"batch": 1, "prefix": 0, "new": 8, "triton_tflops": 90.0}
+    monkeypatch.setattr(bench, "MEASURE", {
+        "decode": measured("decode", decode_row), "extend": measured("extend", extend_row, interrupt=True),
+        "lora": measured("lora", {}), "verify": measured("verify", {}),
+    })  # fmt: skip
+    result = {k: v for k, v in synthetic_result().items() if k not in bench.KINDS}
+    bench.measure_kinds(result, ["verify", "extend", "decode", "lora"], None)
+    assert order == ["decode", "extend"]  # decode first; nothing after the interruption
+    assert result["decode"] == [decode_row] and result["extend"] == [extend_row]
+    assert result["lora"] == result["verify"] == [] and result["interrupted"] == "during extend"
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    assert "**Interrupted** during extend (a deadline)" in md and "Measured only" not in md
+    assert table_rows(md, "## Decode (one query token per request)")[0][:3] == ["1", "16384", "800"]
+
+    order.clear()
+    result = {k: v for k, v in synthetic_result().items() if k not in bench.KINDS}
+    bench.measure_kinds(result, ["lora", "decode"], None)
+    assert order == ["decode", "lora"] and "interrupted" not in result and result["extend"] == []
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    assert "Measured only: decode, lora (--only)" in md and "Interrupted" not in md
+    assert bench.parse_args(["--only", "decode", "verify"]).only == ["decode", "verify"]
+    assert bench.parse_args([]).only == list(bench.KINDS)
