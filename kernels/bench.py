@@ -17,6 +17,7 @@ import json
 import math
 import platform
 import re
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -448,6 +449,7 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         "pdl": dataclasses.replace(base, pdl=True),
     }
     outs: dict[str, torch.Tensor] = {}
+    graphs: dict[str, Any] = {"default": graph}
 
     def stack_call(config: Any = None) -> None:
         for args in stack:
@@ -455,8 +457,8 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
 
     def candidate(name: str, call: Any, layers: int = 1) -> None:
         try:
-            cand_graph, outs[name] = replayed(call)
-            timed(f"triton_{name}_graph", timing.time_ms(cand_graph.replay) / layers)
+            graphs[name], outs[name] = replayed(call)
+            timed(f"triton_{name}_graph", timing.time_ms(graphs[name].replay) / layers)
         except Exception as exc:  # a compile, launch or capture error of the candidate
             row[f"triton_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
@@ -465,11 +467,24 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     row["stack_layers"] = len(stack)
     del stack_graph  # NOTE: before the copies it reads are freed
     candidate("pdl_stack", lambda: stack_call(variants["pdl"]), len(stack))
+    graphs.pop("pdl_stack", None)  # NOTE: before the copies it reads are freed
     stack.clear()
     torch.cuda.empty_cache()
     for name, config in variants.items():
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
+    if shape.batch == 1 and device.type == "cuda":
+        # NOTE: where a batch-1 call's time goes, from the CUDA profiler's record of replays: the split
+        # kernel, the gap to the merge, the merge; the event-timed replay minus the span is the graph's own
+        try:
+            row["timeline"] = {
+                name: split_merge_times(timing.profile_kernels(graphs[name].replay, device),
+                                        "_decode_split_kernel", "_decode_merge_kernel")
+                for name in ("default", "pdl") if name in graphs
+            }  # fmt: skip
+        except Exception as exc:  # the profiler is a diagnosis: its failure must not end the run
+            row["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    graphs.clear()
     try:
         try:
             ref = sdpa_call()
@@ -493,6 +508,33 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     except RuntimeError as exc:  # SDPA could not be captured: the eager baseline stays
         row["sdpa_graph_error"] = str(exc).splitlines()[0][:200]
     return row
+
+
+def split_merge_times(spans: Sequence[tuple[str, float, float]], split: str, merge: str) -> dict | None:
+    """Medians (µs) over every ``split`` kernel that a ``merge`` kernel follows in ``spans`` (timing.
+    device_spans; names matched as substrings): each kernel's time, the gap from the split's end to the
+    merge's start (negative where the merge started first: a programmatic dependent launch), and the
+    span from the split's start to the merge's end. None without such a pair."""
+    pairs, last_split = [], None
+    for name, start, end in spans:
+        if split in name:
+            last_split = (start, end)
+        elif merge in name and last_split is not None:
+            pairs.append((last_split, (start, end)))
+            last_split = None
+    if not pairs:
+        return None
+
+    def median(values: Any) -> float:
+        return round(statistics.median(values), 3)
+
+    return {
+        "pairs": len(pairs),
+        "split_us": median(s_end - s_start for (s_start, s_end), _ in pairs),
+        "merge_us": median(m_end - m_start for _, (m_start, m_end) in pairs),
+        "gap_us": median(m_start - s_end for (_, s_end), (m_start, _) in pairs),
+        "span_us": median(m_end - s_start for (s_start, _), (_, m_end) in pairs),
+    }
 
 
 def measure_extend(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:

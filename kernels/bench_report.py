@@ -235,6 +235,7 @@ def format_markdown(result: dict) -> str:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}, replayed: {r['sdpa_graph_error']}")
     if refused:
         lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
+    lines += timeline_table(result["decode"])
     if result.get("lora"):
         lines += [
             "",
@@ -291,6 +292,44 @@ def format_markdown(result: dict) -> str:
     if result.get("compiled"):
         lines += ["", "## Compiled kernels (as loaded on this GPU)", "", compiled_table(result["compiled"])]
     return "\n".join(lines) + "\n"
+
+
+TIMED = {"default": "triton_graph_ms", "pdl": "triton_pdl_graph_ms"}  # timeline variant -> its replay time
+
+
+def timeline_table(decode_rows: list[dict]) -> list[str]:
+    """Markdown lines: the batch-1 decode rows' profiled kernel timelines (kernels.bench.split_merge_times)
+    beside each variant's event-timed replay; none when no row has one."""
+    rows = [(r, name, t) for r in decode_rows for name, t in (r.get("timeline") or {}).items() if t]
+    errors = [f"- ctx={r['context']}: {r['timeline_error']}" for r in decode_rows if r.get("timeline_error")]
+    lines = ["", "The CUDA profiler failed on these batch-1 rows:", "", *errors] if errors else []
+    if not rows:
+        return lines
+    return [
+        "",
+        "### Batch-1 calls, kernel by kernel",
+        "",
+        "Medians over replays recorded by the CUDA profiler (CUPTI), L2 flushed before each: the split kernel,"
+        " the gap from its end to the merge's start (negative: the merge started first, as PDL allows), the"
+        " merge, and the span from the split's start to the merge's end. The replay column is the event-timed"
+        " replay from the table above; replay minus span is what the graph launch and the events add around"
+        " the kernels. The profiler's own overhead can shift these by a little.",
+        "",
+        "| context | variant | replay us | split us | gap us | merge us | span us | replay - span us |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        *(_timeline_line(r, name, t) for r, name, t in rows),
+        *lines,
+    ]
+
+
+def _timeline_line(row: dict, name: str, t: dict) -> str:
+    replay = row.get(TIMED.get(name, ""))
+    replay_us = None if replay is None else replay * 1e3
+    return (
+        f"| {row['context']} | {name} | {_fmt(replay_us, '.1f')} | {t['split_us']:.1f} | {t['gap_us']:.1f} "
+        f"| {t['merge_us']:.1f} | {t['span_us']:.1f} "
+        f"| {_fmt(None if replay_us is None else replay_us - t['span_us'], '.1f')} |"
+    )
 
 
 def compiled_table(rows: list[dict]) -> str:

@@ -112,3 +112,28 @@ def capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
 def time_replay_ms(fn: Callable[[], Any], *, flush: str = "clean") -> float:
     """Median time of ``fn`` captured once in a CUDA graph and replayed (no Python launch cost)."""
     return time_ms(capture(fn).replay, flush=flush)
+
+
+def device_spans(events: Any) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of the device (CUDA) kernels among torch.profiler ``events``, in start order."""
+    from torch.autograd import DeviceType
+
+    spans = [
+        (e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+    ]
+    return sorted(spans, key=lambda span: span[1])
+
+
+def profile_kernels(
+    fn: Callable[[], Any], device: torch.device, reps: int = 20
+) -> list[tuple[str, float, float]]:
+    """device_spans of ``reps`` runs of ``fn`` (each after a clean L2 flush, as time_ms runs it) recorded by
+    the CUDA profiler (CUPTI): when each kernel ran, gaps between kernels included. CUDA only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush_l2(device)
+            fn()
+        torch.cuda.synchronize(device)
+    return device_spans(prof.events())

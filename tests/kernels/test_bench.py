@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kernels import bench, bench_report, reference
+from kernels import bench, bench_report, reference, timing
 
 MODEL = bench.Model(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="fp32")
 
@@ -426,6 +426,7 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
 
     row = bench.bench_decode(bench.DecodeShape(2, 40), MODEL, cpu, gen)
     assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
+    assert "timeline" not in bench.bench_decode(bench.DecodeShape(1, 20), MODEL, cpu, gen)  # CUDA only
     for name in ("fused", "pdl", "pdl_stack"):  # NOTE: PDL falls back to plain launches here
         assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 1e-5, name
     assert bench_report.decode_error(row) < 1e-5
@@ -527,3 +528,56 @@ def test_an_interrupted_run_keeps_the_rows_measured_so_far(monkeypatch):
     assert "Measured only: decode, lora (--only)" in md and "Interrupted" not in md
     assert bench.parse_args(["--only", "decode", "verify"]).only == ["decode", "verify"]
     assert bench.parse_args([]).only == list(bench.KINDS)
+
+
+def test_split_merge_times_pair_each_split_with_the_merge_after_it():
+    spans = [
+        ("flush_kernel", 0.0, 50.0),
+        ("_decode_merge_kernel", 51.0, 52.0),  # no split before it: left out
+        ("_decode_split_kernel", 60.0, 90.0),
+        ("_decode_merge_kernel", 92.0, 95.0),  # 2 us after the split
+        ("_decode_merge_kernel", 96.0, 97.0),  # a second merge after one split: left out
+        ("flush_kernel", 100.0, 150.0),
+        ("_decode_split_kernel", 200.0, 232.0),
+        ("_decode_merge_kernel", 230.0, 236.0),  # started 2 us before the split ended (PDL)
+        ("_decode_split_kernel", 300.0, 330.0),  # no merge after it: left out
+    ]
+    got = bench.split_merge_times(spans, "_decode_split_kernel", "_decode_merge_kernel")
+    assert got == {"pairs": 2, "split_us": 31.0, "merge_us": 4.5, "gap_us": 0.0, "span_us": 35.5}
+    assert bench.split_merge_times(spans[:2], "_decode_split_kernel", "_decode_merge_kernel") is None
+
+
+def test_the_profiler_sees_every_replayed_split_and_merge(backend):
+    """On CUDA: the profiler records the kernels a replayed graph runs, under their Triton names."""
+    if not backend.is_cuda:
+        pytest.skip("the CUDA profiler needs CUDA")
+    dec = backend.module("decode_attention")
+    args, _ = bench.decode_case(
+        bench.DecodeShape(1, 4096), MODEL, backend.device, torch.Generator().manual_seed(0)
+    )
+    out = torch.empty_like(args[0])
+    graph = timing.capture(lambda: dec.decode_attention(*args, max_kv_len=4096, out=out))
+    spans = timing.profile_kernels(graph.replay, backend.device, reps=5)
+    got = bench.split_merge_times(spans, "_decode_split_kernel", "_decode_merge_kernel")
+    assert got is not None and got["pairs"] == 5, spans
+    assert got["split_us"] > 0 and got["merge_us"] > 0 and got["span_us"] >= got["split_us"]
+
+
+def test_markdown_report_has_the_batch_1_timeline_when_profiled():
+    result = synthetic_result()
+    long_row = result["decode"][1]
+    long_row.update(triton_graph_ms=0.0338, triton_pdl_graph_ms=0.031, timeline={
+        "default": {"pairs": 20, "split_us": 25.0, "merge_us": 2.5, "gap_us": 1.5, "span_us": 29.0},
+        "pdl": {"pairs": 20, "split_us": 25.0, "merge_us": 3.0, "gap_us": -1.0, "span_us": 27.0},
+    })  # fmt: skip
+    result["decode"][0]["timeline_error"] = "RuntimeError: CUPTI unavailable"
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    assert table_rows(md, "### Batch-1 calls, kernel by kernel") == [
+        ["16384", "default", "33.8", "25.0", "1.5", "2.5", "29.0", "4.8"],
+        ["16384", "pdl", "31.0", "25.0", "-1.0", "3.0", "27.0", "4.0"],
+    ]
+    assert "- ctx=1024: RuntimeError: CUPTI unavailable" in md
+    assert "kernel by kernel" not in bench_report.format_markdown(
+        synthetic_result() | {"summary": result["summary"]}
+    )

@@ -69,3 +69,18 @@ def test_on_cuda_replays_are_timed_after_either_flush_and_a_clean_flush_leaves_t
     buf.fill_(7)
     timing.flush_l2(device, "clean")
     assert bool((buf == 7).all())
+
+
+def test_device_spans_keep_the_cuda_kernels_in_start_order():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, device, start, end):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [event("b", DeviceType.CUDA, 5.0, 6.0), event("aten::sum", DeviceType.CPU, 0.0, 9.0),
+              event("a", DeviceType.CUDA, 1.0, 2.0)]  # fmt: skip
+    assert timing.device_spans(events) == [("a", 1.0, 2.0), ("b", 5.0, 6.0)]
