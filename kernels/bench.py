@@ -227,6 +227,13 @@ def measure_copy_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def measure_graph_floor_us(device: torch.device) -> float:
+    """An event-timed replay (after the same L2 flush as every replay here) of a CUDA graph of one kernel
+    on one element: what a replay costs besides its kernels' work, µs."""
+    x = torch.zeros(1, device=device)
+    return timing.time_replay_ms(lambda: x.add_(1)) * 1e3
+
+
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -643,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
             "copy_gbs": measure_copy_gbs(device),
             "matmul_tflops": measure_matmul_tflops(device, DTYPES[args.dtype]),
+            "graph_floor_us": measure_graph_floor_us(device),
         },
         "software": {
             "torch": torch.__version__,

@@ -235,7 +235,7 @@ def format_markdown(result: dict) -> str:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}, replayed: {r['sdpa_graph_error']}")
     if refused:
         lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
-    lines += timeline_table(result["decode"])
+    lines += timeline_table(result["decode"], dev.get("graph_floor_us"))
     if result.get("lora"):
         lines += [
             "",
@@ -297,9 +297,10 @@ def format_markdown(result: dict) -> str:
 TIMED = {"default": "triton_graph_ms", "pdl": "triton_pdl_graph_ms"}  # timeline variant -> its replay time
 
 
-def timeline_table(decode_rows: list[dict]) -> list[str]:
+def timeline_table(decode_rows: list[dict], graph_floor_us: float | None = None) -> list[str]:
     """Markdown lines: the batch-1 decode rows' profiled kernel timelines (kernels.bench.split_merge_times)
-    beside each variant's event-timed replay; none when no row has one."""
+    beside each variant's event-timed replay, and the device's one-kernel graph replay time when measured;
+    none when no row has a timeline."""
     rows = [(r, name, t) for r in decode_rows for name, t in (r.get("timeline") or {}).items() if t]
     errors = [f"- ctx={r['context']}: {r['timeline_error']}" for r in decode_rows if r.get("timeline_error")]
     lines = ["", "The CUDA profiler failed on these batch-1 rows:", "", *errors] if errors else []
@@ -313,7 +314,12 @@ def timeline_table(decode_rows: list[dict]) -> list[str]:
         " the gap from its end to the merge's start (negative: the merge started first, as PDL allows), the"
         " merge, and the span from the split's start to the merge's end. The replay column is the event-timed"
         " replay from the table above; replay minus span is what the graph launch and the events add around"
-        " the kernels. The profiler's own overhead can shift these by a little.",
+        " the kernels. The profiler's own overhead can shift these by a little."
+        + (
+            ""
+            if graph_floor_us is None
+            else f" For scale: a graph of one kernel on one element replays in {graph_floor_us:.1f} us here."
+        ),
         "",
         "| context | variant | replay us | split us | gap us | merge us | span us | replay - span us |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",

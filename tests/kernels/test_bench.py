@@ -577,7 +577,11 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
         ["16384", "default", "33.8", "25.0", "1.5", "2.5", "29.0", "4.8"],
         ["16384", "pdl", "31.0", "25.0", "-1.0", "3.0", "27.0", "4.0"],
     ]
-    assert "- ctx=1024: RuntimeError: CUPTI unavailable" in md
+    assert "- ctx=1024: RuntimeError: CUPTI unavailable" in md and "one element replays in" not in md
+    result["device"]["graph_floor_us"] = 4.25
+    assert "a graph of one kernel on one element replays in 4.2 us here" in bench_report.format_markdown(
+        result
+    )
     assert "kernel by kernel" not in bench_report.format_markdown(
         synthetic_result() | {"summary": result["summary"]}
     )
