@@ -41,6 +41,12 @@ from kernels.online_softmax import attend_tile, gather_kv
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 MAX_SPLITS = 64
+try:  # NOTE: programmatic dependent launch came with Triton 3.x's grid dependency control (3.6 has it)
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401
+
+    _TRITON_HAS_PDL = True
+except ImportError:
+    _TRITON_HAS_PDL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +136,15 @@ def split_partials(
 
 def pdl_active(cfg: DecodeConfig, arch: int) -> bool:
     """Whether a launch with ``cfg`` on compute capability ``arch`` (x10) uses programmatic dependent
-    launch: asked for, compiled (the interpreter has no grid dependencies) and on 9.0 or later."""
-    return cfg.pdl and not INTERPRETED and arch >= 90
+    launch: asked for, compiled (the interpreter has no grid dependencies), on 9.0 or later, and with a
+    Triton that has it (3.6 and 3.9 do)."""
+    return cfg.pdl and not INTERPRETED and arch >= 90 and _TRITON_HAS_PDL
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """The launch keyword for a programmatic dependent launch; none otherwise, so that a Triton without
+    the option launches the default kernels as before."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
@@ -403,7 +416,7 @@ def decode_attention(
         PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=pdl,
+        **pdl_launch(pdl),
     )
     if cfg.fused_merge:
         return out
@@ -426,6 +439,6 @@ def decode_attention(
         MIN_SPLIT_LEN=cfg.min_split_len,
         PDL=pdl,
         num_warps=4 if block_d >= 128 else 2,
-        launch_pdl=pdl,
+        **pdl_launch(pdl),
     )
     return out

@@ -133,6 +133,31 @@ def test_compile_only_refuses_to_run_under_the_interpreter():
     assert "unset TRITON_INTERPRET" in proc.stderr
 
 
+def test_pdl_configurations_compile_kernels_launched_as_programmatic_dependents():
+    """DecodeConfig.pdl reaches Triton's launch option (the driver's programmatic-serialization
+    attribute), for both kernels of decode and of the short extend; the default launches without it."""
+    code = textwrap.dedent("""\
+        import dataclasses, json
+        import torch
+        from kernels import compile_cases, compile_check
+        from kernels.decode_attention import default_config
+        shape = compile_cases.Shape("bf16", 32, 8, 128, 4096)
+        launched = {}
+        for pdl in (False, True):
+            cfg = dataclasses.replace(default_config(128, torch.bfloat16), pdl=pdl)
+            with compile_check.compile_only(90) as compiled:
+                compile_cases.decode_case(shape, cfg, "decode")[2]()
+                compile_cases.extend_short_case(shape, cfg, "short")[2]()
+            launched[str(pdl)] = [[name, kernel.metadata.launch_pdl] for name, kernel in compiled]
+        print(json.dumps(launched))
+        """)
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    launched = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = ["_decode_split_kernel", "_decode_merge_kernel", "_short_split_kernel", "_short_merge_kernel"]
+    assert launched == {"False": [[n, False] for n in names], "True": [[n, True] for n in names]}
+
+
 def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     code = textwrap.dedent("""\
         import json

@@ -169,8 +169,12 @@ def test_pdl_is_used_only_compiled_on_hopper_or_later(backend, monkeypatch):
     monkeypatch.setattr(dec, "INTERPRETED", False)
     assert [dec.pdl_active(cfg, arch) for arch in (80, 89, 90, 100)] == [False, False, True, True]
     assert not dec.pdl_active(dataclasses.replace(cfg, pdl=False), 90)
+    monkeypatch.setattr(dec, "_TRITON_HAS_PDL", False)  # a Triton without grid dependency control
+    assert not dec.pdl_active(cfg, 90)
+    monkeypatch.setattr(dec, "_TRITON_HAS_PDL", True)
     monkeypatch.setattr(dec, "INTERPRETED", True)  # the interpreter has no grid dependencies
     assert not dec.pdl_active(cfg, 90)
+    assert dec.pdl_launch(True) == {"launch_pdl": True} and dec.pdl_launch(False) == {}
 
 
 def test_pdl_launches_match_the_reference_eager_and_replayed_in_one_graph(backend, assert_close_rel):
