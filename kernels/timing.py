@@ -131,7 +131,7 @@ def profile_kernels(
     the CUDA profiler (CUPTI): when each kernel ran, gaps between kernels included. CUDA only."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # as worker.bench_profile
         for _ in range(reps):
             flush_l2(device)
             fn()
