@@ -52,6 +52,7 @@ VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (
 # decode also timed as a model step runs it: one layer after another in a single CUDA graph, each over its
 # own K/V (read once per replay, so L2 holds none of it), so one graph launch is shared by the stack
 STACK_LAYERS = 8
+TIMELINE_REPS = 20  # profiled replays of each batch-1 decode row
 STACK_BYTES = 8 << 30  # at most this much K/V in the stack's copies (the largest rows then stack fewer)
 
 
@@ -480,12 +481,12 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     for name, config in variants.items():
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
-    if shape.batch == 1 and device.type == "cuda":
+    if shape.batch == 1:
         # NOTE: where a batch-1 call's time goes, from the CUDA profiler's record of replays: the split
         # kernel, the gap to the merge, the merge; the event-timed replay minus the span is the graph's own
         try:
             row["timeline"] = {
-                name: split_merge_times(timing.profile_kernels(graphs[name].replay, device),
+                name: split_merge_times(timing.profile_kernels(graphs[name].replay, device, TIMELINE_REPS),
                                         "_decode_split_kernel", "_decode_merge_kernel")
                 for name in ("default", "pdl") if name in graphs
             }  # fmt: skip

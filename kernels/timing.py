@@ -128,12 +128,14 @@ def profile_kernels(
     fn: Callable[[], Any], device: torch.device, reps: int = 20
 ) -> list[tuple[str, float, float]]:
     """device_spans of ``reps`` runs of ``fn`` (each after a clean L2 flush, as time_ms runs it) recorded by
-    the CUDA profiler (CUPTI): when each kernel ran, gaps between kernels included. CUDA only."""
+    the CUDA profiler (CUPTI): when each kernel ran, gaps between kernels included. Empty off CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # as worker.bench_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:  # NOTE: host activity too, as worker.bench_profile records
         for _ in range(reps):
             flush_l2(device)
             fn()
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return device_spans(prof.events())
