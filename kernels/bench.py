@@ -179,6 +179,18 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     timed("triton_graph", timing.time_ms(graph.replay))
     timed("triton", timing.time_ms(triton_call))
     row["segments"] = int((seg_slots >= 0).sum())
+    # NOTE: the candidate launched as programmatic dependents (LoraConfig.pdl); its failure goes in the row
+    pdl = dataclasses.replace(lora.default_config(x.dtype), pdl=True)
+    try:
+        pdl_graph = timing.capture(
+            lambda: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, config=pdl)
+        )
+        out.copy_(base)
+        pdl_graph.replay()
+        row["rel_err_pdl_vs_torch"] = _rel_err(out - base, ref - base)
+        timed("triton_pdl_graph", timing.time_ms(pdl_graph.replay))
+    except Exception as exc:  # a compile, launch or capture error of the candidate
+        row["triton_pdl_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     # one segment per request, as the worker passed them before
     timed(
         "triton_per_request_graph",
@@ -574,8 +586,10 @@ def measure_lora(rows: list, args: argparse.Namespace, model: Model, device: Any
     for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
         for adapters in LORA_ADAPTERS:
             rows.append(row := bench_lora(batch, adapters, model, device, gen))
-            print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed, "
-                  f"{row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch", file=sys.stderr)  # fmt: skip
+            pdl = f"{row['triton_pdl_graph_ms'] * 1e3:.1f} us" if "triton_pdl_graph_ms" in row else row.get(
+                "triton_pdl_error", "-")  # fmt: skip
+            print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed "
+                  f"(PDL {pdl}), {row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch", file=sys.stderr)  # fmt: skip
 
 
 def measure_verify(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:

@@ -35,6 +35,13 @@ def extend_error(row: dict) -> float | None:
     return max(errors, key=lambda e: (math.isnan(e), e), default=None)
 
 
+def lora_error(row: dict) -> float | None:
+    """The larger of the LoRA deltas' errors against torch's (the default launch, and the PDL candidate's
+    when the row has it), NaN when either is NaN."""
+    errors = [row[k] for k in ("rel_err_vs_torch", "rel_err_pdl_vs_torch") if row.get(k) is not None]
+    return max(errors, key=lambda e: (math.isnan(e), e), default=None)
+
+
 def verify_error(row: dict) -> float | None:
     """The larger of the short-extend outputs' errors against the extend kernel (the default launch, and
     the PDL candidate's when the row has it), NaN when either is NaN."""
@@ -246,21 +253,22 @@ def format_markdown(result: dict) -> str:
             " two matmuls, index_add: the worker's path before the kernels). Both replayed as CUDA graphs"
             " and eager; GB/s counts each distinct adapter's weights once, x, and out read and written."
             " Triton takes the worker's segments (neighbouring requests of one adapter joined, up to 16 rows:"
-            " kernels.reference.lora_segments); the per-request column replays one segment per request.",
+            " kernels.reference.lora_segments); the per-request column replays one segment per request, the PDL"
+            " column the joined segments with both kernels launched as programmatic dependents (LoraConfig.pdl).",
             "",
             "| requests | adapters | segments | Triton us | Triton GB/s | of copy bw | per-request segments us "
-            "| torch per adapter us | torch / Triton | Triton eager us | torch eager us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| PDL us | torch per adapter us | torch / Triton | Triton eager us | torch eager us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["lora"]:
-            per_request = r.get("triton_per_request_graph_ms")
+            per_request, pdl = r.get("triton_per_request_graph_ms"), r.get("triton_pdl_graph_ms")
             lines.append(
                 f"| {r['batch']} | {r['adapters']} | {r.get('segments', '-')} | {r['triton_graph_ms'] * 1e3:.1f} "
                 f"| {r['triton_graph_gbs']:,.0f} | {r['triton_graph_gbs'] / copy:.0%} "
                 f"| {_fmt(None if per_request is None else per_request * 1e3, '.1f')} "
-                f"| {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {_fmt(None if pdl is None else pdl * 1e3, '.1f')} | {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
-                f"| {r['torch_ms'] * 1e3:.1f} | {r['rel_err_vs_torch']:.1e} |"
+                f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
     if result.get("verify"):
         lines += [

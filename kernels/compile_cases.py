@@ -98,11 +98,14 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     pdl = dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch), pdl=True)  # sm_90+
 
-    def lora_case(rank: int) -> Case:  # NOTE: q/k/v of rank-`rank` adapters (2 slots), decode rows
+    def lora_case(rank: int, pdl: bool = False) -> Case:
+        """q/k/v deltas of rank-``rank`` adapters (2 slots) on decode rows."""
         x, out = t["x"], torch.zeros(32, qkv, dtype=dt)
         a, b = torch.zeros(2, 3 * rank, shape.hidden, dtype=dt), torch.zeros(2, qkv, 3 * rank, dtype=dt)
-        return (f"lora_add {shape.dtype} h{shape.hidden} r{3 * rank}", {},
-                lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1))  # fmt: skip
+        cfg = dataclasses.replace(lora.default_config(dt), pdl=pdl)
+        return (f"lora_add{' pdl' if pdl else ''} {shape.dtype} h{shape.hidden} r{3 * rank}",
+                dataclasses.asdict(cfg) if pdl else {},
+                lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
 
     return [
         decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
@@ -124,6 +127,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                                      t["v_cache"], t["positions"])),
         lora_case(8),
         lora_case(16),
+        *([lora_case(16, pdl=True)] if arch >= 90 else []),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
     ]  # fmt: skip
 

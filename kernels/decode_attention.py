@@ -36,17 +36,12 @@ import triton.language as tl
 from kernels import host_checks, interpret_requested
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
+from kernels.pdl import pdl_active, pdl_launch
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 MAX_SPLITS = 64
-try:  # NOTE: programmatic dependent launch came with Triton 3.x's grid dependency control (3.6 has it)
-    from triton.language.extra.cuda import gdc_wait  # noqa: F401
-
-    _TRITON_HAS_PDL = True
-except ImportError:
-    _TRITON_HAS_PDL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,19 +127,6 @@ def split_partials(
     mid_out = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=device)
     mid_lse = torch.empty((rows, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=device)
     return mid_out, mid_lse
-
-
-def pdl_active(cfg: DecodeConfig, arch: int) -> bool:
-    """Whether a launch with ``cfg`` on compute capability ``arch`` (x10) uses programmatic dependent
-    launch: asked for, compiled (the interpreter has no grid dependencies), on 9.0 or later, and with a
-    Triton that has it (3.6 and 3.9 do)."""
-    return cfg.pdl and not INTERPRETED and arch >= 90 and _TRITON_HAS_PDL
-
-
-def pdl_launch(pdl: bool) -> dict:
-    """The launch keyword for a programmatic dependent launch; none otherwise, so that a Triton without
-    the option launches the default kernels as before."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
@@ -377,7 +359,7 @@ def decode_attention(
     scale = d**-0.5 if sm_scale is None else sm_scale
     block_s = max(2, triton.next_power_of_2(num_splits))
     counters = merge_counters(q.device, batch * hkv) if cfg.fused_merge else mid_lse  # NOTE: unused unfused
-    pdl = pdl_active(cfg, device_arch(q.device))
+    pdl = pdl_active(cfg.pdl, device_arch(q.device))
     _decode_split_kernel[(batch, hkv, num_splits)](
         q,
         k_cache,

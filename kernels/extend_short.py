@@ -35,13 +35,12 @@ from kernels.decode_attention import (
     _merge_head,
     _num_splits_of,
     default_config,
-    pdl_active,
-    pdl_launch,
     split_cap,
     split_partials,
 )
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
+from kernels.pdl import pdl_active, pdl_launch
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -247,7 +246,7 @@ def extend_short_attention(
     block_d = max(16, triton.next_power_of_2(d))
     mid_out, mid_lse = split_partials(t, hq, num_splits, d, q.device)
     scale = d**-0.5 if sm_scale is None else sm_scale
-    pdl = pdl_active(cfg, device_arch(q.device))
+    pdl = pdl_active(cfg.pdl, device_arch(q.device))
     _short_split_kernel[(batch, hkv, num_splits * token_blocks)](
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, mid_out, mid_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -14,6 +14,9 @@ rows, as in a decode step) writes each K split's partial x @ a[s]^T in fp32; the
 the product with b[s] to out. Two launches whatever the number of adapters in the batch, and the grid
 depends on the batch's shape only (n, ``max_rows``), not on which adapters it holds: a decode step of
 one row per request replays in a CUDA graph with new slots written into the same buffers.
+LoraConfig.pdl launches both as programmatic dependents (kernels/pdl.py): the shrink waits for the kernel
+before (the base projection) and lets the expand launch, and the expand loads its b tile (weights, not
+written by either) before it waits for the shrink's partials.
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
   - seg_indptr is non-decreasing within [0, T]; no segment has more than ``max_rows`` rows (rows past
     it get no delta);
@@ -29,6 +32,8 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested
+from kernels.extend_attention import device_arch
+from kernels.pdl import pdl_active, pdl_launch
 from kernels.reference import LORA_BLOCK_ROWS
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -49,6 +54,7 @@ class LoraConfig:
 
     k_per_split: int
     block_n: int
+    pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
 
 
 def default_config(dtype: torch.dtype) -> LoraConfig:
@@ -73,7 +79,11 @@ def _shrink_kernel(
     X, A, Partial, SEG_INDPTR, SEG_SLOTS, K, R, stride_xt, stride_as, stride_ar, stride_pk, stride_pt,
     COLS_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # NOTE: x comes from the kernel before; the expand may launch once every program has waited
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seg, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, rows, row_mask, rank = _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
@@ -97,21 +107,26 @@ def _shrink_kernel(
 def _expand_kernel(
     Partial, B, Out, SEG_INDPTR, SEG_SLOTS, N, R, SPLITS, stride_pk, stride_pt, stride_bs, stride_bn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     seg, block, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, rows, row_mask, rank = _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    b_ptrs = B + slot * stride_bs + cols[None, :] * stride_bn + r[:, None]
+    b_mask = (r[:, None] < rank) & col_mask[None, :]
+    if PDL:  # NOTE: the segments and b were written before the shrink began, the partials only past the wait
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        tl.extra.cuda.gdc_wait()
     y = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     y_mask = row_mask[:, None] & (r[None, :] < R)
     for split in range(0, SPLITS):
         y += tl.load(
             Partial + split * stride_pk + rows[:, None] * stride_pt + r[None, :], mask=y_mask, other=0.0
         )
-    b = tl.load(B + slot * stride_bs + cols[None, :] * stride_bn + r[:, None],
-                mask=(r[:, None] < rank) & col_mask[None, :], other=0.0)  # fmt: skip
+    if not PDL:
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
     # NOTE: the product is rounded to the inputs' dtype, as x @ a^T computed in that dtype would be
     y = y.to(B.dtype.element_ty)
     if DOT_FP32:
@@ -184,6 +199,7 @@ def lora_add(
     block_r = max(16, triton.next_power_of_2(r))
     row_blocks = triton.cdiv(max_rows, BLOCK_M)
     cfg = config or default_config(x.dtype)
+    pdl = pdl_active(cfg.pdl, device_arch(x.device))
     splits, per_split = split_k(k, n * row_blocks, cfg.k_per_split)
     partial = _partials(splits, t, r, device=x.device)
     common = {
@@ -191,7 +207,9 @@ def lora_add(
         "BLOCK_R": block_r,
         "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
         "DOT_FP32": INTERPRETED and x.dtype == torch.bfloat16,
+        "PDL": pdl,
         "num_warps": 1 if INTERPRETED else 4,
+        **pdl_launch(pdl),
     }
     _shrink_kernel[(n, row_blocks, splits)](
         x, a, partial, seg_indptr, seg_slots, k, r, x.stride(0), a.stride(0), a.stride(1),

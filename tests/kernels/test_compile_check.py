@@ -96,6 +96,9 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
             pair = [r for (c, _), r in rows.items() if c == case]
             assert len(pair) == 2 and all(r["sass"]["ACQBULK"] >= 1 for r in pair), pair
             assert [r["sass"]["PREEXIT"] >= 1 for r in pair] == [True, False], pair
+    lora_pdl = [r for (c, _), r in rows.items() if c.startswith("lora_add pdl")]
+    assert [(r["kernel"], r["sass"]["ACQBULK"] >= 1, r["sass"]["PREEXIT"] >= 1) for r in lora_pdl] == [
+        ("_shrink_kernel", True, True), ("_expand_kernel", True, False)]  # fmt: skip
     assert all(
         r["sass"]["ACQBULK"] == r["sass"]["PREEXIT"] == 0 for (c, _), r in rows.items() if "pdl" not in c
     )

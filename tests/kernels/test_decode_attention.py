@@ -163,18 +163,19 @@ def test_decode_rejects_inconsistent_arguments_before_launch(backend, name):
         dec.decode_attention(*args, num_splits=2, **kw)
 
 
-def test_pdl_is_used_only_compiled_on_hopper_or_later(backend, monkeypatch):
-    dec = backend.module("decode_attention")
-    cfg = dataclasses.replace(dec.default_config(128, torch.bfloat16), pdl=True)
-    monkeypatch.setattr(dec, "INTERPRETED", False)
-    assert [dec.pdl_active(cfg, arch) for arch in (80, 89, 90, 100)] == [False, False, True, True]
-    assert not dec.pdl_active(dataclasses.replace(cfg, pdl=False), 90)
-    monkeypatch.setattr(dec, "_TRITON_HAS_PDL", False)  # a Triton without grid dependency control
-    assert not dec.pdl_active(cfg, 90)
-    monkeypatch.setattr(dec, "_TRITON_HAS_PDL", True)
-    monkeypatch.setattr(dec, "INTERPRETED", True)  # the interpreter has no grid dependencies
-    assert not dec.pdl_active(cfg, 90)
-    assert dec.pdl_launch(True) == {"launch_pdl": True} and dec.pdl_launch(False) == {}
+def test_pdl_is_used_only_compiled_on_hopper_or_later(monkeypatch):
+    from kernels import pdl
+
+    monkeypatch.setattr(pdl, "INTERPRETED", False)
+    monkeypatch.setattr(pdl, "TRITON_HAS_PDL", True)
+    assert [pdl.pdl_active(True, arch) for arch in (80, 89, 90, 100)] == [False, False, True, True]
+    assert not pdl.pdl_active(False, 90)
+    monkeypatch.setattr(pdl, "TRITON_HAS_PDL", False)  # a Triton without grid dependency control
+    assert not pdl.pdl_active(True, 90)
+    monkeypatch.setattr(pdl, "TRITON_HAS_PDL", True)
+    monkeypatch.setattr(pdl, "INTERPRETED", True)  # the interpreter has no grid dependencies
+    assert not pdl.pdl_active(True, 90)
+    assert pdl.pdl_launch(True) == {"launch_pdl": True} and pdl.pdl_launch(False) == {}
 
 
 def test_pdl_launches_match_the_reference_eager_and_replayed_in_one_graph(backend, assert_close_rel):

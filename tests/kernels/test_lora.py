@@ -164,3 +164,41 @@ def test_lora_add_on_joined_segments_gives_each_requests_deltas(backend, assert_
         dev = [t.to(backend.device) for t in (x, out.clone(), a, b, *joined)]
         got = lora.lora_add(*dev, cap).cpu()
         assert_close_rel((got.float() - out.float()).to(dtype), (want.float() - out.float()).to(dtype))
+
+
+def test_pdl_launches_replay_after_the_base_projection_in_one_graph(backend, assert_close_rel):
+    """LoraConfig.pdl on CUDA: the base projection (a cuBLAS matmul into out), then the deltas with both
+    kernels launched as programmatic dependents, captured in one CUDA graph and replayed over new x
+    written in place. The shrink must wait for the matmul's x and the expand for the shrink's partials
+    and the matmul's out; the expand reads its b before it waits."""
+    if not backend.is_cuda:
+        pytest.skip("the interpreter has no grid dependencies (pdl_active is False there)")
+    import dataclasses
+
+    lora = backend.module("lora")
+    lengths, slots, k, n, rank = CASES["decode"]
+    x, _, a, b, indptr, seg_slots = (t.to(backend.device) for t in lora_case(lengths, slots, k, n, rank,
+                                                                             torch.float32))  # fmt: skip
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(1)) / k**0.5).to(x)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    cfg = dataclasses.replace(lora.default_config(x.dtype), pdl=True)
+
+    def step() -> None:
+        torch.mm(x, w.t(), out=out)
+        lora.lora_add(x, out, a, b, indptr, seg_slots, max(lengths), config=cfg)
+
+    def check() -> None:  # NOTE: the deltas alone (out less the same matmul), so out's size hides nothing
+        want = reference.lora_add(
+            x.cpu(), torch.zeros(out.shape), a.cpu(), b.cpu(), indptr.cpu(), seg_slots.cpu()
+        )
+        assert_close_rel((out - torch.mm(x, w.t())).cpu(), want)
+
+    step()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(x))
+    out.fill_(float("nan"))
+    graph.replay()
+    check()

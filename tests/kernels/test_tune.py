@@ -143,10 +143,12 @@ def test_lora_candidates_all_run_on_the_workers_segments_and_the_fastest_wins(ba
     monkeypatch.setattr(timing, "time_replay_ms", fake_time([(want, 1.0)]))
     result = tune.tune_lora(20, MODEL, backend.device, torch.Generator().manual_seed(0))
     assert result["kind"] == "lora" and result["shape"] == {"rows": 20, "adapters": 1}
-    assert len(result["rows"]) == len(tune.lora_candidates()) + 1  # + fp32's own default (32 columns)
+    # every candidate, fp32's own default (32 columns), then the fastest launched as programmatic dependents
+    assert len(result["rows"]) == len(tune.lora_candidates()) + 2
     assert all("error" not in r and r["rel_err"] < 1e-5 for r in result["rows"]), result["rows"]
+    assert result["rows"][-1]["config"] == {**want, "pdl": True}
     assert result["best"]["config"] == want and result["speedup_vs_default"] == 2.0
-    assert result["default"]["config"] == {"k_per_split": 512, "block_n": 32}
+    assert result["default"]["config"] == {"k_per_split": 512, "block_n": 32, "pdl": False}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
