@@ -180,7 +180,7 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     timed("triton", timing.time_ms(triton_call))
     row["segments"] = int((seg_slots >= 0).sum())
     # NOTE: the candidate launched as programmatic dependents (LoraConfig.pdl); its failure goes in the row
-    pdl = dataclasses.replace(lora.default_config(x.dtype), pdl=True)
+    pdl, pdl_graph = dataclasses.replace(lora.default_config(x.dtype), pdl=True), None
     try:
         pdl_graph = timing.capture(
             lambda: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, config=pdl)
@@ -191,6 +191,15 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
         timed("triton_pdl_graph", timing.time_ms(pdl_graph.replay))
     except Exception as exc:  # a compile, launch or capture error of the candidate
         row["triton_pdl_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if batch == 1:  # NOTE: where one request's deltas take their time: shrink, gap, expand (as decode's)
+        try:
+            row["timeline"] = {
+                name: split_merge_times(timing.profile_kernels(g.replay, device, TIMELINE_REPS),
+                                        "_shrink_kernel", "_expand_kernel")
+                for name, g in (("default", graph), ("pdl", pdl_graph)) if g is not None
+            }  # fmt: skip
+        except Exception as exc:  # the profiler is a diagnosis: its failure must not end the run
+            row["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     # one segment per request, as the worker passed them before
     timed(
         "triton_per_request_graph",

@@ -242,7 +242,9 @@ def format_markdown(result: dict) -> str:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}, replayed: {r['sdpa_graph_error']}")
     if refused:
         lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
-    lines += timeline_table(result["decode"], dev.get("graph_floor_us"))
+    lines += timeline_table(
+        result["decode"], "context", ("split", "merge"), "Batch-1 calls", dev.get("graph_floor_us")
+    )
     if result.get("lora"):
         lines += [
             "",
@@ -270,6 +272,10 @@ def format_markdown(result: dict) -> str:
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
+        lines += timeline_table(
+            [r for r in result["lora"] if r["batch"] == 1], "adapters", ("shrink", "expand"), "One request",
+            dev.get("graph_floor_us"),
+        )  # fmt: skip
     if result.get("verify"):
         lines += [
             "",
@@ -305,42 +311,49 @@ def format_markdown(result: dict) -> str:
 TIMED = {"default": "triton_graph_ms", "pdl": "triton_pdl_graph_ms"}  # timeline variant -> its replay time
 
 
-def timeline_table(decode_rows: list[dict], graph_floor_us: float | None = None) -> list[str]:
-    """Markdown lines: the batch-1 decode rows' profiled kernel timelines (kernels.bench.split_merge_times)
-    beside each variant's event-timed replay, and the device's one-kernel graph replay time when measured;
-    none when no row has a timeline."""
-    rows = [(r, name, t) for r in decode_rows for name, t in (r.get("timeline") or {}).items() if t]
-    errors = [f"- ctx={r['context']}: {r['timeline_error']}" for r in decode_rows if r.get("timeline_error")]
-    lines = ["", "The CUDA profiler failed on these batch-1 rows:", "", *errors] if errors else []
-    if not rows:
+def timeline_table(
+    rows: list[dict],
+    shape_key: str,
+    kernels: tuple[str, str],
+    title: str,
+    graph_floor_us: float | None = None,
+) -> list[str]:
+    """Markdown lines: the rows' profiled kernel timelines (kernels.bench.split_merge_times over a launch
+    pair, ``kernels`` naming its first and second kernel) beside each variant's event-timed replay, and
+    the device's one-kernel graph replay time when measured; none when no row has a timeline."""
+    first, second = kernels
+    timed = [(r, name, t) for r in rows for name, t in (r.get("timeline") or {}).items() if t]
+    errors = [f"- {shape_key}={r[shape_key]}: {r['timeline_error']}" for r in rows if r.get("timeline_error")]
+    lines = ["", f"The CUDA profiler failed on these rows ({title.lower()}):", "", *errors] if errors else []
+    if not timed:
         return lines
     return [
         "",
-        "### Batch-1 calls, kernel by kernel",
+        f"### {title}, kernel by kernel",
         "",
-        "Medians over replays recorded by the CUDA profiler (CUPTI), L2 flushed before each: the split kernel,"
-        " the gap from its end to the merge's start (negative: the merge started first, as PDL allows), the"
-        " merge, and the span from the split's start to the merge's end. The replay column is the event-timed"
-        " replay from the table above; replay minus span is what the graph launch and the events add around"
-        " the kernels. The profiler's own overhead can shift these by a little."
+        f"Medians over replays recorded by the CUDA profiler (CUPTI), L2 flushed before each: the {first} kernel,"
+        f" the gap from its end to the {second}'s start (negative: the {second} started first, as PDL allows),"
+        f" the {second}, and the span from the {first}'s start to the {second}'s end. The replay column is the"
+        " event-timed replay from the table above; replay minus span is what the graph launch and the events"
+        " add around the kernels. The profiler's own overhead can shift these by a little."
         + (
             ""
             if graph_floor_us is None
             else f" For scale: a graph of one kernel on one element replays in {graph_floor_us:.1f} us here."
         ),
         "",
-        "| context | variant | replay us | split us | gap us | merge us | span us | replay - span us |",
+        f"| {shape_key} | variant | replay us | {first} us | gap us | {second} us | span us | replay - span us |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
-        *(_timeline_line(r, name, t) for r, name, t in rows),
+        *(_timeline_line(r[shape_key], r, name, t) for r, name, t in timed),
         *lines,
     ]
 
 
-def _timeline_line(row: dict, name: str, t: dict) -> str:
+def _timeline_line(shape: object, row: dict, name: str, t: dict) -> str:
     replay = row.get(TIMED.get(name, ""))
     replay_us = None if replay is None else replay * 1e3
     return (
-        f"| {row['context']} | {name} | {_fmt(replay_us, '.1f')} | {t['split_us']:.1f} | {t['gap_us']:.1f} "
+        f"| {shape} | {name} | {_fmt(replay_us, '.1f')} | {t['split_us']:.1f} | {t['gap_us']:.1f} "
         f"| {t['merge_us']:.1f} | {t['span_us']:.1f} "
         f"| {_fmt(None if replay_us is None else replay_us - t['span_us'], '.1f')} |"
     )

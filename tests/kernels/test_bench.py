@@ -463,6 +463,8 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     for row in joined, mixed:
         assert row["rel_err_vs_torch"] < 1e-5 and row["triton_per_request_graph_ms"] > 0
         assert row["triton_pdl_graph_ms"] > 0 and bench_report.lora_error(row) < 1e-5
+    assert "timeline" not in joined  # profiled at one request only; off CUDA the profiler sees no kernels:
+    assert bench.bench_lora(1, 1, MODEL, cpu, gen)["timeline"] == {"default": None, "pdl": None}
 
 
 def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
@@ -582,7 +584,7 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
         ["16384", "default", "33.8", "25.0", "1.5", "2.5", "29.0", "4.8"],
         ["16384", "pdl", "31.0", "25.0", "-1.0", "3.0", "27.0", "4.0"],
     ]
-    assert "- ctx=1024: RuntimeError: CUPTI unavailable" in md and "one element replays in" not in md
+    assert "- context=1024: RuntimeError: CUPTI unavailable" in md and "one element replays in" not in md
     result["device"]["graph_floor_us"] = 4.25
     assert "a graph of one kernel on one element replays in 4.2 us here" in bench_report.format_markdown(
         result
@@ -590,3 +592,13 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
     assert "kernel by kernel" not in bench_report.format_markdown(
         synthetic_result() | {"summary": result["summary"]}
     )
+    # a LoRA row of one request: its shrink and expand, in the LoRA section
+    result["lora"] = [{"batch": 1, "adapters": 1, "triton_graph_ms": 0.0127, "triton_graph_gbs": 170.0,
+                       "torch_graph_ms": 0.02, "triton_ms": 0.1, "torch_ms": 0.2, "rel_err_vs_torch": 0.004,
+                       "timeline": {"default": {"pairs": 20, "split_us": 4.0, "merge_us": 3.5, "gap_us": 1.0,
+                                                "span_us": 8.5}, "pdl": None}}]  # fmt: skip
+    md = bench_report.format_markdown(result)
+    assert table_rows(md, "### One request, kernel by kernel") == [
+        ["1", "default", "12.7", "4.0", "1.0", "3.5", "8.5", "4.2"]
+    ]
+    assert "| adapters | variant | replay us | shrink us | gap us | expand us |" in md
