@@ -376,12 +376,16 @@ def compiled_table(rows: list[dict]) -> str:
 
 # ---------------------------------------------------------------- two runs side by side
 
-COMPARED = {  # kind -> (shape keys, the number compared, higher is better)
-    "extend": (("batch", "prefix", "new"), "triton_tflops", True),
-    "decode": (("batch", "context"), "triton_graph_gbs", True),
-    "lora": (("batch", "adapters"), "triton_graph_ms", False),
-    "verify": (("batch", "prefix", "new"), "short_graph_ms", False),
-}
+COMPARED = (  # (kind, shape keys, the number compared, higher is better); a number neither run has is left out
+    ("extend", ("batch", "prefix", "new"), "triton_tflops", True),
+    ("decode", ("batch", "context"), "triton_graph_gbs", True),
+    ("decode", ("batch", "context"), "triton_stack_graph_gbs", True),
+    ("decode", ("batch", "context"), "triton_pdl_graph_gbs", True),
+    ("lora", ("batch", "adapters"), "triton_graph_ms", False),
+    ("lora", ("batch", "adapters"), "triton_pdl_graph_ms", False),
+    ("verify", ("batch", "prefix", "new"), "short_graph_ms", False),
+    ("verify", ("batch", "prefix", "new"), "short_pdl_graph_ms", False),
+)
 
 
 def compare_markdown(before: dict, after: dict) -> str:
@@ -394,7 +398,7 @@ def compare_markdown(before: dict, after: dict) -> str:
         "",
         f"Copy bandwidth {before['device']['copy_gbs']:,.0f} against {after['device']['copy_gbs']:,.0f} GB/s.",
     ]
-    for kind, (keys, metric, higher) in COMPARED.items():
+    for kind, keys, metric, higher in COMPARED:
         old = {tuple(r[k] for k in keys): r for r in before.get(kind, []) if metric in r}
         pairs = [(s, old[s], r) for r in after.get(kind, []) if metric in r for s in [tuple(r[k] for k in keys)]
                  if s in old]  # fmt: skip

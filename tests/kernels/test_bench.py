@@ -485,6 +485,7 @@ def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
         ["1", "8", "8", "70", "70", "1.00"],
     ]
     assert table_rows(md, "## decode: triton_graph_gbs") == [["1", "16384", "600", "900", "1.50"]]
+    assert "triton_pdl_graph_gbs" not in md  # measured by neither run
     assert table_rows(md, "## lora: triton_graph_ms") == [
         ["64", "1", "0.04", "0.01", "4.00"]
     ]  # a time: 4x faster
@@ -494,6 +495,9 @@ def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
         path.write_text(json.dumps(doc))
     assert bench_report.main(["--compare", *map(str, paths)]) == 0
     assert capsys.readouterr().out == md
+    before["decode"][1]["triton_pdl_graph_gbs"], after["decode"][1]["triton_pdl_graph_gbs"] = 700.0, 1400.0
+    pdl = table_rows(bench_report.compare_markdown(before, after), "## decode: triton_pdl_graph_gbs")
+    assert pdl == [["1", "16384", "700", "1400", "2.00"]]
 
 
 def test_an_interrupted_run_keeps_the_rows_measured_so_far(monkeypatch):
