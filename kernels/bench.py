@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kernels import compile_check, reference, timing
-from kernels.bench_report import format_markdown, format_table, summarize
+from kernels.bench_report import KINDS, format_markdown, format_table, summarize
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
 EXTEND_PREFIXES = (0, 1024, 4096, 16384)  # cached prefix per request (tokens)
@@ -52,7 +52,7 @@ VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (
 # decode also timed as a model step runs it: one layer after another in a single CUDA graph, each over its
 # own K/V (read once per replay, so L2 holds none of it), so one graph launch is shared by the stack
 STACK_LAYERS = 8
-TIMELINE_REPS = 20  # profiled replays of each batch-1 decode row
+TIMELINE_REPS = 20  # profiled replays of each batch-1 decode row and one-request LoRA row
 STACK_BYTES = 8 << 30  # at most this much K/V in the stack's copies (the largest rows then stack fewer)
 
 
@@ -190,16 +190,11 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
         row["rel_err_pdl_vs_torch"] = _rel_err(out - base, ref - base)
         timed("triton_pdl_graph", timing.time_ms(pdl_graph.replay))
     except Exception as exc:  # a compile, launch or capture error of the candidate
-        row["triton_pdl_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        row["triton_pdl_error"] = failure(exc)
     if batch == 1:  # NOTE: where one request's deltas take their time: shrink, gap, expand (as decode's)
-        try:
-            row["timeline"] = {
-                name: split_merge_times(timing.profile_kernels(g.replay, device, TIMELINE_REPS),
-                                        "_shrink_kernel", "_expand_kernel")
-                for name, g in (("default", graph), ("pdl", pdl_graph)) if g is not None
-            }  # fmt: skip
-        except Exception as exc:  # the profiler is a diagnosis: its failure must not end the run
-            row["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        record_timeline(
+            row, {"default": graph, "pdl": pdl_graph}, ("_shrink_kernel", "_expand_kernel"), device
+        )
     # one segment per request, as the worker passed them before
     timed(
         "triton_per_request_graph",
@@ -346,7 +341,7 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
         row["short_pdl_graph_ms"] = timing.time_replay_ms(lambda: short_call(pdl))
         row["rel_err_pdl_vs_extend"] = _rel_err(short_out, ext_out)
     except Exception as exc:  # a compile, launch or capture error of the candidate
-        row["short_pdl_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        row["short_pdl_error"] = failure(exc)
     return row
 
 
@@ -489,7 +484,7 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
             graphs[name], outs[name] = replayed(call)
             timed(f"triton_{name}_graph", timing.time_ms(graphs[name].replay) / layers)
         except Exception as exc:  # a compile, launch or capture error of the candidate
-            row[f"triton_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row[f"triton_{name}_error"] = failure(exc)
 
     stack_graph, stack_out = replayed(stack_call)
     timed("triton_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
@@ -502,17 +497,9 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     for name, config in variants.items():
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
-    if shape.batch == 1:
-        # NOTE: where a batch-1 call's time goes, from the CUDA profiler's record of replays: the split
-        # kernel, the gap to the merge, the merge; the event-timed replay minus the span is the graph's own
-        try:
-            row["timeline"] = {
-                name: split_merge_times(timing.profile_kernels(graphs[name].replay, device, TIMELINE_REPS),
-                                        "_decode_split_kernel", "_decode_merge_kernel")
-                for name in ("default", "pdl") if name in graphs
-            }  # fmt: skip
-        except Exception as exc:  # the profiler is a diagnosis: its failure must not end the run
-            row["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if shape.batch == 1:  # NOTE: where a batch-1 call's time goes: the split kernel, the gap, the merge
+        pairs = {name: graphs.get(name) for name in ("default", "pdl")}
+        record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device)
     graphs.clear()
     try:
         try:
@@ -537,6 +524,27 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     except RuntimeError as exc:  # SDPA could not be captured: the eager baseline stays
         row["sdpa_graph_error"] = str(exc).splitlines()[0][:200]
     return row
+
+
+def failure(exc: BaseException) -> str:
+    """How a row records a candidate's or a diagnosis's failure (the run goes on)."""
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def record_timeline(
+    row: dict, graphs: dict[str, Any], kernels: tuple[str, str], device: torch.device
+) -> None:
+    """row["timeline"]: for each graph (None: that candidate failed, left out), split_merge_times of its
+    replays as the CUDA profiler recorded them, over the launch pair ``kernels``; the event-timed replay
+    minus the span is what the graph adds. A profiler failure goes in row["timeline_error"]: it is a
+    diagnosis and must not end the run."""
+    try:
+        row["timeline"] = {
+            name: split_merge_times(timing.profile_kernels(g.replay, device, TIMELINE_REPS), *kernels)
+            for name, g in graphs.items() if g is not None
+        }  # fmt: skip
+    except Exception as exc:
+        row["timeline_error"] = failure(exc)
 
 
 def split_merge_times(spans: Sequence[tuple[str, float, float]], split: str, merge: str) -> dict | None:
@@ -610,9 +618,8 @@ def measure_verify(rows: list, args: argparse.Namespace, model: Model, device: A
               f"{row['extend_graph_ms'] * 1e3:.1f} us extend kernel", file=sys.stderr)  # fmt: skip
 
 
-# NOTE: measured in this order; decode first, as its long-context target is the one still open
-MEASURE = {"decode": measure_decode, "extend": measure_extend, "lora": measure_lora, "verify": measure_verify}
-KINDS = tuple(MEASURE)
+# NOTE: measured in KINDS' order; decode first, as its long-context target is the one still open
+MEASURE = dict(zip(KINDS, (measure_decode, measure_extend, measure_lora, measure_verify), strict=True))
 
 
 def measure_kinds(result: dict, kinds: Sequence[str], *args: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+KINDS = ("decode", "extend", "lora", "verify")  # what kernels.bench measures, in its order (decode first)
 LONG_CONTEXT = 16384  # decode target (>= 70% of copy bandwidth) is judged at contexts >= this
 # bf16 against SDPA in bf16 lands near 3e-3; a wrong mask, a missing tile or an unwritten output is
 # far above this (or NaN: outputs are poisoned before each run)
@@ -19,34 +20,35 @@ def decode_rates(row: dict) -> tuple[float, float | None]:
     return row["triton_gbs"], row.get("sdpa_gbs")
 
 
-def decode_error(row: dict) -> float | None:
-    """The largest of the eager, replayed, layer-stack and candidates' (fused merge, PDL) outputs' errors against
-    SDPA, NaN when any is NaN (an unwritten output); None when unmeasured."""
-    keys = ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_stack_vs_sdpa", "rel_err_fused_vs_sdpa",
-            "rel_err_pdl_vs_sdpa", "rel_err_pdl_stack_vs_sdpa")  # fmt: skip
+def _worst_error(row: dict, keys: tuple[str, ...]) -> float | None:
+    """The largest of ``row``'s errors under ``keys``, NaN when any is NaN (an unwritten output); None
+    when none was measured."""
     errors = [row[k] for k in keys if row.get(k) is not None]
     return max(errors, key=lambda e: (math.isnan(e), e), default=None)
 
 
+def decode_error(row: dict) -> float | None:
+    """The worst of the eager, replayed, layer-stack and candidates' (fused merge, PDL) outputs' errors
+    against SDPA."""
+    return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_stack_vs_sdpa",
+                              "rel_err_fused_vs_sdpa", "rel_err_pdl_vs_sdpa", "rel_err_pdl_stack_vs_sdpa"))  # fmt: skip
+
+
 def extend_error(row: dict) -> float | None:
-    """The larger of the extend outputs' errors against SDPA (the worker's tiles, and the prefix-blind
-    default's when the row timed them), NaN when either is NaN; None when unmeasured."""
-    errors = [row[k] for k in ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa") if row.get(k) is not None]
-    return max(errors, key=lambda e: (math.isnan(e), e), default=None)
+    """The worse of the extend outputs' errors against SDPA: the worker's tiles, and the prefix-blind
+    default's when the row timed them."""
+    return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa"))
 
 
 def lora_error(row: dict) -> float | None:
-    """The larger of the LoRA deltas' errors against torch's (the default launch, and the PDL candidate's
-    when the row has it), NaN when either is NaN."""
-    errors = [row[k] for k in ("rel_err_vs_torch", "rel_err_pdl_vs_torch") if row.get(k) is not None]
-    return max(errors, key=lambda e: (math.isnan(e), e), default=None)
+    """The worse of the LoRA deltas' errors against torch's: the default launch, and the PDL candidate's."""
+    return _worst_error(row, ("rel_err_vs_torch", "rel_err_pdl_vs_torch"))
 
 
 def verify_error(row: dict) -> float | None:
-    """The larger of the short-extend outputs' errors against the extend kernel (the default launch, and
-    the PDL candidate's when the row has it), NaN when either is NaN."""
-    errors = [row[k] for k in ("rel_err_vs_extend", "rel_err_pdl_vs_extend") if row.get(k) is not None]
-    return max(errors, key=lambda e: (math.isnan(e), e), default=None)
+    """The worse of the short-extend outputs' errors against the extend kernel: the default launch, and
+    the PDL candidate's."""
+    return _worst_error(row, ("rel_err_vs_extend", "rel_err_pdl_vs_extend"))
 
 
 def tiles(config: dict | None) -> str:
@@ -137,7 +139,7 @@ def _coverage(result: dict) -> list[str]:
     """Lines saying what the run left out: the kinds not asked for (--only), and an interruption."""
     lines = []
     kinds = result.get("kinds")
-    if kinds is not None and set(kinds) != {"extend", "decode", "lora", "verify"}:
+    if kinds is not None and set(kinds) != set(KINDS):
         lines.append(f"Measured only: {', '.join(kinds)} (--only); the other tables are empty.")
     if result.get("interrupted"):
         lines.append(

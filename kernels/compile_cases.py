@@ -93,10 +93,11 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
+    decode_default = decode_attention.default_config(shape.head_dim, dt, arch)
     extend_default = extend_attention.default_config(shape.head_dim, dt, arch)
     long_prefix = extend_attention.default_config(shape.head_dim, dt, arch, extend_attention.LONG_PREFIX)
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
-    pdl = dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch), pdl=True)  # sm_90+
+    pdl = dataclasses.replace(decode_default, pdl=True)  # sm_90+
 
     def lora_case(rank: int, pdl: bool = False) -> Case:
         """q/k/v deltas of rank-``rank`` adapters (2 slots) on decode rows."""
@@ -108,14 +109,12 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                 lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
 
     return [
-        decode_case(shape, decode_attention.default_config(shape.head_dim, dt, arch), f"decode {shape.label}"),
-        decode_case(shape, dataclasses.replace(decode_attention.default_config(shape.head_dim, dt, arch),
-                                               fused_merge=True), f"decode fused-merge {shape.label}"),
+        decode_case(shape, decode_default, f"decode {shape.label}"),
+        decode_case(shape, dataclasses.replace(decode_default, fused_merge=True), f"decode fused-merge {shape.label}"),
         extend_case(shape, extend_default, f"extend {shape.label}"),
         *([extend_case(shape, long_prefix, f"extend-long-prefix {shape.label}")] if long_prefix != extend_default
           else []),
-        extend_short_case(shape, decode_attention.default_config(shape.head_dim, dt, arch),
-                          f"extend-short {shape.label}"),
+        extend_short_case(shape, decode_default, f"extend-short {shape.label}"),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),

@@ -212,16 +212,14 @@ def tune_decode(
         rows += run_candidates(
             [dataclasses.replace(base, split_waves=w) for w in waves], launch, out, ref, timer=timer
         )
-    best = best_row(rows)
-    if best is not None:  # then the best with its merge in the split kernel (or without, if it had it)
-        base = dec.DecodeConfig(**best["config"])
-        rows += run_candidates(
-            [dataclasses.replace(base, fused_merge=not base.fused_merge)], launch, out, ref, timer=timer
-        )
-    best = best_row(rows)
-    if best is not None:  # then the best launched as programmatic dependents (or not, if it was)
-        base = dec.DecodeConfig(**best["config"])
-        rows += run_candidates([dataclasses.replace(base, pdl=not base.pdl)], launch, out, ref, timer=timer)
+    # then the best with its merge in the split kernel, then the best launched as programmatic dependents
+    # (each flag flipped: off if the best had it)
+    for flag in ("fused_merge", "pdl"):
+        best = best_row(rows)
+        if best is not None:
+            base = dec.DecodeConfig(**best["config"])
+            flipped = dataclasses.replace(base, **{flag: not getattr(base, flag)})
+            rows += run_candidates([flipped], launch, out, ref, timer=timer)
     nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size())
     return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
 
@@ -243,9 +241,8 @@ def tune_lora(rows: int, model: bench.Model, device: torch.device, gen: torch.Ge
         out.copy_(base)
         return lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, cfg) - base
 
-    def timer(
-        cfg: Any,
-    ) -> Callable[[Callable[[], Any]], float]:  # NOTE: the kernels alone, without delta's copy
+    def timer(cfg: Any) -> Callable[[Callable[[], Any]], float]:
+        """Times the kernels alone, without delta's copy."""
         return lambda _: timing.time_replay_ms(
             lambda cfg=cfg: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, cfg)
         )
