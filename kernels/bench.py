@@ -251,6 +251,16 @@ def measure_graph_floor_us(device: torch.device) -> float:
     return timing.time_replay_ms(lambda: x.add_(1)) * 1e3
 
 
+def measure_read_ms(nbytes: int, device: torch.device) -> float:
+    """An event-timed replay (after the same L2 flush as every replay here) of a CUDA graph of one plain
+    reading kernel (kernels.stream) over ``nbytes``: what a single kernel reading that much takes, ms."""
+    from kernels import stream
+
+    x = torch.arange(max(nbytes // 4, 1), dtype=torch.int32, device=device)
+    out = torch.empty(stream.blocks(x.numel()), dtype=torch.int32, device=device)
+    return timing.time_replay_ms(lambda: stream.block_max(x, out))
+
+
 def measure_matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -500,6 +510,10 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     if shape.batch == 1:  # NOTE: where a batch-1 call's time goes: the split kernel, the gap, the merge
         pairs = {name: graphs.get(name) for name in ("default", "pdl")}
         record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device)
+        try:  # NOTE: and what one plain reading kernel takes over the same bytes, replayed the same way
+            timed("read_graph", measure_read_ms(nbytes, device))
+        except Exception as exc:  # a yardstick: its failure must not end the run
+            row["read_error"] = failure(exc)
     graphs.clear()
     try:
         try:
@@ -593,7 +607,8 @@ def measure_decode(rows: list, args: argparse.Namespace, model: Model, device: A
             else f"{n}: {row.get(f'triton_{n}_error', '-')}"
             for n in ("fused", "pdl", "pdl_stack")
         )
-        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed, "
+        read = f", plain read {row['read_graph_gbs']:.0f}" if "read_graph_gbs" in row else ""
+        print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed{read}, "
               f"{row['triton_stack_graph_gbs']:.0f} per layer of {row['stack_layers']} replayed, "
               f"{row['triton_gbs']:.0f} eager; candidates {cands}", file=sys.stderr)  # fmt: skip
 

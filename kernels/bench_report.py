@@ -247,6 +247,7 @@ def format_markdown(result: dict) -> str:
     lines += timeline_table(
         result["decode"], "context", ("split", "merge"), "Batch-1 calls", dev.get("graph_floor_us")
     )
+    lines += read_table(result["decode"], copy)
     if result.get("lora"):
         lines += [
             "",
@@ -347,6 +348,35 @@ def timeline_table(
         f"| {shape_key} | variant | replay us | {first} us | gap us | {second} us | span us | replay - span us |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
         *(_timeline_line(r[shape_key], r, name, t) for r, name, t in timed),
+        *lines,
+    ]
+
+
+def read_table(rows: list[dict], copy_gbs: float) -> list[str]:
+    """Markdown lines: each decode row measured beside one plain read of its bytes (kernels.bench's
+    read_graph fields), and the rows where that yardstick failed; none when no row has it."""
+    timed = [r for r in rows if "read_graph_ms" in r]
+    errors = [f"- context={r['context']}: {r['read_error']}" for r in rows if r.get("read_error")]
+    lines = ["", "The plain read failed on these rows:", "", *errors] if errors else []
+    if not timed:
+        return lines
+    return [
+        "",
+        "### Batch-1 calls beside one plain read of the same bytes",
+        "",
+        "A CUDA graph of one kernel that only reads as many bytes as the row's call (kernels/stream.py: each"
+        " program reads a contiguous 32 KB block), replayed and timed as the call is: what any single kernel"
+        " of this size reaches in this harness, its launch, ramp and tail included. The copy bandwidth is a"
+        " 1 GiB copy's, where they are negligible.",
+        "",
+        "| context | MB | Triton replay us | of copy bw | plain read us | of copy bw | Triton / read |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['context']} | {r['bytes'] / 1e6:.1f} | {r['triton_graph_ms'] * 1e3:.1f} "
+            f"| {r['triton_graph_gbs'] / copy_gbs:.0%} | {r['read_graph_ms'] * 1e3:.1f} "
+            f"| {r['read_graph_gbs'] / copy_gbs:.0%} | {r['triton_graph_ms'] / r['read_graph_ms']:.2f} |"
+            for r in timed
+        ),
         *lines,
     ]
 

@@ -22,6 +22,7 @@ _KERNEL_MODULES = (
     "fused",
     "lora",
     "sampling",
+    "stream",
 )
 
 

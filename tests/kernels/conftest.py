@@ -27,6 +27,7 @@ _KERNEL_MODULES = (
     "kernels.fused",
     "kernels.lora",
     "kernels.sampling",
+    "kernels.stream",
 )
 
 

@@ -431,6 +431,7 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
     # batch 1: profiled too; off CUDA the profiler records no kernels, so neither variant has a timeline
     assert row["timeline"] == {"default": None, "pdl": None}
+    assert row["read_graph_gbs"] > 0 and "read_error" not in row  # and beside one plain read of its bytes
     for name in ("fused", "pdl", "pdl_stack"):  # NOTE: PDL falls back to plain launches here
         assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 1e-5, name
     assert bench_report.decode_error(row) < 1e-5
@@ -596,6 +597,16 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
     assert "kernel by kernel" not in bench_report.format_markdown(
         synthetic_result() | {"summary": result["summary"]}
     )
+    assert "plain read" not in md
+    nbytes = 67_190_784  # batch 1 x 16k on the 8B shape; copy bandwidth 1000 GB/s here
+    long_row.update(bytes=nbytes, triton_graph_gbs=nbytes / 33.8e-6 / 1e9, read_graph_ms=0.0275,
+                    read_graph_gbs=nbytes / 27.5e-6 / 1e9)  # fmt: skip
+    result["decode"][0]["read_error"] = "OutOfMemoryError: CUDA out of memory"
+    md = bench_report.format_markdown(result)
+    assert table_rows(md, "### Batch-1 calls beside one plain read of the same bytes") == [
+        ["16384", "67.2", "33.8", "199%", "27.5", "244%", "1.23"],
+    ]
+    assert "The plain read failed on these rows:\n\n- context=1024: OutOfMemoryError" in md
     # a LoRA row of one request: its shrink and expand, in the LoRA section
     result["lora"] = [{"batch": 1, "adapters": 1, "triton_graph_ms": 0.0127, "triton_graph_gbs": 170.0,
                        "torch_graph_ms": 0.02, "triton_ms": 0.1, "torch_ms": 0.2, "rel_err_vs_torch": 0.004,
