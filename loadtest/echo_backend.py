@@ -26,6 +26,19 @@ from starlette.routing import Route
 from router.block_hash import block_hashes
 from router.tokenization import ByteTokenizer
 
+DISCONNECT_POLL_S = 0.05  # a simulated prefill checks this often whether its client is still there
+
+
+async def wait_unless_gone(request: Request, seconds: float) -> bool:
+    """Wait ``seconds`` (a simulated prefill), unless the client disconnects first, as a real server
+    aborts a request whose client left. True when the whole wait passed."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(left, DISCONNECT_POLL_S))
+        if await request.is_disconnected():
+            return False
+    return True
+
 
 class PrefixLRU:
     """Which block hashes are 'cached', with a block budget; leaves of a chain age out first."""
@@ -99,9 +112,12 @@ def build_app(
         obj = "chat.completion" if chat else "text_completion"
         state["requests"] += 1
         state["running"] += 1
+        gone = False  # the client left during the prefill: no answer, and no stream to count it down
         try:
             if prefill_us_per_token:
-                await asyncio.sleep((len(ids) - cached) * prefill_us_per_token / 1e6)
+                gone = not await wait_unless_gone(request, (len(ids) - cached) * prefill_us_per_token / 1e6)
+                if gone:
+                    return Response(status_code=499)
             if not body.get("stream"):
                 for _ in range(max_tokens if decode_ms_per_token else 0):
                     await asyncio.sleep(decode_ms_per_token / 1e3)
@@ -120,7 +136,7 @@ def build_app(
                 }
                 return Response(orjson.dumps(out), media_type="application/json", headers={"x-backend": name})
         finally:
-            if not body.get("stream"):
+            if gone or not body.get("stream"):
                 state["running"] -= 1
 
         async def events():

@@ -1,0 +1,33 @@
+"""The echo backend (loadtest/echo_backend.py) as a real process: a client that leaves during the
+simulated prefill ends its request there, as a real server aborts it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.support import wait_until
+
+
+def _running(url: str) -> int:
+    return httpx.get(url + "/health", timeout=5).json()["running"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_during_the_prefill_ends_its_request(launch, stream):
+    echo = launch.echo_backend("--prefill-us-per-token", "1000000")  # 1 s a token
+    body = {"model": "echo", "prompt": "ten tokens", "max_tokens": 2, "stream": stream}  # 10 s of prefill
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(echo.url + "/v1/completions", json=body, timeout=0.5)
+    left = time.monotonic()
+    wait_until(lambda: _running(echo.url) == 0, 5, what="the request ended when its client left")
+    assert time.monotonic() - left < 5  # NOTE: not the 10 s the prefill would have taken
+    short = {**body, "prompt": "ab"}  # 2 s of prefill, waited for: answered whole
+    answer = httpx.post(echo.url + "/v1/completions", json=short, timeout=30)
+    assert answer.status_code == 200 and _running(echo.url) == 0
+    if stream:
+        assert answer.text.endswith("data: [DONE]\n\n")
+    else:
+        assert answer.json()["choices"][0]["text"] == "xx"
