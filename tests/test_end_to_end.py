@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -159,6 +160,24 @@ def test_worker_cache_events_correct_the_router_index(launch, tmp_path, transpor
     assert count >= 1 and 0 <= metric(router.url, "radixgate_kv_event_lag_seconds_sum") < 30 * count
     assert httpx.post(b.url + "/v1/cache/flush", timeout=30).status_code == 200
     wait_until(lambda: matched_tokens(router.url, body)[b.url] == 0, 30, what="flush reached the router")
+
+
+def test_a_stopping_worker_ends_the_routers_event_streams_and_waits_for_nothing_else(launch):
+    """SIGTERM with routers subscribed to its cache events over HTTP: the worker ends those streams
+    (they never end by themselves), so its graceful shutdown finishes instead of running out its
+    timeout and cancelling them."""
+    workers = []
+    for _ in range(2):
+        port = free_port()
+        workers.append(launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--advertise-url",
+                                     f"http://127.0.0.1:{port}", port=port))  # fmt: skip
+    router = launch.router([w.url for w in workers], "--kv-events", "http")
+    wait_until(lambda: _resynced(router.url), 30, what="router subscribed to both workers")
+    stopping = workers[0].proc
+    stopping.terminate()
+    assert stopping.wait(timeout=30) == -signal.SIGTERM  # NOTE: uvicorn re-raises the signal it handled
+    log = workers[0].log()
+    assert "Application shutdown complete" in log and "graceful shutdown exceeded" not in log, log[-2000:]
 
 
 @pytest.mark.redis

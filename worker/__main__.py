@@ -5,8 +5,9 @@ Only wiring: every behaviour lives in config, engine, server and the modules the
 from __future__ import annotations
 
 import logging
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
 
@@ -34,6 +35,20 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
     )  # fmt: skip
 
 
+class WorkerServer(uvicorn.Server):
+    """uvicorn's server that ends the worker's cache-event streams (SSE) as it starts shutting down, so
+    that its graceful shutdown waits only for the requests in flight: a router's event stream never
+    ends by itself and would hold the worker for the whole timeout."""
+
+    def __init__(self, config: uvicorn.Config, end_streams: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._end_streams = end_streams
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._end_streams()
+        await super().shutdown(sockets)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(
@@ -46,8 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         logging.getLogger("worker").error("cannot start: %s", exc)
         return 2
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    WorkerServer(config, app.state.kv_publisher.end_streams).run()
     return 0
 
 

@@ -41,11 +41,15 @@ class Subscriber:
             self.queue.put_nowait(data)
             return True
         except asyncio.QueueFull:
-            self.dropped = True
-            while not self.queue.empty():
-                self.queue.get_nowait()
-            self.queue.put_nowait(None)  # NOTE: the client reconnects and re-syncs from the snapshot
+            self.end()  # NOTE: the client reconnects and re-syncs from the snapshot
             return False
+
+    def end(self) -> None:
+        """Runs on the subscriber's loop: end the stream after nothing more (what is queued is dropped)."""
+        self.dropped = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(None)
 
 
 class KVPublisher:
@@ -75,6 +79,7 @@ class KVPublisher:
         self.subscriber_queue_size = subscriber_queue_size
         self._clock = clock
         self._subscribers: set[Subscriber] = set()
+        self._streams_ended = False  # the server is stopping: every SSE stream ends, new ones at once
         self._lock = threading.Lock()
         self._redis_queue: queue.Queue[bytes | None] = queue.Queue(maxsize=redis_queue_size)
         self._redis_thread: threading.Thread | None = None
@@ -153,8 +158,23 @@ class KVPublisher:
     def subscribe(self) -> Subscriber:
         sub = Subscriber(asyncio.get_running_loop(), self.subscriber_queue_size)
         with self._lock:
-            self._subscribers.add(sub)
+            if not self._streams_ended:
+                self._subscribers.add(sub)
+                return sub
+        sub.end()
         return sub
+
+    def end_streams(self) -> None:
+        """End every SSE stream, and any opened later at once: the server is stopping. A stream never
+        ends by itself, so its graceful shutdown (requests in flight finish) would otherwise wait out
+        its whole timeout whenever a router listens."""
+        with self._lock:
+            self._streams_ended = True
+            subscribers = list(self._subscribers)
+            self._subscribers.clear()
+        for sub in subscribers:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to end
+                sub.loop.call_soon_threadsafe(sub.end)
 
     def unsubscribe(self, sub: Subscriber) -> None:
         with self._lock:

@@ -393,4 +393,5 @@ def create_app(
         middleware=[Middleware(RequestId)],
     )
     app.state.kv_transfer = kv
+    app.state.kv_publisher = engine.publisher  # NOTE: python -m worker ends its event streams at shutdown
     return app

@@ -109,6 +109,22 @@ async def test_slow_sse_subscriber_is_cut_off_without_blocking_the_publisher():
     assert await slow.queue.get() is None  # the stream ends; the client re-syncs from the snapshot
 
 
+async def test_ending_the_streams_ends_every_subscriber_and_any_opened_later():
+    """The server is stopping: each stream ends after nothing more (queued batches dropped), and a
+    stream opened after that ends at once; publishing goes on without subscribers."""
+    pub = KVPublisher("http://w:1", 4)
+    subs = [pub.subscribe(), pub.subscribe()]
+    pub.publish([run(0)], [], False)
+    await asyncio.wait_for(_until(lambda: all(s.queue.qsize() == 1 for s in subs)), 10)
+    pub.end_streams()
+    assert pub.num_subscribers == 0
+    for sub in subs:
+        assert await asyncio.wait_for(sub.queue.get(), 10) is None and sub.queue.empty()
+    late = pub.subscribe()
+    assert pub.num_subscribers == 0 and late.queue.get_nowait() is None
+    assert pub.publish([run(1)], [], False) is not None and late.queue.empty()
+
+
 async def _until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.01)
