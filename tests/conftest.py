@@ -32,6 +32,12 @@ class Launcher:
         self.procs.append(proc)
         return proc
 
+    def sim_worker(self, *args: str) -> Proc:
+        """A worker on the cost-model engine (sim-8b), advertising its own loopback URL."""
+        port = free_port()
+        return self.module("worker", "--engine", "sim", "--model", "sim-8b", "--advertise-url",
+                           f"http://127.0.0.1:{port}", *args, port=port)  # fmt: skip
+
     def redis(self) -> str:
         """Start a redis-server on a free loopback port; returns its URL."""
         port = free_port()

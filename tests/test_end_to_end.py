@@ -166,11 +166,7 @@ def test_a_stopping_worker_ends_the_routers_event_streams_and_waits_for_nothing_
     """SIGTERM with routers subscribed to its cache events over HTTP: the worker ends those streams
     (they never end by themselves), so its graceful shutdown finishes instead of running out its
     timeout and cancelling them."""
-    workers = []
-    for _ in range(2):
-        port = free_port()
-        workers.append(launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--advertise-url",
-                                     f"http://127.0.0.1:{port}", port=port))  # fmt: skip
+    workers = [launch.sim_worker(), launch.sim_worker()]
     router = launch.router([w.url for w in workers], "--kv-events", "http")
     wait_until(lambda: _resynced(router.url), 30, what="router subscribed to both workers")
     stopping = workers[0].proc

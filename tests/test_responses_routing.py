@@ -8,17 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.launcher import free_port
 from tests.support import REDIS, wait_until
 from tests.test_router_integration import metric_values
 
 INSTRUCTIONS = "You are the radixgate routing test assistant. Keep answers short. " * 12
-
-
-def _worker(launch, *extra: str):
-    port = free_port()
-    return launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--advertise-url",
-                         f"http://127.0.0.1:{port}", *extra, port=port)  # fmt: skip
 
 
 def _alias(url: str) -> str:
@@ -33,7 +26,7 @@ def _create(router_url: str, **body) -> httpx.Response:
 
 
 def test_follow_ups_reach_the_worker_holding_the_conversation_through_any_router(launch) -> None:
-    workers = [_worker(launch) for _ in range(3)]
+    workers = [launch.sim_worker() for _ in range(3)]
     urls = [_alias(w.url) for w in workers]  # NOTE: tags must also resolve through advertised URLs
     routers = [launch.router(urls, "--policy", "round_robin") for _ in range(2)]
     first = _create(routers[0].url, instructions=INSTRUCTIONS, input="Turn one.")
@@ -59,7 +52,7 @@ def test_follow_ups_reach_the_worker_holding_the_conversation_through_any_router
 
 
 def test_a_new_conversation_is_routed_by_its_prompt_and_streams_report_usage(launch) -> None:
-    workers = [_worker(launch) for _ in range(2)]
+    workers = [launch.sim_worker() for _ in range(2)]
     router = launch.router([w.url for w in workers])  # cache_aware
     served = set()
     for i in range(4):
@@ -94,14 +87,14 @@ def test_a_new_conversation_is_routed_by_its_prompt_and_streams_report_usage(lau
     ],
 )
 def test_bad_follow_ups_and_inputs_get_clear_errors(launch, body, status, code) -> None:
-    router = launch.router([_worker(launch).url])
+    router = launch.router([launch.sim_worker().url])
     r = _create(router.url, **body)
     assert r.status_code == status and r.json()["error"]["code"] == code
     assert _create(router.url, input="fine").status_code == 200
 
 
 def test_a_follow_up_whose_worker_is_down_is_503_not_sent_elsewhere(launch) -> None:
-    a, b = _worker(launch), _worker(launch)
+    a, b = launch.sim_worker(), launch.sim_worker()
     router = launch.router([a.url, b.url], "--policy", "round_robin", "--health-interval-s", "0.2")
     first = _create(router.url, input="Hello.")
     holder = a if first.headers["x-radixgate-worker"] == a.url else b
@@ -118,7 +111,7 @@ def test_a_follow_up_whose_worker_is_down_is_503_not_sent_elsewhere(launch) -> N
 def test_a_client_key_reaches_workers_that_check_it_on_every_endpoint(launch) -> None:
     """No --worker-api-key: the client's key is passed on (as to vLLM's --api-key), also on
     retrieve / delete and /tokenize, which go to one worker without being routed."""
-    worker = _worker(launch, "--api-key", "shared")
+    worker = launch.sim_worker("--api-key", "shared")
     router = launch.router([worker.url], "--api-key", "shared")
     key = {"authorization": "Bearer shared"}
     created = httpx.post(router.url + "/v1/responses", headers=key, timeout=30,
@@ -142,7 +135,7 @@ def test_kv_events_of_a_worker_known_by_another_name_reach_the_index(launch) -> 
     if REDIS is None:
         pytest.skip("redis-server not installed")
     redis_url = launch.redis()
-    worker = _worker(launch, "--redis-url", redis_url)
+    worker = launch.sim_worker("--redis-url", redis_url)
     alias = _alias(worker.url)
     router = launch.router([alias], "--kv-events", "redis", "--redis-url", redis_url)
     body = {
