@@ -36,7 +36,7 @@ import triton.language as tl
 from kernels import host_checks, interpret_requested
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
-from kernels.pdl import pdl_active, pdl_launch
+from kernels.pdl import pdl_active, pdl_launch, wait_then_release
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -212,8 +212,7 @@ def _decode_split_kernel(
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
         # merge may launch once every program has waited, as it reads kv_indptr before its own wait
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        wait_then_release()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

@@ -40,7 +40,7 @@ from kernels.decode_attention import (
 )
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
-from kernels.pdl import pdl_active, pdl_launch
+from kernels.pdl import pdl_active, pdl_launch, wait_then_release
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -91,8 +91,7 @@ def _short_split_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+): as decode's split kernel
 ):
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        wait_then_release()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     block = tl.program_id(2) // num_splits

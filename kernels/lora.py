@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.extend_attention import device_arch
-from kernels.pdl import pdl_active, pdl_launch
+from kernels.pdl import pdl_active, pdl_launch, wait_then_release
 from kernels.reference import LORA_BLOCK_ROWS
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -82,8 +82,7 @@ def _shrink_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # NOTE: x comes from the kernel before; the expand may launch once every program has waited
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        wait_then_release()
     seg, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, rows, row_mask, rank = _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M)
     r = tl.arange(0, BLOCK_R)

@@ -10,6 +10,9 @@ before that (host uploads, weights): kernels/decode_attention.py's merge reads `
 
 from __future__ import annotations
 
+import triton
+import triton.language as tl
+
 from kernels import interpret_requested
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -32,3 +35,11 @@ def pdl_launch(pdl: bool) -> dict:
     """The launch keyword for a programmatic dependent launch; none otherwise, so that a Triton without
     the option launches the default kernels as before."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def wait_then_release():
+    """The start of a PDL-launched kernel whose own dependent reads what it writes: wait for the grid
+    before (its writes are visible past this), then let the dependent launch, never before the wait."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
