@@ -190,7 +190,7 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
     """Extend and verify steps through worker.extend_graph (padding tokens owned by no request, empty
     request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits;
     with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs).
-    Interpreted, the capture is replaced by re-running the forward; on CUDA it is a real graph."""
+    Interpreted, a replay re-runs the forward (the captures run nothing); on CUDA it is a real graph."""
     from tests.worker.test_cuda_graph import EagerReplay, eager_logits
     from tests.worker.test_extend_graph import STEPS, Cached
     from worker.extend_graph import ExtendGraphRunner
@@ -223,7 +223,7 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
         add_adapters(model)
     graphed = Cached(model, str(backend.device), lengths)
     runner = ExtendGraphRunner(model, graphed.pool, 32 if lora else 64, 6, 6 * 128, all_logits=True,
-                               backend=EagerReplay() if backend.interpret else None)  # fmt: skip
+                               backend=EagerReplay(lazy=True) if backend.interpret else None)  # fmt: skip
     tol = 1e-4 if backend.interpret else 3e-2
     for (rows, new), kind, w in zip(steps, kinds, want, strict=True):
         step = with_adapters(graphed.step(rows, new))

@@ -28,18 +28,25 @@ PAGE = 4  # tokens
 
 
 class EagerReplay:
-    """Replays by calling the captured function again, into the output tensor of the first call."""
+    """Replays by calling the captured function again, into the output tensor of the first call.
+    ``lazy``: the capture calls nothing and the first replay sizes the (float32) output, for models on
+    interpreted kernels, where every forward is slow and most captured sizes never replay."""
 
-    def __init__(self) -> None:
-        self.captured: list[int] = []  # rows of each capture's output, in capture order
+    def __init__(self, lazy: bool = False) -> None:
+        self.lazy = lazy
+        self.captured: list[int] = []  # rows of each capture's output, in capture order (not lazy)
 
     def capture(self, fn):
-        out = fn()
-        self.captured.append(out.shape[0])
+        out = torch.empty(0) if self.lazy else fn()
+        if not self.lazy:
+            self.captured.append(out.shape[0])
 
         def replay() -> None:
             with torch.inference_mode():
-                out.copy_(fn())
+                got = fn()
+                if self.lazy:
+                    out.resize_(got.shape)
+                out.copy_(got)
 
         return replay, out
 
