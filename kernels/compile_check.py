@@ -230,7 +230,16 @@ def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[
             shape = compile_cases.Shape(dtype, args.q_heads, args.kv_heads, head_dim, args.hidden)
             for case in compile_cases.defaults(shape, args.arch):
                 cases.setdefault(case[0], case)  # rms_norm does not depend on head_dim: compiled once
-    return list(cases.values())
+    if args.only is None:
+        return list(cases.values())
+    kinds = {label.split()[0] for label in cases}  # NOTE: some exist only on some archs and shapes
+    listed = f"(cases here: {', '.join(sorted(kinds))})"
+    if not kinds & set(args.only):
+        raise ValueError(f"--only {' '.join(args.only)}: no such kernel case {listed}")
+    if absent := [kind for kind in args.only if kind not in kinds]:
+        print(f"compile_check: --only {' '.join(absent)}: no such case on sm_{args.arch} for these shapes "
+              f"{listed}", file=sys.stderr)  # fmt: skip
+    return [case for label, case in cases.items() if label.split()[0] in args.only]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -325,6 +334,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=4096, help="RMSNorm width")
+    ap.add_argument("--only", nargs="+", default=None, metavar="CASE",
+                    help="compile only the default cases whose label starts with these words (extend, "
+                    "extend-long-prefix, decode, lora_add, ...; an unknown one lists them)")  # fmt: skip
     ap.add_argument("--candidates", action="store_true", help="also every kernels.tune candidate")
     ap.add_argument("--out", type=Path, default=None, help="JSON path; a .md table is written next to it")
     args = ap.parse_args(argv)
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = run(args)
-    except (RuntimeError, FileNotFoundError, subprocess.CalledProcessError) as exc:
+    except (RuntimeError, ValueError, FileNotFoundError, subprocess.CalledProcessError) as exc:
         print(f"compile_check: {exc}", file=sys.stderr)
         return 2
     if args.out is not None:

@@ -237,16 +237,25 @@ def test_head_dims_beyond_64_and_128_are_accepted_and_checked():
         assert proc.returncode == 2 and "even number from 16 to 512" in proc.stderr, proc.stderr
 
 
+def test_only_refuses_names_of_no_case_and_lists_the_cases(capsys):
+    assert compile_check.main(["--arch", "80", "--only", "nope", "rms"]) == 2
+    err = capsys.readouterr().err
+    assert "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, extend," in err
+
+
 @pytest.mark.parametrize(("arch", "block_m"), [(90, 64), (80, 32)])
 def test_defaults_above_head_dim_128_compile_without_spills(tmp_path, arch, block_m):
     """The former head_dim-256 extend default (64x32, 4 warps) spilled 120-128 B per thread at 255
     registers on sm_80 and sm_90; the defaults for head_dim > 128 use 16-key tiles and 8 warps."""
     out = tmp_path / f"sm{arch}.json"
     proc = _python("", "-m", "kernels.compile_check", "--arch", str(arch), "--dtypes", "bf16",
-                   "--head-dims", "256", "96", "80", "--out", str(out))  # fmt: skip
+                   "--head-dims", "256", "96", "80", "--only", "extend", "extend-long-prefix",
+                   "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["defaults_ok"] is True
+    kinds = {r["case"].split()[0] for r in report["rows"]}  # --only: the extend cases alone
+    assert "extend" in kinds and kinds <= {"extend", "extend-long-prefix"}
     assert {r["case"].split()[2] for r in report["rows"] if r["kernel"] == "_extend_kernel"} == {
         "hd256", "hd96", "hd80"}  # fmt: skip
     extend = next(r for r in report["rows"] if r["case"] == "extend bf16 hd256 gqa4")
