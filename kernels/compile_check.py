@@ -166,6 +166,7 @@ def inspect_kernel(name: str, kernel: Any, limits: ArchLimits) -> dict[str, Any]
         "shared_bytes": md.shared,
         "num_warps": md.num_warps,
         "num_stages": md.num_stages,
+        "fp_fusion": md.enable_fp_fusion,
         "blocks_per_sm": blocks,
         "sass": ops,
         "ok": blocks > 0 and spill_bytes == 0 and ops["STL"] == 0,

@@ -395,6 +395,7 @@ def decode_attention(
         FUSED_MERGE=cfg.fused_merge,
         BLOCK_S=MAX_SPLITS if cfg.fused_merge else 2,  # NOTE: not the split count: one kernel serves all
         PDL=pdl,
+        enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch(pdl),
@@ -419,6 +420,7 @@ def decode_attention(
         BLOCK_S=block_s,
         MIN_SPLIT_LEN=cfg.min_split_len,
         PDL=pdl,
+        enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2,
         **pdl_launch(pdl),
     )

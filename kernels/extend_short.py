@@ -253,14 +253,14 @@ def extend_short_attention(
         num_splits, token_blocks,
         GROUP=group, TOKENS=tokens, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         MIN_SPLIT_LEN=cfg.min_split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch(pdl),
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl,
+        enable_fp_fusion=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     _short_merge_kernel[(batch, hq, token_blocks)](
         mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
         TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        MIN_SPLIT_LEN=cfg.min_split_len, PDL=pdl, num_warps=4 if block_d >= 128 else 2,
+        MIN_SPLIT_LEN=cfg.min_split_len, PDL=pdl, enable_fp_fusion=True, num_warps=4 if block_d >= 128 else 2,
         **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -153,7 +153,7 @@ def apply_rope(
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
             NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half,
             BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=block_half,
-            num_warps=warps_for(block_hq * block_half),
+            enable_fp_fusion=True, num_warps=warps_for(block_hq * block_half),
         )  # fmt: skip
     return q_out, k_out
 
@@ -223,7 +223,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=warps_for(block_h * block_d),
+        enable_fp_fusion=True, num_warps=warps_for(block_h * block_d),
     )  # fmt: skip
 
 
@@ -278,6 +278,7 @@ def rope_store_kv(
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos_sin_cache.stride(0),
             NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half, HEAD_DIM=d, BLOCK_HQ=block_hq,
             BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d), num_warps=warps_for(block_hq * triton.next_power_of_2(half)),
+            BLOCK_D=triton.next_power_of_2(d),
+            enable_fp_fusion=True, num_warps=warps_for(block_hq * triton.next_power_of_2(half)),
         )  # fmt: skip
     return q_out, k_out

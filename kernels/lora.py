@@ -207,6 +207,7 @@ def lora_add(
         "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
         "DOT_FP32": INTERPRETED and x.dtype == torch.bfloat16,
         "PDL": pdl,
+        "enable_fp_fusion": True,
         "num_warps": 1 if INTERPRETED else 4,
         **pdl_launch(pdl),
     }

@@ -88,8 +88,9 @@ def rms_norm(
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(h)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight.contiguous(), out, x2.stride(0), h, eps, H=h, BLOCK=block, num_warps=warps_for(block)
-        )
+            x2, weight.contiguous(), out, x2.stride(0), h, eps,
+            H=h, BLOCK=block, enable_fp_fusion=True, num_warps=warps_for(block),
+        )  # fmt: skip
     return out
 
 
@@ -117,7 +118,7 @@ def add_rms_norm(
         block = triton.next_power_of_2(h)
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, d2, weight.contiguous(), total, normed, x2.stride(0), d2.stride(0), h, h, eps,
-            H=h, BLOCK=block, num_warps=warps_for(block),
+            H=h, BLOCK=block, enable_fp_fusion=True, num_warps=warps_for(block),
         )  # fmt: skip
     return total, normed
 
@@ -152,6 +153,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
             out.stride(0),
             INTER=inter,
             BLOCK=block,
+            enable_fp_fusion=True,
             num_warps=warps_for(block),
         )
     return out

@@ -74,6 +74,6 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     block = 64 if INTERPRETED else 4096
     _top_p_threshold_kernel[(probs.shape[0],)](
         probs, top_p.contiguous(), out, probs.shape[1], probs.stride(0), BLOCK=block, STEPS=_STEPS,
-        num_warps=1 if INTERPRETED else 8,
+        enable_fp_fusion=True, num_warps=1 if INTERPRETED else 8,
     )  # fmt: skip
     return out

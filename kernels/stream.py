@@ -47,5 +47,7 @@ def block_max(x: torch.Tensor, out: torch.Tensor | None = None, block: int = BLO
             f"out must be int32 [{blocks(n, block)}] on {x.device}, got {out.dtype} {tuple(out.shape)}"
         )
     warps = 1 if INTERPRETED else 8
-    _block_max_kernel[(blocks(n, block),)](x, out, n, BLOCK=block, LOWEST=_INT32_MIN, num_warps=warps)
+    _block_max_kernel[(blocks(n, block),)](
+        x, out, n, BLOCK=block, LOWEST=_INT32_MIN, enable_fp_fusion=True, num_warps=warps
+    )
     return out

@@ -16,8 +16,8 @@ import pytest
 from kernels import compile_check
 
 
-def _python(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _python(code: str, *args: str, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_vars
     return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
@@ -67,9 +67,10 @@ def test_blocks_per_sm_is_bounded_by_registers_shared_memory_and_threads():
 
 
 def test_default_configurations_compile_for_h100_without_spills(tmp_path):
+    """Every kernel compiles with FMA contraction even where Triton's default is off (as from 3.10)."""
     out = tmp_path / "sm90.json"
     proc = _python("", "-m", "kernels.compile_check", "--arch", "90", "--dtypes", "bf16",
-                   "--head-dims", "128", "64", "--out", str(out))  # fmt: skip
+                   "--head-dims", "128", "64", "--out", str(out), TRITON_DEFAULT_FP_FUSION="0")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["arch"] == 90 and report["defaults_ok"] is True
@@ -82,6 +83,7 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
+        assert r["fp_fusion"] is True, r
     assert ("extend-long-prefix bf16 hd128 gqa4", "_extend_kernel") in rows  # LONG_PREFIX's tiles
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     for hd in (128, 64):
