@@ -4,9 +4,11 @@ nothing and writes no result; bad arguments are refused before anything runs."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.metadata
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -125,8 +127,10 @@ def _canonical(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
 
-def test_a_module_that_does_not_import_stops_the_run_before_any_step(tmp_path):
-    """With a (stand-in) GPU there but prometheus_client missing, nothing runs and the log says why."""
+def stand_in_gpu(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A copy of the script in an empty checkout, and an environment whose torch and triton are
+    stand-ins that see one GPU. NOTE: an empty checkout, since wheels fetched into this one's .whl/
+    (for the GPU's Python, not this one) would stop the install before the check under test."""
     fake = tmp_path / "fake"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text(
@@ -136,19 +140,64 @@ def test_a_module_that_does_not_import_stops_the_run_before_any_step(tmp_path):
         "class version:\n    cuda = '0'\n"
     )
     (fake / "triton.py").write_text("__version__ = 'stand-in'\n")
-    (fake / "prometheus_client.py").write_text("raise ImportError('not on this machine')\n")
-    out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_BENCH_SITE": str(tmp_path / "site")}
     env["PYTHONPATH"] = str(fake)  # NOTE: ahead of site-packages: the stand-ins shadow any real torch
     env.pop("OUT", None)
-    # NOTE: a copy of the script in an empty checkout: wheels fetched into this one's .whl/ (for the
-    # GPU's Python, not this one) would stop the install before the check under test
     script = tmp_path / "checkout" / "scripts" / "gpu-bench"
     script.parent.mkdir(parents=True)
     script.write_text(SCRIPT.read_text())
+    return script, env
+
+
+def test_a_module_that_does_not_import_stops_the_run_before_any_step(tmp_path):
+    """With a (stand-in) GPU there but prometheus_client missing, nothing runs and the log says why."""
+    script, env = stand_in_gpu(tmp_path)
+    (tmp_path / "fake" / "prometheus_client.py").write_text("raise ImportError('not on this machine')\n")
+    out = tmp_path / "out"
     proc = subprocess.run(["bash", str(script), "kernels", str(out)], env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert proc.returncode == 4, proc.stdout + proc.stderr
     log = (out / "gpu-bench.log").read_text()
     assert "cannot import prometheus_client (not on this machine). Nothing was run" in log
     assert "=== kernels" not in log and [p.name for p in out.iterdir()] == ["gpu-bench.log"]
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process left in session ``sid`` (the script's steps run under `timeout`, which
+    gives each its own process group)."""
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(ValueError, OSError):
+            if os.getsid(int(entry.name)) == sid:
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def test_a_gpu_test_that_hangs_ends_its_folder_and_the_next_one_runs(tmp_path):
+    """A gpu test stuck where no signal reaches it (a C call, as a CUDA call that never returns) ends
+    its pytest process at GPU_BENCH_TEST_TIMEOUT, not at pytest's 300 s or the run's deadline; the
+    worker folder's tests still run and write their report."""
+    script, env = stand_in_gpu(tmp_path)
+    checkout = script.parent.parent
+    (checkout / "kernels").mkdir()
+    (checkout / "kernels" / "__init__.py").write_text("")
+    (checkout / "kernels" / "bench.py").write_text("def gpu_slug(name):\n    return 'stand-in'\n")
+    # NOTE: SIGALRM blocked, so only a timeout that does not wait for a signal handler can end it
+    stuck = "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM}); time.sleep(300)"
+    for folder, body in (("kernels", stuck), ("worker", "pass")):
+        (checkout / "tests" / folder).mkdir(parents=True)
+        (checkout / "tests" / folder / f"test_{folder}.py").write_text(
+            f"import signal\nimport time\n\nimport pytest\n\n\n@pytest.mark.gpu\ndef test_one():\n    {body}\n"
+        )
+    out = tmp_path / "out"
+    env["GPU_BENCH_TEST_TIMEOUT"] = "3"
+    proc = subprocess.Popen(["bash", str(script), "tests", str(out)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        proc.wait(timeout=120)
+    finally:  # NOTE: without the timeout the stuck test would outlive this one by minutes
+        kill_session(proc.pid)
+    log = (out / "gpu-bench.log").read_text()
+    assert proc.returncode == 1 and "gpu-bench: failed: tests" in log, log
+    assert "Timeout" in log and "time.sleep(300)" in log  # the stuck test's stack
+    assert re.search(r"=== tests kernels: exit \d+ in [1-5]?[0-9]s", log), log
+    assert "=== tests worker: exit 0" in log and "1 passed" in log
+    assert (out / "tests-worker-stand-in.xml").exists()
