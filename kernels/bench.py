@@ -33,6 +33,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32} 
 EXTEND_PREFIXES = (0, 1024, 4096, 16384)  # cached prefix per request (tokens)
 EXTEND_NEWS = (256, 1024, 4096)  # new tokens per request
 EXTEND_TOKENS_PER_CALL = 16384  # batch = this // new tokens, so each call does a similar amount of work
+# cache hits: few new tokens over a long cached prefix (the long-prefix tiles' case), after the grid
+EXTEND_CACHE_HITS = ((1, 4096, 256), (1, 16384, 1024), (4, 16384, 256))  # (batch, prefix, new)
 DECODE_BATCHES = (1, 8, 32, 128)
 DECODE_CONTEXTS = (1024, 4096, 16384, 65536)  # KV length per request (tokens)
 DECODE_MAX_TOKENS = 1 << 20  # cap on batch x context: 1M tokens x 8 heads x 128 x 2 B x 2 = 4 GiB of KV
@@ -393,7 +395,7 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     kernel_args, sdpa_args = extend_case(shape, model, device, gen)
     out = torch.empty_like(kernel_args[0])
 
-    def triton_call() -> None:  # NOTE: with the worker's hint: its longest prefix picks the tiles
+    def triton_call() -> None:  # NOTE: as the worker calls it: its longest prefix and q's rows pick the tiles
         ext.extend_attention(*kernel_args, max_extend_len=shape.new, max_prefix_len=shape.prefix, out=out)
 
     def sdpa_call() -> torch.Tensor:
@@ -403,7 +405,7 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     flops = extend_flops(shape, model)
     row: dict[str, Any] = {"batch": shape.batch, "prefix": shape.prefix, "new": shape.new, "flops": flops}
     arch, q = ext.device_arch(device), kernel_args[0]
-    chosen = ext.default_config(q.shape[-1], q.dtype, arch, shape.prefix)
+    chosen = ext.default_config(q.shape[-1], q.dtype, arch, shape.prefix, shape.batch * shape.new)
     row["config"] = dataclasses.asdict(chosen)
     triton_call()
     row["triton_ms"] = timing.time_ms(triton_call)
@@ -589,8 +591,10 @@ def split_merge_times(spans: Sequence[tuple[str, float, float]], split: str, mer
 
 
 def measure_extend(rows: list, args: argparse.Namespace, model: Model, device: Any, gen: Any) -> None:
-    """Every extend shape of the grid (its 2x2 subset with --quick), appended to ``rows`` as measured."""
-    for shape in extend_grid(EXTEND_PREFIXES[1:3], EXTEND_NEWS[:2]) if args.quick else extend_grid():
+    """Every extend shape of the grid, then the cache hits (with --quick: the grid's 2x2 subset only),
+    appended to ``rows`` as measured."""
+    shapes = extend_grid(EXTEND_PREFIXES[1:3], EXTEND_NEWS[:2]) if args.quick else extend_grid()
+    for shape in shapes + ([] if args.quick else [ExtendShape(*hit) for hit in EXTEND_CACHE_HITS]):
         rows.append(bench_extend(shape, model, device, gen))
         torch.cuda.empty_cache()  # each shape allocates its own pool; do not let them pile up
         print(f"extend {shape}: {rows[-1]['triton_tflops']:.1f} TF/s", file=sys.stderr)

@@ -95,7 +95,9 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     t = _tensors(shape)
     decode_default = decode_attention.default_config(shape.head_dim, dt, arch)
     extend_default = extend_attention.default_config(shape.head_dim, dt, arch)
-    long_prefix = extend_attention.default_config(shape.head_dim, dt, arch, extend_attention.LONG_PREFIX)
+    long_prefix = extend_attention.default_config(
+        shape.head_dim, dt, arch, extend_attention.LONG_PREFIX, extend_attention.FEW_NEW_TOKENS
+    )
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     pdl = dataclasses.replace(decode_default, pdl=True)  # sm_90+
 

@@ -9,7 +9,7 @@ Shapes (T = new tokens in the batch, B = requests, S = slots in the pool, D = he
   One dtype for q, k_new, v_new and the pool; a preallocated ``out`` has q's shape and dtype. The wrapper
   checks all of this from metadata (ValueError) and passes the index tensors on contiguous.
 ``max_prefix_len`` (tokens, the longest cached prefix) is a host hint for the tile choice only
-(default_config); it never changes what is computed.
+(default_config, with T); it never changes what is computed.
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
   - max_extend_len, when given, is >= the longest request's new tokens (max of qo_indptr's diffs);
     a smaller hint silently leaves the later rows of longer requests unwritten (checked, ValueError,
@@ -34,8 +34,12 @@ from kernels.online_softmax import attend_tile, gather_kv
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
-# a batch whose longest cached prefix has at least this many tokens takes the long-prefix tiles on sm_90
-LONG_PREFIX = 16384
+# On sm_90 a batch of few new tokens over a long cached prefix takes the long-prefix tiles: at least
+# LONG_PREFIX tokens in its longest prefix and at most FEW_NEW_TOKENS new tokens in all (twice that from
+# DEEP_PREFIX on). Measured on an H100 with python -m kernels.sweep (see default_config).
+LONG_PREFIX = 1024
+DEEP_PREFIX = 8192
+FEW_NEW_TOKENS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +53,16 @@ class ExtendConfig:
 
 
 def default_config(
-    head_dim: int, dtype: torch.dtype, arch: int = 90, max_prefix_len: int | None = None
+    head_dim: int,
+    dtype: torch.dtype,
+    arch: int = 90,
+    max_prefix_len: int | None = None,
+    new_tokens: int | None = None,
 ) -> ExtendConfig:
     """Defaults for compute capability ``arch`` (x10: 90 = H100) and a batch whose longest cached prefix
-    is ``max_prefix_len`` tokens (None: unknown, as in a CUDA graph replayed over any prefix); small tiles
-    in the interpreter so short test sequences span many tiles."""
+    is ``max_prefix_len`` tokens and whose requests have ``new_tokens`` new tokens in all (None: unknown,
+    as in a CUDA graph replayed over any prefix); small tiles in the interpreter so short test sequences
+    span many tiles."""
     if INTERPRETED:
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
     # NOTE: each fp16/bf16 choice compiles without register spills for sm_80, sm_89 and sm_90
@@ -72,12 +81,13 @@ def default_config(
     # NOTE: on sm_90 (head_dim 128, bf16) python -m kernels.tune measured 64x32 with 4 warps 1.19x faster
     # than 128x64 with 8 warps over its four shapes (geomean; 1.48x with a 4096-token prefix, 0.99x at
     # 4 x 4096 new tokens): docs/benchmarks/kernels-tune-nvidia-h200.json. Head dim 64 is not tuned yet.
-    # With a 16k prefix (4 x (16384 prefix + 256 new)) 128x64 with 8 warps and 3 stages ran 1.36x faster
-    # than 64x32 on both the H100 and the H200 (kernels-tune-nvidia-h100-80gb-hbm3.json and -h200.json);
-    # with a 4096-token prefix (16 x (4096 + 1024)) it was 1.12x slower on both, and slower still without
-    # a prefix. Where it starts to win between the two is not measured, hence LONG_PREFIX at 16384.
+    # 128x64 with 8 warps and 3 stages wins where the grid is small and each program's walk over the
+    # prefix is long: few new tokens (few query blocks) over a long prefix. On an H100 (kernels.sweep,
+    # docs/benchmarks/kernels-sweep-nvidia-h100-80gb-hbm3.json) it ran 1.16-1.45x faster than 64x32 at
+    # <= 1024 new tokens over prefixes of 1024-32768, 1.05-1.14x at 2048 new tokens over prefixes of
+    # 8192 and more, and 0.70-0.92x without a prefix, at 3072 new tokens, and (kernels.bench) at 16384.
     if 64 < head_dim <= 128 and arch >= 90:
-        if max_prefix_len is not None and max_prefix_len >= LONG_PREFIX:
+        if long_prefix_batch(max_prefix_len, new_tokens):
             return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
         return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
@@ -87,6 +97,14 @@ def default_config(
     if head_dim <= 256 and arch >= 90:
         return ExtendConfig(block_m=64, block_n=16, num_warps=8, num_stages=2)
     return ExtendConfig(block_m=32, block_n=16, num_warps=8, num_stages=2)
+
+
+def long_prefix_batch(max_prefix_len: int | None, new_tokens: int | None) -> bool:
+    """Whether a batch with this longest cached prefix and this many new tokens in all takes the
+    long-prefix tiles on sm_90 (head dims 65-128, fp16/bf16); False when either is unknown."""
+    if max_prefix_len is None or new_tokens is None or max_prefix_len < LONG_PREFIX:
+        return False
+    return new_tokens <= (2 * FEW_NEW_TOKENS if max_prefix_len >= DEEP_PREFIX else FEW_NEW_TOKENS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,8 +261,10 @@ def extend_attention(
     config: ExtendConfig | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
-    when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len`` picks
-    the default tiles (``config`` overrides them). ``out`` [T, Hq, D] may be preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata only, no sync)."""
+    when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
+    the new tokens in all (q's rows), picks the default tiles (``config`` overrides them). ``out``
+    [T, Hq, D] may be preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata
+    only, no sync)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
@@ -263,7 +283,7 @@ def extend_attention(
             raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
     if max_extend_len == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len)
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t)
     scale = d**-0.5 if sm_scale is None else sm_scale
     grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch)
     _extend_kernel[grid](

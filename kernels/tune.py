@@ -27,7 +27,7 @@ EXTEND_SHAPES = (
     bench.ExtendShape(batch=4, prefix=0, new=4096),
     bench.ExtendShape(batch=16, prefix=4096, new=1024),
     bench.ExtendShape(batch=4, prefix=16384, new=256),
-    # where the long-prefix tiles (extend_attention.LONG_PREFIX) start to win: a shorter prefix, more new
+    # each side of where the long-prefix tiles stop winning (2048 new tokens over a deep prefix; kernels.sweep)
     bench.ExtendShape(batch=4, prefix=8192, new=256),
     bench.ExtendShape(batch=4, prefix=16384, new=1024),
 )
@@ -162,9 +162,13 @@ def tune_extend(
     kernel_args, sdpa_args = bench.extend_case(shape, model, device, gen)
     ref = bench.sdpa_extend(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
-    # NOTE: the tiles the worker would take for this batch (its longest prefix picks them)
+    # NOTE: the tiles the worker would take for this batch (its longest prefix and new tokens pick them)
     default = ext.default_config(
-        model.head_dim, bench.DTYPES[model.dtype], ext.device_arch(device), shape.prefix
+        model.head_dim,
+        bench.DTYPES[model.dtype],
+        ext.device_arch(device),
+        shape.prefix,
+        shape.batch * shape.new,
     )
 
     def launch(cfg: Any) -> torch.Tensor:

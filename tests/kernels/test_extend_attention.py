@@ -69,22 +69,28 @@ def test_extend_is_exact_for_any_tile_shape(backend, assert_close_rel, block_m, 
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
-def test_the_long_prefix_tiles_are_chosen_from_the_hint_on_hopper_only(monkeypatch):
+def test_the_long_prefix_rule_needs_a_long_prefix_and_few_new_tokens(monkeypatch):
+    """Long-prefix tiles on sm_90 (head dims 65-128, fp16/bf16) for a long prefix and few new tokens in
+    all (twice as many over a deep prefix), measured on an H100: tests/kernels/test_sweep.py."""
     from kernels import extend_attention as ext
 
     monkeypatch.setattr(ext, "INTERPRETED", False)  # the compiled choice (the interpreter takes tiny tiles)
-    bf16, long = torch.bfloat16, ext.LONG_PREFIX
-    base = ext.default_config(128, bf16, 90)
-    assert ext.default_config(128, bf16, 90, long) == ext.ExtendConfig(128, 64, 8, 3)
-    assert ext.default_config(128, torch.float16, 90, 4 * long) == ext.ExtendConfig(128, 64, 8, 3)
-    assert ext.default_config(128, bf16, 90, long - 1) == base == ext.default_config(128, bf16, 90, None)
+    bf16, long, few, deep = torch.bfloat16, ext.LONG_PREFIX, ext.FEW_NEW_TOKENS, ext.DEEP_PREFIX
+    tiles = {"small": ext.ExtendConfig(64, 32, 4, 2), "long_prefix": ext.ExtendConfig(128, 64, 8, 3)}
+    assert ext.default_config(128, bf16, 90) == tiles["small"]
+    assert ext.default_config(128, bf16, 90, long, few) == tiles["long_prefix"]
+    assert ext.default_config(128, torch.float16, 90, deep, 2 * few) == tiles["long_prefix"]
+    for prefix, new in [(long - 1, 1), (long, few + 1), (deep - 1, 2 * few), (deep, 2 * few + 1), (long, None),
+                        (None, 1)]:  # fmt: skip
+        assert ext.default_config(128, bf16, 90, prefix, new) == tiles["small"], (prefix, new)
     for head_dim, dtype, arch in [(128, bf16, 80), (128, bf16, 89), (64, bf16, 90), (128, torch.float32, 90)]:
-        assert ext.default_config(head_dim, dtype, arch, long) == ext.default_config(head_dim, dtype, arch)
+        assert ext.default_config(head_dim, dtype, arch, long, 1) == ext.default_config(head_dim, dtype, arch)
 
 
 def test_extend_passes_its_prefix_hint_to_the_tile_choice(backend, assert_close_rel, monkeypatch):
-    """The hint reaches default_config, and the kernel with the tiles it picks (the long-prefix ones when
-    compiled for sm_90; the interpreter's small ones here) still matches the reference."""
+    """The hint and the new tokens in all (q's rows) reach default_config, and the kernel with the tiles
+    it picks (the long-prefix ones when compiled for sm_90; the interpreter's small ones here) still
+    matches the reference."""
     ext = backend.module("extend_attention")
     seen, choose = [], ext.default_config
     monkeypatch.setattr(ext, "default_config", lambda *a: seen.append(a[3:]) or choose(*a))
@@ -94,7 +100,7 @@ def test_extend_passes_its_prefix_hint_to_the_tile_choice(backend, assert_close_
         out = torch.full_like(args[0], float("nan"))
         ext.extend_attention(*args, max_prefix_len=hint, out=out)
         assert_close_rel(out.cpu(), ref)
-    assert seen == [(ext.LONG_PREFIX,), (None,)]
+    assert seen == [(ext.LONG_PREFIX, 39), (None, 39)]  # 9 + 30 new tokens
 
 
 def test_extend_honours_sm_scale_int64_indices_and_computes_its_own_grid(backend, assert_close_rel):

@@ -1,0 +1,250 @@
+"""Two sweeps that kernels.tune does not make, on a CUDA GPU; JSON and a markdown report.
+
+- extend: sm_90's two tile choices at head dim 128 (64x32 with 4 warps and 2 stages, and the
+  long-prefix tiles, 128x64 with 8 warps and 3 stages) over (longest cached prefix, requests x new
+  tokens). kernels.extend_attention.default_config picks between them from the batch's longest prefix
+  and its new tokens in all (long_prefix_batch); the report says which one it picks on each row.
+- decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
+  PDL (programmatic dependent launch), beside the default split count.
+
+Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
+worker runs prefill), decode as CUDA-graph replays (as it runs decode steps). Every extend row also
+records the relative difference between the two tiles' outputs.
+Usage: python -m kernels.sweep [--only extend decode] [--out PATH] [--markdown PATH] [model options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels import bench, timing
+
+KINDS = ("extend", "decode")
+# (longest cached prefix, requests, new tokens each): around where the long-prefix tiles stop winning
+EXTEND_SHAPES = tuple(
+    [(p, b, n) for p in (0, 1024, 2048, 4096) for b, n in ((1, 256), (2, 256), (4, 256), (8, 256), (1, 1024), (1, 2048))]
+    + [(4096, 1, 128), (4096, 12, 256), (4096, 1, 3072)]
+    + [(8192, 1, 256), (8192, 4, 256), (8192, 8, 256), (8192, 12, 256), (8192, 16, 256), (8192, 2, 1024), (8192, 4, 1024)]
+    + [(16384, b, 256) for b in (1, 4, 8, 12, 16, 32)]
+    + [(16384, 1, 512), (16384, 1, 1024), (16384, 2, 1024), (16384, 4, 1024), (16384, 8, 1024)]
+    + [(16384, 2, 2048), (16384, 1, 4096)]
+    + [(32768, 1, 128), (32768, 4, 256), (32768, 8, 256), (32768, 16, 256)]
+)  # fmt: skip
+DECODE_CONTEXTS = (8192, 16384, 32768)
+DECODE_SPLITS = (16, 24, 32, 48, 64)  # fixed split caps, beside the default one
+
+
+def extend_tiles() -> dict[str, Any]:
+    """The two sm_90 extend tile choices at head dim 128: name -> ExtendConfig."""
+    from kernels.extend_attention import ExtendConfig
+
+    return {
+        "small": ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+        "long_prefix": ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    }
+
+
+def extend_inputs(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
+                  gen: torch.Generator) -> tuple:  # fmt: skip
+    """extend_attention's paged inputs, random (drawn on the device: the largest pools hold 10^9
+    values), the prefix slots shuffled in pages as kernels.bench does."""
+    dt, hq, hkv, d = bench.DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device=device, dtype=dt)
+
+    tokens, slots = batch * new, max(batch * prefix, 1)
+    q, k_new, v_new = rand(tokens, hq, d), rand(tokens, hkv, d), rand(tokens, hkv, d)
+    k_cache, v_cache = rand(slots, hkv, d), rand(slots, hkv, d)
+    kv_indices = bench.shuffled_slots(batch * prefix, gen).to(device)
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * new
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * prefix
+    return q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices
+
+
+def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
+                 gen: torch.Generator) -> dict:  # fmt: skip
+    """One row: each tile choice's median ms, the long-prefix tiles' speedup, their outputs' difference."""
+    from kernels import extend_attention as ext
+
+    torch.manual_seed(prefix * 1_000_003 + batch * 1009 + new)  # the device draws of extend_inputs
+    args = extend_inputs(prefix, batch, new, model, device, gen)
+    out = torch.empty_like(args[0])
+    row: dict[str, Any] = {"prefix": prefix, "batch": batch, "new": new}
+    outs = {}
+    for name, cfg in extend_tiles().items():
+
+        def call(cfg: Any = cfg) -> None:
+            ext.extend_attention(*args, max_extend_len=new, out=out, config=cfg)
+
+        call()
+        outs[name] = out.float().clone()
+        row[f"{name}_ms"] = timing.time_ms(call)
+    row["long_prefix_speedup"] = row["small_ms"] / row["long_prefix_ms"]
+    row["rel_diff"] = ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
+    return row
+
+
+def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> list[dict]:
+    """Batch 1 at ``context``: the default split cap and each of DECODE_SPLITS, without and with PDL."""
+    from kernels import decode_attention as dec
+
+    shape = bench.DecodeShape(batch=1, context=context)
+    args, _ = bench.decode_case(shape, model, device, gen)
+    out = torch.empty_like(args[0])
+    nbytes = bench.decode_bytes(shape, model)
+    base = dec.default_config(model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device))
+    default_splits = dec.split_cap(None, 1, model.num_kv_heads, device, base, context)
+    rows = []
+    for pdl in (False, True):
+        cfg = dataclasses.replace(base, pdl=pdl)
+        for splits in (None, *DECODE_SPLITS):
+
+            def call(cfg: Any = cfg, splits: int | None = splits) -> None:
+                dec.decode_attention(*args, max_kv_len=context, out=out, config=cfg, num_splits=splits)
+
+            us = timing.time_replay_ms(call) * 1e3
+            rows.append({"context": context, "pdl": pdl, "splits": splits or default_splits,
+                         "default": splits is None, "us": us, "gbs": nbytes / us / 1e3})  # fmt: skip
+    return rows
+
+
+def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the worker's default (sm_90) takes the long-prefix tiles for this extend row."""
+    from kernels import extend_attention as ext
+
+    chosen = ext.default_config(head_dim, dtype, 90, row["prefix"], row["batch"] * row["new"])
+    return chosen == extend_tiles()["long_prefix"]
+
+
+def markdown(doc: dict) -> str:
+    """The report: one table per sweep that ran."""
+    dev, sw = doc["device"], doc["software"]
+    lines = [
+        f"# Sweeps on {dev['name']}",
+        "",
+        f"torch {sw['torch']}, triton {sw['triton']}; {doc['model']['num_q_heads']} query heads, "
+        f"{doc['model']['num_kv_heads']} KV heads, head dim {doc['model']['head_dim']}, {doc['model']['dtype']}.",
+        f"Command: `{doc['command']}`. Timing: {doc['timing']}.",
+    ]
+    if doc.get("runs"):
+        lines.append(f"Runs: {doc['runs']}.")
+    if doc.get("copy_gbs"):
+        lines.append(
+            f"Copy bandwidth, measured after the decode sweep: {doc['copy_gbs']:,.0f} GB/s (read + write)."
+        )
+    if doc.get("extend"):
+        lines += [
+            "",
+            "## Extend: the two sm_90 tile choices",
+            "",
+            "64x32 (4 warps, 2 stages) against the long-prefix tiles 128x64 (8 warps, 3 stages), eager calls;"
+            " the last column is what kernels.extend_attention.default_config takes for the row (from the"
+            " longest prefix and the new tokens in all).",
+            "",
+            "| prefix | requests x new | new tokens | 64x32 ms | 128x64 ms | 128x64 speedup | default takes | rel diff |",
+            "|---:|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for r in sorted(doc["extend"], key=lambda r: (r["prefix"], r["batch"] * r["new"], r["new"])):
+            lines.append(
+                f"| {r['prefix']} | {r['batch']} x {r['new']} | {r['batch'] * r['new']} | {r['small_ms']:.3f} "
+                f"| {r['long_prefix_ms']:.3f} | {r['long_prefix_speedup']:.2f} "
+                f"| {'128x64' if picks_long_prefix(r) else '64x32'} | {r['rel_diff']:.1e} |"
+            )
+    if doc.get("decode"):
+        lines += [
+            "",
+            "## Decode: batch 1 over fixed split counts",
+            "",
+            "CUDA-graph replays of one call (split and merge kernels); * marks the default split count.",
+            "",
+            "| context | splits | us | GB/s | PDL us | PDL GB/s |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        plain = [r for r in doc["decode"] if not r["pdl"]]
+        pdl = {(r["context"], r["splits"], r["default"]): r for r in doc["decode"] if r["pdl"]}
+        for r in plain:
+            p = pdl.get((r["context"], r["splits"], r["default"]))
+            mark = "*" if r["default"] else ""
+            lines.append(
+                f"| {r['context']} | {r['splits']}{mark} | {r['us']:.1f} | {r['gbs']:,.0f} "
+                f"| {p['us'] if p else float('nan'):.1f} | {p['gbs'] if p else float('nan'):,.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m kernels.sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
+                    help=f"sweeps to run, of {' '.join(KINDS)} (default both)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default docs/benchmarks/kernels-sweep-<gpu>.json)")  # fmt: skip
+    ap.add_argument("--markdown", type=Path, default=None, help="report path (default: the JSON's, .md)")
+    bench.add_model_args(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.sweep needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    import triton
+
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    started = time.time()
+    doc: dict[str, Any] = {
+        "device": {"name": gpu, "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
+        "software": {"torch": torch.__version__, "triton": triton.__version__},
+        "command": " ".join(["python -m kernels.sweep", *argv]),
+        "model": dataclasses.asdict(model),
+        "timing": "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
+        "decode: CUDA-graph replays",
+        "extend": [],
+        "decode": [],
+    }
+    try:
+        if "extend" in args.only:
+            for prefix, batch, new in EXTEND_SHAPES:
+                r = sweep_extend(prefix, batch, new, model, device, gen)
+                doc["extend"].append(r)
+                torch.cuda.empty_cache()
+                print(f"extend prefix={prefix} {batch}x{new}: 64x32 {r['small_ms']:.3f} ms, 128x64 "
+                      f"{r['long_prefix_ms']:.3f} ms ({r['long_prefix_speedup']:.2f}x)", file=sys.stderr)  # fmt: skip
+        if "decode" in args.only:
+            for context in DECODE_CONTEXTS:
+                doc["decode"] += sweep_decode(context, model, device, gen)
+                torch.cuda.empty_cache()
+                print(f"decode batch 1 x {context}: done", file=sys.stderr)
+            doc["copy_gbs"] = bench.measure_copy_gbs(device)
+    except KeyboardInterrupt:  # NOTE: gpu-bench's deadline: keep the rows measured so far
+        doc["interrupted"] = True
+        print("interrupted: writing the rows measured so far", file=sys.stderr)
+    doc["wall_s"] = round(time.time() - started, 1)
+    out = args.out or Path("docs/benchmarks") / f"kernels-sweep-{bench.gpu_slug(gpu)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    report = args.markdown or out.with_suffix(".md")
+    report.write_text(markdown(doc))
+    print(f"wrote {out} and {report}")
+    print(markdown(doc))
+    return 1 if doc.get("interrupted") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""kernels.sweep: the committed H100 sweep against the worker's extend tile rule, the report, and the
+sweep's rows run end to end on the interpreter."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import bench, sweep, timing
+
+SWEEP = Path(__file__).resolve().parents[2] / "docs/benchmarks/kernels-sweep-nvidia-h100-80gb-hbm3.json"
+LAUNCH_BOUND_MS = 0.05  # calls this short differ by launch noise between the tiles (a few us)
+
+
+@pytest.fixture
+def compiled_choice(monkeypatch):
+    """default_config as compiled for sm_90 (the interpreter takes tiny tiles)."""
+    from kernels import extend_attention as ext
+
+    monkeypatch.setattr(ext, "INTERPRETED", False)
+
+
+def test_the_default_extend_tiles_follow_the_h100_sweep(compiled_choice):
+    """On every row of the committed sweep the tiles default_config takes are within 8% of the faster
+    of the two, and it takes the long-prefix tiles only where they won by at least 4%."""
+    rows = json.loads(SWEEP.read_text())["extend"]
+    assert len(rows) == len(sweep.EXTEND_SHAPES)
+    took_long = 0
+    for r in rows:
+        shape = f"prefix {r['prefix']}, {r['batch']} x {r['new']}"
+        long = sweep.picks_long_prefix(r)
+        took_long += long
+        chosen = r["long_prefix_ms"] if long else r["small_ms"]
+        if long:
+            assert r["long_prefix_speedup"] >= 1.04, shape
+        if min(r["small_ms"], r["long_prefix_ms"]) >= LAUNCH_BOUND_MS:
+            assert chosen <= 1.08 * min(r["small_ms"], r["long_prefix_ms"]), shape
+        assert r["rel_diff"] < 2e-3, shape  # both tiles compute the same attention
+    assert took_long >= 10
+
+
+def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choice):
+    doc = json.loads(SWEEP.read_text())
+    text = sweep.markdown(doc)
+    table = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(table) == len(doc["extend"]) + len(doc["decode"]) // 2
+    assert "| 16384 | 1 x 1024 | 1024 | 1.529 | 1.054 | 1.45 | 128x64 |" in text
+    assert "| 16384 | 8 x 1024 | 8192 | 7.878 | 8.325 | 0.95 | 64x32 |" in text
+    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 |" in text  # the default split count, marked
+
+
+def test_the_command_refuses_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    assert sweep.main(["--only", "extend"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
+    """sweep_extend and sweep_decode with the host clock in place of CUDA timing: both tiles' outputs
+    agree, each split count and PDL setting makes its row."""
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.sweep runs these rows for real")
+
+    def once(fn, **_):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    monkeypatch.setattr(sweep, "DECODE_SPLITS", (2,))
+    cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(0)
+    model = bench.Model(num_q_heads=4, num_kv_heads=2, head_dim=128, dtype="fp16")
+    row = sweep.sweep_extend(40, 2, 20, model, cpu, gen)
+    assert row["small_ms"] > 0 and row["long_prefix_ms"] > 0 and row["rel_diff"] < 3e-3
+    rows = sweep.sweep_decode(64, model, cpu, gen)
+    assert [(r["pdl"], r["default"], r["splits"]) for r in rows] == [
+        (False, True, rows[0]["splits"]), (False, False, 2), (True, True, rows[0]["splits"]), (True, False, 2)
+    ]  # fmt: skip
+    assert all(r["us"] > 0 and r["gbs"] > 0 for r in rows)
