@@ -1,7 +1,8 @@
 """What sampling costs per decode step: worker.sampling.sample over a batch of logits with the
 common settings (greedy, temperature, top-p, top-k, both), and the full-vocabulary sort that top-p
 needs without the kernels on its own, for the share it takes (on CUDA also the threshold kernel that
-replaces that sort, kernels/sampling.py).
+replaces that sort above worker.sampling.SORT_MAX_ROWS rows, kernels/sampling.py, and the top-p mask
+computed both ways at every batch).
 
 ``python -m worker.bench_sampling [--device cpu] [--vocab 128256] [--batches 1,16,64] [--out results.json]``
 
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from worker.bench_report import machine_info, median_ms, rows_markdown
-from worker.sampling import SamplingParams, sample
+from worker.sampling import SamplingParams, _mask_top_k_top_p, sample
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -43,6 +44,11 @@ def measure(batch: int, vocab: int, device: torch.device, reps: int) -> list[dic
 
         probs, top_p = logits.softmax(dim=-1), torch.full((batch,), 0.9, device=device)
         calls["top-p threshold kernel alone"] = lambda: ops.top_p_threshold(probs, top_p)
+        # the top-p 0.9 mask both ways, whatever the batch (sample() sorts up to SORT_MAX_ROWS rows)
+        for name, most in (("sorted", batch), ("threshold kernel", 0)):
+            calls[f"top-p 0.9 mask, {name}"] = lambda most=most: _mask_top_k_top_p(
+                logits, [-1] * batch, [0.9] * batch, sort_max_rows=most
+            )
     rows = []
     for name, fn in calls.items():
         row = {"batch": batch, "vocab": vocab, "setting": name, "call_ms": median_ms(fn, reps)}

@@ -203,17 +203,28 @@ def _divisor(temperature: float) -> float:
     return min(max(float(temperature), _MIN_TEMPERATURE), _MAX_TEMPERATURE)
 
 
-def _mask_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+# NOTE: up to this many rows the vocabulary sort beats the top-p threshold kernel (one program per
+# row, 31 passes over it): on an H100 at vocabulary 128,256 the kernel took 0.54 / 0.50 / 0.52 ms at
+# 1 / 16 / 64 rows and the sort 0.17 / 0.29 / 0.76 (docs/benchmarks/gpu-nvidia-h100.md). The whole
+# sorted path adds O(V) elementwise ops to the sort; worker.bench_sampling times both paths.
+SORT_MAX_ROWS = 16
+
+
+def _mask_top_k_top_p(
+    scores: torch.Tensor, top_k: list[int], top_p: list[float], *, sort_max_rows: int | None = None
+) -> torch.Tensor:
     """Set to -inf every token outside each row's top-k and its top-p nucleus. The kept set comes from
-    ranking the row: by topk when every row has a top_k; on the kernels, when some row has none, by
-    cuts and a threshold kernel instead (_mask_without_sort); else by sorting the vocabulary."""
+    ranking the row: by topk when every row has a top_k; on the kernels, when some row has none and
+    there are more than ``sort_max_rows`` rows (default SORT_MAX_ROWS), by cuts and a threshold kernel
+    instead (_mask_without_sort); else by sorting the vocabulary."""
     if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
         return scores
     vocab = scores.shape[-1]
     keep = [vocab if k == -1 else min(k, vocab) for k in top_k]
     width = max(keep)
     ops = kernel_ops(scores.device)
-    if width == vocab and ops is not reference:
+    many = scores.shape[0] > (SORT_MAX_ROWS if sort_max_rows is None else sort_max_rows)
+    if width == vocab and ops is not reference and many:
         return _mask_without_sort(scores, keep, top_p, ops)
     if width < vocab:  # NOTE: every row keeps at most `width` tokens: its candidates, in order, from topk
         sorted_scores, order = scores.topk(width, dim=-1)

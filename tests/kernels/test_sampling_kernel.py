@@ -73,9 +73,9 @@ def test_bad_inputs_raise_value_errors(backend):
     ids=["top-p", "top-k beside top-p", "top-k beside neither"],
 )
 def test_the_worker_masks_without_a_sort_as_a_sort_would(backend, monkeypatch, top_k, top_p):
-    """worker.sampling on the kernels, for a batch with a row without top_k, cuts the top-k rows
-    below their k-th score and takes the threshold kernel for top-p: the tokens it keeps, and their
-    scores, are the sorted path's."""
+    """worker.sampling on the kernels, for a batch (of more than SORT_MAX_ROWS rows) with a row without
+    top_k, cuts the top-k rows below their k-th score and takes the threshold kernel for top-p: the
+    tokens it keeps, and their scores, are the sorted path's."""
     from kernels import ops
     from worker import sampling
 
@@ -86,6 +86,7 @@ def test_the_worker_masks_without_a_sort_as_a_sort_would(backend, monkeypatch, t
     calls = []
     kernel = ops.top_p_threshold
     monkeypatch.setattr(ops, "top_p_threshold", lambda *args: (calls.append(1), kernel(*args))[1])
+    monkeypatch.setattr(sampling, "SORT_MAX_ROWS", 3)  # these 4 rows are "many"
     got = sampling._mask_top_k_top_p(scores, top_k, top_p).cpu()
     assert calls == ([1] if any(x < 1.0 for x in top_p) else [])
     monkeypatch.setattr(sampling, "kernel_ops", lambda device: reference)  # the sorted path
@@ -93,3 +94,24 @@ def test_the_worker_masks_without_a_sort_as_a_sort_would(backend, monkeypatch, t
     assert torch.equal(got.isfinite(), want.isfinite())
     assert torch.equal(got[got.isfinite()], want[want.isfinite()])
     assert 1 < int(got.isfinite().sum()) < got.numel()  # some tokens kept, some dropped
+
+
+def test_the_worker_sorts_up_to_sort_max_rows_rows(backend, monkeypatch):
+    """Up to SORT_MAX_ROWS rows the worker sorts the vocabulary even on the kernels (the sort is faster
+    there); one row more takes the threshold kernel; both keep the same tokens."""
+    from kernels import ops
+    from worker import sampling
+
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows = sampling.SORT_MAX_ROWS
+    scores = (torch.randn(rows + 1, 300, generator=torch.Generator().manual_seed(3)) * 3).to(backend.device)
+    calls = []
+    kernel = ops.top_p_threshold
+    monkeypatch.setattr(ops, "top_p_threshold", lambda *args: (calls.append(len(args[0])), kernel(*args))[1])
+    few = sampling._mask_top_k_top_p(scores[:rows], [-1] * rows, [0.8] * rows).cpu()
+    assert calls == []
+    many = sampling._mask_top_k_top_p(scores, [-1] * (rows + 1), [0.8] * (rows + 1)).cpu()
+    assert calls == [rows + 1]
+    assert torch.equal(few.isfinite(), many[:rows].isfinite())
+    assert 1 < int(few.isfinite().sum()) < few.numel()
