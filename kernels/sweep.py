@@ -1,16 +1,19 @@
-"""Two sweeps that kernels.tune does not make, on a CUDA GPU; JSON and a markdown report.
+"""Sweeps that kernels.tune does not make, on a CUDA GPU; JSON and a markdown report.
 
 - extend: sm_90's two tile choices at head dim 128 (64x32 with 4 warps and 2 stages, and the
   long-prefix tiles, 128x64 with 8 warps and 3 stages) over (longest cached prefix, requests x new
   tokens). kernels.extend_attention.default_config picks between them from the batch's longest prefix
   and its new tokens in all (long_prefix_batch); the report says which one it picks on each row.
+- extend_graph: the same two tile choices replayed as the worker's extend graphs run them (a cache
+  hit's few new tokens padded to the graph's token count, its grid over the graph's 32 request rows,
+  all but one empty), which take the tiles of a batch of unknown prefix today;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
   PDL (programmatic dependent launch), beside the default split count.
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
-worker runs prefill), decode as CUDA-graph replays (as it runs decode steps). Every extend row also
-records the relative difference between the two tiles' outputs.
-Usage: python -m kernels.sweep [--only extend decode] [--out PATH] [--markdown PATH] [model options]
+worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
+relative difference between the two tiles' outputs.
+Usage: python -m kernels.sweep [--only extend extend_graph decode] [--out PATH] [--markdown PATH] [model options]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from kernels import bench, timing
 
-KINDS = ("extend", "decode")
+KINDS = ("extend", "extend_graph", "decode")
 # (longest cached prefix, requests, new tokens each): around where the long-prefix tiles stop winning
 EXTEND_SHAPES = tuple(
     [(p, b, n) for p in (0, 1024, 2048, 4096) for b, n in ((1, 256), (2, 256), (4, 256), (8, 256), (1, 1024), (1, 2048))]
@@ -39,6 +42,12 @@ EXTEND_SHAPES = tuple(
     + [(16384, 2, 2048), (16384, 1, 4096)]
     + [(32768, 1, 128), (32768, 4, 256), (32768, 8, 256), (32768, 16, 256)]
 )  # fmt: skip
+# (longest cached prefix, new tokens, the graph's padded token count): one request in a graph of
+# GRAPH_ROWS request rows (worker.assembly.EXTEND_GRAPH_REQUESTS); up to 16 new tokens go elsewhere
+GRAPH_SHAPES = tuple(
+    (p, new, size) for p in (0, 512, 1024, 2048, 4096, 16384) for new, size in ((20, 32), (50, 64), (100, 128), (208, 256))
+)  # fmt: skip
+GRAPH_ROWS = 32
 DECODE_CONTEXTS = (8192, 16384, 32768)
 DECODE_SPLITS = (16, 24, 32, 48, 64)  # fixed split caps, beside the default one
 
@@ -90,6 +99,35 @@ def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: 
         outs[name] = out.float().clone()
         row[f"{name}_ms"] = timing.time_ms(call)
     row["long_prefix_speedup"] = row["small_ms"] / row["long_prefix_ms"]
+    row["rel_diff"] = ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
+    return row
+
+
+def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, device: torch.device,
+                       gen: torch.Generator, rows: int = GRAPH_ROWS) -> dict:  # fmt: skip
+    """One row: each tile choice replayed as an extend graph of ``size`` tokens and ``rows`` request rows
+    runs one request of ``new`` tokens over ``prefix`` (the padding tokens and the other rows own
+    nothing), median us; the long-prefix tiles' speedup; the outputs' difference on the request's rows."""
+    from kernels import extend_attention as ext
+
+    torch.manual_seed(prefix * 1_000_003 + new * 1009 + size)
+    q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = extend_inputs(prefix, 1, size, model, device, gen)
+    qo_indptr = torch.full((rows + 1,), new, dtype=torch.int32, device=device)
+    kv_indptr = torch.full((rows + 1,), prefix, dtype=torch.int32, device=device)
+    qo_indptr[0] = kv_indptr[0] = 0
+    args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
+    out = torch.zeros_like(q)
+    row: dict[str, Any] = {"prefix": prefix, "new": new, "size": size, "rows": rows}
+    outs = {}
+    for name, cfg in extend_tiles().items():
+
+        def call(cfg: Any = cfg) -> None:
+            ext.extend_attention(*args, max_extend_len=size, out=out, config=cfg)
+
+        call()
+        outs[name] = out[:new].float().clone()
+        row[f"{name}_us"] = timing.time_replay_ms(call) * 1e3
+    row["long_prefix_speedup"] = row["small_us"] / row["long_prefix_us"]
     row["rel_diff"] = ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
     return row
 
@@ -160,6 +198,23 @@ def markdown(doc: dict) -> str:
                 f"| {r['long_prefix_ms']:.3f} | {r['long_prefix_speedup']:.2f} "
                 f"| {'128x64' if picks_long_prefix(r) else '64x32'} | {r['rel_diff']:.1e} |"
             )
+    if doc.get("extend_graph"):
+        lines += [
+            "",
+            "## Extend graphs: the two tile choices replayed",
+            "",
+            "One request of a cache hit's new tokens in an extend graph of that many tokens (padding"
+            " included) and 32 request rows, replayed; the worker's graphs take 64x32 today (a graph is"
+            " replayed over any prefix).",
+            "",
+            "| prefix | new | graph tokens | 64x32 us | 128x64 us | 128x64 speedup | rel diff |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in doc["extend_graph"]:
+            lines.append(
+                f"| {r['prefix']} | {r['new']} | {r['size']} | {r['small_us']:.1f} | {r['long_prefix_us']:.1f} "
+                f"| {r['long_prefix_speedup']:.2f} | {r['rel_diff']:.1e} |"
+            )
     if doc.get("decode"):
         lines += [
             "",
@@ -186,7 +241,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kernels.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
-                    help=f"sweeps to run, of {' '.join(KINDS)} (default both)")  # fmt: skip
+                    help=f"sweeps to run, of {' '.join(KINDS)} (default all)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default docs/benchmarks/kernels-sweep-<gpu>.json)")  # fmt: skip
     ap.add_argument("--markdown", type=Path, default=None, help="report path (default: the JSON's, .md)")
@@ -216,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "timing": "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
         "decode: CUDA-graph replays",
         "extend": [],
+        "extend_graph": [],
         "decode": [],
     }
     try:
@@ -226,6 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 torch.cuda.empty_cache()
                 print(f"extend prefix={prefix} {batch}x{new}: 64x32 {r['small_ms']:.3f} ms, 128x64 "
                       f"{r['long_prefix_ms']:.3f} ms ({r['long_prefix_speedup']:.2f}x)", file=sys.stderr)  # fmt: skip
+        if "extend_graph" in args.only:
+            for prefix, new, size in GRAPH_SHAPES:
+                r = sweep_extend_graph(prefix, new, size, model, device, gen)
+                doc["extend_graph"].append(r)
+                torch.cuda.empty_cache()
+                print(f"extend graph prefix={prefix} {new} of {size} tokens: 64x32 {r['small_us']:.1f} us, "
+                      f"128x64 {r['long_prefix_us']:.1f} us", file=sys.stderr)  # fmt: skip
         if "decode" in args.only:
             for context in DECODE_CONTEXTS:
                 doc["decode"] += sweep_decode(context, model, device, gen)

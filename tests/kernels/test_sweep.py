@@ -53,6 +53,14 @@ def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choic
     assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 |" in text  # the default split count, marked
 
 
+def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
+    doc = json.loads(SWEEP.read_text())
+    assert "Extend graphs" not in sweep.markdown(doc)  # the committed run predates that sweep
+    doc["extend_graph"] = [{"prefix": 2048, "new": 208, "size": 256, "rows": 32, "small_us": 120.0,
+                            "long_prefix_us": 90.0, "long_prefix_speedup": 4 / 3, "rel_diff": 1e-3}]  # fmt: skip
+    assert "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 1.0e-03 |" in sweep.markdown(doc)
+
+
 def test_the_command_refuses_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present")
@@ -61,8 +69,8 @@ def test_the_command_refuses_without_cuda(capsys):
 
 
 def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
-    """sweep_extend and sweep_decode with the host clock in place of CUDA timing: both tiles' outputs
-    agree, each split count and PDL setting makes its row."""
+    """sweep_extend, sweep_extend_graph and sweep_decode with the host clock in place of CUDA timing:
+    both tiles' outputs agree, each split count and PDL setting makes its row."""
     if not backend.interpret:
         pytest.skip("on CUDA, python -m kernels.sweep runs these rows for real")
 
@@ -78,6 +86,9 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     model = bench.Model(num_q_heads=4, num_kv_heads=2, head_dim=128, dtype="fp16")
     row = sweep.sweep_extend(40, 2, 20, model, cpu, gen)
     assert row["small_ms"] > 0 and row["long_prefix_ms"] > 0 and row["rel_diff"] < 3e-3
+    graph = sweep.sweep_extend_graph(40, 5, 8, model, cpu, gen, rows=3)
+    assert (graph["prefix"], graph["new"], graph["size"], graph["rows"]) == (40, 5, 8, 3)
+    assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
     rows = sweep.sweep_decode(64, model, cpu, gen)
     assert [(r["pdl"], r["default"], r["splits"]) for r in rows] == [
         (False, True, rows[0]["splits"]), (False, False, 2), (True, True, rows[0]["splits"]), (True, False, 2)
