@@ -677,40 +677,68 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+@dataclasses.dataclass(frozen=True)
+class GpuRun:
+    """What a GPU command (kernels.bench, kernels.tune, kernels.sweep) measures with."""
+
+    device: torch.device
+    gpu: str  # the device's name
+    model: Model
+    gen: torch.Generator
+
+
+def start_gpu_run(prog: str, args: argparse.Namespace) -> GpuRun | None:
+    """The CUDA device, its name, the model of ``args`` (add_model_args) and a generator seeded by
+    it; None, having said why on stderr, without a CUDA GPU."""
     if not torch.cuda.is_available():
         print(
-            "kernels.bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
+            f"{prog} needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
             file=sys.stderr,
         )
-        return 2
+        return None
     device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
     model = Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-    gen = torch.Generator().manual_seed(args.seed)
+    return GpuRun(device, torch.cuda.get_device_name(device), model, torch.Generator().manual_seed(args.seed))
 
+
+def run_record(run: GpuRun, command: str, timing: str, **device: Any) -> dict[str, Any]:
+    """The head of a GPU command's JSON: the device (with ``device``'s extra fields), the software, the
+    command line, the model and how it timed."""
     import triton
 
-    started = time.time()
-    result: dict[str, Any] = {
+    return {
         "device": {
-            "name": gpu,
-            "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
-            "copy_gbs": measure_copy_gbs(device),
-            "matmul_tflops": measure_matmul_tflops(device, DTYPES[args.dtype]),
-            "graph_floor_us": measure_graph_floor_us(device),
+            "name": run.gpu,
+            "sm_count": torch.cuda.get_device_properties(run.device).multi_processor_count,
+            **device,
         },
         "software": {
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
         },
-        "command": " ".join(["python -m kernels.bench", *argv]),
-        "model": dataclasses.asdict(model),
-        "timing": TIMING,
+        "command": command,
+        "model": dataclasses.asdict(run.model),
+        "timing": timing,
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    run = start_gpu_run("kernels.bench", args)
+    if run is None:
+        return 2
+    device, gpu, model, gen = run.device, run.gpu, run.model, run.gen
+    started = time.time()
+    result = run_record(
+        run,
+        " ".join(["python -m kernels.bench", *argv]),
+        TIMING,
+        copy_gbs=measure_copy_gbs(device),
+        matmul_tflops=measure_matmul_tflops(device, DTYPES[args.dtype]),
+        graph_floor_us=measure_graph_floor_us(device),
+    )
     measure_kinds(result, args.only, args, model, device, gen)
     result["summary"] = summarize(result)
     compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU

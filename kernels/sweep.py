@@ -252,43 +252,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("kernels.sweep needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
-              file=sys.stderr)  # fmt: skip
+    run = bench.start_gpu_run("kernels.sweep", args)
+    if run is None:
         return 2
-    import triton
-
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-    gen = torch.Generator().manual_seed(args.seed)
+    device, gpu, model, gen = run.device, run.gpu, run.model, run.gen
     started = time.time()
-    doc: dict[str, Any] = {
-        "device": {"name": gpu, "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
-        "software": {"torch": torch.__version__, "triton": triton.__version__},
-        "command": " ".join(["python -m kernels.sweep", *argv]),
-        "model": dataclasses.asdict(model),
-        "timing": "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
-        "decode: CUDA-graph replays",
-        "extend": [],
-        "extend_graph": [],
-        "decode": [],
-    }
+    doc = bench.run_record(
+        run,
+        " ".join(["python -m kernels.sweep", *argv]),
+        "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
+        "extend_graph and decode: CUDA-graph replays",
+    )
+    doc |= {"extend": [], "extend_graph": [], "decode": []}
     try:
-        if "extend" in args.only:
-            for prefix, batch, new in EXTEND_SHAPES:
-                r = sweep_extend(prefix, batch, new, model, device, gen)
-                doc["extend"].append(r)
+        for kind, shapes, sweep_one in (("extend", EXTEND_SHAPES, sweep_extend),
+                                        ("extend_graph", GRAPH_SHAPES, sweep_extend_graph)):  # fmt: skip
+            for shape in shapes if kind in args.only else ():
+                r = sweep_one(*shape, model, device, gen)
+                doc[kind].append(r)
                 torch.cuda.empty_cache()
-                print(f"extend prefix={prefix} {batch}x{new}: 64x32 {r['small_ms']:.3f} ms, 128x64 "
-                      f"{r['long_prefix_ms']:.3f} ms ({r['long_prefix_speedup']:.2f}x)", file=sys.stderr)  # fmt: skip
-        if "extend_graph" in args.only:
-            for prefix, new, size in GRAPH_SHAPES:
-                r = sweep_extend_graph(prefix, new, size, model, device, gen)
-                doc["extend_graph"].append(r)
-                torch.cuda.empty_cache()
-                print(f"extend graph prefix={prefix} {new} of {size} tokens: 64x32 {r['small_us']:.1f} us, "
-                      f"128x64 {r['long_prefix_us']:.1f} us", file=sys.stderr)  # fmt: skip
+                print(
+                    f"{kind} {shape}: 128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32",
+                    file=sys.stderr,
+                )
         if "decode" in args.only:
             for context in DECODE_CONTEXTS:
                 doc["decode"] += sweep_decode(context, model, device, gen)

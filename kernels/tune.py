@@ -311,16 +311,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("kernels.tune needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
-              file=sys.stderr)  # fmt: skip
+    run = bench.start_gpu_run("kernels.tune", args)
+    if run is None:
         return 2
-    import triton
-
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-    gen = torch.Generator().manual_seed(args.seed)
+    device, gpu, model, gen = run.device, run.gpu, run.model, run.gen
     started = time.time()
     rejected: dict[tuple, str] = {}
     if not args.no_static_check:
@@ -346,14 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rows in LORA_ROWS:
             results.append(tune_lora(rows, model, device, gen))
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
-    doc = {
-        "device": {"name": gpu, "sm_count": torch.cuda.get_device_properties(device).multi_processor_count},
-        "software": {"torch": torch.__version__, "triton": triton.__version__},
-        "command": " ".join(["python -m kernels.tune", *argv]),
-        "model": dataclasses.asdict(model),
-        "max_rel_err": MAX_REL_ERR,
-        "timing": "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
+    doc = bench.run_record(
+        run,
+        " ".join(["python -m kernels.tune", *argv]),
+        "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
         "decode and lora: CUDA-graph replays",
+    )
+    doc |= {
+        "max_rel_err": MAX_REL_ERR,
         "results": results,
         "wall_s": round(time.time() - started, 1),
     }
