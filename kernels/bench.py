@@ -395,7 +395,7 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     kernel_args, sdpa_args = extend_case(shape, model, device, gen)
     out = torch.empty_like(kernel_args[0])
 
-    def triton_call() -> None:  # NOTE: as the worker calls it: its longest prefix and q's rows pick the tiles
+    def triton_call() -> None:  # NOTE: as the worker calls it: its longest prefix and q's rows pick tiles
         ext.extend_attention(*kernel_args, max_extend_len=shape.new, max_prefix_len=shape.prefix, out=out)
 
     def sdpa_call() -> torch.Tensor:

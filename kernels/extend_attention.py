@@ -84,8 +84,9 @@ def default_config(
     # 128x64 with 8 warps and 3 stages wins where the grid is small and each program's walk over the
     # prefix is long: few new tokens (few query blocks) over a long prefix. On an H100 (kernels.sweep,
     # docs/benchmarks/kernels-sweep-nvidia-h100-80gb-hbm3.json) it ran 1.16-1.45x faster than 64x32 at
-    # <= 1024 new tokens over prefixes of 1024-32768, 1.05-1.14x at 2048 new tokens over prefixes of
-    # 8192 and more, and 0.70-0.92x without a prefix, at 3072 new tokens, and (kernels.bench) at 16384.
+    # <= 1024 new tokens over prefixes of 1024-32768 and 1.05-1.14x at 2048 new tokens over prefixes of
+    # 8192 and more; it lost without a prefix (0.70-0.92x), at 3072 new tokens (0.92-0.96x) and at 16384
+    # (kernels.bench's rows: 0.88-0.94x).
     if 64 < head_dim <= 128 and arch >= 90:
         if long_prefix_batch(max_prefix_len, new_tokens):
             return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
