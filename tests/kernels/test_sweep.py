@@ -94,3 +94,41 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
         (False, True, rows[0]["splits"]), (False, False, 2), (True, True, rows[0]["splits"]), (True, False, 2)
     ]  # fmt: skip
     assert all(r["us"] > 0 and r["gbs"] > 0 for r in rows)
+
+
+def test_the_command_runs_every_sweep_and_writes_its_report(backend, monkeypatch, tmp_path):
+    """main() end to end on the interpreter, CUDA's parts stood in for (the device, its properties,
+    the timers, the copy rate) and each sweep cut to one shape: the JSON holds a row per shape and
+    sweep, the report each table, so a GPU call cannot fail on the command itself."""
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.sweep runs for real")
+
+    def once(fn, **_):
+        fn()
+        return 1.0
+
+    def cpu_run(prog, args):
+        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+        return bench.GpuRun(
+            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
+        )
+
+    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "measure_copy_gbs", lambda device: 100.0)
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    monkeypatch.setattr(sweep, "EXTEND_SHAPES", ((40, 1, 20),))
+    monkeypatch.setattr(sweep, "GRAPH_SHAPES", ((40, 5, 8),))
+    monkeypatch.setattr(sweep, "DECODE_CONTEXTS", (64,))
+    monkeypatch.setattr(sweep, "DECODE_SPLITS", (2,))
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--q-heads", "4", "--kv-heads", "2", "--dtype", "fp16", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["device"] == {"name": "CPU stand-in", "sm_count": 2} and doc["copy_gbs"] == 100.0
+    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 4]  # decode: 2 split caps x PDL off/on
+    report = out.with_suffix(".md").read_text()
+    assert all(title in report for title in ("## Extend:", "## Extend graphs:", "## Decode:"))
