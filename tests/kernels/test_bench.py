@@ -617,3 +617,56 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
         ["1", "default", "12.7", "4.0", "1.0", "3.5", "8.5", "4.2"]
     ]
     assert "| adapters | variant | replay us | shrink us | gap us | expand us |" in md
+
+
+def test_the_command_runs_every_kind_and_writes_its_reports(backend, monkeypatch, tmp_path):
+    """main() end to end on the interpreter, CUDA's parts stood in for (the device, its properties,
+    the rates it measures, the timers) and each kind cut to one or two shapes: every kind has its
+    rows, the summary and both reports are written, so a GPU call cannot fail on the command itself."""
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.bench runs for real")
+
+    def once(fn, **_):
+        fn()
+        return 1.0
+
+    def cpu_run(prog, args):
+        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+        return bench.GpuRun(
+            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
+        )
+
+    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for name, value in [
+        ("measure_copy_gbs", 100.0),
+        ("measure_matmul_tflops", 10.0),
+        ("measure_graph_floor_us", 5.0),
+    ]:
+        monkeypatch.setattr(bench, name, lambda *args, value=value: value)
+    monkeypatch.setattr(
+        timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
+    )
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    monkeypatch.setattr(bench, "decode_grid", lambda *args: [bench.DecodeShape(1, 40)])
+    monkeypatch.setattr(bench, "extend_grid", lambda *args: [bench.ExtendShape(1, 24, 8)])
+    monkeypatch.setattr(bench, "EXTEND_CACHE_HITS", ((1, 40, 4),))
+    monkeypatch.setattr(bench, "LORA_BATCHES", (2,))
+    monkeypatch.setattr(bench, "LORA_ADAPTERS", (1,))
+    monkeypatch.setattr(bench, "LORA_IN", 64)
+    monkeypatch.setattr(bench, "LORA_OUT", 48)
+    monkeypatch.setattr(bench, "LORA_RANK", 8)
+    monkeypatch.setattr(bench, "VERIFY_SHAPES", ((2, 40, 3),))
+    monkeypatch.setattr(bench, "TIMELINE_REPS", 2)
+    out = tmp_path / "kernels.json"
+    argv = ["--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp16", "--out", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["device"]["name"] == "CPU stand-in" and result["device"]["copy_gbs"] == 100.0
+    assert [len(result[kind]) for kind in bench_report.KINDS] == [1, 2, 1, 1]  # extend: the grid and a hit
+    assert result["summary"]["inaccurate"] == []
+    assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()

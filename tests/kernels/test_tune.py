@@ -156,3 +156,43 @@ def test_tune_without_cuda_exits_nonzero(tmp_path, capsys):
     assert tune.main(["--out", str(tmp_path / "t.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+
+
+def test_the_command_tunes_every_kind_and_writes_its_record(backend, monkeypatch, tmp_path):
+    """main() end to end on the interpreter, CUDA's parts stood in for (the device, its properties,
+    the timers) and each kind cut to one shape and one candidate besides its default: a result per
+    shape, the record's head, so a GPU call cannot fail on the command itself."""
+    if not backend.interpret:
+        pytest.skip("the real timing runs in python -m kernels.tune")
+    import json
+
+    def cpu_run(prog, args):
+        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+        return bench.GpuRun(
+            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
+        )
+
+    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), 1.0)[1])
+    monkeypatch.setattr(timing, "time_replay_ms", lambda fn, **_: (fn(), 1.0)[1])
+    monkeypatch.setattr(tune, "EXTEND_SHAPES", (bench.ExtendShape(batch=2, prefix=5, new=9),))
+    monkeypatch.setattr(tune, "DECODE_SHAPES", (bench.DecodeShape(batch=2, context=40),))
+    monkeypatch.setattr(tune, "LORA_ROWS", (3,))
+    for name, count in (("extend_candidates", 1), ("decode_candidates", 1), ("lora_candidates", 1)):
+        every = getattr(tune, name)
+        monkeypatch.setattr(tune, name, lambda *args, every=every, count=count: every(*args)[:count])
+    monkeypatch.setattr(tune, "SPLIT_LENGTHS", (64,))
+    monkeypatch.setattr(tune, "SPLIT_WAVES", (1,))
+    for name, value in (("LORA_IN", 64), ("LORA_OUT", 48), ("LORA_RANK", 8)):
+        monkeypatch.setattr(bench, name, value)
+    out = tmp_path / "tune.json"
+    argv = ["--no-static-check", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
+    assert tune.main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["device"]["name"] == "CPU stand-in" and doc["software"]["python"] and doc["max_rel_err"] > 0
+    assert [r["kind"] for r in doc["results"]] == ["extend", "decode", "lora"]
+    assert all(r["best"] is not None for r in doc["results"]), doc["results"]
