@@ -129,8 +129,9 @@ def config_key(config: Any) -> tuple:
 def static_check(model: bench.Model, arch: int, cases: list | None = None) -> dict[tuple, str]:
     """Compile every tile candidate (or ``cases``, from kernels.compile_cases) for ``arch`` without
     running it; config_key -> why, for each one that spills registers or does not fit.
-    NOTE: on a GPU the timed launches should then find these compilations in Triton's cache (same
-    target and specialisation), so the check costs little; not yet seen on one."""
+    NOTE: it compiles every candidate first: on the H100 machine (16 cores) that ran over 80 s and was
+    cut by gpu-bench's deadline (2026-11-27); --no-static-check skips it (spilling candidates are then
+    timed too)."""
     shape = compile_cases.Shape(model.dtype, model.num_q_heads, model.num_kv_heads, model.head_dim, 4096)
     rejected: dict[tuple, str] = {}
     for *_, call, config in cases or compile_cases.tune_candidates(shape, with_configs=True):
