@@ -112,3 +112,39 @@ def assert_close_rel() -> Callable[[torch.Tensor, torch.Tensor], None]:
 def strided(x: torch.Tensor) -> torch.Tensor:
     """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
     return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]
+
+
+@pytest.fixture
+def gpu_command_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU commands (kernels.bench, kernels.tune, kernels.sweep) run on the CPU: start_gpu_run gives
+    the CPU ("CPU stand-in", 2 SMs), every timer runs its call once and says 1 ms, a CUDA-graph capture
+    re-runs its function, and the rates kernels.bench measures are fixed (copy 100 GB/s, matmul
+    10 TF/s, graph floor 5 us)."""
+    from kernels import bench, timing
+
+    def cpu_run(prog: str, args: object) -> bench.GpuRun:
+        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
+        return bench.GpuRun(
+            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
+        )
+
+    def once(fn: Callable[[], object], **_: object) -> float:
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for name, value in (
+        ("measure_copy_gbs", 100.0),
+        ("measure_matmul_tflops", 10.0),
+        ("measure_graph_floor_us", 5.0),
+    ):
+        monkeypatch.setattr(bench, name, lambda *args, value=value: value)
+    monkeypatch.setattr(
+        timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
+    )
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)

@@ -619,39 +619,15 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
     assert "| adapters | variant | replay us | shrink us | gap us | expand us |" in md
 
 
-def test_the_command_runs_every_kind_and_writes_its_reports(backend, monkeypatch, tmp_path):
+def test_the_command_runs_every_kind_and_writes_its_reports(
+    backend, monkeypatch, tmp_path, gpu_command_on_cpu
+):
     """main() end to end on the interpreter, CUDA's parts stood in for (the device, its properties,
     the rates it measures, the timers) and each kind cut to one or two shapes: every kind has its
     rows, the summary and both reports are written, so a GPU call cannot fail on the command itself."""
     if not backend.interpret:
         pytest.skip("on CUDA, python -m kernels.bench runs for real")
 
-    def once(fn, **_):
-        fn()
-        return 1.0
-
-    def cpu_run(prog, args):
-        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-        return bench.GpuRun(
-            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
-        )
-
-    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
-    )
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    for name, value in [
-        ("measure_copy_gbs", 100.0),
-        ("measure_matmul_tflops", 10.0),
-        ("measure_graph_floor_us", 5.0),
-    ]:
-        monkeypatch.setattr(bench, name, lambda *args, value=value: value)
-    monkeypatch.setattr(
-        timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
-    )
-    monkeypatch.setattr(timing, "time_ms", once)
-    monkeypatch.setattr(timing, "time_replay_ms", once)
     monkeypatch.setattr(bench, "decode_grid", lambda *args: [bench.DecodeShape(1, 40)])
     monkeypatch.setattr(bench, "extend_grid", lambda *args: [bench.ExtendShape(1, 24, 8)])
     monkeypatch.setattr(bench, "EXTEND_CACHE_HITS", ((1, 40, 4),))

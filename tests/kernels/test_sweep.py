@@ -96,31 +96,15 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert all(r["us"] > 0 and r["gbs"] > 0 for r in rows)
 
 
-def test_the_command_runs_every_sweep_and_writes_its_report(backend, monkeypatch, tmp_path):
+def test_the_command_runs_every_sweep_and_writes_its_report(
+    backend, monkeypatch, tmp_path, gpu_command_on_cpu
+):
     """main() end to end on the interpreter, CUDA's parts stood in for (the device, its properties,
     the timers, the copy rate) and each sweep cut to one shape: the JSON holds a row per shape and
     sweep, the report each table, so a GPU call cannot fail on the command itself."""
     if not backend.interpret:
         pytest.skip("on CUDA, python -m kernels.sweep runs for real")
 
-    def once(fn, **_):
-        fn()
-        return 1.0
-
-    def cpu_run(prog, args):
-        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-        return bench.GpuRun(
-            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
-        )
-
-    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
-    )
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "measure_copy_gbs", lambda device: 100.0)
-    monkeypatch.setattr(timing, "time_ms", once)
-    monkeypatch.setattr(timing, "time_replay_ms", once)
     monkeypatch.setattr(sweep, "EXTEND_SHAPES", ((40, 1, 20),))
     monkeypatch.setattr(sweep, "GRAPH_SHAPES", ((40, 5, 8),))
     monkeypatch.setattr(sweep, "DECODE_CONTEXTS", (64,))

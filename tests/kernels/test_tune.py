@@ -5,6 +5,7 @@ only the CUDA-event timer is replaced (by a made-up time per configuration)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -158,27 +159,14 @@ def test_tune_without_cuda_exits_nonzero(tmp_path, capsys):
     assert not (tmp_path / "t.json").exists()
 
 
-def test_the_command_tunes_every_kind_and_writes_its_record(backend, monkeypatch, tmp_path):
+def test_the_command_tunes_every_kind_and_writes_its_record(
+    backend, monkeypatch, tmp_path, gpu_command_on_cpu
+):
     """main() end to end on the interpreter, CUDA's parts stood in for (the device, its properties,
     the timers) and each kind cut to one shape and one candidate besides its default: a result per
     shape, the record's head, so a GPU call cannot fail on the command itself."""
     if not backend.interpret:
         pytest.skip("the real timing runs in python -m kernels.tune")
-    import json
-
-    def cpu_run(prog, args):
-        model = bench.Model(args.q_heads, args.kv_heads, args.head_dim, args.dtype)
-        return bench.GpuRun(
-            torch.device("cpu"), "CPU stand-in", model, torch.Generator().manual_seed(args.seed)
-        )
-
-    monkeypatch.setattr(bench, "start_gpu_run", cpu_run)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 2})
-    )
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), 1.0)[1])
-    monkeypatch.setattr(timing, "time_replay_ms", lambda fn, **_: (fn(), 1.0)[1])
     monkeypatch.setattr(tune, "EXTEND_SHAPES", (bench.ExtendShape(batch=2, prefix=5, new=9),))
     monkeypatch.setattr(tune, "DECODE_SHAPES", (bench.DecodeShape(batch=2, context=40),))
     monkeypatch.setattr(tune, "LORA_ROWS", (3,))
