@@ -52,6 +52,11 @@ class ExtendConfig:
     num_stages: int
 
 
+# sm_90's two tile choices at head dims 65-128 (fp16/bf16); default_config picks between them
+SM90_TILES = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+LONG_PREFIX_TILES = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
 def default_config(
     head_dim: int,
     dtype: torch.dtype,
@@ -88,9 +93,7 @@ def default_config(
     # 8192 and more; it lost without a prefix (0.70-0.92x), at 3072 new tokens (0.92-0.96x) and at 16384
     # (kernels.bench's rows: 0.88-0.94x).
     if 64 < head_dim <= 128 and arch >= 90:
-        if long_prefix_batch(max_prefix_len, new_tokens):
-            return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-        return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        return LONG_PREFIX_TILES if long_prefix_batch(max_prefix_len, new_tokens) else SM90_TILES
     if head_dim <= 64:
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     if head_dim <= 128:

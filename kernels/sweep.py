@@ -54,12 +54,9 @@ DECODE_SPLITS = (16, 24, 32, 48, 64)  # fixed split caps, beside the default one
 
 def extend_tiles() -> dict[str, Any]:
     """The two sm_90 extend tile choices at head dim 128: name -> ExtendConfig."""
-    from kernels.extend_attention import ExtendConfig
+    from kernels.extend_attention import LONG_PREFIX_TILES, SM90_TILES
 
-    return {
-        "small": ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
-        "long_prefix": ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    }
+    return {"small": SM90_TILES, "long_prefix": LONG_PREFIX_TILES}
 
 
 def extend_inputs(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
@@ -80,27 +77,34 @@ def extend_inputs(prefix: int, batch: int, new: int, model: bench.Model, device:
     return q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices
 
 
-def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
-                 gen: torch.Generator) -> dict:  # fmt: skip
-    """One row: each tile choice's median ms, the long-prefix tiles' speedup, their outputs' difference."""
+def time_both_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int,
+                    timer: Any) -> tuple[dict[str, float], float]:  # fmt: skip
+    """extend_attention on ``args`` with each tile choice: ``timer``'s time of each (name -> its
+    unit), and the relative difference between the two outputs' first ``kept`` rows."""
     from kernels import extend_attention as ext
 
-    torch.manual_seed(prefix * 1_000_003 + batch * 1009 + new)  # the device draws of extend_inputs
-    args = extend_inputs(prefix, batch, new, model, device, gen)
-    out = torch.empty_like(args[0])
-    row: dict[str, Any] = {"prefix": prefix, "batch": batch, "new": new}
-    outs = {}
+    times, outs = {}, {}
     for name, cfg in extend_tiles().items():
 
         def call(cfg: Any = cfg) -> None:
-            ext.extend_attention(*args, max_extend_len=new, out=out, config=cfg)
+            ext.extend_attention(*args, max_extend_len=max_extend_len, out=out, config=cfg)
 
         call()
-        outs[name] = out.float().clone()
-        row[f"{name}_ms"] = timing.time_ms(call)
-    row["long_prefix_speedup"] = row["small_ms"] / row["long_prefix_ms"]
-    row["rel_diff"] = ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
-    return row
+        outs[name] = out[:kept].float().clone()
+        times[name] = timer(call)
+    return times, ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
+
+
+def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
+                 gen: torch.Generator) -> dict:  # fmt: skip
+    """One row: each tile choice's median ms, the long-prefix tiles' speedup, their outputs' difference."""
+    torch.manual_seed(prefix * 1_000_003 + batch * 1009 + new)  # the device draws of extend_inputs
+    args = extend_inputs(prefix, batch, new, model, device, gen)
+    out = torch.empty_like(args[0])
+    ms, diff = time_both_tiles(args, new, out, out.shape[0], timing.time_ms)
+    return {"prefix": prefix, "batch": batch, "new": new, "small_ms": ms["small"],
+            "long_prefix_ms": ms["long_prefix"], "long_prefix_speedup": ms["small"] / ms["long_prefix"],
+            "rel_diff": diff}  # fmt: skip
 
 
 def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, device: torch.device,
@@ -108,28 +112,18 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     """One row: each tile choice replayed as an extend graph of ``size`` tokens and ``rows`` request rows
     runs one request of ``new`` tokens over ``prefix`` (the padding tokens and the other rows own
     nothing), median us; the long-prefix tiles' speedup; the outputs' difference on the request's rows."""
-    from kernels import extend_attention as ext
-
     torch.manual_seed(prefix * 1_000_003 + new * 1009 + size)
     q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = extend_inputs(prefix, 1, size, model, device, gen)
     qo_indptr = torch.full((rows + 1,), new, dtype=torch.int32, device=device)
     kv_indptr = torch.full((rows + 1,), prefix, dtype=torch.int32, device=device)
     qo_indptr[0] = kv_indptr[0] = 0
     args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
-    out = torch.zeros_like(q)
-    row: dict[str, Any] = {"prefix": prefix, "new": new, "size": size, "rows": rows}
-    outs = {}
-    for name, cfg in extend_tiles().items():
-
-        def call(cfg: Any = cfg) -> None:
-            ext.extend_attention(*args, max_extend_len=size, out=out, config=cfg)
-
-        call()
-        outs[name] = out[:new].float().clone()
-        row[f"{name}_us"] = timing.time_replay_ms(call) * 1e3
-    row["long_prefix_speedup"] = row["small_us"] / row["long_prefix_us"]
-    row["rel_diff"] = ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
-    return row
+    us, diff = time_both_tiles(
+        args, size, torch.zeros_like(q), new, lambda call: timing.time_replay_ms(call) * 1e3
+    )
+    return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
+            "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
+            "rel_diff": diff}  # fmt: skip
 
 
 def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> list[dict]:
