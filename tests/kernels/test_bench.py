@@ -405,9 +405,10 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
 
 
 def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
-    """bench_decode, bench_extend and bench_lora (GPU-only in the command) on the interpreter: the CUDA
-    graphs re-run their calls and the host clock times them. The numbers mean nothing; every output is
-    checked against its baseline, and the rows have their fields, the long-prefix tiles' too."""
+    """bench_extend and bench_lora (GPU-only in the command) on the interpreter: the CUDA graphs re-run
+    their calls and the host clock times them. The numbers mean nothing; every output is checked
+    against its baseline, and the rows have their fields, the long-prefix tiles' too. (The decode and
+    verify rows: the command's test below.)"""
     if not backend.interpret:
         pytest.skip("on CUDA, python -m kernels.bench runs these rows for real")
     from kernels import extend_attention as ext
@@ -426,17 +427,6 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bench, "TIMELINE_REPS", 2)
     cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(0)
-
-    row = bench.bench_decode(bench.DecodeShape(1, 40), MODEL, cpu, gen)
-    assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
-    # batch 1: profiled too; off CUDA the profiler records no kernels, so neither variant has a timeline
-    assert row["timeline"] == {"default": None, "pdl": None}
-    assert row["read_graph_gbs"] > 0 and "read_error" not in row  # and beside one plain read of its bytes
-    for name in ("fused", "pdl", "pdl_stack"):  # NOTE: PDL falls back to plain launches here
-        assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 1e-5, name
-    assert bench_report.decode_error(row) < 1e-5
-    row = bench.bench_verify(bench.ExtendShape(2, 40, 3), MODEL, cpu, gen)
-    assert row["short_pdl_graph_ms"] > 0 and bench_report.verify_error(row) < 1e-5
 
     # the compiled sm_90 tile choice, with LONG_PREFIX lowered to this shape's prefix
     choose = ext.default_config
@@ -645,4 +635,14 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     assert result["device"]["name"] == "CPU stand-in" and result["device"]["copy_gbs"] == 100.0
     assert [len(result[kind]) for kind in bench_report.KINDS] == [1, 2, 1, 1]  # extend: the grid and a hit
     assert result["summary"]["inaccurate"] == []
+    row = result["decode"][0]
+    assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
+    # batch 1: profiled too; off CUDA the profiler records no kernels, so neither variant has a timeline
+    assert row["timeline"] == {"default": None, "pdl": None}
+    assert row["read_graph_gbs"] > 0 and "read_error" not in row  # and beside one plain read of its bytes
+    for name in ("fused", "pdl", "pdl_stack"):  # NOTE: PDL falls back to plain launches here
+        assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 3e-3, name
+    assert bench_report.decode_error(row) < 3e-3  # fp16
+    row = result["verify"][0]
+    assert row["short_pdl_graph_ms"] > 0 and bench_report.verify_error(row) < 3e-3
     assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()

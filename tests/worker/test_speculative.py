@@ -257,8 +257,10 @@ def test_stop_strings_and_ids_end_at_the_same_token_with_drafts(workers):
     starts before the copied run, hence the longer ones."""
     plain, spec = workers
     text = complete(plain.url, max_tokens=80)["choices"][0]["text"]
-    bodies = [{"max_tokens": 80, "stop": [text[i : i + n]]} for i in range(10, 70, 3) for n in (2, 7)]
-    bodies += [{"max_tokens": 80, "stop_token_ids": [ord(text[i])]} for i in range(10, 70, 6)]
+    # NOTE: on the tiny model, 7 of the 7-character stops end inside a verify step (2026-11-27)
+    bodies = [{"max_tokens": 80, "stop": [text[i : i + 7]]} for i in range(10, 70, 3)]
+    bodies += [{"max_tokens": 80, "stop": [text[i : i + 2]]} for i in range(10, 70, 9)]
+    bodies += [{"max_tokens": 80, "stop_token_ids": [ord(text[i])]} for i in range(10, 70, 12)]
     for body in bodies:
         a, b = complete(plain.url, **body), complete(spec.url, **body)
         assert a["choices"][0]["text"] == b["choices"][0]["text"], body
