@@ -8,6 +8,7 @@ so the specialisations (constexprs, 16-byte divisibility of pointers and strides
 launch would compile; only the launch itself is skipped. ptxas, cuobjdump and nvdisasm come with Triton.
 Exit status 1 when a default configuration spills or does not fit the architecture.
 --candidates adds every kernels.tune candidate (kernels.tune itself runs this check before timing).
+--jobs N compiles in N processes (default: one per core, at most 16).
 NOTE: these are compiler facts for the Triton here (its version is recorded), not speeds.
 """
 
@@ -18,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -186,6 +188,40 @@ def compile_rows(call: Callable[[], Any], arch: int) -> list[dict[str, Any]]:
     return [inspect_kernel(name, kernel, ARCHS[arch]) for name, kernel in compiled] + rows
 
 
+def _compile_chunk(cases_of: Callable[..., list], source: tuple, indices: list[int], arch: int) -> list:
+    """In a child process: (index, compile_rows) for the cases at ``indices`` of ``cases_of(*source)``."""
+    cases = cases_of(*source)
+    return [(i, compile_rows(cases[i][2], arch)) for i in indices]
+
+
+def compile_many(cases_of: Callable[..., list], source: tuple, arch: int, jobs: int = 1) -> list[list[dict]]:
+    """compile_rows for every case ``cases_of(*source)`` lists (each a tuple whose third item is its
+    call), in that order. With ``jobs`` > 1 the cases are shared among that many child processes
+    (spawned: each rebuilds the list, so ``cases_of`` is a module-level function and ``source``
+    pickles), as one compilation runs on one core; the Triton cache they share keeps what each compiled."""
+    if jobs <= 1:
+        return [compile_rows(case[2], arch) for case in cases_of(*source)]
+    import concurrent.futures
+    import multiprocessing
+
+    count = len(cases_of(*source))
+    chunks = [list(range(start, count, jobs)) for start in range(min(jobs, count))]
+    rows: list[list[dict]] = [[] for _ in range(count)]
+    context = multiprocessing.get_context("spawn")  # NOTE: the parent may hold CUDA (kernels.tune)
+    with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=context) as pool:
+        jobs_args = zip(*[(cases_of, source, chunk, arch) for chunk in chunks], strict=True)
+        for done in pool.map(_compile_chunk, *jobs_args):
+            for i, case_rows in done:
+                rows[i] = case_rows
+    return rows
+
+
+def default_jobs() -> int:
+    """Processes compile_many uses by default: one per core this process may run on, at most 16."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(16, cores))
+
+
 def loaded_kernels() -> list[dict[str, Any]]:
     """Every kernels.* Triton kernel this process has compiled: its constexprs, launch shape and
     shared memory, and once loaded onto a GPU the registers and spills the driver reports (None
@@ -222,6 +258,19 @@ def record_loaded_kernels(doc: dict[str, Any]) -> None:
         doc["compiled_error"] = f"{type(exc).__name__}: {exc}"
 
 
+def _cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
+    """The cases to compile: the defaults, and with args.candidates every kernels.tune candidate."""
+    from kernels import compile_cases
+
+    cases = _default_cases(args)
+    if args.candidates:
+        shape = compile_cases.Shape(
+            args.dtypes[0], args.q_heads, args.kv_heads, args.head_dims[0], args.hidden
+        )
+        cases += compile_cases.tune_candidates(shape)
+    return cases
+
+
 def _default_cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
     from kernels import compile_cases
 
@@ -247,18 +296,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Compile the cases for args.arch; the report as a dict (rows per kernel and a pass/fail)."""
     import triton
 
-    from kernels import compile_cases
-
     limits = ARCHS[args.arch]
     rows: list[dict[str, Any]] = []
-    cases = _default_cases(args)
-    if args.candidates:
-        shape = compile_cases.Shape(
-            args.dtypes[0], args.q_heads, args.kv_heads, args.head_dims[0], args.hidden
-        )
-        cases += compile_cases.tune_candidates(shape)
-    for label, config, call in cases:
-        rows += [{"case": label, "config": config, **row} for row in compile_rows(call, args.arch)]
+    compiled = compile_many(_cases, (args,), args.arch, args.jobs)
+    for (label, config, _), case_rows in zip(_cases(args), compiled, strict=True):
+        rows += [{"case": label, "config": config, **row} for row in case_rows]
     defaults_ok = all(r["ok"] for r in rows if not r["case"].startswith("candidate"))
     return {
         "command": " ".join(["python -m kernels.compile_check", *args.argv]),
@@ -339,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="compile only the default cases whose label starts with these words (extend, "
                     "extend-long-prefix, decode, lora_add, ...; an unknown one lists them)")  # fmt: skip
     ap.add_argument("--candidates", action="store_true", help="also every kernels.tune candidate")
+    ap.add_argument("--jobs", type=int, default=default_jobs(),
+                    help="processes compiling at once (default: one per core, at most 16)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="JSON path; a .md table is written next to it")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -126,19 +126,24 @@ def config_key(config: Any) -> tuple:
     return (type(config).__name__, *dataclasses.astuple(config))
 
 
-def static_check(model: bench.Model, arch: int, cases: list | None = None) -> dict[tuple, str]:
+def static_check(model: bench.Model, arch: int, cases: list | None = None, jobs: int = 1) -> dict[tuple, str]:
     """Compile every tile candidate (or ``cases``, from kernels.compile_cases) for ``arch`` without
-    running it; config_key -> why, for each one that spills registers or does not fit.
-    NOTE: it compiles every candidate first: on the H100 machine (16 cores) that ran over 80 s and was
-    cut by gpu-bench's deadline (2026-11-27); --no-static-check skips it (spilling candidates are then
-    timed too)."""
+    running it; config_key -> why, for each one that spills registers or does not fit. The candidates
+    compile in ``jobs`` processes (compile_check.compile_many; ``cases`` in this one).
+    NOTE: one process took over 80 s on the H100 machine (16 cores) and was cut by gpu-bench's deadline
+    (2026-11-27); --no-static-check skips it (spilling candidates are then timed too)."""
     shape = compile_cases.Shape(model.dtype, model.num_q_heads, model.num_kv_heads, model.head_dim, 4096)
+    if cases is None:
+        cases = compile_cases.tune_candidates(shape, with_configs=True)
+        all_rows = compile_check.compile_many(compile_cases.tune_candidates, (shape, True), arch, jobs)
+    else:
+        all_rows = [compile_check.compile_rows(case[2], arch) for case in cases]
     rejected: dict[tuple, str] = {}
-    for *_, call, config in cases or compile_cases.tune_candidates(shape, with_configs=True):
-        bad = [r for r in compile_check.compile_rows(call, arch) if not r["ok"]]
+    for case, rows in zip(cases, all_rows, strict=True):
+        bad = [r for r in rows if not r["ok"]]
         if bad:
             r = bad[0]
-            rejected[config_key(config)] = (
+            rejected[config_key(case[-1])] = (
                 f"static check (sm_{arch}): {r.get('error') or ''}" if r["kernel"] is None else
                 f"static check (sm_{arch}): {r['kernel']} spills {r['spill_bytes']} B/thread, "
                 f"{r['regs']} registers, {r['shared_bytes']} B shared, {r['blocks_per_sm']} blocks/SM"
@@ -322,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kernels.extend_attention import device_arch
 
         try:
-            rejected = static_check(model, device_arch(device))
+            rejected = static_check(model, device_arch(device), jobs=compile_check.default_jobs())
         except Exception as exc:  # the check only saves time: without it every candidate is timed
             print(f"static check skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(f"static check: {len(rejected)} candidate(s) spill or do not fit; not timed", file=sys.stderr)
