@@ -59,24 +59,6 @@ def extend_tiles() -> dict[str, Any]:
     return {"small": SM90_TILES, "long_prefix": LONG_PREFIX_TILES}
 
 
-def extend_inputs(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
-                  gen: torch.Generator) -> tuple:  # fmt: skip
-    """extend_attention's paged inputs, random (drawn on the device: the largest pools hold 10^9
-    values), the prefix slots shuffled in pages as kernels.bench does."""
-    dt, hq, hkv, d = bench.DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, device=device, dtype=dt)
-
-    tokens, slots = batch * new, max(batch * prefix, 1)
-    q, k_new, v_new = rand(tokens, hq, d), rand(tokens, hkv, d), rand(tokens, hkv, d)
-    k_cache, v_cache = rand(slots, hkv, d), rand(slots, hkv, d)
-    kv_indices = bench.shuffled_slots(batch * prefix, gen).to(device)
-    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * new
-    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * prefix
-    return q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices
-
-
 def time_both_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int,
                     timer: Any) -> tuple[dict[str, float], float]:  # fmt: skip
     """extend_attention on ``args`` with each tile choice: ``timer``'s time of each (name -> its
@@ -99,7 +81,7 @@ def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: 
                  gen: torch.Generator) -> dict:  # fmt: skip
     """One row: each tile choice's median ms, the long-prefix tiles' speedup, their outputs' difference."""
     torch.manual_seed(prefix * 1_000_003 + batch * 1009 + new)  # the device draws of extend_inputs
-    args = extend_inputs(prefix, batch, new, model, device, gen)
+    args = bench.extend_inputs(bench.ExtendShape(batch, prefix, new), model, device, gen, on_device=True)
     out = torch.empty_like(args[0])
     ms, diff = time_both_tiles(args, new, out, out.shape[0], timing.time_ms)
     return {"prefix": prefix, "batch": batch, "new": new, "small_ms": ms["small"],
@@ -113,7 +95,10 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     runs one request of ``new`` tokens over ``prefix`` (the padding tokens and the other rows own
     nothing), median us; the long-prefix tiles' speedup; the outputs' difference on the request's rows."""
     torch.manual_seed(prefix * 1_000_003 + new * 1009 + size)
-    q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = extend_inputs(prefix, 1, size, model, device, gen)
+    shape = bench.ExtendShape(1, prefix, size)
+    q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = bench.extend_inputs(
+        shape, model, device, gen, on_device=True
+    )
     qo_indptr = torch.full((rows + 1,), new, dtype=torch.int32, device=device)
     kv_indptr = torch.full((rows + 1,), prefix, dtype=torch.int32, device=device)
     qo_indptr[0] = kv_indptr[0] = 0
