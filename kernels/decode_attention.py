@@ -22,6 +22,12 @@ dependents (PDL): the GPU may launch a kernel while the one before it drains, an
 that one's grid (griddepcontrol.wait) before it reads anything the grid wrote. Each split program waits
 first and then lets the merge launch; the merge reads kv_indptr (written before the split kernel
 started), waits, and merges. Off by default until a GPU run says it pays (kernels.bench, kernels.tune).
+With DecodeConfig.prefetch each program loads tile i + 1's K/V (and tile i + 2's slots) into registers
+before it computes tile i, so a tile is always in flight. Triton's own pipelining cannot do that for a
+gathered tile: it keeps one shared-memory buffer for K/V at any num_stages (the TTGIR for sm_90 shows
+it), so a program waits for each tile before its dot and has nothing in flight while it computes. Meant
+for num_stages 1 (nothing left for Triton to pipeline); off by default until kernels.tune / kernels.sweep
+on a GPU say it pays.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class DecodeConfig:
     split_waves: int = 2
     fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
     pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
+    prefetch: bool = False  # the next tile's K/V loaded into registers before this tile is computed
 
 
 def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeConfig:
@@ -208,6 +215,7 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= any num_splits, a power of two (FUSED_MERGE only)
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+)
+    PREFETCH: tl.constexpr,  # load the next tile before computing this one
 ):
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
@@ -246,14 +254,36 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n_lo in range(lo, hi, BLOCK_N):
-        n = n_lo + offs_n
-        mask_n = n < hi
-        slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
+    if PREFETCH:
+        # NOTE: tile i + 1's K/V and tile i + 2's slots are loaded (into registers) before tile i is
+        # computed, so each program keeps a tile in flight while it computes; Triton's own pipelining
+        # keeps one shared-memory buffer for gathered K/V and waits for it before each tile's dot
+        indices = kv_indices + kv_start
+        mask_n = (lo + offs_n) < hi
+        slots = tl.load(indices + lo + offs_n, mask=mask_n, other=0).to(tl.int64)
         k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
-        m_i, l_i, acc = attend_tile(
-            q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
-        )
+        mask_next = (lo + BLOCK_N + offs_n) < hi
+        slots_next = tl.load(indices + lo + BLOCK_N + offs_n, mask=mask_next, other=0).to(tl.int64)
+        for n_lo in range(lo, hi, BLOCK_N):
+            k_next, v_next = gather_kv(K_head, V_head, slots_next, mask_next, stride_kcs, stride_vcs, offs_d,
+                                       mask_d)  # fmt: skip
+            n_after = n_lo + 2 * BLOCK_N + offs_n
+            mask_after = n_after < hi
+            slots_after = tl.load(indices + n_after, mask=mask_after, other=0).to(tl.int64)
+            m_i, l_i, acc = attend_tile(
+                q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
+            )
+            k, v, mask_n = k_next, v_next, mask_next
+            slots_next, mask_next = slots_after, mask_after
+    else:
+        for n_lo in range(lo, hi, BLOCK_N):
+            n = n_lo + offs_n
+            mask_n = n < hi
+            slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
+            k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
+            m_i, l_i, acc = attend_tile(
+                q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
+            )
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
     # lse = -inf and a zero partial, so the merge gives it weight 0; the partial must be finite, as the
@@ -395,6 +425,7 @@ def decode_attention(
         FUSED_MERGE=cfg.fused_merge,
         BLOCK_S=MAX_SPLITS if cfg.fused_merge else 2,  # NOTE: not the split count: one kernel serves all
         PDL=pdl,
+        PREFETCH=cfg.prefetch,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

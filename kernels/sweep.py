@@ -8,7 +8,8 @@
   hit's few new tokens padded to the graph's token count, its grid over the graph's 32 request rows,
   all but one empty), which take the tiles of a batch of unknown prefix today;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
-  PDL (programmatic dependent launch), beside the default split count.
+  PDL (programmatic dependent launch), and with the next tile's K/V prefetched into registers
+  (PREFETCH_TILES), beside the default split count.
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
 worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
@@ -50,6 +51,9 @@ GRAPH_SHAPES = tuple(
 GRAPH_ROWS = 32
 DECODE_CONTEXTS = (8192, 16384, 32768)
 DECODE_SPLITS = (16, 24, 32, 48, 64)  # fixed split caps, beside the default one
+# decode with prefetch: 64-token tiles, 4 warps (on sm_90 at head dim 128, bf16: 209 registers, no
+# spill, 2 blocks an SM, python -m kernels.compile_check --candidates); 128 x 4 warps spills
+PREFETCH_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 1, "prefetch": True}
 
 
 def extend_tiles() -> dict[str, Any]:
@@ -112,7 +116,8 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
 
 
 def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> list[dict]:
-    """Batch 1 at ``context``: the default split cap and each of DECODE_SPLITS, without and with PDL."""
+    """Batch 1 at ``context``: the default split cap and each of DECODE_SPLITS, the default tiles without
+    and with PDL, then PREFETCH_TILES."""
     from kernels import decode_attention as dec
 
     shape = bench.DecodeShape(batch=1, context=context)
@@ -122,16 +127,21 @@ def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: to
     base = dec.default_config(model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device))
     default_splits = dec.split_cap(None, 1, model.num_kv_heads, device, base, context)
     rows = []
-    for pdl in (False, True):
-        cfg = dataclasses.replace(base, pdl=pdl)
+    variants = (
+        (False, base),
+        (True, dataclasses.replace(base, pdl=True)),
+        (False, dataclasses.replace(base, **PREFETCH_TILES)),
+    )
+    for pdl, cfg in variants:
         for splits in (None, *DECODE_SPLITS):
 
             def call(cfg: Any = cfg, splits: int | None = splits) -> None:
                 dec.decode_attention(*args, max_kv_len=context, out=out, config=cfg, num_splits=splits)
 
             us = timing.time_replay_ms(call) * 1e3
-            rows.append({"context": context, "pdl": pdl, "splits": splits or default_splits,
-                         "default": splits is None, "us": us, "gbs": nbytes / us / 1e3})  # fmt: skip
+            rows.append({"context": context, "pdl": pdl, "prefetch": cfg.prefetch,
+                         "splits": splits or default_splits, "default": splits is None, "us": us,
+                         "gbs": nbytes / us / 1e3})  # fmt: skip
     return rows
 
 
@@ -199,19 +209,26 @@ def markdown(doc: dict) -> str:
             "",
             "## Decode: batch 1 over fixed split counts",
             "",
-            "CUDA-graph replays of one call (split and merge kernels); * marks the default split count.",
+            "CUDA-graph replays of one call (split and merge kernels); * marks the default split count;"
+            " prefetch: a split kernel that loads the next tile's K/V into registers before it computes each"
+            " tile (64-token tiles, 4 warps, no Triton pipelining).",
             "",
-            "| context | splits | us | GB/s | PDL us | PDL GB/s |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| context | splits | us | GB/s | PDL us | PDL GB/s | prefetch us | prefetch GB/s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        plain = [r for r in doc["decode"] if not r["pdl"]]
+
+        def cells(r: dict | None) -> str:  # a variant the run did not measure shows as -
+            return f"{r['us']:.1f} | {r['gbs']:,.0f}" if r else "- | -"
+
+        plain = [r for r in doc["decode"] if not r["pdl"] and not r.get("prefetch")]
         pdl = {(r["context"], r["splits"], r["default"]): r for r in doc["decode"] if r["pdl"]}
+        pre = {(r["context"], r["splits"], r["default"]): r for r in doc["decode"] if r.get("prefetch")}
         for r in plain:
-            p = pdl.get((r["context"], r["splits"], r["default"]))
+            key = (r["context"], r["splits"], r["default"])
             mark = "*" if r["default"] else ""
             lines.append(
-                f"| {r['context']} | {r['splits']}{mark} | {r['us']:.1f} | {r['gbs']:,.0f} "
-                f"| {p['us'] if p else float('nan'):.1f} | {p['gbs'] if p else float('nan'):,.0f} |"
+                f"| {r['context']} | {r['splits']}{mark} | {cells(r)} | {cells(pdl.get(key))} "
+                f"| {cells(pre.get(key))} |"
             )
     return "\n".join(lines) + "\n"
 

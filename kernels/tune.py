@@ -55,8 +55,14 @@ def extend_candidates() -> list[Any]:
 def decode_candidates(min_split_len: int = 256) -> list[Any]:
     from kernels.decode_attention import DecodeConfig
 
-    return [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]  # fmt: skip
+    pipelined = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=s)
+                 for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]  # fmt: skip
+    # NOTE: Triton keeps one shared-memory buffer for gathered K/V whatever num_stages is, so a program
+    # waits for each tile's loads before its dot; prefetch loads the next tile into registers instead
+    # (num_stages 1: nothing for Triton to pipeline). At 128 x 4 warps it spills on sm_90 (compile_check).
+    prefetched = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=1, prefetch=True)
+                  for n in (32, 64, 128) for w in (4, 8)]  # fmt: skip
+    return pipelined + prefetched
 
 
 def lora_candidates() -> list[Any]:

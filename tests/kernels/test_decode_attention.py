@@ -42,30 +42,45 @@ def reference_on_cpu(args, sm_scale=None):
     return reference.decode_attention(*(a.cpu() for a in args), sm_scale=sm_scale)
 
 
-def config_of(dec, args, fused: bool):
-    """The default configuration for ``args``, its merge fused into the split kernel or not."""
+# the split kernel's variants: its merge in a second kernel or fused into it, and the next tile's K/V
+# loaded before each tile is computed
+VARIANTS = ("merge_kernel", "fused_merge", "prefetch")
+
+
+def with_variant(cfg, variant: str):
+    """``cfg`` as ``variant`` (VARIANTS) runs it; prefetch as kernels.tune tries it: nothing left for
+    Triton to pipeline, tiles of at most 64 tokens (128 with 4 warps spills on sm_90)."""
+    if variant == "fused_merge":
+        return dataclasses.replace(cfg, fused_merge=True)
+    if variant == "prefetch":
+        return dataclasses.replace(cfg, prefetch=True, num_stages=1, block_n=min(cfg.block_n, 64))
+    return cfg
+
+
+def config_of(dec, args, variant: str):
+    """The default configuration for ``args`` as ``variant`` runs it."""
     q = args[0]
-    return dataclasses.replace(dec.default_config(q.shape[-1], q.dtype), fused_merge=fused)
+    return with_variant(dec.default_config(q.shape[-1], q.dtype), variant)
 
 
 @pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
-def test_decode_matches_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, fused):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_matches_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, variant):
     dec = backend.module("decode_attention")
     lens = KV_LENS if not backend.is_cuda else [n * 97 for n in KV_LENS]
     args = make_batch(lens, hq, hkv, head_dim, dtype, backend.device)
     out = torch.full_like(args[0], float("nan"))  # poisoned: any head the kernel skips fails
-    dec.decode_attention(*args, num_splits=num_splits, out=out, config=config_of(dec, args, fused))
+    dec.decode_attention(*args, num_splits=num_splits, out=out, config=config_of(dec, args, variant))
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
-def test_decode_default_split_choice_and_sm_scale(backend, assert_close_rel, fused):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_default_split_choice_and_sm_scale(backend, assert_close_rel, variant):
     dec = backend.module("decode_attention")
     lens = [3, 64, 40] if not backend.is_cuda else [3, 6400, 40000]
     args = make_batch(lens, 8, 2, 128, torch.float16, backend.device)
-    got = dec.decode_attention(*args, sm_scale=0.2, config=config_of(dec, args, fused))
+    got = dec.decode_attention(*args, sm_scale=0.2, config=config_of(dec, args, variant))
     assert_close_rel(got.cpu(), reference_on_cpu(args, sm_scale=0.2))
 
 
@@ -77,17 +92,17 @@ def test_fused_merge_leaves_its_counters_at_zero_so_every_call_merges(backend, a
     for seed, lens in enumerate([[9, 40, 3], [40, 40], [1, 17, 33, 50, 2]] * 2):
         args = make_batch([n * scale for n in lens], 8, 2, 64, torch.float16, backend.device, seed=seed)
         out = torch.full_like(args[0], float("nan"))
-        dec.decode_attention(*args, num_splits=4, out=out, config=config_of(dec, args, True))
+        dec.decode_attention(*args, num_splits=4, out=out, config=config_of(dec, args, "fused_merge"))
         assert_close_rel(out.cpu(), reference_on_cpu(args))
         assert int(dec.merge_counters(args[0].device, 1).count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
-def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel, fused):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_empty_splits_and_empty_requests(backend, assert_close_rel, variant):
     """With 1-token splits, a 5-token request cut into 4 splits of 2 leaves the last split empty;
     a request with no slots must come out as zeros, like the reference."""
     dec = backend.module("decode_attention")
-    cfg = dec.DecodeConfig(block_n=16, min_split_len=1, num_warps=4, num_stages=1, fused_merge=fused)
+    cfg = with_variant(dec.DecodeConfig(block_n=16, min_split_len=1, num_warps=4, num_stages=1), variant)
     args = make_batch([5, 0, 9], 4, 1, 64, torch.float32, backend.device)
     out = torch.full_like(args[0], float("nan"))
     dec.decode_attention(*args, num_splits=4, config=cfg, out=out)

@@ -50,7 +50,19 @@ def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choic
     assert len(table) == len(doc["extend"]) + len(doc["decode"]) // 2
     assert "| 16384 | 1 x 1024 | 1024 | 1.529 | 1.054 | 1.45 | 128x64 |" in text
     assert "| 16384 | 8 x 1024 | 8192 | 7.878 | 8.325 | 0.95 | 64x32 |" in text
-    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 |" in text  # the default split count, marked
+    # the default split count, marked; the committed run predates the prefetch variant
+    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 | - | - |" in text
+
+
+def test_the_decode_table_has_a_prefetch_column_when_the_run_measured_it():
+    doc = json.loads(SWEEP.read_text())
+    row = next(r for r in doc["decode"] if r["context"] == 16384 and r["default"] and not r["pdl"])
+    doc["decode"].append({**row, "prefetch": True, "us": 30.0, "gbs": 2236.0})
+    text = sweep.markdown(doc)
+    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 | 30.0 | 2,236 |" in text
+    assert sum(line.startswith("| 16384 | 33* |") for line in text.splitlines()) == 1  # one row a count
+    other = next(line for line in text.splitlines() if line.startswith("| 16384 | 32 | "))
+    assert other.endswith("| - | - |")  # a split count with no prefetch row
 
 
 def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
@@ -70,7 +82,7 @@ def test_the_command_refuses_without_cuda(capsys):
 
 def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     """sweep_extend, sweep_extend_graph and sweep_decode with the host clock in place of CUDA timing:
-    both tiles' outputs agree, each split count and PDL setting makes its row."""
+    both tiles' outputs agree, each split count and decode variant (PDL, prefetch) makes its row."""
     if not backend.interpret:
         pytest.skip("on CUDA, python -m kernels.sweep runs these rows for real")
 
@@ -90,8 +102,10 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert (graph["prefix"], graph["new"], graph["size"], graph["rows"]) == (40, 5, 8, 3)
     assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
     rows = sweep.sweep_decode(64, model, cpu, gen)
-    assert [(r["pdl"], r["default"], r["splits"]) for r in rows] == [
-        (False, True, rows[0]["splits"]), (False, False, 2), (True, True, rows[0]["splits"]), (True, False, 2)
+    default = rows[0]["splits"]
+    assert [(r["pdl"], r["prefetch"], r["default"], r["splits"]) for r in rows] == [
+        (False, False, True, default), (False, False, False, 2), (True, False, True, default),
+        (True, False, False, 2), (False, True, True, default), (False, True, False, 2),
     ]  # fmt: skip
     assert all(r["us"] > 0 and r["gbs"] > 0 for r in rows)
 
@@ -113,6 +127,6 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
     assert sweep.main(["--q-heads", "4", "--kv-heads", "2", "--dtype", "fp16", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["device"] == {"name": "CPU stand-in", "sm_count": 2} and doc["copy_gbs"] == 100.0
-    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 4]  # decode: 2 split caps x PDL off/on
+    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 6]  # decode: 2 split caps x 3 variants
     report = out.with_suffix(".md").read_text()
     assert all(title in report for title in ("## Extend:", "## Extend graphs:", "## Decode:"))
