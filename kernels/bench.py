@@ -482,12 +482,14 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     stack = layer_stack(kernel_args, stack_layers(kv_bytes))
     q = kernel_args[0]
     # NOTE: candidates beside the default, each a failure recorded in the row rather than the end of the
-    # run: the merge in the split kernel (one launch, not two), and both kernels launched as programmatic
-    # dependents (each may launch while the kernel before drains)
+    # run: the merge in the split kernel (one launch, not two), both kernels launched as programmatic
+    # dependents (each may launch while the kernel before drains), and the next tile's K/V loaded into
+    # registers before each tile is computed
     base = dec.default_config(q.shape[-1], q.dtype, device_arch(device))
     variants = {
         "fused": dataclasses.replace(base, fused_merge=True),
         "pdl": dataclasses.replace(base, pdl=True),
+        "prefetch": dataclasses.replace(base, **dec.PREFETCH_TILES),
     }
     outs: dict[str, torch.Tensor] = {}
     graphs: dict[str, Any] = {"default": graph}
@@ -515,7 +517,7 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
     if shape.batch == 1:  # NOTE: where a batch-1 call's time goes: the split kernel, the gap, the merge
-        pairs = {name: graphs.get(name) for name in ("default", "pdl")}
+        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch")}
         record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device)
         try:  # NOTE: and what one plain reading kernel takes over the same bytes, replayed the same way
             timed("read_graph", measure_read_ms(nbytes, device))
@@ -614,7 +616,7 @@ def measure_decode(rows: list, args: argparse.Namespace, model: Model, device: A
             f"{row[f'triton_{n}_graph_gbs']:.0f} {n}"
             if f"triton_{n}_graph_gbs" in row
             else f"{n}: {row.get(f'triton_{n}_error', '-')}"
-            for n in ("fused", "pdl", "pdl_stack")
+            for n in ("fused", "pdl", "pdl_stack", "prefetch")
         )
         read = f", plain read {row['read_graph_gbs']:.0f}" if "read_graph_gbs" in row else ""
         print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed{read}, "

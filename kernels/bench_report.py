@@ -28,10 +28,11 @@ def _worst_error(row: dict, keys: tuple[str, ...]) -> float | None:
 
 
 def decode_error(row: dict) -> float | None:
-    """The worst of the eager, replayed, layer-stack and candidates' (fused merge, PDL) outputs' errors
-    against SDPA."""
+    """The worst of the eager, replayed, layer-stack and candidates' (fused merge, PDL, prefetch) outputs'
+    errors against SDPA."""
     return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_stack_vs_sdpa",
-                              "rel_err_fused_vs_sdpa", "rel_err_pdl_vs_sdpa", "rel_err_pdl_stack_vs_sdpa"))  # fmt: skip
+                              "rel_err_fused_vs_sdpa", "rel_err_pdl_vs_sdpa", "rel_err_pdl_stack_vs_sdpa",
+                              "rel_err_prefetch_vs_sdpa"))  # fmt: skip
 
 
 def extend_error(row: dict) -> float | None:
@@ -86,10 +87,12 @@ def summarize(result: dict) -> dict:
         "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
         "decode_target_met": None if decode_frac is None else decode_frac >= 0.70 and not wrong,
         # NOTE: information, not the verdict: per layer when layers replay back to back in one graph, and
-        # with both kernels launched as programmatic dependents (DecodeConfig.pdl), single and stacked
+        # with both kernels launched as programmatic dependents (DecodeConfig.pdl), single and stacked, and
+        # with the next tile prefetched (DecodeConfig.prefetch)
         "decode_min_fraction_in_layer_stack_at_long_context": worst("triton_stack_graph_gbs"),
         "decode_min_fraction_with_pdl_at_long_context": worst("triton_pdl_graph_gbs"),
         "decode_min_fraction_in_layer_stack_with_pdl_at_long_context": worst("triton_pdl_stack_graph_gbs"),
+        "decode_min_fraction_with_prefetch_at_long_context": worst("triton_prefetch_graph_gbs"),
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
@@ -186,7 +189,9 @@ def format_markdown(result: dict) -> str:
         " of copy bandwidth. With both kernels launched as programmatic dependents (DecodeConfig.pdl, off by"
         f" default) it reaches {_fmt(s.get('decode_min_fraction_with_pdl_at_long_context'), '.0%')} in single"
         f" replays and {_fmt(s.get('decode_min_fraction_in_layer_stack_with_pdl_at_long_context'), '.0%')}"
-        " per layer of a stack.",
+        " per layer of a stack. With the next tile's K/V prefetched into registers (DecodeConfig.prefetch,"
+        f" off by default) it reaches {_fmt(s.get('decode_min_fraction_with_prefetch_at_long_context'), '.0%')}"
+        " in single replays.",
         "",
         "## Extend (prefill over a cached prefix)",
         "",
@@ -220,12 +225,14 @@ def format_markdown(result: dict) -> str:
         " replays the call once per layer of a stack (each layer over its own copy of the K/V) in one graph"
         " and divides by the layers: the graph's launch is shared, as in a model step. The PDL columns"
         " replay both kernels launched as programmatic dependents (DecodeConfig.pdl: each may launch while"
-        " the kernel before it drains), single and stacked.",
+        " the kernel before it drains), single and stacked. The prefetch column replays a split kernel that"
+        " loads the next tile's K/V into registers before it computes each tile (DecodeConfig.prefetch,"
+        " decode_attention.PREFETCH_TILES).",
         "",
         "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw "
         "| Triton, stacked GB/s (layers) | PDL GB/s | PDL, stacked GB/s | Triton, fused merge GB/s "
-        "| Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| Triton, prefetch GB/s | Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["decode"]:
         triton, sdpa = decode_rates(r)
@@ -236,7 +243,8 @@ def format_markdown(result: dict) -> str:
             f"| {_fmt(None if sdpa is None else triton / sdpa, '.2f')} | {triton / copy:.0%} "
             f"| {_fmt(r.get('triton_stack_graph_gbs'), ',.0f')}{stack_layers} "
             f"| {_fmt(r.get('triton_pdl_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_pdl_stack_graph_gbs'), ',.0f')} "
-            f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
+            f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_prefetch_graph_gbs'), ',.0f')} "
+            f"| {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
         )
         if "sdpa_error" in r:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}: {r['sdpa_error']}")
@@ -311,7 +319,8 @@ def format_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-TIMED = {"default": "triton_graph_ms", "pdl": "triton_pdl_graph_ms"}  # timeline variant -> its replay time
+# timeline variant -> its replay time
+TIMED = {"default": "triton_graph_ms", "pdl": "triton_pdl_graph_ms", "prefetch": "triton_prefetch_graph_ms"}
 
 
 def timeline_table(

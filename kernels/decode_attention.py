@@ -48,6 +48,10 @@ from kernels.pdl import pdl_active, pdl_launch, wait_then_release
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 MAX_SPLITS = 64
+# DecodeConfig.prefetch as kernels.bench and kernels.sweep try it beside the default: 64-token tiles, 4 warps,
+# no Triton pipelining (sm_90, head dim 128, bf16: 209 registers, no spill, 2 blocks an SM; 128-token tiles
+# with 4 warps spill; python -m kernels.compile_check --candidates)
+PREFETCH_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 1, "prefetch": True}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@
   all but one empty), which take the tiles of a batch of unknown prefix today;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
   PDL (programmatic dependent launch), and with the next tile's K/V prefetched into registers
-  (PREFETCH_TILES), beside the default split count.
+  (decode_attention.PREFETCH_TILES), beside the default split count.
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
 worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
@@ -51,9 +51,6 @@ GRAPH_SHAPES = tuple(
 GRAPH_ROWS = 32
 DECODE_CONTEXTS = (8192, 16384, 32768)
 DECODE_SPLITS = (16, 24, 32, 48, 64)  # fixed split caps, beside the default one
-# decode with prefetch: 64-token tiles, 4 warps (on sm_90 at head dim 128, bf16: 209 registers, no
-# spill, 2 blocks an SM, python -m kernels.compile_check --candidates); 128 x 4 warps spills
-PREFETCH_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 1, "prefetch": True}
 
 
 def extend_tiles() -> dict[str, Any]:
@@ -117,7 +114,7 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
 
 def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> list[dict]:
     """Batch 1 at ``context``: the default split cap and each of DECODE_SPLITS, the default tiles without
-    and with PDL, then PREFETCH_TILES."""
+    and with PDL, then with dec.PREFETCH_TILES."""
     from kernels import decode_attention as dec
 
     shape = bench.DecodeShape(batch=1, context=context)
@@ -130,7 +127,7 @@ def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: to
     variants = (
         (False, base),
         (True, dataclasses.replace(base, pdl=True)),
-        (False, dataclasses.replace(base, **PREFETCH_TILES)),
+        (False, dataclasses.replace(base, **dec.PREFETCH_TILES)),
     )
     for pdl, cfg in variants:
         for splits in (None, *DECODE_SPLITS):
