@@ -171,9 +171,11 @@ def kill_session(sid: int) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-def test_a_gpu_test_that_hangs_ends_its_folder_and_the_next_one_runs(tmp_path):
+@pytest.mark.parametrize("jobs", [None, "1"], ids=["default_jobs", "one_process"])
+def test_a_gpu_test_that_hangs_ends_its_folder_and_the_next_one_runs(tmp_path, jobs):
     """A gpu test stuck where no signal reaches it (a C call, as a CUDA call that never returns) ends
-    its pytest process at GPU_BENCH_TEST_TIMEOUT, not at pytest's 300 s or the run's deadline; the
+    its pytest process at GPU_BENCH_TEST_TIMEOUT, not at pytest's 300 s or the run's deadline, with its
+    stack in the log, also where the kernels' tests run in several processes (pytest-xdist); the
     worker folder's tests still run and write their report."""
     script, env = stand_in_gpu(tmp_path)
     checkout = script.parent.parent
@@ -189,6 +191,8 @@ def test_a_gpu_test_that_hangs_ends_its_folder_and_the_next_one_runs(tmp_path):
         )
     out = tmp_path / "out"
     env["GPU_BENCH_TEST_TIMEOUT"] = "3"
+    if jobs:
+        env["GPU_BENCH_TEST_JOBS"] = jobs
     proc = subprocess.Popen(["bash", str(script), "tests", str(out)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
@@ -197,7 +201,11 @@ def test_a_gpu_test_that_hangs_ends_its_folder_and_the_next_one_runs(tmp_path):
         kill_session(proc.pid)
     log = (out / "gpu-bench.log").read_text()
     assert proc.returncode == 1 and "gpu-bench: failed: tests" in log, log
-    assert "Timeout" in log and "time.sleep(300)" in log  # the stuck test's stack
+    kernels_log = log[log.index("=== tests kernels:") : log.index("=== tests worker:")]
+    if jobs is None:  # GPU_BENCH_TEST_JOBS' default: 6 processes, the stuck line in faulthandler's dump
+        assert " -n 6 " in kernels_log and 'test_kernels.py", line 9 in test_one' in kernels_log
+    else:  # one process: pytest-timeout's dump, with the source
+        assert " -n " not in kernels_log and "Timeout" in kernels_log and "time.sleep(300)" in kernels_log
     assert re.search(r"=== tests kernels: exit \d+ in [1-5]?[0-9]s", log), log
     assert "=== tests worker: exit 0" in log and "1 passed" in log
     assert (out / "tests-worker-stand-in.xml").exists()
