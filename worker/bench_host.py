@@ -57,8 +57,8 @@ async def decode_window(engine: Any, batch: int, context: int, steps: int, seed:
             if out.finish_reason is not None:
                 return
 
-    def decoded() -> int:  # NOTE: read on the engine thread, which owns the counters
-        return engine.scheduler.stats.decode_tokens
+    def decoded() -> tuple[int, float]:  # NOTE: read on the engine thread, which owns the counters
+        return engine.scheduler.stats.decode_tokens, time.perf_counter()
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(batch)]
     waiting = asyncio.ensure_future(warm.wait())
@@ -67,10 +67,14 @@ async def decode_window(engine: Any, batch: int, context: int, steps: int, seed:
         waiting.cancel()
         await asyncio.gather(*tasks)  # raises a request's error
         raise RuntimeError("a request finished before the others' warm-up tokens")
-    d0, t0 = await engine.call(decoded), time.perf_counter()
+    # NOTE: the window opens when the engine thread reads its counter, which may be some steps after the
+    # warm tokens (this loop sees outputs late), and closes once every request has ended
+    d0, t0 = await engine.call(decoded)
     await asyncio.gather(*tasks)
-    elapsed, d1 = time.perf_counter() - t0, await engine.call(decoded)
-    window = (d1 - d0) / batch  # NOTE: the requests decode in lockstep: one token each per step
+    d1, t1 = await engine.call(decoded)
+    elapsed, window = t1 - t0, (d1 - d0) / batch  # NOTE: in lockstep: one token each per step
+    if window < 1:
+        raise RuntimeError(f"every decode step ran before the window opened ({steps} steps): raise --steps")
     return {"batch": batch, "context": context, "steps": round(window, 1),
             "ms_per_step": round(elapsed / window * 1e3, 4), "us_per_request_step": round(elapsed / window / batch * 1e6, 2)}  # fmt: skip
 
