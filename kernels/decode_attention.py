@@ -66,7 +66,7 @@ class DecodeConfig:
     split_waves: int = 2
     fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
     pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
-    prefetch: bool = False  # the next tile's K/V loaded into registers before this tile is computed
+    prefetch: bool = False  # the next tile's K/V loaded before this one's dot (decode; extend_short: unused)
 
 
 def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeConfig:
