@@ -113,6 +113,9 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     return [
         decode_case(shape, decode_default, f"decode {shape.label}"),
         decode_case(shape, dataclasses.replace(decode_default, fused_merge=True), f"decode fused-merge {shape.label}"),
+        # the prefetch candidate as kernels.bench times it (16-bit only: at 4 warps fp32 needs twice the registers)
+        *([decode_case(shape, dataclasses.replace(decode_default, **decode_attention.PREFETCH_TILES),
+                       f"decode prefetch {shape.label}")] if dt != torch.float32 else []),
         extend_case(shape, extend_default, f"extend {shape.label}"),
         *([extend_case(shape, long_prefix, f"extend-long-prefix {shape.label}")] if long_prefix != extend_default
           else []),

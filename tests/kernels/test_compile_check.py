@@ -93,6 +93,9 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         assert extend["sass"]["HGMMA"] > 0, "extend should use Hopper warpgroup MMA on sm_90"
         assert extend["sass"]["LDGSTS"] > 0 and decode["sass"]["LDGSTS"] > 0, "KV gathers should be cp.async"
         assert decode["sass"]["HMMA"] > 0
+        # NOTE: the prefetch candidate loads K/V into registers (128-bit loads), not through cp.async
+        prefetch = rows[(f"decode prefetch bf16 hd{hd} gqa4", "_decode_split_kernel")]
+        assert prefetch["sass"]["LDGSTS"] == 0 and prefetch["sass"]["LDG.E.128"] > 0, prefetch
         # NOTE: the PDL cases wait for the kernel before (ACQBULK) in both kernels of a pair, and the split
         # kernels let the merge launch early (PREEXIT); every other kernel does neither
         for case in (f"decode pdl bf16 hd{hd} gqa4", f"extend-short pdl bf16 hd{hd} gqa4"):
@@ -182,10 +185,16 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    splits = [(r["constants"]["FUSED_MERGE"], r["constants"]["PDL"]) for r in loaded
+    splits = [(r["constants"]["FUSED_MERGE"], r["constants"]["PDL"], r["constants"]["PREFETCH"]) for r in loaded
               if r["kernel"] == "_decode_split_kernel"]  # fmt: skip
-    # one split kernel (and one fused, and one launched as a programmatic dependent) serves every split count
-    assert sorted(splits) == [(False, False), (False, True), (True, False)]
+    # one split kernel (and one fused, one launched as a programmatic dependent and one prefetching)
+    # serves every split count
+    assert sorted(splits) == [
+        (False, False, False),
+        (False, False, True),
+        (False, True, False),
+        (True, False, False),
+    ]
     merge_blocks = sorted((r["constants"]["BLOCK_S"], r["constants"]["PDL"]) for r in loaded
                           if r["kernel"] == "_decode_merge_kernel")  # fmt: skip
     assert merge_blocks == [(8, False), (8, True), (16, False)]
