@@ -55,6 +55,15 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["GPU_BENCH_DEADLINE", "GPU_BENCH_TEST_TIMEOUT", "GPU_BENCH_TEST_JOBS"])
+def test_a_setting_that_is_not_a_whole_number_is_refused_before_anything_runs(tmp_path, monkeypatch, name):
+    monkeypatch.setenv(name, "6x")
+    proc = run_script("tests", str(tmp_path / "out"), site=tmp_path / "site")
+    assert proc.returncode == 2
+    assert f"{name} must be a whole number, got '6x'" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def _script_list(text: str, name: str) -> list[str]:
     """The words a bash script assigns to ``name`` (NAME="..." and NAME+=" ..." lines, or NAME=(...))."""
     words = []
