@@ -194,17 +194,21 @@ def _compile_chunk(cases_of: Callable[..., list], source: tuple, indices: list[i
     return [(i, compile_rows(cases[i][2], arch)) for i in indices]
 
 
-def compile_many(cases_of: Callable[..., list], source: tuple, arch: int, jobs: int = 1) -> list[list[dict]]:
-    """compile_rows for every case ``cases_of(*source)`` lists (each a tuple whose third item is its
-    call), in that order. With ``jobs`` > 1 the cases are shared among that many child processes
-    (spawned: each rebuilds the list, so ``cases_of`` is a module-level function and ``source``
-    pickles), as one compilation runs on one core; the Triton cache they share keeps what each compiled."""
+def compile_many(
+    cases_of: Callable[..., list], source: tuple, arch: int, jobs: int = 1
+) -> list[tuple[Any, list[dict]]]:
+    """(case, compile_rows of it) for every case ``cases_of(*source)`` lists (each a tuple whose third
+    item is its call), in that order. With ``jobs`` > 1 the cases are shared among that many child
+    processes (spawned: each rebuilds the list, so ``cases_of`` is a module-level function and
+    ``source`` pickles), as one compilation runs on one core; the Triton cache they share keeps what
+    each compiled."""
+    cases = cases_of(*source)
     if jobs <= 1:
-        return [compile_rows(case[2], arch) for case in cases_of(*source)]
+        return [(case, compile_rows(case[2], arch)) for case in cases]
     import concurrent.futures
     import multiprocessing
 
-    count = len(cases_of(*source))
+    count = len(cases)
     chunks = [list(range(start, count, jobs)) for start in range(min(jobs, count))]
     rows: list[list[dict]] = [[] for _ in range(count)]
     context = multiprocessing.get_context("spawn")  # NOTE: the parent may hold CUDA (kernels.tune)
@@ -213,7 +217,7 @@ def compile_many(cases_of: Callable[..., list], source: tuple, arch: int, jobs: 
         for done in pool.map(_compile_chunk, *jobs_args):
             for i, case_rows in done:
                 rows[i] = case_rows
-    return rows
+    return list(zip(cases, rows, strict=True))
 
 
 def default_jobs() -> int:
@@ -298,8 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     limits = ARCHS[args.arch]
     rows: list[dict[str, Any]] = []
-    compiled = compile_many(_cases, (args,), args.arch, args.jobs)
-    for (label, config, _), case_rows in zip(_cases(args), compiled, strict=True):
+    for (label, config, _), case_rows in compile_many(_cases, (args,), args.arch, args.jobs):
         rows += [{"case": label, "config": config, **row} for row in case_rows]
     defaults_ok = all(r["ok"] for r in rows if not r["case"].startswith("candidate"))
     return {

@@ -124,19 +124,14 @@ def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: to
     base = dec.default_config(model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device))
     default_splits = dec.split_cap(None, 1, model.num_kv_heads, device, base, context)
     rows = []
-    variants = (
-        (False, base),
-        (True, dataclasses.replace(base, pdl=True)),
-        (False, dataclasses.replace(base, **dec.PREFETCH_TILES)),
-    )
-    for pdl, cfg in variants:
+    for cfg in (base, dataclasses.replace(base, pdl=True), dataclasses.replace(base, **dec.PREFETCH_TILES)):
         for splits in (None, *DECODE_SPLITS):
 
             def call(cfg: Any = cfg, splits: int | None = splits) -> None:
                 dec.decode_attention(*args, max_kv_len=context, out=out, config=cfg, num_splits=splits)
 
             us = timing.time_replay_ms(call) * 1e3
-            rows.append({"context": context, "pdl": pdl, "prefetch": cfg.prefetch,
+            rows.append({"context": context, "pdl": cfg.pdl, "prefetch": cfg.prefetch,
                          "splits": splits or default_splits, "default": splits is None, "us": us,
                          "gbs": nbytes / us / 1e3})  # fmt: skip
     return rows

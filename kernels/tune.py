@@ -140,12 +140,11 @@ def static_check(model: bench.Model, arch: int, cases: list | None = None, jobs:
     (2026-11-27); --no-static-check skips it (spilling candidates are then timed too)."""
     shape = compile_cases.Shape(model.dtype, model.num_q_heads, model.num_kv_heads, model.head_dim, 4096)
     if cases is None:
-        cases = compile_cases.tune_candidates(shape, with_configs=True)
-        all_rows = compile_check.compile_many(compile_cases.tune_candidates, (shape, True), arch, jobs)
+        compiled = compile_check.compile_many(compile_cases.tune_candidates, (shape, True), arch, jobs)
     else:
-        all_rows = [compile_check.compile_rows(case[2], arch) for case in cases]
+        compiled = [(case, compile_check.compile_rows(case[2], arch)) for case in cases]
     rejected: dict[tuple, str] = {}
-    for case, rows in zip(cases, all_rows, strict=True):
+    for case, rows in compiled:
         bad = [r for r in rows if not r["ok"]]
         if bad:
             r = bad[0]
