@@ -1,16 +1,22 @@
-"""Where a decode step's time goes: `python -m worker.bench_profile [--model tiny|llama3-8b-shape]`.
+"""Where a model step's time goes: `python -m worker.bench_profile [--model tiny|llama3-8b-shape]`.
 
-One decode step of B requests at a context of C tokens, three ways: its wall time run eagerly, its
-CUDA graph replayed (on CUDA; how the engine runs decode steps), and a profile of eager steps
-(torch.profiler) whose kernels are grouped by what they do: weight matmuls, attention, RMSNorm (with
-the residual add), RoPE with the KV store, SiLU-and-multiply, everything else. The matmuls' time against the weight bytes a step must read
-gives the bandwidth they reach; the other groups and the kernel count per step show what the small
-kernels cost. On the CPU the groups are the leaf torch operators' own CPU time instead of kernels.
+One decode step of B requests at a context of C tokens (or, with ``--new-tokens N``, a cache hit's
+prefill: B requests of N new tokens each over C cached ones), three ways: its wall time run eagerly, its
+CUDA graph replayed (on CUDA; how the engine runs decode steps and short prefills), and a profile of
+eager steps (torch.profiler) whose kernels are grouped by what they do: weight matmuls, attention,
+RMSNorm (with the residual add), RoPE with the KV store, SiLU-and-multiply, everything else. The
+matmuls' time against the weight bytes a step must read gives the bandwidth they reach (and, against
+their FLOPs, the rate); the other groups and the kernel count per step show what the small kernels
+cost. On the CPU the groups are the leaf torch operators' own CPU time instead of kernels.
+A prefill's replayed graph is captured as the engine's extend graphs are, over a prefix of unknown
+length, so its extend attention takes the tiles of an unknown prefix; run eagerly it knows the
+prefix (kernels.extend_attention.default_config): the result names both.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -81,6 +87,31 @@ def profiled_events(run: Any, steps: int, cuda: bool) -> list[tuple[str, float, 
     return events
 
 
+def matmul_flops(model: Any, tokens: int, logit_rows: int) -> int:
+    """FLOPs of a step's weight matmuls: every layer's projections for ``tokens`` rows, the LM head for
+    ``logit_rows`` (a prefill computes logits for each request's last token only)."""
+    per_token = sum(
+        w.numel()
+        for layer in model.layers
+        for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    )
+    return 2 * (per_token * tokens + model.lm_head.numel() * logit_rows)
+
+
+def extend_tiles(model: Any, device: str, max_prefix_len: int | None, new_tokens: int) -> str | None:
+    """The extend attention tiles a prefill takes on ``device`` ("128x64, 8 warps, 3 stages"); None off
+    CUDA (the reference path)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    from kernels import extend_attention as ext
+
+    arch = ext.device_arch(torch.device("cuda"))
+    cfg = ext.default_config(model.config.head_dim, model.dtype, arch, max_prefix_len, new_tokens)
+    return f"{cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages"
+
+
 def replay_ms(forward: Any, reps: int) -> float:
     """Median ms of ``forward`` captured in a CUDA graph and replayed (CUDA events, no host work)."""
     from worker.cuda_graph import CudaGraphBackend
@@ -89,25 +120,34 @@ def replay_ms(forward: Any, reps: int) -> float:
     return cuda_median_ms(replay, reps)
 
 
-def run(model: Any, device: str, batch: int, context: int, reps: int) -> dict:
+def run(model: Any, device: str, batch: int, context: int, reps: int, new_tokens: int = 0) -> dict:
+    """Decode step (``new_tokens`` 0) or a prefill of ``new_tokens`` a request over ``context`` cached."""
     import torch
 
     from worker.forward_batch import ForwardBatch
     from worker.kv_pool import KVPool
 
     c, ps = model.config, 16
-    span = -(-(context + 1) // ps) * ps
+    new = max(new_tokens, 1)
+    span = -(-(context + new) // ps) * ps
     pool = KVPool(batch * span // ps, ps, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
     for cache in pool.k_cache + pool.v_cache:  # NOTE: random KV: no timing on zeros
         cache.copy_(torch.randn_like(cache, dtype=torch.float32).to(cache.dtype))
     slots = [list(range(i * span, (i + 1) * span)) for i in range(batch)]
-    fb = ForwardBatch.build("decode", [[1]] * batch, [context] * batch, [s[context : context + 1] for s in slots],
-                            [s[: context + 1] for s in slots], device)  # fmt: skip
+    out_slots = [s[context : context + new] for s in slots]
+    if new_tokens:  # NOTE: the prefix's K/V are already in the pool; the new tokens' are written by the step
+        fb = ForwardBatch.build("extend", [[1] * new] * batch, [context] * batch, out_slots,
+                                [s[:context] for s in slots], device)  # fmt: skip
+    else:
+        fb = ForwardBatch.build("decode", [[1]] * batch, [context] * batch, out_slots,
+                                [s[: context + 1] for s in slots], device)  # fmt: skip
+    # the engine's extend graphs are captured over any prefix: max_prefix_len unknown
+    graph_fb = dataclasses.replace(fb, max_prefix_len=None) if new_tokens else fb
     cuda = device == "cuda"
 
-    def forward() -> Any:
+    def forward(b: Any = fb) -> Any:
         with torch.inference_mode():
-            return model.forward(fb, pool)
+            return model.forward(b, pool)
 
     def step() -> None:
         forward()
@@ -119,9 +159,11 @@ def run(model: Any, device: str, batch: int, context: int, reps: int) -> dict:
     weight_bytes = decode_weight_bytes(model)
     copy_gbs = round(measure_copy_gbs(device), 1)
     matmul_us = next(g["us_per_step"] for g in groups if g["group"] == "matmul")
+    flops = matmul_flops(model, batch * new, batch)
     doc = {
+        "step": "prefill" if new_tokens else "decode",
         "eager_step_ms": eager,
-        "replayed_step_ms": replay_ms(forward, reps) if cuda else None,
+        "replayed_step_ms": replay_ms(lambda: forward(graph_fb), reps) if cuda else None,
         "profiled_us_per_step": round(sum(g["us_per_step"] for g in groups), 2),
         "calls_per_step": round(sum(g["calls_per_step"] for g in groups), 2),
         "groups": groups,
@@ -129,7 +171,12 @@ def run(model: Any, device: str, batch: int, context: int, reps: int) -> dict:
         "copy_gbs": copy_gbs,
         "floor_ms": round(weight_bytes / (copy_gbs * 1e9) * 1e3, 4),
         "matmul_gbs": round(weight_bytes / (matmul_us * 1e-6) / 1e9, 1) if matmul_us else None,
+        "matmul_flops": flops,
+        "matmul_tflops": round(flops / (matmul_us * 1e-6) / 1e12, 3) if matmul_us else None,
     }
+    if new_tokens:
+        doc["extend_tiles_eager"] = extend_tiles(model, device, fb.max_prefix_len, batch * new)
+        doc["extend_tiles_replayed"] = extend_tiles(model, device, None, batch * new)
     return doc
 
 
@@ -139,11 +186,20 @@ def markdown(doc: dict) -> str:
     replayed = (
         "" if r["replayed_step_ms"] is None else f", replayed as a CUDA graph {r['replayed_step_ms']} ms"
     )
-    lines = [f"Decode step of {p['batch']} request(s) at context {p['context']}, {doc['model']} on "
-             f"{doc['machine']['device_name']}: eager {r['eager_step_ms']} ms{replayed}; weight-read floor "
+    if p.get("new_tokens"):
+        what = (f"Prefill of {p['batch']} request(s), {p['new_tokens']} new tokens each over {p['context']} "
+                f"cached, {doc['model']} on {doc['machine']['device_name']}")  # fmt: skip
+        tiles = (f" Extend attention tiles: {r['extend_tiles_eager']} eager, {r['extend_tiles_replayed']} "
+                 "replayed (captured over a prefix of unknown length, as the engine's extend graphs are)."
+                 if r.get("extend_tiles_eager") else "")  # fmt: skip
+    else:
+        what = f"Decode step of {p['batch']} request(s) at context {p['context']}, {doc['model']} on {doc['machine']['device_name']}"
+        tiles = ""
+    lines = [f"{what}: eager {r['eager_step_ms']} ms{replayed}; weight-read floor "
              f"{r['floor_ms']} ms ({r['weight_bytes'] / 1e9:.2f} GB / {r['copy_gbs']:,.0f} GB/s); weight matmuls "
-             f"reach {r['matmul_gbs'] or '-'} GB/s. Profiled {kind} time per step, {r['profiled_us_per_step']} µs "
-             f"in {r['calls_per_step']} calls (the mean over {p['reps']} profiled steps):", "",
+             f"reach {r['matmul_gbs'] or '-'} GB/s, {'-' if r['matmul_tflops'] is None else r['matmul_tflops']} TFLOP/s.{tiles} Profiled {kind} "
+             f"time per step, {r['profiled_us_per_step']} µs in {r['calls_per_step']} calls (the mean over "
+             f"{p['reps']} profiled steps):", "",
              "| group | µs per step | share | calls per step |", "|---|---:|---:|---:|"]  # fmt: skip
     for g in r["groups"]:
         lines.append(
@@ -158,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="decode requests in the step")
     ap.add_argument("--context", type=int, default=512, help="context tokens per request")
     ap.add_argument("--reps", type=int, default=20, help="steps timed, and steps profiled")
+    ap.add_argument("--new-tokens", type=int, default=0,
+                    help="profile a prefill of this many new tokens a request over --context cached ones "
+                         "(a cache hit) instead of a decode step (0)")  # fmt: skip
     add_step_bench_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
@@ -165,12 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.context, a.reps = 32, 3
     if min(a.batch, a.context, a.reps) <= 0:
         ap.error("--batch, --context and --reps must be positive")
+    if a.new_tokens < 0:
+        ap.error("--new-tokens must be 0 (a decode step) or positive")
     device = bench_device(ap, a.device, a.model, a.cpu_threads)
     model = bench_model(a.model, device)
     t0 = time.perf_counter()
-    result = run(model, device, a.batch, a.context, a.reps)
+    result = run(model, device, a.batch, a.context, a.reps, a.new_tokens)
     params = {"model": a.model, "device": device, "batch": a.batch, "context": a.context, "reps": a.reps,
-              "quick": a.quick}  # fmt: skip
+              "new_tokens": a.new_tokens, "quick": a.quick}  # fmt: skip
     doc = {"benchmark": "profile", "command": " ".join(["python -m worker.bench_profile", *argv]), "model": a.model,
            "params": params, "machine": machine_info(device), "result": result,
            "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip

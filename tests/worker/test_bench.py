@@ -392,6 +392,56 @@ def test_profile_bench_splits_a_cpu_decode_step_into_groups(tmp_path, capsys):
     assert md.read_text() in capsys.readouterr().out
 
 
+def test_profile_bench_profiles_a_cache_hit_prefill(tmp_path, capsys):
+    from worker import bench_profile
+    from worker.bench import bench_model
+
+    out, md = tmp_path / "prefill.json", tmp_path / "prefill.md"
+    argv = [
+        "--quick",
+        "--device",
+        "cpu",
+        "--batch",
+        "2",
+        "--new-tokens",
+        "5",
+        "--out",
+        str(out),
+        "--markdown",
+        str(md),
+    ]
+    assert bench_profile.main(argv) == 0
+    doc = json.loads(out.read_text())
+    r, c = doc["result"], bench_model("tiny", "cpu").config
+    assert doc["params"]["new_tokens"] == 5 and r["step"] == "prefill"
+    # every layer's projections for the 10 new tokens, the LM head for each request's last one
+    per_token = (
+        c.num_layers
+        * c.hidden_size
+        * (
+            (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+            + c.num_heads * c.head_dim
+            + 3 * c.intermediate_size
+        )
+    )
+    assert r["matmul_flops"] == 2 * (per_token * 10 + c.vocab_size * c.hidden_size * 2)
+    groups = {g["group"]: g for g in r["groups"]}
+    assert groups["matmul"]["us_per_step"] > 0 and groups["attention"]["calls_per_step"] >= c.num_layers
+    assert r["matmul_tflops"] == pytest.approx(
+        r["matmul_flops"] / groups["matmul"]["us_per_step"] / 1e6, rel=1e-2, abs=1e-3
+    )
+    assert (
+        "extend_tiles_eager" not in r or r["extend_tiles_eager"] is None
+    )  # the CPU takes the reference path
+    text = md.read_text()
+    assert (
+        text.startswith("Prefill of 2 request(s), 5 new tokens each over 32 cached")
+        and text in capsys.readouterr().out
+    )
+    with pytest.raises(SystemExit):
+        bench_profile.main(["--device", "cpu", "--new-tokens", "-1"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_profile_bench_finds_the_kernels_of_a_cuda_decode_step(tmp_path):
@@ -409,3 +459,10 @@ def test_profile_bench_finds_the_kernels_of_a_cuda_decode_step(tmp_path):
     layers = groups["silu_mul"]["calls_per_step"]
     assert groups["rope_kv_store"]["calls_per_step"] == layers
     assert groups["rms_norm"]["calls_per_step"] == 2 * layers + 1
+    # a cache hit's prefill: one extend attention kernel a layer, the tiles named both ways
+    out = tmp_path / "prefill.json"
+    assert bench_profile.main(["--quick", "--device", "cuda", "--new-tokens", "8", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["result"]
+    assert r["step"] == "prefill" and r["replayed_step_ms"] > 0
+    assert {g["group"]: g for g in r["groups"]}["attention"]["calls_per_step"] == layers
+    assert r["extend_tiles_eager"] and r["extend_tiles_replayed"]
