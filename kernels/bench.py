@@ -415,19 +415,31 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     triton_call()
     row["triton_ms"] = timing.time_ms(triton_call)
     row["triton_tflops"] = flops / (row["triton_ms"] * 1e-3) / 1e12
+    others = {}  # candidate name -> its output
     blind = ext.default_config(q.shape[-1], q.dtype, arch)
     if blind != chosen:  # the prefix picked other tiles: time the ones a batch without the hint takes
         ms = timing.time_ms(lambda: ext.extend_attention(*kernel_args, max_extend_len=shape.new, out=out,
                                                          config=blind))  # fmt: skip
         row["triton_blind_tflops"] = flops / (ms * 1e-3) / 1e12
         row["config_blind"] = dataclasses.asdict(blind)
-        blind_out = out.clone()
+        others["blind"] = out.clone()
+    # NOTE: a grid too small for the SMs (a cache hit's few new tokens): the prefix split too (off by default)
+    split = dataclasses.replace(chosen, split_prefix=True)
+    cap = ext.prefix_split_cap(None, shape.batch * shape.new, q.shape[1], device, split, shape.prefix)
+    if cap > 1:
+        out.fill_(float("nan"))  # the candidate must write every element itself
+        ms = timing.time_ms(lambda: ext.extend_attention(*kernel_args, max_extend_len=shape.new,
+                                                         max_prefix_len=shape.prefix, out=out, config=split))  # fmt: skip
+        row["split_cap"] = cap
+        row["triton_split_tflops"] = flops / (ms * 1e-3) / 1e12
+        others["split"] = out.clone()
+    if others:
         triton_call()  # NOTE: out is the chosen tiles' again for the error below
     try:
         ref = sdpa_call()
         row["rel_err_vs_sdpa"] = _rel_err(out, ref)
-        if blind != chosen:
-            row["rel_err_blind_vs_sdpa"] = _rel_err(blind_out, ref)
+        for name, other in others.items():
+            row[f"rel_err_{name}_vs_sdpa"] = _rel_err(other, ref)
         row["sdpa_ms"] = timing.time_ms(sdpa_call)
         row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
         row["ratio_vs_sdpa"] = row["triton_tflops"] / row["sdpa_tflops"]

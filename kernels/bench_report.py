@@ -36,9 +36,9 @@ def decode_error(row: dict) -> float | None:
 
 
 def extend_error(row: dict) -> float | None:
-    """The worse of the extend outputs' errors against SDPA: the worker's tiles, and the prefix-blind
-    default's when the row timed them."""
-    return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa"))
+    """The worst of the extend outputs' errors against SDPA: the worker's tiles, and the prefix-blind
+    default's and the prefix split's when the row timed them."""
+    return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa", "rel_err_split_vs_sdpa"))
 
 
 def lora_error(row: dict) -> float | None:
@@ -76,6 +76,10 @@ def summarize(result: dict) -> dict:
 
     ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
     extend_ratio = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+    # the prefix split (ExtendConfig.split_prefix) against the worker's tiles unsplit, where a row timed it
+    split = [
+        r["triton_split_tflops"] / r["triton_tflops"] for r in result["extend"] if "triton_split_tflops" in r
+    ]
     wrong = [
         f"decode b={r['batch']} ctx={r['context']}" for r in result["decode"] if inaccurate(decode_error(r))
     ]
@@ -96,6 +100,8 @@ def summarize(result: dict) -> dict:
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
+        "extend_split_speedup_geomean": math.exp(sum(map(math.log, split)) / len(split)) if split else None,
+        "extend_split_speedup_min": min(split, default=None),
         "inaccurate": wrong_extend + wrong + wrong_verify,
     }
 
@@ -193,15 +199,22 @@ def format_markdown(result: dict) -> str:
         f" off by default) it reaches {_fmt(s.get('decode_min_fraction_with_prefetch_at_long_context'), '.0%')}"
         " in single replays.",
         "",
+        "Where the extend grid is too small for the SMs, each request's prefix split over several programs"
+        " (ExtendConfig.split_prefix, off by default) runs at "
+        f"{_fmt(s.get('extend_split_speedup_geomean'), '.2f')}x the unsplit kernel's TF/s (geomean; min "
+        f"{_fmt(s.get('extend_split_speedup_min'), '.2f')}).",
+        "",
         "## Extend (prefill over a cached prefix)",
         "",
         "Triton runs with the tiles the worker takes for the batch (its longest cached prefix picks them:"
         " kernels.extend_attention.default_config); where those differ from the tiles without the hint,"
-        " the last columns time those too.",
+        " the next columns time those too. Where the batch's grid is too small for the SMs (few new tokens),"
+        " the last columns time the worker's tiles with each request's prefix split over several programs"
+        " and merged (ExtendConfig.split_prefix, off by default): the most parts a prefix takes, TF/s.",
         "",
         "| batch | prefix | new | Triton TF/s | SDPA flash TF/s | Triton / SDPA | of matmul peak | rel err "
-        "| tiles | without the hint: tiles | TF/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "| tiles | without the hint: tiles | TF/s | prefix split: parts | TF/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     refused = []
     for r in result["extend"]:
@@ -209,7 +222,8 @@ def format_markdown(result: dict) -> str:
             f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['triton_tflops']:.1f} "
             f"| {_fmt(r.get('sdpa_tflops'), '.1f')} | {_fmt(r.get('ratio_vs_sdpa'), '.2f')} "
             f"| {r['triton_tflops'] / mm:.0%} | {_fmt(extend_error(r), '.1e')} | {tiles(r.get('config'))} "
-            f"| {tiles(r.get('config_blind'))} | {_fmt(r.get('triton_blind_tflops'), '.1f')} |"
+            f"| {tiles(r.get('config_blind'))} | {_fmt(r.get('triton_blind_tflops'), '.1f')} "
+            f"| {_fmt(r.get('split_cap'), 'd')} | {_fmt(r.get('triton_split_tflops'), '.1f')} |"
         )
         if "sdpa_error" in r:
             refused.append(f"- extend b={r['batch']} prefix={r['prefix']} new={r['new']}: {r['sdpa_error']}")

@@ -62,14 +62,14 @@ def decode_case(shape: Shape, config: Any, label: str) -> Case:
     return label, dataclasses.asdict(config), call
 
 
-def extend_case(shape: Shape, config: Any, label: str) -> Case:
+def extend_case(shape: Shape, config: Any, label: str, num_splits: int | None = None) -> Case:
     from kernels.extend_attention import extend_attention
 
     t = _tensors(shape)
 
     def call() -> Any:
         return extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"],
-                                t["indices"], max_extend_len=32, config=config)  # fmt: skip
+                                t["indices"], max_extend_len=32, num_splits=num_splits, config=config)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
@@ -119,6 +119,11 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         extend_case(shape, extend_default, f"extend {shape.label}"),
         *([extend_case(shape, long_prefix, f"extend-long-prefix {shape.label}")] if long_prefix != extend_default
           else []),
+        # the prefix split (ExtendConfig.split_prefix, off by default): the split kernel and its merge
+        *[extend_case(shape, dataclasses.replace(cfg, split_prefix=True), f"{kind} {shape.label}",
+                      num_splits=DECODE_SPLITS)
+          for kind, cfg in (("extend-prefix-split", extend_default), ("extend-long-prefix-split", long_prefix))
+          if kind == "extend-prefix-split" or cfg != extend_default],
         extend_short_case(shape, decode_default, f"extend-short {shape.label}"),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),

@@ -33,7 +33,6 @@ on a GPU say it pays.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -43,6 +42,7 @@ from kernels import host_checks, interpret_requested
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.pdl import pdl_active, pdl_launch, wait_then_release
+from kernels.split_merge import merge_head, num_splits_of, sm_count, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -86,11 +86,6 @@ def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeC
     return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(
     batch: int,
     num_kv_heads: int,
@@ -121,63 +116,11 @@ def split_cap(
     """The split cap a launch uses: ``num_splits`` when given (a CUDA graph fixes it), else
     choose_num_splits for ``batch`` (request, token block) rows on ``device``'s SMs; in 1..MAX_SPLITS."""
     if num_splits is None:
-        sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+        sms = sm_count(device)
         num_splits = choose_num_splits(
             batch, num_kv_heads, sms, max_kv_len, cfg.min_split_len, cfg.split_waves
         )
     return int(min(max(num_splits, 1), MAX_SPLITS))
-
-
-def split_partials(
-    rows: int, hq: int, num_splits: int, d: int, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """The split kernel's outputs for the merge: each split's partial output [rows, Hq, splits, D] and
-    its log2-sum-exp [rows, Hq, >= splits] (fp32).
-    NOTE: the lse rows are padded to a multiple of 16 splits so that their strides, like the partials',
-    keep their 16-divisibility for any split count: one compiled kernel pair serves them all."""
-    mid_out = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=device)
-    mid_lse = torch.empty((rows, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=device)
-    return mid_out, mid_lse
-
-
-@triton.jit
-def _num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
-    return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), max_splits)
-
-
-@triton.jit
-def _merge_head(
-    Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    CACHE: tl.constexpr,
-):  # fmt: skip
-    """Out[req, head] := the splits' partial outputs weighted by exp2 of their log2-sum-exps (an empty
-    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier.
-    NOTE: every split below n_splits wrote a finite partial (zeros when empty), so the partials' load is
-    masked by the split count alone: it does not wait for the lse load, and both are in flight at once.
-    It stays after the weights in the source: placed first, the fused merge took 195 registers, not 162."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < n_splits
-    lse = tl.load(Mid_lse + req * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"),
-                  cache_modifier=CACHE)  # fmt: skip
-    live = mask_s & (lse > float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # no live split at all: every weight is exp2(-inf) = 0
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    part = tl.load(
-        Mid_out + req * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-        mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-        cache_modifier=CACHE,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        Out + req * stride_ob + head * stride_oh + offs_d,
-        out.to(Out.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
-    )
 
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled split kernel serves every split
@@ -231,7 +174,7 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     kv_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
-    n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
+    n_splits = num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if FUSED_MERGE:  # NOTE: a request with no slots still needs one program to write its zeros
         n_splits = tl.maximum(n_splits, 1)
     if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
@@ -310,7 +253,7 @@ def _decode_split_kernel(
         if ticket == n_splits - 1:
             tl.store(counter, 0)  # NOTE: every split has counted: the next call starts from zero
             for h in range(GROUP):
-                _merge_head(Mid_out, Mid_lse, Out, req, kv_head * GROUP + h, n_splits, stride_mb, stride_mh,
+                merge_head(Mid_out, Mid_lse, Out, req, kv_head * GROUP + h, n_splits, stride_mb, stride_mh,
                             stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S,
                             ".cg")  # fmt: skip
 
@@ -338,10 +281,10 @@ def _decode_merge_kernel(
     req = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
+    n_splits = num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if PDL:  # NOTE: the split kernel's partials are visible only past the wait
         tl.extra.cuda.gdc_wait()
-    _merge_head(Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    merge_head(Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                 stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
 
 

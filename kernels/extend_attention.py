@@ -17,6 +17,17 @@ CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-t
   - qo_indptr and kv_indptr are non-decreasing, qo_indptr[-1] <= T, kv_indptr[-1] <= len(kv_indices),
     and every kv_indices entry is a slot in [0, S); otherwise the kernel reads out of bounds.
 Math: scores and softmax in fp32 (exp2 with log2(e) folded into the scale), P@V accumulated in fp32.
+
+Prefix splits (ExtendConfig.split_prefix, or an explicit ``num_splits`` > 1): a batch of few new tokens
+over a long cached prefix gives this kernel few programs (Hq x query blocks: 64 for 256 new tokens
+in 128-row blocks), each walking the whole prefix one tile at a time, on a GPU with 132 SMs. With
+splits, each program takes one part of its request's prefix (tile-aligned, at least MIN_SPLIT_LEN
+tokens a split, at most ``num_splits``), the last part also takes the request's own new tokens, and
+each writes a partial output and its log2-sum-exp, which a merge kernel combines, as decode does
+(kernels/split_merge.py). The split cap comes from the grid (enough programs for SPLIT_WAVES waves of
+SMs) and, when known, the longest prefix; inside the kernel each request takes only the splits its
+prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default until
+a GPU run says it pays (kernels.bench, kernels.sweep).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile, gather_kv
+from kernels.split_merge import merge_head, num_splits_of, sm_count, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -40,6 +52,9 @@ _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 LONG_PREFIX = 1024
 DEEP_PREFIX = 8192
 FEW_NEW_TOKENS = 1024
+MAX_PREFIX_SPLITS = 16
+SPLIT_WAVES = 2  # prefix splits aim for this many waves of programs per SM
+MERGE_TOKENS = 8  # rows of one (request, query head) a merge program combines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +65,8 @@ class ExtendConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    split_prefix: bool = False  # split each request's prefix over several programs when the grid is small
+    min_split_len: int = 256  # the shortest prefix part worth a split (tokens)
 
 
 # sm_90's two tile choices at head dims 65-128 (fp16/bf16); default_config picks between them
@@ -69,7 +86,7 @@ def default_config(
     as in a CUDA graph replayed over any prefix); small tiles in the interpreter so short test sequences
     span many tiles."""
     if INTERPRETED:
-        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, min_split_len=16)
     # NOTE: each fp16/bf16 choice compiles without register spills for sm_80, sm_89 and sm_90
     # (python -m kernels.compile_check --arch N): 128x64 with 4 warps spills at head_dim 64 on sm_90,
     # and before Hopper (mma.sync, no wgmma) 128x64 spills at head_dim 128 while 128x32 does not.
@@ -111,6 +128,28 @@ def long_prefix_batch(max_prefix_len: int | None, new_tokens: int | None) -> boo
     return new_tokens <= (2 * FEW_NEW_TOKENS if max_prefix_len >= DEEP_PREFIX else FEW_NEW_TOKENS)
 
 
+def prefix_split_cap(
+    num_splits: int | None,
+    new_tokens: int,
+    hq: int,
+    device: torch.device,
+    cfg: ExtendConfig,
+    max_prefix_len: int | None = None,
+) -> int:
+    """The prefix split cap a launch uses, in 1..MAX_PREFIX_SPLITS: ``num_splits`` when given (a CUDA
+    graph fixes it); 1 when ``cfg`` does not split; else enough splits that the Hq x query-block
+    programs of ``new_tokens`` rows make SPLIT_WAVES waves on ``device``'s SMs, no more than the longest
+    prefix (``max_prefix_len``, when known) fills with ``cfg.min_split_len``-token parts."""
+    if num_splits is None:
+        if not cfg.split_prefix:
+            return 1
+        programs = max(1, hq * triton.cdiv(max(new_tokens, 1), cfg.block_m))
+        num_splits = triton.cdiv(SPLIT_WAVES * sm_count(device), programs)
+        if max_prefix_len is not None:
+            num_splits = min(num_splits, triton.cdiv(max(max_prefix_len, 1), cfg.min_split_len))
+    return int(min(max(num_splits, 1), MAX_PREFIX_SPLITS))
+
+
 @functools.lru_cache(maxsize=8)
 def _arch_of(index: int) -> int:
     major, minor = torch.cuda.get_device_capability(index)
@@ -140,6 +179,13 @@ def _attend_rows(
 
 
 @triton.jit
+def _prefix_splits(prefix_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
+    """Splits a request's prefix takes (at least one: the last split also takes the new tokens)."""
+    return tl.maximum(num_splits_of(prefix_len, max_splits, MIN_SPLIT_LEN), 1)
+
+
+# NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_kernel(
     Q,
     K_new,
@@ -147,6 +193,8 @@ def _extend_kernel(
     K_cache,
     V_cache,
     Out,
+    Mid_out,  # [T, Hq, num_splits, D] fp32, each split normalised by its own sum (SPLIT only)
+    Mid_lse,  # [T, Hq, >= num_splits] fp32, log2(sum exp2(score)) of the split (SPLIT only)
     qo_indptr,
     kv_indptr,
     kv_indices,
@@ -163,17 +211,29 @@ def _extend_kernel(
     stride_vch,
     stride_ot,
     stride_oh,
+    stride_mt,
+    stride_mh,
+    stride_ms,
+    stride_lt,
+    stride_lh,
+    num_splits,  # the most prefix splits any request may use (SPLIT only)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    SPLIT: tl.constexpr,  # the prefix is split over programs; partials go to Mid_out / Mid_lse
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
 ):
     head = tl.program_id(0)
     m_block = tl.program_id(1)
-    req = tl.program_id(2)
+    if SPLIT:
+        req = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        req = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(qo_indptr + req).to(tl.int64)
@@ -183,6 +243,17 @@ def _extend_kernel(
         return
     prefix_start = tl.load(kv_indptr + req).to(tl.int64)
     prefix_len = (tl.load(kv_indptr + req + 1) - prefix_start).to(tl.int32)
+    p_lo = 0
+    p_hi = prefix_len
+    if SPLIT:
+        n_splits = _prefix_splits(prefix_len, num_splits, MIN_SPLIT_LEN)
+        if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
+            return
+        # NOTE: tile-aligned parts, so only the part holding the prefix's end has a partial tile; a part
+        # past the end is empty (lse -inf, weight 0), and the last split also attends the new tokens
+        chunk = tl.cdiv(tl.cdiv(prefix_len, n_splits), BLOCK_N) * BLOCK_N
+        p_lo = tl.minimum(split * chunk, prefix_len)
+        p_hi = tl.minimum(p_lo + chunk, prefix_len)
 
     offs_m = m_lo + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -199,53 +270,103 @@ def _extend_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # NOTE: every valid row sees key 0 in the first tile it processes, so m_i is finite after one tile
-    # and masked scores (-inf) contribute exactly zero.
+    # NOTE: every valid row sees every key of its first tile but for padding (a part's first tile holds
+    # at least one prefix key, the new tokens' first tile key 0), so m_i is finite after one tile and
+    # masked scores (-inf) contribute exactly zero.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Stage 1: the cached prefix, gathered slot by slot; every query sees every prefix key. Whole
-    # tiles need no score mask; only the last, partial one does.
+    # Stage 1: the cached prefix (this split's part of it), gathered slot by slot; every query sees every
+    # prefix key. Whole tiles need no score mask; only the last, partial one does.
     K_c, V_c = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
-    full_end = (prefix_len // BLOCK_N) * BLOCK_N
-    for n_lo in range(0, full_end, BLOCK_N):
+    full_end = p_lo + ((p_hi - p_lo) // BLOCK_N) * BLOCK_N
+    for n_lo in range(p_lo, full_end, BLOCK_N):
         n = n_lo + offs_n
         slots = tl.load(kv_indices + prefix_start + n).to(tl.int64)
-        m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, n < prefix_len, offs_m, n, stride_kcs, stride_vcs,
+        m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, n < p_hi, offs_m, n, stride_kcs, stride_vcs,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
                                      PRECISION, DOT_FP32)  # fmt: skip
-    for n_lo in range(full_end, prefix_len, BLOCK_N):
+    for n_lo in range(full_end, p_hi, BLOCK_N):
         n = n_lo + offs_n
-        mask_n = n < prefix_len
+        mask_n = n < p_hi
         slots = tl.load(kv_indices + prefix_start + n, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, mask_n, offs_m, n, stride_kcs, stride_vcs,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, True, False,
                                      PRECISION, DOT_FP32)  # fmt: skip
 
-    # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j). Whole tiles
-    # left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
-    K_n, V_n = K_new + kv_head * stride_knh, V_new + kv_head * stride_vnh
+    # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j), in the last split.
+    # Whole tiles left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
     diag_lo = (m_lo // BLOCK_N) * BLOCK_N
+    n_end = tl.minimum(q_len, m_lo + BLOCK_M)
+    if SPLIT:  # NOTE: splits before the last attend no new tokens
+        not_last = split < n_splits - 1
+        diag_lo = tl.where(not_last, 0, diag_lo)
+        n_end = tl.where(not_last, 0, n_end)
+    K_n, V_n = K_new + kv_head * stride_knh, V_new + kv_head * stride_vnh
     for n_lo in range(0, diag_lo, BLOCK_N):
         n = n_lo + offs_n
         m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
                                      PRECISION, DOT_FP32)  # fmt: skip
-    n_end = tl.minimum(q_len, m_lo + BLOCK_M)
     for n_lo in range(diag_lo, n_end, BLOCK_N):
         n = n_lo + offs_n
         m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, True, True,
                                      PRECISION, DOT_FP32)  # fmt: skip
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padded rows only; they are not stored
-    out = acc / l_safe[:, None]
-    tl.store(
-        Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=mask_m[:, None] & mask_d[None, :],
-    )
+    if SPLIT:
+        nonempty = l_i > 0.0  # NOTE: an empty part (past the prefix's end) attended nothing
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(
+            Mid_out + rows[:, None] * stride_mt + head * stride_mh + split * stride_ms + offs_d[None, :],
+            acc / l_safe[:, None],
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+        tl.store(Mid_lse + rows * stride_lt + head * stride_lh + split, lse, mask=mask_m)
+    else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padded rows only; they are not stored
+        out = acc / l_safe[:, None]
+        tl.store(
+            Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _extend_merge_kernel(
+    Mid_out,
+    Mid_lse,
+    Out,
+    qo_indptr,
+    kv_indptr,
+    stride_mt,
+    stride_mh,
+    stride_ms,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    TOKENS: tl.constexpr,  # rows merged per program
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
+    MIN_SPLIT_LEN: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    t0 = tl.program_id(2) * TOKENS
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    q_len = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
+    prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
+    n_splits = _prefix_splits(prefix_len, num_splits, MIN_SPLIT_LEN)
+    for i in range(TOKENS):
+        if t0 + i < q_len:
+            merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh, stride_ms,
+                       stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
 
 
 def extend_attention(
@@ -261,13 +382,15 @@ def extend_attention(
     *,
     max_extend_len: int | None = None,
     max_prefix_len: int | None = None,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
-    the new tokens in all (q's rows), picks the default tiles (``config`` overrides them). ``out``
-    [T, Hq, D] may be preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata
+    the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
+    prefix splits. ``num_splits`` caps the prefix splits (a CUDA graph fixes it; 1: none; None:
+    prefix_split_cap's choice). ``out`` [T, Hq, D] may be preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata
     only, no sync)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
@@ -288,8 +411,13 @@ def extend_attention(
     if max_extend_len == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t)
+    num_splits = prefix_split_cap(num_splits, t, hq, q.device, cfg, max_prefix_len)
+    split = num_splits > 1
     scale = d**-0.5 if sm_scale is None else sm_scale
-    grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch)
+    block_d = max(16, triton.next_power_of_2(d))
+    # NOTE: unsplit, the kernel never touches the partials: ``out`` stands in for both (no allocation)
+    mid_out, mid_lse = split_partials(t, hq, num_splits, d, q.device) if split else (out, out)
+    grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch * num_splits)
     _extend_kernel[grid](
         q,
         k_new,
@@ -297,6 +425,8 @@ def extend_attention(
         k_cache,
         v_cache,
         out,
+        mid_out,
+        mid_lse,
         qo_indptr,
         kv_indptr,
         kv_indices,
@@ -313,15 +443,30 @@ def extend_attention(
         v_cache.stride(1),
         out.stride(0),
         out.stride(1),
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        num_splits,
         GROUP=hq // hkv,
         HEAD_DIM=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_D=block_d,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        MIN_SPLIT_LEN=cfg.min_split_len,
+        SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if split:
+        _extend_merge_kernel[(batch, hq, triton.cdiv(max_extend_len, MERGE_TOKENS))](
+            mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+            TOKENS=MERGE_TOKENS, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            MIN_SPLIT_LEN=cfg.min_split_len, enable_fp_fusion=True, num_warps=4 if block_d >= 128 else 2,
+        )  # fmt: skip
     return out

@@ -30,17 +30,11 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested
-from kernels.decode_attention import (
-    DecodeConfig,
-    _merge_head,
-    _num_splits_of,
-    default_config,
-    split_cap,
-    split_partials,
-)
+from kernels.decode_attention import DecodeConfig, default_config, split_cap
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.pdl import pdl_active, pdl_launch, wait_then_release
+from kernels.split_merge import merge_head, num_splits_of, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -105,7 +99,7 @@ def _short_split_kernel(
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     prefix_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
     kv_len = _block_kv_len(prefix_len, n_new, t0, TOKENS)
-    n_splits = _num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
+    n_splits = num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
         return
     chunk = tl.cdiv(kv_len, n_splits)
@@ -192,12 +186,12 @@ def _short_merge_kernel(
     q_start = tl.load(qo_indptr + req).to(tl.int64)
     n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
     prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    n_splits = _num_splits_of(_block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
+    n_splits = num_splits_of(_block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
     if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
         tl.extra.cuda.gdc_wait()
     for i in range(TOKENS):
         if t0 + i < n_new:
-            _merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh,
+            merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh,
                         stride_ms, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S,
                         "")  # fmt: skip
 

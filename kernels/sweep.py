@@ -7,6 +7,8 @@
 - extend_graph: the same two tile choices replayed as the worker's extend graphs run them (a cache
   hit's few new tokens padded to the graph's token count, its grid over the graph's 32 request rows,
   all but one empty), which take the tiles of a batch of unknown prefix today;
+- in both extend sweeps, each tile choice also with its prefix split (ExtendConfig.split_prefix, off
+  by default) wherever the call's grid is small enough that it splits;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
   PDL (programmatic dependent launch), and with the next tile's K/V prefetched into registers
   (decode_attention.PREFETCH_TILES), beside the default split count.
@@ -60,33 +62,51 @@ def extend_tiles() -> dict[str, Any]:
     return {"small": SM90_TILES, "long_prefix": LONG_PREFIX_TILES}
 
 
-def time_both_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int,
-                    timer: Any) -> tuple[dict[str, float], float]:  # fmt: skip
-    """extend_attention on ``args`` with each tile choice: ``timer``'s time of each (name -> its
-    unit), and the relative difference between the two outputs' first ``kept`` rows."""
+def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, timer: Any,
+               max_prefix_len: int | None = None) -> tuple[dict[str, float], float, dict[str, int]]:  # fmt: skip
+    """extend_attention on ``args`` with each tile choice, and each again with its prefix split
+    (ExtendConfig.split_prefix) where the split cap for this call (q's rows, ``max_prefix_len``) is above
+    1: ``timer``'s time of each (name, or name + "_split" -> its unit), the largest relative difference
+    of an output's first ``kept`` rows from the 64x32 tiles', and each split tile choice's cap."""
     from kernels import extend_attention as ext
 
-    times, outs = {}, {}
-    for name, cfg in extend_tiles().items():
+    q = args[0]
+    times, outs, caps = {}, {}, {}
+    for name, tile in extend_tiles().items():
+        for split in (False, True):
+            cfg = dataclasses.replace(tile, split_prefix=split)
+            if split:
+                cap = ext.prefix_split_cap(None, q.shape[0], q.shape[1], q.device, cfg, max_prefix_len)
+                if cap == 1:
+                    continue
+                caps[name] = cap
 
-        def call(cfg: Any = cfg) -> None:
-            ext.extend_attention(*args, max_extend_len=max_extend_len, out=out, config=cfg)
+            def call(cfg: Any = cfg) -> None:
+                ext.extend_attention(*args, max_extend_len=max_extend_len, max_prefix_len=max_prefix_len, out=out,
+                                     config=cfg)  # fmt: skip
 
-        call()
-        outs[name] = out[:kept].float().clone()
-        times[name] = timer(call)
-    return times, ((outs["small"] - outs["long_prefix"]).norm() / outs["small"].norm()).item()
+            key = f"{name}_split" if split else name
+            out[:kept].fill_(float("nan"))  # the call must write every row it owns
+            call()
+            outs[key] = out[:kept].float().clone()
+            times[key] = timer(call)
+    ref = outs["small"]
+    diff = max(((o - ref).norm() / ref.norm()).item() for key, o in outs.items() if key != "small")
+    return times, diff, caps
 
 
 def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
                  gen: torch.Generator) -> dict:  # fmt: skip
-    """One row: each tile choice's median ms, the long-prefix tiles' speedup, their outputs' difference."""
+    """One row: each tile choice's median ms (unsplit, and split where it splits), the long-prefix tiles'
+    speedup, the outputs' largest difference."""
     torch.manual_seed(prefix * 1_000_003 + batch * 1009 + new)  # the device draws of extend_inputs
     args = bench.extend_inputs(bench.ExtendShape(batch, prefix, new), model, device, gen, on_device=True)
     out = torch.empty_like(args[0])
-    ms, diff = time_both_tiles(args, new, out, out.shape[0], timing.time_ms)
+    ms, diff, caps = time_tiles(args, new, out, out.shape[0], timing.time_ms, prefix)
     return {"prefix": prefix, "batch": batch, "new": new, "small_ms": ms["small"],
             "long_prefix_ms": ms["long_prefix"], "long_prefix_speedup": ms["small"] / ms["long_prefix"],
+            "small_split_ms": ms.get("small_split"), "long_prefix_split_ms": ms.get("long_prefix_split"),
+            "small_split_cap": caps.get("small"), "long_prefix_split_cap": caps.get("long_prefix"),
             "rel_diff": diff}  # fmt: skip
 
 
@@ -94,7 +114,8 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
                        gen: torch.Generator, rows: int = GRAPH_ROWS) -> dict:  # fmt: skip
     """One row: each tile choice replayed as an extend graph of ``size`` tokens and ``rows`` request rows
     runs one request of ``new`` tokens over ``prefix`` (the padding tokens and the other rows own
-    nothing), median us; the long-prefix tiles' speedup; the outputs' difference on the request's rows."""
+    nothing), median us, unsplit and with the split cap such a graph takes (its prefix unknown); the
+    long-prefix tiles' speedup; the outputs' largest difference on the request's rows."""
     torch.manual_seed(prefix * 1_000_003 + new * 1009 + size)
     shape = bench.ExtendShape(1, prefix, size)
     q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = bench.extend_inputs(
@@ -104,11 +125,13 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     kv_indptr = torch.full((rows + 1,), prefix, dtype=torch.int32, device=device)
     qo_indptr[0] = kv_indptr[0] = 0
     args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
-    us, diff = time_both_tiles(
+    us, diff, caps = time_tiles(
         args, size, torch.zeros_like(q), new, lambda call: timing.time_replay_ms(call) * 1e3
     )
     return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
             "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
+            "small_split_us": us.get("small_split"), "long_prefix_split_us": us.get("long_prefix_split"),
+            "small_split_cap": caps.get("small"), "long_prefix_split_cap": caps.get("long_prefix"),
             "rel_diff": diff}  # fmt: skip
 
 
@@ -145,6 +168,12 @@ def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch
     return chosen == extend_tiles()["long_prefix"]
 
 
+def _split_cell(row: dict, tiles: str, unit: str, spec: str) -> str:
+    """'0.051 (5)': a tile choice's split time and its cap; '-' where the row did not split it."""
+    t = row.get(f"{tiles}_split_{unit}")
+    return "-" if t is None else f"{format(t, spec)} ({row[f'{tiles}_split_cap']})"
+
+
 def markdown(doc: dict) -> str:
     """The report: one table per sweep that ran."""
     dev, sw = doc["device"], doc["software"]
@@ -167,17 +196,21 @@ def markdown(doc: dict) -> str:
             "## Extend: the two sm_90 tile choices",
             "",
             "64x32 (4 warps, 2 stages) against the long-prefix tiles 128x64 (8 warps, 3 stages), eager calls;"
-            " the last column is what kernels.extend_attention.default_config takes for the row (from the"
-            " longest prefix and the new tokens in all).",
+            " the default column is what kernels.extend_attention.default_config takes for the row (from the"
+            " longest prefix and the new tokens in all). The split columns time each tile choice with its"
+            " prefix split (ExtendConfig.split_prefix, off by default; the most parts in brackets) where the"
+            " grid is small enough to split.",
             "",
-            "| prefix | requests x new | new tokens | 64x32 ms | 128x64 ms | 128x64 speedup | default takes | rel diff |",
-            "|---:|---:|---:|---:|---:|---:|---|---:|",
+            "| prefix | requests x new | new tokens | 64x32 ms | 128x64 ms | 128x64 speedup | default takes "
+            "| 64x32 split ms | 128x64 split ms | rel diff |",
+            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
         for r in sorted(doc["extend"], key=lambda r: (r["prefix"], r["batch"] * r["new"], r["new"])):
             lines.append(
                 f"| {r['prefix']} | {r['batch']} x {r['new']} | {r['batch'] * r['new']} | {r['small_ms']:.3f} "
                 f"| {r['long_prefix_ms']:.3f} | {r['long_prefix_speedup']:.2f} "
-                f"| {'128x64' if picks_long_prefix(r) else '64x32'} | {r['rel_diff']:.1e} |"
+                f"| {'128x64' if picks_long_prefix(r) else '64x32'} | {_split_cell(r, 'small', 'ms', '.3f')} "
+                f"| {_split_cell(r, 'long_prefix', 'ms', '.3f')} | {r['rel_diff']:.1e} |"
             )
     if doc.get("extend_graph"):
         lines += [
@@ -186,15 +219,18 @@ def markdown(doc: dict) -> str:
             "",
             "One request of a cache hit's new tokens in an extend graph of that many tokens (padding"
             " included) and 32 request rows, replayed; the worker's graphs take 64x32 today (a graph is"
-            " replayed over any prefix).",
+            " replayed over any prefix). The split columns: each with the prefix split such a graph would take"
+            " (its cap from the graph's tokens alone; the most parts in brackets).",
             "",
-            "| prefix | new | graph tokens | 64x32 us | 128x64 us | 128x64 speedup | rel diff |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "| prefix | new | graph tokens | 64x32 us | 128x64 us | 128x64 speedup | 64x32 split us "
+            "| 128x64 split us | rel diff |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["extend_graph"]:
             lines.append(
                 f"| {r['prefix']} | {r['new']} | {r['size']} | {r['small_us']:.1f} | {r['long_prefix_us']:.1f} "
-                f"| {r['long_prefix_speedup']:.2f} | {r['rel_diff']:.1e} |"
+                f"| {r['long_prefix_speedup']:.2f} | {_split_cell(r, 'small', 'us', '.1f')} "
+                f"| {_split_cell(r, 'long_prefix', 'us', '.1f')} | {r['rel_diff']:.1e} |"
             )
     if doc.get("decode"):
         lines += [

@@ -161,8 +161,8 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     assert "(min 0.90)" in targets[1][0]
     extend = table_rows(md, "## Extend (prefill over a cached prefix)")
     assert extend == [
-        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03", "64x32/4w/2s", "-", "-"],
-        ["1", "8", "8", "70.0", "-", "-", "14%", "-", "-", "-", "-"],
+        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03", "64x32/4w/2s", "-", "-", "-", "-"],
+        ["1", "8", "8", "70.0", "-", "-", "14%", "-", "-", "-", "-", "-", "-"],
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
@@ -271,16 +271,27 @@ def test_extend_rows_show_the_tiles_without_the_prefix_hint_and_judge_their_outp
         "ratio_vs_sdpa": 200 / 180, "rel_err_vs_sdpa": 3e-3, "triton_blind_tflops": 150.0,
         "config": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
         "config_blind": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2},
-        "rel_err_blind_vs_sdpa": 4e-3,
+        "rel_err_blind_vs_sdpa": 4e-3, "split_cap": 3, "triton_split_tflops": 400.0, "rel_err_split_vs_sdpa": 2e-3,
+    })  # fmt: skip
+    result["extend"].append({
+        "batch": 1, "prefix": 4096, "new": 256, "triton_tflops": 100.0, "sdpa_tflops": 100.0,
+        "ratio_vs_sdpa": 1.0, "rel_err_vs_sdpa": 3e-3, "split_cap": 5, "triton_split_tflops": 50.0,
+        "config": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}, "rel_err_split_vs_sdpa": 2e-3,
     })  # fmt: skip
     result["summary"] = s = bench_report.summarize(result)
     assert s["extend_target_met"] is True
-    rows = table_rows(bench_report.format_markdown(result), "## Extend (prefill over a cached prefix)")
-    assert rows[-1] == ["4", "16384", "256", "200.0", "180.0", "1.11", "40%", "4.0e-03", "128x64/8w/3s",
-                        "64x32/4w/2s", "150.0"]  # fmt: skip
-    result["extend"][-1]["rel_err_blind_vs_sdpa"] = float("nan")  # the timed alternative wrote nothing
-    result["summary"] = s = bench_report.summarize(result)
-    assert s["extend_target_met"] is False and s["inaccurate"] == ["extend b=4 prefix=16384 new=256"]
+    assert s["extend_split_speedup_geomean"] == pytest.approx(1.0) and s["extend_split_speedup_min"] == 0.5
+    md = bench_report.format_markdown(result)
+    rows = table_rows(md, "## Extend (prefill over a cached prefix)")
+    assert rows[-2] == ["4", "16384", "256", "200.0", "180.0", "1.11", "40%", "4.0e-03", "128x64/8w/3s",
+                        "64x32/4w/2s", "150.0", "3", "400.0"]  # fmt: skip
+    assert rows[0][-2:] == ["-", "-"]  # a row without the split
+    assert "runs at 1.00x the unsplit kernel's TF/s (geomean; min 0.50)" in md
+    for name in ("blind", "split"):  # the timed alternative wrote nothing
+        result["extend"][-2][f"rel_err_{name}_vs_sdpa"] = float("nan")
+        result["summary"] = s = bench_report.summarize(result)
+        assert s["extend_target_met"] is False and s["inaccurate"] == ["extend b=4 prefix=16384 new=256"]
+        result["extend"][-2][f"rel_err_{name}_vs_sdpa"] = 1e-3
 
 
 def test_an_unwritten_or_wrong_output_misses_the_target_however_fast():
@@ -447,10 +458,13 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
             monkeypatch.setattr(ext, "INTERPRETED", True)
 
     monkeypatch.setattr(ext, "default_config", compiled_choice)
-    row = bench.bench_extend(bench.ExtendShape(1, 40, 20), bench.Model(4, 2, 128, "fp16"), cpu, gen)
-    assert row["config"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
-    assert row["config_blind"] == {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
-    assert row["triton_blind_tflops"] > 0 and bench_report.extend_error(row) < 2e-3
+    # 4 programs for 4 "SMs" x 2 waves, a prefix of two 256-token parts: the prefix split is timed too
+    row = bench.bench_extend(bench.ExtendShape(1, 300, 20), bench.Model(4, 2, 128, "fp16"), cpu, gen)
+    unsplit = {"split_prefix": False, "min_split_len": 256}
+    assert row["config"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3} | unsplit
+    assert row["config_blind"] == {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2} | unsplit
+    assert row["triton_blind_tflops"] > 0 and row["split_cap"] == 2 and row["triton_split_tflops"] > 0
+    assert max(row[f"rel_err_{name}vs_sdpa"] for name in ("", "blind_", "split_")) < 2e-3
 
     monkeypatch.setattr(bench, "LORA_IN", 64)
     monkeypatch.setattr(bench, "LORA_OUT", 48)

@@ -80,13 +80,16 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     assert kernels == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
-                       "_top_p_threshold_kernel"}  # fmt: skip
+                       "_top_p_threshold_kernel", "_extend_merge_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
         assert r["fp_fusion"] is True, r
     assert ("extend-long-prefix bf16 hd128 gqa4", "_extend_kernel") in rows  # LONG_PREFIX's tiles
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
+    # the prefix split of both tile choices (off by default): the split kernel and its merge
+    for case in ("extend-prefix-split bf16 hd128 gqa4", "extend-long-prefix-split bf16 hd128 gqa4"):
+        assert {(case, "_extend_kernel"), (case, "_extend_merge_kernel")} <= set(rows)
     for hd in (128, 64):
         extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
         decode = rows[(f"decode bf16 hd{hd} gqa4", "_decode_split_kernel")]
@@ -202,14 +205,15 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
-                       "_top_p_threshold_kernel"}  # fmt: skip
-    # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles
+                       "_top_p_threshold_kernel", "_extend_merge_kernel"}  # fmt: skip
+    # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
+    # prefix split (one compiled kernel for any split count)
     extends = sorted(
-        (r for r in loaded if r["kernel"] == "_extend_kernel"), key=lambda r: r["constants"]["BLOCK_M"]
+        (r for r in loaded if r["kernel"] == "_extend_kernel"),
+        key=lambda r: (r["constants"]["SPLIT"], r["constants"]["BLOCK_M"]),
     )
-    assert [(r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["num_warps"]) for r in extends] == [
-        (64, 32, 4), (128, 64, 8),
-    ]  # fmt: skip
+    assert [(r["constants"]["SPLIT"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["num_warps"])
+            for r in extends] == [(False, 64, 32, 4), (False, 128, 64, 8), (True, 64, 32, 4), (True, 128, 64, 8)]  # fmt: skip
     for extend in extends:
         assert extend["constants"]["GROUP"] == 4 and extend["shared_bytes"] > 0
         assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
@@ -236,7 +240,8 @@ def test_defaults_before_hopper_fit_without_spills_on_mma_sync(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     extend = next(r for r in report["rows"] if r["kernel"] == "_extend_kernel")
-    assert extend["config"] == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    unsplit = {"split_prefix": False, "min_split_len": 256}
+    assert extend["config"] == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2} | unsplit
     assert extend["ok"] and extend["spill_bytes"] == 0
     assert extend["sass"]["HGMMA"] == 0 and extend["sass"]["HMMA"] > 0
 
@@ -271,5 +276,6 @@ def test_defaults_above_head_dim_128_compile_without_spills(tmp_path, arch, bloc
     assert {r["case"].split()[2] for r in report["rows"] if r["kernel"] == "_extend_kernel"} == {
         "hd256", "hd96", "hd80"}  # fmt: skip
     extend = next(r for r in report["rows"] if r["case"] == "extend bf16 hd256 gqa4")
-    assert extend["config"] == {"block_m": block_m, "block_n": 16, "num_warps": 8, "num_stages": 2}
+    unsplit = {"split_prefix": False, "min_split_len": 256}
+    assert extend["config"] == {"block_m": block_m, "block_n": 16, "num_warps": 8, "num_stages": 2} | unsplit
     assert extend["spill_bytes"] == 0 and extend["regs"] <= 255 and extend["ok"]

@@ -71,6 +71,56 @@ def test_extend_is_exact_for_any_tile_shape(backend, assert_close_rel, block_m, 
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
+# (prefix, new) tokens per request for the prefix splits: no prefix (one split), a prefix under one part,
+# prefixes of many parts with a partial last tile, no new tokens, one new token, several query blocks
+SPLIT_REQUESTS = [(0, 19), (5, 3), (100, 9), (7, 0), (47, 40), (161, 1), (64, 33)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "hq", "hkv", "num_splits"),
+    [(torch.float32, 64, 8, 2, 2), (torch.bfloat16, 128, 8, 1, 3), (torch.float16, 64, 4, 4, 16)],
+)
+def test_prefix_splits_match_the_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits):
+    """Each request's prefix split over up to ``num_splits`` programs (each part's partial output and
+    log2-sum-exp, the last part with the new tokens), merged: the same answer as one program per block."""
+    ext = backend.module("extend_attention")
+    requests = SPLIT_REQUESTS if not backend.is_cuda else [(p * 9, n * 9) for p, n in SPLIT_REQUESTS]
+    args = make_batch(requests, hq, hkv, head_dim, dtype, backend.device, seed=num_splits)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: a row the merge skips fails
+    ext.extend_attention(*args, out=out, num_splits=num_splits)
+    assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+def test_prefix_parts_past_the_end_of_a_prefix_weigh_nothing(backend, assert_close_rel):
+    """Tile-aligned parts can end before the last split: 100 prefix tokens in 7 splits (16-token parts
+    at least) of 32-token tiles are parts of 32, 32, 32, 4 and then two empty ones before the last,
+    which attends the new tokens alone; the empty ones write lse -inf and a zero partial."""
+    ext = backend.module("extend_attention")
+    cfg = ext.ExtendConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, min_split_len=16)
+    args = make_batch([(100, 21), (30, 5), (0, 3)], 4, 2, 64, torch.float32, backend.device, seed=11)
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, out=out, config=cfg, num_splits=7)
+    assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+def test_the_prefix_split_cap_fills_the_sms_with_parts_the_prefix_fills():
+    from kernels import extend_attention as ext
+
+    cpu = torch.device("cpu")  # 4 "SMs" off CUDA: SPLIT_WAVES x 4 = 8 programs wanted
+    split = ext.ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2, split_prefix=True)
+    assert ext.prefix_split_cap(None, 64, 1, cpu, split) == 8  # one program: 8 splits
+    assert ext.prefix_split_cap(None, 65, 2, cpu, split) == 2  # 2 heads x 2 query blocks
+    assert ext.prefix_split_cap(None, 64, 8, cpu, split) == 1  # enough programs already
+    assert ext.prefix_split_cap(None, 64, 1, cpu, split, max_prefix_len=700) == 3  # 256-token parts
+    assert ext.prefix_split_cap(None, 64, 1, cpu, split, max_prefix_len=0) == 1
+    unsplit = ext.ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    assert ext.prefix_split_cap(None, 64, 1, cpu, unsplit) == 1  # off unless the config splits
+    assert ext.prefix_split_cap(5, 64, 64, cpu, unsplit) == 5  # a given cap is taken as it is
+    assert ext.prefix_split_cap(1000, 64, 1, cpu, split) == ext.MAX_PREFIX_SPLITS
+    assert ext.prefix_split_cap(0, 64, 1, cpu, split) == 1
+    assert not ext.default_config(128, torch.bfloat16, 90).split_prefix  # off until a GPU run says it pays
+
+
 def test_the_long_prefix_rule_needs_a_long_prefix_and_few_new_tokens(monkeypatch):
     """Long-prefix tiles on sm_90 (head dims 65-128, fp16/bf16) for a long prefix and few new tokens in
     all (twice as many over a deep prefix), measured on an H100: tests/kernels/test_sweep.py."""

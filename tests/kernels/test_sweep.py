@@ -3,6 +3,7 @@ sweep's rows run end to end on the interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -69,8 +70,24 @@ def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
     doc = json.loads(SWEEP.read_text())
     assert "Extend graphs" not in sweep.markdown(doc)  # the committed run predates that sweep
     doc["extend_graph"] = [{"prefix": 2048, "new": 208, "size": 256, "rows": 32, "small_us": 120.0,
-                            "long_prefix_us": 90.0, "long_prefix_speedup": 4 / 3, "rel_diff": 1e-3}]  # fmt: skip
-    assert "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 1.0e-03 |" in sweep.markdown(doc)
+                            "long_prefix_us": 90.0, "long_prefix_speedup": 4 / 3, "rel_diff": 1e-3,
+                            "small_split_us": 60.0, "small_split_cap": 3}]  # fmt: skip
+    assert "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 1.0e-03 |" in sweep.markdown(doc)
+
+
+def test_the_extend_table_shows_the_prefix_split_where_a_row_has_it(compiled_choice):
+    doc = json.loads(SWEEP.read_text())  # the committed run predates the split: dashes
+    row = next(r for r in doc["extend"] if (r["prefix"], r["batch"], r["new"]) == (2048, 1, 256))
+    line = next(x for x in sweep.markdown(doc).splitlines() if x.startswith("| 2048 | 1 x 256 |"))
+    assert line.endswith(f"| 128x64 | - | - | {row['rel_diff']:.1e} |")
+    row |= {
+        "small_split_ms": 0.05,
+        "small_split_cap": 5,
+        "long_prefix_split_ms": 0.0412,
+        "long_prefix_split_cap": 3,
+    }
+    line = next(x for x in sweep.markdown(doc).splitlines() if x.startswith("| 2048 | 1 x 256 |"))
+    assert line.endswith(f"| 128x64 | 0.050 (5) | 0.041 (3) | {row['rel_diff']:.1e} |")
 
 
 def test_the_command_refuses_without_cuda(capsys):
@@ -94,13 +111,22 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     monkeypatch.setattr(timing, "time_ms", once)
     monkeypatch.setattr(timing, "time_replay_ms", once)
     monkeypatch.setattr(sweep, "DECODE_SPLITS", (2,))
+    tiles = sweep.extend_tiles()  # NOTE: 16-token parts, so this short prefix splits
+    monkeypatch.setattr(
+        sweep, "extend_tiles", lambda: {k: dataclasses.replace(t, min_split_len=16) for k, t in tiles.items()}
+    )
     cpu, gen = torch.device("cpu"), torch.Generator().manual_seed(0)
     model = bench.Model(num_q_heads=4, num_kv_heads=2, head_dim=128, dtype="fp16")
     row = sweep.sweep_extend(40, 2, 20, model, cpu, gen)
     assert row["small_ms"] > 0 and row["long_prefix_ms"] > 0 and row["rel_diff"] < 3e-3
+    # 4 heads x 1 query block for 4 "SMs" x 2 waves: 2 parts for each tile choice (a wrong split: rel_diff)
+    assert row["small_split_ms"] > 0 and row["long_prefix_split_ms"] > 0
+    assert row["small_split_cap"] == row["long_prefix_split_cap"] == 2
+    assert sweep.sweep_extend(0, 2, 20, model, cpu, gen)["small_split_ms"] is None  # no prefix: no split
     graph = sweep.sweep_extend_graph(40, 5, 8, model, cpu, gen, rows=3)
     assert (graph["prefix"], graph["new"], graph["size"], graph["rows"]) == (40, 5, 8, 3)
     assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
+    assert graph["small_split_us"] > 0 and graph["long_prefix_split_us"] > 0 and graph["small_split_cap"] == 2
     rows = sweep.sweep_decode(64, model, cpu, gen)
     default = rows[0]["splits"]
     assert [(r["pdl"], r["prefetch"], r["default"], r["splits"]) for r in rows] == [

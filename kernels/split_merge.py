@@ -1,0 +1,80 @@
+"""Split-K attention's shared pieces: the partials' layout, the split count, the sm count, the merge.
+
+A split kernel gives each (row, query head) several programs, each over a part of the keys; each
+writes its partial output (normalised by its own softmax sum) and that sum's log2-sum-exp, and a merge
+weighs the partials by exp2(lse - max lse). Decode (kernels/decode_attention.py), the short extend
+(kernels/extend_short.py) and the extend kernel's prefix splits (kernels/extend_attention.py) share
+this layout: partials [rows, Hq, splits, D] and lse [rows, Hq, >= splits], float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (cached); 4 elsewhere (the interpreter), so split choices stay small."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+def split_partials(
+    rows: int, hq: int, num_splits: int, d: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The split kernel's outputs for the merge: each split's partial output [rows, Hq, splits, D] and
+    its log2-sum-exp [rows, Hq, >= splits] (fp32).
+    NOTE: the lse rows are padded to a multiple of 16 splits so that their strides, like the partials',
+    keep their 16-divisibility for any split count: one compiled kernel pair serves them all."""
+    mid_out = torch.empty((rows, hq, num_splits, d), dtype=torch.float32, device=device)
+    mid_lse = torch.empty((rows, hq, triton.cdiv(num_splits, 16) * 16), dtype=torch.float32, device=device)
+    return mid_out, mid_lse
+
+
+@triton.jit
+def num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
+    """Splits a sequence of ``kv_len`` keys takes under a cap of ``max_splits``: one per started
+    MIN_SPLIT_LEN keys (0 for no keys)."""
+    return tl.minimum(tl.cdiv(kv_len, MIN_SPLIT_LEN), max_splits)
+
+
+@triton.jit
+def merge_head(
+    Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    CACHE: tl.constexpr,
+):  # fmt: skip
+    """Out[req, head] := the splits' partial outputs weighted by exp2 of their log2-sum-exps (an empty
+    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier.
+    NOTE: every split below n_splits wrote a finite partial (zeros when empty), so the partials' load is
+    masked by the split count alone: it does not wait for the lse load, and both are in flight at once.
+    It stays after the weights in the source: placed first, the fused merge took 195 registers, not 162."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < n_splits
+    lse = tl.load(Mid_lse + req * stride_lb + head * stride_lh + offs_s, mask=mask_s, other=float("-inf"),
+                  cache_modifier=CACHE)  # fmt: skip
+    live = mask_s & (lse > float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # no live split at all: every weight is exp2(-inf) = 0
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    part = tl.load(
+        Mid_out + req * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+        mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    total = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        Out + req * stride_ob + head * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
