@@ -233,10 +233,28 @@ def loaded_kernels() -> list[dict[str, Any]]:
     NOTE: reads Triton's per-device JIT caches (the same layout in Triton 3.6 and 3.9)."""
     from triton.runtime.jit import JITFunction
 
-    from kernels import decode_attention, extend_attention, extend_short, fused, lora, pointwise, sampling
+    from kernels import (
+        decode_attention,
+        extend_attention,
+        extend_short,
+        fused,
+        lora,
+        pointwise,
+        sampling,
+        split_merge,
+    )
 
     rows = []
-    for module in (extend_attention, extend_short, decode_attention, pointwise, fused, lora, sampling):
+    for module in (
+        extend_attention,
+        extend_short,
+        split_merge,
+        decode_attention,
+        pointwise,
+        fused,
+        lora,
+        sampling,
+    ):
         for fn in vars(module).values():
             if not isinstance(fn, JITFunction) or not fn.__name__.endswith("_kernel"):
                 continue

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile, gather_kv
-from kernels.split_merge import merge_head, num_splits_of, sm_count, split_partials
+from kernels.split_merge import merge_rows, num_splits_of, sm_count, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -335,40 +335,6 @@ def _extend_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _extend_merge_kernel(
-    Mid_out,
-    Mid_lse,
-    Out,
-    qo_indptr,
-    kv_indptr,
-    stride_mt,
-    stride_mh,
-    stride_ms,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    num_splits,
-    TOKENS: tl.constexpr,  # rows merged per program
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
-    MIN_SPLIT_LEN: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    t0 = tl.program_id(2) * TOKENS
-    q_start = tl.load(qo_indptr + req).to(tl.int64)
-    q_len = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
-    prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    n_splits = _prefix_splits(prefix_len, num_splits, MIN_SPLIT_LEN)
-    for i in range(TOKENS):
-        if t0 + i < q_len:
-            merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh, stride_ms,
-                       stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
-
-
 def extend_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -463,10 +429,6 @@ def extend_attention(
         num_stages=cfg.num_stages,
     )
     if split:
-        _extend_merge_kernel[(batch, hq, triton.cdiv(max_extend_len, MERGE_TOKENS))](
-            mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-            TOKENS=MERGE_TOKENS, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            MIN_SPLIT_LEN=cfg.min_split_len, enable_fp_fusion=True, num_warps=4 if block_d >= 128 else 2,
-        )  # fmt: skip
+        merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, MERGE_TOKENS,
+                   cfg.min_split_len, split_new_tokens=False)  # fmt: skip
     return out

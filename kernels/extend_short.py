@@ -34,7 +34,7 @@ from kernels.decode_attention import DecodeConfig, default_config, split_cap
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.pdl import pdl_active, pdl_launch, wait_then_release
-from kernels.split_merge import merge_head, num_splits_of, split_partials
+from kernels.split_merge import merge_rows, num_splits_of, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -158,44 +158,6 @@ def _short_split_kernel(
     tl.store(Mid_lse + rows * stride_lt + heads * stride_lh + split, lse, mask=mask_r)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _short_merge_kernel(
-    Mid_out,
-    Mid_lse,
-    Out,
-    qo_indptr,
-    kv_indptr,
-    stride_mt,
-    stride_mh,
-    stride_ms,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    num_splits,
-    TOKENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
-    MIN_SPLIT_LEN: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    t0 = tl.program_id(2) * TOKENS
-    q_start = tl.load(qo_indptr + req).to(tl.int64)
-    n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
-    prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    n_splits = num_splits_of(_block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
-    if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
-        tl.extra.cuda.gdc_wait()
-    for i in range(TOKENS):
-        if t0 + i < n_new:
-            merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh,
-                        stride_ms, stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S,
-                        "")  # fmt: skip
-
-
 def extend_short_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -250,11 +212,6 @@ def extend_short_attention(
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl,
         enable_fp_fusion=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
-    _short_merge_kernel[(batch, hq, token_blocks)](
-        mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        MIN_SPLIT_LEN=cfg.min_split_len, PDL=pdl, enable_fp_fusion=True, num_warps=4 if block_d >= 128 else 2,
-        **pdl_launch(pdl),
-    )  # fmt: skip
+    merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, tokens, cfg.min_split_len,
+               split_new_tokens=True, pdl=pdl, launch=pdl_launch(pdl))  # fmt: skip
     return out

@@ -78,3 +78,75 @@ def merge_head(
         out.to(Out.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+
+
+# NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_rows_kernel(
+    Mid_out,
+    Mid_lse,
+    Out,
+    qo_indptr,
+    kv_indptr,
+    stride_mt,
+    stride_mh,
+    stride_ms,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    TOKENS: tl.constexpr,  # rows a program merges: a request's rows t0 .. t0 + TOKENS - 1
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
+    MIN_SPLIT_LEN: tl.constexpr,
+    SPLIT_NEW_TOKENS: tl.constexpr,  # see merge_rows
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    t0 = tl.program_id(2) * TOKENS
+    q_start = tl.load(qo_indptr + req).to(tl.int64)
+    n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
+    prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
+    if SPLIT_NEW_TOKENS:  # the positions the block's last row sees
+        n_splits = num_splits_of(prefix_len + tl.minimum(t0 + TOKENS, n_new), num_splits, MIN_SPLIT_LEN)
+    else:  # the prefix alone; one split at least, which also takes the new tokens
+        n_splits = tl.maximum(num_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN), 1)
+    if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
+        tl.extra.cuda.gdc_wait()
+    for i in range(TOKENS):
+        if t0 + i < n_new:
+            merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh, stride_ms,
+                       stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
+
+
+def merge_rows(
+    mid_out: torch.Tensor,
+    mid_lse: torch.Tensor,
+    out: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    num_splits: int,
+    max_extend_len: int,
+    tokens: int,
+    min_split_len: int,
+    split_new_tokens: bool,
+    pdl: bool = False,
+    launch: dict | None = None,
+) -> None:
+    """out[T, Hq, D] := the splits of each request's new-token rows merged, ``tokens`` rows a program.
+    A block of rows has as many splits as its split kernel gave it: one per started ``min_split_len``
+    positions its last row sees (``split_new_tokens``: the short extend), or per started
+    ``min_split_len`` prefix tokens, at least one (extend's prefix splits); at most ``num_splits``.
+    ``launch``: extra launch options (PDL's)."""
+    hq, d = out.shape[1], out.shape[2]
+    block_d = max(16, triton.next_power_of_2(d))
+    _merge_rows_kernel[(qo_indptr.numel() - 1, hq, triton.cdiv(max_extend_len, tokens))](
+        mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, enable_fp_fusion=True,
+        num_warps=4 if block_d >= 128 else 2, **(launch or {}),
+    )  # fmt: skip

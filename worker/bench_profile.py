@@ -38,7 +38,12 @@ from worker.bench_report import (
 # NOTE: first match wins; names are CUDA kernel names (cuBLAS / CUTLASS / Triton) or, on the CPU, torch
 # operator names. Triton kernels are named after their @triton.jit functions (kernels/*.py).
 GROUPS = (
-    ("attention", re.compile(r"decode_split|decode_merge|extend_kernel|attention|flash|sdpa", re.I)),
+    (
+        "attention",
+        re.compile(
+            r"decode_split|decode_merge|extend_kernel|short_split|merge_rows|attention|flash|sdpa", re.I
+        ),
+    ),
     ("matmul", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|aten::(mm|addmm|bmm|matmul)$", re.I)),
     ("rms_norm", re.compile(r"rms_norm", re.I)),  # with the residual add where fused (add_rms_norm)
     ("rope_kv_store", re.compile(r"rope|store_kv|index_put|index_copy", re.I)),  # one kernel on the GPU

@@ -79,8 +79,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     kernels = {kernel for _, kernel in rows}
     assert kernels == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
-                       "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
-                       "_top_p_threshold_kernel", "_extend_merge_kernel"}  # fmt: skip
+                       "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
+                       "_top_p_threshold_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -89,7 +89,7 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     # the prefix split of both tile choices (off by default): the split kernel and its merge
     for case in ("extend-prefix-split bf16 hd128 gqa4", "extend-long-prefix-split bf16 hd128 gqa4"):
-        assert {(case, "_extend_kernel"), (case, "_extend_merge_kernel")} <= set(rows)
+        assert {(case, "_extend_kernel"), (case, "_merge_rows_kernel")} <= set(rows)
     for hd in (128, 64):
         extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
         decode = rows[(f"decode bf16 hd{hd} gqa4", "_decode_split_kernel")]
@@ -166,7 +166,7 @@ def test_pdl_configurations_compile_kernels_launched_as_programmatic_dependents(
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     launched = json.loads(proc.stdout.strip().splitlines()[-1])
-    names = ["_decode_split_kernel", "_decode_merge_kernel", "_short_split_kernel", "_short_merge_kernel"]
+    names = ["_decode_split_kernel", "_decode_merge_kernel", "_short_split_kernel", "_merge_rows_kernel"]
     assert launched == {"False": [[n, False] for n in names], "True": [[n, True] for n in names]}
 
 
@@ -204,8 +204,8 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     rows = {r["kernel"]: r for r in loaded}
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
-                       "_expand_kernel", "_short_split_kernel", "_short_merge_kernel",
-                       "_top_p_threshold_kernel", "_extend_merge_kernel"}  # fmt: skip
+                       "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
+                       "_top_p_threshold_kernel"}  # fmt: skip
     # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
     # prefix split (one compiled kernel for any split count)
     extends = sorted(

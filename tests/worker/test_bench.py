@@ -349,6 +349,9 @@ def test_profile_groups_kernels_by_what_they_do():
         "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",
         "_decode_split_kernel": "attention",
         "_decode_merge_kernel": "attention",
+        "_extend_kernel": "attention",
+        "_short_split_kernel": "attention",  # verify steps and short cache-hit prefills
+        "_merge_rows_kernel": "attention",  # their merge, and extend's prefix splits'
         "_rms_norm_kernel": "rms_norm",
         "_add_rms_norm_kernel": "rms_norm",
         "_rope_kernel": "rope_kv_store",
