@@ -185,18 +185,34 @@ def test_lora_adapters_on_triton_kernels_match_the_reference_path(backend, monke
 
 # NOTE: padding rows carry whatever their never-written attention output held; numpy may overflow on them
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
-def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(backend, monkeypatch, lora):
+@pytest.mark.parametrize(("lora", "split"), [(False, False), (True, False), (False, True)],
+                         ids=["base", "lora", "prefix-split"])  # fmt: skip
+def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
+    backend, monkeypatch, lora, split
+):
     """Extend and verify steps through worker.extend_graph (padding tokens owned by no request, empty
     request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits;
-    with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs).
+    with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs); with
+    ``split``, the extend kernel splits each prefix (ExtendConfig.split_prefix, its cap fixed at capture
+    from the graph's tokens; 4x the waves, so the interpreter's 4 "SMs" make small graphs split).
     Interpreted, a replay re-runs the forward (the captures run nothing); on CUDA it is a real graph."""
+    import dataclasses
+
+    from kernels import extend_attention as ext
     from tests.worker.test_cuda_graph import EagerReplay, eager_logits
     from tests.worker.test_extend_graph import STEPS, Cached
     from worker.extend_graph import ExtendGraphRunner
 
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if split:
+        choose, caps = ext.default_config, []
+        monkeypatch.setattr(
+            ext, "default_config", lambda *a: dataclasses.replace(choose(*a), split_prefix=True)
+        )
+        monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
+        cap = ext.prefix_split_cap
+        monkeypatch.setattr(ext, "prefix_split_cap", lambda *a: caps.append(cap(*a)) or caps[-1])
     cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
     if lora:
         add_adapters(cpu_model)
@@ -234,3 +250,5 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(ba
         assert err < tol, (
             f"{kind} step of {[len(t) for t in new]} tokens: relative error {err:.2e} >= {tol:.0e}"
         )
+    if split:  # NOTE: the small graphs split (the cap is a launch argument of the graph)
+        assert max(caps) > 1
