@@ -26,8 +26,9 @@ tokens a split, at most ``num_splits``), the last part also takes the request's 
 each writes a partial output and its log2-sum-exp, which a merge kernel combines, as decode does
 (kernels/split_merge.py). The split cap comes from the grid (enough programs for SPLIT_WAVES waves of
 SMs) and, when known, the longest prefix; inside the kernel each request takes only the splits its
-prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default until
-a GPU run says it pays (kernels.bench, kernels.sweep).
+prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default
+(SPLIT_PREFIX) until a GPU run says it pays (kernels.bench, kernels.sweep, worker.bench_profile
+--split-prefix).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 LONG_PREFIX = 1024
 DEEP_PREFIX = 8192
 FEW_NEW_TOKENS = 1024
+# The prefix split in the default configurations: off until a GPU run says it pays. Benchmarks flip it for a
+# process (worker.bench_profile --split-prefix) to time a model step with it.
+SPLIT_PREFIX = False
 MAX_PREFIX_SPLITS = 16
 SPLIT_WAVES = 2  # prefix splits aim for this many waves of programs per SM
 MERGE_TOKENS = 8  # rows of one (request, query head) a merge program combines
@@ -84,7 +88,14 @@ def default_config(
     """Defaults for compute capability ``arch`` (x10: 90 = H100) and a batch whose longest cached prefix
     is ``max_prefix_len`` tokens and whose requests have ``new_tokens`` new tokens in all (None: unknown,
     as in a CUDA graph replayed over any prefix); small tiles in the interpreter so short test sequences
-    span many tiles."""
+    span many tiles. The prefix split is on where SPLIT_PREFIX says."""
+    cfg = _default_tiles(head_dim, dtype, arch, max_prefix_len, new_tokens)
+    return dataclasses.replace(cfg, split_prefix=True) if SPLIT_PREFIX else cfg
+
+
+def _default_tiles(
+    head_dim: int, dtype: torch.dtype, arch: int, max_prefix_len: int | None, new_tokens: int | None
+) -> ExtendConfig:
     if INTERPRETED:
         return ExtendConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, min_split_len=16)
     # NOTE: each fp16/bf16 choice compiles without register spills for sm_80, sm_89 and sm_90

@@ -63,11 +63,12 @@ def extend_tiles() -> dict[str, Any]:
 
 
 def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, timer: Any,
-               max_prefix_len: int | None = None) -> tuple[dict[str, float], float, dict[str, int]]:  # fmt: skip
+               max_prefix_len: int | None = None) -> tuple[dict[str, float], float, dict[str, int], torch.Tensor]:  # fmt: skip
     """extend_attention on ``args`` with each tile choice, and each again with its prefix split
     (ExtendConfig.split_prefix) where the split cap for this call (q's rows, ``max_prefix_len``) is above
     1: ``timer``'s time of each (name, or name + "_split" -> its unit), the largest relative difference
-    of an output's first ``kept`` rows from the 64x32 tiles', and each split tile choice's cap."""
+    of an output's first ``kept`` rows from the 64x32 tiles', each split tile choice's cap, and the 64x32
+    tiles' output rows (float32)."""
     from kernels import extend_attention as ext
 
     q = args[0]
@@ -92,7 +93,7 @@ def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, t
             times[key] = timer(call)
     ref = outs["small"]
     diff = max(((o - ref).norm() / ref.norm()).item() for key, o in outs.items() if key != "small")
-    return times, diff, caps
+    return times, diff, caps, ref
 
 
 def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: torch.device,
@@ -102,7 +103,7 @@ def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: 
     torch.manual_seed(prefix * 1_000_003 + batch * 1009 + new)  # the device draws of extend_inputs
     args = bench.extend_inputs(bench.ExtendShape(batch, prefix, new), model, device, gen, on_device=True)
     out = torch.empty_like(args[0])
-    ms, diff, caps = time_tiles(args, new, out, out.shape[0], timing.time_ms, prefix)
+    ms, diff, caps, _ = time_tiles(args, new, out, out.shape[0], timing.time_ms, prefix)
     return {"prefix": prefix, "batch": batch, "new": new, "small_ms": ms["small"],
             "long_prefix_ms": ms["long_prefix"], "long_prefix_speedup": ms["small"] / ms["long_prefix"],
             "small_split_ms": ms.get("small_split"), "long_prefix_split_ms": ms.get("long_prefix_split"),
@@ -115,7 +116,10 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     """One row: each tile choice replayed as an extend graph of ``size`` tokens and ``rows`` request rows
     runs one request of ``new`` tokens over ``prefix`` (the padding tokens and the other rows own
     nothing), median us, unsplit and with the split cap such a graph takes (its prefix unknown); the
-    long-prefix tiles' speedup; the outputs' largest difference on the request's rows."""
+    64x32 tiles again over the request's row alone (what the empty rows' programs cost); the long-prefix
+    tiles' speedup; the outputs' largest difference on the request's rows."""
+    from kernels import extend_attention as ext
+
     torch.manual_seed(prefix * 1_000_003 + new * 1009 + size)
     shape = bench.ExtendShape(1, prefix, size)
     q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = bench.extend_inputs(
@@ -125,13 +129,26 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     kv_indptr = torch.full((rows + 1,), prefix, dtype=torch.int32, device=device)
     qo_indptr[0] = kv_indptr[0] = 0
     args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
-    us, diff, caps = time_tiles(
-        args, size, torch.zeros_like(q), new, lambda call: timing.time_replay_ms(call) * 1e3
-    )
+    out = torch.zeros_like(q)
+    us, diff, caps, ref = time_tiles(args, size, out, new, lambda call: timing.time_replay_ms(call) * 1e3)
+    # NOTE: the graph's tiles (64x32) again with its one request row alone: what the empty rows' programs cost
+    one_row = (*args[:5], qo_indptr[:2], kv_indptr[:2], kv_indices)
+    small, one = extend_tiles()["small"], {}
+    for key, cfg in (("small", small), ("small_split", dataclasses.replace(small, split_prefix=True))):
+        if key in us:
+
+            def call(cfg: Any = cfg) -> None:
+                ext.extend_attention(*one_row, max_extend_len=size, out=out, config=cfg)
+
+            out[:new].fill_(float("nan"))  # the call must write every row it owns
+            call()
+            diff = max(diff, ((out[:new].float() - ref).norm() / ref.norm()).item())
+            one[key] = timing.time_replay_ms(call) * 1e3
     return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
             "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
             "small_split_us": us.get("small_split"), "long_prefix_split_us": us.get("long_prefix_split"),
             "small_split_cap": caps.get("small"), "long_prefix_split_cap": caps.get("long_prefix"),
+            "small_one_row_us": one["small"], "small_split_one_row_us": one.get("small_split"),
             "rel_diff": diff}  # fmt: skip
 
 
@@ -166,6 +183,10 @@ def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch
 
     chosen = ext.default_config(head_dim, dtype, 90, row["prefix"], row["batch"] * row["new"])
     return chosen == extend_tiles()["long_prefix"]
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _split_cell(row: dict, tiles: str, unit: str, spec: str) -> str:
@@ -220,17 +241,19 @@ def markdown(doc: dict) -> str:
             "One request of a cache hit's new tokens in an extend graph of that many tokens (padding"
             " included) and 32 request rows, replayed; the worker's graphs take 64x32 today (a graph is"
             " replayed over any prefix). The split columns: each with the prefix split such a graph would take"
-            " (its cap from the graph's tokens alone; the most parts in brackets).",
+            " (its cap from the graph's tokens alone; the most parts in brackets). The one-row columns: 64x32"
+            " unsplit and split over the request's row alone, without the 31 empty rows' programs.",
             "",
             "| prefix | new | graph tokens | 64x32 us | 128x64 us | 128x64 speedup | 64x32 split us "
-            "| 128x64 split us | rel diff |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| 128x64 split us | one row: 64x32 us | split us | rel diff |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["extend_graph"]:
             lines.append(
                 f"| {r['prefix']} | {r['new']} | {r['size']} | {r['small_us']:.1f} | {r['long_prefix_us']:.1f} "
                 f"| {r['long_prefix_speedup']:.2f} | {_split_cell(r, 'small', 'us', '.1f')} "
-                f"| {_split_cell(r, 'long_prefix', 'us', '.1f')} | {r['rel_diff']:.1e} |"
+                f"| {_split_cell(r, 'long_prefix', 'us', '.1f')} | {_fmt(r.get('small_one_row_us'))} "
+                f"| {_fmt(r.get('small_split_one_row_us'))} | {r['rel_diff']:.1e} |"
             )
     if doc.get("decode"):
         lines += [

@@ -114,7 +114,8 @@ def extend_tiles(model: Any, device: str, max_prefix_len: int | None, new_tokens
 
     arch = ext.device_arch(torch.device("cuda"))
     cfg = ext.default_config(model.config.head_dim, model.dtype, arch, max_prefix_len, new_tokens)
-    return f"{cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages"
+    split = ", prefix split" if cfg.split_prefix else ""
+    return f"{cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages{split}"
 
 
 def replay_ms(forward: Any, reps: int) -> float:
@@ -219,9 +220,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="decode requests in the step")
     ap.add_argument("--context", type=int, default=512, help="context tokens per request")
     ap.add_argument("--reps", type=int, default=20, help="steps timed, and steps profiled")
-    ap.add_argument("--new-tokens", type=int, default=0,
-                    help="profile a prefill of this many new tokens a request over --context cached ones "
-                         "(a cache hit) instead of a decode step (0)")  # fmt: skip
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=0,
+        help="profile a prefill of this many new tokens a request over --context cached ones "
+        "(a cache hit) instead of a decode step (0)",
+    )
+    ap.add_argument("--split-prefix", action="store_true",
+                    help="the extend kernel's prefix split on (kernels.extend_attention.SPLIT_PREFIX; off by "
+                         "default until a GPU run says it pays)")  # fmt: skip
     add_step_bench_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
@@ -232,11 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.new_tokens < 0:
         ap.error("--new-tokens must be 0 (a decode step) or positive")
     device = bench_device(ap, a.device, a.model, a.cpu_threads)
+    from kernels import extend_attention
+
     model = bench_model(a.model, device)
     t0 = time.perf_counter()
-    result = run(model, device, a.batch, a.context, a.reps, a.new_tokens)
+    default = extend_attention.SPLIT_PREFIX
+    extend_attention.SPLIT_PREFIX = default or a.split_prefix  # NOTE: every extend launch of the run takes it
+    try:
+        result = run(model, device, a.batch, a.context, a.reps, a.new_tokens)
+    finally:
+        extend_attention.SPLIT_PREFIX = default
     params = {"model": a.model, "device": device, "batch": a.batch, "context": a.context, "reps": a.reps,
-              "new_tokens": a.new_tokens, "quick": a.quick}  # fmt: skip
+              "new_tokens": a.new_tokens, "split_prefix": a.split_prefix, "quick": a.quick}  # fmt: skip
     doc = {"benchmark": "profile", "command": " ".join(["python -m worker.bench_profile", *argv]), "model": a.model,
            "params": params, "machine": machine_info(device), "result": result,
            "wall_s": round(time.perf_counter() - t0, 2)}  # fmt: skip

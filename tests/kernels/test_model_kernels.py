@@ -196,8 +196,6 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
     ``split``, the extend kernel splits each prefix (ExtendConfig.split_prefix, its cap fixed at capture
     from the graph's tokens; 4x the waves, so the interpreter's 4 "SMs" make small graphs split).
     Interpreted, a replay re-runs the forward (the captures run nothing); on CUDA it is a real graph."""
-    import dataclasses
-
     from kernels import extend_attention as ext
     from tests.worker.test_cuda_graph import EagerReplay, eager_logits
     from tests.worker.test_extend_graph import STEPS, Cached
@@ -206,10 +204,8 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if split:
-        choose, caps = ext.default_config, []
-        monkeypatch.setattr(
-            ext, "default_config", lambda *a: dataclasses.replace(choose(*a), split_prefix=True)
-        )
+        caps = []
+        monkeypatch.setattr(ext, "SPLIT_PREFIX", True)
         monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
         cap = ext.prefix_split_cap
         monkeypatch.setattr(ext, "prefix_split_cap", lambda *a: caps.append(cap(*a)) or caps[-1])

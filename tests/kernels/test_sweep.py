@@ -71,8 +71,17 @@ def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
     assert "Extend graphs" not in sweep.markdown(doc)  # the committed run predates that sweep
     doc["extend_graph"] = [{"prefix": 2048, "new": 208, "size": 256, "rows": 32, "small_us": 120.0,
                             "long_prefix_us": 90.0, "long_prefix_speedup": 4 / 3, "rel_diff": 1e-3,
-                            "small_split_us": 60.0, "small_split_cap": 3}]  # fmt: skip
-    assert "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 1.0e-03 |" in sweep.markdown(doc)
+                            "small_split_us": 60.0, "small_split_cap": 3, "small_one_row_us": 100.0,
+                            "small_split_one_row_us": 45.5}]  # fmt: skip
+    assert (
+        "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 100.0 | 45.5 | 1.0e-03 |"
+        in sweep.markdown(doc)
+    )
+    doc["extend_graph"][0] |= {
+        "small_split_us": None,
+        "small_split_one_row_us": None,
+    }  # a graph that did not split
+    assert "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | - | - | 100.0 | - | 1.0e-03 |" in sweep.markdown(doc)
 
 
 def test_the_extend_table_shows_the_prefix_split_where_a_row_has_it(compiled_choice):
@@ -127,6 +136,7 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert (graph["prefix"], graph["new"], graph["size"], graph["rows"]) == (40, 5, 8, 3)
     assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
     assert graph["small_split_us"] > 0 and graph["long_prefix_split_us"] > 0 and graph["small_split_cap"] == 2
+    assert graph["small_one_row_us"] > 0 and graph["small_split_one_row_us"] > 0  # the one request row alone
     rows = sweep.sweep_decode(64, model, cpu, gen)
     default = rows[0]["splits"]
     assert [(r["pdl"], r["prefetch"], r["default"], r["splits"]) for r in rows] == [

@@ -445,6 +445,24 @@ def test_profile_bench_profiles_a_cache_hit_prefill(tmp_path, capsys):
         bench_profile.main(["--device", "cpu", "--new-tokens", "-1"])
 
 
+def test_profile_bench_turns_the_prefix_split_on_for_its_run_only(tmp_path, monkeypatch):
+    """--split-prefix: the extend kernel's default configurations split during the run (seen by the
+    model's attention), and the default is back afterwards (tests call main() in one process)."""
+    from kernels import extend_attention as ext
+    from worker import attention, bench_profile
+
+    seen, extend = [], attention.extend
+    monkeypatch.setattr(
+        attention, "extend", lambda *a: seen.append(ext.default_config(64, ext.torch.bfloat16)) or extend(*a)
+    )
+    out = tmp_path / "split.json"
+    argv = ["--quick", "--device", "cpu", "--new-tokens", "4", "--split-prefix", "--out", str(out)]
+    assert bench_profile.main(argv) == 0
+    assert seen and all(cfg.split_prefix for cfg in seen)
+    assert json.loads(out.read_text())["params"]["split_prefix"] is True
+    assert ext.SPLIT_PREFIX is False and not ext.default_config(64, ext.torch.bfloat16).split_prefix
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_profile_bench_finds_the_kernels_of_a_cuda_decode_step(tmp_path):
