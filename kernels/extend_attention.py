@@ -42,7 +42,7 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile, gather_kv
-from kernels.split_merge import merge_rows, num_splits_of, sm_count, split_partials
+from kernels.split_merge import merge_rows, prefix_splits_of, sm_count, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -189,12 +189,6 @@ def _attend_rows(
     return attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, MASKED, PRECISION, DOT_FP32)
 
 
-@triton.jit
-def _prefix_splits(prefix_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
-    """Splits a request's prefix takes (at least one: the last split also takes the new tokens)."""
-    return tl.maximum(num_splits_of(prefix_len, max_splits, MIN_SPLIT_LEN), 1)
-
-
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
 @triton.jit(do_not_specialize=["num_splits"])
 def _extend_kernel(
@@ -257,7 +251,7 @@ def _extend_kernel(
     p_lo = 0
     p_hi = prefix_len
     if SPLIT:
-        n_splits = _prefix_splits(prefix_len, num_splits, MIN_SPLIT_LEN)
+        n_splits = prefix_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN)
         if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
             return
         # NOTE: tile-aligned parts, so only the part holding the prefix's end has a partial tile; a part

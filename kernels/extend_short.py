@@ -34,17 +34,11 @@ from kernels.decode_attention import DecodeConfig, default_config, split_cap
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.pdl import pdl_active, pdl_launch, wait_then_release
-from kernels.split_merge import merge_rows, num_splits_of, split_partials
+from kernels.split_merge import block_kv_len, merge_rows, num_splits_of, split_partials
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
-
-
-@triton.jit
-def _block_kv_len(prefix_len, n_new, t0, TOKENS: tl.constexpr):
-    """Positions a block of tokens t0 .. t0 + TOKENS - 1 sees at most: its last token's."""
-    return prefix_len + tl.minimum(t0 + TOKENS, n_new)
 
 
 # NOTE: num_splits and token_blocks are plain arguments: one compiled kernel serves every count
@@ -98,7 +92,7 @@ def _short_split_kernel(
         return
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     prefix_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
-    kv_len = _block_kv_len(prefix_len, n_new, t0, TOKENS)
+    kv_len = block_kv_len(prefix_len, n_new, t0, TOKENS)
     n_splits = num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if split >= n_splits:  # the merge derives n_splits the same way and never reads this one
         return

@@ -46,6 +46,20 @@ def num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
 
 
 @triton.jit
+def block_kv_len(prefix_len, n_new, t0, TOKENS: tl.constexpr):
+    """Positions a block of a request's new tokens t0 .. t0 + TOKENS - 1 sees at most: its last token's
+    (the short extend splits all of them)."""
+    return prefix_len + tl.minimum(t0 + TOKENS, n_new)
+
+
+@triton.jit
+def prefix_splits_of(prefix_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
+    """Splits extend's prefix split gives a request: num_splits_of its prefix, at least one (the last
+    split also takes the request's new tokens)."""
+    return tl.maximum(num_splits_of(prefix_len, max_splits, MIN_SPLIT_LEN), 1)
+
+
+@triton.jit
 def merge_head(
     Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -111,9 +125,9 @@ def _merge_rows_kernel(
     n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
     prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
     if SPLIT_NEW_TOKENS:  # the positions the block's last row sees
-        n_splits = num_splits_of(prefix_len + tl.minimum(t0 + TOKENS, n_new), num_splits, MIN_SPLIT_LEN)
+        n_splits = num_splits_of(block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
     else:  # the prefix alone; one split at least, which also takes the new tokens
-        n_splits = tl.maximum(num_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN), 1)
+        n_splits = prefix_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN)
     if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
         tl.extra.cuda.gdc_wait()
     for i in range(TOKENS):
