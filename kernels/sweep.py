@@ -11,7 +11,7 @@
   by default) wherever the call's grid is small enough that it splits;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
   PDL (programmatic dependent launch), and with the next tile's K/V prefetched into registers
-  (decode_attention.PREFETCH_TILES), beside the default split count.
+  (decode_attention.PREFETCH_TILES), without and with PDL, beside the default split count.
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
 worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
@@ -154,7 +154,7 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
 
 def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> list[dict]:
     """Batch 1 at ``context``: the default split cap and each of DECODE_SPLITS, the default tiles without
-    and with PDL, then with dec.PREFETCH_TILES."""
+    and with PDL, then dec.PREFETCH_TILES without and with PDL."""
     from kernels import decode_attention as dec
 
     shape = bench.DecodeShape(batch=1, context=context)
@@ -164,7 +164,8 @@ def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: to
     base = dec.default_config(model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device))
     default_splits = dec.split_cap(None, 1, model.num_kv_heads, device, base, context)
     rows = []
-    for cfg in (base, dataclasses.replace(base, pdl=True), dataclasses.replace(base, **dec.PREFETCH_TILES)):
+    prefetch = dataclasses.replace(base, **dec.PREFETCH_TILES)
+    for cfg in (base, dataclasses.replace(base, pdl=True), prefetch, dataclasses.replace(prefetch, pdl=True)):
         for splits in (None, *DECODE_SPLITS):
 
             def call(cfg: Any = cfg, splits: int | None = splits) -> None:
@@ -264,22 +265,25 @@ def markdown(doc: dict) -> str:
             " prefetch: a split kernel that loads the next tile's K/V into registers before it computes each"
             " tile (64-token tiles, 4 warps, no Triton pipelining).",
             "",
-            "| context | splits | us | GB/s | PDL us | PDL GB/s | prefetch us | prefetch GB/s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| context | splits | us | GB/s | PDL us | PDL GB/s | prefetch us | prefetch GB/s "
+            "| prefetch + PDL us | GB/s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
 
         def cells(r: dict | None) -> str:  # a variant the run did not measure shows as -
             return f"{r['us']:.1f} | {r['gbs']:,.0f}" if r else "- | -"
 
-        plain = [r for r in doc["decode"] if not r["pdl"] and not r.get("prefetch")]
-        pdl = {(r["context"], r["splits"], r["default"]): r for r in doc["decode"] if r["pdl"]}
-        pre = {(r["context"], r["splits"], r["default"]): r for r in doc["decode"] if r.get("prefetch")}
-        for r in plain:
-            key = (r["context"], r["splits"], r["default"])
-            mark = "*" if r["default"] else ""
+        variants: dict[tuple[bool, bool], dict] = {}  # (pdl, prefetch) -> (context, splits, default) -> row
+        for r in doc["decode"]:
+            variants.setdefault((r["pdl"], r.get("prefetch", False)), {})[
+                r["context"], r["splits"], r["default"]
+            ] = r
+        for key, r in variants.get((False, False), {}).items():
+            others = " | ".join(
+                cells(variants.get(v, {}).get(key)) for v in ((True, False), (False, True), (True, True))
+            )
             lines.append(
-                f"| {r['context']} | {r['splits']}{mark} | {cells(r)} | {cells(pdl.get(key))} "
-                f"| {cells(pre.get(key))} |"
+                f"| {r['context']} | {r['splits']}{'*' if r['default'] else ''} | {cells(r)} | {others} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -52,18 +52,19 @@ def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choic
     assert "| 16384 | 1 x 1024 | 1024 | 1.529 | 1.054 | 1.45 | 128x64 |" in text
     assert "| 16384 | 8 x 1024 | 8192 | 7.878 | 8.325 | 0.95 | 64x32 |" in text
     # the default split count, marked; the committed run predates the prefetch variant
-    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 | - | - |" in text
+    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 | - | - | - | - |" in text
 
 
 def test_the_decode_table_has_a_prefetch_column_when_the_run_measured_it():
     doc = json.loads(SWEEP.read_text())
     row = next(r for r in doc["decode"] if r["context"] == 16384 and r["default"] and not r["pdl"])
     doc["decode"].append({**row, "prefetch": True, "us": 30.0, "gbs": 2236.0})
+    doc["decode"].append({**row, "prefetch": True, "pdl": True, "us": 29.0, "gbs": 2313.0})
     text = sweep.markdown(doc)
-    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 | 30.0 | 2,236 |" in text
+    assert "| 16384 | 33* | 33.3 | 2,017 | 32.2 | 2,085 | 30.0 | 2,236 | 29.0 | 2,313 |" in text
     assert sum(line.startswith("| 16384 | 33* |") for line in text.splitlines()) == 1  # one row a count
     other = next(line for line in text.splitlines() if line.startswith("| 16384 | 32 | "))
-    assert other.endswith("| - | - |")  # a split count with no prefetch row
+    assert other.endswith("| - | - | - | - |")  # a split count with no prefetch rows
 
 
 def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
@@ -142,6 +143,7 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert [(r["pdl"], r["prefetch"], r["default"], r["splits"]) for r in rows] == [
         (False, False, True, default), (False, False, False, 2), (True, False, True, default),
         (True, False, False, 2), (False, True, True, default), (False, True, False, 2),
+        (True, True, True, default), (True, True, False, 2),
     ]  # fmt: skip
     assert all(r["us"] > 0 and r["gbs"] > 0 for r in rows)
 
@@ -163,6 +165,6 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
     assert sweep.main(["--q-heads", "4", "--kv-heads", "2", "--dtype", "fp16", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["device"] == {"name": "CPU stand-in", "sm_count": 2} and doc["copy_gbs"] == 100.0
-    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 6]  # decode: 2 split caps x 3 variants
+    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 8]  # decode: 2 split caps x 4 variants
     report = out.with_suffix(".md").read_text()
     assert all(title in report for title in ("## Extend:", "## Extend graphs:", "## Decode:"))
