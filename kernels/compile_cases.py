@@ -124,6 +124,9 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                       num_splits=DECODE_SPLITS)
           for kind, cfg in (("extend-prefix-split", extend_default), ("extend-long-prefix-split", long_prefix))
           if kind == "extend-prefix-split" or cfg != extend_default],
+        # the packed grid (ExtendConfig.packed_blocks, off by default) with the split, as an extend graph would take them
+        extend_case(shape, dataclasses.replace(extend_default, split_prefix=True, packed_blocks=True),
+                    f"extend-packed-split {shape.label}", num_splits=DECODE_SPLITS),
         extend_short_case(shape, decode_default, f"extend-short {shape.label}"),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),

@@ -29,6 +29,14 @@ SMs) and, when known, the longest prefix; inside the kernel each request takes o
 prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default
 (SPLIT_PREFIX) until a GPU run says it pays (kernels.bench, kernels.sweep, worker.bench_profile
 --split-prefix).
+
+Packed blocks (ExtendConfig.packed_blocks, PACKED_BLOCKS; batches of more than one request): the grid
+is (Hq, block slots, splits) with one slot per query block that exists (split_merge.packed_blocks: at
+most cdiv(T, BLOCK_M) + requests - 1), each program finding its (request, block) from a prefix sum of
+the requests' block counts (split_merge.locate_block), instead of (Hq, blocks of the longest request,
+requests). An extend graph has 32 request rows, mostly empty at a cache hit: unpacked, 31 of them are
+programs that load qo_indptr and exit; packed, 31 slots per head at most. Off by default until
+kernels.sweep's extend-graph rows say it pays.
 """
 
 from __future__ import annotations
@@ -42,7 +50,14 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile, gather_kv
-from kernels.split_merge import merge_rows, prefix_splits_of, sm_count, split_partials
+from kernels.split_merge import (
+    locate_block,
+    merge_rows,
+    packed_blocks,
+    prefix_splits_of,
+    sm_count,
+    split_partials,
+)
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -56,6 +71,7 @@ FEW_NEW_TOKENS = 1024
 # The prefix split in the default configurations: off until a GPU run says it pays. Benchmarks flip it for a
 # process (worker.bench_profile --split-prefix) to time a model step with it.
 SPLIT_PREFIX = False
+PACKED_BLOCKS = False  # likewise the packed grid (ExtendConfig.packed_blocks)
 MAX_PREFIX_SPLITS = 16
 SPLIT_WAVES = 2  # prefix splits aim for this many waves of programs per SM
 MERGE_TOKENS = 8  # rows of one (request, query head) a merge program combines
@@ -71,6 +87,7 @@ class ExtendConfig:
     num_stages: int
     split_prefix: bool = False  # split each request's prefix over several programs when the grid is small
     min_split_len: int = 256  # the shortest prefix part worth a split (tokens)
+    packed_blocks: bool = False  # a batch's grid holds the query blocks that exist (no empty requests' rows)
 
 
 # sm_90's two tile choices at head dims 65-128 (fp16/bf16); default_config picks between them
@@ -88,9 +105,11 @@ def default_config(
     """Defaults for compute capability ``arch`` (x10: 90 = H100) and a batch whose longest cached prefix
     is ``max_prefix_len`` tokens and whose requests have ``new_tokens`` new tokens in all (None: unknown,
     as in a CUDA graph replayed over any prefix); small tiles in the interpreter so short test sequences
-    span many tiles. The prefix split is on where SPLIT_PREFIX says."""
+    span many tiles. The prefix split and the packed grid are on where SPLIT_PREFIX and PACKED_BLOCKS say."""
     cfg = _default_tiles(head_dim, dtype, arch, max_prefix_len, new_tokens)
-    return dataclasses.replace(cfg, split_prefix=True) if SPLIT_PREFIX else cfg
+    if SPLIT_PREFIX or PACKED_BLOCKS:
+        cfg = dataclasses.replace(cfg, split_prefix=SPLIT_PREFIX, packed_blocks=PACKED_BLOCKS)
+    return cfg
 
 
 def _default_tiles(
@@ -190,7 +209,7 @@ def _attend_rows(
 
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "batch"])
 def _extend_kernel(
     Q,
     K_new,
@@ -222,6 +241,7 @@ def _extend_kernel(
     stride_lt,
     stride_lh,
     num_splits,  # the most prefix splits any request may use (SPLIT only)
+    batch,  # requests (PACKED only)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -229,16 +249,24 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     SPLIT: tl.constexpr,  # the prefix is split over programs; partials go to Mid_out / Mid_lse
+    PACKED: tl.constexpr,  # grid (Hq, block slots, splits): query blocks found by locate_block
+    BLOCK_R: tl.constexpr,  # >= the requests, a power of two (PACKED only)
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
 ):
     head = tl.program_id(0)
-    m_block = tl.program_id(1)
-    if SPLIT:
-        req = tl.program_id(2) // num_splits
-        split = tl.program_id(2) % num_splits
+    if PACKED:
+        req, m_block = locate_block(qo_indptr, batch, tl.program_id(1), BLOCK_M, BLOCK_R)
+        if req >= batch:  # NOTE: a slot past the batch's last block
+            return
+        split = tl.program_id(2)
     else:
-        req = tl.program_id(2)
+        m_block = tl.program_id(1)
+        if SPLIT:
+            req = tl.program_id(2) // num_splits
+            split = tl.program_id(2) % num_splits
+        else:
+            req = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(qo_indptr + req).to(tl.int64)
@@ -388,7 +416,11 @@ def extend_attention(
     block_d = max(16, triton.next_power_of_2(d))
     # NOTE: unsplit, the kernel never touches the partials: ``out`` stands in for both (no allocation)
     mid_out, mid_lse = split_partials(t, hq, num_splits, d, q.device) if split else (out, out)
-    grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch * num_splits)
+    packed = cfg.packed_blocks and batch > 1
+    if packed:  # NOTE: the blocks that exist, not every request x the longest request's blocks
+        grid = (hq, packed_blocks(t, batch, max_extend_len, cfg.block_m), num_splits)
+    else:
+        grid = (hq, triton.cdiv(max_extend_len, cfg.block_m), batch * num_splits)
     _extend_kernel[grid](
         q,
         k_new,
@@ -420,6 +452,7 @@ def extend_attention(
         mid_lse.stride(0),
         mid_lse.stride(1),
         num_splits,
+        batch,
         GROUP=hq // hkv,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -427,6 +460,8 @@ def extend_attention(
         BLOCK_N=cfg.block_n,
         MIN_SPLIT_LEN=cfg.min_split_len,
         SPLIT=split,
+        PACKED=packed,
+        BLOCK_R=max(2, triton.next_power_of_2(batch)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         enable_fp_fusion=True,
@@ -435,5 +470,5 @@ def extend_attention(
     )
     if split:
         merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, MERGE_TOKENS,
-                   cfg.min_split_len, split_new_tokens=False)  # fmt: skip
+                   cfg.min_split_len, split_new_tokens=False, packed=packed)  # fmt: skip
     return out

@@ -60,6 +60,30 @@ def prefix_splits_of(prefix_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
 
 
 @triton.jit
+def locate_block(qo_indptr, batch, b, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(request, block within it) of the b-th block of BLOCK rows among the batch's requests, in request
+    order (a request of n rows has cdiv(n, BLOCK) blocks, none when empty); request ``batch`` when b is
+    past the last. One vector load of qo_indptr (BLOCK_R >= batch lanes) and a prefix sum: packed
+    grids need no host sync to skip empty requests."""
+    offs = tl.arange(0, BLOCK_R)
+    inb = offs < batch
+    starts = tl.load(qo_indptr + offs, mask=inb, other=0)
+    n_blocks = tl.cdiv(tl.load(qo_indptr + offs + 1, mask=inb, other=0) - starts, BLOCK)
+    ends = tl.cumsum(n_blocks, 0)
+    req = tl.sum((ends <= b).to(tl.int32), 0)
+    first = tl.sum(tl.where(offs == req, ends - n_blocks, 0), 0)
+    return req, (b - first).to(tl.int32)
+
+
+def packed_blocks(rows: int, batch: int, longest: int, block: int) -> int:
+    """Block slots a packed grid needs for ``batch`` requests of at most ``longest`` rows each and
+    ``rows`` rows in all: at most cdiv(rows, block) + (nonempty requests) - 1 blocks in all (each
+    request's last block the only partial one), and never more than one grid row per request."""
+    nonempty = min(batch, rows)
+    return max(1, min(batch * triton.cdiv(longest, block), triton.cdiv(rows, block) + nonempty - 1))
+
+
+@triton.jit
 def merge_head(
     Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -95,7 +119,7 @@ def merge_head(
 
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "batch"])
 def _merge_rows_kernel(
     Mid_out,
     Mid_lse,
@@ -110,6 +134,7 @@ def _merge_rows_kernel(
     stride_ot,
     stride_oh,
     num_splits,
+    batch,  # requests (PACKED only)
     TOKENS: tl.constexpr,  # rows a program merges: a request's rows t0 .. t0 + TOKENS - 1
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -117,10 +142,19 @@ def _merge_rows_kernel(
     MIN_SPLIT_LEN: tl.constexpr,
     SPLIT_NEW_TOKENS: tl.constexpr,  # see merge_rows
     PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
+    PACKED: tl.constexpr,  # grid (block slots, Hq): blocks found by locate_block
+    BLOCK_R: tl.constexpr,  # >= the requests, a power of two (PACKED only)
 ):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    t0 = tl.program_id(2) * TOKENS
+    if PACKED:
+        req, block = locate_block(qo_indptr, batch, tl.program_id(0), TOKENS, BLOCK_R)
+        if req >= batch:
+            return
+        head = tl.program_id(1)
+        t0 = block * TOKENS
+    else:
+        req = tl.program_id(0)
+        head = tl.program_id(1)
+        t0 = tl.program_id(2) * TOKENS
     q_start = tl.load(qo_indptr + req).to(tl.int64)
     n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
     prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
@@ -149,18 +183,24 @@ def merge_rows(
     split_new_tokens: bool,
     pdl: bool = False,
     launch: dict | None = None,
+    packed: bool = False,
 ) -> None:
     """out[T, Hq, D] := the splits of each request's new-token rows merged, ``tokens`` rows a program.
     A block of rows has as many splits as its split kernel gave it: one per started ``min_split_len``
     positions its last row sees (``split_new_tokens``: the short extend), or per started
     ``min_split_len`` prefix tokens, at least one (extend's prefix splits); at most ``num_splits``.
-    ``launch``: extra launch options (PDL's)."""
-    hq, d = out.shape[1], out.shape[2]
+    ``launch``: extra launch options (PDL's). ``packed``: one program per block that exists (packed_blocks
+    slots, found by locate_block) instead of one per (request, block of the longest request)."""
+    t, hq, d = out.shape
+    batch = qo_indptr.numel() - 1
     block_d = max(16, triton.next_power_of_2(d))
-    _merge_rows_kernel[(qo_indptr.numel() - 1, hq, triton.cdiv(max_extend_len, tokens))](
+    blocks = triton.cdiv(max_extend_len, tokens)
+    grid = (packed_blocks(t, batch, max_extend_len, tokens), hq) if packed else (batch, hq, blocks)
+    _merge_rows_kernel[grid](
         mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, batch,
         TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, enable_fp_fusion=True,
+        MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
+        BLOCK_R=max(2, triton.next_power_of_2(batch)), enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2, **(launch or {}),
     )  # fmt: skip

@@ -131,24 +131,29 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
     out = torch.zeros_like(q)
     us, diff, caps, ref = time_tiles(args, size, out, new, lambda call: timing.time_replay_ms(call) * 1e3)
-    # NOTE: the graph's tiles (64x32) again with its one request row alone: what the empty rows' programs cost
+    # NOTE: the graph's tiles (64x32) again, unsplit and split, over its one request row alone (what the
+    # empty rows' programs cost) and with the packed grid (their programs mostly gone)
     one_row = (*args[:5], qo_indptr[:2], kv_indptr[:2], kv_indices)
-    small, one = extend_tiles()["small"], {}
+    small, more = extend_tiles()["small"], {}
     for key, cfg in (("small", small), ("small_split", dataclasses.replace(small, split_prefix=True))):
-        if key in us:
+        if key not in us:
+            continue
+        for variant, call_args, variant_cfg in (("one_row", one_row, cfg),
+                                                ("packed", args, dataclasses.replace(cfg, packed_blocks=True))):  # fmt: skip
 
-            def call(cfg: Any = cfg) -> None:
-                ext.extend_attention(*one_row, max_extend_len=size, out=out, config=cfg)
+            def call(a: tuple = call_args, c: Any = variant_cfg) -> None:
+                ext.extend_attention(*a, max_extend_len=size, out=out, config=c)
 
             out[:new].fill_(float("nan"))  # the call must write every row it owns
             call()
             diff = max(diff, ((out[:new].float() - ref).norm() / ref.norm()).item())
-            one[key] = timing.time_replay_ms(call) * 1e3
+            more[f"{key}_{variant}_us"] = timing.time_replay_ms(call) * 1e3
     return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
             "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
             "small_split_us": us.get("small_split"), "long_prefix_split_us": us.get("long_prefix_split"),
             "small_split_cap": caps.get("small"), "long_prefix_split_cap": caps.get("long_prefix"),
-            "small_one_row_us": one["small"], "small_split_one_row_us": one.get("small_split"),
+            "small_one_row_us": more["small_one_row_us"], "small_split_one_row_us": more.get("small_split_one_row_us"),
+            "small_packed_us": more["small_packed_us"], "small_split_packed_us": more.get("small_split_packed_us"),
             "rel_diff": diff}  # fmt: skip
 
 
@@ -243,18 +248,21 @@ def markdown(doc: dict) -> str:
             " included) and 32 request rows, replayed; the worker's graphs take 64x32 today (a graph is"
             " replayed over any prefix). The split columns: each with the prefix split such a graph would take"
             " (its cap from the graph's tokens alone; the most parts in brackets). The one-row columns: 64x32"
-            " unsplit and split over the request's row alone, without the 31 empty rows' programs.",
+            " unsplit and split over the request's row alone, without the 31 empty rows' programs. The packed"
+            " columns: the same over all 32 rows with the packed grid (ExtendConfig.packed_blocks: programs for"
+            " the query blocks that exist).",
             "",
             "| prefix | new | graph tokens | 64x32 us | 128x64 us | 128x64 speedup | 64x32 split us "
-            "| 128x64 split us | one row: 64x32 us | split us | rel diff |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| 128x64 split us | one row: 64x32 us | split us | packed: 64x32 us | split us | rel diff |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in doc["extend_graph"]:
             lines.append(
                 f"| {r['prefix']} | {r['new']} | {r['size']} | {r['small_us']:.1f} | {r['long_prefix_us']:.1f} "
                 f"| {r['long_prefix_speedup']:.2f} | {_split_cell(r, 'small', 'us', '.1f')} "
                 f"| {_split_cell(r, 'long_prefix', 'us', '.1f')} | {_fmt(r.get('small_one_row_us'))} "
-                f"| {_fmt(r.get('small_split_one_row_us'))} | {r['rel_diff']:.1e} |"
+                f"| {_fmt(r.get('small_split_one_row_us'))} | {_fmt(r.get('small_packed_us'))} "
+                f"| {_fmt(r.get('small_split_packed_us'))} | {r['rel_diff']:.1e} |"
             )
     if doc.get("decode"):
         lines += [

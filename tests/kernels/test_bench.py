@@ -460,7 +460,7 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     monkeypatch.setattr(ext, "default_config", compiled_choice)
     # 4 programs for 4 "SMs" x 2 waves, a prefix of two 256-token parts: the prefix split is timed too
     row = bench.bench_extend(bench.ExtendShape(1, 300, 20), bench.Model(4, 2, 128, "fp16"), cpu, gen)
-    unsplit = {"split_prefix": False, "min_split_len": 256}
+    unsplit = {"split_prefix": False, "min_split_len": 256, "packed_blocks": False}
     assert row["config"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3} | unsplit
     assert row["config_blind"] == {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2} | unsplit
     assert row["triton_blind_tflops"] > 0 and row["split_cap"] == 2 and row["triton_split_tflops"] > 0

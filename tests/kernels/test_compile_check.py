@@ -88,7 +88,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     assert ("extend-long-prefix bf16 hd128 gqa4", "_extend_kernel") in rows  # LONG_PREFIX's tiles
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     # the prefix split of both tile choices (off by default): the split kernel and its merge
-    for case in ("extend-prefix-split bf16 hd128 gqa4", "extend-long-prefix-split bf16 hd128 gqa4"):
+    for case in ("extend-prefix-split bf16 hd128 gqa4", "extend-long-prefix-split bf16 hd128 gqa4",
+                 "extend-packed-split bf16 hd128 gqa4"):  # fmt: skip
         assert {(case, "_extend_kernel"), (case, "_merge_rows_kernel")} <= set(rows)
     for hd in (128, 64):
         extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
@@ -210,10 +211,14 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     # prefix split (one compiled kernel for any split count)
     extends = sorted(
         (r for r in loaded if r["kernel"] == "_extend_kernel"),
-        key=lambda r: (r["constants"]["SPLIT"], r["constants"]["BLOCK_M"]),
+        key=lambda r: (r["constants"]["PACKED"], r["constants"]["SPLIT"], r["constants"]["BLOCK_M"]),
     )
-    assert [(r["constants"]["SPLIT"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"], r["num_warps"])
-            for r in extends] == [(False, 64, 32, 4), (False, 128, 64, 8), (True, 64, 32, 4), (True, 128, 64, 8)]  # fmt: skip
+    assert [(r["constants"]["PACKED"], r["constants"]["SPLIT"], r["constants"]["BLOCK_M"], r["constants"]["BLOCK_N"],
+             r["num_warps"]) for r in extends] == [
+        (False, False, 64, 32, 4), (False, False, 128, 64, 8), (False, True, 64, 32, 4), (False, True, 128, 64, 8),
+        (True, True, 64, 32, 4),  # the packed grid with the split, 32 requests: BLOCK_R 32
+    ]  # fmt: skip
+    assert extends[-1]["constants"]["BLOCK_R"] == 32
     for extend in extends:
         assert extend["constants"]["GROUP"] == 4 and extend["shared_bytes"] > 0
         assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
@@ -240,7 +245,7 @@ def test_defaults_before_hopper_fit_without_spills_on_mma_sync(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     extend = next(r for r in report["rows"] if r["kernel"] == "_extend_kernel")
-    unsplit = {"split_prefix": False, "min_split_len": 256}
+    unsplit = {"split_prefix": False, "min_split_len": 256, "packed_blocks": False}
     assert extend["config"] == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2} | unsplit
     assert extend["ok"] and extend["spill_bytes"] == 0
     assert extend["sass"]["HGMMA"] == 0 and extend["sass"]["HMMA"] > 0
@@ -276,6 +281,6 @@ def test_defaults_above_head_dim_128_compile_without_spills(tmp_path, arch, bloc
     assert {r["case"].split()[2] for r in report["rows"] if r["kernel"] == "_extend_kernel"} == {
         "hd256", "hd96", "hd80"}  # fmt: skip
     extend = next(r for r in report["rows"] if r["case"] == "extend bf16 hd256 gqa4")
-    unsplit = {"split_prefix": False, "min_split_len": 256}
+    unsplit = {"split_prefix": False, "min_split_len": 256, "packed_blocks": False}
     assert extend["config"] == {"block_m": block_m, "block_n": 16, "num_warps": 8, "num_stages": 2} | unsplit
     assert extend["spill_bytes"] == 0 and extend["regs"] <= 255 and extend["ok"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,6 +103,38 @@ def test_prefix_parts_past_the_end_of_a_prefix_weigh_nothing(backend, assert_clo
     out = torch.full_like(args[0], float("nan"))
     ext.extend_attention(*args, out=out, config=cfg, num_splits=7)
     assert_close_rel(out.cpu(), reference_on_cpu(args))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["unsplit", "split"])
+def test_packed_blocks_cover_every_query_block_of_a_ragged_batch(backend, assert_close_rel, num_splits):
+    """ExtendConfig.packed_blocks: one program per query block that exists, found on the device (a
+    prefix sum over qo_indptr), instead of requests x the longest request's blocks. Empty requests at
+    the start, middle and end, requests of one block plus one row (the packed grid's bound is then
+    exact), and padding rows past the last request (as an extend graph has), which stay unwritten."""
+    ext = backend.module("extend_attention")
+    scale = 1 if not backend.is_cuda else 4
+    requests = [(9, 0), (0, 17), (33, 17), (7, 0), (20, 17), (5, 1), (0, 0)]
+    requests = [(p * scale, n * scale) for p, n in requests]
+    args = list(make_batch(requests, 4, 2, 64, torch.float32, backend.device, seed=21))
+    t = args[0].shape[0]
+    for i in range(3):  # 5 padding rows owned by no request
+        args[i] = torch.cat([args[i], torch.randn(5, *args[i].shape[1:], device=backend.device)])
+    cfg = dataclasses.replace(ext.default_config(64, torch.float32), packed_blocks=True)
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, out=out, config=cfg, num_splits=num_splits, max_extend_len=17 * scale)
+    ref = reference.extend_attention(*(a.cpu() for a in [x[:t] for x in args[:3]] + args[3:]))
+    assert_close_rel(out[:t].cpu(), ref)
+    assert out[t:].isnan().all()  # the padding rows are nobody's
+
+
+def test_a_packed_grid_has_a_slot_for_every_block_and_no_more_rows_than_requests():
+    from kernels.split_merge import packed_blocks
+
+    assert packed_blocks(51, 3, 17, 16) == 6  # three requests of 17 rows: 2 blocks each, exactly
+    assert packed_blocks(256, 32, 256, 64) == 35  # a 256-token graph of 32 request rows: 4 + 31
+    assert packed_blocks(256, 1, 256, 64) == 4
+    assert packed_blocks(40, 4, 10, 16) == 4  # never more than a row of blocks per request
+    assert packed_blocks(0, 4, 0, 16) == 1
 
 
 def test_the_prefix_split_cap_fills_the_sms_with_parts_the_prefix_fills():

@@ -73,16 +73,17 @@ def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
     doc["extend_graph"] = [{"prefix": 2048, "new": 208, "size": 256, "rows": 32, "small_us": 120.0,
                             "long_prefix_us": 90.0, "long_prefix_speedup": 4 / 3, "rel_diff": 1e-3,
                             "small_split_us": 60.0, "small_split_cap": 3, "small_one_row_us": 100.0,
-                            "small_split_one_row_us": 45.5}]  # fmt: skip
-    assert (
-        "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 100.0 | 45.5 | 1.0e-03 |"
-        in sweep.markdown(doc)
-    )
+                            "small_split_one_row_us": 45.5, "small_packed_us": 101.0,
+                            "small_split_packed_us": 47.0}]  # fmt: skip
+    line = "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 100.0 | 45.5 | 101.0 | 47.0 | 1.0e-03 |"
+    assert line in sweep.markdown(doc)
     doc["extend_graph"][0] |= {
         "small_split_us": None,
         "small_split_one_row_us": None,
-    }  # a graph that did not split
-    assert "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | - | - | 100.0 | - | 1.0e-03 |" in sweep.markdown(doc)
+        "small_split_packed_us": None,
+    }
+    line = "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | - | - | 100.0 | - | 101.0 | - | 1.0e-03 |"
+    assert line in sweep.markdown(doc)  # a graph that did not split
 
 
 def test_the_extend_table_shows_the_prefix_split_where_a_row_has_it(compiled_choice):
@@ -138,6 +139,7 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
     assert graph["small_split_us"] > 0 and graph["long_prefix_split_us"] > 0 and graph["small_split_cap"] == 2
     assert graph["small_one_row_us"] > 0 and graph["small_split_one_row_us"] > 0  # the one request row alone
+    assert graph["small_packed_us"] > 0 and graph["small_split_packed_us"] > 0  # the packed grid
     rows = sweep.sweep_decode(64, model, cpu, gen)
     default = rows[0]["splits"]
     assert [(r["pdl"], r["prefetch"], r["default"], r["splits"]) for r in rows] == [
