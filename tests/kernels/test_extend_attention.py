@@ -80,7 +80,7 @@ SPLIT_REQUESTS = [(0, 19), (5, 3), (100, 9), (7, 0), (47, 40), (161, 1), (64, 33
 
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "hq", "hkv", "num_splits"),
-    [(torch.float32, 64, 8, 2, 2), (torch.bfloat16, 128, 8, 1, 3), (torch.float16, 64, 4, 4, 16)],
+    [(torch.float32, 64, 4, 2, 2), (torch.bfloat16, 128, 8, 1, 3), (torch.float16, 64, 4, 4, 16)],
 )
 def test_prefix_splits_match_the_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits):
     """Each request's prefix split over up to ``num_splits`` programs (each part's partial output and

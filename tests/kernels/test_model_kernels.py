@@ -185,18 +185,18 @@ def test_lora_adapters_on_triton_kernels_match_the_reference_path(backend, monke
 
 # NOTE: padding rows carry whatever their never-written attention output held; numpy may overflow on them
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize(("lora", "split", "packed"),
-                         [(False, False, False), (True, False, False), (False, True, False), (False, True, True)],
-                         ids=["base", "lora", "prefix-split", "prefix-split-packed"])  # fmt: skip
+@pytest.mark.parametrize(("lora", "split"), [(False, False), (True, False), (False, True)],
+                         ids=["base", "lora", "prefix-split-packed"])  # fmt: skip
 def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
-    backend, monkeypatch, lora, split, packed
+    backend, monkeypatch, lora, split
 ):
     """Extend and verify steps through worker.extend_graph (padding tokens owned by no request, empty
     request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits;
     with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs); with
     ``split``, the extend kernel splits each prefix (ExtendConfig.split_prefix, its cap fixed at capture
-    from the graph's tokens; 4x the waves, so the interpreter's 4 "SMs" make small graphs split); with
-    ``packed`` too, over the packed grid (ExtendConfig.packed_blocks: the graph's empty rows skipped).
+    from the graph's tokens; 4x the waves, so the interpreter's 4 "SMs" make small graphs split) over the
+    packed grid (ExtendConfig.packed_blocks: the graph's empty rows skipped); the unpacked split over
+    empty requests: tests/kernels/test_extend_attention.py.
     Interpreted, a replay re-runs the forward (the captures run nothing); on CUDA it is a real graph."""
     from kernels import extend_attention as ext
     from tests.worker.test_cuda_graph import EagerReplay, eager_logits
@@ -208,7 +208,7 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
     if split:
         caps = []
         monkeypatch.setattr(ext, "SPLIT_PREFIX", True)
-        monkeypatch.setattr(ext, "PACKED_BLOCKS", packed)
+        monkeypatch.setattr(ext, "PACKED_BLOCKS", True)
         monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
         cap = ext.prefix_split_cap
         monkeypatch.setattr(ext, "prefix_split_cap", lambda *a: caps.append(cap(*a)) or caps[-1])
