@@ -55,6 +55,7 @@ from kernels.split_merge import (
     merge_rows,
     packed_blocks,
     prefix_splits_of,
+    request_lanes,
     sm_count,
     split_partials,
 )
@@ -461,7 +462,7 @@ def extend_attention(
         MIN_SPLIT_LEN=cfg.min_split_len,
         SPLIT=split,
         PACKED=packed,
-        BLOCK_R=max(2, triton.next_power_of_2(batch)),
+        BLOCK_R=request_lanes(batch, packed),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         enable_fp_fusion=True,

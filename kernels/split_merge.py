@@ -83,6 +83,12 @@ def packed_blocks(rows: int, batch: int, longest: int, block: int) -> int:
     return max(1, min(batch * triton.cdiv(longest, block), triton.cdiv(rows, block) + nonempty - 1))
 
 
+def request_lanes(batch: int, packed: bool) -> int:
+    """locate_block's BLOCK_R for a launch: the requests rounded up to a power of two when packed, else a
+    constant 2, so an unpacked kernel compiles once for every batch size (CUDA graphs capture many)."""
+    return max(2, triton.next_power_of_2(batch)) if packed else 2
+
+
 @triton.jit
 def merge_head(
     Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
@@ -201,6 +207,6 @@ def merge_rows(
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, batch,
         TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
-        BLOCK_R=max(2, triton.next_power_of_2(batch)), enable_fp_fusion=True,
+        BLOCK_R=request_lanes(batch, packed), enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2, **(launch or {}),
     )  # fmt: skip

@@ -184,6 +184,13 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
             # a second split count: the same split kernel, another merge kernel (BLOCK_S 16)
             compile_cases.DECODE_SPLITS = 16  # divisible by 16: specialised unless told not to
             compile_cases.decode_case(shape, default_config(128, torch.bfloat16), "16")[2]()
+            # the unpacked extend kernels again for 3 requests: the same kernels as for 32
+            from kernels.extend_attention import default_config as extend_config, extend_attention
+            t = compile_cases._tensors(shape)
+            for splits in (1, 8):
+                extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"][:4],
+                                 t["indptr"][:4], t["indices"], max_extend_len=32, num_splits=splits,
+                                 config=extend_config(128, torch.bfloat16))
         print(json.dumps(compile_check.loaded_kernels()))
         """)
     proc = _python(code)
@@ -219,6 +226,7 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
         (True, True, 64, 32, 4),  # the packed grid with the split, 32 requests: BLOCK_R 32
     ]  # fmt: skip
     assert extends[-1]["constants"]["BLOCK_R"] == 32
+    assert {r["constants"]["BLOCK_R"] for r in extends[:-1]} == {2}  # unpacked: one kernel for any batch
     for extend in extends:
         assert extend["constants"]["GROUP"] == 4 and extend["shared_bytes"] > 0
         assert extend["regs"] is None and extend["spills"] is None  # compiled, never loaded on a GPU
