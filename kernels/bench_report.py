@@ -4,6 +4,7 @@ last, and the markdown report written beside the JSON. Pure functions of the res
 from __future__ import annotations
 
 import math
+import statistics
 
 KINDS = ("decode", "extend", "lora", "verify")  # what kernels.bench measures, in its order (decode first)
 LONG_CONTEXT = 16384  # decode target (>= 70% of copy bandwidth) is judged at contexts >= this
@@ -75,7 +76,7 @@ def summarize(result: dict) -> dict:
         return min((r[key] / copy for r in long_rows if key in r), default=None)
 
     ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
-    extend_ratio = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+    extend_ratio = statistics.geometric_mean(ratios) if ratios else None
     # the prefix split (ExtendConfig.split_prefix) against the worker's tiles unsplit, where a row timed it
     split = [
         r["triton_split_tflops"] / r["triton_tflops"] for r in result["extend"] if "triton_split_tflops" in r
@@ -100,7 +101,7 @@ def summarize(result: dict) -> dict:
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
-        "extend_split_speedup_geomean": math.exp(sum(map(math.log, split)) / len(split)) if split else None,
+        "extend_split_speedup_geomean": statistics.geometric_mean(split) if split else None,
         "extend_split_speedup_min": min(split, default=None),
         "inaccurate": wrong_extend + wrong + wrong_verify,
     }

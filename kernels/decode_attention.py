@@ -42,7 +42,7 @@ from kernels import host_checks, interpret_requested
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.pdl import pdl_active, pdl_launch, wait_then_release
-from kernels.split_merge import merge_head, num_splits_of, sm_count, split_partials
+from kernels.split_merge import finish_split, merge_head, num_splits_of, sm_count, split_partials, splits_for
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -98,11 +98,7 @@ def choose_num_splits(
     of SMs, never more than the longest request can fill with ``min_split_len``-token chunks.
     NOTE: inside the kernel each request further limits itself to cdiv(len, min_split_len) splits,
     so short requests in a long batch are not split needlessly (no host sync needed for that)."""
-    programs = max(1, batch * num_kv_heads)
-    splits = triton.cdiv(waves * num_sms, programs)
-    if max_kv_len is not None:
-        splits = min(splits, triton.cdiv(max(max_kv_len, 1), min_split_len))
-    return int(min(max(splits, 1), MAX_SPLITS))
+    return splits_for(batch * num_kv_heads, num_sms, waves, max_kv_len, min_split_len, MAX_SPLITS)
 
 
 def split_cap(
@@ -233,14 +229,11 @@ def _decode_split_kernel(
             )
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
-    # lse = -inf and a zero partial, so the merge gives it weight 0; the partial must be finite, as the
-    # merge loads it before it knows the weight.
-    nonempty = l_i > 0.0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+    # lse = -inf and a zero partial, so the merge gives it weight 0 (finish_split)
+    part, lse = finish_split(acc, m_i, l_i)
     tl.store(
         Mid_out + req * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
-        acc / l_safe[:, None],
+        part,
         mask=mask_h[:, None] & mask_d[None, :],
     )
     tl.store(Mid_lse + req * stride_lb + heads * stride_lh + split, lse, mask=mask_h)

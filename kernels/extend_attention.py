@@ -51,6 +51,7 @@ import triton.language as tl
 from kernels import host_checks, interpret_requested
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.split_merge import (
+    finish_split,
     locate_block,
     merge_rows,
     packed_blocks,
@@ -58,6 +59,7 @@ from kernels.split_merge import (
     request_lanes,
     sm_count,
     split_partials,
+    splits_for,
 )
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
@@ -174,10 +176,10 @@ def prefix_split_cap(
     if num_splits is None:
         if not cfg.split_prefix:
             return 1
-        programs = max(1, hq * triton.cdiv(max(new_tokens, 1), cfg.block_m))
-        num_splits = triton.cdiv(SPLIT_WAVES * sm_count(device), programs)
-        if max_prefix_len is not None:
-            num_splits = min(num_splits, triton.cdiv(max(max_prefix_len, 1), cfg.min_split_len))
+        programs = hq * triton.cdiv(max(new_tokens, 1), cfg.block_m)
+        return splits_for(
+            programs, sm_count(device), SPLIT_WAVES, max_prefix_len, cfg.min_split_len, MAX_PREFIX_SPLITS
+        )
     return int(min(max(num_splits, 1), MAX_PREFIX_SPLITS))
 
 
@@ -350,12 +352,10 @@ def _extend_kernel(
                                      PRECISION, DOT_FP32)  # fmt: skip
 
     if SPLIT:
-        nonempty = l_i > 0.0  # NOTE: an empty part (past the prefix's end) attended nothing
-        l_safe = tl.where(nonempty, l_i, 1.0)
-        lse = tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+        part, lse = finish_split(acc, m_i, l_i)  # NOTE: an empty part (past the prefix's end): weight 0
         tl.store(
             Mid_out + rows[:, None] * stride_mt + head * stride_mh + split * stride_ms + offs_d[None, :],
-            acc / l_safe[:, None],
+            part,
             mask=mask_m[:, None] & mask_d[None, :],
         )
         tl.store(Mid_lse + rows * stride_lt + head * stride_lh + split, lse, mask=mask_m)

@@ -38,6 +38,29 @@ def split_partials(
     return mid_out, mid_lse
 
 
+def splits_for(
+    programs: int, num_sms: int, waves: int, longest: int | None, min_split_len: int, most: int
+) -> int:
+    """A split cap, in 1..``most``: enough splits that ``programs`` programs per split make ~``waves``
+    waves of ``num_sms`` SMs, never more than the longest sequence (``longest`` keys, when known) fills
+    with ``min_split_len``-key parts. Inside the kernels each row then takes only the splits its own
+    length fills (num_splits_of), so no host sync is needed for that."""
+    splits = triton.cdiv(waves * num_sms, max(1, programs))
+    if longest is not None:
+        splits = min(splits, triton.cdiv(max(longest, 1), min_split_len))
+    return int(min(max(splits, 1), most))
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i):
+    """A split's partial output (normalised by its own sum) and its log2-sum-exp from the running
+    softmax state (log2 domain): a row that attended nothing gives a zero partial and lse -inf, which
+    merge_head weighs 0 (the partial must be finite: merge_head loads it before it knows the weight)."""
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    return acc / l_safe[:, None], tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf"))
+
+
 @triton.jit
 def num_splits_of(kv_len, max_splits, MIN_SPLIT_LEN: tl.constexpr):
     """Splits a sequence of ``kv_len`` keys takes under a cap of ``max_splits``: one per started

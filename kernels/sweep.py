@@ -62,6 +62,18 @@ def extend_tiles() -> dict[str, Any]:
     return {"small": SM90_TILES, "long_prefix": LONG_PREFIX_TILES}
 
 
+def run_and_time(call: Any, out: torch.Tensor, kept: int, timer: Any) -> tuple[torch.Tensor, float]:
+    """``call``'s first ``kept`` output rows (float32; poisoned first, so a row it leaves unwritten
+    shows as NaN) and ``timer``'s time of it."""
+    out[:kept].fill_(float("nan"))
+    call()
+    return out[:kept].float().clone(), timer(call)
+
+
+def _rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).norm() / ref.norm()).item()
+
+
 def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, timer: Any,
                max_prefix_len: int | None = None) -> tuple[dict[str, float], float, dict[str, int], torch.Tensor]:  # fmt: skip
     """extend_attention on ``args`` with each tile choice, and each again with its prefix split
@@ -87,12 +99,9 @@ def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, t
                                      config=cfg)  # fmt: skip
 
             key = f"{name}_split" if split else name
-            out[:kept].fill_(float("nan"))  # the call must write every row it owns
-            call()
-            outs[key] = out[:kept].float().clone()
-            times[key] = timer(call)
+            outs[key], times[key] = run_and_time(call, out, kept, timer)
     ref = outs["small"]
-    diff = max(((o - ref).norm() / ref.norm()).item() for key, o in outs.items() if key != "small")
+    diff = max(_rel_diff(o, ref) for key, o in outs.items() if key != "small")
     return times, diff, caps, ref
 
 
@@ -130,7 +139,11 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
     qo_indptr[0] = kv_indptr[0] = 0
     args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
     out = torch.zeros_like(q)
-    us, diff, caps, ref = time_tiles(args, size, out, new, lambda call: timing.time_replay_ms(call) * 1e3)
+
+    def replay_us(call: Any) -> float:
+        return timing.time_replay_ms(call) * 1e3
+
+    us, diff, caps, ref = time_tiles(args, size, out, new, replay_us)
     # NOTE: the graph's tiles (64x32) again, unsplit and split, over its one request row alone (what the
     # empty rows' programs cost) and with the packed grid (their programs mostly gone)
     one_row = (*args[:5], qo_indptr[:2], kv_indptr[:2], kv_indices)
@@ -144,10 +157,8 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
             def call(a: tuple = call_args, c: Any = variant_cfg) -> None:
                 ext.extend_attention(*a, max_extend_len=size, out=out, config=c)
 
-            out[:new].fill_(float("nan"))  # the call must write every row it owns
-            call()
-            diff = max(diff, ((out[:new].float() - ref).norm() / ref.norm()).item())
-            more[f"{key}_{variant}_us"] = timing.time_replay_ms(call) * 1e3
+            rows_out, more[f"{key}_{variant}_us"] = run_and_time(call, out, new, replay_us)
+            diff = max(diff, _rel_diff(rows_out, ref))
     return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
             "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
             "small_split_us": us.get("small_split"), "long_prefix_split_us": us.get("long_prefix_split"),

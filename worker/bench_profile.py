@@ -104,18 +104,18 @@ def matmul_flops(model: Any, tokens: int, logit_rows: int) -> int:
 
 
 def extend_tiles(model: Any, device: str, max_prefix_len: int | None, new_tokens: int) -> str | None:
-    """The extend attention tiles a prefill takes on ``device`` ("128x64, 8 warps, 3 stages"); None off
-    CUDA (the reference path)."""
+    """The extend attention tiles a prefill takes on ``device`` ("128x64/8w/3s", kernels.bench_report's
+    form); None off CUDA (the reference path)."""
     if device != "cuda":
         return None
     import torch
 
     from kernels import extend_attention as ext
+    from kernels.bench_report import tiles
 
     arch = ext.device_arch(torch.device("cuda"))
     cfg = ext.default_config(model.config.head_dim, model.dtype, arch, max_prefix_len, new_tokens)
-    split = ", prefix split" if cfg.split_prefix else ""
-    return f"{cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages{split}"
+    return tiles(dataclasses.asdict(cfg)) + (", prefix split" if cfg.split_prefix else "")
 
 
 def replay_ms(forward: Any, reps: int) -> float:
