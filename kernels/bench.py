@@ -529,8 +529,8 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
     if shape.batch == 1:  # NOTE: where a batch-1 call's time goes: the split kernel, the gap, the merge
-        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch")}
-        record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device)
+        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch", "fused")}
+        record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device, ("fused",))
         try:  # NOTE: and what one plain reading kernel takes over the same bytes, replayed the same way
             timed("read_graph", measure_read_ms(nbytes, device))
         except Exception as exc:  # a yardstick: its failure must not end the run
@@ -567,26 +567,48 @@ def failure(exc: BaseException) -> str:
 
 
 def record_timeline(
-    row: dict, graphs: dict[str, Any], kernels: tuple[str, str], device: torch.device
+    row: dict,
+    graphs: dict[str, Any],
+    kernels: tuple[str, str],
+    device: torch.device,
+    one_kernel: tuple[str, ...] = (),
 ) -> None:
     """row["timeline"]: for each graph (None: that candidate failed, left out), split_merge_times of its
-    replays as the CUDA profiler recorded them, over the launch pair ``kernels``; the event-timed replay
-    minus the span is what the graph adds. A profiler failure goes in row["timeline_error"]: it is a
-    diagnosis and must not end the run."""
+    replays as the CUDA profiler recorded them, over the launch pair ``kernels`` (the graphs named in
+    ``one_kernel`` launch the first kernel alone: a merge fused into it); the event-timed replay minus the
+    span is what the graph adds. A profiler failure goes in row["timeline_error"]: it is a diagnosis and
+    must not end the run."""
+    first, second = kernels
     try:
         row["timeline"] = {
-            name: split_merge_times(timing.profile_kernels(g.replay, device, TIMELINE_REPS), *kernels)
+            name: split_merge_times(timing.profile_kernels(g.replay, device, TIMELINE_REPS), first,
+                                    None if name in one_kernel else second)
             for name, g in graphs.items() if g is not None
         }  # fmt: skip
     except Exception as exc:
         row["timeline_error"] = failure(exc)
 
 
-def split_merge_times(spans: Sequence[tuple[str, float, float]], split: str, merge: str) -> dict | None:
+def split_merge_times(
+    spans: Sequence[tuple[str, float, float]], split: str, merge: str | None
+) -> dict | None:
     """Medians (µs) over every ``split`` kernel that a ``merge`` kernel follows in ``spans`` (timing.
     device_spans; names matched as substrings): each kernel's time, the gap from the split's end to the
     merge's start (negative where the merge started first: a programmatic dependent launch), and the
-    span from the split's start to the merge's end. None without such a pair."""
+    span from the split's start to the merge's end. None without such a pair. With ``merge`` None (the
+    merge fused into the split kernel): every ``split`` kernel's time, which is also its span."""
+    if merge is None:
+        times = [end - start for name, start, end in spans if split in name]
+        if not times:
+            return None
+        split_us = round(statistics.median(times), 3)
+        return {
+            "pairs": len(times),
+            "split_us": split_us,
+            "merge_us": None,
+            "gap_us": None,
+            "span_us": split_us,
+        }
     pairs, last_split = [], None
     for name, start, end in spans:
         if split in name:

@@ -335,7 +335,12 @@ def format_markdown(result: dict) -> str:
 
 
 # timeline variant -> its replay time
-TIMED = {"default": "triton_graph_ms", "pdl": "triton_pdl_graph_ms", "prefetch": "triton_prefetch_graph_ms"}
+TIMED = {
+    "default": "triton_graph_ms",
+    "pdl": "triton_pdl_graph_ms",
+    "prefetch": "triton_prefetch_graph_ms",
+    "fused": "triton_fused_graph_ms",
+}
 
 
 def timeline_table(
@@ -362,7 +367,8 @@ def timeline_table(
         f" the gap from its end to the {second}'s start (negative: the {second} started first, as PDL allows),"
         f" the {second}, and the span from the {first}'s start to the {second}'s end. The replay column is the"
         " event-timed replay from the table above; replay minus span is what the graph launch and the events"
-        " add around the kernels. The profiler's own overhead can shift these by a little."
+        " add around the kernels. A variant with no gap and no second kernel launches one kernel alone (the"
+        " merge fused into it). The profiler's own overhead can shift these by a little."
         + (
             ""
             if graph_floor_us is None
@@ -409,8 +415,8 @@ def _timeline_line(shape: object, row: dict, name: str, t: dict) -> str:
     replay = row.get(TIMED.get(name, ""))
     replay_us = None if replay is None else replay * 1e3
     return (
-        f"| {shape} | {name} | {_fmt(replay_us, '.1f')} | {t['split_us']:.1f} | {t['gap_us']:.1f} "
-        f"| {t['merge_us']:.1f} | {t['span_us']:.1f} "
+        f"| {shape} | {name} | {_fmt(replay_us, '.1f')} | {t['split_us']:.1f} | {_fmt(t['gap_us'], '.1f')} "
+        f"| {_fmt(t['merge_us'], '.1f')} | {t['span_us']:.1f} "
         f"| {_fmt(None if replay_us is None else replay_us - t['span_us'], '.1f')} |"
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -567,6 +568,10 @@ def test_split_merge_times_pair_each_split_with_the_merge_after_it():
     got = bench.split_merge_times(spans, "_decode_split_kernel", "_decode_merge_kernel")
     assert got == {"pairs": 2, "split_us": 31.0, "merge_us": 4.5, "gap_us": 0.0, "span_us": 35.5}
     assert bench.split_merge_times(spans[:2], "_decode_split_kernel", "_decode_merge_kernel") is None
+    # the merge fused into the split kernel: every split kernel alone
+    got = bench.split_merge_times(spans, "_decode_split_kernel", None)
+    assert got == {"pairs": 3, "split_us": 30.0, "merge_us": None, "gap_us": None, "span_us": 30.0}
+    assert bench.split_merge_times(spans[:2], "_decode_split_kernel", None) is None
 
 
 def test_the_profiler_sees_every_replayed_split_and_merge(backend):
@@ -583,6 +588,12 @@ def test_the_profiler_sees_every_replayed_split_and_merge(backend):
     got = bench.split_merge_times(spans, "_decode_split_kernel", "_decode_merge_kernel")
     assert got is not None and got["pairs"] == 5, spans
     assert got["split_us"] > 0 and got["merge_us"] > 0 and got["span_us"] >= got["split_us"]
+    fused = dataclasses.replace(dec.default_config(128, args[0].dtype), fused_merge=True)
+    graph = timing.capture(lambda: dec.decode_attention(*args, max_kv_len=4096, out=out, config=fused))
+    spans = timing.profile_kernels(graph.replay, backend.device, reps=5)
+    assert not any("_decode_merge_kernel" in name for name, _, _ in spans), spans
+    got = bench.split_merge_times(spans, "_decode_split_kernel", None)
+    assert got is not None and got["pairs"] == 5 and got["span_us"] == got["split_us"] > 0, spans
 
 
 def test_markdown_report_has_the_batch_1_timeline_when_profiled():
@@ -591,13 +602,16 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
     long_row.update(triton_graph_ms=0.0338, triton_pdl_graph_ms=0.031, timeline={
         "default": {"pairs": 20, "split_us": 25.0, "merge_us": 2.5, "gap_us": 1.5, "span_us": 29.0},
         "pdl": {"pairs": 20, "split_us": 25.0, "merge_us": 3.0, "gap_us": -1.0, "span_us": 27.0},
+        "fused": {"pairs": 20, "split_us": 34.0, "merge_us": None, "gap_us": None, "span_us": 34.0},
     })  # fmt: skip
+    long_row["triton_fused_graph_ms"] = 0.039
     result["decode"][0]["timeline_error"] = "RuntimeError: CUPTI unavailable"
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     assert table_rows(md, "### Batch-1 calls, kernel by kernel") == [
         ["16384", "default", "33.8", "25.0", "1.5", "2.5", "29.0", "4.8"],
         ["16384", "pdl", "31.0", "25.0", "-1.0", "3.0", "27.0", "4.0"],
+        ["16384", "fused", "39.0", "34.0", "-", "-", "34.0", "5.0"],
     ]
     assert "- context=1024: RuntimeError: CUPTI unavailable" in md and "one element replays in" not in md
     result["device"]["graph_floor_us"] = 4.25
@@ -658,7 +672,7 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     row = result["decode"][0]
     assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
     # batch 1: profiled too; off CUDA the profiler records no kernels, so neither variant has a timeline
-    assert row["timeline"] == {"default": None, "pdl": None, "prefetch": None}
+    assert row["timeline"] == {"default": None, "pdl": None, "prefetch": None, "fused": None}
     assert row["read_graph_gbs"] > 0 and "read_error" not in row  # and beside one plain read of its bytes
     for name in ("fused", "pdl", "pdl_stack", "prefetch"):  # NOTE: PDL falls back to plain launches here
         assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 3e-3, name
