@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kernels import compile_check, reference, timing
-from kernels.bench_report import KINDS, format_markdown, format_table, summarize
+from kernels.bench_report import DECODE_CANDIDATES, KINDS, STACKED, format_markdown, format_table, summarize
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
 EXTEND_PREFIXES = (0, 1024, 4096, 16384)  # cached prefix per request (tokens)
@@ -495,13 +495,14 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     q = kernel_args[0]
     # NOTE: candidates beside the default, each a failure recorded in the row rather than the end of the
     # run: the merge in the split kernel (one launch, not two), both kernels launched as programmatic
-    # dependents (each may launch while the kernel before drains), and the next tile's K/V loaded into
-    # registers before each tile is computed
+    # dependents (each may launch while the kernel before drains), the next tile's K/V loaded into
+    # registers before each tile is computed, and the last two together
     base = dec.default_config(q.shape[-1], q.dtype, device_arch(device))
     variants = {
         "fused": dataclasses.replace(base, fused_merge=True),
         "pdl": dataclasses.replace(base, pdl=True),
         "prefetch": dataclasses.replace(base, **dec.PREFETCH_TILES),
+        "prefetch_pdl": dataclasses.replace(base, pdl=True, **dec.PREFETCH_TILES),
     }
     outs: dict[str, torch.Tensor] = {}
     graphs: dict[str, Any] = {"default": graph}
@@ -521,15 +522,16 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     timed("triton_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
     row["stack_layers"] = len(stack)
     del stack_graph  # NOTE: before the copies it reads are freed
-    candidate("pdl_stack", lambda: stack_call(variants["pdl"]), len(stack))
-    graphs.pop("pdl_stack", None)  # NOTE: before the copies it reads are freed
+    for name in STACKED:  # NOTE: each graph dropped before the next, and all before the copies are freed
+        candidate(f"{name}_stack", lambda c=variants[name]: stack_call(c), len(stack))
+        graphs.pop(f"{name}_stack", None)
     stack.clear()
     torch.cuda.empty_cache()
     for name, config in variants.items():
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
     if shape.batch == 1:  # NOTE: where a batch-1 call's time goes: the split kernel, the gap, the merge
-        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch", "fused")}
+        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch", "prefetch_pdl", "fused")}
         record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device, ("fused",))
         try:  # NOTE: and what one plain reading kernel takes over the same bytes, replayed the same way
             timed("read_graph", measure_read_ms(nbytes, device))
@@ -650,7 +652,7 @@ def measure_decode(rows: list, args: argparse.Namespace, model: Model, device: A
             f"{row[f'triton_{n}_graph_gbs']:.0f} {n}"
             if f"triton_{n}_graph_gbs" in row
             else f"{n}: {row.get(f'triton_{n}_error', '-')}"
-            for n in ("fused", "pdl", "pdl_stack", "prefetch")
+            for n in DECODE_CANDIDATES
         )
         read = f", plain read {row['read_graph_gbs']:.0f}" if "read_graph_gbs" in row else ""
         print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed{read}, "

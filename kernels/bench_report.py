@@ -11,6 +11,10 @@ LONG_CONTEXT = 16384  # decode target (>= 70% of copy bandwidth) is judged at co
 # bf16 against SDPA in bf16 lands near 3e-3; a wrong mask, a missing tile or an unwritten output is
 # far above this (or NaN: outputs are poisoned before each run)
 MAX_REL_ERR = 2e-2
+# decode candidates kernels.bench times beside the default (DecodeConfig: fused_merge, pdl, prefetch, and
+# prefetch with pdl), each row's triton_<name>_graph_*: single replays, then these per layer of the stack
+STACKED = ("pdl", "prefetch", "prefetch_pdl")
+DECODE_CANDIDATES = ("fused", "pdl", "prefetch", "prefetch_pdl", *(f"{name}_stack" for name in STACKED))
 
 
 def decode_rates(row: dict) -> tuple[float, float | None]:
@@ -29,11 +33,10 @@ def _worst_error(row: dict, keys: tuple[str, ...]) -> float | None:
 
 
 def decode_error(row: dict) -> float | None:
-    """The worst of the eager, replayed, layer-stack and candidates' (fused merge, PDL, prefetch) outputs'
-    errors against SDPA."""
+    """The worst of the eager, replayed, layer-stack and candidates' (DECODE_CANDIDATES) outputs' errors
+    against SDPA."""
     return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_graph_vs_sdpa", "rel_err_stack_vs_sdpa",
-                              "rel_err_fused_vs_sdpa", "rel_err_pdl_vs_sdpa", "rel_err_pdl_stack_vs_sdpa",
-                              "rel_err_prefetch_vs_sdpa"))  # fmt: skip
+                              *(f"rel_err_{name}_vs_sdpa" for name in DECODE_CANDIDATES)))  # fmt: skip
 
 
 def extend_error(row: dict) -> float | None:
@@ -98,6 +101,13 @@ def summarize(result: dict) -> dict:
         "decode_min_fraction_with_pdl_at_long_context": worst("triton_pdl_graph_gbs"),
         "decode_min_fraction_in_layer_stack_with_pdl_at_long_context": worst("triton_pdl_stack_graph_gbs"),
         "decode_min_fraction_with_prefetch_at_long_context": worst("triton_prefetch_graph_gbs"),
+        "decode_min_fraction_in_layer_stack_with_prefetch_at_long_context": worst(
+            "triton_prefetch_stack_graph_gbs"
+        ),
+        "decode_min_fraction_with_prefetch_pdl_at_long_context": worst("triton_prefetch_pdl_graph_gbs"),
+        "decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context": worst(
+            "triton_prefetch_pdl_stack_graph_gbs"
+        ),
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
@@ -198,7 +208,11 @@ def format_markdown(result: dict) -> str:
         f" replays and {_fmt(s.get('decode_min_fraction_in_layer_stack_with_pdl_at_long_context'), '.0%')}"
         " per layer of a stack. With the next tile's K/V prefetched into registers (DecodeConfig.prefetch,"
         f" off by default) it reaches {_fmt(s.get('decode_min_fraction_with_prefetch_at_long_context'), '.0%')}"
-        " in single replays.",
+        " in single replays and"
+        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_prefetch_at_long_context'), '.0%')} per layer"
+        " of a stack; with the prefetch and PDL together"
+        f" {_fmt(s.get('decode_min_fraction_with_prefetch_pdl_at_long_context'), '.0%')} and"
+        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context'), '.0%')}.",
         "",
         "Where the extend grid is too small for the SMs, each request's prefix split over several programs"
         " (ExtendConfig.split_prefix, off by default) runs at "
@@ -240,14 +254,15 @@ def format_markdown(result: dict) -> str:
         " replays the call once per layer of a stack (each layer over its own copy of the K/V) in one graph"
         " and divides by the layers: the graph's launch is shared, as in a model step. The PDL columns"
         " replay both kernels launched as programmatic dependents (DecodeConfig.pdl: each may launch while"
-        " the kernel before it drains), single and stacked. The prefetch column replays a split kernel that"
+        " the kernel before it drains), single and stacked. The prefetch columns replay a split kernel that"
         " loads the next tile's K/V into registers before it computes each tile (DecodeConfig.prefetch,"
-        " decode_attention.PREFETCH_TILES).",
+        " decode_attention.PREFETCH_TILES), single and stacked, alone and with PDL.",
         "",
         "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw "
         "| Triton, stacked GB/s (layers) | PDL GB/s | PDL, stacked GB/s | Triton, fused merge GB/s "
-        "| Triton, prefetch GB/s | Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prefetch GB/s | prefetch, stacked GB/s | prefetch + PDL GB/s | prefetch + PDL, stacked GB/s "
+        "| Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["decode"]:
         triton, sdpa = decode_rates(r)
@@ -259,6 +274,9 @@ def format_markdown(result: dict) -> str:
             f"| {_fmt(r.get('triton_stack_graph_gbs'), ',.0f')}{stack_layers} "
             f"| {_fmt(r.get('triton_pdl_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_pdl_stack_graph_gbs'), ',.0f')} "
             f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_prefetch_graph_gbs'), ',.0f')} "
+            f"| {_fmt(r.get('triton_prefetch_stack_graph_gbs'), ',.0f')} "
+            f"| {_fmt(r.get('triton_prefetch_pdl_graph_gbs'), ',.0f')} "
+            f"| {_fmt(r.get('triton_prefetch_pdl_stack_graph_gbs'), ',.0f')} "
             f"| {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
         )
         if "sdpa_error" in r:
@@ -339,6 +357,7 @@ TIMED = {
     "default": "triton_graph_ms",
     "pdl": "triton_pdl_graph_ms",
     "prefetch": "triton_prefetch_graph_ms",
+    "prefetch_pdl": "triton_prefetch_pdl_graph_ms",
     "fused": "triton_fused_graph_ms",
 }
 

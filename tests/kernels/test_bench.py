@@ -167,7 +167,7 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
-        ["1", "1024", "100", "-", "-", "10%", "-", "-", "-", "-", "-", "-", "100", "-", "-"],
+        ["1", "1024", "100", "-", "-", "10%", "-", "-", "-", "-", "-", "-", "-", "-", "-", "100", "-", "-"],
         [
             "1",
             str(bench_report.LONG_CONTEXT),
@@ -175,12 +175,7 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
             "800",
             "0.94",
             "75%",
-            "-",
-            "-",
-            "-",
-            "-",
-            "-",
-            "-",
+            *["-"] * 9,
             "750",
             "800",
             "-",
@@ -213,7 +208,10 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         stack_layers=8,
         triton_pdl_graph_gbs=920.0,  # the PDL candidate, single and stacked: recorded beside, never judged
         triton_pdl_stack_graph_gbs=990.0,
-        triton_prefetch_graph_gbs=940.0,  # the prefetch candidate: recorded beside, never judged
+        triton_prefetch_graph_gbs=940.0,  # the prefetch candidate, alone and with PDL, single and stacked:
+        triton_prefetch_stack_graph_gbs=960.0,  # recorded beside, never judged
+        triton_prefetch_pdl_graph_gbs=945.0,
+        triton_prefetch_pdl_stack_graph_gbs=995.0,
         sdpa_graph_gbs=600.0,
         rel_err_vs_sdpa=1e-3,
         rel_err_graph_vs_sdpa=4e-3,
@@ -221,7 +219,10 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         rel_err_fused_vs_sdpa=5e-3,
         rel_err_pdl_vs_sdpa=3e-3,
         rel_err_pdl_stack_vs_sdpa=6e-3,
-        rel_err_prefetch_vs_sdpa=2e-3,  # NOTE: the error column shows the worst of the seven outputs
+        rel_err_prefetch_vs_sdpa=2e-3,
+        rel_err_prefetch_stack_vs_sdpa=2e-3,
+        rel_err_prefetch_pdl_vs_sdpa=7e-3,  # NOTE: the error column shows the worst of the ten outputs
+        rel_err_prefetch_pdl_stack_vs_sdpa=2e-3,
     )
     result["summary"] = s = bench_report.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.9)
@@ -229,6 +230,9 @@ def test_decode_is_judged_on_graph_replays_when_measured():
     assert s["decode_min_fraction_with_pdl_at_long_context"] == pytest.approx(0.92)
     assert s["decode_min_fraction_in_layer_stack_with_pdl_at_long_context"] == pytest.approx(0.99)
     assert s["decode_min_fraction_with_prefetch_at_long_context"] == pytest.approx(0.94)
+    assert s["decode_min_fraction_in_layer_stack_with_prefetch_at_long_context"] == pytest.approx(0.96)
+    assert s["decode_min_fraction_with_prefetch_pdl_at_long_context"] == pytest.approx(0.945)
+    assert s["decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context"] == pytest.approx(0.995)
     md = bench_report.format_markdown(result)
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode[1] == [
@@ -243,18 +247,22 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "990",
         "950",
         "940",
+        "960",
+        "945",
+        "995",
         "700",
         "750",
         "800",
-        "6.0e-03",
+        "7.0e-03",
     ]
     table = bench_report.format_table(result).splitlines()
     assert "900 GB/s" in table[-2] and "600 GB/s" in table[-2] and "eager 750 GB/s" in table[-2]
     assert table[-2].endswith("stacked 980 GB/s")
     assert "the worst row at context >= 16384 reaches 98% of copy bandwidth" in md
     assert "it reaches 92% in single replays and 99% per layer of a stack" in md
-    assert "(DecodeConfig.prefetch, off by default) it reaches 94% in single replays" in md
-    assert "6.0e-03" in table[-2]
+    assert "(DecodeConfig.prefetch, off by default) it reaches 94% in single replays and 96% per layer" in md
+    assert "with the prefetch and PDL together 94% and 100%." in md
+    assert "7.0e-03" in table[-2]
     del long_row["sdpa_graph_gbs"]  # SDPA could not be replayed: no comparison against its eager time
     result["summary"] = bench_report.summarize(result)
     assert table_rows(bench_report.format_markdown(result), "## Decode (one query token per request)")[1][
@@ -672,9 +680,17 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     row = result["decode"][0]
     assert row["stack_layers"] == bench.STACK_LAYERS and row["triton_stack_graph_gbs"] > 0
     # batch 1: profiled too; off CUDA the profiler records no kernels, so neither variant has a timeline
-    assert row["timeline"] == {"default": None, "pdl": None, "prefetch": None, "fused": None}
+    assert row["timeline"] == {
+        "default": None,
+        "pdl": None,
+        "prefetch": None,
+        "prefetch_pdl": None,
+        "fused": None,
+    }
     assert row["read_graph_gbs"] > 0 and "read_error" not in row  # and beside one plain read of its bytes
-    for name in ("fused", "pdl", "pdl_stack", "prefetch"):  # NOTE: PDL falls back to plain launches here
+    assert bench_report.DECODE_CANDIDATES == ("fused", "pdl", "prefetch", "prefetch_pdl", "pdl_stack",
+                                              "prefetch_stack", "prefetch_pdl_stack")  # fmt: skip
+    for name in bench_report.DECODE_CANDIDATES:  # NOTE: PDL falls back to plain launches here
         assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 3e-3, name
     assert bench_report.decode_error(row) < 3e-3  # fp16
     row = result["verify"][0]
