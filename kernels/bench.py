@@ -54,7 +54,7 @@ VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (
 # decode also timed as a model step runs it: one layer after another in a single CUDA graph, each over its
 # own K/V (read once per replay, so L2 holds none of it), so one graph launch is shared by the stack
 STACK_LAYERS = 8
-TIMELINE_REPS = 20  # profiled replays of each batch-1 decode row and one-request LoRA row
+TIMELINE_REPS = 20  # profiled replays of each batch-1 decode row and each LoRA row
 STACK_BYTES = 8 << 30  # at most this much K/V in the stack's copies (the largest rows then stack fewer)
 
 
@@ -193,10 +193,9 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
         timed("triton_pdl_graph", timing.time_ms(pdl_graph.replay))
     except Exception as exc:  # a compile, launch or capture error of the candidate
         row["triton_pdl_error"] = failure(exc)
-    if batch == 1:  # NOTE: where one request's deltas take their time: shrink, gap, expand (as decode's)
-        record_timeline(
-            row, {"default": graph, "pdl": pdl_graph}, ("_shrink_kernel", "_expand_kernel"), device
-        )
+    # NOTE: where the step's deltas take their time: shrink, gap, expand (as decode's), at every row: the
+    # launch-bound one-request rows and the 64-request one-adapter row that torch's ops beat
+    record_timeline(row, {"default": graph, "pdl": pdl_graph}, ("_shrink_kernel", "_expand_kernel"), device)
     # one segment per request, as the worker passed them before
     timed(
         "triton_per_request_graph",

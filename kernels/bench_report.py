@@ -317,8 +317,8 @@ def format_markdown(result: dict) -> str:
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
         lines += timeline_table(
-            [r for r in result["lora"] if r["batch"] == 1], "adapters", ("shrink", "expand"), "One request",
-            dev.get("graph_floor_us"),
+            [r | {"requests x adapters": f"{r['batch']} x {r['adapters']}"} for r in result["lora"]],
+            "requests x adapters", ("shrink", "expand"), "LoRA deltas", dev.get("graph_floor_us"),
         )  # fmt: skip
     if result.get("verify"):
         lines += [

@@ -483,8 +483,8 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     for row in joined, mixed:
         assert row["rel_err_vs_torch"] < 1e-5 and row["triton_per_request_graph_ms"] > 0
         assert row["triton_pdl_graph_ms"] > 0 and bench_report.lora_error(row) < 1e-5
-    assert "timeline" not in joined  # profiled at one request only; off CUDA the profiler sees no kernels:
-    assert bench.bench_lora(1, 1, MODEL, cpu, gen)["timeline"] == {"default": None, "pdl": None}
+    # every row profiled; off CUDA the profiler sees no kernels
+    assert joined["timeline"] == mixed["timeline"] == {"default": None, "pdl": None}
 
 
 def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
@@ -639,16 +639,20 @@ def test_markdown_report_has_the_batch_1_timeline_when_profiled():
         ["16384", "67.2", "33.8", "199%", "27.5", "244%", "1.23"],
     ]
     assert "The plain read failed on these rows:\n\n- context=1024: OutOfMemoryError" in md
-    # a LoRA row of one request: its shrink and expand, in the LoRA section
-    result["lora"] = [{"batch": 1, "adapters": 1, "triton_graph_ms": 0.0127, "triton_graph_gbs": 170.0,
-                       "torch_graph_ms": 0.02, "triton_ms": 0.1, "torch_ms": 0.2, "rel_err_vs_torch": 0.004,
-                       "timeline": {"default": {"pairs": 20, "split_us": 4.0, "merge_us": 3.5, "gap_us": 1.0,
-                                                "span_us": 8.5}, "pdl": None}}]  # fmt: skip
+    # LoRA rows: each one's shrink and expand, in the LoRA section
+    lora_row = {"batch": 1, "adapters": 1, "triton_graph_ms": 0.0127, "triton_graph_gbs": 170.0,
+                "torch_graph_ms": 0.02, "triton_ms": 0.1, "torch_ms": 0.2, "rel_err_vs_torch": 0.004,
+                "timeline": {"default": {"pairs": 20, "split_us": 4.0, "merge_us": 3.5, "gap_us": 1.0,
+                                         "span_us": 8.5}, "pdl": None}}  # fmt: skip
+    many = lora_row | {"batch": 64, "adapters": 4, "triton_graph_ms": 0.0403, "timeline": {
+        "default": {"pairs": 20, "split_us": 6.0, "merge_us": 28.0, "gap_us": 0.5, "span_us": 34.5}}}  # fmt: skip
+    result["lora"] = [lora_row, many]
     md = bench_report.format_markdown(result)
-    assert table_rows(md, "### One request, kernel by kernel") == [
-        ["1", "default", "12.7", "4.0", "1.0", "3.5", "8.5", "4.2"]
+    assert table_rows(md, "### LoRA deltas, kernel by kernel") == [
+        ["1 x 1", "default", "12.7", "4.0", "1.0", "3.5", "8.5", "4.2"],
+        ["64 x 4", "default", "40.3", "6.0", "0.5", "28.0", "34.5", "5.8"],
     ]
-    assert "| adapters | variant | replay us | shrink us | gap us | expand us |" in md
+    assert "| requests x adapters | variant | replay us | shrink us | gap us | expand us |" in md
 
 
 def test_the_command_runs_every_kind_and_writes_its_reports(
