@@ -68,6 +68,51 @@ def inaccurate(error: float | None) -> bool:
     return error is not None and not error <= MAX_REL_ERR
 
 
+def candidate_speedups(rows: list[dict]) -> dict[str, dict]:
+    """Each decode candidate against the default on the rows that timed both: the default's time over
+    the candidate's (single replays against the default's, per layer of the stack against the default's
+    stack), at batch 1 x LONG_CONTEXT (the row the target turns on), and the least over every other row,
+    with that row: where the candidate would cost most as a default."""
+    speedups = {}
+    for name in DECODE_CANDIDATES:
+        default = "triton_stack_graph_ms" if name.endswith("_stack") else "triton_graph_ms"
+        timed = {(r["batch"], r["context"]): r[default] / r[f"triton_{name}_graph_ms"]
+                 for r in rows if default in r and f"triton_{name}_graph_ms" in r}  # fmt: skip
+        if not timed:
+            continue
+        others = {shape: x for shape, x in timed.items() if shape != (1, LONG_CONTEXT)}
+        least = min(others, key=others.__getitem__, default=None)
+        speedups[name] = {
+            "at_batch_1_long_context": timed.get((1, LONG_CONTEXT)),
+            "min_elsewhere": None if least is None else others[least],
+            "min_elsewhere_shape": None if least is None else f"b={least[0]} ctx={least[1]}",
+        }
+    return speedups
+
+
+def candidates_table(speedups: dict[str, dict]) -> list[str]:
+    """Markdown lines: candidate_speedups as a table; none when no candidate was timed."""
+    if not speedups:
+        return []
+    return [
+        "",
+        "### Decode candidates against the default",
+        "",
+        "The default's time over the candidate's on the same row (above 1: the candidate is faster): single"
+        " replays against the default's single replay, the stacked candidates per layer against the"
+        f" default's stack. At batch 1 x {LONG_CONTEXT}, the row the target turns on, and the least over every"
+        " other row (where the candidate would cost most as the default).",
+        "",
+        f"| candidate | at 1 x {LONG_CONTEXT} | least elsewhere | on |",
+        "|---|---:|---:|---|",
+        *(
+            f"| {name} | {_fmt(x['at_batch_1_long_context'], '.3f')} | {_fmt(x['min_elsewhere'], '.3f')} "
+            f"| {x['min_elsewhere_shape'] or '-'} |"
+            for name, x in speedups.items()
+        ),
+    ]
+
+
 def summarize(result: dict) -> dict:
     """Target checks: decode >= 70% of copy bandwidth at long contexts; extend >= 80% of flash SDPA.
     A kind with an inaccurate row (kernels.bench_report.inaccurate) misses its target, however fast."""
@@ -108,6 +153,7 @@ def summarize(result: dict) -> dict:
         "decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context": worst(
             "triton_prefetch_pdl_stack_graph_gbs"
         ),
+        "decode_candidate_speedups": candidate_speedups(result["decode"]),
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
@@ -285,6 +331,7 @@ def format_markdown(result: dict) -> str:
             refused.append(f"- decode b={r['batch']} ctx={r['context']}, replayed: {r['sdpa_graph_error']}")
     if refused:
         lines += ["", "Flash SDPA refused these shapes (no baseline):", "", *refused]
+    lines += candidates_table(s.get("decode_candidate_speedups") or {})
     lines += timeline_table(
         result["decode"], "context", ("split", "merge"), "Batch-1 calls", dev.get("graph_floor_us")
     )

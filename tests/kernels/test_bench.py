@@ -604,6 +604,44 @@ def test_the_profiler_sees_every_replayed_split_and_merge(backend):
     assert got is not None and got["pairs"] == 5 and got["span_us"] == got["split_us"] > 0, spans
 
 
+def test_candidates_are_set_against_the_default_on_their_own_rows():
+    """Single replays against the default's single replay, stacked ones against its stack; the target's
+    row apart, the least of the others with the row it is on; rows without a candidate's time skipped."""
+    long = bench_report.LONG_CONTEXT
+    rows = [
+        {"batch": 1, "context": long, "triton_graph_ms": 0.0338, "triton_stack_graph_ms": 0.0309,
+         "triton_prefetch_graph_ms": 0.0312, "triton_prefetch_stack_graph_ms": 0.0300},
+        {"batch": 8, "context": 1024, "triton_graph_ms": 0.010, "triton_stack_graph_ms": 0.008,
+         "triton_prefetch_graph_ms": 0.0125, "triton_prefetch_stack_graph_ms": 0.0080},
+        {"batch": 32, "context": long, "triton_graph_ms": 0.200, "triton_stack_graph_ms": 0.190,
+         "triton_prefetch_graph_ms": 0.190, "triton_prefetch_stack_graph_ms": 0.200},
+        {"batch": 1, "context": 1024, "triton_graph_ms": 0.006},  # no candidate timed here
+    ]  # fmt: skip
+    got = bench_report.candidate_speedups(rows)
+    assert set(got) == {"prefetch", "prefetch_stack"}
+    assert got["prefetch"]["at_batch_1_long_context"] == pytest.approx(0.0338 / 0.0312)
+    assert got["prefetch"]["min_elsewhere"] == pytest.approx(0.8)
+    assert got["prefetch"]["min_elsewhere_shape"] == "b=8 ctx=1024"
+    assert got["prefetch_stack"]["at_batch_1_long_context"] == pytest.approx(0.0309 / 0.0300)
+    assert got["prefetch_stack"]["min_elsewhere"] == pytest.approx(0.95)
+    assert got["prefetch_stack"]["min_elsewhere_shape"] == f"b=32 ctx={long}"
+    only_long = bench_report.candidate_speedups(rows[:1])["prefetch"]
+    assert only_long["min_elsewhere"] is None and only_long["min_elsewhere_shape"] is None
+    result = synthetic_result()
+    result["decode"] = rows
+    for r in rows:
+        r |= {"triton_gbs": 100.0, "triton_graph_gbs": 1.0 / r["triton_graph_ms"]}
+    result["summary"] = bench_report.summarize(result)
+    md = bench_report.format_markdown(result)
+    assert table_rows(md, "### Decode candidates against the default") == [
+        ["prefetch", "1.083", "0.800", "b=8 ctx=1024"],
+        ["prefetch_stack", "1.030", "0.950", f"b=32 ctx={long}"],
+    ]
+    result["decode"] = synthetic_result()["decode"]  # no candidate timed: no such table
+    result["summary"] = bench_report.summarize(result)
+    assert "Decode candidates against the default" not in bench_report.format_markdown(result)
+
+
 def test_markdown_report_has_the_batch_1_timeline_when_profiled():
     result = synthetic_result()
     long_row = result["decode"][1]
