@@ -181,21 +181,26 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     timed("triton_graph", timing.time_ms(graph.replay))
     timed("triton", timing.time_ms(triton_call))
     row["segments"] = int((seg_slots >= 0).sum())
-    # NOTE: the candidate launched as programmatic dependents (LoraConfig.pdl); its failure goes in the row
-    pdl, pdl_graph = dataclasses.replace(lora.default_config(x.dtype), pdl=True), None
-    try:
-        pdl_graph = timing.capture(
-            lambda: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, config=pdl)
-        )
-        out.copy_(base)
-        pdl_graph.replay()
-        row["rel_err_pdl_vs_torch"] = _rel_err(out - base, ref - base)
-        timed("triton_pdl_graph", timing.time_ms(pdl_graph.replay))
-    except Exception as exc:  # a compile, launch or capture error of the candidate
-        row["triton_pdl_error"] = failure(exc)
+    # NOTE: the candidates, each failure in the row: both kernels launched as programmatic dependents
+    # (LoraConfig.pdl), and the expand's partials loaded SPLIT_STEP splits at a time (batched_partials)
+    default = lora.default_config(x.dtype)
+    graphs: dict[str, Any] = {"default": graph}
+    for name, cfg in (("pdl", dataclasses.replace(default, pdl=True)),
+                      ("batched", dataclasses.replace(default, batched_partials=True))):  # fmt: skip
+        graphs[name] = None
+        try:
+            graphs[name] = timing.capture(
+                lambda cfg=cfg: lora.lora_add(x, out, a, b, seg_indptr, seg_slots, cap, config=cfg)
+            )
+            out.copy_(base)
+            graphs[name].replay()
+            row[f"rel_err_{name}_vs_torch"] = _rel_err(out - base, ref - base)
+            timed(f"triton_{name}_graph", timing.time_ms(graphs[name].replay))
+        except Exception as exc:  # a compile, launch or capture error of the candidate
+            row[f"triton_{name}_error"] = failure(exc)
     # NOTE: where the step's deltas take their time: shrink, gap, expand (as decode's), at every row: the
     # launch-bound one-request rows and the 64-request one-adapter row that torch's ops beat
-    record_timeline(row, {"default": graph, "pdl": pdl_graph}, ("_shrink_kernel", "_expand_kernel"), device)
+    record_timeline(row, graphs, ("_shrink_kernel", "_expand_kernel"), device)
     # one segment per request, as the worker passed them before
     timed(
         "triton_per_request_graph",

@@ -46,8 +46,9 @@ def extend_error(row: dict) -> float | None:
 
 
 def lora_error(row: dict) -> float | None:
-    """The worse of the LoRA deltas' errors against torch's: the default launch, and the PDL candidate's."""
-    return _worst_error(row, ("rel_err_vs_torch", "rel_err_pdl_vs_torch"))
+    """The worst of the LoRA deltas' errors against torch's: the default launch, and the PDL and batched
+    partials candidates'."""
+    return _worst_error(row, ("rel_err_vs_torch", "rel_err_pdl_vs_torch", "rel_err_batched_vs_torch"))
 
 
 def verify_error(row: dict) -> float | None:
@@ -347,19 +348,24 @@ def format_markdown(result: dict) -> str:
             " and eager; GB/s counts each distinct adapter's weights once, x, and out read and written."
             " Triton takes the worker's segments (neighbouring requests of one adapter joined, up to 16 rows:"
             " kernels.reference.lora_segments); the per-request column replays one segment per request, the PDL"
-            " column the joined segments with both kernels launched as programmatic dependents (LoraConfig.pdl).",
+            " column the joined segments with both kernels launched as programmatic dependents (LoraConfig.pdl),"
+            " the batched column with the expand loading the shrink's partials several splits a load, beside"
+            " B and its rows of out (LoraConfig.batched_partials).",
             "",
             "| requests | adapters | segments | Triton us | Triton GB/s | of copy bw | per-request segments us "
-            "| PDL us | torch per adapter us | torch / Triton | Triton eager us | torch eager us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| PDL us | batched partials us | torch per adapter us | torch / Triton | Triton eager us "
+            "| torch eager us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["lora"]:
             per_request, pdl = r.get("triton_per_request_graph_ms"), r.get("triton_pdl_graph_ms")
+            batched = r.get("triton_batched_graph_ms")
             lines.append(
                 f"| {r['batch']} | {r['adapters']} | {r.get('segments', '-')} | {r['triton_graph_ms'] * 1e3:.1f} "
                 f"| {r['triton_graph_gbs']:,.0f} | {r['triton_graph_gbs'] / copy:.0%} "
                 f"| {_fmt(None if per_request is None else per_request * 1e3, '.1f')} "
-                f"| {_fmt(None if pdl is None else pdl * 1e3, '.1f')} | {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {_fmt(None if pdl is None else pdl * 1e3, '.1f')} "
+                f"| {_fmt(None if batched is None else batched * 1e3, '.1f')} | {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
@@ -406,6 +412,7 @@ TIMED = {
     "prefetch": "triton_prefetch_graph_ms",
     "prefetch_pdl": "triton_prefetch_pdl_graph_ms",
     "fused": "triton_fused_graph_ms",
+    "batched": "triton_batched_graph_ms",  # LoRA's
 }
 
 
@@ -511,6 +518,7 @@ COMPARED = (  # (kind, shape keys, the number compared, higher is better); a num
     ("decode", ("batch", "context"), "triton_pdl_graph_gbs", True),
     ("lora", ("batch", "adapters"), "triton_graph_ms", False),
     ("lora", ("batch", "adapters"), "triton_pdl_graph_ms", False),
+    ("lora", ("batch", "adapters"), "triton_batched_graph_ms", False),
     ("verify", ("batch", "prefix", "new"), "short_graph_ms", False),
     ("verify", ("batch", "prefix", "new"), "short_pdl_graph_ms", False),
 )

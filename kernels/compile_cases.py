@@ -101,13 +101,14 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     pdl = dataclasses.replace(decode_default, pdl=True)  # sm_90+
 
-    def lora_case(rank: int, pdl: bool = False) -> Case:
+    def lora_case(rank: int, pdl: bool = False, batched: bool = False) -> Case:
         """q/k/v deltas of rank-``rank`` adapters (2 slots) on decode rows."""
         x, out = t["x"], torch.zeros(32, qkv, dtype=dt)
         a, b = torch.zeros(2, 3 * rank, shape.hidden, dtype=dt), torch.zeros(2, qkv, 3 * rank, dtype=dt)
-        cfg = dataclasses.replace(lora.default_config(dt), pdl=pdl)
-        return (f"lora_add{' pdl' if pdl else ''} {shape.dtype} h{shape.hidden} r{3 * rank}",
-                dataclasses.asdict(cfg) if pdl else {},
+        cfg = dataclasses.replace(lora.default_config(dt), pdl=pdl, batched_partials=batched)
+        label = "lora_add" + " pdl" * pdl + " batched" * batched
+        return (f"{label} {shape.dtype} h{shape.hidden} r{3 * rank}",
+                dataclasses.asdict(cfg) if pdl or batched else {},
                 lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
 
     return [
@@ -140,6 +141,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         lora_case(8),
         lora_case(16),
         *([lora_case(16, pdl=True)] if arch >= 90 else []),
+        # the expand's partials SPLIT_STEP splits a load (LoraConfig.batched_partials, off by default)
+        lora_case(16, batched=True),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
     ]  # fmt: skip
 

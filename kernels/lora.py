@@ -16,7 +16,9 @@ depends on the batch's shape only (n, ``max_rows``), not on which adapters it ho
 one row per request replays in a CUDA graph with new slots written into the same buffers.
 LoraConfig.pdl launches both as programmatic dependents (kernels/pdl.py): the shrink waits for the kernel
 before (the base projection) and lets the expand launch, and the expand loads its b tile (weights, not
-written by either) before it waits for the shrink's partials.
+written by either) before it waits for the shrink's partials. LoraConfig.batched_partials has the expand
+load the partials SPLIT_STEP splits at a time, issued with b and its rows of out, instead of one split a
+load before them (fewer round trips in a row, more registers; off until a GPU run says it pays).
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
   - seg_indptr is non-decreasing within [0, T]; no segment has more than ``max_rows`` rows (rows past
     it get no delta);
@@ -46,6 +48,7 @@ K_PER_SPLIT = 512  # at least this many x columns per shrink program
 MAX_SPLITS = 32
 TARGET_PROGRAMS = 512  # shrink programs worth having: enough to spread a decode step over the SMs
 BLOCK_N = 128  # out columns per expand program (32 in fp32, whose dot runs on FMA units: 128 spills)
+SPLIT_STEP = 8  # shrink splits a load of LoraConfig.batched_partials (a decode step's K of 4096 has 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,9 @@ class LoraConfig:
     k_per_split: int
     block_n: int
     pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
+    # the expand loads the shrink's partials SPLIT_STEP splits a load, beside b and its rows of out,
+    # instead of one split a load before them: fewer round trips in a row, more registers (compile_check)
+    batched_partials: bool = False
 
 
 def default_config(dtype: torch.dtype) -> LoraConfig:
@@ -106,7 +112,7 @@ def _shrink_kernel(
 def _expand_kernel(
     Partial, B, Out, SEG_INDPTR, SEG_SLOTS, N, R, SPLITS, stride_pk, stride_pt, stride_bs, stride_bn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, PDL: tl.constexpr, BATCHED: tl.constexpr, SPLIT_STEP: tl.constexpr,
 ):  # fmt: skip
     seg, block, col_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot, rows, row_mask, rank = _segment_block(SEG_INDPTR, SEG_SLOTS, seg, block, R, BLOCK_M)
@@ -118,23 +124,49 @@ def _expand_kernel(
     if PDL:  # NOTE: the segments and b were written before the shrink began, the partials only past the wait
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         tl.extra.cuda.gdc_wait()
-    y = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    y_mask = row_mask[:, None] & (r[None, :] < R)
-    for split in range(0, SPLITS):
-        y += tl.load(
-            Partial + split * stride_pk + rows[:, None] * stride_pt + r[None, :], mask=y_mask, other=0.0
-        )
-    if not PDL:
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    if BATCHED:
+        # NOTE: the first SPLIT_STEP splits' partials (one load, summed within each thread: the splits are
+        # the tile's outer dimension), the rows of out and b all issued before any is used, then any
+        # further partials a step at a time
+        first = _partials_step(Partial, 0, SPLITS, rows, row_mask, r, R, stride_pk, stride_pt, SPLIT_STEP)
+        dst = Out + rows[:, None] * stride_ot + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        base = tl.load(dst, mask=mask, other=0.0)
+        if not PDL:
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        y = tl.sum(first, 0)
+        for s0 in range(SPLIT_STEP, SPLITS, SPLIT_STEP):
+            y += tl.sum(_partials_step(Partial, s0, SPLITS, rows, row_mask, r, R, stride_pk, stride_pt,
+                                       SPLIT_STEP), 0)  # fmt: skip
+    else:
+        y = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        y_mask = row_mask[:, None] & (r[None, :] < R)
+        for split in range(0, SPLITS):
+            y += tl.load(
+                Partial + split * stride_pk + rows[:, None] * stride_pt + r[None, :], mask=y_mask, other=0.0
+            )
+        if not PDL:
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
     # NOTE: the product is rounded to the inputs' dtype, as x @ a^T computed in that dtype would be
     y = y.to(B.dtype.element_ty)
     if DOT_FP32:
         y, b = y.to(tl.float32), b.to(tl.float32)
     delta = tl.dot(y, b, input_precision=PRECISION, out_dtype=tl.float32)
-    dst = Out + rows[:, None] * stride_ot + cols[None, :]
-    mask = row_mask[:, None] & col_mask[None, :]
-    base = tl.load(dst, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (base + delta).to(Out.dtype.element_ty), mask=mask)
+    if not BATCHED:
+        dst = Out + rows[:, None] * stride_ot + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        base = tl.load(dst, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (base.to(tl.float32) + delta).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _partials_step(Partial, s0, SPLITS, rows, row_mask, r, R, stride_pk, stride_pt, SPLIT_STEP: tl.constexpr):
+    """The shrink's partials of splits s0 .. s0 + SPLIT_STEP - 1 for a row block: [SPLIT_STEP, BLOCK_M,
+    BLOCK_R] fp32, zeros at splits past SPLITS, rows past the segment and ranks past R."""
+    splits = s0 + tl.arange(0, SPLIT_STEP)
+    return tl.load(Partial + splits[:, None, None] * stride_pk + rows[None, :, None] * stride_pt + r[None, None, :],
+                   mask=(splits < SPLITS)[:, None, None] & row_mask[None, :, None] & (r < R)[None, None, :],
+                   other=0.0)  # fmt: skip
 
 
 def split_k(k: int, row_programs: int, k_per_split: int = K_PER_SPLIT) -> tuple[int, int]:
@@ -219,6 +251,6 @@ def lora_add(
     _expand_kernel[(n, row_blocks, triton.cdiv(n_cols, cfg.block_n))](
         partial, b, out, seg_indptr, seg_slots, n_cols, r, splits, partial.stride(0), partial.stride(1),
         b.stride(0), b.stride(1), out.stride(0),
-        BLOCK_N=cfg.block_n, **common,
+        BLOCK_N=cfg.block_n, BATCHED=cfg.batched_partials, SPLIT_STEP=SPLIT_STEP, **common,
     )  # fmt: skip
     return out

@@ -264,10 +264,13 @@ def tune_lora(rows: int, model: bench.Model, device: torch.device, gen: torch.Ge
 
     results = [try_config(lambda cfg=cfg: delta(cfg), ref, cfg, timer(cfg))
                for cfg in with_default(lora_candidates(), default)]  # fmt: skip
-    best = best_row(results)
-    if best is not None:  # then the best launched as programmatic dependents (or not, if it was)
-        cfg = dataclasses.replace(lora.LoraConfig(**best["config"]), pdl=not best["config"]["pdl"])
-        results.append(try_config(lambda: delta(cfg), ref, cfg, timer(cfg)))
+    # then the best launched as programmatic dependents, then the best with the expand's partials several
+    # splits a load (each flag flipped: off if the best had it)
+    for flag in ("pdl", "batched_partials"):
+        best = best_row(results)
+        if best is not None:
+            cfg = dataclasses.replace(lora.LoraConfig(**best["config"]), **{flag: not best["config"][flag]})
+            results.append(try_config(lambda cfg=cfg: delta(cfg), ref, cfg, timer(cfg)))
     return summarize_shape("lora", {"rows": rows, "adapters": 1}, default, results,
                            bench.lora_bytes(rows, 1, model.elem_bytes))  # fmt: skip
 

@@ -4,6 +4,8 @@ powers of two; rows no adapter covers must come back bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,10 +61,18 @@ CASES = {
 }
 
 
+# the expand's variants: the default; its partials SPLIT_STEP splits a load (LoraConfig.batched_partials);
+# the same over many splits (64 columns each: the extend case's K of 1100 in 18, three steps of 8)
+VARIANTS = {"default": {}, "batched": {"batched_partials": True},
+            "batched-many-splits": {"batched_partials": True, "k_per_split": 64}}  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_lora_add_matches_reference(backend, assert_close_rel, monkeypatch, dtype, case):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lora_add_matches_reference(backend, assert_close_rel, monkeypatch, dtype, case, variant):
     lora = backend.module("lora")
+    config = dataclasses.replace(lora.default_config(dtype), **VARIANTS[variant])
     # NOTE: the split-K partials start as NaN, so a partial the shrink does not write poisons its rows
     monkeypatch.setattr(
         lora, "_partials", lambda *shape, device: torch.full(shape, float("nan"), device=device)
@@ -71,7 +81,9 @@ def test_lora_add_matches_reference(backend, assert_close_rel, monkeypatch, dtyp
     x, out, a, b, indptr, seg_slots = lora_case(lengths, slots, k, n, rank, dtype, extra_rows=2)
     want = reference.lora_add(x, out.clone(), a, b, indptr, seg_slots)
     dev = [t.to(backend.device) for t in (x, out.clone(), a, b, indptr, seg_slots)]
-    got = lora.lora_add(*dev, max(lengths)).cpu()
+    got = lora.lora_add(*dev, max(lengths), config=config).cpu()
+    if variant == "batched-many-splits" and case == "extend":
+        assert lora.split_k(k, len(lengths) * 3, 64)[0] > 2 * lora.SPLIT_STEP  # NOTE: steps past the first
     rows = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths))
     adapted = torch.nonzero(rows >= 0).squeeze(1)
     untouched = torch.ones(len(out), dtype=torch.bool)

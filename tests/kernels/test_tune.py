@@ -144,12 +144,21 @@ def test_lora_candidates_all_run_on_the_workers_segments_and_the_fastest_wins(ba
     monkeypatch.setattr(timing, "time_replay_ms", fake_time([(want, 1.0)]))
     result = tune.tune_lora(20, MODEL, backend.device, torch.Generator().manual_seed(0))
     assert result["kind"] == "lora" and result["shape"] == {"rows": 20, "adapters": 1}
-    # every candidate, fp32's own default (32 columns), then the fastest launched as programmatic dependents
-    assert len(result["rows"]) == len(tune.lora_candidates()) + 2
+    # every candidate, fp32's own default (32 columns), then the fastest launched as programmatic dependents,
+    # then the fastest with the expand's partials several splits a load
+    assert len(result["rows"]) == len(tune.lora_candidates()) + 3
     assert all("error" not in r and r["rel_err"] < 1e-5 for r in result["rows"]), result["rows"]
-    assert result["rows"][-1]["config"] == {**want, "pdl": True}
+    assert [r["config"] for r in result["rows"][-2:]] == [
+        {**want, "pdl": True},
+        {**want, "batched_partials": True},
+    ]
     assert result["best"]["config"] == want and result["speedup_vs_default"] == 2.0
-    assert result["default"]["config"] == {"k_per_split": 512, "block_n": 32, "pdl": False}
+    assert result["default"]["config"] == {
+        "k_per_split": 512,
+        "block_n": 32,
+        "pdl": False,
+        "batched_partials": False,
+    }
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
