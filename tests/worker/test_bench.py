@@ -480,9 +480,10 @@ def test_profile_bench_finds_the_kernels_of_a_cuda_decode_step(tmp_path):
     layers = groups["silu_mul"]["calls_per_step"]
     assert groups["rope_kv_store"]["calls_per_step"] == layers
     assert groups["rms_norm"]["calls_per_step"] == 2 * layers + 1
-    # a cache hit's prefill: one extend attention kernel a layer, the tiles named both ways
+    # a cache hit's prefill: one extend attention kernel a layer, the tiles named both ways (24 new tokens:
+    # up to worker.attention.SHORT_EXTEND take the short extend, a split kernel and a merge a layer)
     out = tmp_path / "prefill.json"
-    assert bench_profile.main(["--quick", "--device", "cuda", "--new-tokens", "8", "--out", str(out)]) == 0
+    assert bench_profile.main(["--quick", "--device", "cuda", "--new-tokens", "24", "--out", str(out)]) == 0
     r = json.loads(out.read_text())["result"]
     assert r["step"] == "prefill" and r["replayed_step_ms"] > 0
     assert {g["group"]: g for g in r["groups"]}["attention"]["calls_per_step"] == layers
