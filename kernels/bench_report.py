@@ -168,6 +168,11 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _us(ms: float | None) -> str:
+    """A time in ms shown in us ('-' when not measured)."""
+    return _fmt(None if ms is None else ms * 1e3, ".1f")
+
+
 def format_table(result: dict) -> str:
     """Plain-text table of every measured shape (the last thing the command prints)."""
     copy, mm = result["device"]["copy_gbs"], result["device"]["matmul_tflops"]
@@ -358,14 +363,11 @@ def format_markdown(result: dict) -> str:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["lora"]:
-            per_request, pdl = r.get("triton_per_request_graph_ms"), r.get("triton_pdl_graph_ms")
-            batched = r.get("triton_batched_graph_ms")
             lines.append(
                 f"| {r['batch']} | {r['adapters']} | {r.get('segments', '-')} | {r['triton_graph_ms'] * 1e3:.1f} "
                 f"| {r['triton_graph_gbs']:,.0f} | {r['triton_graph_gbs'] / copy:.0%} "
-                f"| {_fmt(None if per_request is None else per_request * 1e3, '.1f')} "
-                f"| {_fmt(None if pdl is None else pdl * 1e3, '.1f')} "
-                f"| {_fmt(None if batched is None else batched * 1e3, '.1f')} | {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {_us(r.get('triton_per_request_graph_ms'))} | {_us(r.get('triton_pdl_graph_ms'))} "
+                f"| {_us(r.get('triton_batched_graph_ms'))} | {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
@@ -388,12 +390,11 @@ def format_markdown(result: dict) -> str:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["verify"]:
-            pdl = r.get("short_pdl_graph_ms")
             lines.append(
                 f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['short_graph_ms'] * 1e3:.1f} "
                 f"| {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} | {r['extend_graph_ms'] * 1e3:.1f} "
                 f"| {r['extend_graph_ms'] / r['short_graph_ms']:.2f} "
-                f"| {_fmt(None if pdl is None else pdl * 1e3, '.1f')} | {_fmt(verify_error(r), '.1e')} |"
+                f"| {_us(r.get('short_pdl_graph_ms'))} | {_fmt(verify_error(r), '.1e')} |"
             )
     if s.get("inaccurate"):
         lines += [

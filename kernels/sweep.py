@@ -70,10 +70,6 @@ def run_and_time(call: Any, out: torch.Tensor, kept: int, timer: Any) -> tuple[t
     return out[:kept].float().clone(), timer(call)
 
 
-def _rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).norm() / ref.norm()).item()
-
-
 def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, timer: Any,
                max_prefix_len: int | None = None) -> tuple[dict[str, float], float, dict[str, int], torch.Tensor]:  # fmt: skip
     """extend_attention on ``args`` with each tile choice, and each again with its prefix split
@@ -101,7 +97,7 @@ def time_tiles(args: tuple, max_extend_len: int, out: torch.Tensor, kept: int, t
             key = f"{name}_split" if split else name
             outs[key], times[key] = run_and_time(call, out, kept, timer)
     ref = outs["small"]
-    diff = max(_rel_diff(o, ref) for key, o in outs.items() if key != "small")
+    diff = max(bench._rel_err(o, ref) for key, o in outs.items() if key != "small")
     return times, diff, caps, ref
 
 
@@ -158,7 +154,7 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
                 ext.extend_attention(*a, max_extend_len=size, out=out, config=c)
 
             rows_out, more[f"{key}_{variant}_us"] = run_and_time(call, out, new, replay_us)
-            diff = max(diff, _rel_diff(rows_out, ref))
+            diff = max(diff, bench._rel_err(rows_out, ref))
     return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
             "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
             "small_split_us": us.get("small_split"), "long_prefix_split_us": us.get("long_prefix_split"),
