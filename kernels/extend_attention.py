@@ -27,8 +27,9 @@ each writes a partial output and its log2-sum-exp, which a merge kernel combines
 (kernels/split_merge.py). The split cap comes from the grid (enough programs for SPLIT_WAVES waves of
 SMs) and, when known, the longest prefix; inside the kernel each request takes only the splits its
 prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default
-(SPLIT_PREFIX) until a GPU run says it pays (kernels.bench, kernels.sweep, worker.bench_profile
---split-prefix).
+(SPLIT_PREFIX): on the bench's eager cache hits it lost more than it won (kernels.bench, kernels.sweep,
+worker.bench_profile --split-prefix). In the worker's extend graphs it pays over long prefixes: a
+caller passes ``split_prefix`` per launch, and split_graph_pays says when.
 
 Packed blocks (ExtendConfig.packed_blocks, PACKED_BLOCKS; batches of more than one request): the grid
 is (Hq, block slots, splits) with one slot per query block that exists (split_merge.packed_blocks: at
@@ -75,6 +76,16 @@ FEW_NEW_TOKENS = 1024
 # process (worker.bench_profile --split-prefix) to time a model step with it.
 SPLIT_PREFIX = False
 PACKED_BLOCKS = False  # likewise the packed grid (ExtendConfig.packed_blocks)
+# An extend graph (worker.extend_graph) is captured over a prefix of unknown length, so its split cap comes
+# from its tokens alone; the worker captures each graph split and unsplit and replays the split one for a
+# step whose longest prefix is at least max(SPLIT_GRAPH_MIN_PREFIX, SPLIT_GRAPH_PREFIX_PER_TOKEN x the
+# graph's tokens) (split_graph_pays). On an H100 (kernels.sweep's extend-graph rows, one request in a graph
+# of 32 rows, 64x32 tiles: docs/benchmarks/kernels-sweep-split-nvidia-h100-80gb-hbm3.json) the split was
+# faster from 1,024 cached tokens in graphs of 32-128 tokens (56 -> 34 us at 20 new) and from 2,048 in one
+# of 256 (107 -> 100 us; 62 -> 88 at 1,024), 4.7-7.5x faster at 16,384, and slower below (0.6-0.95x at
+# 512): the rule takes the faster on all 24 rows (tests/kernels/test_sweep.py).
+SPLIT_GRAPH_MIN_PREFIX = 1024  # tokens
+SPLIT_GRAPH_PREFIX_PER_TOKEN = 8  # cached tokens per graph token
 MAX_PREFIX_SPLITS = 16
 SPLIT_WAVES = 2  # prefix splits aim for this many waves of programs per SM
 MERGE_TOKENS = 8  # rows of one (request, query head) a merge program combines
@@ -187,6 +198,22 @@ def prefix_split_cap(
 def _arch_of(index: int) -> int:
     major, minor = torch.cuda.get_device_capability(index)
     return major * 10 + minor
+
+
+def graph_prefix_splits(
+    new_tokens: int, hq: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """The split cap an extend launch of ``new_tokens`` rows (a graph's, its prefix unknown) takes with
+    the prefix split on, on ``device``: 1 where its grid already fills the SMs (a split graph would be
+    the unsplit one)."""
+    cfg = default_config(head_dim, dtype, device_arch(device), None, new_tokens)
+    return prefix_split_cap(None, new_tokens, hq, device, dataclasses.replace(cfg, split_prefix=True))
+
+
+def split_graph_pays(max_prefix_len: int, graph_tokens: int) -> bool:
+    """Whether an extend graph of ``graph_tokens`` tokens runs a step whose longest cached prefix is
+    ``max_prefix_len`` tokens faster with the prefix split (see SPLIT_GRAPH_MIN_PREFIX)."""
+    return max_prefix_len >= max(SPLIT_GRAPH_MIN_PREFIX, SPLIT_GRAPH_PREFIX_PER_TOKEN * graph_tokens)
 
 
 def device_arch(device: torch.device) -> int:
@@ -385,13 +412,14 @@ def extend_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    split_prefix: bool | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
-    prefix splits. ``num_splits`` caps the prefix splits (a CUDA graph fixes it; 1: none; None:
-    prefix_split_cap's choice). ``out`` [T, Hq, D] may be preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata
-    only, no sync)."""
+    prefix splits. ``split_prefix`` (None: the config's) turns the prefix split on or off; ``num_splits``
+    caps it (a CUDA graph fixes it; 1: none; None: prefix_split_cap's choice). ``out`` [T, Hq, D] may be
+    preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata only, no sync)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
@@ -411,6 +439,8 @@ def extend_attention(
     if max_extend_len == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t)
+    if split_prefix is not None:
+        cfg = dataclasses.replace(cfg, split_prefix=split_prefix)
     num_splits = prefix_split_cap(num_splits, t, hq, q.device, cfg, max_prefix_len)
     split = num_splits > 1
     scale = d**-0.5 if sm_scale is None else sm_scale

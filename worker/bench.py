@@ -41,6 +41,9 @@ LLAMA3_8B_SHAPE = ModelConfig(
 )
 MODELS = ("tiny", "llama3-8b-shape")
 CACHED_FRACTIONS = (0.0, 0.5, 0.9)  # of the prompt already in the radix cache before a TTFT request
+# a long conversation's next turn: a --follow-up-context prompt whose all but its last this many tokens
+# are cached (the extend graphs' prefix split is for this case)
+FOLLOW_UP_TOKENS = 100
 # what a client asking for everything costs per decode step: every history-dependent adjustment
 # (worker/penalties.py) and the top-5 logprobs, still greedy so the tokens stay comparable
 ADJUSTED = {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.2,
@@ -51,6 +54,7 @@ REQUEST_TIMEOUT_S = 600.0
 # flag -> (normal default, --quick default); an explicit flag always wins
 DEFAULTS: dict[str, tuple[Any, Any]] = {
     "prompt_tokens": (2048, 256),
+    "follow_up_context": (8000, 512),
     "batches": ("1,16,64", "1,4"),
     "decode_steps": (64, 8),
     "decode_prompt_tokens": (512, 32),
@@ -65,6 +69,7 @@ class BenchParams:
     model: str
     device: str  # resolved: cpu | cuda
     prompt_tokens: int  # prefill and TTFT prompts
+    follow_up_context: int  # the follow-up TTFT prompt (FOLLOW_UP_TOKENS of it uncached)
     batches: list[int]
     decode_steps: int  # generated tokens per decode request (ignore_eos)
     decode_prompt_tokens: int  # prompt of each decode request (the decode context starts here)
@@ -254,18 +259,21 @@ async def measure_decode(
 
 
 async def measure_ttft(
-    engine: Engine, p: BenchParams, prompts: Prompts, fraction: float, from_host: bool = False
-) -> dict:
+    engine: Engine, p: BenchParams, prompts: Prompts, fraction: float, from_host: bool = False,
+    follow_up: int | None = None,
+) -> dict:  # fmt: skip
     """Warm the cache with the first ``fraction`` of a prompt (``from_host``: then move it to the
-    host tier), time the full prompt's first token on an idle engine; token counts come from the
-    engine's counters."""
+    host tier; ``follow_up``: a prompt of that many tokens, all but FOLLOW_UP_TOKENS of it), time the
+    full prompt's first token on an idle engine; token counts come from the engine's counters."""
     ttfts, computed, cached, loaded = [], [], [], []  # ms, tokens, tokens, tokens
     executor: Any = engine.executor  # NOTE: a ModelExecutor: the benchmark runs the model
-    graphed = executor.extend_graph_steps
+    graphs = executor.extend_graphs
+    graphed, split = executor.extend_graph_steps, graphs.split_steps if graphs is not None else 0
+    length = follow_up or p.prompt_tokens
     for _ in range(p.reps):
         await engine.flush_cache()
-        prompt = prompts.make(p.prompt_tokens)
-        prefix = int(len(prompt) * fraction)
+        prompt = prompts.make(length)
+        prefix = len(prompt) - FOLLOW_UP_TOKENS if follow_up else int(len(prompt) * fraction)
         if prefix:
             await run_request(engine, prompt[:prefix], 1)
         if from_host:
@@ -278,11 +286,14 @@ async def measure_ttft(
         computed.append(after.prefill_tokens - before.prefill_tokens)
         loaded.append((after.host_loaded_pages - before.host_loaded_pages) * after.page_size)
         cached.append(trace.last.cached_tokens)
-    return {"cached_fraction": fraction, "from": "host" if from_host else "device",
-            "cached_tokens": min(cached), "computed_tokens": max(computed), "host_loaded_tokens": min(loaded),
-            "ttft_ms_median": round(statistics.median(ttfts), 3), "ttft_ms_min": round(min(ttfts), 3),
-            "ttft_ms_max": round(max(ttfts), 3),
-            "extend_graph_steps": executor.extend_graph_steps - graphed}  # fmt: skip
+    row = {"prompt_tokens": length, "cached_fraction": round(prefix / length, 4) if follow_up else fraction,
+           "from": "host" if from_host else "device",
+           "cached_tokens": min(cached), "computed_tokens": max(computed), "host_loaded_tokens": min(loaded),
+           "ttft_ms_median": round(statistics.median(ttfts), 3), "ttft_ms_min": round(min(ttfts), 3),
+           "ttft_ms_max": round(max(ttfts), 3),
+           "extend_graph_steps": executor.extend_graph_steps - graphed,
+           "split_graph_steps": (graphs.split_steps if graphs is not None else 0) - split}  # fmt: skip
+    return {**row, "follow_up": True} if follow_up else row
 
 
 async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
@@ -312,6 +323,19 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
             ttft.append({**await measure_ttft(engine, p, prompts, CACHED_FRACTIONS[-1]), "eager": True})
         finally:
             await engine.call(lambda: setattr(engine.executor, "extend_graphs", graphs))
+    # NOTE: the prompt and its one output token within the model's context
+    follow_up = min(p.follow_up_context, engine.max_total_tokens - 1)
+    ttft.append(await measure_ttft(engine, p, prompts, 0.0, follow_up=follow_up))
+    if (
+        graphs is not None and graphs.split_sizes
+    ):  # the same turn over the unsplit graphs: what the split saves
+        await engine.call(lambda: setattr(graphs, "prefix_split", False))
+        try:
+            ttft.append(
+                {**await measure_ttft(engine, p, prompts, 0.0, follow_up=follow_up), "prefix_split": False}
+            )
+        finally:
+            await engine.call(lambda: setattr(graphs, "prefix_split", True))
     await engine.flush_cache()
     return {
         "prefill": prefill,
@@ -332,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tiny, or Llama-3-8B-shaped with random bf16 weights (CUDA only)")  # fmt: skip
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--prompt-tokens", type=int, help="prefill and TTFT prompt length (tokens)")
+    ap.add_argument("--follow-up-context", type=int,
+                    help=f"the follow-up TTFT row's prompt (tokens): all but its last {FOLLOW_UP_TOKENS} cached, "
+                         "as a long conversation's next turn")  # fmt: skip
     ap.add_argument("--batches", help="decode batch sizes, comma-separated")
     ap.add_argument("--decode-steps", type=int, help="tokens generated per decode request")
     ap.add_argument("--decode-prompt-tokens", type=int, help="prompt length of decode requests (tokens)")

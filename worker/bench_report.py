@@ -113,9 +113,13 @@ def markdown_table(doc: dict) -> str:
     for t in doc["ttft"]:
         where = " in host memory" if t.get("from") == "host" else ""
         where += ", prefill launched eagerly" if t.get("eager") else ""
-        where += ", prefill replayed as a CUDA graph" if t.get("extend_graph_steps") else ""
-        rows.append((f"TTFT, {t['cached_fraction']:.0%} of {p['prompt_tokens']} tokens cached{where} "
-                     f"({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
+        if t.get("extend_graph_steps"):
+            where += ", prefill replayed as a CUDA graph" + (" split" if t.get("split_graph_steps") else "")
+        where += ", its prefix split off" if t.get("prefix_split") is False else ""
+        length = t.get("prompt_tokens", p["prompt_tokens"])
+        what = (f"follow-up turn, {t['cached_tokens']:,} of {length:,} tokens cached" if t.get("follow_up")
+                else f"{t['cached_fraction']:.0%} of {length} tokens cached")  # fmt: skip
+        rows.append((f"TTFT, {what}{where} ({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
                      f"ms (median of {p['reps']})"))  # fmt: skip
     copies = doc.get("host_copies")
     if copies:

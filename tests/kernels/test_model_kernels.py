@@ -193,10 +193,11 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
     """Extend and verify steps through worker.extend_graph (padding tokens owned by no request, empty
     request rows, int64 index buffers) on the Triton kernels give the reference path's eager logits;
     with ``lora``, the requests of a step mix two adapters and the base (the LoRA graphs); with
-    ``split``, the extend kernel splits each prefix (ExtendConfig.split_prefix, its cap fixed at capture
-    from the graph's tokens; 4x the waves, so the interpreter's 4 "SMs" make small graphs split) over the
-    packed grid (ExtendConfig.packed_blocks: the graph's empty rows skipped); the unpacked split over
-    empty requests: tests/kernels/test_extend_attention.py.
+    ``split``, the graphs are captured split too (the extend kernel's prefix split, its cap fixed at
+    capture from the graph's tokens; 4x the waves, so the interpreter's 4 "SMs" make small graphs split),
+    over the packed grid (ExtendConfig.packed_blocks: the graph's empty rows skipped), and a step over a
+    prefix at least as long as its graph's tokens replays the split one; the unpacked split over empty
+    requests: tests/kernels/test_extend_attention.py.
     Interpreted, a replay re-runs the forward (the captures run nothing); on CUDA it is a real graph."""
     from kernels import extend_attention as ext
     from tests.worker.test_cuda_graph import EagerReplay, eager_logits
@@ -206,12 +207,13 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if split:
-        caps = []
-        monkeypatch.setattr(ext, "SPLIT_PREFIX", True)
         monkeypatch.setattr(ext, "PACKED_BLOCKS", True)
         monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
-        cap = ext.prefix_split_cap
-        monkeypatch.setattr(ext, "prefix_split_cap", lambda *a: caps.append(cap(*a)) or caps[-1])
+        monkeypatch.setattr(ext, "SPLIT_GRAPH_MIN_PREFIX", 0)
+        monkeypatch.setattr(ext, "SPLIT_GRAPH_PREFIX_PER_TOKEN", 1)
+        merges = []  # NOTE: only a split launch merges; interpreted, replays alone launch (lazy captures)
+        merge = ext.merge_rows
+        monkeypatch.setattr(ext, "merge_rows", lambda *a, **k: (merges.append(a[5]), merge(*a, **k)))
     cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
     if lora:
         add_adapters(cpu_model)
@@ -238,16 +240,22 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
         add_adapters(model)
     graphed = Cached(model, str(backend.device), lengths)
     runner = ExtendGraphRunner(model, graphed.pool, 32 if lora else 64, 6, 6 * 128, all_logits=True,
-                               backend=EagerReplay(lazy=True) if backend.interpret else None)  # fmt: skip
+                               backend=EagerReplay(lazy=True) if backend.interpret else None,
+                               prefix_split=split)  # fmt: skip
     tol = 1e-4 if backend.interpret else 3e-2
+    split_steps = 0
     for (rows, new), kind, w in zip(steps, kinds, want, strict=True):
         step = with_adapters(graphed.step(rows, new))
         assert runner.can_run(step, kind)
+        size = runner.padded_size(step.num_new_tokens)
+        split_steps += size in runner.split_sizes and step.max_prefix_tokens >= size
         got = runner.run(step, kind).float().cpu()
         assert got.shape == w.shape and torch.isfinite(got).all()
         err = ((got - w).norm() / w.norm()).item()
         assert err < tol, (
             f"{kind} step of {[len(t) for t in new]} tokens: relative error {err:.2e} >= {tol:.0e}"
         )
-    if split:  # NOTE: the small graphs split (the cap is a launch argument of the graph)
-        assert max(caps) > 1
+    if split:  # NOTE: a graph of 32 tokens splits (the cap is a launch argument of the graph)
+        assert 32 in runner.split_sizes and runner.split_steps == split_steps >= 1
+        if backend.interpret:  # a layer's split launch each, with more than one part
+            assert len(merges) == CONFIG.num_layers * split_steps and min(merges) > 1

@@ -14,6 +14,8 @@ import torch
 from kernels import bench, sweep, timing
 
 SWEEP = Path(__file__).resolve().parents[2] / "docs/benchmarks/kernels-sweep-nvidia-h100-80gb-hbm3.json"
+# the run that measured the prefix split (extend graphs included)
+SPLIT_SWEEP = SWEEP.with_name("kernels-sweep-split-nvidia-h100-80gb-hbm3.json")
 LAUNCH_BOUND_MS = 0.05  # calls this short differ by launch noise between the tiles (a few us)
 
 
@@ -42,6 +44,19 @@ def test_the_default_extend_tiles_follow_the_h100_sweep(compiled_choice):
             assert chosen <= 1.08 * min(r["small_ms"], r["long_prefix_ms"]), shape
         assert r["rel_diff"] < 2e-3, shape  # both tiles compute the same attention
     assert took_long >= 10
+
+
+def test_extend_graphs_take_the_prefix_split_where_the_h100_sweep_ran_it_faster():
+    """The worker replays an extend graph's split variant when split_graph_pays: on every extend-graph
+    row of the H100 sweep that measured the split (64x32 tiles, the graphs' own) it takes the faster."""
+    from kernels import extend_attention as ext
+
+    rows = json.loads(SPLIT_SWEEP.read_text())["extend_graph"]
+    assert len(rows) == 24
+    for r in rows:
+        split = ext.split_graph_pays(r["prefix"], r["size"])
+        assert split == (r["small_split_us"] < r["small_us"]), (r["prefix"], r["new"], r["size"])
+    assert sum(ext.split_graph_pays(r["prefix"], r["size"]) for r in rows) == 15
 
 
 def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choice):

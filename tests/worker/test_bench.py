@@ -51,8 +51,9 @@ def test_json_records_machine_params_and_every_measurement(quick_run):
     assert adjusted["batch"] == 3 and adjusted["step_ms"] > 0 and adjusted["sampling"]["logprobs"] == 5
     sampled = doc["decode_sampled"]
     assert sampled["batch"] == 3 and sampled["step_ms"] > 0 and sampled["sampling"]["temperature"] == 0.7
-    assert [(t["cached_fraction"], t["from"]) for t in doc["ttft"]] == [
-        (0.0, "device"), (0.5, "device"), (0.9, "device"), (0.9, "host")
+    assert [(t["cached_fraction"], t["from"], t["prompt_tokens"]) for t in doc["ttft"]] == [
+        (0.0, "device", 160), (0.5, "device", 160), (0.9, "device", 160), (0.9, "host", 160),
+        (0.8047, "device", 512),  # the follow-up turn: 412 of 512 tokens sent before, 400 of them cached
     ]  # fmt: skip
     assert all(t["ttft_ms_median"] > 0 for t in doc["ttft"])
     ops = {(r["op"], r["tokens"]) for r in doc["radix"]}
@@ -62,7 +63,7 @@ def test_json_records_machine_params_and_every_measurement(quick_run):
 
 def test_cached_prefix_means_fewer_computed_tokens(quick_run):
     doc, _ = quick_run
-    cold, half, warm, host = doc["ttft"]
+    cold, half, warm, host, follow_up = doc["ttft"]
     assert cold["cached_tokens"] == 0 and cold["computed_tokens"] == 160
     assert half["cached_tokens"] == 80 and half["computed_tokens"] == 80
     # 90% of 160 = 144 tokens = 9 full pages of 16: all of them hit
@@ -73,6 +74,9 @@ def test_cached_prefix_means_fewer_computed_tokens(quick_run):
         host["cached_tokens"] == 144 and host["computed_tokens"] == 16 and host["host_loaded_tokens"] == 144
     )
     assert warm["computed_tokens"] < half["computed_tokens"] < cold["computed_tokens"]
+    # a long conversation's next turn: all but its last 100 tokens were sent before (25 full pages hit)
+    assert follow_up["follow_up"] and follow_up["prompt_tokens"] == doc["params"]["follow_up_context"] == 512
+    assert follow_up["cached_tokens"] == 400 and follow_up["computed_tokens"] == 112
     # the copies alone, for the hit's 144 tokens (9 pages), timed on the host tier after the run
     copies, c = doc["host_copies"], doc["model"]["config"]
     assert copies["tokens"] == 144
@@ -154,7 +158,10 @@ def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quic
     doc, _ = quick_run
     warm = next(t for t in doc["ttft"] if t["cached_fraction"] == 0.9 and t["from"] == "device")
     graphed = {**doc, "extend_graph_steps": 3, "params": {**doc["params"], "cuda_graph_extend_tokens": 256}}
-    graphed["ttft"] = [{**warm, "extend_graph_steps": 1}, {**warm, "eager": True}]
+    follow_up = next(t for t in doc["ttft"] if t.get("follow_up"))
+    graphed["ttft"] = [{**warm, "extend_graph_steps": 1}, {**warm, "eager": True},
+                       {**follow_up, "extend_graph_steps": 1, "split_graph_steps": 1},
+                       {**follow_up, "extend_graph_steps": 1, "prefix_split": False}]  # fmt: skip
     lines = markdown_table(graphed).splitlines()
     assert "extend graphs up to 256 new tokens (3 steps replayed)" in lines[0]
     ttft = [line for line in lines if line.startswith("| TTFT")]
@@ -162,6 +169,11 @@ def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quic
         "| TTFT, 90% of 160 tokens cached, prefill replayed as a CUDA graph (16 computed)"
     )
     assert ttft[1].startswith("| TTFT, 90% of 160 tokens cached, prefill launched eagerly (16 computed)")
+    assert ttft[2].startswith(
+        "| TTFT, follow-up turn, 400 of 512 tokens cached, prefill replayed as a CUDA graph split (112 computed)"
+    )
+    assert ttft[3].startswith("| TTFT, follow-up turn, 400 of 512 tokens cached, prefill replayed as a CUDA "
+                              "graph, its prefix split off (112 computed)")  # fmt: skip
     assert "extend graphs" not in markdown_table(doc).splitlines()[0]
 
 

@@ -273,3 +273,41 @@ def test_static_inputs_keep_the_kernels_contract_after_a_wider_step(tiny):
     assert static.qo_indptr.tolist() == [0, 3, 3, 3, 3]
     assert static.kv_indptr.tolist() == [0, 7, 7, 7, 7]  # request 1's 5 prompt + 2 earlier tokens
     assert static.out_slots[3:].tolist() == [cached.pool.scratch_slot] * 5
+
+
+def test_split_graphs_replay_for_steps_over_long_prefixes(tiny, monkeypatch):
+    """With ``prefix_split`` the graphs that run the extend kernel (more than SHORT_EXTEND tokens a
+    request) and leave SMs idle are captured split too; a step replays the split one when its longest
+    prefix makes the split pay (kernels.extend_attention.split_graph_pays, here from max(20, the graph's
+    tokens)), and either one gives the eager step's logits from its own output buffer."""
+    from kernels import extend_attention as ext
+
+    monkeypatch.setattr(ext, "SPLIT_GRAPH_MIN_PREFIX", 20)
+    monkeypatch.setattr(ext, "SPLIT_GRAPH_PREFIX_PER_TOKEN", 1)
+    lengths = [5, 17, 9, 30, 2, 12]
+    graphed, eager = Cached(tiny, "cpu", lengths), Cached(tiny, "cpu", lengths)
+    # the CPU's 4 "SMs" and 8 heads: the 64-token tiles' 8 programs already make SPLIT_WAVES waves
+    assert ExtendGraphRunner(tiny, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay(),
+                             prefix_split=True).split_sizes == []  # fmt: skip
+    monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
+    assert ExtendGraphRunner(tiny, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay()).split_sizes == []
+    splits: list[bool | None] = []  # each replayed forward's split_prefix
+    forward = tiny.forward
+    monkeypatch.setattr(tiny, "forward", lambda b, pool: (splits.append(b.split_prefix), forward(b, pool))[1])
+    runner = ExtendGraphRunner(tiny, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay(), prefix_split=True)
+    assert runner.split_sizes == [32, 64]  # 8 and 16 tokens take the short kernel
+    assert splits.count(True) == 2 and len(splits) == 6
+    rng = np.random.default_rng(3)
+    want_splits = []
+    for rows, counts in STEPS:
+        new = [rng.integers(0, 256, n).tolist() for n in counts]
+        step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
+        size = runner.padded_size(step_g.num_new_tokens)
+        want_splits.append(size in (32, 64) and step_g.max_prefix_tokens >= max(20, size))
+        splits.clear()
+        got = runner.run(step_g).clone()
+        assert splits == [True if want_splits[-1] else None]
+        torch.testing.assert_close(got, eager_logits(tiny, eager.pool, step_e), rtol=1e-5, atol=1e-5)
+        assert_same_pool_but_scratch(graphed.pool, eager.pool)
+    assert want_splits == [False, False, False, True, False]  # 21 tokens over 37 cached; 33 over 14
+    assert runner.split_steps == 1
