@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from kernels import compile_check, reference, timing
-from kernels.bench_report import DECODE_CANDIDATES, KINDS, STACKED, format_markdown, format_table, summarize
+from kernels.bench_report import (
+    DECODE_CANDIDATES,
+    KINDS,
+    LORA_CANDIDATES,
+    STACKED,
+    format_markdown,
+    format_table,
+    summarize,
+)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # fp32: CPU tests only
 EXTEND_PREFIXES = (0, 1024, 4096, 16384)  # cached prefix per request (tokens)
@@ -181,12 +189,11 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     timed("triton_graph", timing.time_ms(graph.replay))
     timed("triton", timing.time_ms(triton_call))
     row["segments"] = int((seg_slots >= 0).sum())
-    # NOTE: the candidates, each failure in the row: both kernels launched as programmatic dependents
-    # (LoraConfig.pdl), and the expand's partials loaded SPLIT_STEP splits at a time (batched_partials)
+    # NOTE: the candidates (LORA_CANDIDATES), each failure in the row
     default = lora.default_config(x.dtype)
     graphs: dict[str, Any] = {"default": graph}
-    for name, cfg in (("pdl", dataclasses.replace(default, pdl=True)),
-                      ("batched", dataclasses.replace(default, batched_partials=True))):  # fmt: skip
+    for name, change in LORA_CANDIDATES.items():
+        cfg = dataclasses.replace(default, **change)
         graphs[name] = None
         try:
             graphs[name] = timing.capture(

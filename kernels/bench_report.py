@@ -14,6 +14,11 @@ MAX_REL_ERR = 2e-2
 # decode candidates kernels.bench times beside the default (DecodeConfig: fused_merge, pdl, prefetch, and
 # prefetch with pdl), each row's triton_<name>_graph_*: single replays, then these per layer of the stack
 STACKED = ("pdl", "prefetch", "prefetch_pdl")
+# the LoRA candidates kernels.bench times beside the default, each a LoraConfig change: both kernels
+# launched as programmatic dependents, the expand's partials several splits a load, 256-column expand
+# blocks (kernels.tune's best on an H100), and those with PDL
+LORA_CANDIDATES = {"pdl": {"pdl": True}, "batched": {"batched_partials": True}, "wide": {"block_n": 256},
+                   "wide_pdl": {"block_n": 256, "pdl": True}}  # fmt: skip
 DECODE_CANDIDATES = ("fused", "pdl", "prefetch", "prefetch_pdl", *(f"{name}_stack" for name in STACKED))
 
 
@@ -46,9 +51,9 @@ def extend_error(row: dict) -> float | None:
 
 
 def lora_error(row: dict) -> float | None:
-    """The worst of the LoRA deltas' errors against torch's: the default launch, and the PDL and batched
-    partials candidates'."""
-    return _worst_error(row, ("rel_err_vs_torch", "rel_err_pdl_vs_torch", "rel_err_batched_vs_torch"))
+    """The worst of the LoRA deltas' errors against torch's: the default launch and the candidates'
+    (LORA_CANDIDATES)."""
+    return _worst_error(row, ("rel_err_vs_torch", *(f"rel_err_{name}_vs_torch" for name in LORA_CANDIDATES)))
 
 
 def verify_error(row: dict) -> float | None:
@@ -355,19 +360,21 @@ def format_markdown(result: dict) -> str:
             " kernels.reference.lora_segments); the per-request column replays one segment per request, the PDL"
             " column the joined segments with both kernels launched as programmatic dependents (LoraConfig.pdl),"
             " the batched column with the expand loading the shrink's partials several splits a load, beside"
-            " B and its rows of out (LoraConfig.batched_partials).",
+            " B and its rows of out (LoraConfig.batched_partials), the 256-column ones with the expand's"
+            " programs taking 256 out columns each instead of 128 (LoraConfig.block_n), alone and with PDL.",
             "",
             "| requests | adapters | segments | Triton us | Triton GB/s | of copy bw | per-request segments us "
-            "| PDL us | batched partials us | torch per adapter us | torch / Triton | Triton eager us "
-            "| torch eager us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| PDL us | batched partials us | 256-column us | 256-column + PDL us | torch per adapter us "
+            "| torch / Triton | Triton eager us | torch eager us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["lora"]:
             lines.append(
                 f"| {r['batch']} | {r['adapters']} | {r.get('segments', '-')} | {r['triton_graph_ms'] * 1e3:.1f} "
                 f"| {r['triton_graph_gbs']:,.0f} | {r['triton_graph_gbs'] / copy:.0%} "
                 f"| {_us(r.get('triton_per_request_graph_ms'))} | {_us(r.get('triton_pdl_graph_ms'))} "
-                f"| {_us(r.get('triton_batched_graph_ms'))} | {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {_us(r.get('triton_batched_graph_ms'))} | {_us(r.get('triton_wide_graph_ms'))} "
+                f"| {_us(r.get('triton_wide_pdl_graph_ms'))} | {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
@@ -414,6 +421,8 @@ TIMED = {
     "prefetch_pdl": "triton_prefetch_pdl_graph_ms",
     "fused": "triton_fused_graph_ms",
     "batched": "triton_batched_graph_ms",  # LoRA's
+    "wide": "triton_wide_graph_ms",
+    "wide_pdl": "triton_wide_pdl_graph_ms",
 }
 
 
@@ -520,6 +529,8 @@ COMPARED = (  # (kind, shape keys, the number compared, higher is better); a num
     ("lora", ("batch", "adapters"), "triton_graph_ms", False),
     ("lora", ("batch", "adapters"), "triton_pdl_graph_ms", False),
     ("lora", ("batch", "adapters"), "triton_batched_graph_ms", False),
+    ("lora", ("batch", "adapters"), "triton_wide_graph_ms", False),
+    ("lora", ("batch", "adapters"), "triton_wide_pdl_graph_ms", False),
     ("verify", ("batch", "prefix", "new"), "short_graph_ms", False),
     ("verify", ("batch", "prefix", "new"), "short_pdl_graph_ms", False),
 )

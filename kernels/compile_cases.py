@@ -101,14 +101,14 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     pdl = dataclasses.replace(decode_default, pdl=True)  # sm_90+
 
-    def lora_case(rank: int, pdl: bool = False, batched: bool = False) -> Case:
-        """q/k/v deltas of rank-``rank`` adapters (2 slots) on decode rows."""
+    def lora_case(rank: int, variant: str = "", **change: Any) -> Case:
+        """q/k/v deltas of rank-``rank`` adapters (2 slots) on decode rows; ``change``: a candidate's
+        LoraConfig fields, named ``variant``."""
         x, out = t["x"], torch.zeros(32, qkv, dtype=dt)
         a, b = torch.zeros(2, 3 * rank, shape.hidden, dtype=dt), torch.zeros(2, qkv, 3 * rank, dtype=dt)
-        cfg = dataclasses.replace(lora.default_config(dt), pdl=pdl, batched_partials=batched)
-        label = "lora_add" + " pdl" * pdl + " batched" * batched
-        return (f"{label} {shape.dtype} h{shape.hidden} r{3 * rank}",
-                dataclasses.asdict(cfg) if pdl or batched else {},
+        cfg = dataclasses.replace(lora.default_config(dt), **change)
+        return (f"lora_add{' ' * bool(variant)}{variant} {shape.dtype} h{shape.hidden} r{3 * rank}",
+                dataclasses.asdict(cfg) if change else {},
                 lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
 
     return [
@@ -140,9 +140,13 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                                      t["v_cache"], t["positions"])),
         lora_case(8),
         lora_case(16),
-        *([lora_case(16, pdl=True)] if arch >= 90 else []),
+        *([lora_case(16, "pdl", pdl=True)] if arch >= 90 else []),
         # the expand's partials SPLIT_STEP splits a load (LoraConfig.batched_partials, off by default)
-        lora_case(16, batched=True),
+        lora_case(16, "batched", batched_partials=True),
+        # 256-column expand blocks (kernels.tune's best on an H100; off by default), at both ranks; 16-bit
+        # only (fp32's FMA dot spills at 128 columns)
+        *([lora_case(8, "wide", block_n=256), lora_case(16, "wide", block_n=256)] if dt != torch.float32
+          else []),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
     ]  # fmt: skip
 

@@ -206,7 +206,9 @@ def _divisor(temperature: float) -> float:
 # NOTE: up to this many rows the vocabulary sort beats the top-p threshold kernel (one program per
 # row, 32 passes over it): on an H100 at vocabulary 128,256 the kernel took 0.54 / 0.50 / 0.52 ms at
 # 1 / 16 / 64 rows and the sort 0.17 / 0.29 / 0.76 (docs/benchmarks/gpu-nvidia-h100.md). The whole
-# sorted path adds O(V) elementwise ops to the sort; worker.bench_sampling times both paths.
+# top-p mask, a later run on an H100: sorted 0.30 / 0.59 / 1.45 ms, the kernel's 0.53 / 0.51 / 0.60,
+# so the crossing is at 16 rows or a little under; scripts/gpu-bench's sampling step times 2 to 32
+# rows too. worker.bench_sampling times both paths.
 SORT_MAX_ROWS = 16
 
 

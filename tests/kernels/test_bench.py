@@ -389,16 +389,18 @@ def test_markdown_report_has_the_lora_table_when_measured():
                        "torch_graph_ms": 0.08, "triton_ms": 0.1, "torch_ms": 0.3, "rel_err_vs_torch": 0.004,
                        "segments": 64, "triton_per_request_graph_ms": 0.021, "triton_pdl_graph_ms": 0.018,
                        "rel_err_pdl_vs_torch": 0.005, "triton_batched_graph_ms": 0.0165,
-                       "rel_err_batched_vs_torch": 0.006},
+                       "rel_err_batched_vs_torch": 0.006, "triton_wide_graph_ms": 0.017,
+                       "rel_err_wide_vs_torch": 0.004, "triton_wide_pdl_graph_ms": 0.0155,
+                       "rel_err_wide_pdl_vs_torch": 0.007},
                       {"batch": 64, "adapters": 1, "triton_graph_ms": 0.01, "triton_graph_gbs": 900.0,
                        "torch_graph_ms": 0.02, "triton_ms": 0.1, "torch_ms": 0.2, "rel_err_vs_torch": 0.003}]  # fmt: skip
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     rows = table_rows(md, "## LoRA deltas (kernels/lora.py), one decode step's gate/up projection")
-    assert rows == [["64", "4", "64", "20.0", "500", "50%", "21.0", "18.0", "16.5", "80.0", "4.00", "100.0",
-                     "300.0", "6.0e-03"],
-                    ["64", "1", "-", "10.0", "900", "90%", "-", "-", "-", "20.0", "2.00", "100.0", "200.0",
-                     "3.0e-03"]]  # fmt: skip
+    assert rows == [["64", "4", "64", "20.0", "500", "50%", "21.0", "18.0", "16.5", "17.0", "15.5", "80.0",
+                     "4.00", "100.0", "300.0", "7.0e-03"],
+                    ["64", "1", "-", "10.0", "900", "90%", "-", "-", "-", "-", "-", "20.0", "2.00", "100.0",
+                     "200.0", "3.0e-03"]]  # fmt: skip
     assert "## LoRA" not in bench_report.format_markdown(synthetic_result() | {"summary": result["summary"]})
 
 
@@ -486,9 +488,12 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
         assert row["rel_err_vs_torch"] < 1e-5 and row["triton_per_request_graph_ms"] > 0
         assert row["triton_pdl_graph_ms"] > 0 and bench_report.lora_error(row) < 1e-5
     # every row profiled; off CUDA the profiler sees no kernels
-    assert joined["timeline"] == mixed["timeline"] == {"default": None, "pdl": None, "batched": None}
-    for row in joined, mixed:  # and the expand's partials several splits a load
-        assert row["triton_batched_graph_ms"] > 0 and row["rel_err_batched_vs_torch"] < 1e-5
+    assert (
+        joined["timeline"] == mixed["timeline"] == dict.fromkeys(["default", *bench_report.LORA_CANDIDATES])
+    )
+    for row in joined, mixed:  # every candidate timed and right: batched partials, 256-column expand blocks
+        for name in bench_report.LORA_CANDIDATES:
+            assert row[f"triton_{name}_graph_ms"] > 0 and row[f"rel_err_{name}_vs_torch"] < 1e-5, name
 
 
 def test_two_runs_compare_shape_by_shape_with_times_inverted(tmp_path, capsys):
