@@ -326,9 +326,8 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     # NOTE: the prompt and its one output token within the model's context
     follow_up = min(p.follow_up_context, engine.max_total_tokens - 1)
     ttft.append(await measure_ttft(engine, p, prompts, 0.0, follow_up=follow_up))
-    if (
-        graphs is not None and graphs.split_sizes
-    ):  # the same turn over the unsplit graphs: what the split saves
+    # the same turn over the unsplit graphs: what the split saves
+    if graphs is not None and graphs.split_sizes:
         await engine.call(lambda: setattr(graphs, "prefix_split", False))
         try:
             ttft.append(
