@@ -28,8 +28,8 @@ each writes a partial output and its log2-sum-exp, which a merge kernel combines
 SMs) and, when known, the longest prefix; inside the kernel each request takes only the splits its
 prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default
 (SPLIT_PREFIX): on the bench's eager cache hits it lost more than it won (kernels.bench, kernels.sweep,
-worker.bench_profile --split-prefix). In the worker's extend graphs it pays over long prefixes: a
-caller passes ``split_prefix`` per launch, and split_graph_pays says when.
+worker.bench_profile --split-prefix). In the worker's extend graphs it pays over long prefixes:
+graph_configs and graph_variant say which graphs take it and which steps replay them.
 
 Packed blocks (ExtendConfig.packed_blocks, PACKED_BLOCKS; batches of more than one request): the grid
 is (Hq, block slots, splits) with one slot per query block that exists (split_merge.packed_blocks: at
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 
 import torch
 import triton
@@ -76,16 +77,20 @@ FEW_NEW_TOKENS = 1024
 # process (worker.bench_profile --split-prefix) to time a model step with it.
 SPLIT_PREFIX = False
 PACKED_BLOCKS = False  # likewise the packed grid (ExtendConfig.packed_blocks)
-# An extend graph (worker.extend_graph) is captured over a prefix of unknown length, so its split cap comes
-# from its tokens alone; the worker captures each graph split and unsplit and replays the split one for a
-# step whose longest prefix is at least max(SPLIT_GRAPH_MIN_PREFIX, SPLIT_GRAPH_PREFIX_PER_TOKEN x the
-# graph's tokens) (split_graph_pays). On an H100 (kernels.sweep's extend-graph rows, one request in a graph
-# of 32 rows, 64x32 tiles: docs/benchmarks/kernels-sweep-split-nvidia-h100-80gb-hbm3.json) the split was
-# faster from 1,024 cached tokens in graphs of 32-128 tokens (56 -> 34 us at 20 new) and from 2,048 in one
-# of 256 (107 -> 100 us; 62 -> 88 at 1,024), 4.7-7.5x faster at 16,384, and slower below (0.6-0.95x at
-# 512): the rule takes the faster on all 24 rows (tests/kernels/test_sweep.py).
+# An extend graph (worker.extend_graph) is captured over a prefix of unknown length, so the default tiles
+# are those of an unknown prefix (64x32 on sm_90) and its split cap comes from its tokens alone. The worker
+# also captures it in the configurations graph_configs names ("long_prefix": the long-prefix tiles, "split":
+# the default tiles with the prefix split) and replays the one graph_variant picks for the step's longest
+# cached prefix. From kernels.sweep's extend-graph rows on an H100 (one request in a graph of 32 rows:
+# docs/benchmarks/kernels-sweep-split-nvidia-h100-80gb-hbm3.json): 128x64 beat 64x32 from 512 cached
+# tokens (1.11-1.46x) and lost with none (0.75-0.89x); the split beat 128x64 from 1,024 cached tokens in
+# graphs of 32-64 tokens, from 2,048 at 128 and from 4,096 at 256 (and 64x32 unsplit from 1,024 at 32-128
+# tokens, from 2,048 at 256), up to 5x at 16,384. The rule takes the fastest on all 24 rows
+# (tests/kernels/test_sweep.py).
+GRAPH_LONG_TILES_MIN_PREFIX = 512  # tokens
 SPLIT_GRAPH_MIN_PREFIX = 1024  # tokens
-SPLIT_GRAPH_PREFIX_PER_TOKEN = 8  # cached tokens per graph token
+SPLIT_GRAPH_PREFIX_PER_TOKEN = 16  # cached tokens per graph token, against the long-prefix tiles
+SPLIT_GRAPH_PREFIX_PER_TOKEN_DEFAULT_TILES = 8  # against the default tiles (where no long-prefix tiles)
 MAX_PREFIX_SPLITS = 16
 SPLIT_WAVES = 2  # prefix splits aim for this many waves of programs per SM
 MERGE_TOKENS = 8  # rows of one (request, query head) a merge program combines
@@ -200,20 +205,38 @@ def _arch_of(index: int) -> int:
     return major * 10 + minor
 
 
-def graph_prefix_splits(
+def graph_configs(
     new_tokens: int, hq: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> int:
-    """The split cap an extend launch of ``new_tokens`` rows (a graph's, its prefix unknown) takes with
-    the prefix split on, on ``device``: 1 where its grid already fills the SMs (a split graph would be
-    the unsplit one)."""
-    cfg = default_config(head_dim, dtype, device_arch(device), None, new_tokens)
-    return prefix_split_cap(None, new_tokens, hq, device, dataclasses.replace(cfg, split_prefix=True))
+) -> dict[str, ExtendConfig]:
+    """The configurations besides the default worth capturing an extend graph of ``new_tokens`` rows in
+    (its prefix unknown), by name: "long_prefix" where the long-prefix tiles differ from the default's,
+    "split" where the prefix split would give the default tiles more programs on ``device``."""
+    arch = device_arch(device)
+    default = default_config(head_dim, dtype, arch, None, new_tokens)
+    configs = {}
+    long_prefix = default_config(head_dim, dtype, arch, LONG_PREFIX, new_tokens)
+    if long_prefix != default:
+        configs["long_prefix"] = long_prefix
+    split = dataclasses.replace(default, split_prefix=True)
+    if prefix_split_cap(None, new_tokens, hq, device, split) > 1:
+        configs["split"] = split
+    return configs
 
 
-def split_graph_pays(max_prefix_len: int, graph_tokens: int) -> bool:
-    """Whether an extend graph of ``graph_tokens`` tokens runs a step whose longest cached prefix is
-    ``max_prefix_len`` tokens faster with the prefix split (see SPLIT_GRAPH_MIN_PREFIX)."""
-    return max_prefix_len >= max(SPLIT_GRAPH_MIN_PREFIX, SPLIT_GRAPH_PREFIX_PER_TOKEN * graph_tokens)
+def graph_variant(max_prefix_len: int, graph_tokens: int, variants: Collection[str]) -> str:
+    """Which of an extend graph's captures (``variants``: graph_configs' names) runs a step whose longest
+    cached prefix is ``max_prefix_len`` tokens fastest: "split", "long_prefix" or "default" (see
+    GRAPH_LONG_TILES_MIN_PREFIX)."""
+    per_token = (
+        SPLIT_GRAPH_PREFIX_PER_TOKEN
+        if "long_prefix" in variants
+        else SPLIT_GRAPH_PREFIX_PER_TOKEN_DEFAULT_TILES
+    )
+    if "split" in variants and max_prefix_len >= max(SPLIT_GRAPH_MIN_PREFIX, per_token * graph_tokens):
+        return "split"
+    if "long_prefix" in variants and max_prefix_len >= GRAPH_LONG_TILES_MIN_PREFIX:
+        return "long_prefix"
+    return "default"
 
 
 def device_arch(device: torch.device) -> int:
@@ -412,14 +435,13 @@ def extend_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
-    split_prefix: bool | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
-    prefix splits. ``split_prefix`` (None: the config's) turns the prefix split on or off; ``num_splits``
-    caps it (a CUDA graph fixes it; 1: none; None: prefix_split_cap's choice). ``out`` [T, Hq, D] may be
-    preallocated. Raises ValueError on inconsistent shapes, dtypes or devices (metadata only, no sync)."""
+    prefix splits. ``num_splits`` caps the prefix splits (a CUDA graph fixes it; 1: none; None:
+    prefix_split_cap's choice). ``out`` [T, Hq, D] may be preallocated. Raises ValueError on inconsistent
+    shapes, dtypes or devices (metadata only, no sync)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
@@ -439,8 +461,6 @@ def extend_attention(
     if max_extend_len == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t)
-    if split_prefix is not None:
-        cfg = dataclasses.replace(cfg, split_prefix=split_prefix)
     num_splits = prefix_split_cap(num_splits, t, hq, q.device, cfg, max_prefix_len)
     split = num_splits > 1
     scale = d**-0.5 if sm_scale is None else sm_scale

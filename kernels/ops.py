@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -78,12 +79,12 @@ def extend_attention(
     *,
     max_extend_len: int | None = None,
     max_prefix_len: int | None = None,
-    split_prefix: bool | None = None,
+    config: Any = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix; see kernels.reference.extend_attention. ``max_extend_len``
     (tokens, the most rows of any request) spares the Triton path a device-to-host sync;
-    ``max_prefix_len`` (the longest cached prefix) picks its tiles; ``split_prefix`` (None: the
-    default's) turns its prefix split on or off (kernels.extend_attention)."""
+    ``max_prefix_len`` (the longest cached prefix) picks its tiles; ``config`` (an
+    extend_attention.ExtendConfig: an extend graph's variant) overrides them."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.extend_attention(
@@ -92,7 +93,7 @@ def extend_attention(
         )  # fmt: skip
     return kernel_module("extend_attention", mode).extend_attention(
         q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-        max_extend_len=max_extend_len, max_prefix_len=max_prefix_len, split_prefix=split_prefix,
+        max_extend_len=max_extend_len, max_prefix_len=max_prefix_len, config=config,
     )  # fmt: skip
 
 

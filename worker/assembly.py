@@ -384,10 +384,10 @@ def model_executor(cfg: Any, model: Any, pool: Any, device: Any, max_context: in
         verify = cfg.speculative_tokens > 0  # every token's logits: only verify steps ask for them
         # NOTE: prefixes past the pool's size (only shared ones could) send a step to the eager path
         max_kv = min(requests * per_request, pool_tokens)
-        split = {"auto": None, "on": True, "off": False}[cfg.cuda_graph_extend_split]
+        variants = {"auto": None, "on": True, "off": False}[cfg.cuda_graph_extend_variants]
         extend = ExtendGraphRunner(model, pool, extend_tokens, requests, max_kv, verify,
                                    all_max_new=cfg.speculative_tokens + 1 if verify else None,
-                                   prefix_split=split)  # fmt: skip
+                                   prefix_variants=variants)  # fmt: skip
     return ModelExecutor(model, pool, device, decode, extend)
 
 

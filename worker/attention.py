@@ -65,7 +65,7 @@ def extend(
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
-        split_prefix=batch.split_prefix,
+        config=batch.extend_config,
     )  # fmt: skip
 
 

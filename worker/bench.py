@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import statistics
 import sys
@@ -258,6 +259,11 @@ async def measure_decode(
             "overlapped_steps": after.ahead_steps - before.ahead_steps}  # fmt: skip
 
 
+def replayed_variants(graphs: Any) -> collections.Counter[str]:
+    """Extend steps replayed so far by an ExtendGraphRunner (or None), by the capture's variant."""
+    return collections.Counter(graphs.variant_steps if graphs is not None else {})
+
+
 async def measure_ttft(
     engine: Engine, p: BenchParams, prompts: Prompts, fraction: float, from_host: bool = False,
     follow_up: int | None = None,
@@ -268,7 +274,7 @@ async def measure_ttft(
     ttfts, computed, cached, loaded = [], [], [], []  # ms, tokens, tokens, tokens
     executor: Any = engine.executor  # NOTE: a ModelExecutor: the benchmark runs the model
     graphs = executor.extend_graphs
-    graphed, split = executor.extend_graph_steps, graphs.split_steps if graphs is not None else 0
+    graphed, variants = executor.extend_graph_steps, replayed_variants(graphs)
     length = follow_up or p.prompt_tokens
     for _ in range(p.reps):
         await engine.flush_cache()
@@ -292,7 +298,7 @@ async def measure_ttft(
            "ttft_ms_median": round(statistics.median(ttfts), 3), "ttft_ms_min": round(min(ttfts), 3),
            "ttft_ms_max": round(max(ttfts), 3),
            "extend_graph_steps": executor.extend_graph_steps - graphed,
-           "split_graph_steps": (graphs.split_steps if graphs is not None else 0) - split}  # fmt: skip
+           "graph_variants": dict(replayed_variants(graphs) - variants)}  # fmt: skip
     return {**row, "follow_up": True} if follow_up else row
 
 
@@ -326,15 +332,15 @@ async def run_engine_benchmarks(engine: Engine, p: BenchParams) -> dict:
     # NOTE: the prompt and its one output token within the model's context
     follow_up = min(p.follow_up_context, engine.max_total_tokens - 1)
     ttft.append(await measure_ttft(engine, p, prompts, 0.0, follow_up=follow_up))
-    # the same turn over the unsplit graphs: what the split saves
-    if graphs is not None and graphs.split_sizes:
-        await engine.call(lambda: setattr(graphs, "prefix_split", False))
+    # the same turn over the default graphs only: what the prefix variants save
+    if graphs is not None and any(graphs.configs.values()):
+        await engine.call(lambda: setattr(graphs, "prefix_variants", False))
         try:
             ttft.append(
-                {**await measure_ttft(engine, p, prompts, 0.0, follow_up=follow_up), "prefix_split": False}
+                {**await measure_ttft(engine, p, prompts, 0.0, follow_up=follow_up), "prefix_variants": False}
             )
         finally:
-            await engine.call(lambda: setattr(graphs, "prefix_split", True))
+            await engine.call(lambda: setattr(graphs, "prefix_variants", True))
     await engine.flush_cache()
     return {
         "prefill": prefill,

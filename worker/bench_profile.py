@@ -9,8 +9,9 @@ matmuls' time against the weight bytes a step must read gives the bandwidth they
 their FLOPs, the rate); the other groups and the kernel count per step show what the small kernels
 cost. On the CPU the groups are the leaf torch operators' own CPU time instead of kernels.
 A prefill's replayed graph is captured as the engine's extend graphs are, over a prefix of unknown
-length, so its extend attention takes the tiles of an unknown prefix; run eagerly it knows the
-prefix (kernels.extend_attention.default_config): the result names both.
+length, in the configuration the engine replays for this prefix (worker.extend_graph's variants: the
+default tiles, the long-prefix tiles or the prefix split); run eagerly it knows the prefix
+(kernels.extend_attention.default_config): the result names both.
 """
 
 from __future__ import annotations
@@ -103,9 +104,11 @@ def matmul_flops(model: Any, tokens: int, logit_rows: int) -> int:
     return 2 * (per_token * tokens + model.lm_head.numel() * logit_rows)
 
 
-def extend_tiles(model: Any, device: str, max_prefix_len: int | None, new_tokens: int) -> str | None:
+def extend_tiles(
+    model: Any, device: str, max_prefix_len: int | None, new_tokens: int, config: Any = None
+) -> str | None:
     """The extend attention tiles a prefill takes on ``device`` ("128x64/8w/3s", kernels.bench_report's
-    form); None off CUDA (the reference path)."""
+    form): ``config``'s, else the default's; None off CUDA (the reference path)."""
     if device != "cuda":
         return None
     import torch
@@ -114,8 +117,26 @@ def extend_tiles(model: Any, device: str, max_prefix_len: int | None, new_tokens
     from kernels.bench_report import tiles
 
     arch = ext.device_arch(torch.device("cuda"))
-    cfg = ext.default_config(model.config.head_dim, model.dtype, arch, max_prefix_len, new_tokens)
+    cfg = config or ext.default_config(model.config.head_dim, model.dtype, arch, max_prefix_len, new_tokens)
     return tiles(dataclasses.asdict(cfg)) + (", prefix split" if cfg.split_prefix else "")
+
+
+def graph_config(model: Any, device: Any, context: int, new_tokens: int) -> Any:
+    """The extend configuration the worker's extend graphs replay on ``device`` (a torch.device) for a
+    step of ``new_tokens`` over ``context`` cached tokens (worker.extend_graph: the variant
+    kernels.extend_attention.graph_variant picks for the graph the step pads to); None: the default."""
+    from kernels import extend_attention as ext
+    from worker.config import WorkerConfig
+    from worker.extend_graph import VARIANTS_MIN_ARCH, graph_token_sizes
+
+    if ext.device_arch(device) < VARIANTS_MIN_ARCH:  # NOTE: as the engine's auto
+        return None
+    sizes = [s for s in graph_token_sizes(WorkerConfig.cuda_graph_extend_tokens) if s >= new_tokens]
+    if not sizes:  # NOTE: the engine runs it eagerly
+        return None
+    c = model.config
+    configs = ext.graph_configs(new_tokens, c.num_heads, c.head_dim, model.dtype, device)
+    return configs.get(ext.graph_variant(context, sizes[0], configs))
 
 
 def replay_ms(forward: Any, reps: int) -> float:
@@ -147,9 +168,13 @@ def run(model: Any, device: str, batch: int, context: int, reps: int, new_tokens
     else:
         fb = ForwardBatch.build("decode", [[1]] * batch, [context] * batch, out_slots,
                                 [s[: context + 1] for s in slots], device)  # fmt: skip
-    # the engine's extend graphs are captured over any prefix: max_prefix_len unknown
-    graph_fb = dataclasses.replace(fb, max_prefix_len=None) if new_tokens else fb
     cuda = device == "cuda"
+    # the engine's extend graphs are captured over any prefix (max_prefix_len unknown), in the
+    # configuration its extend graph replays for this one
+    replayed = (
+        graph_config(model, torch.device(device), context, batch * new) if new_tokens and cuda else None
+    )
+    graph_fb = dataclasses.replace(fb, max_prefix_len=None, extend_config=replayed) if new_tokens else fb
 
     def forward(b: Any = fb) -> Any:
         with torch.inference_mode():
@@ -182,7 +207,7 @@ def run(model: Any, device: str, batch: int, context: int, reps: int, new_tokens
     }
     if new_tokens:
         doc["extend_tiles_eager"] = extend_tiles(model, device, fb.max_prefix_len, batch * new)
-        doc["extend_tiles_replayed"] = extend_tiles(model, device, None, batch * new)
+        doc["extend_tiles_replayed"] = extend_tiles(model, device, None, batch * new, replayed)
     return doc
 
 
@@ -196,7 +221,8 @@ def markdown(doc: dict) -> str:
         what = (f"Prefill of {p['batch']} request(s), {p['new_tokens']} new tokens each over {p['context']} "
                 f"cached, {doc['model']} on {doc['machine']['device_name']}")  # fmt: skip
         tiles = (f" Extend attention tiles: {r['extend_tiles_eager']} eager, {r['extend_tiles_replayed']} "
-                 "replayed (captured over a prefix of unknown length, as the engine's extend graphs are)."
+                 "replayed (captured over a prefix of unknown length in the configuration the engine's extend "
+                 "graphs replay for it)."
                  if r.get("extend_tiles_eager") else "")  # fmt: skip
     else:
         what = f"Decode step of {p['batch']} request(s) at context {p['context']}, {doc['model']} on {doc['machine']['device_name']}"

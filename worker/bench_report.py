@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 # ---------------------------------------------------------------------------- the decode floor
+# an extend graph's capture (worker.extend_graph) as a TTFT row names it
+GRAPH_VARIANT_NAMES = {"long_prefix": "long-prefix tiles", "split": "prefix split"}
 DECODE_FLOOR_TARGET = 1.3  # a batch-1 decode step within this many times the weight-read floor
 
 
@@ -114,8 +116,9 @@ def markdown_table(doc: dict) -> str:
         where = " in host memory" if t.get("from") == "host" else ""
         where += ", prefill launched eagerly" if t.get("eager") else ""
         if t.get("extend_graph_steps"):
-            where += ", prefill replayed as a CUDA graph" + (" split" if t.get("split_graph_steps") else "")
-        where += ", its prefix split off" if t.get("prefix_split") is False else ""
+            variants = [GRAPH_VARIANT_NAMES.get(v, v) for v in t.get("graph_variants", {}) if v != "default"]
+            where += ", prefill replayed as a CUDA graph" + "".join(f" ({v})" for v in variants)
+        where += ", default graphs only" if t.get("prefix_variants") is False else ""
         length = t.get("prompt_tokens", p["prompt_tokens"])
         what = (f"follow-up turn, {t['cached_tokens']:,} of {length:,} tokens cached" if t.get("follow_up")
                 else f"{t['cached_fraction']:.0%} of {length} tokens cached")  # fmt: skip

@@ -37,9 +37,9 @@ class WorkerConfig:
     cuda_graph_extend_tokens: int = (
         256  # extend/verify steps of up to this many new tokens replay graphs; 0 = off
     )
-    # extend graphs also captured with the attention's prefix split, replayed over long cached prefixes:
-    # auto (on CUDA from sm_90, where measured) | on | off
-    cuda_graph_extend_split: str = "auto"
+    # extend graphs also captured in the attention configurations that win over long cached prefixes,
+    # replayed by each step's longest prefix: auto (on CUDA from sm_90, where measured) | on | off
+    cuda_graph_extend_variants: str = "auto"
     # schedule the next decode step while the current one runs: auto (on CUDA) | on | off
     overlap_schedule: str = "auto"
     chunked_prefill_tokens: int = 2048  # prompt tokens per prefill step
@@ -127,8 +127,8 @@ class WorkerConfig:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.cuda_graph_max_bs < 0 or self.cuda_graph_extend_tokens < 0:
             raise ValueError("--cuda-graph-max-bs and --cuda-graph-extend-tokens must be >= 0")
-        if self.cuda_graph_extend_split not in ("auto", "on", "off"):
-            raise ValueError("--cuda-graph-extend-split must be auto, on or off")
+        if self.cuda_graph_extend_variants not in ("auto", "on", "off"):
+            raise ValueError("--cuda-graph-extend-variants must be auto, on or off")
         if self.cpu_threads < 0:
             raise ValueError("--cpu-threads must be >= 0")
         if self.warmup_tokens < 0:
@@ -241,11 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
         "decoding) replay captured graphs (0 = off)",
     )
     opt(
-        "--cuda-graph-extend-split",
+        "--cuda-graph-extend-variants",
         str,
-        "CUDA: capture each extend graph also with the attention's prefix split (more programs over a "
-        "long cached prefix; twice the extend graphs) and replay it for steps over long prefixes: auto "
-        "(from sm_90), on, off",
+        "CUDA: capture each extend graph also in the attention configurations that win over long cached "
+        "prefixes (larger tiles; the prefix split, more programs) and replay the one for each step's "
+        "longest prefix (up to three times the extend graphs): auto (from sm_90), on, off",
         choices=["auto", "on", "off"],
     )
     opt(

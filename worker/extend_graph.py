@@ -8,16 +8,18 @@ layer works row by row), write their K/V only to the pool's scratch slot, and th
 the graph's request rows past b hold no tokens and no prefix. With LoRA adapters (or room for them)
 at capture, each shape is captured with the adapter deltas too (worker.cuda_graph.GraphLora).
 
-A graph is captured over a prefix of unknown length, so its extend kernel's grid is fixed by its tokens:
-few programs, each walking a whole prefix. Where the kernel's prefix split would add programs (graphs
-of more than SHORT_EXTEND tokens a request and too few programs to fill the SMs), each shape is also
-captured split, and a step whose longest cached prefix makes the split pay
-(kernels.extend_attention.split_graph_pays) replays that one: the host knows the prefix at replay.
+A graph is captured over a prefix of unknown length, so its extend kernel takes the tiles of an unknown
+prefix and a grid fixed by its tokens: few programs, each walking a whole prefix. So each shape that runs
+the extend kernel (more than SHORT_EXTEND tokens a request) is also captured in the configurations that
+win over long cached prefixes (kernels.extend_attention.graph_configs: the long-prefix tiles, the prefix
+split), and a step replays the one graph_variant picks for its longest cached prefix, which the host
+knows at replay.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -41,9 +43,9 @@ from worker.request import ScheduledBatch
 log = logging.getLogger("worker.engine")
 
 MIN_GRAPH_TOKENS = 8
-# the split graphs by default from this compute capability (x10) on: measured on an H100 (sm_90); before
-# Hopper unmeasured (--cuda-graph-extend-split on takes them there too)
-SPLIT_GRAPHS_MIN_ARCH = 90
+# the prefix variants by default from this compute capability (x10) on: measured on an H100 (sm_90);
+# before Hopper unmeasured (--cuda-graph-extend-variants on takes them there too)
+VARIANTS_MIN_ARCH = 90
 
 
 def graph_token_sizes(max_tokens: int) -> list[int]:
@@ -70,8 +72,8 @@ class ExtendGraphRunner:
     lora_indptr R+1 | kv_indices ...]`` (the LoRA segments only with adapters), filled through a pinned
     host mirror with one host-to-device copy per step, as for decode graphs.
 
-    ``prefix_split``: capture the split variants (see the module docstring); None = on CUDA from
-    SPLIT_GRAPHS_MIN_ARCH on.
+    ``prefix_variants``: capture the configurations that win over long prefixes too (see the module
+    docstring); None = on CUDA from VARIANTS_MIN_ARCH on.
     """
 
     def __init__(
@@ -84,7 +86,7 @@ class ExtendGraphRunner:
         all_logits: bool = False,
         backend: GraphBackend | None = None,
         all_max_new: int | None = None,
-        prefix_split: bool | None = None,
+        prefix_variants: bool | None = None,
     ) -> None:
         self.sizes = graph_token_sizes(max_tokens)
         if not self.sizes or max_requests <= 0 or max_kv_indices <= 0:
@@ -103,54 +105,52 @@ class ExtendGraphRunner:
         # NOTE: verify steps (the "all" kind) have few new tokens per request; the hint lets a graph
         # run the short-extend kernel and size its grid by them rather than by the graph's tokens
         self.all_max_new = all_max_new
-        if prefix_split is None:
-            prefix_split = model.device.type == "cuda" and _device_arch(model.device) >= SPLIT_GRAPHS_MIN_ARCH
-        self.prefix_split = bool(prefix_split)  # False: the split graphs (if any) are not replayed
-        self._split_pays: Callable[[int, int], bool] = _never
-        if prefix_split:  # NOTE: the kernels' module imports Triton: only where split graphs may be captured
-            from kernels.extend_attention import split_graph_pays
-
-            self._split_pays = split_graph_pays
-        self.split_steps = 0  # steps replayed from a split graph
-        # keyed (size, kind, lora, split)
-        self._replays: dict[tuple[int, str, bool, bool], Callable[[], None]] = {}
-        self._outputs: dict[tuple[int, str, bool, bool], torch.Tensor] = {}
+        if prefix_variants is None:
+            prefix_variants = model.device.type == "cuda" and _device_arch(model.device) >= VARIANTS_MIN_ARCH
+        self.prefix_variants = bool(prefix_variants)  # False: only the default graphs replay
+        # (size, kind) -> the kernel configuration of each variant besides "default"
+        self.configs: dict[tuple[int, str], dict[str, Any]] = {}
+        self.variant_steps: collections.Counter[str] = collections.Counter()  # steps replayed, by variant
+        self._replays: dict[
+            tuple[int, str, bool, str], Callable[[], None]
+        ] = {}  # (size, kind, lora, variant)
+        self._outputs: dict[tuple[int, str, bool, str], torch.Tensor] = {}
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         empty = np.zeros(0, np.int64)
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 for kind in self.kinds:
-                    splits = (False, True) if prefix_split and self._splits(model, size, kind) else (False,)
+                    configs = self._variant_configs(model, size, kind) if prefix_variants else {}
+                    self.configs[size, kind] = configs
                     for lora in self.lora.variants:
-                        for split in splits:
-                            key = (size, kind, lora, split)
-                            batch = self._static_batch(size, kind, lora, split)
+                        for variant, config in [("default", None), *configs.items()]:
+                            key = (size, kind, lora, variant)
+                            batch = self._static_batch(size, kind, lora, config)
                             self._fill(size, empty, empty, empty, np.zeros(1, np.int64), np.zeros(1, np.int64),
                                        empty, empty if lora else None)  # fmt: skip
                             self._replays[key], self._outputs[key] = backend.capture(
                                 lambda b=batch: model.forward(b, kv_pool)
                             )
-        self.split_sizes = sorted({k[0] for k in self._replays if k[3]})  # graph sizes captured split too
+        variants = sorted({f"{v} at {k[0]}" for k, configs in self.configs.items() for v in configs})
         log.info(
             "extend graphs (%s logits%s) for %s new tokens captured in %.1f s%s",
             "/".join(self.kinds),
             ", with and without LoRA" if self.lora.stack else "",
             self.sizes,
             time.perf_counter() - started,
-            f"; split over long prefixes at {self.split_sizes}" if self.split_sizes else "",
+            f"; for long prefixes also {', '.join(variants)}" if variants else "",
         )
 
-    def _splits(self, model: Any, size: int, kind: str) -> bool:
-        """Whether a ``kind`` graph of ``size`` tokens has a split variant: it runs the extend kernel
-        (not the short one) and the prefix split would give it more programs."""
-        from kernels.extend_attention import graph_prefix_splits
+    def _variant_configs(self, model: Any, size: int, kind: str) -> dict[str, Any]:
+        """The configurations besides the default a ``kind`` graph of ``size`` tokens is captured in: those
+        of kernels.extend_attention.graph_configs where it runs the extend kernel (not the short one)."""
+        if self._max_extend(size, kind) <= SHORT_EXTEND:
+            return {}
+        from kernels.extend_attention import graph_configs  # NOTE: imports Triton: only where it may run
 
         c = model.config
-        return (
-            self._max_extend(size, kind) > SHORT_EXTEND
-            and graph_prefix_splits(size, c.num_heads, c.head_dim, model.dtype, model.device) > 1
-        )
+        return graph_configs(size, c.num_heads, c.head_dim, model.dtype, model.device)
 
     def _max_extend(self, size: int, kind: str) -> int:
         """The most new tokens of a request the ``kind`` graph of ``size`` tokens launches its kernels for.
@@ -161,7 +161,7 @@ class ExtendGraphRunner:
         """Most requests a graph of ``size`` tokens takes (each scheduled request has a new token)."""
         return min(size, self.max_requests)
 
-    def _static_batch(self, size: int, kind: str, lora: bool, split: bool = False) -> ForwardBatch:
+    def _static_batch(self, size: int, kind: str, lora: bool, config: Any = None) -> ForwardBatch:
         rows, view = self._requests(size), self._inputs.view
         batch = ForwardBatch(
             mode="extend",
@@ -173,7 +173,7 @@ class ExtendGraphRunner:
             kv_indices=view("kv_indices"),
             return_all_logits=kind == "all",
             max_extend_len=self._max_extend(size, kind),
-            split_prefix=True if split else None,
+            extend_config=config,
         )
         if lora:  # NOTE: segments of up to ``size`` rows: the kernels' grid is the same as the requests'
             batch.lora = self.lora.batch(view("lora_slots", rows), view("lora_indptr", rows + 1), size)
@@ -227,24 +227,28 @@ class ExtendGraphRunner:
         ``all``. NOTE: a view of the graph's output buffer, valid until the next replay."""
         size = self.padded_size(batch.num_new_tokens)
         slots = self.lora.slots(batch)
-        key = (size, kind, slots is not None, True)
-        if not (
-            self.prefix_split and key in self._replays and self._split_pays(batch.max_prefix_tokens, size)
-        ):
-            key = (*key[:3], False)
+        variant = self.variant_of(batch, kind)
+        key = (size, kind, slots is not None, variant)
         self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.qo_indptr, batch.kv_indptr,
                    batch.kv_indices, slots)  # fmt: skip
         self._replays[key]()
-        self.split_steps += key[3]
+        self.variant_steps[variant] += 1
         rows = len(batch.requests) if kind == "last" else batch.num_new_tokens
         return self._outputs[key][:rows]
+
+    def variant_of(self, batch: ScheduledBatch, kind: str = "last") -> str:
+        """The capture a step ``can_run`` accepted replays: "default", or the variant
+        kernels.extend_attention.graph_variant picks for its longest cached prefix."""
+        size = self.padded_size(batch.num_new_tokens)
+        configs = self.configs[size, kind]
+        if not (self.prefix_variants and configs):
+            return "default"
+        from kernels.extend_attention import graph_variant
+
+        return graph_variant(batch.max_prefix_tokens, size, configs)
 
 
 def _device_arch(device: torch.device) -> int:
     from kernels.extend_attention import device_arch
 
     return device_arch(device)
-
-
-def _never(max_prefix_len: int, graph_tokens: int) -> bool:
-    return False

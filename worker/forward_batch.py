@@ -34,8 +34,9 @@ class ForwardBatch:
     max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
     # extend: the longest cached prefix of any request (picks the kernel's tiles); None = unknown
     max_prefix_len: int | None = None
-    # extend: the Triton kernel's prefix split on or off (an extend graph's split variant); None = its default
-    split_prefix: bool | None = None
+    # extend: the Triton kernel's configuration (an extend graph's variant, kernels.extend_attention.
+    # graph_configs); None = its default for the hints above
+    extend_config: Any = None
     lora: Any = None  # a worker.model.lora.LoraBatch when requests of LoRA adapters are in the batch
     # the scheduled step it was built from (its numpy arrays: what tensor parallelism sends the
     # other ranks), and whether ``input_ids`` came from the step before's sampled tokens on the
@@ -65,7 +66,7 @@ class ForwardBatch:
             logit_rows=None if self.logit_rows is None else self.logit_rows.to(device, non_blocking=True),
             max_extend_len=self.max_extend_len,
             max_prefix_len=self.max_prefix_len,
-            split_prefix=self.split_prefix,
+            extend_config=self.extend_config,
             lora=self.lora,
         )
 

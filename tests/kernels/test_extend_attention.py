@@ -93,27 +93,6 @@ def test_prefix_splits_match_the_reference(backend, assert_close_rel, dtype, hea
     assert_close_rel(out.cpu(), reference_on_cpu(args))
 
 
-@pytest.mark.parametrize("split_prefix", [True, False])
-def test_a_launch_turns_the_prefix_split_on_or_off_over_its_config(
-    backend, assert_close_rel, monkeypatch, split_prefix
-):
-    """``split_prefix`` (an extend graph's split variant, worker.extend_graph) overrides the config's:
-    True splits a config that does not (the merge runs), False keeps one program a block where the
-    config splits; the answer is the reference's either way."""
-    ext = backend.module("extend_attention")
-    merges = []
-    merge = ext.merge_rows
-    monkeypatch.setattr(ext, "merge_rows", lambda *a, **k: (merges.append(a[5]), merge(*a, **k)))
-    requests = [(100, 9), (5, 3), (0, 2), (47, 1)]  # one query block: 2 programs split 4 ways
-    requests = [(p * 9, n * 9) for p, n in requests] if backend.is_cuda else requests
-    args = make_batch(requests, 2, 1, 64, torch.float32, backend.device, seed=5)
-    cfg = dataclasses.replace(ext.default_config(64, torch.float32), split_prefix=not split_prefix)
-    out = torch.full_like(args[0], float("nan"))
-    ext.extend_attention(*args, out=out, config=cfg, split_prefix=split_prefix)
-    assert_close_rel(out.cpu(), reference_on_cpu(args))
-    assert (len(merges) == 1 and merges[0] > 1) if split_prefix else not merges
-
-
 def test_prefix_parts_past_the_end_of_a_prefix_weigh_nothing(backend, assert_close_rel):
     """Tile-aligned parts can end before the last split: 100 prefix tokens in 7 splits (16-token parts
     at least) of 32-token tiles are parts of 32, 32, 32, 4 and then two empty ones before the last,
@@ -176,17 +155,30 @@ def test_the_prefix_split_cap_fills_the_sms_with_parts_the_prefix_fills():
     assert not ext.default_config(128, torch.bfloat16, 90).split_prefix  # off until a GPU run says it pays
 
 
-def test_extend_graphs_split_where_the_split_adds_programs_and_replay_it_over_long_prefixes():
+def test_extend_graphs_take_the_configurations_that_differ_and_replay_them_by_prefix(monkeypatch):
+    """graph_configs: the long-prefix tiles where they differ from an unknown prefix's, the prefix split
+    where it adds programs; graph_variant: the split from max(SPLIT_GRAPH_MIN_PREFIX, per token x the
+    graph's tokens) (fewer per token against the default tiles), else the long-prefix tiles from
+    GRAPH_LONG_TILES_MIN_PREFIX, else the default."""
     from kernels import extend_attention as ext
 
+    monkeypatch.setattr(ext, "INTERPRETED", False)  # the compiled choice (the interpreter takes tiny tiles)
     cpu, bf16 = torch.device("cpu"), torch.bfloat16  # 4 "SMs" off CUDA: SPLIT_WAVES x 4 = 8 programs
-    assert ext.graph_prefix_splits(32, 1, 128, bf16, cpu) > 1  # a graph's prefix unknown: no cap from it
-    assert ext.graph_prefix_splits(32, 64, 128, bf16, cpu) == 1  # enough programs already
-    least = ext.SPLIT_GRAPH_MIN_PREFIX
-    assert ext.split_graph_pays(least, 32) and not ext.split_graph_pays(least - 1, 32)
+    configs = ext.graph_configs(32, 1, 128, bf16, cpu)
+    assert configs == {"long_prefix": ext.LONG_PREFIX_TILES,
+                       "split": dataclasses.replace(ext.SM90_TILES, split_prefix=True)}  # fmt: skip
+    assert set(ext.graph_configs(32, 64, 128, bf16, cpu)) == {"long_prefix"}  # enough programs already
+    assert set(ext.graph_configs(32, 1, 128, torch.float32, cpu)) == {"split"}  # one fp32 tile choice
+    both, split_only = ("long_prefix", "split"), ("split",)
+    least, long_tiles = ext.SPLIT_GRAPH_MIN_PREFIX, ext.GRAPH_LONG_TILES_MIN_PREFIX
+    assert [ext.graph_variant(p, 32, both) for p in (0, long_tiles - 1, long_tiles, least - 1, least)] == [
+        "default", "default", "long_prefix", "long_prefix", "split"]  # fmt: skip
     per_token = ext.SPLIT_GRAPH_PREFIX_PER_TOKEN * 256  # larger graphs: a longer prefix
-    assert per_token > least and ext.split_graph_pays(per_token, 256)
-    assert not ext.split_graph_pays(per_token - 1, 256)
+    assert per_token > least and ext.graph_variant(per_token, 256, both) == "split"
+    assert ext.graph_variant(per_token - 1, 256, both) == "long_prefix"
+    fewer = ext.SPLIT_GRAPH_PREFIX_PER_TOKEN_DEFAULT_TILES * 256
+    assert least < fewer < per_token and ext.graph_variant(fewer, 256, split_only) == "split"
+    assert ext.graph_variant(fewer - 1, 256, split_only) == ext.graph_variant(10**6, 256, ()) == "default"
 
 
 def test_the_long_prefix_rule_needs_a_long_prefix_and_few_new_tokens(monkeypatch):

@@ -210,7 +210,7 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
         monkeypatch.setattr(ext, "PACKED_BLOCKS", True)
         monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
         monkeypatch.setattr(ext, "SPLIT_GRAPH_MIN_PREFIX", 0)
-        monkeypatch.setattr(ext, "SPLIT_GRAPH_PREFIX_PER_TOKEN", 1)
+        monkeypatch.setattr(ext, "SPLIT_GRAPH_PREFIX_PER_TOKEN_DEFAULT_TILES", 1)  # no long-prefix tiles here
         merges = []  # NOTE: only a split launch merges; interpreted, replays alone launch (lazy captures)
         merge = ext.merge_rows
         monkeypatch.setattr(ext, "merge_rows", lambda *a, **k: (merges.append(a[5]), merge(*a, **k)))
@@ -241,14 +241,14 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
     graphed = Cached(model, str(backend.device), lengths)
     runner = ExtendGraphRunner(model, graphed.pool, 32 if lora else 64, 6, 6 * 128, all_logits=True,
                                backend=EagerReplay(lazy=True) if backend.interpret else None,
-                               prefix_split=split)  # fmt: skip
+                               prefix_variants=split)  # fmt: skip
     tol = 1e-4 if backend.interpret else 3e-2
     split_steps = 0
     for (rows, new), kind, w in zip(steps, kinds, want, strict=True):
         step = with_adapters(graphed.step(rows, new))
         assert runner.can_run(step, kind)
         size = runner.padded_size(step.num_new_tokens)
-        split_steps += size in runner.split_sizes and step.max_prefix_tokens >= size
+        split_steps += "split" in runner.configs[size, kind] and step.max_prefix_tokens >= size
         got = runner.run(step, kind).float().cpu()
         assert got.shape == w.shape and torch.isfinite(got).all()
         err = ((got - w).norm() / w.norm()).item()
@@ -256,6 +256,8 @@ def test_padded_extend_graph_steps_on_triton_kernels_match_the_reference_path(
             f"{kind} step of {[len(t) for t in new]} tokens: relative error {err:.2e} >= {tol:.0e}"
         )
     if split:  # NOTE: a graph of 32 tokens splits (the cap is a launch argument of the graph)
-        assert 32 in runner.split_sizes and runner.split_steps == split_steps >= 1
+        assert (
+            set(runner.configs[32, "last"]) == {"split"} and runner.variant_steps["split"] == split_steps >= 1
+        )
         if backend.interpret:  # a layer's split launch each, with more than one part
             assert len(merges) == CONFIG.num_layers * split_steps and min(merges) > 1

@@ -46,17 +46,23 @@ def test_the_default_extend_tiles_follow_the_h100_sweep(compiled_choice):
     assert took_long >= 10
 
 
-def test_extend_graphs_take_the_prefix_split_where_the_h100_sweep_ran_it_faster():
-    """The worker replays an extend graph's split variant when split_graph_pays: on every extend-graph
-    row of the H100 sweep that measured the split (64x32 tiles, the graphs' own) it takes the faster."""
+def test_extend_graphs_replay_the_configuration_the_h100_sweep_ran_fastest():
+    """The worker replays an extend graph's capture by graph_variant: on every extend-graph row of the H100
+    sweep that measured them all (64x32, the default for an unknown prefix; 128x64; 64x32 split) it takes
+    the fastest; without the 128x64 capture (before Hopper), the faster of the other two."""
     from kernels import extend_attention as ext
 
     rows = json.loads(SPLIT_SWEEP.read_text())["extend_graph"]
     assert len(rows) == 24
+    taken = {"default": "small_us", "long_prefix": "long_prefix_us", "split": "small_split_us"}
     for r in rows:
-        split = ext.split_graph_pays(r["prefix"], r["size"])
-        assert split == (r["small_split_us"] < r["small_us"]), (r["prefix"], r["new"], r["size"])
-    assert sum(ext.split_graph_pays(r["prefix"], r["size"]) for r in rows) == 15
+        shape = (r["prefix"], r["new"], r["size"])
+        fastest = min(taken, key=lambda v: r[taken[v]])
+        assert ext.graph_variant(r["prefix"], r["size"], ("long_prefix", "split")) == fastest, shape
+        of_two = min(("default", "split"), key=lambda v: r[taken[v]])
+        assert ext.graph_variant(r["prefix"], r["size"], ("split",)) == of_two, shape
+    variants = [ext.graph_variant(r["prefix"], r["size"], ("long_prefix", "split")) for r in rows]
+    assert (variants.count("default"), variants.count("long_prefix"), variants.count("split")) == (4, 7, 13)
 
 
 def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choice):

@@ -160,8 +160,9 @@ def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quic
     graphed = {**doc, "extend_graph_steps": 3, "params": {**doc["params"], "cuda_graph_extend_tokens": 256}}
     follow_up = next(t for t in doc["ttft"] if t.get("follow_up"))
     graphed["ttft"] = [{**warm, "extend_graph_steps": 1}, {**warm, "eager": True},
-                       {**follow_up, "extend_graph_steps": 1, "split_graph_steps": 1},
-                       {**follow_up, "extend_graph_steps": 1, "prefix_split": False}]  # fmt: skip
+                       {**follow_up, "extend_graph_steps": 1, "graph_variants": {"split": 1}},
+                       {**follow_up, "extend_graph_steps": 1, "graph_variants": {"default": 1},
+                        "prefix_variants": False}]  # fmt: skip
     lines = markdown_table(graphed).splitlines()
     assert "extend graphs up to 256 new tokens (3 steps replayed)" in lines[0]
     ttft = [line for line in lines if line.startswith("| TTFT")]
@@ -170,10 +171,11 @@ def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quic
     )
     assert ttft[1].startswith("| TTFT, 90% of 160 tokens cached, prefill launched eagerly (16 computed)")
     assert ttft[2].startswith(
-        "| TTFT, follow-up turn, 400 of 512 tokens cached, prefill replayed as a CUDA graph split (112 computed)"
+        "| TTFT, follow-up turn, 400 of 512 tokens cached, prefill replayed as a CUDA graph (prefix split) (112 "
+        "computed)"
     )
     assert ttft[3].startswith("| TTFT, follow-up turn, 400 of 512 tokens cached, prefill replayed as a CUDA "
-                              "graph, its prefix split off (112 computed)")  # fmt: skip
+                              "graph, default graphs only (112 computed)")  # fmt: skip
     assert "extend graphs" not in markdown_table(doc).splitlines()[0]
 
 
@@ -455,6 +457,29 @@ def test_profile_bench_profiles_a_cache_hit_prefill(tmp_path, capsys):
     )
     with pytest.raises(SystemExit):
         bench_profile.main(["--device", "cpu", "--new-tokens", "-1"])
+
+
+def test_profile_bench_replays_a_prefill_in_the_extend_graph_variant_the_engine_would(monkeypatch):
+    """worker.bench_profile's replayed prefill takes the configuration the worker's extend graphs replay
+    for it (the graph it pads to, its prefix): here a bf16 model of head dim 128 with the compiled tile
+    choices (on CPU: 4 "SMs", so its 2 heads' graphs split)."""
+    import types
+
+    import torch
+
+    from kernels import extend_attention as ext
+    from worker.bench_profile import graph_config
+
+    monkeypatch.setattr(ext, "INTERPRETED", False)
+    config = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=128)  # fmt: skip
+    model, cpu = types.SimpleNamespace(config=config, dtype=torch.bfloat16), torch.device("cpu")
+    split = ext.graph_configs(100, 2, 128, torch.bfloat16, cpu)["split"]
+    assert split.split_prefix and graph_config(model, cpu, 7900, 100) == split  # a follow-up turn
+    # 90% of 2,048 cached: the 256-token graph's split pays from 4,096 cached tokens; the larger tiles do
+    assert graph_config(model, cpu, 1840, 208) == ext.LONG_PREFIX_TILES
+    assert graph_config(model, cpu, 0, 208) is None  # the default
+    assert graph_config(model, cpu, 7900, 300) is None  # past the largest graph: the engine runs it eagerly
 
 
 def test_profile_bench_turns_the_prefix_split_on_for_its_run_only(tmp_path, monkeypatch):

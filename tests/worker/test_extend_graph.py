@@ -6,6 +6,7 @@ only part that needs a GPU); the gpu-marked test captures real CUDA graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -275,39 +276,53 @@ def test_static_inputs_keep_the_kernels_contract_after_a_wider_step(tiny):
     assert static.out_slots[3:].tolist() == [cached.pool.scratch_slot] * 5
 
 
-def test_split_graphs_replay_for_steps_over_long_prefixes(tiny, monkeypatch):
-    """With ``prefix_split`` the graphs that run the extend kernel (more than SHORT_EXTEND tokens a
-    request) and leave SMs idle are captured split too; a step replays the split one when its longest
-    prefix makes the split pay (kernels.extend_attention.split_graph_pays, here from max(20, the graph's
-    tokens)), and either one gives the eager step's logits from its own output buffer."""
+def test_steps_over_long_prefixes_replay_the_graphs_of_their_prefix_variant(monkeypatch):
+    """With ``prefix_variants`` each graph that runs the extend kernel (more than SHORT_EXTEND tokens a
+    request) is captured in kernels.extend_attention.graph_configs' configurations too (a bf16 model of
+    head dim 128: the long-prefix tiles, and the prefix split where it adds programs); a step replays
+    the one graph_variant picks for its longest cached prefix (here: the long-prefix tiles from 10
+    cached tokens, the split from max(20, the graph's tokens)), and each gives the eager step's logits
+    from its own output buffer."""
     from kernels import extend_attention as ext
+    from worker.bench import random_llama
+    from worker.model import ModelConfig
 
+    monkeypatch.setattr(ext, "INTERPRETED", False)  # the compiled tile choices (the reference path runs)
+    monkeypatch.setattr(ext, "GRAPH_LONG_TILES_MIN_PREFIX", 10)
     monkeypatch.setattr(ext, "SPLIT_GRAPH_MIN_PREFIX", 20)
     monkeypatch.setattr(ext, "SPLIT_GRAPH_PREFIX_PER_TOKEN", 1)
+    config = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=128, max_position_embeddings=512)  # fmt: skip
+    model = random_llama(config, "cpu", torch.bfloat16, seed=5)
     lengths = [5, 17, 9, 30, 2, 12]
-    graphed, eager = Cached(tiny, "cpu", lengths), Cached(tiny, "cpu", lengths)
-    # the CPU's 4 "SMs" and 8 heads: the 64-token tiles' 8 programs already make SPLIT_WAVES waves
-    assert ExtendGraphRunner(tiny, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay(),
-                             prefix_split=True).split_sizes == []  # fmt: skip
-    monkeypatch.setattr(ext, "SPLIT_WAVES", 4 * ext.SPLIT_WAVES)
-    assert ExtendGraphRunner(tiny, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay()).split_sizes == []
-    splits: list[bool | None] = []  # each replayed forward's split_prefix
-    forward = tiny.forward
-    monkeypatch.setattr(tiny, "forward", lambda b, pool: (splits.append(b.split_prefix), forward(b, pool))[1])
-    runner = ExtendGraphRunner(tiny, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay(), prefix_split=True)
-    assert runner.split_sizes == [32, 64]  # 8 and 16 tokens take the short kernel
-    assert splits.count(True) == 2 and len(splits) == 6
+    graphed, eager = Cached(model, "cpu", lengths), Cached(model, "cpu", lengths)
+    assert (
+        ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay()).configs[64, "last"]
+        == {}
+    )
+    seen: list = []  # each replayed forward's extend_config
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda b, pool: (seen.append(b.extend_config), forward(b, pool))[1])
+    runner = ExtendGraphRunner(
+        model, graphed.pool, 64, 6, 6 * 128, backend=EagerReplay(), prefix_variants=True
+    )
+    split = dataclasses.replace(ext.SM90_TILES, split_prefix=True)
+    assert {size: runner.configs[size, "last"] for size in runner.sizes} == {
+        8: {}, 16: {}, 32: {"long_prefix": ext.LONG_PREFIX_TILES, "split": split},
+        64: {"long_prefix": ext.LONG_PREFIX_TILES, "split": split}}  # fmt: skip
+    assert len(seen) == 8  # captures: the default of each size and two variants at 32 and 64
     rng = np.random.default_rng(3)
-    want_splits = []
+    want = []
     for rows, counts in STEPS:
         new = [rng.integers(0, 256, n).tolist() for n in counts]
         step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
-        size = runner.padded_size(step_g.num_new_tokens)
-        want_splits.append(size in (32, 64) and step_g.max_prefix_tokens >= max(20, size))
-        splits.clear()
-        got = runner.run(step_g).clone()
-        assert splits == [True if want_splits[-1] else None]
-        torch.testing.assert_close(got, eager_logits(tiny, eager.pool, step_e), rtol=1e-5, atol=1e-5)
-        assert_same_pool_but_scratch(graphed.pool, eager.pool)
-    assert want_splits == [False, False, False, True, False]  # 21 tokens over 37 cached; 33 over 14
-    assert runner.split_steps == 1
+        size, prefix = runner.padded_size(step_g.num_new_tokens), step_g.max_prefix_tokens
+        want.append("default" if size < 32 else "split" if prefix >= max(20, size) else
+                    "long_prefix" if prefix >= 10 else "default")  # fmt: skip
+        seen.clear()
+        got = runner.run(step_g).float()
+        assert seen == [runner.configs[size, "last"].get(want[-1])]
+        ref = eager_logits(model, eager.pool, step_e).float()
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2  # NOTE: bf16; another step's logits: ~1
+    assert want == ["default", "default", "default", "split", "long_prefix"]  # 21 over 37 cached; 33 over 17
+    assert runner.variant_steps == {"default": 3, "split": 1, "long_prefix": 1}
