@@ -6,7 +6,8 @@
   and its new tokens in all (long_prefix_batch); the report says which one it picks on each row.
 - extend_graph: the same two tile choices replayed as the worker's extend graphs run them (a cache
   hit's few new tokens padded to the graph's token count, its grid over the graph's 32 request rows,
-  all but one empty), which take the tiles of a batch of unknown prefix today;
+  all but one empty, or all but four for a step of four cache hits), the rows the worker's choice
+  of capture (kernels.extend_attention.graph_variant) is checked against;
 - in both extend sweeps, each tile choice also with its prefix split (ExtendConfig.split_prefix, off
   by default) wherever the call's grid is small enough that it splits;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
@@ -45,10 +46,12 @@ EXTEND_SHAPES = tuple(
     + [(16384, 2, 2048), (16384, 1, 4096)]
     + [(32768, 1, 128), (32768, 4, 256), (32768, 8, 256), (32768, 16, 256)]
 )  # fmt: skip
-# (longest cached prefix, new tokens, the graph's padded token count): one request in a graph of
-# GRAPH_ROWS request rows (worker.assembly.EXTEND_GRAPH_REQUESTS); up to 16 new tokens go elsewhere
+# (longest cached prefix, new tokens a request, the graph's padded token count, requests): requests in a
+# graph of GRAPH_ROWS request rows (worker.assembly.EXTEND_GRAPH_REQUESTS); up to 16 new tokens a request
+# go elsewhere. Four cache hits in one step: graph_variant's rule is from one request's rows.
 GRAPH_SHAPES = tuple(
-    (p, new, size) for p in (0, 512, 1024, 2048, 4096, 16384) for new, size in ((20, 32), (50, 64), (100, 128), (208, 256))
+    [(p, new, size, 1) for p in (0, 512, 1024, 2048, 4096, 16384) for new, size in ((20, 32), (50, 64), (100, 128), (208, 256))]
+    + [(p, new, size, 4) for p in (512, 2048, 4096, 16384) for new, size in ((20, 128), (50, 256))]
 )  # fmt: skip
 GRAPH_ROWS = 32
 DECODE_CONTEXTS = (8192, 16384, 32768)
@@ -117,32 +120,35 @@ def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: 
 
 
 def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, device: torch.device,
-                       gen: torch.Generator, rows: int = GRAPH_ROWS) -> dict:  # fmt: skip
+                       gen: torch.Generator, rows: int = GRAPH_ROWS, requests: int = 1) -> dict:  # fmt: skip
     """One row: each tile choice replayed as an extend graph of ``size`` tokens and ``rows`` request rows
-    runs one request of ``new`` tokens over ``prefix`` (the padding tokens and the other rows own
-    nothing), median us, unsplit and with the split cap such a graph takes (its prefix unknown); the
-    64x32 tiles again over the request's row alone (what the empty rows' programs cost); the long-prefix
-    tiles' speedup; the outputs' largest difference on the request's rows."""
+    runs ``requests`` requests of ``new`` tokens each over ``prefix`` each (the padding tokens and the
+    other rows own nothing), median us, unsplit and with the split cap such a graph takes (its prefix
+    unknown); the 64x32 tiles again over the requests' rows alone (what the empty rows' programs cost);
+    the long-prefix tiles' speedup; the outputs' largest difference on the requests' rows."""
     from kernels import extend_attention as ext
 
-    torch.manual_seed(prefix * 1_000_003 + new * 1009 + size)
-    shape = bench.ExtendShape(1, prefix, size)
+    if not 0 < requests * new <= size or requests > rows:
+        raise ValueError(f"{requests} x {new} new tokens do not fit a graph of {size} tokens and {rows} rows")
+    torch.manual_seed(prefix * 1_000_003 + new * 1009 + size * 7 + requests)
+    shape = bench.ExtendShape(requests, prefix, size)  # NOTE: each request's prefix; q's first size rows
     q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = bench.extend_inputs(
         shape, model, device, gen, on_device=True
     )
-    qo_indptr = torch.full((rows + 1,), new, dtype=torch.int32, device=device)
-    kv_indptr = torch.full((rows + 1,), prefix, dtype=torch.int32, device=device)
-    qo_indptr[0] = kv_indptr[0] = 0
+    q, k_new, v_new = q[:size], k_new[:size], v_new[:size]
+    held = torch.arange(rows + 1, dtype=torch.int32, device=device).clamp(max=requests)
+    qo_indptr, kv_indptr = held * new, held * prefix
     args = (q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices)
     out = torch.zeros_like(q)
+    kept = requests * new
 
     def replay_us(call: Any) -> float:
         return timing.time_replay_ms(call) * 1e3
 
-    us, diff, caps, ref = time_tiles(args, size, out, new, replay_us)
-    # NOTE: the graph's tiles (64x32) again, unsplit and split, over its one request row alone (what the
+    us, diff, caps, ref = time_tiles(args, size, out, kept, replay_us)
+    # NOTE: the graph's tiles (64x32) again, unsplit and split, over its requests' rows alone (what the
     # empty rows' programs cost) and with the packed grid (their programs mostly gone)
-    one_row = (*args[:5], qo_indptr[:2], kv_indptr[:2], kv_indices)
+    one_row = (*args[:5], qo_indptr[: requests + 1], kv_indptr[: requests + 1], kv_indices)
     small, more = extend_tiles()["small"], {}
     for key, cfg in (("small", small), ("small_split", dataclasses.replace(small, split_prefix=True))):
         if key not in us:
@@ -153,15 +159,21 @@ def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, dev
             def call(a: tuple = call_args, c: Any = variant_cfg) -> None:
                 ext.extend_attention(*a, max_extend_len=size, out=out, config=c)
 
-            rows_out, more[f"{key}_{variant}_us"] = run_and_time(call, out, new, replay_us)
+            rows_out, more[f"{key}_{variant}_us"] = run_and_time(call, out, kept, replay_us)
             diff = max(diff, bench._rel_err(rows_out, ref))
-    return {"prefix": prefix, "new": new, "size": size, "rows": rows, "small_us": us["small"],
+    return {"prefix": prefix, "new": new, "size": size, "rows": rows, "requests": requests, "small_us": us["small"],
             "long_prefix_us": us["long_prefix"], "long_prefix_speedup": us["small"] / us["long_prefix"],
             "small_split_us": us.get("small_split"), "long_prefix_split_us": us.get("long_prefix_split"),
             "small_split_cap": caps.get("small"), "long_prefix_split_cap": caps.get("long_prefix"),
             "small_one_row_us": more["small_one_row_us"], "small_split_one_row_us": more.get("small_split_one_row_us"),
             "small_packed_us": more["small_packed_us"], "small_split_packed_us": more.get("small_split_packed_us"),
             "rel_diff": diff}  # fmt: skip
+
+
+def _new_cell(row: dict) -> str:
+    """An extend-graph row's new tokens: "20", or "4 x 20" for four requests of 20."""
+    requests = row.get("requests", 1)
+    return f"{requests} x {row['new']}" if requests > 1 else str(row["new"])
 
 
 def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: torch.Generator) -> list[dict]:
@@ -251,9 +263,10 @@ def markdown(doc: dict) -> str:
             "",
             "## Extend graphs: the two tile choices replayed",
             "",
-            "One request of a cache hit's new tokens in an extend graph of that many tokens (padding"
-            " included) and 32 request rows, replayed; the worker's graphs take 64x32 today (a graph is"
-            " replayed over any prefix). The split columns: each with the prefix split such a graph would take"
+            "One request of a cache hit's new tokens (or, where new says 4 x, four requests') in an extend"
+            " graph of that many tokens (padding included) and 32 request rows, replayed; a graph captured"
+            " over an unknown prefix takes 64x32, and the worker also captures 128x64 and 64x32 split, each"
+            " replayed by the step's longest prefix (kernels.extend_attention.graph_variant). The split columns: each with the prefix split such a graph would take"
             " (its cap from the graph's tokens alone; the most parts in brackets). The one-row columns: 64x32"
             " unsplit and split over the request's row alone, without the 31 empty rows' programs. The packed"
             " columns: the same over all 32 rows with the packed grid (ExtendConfig.packed_blocks: programs for"
@@ -265,7 +278,7 @@ def markdown(doc: dict) -> str:
         ]
         for r in doc["extend_graph"]:
             lines.append(
-                f"| {r['prefix']} | {r['new']} | {r['size']} | {r['small_us']:.1f} | {r['long_prefix_us']:.1f} "
+                f"| {r['prefix']} | {_new_cell(r)} | {r['size']} | {r['small_us']:.1f} | {r['long_prefix_us']:.1f} "
                 f"| {r['long_prefix_speedup']:.2f} | {_split_cell(r, 'small', 'us', '.1f')} "
                 f"| {_split_cell(r, 'long_prefix', 'us', '.1f')} | {_fmt(r.get('small_one_row_us'))} "
                 f"| {_fmt(r.get('small_split_one_row_us'))} | {_fmt(r.get('small_packed_us'))} "
@@ -331,8 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     doc |= {"extend": [], "extend_graph": [], "decode": []}
     try:
+
+        def sweep_graph(prefix: int, new: int, size: int, requests: int, *a: Any) -> dict:
+            return sweep_extend_graph(prefix, new, size, *a, requests=requests)
+
         for kind, shapes, sweep_one in (("extend", EXTEND_SHAPES, sweep_extend),
-                                        ("extend_graph", GRAPH_SHAPES, sweep_extend_graph)):  # fmt: skip
+                                        ("extend_graph", GRAPH_SHAPES, sweep_graph)):  # fmt: skip
             for shape in shapes if kind in args.only else ():
                 r = sweep_one(*shape, model, device, gen)
                 doc[kind].append(r)

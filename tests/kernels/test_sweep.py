@@ -159,6 +159,8 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert (graph["prefix"], graph["new"], graph["size"], graph["rows"]) == (40, 5, 8, 3)
     assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
     assert graph["small_split_us"] > 0 and graph["long_prefix_split_us"] > 0 and graph["small_split_cap"] == 2
+    with pytest.raises(ValueError):
+        sweep.sweep_extend_graph(40, 5, 8, model, cpu, gen, rows=3, requests=2)  # 10 new tokens > 8
     assert graph["small_one_row_us"] > 0 and graph["small_split_one_row_us"] > 0  # the one request row alone
     assert graph["small_packed_us"] > 0 and graph["small_split_packed_us"] > 0  # the packed grid
     rows = sweep.sweep_decode(64, model, cpu, gen)
@@ -181,7 +183,7 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
         pytest.skip("on CUDA, python -m kernels.sweep runs for real")
 
     monkeypatch.setattr(sweep, "EXTEND_SHAPES", ((40, 1, 20),))
-    monkeypatch.setattr(sweep, "GRAPH_SHAPES", ((40, 5, 8),))
+    monkeypatch.setattr(sweep, "GRAPH_SHAPES", ((40, 3, 8, 2),))  # two requests of 3 new tokens
     monkeypatch.setattr(sweep, "DECODE_CONTEXTS", (64,))
     monkeypatch.setattr(sweep, "DECODE_SPLITS", (2,))
     out = tmp_path / "sweep.json"
@@ -191,3 +193,7 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
     assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 8]  # decode: 2 split caps x 4 variants
     report = out.with_suffix(".md").read_text()
     assert all(title in report for title in ("## Extend:", "## Extend graphs:", "## Decode:"))
+    # the graph row: a step of two cache hits (the rows past them empty), every variant right on both
+    (two,) = doc["extend_graph"]
+    assert two["requests"] == 2 and two["small_split_us"] > 0 and two["rel_diff"] < 3e-3
+    assert "| 40 | 2 x 3 | 8 |" in report
