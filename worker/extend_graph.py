@@ -43,6 +43,7 @@ from worker.request import ScheduledBatch
 log = logging.getLogger("worker.engine")
 
 MIN_GRAPH_TOKENS = 8
+GraphKey = tuple[int, str, bool, str]  # a capture: (tokens, logits kind, with LoRA, prefix variant)
 # the prefix variants by default from this compute capability (x10) on: measured on an H100 (sm_90);
 # before Hopper unmeasured (--cuda-graph-extend-variants on takes them there too)
 VARIANTS_MIN_ARCH = 90
@@ -111,10 +112,8 @@ class ExtendGraphRunner:
         # (size, kind) -> the kernel configuration of each variant besides "default"
         self.configs: dict[tuple[int, str], dict[str, Any]] = {}
         self.variant_steps: collections.Counter[str] = collections.Counter()  # steps replayed, by variant
-        self._replays: dict[
-            tuple[int, str, bool, str], Callable[[], None]
-        ] = {}  # (size, kind, lora, variant)
-        self._outputs: dict[tuple[int, str, bool, str], torch.Tensor] = {}
+        self._replays: dict[GraphKey, Callable[[], None]] = {}
+        self._outputs: dict[GraphKey, torch.Tensor] = {}
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         empty = np.zeros(0, np.int64)
