@@ -123,20 +123,18 @@ def extend_tiles(
 
 def graph_config(model: Any, device: Any, context: int, new_tokens: int) -> Any:
     """The extend configuration the worker's extend graphs replay on ``device`` (a torch.device) for a
-    step of ``new_tokens`` over ``context`` cached tokens (worker.extend_graph: the variant
-    kernels.extend_attention.graph_variant picks for the graph the step pads to); None: the default."""
-    from kernels import extend_attention as ext
+    step of ``new_tokens`` over ``context`` cached tokens (worker.extend_graph's variant for the graph
+    the step pads to); None: the default."""
     from worker.config import WorkerConfig
-    from worker.extend_graph import VARIANTS_MIN_ARCH, graph_token_sizes
+    from worker.extend_graph import graph_token_sizes, replayed_variant, variant_configs, variants_by_default
 
-    if ext.device_arch(device) < VARIANTS_MIN_ARCH:  # NOTE: as the engine's auto
-        return None
     sizes = [s for s in graph_token_sizes(WorkerConfig.cuda_graph_extend_tokens) if s >= new_tokens]
-    if not sizes:  # NOTE: the engine runs it eagerly
+    # NOTE: past the largest graph the engine runs the step eagerly
+    if not sizes or not variants_by_default(device):
         return None
-    c = model.config
-    configs = ext.graph_configs(new_tokens, c.num_heads, c.head_dim, model.dtype, device)
-    return configs.get(ext.graph_variant(context, sizes[0], configs))
+    size = sizes[0]
+    configs = variant_configs(model.config, model.dtype, device, size, size)  # a "last" graph's kernels
+    return configs.get(replayed_variant(configs, context, size))
 
 
 def replay_ms(forward: Any, reps: int) -> float:

@@ -107,20 +107,22 @@ class ExtendGraphRunner:
         # run the short-extend kernel and size its grid by them rather than by the graph's tokens
         self.all_max_new = all_max_new
         if prefix_variants is None:
-            prefix_variants = model.device.type == "cuda" and _device_arch(model.device) >= VARIANTS_MIN_ARCH
+            prefix_variants = model.device.type == "cuda" and variants_by_default(model.device)
         self.prefix_variants = bool(prefix_variants)  # False: only the default graphs replay
         # (size, kind) -> the kernel configuration of each variant besides "default"
         self.configs: dict[tuple[int, str], dict[str, Any]] = {}
         self.variant_steps: collections.Counter[str] = collections.Counter()  # steps replayed, by variant
         self._replays: dict[GraphKey, Callable[[], None]] = {}
         self._outputs: dict[GraphKey, torch.Tensor] = {}
+        shape = (model.config, model.dtype, model.device)  # what the variants depend on of the model
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         empty = np.zeros(0, np.int64)
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory
                 for kind in self.kinds:
-                    configs = self._variant_configs(model, size, kind) if prefix_variants else {}
+                    max_extend = self._max_extend(size, kind)
+                    configs = variant_configs(*shape, size, max_extend) if prefix_variants else {}
                     self.configs[size, kind] = configs
                     for lora in self.lora.variants:
                         for variant, config in [("default", None), *configs.items()]:
@@ -140,16 +142,6 @@ class ExtendGraphRunner:
             time.perf_counter() - started,
             f"; for long prefixes also {', '.join(variants)}" if variants else "",
         )
-
-    def _variant_configs(self, model: Any, size: int, kind: str) -> dict[str, Any]:
-        """The configurations besides the default a ``kind`` graph of ``size`` tokens is captured in: those
-        of kernels.extend_attention.graph_configs where it runs the extend kernel (not the short one)."""
-        if self._max_extend(size, kind) <= SHORT_EXTEND:
-            return {}
-        from kernels.extend_attention import graph_configs  # NOTE: imports Triton: only where it may run
-
-        c = model.config
-        return graph_configs(size, c.num_heads, c.head_dim, model.dtype, model.device)
 
     def _max_extend(self, size: int, kind: str) -> int:
         """The most new tokens of a request the ``kind`` graph of ``size`` tokens launches its kernels for.
@@ -226,7 +218,10 @@ class ExtendGraphRunner:
         ``all``. NOTE: a view of the graph's output buffer, valid until the next replay."""
         size = self.padded_size(batch.num_new_tokens)
         slots = self.lora.slots(batch)
-        variant = self.variant_of(batch, kind)
+        configs = self.configs[size, kind]
+        variant = (
+            replayed_variant(configs, batch.max_prefix_tokens, size) if self.prefix_variants else "default"
+        )
         key = (size, kind, slots is not None, variant)
         self._fill(size, batch.input_ids, batch.positions, batch.out_slots, batch.qo_indptr, batch.kv_indptr,
                    batch.kv_indices, slots)  # fmt: skip
@@ -235,19 +230,37 @@ class ExtendGraphRunner:
         rows = len(batch.requests) if kind == "last" else batch.num_new_tokens
         return self._outputs[key][:rows]
 
-    def variant_of(self, batch: ScheduledBatch, kind: str = "last") -> str:
-        """The capture a step ``can_run`` accepted replays: "default", or the variant
-        kernels.extend_attention.graph_variant picks for its longest cached prefix."""
-        size = self.padded_size(batch.num_new_tokens)
-        configs = self.configs[size, kind]
-        if not (self.prefix_variants and configs):
-            return "default"
-        from kernels.extend_attention import graph_variant
 
-        return graph_variant(batch.max_prefix_tokens, size, configs)
+# NOTE: the kernels' module imports Triton: the functions below import it only where variants may run
 
 
-def _device_arch(device: torch.device) -> int:
+def variants_by_default(device: torch.device) -> bool:
+    """Whether extend graphs on ``device`` take the prefix variants unless told (VARIANTS_MIN_ARCH)."""
     from kernels.extend_attention import device_arch
 
-    return device_arch(device)
+    return device_arch(device) >= VARIANTS_MIN_ARCH
+
+
+def variant_configs(
+    config: Any, dtype: torch.dtype, device: torch.device, size: int, max_extend: int
+) -> dict[str, Any]:
+    """The configurations besides the default an extend graph of ``size`` tokens of a model of ``config``
+    (a ModelConfig) in ``dtype`` on ``device``, its kernels launched for requests of up to ``max_extend``
+    new tokens, is captured in: kernels.extend_attention.graph_configs' where it runs the extend kernel
+    (not the short one)."""
+    if max_extend <= SHORT_EXTEND:
+        return {}
+    from kernels.extend_attention import graph_configs
+
+    return graph_configs(size, config.num_heads, config.head_dim, dtype, device)
+
+
+def replayed_variant(configs: dict[str, Any], max_prefix_len: int, size: int) -> str:
+    """The capture a step over a longest cached prefix of ``max_prefix_len`` tokens replays from a graph
+    of ``size`` tokens captured in ``configs`` besides the default: kernels.extend_attention.graph_variant's
+    pick, "default" without variants."""
+    if not configs:
+        return "default"
+    from kernels.extend_attention import graph_variant
+
+    return graph_variant(max_prefix_len, size, configs)
