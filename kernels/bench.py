@@ -192,7 +192,7 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     # NOTE: the candidates (LORA_CANDIDATES), each failure in the row
     default = lora.default_config(x.dtype)
     graphs: dict[str, Any] = {"default": graph}
-    for name, change in LORA_CANDIDATES.items():
+    for name, (_, change) in LORA_CANDIDATES.items():
         cfg = dataclasses.replace(default, **change)
         graphs[name] = None
         try:

@@ -14,11 +14,12 @@ MAX_REL_ERR = 2e-2
 # decode candidates kernels.bench times beside the default (DecodeConfig: fused_merge, pdl, prefetch, and
 # prefetch with pdl), each row's triton_<name>_graph_*: single replays, then these per layer of the stack
 STACKED = ("pdl", "prefetch", "prefetch_pdl")
-# the LoRA candidates kernels.bench times beside the default, each a LoraConfig change: both kernels
-# launched as programmatic dependents, the expand's partials several splits a load, 256-column expand
-# blocks (kernels.tune's best on an H100), and those with PDL
-LORA_CANDIDATES = {"pdl": {"pdl": True}, "batched": {"batched_partials": True}, "wide": {"block_n": 256},
-                   "wide_pdl": {"block_n": 256, "pdl": True}}  # fmt: skip
+# the LoRA candidates kernels.bench times beside the default: name -> (its report column, its LoraConfig
+# change): both kernels launched as programmatic dependents, the expand's partials several splits a load,
+# 256-column expand blocks (kernels.tune's best on an H100), and those with PDL
+LORA_CANDIDATES = {"pdl": ("PDL", {"pdl": True}), "batched": ("batched partials", {"batched_partials": True}),
+                   "wide": ("256-column", {"block_n": 256}),
+                   "wide_pdl": ("256-column + PDL", {"block_n": 256, "pdl": True})}  # fmt: skip
 DECODE_CANDIDATES = ("fused", "pdl", "prefetch", "prefetch_pdl", *(f"{name}_stack" for name in STACKED))
 
 
@@ -364,17 +365,17 @@ def format_markdown(result: dict) -> str:
             " programs taking 256 out columns each instead of 128 (LoraConfig.block_n), alone and with PDL.",
             "",
             "| requests | adapters | segments | Triton us | Triton GB/s | of copy bw | per-request segments us "
-            "| PDL us | batched partials us | 256-column us | 256-column + PDL us | torch per adapter us "
-            "| torch / Triton | Triton eager us | torch eager us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            + "".join(f"| {label} us " for label, _ in LORA_CANDIDATES.values())
+            + "| torch per adapter us | torch / Triton | Triton eager us | torch eager us | rel err |",
+            "|---:" * (12 + len(LORA_CANDIDATES)) + "|",
         ]
         for r in result["lora"]:
             lines.append(
                 f"| {r['batch']} | {r['adapters']} | {r.get('segments', '-')} | {r['triton_graph_ms'] * 1e3:.1f} "
                 f"| {r['triton_graph_gbs']:,.0f} | {r['triton_graph_gbs'] / copy:.0%} "
-                f"| {_us(r.get('triton_per_request_graph_ms'))} | {_us(r.get('triton_pdl_graph_ms'))} "
-                f"| {_us(r.get('triton_batched_graph_ms'))} | {_us(r.get('triton_wide_graph_ms'))} "
-                f"| {_us(r.get('triton_wide_pdl_graph_ms'))} | {r['torch_graph_ms'] * 1e3:.1f} "
+                f"| {_us(r.get('triton_per_request_graph_ms'))} "
+                f"| {' | '.join(_us(r.get(f'triton_{name}_graph_ms')) for name in LORA_CANDIDATES)} "
+                f"| {r['torch_graph_ms'] * 1e3:.1f} "
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
@@ -420,9 +421,7 @@ TIMED = {
     "prefetch": "triton_prefetch_graph_ms",
     "prefetch_pdl": "triton_prefetch_pdl_graph_ms",
     "fused": "triton_fused_graph_ms",
-    "batched": "triton_batched_graph_ms",  # LoRA's
-    "wide": "triton_wide_graph_ms",
-    "wide_pdl": "triton_wide_pdl_graph_ms",
+    **{name: f"triton_{name}_graph_ms" for name in LORA_CANDIDATES},  # LoRA's
 }
 
 
@@ -527,10 +526,7 @@ COMPARED = (  # (kind, shape keys, the number compared, higher is better); a num
     ("decode", ("batch", "context"), "triton_stack_graph_gbs", True),
     ("decode", ("batch", "context"), "triton_pdl_graph_gbs", True),
     ("lora", ("batch", "adapters"), "triton_graph_ms", False),
-    ("lora", ("batch", "adapters"), "triton_pdl_graph_ms", False),
-    ("lora", ("batch", "adapters"), "triton_batched_graph_ms", False),
-    ("lora", ("batch", "adapters"), "triton_wide_graph_ms", False),
-    ("lora", ("batch", "adapters"), "triton_wide_pdl_graph_ms", False),
+    *(("lora", ("batch", "adapters"), f"triton_{name}_graph_ms", False) for name in LORA_CANDIDATES),
     ("verify", ("batch", "prefix", "new"), "short_graph_ms", False),
     ("verify", ("batch", "prefix", "new"), "short_pdl_graph_ms", False),
 )

@@ -119,8 +119,8 @@ def sweep_extend(prefix: int, batch: int, new: int, model: bench.Model, device: 
             "rel_diff": diff}  # fmt: skip
 
 
-def sweep_extend_graph(prefix: int, new: int, size: int, model: bench.Model, device: torch.device,
-                       gen: torch.Generator, rows: int = GRAPH_ROWS, requests: int = 1) -> dict:  # fmt: skip
+def sweep_extend_graph(prefix: int, new: int, size: int, requests: int, model: bench.Model, device: torch.device,
+                       gen: torch.Generator, rows: int = GRAPH_ROWS) -> dict:  # fmt: skip
     """One row: each tile choice replayed as an extend graph of ``size`` tokens and ``rows`` request rows
     runs ``requests`` requests of ``new`` tokens each over ``prefix`` each (the padding tokens and the
     other rows own nothing), median us, unsplit and with the split cap such a graph takes (its prefix
@@ -344,12 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     doc |= {"extend": [], "extend_graph": [], "decode": []}
     try:
-
-        def sweep_graph(prefix: int, new: int, size: int, requests: int, *a: Any) -> dict:
-            return sweep_extend_graph(prefix, new, size, *a, requests=requests)
-
         for kind, shapes, sweep_one in (("extend", EXTEND_SHAPES, sweep_extend),
-                                        ("extend_graph", GRAPH_SHAPES, sweep_graph)):  # fmt: skip
+                                        ("extend_graph", GRAPH_SHAPES, sweep_extend_graph)):  # fmt: skip
             for shape in shapes if kind in args.only else ():
                 r = sweep_one(*shape, model, device, gen)
                 doc[kind].append(r)

@@ -155,12 +155,12 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert row["small_split_ms"] > 0 and row["long_prefix_split_ms"] > 0
     assert row["small_split_cap"] == row["long_prefix_split_cap"] == 2
     assert sweep.sweep_extend(0, 2, 20, model, cpu, gen)["small_split_ms"] is None  # no prefix: no split
-    graph = sweep.sweep_extend_graph(40, 5, 8, model, cpu, gen, rows=3)
+    graph = sweep.sweep_extend_graph(40, 5, 8, 1, model, cpu, gen, rows=3)
     assert (graph["prefix"], graph["new"], graph["size"], graph["rows"]) == (40, 5, 8, 3)
     assert graph["small_us"] > 0 and graph["long_prefix_us"] > 0 and graph["rel_diff"] < 3e-3
     assert graph["small_split_us"] > 0 and graph["long_prefix_split_us"] > 0 and graph["small_split_cap"] == 2
     with pytest.raises(ValueError):
-        sweep.sweep_extend_graph(40, 5, 8, model, cpu, gen, rows=3, requests=2)  # 10 new tokens > 8
+        sweep.sweep_extend_graph(40, 5, 8, 2, model, cpu, gen, rows=3)  # 10 new tokens > 8
     assert graph["small_one_row_us"] > 0 and graph["small_split_one_row_us"] > 0  # the one request row alone
     assert graph["small_packed_us"] > 0 and graph["small_split_packed_us"] > 0  # the packed grid
     rows = sweep.sweep_decode(64, model, cpu, gen)
