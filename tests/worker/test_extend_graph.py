@@ -37,8 +37,8 @@ ROOM = 40  # tokens each request may add after its prompt
 class Cached(Fleet):
     """Requests whose prompts are already in a pool (cached prefixes); builds extend steps of more tokens."""
 
-    def __init__(self, model, device: str, lengths: list[int], seed: int = 0) -> None:
-        super().__init__(model, device, lengths, seed, room=ROOM, pool_pages=512)
+    def __init__(self, model, device: str, lengths: list[int], seed: int = 0, pool_pages: int = 512) -> None:
+        super().__init__(model, device, lengths, seed, room=ROOM, pool_pages=pool_pages)
 
     def step(self, rows: list[int], new: list[list[int]], mode: str = "extend") -> ScheduledBatch:
         """Requests ``rows`` each add their ``new`` tokens after what they hold (their cached prefix)."""
@@ -326,3 +326,38 @@ def test_steps_over_long_prefixes_replay_the_graphs_of_their_prefix_variant(monk
         assert ((got - ref).norm() / ref.norm()).item() < 2e-2  # NOTE: bf16; another step's logits: ~1
     assert want == ["default", "default", "default", "split", "long_prefix"]  # 21 over 37 cached; 33 over 17
     assert runner.variant_steps == {"default": 3, "split": 1, "long_prefix": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefix_variant_graphs_match_eager_on_the_gpu():
+    """Real captures of every prefix variant (a bf16 model of head dim 128, the thresholds as shipped):
+    steps over cached prefixes of 3,000 and 1,500 tokens replay the split graphs, one over 700 the
+    long-prefix tiles, short prefixes and an 8-token step the default; each gives the eager step's
+    logits (the eager step takes the kernel's own default configuration)."""
+    from kernels.extend_attention import device_arch
+    from worker.bench import random_llama
+    from worker.model import ModelConfig
+
+    if device_arch(torch.device("cuda")) < 90:
+        pytest.skip("the long-prefix tiles are captured from sm_90")
+    config = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=128, max_position_embeddings=4096)  # fmt: skip
+    model = random_llama(config, "cuda", torch.bfloat16, seed=5)
+    lengths = [1500, 40, 700, 3000, 9, 600]
+    graphed, eager = (Cached(model, "cuda", lengths, pool_pages=1600) for _ in range(2))
+    clone_pool_into(eager.pool, graphed.pool)
+    runner = ExtendGraphRunner(model, graphed.pool, 64, 6, 6 * 1024, prefix_variants=True)
+    assert {size: sorted(runner.configs[size, "last"]) for size in runner.sizes} == {
+        8: [], 16: [], 32: ["long_prefix", "split"], 64: ["long_prefix", "split"]}  # fmt: skip
+    rng = np.random.default_rng(4)
+    steps = (([3], [30]), ([2], [40]), ([1, 4], [20, 20]), ([0, 5], [20, 30]), ([1], [8]))
+    for rows, counts in steps:
+        new = [rng.integers(0, 256, n).tolist() for n in counts]
+        step_g, step_e = graphed.step(rows, new), eager.step(rows, new)
+        got = runner.run(step_g).float().cpu()
+        want = eager_logits(model, eager.pool, step_e).float().cpu()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 2e-2, f"{rows}: graph vs eager relative error {err:.2e}"  # NOTE: bf16
+    # 3,000 and 1,500 cached: split; 700: long-prefix tiles; 40: default; 8 tokens: no variant captured
+    assert runner.variant_steps == {"split": 2, "long_prefix": 1, "default": 2}
