@@ -75,22 +75,23 @@ def test_a_new_conversation_is_routed_by_its_prompt_and_streams_report_usage(lau
     )
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "code"),
-    [
-        # ids naming no registered worker go to one chosen by load, which does not hold them
-        ({"input": "x", "previous_response_id": "resp_notours"}, 404, "response_not_found"),
-        ({"input": "x", "previous_response_id": "resp_00000000001234"}, 404, "response_not_found"),
-        ({"input": "x", "previous_response_id": 7}, 400, "invalid_type"),
-        ({"input": [{"type": "function_call_output"}]}, 400, "invalid_request"),
-        ({"input": ""}, 400, "invalid_request"),
-    ],
-)
-def test_bad_follow_ups_and_inputs_get_clear_errors(launch, body, status, code) -> None:
+BAD_BODIES = [  # (body, status, error code)
+    # ids naming no registered worker go to one chosen by load, which does not hold them
+    ({"input": "x", "previous_response_id": "resp_notours"}, 404, "response_not_found"),
+    ({"input": "x", "previous_response_id": "resp_00000000001234"}, 404, "response_not_found"),
+    ({"input": "x", "previous_response_id": 7}, 400, "invalid_type"),
+    ({"input": [{"type": "function_call_output"}]}, 400, "invalid_request"),
+    ({"input": ""}, 400, "invalid_request"),
+]
+
+
+def test_bad_follow_ups_and_inputs_get_clear_errors(launch) -> None:
+    """Each bad body gets its status and error code, and the router serves the next good one."""
     router = launch.router([launch.sim_worker().url])
-    r = _create(router.url, **body)
-    assert r.status_code == status and r.json()["error"]["code"] == code
-    assert _create(router.url, input="fine").status_code == 200
+    for body, status, code in BAD_BODIES:
+        r = _create(router.url, **body)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), body
+        assert _create(router.url, input="fine").status_code == 200, body
 
 
 def test_a_follow_up_whose_worker_is_down_is_503_not_sent_elsewhere(launch) -> None:
