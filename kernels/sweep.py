@@ -12,12 +12,14 @@
   by default) wherever the call's grid is small enough that it splits;
 - decode: batch 1 at 8k, 16k and 32k tokens of context over fixed split counts, each with and without
   PDL (programmatic dependent launch), and with the next tile's K/V prefetched into registers
-  (decode_attention.PREFETCH_TILES), without and with PDL, beside the default split count.
+  (decode_attention.PREFETCH_TILES), without and with PDL, beside the default split count;
+- decode_tiles: decode's tile choices (tokens a tile, warps, pipeline stages) over batch x context, each
+  at its default split count: the rows a batch-dependent tile rule would be set from.
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
 worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
 relative difference between the two tiles' outputs.
-Usage: python -m kernels.sweep [--only extend extend_graph decode] [--out PATH] [--markdown PATH] [model options]
+Usage: python -m kernels.sweep [--only extend extend_graph decode decode_tiles] [--out PATH] [--markdown PATH] [model options]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from kernels import bench, timing
 
-KINDS = ("extend", "extend_graph", "decode")
+KINDS = ("extend", "extend_graph", "decode", "decode_tiles")
 # (longest cached prefix, requests, new tokens each): around where the long-prefix tiles stop winning
 EXTEND_SHAPES = tuple(
     [(p, b, n) for p in (0, 1024, 2048, 4096) for b, n in ((1, 256), (2, 256), (4, 256), (8, 256), (1, 1024), (1, 2048))]
@@ -56,6 +58,14 @@ GRAPH_SHAPES = tuple(
 GRAPH_ROWS = 32
 DECODE_CONTEXTS = (8192, 16384, 32768)
 DECODE_SPLITS = (16, 24, 32, 48, 64)  # fixed split caps, beside the default one
+# (requests, context): up to 512k tokens of K/V a call (2 GB at 8 KV heads of 128, 16-bit)
+DECODE_TILE_SHAPES = tuple(
+    (b, c) for b in (1, 4, 8, 16, 32, 64, 128) for c in (1024, 4096, 16384, 65536) if b * c <= 1 << 19
+)
+# (tokens a tile, warps, stages): sm_90's default at head dim 128 (128, 4, 2) and what kernels.tune ran
+# fastest at 1 x 16k, 32 x 4k and 8 x 64k on the H100 and the H200 (docs/benchmarks/kernels-tune-*.json:
+# 64-token tiles with 2 warps 1.07x / 1.18x the default at 32 x 4k; 128, 4 warps the best at 1 x 16k)
+DECODE_TILES = ((128, 4, 2), (128, 4, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3))
 
 
 def extend_tiles() -> dict[str, Any]:
@@ -202,6 +212,56 @@ def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: to
     return rows
 
 
+def tile_label(cfg: Any) -> str:
+    """A decode configuration's tiles as the report names them: tokens a tile / warps / stages."""
+    return f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
+
+
+def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: torch.device,
+                       gen: torch.Generator) -> dict:  # fmt: skip
+    """``batch`` requests of ``context`` tokens: each of DECODE_TILES (and the default's, where it is none of
+    them) replayed at its own default split cap; the largest relative difference from the default's output."""
+    from kernels import decode_attention as dec
+
+    shape = bench.DecodeShape(batch=batch, context=context)
+    dt, hq, hkv, d = bench.DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
+    on_device = torch.Generator(device=device).manual_seed(seed)  # NOTE: K/V drawn where they live
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=on_device, device=device).to(dt)
+
+    q, k_cache, v_cache = rand(batch, hq, d), rand(batch * context, hkv, d), rand(batch * context, hkv, d)
+    kv_indices = bench.shuffled_slots(batch * context, gen).to(device)
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * context
+    nbytes = bench.decode_bytes(shape, model)
+    base = dec.default_config(d, dt, dec.device_arch(device))
+    configs = {tile_label(base): base}
+    for block_n, warps, stages in DECODE_TILES:
+        cfg = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
+        configs.setdefault(tile_label(cfg), cfg)
+    row: dict[str, Any] = {"batch": batch, "context": context, "default": tile_label(base), "us": {}, "gbs": {},
+                           "splits": {}, "rel_diff": 0.0}  # fmt: skip
+    want = None
+    for label, cfg in configs.items():
+        out = torch.empty_like(q)
+
+        def call(cfg: Any = cfg, out: torch.Tensor = out) -> None:
+            dec.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, max_kv_len=context, out=out,
+                                 config=cfg)  # fmt: skip
+
+        us = timing.time_replay_ms(call) * 1e3
+        call()
+        got = out.float()
+        if want is None:  # the default's, first
+            want = got
+        else:
+            row["rel_diff"] = max(row["rel_diff"], ((got - want).norm() / want.norm()).item())
+        row["us"][label], row["gbs"][label] = us, nbytes / us / 1e3
+        row["splits"][label] = dec.split_cap(None, batch, hkv, device, cfg, context)
+    return row
+
+
 def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the worker's default (sm_90) takes the long-prefix tiles for this extend row."""
     from kernels import extend_attention as ext
@@ -313,6 +373,34 @@ def markdown(doc: dict) -> str:
             lines.append(
                 f"| {r['context']} | {r['splits']}{'*' if r['default'] else ''} | {cells(r)} | {others} |"
             )
+    if doc.get("decode_tiles"):
+        labels = list(dict.fromkeys(label for r in doc["decode_tiles"] for label in r["us"]))
+        copy = doc.get("copy_gbs")
+        lines += [
+            "",
+            "## Decode: tile choices over batch x context",
+            "",
+            "CUDA-graph replays of one call at each configuration's default split count; columns: tokens a"
+            " tile / warps / pipeline stages, in GB/s (* the default's); best: the fastest and its speedup"
+            " over the default" + (", and its share of the copy bandwidth." if copy else "."),
+            "",
+            "| batch | context | "
+            + " | ".join(f"{x} GB/s" for x in labels)
+            + " | best | speedup |"
+            + (" of copy bw |" if copy else ""),
+            "|---:|---:|" + "---:|" * len(labels) + "---|---:|" + ("---:|" if copy else ""),
+        ]
+        for r in doc["decode_tiles"]:
+            best = min(r["us"], key=r["us"].get)
+            cells = " | ".join(
+                f"{r['gbs'][x]:,.0f}{'*' if x == r['default'] else ''}" if x in r["gbs"] else "-"
+                for x in labels
+            )
+            share = f" {r['gbs'][best] / copy:.0%} |" if copy else ""
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {cells} | {best} | {r['us'][r['default']] / r['us'][best]:.2f} |"
+                + share
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -342,23 +430,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
         "extend_graph and decode: CUDA-graph replays",
     )
-    doc |= {"extend": [], "extend_graph": [], "decode": []}
+    doc |= {kind: [] for kind in KINDS}
+    sweeps = {  # kind: (shapes, the sweep of one shape, what it prints)
+        "extend": (EXTEND_SHAPES, sweep_extend, lambda r: f"128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32"),
+        "extend_graph": (GRAPH_SHAPES, sweep_extend_graph,
+                         lambda r: f"128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32"),
+        "decode": ([(c,) for c in DECODE_CONTEXTS], sweep_decode, lambda rows: "done"),
+        "decode_tiles": (DECODE_TILE_SHAPES, sweep_decode_tiles,
+                         lambda r: "fastest " + min(r["us"], key=r["us"].get)),
+    }  # fmt: skip
     try:
-        for kind, shapes, sweep_one in (("extend", EXTEND_SHAPES, sweep_extend),
-                                        ("extend_graph", GRAPH_SHAPES, sweep_extend_graph)):  # fmt: skip
-            for shape in shapes if kind in args.only else ():
+        for kind in dict.fromkeys(args.only):  # NOTE: in the order asked (a deadline may cut the last)
+            shapes, sweep_one, said = sweeps[kind]
+            for shape in shapes:
                 r = sweep_one(*shape, model, device, gen)
-                doc[kind].append(r)
+                doc[kind] += r if isinstance(r, list) else [r]
                 torch.cuda.empty_cache()
-                print(
-                    f"{kind} {shape}: 128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32",
-                    file=sys.stderr,
-                )
-        if "decode" in args.only:
-            for context in DECODE_CONTEXTS:
-                doc["decode"] += sweep_decode(context, model, device, gen)
-                torch.cuda.empty_cache()
-                print(f"decode batch 1 x {context}: done", file=sys.stderr)
+                print(f"{kind} {shape}: {said(r)}", file=sys.stderr)
+        if "decode" in args.only or "decode_tiles" in args.only:
             doc["copy_gbs"] = bench.measure_copy_gbs(device)
     except KeyboardInterrupt:  # NOTE: gpu-bench's deadline: keep the rows measured so far
         doc["interrupted"] = True

@@ -171,6 +171,13 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
         (True, True, True, default), (True, True, False, 2),
     ]  # fmt: skip
     assert all(r["us"] > 0 and r["gbs"] > 0 for r in rows)
+    monkeypatch.setattr(sweep, "DECODE_TILES", ((32, 4, 2), (16, 1, 1), (16, 2, 3)))
+    tiles = sweep.sweep_decode_tiles(3, 70, model, cpu, gen)
+    # the default's first (the interpreter's 16/1/1), each other once; every one agrees with it
+    assert list(tiles["us"]) == list(tiles["gbs"]) == ["16/1/1", "32/4/2", "16/2/3"]
+    assert tiles["default"] == "16/1/1" and 0 < tiles["rel_diff"] < 3e-3
+    assert all(tiles["us"][x] > 0 for x in tiles["us"])
+    assert tiles["splits"]["16/1/1"] == 2  # 3 requests x 2 KV heads for 4 "SMs" x 2 waves
 
 
 def test_the_command_runs_every_sweep_and_writes_its_report(
@@ -186,14 +193,35 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
     monkeypatch.setattr(sweep, "GRAPH_SHAPES", ((40, 3, 8, 2),))  # two requests of 3 new tokens
     monkeypatch.setattr(sweep, "DECODE_CONTEXTS", (64,))
     monkeypatch.setattr(sweep, "DECODE_SPLITS", (2,))
+    monkeypatch.setattr(sweep, "DECODE_TILE_SHAPES", ((2, 40),))
+    monkeypatch.setattr(sweep, "DECODE_TILES", ((32, 4, 2),))
     out = tmp_path / "sweep.json"
     assert sweep.main(["--q-heads", "4", "--kv-heads", "2", "--dtype", "fp16", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["device"] == {"name": "CPU stand-in", "sm_count": 2} and doc["copy_gbs"] == 100.0
-    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 8]  # decode: 2 split caps x 4 variants
+    # decode: 2 split caps x 4 variants; decode_tiles: one shape
+    assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 8, 1]
     report = out.with_suffix(".md").read_text()
-    assert all(title in report for title in ("## Extend:", "## Extend graphs:", "## Decode:"))
+    titles = ("## Extend:", "## Extend graphs:", "## Decode: batch 1", "## Decode: tile choices")
+    assert all(title in report for title in titles)
+    assert list(doc["decode_tiles"][0]["us"]) == ["16/1/1", "32/4/2"]
     # the graph row: a step of two cache hits (the rows past them empty), every variant right on both
     (two,) = doc["extend_graph"]
     assert two["requests"] == 2 and two["small_split_us"] > 0 and two["rel_diff"] < 3e-3
     assert "| 40 | 2 x 3 | 8 |" in report
+
+
+def test_the_decode_tiles_table_names_the_fastest_and_its_speedup_over_the_default():
+    doc = json.loads(SWEEP.read_text())
+    assert "## Decode: tile choices" not in sweep.markdown(doc)  # the committed run predates that sweep
+    doc["decode_tiles"] = [
+        {"batch": 32, "context": 4096, "default": "128/4/2", "us": {"128/4/2": 200.0, "64/2/2": 160.0},
+         "gbs": {"128/4/2": 2400.0, "64/2/2": 3000.0}, "splits": {"128/4/2": 2, "64/2/2": 2}, "rel_diff": 1e-3},
+        {"batch": 1, "context": 16384, "default": "128/4/2", "us": {"128/4/2": 33.0},
+         "gbs": {"128/4/2": 2030.0}, "splits": {"128/4/2": 33}, "rel_diff": 0.0},
+    ]  # fmt: skip
+    text = sweep.markdown(doc)
+    assert "| batch | context | 128/4/2 GB/s | 64/2/2 GB/s | best | speedup | of copy bw |" in text
+    copy = doc["copy_gbs"]
+    assert f"| 32 | 4096 | 2,400* | 3,000 | 64/2/2 | 1.25 | {3000 / copy:.0%} |" in text
+    assert f"| 1 | 16384 | 2,030* | - | 128/4/2 | 1.00 | {2030 / copy:.0%} |" in text  # a tile it did not run
