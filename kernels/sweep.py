@@ -408,7 +408,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kernels.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
-                    help=f"sweeps to run, of {' '.join(KINDS)} (default all)")  # fmt: skip
+                    help=f"sweeps to run, in the order given, of {' '.join(KINDS)} (default all)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default docs/benchmarks/kernels-sweep-<gpu>.json)")  # fmt: skip
     ap.add_argument("--markdown", type=Path, default=None, help="report path (default: the JSON's, .md)")
