@@ -14,7 +14,8 @@
   PDL (programmatic dependent launch), and with the next tile's K/V prefetched into registers
   (decode_attention.PREFETCH_TILES), without and with PDL, beside the default split count;
 - decode_tiles: decode's tile choices (tokens a tile, warps, pipeline stages) over batch x context, each
-  at its default split count: the rows a batch-dependent tile rule would be set from.
+  at its default split count, and the default tiles at other split counts: the rows a batch-dependent
+  tile or split rule would be set from.
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
 worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
@@ -220,7 +221,8 @@ def tile_label(cfg: Any) -> str:
 def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: torch.device,
                        gen: torch.Generator) -> dict:  # fmt: skip
     """``batch`` requests of ``context`` tokens: each of DECODE_TILES (and the default's, where it is none of
-    them) replayed at its own default split cap; the largest relative difference from the default's output."""
+    them) replayed at its own default split cap, then the default's tiles at other_split_caps; the largest
+    relative difference of any output from the default's."""
     from kernels import decode_attention as dec
 
     shape = bench.DecodeShape(batch=batch, context=context)
@@ -241,25 +243,44 @@ def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: tor
         cfg = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
         configs.setdefault(tile_label(cfg), cfg)
     row: dict[str, Any] = {"batch": batch, "context": context, "default": tile_label(base), "us": {}, "gbs": {},
-                           "splits": {}, "rel_diff": 0.0}  # fmt: skip
-    want = None
-    for label, cfg in configs.items():
+                           "splits": {}, "split_us": {}, "rel_diff": 0.0}  # fmt: skip
+    want: list[torch.Tensor] = []  # the default's output
+
+    def timed(cfg: Any, splits: int | None) -> float:
         out = torch.empty_like(q)
 
-        def call(cfg: Any = cfg, out: torch.Tensor = out) -> None:
+        def call() -> None:
             dec.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, max_kv_len=context, out=out,
-                                 config=cfg)  # fmt: skip
+                                 config=cfg, num_splits=splits)  # fmt: skip
 
         us = timing.time_replay_ms(call) * 1e3
         call()
-        got = out.float()
-        if want is None:  # the default's, first
-            want = got
+        if not want:
+            want.append(out.float())
         else:
-            row["rel_diff"] = max(row["rel_diff"], ((got - want).norm() / want.norm()).item())
-        row["us"][label], row["gbs"][label] = us, nbytes / us / 1e3
+            diff = ((out.float() - want[0]).norm() / want[0].norm()).item()
+            row["rel_diff"] = max(row["rel_diff"], diff)
+        return us
+
+    for label, cfg in configs.items():
+        us = row["us"][label] = timed(cfg, None)
+        row["gbs"][label] = nbytes / us / 1e3
         row["splits"][label] = dec.split_cap(None, batch, hkv, device, cfg, context)
+    for splits in other_split_caps(row["splits"][row["default"]], context, base.min_split_len):
+        row["split_us"][splits] = timed(base, splits)
     return row
+
+
+def other_split_caps(default: int, context: int, min_split_len: int) -> list[int]:
+    """Split caps to time the default tiles at besides ``default``: none (1), half and twice it, each as
+    many as a request of ``context`` tokens takes (a cap past cdiv(context, min_split_len) changes nothing).
+    NOTE: with the default's programs more than one wave of resident blocks (sm_90: 3 an SM at 128/4/2),
+    fewer splits may fill the GPU better; the tuner's 32 x 4k row (512 programs) suggests it."""
+    from kernels import decode_attention as dec
+
+    most = min(dec.MAX_SPLITS, -(-context // min_split_len))
+    caps = {min(max(1, c), most) for c in (1, default // 2, 2 * default)}
+    return sorted(caps - {min(default, most)})
 
 
 def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -382,13 +403,15 @@ def markdown(doc: dict) -> str:
             "",
             "CUDA-graph replays of one call at each configuration's default split count; columns: tokens a"
             " tile / warps / pipeline stages, in GB/s (* the default's); best: the fastest and its speedup"
-            " over the default" + (", and its share of the copy bandwidth." if copy else "."),
+            " over the default" + (", and its share of the copy bandwidth" if copy else "") + "; last, the"
+            " default tiles' time at its own split cap and at others (split cap: us).",
             "",
             "| batch | context | "
             + " | ".join(f"{x} GB/s" for x in labels)
             + " | best | speedup |"
-            + (" of copy bw |" if copy else ""),
-            "|---:|---:|" + "---:|" * len(labels) + "---|---:|" + ("---:|" if copy else ""),
+            + (" of copy bw |" if copy else "")
+            + " default tiles at other split caps: us |",
+            "|---:|---:|" + "---:|" * len(labels) + "---|---:|" + ("---:|" if copy else "") + "---|",
         ]
         for r in doc["decode_tiles"]:
             best = min(r["us"], key=r["us"].get)
@@ -397,9 +420,15 @@ def markdown(doc: dict) -> str:
                 for x in labels
             )
             share = f" {r['gbs'][best] / copy:.0%} |" if copy else ""
+            default_cap = r["splits"][r["default"]]
+            caps = ", ".join(
+                f"{c}: {us:.1f}" for c, us in sorted([(default_cap, r["us"][r["default"]]),
+                                                      *((int(c), us) for c, us in r.get("split_us", {}).items())])
+            )  # fmt: skip
             lines.append(
                 f"| {r['batch']} | {r['context']} | {cells} | {best} | {r['us'][r['default']] / r['us'][best]:.2f} |"
                 + share
+                + f" {caps} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -178,6 +178,7 @@ def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     assert tiles["default"] == "16/1/1" and 0 < tiles["rel_diff"] < 3e-3
     assert all(tiles["us"][x] > 0 for x in tiles["us"])
     assert tiles["splits"]["16/1/1"] == 2  # 3 requests x 2 KV heads for 4 "SMs" x 2 waves
+    assert list(tiles["split_us"]) == [1, 4] and all(us > 0 for us in tiles["split_us"].values())
 
 
 def test_the_command_runs_every_sweep_and_writes_its_report(
@@ -216,12 +217,28 @@ def test_the_decode_tiles_table_names_the_fastest_and_its_speedup_over_the_defau
     assert "## Decode: tile choices" not in sweep.markdown(doc)  # the committed run predates that sweep
     doc["decode_tiles"] = [
         {"batch": 32, "context": 4096, "default": "128/4/2", "us": {"128/4/2": 200.0, "64/2/2": 160.0},
-         "gbs": {"128/4/2": 2400.0, "64/2/2": 3000.0}, "splits": {"128/4/2": 2, "64/2/2": 2}, "rel_diff": 1e-3},
+         "gbs": {"128/4/2": 2400.0, "64/2/2": 3000.0}, "splits": {"128/4/2": 2, "64/2/2": 2},
+         "split_us": {"1": 170.0, "4": 230.5}, "rel_diff": 1e-3},
         {"batch": 1, "context": 16384, "default": "128/4/2", "us": {"128/4/2": 33.0},
          "gbs": {"128/4/2": 2030.0}, "splits": {"128/4/2": 33}, "rel_diff": 0.0},
     ]  # fmt: skip
     text = sweep.markdown(doc)
-    assert "| batch | context | 128/4/2 GB/s | 64/2/2 GB/s | best | speedup | of copy bw |" in text
+    header = "| batch | context | 128/4/2 GB/s | 64/2/2 GB/s | best | speedup | of copy bw | default tiles at other"
+    assert header in text
     copy = doc["copy_gbs"]
-    assert f"| 32 | 4096 | 2,400* | 3,000 | 64/2/2 | 1.25 | {3000 / copy:.0%} |" in text
-    assert f"| 1 | 16384 | 2,030* | - | 128/4/2 | 1.00 | {2030 / copy:.0%} |" in text  # a tile it did not run
+    assert (
+        f"| 32 | 4096 | 2,400* | 3,000 | 64/2/2 | 1.25 | {3000 / copy:.0%} | 1: 170.0, 2: 200.0, 4: 230.5 |"
+        in text
+    )
+    assert (
+        f"| 1 | 16384 | 2,030* | - | 128/4/2 | 1.00 | {2030 / copy:.0%} | 33: 33.0 |" in text
+    )  # a tile it lacks
+
+
+def test_the_default_decode_tiles_are_also_timed_at_other_split_caps():
+    """No split, half and twice the default cap, each only as far as the context lets a request split."""
+    assert sweep.other_split_caps(33, 16384, 256) == [1, 16, 64]
+    assert sweep.other_split_caps(2, 4096, 256) == [1, 4]
+    assert sweep.other_split_caps(1, 1024, 256) == [2]
+    assert sweep.other_split_caps(2, 512, 256) == [1]  # 512 tokens make 2 parts at most
+    assert sweep.other_split_caps(3, 1024, 256) == [1, 4]  # half of 3 is 1; twice it past the 4 parts
