@@ -379,18 +379,32 @@ def sdpa_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) ->
     return out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])
 
 
-def decode_case(shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
-    """(kernel_args, sdpa_args): paged inputs of decode_attention, and (q, k, v) for SDPA with
-    contiguous per-request K/V keeping the native KV heads (SDPA's enable_gqa)."""
+def decode_inputs(
+    shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator, on_device: bool = False
+) -> tuple:
+    """The paged inputs of decode_attention: (q, k_cache, v_cache, kv_indptr, kv_indices), random, the
+    slots shuffled in pages; the values from ``gen`` on the host, or with ``on_device`` from the device's
+    own generator (as extend_inputs)."""
     dt, hq, hkv, d = DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
     b, c = shape.batch, shape.context
 
     def rand(*size: int) -> torch.Tensor:
+        if on_device:
+            return torch.randn(*size, device=device, dtype=dt)
         return torch.randn(*size, generator=gen).to(device=device, dtype=dt)
 
     q, k_cache, v_cache = rand(b, hq, d), rand(b * c, hkv, d), rand(b * c, hkv, d)
     kv_indices = shuffled_slots(b * c, gen).to(device)
     kv_indptr = torch.arange(b + 1, dtype=torch.int32, device=device) * c
+    return q, k_cache, v_cache, kv_indptr, kv_indices
+
+
+def decode_case(shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
+    """(kernel_args, sdpa_args): decode_inputs, and (q, k, v) for SDPA with contiguous per-request K/V
+    keeping the native KV heads (SDPA's enable_gqa)."""
+    hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
+    b, c = shape.batch, shape.context
+    q, k_cache, v_cache, kv_indptr, kv_indices = decode_inputs(shape, model, device, gen)
     k_dense = k_cache[kv_indices.long()].view(b, c, hkv, d).transpose(1, 2)
     v_dense = v_cache[kv_indices.long()].view(b, c, hkv, d).transpose(1, 2)
     return (q, k_cache, v_cache, kv_indptr, kv_indices), (q.view(b, hq, 1, d), k_dense, v_dense)

@@ -226,16 +226,12 @@ def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: tor
     from kernels import decode_attention as dec
 
     shape = bench.DecodeShape(batch=batch, context=context)
-    dt, hq, hkv, d = bench.DTYPES[model.dtype], model.num_q_heads, model.num_kv_heads, model.head_dim
-    seed = int(torch.randint(0, 1 << 30, (1,), generator=gen))
-    on_device = torch.Generator(device=device).manual_seed(seed)  # NOTE: K/V drawn where they live
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=on_device, device=device).to(dt)
-
-    q, k_cache, v_cache = rand(batch, hq, d), rand(batch * context, hkv, d), rand(batch * context, hkv, d)
-    kv_indices = bench.shuffled_slots(batch * context, gen).to(device)
-    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * context
+    dt, hkv, d = bench.DTYPES[model.dtype], model.num_kv_heads, model.head_dim
+    torch.manual_seed(batch * 1_000_003 + context)
+    # NOTE: K/V drawn on the device: up to 10^9 values a row
+    q, k_cache, v_cache, kv_indptr, kv_indices = bench.decode_inputs(
+        shape, model, device, gen, on_device=True
+    )
     nbytes = bench.decode_bytes(shape, model)
     base = dec.default_config(d, dt, dec.device_arch(device))
     configs = {tile_label(base): base}
@@ -460,10 +456,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "extend_graph and decode: CUDA-graph replays",
     )
     doc |= {kind: [] for kind in KINDS}
+
+    def long_prefix_speedup(r: dict) -> str:
+        return f"128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32"
+
     sweeps = {  # kind: (shapes, the sweep of one shape, what it prints)
-        "extend": (EXTEND_SHAPES, sweep_extend, lambda r: f"128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32"),
-        "extend_graph": (GRAPH_SHAPES, sweep_extend_graph,
-                         lambda r: f"128x64 {r['long_prefix_speedup']:.2f}x as fast as 64x32"),
+        "extend": (EXTEND_SHAPES, sweep_extend, long_prefix_speedup),
+        "extend_graph": (GRAPH_SHAPES, sweep_extend_graph, long_prefix_speedup),
         "decode": ([(c,) for c in DECODE_CONTEXTS], sweep_decode, lambda rows: "done"),
         "decode_tiles": (DECODE_TILE_SHAPES, sweep_decode_tiles,
                          lambda r: "fastest " + min(r["us"], key=r["us"].get)),
