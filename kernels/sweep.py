@@ -15,7 +15,8 @@
   (decode_attention.PREFETCH_TILES), without and with PDL, beside the default split count;
 - decode_tiles: decode's tile choices (tokens a tile, warps, pipeline stages) over batch x context, each
   at its default split count, and the default tiles at other split counts: the rows a batch-dependent
-  tile or split rule would be set from.
+  tile or split rule would be set from; the report says what decode_tile_rule (set before the rows were
+  measured) makes of them, from each tile's residency as loaded (the JSON's "compiled").
 
 Timing as kernels.bench: kernels.timing's median after an L2 flush; extend as eager calls (as the
 worker runs prefill), extend_graph and decode as CUDA-graph replays. Every extend row also records the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +38,8 @@ from typing import Any
 
 import torch
 
-from kernels import bench, timing
+from kernels import bench, compile_check, timing
+from kernels.extend_attention import device_arch
 
 KINDS = ("extend", "extend_graph", "decode", "decode_tiles")
 # (longest cached prefix, requests, new tokens each): around where the long-prefix tiles stop winning
@@ -279,6 +282,86 @@ def other_split_caps(default: int, context: int, min_split_len: int) -> list[int
     return sorted(caps - {min(default, most)})
 
 
+def decode_residency(doc: dict) -> dict[str, int]:
+    """Resident blocks an SM of each decode tile choice's split kernel (tile label -> blocks), from the
+    registers and shared memory it was loaded with on the sweep's GPU (doc["compiled"]) and its arch's
+    limits (compile_check.blocks_per_sm); {} where either is missing. The plain split kernel only (no
+    PDL, prefetch or fused merge), as the decode_tiles rows time it."""
+    limits = compile_check.ARCHS.get(doc["device"].get("arch"))
+    found: dict[str, int] = {}
+    for k in doc.get("compiled", []) if limits else []:
+        c = k["constants"]
+        if k["kernel"] != "_decode_split_kernel" or k["regs"] is None:
+            continue
+        if c.get("PDL") or c.get("PREFETCH") or c.get("FUSED_MERGE"):
+            continue
+        label = f"{c['BLOCK_N']}/{k['num_warps']}/{k['num_stages']}"
+        found[label] = compile_check.blocks_per_sm(limits, k["regs"], k["shared_bytes"], k["num_warps"])
+    return found
+
+
+def _caps_us(row: dict) -> dict[int, float]:
+    """The default tiles' time at each split cap a decode_tiles row timed them at."""
+    return {row["splits"][row["default"]]: row["us"][row["default"]]} | {
+        int(c): us for c, us in row.get("split_us", {}).items()
+    }
+
+
+def decode_tile_rule(
+    rows: list[dict], sms: int, resident: dict[str, int], kv_heads: int, tolerance: float = 0.02,
+    min_gain: float = 0.03,
+) -> dict[str, Any]:  # fmt: skip
+    """What the decode_tiles rows say to change, by the rule set before they were measured:
+    1. where another tile choice beats the default tiles by more than ``tolerance``, if on every such row
+       the default tiles at the split cap one wave of resident programs allows (SMs x resident blocks
+       / (requests x KV heads), at least 1, at most the default cap) are within ``tolerance`` of the
+       fastest, and that cap is no slower than the default's on the rows it changes, cap the split count
+       by residency: {"change": "split_cap", "rows": [(batch, context, default cap, new cap)]};
+    2. else the smallest swept batch B from which one tile choice X is within ``tolerance`` of the fastest
+       on every row of B requests or more and beats the default by ``min_gain`` on their geomean (the best
+       gain when several do): {"change": "tile", "tile": X, "from_batch": B, "gain": geomean speedup};
+    3. else {"change": None, "why": ...}."""
+    slack = 1.0 + tolerance
+    if not rows:
+        return {"change": None, "why": "no decode_tiles rows"}
+    default = rows[0]["default"]
+    lost = [r for r in rows if r["us"][default] > slack * min(r["us"].values())]
+    if not lost:
+        return {
+            "change": None,
+            "why": f"the default tiles are within {tolerance:.0%} of the fastest on every row",
+        }
+
+    def wave_cap(r: dict) -> int:
+        cap = r["splits"][default]
+        return min(cap, max(1, sms * resident[default] // (r["batch"] * kv_heads)))
+
+    if default in resident:
+        capped = [r for r in rows if wave_cap(r) != r["splits"][default]]
+
+        def capped_us(r: dict) -> float:  # inf where the cap was not timed
+            return _caps_us(r).get(wave_cap(r), float("inf"))
+
+        # NOTE: a lost row whose cap stays fails the first test (its time is the default's)
+        serves_lost = all(capped_us(r) <= slack * min(r["us"].values()) for r in lost)
+        if serves_lost and all(capped_us(r) <= slack * r["us"][default] for r in capped):
+            return {"change": "split_cap",
+                    "rows": [(r["batch"], r["context"], r["splits"][default], wave_cap(r)) for r in capped]}  # fmt: skip
+    for batch in sorted({r["batch"] for r in rows}):
+        over = [r for r in rows if r["batch"] >= batch]
+        gains = {}
+        for tile in dict.fromkeys(t for r in over for t in r["us"]):
+            if tile == default or any(tile not in r["us"] for r in over):
+                continue
+            if all(r["us"][tile] <= slack * min(r["us"].values()) for r in over):
+                gains[tile] = statistics.geometric_mean(r["us"][default] / r["us"][tile] for r in over)
+        best = max(gains, key=gains.get, default=None)
+        if best is not None and gains[best] >= 1.0 + min_gain:
+            return {"change": "tile", "tile": best, "from_batch": batch, "gain": gains[best]}
+    return {"change": None, "why": f"another tile wins on {len(lost)} rows, but neither a residency cap nor "
+                                   "one tile from some batch on serves them all"}  # fmt: skip
+
+
 def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the worker's default (sm_90) takes the long-prefix tiles for this extend row."""
     from kernels import extend_attention as ext
@@ -391,42 +474,68 @@ def markdown(doc: dict) -> str:
                 f"| {r['context']} | {r['splits']}{'*' if r['default'] else ''} | {cells(r)} | {others} |"
             )
     if doc.get("decode_tiles"):
-        labels = list(dict.fromkeys(label for r in doc["decode_tiles"] for label in r["us"]))
-        copy = doc.get("copy_gbs")
-        lines += [
-            "",
-            "## Decode: tile choices over batch x context",
-            "",
-            "CUDA-graph replays of one call at each configuration's default split count; columns: tokens a"
-            " tile / warps / pipeline stages, in GB/s (* the default's); best: the fastest and its speedup"
-            " over the default" + (", and its share of the copy bandwidth" if copy else "") + "; last, the"
-            " default tiles' time at its own split cap and at others (split cap: us).",
-            "",
-            "| batch | context | "
-            + " | ".join(f"{x} GB/s" for x in labels)
-            + " | best | speedup |"
-            + (" of copy bw |" if copy else "")
-            + " default tiles at other split caps: us |",
-            "|---:|---:|" + "---:|" * len(labels) + "---|---:|" + ("---:|" if copy else "") + "---|",
-        ]
-        for r in doc["decode_tiles"]:
-            best = min(r["us"], key=r["us"].get)
-            cells = " | ".join(
-                f"{r['gbs'][x]:,.0f}{'*' if x == r['default'] else ''}" if x in r["gbs"] else "-"
-                for x in labels
-            )
-            share = f" {r['gbs'][best] / copy:.0%} |" if copy else ""
-            default_cap = r["splits"][r["default"]]
-            caps = ", ".join(
-                f"{c}: {us:.1f}" for c, us in sorted([(default_cap, r["us"][r["default"]]),
-                                                      *((int(c), us) for c, us in r.get("split_us", {}).items())])
-            )  # fmt: skip
-            lines.append(
-                f"| {r['batch']} | {r['context']} | {cells} | {best} | {r['us'][r['default']] / r['us'][best]:.2f} |"
-                + share
-                + f" {caps} |"
-            )
+        lines += _decode_tiles_report(doc)
     return "\n".join(lines) + "\n"
+
+
+def _decode_tiles_report(doc: dict) -> list[str]:
+    """The decode_tiles table, the tiles' residency on the sweep's GPU where recorded, and what
+    decode_tile_rule says to change."""
+    rows, copy = doc["decode_tiles"], doc.get("copy_gbs")
+    labels = list(dict.fromkeys(label for r in rows for label in r["us"]))
+    resident = decode_residency(doc)
+    default = rows[0]["default"]
+    slots = doc["device"]["sm_count"] * resident[default] if default in resident else None
+    hkv = doc["model"]["num_kv_heads"]
+    lines = [
+        "",
+        "## Decode: tile choices over batch x context",
+        "",
+        "CUDA-graph replays of one call at each configuration's default split count; columns: tokens a"
+        " tile / warps / pipeline stages, in GB/s (* the default's); best: the fastest and its speedup"
+        " over the default" + (", and its share of the copy bandwidth" if copy else "") + "; then the"
+        " default tiles' time at its own split cap and at others (split cap: us)"
+        + ("; waves: the default's programs (requests x KV heads x split cap) over the blocks resident at"
+           " once on the GPU" if slots else "") + ".",
+        "",
+        "| batch | context | "
+        + " | ".join(f"{x} GB/s" for x in labels)
+        + " | best | speedup |"
+        + (" of copy bw |" if copy else "")
+        + " default tiles at other split caps: us |"
+        + (" waves |" if slots else ""),
+        "|---:|---:|" + "---:|" * len(labels) + "---|---:|" + ("---:|" if copy else "") + "---|"
+        + ("---:|" if slots else ""),
+    ]  # fmt: skip
+    for r in rows:
+        best = min(r["us"], key=r["us"].get)
+        cells = " | ".join(
+            f"{r['gbs'][x]:,.0f}{'*' if x == r['default'] else ''}" if x in r["gbs"] else "-" for x in labels
+        )
+        share = f" {r['gbs'][best] / copy:.0%} |" if copy else ""
+        caps = ", ".join(f"{c}: {us:.1f}" for c, us in sorted(_caps_us(r).items()))
+        waves = f" {r['batch'] * hkv * r['splits'][r['default']] / slots:.2f} |" if slots else ""
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {cells} | {best} | {r['us'][r['default']] / r['us'][best]:.2f} |"
+            + share
+            + f" {caps} |"
+            + waves
+        )
+    if resident:
+        lines += ["", "Resident blocks an SM (the split kernel as loaded here): "
+                  + ", ".join(f"{label} {n}" for label, n in resident.items()) + "."]  # fmt: skip
+    rule = decode_tile_rule(rows, doc["device"]["sm_count"], resident, hkv)
+    if rule["change"] == "split_cap":
+        said = "cap the split count at one wave of resident programs: " + ", ".join(
+            f"{b} x {c}: {old} -> {new}" for b, c, old, new in rule["rows"]
+        )
+    elif rule["change"] == "tile":
+        said = (
+            f"take {rule['tile']} from {rule['from_batch']} requests ({rule['gain']:.2f}x the default there)"
+        )
+    else:
+        said = f"no change: {rule['why']}"
+    return [*lines, "", f"Rule (kernels.sweep.decode_tile_rule): {said}."]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -454,6 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         " ".join(["python -m kernels.sweep", *argv]),
         "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
         "extend_graph and decode: CUDA-graph replays",
+        arch=device_arch(device),
     )
     doc |= {kind: [] for kind in KINDS}
 
@@ -480,6 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # NOTE: gpu-bench's deadline: keep the rows measured so far
         doc["interrupted"] = True
         print("interrupted: writing the rows measured so far", file=sys.stderr)
+    compile_check.record_loaded_kernels(doc)  # registers and shared memory: the decode tiles' residency
     doc["wall_s"] = round(time.time() - started, 1)
     out = args.out or Path("docs/benchmarks") / f"kernels-sweep-{bench.gpu_slug(gpu)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

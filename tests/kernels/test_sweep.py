@@ -199,7 +199,7 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
     out = tmp_path / "sweep.json"
     assert sweep.main(["--q-heads", "4", "--kv-heads", "2", "--dtype", "fp16", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["device"] == {"name": "CPU stand-in", "sm_count": 2} and doc["copy_gbs"] == 100.0
+    assert doc["device"] == {"name": "CPU stand-in", "sm_count": 2, "arch": 90} and doc["copy_gbs"] == 100.0
     # decode: 2 split caps x 4 variants; decode_tiles: one shape
     assert [len(doc[kind]) for kind in sweep.KINDS] == [1, 1, 8, 1]
     report = out.with_suffix(".md").read_text()
@@ -210,6 +210,7 @@ def test_the_command_runs_every_sweep_and_writes_its_report(
     (two,) = doc["extend_graph"]
     assert two["requests"] == 2 and two["small_split_us"] > 0 and two["rel_diff"] < 3e-3
     assert "| 40 | 2 x 3 | 8 |" in report
+    assert "Rule (kernels.sweep.decode_tile_rule): " in report
 
 
 def test_the_decode_tiles_table_names_the_fastest_and_its_speedup_over_the_default():
@@ -242,3 +243,94 @@ def test_the_default_decode_tiles_are_also_timed_at_other_split_caps():
     assert sweep.other_split_caps(1, 1024, 256) == [2]
     assert sweep.other_split_caps(2, 512, 256) == [1]  # 512 tokens make 2 parts at most
     assert sweep.other_split_caps(3, 1024, 256) == [1, 4]  # half of 3 is 1; twice it past the 4 parts
+
+
+def _split_kernel(block_n: int, warps: int, stages: int, regs: int | None, shared: int, **flags) -> dict:
+    constants = {"BLOCK_N": block_n, "PDL": False, "PREFETCH": False, "FUSED_MERGE": False} | flags
+    return {"kernel": "_decode_split_kernel", "constants": constants, "num_warps": warps, "num_stages": stages,
+            "shared_bytes": shared, "regs": regs, "spills": 0}  # fmt: skip
+
+
+def test_the_decode_tiles_residency_comes_from_the_split_kernels_as_loaded():
+    """Blocks an SM from the registers and shared memory each plain split kernel was loaded with (as the
+    H100 bench recorded sm_90's default: 168 registers, 72 KiB -> 3); PDL, prefetch and fused-merge
+    variants, other kernels and kernels never loaded on a GPU are left out; no arch, nothing."""
+    compiled = [
+        _split_kernel(128, 4, 2, 168, 73728),
+        _split_kernel(128, 4, 2, 168, 73728, PDL=True),
+        _split_kernel(64, 4, 1, 212, 20480, PREFETCH=True),
+        _split_kernel(64, 2, 3, 198, 39168),
+        _split_kernel(64, 2, 2, None, 38912),
+        {"kernel": "_decode_merge_kernel", "constants": {"BLOCK_S": 4}, "num_warps": 4, "num_stages": 3,
+         "shared_bytes": 2048, "regs": 22, "spills": 0},
+    ]  # fmt: skip
+    doc = {"device": {"name": "H100", "sm_count": 132, "arch": 90}, "compiled": compiled}
+    assert sweep.decode_residency(doc) == {"128/4/2": 3, "64/2/3": 5}
+    assert sweep.decode_residency({"device": {"name": "H100", "sm_count": 132}, "compiled": compiled}) == {}
+
+
+def _tile_row(batch: int, context: int, us: dict, cap: int, split_us: dict | None = None) -> dict:
+    return {"batch": batch, "context": context, "default": "128/4/2", "us": us,
+            "gbs": {t: 1e3 / x for t, x in us.items()}, "splits": {t: cap for t in us},
+            "split_us": split_us or {}, "rel_diff": 0.0}  # fmt: skip
+
+
+def test_the_decode_tile_rule_caps_splits_by_residency_where_that_serves_the_lost_rows():
+    """On the H100 (132 SMs, 3 blocks of the default an SM, 8 KV heads) 32 requests at cap 2 make 512
+    programs, past the 396 resident: where the default tiles at cap 1 are within 2% of the tile that won,
+    the rule caps splits by residency; where not, it looks for a tile from some batch on."""
+    rows = [
+        _tile_row(1, 16384, {"128/4/2": 33.0, "64/2/2": 36.0}, 33, {"1": 300.0, "16": 37.0, "64": 34.0}),
+        _tile_row(32, 4096, {"128/4/2": 200.0, "64/2/2": 160.0}, 2, {"1": 162.0, "4": 230.0}),
+        _tile_row(64, 4096, {"128/4/2": 320.0, "64/2/2": 318.0}, 1, {"2": 400.0}),
+    ]
+    rule = sweep.decode_tile_rule(rows, 132, {"128/4/2": 3}, 8)
+    assert rule == {"change": "split_cap", "rows": [(32, 4096, 2, 1)]}
+    # without the residency (not recorded) the same rows go to the tile rule: 64/2/2 from 32 requests on
+    rule = sweep.decode_tile_rule(rows, 132, {}, 8)
+    assert rule["change"] == "tile" and (rule["tile"], rule["from_batch"]) == ("64/2/2", 32)
+    assert rule["gain"] == pytest.approx((200 / 160 * 320 / 318) ** 0.5)
+    # the 64-request row lost too (by 6.7%) at a cap of one already: residency cannot explain it
+    rows[2]["us"]["64/2/2"] = 300.0
+    rule = sweep.decode_tile_rule(rows, 132, {"128/4/2": 3}, 8)
+    assert rule["change"] == "tile" and rule["gain"] == pytest.approx((200 / 160 * 320 / 300) ** 0.5)
+    # cap 1 more than 2% slower than the tile that won: no residency cap either
+    rows[2]["us"]["64/2/2"] = 318.0
+    rows[1]["split_us"]["1"] = 165.0
+    assert sweep.decode_tile_rule(rows, 132, {"128/4/2": 3}, 8)["change"] == "tile"
+    # nor where the cap would slow a row the default tiles won (25 x 8 x 2 = 400 programs, cap 1 10% slower)
+    rows[1]["split_us"]["1"] = 162.0
+    rows.append(_tile_row(25, 4096, {"128/4/2": 150.0, "64/2/2": 151.0}, 2, {"1": 165.0}))
+    assert sweep.decode_tile_rule(rows, 132, {"128/4/2": 3}, 8)["change"] == "tile"
+
+
+def test_the_decode_tile_rule_changes_nothing_without_a_clear_win():
+    """Within 2% everywhere: no change; a tile that wins one row but is 3% short of the fastest on the
+    next batch up, with no residency explanation: no change either."""
+    rows = [
+        _tile_row(1, 16384, {"128/4/2": 33.0, "64/2/2": 33.5}, 33),
+        _tile_row(32, 4096, {"128/4/2": 200.0, "64/2/2": 198.0}, 2, {"1": 240.0}),
+    ]
+    rule = sweep.decode_tile_rule(rows, 132, {"128/4/2": 3}, 8)
+    assert rule["change"] is None and "within 2%" in rule["why"]
+    rows[1]["us"]["64/2/2"] = 160.0  # lost at 32 requests: cap 1 is 240, no residency fix
+    rows.append(_tile_row(64, 4096, {"128/4/2": 300.0, "64/2/2": 310.0, "64/2/3": 301.0}, 1))
+    rule = sweep.decode_tile_rule(rows, 132, {"128/4/2": 3}, 8)
+    assert rule["change"] is None and "wins on 1 rows" in rule["why"]
+
+
+def test_the_decode_tiles_report_shows_waves_residency_and_the_rule():
+    doc = json.loads(SWEEP.read_text())
+    doc["device"]["arch"] = 90
+    doc["compiled"] = [_split_kernel(128, 4, 2, 168, 73728), _split_kernel(64, 2, 2, 210, 38912)]
+    doc["decode_tiles"] = [
+        _tile_row(1, 16384, {"128/4/2": 33.0, "64/2/2": 36.0}, 33),
+        _tile_row(32, 4096, {"128/4/2": 200.0, "64/2/2": 160.0}, 2, {"1": 162.0, "4": 230.0}),
+    ]
+    text = sweep.markdown(doc)
+    assert text.count(" waves |") == 1
+    assert "| 1: 162.0, 2: 200.0, 4: 230.0 | 1.29 |" in text  # 32 x 8 x 2 = 512 programs over 132 x 3
+    assert "| 33: 33.0 | 0.67 |" in text  # 264 over 396
+    assert "Resident blocks an SM (the split kernel as loaded here): 128/4/2 3, 64/2/2 4." in text
+    assert "Rule (kernels.sweep.decode_tile_rule): cap the split count at one wave of resident programs:" \
+           " 32 x 4096: 2 -> 1." in text  # fmt: skip
