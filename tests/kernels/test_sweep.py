@@ -63,6 +63,7 @@ def test_extend_graphs_replay_the_configuration_the_h100_sweep_ran_fastest():
         assert ext.graph_variant(r["prefix"], r["size"], ("split",)) == of_two, shape
     variants = [ext.graph_variant(r["prefix"], r["size"], ("long_prefix", "split")) for r in rows]
     assert (variants.count("default"), variants.count("long_prefix"), variants.count("split")) == (4, 7, 13)
+    assert all(sweep.replayed_variant(r)[1] == 1.0 for r in rows)
 
 
 def test_the_report_has_every_row_and_says_what_the_default_takes(compiled_choice):
@@ -96,15 +97,23 @@ def test_the_report_has_a_graph_table_when_the_graph_sweep_ran():
                             "small_split_us": 60.0, "small_split_cap": 3, "small_one_row_us": 100.0,
                             "small_split_one_row_us": 45.5, "small_packed_us": 101.0,
                             "small_split_packed_us": 47.0}]  # fmt: skip
-    line = "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 100.0 | 45.5 | 101.0 | 47.0 | 1.0e-03 |"
+    # graph_variant replays long_prefix here (2,048 < 16 x 256 tokens), 1.5x the split's time
+    line = (
+        "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | 60.0 (3) | - | 100.0 | 45.5 | 101.0 | 47.0 | 1.0e-03 "
+        "| long_prefix 1.50 |"
+    )
     assert line in sweep.markdown(doc)
+    assert "within 5% of the fastest of the three on all rows but 1: 2048 + 208 (long_prefix 1.50x)." in (
+        sweep.markdown(doc)
+    )
     doc["extend_graph"][0] |= {
         "small_split_us": None,
         "small_split_one_row_us": None,
         "small_split_packed_us": None,
     }
-    line = "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | - | - | 100.0 | - | 101.0 | - | 1.0e-03 |"
+    line = "| 2048 | 208 | 256 | 120.0 | 90.0 | 1.33 | - | - | 100.0 | - | 101.0 | - | 1.0e-03 | long_prefix 1.00 |"
     assert line in sweep.markdown(doc)  # a graph that did not split
+    assert "of the fastest of the three on every row." in sweep.markdown(doc)
 
 
 def test_the_extend_table_shows_the_prefix_split_where_a_row_has_it(compiled_choice):
