@@ -379,6 +379,7 @@ def format_markdown(result: dict) -> str:
                 f"| {r['torch_graph_ms'] / r['triton_graph_ms']:.2f} | {r['triton_ms'] * 1e3:.1f} "
                 f"| {r['torch_ms'] * 1e3:.1f} | {_fmt(lora_error(r), '.1e')} |"
             )
+        lines += ["", lora_candidates_summary(result["lora"])]
         lines += timeline_table(
             [r | {"requests x adapters": f"{r['batch']} x {r['adapters']}"} for r in result["lora"]],
             "requests x adapters", ("shrink", "expand"), "LoRA deltas", dev.get("graph_floor_us"),
@@ -501,6 +502,30 @@ def _timeline_line(shape: object, row: dict, name: str, t: dict) -> str:
         f"| {_fmt(t['merge_us'], '.1f')} | {t['span_us']:.1f} "
         f"| {_fmt(None if replay_us is None else replay_us - t['span_us'], '.1f')} |"
     )
+
+
+def lora_candidates_summary(rows: list[dict]) -> str:
+    """One line: on how many LoRA rows each candidate's graph replay beat the default's, and its geomean
+    speedup; a PDL candidate also against the same change without PDL (a default changes only where a
+    candidate wins on every row)."""
+
+    def against(name: str, base: str) -> str | None:
+        key = f"triton_{name}_graph_ms"
+        pairs = [(r[base], r[key]) for r in rows if r.get(base) and r.get(key)]
+        if not pairs:
+            return None
+        wins = sum(new < old for old, new in pairs)
+        return f"faster on {wins} of {len(pairs)} rows, {statistics.geometric_mean(o / n for o, n in pairs):.2f}x"
+
+    said = []
+    for name, (label, _) in LORA_CANDIDATES.items():
+        if (line := against(name, "triton_graph_ms")) is None:
+            continue
+        plain = name.removesuffix("_pdl")
+        if plain != name and (vs := against(name, f"triton_{plain}_graph_ms")) is not None:
+            line += f" (against {LORA_CANDIDATES[plain][0]}: {vs})"
+        said.append(f"{label} {line}")
+    return "Against the default's replay: " + ("; ".join(said) if said else "no candidate timed") + "."
 
 
 def compiled_table(rows: list[dict]) -> str:

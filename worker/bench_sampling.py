@@ -8,7 +8,8 @@ computed both ways at every batch).
 
 Per call: wall time (on CUDA the host's part: the kernels are only enqueued) and, on CUDA, the call
 followed by a synchronize (host and device), medians over --reps calls after two untimed ones. Prints a table last; writes
-JSON.
+JSON. On CUDA also the largest batch up to which the sorted top-p mask is the faster one (what
+SORT_MAX_ROWS is set from).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from worker.bench_report import machine_info, median_ms, rows_markdown
-from worker.sampling import SamplingParams, _mask_top_k_top_p, sample
+from worker.sampling import SORT_MAX_ROWS, SamplingParams, _mask_top_k_top_p, sample
 
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
@@ -59,6 +60,24 @@ def measure(batch: int, vocab: int, device: torch.device, reps: int) -> list[dic
     return rows
 
 
+def sorted_mask_wins_up_to(rows: list[dict]) -> int | None:
+    """The largest batch up to which the sorted top-p mask beats the threshold kernel's at every batch
+    measured (host and device time): what SORT_MAX_ROWS should be; 0 when the kernel wins at the
+    smallest; None without both timed (not CUDA)."""
+    times: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r["setting"].startswith("top-p 0.9 mask, ") and "call_and_device_ms" in r:
+            times.setdefault(r["batch"], {})[r["setting"].removeprefix("top-p 0.9 mask, ")] = r[
+                "call_and_device_ms"
+            ]
+    wins = 0
+    for batch in sorted(b for b, t in times.items() if len(t) == 2):
+        if times[batch]["sorted"] >= times[batch]["threshold kernel"]:
+            return wins
+        wins = batch
+    return wins if times else None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m worker.bench_sampling", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -74,13 +93,18 @@ def main(argv: list[str] | None = None) -> None:
         for row in measure(b, args.vocab, device, args.reps)
     ]
     env = machine_info(device.type)
+    wins = sorted_mask_wins_up_to(rows)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+            json.dump({"env": env, "rows": rows, "sorted_mask_wins_up_to": wins}, f, indent=1)
     cols = ["batch", "setting", "call_ms"] + (["call_and_device_ms"] if device.type == "cuda" else [])
     print(
         rows_markdown(rows, cols, f"sample per decode step, vocabulary {args.vocab:,}, {env['device_name']}")
     )
+    if wins is not None:
+        print(
+            f"\nThe sorted top-p mask beats the threshold kernel up to {wins} rows (SORT_MAX_ROWS = {SORT_MAX_ROWS})."
+        )
 
 
 if __name__ == "__main__":

@@ -402,6 +402,25 @@ def test_markdown_report_has_the_lora_table_when_measured():
                     ["64", "1", "-", "10.0", "900", "90%", "-", "-", "-", "-", "-", "20.0", "2.00", "100.0",
                      "200.0", "3.0e-03"]]  # fmt: skip
     assert "## LoRA" not in bench_report.format_markdown(synthetic_result() | {"summary": result["summary"]})
+    assert bench_report.lora_candidates_summary(result["lora"]) in md.splitlines()
+
+
+def test_the_lora_summary_counts_the_rows_each_candidate_wins():
+    """Rule for a new LoRA default: a candidate that wins on every row; PDL on top of a change, where it
+    also beats that change alone on every row. The summary gives both counts and geomeans."""
+    rows = [
+        {"triton_graph_ms": 0.02, "triton_wide_graph_ms": 0.016, "triton_wide_pdl_graph_ms": 0.015,
+         "triton_pdl_graph_ms": 0.021},
+        {"triton_graph_ms": 0.01, "triton_wide_graph_ms": 0.009, "triton_wide_pdl_graph_ms": 0.0095},
+        {"triton_graph_ms": 0.03},
+    ]  # fmt: skip
+    assert bench_report.lora_candidates_summary(rows) == (
+        "Against the default's replay: PDL faster on 0 of 1 rows, 0.95x; 256-column faster on 2 of 2 rows, 1.18x;"
+        " 256-column + PDL faster on 2 of 2 rows, 1.18x (against 256-column: faster on 1 of 2 rows, 1.01x)."
+    )
+    assert (
+        bench_report.lora_candidates_summary(rows[2:]) == "Against the default's replay: no candidate timed."
+    )
 
 
 def test_verify_bytes_count_each_requests_kv_once():

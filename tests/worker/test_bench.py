@@ -245,6 +245,7 @@ def test_penalties_bench_times_each_batch_and_output_length_and_writes_json(tmp_
     result = json.loads(out.read_text())
     assert [(r["batch"], r["output_tokens"]) for r in result["rows"]] == [(1, 10), (1, 40), (3, 10), (3, 40)]
     assert all(r["call_ms"] > 0 and r["vocab"] == 500 for r in result["rows"])
+    assert result["sorted_mask_wins_up_to"] is None  # the mask both ways is timed on CUDA only
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 | 40 |")
 
 
@@ -257,10 +258,31 @@ def test_sampling_bench_times_every_setting_and_the_sort_and_writes_json(tmp_pat
     names = [*bench_sampling.SETTINGS, "sort alone"]
     assert [(r["batch"], r["setting"]) for r in result["rows"]] == [(b, n) for b in (1, 3) for n in names]
     assert all(r["call_ms"] > 0 and r["vocab"] == 500 for r in result["rows"])
+    assert result["sorted_mask_wins_up_to"] is None  # the mask both ways is timed on CUDA only
     assert (
         capsys.readouterr().out.strip().splitlines()[-1]
         == f"| 3 | sort alone | {result['rows'][-1]['call_ms']} |"
     )
+
+
+def test_sampling_bench_says_up_to_which_batch_the_sorted_top_p_mask_wins():
+    """From the CUDA rows' host + device times: the largest batch with the sort faster at it and every
+    smaller one; 0 when the kernel wins at once; None without both (the CPU run)."""
+    from worker import bench_sampling
+
+    def rows(times: dict[int, tuple[float, float]]) -> list[dict]:
+        return [
+            {"batch": b, "setting": f"top-p 0.9 mask, {name}", "call_ms": 0.01, "call_and_device_ms": ms}
+            for b, pair in times.items()
+            for name, ms in zip(("sorted", "threshold kernel"), pair, strict=True)
+        ]
+
+    measured = {1: (0.30, 0.53), 2: (0.33, 0.52), 16: (0.59, 0.51), 4: (0.40, 0.52), 64: (1.45, 0.60)}
+    assert bench_sampling.sorted_mask_wins_up_to(rows(measured)) == 4
+    assert bench_sampling.sorted_mask_wins_up_to(rows(measured | {8: (0.55, 0.50), 16: (0.4, 0.5)})) == 4
+    assert bench_sampling.sorted_mask_wins_up_to(rows({1: (0.6, 0.5), 2: (0.3, 0.5)})) == 0
+    assert bench_sampling.sorted_mask_wins_up_to(rows({1: (0.3, 0.5), 64: (0.4, 0.6)})) == 64
+    assert bench_sampling.sorted_mask_wins_up_to([{"batch": 1, "setting": "greedy", "call_ms": 0.1}]) is None
 
 
 def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
