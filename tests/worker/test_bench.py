@@ -245,7 +245,6 @@ def test_penalties_bench_times_each_batch_and_output_length_and_writes_json(tmp_
     result = json.loads(out.read_text())
     assert [(r["batch"], r["output_tokens"]) for r in result["rows"]] == [(1, 10), (1, 40), (3, 10), (3, 40)]
     assert all(r["call_ms"] > 0 and r["vocab"] == 500 for r in result["rows"])
-    assert result["sorted_mask_wins_up_to"] is None  # the mask both ways is timed on CUDA only
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| 3 | 40 |")
 
 
