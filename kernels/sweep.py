@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from kernels import bench, compile_check, timing
-from kernels.extend_attention import device_arch
 
 KINDS = ("extend", "extend_graph", "decode", "decode_tiles")
 # (longest cached prefix, requests, new tokens each): around where the long-prefix tiles stop winning
@@ -216,9 +215,14 @@ def sweep_decode(context: int, model: bench.Model, device: torch.device, gen: to
     return rows
 
 
-def tile_label(cfg: Any) -> str:
-    """A decode configuration's tiles as the report names them: tokens a tile / warps / stages."""
-    return f"{cfg.block_n}/{cfg.num_warps}/{cfg.num_stages}"
+def tile_label(block_n: int, warps: int, stages: int) -> str:
+    """Decode tiles as the report names them: tokens a tile / warps / stages."""
+    return f"{block_n}/{warps}/{stages}"
+
+
+def config_label(cfg: Any) -> str:
+    """A DecodeConfig's tile_label."""
+    return tile_label(cfg.block_n, cfg.num_warps, cfg.num_stages)
 
 
 def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: torch.device,
@@ -237,11 +241,11 @@ def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: tor
     )
     nbytes = bench.decode_bytes(shape, model)
     base = dec.default_config(d, dt, dec.device_arch(device))
-    configs = {tile_label(base): base}
+    configs = {config_label(base): base}
     for block_n, warps, stages in DECODE_TILES:
         cfg = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
-        configs.setdefault(tile_label(cfg), cfg)
-    row: dict[str, Any] = {"batch": batch, "context": context, "default": tile_label(base), "us": {}, "gbs": {},
+        configs.setdefault(config_label(cfg), cfg)
+    row: dict[str, Any] = {"batch": batch, "context": context, "default": config_label(base), "us": {}, "gbs": {},
                            "splits": {}, "split_us": {}, "rel_diff": 0.0}  # fmt: skip
     want: list[torch.Tensor] = []  # the default's output
 
@@ -295,8 +299,9 @@ def decode_residency(doc: dict) -> dict[str, int]:
             continue
         if c.get("PDL") or c.get("PREFETCH") or c.get("FUSED_MERGE"):
             continue
-        label = f"{c['BLOCK_N']}/{k['num_warps']}/{k['num_stages']}"
-        found[label] = compile_check.blocks_per_sm(limits, k["regs"], k["shared_bytes"], k["num_warps"])
+        found[tile_label(c["BLOCK_N"], k["num_warps"], k["num_stages"])] = compile_check.blocks_per_sm(
+            limits, k["regs"], k["shared_bytes"], k["num_warps"]
+        )
     return found
 
 
@@ -367,7 +372,7 @@ def decode_tile_rule(
 VARIANT_SLACK = 0.05
 
 
-def replayed_variant(row: dict) -> tuple[str, float]:
+def replayed_over_fastest(row: dict) -> tuple[str, float]:
     """The capture kernels.extend_attention.graph_variant replays for an extend_graph row (the worker's
     three: 64x32, 128x64, 64x32 split) and its time over the fastest of them."""
     from kernels import extend_attention as ext
@@ -455,7 +460,7 @@ def markdown(doc: dict) -> str:
         ]
         slower = []
         for r in doc["extend_graph"]:
-            variant, over = replayed_variant(r)
+            variant, over = replayed_over_fastest(r)
             if over > 1.0 + VARIANT_SLACK:
                 slower.append(f"{r['prefix']} + {_new_cell(r)} ({variant} {over:.2f}x)")
             lines.append(
@@ -582,6 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = bench.start_gpu_run("kernels.sweep", args)
     if run is None:
         return 2
+    from kernels import decode_attention as dec
+
     device, gpu, model, gen = run.device, run.gpu, run.model, run.gen
     started = time.time()
     doc = bench.run_record(
@@ -589,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         " ".join(["python -m kernels.sweep", *argv]),
         "kernels.timing median, L2 evicted by a read before each run; extend: eager calls; "
         "extend_graph and decode: CUDA-graph replays",
-        arch=device_arch(device),
+        arch=dec.device_arch(device),
     )
     doc |= {kind: [] for kind in KINDS}
 

@@ -23,6 +23,7 @@ import torch
 from worker.bench_report import machine_info, median_ms, rows_markdown
 from worker.sampling import SORT_MAX_ROWS, SamplingParams, _mask_top_k_top_p, sample
 
+MASK = "top-p 0.9 mask, "  # the rows timing the top-p mask both ways: MASK + "sorted" / "threshold kernel"
 SETTINGS = {
     "greedy": SamplingParams(temperature=0.0),
     "temperature 0.7": SamplingParams(temperature=0.7),
@@ -47,7 +48,7 @@ def measure(batch: int, vocab: int, device: torch.device, reps: int) -> list[dic
         calls["top-p threshold kernel alone"] = lambda: ops.top_p_threshold(probs, top_p)
         # the top-p 0.9 mask both ways, whatever the batch (sample() sorts up to SORT_MAX_ROWS rows)
         for name, most in (("sorted", batch), ("threshold kernel", 0)):
-            calls[f"top-p 0.9 mask, {name}"] = lambda most=most: _mask_top_k_top_p(
+            calls[MASK + name] = lambda most=most: _mask_top_k_top_p(
                 logits, [-1] * batch, [0.9] * batch, sort_max_rows=most
             )
     rows = []
@@ -66,10 +67,8 @@ def sorted_mask_wins_up_to(rows: list[dict]) -> int | None:
     smallest; None without both timed (not CUDA)."""
     times: dict[int, dict[str, float]] = {}
     for r in rows:
-        if r["setting"].startswith("top-p 0.9 mask, ") and "call_and_device_ms" in r:
-            times.setdefault(r["batch"], {})[r["setting"].removeprefix("top-p 0.9 mask, ")] = r[
-                "call_and_device_ms"
-            ]
+        if r["setting"].startswith(MASK) and "call_and_device_ms" in r:
+            times.setdefault(r["batch"], {})[r["setting"].removeprefix(MASK)] = r["call_and_device_ms"]
     wins = 0
     for batch in sorted(b for b, t in times.items() if len(t) == 2):
         if times[batch]["sorted"] >= times[batch]["threshold kernel"]:
