@@ -107,6 +107,8 @@ class WorkerAPI:
             raise APIError(400, "'prompt' is required")
         if body.get("tools"):
             raise APIError(400, "'tools' apply to /v1/chat/completions")
+        if body.get("suffix"):  # NOTE: refused, not ignored: the client asked for an insertion
+            raise APIError(400, "'suffix' (text to insert the completion before) is not supported")
         if body.get("max_tokens") == 0 and not body.get("echo"):
             raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
         prompts = await prompt_ids(body["prompt"], self.engine.tokenizer)
