@@ -227,9 +227,14 @@ class Scheduler:
         self.stats.evicted_pages += self.cache.make_room(n)
         return self.allocator.num_free >= n
 
+    def _pages_short(self, req: Request, end: int) -> int:
+        """Pages ``req`` lacks to cover positions [0, end): none when it holds more (a verify step
+        leaves the pages of its rejected drafts with the request, for its next drafts to reuse)."""
+        return max(0, _pages_for(end, self.ps) - req.pages.size)
+
     def _grow(self, req: Request, end: int) -> None:
         """Give ``req`` pages covering positions [0, end); caller ensured they are free."""
-        need = _pages_for(end, self.ps) - req.pages.size
+        need = self._pages_short(req, end)
         if need > 0:
             new = self.allocator.alloc(need)
             assert new is not None, "caller must ensure free pages first"
@@ -248,7 +253,7 @@ class Scheduler:
         """Pages ``req`` may still need beyond what it holds: the rest of its prompt plus up to
         ``decode_reserve_tokens`` of output (an estimate; a shortfall is met by retraction)."""
         decode = min(req.max_tokens - req.num_output, self.cfg.decode_reserve_tokens)
-        return max(0, _pages_for(len(req.token_ids) + decode, self.ps) - req.pages.size)
+        return self._pages_short(req, len(req.token_ids) + decode)
 
     def _cache_computed_pages(self, req: Request) -> None:
         """Insert the full pages computed so far into the tree and lock them, so a waiting request
@@ -347,8 +352,7 @@ class Scheduler:
                 reserved += self._future_pages(req)
                 continue
             end = self._chunk_end(req.kv_len, len(req.token_ids), budget)
-            need = _pages_for(end, self.ps) - req.pages.size
-            if not self._ensure_free(need):
+            if not self._ensure_free(self._pages_short(req, end)):
                 reserved += self._future_pages(req)
                 budget = 0
                 continue
@@ -388,7 +392,7 @@ class Scheduler:
             self._set_pages(req, match.pages.copy())
             req.kv_len, req.tree_len, req.lock_node = match.num_tokens, match.num_tokens, match.last_node
             end = self._chunk_end(req.kv_len, len(req.token_ids), budget)
-            need_now = _pages_for(end, self.ps) - req.pages.size
+            need_now = self._pages_short(req, end)
             need_total = self._future_pages(req)
             available = self.allocator.num_free + self.cache.evictable_pages - reserved
             if need_total > available or not self._ensure_free(need_now):
@@ -468,7 +472,7 @@ class Scheduler:
         if self.proposer is not None and len(beside) + len(rows) <= self.proposer.max_batch:
             return None  # NOTE: that step may check drafts (a verify step)
         ahead = [(r, r.kv_len) for r in beside] + [(batch.requests[i], batch.ends[i]) for i in rows]
-        need = sum(_pages_for(end + 1, self.ps) - r.pages.size for r, end in ahead)
+        need = sum(self._pages_short(r, end + 1) for r, end in ahead)
         if not self._ensure_free(need):
             return None
         for r, end in ahead:
@@ -509,7 +513,7 @@ class Scheduler:
         if not any(drafts):
             return None
         grow = zip(self.running, drafts, strict=True)
-        need = sum(_pages_for(r.kv_len + 1 + len(d), self.ps) - r.pages.size for r, d in grow)
+        need = sum(self._pages_short(r, r.kv_len + 1 + len(d)) for r, d in grow)
         return drafts if need <= self.allocator.num_free else None
 
     # ------------------------------------------------------------------ checks

@@ -20,7 +20,8 @@ from worker.request import Request
 from worker.sampling import SamplingParams, accept_draft, accept_greedy
 from worker.speculative import NgramProposer
 
-from .test_scheduler import assert_no_leak, make, reference
+from .test_overlap import run_overlapped
+from .test_scheduler import PS, assert_no_leak, make, reference
 from .test_server import LiveServer
 
 
@@ -183,6 +184,54 @@ def test_verify_steps_under_pressure_keep_outputs_pages_and_kv_right(seed):
     for req in everyone:
         assert req.output_ids == reference(req.prompt_ids, req.num_output, vocab=3)
         assert req.num_output == cut.get(req.rid, req.max_tokens)
+
+
+def _run_tight_pool(seed: int, overlapped: bool) -> int:
+    """Six speculating requests arriving at random into a 12-page pool, two of them verified at once;
+    every answer checked against the reference and every page back. Returns the steps after which a
+    running request held pages past its next position (those of rejected drafts)."""
+    rng = np.random.default_rng(seed)
+    sched, model = make(
+        num_pages=12, vocab=3, speculative_tokens=6, speculative_min_ngram=1, speculative_max_batch=2,
+        max_running=4, decode_reserve_tokens=0,
+    )  # fmt: skip
+    pending = [
+        Request(str(i), rng.integers(0, 3, int(rng.integers(2, 12))).tolist(),
+                max_tokens=int(rng.integers(8, 24)), speculative=True)
+        for i in range(6)
+    ]  # fmt: skip
+    everyone = list(pending)
+    kept = 0
+
+    def on_step() -> None:
+        nonlocal kept
+        kept += any(r.pages.size > -(-(r.kv_len + 1) // PS) for r in sched.running)
+        if pending and rng.random() < 0.3:
+            sched.add(pending.pop())
+
+    while pending or sched.has_work():
+        if overlapped:
+            run_overlapped(sched, model, on_step)
+        elif (batch := sched.schedule()) is not None:
+            for req in sched.commit(batch, model.forward(batch)):
+                if req.finish_reason is not None:
+                    sched.finish(req, req.finish_reason)
+        on_step()
+    assert_no_leak(sched)
+    for req in everyone:
+        assert req.output_ids == reference(req.prompt_ids, req.num_output, vocab=3)
+        assert req.num_output == req.max_tokens
+    return kept
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_pages_kept_from_rejected_drafts_hide_no_other_requests_need(overlapped):
+    """A verify step leaves its rejected drafts' pages with their request (its next drafts reuse
+    them). Counted as a negative need, they hid another request's need for a new page: a decode or
+    verify step (or, overlapped, a step scheduled ahead) then grew it from an empty pool and the
+    engine thread died. Stepped one at a time and overlapped, over 50 seeds."""
+    kept = sum(_run_tight_pool(seed, overlapped) for seed in range(50))
+    assert kept > 0  # NOTE: the case this test is for arose
 
 
 def test_no_verify_step_above_the_batch_bound_or_without_drafts():
