@@ -7,9 +7,9 @@ computed both ways at every batch).
 ``python -m worker.bench_sampling [--device cpu] [--vocab 128256] [--batches 1,16,64] [--out results.json]``
 
 Per call: wall time (on CUDA the host's part: the kernels are only enqueued) and, on CUDA, the call
-followed by a synchronize (host and device), medians over --reps calls after two untimed ones. Prints a table last; writes
-JSON. On CUDA also the largest batch up to which the sorted top-p mask is the faster one (what
-SORT_MAX_ROWS is set from).
+followed by a synchronize (host and device), medians over --reps calls after two untimed ones. Prints a
+table, on CUDA followed by the largest batch up to which the sorted top-p mask is the faster one (what
+SORT_MAX_ROWS is set from; also in the JSON); writes JSON.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.request import Request
 from worker.sampling import SamplingParams, accept_draft, accept_greedy
+from worker.scheduler import _pages_for
 from worker.speculative import NgramProposer
 
 from .test_overlap import run_overlapped
@@ -205,7 +206,7 @@ def _run_tight_pool(seed: int, overlapped: bool) -> int:
 
     def on_step() -> None:
         nonlocal kept
-        kept += any(r.pages.size > -(-(r.kv_len + 1) // PS) for r in sched.running)
+        kept += any(r.pages.size > _pages_for(r.kv_len + 1, PS) for r in sched.running)
         if pending and rng.random() < 0.3:
             sched.add(pending.pop())
 
