@@ -94,25 +94,30 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
     decode_default = decode_attention.default_config(shape.head_dim, dt, arch)
+    # the tiles a decode graph of many requests takes (sm_90, head dim 128)
+    decode_many = decode_attention.default_config(shape.head_dim, dt, arch, decode_attention.MANY_REQUESTS)
     extend_default = extend_attention.default_config(shape.head_dim, dt, arch)
     long_prefix = extend_attention.default_config(
         shape.head_dim, dt, arch, extend_attention.LONG_PREFIX, extend_attention.FEW_NEW_TOKENS
     )
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     pdl = dataclasses.replace(decode_default, pdl=True)  # sm_90+
+    lora_default = lora.default_config(dt, arch)  # sm_90, 16-bit: 256 columns, programmatic dependents
 
     def lora_case(rank: int, variant: str = "", **change: Any) -> Case:
         """q/k/v deltas of rank-``rank`` adapters (2 slots) on decode rows; ``change``: a candidate's
         LoraConfig fields, named ``variant``."""
         x, out = t["x"], torch.zeros(32, qkv, dtype=dt)
         a, b = torch.zeros(2, 3 * rank, shape.hidden, dtype=dt), torch.zeros(2, qkv, 3 * rank, dtype=dt)
-        cfg = dataclasses.replace(lora.default_config(dt), **change)
+        cfg = dataclasses.replace(lora_default, **change)
         return (f"lora_add{' ' * bool(variant)}{variant} {shape.dtype} h{shape.hidden} r{3 * rank}",
                 dataclasses.asdict(cfg) if change else {},
                 lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
 
     return [
         decode_case(shape, decode_default, f"decode {shape.label}"),
+        *([decode_case(shape, decode_many, f"decode many-requests {shape.label}")] if decode_many != decode_default
+          else []),
         decode_case(shape, dataclasses.replace(decode_default, fused_merge=True), f"decode fused-merge {shape.label}"),
         # the prefetch candidate as kernels.bench times it (16-bit only: at 4 warps fp32 needs twice the registers)
         *([decode_case(shape, dataclasses.replace(decode_default, **decode_attention.PREFETCH_TILES),
@@ -140,13 +145,13 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                                      t["v_cache"], t["positions"])),
         lora_case(8),
         lora_case(16),
-        *([lora_case(16, "pdl", pdl=True)] if arch >= 90 else []),
         # the expand's partials SPLIT_STEP splits a load (LoraConfig.batched_partials, off by default)
         lora_case(16, "batched", batched_partials=True),
-        # 256-column expand blocks (kernels.tune's best on an H100; off by default), at both ranks; 16-bit
-        # only (fp32's FMA dot spills at 128 columns)
-        *([lora_case(8, "wide", block_n=256), lora_case(16, "wide", block_n=256)] if dt != torch.float32
-          else []),
+        # beside sm_90's default, the others' (128 columns, launched plainly); before Hopper, 16-bit, sm_90's
+        # 256 columns at both ranks (fp32's FMA dot spills at 128)
+        *([lora_case(16, "narrow", block_n=lora.BLOCK_N, pdl=False)] if lora_default.pdl else []),
+        *([lora_case(8, "wide", block_n=256), lora_case(16, "wide", block_n=256)]
+          if dt != torch.float32 and not lora_default.pdl else []),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
     ]  # fmt: skip
 

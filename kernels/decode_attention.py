@@ -48,6 +48,7 @@ from kernels.split_merge import finish_split, merge_head, num_splits_of, sm_coun
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 MAX_SPLITS = 64
+MANY_REQUESTS = 16  # default_config: from this batch on sm_90 takes smaller tiles
 # DecodeConfig.prefetch as kernels.bench and kernels.sweep try it beside the default: 64-token tiles, 4 warps,
 # no Triton pipelining (sm_90, head dim 128, bf16: 209 registers, no spill, 2 blocks an SM; 128-token tiles
 # with 4 warps spill; python -m kernels.compile_check --candidates)
@@ -69,9 +70,10 @@ class DecodeConfig:
     prefetch: bool = False  # the next tile's K/V loaded before this one's dot (decode; extend_short: unused)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeConfig:
-    """Defaults for compute capability ``arch`` (x10: 90 = H100/H200); tiny tiles and splits in the
-    interpreter so tests cross every boundary."""
+def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90, batch: int = 1) -> DecodeConfig:
+    """Defaults for compute capability ``arch`` (x10: 90 = H100/H200) and a call of ``batch`` requests
+    (a decode graph's batch: each graph keeps one choice); tiny tiles and splits in the interpreter so
+    tests cross every boundary."""
     if INTERPRETED:
         return DecodeConfig(block_n=16, min_split_len=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:  # 4 warps spill at head_dim 128 on sm_90 (python -m kernels.compile_check)
@@ -79,7 +81,12 @@ def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90) -> DecodeC
     # NOTE: on sm_90 (head_dim 128, bf16) python -m kernels.tune measured 128-token tiles 1.39x faster
     # than 64 over its three shapes (geomean of CUDA-graph replays; 1.5x at batch 1 x 16k, 1.7x at
     # 8 x 64k): docs/benchmarks/kernels-tune-nvidia-h200.json. Before Hopper 64 stays (less shared memory).
+    # From MANY_REQUESTS requests 64-token tiles with 2 warps and 3 stages (5 blocks an SM against 3)
+    # replayed 1.03x faster on an H100 (geomean over 16-128 requests x 1k-16k, up to 1.09x at 64 x 4k;
+    # kernels.sweep's decode_tile_rule on docs/benchmarks/kernels-sweep-tiles-nvidia-h100-80gb-hbm3.md).
     if 64 < head_dim <= 128 and arch >= 90:
+        if batch >= MANY_REQUESTS:
+            return DecodeConfig(block_n=64, min_split_len=256, num_warps=2, num_stages=3)
         return DecodeConfig(block_n=128, min_split_len=256, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=3)
@@ -320,7 +327,7 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device))
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), batch)
     num_splits = split_cap(num_splits, batch, hkv, q.device, cfg, max_kv_len)
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))

@@ -14,11 +14,12 @@ rows, as in a decode step) writes each K split's partial x @ a[s]^T in fp32; the
 the product with b[s] to out. Two launches whatever the number of adapters in the batch, and the grid
 depends on the batch's shape only (n, ``max_rows``), not on which adapters it holds: a decode step of
 one row per request replays in a CUDA graph with new slots written into the same buffers.
-LoraConfig.pdl launches both as programmatic dependents (kernels/pdl.py): the shrink waits for the kernel
-before (the base projection) and lets the expand launch, and the expand loads its b tile (weights, not
-written by either) before it waits for the shrink's partials. LoraConfig.batched_partials has the expand
-load the partials SPLIT_STEP splits at a time, issued with b and its rows of out, instead of one split a
-load before them (fewer round trips in a row, more registers; off until a GPU run says it pays).
+LoraConfig.pdl (sm_90's default) launches both as programmatic dependents (kernels/pdl.py): the shrink
+waits for the kernel before (the base projection) and lets the expand launch, and the expand loads its b
+tile (weights, not written by either) before it waits for the shrink's partials.
+LoraConfig.batched_partials has the expand load the partials SPLIT_STEP splits at a time, issued with b
+and its rows of out, instead of one split a load before them (fewer round trips in a row, more
+registers; off: slower on an H100 from 16 requests).
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
   - seg_indptr is non-decreasing within [0, T]; no segment has more than ``max_rows`` rows (rows past
     it get no delta);
@@ -47,7 +48,12 @@ BLOCK_K = 64  # x columns per step of the shrink's loop
 K_PER_SPLIT = 512  # at least this many x columns per shrink program
 MAX_SPLITS = 32
 TARGET_PROGRAMS = 512  # shrink programs worth having: enough to spread a decode step over the SMs
-BLOCK_N = 128  # out columns per expand program (32 in fp32, whose dot runs on FMA units: 128 spills)
+BLOCK_N = 128  # out columns per expand program before Hopper (32 in fp32, whose FMA dot spills at 128)
+# NOTE: on sm_90 (16-bit) the expand's programs take 256 columns and both kernels launch as programmatic
+# dependents: 1.13-1.18x the 128-column kernels without PDL over kernels.bench's six LoRA rows (1-64
+# requests, 1 and 4 adapters) on an H100, and faster than 256 columns without PDL on all six
+# (docs/benchmarks/gpu-nvidia-h100.md); before Hopper neither was measured (PDL needs sm_90).
+HOPPER_BLOCK_N = 256
 SPLIT_STEP = 8  # shrink splits a load of LoraConfig.batched_partials (a decode step's K of 4096 has 8)
 
 
@@ -63,9 +69,15 @@ class LoraConfig:
     batched_partials: bool = False
 
 
-def default_config(dtype: torch.dtype) -> LoraConfig:
-    """K_PER_SPLIT and BLOCK_N (32 columns in fp32); python -m kernels.tune times the others."""
-    return LoraConfig(k_per_split=K_PER_SPLIT, block_n=32 if dtype == torch.float32 else BLOCK_N)
+def default_config(dtype: torch.dtype, arch: int = 90) -> LoraConfig:
+    """For compute capability ``arch`` (x10): K_PER_SPLIT, and 32 out columns a program in fp32; in 16 bits
+    HOPPER_BLOCK_N launched as programmatic dependents from sm_90, else BLOCK_N. python -m kernels.tune
+    times the others."""
+    if dtype == torch.float32:
+        return LoraConfig(k_per_split=K_PER_SPLIT, block_n=32)
+    if arch >= 90:
+        return LoraConfig(k_per_split=K_PER_SPLIT, block_n=HOPPER_BLOCK_N, pdl=True)
+    return LoraConfig(k_per_split=K_PER_SPLIT, block_n=BLOCK_N)
 
 
 @triton.jit
@@ -216,7 +228,7 @@ def lora_add(
     config: LoraConfig | None = None,
 ) -> torch.Tensor:
     """``out`` with each segment's LoRA delta added (in place; returned). See the module docstring.
-    ``config``: default_config(x.dtype) when None."""
+    ``config``: default_config for x's dtype and device when None."""
     _check(x, out, a, b)
     n = seg_slots.numel()
     seg_slots = host_checks.index_tensor("seg_slots", seg_slots, x.device)
@@ -229,8 +241,9 @@ def lora_add(
     b = b if b.stride(-1) == 1 else b.contiguous()
     block_r = max(16, triton.next_power_of_2(r))
     row_blocks = triton.cdiv(max_rows, BLOCK_M)
-    cfg = config or default_config(x.dtype)
-    pdl = pdl_active(cfg.pdl, device_arch(x.device))
+    arch = device_arch(x.device)
+    cfg = config or default_config(x.dtype, arch)
+    pdl = pdl_active(cfg.pdl, arch)
     splits, per_split = split_k(k, n * row_blocks, cfg.k_per_split)
     partial = _partials(splits, t, r, device=x.device)
     common = {

@@ -240,7 +240,7 @@ def sweep_decode_tiles(batch: int, context: int, model: bench.Model, device: tor
         shape, model, device, gen, on_device=True
     )
     nbytes = bench.decode_bytes(shape, model)
-    base = dec.default_config(d, dt, dec.device_arch(device))
+    base = dec.default_config(d, dt, dec.device_arch(device), batch)
     configs = {config_label(base): base}
     for block_n, warps, stages in DECODE_TILES:
         cfg = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
@@ -306,7 +306,7 @@ def decode_residency(doc: dict) -> dict[str, int]:
 
 
 def _caps_us(row: dict) -> dict[int, float]:
-    """The default tiles' time at each split cap a decode_tiles row timed them at."""
+    """The row's default tiles' time at each split cap a decode_tiles row timed them at."""
     return {row["splits"][row["default"]]: row["us"][row["default"]]} | {
         int(c): us for c, us in row.get("split_us", {}).items()
     }
@@ -325,12 +325,16 @@ def decode_tile_rule(
     2. else the smallest swept batch B from which one tile choice X is within ``tolerance`` of the fastest
        on every row of B requests or more and beats the default by ``min_gain`` on their geomean (the best
        gain when several do): {"change": "tile", "tile": X, "from_batch": B, "gain": geomean speedup};
-    3. else {"change": None, "why": ...}."""
+    3. else {"change": None, "why": ...}.
+    Each row against its own default (a row records the tiles default_config took for its batch)."""
     slack = 1.0 + tolerance
     if not rows:
         return {"change": None, "why": "no decode_tiles rows"}
-    default = rows[0]["default"]
-    lost = [r for r in rows if r["us"][default] > slack * min(r["us"].values())]
+
+    def own(r: dict) -> float:
+        return r["us"][r["default"]]
+
+    lost = [r for r in rows if own(r) > slack * min(r["us"].values())]
     if not lost:
         return {
             "change": None,
@@ -338,28 +342,28 @@ def decode_tile_rule(
         }
 
     def wave_cap(r: dict) -> int:
-        cap = r["splits"][default]
-        return min(cap, max(1, sms * resident[default] // (r["batch"] * kv_heads)))
+        cap = r["splits"][r["default"]]
+        return min(cap, max(1, sms * resident[r["default"]] // (r["batch"] * kv_heads)))
 
-    if default in resident:
-        capped = [r for r in rows if wave_cap(r) != r["splits"][default]]
+    if all(r["default"] in resident for r in rows):
+        capped = [r for r in rows if wave_cap(r) != r["splits"][r["default"]]]
 
         def capped_us(r: dict) -> float:  # inf where the cap was not timed
             return _caps_us(r).get(wave_cap(r), float("inf"))
 
         # NOTE: a lost row whose cap stays fails the first test (its time is the default's)
         serves_lost = all(capped_us(r) <= slack * min(r["us"].values()) for r in lost)
-        if serves_lost and all(capped_us(r) <= slack * r["us"][default] for r in capped):
+        if serves_lost and all(capped_us(r) <= slack * own(r) for r in capped):
             return {"change": "split_cap",
-                    "rows": [(r["batch"], r["context"], r["splits"][default], wave_cap(r)) for r in capped]}  # fmt: skip
+                    "rows": [(r["batch"], r["context"], r["splits"][r["default"]], wave_cap(r)) for r in capped]}  # fmt: skip
     for batch in sorted({r["batch"] for r in rows}):
         over = [r for r in rows if r["batch"] >= batch]
         gains = {}
         for tile in dict.fromkeys(t for r in over for t in r["us"]):
-            if tile == default or any(tile not in r["us"] for r in over):
-                continue
+            if all(tile == r["default"] for r in over) or any(tile not in r["us"] for r in over):
+                continue  # already the default there, or not timed everywhere
             if all(r["us"][tile] <= slack * min(r["us"].values()) for r in over):
-                gains[tile] = statistics.geometric_mean(r["us"][default] / r["us"][tile] for r in over)
+                gains[tile] = statistics.geometric_mean(own(r) / r["us"][tile] for r in over)
         best = max(gains, key=gains.get, default=None)
         if best is not None and gains[best] >= 1.0 + min_gain:
             return {"change": "tile", "tile": best, "from_batch": batch, "gain": gains[best]}
@@ -515,8 +519,8 @@ def _decode_tiles_report(doc: dict) -> list[str]:
     rows, copy = doc["decode_tiles"], doc.get("copy_gbs")
     labels = list(dict.fromkeys(label for r in rows for label in r["us"]))
     resident = decode_residency(doc)
-    default = rows[0]["default"]
-    slots = doc["device"]["sm_count"] * resident[default] if default in resident else None
+    sms = doc["device"]["sm_count"]
+    slots = all(r["default"] in resident for r in rows)
     hkv = doc["model"]["num_kv_heads"]
     lines = [
         "",
@@ -545,7 +549,10 @@ def _decode_tiles_report(doc: dict) -> list[str]:
         )
         share = f" {r['gbs'][best] / copy:.0%} |" if copy else ""
         caps = ", ".join(f"{c}: {us:.1f}" for c, us in sorted(_caps_us(r).items()))
-        waves = f" {r['batch'] * hkv * r['splits'][r['default']] / slots:.2f} |" if slots else ""
+        waves = ""
+        if slots:
+            programs = r["batch"] * hkv * r["splits"][r["default"]]
+            waves = f" {programs / (sms * resident[r['default']]):.2f} |"
         lines.append(
             f"| {r['batch']} | {r['context']} | {cells} | {best} | {r['us'][r['default']] / r['us'][best]:.2f} |"
             + share
@@ -555,7 +562,7 @@ def _decode_tiles_report(doc: dict) -> list[str]:
     if resident:
         lines += ["", "Resident blocks an SM (the split kernel as loaded here): "
                   + ", ".join(f"{label} {n}" for label, n in resident.items()) + "."]  # fmt: skip
-    rule = decode_tile_rule(rows, doc["device"]["sm_count"], resident, hkv)
+    rule = decode_tile_rule(rows, sms, resident, hkv)
     if rule["change"] == "split_cap":
         said = "cap the split count at one wave of resident programs: " + ", ".join(
             f"{b} x {c}: {old} -> {new}" for b, c, old, new in rule["rows"]

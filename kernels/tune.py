@@ -203,7 +203,9 @@ def tune_decode(
     kernel_args, sdpa_args = bench.decode_case(shape, model, device, gen)
     ref = bench.sdpa_decode(*sdpa_args)
     out = torch.empty_like(kernel_args[0])
-    default = dec.default_config(model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device))
+    default = dec.default_config(
+        model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device), shape.batch
+    )
 
     def launch(cfg: Any) -> torch.Tensor:
         return dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out, config=cfg)
@@ -250,7 +252,7 @@ def tune_lora(rows: int, model: bench.Model, device: torch.device, gen: torch.Ge
     seg_indptr, seg_slots = bench.worker_segments(indptr, slots)
     ref = bench.lora_per_adapter(x, base.clone(), a, b, [torch.arange(rows, device=device)]) - base
     out = base.clone()
-    default = lora.default_config(dtype)
+    default = lora.default_config(dtype, lora.device_arch(device))
 
     def delta(cfg: Any) -> torch.Tensor:
         out.copy_(base)

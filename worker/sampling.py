@@ -204,12 +204,11 @@ def _divisor(temperature: float) -> float:
 
 
 # NOTE: up to this many rows the vocabulary sort beats the top-p threshold kernel (one program per
-# row, 32 passes over it): on an H100 at vocabulary 128,256 the kernel took 0.54 / 0.50 / 0.52 ms at
-# 1 / 16 / 64 rows and the sort 0.17 / 0.29 / 0.76 (docs/benchmarks/gpu-nvidia-h100.md). The whole
-# top-p mask, a later run on an H100: sorted 0.30 / 0.59 / 1.45 ms, the kernel's 0.53 / 0.51 / 0.60,
-# so the crossing is at 16 rows or a little under; scripts/gpu-bench's sampling step times 2 to 32
-# rows too. worker.bench_sampling times both paths.
-SORT_MAX_ROWS = 16
+# row, 32 passes over it): the whole top-p mask on an H100 at vocabulary 128,256, call and device ms,
+# sorted 0.45 / 0.51 / 0.51 / 0.55 / 0.61 / 0.90 at 1 / 2 / 4 / 8 / 16 / 32 rows, the kernel's
+# 0.54 / 0.58 / 0.59 / 0.62 / 0.60 / 0.62 (docs/benchmarks/sampling-nvidia-h100-80gb-hbm3.json:
+# python -m worker.bench_sampling's sorted_mask_wins_up_to, the largest batch the sort still won).
+SORT_MAX_ROWS = 8
 
 
 def _mask_top_k_top_p(

@@ -387,17 +387,17 @@ def test_markdown_report_has_the_lora_table_when_measured():
     result = synthetic_result()
     result["lora"] = [{"batch": 64, "adapters": 4, "triton_graph_ms": 0.02, "triton_graph_gbs": 500.0,
                        "torch_graph_ms": 0.08, "triton_ms": 0.1, "torch_ms": 0.3, "rel_err_vs_torch": 0.004,
-                       "segments": 64, "triton_per_request_graph_ms": 0.021, "triton_pdl_graph_ms": 0.018,
-                       "rel_err_pdl_vs_torch": 0.005, "triton_batched_graph_ms": 0.0165,
-                       "rel_err_batched_vs_torch": 0.006, "triton_wide_graph_ms": 0.017,
-                       "rel_err_wide_vs_torch": 0.004, "triton_wide_pdl_graph_ms": 0.0155,
-                       "rel_err_wide_pdl_vs_torch": 0.007},
+                       "segments": 64, "triton_per_request_graph_ms": 0.021, "triton_no_pdl_graph_ms": 0.018,
+                       "rel_err_no_pdl_vs_torch": 0.005, "triton_batched_graph_ms": 0.0165,
+                       "rel_err_batched_vs_torch": 0.006, "triton_narrow_graph_ms": 0.017,
+                       "rel_err_narrow_vs_torch": 0.004, "triton_former_graph_ms": 0.0155,
+                       "rel_err_former_vs_torch": 0.007},
                       {"batch": 64, "adapters": 1, "triton_graph_ms": 0.01, "triton_graph_gbs": 900.0,
                        "torch_graph_ms": 0.02, "triton_ms": 0.1, "torch_ms": 0.2, "rel_err_vs_torch": 0.003}]  # fmt: skip
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     rows = table_rows(md, "## LoRA deltas (kernels/lora.py), one decode step's gate/up projection")
-    assert rows == [["64", "4", "64", "20.0", "500", "50%", "21.0", "18.0", "16.5", "17.0", "15.5", "80.0",
+    assert rows == [["64", "4", "64", "20.0", "500", "50%", "21.0", "18.0", "17.0", "15.5", "16.5", "80.0",
                      "4.00", "100.0", "300.0", "7.0e-03"],
                     ["64", "1", "-", "10.0", "900", "90%", "-", "-", "-", "-", "-", "20.0", "2.00", "100.0",
                      "200.0", "3.0e-03"]]  # fmt: skip
@@ -406,17 +406,17 @@ def test_markdown_report_has_the_lora_table_when_measured():
 
 
 def test_the_lora_summary_counts_the_rows_each_candidate_wins():
-    """Rule for a new LoRA default: a candidate that wins on every row; PDL on top of a change, where it
-    also beats that change alone on every row. The summary gives both counts and geomeans."""
+    """Rule for a new LoRA default: a candidate that wins on every row. The summary gives the count of rows
+    each candidate won and its geomean speedup, in LORA_CANDIDATES' order."""
     rows = [
-        {"triton_graph_ms": 0.02, "triton_wide_graph_ms": 0.016, "triton_wide_pdl_graph_ms": 0.015,
-         "triton_pdl_graph_ms": 0.021},
-        {"triton_graph_ms": 0.01, "triton_wide_graph_ms": 0.009, "triton_wide_pdl_graph_ms": 0.0095},
+        {"triton_graph_ms": 0.02, "triton_narrow_graph_ms": 0.016, "triton_former_graph_ms": 0.015,
+         "triton_no_pdl_graph_ms": 0.021},
+        {"triton_graph_ms": 0.01, "triton_narrow_graph_ms": 0.009, "triton_former_graph_ms": 0.0105},
         {"triton_graph_ms": 0.03},
     ]  # fmt: skip
     assert bench_report.lora_candidates_summary(rows) == (
-        "Against the default's replay: PDL faster on 0 of 1 rows, 0.95x; 256-column faster on 2 of 2 rows, 1.18x;"
-        " 256-column + PDL faster on 2 of 2 rows, 1.18x (against 256-column: faster on 1 of 2 rows, 1.01x)."
+        "Against the default's replay: without PDL faster on 0 of 1 rows, 0.95x; 128-column faster on 2 of 2"
+        " rows, 1.18x; 128-column without PDL faster on 1 of 2 rows, 1.13x."
     )
     assert (
         bench_report.lora_candidates_summary(rows[2:]) == "Against the default's replay: no candidate timed."
@@ -505,12 +505,12 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     assert (joined["segments"], mixed["segments"]) == (2, 4)  # one adapter: 16 + 4 rows; four: 5 rows each
     for row in joined, mixed:
         assert row["rel_err_vs_torch"] < 1e-5 and row["triton_per_request_graph_ms"] > 0
-        assert row["triton_pdl_graph_ms"] > 0 and bench_report.lora_error(row) < 1e-5
+        assert row["triton_former_graph_ms"] > 0 and bench_report.lora_error(row) < 1e-5
     # every row profiled; off CUDA the profiler sees no kernels
     assert (
         joined["timeline"] == mixed["timeline"] == dict.fromkeys(["default", *bench_report.LORA_CANDIDATES])
     )
-    for row in joined, mixed:  # every candidate timed and right: batched partials, 256-column expand blocks
+    for row in joined, mixed:  # every candidate timed and right: launched plainly, 128 columns, both, batched
         for name in bench_report.LORA_CANDIDATES:
             assert row[f"triton_{name}_graph_ms"] > 0 and row[f"rel_err_{name}_vs_torch"] < 1e-5, name
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -282,6 +283,13 @@ def test_sampling_bench_says_up_to_which_batch_the_sorted_top_p_mask_wins():
     assert bench_sampling.sorted_mask_wins_up_to(rows({1: (0.6, 0.5), 2: (0.3, 0.5)})) == 0
     assert bench_sampling.sorted_mask_wins_up_to(rows({1: (0.3, 0.5), 64: (0.4, 0.6)})) == 64
     assert bench_sampling.sorted_mask_wins_up_to([{"batch": 1, "setting": "greedy", "call_ms": 0.1}]) is None
+    # the worker's threshold is the committed H100 run's, recomputed from its rows
+    from worker import sampling
+
+    committed = Path(__file__).resolve().parents[2] / "docs/benchmarks/sampling-nvidia-h100-80gb-hbm3.json"
+    run = json.loads(committed.read_text())
+    assert bench_sampling.sorted_mask_wins_up_to(run["rows"]) == run["sorted_mask_wins_up_to"]
+    assert run["sorted_mask_wins_up_to"] == sampling.SORT_MAX_ROWS
 
 
 def test_speculative_bench_times_steps_and_compares_outputs(tmp_path, capsys):
