@@ -270,6 +270,16 @@ def test_worker_flags_keep_whole_numbers_whole(chart) -> None:
     assert (worker.stream_maxlen, worker.mem_fraction) == (1_000_000, 0.9)
 
 
+def test_workers_end_requests_in_flight_before_the_pods_grace_period_ends(chart) -> None:
+    """At SIGTERM a worker lets requests in flight run 5 s less than Kubernetes waits before it kills the
+    pod, so each one left then is answered (a 503) rather than cut; a short grace period gives 0."""
+    for grace, expected in ((30, 25.0), (60, 55.0), (3, 0.0)):
+        objects = render(chart, "cpu", worker={"terminationGracePeriodSeconds": grace})
+        sts = one(objects, "StatefulSet", "worker")
+        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
+        assert parse_worker_args(worker_argv(sts, 0)).shutdown_timeout_s == expected
+
+
 # --------------------------------------------------------------------------------------- Redis
 def test_bundled_redis_is_used_by_routers_and_workers(chart) -> None:
     objects = render(chart, "cpu")

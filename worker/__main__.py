@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import uvicorn
@@ -35,17 +36,31 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
     )  # fmt: skip
 
 
-class WorkerServer(uvicorn.Server):
-    """uvicorn's server that ends the worker's cache-event streams (SSE) as it starts shutting down, so
-    that its graceful shutdown waits only for the requests in flight: a router's event stream never
-    ends by itself and would hold the worker for the whole timeout."""
+# NOTE: requests still in flight are answered this long before uvicorn's graceful shutdown times out and
+# cancels them (cutting the connection): the API checks every 0.5 s (server._POLL_S), then writes the 503
+END_MARGIN_S = 1.0
 
-    def __init__(self, config: uvicorn.Config, end_streams: Callable[[], None]) -> None:
+
+class WorkerServer(uvicorn.Server):
+    """uvicorn's server that, as it starts shutting down, ends the worker's cache-event streams (SSE), so
+    that its graceful shutdown waits only for the requests in flight (a router's event stream never ends
+    by itself and would hold the worker for the whole timeout), and has the requests still in flight
+    END_MARGIN_S before the timeout answered with a 503 rather than cut."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        end_streams: Callable[[], None],
+        end_requests_at: Callable[[float], None],
+    ) -> None:
         super().__init__(config)
         self._end_streams = end_streams
+        self._end_requests_at = end_requests_at
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._end_streams()
+        timeout = self.config.timeout_graceful_shutdown or 0.0
+        self._end_requests_at(time.monotonic() + max(0.0, timeout - END_MARGIN_S))
         await super().shutdown(sockets)
 
 
@@ -62,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("worker").error("cannot start: %s", exc)
         return 2
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                            timeout_graceful_shutdown=5)  # fmt: skip
-    WorkerServer(config, app.state.kv_publisher.end_streams).run()
+                            timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip
+    WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at).run()
     return 0
 
 

@@ -64,6 +64,9 @@ class WorkerConfig:
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
     stall_timeout_s: float = 120.0  # one engine step (or call) running longer: /health answers 503
+    # on SIGTERM, how long requests in flight may run on; those still running then end with a 503 (an
+    # error event in a stream) rather than a cut connection
+    shutdown_timeout_s: float = 5.0
     lora_adapters: list[str] = field(default_factory=list)  # "NAME=PATH" of PEFT LoRA directories
     # LoRA weight room made at start-up, so adapters loaded at runtime keep the CUDA graphs: adapters, rank
     max_loras: int = 0
@@ -135,6 +138,8 @@ class WorkerConfig:
             raise ValueError("--warmup-tokens must be >= 0")
         if not self.stall_timeout_s > 0:
             raise ValueError("--stall-timeout-s must be > 0")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError("--shutdown-timeout-s must be >= 0")
         if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
             raise ValueError("--max-wait-s and --decode-reserve-tokens must be >= 0")
         if self.speculative_tokens < 0:
@@ -296,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         float,
         "an engine step (or a call on the engine thread) running longer than this is a stall: /health "
         "answers 503 'stalled' until it ends, so routers send work elsewhere (a hung tensor-parallel rank)",
+    )
+    opt(
+        "--shutdown-timeout-s",
+        float,
+        "on SIGTERM, seconds the requests in flight may run on (new ones go elsewhere: /health answers "
+        "503); those still running then end with a 503, in a stream an error event, which a router "
+        "retries elsewhere where nothing was sent yet. Keep it under the pod's grace period",
     )
     opt(
         "--speculative-tokens",

@@ -84,6 +84,12 @@ class WorkerAPI:
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
+        self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
+
+    def end_requests_at(self, deadline: float) -> None:
+        """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
+        with a 503 (an error event in a stream): the process is about to stop serving it."""
+        self.ends_at = deadline
 
     async def _body(self, request: Request) -> dict:
         return check_body(await read_bounded(request, MAX_BODY_BYTES), self.engine.served_models())
@@ -254,6 +260,10 @@ class WorkerAPI:
             if await _client_gone(request):
                 self._abort(live)
                 return None
+            if self.ends_at is not None and time.monotonic() >= self.ends_at:
+                self._abort(live)
+                return RequestOutput(finish_reason="error", error="the worker is shutting down",
+                                     error_status=503, error_code="shutting_down")  # fmt: skip
             if out is not None:
                 return out
             if not self.engine.alive:
@@ -395,5 +405,6 @@ def create_app(
         middleware=[Middleware(RequestId)],
     )
     app.state.kv_transfer = kv
+    app.state.api = api  # NOTE: python -m worker ends requests in flight as its shutdown timeout ends
     app.state.kv_publisher = engine.publisher  # NOTE: python -m worker ends its event streams at shutdown
     return app
