@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -11,6 +15,36 @@ from router.app import build_app
 from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
 from router.launcher import WorkerLauncher
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server that takes the first SIGTERM / SIGINT as a notice: it calls ``start_draining``
+    (/ready answers 503), serves on for ``delay_s`` so that load balancers take it out of rotation
+    first, and then shuts down as uvicorn does, letting requests in flight finish. A second signal goes
+    straight to uvicorn's handling."""
+
+    def __init__(self, config: uvicorn.Config, delay_s: float, start_draining: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._delay_s = delay_s
+        self._start_draining = start_draining
+        self._notice: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._delay_s <= 0 or self._notice is not None:
+            if self._notice is not None:
+                self._notice.cancel()
+            super().handle_exit(sig, frame)
+            return
+        self._start_draining()
+        logging.getLogger("radixgate.router").info(
+            "%s: /ready answers 503; shutting down in %.1f s", signal.Signals(sig).name, self._delay_s
+        )
+        self._notice = threading.Timer(self._delay_s, super().handle_exit, (sig, None))
+        self._notice.daemon = True
+        self._notice.start()
+
+
+STARTUP_FAILURE = 3  # as uvicorn.run exits when the server did not start (e.g. its port is taken)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: uvicorn re-raises SIGTERM/SIGINT after shutdown, so launched workers are stopped by
     # the app's shutdown hook; the finally and atexit cover start-up failures.
     try:
-        uvicorn.run(
-            build_app(config, on_shutdown=[launcher.stop] if launcher else None),
+        app = build_app(config, on_shutdown=[launcher.stop] if launcher else None)
+        server_config = uvicorn.Config(
+            app,
             host=config.host,
             port=config.port,
             log_level=config.log_level,
@@ -51,10 +86,16 @@ def main(argv: list[str] | None = None) -> int:
             timeout_keep_alive=30,
             proxy_headers=False,  # the router never reads client addresses; skip the middleware
         )
+
+        def start_draining() -> None:
+            app.router.draining = True
+
+        server = RouterServer(server_config, config.shutdown_delay_s, start_draining)
+        server.run()
     finally:
         if launcher is not None:
             launcher.stop()
-    return 0
+    return 0 if server.started else STARTUP_FAILURE
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         return _json({"status": "ok", "workers": len(router.workers), "healthy_workers": healthy})
 
     async def ready(request: Request) -> Response:
+        if router.draining:
+            return error_response(503, "shutting down", "draining")
         healthy = sum(1 for w in router.workers if w.healthy)
         if healthy == 0:
             return error_response(503, "no healthy worker", "not_ready")

@@ -93,6 +93,9 @@ class RouterConfig:
     worker_model: str = "tiny"  # --model for launched workers
     worker_args: list[str] = field(default_factory=list)  # extra flags for launched workers
     log_level: str = "info"
+    # on SIGTERM / SIGINT: serve on this long with /ready answering 503, so load balancers (Kubernetes
+    # endpoints) stop sending new connections first; then shut down, letting requests in flight finish
+    shutdown_delay_s: float = 0.0
     access_log: bool = False  # one JSON line per completion request (router/access_log.py)
     affinity_groups: list[dict[str, Any]] = field(default_factory=list)  # see router/affinity.py
 
@@ -120,6 +123,8 @@ class RouterConfig:
             raise ValueError("replica_sync must be auto, on or off")
         if self.replica_sync == "on" and not self.redis_url:
             raise ValueError("replica_sync=on needs redis_url")
+        if not self.shutdown_delay_s >= 0:  # NaN fails too
+            raise ValueError(f"shutdown_delay_s must be >= 0 seconds, not {self.shutdown_delay_s!r}")
         for name in _POSITIVE_SECONDS:
             if not getattr(self, name) > 0:  # NaN fails too
                 raise ValueError(f"{name} must be > 0 seconds, not {getattr(self, name)!r}")
@@ -338,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra flag passed to launched workers, repeatable",
     )
     p.add_argument("--log-level")
+    p.add_argument(
+        "--shutdown-delay-s",
+        type=float,
+        help="on SIGTERM, serve on this long with /ready answering 503 so load balancers stop sending new "
+        "connections, then shut down as requests in flight finish; a second signal stops at once (default 0)",
+    )
     p.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,

@@ -60,6 +60,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        self.draining = False  # shutting down: /ready answers 503 while requests are still served
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.block_size = config.block_size
         self.index = PrefixIndex(max_entries=config.max_index_entries)

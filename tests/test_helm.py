@@ -280,6 +280,18 @@ def test_workers_end_requests_in_flight_before_the_pods_grace_period_ends(chart)
         assert parse_worker_args(worker_argv(sts, 0)).shutdown_timeout_s == expected
 
 
+def test_routers_leave_rotation_before_they_stop_within_their_grace_period(chart) -> None:
+    """At SIGTERM a router serves on --shutdown-delay-s (router.shutdownDelaySeconds) with /ready 503,
+    inside its pod's grace period; a delay that would use the whole period is refused."""
+    deploy = one(render(chart, "cpu"), "Deployment", "router")
+    assert deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+    assert build_config(container(deploy)["args"], environ={}).shutdown_delay_s == 5.0
+    deploy = one(render(chart, "cpu", router={"shutdownDelaySeconds": 0}), "Deployment", "router")
+    assert build_config(container(deploy)["args"], environ={}).shutdown_delay_s == 0.0
+    with pytest.raises(helm.HelmRenderError, match="shutdownDelaySeconds must be below"):
+        render(chart, "cpu", router={"shutdownDelaySeconds": 30, "terminationGracePeriodSeconds": 30})
+
+
 # --------------------------------------------------------------------------------------- Redis
 def test_bundled_redis_is_used_by_routers_and_workers(chart) -> None:
     objects = render(chart, "cpu")

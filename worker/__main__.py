@@ -78,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip
-    WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at).run()
-    return 0
+    server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at)
+    server.run()
+    return 0 if server.started else 3  # 3: as uvicorn.run exits when the server did not start
 
 
 if __name__ == "__main__":
