@@ -690,8 +690,8 @@ def measure_lora(rows: list, args: argparse.Namespace, model: Model, device: Any
     for batch in LORA_BATCHES[1:] if args.quick else LORA_BATCHES:
         for adapters in LORA_ADAPTERS:
             rows.append(row := bench_lora(batch, adapters, model, device, gen))
-            former = row.get("triton_former_graph_ms")
-            former = f"{former * 1e3:.1f} us" if former else row.get("triton_former_error", "-")
+            ms = row.get("triton_former_graph_ms")
+            former = f"{ms * 1e3:.1f} us" if ms else row.get("triton_former_error", "-")
             print(f"lora b={batch} adapters={adapters}: {row['triton_graph_ms'] * 1e3:.1f} us replayed "
                   f"(128-column without PDL {former}), {row['torch_graph_ms'] * 1e3:.1f} us per-adapter torch",
                   file=sys.stderr)  # fmt: skip

@@ -15,8 +15,9 @@ MAX_REL_ERR = 2e-2
 # prefetch with pdl), each row's triton_<name>_graph_*: single replays, then these per layer of the stack
 STACKED = ("pdl", "prefetch", "prefetch_pdl")
 # the LoRA candidates kernels.bench times beside the default: name -> (its report column, its LoraConfig
-# change): both kernels launched as programmatic dependents, the expand's partials several splits a load,
-# 256-column expand blocks (kernels.tune's best on an H100), and those with PDL
+# change): the default (sm_90: 256-column expand blocks, programmatic dependents) launched plainly, with
+# 128-column blocks, with both (the default before Hopper), and with the expand's partials several splits
+# a load
 LORA_CANDIDATES = {"no_pdl": ("without PDL", {"pdl": False}), "narrow": ("128-column", {"block_n": 128}),
                    "former": ("128-column without PDL", {"block_n": 128, "pdl": False}),
                    "batched": ("batched partials", {"batched_partials": True})}  # fmt: skip

@@ -520,7 +520,7 @@ def _decode_tiles_report(doc: dict) -> list[str]:
     labels = list(dict.fromkeys(label for r in rows for label in r["us"]))
     resident = decode_residency(doc)
     sms = doc["device"]["sm_count"]
-    slots = all(r["default"] in resident for r in rows)
+    has_waves = all(r["default"] in resident for r in rows)  # every row's default tiles' residency known
     hkv = doc["model"]["num_kv_heads"]
     lines = [
         "",
@@ -531,16 +531,16 @@ def _decode_tiles_report(doc: dict) -> list[str]:
         " over the default" + (", and its share of the copy bandwidth" if copy else "") + "; then the"
         " default tiles' time at its own split cap and at others (split cap: us)"
         + ("; waves: the default's programs (requests x KV heads x split cap) over the blocks resident at"
-           " once on the GPU" if slots else "") + ".",
+           " once on the GPU" if has_waves else "") + ".",
         "",
         "| batch | context | "
         + " | ".join(f"{x} GB/s" for x in labels)
         + " | best | speedup |"
         + (" of copy bw |" if copy else "")
         + " default tiles at other split caps: us |"
-        + (" waves |" if slots else ""),
+        + (" waves |" if has_waves else ""),
         "|---:|---:|" + "---:|" * len(labels) + "---|---:|" + ("---:|" if copy else "") + "---|"
-        + ("---:|" if slots else ""),
+        + ("---:|" if has_waves else ""),
     ]  # fmt: skip
     for r in rows:
         best = min(r["us"], key=r["us"].get)
@@ -550,7 +550,7 @@ def _decode_tiles_report(doc: dict) -> list[str]:
         share = f" {r['gbs'][best] / copy:.0%} |" if copy else ""
         caps = ", ".join(f"{c}: {us:.1f}" for c, us in sorted(_caps_us(r).items()))
         waves = ""
-        if slots:
+        if has_waves:
             programs = r["batch"] * hkv * r["splits"][r["default"]]
             waves = f" {programs / (sms * resident[r['default']]):.2f} |"
         lines.append(

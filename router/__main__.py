@@ -10,6 +10,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 
 from router.app import build_app
 from router.config import build_config, check_tokenizer
@@ -30,21 +31,18 @@ class RouterServer(uvicorn.Server):
         self._notice: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._delay_s <= 0 or self._notice is not None:
-            if self._notice is not None:
-                self._notice.cancel()
-            super().handle_exit(sig, frame)
+        if self._notice is not None:  # a second signal
+            self._notice.cancel()
+        elif self._delay_s > 0:
+            self._start_draining()
+            logging.getLogger("radixgate.router").info(
+                "%s: /ready answers 503; shutting down in %.1f s", signal.Signals(sig).name, self._delay_s
+            )
+            self._notice = threading.Timer(self._delay_s, super().handle_exit, (sig, None))
+            self._notice.daemon = True
+            self._notice.start()
             return
-        self._start_draining()
-        logging.getLogger("radixgate.router").info(
-            "%s: /ready answers 503; shutting down in %.1f s", signal.Signals(sig).name, self._delay_s
-        )
-        self._notice = threading.Timer(self._delay_s, super().handle_exit, (sig, None))
-        self._notice.daemon = True
-        self._notice.start()
-
-
-STARTUP_FAILURE = 3  # as uvicorn.run exits when the server did not start (e.g. its port is taken)
+        super().handle_exit(sig, frame)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if launcher is not None:
             launcher.stop()
-    return 0 if server.started else STARTUP_FAILURE
+    return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits (e.g. its port taken)
 
 
 if __name__ == "__main__":

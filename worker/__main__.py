@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 
 from worker.config import WorkerConfig, parse_args
 
@@ -59,8 +60,9 @@ class WorkerServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._end_streams()
-        timeout = self.config.timeout_graceful_shutdown or 0.0
-        self._end_requests_at(time.monotonic() + max(0.0, timeout - END_MARGIN_S))
+        timeout = self.config.timeout_graceful_shutdown
+        if timeout is not None:  # NOTE: None: uvicorn waits for every request, so none is ended early
+            self._end_requests_at(time.monotonic() + max(0.0, timeout - END_MARGIN_S))
         await super().shutdown(sockets)
 
 
@@ -80,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip
     server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at)
     server.run()
-    return 0 if server.started else 3  # 3: as uvicorn.run exits when the server did not start
+    return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits (e.g. its port taken)
 
 
 if __name__ == "__main__":
