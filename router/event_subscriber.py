@@ -239,7 +239,9 @@ class EventSubscriber:
             attempt += 1
 
     def _ensure_redis_readers(self) -> None:
-        for model in self._router.workers.models() or {""}:
+        """One reader per model some worker serves; none before the health checker learns one (a
+        worker publishes to its served model's stream, so there is nothing else to read)."""
+        for model in self._router.workers.models():
             key = STREAM_PREFIX + model
             if key not in self._tasks:
                 self._tasks[key] = asyncio.get_running_loop().create_task(self._redis_reader(key))

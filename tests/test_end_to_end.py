@@ -180,6 +180,8 @@ def test_a_stopping_worker_ends_the_routers_event_streams_and_waits_for_nothing_
 def test_a_worker_started_after_the_router_is_followed_over_redis(launch):
     """Redis mode, the router up first (as when workers load a model for minutes): once the worker
     is healthy the router reads its model's stream and snapshot, so a flush reaches the index."""
+    import redis
+
     if REDIS is None:
         pytest.skip("redis-server not installed")
     redis_url, port = launch.redis(), free_port()
@@ -198,6 +200,9 @@ def test_a_worker_started_after_the_router_is_followed_over_redis(launch):
     assert httpx.post(worker.url + "/v1/cache/flush", timeout=30).status_code == 200
     wait_until(lambda: matched_tokens(router.url, body)[url] == 0, 30, what="the flush's event applied")
     assert metric(router.url, f'radixgate_upstream_kv_event_batches_total{{worker="{url}"}}') >= 1
+    # one stream read, the worker's model's: none for a model that no worker serves
+    readers = [c for c in redis.Redis.from_url(redis_url).client_list() if c["cmd"] in ("xread", "xrevrange")]
+    assert len(readers) == 1, readers
 
 
 class _SlowSnapshotWorker:
