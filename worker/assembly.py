@@ -297,8 +297,8 @@ class ModelExecutor:
                 scores = rows
                 if adjusts(st.params):
                     n = len(draft) + 1
-                    drafted = [draft[:j] for j in range(n)]
-                    scores = adjust_logits(rows, [st.params] * n, _histories([req]) * n, drafted=drafted)
+                    before = [draft[:j] for j in range(n)]  # the drafts each row's history lacks
+                    scores = adjust_logits(rows, [st.params] * n, _histories([req]) * n, drafted=before)
                 if st.params.guide is not None:
                     allowed = draft_masks(st, draft, rows.shape[1], rows.device)
                     ninf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)

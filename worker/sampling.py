@@ -297,12 +297,13 @@ def accept_draft(
 ) -> list[int]:
     """Speculative decoding's check of one request's draft tokens: ``logits`` [k + 1, V] are the
     model's rows for its last token and its k drafts. Returns the drafts it keeps (a leading run)
-    then one token of its own, so 1 to k + 1 tokens, distributed exactly as sampling them one at a
-    time would be. Greedy: drafts are kept while each is the argmax, then the argmax. Sampled (the
-    draft is one fixed token, so the rule of Leviathan et al. reduces to this): draft d at row j is
-    kept with probability p_j(d); the first one rejected is replaced by a draw from p_j without d;
-    when all are kept, the last row adds a draw from p_k. p_j is the row's distribution after
-    temperature, top-k and top-p, as in ``sample``."""
+    then one token of its own, so 1 to k + 1 tokens: the tokens sampling them one at a time gives.
+    Each row draws its token as ``sample`` does (an exponential race over the row's distribution
+    after temperature, top-k and top-p); a draft is kept while it is the row's draw, and the first
+    draw that differs ends the run (a draft d is kept with probability p(d), as in the rule of
+    Leviathan et al. for a draft that is one fixed token). A seeded ``generator`` is left where
+    decoding the tokens returned one at a time leaves it: the rows past them give back their
+    draws, so a seeded request gets the same tokens whether or not a step speculates."""
     k = len(draft)
     if logits.dim() != 2 or logits.shape[0] != k + 1:
         raise ValueError(f"logits {tuple(logits.shape)} do not match {k} draft tokens")
@@ -311,17 +312,21 @@ def accept_draft(
     scores = logits.float() / _divisor(params.temperature)
     scores = _mask_top_k_top_p(scores, [params.top_k] * (k + 1), [params.top_p] * (k + 1))
     probs = scores.softmax(dim=-1)
-    drafted = torch.tensor(list(draft), device=logits.device, dtype=torch.long)
-    p_draft = probs[torch.arange(k, device=logits.device), drafted]
-    u = torch.rand(k, device=logits.device, generator=generator)
-    rejected = (u >= p_draft).tolist()
-    kept = rejected.index(True) if True in rejected else k
-    row = probs[kept]
-    if kept < k:
-        row = row.clone()
-        row[draft[kept]] = 0.0  # NOTE: p - 1{d} clipped at 0 is p without d; the race renormalises
-    noise = torch.empty_like(row).exponential_(generator=generator)
-    return [*draft[:kept], int((row / noise).argmax())]
+    noise = torch.empty_like(probs)
+    if generator is None:
+        noise.exponential_()
+        return accept_greedy((probs / noise).argmax(dim=-1).tolist(), draft)
+    # NOTE: row by row, each draw the size of a decode step's (one row), so row j's noise is what
+    # the (j + 1)-th token decoded one at a time would draw; the state before each row is kept to
+    # give back the draws of the rows after the returned tokens
+    states = []
+    for row in noise:
+        states.append(generator.get_state())
+        row.exponential_(generator=generator)
+    tokens = accept_greedy((probs / noise).argmax(dim=-1).tolist(), draft)
+    if len(tokens) <= k:
+        generator.set_state(states[len(tokens)])
+    return tokens
 
 
 def accept_greedy(best: Sequence[int], draft: Sequence[int]) -> list[int]:

@@ -6,8 +6,8 @@ quotes its context (code edits, extraction, RAG citations, a tool result repeate
 way the context did. The scheduler turns the drafts into a verify step (each request's last token
 plus its drafts as new tokens over its cached KV, one forward), and worker.sampling.accept_draft
 keeps the longest run of drafts the model agrees with plus one token of its own. Output is what
-decoding one token at a time gives: the same tokens for greedy requests, the same distribution for
-sampled ones; a step just yields more than one token when drafts are right.
+decoding one token at a time gives: the same tokens for greedy and seeded requests, the same
+distribution for other sampled ones; a step just yields more than one token when drafts are right.
 
 Pure numpy; the scheduler calls ``propose`` once per decoding request per step, so the lookup is a
 vectorised scan of the request's ids (kept as an int32 array, appended to as tokens arrive).
