@@ -1,5 +1,6 @@
 """Client API keys (``--api-key``): a request must carry ``Authorization: Bearer <key>`` for one of
-them, compared in constant time. No keys configured: every request passes.
+them (the scheme in any case, as HTTP has it), compared in constant time. No keys configured: every
+request passes.
 
 A key may be named, ``NAME:KEY`` (NAME of letters, digits, ``_`` and ``-``; an unnamed key is
 ``key-<i>``, its place in the list): the name, never the key, appears in metrics and logs, and
@@ -23,12 +24,27 @@ _NAMED = re.compile(r"^([A-Za-z0-9_-]+):(.+)$")
 
 
 def key_names(keys: list[str]) -> list[tuple[str, str]]:
-    """(name, secret) of each configured key."""
+    """(name, secret) of each configured key; ValueError for an empty one (it would let a bare
+    ``Authorization: Bearer`` in)."""
     out = []
     for i, key in enumerate(keys):
         m = _NAMED.match(key)
         out.append((m.group(1), m.group(2)) if m else (f"key-{i}", key))
+        if not out[-1][1].strip():
+            raise ValueError(f"API key {i} is empty")
     return out
+
+
+def bearer_token(authorization: str | None) -> bytes:
+    """The token of an ``Authorization: Bearer <token>`` header, the scheme matched in any case (RFC
+    9110 11.1); b"" when the header is missing or names another scheme."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def token_matches(given: bytes, secret: str) -> bool:
+    """``given`` (a header's token) is ``secret``, compared in constant time; never for an empty one."""
+    return bool(given) and hmac.compare_digest(given, secret.encode())
 
 
 def check_limits(keys: list[str], limits: dict[str, Any]) -> None:
@@ -69,7 +85,7 @@ class APIKeys:
         limits: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._expected = [(f"Bearer {secret}".encode(), name) for name, secret in key_names(keys)]
+        self._expected = [(secret, name) for name, secret in key_names(keys)]
         limits = limits or {}
         check_limits(keys, limits)
         self.limits = {name: spec["requests_per_minute"] for name, spec in limits.items()}
@@ -83,10 +99,10 @@ class APIKeys:
         when it carries none of them."""
         if not self._expected:
             return None
-        given = (authorization or "").encode()
+        given = bearer_token(authorization)
         name = None
-        for expected, key_name in self._expected:  # NOTE: every key compared, so timing says nothing
-            if hmac.compare_digest(given, expected):
+        for secret, key_name in self._expected:  # NOTE: every key compared, so timing says nothing
+            if token_matches(given, secret):
                 name = key_name
         if name is None:
             raise RouterError(

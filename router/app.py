@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.api_keys import bearer_token, token_matches
 from router.circuit_breaker import BreakerState
 from router.config import RouterConfig
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
@@ -111,8 +111,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
     def authorized(request: Request) -> bool:
         if not config.admin_token:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {config.admin_token}".encode())
+        return token_matches(bearer_token(request.headers.get("authorization")), config.admin_token)
 
     async def workers_endpoint(request: Request) -> Response:
         if not authorized(request):

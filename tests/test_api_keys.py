@@ -31,11 +31,26 @@ def test_keys_may_be_named_and_checks_return_the_name():
     ]
     keys = APIKeys(["team-a:sk-1", "sk-2"])
     assert keys.check("Bearer sk-1") == "team-a" and keys.check("Bearer sk-2") == "key-1"
-    for bad in (None, "Bearer team-a:sk-1", "sk-1", "Bearer sk-3"):
+    # NOTE: the scheme in any case (RFC 9110), spaces around the token ignored
+    assert keys.check("bearer sk-1") == "team-a" and keys.check(" BEARER  sk-2 ") == "key-1"
+    for bad in (
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Bearer team-a:sk-1",
+        "sk-1",
+        "Bearer sk-3",
+        "Basic sk-1",
+        "Bearersk-1",
+    ):
         with pytest.raises(RouterError) as err:
             keys.check(bad)
         assert err.value.status == 401
     assert APIKeys([]).check(None) is None
+    for empty in ([""], ["ok", " "]):  # NOTE: a bare "Bearer" must not pass
+        with pytest.raises(ValueError, match="is empty"):
+            APIKeys(empty)
 
 
 def test_a_limit_allows_a_minutes_requests_then_refills_continuously():

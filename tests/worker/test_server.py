@@ -326,7 +326,13 @@ def test_models_and_cache_info(client):
 def test_flush_needs_the_admin_token(client):
     client.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}).raise_for_status()
     assert client.post("/v1/cache/flush").status_code == 401
-    assert client.post("/v1/cache/flush", headers={"authorization": "Bearer wrong"}).status_code == 401
+    for bad in ("Bearer wrong", f"Basic {ADMIN}", f"Bearer{ADMIN}", "Bearer"):
+        assert client.post("/v1/cache/flush", headers={"authorization": bad}).status_code == 401, bad
+    assert client.post("/v1/cache/flush", headers={"x-admin-token": "wrong"}).status_code == 401
+    for good in (f"Bearer {ADMIN}", f"bearer {ADMIN}"):  # NOTE: the scheme in any case (RFC 9110)
+        assert client.post("/v1/cache/flush", headers={"authorization": good}).status_code == 200, good
+    assert client.post("/v1/cache/flush", headers={"x-admin-token": ADMIN}).status_code == 200
+    client.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}).raise_for_status()
     resp = client.post("/v1/cache/flush", headers={"authorization": f"Bearer {ADMIN}"})
     assert resp.status_code == 200 and resp.json()["flushed_pages"] > 0
     assert client.get("/health").json()["kv_pages_cached"] == 0
