@@ -24,14 +24,15 @@ _NAMED = re.compile(r"^([A-Za-z0-9_-]+):(.+)$")
 
 
 def key_names(keys: list[str]) -> list[tuple[str, str]]:
-    """(name, secret) of each configured key; ValueError for an empty one (it would let a bare
-    ``Authorization: Bearer`` in)."""
+    """(name, secret) of each configured key, spaces around it dropped (a header's token has none);
+    ValueError for an empty one (it would let a bare ``Authorization: Bearer`` in)."""
     out = []
     for i, key in enumerate(keys):
-        m = _NAMED.match(key)
-        out.append((m.group(1), m.group(2)) if m else (f"key-{i}", key))
-        if not out[-1][1].strip():
+        m = _NAMED.match(key.strip())
+        name, secret = (m.group(1), m.group(2)) if m else (f"key-{i}", key)
+        if not secret.strip():
             raise ValueError(f"API key {i} is empty")
+        out.append((name, secret.strip()))
     return out
 
 
