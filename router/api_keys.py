@@ -25,7 +25,7 @@ _NAMED = re.compile(r"^([A-Za-z0-9_-]+):(.+)$")
 
 def key_names(keys: list[str]) -> list[tuple[str, str]]:
     """(name, secret) of each configured key, spaces around it dropped (a header's token has none);
-    ValueError for an empty one (it would let a bare ``Authorization: Bearer`` in)."""
+    ValueError for an empty one (no client could send it: keys on, every request refused)."""
     out = []
     for i, key in enumerate(keys):
         m = _NAMED.match(key.strip())

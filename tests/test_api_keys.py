@@ -49,7 +49,7 @@ def test_keys_may_be_named_and_checks_return_the_name():
         assert err.value.status == 401
     assert APIKeys([]).check(None) is None
     assert APIKeys([" team-b:sk-4\n"]).check("Bearer sk-4") == "team-b"  # e.g. a Secret's trailing newline
-    for empty in ([""], ["ok", " "]):  # NOTE: a bare "Bearer" must not pass
+    for empty in ([""], ["ok", " "]):
         with pytest.raises(ValueError, match="is empty"):
             APIKeys(empty)
 
