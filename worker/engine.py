@@ -33,7 +33,7 @@ from worker.engine_api import (
     RequestOutput,
     RequestState,
 )
-from worker.guided import GuideCompiler, check_drafts
+from worker.guided import GuideCompiler, check_drafts, constraint_failure
 from worker.kv_pool import PageAllocator
 from worker.kv_publisher import KVPublisher
 from worker.metrics import EngineSnapshot, WorkerMetrics
@@ -407,8 +407,13 @@ class Engine:
         st.last_token_at = now
         token = req.token_ids[-1] if token is None else token
         finish = req.finish_reason
+        # NOTE: checked at a step's last token (a verify step's matcher took all of its tokens at once);
+        # a matcher in error allowed EOS only, so a "stop" may be its doing
+        failure = constraint_failure(st) if finish in (None, "stop") and keep_tokens is None else None
+        if failure is not None:
+            finish = "error"
         logprobs, st.step_logprobs = st.step_logprobs, None
-        if finish == "stop" and token in req.stop_token_ids:  # EOS / stop ids are neither text
+        if finish in ("stop", "error") and token in req.stop_token_ids:  # EOS / stop ids are neither text
             logprobs = None  # nor tokens of the answer
         else:
             st.pending += st.detok.feed([token])
@@ -416,7 +421,7 @@ class Engine:
             st.pending += st.detok.flush()
         cut = min((i for i in (st.pending.find(s) for s in st.params.stop) if i >= 0), default=-1)
         if cut >= 0:
-            text, st.pending, finish = st.pending[:cut], "", "stop"
+            text, st.pending, finish, failure = st.pending[:cut], "", "stop", None
         elif finish is not None:
             text, st.pending = st.pending, ""
         else:
@@ -428,11 +433,15 @@ class Engine:
             self._requests.pop(req.rid, None)
             self._finished[finish] += 1
             self.metrics.e2e.observe(now - st.arrival)
-        out = RequestOutput(text=text, token_ids=[token], finish_reason=finish, logprobs=logprobs)
+        out = RequestOutput(text=text, token_ids=[token], finish_reason=None if failure else finish,
+                            logprobs=logprobs)  # fmt: skip
         if first and st.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + [st.prompt_logprobs.get(p) for p in range(1, req.prompt_len)]
         # NOTE: tokens of its verify step after this one are not out yet
         self._emit(req, out, req.num_output if keep_tokens is None else keep_tokens - req.prompt_len)
+        if failure is not None:  # NOTE: the text so far, then the error (a stream's error event)
+            self._emit(req, RequestOutput(finish_reason="error", error=failure, error_status=400,
+                                          error_code="constraint_failed"))  # fmt: skip
         return finish is not None
 
     def _emit(self, req: Request, out: RequestOutput, completion_tokens: int | None = None) -> None:

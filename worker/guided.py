@@ -354,6 +354,19 @@ def advance(states: Sequence[Any], tokens: Sequence[int]) -> None:
             matcher_of(st).consume_token(int(token))
 
 
+def constraint_failure(state: Any) -> str | None:
+    """Why a guided request's grammar can take no further token, or None: llguidance stopped in an
+    error (a limit of its own reached mid-output, e.g. a regex of a million repetitions, or a
+    token it refused). The request ends with this error instead of the EOS-only masks that follow."""
+    if state.params.guide is None:
+        return None
+    m = state.memo.get("matcher")
+    if m is None or not m.is_error():
+        return None
+    reason = m.get_error().split("\n", 1)[0]
+    return f"the output constraint ({state.params.guide.kind.replace('_', ' ')}) failed: {reason}"
+
+
 def check_drafts(state: Any, drafts: list[int]) -> list[int]:
     """Speculative decoding under a grammar: the tokens the grammar forces next, when it does (a
     JSON key, punctuation: right whatever the model prefers, so always kept), else the leading

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api_keys import APIKeys
-from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
+from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response, error_type
 from router.kv_events import KV_SOURCE_HEADER
 from router.request_id import RequestId
 from worker.api_params import (
@@ -289,7 +289,7 @@ class WorkerAPI:
                 if out.error is not None:
                     err = {
                         "message": out.error,
-                        "type": "server_error",
+                        "type": error_type(out.error_status or 500),
                         "code": out.error_code or "internal_error",
                     }
                     yield _sse({"error": err})

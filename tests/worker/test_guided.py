@@ -253,6 +253,26 @@ def test_truncated_output_says_length_and_the_worker_keeps_serving(tiny) -> None
     assert tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_constraint_that_fails_midway_is_an_error_not_a_stop(tiny) -> None:
+    """llguidance builds a regex's lexer lazily and stops at its own limits: a million repetitions
+    fail at the first token (and, the lexer being shared, at the first mask of every later copy).
+    The request is a 400 (a stream: its error event), not an EOS-only mask's empty "stop"."""
+    body = {"prompt": "x", "max_tokens": 20, "structured_outputs": {"regex": "(ab){1000000}"}}
+    for n in (1, 2, 1):  # the first fails on its token, the later ones on their first mask
+        r = tiny.post("/v1/completions", json={**body, "n": n})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "constraint_failed" and err["type"] == "invalid_request_error"
+        assert "(regex) failed" in err["message"] and "too many expressions" in err["message"]
+    with tiny.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "constraint_failed"
+    health = tiny.get("/health").json()
+    assert health["running"] == 0 and health["kv_pages_active"] == 0
+    r = tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "guided_regex": "(ab){2}"})
+    assert r.json()["choices"][0]["text"] == "abab"
+
+
 def test_responses_api_text_format_json_schema(tiny) -> None:
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON}
     r = tiny.post("/v1/responses", json={"input": "a user", "text": {"format": fmt}, "max_output_tokens": 80})
