@@ -161,6 +161,7 @@ def sampling_params(
         temperature=get("temperature", 1.0),
         top_p=get("top_p", 1.0),
         top_k=-1 if top_k == 0 else top_k,
+        min_p=get("min_p", 0.0),
         seed=body.get("seed"),
         max_tokens=get(max_key, get("max_tokens", default_max_tokens)),
         stop=[stop] if isinstance(stop, str) else stop,

@@ -30,6 +30,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = -1  # -1 = all tokens
+    min_p: float = 0.0  # [0, 1]: tokens less likely than min_p x the likeliest one's probability are dropped
     seed: int | None = None  # same seed, same prompt -> same tokens
     max_tokens: int = 16  # output tokens
     stop: list[str] = field(default_factory=list)
@@ -75,7 +76,10 @@ class SamplingParams:
         top_p = _finite_float(self.top_p)
         if top_p is None or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.temperature, self.top_p = temperature, top_p
+        min_p = _finite_float(self.min_p)
+        if min_p is None or not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
         if not integer(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if self.seed is not None and (not integer(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
@@ -169,6 +173,7 @@ def sample(
     scores = logits.index_select(0, index).float()
     temps = on_device([_divisor(params[i].temperature) for i in rows], logits.device, scores.dtype)
     scores = scores / temps.unsqueeze(1)
+    scores = _mask_min_p(scores, [params[i].min_p for i in rows])
     scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = scores.softmax(dim=-1)
     # NOTE: exponential race: argmax(p / E), E ~ Exp(1), draws from p. A seeded row's noise comes
@@ -209,6 +214,18 @@ def _divisor(temperature: float) -> float:
 # 0.54 / 0.58 / 0.59 / 0.62 / 0.60 / 0.62 (docs/benchmarks/sampling-nvidia-h100-80gb-hbm3.json:
 # python -m worker.bench_sampling's sorted_mask_wins_up_to, the largest batch the sort still won).
 SORT_MAX_ROWS = 8
+
+
+def _mask_min_p(scores: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Set to -inf every token whose probability is under its row's ``min_p`` times the likeliest
+    token's: p_i < min_p * p_max is s_i < s_max + ln(min_p) on the scores (logits over the
+    temperature), so no softmax is needed, and the same tokens stay whether top-k / top-p cut the
+    row before or after (they keep the likeliest token and renormalise the rest alike)."""
+    if all(p <= 0.0 for p in min_p):
+        return scores
+    floor = on_device([math.log(p) if p > 0.0 else -math.inf for p in min_p], scores.device, scores.dtype)
+    threshold = scores.max(dim=-1, keepdim=True).values + floor.unsqueeze(1)
+    return scores.masked_fill(scores < threshold, float("-inf"))
 
 
 def _mask_top_k_top_p(
@@ -309,7 +326,7 @@ def accept_draft(
         raise ValueError(f"logits {tuple(logits.shape)} do not match {k} draft tokens")
     if params.greedy:
         return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
-    scores = logits.float() / _divisor(params.temperature)
+    scores = _mask_min_p(logits.float() / _divisor(params.temperature), [params.min_p] * (k + 1))
     scores = _mask_top_k_top_p(scores, [params.top_k] * (k + 1), [params.top_p] * (k + 1))
     probs = scores.softmax(dim=-1)
     noise = torch.empty_like(probs)

@@ -97,6 +97,25 @@ def test_top_p_keeps_the_nucleus():
     assert set(draw(probs, SamplingParams(top_p=0.01, seed=0), 50)) == {1}
 
 
+def test_min_p_drops_tokens_under_its_share_of_the_likeliest():
+    probs = [0.05, 0.4, 0.3, 0.15, 0.1]
+    # min_p 0.3: p >= 0.12 stays (tokens 1, 2, 3), in proportion
+    tokens = draw(probs, SamplingParams(min_p=0.3, seed=0), 4000)
+    assert set(tokens) == {1, 2, 3}
+    assert tokens.count(1) / len(tokens) == pytest.approx(0.4 / 0.85, abs=0.03)
+    assert set(draw(probs, SamplingParams(min_p=1.0, temperature=5.0, seed=0), 50)) == {1}
+    assert set(draw(probs, SamplingParams(min_p=0.0, seed=0), 4000)) == {0, 1, 2, 3, 4}
+    # after the temperature: at 2 the ratios are square roots (token 0: 0.35 of the likeliest)
+    assert set(draw(probs, SamplingParams(min_p=0.3, temperature=2.0, seed=0), 4000)) == {0, 1, 2, 3, 4}
+    # each row its own min_p, and the draft check masks as sampling does
+    logits = logits_from_probs(probs).repeat(2, 1)
+    params = [SamplingParams(min_p=1.0, seed=0), SamplingParams(seed=0)]
+    gens = [make_generator(p, "cpu") for p in params]
+    firsts = [sample(logits, params, gens).tolist() for _ in range(300)]
+    assert {f[0] for f in firsts} == {1} and len({f[1] for f in firsts}) == 5
+    assert accept_draft(logits, [2], params[0], make_generator(params[0], "cpu")) == [1]
+
+
 def test_top_k_rows_take_their_candidates_from_topk_and_mask_as_a_full_sort_does():
     """When every row has a top_k, the candidates come from topk (not a sort of the vocabulary):
     the same tokens survive, with the same scores, as ranking the whole vocabulary would keep."""
@@ -152,6 +171,10 @@ def test_logits_and_params_must_line_up():
         ("temperature", "hot", "temperature"),
         ("top_p", 0.0, "top_p"),
         ("top_p", 1.5, "top_p"),
+        ("min_p", -0.1, "min_p"),
+        ("min_p", 1.5, "min_p"),
+        ("min_p", float("nan"), "min_p"),
+        ("min_p", True, "min_p"),
         ("top_k", 0, "top_k"),
         ("top_k", -2, "top_k"),
         ("top_k", 2.5, "top_k"),

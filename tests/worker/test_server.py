@@ -226,6 +226,7 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": false}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": true}}', 400),
         ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "min_p": 2}', 400),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400),
         ("/v1/completions", b'{"prompt": "hi", "priority": "high"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "priority": 1e40}', 400),
@@ -244,6 +245,19 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, path,
     assert error["message"] and error["type"]
     ok = client.post("/v1/completions", json={"prompt": "still alive?", "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_min_p_one_leaves_only_the_likeliest_token(client):
+    """min_p 1 keeps the tokens as likely as the likeliest: sampled at any temperature and seed,
+    the answer is the greedy one (vLLM's and SGLang's min_p, after the temperature)."""
+    body = {"prompt": "The cache", "max_tokens": 12}
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    for seed in range(3):
+        r = client.post("/v1/completions", json={**body, "temperature": 1.5, "seed": seed, "min_p": 1.0})
+        assert r.json()["choices"][0]["text"] == greedy
+    free = {client.post("/v1/completions", json={**body, "temperature": 1.5, "seed": seed}).json()["choices"][0]["text"]
+            for seed in range(3)}  # fmt: skip
+    assert free != {greedy}  # without it the same requests sample other answers
 
 
 async def test_a_huge_integer_temperature_is_served_beside_other_requests(server):

@@ -359,7 +359,7 @@ def test_seeded_sampling_with_drafts_gives_the_answer_without_them(workers):
     before = spec_counts(spec.url)["radixgate_worker_spec_accepted_tokens_total"]
     for body in (
         {"max_tokens": 60, "temperature": 0.7, "seed": 11},
-        {"max_tokens": 60, "temperature": 0.5, "top_p": 0.9, "seed": 12, "n": 2},
+        {"max_tokens": 60, "temperature": 0.5, "top_p": 0.9, "min_p": 0.05, "seed": 12, "n": 2},
         {"max_tokens": 60, "temperature": 0.6, "top_k": 5, "seed": 13, "frequency_penalty": 0.2},
     ):
         a, b = complete(plain.url, **body), complete(spec.url, **body)
