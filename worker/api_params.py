@@ -167,6 +167,7 @@ def sampling_params(
         stop=[stop] if isinstance(stop, str) else stop,
         stop_token_ids=get("stop_token_ids", []),
         ignore_eos=get("ignore_eos", False),
+        include_stop_str_in_output=get("include_stop_str_in_output", False),
         logprobs=logprobs,
         repetition_penalty=get("repetition_penalty", 1.0),
         frequency_penalty=get("frequency_penalty", 0.0),

@@ -419,9 +419,11 @@ class Engine:
             st.pending += st.detok.feed([token])
         if finish is not None:
             st.pending += st.detok.flush()
-        cut = min((i for i in (st.pending.find(s) for s in st.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, st.pending, finish, failure = st.pending[:cut], "", "stop", None
+        # NOTE: the earliest stop string ends the output (at one place, the shortest: it completed first)
+        found = min(((i, len(s)) for s in st.params.stop if (i := st.pending.find(s)) >= 0), default=None)
+        if found is not None:
+            end = found[0] + found[1] if st.params.include_stop_str_in_output else found[0]
+            text, st.pending, finish, failure = st.pending[:end], "", "stop", None
         elif finish is not None:
             text, st.pending = st.pending, ""
         else:

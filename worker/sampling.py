@@ -36,6 +36,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # a stop string that ends the output is part of it (vLLM's)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + the top k
     # None: none; k >= 0: every prompt token's logprob (after the first) + the top k at its position.
     # The whole prompt is then computed, cached or not: a cached prefix has no logits.
@@ -96,6 +97,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(
+                f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             value = _finite_float(getattr(self, name))
             if value is None or not -2.0 <= value <= 2.0:

@@ -105,6 +105,13 @@ async def test_stop_string_and_max_tokens(engine):
     cut, _, out = await generate(engine, prompt, 20, stop=[stop])
     assert out.finish_reason == "stop"
     assert cut == text[: text.index(stop)]
+    # vLLM's include_stop_str_in_output: the stop string found first ends the text, beside a longer
+    # one from the same place and one from a later place
+    at = text.index(stop)
+    longer, later = text[at : at + 3], text[at + 1 : at + 3]
+    for stops in ([stop], [longer, stop], [later, stop]):
+        kept, _, out = await generate(engine, prompt, 20, stop=stops, include_stop_str_in_output=True)
+        assert out.finish_reason == "stop" and kept == text[: at + 2], stops
     await idle(engine)
 
 
