@@ -29,10 +29,10 @@ def key_names(keys: list[str]) -> list[tuple[str, str]]:
     out = []
     for i, key in enumerate(keys):
         m = _NAMED.match(key.strip())
-        name, secret = (m.group(1), m.group(2)) if m else (f"key-{i}", key)
-        if not secret.strip():
+        name, secret = (m.group(1), m.group(2).strip()) if m else (f"key-{i}", key.strip())
+        if not secret:
             raise ValueError(f"API key {i} is empty")
-        out.append((name, secret.strip()))
+        out.append((name, secret))
     return out
 
 

@@ -35,13 +35,13 @@ class RouterError(Exception):
         self.retry_after = retry_after  # s: sent as Retry-After (a rate limit)
 
 
-def error_type(status: int) -> str:
-    """The OpenAI error ``type`` of an HTTP status."""
-    return _TYPES.get(status, "server_error")
+def error_payload(status: int, message: str, code: str | None = None) -> dict:
+    """{"error": {"message", "type", "code"}}: the body of an error response, or a stream's error event."""
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "code": code}}
 
 
 def error_body(status: int, message: str, code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": error_type(status), "code": code}})
+    return orjson.dumps(error_payload(status, message, code))
 
 
 def error_response(status: int, message: str, code: str | None = None) -> Response:

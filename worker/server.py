@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api_keys import APIKeys
-from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response, error_type
+from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_payload, error_response
 from router.kv_events import KV_SOURCE_HEADER
 from router.request_id import RequestId
 from worker.api_params import (
@@ -287,12 +287,9 @@ class WorkerAPI:
                     yield _sse(resp.role_chunk(c.index))
             while out is not None:
                 if out.error is not None:
-                    err = {
-                        "message": out.error,
-                        "type": error_type(out.error_status or 500),
-                        "code": out.error_code or "internal_error",
-                    }
-                    yield _sse({"error": err})
+                    yield _sse(
+                        error_payload(out.error_status or 500, out.error, out.error_code or "internal_error")
+                    )
                     yield b"data: [DONE]\n\n"
                     break
                 c = choices[out.index]
