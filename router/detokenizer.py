@@ -22,11 +22,16 @@ class IncrementalDetokenizer:
     The window never starts inside a character: SentencePiece's byte fallback decodes a whole run
     of ``<0xNN>`` tokens as U+FFFD when any of it is not UTF-8, so a run cut mid-character would
     stay U+FFFD for every byte token that joins it later.
-    Special tokens are not text, except those ``show`` names (a tool call's tags for its reader).
+    Special tokens are not text, except those ``show`` names (a tool call's tags for its reader), or
+    all of them with ``skip_special_tokens`` false.
     """
 
-    def __init__(self, tokenizer: PromptTokenizer, prompt_ids: Sequence[int] = (), context: int = 5) -> None:
+    def __init__(
+        self, tokenizer: PromptTokenizer, prompt_ids: Sequence[int] = (), context: int = 5,
+        skip_special_tokens: bool = True,
+    ) -> None:  # fmt: skip
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._context = max(1, context)  # ids kept before the unread ones
         self._shown: frozenset[int] = frozenset()  # special tokens decoded as their text
         self._special: dict[int, bool] = {}  # token id -> is it special (asked only once one is shown)
@@ -82,6 +87,8 @@ class IncrementalDetokenizer:
         return out
 
     def _decode(self, ids: list[int]) -> str:
+        if not self._skip_special:
+            return self._tok.decode(ids, skip_special_tokens=False)  # type: ignore[call-arg]
         if not self._shown:
             return self._tok.decode(ids)
         # NOTE: one decode with the shown tokens kept, as the tokenizer joins special tokens to text

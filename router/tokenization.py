@@ -33,6 +33,8 @@ class PromptTokenizer(Protocol):
 
     def encode_prompt(self, prompt: str) -> list[int]: ...
 
+    def encode_text(self, text: str) -> list[int]: ...  # text alone: no special tokens (BOS)
+
     def encode_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -122,6 +124,9 @@ class ByteTokenizer:
         if not isinstance(prompt, str):
             raise ValueError("prompt must be a string")
         return list(prompt.encode("utf-8"))
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
@@ -270,6 +275,9 @@ class HFTokenizer:
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,

@@ -396,6 +396,9 @@ def test_shown_special_tokens_are_text_and_the_others_stay_hidden(tmp_path):
         pieces = [detok.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [detok.flush()]
         assert "".join(pieces) == 'Hi <tool_call>{"a":"é"}</tool_call> done'
         assert "".join(stream(tok, ids, chunk, prompt)) == 'Hi {"a":"é"} done'
+        every = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)  # the request's choice
+        pieces = [every.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [every.flush()]
+        assert "".join(pieces) == 'Hi <tool_call>{"a":"é"}</tool_call><|im_start|> done'
 
 
 def test_router_import_does_not_pull_in_torch():

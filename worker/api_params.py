@@ -75,6 +75,14 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
     # look like success to the client
     if body.get("functions") or body.get("function_call"):
         raise APIError(400, "'functions' is deprecated and not supported; use 'tools' and 'tool_choice'")
+    if body.get("use_beam_search"):
+        raise APIError(400, "beam search ('use_beam_search') is not supported")
+    if body.get("prompt_logprobs") is not None:
+        raise APIError(
+            400, "'prompt_logprobs' is not supported; /v1/completions with 'echo' and 'logprobs' gives them"
+        )
+    if body.get("modalities") not in (None, ["text"]) or body.get("audio") is not None:
+        raise APIError(400, "only text output is supported ('modalities', 'audio')")
     return body
 
 
@@ -143,7 +151,7 @@ def chat_logprobs(body: dict) -> int | None:
 
 def sampling_params(
     body: dict,
-    vocab_size: int,
+    tokenizer: PromptTokenizer,
     default_max_tokens: int,
     max_key: str,
     logprobs: Any,
@@ -167,12 +175,15 @@ def sampling_params(
         stop=[stop] if isinstance(stop, str) else stop,
         stop_token_ids=get("stop_token_ids", []),
         ignore_eos=get("ignore_eos", False),
+        skip_special_tokens=get("skip_special_tokens", True),
         include_stop_str_in_output=get("include_stop_str_in_output", False),
         logprobs=logprobs,
         repetition_penalty=get("repetition_penalty", 1.0),
         frequency_penalty=get("frequency_penalty", 0.0),
         presence_penalty=get("presence_penalty", 0.0),
-        logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
+        logit_bias=logit_bias(body.get("logit_bias"), tokenizer.vocab_size),
+        allowed_token_ids=allowed_token_ids(body.get("allowed_token_ids"), tokenizer.vocab_size),
+        bad_words=bad_words(body.get("bad_words"), tokenizer),
         min_tokens=get("min_tokens", 0),
         priority=get("priority", 0),
         guide=guide,
@@ -197,10 +208,55 @@ def logit_bias(bias: Any, vocab_size: int) -> dict[int, Any]:
     return out
 
 
-def echo_texts(prompt: Any, ids: list[list[int]], tokenizer: PromptTokenizer) -> list[str]:
-    """What ``echo`` sends back for each prompt: the string as given, or token ids decoded."""
+def allowed_token_ids(ids: Any, vocab_size: int) -> list[int] | None:
+    """vLLM's ``allowed_token_ids``: the only tokens that may be sampled, in the vocabulary."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids:
+        raise APIError(400, "allowed_token_ids must be a non-empty list of token ids")
+    for t in ids:
+        if type(t) is not int or not 0 <= t < vocab_size:
+            raise APIError(400, f"allowed_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+    return sorted(set(ids))
+
+
+def bad_words(words: Any, tokenizer: PromptTokenizer) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences the output must never contain: each word as text of its
+    own and after a space (``" word"`` is other tokens in most vocabularies), without special tokens."""
+    if words is None:
+        return []
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise APIError(400, "bad_words must be a list of non-empty strings")
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            out.setdefault(tuple(tokenizer.encode_text(text)), None)
+    return [list(ids) for ids in out if ids]
+
+
+def echo_texts(
+    prompt: Any, ids: list[list[int]], tokenizer: PromptTokenizer, cut: Sequence[bool] | None = None
+) -> list[str]:
+    """What ``echo`` sends back for each prompt: the string as given, or token ids decoded (so are
+    prompts ``cut`` by truncate_prompt_tokens: what the model saw)."""
     given = prompt if _is_batch(prompt) else [prompt]
-    return [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(given, ids, strict=True)]
+    cut = cut or [False] * len(ids)
+    return [
+        p if isinstance(p, str) and not c else tokenizer.decode(i)
+        for p, i, c in zip(given, ids, cut, strict=True)
+    ]
+
+
+def truncate_prompts(prompts: list[list[int]], body: dict, context: int) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: k >= 1 keeps each prompt's last k tokens; -1 the most this
+    worker serves (its context less one output token)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return prompts
+    if type(k) is not int or not (k >= 1 or k == -1):
+        raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+    keep = context - 1 if k == -1 else k
+    return [ids[len(ids) - keep :] if len(ids) > keep else ids for ids in prompts]
 
 
 def _is_batch(prompt: Any) -> bool:

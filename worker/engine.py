@@ -169,7 +169,9 @@ class Engine:
                       prompt_group=prompt_group, priority=params.priority,
                       full_prefill=params.prompt_logprobs is not None,
                       speculative=True, adapter=params.adapter)  # fmt: skip
-        detok = IncrementalDetokenizer(self.tokenizer, list(prompt_ids))
+        detok = IncrementalDetokenizer(
+            self.tokenizer, list(prompt_ids), skip_special_tokens=params.skip_special_tokens
+        )
         if params.guide is not None and params.guide.shown:
             detok.show(params.guide.shown)  # NOTE: a tool call's tags are text for its reader
         req.payload = RequestState(

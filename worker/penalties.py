@@ -1,5 +1,5 @@
 """Logit adjustments that depend on a request's history: repetition / frequency / presence
-penalties, ``logit_bias`` and ``min_tokens``. Applied to the raw float32 logits before sampling
+penalties, ``logit_bias``, ``min_tokens``, ``bad_words`` and ``allowed_token_ids``. Applied to the raw float32 logits before sampling
 (greedy included); logprobs are read from the logits before these adjustments.
 
 Semantics (those of vLLM and HF, which OpenAI clients expect):
@@ -8,7 +8,10 @@ Semantics (those of vLLM and HF, which OpenAI clients expect):
 - ``frequency_penalty`` f and ``presence_penalty`` p over the output only: logit -= f * count + p
   * (count > 0);
 - ``logit_bias``: token id -> value added to its logit;
-- ``min_tokens`` m: while fewer than m tokens are out, EOS and ``stop_token_ids`` cannot be sampled.
+- ``min_tokens`` m: while fewer than m tokens are out, EOS and ``stop_token_ids`` cannot be sampled;
+- ``bad_words`` (token sequences): a word's last token cannot be sampled where the output ends with
+  the rest of the word (a one-token word never);
+- ``allowed_token_ids``: no other token can be sampled (applied last, so the bans above still hold).
 
 Rows that use none of them cost nothing. The others are adjusted together, a handful of tensor ops
 per step whatever their number: each kind of adjustment is one scatter over flat (row, token)
@@ -40,6 +43,8 @@ def adjusts(p: SamplingParams) -> bool:
         or p.presence_penalty
         or p.logit_bias
         or p.min_tokens
+        or p.bad_words
+        or p.allowed_token_ids is not None
     )
 
 
@@ -130,9 +135,64 @@ def adjust_logits(
         # NOTE: index_fill_ takes the scalar as an argument; an indexed assignment of a Python float
         # copies it to the device as a tensor, which waits for the device (a sync in a chained step)
         flat.index_fill_(0, tensor(stops, torch.long), float("-inf"))
+    banned, if_newest = _bad_word_bans(ps, per_row, late, vocab)
+    if banned:
+        flat.index_fill_(0, tensor(banned, torch.long), float("-inf"))
+    if if_newest:
+        # NOTE: the token before a word's last is the newest, still on the device: compared there
+        assert unseen is not None
+        newest = unseen[0].index_select(0, tensor([rows[r] for _, r, _ in if_newest], torch.long)).long()
+        hit = newest == tensor([t for _, _, t in if_newest], torch.long)
+        ban = torch.zeros(len(if_newest), dtype=torch.float32, device=device).masked_fill_(hit, float("-inf"))
+        flat.index_add_(0, tensor([i for i, _, _ in if_newest], torch.long), ban)
+    allowed = [r for r, p in enumerate(ps) if p.allowed_token_ids is not None]
+    if allowed:
+        keep = torch.cat([_allowed_ids(ps[r], hs[r], device, vocab) + r * vocab for r in allowed])
+        values = flat[keep]
+        sub.index_fill_(0, tensor(allowed, torch.long), float("-inf"))
+        flat[keep] = values
     if not some:
         return sub
     return logits.float().index_copy(0, index, sub)
+
+
+def _bad_word_bans(
+    ps: Sequence[SamplingParams], outputs: Sequence[np.ndarray], late: Sequence[int], vocab: int
+) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The (row, token) pairs, as flat indices, that the rows' bad words ban at this step: a word's
+    last token where the output ends with the rest of it. A ``late`` row's newest token is not in its
+    output yet: for a word it may complete, (flat index, row, the token the newest must be)."""
+    banned: list[int] = []
+    if_newest: list[tuple[int, int, int]] = []
+    late_rows = set(late)
+    for r, p in enumerate(ps):
+        out = outputs[r]
+        for word in p.bad_words:
+            *head, last = word
+            if last >= vocab:
+                continue
+            expected = None
+            if r in late_rows and head:
+                *head, expected = head
+            if len(head) > out.size or (head and out[out.size - len(head) :].tolist() != head):
+                continue
+            if expected is None:
+                banned.append(r * vocab + last)
+            else:
+                if_newest.append((r * vocab + last, r, expected))
+    return banned, if_newest
+
+
+def _allowed_ids(p: SamplingParams, history: History, device: torch.device, vocab: int) -> torch.Tensor:
+    """A request's ``allowed_token_ids`` in the vocabulary, on ``device`` (kept in its memo)."""
+    memo = history[3]
+    cached = None if memo is None else memo.get("allowed_ids")
+    if cached is None or cached.device != device:
+        assert p.allowed_token_ids is not None
+        cached = on_device([t for t in p.allowed_token_ids if t < vocab], device, torch.long)
+        if memo is not None:
+            memo["allowed_ids"] = cached
+    return cached
 
 
 def _output_ids(history: History) -> np.ndarray:

@@ -142,7 +142,7 @@ class ResponsesAPI:
         engine = api.engine
         logprobs = _logprobs(body, tools)
         params = sampling_params(
-            body, engine.tokenizer.vocab_size, engine.max_total_tokens, "max_output_tokens", logprobs, guide
+            body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )
         params = api.for_model(params, body)
         outputs: asyncio.Queue = asyncio.Queue()

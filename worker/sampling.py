@@ -36,6 +36,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # special tokens are not text (vLLM's; False: decoded as their names)
     include_stop_str_in_output: bool = False  # a stop string that ends the output is part of it (vLLM's)
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob + the top k
     # None: none; k >= 0: every prompt token's logprob (after the first) + the top k at its position.
@@ -46,6 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     presence_penalty: float = 0.0  # [-2, 2]
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's); None: any
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences never generated (vLLM's)
     min_tokens: int = 0  # output tokens before EOS / stop ids may be sampled
     # scheduling, not sampling (carried here as the request's parameters): lower is served first
     priority: int = 0
@@ -118,6 +121,17 @@ class SamplingParams:
         ):
             raise ValueError("logit_bias must map token ids to numbers in [-100, 100]")
         self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or not all(integer(t) and t >= 0 for t in allowed)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, list) and w and all(integer(t) and t >= 0 for t in w) for w in self.bad_words
+        ):
+            raise ValueError("bad_words must be a list of token id lists")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         if not integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (
@@ -133,6 +147,9 @@ class SamplingParams:
         if self.guide is not None and (self.ignore_eos or self.min_tokens):
             # NOTE: a finished grammar allows EOS only, which both of these forbid
             raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs")
+        if self.guide is not None and self.allowed_token_ids is not None:
+            # NOTE: the grammar's tokens and these need not meet: no token would be left to sample
+            raise ValueError("allowed_token_ids cannot be combined with structured outputs or tools")
         return self
 
 

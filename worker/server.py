@@ -39,6 +39,7 @@ from worker.api_params import (
     read_bounded,
     sampling_params,
     tools_of,
+    truncate_prompts,
 )
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
@@ -117,7 +118,8 @@ class WorkerAPI:
             raise APIError(400, "'suffix' (text to insert the completion before) is not supported")
         if body.get("max_tokens") == 0 and not body.get("echo"):
             raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
-        prompts = await prompt_ids(body["prompt"], self.engine.tokenizer)
+        given = await prompt_ids(body["prompt"], self.engine.tokenizer)
+        prompts = truncate_prompts(given, body, self.engine.max_total_tokens)
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
         guide = await output_guide(body, self.engine.guides)
@@ -125,8 +127,9 @@ class WorkerAPI:
         scoring = body.get("echo") is True and body.get("max_tokens") == 0
         fields = {**body, "max_tokens": 1} if scoring else body
         logprobs = body.get("logprobs")
-        params = sampling_params(fields, self.engine.tokenizer.vocab_size, 16, "max_tokens", logprobs, guide)
-        echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer) if body.get("echo") else None
+        params = sampling_params(fields, self.engine.tokenizer, 16, "max_tokens", logprobs, guide)
+        cut = [len(a) < len(b) for a, b in zip(prompts, given, strict=True)]
+        echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer, cut) if body.get("echo") else None
         if echo is not None and params.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         params = self.for_model(params, body)
@@ -139,11 +142,12 @@ class WorkerAPI:
         logprobs = chat_logprobs(body)
         tools = tools_of(body)
         ids = await chat_ids(body.get("messages"), self.engine.tokenizer, tools and tools.tools, body)
+        [ids] = truncate_prompts([ids], body, self.engine.max_total_tokens)
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
-        vocab, max_tokens = self.engine.tokenizer.vocab_size, self.engine.max_total_tokens
+        tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens
         guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser)
-        params = sampling_params(body, vocab, max_tokens, "max_completion_tokens", logprobs, guide)
+        params = sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
         params = self.for_model(params, body)
         return await self._generate(request, body, [ids], params, chat=True, tools=tools)
 

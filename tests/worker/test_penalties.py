@@ -1,5 +1,6 @@
-"""Repetition / frequency / presence penalties, logit_bias and min_tokens: the logit arithmetic,
-that untouched rows stay untouched, and what a real worker generates with them."""
+"""Repetition / frequency / presence penalties, logit_bias, min_tokens, bad_words and
+allowed_token_ids: the logit arithmetic, that untouched rows stay untouched, and what a real worker
+generates with them."""
 
 from __future__ import annotations
 
@@ -73,6 +74,13 @@ def reference(
     if len(output) < p.min_tokens:
         for t in stops:
             row[t] = float("-inf")
+    for *head, last in p.bad_words:
+        if len(output) >= len(head) and output[len(output) - len(head) :] == head:
+            row[last] = float("-inf")
+    if p.allowed_token_ids is not None:
+        others = torch.ones_like(row, dtype=torch.bool)
+        others[p.allowed_token_ids] = False
+        row[others] = float("-inf")
     return row
 
 
@@ -82,19 +90,23 @@ def test_a_random_batch_matches_the_row_by_row_reference_and_the_memo_is_reused(
     logits = torch.randn(rows, vocab, generator=rng) * 3
     params, histories = [], []
     for i in range(rows):
-        pick = torch.randint(0, 2, (5,), generator=rng).tolist()
+        pick = torch.randint(0, 2, (7,), generator=rng).tolist()
+        prompt_len = 10 + 7 * i
+        ids = torch.randint(0, 40, (prompt_len + 3 * i,), generator=rng).tolist()  # many repeats
+        # a one-token word, one the output's last token starts, one it does not end with
+        words = [[33], [ids[-1], 1], [ids[-1] + 1, 2]] if i > 0 else [[33], [5, 6]]
         params.append(SamplingParams(
             repetition_penalty=[1.0, 1.7][pick[0]], frequency_penalty=[0.0, 0.6][pick[1]],
             presence_penalty=[0.0, -0.4][pick[2]], logit_bias={7: 3.0, 250: -2.5} if pick[3] else {},
-            min_tokens=[0, 40][pick[4]], max_tokens=50,
+            min_tokens=[0, 40][pick[4]], max_tokens=50, bad_words=words if pick[5] else [],
+            allowed_token_ids=[1, 2, 7, 33, 250, ids[-1]] if pick[6] else None,
         ))  # fmt: skip
-        prompt_len = 10 + 7 * i
-        ids = torch.randint(0, 40, (prompt_len + 3 * i,), generator=rng).tolist()  # many repeats
         histories.append((ids, prompt_len, frozenset({1, 2}), {}))
     got = adjust_logits(logits, params, histories)
     for i, (p, (ids, n, stops, _)) in enumerate(zip(params, histories, strict=True)):
         want = reference(logits[i], p, ids, n, stops).float()
         torch.testing.assert_close(got[i], want, msg=f"row {i}: {p}")
+    assert any(p.bad_words for p in params) and any(p.allowed_token_ids for p in params)
     memos = [h[3].get("prompt_ids") for h in histories]
     assert any(m is not None for m in memos)
     again = adjust_logits(logits, params, histories)  # the second step reads the memo
@@ -165,9 +177,54 @@ def test_a_newest_token_still_on_the_device_counts_as_if_it_were_in_the_history(
     torch.testing.assert_close(got[4], logits[4])
 
 
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest():
+    """vLLM's bad_words over the output (not the prompt); allowed_token_ids leaves only its tokens,
+    the bans above kept; a verify step's drafts and a newest token still on the device count as
+    output. Each case against the row adjusted over the whole output."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])
+    words = SamplingParams(bad_words=[[5], [1, 2], [3, 4, 6]])
+    prompt = [3, 4, 1]  # ends with the start of two words: the prompt does not count
+
+    def banned(p: SamplingParams, output: list[int]) -> list[int]:
+        row = adjust_logits(logits, [p], [([*prompt, *output], len(prompt), frozenset(), None)])[0]
+        return [t for t in range(8) if row[t] == float("-inf")]
+
+    assert banned(words, []) == [5]
+    assert banned(words, [0, 1]) == [2, 5]
+    assert banned(words, [3, 4]) == [5, 6]
+    assert banned(words, [4, 3, 4, 1]) == [2, 5]
+    assert banned(words, [3, 5, 4]) == [5]
+    both = SamplingParams(bad_words=[[1, 2]], allowed_token_ids=[2, 3, 7], logit_bias={3: 1.5})
+    row = adjust_logits(logits, [both], [([*prompt, 0, 1], len(prompt), frozenset(), {})])[0]
+    assert row.tolist() == [float("-inf")] * 3 + [5.5, *[float("-inf")] * 3, 8.0]  # 2 banned, 3 biased
+
+    # drafts: row j of a verify step sees draft[:j] after the output
+    draft = [3, 4, 1]
+    rows = adjust_logits(logits.repeat(4, 1), [words] * 4, [([*prompt, 0], len(prompt), frozenset(), None)] * 4,
+                         drafted=[draft[:j] for j in range(4)])  # fmt: skip
+    for j in range(4):
+        assert [t for t in range(8) if rows[j, t] == float("-inf")] == banned(words, [0, *draft[:j]]), j
+
+    # the newest token on the device (--overlap-schedule): rows whose host output lacks it
+    outputs = [[0, 3], [0, 0], [3, 4], [0, 3], [2]]
+    newest = [4, 1, 9 % 8, 5, 3]
+    before = [([*prompt, *o], len(prompt), frozenset(), None) for o in outputs]
+    whole = [([*prompt, *o, t], len(prompt), frozenset(), None) for o, t in zip(outputs, newest, strict=True)]
+    stack, ps = logits.repeat(5, 1), [words] * 5
+    got = adjust_logits(stack, ps, before, (torch.tensor(newest), list(range(5))))
+    torch.testing.assert_close(got, adjust_logits(stack, ps, whole))
+    assert got[0, 6] == float("-inf") and got[1, 2] == float("-inf") and got[3, 6] != float("-inf")
+
+
 @pytest.mark.parametrize(
     "field",
     [
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-1]},
+        {"allowed_token_ids": (1, 2)},
+        {"bad_words": [[]]},
+        {"bad_words": [["a"]]},
+        {"skip_special_tokens": "no"},
         {"frequency_penalty": 2.5},
         {"presence_penalty": "x"},
         {"repetition_penalty": 0},
@@ -208,6 +265,25 @@ def test_logit_bias_and_min_tokens_steer_a_real_worker(tiny_url):
         assert held["usage"]["completion_tokens"] == 5 and choice["finish_reason"] == "length"
 
 
+def test_bad_words_and_allowed_token_ids_steer_a_real_worker(tiny_url):
+    """A piece of the greedy answer as a bad word: the answer no longer holds it (nor the same word
+    after a space), and is the same up to it; allowed_token_ids: sampled answers use only those
+    tokens."""
+    url = tiny_url + "/v1/completions"
+    body = {"prompt": "hello world", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    word = plain[2:5]
+    assert len(word.encode()) == 3 and plain.count(word) >= 2  # greedy repeats itself here
+    for words in ([word], [" " + word, "zzz"]):
+        text = httpx.post(url, json={**body, "bad_words": words}, timeout=60).json()["choices"][0]["text"]
+        assert word not in text and text[:2] == plain[:2], (words, text)
+    allowed = [ord(c) for c in "ACGT"]
+    for seed in range(3):
+        sampled = {**body, "temperature": 1.0, "seed": seed, "allowed_token_ids": allowed}
+        text = httpx.post(url, json=sampled, timeout=60).json()["choices"][0]["text"]
+        assert len(text) == 40 and set(text) <= set("ACGT"), text
+
+
 def test_penalties_change_a_repetitive_greedy_answer(tiny_url):
     url = tiny_url + "/v1/completions"
     body = {"prompt": "aaaaaaaaaaaaaaaa", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -226,7 +302,17 @@ def test_penalties_change_a_repetitive_greedy_answer(tiny_url):
 
 @pytest.mark.parametrize(
     "extra",
-    [{"logit_bias": {"abc": 1}}, {"logit_bias": {"99999": 1}}, {"logit_bias": [1]}, {"frequency_penalty": 3}],
+    [
+        {"logit_bias": {"abc": 1}},
+        {"logit_bias": {"99999": 1}},
+        {"logit_bias": [1]},
+        {"frequency_penalty": 3},
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [99999]},
+        {"allowed_token_ids": [65], "guided_choice": ["A"]},
+        {"bad_words": [" "]},
+        {"bad_words": "abc"},
+    ],
 )
 def test_bad_adjustments_get_400_and_the_worker_keeps_serving(tiny_url, extra):
     url = tiny_url + "/v1/completions"

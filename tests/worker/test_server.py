@@ -235,6 +235,21 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404),
         ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "use_beam_search": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "prompt_logprobs": 1}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "truncate_prompt_tokens": 0}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "truncate_prompt_tokens": "5"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "skip_special_tokens": "no"}', 400),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "modalities": ["audio"]}',
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "audio": {"voice": "x"}}',
+            400,
+        ),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400),
     ],
@@ -259,6 +274,46 @@ def test_min_p_one_leaves_only_the_likeliest_token(client):
     free = {client.post("/v1/completions", json={**body, "temperature": 1.5, "seed": seed}).json()["choices"][0]["text"]
             for seed in range(3)}  # fmt: skip
     assert free != {greedy}  # without it the same requests sample other answers
+
+
+def test_special_tokens_are_text_only_when_asked(client):
+    """skip_special_tokens false (vLLM's): the special tokens sampled show as their names, in the
+    answer and in its stream; by default they are not text. The answers are the same tokens."""
+    body = {"prompt": "Specials:", "max_tokens": 12, "temperature": 1.0, "seed": 5, "ignore_eos": True,
+            "allowed_token_ids": [ord("A"), 256]}  # fmt: skip
+    hidden = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    shown = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    text = shown["choices"][0]["text"]
+    assert "<|eos|>" in text and "A" in text and text.replace("<|eos|>", "") == hidden
+    with client.stream(
+        "POST", "/v1/completions", json={**body, "skip_special_tokens": False, "stream": True}
+    ) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
+    """vLLM's truncate_prompt_tokens: k keeps the last k prompt tokens (echo shows them); -1 keeps
+    what the context serves, so a prompt longer than it is answered instead of refused."""
+    body = {"prompt": "0123456789", "max_tokens": 1, "temperature": 0}
+    short = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 4, "echo": True}).json()
+    assert short["usage"]["prompt_tokens"] == 4 and short["choices"][0]["text"].startswith("6789")
+    same = client.post("/v1/completions", json={**body, "prompt": "6789"}).json()
+    assert same["choices"][0]["text"] == short["choices"][0]["text"][4:]
+    kept = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 50}).json()
+    assert kept["usage"]["prompt_tokens"] == 10
+    chat = {"messages": [{"role": "user", "content": "x" * 100}], "max_tokens": 1}
+    assert (
+        client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 7}).json()["usage"][
+            "prompt_tokens"
+        ]
+        == 7
+    )
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    long = {**body, "prompt": "y" * (context + 10)}
+    assert client.post("/v1/completions", json=long).status_code == 400
+    served = client.post("/v1/completions", json={**long, "truncate_prompt_tokens": -1}).json()
+    assert served["usage"]["prompt_tokens"] == context - 1 and served["usage"]["completion_tokens"] == 1
 
 
 async def test_a_huge_integer_temperature_is_served_beside_other_requests(server):
