@@ -93,6 +93,30 @@ def _chat_format(fmt: Any) -> Any:
     return fmt
 
 
+async def _fitted(
+    messages: list[dict], kept: int, tokenizer: Any, tools: list[dict] | None, context: int
+) -> list[int]:
+    """``truncation: auto``: the prompt with the fewest of the oldest messages after the first ``kept``
+    (the instructions) dropped that fits the context (a tool result goes with its call); with only
+    the last message left and still too long, that prompt (the engine refuses it as too long)."""
+    rest = messages[kept:]
+
+    def without(k: int) -> list[dict]:
+        while k < len(rest) - 1 and rest[k]["role"] == "tool":
+            k += 1
+        return messages[:kept] + rest[k:]
+
+    lo, hi, best = 1, len(rest) - 1, None
+    while lo <= hi:  # NOTE: each render is a tokenization: a bisection, not one per message
+        mid = (lo + hi) // 2
+        ids = await chat_ids(without(mid), tokenizer, tools)
+        if len(ids) < context:
+            best, hi = ids, mid - 1
+        else:
+            lo = mid + 1
+    return best if best is not None else await chat_ids(without(len(rest) - 1), tokenizer, tools)
+
+
 def _not_found(rid: Any) -> APIError:
     return APIError(404, f"response {rid!r} not found on this worker", "response_not_found")
 
@@ -123,6 +147,9 @@ class ResponsesAPI:
         store = True if body.get("store") is None else body["store"]
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")
+        truncation = body.get("truncation") or "disabled"
+        if truncation not in ("disabled", "auto"):
+            raise APIError(400, f"'truncation' must be 'auto' or 'disabled', got {truncation!r}")
         for name in ("conversation", "prompt", "background"):  # NOTE: refused, not silently dropped
             if body.get(name) not in (None, False):
                 raise APIError(400, f"'{name}' is not supported: send the input itself (previous_response_id "
@@ -138,8 +165,13 @@ class ResponsesAPI:
             messages = prompt_messages(body.get("instructions"), history, body.get("input"))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        ids = await chat_ids(messages, api.engine.tokenizer, tools and tools.tools)
         engine = api.engine
+        ids = await chat_ids(messages, engine.tokenizer, tools and tools.tools)
+        if truncation == "auto" and len(ids) >= engine.max_total_tokens:
+            kept = 1 if body.get("instructions") else 0
+            ids = await _fitted(
+                messages, kept, engine.tokenizer, tools and tools.tools, engine.max_total_tokens
+            )
         logprobs = _logprobs(body, tools)
         params = sampling_params(
             body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
@@ -274,7 +306,7 @@ class _Turn:
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "truncation": "disabled", "usage": usage, "metadata": body.get("metadata") or {},
+            "truncation": body.get("truncation") or "disabled", "usage": usage, "metadata": body.get("metadata") or {},
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip
 

@@ -163,12 +163,64 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
         ({"input": "hi", "model": "other"}, 404),
         ({"input": "hi", "max_output_tokens": -1}, 400),
+        ({"input": "hi", "truncation": "middle"}, 400),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body, status) -> None:
     r = client.post("/v1/responses", json=body)
     assert r.status_code == status and r.json()["error"]["message"]
     assert create(client, input="still serving")["object"] == "response"
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(client) -> None:
+    """A conversation grown past the context: its next turn is a 400 context_length_exceeded with
+    truncation disabled (the default); with auto the oldest turn is dropped, the instructions kept,
+    and the answer is the one the kept turns give when sent as they are."""
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+
+    def turn(i: int) -> str:  # ~0.4 of the context each
+        return f"Turn {i}: " + "abcdefghij" * (context // 25)
+
+    first = create(client, instructions=INSTRUCTIONS, input=turn(1))
+    second = create(client, instructions=INSTRUCTIONS, input=turn(2), previous_response_id=first["id"])
+    body = {"instructions": INSTRUCTIONS, "input": turn(3), "previous_response_id": second["id"]}
+    refused = client.post("/v1/responses", json={**body, "max_output_tokens": 8})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    fitted = create(client, **body, truncation="auto")
+    assert fitted["truncation"] == "auto" and fitted["usage"]["input_tokens"] < context
+    kept = [
+        {"role": "assistant", "content": output_text(first)},
+        {"role": "user", "content": turn(2)},
+        {"role": "assistant", "content": output_text(second)},
+        {"role": "user", "content": turn(3)},
+    ]
+    same = create(client, instructions=INSTRUCTIONS, input=kept)
+    assert same["usage"]["input_tokens"] == fitted["usage"]["input_tokens"]
+    assert output_text(same) == output_text(fitted)
+
+
+async def test_a_dropped_call_takes_its_tool_result_with_it() -> None:
+    from router.tokenization import ByteTokenizer
+    from worker.responses_api import _fitted
+
+    tok = ByteTokenizer()
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"x": "' + "y" * 500 + '"}'},
+    }
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a result"},
+        {"role": "user", "content": "and now?"},
+    ]
+    # the call is the oldest turn: its result goes too, whatever room is left
+    for context in (200, 2000):
+        assert await _fitted(messages, 1, tok, None, context) == tok.encode_chat([messages[0], messages[3]])
+    # a long first question: dropping it is enough, the call and its result stay
+    asked = [messages[0], {"role": "user", "content": "z" * 1000}, *messages[1:]]
+    assert await _fitted(asked, 1, tok, None, 1000) == tok.encode_chat(messages)
 
 
 ADD = {
