@@ -37,6 +37,13 @@ def root_hash(namespace: str) -> int:
     return _h(namespace.encode("utf-8"))
 
 
+def salted(namespace: str, cache_salt: str | None) -> str:
+    """The chain namespace of a request with vLLM's ``cache_salt``: its prefixes are its salt's own,
+    so a request with another salt, or none, never matches them (nor learns from timing that they
+    are cached). Without a salt, ``namespace`` itself."""
+    return namespace if cache_salt is None else f"{namespace}\x00cache_salt\x00{cache_salt}"
+
+
 def _token_bytes(token_ids: Sequence[int] | array | bytes) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed representation)."""
     if isinstance(token_ids, (bytes, bytearray, memoryview)):  # one token per byte

@@ -20,7 +20,7 @@ from router import access_log
 from router.admission import AdmissionGate
 from router.affinity import UNGROUPED, AffinityGroups
 from router.api_keys import APIKeys
-from router.block_hash import PromptHashes, SpanMemo
+from router.block_hash import PromptHashes, SpanMemo, salted
 from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
 from router.config import RouterConfig
@@ -147,7 +147,8 @@ class Router:
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
         """The request as policies see it; its block hashes are computed as the decision reads them."""
         tokens = parsed.token_ids[:0] if parsed.full_prefill else parsed.token_ids  # nothing to match
-        hashes = PromptHashes(tokens, self.block_size, self.namespace(parsed.model), self.hash_memo)
+        namespace = salted(self.namespace(parsed.model), parsed.cache_salt)
+        hashes = PromptHashes(tokens, self.block_size, namespace, self.hash_memo)
         return RouteRequest(hashes, len(parsed.token_ids), self.block_size)
 
     def check_model(self, model: str | None) -> None:
@@ -300,7 +301,8 @@ class Router:
             worker.stats.requests += 1
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
                             prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
-            source = self.kv_source(decision)
+            # NOTE: a salted prompt's KV is not fetched (workers export unsalted prefixes only)
+            source = None if parsed.cache_salt is not None else self.kv_source(decision)
             access_log.note(kv_source=source)
             if source is not None:
                 worker.stats.kv_fetch_hints += 1

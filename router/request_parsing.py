@@ -37,6 +37,7 @@ class ParsedRequest:
     # /v1/completions with echo + logprobs: the worker computes the whole prompt (a cached prefix
     # has no logits), so no prefix match saves anything: routed by load, all of it counted as prefill
     full_prefill: bool = False
+    cache_salt: str | None = None  # vLLM's: the prompt's prefixes are this salt's own (block_hash.salted)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -77,7 +78,13 @@ def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
     stream = body.get("stream")  # NOTE: null is no stream, as OpenAI and the worker read it
     if stream is not None and not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", "invalid_type")
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise RouterError(400, CACHE_SALT_ERROR, "invalid_type")
     return body, model, bool(stream)
+
+
+CACHE_SALT_ERROR = "'cache_salt' must be a non-empty string"
 
 
 STREAM_OPTIONS_ERROR = "'stream_options' must be an object with a boolean 'include_usage'"
@@ -121,7 +128,8 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     n = body.get("n")
     n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
     full = not chat and body.get("echo") is True and body.get("logprobs") is not None
-    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others, full_prefill=full)
+    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others, full_prefill=full,
+                         cache_salt=body.get("cache_salt"))  # fmt: skip
 
 
 def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedRequest:
@@ -139,7 +147,14 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
     parsed = ParsedRequest(
-        body, raw, model, stream, token_ids, follow_up=previous is not None, usage_in_stream=True
+        body,
+        raw,
+        model,
+        stream,
+        token_ids,
+        follow_up=previous is not None,
+        usage_in_stream=True,
+        cache_salt=body.get("cache_salt"),
     )
     parsed.affinity_body = {"model": model, "messages": messages}
     return parsed

@@ -314,6 +314,28 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
         assert set(router_hashes) <= stored_hashes
 
 
+def test_a_cache_salt_keeps_its_prefixes_its_own_at_the_router_and_the_worker(launch):
+    """vLLM's cache_salt: the router predicts the salted hashes the worker stores; a request with
+    another salt or none matches none of them at either (no cached tokens), the same salt does."""
+    worker = _tiny_worker(launch)
+    router = launch.router([worker.url])
+    salted_chat = {**chat("Salted?"), "cache_salt": "tenant-a"}
+    predicted = httpx.post(router.url + "/debug/route", json=salted_chat, timeout=10).json()
+    assert httpx.post(router.url + "/v1/chat/completions", json=salted_chat, timeout=120).status_code == 200
+    stored = decode(httpx.get(worker.url + "/v1/cache/snapshot", timeout=10).content)
+    assert set(map(int, predicted["block_hashes"])) <= {h for run in stored.stored for h in run.block_hashes}
+    for other in ({**chat("Salted?"), "cache_salt": "tenant-b"}, chat("Salted?")):
+        assert matched_tokens(router.url, other)[worker.url] == 0
+        answer = httpx.post(router.url + "/v1/chat/completions", json=other, timeout=120).json()
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = {**chat("Salted again?"), "cache_salt": "tenant-a"}
+    assert matched_tokens(router.url, again)[worker.url] >= len(SYSTEM)
+    answer = httpx.post(router.url + "/v1/chat/completions", json=again, timeout=120).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM)
+    bad = httpx.post(router.url + "/v1/chat/completions", json={**again, "cache_salt": ""}, timeout=10)
+    assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+
+
 def test_a_shared_tool_set_is_a_shared_prefix_the_router_routes_by(launch):
     """Agents that share a long tool set but not their messages: the router renders the tools into
     the prompt as the worker does, so the second conversation goes where the tools are cached."""

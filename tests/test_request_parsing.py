@@ -1,5 +1,6 @@
 """Request bodies as the router reads them: ``stream: null`` is no stream (as OpenAI and the worker
-read it), and a malformed ``stream_options`` is the router's own 400, never silently replaced."""
+read it), a malformed ``stream_options`` is the router's own 400, never silently replaced, and a
+``cache_salt`` starts its own hash chain."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import orjson
 import pytest
 
 from router.errors import RouterError
-from router.request_parsing import parse_responses_request
+from router.request_parsing import parse_request, parse_responses_request
 from router.tokenization import ByteTokenizer
 
 from .test_router_integration import chat
@@ -41,3 +42,25 @@ def test_responses_read_stream_null_as_no_stream():
     with pytest.raises(RouterError) as err:
         parse_responses_request(orjson.dumps({**body, "stream": "yes"}), ByteTokenizer())
     assert err.value.status == 400
+
+
+def test_a_cache_salt_starts_its_own_hash_chain_and_a_bad_one_is_400():
+    from router.block_hash import PromptHashes, root_hash, salted
+
+    tok = ByteTokenizer()
+    body = {"model": "m", "prompt": "x" * 64}
+    plain = parse_request(orjson.dumps(body), False, tok)
+    salty = parse_request(orjson.dumps({**body, "cache_salt": "t1"}), False, tok)
+    responses = parse_responses_request(orjson.dumps({"model": "m", "input": "hi", "cache_salt": "t1"}), tok)
+    assert plain.cache_salt is None and salty.cache_salt == responses.cache_salt == "t1"
+    assert salted("m", None) == "m" and root_hash(salted("m", "t1")) not in (
+        root_hash("m"),
+        root_hash(salted("m", "t2")),
+    )
+    assert (
+        PromptHashes(salty.token_ids, 16, salted("m", "t1"))[0] != PromptHashes(plain.token_ids, 16, "m")[0]
+    )
+    for bad in ("", 3, ["t"]):
+        with pytest.raises(RouterError) as err:
+            parse_request(orjson.dumps({**body, "cache_salt": bad}), False, tok)
+        assert err.value.status == 400 and "cache_salt" in err.value.message

@@ -186,6 +186,7 @@ def sampling_params(
         bad_words=bad_words(body.get("bad_words"), tokenizer),
         min_tokens=get("min_tokens", 0),
         priority=get("priority", 0),
+        cache_salt=body.get("cache_salt"),
         guide=guide,
     )
     try:

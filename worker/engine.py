@@ -24,6 +24,7 @@ from typing import Any
 
 from router.detokenizer import IncrementalDetokenizer
 from router.tokenization import PromptTokenizer
+from worker.cache_salt import SaltSpaces, SaltSpacesFull
 from worker.engine_api import (
     EngineDeadError,
     Executor,
@@ -71,6 +72,7 @@ class Engine:
         self._running: tuple[ScheduledBatch, LaunchedStep] | None = None  # launched, not committed
         self.allocator = allocator
         self.cache = cache
+        self.salts = SaltSpaces(cache)  # cache_salt namespaces (engine thread)
         self.scheduler = Scheduler(scheduler_config, allocator, cache)
         self.tokenizer = tokenizer
         self.guides = GuideCompiler(tokenizer, getattr(executor, "vocab_size", tokenizer.vocab_size))
@@ -268,6 +270,11 @@ class Engine:
             except queue.Empty:
                 return
 
+    def _space_busy(self, space: int) -> bool:
+        """Does a queued or running request use cache namespace ``space``?"""
+        sched = self.scheduler
+        return any(r.namespace == space for r in (*sched.waiting, *sched.prefilling, *sched.running))
+
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
@@ -278,6 +285,15 @@ class Engine:
                 self._emit(req, RequestOutput(finish_reason="error", error="the LoRA adapter was unloaded",
                                               error_status=404, error_code="model_not_found"))  # fmt: skip
                 return
+            salt = None if req.payload is None else req.payload.params.cache_salt
+            if salt is not None:
+                model = self.cache.namespace if not req.adapter else self.adapter_names[req.adapter - 1]
+                try:
+                    req.namespace = self.salts.space(req.adapter, model, salt, self._space_busy)
+                except SaltSpacesFull as exc:
+                    self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
+                                                  error_code="cache_salts_busy"))  # fmt: skip
+                    return
             try:
                 self.scheduler.add(req)
                 self._requests[req.rid] = req

@@ -57,8 +57,10 @@ class RadixCache:
         self.host = host
         self.events = CacheEventLog()
         self._root_hash = root_hash(namespace)
-        # NOTE: LoRA adapter i's subtrees (keys from radix_node.adapter_keys) hash in its own namespace
-        self._roots = [self._root_hash, *(root_hash(a) for a in adapters)]
+        # NOTE: namespace i's subtrees (keys from radix_node.adapter_keys) hash from its own root: LoRA
+        # adapter i's (1, 2, ...), or a cache salt's (worker.cache_salt, from the top of the id range)
+        self._roots = {0: self._root_hash, **{i: root_hash(a) for i, a in enumerate(adapters, 1)}}
+        self._adapters = len(adapters)
         self.root = TreeNode(np.zeros(0, dtype=np.int32), EMPTY_PAGES, None, [], 0)
         self._clock = 0
         self._evictable = 0  # device pages in nodes with lock_ref == 0
@@ -457,15 +459,21 @@ class RadixCache:
             stack.extend((c, hashes[-1]) for c in node.children.values())
         return out
 
-    def drop_namespace(self, adapter: int) -> int:
-        """Remove LoRA adapter ``adapter``'s subtrees (unloaded: none of it is locked), both tiers,
-        with their removal events; returns device pages freed."""
-        doomed = [c for c in self.root.children.values() if int(c.key[0]) >> ADAPTER_SHIFT == adapter]
+    def drop_namespace(self, space: int) -> int:
+        """Remove namespace ``space``'s subtrees (a LoRA adapter unloaded, a cache salt's space given to
+        another: none of it is locked), both tiers, with their removal events; returns device pages freed."""
+        doomed = [c for c in self.root.children.values() if int(c.key[0]) >> ADAPTER_SHIFT == space]
         return sum(self._drop(node) for node in doomed)
 
     def add_namespace(self, name: str) -> None:
-        """A LoRA adapter added at runtime: its subtrees (keys of id len(namespaces)) hash as ``name``."""
-        self._roots.append(root_hash(name))
+        """A LoRA adapter added at runtime: its subtrees (keys of the next adapter id) hash as ``name``."""
+        self._adapters += 1
+        self._roots[self._adapters] = root_hash(name)
+
+    def set_namespace(self, space: int, name: str) -> None:
+        """Namespace ``space``'s subtrees hash as ``name`` from now on (a cache salt's: its old
+        subtrees dropped first)."""
+        self._roots[space] = root_hash(name)
 
     def event_view(self, key: np.ndarray, parent_hash: int | None) -> tuple[np.ndarray, int]:
         """A node key's tokens and parent hash as KV events carry them: the model's token ids, and

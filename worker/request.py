@@ -51,6 +51,7 @@ class Request:
     speculative: bool = False  # its decode steps may verify drafts (the engine's requests; not the warm-up)
     draft_check: Any = None  # drafts -> the drafts it may take (a grammar's forced or valid tokens)
     adapter: int = 0  # LoRA adapter id (0 = the base model): its KV and cache entries are its own
+    namespace: int | None = None  # the radix cache's key range: the adapter's, or its cache salt's
     # --- progress and KV ownership (scheduler only) ---
     token_ids: list[int] = field(init=False)  # prompt + generated so far
     prompt_len: int = field(init=False)
@@ -66,6 +67,8 @@ class Request:
     draft_history: Any = None  # the draft proposer's copy of token_ids
 
     def __post_init__(self) -> None:
+        if self.namespace is None:
+            self.namespace = self.adapter
         self.token_ids = [int(t) for t in self.prompt_ids]
         self.prompt_len = len(self.token_ids)
         if self.prompt_len == 0:

@@ -53,6 +53,7 @@ class SamplingParams:
     # scheduling, not sampling (carried here as the request's parameters): lower is served first
     priority: int = 0
     adapter: int = 0  # the LoRA adapter serving the request (0: the base model), by the worker's order
+    cache_salt: str | None = None  # vLLM's: cached prefixes shared only with requests of the same salt
     guide: Any = None  # a worker.guided.Guide: the output must follow its grammar (structured outputs)
 
     @property
@@ -147,6 +148,8 @@ class SamplingParams:
         if self.guide is not None and (self.ignore_eos or self.min_tokens):
             # NOTE: a finished grammar allows EOS only, which both of these forbid
             raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError("'cache_salt' must be a non-empty string")
         if self.guide is not None and self.allowed_token_ids is not None:
             # NOTE: the grammar's tokens and these need not meet: no token would be left to sample
             raise ValueError("allowed_token_ids cannot be combined with structured outputs or tools")

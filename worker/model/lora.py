@@ -32,6 +32,7 @@ import torch
 
 from kernels import reference
 from worker.attention import kernel_ops
+from worker.cache_salt import FIRST_SALT_SPACE
 
 # PEFT's target name -> (our stacked projection, which part of its output rows)
 TARGETS = {
@@ -45,7 +46,9 @@ TARGETS = {
 }
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # PEFT targets stacked in each projection
-MAX_ADAPTERS = 2047  # adapter ids 1..2047 (worker.radix_node.ADAPTER_SHIFT keeps them apart in the cache)
+MAX_ADAPTERS = (
+    FIRST_SALT_SPACE - 1
+)  # adapter ids 1..1791 (radix_node.ADAPTER_SHIFT; cache salts use the rest)
 log = logging.getLogger("worker.engine")
 
 

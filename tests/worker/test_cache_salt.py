@@ -1,0 +1,101 @@
+"""vLLM's ``cache_salt`` on a real worker (tiny model, CPU): a salt's cached prefixes serve only
+requests with the same salt, its KV events hash from the salted chain a router computes, and the
+salt namespaces are recycled least recently used first, never from under a running request."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from router.block_hash import root_hash, salted
+from router.kv_events import decode
+from tests.worker.test_server import LiveServer, idle, serve
+from worker.cache_salt import SaltSpaces
+
+PREFIX = "A system prompt that every tenant of this test sends first, word for word. " * 5
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    with serve() as server:
+        yield server
+
+
+@pytest.fixture
+def client(live) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        assert c.post("/v1/cache/flush").status_code == 200
+        yield c
+
+
+def ask(client: httpx.Client, salt: str | None, question: str) -> tuple[int, str]:
+    """(cached prompt tokens, greedy text) of PREFIX + question under ``salt``."""
+    body = {"prompt": PREFIX + question, "max_tokens": 4, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.json()["choices"][0]["text"]
+
+
+def test_a_salt_shares_cached_prefixes_only_with_its_own_requests(client) -> None:
+    prefix = len(PREFIX.encode()) // 16 * 16  # whole pages of the shared prompt
+    cached, text = ask(client, "tenant-a", "Q1")
+    assert cached == 0
+    assert ask(client, "tenant-a", "Q2")[0] >= prefix
+    assert ask(client, "tenant-b", "Q3")[0] == 0  # another salt: nothing of tenant-a's
+    assert ask(client, None, "Q4")[0] == 0  # no salt: nothing of either
+    assert ask(client, None, "Q5")[0] >= prefix
+    assert ask(client, "tenant-b", "Q6")[0] >= prefix
+    # the same prompt gives the same answer whatever the salt (the same tokens, the same KV)
+    assert {ask(client, s, "Q1")[1] for s in ("tenant-a", "tenant-b", "tenant-c", None)} == {text}
+    # KV events: each salt's prefixes hang from its own root, as a router hashes them
+    snapshot = decode(client.get("/v1/cache/snapshot").content)
+    roots = {run.parent_hash for run in snapshot.stored}
+    want = {root_hash("tiny"), *(root_hash(salted("tiny", s)) for s in ("tenant-a", "tenant-b", "tenant-c"))}
+    assert want <= roots
+
+
+@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+def test_a_bad_salt_is_a_400(client, salt) -> None:
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": salt})
+    assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]
+
+
+def test_salt_namespaces_are_recycled_least_recently_used_first(client, live) -> None:
+    engine = live.engine
+    few = SaltSpaces(engine.cache, spaces=2)
+    before = engine.salts
+    engine.post(lambda: setattr(engine, "salts", few)).result(10)  # NOTE: the engine thread owns it
+    try:
+        prefix = len(PREFIX.encode()) // 16 * 16
+        ask(client, "a", "1")
+        ask(client, "b", "2")
+        ask(client, "c", "3")  # takes a's namespace: a's pages go
+        assert ask(client, "b", "4")[0] >= prefix  # b kept
+        assert ask(client, "a", "5")[0] == 0  # a starts again, in c's namespace (the least recent)
+        assert ask(client, "c", "6")[0] == 0 and ask(client, "b", "7")[0] == 0
+        assert len(few) == 2
+    finally:
+        engine.post(lambda: setattr(engine, "salts", before)).result(10)
+
+
+def test_a_namespace_in_use_is_not_taken_a_new_salt_waits_for_it(client, live) -> None:
+    engine = live.engine
+    one = SaltSpaces(engine.cache, spaces=1)
+    before = engine.salts
+    engine.post(lambda: setattr(engine, "salts", one)).result(10)
+    try:
+        body = {"prompt": PREFIX, "max_tokens": 3000, "ignore_eos": True, "stream": True, "cache_salt": "x"}
+        with client.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # NOTE: kept: a dropped iterator closes the stream
+            next(lines)  # it runs
+            r = client.post("/v1/completions", json={"prompt": PREFIX, "max_tokens": 1, "cache_salt": "y"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "cache_salts_busy"
+        idle(client)
+        assert ask(client, "y", "now")[0] == 0
+        assert client.post("/v1/completions", json={"prompt": "unsalted", "max_tokens": 1}).status_code == 200
+    finally:
+        engine.post(lambda: setattr(engine, "salts", before)).result(10)

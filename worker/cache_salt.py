@@ -1,0 +1,56 @@
+"""vLLM's ``cache_salt``: requests that carry a salt share cached prefixes only with requests that
+carry the same salt (and model), so a tenant cannot tell from its own latency what another tenant's
+prompts hold in the cache.
+
+Each (model, salt) pair in use gets a namespace of the radix cache: an id in the key space that
+LoRA adapters use too (worker.radix_node.adapter_keys), taken from the top of the range, so a salt's
+prefixes form their own subtrees; their KV events hash from ``router.block_hash.salted(model, salt)``
+as a router hashes the same request. The ids are few (SALT_SPACES); when all are taken, the least
+recently used pair that no queued or running request needs gives its id up, and its cached pages go
+first (with their removal events). Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from router.block_hash import salted
+from worker.radix_node import ADAPTER_SHIFT
+
+SALT_SPACES = 256  # namespaces for salts: the top of the 2**(31 - ADAPTER_SHIFT) ids that keep keys int32
+FIRST_SALT_SPACE = (1 << (31 - ADAPTER_SHIFT)) - SALT_SPACES  # below it: the base model and LoRA adapters
+
+
+class SaltSpacesFull(Exception):
+    """Every salt namespace is held by queued or running requests (HTTP 429)."""
+
+
+class SaltSpaces:
+    def __init__(self, cache: object, spaces: int = SALT_SPACES) -> None:
+        self.cache = cache  # a worker.radix_cache.RadixCache
+        self._held: OrderedDict[tuple[int, str], int] = OrderedDict()  # (adapter, salt) -> id, LRU first
+        top = FIRST_SALT_SPACE + SALT_SPACES
+        self._free = list(range(top - spaces, top))
+
+    def space(self, adapter: int, model: str, salt: str, busy: Callable[[int], bool]) -> int:
+        """The namespace id of ``salt`` on ``adapter`` (served as ``model``); raises SaltSpacesFull."""
+        key = (adapter, salt)
+        space = self._held.get(key)
+        if space is not None:
+            self._held.move_to_end(key)
+            return space
+        if self._free:
+            space = self._free.pop()
+        else:
+            old = next((k for k, s in self._held.items() if not busy(s)), None)
+            if old is None:
+                raise SaltSpacesFull(f"all {len(self._held)} cache salt namespaces are in use; retry later")
+            space = self._held.pop(old)
+            self.cache.drop_namespace(space)  # type: ignore[attr-defined]
+        self.cache.set_namespace(space, salted(model, salt))  # type: ignore[attr-defined]
+        self._held[key] = space
+        return space
+
+    def __len__(self) -> int:
+        return len(self._held)
