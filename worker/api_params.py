@@ -69,6 +69,8 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         raise APIError(400, "'stream' must be a boolean")
     if not isinstance(body.get("echo") or False, bool):
         raise APIError(400, "'echo' must be a boolean")
+    if not isinstance(body.get("return_token_ids") or False, bool):
+        raise APIError(400, "'return_token_ids' must be a boolean")
     if not stream_options_ok(body):
         raise APIError(400, STREAM_OPTIONS_ERROR, "invalid_type")
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
@@ -132,6 +134,11 @@ def engine_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return None
+
+
+def return_token_ids(body: dict) -> bool:
+    """vLLM's ``return_token_ids``: the prompt's and the output's token ids in the answer."""
+    return body.get("return_token_ids") is True
 
 
 def include_usage(body: dict) -> bool:

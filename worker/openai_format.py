@@ -61,6 +61,8 @@ class Choice:
     echo: str | None = None
     prompt_ids: list[int] | None = None
     scoring_only: bool = False  # max_tokens 0 with echo: the one token generated is not answered
+    token_ids: list[int] = field(default_factory=list)  # generated ids not yet sent (return_token_ids)
+    prompt_sent: bool = False  # a stream's choice has sent its prompt's ids (completions shape)
 
     def visible(self, out: RequestOutput) -> str:
         """The text of ``out`` the client sees (the echoed prompt first)."""
@@ -73,6 +75,8 @@ class Choice:
             self.logprobs.extend(zip(self.prompt_ids, out.prompt_logprobs, strict=True))
         if out.logprobs is not None and not self.scoring_only:
             self.logprobs.append((out.token_ids[0], out.logprobs))
+        if not self.scoring_only:
+            self.token_ids += out.token_ids
         self.completion_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
         if self.scoring_only:
             self.completion_tokens = 0
@@ -135,11 +139,23 @@ class Responses:
     carry a logprobs object (else ``null``)."""
 
     def __init__(
-        self, rid: str, model: str, chat: bool, names: TokenNames, logprobs: bool, simulated: bool
-    ) -> None:
+        self, rid: str, model: str, chat: bool, names: TokenNames, logprobs: bool, simulated: bool,
+        prompt_ids: list[list[int]] | None = None,
+    ) -> None:  # fmt: skip
         self.rid, self.model, self.chat = rid, model, chat
         self.names, self.logprobs, self.simulated = names, logprobs, simulated
+        # vLLM's return_token_ids: each prompt's ids, and every choice's generated ids (EOS included)
+        self.prompt_ids = prompt_ids
         self.created = int(time.time())
+
+    def _ids(self, c: Choice, choice: dict, first: bool) -> dict:
+        """``choice`` with the ids generated since the last chunk (and with the completions shape, on
+        the first, the prompt's), when the request asked for them."""
+        if self.prompt_ids is not None:
+            if first and not self.chat:
+                choice["prompt_token_ids"] = self.prompt_ids[c.prompt]
+            choice["token_ids"], c.token_ids = c.token_ids, []
+        return choice
 
     def _envelope(self, obj: str, **rest: Any) -> dict:
         body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, **rest}
@@ -159,16 +175,25 @@ class Responses:
                 if c.tools is not None:
                     message = c.tools.message(text)
                     finish = c.tools.finish_reason(finish)
-                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish})
+                choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
             else:
-                out.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            out.append(self._ids(c, choice, True))
         obj = "chat.completion" if self.chat else "text_completion"
+        if self.chat and self.prompt_ids is not None:
+            return self._envelope(obj, choices=out, usage=usage(prompt_tokens, choices),
+                                  prompt_token_ids=self.prompt_ids[0])  # fmt: skip
         return self._envelope(obj, choices=out, usage=usage(prompt_tokens, choices))
 
     def role_chunk(self, index: int) -> dict:
         """A chat stream's first chunk of a choice."""
         delta = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        if self.prompt_ids is not None:
+            choice["token_ids"] = []
+            return self._envelope(
+                "chat.completion.chunk", choices=[choice], prompt_token_ids=self.prompt_ids[0]
+            )
         return self._envelope("chat.completion.chunk", choices=[choice])
 
     def chunk(self, c: Choice, text: str, finish_reason: str | None = None) -> dict:
@@ -178,9 +203,10 @@ class Responses:
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", choices=[choice])
+            return self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)])
         choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-        return self._envelope("text_completion", choices=[choice])
+        first, c.prompt_sent = not c.prompt_sent, True
+        return self._envelope("text_completion", choices=[self._ids(c, choice, first)])
 
     def tool_chunks(self, c: Choice, text: str, finish_reason: str | None = None) -> list[dict]:
         """A chat stream's chunks for a choice with tools: ``text`` as content and tool call deltas
@@ -191,12 +217,12 @@ class Responses:
         for delta in deltas:
             lp = self._take_logprobs(c) if c.logprobs else None
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": None}
-            out.append(self._envelope("chat.completion.chunk", choices=[choice]))
+            out.append(self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)]))
         if finish_reason is not None:
             lp = self._take_logprobs(c) if c.logprobs else None
             choice = {"index": c.index, "delta": {}, "logprobs": lp,
                       "finish_reason": c.tools.finish_reason(finish_reason)}  # fmt: skip
-            out.append(self._envelope("chat.completion.chunk", choices=[choice]))
+            out.append(self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)]))
         return out
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:

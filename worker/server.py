@@ -37,6 +37,7 @@ from worker.api_params import (
     output_guide,
     prompt_ids,
     read_bounded,
+    return_token_ids,
     sampling_params,
     tools_of,
     truncate_prompts,
@@ -182,6 +183,7 @@ class WorkerAPI:
             self.token_names,
             params.logprobs is not None,
             self.engine.simulated,
+            prompts if return_token_ids(body) else None,
         )
         if body.get("stream"):
             return event_stream(

@@ -236,6 +236,7 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404),
         ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "use_beam_search": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "return_token_ids": "yes"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "prompt_logprobs": 1}', 400),
         ("/v1/completions", b'{"prompt": "hi", "truncate_prompt_tokens": 0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "truncate_prompt_tokens": "5"}', 400),
@@ -274,6 +275,37 @@ def test_min_p_one_leaves_only_the_likeliest_token(client):
     free = {client.post("/v1/completions", json={**body, "temperature": 1.5, "seed": seed}).json()["choices"][0]["text"]
             for seed in range(3)}  # fmt: skip
     assert free != {greedy}  # without it the same requests sample other answers
+
+
+def test_return_token_ids_gives_the_prompts_and_every_generated_token(client):
+    """vLLM's return_token_ids: each completions choice carries its prompt's ids and the ids it
+    generated, the final stop token included (it is not text); chat carries the prompt's ids once;
+    streams carry each chunk's new ids, the prompt's on the first chunk; absent, none of it."""
+    body = {"prompt": ["Token ids", "Two"], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2}
+    plain = client.post("/v1/completions", json=body).json()
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+    whole = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == list(["Token ids", "Two"][c["index"] // 2].encode())
+        assert len(c["token_ids"]) == 6 and bytes(c["token_ids"]).decode() == c["text"]
+    stop_id = whole["choices"][0]["token_ids"][2]
+    one = {"prompt": "Token ids", "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    stopped = client.post("/v1/completions", json={**one, "stop_token_ids": [stop_id]}).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["token_ids"] == whole["choices"][0]["token_ids"][:3]
+    assert choice["text"] == whole["choices"][0]["text"][:2] and stopped["usage"]["completion_tokens"] == 3
+    with client.stream("POST", "/v1/completions", json={**one, "stream": True}) as r:
+        chunks = [e["choices"][0] for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert chunks[0]["prompt_token_ids"] == list(b"Token ids") and "prompt_token_ids" not in chunks[1]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "ids?"}], "max_tokens": 5, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    answer = client.post("/v1/chat/completions", json=chat).json()
+    assert answer["prompt_token_ids"] == client.post("/tokenize", json=chat).json()["tokens"]
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert events[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == answer["choices"][0]["token_ids"]
 
 
 def test_special_tokens_are_text_only_when_asked(client):
