@@ -69,8 +69,9 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         raise APIError(400, "'stream' must be a boolean")
     if not isinstance(body.get("echo") or False, bool):
         raise APIError(400, "'echo' must be a boolean")
-    if not isinstance(body.get("return_token_ids") or False, bool):
-        raise APIError(400, "'return_token_ids' must be a boolean")
+    for flag in ("return_token_ids", "return_tokens_as_token_ids"):
+        if not isinstance(body.get(flag) or False, bool):
+            raise APIError(400, f"'{flag}' must be a boolean")
     if not stream_options_ok(body):
         raise APIError(400, STREAM_OPTIONS_ERROR, "invalid_type")
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would

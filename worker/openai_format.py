@@ -140,10 +140,12 @@ class Responses:
 
     def __init__(
         self, rid: str, model: str, chat: bool, names: TokenNames, logprobs: bool, simulated: bool,
-        prompt_ids: list[list[int]] | None = None,
+        prompt_ids: list[list[int]] | None = None, ids_as_tokens: bool = False,
     ) -> None:  # fmt: skip
         self.rid, self.model, self.chat = rid, model, chat
         self.names, self.logprobs, self.simulated = names, logprobs, simulated
+        if ids_as_tokens:  # NOTE: vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+            self.names = lambda t: (f"token_id:{t}", names(t)[1])  # type: ignore[assignment]
         # vLLM's return_token_ids: each prompt's ids, and every choice's generated ids (EOS included)
         self.prompt_ids = prompt_ids
         self.created = int(time.time())

@@ -184,6 +184,7 @@ class WorkerAPI:
             params.logprobs is not None,
             self.engine.simulated,
             prompts if return_token_ids(body) else None,
+            body.get("return_tokens_as_token_ids") is True,
         )
         if body.get("stream"):
             return event_stream(

@@ -237,6 +237,7 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "use_beam_search": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "return_token_ids": "yes"}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "return_tokens_as_token_ids": 1}', 400),
         ("/v1/completions", b'{"prompt": "hi", "prompt_logprobs": 1}', 400),
         ("/v1/completions", b'{"prompt": "hi", "truncate_prompt_tokens": 0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "truncate_prompt_tokens": "5"}', 400),
@@ -306,6 +307,22 @@ def test_return_token_ids_gives_the_prompts_and_every_generated_token(client):
         events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
     assert events[0]["prompt_token_ids"] == answer["prompt_token_ids"]
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == answer["choices"][0]["token_ids"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token ``token_id:N`` (chat keeps bytes)."""
+    body = {"prompt": "Name them", "max_tokens": 4, "temperature": 0, "logprobs": 2, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    chat = {"messages": [{"role": "user", "content": "ids?"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    for entry in content:
+        assert entry["token"] == f"token_id:{entry['bytes'][0]}" and entry["top_logprobs"][0][
+            "token"
+        ].startswith("token_id:")
 
 
 def test_special_tokens_are_text_only_when_asked(client):
