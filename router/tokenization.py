@@ -37,7 +37,7 @@ class PromptTokenizer(Protocol):
 
     def encode_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, template_kwargs: dict | None = None,
     ) -> list[int]: ...  # fmt: skip
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -85,9 +85,15 @@ def normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
-def chat_options(body: dict) -> dict[str, bool]:
-    """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (default
-    false: true makes the model continue the last, assistant, message, an "assistant prefill") as
+# variables the chat template gets from the request itself (chat_template_kwargs cannot set them)
+_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                 "bos_token", "eos_token", "unk_token", "pad_token"})  # fmt: skip
+
+
+def chat_options(body: dict) -> dict[str, Any]:
+    """vLLM's ``add_generation_prompt`` (default true), ``continue_final_message`` (default
+    false: true makes the model continue the last, assistant, message, an "assistant prefill") and
+    ``chat_template_kwargs`` (more variables for the template, e.g. Qwen 3's ``enable_thinking``) as
     ``encode_chat`` keyword arguments. ValueError when malformed or both true."""
     add = body.get("add_generation_prompt", True)
     cont = body.get("continue_final_message", False)
@@ -95,7 +101,17 @@ def chat_options(body: dict) -> dict[str, bool]:
         raise ValueError("'add_generation_prompt' and 'continue_final_message' must be booleans")
     if add and cont and "add_generation_prompt" in body:
         raise ValueError("'continue_final_message' and 'add_generation_prompt' cannot both be true")
-    return {"add_generation_prompt": add and not cont, "continue_final_message": cont}
+    options: dict[str, Any] = {"add_generation_prompt": add and not cont, "continue_final_message": cont}
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ValueError("'chat_template_kwargs' must be an object of template variables")
+        taken = sorted(_TEMPLATE_VARIABLES & extra.keys())
+        if taken:
+            raise ValueError(f"'chat_template_kwargs' cannot set {', '.join(taken)}: the request sets them")
+        if extra:
+            options["template_kwargs"] = extra
+    return options
 
 
 def _final_to_continue(messages: list[dict]) -> str:
@@ -130,9 +146,9 @@ class ByteTokenizer:
 
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, template_kwargs: dict | None = None,
     ) -> str:  # fmt: skip
-        """The fixed plain chat template: ``<|role|>\\n{content}\\n`` per message, then the
+        """The fixed plain chat template (it has no variables: ``template_kwargs`` change nothing): ``<|role|>\\n{content}\\n`` per message, then the
         generation prompt ``<|assistant|>\\n`` (unless ``add_generation_prompt`` is false; with
         ``continue_final_message`` the last message stays open: no newline, no generation prompt). Tools come first, as ``<|tools|>\\n{JSON list}\\n``
         (one tool set shared by many conversations is then their shared prefix); an assistant
@@ -281,10 +297,11 @@ class HFTokenizer:
 
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, template_kwargs: dict | None = None,
     ) -> str:  # fmt: skip
         """The conversation as text, rendered by the model's chat template like HF does (``tools``
-        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does). With
+        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does; the
+        request's ``template_kwargs`` as more variables). With
         ``continue_final_message`` the text ends right after the last message's content, as HF
         cuts it (no end-of-turn, no generation prompt)."""
         tools = normalize_tools(tools)
@@ -309,6 +326,7 @@ class HFTokenizer:
                 tools=tools,
                 documents=None,
                 **self.special_tokens,
+                **(template_kwargs or {}),
             )
         except TemplateError as exc:  # raise_exception() in the template: a bad conversation
             raise ValueError(f"chat template rejected the messages: {exc}") from exc

@@ -283,6 +283,39 @@ def test_chat_template_file_takes_precedence(hf_dir, tmp_path):
     assert HFTokenizer(str(directory)).render_chat([{"role": "user", "content": "x"}]) == "[x]"
 
 
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(hf_dir, tmp_path):
+    """vLLM's chat_template_kwargs (Qwen 3's enable_thinking): more template variables, rendered as
+    transformers' apply_chat_template renders its keyword arguments; the request's own variables
+    cannot be set that way, and the byte template (no variables) ignores them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    directory = tmp_path / "thinking"
+    shutil.copytree(hf_dir, directory)
+    (directory / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}"
+    )
+    ours, theirs = HFTokenizer(str(directory)), AutoTokenizer.from_pretrained(directory)
+    chat = [{"role": "user", "content": "Think?"}]
+    for body in ({}, {"chat_template_kwargs": {"enable_thinking": False}}, {"chat_template_kwargs": {}}):
+        extra = body.get("chat_template_kwargs") or {}
+        want = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False, **extra)
+        assert ours.render_chat(chat, **chat_options(body)) == want
+    assert ours.render_chat(
+        chat, **chat_options({"chat_template_kwargs": {"enable_thinking": False}})
+    ).endswith("<think></think>")
+    for bad in ([1], "x", {"messages": []}, {"add_generation_prompt": False}, {"bos_token": "<s>"}):
+        with pytest.raises(ValueError, match="chat_template_kwargs"):
+            chat_options({"chat_template_kwargs": bad})
+    byte = ByteTokenizer()
+    assert byte.render_chat(chat, **chat_options({"chat_template_kwargs": {"enable_thinking": False}})) == (
+        byte.render_chat(chat)
+    )
+
+
 def test_sentencepiece_prompt_gets_bos_and_byte_fallback(sp_dir):
     tok = HFTokenizer(str(sp_dir))
     ids = tok.encode_prompt("the cat 🙂")

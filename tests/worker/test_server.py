@@ -252,6 +252,16 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
             b'{"messages": [{"role": "user", "content": "a"}], "audio": {"voice": "x"}}',
             400,
         ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": 1}',
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"tools": []}}',
+            400,
+        ),
         ("/v1/chat/completions", b'{"messages": "hi"}', 400),
         ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400),
     ],
