@@ -184,7 +184,9 @@ def sampling_params(
         stop_token_ids=get("stop_token_ids", []),
         ignore_eos=get("ignore_eos", False),
         skip_special_tokens=get("skip_special_tokens", True),
-        include_stop_str_in_output=get("include_stop_str_in_output", False),
+        include_stop_str_in_output=get(
+            "include_stop_str_in_output", get("no_stop_trim", False)
+        ),  # SGLang's name
         logprobs=logprobs,
         repetition_penalty=get("repetition_penalty", 1.0),
         frequency_penalty=get("frequency_penalty", 0.0),

@@ -79,15 +79,24 @@ def choice_grammar(choices: Any) -> str:
 
 
 def lark_grammar(text: Any) -> str:
+    """A Lark grammar, or a GBNF / EBNF one (``root ::= ...``, as llama.cpp, xgrammar and SGLang's
+    ``ebnf`` write them), converted by llguidance."""
     from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
     if not isinstance(text, str) or not text.strip():
-        raise ValueError("a grammar must be a non-empty Lark grammar string")
+        raise ValueError("a grammar must be a non-empty Lark or GBNF grammar string")
+    try:
+        text = any_to_lark(text)
+    except GbnfToLarkError as exc:
+        raise ValueError(f"the GBNF grammar does not parse: {exc}") from None
     return LLMatcher.grammar_from_lark(text)
 
 
 # vLLM's spellings: ``structured_outputs: {kind: value}`` and the older top-level ``guided_<kind>``
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# SGLang's: top-level ``regex``, ``json_schema`` (JSON text) and ``ebnf``
+_SGLANG_KINDS = {"regex": "regex", "json_schema": "json_schema", "ebnf": "grammar"}
 
 
 def requested_grammar(body: dict) -> tuple[str, str] | None:
@@ -115,6 +124,7 @@ def requested_grammar(body: dict) -> tuple[str, str] | None:
     asked += [
         (kind, body[f"guided_{k}"]) for k, kind in _VLLM_KINDS.items() if body.get(f"guided_{k}") is not None
     ]
+    asked += [(kind, body[k]) for k, kind in _SGLANG_KINDS.items() if body.get(k) is not None]
     if not asked:
         return None
     if len(asked) > 1:

@@ -55,6 +55,10 @@ def check_person(obj: dict) -> None:
         ({"structured_outputs": {"regex": "[0-9]+"}}, "regex"),
         ({"guided_choice": ["a", "b"]}, "choice"),
         ({"guided_grammar": 'start: "x"+'}, "grammar"),
+        ({"guided_grammar": 'root ::= "x"+'}, "grammar"),  # GBNF too
+        ({"regex": "[0-9]+"}, "regex"),  # SGLang's top-level spellings
+        ({"json_schema": json.dumps(PERSON)}, "json_schema"),
+        ({"ebnf": 'root ::= "yes" | "no"'}, "grammar"),
     ],
 )
 def test_every_spelling_names_its_kind(body, kind) -> None:
@@ -73,6 +77,8 @@ def test_every_spelling_names_its_kind(body, kind) -> None:
         {"guided_choice": ["a", 3]},
         {"guided_json": "{not json"},
         {"guided_regex": ""},
+        {"regex": "a", "guided_regex": "a"},
+        {"ebnf": "root ::= (("},
     ],
 )
 def test_malformed_or_ambiguous_constraints_are_refused(body) -> None:
@@ -241,8 +247,14 @@ def test_regex_choice_and_grammar_constraints(tiny) -> None:
                                            "structured_outputs": {"choice": ["yes", "no", "ça dépend"]}})  # fmt: skip
     assert {c["text"] for c in r.json()["choices"]} <= {"yes", "no", "ça dépend"}
     lark = 'start: "(" item ("," item)* ")"\nitem: /[0-9]/'
-    r = tiny.post("/v1/completions", json={"prompt": "t", "max_tokens": 30, "guided_grammar": lark})
-    assert re.fullmatch(r"\([0-9](,[0-9])*\)", r.json()["choices"][0]["text"]), r.text
+    gbnf = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9]'
+    for spelling in ({"guided_grammar": lark}, {"guided_grammar": gbnf}, {"ebnf": gbnf}):
+        r = tiny.post(
+            "/v1/completions", json={"prompt": "t", "max_tokens": 30, "temperature": 1.0, **spelling}
+        )
+        assert re.fullmatch(r"\([0-9](,[0-9])*\)", r.json()["choices"][0]["text"]), (spelling, r.text)
+    r = tiny.post("/v1/completions", json={"prompt": "id:", "max_tokens": 20, "regex": pattern, "seed": 1})
+    assert re.fullmatch(pattern, r.json()["choices"][0]["text"]), r.text
 
 
 def test_truncated_output_says_length_and_the_worker_keeps_serving(tiny) -> None:

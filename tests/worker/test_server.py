@@ -335,6 +335,20 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
         ].startswith("token_id:")
 
 
+def test_a_stop_string_is_kept_with_either_spelling(client):
+    """vLLM's include_stop_str_in_output and SGLang's no_stop_trim keep the stop string that ended
+    the text; without them it is cut."""
+    body = {"prompt": "Stop here", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text[4:6]
+    end = text.find(stop)
+    cut = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[:end] and cut["finish_reason"] == "stop"
+    for flag in ("include_stop_str_in_output", "no_stop_trim"):
+        kept = client.post("/v1/completions", json={**body, "stop": [stop], flag: True}).json()["choices"][0]
+        assert kept["text"] == text[: end + len(stop)], flag
+
+
 def test_special_tokens_are_text_only_when_asked(client):
     """skip_special_tokens false (vLLM's): the special tokens sampled show as their names, in the
     answer and in its stream; by default they are not text. The answers are the same tokens."""
