@@ -332,6 +332,13 @@ def test_a_cache_salt_keeps_its_prefixes_its_own_at_the_router_and_the_worker(la
     assert matched_tokens(router.url, again)[worker.url] >= len(SYSTEM)
     answer = httpx.post(router.url + "/v1/chat/completions", json=again, timeout=120).json()
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(SYSTEM)
+    # a salted prompt the worker got behind the router's back reaches its index by KV events, for that salt
+    direct = {**chat("Sent straight to the worker."), "cache_salt": "tenant-z"}
+    assert httpx.post(worker.url + "/v1/chat/completions", json=direct, timeout=120).status_code == 200
+    wait_until(
+        lambda: matched_tokens(router.url, direct)[worker.url] >= len(SYSTEM), 30, what="salted event applied"
+    )
+    assert matched_tokens(router.url, {**direct, "cache_salt": "tenant-y"})[worker.url] == 0
     bad = httpx.post(router.url + "/v1/chat/completions", json={**again, "cache_salt": ""}, timeout=10)
     assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
 
