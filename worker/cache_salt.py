@@ -52,5 +52,15 @@ class SaltSpaces:
         self._held[key] = space
         return space
 
+    def drop_adapter(self, adapter: int) -> int:
+        """Free the namespaces of ``adapter``'s salts (the adapter unloaded: none of its requests is
+        queued or running) and drop their pages; returns device pages freed."""
+        freed = 0
+        for key in [k for k in self._held if k[0] == adapter]:
+            space = self._held.pop(key)
+            freed += self.cache.drop_namespace(space)  # type: ignore[attr-defined]
+            self._free.append(space)
+        return freed
+
     def __len__(self) -> int:
         return len(self._held)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from router.block_hash import block_hashes, root_hash
+from router.block_hash import block_hashes, root_hash, salted
+from router.kv_events import decode
 from tests.support import wait_until
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
@@ -259,9 +260,20 @@ def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_p
         busy = post("/v1/unload_lora_adapter", {"lora_name": "late"})
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
         assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    complete(url, "late", cache_salt="t")  # a salt's prefixes of the adapter go with it too
+    assert complete(url, "late", cache_salt="t")["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    def roots() -> set[int]:
+        return {
+            run.parent_hash
+            for run in decode(httpx.get(url + "/v1/cache/snapshot", timeout=10).content).stored
+        }
+
+    assert {root_hash("late"), root_hash(salted("late", "t"))} <= roots()
     cached_before = metric(url, "radixgate_worker_kv_cached_pages")
     unloaded = post("/v1/unload_lora_adapter", {"lora_name": "late"})
     assert unloaded.status_code == 200 and unloaded.json()["freed_tokens"] > 0  # its prefixes went too
+    assert not {root_hash("late"), root_hash(salted("late", "t"))} & roots()  # the salted ones too
     left = (
         cached_before - unloaded.json()["freed_tokens"] // 16
     )  # NOTE: metrics refresh after the engine's turn
@@ -275,6 +287,7 @@ def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_p
         post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(root / "ad")}).status_code == 200
     )
     assert complete(url, "late")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert complete(url, "late", cache_salt="t")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert complete(url, "ad")["choices"][0]["text"] == want["choices"][0]["text"]  # the others serve on
 
 

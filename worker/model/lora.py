@@ -315,4 +315,4 @@ def remove_adapter(engine: Any, name: str) -> int:
         )
     engine.adapter_names[adapter_id - 1] = None
     engine.executor.model.remove_lora(adapter_id)
-    return engine.cache.drop_namespace(adapter_id)
+    return engine.cache.drop_namespace(adapter_id) + engine.salts.drop_adapter(adapter_id)
