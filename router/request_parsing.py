@@ -87,15 +87,22 @@ def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
 CACHE_SALT_ERROR = "'cache_salt' must be a non-empty string"
 
 
-STREAM_OPTIONS_ERROR = "'stream_options' must be an object with a boolean 'include_usage'"
+STREAM_OPTIONS_ERROR = (
+    "'stream_options' must be an object with a boolean 'include_usage' (and vLLM's 'continuous_usage_stats')"
+)
 
 
 def stream_options_ok(body: dict[str, Any]) -> bool:
     """``stream_options`` of a chat or completion request: null, or an object whose
-    ``include_usage`` is a boolean, null or absent (one rule for the router and the worker)."""
+    ``include_usage`` and ``continuous_usage_stats`` are booleans, null or absent (one rule for the
+    router and the worker)."""
     options = body.get("stream_options")
     return options is None or (
-        isinstance(options, dict) and isinstance(options.get("include_usage", False), (bool, type(None)))
+        isinstance(options, dict)
+        and all(
+            isinstance(options.get(k, False), (bool, type(None)))
+            for k in ("include_usage", "continuous_usage_stats")
+        )
     )
 
 
@@ -169,7 +176,9 @@ def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:
     options = parsed.body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
         return parsed.raw, False
-    body = {**parsed.body, "stream_options": {**(options or {}), "include_usage": True}}
+    # NOTE: vLLM's continuous_usage_stats counts only with include_usage: the client gets no usage
+    kept = {k: v for k, v in (options or {}).items() if k != "continuous_usage_stats"}
+    body = {**parsed.body, "stream_options": {**kept, "include_usage": True}}
     return orjson.dumps(body), True
 
 

@@ -55,7 +55,13 @@ def test_a_chunk_with_choices_and_usage_is_kept():
         (None, True, {"include_usage": True}),
         ({"include_usage": False}, True, {"include_usage": True}),
         ({"include_usage": True}, False, {"include_usage": True}),
-        ({"continuous_usage_stats": False}, True, {"continuous_usage_stats": False, "include_usage": True}),
+        # vLLM's continuous_usage_stats counts only with include_usage: not sent where the router adds it
+        ({"continuous_usage_stats": True}, True, {"include_usage": True}),
+        (
+            {"include_usage": True, "continuous_usage_stats": True},
+            False,
+            {"include_usage": True, "continuous_usage_stats": True},
+        ),
     ],
 )
 def test_the_router_asks_for_usage_where_the_client_did_not(options, strip, sent):

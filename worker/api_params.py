@@ -147,6 +147,12 @@ def include_usage(body: dict) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
+def continuous_usage(body: dict) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage so far in
+    every chunk too."""
+    return include_usage(body) and (body.get("stream_options") or {}).get("continuous_usage_stats") is True
+
+
 def chat_logprobs(body: dict) -> int | None:
     """Chat's ``logprobs`` (boolean) + ``top_logprobs`` as SamplingParams.logprobs."""
     want, top = body.get("logprobs"), body.get("top_logprobs")

@@ -31,6 +31,7 @@ from worker.api_params import (
     chat_ids,
     chat_logprobs,
     check_body,
+    continuous_usage,
     echo_texts,
     engine_error,
     include_usage,
@@ -47,6 +48,7 @@ from worker.engine_api import RequestOutput
 from worker.kv_pages import EXPORT_PATH
 from worker.kv_transfer import KVTransfer
 from worker.openai_format import Choice, Responses, TokenNames, event_stream, sse_json
+from worker.openai_format import usage as usage_so_far
 from worker.ops_api import OpsAPI
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
@@ -188,7 +190,17 @@ class WorkerAPI:
         )
         if body.get("stream"):
             return event_stream(
-                self._stream(request, outputs, live, first, choices, resp, prompt_tokens, include_usage(body))
+                self._stream(
+                    request,
+                    outputs,
+                    live,
+                    first,
+                    choices,
+                    resp,
+                    prompt_tokens,
+                    include_usage(body),
+                    continuous_usage(body),
+                )
             )
         out: RequestOutput | None = first
         try:
@@ -286,12 +298,19 @@ class WorkerAPI:
         resp: Responses,
         prompt_tokens: list[int],
         usage: bool,
+        continuous: bool = False,
     ) -> AsyncIterator[bytes]:
         out: RequestOutput | None = first
+
+        def send(chunk: dict) -> bytes:  # NOTE: continuous_usage_stats: every chunk with the usage so far
+            if continuous:
+                chunk["usage"] = usage_so_far(prompt_tokens, choices)
+            return _sse(chunk)
+
         try:
             if resp.chat:
                 for c in choices:
-                    yield _sse(resp.role_chunk(c.index))
+                    yield send(resp.role_chunk(c.index))
             while out is not None:
                 if out.error is not None:
                     yield _sse(
@@ -304,17 +323,17 @@ class WorkerAPI:
                     del live[out.index]
                 if c.tools is not None:
                     for chunk in resp.tool_chunks(c, out.text, out.finish_reason):
-                        yield _sse(chunk)
+                        yield send(chunk)
                 elif text := c.visible(out):
-                    yield _sse(resp.chunk(c, text))
+                    yield send(resp.chunk(c, text))
                 if out.finish_reason is not None:
                     if c.tools is None:
-                        yield _sse(resp.chunk(c, "", out.finish_reason))
+                        yield send(resp.chunk(c, "", out.finish_reason))
                     else:
                         self.engine.metrics.tool_calls.inc(c.tools.calls)
                     if not live:
                         if usage:
-                            yield _sse(resp.usage_chunk(choices, prompt_tokens))
+                            yield send(resp.usage_chunk(choices, prompt_tokens))
                         yield b"data: [DONE]\n\n"
                         break
                 out = await self._next(request, outputs, live)

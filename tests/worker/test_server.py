@@ -349,6 +349,32 @@ def test_a_stop_string_is_kept_with_either_spelling(client):
         assert kept["text"] == text[: end + len(stop)], flag
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
+    usage so far, the last one the whole request's; without it only the usage chunk does."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "Count", "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count"}]}),
+    ):
+        req = {**body, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+        with client.stream("POST", path, json=req) as r:
+            events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        done = [e["usage"]["completion_tokens"] for e in events]
+        assert done == sorted(done) and done[-1] == 5 * body.get("n", 1) and len(set(done)) > 2, done
+        assert len({e["usage"]["prompt_tokens"] for e in events}) == 1 and events[-1]["choices"] == []
+        plain = {**req, "stream_options": {"include_usage": True}}
+        with client.stream("POST", path, json=plain) as r:
+            events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        assert [("usage" in e) for e in events] == [False] * (len(events) - 1) + [True]
+    bad = {
+        "prompt": "x",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": 1},
+    }
+    assert client.post("/v1/completions", json=bad).status_code == 400
+
+
 def test_special_tokens_are_text_only_when_asked(client):
     """skip_special_tokens false (vLLM's): the special tokens sampled show as their names, in the
     answer and in its stream; by default they are not text. The answers are the same tokens."""
