@@ -148,10 +148,12 @@ class ByteTokenizer:
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict | None = None,
     ) -> str:  # fmt: skip
-        """The fixed plain chat template (it has no variables: ``template_kwargs`` change nothing): ``<|role|>\\n{content}\\n`` per message, then the
-        generation prompt ``<|assistant|>\\n`` (unless ``add_generation_prompt`` is false; with
-        ``continue_final_message`` the last message stays open: no newline, no generation prompt). Tools come first, as ``<|tools|>\\n{JSON list}\\n``
-        (one tool set shared by many conversations is then their shared prefix); an assistant
+        """The fixed plain chat template (it has no variables: ``template_kwargs`` change nothing):
+        ``<|role|>\\n{content}\\n`` per message, then the generation prompt ``<|assistant|>\\n``
+        (unless ``add_generation_prompt`` is false; with ``continue_final_message`` the last message
+        stays open: no newline, no generation prompt). Tools come first, as
+        ``<|tools|>\\n{JSON list}\\n`` (one tool set shared by many conversations is then their
+        shared prefix); an assistant
         message's tool calls follow its content as ``<tool_call>{"name":...,"arguments":...}</tool_call>``,
         the form the worker's ``hermes`` parser reads back; a tool's result is a ``tool`` message."""
         tools = normalize_tools(tools)

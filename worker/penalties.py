@@ -1,6 +1,7 @@
 """Logit adjustments that depend on a request's history: repetition / frequency / presence
-penalties, ``logit_bias``, ``min_tokens``, ``bad_words`` and ``allowed_token_ids``. Applied to the raw float32 logits before sampling
-(greedy included); logprobs are read from the logits before these adjustments.
+penalties, ``logit_bias``, ``min_tokens``, ``bad_words`` and ``allowed_token_ids``. Applied to the
+raw float32 logits before sampling (greedy included); logprobs are read from the logits before these
+adjustments.
 
 Semantics (those of vLLM and HF, which OpenAI clients expect):
 - ``repetition_penalty`` r over every token of prompt and output: a positive logit is divided by r,

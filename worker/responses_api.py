@@ -306,7 +306,8 @@ class _Turn:
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-            "truncation": body.get("truncation") or "disabled", "usage": usage, "metadata": body.get("metadata") or {},
+            "truncation": body.get("truncation") or "disabled", "usage": usage,
+            "metadata": body.get("metadata") or {},
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip
 

@@ -37,7 +37,8 @@ def _pages_for(tokens: int, page_size: int) -> int:
 
 def _keys(req: Request, n: int) -> np.ndarray:
     """The radix-tree keys of the request's first ``n`` tokens (its LoRA adapter's own range)."""
-    return adapter_keys(np.asarray(req.token_ids[:n], dtype=np.int32), req.namespace)  # type: ignore[arg-type]
+    space: int = req.namespace  # type: ignore[assignment]  # NOTE: set in __post_init__
+    return adapter_keys(np.asarray(req.token_ids[:n], dtype=np.int32), space)
 
 
 class Scheduler:

@@ -236,9 +236,11 @@ class WorkerAPI:
         source = request.headers.get(KV_SOURCE_HEADER)
         if source and self.kv is not None and self.kv.enabled:
             # NOTE: the n choices of a prompt share its list; prompt logprobs compute the whole
-            # prompt (a cached prefix would not be used); LoRA adapters' KV is not moved
-            prompts = {id(ids): ids for _, ids, params, _ in jobs  # NOTE: nor a salted prompt's (its own)
-                       if params.adapter == 0 and params.prompt_logprobs is None and params.cache_salt is None}  # fmt: skip
+            # prompt (a cached prefix would not be used); LoRA adapters' KV is not moved, nor a
+            # salted prompt's (its cache is its salt's own)
+            prompts = {id(ids): ids for _, ids, params, _ in jobs
+                       if params.adapter == 0 and params.prompt_logprobs is None
+                       and params.cache_salt is None}  # fmt: skip
             if not await self.kv.pull(source, list(prompts.values()), lambda: _client_gone(request)):
                 return None  # NOTE: the client left while its prompts' KV was fetched: nothing submitted
         try:
