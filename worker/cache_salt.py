@@ -7,7 +7,8 @@ LoRA adapters use too (worker.radix_node.adapter_keys), taken from the top of th
 prefixes form their own subtrees; their KV events hash from ``router.block_hash.salted(model, salt)``
 as a router hashes the same request. The ids are few (SALT_SPACES); when all are taken, the least
 recently used pair that no queued or running request needs gives its id up, and its cached pages go
-first (with their removal events). Engine thread only.
+first (with their removal events); when every pair is in use, a request of a new salt waits in the
+engine until one is free (worker.engine). Engine thread only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ FIRST_SALT_SPACE = (1 << (31 - ADAPTER_SHIFT)) - SALT_SPACES  # below it: the ba
 
 
 class SaltSpacesFull(Exception):
-    """Every salt namespace is held by queued or running requests (HTTP 429)."""
+    """Every salt namespace is held by queued or running requests (the request waits for one)."""
 
 
 class SaltSpaces:
@@ -51,6 +52,10 @@ class SaltSpaces:
         self.cache.set_namespace(space, salted(model, salt))  # type: ignore[attr-defined]
         self._held[key] = space
         return space
+
+    def holds(self, adapter: int, salt: str) -> bool:
+        """Has ``salt`` on ``adapter`` a namespace now?"""
+        return (adapter, salt) in self._held
 
     def drop_adapter(self, adapter: int) -> int:
         """Free the namespaces of ``adapter``'s salts (the adapter unloaded: none of its requests is

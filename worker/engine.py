@@ -18,7 +18,7 @@ import threading
 import time
 import types
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +73,7 @@ class Engine:
         self.allocator = allocator
         self.cache = cache
         self.salts = SaltSpaces(cache)  # cache_salt namespaces (engine thread)
+        self._parked: deque[Request] = deque()  # salted requests waiting for a namespace, in order
         self.scheduler = Scheduler(scheduler_config, allocator, cache)
         self.tokenizer = tokenizer
         self.guides = GuideCompiler(tokenizer, getattr(executor, "vocab_size", tokenizer.vocab_size))
@@ -239,9 +240,12 @@ class Engine:
             self.publisher.publish([], [], cleared=True, force=True)  # seq 0: a new, empty cache
             while not self._stopping:
                 self.busy_since = None
-                self._drain_inbox(block=self._running is None and not self.scheduler.has_work())
+                self._drain_inbox(
+                    block=self._running is None and not self.scheduler.has_work() and not self._parked
+                )
                 if self._stopping:
                     break
+                self._unpark()
                 if self.busy_since is None:
                     self.busy_since = time.monotonic()
                 if self._running is None:
@@ -286,23 +290,20 @@ class Engine:
                                               error_status=404, error_code="model_not_found"))  # fmt: skip
                 return
             salt = None if req.payload is None else req.payload.params.cache_salt
-            if salt is not None:
-                model = self.cache.namespace if not req.adapter else self.adapter_names[req.adapter - 1]
-                try:
-                    req.namespace = self.salts.space(req.adapter, model, salt, self._space_busy)
-                except SaltSpacesFull as exc:
-                    self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
-                                                  error_code="cache_salts_busy"))  # fmt: skip
-                    return
-            try:
-                self.scheduler.add(req)
+            # NOTE: a salt whose namespace is taken waits, after those already waiting for one
+            if salt is not None and not (
+                (not self._parked or self.salts.holds(req.adapter, salt)) and self._salt_space(req)
+            ):
+                self._parked.append(req)
                 self._requests[req.rid] = req
-            except QueueFullError as exc:  # NOTE: submit's check saw a waiting count one step old
-                self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
-                                              error_code="queue_full"))  # fmt: skip
+                return
+            self._admit(req)
         elif kind == "abort":
             req = self._requests.pop(msg[1], None)
-            if req is not None:
+            if req is not None and req in self._parked:
+                self._parked.remove(req)
+                self._finished["abort"] += 1
+            elif req is not None:
                 self.scheduler.abort(req)
                 self._finished["abort"] += 1
         elif kind == "call":
@@ -313,6 +314,33 @@ class Engine:
                 fut.set_result(fn())
             except Exception as exc:
                 fut.set_exception(exc)
+
+    def _salt_space(self, req: Request) -> bool:
+        """Give a salted request its salt's cache namespace; False when every one is in use (it waits
+        for one). True for a request without a salt."""
+        salt = None if req.payload is None else req.payload.params.cache_salt
+        if salt is None:
+            return True
+        model = self.cache.namespace if not req.adapter else self.adapter_names[req.adapter - 1]
+        try:
+            req.namespace = self.salts.space(req.adapter, model, salt, self._space_busy)
+        except SaltSpacesFull:
+            return False
+        return True
+
+    def _unpark(self) -> None:
+        """Admit the requests that waited for a salt namespace, in order, while namespaces free up."""
+        while self._parked and self._salt_space(self._parked[0]):
+            self._admit(self._parked.popleft())
+
+    def _admit(self, req: Request) -> None:
+        try:
+            self.scheduler.add(req)
+            self._requests[req.rid] = req
+        except QueueFullError as exc:  # NOTE: submit's check saw a waiting count one step old
+            self._requests.pop(req.rid, None)
+            self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
+                                          error_code="queue_full"))  # fmt: skip
 
     def _advance(self) -> None:
         """Finish the running step. With overlap, the decode step after it is scheduled and launched
@@ -491,7 +519,7 @@ class Engine:
         self._snap = EngineSnapshot(
             t=time.monotonic(),
             running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
+            waiting=self.scheduler.num_waiting + len(self._parked),
             prefill_backlog_tokens=self.scheduler.prefill_backlog,
             kv_pages_total=self.allocator.num_pages,
             kv_pages_free=self.allocator.num_free,

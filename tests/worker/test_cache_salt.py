@@ -1,16 +1,19 @@
 """vLLM's ``cache_salt`` on a real worker (tiny model, CPU): a salt's cached prefixes serve only
 requests with the same salt, its KV events hash from the salted chain a router computes, and the
-salt namespaces are recycled least recently used first, never from under a running request."""
+salt namespaces are recycled least recently used first, never from under a running request (a new
+salt waits for one instead)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from router.block_hash import root_hash, salted
 from router.kv_events import decode
+from tests.support import wait_until
 from tests.worker.test_server import LiveServer, idle, serve
 from worker.cache_salt import SaltSpaces
 
@@ -83,19 +86,30 @@ def test_salt_namespaces_are_recycled_least_recently_used_first(client, live) ->
 
 
 def test_a_namespace_in_use_is_not_taken_a_new_salt_waits_for_it(client, live) -> None:
+    """With every salt namespace held by a running request, a request of a new salt waits (it counts
+    as waiting) and runs once that request ends; requests of the held salt and unsalted ones do not
+    wait."""
     engine = live.engine
     one = SaltSpaces(engine.cache, spaces=1)
     before = engine.salts
     engine.post(lambda: setattr(engine, "salts", one)).result(10)
     try:
         body = {"prompt": PREFIX, "max_tokens": 3000, "ignore_eos": True, "stream": True, "cache_salt": "x"}
-        with client.stream("POST", "/v1/completions", json=body) as running:
+        with ThreadPoolExecutor(1) as pool, client.stream("POST", "/v1/completions", json=body) as running:
             lines = running.iter_lines()  # NOTE: kept: a dropped iterator closes the stream
             next(lines)  # it runs
-            r = client.post("/v1/completions", json={"prompt": PREFIX, "max_tokens": 1, "cache_salt": "y"})
-            assert r.status_code == 429 and r.json()["error"]["code"] == "cache_salts_busy"
+            waiting = pool.submit(ask, httpx.Client(base_url=live.url, timeout=60), "y", "later")
+            wait_until(lambda: client.get("/health").json()["waiting"] == 1, 10, what="the new salt waits")
+            assert not waiting.done()
+            assert ask(client, "x", "same salt")[0] > 0 and ask(client, None, "no salt")[1]
+            assert not waiting.done()
+            # a waiting request whose client leaves (gives up after 2 s) is dropped from the wait
+            gone = {"prompt": PREFIX, "max_tokens": 1, "cache_salt": "z"}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(live.url + "/v1/completions", json=gone, timeout=2.0)
+            wait_until(lambda: client.get("/health").json()["waiting"] == 1, 10, what="the one left dropped")
+            assert not waiting.done()
+        assert waiting.result(60)[0] == 0  # the running one left: the new salt took its namespace
         idle(client)
-        assert ask(client, "y", "now")[0] == 0
-        assert client.post("/v1/completions", json={"prompt": "unsalted", "max_tokens": 1}).status_code == 200
     finally:
         engine.post(lambda: setattr(engine, "salts", before)).result(10)
