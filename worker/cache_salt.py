@@ -34,8 +34,9 @@ class SaltSpaces:
         top = FIRST_SALT_SPACE + SALT_SPACES
         self._free = list(range(top - spaces, top))
 
-    def space(self, adapter: int, model: str, salt: str, busy: Callable[[int], bool]) -> int:
-        """The namespace id of ``salt`` on ``adapter`` (served as ``model``); raises SaltSpacesFull."""
+    def space(self, adapter: int, model: str, salt: str, in_use: Callable[[], set[int]]) -> int:
+        """The namespace id of ``salt`` on ``adapter`` (served as ``model``); raises SaltSpacesFull.
+        ``in_use``: the namespaces queued or running requests use (asked only when one must be freed)."""
         key = (adapter, salt)
         space = self._held.get(key)
         if space is not None:
@@ -44,7 +45,8 @@ class SaltSpaces:
         if self._free:
             space = self._free.pop()
         else:
-            old = next((k for k, s in self._held.items() if not busy(s)), None)
+            used = in_use()
+            old = next((k for k, s in self._held.items() if s not in used), None)
             if old is None:
                 raise SaltSpacesFull(f"all {len(self._held)} cache salt namespaces are in use; retry later")
             space = self._held.pop(old)

@@ -274,10 +274,10 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _space_busy(self, space: int) -> bool:
-        """Does a queued or running request use cache namespace ``space``?"""
+    def _spaces_in_use(self) -> set[int]:
+        """The cache namespaces queued or running requests use."""
         sched = self.scheduler
-        return any(r.namespace == space for r in (*sched.waiting, *sched.prefilling, *sched.running))
+        return {r.namespace for r in (*sched.waiting, *sched.prefilling, *sched.running)}  # type: ignore[misc]
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -323,7 +323,7 @@ class Engine:
             return True
         model = self.cache.namespace if not req.adapter else self.adapter_names[req.adapter - 1]
         try:
-            req.namespace = self.salts.space(req.adapter, model, salt, self._space_busy)
+            req.namespace = self.salts.space(req.adapter, model, salt, self._spaces_in_use)
         except SaltSpacesFull:
             return False
         return True
