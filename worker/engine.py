@@ -539,6 +539,8 @@ class Engine:
             host_dropped_pages=cache.host_dropped_pages,
             verify_steps=s.verify_steps,
             ahead_steps=s.ahead_steps,
+            salt_namespaces=len(self.salts),
+            salt_waiting=len(self._parked),
             draft_tokens=s.draft_tokens,
             accepted_tokens=s.accepted_tokens,
             finished=dict(self._finished),

@@ -45,6 +45,8 @@ class EngineSnapshot:
     draft_tokens: int = 0  # drafts proposed to those steps
     accepted_tokens: int = 0  # of those, kept
     ahead_steps: int = 0  # decode steps scheduled while the step before ran (--overlap-schedule)
+    salt_namespaces: int = 0  # cache namespaces held by cache salts (worker.cache_salt)
+    salt_waiting: int = 0  # of the waiting requests, those waiting for a salt namespace
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
 
     @property
@@ -203,6 +205,10 @@ class _SnapshotCollector:
 
         yield gauge("running_requests", "Admitted requests (prefilling or decoding).", snap.running)
         yield gauge("waiting_requests", "Requests queued for admission.", snap.waiting)
+        yield gauge("cache_salt_namespaces", "Cache namespaces held by cache salts.", snap.salt_namespaces)
+        yield gauge(
+            "cache_salt_waiting_requests", "Requests waiting for a cache salt namespace.", snap.salt_waiting
+        )
         yield gauge("prefill_backlog_tokens", "Prompt tokens still to prefill (admitted and waiting).",
                     snap.prefill_backlog_tokens)  # fmt: skip
         yield gauge("kv_usage", "Fraction of KV pages held by requests (not reclaimable).", snap.kv_usage)

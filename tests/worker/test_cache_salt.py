@@ -14,7 +14,7 @@ import pytest
 from router.block_hash import root_hash, salted
 from router.kv_events import decode
 from tests.support import wait_until
-from tests.worker.test_server import LiveServer, idle, serve
+from tests.worker.test_server import LiveServer, idle, metric, serve
 from worker.cache_salt import SaltSpaces
 
 PREFIX = "A system prompt that every tenant of this test sends first, word for word. " * 5
@@ -101,6 +101,8 @@ def test_a_namespace_in_use_is_not_taken_a_new_salt_waits_for_it(client, live) -
             waiting = pool.submit(ask, httpx.Client(base_url=live.url, timeout=60), "y", "later")
             wait_until(lambda: client.get("/health").json()["waiting"] == 1, 10, what="the new salt waits")
             assert not waiting.done()
+            assert metric(client, "radixgate_worker_cache_salt_waiting_requests") == 1
+            assert metric(client, "radixgate_worker_cache_salt_namespaces") == 1
             assert ask(client, "x", "same salt")[0] > 0 and ask(client, None, "no salt")[1]
             assert not waiting.done()
             # a waiting request whose client leaves (gives up after 2 s) is dropped from the wait
@@ -111,5 +113,6 @@ def test_a_namespace_in_use_is_not_taken_a_new_salt_waits_for_it(client, live) -
             assert not waiting.done()
         assert waiting.result(60)[0] == 0  # the running one left: the new salt took its namespace
         idle(client)
+        assert metric(client, "radixgate_worker_cache_salt_waiting_requests") == 0
     finally:
         engine.post(lambda: setattr(engine, "salts", before)).result(10)
