@@ -137,11 +137,6 @@ def engine_error(exc: BaseException) -> APIError | None:
     return None
 
 
-def return_token_ids(body: dict) -> bool:
-    """vLLM's ``return_token_ids``: the prompt's and the output's token ids in the answer."""
-    return body.get("return_token_ids") is True
-
-
 def include_usage(body: dict) -> bool:
     """Does the client want a stream's usage chunk (``stream_options.include_usage``)?"""
     return bool((body.get("stream_options") or {}).get("include_usage"))

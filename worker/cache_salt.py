@@ -23,10 +23,6 @@ SALT_SPACES = 256  # namespaces for salts: the top of the 2**(31 - ADAPTER_SHIFT
 FIRST_SALT_SPACE = (1 << (31 - ADAPTER_SHIFT)) - SALT_SPACES  # below it: the base model and LoRA adapters
 
 
-class SaltSpacesFull(Exception):
-    """Every salt namespace is held by queued or running requests (the request waits for one)."""
-
-
 class SaltSpaces:
     def __init__(self, cache: object, spaces: int = SALT_SPACES) -> None:
         self.cache = cache  # a worker.radix_cache.RadixCache
@@ -34,9 +30,9 @@ class SaltSpaces:
         top = FIRST_SALT_SPACE + SALT_SPACES
         self._free = list(range(top - spaces, top))
 
-    def space(self, adapter: int, model: str, salt: str, in_use: Callable[[], set[int]]) -> int:
-        """The namespace id of ``salt`` on ``adapter`` (served as ``model``); raises SaltSpacesFull.
-        ``in_use``: the namespaces queued or running requests use (asked only when one must be freed)."""
+    def space(self, adapter: int, model: str, salt: str, in_use: Callable[[], set[int]]) -> int | None:
+        """The namespace id of ``salt`` on ``adapter`` (served as ``model``); None when every one is
+        held by queued or running requests (``in_use``, asked only when one must be freed)."""
         key = (adapter, salt)
         space = self._held.get(key)
         if space is not None:
@@ -48,7 +44,7 @@ class SaltSpaces:
             used = in_use()
             old = next((k for k, s in self._held.items() if s not in used), None)
             if old is None:
-                raise SaltSpacesFull(f"all {len(self._held)} cache salt namespaces are in use; retry later")
+                return None
             space = self._held.pop(old)
             self.cache.drop_namespace(space)  # type: ignore[attr-defined]
         self.cache.set_namespace(space, salted(model, salt))  # type: ignore[attr-defined]

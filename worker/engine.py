@@ -24,7 +24,7 @@ from typing import Any
 
 from router.detokenizer import IncrementalDetokenizer
 from router.tokenization import PromptTokenizer
-from worker.cache_salt import SaltSpaces, SaltSpacesFull
+from worker.cache_salt import SaltSpaces
 from worker.engine_api import (
     EngineDeadError,
     Executor,
@@ -276,8 +276,7 @@ class Engine:
 
     def _spaces_in_use(self) -> set[int]:
         """The cache namespaces queued or running requests use."""
-        sched = self.scheduler
-        return {r.namespace for r in (*sched.waiting, *sched.prefilling, *sched.running)}  # type: ignore[misc]
+        return {r.namespace for r in self.scheduler.requests()}  # type: ignore[misc]
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -289,10 +288,10 @@ class Engine:
                 self._emit(req, RequestOutput(finish_reason="error", error="the LoRA adapter was unloaded",
                                               error_status=404, error_code="model_not_found"))  # fmt: skip
                 return
-            salt = None if req.payload is None else req.payload.params.cache_salt
-            # NOTE: a salt whose namespace is taken waits, after those already waiting for one
-            if salt is not None and not (
-                (not self._parked or self.salts.holds(req.adapter, salt)) and self._salt_space(req)
+            # NOTE: a new salt waits behind those already waiting for a namespace, or for one to free up
+            salt = _salt_of(req)
+            if salt is not None and (
+                (self._parked and not self.salts.holds(req.adapter, salt)) or not self._salt_space(req)
             ):
                 self._parked.append(req)
                 self._requests[req.rid] = req
@@ -316,16 +315,14 @@ class Engine:
                 fut.set_exception(exc)
 
     def _salt_space(self, req: Request) -> bool:
-        """Give a salted request its salt's cache namespace; False when every one is in use (it waits
-        for one). True for a request without a salt."""
-        salt = None if req.payload is None else req.payload.params.cache_salt
-        if salt is None:
-            return True
+        """Give a salted request its salt's cache namespace; False when every one is in use."""
+        salt = _salt_of(req)
+        assert salt is not None
         model = self.cache.namespace if not req.adapter else self.adapter_names[req.adapter - 1]
-        try:
-            req.namespace = self.salts.space(req.adapter, model, salt, self._spaces_in_use)
-        except SaltSpacesFull:
+        space = self.salts.space(req.adapter, model, salt, self._spaces_in_use)
+        if space is None:
             return False
+        req.namespace = space
         return True
 
     def _unpark(self) -> None:
@@ -565,6 +562,11 @@ class Engine:
                 msg[2].set_exception(EngineDeadError("the engine stopped"))
         with contextlib.suppress(Exception):
             self._flush_outbox()
+
+
+def _salt_of(req: Request) -> str | None:
+    """A request's ``cache_salt`` (None: none; the warm-up has no parameters)."""
+    return None if req.payload is None else req.payload.params.cache_salt
 
 
 def _per_request(batch: ScheduledBatch, sampled: Sequence[int]) -> list[int]:

@@ -81,6 +81,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
+    def requests(self) -> itertools.chain[Request]:
+        """Every request queued or admitted (waiting, prefilling, decoding)."""
+        return itertools.chain(self.waiting, self.prefilling, self.running)
+
     @property
     def prefill_backlog(self) -> int:
         """Prompt tokens still to prefill: the rest of every admitted request's prompt, plus each

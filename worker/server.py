@@ -38,7 +38,6 @@ from worker.api_params import (
     output_guide,
     prompt_ids,
     read_bounded,
-    return_token_ids,
     sampling_params,
     tools_of,
     truncate_prompts,
@@ -185,7 +184,7 @@ class WorkerAPI:
             self.token_names,
             params.logprobs is not None,
             self.engine.simulated,
-            prompts if return_token_ids(body) else None,
+            prompts if body.get("return_token_ids") is True else None,  # NOTE: vLLM's; checked as a boolean
             body.get("return_tokens_as_token_ids") is True,
         )
         if body.get("stream"):

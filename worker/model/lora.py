@@ -308,7 +308,7 @@ def remove_adapter(engine: Any, name: str) -> int:
     removal events tell routers); returns the pages freed. Its id is never reused."""
     adapter_id = engine.adapter_names.index(name) + 1
     sched = engine.scheduler
-    busy = sum(r.adapter == adapter_id for r in (*sched.waiting, *sched.prefilling, *sched.running))
+    busy = sum(r.adapter == adapter_id for r in sched.requests())
     if busy:
         raise AdapterBusyError(
             f"LoRA adapter {name!r} has {busy} requests queued or running; retry when they finish"
