@@ -247,19 +247,29 @@ class EventSubscriber:
                 self._tasks[key] = asyncio.get_running_loop().create_task(self._redis_reader(key))
 
     async def _redis_reader(self, key: str) -> None:
-        """Read one model's stream from its current end; every worker was re-synced on watch."""
+        """Read one model's stream from its current end; every worker was re-synced on watch, and
+        its workers are re-synced again after the stream could not be read: a Redis that restarted
+        (or failed over) lost the entries it held, and a worker that publishes nothing more would
+        show no gap."""
         import redis.exceptions
 
         assert self._redis is not None
+        model = key[len(STREAM_PREFIX) :]
         last_id = "$"
         attempt = 0
         while True:
             try:
+                if attempt:
+                    await self._redis.ping()  # NOTE: not the blocking read: re-sync as soon as it is back
+                    log.info("redis stream %s readable again: re-syncing its workers", key)
+                    for worker in list(self._router.workers):
+                        if model in worker.models:
+                            self.resync_soon(worker)
+                    attempt = 0
                 if last_id == "$":
                     newest = await self._redis.xrevrange(key, count=1)
                     last_id = newest[0][0] if newest else "0-0"
                 reply = await self._redis.xread({key: last_id}, block=5000, count=256)
-                attempt = 0
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
                         last_id = entry_id

@@ -205,6 +205,42 @@ def test_a_worker_started_after_the_router_is_followed_over_redis(launch):
     assert len(readers) == 1, readers
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("publishes", [True, False], ids=["worker-publishes", "worker-silent"])
+def test_a_flush_while_redis_is_down_reaches_the_index_once_it_is_back(launch, publishes):
+    """Redis restarts (no persistence, as the chart's bundled one) while a worker flushes its cache,
+    and no request follows. The worker keeps the batch Redis refused and sends it when Redis is
+    back; the router, whose stream read failed meanwhile, re-syncs the stream's workers from their
+    snapshots: with a worker that publishes nothing (``worker-silent``, its batches as good as
+    lost) the router's re-sync alone corrects the index."""
+    from tests.support import start_redis
+
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_port, port = free_port(), free_port()
+    redis_url, url = f"redis://127.0.0.1:{redis_port}/0", f"http://127.0.0.1:{port}"
+    redis = start_redis(redis_port)
+    try:
+        publish = ["--redis-url", redis_url] if publishes else []
+        worker = launch.module("worker", "--engine", "sim", *publish, "--advertise-url", url, port=port)
+        router = launch.router([url], "--kv-events", "redis", "--redis-url", redis_url)
+        wait_until(lambda: httpx.get(router.url + "/workers", timeout=2).json()["workers"][0]["healthy"], 30,
+                   what="worker healthy")  # fmt: skip
+        body = chat("Cached before Redis restarts.")
+        assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        wait_until(lambda: matched_tokens(router.url, body)[url] >= len(SYSTEM), 30, what="routed prefix")
+        redis.terminate()
+        redis.wait(10)
+        assert httpx.post(worker.url + "/v1/cache/flush", timeout=30).json()["flushed_tokens"] > 0
+        time.sleep(1.0)  # NOTE: the worker's publish and the router's read both fail meanwhile
+        assert matched_tokens(router.url, body)[url] >= len(SYSTEM)
+        redis = start_redis(redis_port)
+        wait_until(lambda: matched_tokens(router.url, body)[url] == 0, 30, what="the index corrected")
+    finally:
+        redis.terminate()
+        redis.wait(10)
+
+
 class _SlowSnapshotWorker:
     """A worker that answers its probes but never its snapshot, and publishes batches with gaps to
     the same Redis stream as a real worker (as one whose HTTP side is overloaded would)."""

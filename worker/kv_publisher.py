@@ -189,37 +189,46 @@ class KVPublisher:
         import redis
 
         client = None
-        retry_at = 0.0  # monotonic s: after a failure, drop batches until then instead of waiting
+        pending: bytes | None = None  # the newest batch not sent yet: Redis refused it, or the backoff
+        retry_at = 0.0  # monotonic s: after a failure, only the newest batch is kept until then
         failures = 0
         while True:
-            data = self._redis_queue.get()
-            if data is None:
-                break
+            try:
+                wait = None if pending is None else max(0.0, retry_at - time.monotonic())
+                data = self._redis_queue.get(timeout=wait)
+                if data is None:
+                    break
+                if pending is not None:
+                    self.stats["redis_dropped"] += 1  # NOTE: consumers re-sync on the seq gap
+                pending = data
+            except queue.Empty:
+                pass  # NOTE: the backoff is over and nothing newer came: send the kept batch, so
+                # consumers learn of the gap (or get the change) without waiting for the next one
             if time.monotonic() < retry_at:
-                self.stats["redis_dropped"] += 1
                 continue
             try:
                 if client is None:
                     client = redis.Redis.from_url(
                         self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
                     )
-                client.xadd(self.stream, {"batch": data}, maxlen=self.stream_maxlen, approximate=True)
+                client.xadd(self.stream, {"batch": pending}, maxlen=self.stream_maxlen, approximate=True)
                 self.stats["redis_sent"] += 1
+                pending = None
                 failures = 0
             except (redis.RedisError, OSError, ValueError) as exc:  # ValueError: a URL redis cannot read
-                self.stats["redis_dropped"] += 1
                 failures += 1
                 backoff = min(5.0, 0.2 * 2 ** min(failures, 5))
                 retry_at = time.monotonic() + backoff
                 if failures == 1 or failures % 50 == 0:
-                    log.warning(
-                        "KV events: Redis publish failed (%s); dropping batches for %.1fs", exc, backoff
-                    )
+                    log.warning("KV events: Redis publish failed (%s); retrying the newest batch in %.1fs, "
+                                "dropping older ones", exc, backoff)  # fmt: skip
                 try:
                     if client is not None:
                         client.close()
                 except Exception:
                     pass
                 client = None
+        if pending is not None:
+            self.stats["redis_dropped"] += 1
         if client is not None:
             client.close()
