@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
 from router.config import RouterConfig
 from router.discovery import KubeDiscovery, target_from_config
-from router.errors import RouterError, error_body, retry_headers
+from router.errors import RouterError, error_body, retry_headers, stream_error_event
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
 from router.http_client import HTTPClientError, ResponseTimeout
@@ -342,7 +343,10 @@ class Router:
                     worker.stats.predicted_cached_tokens += predicted
                 try:
                     if parsed.stream and resp.status == 200:
-                        await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage)
+                        responses = path.endswith("/responses")
+                        await self._send_stream(
+                            send, watch, worker, resp, started, prefill, strip_usage, responses
+                        )
                     else:
                         await self._send_full(send, watch, worker, resp, started)
                 finally:
@@ -405,10 +409,15 @@ class Router:
         started: float,
         prefill: PendingPrefill,
         strip_usage: bool = False,
+        responses: bool = False,
     ) -> None:
         """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering
-        (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for)."""
+        (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for).
+        A stream that breaks off ends with an error event (``responses``: the Responses API's)."""
         scanner = SSEUsageScanner(strip_usage)
+        tail = b"\n\n"  # the last bytes sent: does the client's stream end between events?
+        numbered: int | None = None  # Responses: the number of the last event sent
+        error = b""  # what ends a stream that broke off
         content_type = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
         await send(
             {
@@ -438,18 +447,31 @@ class Router:
                     watch.stop()
                 if out or finished:
                     await send({"type": "http.response.body", "body": out, "more_body": not finished})
+                    tail = (tail + out)[-2:]
+                    if responses and (numbers := _SEQUENCE_NUMBER.findall(out)):
+                        numbered = int(numbers[-1])
         except HTTPClientError as exc:
             # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
-            # already reached the client, so no retry; the client sees the stream end without [DONE].
+            # already reached the client, so no retry; the client is told in an error event.
             total = isinstance(exc, ResponseTimeout) and exc.total
-            self._record_failure(worker, "request_timeout" if total else "stream_broken")
+            kind = "request_timeout" if total else "stream_broken"
+            self._record_failure(worker, kind)
             log.warning("stream from %s broke: %s", worker.url, exc)
+            timeout = self.config.request_timeout_s
+            message = (f"the request ran past the router's request timeout ({timeout:g} s)" if total
+                       else f"the worker broke off the stream: {exc}")  # fmt: skip
+            # NOTE: an event cut off mid-way is ended first (the client reads it as a bad event)
+            cut = b"" if tail == b"\n\n" else b"\n\n"
+            error = cut + stream_error_event(responses, message, kind, numbered)
         finally:
             self._record_usage(worker, scanner.usage)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)
         if not finished:
             watch.stop()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": error, "more_body": False})
+
+
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')  # a Responses stream's event numbers
 
 
 # -------------------------------------------------------------------- HTTP layer

@@ -109,6 +109,98 @@ def test_streaming_passes_chunks_through_as_they_arrive(launch):
     assert first_token_at < arrivals[-1][0] - 0.5
 
 
+def sse_data(body: bytes) -> list[bytes]:
+    """The data of each event of an SSE body, in order."""
+    return [line[5:].strip() for line in body.split(b"\n") if line.startswith(b"data:")]
+
+
+def test_a_stream_whose_worker_dies_ends_with_an_error_event(launch):
+    """Tokens already reached the client, so nothing is retried; the client is told the answer is
+    cut off (an error event, then [DONE], as a worker ends a stream whose request failed) rather
+    than left with a stream that just stops."""
+    victim = launch.echo_backend("--decode-ms-per-token", "50")
+    router = launch.router([victim.url])
+    body = {"model": "echo", "prompt": "stream me", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = r.iter_raw()
+        received = next(chunks)
+        victim.proc.kill()
+        received += b"".join(chunks)
+    *tokens, error, done = sse_data(received)
+    assert 1 <= len(tokens) < 400 and all(orjson.loads(t)["choices"][0]["text"] == "x" for t in tokens)
+    assert orjson.loads(error)["error"]["code"] == "stream_broken" and done == b"[DONE]"
+    errors = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_upstream_errors_total")
+    assert errors[f'{{kind="stream_broken",worker="{victim.url}"}}'] == 1
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["usage-asked", "usage-added"])
+def test_a_stream_cut_off_inside_an_event_ends_that_event_before_the_error(launch, usage):
+    """The worker's connection drops half-way through an event: a half event passed on is closed
+    off (the client reads it as a bad event) so the error event after it parses as its own. Where
+    the router added the usage chunk to the request (``usage-added``), it passes whole lines only,
+    so the half event never reaches the client."""
+    import socket
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def completions(request):
+        async def body():
+            yield b'data: {"choices":[{"index":0,"text":"whole"}]}\n\n'
+            yield b'data: {"choices":[{"index":0,"te'
+            raise RuntimeError("the worker dies here")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[
+        Route("/health", lambda r: JSONResponse({"status": "ok", "running": 0, "waiting": 0})),
+        Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "half"}]})),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ])  # fmt: skip
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    try:
+        wait_until(lambda: server.started, 10, what="the half-event worker")
+        router = launch.router([f"http://127.0.0.1:{sock.getsockname()[1]}"])
+        body = {"model": "half", "prompt": "cut me off", "max_tokens": 4, "stream": True}
+        if usage:
+            body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+            received = b"".join(r.iter_raw())
+        events = received.split(b"\n\n")
+        assert events[0] == b'data: {"choices":[{"index":0,"text":"whole"}]}'
+        if usage:
+            assert events.pop(1) == b'data: {"choices":[{"index":0,"te'
+        error, done, end = events[1:]
+        assert orjson.loads(error.removeprefix(b"data: "))["error"]["code"] == "stream_broken"
+        assert (done, end) == (b"data: [DONE]", b"")
+    finally:
+        server.should_exit = True
+
+
+def test_a_responses_stream_whose_worker_dies_ends_with_the_apis_error_event(launch):
+    victim = launch.sim_worker()
+    router = launch.router([victim.url])
+    body = {"model": "sim-8b", "input": "Write at length.", "max_output_tokens": 4000, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=60) as r:
+        chunks = r.iter_raw()
+        received = b""
+        while b"response.output_text.delta" not in received:
+            received += next(chunks)
+        victim.proc.kill()
+        received += b"".join(chunks)
+    events = [orjson.loads(d) for d in sse_data(received)]
+    *answered, error = events
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert answered[-1]["type"] == "response.output_text.delta"
+    assert error["type"] == "error" and error["code"] == "stream_broken" and error["param"] is None
+    assert received.endswith(b"\n\n") and b"[DONE]" not in received  # the Responses API has none
+
+
 def test_round_robin_spreads_evenly(launch):
     backends = [launch.echo_backend() for _ in range(4)]
     router = launch.router([b.url for b in backends], "--policy", "round_robin")
@@ -733,7 +825,9 @@ def test_a_long_non_stream_answer_is_not_cut_off_by_the_first_byte_timeout(launc
     with httpx.stream("POST", router.url + "/v1/completions", json={**too_long, "stream": True},
                       timeout=30) as stream:  # fmt: skip
         text = b"".join(stream.iter_raw())
-    assert stream.status_code == 200 and b"data:" in text and b"[DONE]" not in text  # cut off
+    assert stream.status_code == 200 and b'"text":"x"' in text  # cut off, and told so:
+    *_, error, done = sse_data(text)
+    assert orjson.loads(error)["error"]["code"] == "request_timeout" and done == b"[DONE]"
     metrics = httpx.get(router.url + "/metrics").text
     errors = metric_values(metrics, "radixgate_upstream_errors_total")
     charged = {k.split('kind="')[1].split('"')[0]: v for k, v in errors.items() if v}
