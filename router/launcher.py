@@ -13,9 +13,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 log = logging.getLogger("radixgate.router.launcher")
+
+CONFIG_ERROR = 2  # python -m worker's exit code for arguments or a model it cannot start with
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,6 +69,14 @@ def redis_server(port: int, *args: str, stdout=subprocess.DEVNULL) -> subprocess
 
 
 class WorkerLauncher:
+    """Starts the workers and keeps them running: a worker that exits (a crash, an OOM kill) is
+    started again on its own port, after a pause that grows while it keeps failing soon after its
+    start (``restart_delays_s``); the router sees it healthy again, with a new epoch. One that
+    refused its arguments or model (exit code 2) is left stopped: starting it again cannot help."""
+
+    restart_delays_s = (1.0, 2.0, 5.0, 10.0, 30.0)
+    stable_after_s = 60.0  # a worker that ran this long before it exited is restarted at the first delay
+
     def __init__(
         self, count: int, model: str, extra_args: list[str], redis_url: str | None, api_key: str | None = None
     ) -> None:
@@ -76,6 +87,12 @@ class WorkerLauncher:
         self.api_key = api_key  # the workers' --api-key, passed in their environment (not argv)
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
+        self._commands: list[list[str]] = []
+        self._started_at: list[float] = []
+        self._failures: list[int] = []  # exits in a row, each but the first soon after its start
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> list[str]:
         for _ in range(self.count):
@@ -90,12 +107,52 @@ class WorkerLauncher:
             if self.redis_url:
                 cmd += ["--redis-url", self.redis_url]
             log.info("starting worker: %s", " ".join(cmd))
-            env = {**os.environ, "RADIXGATE_WORKER_API_KEY": self.api_key} if self.api_key else None
-            self.processes.append(subprocess.Popen(cmd, env=env))
+            self._commands.append(cmd)
+            self._started_at.append(time.monotonic())
+            self._failures.append(0)
+            self.processes.append(self._spawn(cmd))
             self.urls.append(url)
         atexit.register(self.stop)
+        self._watcher = threading.Thread(target=self._watch, name="worker-launcher", daemon=True)
+        self._watcher.start()
         return self.urls
 
+    def _spawn(self, cmd: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "RADIXGATE_WORKER_API_KEY": self.api_key} if self.api_key else None
+        return subprocess.Popen(cmd, env=env)
+
+    def _watch(self, poll_s: float = 0.5) -> None:
+        restart_at: dict[int, float] = {}  # worker index -> when to start it again
+        given_up: set[int] = set()
+        while not self._stopping.wait(poll_s):
+            now = time.monotonic()
+            for i, proc in enumerate(self.processes):
+                code = proc.poll()
+                if code is None or self._stopping.is_set():  # NOTE: stop() ends them: no restart
+                    continue
+                if code == CONFIG_ERROR:
+                    if i not in given_up:
+                        given_up.add(i)
+                        log.error("worker %s exited with code %s: its arguments or model cannot start it; "
+                                  "not starting it again", self.urls[i], code)  # fmt: skip
+                    continue
+                if i not in restart_at:
+                    ran = now - self._started_at[i]
+                    self._failures[i] = 1 if ran >= self.stable_after_s else self._failures[i] + 1
+                    delay = self.restart_delays_s[min(self._failures[i], len(self.restart_delays_s)) - 1]
+                    restart_at[i] = now + delay
+                    log.warning("worker %s exited with code %s after %.0f s; starting it again in %.0f s",
+                                self.urls[i], code, ran, delay)  # fmt: skip
+                elif now >= restart_at[i]:
+                    with self._lock:
+                        if self._stopping.is_set():
+                            return
+                        self.processes[i] = self._spawn(self._commands[i])
+                    del restart_at[i]
+                    self._started_at[i] = now
+
     def stop(self, grace_s: float = 10.0) -> None:
+        with self._lock:
+            self._stopping.set()
         stop_processes(self.processes, grace_s)
         self.processes.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +135,60 @@ def _tiny_worker(launch, *extra: str):
     port = free_port()
     args = ["--model", "tiny", "--cpu-threads", "1", "--advertise-url", f"http://127.0.0.1:{port}", *extra]
     return launch.module("worker", *args, port=port, timeout=120)
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs of the processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_a_launched_worker_that_dies_is_started_again(launch):
+    """`--launch-workers`: the router owns its workers; one killed (as by the OOM killer) is started
+    again on its address and serves again; one that refuses its arguments is not (it would only
+    fail again). Stopping the router stops them all."""
+    router = launch.module("router", "--launch-workers", "1", "--model", "sim-8b", "--worker-arg=--engine=sim",
+                           "--health-interval-s", "0.2", timeout=60)  # fmt: skip
+
+    def row() -> dict:
+        return httpx.get(router.url + "/workers", timeout=2).json()["workers"][0]
+
+    wait_until(lambda: row()["healthy"], 60, what="the worker healthy")
+    (child,) = _children(router.proc.pid)
+    os.kill(child, signal.SIGKILL)
+    wait_until(lambda: not row()["healthy"], 30, what="the dead worker seen")
+    wait_until(lambda: row()["healthy"], 60, what="the worker started again")
+    (again,) = _children(router.proc.pid)
+    assert again != child
+    body = {"model": "sim-8b", "prompt": "served again", "max_tokens": 2}
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    assert "exited with code -9" in router.log() and "starting it again in 1 s" in router.log()
+    router.stop()
+    assert _children(router.proc.pid) == [] and router.proc.returncode is not None
+    wait_until(lambda: _pid_gone(again), 15, what="the worker stopped with the router")
+
+    refused = launch.module("router", "--launch-workers", "1", "--worker-arg=--kv-cache-tokens=-5")
+    wait_until(lambda: "not starting it again" in refused.log(), 30, what="the refused worker given up")
+    time.sleep(1.5)  # NOTE: longer than the first restart delay
+    assert _children(refused.proc.pid) == [] and refused.proc.poll() is None  # the router keeps serving
+    assert httpx.get(refused.url + "/health", timeout=5).status_code == 200
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 @pytest.mark.parametrize("transport", ["http", pytest.param("redis", marks=pytest.mark.redis)])
