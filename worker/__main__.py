@@ -42,21 +42,36 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
 END_MARGIN_S = 1.0
 
 
+ENGINE_DIED = 1  # exit code when the engine thread died: a supervisor starts the worker again
+
+
 class WorkerServer(uvicorn.Server):
     """uvicorn's server that, as it starts shutting down, ends the worker's cache-event streams (SSE), so
     that its graceful shutdown waits only for the requests in flight (a router's event stream never ends
     by itself and would hold the worker for the whole timeout), and has the requests still in flight
-    END_MARGIN_S before the timeout answered with a 503 rather than cut."""
+    END_MARGIN_S before the timeout answered with a 503 rather than cut. It shuts down by itself when
+    the engine thread dies (its requests already failed): a worker that can serve nothing more exits,
+    so whatever runs it (Kubernetes, systemd, the router's --launch-workers) starts it again."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         end_streams: Callable[[], None],
         end_requests_at: Callable[[float], None],
+        engine_died: Callable[[], bool] = lambda: False,
     ) -> None:
         super().__init__(config)
         self._end_streams = end_streams
         self._end_requests_at = end_requests_at
+        self._engine_died = engine_died
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0 and not self.engine_died and self._engine_died():  # once a second
+            self.engine_died = True
+            logging.getLogger("worker").error("the engine thread died: shutting the worker down")
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self._end_streams()
@@ -80,8 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip
-    server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at)
+    engine = app.state.engine
+    server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at,
+                          lambda: engine.dead is not None)  # fmt: skip
     server.run()
+    if server.engine_died:
+        return ENGINE_DIED
     return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits (e.g. its port taken)
 
 

@@ -1,6 +1,6 @@
 """A worker stopped by SIGTERM (python -m worker, a real process): requests still in flight when its
 shutdown timeout runs out are answered with a 503, in a stream an error event and [DONE], rather than
-cut, and the process exits."""
+cut, and the process exits; a worker whose engine thread dies exits by itself, with code 1."""
 
 from __future__ import annotations
 
@@ -71,3 +71,63 @@ def _running(url: str) -> int:
         return int(httpx.get(url + "/health", timeout=1).json().get("running", 0))
     except (httpx.HTTPError, ValueError):
         return -1
+
+
+# A real worker process whose engine thread dies of a fault (injected into the engine's scheduler
+# once it is ready, as a bug there would): the request in flight gets its error, and the process exits.
+_DIES = """
+import sys, threading
+import worker.__main__ as entry
+
+build = entry.build
+
+def build_and_break(cfg):
+    app = build(cfg)
+    engine = app.state.engine
+
+    def fault():
+        engine.ready.wait(60)
+        schedule = engine.scheduler.schedule
+
+        def schedule_once_more():  # the request below is admitted, then the next step fails
+            engine.scheduler.schedule = broken
+            return schedule()
+
+        def broken():
+            raise RuntimeError("injected scheduler fault")
+
+        engine.scheduler.schedule = schedule_once_more
+
+    threading.Thread(target=fault, daemon=True).start()
+    return app
+
+entry.build = build_and_break
+sys.exit(entry.main(sys.argv[1:]))
+"""
+
+
+def test_a_worker_whose_engine_dies_exits_so_it_can_be_started_again(tmp_path):
+    import subprocess
+    import sys
+
+    from router.launcher import free_port
+
+    port = free_port()
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _DIES, "--engine", "sim", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _running(url) == 0, 60, what="the worker up")
+        answer = httpx.post(
+            url + "/v1/completions", json={"prompt": "anyone?", "max_tokens": 200}, timeout=60
+        )
+        assert answer.status_code == 503 and "injected scheduler fault" in answer.text  # failed, not hung
+        assert proc.wait(30) == 1  # NOTE: not 0: a supervisor sees a failure
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "engine thread died" in text and "the engine thread died: shutting the worker down" in text
