@@ -447,7 +447,7 @@ class Router:
                     watch.stop()
                 if out or finished:
                     await send({"type": "http.response.body", "body": out, "more_body": not finished})
-                    tail = (tail + out)[-2:]
+                    tail = out[-2:] if len(out) >= 2 else (tail + out)[-2:]
                     if responses and (numbers := _SEQUENCE_NUMBER.findall(out)):
                         numbered = int(numbers[-1])
         except HTTPClientError as exc:
