@@ -64,7 +64,8 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
-    """A tiny random transformers model of ``model_type`` ("llama" or "qwen2") saved as safetensors."""
+    """A tiny random transformers model of ``model_type`` ("llama", "qwen2" or "qwen3") saved as
+    safetensors."""
     import torch
     import transformers
 
@@ -86,11 +87,20 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     if model_type == "llama":
         config = transformers.LlamaConfig(**common)
         cls = transformers.LlamaForCausalLM
-    else:
+    elif model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(**common)
+        cls = transformers.Qwen3ForCausalLM
     torch.manual_seed(1234)
     model = cls(config).float().eval()
+    with (
+        torch.no_grad()
+    ):  # NOTE: transformers starts norms at 1: a norm loaded in the wrong place would not show
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
@@ -106,6 +116,12 @@ def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2: q/k/v biases, tied embeddings, no BOS."""
     return save_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3: q/k RMSNorm per head, head_dim 32 (heads x head_dim != hidden size), tied embeddings."""
+    return save_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", head_dim=32, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,13 @@ PROMPT = (
 
 @pytest.mark.parametrize(
     "fixture",
-    ["llama_checkpoint", "qwen2_checkpoint", "llama3_scaled_checkpoint", "sharded_llama_checkpoint"],
+    [
+        "llama_checkpoint",
+        "qwen2_checkpoint",
+        "qwen3_checkpoint",
+        "llama3_scaled_checkpoint",
+        "sharded_llama_checkpoint",
+    ],
 )
 def test_prefill_and_greedy_decode_match_transformers(fixture, request):
     path = request.getfixturevalue(fixture)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
@@ -34,6 +34,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before RoPE
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -95,6 +96,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),

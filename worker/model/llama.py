@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV pool, driven by a ForwardBatch.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over a paged KV pool, driven by a ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each.
@@ -71,6 +71,8 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _weight(qkv_rows, **w) if c.qkv_bias else None
         self.o_proj = _weight(c.hidden_size, self.q_size, **w)
         self.o_bias = _weight(c.hidden_size, **w) if c.o_bias else None
+        self.q_norm = _weight(c.head_dim, **w) if c.qk_norm else None
+        self.k_norm = _weight(c.head_dim, **w) if c.qk_norm else None
         self.post_attention_layernorm = _weight(c.hidden_size, **w)
         self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **w)
         self.gate_up_bias = _weight(2 * self.inter, **w) if c.mlp_bias else None
@@ -107,6 +109,9 @@ class DecoderLayer(nn.Module):
         q = q.reshape(t, self.heads, c.head_dim)
         k = k.reshape(t, self.kv_heads, c.head_dim)
         v = v.reshape(t, self.kv_heads, c.head_dim)
+        if self.q_norm is not None:  # NOTE: per head, before RoPE
+            q = ops.rms_norm(q, self.q_norm, c.rms_norm_eps)
+            k = ops.rms_norm(k, self.k_norm, c.rms_norm_eps)
         # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
         q, k = ops.rope_store_kv(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots)
         if batch.mode == "extend":
@@ -230,6 +235,8 @@ class LlamaForCausalLM(nn.Module):
             ("post_attention_layernorm", "weight"): layer.post_attention_layernorm,
             ("self_attn.o_proj", "weight"): layer.o_proj,
             ("self_attn.o_proj", "bias"): layer.o_bias,
+            ("self_attn.q_norm", "weight"): layer.q_norm,
+            ("self_attn.k_norm", "weight"): layer.k_norm,
             ("mlp.down_proj", "weight"): layer.down_proj,
             ("mlp.down_proj", "bias"): layer.down_bias,
         }
@@ -271,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
     def _weight_names(self) -> list[str]:
         """The HF names of every weight this model loads."""
         parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")  # fmt: skip
+                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
+                 "self_attn.k_norm")  # fmt: skip
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
                   for k in ("weight", "bias")]  # fmt: skip
