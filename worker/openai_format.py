@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 
 from router.tokenization import PromptTokenizer
 from worker.engine_api import RequestOutput
+from worker.reasoning import ReasoningSplitter
 from worker.sampling import TokenLogprobs
 from worker.tool_calls import ToolOutput
 
@@ -56,6 +57,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     tools: ToolOutput | None = None  # chat with tools: the text becomes content and tool calls
+    reasoning: ReasoningSplitter | None = None  # chat with --reasoning-parser: thinking apart from content
     # completions ``echo``: the prompt's text, sent before the first output, and its ids (whose
     # logprobs come with the first output when logprobs are asked for)
     echo: str | None = None
@@ -85,6 +87,10 @@ class Choice:
                 "length" if self.scoring_only and out.finish_reason != "error" else out.finish_reason
             )
         return out.finish_reason is not None
+
+
+def _joined(a: tuple[str, str], b: tuple[str, str]) -> tuple[str, str]:
+    return a[0] + b[0], a[1] + b[1]
 
 
 # NOTE: JSON allows these raw, but line readers built on str.splitlines (Python's, httpx's
@@ -172,11 +178,17 @@ class Responses:
             text = "".join(c.text)
             lp = self._take_logprobs(c)
             if self.chat:
-                message = {"role": "assistant", "content": text}
+                reasoning = None
+                if c.reasoning is not None:
+                    reasoning, text = _joined(c.reasoning.feed(text), c.reasoning.flush())
+                message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = c.finish_reason
                 if c.tools is not None:
                     message = c.tools.message(text)
                     finish = c.tools.finish_reason(finish)
+                if c.reasoning is not None:
+                    message["content"] = message["content"] or None  # NOTE: all thinking: no content
+                    message["reasoning"] = message["reasoning_content"] = reasoning or None
                 choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -203,7 +215,12 @@ class Responses:
         (``null`` when there are none, as on a finish chunk)."""
         lp = self._take_logprobs(c) if c.logprobs else None
         if self.chat:
-            delta = {"content": text} if text or finish_reason is None else {}
+            reasoning = ""
+            if c.reasoning is not None:
+                reasoning, text = self._split(c, text, finish_reason is not None)
+            delta = {"content": text} if text or (finish_reason is None and not reasoning) else {}
+            if reasoning:
+                delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)])
         choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
@@ -214,7 +231,11 @@ class Responses:
         """A chat stream's chunks for a choice with tools: ``text`` as content and tool call deltas
         (none while text is held back), then the finish chunk when ``finish_reason`` is given."""
         assert c.tools is not None
-        deltas = c.tools.feed(text) + (c.tools.flush() if finish_reason is not None else [])
+        reasoning = ""
+        if c.reasoning is not None:
+            reasoning, text = self._split(c, text, finish_reason is not None)
+        deltas = [{"reasoning": reasoning, "reasoning_content": reasoning}] if reasoning else []
+        deltas += c.tools.feed(text) + (c.tools.flush() if finish_reason is not None else [])
         out = []
         for delta in deltas:
             lp = self._take_logprobs(c) if c.logprobs else None
@@ -226,6 +247,13 @@ class Responses:
                       "finish_reason": c.tools.finish_reason(finish_reason)}  # fmt: skip
             out.append(self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)]))
         return out
+
+    @staticmethod
+    def _split(c: Choice, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of a stream's next ``text`` for choice ``c`` (all of it when ``final``)."""
+        assert c.reasoning is not None
+        parts = c.reasoning.feed(text)
+        return _joined(parts, c.reasoning.flush()) if final else parts
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:
         """A stream's last chunk (before ``[DONE]``): no choices, the usage."""

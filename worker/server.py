@@ -49,6 +49,7 @@ from worker.kv_transfer import KVTransfer
 from worker.openai_format import Choice, Responses, TokenNames, event_stream, sse_json
 from worker.openai_format import usage as usage_so_far
 from worker.ops_api import OpsAPI
+from worker.reasoning import ReasoningSplitter, prompt_opens_thinking
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
 from worker.tool_calls import ToolOutput, ToolRequest
@@ -80,11 +81,13 @@ class WorkerAPI:
     """Routes bound to one engine."""
 
     def __init__(
-        self, engine: Engine, tool_call_parser: str = "hermes", kv: KVTransfer | None = None
-    ) -> None:
+        self, engine: Engine, tool_call_parser: str = "hermes", kv: KVTransfer | None = None,
+        reasoning_parser: str = "none",
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.kv = kv  # fetches a prompt's cached KV from the worker a router names (worker/kv_transfer.py)
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
+        self.reasoning = reasoning_parser != "none"  # chat answers' <think> text apart (worker/reasoning.py)
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
@@ -164,7 +167,12 @@ class WorkerAPI:
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
+        # NOTE: a template that opens the thinking itself (DeepSeek-R1's) starts the answer in it
+        thinking = chat and self.reasoning and prompt_opens_thinking(self.engine.tokenizer.decode(
+            prompts[0][-16:], skip_special_tokens=False))  # type: ignore[call-arg]  # fmt: skip
         for c in choices:
+            if chat and self.reasoning:
+                c.reasoning = ReasoningSplitter(thinking)
             if tools is not None and tools.choice != "none":
                 c.tools = ToolOutput(tools, self.tool_call_parser)
             if echo is not None:
@@ -365,12 +373,13 @@ def create_app(
     engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
     tool_call_parser: str = "hermes", api_key: str | None = None, kv_transfer_max_mib: int = 1024,
     kv_fetch_timeout_s: float = 5.0, kv_link_ms_per_token: float = 0.0, kv_transfer_max_wait_ms: float = 200.0,
+    reasoning_parser: str = "none",
 ) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it. With
     ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it."""
     kv = KVTransfer(engine, api_key, kv_transfer_max_mib << 20, kv_fetch_timeout_s, kv_link_ms_per_token,
                     kv_transfer_max_wait_ms / 1e3)  # fmt: skip
-    api = WorkerAPI(engine, tool_call_parser, kv)
+    api = WorkerAPI(engine, tool_call_parser, kv, reasoning_parser)
     ops = OpsAPI(engine, admin_token)
     responses = ResponsesAPI(api, max_stored_responses)
     keys = APIKeys([api_key] if api_key else [])

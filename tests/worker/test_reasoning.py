@@ -1,0 +1,141 @@
+"""--reasoning-parser: a chat answer's <think> text returned apart from its content, whole and streamed
+(the split the same however the stream cuts the text), on a real worker."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.worker.test_server import serve, sse_events
+from worker.reasoning import ReasoningSplitter, prompt_opens_thinking, split
+
+
+@pytest.mark.parametrize(
+    "text,thinking,expected",
+    [
+        ("<think>plan</think>answer", False, ("plan", "answer")),
+        ("\n <think>\nplan\n</think>\n\nanswer", False, ("\nplan\n", "\n\nanswer")),
+        ("no thinking here", False, ("", "no thinking here")),
+        ("an answer that mentions <think> later", False, ("", "an answer that mentions <think> later")),
+        ("<think>cut off while thinking", False, ("cut off while thinking", "")),
+        ("<thi", False, ("", "<thi")),  # the start of a tag that never came is content
+        ("plan</think>answer", True, ("plan", "answer")),  # the prompt opened the thinking
+        ("still thinking </thi", True, ("still thinking </thi", "")),
+        ("<think>a</think>b</think>c", False, ("a", "b</think>c")),  # only the first close ends it
+        ("", False, ("", "")),
+    ],
+)
+def test_split(text, thinking, expected):
+    assert split(text, thinking) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from(["<", "/", "t", "h", "i", "n", "k", ">", " ", "a", "\n"]), max_size=40),
+    st.lists(st.integers(0, 40), max_size=8),
+    st.booleans(),
+)
+def test_a_stream_splits_as_the_whole_text_does_however_it_is_cut(text, cuts, thinking):
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    splitter = ReasoningSplitter(thinking)
+    pieces = [splitter.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    pieces.append(splitter.flush())
+    assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == split(text, thinking)
+
+
+def test_a_prompt_that_opens_the_thinking():
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not prompt_opens_thinking("<|im_start|>assistant\n")
+
+
+THOUGHT = {"regex": "<think>[a-z]{6}</think>[a-z]{4}"}  # the answer the grammar leaves the model
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with serve(reasoning_parser="qwen3") as live:
+        yield live
+
+
+def chat(**extra) -> dict:
+    return {"messages": [{"role": "user", "content": "Think first."}], "max_tokens": 40, "temperature": 0,
+            **extra}  # fmt: skip
+
+
+def test_reasoning_comes_apart_from_the_content_whole_and_streamed(worker):
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=chat(**THOUGHT)).json()
+        message = whole["choices"][0]["message"]
+        assert len(message["reasoning"]) == 6 and message["reasoning_content"] == message["reasoning"]
+        assert len(message["content"]) == 4 and message["content"].isalpha()
+        with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, **THOUGHT)) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+        first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+        assert not any(d.get("reasoning") for d in deltas[first_content:])  # thinking, then the answer
+        # cut off while thinking: all reasoning, no content
+        cut = client.post(
+            "/v1/chat/completions", json=chat(max_tokens=10, **THOUGHT)
+        ).json()  # a byte a token
+        assert cut["choices"][0]["message"]["content"] is None
+        assert cut["choices"][0]["message"]["reasoning"] == message["reasoning"][:3]
+
+
+def test_an_answer_that_does_not_think_is_all_content(worker):
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        message = client.post("/v1/chat/completions", json=chat(regex="[a-z]{8}")).json()["choices"][0][
+            "message"
+        ]
+    assert len(message["content"]) == 8 and message["reasoning"] is None
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_answer_in_it(worker):
+    """An assistant message left open after <think> (a template that starts the thinking does
+    the same): the answer is reasoning until </think>."""
+    body = chat(regex="[a-z]{5}</think>[a-z]{3}", continue_final_message=True, add_generation_prompt=False)
+    body["messages"].append({"role": "assistant", "content": "<think>\n"})
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert len(message["reasoning"]) == 5 and len(message["content"]) == 3
+
+
+def test_without_the_parser_the_thinking_stays_in_the_content():
+    with serve() as live, httpx.Client(base_url=live.url, timeout=60) as client:
+        message = client.post("/v1/chat/completions", json=chat(**THOUGHT)).json()["choices"][0]["message"]
+    assert message["content"].startswith("<think>") and "</think>" in message["content"]
+    assert "reasoning" not in message
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def test_a_tool_call_after_the_thinking_is_read_from_the_content(worker):
+    body = chat(tools=TOOLS, regex="<think>[a-z]{4}</think>" + CALL.replace("{", "\\{").replace("}", "\\}"),
+                max_tokens=120)  # fmt: skip
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {
+        "city": "Oslo"
+    }
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert len(whole["message"]["reasoning"]) == 4
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning", "") for d in deltas) == whole["message"]["reasoning"]
+    streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert streamed and streamed[0]["function"]["name"] == "get_weather"
+    assert "".join(tc["function"].get("arguments", "") for tc in streamed) == call["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
