@@ -92,7 +92,6 @@ class WorkerLauncher:
         self._failures: list[int] = []  # exits in a row, each but the first soon after its start
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._watcher: threading.Thread | None = None
 
     def start(self) -> list[str]:
         for _ in range(self.count):
@@ -113,8 +112,7 @@ class WorkerLauncher:
             self.processes.append(self._spawn(cmd))
             self.urls.append(url)
         atexit.register(self.stop)
-        self._watcher = threading.Thread(target=self._watch, name="worker-launcher", daemon=True)
-        self._watcher.start()
+        threading.Thread(target=self._watch, name="worker-launcher", daemon=True).start()
         return self.urls
 
     def _spawn(self, cmd: list[str]) -> subprocess.Popen:
