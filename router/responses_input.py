@@ -78,9 +78,11 @@ def chat_tool_choice(choice: Any) -> Any:
 
 
 def input_messages(input_: Any) -> list[dict[str, Any]]:
-    """``input`` (a string, or a list of message, ``function_call`` and ``function_call_output``
-    items) as chat messages: consecutive function calls are one assistant message's ``tool_calls``,
-    a call's output is a ``tool`` message."""
+    """``input`` (a string, or a list of message, ``function_call``, ``function_call_output`` and
+    ``reasoning`` items) as chat messages: consecutive function calls are one assistant message's
+    ``tool_calls``, a call's output is a ``tool`` message, and a reasoning item's text is the next
+    assistant message's ``reasoning_content`` (the name chat templates read; dropped when another
+    message follows it)."""
     if isinstance(input_, str):
         if not input_:
             raise ValueError("'input' is empty")
@@ -88,10 +90,18 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
     if not isinstance(input_, list) or not input_:
         raise ValueError("'input' must be a non-empty string or list of messages")
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the next assistant message
     for item in input_:
         if not isinstance(item, dict):
             raise ValueError("each 'input' item must be an object")
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):  # fmt: skip
+                raise ValueError("a reasoning item's 'content' (or 'summary') must be a list of text parts")
+            thought = (thought or "") + "".join(p["text"] for p in parts)
+            continue
         if kind == "function_call":
             call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not all(isinstance(v, str) and v for v in (call_id, name)) or not isinstance(args, str):
@@ -114,9 +124,12 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
                 raise ValueError(f"unsupported role {item.get('role')!r}")
             out.append({"role": role, "content": _text(item.get("content"))})
         else:
-            raise ValueError(
-                f"unsupported input item type {kind!r}: messages, function_call and function_call_output are"
-            )
+            raise ValueError(f"unsupported input item type {kind!r}: messages, function_call, "
+                             "function_call_output and reasoning are")  # fmt: skip
+        if thought is not None:  # NOTE: it belongs to the assistant's turn that follows it, if one does
+            if out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"] = thought
+            thought = None
     return out
 
 

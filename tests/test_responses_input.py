@@ -101,3 +101,25 @@ def test_function_calls_and_their_outputs_become_tool_turns() -> None:
     ):
         with pytest.raises(ValueError):
             input_messages([bad_item])
+
+
+def test_a_reasoning_item_goes_with_the_assistant_turn_that_follows_it() -> None:
+    """Output items sent back as input (a client keeping the context itself): a reasoning item's
+    text is the next assistant message's reasoning_content; with no assistant turn next, dropped."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "check "}, {"type": "reasoning_text", "text": "it"}]}  # fmt: skip
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}
+    assert input_messages([{"role": "user", "content": "q"}, thought, answer]) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "check it"},
+    ]
+    assert input_messages([thought, call])[0]["reasoning_content"] == "check it"
+    assert input_messages([thought, {"role": "user", "content": "q"}, answer]) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    summary_only = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}
+    assert input_messages([summary_only, answer])[0]["reasoning_content"] == "short"
+    with pytest.raises(ValueError, match="reasoning item"):
+        input_messages([{"type": "reasoning", "content": "not parts"}, answer])

@@ -66,13 +66,31 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)  # generated ids not yet sent (return_token_ids)
     prompt_sent: bool = False  # a stream's choice has sent its prompt's ids (completions shape)
 
+    reasoning_text: list[str] = field(default_factory=list)  # a whole answer's thinking (with ``reasoning``)
+
     def visible(self, out: RequestOutput) -> str:
         """The text of ``out`` the client sees (the echoed prompt first)."""
         head, self.echo = self.echo or "", None
         return head + ("" if self.scoring_only else out.text)
 
+    def collect(self, out: RequestOutput) -> bool:
+        """A whole answer's part: keep the text of ``out`` (its thinking apart, with ``reasoning``) and
+        account it (``add``); True when it finishes this choice."""
+        finished = self.add(out)  # NOTE: first: its tokens are counted before their text is split
+        text = self.visible(out)
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if finished:
+                thought, text = _joined((thought, text), self.reasoning.flush())
+            self.reasoning_text.append(thought)
+        self.text.append(text)
+        return finished
+
     def add(self, out: RequestOutput) -> bool:
-        """Account one engine output (its text aside); True when it finishes this choice."""
+        """Account one engine output (its text aside; a stream's tokens counted as thinking or not
+        before their text is split); True when it finishes this choice."""
+        if self.reasoning is not None:
+            self.reasoning.count(len(out.token_ids))
         if out.prompt_logprobs is not None and self.prompt_ids is not None:
             self.logprobs.extend(zip(self.prompt_ids, out.prompt_logprobs, strict=True))
         if out.logprobs is not None and not self.scoring_only:
@@ -132,12 +150,16 @@ def usage(prompt_tokens: list[int], choices: list[Choice]) -> dict:
     the fewest any of its choices found (the others share the pages the first one computed)."""
     completion = sum(c.completion_tokens for c in choices)
     cached = [min(c.cached_tokens for c in choices if c.prompt == p) for p in range(len(prompt_tokens))]
-    return {
+    out = {
         "prompt_tokens": sum(prompt_tokens),
         "completion_tokens": completion,
         "total_tokens": sum(prompt_tokens) + completion,
         "prompt_tokens_details": {"cached_tokens": sum(cached)},
     }
+    if choices and choices[0].reasoning is not None:  # NOTE: --reasoning-parser: the thinking's share
+        thinking = sum(c.reasoning.reasoning_tokens for c in choices if c.reasoning is not None)
+        out["completion_tokens_details"] = {"reasoning_tokens": thinking}
+    return out
 
 
 class Responses:
@@ -178,9 +200,6 @@ class Responses:
             text = "".join(c.text)
             lp = self._take_logprobs(c)
             if self.chat:
-                reasoning = None
-                if c.reasoning is not None:
-                    reasoning, text = _joined(c.reasoning.feed(text), c.reasoning.flush())
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = c.finish_reason
                 if c.tools is not None:
@@ -188,7 +207,7 @@ class Responses:
                     finish = c.tools.finish_reason(finish)
                 if c.reasoning is not None:
                     message["content"] = message["content"] or None  # NOTE: all thinking: no content
-                    message["reasoning"] = message["reasoning_content"] = reasoning or None
+                    message["reasoning"] = message["reasoning_content"] = "".join(c.reasoning_text) or None
                 choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}

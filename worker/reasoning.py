@@ -37,6 +37,16 @@ class ReasoningSplitter:
     def __init__(self, thinking: bool = False) -> None:
         self._state = "reasoning" if thinking else "start"  # start: not yet known whether it thinks
         self._pending = ""  # text held back: possibly the start of a tag
+        self.reasoning_tokens = 0  # tokens generated while thinking, the tags' own included
+        self._undecided = 0  # tokens generated before it was known whether the answer thinks
+
+    def count(self, tokens: int) -> None:
+        """Attribute ``tokens`` just generated, before their text is fed: to the thinking while it
+        lasts (the one that closes it included)."""
+        if self._state == "reasoning":
+            self.reasoning_tokens += tokens
+        elif self._state == "start":
+            self._undecided += tokens
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content that ``text`` (with what was held back) makes known."""
@@ -47,11 +57,12 @@ class ReasoningSplitter:
                 lead = text.lstrip()
                 if lead.startswith(OPEN):
                     text, self._state = lead[len(OPEN) :], "reasoning"
+                    self.reasoning_tokens, self._undecided = self.reasoning_tokens + self._undecided, 0
                 elif OPEN.startswith(lead):  # whitespace, or a part of the tag: not known yet
                     self._pending = text
                     return reasoning, content
                 else:
-                    self._state = "content"
+                    self._state, self._undecided = "content", 0
             elif self._state == "reasoning":
                 at = text.find(CLOSE)
                 if at >= 0:

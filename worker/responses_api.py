@@ -27,6 +27,7 @@ from router.responses_input import (
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
 from worker.openai_format import event_stream, logprob_entry
+from worker.reasoning import ReasoningSplitter
 from worker.responses_output import Events, OutputItems
 from worker.tool_calls import ToolOutput
 
@@ -187,7 +188,8 @@ class ResponsesAPI:
             ToolOutput(tools, api.tool_call_parser) if tools is not None and tools.choice != "none" else None
         )
         rid = new_response_id(self.tag)
-        turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None)
+        turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
+                     api.reasoning_splitter(ids))  # fmt: skip
         if body.get("stream"):
             return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
@@ -217,7 +219,9 @@ class ResponsesAPI:
         try:
             yield events.send("response.created", response=turn.response("in_progress"))
             yield events.send("response.in_progress", response=turn.response("in_progress"))
-            if turn.reader is None:  # plain text: the message opens at once, as OpenAI's does
+            if (
+                turn.reader is None and turn.thinking is None
+            ):  # plain text: the message opens at once, as OpenAI's does
                 for event in turn.items.open_message():
                     yield event
             while out is not None:
@@ -262,13 +266,14 @@ class _Turn:
 
     def __init__(
         self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool,
-        reader: ToolOutput | None = None, logprobs: bool = False,
+        reader: ToolOutput | None = None, logprobs: bool = False, thinking: ReasoningSplitter | None = None,
     ) -> None:  # fmt: skip
         self.endpoint, self.body, self.rid, self.store = endpoint, body, rid, store
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.messages = messages  # earlier turns + this input, without instructions
         self.reader = reader  # with tools: reads calls out of the text
+        self.thinking = thinking  # with --reasoning-parser: the thinking apart, as a reasoning item
         self.output_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.events = Events()
@@ -283,11 +288,19 @@ class _Turn:
             self._logprobs.append(
                 logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
             )
+        text, deltas = out.text, []
+        if self.thinking is not None:
+            self.thinking.count(len(out.token_ids))
+            thought, text = self.thinking.feed(text)
+            if out.finish_reason is not None:
+                rest = self.thinking.flush()
+                thought, text = thought + rest[0], text + rest[1]
+            deltas = [{"reasoning": thought}] if thought else []
         if self.reader is None:
-            deltas = [{"content": out.text, "logprobs": self._logprobs}] if out.text else []
-            self._logprobs = [] if out.text else self._logprobs  # NOTE: held-back text keeps its numbers
+            deltas += [{"content": text, "logprobs": self._logprobs}] if text else []
+            self._logprobs = [] if text else self._logprobs  # NOTE: held-back text keeps its numbers
         else:
-            deltas = self.reader.feed(out.text) + (self.reader.flush() if out.finish_reason else [])
+            deltas += self.reader.feed(text) + (self.reader.flush() if out.finish_reason else [])
         events = [event for d in deltas for event in self.items.delta(d)]
         if out.finish_reason is not None and self._logprobs:  # tokens of no text (a stop string's)
             self.items.add_logprobs(self._logprobs)
@@ -320,7 +333,9 @@ class _Turn:
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {"cached_tokens": self.cached_tokens},
             "output_tokens": self.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": self.thinking.reasoning_tokens if self.thinking else 0
+            },
             "total_tokens": self.prompt_tokens + self.output_tokens,
         }
         final = self.response(status, self.items.items, usage)

@@ -52,9 +52,28 @@ class OutputItems:
         item["content"].append(part)
         return out
 
+    def _open_reasoning(self) -> list[bytes]:
+        out = self._close_open()
+        part = {"type": "reasoning_text", "text": ""}
+        item = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "status": "in_progress", "summary": [],
+                "content": [part]}  # fmt: skip
+        self._open = item
+        self.items.append(item)
+        index = len(self.items) - 1
+        out.append(self.events.send("response.output_item.added", output_index=index, item=item))
+        out.append(self.events.send("response.content_part.added", **self._where(), part=part))
+        return out
+
     def delta(self, delta: dict) -> list[bytes]:
-        """Events for one chat delta (content text, or tool call headers / argument pieces)."""
+        """Events for one chat delta (thinking, content text, or tool call headers / argument pieces)."""
         out: list[bytes] = []
+        thought = delta.get("reasoning")
+        if thought:
+            if self._open is None or self._open["type"] != "reasoning":
+                out += self._open_reasoning()
+            assert self._open is not None
+            self._open["content"][0]["text"] += thought
+            out.append(self.events.send("response.reasoning_text.delta", **self._where(), delta=thought))
         text = delta.get("content")
         if text:
             if self._open is None or self._open["type"] != "message":
@@ -113,9 +132,13 @@ class OutputItems:
             for i in self.items
             if i["type"] == "function_call"
         ]
-        if not calls:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": text or None, "tool_calls": calls}
+        thought = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+        if thought:  # NOTE: the name chat templates read (Qwen3's renders it back in a tool loop)
+            message["reasoning_content"] = thought
+        return message
 
     def _where(self) -> dict:
         assert self._open is not None
@@ -128,6 +151,14 @@ class OutputItems:
         index = self.items.index(item)
         item["status"] = status
         send = self.events.send
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [
+                send("response.reasoning_text.done", **where, text=part["text"]),
+                send("response.content_part.done", **where, part=part),
+                send("response.output_item.done", output_index=index, item=item),
+            ]
         if item["type"] == "message":
             part = item["content"][0]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}

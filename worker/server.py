@@ -92,6 +92,14 @@ class WorkerAPI:
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
 
+    def reasoning_splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
+        """With --reasoning-parser, what splits a chat answer to ``prompt`` into thinking and content."""
+        if not self.reasoning:
+            return None
+        # NOTE: a template that opens the thinking itself (DeepSeek-R1's) starts the answer in it
+        tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
+        return ReasoningSplitter(prompt_opens_thinking(tail))
+
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
         with a 503 (an error event in a stream): the process is about to stop serving it."""
@@ -167,12 +175,9 @@ class WorkerAPI:
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
-        # NOTE: a template that opens the thinking itself (DeepSeek-R1's) starts the answer in it
-        thinking = chat and self.reasoning and prompt_opens_thinking(self.engine.tokenizer.decode(
-            prompts[0][-16:], skip_special_tokens=False))  # type: ignore[call-arg]  # fmt: skip
         for c in choices:
-            if chat and self.reasoning:
-                c.reasoning = ReasoningSplitter(thinking)
+            if chat:
+                c.reasoning = self.reasoning_splitter(prompts[0])
             if tools is not None and tools.choice != "none":
                 c.tools = ToolOutput(tools, self.tool_call_parser)
             if echo is not None:
@@ -214,8 +219,7 @@ class WorkerAPI:
             while out is not None:
                 if out.error is not None:
                     raise APIError(out.error_status or 500, out.error, out.error_code)
-                choices[out.index].text.append(choices[out.index].visible(out))
-                if choices[out.index].add(out):
+                if choices[out.index].collect(out):
                     del live[out.index]
                 if not live:
                     answer = resp.whole(choices, prompt_tokens)

@@ -139,3 +139,57 @@ def test_a_tool_call_after_the_thinking_is_read_from_the_content(worker):
     assert streamed and streamed[0]["function"]["name"] == "get_weather"
     assert "".join(tc["function"].get("arguments", "") for tc in streamed) == call["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+THINKING_TOKENS = len("<think>") + 6 + len("</think>")  # the byte tokenizer: one token a byte
+
+
+def test_usage_counts_the_thinking_tokens(worker):
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=chat(**THOUGHT)).json()
+        body = chat(stream=True, stream_options={"include_usage": True}, **THOUGHT)
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            streamed = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"][-1]["usage"]
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": THINKING_TOKENS}
+    assert streamed["completion_tokens_details"] == {"reasoning_tokens": THINKING_TOKENS}
+    assert whole["usage"]["completion_tokens"] > THINKING_TOKENS
+
+
+def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(worker):
+    """A response's outputs, fed as the engine delivers them (a token at a time, tags cut anywhere):
+    the thinking is a reasoning item before the message, announced by reasoning_text events."""
+    import orjson
+
+    from worker.engine_api import RequestOutput
+    from worker.responses_api import ResponsesAPI, _Turn
+
+    endpoint = ResponsesAPI(worker.app.state.api, 8)
+    text = "<think>weigh it</think>Yes."
+    turn = _Turn(endpoint, {"input": "x"}, "resp_1", 5, [{"role": "user", "content": "x"}], True,
+                 thinking=ReasoningSplitter())  # fmt: skip
+    events = []
+    for i, ch in enumerate(text):
+        last = i == len(text) - 1
+        out = RequestOutput(ch, [i], "stop" if last else None, completion_tokens=i + 1)
+        events += turn.add(out)
+    final, closing = turn.finish()
+    events = [orjson.loads(e.split(b"data: ", 1)[1]) for e in events + closing]
+    reasoning, message = final["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "weigh it"}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "Yes."
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len("<think>weigh it</think>")
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+    ]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    (done,) = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert thought == done["text"] == "weigh it"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    # the stored conversation gives the thinking back to the chat template, under the name it reads
+    stored = endpoint.store.get("resp_1").messages[-1]
+    assert stored == {"role": "assistant", "content": "Yes.", "reasoning_content": "weigh it"}
