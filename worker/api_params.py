@@ -16,7 +16,7 @@ from router.errors import RouterError
 from router.request_parsing import STREAM_OPTIONS_ERROR, ClientGone, read_body, stream_options_ok
 from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
-from worker.guided import Guide, GuideCompiler, requested_grammar
+from worker.guided import Guide, GuideCompiler, requested_grammar, thinking_first
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams
 from worker.tool_calls import ToolRequest, auto_grammar, forced_grammar, tool_request
@@ -98,12 +98,14 @@ def tools_of(body: dict) -> ToolRequest | None:
 
 
 async def output_guide(
-    body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None, parser: str = "hermes"
-) -> Guide | None:
+    body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None, parser: str = "hermes",
+    thinking: bool | None = None,
+) -> Guide | None:  # fmt: skip
     """The constraint on the output: the structured output the body asks for, the one a forced
     tool call needs, or (``auto`` tools, hermes format, nothing else asked) well-formed calls in
     free text; compiled off the event loop (a large schema takes a while). None for free text. A
-    bad one is a 400 naming the problem."""
+    bad one is a 400 naming the problem. ``thinking`` (with --reasoning-parser; True when the prompt
+    opened the thinking): the constraint applies after the model's thinking."""
     try:
         asked = requested_grammar(body)
         forced = forced_grammar(tools) if tools is not None else None
@@ -119,6 +121,11 @@ async def output_guide(
             special = compiler.special_token
             forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
         asked = asked or forced
+        # NOTE: not around free text with calls (tool_auto), nor a constraint that spells the thinking
+        # itself (it names </think>, "<\/think>" once escaped): that one is the whole answer's
+        wrap = asked is not None and asked[0] != "tool_auto" and "/think>" not in asked[1]
+        if wrap and thinking is not None:
+            asked = (asked[0], thinking_first(asked[1], thinking))  # type: ignore[index]
         return None if asked is None else await run_in_threadpool(compiler.compile, *asked)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None

@@ -93,6 +93,24 @@ def lark_grammar(text: Any) -> str:
     return LLMatcher.grammar_from_lark(text)
 
 
+def thinking_first(grammar: str, opened: bool = False) -> str:
+    """``grammar`` after a thinking block, so a thinking model (``--reasoning-parser``) thinks freely
+    before its constrained answer, as its reasoning is split off: ``<think>`` free text ``</think>``
+    first if the model writes it, or, when the prompt ``opened`` it, free text up to ``</think>``
+    first in any case; whitespace may follow it."""
+    try:
+        top = json.loads(grammar)  # NOTE: llguidance's JSON form (schemas, regexes); else Lark text
+    except json.JSONDecodeError:
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    answer = top["grammars"][0]
+    answer["name"] = answer.get("name") or "answer"
+    start = f"think WS @{answer['name']}" if opened else f"(think WS)? @{answer['name']}"
+    think = 'TEXT "</think>"' if opened else '"<think>" TEXT "</think>"'
+    lark = f"%llguidance {{}}\nstart: {start}\nthink[lazy]: {think}\nTEXT: /(.|\\n)*/\nWS: /[ \\t\\r\\n]*/\n"
+    top["grammars"] = [{"name": "thinking", "lark_grammar": lark}, *top["grammars"]]
+    return json.dumps(top)
+
+
 # vLLM's spellings: ``structured_outputs: {kind: value}`` and the older top-level ``guided_<kind>``
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 # SGLang's: top-level ``regex``, ``json_schema`` (JSON text) and ``ebnf``

@@ -144,7 +144,6 @@ class ResponsesAPI:
         if text is not None and not isinstance(text, dict):
             raise APIError(400, "'text' must be an object such as {'format': {'type': 'json_schema', ...}}")
         fmt = {"response_format": _chat_format((text or {}).get("format"))}
-        guide = await output_guide(fmt, api.engine.guides, tools, api.tool_call_parser)
         store = True if body.get("store") is None else body["store"]
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")
@@ -174,6 +173,9 @@ class ResponsesAPI:
                 messages, kept, engine.tokenizer, tools and tools.tools, engine.max_total_tokens
             )
         logprobs = _logprobs(body, tools)
+        guide = await output_guide(
+            fmt, api.engine.guides, tools, api.tool_call_parser, api.prompt_thinks(ids)
+        )
         params = sampling_params(
             body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )

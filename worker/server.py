@@ -92,13 +92,18 @@ class WorkerAPI:
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
 
-    def reasoning_splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
-        """With --reasoning-parser, what splits a chat answer to ``prompt`` into thinking and content."""
+    def prompt_thinks(self, prompt: list[int]) -> bool | None:
+        """With --reasoning-parser, whether the chat ``prompt`` opened the thinking (a template that
+        starts it itself, as DeepSeek-R1's does); None without the parser."""
         if not self.reasoning:
             return None
-        # NOTE: a template that opens the thinking itself (DeepSeek-R1's) starts the answer in it
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
-        return ReasoningSplitter(prompt_opens_thinking(tail))
+        return prompt_opens_thinking(tail)
+
+    def reasoning_splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
+        """With --reasoning-parser, what splits a chat answer to ``prompt`` into thinking and content."""
+        opened = self.prompt_thinks(prompt)
+        return None if opened is None else ReasoningSplitter(opened)
 
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
@@ -159,7 +164,9 @@ class WorkerAPI:
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens
-        guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser)
+        guide = await output_guide(
+            body, self.engine.guides, tools, self.tool_call_parser, self.prompt_thinks(ids)
+        )
         params = sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
         params = self.for_model(params, body)
         return await self._generate(request, body, [ids], params, chat=True, tools=tools)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.tokenization import ByteTokenizer
 from tests.worker.test_server import serve, sse_events
 from worker.reasoning import ReasoningSplitter, prompt_opens_thinking, split
 
@@ -90,12 +91,38 @@ def test_reasoning_comes_apart_from_the_content_whole_and_streamed(worker):
         assert cut["choices"][0]["message"]["reasoning"] == message["reasoning"][:3]
 
 
-def test_an_answer_that_does_not_think_is_all_content(worker):
-    with httpx.Client(base_url=worker.url, timeout=60) as client:
-        message = client.post("/v1/chat/completions", json=chat(regex="[a-z]{8}")).json()["choices"][0][
-            "message"
-        ]
-    assert len(message["content"]) == 8 and message["reasoning"] is None
+@pytest.mark.parametrize(
+    "body",
+    [{"regex": "[0-9]{3}"}, {"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
+     {"guided_grammar": 'start: "yes" | "no"'}],
+    ids=["regex", "json_schema", "lark"],
+)  # fmt: skip
+async def test_a_structured_output_follows_the_thinking(body):
+    """With the parser, the constraint is on the answer after the thinking: the model may think
+    first (or must close a thinking its prompt opened); a constraint that names </think> itself
+    is the whole answer's."""
+    from tests.worker.test_guided import allowed_ids
+    from worker.api_params import output_guide
+    from worker.guided import GuideCompiler
+
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    answer = {"regex": "123", "response_format": '{"a":7}', "guided_grammar": "no"}[next(iter(body))]
+
+    def walk(guide, text: str) -> bool:
+        m = guide.matcher()
+        return all(m.consume_token(b) for b in text.encode()) and ByteTokenizer.EOS in allowed_ids(m, 257)
+
+    plain = await output_guide(body, compiler)
+    free = await output_guide(body, compiler, thinking=False)
+    opened = await output_guide(body, compiler, thinking=True)
+    assert walk(plain, answer) and walk(free, answer)  # thinking is optional
+    assert walk(free, "<think>any {text}\n</think>\n\n" + answer)
+    assert not walk(plain, "<think>x</think>" + answer)
+    assert not walk(free, "<think>x</think>not the answer")
+    assert walk(opened, "any text</think>\n" + answer) and not walk(opened, answer)
+    spelled = await output_guide({"regex": "<think>[a-z]</think>[0-9]"}, compiler, thinking=False)
+    assert walk(spelled, "<think>q</think>5") and not walk(spelled, "<think>qq</think>5")
 
 
 def test_a_prompt_that_opens_the_thinking_starts_the_answer_in_it(worker):
