@@ -229,14 +229,18 @@ class Responses:
             )
         return self._envelope("chat.completion.chunk", choices=[choice])
 
-    def chunk(self, c: Choice, text: str, finish_reason: str | None = None) -> dict:
+    def chunk(self, c: Choice, text: str, finish_reason: str | None = None) -> dict | None:
         """A stream chunk with ``text`` and the logprobs of the tokens generated since the last
-        (``null`` when there are none, as on a finish chunk)."""
+        (``null`` when there are none, as on a finish chunk); None when it would say nothing (text
+        held back as a possible reasoning tag: an empty ``content`` would tell clients the answer
+        has begun)."""
         lp = self._take_logprobs(c) if c.logprobs else None
         if self.chat:
             reasoning = ""
             if c.reasoning is not None:
                 reasoning, text = self._split(c, text, finish_reason is not None)
+                if not (reasoning or text or finish_reason or lp or self.prompt_ids is not None):
+                    return None
             delta = {"content": text} if text or (finish_reason is None and not reasoning) else {}
             if reasoning:
                 delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}

@@ -344,11 +344,11 @@ class WorkerAPI:
                 if c.tools is not None:
                     for chunk in resp.tool_chunks(c, out.text, out.finish_reason):
                         yield send(chunk)
-                elif text := c.visible(out):
-                    yield send(resp.chunk(c, text))
+                elif (text := c.visible(out)) and (chunk := resp.chunk(c, text)) is not None:
+                    yield send(chunk)
                 if out.finish_reason is not None:
                     if c.tools is None:
-                        yield send(resp.chunk(c, "", out.finish_reason))
+                        yield send(resp.chunk(c, "", out.finish_reason))  # type: ignore[arg-type]
                     else:
                         self.engine.metrics.tool_calls.inc(c.tools.calls)
                     if not live:

@@ -83,6 +83,9 @@ def test_reasoning_comes_apart_from_the_content_whole_and_streamed(worker):
         assert "".join(d.get("content") or "" for d in deltas) == message["content"]
         first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
         assert not any(d.get("reasoning") for d in deltas[first_content:])  # thinking, then the answer
+        # no empty content while tags are held back: clients take any content as the answer's start
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        assert not any("content" in d for d in deltas[1:first_content])
         # cut off while thinking: all reasoning, no content
         cut = client.post(
             "/v1/chat/completions", json=chat(max_tokens=10, **THOUGHT)
