@@ -69,7 +69,7 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         raise APIError(400, "'stream' must be a boolean")
     if not isinstance(body.get("echo") or False, bool):
         raise APIError(400, "'echo' must be a boolean")
-    for flag in ("return_token_ids", "return_tokens_as_token_ids"):
+    for flag in ("return_token_ids", "return_tokens_as_token_ids", "include_reasoning"):
         if not isinstance(body.get(flag) or False, bool):
             raise APIError(400, f"'{flag}' must be a boolean")
     if not stream_options_ok(body):

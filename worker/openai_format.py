@@ -176,6 +176,7 @@ class Responses:
             self.names = lambda t: (f"token_id:{t}", names(t)[1])  # type: ignore[assignment]
         # vLLM's return_token_ids: each prompt's ids, and every choice's generated ids (EOS included)
         self.prompt_ids = prompt_ids
+        self.show_reasoning = True  # vLLM's include_reasoning: false drops the thinking (still split off)
         self.created = int(time.time())
 
     def _ids(self, c: Choice, choice: dict, first: bool) -> dict:
@@ -207,7 +208,10 @@ class Responses:
                     finish = c.tools.finish_reason(finish)
                 if c.reasoning is not None:
                     message["content"] = message["content"] or None  # NOTE: all thinking: no content
-                    message["reasoning"] = message["reasoning_content"] = "".join(c.reasoning_text) or None
+                    if self.show_reasoning:
+                        message["reasoning"] = message["reasoning_content"] = (
+                            "".join(c.reasoning_text) or None
+                        )
                 choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -271,12 +275,13 @@ class Responses:
             out.append(self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)]))
         return out
 
-    @staticmethod
-    def _split(c: Choice, text: str, final: bool) -> tuple[str, str]:
+    def _split(self, c: Choice, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of a stream's next ``text`` for choice ``c`` (all of it when ``final``)."""
         assert c.reasoning is not None
         parts = c.reasoning.feed(text)
-        return _joined(parts, c.reasoning.flush()) if final else parts
+        if final:
+            parts = _joined(parts, c.reasoning.flush())
+        return parts if self.show_reasoning else ("", parts[1])
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:
         """A stream's last chunk (before ``[DONE]``): no choices, the usage."""

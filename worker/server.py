@@ -207,6 +207,7 @@ class WorkerAPI:
             prompts if body.get("return_token_ids") is True else None,  # NOTE: vLLM's; checked as a boolean
             body.get("return_tokens_as_token_ids") is True,
         )
+        resp.show_reasoning = body.get("include_reasoning") is not False
         if body.get("stream"):
             return event_stream(
                 self._stream(

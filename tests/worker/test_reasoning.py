@@ -223,3 +223,19 @@ def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(worker):
     # the stored conversation gives the thinking back to the chat template, under the name it reads
     stored = endpoint.store.get("resp_1").messages[-1]
     assert stored == {"role": "assistant", "content": "Yes.", "reasoning_content": "weigh it"}
+
+
+def test_include_reasoning_false_drops_the_thinking(worker):
+    """vLLM's include_reasoning: false: the thinking is still split off the content, and not sent."""
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        message = client.post("/v1/chat/completions", json=chat(include_reasoning=False, **THOUGHT)).json()
+        body = chat(include_reasoning=False, stream=True, **THOUGHT)
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            deltas = [e["choices"][0]["delta"] for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        bad = client.post("/v1/chat/completions", json=chat(include_reasoning="no"))
+    message = message["choices"][0]["message"]
+    assert "reasoning" not in message and "reasoning_content" not in message
+    assert len(message["content"]) == 4 and message["content"].isalpha()
+    assert not any("reasoning" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert bad.status_code == 400 and "include_reasoning" in bad.json()["error"]["message"]
