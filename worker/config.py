@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.reasoning import PARSERS as REASONING_PARSERS
+
 ENV_PREFIX = "RADIXGATE_WORKER_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
@@ -60,9 +62,7 @@ class WorkerConfig:
     kv_transfer_max_wait_ms: float = 200.0  # a transfer queued behind more than this is refused (0: never)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
-    reasoning_parser: str = (
-        "none"  # chat answers' <think> text apart as `reasoning`: none | qwen3 | deepseek_r1
-    )
+    reasoning_parser: str = "none"  # chat answers' <think> text apart (worker.reasoning.PARSERS)
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
@@ -95,7 +95,7 @@ class WorkerConfig:
             raise ValueError("--device must be auto, cuda or cpu")
         if self.tool_call_parser not in ("hermes", "llama3_json"):
             raise ValueError("--tool-call-parser must be hermes or llama3_json")
-        if self.reasoning_parser not in ("none", "qwen3", "deepseek_r1"):
+        if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError("--reasoning-parser must be none, qwen3 or deepseek_r1")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         str,
         "chat answers' thinking (<think>...</think>, Qwen3 and DeepSeek-R1) returned apart from the "
         "content, as reasoning and reasoning_content: none, qwen3 or deepseek_r1 (the same tags)",
-        choices=["none", "qwen3", "deepseek_r1"],
+        choices=list(REASONING_PARSERS),
     )
     opt("--log-level", str, "debug | info | warning | error")
     opt("--cpu-threads", int, "torch threads on CPU (0 = all cores; give each of N local workers cores/N)")

@@ -79,9 +79,7 @@ class Choice:
         finished = self.add(out)  # NOTE: first: its tokens are counted before their text is split
         text = self.visible(out)
         if self.reasoning is not None:
-            thought, text = self.reasoning.feed(text)
-            if finished:
-                thought, text = _joined((thought, text), self.reasoning.flush())
+            thought, text = self.reasoning.take(text, finished)
             self.reasoning_text.append(thought)
         self.text.append(text)
         return finished
@@ -105,10 +103,6 @@ class Choice:
                 "length" if self.scoring_only and out.finish_reason != "error" else out.finish_reason
             )
         return out.finish_reason is not None
-
-
-def _joined(a: tuple[str, str], b: tuple[str, str]) -> tuple[str, str]:
-    return a[0] + b[0], a[1] + b[1]
 
 
 # NOTE: JSON allows these raw, but line readers built on str.splitlines (Python's, httpx's
@@ -278,10 +272,8 @@ class Responses:
     def _split(self, c: Choice, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of a stream's next ``text`` for choice ``c`` (all of it when ``final``)."""
         assert c.reasoning is not None
-        parts = c.reasoning.feed(text)
-        if final:
-            parts = _joined(parts, c.reasoning.flush())
-        return parts if self.show_reasoning else ("", parts[1])
+        reasoning, content = c.reasoning.take(text, final)
+        return (reasoning if self.show_reasoning else ""), content
 
     def usage_chunk(self, choices: list[Choice], prompt_tokens: list[int]) -> dict:
         """A stream's last chunk (before ``[DONE]``): no choices, the usage."""

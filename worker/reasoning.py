@@ -85,10 +85,15 @@ class ReasoningSplitter:
             return text, ""
         return "", text
 
+    def take(self, text: str, final: bool) -> tuple[str, str]:
+        """``feed(text)``, and when the answer ends with it (``final``) what was held back too."""
+        reasoning, content = self.feed(text)
+        if final:
+            rest = self.flush()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        return reasoning, content
+
 
 def split(text: str, thinking: bool = False) -> tuple[str, str]:
     """A whole answer as (reasoning, content)."""
-    splitter = ReasoningSplitter(thinking)
-    r1, c1 = splitter.feed(text)
-    r2, c2 = splitter.flush()
-    return r1 + r2, c1 + c2
+    return ReasoningSplitter(thinking).take(text, final=True)

@@ -173,9 +173,8 @@ class ResponsesAPI:
                 messages, kept, engine.tokenizer, tools and tools.tools, engine.max_total_tokens
             )
         logprobs = _logprobs(body, tools)
-        guide = await output_guide(
-            fmt, api.engine.guides, tools, api.tool_call_parser, api.prompt_thinks(ids)
-        )
+        thinking = api.prompt_thinks(ids)
+        guide = await output_guide(fmt, api.engine.guides, tools, api.tool_call_parser, thinking)
         params = sampling_params(
             body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )
@@ -191,7 +190,7 @@ class ResponsesAPI:
         )
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
-                     api.reasoning_splitter(ids))  # fmt: skip
+                     None if thinking is None else ReasoningSplitter(thinking))  # fmt: skip
         if body.get("stream"):
             return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
@@ -293,10 +292,7 @@ class _Turn:
         text, deltas = out.text, []
         if self.thinking is not None:
             self.thinking.count(len(out.token_ids))
-            thought, text = self.thinking.feed(text)
-            if out.finish_reason is not None:
-                rest = self.thinking.flush()
-                thought, text = thought + rest[0], text + rest[1]
+            thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
         if self.reader is None:
             deltas += [{"content": text, "logprobs": self._logprobs}] if text else []

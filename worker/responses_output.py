@@ -151,21 +151,16 @@ class OutputItems:
         index = self.items.index(item)
         item["status"] = status
         send = self.events.send
-        if item["type"] == "reasoning":
+        if item["type"] in ("message", "reasoning"):  # one text part each
             part = item["content"][0]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            if item["type"] == "message":
+                done = send("response.output_text.done", **where, text=part["text"],
+                            logprobs=part.get("logprobs", []))  # fmt: skip
+            else:
+                done = send("response.reasoning_text.done", **where, text=part["text"])
             return [
-                send("response.reasoning_text.done", **where, text=part["text"]),
-                send("response.content_part.done", **where, part=part),
-                send("response.output_item.done", output_index=index, item=item),
-            ]
-        if item["type"] == "message":
-            part = item["content"][0]
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            return [
-                send(
-                    "response.output_text.done", **where, text=part["text"], logprobs=part.get("logprobs", [])
-                ),
+                done,
                 send("response.content_part.done", **where, part=part),
                 send("response.output_item.done", output_index=index, item=item),
             ]

@@ -100,11 +100,6 @@ class WorkerAPI:
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
 
-    def reasoning_splitter(self, prompt: list[int]) -> ReasoningSplitter | None:
-        """With --reasoning-parser, what splits a chat answer to ``prompt`` into thinking and content."""
-        opened = self.prompt_thinks(prompt)
-        return None if opened is None else ReasoningSplitter(opened)
-
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
         with a 503 (an error event in a stream): the process is about to stop serving it."""
@@ -164,27 +159,28 @@ class WorkerAPI:
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens
-        guide = await output_guide(
-            body, self.engine.guides, tools, self.tool_call_parser, self.prompt_thinks(ids)
-        )
+        thinking = self.prompt_thinks(ids)
+        guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser, thinking)
         params = sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
         params = self.for_model(params, body)
-        return await self._generate(request, body, [ids], params, chat=True, tools=tools)
+        return await self._generate(request, body, [ids], params, chat=True, tools=tools, thinking=thinking)
 
     async def _generate(
         self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool,
         tools: ToolRequest | None = None, echo: list[str] | None = None, scoring: bool = False,
+        thinking: bool | None = None,
     ) -> Response:  # fmt: skip
         """Submit n choices per prompt (all sharing one output queue; choice p * n + i is prompt p's
         i-th) and answer: one JSON body once every choice is finished, or a stream of their chunks
-        as they come."""
+        as they come. ``thinking`` (chat with --reasoning-parser, ``prompt_thinks``): each choice's
+        thinking is split off its content."""
         n = body.get("n") or 1
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
         for c in choices:
-            if chat:
-                c.reasoning = self.reasoning_splitter(prompts[0])
+            if thinking is not None:
+                c.reasoning = ReasoningSplitter(thinking)
             if tools is not None and tools.choice != "none":
                 c.tools = ToolOutput(tools, self.tool_call_parser)
             if echo is not None:
