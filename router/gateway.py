@@ -416,7 +416,7 @@ class Router:
         A stream that breaks off ends with an error event (``responses``: the Responses API's)."""
         scanner = SSEUsageScanner(strip_usage)
         tail = b"\n\n"  # the last bytes sent: does the client's stream end between events?
-        numbered: int | None = None  # Responses: the number of the last event sent
+        numbered = b""  # Responses: the last chunk sent that numbered an event (read if the stream breaks)
         error = b""  # what ends a stream that broke off
         content_type = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
         await send(
@@ -448,8 +448,8 @@ class Router:
                 if out or finished:
                     await send({"type": "http.response.body", "body": out, "more_body": not finished})
                     tail = out[-2:] if len(out) >= 2 else (tail + out)[-2:]
-                    if responses and (numbers := _SEQUENCE_NUMBER.findall(out)):
-                        numbered = int(numbers[-1])
+                    if responses and b'"sequence_number"' in out:
+                        numbered = out
         except HTTPClientError as exc:
             # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
             # already reached the client, so no retry; the client is told in an error event.
@@ -462,7 +462,8 @@ class Router:
                        else f"the worker broke off the stream: {exc}")  # fmt: skip
             # NOTE: an event cut off mid-way is ended first (the client reads it as a bad event)
             cut = b"" if tail == b"\n\n" else b"\n\n"
-            error = cut + stream_error_event(responses, message, kind, numbered)
+            numbers = _SEQUENCE_NUMBER.findall(numbered)
+            error = cut + stream_error_event(responses, message, kind, int(numbers[-1]) if numbers else None)
         finally:
             self._record_usage(worker, scanner.usage)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)

@@ -153,9 +153,9 @@ class ByteTokenizer:
         (unless ``add_generation_prompt`` is false; with ``continue_final_message`` the last message
         stays open: no newline, no generation prompt). Tools come first, as
         ``<|tools|>\\n{JSON list}\\n`` (one tool set shared by many conversations is then their
-        shared prefix); an assistant
-        message's tool calls follow its content as ``<tool_call>{"name":...,"arguments":...}</tool_call>``,
-        the form the worker's ``hermes`` parser reads back; a tool's result is a ``tool`` message."""
+        shared prefix); an assistant message's tool calls follow its content as
+        ``<tool_call>{"name":...,"arguments":...}</tool_call>``, the form the worker's ``hermes``
+        parser reads back; a tool's result is a ``tool`` message."""
         tools = normalize_tools(tools)
         messages = normalize_messages(messages)
         if continue_final_message:

@@ -64,11 +64,9 @@ class WorkerServer(uvicorn.Server):
         self._end_streams = end_streams
         self._end_requests_at = end_requests_at
         self._engine_died = engine_died
-        self.engine_died = False
 
     async def on_tick(self, counter: int) -> bool:
-        if counter % 10 == 0 and not self.engine_died and self._engine_died():  # once a second
-            self.engine_died = True
+        if counter % 10 == 0 and not self.should_exit and self._engine_died():  # once a second
             logging.getLogger("worker").error("the engine thread died: shutting the worker down")
             self.should_exit = True
         return await super().on_tick(counter)
@@ -99,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at,
                           lambda: engine.dead is not None)  # fmt: skip
     server.run()
-    if server.engine_died:
+    if engine.dead is not None:
         return ENGINE_DIED
     return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits (e.g. its port taken)
 

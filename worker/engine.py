@@ -299,11 +299,11 @@ class Engine:
             self._admit(req)
         elif kind == "abort":
             req = self._requests.pop(msg[1], None)
-            if req is not None and req in self._parked:
-                self._parked.remove(req)
-                self._finished["abort"] += 1
-            elif req is not None:
-                self.scheduler.abort(req)
+            if req is not None:
+                if req in self._parked:
+                    self._parked.remove(req)
+                else:
+                    self.scheduler.abort(req)
                 self._finished["abort"] += 1
         elif kind == "call":
             fn, fut = msg[1], msg[2]
