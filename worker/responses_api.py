@@ -118,6 +118,19 @@ async def _fitted(
     return best if best is not None else await chat_ids(without(len(rest) - 1), tokenizer, tools)
 
 
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's limits on `metadata`: at most 16 pairs, keys up to 64 characters, string values up
+    to 512; it is echoed back in the response object, so clients parse it as such a map."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > 16:
+        raise APIError(400, "'metadata' must be an object of at most 16 string pairs")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise APIError(400, f"'metadata' entry {key[:64]!r}: keys up to 64 characters, "
+                           "values strings up to 512")  # fmt: skip
+
+
 def _not_found(rid: Any) -> APIError:
     return APIError(404, f"response {rid!r} not found on this worker", "response_not_found")
 
@@ -150,6 +163,9 @@ class ResponsesAPI:
         truncation = body.get("truncation") or "disabled"
         if truncation not in ("disabled", "auto"):
             raise APIError(400, f"'truncation' must be 'auto' or 'disabled', got {truncation!r}")
+        _check_metadata(body.get("metadata"))
+        if not isinstance(body.get("reasoning"), (dict, type(None))):
+            raise APIError(400, "'reasoning' must be an object such as {'effort': 'low'}")
         for name in ("conversation", "prompt", "background"):  # NOTE: refused, not silently dropped
             if body.get(name) not in (None, False):
                 raise APIError(400, f"'{name}' is not supported: send the input itself (previous_response_id "

@@ -55,8 +55,9 @@ def events(client: httpx.Client, **body) -> list[tuple[str, dict]]:
 
 
 def test_a_response_object_names_this_worker_and_counts_tokens(client, live) -> None:
-    resp = create(client, instructions=INSTRUCTIONS, input="Say hi.")
+    resp = create(client, instructions=INSTRUCTIONS, input="Say hi.", metadata={"team": "search"})
     assert resp["object"] == "response" and resp["status"] in ("completed", "incomplete")
+    assert resp["metadata"] == {"team": "search"}
     assert tag_of(resp["id"]) == worker_tag(live.engine.publisher.worker)
     (item,) = resp["output"]
     assert (
@@ -164,6 +165,11 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "model": "other"}, 404),
         ({"input": "hi", "max_output_tokens": -1}, 400),
         ({"input": "hi", "truncation": "middle"}, 400),
+        ({"input": "hi", "metadata": "tag"}, 400),  # echoed back: clients parse it as a string map
+        ({"input": "hi", "metadata": {"k": 5}}, 400),
+        ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400),
+        ({"input": "hi", "metadata": {"k" * 65: "v"}}, 400),
+        ({"input": "hi", "reasoning": "low"}, 400),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body, status) -> None:
