@@ -71,12 +71,14 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
     started = int(time.time())  # NOTE: a model's ``created``: when this router began serving it
 
     def model_entry(m: str) -> dict[str, Any]:
-        """``max_model_len`` the smallest any healthy worker serving it reports (a request may land
-        on any of them); ``parent``: a LoRA adapter's base model."""
+        """``max_model_len``: the largest any healthy worker serving it reports when they all count
+        tokens as the router does (a prompt goes to one whose context holds it: Router.decide), else
+        the smallest (the request may land on any of them); ``parent``: a LoRA adapter's base model."""
         entry: dict[str, Any] = {"id": m, "object": "model", "created": started, "owned_by": "radixgate"}
-        limits = [w.max_model_len[m] for w in router.workers if w.healthy and m in w.max_model_len]
-        if limits:
-            entry["max_model_len"] = min(limits)
+        serving = [w for w in router.workers if w.healthy and m in w.max_model_len]
+        if serving:
+            exact = all((w.cache_info or {}).get("tokenizer") == router.tokenizer.name for w in serving)
+            entry["max_model_len"] = (max if exact else min)(w.max_model_len[m] for w in serving)
         parent = next((w.parents[m] for w in router.workers if m in w.parents), None)
         if parent is not None:
             entry["parent"] = parent

@@ -167,21 +167,31 @@ class Router:
 
     def decide(
         self, route: RouteRequest, model: str | None, exclude: set[str], group: str | None = None,
-        only: str | None = None, preview: bool = False,
+        only: str | None = None, preview: bool = False, fit_tokens: int | None = None,
     ) -> tuple[Decision | None, str]:  # fmt: skip
         """The policy's pick among available workers (narrowed by the request's affinity group, or
         to ``only``), and the affinity outcome (ungrouped / in_group / overflow). ``preview``: the
-        pick without moving the policy on (Policy.preview)."""
-        candidates = [Candidate(w.url, w.load) for w in self.workers.candidates(model, exclude)]
+        pick without moving the policy on (Policy.preview). ``fit_tokens``: the prompt's length,
+        which workers known to have a smaller context are not given while others can take it."""
+        available = self.workers.candidates(model, exclude)
+        candidates = [Candidate(w.url, w.load) for w in available]
         outcome = UNGROUPED
         if only is not None:
             candidates = [c for c in candidates if c.url == only]
         elif self.affinity and candidates:
             fleet = tuple(w.url for w in self.workers if model is None or not w.models or model in w.models)
             candidates, outcome = self.affinity.filter(group, candidates, fleet)
+        left_out = 0
+        if fit_tokens is not None and candidates:
+            small = {w.url for w in available if w.too_small(model, fit_tokens, self.tokenizer.name)}
+            fit = [c for c in candidates if c.url not in small]
+            if fit:  # NOTE: none fits: any of them answers the client's error (context_length_exceeded)
+                left_out, candidates = len(candidates) - len(fit), fit
         if not candidates:
             return None, outcome
         decision = (self.policy.preview if preview else self.policy.select)(route, candidates)
+        if left_out:
+            decision.reason = f"{left_out} worker(s) whose context is too short left out; {decision.reason}"
         if group is not None:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome
@@ -284,7 +294,9 @@ class Router:
         # own time bounds it (a stream's head comes at once, so first_byte_timeout_s bounds that)
         head_timeout = None if parsed.stream else self.config.request_timeout_s
         for attempt in range(self.config.max_retries + 1):
-            decision, outcome = self.decide(route, parsed.model, tried, group, only)
+            decision, outcome = self.decide(
+                route, parsed.model, tried, group, only, fit_tokens=parsed.fit_tokens
+            )
             if attempt == 0:
                 self.metrics.decision.observe(time.perf_counter() - t0)
                 if self.affinity:

@@ -38,6 +38,9 @@ class ParsedRequest:
     # has no logits), so no prefix match saves anything: routed by load, all of it counted as prefill
     full_prefill: bool = False
     cache_salt: str | None = None  # vLLM's: the prompt's prefixes are this salt's own (block_hash.salted)
+    # tokens of the longest prompt, which a worker's context must hold; None: the worker cuts the
+    # prompt to fit (truncate_prompt_tokens, the Responses API's truncation: auto)
+    fit_tokens: int | None = None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -130,13 +133,14 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
     # NOTE: an entry of the wrong type counts 0 here; the worker refuses the request
-    others = sum(len(_encode_prompt(tokenizer, p)) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
-                 for p in rest)  # fmt: skip
+    lengths = [len(_encode_prompt(tokenizer, p)) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
+               for p in rest]  # fmt: skip
     n = body.get("n")
     n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
     full = not chat and body.get("echo") is True and body.get("logprobs") is not None
-    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), others, full_prefill=full,
-                         cache_salt=body.get("cache_salt"))  # fmt: skip
+    fit = None if body.get("truncate_prompt_tokens") is not None else max([len(token_ids), *lengths])
+    return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), sum(lengths), full_prefill=full,
+                         cache_salt=body.get("cache_salt"), fit_tokens=fit)  # fmt: skip
 
 
 def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedRequest:
@@ -162,6 +166,7 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
         follow_up=previous is not None,
         usage_in_stream=True,
         cache_salt=body.get("cache_salt"),
+        fit_tokens=None if previous is not None or body.get("truncation") == "auto" else len(token_ids),
     )
     parsed.affinity_body = {"model": model, "messages": messages}
     return parsed

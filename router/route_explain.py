@@ -15,7 +15,9 @@ def explain(router: Router, parsed: ParsedRequest, chat: bool, headers: Mapping[
     and load (own, other replicas', the last report's rest). Reads state; sends nothing."""
     route = router.route_request(parsed)
     group = router.affinity.match(parsed.body, chat, headers) if router.affinity else None
-    decision, outcome = router.decide(route, parsed.model, set(), group, preview=True)
+    decision, outcome = router.decide(
+        route, parsed.model, set(), group, preview=True, fit_tokens=parsed.fit_tokens
+    )
     matched = router.index.match(route.block_hashes)
     return {
         "worker": None if decision is None else decision.url,

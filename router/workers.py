@@ -95,6 +95,19 @@ class Worker:
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
 
+    def too_small(self, model: str | None, prompt_tokens: int, tokenizer: str) -> bool:
+        """Known not to serve a prompt of ``prompt_tokens`` tokens (plus one output token) of
+        ``model``: only when it counts tokens as the router does (its cache info names the same
+        tokenizer: equal names promise equal ids) and told its context in /v1/models."""
+        if self.cache_info is None or self.cache_info.get("tokenizer") != tokenizer:
+            return False
+        limits = self.max_model_len
+        if model is None:  # the worker's one model, when it serves one
+            limit = next(iter(limits.values())) if len(limits) == 1 else None
+        else:
+            limit = limits.get(model)
+        return limit is not None and prompt_tokens >= limit
+
     @property
     def block_size(self) -> int | None:
         return None if self.cache_info is None else self.cache_info.get("block_size")

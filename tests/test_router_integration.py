@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from tests.support import wait_until
+from tests.test_tokenization import byte_level_dir
 
 SYSTEM = "You are a meticulous assistant for the radixgate test-suite. " * 8
 
@@ -765,13 +766,57 @@ def test_the_load_driver_sends_the_api_key_and_never_records_it(launch, tmp_path
     assert without.summary()["ok"] == 0
 
 
-def test_models_report_the_smallest_context_of_the_workers_serving_them(launch):
+def test_a_prompt_goes_to_a_worker_whose_context_holds_it(launch):
+    """Workers of one model with different contexts (KV pools of different sizes): the router,
+    counting tokens as they do, gives a long prompt only to a worker that can hold it, short ones
+    to any, and reports the largest context; a prompt no worker holds gets a worker's clear 400."""
+    short, long = (launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--sim-context-tokens", n)
+                   for n in ("2048", "8192"))  # fmt: skip
+    router = launch.router([short.url, long.url], "--policy", "round_robin")
+    (model,) = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
+    assert model["id"] == "sim-8b" and model["max_model_len"] == 8192
+    text = "a radix tree of cached prefixes " * 100  # 3,200 byte tokens
+    bodies = {
+        "/v1/completions": {"prompt": text, "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": text}], "max_tokens": 2},
+        "/v1/responses": {"input": text, "max_output_tokens": 2},
+    }
+    seen = Counter()
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        for path, body in bodies.items():
+            for _ in range(4):  # round robin alone would send half of them to the short worker
+                r = client.post(path, json={"model": "sim-8b", **body})
+                assert r.status_code == 200, r.text
+                seen[("long", r.headers["x-radixgate-worker"])] += 1
+            r = client.post(path, json={"model": "sim-8b", **body, "stream": True})
+            assert r.status_code == 200 and r.headers["x-radixgate-worker"] == long.url
+        for _ in range(4):
+            r = client.post("/v1/completions", json={"model": "sim-8b", "prompt": "short", "max_tokens": 2})
+            seen[("short", r.headers["x-radixgate-worker"])] += 1
+        # the worker cuts the prompt to fit: any worker takes it
+        cut = {"model": "sim-8b", "prompt": text, "max_tokens": 2, "truncate_prompt_tokens": 1000}
+        for _ in range(4):
+            r = client.post("/v1/completions", json=cut)
+            assert r.status_code == 200, r.text
+            seen[("cut", r.headers["x-radixgate-worker"])] += 1
+        too_long = client.post(
+            "/v1/completions", json={"model": "sim-8b", "prompt": text * 3, "max_tokens": 2}
+        )
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+        explained = client.post("/debug/route", json={"model": "sim-8b", **bodies["/v1/completions"]}).json()
+    assert seen == {("long", long.url): 12, ("short", short.url): 2, ("short", long.url): 2,
+                    ("cut", short.url): 2, ("cut", long.url): 2}  # fmt: skip
+    assert explained["worker"] == long.url and "context is too short" in explained["reason"]
+    assert httpx.get(short.url + "/v1/models").json()["data"][0]["max_model_len"] == 2048
+
+
+def test_models_report_the_smallest_context_when_the_router_counts_tokens_otherwise(launch, tmp_path):
+    """Workers whose tokenizer is not the router's: a request may land on any of them."""
     short, long = (launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--sim-context-tokens", n)
                    for n in ("4096", "8192"))  # fmt: skip
-    router = launch.router([short.url, long.url])
+    router = launch.router([short.url, long.url], "--tokenizer", str(byte_level_dir(tmp_path / "tok")))
     (model,) = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
-    assert model["id"] == "sim-8b" and model["max_model_len"] == 4096  # a request may land on either
-    assert httpx.get(long.url + "/v1/models").json()["data"][0]["max_model_len"] == 8192
+    assert model["id"] == "sim-8b" and model["max_model_len"] == 4096
 
 
 def _router_with(launch, tmp_path, backends, **settings) -> object:
