@@ -182,7 +182,7 @@ class Router:
             fleet = tuple(w.url for w in self.workers if model is None or not w.models or model in w.models)
             candidates, outcome = self.affinity.filter(group, candidates, fleet)
         left_out = 0
-        if fit_tokens is not None and candidates:
+        if fit_tokens is not None and candidates and fit_tokens >= self.workers.shortest_context():
             small = {w.url for w in available if w.too_small(model, fit_tokens, self.tokenizer.name)}
             fit = [c for c in candidates if c.url not in small]
             if fit:  # NOTE: none fits: any of them answers the client's error (context_length_exceeded)

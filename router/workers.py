@@ -154,6 +154,19 @@ class WorkerRegistry:
         self._prefill_weight = 1.0 / prefill_tokens_per_load if prefill_tokens_per_load else 0.0
         self.on_added: list[Callable[[Worker], None]] = []
         self.on_removed: list[Callable[[Worker], None]] = []
+        self._shortest: float | None = None  # shortest_context's memo; None: to compute
+
+    def shortest_context(self) -> float:
+        """The smallest ``max_model_len`` any worker reports for any model (inf: none told): a
+        prompt shorter than it fits everywhere, so routing need not look further."""
+        if self._shortest is None:
+            self._shortest = min((n for w in self._workers.values() for n in w.max_model_len.values()),
+                                 default=float("inf"))  # fmt: skip
+        return self._shortest
+
+    def context_changed(self) -> None:
+        """A worker told its models' contexts again (health checks)."""
+        self._shortest = None
 
     def add(self, url: str) -> Worker:
         url = url.rstrip("/")
@@ -161,6 +174,7 @@ class WorkerRegistry:
             return self._workers[url]
         worker = Worker(url=url, breaker=self._breaker_factory(), prefill_weight=self._prefill_weight)
         self._workers[url] = worker
+        self._shortest = None
         for listener in self.on_added:
             listener(worker)
         return worker
@@ -169,6 +183,7 @@ class WorkerRegistry:
         worker = self._workers.pop(url.rstrip("/"), None)
         if worker is None:
             return False
+        self._shortest = None
         for listener in self.on_removed:
             listener(worker)
         return True

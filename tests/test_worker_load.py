@@ -93,3 +93,28 @@ def test_a_batch_counts_its_other_prompts_as_uncached_prefill(body, others):
     from router.tokenization import ByteTokenizer
 
     assert parse_request(body, False, ByteTokenizer()).other_prompt_tokens == others
+
+
+def test_a_worker_is_too_small_for_a_prompt_only_when_it_counts_tokens_as_the_router_does():
+    registry = WorkerRegistry(CircuitBreaker)
+    w = registry.add("http://w:1")
+    w.max_model_len = {"m": 2048}
+    assert not w.too_small("m", 5000, "bytes")  # another backend: its count is not ours
+    w.cache_info = {"tokenizer": "hf:llama"}
+    assert not w.too_small("m", 5000, "bytes")
+    w.cache_info = {"tokenizer": "bytes"}
+    assert (w.too_small("m", 2047, "bytes"), w.too_small("m", 2048, "bytes")) == (False, True)  # + 1 output
+    assert w.too_small(None, 2048, "bytes") and not w.too_small("other", 5000, "bytes")
+    w.max_model_len = {"m": 2048, "m-lora": 2048}
+    assert not w.too_small(None, 5000, "bytes")  # which of its models is meant is unknown
+
+
+def test_the_shortest_context_is_computed_again_after_a_change():
+    registry = WorkerRegistry(CircuitBreaker)
+    a, b = registry.add("http://a:1"), registry.add("http://b:1")
+    assert registry.shortest_context() == float("inf")
+    a.max_model_len, b.max_model_len = {"m": 4096}, {"m": 8192, "n": 1024}
+    registry.context_changed()
+    assert registry.shortest_context() == 1024
+    registry.remove(b.url)
+    assert registry.shortest_context() == 4096
