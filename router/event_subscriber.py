@@ -53,6 +53,8 @@ class EventSubscriber:
         self._tasks: dict[str, asyncio.Task] = {}  # worker url (http) or stream key (redis) -> reader
         self._resyncs: set[asyncio.Task] = set()
         self._held: dict[str, list[KVEventBatch]] = {}  # worker url -> batches during its re-sync
+        # worker url -> (epoch, seq) its last /health told, and the seq applied here then
+        self._reported: dict[str, tuple[str, int, int | None]] = {}
         self._redis = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -98,8 +100,27 @@ class EventSubscriber:
         if worker.url not in self._cursors:
             self.resync_soon(worker)
 
+    def reported_seq(self, worker: Worker, epoch: str, seq: int) -> None:
+        """A health report of ``worker``: the seq of the last batch it published. A batch that
+        never reaches this router (trimmed off a Redis Stream read too slowly, dropped by the worker
+        while Redis was down) shows as a gap only when the worker publishes again, and an idle
+        worker may not. So a cursor behind the seq reported one health check before, that has not
+        moved since (a whole interval for the batch to arrive; a reader that lags but applies
+        batches is not stuck), means a lost batch: re-sync."""
+        cursor = self._cursors.get(worker.url)
+        before = self._reported.get(worker.url)
+        self._reported[worker.url] = (epoch, seq, None if cursor is None else cursor.seq)
+        if self.mode == "off" or before is None or cursor is None or worker.url in self._held:
+            return
+        told_epoch, told_seq, applied_then = before
+        if told_epoch == epoch == cursor.epoch and cursor.seq < told_seq and cursor.seq == applied_then:
+            log.info("%s: KV event batches up to seq %d never arrived (the last applied is %d): re-syncing",
+                     worker.url, told_seq, cursor.seq)  # fmt: skip
+            self.resync_soon(worker)
+
     def _unwatch(self, worker: Worker) -> None:
         self._cursors.pop(worker.url, None)
+        self._reported.pop(worker.url, None)
         task = self._tasks.pop(worker.url, None)
         if task is not None:
             task.cancel()

@@ -95,6 +95,8 @@ class HealthChecker:
         if restarted:
             self._router.index.clear_worker(worker.url)
             self._router.events.resync_soon(worker)
+        elif epoch is not None and type(report.get("kv_event_seq")) is int:
+            self._router.events.reported_seq(worker, epoch, report["kv_event_seq"])
         if epoch is not None:
             worker.epoch = epoch
         worker.healthy = True

@@ -296,6 +296,74 @@ def test_a_flush_while_redis_is_down_reaches_the_index_once_it_is_back(launch, p
         redis.wait(10)
 
 
+@pytest.mark.redis
+def test_a_batch_trimmed_off_the_stream_before_the_router_read_it_is_noticed(launch):
+    """A router that reads a model's Redis Stream too slowly (frozen here) loses the batches the
+    workers' ``--stream-maxlen`` trimmed off meanwhile: a flush of a worker that then stays idle
+    would show no gap. The worker's health report names its last seq, so the router notices the
+    batch it never got and re-syncs that worker."""
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url = launch.redis()
+    idle, busy = (launch.sim_worker("--redis-url", redis_url, "--stream-maxlen", "10") for _ in range(2))
+    router = launch.router([idle.url, busy.url], "--kv-events", "redis", "--redis-url", redis_url)
+    wait_until(lambda: all(w["healthy"] for w in httpx.get(router.url + "/workers", timeout=2).json()["workers"]),
+               30, what="workers healthy")  # fmt: skip
+    body = {"model": "sim-8b", "prompt": SYSTEM, "max_tokens": 2}
+    assert httpx.post(idle.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    wait_until(
+        lambda: matched_tokens(router.url, body)[idle.url] >= 1024, 30, what="the idle worker's prefix"
+    )
+
+    def publish_on_busy(n: int) -> None:  # a new prompt each: one stored batch each
+        for _ in range(n):
+            prompt = os.urandom(48).hex()
+            assert httpx.post(busy.url + "/v1/completions", json={"model": "sim-8b", "prompt": prompt,
+                                                                  "max_tokens": 1}, timeout=30).status_code == 200  # fmt: skip
+
+    router.proc.send_signal(signal.SIGSTOP)
+    try:
+        publish_on_busy(1)  # NOTE: answers the router's blocked read (in its socket, read on waking)
+        time.sleep(0.3)
+        assert httpx.post(idle.url + "/v1/cache/flush", timeout=30).json()["flushed_tokens"] > 0
+        publish_on_busy(30)  # the flush's batch is trimmed off the 10-entry stream
+    finally:
+        router.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: matched_tokens(router.url, body)[idle.url] == 0, 15, what="the index corrected")
+    assert "never arrived" in router.log()
+
+
+def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming():
+    """A cursor behind the seq a worker reported: re-synced when it has not moved for a whole
+    health interval (a lost batch), not while batches are still being applied (a reader that lags)."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.event_subscriber import _Cursor
+    from router.gateway import Router
+
+    async def run() -> tuple[bool, bool, bool]:
+        router = Router(RouterConfig(workers=["http://w:1"], kv_events="http"))
+        events, worker = router.events, router.workers.get("http://w:1")
+        events._cursors[worker.url] = _Cursor("e1", 5)
+        events.reported_seq(worker, "e1", 9)  # first report: nothing to compare with
+        events._cursors[worker.url].seq = 7  # the reader applied two batches meanwhile
+        events.reported_seq(worker, "e1", 12)
+        lagging = worker.url in events._held
+        events.reported_seq(worker, "e1", 12)  # stuck at 7 since the report of 12
+        stuck = worker.url in events._held
+        events._held.clear()
+        events._cursors[worker.url] = _Cursor("e1", 12)
+        events.reported_seq(worker, "e1", 12)
+        events.reported_seq(worker, "e1", 12)
+        caught_up = worker.url in events._held
+        for task in list(events._resyncs):
+            task.cancel()
+        return lagging, stuck, caught_up
+
+    assert asyncio.run(run()) == (False, True, False)
+
+
 class _SlowSnapshotWorker:
     """A worker that answers its probes but never its snapshot, and publishes batches with gaps to
     the same Redis stream as a real worker (as one whose HTTP side is overloaded would)."""
