@@ -119,7 +119,16 @@ class HealthChecker:
             if status == 200 and isinstance(body, dict) and isinstance(body.get("block_size"), int):
                 worker.cache_info = body
                 if body["block_size"] != self._router.block_size:
-                    log.info("block size %d advertised by %s", body["block_size"], worker.url)
+                    others = {
+                        w.url: w.block_size for w in self._router.workers if w is not worker and w.block_size
+                    }
+                    if any(size != body["block_size"] for size in others.values()):
+                        # NOTE: one block size hashes every prompt: the other workers' prefixes stop matching
+                        log.warning("block size %d advertised by %s differs from other workers' (%s): prefix "
+                                    "matching follows %s only; give every worker the same --block-size",
+                                    body["block_size"], worker.url, others, worker.url)  # fmt: skip
+                    else:
+                        log.info("block size %d advertised by %s", body["block_size"], worker.url)
                     self._router.block_size = body["block_size"]
                 if isinstance(body.get("epoch"), str) and worker.epoch is None:
                     worker.epoch = body["epoch"]

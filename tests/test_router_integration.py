@@ -932,3 +932,18 @@ def test_answers_carry_a_request_id_and_models_have_created_and_are_listed_one_b
     assert httpx.get(router.url + "/v1/models/echo", timeout=5).json() == listed[0]
     missing = httpx.get(router.url + "/v1/models/nope", timeout=5)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_workers_with_different_block_sizes_are_warned_about(launch):
+    """One block size hashes every prompt, so a fleet mixing them matches only some workers'
+    prefixes: the router says so, naming the sizes."""
+    a = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "16")
+    b = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "32")
+    router = launch.router([a.url, b.url])
+    wait_until(lambda: "differs from other workers'" in router.log(), 30, what="the warning")
+    assert "give every worker the same --block-size" in router.log()
+    c = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "16")
+    alike = launch.router([a.url, c.url])
+    wait_until(lambda: all(w["healthy"] for w in httpx.get(alike.url + "/workers", timeout=2).json()["workers"]),
+               30, what="both healthy")  # fmt: skip
+    assert "differs from other workers'" not in alike.log()
