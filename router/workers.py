@@ -102,8 +102,9 @@ class Worker:
         if self.cache_info is None or self.cache_info.get("tokenizer") != tokenizer:
             return False
         limits = self.max_model_len
-        if model is None:  # the worker's one model, when it serves one
-            limit = next(iter(limits.values())) if len(limits) == 1 else None
+        if model is None:  # the worker's base model (not a LoRA adapter), when it serves one
+            bases = [n for m, n in limits.items() if m not in self.parents]
+            limit = bases[0] if len(bases) == 1 else None
         else:
             limit = limits.get(model)
         return limit is not None and prompt_tokens >= limit

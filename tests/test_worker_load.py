@@ -107,6 +107,8 @@ def test_a_worker_is_too_small_for_a_prompt_only_when_it_counts_tokens_as_the_ro
     assert w.too_small(None, 2048, "bytes") and not w.too_small("other", 5000, "bytes")
     w.max_model_len = {"m": 2048, "m-lora": 2048}
     assert not w.too_small(None, 5000, "bytes")  # which of its models is meant is unknown
+    w.parents = {"m-lora": "m"}
+    assert w.too_small(None, 5000, "bytes")  # its base model: the adapter is named when meant
 
 
 def test_the_shortest_context_is_computed_again_after_a_change():
