@@ -67,9 +67,7 @@ class OpsAPI:
             "prefill_backlog_tokens": snap.prefill_backlog_tokens,
             "kv_usage": round(snap.kv_usage, 6),
             "epoch": self.engine.publisher.epoch,
-            "kv_event_seq": max(
-                self.engine.publisher.last_seq, 0
-            ),  # NOTE: routers that missed a batch re-sync
+            "kv_event_seq": max(self.engine.publisher.last_seq, 0),  # NOTE: a router behind it re-syncs
             "model": self.engine.served_model_name,
             "models": self.engine.served_models(),  # NOTE: routers re-read /v1/models when this changes
             "kv_pages_total": snap.kv_pages_total,
