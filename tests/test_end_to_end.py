@@ -278,7 +278,11 @@ def test_a_flush_while_redis_is_down_reaches_the_index_once_it_is_back(launch, p
     try:
         publish = ["--redis-url", redis_url] if publishes else []
         worker = launch.module("worker", "--engine", "sim", *publish, "--advertise-url", url, port=port)
-        router = launch.router([url], "--kv-events", "redis", "--redis-url", redis_url)
+        # NOTE: health checks 60 s apart: the seq in the worker's health report (the next test)
+        # would otherwise correct the index before Redis is back, and this test is about Redis
+        router = launch.router(
+            [url], "--kv-events", "redis", "--redis-url", redis_url, "--health-interval-s", "60"
+        )
         wait_until(lambda: httpx.get(router.url + "/workers", timeout=2).json()["workers"][0]["healthy"], 30,
                    what="worker healthy")  # fmt: skip
         body = chat("Cached before Redis restarts.")

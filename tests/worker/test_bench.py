@@ -432,8 +432,8 @@ def test_profile_bench_splits_a_cpu_decode_step_into_groups(tmp_path, capsys):
     groups = {g["group"]: g for g in r["groups"]}
     assert groups["matmul"]["us_per_step"] > 0 and groups["matmul"]["calls_per_step"] >= 1
     assert r["profiled_us_per_step"] == pytest.approx(sum(g["us_per_step"] for g in groups.values()), abs=0.1)
-    assert r["matmul_gbs"] == pytest.approx(
-        r["weight_bytes"] / groups["matmul"]["us_per_step"] / 1e3, rel=1e-2
+    assert r["matmul_gbs"] == pytest.approx(  # NOTE: reported to 0.1 GB/s, a CPU's ~2 GB/s included
+        r["weight_bytes"] / groups["matmul"]["us_per_step"] / 1e3, rel=1e-2, abs=0.05
     )
     assert md.read_text() in capsys.readouterr().out
 
