@@ -55,6 +55,7 @@ class EventSubscriber:
         self._held: dict[str, list[KVEventBatch]] = {}  # worker url -> batches during its re-sync
         # worker url -> (epoch, seq) its last /health told, and the seq applied here then
         self._reported: dict[str, tuple[str, int, int | None]] = {}
+        self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
         self._redis = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -116,6 +117,10 @@ class EventSubscriber:
         if told_epoch == epoch == cursor.epoch and cursor.seq < told_seq and cursor.seq == applied_then:
             log.info("%s: KV event batches up to seq %d never arrived (the last applied is %d): re-syncing",
                      worker.url, told_seq, cursor.seq)  # fmt: skip
+            if self.mode == "redis" and worker.stats.kv_event_batches == 0 and worker.url not in self._silent:
+                self._silent.add(worker.url)  # NOTE: once: it is followed by snapshots meanwhile
+                log.warning("%s publishes KV events, but none has arrived from Redis: is it started with the "
+                            "router's --redis-url? Following it by snapshots meanwhile", worker.url)  # fmt: skip
             self.resync_soon(worker)
 
     def _unwatch(self, worker: Worker) -> None:

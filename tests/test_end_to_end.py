@@ -337,6 +337,29 @@ def test_a_batch_trimmed_off_the_stream_before_the_router_read_it_is_noticed(lau
     assert "never arrived" in router.log()
 
 
+@pytest.mark.redis
+def test_a_worker_whose_events_never_reach_redis_is_warned_about_and_followed_by_snapshots(launch):
+    """A worker started without the router's --redis-url publishes no batch to the stream the
+    router reads: the router says so once and follows it by snapshots (its health reports the seq)."""
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url = launch.redis()
+    worker = launch.sim_worker()
+    router = launch.router([worker.url], "--kv-events", "redis", "--redis-url", redis_url)
+    wait_until(lambda: httpx.get(router.url + "/workers", timeout=2).json()["workers"][0]["healthy"], 30,
+               what="worker healthy")  # fmt: skip
+    body = {"model": "sim-8b", "prompt": SYSTEM, "max_tokens": 2}
+    assert httpx.post(worker.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    wait_until(
+        lambda: matched_tokens(router.url, body)[worker.url] >= 1024, 15, what="the prefix from a snapshot"
+    )
+    assert httpx.post(worker.url + "/v1/cache/flush", timeout=30).json()["flushed_tokens"] > 0
+    wait_until(
+        lambda: matched_tokens(router.url, body)[worker.url] == 0, 15, what="the flush from a snapshot"
+    )
+    assert router.log().count("none has arrived from Redis") == 1
+
+
 def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming():
     """A cursor behind the seq a worker reported: re-synced when it has not moved for a whole
     health interval (a lost batch), not while batches are still being applied (a reader that lags)."""
