@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip
-    engine = app.state.engine
+    engine = app.state.api.engine  # NOTE: python -m worker exits when its engine thread dies
     server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at,
                           lambda: engine.dead is not None)  # fmt: skip
     server.run()

@@ -448,5 +448,4 @@ def create_app(
     app.state.kv_transfer = kv
     app.state.api = api  # NOTE: python -m worker ends requests in flight as its shutdown timeout ends
     app.state.kv_publisher = engine.publisher  # NOTE: python -m worker ends its event streams at shutdown
-    app.state.engine = engine  # NOTE: python -m worker exits when its engine thread dies
     return app

@@ -83,7 +83,7 @@ build = entry.build
 
 def build_and_break(cfg):
     app = build(cfg)
-    engine = app.state.engine
+    engine = app.state.api.engine
 
     def fault():
         engine.ready.wait(60)
