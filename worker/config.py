@@ -96,7 +96,7 @@ class WorkerConfig:
         if self.tool_call_parser not in ("hermes", "llama3_json"):
             raise ValueError("--tool-call-parser must be hermes or llama3_json")
         if self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError("--reasoning-parser must be none, qwen3 or deepseek_r1")
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
         if not 1 <= self.port <= 65535:
