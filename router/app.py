@@ -77,7 +77,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         entry: dict[str, Any] = {"id": m, "object": "model", "created": started, "owned_by": "radixgate"}
         serving = [w for w in router.workers if w.healthy and m in w.max_model_len]
         if serving:
-            exact = all((w.cache_info or {}).get("tokenizer") == router.tokenizer.name for w in serving)
+            exact = all(w.counts_like(router.tokenizer.name) for w in serving)
             entry["max_model_len"] = (max if exact else min)(w.max_model_len[m] for w in serving)
         parent = next((w.parents[m] for w in router.workers if m in w.parents), None)
         if parent is not None:

@@ -95,11 +95,16 @@ class Worker:
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
 
+    def counts_like(self, tokenizer: str) -> bool:
+        """Its cache info names ``tokenizer`` (equal names promise equal ids): its token counts are
+        the router's."""
+        return self.cache_info is not None and self.cache_info.get("tokenizer") == tokenizer
+
     def too_small(self, model: str | None, prompt_tokens: int, tokenizer: str) -> bool:
         """Known not to serve a prompt of ``prompt_tokens`` tokens (plus one output token) of
-        ``model``: only when it counts tokens as the router does (its cache info names the same
-        tokenizer: equal names promise equal ids) and told its context in /v1/models."""
-        if self.cache_info is None or self.cache_info.get("tokenizer") != tokenizer:
+        ``model``: only when it counts tokens as the router does (``counts_like``) and told its
+        context in /v1/models."""
+        if not self.counts_like(tokenizer):
             return False
         limits = self.max_model_len
         if model is None:  # the worker's base model (not a LoRA adapter), when it serves one
