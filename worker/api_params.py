@@ -19,7 +19,16 @@ from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar, thinking_first
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams
-from worker.tool_calls import ToolRequest, auto_grammar, forced_grammar, tool_request
+from worker.tool_calls import (
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
+    MISTRAL_CALLS,
+    ToolRequest,
+    auto_grammar,
+    forced_grammar,
+    mistral_auto_grammar,
+    tool_request,
+)
 
 MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
 
@@ -102,7 +111,7 @@ async def output_guide(
     thinking: bool | None = None,
 ) -> Guide | None:  # fmt: skip
     """The constraint on the output: the structured output the body asks for, the one a forced
-    tool call needs, or (``auto`` tools, hermes format, nothing else asked) well-formed calls in
+    tool call needs, or (``auto`` tools, hermes or mistral format, nothing else asked) well-formed calls in
     free text; compiled off the event loop (a large schema takes a while). None for free text. A
     bad one is a 400 naming the problem. ``thinking`` (with --reasoning-parser; True when the prompt
     opened the thinking): the constraint applies after the model's thinking."""
@@ -111,15 +120,14 @@ async def output_guide(
         forced = forced_grammar(tools) if tools is not None else None
         if asked is not None and forced is not None:
             raise ValueError("a structured output format and a required tool call cannot be combined")
-        if (
-            asked is None
-            and forced is None
-            and tools is not None
-            and tools.choice == "auto"
-            and parser == "hermes"
-        ):
-            special = compiler.special_token
-            forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
+        if asked is None and forced is None and tools is not None and tools.choice == "auto":
+            special, token = compiler.special_token, compiler.special_id
+            if parser == "hermes":
+                forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
+            elif parser == "mistral":
+                forced = mistral_auto_grammar(
+                    tools, token(MISTRAL_CALLS), token(MISTRAL_ARGS), token(MISTRAL_CALL_ID)
+                )
         asked = asked or forced
         # NOTE: not around free text with calls (tool_auto), nor a constraint that spells the thinking
         # itself (it names </think>, "<\/think>" once escaped): that one is the whole answer's

@@ -13,6 +13,8 @@ from typing import Any
 
 from worker.reasoning import PARSERS as REASONING_PARSERS
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # worker.tool_calls reads each
+
 ENV_PREFIX = "RADIXGATE_WORKER_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
@@ -61,7 +63,7 @@ class WorkerConfig:
     kv_fetch_timeout_s: float = 5.0  # a request's KV fetches from the source worker, all its prompts
     kv_transfer_max_wait_ms: float = 200.0  # a transfer queued behind more than this is refused (0: never)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
-    tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: hermes | llama3_json
+    tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: TOOL_CALL_PARSERS
     reasoning_parser: str = "none"  # chat answers' <think> text apart (worker.reasoning.PARSERS)
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
@@ -93,8 +95,8 @@ class WorkerConfig:
             raise ValueError("--engine must be model or sim")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError("--device must be auto, cuda or cpu")
-        if self.tool_call_parser not in ("hermes", "llama3_json"):
-            raise ValueError("--tool-call-parser must be hermes or llama3_json")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.schedule_policy not in ("lpm", "fcfs"):
@@ -290,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         str,
         "format of tool calls in text (tool_choice auto): hermes (<tool_call>{...}</tool_call>, the "
-        "built-in template's) or llama3_json",
-        choices=["hermes", "llama3_json"],
+        "built-in template's), llama3_json or mistral ([TOOL_CALLS]...)",
+        choices=list(TOOL_CALL_PARSERS),
     )
     opt(
         "--reasoning-parser",

@@ -21,6 +21,7 @@ budget on it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ import torch
 from router.tokenization import ByteTokenizer, PromptTokenizer
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
+_TOKEN_REF = re.compile(r"<\[(\d+)\]>")  # a token named by its id in an llguidance grammar
 ANY_JSON_OBJECT = {"type": "object"}
 
 
@@ -206,14 +208,21 @@ class GuideCompiler:
         An added token that is not special (Qwen's ``<tool_call>``) is text, as llguidance sees it."""
         return text in self._specials
 
+    def special_id(self, text: str) -> int | None:
+        """The id of special token ``text``; None when it is not one. A grammar names it ``<[id]>``
+        (llguidance's form for a token whose text is not ``<...>``, as Mistral's ``[TOOL_CALLS]``)."""
+        return self._specials.get(text)
+
     def _named_specials(self, grammar: str) -> frozenset[int]:
-        """The special tokens (EOS aside) whose text ``grammar`` contains: a tag it references or
-        forces, which the output's text must then show."""
+        """The special tokens (EOS aside) whose text ``grammar`` contains or whose id it names
+        (``<[id]>``): a tag it references or forces, which the output's text must then show."""
         eos = set(self.tokenizer.eos_token_ids)
+        by_id = {int(i) for i in _TOKEN_REF.findall(grammar)}
         return frozenset(
             token_id
             for text, token_id in self._specials.items()
-            if token_id not in eos and (text in grammar or json.dumps(text)[1:-1] in grammar)
+            if token_id not in eos
+            and (token_id in by_id or text in grammar or json.dumps(text)[1:-1] in grammar)
         )
 
     def _tokenizer(self) -> Any:

@@ -7,11 +7,17 @@ whole or as stream deltas.
   same as the conversation's other turns.
 - ``auto``: free generation; calls are read from the text in the format ``--tool-call-parser``
   names: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, what the
-  built-in chat template writes, Qwen 2.5 / Hermes models) or ``llama3_json`` (the whole answer is
-  ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+). With hermes, what
-  follows a ``<tool_call>`` is also constrained to a valid call (``auto_grammar``). Where the tags
-  are special tokens, the request's text shows them to this reader (worker.guided). Text that does
-  not parse as a call stays content: nothing the model wrote is dropped.
+  built-in chat template writes, Qwen 2.5 / Hermes models), ``llama3_json`` (the whole answer is
+  ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+) or ``mistral``
+  (``[TOOL_CALLS]`` and then a JSON list of ``{"name": ..., "arguments": {...}}``, Mistral 7B v0.3 /
+  Nemo, or ``[TOOL_CALLS]name[ARGS]{...}`` per call, the tokenizers that have ``[ARGS]``: Mistral
+  Small 3.1+). With hermes and mistral, what follows the opening tag is also constrained to a valid
+  call (``auto_grammar``, ``mistral_auto_grammar``). Where the tags are special tokens, the
+  request's text shows them to this reader (worker.guided). Text that does not parse as a call
+  stays content: nothing the model wrote is dropped.
+
+Call ids are ``call_`` and 24 hex digits; with ``mistral`` 9 letters and digits, the only ids
+Mistral's chat templates accept when the calls come back in the next turn.
 - ``required``: the output is constrained (worker.guided) to a JSON list of at least one
   ``{"name": <a tool>, "parameters": <its schema>}`` (exactly one when ``parallel_tool_calls`` is
   false), each item a call; one cut off by max_tokens keeps the calls read so far, whole or streamed.
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +40,10 @@ from typing import Any
 from router.chat_tools import compact_json, normalize_tools
 from worker.guided import JSON_DEFAULTS, grammar_of
 
-PARSERS = ("hermes", "llama3_json")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_ALNUM = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,41 @@ def auto_grammar(
         rules = f"call_start[lazy]: TEXT {json.dumps(_OPEN)}\ncall: call_start {body}"
     calls = "call*" if req.parallel else "call?"  # NOTE: parallel_tool_calls false: one call at most
     return "tool_auto", f"%llguidance {{}}\nstart: {calls} free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
+
+
+def mistral_auto_grammar(req: ToolRequest, calls_id: int | None, args_id: int | None,
+                         call_id_id: int | None = None) -> tuple[str, str]:  # fmt: skip
+    """``auto`` with the mistral format: free text, and from each ``[TOOL_CALLS]`` on valid calls.
+    ``calls_id``: the id of the ``[TOOL_CALLS]`` special token (None: the tag is text, llguidance's
+    lazy trigger). With ``args_id`` (the tokenizer has ``[ARGS]``: Mistral Small 3.1+) each call is
+    ``[TOOL_CALLS]<name>[ARGS]<arguments>``, optionally ``[CALL_ID]`` and a 9-character id after the
+    name where the tokenizer has that token (``call_id_id``); else one ``[TOOL_CALLS]`` and a JSON
+    list of ``{"name", "arguments"}`` objects (one object at most without parallel_tool_calls)."""
+    params = _params(req)
+    if args_id is None:
+        item = {
+            "anyOf": [
+                {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for name, schema in params.items()
+            ]
+        }  # fmt: skip
+        calls = {"type": "array", "items": item, "minItems": 1, **({} if req.parallel else {"maxItems": 1})}
+        body = '" "? %json ' + json.dumps({**calls, "x-guidance": JSON_DEFAULTS})
+    else:
+        call_id = f"(<[{call_id_id}]> /[A-Za-z0-9]{{9}}/)? " if call_id_id is not None else ""
+        body = "(" + " | ".join(
+            f"{json.dumps(name)} {call_id}<[{args_id}]> %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}"
+            for name, schema in params.items()
+        ) + ")"  # fmt: skip
+    if calls_id is not None:
+        rules = f"call: TEXT <[{calls_id}]> {body}"
+    else:
+        rules = f"call_start[lazy]: TEXT {json.dumps(MISTRAL_CALLS)}\ncall: call_start {body}"
+    calls_rule = "call*" if req.parallel else "call?"
+    return "tool_auto", (
+        f"%llguidance {{}}\nstart: {calls_rule} free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
+    )
 
 
 def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
@@ -180,6 +224,8 @@ class ToolOutput:
         elif self.parser == "llama3_json":
             calls = _json_calls(text.removeprefix(_PYTHON_TAG)) or []
             text = "" if calls else text  # all of it is the calls
+        elif self.parser == "mistral":
+            text, calls = _mistral(text)
         else:
             text, calls = _hermes(text)
         calls = self._allowed(calls)
@@ -187,13 +233,34 @@ class ToolOutput:
         if not calls:
             return {"role": "assistant", "content": text}
         content = None if mode in ("function", "required") else (text.strip() or None)
-        return {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"role": "assistant", "content": content, "tool_calls": self._ids(calls)}
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.calls else reason
 
     # ------------------------------------------------------------------ streams
     def feed(self, text: str) -> list[dict]:
+        return self._delta_ids(self._feed(text))
+
+    def flush(self) -> list[dict]:
+        """Whatever is still held back, at the end of the choice."""
+        return self._delta_ids(self._flush())
+
+    def _ids(self, calls: list[dict]) -> list[dict]:
+        """``calls`` with ids in the parser's style: Mistral's templates take 9 letters and digits (an
+        id the model wrote after ``[CALL_ID]`` is kept when it is one)."""
+        if self.parser == "mistral":
+            for call in calls:
+                if not (len(call["id"]) == 9 and call["id"].isascii() and call["id"].isalnum()):
+                    call["id"] = "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return calls
+
+    def _delta_ids(self, deltas: list[dict]) -> list[dict]:
+        for delta in deltas:
+            self._ids([c for c in delta.get("tool_calls", ()) if "id" in c])  # a call's head
+        return deltas
+
+    def _feed(self, text: str) -> list[dict]:
         mode = self.req.choice
         if mode == "none":
             return [{"content": text}] if text else []
@@ -213,17 +280,23 @@ class ToolOutput:
         self._pending += text
         if self.parser == "llama3_json":
             return self._feed_json()
+        if self.parser == "mistral":
+            return self._feed_mistral()
         return self._feed_hermes()
 
-    def flush(self) -> list[dict]:
-        """Whatever is still held back, at the end of the choice."""
+    def _flush(self) -> list[dict]:
         mode, rest, self._pending = self.req.choice, self._pending, ""
         if mode in ("none", "function"):
-            return self.feed("") if mode == "function" else []
+            return self._feed("") if mode == "function" else []
         if self._array is not None:  # NOTE: a call cut short (max_tokens) stays as far as it got
             return []
         if not rest:
             return []
+        if self.parser == "mistral" and mode == "auto":
+            content, calls = _mistral(rest)  # NOTE: rest starts at [TOOL_CALLS] once one was read
+            calls = self._allowed(calls)
+            out = [{"content": content}] if content.strip() or (not calls and not self.calls) else []
+            return out + ([self._delta(calls)] if calls else [])
         if mode == "required" or self.parser == "llama3_json" or self._in_call:
             calls = _json_calls(rest.removeprefix(_PYTHON_TAG)) if not self._in_call else _hermes_block(rest)
             if calls:
@@ -254,6 +327,19 @@ class ToolOutput:
             return []
         out, self._pending = self._pending, ""
         return [{"content": out}] if out else []
+
+    def _feed_mistral(self) -> list[dict]:
+        """mistral: text streams up to ``[TOOL_CALLS]``; from there on the calls are read whole at the
+        end (``flush``), as they all come last."""
+        if self._in_call:
+            return []
+        start = self._pending.find(MISTRAL_CALLS)
+        self._in_call = start >= 0
+        keep = len(self._pending) - start if self._in_call else _partial_suffix(self._pending, MISTRAL_CALLS)
+        # NOTE: whitespace before the tag is held with it: content only if the calls do not parse
+        body = self._pending[: len(self._pending) - keep].rstrip()
+        self._pending = self._pending[len(body) :]
+        return [{"content": body}] if body else []
 
     def _feed_hermes(self) -> list[dict]:
         out: list[dict] = []
@@ -398,6 +484,42 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
             last = m.end()
     content.append(text[last:])
     return "".join(content), calls
+
+
+def _mistral(text: str) -> tuple[str, list[dict]]:
+    """(content, calls) of a mistral-format answer: the text before the first ``[TOOL_CALLS]``, and
+    the calls after it, each ``[TOOL_CALLS]`` followed by a JSON list (or object) of calls or by
+    ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``). When any of it does not parse, all of the
+    text is content and there are no calls."""
+    content, tag, rest = text.partition(MISTRAL_CALLS)
+    if not tag:
+        return text, []
+    calls: list[dict] = []
+    for part in rest.split(MISTRAL_CALLS):
+        found = _json_calls(part) if part.lstrip().startswith(("[", "{")) else _mistral_call(part)
+        if not found:
+            return text, []
+        calls += found
+    return content, calls
+
+
+def _mistral_call(part: str) -> list[dict] | None:
+    """``name[ARGS]{...}`` or ``name[CALL_ID]id[ARGS]{...}`` as a call (its id kept); None if not one."""
+    head, tag, args = part.partition(MISTRAL_ARGS)
+    name, _, call_id = head.partition(MISTRAL_CALL_ID)
+    name = name.strip()
+    if not tag or not name:
+        return None
+    try:
+        value, end = json.JSONDecoder().raw_decode(args.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or args.strip()[end:].strip():
+        return None
+    call = _call(name, compact_json(value))
+    if call_id.strip():
+        call["id"] = call_id.strip()
+    return [call]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

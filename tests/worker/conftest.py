@@ -168,6 +168,43 @@ def save_tool_tag_checkpoint(directory: Path, special: bool) -> Path:
     return directory
 
 
+# Mistral's tool turns as its templates write them, with their check on call ids (9 letters and digits)
+MISTRAL_TOOLS_TEMPLATE = (
+    "{%- macro check(id) -%}{%- if not (id is string and id|length == 9 and id.isalnum()) -%}"
+    "{{ raise_exception('tool call ids must be 9 letters and digits') }}{%- endif -%}{%- endmacro -%}"
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}[INST]{{ m['content'] }}[/INST]"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}[TOOL_CALLS][{% for c in m['tool_calls'] %}"
+    "{{ check(c['id']) }}"
+    '{"name": {{ c["function"]["name"]|tojson }}, "arguments": {{ c["function"]["arguments"]|tojson }}, '
+    '"id": {{ c["id"]|tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}'
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}{{ check(m['tool_call_id']) }}"
+    '[TOOL_RESULTS]{"content": {{ m["content"]|tojson }}, "call_id": {{ m["tool_call_id"]|tojson }}}[/TOOL_RESULTS]'
+    "{% endif %}{% endfor %}"
+)
+
+
+def save_mistral_tools_checkpoint(directory: Path, tags: tuple[str, ...]) -> Path:
+    """The llama checkpoint with Mistral's tool tags ``tags`` as special tokens (the vocabulary's last
+    ids: ``[TOOL_CALLS]`` alone as Mistral 7B v0.3 has it, or with ``[ARGS]`` and ``[CALL_ID]`` as
+    Mistral Small 3.1+ have them) and a chat template that renders tool turns as Mistral's do."""
+    from tokenizers import AddedToken, Tokenizer
+
+    vocab = write_tokenizer(directory)
+    # NOTE: the template writes the tools' JSON into the prompt: more than the usual 256 positions
+    save_checkpoint(directory, "llama", vocab_size=vocab + len(tags), max_position_embeddings=1024)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    added = [AddedToken(tag, special=True, normalized=False) for tag in tags]
+    assert tok.add_special_tokens(added) == len(tags)
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = MISTRAL_TOOLS_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"

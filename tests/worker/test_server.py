@@ -60,6 +60,7 @@ def serve(**overrides) -> LiveServer:
         build_engine(cfg), cfg.admin_token, cfg.max_stored_responses,
         kv_transfer_max_mib=cfg.kv_transfer_max_mib, kv_fetch_timeout_s=cfg.kv_fetch_timeout_s,
         kv_transfer_max_wait_ms=cfg.kv_transfer_max_wait_ms, reasoning_parser=cfg.reasoning_parser,
+        tool_call_parser=cfg.tool_call_parser,
     )  # fmt: skip
 
 

@@ -597,3 +597,149 @@ def test_auto_grammar_allows_the_models_own_tag_tokens(tagged) -> None:
             assert (close == [close_id]) == close_is_the_token
             assert m.consume_tokens(close) and not m.is_error()
             assert allowed_mask([m], tok.vocab_size)[0][tok.eos_token_ids].all()
+
+
+# ---------------------------------------------------------------------- the mistral format
+MISTRAL_TEXTS = [
+    'Sure. [TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}, {"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}]',
+    '[TOOL_CALLS]add[ARGS]{"a":1,"b":2}[TOOL_CALLS]add[CALL_ID]abc123XYZ[ARGS]{"a": 3, "b": 4}',
+    '[TOOL_CALLS][{"name":"add","arguments":{"a":1,"b":2}}]',
+    "no calls at all, just [ and [TOOL and [TOOL_CALL",
+    "a tag and then text: [TOOL_CALLS] not a call",
+    '[TOOL_CALLS]add{"a":1}',  # no [ARGS]
+    '[TOOL_CALLS]add[ARGS]{"a":1',  # cut off by max_tokens
+    '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}] trailing',  # text after the list
+]
+
+
+def test_mistral_calls_in_both_formats_and_text_that_is_not_one() -> None:
+    def message(text: str, parallel: bool = True) -> dict:
+        return ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral").message(text)
+
+    first = message(MISTRAL_TEXTS[0])
+    assert first["content"] == "Sure."
+    assert calls_of(first) == [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "c"})]
+    second = message(MISTRAL_TEXTS[1])
+    assert second["content"] is None and calls_of(second) == [
+        ("add", {"a": 1, "b": 2}),
+        ("add", {"a": 3, "b": 4}),
+    ]
+    assert second["tool_calls"][1]["id"] == "abc123XYZ"  # the model's own id, a valid one, is kept
+    for message_ in (first, second):
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message_["tool_calls"])
+    assert calls_of(message(MISTRAL_TEXTS[0], parallel=False)) == [("add", {"a": 1, "b": 2})]
+    for text in MISTRAL_TEXTS[3:]:  # nothing the model wrote is dropped when it is not all calls
+        assert message(text) == {"role": "assistant", "content": text}
+    hermes_ids = ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(REQUIRED_TEXT)["tool_calls"]
+    assert all(c["id"].startswith("call_") for c in hermes_ids)  # other parsers keep OpenAI's form
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.sampled_from(MISTRAL_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12),
+       parallel=st.booleans())  # fmt: skip
+def test_streamed_mistral_agrees_with_the_whole_answer(text, cuts, parallel) -> None:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    whole = ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral").message(text)
+    out = ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral")
+    deltas = [d for p in pieces for d in out.feed(p)] + out.flush()
+    heads = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in heads)
+    content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral"), pieces)
+    assert calls == calls_of(whole)
+    assert content == (whole["content"] or "") or content.split() == (whole["content"] or "").split()
+
+
+def test_mistral_auto_grammar_takes_calls_in_the_tokenizers_format(tmp_path) -> None:
+    """From [TOOL_CALLS] on only a call of a known tool with schema-valid arguments is allowed: a
+    JSON list where the tokenizer lacks [ARGS], else <name>[ARGS]<arguments> (an optional [CALL_ID]
+    and 9-character id between); the tags are shown to the reader; the text is free before."""
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import mistral_auto_grammar
+
+    from .conftest import save_mistral_tools_checkpoint
+
+    req = ToolRequest([WEATHER], "auto")
+    for tags in [("[TOOL_CALLS]",), ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")]:
+        tok = HFTokenizer(str(save_mistral_tools_checkpoint(tmp_path / str(len(tags)), tags)))
+        compiler = GuideCompiler(tok, tok.vocab_size)
+        ids = [compiler.special_id(t) for t in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")]
+        guide = compiler.compile(*mistral_auto_grammar(req, *ids))
+        assert guide.shown == {i for i in ids if i is not None}
+
+        def enc(text: str, tok: HFTokenizer = tok) -> list[int]:
+            return tok._tok.encode(text, add_special_tokens=False).ids
+
+        m = guide.matcher()
+        assert m.consume_tokens(enc("Let me look that up. "))
+        assert allowed_mask([m], tok.vocab_size)[0][ids[0]]
+        assert m.consume_token(ids[0])
+        if ids[1] is None:
+            assert not m.deep_copy().consume_tokens(enc(' [{"name":"get_time"'))
+            assert m.consume_tokens(enc(' [{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}]'))
+        else:
+            assert not m.deep_copy().consume_tokens(enc("get_time"))
+            assert m.consume_tokens(enc("get_weather"))
+            with_id = m.deep_copy()
+            assert with_id.consume_token(ids[2]) and with_id.consume_tokens(enc("abc123XYZ"))
+            assert with_id.consume_token(ids[1]) and not with_id.is_error()
+            assert m.consume_token(ids[1])
+            assert not m.deep_copy().consume_tokens(enc('{"town":'))
+            assert m.consume_tokens(enc('{"city":"Oslo","unit":"c"}'))
+        assert not m.is_error()
+        assert allowed_mask([m], tok.vocab_size)[0][tok.eos_token_ids].all()  # the answer may end
+    # a tokenizer without the tag (the built-in byte one): the tag is text, a lazy trigger
+    compiler = GuideCompiler(ByteTokenizer(), ByteTokenizer().vocab_size)
+    m = compiler.compile(*mistral_auto_grammar(req, None, None)).matcher()
+    assert m.consume_tokens(list(b"Checking. [TOOL_CALLS]"))
+    assert not m.deep_copy().consume_tokens(list(b" not a call"))
+    assert m.consume_tokens(list(b' [{"name":"get_weather","arguments":{"city":"Oslo","unit":"f"}}]'))
+
+
+@pytest.fixture(scope="module", params=[("[TOOL_CALLS]",), ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")],
+                ids=["list-format", "args-format"])  # fmt: skip
+def mistral(request, tmp_path_factory):
+    """A worker with --tool-call-parser mistral whose tokenizer has Mistral's tool tags as special
+    tokens and whose template checks call ids as Mistral's do; yields (client, the [TOOL_CALLS] id, EOS ids)."""
+    from .conftest import save_mistral_tools_checkpoint
+
+    directory = save_mistral_tools_checkpoint(tmp_path_factory.mktemp("mistral"), request.param)
+    tok = HFTokenizer(str(directory))
+    with serve(model=str(directory), tool_call_parser="mistral") as live:
+        yield (
+            httpx.Client(base_url=live.url, timeout=120),
+            tok._tok.token_to_id("[TOOL_CALLS]"),
+            tok.eos_token_ids,
+        )
+
+
+def test_mistral_calls_are_read_and_their_ids_pass_the_next_turns_template(mistral) -> None:
+    """The model opens with its [TOOL_CALLS] token (pushed by logit_bias, and EOS after it): the
+    grammar makes a valid call, the reader sees the tag, the answer is that call whole and streamed;
+    its id goes back in the next turn through a template that takes only Mistral's ids (and refuses
+    OpenAI's form: a 400, the worker serving on)."""
+    client, calls_id, eos = mistral
+    bias = {str(calls_id): 100, **{str(e): 40 for e in eos}}
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 120, "temperature": 0,
+            "parallel_tool_calls": False, "logit_bias": bias}  # fmt: skip
+    choice = client.post("/v1/chat/completions", json={**body, "logprobs": True}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    [(name, args)] = calls_of(choice["message"])
+    assert name == "get_weather" and set(args) == {"city", "unit"}
+    assert choice["logprobs"]["content"][0]["token"] == "[TOOL_CALLS]"
+    [call] = choice["message"]["tool_calls"]
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    assert streamed_answer(client, body) == ("", [(name, args)], "tool_calls")
+
+    def next_turn(call_id: str) -> httpx.Response:
+        turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{**call, "id": call_id}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "12 C, clear"}]  # fmt: skip
+        return client.post(
+            "/v1/chat/completions", json={"messages": turn, "tools": [WEATHER], "max_tokens": 4}
+        )
+
+    assert next_turn(call["id"]).status_code == 200
+    refused = next_turn("call_" + "0" * 24)
+    assert refused.status_code == 400 and "9 letters and digits" in refused.text
+    assert next_turn(call["id"]).status_code == 200
