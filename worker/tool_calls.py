@@ -487,19 +487,20 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
 
 
 def _mistral(text: str) -> tuple[str, list[dict]]:
-    """(content, calls) of a mistral-format answer: the text before the first ``[TOOL_CALLS]``, and
-    the calls after it, each ``[TOOL_CALLS]`` followed by a JSON list (or object) of calls or by
-    ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``). When any of it does not parse, all of the
-    text is content and there are no calls."""
+    """(content, calls) of a mistral-format answer: each ``[TOOL_CALLS]`` followed by a JSON list (or
+    object) of calls or by ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``) gives calls; the text
+    before the first, and any part that does not parse (a call cut off by max_tokens), with its tag,
+    is content."""
     content, tag, rest = text.partition(MISTRAL_CALLS)
     if not tag:
         return text, []
     calls: list[dict] = []
     for part in rest.split(MISTRAL_CALLS):
         found = _json_calls(part) if part.lstrip().startswith(("[", "{")) else _mistral_call(part)
-        if not found:
-            return text, []
-        calls += found
+        if found:
+            calls += found
+        else:
+            content += MISTRAL_CALLS + part
     return content, calls
 
 

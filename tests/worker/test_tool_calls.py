@@ -609,6 +609,7 @@ MISTRAL_TEXTS = [
     '[TOOL_CALLS]add{"a":1}',  # no [ARGS]
     '[TOOL_CALLS]add[ARGS]{"a":1',  # cut off by max_tokens
     '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}] trailing',  # text after the list
+    'A[TOOL_CALLS]add[ARGS]{"a":1,"b":2}[TOOL_CALLS]add[ARGS]{"a":3',  # the calls made, the last cut off
 ]
 
 
@@ -628,8 +629,10 @@ def test_mistral_calls_in_both_formats_and_text_that_is_not_one() -> None:
     for message_ in (first, second):
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message_["tool_calls"])
     assert calls_of(message(MISTRAL_TEXTS[0], parallel=False)) == [("add", {"a": 1, "b": 2})]
-    for text in MISTRAL_TEXTS[3:]:  # nothing the model wrote is dropped when it is not all calls
+    for text in MISTRAL_TEXTS[3:-1]:  # nothing the model wrote is dropped when it is not a call
         assert message(text) == {"role": "assistant", "content": text}
+    cut = message(MISTRAL_TEXTS[-1])  # a call cut off by max_tokens stays content, with its tag
+    assert calls_of(cut) == [("add", {"a": 1, "b": 2})] and cut["content"] == 'A[TOOL_CALLS]add[ARGS]{"a":3'
     hermes_ids = ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(REQUIRED_TEXT)["tool_calls"]
     assert all(c["id"].startswith("call_") for c in hermes_ids)  # other parsers keep OpenAI's form
 
