@@ -23,9 +23,11 @@ from worker.tool_calls import (
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
     MISTRAL_CALLS,
+    PYTHON_TAG,
     ToolRequest,
     auto_grammar,
     forced_grammar,
+    llama3_auto_grammar,
     mistral_auto_grammar,
     tool_request,
 )
@@ -111,7 +113,7 @@ async def output_guide(
     thinking: bool | None = None,
 ) -> Guide | None:  # fmt: skip
     """The constraint on the output: the structured output the body asks for, the one a forced
-    tool call needs, or (``auto`` tools, hermes or mistral format, nothing else asked) well-formed calls in
+    tool call needs, or (``auto`` tools, nothing else asked) well-formed calls in the parser's format in
     free text; compiled off the event loop (a large schema takes a while). None for free text. A
     bad one is a 400 naming the problem. ``thinking`` (with --reasoning-parser; True when the prompt
     opened the thinking): the constraint applies after the model's thinking."""
@@ -124,6 +126,8 @@ async def output_guide(
             special, token = compiler.special_token, compiler.special_id
             if parser == "hermes":
                 forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
+            elif parser == "llama3_json":
+                forced = llama3_auto_grammar(tools, special(PYTHON_TAG))
             elif parser == "mistral":
                 forced = mistral_auto_grammar(
                     tools, token(MISTRAL_CALLS), token(MISTRAL_ARGS), token(MISTRAL_CALL_ID)

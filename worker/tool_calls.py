@@ -12,7 +12,8 @@ whole or as stream deltas.
   (``[TOOL_CALLS]`` and then a JSON list of ``{"name": ..., "arguments": {...}}``, Mistral 7B v0.3 /
   Nemo, or ``[TOOL_CALLS]name[ARGS]{...}`` per call, the tokenizers that have ``[ARGS]``: Mistral
   Small 3.1+). With hermes and mistral, what follows the opening tag is also constrained to a valid
-  call (``auto_grammar``, ``mistral_auto_grammar``). Where the tags are special tokens, the
+  call (``auto_grammar``, ``mistral_auto_grammar``); with llama3_json an answer that opens with
+  ``{`` (``llama3_auto_grammar``). Where the tags are special tokens, the
   request's text shows them to this reader (worker.guided). Text that does not parse as a call
   stays content: nothing the model wrote is dropped.
 
@@ -41,7 +42,7 @@ from router.chat_tools import compact_json, normalize_tools
 from worker.guided import JSON_DEFAULTS, grammar_of
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
+PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ALNUM = string.ascii_letters + string.digits
 
@@ -144,6 +145,27 @@ def mistral_auto_grammar(req: ToolRequest, calls_id: int | None, args_id: int | 
     )
 
 
+def llama3_auto_grammar(req: ToolRequest, tag_is_special: bool) -> tuple[str, str]:
+    """``auto`` with the llama3_json format: an answer that opens with ``{`` (or with the
+    ``<|python_tag|>`` special token, where the tokenizer has it: ``tag_is_special``) is calls, each
+    ``{"name": <a tool>, "parameters": <its schema>}``, joined by ``; `` (one call without
+    parallel_tool_calls); any other answer is free text."""
+    call = {
+        "anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, schema in _params(req).items()
+        ],
+        "x-guidance": JSON_DEFAULTS,
+    }  # fmt: skip
+    more = '("; " call)*' if req.parallel else ""
+    tag = f"{PYTHON_TAG}? " if tag_is_special else ""
+    return "tool_auto", (
+        f"%llguidance {{}}\nstart: {tag}call {more} | FREE?\ncall: %json {json.dumps(call)}\n"
+        "FREE: /[^{](.|\\n)*/\n"
+    )
+
+
 def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
     """(kind, grammar) the output must follow for ``required`` and a named function; else None."""
     params = _params(req)
@@ -222,7 +244,7 @@ class ToolOutput:
         elif mode == "required":  # NOTE: read as a stream is, so one cut off by max_tokens agrees with it
             calls, text = _CallArray().calls_in(text), ""  # the calls' JSON is not content
         elif self.parser == "llama3_json":
-            calls = _json_calls(text.removeprefix(_PYTHON_TAG)) or []
+            calls = _json_calls(text.removeprefix(PYTHON_TAG)) or []
             text = "" if calls else text  # all of it is the calls
         elif self.parser == "mistral":
             text, calls = _mistral(text)
@@ -298,7 +320,7 @@ class ToolOutput:
             out = [{"content": content}] if content.strip() or (not calls and not self.calls) else []
             return out + ([self._delta(calls)] if calls else [])
         if mode == "required" or self.parser == "llama3_json" or self._in_call:
-            calls = _json_calls(rest.removeprefix(_PYTHON_TAG)) if not self._in_call else _hermes_block(rest)
+            calls = _json_calls(rest.removeprefix(PYTHON_TAG)) if not self._in_call else _hermes_block(rest)
             if calls:
                 calls = self._allowed(calls)
                 return [self._delta(calls)] if calls else []
@@ -319,10 +341,10 @@ class ToolOutput:
         to be text streams as it comes."""
         if self.req.choice == "auto" and not self._decided:
             head = self._pending.lstrip()
-            if not head or _PYTHON_TAG.startswith(head):
+            if not head or PYTHON_TAG.startswith(head):
                 return []  # too early to tell
             self._decided = True
-            self._json = head.startswith(("{", "[", _PYTHON_TAG))
+            self._json = head.startswith(("{", "[", PYTHON_TAG))
         if self._json:
             return []
         out, self._pending = self._pending, ""

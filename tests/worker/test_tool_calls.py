@@ -746,3 +746,48 @@ def test_mistral_calls_are_read_and_their_ids_pass_the_next_turns_template(mistr
     refused = next_turn("call_" + "0" * 24)
     assert refused.status_code == 400 and "9 letters and digits" in refused.text
     assert next_turn(call["id"]).status_code == 200
+
+
+# ---------------------------------------------------------------------- the llama3_json format
+def test_llama3_json_auto_grammar_makes_an_answer_that_opens_with_a_brace_calls() -> None:
+    """An answer that opens with { is calls of the tools with arguments of their schemas, joined by
+    '; ' (one without parallel_tool_calls); any other answer is free, the empty one too."""
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import llama3_auto_grammar
+
+    compiler = GuideCompiler(ByteTokenizer(), ByteTokenizer().vocab_size)
+    one = '{"name":"add","parameters":{"a":1,"b":2}}'
+    two = one + '; {"name":"get_weather","parameters":{"city":"Oslo","unit":"c"}}'
+    for parallel in (True, False):
+        guide = compiler.compile(*llama3_auto_grammar(ToolRequest(TOOLS, "auto", parallel=parallel), False))
+
+        def complete(text: str, guide=guide) -> bool:
+            m = guide.matcher()
+            if not m.consume_tokens(list(text.encode())) or m.is_error():
+                return False
+            return bool(allowed_mask([m], ByteTokenizer().vocab_size)[0][ByteTokenizer.EOS])
+
+        assert complete("It is sunny in Oslo.") and complete("") and complete(one)
+        assert complete(two) == parallel
+        assert not complete('{"answer": 42}') and not complete('{"name":"get_time","parameters":{}}')
+        assert not complete('{"name":"add","parameters":{"a":"one","b":2}}')
+
+
+@pytest.fixture(scope="module")
+def llama3_worker():
+    with serve(tool_call_parser="llama3_json") as live:
+        yield httpx.Client(base_url=live.url, timeout=120)
+
+
+def test_llama3_json_auto_calls_parse_whole_and_streamed(llama3_worker) -> None:
+    """The model pushed to open its answer with { (logit_bias) writes a call of a tool with valid
+    arguments under the grammar, read as that call whole and streamed."""
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "parallel_tool_calls": False, "logit_bias": {str(ord("{")): 100}}  # fmt: skip
+    choice = llama3_worker.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    [(name, args)] = calls_of(choice["message"])
+    params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+    assert set(args) == set(params["required"])
+    assert streamed_answer(llama3_worker, body) == ("", [(name, args)], "tool_calls")
