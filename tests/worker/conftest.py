@@ -146,6 +146,14 @@ def llama3_scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def yarn_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 with YaRN rope scaling (as Qwen2.5 / Qwen3 turn on long contexts): factor 4 over a
+    32-token pretraining context, so every prompt of the tests runs past it."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    return save_checkpoint(tmp_path_factory.mktemp("yarn"), "qwen2", rope_scaling=scaling)
+
+
+@pytest.fixture(scope="session")
 def sharded_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The llama fixture's architecture split over several safetensors shards (with an index)."""
     return save_checkpoint(tmp_path_factory.mktemp("sharded"), "llama", max_shard_size="100KB")

@@ -18,7 +18,7 @@ from router.tokenization import ByteTokenizer, HFTokenizer
 from worker.forward_batch import ForwardBatch
 from worker.kv_pool import KVPool, slots_for
 from worker.model import LlamaForCausalLM, ModelConfig, load_model
-from worker.model.llama import rope_inv_freq
+from worker.model.llama import rope_attention_factor, rope_inv_freq
 
 PAGE_SIZE = 4  # tokens
 ATOL = 2e-4
@@ -90,6 +90,7 @@ PROMPT = (
         "qwen2_checkpoint",
         "qwen3_checkpoint",
         "llama3_scaled_checkpoint",
+        "yarn_checkpoint",
         "sharded_llama_checkpoint",
     ],
 )
@@ -200,6 +201,39 @@ def test_config_reads_transformers_4_and_5_rope_fields(llama3_scaled_checkpoint)
     assert rope_inv_freq(a)[0] == rope_inv_freq(unscaled)[0]
 
 
+QWEN_LIKE = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 1024, "intermediate_size": 2048,
+             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "rope_theta": 1000000.0, "max_position_embeddings": 32768}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5 / Qwen3's advice
+        {"rope_type": "yarn", "factor": 4.0},  # the pretraining context taken from max_position_embeddings
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16,
+         "beta_slow": 2, "truncate": False},
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+         "mscale_all_dim": 0.8},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16384, "attention_factor": 1.2},
+    ],
+)  # fmt: skip
+def test_yarn_frequencies_attention_factor_and_context_are_transformers(scaling) -> None:
+    """YaRN against transformers' own computation at a real model's sizes (head_dim 128, theta 1e6):
+    the frequencies, the factor on cos and sin; the context served is factor x the pretraining one."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {**QWEN_LIKE, "rope_scaling": scaling}
+    ours = ModelConfig.from_hf(raw)
+    theirs = transformers.Qwen2Config(**raw)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, torch.device("cpu"))
+    torch.testing.assert_close(rope_inv_freq(ours).float(), inv_freq.float(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-9)
+    original = scaling.get("original_max_position_embeddings", QWEN_LIKE["max_position_embeddings"])
+    assert ours.max_context == max(QWEN_LIKE["max_position_embeddings"], int(original * scaling["factor"]))
+    assert rope_attention_factor(ModelConfig.from_hf(QWEN_LIKE)) == 1.0
+
+
 def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="neither 'tiny' nor a local directory"):
         load_model(str(tmp_path / "missing"))
@@ -207,7 +241,7 @@ def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_hf({**cfg, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope type"):
-        ModelConfig.from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_hf({**cfg, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
     # a checkpoint with a layer's weights missing
     broken = tmp_path / "broken"
     shutil.copytree(llama_checkpoint, broken)

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 
 
@@ -28,7 +29,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3"|"yarn", "factor": ...}
     max_position_embeddings: int = 4096  # tokens
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
@@ -66,13 +67,22 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
+        if rope_type == "yarn":  # NOTE: as transformers reads it, the pretraining context by default
+            rope.setdefault(
+                "original_max_position_embeddings",
+                cfg.get("original_max_position_embeddings") or max_positions,
+            )
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if not isinstance(rope.get(k), (int, float))]
         if missing:
             raise ValueError(f"rope type {rope_type!r} needs numeric {', '.join(missing)} in its parameters")
 
         attention_bias = bool(cfg.get("attention_bias", False))
-        max_positions = int(cfg.get("max_position_embeddings", 4096))
+        if rope_type == "yarn":
+            # NOTE: YaRN serves factor x the pretraining context; Qwen2.5 / Qwen3 configs turn it on by
+            # adding rope_scaling and leave max_position_embeddings at the pretraining context
+            max_positions = max(max_positions, int(rope["original_max_position_embeddings"] * rope["factor"]))
         window = cfg.get("sliding_window")
         if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
             # NOTE: attention here is always full; within the window that is exactly what the
