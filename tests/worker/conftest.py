@@ -64,7 +64,7 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
-    """A tiny random transformers model of ``model_type`` ("llama", "qwen2" or "qwen3") saved as
+    """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3" or "phi3") saved as
     safetensors."""
     import torch
     import transformers
@@ -90,6 +90,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif model_type == "phi3":  # NOTE: fused qkv_proj and gate_up_proj; its default pad id is past the vocab
+        config = transformers.Phi3Config(**{"pad_token_id": None, **common})
+        cls = transformers.Phi3ForCausalLM
     else:
         config = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
@@ -143,6 +146,12 @@ def llama3_scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_key_value_heads=1,
         head_dim=32,
     )
+
+
+@pytest.fixture(scope="session")
+def phi3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj)."""
+    return save_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3")
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,8 @@ from worker.radix_node import adapter_keys
 from .test_server import LiveServer
 
 TARGETS = {
-    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"),  # qkv_proj, gate_up_proj: Phi-3's
+    "mlp": ("gate_proj", "up_proj", "down_proj", "gate_up_proj"),
 }
 RANK, ALPHA = 4, 8.0
 PROMPT = "Cache-aware routing sends shared prefixes to the worker that already holds them."
@@ -53,7 +53,7 @@ def write_adapter(base: Path, out: Path, seed: int = 0, rank: int = RANK) -> dic
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": ALPHA, "bias": "none",
-              "target_modules": [t for ts in TARGETS.values() for t in ts]}  # fmt: skip
+              "target_modules": sorted({name.split(".")[4] for name in deltas})}  # fmt: skip
     (out / "adapter_config.json").write_text(json.dumps(config))
     return deltas
 
@@ -125,6 +125,26 @@ def test_an_adapter_answers_like_its_weights_merged_into_the_base(lora_setup, ll
         if line.startswith("radixgate_worker_spec_verify")
     ]
     assert float(spec[0].split()[1]) > 0
+
+
+def test_an_adapter_on_fused_projections_answers_like_its_weights_merged(phi3_checkpoint, tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused, and so do its adapters (qkv_proj, gate_up_proj): such an
+    adapter answers as its weights merged into the base do."""
+    deltas = write_adapter(phi3_checkpoint, tmp_path / "ad", seed=3)
+    assert {name.split(".")[4] for name in deltas} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    merged = merged_checkpoint(phi3_checkpoint, deltas, tmp_path / "merged")
+    cfg = WorkerConfig(model=str(phi3_checkpoint), device="cpu", kv_cache_tokens=4096, warmup_tokens=0,
+                       lora_adapters=[f"ad={tmp_path / 'ad'}"])  # fmt: skip
+    with LiveServer(build_engine(cfg)) as both, LiveServer(build_engine(WorkerConfig(
+            model=str(merged), device="cpu", kv_cache_tokens=4096, warmup_tokens=0))) as merged_worker:  # fmt: skip
+        for prompt in (PROMPT, "The quick brown fox"):
+            got, want = complete(both.url, "ad", prompt), complete(merged_worker.url, None, prompt)
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+                want["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
+            )
+            base = complete(both.url, phi3_checkpoint.name, prompt)
+            assert base["choices"][0]["text"] != got["choices"][0]["text"]
 
 
 def test_base_and_adapter_requests_in_one_batch_answer_as_alone(lora_setup, llama_checkpoint):

@@ -91,6 +91,7 @@ PROMPT = (
         "qwen3_checkpoint",
         "llama3_scaled_checkpoint",
         "yarn_checkpoint",
+        "phi3_checkpoint",
         "sharded_llama_checkpoint",
     ],
 )
@@ -258,6 +259,23 @@ def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     for rope in ({"rope_type": "linear"}, {"rope_type": "llama3", "factor": 8.0}):  # parameters missing
         with pytest.raises(ValueError, match="needs numeric"):
             ModelConfig.from_hf({**cfg, "rope_parameters": rope})
+    for partial in ({"partial_rotary_factor": 0.75}, {"rope_parameters": {"partial_rotary_factor": 0.5}}):
+        with pytest.raises(ValueError, match="partial_rotary_factor"):  # Phi-4-mini's: part of each head
+            ModelConfig.from_hf({**cfg, **partial})
+    assert (
+        ModelConfig.from_hf({**cfg, "rope_parameters": {"partial_rotary_factor": 1.0}}).rope_scaling is None
+    )
+
+
+def test_a_sliding_window_caps_the_context_where_the_model_applies_it() -> None:
+    """Attention here is full: within one window that is what the model computes (Mistral and Phi-3
+    always window; Qwen2 only with use_sliding_window)."""
+    phi3 = {**QWEN_LIKE, "model_type": "phi3", "max_position_embeddings": 4096, "sliding_window": 2047}
+    assert ModelConfig.from_hf(phi3).max_context == 2047
+    assert ModelConfig.from_hf({**phi3, "sliding_window": None}).max_context == 4096
+    qwen = {**QWEN_LIKE, "sliding_window": 4096}
+    assert ModelConfig.from_hf(qwen).max_context == 32768
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_context == 4096
 
 
 def test_loader_returns_tokenizer_and_name(llama_checkpoint, qwen2_checkpoint):

@@ -167,11 +167,13 @@ def randomize_biases(ckpt: Path) -> None:
         ("qwen3", {"head_dim": 32}),
         # o_proj and MLP biases (added once, after the sum) and an odd vocabulary (unequal lm_head parts)
         ("llama", {"attention_bias": True, "mlp_bias": True, "vocab_size": 401}),
+        # q/k/v and gate/up stored fused: each rank takes its heads of each, its rows of each
+        ("phi3", {}),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
-    if model_type != "qwen3":  # NOTE: it has none
+    if model_type not in ("qwen3", "phi3"):  # NOTE: they have none
         randomize_biases(ckpt)
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
     try:

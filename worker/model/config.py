@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
@@ -65,6 +65,11 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rotary = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+        if rotary != 1.0:  # Phi-4-mini and others rotate only part of each head
+            raise ValueError(
+                f"partial_rotary_factor {rotary} is not supported: RoPE here rotates whole heads"
+            )
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
         max_positions = int(cfg.get("max_position_embeddings", 4096))
@@ -84,7 +89,7 @@ class ModelConfig:
             # adding rope_scaling and leave max_position_embeddings at the pretraining context
             max_positions = max(max_positions, int(rope["original_max_position_embeddings"] * rope["factor"]))
         window = cfg.get("sliding_window")
-        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+        if window and (model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")):
             # NOTE: attention here is always full; within the window that is exactly what the
             # model computes, so serve no more than one window.
             max_positions = min(max_positions, int(window))

@@ -297,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
         an unknown or repeated name, a shape mismatch, or when any parameter was left unfilled (naming
         the weights missing)."""
         filled, seen = 0, set()
-        for name, tensor in weights:
+        for name, tensor in self._unfused(weights):
             target = self.weight_slot(name)
             if target is None:
                 continue
@@ -317,6 +317,25 @@ class LlamaForCausalLM(nn.Module):
             missing = [n for n in self._weight_names() if n not in seen]
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights: {shown or 'unknown'}")
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack
+        (rows in that order), so that loading, tensor-parallel splits and checks see one layout."""
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for name, tensor in weights:
+            m = _LAYER_WEIGHT.match(name)
+            part = m.group(2) if m else None
+            if part == "self_attn.qkv_proj" and tensor.shape[0] == q + 2 * kv:
+                head = name[: m.start(2)]  # type: ignore[union-attr]
+                for proj, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
+                    yield f"{head}self_attn.{proj}.{m.group(3)}", rows  # type: ignore[union-attr]
+            elif part == "mlp.gate_up_proj" and tensor.shape[0] == 2 * c.intermediate_size:
+                head = name[: m.start(2)]  # type: ignore[union-attr]
+                for proj, rows in zip(("gate_proj", "up_proj"), tensor.chunk(2), strict=True):
+                    yield f"{head}mlp.{proj}.{m.group(3)}", rows  # type: ignore[union-attr]
+            else:
+                yield name, tensor
 
     def _weight_names(self) -> list[str]:
         """The HF names of every weight this model loads."""

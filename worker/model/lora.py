@@ -43,6 +43,8 @@ TARGETS = {
     "gate_proj": ("gate_up", "gate"),
     "up_proj": ("gate_up", "up"),
     "down_proj": ("down", None),
+    "qkv_proj": ("qkv", "qkv"),  # Phi-3's fused projections: all of their rows
+    "gate_up_proj": ("gate_up", "gate_up"),
 }
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 PARTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}  # PEFT targets stacked in each projection
@@ -230,7 +232,8 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         m = _KEY.match(key)
         if m is None or m.group(2) not in TARGETS:
             raise ValueError(
-                f"adapter {name!r}: unsupported weight {key!r} (LoRA on q/k/v/o/gate/up/down only)"
+                f"adapter {name!r}: unsupported weight {key!r} (LoRA on q/k/v/o/gate/up/down, or Phi-3's "
+                "qkv/gate_up, only)"
             )
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
     c = model.config  # type: ignore[attr-defined]
@@ -241,6 +244,8 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         "v": (q + kv, q + 2 * kv),
         "gate": (0, inter),
         "up": (inter, 2 * inter),
+        "qkv": (0, q + 2 * kv),
+        "gate_up": (0, 2 * inter),
     }
     inputs = {"qkv": c.hidden_size, "o": q, "gate_up": c.hidden_size, "down": inter}
     outputs = {"o": c.hidden_size, "down": c.hidden_size}
