@@ -13,19 +13,18 @@ whole or as stream deltas.
   Nemo, or ``[TOOL_CALLS]name[ARGS]{...}`` per call, the tokenizers that have ``[ARGS]``: Mistral
   Small 3.1+). With hermes and mistral, what follows the opening tag is also constrained to a valid
   call (``auto_grammar``, ``mistral_auto_grammar``); with llama3_json an answer that opens with
-  ``{`` (``llama3_auto_grammar``). Where the tags are special tokens, the
-  request's text shows them to this reader (worker.guided). Text that does not parse as a call
-  stays content: nothing the model wrote is dropped.
-
-Call ids are ``call_`` and 24 hex digits; with ``mistral`` 9 letters and digits, the only ids
-Mistral's chat templates accept when the calls come back in the next turn.
+  ``{`` (``llama3_auto_grammar``). Where the tags are special tokens, the request's text shows them
+  to this reader (worker.guided). Text that does not parse as a call stays content: nothing the
+  model wrote is dropped.
 - ``required``: the output is constrained (worker.guided) to a JSON list of at least one
   ``{"name": <a tool>, "parameters": <its schema>}`` (exactly one when ``parallel_tool_calls`` is
   false), each item a call; one cut off by max_tokens keeps the calls read so far, whole or streamed.
 - ``{"type": "function", "function": {"name": N}}``: the output is constrained to N's parameters
   schema and is that call's arguments, streamed as argument deltas as they are generated.
 
-A message that carries calls and ended naturally finishes with ``tool_calls``.
+A message that carries calls and ended naturally finishes with ``tool_calls``. Call ids are ``call_``
+and 24 hex digits; with ``mistral`` 9 letters and digits, the only ids Mistral's chat templates
+accept when the calls come back in the next turn.
 """
 
 from __future__ import annotations
