@@ -64,8 +64,8 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
-    """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3" or "phi3") saved as
-    safetensors."""
+    """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3" or
+    "granite") saved as safetensors."""
     import torch
     import transformers
 
@@ -90,6 +90,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif model_type == "granite":
+        config = transformers.GraniteConfig(**common)
+        cls = transformers.GraniteForCausalLM
     elif model_type == "phi3":  # NOTE: fused qkv_proj and gate_up_proj; its default pad id is past the vocab
         config = transformers.Phi3Config(**{"pad_token_id": None, **common})
         cls = transformers.Phi3ForCausalLM
@@ -152,6 +155,17 @@ def llama3_scaled_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def phi3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj)."""
     return save_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3")
+
+
+# Granite 3's scalars, of its sizes' kind (attention_multiplier replaces 1/sqrt(head_dim) = 1/4 here)
+GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+           "logits_scaling": 8.0, "tie_word_embeddings": True}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def granite_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Granite 3: Llama with multipliers on the embeddings, residual branches, scores and logits."""
+    return save_checkpoint(tmp_path_factory.mktemp("granite"), "granite", **GRANITE)
 
 
 @pytest.fixture(scope="session")

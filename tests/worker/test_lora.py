@@ -127,13 +127,17 @@ def test_an_adapter_answers_like_its_weights_merged_into_the_base(lora_setup, ll
     assert float(spec[0].split()[1]) > 0
 
 
-def test_an_adapter_on_fused_projections_answers_like_its_weights_merged(phi3_checkpoint, tmp_path):
-    """Phi-3 stores q/k/v and gate/up fused, and so do its adapters (qkv_proj, gate_up_proj): such an
-    adapter answers as its weights merged into the base do."""
-    deltas = write_adapter(phi3_checkpoint, tmp_path / "ad", seed=3)
-    assert {name.split(".")[4] for name in deltas} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    merged = merged_checkpoint(phi3_checkpoint, deltas, tmp_path / "merged")
-    cfg = WorkerConfig(model=str(phi3_checkpoint), device="cpu", kv_cache_tokens=4096, warmup_tokens=0,
+@pytest.mark.parametrize("checkpoint", ["phi3_checkpoint", "granite_checkpoint"])
+def test_adapters_of_other_layouts_answer_like_their_weights_merged(checkpoint, request, tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused, and so do its adapters (qkv_proj, gate_up_proj); Granite
+    scales each layer's output (its o_proj / down_proj, and so their adapters' deltas): such adapters
+    answer as their weights merged into the base do."""
+    base_dir = request.getfixturevalue(checkpoint)
+    deltas = write_adapter(base_dir, tmp_path / "ad", seed=3)
+    fused = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert ({name.split(".")[4] for name in deltas} == fused) == (checkpoint == "phi3_checkpoint")
+    merged = merged_checkpoint(base_dir, deltas, tmp_path / "merged")
+    cfg = WorkerConfig(model=str(base_dir), device="cpu", kv_cache_tokens=4096, warmup_tokens=0,
                        lora_adapters=[f"ad={tmp_path / 'ad'}"])  # fmt: skip
     with LiveServer(build_engine(cfg)) as both, LiveServer(build_engine(WorkerConfig(
             model=str(merged), device="cpu", kv_cache_tokens=4096, warmup_tokens=0))) as merged_worker:  # fmt: skip
@@ -143,7 +147,7 @@ def test_an_adapter_on_fused_projections_answers_like_its_weights_merged(phi3_ch
             assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
                 want["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
             )
-            base = complete(both.url, phi3_checkpoint.name, prompt)
+            base = complete(both.url, base_dir.name, prompt)
             assert base["choices"][0]["text"] != got["choices"][0]["text"]
 
 

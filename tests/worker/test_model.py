@@ -92,6 +92,7 @@ PROMPT = (
         "llama3_scaled_checkpoint",
         "yarn_checkpoint",
         "phi3_checkpoint",
+        "granite_checkpoint",
         "sharded_llama_checkpoint",
     ],
 )

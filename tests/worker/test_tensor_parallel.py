@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, start_module, wait_until
-from tests.worker.conftest import save_checkpoint
+from tests.worker.conftest import GRANITE, save_checkpoint
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
@@ -169,11 +169,13 @@ def randomize_biases(ckpt: Path) -> None:
         ("llama", {"attention_bias": True, "mlp_bias": True, "vocab_size": 401}),
         # q/k/v and gate/up stored fused: each rank takes its heads of each, its rows of each
         ("phi3", {}),
+        # Granite's multipliers (the residual one folded into each rank's o_proj / down_proj part)
+        ("granite", GRANITE),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
-    if model_type not in ("qwen3", "phi3"):  # NOTE: they have none
+    if model_type not in ("qwen3", "phi3", "granite"):  # NOTE: they have none
         randomize_biases(ckpt)
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
@@ -36,6 +36,12 @@ class ModelConfig:
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+    # Granite's scalars: on the embeddings, on each layer's attention and MLP output before its residual
+    # add, on the attention scores (instead of 1/sqrt(head_dim)), and dividing the logits
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -112,7 +118,14 @@ class ModelConfig:
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
+            **(_granite_scalars(cfg) if model_type == "granite" else {}),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+
+def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
+    """Granite's multipliers, transformers' defaults (1) where a config leaves one out."""
+    names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {name: float(cfg.get(name, 1.0)) for name in names}

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over a paged KV pool, driven by a ForwardBatch.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite) over a paged KV pool, driven by a
+ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each.
@@ -124,7 +125,7 @@ class DecoderLayer(nn.Module):
         # NOTE: o_proj / down_proj outputs are summed over ranks: their biases are added by rank 0 only
         self.bias_here = shard.rank == 0
         self.config = c
-        self.sm_scale = c.head_dim**-0.5
+        self.sm_scale = c.head_dim**-0.5 if c.attention_multiplier is None else c.attention_multiplier
 
     def forward(
         self,
@@ -213,6 +214,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: object) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed_tokens)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         k_caches, v_caches = kv_pool.k_cache, kv_pool.v_cache  # type: ignore[attr-defined]
         delta = None
         for i, layer in enumerate(self.layers):
@@ -232,7 +235,10 @@ class LlamaForCausalLM(nn.Module):
             if delta is None
             else ops.add_rms_norm(x, delta, self.norm, eps)[1]
         )
-        return self.shard.gather_vocab(F.linear(x, self.lm_head).float(), self.config.vocab_size)
+        logits = F.linear(x, self.lm_head).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return self.shard.gather_vocab(logits, self.config.vocab_size)
 
     def add_lora(self, adapter: object) -> int:
         """Serve a loaded LoRA adapter (worker.model.lora; its weights move into ``lora_stack``);
@@ -317,6 +323,13 @@ class LlamaForCausalLM(nn.Module):
             missing = [n for n in self._weight_names() if n not in seen]
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights: {shown or 'unknown'}")
+        r = self.config.residual_multiplier
+        if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
+            with torch.no_grad():
+                for layer in self.layers:
+                    for p in (layer.o_proj, layer.o_bias, layer.down_proj, layer.down_bias):
+                        if p is not None:
+                            p.mul_(r)
 
     def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack

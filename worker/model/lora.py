@@ -269,8 +269,10 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     for key, found in parts.items():
         width = outputs.get(key[1]) or {"qkv": q + 2 * kv, "gate_up": 2 * inter}[key[1]]
         stacked_b = torch.zeros(width, rank * len(found))
+        # NOTE: the base's o / down weights hold Granite's residual multiplier (folded in at load)
+        out_scale = scale * (c.residual_multiplier if key[1] in ("o", "down") else 1.0)
         for n, (start, end, _, b) in enumerate(found):
-            stacked_b[start:end, n * rank : (n + 1) * rank] = b.float() * scale
+            stacked_b[start:end, n * rank : (n + 1) * rank] = b.float() * out_scale
         stacked_a = torch.cat([a.float() for _, _, a, _ in found])
         # NOTE: one rank of a tensor-parallel model keeps the part its projection computes
         stacked_a, stacked_b = model.shard.lora(c, key[1], stacked_a, stacked_b)  # type: ignore[attr-defined]
