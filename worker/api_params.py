@@ -20,6 +20,7 @@ from worker.guided import Guide, GuideCompiler, requested_grammar, thinking_firs
 from worker.request import QueueFullError
 from worker.sampling import SamplingParams
 from worker.tool_calls import (
+    GRANITE_CALLS,
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
     MISTRAL_CALLS,
@@ -28,7 +29,7 @@ from worker.tool_calls import (
     auto_grammar,
     forced_grammar,
     llama3_auto_grammar,
-    mistral_auto_grammar,
+    tagged_auto_grammar,
     tool_request,
 )
 
@@ -129,9 +130,10 @@ async def output_guide(
             elif parser == "llama3_json":
                 forced = llama3_auto_grammar(tools, special(PYTHON_TAG))
             elif parser == "mistral":
-                forced = mistral_auto_grammar(
-                    tools, token(MISTRAL_CALLS), token(MISTRAL_ARGS), token(MISTRAL_CALL_ID)
-                )
+                args = (token(MISTRAL_ARGS), token(MISTRAL_CALL_ID))
+                forced = tagged_auto_grammar(tools, MISTRAL_CALLS, token(MISTRAL_CALLS), *args)
+            elif parser == "granite":
+                forced = tagged_auto_grammar(tools, GRANITE_CALLS, token(GRANITE_CALLS))
         asked = asked or forced
         # NOTE: not around free text with calls (tool_auto), nor a constraint that spells the thinking
         # itself (it names </think>, "<\/think>" once escaped): that one is the whole answer's

@@ -13,7 +13,7 @@ from typing import Any
 
 from worker.reasoning import PARSERS as REASONING_PARSERS
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # worker.tool_calls reads each
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         str,
         "format of tool calls in text (tool_choice auto): hermes (<tool_call>{...}</tool_call>, the "
-        "built-in template's), llama3_json or mistral ([TOOL_CALLS]...)",
+        "built-in template's), llama3_json, mistral ([TOOL_CALLS]...) or granite (<|tool_call|>[...])",
         choices=list(TOOL_CALL_PARSERS),
     )
     opt(

@@ -8,11 +8,12 @@ whole or as stream deltas.
 - ``auto``: free generation; calls are read from the text in the format ``--tool-call-parser``
   names: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, what the
   built-in chat template writes, Qwen 2.5 / Hermes models), ``llama3_json`` (the whole answer is
-  ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+) or ``mistral``
+  ``{"name": ..., "parameters": {...}}``, several joined by ``;``, Llama 3.1+), ``mistral``
   (``[TOOL_CALLS]`` and then a JSON list of ``{"name": ..., "arguments": {...}}``, Mistral 7B v0.3 /
   Nemo, or ``[TOOL_CALLS]name[ARGS]{...}`` per call, the tokenizers that have ``[ARGS]``: Mistral
-  Small 3.1+). With hermes and mistral, what follows the opening tag is also constrained to a valid
-  call (``auto_grammar``, ``mistral_auto_grammar``); with llama3_json an answer that opens with
+  Small 3.1+) or ``granite`` (``<|tool_call|>`` and such a list, Granite 3). With hermes, mistral
+  and granite, what follows the opening tag is also constrained to valid calls (``auto_grammar``,
+  ``tagged_auto_grammar``); with llama3_json an answer that opens with
   ``{`` (``llama3_auto_grammar``). Where the tags are special tokens, the request's text shows them
   to this reader (worker.guided). Text that does not parse as a call stays content: nothing the
   model wrote is dropped.
@@ -43,6 +44,9 @@ from worker.guided import JSON_DEFAULTS, grammar_of
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+GRANITE_CALLS = "<|tool_call|>"
+# the parsers whose calls come last, after a tag: the tag that opens them
+CALL_TAGS = {"mistral": MISTRAL_CALLS, "granite": GRANITE_CALLS}
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -109,11 +113,12 @@ def auto_grammar(
     return "tool_auto", f"%llguidance {{}}\nstart: {calls} free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
 
 
-def mistral_auto_grammar(req: ToolRequest, calls_id: int | None, args_id: int | None,
-                         call_id_id: int | None = None) -> tuple[str, str]:  # fmt: skip
-    """``auto`` with the mistral format: free text, and from each ``[TOOL_CALLS]`` on valid calls.
-    ``calls_id``: the id of the ``[TOOL_CALLS]`` special token (None: the tag is text, llguidance's
-    lazy trigger). With ``args_id`` (the tokenizer has ``[ARGS]``: Mistral Small 3.1+) each call is
+def tagged_auto_grammar(req: ToolRequest, tag: str, calls_id: int | None, args_id: int | None = None,
+                        call_id_id: int | None = None) -> tuple[str, str]:  # fmt: skip
+    """``auto`` with the mistral or granite format: free text, and from each ``tag`` (``[TOOL_CALLS]``,
+    ``<|tool_call|>``) on valid calls. ``calls_id``: the id of the tag's special token (None: the tag
+    is text, llguidance's lazy trigger). With ``args_id`` (the tokenizer has ``[ARGS]``: Mistral
+    Small 3.1+) each call is
     ``[TOOL_CALLS]<name>[ARGS]<arguments>``, optionally ``[CALL_ID]`` and a 9-character id after the
     name where the tokenizer has that token (``call_id_id``); else one ``[TOOL_CALLS]`` and a JSON
     list of ``{"name", "arguments"}`` objects (one object at most without parallel_tool_calls)."""
@@ -137,7 +142,7 @@ def mistral_auto_grammar(req: ToolRequest, calls_id: int | None, args_id: int | 
     if calls_id is not None:
         rules = f"call: TEXT <[{calls_id}]> {body}"
     else:
-        rules = f"call_start[lazy]: TEXT {json.dumps(MISTRAL_CALLS)}\ncall: call_start {body}"
+        rules = f"call_start[lazy]: TEXT {json.dumps(tag)}\ncall: call_start {body}"
     calls_rule = "call*" if req.parallel else "call?"
     return "tool_auto", (
         f"%llguidance {{}}\nstart: {calls_rule} free\nfree: TEXT\nTEXT: /(.|\\n)*/\n{rules}\n"
@@ -232,6 +237,7 @@ class ToolOutput:
         self._decided = False  # llama3_json stream: is the answer a call (buffer) or text (stream)?
         self._json = False  # ... decided: a call
         self._array = _CallArray() if req.choice == "required" else None  # required: streamed calls
+        self._tag = CALL_TAGS.get(parser)  # mistral, granite: the tag that opens the calls
 
     # ------------------------------------------------------------------ whole answers
     def message(self, text: str) -> dict:
@@ -245,8 +251,8 @@ class ToolOutput:
         elif self.parser == "llama3_json":
             calls = _json_calls(text.removeprefix(PYTHON_TAG)) or []
             text = "" if calls else text  # all of it is the calls
-        elif self.parser == "mistral":
-            text, calls = _mistral(text)
+        elif self._tag is not None:
+            text, calls = _tagged(text, self._tag)
         else:
             text, calls = _hermes(text)
         calls = self._allowed(calls)
@@ -301,8 +307,8 @@ class ToolOutput:
         self._pending += text
         if self.parser == "llama3_json":
             return self._feed_json()
-        if self.parser == "mistral":
-            return self._feed_mistral()
+        if self._tag is not None:
+            return self._feed_tagged()
         return self._feed_hermes()
 
     def _flush(self) -> list[dict]:
@@ -313,8 +319,8 @@ class ToolOutput:
             return []
         if not rest:
             return []
-        if self.parser == "mistral" and mode == "auto":
-            content, calls = _mistral(rest)  # NOTE: rest starts at [TOOL_CALLS] once one was read
+        if self._tag is not None and mode == "auto":
+            content, calls = _tagged(rest, self._tag)  # NOTE: rest starts at the tag once one was read
             calls = self._allowed(calls)
             out = [{"content": content}] if content.strip() or (not calls and not self.calls) else []
             return out + ([self._delta(calls)] if calls else [])
@@ -349,14 +355,14 @@ class ToolOutput:
         out, self._pending = self._pending, ""
         return [{"content": out}] if out else []
 
-    def _feed_mistral(self) -> list[dict]:
-        """mistral: text streams up to ``[TOOL_CALLS]``; from there on the calls are read whole at the
+    def _feed_tagged(self) -> list[dict]:
+        """mistral, granite: text streams up to the tag; from there on the calls are read whole at the
         end (``flush``), as they all come last."""
         if self._in_call:
             return []
-        start = self._pending.find(MISTRAL_CALLS)
+        start = self._pending.find(self._tag)  # type: ignore[arg-type]
         self._in_call = start >= 0
-        keep = len(self._pending) - start if self._in_call else _partial_suffix(self._pending, MISTRAL_CALLS)
+        keep = len(self._pending) - start if self._in_call else _partial_suffix(self._pending, self._tag)  # type: ignore[arg-type]
         # NOTE: whitespace before the tag is held with it: content only if the calls do not parse
         body = self._pending[: len(self._pending) - keep].rstrip()
         self._pending = self._pending[len(body) :]
@@ -507,21 +513,21 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
     return "".join(content), calls
 
 
-def _mistral(text: str) -> tuple[str, list[dict]]:
-    """(content, calls) of a mistral-format answer: each ``[TOOL_CALLS]`` followed by a JSON list (or
-    object) of calls or by ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``) gives calls; the text
-    before the first, and any part that does not parse (a call cut off by max_tokens), with its tag,
-    is content."""
-    content, tag, rest = text.partition(MISTRAL_CALLS)
-    if not tag:
+def _tagged(text: str, tag: str) -> tuple[str, list[dict]]:
+    """(content, calls) of a mistral- or granite-format answer: each ``tag`` followed by a JSON list
+    (or object) of calls or (mistral) by ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``) gives
+    calls; the text before the first, and any part that does not parse (a call cut off by
+    max_tokens), with its tag, is content."""
+    content, found_tag, rest = text.partition(tag)
+    if not found_tag:
         return text, []
     calls: list[dict] = []
-    for part in rest.split(MISTRAL_CALLS):
+    for part in rest.split(tag):
         found = _json_calls(part) if part.lstrip().startswith(("[", "{")) else _mistral_call(part)
         if found:
             calls += found
         else:
-            content += MISTRAL_CALLS + part
+            content += tag + part
     return content, calls
 
 

@@ -658,7 +658,7 @@ def test_mistral_auto_grammar_takes_calls_in_the_tokenizers_format(tmp_path) -> 
     JSON list where the tokenizer lacks [ARGS], else <name>[ARGS]<arguments> (an optional [CALL_ID]
     and 9-character id between); the tags are shown to the reader; the text is free before."""
     from worker.guided import GuideCompiler, allowed_mask
-    from worker.tool_calls import mistral_auto_grammar
+    from worker.tool_calls import MISTRAL_CALLS, tagged_auto_grammar
 
     from .conftest import save_mistral_tools_checkpoint
 
@@ -667,7 +667,7 @@ def test_mistral_auto_grammar_takes_calls_in_the_tokenizers_format(tmp_path) -> 
         tok = HFTokenizer(str(save_mistral_tools_checkpoint(tmp_path / str(len(tags)), tags)))
         compiler = GuideCompiler(tok, tok.vocab_size)
         ids = [compiler.special_id(t) for t in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")]
-        guide = compiler.compile(*mistral_auto_grammar(req, *ids))
+        guide = compiler.compile(*tagged_auto_grammar(req, MISTRAL_CALLS, *ids))
         assert guide.shown == {i for i in ids if i is not None}
 
         def enc(text: str, tok: HFTokenizer = tok) -> list[int]:
@@ -693,7 +693,7 @@ def test_mistral_auto_grammar_takes_calls_in_the_tokenizers_format(tmp_path) -> 
         assert allowed_mask([m], tok.vocab_size)[0][tok.eos_token_ids].all()  # the answer may end
     # a tokenizer without the tag (the built-in byte one): the tag is text, a lazy trigger
     compiler = GuideCompiler(ByteTokenizer(), ByteTokenizer().vocab_size)
-    m = compiler.compile(*mistral_auto_grammar(req, None, None)).matcher()
+    m = compiler.compile(*tagged_auto_grammar(req, MISTRAL_CALLS, None)).matcher()
     assert m.consume_tokens(list(b"Checking. [TOOL_CALLS]"))
     assert not m.deep_copy().consume_tokens(list(b" not a call"))
     assert m.consume_tokens(list(b' [{"name":"get_weather","arguments":{"city":"Oslo","unit":"f"}}]'))
@@ -791,3 +791,47 @@ def test_llama3_json_auto_calls_parse_whole_and_streamed(llama3_worker) -> None:
     params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
     assert set(args) == set(params["required"])
     assert streamed_answer(llama3_worker, body) == ("", [(name, args)], "tool_calls")
+
+
+# ---------------------------------------------------------------------- the granite format
+GRANITE_TEXTS = [
+    'Sure. <|tool_call|>[{"name":"add","arguments":{"a":1,"b":2}}, {"name":"add","arguments":{"a":3,"b":4}}]',
+    '<|tool_call|>[{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}]',
+    "no call here, just <| and <|tool",
+    '<|tool_call|>[{"name":"add","arguments":{"a":1',  # cut off by max_tokens
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.sampled_from(GRANITE_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_granite_calls_whole_and_streamed_agree(text, cuts) -> None:
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    whole = ToolOutput(ToolRequest(TOOLS, "auto"), "granite").message(text)
+    content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "granite"), pieces)
+    assert calls == calls_of(whole)
+    assert content.split() == (whole["content"] or "").split()
+    expected = {0: ("Sure.", 2), 1: (None, 1), 2: (text, 0), 3: (text, 0)}[GRANITE_TEXTS.index(text)]
+    assert (whole["content"], len(whole.get("tool_calls", []))) == expected
+    assert all(c["id"].startswith("call_") for c in whole.get("tool_calls", []))
+
+
+def test_granite_calls_are_read_after_the_models_own_tag(tmp_path) -> None:
+    """A Granite-style tokenizer with <|tool_call|> as a special token and --tool-call-parser granite:
+    the model pushed to open with the tag writes a call of a known tool under the grammar, read as
+    that call whole and streamed."""
+    from .conftest import save_mistral_tools_checkpoint
+
+    directory = save_mistral_tools_checkpoint(tmp_path / "granite", ("<|tool_call|>",))
+    tok = HFTokenizer(str(directory))
+    bias = {str(tok._tok.token_to_id("<|tool_call|>")): 100, **{str(e): 40 for e in tok.eos_token_ids}}
+    body = {"messages": MESSAGES, "tools": [WEATHER], "max_tokens": 120, "temperature": 0,
+            "parallel_tool_calls": False, "logit_bias": bias}  # fmt: skip
+    with serve(model=str(directory), tool_call_parser="granite") as live:
+        client = httpx.Client(base_url=live.url, timeout=120)
+        choice = client.post("/v1/chat/completions", json={**body, "logprobs": True}).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        [(name, args)] = calls_of(choice["message"])
+        assert name == "get_weather" and set(args) == {"city", "unit"}
+        assert choice["logprobs"]["content"][0]["token"] == "<|tool_call|>"
+        assert streamed_answer(client, body) == ("", [(name, args)], "tool_calls")
