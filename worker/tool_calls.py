@@ -95,14 +95,7 @@ def auto_grammar(
     ``<tool_call>`` as a special token (matched as that token; else as text, llguidance's lazy
     trigger); ``close_is_special`` the same for ``</tool_call>`` (else written as text, which the
     model spells)."""
-    call = {
-        "anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-             "required": ["name", "arguments"], "additionalProperties": False}
-            for name, schema in _params(req).items()
-        ],
-        "x-guidance": JSON_DEFAULTS,
-    }  # fmt: skip
+    call = {**_call_schema(req, "arguments"), "x-guidance": JSON_DEFAULTS}
     close = _CLOSE if close_is_special else json.dumps(_CLOSE)
     body = f"%json {json.dumps(call)} {close}"
     if trigger_is_special:
@@ -118,20 +111,13 @@ def tagged_auto_grammar(req: ToolRequest, tag: str, calls_id: int | None, args_i
     """``auto`` with the mistral or granite format: free text, and from each ``tag`` (``[TOOL_CALLS]``,
     ``<|tool_call|>``) on valid calls. ``calls_id``: the id of the tag's special token (None: the tag
     is text, llguidance's lazy trigger). With ``args_id`` (the tokenizer has ``[ARGS]``: Mistral
-    Small 3.1+) each call is
-    ``[TOOL_CALLS]<name>[ARGS]<arguments>``, optionally ``[CALL_ID]`` and a 9-character id after the
-    name where the tokenizer has that token (``call_id_id``); else one ``[TOOL_CALLS]`` and a JSON
-    list of ``{"name", "arguments"}`` objects (one object at most without parallel_tool_calls)."""
+    Small 3.1+) each call is ``[TOOL_CALLS]<name>[ARGS]<arguments>``, optionally ``[CALL_ID]`` and a
+    9-character id after the name where the tokenizer has that token (``call_id_id``); else the tag
+    and a JSON list of ``{"name", "arguments"}`` objects (one object at most without
+    parallel_tool_calls)."""
     params = _params(req)
     if args_id is None:
-        item = {
-            "anyOf": [
-                {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for name, schema in params.items()
-            ]
-        }  # fmt: skip
-        calls = {"type": "array", "items": item, "minItems": 1, **({} if req.parallel else {"maxItems": 1})}
+        calls = _call_list(_call_schema(req, "arguments"), req.parallel)
         body = '" "? %json ' + json.dumps({**calls, "x-guidance": JSON_DEFAULTS})
     else:
         call_id = f"(<[{call_id_id}]> /[A-Za-z0-9]{{9}}/)? " if call_id_id is not None else ""
@@ -154,14 +140,7 @@ def llama3_auto_grammar(req: ToolRequest, tag_is_special: bool) -> tuple[str, st
     ``<|python_tag|>`` special token, where the tokenizer has it: ``tag_is_special``) is calls, each
     ``{"name": <a tool>, "parameters": <its schema>}``, joined by ``; `` (one call without
     parallel_tool_calls); any other answer is free text."""
-    call = {
-        "anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for name, schema in _params(req).items()
-        ],
-        "x-guidance": JSON_DEFAULTS,
-    }  # fmt: skip
+    call = {**_call_schema(req, "parameters"), "x-guidance": JSON_DEFAULTS}
     more = '("; " call)*' if req.parallel else ""
     tag = f"{PYTHON_TAG}? " if tag_is_special else ""
     return "tool_auto", (
@@ -177,19 +156,24 @@ def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
         return "tool_call", grammar_of("json_schema", params[req.name])[1]
     if req.choice != "required":
         return None
-    item = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, "parameters": schema},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name, schema in params.items()
-        ]
-    }
-    calls = {"type": "array", "items": item, "minItems": 1, **({} if req.parallel else {"maxItems": 1})}
+    calls = _call_list(_call_schema(req, "parameters"), req.parallel)
     return "tool_call", grammar_of("json_schema", calls)[1]
+
+
+def _call_schema(req: ToolRequest, args_key: str) -> dict:
+    """One call of one of the tools: ``{"name": <the tool>, <args_key>: <its parameters' schema>}``."""
+    return {
+        "anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, args_key: schema},
+             "required": ["name", args_key], "additionalProperties": False}
+            for name, schema in _params(req).items()
+        ]
+    }  # fmt: skip
+
+
+def _call_list(item: dict, parallel: bool) -> dict:
+    """A JSON list of at least one ``item`` (exactly one without parallel_tool_calls)."""
+    return {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
 def _call(name: str, arguments: str) -> dict:
