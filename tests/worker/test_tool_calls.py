@@ -125,6 +125,12 @@ def streamed(out: ToolOutput, pieces: list[str]) -> tuple[str, list[tuple[str, d
     return content, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
 
 
+def cut(text: str, cuts: list[int]) -> list[str]:
+    """``text`` in pieces at the positions ``cuts`` name (modulo its length), as a stream brings it."""
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
 HERMES_TEXTS = [
     'Sure.<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>',
     'A <tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call> B <tool_call>{"name":"x","arguments":{}}</tool_call>',
@@ -138,8 +144,7 @@ HERMES_TEXTS = [
 @settings(max_examples=60, deadline=None)
 @given(text=st.sampled_from(HERMES_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
 def test_streamed_hermes_agrees_with_the_whole_answer(text, cuts) -> None:
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces = cut(text, cuts)
     whole = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(text)
     content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "hermes"), pieces)
     assert calls == calls_of(whole)
@@ -156,8 +161,7 @@ REQUIRED_TEXT = (
 @given(cuts=st.lists(st.integers(0, 200), max_size=12), parser=st.sampled_from(["hermes", "llama3_json"]))
 def test_streamed_required_calls_come_as_generated_and_agree_with_the_whole_answer(cuts, parser) -> None:
     text = REQUIRED_TEXT
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces = cut(text, cuts)
     whole = ToolOutput(ToolRequest(TOOLS, "required"), parser).message(text)
     out = ToolOutput(ToolRequest(TOOLS, "required"), parser)
     content, calls = streamed(out, pieces)
@@ -641,8 +645,7 @@ def test_mistral_calls_in_both_formats_and_text_that_is_not_one() -> None:
 @given(text=st.sampled_from(MISTRAL_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12),
        parallel=st.booleans())  # fmt: skip
 def test_streamed_mistral_agrees_with_the_whole_answer(text, cuts, parallel) -> None:
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces = cut(text, cuts)
     whole = ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral").message(text)
     out = ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral")
     deltas = [d for p in pieces for d in out.feed(p)] + out.flush()
@@ -805,8 +808,7 @@ GRANITE_TEXTS = [
 @settings(max_examples=60, deadline=None)
 @given(text=st.sampled_from(GRANITE_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
 def test_granite_calls_whole_and_streamed_agree(text, cuts) -> None:
-    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    pieces = cut(text, cuts)
     whole = ToolOutput(ToolRequest(TOOLS, "auto"), "granite").message(text)
     content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "granite"), pieces)
     assert calls == calls_of(whole)
