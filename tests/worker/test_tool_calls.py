@@ -141,12 +141,26 @@ HERMES_TEXTS = [
 ]
 
 
-@settings(max_examples=60, deadline=None)
-@given(text=st.sampled_from(HERMES_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
-def test_streamed_hermes_agrees_with_the_whole_answer(text, cuts) -> None:
+GRANITE_TEXTS = [
+    'Sure. <|tool_call|>[{"name":"add","arguments":{"a":1,"b":2}}, {"name":"add","arguments":{"a":3,"b":4}}]',
+    '<|tool_call|>[{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}]',
+    "no call here, just <| and <|tool",
+    '<|tool_call|>[{"name":"add","arguments":{"a":1',  # cut off by max_tokens
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    parser_text=st.sampled_from(
+        [("hermes", t) for t in HERMES_TEXTS] + [("granite", t) for t in GRANITE_TEXTS]
+    ),
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+)
+def test_streamed_calls_agree_with_the_whole_answer(parser_text, cuts) -> None:
+    parser, text = parser_text
     pieces = cut(text, cuts)
-    whole = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(text)
-    content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "hermes"), pieces)
+    whole = ToolOutput(ToolRequest(TOOLS, "auto"), parser).message(text)
+    content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), parser), pieces)
     assert calls == calls_of(whole)
     assert content.split() == (whole["content"] or "").split()
 
@@ -797,25 +811,13 @@ def test_llama3_json_auto_calls_parse_whole_and_streamed(llama3_worker) -> None:
 
 
 # ---------------------------------------------------------------------- the granite format
-GRANITE_TEXTS = [
-    'Sure. <|tool_call|>[{"name":"add","arguments":{"a":1,"b":2}}, {"name":"add","arguments":{"a":3,"b":4}}]',
-    '<|tool_call|>[{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}]',
-    "no call here, just <| and <|tool",
-    '<|tool_call|>[{"name":"add","arguments":{"a":1',  # cut off by max_tokens
-]
-
-
-@settings(max_examples=60, deadline=None)
-@given(text=st.sampled_from(GRANITE_TEXTS), cuts=st.lists(st.integers(0, 200), max_size=12))
-def test_granite_calls_whole_and_streamed_agree(text, cuts) -> None:
-    pieces = cut(text, cuts)
-    whole = ToolOutput(ToolRequest(TOOLS, "auto"), "granite").message(text)
-    content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "granite"), pieces)
-    assert calls == calls_of(whole)
-    assert content.split() == (whole["content"] or "").split()
-    expected = {0: ("Sure.", 2), 1: (None, 1), 2: (text, 0), 3: (text, 0)}[GRANITE_TEXTS.index(text)]
-    assert (whole["content"], len(whole.get("tool_calls", []))) == expected
-    assert all(c["id"].startswith("call_") for c in whole.get("tool_calls", []))
+def test_granite_calls_follow_their_tag() -> None:
+    """(Streams agree with these: test_streamed_calls_agree_with_the_whole_answer.)"""
+    for text, expected in zip(GRANITE_TEXTS, [("Sure.", 2), (None, 1), (GRANITE_TEXTS[2], 0),
+                                              (GRANITE_TEXTS[3], 0)], strict=True):  # fmt: skip
+        whole = ToolOutput(ToolRequest(TOOLS, "auto"), "granite").message(text)
+        assert (whole["content"], len(whole.get("tool_calls", []))) == expected
+        assert all(c["id"].startswith("call_") for c in whole.get("tool_calls", []))
 
 
 def test_granite_calls_are_read_after_the_models_own_tag(tmp_path) -> None:
