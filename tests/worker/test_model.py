@@ -24,9 +24,9 @@ PAGE_SIZE = 4  # tokens
 ATOL = 2e-4
 
 
-def new_pool(config: ModelConfig, num_pages: int = 64) -> KVPool:
+def new_pool(config: ModelConfig, num_pages: int = 64, device: str = "cpu") -> KVPool:
     return KVPool(
-        num_pages, PAGE_SIZE, config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, "cpu"
+        num_pages, PAGE_SIZE, config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, device
     )
 
 
@@ -50,17 +50,18 @@ def extend(model, pool, chunks, starts, slots, all_logits=True):
         starts,
         [s[st : st + len(c)] for c, st, s in zip(chunks, starts, slots, strict=True)],
         [s[:st] for st, s in zip(starts, slots, strict=True)],
+        device=pool.k_cache[0].device,
         return_all_logits=all_logits,
     )
-    return model(batch, pool)
+    return model(batch, pool).cpu()
 
 
 def decode(model, pool, tokens, positions, slots):
     batch = ForwardBatch.build(
         "decode", [[t] for t in tokens], positions, [[s[p]] for s, p in zip(slots, positions, strict=True)],
-        [s[: p + 1] for s, p in zip(slots, positions, strict=True)],
+        [s[: p + 1] for s, p in zip(slots, positions, strict=True)], device=pool.k_cache[0].device,
     )  # fmt: skip
-    return model(batch, pool)
+    return model(batch, pool).cpu()
 
 
 def hf_model(path: Path):
@@ -83,36 +84,48 @@ PROMPT = (
 )
 
 
-@pytest.mark.parametrize(
-    "fixture",
-    [
-        "llama_checkpoint",
-        "qwen2_checkpoint",
-        "qwen3_checkpoint",
-        "llama3_scaled_checkpoint",
-        "yarn_checkpoint",
-        "phi3_checkpoint",
-        "granite_checkpoint",
-        "sharded_llama_checkpoint",
-    ],
-)
+CHECKPOINTS = [
+    "llama_checkpoint",
+    "qwen2_checkpoint",
+    "qwen3_checkpoint",
+    "llama3_scaled_checkpoint",
+    "yarn_checkpoint",
+    "phi3_checkpoint",
+    "granite_checkpoint",
+    "sharded_llama_checkpoint",
+]
+
+
+@pytest.mark.parametrize("fixture", CHECKPOINTS)
 def test_prefill_and_greedy_decode_match_transformers(fixture, request):
-    path = request.getfixturevalue(fixture)
-    loaded, hf = load_model(str(path)), hf_model(path)
+    match_transformers(request.getfixturevalue(fixture), "cpu", ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fixture", CHECKPOINTS)
+def test_prefill_and_greedy_decode_match_transformers_on_the_gpu(fixture, request):
+    """The same on CUDA (float32): the Triton kernels with each architecture's RoPE cache, score
+    scale and weights against transformers on the CPU."""
+    match_transformers(request.getfixturevalue(fixture), "cuda", 2e-3)
+
+
+def match_transformers(path: Path, device: str, atol: float) -> None:
+    loaded, hf = load_model(str(path), device, torch.float32), hf_model(path)
     ids = loaded.tokenizer.encode_prompt(PROMPT)
     assert len(ids) > 40  # long enough to pass llama3's original context (32 tokens) in rope
-    pool = new_pool(loaded.config)
+    pool = new_pool(loaded.config, device=device)
     steps = 6
     [slots] = scattered_slots(pool, [len(ids) + steps])
     ours = extend(loaded.model, pool, [ids], [0], [slots])
-    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=atol, rtol=1e-4)
 
     # greedy decode step by step against transformers' forward over the whole sequence so far (no KV
     # cache: its cache arguments change between transformers versions)
     hf_tokens, our_tokens = [], []
     our_last, hf_last = ours[-1:], hf_logits(hf, ids)[-1:]
     for step in range(steps):
-        torch.testing.assert_close(our_last, hf_last, atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(our_last, hf_last, atol=atol, rtol=1e-4)
         our_tokens.append(int(our_last.argmax()))
         hf_tokens.append(int(hf_last.argmax()))
         hf_last = hf_logits(hf, ids + hf_tokens)[-1:]
