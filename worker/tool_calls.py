@@ -267,6 +267,8 @@ class ToolOutput:
         return calls
 
     def _delta_ids(self, deltas: list[dict]) -> list[dict]:
+        if self.parser != "mistral":  # NOTE: every streamed piece passes here; only mistral restyles ids
+            return deltas
         for delta in deltas:
             self._ids([c for c in delta.get("tool_calls", ()) if "id" in c])  # a call's head
         return deltas
