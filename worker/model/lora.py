@@ -267,7 +267,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
             )
         parts.setdefault((layer, proj), []).append((start, end, a, b))
     for key, found in parts.items():
-        width = outputs.get(key[1]) or {"qkv": q + 2 * kv, "gate_up": 2 * inter}[key[1]]
+        width = outputs.get(key[1]) or rows[key[1]][1]  # NOTE: qkv, gate_up: all of their rows
         stacked_b = torch.zeros(width, rank * len(found))
         # NOTE: the base's o / down weights hold Granite's residual multiplier (folded in at load)
         out_scale = scale * (c.residual_multiplier if key[1] in ("o", "down") else 1.0)
