@@ -185,17 +185,26 @@ def sharded_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 TOOL_TAGS = ("<tool_call>", "</tool_call>")
 
 
-def save_tool_tag_checkpoint(directory: Path, special: bool) -> Path:
-    """The llama checkpoint with hermes' ``<tool_call>`` and ``</tool_call>`` added to its tokenizer
-    (the vocabulary's last two ids): special tokens (as Hermes 2 Pro has them) or not (Qwen 2.5 / 3)."""
+def save_tool_tag_checkpoint(
+    directory: Path, special: bool, tags: tuple[str, ...] = TOOL_TAGS, chat_template: str | None = None
+) -> Path:
+    """The llama checkpoint with ``tags`` (hermes' ``<tool_call>`` and ``</tool_call>`` unless told)
+    added to its tokenizer (the vocabulary's last ids): special tokens (as Hermes 2 Pro has them) or
+    not (Qwen 2.5 / 3); with ``chat_template`` in place of the tokenizer's."""
     from tokenizers import AddedToken, Tokenizer
 
     vocab = write_tokenizer(directory)
-    save_checkpoint(directory, "llama", vocab_size=vocab + len(TOOL_TAGS))
+    # NOTE: a template of its own writes the tools' JSON into the prompt: more than the usual 256 positions
+    longer = {"max_position_embeddings": 1024} if chat_template else {}
+    save_checkpoint(directory, "llama", vocab_size=vocab + len(tags), **longer)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tags = [AddedToken(tag, special=special, normalized=False) for tag in TOOL_TAGS]
-    assert (tok.add_special_tokens if special else tok.add_tokens)(tags) == len(TOOL_TAGS)
+    added = [AddedToken(tag, special=special, normalized=False) for tag in tags]
+    assert (tok.add_special_tokens if special else tok.add_tokens)(added) == len(tags)
     tok.save(str(directory / "tokenizer.json"))
+    if chat_template:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config["chat_template"] = chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
 
@@ -218,22 +227,10 @@ MISTRAL_TOOLS_TEMPLATE = (
 
 
 def save_mistral_tools_checkpoint(directory: Path, tags: tuple[str, ...]) -> Path:
-    """The llama checkpoint with Mistral's tool tags ``tags`` as special tokens (the vocabulary's last
-    ids: ``[TOOL_CALLS]`` alone as Mistral 7B v0.3 has it, or with ``[ARGS]`` and ``[CALL_ID]`` as
-    Mistral Small 3.1+ have them) and a chat template that renders tool turns as Mistral's do."""
-    from tokenizers import AddedToken, Tokenizer
-
-    vocab = write_tokenizer(directory)
-    # NOTE: the template writes the tools' JSON into the prompt: more than the usual 256 positions
-    save_checkpoint(directory, "llama", vocab_size=vocab + len(tags), max_position_embeddings=1024)
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    added = [AddedToken(tag, special=True, normalized=False) for tag in tags]
-    assert tok.add_special_tokens(added) == len(tags)
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = MISTRAL_TOOLS_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    """The llama checkpoint with Mistral's tool tags ``tags`` as special tokens (``[TOOL_CALLS]`` alone
+    as Mistral 7B v0.3 has it, or with ``[ARGS]`` and ``[CALL_ID]`` as Mistral Small 3.1+ have them)
+    and a chat template that renders tool turns as Mistral's do."""
+    return save_tool_tag_checkpoint(directory, True, tags, MISTRAL_TOOLS_TEMPLATE)
 
 
 MISTRAL_TEMPLATE = (
