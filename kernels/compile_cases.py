@@ -89,7 +89,7 @@ def extend_short_case(shape: Shape, config: Any, label: str) -> Case:
 
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
-    from kernels import decode_attention, extend_attention, fused, lora, pointwise, sampling
+    from kernels import decode_attention, extend_attention, fused, lora, moe, pointwise, sampling
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
@@ -113,6 +113,16 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         return (f"lora_add{' ' * bool(variant)}{variant} {shape.dtype} h{shape.hidden} r{3 * rank}",
                 dataclasses.asdict(cfg) if change else {},
                 lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
+
+    def moe_case(tokens: int) -> Case:
+        """A mixture-of-experts MLP of 8 experts, 2 a token, with the default tiles for ``tokens`` (sizes
+        of 256: what compiles depends on the dtype, the tiles and 16-byte divisibility only)."""
+        w13, w2 = torch.zeros(8, 512, 256, dtype=dt), torch.zeros(8, 256, 256, dtype=dt)
+        ids = (torch.arange(2 * tokens, dtype=torch.int32) % 8).reshape(tokens, 2)
+        x, weights = torch.zeros(tokens, 256, dtype=dt), torch.zeros(tokens, 2)
+        cfg = moe.default_config(2 * tokens, 8)
+        return (f"fused_moe {shape.dtype} t{tokens}", dataclasses.asdict(cfg),
+                lambda: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))  # fmt: skip
 
     return [
         decode_case(shape, decode_default, f"decode {shape.label}"),
@@ -153,6 +163,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *([lora_case(8, "wide", block_n=256), lora_case(16, "wide", block_n=256)]
           if dt != torch.float32 and not lora_default.pdl else []),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
+        *(moe_case(tokens) for tokens in (4, 256)),  # a decode step's tiles and a prefill's
     ]  # fmt: skip
 
 

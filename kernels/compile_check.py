@@ -239,6 +239,7 @@ def loaded_kernels() -> list[dict[str, Any]]:
         extend_short,
         fused,
         lora,
+        moe,
         pointwise,
         sampling,
         split_merge,
@@ -253,6 +254,7 @@ def loaded_kernels() -> list[dict[str, Any]]:
         pointwise,
         fused,
         lora,
+        moe,
         sampling,
     ):
         for fn in vars(module).values():

@@ -22,6 +22,7 @@ _KERNEL_MODULES = (
     "pointwise",
     "fused",
     "lora",
+    "moe",
     "sampling",
     "stream",
 )
@@ -219,6 +220,16 @@ def lora_add(
     if mode is None:
         return reference.lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)
     return kernel_module("lora", mode).lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """See kernels.reference.fused_moe."""
+    mode = _triton_mode(x)
+    if mode is None:
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return kernel_module("moe", mode).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

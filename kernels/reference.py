@@ -125,6 +125,37 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router's choice: router_logits [T, E] -> (topk_weights [T, K] float32,
+    topk_ids [T, K] int32): the K largest of softmax(logits) (float32 math), divided by their sum when
+    ``renormalize`` (Mixtral, Qwen3-MoE), as they are otherwise (Qwen2-MoE). The worker's path on
+    every device (torch ops, no host sync)."""
+    probs = router_logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The mixture-of-experts MLP: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
+    topk_weights / topk_ids [T, K] -> [T, H] in x's dtype: token t's sum over j of topk_weights[t, j] *
+    w2[e] @ silu_and_mul(w13[e] @ x_t), e = topk_ids[t, j]. float32 math; the gate/up product and its
+    activation rounded to x's dtype (as kernels.moe rounds them between its launches)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        tokens, choice = (ids == e).nonzero(as_tuple=True)
+        gate_up = (x[tokens].float() @ w13[e].float().T).to(x.dtype)
+        y = silu_and_mul(gate_up).float() @ w2[e].float().T
+        out.index_add_(0, tokens, y * topk_weights[tokens, choice].float()[:, None])
+    return out.to(x.dtype)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

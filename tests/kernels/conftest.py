@@ -27,6 +27,7 @@ _KERNEL_MODULES = (
     "kernels.pointwise",
     "kernels.fused",
     "kernels.lora",
+    "kernels.moe",
     "kernels.sampling",
     "kernels.stream",
 )

@@ -3,6 +3,7 @@ logits of the torch reference path: prefill, prefill on a cached prefix, then de
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -31,7 +32,8 @@ def run_steps(
     from worker.model.lora import lora_batch
 
     g = torch.Generator().manual_seed(3)
-    pool = KVPool(PAGES, PAGE, CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, model.dtype, device)
+    c = model.config
+    pool = KVPool(PAGES, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
     slots = torch.randperm(PAGES * PAGE, generator=g).tolist()  # scattered, as after churn
     a, c = (
         torch.randint(0, 300, (37,), generator=g).tolist(),
@@ -81,17 +83,23 @@ def kernel_model(
     if backend.interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         return cpu_model
-    model = LlamaForCausalLM(CONFIG, backend.device, torch.bfloat16)
+    model = LlamaForCausalLM(cpu_model.config, backend.device, torch.bfloat16)
     model.load_state_dict(cpu_model.state_dict())
     return model
 
 
-def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch):
+# a mixture of experts (Qwen2-MoE's kind): 4 experts of 48 units, 2 a token, a shared expert of 32; layer 1 dense
+MOE_CONFIG = dataclasses.replace(CONFIG, num_experts=4, experts_per_token=2, moe_intermediate_size=48,
+                                 norm_topk_prob=False, shared_expert_intermediate_size=32, dense_layers=(1,))  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [CONFIG, MOE_CONFIG], ids=["dense", "moe"])
+def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
+    cpu_model = random_llama(config, "cpu", torch.float32, seed=1)
     want = run_steps(cpu_model, torch.device("cpu"))  # torch reference kernels, float32
-    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"))
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "fused_moe", "decode_grouped"))
     got = run_steps(model, backend.device)
 
     tol = 1e-4 if backend.interpret else 3e-2

@@ -64,8 +64,8 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
-    """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3" or
-    "granite") saved as safetensors."""
+    """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
+    "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
     import torch
     import transformers
 
@@ -96,6 +96,10 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "phi3":  # NOTE: fused qkv_proj and gate_up_proj; its default pad id is past the vocab
         config = transformers.Phi3Config(**{"pad_token_id": None, **common})
         cls = transformers.Phi3ForCausalLM
+    elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[model_type]
+        config = getattr(transformers, f"{name}Config")(**common)
+        cls = getattr(transformers, f"{name}ForCausalLM")
     else:
         config = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
@@ -174,6 +178,32 @@ def yarn_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     32-token pretraining context, so every prompt of the tests runs past it."""
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     return save_checkpoint(tmp_path_factory.mktemp("yarn"), "qwen2", rope_scaling=scaling)
+
+
+# Mixtral: 4 experts of 96 units, 2 a token (weights renormalized), saved as block_sparse_moe.*
+MIXTRAL = {"intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2}
+# Qwen2-MoE: 6 experts of 32 units, 2 a token (weights not renormalized), a shared expert of 48 under a
+# sigmoid gate, q/k/v biases; layer 1 of 3 is a dense MLP of 128 units (mlp_only_layers)
+QWEN2_MOE = {"num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]}  # fmt: skip
+# Qwen3-MoE: 8 experts of 32 units, 3 a token (weights renormalized), q/k norms, head_dim 32
+QWEN3_MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+             "norm_topk_prob": True}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def mixtral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("mixtral"), "mixtral", **MIXTRAL)
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("qwen2_moe"), "qwen2_moe", **QWEN2_MOE)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", **QWEN3_MOE)
 
 
 @pytest.fixture(scope="session")

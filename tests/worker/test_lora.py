@@ -43,7 +43,7 @@ def write_adapter(base: Path, out: Path, seed: int = 0, rank: int = RANK) -> dic
     tensors, deltas = {}, {}
     for name, w in weights.items():
         parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}.weight
-        if len(parts) != 6 or parts[4] not in TARGETS.get(parts[3], ()):
+        if len(parts) != 6 or parts[5] != "weight" or parts[4] not in TARGETS.get(parts[3], ()):
             continue
         a = torch.randn(rank, w.shape[1], generator=gen) * 0.3
         b = torch.randn(w.shape[0], rank, generator=gen) * 0.3
@@ -127,11 +127,11 @@ def test_an_adapter_answers_like_its_weights_merged_into_the_base(lora_setup, ll
     assert float(spec[0].split()[1]) > 0
 
 
-@pytest.mark.parametrize("checkpoint", ["phi3_checkpoint", "granite_checkpoint"])
+@pytest.mark.parametrize("checkpoint", ["phi3_checkpoint", "granite_checkpoint", "qwen3_moe_checkpoint"])
 def test_adapters_of_other_layouts_answer_like_their_weights_merged(checkpoint, request, tmp_path):
     """Phi-3 stores q/k/v and gate/up fused, and so do its adapters (qkv_proj, gate_up_proj); Granite
-    scales each layer's output (its o_proj / down_proj, and so their adapters' deltas): such adapters
-    answer as their weights merged into the base do."""
+    scales each layer's output (its o_proj / down_proj, and so their adapters' deltas); a mixture of
+    experts takes adapters on its attention: such adapters answer as their weights merged into the base do."""
     base_dir = request.getfixturevalue(checkpoint)
     deltas = write_adapter(base_dir, tmp_path / "ad", seed=3)
     fused = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
@@ -219,6 +219,15 @@ def test_kv_events_of_an_adapter_hash_in_its_namespace():
     assert snapshot == {(s.parent_hash, tuple(s.block_hashes), tuple(s.token_ids)) for s in stored}
     cache.check_invariants()
     assert cache.match_prefix(adapter_keys(np.append(tokens, 0), 1)).num_tokens == 0
+
+
+def test_adapters_on_the_mlp_of_a_mixture_of_experts_are_refused(qwen2_moe_checkpoint, tmp_path):
+    deltas = write_adapter(qwen2_moe_checkpoint, tmp_path / "ad")  # layer 1 is dense: its MLP is targeted
+    assert "model.layers.1.mlp.gate_proj.weight" in deltas
+    cfg = WorkerConfig(model=str(qwen2_moe_checkpoint), device="cpu", kv_cache_tokens=1024,
+                       lora_adapters=[f"ad={tmp_path / 'ad'}"])  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA on down_proj/gate_proj/up_proj of a mixture-of-experts model"):
+        build_engine(cfg)
 
 
 def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):

@@ -92,6 +92,9 @@ CHECKPOINTS = [
     "yarn_checkpoint",
     "phi3_checkpoint",
     "granite_checkpoint",
+    "mixtral_checkpoint",
+    "qwen2_moe_checkpoint",
+    "qwen3_moe_checkpoint",
     "sharded_llama_checkpoint",
 ]
 
@@ -290,6 +293,29 @@ def test_a_sliding_window_caps_the_context_where_the_model_applies_it() -> None:
     qwen = {**QWEN_LIKE, "sliding_window": 4096}
     assert ModelConfig.from_hf(qwen).max_context == 32768
     assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_context == 4096
+
+
+def test_config_reads_the_experts_of_each_mixture_kind() -> None:
+    """Fields as the released configs spell them (Qwen3-30B-A3B, Mixtral-8x7B, Qwen1.5-MoE-A2.7B)."""
+    qwen3 = ModelConfig.from_hf({**QWEN_LIKE, "model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+                                 "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                                 "mlp_only_layers": []})  # fmt: skip
+    assert (qwen3.num_experts, qwen3.experts_per_token, qwen3.moe_intermediate_size) == (128, 8, 768)
+    assert qwen3.norm_topk_prob and qwen3.qk_norm and not qwen3.qkv_bias and qwen3.dense_layers == ()
+    mixtral = ModelConfig.from_hf({**QWEN_LIKE, "model_type": "mixtral", "num_local_experts": 8,
+                                   "num_experts_per_tok": 2, "intermediate_size": 14336, "sliding_window": None})  # fmt: skip
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (8, 14336, True)
+    qwen2 = ModelConfig.from_hf({**QWEN_LIKE, "model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4,
+                                 "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                                 "norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": [5],
+                                 "num_hidden_layers": 8})  # fmt: skip
+    assert qwen2.qkv_bias and not qwen2.norm_topk_prob and qwen2.shared_expert_intermediate_size == 5632
+    assert qwen2.dense_layers == (0, 2, 4, 5, 6)  # every second layer is sparse, but for layer 5
+    assert [qwen2.is_sparse(i) for i in range(8)] == [False, True, False, True, False, False, False, True]
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf(
+            {**QWEN_LIKE, "model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}
+        )
 
 
 def test_loader_returns_tokenizer_and_name(llama_checkpoint, qwen2_checkpoint):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, start_module, wait_until
-from tests.worker.conftest import GRANITE, save_checkpoint
+from tests.worker.conftest import GRANITE, MIXTRAL, QWEN2_MOE, save_checkpoint
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
@@ -171,11 +171,15 @@ def randomize_biases(ckpt: Path) -> None:
         ("phi3", {}),
         # Granite's multipliers (the residual one folded into each rank's o_proj / down_proj part)
         ("granite", GRANITE),
+        # every expert split by its intermediate units (Mixtral's w1 / w3 / w2 names), the router whole
+        ("mixtral", MIXTRAL),
+        # the shared expert split as well, its sigmoid gate whole; a dense layer between sparse ones
+        ("qwen2_moe", QWEN2_MOE),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
-    if model_type not in ("qwen3", "phi3", "granite"):  # NOTE: they have none
+    if model_type not in ("qwen3", "phi3", "granite", "mixtral"):  # NOTE: they have none
         randomize_biases(ckpt)
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
     try:
@@ -211,7 +215,8 @@ def test_sizes_that_do_not_split_the_model_are_errors_at_start():
 def test_weight_parts_tile_each_weight():
     """Every rank's parts of every weight, put back together, are the whole weight."""
     c = ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=4,
-                    num_kv_heads=2, head_dim=2)  # fmt: skip
+                    num_kv_heads=2, head_dim=2, num_experts=6, experts_per_token=2, moe_intermediate_size=6,
+                    shared_expert_intermediate_size=10)  # fmt: skip
     shapes = {
         "model.layers.0.self_attn.q_proj.weight": ((8, 8), 0),
         "model.layers.0.self_attn.k_proj.weight": ((4, 8), 0),
@@ -220,6 +225,10 @@ def test_weight_parts_tile_each_weight():
         "model.layers.0.self_attn.o_proj.weight": ((8, 8), 1),
         "model.layers.0.mlp.down_proj.weight": ((8, 12), 1),
         "lm_head.weight": ((11, 8), 0),
+        "model.layers.0.mlp.experts.5.up_proj.weight": ((6, 8), 0),
+        "model.layers.0.mlp.experts.5.down_proj.weight": ((8, 6), 1),
+        "model.layers.0.mlp.shared_expert.gate_proj.weight": ((10, 8), 0),
+        "model.layers.0.mlp.shared_expert.down_proj.weight": ((8, 10), 1),
     }
     for name, (shape, dim) in shapes.items():
         whole = torch.randn(shape)
@@ -227,6 +236,9 @@ def test_weight_parts_tile_each_weight():
         assert torch.equal(torch.cat(parts, dim=dim), whole), name
     bias = torch.randn(8)
     assert Shard(1, 2).weight(c, "model.layers.0.mlp.down_proj.bias", bias) is bias  # whole, added once
+    for whole_on_each in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight"):
+        router = torch.randn(6, 8)
+        assert Shard(1, 2).weight(c, whole_on_each, router) is router
     assert [Shard(r, 2).vocab_range(11) for r in range(2)] == [(0, 6), (6, 11)]
 
 

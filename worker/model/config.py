@@ -8,7 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "phi3",
+    "granite",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
@@ -42,9 +53,23 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): 0 experts is a dense model. A sparse layer's MLP is
+    # experts_per_token of num_experts SwiGLU experts of moe_intermediate_size, their outputs weighted by
+    # the router's softmax (over the chosen ones when norm_topk_prob), plus a shared expert (Qwen2-MoE) of
+    # shared_expert_intermediate_size scaled by sigmoid(its gate); dense_layers keep an intermediate_size MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def max_context(self) -> int:
@@ -95,7 +120,7 @@ class ModelConfig:
             # adding rope_scaling and leave max_position_embeddings at the pretraining context
             max_positions = max(max_positions, int(rope["original_max_position_embeddings"] * rope["factor"]))
         window = cfg.get("sliding_window")
-        if window and (model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")):
+        if window and (model_type in ("mistral", "phi3", "mixtral") or cfg.get("use_sliding_window")):
             # NOTE: attention here is always full; within the window that is exactly what the
             # model computes, so serve no more than one window.
             max_positions = min(max_positions, int(window))
@@ -113,12 +138,15 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # NOTE: Qwen2 always has q/k/v biases and no o_proj bias.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            # NOTE: Qwen2 always has q/k/v biases and no o_proj bias (Qwen2-MoE too, unless its config says not).
+            qkv_bias=attention_bias
+            or model_type == "qwen2"
+            or bool(model_type == "qwen2_moe" and cfg.get("qkv_bias", True)),
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             **(_granite_scalars(cfg) if model_type == "granite" else {}),
+            **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -129,3 +157,33 @@ def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
     """Granite's multipliers, transformers' defaults (1) where a config leaves one out."""
     names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     return {name: float(cfg.get(name, 1.0)) for name in names}
+
+
+def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < top_k <= experts:
+        raise ValueError(
+            f"{model_type} needs num_experts (or num_local_experts) > 0 and 0 < num_experts_per_tok <= it, "
+            f"got {experts} and {top_k}"
+        )
+    if model_type == "mixtral":  # NOTE: every layer sparse, experts of intermediate_size, renormalized
+        return {
+            "num_experts": experts,
+            "experts_per_token": top_k,
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+        }
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % step}
+    return {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),  # NOTE: transformers' default
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe"
+        else 0,
+        "dense_layers": tuple(sorted(dense)),
+    }

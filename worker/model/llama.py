@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite) over a paged KV pool, driven by a
-ForwardBatch.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, and the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV pool, driven by a ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
-or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each.
+or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each, and a sparse
+layer's experts into one [E, 2I, H] and one [E, H, I] tensor (kernels.moe runs them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference
 from worker import attention
 from worker.forward_batch import ForwardBatch
 from worker.model.config import ModelConfig
@@ -106,7 +108,8 @@ class DecoderLayer(nn.Module):
         self.index = index  # layer number (LoRA weights are per layer)
         self.shard = shard
         self.heads, self.kv_heads = shard.local(c, "heads"), shard.local(c, "kv_heads")  # this rank's
-        self.inter = shard.local(c, "intermediate")
+        self.sparse = c.is_sparse(index)  # a mixture of experts in place of the MLP
+        self.inter = shard.local(c, "moe_intermediate" if self.sparse else "intermediate")  # per expert
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
         w = {"device": device, "dtype": dtype}
@@ -118,10 +121,22 @@ class DecoderLayer(nn.Module):
         self.q_norm = _weight(c.head_dim, **w) if c.qk_norm else None
         self.k_norm = _weight(c.head_dim, **w) if c.qk_norm else None
         self.post_attention_layernorm = _weight(c.hidden_size, **w)
-        self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **w)
-        self.gate_up_bias = _weight(2 * self.inter, **w) if c.mlp_bias else None
-        self.down_proj = _weight(c.hidden_size, self.inter, **w)
-        self.down_bias = _weight(c.hidden_size, **w) if c.mlp_bias else None
+        dense = not self.sparse
+        self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **w) if dense else None
+        self.gate_up_bias = _weight(2 * self.inter, **w) if c.mlp_bias and dense else None
+        self.down_proj = _weight(c.hidden_size, self.inter, **w) if dense else None
+        self.down_bias = _weight(c.hidden_size, **w) if c.mlp_bias and dense else None
+        # a sparse layer: the router (HF's mlp.gate), the experts stacked, the shared expert and its gate
+        self.router = _weight(c.num_experts, c.hidden_size, **w) if self.sparse else None
+        self.experts_gate_up = (
+            _weight(c.num_experts, 2 * self.inter, c.hidden_size, **w) if self.sparse else None
+        )
+        self.experts_down = _weight(c.num_experts, c.hidden_size, self.inter, **w) if self.sparse else None
+        self.shared_inter = shard.local(c, "shared_intermediate") if self.sparse else 0
+        shared = self.shared_inter > 0
+        self.shared_gate_up = _weight(2 * self.shared_inter, c.hidden_size, **w) if shared else None
+        self.shared_down = _weight(c.hidden_size, self.shared_inter, **w) if shared else None
+        self.shared_gate = _weight(1, c.hidden_size, **w) if shared else None
         # NOTE: o_proj / down_proj outputs are summed over ranks: their biases are added by rank 0 only
         self.bias_here = shard.rank == 0
         self.config = c
@@ -166,6 +181,8 @@ class DecoderLayer(nn.Module):
         o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
         o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
         x, h = ops.add_rms_norm(x, o, self.post_attention_layernorm, c.rms_norm_eps)
+        if self.sparse:
+            return x, self.shard.all_reduce(self._experts(h, ops))
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
@@ -173,8 +190,28 @@ class DecoderLayer(nn.Module):
         down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
         return x, self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down))
 
+    def _experts(self, h: torch.Tensor, ops: object) -> torch.Tensor:
+        """A sparse layer's MLP output for h [T, H]: the router's top experts of each token, weighted, plus
+        the shared expert scaled by sigmoid(its gate) (this rank's part of each, summed by the caller)."""
+        c = self.config
+        weights, ids = reference.moe_route(F.linear(h, self.router), c.experts_per_token, c.norm_topk_prob)
+        out = ops.fused_moe(h, self.experts_gate_up, self.experts_down, weights, ids)  # type: ignore[attr-defined]
+        if self.shared_gate_up is None:
+            return out
+        shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)  # type: ignore[attr-defined]
+        return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
+
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_to_qwen(m: re.Match) -> str:
+    """``.block_sparse_moe.gate.`` -> ``.mlp.gate.``; ``.block_sparse_moe.experts.N.w1.`` -> ``.mlp.experts.N.gate_proj.``"""
+    if m.group(2) is None:
+        return ".mlp.gate."
+    return f".mlp.{m.group(1)[: -len(m.group(2))]}{_MIXTRAL_PROJ[m.group(2)]}."
 
 
 class LlamaForCausalLM(nn.Module):
@@ -198,7 +235,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.lora: list = []  # LoRA adapters served (worker.model.lora): request adapter id i is lora[i - 1]
         layer = self.layers[0]
-        dims = {name: tuple(getattr(layer, f"{name}_proj").shape) for name in ("qkv", "o", "gate_up", "down")}
+        # NOTE: adapters of a mixture of experts are on attention only (worker.model.lora refuses the others)
+        projs = ("qkv", "o") if config.num_experts else ("qkv", "o", "gate_up", "down")
+        dims = {name: tuple(getattr(layer, f"{name}_proj").shape) for name in projs}
         self.lora_stack = LoraStack(dims, config.num_layers, device, dtype)  # their weights
         self.norm = _weight(config.hidden_size, **w)
         self.vocab_lo, self.vocab_hi = shard.vocab_range(config.vocab_size)  # this rank's lm_head rows
@@ -272,6 +311,11 @@ class LlamaForCausalLM(nn.Module):
         layer: DecoderLayer = self.layers[int(m.group(1))]  # type: ignore[assignment]
         part, kind = m.group(2), m.group(3)
         q, kv, inter = layer.q_size, layer.kv_size, layer.inter  # this rank's sizes
+        if layer.sparse and part.startswith("mlp."):
+            target = self._expert_slot(layer, part) if kind == "weight" else None
+            if target is None:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            return target
         stacked = {
             "self_attn.q_proj": ("qkv", 0, q),
             "self_attn.k_proj": ("qkv", q, q + kv),
@@ -298,12 +342,34 @@ class LlamaForCausalLM(nn.Module):
             return single[(part, kind)]
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
 
+    def _expert_slot(self, layer: DecoderLayer, part: str) -> torch.Tensor | None:
+        """What a sparse layer's ``mlp.*`` weight ``part`` fills (canonical names, see _canonical)."""
+        inter, shared = layer.inter, layer.shared_inter
+        m = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)", part)
+        if m is not None:
+            e = int(m.group(1))
+            if e >= self.config.num_experts:
+                return None
+            if m.group(2) == "down_proj":
+                return layer.experts_down[e]
+            start = 0 if m.group(2) == "gate_proj" else inter
+            return layer.experts_gate_up[e, start : start + inter]
+        if layer.shared_gate_up is None:
+            return {"mlp.gate": layer.router}.get(part)
+        return {
+            "mlp.gate": layer.router,
+            "mlp.shared_expert.gate_proj": layer.shared_gate_up[:shared],
+            "mlp.shared_expert.up_proj": layer.shared_gate_up[shared:],
+            "mlp.shared_expert.down_proj": layer.shared_down,
+            "mlp.shared_expert_gate": layer.shared_gate,
+        }.get(part)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to this model's dtype and device). Raises ValueError on
         an unknown or repeated name, a shape mismatch, or when any parameter was left unfilled (naming
         the weights missing)."""
         filled, seen = 0, set()
-        for name, tensor in self._unfused(weights):
+        for name, tensor in self._canonical(weights):
             target = self.weight_slot(name)
             if target is None:
                 continue
@@ -331,12 +397,15 @@ class LlamaForCausalLM(nn.Module):
                         if p is not None:
                             p.mul_(r)
 
-    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    def _canonical(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack
-        (rows in that order), so that loading, tensor-parallel splits and checks see one layout."""
+        (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
+        Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
+        tensor-parallel splits and checks see one layout."""
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for name, tensor in weights:
+            name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
             m = _LAYER_WEIGHT.match(name)
             part = m.group(2) if m else None
             if part == "self_attn.qkv_proj" and tensor.shape[0] == q + 2 * kv:
@@ -354,7 +423,10 @@ class LlamaForCausalLM(nn.Module):
         """The HF names of every weight this model loads."""
         parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
-                 "self_attn.k_norm")  # fmt: skip
+                 "self_attn.k_norm", "mlp.gate", "mlp.shared_expert_gate",
+                 *(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")),
+                 *(f"mlp.experts.{e}.{p}" for e in range(self.config.num_experts)
+                   for p in ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
                   for k in ("weight", "bias")]  # fmt: skip

@@ -237,6 +237,12 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
             )
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
     c = model.config  # type: ignore[attr-defined]
+    mlp = sorted({target for _, target in pairs if TARGETS[target][0] in ("gate_up", "down")})
+    if c.num_experts and mlp:
+        raise ValueError(
+            f"adapter {name!r}: LoRA on {'/'.join(mlp)} of a mixture-of-experts model is not supported "
+            "(adapters on its attention projections are)"
+        )
     q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     rows = {
         "q": (0, q),

@@ -3,7 +3,8 @@ collectives a sharded forward needs.
 
 Megatron-style split over ``size`` ranks: q/k/v and gate/up are split by output rows (attention
 heads, intermediate units), o_proj and down_proj by input columns, so each layer needs one sum
-over ranks after o_proj and one after down_proj; the lm_head is split by vocabulary rows and the
+over ranks after o_proj and one after down_proj; a mixture of experts splits every expert (and the
+shared one) so, its router whole on every rank. The lm_head is split by vocabulary rows and the
 logits gathered. Embedding and norms are whole on every rank. Each rank's KV pool holds its own
 KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
 """
@@ -27,8 +28,16 @@ _ROWS = {
     "self_attn.v_proj": "kv_heads",
     "mlp.gate_proj": "intermediate",
     "mlp.up_proj": "intermediate",
+    "mlp.experts.gate_proj": "moe_intermediate",  # every expert (its number taken out of the name)
+    "mlp.experts.up_proj": "moe_intermediate",
+    "mlp.shared_expert.gate_proj": "shared_intermediate",
+    "mlp.shared_expert.up_proj": "shared_intermediate",
 }
-_COLUMNS = {"self_attn.o_proj": "heads", "mlp.down_proj": "intermediate"}
+_COLUMNS = {"self_attn.o_proj": "heads", "mlp.down_proj": "intermediate", "mlp.experts.down_proj": "moe_intermediate",
+            "mlp.shared_expert.down_proj": "shared_intermediate"}  # fmt: skip
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+_SIZES = {"heads": "num_heads", "kv_heads": "num_kv_heads", "intermediate": "intermediate_size",
+          "moe_intermediate": "moe_intermediate_size", "shared_intermediate": "shared_expert_intermediate_size"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class Shard:
             ("num_attention_heads", config.num_heads),
             ("num_key_value_heads", config.num_kv_heads),
             ("intermediate_size", config.intermediate_size),
+            ("moe_intermediate_size", config.moe_intermediate_size),
+            ("shared_expert_intermediate_size", config.shared_expert_intermediate_size),
         ):
             if n % self.size:
                 raise ValueError(
@@ -50,10 +61,9 @@ class Shard:
                 )
 
     def local(self, config: ModelConfig, what: str) -> int:
-        """This rank's count of ``heads``, ``kv_heads`` or ``intermediate`` units."""
-        total = {"heads": config.num_heads, "kv_heads": config.num_kv_heads,
-                 "intermediate": config.intermediate_size}[what]  # fmt: skip
-        return total // self.size
+        """This rank's count of ``heads``, ``kv_heads``, ``intermediate``, ``moe_intermediate`` (one
+        expert's) or ``shared_intermediate`` units."""
+        return getattr(config, _SIZES[what]) // self.size
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """This rank's lm_head rows [lo, hi): equal parts of ceil(vocab / size), the last shorter."""
@@ -71,8 +81,8 @@ class Shard:
         m = _LAYER_WEIGHT.match(name)
         if m is None:
             return tensor
-        part, kind = m.group(1), m.group(2)
-        unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) != "intermediate" else 1
+        part, kind = _EXPERT.sub(".experts.", m.group(1)), m.group(2)
+        unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) in ("heads", "kv_heads") else 1
         if part in _ROWS:
             n = self.local(config, _ROWS[part]) * unit
             return tensor[self.rank * n : (self.rank + 1) * n]

@@ -1,0 +1,185 @@
+"""Triton mixture-of-experts MLP: every token's top-k experts in two grouped GEMM launches.
+
+Semantics are kernels.reference.fused_moe; this module must never change them.
+Shapes (T = tokens, H = hidden size, E = experts, I = one expert's intermediate size, K = experts a token):
+  x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows); w2 [E, H, I];
+  topk_weights [T, K] (fp32), topk_ids [T, K] (ints in [0, E)): token t's output is
+  sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j].
+Math in fp32; the gate/up product and its activation are rounded to x's dtype between the launches (as
+the same matmuls in x's dtype would round them), the K expert outputs are summed in fp32.
+
+``moe_align`` sorts the T*K (token, expert) pairs by expert into blocks of BLOCK_M pairs that share one
+expert (each expert's run padded to whole blocks); a GEMM program takes one block and one tile of output
+columns, reading its expert's weight tile once for all of the block's pairs. The first GEMM reads x's
+row of each pair (row pair // K) and writes [T*K, 2I]; the activation (kernels.pointwise.silu_and_mul)
+makes [T*K, I]; the second GEMM multiplies by each pair's routing weight and writes [T*K, H] in fp32,
+which is summed over K. The grid is the worst case's, (T*K + E*(BLOCK_M - 1)) / BLOCK_M blocks: programs
+past the last expert's blocks load nothing and store nothing, so the launches depend on T alone and
+replay in a CUDA graph (no host sync anywhere).
+CALLER CONTRACT, NOT CHECKED ON CUDA (checking needs the data: a device-to-host sync): every topk_ids
+entry is in [0, E).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import host_checks, interpret_requested, pointwise
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Pairs a block holds (one expert's), output columns and reduction columns a program's step takes."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(pairs: int, experts: int) -> MoeConfig:
+    """Small blocks when experts see few pairs each (decode: the weights' reads are the cost, and a
+    block's padding is wasted work), larger ones in a prefill. Not yet tuned on a GPU."""
+    if INTERPRETED:
+        return MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1)
+    if pairs <= 2 * experts:
+        return MoeConfig(block_m=16, block_n=64, block_k=128)
+    return MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
+
+
+def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [P] int32, block_experts [P / block_m] int32) for the T*K pairs of ``topk_ids``
+    (pair p is token p // K's choice p % K): each expert's pairs in order, starting at a multiple of
+    ``block_m``, the rest of its last block holding T*K (no pair); block_experts[b] is block b's expert,
+    -1 past the last used block. P = T*K + E*(block_m - 1) rounded up to block_m, whatever the ids."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # NOTE: not bincount, which syncs for its size
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)  # pair numbers grouped by expert, in order within each
+    by_expert = flat[order]
+    rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[by_expert]
+    size = triton.cdiv(n + experts * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.full((size,), n, dtype=torch.int32, device=flat.device)
+    sorted_pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, size, block_m, device=flat.device)
+    owner = torch.searchsorted(ends, starts, right=True)  # NOTE: empty experts end where the one before does
+    return sorted_pairs, torch.where(owner < experts, owner, -1).to(torch.int32)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    A, W, C, SORTED, BLOCK_EXPERTS, PAIR_WEIGHTS, PAIRS, N, KDIM, stride_a, stride_we, stride_wn, stride_c,
+    TOP_K: tl.constexpr, ROW_PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
+):  # fmt: skip
+    """C[pair, n] = A[row] . W[expert, n] (times the pair's weight when WEIGHTED) for the block's pairs;
+    row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the pair (A is the activation)."""
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
+    pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = pairs < tl.where(expert >= 0, PAIRS, 0)  # NOTE: an unused block's pairs are none
+    rows = pairs // TOP_K if ROW_PER_TOKEN else pairs
+    rows = tl.where(valid, rows, 0)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w_base = W + tl.maximum(expert, 0) * stride_we + cols[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, tl.where(expert >= 0, KDIM, 0), BLOCK_K):  # NOTE: an unused block reads nothing
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < KDIM
+        a = tl.load(
+            A + rows[:, None] * stride_a + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
+        )
+        w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
+    if WEIGHTED:
+        acc = acc * tl.load(PAIR_WEIGHTS + tl.where(valid, pairs, 0), mask=valid, other=0.0)[:, None]
+    dst = C + pairs[:, None] * stride_c + cols[None, :]
+    tl.store(dst, acc.to(C.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
+
+
+def _check(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or weights.dim() != 2 or ids.shape != weights.shape:
+        raise ValueError(
+            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights and topk_ids [T, K] expected, got x "
+            f"{host_checks.shape_of(x)}, w13 {host_checks.shape_of(w13)}, w2 {host_checks.shape_of(w2)}, "
+            f"topk_weights {host_checks.shape_of(weights)}, topk_ids {host_checks.shape_of(ids)}"
+        )
+    (t, h), (e, two_i, _) = x.shape, w13.shape
+    if two_i % 2 or w13.shape[2] != h or w2.shape != (e, h, two_i // 2) or weights.shape[0] != t:
+        raise ValueError(
+            f"shapes do not agree: x {host_checks.shape_of(x)}, w13 {host_checks.shape_of(w13)}, "
+            f"w2 {host_checks.shape_of(w2)}, topk_ids {host_checks.shape_of(ids)}"
+        )
+    if len({x.dtype, w13.dtype, w2.dtype}) != 1 or x.dtype not in host_checks.ATTENTION_DTYPES:
+        raise ValueError(
+            f"x, w13 and w2 must share one of fp16/bf16/fp32, got {x.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be integers, got {ids.dtype}")
+    if len({x.device, w13.device, w2.device, weights.device, ids.device}) != 1:
+        raise ValueError("x, w13, w2, topk_weights and topk_ids must be on one device")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    if t == 0 or k == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    pairs = t * k
+    cfg = config or default_config(pairs, e)
+    sorted_pairs, block_experts = moe_align(topk_ids, e, cfg.block_m)
+    pair_weights = topk_weights.reshape(-1).float().contiguous()
+    common = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "TOP_K": k,
+        "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32",
+        "DOT_FP32": INTERPRETED and x.dtype == torch.bfloat16,
+        "enable_fp_fusion": True,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+    blocks = block_experts.numel()
+    gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
+    _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
+        x, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
+        x.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
+        ROW_PER_TOKEN=True, WEIGHTED=False, **common,
+    )  # fmt: skip
+    act = pointwise.silu_and_mul(gate_up)
+    out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+    _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
+        act, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        ROW_PER_TOKEN=False, WEIGHTED=True, **common,
+    )  # fmt: skip
+    return out.view(t, k, h).sum(dim=1).to(x.dtype)

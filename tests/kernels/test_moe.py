@@ -1,0 +1,130 @@
+"""Mixture-of-experts MLP (kernels.moe) vs kernels.reference.fused_moe, and the reference vs the plain
+definition: experts no token chose, one expert taking every token, a token whose top-k repeats none,
+sizes that are not multiples of the tiles, decode-like and prefill-like batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def moe_case(
+    tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0
+):
+    """x, w13, w2 scaled as real weights are (outputs of order 1), router logits, and their routing."""
+    g = torch.Generator().manual_seed(seed + tokens * 31 + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g)
+    weights, ids = reference.moe_route(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def by_definition(x, w13, w2, weights, ids):
+    """Each token's experts one at a time, float32 throughout."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e].float() @ (F.silu(gate) * up))
+    return out
+
+
+def test_routing_takes_the_largest_probabilities_and_renormalizes_when_asked():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, -1.0, 5.5, 0.0]])
+    weights, ids = reference.moe_route(logits, 2, renormalize=False)
+    probs = logits.softmax(-1)
+    assert ids.tolist() == [[1, 3], [2, 0]] and ids.dtype == torch.int32
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()))
+    normed, _ = reference.moe_route(logits, 2, renormalize=True)
+    torch.testing.assert_close(normed.sum(-1), torch.ones(2))
+    torch.testing.assert_close(normed, weights / weights.sum(-1, keepdim=True))
+
+
+def test_the_reference_is_the_definition():
+    x, w13, w2, weights, ids = moe_case(9, 6, 2, 24, 10, torch.float32)
+    ids[3] = torch.tensor([5, 5], dtype=torch.int32)  # a token may name one expert twice: both count
+    got = reference.fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, by_definition(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_align_groups_each_experts_pairs_in_whole_blocks():
+    moe = pytest.importorskip("kernels.moe")
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 4]], dtype=torch.int32)  # experts 2 and 5 unused
+    sorted_pairs, block_experts = moe.moe_align(ids, 6, 4)
+    n = ids.numel()
+    assert sorted_pairs.numel() == -(-(n + 6 * 3) // 4) * 4 == block_experts.numel() * 4
+    used = [b for b in block_experts.tolist() if b >= 0]
+    assert used == [0, 1, 3, 4] and set(block_experts.tolist()[len(used) :]) <= {-1}
+    flat = ids.reshape(-1).tolist()
+    for b, e in enumerate(used):
+        block = sorted_pairs[4 * b : 4 * b + 4].tolist()
+        pairs = [p for p in block if p < n]
+        assert pairs == sorted(pairs) and pairs == [p for p in range(n) if flat[p] == e]
+        assert block[len(pairs) :] == [n] * (4 - len(pairs))  # padding only after the pairs
+    assert (sorted_pairs[4 * len(used) :] == n).all()
+
+
+CASES = {
+    # tokens, experts, top_k, hidden, inter: a decode step (few pairs, most experts idle), a prefill
+    # whose runs span several blocks, sizes past one tile that are not multiples of it, top-1
+    "decode": (3, 8, 2, 64, 48),
+    "prefill": (40, 4, 2, 48, 40),
+    "ragged": (17, 5, 3, 72, 36),
+    "top1": (6, 3, 1, 32, 16),
+}
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every floating-point torch.empty (the kernels' intermediate and output buffers) starts as NaN, so
+    an element no program writes fails the comparison."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_matches_the_reference(backend, assert_close_rel, poisoned, case, dtype):
+    moe = backend.module("moe")
+    x, w13, w2, weights, ids = (t.to(backend.device) for t in moe_case(*CASES[case], dtype))
+    got = moe.fused_moe(x, w13, w2, weights, ids)
+    assert_close_rel(got, reference.fused_moe(x, w13, w2, weights, ids))
+
+
+def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
+    backend, assert_close_rel, poisoned
+):
+    moe = backend.module("moe")
+    x, w13, w2, weights, ids = (t.to(backend.device) for t in moe_case(21, 6, 2, 32, 24, torch.float16))
+    ids[:, 0] = 4  # every token's first choice: one run of 21 pairs over two blocks
+    ids[:, 1] = torch.where(torch.arange(21, device=ids.device) % 2 == 0, 1, 0).to(ids.dtype)
+    cfg = dataclasses.replace(moe.default_config(42, 6), block_m=16)
+    got = moe.fused_moe(x, w13, w2, weights, ids, config=cfg)
+    assert_close_rel(got, reference.fused_moe(x, w13, w2, weights, ids))
+    assert moe.fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+def test_fused_moe_refuses_shapes_that_do_not_agree():
+    moe = pytest.importorskip("kernels.moe")
+    x, w13, w2, weights, ids = moe_case(4, 3, 2, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="do not agree"):
+        moe.fused_moe(x, w13, w2[:, :, :4], weights, ids)
+    with pytest.raises(ValueError, match="expected"):
+        moe.fused_moe(x, w13, w2, weights, ids[:, :1])
+    with pytest.raises(ValueError, match="integers"):
+        moe.fused_moe(x, w13, w2, weights, ids.float())
