@@ -27,7 +27,7 @@ def run_script(*args: str, site: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("step", ["kernels", "features"])
+@pytest.mark.parametrize("step", ["kernels", "features", "moe"])
 def test_a_step_without_cuda_fails_clearly_and_changes_nothing(tmp_path, step):
     out, site = tmp_path / "out", tmp_path / "site"
     proc = run_script(step, str(out), site=site)

@@ -1,0 +1,55 @@
+"""kernels.bench_moe on the CPU: its rows (kernel interpreted, every timer run once), its torch baseline
+against the reference, its report, and its refusal to measure without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import bench_moe, reference, timing
+
+TINY = bench_moe.MoeShape(experts=6, top_k=2, hidden=32, inter=24)
+
+
+def test_the_torch_baseline_is_the_reference():
+    w13, w2 = bench_moe.expert_weights(TINY, torch.float32, torch.device("cpu"), seed=1)
+    x, weights, ids = bench_moe.inputs(
+        TINY, 9, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(2)
+    )
+    torch.testing.assert_close(
+        bench_moe.torch_per_expert(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids)
+    )
+
+
+def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
+    if backend.is_cuda:
+        pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
+    backend.module("moe")  # the interpreted kernels
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+
+    def once(fn, *args, **kwargs):
+        calls.append(fn())
+        return 0.5
+
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    w = bench_moe.expert_weights(TINY, torch.bfloat16, torch.device("cpu"), seed=0)
+    rates = {"copy_gbs": 100.0, "matmul_tflops": 10.0}
+    row = bench_moe.bench_row("tiny", TINY, 5, w, rates, torch.Generator().manual_seed(0))
+    assert len(calls) == 3 and all(c.shape == (5, 32) for c in calls)
+    assert 1 <= row["experts_touched"] <= 6 and row["rel_err"] < 2e-2
+    assert row["bytes"] == row["experts_touched"] * 3 * 32 * 24 * 2 + 2 * 5 * 32 * 2
+    assert row["flops"] == 2 * 5 * 2 * 3 * 32 * 24
+    assert row["pct_of_copy_bw"] == pytest.approx(100 * row["bytes"] / 100e6 / 0.5)
+    assert row["speedup_vs_torch"] == 1.0
+    report = bench_moe.format_markdown({"device": {"name": "CPU", "copy_gbs": 100.0, "matmul_tflops": 10.0},
+                                        "rows": [row], "command": "c", "timing": "t"})  # fmt: skip
+    assert "| tiny | 5 |" in report and "500.0" in report
+
+
+def test_it_measures_nothing_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert bench_moe.main(["--models", "mixtral-8x7b"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
