@@ -1,6 +1,6 @@
 """Worker benchmark: prefill and decode tokens/s and TTFT with a cached prefix, through the real engine.
 
-`python -m worker.bench [--model tiny|llama3-8b-shape] [...]` drives Engine.submit in-process (scheduler,
+`python -m worker.bench [--model tiny|llama3-8b-shape|qwen3-30b-a3b-shape] [...]` drives Engine.submit in-process (scheduler,
 radix cache, model); it never starts an HTTP server and never reads a checkpoint from disk.
 """
 
@@ -40,7 +40,29 @@ LLAMA3_8B_SHAPE = ModelConfig(
     rope_theta=500000.0,
     max_position_embeddings=8192,  # tokens
 )
-MODELS = ("tiny", "llama3-8b-shape")
+# Qwen3-30B-A3B's shape: 48 layers of 128 experts (8 a token, 768 units each), 30.5B parameters, 3.3B a token
+QWEN3_30B_A3B_SHAPE = ModelConfig(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,  # units (no layer of it is dense)
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=8192,  # tokens (as the 8B shape's, for the same prompts)
+    qk_norm=True,
+    num_experts=128,
+    experts_per_token=8,
+    moe_intermediate_size=768,
+    model_type="qwen3_moe",
+)
+SHAPES = {
+    "llama3-8b-shape": LLAMA3_8B_SHAPE,
+    "qwen3-30b-a3b-shape": QWEN3_30B_A3B_SHAPE,
+}  # random bf16 weights
+MODELS = ("tiny", *SHAPES)
 CACHED_FRACTIONS = (0.0, 0.5, 0.9)  # of the prompt already in the radix cache before a TTFT request
 # a long conversation's next turn: a --follow-up-context prompt whose all but its last this many tokens
 # are cached (the extend graphs' prefix split is for this case)
@@ -121,7 +143,7 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
 
 
 def bench_model(name: str, device: str, dtype: str = "auto") -> Any:
-    """The model a step benchmark times: the built-in tiny model, or the Llama-3-8B shape with random
+    """The model a step benchmark times: the built-in tiny model, or a SHAPES model with random
     weights; in ``dtype`` (a --dtype value: "auto" is the device's default)."""
     import torch
 
@@ -130,7 +152,7 @@ def bench_model(name: str, device: str, dtype: str = "auto") -> Any:
 
     dev = torch.device(device)
     dt = model_dtype(dtype, dev)
-    return load_model("tiny", dev, dt).model if name == "tiny" else random_llama(LLAMA3_8B_SHAPE, dev, dt)
+    return load_model("tiny", dev, dt).model if name == "tiny" else random_llama(SHAPES[name], dev, dt)
 
 
 def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = None) -> Engine:
@@ -407,8 +429,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    if args.model == "llama3-8b-shape" and device != "cuda":
-        parser.error("--model llama3-8b-shape needs a CUDA GPU (16 GB of bf16 weights; one prefill "
+    if args.model != "tiny" and device != "cuda":
+        parser.error(f"--model {args.model} needs a CUDA GPU (16-61 GB of bf16 weights; one prefill "
                      "would take minutes on CPU); use --model tiny on CPU")  # fmt: skip
     if min(sizes["batches"] + [v for k, v in sizes.items() if k != "batches"]) <= 0:
         parser.error("sizes, counts and batch sizes must be positive")
@@ -440,7 +462,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        tensor_parallel_size=p.tensor_parallel_size, overlap_schedule=p.overlap_schedule,
                        max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
-    engine = build_bench_engine(cfg, None if p.model == "tiny" else LLAMA3_8B_SHAPE)
+    engine = build_bench_engine(cfg, SHAPES.get(p.model))
     engine.start()
     try:
         results = asyncio.run(run_engine_benchmarks(engine, p))

@@ -16,11 +16,21 @@ DECODE_FLOOR_TARGET = 1.3  # a batch-1 decode step within this many times the we
 
 
 def decode_weight_bytes(model: Any) -> int:
-    """Weight bytes one decode step must read: every parameter except the embedding table, of which a
-    step reads one row per token (a tied table is read whole as the LM head, so then it counts)."""
+    """Weight bytes a batch-1 decode step must read: every parameter except the embedding table, of which a
+    step reads one row per token (a tied table is read whole as the LM head, so then it counts), and of a
+    sparse layer's experts only the experts_per_token its token takes."""
     total = sum(x.numel() * x.element_size() for x in model.parameters())  # a tied tensor counts once
     if not model.config.tie_word_embeddings:
         total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    c = model.config
+    for layer in model.layers:
+        for experts in (layer.experts_gate_up, layer.experts_down) if layer.sparse else ():
+            total -= (
+                experts.numel()
+                * experts.element_size()
+                * (c.num_experts - c.experts_per_token)
+                // c.num_experts
+            )
     return total
 
 

@@ -143,6 +143,12 @@ def test_decode_weight_bytes_skips_an_untied_embedding_table():
     params = sum(p.numel() for p in untied.parameters())
     assert decode_weight_bytes(untied) == 2 * (params - 1000 * 64)
     assert decode_weight_bytes(tied) == 2 * sum(p.numel() for p in tied.parameters())
+    # a mixture of experts: a batch-1 step reads 2 of each sparse layer's 8 experts (layer 1 is dense)
+    moe = random_llama(ModelConfig(**shape, num_experts=8, experts_per_token=2, moe_intermediate_size=32,
+                                   dense_layers=(1,)), "cpu", torch.bfloat16)  # fmt: skip
+    experts = 8 * 3 * 64 * 32  # layer 0's gate, up and down of every expert
+    params = sum(p.numel() for p in moe.parameters())
+    assert decode_weight_bytes(moe) == 2 * (params - 1000 * 64 - experts * 6 // 8)
 
 
 def test_markdown_table_is_printed_last(quick_run):
@@ -194,10 +200,11 @@ def test_with_overlap_the_smallest_batch_is_also_timed_one_step_at_a_time(tmp_pa
     assert "(16-token prompts, one step at a time)" in proc.stdout
 
 
-def test_llama3_shape_is_refused_on_cpu():
-    proc = run_bench("--model", "llama3-8b-shape", "--device", "cpu")
+@pytest.mark.parametrize("model", ["llama3-8b-shape", "qwen3-30b-a3b-shape"])
+def test_model_shapes_are_refused_on_cpu(model):
+    proc = run_bench("--model", model, "--device", "cpu")
     assert proc.returncode == 2
-    assert "needs a CUDA GPU" in proc.stderr
+    assert f"--model {model} needs a CUDA GPU" in proc.stderr
 
 
 def test_bad_batches_are_a_usage_error():
@@ -205,10 +212,13 @@ def test_bad_batches_are_a_usage_error():
     assert proc.returncode == 2 and "--batches" in proc.stderr
 
 
-async def test_random_weight_model_serves_through_the_engine():
-    """The llama3-8b-shape wiring (random weights built on the device, id-only tokenizer), small."""
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+async def test_random_weight_model_serves_through_the_engine(experts):
+    """The llama3-8b-shape and qwen3-30b-a3b-shape wiring (random weights built on the device, id-only
+    tokenizer), small."""
     shape = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, max_position_embeddings=512)  # fmt: skip
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=512, num_experts=experts,
+                        experts_per_token=2, moe_intermediate_size=32, qk_norm=bool(experts))  # fmt: skip
     cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, served_model_name="shape")
     engine = build_bench_engine(cfg, shape)
     assert isinstance(engine.tokenizer, IdTokenizer)
