@@ -318,6 +318,23 @@ def test_config_reads_the_experts_of_each_mixture_kind() -> None:
         )
 
 
+def test_a_mixtures_missing_or_extra_expert_is_named(mixtral_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(mixtral_checkpoint / "model.safetensors"))
+    for name, change in (("missing", {"model.layers.1.block_sparse_moe.experts.3.w3.weight": None}),
+                         ("extra", {"model.layers.0.block_sparse_moe.experts.4.w1.weight": torch.zeros(96, 64)})):  # fmt: skip
+        broken = tmp_path / name
+        shutil.copytree(mixtral_checkpoint, broken)
+        changed = {**weights, **change}
+        save_file({k: v for k, v in changed.items() if v is not None}, str(broken / "model.safetensors"))
+        with pytest.raises(ValueError) as err:
+            load_model(str(broken))
+        # NOTE: Mixtral's expert names are read as Qwen-MoE's (w3 is up_proj)
+        assert {"missing": "missing weights: model.layers.1.mlp.experts.3.up_proj.weight",
+                "extra": "unexpected weight 'model.layers.0.mlp.experts.4.gate_proj.weight'"}[name] in str(err.value)  # fmt: skip
+
+
 def test_loader_returns_tokenizer_and_name(llama_checkpoint, qwen2_checkpoint):
     loaded = load_model(str(llama_checkpoint))
     assert isinstance(loaded.tokenizer, HFTokenizer)

@@ -12,6 +12,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -190,28 +191,27 @@ class DecoderLayer(nn.Module):
         down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
         return x, self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down))
 
-    def _experts(self, h: torch.Tensor, ops: object) -> torch.Tensor:
+    def _experts(self, h: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """A sparse layer's MLP output for h [T, H]: the router's top experts of each token, weighted, plus
         the shared expert scaled by sigmoid(its gate) (this rank's part of each, summed by the caller)."""
         c = self.config
         weights, ids = reference.moe_route(F.linear(h, self.router), c.experts_per_token, c.norm_topk_prob)
-        out = ops.fused_moe(h, self.experts_gate_up, self.experts_down, weights, ids)  # type: ignore[attr-defined]
+        out = ops.fused_moe(h, self.experts_gate_up, self.experts_down, weights, ids)
         if self.shared_gate_up is None:
             return out
-        shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)  # type: ignore[attr-defined]
+        shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)
         return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.\d+\.(w[123]))\.")
+# Mixtral's names for a sparse layer: block_sparse_moe.gate and block_sparse_moe.experts.N.w1 / w3 / w2
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:gate|(experts\.\d+\.)(w[123]))\.")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _mixtral_to_qwen(m: re.Match) -> str:
-    """``.block_sparse_moe.gate.`` -> ``.mlp.gate.``; ``.block_sparse_moe.experts.N.w1.`` -> ``.mlp.experts.N.gate_proj.``"""
-    if m.group(2) is None:
-        return ".mlp.gate."
-    return f".mlp.{m.group(1)[: -len(m.group(2))]}{_MIXTRAL_PROJ[m.group(2)]}."
+    """The Qwen-MoE name of a _MIXTRAL_EXPERT match: .mlp.gate. or .mlp.experts.N.gate_proj. (up, down)."""
+    return ".mlp.gate." if m.group(1) is None else f".mlp.{m.group(1)}{_MIXTRAL_PROJ[m.group(2)]}."
 
 
 class LlamaForCausalLM(nn.Module):
@@ -354,15 +354,15 @@ class LlamaForCausalLM(nn.Module):
                 return layer.experts_down[e]
             start = 0 if m.group(2) == "gate_proj" else inter
             return layer.experts_gate_up[e, start : start + inter]
-        if layer.shared_gate_up is None:
-            return {"mlp.gate": layer.router}.get(part)
-        return {
-            "mlp.gate": layer.router,
-            "mlp.shared_expert.gate_proj": layer.shared_gate_up[:shared],
-            "mlp.shared_expert.up_proj": layer.shared_gate_up[shared:],
-            "mlp.shared_expert.down_proj": layer.shared_down,
-            "mlp.shared_expert_gate": layer.shared_gate,
-        }.get(part)
+        slots = {"mlp.gate": layer.router}
+        if layer.shared_gate_up is not None:
+            slots.update({
+                "mlp.shared_expert.gate_proj": layer.shared_gate_up[:shared],
+                "mlp.shared_expert.up_proj": layer.shared_gate_up[shared:],
+                "mlp.shared_expert.down_proj": layer.shared_down,
+                "mlp.shared_expert_gate": layer.shared_gate,
+            })  # fmt: skip
+        return slots.get(part)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to this model's dtype and device). Raises ValueError on
