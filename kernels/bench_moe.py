@@ -8,7 +8,8 @@ Shapes are real models' (random bf16 weights): Qwen3-30B-A3B (128 experts of 768
 router's choice drawn at random (uniform logits: every expert about equally likely). For each row: the
 kernel replayed in a CUDA graph (as a decode step runs it) and called eagerly (as a prefill runs it), the
 torch loop, the bytes of the expert weights the batch touches over the copy bandwidth (the floor a
-decode step's MLP cannot beat) and its FLOPs over the matmul rate. Needs CUDA: without it, it measures
+decode step's MLP cannot beat) and its FLOPs over the matmul rate; each candidate tile configuration
+(kernels.moe.CANDIDATES) replayed too, from which the defaults' rule is set. Needs CUDA: without it, it measures
 nothing and exits 2. Numbers are never estimated.
 """
 
@@ -84,9 +85,11 @@ def expert_weights(shape: MoeShape, dtype: torch.dtype, device: torch.device, se
 
 
 def bench_row(
-    name: str, shape: MoeShape, tokens: int, weights13: tuple, rates: dict, gen: torch.Generator
-) -> dict[str, Any]:
-    """One (model, tokens) row: times in ms, the floors, and the kernel's error against the reference."""
+    name: str, shape: MoeShape, tokens: int, weights13: tuple, rates: dict, gen: torch.Generator,
+    candidates: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """One (model, tokens) row: times in ms, the floors, and the kernel's error against the reference;
+    with ``candidates`` each of kernels.moe.CANDIDATES replayed too (the default's tiles are one of them)."""
     from kernels import moe
 
     w13, w2 = weights13
@@ -116,6 +119,14 @@ def bench_row(
     row["pct_of_copy_bw"] = 100 * row["read_floor_ms"] / best
     row["pct_of_matmul"] = 100 * row["compute_floor_ms"] / best
     row["speedup_vs_torch"] = row["torch_ms"] / row["triton_ms"]
+    default = moe.default_config(tokens * shape.top_k, shape.experts)
+    row["default"] = next((label for label, cfg in moe.CANDIDATES.items() if cfg == default), str(default))
+    if candidates:
+        row["candidates_graph_ms"] = {
+            label: timing.time_replay_ms(lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))
+            for label, cfg in moe.CANDIDATES.items()
+        }
+        row["best"] = min(row["candidates_graph_ms"], key=row["candidates_graph_ms"].get)
     return row
 
 
@@ -135,6 +146,17 @@ def format_markdown(result: dict) -> str:
             f"{r['triton_ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} | {r['speedup_vs_torch']:.2f}x | "
             f"{r['pct_of_copy_bw']:.0f}% | {r['pct_of_matmul']:.0f}% | {r['rel_err']:.1e} |"
         )
+    timed = [r for r in result["rows"] if "candidates_graph_ms" in r]
+    if timed:
+        labels = list(timed[0]["candidates_graph_ms"])
+        lines += ["", "Candidate tiles (kernels.moe.CANDIDATES), graph replay us; the default's in bold, the best marked *:",
+                  "", "| model | tokens | " + " | ".join(labels) + " |", "|---|---:|" + "---:|" * len(labels)]  # fmt: skip
+        for r in timed:
+            cells = []
+            for label in labels:
+                cell = f"{r['candidates_graph_ms'][label] * 1e3:.1f}" + ("*" if label == r["best"] else "")
+                cells.append(f"**{cell}**" if label == r["default"] else cell)
+            lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(cells) + " |")
     lines += ["", f"Command: `{result['command']}`. {result['timing']}", ""]
     if "interrupted" in result:
         lines.insert(1, f"\nInterrupted {result['interrupted']}: the rows measured before are below.")
@@ -150,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-candidates", action="store_true", help="time the default tiles only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench_moe needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
@@ -189,7 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             shape = MODELS[name]
             w = expert_weights(shape, torch.bfloat16, device, args.seed)
             for tokens in args.tokens:
-                result["rows"].append(row := bench_row(name, shape, tokens, w, rates, gen))
+                result["rows"].append(
+                    row := bench_row(name, shape, tokens, w, rates, gen, not args.no_candidates)
+                )
                 print(f"{name} t={tokens}: {row['triton_graph_ms'] * 1e3:.1f} us replayed, "
                       f"{row['torch_ms'] * 1e3:.1f} us torch", flush=True)  # fmt: skip
             del w

@@ -167,6 +167,19 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     ]  # fmt: skip
 
 
+def moe_candidates(shape: Shape) -> list[Case]:
+    """kernels.bench_moe's candidate tiles (kernels.moe.CANDIDATES) on a mixture of 8 experts, 2 a token."""
+    from kernels import moe
+
+    dt = DTYPES[shape.dtype]
+    w13, w2 = torch.zeros(8, 512, 256, dtype=dt), torch.zeros(8, 256, 256, dtype=dt)
+    ids = (torch.arange(64, dtype=torch.int32) % 8).reshape(32, 2)
+    x, weights = torch.zeros(32, 256, dtype=dt), torch.zeros(32, 2)
+    return [(f"candidate fused_moe {shape.dtype} {label}", dataclasses.asdict(cfg),
+             lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))
+            for label, cfg in moe.CANDIDATES.items()]  # fmt: skip
+
+
 def tune_candidates(shape: Shape, with_configs: bool = False) -> list:
     """Every tile configuration kernels.tune would time, for ``shape``; with_configs appends each
     case's configuration object to its tuple."""

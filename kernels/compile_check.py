@@ -7,7 +7,8 @@ It calls the real host wrappers (kernels.decode_attention / extend_attention / f
 so the specialisations (constexprs, 16-byte divisibility of pointers and strides) are the ones a CUDA
 launch would compile; only the launch itself is skipped. ptxas, cuobjdump and nvdisasm come with Triton.
 Exit status 1 when a default configuration spills or does not fit the architecture.
---candidates adds every kernels.tune candidate (kernels.tune itself runs this check before timing).
+--candidates adds every kernels.tune candidate (kernels.tune itself runs this check before timing) and
+kernels.bench_moe's.
 --jobs N compiles in N processes (default: one per core, at most 16).
 NOTE: these are compiler facts for the Triton here (its version is recorded), not speeds.
 """
@@ -283,7 +284,8 @@ def record_loaded_kernels(doc: dict[str, Any]) -> None:
 
 
 def _cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
-    """The cases to compile: the defaults, and with args.candidates every kernels.tune candidate."""
+    """The cases to compile: the defaults, and with args.candidates every kernels.tune candidate and
+    kernels.bench_moe's."""
     from kernels import compile_cases
 
     cases = _default_cases(args)
@@ -291,7 +293,7 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]
         shape = compile_cases.Shape(
             args.dtypes[0], args.q_heads, args.kv_heads, args.head_dims[0], args.hidden
         )
-        cases += compile_cases.tune_candidates(shape)
+        cases += compile_cases.tune_candidates(shape) + compile_cases.moe_candidates(shape)
     return cases
 
 

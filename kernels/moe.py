@@ -45,14 +45,26 @@ class MoeConfig:
     num_stages: int = 3
 
 
+# the tiles kernels.bench_moe times beside the default on every row (kernels.compile_check --candidates
+# compiles them): decode-sized blocks with wider or deeper steps, and larger blocks for prefills
+CANDIDATES = {
+    "m16 n64 k128": MoeConfig(block_m=16, block_n=64, block_k=128),
+    "m16 n128 k128": MoeConfig(block_m=16, block_n=128, block_k=128),
+    "m16 n64 k256 s4": MoeConfig(block_m=16, block_n=64, block_k=256, num_stages=4),
+    "m32 n64 k128": MoeConfig(block_m=32, block_n=64, block_k=128),
+    "m64 n64 k64": MoeConfig(block_m=64, block_n=64, block_k=64),
+    "m64 n128 k64 w8": MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8),
+    "m128 n128 k64 w8": MoeConfig(block_m=128, block_n=128, block_k=64, num_warps=8),
+    "m64 n256 k64 w8": MoeConfig(block_m=64, block_n=256, block_k=64, num_warps=8),
+}
+
+
 def default_config(pairs: int, experts: int) -> MoeConfig:
     """Small blocks when experts see few pairs each (decode: the weights' reads are the cost, and a
     block's padding is wasted work), larger ones in a prefill. Not yet tuned on a GPU."""
     if INTERPRETED:
         return MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1)
-    if pairs <= 2 * experts:
-        return MoeConfig(block_m=16, block_n=64, block_k=128)
-    return MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
+    return CANDIDATES["m16 n64 k128" if pairs <= 2 * experts else "m64 n128 k64 w8"]
 
 
 def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

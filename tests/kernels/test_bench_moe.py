@@ -24,7 +24,9 @@ def test_the_torch_baseline_is_the_reference():
 def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
     if backend.is_cuda:
         pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
-    backend.module("moe")  # the interpreted kernels
+    moe = backend.module("moe")  # the interpreted kernels
+    # NOTE: a GPU's default (the interpreter's own tiles are smaller), so that it is one of the candidates
+    monkeypatch.setattr(moe, "default_config", lambda pairs, experts: moe.CANDIDATES["m16 n64 k128"])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
 
@@ -37,7 +39,8 @@ def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
     w = bench_moe.expert_weights(TINY, torch.bfloat16, torch.device("cpu"), seed=0)
     rates = {"copy_gbs": 100.0, "matmul_tflops": 10.0}
     row = bench_moe.bench_row("tiny", TINY, 5, w, rates, torch.Generator().manual_seed(0))
-    assert len(calls) == 3 and all(c.shape == (5, 32) for c in calls)
+    assert len(calls) == 3 + len(moe.CANDIDATES) and all(c.shape == (5, 32) for c in calls)
+    assert row["default"] == "m16 n64 k128" and set(row["candidates_graph_ms"]) == set(moe.CANDIDATES)
     assert 1 <= row["experts_touched"] <= 6 and row["rel_err"] < 2e-2
     assert row["bytes"] == row["experts_touched"] * 3 * 32 * 24 * 2 + 2 * 5 * 32 * 2
     assert row["flops"] == 2 * 5 * 2 * 3 * 32 * 24
@@ -46,6 +49,7 @@ def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
     report = bench_moe.format_markdown({"device": {"name": "CPU", "copy_gbs": 100.0, "matmul_tflops": 10.0},
                                         "rows": [row], "command": "c", "timing": "t"})  # fmt: skip
     assert "| tiny | 5 |" in report and "500.0" in report
+    assert f"| {' | '.join(moe.CANDIDATES)} |" in report and "**500.0" in report  # the default in bold
 
 
 def test_it_measures_nothing_without_a_gpu(capsys):
