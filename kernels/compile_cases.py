@@ -164,6 +164,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
           if dt != torch.float32 and not lora_default.pdl else []),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
         *(moe_case(tokens) for tokens in (4, 256)),  # a decode step's tiles and a prefill's
+        (f"moe_route {shape.dtype} e128 k8", {}, lambda: moe.moe_route(torch.zeros(4, 128, dtype=dt), 8, True)),
     ]  # fmt: skip
 
 

@@ -8,9 +8,10 @@ Shapes (T = tokens, H = hidden size, E = experts, I = one expert's intermediate 
 Math in fp32; the gate/up product and its activation are rounded to x's dtype between the launches (as
 the same matmuls in x's dtype would round them), the K expert outputs are summed in fp32.
 
-``moe_align`` sorts the T*K (token, expert) pairs by expert into blocks of BLOCK_M pairs that share one
-expert (each expert's run padded to whole blocks); a GEMM program takes one block and one tile of output
-columns, reading its expert's weight tile once for all of the block's pairs. The first GEMM reads x's
+``moe_route`` is the router's choice, one program a token. ``moe_align`` sorts the T*K (token, expert)
+pairs by expert into blocks of BLOCK_M pairs that share one expert (each expert's run padded to whole
+blocks), one program for up to ALIGN_KERNEL_MAX_PAIRS pairs. A GEMM program takes one block and one
+tile of output columns, reading its expert's weight tile once for all of the block's pairs. The first GEMM reads x's
 row of each pair (row pair // K) and writes [T*K, 2I]; the activation (kernels.pointwise.silu_and_mul)
 makes [T*K, I]; the second GEMM multiplies by each pair's routing weight and writes [T*K, H] in fp32,
 which is summed over K. The grid is the worst case's, (T*K + E*(BLOCK_M - 1)) / BLOCK_M blocks: programs
@@ -45,6 +46,10 @@ class MoeConfig:
     num_stages: int = 3
 
 
+# moe_align runs as one Triton program up to this many (token, expert) pairs and experts (a decode step of
+# 256 requests at 8 experts a token is 2,048), as torch ops past them
+ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_KERNEL_MAX_EXPERTS = 1024
 # the tiles kernels.bench_moe times beside the default on every row (kernels.compile_check --candidates
 # compiles them): decode-sized blocks with wider or deeper steps, and larger blocks for prefills
 CANDIDATES = {
@@ -71,7 +76,28 @@ def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch
     """(sorted_pairs [P] int32, block_experts [P / block_m] int32) for the T*K pairs of ``topk_ids``
     (pair p is token p // K's choice p % K): each expert's pairs in order, starting at a multiple of
     ``block_m``, the rest of its last block holding T*K (no pair); block_experts[b] is block b's expert,
-    -1 past the last used block. P = T*K + E*(block_m - 1) rounded up to block_m, whatever the ids."""
+    -1 past the last used block. P = T*K + E*(block_m - 1) rounded up to block_m, whatever the ids.
+    Up to ALIGN_KERNEL_MAX_PAIRS pairs (decode steps, short extends: what CUDA graphs replay) one Triton
+    program does it all; past that, torch ops (moe_align_torch: the same output, ~25 kernels)."""
+    n = topk_ids.numel()
+    size = triton.cdiv(n + experts * (block_m - 1), block_m) * block_m
+    if n > ALIGN_KERNEL_MAX_PAIRS or experts > ALIGN_KERNEL_MAX_EXPERTS:
+        return moe_align_torch(topk_ids, experts, block_m)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    block_e = max(16, triton.next_power_of_2(experts))
+    _align_kernel[(1,)](
+        ids, sorted_pairs, block_experts, n, size, size // block_m, experts,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, min(128, 4096 // block_e)),
+        num_warps=1 if INTERPRETED else 4, enable_fp_fusion=True,
+    )  # fmt: skip
+    return sorted_pairs, block_experts
+
+
+def moe_align_torch(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align in torch ops that never sync (a scatter-add for the counts, a stable argsort, a
+    searchsorted for each block's expert)."""
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
     counts = torch.zeros(experts, dtype=torch.long, device=flat.device)
@@ -87,6 +113,93 @@ def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch
     starts = torch.arange(0, size, block_m, device=flat.device)
     owner = torch.searchsorted(ends, starts, right=True)  # NOTE: empty experts end where the one before does
     return sorted_pairs, torch.where(owner < experts, owner, -1).to(torch.int32)
+
+
+@triton.jit
+def _align_kernel(
+    IDS, SORTED, BLOCK_EXPERTS, N, P, NUM_BLOCKS, E,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """moe_align in one program: the experts' counts, their padded runs (a cumsum), then each pair's
+    place (its expert's start, the pairs of that expert in earlier chunks, and those before it in its
+    chunk), the padding's sentinel and each block's expert. Every element is written exactly once."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, N, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(IDS + i, mask=i < N, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # each expert's pairs placed so far
+    for c0 in range(0, N, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(IDS + i, mask=i < N, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, 0) - onehot  # pairs of the same expert earlier in this chunk
+        dest = tl.sum(onehot * (starts + seen)[None, :] + onehot * before, 1)
+        tl.store(SORTED + dest, i, mask=i < N)
+        seen += tl.sum(onehot, 0)
+    filled = starts + counts  # the first padding position of each run
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        owner = ((p[:, None] >= starts[None, :]) & (p[:, None] < ends[None, :])).to(tl.int32)
+        first_pad = tl.sum(owner * filled[None, :], 1)  # 0 past the last run: all padding
+        tl.store(SORTED + p, N, mask=(p < P) & (p >= first_pad))
+    for b0 in range(0, NUM_BLOCKS, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        start = b * BLOCK_M
+        owner = ((start[:, None] >= starts[None, :]) & (start[:, None] < ends[None, :])).to(tl.int32)
+        expert = tl.where(tl.sum(owner, 1) > 0, tl.sum(owner * experts[None, :], 1), -1)
+        tl.store(BLOCK_EXPERTS + b, expert, mask=b < NUM_BLOCKS)
+
+
+@triton.jit
+def _route_kernel(
+    LOGITS, WEIGHTS, IDS, E, stride_l, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token's softmax over the experts and its TOP_K largest (the lowest index among equals first)."""
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(LOGITS + t * stride_l + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = probs / tl.sum(probs, 0)
+    k = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        idx = tl.min(tl.where(probs == best, experts, BLOCK_E), 0)
+        weights = tl.where(k == j, best, weights)
+        ids = tl.where(k == j, idx, ids)
+        probs = tl.where(experts == idx, -1.0, probs)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(WEIGHTS + t * TOP_K + k, weights, mask=k < TOP_K)
+    tl.store(IDS + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.moe_route in one launch: (topk_weights [T, K] float32, topk_ids [T, K] int32)."""
+    if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
+        raise ValueError(
+            f"router_logits [T, E] and 0 < top_k <= E expected, got {host_checks.shape_of(router_logits)}, {top_k}"
+        )
+    t, e = router_logits.shape
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](
+            logits, weights, ids, e, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+            BLOCK_E=max(16, triton.next_power_of_2(e)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+            num_warps=1 if INTERPRETED else 4, enable_fp_fusion=True,
+        )  # fmt: skip
+    return weights, ids
 
 
 @triton.jit

@@ -222,6 +222,16 @@ def lora_add(
     return kernel_module("lora", mode).lora_add(x, out, a, b, seg_indptr, seg_slots, max_rows)
 
 
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference.moe_route (one launch on the GPU)."""
+    mode = _triton_mode(router_logits)
+    if mode is None:
+        return reference.moe_route(router_logits, top_k, renormalize)
+    return kernel_module("moe", mode).moe_route(router_logits, top_k, renormalize)
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:

@@ -80,7 +80,7 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     assert kernels == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
-                       "_top_p_threshold_kernel", "_grouped_gemm_kernel"}  # fmt: skip
+                       "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -224,7 +224,7 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
-                       "_top_p_threshold_kernel", "_grouped_gemm_kernel"}  # fmt: skip
+                       "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel"}  # fmt: skip
     # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
     # prefix split (one compiled kernel for any split count)
     extends = sorted(

@@ -99,7 +99,9 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_model = random_llama(config, "cpu", torch.float32, seed=1)
     want = run_steps(cpu_model, torch.device("cpu"))  # torch reference kernels, float32
-    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "fused_moe", "decode_grouped"))
+    model = kernel_model(
+        backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "fused_moe", "moe_route", "decode_grouped")
+    )
     got = run_steps(model, backend.device)
 
     tol = 1e-4 if backend.interpret else 3e-2

@@ -128,3 +128,46 @@ def test_fused_moe_refuses_shapes_that_do_not_agree():
         moe.fused_moe(x, w13, w2, weights, ids[:, :1])
     with pytest.raises(ValueError, match="integers"):
         moe.fused_moe(x, w13, w2, weights, ids.float())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m"),
+    [(1, 8, 2, 16), (3, 128, 8, 16), (37, 6, 3, 16), (300, 60, 4, 64), (64, 200, 2, 32)],
+)
+def test_the_align_kernel_gives_exactly_what_the_torch_ops_give(backend, tokens, experts, top_k, block_m):
+    """One Triton program (decode steps, CUDA graphs) against the torch ops (long prefills): the same
+    arrays, element for element, whatever experts the pairs name (many idle, one crowded)."""
+    moe = backend.module("moe")
+    g = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g, dtype=torch.int32)
+    ids[: tokens // 2, 0] = experts - 1  # one expert takes half the tokens' first choice
+    ids = ids.to(backend.device)
+    got, want = moe.moe_align(ids, experts, block_m), moe.moe_align_torch(ids, experts, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "renormalize"), [(8, 2, True), (128, 8, True), (60, 4, False), (3, 1, False)]
+)
+def test_the_route_kernel_takes_the_references_experts_and_weights(backend, experts, top_k, renormalize):
+    """fp32 logits: the same experts in the same order. bf16 logits tie often (128 experts, 8 bits of
+    mantissa): equal weights, each the softmax of the expert chosen, whichever of equals is taken."""
+    moe = backend.module("moe")
+    logits = torch.randn(19, experts, generator=torch.Generator().manual_seed(experts)).to(backend.device)
+    weights, ids = moe.moe_route(logits, top_k, renormalize)
+    want_w, want_ids = reference.moe_route(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    half = logits.to(torch.bfloat16)
+    weights, ids = moe.moe_route(half, top_k, renormalize)
+    want_w, _ = reference.moe_route(half, top_k, renormalize)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    chosen = half.float().softmax(-1).gather(1, ids.long())
+    torch.testing.assert_close(chosen / chosen.sum(-1, keepdim=True) if renormalize else chosen, want_w)
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    tied = torch.tensor(
+        [[0.5, 2.0, 0.0, 2.0, 2.0]], device=backend.device
+    )  # of equals, the lowest index first
+    assert moe.moe_route(tied, 2, renormalize)[1].tolist() == [[1, 3]]
+    with pytest.raises(ValueError, match="top_k"):
+        moe.moe_route(logits, experts + 1, renormalize)

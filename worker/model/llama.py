@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import reference
 from worker import attention
 from worker.forward_batch import ForwardBatch
 from worker.model.config import ModelConfig
@@ -195,7 +194,7 @@ class DecoderLayer(nn.Module):
         """A sparse layer's MLP output for h [T, H]: the router's top experts of each token, weighted, plus
         the shared expert scaled by sigmoid(its gate) (this rank's part of each, summed by the caller)."""
         c = self.config
-        weights, ids = reference.moe_route(F.linear(h, self.router), c.experts_per_token, c.norm_topk_prob)
+        weights, ids = ops.moe_route(F.linear(h, self.router), c.experts_per_token, c.norm_topk_prob)
         out = ops.fused_moe(h, self.experts_gate_up, self.experts_down, weights, ids)
         if self.shared_gate_up is None:
             return out
