@@ -3,7 +3,8 @@
 Semantics are kernels.reference.decode_attention; this module must never change them.
 Shapes (B = requests, S = slots in the pool, D = head dim):
   q [B, Hq, D]; k_cache, v_cache [S, Hkv, D] (one layer, fp16/bf16/fp32);
-  kv_indptr [B+1], kv_indices [nnz] (int32/int64): request i's slots, the current token's included.
+  kv_indptr [B+1], kv_indices [nnz] (int32/int64): request i's slots, the current token's included;
+  with ``window`` > 0 only the last ``window`` of them are attended (sliding-window attention).
   Output [B, Hq, D] in q's dtype; a request with no slots gets zeros (as the reference does).
   One dtype for q and the pool; a preallocated ``out`` has q's shape and dtype. The wrapper checks this
   from metadata (ValueError) and passes the index tensors on contiguous.
@@ -128,7 +129,7 @@ def split_cap(
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled split kernel serves every split
 # count, so capturing CUDA graphs for many batch sizes compiles it once, not once per count.
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     Q,
     K_cache,
@@ -154,6 +155,7 @@ def _decode_split_kernel(
     stride_ob,
     stride_oh,
     num_splits,  # the most splits any request may use (the grid's third dimension)
+    window,  # sliding window (keys a query sees, its own included; WINDOWED only)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -166,6 +168,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr,  # >= any num_splits, a power of two (FUSED_MERGE only)
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+)
     PREFETCH: tl.constexpr,  # load the next tile before computing this one
+    WINDOWED: tl.constexpr,  # attend the last ``window`` slots of each request only
 ):
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
@@ -177,6 +180,9 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr + req).to(tl.int64)
     kv_len = (tl.load(kv_indptr + req + 1) - kv_start).to(tl.int32)
+    if WINDOWED:  # NOTE: the query is the last slot: it sees the last ``window`` (the merge trims alike)
+        kv_start += tl.maximum(kv_len - window, 0)
+        kv_len = tl.minimum(kv_len, window)
     n_splits = num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if FUSED_MERGE:  # NOTE: a request with no slots still needs one program to write its zeros
         n_splits = tl.maximum(n_splits, 1)
@@ -258,7 +264,7 @@ def _decode_split_kernel(
                             ".cg")  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_merge_kernel(
     Mid_out,
     Mid_lse,
@@ -272,15 +278,19 @@ def _decode_merge_kernel(
     stride_ob,
     stride_oh,
     num_splits,
+    window,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
     MIN_SPLIT_LEN: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
+    WINDOWED: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
+    if WINDOWED:
+        kv_len = tl.minimum(kv_len, window)
     n_splits = num_splits_of(kv_len, num_splits, MIN_SPLIT_LEN)
     if PDL:  # NOTE: the split kernel's partials are visible only past the wait
         tl.extra.cuda.gdc_wait()
@@ -315,9 +325,11 @@ def decode_attention(
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
-    when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). Never syncs.
+    when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). ``window`` > 0: each
+    request attends its last ``window`` slots only (sliding-window attention). Never syncs.
     Raises ValueError on inconsistent shapes, dtypes or devices (from metadata)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     batch, hq, d = q.shape
@@ -328,6 +340,8 @@ def decode_attention(
     if batch == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device), batch)
+    if window > 0 and max_kv_len is not None:
+        max_kv_len = min(max_kv_len, window)
     num_splits = split_cap(num_splits, batch, hkv, q.device, cfg, max_kv_len)
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(d))
@@ -361,6 +375,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         num_splits,
+        max(window, 0),
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=d,
@@ -373,6 +388,7 @@ def decode_attention(
         BLOCK_S=MAX_SPLITS if cfg.fused_merge else 2,  # NOTE: not the split count: one kernel serves all
         PDL=pdl,
         PREFETCH=cfg.prefetch,
+        WINDOWED=window > 0,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -393,11 +409,13 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         num_splits,
+        max(window, 0),
         HEAD_DIM=d,
         BLOCK_D=block_d,
         BLOCK_S=block_s,
         MIN_SPLIT_LEN=cfg.min_split_len,
         PDL=pdl,
+        WINDOWED=window > 0,
         enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2,
         **pdl_launch(pdl),

@@ -9,7 +9,8 @@ Shapes (T = new tokens in the batch, B = requests, S = slots in the pool, D = he
   One dtype for q, k_new, v_new and the pool; a preallocated ``out`` has q's shape and dtype. The wrapper
   checks all of this from metadata (ValueError) and passes the index tensors on contiguous.
 ``max_prefix_len`` (tokens, the longest cached prefix) is a host hint for the tile choice only
-(default_config, with T); it never changes what is computed.
+(default_config, with T); it never changes what is computed. ``window`` > 0 is sliding-window
+attention: the new token at position p (prefix included) sees positions p - window + 1 .. p only.
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
   - max_extend_len, when given, is >= the longest request's new tokens (max of qo_indptr's diffs);
     a smaller hint silently leaves the later rows of longer requests unwritten (checked, ValueError,
@@ -251,18 +252,22 @@ def device_arch(device: torch.device) -> int:
 def _attend_rows(
     q, K, V, rows, mask_n, offs_m, n, stride_k, stride_v, offs_d, mask_d, m_i, l_i, acc, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    window=0, WINDOW_FROM=None, WINDOWED: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile: K/V of one head at token ``rows`` (pool slots or new-token rows) into the running
-    softmax. MASKED: apply ``mask_n`` (and, when CAUSAL, key n <= query m) to the scores."""
+    softmax. MASKED: apply ``mask_n`` (and, when CAUSAL, key n <= query m) to the scores. WINDOWED: also
+    key n > WINDOW_FROM - window ([M]: each query's position in the key numbering of ``n``)."""
     k, v = gather_kv(K, V, rows, mask_n, stride_k, stride_v, offs_d, mask_d)
     allowed = mask_n[None, :]
     if CAUSAL:
         allowed = allowed & (n[None, :] <= offs_m[:, None])
-    return attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, MASKED, PRECISION, DOT_FP32)
+    if WINDOWED:
+        allowed = allowed & (n[None, :] > WINDOW_FROM[:, None] - window)
+    return attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, MASKED, PRECISION, DOT_FP32, WINDOWED)
 
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
-@triton.jit(do_not_specialize=["num_splits", "batch"])
+@triton.jit(do_not_specialize=["num_splits", "batch", "window"])
 def _extend_kernel(
     Q,
     K_new,
@@ -295,6 +300,7 @@ def _extend_kernel(
     stride_lh,
     num_splits,  # the most prefix splits any request may use (SPLIT only)
     batch,  # requests (PACKED only)
+    window,  # sliding window: keys a query sees, its own included (WINDOWED only)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -306,6 +312,7 @@ def _extend_kernel(
     BLOCK_R: tl.constexpr,  # >= the requests, a power of two (PACKED only)
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+    WINDOWED: tl.constexpr,  # sliding-window attention: the query at position p sees p - window + 1 .. p
 ):
     head = tl.program_id(0)
     if PACKED:
@@ -366,7 +373,15 @@ def _extend_kernel(
     # Stage 1: the cached prefix (this split's part of it), gathered slot by slot; every query sees every
     # prefix key. Whole tiles need no score mask; only the last, partial one does.
     K_c, V_c = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
+    if WINDOWED:
+        # NOTE: the block's first query (position prefix_len + m_lo) sees the prefix from
+        # prefix_len + m_lo - window + 1 on; every tile from there is masked per query, and a query may
+        # see nothing in a tile (or in this split's part at all: an empty partial, weight 0)
+        p_lo = tl.maximum(p_lo, prefix_len + m_lo - window + 1)
+        p_lo = tl.minimum(p_lo, p_hi)
     full_end = p_lo + ((p_hi - p_lo) // BLOCK_N) * BLOCK_N
+    if WINDOWED:
+        full_end = p_lo
     for n_lo in range(p_lo, full_end, BLOCK_N):
         n = n_lo + offs_n
         slots = tl.load(kv_indices + prefix_start + n).to(tl.int64)
@@ -379,7 +394,7 @@ def _extend_kernel(
         slots = tl.load(kv_indices + prefix_start + n, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, mask_n, offs_m, n, stride_kcs, stride_vcs,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, True, False,
-                                     PRECISION, DOT_FP32)  # fmt: skip
+                                     PRECISION, DOT_FP32, window, prefix_len + offs_m, WINDOWED)  # fmt: skip
 
     # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j), in the last split.
     # Whole tiles left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
@@ -390,7 +405,11 @@ def _extend_kernel(
         diag_lo = tl.where(not_last, 0, diag_lo)
         n_end = tl.where(not_last, 0, n_end)
     K_n, V_n = K_new + kv_head * stride_knh, V_new + kv_head * stride_vnh
-    for n_lo in range(0, diag_lo, BLOCK_N):
+    n_lo0 = 0
+    if WINDOWED:  # NOTE: every tile from the first query's window start is masked (causal and window)
+        n_lo0 = tl.maximum(m_lo - window + 1, 0)
+        diag_lo = tl.where(n_end > 0, n_lo0, 0)
+    for n_lo in range(n_lo0, diag_lo, BLOCK_N):
         n = n_lo + offs_n
         m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
@@ -399,7 +418,7 @@ def _extend_kernel(
         n = n_lo + offs_n
         m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, True, True,
-                                     PRECISION, DOT_FP32)  # fmt: skip
+                                     PRECISION, DOT_FP32, window, offs_m, WINDOWED)  # fmt: skip
 
     if SPLIT:
         part, lse = finish_split(acc, m_i, l_i)  # NOTE: an empty part (past the prefix's end): weight 0
@@ -435,8 +454,10 @@ def extend_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """See the module docstring (its contracts included). ``max_extend_len`` (tokens) bounds the grid;
+    """See the module docstring (its contracts included). ``window`` > 0: sliding-window attention (as
+    kernels.reference.extend_attention's). ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
     prefix splits. ``num_splits`` caps the prefix splits (a CUDA graph fixes it; 1: none; None:
@@ -504,6 +525,7 @@ def extend_attention(
         mid_lse.stride(1),
         num_splits,
         batch,
+        max(window, 0),
         GROUP=hq // hkv,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -515,6 +537,7 @@ def extend_attention(
         BLOCK_R=request_lanes(batch, packed),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+        WINDOWED=window > 0,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -37,6 +37,7 @@ def attend_tile(
     MASKED: tl.constexpr,  # False for a tile where every score counts: skips the select
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
+    EMPTY_ROWS: tl.constexpr = False,  # a row may have seen no key yet after this tile (sliding windows)
 ):
     if DOT_FP32:
         k = k.to(tl.float32)
@@ -44,8 +45,11 @@ def attend_tile(
     if MASKED:
         qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if EMPTY_ROWS:  # NOTE: exp2(-inf - -inf) is NaN: a row with nothing seen so far keeps l = 0, acc = 0
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p_lo = p.to(v.dtype)  # P@V runs at the input precision, as on the GPU
     if DOT_FP32:

@@ -19,18 +19,21 @@ LORA_BLOCK_ROWS = 16  # rows one program of the LoRA kernels takes (kernels.lora
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float, window: int = 0
 ) -> torch.Tensor:
-    """q [n, Hq, D] attends k, v [n_prefix + n, Hkv, D]; query j sees keys 0 .. n_prefix + j."""
+    """q [n, Hq, D] attends k, v [n_prefix + n, Hkv, D]; query j sees keys 0 .. n_prefix + j, only the
+    last ``window`` of them when window > 0 (sliding-window attention)."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
     total = k.shape[0]
-    allowed = torch.arange(total, device=q.device).unsqueeze(0) <= (
-        n_prefix + torch.arange(n, device=q.device)
-    ).unsqueeze(1)
+    keys = torch.arange(total, device=q.device).unsqueeze(0)
+    positions = (n_prefix + torch.arange(n, device=q.device)).unsqueeze(1)
+    allowed = keys <= positions
+    if window > 0:
+        allowed &= keys > positions - window
     scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
@@ -47,10 +50,13 @@ def extend_attention(
     sm_scale: float | None = None,
     *,
     max_extend_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
     the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
-    in q's dtype. ``max_extend_len`` is a launch hint for the Triton kernel; ignored here."""
+    in q's dtype. ``max_extend_len`` is a launch hint for the Triton kernel; ignored here. ``window``
+    > 0: sliding-window attention, the token at position p sees positions p - window + 1 .. p only
+    (positions count the request's prefix, then its new tokens)."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
@@ -61,7 +67,7 @@ def extend_attention(
         slots = kv_indices[kvp[i] : kvp[i + 1]].long()
         k = torch.cat([k_cache[slots], k_new[rows]])
         v = torch.cat([v_cache[slots], v_new[rows]])
-        out[rows] = _attend(q[rows], k, v, len(slots), scale).to(q.dtype)
+        out[rows] = _attend(q[rows], k, v, len(slots), scale, window).to(q.dtype)
     return out
 
 
@@ -76,13 +82,15 @@ def extend_short_attention(
     sm_scale: float | None = None,
     *,
     max_extend_len: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """extend_attention with the new tokens' K/V read from the pool at ``out_slots`` (stored there
     before attention, as the worker does). ``max_extend_len`` is a launch hint; ignored here."""
     slots = out_slots.long()
     return extend_attention(
-        q, k_cache[slots], v_cache[slots], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale
-    )
+        q, k_cache[slots], v_cache[slots], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
+        window=window,
+    )  # fmt: skip
 
 
 def decode_attention(
@@ -92,14 +100,17 @@ def decode_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float | None = None,
+    *,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per request, q [B, Hq, D], over all of its KV slots (the current token's
-    K/V already stored). Returns [B, Hq, D] in q's dtype."""
+    K/V already stored), or the last ``window`` of them when window > 0. Returns [B, Hq, D] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     kvp = kv_indptr.tolist()
     for i in range(q.shape[0]):
-        slots = kv_indices[kvp[i] : kvp[i + 1]].long()
+        start = kvp[i] if window <= 0 else max(kvp[i], kvp[i + 1] - window)
+        slots = kv_indices[start : kvp[i + 1]].long()
         # the single query is the last of the sequence: it sees every slot
         out[i] = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale)[0].to(q.dtype)
     return out

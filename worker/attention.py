@@ -47,16 +47,18 @@ def extend(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     sm_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
-    (causal). Returns [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``:
-    steps of few new tokens per request (SHORT_EXTEND) read them there."""
+    (causal; with ``window`` > 0 the last ``window`` positions only). Returns [T, Hq, D]. The new K/V
+    must already be in the pool at ``batch.out_slots``: steps of few new tokens per request
+    (SHORT_EXTEND) read them there, unless windowed (those take the extend path)."""
     ops = kernel_ops(q.device)
-    short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND
+    short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0
     if ops is reference:
         if batch.batch_size > 1 and short:
             return extend_short(q, k_cache, v_cache, batch, sm_scale)
-        return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale)
+        return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale, window)
     if short:  # NOTE: verify steps, short cache-hit chunks: each KV head read once, split over the SMs
         return ops.extend_short_attention(
             q, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_slots, sm_scale,
@@ -65,16 +67,17 @@ def extend(
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
-        config=batch.extend_config,
+        config=batch.extend_config, window=window,
     )  # fmt: skip
 
 
 def _extend_sdpa(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    batch: ForwardBatch, sm_scale: float,
+    batch: ForwardBatch, sm_scale: float, window: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """kernels.reference.extend_attention through SDPA, one request at a time, float32 math: new
-    token j of a request with p cached tokens sees keys 0 .. p + j (plain causal when p == 0)."""
+    token j of a request with p cached tokens sees keys 0 .. p + j (plain causal when p == 0), from
+    p + j - window + 1 on with a window."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_new.shape[1]
     qo, kvp, kv_indices = batch.qo_indptr.tolist(), batch.kv_indptr.tolist(), batch.kv_indices
@@ -89,7 +92,9 @@ def _extend_sdpa(
             slots = kv_indices[kvp[i] : kvp[i + 1]].long()
             k = torch.cat([k_cache.index_select(0, slots), k])
             v = torch.cat([v_cache.index_select(0, slots), v])
-            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+        if p or 0 < window < p + n:
+            ones = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
+            mask = ones.tril(diagonal=p) & (ones.triu(diagonal=p - window + 1) if window > 0 else ones)
         # NOTE: [1, heads, tokens, D] views (3-D inputs take torch's slow unfused path); SDPA
         # repeats each KV head for its query heads (enable_gqa)
         o = F.scaled_dot_product_attention(
@@ -174,14 +179,17 @@ def _attend_rows(
 
 
 def decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, sm_scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, sm_scale: float,
+    window: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """One token per request: q [B, Hq, D] attends all of the request's slots (its own K/V must
-    already be stored). Returns [B, Hq, D]."""
+    already be stored), the last ``window`` with a window > 0. Returns [B, Hq, D]."""
     ops = kernel_ops(q.device)
     if ops is reference:
-        return decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
-    return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale)
+        return decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window)
+    return ops.decode_attention(
+        q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window
+    )
 
 
 def decode_grouped(
@@ -192,13 +200,17 @@ def decode_grouped(
     kv_indices: torch.Tensor,
     sm_scale: float,
     min_saved_slots: int = 4096,
+    window: int = 0,
 ) -> torch.Tensor:
     """kernels.reference.decode_attention, one padded computation per group of requests of similar
     length (a group's longest at most twice its shortest), so a long request does not make every
     short one in the batch gather and attend over its length. Groups are used only when each extra
     one saves at least ``min_saved_slots`` padded slots: below that, its extra gather and attention
-    call cost more than the padding (python -m worker.bench_cpu_attention)."""
+    call cost more than the padding (python -m worker.bench_cpu_attention). ``window`` > 0: each
+    request's last ``window`` slots."""
     starts, lens = kv_indptr[:-1].long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
+    if window > 0:
+        starts, lens = starts + (lens - window).clamp_min(0), lens.clamp_max(window)
     groups = decode_groups(lens.tolist(), min_saved_slots)
     if len(groups) <= 1:
         return attend_padded(q, k_cache, v_cache, starts, lens, kv_indices, sm_scale)

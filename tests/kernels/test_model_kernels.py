@@ -93,7 +93,11 @@ MOE_CONFIG = dataclasses.replace(CONFIG, num_experts=4, experts_per_token=2, moe
                                  norm_topk_prob=False, shared_expert_intermediate_size=32, dense_layers=(1,))  # fmt: skip
 
 
-@pytest.mark.parametrize("config", [CONFIG, MOE_CONFIG], ids=["dense", "moe"])
+# sliding-window attention on layer 1 (8 tokens: the prompts and decode steps run past it)
+WINDOW_CONFIG = dataclasses.replace(CONFIG, sliding_window=8, sliding_layers=(1,))
+
+
+@pytest.mark.parametrize("config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG], ids=["dense", "moe", "window"])
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -65,7 +65,7 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
+    "mistral", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
     import torch
     import transformers
 
@@ -96,6 +96,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "phi3":  # NOTE: fused qkv_proj and gate_up_proj; its default pad id is past the vocab
         config = transformers.Phi3Config(**{"pad_token_id": None, **common})
         cls = transformers.Phi3ForCausalLM
+    elif model_type == "mistral":
+        config = transformers.MistralConfig(**common)
+        cls = transformers.MistralForCausalLM
     elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
         name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[model_type]
         config = getattr(transformers, f"{name}Config")(**common)
@@ -189,6 +192,19 @@ QWEN2_MOE = {"num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 2,
 # Qwen3-MoE: 8 experts of 32 units, 3 a token (weights renormalized), q/k norms, head_dim 32
 QWEN3_MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
              "norm_topk_prob": True}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def mistral_window_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral with a sliding window of 12 tokens on every layer: the tests' prompts run far past it."""
+    return save_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=12)
+
+
+@pytest.fixture(scope="session")
+def qwen2_window_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 with use_sliding_window: a window of 9 tokens on layers 1 and 2 of 3 (max_window_layers 1)."""
+    return save_checkpoint(tmp_path_factory.mktemp("qwen2_window"), "qwen2", num_hidden_layers=3,
+                           use_sliding_window=True, sliding_window=9, max_window_layers=1)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,8 @@ CHECKPOINTS = [
     "phi3_checkpoint",
     "granite_checkpoint",
     "mixtral_checkpoint",
+    "mistral_window_checkpoint",
+    "qwen2_window_checkpoint",
     "qwen2_moe_checkpoint",
     "qwen3_moe_checkpoint",
     "sharded_llama_checkpoint",
@@ -284,15 +286,21 @@ def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     )
 
 
-def test_a_sliding_window_caps_the_context_where_the_model_applies_it() -> None:
-    """Attention here is full: within one window that is what the model computes (Mistral and Phi-3
-    always window; Qwen2 only with use_sliding_window)."""
-    phi3 = {**QWEN_LIKE, "model_type": "phi3", "max_position_embeddings": 4096, "sliding_window": 2047}
-    assert ModelConfig.from_hf(phi3).max_context == 2047
-    assert ModelConfig.from_hf({**phi3, "sliding_window": None}).max_context == 4096
-    qwen = {**QWEN_LIKE, "sliding_window": 4096}
-    assert ModelConfig.from_hf(qwen).max_context == 32768
-    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_context == 4096
+def test_sliding_windows_apply_to_the_layers_transformers_applies_them_to() -> None:
+    """Mistral and Phi-3 window every layer; Qwen2 only with use_sliding_window, from max_window_layers
+    on, or where a transformers 5 config's layer_types says; the context is the model's whole context."""
+    phi3 = ModelConfig.from_hf({**QWEN_LIKE, "model_type": "phi3", "max_position_embeddings": 4096,
+                                "sliding_window": 2047})  # fmt: skip
+    assert phi3.max_context == 4096 and [phi3.layer_window(i) for i in range(2)] == [2047, 2047]
+    assert (
+        ModelConfig.from_hf({**QWEN_LIKE, "model_type": "phi3", "sliding_window": None}).sliding_layers == ()
+    )
+    qwen = {**QWEN_LIKE, "sliding_window": 4096, "max_window_layers": 1, "num_hidden_layers": 3}
+    assert ModelConfig.from_hf(qwen).sliding_layers == ()  # use_sliding_window is off
+    windowed = ModelConfig.from_hf({**qwen, "use_sliding_window": True})
+    assert windowed.max_context == 32768 and [windowed.layer_window(i) for i in range(3)] == [0, 4096, 4096]
+    types = {**qwen, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+    assert ModelConfig.from_hf(types).sliding_layers == (0, 2)
 
 
 def test_config_reads_the_experts_of_each_mixture_kind() -> None:
@@ -398,9 +406,11 @@ def test_a_repeated_weight_cannot_hide_a_missing_one():
     model.load_weights(weights)  # all of them, once: loads
 
 
+@pytest.mark.parametrize("window", [0, 1, 6, 20], ids=["full", "w1", "w6", "w20"])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_cpu_extend_attention_matches_the_reference(group):
-    """Ragged batch: cached prefixes of 0 to 40 tokens, new tokens 0 to 33, GQA 1/4/8."""
+def test_cpu_extend_attention_matches_the_reference(group, window):
+    """Ragged batch: cached prefixes of 0 to 40 tokens, new tokens 0 to 33, GQA 1/4/8; sliding windows
+    of one key, under a request's new tokens, and across its prefix and new tokens."""
     from kernels import reference
     from worker import attention
 
@@ -420,10 +430,11 @@ def test_cpu_extend_attention_matches_the_reference(group):
         "extend", [[0] * n for _, n in shapes], [p for p, _ in shapes],
         [list(range(n)) for _, n in shapes], prefixes,
     )  # fmt: skip
-    ours = attention.extend(q, k_new, v_new, k_cache, v_cache, batch, 0.3)
+    ours = attention.extend(q, k_new, v_new, k_cache, v_cache, batch, 0.3, window)
     ref = reference.extend_attention(
-        q, k_new, v_new, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, 0.3
-    )
+        q, k_new, v_new, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, 0.3,
+        window=window,
+    )  # fmt: skip
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -460,9 +471,11 @@ def test_cpu_short_extends_batched_match_the_reference(group):
     )
 
 
+@pytest.mark.parametrize("window", [0, 1, 8], ids=["full", "w1", "w8"])
 @pytest.mark.parametrize("group", [1, 2, 8])
-def test_cpu_batched_decode_attention_matches_the_reference(group):
-    """Lengths 1 to 40 in one batch: several length groups, some with more than one request."""
+def test_cpu_batched_decode_attention_matches_the_reference(group, window):
+    """Lengths 1 to 40 in one batch: several length groups, some with more than one request; sliding
+    windows of one key and of 8 (most requests longer)."""
     from kernels import reference
     from worker import attention
 
@@ -477,10 +490,12 @@ def test_cpu_batched_decode_attention_matches_the_reference(group):
         "decode", [[0]] * len(lengths), [n - 1 for n in lengths], [[0]] * len(lengths),
         [indices[a:b] for a, b in itertools.pairwise(bounds)],
     )  # fmt: skip
-    ours = attention.decode(q, k_cache, v_cache, batch, 0.3)  # too little padding to split: one group
-    ref = reference.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3)
+    ours = attention.decode(q, k_cache, v_cache, batch, 0.3, window)  # too little padding to split: one group
+    ref = reference.decode_attention(
+        q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3, window=window
+    )
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    grouped = attention.decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3, 0)
+    grouped = attention.decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, 0.3, 0, window)
     torch.testing.assert_close(grouped, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -63,9 +63,16 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
+    sliding_window: int = 0  # tokens, the query's own included
+    sliding_layers: tuple[int, ...] = ()
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of ``layer``'s attention (tokens), 0 for full attention."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -119,11 +126,6 @@ class ModelConfig:
             # NOTE: YaRN serves factor x the pretraining context; Qwen2.5 / Qwen3 configs turn it on by
             # adding rope_scaling and leave max_position_embeddings at the pretraining context
             max_positions = max(max_positions, int(rope["original_max_position_embeddings"] * rope["factor"]))
-        window = cfg.get("sliding_window")
-        if window and (model_type in ("mistral", "phi3", "mixtral") or cfg.get("use_sliding_window")):
-            # NOTE: attention here is always full; within the window that is exactly what the
-            # model computes, so serve no more than one window.
-            max_positions = min(max_positions, int(window))
         eos = cfg.get("eos_token_id")
         return ModelConfig(
             vocab_size=int(cfg["vocab_size"]),
@@ -147,6 +149,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             **(_granite_scalars(cfg) if model_type == "granite" else {}),
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
+            **_sliding_window(cfg, model_type),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -187,3 +190,22 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         else 0,
         "dense_layers": tuple(sorted(dense)),
     }
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The sliding window and the layers it applies to, as transformers reads them: every layer of
+    Mistral, Mixtral and Phi-3 when ``sliding_window`` is set; otherwise the layers ``layer_types`` marks
+    "sliding_attention" or, without it, with ``use_sliding_window`` those from ``max_window_layers`` on
+    (Qwen2's rule)."""
+    window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    if not window:
+        return {}
+    if model_type in ("mistral", "mixtral", "phi3"):
+        sliding = range(layers)
+    elif cfg.get("layer_types"):
+        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    elif cfg.get("use_sliding_window"):
+        sliding = range(int(cfg.get("max_window_layers") or 0), layers)
+    else:
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": tuple(sliding)} if sliding else {}

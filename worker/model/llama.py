@@ -109,6 +109,7 @@ class DecoderLayer(nn.Module):
         self.shard = shard
         self.heads, self.kv_heads = shard.local(c, "heads"), shard.local(c, "kv_heads")  # this rank's
         self.sparse = c.is_sparse(index)  # a mixture of experts in place of the MLP
+        self.window = c.layer_window(index)  # sliding-window attention (tokens; 0: full)
         self.inter = shard.local(c, "moe_intermediate" if self.sparse else "intermediate")  # per expert
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
@@ -174,9 +175,9 @@ class DecoderLayer(nn.Module):
         # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
         q, k = ops.rope_store_kv(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots)
         if batch.mode == "extend":
-            out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale)
+            out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window)
         else:
-            out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale)
+            out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale, self.window)
         out = out.reshape(t, self.q_size)
         o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
         o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
