@@ -170,6 +170,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return kernel_module("pointwise", mode).silu_and_mul(gate_up)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """See kernels.reference.gelu_tanh_and_mul."""
+    mode = _triton_mode(gate_up)
+    if mode is None:
+        return reference.gelu_tanh_and_mul(gate_up)
+    return kernel_module("pointwise", mode).gelu_tanh_and_mul(gate_up)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

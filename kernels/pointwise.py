@@ -1,7 +1,8 @@
 """Triton row-wise kernels of the dense layers: RMSNorm (alone, or with the residual add before it) and
 the gated MLP's SiLU-and-multiply. One program per token row (and column block).
 
-Semantics are kernels.reference.{rms_norm, add_rms_norm, silu_and_mul}; this module must never change them.
+Semantics are kernels.reference.{rms_norm, add_rms_norm, silu_and_mul, gelu_tanh_and_mul}; this module must
+never change them.
 Shapes: x, delta [T, H] (or [..., H]); weight [H] (any strides, passed on contiguous); gate_up [T, 2I].
 All math in fp32, results in the input's dtype; shapes, dtypes and devices are checked from metadata
 (ValueError).
@@ -136,17 +137,40 @@ def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK:
     tl.store(Out + row * stride_o + offs, (gate * tl.sigmoid(gate) * up).to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gelu_tanh_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < INTER
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (x + 0.044715 x^3)
+    tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    tl.store(
+        Out + row * stride_o + offs, (0.5 * gate * (1.0 + tanh) * up).to(Out.dtype.element_ty), mask=mask
+    )
+
+
 def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I], in gate_up's dtype: a gated MLP's
     activation in one kernel instead of two. ``out`` [T, I] may be preallocated (contiguous)."""
+    return _gated(gate_up, out, _silu_and_mul_kernel, "silu(gate) * up")
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU), as silu_and_mul."""
+    return _gated(gate_up, out, _gelu_tanh_and_mul_kernel, "gelu(gate) * up")
+
+
+def _gated(gate_up: torch.Tensor, out: torch.Tensor | None, kernel: object, what: str) -> torch.Tensor:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2I], got shape {list(gate_up.shape)}")
     host_checks.check_unit_stride(gate_up=gate_up)
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = _contiguous_out("out", out, gate_up[:, :inter], "silu(gate) * up")
+    out = _contiguous_out("out", out, gate_up[:, :inter], what)
     if t > 0:
         block = min(SILU_BLOCK, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+        kernel[(t, triton.cdiv(inter, block))](  # type: ignore[index]
             gate_up,
             out,
             gate_up.stride(0),

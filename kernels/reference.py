@@ -136,6 +136,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> gelu(gate) * up [T, I] with GELU's tanh approximation (Gemma's
+    GeGLU), float32 math, in gate_up's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,14 +97,28 @@ MOE_CONFIG = dataclasses.replace(CONFIG, num_experts=4, experts_per_token=2, moe
 WINDOW_CONFIG = dataclasses.replace(CONFIG, sliding_window=8, sliding_layers=(1,))
 
 
-@pytest.mark.parametrize("config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG], ids=["dense", "moe", "window"])
+# Gemma 3's kind: GeGLU, norms on each sublayer's output (float32 weights), q/k norms, a sliding layer with its
+# own RoPE base, scaled embeddings and scores, soft-capped logits
+GEMMA_CONFIG = dataclasses.replace(
+    CONFIG, qk_norm=True, norm_offset=True, sandwich_norms=True, mlp_activation="gelu_tanh", local_rope_theta=1e4,
+    sliding_window=8, sliding_layers=(0,), attention_multiplier=0.2, embedding_multiplier=8.0,
+    final_logit_softcapping=5.0, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG], ids=["dense", "moe", "window", "gemma"]
+)
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_model = random_llama(config, "cpu", torch.float32, seed=1)
     want = run_steps(cpu_model, torch.device("cpu"))  # torch reference kernels, float32
     model = kernel_model(
-        backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "fused_moe", "moe_route", "decode_grouped")
+        backend,
+        monkeypatch,
+        cpu_model,
+        (*REFERENCE_OPS, "fused_moe", "moe_route", "gelu_tanh_and_mul", "decode_grouped"),
     )
     got = run_steps(model, backend.device)
 

@@ -86,6 +86,23 @@ def test_silu_and_mul_matches_reference(backend, assert_close_rel, dtype, inter)
     assert_close_rel(out.cpu(), (gate * torch.sigmoid(gate) * up).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [96, 1100])
+def test_gelu_tanh_and_mul_matches_reference(backend, assert_close_rel, dtype, inter):
+    """Gemma's GeGLU: GELU's tanh approximation, written out here as transformers' gelu_pytorch_tanh is."""
+    pointwise = backend.module("pointwise")
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(backend.device, dtype)
+    out = torch.full((3, inter), float("nan"), dtype=dtype, device=backend.device)
+    assert pointwise.gelu_tanh_and_mul(gate_up, out=out) is out
+    gate, up = gate_up.cpu().float().chunk(2, dim=-1)
+    by_formula = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+    assert_close_rel(reference.gelu_tanh_and_mul(gate_up.cpu()), by_formula.to(dtype))
+    assert_close_rel(out.cpu(), reference.gelu_tanh_and_mul(gate_up.cpu()))
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        pointwise.gelu_tanh_and_mul(torch.randn(4, 33).to(backend.device))
+
+
 def test_add_rms_norm_and_silu_and_mul_reject_inconsistent_inputs(backend):
     pointwise = backend.module("pointwise")
     x = torch.randn(4, 32).to(backend.device)

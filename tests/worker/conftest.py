@@ -65,7 +65,7 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mistral", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
+    "mistral", "gemma3_text", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
     import torch
     import transformers
 
@@ -96,6 +96,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "phi3":  # NOTE: fused qkv_proj and gate_up_proj; its default pad id is past the vocab
         config = transformers.Phi3Config(**{"pad_token_id": None, **common})
         cls = transformers.Phi3ForCausalLM
+    elif model_type == "gemma3_text":
+        config = transformers.Gemma3TextConfig(**common)
+        cls = transformers.Gemma3ForCausalLM
     elif model_type == "mistral":
         config = transformers.MistralConfig(**common)
         cls = transformers.MistralForCausalLM
@@ -114,6 +117,10 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
+            if model_type == "gemma3_text" and name.endswith(
+                "norm.weight"
+            ):  # NOTE: Gemma's start at 0 (scale 1)
+                param.uniform_(-0.5, 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
@@ -205,6 +212,54 @@ def qwen2_window_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2 with use_sliding_window: a window of 9 tokens on layers 1 and 2 of 3 (max_window_layers 1)."""
     return save_checkpoint(tmp_path_factory.mktemp("qwen2_window"), "qwen2", num_hidden_layers=3,
                            use_sliding_window=True, sliding_window=9, max_window_layers=1)  # fmt: skip
+
+
+# Gemma 3: 3 layers, sliding (8 tokens, RoPE base 10^4), full (base 10^6, linear x2), sliding; head_dim 32
+# with queries scaled by 24^-1/2; GeGLU; four norms a layer stored as offsets from 1; logits soft-capped
+GEMMA3 = {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+          "final_logit_softcapping": 3.0, "tie_word_embeddings": True}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3_text", **GEMMA3)
+
+
+@pytest.fixture(scope="session")
+def gemma3_multimodal_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 4B+'s layout: image and text (Gemma3ForConditionalGeneration), its text_config listing only
+    what differs from Gemma3TextConfig's defaults, its weights under language_model.* beside a vision tower."""
+    import torch
+    import transformers
+
+    directory = tmp_path_factory.mktemp("gemma3_mm")
+    vocab = write_tokenizer(directory)
+    text = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+            "sliding_window_pattern": 2, "max_position_embeddings": 256}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(1234)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+            elif "language_model" in name and param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    # NOTE: as the released configs list them: the defaults left out of text_config
+    cfg["text_config"] = {
+        k: v for k, v in cfg["text_config"].items() if k in text and k != "sliding_window_pattern"
+    }
+    cfg["text_config"]["sliding_window_pattern"] = 2
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,8 @@ CHECKPOINTS = [
     "phi3_checkpoint",
     "granite_checkpoint",
     "mixtral_checkpoint",
+    "gemma3_checkpoint",
+    "gemma3_multimodal_checkpoint",
     "mistral_window_checkpoint",
     "qwen2_window_checkpoint",
     "qwen2_moe_checkpoint",
@@ -301,6 +303,38 @@ def test_sliding_windows_apply_to_the_layers_transformers_applies_them_to() -> N
     assert windowed.max_context == 32768 and [windowed.layer_window(i) for i in range(3)] == [0, 4096, 4096]
     types = {**qwen, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
     assert ModelConfig.from_hf(types).sliding_layers == (0, 2)
+
+
+def test_config_reads_gemma3_as_released() -> None:
+    """Gemma-3-1b-it's config.json (transformers 4 fields: rope_local_base_freq, sliding_window_pattern), and
+    a 4B-style image-and-text config whose text_config lists only what differs from the defaults."""
+    one_b = ModelConfig.from_hf({
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "max_position_embeddings": 32768, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    })  # fmt: skip
+    assert one_b.sliding_window == 512 and [i for i in range(26) if not one_b.layer_window(i)] == [
+        5,
+        11,
+        17,
+        23,
+    ]
+    assert (one_b.rope_theta, one_b.local_rope_theta, one_b.rope_scaling) == (1e6, 1e4, None)
+    assert one_b.attention_multiplier == 256**-0.5 and one_b.embedding_multiplier == 1152**0.5
+    assert one_b.tie_word_embeddings and one_b.norm_offset and one_b.mlp_activation == "gelu_tanh"
+    assert one_b.final_logit_softcapping == 0.0 and one_b.qk_norm and not one_b.multimodal
+    four_b = ModelConfig.from_hf({"model_type": "gemma3", "eos_token_id": [1, 106], "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}})  # fmt: skip
+    assert (four_b.num_heads, four_b.num_kv_heads, four_b.head_dim, four_b.vocab_size) == (8, 4, 256, 262208)
+    assert four_b.rope_scaling == {"factor": 8.0, "rope_type": "linear"} and four_b.rope_theta == 1e6
+    assert four_b.max_context == 131072 and four_b.eos_token_ids == [1, 106] and four_b.multimodal
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma3_text", "attn_logit_softcapping": 50.0})
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'"):
+        ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma2"})
 
 
 def test_config_reads_the_experts_of_each_mixture_kind() -> None:

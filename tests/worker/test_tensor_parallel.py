@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, start_module, wait_until
-from tests.worker.conftest import GRANITE, MIXTRAL, QWEN2_MOE, save_checkpoint
+from tests.worker.conftest import GEMMA3, GRANITE, MIXTRAL, QWEN2_MOE, save_checkpoint
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
@@ -175,11 +175,13 @@ def randomize_biases(ckpt: Path) -> None:
         ("mixtral", MIXTRAL),
         # the shared expert split as well, its sigmoid gate whole; a dense layer between sparse ones
         ("qwen2_moe", QWEN2_MOE),
+        # Gemma 3: norms on each sublayer's summed output, whole on each rank; sliding layers
+        ("gemma3_text", GEMMA3),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
-    if model_type not in ("qwen3", "phi3", "granite", "mixtral"):  # NOTE: they have none
+    if model_type not in ("qwen3", "phi3", "granite", "mixtral", "gemma3_text"):  # NOTE: they have none
         randomize_biases(ckpt)
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
     try:

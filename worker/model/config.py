@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = (
+    "gemma3_text",
     "llama",
     "qwen2",
     "qwen3",
@@ -66,6 +67,17 @@ class ModelConfig:
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
+    # Gemma 3: RMSNorm weights stored as an offset from 1 (folded in at load), a norm on each sublayer's
+    # output before its residual add, a GELU (tanh) gated MLP, sliding layers' own RoPE base, and tanh
+    # soft-capping of the logits (0: none)
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"  # or "gelu_tanh"
+    local_rope_theta: float | None = None  # the RoPE base of sliding layers (default RoPE), when theirs
+    final_logit_softcapping: float = 0.0
+    # the checkpoint holds more than this language model (Gemma 3 4B+: a vision tower and its projector),
+    # its weights named language_model.*: those are loaded, the others skipped
+    multimodal: bool = False
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -88,11 +100,20 @@ class ModelConfig:
         """From a parsed HF config.json (transformers 4.x ``rope_scaling``/``rope_theta`` or 5.x
         ``rope_parameters``). Raises ValueError on what this model cannot run."""
         model_type = cfg.get("model_type", "llama")
+        if model_type == "gemma3":  # NOTE: Gemma 3 4B+ (image and text): its language model is served
+            text = dict(cfg.get("text_config") or {})
+            cfg = {**text, "model_type": "gemma3_text", "language_model_of": "gemma3",
+                   **{k: cfg[k] for k in ("eos_token_id", "bos_token_id") if cfg.get(k) is not None}}  # fmt: skip
+            model_type = "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; only silu (SwiGLU) is implemented")
+        if model_type == "gemma3_text":
+            cfg = _gemma3_defaults(cfg)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"unsupported hidden_act {act!r}; silu (SwiGLU) and gelu_pytorch_tanh (GeGLU) are"
+            )
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
@@ -101,6 +122,17 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads")
 
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        local_rope_theta = None
+        if "full_attention" in rope:  # NOTE: transformers 5's RoPE per layer type (Gemma 3)
+            local = dict(rope.get("sliding_attention") or {})
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(
+                    f"unsupported rope type {local['rope_type']!r} on sliding layers (default only)"
+                )
+            local_rope_theta = float(local.get("rope_theta", 10000.0))
+            rope = dict(rope["full_attention"] or {})
+        elif cfg.get("rope_local_base_freq") is not None:  # transformers 4's Gemma 3
+            local_rope_theta = float(cfg["rope_local_base_freq"])
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rotary = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
@@ -146,10 +178,12 @@ class ModelConfig:
             or bool(model_type == "qwen2_moe" and cfg.get("qkv_bias", True)),
             o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             **(_granite_scalars(cfg) if model_type == "granite" else {}),
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             **_sliding_window(cfg, model_type),
+            **(_gemma3(cfg, hidden, local_rope_theta) if model_type == "gemma3_text" else {}),
+            mlp_activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
@@ -202,6 +236,9 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {}
     if model_type in ("mistral", "mixtral", "phi3"):
         sliding = range(layers)
+    elif model_type == "gemma3_text" and not cfg.get("layer_types"):  # transformers 4: every 6th layer full
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        sliding = [i for i in range(layers) if (i + 1) % pattern]
     elif cfg.get("layer_types"):
         sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
     elif cfg.get("use_sliding_window"):
@@ -209,3 +246,34 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     else:
         return {}
     return {"sliding_window": int(window), "sliding_layers": tuple(sliding)} if sliding else {}
+
+
+def _gemma3_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text config with transformers' defaults where it leaves them out (tied embeddings, a
+    head_dim of 256, GELU-tanh), and refused where it asks for what is not served."""
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("attn_logit_softcapping (Gemma 2's soft-capped attention scores) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
+    # NOTE: transformers' Gemma3TextConfig defaults: the text_config of a Gemma 3 4B+ checkpoint lists
+    # only what differs from them
+    defaults = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                "sliding_window": 4096, "rope_theta": 1_000_000.0}  # fmt: skip
+    return {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+
+
+def _gemma3(cfg: dict[str, Any], hidden: int, local_rope_theta: float | None) -> dict[str, Any]:
+    """Gemma 3's scalars: embeddings times sqrt(hidden_size), scores times query_pre_attn_scalar^-1/2,
+    norms as offsets from 1 on every sublayer's input and output, sliding layers' own RoPE base."""
+    return {
+        "embedding_multiplier": hidden**0.5,
+        "attention_multiplier": float(cfg["query_pre_attn_scalar"]) ** -0.5,
+        "norm_offset": True,
+        "sandwich_norms": True,
+        "local_rope_theta": 10000.0 if local_rope_theta is None else local_rope_theta,
+        "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+        "multimodal": cfg.get("language_model_of") == "gemma3",
+    }

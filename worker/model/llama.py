@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV pool, driven by a ForwardBatch.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 3, and the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV pool, driven by a ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each, and a sparse
@@ -92,11 +92,25 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """[max_context, D] float32: cos in [:, :D/2], sin in [:, D/2:] (kernels.reference layout), both
-    times rope_attention_factor."""
+    times rope_attention_factor. A config with ``local_rope_theta`` set to a base gives its sliding
+    layers' cache: default RoPE of that base (see local_rope_config)."""
     positions = torch.arange(config.max_context, dtype=torch.float64)
     freqs = torch.outer(positions, rope_inv_freq(config))
     cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(config)
     return cos_sin.float().to(device)
+
+
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """The config whose RoPE is that of the sliding layers (Gemma 3: default RoPE of local_rope_theta)."""
+    import dataclasses
+
+    return dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+
+
+def _norm_weight(size: int, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    """An RMSNorm weight: in float32 where the checkpoint stores it as an offset from 1 (Gemma), so that
+    1 + w is exact as transformers computes it (the norm kernels read any weight dtype)."""
+    return _weight(size, device=device, dtype=torch.float32 if config.norm_offset else dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -114,14 +128,18 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
         w = {"device": device, "dtype": dtype}
-        self.input_layernorm = _weight(c.hidden_size, **w)
+        self.input_layernorm = _norm_weight(c.hidden_size, c, device, dtype)
         self.qkv_proj = _weight(qkv_rows, c.hidden_size, **w)
         self.qkv_bias = _weight(qkv_rows, **w) if c.qkv_bias else None
         self.o_proj = _weight(c.hidden_size, self.q_size, **w)
         self.o_bias = _weight(c.hidden_size, **w) if c.o_bias else None
-        self.q_norm = _weight(c.head_dim, **w) if c.qk_norm else None
-        self.k_norm = _weight(c.head_dim, **w) if c.qk_norm else None
-        self.post_attention_layernorm = _weight(c.hidden_size, **w)
+        self.q_norm = _norm_weight(c.head_dim, c, device, dtype) if c.qk_norm else None
+        self.k_norm = _norm_weight(c.head_dim, c, device, dtype) if c.qk_norm else None
+        self.post_attention_layernorm = _norm_weight(c.hidden_size, c, device, dtype)  # the MLP's input norm
+        # Gemma 3: a norm on the attention's and the MLP's outputs before their residual adds
+        self.attn_out_norm = _norm_weight(c.hidden_size, c, device, dtype) if c.sandwich_norms else None
+        self.mlp_out_norm = _norm_weight(c.hidden_size, c, device, dtype) if c.sandwich_norms else None
+        self.uses_local_rope = self.window > 0 and c.local_rope_theta is not None
         dense = not self.sparse
         self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **w) if dense else None
         self.gate_up_bias = _weight(2 * self.inter, **w) if c.mlp_bias and dense else None
@@ -181,15 +199,27 @@ class DecoderLayer(nn.Module):
         out = out.reshape(t, self.q_size)
         o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
         o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
+        if self.attn_out_norm is not None:
+            o = ops.rms_norm(o, self.attn_out_norm, c.rms_norm_eps)
         x, h = ops.add_rms_norm(x, o, self.post_attention_layernorm, c.rms_norm_eps)
         if self.sparse:
-            return x, self.shard.all_reduce(self._experts(h, ops))
+            return x, self._mlp_out(self.shard.all_reduce(self._experts(h, ops)), ops)
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
-        act = ops.silu_and_mul(gate_up)
+        act = ops.gelu_tanh_and_mul(gate_up) if c.mlp_activation == "gelu_tanh" else ops.silu_and_mul(gate_up)
         down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
-        return x, self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down))
+        return x, self._mlp_out(
+            self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down)), ops
+        )
+
+    def _mlp_out(self, down: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        """The MLP's output as the next norm adds it: normed first where the model says so (Gemma 3)."""
+        return (
+            down
+            if self.mlp_out_norm is None
+            else ops.rms_norm(down, self.mlp_out_norm, self.config.rms_norm_eps)
+        )
 
     def _experts(self, h: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """A sparse layer's MLP output for h [T, H]: the router's top experts of each token, weighted, plus
@@ -204,6 +234,9 @@ class DecoderLayer(nn.Module):
 
 
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
+_GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
+                "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
 # Mixtral's names for a sparse layer: block_sparse_moe.gate and block_sparse_moe.experts.N.w1 / w3 / w2
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:gate|(experts\.\d+\.)(w[123]))\.")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -239,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         projs = ("qkv", "o") if config.num_experts else ("qkv", "o", "gate_up", "down")
         dims = {name: tuple(getattr(layer, f"{name}_proj").shape) for name in projs}
         self.lora_stack = LoraStack(dims, config.num_layers, device, dtype)  # their weights
-        self.norm = _weight(config.hidden_size, **w)
+        self.norm = _norm_weight(config.hidden_size, config, device, dtype)
         self.vocab_lo, self.vocab_hi = shard.vocab_range(config.vocab_size)  # this rank's lm_head rows
         # NOTE: tied embeddings share one tensor; loading either name fills both.
         if config.tie_word_embeddings:
@@ -249,6 +282,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _weight(self.vocab_hi - self.vocab_lo, config.hidden_size, **w)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
+        local = config.local_rope_theta is not None and any(layer.uses_local_rope for layer in self.layers)
+        local_cache = rope_cos_sin_cache(local_rope_config(config), device) if local else self.cos_sin_cache
+        self.register_buffer("local_cos_sin_cache", local_cache, persistent=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: object) -> torch.Tensor:
@@ -258,7 +294,8 @@ class LlamaForCausalLM(nn.Module):
         k_caches, v_caches = kv_pool.k_cache, kv_pool.v_cache  # type: ignore[attr-defined]
         delta = None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, batch, k_caches[i], v_caches[i], self.cos_sin_cache)
+            cos_sin = self.local_cos_sin_cache if layer.uses_local_rope else self.cos_sin_cache
+            x, delta = layer(x, delta, batch, k_caches[i], v_caches[i], cos_sin)
         rows = None
         if batch.logit_rows is not None:
             rows = batch.logit_rows
@@ -277,6 +314,9 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(x, self.lm_head).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return self.shard.gather_vocab(logits, self.config.vocab_size)
 
     def add_lora(self, adapter: object) -> int:
@@ -323,9 +363,13 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_proj": ("gate_up", 0, inter),
             "mlp.up_proj": ("gate_up", inter, 2 * inter),
         }
+        if c.sandwich_norms:  # NOTE: Gemma's post_attention_layernorm is on the attention's output
+            part = _GEMMA_NORMS.get(part, part)
         single = {
             ("input_layernorm", "weight"): layer.input_layernorm,
             ("post_attention_layernorm", "weight"): layer.post_attention_layernorm,
+            ("attn_out_norm", "weight"): layer.attn_out_norm,
+            ("mlp_out_norm", "weight"): layer.mlp_out_norm,
             ("self_attn.o_proj", "weight"): layer.o_proj,
             ("self_attn.o_proj", "bias"): layer.o_bias,
             ("self_attn.q_norm", "weight"): layer.q_norm,
@@ -389,6 +433,11 @@ class LlamaForCausalLM(nn.Module):
             missing = [n for n in self._weight_names() if n not in seen]
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights: {shown or 'unknown'}")
+        if self.config.norm_offset:  # NOTE: Gemma stores each RMSNorm weight as w for a scale of 1 + w
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if name.endswith(("norm", "layernorm")):
+                        p.add_(1.0)
         r = self.config.residual_multiplier
         if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
             with torch.no_grad():
@@ -401,10 +450,15 @@ class LlamaForCausalLM(nn.Module):
         """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack
         (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
         Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
-        tensor-parallel splits and checks see one layout."""
+        tensor-parallel splits and checks see one layout. Of a multimodal checkpoint, the language model's
+        weights (language_model.*) without their prefix."""
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for name, tensor in weights:
+            if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
+                if not name.startswith("language_model."):
+                    continue
+                name = name.removeprefix("language_model.")
             name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
             m = _LAYER_WEIGHT.match(name)
             part = m.group(2) if m else None
@@ -423,7 +477,8 @@ class LlamaForCausalLM(nn.Module):
         """The HF names of every weight this model loads."""
         parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
-                 "self_attn.k_norm", "mlp.gate", "mlp.shared_expert_gate",
+                 "self_attn.k_norm", "mlp.gate", "mlp.shared_expert_gate", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm",
                  *(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")),
                  *(f"mlp.experts.{e}.{p}" for e in range(self.config.num_experts)
                    for p in ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
