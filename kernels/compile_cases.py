@@ -50,20 +50,20 @@ def _tensors(shape: Shape, tokens: int = 32, slots: int = 64) -> dict[str, torch
     }
 
 
-def decode_case(shape: Shape, config: Any, label: str, window: int = 0) -> Case:
+def decode_case(shape: Shape, config: Any, label: str, window: int = 0, softcap: float = 0.0) -> Case:
     from kernels.decode_attention import decode_attention
 
     t = _tensors(shape)
 
     def call() -> Any:
         return decode_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indices"],
-                                num_splits=DECODE_SPLITS, config=config, window=window)  # fmt: skip
+                                num_splits=DECODE_SPLITS, config=config, window=window, softcap=softcap)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
 
 def extend_case(
-    shape: Shape, config: Any, label: str, num_splits: int | None = None, window: int = 0
+    shape: Shape, config: Any, label: str, num_splits: int | None = None, window: int = 0, softcap: float = 0.0
 ) -> Case:  # fmt: skip
     from kernels.extend_attention import extend_attention
 
@@ -72,7 +72,7 @@ def extend_case(
     def call() -> Any:
         return extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"],
                                 t["indices"], max_extend_len=32, num_splits=num_splits, config=config,
-                                window=window)  # fmt: skip
+                                window=window, softcap=softcap)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
@@ -150,6 +150,9 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         # sliding-window attention (Mistral, Phi-3, windowed Qwen2 layers): both kernels with the window's masks
         extend_case(shape, extend_default, f"extend-window {shape.label}", window=4096),
         decode_case(shape, decode_default, f"decode-window {shape.label}", window=4096),
+        # Gemma 2's layers: soft-capped scores, the sliding ones windowed too
+        extend_case(shape, extend_default, f"extend-softcap {shape.label}", window=4096, softcap=50.0),
+        decode_case(shape, decode_default, f"decode-softcap {shape.label}", window=4096, softcap=50.0),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),

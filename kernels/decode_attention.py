@@ -129,7 +129,7 @@ def split_cap(
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled split kernel serves every split
 # count, so capturing CUDA graphs for many batch sizes compiles it once, not once per count.
-@triton.jit(do_not_specialize=["num_splits", "window"])
+@triton.jit(do_not_specialize=["num_splits", "window", "softcap"])
 def _decode_split_kernel(
     Q,
     K_cache,
@@ -156,6 +156,7 @@ def _decode_split_kernel(
     stride_oh,
     num_splits,  # the most splits any request may use (the grid's third dimension)
     window,  # sliding window (keys a query sees, its own included; WINDOWED only)
+    softcap,  # scores soft-capped: softcap * tanh(score / softcap) (SOFTCAP only)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -169,6 +170,7 @@ def _decode_split_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+)
     PREFETCH: tl.constexpr,  # load the next tile before computing this one
     WINDOWED: tl.constexpr,  # attend the last ``window`` slots of each request only
+    SOFTCAP: tl.constexpr,
 ):
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
@@ -227,7 +229,20 @@ def _decode_split_kernel(
             mask_after = n_after < hi
             slots_after = tl.load(indices + n_after, mask=mask_after, other=0).to(tl.int64)
             m_i, l_i, acc = attend_tile(
-                q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
+                q,
+                k,
+                v,
+                mask_n[None, :],
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                True,
+                PRECISION,
+                DOT_FP32,
+                False,
+                softcap,
+                SOFTCAP,
             )
             k, v, mask_n = k_next, v_next, mask_next
             slots_next, mask_next = slots_after, mask_after
@@ -238,7 +253,20 @@ def _decode_split_kernel(
             slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
             k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
             m_i, l_i, acc = attend_tile(
-                q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32
+                q,
+                k,
+                v,
+                mask_n[None, :],
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                True,
+                PRECISION,
+                DOT_FP32,
+                False,
+                softcap,
+                SOFTCAP,
             )
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
@@ -326,10 +354,12 @@ def decode_attention(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
     when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). ``window`` > 0: each
-    request attends its last ``window`` slots only (sliding-window attention). Never syncs.
+    request attends its last ``window`` slots only (sliding-window attention); ``softcap`` > 0 soft-caps the
+    scores (kernels.reference.decode_attention). Never syncs.
     Raises ValueError on inconsistent shapes, dtypes or devices (from metadata)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     batch, hq, d = q.shape
@@ -376,6 +406,7 @@ def decode_attention(
         out.stride(1),
         num_splits,
         max(window, 0),
+        float(softcap),
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=d,
@@ -389,6 +420,7 @@ def decode_attention(
         PDL=pdl,
         PREFETCH=cfg.prefetch,
         WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -252,7 +252,7 @@ def device_arch(device: torch.device) -> int:
 def _attend_rows(
     q, K, V, rows, mask_n, offs_m, n, stride_k, stride_v, offs_d, mask_d, m_i, l_i, acc, qk_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    window=0, WINDOW_FROM=None, WINDOWED: tl.constexpr = False,
+    window=0, WINDOW_FROM=None, WINDOWED: tl.constexpr = False, softcap=0.0, SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile: K/V of one head at token ``rows`` (pool slots or new-token rows) into the running
     softmax. MASKED: apply ``mask_n`` (and, when CAUSAL, key n <= query m) to the scores. WINDOWED: also
@@ -263,11 +263,12 @@ def _attend_rows(
         allowed = allowed & (n[None, :] <= offs_m[:, None])
     if WINDOWED:
         allowed = allowed & (n[None, :] > WINDOW_FROM[:, None] - window)
-    return attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, MASKED, PRECISION, DOT_FP32, WINDOWED)
+    return attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, MASKED, PRECISION, DOT_FP32, WINDOWED, softcap,
+                       SOFTCAP)  # fmt: skip
 
 
 # NOTE: num_splits is a plain (unspecialised) argument: one compiled kernel serves every split count
-@triton.jit(do_not_specialize=["num_splits", "batch", "window"])
+@triton.jit(do_not_specialize=["num_splits", "batch", "window", "softcap"])
 def _extend_kernel(
     Q,
     K_new,
@@ -301,6 +302,7 @@ def _extend_kernel(
     num_splits,  # the most prefix splits any request may use (SPLIT only)
     batch,  # requests (PACKED only)
     window,  # sliding window: keys a query sees, its own included (WINDOWED only)
+    softcap,  # scores soft-capped: softcap * tanh(score / softcap) (SOFTCAP only)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -313,6 +315,7 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     WINDOWED: tl.constexpr,  # sliding-window attention: the query at position p sees p - window + 1 .. p
+    SOFTCAP: tl.constexpr,
 ):
     head = tl.program_id(0)
     if PACKED:
@@ -387,14 +390,15 @@ def _extend_kernel(
         slots = tl.load(kv_indices + prefix_start + n).to(tl.int64)
         m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, n < p_hi, offs_m, n, stride_kcs, stride_vcs,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
-                                     PRECISION, DOT_FP32)  # fmt: skip
+                                     PRECISION, DOT_FP32, 0, offs_m, False, softcap, SOFTCAP)  # fmt: skip
     for n_lo in range(full_end, p_hi, BLOCK_N):
         n = n_lo + offs_n
         mask_n = n < p_hi
         slots = tl.load(kv_indices + prefix_start + n, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, mask_n, offs_m, n, stride_kcs, stride_vcs,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, True, False,
-                                     PRECISION, DOT_FP32, window, prefix_len + offs_m, WINDOWED)  # fmt: skip
+                                     PRECISION, DOT_FP32, window, prefix_len + offs_m, WINDOWED, softcap,
+                                     SOFTCAP)  # fmt: skip
 
     # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j), in the last split.
     # Whole tiles left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
@@ -413,12 +417,12 @@ def _extend_kernel(
         n = n_lo + offs_n
         m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
-                                     PRECISION, DOT_FP32)  # fmt: skip
+                                     PRECISION, DOT_FP32, 0, offs_m, False, softcap, SOFTCAP)  # fmt: skip
     for n_lo in range(diag_lo, n_end, BLOCK_N):
         n = n_lo + offs_n
         m_i, l_i, acc = _attend_rows(q, K_n, V_n, q_start + n, n < q_len, offs_m, n, stride_knt, stride_vnt,
                                      offs_d, mask_d, m_i, l_i, acc, qk_scale, True, True,
-                                     PRECISION, DOT_FP32, window, offs_m, WINDOWED)  # fmt: skip
+                                     PRECISION, DOT_FP32, window, offs_m, WINDOWED, softcap, SOFTCAP)  # fmt: skip
 
     if SPLIT:
         part, lse = finish_split(acc, m_i, l_i)  # NOTE: an empty part (past the prefix's end): weight 0
@@ -455,9 +459,10 @@ def extend_attention(
     out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``window`` > 0: sliding-window attention (as
-    kernels.reference.extend_attention's). ``max_extend_len`` (tokens) bounds the grid;
+    kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise). ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
     prefix splits. ``num_splits`` caps the prefix splits (a CUDA graph fixes it; 1: none; None:
@@ -526,6 +531,7 @@ def extend_attention(
         num_splits,
         batch,
         max(window, 0),
+        float(softcap),
         GROUP=hq // hkv,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -538,6 +544,7 @@ def extend_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         WINDOWED=window > 0,
+        SOFTCAP=softcap > 0,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -38,10 +38,15 @@ def attend_tile(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     EMPTY_ROWS: tl.constexpr = False,  # a row may have seen no key yet after this tile (sliding windows)
+    softcap=0.0,  # SOFTCAP: each score s (natural scale) becomes softcap * tanh(s / softcap) (Gemma 2)
+    SOFTCAP: tl.constexpr = False,
 ):
     if DOT_FP32:
         k = k.to(tl.float32)
     qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if SOFTCAP:  # NOTE: qk is in the log2 domain (scale times log2(e)); tanh(x) = 2 sigmoid(2x) - 1
+        capped = 2.0 * tl.sigmoid(2.0 * qk * (0.6931471805599453 / softcap)) - 1.0
+        qk = capped * (softcap * 1.4426950408889634)
     if MASKED:
         qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))

@@ -82,20 +82,22 @@ def extend_attention(
     max_prefix_len: int | None = None,
     config: Any = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill with a cached prefix; see kernels.reference.extend_attention (``window``: sliding-window
-    attention). ``max_extend_len`` (tokens, the most rows of any request) spares the Triton path a
+    attention; ``softcap``: soft-capped scores). ``max_extend_len`` (tokens, the most rows of any request) spares the Triton path a
     device-to-host sync; ``max_prefix_len`` (the longest cached prefix) picks its tiles; ``config`` (an
     extend_attention.ExtendConfig: an extend graph's variant) overrides them."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.extend_attention(
             q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-            max_extend_len=max_extend_len, window=window,
+            max_extend_len=max_extend_len, window=window, softcap=softcap,
         )  # fmt: skip
     return kernel_module("extend_attention", mode).extend_attention(
         q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
         max_extend_len=max_extend_len, max_prefix_len=max_prefix_len, config=config, window=window,
+        softcap=softcap,
     )  # fmt: skip
 
 
@@ -133,14 +135,17 @@ def decode_attention(
     sm_scale: float | None = None,
     *,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request; see kernels.reference.decode_attention (``window``: the last slots
-    attended, 0 for all)."""
+    attended, 0 for all; ``softcap``: soft-capped scores)."""
     mode = _triton_mode(q)
     if mode is None:
-        return reference.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window)
+        return reference.decode_attention(
+            q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap
+        )
     return kernel_module("decode_attention", mode).decode_attention(
-        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window
+        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap
     )
 
 

@@ -19,15 +19,19 @@ LORA_BLOCK_ROWS = 16  # rows one program of the LoRA kernels takes (kernels.lora
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float, window: int = 0
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float, window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
     """q [n, Hq, D] attends k, v [n_prefix + n, Hkv, D]; query j sees keys 0 .. n_prefix + j, only the
-    last ``window`` of them when window > 0 (sliding-window attention)."""
+    last ``window`` of them when window > 0 (sliding-window attention); with softcap > 0 each score s
+    becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     total = k.shape[0]
     keys = torch.arange(total, device=q.device).unsqueeze(0)
     positions = (n_prefix + torch.arange(n, device=q.device)).unsqueeze(1)
@@ -51,12 +55,14 @@ def extend_attention(
     *,
     max_extend_len: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
     the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
     in q's dtype. ``max_extend_len`` is a launch hint for the Triton kernel; ignored here. ``window``
     > 0: sliding-window attention, the token at position p sees positions p - window + 1 .. p only
-    (positions count the request's prefix, then its new tokens)."""
+    (positions count the request's prefix, then its new tokens). ``softcap`` > 0: scores soft-capped,
+    softcap * tanh(score / softcap), before the softmax."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
@@ -67,7 +73,7 @@ def extend_attention(
         slots = kv_indices[kvp[i] : kvp[i + 1]].long()
         k = torch.cat([k_cache[slots], k_new[rows]])
         v = torch.cat([v_cache[slots], v_new[rows]])
-        out[rows] = _attend(q[rows], k, v, len(slots), scale, window).to(q.dtype)
+        out[rows] = _attend(q[rows], k, v, len(slots), scale, window, softcap).to(q.dtype)
     return out
 
 
@@ -83,13 +89,14 @@ def extend_short_attention(
     *,
     max_extend_len: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """extend_attention with the new tokens' K/V read from the pool at ``out_slots`` (stored there
     before attention, as the worker does). ``max_extend_len`` is a launch hint; ignored here."""
     slots = out_slots.long()
     return extend_attention(
         q, k_cache[slots], v_cache[slots], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-        window=window,
+        window=window, softcap=softcap,
     )  # fmt: skip
 
 
@@ -102,9 +109,11 @@ def decode_attention(
     sm_scale: float | None = None,
     *,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request, q [B, Hq, D], over all of its KV slots (the current token's
-    K/V already stored), or the last ``window`` of them when window > 0. Returns [B, Hq, D] in q's dtype."""
+    K/V already stored), or the last ``window`` of them when window > 0; scores soft-capped when
+    softcap > 0 (as extend_attention's). Returns [B, Hq, D] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     kvp = kv_indptr.tolist()
@@ -112,7 +121,9 @@ def decode_attention(
         start = kvp[i] if window <= 0 else max(kvp[i], kvp[i + 1] - window)
         slots = kv_indices[start : kvp[i + 1]].long()
         # the single query is the last of the sequence: it sees every slot
-        out[i] = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale)[0].to(q.dtype)
+        out[i] = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale, 0, softcap)[
+            0
+        ].to(q.dtype)
     return out
 
 

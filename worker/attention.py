@@ -48,14 +48,19 @@ def extend(
     batch: ForwardBatch,
     sm_scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
-    (causal; with ``window`` > 0 the last ``window`` positions only). Returns [T, Hq, D]. The new K/V
-    must already be in the pool at ``batch.out_slots``: steps of few new tokens per request
-    (SHORT_EXTEND) read them there, unless windowed (those take the extend path)."""
+    (causal; with ``window`` > 0 the last ``window`` positions only; ``softcap`` > 0: soft-capped
+    scores). Returns [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``: steps
+    of few new tokens per request (SHORT_EXTEND) read them there, unless windowed or soft-capped (those
+    take the extend path; on the CPU soft-capped scores take the reference, SDPA has no cap)."""
     ops = kernel_ops(q.device)
-    short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0
+    short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0 and softcap <= 0
     if ops is reference:
+        if softcap > 0:
+            return reference.extend_attention(q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr,
+                                              batch.kv_indices, sm_scale, window=window, softcap=softcap)  # fmt: skip
         if batch.batch_size > 1 and short:
             return extend_short(q, k_cache, v_cache, batch, sm_scale)
         return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale, window)
@@ -67,7 +72,7 @@ def extend(
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
-        config=batch.extend_config, window=window,
+        config=batch.extend_config, window=window, softcap=softcap,
     )  # fmt: skip
 
 
@@ -181,15 +186,19 @@ def _attend_rows(
 def decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, sm_scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """One token per request: q [B, Hq, D] attends all of the request's slots (its own K/V must
-    already be stored), the last ``window`` with a window > 0. Returns [B, Hq, D]."""
+    already be stored), the last ``window`` with a window > 0, scores soft-capped with a softcap > 0.
+    Returns [B, Hq, D]."""
     ops = kernel_ops(q.device)
     if ops is reference:
+        if softcap > 0:
+            return reference.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale,
+                                              window=window, softcap=softcap)  # fmt: skip
         return decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window)
-    return ops.decode_attention(
-        q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window
-    )
+    return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window,
+                                softcap=softcap)  # fmt: skip
 
 
 def decode_grouped(

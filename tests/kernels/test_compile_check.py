@@ -207,23 +207,26 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     splits = [(r["constants"]["BLOCK_N"], r["constants"]["FUSED_MERGE"], r["constants"]["PDL"],
-               r["constants"]["PREFETCH"], r["constants"]["WINDOWED"])
+               r["constants"]["PREFETCH"], r["constants"]["WINDOWED"], r["constants"]["SOFTCAP"])
               for r in loaded if r["kernel"] == "_decode_split_kernel"]  # fmt: skip
     # one split kernel a tile choice (the default's and, from MANY_REQUESTS requests, 64-token tiles; and
-    # one fused, one launched as a programmatic dependent, one prefetching and one windowed) serves every
-    # split count and every window
+    # one fused, one launched as a programmatic dependent, one prefetching, one windowed and one windowed
+    # with soft-capped scores) serves every split count, window and cap
     assert sorted(splits) == [
-        (64, False, False, False, False),
-        (64, False, False, True, False),
-        (128, False, False, False, False),
-        (128, False, False, False, True),
-        (128, False, True, False, False),
-        (128, True, False, False, False),
+        (64, False, False, False, False, False),
+        (64, False, False, True, False, False),
+        (128, False, False, False, False, False),
+        (128, False, False, False, True, False),
+        (128, False, False, False, True, True),
+        (128, False, True, False, False, False),
+        (128, True, False, False, False, False),
     ]
     merge_blocks = sorted((r["constants"]["BLOCK_S"], r["constants"]["PDL"], r["constants"]["WINDOWED"])
                           for r in loaded if r["kernel"] == "_decode_merge_kernel")  # fmt: skip
     assert merge_blocks == [(8, False, False), (8, False, True), (8, True, False), (16, False, False)]
-    assert all("window" not in r["constants"] for r in loaded)  # a plain argument: any window, one kernel
+    assert all(
+        "window" not in r["constants"] and "softcap" not in r["constants"] for r in loaded
+    )  # plain arguments
     rows = {r["kernel"]: r for r in loaded}
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
@@ -241,7 +244,10 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
         (True, True, 64, 32, 4),  # the packed grid with the split, 32 requests: BLOCK_R 32
     ]  # fmt: skip
     windowed = [r for r in loaded if r["kernel"] == "_extend_kernel" and r["constants"]["WINDOWED"]]
-    assert [(r["constants"]["SPLIT"], r["constants"]["BLOCK_M"]) for r in windowed] == [(False, 64)]
+    assert sorted((r["constants"]["SOFTCAP"], r["constants"]["BLOCK_M"]) for r in windowed) == [
+        (False, 64),
+        (True, 64),
+    ]
     assert extends[-1]["constants"]["BLOCK_R"] == 32
     assert {r["constants"]["BLOCK_R"] for r in extends[:-1]} == {2}  # unpacked: one kernel for any batch
     for extend in extends:
@@ -288,7 +294,7 @@ def test_only_refuses_names_of_no_case_and_lists_the_cases(capsys):
     assert compile_check.main(["--arch", "80", "--only", "nope", "rms"]) == 2
     err = capsys.readouterr().err
     assert (
-        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-window, extend,"
+        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-softcap, decode-window,"
         in err
     )
 

@@ -106,9 +106,16 @@ GEMMA_CONFIG = dataclasses.replace(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG], ids=["dense", "moe", "window", "gemma"]
+# Gemma 2's kind: no q/k norms, one RoPE, attention scores soft-capped
+GEMMA2_CONFIG = dataclasses.replace(
+    GEMMA_CONFIG, qk_norm=False, local_rope_theta=None, attn_logit_softcapping=2.0
 )
+
+
+@pytest.mark.parametrize(
+    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG],
+    ids=["dense", "moe", "window", "gemma3", "gemma2"],
+)  # fmt: skip
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -1,6 +1,7 @@
-"""Sliding-window attention (the query at position p sees positions p - window + 1 .. p): the reference
-against the plain definition, and the extend and decode kernels (split, packed, fused merge, prefetch)
-against the reference, with windows shorter than a tile, spanning several, and longer than every request."""
+"""Sliding-window attention (the query at position p sees positions p - window + 1 .. p) and soft-capped
+scores (Gemma 2): the reference against the plain definition, and the extend and decode kernels (split,
+packed, fused merge, prefetch) against the reference, with windows shorter than a tile, spanning several,
+and longer than every request."""
 
 from __future__ import annotations
 
@@ -79,3 +80,50 @@ def test_decode_windows_match_the_reference(backend, assert_close_rel, window, n
     out = torch.full_like(args[0], float("nan"))
     dec.decode_attention(*args, out=out, config=cfg, num_splits=num_splits, window=window)
     assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args), window=window))
+
+
+def test_the_reference_soft_caps_scores_by_definition():
+    """softcap * tanh(s / softcap) on every score before the softmax (Gemma 2): a cap far above the scores
+    changes nothing, a low one changes the output."""
+    args = extend_cases.make_batch([(6, 5)], 4, 2, 16, torch.float32, "cpu", seed=5)
+    q, k_new, v_new, k_cache, v_cache, _, _, slots = args
+    k = torch.cat([k_cache[slots.long()], k_new]).float().repeat_interleave(2, dim=1)
+    v = torch.cat([v_cache[slots.long()], v_new]).float().repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * 16**-0.5
+    capped = torch.tanh(scores / 0.5) * 0.5
+    mask = torch.arange(11)[None, :] <= 6 + torch.arange(5)[:, None]
+    want = torch.einsum("hqk,khd->qhd", capped.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(reference.extend_attention(*args, softcap=0.5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        reference.extend_attention(*args, softcap=1e4), reference.extend_attention(*args)
+    )
+    assert not torch.allclose(want, reference.extend_attention(*args), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [0, 33])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["unsplit", "split"])
+def test_extend_soft_caps_match_the_reference(backend, assert_close_rel, window, num_splits):
+    ext = backend.module("extend_attention")
+    dtype = torch.float16 if backend.is_cuda else torch.float32
+    args = extend_cases.make_batch(REQUESTS, 8, 2, 64, dtype, backend.device, seed=11 + window)
+    args = (args[0] * 4, *args[1:])  # NOTE: scores of order 10, so a cap of 5 bites
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, out=out, num_splits=num_splits, window=window, softcap=5.0)
+    want = reference.extend_attention(*(a.cpu() for a in args), window=window, softcap=5.0)
+    assert_close_rel(out.cpu(), want)
+    assert not torch.allclose(
+        want, reference.extend_attention(*(a.cpu() for a in args), window=window), atol=1e-2
+    )
+
+
+@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
+def test_decode_soft_caps_match_the_reference(backend, assert_close_rel, variant):
+    dec = backend.module("decode_attention")
+    dtype = torch.float16 if backend.is_cuda else torch.float32
+    args = decode_cases.make_batch([1, 2, 17, 50, 130, 33], 8, 2, 64, dtype, backend.device, seed=12)
+    args = (args[0] * 4, *args[1:])
+    out = torch.full_like(args[0], float("nan"))
+    dec.decode_attention(
+        *args, out=out, config=decode_cases.config_of(dec, args, variant), num_splits=4, softcap=5.0
+    )
+    assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args), softcap=5.0))

@@ -65,7 +65,7 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mistral", "gemma3_text", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
+    "mistral", "gemma2", "gemma3_text", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
     import torch
     import transformers
 
@@ -96,6 +96,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "phi3":  # NOTE: fused qkv_proj and gate_up_proj; its default pad id is past the vocab
         config = transformers.Phi3Config(**{"pad_token_id": None, **common})
         cls = transformers.Phi3ForCausalLM
+    elif model_type == "gemma2":
+        config = transformers.Gemma2Config(**common)
+        cls = transformers.Gemma2ForCausalLM
     elif model_type == "gemma3_text":
         config = transformers.Gemma3TextConfig(**common)
         cls = transformers.Gemma3ForCausalLM
@@ -221,6 +224,17 @@ GEMMA3 = {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "
           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
           "final_logit_softcapping": 3.0, "tie_word_embeddings": True}  # fmt: skip
+
+
+# Gemma 2: 3 layers alternating sliding (8 tokens) and full, attention scores soft-capped at 2 (so the cap
+# bites at these sizes) and logits at 3; head_dim 32 with queries scaled by 24^-1/2
+GEMMA2 = {"num_hidden_layers": 3, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def gemma2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2", **GEMMA2)
 
 
 @pytest.fixture(scope="session")

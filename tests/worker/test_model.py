@@ -93,6 +93,7 @@ CHECKPOINTS = [
     "phi3_checkpoint",
     "granite_checkpoint",
     "mixtral_checkpoint",
+    "gemma2_checkpoint",
     "gemma3_checkpoint",
     "gemma3_multimodal_checkpoint",
     "mistral_window_checkpoint",
@@ -305,9 +306,10 @@ def test_sliding_windows_apply_to_the_layers_transformers_applies_them_to() -> N
     assert ModelConfig.from_hf(types).sliding_layers == (0, 2)
 
 
-def test_config_reads_gemma3_as_released() -> None:
-    """Gemma-3-1b-it's config.json (transformers 4 fields: rope_local_base_freq, sliding_window_pattern), and
-    a 4B-style image-and-text config whose text_config lists only what differs from the defaults."""
+def test_config_reads_gemma_as_released() -> None:
+    """Gemma-3-1b-it's config.json (transformers 4 fields: rope_local_base_freq, sliding_window_pattern),
+    a 4B-style image-and-text config whose text_config lists only what differs from the defaults, and a
+    Gemma 2 config that leaves its soft-caps and alternating windows to the defaults."""
     one_b = ModelConfig.from_hf({
         "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
         "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
@@ -331,10 +333,21 @@ def test_config_reads_gemma3_as_released() -> None:
     assert (four_b.num_heads, four_b.num_kv_heads, four_b.head_dim, four_b.vocab_size) == (8, 4, 256, 262208)
     assert four_b.rope_scaling == {"factor": 8.0, "rope_type": "linear"} and four_b.rope_theta == 1e6
     assert four_b.max_context == 131072 and four_b.eos_token_ids == [1, 106] and four_b.multimodal
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma3_text", "attn_logit_softcapping": 50.0})
-    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'"):
-        ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma2"})
+    gemma2 = ModelConfig.from_hf({"model_type": "gemma2", "hidden_size": 2304, "num_hidden_layers": 26,
+                                  "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4})  # fmt: skip
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.local_rope_theta) == (
+        50,
+        30,
+        None,
+    )
+    assert gemma2.sliding_layers == tuple(range(0, 26, 2)) and gemma2.sliding_window == 4096
+    assert (gemma2.vocab_size, gemma2.max_context, gemma2.rope_theta) == (
+        256000,
+        8192,
+        1e4,
+    ) and not gemma2.qk_norm
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma'"):
+        ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma"})
 
 
 def test_config_reads_the_experts_of_each_mixture_kind() -> None:

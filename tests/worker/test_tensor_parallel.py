@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, start_module, wait_until
-from tests.worker.conftest import GEMMA3, GRANITE, MIXTRAL, QWEN2_MOE, save_checkpoint
+from tests.worker.conftest import GEMMA2, GEMMA3, GRANITE, MIXTRAL, QWEN2_MOE, save_checkpoint
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
@@ -177,11 +177,20 @@ def randomize_biases(ckpt: Path) -> None:
         ("qwen2_moe", QWEN2_MOE),
         # Gemma 3: norms on each sublayer's summed output, whole on each rank; sliding layers
         ("gemma3_text", GEMMA3),
+        # Gemma 2: soft-capped scores in each rank's heads, soft-capped logits
+        ("gemma2", GEMMA2),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
-    if model_type not in ("qwen3", "phi3", "granite", "mixtral", "gemma3_text"):  # NOTE: they have none
+    if model_type not in (
+        "qwen3",
+        "phi3",
+        "granite",
+        "mixtral",
+        "gemma3_text",
+        "gemma2",
+    ):  # NOTE: they have none
         randomize_biases(ckpt)
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
     try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = (
+    "gemma2",
     "gemma3_text",
     "llama",
     "qwen2",
@@ -75,6 +76,7 @@ class ModelConfig:
     mlp_activation: str = "silu"  # or "gelu_tanh"
     local_rope_theta: float | None = None  # the RoPE base of sliding layers (default RoPE), when theirs
     final_logit_softcapping: float = 0.0
+    attn_logit_softcapping: float = 0.0  # Gemma 2: each attention score s becomes c * tanh(s / c) (0: none)
     # the checkpoint holds more than this language model (Gemma 3 4B+: a vision tower and its projector),
     # its weights named language_model.*: those are loaded, the others skipped
     multimodal: bool = False
@@ -107,8 +109,8 @@ class ModelConfig:
             model_type = "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-        if model_type == "gemma3_text":
-            cfg = _gemma3_defaults(cfg)
+        if model_type in ("gemma2", "gemma3_text"):
+            cfg = _gemma_defaults(cfg, model_type)
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
@@ -182,7 +184,11 @@ class ModelConfig:
             **(_granite_scalars(cfg) if model_type == "granite" else {}),
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             **_sliding_window(cfg, model_type),
-            **(_gemma3(cfg, hidden, local_rope_theta) if model_type == "gemma3_text" else {}),
+            **(
+                _gemma(cfg, hidden, local_rope_theta, model_type)
+                if model_type in ("gemma2", "gemma3_text")
+                else {}
+            ),
             mlp_activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
@@ -236,8 +242,9 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {}
     if model_type in ("mistral", "mixtral", "phi3"):
         sliding = range(layers)
-    elif model_type == "gemma3_text" and not cfg.get("layer_types"):  # transformers 4: every 6th layer full
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+    elif model_type in ("gemma2", "gemma3_text") and not cfg.get("layer_types"):
+        # NOTE: transformers 4's configs: Gemma 2 alternates (even layers sliding), Gemma 3 has every 6th full
+        pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         sliding = [i for i in range(layers) if (i + 1) % pattern]
     elif cfg.get("layer_types"):
         sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
@@ -248,32 +255,37 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     return {"sliding_window": int(window), "sliding_layers": tuple(sliding)} if sliding else {}
 
 
-def _gemma3_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Gemma 3 text config with transformers' defaults where it leaves them out (tied embeddings, a
-    head_dim of 256, GELU-tanh), and refused where it asks for what is not served."""
-    if cfg.get("attn_logit_softcapping"):
-        raise ValueError("attn_logit_softcapping (Gemma 2's soft-capped attention scores) is not supported")
+def _gemma_defaults(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A Gemma 2 or Gemma 3 text config with transformers' defaults where it leaves them out (the text_config
+    of a Gemma 3 4B+ checkpoint lists only what differs from them)."""
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an embedding model) is not supported")
-    # NOTE: transformers' Gemma3TextConfig defaults: the text_config of a Gemma 3 4B+ checkpoint lists
-    # only what differs from them
     defaults = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                 "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
                 "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                 "sliding_window": 4096, "rope_theta": 1_000_000.0}  # fmt: skip
+    if model_type == "gemma2":
+        defaults.update({"vocab_size": 256_000, "max_position_embeddings": 8192, "rope_theta": 10_000.0,
+                         "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0})  # fmt: skip
     return {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
 
 
-def _gemma3(cfg: dict[str, Any], hidden: int, local_rope_theta: float | None) -> dict[str, Any]:
-    """Gemma 3's scalars: embeddings times sqrt(hidden_size), scores times query_pre_attn_scalar^-1/2,
-    norms as offsets from 1 on every sublayer's input and output, sliding layers' own RoPE base."""
+def _gemma(
+    cfg: dict[str, Any], hidden: int, local_rope_theta: float | None, model_type: str
+) -> dict[str, Any]:
+    """Gemma's scalars: embeddings times sqrt(hidden_size), scores times query_pre_attn_scalar^-1/2 (and
+    soft-capped, Gemma 2), norms as offsets from 1 on every sublayer's input and output, soft-capped logits;
+    Gemma 3's sliding layers have their own RoPE base."""
     return {
         "embedding_multiplier": hidden**0.5,
         "attention_multiplier": float(cfg["query_pre_attn_scalar"]) ** -0.5,
         "norm_offset": True,
         "sandwich_norms": True,
-        "local_rope_theta": 10000.0 if local_rope_theta is None else local_rope_theta,
+        "local_rope_theta": (10000.0 if local_rope_theta is None else local_rope_theta)
+        if model_type == "gemma3_text"
+        else None,
         "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+        "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0),
         "multimodal": cfg.get("language_model_of") == "gemma3",
     }

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 3, and the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV pool, driven by a ForwardBatch.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 2 and 3, and the mixtures
+of experts Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV pool, driven by a ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each, and a sparse
@@ -193,9 +193,13 @@ class DecoderLayer(nn.Module):
         # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
         q, k = ops.rope_store_kv(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots)
         if batch.mode == "extend":
-            out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window)
+            out = attention.extend(
+                q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping
+            )
         else:
-            out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale, self.window)
+            out = attention.decode(
+                q, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping
+            )
         out = out.reshape(t, self.q_size)
         o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
         o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
