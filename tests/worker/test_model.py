@@ -335,17 +335,17 @@ def test_config_reads_gemma_as_released() -> None:
     assert four_b.max_context == 131072 and four_b.eos_token_ids == [1, 106] and four_b.multimodal
     gemma2 = ModelConfig.from_hf({"model_type": "gemma2", "hidden_size": 2304, "num_hidden_layers": 26,
                                   "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4})  # fmt: skip
-    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.local_rope_theta) == (
-        50,
-        30,
-        None,
-    )
+    caps = (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.local_rope_theta)
+    assert caps == (50, 30, None) and not gemma2.qk_norm
     assert gemma2.sliding_layers == tuple(range(0, 26, 2)) and gemma2.sliding_window == 4096
-    assert (gemma2.vocab_size, gemma2.max_context, gemma2.rope_theta) == (
-        256000,
-        8192,
-        1e4,
-    ) and not gemma2.qk_norm
+    assert (gemma2.vocab_size, gemma2.max_context, gemma2.rope_theta) == (256000, 8192, 1e4)
+    uncapped = ModelConfig.from_hf(
+        {"model_type": "gemma2", "attn_logit_softcapping": None, "sliding_window": None}
+    )
+    assert (uncapped.attn_logit_softcapping, uncapped.sliding_layers) == (
+        0.0,
+        (),
+    )  # null: none, as transformers
     with pytest.raises(ValueError, match="unsupported model_type 'gemma'"):
         ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma"})
 

@@ -268,7 +268,7 @@ def _gemma_defaults(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     if model_type == "gemma2":
         defaults.update({"vocab_size": 256_000, "max_position_embeddings": 8192, "rope_theta": 10_000.0,
                          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0})  # fmt: skip
-    return {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+    return {**defaults, **cfg}  # NOTE: a key present wins, null included (Gemma 2's softcaps: none)
 
 
 def _gemma(

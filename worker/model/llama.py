@@ -9,6 +9,7 @@ layer's experts into one [E, 2I, H] and one [E, H, I] tensor (kernels.moe runs t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
@@ -102,8 +103,6 @@ def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tenso
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:
     """The config whose RoPE is that of the sliding layers (Gemma 3: default RoPE of local_rope_theta)."""
-    import dataclasses
-
     return dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
 
 
@@ -219,11 +218,9 @@ class DecoderLayer(nn.Module):
 
     def _mlp_out(self, down: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The MLP's output as the next norm adds it: normed first where the model says so (Gemma 3)."""
-        return (
-            down
-            if self.mlp_out_norm is None
-            else ops.rms_norm(down, self.mlp_out_norm, self.config.rms_norm_eps)
-        )
+        if self.mlp_out_norm is None:
+            return down
+        return ops.rms_norm(down, self.mlp_out_norm, self.config.rms_norm_eps)
 
     def _experts(self, h: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """A sparse layer's MLP output for h [T, H]: the router's top experts of each token, weighted, plus
