@@ -271,11 +271,46 @@ async def test_engine_with_decode_graphs_generates_the_same_tokens():
     assert plain.executor.graph_steps == 0
 
 
+def mixed_model(device: str, dtype: torch.dtype):
+    """The tiny model's shape as a mixture of experts (8 experts, 2 a token) whose first layer attends a
+    sliding window of 64 tokens, every score soft-capped: what a decode graph of Qwen3-MoE, Mistral or
+    Gemma 2 captures beyond a dense model's (the experts' routing and sort, windows, caps), random weights."""
+    import dataclasses
+
+    from worker.bench import random_llama
+    from worker.model.tiny import tiny_config
+
+    config = dataclasses.replace(tiny_config(), num_experts=8, experts_per_token=2, moe_intermediate_size=128,
+                                 sliding_window=64, sliding_layers=(0,), attn_logit_softcapping=30.0)  # fmt: skip
+    return random_llama(config, device, dtype, seed=3)
+
+
+def test_replayed_mixture_window_and_cap_steps_match_eager_steps():
+    """mixed_model's decode steps through the runner (the graphs' functions run eagerly here) against
+    eager steps: the same logits and pool."""
+    model = mixed_model("cpu", torch.float32)
+    lengths = [5, 70, 9, 130, 2]
+    graphed, eager = Fleet(model, "cpu", lengths), Fleet(model, "cpu", lengths)
+    clone_pool_into(eager.pool, graphed.pool)
+    runner = DecodeGraphRunner(
+        model, graphed.pool, max_batch=8, max_kv_indices=8 * 256, backend=EagerReplay()
+    )
+    rng = np.random.default_rng(4)
+    for rows in ([3], [0, 1, 4], list(range(5))):
+        toks = rng.integers(0, 256, len(rows)).tolist()
+        step_g, step_e = graphed.decode_step(rows, toks), eager.decode_step(rows, toks)
+        torch.testing.assert_close(runner.run(step_g).clone(), eager_logits(model, eager.pool, step_e),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        assert_same_pool_but_scratch(graphed.pool, eager.pool)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replay_matches_eager_on_the_gpu():
-    """Real capture (Triton kernels inside the graph) against eager steps on a copy of the pool."""
-    model = load_model("tiny", "cuda").model
+@pytest.mark.parametrize("kind", ["tiny", "mixed"])
+def test_cuda_graph_replay_matches_eager_on_the_gpu(kind):
+    """Real capture (Triton kernels inside the graph) against eager steps on a copy of the pool; "mixed":
+    mixed_model, whose experts' routing and sort, window and cap are captured too."""
+    model = load_model("tiny", "cuda").model if kind == "tiny" else mixed_model("cuda", torch.bfloat16)
     lengths = [5, 40, 9, 130, 2, 64, 21, 7, 300, 16]
     graphed, eager = Fleet(model, "cuda", lengths), Fleet(model, "cuda", lengths)
     clone_pool_into(eager.pool, graphed.pool)
