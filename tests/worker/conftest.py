@@ -65,7 +65,7 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mistral", "gemma2", "gemma3_text", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
+    "mistral", "ministral", "gemma2", "gemma3_text", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
     import torch
     import transformers
 
@@ -102,9 +102,10 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "gemma3_text":
         config = transformers.Gemma3TextConfig(**common)
         cls = transformers.Gemma3ForCausalLM
-    elif model_type == "mistral":
-        config = transformers.MistralConfig(**common)
-        cls = transformers.MistralForCausalLM
+    elif model_type in ("mistral", "ministral"):
+        name = model_type.capitalize()
+        config = getattr(transformers, f"{name}Config")(**common)
+        cls = getattr(transformers, f"{name}ForCausalLM")
     elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
         name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[model_type]
         config = getattr(transformers, f"{name}Config")(**common)
@@ -208,6 +209,13 @@ QWEN3_MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3, "moe_in
 def mistral_window_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Mistral with a sliding window of 12 tokens on every layer: the tests' prompts run far past it."""
     return save_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=12)
+
+
+@pytest.fixture(scope="session")
+def ministral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Ministral: Mistral with windows interleaved (layer_types): layers 0 and 2 of 3 slide over 10 tokens."""
+    return save_checkpoint(tmp_path_factory.mktemp("ministral"), "ministral", num_hidden_layers=3, sliding_window=10, head_dim=16,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,7 @@ CHECKPOINTS = [
     "gemma3_checkpoint",
     "gemma3_multimodal_checkpoint",
     "mistral_window_checkpoint",
+    "ministral_checkpoint",
     "qwen2_window_checkpoint",
     "qwen2_moe_checkpoint",
     "qwen3_moe_checkpoint",

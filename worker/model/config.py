@@ -15,6 +15,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2",
     "qwen3",
     "mistral",
+    "ministral",
     "phi3",
     "granite",
     "mixtral",
@@ -233,21 +234,21 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The sliding window and the layers it applies to, as transformers reads them: every layer of
-    Mistral, Mixtral and Phi-3 when ``sliding_window`` is set; otherwise the layers ``layer_types`` marks
-    "sliding_attention" or, without it, with ``use_sliding_window`` those from ``max_window_layers`` on
+    """The sliding window and the layers it applies to, as transformers reads them: the layers
+    ``layer_types`` marks "sliding_attention"; without it, every layer of Mistral, Ministral, Mixtral and
+    Phi-3, Gemma's pattern, or with ``use_sliding_window`` the layers from ``max_window_layers`` on
     (Qwen2's rule)."""
     window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     if not window:
         return {}
-    if model_type in ("mistral", "mixtral", "phi3"):
+    if cfg.get("layer_types"):  # NOTE: transformers 5 writes them; Ministral's interleave windows
+        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    elif model_type in ("mistral", "ministral", "mixtral", "phi3"):
         sliding = range(layers)
-    elif model_type in ("gemma2", "gemma3_text") and not cfg.get("layer_types"):
+    elif model_type in ("gemma2", "gemma3_text"):
         # NOTE: transformers 4's configs: Gemma 2 alternates (even layers sliding), Gemma 3 has every 6th full
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         sliding = [i for i in range(layers) if (i + 1) % pattern]
-    elif cfg.get("layer_types"):
-        sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
     elif cfg.get("use_sliding_window"):
         sliding = range(int(cfg.get("max_window_layers") or 0), layers)
     else:
