@@ -32,6 +32,9 @@ class WorkerConfig:
     )
     block_size: int = 16  # tokens per KV page = block size of the KV events
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
+    max_model_len: int | None = (
+        None  # tokens a request may hold (prompt + output); default: the model's context
+    )
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
@@ -117,6 +120,8 @@ class WorkerConfig:
         for name in ("block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2 (one prompt and one output token)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError("--kv-cache-tokens must hold at least one block")
         if self.max_stored_responses < 0:
@@ -211,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     opt("--block-size", int, "tokens per KV page (the advertised block size)")
     opt("--kv-cache-tokens", int, "KV pool size in tokens (default: --mem-fraction on CUDA, 64k on CPU)")
+    opt(
+        "--max-model-len",
+        int,
+        "the context served, prompt and output tokens together (default: the model's own; a smaller one "
+        "also shrinks its RoPE tables)",
+    )
     opt(
         "--host-cache-tokens",
         int,

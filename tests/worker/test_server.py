@@ -717,3 +717,17 @@ def test_an_event_stays_one_line_for_line_readers_whatever_the_text() -> None:
     text = "a\u2028b\u2029c\x85d é"
     data = sse_json({"content": text})
     assert len(data.decode().splitlines()) == 1 and orjson.loads(data) == {"content": text}
+
+
+def test_max_model_len_caps_the_context_served_and_its_rope_tables():
+    with serve(max_model_len=100) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 100
+        assert live.engine.executor.model.cos_sin_cache.shape[0] == 100  # type: ignore[attr-defined]
+        refused = c.post("/v1/completions", json={"prompt": "y" * 100, "max_tokens": 1})
+        assert refused.status_code == 400 and "at most 99" in refused.json()["error"]["message"]
+        served = c.post("/v1/completions", json={"prompt": "y" * 90, "max_tokens": 50}).json()
+        assert served["usage"]["completion_tokens"] == 10  # the rest of the context
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        serve(max_model_len=10**6)
+    with pytest.raises(ValueError, match="--max-model-len"):
+        WorkerConfig(model="tiny", max_model_len=1).validate()

@@ -5,6 +5,7 @@ Reads only local files (never downloads); the tokenizer comes from the same dire
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -71,17 +72,31 @@ def read_config(spec: str) -> ModelConfig:
         return ModelConfig.from_hf(json.load(f))
 
 
+def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
+    """``config`` serving at most ``max_model_len`` tokens (None: as it is). Only shrinks: a longer
+    context than the model's is a ValueError (its positions past the trained ones would be wrong)."""
+    if max_model_len is None or max_model_len == config.max_context:
+        return config
+    if max_model_len > config.max_context:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's context ({config.max_context} tokens)"
+        )
+    return dataclasses.replace(config, max_position_embeddings=max_model_len)
+
+
 def load_model(
-    spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE
-) -> LoadedModel:
+    spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE,
+    max_model_len: int | None = None,
+) -> LoadedModel:  # fmt: skip
     """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
-    tensor-parallel model holds). Raises ValueError when the directory is not a supported
-    checkpoint or does not split over the shard's ranks."""
+    tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve). Raises
+    ValueError when the directory is not a supported checkpoint or does not split over the shard's ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if spec == "tiny":
-        return LoadedModel(build_tiny(device, dtype, shard), tiny_config(), ByteTokenizer(), "tiny")
-    config = read_config(spec)
+        config = cap_context(tiny_config(), max_model_len)
+        return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
+    config = cap_context(read_config(spec), max_model_len)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(

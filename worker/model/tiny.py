@@ -83,8 +83,11 @@ def tiny_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-def build_tiny(device: torch.device | str, dtype: torch.dtype, shard: Shard = WHOLE) -> LlamaForCausalLM:
-    config = tiny_config()
+def build_tiny(
+    device: torch.device | str, dtype: torch.dtype, shard: Shard = WHOLE, config: ModelConfig | None = None
+) -> LlamaForCausalLM:
+    """The tiny model (``config``: tiny_config, its context capped or not: the weights are the same)."""
+    config = config or tiny_config()
     model = LlamaForCausalLM(config, device, dtype, shard)
     model.load_weights(tiny_weights(config).items())
     return model
