@@ -228,22 +228,8 @@ def _decode_split_kernel(
             n_after = n_lo + 2 * BLOCK_N + offs_n
             mask_after = n_after < hi
             slots_after = tl.load(indices + n_after, mask=mask_after, other=0).to(tl.int64)
-            m_i, l_i, acc = attend_tile(
-                q,
-                k,
-                v,
-                mask_n[None, :],
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                True,
-                PRECISION,
-                DOT_FP32,
-                False,
-                softcap,
-                SOFTCAP,
-            )
+            m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION,
+                                        DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
             k, v, mask_n = k_next, v_next, mask_next
             slots_next, mask_next = slots_after, mask_after
     else:
@@ -252,22 +238,8 @@ def _decode_split_kernel(
             mask_n = n < hi
             slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
             k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
-            m_i, l_i, acc = attend_tile(
-                q,
-                k,
-                v,
-                mask_n[None, :],
-                m_i,
-                l_i,
-                acc,
-                qk_scale,
-                True,
-                PRECISION,
-                DOT_FP32,
-                False,
-                softcap,
-                SOFTCAP,
-            )
+            m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION,
+                                        DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
 
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
     # lse = -inf and a zero partial, so the merge gives it weight 0 (finish_split)

@@ -462,7 +462,8 @@ def extend_attention(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``window`` > 0: sliding-window attention (as
-    kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise). ``max_extend_len`` (tokens) bounds the grid;
+    kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise).
+    ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
     prefix splits. ``num_splits`` caps the prefix splits (a CUDA graph fixes it; 1: none; None:
