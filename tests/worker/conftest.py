@@ -65,7 +65,8 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mistral", "ministral", "gemma2", "gemma3_text", "mixtral", "qwen2_moe" or "qwen3_moe") saved as safetensors."""
+    "mistral", "ministral", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe" or
+    "granitemoeshared") saved as safetensors."""
     import torch
     import transformers
 
@@ -106,8 +107,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
         name = model_type.capitalize()
         config = getattr(transformers, f"{name}Config")(**common)
         cls = getattr(transformers, f"{name}ForCausalLM")
-    elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}[model_type]
+    elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared"):
+        name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe",
+                "granitemoeshared": "GraniteMoeShared"}[model_type]  # fmt: skip
         config = getattr(transformers, f"{name}Config")(**common)
         cls = getattr(transformers, f"{name}ForCausalLM")
     else:
@@ -282,6 +284,22 @@ def gemma3_multimodal_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pa
     cfg["text_config"]["sliding_window_pattern"] = 2
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory
+
+
+# Granite 3 MoE: Granite's scalars, 4 experts of 48 units (stacked input_linear / output_linear), 2 a token;
+# the shared kind adds an ungated shared expert of 40 units
+GRANITE_MOE = {**GRANITE, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+@pytest.fixture(scope="session")
+def granitemoe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("granitemoe"), "granitemoe", **GRANITE_MOE)
+
+
+@pytest.fixture(scope="session")
+def granitemoeshared_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("granitemoeshared"), "granitemoeshared", **GRANITE_MOE,
+                           shared_intermediate_size=40)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

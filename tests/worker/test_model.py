@@ -100,6 +100,8 @@ CHECKPOINTS = [
     "ministral_checkpoint",
     "qwen2_window_checkpoint",
     "qwen2_moe_checkpoint",
+    "granitemoe_checkpoint",
+    "granitemoeshared_checkpoint",
     "qwen3_moe_checkpoint",
     "sharded_llama_checkpoint",
 ]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support import ROOT, start_module, wait_until
-from tests.worker.conftest import GEMMA2, GEMMA3, GRANITE, MIXTRAL, QWEN2_MOE, save_checkpoint
+from tests.worker.conftest import GEMMA2, GEMMA3, GRANITE, GRANITE_MOE, MIXTRAL, QWEN2_MOE, save_checkpoint
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
@@ -179,18 +179,13 @@ def randomize_biases(ckpt: Path) -> None:
         ("gemma3_text", GEMMA3),
         # Gemma 2: soft-capped scores in each rank's heads, soft-capped logits
         ("gemma2", GEMMA2),
+        # Granite 3 MoE: the stacked experts split per expert, the ungated shared expert too
+        ("granitemoeshared", {**GRANITE_MOE, "shared_intermediate_size": 40}),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
-    if model_type not in (
-        "qwen3",
-        "phi3",
-        "granite",
-        "mixtral",
-        "gemma3_text",
-        "gemma2",
-    ):  # NOTE: they have none
+    if model_type in ("qwen2", "llama", "qwen2_moe"):  # NOTE: the others have no biases
         randomize_biases(ckpt)
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
     try:

@@ -18,11 +18,13 @@ SUPPORTED_MODEL_TYPES = (
     "ministral",
     "phi3",
     "granite",
+    "granitemoe",
+    "granitemoeshared",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
 )
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
@@ -65,6 +67,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert (Granite's has none)
     dense_layers: tuple[int, ...] = ()
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
@@ -182,7 +185,7 @@ class ModelConfig:
             o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            **(_granite_scalars(cfg) if model_type == "granite" else {}),
+            **(_granite_scalars(cfg) if model_type.startswith("granite") else {}),
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             **_sliding_window(cfg, model_type),
             **(
@@ -204,7 +207,7 @@ def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
 
 
 def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or Granite 3 MoE config.json."""
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if experts <= 0 or not 0 < top_k <= experts:
@@ -212,11 +215,15 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
             f"{model_type} needs num_experts (or num_local_experts) > 0 and 0 < num_experts_per_tok <= it, "
             f"got {experts} and {top_k}"
         )
-    if model_type == "mixtral":  # NOTE: every layer sparse, experts of intermediate_size, renormalized
+    if model_type in ("mixtral", "granitemoe", "granitemoeshared"):
+        # NOTE: every layer sparse, experts of intermediate_size, the top experts' weights renormalized;
+        # Granite's shared expert (granitemoeshared) is added ungated
         return {
             "num_experts": experts,
             "experts_per_token": top_k,
             "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "shared_expert_intermediate_size": int(cfg.get("shared_intermediate_size") or 0),
+            "shared_expert_gated": False,
         }
     layers = int(cfg["num_hidden_layers"])
     step = int(cfg.get("decoder_sparse_step") or 1)

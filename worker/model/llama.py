@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 2 and 3, and the mixtures
-of experts Mixtral, Qwen2-MoE, Qwen3-MoE) over a paged KV pool, driven by a ForwardBatch.
+of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite 3 MoE) over a paged KV pool, driven by a ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each, and a sparse
@@ -154,7 +154,7 @@ class DecoderLayer(nn.Module):
         shared = self.shared_inter > 0
         self.shared_gate_up = _weight(2 * self.shared_inter, c.hidden_size, **w) if shared else None
         self.shared_down = _weight(c.hidden_size, self.shared_inter, **w) if shared else None
-        self.shared_gate = _weight(1, c.hidden_size, **w) if shared else None
+        self.shared_gate = _weight(1, c.hidden_size, **w) if shared and c.shared_expert_gated else None
         # NOTE: o_proj / down_proj outputs are summed over ranks: their biases are added by rank 0 only
         self.bias_here = shard.rank == 0
         self.config = c
@@ -224,13 +224,16 @@ class DecoderLayer(nn.Module):
 
     def _experts(self, h: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """A sparse layer's MLP output for h [T, H]: the router's top experts of each token, weighted, plus
-        the shared expert scaled by sigmoid(its gate) (this rank's part of each, summed by the caller)."""
+        the shared expert, scaled by sigmoid(its gate) where it has one (this rank's part of each, summed by
+        the caller)."""
         c = self.config
         weights, ids = ops.moe_route(F.linear(h, self.router), c.experts_per_token, c.norm_topk_prob)
         out = ops.fused_moe(h, self.experts_gate_up, self.experts_down, weights, ids)
         if self.shared_gate_up is None:
             return out
         shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)
+        if self.shared_gate is None:
+            return out + shared
         return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
 
 
@@ -241,6 +244,37 @@ _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_la
 # Mixtral's names for a sparse layer: block_sparse_moe.gate and block_sparse_moe.experts.N.w1 / w3 / w2
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:gate|(experts\.\d+\.)(w[123]))\.")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+# Granite 3 MoE's stacked weights: every expert's gate and up rows in one input_linear [E, 2I, H], their down
+# projections in one output_linear [E, H, I], the router's as router.layer; the shared expert's likewise
+_GRANITE_MOE = re.compile(
+    r"(model\.layers\.\d+\.)(block_sparse_moe\.input_linear|block_sparse_moe\.output_linear|"
+    r"block_sparse_moe\.router\.layer|shared_mlp\.input_linear|shared_mlp\.output_linear)\.weight$"
+)
+
+
+def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+    """A _GRANITE_MOE weight as the Qwen-MoE named weights it stacks (gate rows before up rows)."""
+    layer, part = m.group(1), m.group(2)
+    if part == "block_sparse_moe.router.layer":
+        yield f"{layer}mlp.gate.weight", tensor
+    elif part == "shared_mlp.input_linear":
+        gate, up = tensor.chunk(2)
+        yield from (
+            (f"{layer}mlp.shared_expert.gate_proj.weight", gate),
+            (f"{layer}mlp.shared_expert.up_proj.weight", up),
+        )
+    elif part == "shared_mlp.output_linear":
+        yield f"{layer}mlp.shared_expert.down_proj.weight", tensor
+    else:
+        for e, expert in enumerate(tensor):
+            if part.endswith("output_linear"):
+                yield f"{layer}mlp.experts.{e}.down_proj.weight", expert
+            else:
+                gate, up = expert.chunk(2)
+                yield f"{layer}mlp.experts.{e}.gate_proj.weight", gate
+                yield f"{layer}mlp.experts.{e}.up_proj.weight", up
 
 
 def _mixtral_to_qwen(m: re.Match) -> str:
@@ -405,7 +439,7 @@ class LlamaForCausalLM(nn.Module):
                 "mlp.shared_expert.gate_proj": layer.shared_gate_up[:shared],
                 "mlp.shared_expert.up_proj": layer.shared_gate_up[shared:],
                 "mlp.shared_expert.down_proj": layer.shared_down,
-                "mlp.shared_expert_gate": layer.shared_gate,
+                **({"mlp.shared_expert_gate": layer.shared_gate} if layer.shared_gate is not None else {}),
             })  # fmt: skip
         return slots.get(part)
 
@@ -443,7 +477,8 @@ class LlamaForCausalLM(nn.Module):
         if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
             with torch.no_grad():
                 for layer in self.layers:
-                    for p in (layer.o_proj, layer.o_bias, layer.down_proj, layer.down_bias):
+                    for p in (layer.o_proj, layer.o_bias, layer.down_proj, layer.down_bias, layer.experts_down,
+                              layer.shared_down):  # fmt: skip
                         if p is not None:
                             p.mul_(r)
 
@@ -451,8 +486,8 @@ class LlamaForCausalLM(nn.Module):
         """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack
         (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
         Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
-        tensor-parallel splits and checks see one layout. Of a multimodal checkpoint, the language model's
-        weights (language_model.*) without their prefix."""
+        tensor-parallel splits and checks see one layout; Granite 3 MoE's stacked experts likewise, per expert.
+        Of a multimodal checkpoint, the language model's weights (language_model.*) without their prefix."""
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         for name, tensor in weights:
@@ -460,6 +495,10 @@ class LlamaForCausalLM(nn.Module):
                 if not name.startswith("language_model."):
                     continue
                 name = name.removeprefix("language_model.")
+            granite = _GRANITE_MOE.match(name)
+            if granite is not None:
+                yield from _granite_moe_parts(granite, tensor)
+                continue
             name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
             m = _LAYER_WEIGHT.match(name)
             part = m.group(2) if m else None
