@@ -128,27 +128,28 @@ SILU_BLOCK = 1024  # columns per program
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _gate_and_up(X, stride_x, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's row, column offsets and mask, and its gate and up values (fp32)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, offs, mask, gate, up
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row, offs, mask, gate, up = _gate_and_up(X, stride_x, INTER, BLOCK)
     tl.store(Out + row * stride_o + offs, (gate * tl.sigmoid(gate) * up).to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gelu_tanh_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < INTER
-    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    row, offs, mask, gate, up = _gate_and_up(X, stride_x, INTER, BLOCK)
     inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (x + 0.044715 x^3)
-    tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
-    tl.store(
-        Out + row * stride_o + offs, (0.5 * gate * (1.0 + tanh) * up).to(Out.dtype.element_ty), mask=mask
-    )
+    gelu = 0.5 * gate * (2.0 * tl.sigmoid(2.0 * inner))  # NOTE: 1 + tanh(x) = 2 sigmoid(2x)
+    tl.store(Out + row * stride_o + offs, (gelu * up).to(Out.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

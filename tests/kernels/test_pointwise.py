@@ -72,35 +72,29 @@ def test_add_rms_norm_matches_reference(backend, assert_close_rel, dtype, shape)
     )
 
 
+def _silu(gate: torch.Tensor) -> torch.Tensor:
+    return gate * torch.sigmoid(gate)
+
+
+def _gelu_tanh(gate: torch.Tensor) -> torch.Tensor:  # as transformers' gelu_pytorch_tanh (Gemma's GeGLU)
+    return 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [96, 1100])  # one block; several blocks with a ragged last one
-def test_silu_and_mul_matches_reference(backend, assert_close_rel, dtype, inter):
+@pytest.mark.parametrize(("name", "act"), [("silu_and_mul", _silu), ("gelu_tanh_and_mul", _gelu_tanh)])
+def test_gated_activations_match_reference(backend, assert_close_rel, dtype, inter, name, act):
     pointwise = backend.module("pointwise")
     g = torch.Generator().manual_seed(6)
     gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(backend.device, dtype)
     out = torch.full((3, inter), float("nan"), dtype=dtype, device=backend.device)
-    assert pointwise.silu_and_mul(gate_up, out=out) is out
-    ref = reference.silu_and_mul(gate_up.cpu())
+    assert getattr(pointwise, name)(gate_up, out=out) is out
+    ref = getattr(reference, name)(gate_up.cpu())
     gate, up = gate_up.cpu().float().chunk(2, dim=-1)
     assert_close_rel(out.cpu(), ref)
-    assert_close_rel(out.cpu(), (gate * torch.sigmoid(gate) * up).to(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [96, 1100])
-def test_gelu_tanh_and_mul_matches_reference(backend, assert_close_rel, dtype, inter):
-    """Gemma's GeGLU: GELU's tanh approximation, written out here as transformers' gelu_pytorch_tanh is."""
-    pointwise = backend.module("pointwise")
-    g = torch.Generator().manual_seed(7)
-    gate_up = (torch.randn(3, 2 * inter, generator=g) * 4).to(backend.device, dtype)
-    out = torch.full((3, inter), float("nan"), dtype=dtype, device=backend.device)
-    assert pointwise.gelu_tanh_and_mul(gate_up, out=out) is out
-    gate, up = gate_up.cpu().float().chunk(2, dim=-1)
-    by_formula = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
-    assert_close_rel(reference.gelu_tanh_and_mul(gate_up.cpu()), by_formula.to(dtype))
-    assert_close_rel(out.cpu(), reference.gelu_tanh_and_mul(gate_up.cpu()))
+    assert_close_rel(ref, (act(gate) * up).to(dtype))
     with pytest.raises(ValueError, match=r"\[T, 2I\]"):
-        pointwise.gelu_tanh_and_mul(torch.randn(4, 33).to(backend.device))
+        getattr(pointwise, name)(torch.randn(4, 33).to(backend.device))
 
 
 def test_add_rms_norm_and_silu_and_mul_reject_inconsistent_inputs(backend):
