@@ -3,6 +3,7 @@ is split: cached prefixes, batches, chunked prefill, decode steps; plus the load
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -351,6 +352,18 @@ def test_config_reads_gemma_as_released() -> None:
     )  # null: none, as transformers
     with pytest.raises(ValueError, match="unsupported model_type 'gemma'"):
         ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma"})
+
+
+def test_gemma_scales_embeddings_by_sqrt_hidden_rounded_to_the_weights_dtype() -> None:
+    """As transformers' Gemma3TextScaledWordEmbedding (and the original): sqrt(1152) = 33.94 is 34.0 in
+    bf16, and that is the scale; in float32 it is sqrt(1152) itself. Granite's multiplier is taken as given."""
+    gemma = ModelConfig(vocab_size=8, hidden_size=1152, intermediate_size=8, num_layers=1, num_heads=1,
+                        num_kv_heads=1, head_dim=8, embedding_multiplier=1152**0.5, sandwich_norms=True,
+                        norm_offset=True)  # fmt: skip
+    assert LlamaForCausalLM(gemma, "cpu", torch.bfloat16).embedding_scale == 34.0
+    assert LlamaForCausalLM(gemma, "cpu", torch.float32).embedding_scale == pytest.approx(1152**0.5, rel=1e-7)
+    granite = dataclasses.replace(gemma, embedding_multiplier=12.3, sandwich_norms=False, norm_offset=False)
+    assert LlamaForCausalLM(granite, "cpu", torch.bfloat16).embedding_scale == 12.3
 
 
 def test_config_reads_the_experts_of_each_mixture_kind() -> None:

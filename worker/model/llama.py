@@ -308,6 +308,11 @@ class LlamaForCausalLM(nn.Module):
         dims = {name: tuple(getattr(layer, f"{name}_proj").shape) for name in projs}
         self.lora_stack = LoraStack(dims, config.num_layers, device, dtype)  # their weights
         self.norm = _norm_weight(config.hidden_size, config, device, dtype)
+        # NOTE: Gemma scales its embeddings by sqrt(hidden_size) rounded to the weights' dtype (34.0 in bf16 for
+        # Gemma 3 1B's 33.94), as transformers and the original implementation do; Granite by its multiplier
+        self.embedding_scale = config.embedding_multiplier
+        if config.sandwich_norms:
+            self.embedding_scale = float(torch.tensor(config.embedding_multiplier, dtype=dtype))
         self.vocab_lo, self.vocab_hi = shard.vocab_range(config.vocab_size)  # this rank's lm_head rows
         # NOTE: tied embeddings share one tensor; loading either name fills both.
         if config.tie_word_embeddings:
@@ -324,8 +329,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_pool: object) -> torch.Tensor:
         x = F.embedding(batch.input_ids, self.embed_tokens)
-        if self.config.embedding_multiplier != 1.0:
-            x = x * self.config.embedding_multiplier
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
         k_caches, v_caches = kv_pool.k_cache, kv_pool.v_cache  # type: ignore[attr-defined]
         delta = None
         for i, layer in enumerate(self.layers):
