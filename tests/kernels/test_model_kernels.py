@@ -112,9 +112,13 @@ GEMMA2_CONFIG = dataclasses.replace(
 )
 
 
+# SmolLM3's kind: layer 1 without RoPE (its K/V stored as they are), and windowed
+NOPE_CONFIG = dataclasses.replace(CONFIG, nope_layers=(1,), sliding_window=8, sliding_layers=(1,))
+
+
 @pytest.mark.parametrize(
-    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG],
-    ids=["dense", "moe", "window", "gemma3", "gemma2"],
+    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG],
+    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope"],
 )  # fmt: skip
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:

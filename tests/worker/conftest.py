@@ -65,7 +65,7 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mistral", "ministral", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe" or
+    "mistral", "ministral", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe" or
     "granitemoeshared") saved as safetensors."""
     import torch
     import transformers
@@ -103,8 +103,8 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
     elif model_type == "gemma3_text":
         config = transformers.Gemma3TextConfig(**common)
         cls = transformers.Gemma3ForCausalLM
-    elif model_type in ("mistral", "ministral"):
-        name = model_type.capitalize()
+    elif model_type in ("mistral", "ministral", "smollm3"):
+        name = {"mistral": "Mistral", "ministral": "Ministral", "smollm3": "SmolLM3"}[model_type]
         config = getattr(transformers, f"{name}Config")(**common)
         cls = getattr(transformers, f"{name}ForCausalLM")
     elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared"):
@@ -218,6 +218,13 @@ def ministral_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Ministral: Mistral with windows interleaved (layer_types): layers 0 and 2 of 3 slide over 10 tokens."""
     return save_checkpoint(tmp_path_factory.mktemp("ministral"), "ministral", num_hidden_layers=3, sliding_window=10, head_dim=16,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def smollm3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM3: every second layer of 4 without RoPE (NoPE), and those slide over 10 tokens."""
+    return save_checkpoint(tmp_path_factory.mktemp("smollm3"), "smollm3", num_hidden_layers=4, no_rope_layer_interval=2,
+                           use_sliding_window=True, sliding_window=10, tie_word_embeddings=True, pad_token_id=None)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

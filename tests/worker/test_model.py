@@ -99,6 +99,7 @@ CHECKPOINTS = [
     "gemma3_multimodal_checkpoint",
     "mistral_window_checkpoint",
     "ministral_checkpoint",
+    "smollm3_checkpoint",
     "qwen2_window_checkpoint",
     "qwen2_moe_checkpoint",
     "granitemoe_checkpoint",
@@ -364,6 +365,20 @@ def test_gemma_scales_embeddings_by_sqrt_hidden_rounded_to_the_weights_dtype() -
     assert LlamaForCausalLM(gemma, "cpu", torch.float32).embedding_scale == pytest.approx(1152**0.5, rel=1e-7)
     granite = dataclasses.replace(gemma, embedding_multiplier=12.3, sandwich_norms=False, norm_offset=False)
     assert LlamaForCausalLM(granite, "cpu", torch.bfloat16).embedding_scale == 12.3
+
+
+def test_config_reads_smollm3_nope_layers_and_windows_as_transformers_does() -> None:
+    """SmolLM3-3B as released: every 4th layer without RoPE (from no_rope_layer_interval when no list is
+    given), no window unless use_sliding_window, and then on the NoPE layers."""
+    smol = {**QWEN_LIKE, "model_type": "smollm3", "num_hidden_layers": 36, "sliding_window": None,
+            "use_sliding_window": False, "no_rope_layer_interval": 4}  # fmt: skip
+    config = ModelConfig.from_hf(smol)
+    assert config.nope_layers == tuple(range(3, 36, 4)) and config.sliding_layers == ()
+    listed = ModelConfig.from_hf({**smol, "no_rope_layers": [1, 0] * 18})
+    assert listed.nope_layers == tuple(range(1, 36, 2))
+    windowed = ModelConfig.from_hf({**smol, "use_sliding_window": True, "sliding_window": 4096})
+    assert windowed.sliding_layers == config.nope_layers and windowed.sliding_window == 4096
+    assert ModelConfig.from_hf({**smol, "sliding_window": 4096}).sliding_layers == ()
 
 
 def test_config_reads_the_experts_of_each_mixture_kind() -> None:

@@ -20,6 +20,7 @@ SUPPORTED_MODEL_TYPES = (
     "granite",
     "granitemoe",
     "granitemoeshared",
+    "smollm3",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
@@ -72,6 +73,7 @@ class ModelConfig:
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()  # layers whose attention takes no rotary embedding (SmolLM3's NoPE)
     # Gemma 3: RMSNorm weights stored as an offset from 1 (folded in at load), a norm on each sublayer's
     # output before its residual add, a GELU (tanh) gated MLP, sliding layers' own RoPE base, and tanh
     # soft-capping of the logits (0: none)
@@ -188,6 +190,7 @@ class ModelConfig:
             **(_granite_scalars(cfg) if model_type.startswith("granite") else {}),
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             **_sliding_window(cfg, model_type),
+            **(_nope_layers(cfg) if model_type == "smollm3" else {}),
             **(
                 _gemma(cfg, hidden, local_rope_theta, model_type)
                 if model_type in ("gemma2", "gemma3_text")
@@ -243,13 +246,17 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The sliding window and the layers it applies to, as transformers reads them: the layers
     ``layer_types`` marks "sliding_attention"; without it, every layer of Mistral, Ministral, Mixtral and
-    Phi-3, Gemma's pattern, or with ``use_sliding_window`` the layers from ``max_window_layers`` on
-    (Qwen2's rule)."""
+    Phi-3, Gemma's pattern, SmolLM3's NoPE layers, or with ``use_sliding_window`` the layers from
+    ``max_window_layers`` on (Qwen2's rule). SmolLM3 windows nothing without ``use_sliding_window``."""
     window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     if not window:
         return {}
+    if model_type == "smollm3" and not cfg.get("use_sliding_window"):  # NOTE: its attention checks both
+        return {}
     if cfg.get("layer_types"):  # NOTE: transformers 5 writes them; Ministral's interleave windows
         sliding = [i for i, kind in enumerate(cfg["layer_types"]) if kind == "sliding_attention"]
+    elif model_type == "smollm3":  # NOTE: its NoPE layers slide
+        sliding = list(_nope_layers(cfg)["nope_layers"])
     elif model_type in ("mistral", "ministral", "mixtral", "phi3"):
         sliding = range(layers)
     elif model_type in ("gemma2", "gemma3_text"):
@@ -297,3 +304,14 @@ def _gemma(
         "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0),
         "multimodal": cfg.get("language_model_of") == "gemma3",
     }
+
+
+def _nope_layers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's layers without RoPE: where ``no_rope_layers`` holds 0, else every
+    ``no_rope_layer_interval``-th layer (4 by default), as transformers reads them."""
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    return {"nope_layers": tuple(i for i, flag in enumerate(flags) if not flag)}

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 2 and 3, and the mixtures
-of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite 3 MoE) over a paged KV pool, driven by a ForwardBatch.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 2 and 3, SmolLM3, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite 3 MoE) over a paged KV pool, driven by a
+ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each, and a sparse
@@ -123,6 +124,7 @@ class DecoderLayer(nn.Module):
         self.heads, self.kv_heads = shard.local(c, "heads"), shard.local(c, "kv_heads")  # this rank's
         self.sparse = c.is_sparse(index)  # a mixture of experts in place of the MLP
         self.window = c.layer_window(index)  # sliding-window attention (tokens; 0: full)
+        self.rope = index not in c.nope_layers
         self.inter = shard.local(c, "moe_intermediate" if self.sparse else "intermediate")  # per expert
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
@@ -190,7 +192,12 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, c.rms_norm_eps)
         # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
-        q, k = ops.rope_store_kv(q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots)
+        if self.rope:
+            q, k = ops.rope_store_kv(
+                q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots
+            )
+        else:  # NOTE: a NoPE layer (SmolLM3): positions reach it through the causal mask alone
+            ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         if batch.mode == "extend":
             out = attention.extend(
                 q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping
