@@ -117,16 +117,6 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                 dataclasses.asdict(cfg) if change else {},
                 lambda: lora.lora_add(x, out, a, b, t["indptr"], t["indptr"][1:], 1, config=cfg))  # fmt: skip
 
-    def moe_case(tokens: int) -> Case:
-        """A mixture-of-experts MLP of 8 experts, 2 a token, with the default tiles for ``tokens`` (sizes
-        of 256: what compiles depends on the dtype, the tiles and 16-byte divisibility only)."""
-        w13, w2 = torch.zeros(8, 512, 256, dtype=dt), torch.zeros(8, 256, 256, dtype=dt)
-        ids = (torch.arange(2 * tokens, dtype=torch.int32) % 8).reshape(tokens, 2)
-        x, weights = torch.zeros(tokens, 256, dtype=dt), torch.zeros(tokens, 2)
-        cfg = moe.default_config(2 * tokens, 8)
-        return (f"fused_moe {shape.dtype} t{tokens}", dataclasses.asdict(cfg),
-                lambda: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))  # fmt: skip
-
     return [
         decode_case(shape, decode_default, f"decode {shape.label}"),
         *([decode_case(shape, decode_many, f"decode many-requests {shape.label}")] if decode_many != decode_default
@@ -172,21 +162,29 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *([lora_case(8, "wide", block_n=256), lora_case(16, "wide", block_n=256)]
           if dt != torch.float32 and not lora_default.pdl else []),
         ("top_p_threshold", {}, lambda: sampling.top_p_threshold(torch.zeros(4, 1024), torch.ones(4))),
-        *(moe_case(tokens) for tokens in (4, 256)),  # a decode step's tiles and a prefill's
+        *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe {shape.dtype} t{tokens}")
+          for tokens in (4, 256)),  # a decode step's tiles and a prefill's
         (f"moe_route {shape.dtype} e128 k8", {}, lambda: moe.moe_route(torch.zeros(4, 128, dtype=dt), 8, True)),
     ]  # fmt: skip
 
 
-def moe_candidates(shape: Shape) -> list[Case]:
-    """kernels.bench_moe's candidate tiles (kernels.moe.CANDIDATES) on a mixture of 8 experts, 2 a token."""
+def moe_case(shape: Shape, tokens: int, config: Any, label: str) -> Case:
+    """A mixture-of-experts MLP of 8 experts, 2 a token, over ``tokens`` tokens in ``config``'s tiles (sizes of
+    256: what compiles depends on the dtype, the tiles and 16-byte divisibility only)."""
     from kernels import moe
 
     dt = DTYPES[shape.dtype]
     w13, w2 = torch.zeros(8, 512, 256, dtype=dt), torch.zeros(8, 256, 256, dtype=dt)
-    ids = (torch.arange(64, dtype=torch.int32) % 8).reshape(32, 2)
-    x, weights = torch.zeros(32, 256, dtype=dt), torch.zeros(32, 2)
-    return [(f"candidate fused_moe {shape.dtype} {label}", dataclasses.asdict(cfg),
-             lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))
+    ids = (torch.arange(2 * tokens, dtype=torch.int32) % 8).reshape(tokens, 2)
+    x, weights = torch.zeros(tokens, 256, dtype=dt), torch.zeros(tokens, 2)
+    return label, dataclasses.asdict(config), lambda: moe.fused_moe(x, w13, w2, weights, ids, config=config)
+
+
+def moe_candidates(shape: Shape) -> list[Case]:
+    """kernels.bench_moe's candidate tiles (kernels.moe.CANDIDATES), 32 tokens each."""
+    from kernels import moe
+
+    return [moe_case(shape, 32, cfg, f"candidate fused_moe {shape.dtype} {label}")
             for label, cfg in moe.CANDIDATES.items()]  # fmt: skip
 
 

@@ -11,8 +11,8 @@ the same matmuls in x's dtype would round them), the K expert outputs are summed
 ``moe_route`` is the router's choice, one program a token. ``moe_align`` sorts the T*K (token, expert)
 pairs by expert into blocks of BLOCK_M pairs that share one expert (each expert's run padded to whole
 blocks), one program for up to ALIGN_KERNEL_MAX_PAIRS pairs. A GEMM program takes one block and one
-tile of output columns, reading its expert's weight tile once for all of the block's pairs. The first GEMM reads x's
-row of each pair (row pair // K) and writes [T*K, 2I]; the activation (kernels.pointwise.silu_and_mul)
+tile of output columns, reading its expert's weight tile once for all of the block's pairs. The first
+GEMM reads x's row of each pair (row pair // K) and writes [T*K, 2I]; the activation (kernels.pointwise.silu_and_mul)
 makes [T*K, I]; the second GEMM multiplies by each pair's routing weight and writes [T*K, H] in fp32,
 which is summed over K. The grid is the worst case's, (T*K + E*(BLOCK_M - 1)) / BLOCK_M blocks: programs
 past the last expert's blocks load nothing and store nothing, so the launches depend on T alone and
@@ -72,6 +72,11 @@ def default_config(pairs: int, experts: int) -> MoeConfig:
     return CANDIDATES["m16 n64 k128" if pairs <= 2 * experts else "m64 n128 k64 w8"]
 
 
+def _aligned_size(pairs: int, experts: int, block_m: int) -> int:
+    """moe_align's P: room for every pair and each expert's last block's padding, in whole blocks."""
+    return triton.cdiv(pairs + experts * (block_m - 1), block_m) * block_m
+
+
 def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [P] int32, block_experts [P / block_m] int32) for the T*K pairs of ``topk_ids``
     (pair p is token p // K's choice p % K): each expert's pairs in order, starting at a multiple of
@@ -80,9 +85,9 @@ def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch
     Up to ALIGN_KERNEL_MAX_PAIRS pairs (decode steps, short extends: what CUDA graphs replay) one Triton
     program does it all; past that, torch ops (moe_align_torch: the same output, ~25 kernels)."""
     n = topk_ids.numel()
-    size = triton.cdiv(n + experts * (block_m - 1), block_m) * block_m
     if n > ALIGN_KERNEL_MAX_PAIRS or experts > ALIGN_KERNEL_MAX_EXPERTS:
         return moe_align_torch(topk_ids, experts, block_m)
+    size = _aligned_size(n, experts, block_m)
     ids = topk_ids.reshape(-1).to(torch.int32)
     sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
@@ -107,7 +112,7 @@ def moe_align_torch(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple
     order = torch.argsort(flat, stable=True)  # pair numbers grouped by expert, in order within each
     by_expert = flat[order]
     rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[by_expert]
-    size = triton.cdiv(n + experts * (block_m - 1), block_m) * block_m
+    size = _aligned_size(n, experts, block_m)
     sorted_pairs = torch.full((size,), n, dtype=torch.int32, device=flat.device)
     sorted_pairs[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
     starts = torch.arange(0, size, block_m, device=flat.device)

@@ -85,9 +85,10 @@ def extend_attention(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Prefill with a cached prefix; see kernels.reference.extend_attention (``window``: sliding-window
-    attention; ``softcap``: soft-capped scores). ``max_extend_len`` (tokens, the most rows of any request) spares the Triton path a
-    device-to-host sync; ``max_prefix_len`` (the longest cached prefix) picks its tiles; ``config`` (an
-    extend_attention.ExtendConfig: an extend graph's variant) overrides them."""
+    attention; ``softcap``: soft-capped scores). ``max_extend_len`` (tokens, the most rows of any
+    request) spares the Triton path a device-to-host sync; ``max_prefix_len`` (the longest cached
+    prefix) picks its tiles; ``config`` (an extend_attention.ExtendConfig: an extend graph's variant)
+    overrides them."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.extend_attention(

@@ -121,9 +121,8 @@ def decode_attention(
         start = kvp[i] if window <= 0 else max(kvp[i], kvp[i + 1] - window)
         slots = kv_indices[start : kvp[i + 1]].long()
         # the single query is the last of the sequence: it sees every slot
-        out[i] = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale, 0, softcap)[
-            0
-        ].to(q.dtype)
+        o = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale, softcap=softcap)
+        out[i] = o[0].to(q.dtype)
     return out
 
 

@@ -1,7 +1,8 @@
 """Worker benchmark: prefill and decode tokens/s and TTFT with a cached prefix, through the real engine.
 
-`python -m worker.bench [--model tiny|llama3-8b-shape|qwen3-30b-a3b-shape] [...]` drives Engine.submit in-process (scheduler,
-radix cache, model); it never starts an HTTP server and never reads a checkpoint from disk.
+`python -m worker.bench [--model tiny|llama3-8b-shape|qwen3-30b-a3b-shape] [...]` drives Engine.submit
+in-process (scheduler, radix cache, model); it never starts an HTTP server and never reads a checkpoint
+from disk.
 """
 
 from __future__ import annotations

@@ -23,14 +23,9 @@ def decode_weight_bytes(model: Any) -> int:
     if not model.config.tie_word_embeddings:
         total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
     c = model.config
-    for layer in model.layers:
-        for experts in (layer.experts_gate_up, layer.experts_down) if layer.sparse else ():
-            total -= (
-                experts.numel()
-                * experts.element_size()
-                * (c.num_experts - c.experts_per_token)
-                // c.num_experts
-            )
+    for layer in (layer for layer in model.layers if layer.sparse):
+        experts = sum(w.numel() * w.element_size() for w in (layer.experts_gate_up, layer.experts_down))
+        total -= experts * (c.num_experts - c.experts_per_token) // c.num_experts
     return total
 
 

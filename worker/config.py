@@ -32,9 +32,8 @@ class WorkerConfig:
     )
     block_size: int = 16  # tokens per KV page = block size of the KV events
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
-    max_model_len: int | None = (
-        None  # tokens a request may hold (prompt + output); default: the model's context
-    )
+    # tokens a request may hold (prompt + output); default: the model's context
+    max_model_len: int | None = None
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool

@@ -26,6 +26,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
 )
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
 _ROPE_KEYS = {
@@ -115,7 +116,7 @@ class ModelConfig:
             model_type = "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-        if model_type in ("gemma2", "gemma3_text"):
+        if model_type in GEMMA_MODEL_TYPES:
             cfg = _gemma_defaults(cfg, model_type)
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
@@ -191,11 +192,7 @@ class ModelConfig:
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             **_sliding_window(cfg, model_type),
             **(_nope_layers(cfg) if model_type == "smollm3" else {}),
-            **(
-                _gemma(cfg, hidden, local_rope_theta, model_type)
-                if model_type in ("gemma2", "gemma3_text")
-                else {}
-            ),
+            **(_gemma(cfg, hidden, local_rope_theta, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
             mlp_activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
@@ -259,7 +256,7 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         sliding = list(_nope_layers(cfg)["nope_layers"])
     elif model_type in ("mistral", "ministral", "mixtral", "phi3"):
         sliding = range(layers)
-    elif model_type in ("gemma2", "gemma3_text"):
+    elif model_type in GEMMA_MODEL_TYPES:
         # NOTE: transformers 4's configs: Gemma 2 alternates (even layers sliding), Gemma 3 has every 6th full
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         sliding = [i for i in range(layers) if (i + 1) % pattern]

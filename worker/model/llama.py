@@ -266,22 +266,21 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
     layer, part = m.group(1), m.group(2)
     if part == "block_sparse_moe.router.layer":
         yield f"{layer}mlp.gate.weight", tensor
-    elif part == "shared_mlp.input_linear":
-        gate, up = tensor.chunk(2)
-        yield from (
-            (f"{layer}mlp.shared_expert.gate_proj.weight", gate),
-            (f"{layer}mlp.shared_expert.up_proj.weight", up),
-        )
-    elif part == "shared_mlp.output_linear":
-        yield f"{layer}mlp.shared_expert.down_proj.weight", tensor
-    else:
-        for e, expert in enumerate(tensor):
-            if part.endswith("output_linear"):
-                yield f"{layer}mlp.experts.{e}.down_proj.weight", expert
-            else:
-                gate, up = expert.chunk(2)
-                yield f"{layer}mlp.experts.{e}.gate_proj.weight", gate
-                yield f"{layer}mlp.experts.{e}.up_proj.weight", up
+        return
+    if part.startswith("shared_mlp"):
+        owned = [(f"{layer}mlp.shared_expert.", tensor)]
+    else:  # NOTE: every expert's, stacked along the first dimension
+        owned = [(f"{layer}mlp.experts.{e}.", w) for e, w in enumerate(tensor)]
+    for owner, w in owned:
+        if part.endswith("output_linear"):
+            yield f"{owner}down_proj.weight", w
+        else:
+            gate, up = w.chunk(2)
+            yield f"{owner}gate_proj.weight", gate
+            yield f"{owner}up_proj.weight", up
+
+
+_EXPERT_PART = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")  # canonical names
 
 
 def _mixtral_to_qwen(m: re.Match) -> str:
@@ -329,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _weight(self.vocab_hi - self.vocab_lo, config.hidden_size, **w)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, device), persistent=False)
-        local = config.local_rope_theta is not None and any(layer.uses_local_rope for layer in self.layers)
+        local = any(layer.uses_local_rope for layer in self.layers)
         local_cache = rope_cos_sin_cache(local_rope_config(config), device) if local else self.cos_sin_cache
         self.register_buffer("local_cos_sin_cache", local_cache, persistent=False)
 
@@ -436,7 +435,7 @@ class LlamaForCausalLM(nn.Module):
     def _expert_slot(self, layer: DecoderLayer, part: str) -> torch.Tensor | None:
         """What a sparse layer's ``mlp.*`` weight ``part`` fills (canonical names, see _canonical)."""
         inter, shared = layer.inter, layer.shared_inter
-        m = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)", part)
+        m = _EXPERT_PART.fullmatch(part)
         if m is not None:
             e = int(m.group(1))
             if e >= self.config.num_experts:
@@ -483,7 +482,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.norm_offset:  # NOTE: Gemma stores each RMSNorm weight as w for a scale of 1 + w
             with torch.no_grad():
                 for name, p in self.named_parameters():
-                    if name.endswith(("norm", "layernorm")):
+                    if name.endswith("norm"):  # every norm: input_layernorm ... q_norm, the final one
                         p.add_(1.0)
         r = self.config.residual_multiplier
         if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
