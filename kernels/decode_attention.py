@@ -171,6 +171,8 @@ def _decode_split_kernel(
     PREFETCH: tl.constexpr,  # load the next tile before computing this one
     WINDOWED: tl.constexpr,  # attend the last ``window`` slots of each request only
     SOFTCAP: tl.constexpr,
+    Sinks=None,  # [Hq] attention sinks (SINKS, FUSED_MERGE only: otherwise the merge kernel's)
+    SINKS: tl.constexpr = False,
 ):
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
@@ -261,7 +263,7 @@ def _decode_split_kernel(
             for h in range(GROUP):
                 merge_head(Mid_out, Mid_lse, Out, req, kv_head * GROUP + h, n_splits, stride_mb, stride_mh,
                             stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S,
-                            ".cg")  # fmt: skip
+                            ".cg", Sinks, SINKS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits", "window"])
@@ -285,6 +287,8 @@ def _decode_merge_kernel(
     MIN_SPLIT_LEN: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
     WINDOWED: tl.constexpr,
+    Sinks=None,  # [Hq] attention sinks (SINKS only)
+    SINKS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -295,7 +299,7 @@ def _decode_merge_kernel(
     if PDL:  # NOTE: the split kernel's partials are visible only past the wait
         tl.extra.cuda.gdc_wait()
     merge_head(Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
+                stride_ob, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "", Sinks, SINKS)  # fmt: skip
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -327,14 +331,16 @@ def decode_attention(
     config: DecodeConfig | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
     when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). ``window`` > 0: each
     request attends its last ``window`` slots only (sliding-window attention); ``softcap`` > 0 soft-caps the
-    scores (kernels.reference.decode_attention). Never syncs.
+    scores, ``sinks`` [Hq] float32 adds attention sinks (kernels.reference.decode_attention). Never syncs.
     Raises ValueError on inconsistent shapes, dtypes or devices (from metadata)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     batch, hq, d = q.shape
+    host_checks.check_sinks(sinks, hq, q.device)
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
     kv_indices = host_checks.index_tensor("kv_indices", kv_indices, q.device)
     if out is None:
@@ -393,6 +399,8 @@ def decode_attention(
         PREFETCH=cfg.prefetch,
         WINDOWED=window > 0,
         SOFTCAP=softcap > 0,
+        Sinks=sinks,
+        SINKS=sinks is not None and cfg.fused_merge,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -420,6 +428,8 @@ def decode_attention(
         MIN_SPLIT_LEN=cfg.min_split_len,
         PDL=pdl,
         WINDOWED=window > 0,
+        Sinks=sinks,
+        SINKS=sinks is not None,
         enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2,
         **pdl_launch(pdl),

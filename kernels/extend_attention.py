@@ -316,6 +316,8 @@ def _extend_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     WINDOWED: tl.constexpr,  # sliding-window attention: the query at position p sees p - window + 1 .. p
     SOFTCAP: tl.constexpr,
+    Sinks=None,  # [Hq] attention sinks, natural-log scores of nothing (SINKS only; split: the merge's)
+    SINKS: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     if PACKED:
@@ -434,6 +436,8 @@ def _extend_kernel(
         tl.store(Mid_lse + rows * stride_lt + head * stride_lh + split, lse, mask=mask_m)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padded rows only; they are not stored
+        if SINKS:  # NOTE: the sink's exp2 against the row max; a padded row's (m_i -inf) is inf: out 0
+            l_safe = l_i + tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - m_i)
         out = acc / l_safe[:, None]
         tl.store(
             Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -460,9 +464,11 @@ def extend_attention(
     config: ExtendConfig | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``window`` > 0: sliding-window attention (as
-    kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise).
+    kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise); ``sinks`` [Hq]
+    float32: attention sinks (likewise).
     ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
@@ -471,6 +477,7 @@ def extend_attention(
     shapes, dtypes or devices (metadata only, no sync)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
+    host_checks.check_sinks(sinks, hq, q.device)
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
     batch = qo_indptr.numel() - 1
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
@@ -546,11 +553,13 @@ def extend_attention(
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         WINDOWED=window > 0,
         SOFTCAP=softcap > 0,
+        Sinks=sinks,
+        SINKS=sinks is not None and not split,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if split:
         merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, MERGE_TOKENS,
-                   cfg.min_split_len, split_new_tokens=False, packed=packed)  # fmt: skip
+                   cfg.min_split_len, split_new_tokens=False, packed=packed, sinks=sinks)  # fmt: skip
     return out

@@ -166,15 +166,18 @@ def extend_short_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. Never syncs. ``num_splits`` caps splits per block of tokens (from
     choose_num_splits when None). Any max_extend_len >= the longest request's new tokens is right;
     the grid grows with it, so for long ones the extend kernel is the better one (worker/attention.py
     picks: up to 16 new tokens here). Rows of q past the last request (a graph's padding) are left
     unwritten, as the extend kernel leaves them. Raises ValueError on inconsistent shapes, dtypes or
-    devices (from metadata) and on a max_extend_len below 1."""
+    devices (from metadata) and on a max_extend_len below 1. ``sinks`` [Hq] float32: attention sinks
+    (kernels.reference.extend_attention's), added in the merge."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     t, hq, d = q.shape
+    host_checks.check_sinks(sinks, hq, q.device)
     batch = qo_indptr.numel() - 1
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
@@ -207,5 +210,5 @@ def extend_short_attention(
         enable_fp_fusion=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, tokens, cfg.min_split_len,
-               split_new_tokens=True, pdl=pdl, launch=pdl_launch(pdl))  # fmt: skip
+               split_new_tokens=True, pdl=pdl, launch=pdl_launch(pdl), sinks=sinks)  # fmt: skip
     return out

@@ -96,3 +96,14 @@ def check_attention(
         check_out("out", out, q, "q")
         check_unit_stride(out=out)
     return hkv
+
+
+def check_sinks(sinks: torch.Tensor | None, hq: int, device: torch.device) -> None:
+    """Attention sinks, when given: float32 [Hq], contiguous, on the inputs' device (one per query head)."""
+    if sinks is None:
+        return
+    if sinks.shape != (hq,) or sinks.dtype != torch.float32:
+        raise ValueError(f"sinks must be float32 [Hq] = [{hq}], got {sinks.dtype} {shape_of(sinks)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks are on {sinks.device}, the other inputs on {device}")
+    check_unit_stride(sinks=sinks)

@@ -4,7 +4,8 @@ Semantics are kernels.reference.fused_moe; this module must never change them.
 Shapes (T = tokens, H = hidden size, E = experts, I = one expert's intermediate size, K = experts a token):
   x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows); w2 [E, H, I];
   topk_weights [T, K] (fp32), topk_ids [T, K] (ints in [0, E)): token t's output is
-  sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j].
+  sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]; with the experts'
+  biases b13 [E, 2I] and b2 [E, H] (gpt-oss) added to each product, and another gated activation by name.
 Math in fp32; the gate/up product and its activation are rounded to x's dtype between the launches (as
 the same matmuls in x's dtype would round them), the K expert outputs are summed in fp32.
 
@@ -12,7 +13,7 @@ the same matmuls in x's dtype would round them), the K expert outputs are summed
 pairs by expert into blocks of BLOCK_M pairs that share one expert (each expert's run padded to whole
 blocks), one program for up to ALIGN_KERNEL_MAX_PAIRS pairs. A GEMM program takes one block and one
 tile of output columns, reading its expert's weight tile once for all of the block's pairs. The first
-GEMM reads x's row of each pair (row pair // K) and writes [T*K, 2I]; the activation (kernels.pointwise.silu_and_mul)
+GEMM reads x's row of each pair (row pair // K) and writes [T*K, 2I]; the activation (kernels.pointwise's)
 makes [T*K, I]; the second GEMM multiplies by each pair's routing weight and writes [T*K, H] in fp32,
 which is summed over K. The grid is the worst case's, (T*K + E*(BLOCK_M - 1)) / BLOCK_M blocks: programs
 past the last expert's blocks load nothing and store nothing, so the launches depend on T alone and
@@ -213,9 +214,11 @@ def _grouped_gemm_kernel(
     TOP_K: tl.constexpr, ROW_PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
+    Bias=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
 ):  # fmt: skip
-    """C[pair, n] = A[row] . W[expert, n] (times the pair's weight when WEIGHTED) for the block's pairs;
-    row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the pair (A is the activation)."""
+    """C[pair, n] = A[row] . W[expert, n] (+ Bias[expert, n] when HAS_BIAS; the sum times the pair's
+    weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
+    pair (A is the activation)."""
     block, col_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
     pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -236,6 +239,9 @@ def _grouped_gemm_kernel(
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(Bias + tl.maximum(expert, 0) * stride_be + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if WEIGHTED:
         acc = acc * tl.load(PAIR_WEIGHTS + tl.where(valid, pairs, 0), mask=valid, other=0.0)[:, None]
     dst = C + pairs[:, None] * stride_c + cols[None, :]
@@ -243,8 +249,9 @@ def _grouped_gemm_kernel(
 
 
 def _check(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> None:
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    b13: torch.Tensor | None, b2: torch.Tensor | None,
+) -> None:  # fmt: skip
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or weights.dim() != 2 or ids.shape != weights.shape:
         raise ValueError(
             f"x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights and topk_ids [T, K] expected, got x "
@@ -265,6 +272,11 @@ def _check(
         raise ValueError(f"topk_ids must be integers, got {ids.dtype}")
     if len({x.device, w13.device, w2.device, weights.device, ids.device}) != 1:
         raise ValueError("x, w13, w2, topk_weights and topk_ids must be on one device")
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+        if bias is not None and (bias.shape != shape or bias.device != x.device):
+            raise ValueError(
+                f"{name} must be {list(shape)} on {x.device}, got {list(bias.shape)} on {bias.device}"
+            )
 
 
 def fused_moe(
@@ -274,9 +286,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeConfig | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None.
+    ``b13`` [E, 2I] / ``b2`` [E, H]: the experts' biases, ``activation`` (with ``alpha`` and ``limit``):
+    the gated activation by name, as kernels.reference.fused_moe takes them."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0 or k == 0:
         return torch.zeros_like(x)
@@ -303,13 +323,21 @@ def fused_moe(
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
         x, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
         x.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
-        ROW_PER_TOKEN=True, WEIGHTED=False, **common,
+        ROW_PER_TOKEN=True, WEIGHTED=False, **common, **_bias_args(b13),
     )  # fmt: skip
-    act = pointwise.silu_and_mul(gate_up)
+    act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
         act, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        ROW_PER_TOKEN=False, WEIGHTED=True, **common,
+        ROW_PER_TOKEN=False, WEIGHTED=True, **common, **_bias_args(b2),
     )  # fmt: skip
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
+
+
+def _bias_args(bias: torch.Tensor | None) -> dict:
+    """The grouped GEMM's bias arguments: none, or [E, N] rows read at unit stride."""
+    if bias is None:
+        return {}
+    bias = bias if bias.stride(-1) == 1 else bias.contiguous()
+    return {"Bias": bias, "stride_be": bias.stride(0), "HAS_BIAS": True}

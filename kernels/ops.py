@@ -83,9 +83,10 @@ def extend_attention(
     config: Any = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix; see kernels.reference.extend_attention (``window``: sliding-window
-    attention; ``softcap``: soft-capped scores). ``max_extend_len`` (tokens, the most rows of any
+    attention; ``softcap``: soft-capped scores; ``sinks``: attention sinks). ``max_extend_len`` (tokens, the most rows of any
     request) spares the Triton path a device-to-host sync; ``max_prefix_len`` (the longest cached
     prefix) picks its tiles; ``config`` (an extend_attention.ExtendConfig: an extend graph's variant)
     overrides them."""
@@ -93,12 +94,12 @@ def extend_attention(
     if mode is None:
         return reference.extend_attention(
             q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-            max_extend_len=max_extend_len, window=window, softcap=softcap,
+            max_extend_len=max_extend_len, window=window, softcap=softcap, sinks=sinks,
         )  # fmt: skip
     return kernel_module("extend_attention", mode).extend_attention(
         q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
         max_extend_len=max_extend_len, max_prefix_len=max_prefix_len, config=config, window=window,
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -113,17 +114,19 @@ def extend_short_attention(
     sm_scale: float | None = None,
     *,
     max_extend_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Extend for few new tokens per request, their K/V already in the pool; see
-    kernels.reference.extend_short_attention. ``max_extend_len``: the most new tokens of any request."""
+    kernels.reference.extend_short_attention. ``max_extend_len``: the most new tokens of any request;
+    ``sinks``: attention sinks."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.extend_short_attention(
-            q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale
+            q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale, sinks=sinks
         )
     return kernel_module("extend_short", mode).extend_short_attention(
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale,
-        max_extend_len=max_extend_len,
+        max_extend_len=max_extend_len, sinks=sinks,
     )  # fmt: skip
 
 
@@ -137,16 +140,17 @@ def decode_attention(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request; see kernels.reference.decode_attention (``window``: the last slots
-    attended, 0 for all; ``softcap``: soft-capped scores)."""
+    attended, 0 for all; ``softcap``: soft-capped scores; ``sinks``: attention sinks)."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.decode_attention(
-            q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap
+            q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap, sinks=sinks
         )
     return kernel_module("decode_attention", mode).decode_attention(
-        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap
+        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap, sinks=sinks
     )
 
 
@@ -182,6 +186,16 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if mode is None:
         return reference.gelu_tanh_and_mul(gate_up)
     return kernel_module("pointwise", mode).gelu_tanh_and_mul(gate_up)
+
+
+def gated_activation(
+    gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """See kernels.reference.gated_activation."""
+    mode = _triton_mode(gate_up)
+    if mode is None:
+        return reference.gated_activation(gate_up, activation, alpha, limit)
+    return kernel_module("pointwise", mode).gated_activation(gate_up, activation, alpha, limit)
 
 
 def apply_rope(
@@ -251,13 +265,14 @@ def moe_route(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
-    """See kernels.reference.fused_moe."""
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    **options: Any,
+) -> torch.Tensor:  # fmt: skip
+    """See kernels.reference.fused_moe (``options``: its biases and activation)."""
     mode = _triton_mode(x)
     if mode is None:
-        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return kernel_module("moe", mode).fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, **options)
+    return kernel_module("moe", mode).fused_moe(x, w13, w2, topk_weights, topk_ids, **options)
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

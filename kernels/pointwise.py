@@ -1,8 +1,8 @@
 """Triton row-wise kernels of the dense layers: RMSNorm (alone, or with the residual add before it) and
 the gated MLP's SiLU-and-multiply. One program per token row (and column block).
 
-Semantics are kernels.reference.{rms_norm, add_rms_norm, silu_and_mul, gelu_tanh_and_mul}; this module must
-never change them.
+Semantics are kernels.reference.{rms_norm, add_rms_norm, silu_and_mul, gelu_tanh_and_mul,
+clamped_swiglu_and_mul}; this module must never change them.
 Shapes: x, delta [T, H] (or [..., H]); weight [H] (any strides, passed on contiguous); gate_up [T, 2I].
 All math in fp32, results in the input's dtype; shapes, dtypes and devices are checked from metadata
 (ValueError).
@@ -152,6 +152,17 @@ def _gelu_tanh_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, B
     tl.store(Out + row * stride_o + offs, (gelu * up).to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _clamped_swiglu_and_mul_kernel(
+    X, Out, stride_x, stride_o, alpha, limit, INTER: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    row, offs, mask, gate, up = _gate_and_up(X, stride_x, INTER, BLOCK)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+
+
 def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I], in gate_up's dtype: a gated MLP's
     activation in one kernel instead of two. ``out`` [T, I] may be preallocated (contiguous)."""
@@ -163,7 +174,30 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None)
     return _gated(gate_up, out, _gelu_tanh_and_mul_kernel, "gelu(gate) * up")
 
 
-def _gated(gate_up: torch.Tensor, out: torch.Tensor | None, kernel: object, what: str) -> torch.Tensor:
+def clamped_swiglu_and_mul(
+    gate_up: torch.Tensor, alpha: float, limit: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """gate_up [T, 2I] -> gpt-oss's clamped SwiGLU [T, I] (kernels.reference.clamped_swiglu_and_mul), as
+    silu_and_mul."""
+    return _gated(gate_up, out, _clamped_swiglu_and_mul_kernel, "clamped swiglu", float(alpha), float(limit))
+
+
+def gated_activation(
+    gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """kernels.reference.gated_activation's choice, on these kernels."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul(gate_up)
+    if activation == "clamped_swiglu":
+        return clamped_swiglu_and_mul(gate_up, alpha, limit)
+    raise ValueError(f"unknown activation {activation!r}; silu, gelu_tanh and clamped_swiglu are")
+
+
+def _gated(
+    gate_up: torch.Tensor, out: torch.Tensor | None, kernel: object, what: str, *scalars: float
+) -> torch.Tensor:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2I], got shape {list(gate_up.shape)}")
     host_checks.check_unit_stride(gate_up=gate_up)
@@ -176,6 +210,7 @@ def _gated(gate_up: torch.Tensor, out: torch.Tensor | None, kernel: object, what
             out,
             gate_up.stride(0),
             out.stride(0),
+            *scalars,
             INTER=inter,
             BLOCK=block,
             enable_fp_fusion=True,

@@ -20,11 +20,13 @@ LORA_BLOCK_ROWS = 16  # rows one program of the LoRA kernels takes (kernels.lora
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prefix: int, sm_scale: float, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """q [n, Hq, D] attends k, v [n_prefix + n, Hkv, D]; query j sees keys 0 .. n_prefix + j, only the
     last ``window`` of them when window > 0 (sliding-window attention); with softcap > 0 each score s
-    becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
+    becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). ``sinks`` [Hq] (attention sinks,
+    gpt-oss): head h's softmax also counts one more score, sinks[h], whose value is zero, so a query
+    may give its keys less than all of its weight."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
@@ -39,7 +41,11 @@ def _attend(
     if window > 0:
         allowed &= keys > positions - window
     scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def extend_attention(
@@ -56,13 +62,15 @@ def extend_attention(
     max_extend_len: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
     the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
     in q's dtype. ``max_extend_len`` is a launch hint for the Triton kernel; ignored here. ``window``
     > 0: sliding-window attention, the token at position p sees positions p - window + 1 .. p only
     (positions count the request's prefix, then its new tokens). ``softcap`` > 0: scores soft-capped,
-    softcap * tanh(score / softcap), before the softmax."""
+    softcap * tanh(score / softcap), before the softmax. ``sinks`` [Hq] float32: attention sinks, one
+    extra score per head in each softmax, attending nothing (gpt-oss)."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
@@ -73,7 +81,7 @@ def extend_attention(
         slots = kv_indices[kvp[i] : kvp[i + 1]].long()
         k = torch.cat([k_cache[slots], k_new[rows]])
         v = torch.cat([v_cache[slots], v_new[rows]])
-        out[rows] = _attend(q[rows], k, v, len(slots), scale, window, softcap).to(q.dtype)
+        out[rows] = _attend(q[rows], k, v, len(slots), scale, window, softcap, sinks).to(q.dtype)
     return out
 
 
@@ -90,13 +98,14 @@ def extend_short_attention(
     max_extend_len: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """extend_attention with the new tokens' K/V read from the pool at ``out_slots`` (stored there
     before attention, as the worker does). ``max_extend_len`` is a launch hint; ignored here."""
     slots = out_slots.long()
     return extend_attention(
         q, k_cache[slots], v_cache[slots], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -110,10 +119,11 @@ def decode_attention(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request, q [B, Hq, D], over all of its KV slots (the current token's
     K/V already stored), or the last ``window`` of them when window > 0; scores soft-capped when
-    softcap > 0 (as extend_attention's). Returns [B, Hq, D] in q's dtype."""
+    softcap > 0, attention sinks with ``sinks`` (as extend_attention's). Returns [B, Hq, D] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty_like(q)
     kvp = kv_indptr.tolist()
@@ -121,7 +131,8 @@ def decode_attention(
         start = kvp[i] if window <= 0 else max(kvp[i], kvp[i + 1] - window)
         slots = kv_indices[start : kvp[i + 1]].long()
         # the single query is the last of the sequence: it sees every slot
-        o = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale, softcap=softcap)
+        o = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale, softcap=softcap,
+                    sinks=sinks)  # fmt: skip
         out[i] = o[0].to(q.dtype)
     return out
 
@@ -153,6 +164,26 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
 
 
+def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) [T, I]
+    with g = min(gate, limit): gpt-oss's experts' activation. float32 math, in gate_up's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(gate_up.dtype)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """A gated MLP's activation by name: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "clamped_swiglu" (gpt-oss,
+    with ``alpha`` and ``limit``)."""
+    if activation == "silu":
+        return silu_and_mul(gate_up)
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul(gate_up)
+    if activation == "clamped_swiglu":
+        return clamped_swiglu_and_mul(gate_up, alpha, limit)
+    raise ValueError(f"unknown activation {activation!r}; silu, gelu_tanh and clamped_swiglu are")
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,18 +199,34 @@ def moe_route(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """The mixture-of-experts MLP: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H] in x's dtype: token t's sum over j of topk_weights[t, j] *
-    w2[e] @ silu_and_mul(w13[e] @ x_t), e = topk_ids[t, j]. float32 math; the gate/up product and its
-    activation rounded to x's dtype (as kernels.moe rounds them between its launches)."""
+    (w2[e] @ act(w13[e] @ x_t + b13[e]) + b2[e]), e = topk_ids[t, j], with the biases b13 [E, 2I] and
+    b2 [E, H] where given and ``act`` the gated_activation named ``activation``. float32 math; the
+    gate/up product and its activation rounded to x's dtype (as kernels.moe rounds them between its
+    launches)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         tokens, choice = (ids == e).nonzero(as_tuple=True)
-        gate_up = (x[tokens].float() @ w13[e].float().T).to(x.dtype)
-        y = silu_and_mul(gate_up).float() @ w2[e].float().T
+        gate_up = x[tokens].float() @ w13[e].float().T
+        if b13 is not None:
+            gate_up += b13[e].float()
+        y = gated_activation(gate_up.to(x.dtype), activation, alpha, limit).float() @ w2[e].float().T
+        if b2 is not None:
+            y += b2[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, choice].float()[:, None])
     return out.to(x.dtype)
 

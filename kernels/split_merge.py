@@ -116,10 +116,12 @@ def request_lanes(batch: int, packed: bool) -> int:
 def merge_head(
     Mid_out, Mid_lse, Out, req, head, n_splits, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    CACHE: tl.constexpr,
+    CACHE: tl.constexpr, Sinks=None, SINKS: tl.constexpr = False,
 ):  # fmt: skip
     """Out[req, head] := the splits' partial outputs weighted by exp2 of their log2-sum-exps (an empty
-    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier.
+    split, lse -inf, weighs 0; no split at all gives zeros). CACHE: the loads' cache modifier. SINKS:
+    head h's attention sink Sinks[h] (a natural-log score) weighs in the sum as one more split whose
+    partial is zero (attention that goes to no key).
     NOTE: every split below n_splits wrote a finite partial (zeros when empty), so the partials' load is
     masked by the split count alone: it does not wait for the lse load, and both are in flight at once.
     It stays after the weights in the source: placed first, the fused merge took 195 registers, not 162."""
@@ -130,6 +132,9 @@ def merge_head(
                   cache_modifier=CACHE)  # fmt: skip
     live = mask_s & (lse > float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # log2 domain, as lse
+        m = tl.maximum(m, sink)
     m = tl.where(m > float("-inf"), m, 0.0)  # no live split at all: every weight is exp2(-inf) = 0
     w = tl.where(live, tl.exp2(lse - m), 0.0)
     part = tl.load(
@@ -139,6 +144,8 @@ def merge_head(
         cache_modifier=CACHE,
     )
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - m)
     out = tl.sum(part * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         Out + req * stride_ob + head * stride_oh + offs_d,
@@ -173,6 +180,8 @@ def _merge_rows_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent of the split kernel (sm_90+)
     PACKED: tl.constexpr,  # grid (block slots, Hq): blocks found by locate_block
     BLOCK_R: tl.constexpr,  # >= the requests, a power of two (PACKED only)
+    Sinks=None,  # [Hq] attention sinks (SINKS only)
+    SINKS: tl.constexpr = False,
 ):
     if PACKED:
         req, block = locate_block(qo_indptr, batch, tl.program_id(0), TOKENS, BLOCK_R)
@@ -196,7 +205,8 @@ def _merge_rows_kernel(
     for i in range(TOKENS):
         if t0 + i < n_new:
             merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh, stride_ms,
-                       stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "")  # fmt: skip
+                       stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "", Sinks,
+                       SINKS)  # fmt: skip
 
 
 def merge_rows(
@@ -213,13 +223,15 @@ def merge_rows(
     pdl: bool = False,
     launch: dict | None = None,
     packed: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[T, Hq, D] := the splits of each request's new-token rows merged, ``tokens`` rows a program.
     A block of rows has as many splits as its split kernel gave it: one per started ``min_split_len``
     positions its last row sees (``split_new_tokens``: the short extend), or per started
     ``min_split_len`` prefix tokens, at least one (extend's prefix splits); at most ``num_splits``.
     ``launch``: extra launch options (PDL's). ``packed``: one program per block that exists (packed_blocks
-    slots, found by locate_block) instead of one per (request, block of the longest request)."""
+    slots, found by locate_block) instead of one per (request, block of the longest request). ``sinks``
+    [Hq] float32: attention sinks (merge_head's)."""
     t, hq, d = out.shape
     batch = qo_indptr.numel() - 1
     block_d = max(16, triton.next_power_of_2(d))
@@ -230,6 +242,6 @@ def merge_rows(
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, batch,
         TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
-        BLOCK_R=request_lanes(batch, packed), enable_fp_fusion=True,
+        BLOCK_R=request_lanes(batch, packed), Sinks=sinks, SINKS=sinks is not None, enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2, **(launch or {}),
     )  # fmt: skip

@@ -49,30 +49,33 @@ def extend(
     sm_scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
     (causal; with ``window`` > 0 the last ``window`` positions only; ``softcap`` > 0: soft-capped
-    scores). Returns [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``: steps
-    of few new tokens per request (SHORT_EXTEND) read them there, unless windowed or soft-capped (those
-    take the extend path; on the CPU soft-capped scores take the reference, SDPA has no cap)."""
+    scores; ``sinks`` [Hq]: attention sinks). Returns [T, Hq, D]. The new K/V must already be in the pool
+    at ``batch.out_slots``: steps of few new tokens per request (SHORT_EXTEND) read them there, unless
+    windowed or soft-capped (those take the extend path). On the CPU, soft-capped scores and sinks take
+    the reference (SDPA has neither)."""
     ops = kernel_ops(q.device)
     short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0 and softcap <= 0
     if ops is reference:
-        if softcap > 0:
+        if softcap > 0 or sinks is not None:
             return reference.extend_attention(q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr,
-                                              batch.kv_indices, sm_scale, window=window, softcap=softcap)  # fmt: skip
+                                              batch.kv_indices, sm_scale, window=window, softcap=softcap,
+                                              sinks=sinks)  # fmt: skip
         if batch.batch_size > 1 and short:
             return extend_short(q, k_cache, v_cache, batch, sm_scale)
         return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale, window)
     if short:  # NOTE: verify steps, short cache-hit chunks: each KV head read once, split over the SMs
         return ops.extend_short_attention(
             q, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_slots, sm_scale,
-            max_extend_len=batch.max_extend_len,
+            max_extend_len=batch.max_extend_len, sinks=sinks,
         )  # fmt: skip
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
-        config=batch.extend_config, window=window, softcap=softcap,
+        config=batch.extend_config, window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -187,18 +190,19 @@ def decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, sm_scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One token per request: q [B, Hq, D] attends all of the request's slots (its own K/V must
-    already be stored), the last ``window`` with a window > 0, scores soft-capped with a softcap > 0.
-    Returns [B, Hq, D]."""
+    already be stored), the last ``window`` with a window > 0, scores soft-capped with a softcap > 0,
+    attention sinks with ``sinks``. Returns [B, Hq, D]."""
     ops = kernel_ops(q.device)
     if ops is reference:
-        if softcap > 0:
+        if softcap > 0 or sinks is not None:
             return reference.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale,
-                                              window=window, softcap=softcap)  # fmt: skip
+                                              window=window, softcap=softcap, sinks=sinks)  # fmt: skip
         return decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window)
     return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window,
-                                softcap=softcap)  # fmt: skip
+                                softcap=softcap, sinks=sinks)  # fmt: skip
 
 
 def decode_grouped(

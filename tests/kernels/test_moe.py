@@ -28,15 +28,31 @@ def moe_case(
     return x, w13, w2, weights, ids
 
 
-def by_definition(x, w13, w2, weights, ids):
-    """Each token's experts one at a time, float32 throughout."""
+def by_definition(x, w13, w2, weights, ids, b13=None, b2=None, clamped=False):
+    """Each token's experts one at a time, float32 throughout; with ``clamped``, gpt-oss's activation
+    (alpha 1.702, limit 7)."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
-            out[t] += float(weights[t, j]) * (w2[e].float() @ (F.silu(gate) * up))
+            gate_up = w13[e].float() @ x[t].float() + (0 if b13 is None else b13[e].float())
+            gate, up = gate_up.chunk(2)
+            if clamped:
+                gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            else:
+                act = F.silu(gate) * up
+            y = w2[e].float() @ act + (0 if b2 is None else b2[e].float())
+            out[t] += float(weights[t, j]) * y
     return out
+
+
+def biases(experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 1):
+    """Expert biases b13 [E, 2I], b2 [E, H] of order 1 (the gate's clamp at 7 bites with x of order 3)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(experts, 2 * inter, generator=g).to(dtype), torch.randn(
+        experts, hidden, generator=g
+    ).to(dtype)
 
 
 def test_routing_takes_the_largest_probabilities_and_renormalizes_when_asked():
@@ -55,6 +71,16 @@ def test_the_reference_is_the_definition():
     ids[3] = torch.tensor([5, 5], dtype=torch.int32)  # a token may name one expert twice: both count
     got = reference.fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(got, by_definition(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_with_biases_and_clamped_swiglu_is_the_definition():
+    x, w13, w2, weights, ids = moe_case(9, 6, 2, 24, 10, torch.float32)
+    b13, b2 = biases(6, 24, 10, torch.float32)
+    x = x * 3
+    got = reference.fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2, activation="clamped_swiglu")
+    want = by_definition(x, w13, w2, weights, ids, b13, b2, clamped=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, reference.fused_moe(x, w13, w2, weights, ids, b13=b13, b2=b2), atol=1e-2)
 
 
 def test_align_groups_each_experts_pairs_in_whole_blocks():
@@ -104,6 +130,23 @@ def test_fused_moe_matches_the_reference(backend, assert_close_rel, poisoned, ca
     x, w13, w2, weights, ids = (t.to(backend.device) for t in moe_case(*CASES[case], dtype))
     got = moe.fused_moe(x, w13, w2, weights, ids)
     assert_close_rel(got, reference.fused_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_with_biases_and_clamped_swiglu_matches_the_reference(
+    backend, assert_close_rel, poisoned, case, dtype
+):
+    moe = backend.module("moe")
+    _, experts, _, hidden, inter = CASES[case]
+    x, w13, w2, weights, ids = (t.to(backend.device) for t in moe_case(*CASES[case], dtype))
+    b13, b2 = (b.to(backend.device) for b in biases(experts, hidden, inter, dtype))
+    x = x * 3
+    options = {"b13": b13, "b2": b2, "activation": "clamped_swiglu", "alpha": 1.702, "limit": 7.0}
+    got = moe.fused_moe(x, w13, w2, weights, ids, **options)
+    assert_close_rel(got, reference.fused_moe(x, w13, w2, weights, ids, **options))
+    with pytest.raises(ValueError, match="b2 must be"):
+        moe.fused_moe(x, w13, w2, weights, ids, b2=b2[:, :-1])
 
 
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(

@@ -97,6 +97,27 @@ def test_gated_activations_match_reference(backend, assert_close_rel, dtype, int
         getattr(pointwise, name)(torch.randn(4, 33).to(backend.device))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu_matches_gpt_oss_definition(backend, assert_close_rel, dtype):
+    """gpt-oss's expert activation: gate clamped above at the limit, up to +-limit, (up + 1) * gate *
+    sigmoid(alpha * gate); values of order 10 so that both clamps bite."""
+    pointwise = backend.module("pointwise")
+    g = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(5, 2 * 1100, generator=g) * 6).to(backend.device, dtype)
+    out = torch.full((5, 1100), float("nan"), dtype=dtype, device=backend.device)
+    assert pointwise.clamped_swiglu_and_mul(gate_up, 1.702, 7.0, out=out) is out
+    gate, up = gate_up.cpu().float().chunk(2, dim=-1)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    glu = gate.clamp(max=7.0) * torch.sigmoid(1.702 * gate.clamp(max=7.0))
+    want = ((up.clamp(-7.0, 7.0) + 1) * glu).to(dtype)
+    ref = reference.clamped_swiglu_and_mul(gate_up.cpu(), 1.702, 7.0)
+    assert_close_rel(ref, want)
+    assert_close_rel(out.cpu(), ref)
+    assert_close_rel(pointwise.gated_activation(gate_up, "clamped_swiglu", 1.702, 7.0).cpu(), ref)
+    with pytest.raises(ValueError, match="unknown activation"):
+        pointwise.gated_activation(gate_up, "relu")
+
+
 def test_add_rms_norm_and_silu_and_mul_reject_inconsistent_inputs(backend):
     pointwise = backend.module("pointwise")
     x = torch.randn(4, 32).to(backend.device)
