@@ -116,9 +116,18 @@ GEMMA2_CONFIG = dataclasses.replace(
 NOPE_CONFIG = dataclasses.replace(CONFIG, nope_layers=(1,), sliding_window=8, sliding_layers=(1,))
 
 
+# gpt-oss's kind: attention sinks, q/k/v/o biases, a biased router and biased experts under a clamped SwiGLU
+# (a limit low enough to bite), layer 0 windowed
+GPT_OSS_CONFIG = dataclasses.replace(
+    MOE_CONFIG, norm_topk_prob=True, shared_expert_intermediate_size=0, dense_layers=(), moe_bias=True,
+    expert_activation="clamped_swiglu", swiglu_limit=1.0, attention_sinks=True, qkv_bias=True, o_bias=True,
+    sliding_window=8, sliding_layers=(0,),
+)  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG],
-    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope"],
+    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG, GPT_OSS_CONFIG],
+    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope", "gpt-oss"],
 )  # fmt: skip
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:
@@ -129,7 +138,14 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         backend,
         monkeypatch,
         cpu_model,
-        (*REFERENCE_OPS, "fused_moe", "moe_route", "gelu_tanh_and_mul", "decode_grouped"),
+        (
+            *REFERENCE_OPS,
+            "fused_moe",
+            "moe_route",
+            "gelu_tanh_and_mul",
+            "clamped_swiglu_and_mul",
+            "decode_grouped",
+        ),
     )
     got = run_steps(model, backend.device)
 

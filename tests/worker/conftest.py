@@ -65,8 +65,8 @@ def write_tokenizer(directory: Path, add_bos: bool = True) -> int:
 
 def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None = None, **overrides) -> Path:
     """A tiny random transformers model of ``model_type`` ("llama", "qwen2", "qwen3", "phi3", "granite",
-    "mistral", "ministral", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe" or
-    "granitemoeshared") saved as safetensors."""
+    "mistral", "ministral", "smollm3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe",
+    "granitemoeshared" or "gpt_oss") saved as safetensors."""
     import torch
     import transformers
 
@@ -107,6 +107,9 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
         name = {"mistral": "Mistral", "ministral": "Ministral", "smollm3": "SmolLM3"}[model_type]
         config = getattr(transformers, f"{name}Config")(**common)
         cls = getattr(transformers, f"{name}ForCausalLM")
+    elif model_type == "gpt_oss":
+        config = transformers.GptOssConfig(**common)
+        cls = transformers.GptOssForCausalLM
     elif model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared"):
         name = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "granitemoe": "GraniteMoe",
                 "granitemoeshared": "GraniteMoeShared"}[model_type]  # fmt: skip
@@ -127,6 +130,8 @@ def save_checkpoint(directory: Path, model_type: str, max_shard_size: str | None
                 "norm.weight"
             ):  # NOTE: Gemma's start at 0 (scale 1)
                 param.uniform_(-0.5, 0.5)
+            if name.endswith(("_proj_bias", "sinks")):  # NOTE: gpt-oss starts its experts' biases at 0
+                param.uniform_(-1.0, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
@@ -296,6 +301,21 @@ def gemma3_multimodal_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pa
 # Granite 3 MoE: Granite's scalars, 4 experts of 48 units (stacked input_linear / output_linear), 2 a token;
 # the shared kind adds an ungated shared expert of 40 units
 GRANITE_MOE = {**GRANITE, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+# gpt-oss: 4 experts of 48 units, 2 a token, a clamp low enough to bite at these weights' scale; YaRN over a
+# 32-token pretraining context (as the model's own over 4,096), a 12-token window on its first layer
+GPT_OSS = {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+           "sliding_window": 12, "swiglu_limit": 1.5,
+           "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0}}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss: attention sinks, q/k/v/o biases, a biased router and biased experts under a clamped SwiGLU,
+    its stacked [E, in, out] experts with gate and up interleaved."""
+    return save_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", **GPT_OSS)
 
 
 @pytest.fixture(scope="session")

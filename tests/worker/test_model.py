@@ -86,6 +86,7 @@ PROMPT = (
 
 
 CHECKPOINTS = [
+    "gpt_oss_checkpoint",
     "llama_checkpoint",
     "qwen2_checkpoint",
     "qwen3_checkpoint",

@@ -18,7 +18,16 @@ import pytest
 import torch
 
 from tests.support import ROOT, start_module, wait_until
-from tests.worker.conftest import GEMMA2, GEMMA3, GRANITE, GRANITE_MOE, MIXTRAL, QWEN2_MOE, save_checkpoint
+from tests.worker.conftest import (
+    GEMMA2,
+    GEMMA3,
+    GPT_OSS,
+    GRANITE,
+    GRANITE_MOE,
+    MIXTRAL,
+    QWEN2_MOE,
+    save_checkpoint,
+)
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
@@ -181,6 +190,9 @@ def randomize_biases(ckpt: Path) -> None:
         ("gemma2", GEMMA2),
         # Granite 3 MoE: the stacked experts split per expert, the ungated shared expert too
         ("granitemoeshared", {**GRANITE_MOE, "shared_intermediate_size": 40}),
+        # gpt-oss: each rank's heads' sinks, the experts' gate/up biases split with them, their down biases and
+        # o_proj's added once, the router's bias whole
+        ("gpt_oss", GPT_OSS),
     ],
 )
 def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
@@ -235,6 +247,8 @@ def test_weight_parts_tile_each_weight():
         "model.layers.0.mlp.experts.5.down_proj.weight": ((8, 6), 1),
         "model.layers.0.mlp.shared_expert.gate_proj.weight": ((10, 8), 0),
         "model.layers.0.mlp.shared_expert.down_proj.weight": ((8, 10), 1),
+        "model.layers.0.mlp.experts.5.gate_proj.bias": ((6,), 0),
+        "model.layers.0.self_attn.sinks": ((4,), 0),
     }
     for name, (shape, dim) in shapes.items():
         whole = torch.randn(shape)
@@ -242,6 +256,9 @@ def test_weight_parts_tile_each_weight():
         assert torch.equal(torch.cat(parts, dim=dim), whole), name
     bias = torch.randn(8)
     assert Shard(1, 2).weight(c, "model.layers.0.mlp.down_proj.bias", bias) is bias  # whole, added once
+    assert Shard(1, 2).weight(c, "model.layers.0.mlp.experts.5.down_proj.bias", bias) is bias
+    router_bias = torch.randn(6)
+    assert Shard(1, 2).weight(c, "model.layers.0.mlp.gate.bias", router_bias) is router_bias
     for whole_on_each in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight"):
         router = torch.randn(6, 8)
         assert Shard(1, 2).weight(c, whole_on_each, router) is router

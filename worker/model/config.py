@@ -24,8 +24,9 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt_oss",
 )
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "gpt_oss")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
@@ -71,6 +72,13 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert (Granite's has none)
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: biases on the router and on every expert's projections, experts under a clamped SwiGLU
+    # ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit))
+    moe_bias: bool = False
+    expert_activation: str = "silu"  # or "clamped_swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False  # gpt-oss: one learned score per head in each softmax, attending nothing
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
@@ -118,6 +126,7 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         if model_type in GEMMA_MODEL_TYPES:
             cfg = _gemma_defaults(cfg, model_type)
+        _check_quantization(cfg, model_type)
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
@@ -192,12 +201,40 @@ class ModelConfig:
             **(_experts(cfg, model_type) if model_type in MOE_MODEL_TYPES else {}),
             **_sliding_window(cfg, model_type),
             **(_nope_layers(cfg) if model_type == "smollm3" else {}),
+            **(_gpt_oss(cfg) if model_type == "gpt_oss" else {}),
             **(_gemma(cfg, hidden, local_rope_theta, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
             mlp_activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+
+def _check_quantization(cfg: dict[str, Any], model_type: str) -> None:
+    """Quantized checkpoints: gpt-oss's MXFP4 experts are dequantized at load (worker.model.mxfp4); any
+    other quantization is refused here rather than failing on weight names the loader does not know."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return
+    method = (quant.get("quant_method") if isinstance(quant, dict) else None) or "unknown method"
+    if method == "mxfp4" and model_type == "gpt_oss":
+        return
+    raise ValueError(
+        f"quantized checkpoints ({method}) are not supported, except gpt-oss's MXFP4 experts; "
+        "serve the unquantized weights"
+    )
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biased router and experts under a clamped SwiGLU, attention sinks; its router's softmax
+    over the top experts' logits is the renormalized top-k of the softmax over all (norm_topk_prob)."""
+    return {
+        "moe_bias": True,
+        "expert_activation": "clamped_swiglu",
+        "swiglu_alpha": float(cfg.get("swiglu_alpha") or 1.702),
+        "swiglu_limit": float(cfg.get("swiglu_limit") or 7.0),
+        "attention_sinks": True,
+    }
 
 
 def _granite_scalars(cfg: dict[str, Any]) -> dict[str, float]:
@@ -215,7 +252,7 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
             f"{model_type} needs num_experts (or num_local_experts) > 0 and 0 < num_experts_per_tok <= it, "
             f"got {experts} and {top_k}"
         )
-    if model_type in ("mixtral", "granitemoe", "granitemoeshared"):
+    if model_type in ("mixtral", "granitemoe", "granitemoeshared", "gpt_oss"):
         # NOTE: every layer sparse, experts of intermediate_size, the top experts' weights renormalized;
         # Granite's shared expert (granitemoeshared) is added ungated
         return {

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Granite, Gemma 2 and 3, SmolLM3, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite 3 MoE) over a paged KV pool, driven by a
-ForwardBatch.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite 3 MoE and gpt-oss) over a paged KV pool, driven
+by a ForwardBatch.
 
 Stores every new token's K/V into the pool at ``batch.out_slots`` in every layer; never allocates
 or frees slots. Weights use HF names; q/k/v and gate/up are stacked into one matmul each, and a sparse
@@ -22,6 +22,7 @@ from torch import nn
 
 from worker import attention
 from worker.forward_batch import ForwardBatch
+from worker.model import mxfp4
 from worker.model.config import ModelConfig
 from worker.model.lora import LoraStack
 from worker.model.shard import WHOLE, Shard
@@ -152,6 +153,12 @@ class DecoderLayer(nn.Module):
             _weight(c.num_experts, 2 * self.inter, c.hidden_size, **w) if self.sparse else None
         )
         self.experts_down = _weight(c.num_experts, c.hidden_size, self.inter, **w) if self.sparse else None
+        biased = self.sparse and c.moe_bias  # gpt-oss: the router's and every expert's biases
+        self.router_bias = _weight(c.num_experts, **w) if biased else None
+        self.experts_gate_up_bias = _weight(c.num_experts, 2 * self.inter, **w) if biased else None
+        self.experts_down_bias = _weight(c.num_experts, c.hidden_size, **w) if biased else None
+        # gpt-oss: this rank's heads' attention sinks (float32, as the kernels read them)
+        self.sinks = _weight(self.heads, device=device, dtype=torch.float32) if c.attention_sinks else None
         self.shared_inter = shard.local(c, "shared_intermediate") if self.sparse else 0
         shared = self.shared_inter > 0
         self.shared_gate_up = _weight(2 * self.shared_inter, c.hidden_size, **w) if shared else None
@@ -200,11 +207,20 @@ class DecoderLayer(nn.Module):
             ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         if batch.mode == "extend":
             out = attention.extend(
-                q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                batch,
+                self.sm_scale,
+                self.window,
+                c.attn_logit_softcapping,
+                self.sinks,
             )
         else:
             out = attention.decode(
-                q, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping
+                q, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping, self.sinks
             )
         out = out.reshape(t, self.q_size)
         o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
@@ -234,8 +250,13 @@ class DecoderLayer(nn.Module):
         the shared expert, scaled by sigmoid(its gate) where it has one (this rank's part of each, summed by
         the caller)."""
         c = self.config
-        weights, ids = ops.moe_route(F.linear(h, self.router), c.experts_per_token, c.norm_topk_prob)
-        out = ops.fused_moe(h, self.experts_gate_up, self.experts_down, weights, ids)
+        logits = F.linear(h, self.router, self.router_bias)
+        weights, ids = ops.moe_route(logits, c.experts_per_token, c.norm_topk_prob)
+        out = ops.fused_moe(
+            h, self.experts_gate_up, self.experts_down, weights, ids, b13=self.experts_gate_up_bias,
+            b2=self.experts_down_bias if self.bias_here else None, activation=c.expert_activation,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+        )  # fmt: skip
         if self.shared_gate_up is None:
             return out
         shared = F.linear(ops.silu_and_mul(F.linear(h, self.shared_gate_up)), self.shared_down)
@@ -244,7 +265,9 @@ class DecoderLayer(nn.Module):
         return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
 
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_WEIGHT = re.compile(
+    r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks)$"
+)  # sinks: gpt-oss's, self_attn's
 # Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
 _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
                 "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
@@ -278,6 +301,49 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
             gate, up = w.chunk(2)
             yield f"{owner}gate_proj.weight", gate
             yield f"{owner}up_proj.weight", up
+
+
+# gpt-oss's sparse layer: the router as mlp.router; the experts stacked, [E, in, out] with gate and up
+# interleaved (out columns 2i and 2i + 1), their biases [E, out], or in MXFP4 as _blocks and _scales in the
+# [E, out, ...] layout of a Linear weight (worker.model.mxfp4)
+_GPT_OSS_MLP = re.compile(
+    r"(model\.layers\.\d+\.mlp\.)(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)$"
+)
+
+
+def _gpt_oss_parts(
+    m: re.Match, tensor: torch.Tensor, packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """A _GPT_OSS_MLP weight as the Qwen-MoE named weights it holds, per expert (gate rows before up rows).
+    MXFP4 halves wait in ``packed`` until both have been read, then are dequantized one expert at a time."""
+    mlp, router_kind, proj, suffix = m.groups()
+    if router_kind is not None:
+        yield f"{mlp}gate.{router_kind}", tensor
+        return
+    if suffix in ("_blocks", "_scales"):
+        halves = packed.setdefault(f"{mlp}experts.{proj}", {})
+        halves[suffix] = tensor
+        if len(halves) < 2:
+            return
+        del packed[f"{mlp}experts.{proj}"]
+        for e in range(tensor.shape[0]):
+            weight = mxfp4.dequantize(halves["_blocks"][e], halves["_scales"][e], dtype)
+            yield from _gpt_oss_expert(mlp, e, proj, "weight", weight)
+        return
+    kind = "bias" if suffix == "_bias" else "weight"
+    for e, part in enumerate(tensor):
+        yield from _gpt_oss_expert(mlp, e, proj, kind, part if kind == "bias" else part.T)
+
+
+def _gpt_oss_expert(
+    mlp: str, e: int, proj: str, kind: str, t: torch.Tensor
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Expert ``e``'s weight [out, in] or bias [out] of ``proj``, gate and up de-interleaved."""
+    if proj == "down_proj":
+        yield f"{mlp}experts.{e}.down_proj.{kind}", t
+    else:
+        yield f"{mlp}experts.{e}.gate_proj.{kind}", t[0::2]
+        yield f"{mlp}experts.{e}.up_proj.{kind}", t[1::2]
 
 
 _EXPERT_PART = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")  # canonical names
@@ -398,7 +464,7 @@ class LlamaForCausalLM(nn.Module):
         part, kind = m.group(2), m.group(3)
         q, kv, inter = layer.q_size, layer.kv_size, layer.inter  # this rank's sizes
         if layer.sparse and part.startswith("mlp."):
-            target = self._expert_slot(layer, part) if kind == "weight" else None
+            target = self._expert_slot(layer, part, kind)
             if target is None:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             return target
@@ -422,6 +488,7 @@ class LlamaForCausalLM(nn.Module):
             ("self_attn.k_norm", "weight"): layer.k_norm,
             ("mlp.down_proj", "weight"): layer.down_proj,
             ("mlp.down_proj", "bias"): layer.down_bias,
+            ("self_attn", "sinks"): layer.sinks,
         }
         if part in stacked:
             group, start, end = stacked[part]
@@ -432,18 +499,27 @@ class LlamaForCausalLM(nn.Module):
             return single[(part, kind)]
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
 
-    def _expert_slot(self, layer: DecoderLayer, part: str) -> torch.Tensor | None:
-        """What a sparse layer's ``mlp.*`` weight ``part`` fills (canonical names, see _canonical)."""
+    def _expert_slot(self, layer: DecoderLayer, part: str, kind: str) -> torch.Tensor | None:
+        """What a sparse layer's ``mlp.*`` weight or bias ``part`` fills (canonical names, see _canonical)."""
         inter, shared = layer.inter, layer.shared_inter
         m = _EXPERT_PART.fullmatch(part)
         if m is not None:
             e = int(m.group(1))
             if e >= self.config.num_experts:
                 return None
+            gate_up, down = (
+                (layer.experts_gate_up, layer.experts_down)
+                if kind == "weight"
+                else (layer.experts_gate_up_bias, layer.experts_down_bias)
+            )
+            if gate_up is None:
+                return None
             if m.group(2) == "down_proj":
-                return layer.experts_down[e]
+                return down[e]
             start = 0 if m.group(2) == "gate_proj" else inter
-            return layer.experts_gate_up[e, start : start + inter]
+            return gate_up[e, start : start + inter]
+        if kind == "bias":
+            return layer.router_bias if part == "mlp.gate" else None
         slots = {"mlp.gate": layer.router}
         if layer.shared_gate_up is not None:
             slots.update({
@@ -501,6 +577,7 @@ class LlamaForCausalLM(nn.Module):
         Of a multimodal checkpoint, the language model's weights (language_model.*) without their prefix."""
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        packed: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read so far
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
                 if not name.startswith("language_model."):
@@ -509,6 +586,10 @@ class LlamaForCausalLM(nn.Module):
             granite = _GRANITE_MOE.match(name)
             if granite is not None:
                 yield from _granite_moe_parts(granite, tensor)
+                continue
+            gpt_oss = _GPT_OSS_MLP.match(name) if c.model_type == "gpt_oss" else None
+            if gpt_oss is not None:
+                yield from _gpt_oss_parts(gpt_oss, tensor, packed, self.dtype)
                 continue
             name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
             m = _LAYER_WEIGHT.match(name)
@@ -523,6 +604,11 @@ class LlamaForCausalLM(nn.Module):
                     yield f"{head}mlp.{proj}.{m.group(3)}", rows  # type: ignore[union-attr]
             else:
                 yield name, tensor
+        for name, halves in packed.items():
+            missing = "_scales" if "_blocks" in halves else "_blocks"
+            raise ValueError(
+                f"checkpoint has MXFP4 weight {name}{next(iter(halves))} without its {name}{missing}"
+            )
 
     def _weight_names(self) -> list[str]:
         """The HF names of every weight this model loads."""
@@ -534,6 +620,7 @@ class LlamaForCausalLM(nn.Module):
                  *(f"mlp.experts.{e}.{p}" for e in range(self.config.num_experts)
                    for p in ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        names += [f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)]
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
                   for k in ("weight", "bias")]  # fmt: skip
         out = []

@@ -4,7 +4,7 @@ collectives a sharded forward needs.
 Megatron-style split over ``size`` ranks: q/k/v and gate/up are split by output rows (attention
 heads, intermediate units), o_proj and down_proj by input columns, so each layer needs one sum
 over ranks after o_proj and one after down_proj; a mixture of experts splits every expert (and the
-shared one) so, its router whole on every rank. The lm_head is split by vocabulary rows and the
+shared one) so, its router whole on every rank. Attention sinks go with their heads. The lm_head is split by vocabulary rows and the
 logits gathered. Embedding and norms are whole on every rank. Each rank's KV pool holds its own
 KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias)$")
+_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks)$")
 # HF projection -> how its weight is split: by output rows of which size, or by input columns
 _ROWS = {
     "self_attn.q_proj": "heads",
@@ -82,6 +82,9 @@ class Shard:
         if m is None:
             return tensor
         part, kind = _EXPERT.sub(".experts.", m.group(1)), m.group(2)
+        if kind == "sinks":  # NOTE: one per query head (gpt-oss)
+            n = self.local(config, "heads")
+            return tensor[self.rank * n : (self.rank + 1) * n]
         unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) in ("heads", "kv_heads") else 1
         if part in _ROWS:
             n = self.local(config, _ROWS[part]) * unit
