@@ -66,7 +66,7 @@ class WorkerConfig:
     kv_transfer_max_wait_ms: float = 200.0  # a transfer queued behind more than this is refused (0: never)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: TOOL_CALL_PARSERS
-    reasoning_parser: str = "none"  # chat answers' <think> text apart (worker.reasoning.PARSERS)
+    reasoning_parser: str = "none"  # chat answers' thinking apart (worker.reasoning.PARSERS)
     log_level: str = "info"
     cpu_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default (all cores)
     warmup_tokens: int = 128  # prompt tokens of a throw-away request run before serving; 0 = none
@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         str,
         "chat answers' thinking (<think>...</think>, Qwen3 and DeepSeek-R1) returned apart from the "
-        "content, as reasoning and reasoning_content: none, qwen3 or deepseek_r1 (the same tags)",
+        "content, as reasoning and reasoning_content: none, qwen3 or deepseek_r1 (the same tags), or gpt_oss "
+        "(harmony's analysis channel)",
         choices=list(REASONING_PARSERS),
     )
     opt("--log-level", str, "debug | info | warning | error")

@@ -9,12 +9,25 @@ DeepSeek-R1, Qwen3's thinking-only releases); the thinking ends at ``</think>`` 
 content. An answer that does not start thinking is all content; one cut off while thinking is all
 reasoning. The tags themselves are in neither. The split does not depend on how the text is cut
 into stream chunks: text that may be the start of a tag is held back until it is known.
+
+gpt-oss answers in its harmony format instead: messages ``<|channel|>NAME<|message|>TEXT<|end|>``, each
+after ``<|start|>assistant``; the ``analysis`` channel is its thinking, ``final`` (and ``commentary``,
+its preambles) the content (HarmonySplitter; the answer decoded with its special tokens kept).
 """
 
 from __future__ import annotations
 
+import re
+
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("none", "qwen3", "deepseek_r1")  # vLLM's names; both read the same tags
+PARSERS = (
+    "none",
+    "qwen3",
+    "deepseek_r1",
+    "gpt_oss",
+)  # vLLM's names; qwen3 and deepseek_r1 read the same tags
+# the parsers that read their markers from special tokens: answers are decoded with them kept
+SPECIAL_TOKEN_PARSERS = ("gpt_oss",)
 
 
 def _held(text: str, tag: str) -> int:
@@ -97,3 +110,77 @@ class ReasoningSplitter:
 def split(text: str, thinking: bool = False) -> tuple[str, str]:
     """A whole answer as (reasoning, content)."""
     return ReasoningSplitter(thinking).take(text, final=True)
+
+
+# harmony's markers (gpt-oss): a message's header ends at MESSAGE, its text at one of BODY_ENDS
+CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"([^\s<]*)")  # a header's channel: up to a space or a marker
+BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
+
+
+class HarmonySplitter:
+    """ReasoningSplitter's interface over gpt-oss's harmony messages: the ``analysis`` channel's text is
+    reasoning, every other channel's content; headers (``<|start|>assistant<|channel|>final``) and markers
+    are in neither. Text before any marker (an answer that is not in the format, e.g. under a JSON
+    grammar) is content once the answer ends without one."""
+
+    def __init__(self, thinking: bool = False) -> None:
+        del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
+        self._state = "header"  # header: reading up to <|message|>; body: a message's text
+        self._channel = ""
+        self._header = ""  # the current header's text so far
+        self._seen_marker = False
+        self._pending = ""  # body text held back: possibly the start of a marker
+        self.reasoning_tokens = 0  # tokens generated in analysis messages (their markers included)
+
+    def count(self, tokens: int) -> None:
+        if self._state == "body" and self._channel == "analysis":
+            self.reasoning_tokens += tokens
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self._pending = self._pending + text, ""
+        reasoning = content = ""
+        while text:
+            if self._state == "header":
+                text, self._header = self._header + text, ""
+                at = text.find(MESSAGE)
+                if at < 0:
+                    self._header = text
+                    break
+                header, text = text[:at], text[at + len(MESSAGE) :]
+                self._seen_marker, self._state = True, "body"
+                channel = _CHANNEL_NAME.search(header)
+                self._channel = channel.group(1) if channel else ""
+                continue
+            ends = [(at, end) for end in BODY_ENDS if (at := text.find(end)) >= 0]
+            if ends:
+                at, end = min(ends)
+                body, text = text[:at], text[at + len(end) :]
+                self._state = "header"
+            else:
+                keep = max(_held(text, end) for end in BODY_ENDS)
+                body, self._pending, text = text[: len(text) - keep], text[len(text) - keep :], ""
+            if self._channel == "analysis":
+                reasoning += body
+            else:
+                content += body
+        return reasoning, content
+
+    def flush(self) -> tuple[str, str]:
+        text, self._pending = self._pending, ""
+        if self._state == "header":  # NOTE: an answer with no message at all is plain content
+            text, self._header = ("" if self._seen_marker else self._header), ""
+            return "", text
+        return (text, "") if self._channel == "analysis" else ("", text)
+
+    def take(self, text: str, final: bool) -> tuple[str, str]:
+        reasoning, content = self.feed(text)
+        if final:
+            rest = self.flush()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        return reasoning, content
+
+
+def splitter(parser: str, thinking: bool = False) -> ReasoningSplitter | HarmonySplitter:
+    """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer."""
+    return HarmonySplitter() if parser == "gpt_oss" else ReasoningSplitter(thinking)

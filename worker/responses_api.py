@@ -27,7 +27,7 @@ from router.responses_input import (
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
 from worker.openai_format import event_stream, logprob_entry
-from worker.reasoning import ReasoningSplitter
+from worker.reasoning import HarmonySplitter, ReasoningSplitter, splitter
 from worker.responses_output import Events, OutputItems
 from worker.tool_calls import ToolOutput
 
@@ -194,7 +194,7 @@ class ResponsesAPI:
         params = sampling_params(
             body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )
-        params = api.for_model(params, body)
+        params = api.for_model(api.reasoning_params(params), body)
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}
         first = await api._submit(request, [(0, ids, params, None)], outputs, live)
@@ -206,7 +206,7 @@ class ResponsesAPI:
         )
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
-                     None if thinking is None else ReasoningSplitter(thinking))  # fmt: skip
+                     splitter(api.reasoning_parser, bool(thinking)) if api.reasoning else None)  # fmt: skip
         if body.get("stream"):
             return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
@@ -283,7 +283,7 @@ class _Turn:
 
     def __init__(
         self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool,
-        reader: ToolOutput | None = None, logprobs: bool = False, thinking: ReasoningSplitter | None = None,
+        reader: ToolOutput | None = None, logprobs: bool = False, thinking: ReasoningSplitter | HarmonySplitter | None = None,
     ) -> None:  # fmt: skip
         self.endpoint, self.body, self.rid, self.store = endpoint, body, rid, store
         self.created = int(time.time())

@@ -25,6 +25,7 @@ from router.api_keys import APIKeys
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_payload, error_response
 from router.kv_events import KV_SOURCE_HEADER
 from router.request_id import RequestId
+from worker import reasoning
 from worker.api_params import (
     MAX_CHOICES,
     APIError,
@@ -49,7 +50,7 @@ from worker.kv_transfer import KVTransfer
 from worker.openai_format import Choice, Responses, TokenNames, event_stream, sse_json
 from worker.openai_format import usage as usage_so_far
 from worker.ops_api import OpsAPI
-from worker.reasoning import ReasoningSplitter, prompt_opens_thinking
+from worker.reasoning import SPECIAL_TOKEN_PARSERS, prompt_opens_thinking
 from worker.responses_api import ResponsesAPI
 from worker.sampling import SamplingParams
 from worker.tool_calls import ToolOutput, ToolRequest
@@ -87,7 +88,8 @@ class WorkerAPI:
         self.engine = engine
         self.kv = kv  # fetches a prompt's cached KV from the worker a router names (worker/kv_transfer.py)
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
-        self.reasoning = reasoning_parser != "none"  # chat answers' <think> text apart (worker/reasoning.py)
+        self.reasoning = reasoning_parser != "none"  # chat answers' thinking apart (worker/reasoning.py)
+        self.reasoning_parser = reasoning_parser
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
@@ -95,8 +97,8 @@ class WorkerAPI:
     def prompt_thinks(self, prompt: list[int]) -> bool | None:
         """With --reasoning-parser, whether the chat ``prompt`` opened the thinking (a template that
         starts it itself, as DeepSeek-R1's does); None without the parser."""
-        if not self.reasoning:
-            return None
+        if not self.reasoning or self.reasoning_parser in SPECIAL_TOKEN_PARSERS:
+            return None  # NOTE: harmony names each message's channel; a grammar constrains the whole answer
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
 
@@ -161,9 +163,17 @@ class WorkerAPI:
         tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens
         thinking = self.prompt_thinks(ids)
         guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser, thinking)
-        params = sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
-        params = self.for_model(params, body)
+        params = self.for_model(self.reasoning_params(
+            sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
+        ), body)  # fmt: skip
         return await self._generate(request, body, [ids], params, chat=True, tools=tools, thinking=thinking)
+
+    def reasoning_params(self, params: SamplingParams) -> SamplingParams:
+        """A chat answer's ``params`` as the reasoning parser reads it: decoded with its special tokens kept
+        where they mark the reasoning (gpt-oss's harmony messages; the splitter drops them)."""
+        if self.reasoning_parser in SPECIAL_TOKEN_PARSERS:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     async def _generate(
         self, request: Request, body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool,
@@ -179,8 +189,8 @@ class WorkerAPI:
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
         for c in choices:
-            if thinking is not None:
-                c.reasoning = ReasoningSplitter(thinking)
+            if chat and self.reasoning:
+                c.reasoning = reasoning.splitter(self.reasoning_parser, bool(thinking))
             if tools is not None and tools.choice != "none":
                 c.tools = ToolOutput(tools, self.tool_call_parser)
             if echo is not None:

@@ -1,0 +1,101 @@
+"""--reasoning-parser gpt_oss: gpt-oss's harmony messages (<|channel|>NAME<|message|>TEXT<|end|>) read
+into reasoning (the analysis channel) and content (final, commentary), whole and streamed however the
+stream cuts them, on a real worker."""
+
+from __future__ import annotations
+
+import itertools
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.worker.test_server import serve, sse_events
+from worker.reasoning import HarmonySplitter
+
+ANSWER = "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>final<|message|>Four."
+
+
+def split(text: str) -> tuple[str, str]:
+    return HarmonySplitter().take(text, final=True)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (ANSWER, ("plan", "Four.")),
+        (ANSWER + "<|return|>", ("plan", "Four.")),
+        ("<|channel|>final<|message|>only an answer", ("", "only an answer")),
+        ("<|channel|>analysis<|message|>cut off while thinking", ("cut off while thinking", "")),
+        # a preamble to the user on the commentary channel is content; two analysis messages both reasoning
+        ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary<|message|>b<|end|>"
+         "<|start|>assistant<|channel|>analysis<|message|>c<|end|><|start|>assistant<|channel|>final<|message|>d",
+         ("ac", "bd")),
+        ("plain text, no messages", ("", "plain text, no messages")),  # e.g. under a JSON grammar
+        ("<|channel|>final<|message|>ends <|e", ("", "ends <|e")),  # a marker's start that never came
+        ("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>fin", ("x", "")),  # header cut
+        ("", ("", "")),
+    ],
+)  # fmt: skip
+def test_split(text, expected):
+    assert split(text) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["<|channel|>", "analysis", "final", "<|message|>", "<|end|>", "<|start|>",
+                              "assistant", "a", " ", "<|", "|>", "<|return|>"]), max_size=16),
+    st.lists(st.integers(0, 200), max_size=8),
+)  # fmt: skip
+def test_a_stream_splits_as_the_whole_text_does_however_it_is_cut(words, cuts):
+    text = "".join(words)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    splitter = HarmonySplitter()
+    pieces = [splitter.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
+    pieces.append(splitter.flush())
+    assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == split(text)
+
+
+# the answer a grammar leaves the model: the built-in model's byte tokenizer spells the markers out
+HARMONY = {"regex": r"<\|channel\|>analysis<\|message\|>[a-z]{6}<\|end\|><\|start\|>assistant"
+                    r"<\|channel\|>final<\|message\|>[a-z]{4}"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with serve(reasoning_parser="gpt_oss") as live:
+        yield live
+
+
+def chat(**extra) -> dict:
+    return {"messages": [{"role": "user", "content": "Think first."}], "max_tokens": 120, "temperature": 0,
+            **HARMONY, **extra}  # fmt: skip
+
+
+def test_the_analysis_channel_comes_apart_from_the_final_one_whole_and_streamed(worker):
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=chat()).json()
+        body = chat(stream=True, stream_options={"include_usage": True})
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    message = whole["choices"][0]["message"]
+    assert len(message["reasoning"]) == 6 and message["reasoning"].isalpha()
+    assert message["reasoning_content"] == message["reasoning"]
+    assert len(message["content"]) == 4 and message["content"].isalpha()
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    # the byte tokenizer: one token a byte; the analysis message's text and its closing marker count
+    thinking = 6 + len("<|end|>")
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": thinking}
+
+
+def test_the_parser_decodes_chat_answers_with_their_special_tokens(worker):
+    """harmony's markers are special tokens: a chat answer keeps them for the parser (which drops them)."""
+    from worker.sampling import SamplingParams
+
+    api = worker.app.state.api
+    assert api.reasoning_params(SamplingParams()).skip_special_tokens is False
+    assert api.prompt_thinks([1, 2, 3]) is None  # the channels say it; nothing read off the prompt
