@@ -47,23 +47,28 @@ def _tensors(shape: Shape, tokens: int = 32, slots: int = 64) -> dict[str, torch
         "cos_sin": torch.zeros(slots, d, dtype=torch.float32),
         "x": torch.zeros(tokens, shape.hidden, dtype=dt),
         "w": torch.zeros(shape.hidden, dtype=dt),
+        "sinks": torch.zeros(hq, dtype=torch.float32),
     }
 
 
-def decode_case(shape: Shape, config: Any, label: str, window: int = 0, softcap: float = 0.0) -> Case:
+def decode_case(
+    shape: Shape, config: Any, label: str, window: int = 0, softcap: float = 0.0, sinks: bool = False
+) -> Case:  # fmt: skip
     from kernels.decode_attention import decode_attention
 
     t = _tensors(shape)
 
     def call() -> Any:
         return decode_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indices"],
-                                num_splits=DECODE_SPLITS, config=config, window=window, softcap=softcap)  # fmt: skip
+                                num_splits=DECODE_SPLITS, config=config, window=window, softcap=softcap,
+                                sinks=t["sinks"] if sinks else None)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
 
 def extend_case(
-    shape: Shape, config: Any, label: str, num_splits: int | None = None, window: int = 0, softcap: float = 0.0
+    shape: Shape, config: Any, label: str, num_splits: int | None = None, window: int = 0, softcap: float = 0.0,
+    sinks: bool = False,
 ) -> Case:  # fmt: skip
     from kernels.extend_attention import extend_attention
 
@@ -72,7 +77,7 @@ def extend_case(
     def call() -> Any:
         return extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"],
                                 t["indices"], max_extend_len=32, num_splits=num_splits, config=config,
-                                window=window, softcap=softcap)  # fmt: skip
+                                window=window, softcap=softcap, sinks=t["sinks"] if sinks else None)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
@@ -143,6 +148,10 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         # Gemma 2's layers: soft-capped scores, the sliding ones windowed too
         extend_case(shape, extend_default, f"extend-softcap {shape.label}", window=4096, softcap=50.0),
         decode_case(shape, decode_default, f"decode-softcap {shape.label}", window=4096, softcap=50.0),
+        # gpt-oss's layers: attention sinks in the unsplit extend's and every merge's normalization, windowed
+        extend_case(shape, extend_default, f"extend-sinks {shape.label}", window=128, sinks=True),
+        extend_case(shape, extend_default, f"extend-sinks split {shape.label}", num_splits=4, sinks=True),
+        decode_case(shape, decode_default, f"decode-sinks {shape.label}", window=128, sinks=True),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),
@@ -165,19 +174,31 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe {shape.dtype} t{tokens}")
           for tokens in (4, 256)),  # a decode step's tiles and a prefill's
         (f"moe_route {shape.dtype} e128 k8", {}, lambda: moe.moe_route(torch.zeros(4, 128, dtype=dt), 8, True)),
+        # gpt-oss's experts: biased GEMMs, the clamped SwiGLU
+        *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe gpt-oss {shape.dtype} t{tokens}",
+                   gpt_oss=True) for tokens in (4, 256)),
     ]  # fmt: skip
 
 
-def moe_case(shape: Shape, tokens: int, config: Any, label: str) -> Case:
+def moe_case(shape: Shape, tokens: int, config: Any, label: str, gpt_oss: bool = False) -> Case:
     """A mixture-of-experts MLP of 8 experts, 2 a token, over ``tokens`` tokens in ``config``'s tiles (sizes of
-    256: what compiles depends on the dtype, the tiles and 16-byte divisibility only)."""
+    256: what compiles depends on the dtype, the tiles and 16-byte divisibility only); ``gpt_oss``: with the
+    experts' biases and the clamped SwiGLU."""
     from kernels import moe
 
     dt = DTYPES[shape.dtype]
     w13, w2 = torch.zeros(8, 512, 256, dtype=dt), torch.zeros(8, 256, 256, dtype=dt)
     ids = (torch.arange(2 * tokens, dtype=torch.int32) % 8).reshape(tokens, 2)
     x, weights = torch.zeros(tokens, 256, dtype=dt), torch.zeros(tokens, 2)
-    return label, dataclasses.asdict(config), lambda: moe.fused_moe(x, w13, w2, weights, ids, config=config)
+    options = {}
+    if gpt_oss:
+        options = {"b13": torch.zeros(8, 512, dtype=dt), "b2": torch.zeros(8, 256, dtype=dt),
+                   "activation": "clamped_swiglu"}  # fmt: skip
+    return (
+        label,
+        dataclasses.asdict(config),
+        lambda: moe.fused_moe(x, w13, w2, weights, ids, config=config, **options),
+    )
 
 
 def moe_candidates(shape: Shape) -> list[Case]:
