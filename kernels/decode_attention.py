@@ -399,7 +399,7 @@ def decode_attention(
         PREFETCH=cfg.prefetch,
         WINDOWED=window > 0,
         SOFTCAP=softcap > 0,
-        Sinks=sinks,
+        Sinks=sinks if cfg.fused_merge else None,  # NOTE: unfused, the merge kernel adds them
         SINKS=sinks is not None and cfg.fused_merge,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,

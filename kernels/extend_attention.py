@@ -553,7 +553,7 @@ def extend_attention(
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
         WINDOWED=window > 0,
         SOFTCAP=softcap > 0,
-        Sinks=sinks,
+        Sinks=None if split else sinks,  # NOTE: split, the merge adds them
         SINKS=sinks is not None and not split,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,

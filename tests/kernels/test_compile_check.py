@@ -80,7 +80,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     assert kernels == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
-                       "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel"}  # fmt: skip
+                       "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
+                       "_clamped_swiglu_and_mul_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -221,9 +222,11 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
         (128, False, True, False, False, False),
         (128, True, False, False, False, False),
     ]
-    merge_blocks = sorted((r["constants"]["BLOCK_S"], r["constants"]["PDL"], r["constants"]["WINDOWED"])
-                          for r in loaded if r["kernel"] == "_decode_merge_kernel")  # fmt: skip
-    assert merge_blocks == [(8, False, False), (8, False, True), (8, True, False), (16, False, False)]
+    merge_blocks = sorted((r["constants"]["BLOCK_S"], r["constants"]["PDL"], r["constants"]["WINDOWED"],
+                           r["constants"]["SINKS"]) for r in loaded if r["kernel"] == "_decode_merge_kernel")  # fmt: skip
+    # the merge adds attention sinks (gpt-oss's windowed layers); the split kernel is the windowed one
+    assert merge_blocks == [(8, False, False, False), (8, False, True, False), (8, False, True, True),
+                            (8, True, False, False), (16, False, False, False)]  # fmt: skip
     assert all(
         "window" not in r["constants"] and "softcap" not in r["constants"] for r in loaded
     )  # plain arguments
@@ -231,7 +234,8 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     assert set(rows) == {"_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_rms_norm_kernel",
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
-                       "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel"}  # fmt: skip
+                       "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
+                       "_clamped_swiglu_and_mul_kernel"}  # fmt: skip
     # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
     # prefix split (one compiled kernel for any split count)
     extends = sorted(
@@ -244,9 +248,13 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
         (True, True, 64, 32, 4),  # the packed grid with the split, 32 requests: BLOCK_R 32
     ]  # fmt: skip
     windowed = [r for r in loaded if r["kernel"] == "_extend_kernel" and r["constants"]["WINDOWED"]]
-    assert sorted((r["constants"]["SOFTCAP"], r["constants"]["BLOCK_M"]) for r in windowed) == [
-        (False, 64),
-        (True, 64),
+    # windowed alone, with soft-capped scores (Gemma 2), with attention sinks (gpt-oss)
+    assert sorted(
+        (r["constants"]["SOFTCAP"], r["constants"]["SINKS"], r["constants"]["BLOCK_M"]) for r in windowed
+    ) == [
+        (False, False, 64),
+        (False, True, 64),
+        (True, False, 64),
     ]
     assert extends[-1]["constants"]["BLOCK_R"] == 32
     assert {r["constants"]["BLOCK_R"] for r in extends[:-1]} == {2}  # unpacked: one kernel for any batch
@@ -294,8 +302,8 @@ def test_only_refuses_names_of_no_case_and_lists_the_cases(capsys):
     assert compile_check.main(["--arch", "80", "--only", "nope", "rms"]) == 2
     err = capsys.readouterr().err
     assert (
-        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-softcap, decode-window,"
-        in err
+        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-sinks, decode-softcap, "
+        "decode-window," in err
     )
 
 
