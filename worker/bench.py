@@ -1,6 +1,6 @@
 """Worker benchmark: prefill and decode tokens/s and TTFT with a cached prefix, through the real engine.
 
-`python -m worker.bench [--model tiny|llama3-8b-shape|qwen3-30b-a3b-shape] [...]` drives Engine.submit
+`python -m worker.bench [--model tiny|llama3-8b-shape|qwen3-30b-a3b-shape|gpt-oss-20b-shape] [...]` drives Engine.submit
 in-process (scheduler, radix cache, model); it never starts an HTTP server and never reads a checkpoint
 from disk.
 """
@@ -59,9 +59,34 @@ QWEN3_30B_A3B_SHAPE = ModelConfig(
     moe_intermediate_size=768,
     model_type="qwen3_moe",
 )
+# gpt-oss-20b's shape: 24 layers of 32 experts (4 a token, 2,880 units each), attention sinks, every other layer
+# windowed over 128 tokens; 20.9B parameters (served dequantized to bf16), 3.6B a token
+GPT_OSS_20B_SHAPE = ModelConfig(
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=150000.0,
+    max_position_embeddings=8192,  # tokens (as the 8B shape's, for the same prompts)
+    qkv_bias=True,
+    o_bias=True,
+    num_experts=32,
+    experts_per_token=4,
+    moe_intermediate_size=2880,
+    moe_bias=True,
+    expert_activation="clamped_swiglu",
+    attention_sinks=True,
+    sliding_window=128,
+    sliding_layers=tuple(range(0, 24, 2)),
+    model_type="gpt_oss",
+)
 SHAPES = {
     "llama3-8b-shape": LLAMA3_8B_SHAPE,
     "qwen3-30b-a3b-shape": QWEN3_30B_A3B_SHAPE,
+    "gpt-oss-20b-shape": GPT_OSS_20B_SHAPE,
 }  # random bf16 weights
 MODELS = ("tiny", *SHAPES)
 CACHED_FRACTIONS = (0.0, 0.5, 0.9)  # of the prompt already in the radix cache before a TTFT request

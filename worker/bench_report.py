@@ -24,7 +24,13 @@ def decode_weight_bytes(model: Any) -> int:
         total -= model.embed_tokens.numel() * model.embed_tokens.element_size()
     c = model.config
     for layer in (layer for layer in model.layers if layer.sparse):
-        experts = sum(w.numel() * w.element_size() for w in (layer.experts_gate_up, layer.experts_down))
+        per_expert = (
+            layer.experts_gate_up,
+            layer.experts_down,
+            layer.experts_gate_up_bias,
+            layer.experts_down_bias,
+        )
+        experts = sum(w.numel() * w.element_size() for w in per_expert if w is not None)
         total -= experts * (c.num_experts - c.experts_per_token) // c.num_experts
     return total
 

@@ -200,7 +200,7 @@ def test_with_overlap_the_smallest_batch_is_also_timed_one_step_at_a_time(tmp_pa
     assert "(16-token prompts, one step at a time)" in proc.stdout
 
 
-@pytest.mark.parametrize("model", ["llama3-8b-shape", "qwen3-30b-a3b-shape"])
+@pytest.mark.parametrize("model", ["llama3-8b-shape", "qwen3-30b-a3b-shape", "gpt-oss-20b-shape"])
 def test_model_shapes_are_refused_on_cpu(model):
     proc = run_bench("--model", model, "--device", "cpu")
     assert proc.returncode == 2
@@ -212,13 +212,20 @@ def test_bad_batches_are_a_usage_error():
     assert proc.returncode == 2 and "--batches" in proc.stderr
 
 
-@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
-async def test_random_weight_model_serves_through_the_engine(experts):
-    """The llama3-8b-shape and qwen3-30b-a3b-shape wiring (random weights built on the device, id-only
-    tokenizer), small."""
+# gpt-oss-20b-shape's features, on the small model
+GPT_OSS_KIND = {"moe_bias": True, "expert_activation": "clamped_swiglu", "attention_sinks": True, "qkv_bias": True,
+                "o_bias": True, "sliding_window": 8, "sliding_layers": (0,)}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "gpt-oss"])
+async def test_random_weight_model_serves_through_the_engine(kind):
+    """The llama3-8b-shape, qwen3-30b-a3b-shape and gpt-oss-20b-shape wiring (random weights built on the
+    device, id-only tokenizer), small."""
+    experts = 0 if kind == "dense" else 4
     shape = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, max_position_embeddings=512, num_experts=experts,
-                        experts_per_token=2, moe_intermediate_size=32, qk_norm=bool(experts))  # fmt: skip
+                        experts_per_token=2, moe_intermediate_size=32, qk_norm=kind == "moe",
+                        **(GPT_OSS_KIND if kind == "gpt-oss" else {}))  # fmt: skip
     cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, served_model_name="shape")
     engine = build_bench_engine(cfg, shape)
     assert isinstance(engine.tokenizer, IdTokenizer)
