@@ -174,16 +174,20 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe {shape.dtype} t{tokens}")
           for tokens in (4, 256)),  # a decode step's tiles and a prefill's
         (f"moe_route {shape.dtype} e128 k8", {}, lambda: moe.moe_route(torch.zeros(4, 128, dtype=dt), 8, True)),
-        # gpt-oss's experts: biased GEMMs, the clamped SwiGLU
+        # gpt-oss's experts: biased GEMMs, the clamped SwiGLU, the weights in MXFP4 (decoded tile by tile)
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe gpt-oss {shape.dtype} t{tokens}",
                    gpt_oss=True) for tokens in (4, 256)),
+        *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8, mxfp4=True), f"fused_moe mxfp4 {shape.dtype} t{tokens}",
+                   gpt_oss=True, mxfp4=True) for tokens in (4, 256) if dt != torch.float32),
     ]  # fmt: skip
 
 
-def moe_case(shape: Shape, tokens: int, config: Any, label: str, gpt_oss: bool = False) -> Case:
+def moe_case(
+    shape: Shape, tokens: int, config: Any, label: str, gpt_oss: bool = False, mxfp4: bool = False
+) -> Case:
     """A mixture-of-experts MLP of 8 experts, 2 a token, over ``tokens`` tokens in ``config``'s tiles (sizes of
     256: what compiles depends on the dtype, the tiles and 16-byte divisibility only); ``gpt_oss``: with the
-    experts' biases and the clamped SwiGLU."""
+    experts' biases and the clamped SwiGLU; ``mxfp4``: the weights as MXFP4 codes and scales."""
     from kernels import moe
 
     dt = DTYPES[shape.dtype]
@@ -194,6 +198,10 @@ def moe_case(shape: Shape, tokens: int, config: Any, label: str, gpt_oss: bool =
     if gpt_oss:
         options = {"b13": torch.zeros(8, 512, dtype=dt), "b2": torch.zeros(8, 256, dtype=dt),
                    "activation": "clamped_swiglu"}  # fmt: skip
+    if mxfp4:
+        w13, w2 = torch.zeros(8, 512, 128, dtype=torch.uint8), torch.zeros(8, 256, 128, dtype=torch.uint8)
+        options |= {"w13_scales": torch.zeros(8, 512, 8, dtype=torch.uint8),
+                    "w2_scales": torch.zeros(8, 256, 8, dtype=torch.uint8)}  # fmt: skip
     return (
         label,
         dataclasses.asdict(config),

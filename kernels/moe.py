@@ -65,12 +65,15 @@ CANDIDATES = {
 }
 
 
-def default_config(pairs: int, experts: int) -> MoeConfig:
+def default_config(pairs: int, experts: int, mxfp4: bool = False) -> MoeConfig:
     """Small blocks when experts see few pairs each (decode: the weights' reads are the cost, and a
-    block's padding is wasted work), larger ones in a prefill. Not yet tuned on a GPU."""
+    block's padding is wasted work), larger ones in a prefill. ``mxfp4``: MXFP4 weights, whose decoded
+    tile lives in registers: 64-deep steps (sm_90, bf16: the decode tiles take 241-254 registers at 128
+    deep). Not yet tuned on a GPU."""
     if INTERPRETED:
         return MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1)
-    return CANDIDATES["m16 n64 k128" if pairs <= 2 * experts else "m64 n128 k64 w8"]
+    cfg = CANDIDATES["m16 n64 k128" if pairs <= 2 * experts else "m64 n128 k64 w8"]
+    return dataclasses.replace(cfg, block_k=min(cfg.block_k, 64)) if mxfp4 else cfg
 
 
 def _aligned_size(pairs: int, experts: int, block_m: int) -> int:
@@ -209,16 +212,28 @@ def moe_route(
 
 
 @triton.jit
+def _e2m1(code):
+    """The float32 value of 4-bit E2M1 codes (sign, 2 exponent bits, 1 mantissa bit; no infinities)."""
+    exponent = ((code >> 1) & 3).to(tl.float32)
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0.0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2(exponent - 1.0))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     A, W, C, SORTED, BLOCK_EXPERTS, PAIR_WEIGHTS, PAIRS, N, KDIM, stride_a, stride_we, stride_wn, stride_c,
     TOP_K: tl.constexpr, ROW_PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
     Bias=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
+    Scales=None, stride_se=0, stride_sn=0, MXFP4: tl.constexpr = False,
 ):  # fmt: skip
     """C[pair, n] = A[row] . W[expert, n] (+ Bias[expert, n] when HAS_BIAS; the sum times the pair's
     weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
-    pair (A is the activation)."""
+    pair (A is the activation). MXFP4: W is [E, N, KDIM/2] uint8 codes with Scales [E, N, KDIM/32]
+    (kernels.reference.dequantize_mxfp4), each tile decoded to A's dtype before its dot (BLOCK_K and
+    KDIM multiples of 32)."""
     block, col_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
     pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -228,6 +243,8 @@ def _grouped_gemm_kernel(
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     w_base = W + tl.maximum(expert, 0) * stride_we + cols[None, :] * stride_wn
+    if MXFP4:
+        s_base = Scales + tl.maximum(expert, 0) * stride_se + cols[None, :] * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.where(expert >= 0, KDIM, 0), BLOCK_K):  # NOTE: an unused block reads nothing
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -235,7 +252,13 @@ def _grouped_gemm_kernel(
         a = tl.load(
             A + rows[:, None] * stride_a + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0
         )
-        w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if MXFP4:  # NOTE: each code byte is read for both of its values (the second read hits the cache)
+            codes = tl.load(w_base + (ks // 2)[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0)
+            codes = (codes >> ((ks % 2) * 4).to(tl.uint8)[:, None]) & 0x0F
+            scale = tl.load(s_base + (ks // 32)[:, None], mask=k_mask[:, None] & col_mask[None, :], other=127)
+            w = (_e2m1(codes) * tl.exp2(scale.to(tl.float32) - 127.0)).to(A.dtype.element_ty)
+        else:
+            w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
@@ -250,7 +273,7 @@ def _grouped_gemm_kernel(
 
 def _check(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    b13: torch.Tensor | None, b2: torch.Tensor | None,
+    b13: torch.Tensor | None, b2: torch.Tensor | None, s13: torch.Tensor | None, s2: torch.Tensor | None,
 ) -> None:  # fmt: skip
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or weights.dim() != 2 or ids.shape != weights.shape:
         raise ValueError(
@@ -259,24 +282,36 @@ def _check(
             f"topk_weights {host_checks.shape_of(weights)}, topk_ids {host_checks.shape_of(ids)}"
         )
     (t, h), (e, two_i, _) = x.shape, w13.shape
-    if two_i % 2 or w13.shape[2] != h or w2.shape != (e, h, two_i // 2) or weights.shape[0] != t:
+    # NOTE: an MXFP4 weight holds two values a byte
+    k13, k2 = w13.shape[2] * (1 if s13 is None else 2), w2.shape[2] * (1 if s2 is None else 2)
+    if two_i % 2 or k13 != h or w2.shape[:2] != (e, h) or k2 != two_i // 2 or weights.shape[0] != t:
         raise ValueError(
             f"shapes do not agree: x {host_checks.shape_of(x)}, w13 {host_checks.shape_of(w13)}, "
             f"w2 {host_checks.shape_of(w2)}, topk_ids {host_checks.shape_of(ids)}"
         )
-    if len({x.dtype, w13.dtype, w2.dtype}) != 1 or x.dtype not in host_checks.ATTENTION_DTYPES:
-        raise ValueError(
-            f"x, w13 and w2 must share one of fp16/bf16/fp32, got {x.dtype}, {w13.dtype}, {w2.dtype}"
-        )
+    if x.dtype not in host_checks.ATTENTION_DTYPES:
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    for name, w, scales in (("w13", w13, s13), ("w2", w2, s2)):
+        if scales is None and w.dtype != x.dtype:
+            raise ValueError(
+                f"x, w13 and w2 must share one of fp16/bf16/fp32, got {x.dtype} and {name} {w.dtype}"
+            )
+        if scales is not None and (w.dtype != torch.uint8 or scales.dtype != torch.uint8
+                                   or scales.shape != (*w.shape[:2], w.shape[2] // 16) or w.shape[2] % 16):  # fmt: skip
+            raise ValueError(
+                f"an MXFP4 {name} is uint8 [E, N, K/2] with uint8 scales [E, N, K/32] (K a multiple of 32), got "
+                f"{w.dtype} {host_checks.shape_of(w)} and {scales.dtype} {host_checks.shape_of(scales)}"
+            )
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"topk_ids must be integers, got {ids.dtype}")
-    if len({x.device, w13.device, w2.device, weights.device, ids.device}) != 1:
-        raise ValueError("x, w13, w2, topk_weights and topk_ids must be on one device")
+    tensors = [x, w13, w2, weights, ids, *(a for a in (b13, b2, s13, s2) if a is not None)]
+    if len({a.device for a in tensors}) != 1:
+        raise ValueError(
+            "x, w13, w2, topk_weights, topk_ids, the biases and the scales must be on one device"
+        )
     for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
-        if bias is not None and (bias.shape != shape or bias.device != x.device):
-            raise ValueError(
-                f"{name} must be {list(shape)} on {x.device}, got {list(bias.shape)} on {bias.device}"
-            )
+        if bias is not None and bias.shape != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {list(bias.shape)}")
 
 
 def fused_moe(
@@ -292,11 +327,14 @@ def fused_moe(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    w13_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None.
     ``b13`` [E, 2I] / ``b2`` [E, H]: the experts' biases, ``activation`` (with ``alpha`` and ``limit``):
-    the gated activation by name, as kernels.reference.fused_moe takes them."""
-    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    the gated activation by name; ``w13_scales`` / ``w2_scales``: w13 / w2 are MXFP4 (decoded tile by tile
+    in the GEMMs), as kernels.reference.fused_moe takes them all."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0 or k == 0:
         return torch.zeros_like(x)
@@ -304,7 +342,7 @@ def fused_moe(
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     pairs = t * k
-    cfg = config or default_config(pairs, e)
+    cfg = config or default_config(pairs, e, mxfp4=w13_scales is not None or w2_scales is not None)
     sorted_pairs, block_experts = moe_align(topk_ids, e, cfg.block_m)
     pair_weights = topk_weights.reshape(-1).float().contiguous()
     common = {
@@ -323,16 +361,26 @@ def fused_moe(
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
         x, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
         x.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
-        ROW_PER_TOKEN=True, WEIGHTED=False, **common, **_bias_args(b13),
+        ROW_PER_TOKEN=True, WEIGHTED=False, **common, **_bias_args(b13), **_mxfp4_args(w13_scales, cfg),
     )  # fmt: skip
     act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
         act, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        ROW_PER_TOKEN=False, WEIGHTED=True, **common, **_bias_args(b2),
+        ROW_PER_TOKEN=False, WEIGHTED=True, **common, **_bias_args(b2), **_mxfp4_args(w2_scales, cfg),
     )  # fmt: skip
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
+
+
+def _mxfp4_args(scales: torch.Tensor | None, cfg: MoeConfig) -> dict:
+    """The grouped GEMM's MXFP4 arguments: none, or the scales [E, N, K/32] read at unit stride."""
+    if scales is None:
+        return {}
+    if cfg.block_k % 32:
+        raise ValueError(f"MXFP4 weights need block_k a multiple of 32, got {cfg.block_k}")
+    scales = scales if scales.stride(-1) == 1 else scales.contiguous()
+    return {"Scales": scales, "stride_se": scales.stride(0), "stride_sn": scales.stride(1), "MXFP4": True}
 
 
 def _bias_args(bias: torch.Tensor | None) -> dict:

@@ -184,6 +184,33 @@ def gated_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit
     raise ValueError(f"unknown activation {activation!r}; silu, gelu_tanh and clamped_swiglu are")
 
 
+# MXFP4 (OCP Microscaling FP4, gpt-oss's experts): a row of K values as K/32 blocks of 4-bit E2M1 codes (two a
+# byte, the low nibble first: [..., K/2] uint8) and one E8M0 scale a block (2^(s - 127): [..., K/32] uint8)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values sharing one scale
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """packed [..., K/2] uint8 and scales [..., K/32] uint8 -> [..., K] in ``dtype`` (float32 math: exact,
+    and exact in bf16 for the scales real checkpoints hold). Raises ValueError when the two do not describe
+    the same rows."""
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 codes and scales must be uint8, got {packed.dtype} and {scales.dtype}")
+    if (
+        packed.dim() < 1
+        or packed.shape[:-1] != scales.shape[:-1]
+        or packed.shape[-1] != 16 * scales.shape[-1]
+    ):
+        raise ValueError(
+            f"MXFP4 codes [..., K/2] and scales [..., K/32] expected, got {list(packed.shape)} and "
+            f"{list(scales.shape)}"
+        )
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    values = table[torch.stack([packed & 0x0F, packed >> 4], dim=-1).long()].flatten(-2)  # [..., K]
+    exponents = scales.to(torch.int32).repeat_interleave(MXFP4_BLOCK, dim=-1) - 127
+    return torch.ldexp(values, exponents).to(dtype)
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,13 +237,20 @@ def fused_moe(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    w13_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mixture-of-experts MLP: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H] in x's dtype: token t's sum over j of topk_weights[t, j] *
     (w2[e] @ act(w13[e] @ x_t + b13[e]) + b2[e]), e = topk_ids[t, j], with the biases b13 [E, 2I] and
     b2 [E, H] where given and ``act`` the gated_activation named ``activation``. float32 math; the
     gate/up product and its activation rounded to x's dtype (as kernels.moe rounds them between its
-    launches)."""
+    launches). With ``w13_scales`` [E, 2I, H/32] (``w2_scales`` [E, H, I/32]) w13 (w2) is MXFP4,
+    [E, 2I, H/2] ([E, H, I/2]) uint8: its weights are dequantize_mxfp4's, in x's dtype."""
+    if w13_scales is not None:
+        w13 = dequantize_mxfp4(w13, w13_scales, x.dtype)
+    if w2_scales is not None:
+        w2 = dequantize_mxfp4(w2, w2_scales, x.dtype)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():

@@ -26,7 +26,9 @@ def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
         pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
     moe = backend.module("moe")  # the interpreted kernels
     # NOTE: a GPU's default (the interpreter's own tiles are smaller), so that it is one of the candidates
-    monkeypatch.setattr(moe, "default_config", lambda pairs, experts: moe.CANDIDATES["m16 n64 k128"])
+    monkeypatch.setattr(
+        moe, "default_config", lambda pairs, experts, mxfp4=False: moe.CANDIDATES["m16 n64 k128"]
+    )
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls = []
 

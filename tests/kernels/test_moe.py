@@ -149,6 +149,47 @@ def test_fused_moe_with_biases_and_clamped_swiglu_matches_the_reference(
         moe.fused_moe(x, w13, w2, weights, ids, b2=b2[:, :-1])
 
 
+def mxfp4_experts(experts: int, hidden: int, inter: int, seed: int = 2):
+    """Random MXFP4 experts: codes [E, 2I, H/2] / [E, H, I/2] and scales near 2^-3 (values of order 1/4)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (experts, hidden, inter // 2), dtype=torch.uint8, generator=g)
+    s13 = torch.randint(121, 126, (experts, 2 * inter, hidden // 32), dtype=torch.uint8, generator=g)
+    s2 = torch.randint(121, 126, (experts, hidden, inter // 32), dtype=torch.uint8, generator=g)
+    return w13, w2, s13, s2
+
+
+def test_the_reference_dequantizes_mxfp4_codes_by_definition():
+    """Low nibble first; sign bit, 2 exponent bits (bias 1), 1 mantissa bit; times 2^(scale - 127)."""
+    packed = torch.tensor([0x2F, 0x91, 0x07, 0xE4] + [0] * 12, dtype=torch.uint8)
+    got = reference.dequantize_mxfp4(packed, torch.tensor([128], dtype=torch.uint8), torch.float32)
+    assert got[:8].tolist() == [-12.0, 2.0, 1.0, -1.0, 12.0, 0.0, 4.0, -8.0]
+    half = reference.dequantize_mxfp4(packed, torch.tensor([126], dtype=torch.uint8), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half[:2].tolist() == [-3.0, 0.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_fused_moe_on_mxfp4_experts_matches_the_reference(backend, assert_close_rel, poisoned, case, dtype):
+    """gpt-oss's experts as released: MXFP4 codes decoded tile by tile in both GEMMs (with the biases and
+    the clamped SwiGLU), against the reference on the dequantized weights."""
+    moe = backend.module("moe")
+    tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 64, 64), "prefill": (40, 4, 2, 96, 64)}[case]
+    x, _, _, weights, ids = (
+        t.to(backend.device) for t in moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    )
+    w13, w2, s13, s2 = (t.to(backend.device) for t in mxfp4_experts(experts, hidden, inter))
+    b13, b2 = (b.to(backend.device) for b in biases(experts, hidden, inter, dtype))
+    options = {"b13": b13, "b2": b2, "activation": "clamped_swiglu"}
+    got = moe.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **options)
+    want = reference.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **options)
+    assert_close_rel(got, want)
+    dense = [reference.dequantize_mxfp4(w, s, dtype) for w, s in ((w13, s13), (w2, s2))]
+    assert_close_rel(moe.fused_moe(x, *dense, weights, ids, **options), want)  # the same experts, unpacked
+    with pytest.raises(ValueError, match="an MXFP4 w2 is uint8"):
+        moe.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2[..., :1])
+
+
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
     backend, assert_close_rel, poisoned
 ):

@@ -13,9 +13,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from kernels import reference
 from tests.worker.conftest import GPT_OSS, save_checkpoint
 from tests.worker.test_model import match_transformers
-from worker.model import ModelConfig, load_model, mxfp4
+from worker.model import ModelConfig, load_model
 
 # openai/gpt-oss-20b's config.json, as released (the fields the worker reads)
 GPT_OSS_20B = {
@@ -55,22 +56,22 @@ def test_mxfp4_dequantizes_as_transformers_does():
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=g)
     scales = torch.randint(110, 140, (3, 10, 4), dtype=torch.uint8, generator=g)
-    ours = mxfp4.dequantize(blocks, scales, torch.float32)
+    ours = reference.dequantize_mxfp4(blocks.flatten(-2), scales, torch.float32)
     assert ours.shape == (3, 10, 128)
     # NOTE: transformers returns the [E, in, out] layout its experts multiply by
     assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2))
     # one byte: low nibble first; 0x2F is codes 15 (-6.0) then 2 (1.0); scale 128 doubles them
-    one = mxfp4.dequantize(torch.full((1, 16), 0x2F, dtype=torch.uint8), torch.tensor([128], dtype=torch.uint8),
-                           torch.float32)  # fmt: skip
+    one = reference.dequantize_mxfp4(torch.full((16,), 0x2F, dtype=torch.uint8), torch.tensor([128], dtype=torch.uint8),
+                                     torch.float32)  # fmt: skip
     assert one[:2].tolist() == [-12.0, 2.0]
-    with pytest.raises(ValueError, match="blocks"):
-        mxfp4.dequantize(blocks[..., :8], scales, torch.float32)
+    with pytest.raises(ValueError, match="MXFP4 codes"):
+        reference.dequantize_mxfp4(blocks[..., :8].flatten(-2), scales, torch.float32)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [..., K] (K a multiple of 32) -> MXFP4 blocks [..., K/32, 16] and scales [..., K/32]: each
     block's scale the power of two that fits its largest value under 6, each value the nearest code."""
-    table = torch.tensor(mxfp4.E2M1_VALUES)
+    table = torch.tensor(reference.E2M1_VALUES)
     w = weight.float().unflatten(-1, (-1, 32))
     exponent = torch.ceil(torch.log2(w.abs().amax(-1).clamp_min(1e-30) / 6.0)).clamp(-127, 127)
     codes = ((w / torch.exp2(exponent)[..., None])[..., None] - table).abs().argmin(-1).to(torch.uint8)
@@ -86,8 +87,8 @@ def mxfp4_pair(tmp_path_factory):
         tmp_path_factory.mktemp("gpt_oss_bf"), "gpt_oss", **{**GPT_OSS, "intermediate_size": 64}
     )
     packed = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    reference = tmp_path_factory.mktemp("gpt_oss_dequantized")
-    for directory in (packed, reference):
+    plain = tmp_path_factory.mktemp("gpt_oss_dequantized")
+    for directory in (packed, plain):
         shutil.copytree(base, directory, dirs_exist_ok=True)
     weights = load_file(str(base / "model.safetensors"))
     quantized, dequantized = {}, {}
@@ -95,19 +96,23 @@ def mxfp4_pair(tmp_path_factory):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             blocks, scales = quantize(tensor.transpose(1, 2))  # NOTE: stored [E, out, in/32, 16]
             quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-            dequantized[name] = mxfp4.dequantize(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+            dequantized[name] = (
+                reference.dequantize_mxfp4(blocks.flatten(-2), scales, torch.float32)
+                .transpose(1, 2)
+                .contiguous()
+            )
         else:
             quantized[name] = dequantized[name] = tensor
     save_file(quantized, str(packed / "model.safetensors"))
-    save_file(dequantized, str(reference / "model.safetensors"))
+    save_file(dequantized, str(plain / "model.safetensors"))
     config = json.loads((packed / "config.json").read_text())
     config["quantization_config"] = GPT_OSS_20B["quantization_config"]
     (packed / "config.json").write_text(json.dumps(config))
-    return packed, reference, weights, dequantized
+    return packed, plain, weights, dequantized
 
 
 def test_an_mxfp4_checkpoint_serves_its_dequantized_experts(mxfp4_pair):
-    packed, reference, weights, dequantized = mxfp4_pair
+    packed, plain, weights, dequantized = mxfp4_pair
     name = "model.layers.1.mlp.experts.down_proj"
     assert not torch.equal(weights[name], dequantized[name])  # the quantization does change the weights
     assert (weights[name] - dequantized[name]).abs().max() < 0.25 * weights[name].abs().max()
@@ -118,7 +123,7 @@ def test_an_mxfp4_checkpoint_serves_its_dequantized_experts(mxfp4_pair):
         loaded.model.layers[0].experts_gate_up[2], torch.cat([gate_up[0::2], gate_up[1::2]])
     )
     # NOTE: the reference directory holds the same experts unquantized: transformers runs it as it is
-    match_transformers_with(packed, reference)
+    match_transformers_with(packed, plain)
 
 
 def match_transformers_with(ours, theirs):

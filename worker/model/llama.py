@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import reference
 from worker import attention
 from worker.forward_batch import ForwardBatch
-from worker.model import mxfp4
 from worker.model.config import ModelConfig
 from worker.model.lora import LoraStack
 from worker.model.shard import WHOLE, Shard
@@ -305,7 +305,7 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
 
 # gpt-oss's sparse layer: the router as mlp.router; the experts stacked, [E, in, out] with gate and up
 # interleaved (out columns 2i and 2i + 1), their biases [E, out], or in MXFP4 as _blocks and _scales in the
-# [E, out, ...] layout of a Linear weight (worker.model.mxfp4)
+# [E, out, ...] layout of a Linear weight (kernels.reference.dequantize_mxfp4; blocks [E, out, in/32, 16])
 _GPT_OSS_MLP = re.compile(
     r"(model\.layers\.\d+\.mlp\.)(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)$"
 )
@@ -327,7 +327,7 @@ def _gpt_oss_parts(
             return
         del packed[f"{mlp}experts.{proj}"]
         for e in range(tensor.shape[0]):
-            weight = mxfp4.dequantize(halves["_blocks"][e], halves["_scales"][e], dtype)
+            weight = reference.dequantize_mxfp4(halves["_blocks"][e].flatten(-2), halves["_scales"][e], dtype)
             yield from _gpt_oss_expert(mlp, e, proj, "weight", weight)
         return
     kind = "bias" if suffix == "_bias" else "weight"
