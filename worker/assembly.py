@@ -446,7 +446,11 @@ def build_engine(cfg: Any) -> Engine:
         if device.type == "cpu":
             tune_cpu_process(cfg.cpu_threads)
         loaded = load_model(
-            cfg.model, device, model_dtype(cfg.dtype, device), max_model_len=cfg.max_model_len
+            cfg.model,
+            device,
+            model_dtype(cfg.dtype, device),
+            max_model_len=cfg.max_model_len,
+            mxfp4_experts=cfg.mxfp4_experts,
         )
         load_adapters(cfg, loaded.model)  # NOTE: before the pool, which takes a share of what is left
         pool = make_kv_pool(cfg, loaded.model, device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import math
 import os
 import statistics
 import sys
@@ -59,8 +60,8 @@ QWEN3_30B_A3B_SHAPE = ModelConfig(
     moe_intermediate_size=768,
     model_type="qwen3_moe",
 )
-# gpt-oss-20b's shape: 24 layers of 32 experts (4 a token, 2,880 units each), attention sinks, every other layer
-# windowed over 128 tokens; 20.9B parameters (served dequantized to bf16), 3.6B a token
+# gpt-oss-20b's shape: 24 layers of 32 experts (4 a token, 2,880 units each) in MXFP4 as released (random codes),
+# attention sinks, every other layer windowed over 128 tokens; 20.9B parameters, 3.6B a token
 GPT_OSS_20B_SHAPE = ModelConfig(
     vocab_size=201088,
     hidden_size=2880,
@@ -81,6 +82,7 @@ GPT_OSS_20B_SHAPE = ModelConfig(
     attention_sinks=True,
     sliding_window=128,
     sliding_layers=tuple(range(0, 24, 2)),
+    mxfp4_experts=True,
     model_type="gpt_oss",
 )
 SHAPES = {
@@ -160,8 +162,13 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
     model = LlamaForCausalLM(config, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
+        for name, param in model.named_parameters():
+            if param.dtype == torch.uint8 and not name.endswith("_scales"):
+                param.random_(0, 256, generator=gen)  # NOTE: MXFP4 experts' codes: any
+            elif param.dtype == torch.uint8:  # NOTE: their scales: weights of rms ~1/sqrt(fan_in), as below
+                fan_in = param.shape[-1] * 32  # (random codes' values have an rms of 2.93)
+                param.fill_(127 + round(-math.log2(2.93 * fan_in**0.5)))
+            elif param.dim() == 1:
                 param.fill_(1.0)  # RMSNorm gains (Llama has no biases)
             else:  # NOTE: std 1/sqrt(fan_in) keeps activations O(1) through 32 layers in bf16
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)

@@ -29,6 +29,8 @@ def decode_weight_bytes(model: Any) -> int:
             layer.experts_down,
             layer.experts_gate_up_bias,
             layer.experts_down_bias,
+            layer.experts_gate_up_scales,
+            layer.experts_down_scales,
         )
         experts = sum(w.numel() * w.element_size() for w in per_expert if w is not None)
         total -= experts * (c.num_experts - c.experts_per_token) // c.num_experts

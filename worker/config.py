@@ -13,6 +13,11 @@ from typing import Any
 
 from worker.reasoning import PARSERS as REASONING_PARSERS
 
+MXFP4_CHOICES = (
+    "auto",
+    "packed",
+    "dequantized",
+)  # --mxfp4-experts: how a checkpoint's MXFP4 experts are served
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
@@ -34,6 +39,7 @@ class WorkerConfig:
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
     # tokens a request may hold (prompt + output); default: the model's context
     max_model_len: int | None = None
+    mxfp4_experts: str = "auto"  # MXFP4 experts (gpt-oss) kept packed or dequantized (worker.model.loader)
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
@@ -119,6 +125,8 @@ class WorkerConfig:
         for name in ("block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.mxfp4_experts not in MXFP4_CHOICES:
+            raise ValueError(f"--mxfp4-experts must be one of {', '.join(MXFP4_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2 (one prompt and one output token)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -220,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "the context served, prompt and output tokens together (default: the model's own; a smaller one "
         "also shrinks its RoPE tables)",
+    )
+    opt(
+        "--mxfp4-experts",
+        str,
+        "a checkpoint's MXFP4 experts (gpt-oss): packed (a quarter of bf16's bytes, decoded in the expert "
+        "GEMMs), dequantized (to --dtype at load) or auto (packed on CUDA, dequantized on the CPU)",
+        choices=list(MXFP4_CHOICES),
     )
     opt(
         "--host-cache-tokens",

@@ -267,7 +267,12 @@ def load_rank(cfg: Any, shard: Shard, channel: Channel, device: torch.device) ->
     if device.type == "cpu":
         tune_cpu_process(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // shard.size))
     loaded = load_model(
-        cfg.model, device, model_dtype(cfg.dtype, device), shard=shard, max_model_len=cfg.max_model_len
+        cfg.model,
+        device,
+        model_dtype(cfg.dtype, device),
+        shard=shard,
+        max_model_len=cfg.max_model_len,
+        mxfp4_experts=cfg.mxfp4_experts,
     )
     load_adapters(cfg, loaded.model)  # NOTE: every rank its own part, before the pool takes what is left
 

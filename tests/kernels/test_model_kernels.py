@@ -125,9 +125,14 @@ GPT_OSS_CONFIG = dataclasses.replace(
 )  # fmt: skip
 
 
+# gpt-oss as released: its experts in MXFP4 (decoded in the expert GEMMs; 64 units, a multiple of 32)
+MXFP4_CONFIG = dataclasses.replace(GPT_OSS_CONFIG, moe_intermediate_size=64, mxfp4_experts=True)
+
+
 @pytest.mark.parametrize(
-    "config", [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG, GPT_OSS_CONFIG],
-    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope", "gpt-oss"],
+    "config",
+    [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG, GPT_OSS_CONFIG, MXFP4_CONFIG],
+    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope", "gpt-oss", "gpt-oss-mxfp4"],
 )  # fmt: skip
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:

@@ -214,7 +214,7 @@ def test_bad_batches_are_a_usage_error():
 
 # gpt-oss-20b-shape's features, on the small model
 GPT_OSS_KIND = {"moe_bias": True, "expert_activation": "clamped_swiglu", "attention_sinks": True, "qkv_bias": True,
-                "o_bias": True, "sliding_window": 8, "sliding_layers": (0,)}  # fmt: skip
+                "o_bias": True, "sliding_window": 8, "sliding_layers": (0,), "mxfp4_experts": True}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "gpt-oss"])

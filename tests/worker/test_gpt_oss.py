@@ -4,6 +4,7 @@ own dequantization), and what the loader refuses. The forward against transforme
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -79,6 +80,19 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent + 127).to(torch.uint8)
 
 
+def quantize_checkpoint(directory):
+    """``directory``'s gpt-oss checkpoint with its experts in MXFP4 (as released), in place; returns it."""
+    weights = load_file(str(directory / "model.safetensors"))
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize(weights.pop(name).transpose(1, 2))  # NOTE: stored [E, out, in/32, 16]
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    save_file(weights, str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = GPT_OSS_20B["quantization_config"]
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def mxfp4_pair(tmp_path_factory):
     """A gpt-oss checkpoint with MXFP4 experts (sizes multiples of 32), and the same model with the
@@ -91,23 +105,14 @@ def mxfp4_pair(tmp_path_factory):
     for directory in (packed, plain):
         shutil.copytree(base, directory, dirs_exist_ok=True)
     weights = load_file(str(base / "model.safetensors"))
-    quantized, dequantized = {}, {}
-    for name, tensor in weights.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize(tensor.transpose(1, 2))  # NOTE: stored [E, out, in/32, 16]
-            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
-            dequantized[name] = (
-                reference.dequantize_mxfp4(blocks.flatten(-2), scales, torch.float32)
-                .transpose(1, 2)
-                .contiguous()
-            )
-        else:
-            quantized[name] = dequantized[name] = tensor
-    save_file(quantized, str(packed / "model.safetensors"))
+    quantized = load_file(str(quantize_checkpoint(packed) / "model.safetensors"))
+    dequantized = dict(weights)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        codes, scales = quantized[f"{name}_blocks"].flatten(-2), quantized[f"{name}_scales"]
+        dequantized[name] = (
+            reference.dequantize_mxfp4(codes, scales, torch.float32).transpose(1, 2).contiguous()
+        )
     save_file(dequantized, str(plain / "model.safetensors"))
-    config = json.loads((packed / "config.json").read_text())
-    config["quantization_config"] = GPT_OSS_20B["quantization_config"]
-    (packed / "config.json").write_text(json.dumps(config))
     return packed, plain, weights, dequantized
 
 
@@ -159,3 +164,42 @@ def test_transformers_is_the_gpt_oss_it_claims(gpt_oss_checkpoint):
     assert layer.self_attn.sliding_window == 12 and hf.model.layers[1].self_attn.sliding_window is None
     assert layer.self_attn.sinks.abs().min() > 0 and layer.mlp.experts.down_proj_bias.abs().min() > 0
     assert hf.config.swiglu_limit == 1.5
+
+
+def test_packed_mxfp4_experts_give_the_dequantized_models_logits(mxfp4_pair):
+    """--mxfp4-experts packed: the codes and scales kept as uint8 (a quarter of bf16's bytes, with the
+    scales) and decoded in the experts' GEMMs, to the logits of the experts dequantized at load."""
+    from tests.worker.test_model import PROMPT, extend, new_pool, scattered_slots
+
+    packed = mxfp4_pair[0]
+    kept, unpacked = load_model(str(packed), mxfp4_experts="packed"), load_model(str(packed))
+    layer = kept.model.layers[0]
+    assert kept.config.mxfp4_experts and not unpacked.config.mxfp4_experts  # auto on the CPU: dequantized
+    assert layer.experts_gate_up.dtype == torch.uint8 and layer.experts_gate_up.shape == (4, 128, 32)
+    assert (
+        layer.experts_down_scales.shape == (4, 64, 2) and unpacked.model.layers[0].experts_down_scales is None
+    )
+    torch.testing.assert_close(
+        reference.dequantize_mxfp4(layer.experts_down, layer.experts_down_scales, torch.float32),
+        unpacked.model.layers[0].experts_down,
+        rtol=0,
+        atol=0,
+    )
+    ids = kept.tokenizer.encode_prompt(PROMPT)
+    logits = []
+    for loaded in (kept, unpacked):
+        pool = new_pool(loaded.config)
+        logits.append(extend(loaded.model, pool, [ids], [0], scattered_slots(pool, [len(ids)])))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="mxfp4_experts must be one of"):
+        load_model(str(packed), mxfp4_experts="fp4")
+
+
+def test_mxfp4_experts_that_do_not_split_in_blocks_of_32_over_the_ranks_are_refused(mxfp4_pair):
+    from worker.model.shard import Shard
+
+    config = load_model(str(mxfp4_pair[0]), mxfp4_experts="packed").config
+    Shard(0, 2).check(config)  # 64 units: 32 a rank
+    with pytest.raises(ValueError, match="--mxfp4-experts dequantized"):
+        Shard(0, 4).check(dataclasses.replace(config, num_kv_heads=4))  # 16 units a rank
+    Shard(0, 4).check(dataclasses.replace(config, num_kv_heads=4, mxfp4_experts=False))

@@ -211,6 +211,23 @@ def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
         one.stop()
 
 
+def test_packed_mxfp4_experts_split_over_two_ranks(tmp_path):
+    """gpt-oss's MXFP4 experts kept packed on each rank: the gate/up codes and scales split by rows, the down
+    ones by columns (32 units a rank: one scale block), against one rank serving them the same way."""
+    from tests.worker.test_gpt_oss import quantize_checkpoint
+
+    ckpt = quantize_checkpoint(
+        save_checkpoint(tmp_path / "ckpt", "gpt_oss", **{**GPT_OSS, "intermediate_size": 64})
+    )
+    one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048", "--mxfp4-experts", "packed"])
+    try:
+        body = {"prompt": PROMPTS[1], "temperature": 0, "logprobs": 2}
+        assert_same(complete(one.url, **body), complete(two.url, **body))
+    finally:
+        two.stop()
+        one.stop()
+
+
 def run_worker(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "worker", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,

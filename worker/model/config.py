@@ -79,6 +79,9 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     attention_sinks: bool = False  # gpt-oss: one learned score per head in each softmax, attending nothing
+    # the experts' weights are MXFP4 codes and scales (gpt-oss as released), kept so on the device (kernels.moe
+    # decodes them); the loader clears it to dequantize them instead (--mxfp4-experts dequantized)
+    mxfp4_experts: bool = False
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
@@ -202,6 +205,7 @@ class ModelConfig:
             **_sliding_window(cfg, model_type),
             **(_nope_layers(cfg) if model_type == "smollm3" else {}),
             **(_gpt_oss(cfg) if model_type == "gpt_oss" else {}),
+            mxfp4_experts=(cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4",
             **(_gemma(cfg, hidden, local_rope_theta, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
             mlp_activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
             model_type=model_type,
@@ -211,7 +215,7 @@ class ModelConfig:
 
 
 def _check_quantization(cfg: dict[str, Any], model_type: str) -> None:
-    """Quantized checkpoints: gpt-oss's MXFP4 experts are dequantized at load (worker.model.mxfp4); any
+    """Quantized checkpoints: gpt-oss's MXFP4 experts are served (kept packed, or dequantized at load); any
     other quantization is refused here rather than failing on weight names the loader does not know."""
     quant = cfg.get("quantization_config")
     if not quant:

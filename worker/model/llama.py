@@ -153,6 +153,14 @@ class DecoderLayer(nn.Module):
             _weight(c.num_experts, 2 * self.inter, c.hidden_size, **w) if self.sparse else None
         )
         self.experts_down = _weight(c.num_experts, c.hidden_size, self.inter, **w) if self.sparse else None
+        self.experts_gate_up_scales = self.experts_down_scales = None
+        if self.sparse and c.mxfp4_experts:  # NOTE: codes two a byte, a scale a block of 32 (kernels.moe)
+            packed = {"device": device, "dtype": torch.uint8}
+            h, n = c.hidden_size, self.inter
+            self.experts_gate_up = _weight(c.num_experts, 2 * n, h // 2, **packed)
+            self.experts_gate_up_scales = _weight(c.num_experts, 2 * n, h // 32, **packed)
+            self.experts_down = _weight(c.num_experts, h, n // 2, **packed)
+            self.experts_down_scales = _weight(c.num_experts, h, n // 32, **packed)
         biased = self.sparse and c.moe_bias  # gpt-oss: the router's and every expert's biases
         self.router_bias = _weight(c.num_experts, **w) if biased else None
         self.experts_gate_up_bias = _weight(c.num_experts, 2 * self.inter, **w) if biased else None
@@ -255,7 +263,8 @@ class DecoderLayer(nn.Module):
         out = ops.fused_moe(
             h, self.experts_gate_up, self.experts_down, weights, ids, b13=self.experts_gate_up_bias,
             b2=self.experts_down_bias if self.bias_here else None, activation=c.expert_activation,
-            alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit, w13_scales=self.experts_gate_up_scales,
+            w2_scales=self.experts_down_scales,
         )  # fmt: skip
         if self.shared_gate_up is None:
             return out
@@ -265,9 +274,8 @@ class DecoderLayer(nn.Module):
         return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
 
 
-_LAYER_WEIGHT = re.compile(
-    r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks)$"
-)  # sinks: gpt-oss's, self_attn's
+# sinks: gpt-oss's, self_attn's; scales: MXFP4 experts' (of mlp.experts.N.gate_proj / up_proj / down_proj)
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales)$")
 # Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
 _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
                 "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
@@ -312,13 +320,20 @@ _GPT_OSS_MLP = re.compile(
 
 
 def _gpt_oss_parts(
-    m: re.Match, tensor: torch.Tensor, packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype
+    m: re.Match, tensor: torch.Tensor, packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype | None
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """A _GPT_OSS_MLP weight as the Qwen-MoE named weights it holds, per expert (gate rows before up rows).
-    MXFP4 halves wait in ``packed`` until both have been read, then are dequantized one expert at a time."""
+    MXFP4 codes and scales go as they are (``dtype`` None: the model keeps them), as each expert's weight
+    ([out, in/2] uint8) and scales ([out, in/32]); else the halves wait in ``packed`` until both have been
+    read, then are dequantized to ``dtype`` one expert at a time."""
     mlp, router_kind, proj, suffix = m.groups()
     if router_kind is not None:
         yield f"{mlp}gate.{router_kind}", tensor
+        return
+    if suffix in ("_blocks", "_scales") and dtype is None:
+        kind = "weight" if suffix == "_blocks" else "scales"
+        for e, part in enumerate(tensor):
+            yield from _gpt_oss_expert(mlp, e, proj, kind, part.flatten(-2) if kind == "weight" else part)
         return
     if suffix in ("_blocks", "_scales"):
         halves = packed.setdefault(f"{mlp}experts.{proj}", {})
@@ -490,7 +505,7 @@ class LlamaForCausalLM(nn.Module):
             ("mlp.down_proj", "bias"): layer.down_bias,
             ("self_attn", "sinks"): layer.sinks,
         }
-        if part in stacked:
+        if part in stacked and kind in ("weight", "bias"):
             group, start, end = stacked[part]
             target = getattr(layer, f"{group}_proj" if kind == "weight" else f"{group}_bias")
             if target is not None:
@@ -507,19 +522,19 @@ class LlamaForCausalLM(nn.Module):
             e = int(m.group(1))
             if e >= self.config.num_experts:
                 return None
-            gate_up, down = (
-                (layer.experts_gate_up, layer.experts_down)
-                if kind == "weight"
-                else (layer.experts_gate_up_bias, layer.experts_down_bias)
-            )
+            gate_up, down = {
+                "weight": (layer.experts_gate_up, layer.experts_down),
+                "bias": (layer.experts_gate_up_bias, layer.experts_down_bias),
+                "scales": (layer.experts_gate_up_scales, layer.experts_down_scales),
+            }[kind]
             if gate_up is None:
                 return None
             if m.group(2) == "down_proj":
                 return down[e]
             start = 0 if m.group(2) == "gate_proj" else inter
             return gate_up[e, start : start + inter]
-        if kind == "bias":
-            return layer.router_bias if part == "mlp.gate" else None
+        if kind != "weight":
+            return layer.router_bias if (part, kind) == ("mlp.gate", "bias") else None
         slots = {"mlp.gate": layer.router}
         if layer.shared_gate_up is not None:
             slots.update({
@@ -589,7 +604,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             gpt_oss = _GPT_OSS_MLP.match(name) if c.model_type == "gpt_oss" else None
             if gpt_oss is not None:
-                yield from _gpt_oss_parts(gpt_oss, tensor, packed, self.dtype)
+                yield from _gpt_oss_parts(gpt_oss, tensor, packed, None if c.mxfp4_experts else self.dtype)
                 continue
             name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
             m = _LAYER_WEIGHT.match(name)
@@ -622,7 +637,7 @@ class LlamaForCausalLM(nn.Module):
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         names += [f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)]
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
-                  for k in ("weight", "bias")]  # fmt: skip
+                  for k in ("weight", "bias", "scales")]  # fmt: skip
         out = []
         for name in names:
             with contextlib.suppress(ValueError):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
+from worker.config import MXFP4_CHOICES
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaForCausalLM
 from worker.model.shard import WHOLE, Shard
@@ -86,17 +87,23 @@ def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
 
 def load_model(
     spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE,
-    max_model_len: int | None = None,
+    max_model_len: int | None = None, mxfp4_experts: str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
-    tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve). Raises
-    ValueError when the directory is not a supported checkpoint or does not split over the shard's ranks."""
+    tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve;
+    ``mxfp4_experts``: MXFP4 experts kept ``packed`` or ``dequantized`` to ``dtype`` at load, ``auto``:
+    packed on CUDA, where kernels.moe decodes them, dequantized elsewhere). Raises ValueError when the
+    directory is not a supported checkpoint or does not split over the shard's ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if spec == "tiny":
         config = cap_context(tiny_config(), max_model_len)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
     config = cap_context(read_config(spec), max_model_len)
+    if mxfp4_experts not in MXFP4_CHOICES:
+        raise ValueError(f"mxfp4_experts must be one of {', '.join(MXFP4_CHOICES)}, got {mxfp4_experts!r}")
+    if mxfp4_experts == "dequantized" or (mxfp4_experts == "auto" and device.type != "cuda"):
+        config = dataclasses.replace(config, mxfp4_experts=False)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(

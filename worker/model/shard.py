@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks)$")
+_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks|scales)$")
 # HF projection -> how its weight is split: by output rows of which size, or by input columns
 _ROWS = {
     "self_attn.q_proj": "heads",
@@ -59,6 +59,12 @@ class Shard:
                 raise ValueError(
                     f"--tensor-parallel-size {self.size} does not divide the model's {what} ({n})"
                 )
+        if config.mxfp4_experts and config.moe_intermediate_size // self.size % 32:
+            raise ValueError(
+                f"MXFP4 experts split over {self.size} ranks need moe_intermediate_size / {self.size} to be a "
+                f"multiple of 32 (it is {config.moe_intermediate_size // self.size}): serve them with "
+                "--mxfp4-experts dequantized"
+            )
 
     def local(self, config: ModelConfig, what: str) -> int:
         """This rank's count of ``heads``, ``kv_heads``, ``intermediate``, ``moe_intermediate`` (one
@@ -89,8 +95,12 @@ class Shard:
         if part in _ROWS:
             n = self.local(config, _ROWS[part]) * unit
             return tensor[self.rank * n : (self.rank + 1) * n]
-        if part in _COLUMNS and kind == "weight":
+        if part in _COLUMNS and kind in ("weight", "scales"):
             n = self.local(config, _COLUMNS[part]) * unit
+            if kind == "scales":  # NOTE: MXFP4: one scale a block of 32 columns, two codes a byte
+                n //= 32
+            elif tensor.dtype == torch.uint8:
+                n //= 2
             return tensor[:, self.rank * n : (self.rank + 1) * n]
         return tensor  # norms, and o_proj / down_proj biases (added once, after the sum)
 
