@@ -12,11 +12,13 @@ into stream chunks: text that may be the start of a tag is held back until it is
 
 gpt-oss answers in its harmony format instead: messages ``<|channel|>NAME<|message|>TEXT<|end|>``, each
 after ``<|start|>assistant``; the ``analysis`` channel is its thinking, ``final`` (and ``commentary``,
-its preambles) the content (HarmonySplitter; the answer decoded with its special tokens kept).
+its preambles) the content, a message ``to=functions.NAME`` a tool call (HarmonySplitter; the answer
+decoded with its special tokens kept).
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -115,26 +117,33 @@ def split(text: str, thinking: bool = False) -> tuple[str, str]:
 # harmony's markers (gpt-oss): a message's header ends at MESSAGE, its text at one of BODY_ENDS
 CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"([^\s<]*)")  # a header's channel: up to a space or a marker
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # a message's tool: to=functions.NAME, before or after the channel
+_OPEN_CALL, _CLOSE_CALL = "<tool_call>", "</tool_call>"  # how a call reaches worker.tool_calls (hermes)
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 
 
 class HarmonySplitter:
     """ReasoningSplitter's interface over gpt-oss's harmony messages: the ``analysis`` channel's text is
     reasoning, every other channel's content; headers (``<|start|>assistant<|channel|>final``) and markers
-    are in neither. Text before any marker (an answer that is not in the format, e.g. under a JSON
-    grammar) is content once the answer ends without one."""
+    are in neither. A message addressed to a tool (``to=functions.NAME`` in its header) is a call: it goes
+    to the content whole, once it ends, as the hermes call ``<tool_call>{"name": NAME, "arguments": TEXT}
+    </tool_call>`` that worker.tool_calls reads (the default --tool-call-parser). Text before any marker
+    (an answer that is not in the format, e.g. under a JSON grammar) is content once the answer ends
+    without one."""
 
     def __init__(self, thinking: bool = False) -> None:
         del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
         self._state = "header"  # header: reading up to <|message|>; body: a message's text
         self._channel = ""
+        self._recipient = ""  # the tool a message is addressed to ("" for none)
+        self._call = ""  # the text of a message to a tool, so far
         self._header = ""  # the current header's text so far
         self._seen_marker = False
         self._pending = ""  # body text held back: possibly the start of a marker
         self.reasoning_tokens = 0  # tokens generated in analysis messages (their markers included)
 
     def count(self, tokens: int) -> None:
-        if self._state == "body" and self._channel == "analysis":
+        if self._state == "body" and self._channel == "analysis" and not self._recipient:
             self.reasoning_tokens += tokens
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -149,8 +158,9 @@ class HarmonySplitter:
                     break
                 header, text = text[:at], text[at + len(MESSAGE) :]
                 self._seen_marker, self._state = True, "body"
-                channel = _CHANNEL_NAME.search(header)
+                channel, recipient = _CHANNEL_NAME.search(header), _RECIPIENT.search(header)
                 self._channel = channel.group(1) if channel else ""
+                self._recipient = recipient.group(1).removeprefix("functions.") if recipient else ""
                 continue
             ends = [(at, end) for end in BODY_ENDS if (at := text.find(end)) >= 0]
             if ends:
@@ -160,16 +170,28 @@ class HarmonySplitter:
             else:
                 keep = max(_held(text, end) for end in BODY_ENDS)
                 body, self._pending, text = text[: len(text) - keep], text[len(text) - keep :], ""
-            if self._channel == "analysis":
+            if self._recipient:
+                self._call += body
+                if self._state == "header":  # NOTE: the call is whole
+                    content += self._take_call()
+            elif self._channel == "analysis":
                 reasoning += body
             else:
                 content += body
         return reasoning, content
 
+    def _take_call(self) -> str:
+        call = {"name": self._recipient, "arguments": self._call.strip()}
+        self._call, self._recipient = "", ""
+        return f"{_OPEN_CALL}{json.dumps(call, ensure_ascii=False)}{_CLOSE_CALL}"
+
     def flush(self) -> tuple[str, str]:
         text, self._pending = self._pending, ""
         if self._state == "header":  # NOTE: an answer with no message at all is plain content
             text, self._header = ("" if self._seen_marker else self._header), ""
+            return "", text
+        if self._recipient:  # NOTE: a call cut off: its text is content, as a hermes call cut off is
+            text, self._call, self._recipient = self._call + text, "", ""
             return "", text
         return (text, "") if self._channel == "analysis" else ("", text)
 

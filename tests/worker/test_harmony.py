@@ -5,6 +5,7 @@ stream cuts them, on a real worker."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import httpx
 import pytest
@@ -99,3 +100,46 @@ def test_the_parser_decodes_chat_answers_with_their_special_tokens(worker):
     api = worker.app.state.api
     assert api.reasoning_params(SamplingParams()).skip_special_tokens is False
     assert api.prompt_thinks([1, 2, 3]) is None  # the channels say it; nothing read off the prompt
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+# a call as gpt-oss writes one: the commentary channel, addressed to the function, its arguments as JSON
+CALL = (r"<\|channel\|>analysis<\|message\|>[a-z]{4}<\|end\|><\|start\|>assistant<\|channel\|>commentary "
+        r'to=functions\.get_weather <\|constrain\|>json<\|message\|>\{"city": "Oslo"\}<\|call\|>')  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
+         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'),
+        # the recipient may come before the channel; a builtin tool keeps its namespace
+        ("<|start|>assistant to=browser.search<|channel|>analysis<|message|>{}<|call|>",
+         '<tool_call>{"name": "browser.search", "arguments": "{}"}</tool_call>'),
+        # a call cut off by max_tokens: its text is content, not a call
+        ('<|channel|>commentary to=functions.f<|message|>{"a": ', '{"a": '),
+    ],
+)  # fmt: skip
+def test_a_message_to_a_tool_is_a_call(text, expected):
+    assert split(text) == ("", expected)
+
+
+def test_a_tool_call_after_the_analysis_is_read_whole_and_streamed(worker):
+    body = {**chat(tools=TOOLS, max_tokens=240), "regex": CALL}
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert len(whole["message"]["reasoning"]) == 4
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == whole["message"]["reasoning"]
+    streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert streamed and streamed[0]["function"]["name"] == "get_weather"
+    assert "".join(tc["function"].get("arguments", "") for tc in streamed) == call["function"]["arguments"]
+    assert not any(d.get("content") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
