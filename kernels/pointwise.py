@@ -10,11 +10,13 @@ All math in fp32, results in the input's dtype; shapes, dtypes and devices are c
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels import host_checks, interpret_requested
+from kernels import host_checks, interpret_requested, reference
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -186,13 +188,7 @@ def gated_activation(
     gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0
 ) -> torch.Tensor:
     """kernels.reference.gated_activation's choice, on these kernels."""
-    if activation == "silu":
-        return silu_and_mul(gate_up)
-    if activation == "gelu_tanh":
-        return gelu_tanh_and_mul(gate_up)
-    if activation == "clamped_swiglu":
-        return clamped_swiglu_and_mul(gate_up, alpha, limit)
-    raise ValueError(f"unknown activation {activation!r}; silu, gelu_tanh and clamped_swiglu are")
+    return reference.gated_activation(gate_up, activation, alpha, limit, impl=sys.modules[__name__])
 
 
 def _gated(

@@ -10,7 +10,9 @@ Hq must be a multiple of Hkv (GQA: query head h reads KV head h // (Hq // Hkv)).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -172,15 +174,19 @@ def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) ->
     return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(gate_up.dtype)
 
 
-def gated_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+def gated_activation(
+    gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0, impl: Any = None
+) -> torch.Tensor:
     """A gated MLP's activation by name: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "clamped_swiglu" (gpt-oss,
-    with ``alpha`` and ``limit``)."""
+    with ``alpha`` and ``limit``), computed by ``impl``'s function of that name (a module: this one when
+    None, kernels.pointwise for the Triton kernels)."""
+    impl = impl or sys.modules[__name__]
     if activation == "silu":
-        return silu_and_mul(gate_up)
+        return impl.silu_and_mul(gate_up)
     if activation == "gelu_tanh":
-        return gelu_tanh_and_mul(gate_up)
+        return impl.gelu_tanh_and_mul(gate_up)
     if activation == "clamped_swiglu":
-        return clamped_swiglu_and_mul(gate_up, alpha, limit)
+        return impl.clamped_swiglu_and_mul(gate_up, alpha, limit)
     raise ValueError(f"unknown activation {activation!r}; silu, gelu_tanh and clamped_swiglu are")
 
 

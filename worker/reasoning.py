@@ -46,7 +46,25 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return tail.endswith(OPEN)
 
 
-class ReasoningSplitter:
+class _Splitter:
+    """What both splitters share: ``feed`` a piece of the answer, ``flush`` at its end."""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def flush(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def take(self, text: str, final: bool) -> tuple[str, str]:
+        """``feed(text)``, and when the answer ends with it (``final``) what was held back too."""
+        reasoning, content = self.feed(text)
+        if final:
+            rest = self.flush()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        return reasoning, content
+
+
+class ReasoningSplitter(_Splitter):
     """One choice's text, fed as it is generated, split into (reasoning, content) pieces."""
 
     def __init__(self, thinking: bool = False) -> None:
@@ -100,14 +118,6 @@ class ReasoningSplitter:
             return text, ""
         return "", text
 
-    def take(self, text: str, final: bool) -> tuple[str, str]:
-        """``feed(text)``, and when the answer ends with it (``final``) what was held back too."""
-        reasoning, content = self.feed(text)
-        if final:
-            rest = self.flush()
-            reasoning, content = reasoning + rest[0], content + rest[1]
-        return reasoning, content
-
 
 def split(text: str, thinking: bool = False) -> tuple[str, str]:
     """A whole answer as (reasoning, content)."""
@@ -122,7 +132,7 @@ _OPEN_CALL, _CLOSE_CALL = "<tool_call>", "</tool_call>"  # how a call reaches wo
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 
 
-class HarmonySplitter:
+class HarmonySplitter(_Splitter):
     """ReasoningSplitter's interface over gpt-oss's harmony messages: the ``analysis`` channel's text is
     reasoning, every other channel's content; headers (``<|start|>assistant<|channel|>final``) and markers
     are in neither. A message addressed to a tool (``to=functions.NAME`` in its header) is a call: it goes
@@ -194,13 +204,6 @@ class HarmonySplitter:
             text, self._call, self._recipient = self._call + text, "", ""
             return "", text
         return (text, "") if self._channel == "analysis" else ("", text)
-
-    def take(self, text: str, final: bool) -> tuple[str, str]:
-        reasoning, content = self.feed(text)
-        if final:
-            rest = self.flush()
-            reasoning, content = reasoning + rest[0], content + rest[1]
-        return reasoning, content
 
 
 def splitter(parser: str, thinking: bool = False) -> ReasoningSplitter | HarmonySplitter:
