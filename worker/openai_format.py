@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 
 from router.tokenization import PromptTokenizer
 from worker.engine_api import RequestOutput
-from worker.reasoning import HarmonySplitter, ReasoningSplitter
+from worker.reasoning import Splitter
 from worker.sampling import TokenLogprobs
 from worker.tool_calls import ToolOutput
 
@@ -57,9 +57,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     tools: ToolOutput | None = None  # chat with tools: the text becomes content and tool calls
-    reasoning: ReasoningSplitter | HarmonySplitter | None = (
-        None  # --reasoning-parser: thinking apart from content
-    )
+    reasoning: Splitter | None = None  # chat with --reasoning-parser: thinking apart from content
     # completions ``echo``: the prompt's text, sent before the first output, and its ids (whose
     # logprobs come with the first output when logprobs are asked for)
     echo: str | None = None

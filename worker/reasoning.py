@@ -46,7 +46,7 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return tail.endswith(OPEN)
 
 
-class _Splitter:
+class Splitter:
     """What both splitters share: ``feed`` a piece of the answer, ``flush`` at its end."""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -64,7 +64,7 @@ class _Splitter:
         return reasoning, content
 
 
-class ReasoningSplitter(_Splitter):
+class ReasoningSplitter(Splitter):
     """One choice's text, fed as it is generated, split into (reasoning, content) pieces."""
 
     def __init__(self, thinking: bool = False) -> None:
@@ -132,7 +132,7 @@ _OPEN_CALL, _CLOSE_CALL = "<tool_call>", "</tool_call>"  # how a call reaches wo
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 
 
-class HarmonySplitter(_Splitter):
+class HarmonySplitter(Splitter):
     """ReasoningSplitter's interface over gpt-oss's harmony messages: the ``analysis`` channel's text is
     reasoning, every other channel's content; headers (``<|start|>assistant<|channel|>final``) and markers
     are in neither. A message addressed to a tool (``to=functions.NAME`` in its header) is a call: it goes
@@ -206,6 +206,6 @@ class HarmonySplitter(_Splitter):
         return (text, "") if self._channel == "analysis" else ("", text)
 
 
-def splitter(parser: str, thinking: bool = False) -> ReasoningSplitter | HarmonySplitter:
+def splitter(parser: str, thinking: bool = False) -> Splitter:
     """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer."""
     return HarmonySplitter() if parser == "gpt_oss" else ReasoningSplitter(thinking)

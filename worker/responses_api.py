@@ -27,7 +27,7 @@ from router.responses_input import (
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
 from worker.openai_format import event_stream, logprob_entry
-from worker.reasoning import HarmonySplitter, ReasoningSplitter, splitter
+from worker.reasoning import Splitter, splitter
 from worker.responses_output import Events, OutputItems
 from worker.tool_calls import ToolOutput
 
@@ -283,7 +283,7 @@ class _Turn:
 
     def __init__(
         self, endpoint: ResponsesAPI, body: dict, rid: str, prompt_tokens: int, messages: list, store: bool,
-        reader: ToolOutput | None = None, logprobs: bool = False, thinking: ReasoningSplitter | HarmonySplitter | None = None,
+        reader: ToolOutput | None = None, logprobs: bool = False, thinking: Splitter | None = None,
     ) -> None:  # fmt: skip
         self.endpoint, self.body, self.rid, self.store = endpoint, body, rid, store
         self.created = int(time.time())

@@ -96,7 +96,7 @@ class WorkerAPI:
 
     def prompt_thinks(self, prompt: list[int]) -> bool | None:
         """With --reasoning-parser, whether the chat ``prompt`` opened the thinking (a template that
-        starts it itself, as DeepSeek-R1's does); None without the parser."""
+        starts it itself, as DeepSeek-R1's does); None without the parser, and with gpt_oss's."""
         if not self.reasoning or self.reasoning_parser in SPECIAL_TOKEN_PARSERS:
             return None  # NOTE: harmony names each message's channel; a grammar constrains the whole answer
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]

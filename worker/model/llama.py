@@ -214,18 +214,8 @@ class DecoderLayer(nn.Module):
         else:  # NOTE: a NoPE layer (SmolLM3): positions reach it through the causal mask alone
             ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         if batch.mode == "extend":
-            out = attention.extend(
-                q,
-                k,
-                v,
-                k_cache,
-                v_cache,
-                batch,
-                self.sm_scale,
-                self.window,
-                c.attn_logit_softcapping,
-                self.sinks,
-            )
+            out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window,
+                                   c.attn_logit_softcapping, self.sinks)  # fmt: skip
         else:
             out = attention.decode(
                 q, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping, self.sinks
