@@ -6,6 +6,8 @@ Shapes (T = tokens, H = hidden size, E = experts, I = one expert's intermediate 
   topk_weights [T, K] (fp32), topk_ids [T, K] (ints in [0, E)): token t's output is
   sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]; with the experts'
   biases b13 [E, 2I] and b2 [E, H] (gpt-oss) added to each product, and another gated activation by name.
+  w13 / w2 may be MXFP4 (gpt-oss as released): uint8 codes [E, 2I, H/2] / [E, H, I/2], two values a byte,
+  with uint8 scales [E, 2I, H/32] / [E, H, I/32], decoded tile by tile inside the GEMMs.
 Math in fp32; the gate/up product and its activation are rounded to x's dtype between the launches (as
 the same matmuls in x's dtype would round them), the K expert outputs are summed in fp32.
 
