@@ -3,8 +3,10 @@ run one at a time by torch (as transformers' eager MoE blocks run them) and agai
 copy bandwidth and matmul rate, in one run; JSON to --out, a markdown report beside it (same stem, .md), a
 table printed last.
 
-Shapes are real models' (random bf16 weights): Qwen3-30B-A3B (128 experts of 768, 8 a token, hidden
-2048) and Mixtral-8x7B (8 of 14336, 2 a token, hidden 4096), over batches of 1 to 4,096 tokens with the
+Shapes are real models' (random weights): Qwen3-30B-A3B (128 experts of 768, 8 a token, hidden 2048) and
+Mixtral-8x7B (8 of 14336, 2 a token, hidden 4096) in bf16, and gpt-oss-20b (32 of 2880, 4 a token, hidden
+2880) in MXFP4 as released (its biases and clamped activation left out: the rows time the GEMMs; beside
+the packed experts, the same experts dequantized to bf16), over batches of 1 to 4,096 tokens with the
 router's choice drawn at random (uniform logits: every expert about equally likely). For each row: the
 kernel replayed in a CUDA graph (as a decode step runs it) and called eagerly (as a prefill runs it), the
 torch loop, the bytes of the expert weights the batch touches over the copy bandwidth (the floor a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -38,15 +41,21 @@ class MoeShape:
     top_k: int
     hidden: int
     inter: int  # one expert's intermediate units
+    mxfp4: bool = False  # the weights as MXFP4 codes and scales (0.5 + 1/32 bytes a weight)
 
     def expert_bytes(self, elem_bytes: int = 2) -> int:
-        """One expert's weights: gate, up and down."""
-        return 3 * self.hidden * self.inter * elem_bytes
+        """One expert's weights: gate, up and down (codes and scales when mxfp4)."""
+        return (
+            3 * self.hidden * self.inter * 17 // 32
+            if self.mxfp4
+            else 3 * self.hidden * self.inter * elem_bytes
+        )
 
 
 MODELS = {
     "qwen3-30b-a3b": MoeShape(experts=128, top_k=8, hidden=2048, inter=768),
     "mixtral-8x7b": MoeShape(experts=8, top_k=2, hidden=4096, inter=14336),
+    "gpt-oss-20b": MoeShape(experts=32, top_k=4, hidden=2880, inter=2880, mxfp4=True),
 }
 
 
@@ -75,8 +84,20 @@ def inputs(
 
 
 def expert_weights(shape: MoeShape, dtype: torch.dtype, device: torch.device, seed: int) -> tuple:
-    """w13 [E, 2I, H] and w2 [E, H, I], std 1/sqrt(fan-in), generated on the device."""
+    """w13 [E, 2I, H] and w2 [E, H, I], std 1/sqrt(fan-in), generated on the device; for an mxfp4 shape
+    (w13, w2, w13_scales, w2_scales): random codes, each weight's scale giving an rms near 1/sqrt(fan-in)."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    if shape.mxfp4:
+        e, h, n = shape.experts, shape.hidden, shape.inter
+        codes = [
+            torch.empty(e, rows, cols // 2, device=device, dtype=torch.uint8)
+            for rows, cols in ((2 * n, h), (h, n))
+        ]
+        for c in codes:
+            c.random_(0, 256, generator=gen)
+        scales = [torch.full((e, rows, cols // 32), 127 + round(-math.log2(2.93 * cols**0.5)), device=device,
+                             dtype=torch.uint8) for rows, cols in ((2 * n, h), (h, n))]  # fmt: skip
+        return (*codes, *scales)
     w13 = torch.empty(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype)
     w2 = torch.empty(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype)
     w13.normal_(0.0, shape.hidden**-0.5, generator=gen)
@@ -92,15 +113,23 @@ def bench_row(
     with ``candidates`` each of kernels.moe.CANDIDATES replayed too (the default's tiles are one of them)."""
     from kernels import moe
 
-    w13, w2 = weights13
-    x, weights, ids = inputs(shape, tokens, w13.dtype, w13.device, gen)
+    w13, w2 = weights13[:2]
+    options = {"w13_scales": weights13[2], "w2_scales": weights13[3]} if shape.mxfp4 else {}
+    dtype = torch.bfloat16 if shape.mxfp4 else w13.dtype
+    x, weights, ids = inputs(shape, tokens, dtype, w13.device, gen)
     got, want = (
-        moe.fused_moe(x, w13, w2, weights, ids).float(),
-        reference.fused_moe(x, w13, w2, weights, ids).float(),
+        moe.fused_moe(x, w13, w2, weights, ids, **options).float(),
+        reference.fused_moe(x, w13, w2, weights, ids, **options).float(),
+    )
+    # NOTE: the torch loop (and, for MXFP4, the kernel beside it) on the experts dequantized to x's dtype
+    dense = (
+        [reference.dequantize_mxfp4(w, s, dtype) for w, s in ((w13, weights13[2]), (w2, weights13[3]))]
+        if shape.mxfp4
+        else [w13, w2]
     )
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
     touched = int(torch.unique(ids).numel())  # experts whose weights the batch reads
-    nbytes = touched * shape.expert_bytes(w13.element_size()) + 2 * x.numel() * x.element_size()
+    nbytes = touched * shape.expert_bytes(x.element_size()) + 2 * x.numel() * x.element_size()
     flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
     row = {
         "model": name,
@@ -109,9 +138,9 @@ def bench_row(
         "bytes": nbytes,
         "flops": flops,
         "rel_err": err,
-        "triton_graph_ms": timing.time_replay_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids)),
-        "triton_ms": timing.time_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids), w13.device),
-        "torch_ms": timing.time_ms(lambda: torch_per_expert(x, w13, w2, weights, ids), w13.device),
+        "triton_graph_ms": timing.time_replay_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids, **options)),
+        "triton_ms": timing.time_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids, **options), w13.device),
+        "torch_ms": timing.time_ms(lambda: torch_per_expert(x, *dense, weights, ids), w13.device),
         "read_floor_ms": nbytes / (rates["copy_gbs"] * 1e6),
         "compute_floor_ms": flops / (rates["matmul_tflops"] * 1e9),
     }
@@ -119,9 +148,12 @@ def bench_row(
     row["pct_of_copy_bw"] = 100 * row["read_floor_ms"] / best
     row["pct_of_matmul"] = 100 * row["compute_floor_ms"] / best
     row["speedup_vs_torch"] = row["torch_ms"] / row["triton_ms"]
-    default = moe.default_config(tokens * shape.top_k, shape.experts)
+    if shape.mxfp4:  # NOTE: packed against dequantized: --mxfp4-experts auto's choice on CUDA
+        row["dequantized_graph_ms"] = timing.time_replay_ms(lambda: moe.fused_moe(x, *dense, weights, ids))
+        row["packed_speedup"] = row["dequantized_graph_ms"] / row["triton_graph_ms"]
+    default = moe.default_config(tokens * shape.top_k, shape.experts, mxfp4=shape.mxfp4)
     row["default"] = next((label for label, cfg in moe.CANDIDATES.items() if cfg == default), str(default))
-    if candidates:
+    if candidates and not shape.mxfp4:  # NOTE: the candidates' deep steps are for 16-bit weights
         row["candidates_graph_ms"] = {
             label: timing.time_replay_ms(lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))
             for label, cfg in moe.CANDIDATES.items()
@@ -157,6 +189,13 @@ def format_markdown(result: dict) -> str:
                 cell = f"{r['candidates_graph_ms'][label] * 1e3:.1f}" + ("*" if label == r["best"] else "")
                 cells.append(f"**{cell}**" if label == r["default"] else cell)
             lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(cells) + " |")
+    packed = [r for r in result["rows"] if "packed_speedup" in r]
+    if packed:
+        lines += ["", "MXFP4 experts packed (decoded in the GEMMs) against the same experts dequantized to bf16, "
+                  "graph replay us:", "", "| model | tokens | packed | dequantized | packed speedup |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {r['model']} | {r['tokens']} | {r['triton_graph_ms'] * 1e3:.1f} | "
+                  f"{r['dequantized_graph_ms'] * 1e3:.1f} | {r['packed_speedup']:.2f}x |" for r in packed]  # fmt: skip
     lines += ["", f"Command: `{result['command']}`. {result['timing']}", ""]
     if "interrupted" in result:
         lines.insert(1, f"\nInterrupted {result['interrupted']}: the rows measured before are below.")

@@ -59,3 +59,32 @@ def test_it_measures_nothing_without_a_gpu(capsys):
         pytest.skip("a GPU is present")
     assert bench_moe.main(["--models", "mixtral-8x7b"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, monkeypatch):
+    if backend.is_cuda:
+        pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+
+    def once(fn, *args, **kwargs):
+        calls.append(fn())
+        return 0.5
+
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    shape = bench_moe.MoeShape(experts=6, top_k=2, hidden=64, inter=32, mxfp4=True)
+    w = bench_moe.expert_weights(shape, torch.bfloat16, torch.device("cpu"), seed=0)
+    assert (
+        [t.dtype for t in w] == [torch.uint8] * 4 and w[0].shape == (6, 64, 32) and w[3].shape == (6, 64, 1)
+    )
+    rates = {"copy_gbs": 100.0, "matmul_tflops": 10.0}
+    row = bench_moe.bench_row("tiny-mxfp4", shape, 5, w, rates, torch.Generator().manual_seed(0))
+    # packed replay, eager, the torch loop, the dequantized replay; no candidates (deep steps are 16-bit's)
+    assert len(calls) == 4 and "candidates_graph_ms" not in row and row["rel_err"] < 2e-2
+    torch.testing.assert_close(calls[0].float(), calls[3].float(), rtol=2e-2, atol=2e-2)  # the same experts
+    assert row["bytes"] == row["experts_touched"] * 3 * 64 * 32 * 17 // 32 + 2 * 5 * 64 * 2
+    assert row["packed_speedup"] == 1.0
+    report = bench_moe.format_markdown({"device": {"name": "CPU", "copy_gbs": 100.0, "matmul_tflops": 10.0},
+                                        "rows": [row], "command": "c", "timing": "t"})  # fmt: skip
+    assert "| tiny-mxfp4 | 5 | 500.0 | 500.0 | 1.00x |" in report
