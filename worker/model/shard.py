@@ -4,9 +4,9 @@ collectives a sharded forward needs.
 Megatron-style split over ``size`` ranks: q/k/v and gate/up are split by output rows (attention
 heads, intermediate units), o_proj and down_proj by input columns, so each layer needs one sum
 over ranks after o_proj and one after down_proj; a mixture of experts splits every expert (and the
-shared one) so, its router whole on every rank. Attention sinks go with their heads. The lm_head is split by vocabulary rows and the
-logits gathered. Embedding and norms are whole on every rank. Each rank's KV pool holds its own
-KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
+shared one) so, its router whole on every rank (MXFP4 experts in whole 32-unit blocks). Attention sinks
+go with their heads. The lm_head is split by vocabulary rows and the logits gathered. Embedding and
+norms are whole on every rank. Each rank's KV pool holds its own KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
 """
 
 from __future__ import annotations
