@@ -22,12 +22,8 @@ import json
 import re
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = (
-    "none",
-    "qwen3",
-    "deepseek_r1",
-    "gpt_oss",
-)  # vLLM's names; qwen3 and deepseek_r1 read the same tags
+# vLLM's names; qwen3 and deepseek_r1 read the same tags, gpt_oss harmony's channels
+PARSERS = ("none", "qwen3", "deepseek_r1", "gpt_oss")
 # the parsers that read their markers from special tokens: answers are decoded with them kept
 SPECIAL_TOKEN_PARSERS = ("gpt_oss",)
 
