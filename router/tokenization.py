@@ -45,6 +45,18 @@ class PromptTokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes | None: ...
 
 
+def _with_thinking(message: dict) -> dict:
+    """An assistant message's reasoning under each name chat templates read it by: ``reasoning_content``
+    (Qwen3's, DeepSeek's) or ``reasoning`` (what this API returns beside it) also as ``thinking`` (gpt-oss's),
+    where the client did not send that one."""
+    if message.get("role") != "assistant" or "thinking" in message:
+        return message
+    thought = next(
+        (message[k] for k in ("reasoning_content", "reasoning") if isinstance(message.get(k), str)), None
+    )
+    return message if thought is None else {**message, "thinking": thought}
+
+
 def normalize_messages(messages: Any) -> list[dict]:
     """Validate OpenAI chat messages; returns copies whose ``content`` is a plain string.
 
@@ -302,15 +314,16 @@ class HFTokenizer:
         continue_final_message: bool = False, template_kwargs: dict | None = None,
     ) -> str:  # fmt: skip
         """The conversation as text, rendered by the model's chat template like HF does (``tools``
-        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does; the
-        request's ``template_kwargs`` as more variables). With
+        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does; an
+        assistant message's ``reasoning_content`` or ``reasoning`` also as ``thinking``, the name
+        gpt-oss's template reads it by; the request's ``template_kwargs`` as more variables). With
         ``continue_final_message`` the text ends right after the last message's content, as HF
         cuts it (no end-of-turn, no generation prompt)."""
         tools = normalize_tools(tools)
         messages = [
             {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
                                  for c in m["tool_calls"]]} if m.get("tool_calls") else m
-            for m in normalize_messages(messages)
+            for m in map(_with_thinking, normalize_messages(messages))
         ]  # fmt: skip
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")

@@ -283,6 +283,26 @@ def test_chat_template_file_takes_precedence(hf_dir, tmp_path):
     assert HFTokenizer(str(directory)).render_chat([{"role": "user", "content": "x"}]) == "[x]"
 
 
+def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it_as_thinking(hf_dir, tmp_path):
+    """gpt-oss's template renders the analysis before a tool call from ``thinking``; clients send back the
+    ``reasoning_content`` / ``reasoning`` this API returned."""
+    tok = with_template(
+        hf_dir, tmp_path / "thinking", "{% for m in messages %}[{{ m.role }}:{{ m.thinking }}]{% endfor %}"
+    )
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        conversation = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", key: "plan", "tool_calls": call},
+        ]
+        assert tok.render_chat(conversation) == "[user:][assistant:plan]"
+    both = {"role": "assistant", "content": "a", "thinking": "mine", "reasoning_content": "other"}
+    assert tok.render_chat([both]) == "[assistant:mine]"  # the client's own thinking wins
+    assert (
+        tok.render_chat([{"role": "user", "content": "q", "reasoning": "x"}]) == "[user:]"
+    )  # assistants only
+
+
 def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(hf_dir, tmp_path):
     """vLLM's chat_template_kwargs (Qwen 3's enable_thinking): more template variables, rendered as
     transformers' apply_chat_template renders its keyword arguments; the request's own variables
