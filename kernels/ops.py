@@ -180,14 +180,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return kernel_module("pointwise", mode).silu_and_mul(gate_up)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """See kernels.reference.gelu_tanh_and_mul."""
-    mode = _triton_mode(gate_up)
-    if mode is None:
-        return reference.gelu_tanh_and_mul(gate_up)
-    return kernel_module("pointwise", mode).gelu_tanh_and_mul(gate_up)
-
-
 def gated_activation(
     gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0
 ) -> torch.Tensor:

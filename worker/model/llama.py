@@ -231,7 +231,7 @@ class DecoderLayer(nn.Module):
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
-        act = ops.gelu_tanh_and_mul(gate_up) if c.mlp_activation == "gelu_tanh" else ops.silu_and_mul(gate_up)
+        act = ops.gated_activation(gate_up, c.mlp_activation)
         down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
         return x, self._mlp_out(
             self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down)), ops
@@ -310,12 +310,12 @@ _GPT_OSS_MLP = re.compile(
 
 
 def _gpt_oss_parts(
-    m: re.Match, tensor: torch.Tensor, packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype | None
+    m: re.Match, tensor: torch.Tensor, waiting: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype | None
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """A _GPT_OSS_MLP weight as the Qwen-MoE named weights it holds, per expert (gate rows before up rows).
     MXFP4 codes and scales go as they are (``dtype`` None: the model keeps them), as each expert's weight
-    ([out, in/2] uint8) and scales ([out, in/32]); else the halves wait in ``packed`` until both have been
-    read, then are dequantized to ``dtype`` one expert at a time."""
+    ([out, in/2] uint8) and scales ([out, in/32]); else the halves wait until both have been
+    read (``waiting``), then are dequantized to ``dtype`` one expert at a time."""
     mlp, router_kind, proj, suffix = m.groups()
     if router_kind is not None:
         yield f"{mlp}gate.{router_kind}", tensor
@@ -326,11 +326,11 @@ def _gpt_oss_parts(
             yield from _gpt_oss_expert(mlp, e, proj, kind, part.flatten(-2) if kind == "weight" else part)
         return
     if suffix in ("_blocks", "_scales"):
-        halves = packed.setdefault(f"{mlp}experts.{proj}", {})
+        halves = waiting.setdefault(f"{mlp}experts.{proj}", {})
         halves[suffix] = tensor
         if len(halves) < 2:
             return
-        del packed[f"{mlp}experts.{proj}"]
+        del waiting[f"{mlp}experts.{proj}"]
         for e in range(tensor.shape[0]):
             weight = reference.dequantize_mxfp4(halves["_blocks"][e].flatten(-2), halves["_scales"][e], dtype)
             yield from _gpt_oss_expert(mlp, e, proj, "weight", weight)
@@ -582,7 +582,7 @@ class LlamaForCausalLM(nn.Module):
         Of a multimodal checkpoint, the language model's weights (language_model.*) without their prefix."""
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        packed: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read so far
+        waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
                 if not name.startswith("language_model."):
@@ -594,7 +594,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             gpt_oss = _GPT_OSS_MLP.match(name) if c.model_type == "gpt_oss" else None
             if gpt_oss is not None:
-                yield from _gpt_oss_parts(gpt_oss, tensor, packed, None if c.mxfp4_experts else self.dtype)
+                yield from _gpt_oss_parts(gpt_oss, tensor, waiting, None if c.mxfp4_experts else self.dtype)
                 continue
             name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
             m = _LAYER_WEIGHT.match(name)
@@ -609,7 +609,7 @@ class LlamaForCausalLM(nn.Module):
                     yield f"{head}mlp.{proj}.{m.group(3)}", rows  # type: ignore[union-attr]
             else:
                 yield name, tensor
-        for name, halves in packed.items():
+        for name, halves in waiting.items():
             missing = "_scales" if "_blocks" in halves else "_blocks"
             raise ValueError(
                 f"checkpoint has MXFP4 weight {name}{next(iter(halves))} without its {name}{missing}"
