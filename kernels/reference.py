@@ -253,18 +253,20 @@ def fused_moe(
     gate/up product and its activation rounded to x's dtype (as kernels.moe rounds them between its
     launches). With ``w13_scales`` [E, 2I, H/32] (``w2_scales`` [E, H, I/32]) w13 (w2) is MXFP4,
     [E, 2I, H/2] ([E, H, I/2]) uint8: its weights are dequantize_mxfp4's, in x's dtype."""
-    if w13_scales is not None:
-        w13 = dequantize_mxfp4(w13, w13_scales, x.dtype)
-    if w2_scales is not None:
-        w2 = dequantize_mxfp4(w2, w2_scales, x.dtype)
+
+    def weight(w: torch.Tensor, scales: torch.Tensor | None, e: int) -> torch.Tensor:
+        """Expert e's weight in float32 (MXFP4 ones dequantized: only the experts the batch chose)."""
+        return (w[e] if scales is None else dequantize_mxfp4(w[e], scales[e], x.dtype)).float()
+
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         tokens, choice = (ids == e).nonzero(as_tuple=True)
-        gate_up = x[tokens].float() @ w13[e].float().T
+        gate_up = x[tokens].float() @ weight(w13, w13_scales, e).T
         if b13 is not None:
             gate_up += b13[e].float()
-        y = gated_activation(gate_up.to(x.dtype), activation, alpha, limit).float() @ w2[e].float().T
+        act = gated_activation(gate_up.to(x.dtype), activation, alpha, limit)
+        y = act.float() @ weight(w2, w2_scales, e).T
         if b2 is not None:
             y += b2[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, choice].float()[:, None])
