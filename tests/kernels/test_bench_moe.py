@@ -21,7 +21,21 @@ def test_the_torch_baseline_is_the_reference():
     )
 
 
-def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
+@pytest.fixture
+def calls(monkeypatch) -> list:
+    """Every timer runs its function once and reports 0.5 ms; the results, in order."""
+    results = []
+
+    def once(fn, *args, **kwargs):
+        results.append(fn())
+        return 0.5
+
+    monkeypatch.setattr(timing, "time_ms", once)
+    monkeypatch.setattr(timing, "time_replay_ms", once)
+    return results
+
+
+def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch, calls):
     if backend.is_cuda:
         pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
     moe = backend.module("moe")  # the interpreted kernels
@@ -30,14 +44,6 @@ def test_a_row_reports_the_floors_and_the_kernels_error(backend, monkeypatch):
         moe, "default_config", lambda pairs, experts, mxfp4=False: moe.CANDIDATES["m16 n64 k128"]
     )
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-
-    def once(fn, *args, **kwargs):
-        calls.append(fn())
-        return 0.5
-
-    monkeypatch.setattr(timing, "time_ms", once)
-    monkeypatch.setattr(timing, "time_replay_ms", once)
     w = bench_moe.expert_weights(TINY, torch.bfloat16, torch.device("cpu"), seed=0)
     rates = {"copy_gbs": 100.0, "matmul_tflops": 10.0}
     row = bench_moe.bench_row("tiny", TINY, 5, w, rates, torch.Generator().manual_seed(0))
@@ -61,18 +67,10 @@ def test_it_measures_nothing_without_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, monkeypatch):
+def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, monkeypatch, calls):
     if backend.is_cuda:
         pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-
-    def once(fn, *args, **kwargs):
-        calls.append(fn())
-        return 0.5
-
-    monkeypatch.setattr(timing, "time_ms", once)
-    monkeypatch.setattr(timing, "time_replay_ms", once)
     shape = bench_moe.MoeShape(experts=6, top_k=2, hidden=64, inter=32, mxfp4=True)
     w = bench_moe.expert_weights(shape, torch.bfloat16, torch.device("cpu"), seed=0)
     assert (
