@@ -116,10 +116,11 @@ def extend_flops(shape: ExtendShape, model: Model) -> int:
     return 4 * model.num_q_heads * model.head_dim * shape.batch * keys_per_request
 
 
-def decode_bytes(shape: DecodeShape, model: Model, index_bytes: int = 4) -> int:
-    """Bytes a decode call must move: each K and V row once per KV head, q in and out back, slot indices."""
+def decode_bytes(shape: DecodeShape, model: Model, index_bytes: int = 4, kv_bytes: int | None = None) -> int:
+    """Bytes a decode call must move: each K and V row once per KV head (``kv_bytes`` a value: the pool's,
+    default the model's), q in and out back, slot indices."""
     tokens = shape.batch * shape.context
-    kv = 2 * tokens * model.num_kv_heads * model.head_dim * model.elem_bytes
+    kv = 2 * tokens * model.num_kv_heads * model.head_dim * (kv_bytes or model.elem_bytes)
     q_and_out = 2 * shape.batch * model.num_q_heads * model.head_dim * model.elem_bytes
     return kv + q_and_out + tokens * index_bytes
 
@@ -564,6 +565,11 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
             row["read_error"] = failure(exc)
     graphs.clear()
     try:
+        measure_fp8_pool(row, shape, model, kernel_args, device)
+    except Exception as exc:  # a compile, launch or capture error: recorded, the run goes on
+        row["triton_fp8_error"] = failure(exc)
+    torch.cuda.empty_cache()
+    try:
         try:
             ref = sdpa_call()
         except RuntimeError:  # flash without GQA support: expand K/V (SDPA then reads group x the bytes)
@@ -586,6 +592,50 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     except RuntimeError as exc:  # SDPA could not be captured: the eager baseline stays
         row["sdpa_graph_error"] = str(exc).splitlines()[0][:200]
     return row
+
+
+def measure_fp8_pool(
+    row: dict, shape: DecodeShape, model: Model, kernel_args: tuple, device: torch.device
+) -> None:
+    """The default decode over the same K/V stored in an fp8 pool (--kv-cache-dtype: e4m3 from sm_89, e5m2
+    before), replayed alone and per layer of a stack, into ``row``: its time, its GB/s over the bytes it
+    reads (one a K/V value), its speed-up over the 16-bit pool's replay, and its error against SDPA over
+    the fp8 values widened back (the same attention, computed another way)."""
+    from kernels import decode_attention as dec
+    from kernels.compile_cases import fp8_pool
+    from kernels.extend_attention import device_arch
+
+    pool = fp8_pool(device_arch(device))
+    q, k_cache, v_cache, kv_indptr, kv_indices = kernel_args
+    args = (q, reference.to_pool(k_cache, pool), reference.to_pool(v_cache, pool), kv_indptr, kv_indices)
+    nbytes = decode_bytes(shape, model, kv_indices.element_size(), kv_bytes=1)
+    out = torch.full_like(q, float("nan"))
+
+    def call(fp8_args: tuple = args) -> None:
+        dec.decode_attention(*fp8_args, max_kv_len=shape.context, out=out)
+
+    graph = timing.capture(call)
+    out.fill_(float("nan"))  # the replay must write every element itself
+    graph.replay()
+    got = out.clone()
+    ms = timing.time_ms(graph.replay)
+    del graph
+    row.update({"fp8_pool": str(pool).removeprefix("torch."), "fp8_bytes": nbytes, "triton_fp8_graph_ms": ms,
+                "triton_fp8_graph_gbs": nbytes / (ms * 1e-3) / 1e9})  # fmt: skip
+    if "triton_graph_ms" in row:
+        row["fp8_speedup"] = row["triton_graph_ms"] / ms
+    stack = layer_stack(args, stack_layers(2 * args[1].numel()))
+    stack_graph = timing.capture(lambda: [call(layer) for layer in stack])
+    stack_ms = timing.time_ms(stack_graph.replay) / len(stack)
+    row["triton_fp8_stack_graph_ms"], row["triton_fp8_stack_graph_gbs"] = (
+        stack_ms,
+        nbytes / (stack_ms * 1e-3) / 1e9,
+    )
+    del stack_graph
+    stack.clear()
+    b, c, hkv, d = shape.batch, shape.context, model.num_kv_heads, model.head_dim
+    widened = [x[kv_indices.long()].to(q.dtype).view(b, c, hkv, d).transpose(1, 2) for x in args[1:3]]
+    row["rel_err_fp8_vs_sdpa"] = _rel_err(got, sdpa_decode(q.view(b, q.shape[1], 1, d), *widened))
 
 
 def failure(exc: BaseException) -> str:
@@ -680,6 +730,8 @@ def measure_decode(rows: list, args: argparse.Namespace, model: Model, device: A
             for n in DECODE_CANDIDATES
         )
         read = f", plain read {row['read_graph_gbs']:.0f}" if "read_graph_gbs" in row else ""
+        if "triton_fp8_graph_gbs" in row:
+            read += f", fp8 pool {row['triton_fp8_graph_gbs']:.0f} ({row.get('fp8_speedup', 0):.2f}x the 16-bit time)"
         print(f"decode {shape}: {row['triton_graph_gbs']:.0f} GB/s replayed{read}, "
               f"{row['triton_stack_graph_gbs']:.0f} per layer of {row['stack_layers']} replayed, "
               f"{row['triton_gbs']:.0f} eager; candidates {cands}", file=sys.stderr)  # fmt: skip

@@ -32,15 +32,23 @@ class Shape:
         return f"{self.dtype} hd{self.head_dim} gqa{self.q_heads // self.kv_heads}"
 
 
-def _tensors(shape: Shape, tokens: int = 32, slots: int = 64) -> dict[str, torch.Tensor]:
+def fp8_pool(arch: int) -> torch.dtype:
+    """The fp8 pool dtype the fp8 cases compile with: e4m3fn from sm_89 (Ada, Hopper) on, e5m2 before."""
+    return torch.float8_e4m3fn if arch >= 89 else torch.float8_e5m2
+
+
+def _tensors(
+    shape: Shape, tokens: int = 32, slots: int = 64, pool: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     dt = DTYPES[shape.dtype]
     hq, hkv, d = shape.q_heads, shape.kv_heads, shape.head_dim
+    pool = pool or dt
     return {
         "q": torch.zeros(tokens, hq, d, dtype=dt),
         "k": torch.zeros(tokens, hkv, d, dtype=dt),
         "v": torch.zeros(tokens, hkv, d, dtype=dt),
-        "k_cache": torch.zeros(slots, hkv, d, dtype=dt),
-        "v_cache": torch.zeros(slots, hkv, d, dtype=dt),
+        "k_cache": torch.zeros(slots, hkv, d, dtype=pool),
+        "v_cache": torch.zeros(slots, hkv, d, dtype=pool),
         "indptr": torch.zeros(tokens + 1, dtype=torch.int32),
         "indices": torch.zeros(slots, dtype=torch.int32),
         "positions": torch.zeros(tokens, dtype=torch.int64),
@@ -52,11 +60,12 @@ def _tensors(shape: Shape, tokens: int = 32, slots: int = 64) -> dict[str, torch
 
 
 def decode_case(
-    shape: Shape, config: Any, label: str, window: int = 0, softcap: float = 0.0, sinks: bool = False
+    shape: Shape, config: Any, label: str, window: int = 0, softcap: float = 0.0, sinks: bool = False,
+    pool: torch.dtype | None = None,
 ) -> Case:  # fmt: skip
     from kernels.decode_attention import decode_attention
 
-    t = _tensors(shape)
+    t = _tensors(shape, pool=pool)
 
     def call() -> Any:
         return decode_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indices"],
@@ -68,11 +77,11 @@ def decode_case(
 
 def extend_case(
     shape: Shape, config: Any, label: str, num_splits: int | None = None, window: int = 0, softcap: float = 0.0,
-    sinks: bool = False,
+    sinks: bool = False, pool: torch.dtype | None = None,
 ) -> Case:  # fmt: skip
     from kernels.extend_attention import extend_attention
 
-    t = _tensors(shape)
+    t = _tensors(shape, pool=pool)
 
     def call() -> Any:
         return extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"],
@@ -82,10 +91,10 @@ def extend_case(
     return label, dataclasses.asdict(config), call
 
 
-def extend_short_case(shape: Shape, config: Any, label: str) -> Case:
+def extend_short_case(shape: Shape, config: Any, label: str, pool: torch.dtype | None = None) -> Case:
     from kernels.extend_short import extend_short_attention
 
-    t = _tensors(shape)
+    t = _tensors(shape, pool=pool)
 
     def call() -> Any:
         return extend_short_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"], t["indices"],
@@ -101,12 +110,26 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
+    fp8 = _tensors(shape, pool=fp8_pool(arch))
     decode_default = decode_attention.default_config(shape.head_dim, dt, arch)
     # the tiles a decode graph of many requests takes (sm_90, head dim 128)
     decode_many = decode_attention.default_config(shape.head_dim, dt, arch, decode_attention.MANY_REQUESTS)
     extend_default = extend_attention.default_config(shape.head_dim, dt, arch)
     long_prefix = extend_attention.default_config(
         shape.head_dim, dt, arch, extend_attention.LONG_PREFIX, extend_attention.FEW_NEW_TOKENS
+    )
+    decode_fp8 = decode_attention.default_config(shape.head_dim, dt, arch, pool_dtype=fp8_pool(arch))
+    decode_fp8_many = decode_attention.default_config(
+        shape.head_dim, dt, arch, decode_attention.MANY_REQUESTS, fp8_pool(arch)
+    )
+    extend_fp8 = extend_attention.default_config(shape.head_dim, dt, arch, pool_dtype=fp8_pool(arch))
+    long_prefix_fp8 = extend_attention.default_config(
+        shape.head_dim,
+        dt,
+        arch,
+        extend_attention.LONG_PREFIX,
+        extend_attention.FEW_NEW_TOKENS,
+        fp8_pool(arch),
     )
     qkv = (shape.q_heads + 2 * shape.kv_heads) * shape.head_dim
     pdl = dataclasses.replace(decode_default, pdl=True)  # sm_90+
@@ -152,6 +175,19 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         extend_case(shape, extend_default, f"extend-sinks {shape.label}", window=128, sinks=True),
         extend_case(shape, extend_default, f"extend-sinks split {shape.label}", num_splits=4, sinks=True),
         decode_case(shape, decode_default, f"decode-sinks {shape.label}", window=128, sinks=True),
+        # an fp8 KV pool (--kv-cache-dtype): K/V widened as they load, the store's rounding and saturation
+        *([decode_case(shape, decode_fp8, f"decode-fp8 {shape.label}", pool=fp8_pool(arch)),
+           *([decode_case(shape, decode_fp8_many, f"decode-fp8 many-requests {shape.label}", pool=fp8_pool(arch))]
+             if decode_fp8_many != decode_fp8 else []),
+           extend_case(shape, extend_fp8, f"extend-fp8 {shape.label}", pool=fp8_pool(arch)),
+           *([extend_case(shape, long_prefix_fp8, f"extend-fp8 long-prefix {shape.label}", pool=fp8_pool(arch))]
+             if long_prefix_fp8 != extend_fp8 else []),
+           extend_case(shape, extend_fp8, f"extend-fp8 split {shape.label}", num_splits=4, pool=fp8_pool(arch)),
+           extend_short_case(shape, decode_fp8, f"extend-short-fp8 {shape.label}", pool=fp8_pool(arch)),
+           (f"rope_store_kv-fp8 {shape.label}", {},
+            lambda: fused.rope_store_kv(fp8["q"], fp8["k"], fp8["v"], fp8["positions"], fp8["cos_sin"],
+                                        fp8["k_cache"], fp8["v_cache"], fp8["positions"]))]
+          if dt != torch.float32 else []),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),
         (f"rms_norm {shape.dtype} h{shape.hidden}", {}, lambda: pointwise.rms_norm(t["x"], t["w"], 1e-5)),

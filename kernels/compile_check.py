@@ -266,10 +266,13 @@ def loaded_kernels() -> list[dict[str, Any]]:
                     md = kernel.metadata
                     constants = {fn.arg_names[k[0]]: v for k, v in kernel.src.constants.items()
                                  if len(k) == 1 and isinstance(v, (int, float, str, bool))}  # fmt: skip
+                    # NOTE: the KV pool's element type where the kernel reads or writes one ("*fp8e4nv": fp8)
+                    pool = getattr(kernel.src, "signature", {}).get("K_cache")
                     rows.append({
                         "kernel": md.name, "constants": constants, "num_warps": md.num_warps,
                         "num_stages": md.num_stages, "shared_bytes": md.shared,
                         "regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                        **({"pool": pool} if pool else {}),
                     })  # fmt: skip
     return rows
 

@@ -71,12 +71,29 @@ class DecodeConfig:
     prefetch: bool = False  # the next tile's K/V loaded before this one's dot (decode; extend_short: unused)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, arch: int = 90, batch: int = 1) -> DecodeConfig:
+# default_config's tiles over an fp8 pool on sm_90 (head dims 65-128, 16-bit q)
+FP8_TILES = DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
+
+
+def default_config(
+    head_dim: int, dtype: torch.dtype, arch: int = 90, batch: int = 1, pool_dtype: torch.dtype | None = None
+) -> DecodeConfig:
     """Defaults for compute capability ``arch`` (x10: 90 = H100/H200) and a call of ``batch`` requests
-    (a decode graph's batch: each graph keeps one choice); tiny tiles and splits in the interpreter so
-    tests cross every boundary."""
+    (a decode graph's batch: each graph keeps one choice) over a pool of ``pool_dtype`` (None: ``dtype``);
+    tiny tiles and splits in the interpreter so tests cross every boundary."""
     if INTERPRETED:
         return DecodeConfig(block_n=16, min_split_len=16, num_warps=1, num_stages=1)
+    if (
+        pool_dtype in host_checks.FP8_POOL_DTYPES
+        and 64 < head_dim <= 128
+        and arch >= 90
+        and dtype != torch.float32
+    ):
+        # NOTE: widening an fp8 tile takes registers: sm_90's 16-bit tiles below compile to 176 / 205 (bf16 /
+        # fp16) and 254 registers, the short extend's to 255 with a 16 B spill (fp16); 64-token tiles with
+        # 4 warps, 2 stages take 128 / 140 (python -m kernels.compile_check). Not timed yet (kernels.bench's
+        # fp8 rows).
+        return FP8_TILES
     if dtype == torch.float32:  # 4 warps spill at head_dim 128 on sm_90 (python -m kernels.compile_check)
         return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
     # NOTE: on sm_90 (head_dim 128, bf16) python -m kernels.tune measured 128-token tiles 1.39x faster
@@ -347,7 +364,7 @@ def decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device), batch)
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), batch, k_cache.dtype)
     if window > 0 and max_kv_len is not None:
         max_kv_len = min(max_kv_len, window)
     num_splits = split_cap(num_splits, batch, hkv, q.device, cfg, max_kv_len)

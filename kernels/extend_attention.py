@@ -113,6 +113,7 @@ class ExtendConfig:
 # sm_90's two tile choices at head dims 65-128 (fp16/bf16); default_config picks between them
 SM90_TILES = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 LONG_PREFIX_TILES = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+FP8_PRE_HOPPER_TILES = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)  # default_config
 
 
 def default_config(
@@ -121,12 +122,19 @@ def default_config(
     arch: int = 90,
     max_prefix_len: int | None = None,
     new_tokens: int | None = None,
+    pool_dtype: torch.dtype | None = None,
 ) -> ExtendConfig:
     """Defaults for compute capability ``arch`` (x10: 90 = H100) and a batch whose longest cached prefix
     is ``max_prefix_len`` tokens and whose requests have ``new_tokens`` new tokens in all (None: unknown,
-    as in a CUDA graph replayed over any prefix); small tiles in the interpreter so short test sequences
-    span many tiles. The prefix split and the packed grid are on where SPLIT_PREFIX and PACKED_BLOCKS say."""
+    as in a CUDA graph replayed over any prefix), over a pool of ``pool_dtype`` (None: ``dtype``); small
+    tiles in the interpreter so short test sequences span many tiles. The prefix split and the packed grid
+    are on where SPLIT_PREFIX and PACKED_BLOCKS say."""
     cfg = _default_tiles(head_dim, dtype, arch, max_prefix_len, new_tokens)
+    if pool_dtype in host_checks.FP8_POOL_DTYPES and arch < 90 and not INTERPRETED:
+        # NOTE: before Hopper, widening an fp8 tile for mma.sync takes registers the 16-bit pools' tiles
+        # do not have: at head dim 128 they spill 16 B (sm_80) and 8 B (sm_89); 32x16 with 4 warps spills
+        # at no head dim up to 256 on either (python -m kernels.compile_check --arch 80 / 89)
+        cfg = FP8_PRE_HOPPER_TILES
     if SPLIT_PREFIX or PACKED_BLOCKS:
         cfg = dataclasses.replace(cfg, split_prefix=SPLIT_PREFIX, packed_blocks=PACKED_BLOCKS)
     return cfg
@@ -207,15 +215,17 @@ def _arch_of(index: int) -> int:
 
 
 def graph_configs(
-    new_tokens: int, hq: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> dict[str, ExtendConfig]:
+    new_tokens: int, hq: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+    pool_dtype: torch.dtype | None = None,
+) -> dict[str, ExtendConfig]:  # fmt: skip
     """The configurations besides the default worth capturing an extend graph of ``new_tokens`` rows in
-    (its prefix unknown), by name: "long_prefix" where the long-prefix tiles differ from the default's,
-    "split" where the prefix split would give the default tiles more programs on ``device``."""
+    (its prefix unknown; the pool ``pool_dtype``), by name: "long_prefix" where the long-prefix tiles
+    differ from the default's, "split" where the prefix split would give the default tiles more programs
+    on ``device``."""
     arch = device_arch(device)
-    default = default_config(head_dim, dtype, arch, None, new_tokens)
+    default = default_config(head_dim, dtype, arch, None, new_tokens, pool_dtype)
     configs = {}
-    long_prefix = default_config(head_dim, dtype, arch, LONG_PREFIX, new_tokens)
+    long_prefix = default_config(head_dim, dtype, arch, LONG_PREFIX, new_tokens, pool_dtype)
     if long_prefix != default:
         configs["long_prefix"] = long_prefix
     split = dataclasses.replace(default, split_prefix=True)
@@ -494,7 +504,7 @@ def extend_attention(
             raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
     if max_extend_len == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t)
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t, k_cache.dtype)
     num_splits = prefix_split_cap(num_splits, t, hq, q.device, cfg, max_prefix_len)
     split = num_splits > 1
     scale = d**-0.5 if sm_scale is None else sm_scale

@@ -189,7 +189,7 @@ def extend_short_attention(
         out = torch.empty_like(q)
     if batch < 1 or t == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device))
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), pool_dtype=k_cache.dtype)
     group = hq // hkv
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     tokens = block_h // group

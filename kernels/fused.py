@@ -4,7 +4,9 @@
 Semantics are kernels.reference.{apply_rope, store_kv, rope_store_kv}; this module must never change them.
 Shapes: q [T, Hq, D], k, v [T, Hkv, D]; positions [T] (token positions);
 cos_sin_cache [max_pos, D] with cos in [:, :D/2] and sin in [:, D/2:]; k_cache, v_cache [S, Hkv, D];
-slots [T] (pool row per token). All math in fp32, results in the input's (or the pool's) dtype.
+slots [T] (pool row per token). All math in fp32, results in the input's (or the pool's) dtype; an fp8
+pool (float8_e4m3fn, float8_e5m2) stores kernels.reference.to_pool's values: saturated, rounded to
+nearest even, the rotated k rounded to k's dtype first (as the k it returns).
 Index tensors (int32/int64, any strides) are passed on contiguous; shapes, dtypes and devices are checked
 from metadata (ValueError).
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
@@ -44,6 +46,39 @@ def _rotated(
 
 
 @triton.jit
+def _fp8_grid(
+    x, MANTISSA: tl.constexpr, SUBNORMAL_STEP: tl.constexpr, MIN_NORMAL: tl.constexpr, TOP: tl.constexpr
+):
+    """fp32 ``x`` saturated at +-TOP and rounded to nearest even onto an fp8 format's values (MANTISSA
+    bits, normals from MIN_NORMAL, subnormals SUBNORMAL_STEP apart), still fp32.
+    NOTE: rounded here with integer and fp32 arithmetic, so the conversion after it is exact on every
+    backend (the interpreter's fp32 -> fp8 rounding loses a binade where a mantissa rounds up)."""
+    x = tl.clamp(x, -TOP, TOP)
+    bits = x.to(tl.int32, bitcast=True)
+    drop: tl.constexpr = 23 - MANTISSA
+    keep = (bits >> drop) & 1  # NOTE: ties go to the even neighbour
+    normal = ((bits + ((1 << (drop - 1)) - 1) + keep) & ~((1 << drop) - 1)).to(tl.float32, bitcast=True)
+    # NOTE: below MIN_NORMAL the values are multiples of SUBNORMAL_STEP: an fp32 add at 2**23 steps
+    # rounds to the nearest one, ties to even, and the subtraction is exact
+    magic = SUBNORMAL_STEP * 8388608.0
+    small = (tl.abs(x) + magic) - magic
+    return tl.where(tl.abs(x) < MIN_NORMAL, tl.where(bits < 0, -small, small), normal)  # NOTE: -0 stays -0
+
+
+@triton.jit
+def to_pool(x, DTYPE: tl.constexpr):
+    """``x`` converted to a pool's dtype; fp8 saturates at its largest finite value (448 for e4m3fn,
+    57344 for e5m2) and rounds to nearest even (kernels.reference.to_pool)."""
+    if tl.float8e4nv == DTYPE:
+        x = _fp8_grid(x.to(tl.float32), 3, 2.0**-9, 2.0**-6, 448.0).to(DTYPE)
+    elif tl.float8e5 == DTYPE:
+        x = _fp8_grid(x.to(tl.float32), 2, 2.0**-16, 2.0**-14, 57344.0).to(DTYPE)
+    else:
+        x = x.to(DTYPE)
+    return x
+
+
+@triton.jit
 def _store_halves(
     Out, row, stride_ot, stride_oh, first, second, mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -51,8 +86,8 @@ def _store_halves(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     dst = Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, first.to(Out.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, second.to(Out.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(first, Out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, to_pool(second, Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -169,7 +204,7 @@ def _copy_heads(
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(Src + row * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :], mask=mask)
     dst = Dst + dst_row * stride_dt + offs_h[:, None] * stride_dh + offs_d[None, :]
-    tl.store(dst, x.to(Dst.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(x, Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -198,6 +233,9 @@ def _store_kv_args(
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dim() != 3 or x.shape[1:] != k.shape[1:]:
             raise ValueError(f"{name} has shape {list(x.shape)}, expected [S, {hkv}, {d}] (Hkv, D from k)")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in host_checks.POOL_DTYPES:
+        raise ValueError(f"the pool is {k_cache.dtype} (K) and {v_cache.dtype} (V): expected one of "
+                         f"{', '.join(map(str, host_checks.POOL_DTYPES))}")  # fmt: skip
     elsewhere = {
         n: x.device for n, x in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)) if x.device != k.device
     }
@@ -244,6 +282,8 @@ def _rope_store_kv_kernel(
     first, second, mask = _rotated(
         K, row, stride_kt, stride_kh, cos, sin, NUM_K_HEADS, HALF, BLOCK_HK, BLOCK_HALF
     )
+    # NOTE: the pool gets the k returned, rounded to its dtype (once more, for an fp8 pool)
+    first, second = first.to(K_out.dtype.element_ty), second.to(K_out.dtype.element_ty)
     _store_halves(K_out, row, stride_kot, stride_koh, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
     _store_halves(K_cache, slot, stride_kcs, stride_kch, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
     _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,

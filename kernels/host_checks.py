@@ -11,6 +11,10 @@ import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# an fp8 KV pool: the attention kernels widen its K/V to q's dtype as they load them (exact), the KV
+# stores saturate and round into it (kernels.reference.to_pool)
+FP8_POOL_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+POOL_DTYPES = ATTENTION_DTYPES + FP8_POOL_DTYPES
 
 
 def shape_of(x: torch.Tensor) -> list[int]:
@@ -59,7 +63,8 @@ def check_attention(
     out: torch.Tensor | None = None,
 ) -> int:
     """q [T, Hq, D]; k_cache, v_cache [S, Hkv, D]; k_new, v_new [T, Hkv, D] when given (extend); one
-    dtype (fp16/bf16/fp32) and device for all; Hq a multiple of Hkv; ``out`` like q. Returns Hkv."""
+    dtype (fp16/bf16/fp32) and device for all, except that the pool may be fp8 (FP8_POOL_DTYPES, K and V
+    alike); Hq a multiple of Hkv; ``out`` like q. Returns Hkv."""
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D [tokens, Hq, D], got shape {shape_of(q)}")
     t, hq, d = q.shape
@@ -85,9 +90,14 @@ def check_attention(
     operands = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), *new]
     if q.dtype not in ATTENTION_DTYPES:
         raise ValueError(f"q is {q.dtype}; the attention kernels take fp16, bf16 or fp32")
-    mixed = {name: x.dtype for name, x in operands if x.dtype != q.dtype}
+    pool = k_cache.dtype if k_cache.dtype in FP8_POOL_DTYPES and v_cache.dtype == k_cache.dtype else q.dtype
+    mixed = {
+        name: x.dtype for name, x in operands if x.dtype != (pool if name.endswith("_cache") else q.dtype)
+    }
     if mixed:
-        raise ValueError(f"q is {q.dtype} but {mixed}: q, k/v and the pool must share one dtype")
+        raise ValueError(
+            f"q is {q.dtype} but {mixed}: q, k/v and the pool must share one dtype (the pool may be fp8)"
+        )
     elsewhere = {name: x.device for name, x in operands if x.device != q.device}
     if elsewhere:
         raise ValueError(f"q is on {q.device} but {elsewhere}")

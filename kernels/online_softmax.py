@@ -27,8 +27,8 @@ def gather_kv(K, V, rows, mask_n, stride_k, stride_v, offs_d, mask_d):
 @triton.jit
 def attend_tile(
     q,  # [M, D] queries (input dtype)
-    k,  # [D, N] keys, transposed
-    v,  # [N, D] values
+    k,  # [D, N] keys, transposed (q's dtype, or fp8 from an fp8 pool)
+    v,  # [N, D] values (as k)
     allowed,  # [M, N] bool: which scores count (padding and causal masks); read only when MASKED
     m_i,  # [M] running max of scaled scores (log2 domain)
     l_i,  # [M] running sum of exp2(score - m_i)
@@ -41,6 +41,9 @@ def attend_tile(
     softcap=0.0,  # SOFTCAP: each score s (natural scale) becomes softcap * tanh(s / softcap) (Gemma 2)
     SOFTCAP: tl.constexpr = False,
 ):
+    if k.dtype.is_fp8():  # NOTE: an fp8 pool's K/V widen exactly to q's dtype (fp32 when DOT_FP32)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if DOT_FP32:
         k = k.to(tl.float32)
     qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale

@@ -6,6 +6,9 @@ Shapes (T = new tokens in the batch, B = requests, S = slots in the KV pool, D =
   qo_indptr [B+1]: request i owns rows qo_indptr[i]:qo_indptr[i+1] of q / k_new / v_new;
   kv_indptr [B+1], kv_indices [nnz]: request i's KV slots are kv_indices[kv_indptr[i]:kv_indptr[i+1]].
 Hq must be a multiple of Hkv (GQA: query head h reads KV head h // (Hq // Hkv)).
+The pool may be fp8 (float8_e4m3fn or float8_e5m2, K and V alike) under q of any float dtype: attention
+reads its values as they are (fp8 widens exactly to fp16, bf16 and fp32), and the KV stores write
+``to_pool``'s values into it (saturated at the format's largest finite value, rounded to nearest even).
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ def extend_attention(
         if qo[i] == qo[i + 1]:
             continue
         slots = kv_indices[kvp[i] : kvp[i + 1]].long()
-        k = torch.cat([k_cache[slots], k_new[rows]])
-        v = torch.cat([v_cache[slots], v_new[rows]])
+        k = torch.cat([k_cache[slots].to(k_new.dtype), k_new[rows]])
+        v = torch.cat([v_cache[slots].to(v_new.dtype), v_new[rows]])
         out[rows] = _attend(q[rows], k, v, len(slots), scale, window, softcap, sinks).to(q.dtype)
     return out
 
@@ -293,8 +296,17 @@ def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
     """Write k, v [T, Hkv, D] into the pool rows ``slots`` [T] (in place)."""
-    k_cache[slots.long()] = k.to(k_cache.dtype)
-    v_cache[slots.long()] = v.to(v_cache.dtype)
+    k_cache[slots.long()] = to_pool(k, k_cache.dtype)
+    v_cache[slots.long()] = to_pool(v, v_cache.dtype)
+
+
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a KV pool of ``dtype`` stores it: fp8 saturates at the format's largest finite value
+    (never inf or NaN for a finite x) and rounds to nearest even from float32; other dtypes convert."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        top = torch.finfo(dtype).max
+        return x.float().clamp(-top, top).to(dtype)
+    return x.to(dtype)
 
 
 def rope_store_kv(

@@ -767,3 +767,39 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     row = result["verify"][0]
     assert row["short_pdl_graph_ms"] > 0 and bench_report.verify_error(row) < 3e-3
     assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()
+
+
+def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit_pool(backend, monkeypatch):
+    """measure_fp8_pool (GPU-only in the command) on the interpreter, timed by the host clock: the fp8
+    pool's bytes count one a K/V value, its output matches SDPA over the widened values, and the report
+    and summary carry it; an fp8 row that failed is shown as failed."""
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.bench runs this row for real")
+    monkeypatch.setattr(
+        timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
+    )
+    monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), 2.0)[1])
+    shape, model = bench.DecodeShape(2, 40), dataclasses.replace(MODEL, dtype="fp16")
+    kernel_args, _ = bench.decode_case(shape, model, torch.device("cpu"), torch.Generator().manual_seed(4))
+    row = {"batch": 2, "context": bench_report.LONG_CONTEXT, "triton_graph_ms": 3.0, "triton_gbs": 500.0}
+    bench.measure_fp8_pool(row, shape, model, kernel_args, torch.device("cpu"))
+    assert row["fp8_pool"] == "float8_e4m3fn"  # device_arch: 90 off CUDA
+    assert (
+        row["fp8_bytes"] == bench.decode_bytes(shape, model, 4, kv_bytes=1) < bench.decode_bytes(shape, model)
+    )
+    assert row["triton_fp8_graph_gbs"] == pytest.approx(row["fp8_bytes"] / 2e-3 / 1e9)
+    assert row["fp8_speedup"] == pytest.approx(1.5)
+    assert row["triton_fp8_stack_graph_ms"] > 0 and row["rel_err_fp8_vs_sdpa"] < 3e-3
+    result = synthetic_result()
+    result["decode"] = [row, {"batch": 8, "context": 1024, "triton_gbs": 90.0, "triton_fp8_error": "boom"}]
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["decode_fp8_speedup_min_at_long_context"] == pytest.approx(1.5)
+    assert s["decode_fp8_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(
+        row["triton_fp8_graph_gbs"] / 1000.0
+    )
+    assert s["inaccurate"] == []
+    rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
+    assert rows[0][:3] == ["2", str(bench_report.LONG_CONTEXT), f"{row['triton_fp8_graph_gbs']:,.0f}"]
+    assert rows[0][6] == "1.50x faster" and rows[1][2] == "boom"
+    row["rel_err_fp8_vs_sdpa"] = 0.5  # a wrong fp8 row is named, however fast
+    assert bench_report.summarize(result)["inaccurate"] == [f"decode fp8 b=2 ctx={bench_report.LONG_CONTEXT}"]

@@ -207,6 +207,13 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the kernels over an fp8 pool (--kv-cache-dtype) are their own compiles: the default tiles of each
+    fp8 = [r for r in loaded if r.get("pool") == "*fp8e4nv"]
+    # (their merges read no pool: the 16-bit pools' merge kernels serve them)
+    assert sorted(r["kernel"] for r in fp8) == ["_decode_split_kernel", "_extend_kernel", "_extend_kernel",
+                                                "_extend_kernel", "_rope_store_kv_kernel",
+                                                "_short_split_kernel"]  # fmt: skip
+    loaded = [r for r in loaded if r not in fp8]
     splits = [(r["constants"]["BLOCK_N"], r["constants"]["FUSED_MERGE"], r["constants"]["PDL"],
                r["constants"]["PREFETCH"], r["constants"]["WINDOWED"], r["constants"]["SOFTCAP"])
               for r in loaded if r["kernel"] == "_decode_split_kernel"]  # fmt: skip
@@ -288,6 +295,17 @@ def test_defaults_before_hopper_fit_without_spills_on_mma_sync(tmp_path):
     assert extend["config"] == {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 2} | unsplit
     assert extend["ok"] and extend["spill_bytes"] == 0
     assert extend["sass"]["HGMMA"] == 0 and extend["sass"]["HMMA"] > 0
+    # over an fp8 pool (e5m2 there) the 16-bit pools' tiles spill (widening the tiles takes registers); 32x16
+    fp8 = [r for r in report["rows"] if r["case"].split()[0].endswith("-fp8")]
+    assert {r["case"].split()[0] for r in fp8} == {
+        "decode-fp8",
+        "extend-fp8",
+        "extend-short-fp8",
+        "rope_store_kv-fp8",
+    }
+    assert all(r["ok"] and r["spill_bytes"] == 0 for r in fp8), fp8
+    extend_fp8 = next(r for r in fp8 if r["kernel"] == "_extend_kernel")
+    assert extend_fp8["config"] == {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2} | unsplit
 
 
 def test_head_dims_beyond_64_and_128_are_accepted_and_checked():
@@ -302,8 +320,8 @@ def test_only_refuses_names_of_no_case_and_lists_the_cases(capsys):
     assert compile_check.main(["--arch", "80", "--only", "nope", "rms"]) == 2
     err = capsys.readouterr().err
     assert (
-        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-sinks, decode-softcap, "
-        "decode-window," in err
+        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-fp8, decode-sinks, "
+        "decode-softcap, decode-window," in err
     )
 
 

@@ -200,9 +200,9 @@ def test_the_long_prefix_rule_needs_a_long_prefix_and_few_new_tokens(monkeypatch
 
 
 def test_extend_passes_its_prefix_hint_to_the_tile_choice(backend, assert_close_rel, monkeypatch):
-    """The hint and the new tokens in all (q's rows) reach default_config, and the kernel with the tiles
-    it picks (the long-prefix ones when compiled for sm_90; the interpreter's small ones here) still
-    matches the reference."""
+    """The hint, the new tokens in all (q's rows) and the pool's dtype reach default_config, and the kernel
+    with the tiles it picks (the long-prefix ones when compiled for sm_90; the interpreter's small ones
+    here) still matches the reference."""
     ext = backend.module("extend_attention")
     seen, choose = [], ext.default_config
     monkeypatch.setattr(ext, "default_config", lambda *a: seen.append(a[3:]) or choose(*a))
@@ -212,7 +212,7 @@ def test_extend_passes_its_prefix_hint_to_the_tile_choice(backend, assert_close_
         out = torch.full_like(args[0], float("nan"))
         ext.extend_attention(*args, max_prefix_len=hint, out=out)
         assert_close_rel(out.cpu(), ref)
-    assert seen == [(ext.LONG_PREFIX, 39), (None, 39)]  # 9 + 30 new tokens
+    assert seen == [(ext.LONG_PREFIX, 39, torch.bfloat16), (None, 39, torch.bfloat16)]  # 9 + 30 new tokens
 
 
 def test_extend_honours_sm_scale_int64_indices_and_computes_its_own_grid(backend, assert_close_rel):

@@ -24,16 +24,18 @@ REFERENCE_OPS = ("extend_attention", "decode_attention", "rms_norm", "apply_rope
 
 
 def run_steps(
-    model: LlamaForCausalLM, device: torch.device, adapters: tuple[int, ...] = (0, 0, 0)
-) -> list[torch.Tensor]:
+    model: LlamaForCausalLM, device: torch.device, adapters: tuple[int, ...] = (0, 0, 0),
+    pool_dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
     """Request A (37 tokens) prefilled; B (A's first 24 tokens cached, 13 new) and C (new, 9 tokens)
     prefilled together; then three decode steps of all three. Returns each step's logits.
-    ``adapters``: A's, B's and C's LoRA adapter ids (0: the base)."""
+    ``adapters``: A's, B's and C's LoRA adapter ids (0: the base); ``pool_dtype``: the KV pool's (None:
+    the model's)."""
     from worker.model.lora import lora_batch
 
     g = torch.Generator().manual_seed(3)
     c = model.config
-    pool = KVPool(PAGES, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, device)
+    pool = KVPool(PAGES, PAGE, c.num_layers, c.num_kv_heads, c.head_dim, pool_dtype or model.dtype, device)
     slots = torch.randperm(PAGES * PAGE, generator=g).tolist()  # scattered, as after churn
     a, c = (
         torch.randint(0, 300, (37,), generator=g).tolist(),
@@ -160,6 +162,39 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         assert g.shape == w.shape and torch.isfinite(g).all()
         err = ((g - w).norm() / w.norm()).item()
         assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_model_over_an_fp8_pool_on_triton_kernels_matches_the_reference_path(
+    backend, monkeypatch, pool_dtype
+):
+    """--kv-cache-dtype fp8: the kernels store K/V into an fp8 pool and attend over it as the reference
+    path does (the same rounded values read back), through prefill, a cached prefix and decode; and the
+    pool really holds fp8: from the first step that reads it, the logits move off the full-precision
+    pool's, by more than a bf16 pool moves them (0.3% here) and by less than twice fp8's unit roundoff
+    (2^-4 / 2^-3 for 3 / 2 mantissa bits). The first step, a prefill of no cached prefix, attends its own
+    K/V as computed: unchanged."""
+    if backend.interpret:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
+    exact = run_steps(cpu_model, torch.device("cpu"))
+    want = run_steps(cpu_model, torch.device("cpu"), pool_dtype=pool_dtype)
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"))
+    got = run_steps(model, backend.device, pool_dtype=pool_dtype)
+
+    # NOTE: looser than the other models' 1e-4: where the two paths' fp32 K/V differ in their last bits, a
+    # value on a rounding boundary takes the other fp8 neighbour, 6-12% away
+    tol = 1e-3 if backend.interpret else 3e-2
+    rounding = 2 * (2**-4 if pool_dtype == torch.float8_e4m3fn else 2**-3)
+    for step, (g, w, e) in enumerate(zip(got, want, exact, strict=True)):
+        assert g.shape == w.shape and torch.isfinite(g).all()
+        err = ((g - w).norm() / w.norm()).item()
+        assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
+        moved = ((w - e).norm() / e.norm()).item()
+        if step == 0:
+            assert moved == 0
+        else:
+            assert 1e-2 < moved < rounding, f"step {step}: fp8 pool moved the logits by {moved:.2e}"
 
 
 def test_the_worker_gives_the_extend_kernel_its_longest_prefix(backend, assert_close_rel, monkeypatch):

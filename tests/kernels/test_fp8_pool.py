@@ -1,0 +1,164 @@
+"""An fp8 KV pool (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): the stores write kernels.reference.to_pool's
+values bit for bit (saturated, rounded to nearest even), and every attention path reads the pool's
+values widened to q's dtype, as the reference does: decode (each variant), extend (unsplit, prefix
+split, packed) and the short extend, with GQA 1/4/8 and NaN-poisoned outputs and unused pool slots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import reference
+from tests.kernels import test_decode_attention as decode_cases
+from tests.kernels import test_extend_attention as extend_cases
+from tests.kernels.test_sliding_window import REQUESTS
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+GQA = [(8, 8), (8, 2), (8, 1)]  # (Hq, Hkv): groups of 1, 4, 8
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8)
+
+
+def in_fp8(args: tuple, pool_dtype: torch.dtype, pool_at: tuple[int, int]) -> tuple:
+    """``args`` with the pool tensors at indices ``pool_at`` stored as ``pool_dtype`` (NaN stays NaN)."""
+    return tuple(reference.to_pool(a, pool_dtype) if i in pool_at else a for i, a in enumerate(args))
+
+
+def q_dtype(backend) -> torch.dtype:
+    return torch.bfloat16 if backend.is_cuda else torch.float32
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+def test_to_pool_is_torchs_rounding_with_saturation_instead_of_overflow(pool_dtype):
+    top = torch.finfo(pool_dtype).max
+    x = torch.randn(4096) * torch.logspace(-12, 10, 4096, base=2)
+    inside = x.abs() <= top
+    assert bits(reference.to_pool(x, pool_dtype))[inside].equal(bits(x.to(pool_dtype))[inside])
+    big = torch.tensor([1e9, -1e9, top * 1.01, float("inf"), -float("inf")])
+    assert reference.to_pool(big, pool_dtype).float().tolist() == [top, -top, top, top, -top]
+    assert reference.to_pool(torch.tensor([0.3]), torch.bfloat16).dtype == torch.bfloat16  # others convert
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+def test_store_kv_writes_every_finite_bf16_value_as_the_reference_rounds_it(backend, pool_dtype):
+    """All 65,280 finite bf16 values (normals, subnormals of both formats, ties, past the largest finite),
+    stored through store_kv and rope_store_kv's value half, land as the reference's bit patterns."""
+    fused = backend.module("fused")
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = patterns.view(torch.bfloat16)
+    values = values[torch.isfinite(values.float())]
+    values = torch.cat([values, values[: 256 - values.numel() % 256]]).view(-1, 2, 128)  # [T, Hkv, D]
+    t = values.shape[0]
+    k = values.to(backend.device)
+    v = -k
+    k_cache = torch.full((t + 7, 2, 128), float("nan")).to(pool_dtype).to(backend.device)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(t + 7)[:t].to(torch.int32).to(backend.device)
+    fused.store_kv(k_cache, v_cache, slots, k, v)
+    want_k, want_v = (torch.full((t + 7, 2, 128), float("nan")).to(pool_dtype) for _ in range(2))
+    reference.store_kv(want_k, want_v, slots.cpu(), k.cpu(), v.cpu())
+    assert bits(k_cache.cpu()).equal(bits(want_k)) and bits(v_cache.cpu()).equal(bits(want_v))
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_store_kv_stores_the_rotated_k_it_returns_rounded_into_the_pool(backend, pool_dtype, dtype):
+    fused = backend.module("fused")
+    g = torch.Generator().manual_seed(7)
+    t, hq, hkv, d = 11, 8, 2, 64
+    q, k, v = (torch.randn(t, h, d, generator=g).mul(60).to(dtype) for h in (hq, hkv, hkv))  # past 448 too
+    positions = torch.randint(0, 64, (t,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.arange(64).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    slots = torch.randperm(t + 5, generator=g)[:t].to(torch.int32)
+    dev = [x.to(backend.device) for x in (q, k, v, positions, cos_sin)]
+    k_cache = torch.full((t + 5, hkv, d), float("nan")).to(pool_dtype).to(backend.device)
+    v_cache = k_cache.clone()
+    _, k_rot = fused.rope_store_kv(*dev, k_cache, v_cache, slots.to(backend.device))
+    _, want_k = reference.apply_rope(q, k, positions, cos_sin)
+    assert_close = dict(rtol=0, atol=0) if dtype == torch.float32 and not backend.is_cuda else {}
+    torch.testing.assert_close(k_rot.cpu(), want_k, **assert_close)
+    stored = k_cache.cpu()[slots.long()]
+    assert bits(stored).equal(bits(reference.to_pool(k_rot.cpu(), pool_dtype)))  # the k returned, rounded
+    assert bits(v_cache.cpu()[slots.long()]).equal(bits(reference.to_pool(v, pool_dtype)))
+    assert stored.float().abs().max() <= torch.finfo(pool_dtype).max
+    assert torch.isnan(k_cache.cpu().float()).sum() == 5 * hkv * d  # nothing else written
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize(("hq", "hkv"), GQA)
+@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
+def test_decode_over_an_fp8_pool_matches_the_reference(
+    backend, assert_close_rel, pool_dtype, hq, hkv, variant
+):
+    dec = backend.module("decode_attention")
+    lens = [1, 2, 17, 50, 130, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
+    args = in_fp8(decode_cases.make_batch(lens, hq, hkv, 64, q_dtype(backend), backend.device, seed=61), pool_dtype,
+                  (1, 2))  # fmt: skip
+    cfg = decode_cases.with_variant(dec.default_config(64, args[0].dtype, pool_dtype=pool_dtype), variant)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: any head the kernel skips fails
+    dec.decode_attention(*args, out=out, config=cfg, num_splits=4)
+    assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args)))
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize(
+    ("hq", "hkv", "num_splits", "packed"),
+    [(*gqa, 1, False) for gqa in GQA] + [(8, 2, 4, False), (8, 2, 4, True)],
+    ids=["unsplit-gqa1", "unsplit-gqa4", "unsplit-gqa8", "split", "packed"],
+)
+def test_extend_over_an_fp8_pool_matches_the_reference(
+    backend, assert_close_rel, pool_dtype, hq, hkv, num_splits, packed
+):
+    ext = backend.module("extend_attention")
+    requests = REQUESTS if not backend.is_cuda else [(p * 9, n * 9) for p, n in REQUESTS]
+    batch = extend_cases.make_batch(requests, hq, hkv, 64, q_dtype(backend), backend.device, seed=71)
+    args = in_fp8(batch, pool_dtype, (3, 4))
+    cfg = ext.default_config(64, args[0].dtype, pool_dtype=pool_dtype)
+    cfg = dataclasses.replace(cfg, split_prefix=num_splits > 1, packed_blocks=packed)
+    out = torch.full_like(args[0], float("nan"))
+    ext.extend_attention(*args, out=out, config=cfg, num_splits=num_splits)
+    assert_close_rel(out.cpu(), reference.extend_attention(*(a.cpu() for a in args)))
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize(("hq", "hkv"), GQA)
+def test_short_extend_over_an_fp8_pool_matches_the_reference(backend, assert_close_rel, pool_dtype, hq, hkv):
+    short = backend.module("extend_short")
+    requests = [(0, 3), (40, 1), (17, 5), (130, 2)]
+    q, k_new, v_new, k_cache, v_cache, qo, kv, prefix = extend_cases.make_batch(
+        requests, hq, hkv, 64, q_dtype(backend), backend.device, seed=81
+    )
+    k_cache, v_cache = reference.to_pool(k_cache, pool_dtype), reference.to_pool(v_cache, pool_dtype)
+    # NOTE: the short extend reads the new tokens' K/V from the pool, where the worker stored them
+    free = sorted(set(range(k_cache.shape[0])) - set(prefix.tolist()))[: q.shape[0]]
+    out_slots = torch.tensor(free, dtype=torch.int32, device=backend.device)
+    reference.store_kv(k_cache, v_cache, out_slots, k_new, v_new)
+    out = torch.full_like(q, float("nan"))
+    short.extend_short_attention(q, k_cache, v_cache, qo, kv, prefix, out_slots, max_extend_len=5, out=out,
+                                 num_splits=4)  # fmt: skip
+    cpu = [a.cpu() for a in (q, k_cache, v_cache, qo, kv, prefix, out_slots)]
+    assert_close_rel(out.cpu(), reference.extend_short_attention(*cpu))
+
+
+def test_a_pool_of_mixed_or_unsupported_dtypes_is_refused(backend):
+    dec = backend.module("decode_attention")
+    fused = backend.module("fused")
+    q, k_cache, v_cache, kvp, slots = decode_cases.make_batch([3], 8, 2, 64, torch.float32, backend.device)
+    fp8 = reference.to_pool(k_cache, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="the pool may be fp8"):
+        dec.decode_attention(q, fp8, v_cache, kvp, slots)  # K fp8, V not
+    with pytest.raises(ValueError, match="the pool may be fp8"):
+        dec.decode_attention(q, k_cache.to(torch.int8), v_cache.to(torch.int8), kvp, slots)
+    k = torch.zeros(2, 2, 64, device=backend.device)
+    two = torch.tensor([0, 1], dtype=torch.int32, device=backend.device)
+    with pytest.raises(ValueError, match=r"the pool is torch\.int8"):
+        fused.store_kv(k_cache.to(torch.int8), v_cache.to(torch.int8), two, k, k)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn \(K\) and torch\.float32 \(V\)"):
+        fused.store_kv(fp8, v_cache, two, k, k)
