@@ -14,7 +14,7 @@ from router.tokenization import PromptTokenizer
 from worker.engine import Engine
 from worker.engine_api import Executor, LaunchedStep, RequestState, chainable_step
 from worker.host_cache import HostKVPool
-from worker.kv_pool import KVPool, PageAllocator
+from worker.kv_pool import KVPool, PageAllocator, kv_cache_dtype
 from worker.kv_publisher import KVPublisher
 from worker.penalties import adjusts
 from worker.radix_cache import RadixCache
@@ -458,10 +458,10 @@ def build_engine(cfg: Any) -> Engine:
     mc = loaded.config
     name = cfg.served_model_name or loaded.name
     pool_bytes = pool.num_pages * KVPool.page_bytes(
-        cfg.block_size, mc.num_layers, pool.k_cache[0].shape[1], mc.head_dim, loaded.model.dtype
+        cfg.block_size, mc.num_layers, pool.k_cache[0].shape[1], mc.head_dim, pool.dtype
     )
-    log.info("model %s on %s: KV pool %d pages x %d tokens (%.1f MiB per rank)", name, device,
-             pool.num_pages, cfg.block_size, pool_bytes / 2**20)  # fmt: skip
+    log.info("model %s on %s: KV pool %d pages x %d tokens, %s (%.1f MiB per rank)", name, device,
+             pool.num_pages, cfg.block_size, str(pool.dtype).removeprefix("torch."), pool_bytes / 2**20)  # fmt: skip
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
 
@@ -471,11 +471,12 @@ def make_kv_pool(cfg: Any, model: Any, device: Any, agree: Any = None) -> KVPool
     pages this process can hold to the pages every rank uses."""
     mc = model.config
     kv_heads = mc.num_kv_heads // model.shard.size
-    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, model.dtype)
+    dtype = kv_cache_dtype(cfg.kv_cache_dtype, model.dtype, device)
+    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, dtype)
     pages = kv_pool_pages(cfg, page_bytes, device)
     if agree is not None:
         pages = agree(pages)
-    return KVPool(pages, cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, model.dtype, device)
+    return KVPool(pages, cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, dtype, device)
 
 
 def load_adapters(cfg: Any, model: Any) -> None:

@@ -98,8 +98,8 @@ def _extend_sdpa(
         mask = None
         if p:
             slots = kv_indices[kvp[i] : kvp[i + 1]].long()
-            k = torch.cat([k_cache.index_select(0, slots), k])
-            v = torch.cat([v_cache.index_select(0, slots), v])
+            k = torch.cat([k_cache.index_select(0, slots).to(k.dtype), k])  # NOTE: an fp8 pool widens exactly
+            v = torch.cat([v_cache.index_select(0, slots).to(v.dtype), v])
         if p or 0 < window < p + n:
             ones = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
             mask = ones.tril(diagonal=p) & (ones.triu(diagonal=p - window + 1) if window > 0 else ones)

@@ -25,7 +25,7 @@ import orjson
 from worker import bench_radix
 from worker.bench_parts import time_graph_replays, time_host_copies
 from worker.bench_report import decode_floor, machine_info, markdown_table, measure_copy_gbs
-from worker.config import WorkerConfig
+from worker.config import KV_CACHE_DTYPES, WorkerConfig
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
 from worker.model.config import ModelConfig
@@ -138,6 +138,7 @@ class BenchParams:
     quick: bool
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
     overlap_schedule: str = "auto"  # decode steps scheduled while the one before runs (auto: on CUDA)
+    kv_cache_dtype: str = "auto"  # the KV pool's dtype (--kv-cache-dtype: auto or an fp8 format)
 
 
 class IdTokenizer:
@@ -200,7 +201,7 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
         model_executor,
         tune_cpu_process,
     )
-    from worker.kv_pool import KVPool
+    from worker.kv_pool import KVPool, kv_cache_dtype
     from worker.model.loader import model_dtype
 
     if model_config is None:
@@ -211,9 +212,10 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     dtype = model_dtype(cfg.dtype, device)
     model = random_llama(model_config, device, dtype)
     mc = model_config
-    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
+    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
     pages = kv_pool_pages(cfg, page_bytes, device)
-    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
     executor, tokenizer = model_executor(cfg, model, pool, device, mc.max_context), IdTokenizer(mc.vocab_size)
     # NOTE: assemble_engine is build_engine's own wiring (cache, publisher, scheduler); only the model differs
     name = cfg.served_model_name or "random"
@@ -440,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap-schedule", choices=["auto", "on", "off"], default="auto",
                     help="schedule each decode step while the one before runs (auto: on CUDA); when on, "
                          "the smallest batch is also timed one step at a time")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="the KV pool's dtype, as the worker's flag (fp8: one byte a K/V value)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -480,7 +484,7 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_extend_tokens=args.cuda_graph_extend_tokens,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
                        tensor_parallel_size=args.tensor_parallel_size, overlap_schedule=args.overlap_schedule,
-                       **sizes)  # fmt: skip
+                       kv_cache_dtype=args.kv_cache_dtype, **sizes)  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:
@@ -493,7 +497,8 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        served_model_name=None if p.model == "tiny" else p.model,
                        cuda_graph_max_bs=p.cuda_graph_max_bs, cuda_graph_extend_tokens=p.cuda_graph_extend_tokens,
                        tensor_parallel_size=p.tensor_parallel_size, overlap_schedule=p.overlap_schedule,
-                       max_running=max(256, width), max_waiting=max(1024, 2 * width))  # fmt: skip
+                       kv_cache_dtype=p.kv_cache_dtype, max_running=max(256, width),
+                       max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
     engine = build_bench_engine(cfg, SHAPES.get(p.model))
     engine.start()
@@ -502,7 +507,9 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     finally:
         engine.stop()
     model = engine.executor.model  # type: ignore[attr-defined]
+    kv_dtype = engine.executor.kv_pool.dtype  # type: ignore[attr-defined]
     info = {"name": p.model, "dtype": str(model.dtype).removeprefix("torch."),
+            "kv_dtype": str(kv_dtype).removeprefix("torch."),
             "parameters": sum(x.numel() for x in model.parameters()), "config": asdict(model.config)}  # fmt: skip
     machine = machine_info(p.device)
     machine["loadavg_start"] = [round(x, 2) for x in load_start]

@@ -133,7 +133,9 @@ def graph_config(model: Any, device: Any, context: int, new_tokens: int) -> Any:
     if not sizes or not variants_by_default(device):
         return None
     size = sizes[0]
-    configs = variant_configs(model.config, model.dtype, device, size, size)  # a "last" graph's kernels
+    configs = variant_configs(
+        model.config, model.dtype, device, model.dtype, size, size
+    )  # a "last" graph's kernels
     return configs.get(replayed_variant(configs, context, size))
 
 

@@ -23,6 +23,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.to
 ENV_PREFIX = "RADIXGATE_WORKER_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype (worker.kv_pool.kv_cache_dtype)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class WorkerConfig:
     kv_cache_tokens: int | None = None  # KV pool size (tokens); default: --mem-fraction on CUDA
     # tokens a request may hold (prompt + output); default: the model's context
     max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"  # the KV pool's dtype: auto (--dtype's) or fp8 (half the bytes a token)
     mxfp4_experts: str = "auto"  # MXFP4 experts (gpt-oss) kept packed or dequantized (worker.model.loader)
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
@@ -125,6 +127,8 @@ class WorkerConfig:
         for name in ("block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.mxfp4_experts not in MXFP4_CHOICES:
             raise ValueError(f"--mxfp4-experts must be one of {', '.join(MXFP4_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -228,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         int,
         "the context served, prompt and output tokens together (default: the model's own; a smaller one "
         "also shrinks its RoPE tables)",
+    )
+    opt(
+        "--kv-cache-dtype",
+        str,
+        "the KV pool's dtype: auto (--dtype's) or fp8_e4m3 / fp8_e5m2 (one byte a value: twice the tokens "
+        "cached in the same memory, each K/V value rounded to 3 / 2 mantissa bits, saturated at 448 / 57344; "
+        "fp8_e4m3 needs sm_89+ on CUDA)",
+        choices=list(KV_CACHE_DTYPES),
     )
     opt(
         "--mxfp4-experts",

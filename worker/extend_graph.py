@@ -114,7 +114,8 @@ class ExtendGraphRunner:
         self.variant_steps: collections.Counter[str] = collections.Counter()  # steps replayed, by variant
         self._replays: dict[GraphKey, Callable[[], None]] = {}
         self._outputs: dict[GraphKey, torch.Tensor] = {}
-        shape = (model.config, model.dtype, model.device)  # what the variants depend on of the model
+        # what the variants depend on of the model and its pool
+        shape = (model.config, model.dtype, model.device, kv_pool.k_cache[0].dtype)
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         empty = np.zeros(0, np.int64)
@@ -242,17 +243,17 @@ def variants_by_default(device: torch.device) -> bool:
 
 
 def variant_configs(
-    config: Any, dtype: torch.dtype, device: torch.device, size: int, max_extend: int
+    config: Any, dtype: torch.dtype, device: torch.device, pool_dtype: torch.dtype, size: int, max_extend: int
 ) -> dict[str, Any]:
     """The configurations besides the default an extend graph of ``size`` tokens of a model of ``config``
-    (a ModelConfig) in ``dtype`` on ``device``, its kernels launched for requests of up to ``max_extend``
-    new tokens, is captured in: kernels.extend_attention.graph_configs' where it runs the extend kernel
-    (not the short one)."""
+    (a ModelConfig) in ``dtype`` on ``device`` over a pool of ``pool_dtype``, its kernels launched for
+    requests of up to ``max_extend`` new tokens, is captured in: kernels.extend_attention.graph_configs'
+    where it runs the extend kernel (not the short one)."""
     if max_extend <= SHORT_EXTEND:
         return {}
     from kernels.extend_attention import graph_configs
 
-    return graph_configs(size, config.num_heads, config.head_dim, dtype, device)
+    return graph_configs(size, config.num_heads, config.head_dim, dtype, device, pool_dtype)
 
 
 def replayed_variant(configs: dict[str, Any], max_prefix_len: int, size: int) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.kv_pool import PageAllocator
+from worker.kv_pool import PageAllocator, raw
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -77,6 +77,8 @@ class HostKVPool:
         src, runs = self._runs(host_pages, device_pages)
         for layer in range(pool.num_layers):
             for cache, host in ((pool.k_cache[layer], self.k[layer]), (pool.v_cache[layer], self.v[layer])):
+                # NOTE: raw: an fp8 pool's bytes, as torch's CPU index ops have no fp8 kernels
+                cache, host = raw(cache), raw(host)
                 gathered, at = cache.index_select(0, src), 0  # on the device, in host order
                 for start, end in runs:
                     # NOTE: asynchronous into pinned memory (one wait below, not one per run)
@@ -96,7 +98,7 @@ class HostKVPool:
         device = dst.device
         for layer in range(pool.num_layers):
             for cache, host in ((pool.k_cache[layer], self.k[layer]), (pool.v_cache[layer], self.v[layer])):
-                at = 0
+                cache, host, at = raw(cache), raw(host), 0
                 for start, end in runs:
                     # NOTE: asynchronous from pinned memory, ordered before every later use of the pool
                     # on this stream; the host pages are only written again by save, also in stream

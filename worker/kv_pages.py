@@ -5,7 +5,7 @@ and headers of its body. Pool and cache calls here run on the engine thread, bet
 nothing here touches the network.
 
 A transfer's KV is one C-contiguous tensor [2 (K, V), layers, tokens, KV heads, head dim] in the
-pool's dtype; its headers (``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``) say
+pool's dtype (an fp8 pool's bytes move as they are); its headers (``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``) say
 what it is, so a receiver checks the layout before reading the body.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.kv_pool import KVPool, slots_for
+from worker.kv_pool import KVPool, raw, slots_for
 
 
 # ---------------------------------------------------------------------------- engine thread
@@ -38,7 +38,7 @@ def read_kv(pool: Any, slots: Any, lo: int = 0, hi: int | None = None) -> Any:
     heads, dim = pool.k_cache[0].shape[1:]
     out = torch.empty(hi - lo, idx.numel(), heads, dim, dtype=pool.k_cache[0].dtype, device=device)
     for i in range(hi - lo):
-        torch.index_select(_slab(pool, lo + i), 0, idx, out=out[i])
+        torch.index_select(raw(_slab(pool, lo + i)), 0, idx, out=raw(out[i]))
     return out.cpu()
 
 
@@ -48,7 +48,7 @@ def write_kv(pool: Any, slots: Any, slabs: Any, lo: int = 0) -> None:
     idx = slots.to(device)
     slabs = slabs.to(device)
     for i in range(slabs.shape[0]):
-        _slab(pool, lo + i).index_copy_(0, idx, slabs[i])
+        raw(_slab(pool, lo + i)).index_copy_(0, idx, raw(slabs[i]))
 
 
 def export_span(
@@ -167,7 +167,7 @@ def import_pages(
 # ---------------------------------------------------------------------------- wire format
 EXPORT_PATH = "/v1/kv/export"  # the source's endpoint: POST {token_ids, start, max_tokens, model}
 _META = "x-radixgate-kv-"
-_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")  # --dtype's, --kv-cache-dtype's
 
 
 def export_headers(shape: tuple[int, ...], dtype: Any, start: int, block_size: int) -> dict[str, str]:

@@ -113,6 +113,10 @@ class KVPool:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
 
+    @property
+    def dtype(self) -> Any:
+        return self.k_cache[0].dtype
+
     @staticmethod
     def page_bytes(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any) -> int:
         """Bytes one page takes: K and V, all layers."""
@@ -120,3 +124,33 @@ class KVPool:
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+
+def kv_cache_dtype(name: str, model_dtype: Any, device: Any) -> Any:
+    """The KV pool's torch dtype for --kv-cache-dtype ``name``: "auto" is the model's; fp8_e4m3 and
+    fp8_e5m2 store each K/V value in one byte (kernels.reference.to_pool: saturated, rounded to nearest
+    even), which the attention kernels widen back as they read. ValueError where the device cannot:
+    Triton converts e4m3 on CUDA from compute capability 8.9 (Ada, Hopper) only."""
+    import torch
+
+    if name == "auto":
+        return model_dtype
+    dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name)
+    if dtype is None:
+        raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, fp8_e4m3 or fp8_e5m2")
+    if dtype == torch.float8_e4m3fn and torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor < 89:
+            raise ValueError(
+                f"--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or later (this GPU is "
+                f"{major}.{minor}); fp8_e5m2 runs on it"
+            )
+    return dtype
+
+
+def raw(cache: Any) -> Any:
+    """``cache`` as the byte-copy paths move it (host tier, KV transfers): an fp8 pool viewed as uint8
+    (torch's CPU index_copy_ has no fp8 kernel), any other as it is. NOTE: a view; writes go through."""
+    import torch
+
+    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache

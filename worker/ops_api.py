@@ -20,6 +20,7 @@ from router.kv_events import EVENT_VERSION
 from worker.api_params import APIError, json_object, read_bounded
 from worker.engine import Engine
 from worker.engine_api import EngineDeadError
+from worker.kv_pages import kv_bytes_per_token, kv_layout
 
 SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
 
@@ -102,6 +103,9 @@ class OpsAPI:
         }
         if e.simulated:
             body["simulated"] = True
+        else:  # NOTE: what a cached token costs here (--kv-cache-dtype fp8 halves it)
+            body["kv_dtype"] = str(kv_layout(e)[3]).removeprefix("torch.")
+            body["kv_bytes_per_token"] = kv_bytes_per_token(e)
         return _json(body)
 
     def _not_admin(self, request: Request) -> Response | None:

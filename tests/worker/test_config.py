@@ -55,3 +55,32 @@ def test_dtype_picks_the_models_dtype_and_an_unknown_one_is_refused(capsys):
     assert model.dtype == torch.bfloat16 and engine.executor.kv_pool.k_cache[0].dtype == torch.bfloat16
     auto = build_engine(WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=256))
     assert auto.executor.model.dtype == torch.float32  # type: ignore[attr-defined]  # CPU's default
+
+
+def test_kv_cache_dtype_sets_the_pools_dtype_apart_from_the_models(capsys, monkeypatch):
+    import torch
+
+    from worker.assembly import build_engine
+    from worker.config import WorkerConfig
+    from worker.kv_pool import kv_cache_dtype
+
+    assert "--kv-cache-dtype" in refused(capsys, ["--kv-cache-dtype", "int8"])
+    assert parse_args([]).kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        WorkerConfig(kv_cache_dtype="fp8").validate()
+    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        engine = build_engine(
+            WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=256, kv_cache_dtype=name)
+        )
+        assert engine.executor.model.dtype == torch.float32  # type: ignore[attr-defined]
+        assert {c.dtype for c in (*engine.executor.kv_pool.k_cache, *engine.executor.kv_pool.v_cache)} == {
+            dtype
+        }
+    assert kv_cache_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    # NOTE: Triton converts e4m3 on CUDA from compute capability 8.9; an A100 (8.0) is told to take e5m2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"fp8_e4m3 needs compute capability 8\.9.*fp8_e5m2 runs on it"):
+        kv_cache_dtype("fp8_e4m3", torch.bfloat16, "cuda")
+    assert kv_cache_dtype("fp8_e5m2", torch.bfloat16, "cuda") == torch.float8_e5m2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert kv_cache_dtype("fp8_e4m3", torch.bfloat16, "cuda") == torch.float8_e4m3fn

@@ -11,7 +11,7 @@ import torch
 from router.block_hash import block_hashes
 from tests.worker.test_radix_cache import NS, Replayer, arr
 from worker.host_cache import HostKVPool
-from worker.kv_pool import KVPool, PageAllocator
+from worker.kv_pool import KVPool, PageAllocator, raw
 from worker.radix_cache import MatchResult, RadixCache
 
 PS = 4
@@ -222,8 +222,13 @@ CUDA = pytest.param(
 )
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (torch has no fp8 equal)."""
+    return torch.equal(raw(a), raw(b))
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_real_kv_pages_round_trip_through_host_memory(dtype: torch.dtype, device: str) -> None:
     pool = KVPool(6, PS, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)
     for layer in range(3):
@@ -241,7 +246,7 @@ def test_real_kv_pages_round_trip_through_host_memory(dtype: torch.dtype, device
     for layer, (k, v) in enumerate(before):
         for src, dst in ((4, 2), (1, 5)):
             s, d = slice(src * PS, (src + 1) * PS), slice(dst * PS, (dst + 1) * PS)
-            assert torch.equal(pool.k_cache[layer][d], k[s]) and torch.equal(pool.v_cache[layer][d], v[s])
+            assert same(pool.k_cache[layer][d], k[s]) and same(pool.v_cache[layer][d], v[s])
         assert torch.isnan(pool.k_cache[layer][: 2 * PS].float()).all()  # nothing else written
 
 
@@ -351,3 +356,37 @@ def test_the_sim_engine_charges_host_copies_to_the_step_they_delay() -> None:
     extend = SimpleNamespace(mode="extend", num_new_tokens=100, requests=[0])
     assert ex.step_ms(extend) == pytest.approx(100 * 0.07 + 4 * 16 * 0.01)
     assert ex.step_ms(extend) == pytest.approx(100 * 0.07)  # each copy is charged once
+
+
+def test_an_fp8_pool_serves_a_prefix_back_from_host_memory_as_it_did_from_the_device() -> None:
+    """--kv-cache-dtype fp8_e5m2 with a host tier: a prompt answered again from its device pages, then
+    pushed out to host memory and answered from there, gives the same text and log-probabilities: the
+    fp8 bytes went to the host and came back unchanged."""
+    import httpx
+
+    from tests.worker.test_server import idle, metric, serve
+
+    def prompt(i: int) -> str:
+        return f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(120))
+
+    with (
+        serve(kv_cache_tokens=1024, host_cache_tokens=4096, kv_cache_dtype="fp8_e5m2") as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        body = {"prompt": prompt(0) + " Summary:", "max_tokens": 12, "temperature": 0, "logprobs": 1}
+        c.post("/v1/completions", json=body).raise_for_status()
+        from_device = c.post("/v1/completions", json=body).json()
+        assert from_device["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert metric(c, "radixgate_worker_host_loaded_tokens_total") == 0
+        for i in (1, 2):
+            c.post("/v1/completions", json={**body, "prompt": prompt(i) + " Summary:"}).raise_for_status()
+        idle(c)
+        from_host = c.post("/v1/completions", json=body).json()
+        assert metric(c, "radixgate_worker_host_loaded_tokens_total") > 0
+        assert (
+            from_host["usage"]["prompt_tokens_details"]["cached_tokens"]
+            == (from_device["usage"]["prompt_tokens_details"]["cached_tokens"])
+        )
+        assert from_host["choices"][0]["text"] == from_device["choices"][0]["text"]
+        got, want = (r["choices"][0]["logprobs"]["token_logprobs"] for r in (from_host, from_device))
+        assert got == pytest.approx(want, abs=1e-6)

@@ -490,10 +490,13 @@ CUDA = pytest.param(
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_slabs_read_and_written_a_group_at_a_time_move_every_layers_k_and_v(device: str, dtype) -> None:
     from worker.kv_pages import read_kv, write_kv
-    from worker.kv_pool import KVPool, slots_for
+    from worker.kv_pool import KVPool, raw, slots_for
+
+    def equal(a: torch.Tensor, b: torch.Tensor) -> bool:  # NOTE: bit for bit (torch has no fp8 equal)
+        return torch.equal(raw(a), raw(b))
 
     layers, ps = 3, 4
     src = KVPool(8, ps, num_layers=layers, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)
@@ -507,15 +510,46 @@ def test_slabs_read_and_written_a_group_at_a_time_move_every_layers_k_and_v(devi
     whole = read_kv(src, from_slots)  # [2 x layers, n, heads, dim]: K of each layer, then V
     assert whole.shape == (2 * layers, 12, 2, 8) and whole.device.type == "cpu"
     for layer in range(layers):  # NOTE: the wire's order (docs/contracts.md)
-        assert torch.equal(whole[layer], src.k_cache[layer][from_slots.to(device)].cpu())
-        assert torch.equal(whole[layers + layer], src.v_cache[layer][from_slots.to(device)].cpu())
+        assert equal(whole[layer], src.k_cache[layer][from_slots.to(device)].cpu())
+        assert equal(whole[layers + layer], src.v_cache[layer][from_slots.to(device)].cpu())
     for lo in range(0, 2 * layers, 4):  # groups of 4 slabs, the last of 2
         group = read_kv(src, from_slots, lo, min(lo + 4, 2 * layers))
-        assert torch.equal(group, whole[lo : lo + 4])
+        assert equal(group, whole[lo : lo + 4])
         write_kv(dst, to_slots, group[:, 4:], lo)  # NOTE: the first page is cached there already
     for layer in range(layers):
         for got, want in ((dst.k_cache[layer], src.k_cache[layer]), (dst.v_cache[layer], src.v_cache[layer])):
-            assert torch.equal(got[to_slots.to(device)], want[from_slots[4:].to(device)])
+            assert equal(got[to_slots.to(device)], want[from_slots[4:].to(device)])
             untouched = torch.ones(got.shape[0], dtype=torch.bool, device=device)
             untouched[to_slots.to(device)] = False
             assert torch.isnan(got[untouched].float()).all()
+
+
+def test_fp8_pools_move_their_bytes_and_a_pool_of_another_dtype_is_refused(fleet):
+    """Workers with --kv-cache-dtype fp8_e4m3: the receiver takes the source's fp8 bytes and answers as a
+    worker that cached the same prefix itself (read back rounded, as the fetched one is); an fp8 worker
+    hinted to a float32 worker refuses its KV (another layout) and computes the prefill."""
+    float32_source = fleet[0]
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    with serve(**fp8) as source, serve(**fp8) as receiver, serve(**fp8) as own:
+        info = httpx.get(source.url + "/v1/cache/info", timeout=10).json()
+        assert info["kv_dtype"] == "float8_e4m3fn"
+        assert (
+            info["kv_bytes_per_token"] * 4
+            == httpx.get(float32_source.url + "/v1/cache/info").json()["kv_bytes_per_token"]
+        )
+        shared = prompt(40, 300)
+        for worker in (source, own):
+            complete(worker.url, shared + prompt(41, 20))
+        ids = shared + prompt(42, 30)
+        hinted = complete(receiver.url, ids, source.url)
+        reference = complete(own.url, ids)
+        assert cached(hinted) == cached(reference) == 300 // PAGE * PAGE
+        assert outcome(receiver.url, "ok") == 1
+        assert_same_answer(hinted, reference)
+        # a float32 source's KV is not this pool's: refused, the prefill computed here
+        ids = prompt(43, 200)
+        complete(float32_source.url, [*ids, 1])
+        answer = complete(receiver.url, [*ids, 2], float32_source.url)
+        assert cached(answer) == 0 and outcome(receiver.url, "error") == 1
+        assert_same_answer(answer, complete(own.url, [*ids, 2]))
+        assert_nothing_held(receiver)
