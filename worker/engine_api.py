@@ -54,7 +54,7 @@ class Executor(Protocol):
     step's accepted tokens per request. Executors that run steps asynchronously also have
     ``launch(batch, after) -> LaunchedStep`` and ``collect(LaunchedStep) -> tokens`` (what ``run``
     returns); ``after`` is the launched step whose sampled tokens are ``batch``'s inputs
-    (``batch.inputs_from``)."""
+    (``batch.inputs_from``). Executors that compute on a KV pool have it as ``kv_pool`` (a KVPool)."""
 
     def run(self, batch: ScheduledBatch) -> list[int]: ...
 

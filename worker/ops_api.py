@@ -103,7 +103,7 @@ class OpsAPI:
         }
         if e.simulated:
             body["simulated"] = True
-        else:  # NOTE: what a cached token costs here (--kv-cache-dtype fp8 halves it)
+        elif getattr(e.executor, "kv_pool", None) is not None:  # NOTE: what a cached token costs here
             body["kv_dtype"] = str(kv_layout(e)[3]).removeprefix("torch.")
             body["kv_bytes_per_token"] = kv_bytes_per_token(e)
         return _json(body)
