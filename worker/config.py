@@ -23,7 +23,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.to
 ENV_PREFIX = "RADIXGATE_WORKER_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype (worker.kv_pool.kv_cache_dtype)
+# --kv-cache-dtype (worker.kv_pool.kv_cache_dtype); "fp8" is fp8_e4m3, as vLLM reads it
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--kv-cache-dtype",
         str,
-        "the KV pool's dtype: auto (--dtype's) or fp8_e4m3 / fp8_e5m2 (one byte a value: twice the tokens "
+        "the KV pool's dtype: auto (--dtype's) or fp8_e4m3 (also fp8) / fp8_e5m2 (one byte a value: twice the tokens "
         "cached in the same memory, each K/V value rounded to 3 / 2 mantissa bits, saturated at 448 / 57344; "
         "fp8_e4m3 needs sm_89+ on CUDA)",
         choices=list(KV_CACHE_DTYPES),

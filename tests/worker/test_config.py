@@ -67,8 +67,13 @@ def test_kv_cache_dtype_sets_the_pools_dtype_apart_from_the_models(capsys, monke
     assert "--kv-cache-dtype" in refused(capsys, ["--kv-cache-dtype", "int8"])
     assert parse_args([]).kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
-        WorkerConfig(kv_cache_dtype="fp8").validate()
-    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        WorkerConfig(kv_cache_dtype="int8").validate()
+    assert parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    for name, dtype in (
+        ("fp8", torch.float8_e4m3fn),
+        ("fp8_e4m3", torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.float8_e5m2),
+    ):
         engine = build_engine(
             WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=256, kv_cache_dtype=name)
         )
