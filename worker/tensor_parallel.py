@@ -290,9 +290,12 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
     if device.type == "cuda" and torch.cuda.device_count() < cfg.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")  # fmt: skip
-    from worker.model.loader import read_config
+    from worker.model.loader import read_config, served_experts
 
-    Shard(0, cfg.tensor_parallel_size).check(read_config(cfg.model))  # NOTE: before any rank starts
+    # NOTE: before any rank starts; MXFP4 experts as --mxfp4-experts serves them (packed: whole blocks)
+    Shard(0, cfg.tensor_parallel_size).check(
+        served_experts(read_config(cfg.model), cfg.mxfp4_experts, device)
+    )
     ranks = Ranks(cfg, device.type)
     shard, channel = init_rank(0, cfg.tensor_parallel_size, ranks.init_method, rank_device(device.type, 0))
     loaded, pool = load_rank(cfg, shard, channel, rank_device(device.type, 0))

@@ -195,11 +195,39 @@ def test_packed_mxfp4_experts_give_the_dequantized_models_logits(mxfp4_pair):
         load_model(str(packed), mxfp4_experts="fp4")
 
 
-def test_mxfp4_experts_that_do_not_split_in_blocks_of_32_over_the_ranks_are_refused(mxfp4_pair):
+def test_mxfp4_experts_split_over_ranks_in_whole_blocks_as_equal_as_blocks_allow(mxfp4_pair):
+    """Each rank takes whole 32-unit blocks of every expert (gpt-oss's 2,880 units: 90 blocks, 23, 23, 22
+    and 22 of them over 4 ranks; 12 and 11 over 8), its codes and scales the same units' (dequantized,
+    each part is the whole's rows or columns); ranks that would get no block are refused."""
     from worker.model.shard import Shard
 
     config = load_model(str(mxfp4_pair[0]), mxfp4_experts="packed").config
-    Shard(0, 2).check(config)  # 64 units: 32 a rank
-    with pytest.raises(ValueError, match="--mxfp4-experts dequantized"):
-        Shard(0, 4).check(dataclasses.replace(config, num_kv_heads=4))  # 16 units a rank
-    Shard(0, 4).check(dataclasses.replace(config, num_kv_heads=4, mxfp4_experts=False))
+    Shard(0, 2).check(config)  # 64 units: a block a rank
+    with pytest.raises(ValueError, match=r"need a 32-unit block each.*--mxfp4-experts dequantized"):
+        Shard(0, 4).check(dataclasses.replace(config, num_kv_heads=4))  # 2 blocks for 4 ranks
+    Shard(0, 4).check(dataclasses.replace(config, num_kv_heads=4, mxfp4_experts=False))  # 16 units each
+    oss = dataclasses.replace(config, num_heads=64, num_kv_heads=8, moe_intermediate_size=2880)
+    assert [Shard(r, 4).span(oss, "moe_intermediate") for r in range(4)] == [
+        (0, 736), (736, 1472), (1472, 2176), (2176, 2880)
+    ]  # fmt: skip
+    assert [Shard(r, 8).local(oss, "moe_intermediate") // 32 for r in range(8)] == [12, 12] + [11] * 6
+    assert Shard(1, 4).span(dataclasses.replace(oss, mxfp4_experts=False), "moe_intermediate") == (720, 1440)
+    small = dataclasses.replace(config, moe_intermediate_size=96, hidden_size=64)  # 3 blocks over 2 ranks
+    g = torch.Generator().manual_seed(5)
+    up = torch.randint(0, 256, (96, 32), dtype=torch.uint8, generator=g)  # [units, hidden / 2]
+    up_scales = torch.randint(120, 130, (96, 2), dtype=torch.uint8, generator=g)  # [units, hidden / 32]
+    down = torch.randint(0, 256, (64, 48), dtype=torch.uint8, generator=g)  # [hidden, units / 2]
+    down_scales = torch.randint(120, 130, (64, 3), dtype=torch.uint8, generator=g)  # [hidden, units / 32]
+    name = "model.layers.0.mlp.experts.3.{}_proj.{}"
+    whole_up = reference.dequantize_mxfp4(up, up_scales, torch.float32)
+    whole_down = reference.dequantize_mxfp4(down, down_scales, torch.float32)
+    for rank, (lo, hi) in enumerate([(0, 64), (64, 96)]):
+        shard = Shard(rank, 2)
+        assert shard.span(small, "moe_intermediate") == (lo, hi)
+        part_up = [
+            shard.weight(small, name.format("up", k), t) for k, t in (("weight", up), ("scales", up_scales))
+        ]
+        part_down = [shard.weight(small, name.format("down", k), t)
+                     for k, t in (("weight", down), ("scales", down_scales))]  # fmt: skip
+        assert torch.equal(reference.dequantize_mxfp4(*part_up, torch.float32), whole_up[lo:hi])
+        assert torch.equal(reference.dequantize_mxfp4(*part_down, torch.float32), whole_down[:, lo:hi])

@@ -211,13 +211,15 @@ def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
         one.stop()
 
 
-def test_packed_mxfp4_experts_split_over_two_ranks(tmp_path):
+@pytest.mark.parametrize("units", [64, 96], ids=["a-block-each", "two-blocks-and-one"])
+def test_packed_mxfp4_experts_split_over_two_ranks(tmp_path, units):
     """gpt-oss's MXFP4 experts kept packed on each rank: the gate/up codes and scales split by rows, the down
-    ones by columns (32 units a rank: one scale block), against one rank serving them the same way."""
+    ones by columns, in whole 32-unit blocks (one each; or 64 and 32 units of 96, unequal parts), against
+    one rank serving them the same way."""
     from tests.worker.test_gpt_oss import quantize_checkpoint
 
     ckpt = quantize_checkpoint(
-        save_checkpoint(tmp_path / "ckpt", "gpt_oss", **{**GPT_OSS, "intermediate_size": 64})
+        save_checkpoint(tmp_path / "ckpt", "gpt_oss", **{**GPT_OSS, "intermediate_size": units})
     )
     one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048", "--mxfp4-experts", "packed"])
     try:
@@ -226,6 +228,22 @@ def test_packed_mxfp4_experts_split_over_two_ranks(tmp_path):
     finally:
         two.stop()
         one.stop()
+
+
+def test_packed_mxfp4_experts_need_a_block_a_rank_and_dequantized_ones_do_not(tmp_path):
+    """Checked at start, before any rank starts, as --mxfp4-experts serves the experts: 64 units (2
+    blocks) packed over 4 ranks are refused, naming the way out; dequantized they split evenly."""
+    from tests.worker.test_gpt_oss import quantize_checkpoint
+    from worker.model.loader import read_config, served_experts
+
+    overrides = {**GPT_OSS, "intermediate_size": 64, "num_key_value_heads": 4}
+    ckpt = quantize_checkpoint(save_checkpoint(tmp_path / "ckpt", "gpt_oss", **overrides))
+    done = run_worker(["--model", str(ckpt), *COMMON, "--tensor-parallel-size", "4", "--mxfp4-experts", "packed",
+                       "--port", "1"])  # fmt: skip
+    assert done.returncode == 2
+    assert "need a 32-unit block each; moe_intermediate_size 64 has 2" in done.stderr, done.stderr
+    Shard(0, 4).check(served_experts(read_config(str(ckpt)), "dequantized", torch.device("cpu")))
+    Shard(0, 4).check(served_experts(read_config(str(ckpt)), "auto", torch.device("cpu")))  # the CPU's choice
 
 
 def run_worker(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:

@@ -73,6 +73,16 @@ def read_config(spec: str) -> ModelConfig:
         return ModelConfig.from_hf(json.load(f))
 
 
+def served_experts(config: ModelConfig, mxfp4_experts: str, device: torch.device) -> ModelConfig:
+    """``config`` as ``--mxfp4-experts`` serves it on ``device``: its MXFP4 experts kept packed
+    (``packed``; ``auto`` on CUDA) or not (``dequantized``; ``auto`` elsewhere)."""
+    if mxfp4_experts not in MXFP4_CHOICES:
+        raise ValueError(f"mxfp4_experts must be one of {', '.join(MXFP4_CHOICES)}, got {mxfp4_experts!r}")
+    if mxfp4_experts == "dequantized" or (mxfp4_experts == "auto" and device.type != "cuda"):
+        return dataclasses.replace(config, mxfp4_experts=False)
+    return config
+
+
 def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
     """``config`` serving at most ``max_model_len`` tokens (None: as it is). Only shrinks: a longer
     context than the model's is a ValueError (its positions past the trained ones would be wrong)."""
@@ -99,11 +109,7 @@ def load_model(
     if spec == "tiny":
         config = cap_context(tiny_config(), max_model_len)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
-    config = cap_context(read_config(spec), max_model_len)
-    if mxfp4_experts not in MXFP4_CHOICES:
-        raise ValueError(f"mxfp4_experts must be one of {', '.join(MXFP4_CHOICES)}, got {mxfp4_experts!r}")
-    if mxfp4_experts == "dequantized" or (mxfp4_experts == "auto" and device.type != "cuda"):
-        config = dataclasses.replace(config, mxfp4_experts=False)
+    config = served_experts(cap_context(read_config(spec), max_model_len), mxfp4_experts, device)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(

@@ -4,7 +4,9 @@ collectives a sharded forward needs.
 Megatron-style split over ``size`` ranks: q/k/v and gate/up are split by output rows (attention
 heads, intermediate units), o_proj and down_proj by input columns, so each layer needs one sum
 over ranks after o_proj and one after down_proj; a mixture of experts splits every expert (and the
-shared one) so, its router whole on every rank (MXFP4 experts in whole 32-unit blocks). Attention sinks
+shared one) so, its router whole on every rank (MXFP4 experts in whole 32-unit blocks: as equal shares as
+blocks allow, the first ranks a block more where they do not divide, e.g. 23, 23, 22, 22 of gpt-oss's 90
+over 4 ranks; the sum over ranks does not need equal parts). Attention sinks
 go with their heads. The lm_head is split by vocabulary rows and the logits gathered. Embedding and
 norms are whole on every rank. Each rank's KV pool holds its own KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
 """
@@ -47,29 +49,42 @@ class Shard:
     group: Any = None  # the torch.distributed process group of the ranks (None when size is 1)
 
     def check(self, config: ModelConfig) -> None:
-        """ValueError unless ``config`` splits evenly over ``size`` ranks."""
+        """ValueError unless ``config`` splits evenly over ``size`` ranks (MXFP4 experts: at least a
+        32-unit block each)."""
+        blocks = config.moe_intermediate_size // 32
         for what, n in (
             ("num_attention_heads", config.num_heads),
             ("num_key_value_heads", config.num_kv_heads),
             ("intermediate_size", config.intermediate_size),
-            ("moe_intermediate_size", config.moe_intermediate_size),
+            ("moe_intermediate_size", 0 if config.mxfp4_experts else config.moe_intermediate_size),
             ("shared_expert_intermediate_size", config.shared_expert_intermediate_size),
         ):
             if n % self.size:
                 raise ValueError(
                     f"--tensor-parallel-size {self.size} does not divide the model's {what} ({n})"
                 )
-        if config.mxfp4_experts and config.moe_intermediate_size // self.size % 32:
+        if config.mxfp4_experts and blocks < self.size:
             raise ValueError(
-                f"MXFP4 experts split over {self.size} ranks need moe_intermediate_size / {self.size} to be a "
-                f"multiple of 32 (it is {config.moe_intermediate_size // self.size}): serve them with "
-                "--mxfp4-experts dequantized"
+                f"MXFP4 experts split over {self.size} ranks need a 32-unit block each; moe_intermediate_size "
+                f"{config.moe_intermediate_size} has {blocks}: serve them with --mxfp4-experts dequantized"
             )
 
+    def span(self, config: ModelConfig, what: str) -> tuple[int, int]:
+        """This rank's units [lo, hi) of ``heads``, ``kv_heads``, ``intermediate``, ``moe_intermediate``
+        (one expert's) or ``shared_intermediate``: equal parts, but MXFP4 experts' in whole 32-unit blocks
+        (the first ranks a block more where the blocks do not divide)."""
+        total = getattr(config, _SIZES[what])
+        if what == "moe_intermediate" and config.mxfp4_experts:
+            per, extra = divmod(total // 32, self.size)
+            lo = 32 * (self.rank * per + min(self.rank, extra))
+            return lo, lo + 32 * (per + (self.rank < extra))
+        n = total // self.size
+        return self.rank * n, (self.rank + 1) * n
+
     def local(self, config: ModelConfig, what: str) -> int:
-        """This rank's count of ``heads``, ``kv_heads``, ``intermediate``, ``moe_intermediate`` (one
-        expert's) or ``shared_intermediate`` units."""
-        return getattr(config, _SIZES[what]) // self.size
+        """This rank's count of ``what``'s units (``span``'s)."""
+        lo, hi = self.span(config, what)
+        return hi - lo
 
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
         """This rank's lm_head rows [lo, hi): equal parts of ceil(vocab / size), the last shorter."""
@@ -89,19 +104,17 @@ class Shard:
             return tensor
         part, kind = _EXPERT.sub(".experts.", m.group(1)), m.group(2)
         if kind == "sinks":  # NOTE: one per query head (gpt-oss)
-            n = self.local(config, "heads")
-            return tensor[self.rank * n : (self.rank + 1) * n]
+            lo, hi = self.span(config, "heads")
+            return tensor[lo:hi]
         unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) in ("heads", "kv_heads") else 1
         if part in _ROWS:
-            n = self.local(config, _ROWS[part]) * unit
-            return tensor[self.rank * n : (self.rank + 1) * n]
+            lo, hi = self.span(config, _ROWS[part])
+            return tensor[lo * unit : hi * unit]
         if part in _COLUMNS and kind in ("weight", "scales"):
-            n = self.local(config, _COLUMNS[part]) * unit
-            if kind == "scales":  # NOTE: MXFP4: one scale a block of 32 columns, two codes a byte
-                n //= 32
-            elif tensor.dtype == torch.uint8:
-                n //= 2
-            return tensor[:, self.rank * n : (self.rank + 1) * n]
+            lo, hi = self.span(config, _COLUMNS[part])
+            # NOTE: MXFP4: one scale a block of 32 columns, two codes a byte (spans are whole blocks)
+            per = 32 if kind == "scales" else 2 if tensor.dtype == torch.uint8 else 1
+            return tensor[:, lo * unit // per : hi * unit // per]
         return tensor  # norms, and o_proj / down_proj biases (added once, after the sum)
 
     def lora(
