@@ -220,6 +220,31 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return torch.ldexp(values, exponents).to(dtype)
 
 
+def dequantize_fp8_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """An fp8 checkpoint's weight [..., N, K] (float8_e4m3fn) times its scale, in ``dtype`` (float32 math):
+    with ``block`` (rows, columns), scale [..., ceil(N / rows), ceil(K / columns)] holds one multiplier a
+    block (the last blocks of a row or column may be partial); without, scale holds one per tensor (any
+    shape of one element) or one per output row ([..., N, 1] or [..., N])."""
+    w = weight.float()
+    s = scale.float()
+    if block is not None:
+        rows, cols = block
+        n, k = w.shape[-2:]
+        if tuple(s.shape[-2:]) != (-(-n // rows), -(-k // cols)):
+            raise ValueError(
+                f"an fp8 weight {list(w.shape)} in {rows}x{cols} blocks has scales {list(s.shape)}"
+            )
+        s = s.repeat_interleave(rows, dim=-2)[..., :n, :].repeat_interleave(cols, dim=-1)[..., :k]
+    elif s.numel() != 1:
+        if s.shape[-1] != 1 or s.dim() < 2:
+            s = s.unsqueeze(-1)
+        if s.shape[-2] != w.shape[-2]:
+            raise ValueError(f"an fp8 weight {list(w.shape)} has scales {list(scale.shape)}: not one a row")
+    return (w * s).to(dtype)
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

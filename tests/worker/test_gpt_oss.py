@@ -44,7 +44,7 @@ def test_config_reads_gpt_oss_20b_as_released():
     assert c.max_context == 131072 and c.eos_token_ids == [200002] and c.head_dim == 64
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "fp8", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
 def test_other_quantized_checkpoints_are_refused_with_the_method_named(method):
     quantized = {**GPT_OSS_20B, "model_type": "llama", "quantization_config": {"quant_method": method}}
     with pytest.raises(ValueError, match=f"quantized checkpoints \\({method}\\) are not supported"):

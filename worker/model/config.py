@@ -82,6 +82,10 @@ class ModelConfig:
     # the experts' weights are MXFP4 codes and scales (gpt-oss as released), kept so on the device (kernels.moe
     # decodes them); the loader clears it to dequantize them instead (--mxfp4-experts dequantized)
     mxfp4_experts: bool = False
+    # fp8 checkpoints (HF's fine-grained "fp8", compressed-tensors' float8): their fp8 weights with their
+    # scales (a tensor's, a row's, or a block's of fp8_weight_block rows x columns), dequantized at load
+    fp8_weights: bool = False
+    fp8_weight_block: tuple[int, int] | None = None
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
@@ -129,7 +133,7 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         if model_type in GEMMA_MODEL_TYPES:
             cfg = _gemma_defaults(cfg, model_type)
-        _check_quantization(cfg, model_type)
+        fp8 = _quantization(cfg, model_type)
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
@@ -206,6 +210,7 @@ class ModelConfig:
             **(_nope_layers(cfg) if model_type == "smollm3" else {}),
             **(_gpt_oss(cfg) if model_type == "gpt_oss" else {}),
             mxfp4_experts=(cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4",
+            **fp8,
             **(_gemma(cfg, hidden, local_rope_theta, model_type) if model_type in GEMMA_MODEL_TYPES else {}),
             mlp_activation="gelu_tanh" if act == "gelu_pytorch_tanh" else "silu",
             model_type=model_type,
@@ -214,19 +219,48 @@ class ModelConfig:
         )
 
 
-def _check_quantization(cfg: dict[str, Any], model_type: str) -> None:
-    """Quantized checkpoints: gpt-oss's MXFP4 experts are served (kept packed, or dequantized at load); any
-    other quantization is refused here rather than failing on weight names the loader does not know."""
+def _quantization(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Quantized checkpoints: gpt-oss's MXFP4 experts are served (kept packed, or dequantized at load), and
+    fp8 weights (HF's fine-grained ``fp8``: e4m3 with a scale a block or a tensor; compressed-tensors'
+    8-bit float weights: a scale a tensor, a row or a block) are dequantized at load (the ModelConfig
+    fields they set); any other quantization is refused here rather than failing on weight names the
+    loader does not know."""
     quant = cfg.get("quantization_config")
     if not quant:
-        return
+        return {}
     method = (quant.get("quant_method") if isinstance(quant, dict) else None) or "unknown method"
     if method == "mxfp4" and model_type == "gpt_oss":
-        return
+        return {}
+    if method == "fp8" and quant.get("fmt", "e4m3") == "e4m3":
+        block = quant.get("weight_block_size")
+        return {"fp8_weights": True, "fp8_weight_block": tuple(int(b) for b in block) if block else None}
+    if method == "compressed-tensors":
+        return _compressed_fp8(quant)
     raise ValueError(
-        f"quantized checkpoints ({method}) are not supported, except gpt-oss's MXFP4 experts; "
-        "serve the unquantized weights"
+        f"quantized checkpoints ({method}) are not supported, except fp8 weights (dequantized at load) and "
+        "gpt-oss's MXFP4 experts; serve the unquantized weights"
     )
+
+
+def _compressed_fp8(quant: dict[str, Any]) -> dict[str, Any]:
+    """A compressed-tensors config whose every group's weights are 8-bit floats with one strategy (a
+    scale a tensor, a row or a block): the fp8 fields; anything else (integer or 4-bit weights, groups)
+    is a ValueError naming it."""
+    schemes = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+    kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy"), tuple(w.get("block_structure") or ()))
+             for w in schemes}  # fmt: skip
+    fp8 = [k for k in kinds if k[:2] == ("float", 8) and k[2] in ("tensor", "channel", "block")]
+    if not schemes or len(kinds) != 1 or not fp8 or (fp8[0][2] == "block" and len(fp8[0][3]) != 2):
+        shown = ", ".join(f"{t} {b}-bit by {s}" for t, b, s, _ in sorted(kinds, key=str)) or "no weights"
+        raise ValueError(
+            f"quantized checkpoints (compressed-tensors: {shown}) are not supported; of compressed-tensors, "
+            "8-bit float weights by tensor, channel or block are (dequantized at load)"
+        )
+    _, _, strategy, block = fp8[0]
+    return {
+        "fp8_weights": True,
+        "fp8_weight_block": tuple(int(b) for b in block) if strategy == "block" else None,
+    }
 
 
 def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -301,6 +301,43 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
             yield f"{owner}up_proj.weight", up
 
 
+# an fp8 checkpoint's scales: weight_scale_inv (HF's fine-grained fp8) or weight_scale (compressed-tensors), a
+# weight's multiplier despite the first name; activation and KV scales (static quantization of what the model
+# computes in --dtype here) are not used
+_FP8_SCALE = re.compile(r"(.+)\.weight_scale(?:_inv)?$")
+_FP8_UNUSED = re.compile(r".+\.(input_scale|output_scale|k_scale|v_scale)$")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_dequantized(
+    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` with each fp8 weight and its scale, whichever is read first, as one weight dequantized to
+    ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's);
+    other weights (norms, embeddings, layers the checkpoint left unquantized) as they are. A weight without
+    its scale, or a scale without its weight, is a ValueError naming it."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if _FP8_UNUSED.match(name):
+            continue
+        scale = _FP8_SCALE.match(name)
+        if scale is None and not (name.endswith(".weight") and tensor.dtype in _FP8):
+            yield name, tensor
+            continue
+        owner = scale.group(1) if scale else name.removesuffix(".weight")
+        pair = waiting.setdefault(owner, {})
+        pair["scale" if scale else "weight"] = tensor
+        if len(pair) == 2:
+            del waiting[owner]
+            yield (
+                f"{owner}.weight",
+                reference.dequantize_fp8_weight(pair["weight"], pair["scale"], block, dtype),
+            )
+    for owner, pair in waiting.items():
+        has, lacks = ("weight", "its scale") if "weight" in pair else ("scale", "its fp8 weight")
+        raise ValueError(f"checkpoint has the fp8 {has} of {owner} without {lacks}")
+
+
 # gpt-oss's sparse layer: the router as mlp.router; the experts stacked, [E, in, out] with gate and up
 # interleaved (out columns 2i and 2i + 1), their biases [E, out], or in MXFP4 as _blocks and _scales in the
 # [E, out, ...] layout of a Linear weight (kernels.reference.dequantize_mxfp4; blocks [E, out, in/32, 16])
@@ -579,10 +616,13 @@ class LlamaForCausalLM(nn.Module):
         (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
         Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
         tensor-parallel splits and checks see one layout; Granite 3 MoE's stacked experts likewise, per expert.
-        Of a multimodal checkpoint, the language model's weights (language_model.*) without their prefix."""
+        Of a multimodal checkpoint, the language model's weights (language_model.*) without their prefix. An
+        fp8 checkpoint's weights dequantized with their scales first."""
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
+        if c.fp8_weights:
+            weights = _fp8_dequantized(weights, c.fp8_weight_block, self.dtype)
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
                 if not name.startswith("language_model."):
