@@ -237,9 +237,8 @@ def dequantize_fp8_weight(
                 f"an fp8 weight {list(w.shape)} in {rows}x{cols} blocks has scales {list(s.shape)}"
             )
         s = s.repeat_interleave(rows, dim=-2)[..., :n, :].repeat_interleave(cols, dim=-1)[..., :k]
-    elif s.numel() != 1:
-        if s.shape[-1] != 1 or s.dim() < 2:
-            s = s.unsqueeze(-1)
+    elif s.numel() != 1:  # NOTE: one a row, [..., N] or [..., N, 1]
+        s = s if s.dim() == w.dim() and s.shape[-1] == 1 else s.unsqueeze(-1)
         if s.shape[-2] != w.shape[-2]:
             raise ValueError(f"an fp8 weight {list(w.shape)} has scales {list(scale.shape)}: not one a row")
     return (w * s).to(dtype)

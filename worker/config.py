@@ -237,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--kv-cache-dtype",
         str,
-        "the KV pool's dtype: auto (--dtype's) or fp8_e4m3 (also fp8) / fp8_e5m2 (one byte a value: twice the tokens "
-        "cached in the same memory, each K/V value rounded to 3 / 2 mantissa bits, saturated at 448 / 57344; "
-        "fp8_e4m3 needs sm_89+ on CUDA)",
+        "the KV pool's dtype: auto (--dtype's) or fp8_e4m3 (also fp8) / fp8_e5m2 (one byte a value: twice "
+        "the tokens cached in the same memory, each K/V value rounded to 3 / 2 mantissa bits, saturated at "
+        "448 / 57344; fp8_e4m3 needs sm_89+ on CUDA)",
         choices=list(KV_CACHE_DTYPES),
     )
     opt(

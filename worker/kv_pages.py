@@ -5,8 +5,9 @@ and headers of its body. Pool and cache calls here run on the engine thread, bet
 nothing here touches the network.
 
 A transfer's KV is one C-contiguous tensor [2 (K, V), layers, tokens, KV heads, head dim] in the
-pool's dtype (an fp8 pool's bytes move as they are); its headers (``x-radixgate-kv-start``, ``-block-size``, ``-shape``, ``-dtype``) say
-what it is, so a receiver checks the layout before reading the body.
+pool's dtype (an fp8 pool's bytes move as they are); its headers (``x-radixgate-kv-start``,
+``-block-size``, ``-shape``, ``-dtype``) say what it is, so a receiver checks the layout before reading
+the body.
 """
 
 from __future__ import annotations

@@ -128,26 +128,24 @@ class KVPool:
 
 def kv_cache_dtype(name: str, model_dtype: Any, device: Any) -> Any:
     """The KV pool's torch dtype for --kv-cache-dtype ``name``: "auto" is the model's; fp8_e4m3 (or "fp8",
-    vLLM's name for it) and fp8_e5m2 store each K/V value in one byte (kernels.reference.to_pool: saturated, rounded to nearest
-    even), which the attention kernels widen back as they read. ValueError where the device cannot:
-    Triton converts e4m3 on CUDA from compute capability 8.9 (Ada, Hopper) only."""
+    vLLM's name for it) and fp8_e5m2 store each K/V value in one byte (kernels.reference.to_pool:
+    saturated, rounded to nearest even), which the attention kernels widen back as they read. ValueError
+    where the device cannot: Triton converts e4m3 on CUDA from compute capability 8.9 (Ada, Hopper) only."""
     import torch
 
     if name == "auto":
         return model_dtype
-    dtype = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(
-        name
-    )
-    if dtype is None:
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    if name not in fp8:
         raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, fp8 (fp8_e4m3), fp8_e4m3 or fp8_e5m2")
-    if dtype == torch.float8_e4m3fn and torch.device(device).type == "cuda":
+    if fp8[name] == torch.float8_e4m3fn and torch.device(device).type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if major * 10 + minor < 89:
             raise ValueError(
                 f"--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or later (this GPU is "
                 f"{major}.{minor}); fp8_e5m2 runs on it"
             )
-    return dtype
+    return fp8[name]
 
 
 def raw(cache: Any) -> Any:
