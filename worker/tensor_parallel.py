@@ -33,7 +33,7 @@ import torch
 from worker.forward_batch import ForwardBatch
 from worker.host_cache import HostKVPool
 from worker.kv_pages import read_kv, write_kv
-from worker.kv_pool import KVPool
+from worker.kv_pool import KVPool, raw
 from worker.model.shard import Shard
 
 log = logging.getLogger("worker.tp")
@@ -148,13 +148,14 @@ class LeaderModel:
     def read_kv(self, pool: KVPool, slots: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Slabs ``lo`` .. ``hi`` of ``slots`` with every rank's KV heads (worker.kv_pages)."""
         self.channel.send(("kv_read", slots.numpy(), lo, hi))
-        parts = self.channel.gather(read_kv(pool, slots, lo, hi))
+        # NOTE: raw: the parts travel pickled, and torch cannot unpickle an fp8 tensor
+        parts = self.channel.gather(raw(read_kv(pool, slots, lo, hi)))
         assert parts is not None
-        return torch.cat(parts, dim=2)
+        return torch.cat(parts, dim=2).view(pool.dtype)
 
     def write_kv(self, pool: KVPool, slots: torch.Tensor, slabs: torch.Tensor, lo: int = 0) -> None:
         """Write slabs ``lo`` .. of every KV head into ``slots``: each rank takes its heads."""
-        self.channel.send(("kv_write", slots.numpy(), slabs, lo))
+        self.channel.send(("kv_write", slots.numpy(), raw(slabs), lo))
         write_heads(pool, slots, slabs, lo, self.model.shard)
 
     def close(self) -> None:
@@ -331,9 +332,9 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
             if msg[0] == "step":
                 model.forward(step_batch(msg, device, model.lora_stack, shard.group), pool)
             elif msg[0] == "kv_read":
-                channel.gather(read_kv(pool, torch.from_numpy(msg[1]), msg[2], msg[3]))
+                channel.gather(raw(read_kv(pool, torch.from_numpy(msg[1]), msg[2], msg[3])))
             elif msg[0] == "kv_write":
-                write_heads(pool, torch.from_numpy(msg[1]), msg[2], msg[3], shard)
+                write_heads(pool, torch.from_numpy(msg[1]), msg[2].view(pool.dtype), msg[3], shard)
             elif msg[0] == "lora_add":
                 model.add_lora(load_adapter(msg[1], msg[2], model))
             elif msg[0] == "lora_remove":

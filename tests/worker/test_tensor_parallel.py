@@ -137,6 +137,26 @@ def test_kv_moves_between_one_rank_and_two_ranks_both_ways(tiny_pair):
         assert_same(hinted, complete(source.url, **body))
 
 
+def test_an_fp8_pool_moves_kv_between_one_rank_and_two_ranks_both_ways(tmp_path):
+    """--kv-cache-dtype fp8_e4m3: the two-rank worker's export gathers both ranks' fp8 heads and its
+    import splits them (the parts travel as bytes: torch cannot unpickle fp8 tensors); either way the
+    answer is the source's own from its cached prefix (the same rounded K/V read back)."""
+    one, two = serve_pair("tiny", tmp_path, ["--kv-cache-tokens", "2048", "--kv-cache-dtype", "fp8_e4m3"])
+    try:
+        for n, (source, receiver) in enumerate(((one, two), (two, one))):
+            shared = f"fp8 transfer {n}: " + "the ledger lists every cask by cellar and vintage. " * 6
+            complete(source.url, prompt=shared + "first", max_tokens=1, temperature=0)
+            body = {"prompt": shared + "second", "temperature": 0, "logprobs": 2}
+            hinted = httpx.post(receiver.url + "/v1/completions", json={"max_tokens": 16, **body}, timeout=120,
+                                headers={"x-radixgate-kv-source": source.url}).json()  # fmt: skip
+            assert hinted["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shared) - 16
+            assert metric(receiver.url, "radixgate_worker_kv_fetched_tokens_total") > 0
+            assert_same(hinted, complete(source.url, **body))
+    finally:
+        two.stop()
+        one.stop()
+
+
 def test_speculative_decoding_with_two_ranks(tiny_pair, tmp_path):
     one, _ = tiny_pair
     spec = start_module(
