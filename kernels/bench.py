@@ -1,7 +1,8 @@
 """`python -m kernels.bench`: Triton extend/decode attention vs torch SDPA (flash) and the GPU's own
 measured copy bandwidth and matmul rate, the LoRA deltas (kernels/lora.py) vs torch ops per
-adapter, and verify-step attention (kernels/extend_short.py vs the extend kernel), all in one run; JSON to --out, a markdown report beside it (same stem, .md), a table printed
-last.
+adapter, and verify-step attention (kernels/extend_short.py vs the extend kernel), all in one run
+(decode rows, and extend rows with a prefix, also over the same K/V in an fp8 pool); JSON to --out, a
+markdown report beside it (same stem, .md), a table printed last.
 
 Needs CUDA: without it, it measures nothing and exits non-zero. Numbers are never estimated.
 Kinds are measured decode first (its long-context target is the one still open), then extend, LoRA and
@@ -309,24 +310,28 @@ def extend_inputs(
 
 
 def extend_case(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
-    """(kernel_args, sdpa_args): extend_inputs, and the same logical attention for SDPA, contiguous
-    per request with K/V heads expanded to Hq: (q, k, v, attn_mask)."""
+    """(kernel_args, sdpa_args): extend_inputs, and the same logical attention for SDPA (extend_sdpa_args)."""
+    kernel_args = extend_inputs(shape, model, device, gen)
+    return kernel_args, extend_sdpa_args(shape, model, kernel_args)
+
+
+def extend_sdpa_args(shape: ExtendShape, model: Model, kernel_args: tuple) -> tuple:
+    """The attention of extend ``kernel_args`` for SDPA: (q, k, v, attn_mask), contiguous per request with
+    K/V heads expanded to Hq, the prefix's K/V widened to q's dtype (an fp8 pool's included)."""
     from torch.nn.attention.bias import causal_lower_right
 
     hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
     b, p, n = shape.batch, shape.prefix, shape.new
-    kernel_args = extend_inputs(shape, model, device, gen)
     q, k_new, v_new, k_cache, v_cache, _, _, kv_indices = kernel_args
 
     def dense(cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        prefix = cache[kv_indices.long()].view(b, p, hkv, d)
+        prefix = cache[kv_indices.long()].to(new.dtype).view(b, p, hkv, d)
         full = torch.cat([prefix, new.view(b, n, hkv, d)], 1)
         return full.repeat_interleave(hq // hkv, 2).transpose(1, 2)
 
     # NOTE: lower-right causal: new token j sees all p prefix keys and new keys 0..j.
     mask = None if p == 0 else causal_lower_right(n, p + n)
-    sdpa_args = (q.view(b, n, hq, d).transpose(1, 2), dense(k_cache, k_new), dense(v_cache, v_new), mask)
-    return kernel_args, sdpa_args
+    return q.view(b, n, hq, d).transpose(1, 2), dense(k_cache, k_new), dense(v_cache, v_new), mask
 
 
 def verify_bytes(shape: ExtendShape, model: Model) -> int:
@@ -471,7 +476,40 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
         row["ratio_vs_sdpa"] = row["triton_tflops"] / row["sdpa_tflops"]
     except RuntimeError as exc:  # flash backend refused the shape: say so instead of timing another backend
         row["sdpa_error"] = str(exc).splitlines()[0][:200]
+    if shape.prefix > 0:  # NOTE: the same prefix in an fp8 pool (--kv-cache-dtype): a cache hit's prefill
+        try:
+            extend_fp8_pool(row, shape, model, kernel_args, device)
+        except Exception as exc:  # a compile or launch error: recorded, the run goes on
+            row["triton_fp8_error"] = failure(exc)
     return row
+
+
+def extend_fp8_pool(
+    row: dict, shape: ExtendShape, model: Model, kernel_args: tuple, device: torch.device
+) -> None:
+    """The worker's extend over the same prefix stored in an fp8 pool (e4m3 from sm_89, e5m2 before), into
+    ``row``: its time and TF/s, its speed-up over the 16-bit pool's call, its error against SDPA over the
+    fp8 values widened back."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import extend_attention as ext
+    from kernels.compile_cases import fp8_pool
+
+    pool = fp8_pool(ext.device_arch(device))
+    q, k_new, v_new, k_cache, v_cache, *indices = kernel_args
+    args = (q, k_new, v_new, reference.to_pool(k_cache, pool), reference.to_pool(v_cache, pool), *indices)
+    out = torch.full_like(q, float("nan"))  # every element must be written
+
+    def call() -> None:
+        ext.extend_attention(*args, max_extend_len=shape.new, max_prefix_len=shape.prefix, out=out)
+
+    call()
+    got = out.clone()
+    ms = timing.time_ms(call)
+    row.update({"fp8_pool": str(pool).removeprefix("torch."), "triton_fp8_ms": ms,
+                "triton_fp8_tflops": row["flops"] / (ms * 1e-3) / 1e12, "fp8_speedup": row["triton_ms"] / ms})  # fmt: skip
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        row["rel_err_fp8_vs_sdpa"] = _rel_err(got, sdpa_extend(*extend_sdpa_args(shape, model, args)))
 
 
 def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator) -> dict:

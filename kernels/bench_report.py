@@ -144,6 +144,9 @@ def summarize(result: dict) -> dict:
                     if inaccurate(extend_error(r))]  # fmt: skip
     wrong_fp8 = [f"decode fp8 b={r['batch']} ctx={r['context']}" for r in result["decode"]
                  if "rel_err_fp8_vs_sdpa" in r and inaccurate(r["rel_err_fp8_vs_sdpa"])]  # fmt: skip
+    wrong_fp8 += [f"extend fp8 b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result["extend"]
+                  if "rel_err_fp8_vs_sdpa" in r and inaccurate(r["rel_err_fp8_vs_sdpa"])]  # fmt: skip
+    extend_fp8 = [r["fp8_speedup"] for r in result["extend"] if "fp8_speedup" in r]
     wrong_verify = [f"verify b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result.get("verify", [])
                     if inaccurate(verify_error(r))]  # fmt: skip
     return {
@@ -176,6 +179,9 @@ def summarize(result: dict) -> dict:
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
         "extend_split_speedup_geomean": statistics.geometric_mean(split) if split else None,
         "extend_split_speedup_min": min(split, default=None),
+        # the same prefixes in an fp8 pool: the worker's extend call's speed-up over the 16-bit pool's
+        "extend_fp8_speedup_geomean": statistics.geometric_mean(extend_fp8) if extend_fp8 else None,
+        "extend_fp8_speedup_min": min(extend_fp8, default=None),
         "inaccurate": wrong_extend + wrong + wrong_verify + wrong_fp8,
     }
 
@@ -310,6 +316,7 @@ def format_markdown(result: dict) -> str:
         )
         if "sdpa_error" in r:
             refused.append(f"- extend b={r['batch']} prefix={r['prefix']} new={r['new']}: {r['sdpa_error']}")
+    lines += extend_fp8_table(result["extend"])
     lines += [
         "",
         "## Decode (one query token per request)",
@@ -477,6 +484,28 @@ def timeline_table(
     ]
 
 
+def extend_fp8_table(rows: list[dict]) -> list[str]:
+    """Extend over a prefix in an fp8 pool (--kv-cache-dtype), where rows measured it (those with a prefix):
+    the speed-up is against the same row's 16-bit pool call."""
+    rows = [r for r in rows if "triton_fp8_ms" in r or "triton_fp8_error" in r]
+    if not rows:
+        return []
+    lines = ["", f"### Extend over an fp8 KV pool ({rows[0].get('fp8_pool', 'fp8')})", "",
+             "The worker's extend call with the same cached prefix stored in one byte a value; the error is"
+             " against SDPA over the fp8 values widened back.", "",
+             "| batch | prefix | new | TF/s | speed-up over the 16-bit pool | rel err |", "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        shape = f"| {r['batch']} | {r['prefix']} | {r['new']} "
+        if "triton_fp8_error" in r:
+            lines.append(f"{shape}| {r['triton_fp8_error']} |||")
+            continue
+        lines.append(
+            f"{shape}| {r['triton_fp8_tflops']:.1f} | {_fmt(r.get('fp8_speedup'), '.2f')}x "
+            f"| {_fmt(r.get('rel_err_fp8_vs_sdpa'), '.1e')} |"
+        )
+    return lines
+
+
 def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
     """Decode over an fp8 pool (--kv-cache-dtype), where rows measured it: its bandwidth counts the bytes
     it reads (one a K/V value), the speed-up is against the same row's 16-bit pool replay."""
@@ -486,7 +515,7 @@ def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
     lines = ["", f"### fp8 KV pool ({rows[0].get('fp8_pool', 'fp8')})", "",
              "The default kernels over the same K/V stored in one byte a value (`--kv-cache-dtype`), replayed"
              " alone and per layer of a stack; the error is against SDPA over the fp8 values widened back.", "",
-             "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | time vs 16-bit pool | rel err |",
+             "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | speed-up over the 16-bit pool | rel err |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         if "triton_fp8_error" in r:
@@ -495,7 +524,7 @@ def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
         gbs, stacked = r["triton_fp8_graph_gbs"], r["triton_fp8_stack_graph_gbs"]
         lines.append(
             f"| {r['batch']} | {r['context']} | {gbs:,.0f} | {gbs / copy_gbs:.0%} | {stacked:,.0f} "
-            f"| {stacked / copy_gbs:.0%} | {_fmt(r.get('fp8_speedup'), '.2f')}x faster "
+            f"| {stacked / copy_gbs:.0%} | {_fmt(r.get('fp8_speedup'), '.2f')}x "
             f"| {_fmt(r.get('rel_err_fp8_vs_sdpa'), '.1e')} |"
         )
     return lines

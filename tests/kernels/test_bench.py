@@ -497,6 +497,9 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     assert row["config_blind"] == {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2} | unsplit
     assert row["triton_blind_tflops"] > 0 and row["split_cap"] == 2 and row["triton_split_tflops"] > 0
     assert max(row[f"rel_err_{name}vs_sdpa"] for name in ("", "blind_", "split_")) < 2e-3
+    # the same prefix in an fp8 pool (sm_90: e4m3), against SDPA over the widened values
+    assert row["fp8_pool"] == "float8_e4m3fn" and row["triton_fp8_tflops"] > 0 and row["fp8_speedup"] > 0
+    assert row["rel_err_fp8_vs_sdpa"] < 2e-3
 
     monkeypatch.setattr(bench, "LORA_IN", 64)
     monkeypatch.setattr(bench, "LORA_OUT", 48)
@@ -800,6 +803,15 @@ def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit
     assert s["inaccurate"] == []
     rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
     assert rows[0][:3] == ["2", str(bench_report.LONG_CONTEXT), f"{row['triton_fp8_graph_gbs']:,.0f}"]
-    assert rows[0][6] == "1.50x faster" and rows[1][2] == "boom"
+    assert rows[0][6] == "1.50x" and rows[1][2] == "boom"
     row["rel_err_fp8_vs_sdpa"] = 0.5  # a wrong fp8 row is named, however fast
     assert bench_report.summarize(result)["inaccurate"] == [f"decode fp8 b=2 ctx={bench_report.LONG_CONTEXT}"]
+    # extend rows over an fp8 prefix: their own table and the summary's speed-ups
+    result["extend"][1].update(fp8_pool="float8_e4m3fn", triton_fp8_ms=1.0, triton_fp8_tflops=80.0, fp8_speedup=0.8,
+                               rel_err_fp8_vs_sdpa=1e-3)  # fmt: skip
+    s = bench_report.summarize(result)
+    assert s["extend_fp8_speedup_min"] == s["extend_fp8_speedup_geomean"] == pytest.approx(0.8)
+    extend_rows = table_rows(
+        bench_report.format_markdown(result), "### Extend over an fp8 KV pool (float8_e4m3fn)"
+    )
+    assert extend_rows == [["1", "8", "8", "80.0", "0.80x", "1.0e-03"]]
