@@ -406,14 +406,26 @@ def decode_inputs(
 
 
 def decode_case(shape: DecodeShape, model: Model, device: torch.device, gen: torch.Generator) -> tuple:
-    """(kernel_args, sdpa_args): decode_inputs, and (q, k, v) for SDPA with contiguous per-request K/V
-    keeping the native KV heads (SDPA's enable_gqa)."""
+    """(kernel_args, sdpa_args): decode_inputs, and the same attention for SDPA (decode_sdpa_args)."""
+    kernel_args = decode_inputs(shape, model, device, gen)
+    return kernel_args, decode_sdpa_args(shape, model, kernel_args)
+
+
+def decode_sdpa_args(shape: DecodeShape, model: Model, kernel_args: tuple) -> tuple:
+    """(q, k, v) for SDPA over decode ``kernel_args``: contiguous per-request K/V keeping the native KV
+    heads (SDPA's enable_gqa), widened to q's dtype (an fp8 pool's included)."""
     hq, hkv, d = model.num_q_heads, model.num_kv_heads, model.head_dim
     b, c = shape.batch, shape.context
-    q, k_cache, v_cache, kv_indptr, kv_indices = decode_inputs(shape, model, device, gen)
-    k_dense = k_cache[kv_indices.long()].view(b, c, hkv, d).transpose(1, 2)
-    v_dense = v_cache[kv_indices.long()].view(b, c, hkv, d).transpose(1, 2)
-    return (q, k_cache, v_cache, kv_indptr, kv_indices), (q.view(b, hq, 1, d), k_dense, v_dense)
+    q, k_cache, v_cache, _, kv_indices = kernel_args
+    k_dense, v_dense = (
+        x[kv_indices.long()].to(q.dtype).view(b, c, hkv, d).transpose(1, 2) for x in (k_cache, v_cache)
+    )
+    return q.view(b, hq, 1, d), k_dense, v_dense
+
+
+def in_pool(kernel_args: tuple, pool: torch.dtype, at: tuple[int, int]) -> tuple:
+    """``kernel_args`` with the K/V pool at positions ``at`` stored as ``pool`` (kernels.reference.to_pool)."""
+    return tuple(reference.to_pool(x, pool) if i in at else x for i, x in enumerate(kernel_args))
 
 
 def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -496,9 +508,8 @@ def extend_fp8_pool(
     from kernels.compile_cases import fp8_pool
 
     pool = fp8_pool(ext.device_arch(device))
-    q, k_new, v_new, k_cache, v_cache, *indices = kernel_args
-    args = (q, k_new, v_new, reference.to_pool(k_cache, pool), reference.to_pool(v_cache, pool), *indices)
-    out = torch.full_like(q, float("nan"))  # every element must be written
+    args = in_pool(kernel_args, pool, (3, 4))
+    out = torch.full_like(args[0], float("nan"))  # every element must be written
 
     def call() -> None:
         ext.extend_attention(*args, max_extend_len=shape.new, max_prefix_len=shape.prefix, out=out)
@@ -644,9 +655,9 @@ def measure_fp8_pool(
     from kernels.extend_attention import device_arch
 
     pool = fp8_pool(device_arch(device))
-    q, k_cache, v_cache, kv_indptr, kv_indices = kernel_args
-    args = (q, reference.to_pool(k_cache, pool), reference.to_pool(v_cache, pool), kv_indptr, kv_indices)
-    nbytes = decode_bytes(shape, model, kv_indices.element_size(), kv_bytes=1)
+    args = in_pool(kernel_args, pool, (1, 2))
+    q = args[0]
+    nbytes = decode_bytes(shape, model, args[-1].element_size(), kv_bytes=1)
     out = torch.full_like(q, float("nan"))
 
     def call(fp8_args: tuple = args) -> None:
@@ -669,9 +680,7 @@ def measure_fp8_pool(
     row["triton_fp8_stack_graph_gbs"] = nbytes / (stack_ms * 1e-3) / 1e9
     del stack_graph
     stack.clear()
-    b, c, hkv, d = shape.batch, shape.context, model.num_kv_heads, model.head_dim
-    widened = [x[kv_indices.long()].to(q.dtype).view(b, c, hkv, d).transpose(1, 2) for x in args[1:3]]
-    row["rel_err_fp8_vs_sdpa"] = _rel_err(got, sdpa_decode(q.view(b, q.shape[1], 1, d), *widened))
+    row["rel_err_fp8_vs_sdpa"] = _rel_err(got, sdpa_decode(*decode_sdpa_args(shape, model, args)))
 
 
 def failure(exc: BaseException) -> str:

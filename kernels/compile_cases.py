@@ -253,11 +253,13 @@ def moe_candidates(shape: Shape) -> list[Case]:
             for label, cfg in moe.CANDIDATES.items()]  # fmt: skip
 
 
-def tune_candidates(shape: Shape, with_configs: bool = False) -> list:
-    """Every tile configuration kernels.tune would time, for ``shape``; with_configs appends each
-    case's configuration object to its tuple."""
+def tune_candidates(shape: Shape, with_configs: bool = False, pool: torch.dtype | None = None) -> list:
+    """Every tile configuration kernels.tune would time, for ``shape`` (over a ``pool`` KV pool: None, the
+    model's dtype); with_configs appends each case's configuration object to its tuple."""
     from kernels import tune
 
-    pairs = [(extend_case(shape, c, f"candidate extend {shape.label}"), c) for c in tune.extend_candidates()]
-    pairs += [(decode_case(shape, c, f"candidate decode {shape.label}"), c) for c in tune.decode_candidates()]
+    pairs = [(extend_case(shape, c, f"candidate extend {shape.label}", pool=pool), c)
+             for c in tune.extend_candidates()]  # fmt: skip
+    pairs += [(decode_case(shape, c, f"candidate decode {shape.label}", pool=pool), c)
+              for c in tune.decode_candidates()]  # fmt: skip
     return [(*case, config) if with_configs else case for case, config in pairs]

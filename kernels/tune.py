@@ -132,15 +132,18 @@ def config_key(config: Any) -> tuple:
     return (type(config).__name__, *dataclasses.astuple(config))
 
 
-def static_check(model: bench.Model, arch: int, cases: list | None = None, jobs: int = 1) -> dict[tuple, str]:
-    """Compile every tile candidate (or ``cases``, from kernels.compile_cases) for ``arch`` without
-    running it; config_key -> why, for each one that spills registers or does not fit. The candidates
-    compile in ``jobs`` processes (compile_check.compile_many; ``cases`` in this one).
+def static_check(
+    model: bench.Model, arch: int, cases: list | None = None, jobs: int = 1, pool: torch.dtype | None = None
+) -> dict[tuple, str]:
+    """Compile every tile candidate (over a ``pool`` KV pool; None: the model's dtype), or ``cases`` (from
+    kernels.compile_cases), for ``arch`` without running it; config_key -> why, for each one that spills
+    registers or does not fit. The candidates compile in ``jobs`` processes (compile_check.compile_many;
+    ``cases`` in this one).
     NOTE: one process took over 80 s on the H100 machine (16 cores) and was cut by gpu-bench's deadline
     (2026-11-27); --no-static-check skips it (spilling candidates are then timed too)."""
     shape = compile_cases.Shape(model.dtype, model.num_q_heads, model.num_kv_heads, model.head_dim, 4096)
     if cases is None:
-        compiled = compile_check.compile_many(compile_cases.tune_candidates, (shape, True), arch, jobs)
+        compiled = compile_check.compile_many(compile_cases.tune_candidates, (shape, True, pool), arch, jobs)
     else:
         compiled = [(case, compile_check.compile_rows(case[2], arch)) for case in cases]
     rejected: dict[tuple, str] = {}
@@ -167,11 +170,15 @@ def tune_extend(
     device: torch.device,
     gen: torch.Generator,
     rejected: dict[tuple, str] | None = None,
+    pool: torch.dtype | None = None,
 ) -> dict:
+    """Every extend candidate on ``shape`` (the prefix in a ``pool`` KV pool: None, the model's dtype)."""
     from kernels import extend_attention as ext
 
-    kernel_args, sdpa_args = bench.extend_case(shape, model, device, gen)
-    ref = bench.sdpa_extend(*sdpa_args)
+    kernel_args = bench.extend_inputs(shape, model, device, gen)
+    if pool is not None:
+        kernel_args = bench.in_pool(kernel_args, pool, (3, 4))
+    ref = bench.sdpa_extend(*bench.extend_sdpa_args(shape, model, kernel_args))
     out = torch.empty_like(kernel_args[0])
     # NOTE: the tiles the worker would take for this batch (its longest prefix and new tokens pick them)
     default = ext.default_config(
@@ -180,6 +187,7 @@ def tune_extend(
         ext.device_arch(device),
         shape.prefix,
         shape.batch * shape.new,
+        pool,
     )
 
     def launch(cfg: Any) -> torch.Tensor:
@@ -197,14 +205,18 @@ def tune_decode(
     device: torch.device,
     gen: torch.Generator,
     rejected: dict[tuple, str] | None = None,
+    pool: torch.dtype | None = None,
 ) -> dict:
+    """Every decode candidate on ``shape`` (its K/V in a ``pool`` KV pool: None, the model's dtype)."""
     from kernels import decode_attention as dec
 
-    kernel_args, sdpa_args = bench.decode_case(shape, model, device, gen)
-    ref = bench.sdpa_decode(*sdpa_args)
+    kernel_args = bench.decode_inputs(shape, model, device, gen)
+    if pool is not None:
+        kernel_args = bench.in_pool(kernel_args, pool, (1, 2))
+    ref = bench.sdpa_decode(*bench.decode_sdpa_args(shape, model, kernel_args))
     out = torch.empty_like(kernel_args[0])
     default = dec.default_config(
-        model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device), shape.batch
+        model.head_dim, bench.DTYPES[model.dtype], dec.device_arch(device), shape.batch, pool
     )
 
     def launch(cfg: Any) -> torch.Tensor:
@@ -237,7 +249,7 @@ def tune_decode(
             base = dec.DecodeConfig(**best["config"])
             flipped = dataclasses.replace(base, **{flag: not getattr(base, flag)})
             rows += run_candidates([flipped], launch, out, ref, timer=timer)
-    nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size())
+    nbytes = bench.decode_bytes(shape, model, kernel_args[-1].element_size(), kernel_args[1].element_size())
     return summarize_shape("decode", dataclasses.asdict(shape), default, rows, nbytes)
 
 
@@ -320,6 +332,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--no-static-check", action="store_true",
                     help="time every candidate, even those that spill registers when compiled")  # fmt: skip
+    ap.add_argument("--kv-dtype", choices=("model", "fp8"), default="model",
+                    help="the extend and decode kernels' KV pool: the model's dtype, or fp8 (e4m3 from sm_89, e5m2 "
+                         "before) as --kv-cache-dtype fp8 serves it; the defaults timed are that pool's")  # fmt: skip
     bench.add_model_args(ap)
     return ap.parse_args(argv)
 
@@ -332,24 +347,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     device, gpu, model, gen = run.device, run.gpu, run.model, run.gen
     started = time.time()
+    from kernels.extend_attention import device_arch
+
+    pool = compile_cases.fp8_pool(device_arch(device)) if args.kv_dtype == "fp8" else None
     rejected: dict[tuple, str] = {}
     if not args.no_static_check:
-        from kernels.extend_attention import device_arch
-
         try:
-            rejected = static_check(model, device_arch(device), jobs=compile_check.default_jobs())
+            rejected = static_check(model, device_arch(device), jobs=compile_check.default_jobs(), pool=pool)
         except Exception as exc:  # the check only saves time: without it every candidate is timed
             print(f"static check skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
         print(f"static check: {len(rejected)} candidate(s) spill or do not fit; not timed", file=sys.stderr)
     results = []
     if args.kind in ("extend", "all"):
         for shape in EXTEND_SHAPES:
-            results.append(tune_extend(shape, model, device, gen, rejected))
+            results.append(tune_extend(shape, model, device, gen, rejected, pool))
             torch.cuda.empty_cache()
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
     if args.kind in ("decode", "all"):
         for shape in DECODE_SHAPES:
-            results.append(tune_decode(shape, model, device, gen, rejected))
+            results.append(tune_decode(shape, model, device, gen, rejected, pool))
             torch.cuda.empty_cache()
             print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr)
     if args.kind in ("lora", "all"):
@@ -363,12 +379,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decode and lora: CUDA-graph replays",
     )
     doc |= {
+        "kv_dtype": str(pool or bench.DTYPES[model.dtype]).removeprefix("torch."),
         "max_rel_err": MAX_REL_ERR,
         "results": results,
         "wall_s": round(time.time() - started, 1),
     }
     compile_check.record_loaded_kernels(doc)  # every candidate's registers and spills on this GPU
-    out = args.out or Path("docs/benchmarks") / f"kernels-tune-{bench.gpu_slug(gpu)}.json"
+    fp8 = "-fp8" if pool is not None else ""  # NOTE: beside the 16-bit pool's record, not over it
+    out = args.out or Path("docs/benchmarks") / f"kernels-tune-{bench.gpu_slug(gpu)}{fp8}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out}")

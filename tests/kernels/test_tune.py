@@ -193,3 +193,32 @@ def test_the_command_tunes_every_kind_and_writes_its_record(
     assert doc["device"]["name"] == "CPU stand-in" and doc["software"]["python"] and doc["max_rel_err"] > 0
     assert [r["kind"] for r in doc["results"]] == ["extend", "decode", "lora"]
     assert all(r["best"] is not None for r in doc["results"]), doc["results"]
+
+
+def test_candidates_over_an_fp8_pool_are_checked_against_the_widened_values(backend, monkeypatch, tmp_path,
+                                                                            gpu_command_on_cpu):  # fmt: skip
+    """--kv-dtype fp8: the extend prefix and the decode K/V in an fp8 pool, each candidate's output against
+    SDPA over the values it stores (a candidate reading them wrong would miss by far more than the bound),
+    the pool's own defaults timed, and the record named apart from the 16-bit pool's."""
+    if not backend.interpret:
+        pytest.skip("the real timing runs in python -m kernels.tune")
+    monkeypatch.setattr(tune, "EXTEND_SHAPES", (bench.ExtendShape(batch=2, prefix=21, new=9),))
+    monkeypatch.setattr(tune, "DECODE_SHAPES", (bench.DecodeShape(batch=2, context=40),))
+    for name in ("extend_candidates", "decode_candidates"):
+        every = getattr(tune, name)
+        monkeypatch.setattr(tune, name, lambda *args, every=every: every(*args)[:1])
+    monkeypatch.setattr(tune, "SPLIT_LENGTHS", (64,))
+    monkeypatch.setattr(tune, "SPLIT_WAVES", (1,))
+    out = tmp_path / "kernels-tune-fp8.json"
+    argv = ["--no-static-check", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp16"]
+    assert tune.main([*argv, "--kind", "extend", "--out", str(out)]) == 0
+    assert tune.main([*argv, "--kind", "decode", "--kv-dtype", "fp8", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kv_dtype"] == "float8_e4m3fn"  # the stand-in reports sm_90
+    [decode] = doc["results"]
+    assert decode["kind"] == "decode" and len(decode["rows"]) >= 2
+    assert all("error" not in r and r["rel_err"] < 3e-3 for r in decode["rows"]), decode["rows"]
+    gen = torch.Generator().manual_seed(1)
+    extend = tune.tune_extend(bench.ExtendShape(batch=2, prefix=21, new=9), MODEL, backend.device, gen,
+                              pool=torch.float8_e5m2)  # fmt: skip
+    assert all("error" not in r and r["rel_err"] < 1e-4 for r in extend["rows"]), extend["rows"]
