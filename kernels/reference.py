@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels import host_checks
+
 LORA_BLOCK_ROWS = 16  # rows one program of the LoRA kernels takes (kernels.lora.BLOCK_M)
 
 
@@ -327,7 +329,7 @@ def store_kv(
 def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a KV pool of ``dtype`` stores it: fp8 saturates at the format's largest finite value
     (never inf or NaN for a finite x) and rounds to nearest even from float32; other dtypes convert."""
-    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype in host_checks.FP8_POOL_DTYPES:
         top = torch.finfo(dtype).max
         return x.float().clamp(-top, top).to(dtype)
     return x.to(dtype)

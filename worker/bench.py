@@ -197,11 +197,10 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
         assemble_engine,
         build_engine,
         host_tier,
-        kv_pool_pages,
+        make_kv_pool,
         model_executor,
         tune_cpu_process,
     )
-    from worker.kv_pool import KVPool, kv_cache_dtype
     from worker.model.loader import model_dtype
 
     if model_config is None:
@@ -212,10 +211,9 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     dtype = model_dtype(cfg.dtype, device)
     model = random_llama(model_config, device, dtype)
     mc = model_config
-    kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, device)
-    page_bytes = KVPool.page_bytes(cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
-    pages = kv_pool_pages(cfg, page_bytes, device)
-    pool = KVPool(pages, cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
+    pool = make_kv_pool(
+        cfg, model, device
+    )  # NOTE: the worker's own sizing (--kv-cache-dtype, --mem-fraction)
     executor, tokenizer = model_executor(cfg, model, pool, device, mc.max_context), IdTokenizer(mc.vocab_size)
     # NOTE: assemble_engine is build_engine's own wiring (cache, publisher, scheduler); only the model differs
     name = cfg.served_model_name or "random"

@@ -115,7 +115,7 @@ class ExtendGraphRunner:
         self._replays: dict[GraphKey, Callable[[], None]] = {}
         self._outputs: dict[GraphKey, torch.Tensor] = {}
         # what the variants depend on of the model and its pool
-        shape = (model.config, model.dtype, model.device, kv_pool.k_cache[0].dtype)
+        shape = (model.config, model.dtype, model.device, kv_pool.dtype)
         backend = backend or CudaGraphBackend()
         started = time.perf_counter()
         empty = np.zeros(0, np.int64)

@@ -153,4 +153,6 @@ def raw(cache: Any) -> Any:
     (torch's CPU index_copy_ has no fp8 kernel), any other as it is. NOTE: a view; writes go through."""
     import torch
 
-    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+    from kernels.host_checks import FP8_POOL_DTYPES
+
+    return cache.view(torch.uint8) if cache.dtype in FP8_POOL_DTYPES else cache
