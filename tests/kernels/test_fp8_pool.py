@@ -13,6 +13,7 @@ import torch
 from kernels import reference
 from tests.kernels import test_decode_attention as decode_cases
 from tests.kernels import test_extend_attention as extend_cases
+from tests.kernels.test_fused import rope_cache
 from tests.kernels.test_sliding_window import REQUESTS
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -73,9 +74,7 @@ def test_rope_store_kv_stores_the_rotated_k_it_returns_rounded_into_the_pool(bac
     t, hq, hkv, d = 11, 8, 2, 64
     q, k, v = (torch.randn(t, h, d, generator=g).mul(60).to(dtype) for h in (hq, hkv, hkv))  # past 448 too
     positions = torch.randint(0, 64, (t,), generator=g)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    angles = torch.arange(64).float()[:, None] * inv[None, :]
-    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos_sin = rope_cache(64, d)
     slots = torch.randperm(t + 5, generator=g)[:t].to(torch.int32)
     dev = [x.to(backend.device) for x in (q, k, v, positions, cos_sin)]
     k_cache = torch.full((t + 5, hkv, d), float("nan")).to(pool_dtype).to(backend.device)

@@ -492,11 +492,9 @@ CUDA = pytest.param(
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_slabs_read_and_written_a_group_at_a_time_move_every_layers_k_and_v(device: str, dtype) -> None:
+    from tests.worker.test_host_cache import same as equal  # NOTE: bit for bit (torch has no fp8 equal)
     from worker.kv_pages import read_kv, write_kv
-    from worker.kv_pool import KVPool, raw, slots_for
-
-    def equal(a: torch.Tensor, b: torch.Tensor) -> bool:  # NOTE: bit for bit (torch has no fp8 equal)
-        return torch.equal(raw(a), raw(b))
+    from worker.kv_pool import KVPool, slots_for
 
     layers, ps = 3, 4
     src = KVPool(8, ps, num_layers=layers, num_kv_heads=2, head_dim=8, dtype=dtype, device=device)
