@@ -106,7 +106,7 @@ def extend_short_case(shape: Shape, config: Any, label: str, pool: torch.dtype |
 
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
-    from kernels import decode_attention, extend_attention, fused, lora, moe, pointwise, sampling
+    from kernels import decode_attention, extend_attention, fp8_linear, fused, lora, moe, pointwise, sampling
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
@@ -215,6 +215,10 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                    gpt_oss=True) for tokens in (4, 256)),
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8, mxfp4=True), f"fused_moe mxfp4 {shape.dtype} t{tokens}",
                    gpt_oss=True, mxfp4=True) for tokens in (4, 256) if dt != torch.float32),
+        # an fp8 checkpoint's projections kept in fp8 (e4m3 weights: sm_89 on), a decode step's tiles and a prefill's
+        *(fp8_linear_case(shape, rows, fp8_linear.default_config(rows), f"fp8_linear{kind} {shape.dtype} m{rows}",
+                          per_row=bool(kind))
+          for rows in (4, 256) for kind in ("", " per-row") if dt != torch.float32 and arch >= 89),
     ]  # fmt: skip
 
 
@@ -251,6 +255,28 @@ def moe_candidates(shape: Shape) -> list[Case]:
 
     return [moe_case(shape, 32, cfg, f"candidate fused_moe {shape.dtype} {label}")
             for label, cfg in moe.CANDIDATES.items()]  # fmt: skip
+
+
+def fp8_linear_case(shape: Shape, rows: int, config: Any, label: str, per_row: bool = False) -> Case:
+    """An fp8 linear layer over ``rows`` rows of the model's hidden size into 512 columns, e4m3 weights in
+    128 x 128 blocks (Qwen3's and DeepSeek's fp8 releases) or with one scale a row (``per_row``:
+    llm-compressor's FP8-dynamic), in ``config``'s tiles (the rows change the grid only)."""
+    from kernels import fp8_linear
+
+    x = torch.zeros(rows, shape.hidden, dtype=DTYPES[shape.dtype])
+    w = torch.zeros(512, shape.hidden, dtype=torch.float8_e4m3fn)
+    scale, block = (
+        (torch.zeros(512, 1), None) if per_row else (torch.zeros(4, -(-shape.hidden // 128)), (128, 128))
+    )
+    return label, dataclasses.asdict(config), lambda: fp8_linear.fp8_linear(x, w, scale, block, config=config)
+
+
+def fp8_linear_candidates(shape: Shape) -> list[Case]:
+    """kernels.bench_fp8_linear's candidate tiles (kernels.fp8_linear.CANDIDATES)."""
+    from kernels import fp8_linear
+
+    return [fp8_linear_case(shape, 16, cfg, f"candidate fp8_linear {shape.dtype} {label}")
+            for label, cfg in fp8_linear.CANDIDATES.items()]  # fmt: skip
 
 
 def tune_candidates(shape: Shape, with_configs: bool = False, pool: torch.dtype | None = None) -> list:

@@ -238,6 +238,7 @@ def loaded_kernels() -> list[dict[str, Any]]:
         decode_attention,
         extend_attention,
         extend_short,
+        fp8_linear,
         fused,
         lora,
         moe,
@@ -254,6 +255,7 @@ def loaded_kernels() -> list[dict[str, Any]]:
         decode_attention,
         pointwise,
         fused,
+        fp8_linear,
         lora,
         moe,
         sampling,
@@ -288,7 +290,7 @@ def record_loaded_kernels(doc: dict[str, Any]) -> None:
 
 def _cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]]:
     """The cases to compile: the defaults, and with args.candidates every kernels.tune candidate and
-    kernels.bench_moe's."""
+    kernels.bench_moe's and kernels.bench_fp8_linear's."""
     from kernels import compile_cases
 
     cases = _default_cases(args)
@@ -297,6 +299,7 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, dict, Callable[[], Any]]
             args.dtypes[0], args.q_heads, args.kv_heads, args.head_dims[0], args.hidden
         )
         cases += compile_cases.tune_candidates(shape) + compile_cases.moe_candidates(shape)
+        cases += compile_cases.fp8_linear_candidates(shape)
     return cases
 
 

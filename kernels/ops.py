@@ -21,6 +21,7 @@ _KERNEL_MODULES = (
     "decode_attention",
     "pointwise",
     "fused",
+    "fp8_linear",
     "lora",
     "moe",
     "sampling",
@@ -265,6 +266,17 @@ def fused_moe(
     if mode is None:
         return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, **options)
     return kernel_module("moe", mode).fused_moe(x, w13, w2, topk_weights, topk_ids, **options)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """See kernels.reference.fp8_linear (the weight widened tile by tile inside one GEMM on the GPU)."""
+    mode = _triton_mode(x)
+    if mode is None:
+        return reference.fp8_linear(x, weight, scale, block, bias)
+    return kernel_module("fp8_linear", mode).fp8_linear(x, weight, scale, block, bias)
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

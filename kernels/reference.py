@@ -246,6 +246,20 @@ def dequantize_fp8_weight(
     return (w * s).to(dtype)
 
 
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [..., K] times an fp8 weight [N, K] (float8_e4m3fn or float8_e5m2) dequantized with its scale
+    (dequantize_fp8_weight: one a ``block``, else one a row or one in all), plus ``bias`` [N]: float32 math,
+    the output [..., N] in x's dtype (an fp8 checkpoint's projection kept in fp8; kernels.fp8_linear)."""
+    w = dequantize_fp8_weight(weight, scale, block, torch.float32)
+    out = x.float() @ w.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -451,6 +451,7 @@ def build_engine(cfg: Any) -> Engine:
             model_dtype(cfg.dtype, device),
             max_model_len=cfg.max_model_len,
             mxfp4_experts=cfg.mxfp4_experts,
+            fp8_weights=cfg.fp8_weights,
         )
         load_adapters(cfg, loaded.model)  # NOTE: before the pool, which takes a share of what is left
         pool = make_kv_pool(cfg, loaded.model, device)
@@ -462,6 +463,10 @@ def build_engine(cfg: Any) -> Engine:
     )
     log.info("model %s on %s: KV pool %d pages x %d tokens, %s (%.1f MiB per rank)", name, device,
              pool.num_pages, cfg.block_size, str(pool.dtype).removeprefix("torch."), pool_bytes / 2**20)  # fmt: skip
+    if mc.fp8_weights:
+        log.info(
+            "fp8 checkpoint: projections %s", "kept in fp8" if mc.fp8_projections else "dequantized at load"
+        )
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
 

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -139,6 +139,7 @@ class BenchParams:
     tensor_parallel_size: int = 1  # ranks the model is split over (worker/tensor_parallel.py)
     overlap_schedule: str = "auto"  # decode steps scheduled while the one before runs (auto: on CUDA)
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (--kv-cache-dtype: auto or an fp8 format)
+    fp8_weights: bool = False  # the projections kept in fp8 with 128x128 block scales (kernels.fp8_linear)
 
 
 class IdTokenizer:
@@ -164,7 +165,12 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dtype == torch.uint8 and not name.endswith("_scales"):
+            if param.dtype == torch.float8_e4m3fn:  # NOTE: projections kept in fp8: codes of rms 64
+                codes = torch.empty(param.shape, device=device).normal_(0.0, 64.0, generator=gen)
+                param.copy_(codes.clamp(-448.0, 448.0))
+            elif name.endswith("_scale"):  # NOTE: their scales: weights of rms 1/sqrt(fan_in), as below
+                param.fill_(model.get_parameter(name.removesuffix("_scale") + "_proj").shape[-1] ** -0.5 / 64)
+            elif param.dtype == torch.uint8 and not name.endswith("_scales"):
                 param.random_(0, 256, generator=gen)  # NOTE: MXFP4 experts' codes: any
             elif param.dtype == torch.uint8:  # NOTE: their scales: weights of rms ~1/sqrt(fan_in), as below
                 fan_in = param.shape[-1] * 32  # (random codes' values have an rms of 2.93)
@@ -174,6 +180,12 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
             else:  # NOTE: std 1/sqrt(fan_in) keeps activations O(1) through 32 layers in bf16
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
     return model
+
+
+def fp8_projections(config: ModelConfig) -> ModelConfig:
+    """``config`` with its projections kept in fp8, one scale a 128 x 128 block (Qwen3's and DeepSeek's fp8
+    releases as --fp8-weights fp8 serves them)."""
+    return replace(config, fp8_weights=True, fp8_weight_block=(128, 128), fp8_projections=True)
 
 
 def bench_model(name: str, device: str, dtype: str = "auto") -> Any:
@@ -442,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the smallest batch is also timed one step at a time")  # fmt: skip
     ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                     help="the KV pool's dtype, as the worker's flag (fp8: one byte a K/V value)")  # fmt: skip
+    ap.add_argument("--fp8-weights", action="store_true",
+                    help="the projections in fp8 with 128x128 block scales, as an fp8 checkpoint's served with "
+                         "--fp8-weights fp8 (kernels.fp8_linear); random codes")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -482,7 +497,7 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_extend_tokens=args.cuda_graph_extend_tokens,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
                        tensor_parallel_size=args.tensor_parallel_size, overlap_schedule=args.overlap_schedule,
-                       kv_cache_dtype=args.kv_cache_dtype, **sizes)  # fmt: skip
+                       kv_cache_dtype=args.kv_cache_dtype, fp8_weights=args.fp8_weights, **sizes)  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:
@@ -498,7 +513,12 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        kv_cache_dtype=p.kv_cache_dtype, max_running=max(256, width),
                        max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
-    engine = build_bench_engine(cfg, SHAPES.get(p.model))
+    shape = SHAPES.get(p.model)
+    if p.fp8_weights:  # NOTE: tiny too (random weights in its shape): a CPU smoke test of the fp8 path
+        from worker.model.tiny import tiny_config
+
+        shape = fp8_projections(shape or tiny_config())
+    engine = build_bench_engine(cfg, shape)
     engine.start()
     try:
         results = asyncio.run(run_engine_benchmarks(engine, p))

@@ -18,6 +18,7 @@ MXFP4_CHOICES = (
     "packed",
     "dequantized",
 )  # --mxfp4-experts: how a checkpoint's MXFP4 experts are served
+FP8_WEIGHT_CHOICES = ("auto", "fp8", "dequantized")  # --fp8-weights: an fp8 checkpoint's projections
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
@@ -43,6 +44,9 @@ class WorkerConfig:
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"  # the KV pool's dtype: auto (--dtype's) or fp8 (half the bytes a token)
     mxfp4_experts: str = "auto"  # MXFP4 experts (gpt-oss) kept packed or dequantized (worker.model.loader)
+    fp8_weights: str = (
+        "auto"  # an fp8 checkpoint's projections kept in fp8 or dequantized (worker.model.loader)
+    )
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
@@ -132,6 +136,8 @@ class WorkerConfig:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.mxfp4_experts not in MXFP4_CHOICES:
             raise ValueError(f"--mxfp4-experts must be one of {', '.join(MXFP4_CHOICES)}")
+        if self.fp8_weights not in FP8_WEIGHT_CHOICES:
+            raise ValueError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHT_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2 (one prompt and one output token)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -248,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a checkpoint's MXFP4 experts (gpt-oss): packed (a quarter of bf16's bytes, decoded in the expert "
         "GEMMs), dequantized (to --dtype at load) or auto (packed on CUDA, dequantized on the CPU)",
         choices=list(MXFP4_CHOICES),
+    )
+    opt(
+        "--fp8-weights",
+        str,
+        "an fp8 checkpoint's attention and dense MLP projections: fp8 (kept in fp8 with their scales, half "
+        "of bf16's bytes, widened tile by tile in kernels.fp8_linear), dequantized (to --dtype at load) or "
+        "auto (fp8 on CUDA from sm_89 where the checkpoint and the ranks allow, dequantized otherwise)",
+        choices=list(FP8_WEIGHT_CHOICES),
     )
     opt(
         "--host-cache-tokens",

@@ -26,6 +26,7 @@ _KERNEL_MODULES = (
     "kernels.decode_attention",
     "kernels.pointwise",
     "kernels.fused",
+    "kernels.fp8_linear",
     "kernels.lora",
     "kernels.moe",
     "kernels.sampling",

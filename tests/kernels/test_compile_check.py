@@ -81,7 +81,7 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
                        "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
-                       "_clamped_swiglu_and_mul_kernel"}  # fmt: skip
+                       "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -90,6 +90,10 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     # the experts' GEMMs: a prefill's 64-row blocks on warpgroup MMA, a decode step's 16-row ones on mma.sync
     assert rows[("fused_moe bf16 t256", "_grouped_gemm_kernel")]["sass"]["HGMMA"] > 0
     assert rows[("fused_moe bf16 t4", "_grouped_gemm_kernel")]["sass"]["HMMA"] > 0
+    # the fp8 linear layer likewise, over block scales and one scale a row
+    for kind in ("", " per-row"):
+        assert rows[(f"fp8_linear{kind} bf16 m256", "_fp8_linear_kernel")]["sass"]["HGMMA"] > 0
+        assert rows[(f"fp8_linear{kind} bf16 m4", "_fp8_linear_kernel")]["sass"]["HMMA"] > 0
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     assert ("decode many-requests bf16 hd128 gqa4", "_decode_split_kernel") in rows  # MANY_REQUESTS' tiles
     assert ("decode many-requests bf16 hd64 gqa4", "_decode_split_kernel") not in rows  # the same as decode's
@@ -242,7 +246,7 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
                        "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
-                       "_clamped_swiglu_and_mul_kernel"}  # fmt: skip
+                       "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel"}  # fmt: skip
     # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
     # prefix split (one compiled kernel for any split count)
     extends = sorted(

@@ -131,10 +131,19 @@ GPT_OSS_CONFIG = dataclasses.replace(
 MXFP4_CONFIG = dataclasses.replace(GPT_OSS_CONFIG, moe_intermediate_size=64, mxfp4_experts=True)
 
 
+# an fp8 checkpoint's projections kept in fp8 (--fp8-weights fp8): one scale a 16 x 32 block (the hidden size's
+# 64 columns two blocks, the 128 intermediate rows eight), or one a row; a mixture of experts' attention alone
+FP8_CONFIG = dataclasses.replace(CONFIG, fp8_weights=True, fp8_weight_block=(16, 32), fp8_projections=True)
+FP8_ROW_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_weight_block=None)
+FP8_MOE_CONFIG = dataclasses.replace(MOE_CONFIG, fp8_weights=True, fp8_projections=True)
+
+
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG, GPT_OSS_CONFIG, MXFP4_CONFIG],
-    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope", "gpt-oss", "gpt-oss-mxfp4"],
+    [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG, GPT_OSS_CONFIG, MXFP4_CONFIG,
+     FP8_CONFIG, FP8_ROW_CONFIG, FP8_MOE_CONFIG],
+    ids=["dense", "moe", "window", "gemma3", "gemma2", "nope", "gpt-oss", "gpt-oss-mxfp4", "fp8-blocks",
+         "fp8-rows", "fp8-moe"],
 )  # fmt: skip
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
     if backend.interpret:
@@ -152,6 +161,7 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
             "gelu_tanh_and_mul",
             "clamped_swiglu_and_mul",
             "decode_grouped",
+            "fp8_linear",
         ),
     )
     got = run_steps(model, backend.device)

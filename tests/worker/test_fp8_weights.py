@@ -19,8 +19,9 @@ from tests.worker.test_model import PROMPT, extend, new_pool, scattered_slots
 from worker.model import ModelConfig, load_model
 
 FP8_MAX = 448.0
+# the linear layers an fp8 quantizer quantizes (Phi-3's fused q/k/v and gate/up among them)
 LINEAR = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$"
+    r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(experts\.\d+\.)?(gate_up|gate|up|down)_proj)\.weight$"
 )
 
 
@@ -102,8 +103,9 @@ def fp8_pair(base, tmp_path, method: str, strategy: str, block=(16, 32)):
     return fp8, plain
 
 
-def logits_of(path, dtype=torch.float32) -> torch.Tensor:
-    loaded = load_model(str(path), "cpu", dtype)
+def logits_of(path, dtype=torch.float32, **options) -> torch.Tensor:
+    """The prompt's logits from the checkpoint at ``path`` (``options``: load_model's)."""
+    loaded = load_model(str(path), "cpu", dtype, **options)
     ids = loaded.tokenizer.encode_prompt(PROMPT)
     pool = new_pool(loaded.config)
     return extend(loaded.model, pool, [ids], [0], scattered_slots(pool, [len(ids)]))

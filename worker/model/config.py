@@ -83,9 +83,12 @@ class ModelConfig:
     # decodes them); the loader clears it to dequantize them instead (--mxfp4-experts dequantized)
     mxfp4_experts: bool = False
     # fp8 checkpoints (HF's fine-grained "fp8", compressed-tensors' float8): their fp8 weights with their
-    # scales (a tensor's, a row's, or a block's of fp8_weight_block rows x columns), dequantized at load
+    # scales (a tensor's, a row's, or a block's of fp8_weight_block rows x columns), dequantized at load;
+    # with fp8_projections (the loader's choice, --fp8-weights) every layer's q/k/v/o and dense gate/up/down
+    # projections stay fp8 on the device with their scales (kernels.fp8_linear), the others dequantized
     fp8_weights: bool = False
     fp8_weight_block: tuple[int, int] | None = None
+    fp8_projections: bool = False
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()

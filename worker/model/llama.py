@@ -114,6 +114,17 @@ def _norm_weight(size: int, config: ModelConfig, device: torch.device, dtype: to
     return _weight(size, device=device, dtype=torch.float32 if config.norm_offset else dtype)
 
 
+def _fp8_scale(config: ModelConfig, n: int, k: int, device: torch.device) -> nn.Parameter | None:
+    """The float32 scales of an [n, k] projection kept in fp8 (kernels.fp8_linear): one a block of
+    config.fp8_weight_block, else one a row; None when the projections are not kept in fp8."""
+    if not config.fp8_projections:
+        return None
+    if config.fp8_weight_block is None:
+        return _weight(n, 1, device=device, dtype=torch.float32)
+    rows, cols = config.fp8_weight_block
+    return _weight(-(-n // rows), -(-k // cols), device=device, dtype=torch.float32)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, device: torch.device, dtype: torch.dtype, index: int = 0, shard: Shard = WHOLE
@@ -130,10 +141,12 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.heads * c.head_dim, self.kv_heads * c.head_dim
         qkv_rows = self.q_size + 2 * self.kv_size
         w = {"device": device, "dtype": dtype}
+        # NOTE: an fp8 checkpoint's projections kept in fp8 (--fp8-weights) with float32 scales (*_scale)
+        proj = {"device": device, "dtype": torch.float8_e4m3fn} if c.fp8_projections else w
         self.input_layernorm = _norm_weight(c.hidden_size, c, device, dtype)
-        self.qkv_proj = _weight(qkv_rows, c.hidden_size, **w)
+        self.qkv_proj = _weight(qkv_rows, c.hidden_size, **proj)
         self.qkv_bias = _weight(qkv_rows, **w) if c.qkv_bias else None
-        self.o_proj = _weight(c.hidden_size, self.q_size, **w)
+        self.o_proj = _weight(c.hidden_size, self.q_size, **proj)
         self.o_bias = _weight(c.hidden_size, **w) if c.o_bias else None
         self.q_norm = _norm_weight(c.head_dim, c, device, dtype) if c.qk_norm else None
         self.k_norm = _norm_weight(c.head_dim, c, device, dtype) if c.qk_norm else None
@@ -143,9 +156,9 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = _norm_weight(c.hidden_size, c, device, dtype) if c.sandwich_norms else None
         self.uses_local_rope = self.window > 0 and c.local_rope_theta is not None
         dense = not self.sparse
-        self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **w) if dense else None
+        self.gate_up_proj = _weight(2 * self.inter, c.hidden_size, **proj) if dense else None
         self.gate_up_bias = _weight(2 * self.inter, **w) if c.mlp_bias and dense else None
-        self.down_proj = _weight(c.hidden_size, self.inter, **w) if dense else None
+        self.down_proj = _weight(c.hidden_size, self.inter, **proj) if dense else None
         self.down_bias = _weight(c.hidden_size, **w) if c.mlp_bias and dense else None
         # a sparse layer: the router (HF's mlp.gate), the experts stacked, the shared expert and its gate
         self.router = _weight(c.num_experts, c.hidden_size, **w) if self.sparse else None
@@ -172,6 +185,10 @@ class DecoderLayer(nn.Module):
         self.shared_gate_up = _weight(2 * self.shared_inter, c.hidden_size, **w) if shared else None
         self.shared_down = _weight(c.hidden_size, self.shared_inter, **w) if shared else None
         self.shared_gate = _weight(1, c.hidden_size, **w) if shared and c.shared_expert_gated else None
+        self.qkv_scale = _fp8_scale(c, qkv_rows, c.hidden_size, device)
+        self.o_scale = _fp8_scale(c, c.hidden_size, self.q_size, device)
+        self.gate_up_scale = _fp8_scale(c, 2 * self.inter, c.hidden_size, device) if dense else None
+        self.down_scale = _fp8_scale(c, c.hidden_size, self.inter, device) if dense else None
         # NOTE: o_proj / down_proj outputs are summed over ranks: their biases are added by rank 0 only
         self.bias_here = shard.rank == 0
         self.config = c
@@ -196,7 +213,7 @@ class DecoderLayer(nn.Module):
             h = ops.rms_norm(x, self.input_layernorm, c.rms_norm_eps)
         else:
             x, h = ops.add_rms_norm(x, delta, self.input_layernorm, c.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = self._project(h, "qkv", self.qkv_bias, ops)
         if lora is not None:
             qkv = lora.apply(i, "qkv", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -221,21 +238,31 @@ class DecoderLayer(nn.Module):
                 q, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping, self.sinks
             )
         out = out.reshape(t, self.q_size)
-        o = F.linear(out, self.o_proj, self.o_bias if self.bias_here else None)
+        o = self._project(out, "o", self.o_bias if self.bias_here else None, ops)
         o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
         if self.attn_out_norm is not None:
             o = ops.rms_norm(o, self.attn_out_norm, c.rms_norm_eps)
         x, h = ops.add_rms_norm(x, o, self.post_attention_layernorm, c.rms_norm_eps)
         if self.sparse:
             return x, self._mlp_out(self.shard.all_reduce(self._experts(h, ops)), ops)
-        gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)
+        gate_up = self._project(h, "gate_up", self.gate_up_bias, ops)
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
         act = ops.gated_activation(gate_up, c.mlp_activation)
-        down = F.linear(act, self.down_proj, self.down_bias if self.bias_here else None)
+        down = self._project(act, "down", self.down_bias if self.bias_here else None, ops)
         return x, self._mlp_out(
             self.shard.all_reduce(down if lora is None else lora.apply(i, "down", act, down)), ops
         )
+
+    def _project(
+        self, x: torch.Tensor, name: str, bias: torch.Tensor | None, ops: ModuleType
+    ) -> torch.Tensor:
+        """x times projection ``name``'s weight (qkv, o, gate_up, down), plus ``bias``: in fp8 with its
+        scales where the checkpoint's stays fp8 (kernels.fp8_linear), else a plain matmul."""
+        weight, scale = getattr(self, f"{name}_proj"), getattr(self, f"{name}_scale")
+        if scale is None:
+            return F.linear(x, weight, bias)
+        return ops.fp8_linear(x, weight, scale, self.config.fp8_weight_block, bias)
 
     def _mlp_out(self, down: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The MLP's output as the next norm adds it: normed first where the model says so (Gemma 3)."""
@@ -264,14 +291,17 @@ class DecoderLayer(nn.Module):
         return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
 
 
-# sinks: gpt-oss's, self_attn's; scales: MXFP4 experts' (of mlp.experts.N.gate_proj / up_proj / down_proj)
-_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales)$")
+# sinks: gpt-oss's, self_attn's; scales: MXFP4 experts' (of mlp.experts.N.gate_proj / up_proj / down_proj);
+# weight_scale: the scales of a projection kept in fp8 (--fp8-weights)
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales|weight_scale)$")
 # Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
 _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
                 "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
 # Mixtral's names for a sparse layer: block_sparse_moe.gate and block_sparse_moe.experts.N.w1 / w3 / w2
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:gate|(experts\.\d+\.)(w[123]))\.")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# what a stacked projection's (q/k/v, gate/up) weight, bias or kept fp8 scales fill: the layer's <group>_<this>
+_STACKED_KINDS = {"weight": "proj", "bias": "bias", "weight_scale": "scale"}
 
 
 # Granite 3 MoE's stacked weights: every expert's gate and up rows in one input_linear [E, 2I, H], their down
@@ -307,15 +337,23 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
 _FP8_SCALE = re.compile(r"(.+)\.weight_scale(?:_inv)?$")
 _FP8_UNUSED = re.compile(r".+\.(input_scale|output_scale|k_scale|v_scale)$")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# the projections an fp8 checkpoint keeps in fp8 under --fp8-weights fp8 (the owner of a weight and its scale):
+# every layer's attention q/k/v/o and a dense layer's MLP gate/up/down (experts and shared experts: dequantized)
+FP8_PROJECTION = re.compile(
+    r"(?:^|\.)model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
+)
 
 
 def _fp8_dequantized(
-    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype
-) -> Iterable[tuple[str, torch.Tensor]]:
+    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype,
+    keep: bool = False,
+) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
     """``weights`` with each fp8 weight and its scale, whichever is read first, as one weight dequantized to
-    ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's);
-    other weights (norms, embeddings, layers the checkpoint left unquantized) as they are. A weight without
-    its scale, or a scale without its weight, is a ValueError naming it."""
+    ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's), or
+    with ``keep`` an FP8_PROJECTION's as they are, the weight and its scales (``<owner>.weight_scale``:
+    float32, one a block, else one a row, [N, 1]); other weights (norms, embeddings, layers the checkpoint
+    left unquantized) as they are. A weight without its scale, or a scale without its weight, is a
+    ValueError naming it."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if _FP8_UNUSED.match(name):
@@ -327,7 +365,11 @@ def _fp8_dequantized(
         owner = scale.group(1) if scale else name.removesuffix(".weight")
         pair = waiting.setdefault(owner, {})
         pair["scale" if scale else "weight"] = tensor
-        if len(pair) == 2:
+        if len(pair) == 2 and keep and FP8_PROJECTION.search(owner):
+            del waiting[owner]
+            yield f"{owner}.weight", pair["weight"]
+            yield f"{owner}.weight_scale", _row_or_block_scales(pair["scale"], pair["weight"].shape[0], block)
+        elif len(pair) == 2:
             del waiting[owner]
             yield (
                 f"{owner}.weight",
@@ -336,6 +378,16 @@ def _fp8_dequantized(
     for owner, pair in waiting.items():
         has, lacks = ("weight", "its scale") if "weight" in pair else ("scale", "its fp8 weight")
         raise ValueError(f"checkpoint has the fp8 {has} of {owner} without {lacks}")
+
+
+def _row_or_block_scales(scale: torch.Tensor, rows: int, block: tuple[int, int] | None) -> torch.Tensor:
+    """A kept fp8 weight's scales as the model holds them (float32): one a block as they are, else one a
+    row [rows, 1] (a tensor's one scale repeated, so that stacked q/k/v keep each their own)."""
+    if block is not None:
+        return scale.float()
+    if scale.numel() not in (1, rows):
+        raise ValueError(f"an fp8 weight of {rows} rows has scales {list(scale.shape)}: not one a row")
+    return scale.float().reshape(-1, 1).expand(rows, 1)
 
 
 # gpt-oss's sparse layer: the router as mlp.router; the experts stacked, [E, in, out] with gate and up
@@ -530,13 +582,17 @@ class LlamaForCausalLM(nn.Module):
             ("self_attn.k_norm", "weight"): layer.k_norm,
             ("mlp.down_proj", "weight"): layer.down_proj,
             ("mlp.down_proj", "bias"): layer.down_bias,
+            ("self_attn.o_proj", "weight_scale"): layer.o_scale,
+            ("mlp.down_proj", "weight_scale"): layer.down_scale,
             ("self_attn", "sinks"): layer.sinks,
         }
-        if part in stacked and kind in ("weight", "bias"):
+        if part in stacked and kind in _STACKED_KINDS:
             group, start, end = stacked[part]
-            target = getattr(layer, f"{group}_proj" if kind == "weight" else f"{group}_bias")
+            target = getattr(layer, f"{group}_{_STACKED_KINDS[kind]}")
+            # NOTE: a kept fp8 projection's scales, one a block of rows (served_fp8: parts in whole blocks)
+            per = c.fp8_weight_block[0] if kind == "weight_scale" and c.fp8_weight_block else 1
             if target is not None:
-                return target[start:end]
+                return target[start // per : end // per]
         elif single.get((part, kind)) is not None:
             return single[(part, kind)]
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -553,7 +609,7 @@ class LlamaForCausalLM(nn.Module):
                 "weight": (layer.experts_gate_up, layer.experts_down),
                 "bias": (layer.experts_gate_up_bias, layer.experts_down_bias),
                 "scales": (layer.experts_gate_up_scales, layer.experts_down_scales),
-            }[kind]
+            }.get(kind, (None, None))  # NOTE: experts are never kept in fp8: no weight_scale
             if gate_up is None:
                 return None
             if m.group(2) == "down_proj":
@@ -585,6 +641,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} appears twice in the checkpoint")
             seen.add(name)
             tensor = self.shard.weight(self.config, name, tensor)
+            if (
+                target.dtype == torch.float8_e4m3fn and tensor.dtype != target.dtype
+            ):  # NOTE: a cast would round
+                raise ValueError(
+                    f"weight {name!r} is {tensor.dtype} in the checkpoint, not fp8 (e4m3) as --fp8-weights fp8 "
+                    "keeps it; serve the checkpoint with --fp8-weights dequantized"
+                )
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -606,8 +669,10 @@ class LlamaForCausalLM(nn.Module):
         if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
             with torch.no_grad():
                 for layer in self.layers:
-                    for p in (layer.o_proj, layer.o_bias, layer.down_proj, layer.down_bias, layer.experts_down,
-                              layer.shared_down):  # fmt: skip
+                    # NOTE: a projection kept in fp8 is scaled through its scales
+                    o = layer.o_proj if layer.o_scale is None else layer.o_scale
+                    down = layer.down_proj if layer.down_scale is None else layer.down_scale
+                    for p in (o, layer.o_bias, down, layer.down_bias, layer.experts_down, layer.shared_down):
                         if p is not None:
                             p.mul_(r)
 
@@ -622,7 +687,7 @@ class LlamaForCausalLM(nn.Module):
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
         if c.fp8_weights:
-            weights = _fp8_dequantized(weights, c.fp8_weight_block, self.dtype)
+            weights = _fp8_dequantized(weights, c.fp8_weight_block, self.dtype, keep=c.fp8_projections)
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
                 if not name.startswith("language_model."):
@@ -667,7 +732,7 @@ class LlamaForCausalLM(nn.Module):
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         names += [f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)]
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
-                  for k in ("weight", "bias", "scales")]  # fmt: skip
+                  for k in ("weight", "bias", "scales", "weight_scale")]  # fmt: skip
         out = []
         for name in names:
             with contextlib.suppress(ValueError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
-from worker.config import MXFP4_CHOICES
+from worker.config import FP8_WEIGHT_CHOICES, MXFP4_CHOICES
 from worker.model.config import ModelConfig
-from worker.model.llama import LlamaForCausalLM
+from worker.model.llama import FP8_PROJECTION, LlamaForCausalLM
 from worker.model.shard import WHOLE, Shard
 from worker.model.tiny import build_tiny, tiny_config
 
@@ -83,6 +84,67 @@ def served_experts(config: ModelConfig, mxfp4_experts: str, device: torch.device
     return config
 
 
+def served_fp8(
+    config: ModelConfig, fp8_weights: str, device: torch.device, shard: Shard = WHOLE, files: list[str] = ()
+) -> ModelConfig:  # fmt: skip
+    """``config`` as ``--fp8-weights`` serves an fp8 checkpoint (``files``, its shards) on ``device``: its
+    projections kept in fp8 (``fp8``; ``auto`` on CUDA from sm_89, where kernels.fp8_linear reads e4m3,
+    when nothing below refuses it) or dequantized at load (``dequantized``; ``auto`` otherwise). A reason
+    fp8_projection_refusal gives is a ValueError under ``fp8``. Other checkpoints as they are."""
+    if fp8_weights not in FP8_WEIGHT_CHOICES:
+        raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHT_CHOICES)}, got {fp8_weights!r}")
+    if not config.fp8_weights or fp8_weights == "dequantized":
+        return config
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        refusal = "fp8 (e4m3) weights need compute capability 8.9 or newer on CUDA"
+    elif fp8_weights == "auto" and device.type != "cuda":
+        return config  # NOTE: on the CPU the kept weights would be dequantized at every step
+    else:
+        refusal = fp8_projection_refusal(config, shard, files)
+    if refusal is None:
+        return dataclasses.replace(config, fp8_projections=True)
+    if fp8_weights == "fp8":
+        raise ValueError(f"--fp8-weights fp8: {refusal}; serve them with --fp8-weights dequantized")
+    logging.getLogger("worker.engine").info("fp8 projections dequantized at load: %s", refusal)
+    return config
+
+
+def fp8_projection_refusal(config: ModelConfig, shard: Shard, files: list[str]) -> str | None:
+    """Why an fp8 checkpoint's projections cannot stay in fp8 on ``shard``'s ranks (None: they can). Each
+    must be an e4m3 weight of its own (not Phi-3's fused q/k/v or gate/up) in the checkpoint's headers
+    (no tensor is read), and with block scales every stacked or split part must be whole blocks: this
+    rank's q, k and v rows and dense gate and up rows in blocks of rows, and over several ranks the columns
+    each holds of o_proj and down_proj in blocks of columns."""
+    from safetensors import safe_open
+
+    if config.fp8_weight_block is not None:
+        rows, cols = config.fp8_weight_block
+        q, kv = (
+            shard.local(config, "heads") * config.head_dim,
+            shard.local(config, "kv_heads") * config.head_dim,
+        )
+        inter = shard.local(config, "intermediate")
+        parts = {"q_proj rows": (q, rows), "k_proj and v_proj rows": (kv, rows)}
+        parts["gate_proj and up_proj rows"] = (inter, rows)
+        if shard.size > 1:
+            parts |= {"o_proj columns": (q, cols), "down_proj columns": (inter, cols)}
+        for what, (n, block) in parts.items():
+            if n % block:
+                ranks = f" on each of {shard.size} ranks" if shard.size > 1 else ""
+                return f"{n} {what}{ranks} are not whole {rows}x{cols} scale blocks"
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                owner = name.removesuffix(".weight")
+                if name.endswith(".weight") and owner.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj")):
+                    return f"{name} holds fused projections"
+                if name.endswith(".weight") and FP8_PROJECTION.search(owner):
+                    dtype = f.get_slice(name).get_dtype()
+                    if dtype != "F8_E4M3":
+                        return f"{name} is {dtype}, not fp8 (e4m3)"
+    return None
+
+
 def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
     """``config`` serving at most ``max_model_len`` tokens (None: as it is). Only shrinks: a longer
     context than the model's is a ValueError (its positions past the trained ones would be wrong)."""
@@ -97,19 +159,22 @@ def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
 
 def load_model(
     spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE,
-    max_model_len: int | None = None, mxfp4_experts: str = "auto",
+    max_model_len: int | None = None, mxfp4_experts: str = "auto", fp8_weights: str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
     tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve;
     ``mxfp4_experts``: MXFP4 experts kept ``packed`` or ``dequantized`` to ``dtype`` at load, ``auto``:
-    packed on CUDA, where kernels.moe decodes them, dequantized elsewhere). Raises ValueError when the
-    directory is not a supported checkpoint or does not split over the shard's ranks."""
+    packed on CUDA, where kernels.moe decodes them, dequantized elsewhere; ``fp8_weights``: an fp8
+    checkpoint's projections likewise, see served_fp8). Raises ValueError when the directory is not a
+    supported checkpoint or does not split over the shard's ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if spec == "tiny":
         config = cap_context(tiny_config(), max_model_len)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
     config = served_experts(cap_context(read_config(spec), max_model_len), mxfp4_experts, device)
+    files = safetensors_files(spec)
+    config = served_fp8(config, fp8_weights, device, shard, files)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(
@@ -117,6 +182,6 @@ def load_model(
             f"{config.vocab_size}"
         )
     model = LlamaForCausalLM(config, device, dtype, shard)
-    model.load_weights(iter_safetensors(safetensors_files(spec)))
+    model.load_weights(iter_safetensors(files))
     name = os.path.basename(os.path.normpath(spec))
     return LoadedModel(model, config, tokenizer, name)

@@ -6,7 +6,8 @@ heads, intermediate units), o_proj and down_proj by input columns, so each layer
 over ranks after o_proj and one after down_proj; a mixture of experts splits every expert (and the
 shared one) so, its router whole on every rank (MXFP4 experts in whole 32-unit blocks: as equal shares as
 blocks allow, the first ranks a block more where they do not divide, e.g. 23, 23, 22, 22 of gpt-oss's 90
-over 4 ranks; the sum over ranks does not need equal parts). Attention sinks
+over 4 ranks; the sum over ranks does not need equal parts). Projections kept in fp8 take their scales'
+rows or blocks with their weights' rows and columns. Attention sinks
 go with their heads. The lm_head is split by vocabulary rows and the logits gathered. Embedding and
 norms are whole on every rank. Each rank's KV pool holds its own KV heads only. ``Shard()`` (size 1) is the unsharded model: every method is then the identity.
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks|scales)$")
+_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks|scales|weight_scale)$")
 # HF projection -> how its weight is split: by output rows of which size, or by input columns
 _ROWS = {
     "self_attn.q_proj": "heads",
@@ -107,9 +108,16 @@ class Shard:
             lo, hi = self.span(config, "heads")
             return tensor[lo:hi]
         unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) in ("heads", "kv_heads") else 1
+        # NOTE: a projection kept in fp8 (--fp8-weights): its scales one a block of rows x columns (the
+        # loader keeps it only where every rank's span is whole blocks), else one a row
+        rows, cols = config.fp8_weight_block or (1, 0)
         if part in _ROWS:
             lo, hi = self.span(config, _ROWS[part])
-            return tensor[lo * unit : hi * unit]
+            per = rows if kind == "weight_scale" else 1
+            return tensor[lo * unit // per : hi * unit // per]
+        if part in _COLUMNS and kind == "weight_scale":
+            lo, hi = self.span(config, _COLUMNS[part])
+            return tensor[:, lo * unit // cols : hi * unit // cols] if cols else tensor
         if part in _COLUMNS and kind in ("weight", "scales"):
             lo, hi = self.span(config, _COLUMNS[part])
             # NOTE: MXFP4: one scale a block of 32 columns, two codes a byte (spans are whole blocks)

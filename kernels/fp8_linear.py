@@ -1,0 +1,184 @@
+"""Triton linear layer over fp8 weights and their scales: an fp8 checkpoint's projections kept in fp8.
+
+Semantics are kernels.reference.fp8_linear; this module must never change them.
+Shapes: x [..., K] (fp16/bf16/fp32, last dim contiguous); weight [N, K] float8_e4m3fn or float8_e5m2
+(contiguous); scale float32, with ``block`` (rows, cols): [ceil(N / rows), ceil(K / cols)], one multiplier a
+block of the weight (the last blocks of a row or column may be partial); without: one a row ([N] or [N, 1])
+or one for the tensor (one element). bias [N] (x's dtype) or None. Output [..., N] in x's dtype.
+A program owns BLOCK_M rows x BLOCK_N columns of the output and walks K in BLOCK_K steps: each weight tile
+is widened to x's dtype as it is loaded (exact: every fp8 value is a value of fp16, bf16 and fp32) and
+multiplied in fp32; with block scales each step's product is scaled by its blocks' multipliers (BLOCK_K
+divides ``cols``, so a step lies in one column of blocks), otherwise the sum is scaled once at the end.
+A decode step's projections read the weight's bytes once: half of a 16-bit weight's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import host_checks, interpret_requested
+
+# NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
+INTERPRETED = interpret_requested()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Output rows and columns a program owns, reduction columns a step takes, launch shape."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# the tiles kernels.bench_fp8_linear times beside the default on every row (kernels.compile_check
+# --candidates compiles them; sm_90, bf16: 62-232 registers, none spills; 128 x 256 tiles spill 232 B):
+# narrow tiles for decode (more programs over the weight), wider and deeper ones for prefills
+CANDIDATES = {
+    "m16 n32 k128 s4": Fp8LinearConfig(block_m=16, block_n=32, block_k=128, num_stages=4),
+    "m16 n64 k128 s4": Fp8LinearConfig(block_m=16, block_n=64, block_k=128, num_stages=4),
+    "m16 n128 k64 s4": Fp8LinearConfig(block_m=16, block_n=128, block_k=64, num_stages=4),
+    "m32 n64 k128": Fp8LinearConfig(block_m=32, block_n=64, block_k=128),
+    "m64 n128 k64": Fp8LinearConfig(block_m=64, block_n=128, block_k=64),
+    "m128 n128 k64 w8": Fp8LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8),
+}
+DECODE_ROWS = 16  # default_config: up to this many rows a call is a decode step (one row tile)
+
+
+def default_config(rows: int) -> Fp8LinearConfig:
+    """Narrow tiles when the call has few rows (a decode step: the weight's reads are the cost, and more
+    programs keep more of them in flight), 128-row tiles for prefills. Not yet timed on a GPU
+    (kernels.bench_fp8_linear)."""
+    if INTERPRETED:
+        return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+    return CANDIDATES["m16 n32 k128 s4" if rows <= DECODE_ROWS else "m128 n128 k64 w8"]
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, stride_sr, stride_sc, scale_rows,
+    scale_cols,  # the block's rows and columns (BLOCKED); stride_sr: per output row otherwise
+    BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
+):  # fmt: skip
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    x_base = X + rows.to(tl.int64)[:, None] * stride_xm
+    w_base = W + cols.to(tl.int64)[None, :] * stride_wn  # NOTE: the weight read as [K, N] tiles
+    if BLOCKED:
+        s_base = S + (cols // scale_rows) * stride_sr
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_base + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        w = w.to(X.dtype.element_ty)
+        if DOT_FP32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if BLOCKED:  # NOTE: the step lies in one column of blocks: one multiplier an output column
+            scale = tl.load(s_base + (k0 // scale_cols) * stride_sc, mask=col_mask, other=0.0)
+            acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32) * scale[None, :]
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION, out_dtype=tl.float32)
+    if not BLOCKED:
+        acc = acc * tl.load(S + cols * stride_sr, mask=col_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dst = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(dst, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def check_fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """ValueError unless the arguments are as the module docstring says (metadata only)."""
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x [..., K] and weight [N, K] expected, got x {host_checks.shape_of(x)}, weight "
+            f"{host_checks.shape_of(weight)}"
+        )
+    if x.dtype not in host_checks.ATTENTION_DTYPES:
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if weight.dtype not in host_checks.FP8_POOL_DTYPES:
+        raise ValueError(f"weight must be float8_e4m3fn or float8_e5m2, got {weight.dtype}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale must be float32, got {scale.dtype}")
+    n, k = weight.shape
+    if block is not None:
+        rows, cols = block
+        if rows < 1 or cols < 1 or scale.shape != (-(-n // rows), -(-k // cols)):
+            raise ValueError(
+                f"an fp8 weight [{n}, {k}] in {rows}x{cols} blocks needs scale [{-(-n // max(rows, 1))}, "
+                f"{-(-k // max(cols, 1))}], got {host_checks.shape_of(scale)}"
+            )
+    elif scale.numel() not in (1, n) or (scale.numel() == n and scale.shape not in ((n,), (n, 1))):
+        raise ValueError(
+            f"an fp8 weight [{n}, {k}] without blocks needs one scale a row ([{n}] or [{n}, 1]) or one in all, "
+            f"got {host_checks.shape_of(scale)}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(
+            f"bias must be [{n}] in x's dtype {x.dtype}, got {bias.dtype} {host_checks.shape_of(bias)}"
+        )
+    tensors = [x, weight, scale, *([bias] if bias is not None else [])]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("x, weight, scale and bias must be on one device")
+
+
+def step_for(block: tuple[int, int] | None, k: int, cfg: Fp8LinearConfig) -> int:
+    """BLOCK_K for a launch: ``cfg.block_k``, halved until it divides the blocks' columns (a step must lie
+    in one column of blocks; a block of at least K columns has one). ValueError below 16 (tl.dot's least)."""
+    step = cfg.block_k
+    if block is None or block[1] >= k:
+        return step
+    while step >= 16 and block[1] % step:
+        step //= 2
+    if step < 16:
+        raise ValueError(f"fp8 weight blocks of {block[1]} columns: no step of 16 or more divides them")
+    return step
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None, config: Fp8LinearConfig | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """See the module docstring and kernels.reference.fp8_linear."""
+    check_fp8_linear(x, weight, scale, block, bias)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    cfg = config or default_config(m)
+    step = step_for(block, k, cfg)
+    if block is None:  # NOTE: one scale in all is a scale a row at stride 0
+        strides, block_rows, block_cols = (0 if scale.numel() == 1 else 1, 0), 1, k
+        scale = scale.reshape(-1)
+    else:
+        strides, (block_rows, block_cols) = scale.stride(), block
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _fp8_linear_kernel[grid](
+        x2, weight, scale, bias if bias is not None else out, out, m, n, k, x2.stride(0), weight.stride(0),
+        out.stride(0), strides[0], strides[1], block_rows, block_cols, BLOCKED=block is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=step,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and x.dtype == torch.bfloat16, enable_fp_fusion=True, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out.reshape(*lead, n)

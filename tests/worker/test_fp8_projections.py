@@ -1,0 +1,194 @@
+"""--fp8-weights fp8: an fp8 checkpoint's attention and dense MLP projections kept in fp8 on the device with
+their scales (a block's, a row's, a tensor's as a row's), multiplied in kernels.fp8_linear: the same model as
+the weights dequantized at load, in half a 16-bit weight's bytes; Granite's residual multiplier through the
+scales; the choice ``auto`` makes on each device; what cannot stay in fp8 refused (``fp8``) or dequantized
+(``auto``); two ranks splitting the weights with their scales answer as one."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.worker.conftest import GRANITE, save_checkpoint
+from tests.worker.test_fp8_weights import fp8_pair, logits_of
+from tests.worker.test_tensor_parallel import PROMPTS, assert_same, complete, serve_pair
+from worker.model import load_model
+from worker.model.loader import read_config, safetensors_files, served_fp8
+from worker.model.shard import Shard
+
+KINDS = [("fp8", "block"), ("fp8", "tensor"), ("compressed-tensors", "channel"),
+         ("compressed-tensors", "tensor"), ("compressed-tensors", "block")]  # fmt: skip
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def llama_base(tmp_path_factory):
+    """Llama with 144 intermediate units: 9 blocks of 16 rows; down_proj's 144 columns end in half a block."""
+    return save_checkpoint(tmp_path_factory.mktemp("fp8_kept"), "llama", intermediate_size=144)
+
+
+def kept_logits(path, dtype=torch.float32) -> torch.Tensor:
+    return logits_of(path, dtype, fp8_weights="fp8")
+
+
+@pytest.mark.parametrize(("method", "strategy"), KINDS)
+def test_kept_fp8_projections_are_the_model_of_their_dequantized_weights(
+    llama_base, tmp_path, method, strategy
+):
+    fp8, _ = fp8_pair(llama_base, tmp_path, method, strategy)
+    kept, plain = load_model(str(fp8), fp8_weights="fp8"), load_model(str(fp8), fp8_weights="dequantized")
+    assert kept.config.fp8_projections and not plain.config.fp8_projections
+    for layer, plain_layer in zip(kept.model.layers, plain.model.layers, strict=True):
+        for name in PROJECTIONS:
+            weight = getattr(layer, name)
+            assert weight.dtype == torch.float8_e4m3fn and weight.shape == getattr(plain_layer, name).shape
+    rows = {"block": (16, 32)}.get(strategy)
+    assert kept.model.layers[0].qkv_scale.shape == ((8, 2) if rows else (128, 1))  # 128 rows, 64 columns
+    # a tensor's scale kept as its rows' (q, k and v each their own in the stacked projection)
+    if strategy == "tensor":
+        scales = load_file(str(fp8 / "model.safetensors"))
+        suffix = "weight_scale_inv" if method == "fp8" else "weight_scale"
+        k_scale = scales[f"model.layers.1.self_attn.k_proj.{suffix}"].item()
+        assert torch.equal(kept.model.layers[1].qkv_scale[64:96], torch.full((32, 1), k_scale))
+    # float32: the same products as the dequantized weights' (each weight times its scale, exact in float32)
+    torch.testing.assert_close(kept_logits(fp8), logits_of(fp8), rtol=1e-5, atol=1e-5)
+    # bf16: the dequantized weights round once to bf16, the kept ones never: close, not equal
+    got, want = kept_logits(fp8, torch.bfloat16), logits_of(fp8, torch.bfloat16)
+    assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_kept_projections_take_half_the_bytes_of_bf16_ones(llama_base, tmp_path):
+    fp8, _ = fp8_pair(llama_base, tmp_path, "fp8", "block")
+
+    def projection_bytes(fp8_weights: str) -> int:
+        model = load_model(str(fp8), dtype=torch.bfloat16, fp8_weights=fp8_weights).model
+        return sum(getattr(layer, n).nbytes for layer in model.layers for n in PROJECTIONS)
+
+    assert projection_bytes("fp8") * 2 == projection_bytes("dequantized")
+
+
+def test_granites_residual_multiplier_scales_the_kept_weights_through_their_scales(tmp_path):
+    base = save_checkpoint(tmp_path / "granite", "granite", **GRANITE)
+    fp8, _ = fp8_pair(base, tmp_path, "fp8", "block")
+    assert read_config(str(fp8)).residual_multiplier != 1.0
+    torch.testing.assert_close(kept_logits(fp8), logits_of(fp8), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_fp8_on_cuda_from_sm89_and_dequantizes_elsewhere(llama_base, tmp_path, monkeypatch):
+    """The decision alone (no CUDA here: the device's compute capability is what torch would report)."""
+    fp8, _ = fp8_pair(llama_base, tmp_path, "fp8", "block")
+    config, files = read_config(str(fp8)), safetensors_files(str(fp8))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not served_fp8(config, "auto", cpu, files=files).fp8_projections
+    assert served_fp8(config, "fp8", cpu, files=files).fp8_projections  # on the CPU: the reference path
+    assert not served_fp8(config, "dequantized", cuda, files=files).fp8_projections
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert served_fp8(config, "auto", cuda, files=files).fp8_projections
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert not served_fp8(config, "auto", cuda, files=files).fp8_projections
+    with pytest.raises(ValueError, match=r"compute capability 8\.9.*--fp8-weights dequantized"):
+        served_fp8(config, "fp8", cuda, files=files)
+    plain = read_config(str(llama_base))  # not an fp8 checkpoint: nothing to keep
+    assert served_fp8(plain, "fp8", cpu) == plain
+    with pytest.raises(ValueError, match="fp8_weights must be one of"):
+        served_fp8(config, "e4m3", cpu)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "strategy", "edit", "refusal"),
+    [
+        # 136 gate/up rows: 8.5 blocks of 16 (stacked gate then up, the up rows would start mid-block)
+        (
+            "llama",
+            {"intermediate_size": 136},
+            "block",
+            None,
+            "136 gate_proj and up_proj rows are not whole 16x32",
+        ),
+        # Phi-3's fused q/k/v and gate/up weights: one scale grid over three projections
+        ("phi3", {}, "tensor", None, r"layers\.0\.mlp\.gate_up_proj\.weight holds fused projections"),
+        # a projection the checkpoint left unquantized (a quantizer's ignore list)
+        ("llama", {}, "channel", "unquantized", r"layers\.1\.mlp\.down_proj\.weight is F32, not fp8"),
+    ],
+    ids=["partial-blocks", "phi3-fused", "one-left-unquantized"],
+)
+def test_what_cannot_stay_in_fp8_is_refused_under_fp8_and_dequantized_under_auto(
+    tmp_path, monkeypatch, caplog, model_type, overrides, strategy, edit, refusal
+):
+    base = save_checkpoint(tmp_path / "base", model_type, **overrides)
+    fp8, _ = fp8_pair(base, tmp_path, "compressed-tensors" if strategy == "channel" else "fp8", strategy)
+    if edit == "unquantized":
+        weights = load_file(str(fp8 / "model.safetensors"))
+        name = "model.layers.1.mlp.down_proj.weight"
+        weights[name] = weights[name].float() * weights.pop(name.replace("weight", "weight_scale"))
+        save_file(weights, str(fp8 / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"--fp8-weights fp8: .*{refusal}.*--fp8-weights dequantized"):
+        load_model(str(fp8), fp8_weights="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
+        config = served_fp8(
+            read_config(str(fp8)), "auto", torch.device("cuda"), files=safetensors_files(str(fp8))
+        )
+    assert config.fp8_weights and not config.fp8_projections
+    assert re.search(f"fp8 projections dequantized at load: .*{refusal}", caplog.text)  # the reason, logged
+    assert torch.isfinite(logits_of(fp8, fp8_weights="dequantized")).all()  # dequantized, it serves
+
+
+def test_a_weight_the_headers_did_not_show_unquantized_is_refused_at_load(llama_base, tmp_path):
+    """The headers are checked first; loading refuses a cast too (a kept slot is filled with fp8 only)."""
+    fp8, _ = fp8_pair(llama_base, tmp_path, "fp8", "block")
+    config = dataclasses.replace(read_config(str(fp8)), fp8_projections=True)
+    from worker.model.llama import LlamaForCausalLM
+    from worker.model.loader import iter_safetensors
+
+    weights = dict(iter_safetensors(safetensors_files(str(fp8))))
+    weights["model.layers.0.self_attn.o_proj.weight"] = weights[
+        "model.layers.0.self_attn.o_proj.weight"
+    ].float()
+    with pytest.raises(ValueError, match=r"o_proj\.weight' is torch\.float32 in the checkpoint, not fp8"):
+        LlamaForCausalLM(config, "cpu", torch.float32).load_weights(weights.items())
+
+
+def test_ranks_must_hold_whole_scale_blocks(llama_base, tmp_path):
+    """Over 2 ranks each holds 72 of the 144 gate/up rows and down columns: 4.5 blocks of 16 rows."""
+    fp8, _ = fp8_pair(llama_base, tmp_path, "fp8", "block")
+    config, files = read_config(str(fp8)), safetensors_files(str(fp8))
+    assert served_fp8(config, "fp8", torch.device("cpu"), Shard(0, 1), files).fp8_projections
+    with pytest.raises(
+        ValueError, match="72 gate_proj and up_proj rows on each of 2 ranks are not whole 16x32"
+    ):
+        served_fp8(config, "fp8", torch.device("cpu"), Shard(0, 2), files)
+    per_row = dataclasses.replace(config, fp8_weight_block=None)  # one scale a row: any split
+    assert served_fp8(per_row, "fp8", torch.device("cpu"), Shard(0, 2), files).fp8_projections
+
+
+@pytest.mark.parametrize("strategy", ["block", "channel"])
+def test_two_ranks_split_kept_fp8_projections_with_their_scales(tmp_path, strategy):
+    """128 intermediate units: each rank 64 gate/up rows (4 blocks of 16) and 64 down columns (2 of 32), 32
+    q rows and o columns, 16 k and v rows; per row, the scales follow the rows and stay whole by column.
+    Real worker processes over gloo, against one rank serving the same checkpoint kept in fp8."""
+    base = save_checkpoint(tmp_path / "base", "llama", intermediate_size=128)
+    fp8, _ = fp8_pair(base, tmp_path, "fp8" if strategy == "block" else "compressed-tensors", strategy)
+    one, two = serve_pair(str(fp8), tmp_path, ["--kv-cache-tokens", "2048", "--fp8-weights", "fp8"])
+    try:
+        for body in (
+            {"prompt": PROMPTS[1], "temperature": 0, "logprobs": 2},
+            {"prompt": PROMPTS[0], "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0},
+        ):
+            assert_same(complete(one.url, **body), complete(two.url, **body))
+    finally:
+        two.stop()
+        one.stop()
+
+
+def test_the_flag_is_validated():
+    from worker.config import WorkerConfig
+
+    WorkerConfig(fp8_weights="fp8").validate()
+    with pytest.raises(ValueError, match="--fp8-weights must be one of auto, fp8, dequantized"):
+        WorkerConfig(fp8_weights="kept").validate()
