@@ -27,7 +27,7 @@ def run_script(*args: str, site: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("step", ["kernels", "features", "moe"])
+@pytest.mark.parametrize("step", ["kernels", "features", "moe", "fp8"])
 def test_a_step_without_cuda_fails_clearly_and_changes_nothing(tmp_path, step):
     out, site = tmp_path / "out", tmp_path / "site"
     proc = run_script(step, str(out), site=site)
@@ -53,6 +53,17 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_every_step_is_named_alike_in_the_usage_the_parser_the_refusal_and_the_runner():
+    """A step the parser takes is in the usage line and the unknown-step message, and main() runs it."""
+    text = SCRIPT.read_text()
+    usage = re.search(r"^# Usage: \S+ \S+ \[--quick\] \[([\w|]+) \.\.\.\]", text, re.M).group(1).split("|")
+    taken = re.search(r"^ +(tests \| [\w| ]+)\) steps\+=", text, re.M).group(1).split(" | ")
+    refused = re.search(r"unknown step '\$1' \(steps: ([\w ]+);", text).group(1).split()
+    run = re.findall(r"^      (\w+)\)", text, re.M)
+    assert usage == refused == [*taken, "all"] and sorted(run) == sorted(taken)
+    assert "fp8" in taken
 
 
 @pytest.mark.parametrize("name", ["GPU_BENCH_DEADLINE", "GPU_BENCH_TEST_TIMEOUT", "GPU_BENCH_TEST_JOBS"])
