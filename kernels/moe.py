@@ -7,7 +7,10 @@ Shapes (T = tokens, H = hidden size, E = experts, I = one expert's intermediate 
   sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]; with the experts'
   biases b13 [E, 2I] and b2 [E, H] (gpt-oss) added to each product, and another gated activation by name.
   w13 / w2 may be MXFP4 (gpt-oss as released): uint8 codes [E, 2I, H/2] / [E, H, I/2], two values a byte,
-  with uint8 scales [E, 2I, H/32] / [E, H, I/32], decoded tile by tile inside the GEMMs.
+  with uint8 scales [E, 2I, H/32] / [E, H, I/32], decoded tile by tile inside the GEMMs; or fp8 (an fp8
+  checkpoint's experts, --fp8-weights): float8_e4m3fn / float8_e5m2 [E, 2I, H] / [E, H, I] with float32
+  scales, one a ``fp8_block`` block of each expert's weight or one a row ([E, N, 1]), each tile widened
+  to x's dtype and each step's product times its blocks' scales (as kernels.fp8_linear does).
 Math in fp32; the gate/up product and its activation are rounded to x's dtype between the launches (as
 the same matmuls in x's dtype would round them), the K expert outputs are summed in fp32.
 
@@ -33,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested, pointwise
+from kernels.fp8_linear import step_for
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -230,12 +234,15 @@ def _grouped_gemm_kernel(
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
     Bias=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
     Scales=None, stride_se=0, stride_sn=0, MXFP4: tl.constexpr = False,
+    stride_sk=0, scale_rows=1, scale_cols=1, FP8: tl.constexpr = False,
 ):  # fmt: skip
     """C[pair, n] = A[row] . W[expert, n] (+ Bias[expert, n] when HAS_BIAS; the sum times the pair's
     weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
     pair (A is the activation). MXFP4: W is [E, N, KDIM/2] uint8 codes with Scales [E, N, KDIM/32]
     (kernels.reference.dequantize_mxfp4), each tile decoded to A's dtype before its dot (BLOCK_K and
-    KDIM multiples of 32)."""
+    KDIM multiples of 32). FP8: W is fp8 [E, N, KDIM] with float32 Scales, one a block of scale_rows x
+    scale_cols of each expert's weight (BLOCK_K divides scale_cols, or scale_cols >= KDIM: a step lies in
+    one column of blocks), each tile widened to A's dtype and each step's product times its scales."""
     block, col_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
     pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -247,6 +254,8 @@ def _grouped_gemm_kernel(
     w_base = W + tl.maximum(expert, 0) * stride_we + cols[None, :] * stride_wn
     if MXFP4:
         s_base = Scales + tl.maximum(expert, 0) * stride_se + cols[None, :] * stride_sn
+    if FP8:
+        s_base = Scales + tl.maximum(expert, 0) * stride_se + (cols // scale_rows) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.where(expert >= 0, KDIM, 0), BLOCK_K):  # NOTE: an unused block reads nothing
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -261,9 +270,15 @@ def _grouped_gemm_kernel(
             w = (_e2m1(codes) * tl.exp2(scale.to(tl.float32) - 127.0)).to(A.dtype.element_ty)
         else:
             w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if FP8:  # NOTE: exact: every fp8 value is a value of A's dtype
+                w = w.to(A.dtype.element_ty)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
+        if FP8:  # NOTE: the step lies in one column of blocks: one scale an output column
+            scale = tl.load(s_base + (k0 // scale_cols) * stride_sk, mask=col_mask, other=0.0)
+            acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * scale[None, :]
+        else:
+            acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(Bias + tl.maximum(expert, 0) * stride_be + cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -276,6 +291,7 @@ def _grouped_gemm_kernel(
 def _check(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     b13: torch.Tensor | None, b2: torch.Tensor | None, s13: torch.Tensor | None, s2: torch.Tensor | None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or weights.dim() != 2 or ids.shape != weights.shape:
         raise ValueError(
@@ -285,7 +301,9 @@ def _check(
         )
     (t, h), (e, two_i, _) = x.shape, w13.shape
     # NOTE: an MXFP4 weight holds two values a byte
-    k13, k2 = w13.shape[2] * (1 if s13 is None else 2), w2.shape[2] * (1 if s2 is None else 2)
+    k13, k2 = (
+        w.shape[2] * (2 if s is not None and w.dtype == torch.uint8 else 1) for w, s in ((w13, s13), (w2, s2))
+    )
     if two_i % 2 or k13 != h or w2.shape[:2] != (e, h) or k2 != two_i // 2 or weights.shape[0] != t:
         raise ValueError(
             f"shapes do not agree: x {host_checks.shape_of(x)}, w13 {host_checks.shape_of(w13)}, "
@@ -298,8 +316,10 @@ def _check(
             raise ValueError(
                 f"x, w13 and w2 must share one of fp16/bf16/fp32, got {x.dtype} and {name} {w.dtype}"
             )
-        if scales is not None and (w.dtype != torch.uint8 or scales.dtype != torch.uint8
-                                   or scales.shape != (*w.shape[:2], w.shape[2] // 16) or w.shape[2] % 16):  # fmt: skip
+        if scales is not None and w.dtype in host_checks.FP8_POOL_DTYPES:
+            _check_fp8_scales(name, w, scales, fp8_block)
+        elif scales is not None and (w.dtype != torch.uint8 or scales.dtype != torch.uint8
+                                     or scales.shape != (*w.shape[:2], w.shape[2] // 16) or w.shape[2] % 16):  # fmt: skip
             raise ValueError(
                 f"an MXFP4 {name} is uint8 [E, N, K/2] with uint8 scales [E, N, K/32] (K a multiple of 32), got "
                 f"{w.dtype} {host_checks.shape_of(w)} and {scales.dtype} {host_checks.shape_of(scales)}"
@@ -314,6 +334,19 @@ def _check(
     for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
         if bias is not None and bias.shape != shape:
             raise ValueError(f"{name} must be {list(shape)}, got {list(bias.shape)}")
+
+
+def _check_fp8_scales(
+    name: str, w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None
+) -> None:  # fmt: skip
+    """An fp8 expert weight's scales: float32, one a ``block`` of each expert's [N, K], else one a row."""
+    e, n, k = w.shape
+    want = (e, -(-n // block[0]), -(-k // block[1])) if block else (e, n, 1)
+    if scales.dtype != torch.float32 or scales.shape != want:
+        raise ValueError(
+            f"an fp8 {name} {host_checks.shape_of(w)} needs float32 scales {list(want)}, got {scales.dtype} "
+            f"{host_checks.shape_of(scales)}"
+        )
 
 
 def fused_moe(
@@ -331,12 +364,14 @@ def fused_moe(
     limit: float = 7.0,
     w13_scales: torch.Tensor | None = None,
     w2_scales: torch.Tensor | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None.
     ``b13`` [E, 2I] / ``b2`` [E, H]: the experts' biases, ``activation`` (with ``alpha`` and ``limit``):
-    the gated activation by name; ``w13_scales`` / ``w2_scales``: w13 / w2 are MXFP4 (decoded tile by tile
-    in the GEMMs), as kernels.reference.fused_moe takes them all."""
-    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales)
+    the gated activation by name; ``w13_scales`` / ``w2_scales``: w13 / w2 are MXFP4 (uint8) or fp8
+    (scales one a ``fp8_block`` block, else one a row), decoded tile by tile in the GEMMs, as
+    kernels.reference.fused_moe takes them all."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales, fp8_block)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0 or k == 0:
         return torch.zeros_like(x)
@@ -344,7 +379,12 @@ def fused_moe(
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     pairs = t * k
-    cfg = config or default_config(pairs, e, mxfp4=w13_scales is not None or w2_scales is not None)
+    cfg = config or default_config(pairs, e, mxfp4=w13.dtype == torch.uint8 or w2.dtype == torch.uint8)
+    if w13.dtype in host_checks.FP8_POOL_DTYPES or w2.dtype in host_checks.FP8_POOL_DTYPES:
+        # NOTE: a step must lie in one column of scale blocks (in both GEMMs: one block_k serves them)
+        cfg = dataclasses.replace(
+            cfg, block_k=min(step_for(fp8_block, h, cfg), step_for(fp8_block, two_i // 2, cfg))
+        )
     sorted_pairs, block_experts = moe_align(topk_ids, e, cfg.block_m)
     pair_weights = topk_weights.reshape(-1).float().contiguous()
     common = {
@@ -363,22 +403,29 @@ def fused_moe(
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
         x, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
         x.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
-        ROW_PER_TOKEN=True, WEIGHTED=False, **common, **_bias_args(b13), **_mxfp4_args(w13_scales, cfg),
+        ROW_PER_TOKEN=True, WEIGHTED=False, **common, **_bias_args(b13), **_scale_args(w13, w13_scales, cfg, fp8_block),
     )  # fmt: skip
     act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
         act, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        ROW_PER_TOKEN=False, WEIGHTED=True, **common, **_bias_args(b2), **_mxfp4_args(w2_scales, cfg),
+        ROW_PER_TOKEN=False, WEIGHTED=True, **common, **_bias_args(b2), **_scale_args(w2, w2_scales, cfg, fp8_block),
     )  # fmt: skip
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
 
 
-def _mxfp4_args(scales: torch.Tensor | None, cfg: MoeConfig) -> dict:
-    """The grouped GEMM's MXFP4 arguments: none, or the scales [E, N, K/32] read at unit stride."""
+def _scale_args(
+    w: torch.Tensor, scales: torch.Tensor | None, cfg: MoeConfig, fp8_block: tuple[int, int] | None
+) -> dict:  # fmt: skip
+    """The grouped GEMM's arguments for quantized weights: none; an fp8 weight's scales (one a block of
+    ``fp8_block``, else one a row: a block of 1 x K); or MXFP4's [E, N, K/32], read at unit stride."""
     if scales is None:
         return {}
+    if w.dtype != torch.uint8:
+        rows, cols = fp8_block or (1, w.shape[2])
+        return {"Scales": scales, "stride_se": scales.stride(0), "stride_sn": scales.stride(1),
+                "stride_sk": scales.stride(2), "scale_rows": rows, "scale_cols": cols, "FP8": True}  # fmt: skip
     if cfg.block_k % 32:
         raise ValueError(f"MXFP4 weights need block_k a multiple of 32, got {cfg.block_k}")
     scales = scales if scales.stride(-1) == 1 else scales.contiguous()

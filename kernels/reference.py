@@ -288,17 +288,23 @@ def fused_moe(
     limit: float = 7.0,
     w13_scales: torch.Tensor | None = None,
     w2_scales: torch.Tensor | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The mixture-of-experts MLP: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H] in x's dtype: token t's sum over j of topk_weights[t, j] *
     (w2[e] @ act(w13[e] @ x_t + b13[e]) + b2[e]), e = topk_ids[t, j], with the biases b13 [E, 2I] and
     b2 [E, H] where given and ``act`` the gated_activation named ``activation``. float32 math; the
     gate/up product and its activation rounded to x's dtype (as kernels.moe rounds them between its
-    launches). With ``w13_scales`` [E, 2I, H/32] (``w2_scales`` [E, H, I/32]) w13 (w2) is MXFP4,
-    [E, 2I, H/2] ([E, H, I/2]) uint8: its weights are dequantize_mxfp4's, in x's dtype."""
+    launches). With ``w13_scales`` [E, 2I, H/32] (``w2_scales`` [E, H, I/32]) a uint8 w13 (w2) is MXFP4,
+    [E, 2I, H/2] ([E, H, I/2]): its weights are dequantize_mxfp4's, in x's dtype; an fp8 one (float8_e4m3fn
+    or float8_e5m2, an fp8 checkpoint's experts) has float32 scales, one a ``fp8_block`` block of each
+    expert's weight ([E, ceil(N / rows), ceil(K / cols)]) or, without, one a row ([E, N, 1]): its weights
+    are dequantize_fp8_weight's, in float32."""
 
     def weight(w: torch.Tensor, scales: torch.Tensor | None, e: int) -> torch.Tensor:
-        """Expert e's weight in float32 (MXFP4 ones dequantized: only the experts the batch chose)."""
+        """Expert e's weight in float32 (MXFP4 and fp8 ones dequantized: only the experts the batch chose)."""
+        if scales is not None and w.dtype != torch.uint8:
+            return dequantize_fp8_weight(w[e], scales[e], fp8_block, torch.float32)
         return (w[e] if scales is None else dequantize_mxfp4(w[e], scales[e], x.dtype)).float()
 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

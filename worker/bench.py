@@ -168,8 +168,10 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
             if param.dtype == torch.float8_e4m3fn:  # NOTE: projections kept in fp8: codes of rms 64
                 codes = torch.empty(param.shape, device=device).normal_(0.0, 64.0, generator=gen)
                 param.copy_(codes.clamp(-448.0, 448.0))
-            elif name.endswith("_scale"):  # NOTE: their scales: weights of rms 1/sqrt(fan_in), as below
-                param.fill_(model.get_parameter(name.removesuffix("_scale") + "_proj").shape[-1] ** -0.5 / 64)
+            elif param.dtype == torch.float32 and name.endswith(("_scale", "_scales")):
+                # NOTE: their scales (experts' too): weights of rms 1/sqrt(fan_in), as below
+                weight = name.removesuffix("_scales") if name.endswith("_scales") else name[:-6] + "_proj"
+                param.fill_(model.get_parameter(weight).shape[-1] ** -0.5 / 64)
             elif param.dtype == torch.uint8 and not name.endswith("_scales"):
                 param.random_(0, 256, generator=gen)  # NOTE: MXFP4 experts' codes: any
             elif param.dtype == torch.uint8:  # NOTE: their scales: weights of rms ~1/sqrt(fan_in), as below

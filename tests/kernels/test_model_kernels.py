@@ -132,10 +132,13 @@ MXFP4_CONFIG = dataclasses.replace(GPT_OSS_CONFIG, moe_intermediate_size=64, mxf
 
 
 # an fp8 checkpoint's projections kept in fp8 (--fp8-weights fp8): one scale a 16 x 32 block (the hidden size's
-# 64 columns two blocks, the 128 intermediate rows eight), or one a row; a mixture of experts' attention alone
+# 64 columns two blocks, the 128 intermediate rows eight), or one a row; a mixture of experts' attention and
+# experts (48 units: three blocks of rows, one and a half of columns; the shared expert dequantized)
 FP8_CONFIG = dataclasses.replace(CONFIG, fp8_weights=True, fp8_weight_block=(16, 32), fp8_projections=True)
 FP8_ROW_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_weight_block=None)
-FP8_MOE_CONFIG = dataclasses.replace(MOE_CONFIG, fp8_weights=True, fp8_projections=True)
+FP8_MOE_CONFIG = dataclasses.replace(
+    MOE_CONFIG, fp8_weights=True, fp8_weight_block=(16, 32), fp8_projections=True
+)
 
 
 @pytest.mark.parametrize(

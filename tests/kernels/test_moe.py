@@ -190,6 +190,49 @@ def test_fused_moe_on_mxfp4_experts_matches_the_reference(backend, assert_close_
         moe.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2[..., :1])
 
 
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None, seed: int = 3):
+    """``w13`` / ``w2`` as an fp8 checkpoint's experts: e4m3 codes and float32 scales (one a ``block`` of
+    each expert, else one a row) spread over 2^-8 .. 2^-2, so a scale read for the wrong block, row or
+    expert moves the output by far more than rounding does."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for w in (w13, w2):
+        e, n, k = w.shape
+        shape = (e, -(-n // block[0]), -(-k // block[1])) if block else (e, n, 1)
+        scales = torch.exp2(torch.rand(shape, generator=g) * -6 - 2)
+        codes = (torch.randn(w.shape, generator=g) * 64).clamp(-440, 440).to(torch.float8_e4m3fn)
+        out += [
+            codes,
+            scales * k**-0.5 / 64 / scales.mean(),
+        ]  # NOTE: weights of rms ~1/sqrt(K), as moe_case's
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [(16, 32), (32, 48), None], ids=["block16x32", "block32x48", "per-row"])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_fused_moe_on_fp8_experts_matches_the_reference(
+    backend, assert_close_rel, poisoned, case, block, dtype
+):
+    """An fp8 checkpoint's experts (--fp8-weights fp8): e4m3 codes widened tile by tile and each step's
+    product times its scales (block scales partial at the ends: 72 hidden columns, 40 units), in both GEMMs,
+    against the reference on the same experts; the reference against the dequantized experts."""
+    moe = backend.module("moe")
+    tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 72, 40), "prefill": (40, 4, 2, 72, 40)}[case]
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    w13, s13, w2, s2 = fp8_experts(w13, w2, block)
+    options = {"w13_scales": s13, "w2_scales": s2, "fp8_block": block}
+    dev = backend.device
+    args = [t.to(dev) for t in (x, w13, w2, weights, ids)]
+    got = moe.fused_moe(*args, **{**options, "w13_scales": s13.to(dev), "w2_scales": s2.to(dev)})
+    want = reference.fused_moe(x, w13, w2, weights, ids, **options)
+    assert_close_rel(got, want.to(dev))
+    dense = [reference.dequantize_fp8_weight(w, s, block, torch.float32) for w, s in ((w13, s13), (w2, s2))]
+    assert_close_rel(reference.fused_moe(x.float(), *dense, weights, ids).to(dtype), want)
+    with pytest.raises(ValueError, match=r"an fp8 w2 .* needs float32 scales"):
+        moe.fused_moe(*args, w13_scales=s13.to(dev), w2_scales=s2[..., :1].to(dev)[:, :1], fp8_block=block)
+
+
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
     backend, assert_close_rel, poisoned
 ):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.worker.conftest import GRANITE, save_checkpoint
+from tests.worker.conftest import GRANITE, MIXTRAL, QWEN3_MOE, save_checkpoint
 from tests.worker.test_fp8_weights import fp8_pair, logits_of
 from tests.worker.test_tensor_parallel import PROMPTS, assert_same, complete, serve_pair
 from worker.model import load_model
@@ -60,6 +60,19 @@ def test_kept_fp8_projections_are_the_model_of_their_dequantized_weights(
     # bf16: the dequantized weights round once to bf16, the kept ones never: close, not equal
     got, want = kept_logits(fp8, torch.bfloat16), logits_of(fp8, torch.bfloat16)
     assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [("qwen3_moe", QWEN3_MOE), ("mixtral", MIXTRAL)])
+def test_kept_fp8_experts_are_the_experts_of_their_dequantized_weights(tmp_path, model_type, overrides):
+    """Every expert kept in fp8 beside the attention (Mixtral's w1 / w3 / w2 names too), multiplied in the
+    experts' GEMMs (kernels.moe) with their block scales: the model of the dequantized weights."""
+    base = save_checkpoint(tmp_path / "moe", model_type, **overrides)
+    fp8, _ = fp8_pair(base, tmp_path, "fp8", "block")
+    kept = load_model(str(fp8), fp8_weights="fp8").model
+    layer = kept.layers[0]
+    assert layer.sparse and layer.experts_gate_up.dtype == layer.experts_down.dtype == torch.float8_e4m3fn
+    assert layer.experts_gate_up_scales.dtype == torch.float32
+    torch.testing.assert_close(kept_logits(fp8), logits_of(fp8), rtol=1e-5, atol=1e-5)
 
 
 def test_kept_projections_take_half_the_bytes_of_bf16_ones(llama_base, tmp_path):
@@ -165,14 +178,24 @@ def test_ranks_must_hold_whole_scale_blocks(llama_base, tmp_path):
         served_fp8(config, "fp8", torch.device("cpu"), Shard(0, 2), files)
     per_row = dataclasses.replace(config, fp8_weight_block=None)  # one scale a row: any split
     assert served_fp8(per_row, "fp8", torch.device("cpu"), Shard(0, 2), files).fp8_projections
+    # experts of 32 units in 16 x 32 blocks: one block of rows a rank, but half a block of down columns
+    moe = dataclasses.replace(config, intermediate_size=128, num_experts=8, moe_intermediate_size=32)
+    assert served_fp8(moe, "fp8", torch.device("cpu"), Shard(0, 1)).fp8_projections
+    with pytest.raises(ValueError, match="16 experts' down_proj columns on each of 2 ranks are not whole"):
+        served_fp8(moe, "fp8", torch.device("cpu"), Shard(0, 2))
 
 
-@pytest.mark.parametrize("strategy", ["block", "channel"])
-def test_two_ranks_split_kept_fp8_projections_with_their_scales(tmp_path, strategy):
-    """128 intermediate units: each rank 64 gate/up rows (4 blocks of 16) and 64 down columns (2 of 32), 32
-    q rows and o columns, 16 k and v rows; per row, the scales follow the rows and stay whole by column.
-    Real worker processes over gloo, against one rank serving the same checkpoint kept in fp8."""
-    base = save_checkpoint(tmp_path / "base", "llama", intermediate_size=128)
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "strategy"),
+    [("llama", {}, "block"), ("llama", {}, "channel"), ("qwen3_moe", QWEN3_MOE, "channel")],
+    ids=["blocks", "rows", "moe-rows"],
+)
+def test_two_ranks_split_kept_fp8_projections_with_their_scales(tmp_path, model_type, overrides, strategy):
+    """Llama's 128 intermediate units: each rank 64 gate/up rows (4 blocks of 16) and 64 down columns (2 of
+    32), 32 q rows and o columns, 16 k and v rows; per row, the scales follow the rows and stay whole by
+    column, every expert's too (Qwen3-MoE: 16 of its 32 units a rank). Real worker processes over gloo,
+    against one rank serving the same checkpoint kept in fp8."""
+    base = save_checkpoint(tmp_path / "base", model_type, **overrides)
     fp8, _ = fp8_pair(base, tmp_path, "fp8" if strategy == "block" else "compressed-tensors", strategy)
     one, two = serve_pair(str(fp8), tmp_path, ["--kv-cache-tokens", "2048", "--fp8-weights", "fp8"])
     try:

@@ -19,9 +19,10 @@ from tests.worker.test_model import PROMPT, extend, new_pool, scattered_slots
 from worker.model import ModelConfig, load_model
 
 FP8_MAX = 448.0
-# the linear layers an fp8 quantizer quantizes (Phi-3's fused q/k/v and gate/up among them)
+# the linear layers an fp8 quantizer quantizes (Phi-3's fused q/k/v and gate/up, Mixtral's experts among them)
 LINEAR = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(experts\.\d+\.)?(gate_up|gate|up|down)_proj)\.weight$"
+    r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(experts\.\d+\.)?(gate_up|gate|up|down)_proj|"
+    r"block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
 )
 
 

@@ -114,15 +114,17 @@ def _norm_weight(size: int, config: ModelConfig, device: torch.device, dtype: to
     return _weight(size, device=device, dtype=torch.float32 if config.norm_offset else dtype)
 
 
-def _fp8_scale(config: ModelConfig, n: int, k: int, device: torch.device) -> nn.Parameter | None:
-    """The float32 scales of an [n, k] projection kept in fp8 (kernels.fp8_linear): one a block of
-    config.fp8_weight_block, else one a row; None when the projections are not kept in fp8."""
+def _fp8_scale(
+    config: ModelConfig, n: int, k: int, device: torch.device, experts: int | None = None
+) -> nn.Parameter | None:  # fmt: skip
+    """The float32 scales of an [n, k] projection kept in fp8 (kernels.fp8_linear; of each of ``experts``
+    experts: kernels.moe): one a block of config.fp8_weight_block, else one a row; None when the
+    projections are not kept in fp8."""
     if not config.fp8_projections:
         return None
-    if config.fp8_weight_block is None:
-        return _weight(n, 1, device=device, dtype=torch.float32)
-    rows, cols = config.fp8_weight_block
-    return _weight(-(-n // rows), -(-k // cols), device=device, dtype=torch.float32)
+    rows, cols = config.fp8_weight_block or (1, k)
+    shape = (-(-n // rows), -(-k // cols))
+    return _weight(*((experts,) if experts else ()), *shape, device=device, dtype=torch.float32)
 
 
 class DecoderLayer(nn.Module):
@@ -167,6 +169,13 @@ class DecoderLayer(nn.Module):
         )
         self.experts_down = _weight(c.num_experts, c.hidden_size, self.inter, **w) if self.sparse else None
         self.experts_gate_up_scales = self.experts_down_scales = None
+        if self.sparse and c.fp8_projections:  # NOTE: an fp8 checkpoint's experts kept in fp8 (kernels.moe)
+            fp8 = {"device": device, "dtype": torch.float8_e4m3fn}
+            h, n = c.hidden_size, self.inter
+            self.experts_gate_up = _weight(c.num_experts, 2 * n, h, **fp8)
+            self.experts_down = _weight(c.num_experts, h, n, **fp8)
+            self.experts_gate_up_scales = _fp8_scale(c, 2 * n, h, device, c.num_experts)
+            self.experts_down_scales = _fp8_scale(c, h, n, device, c.num_experts)
         if self.sparse and c.mxfp4_experts:  # NOTE: codes two a byte, a scale a block of 32 (kernels.moe)
             packed = {"device": device, "dtype": torch.uint8}
             h, n = c.hidden_size, self.inter
@@ -281,7 +290,7 @@ class DecoderLayer(nn.Module):
             h, self.experts_gate_up, self.experts_down, weights, ids, b13=self.experts_gate_up_bias,
             b2=self.experts_down_bias if self.bias_here else None, activation=c.expert_activation,
             alpha=c.swiglu_alpha, limit=c.swiglu_limit, w13_scales=self.experts_gate_up_scales,
-            w2_scales=self.experts_down_scales,
+            w2_scales=self.experts_down_scales, fp8_block=c.fp8_weight_block if c.fp8_projections else None,
         )  # fmt: skip
         if self.shared_gate_up is None:
             return out
@@ -338,9 +347,11 @@ _FP8_SCALE = re.compile(r"(.+)\.weight_scale(?:_inv)?$")
 _FP8_UNUSED = re.compile(r".+\.(input_scale|output_scale|k_scale|v_scale)$")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the projections an fp8 checkpoint keeps in fp8 under --fp8-weights fp8 (the owner of a weight and its scale):
-# every layer's attention q/k/v/o and a dense layer's MLP gate/up/down (experts and shared experts: dequantized)
+# every layer's attention q/k/v/o, a dense layer's MLP gate/up/down and every expert's (Mixtral's w1 / w3 / w2
+# names too); shared experts, routers and the LM head are dequantized
 FP8_PROJECTION = re.compile(
-    r"(?:^|\.)model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)$"
+    r"(?:^|\.)model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj|"
+    r"block_sparse_moe\.experts\.\d+\.w[123])$"
 )
 
 
@@ -605,17 +616,22 @@ class LlamaForCausalLM(nn.Module):
             e = int(m.group(1))
             if e >= self.config.num_experts:
                 return None
+            # NOTE: MXFP4 experts' scales come as "scales", fp8 ones' (kept, --fp8-weights) as "weight_scale"
             gate_up, down = {
                 "weight": (layer.experts_gate_up, layer.experts_down),
                 "bias": (layer.experts_gate_up_bias, layer.experts_down_bias),
                 "scales": (layer.experts_gate_up_scales, layer.experts_down_scales),
-            }.get(kind, (None, None))  # NOTE: experts are never kept in fp8: no weight_scale
+                "weight_scale": (layer.experts_gate_up_scales, layer.experts_down_scales),
+            }[kind]
             if gate_up is None:
                 return None
             if m.group(2) == "down_proj":
                 return down[e]
+            # NOTE: fp8 block scales: one a block of rows (served_fp8: the gate and up parts are whole blocks)
+            block = self.config.fp8_weight_block
+            per = block[0] if kind == "weight_scale" and block else 1
             start = 0 if m.group(2) == "gate_proj" else inter
-            return gate_up[e, start : start + inter]
+            return gate_up[e, start // per : (start + inter) // per]
         if kind != "weight":
             return layer.router_bias if (part, kind) == ("mlp.gate", "bias") else None
         slots = {"mlp.gate": layer.router}
@@ -641,9 +657,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} appears twice in the checkpoint")
             seen.add(name)
             tensor = self.shard.weight(self.config, name, tensor)
-            if (
-                target.dtype == torch.float8_e4m3fn and tensor.dtype != target.dtype
-            ):  # NOTE: a cast would round
+            # NOTE: a slot kept in fp8 takes fp8 only: a cast would round
+            if target.dtype == torch.float8_e4m3fn and tensor.dtype != target.dtype:
                 raise ValueError(
                     f"weight {name!r} is {tensor.dtype} in the checkpoint, not fp8 (e4m3) as --fp8-weights fp8 "
                     "keeps it; serve the checkpoint with --fp8-weights dequantized"

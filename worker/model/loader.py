@@ -109,12 +109,22 @@ def served_fp8(
     return config
 
 
+# weights that stack projections kept apart in fp8: Phi-3's q/k/v and gate/up, Granite MoE's experts
+_FUSED = (
+    "self_attn.qkv_proj",
+    "mlp.gate_up_proj",
+    "block_sparse_moe.input_linear",
+    "block_sparse_moe.output_linear",
+)
+
+
 def fp8_projection_refusal(config: ModelConfig, shard: Shard, files: list[str]) -> str | None:
     """Why an fp8 checkpoint's projections cannot stay in fp8 on ``shard``'s ranks (None: they can). Each
-    must be an e4m3 weight of its own (not Phi-3's fused q/k/v or gate/up) in the checkpoint's headers
-    (no tensor is read), and with block scales every stacked or split part must be whole blocks: this
-    rank's q, k and v rows and dense gate and up rows in blocks of rows, and over several ranks the columns
-    each holds of o_proj and down_proj in blocks of columns."""
+    must be an e4m3 weight of its own (not Phi-3's fused q/k/v or gate/up, nor Granite MoE's stacked
+    experts) in the checkpoint's headers (no tensor is read), and with block scales every stacked or split
+    part must be whole blocks: this rank's q, k and v rows and dense and expert gate and up rows in blocks
+    of rows, and over several ranks the columns each holds of o_proj and the down projections in blocks
+    of columns."""
     from safetensors import safe_open
 
     if config.fp8_weight_block is not None:
@@ -126,8 +136,11 @@ def fp8_projection_refusal(config: ModelConfig, shard: Shard, files: list[str]) 
         inter = shard.local(config, "intermediate")
         parts = {"q_proj rows": (q, rows), "k_proj and v_proj rows": (kv, rows)}
         parts["gate_proj and up_proj rows"] = (inter, rows)
+        expert = shard.local(config, "moe_intermediate") if config.num_experts else 0
+        parts["experts' gate_proj and up_proj rows"] = (expert, rows)
         if shard.size > 1:
             parts |= {"o_proj columns": (q, cols), "down_proj columns": (inter, cols)}
+            parts["experts' down_proj columns"] = (expert, cols)
         for what, (n, block) in parts.items():
             if n % block:
                 ranks = f" on each of {shard.size} ranks" if shard.size > 1 else ""
@@ -136,7 +149,7 @@ def fp8_projection_refusal(config: ModelConfig, shard: Shard, files: list[str]) 
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 owner = name.removesuffix(".weight")
-                if name.endswith(".weight") and owner.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj")):
+                if name.endswith(".weight") and owner.endswith(_FUSED):
                     return f"{name} holds fused projections"
                 if name.endswith(".weight") and FP8_PROJECTION.search(owner):
                     dtype = f.get_slice(name).get_dtype()
