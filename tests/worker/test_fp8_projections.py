@@ -215,3 +215,40 @@ def test_the_flag_is_validated():
     WorkerConfig(fp8_weights="fp8").validate()
     with pytest.raises(ValueError, match="--fp8-weights must be one of auto, fp8, dequantized"):
         WorkerConfig(fp8_weights="kept").validate()
+
+
+def test_a_rank_takes_the_scale_blocks_of_its_rows_and_columns(llama_base):
+    """Block scales follow their weight's split in whole blocks: a rank's part of a weight dequantized with
+    its part of the scales is that rank's rows (gate/up, q/k/v, every expert's) or columns (o, down) of the
+    whole weight dequantized; one scale a row follows the rows and is whole by column."""
+    from kernels import reference
+
+    config = dataclasses.replace(
+        read_config(str(llama_base)), intermediate_size=128, num_experts=4, moe_intermediate_size=64,
+        fp8_weights=True, fp8_weight_block=(16, 32), fp8_projections=True,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    names = {"model.layers.0.mlp.experts.3.up_proj": (64, 64), "model.layers.0.mlp.experts.3.down_proj": (64, 64),
+             "model.layers.0.self_attn.k_proj": (32, 64), "model.layers.0.self_attn.o_proj": (64, 64)}  # fmt: skip
+    for owner, (n, k) in names.items():
+        w = (torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn)
+        for block, scale in (
+            ((16, 32), torch.rand(n // 16, k // 32, generator=g)),
+            (None, torch.rand(n, 1, generator=g)),
+        ):
+            c = dataclasses.replace(config, fp8_weight_block=block)
+            whole = reference.dequantize_fp8_weight(w, scale, block, torch.float32)
+            by_rows = not owner.endswith(("down_proj", "o_proj"))
+            for rank in range(2):
+                shard = Shard(rank, 2)
+                part = reference.dequantize_fp8_weight(
+                    shard.weight(c, f"{owner}.weight", w), shard.weight(c, f"{owner}.weight_scale", scale), block,
+                    torch.float32,
+                )  # fmt: skip
+                half = (n if by_rows else k) // 2
+                want = (
+                    whole[rank * half : (rank + 1) * half]
+                    if by_rows
+                    else whole[:, rank * half : (rank + 1) * half]
+                )
+                assert torch.equal(part, want), (owner, block, rank)

@@ -617,19 +617,19 @@ class LlamaForCausalLM(nn.Module):
             if e >= self.config.num_experts:
                 return None
             # NOTE: MXFP4 experts' scales come as "scales", fp8 ones' (kept, --fp8-weights) as "weight_scale"
+            scales, c = (layer.experts_gate_up_scales, layer.experts_down_scales), self.config
             gate_up, down = {
                 "weight": (layer.experts_gate_up, layer.experts_down),
                 "bias": (layer.experts_gate_up_bias, layer.experts_down_bias),
-                "scales": (layer.experts_gate_up_scales, layer.experts_down_scales),
-                "weight_scale": (layer.experts_gate_up_scales, layer.experts_down_scales),
+                "scales": scales if c.mxfp4_experts else (None, None),
+                "weight_scale": scales if c.fp8_projections else (None, None),
             }[kind]
             if gate_up is None:
                 return None
             if m.group(2) == "down_proj":
                 return down[e]
             # NOTE: fp8 block scales: one a block of rows (served_fp8: the gate and up parts are whole blocks)
-            block = self.config.fp8_weight_block
-            per = block[0] if kind == "weight_scale" and block else 1
+            per = c.fp8_weight_block[0] if kind == "weight_scale" and c.fp8_weight_block else 1
             start = 0 if m.group(2) == "gate_proj" else inter
             return gate_up[e, start // per : (start + inter) // per]
         if kind != "weight":
@@ -683,11 +683,13 @@ class LlamaForCausalLM(nn.Module):
         r = self.config.residual_multiplier
         if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
             with torch.no_grad():
+                kept = (
+                    self.config.fp8_projections
+                )  # NOTE: a projection kept in fp8 is scaled through its scales
                 for layer in self.layers:
-                    # NOTE: a projection kept in fp8 is scaled through its scales
-                    o = layer.o_proj if layer.o_scale is None else layer.o_scale
-                    down = layer.down_proj if layer.down_scale is None else layer.down_scale
-                    for p in (o, layer.o_bias, down, layer.down_bias, layer.experts_down, layer.shared_down):
+                    o, down = (layer.o_scale, layer.down_scale) if kept else (layer.o_proj, layer.down_proj)
+                    experts_down = layer.experts_down_scales if kept else layer.experts_down
+                    for p in (o, layer.o_bias, down, layer.down_bias, experts_down, layer.shared_down):
                         if p is not None:
                             p.mul_(r)
 

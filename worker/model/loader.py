@@ -129,15 +129,17 @@ def fp8_projection_refusal(config: ModelConfig, shard: Shard, files: list[str]) 
 
     if config.fp8_weight_block is not None:
         rows, cols = config.fp8_weight_block
-        q, kv = (
-            shard.local(config, "heads") * config.head_dim,
-            shard.local(config, "kv_heads") * config.head_dim,
-        )
-        inter = shard.local(config, "intermediate")
-        parts = {"q_proj rows": (q, rows), "k_proj and v_proj rows": (kv, rows)}
-        parts["gate_proj and up_proj rows"] = (inter, rows)
+        d = config.head_dim
+        q, kv = shard.local(config, "heads") * d, shard.local(config, "kv_heads") * d
+        # NOTE: a dense MLP's width where some layer has one, an expert's where some layer has experts
+        dense = any(not config.is_sparse(i) for i in range(config.num_layers))
+        inter = shard.local(config, "intermediate") if dense else 0
         expert = shard.local(config, "moe_intermediate") if config.num_experts else 0
-        parts["experts' gate_proj and up_proj rows"] = (expert, rows)
+        parts = {"q_proj rows": (q, rows), "k_proj and v_proj rows": (kv, rows)}
+        parts |= {
+            "gate_proj and up_proj rows": (inter, rows),
+            "experts' gate_proj and up_proj rows": (expert, rows),
+        }
         if shard.size > 1:
             parts |= {"o_proj columns": (q, cols), "down_proj columns": (inter, cols)}
             parts["experts' down_proj columns"] = (expert, cols)
