@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.worker.conftest import GRANITE, MIXTRAL, QWEN3_MOE, save_checkpoint
 from tests.worker.test_fp8_weights import fp8_pair, logits_of
-from tests.worker.test_tensor_parallel import PROMPTS, assert_same, complete, serve_pair
+from tests.worker.test_tensor_parallel import assert_two_ranks_answer_as_one
 from worker.model import load_model
 from worker.model.loader import read_config, safetensors_files, served_fp8
 from worker.model.shard import Shard
@@ -197,16 +197,7 @@ def test_two_ranks_split_kept_fp8_projections_with_their_scales(tmp_path, model_
     against one rank serving the same checkpoint kept in fp8."""
     base = save_checkpoint(tmp_path / "base", model_type, **overrides)
     fp8, _ = fp8_pair(base, tmp_path, "fp8" if strategy == "block" else "compressed-tensors", strategy)
-    one, two = serve_pair(str(fp8), tmp_path, ["--kv-cache-tokens", "2048", "--fp8-weights", "fp8"])
-    try:
-        for body in (
-            {"prompt": PROMPTS[1], "temperature": 0, "logprobs": 2},
-            {"prompt": PROMPTS[0], "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0},
-        ):
-            assert_same(complete(one.url, **body), complete(two.url, **body))
-    finally:
-        two.stop()
-        one.stop()
+    assert_two_ranks_answer_as_one(str(fp8), tmp_path, ["--kv-cache-tokens", "2048", "--fp8-weights", "fp8"])
 
 
 def test_the_flag_is_validated():

@@ -219,7 +219,13 @@ def test_hf_checkpoints_split_over_two_ranks(tmp_path, model_type, overrides):
     ckpt = save_checkpoint(tmp_path / "ckpt", model_type, **overrides)
     if model_type in ("qwen2", "llama", "qwen2_moe"):  # NOTE: the others have no biases
         randomize_biases(ckpt)
-    one, two = serve_pair(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
+    assert_two_ranks_answer_as_one(str(ckpt), tmp_path, ["--kv-cache-tokens", "2048"])
+
+
+def assert_two_ranks_answer_as_one(model: str, tmp: Path, extra: list[str]) -> None:
+    """One rank and two serving ``model`` with ``extra`` flags give the same greedy text and logprobs, and
+    the same prompt logprobs."""
+    one, two = serve_pair(model, tmp, extra)
     try:
         for body in (
             {"prompt": PROMPTS[1], "temperature": 0, "logprobs": 2},
