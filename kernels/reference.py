@@ -246,6 +246,17 @@ def dequantize_fp8_weight(
     return (w * s).to(dtype)
 
 
+def quantize_fp8_rows(w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, ...]:
+    """A 16- or 32-bit weight [..., N, K] as fp8 codes of ``dtype`` and float32 scales [..., N, 1], one a row:
+    each row's largest magnitude over the format's largest value (1 for a row of zeros), the codes the row
+    over its scale rounded to nearest even (to_pool). dequantize_fp8_weight(codes, scales, None, ...) is the
+    weight each row to fp8's precision."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1, keepdim=True) / torch.finfo(dtype).max
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return to_pool(w / scale, dtype), scale
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
     bias: torch.Tensor | None = None,

@@ -452,6 +452,7 @@ def build_engine(cfg: Any) -> Engine:
             max_model_len=cfg.max_model_len,
             mxfp4_experts=cfg.mxfp4_experts,
             fp8_weights=cfg.fp8_weights,
+            quantization=cfg.quantization,
         )
         load_adapters(cfg, loaded.model)  # NOTE: before the pool, which takes a share of what is left
         pool = make_kv_pool(cfg, loaded.model, device)
@@ -463,9 +464,10 @@ def build_engine(cfg: Any) -> Engine:
     )
     log.info("model %s on %s: KV pool %d pages x %d tokens, %s (%.1f MiB per rank)", name, device,
              pool.num_pages, cfg.block_size, str(pool.dtype).removeprefix("torch."), pool_bytes / 2**20)  # fmt: skip
-    if mc.fp8_weights:
+    if mc.fp8_weights or mc.fp8_projections:
+        served = "kept in fp8" if mc.fp8_weights else "quantized to fp8 at load"
         log.info(
-            "fp8 checkpoint: projections %s", "kept in fp8" if mc.fp8_projections else "dequantized at load"
+            "projections %s", served if mc.fp8_projections else "of the fp8 checkpoint dequantized at load"
         )
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)

@@ -19,6 +19,7 @@ MXFP4_CHOICES = (
     "dequantized",
 )  # --mxfp4-experts: how a checkpoint's MXFP4 experts are served
 FP8_WEIGHT_CHOICES = ("auto", "fp8", "dequantized")  # --fp8-weights: an fp8 checkpoint's projections
+QUANTIZATION_CHOICES = ("none", "fp8")  # --quantization: a 16-bit checkpoint's projections quantized at load
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
@@ -44,9 +45,8 @@ class WorkerConfig:
     max_model_len: int | None = None
     kv_cache_dtype: str = "auto"  # the KV pool's dtype: auto (--dtype's) or fp8 (half the bytes a token)
     mxfp4_experts: str = "auto"  # MXFP4 experts (gpt-oss) kept packed or dequantized (worker.model.loader)
-    fp8_weights: str = (
-        "auto"  # an fp8 checkpoint's projections kept in fp8 or dequantized (worker.model.loader)
-    )
+    fp8_weights: str = "auto"  # an fp8 checkpoint's projections kept in fp8 or dequantized (model.loader)
+    quantization: str = "none"  # fp8: a 16-bit checkpoint's projections quantized to fp8 at load
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
@@ -138,6 +138,8 @@ class WorkerConfig:
             raise ValueError(f"--mxfp4-experts must be one of {', '.join(MXFP4_CHOICES)}")
         if self.fp8_weights not in FP8_WEIGHT_CHOICES:
             raise ValueError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHT_CHOICES)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2 (one prompt and one output token)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -262,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
         "of bf16's bytes, widened tile by tile in kernels.fp8_linear), dequantized (to --dtype at load) or "
         "auto (fp8 on CUDA from sm_89 where the checkpoint and the ranks allow, dequantized otherwise)",
         choices=list(FP8_WEIGHT_CHOICES),
+    )
+    opt(
+        "--quantization",
+        str,
+        "fp8: a 16-bit checkpoint's attention, dense MLP and expert projections quantized to fp8 (e4m3) at "
+        "load, one scale a row, and served as --fp8-weights fp8 serves an fp8 checkpoint (half of bf16's "
+        "bytes; CUDA from sm_89, or the CPU's reference path); none: as stored",
+        choices=list(QUANTIZATION_CHOICES),
     )
     opt(
         "--host-cache-tokens",

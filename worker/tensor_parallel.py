@@ -275,6 +275,7 @@ def load_rank(cfg: Any, shard: Shard, channel: Channel, device: torch.device) ->
         max_model_len=cfg.max_model_len,
         mxfp4_experts=cfg.mxfp4_experts,
         fp8_weights=cfg.fp8_weights,
+        quantization=cfg.quantization,
     )
     load_adapters(cfg, loaded.model)  # NOTE: every rank its own part, before the pool takes what is left
 
@@ -292,7 +293,13 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
     if device.type == "cuda" and torch.cuda.device_count() < cfg.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")  # fmt: skip
-    from worker.model.loader import read_config, safetensors_files, served_experts, served_fp8
+    from worker.model.loader import (
+        quantized_at_load,
+        read_config,
+        safetensors_files,
+        served_experts,
+        served_fp8,
+    )
 
     # NOTE: before any rank starts; MXFP4 experts as --mxfp4-experts serves them (packed: whole blocks), an
     # fp8 checkpoint's projections as --fp8-weights does (kept: whole scale blocks on every rank)
@@ -301,6 +308,7 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
     first.check(config)
     if config.fp8_weights:
         served_fp8(config, cfg.fp8_weights, device, first, safetensors_files(cfg.model))
+    quantized_at_load(config, cfg.quantization, device)
     ranks = Ranks(cfg, device.type)
     shard, channel = init_rank(0, cfg.tensor_parallel_size, ranks.init_method, rank_device(device.type, 0))
     loaded, pool = load_rank(cfg, shard, channel, rank_device(device.type, 0))

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import reference
 from tests.worker.conftest import GRANITE, MIXTRAL, QWEN3_MOE, save_checkpoint
 from tests.worker.test_fp8_weights import fp8_pair, logits_of
 from tests.worker.test_tensor_parallel import assert_two_ranks_answer_as_one
@@ -203,17 +205,17 @@ def test_two_ranks_split_kept_fp8_projections_with_their_scales(tmp_path, model_
 def test_the_flag_is_validated():
     from worker.config import WorkerConfig
 
-    WorkerConfig(fp8_weights="fp8").validate()
+    WorkerConfig(fp8_weights="fp8", quantization="fp8").validate()
     with pytest.raises(ValueError, match="--fp8-weights must be one of auto, fp8, dequantized"):
         WorkerConfig(fp8_weights="kept").validate()
+    with pytest.raises(ValueError, match="--quantization must be one of none, fp8"):
+        WorkerConfig(quantization="int4").validate()
 
 
 def test_a_rank_takes_the_scale_blocks_of_its_rows_and_columns(llama_base):
     """Block scales follow their weight's split in whole blocks: a rank's part of a weight dequantized with
     its part of the scales is that rank's rows (gate/up, q/k/v, every expert's) or columns (o, down) of the
     whole weight dequantized; one scale a row follows the rows and is whole by column."""
-    from kernels import reference
-
     config = dataclasses.replace(
         read_config(str(llama_base)), intermediate_size=128, num_experts=4, moe_intermediate_size=64,
         fp8_weights=True, fp8_weight_block=(16, 32), fp8_projections=True,
@@ -243,3 +245,72 @@ def test_a_rank_takes_the_scale_blocks_of_its_rows_and_columns(llama_base):
                     else whole[:, rank * half : (rank + 1) * half]
                 )
                 assert torch.equal(part, want), (owner, block, rank)
+
+
+def test_rows_quantize_to_fp8_by_their_largest_magnitude():
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3e-3, 448.0, -1e4]])
+    codes, scales = reference.quantize_fp8_rows(w)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (3, 1)
+    assert scales[:, 0].tolist() == pytest.approx([2 / 448, 1.0, 1e4 / 448])
+    assert codes[0].float().tolist() == [224.0, -448.0, 112.0] and codes[1].float().abs().sum() == 0
+    back = reference.dequantize_fp8_weight(codes, scales, None, torch.float32)
+    assert back[2, 2] == -1e4 and torch.allclose(back[0], w[0])
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 96, generator=g)
+    codes, scales = reference.quantize_fp8_rows(w)
+    err = (reference.dequantize_fp8_weight(codes, scales, None, torch.float32) - w).abs()
+    assert (err <= w.abs().amax(dim=1, keepdim=True) * 2**-4).all()  # half an ulp of e4m3 at most
+    assert err.max() > 0  # and it is quantized
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [("llama", {}), ("qwen3_moe", QWEN3_MOE)])
+def test_quantization_fp8_serves_a_16_bit_checkpoint_as_its_rows_quantized(tmp_path, model_type, overrides):
+    """--quantization fp8: every projection (the experts' too) quantized at load, one scale a row: the model
+    of a checkpoint holding those quantized weights dequantized (not the checkpoint's own: it is rounded)."""
+    from safetensors.torch import load_file, save_file
+
+    from worker.model.llama import FP8_PROJECTION
+
+    base = save_checkpoint(tmp_path / "base", model_type, **overrides)
+    quantized = load_model(str(base), quantization="fp8")
+    assert quantized.config.fp8_projections and not quantized.config.fp8_weights
+    layer = quantized.model.layers[0]
+    kept = (
+        layer.qkv_proj,
+        layer.o_proj,
+        *((layer.experts_gate_up, layer.experts_down) if layer.sparse else ()),
+    )
+    assert all(w.dtype == torch.float8_e4m3fn for w in kept)
+    rounded = tmp_path / "rounded"
+    shutil.copytree(base, rounded)
+    weights = load_file(str(base / "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith(".weight") and FP8_PROJECTION.search(name.removesuffix(".weight")):
+            weights[name] = reference.dequantize_fp8_weight(
+                *reference.quantize_fp8_rows(w), None, torch.float32
+            )
+    save_file(weights, str(rounded / "model.safetensors"))
+    got = logits_of(base, quantization="fp8")
+    torch.testing.assert_close(got, logits_of(rounded), rtol=1e-5, atol=1e-5)
+    assert ((got - logits_of(base)).norm() / logits_of(base).norm()).item() > 1e-3  # it is quantized
+
+
+def test_quantization_fp8_is_refused_where_it_cannot_serve(llama_base, tmp_path, monkeypatch):
+    from worker.model.loader import quantized_at_load
+
+    fp8, _ = fp8_pair(llama_base, tmp_path, "fp8", "block")
+    with pytest.raises(ValueError, match=r"the checkpoint is fp8 already \(--fp8-weights serves it\)"):
+        load_model(str(fp8), quantization="fp8")
+    config = read_config(str(llama_base))
+    with pytest.raises(ValueError, match="experts are MXFP4; serve them with --mxfp4-experts dequantized"):
+        quantized_at_load(dataclasses.replace(config, mxfp4_experts=True), "fp8", torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
+    with pytest.raises(ValueError, match=r"compute capability 8\.9"):
+        quantized_at_load(config, "fp8", torch.device("cuda"))
+    assert quantized_at_load(config, "none", torch.device("cuda")) == config
+    with pytest.raises(ValueError, match="quantization must be one of none, fp8"):
+        quantized_at_load(config, "int8", torch.device("cpu"))
+
+
+def test_two_ranks_serve_the_tiny_model_quantized_as_one(tmp_path):
+    assert_two_ranks_answer_as_one("tiny", tmp_path, ["--kv-cache-tokens", "2048", "--quantization", "fp8"])

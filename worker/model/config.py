@@ -84,8 +84,10 @@ class ModelConfig:
     mxfp4_experts: bool = False
     # fp8 checkpoints (HF's fine-grained "fp8", compressed-tensors' float8): their fp8 weights with their
     # scales (a tensor's, a row's, or a block's of fp8_weight_block rows x columns), dequantized at load;
-    # with fp8_projections (the loader's choice, --fp8-weights) every layer's q/k/v/o and dense gate/up/down
-    # projections stay fp8 on the device with their scales (kernels.fp8_linear), the others dequantized
+    # with fp8_projections (the loader's choice, --fp8-weights) every layer's q/k/v/o, dense gate/up/down and
+    # experts' projections stay fp8 on the device with their scales (kernels.fp8_linear, kernels.moe), the
+    # others dequantized; on a 16-bit checkpoint (fp8_weights False: --quantization fp8) those projections
+    # are quantized at load, one scale a row
     fp8_weights: bool = False
     fp8_weight_block: tuple[int, int] | None = None
     fp8_projections: bool = False

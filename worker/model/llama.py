@@ -391,6 +391,20 @@ def _fp8_dequantized(
         raise ValueError(f"checkpoint has the fp8 {has} of {owner} without {lacks}")
 
 
+def _quantized_at_load(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` (canonical names) with each FP8_PROJECTION's 16- or 32-bit weight as e4m3 codes and
+    their scales (``<owner>.weight_scale``), one a row (kernels.reference.quantize_fp8_rows): a 16-bit
+    checkpoint served with --quantization fp8. Other weights as they are."""
+    for name, tensor in weights:
+        owner = name.removesuffix(".weight")
+        if name.endswith(".weight") and FP8_PROJECTION.search(owner) and tensor.dtype not in _FP8:
+            codes, scales = reference.quantize_fp8_rows(tensor)
+            yield name, codes
+            yield f"{owner}.weight_scale", scales
+        else:
+            yield name, tensor
+
+
 def _row_or_block_scales(scale: torch.Tensor, rows: int, block: tuple[int, int] | None) -> torch.Tensor:
     """A kept fp8 weight's scales as the model holds them (float32): one a block as they are, else one a
     row [rows, 1] (a tensor's one scale repeated, so that stacked q/k/v keep each their own)."""
@@ -649,7 +663,10 @@ class LlamaForCausalLM(nn.Module):
         an unknown or repeated name, a shape mismatch, or when any parameter was left unfilled (naming
         the weights missing)."""
         filled, seen = 0, set()
-        for name, tensor in self._canonical(weights):
+        stream = self._canonical(weights)
+        if self.config.fp8_projections and not self.config.fp8_weights:  # NOTE: --quantization fp8
+            stream = _quantized_at_load(stream)
+        for name, tensor in stream:
             target = self.weight_slot(name)
             if target is None:
                 continue

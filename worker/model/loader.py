@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
-from worker.config import FP8_WEIGHT_CHOICES, MXFP4_CHOICES
+from worker.config import FP8_WEIGHT_CHOICES, MXFP4_CHOICES, QUANTIZATION_CHOICES
 from worker.model.config import ModelConfig
 from worker.model.llama import FP8_PROJECTION, LlamaForCausalLM
 from worker.model.shard import WHOLE, Shard
@@ -109,6 +109,29 @@ def served_fp8(
     return config
 
 
+def quantized_at_load(config: ModelConfig, quantization: str, device: torch.device) -> ModelConfig:
+    """``config`` as ``--quantization`` serves a 16-bit checkpoint: ``fp8``: its projections (those an fp8
+    checkpoint keeps in fp8, llama.FP8_PROJECTION) quantized to e4m3 at load, one scale a row, and
+    multiplied as kept fp8 ones are; ``none``: as it is. ValueError for a checkpoint already quantized (fp8,
+    or MXFP4 experts kept packed) and below compute capability 8.9 on CUDA."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}"
+        )
+    if quantization == "none":
+        return config
+    if config.fp8_weights:
+        raise ValueError("--quantization fp8: the checkpoint is fp8 already (--fp8-weights serves it)")
+    if config.mxfp4_experts:
+        raise ValueError("--quantization fp8: the checkpoint's experts are MXFP4; serve them with "
+                         "--mxfp4-experts dequantized to quantize them to fp8")  # fmt: skip
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            "--quantization fp8: fp8 (e4m3) weights need compute capability 8.9 or newer on CUDA"
+        )
+    return dataclasses.replace(config, fp8_projections=True, fp8_weight_block=None)
+
+
 # weights that stack projections kept apart in fp8: Phi-3's q/k/v and gate/up, Granite MoE's experts
 _FUSED = (
     "self_attn.qkv_proj",
@@ -175,21 +198,23 @@ def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
 def load_model(
     spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE,
     max_model_len: int | None = None, mxfp4_experts: str = "auto", fp8_weights: str = "auto",
+    quantization: str = "none",
 ) -> LoadedModel:  # fmt: skip
     """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
     tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve;
     ``mxfp4_experts``: MXFP4 experts kept ``packed`` or ``dequantized`` to ``dtype`` at load, ``auto``:
     packed on CUDA, where kernels.moe decodes them, dequantized elsewhere; ``fp8_weights``: an fp8
-    checkpoint's projections likewise, see served_fp8). Raises ValueError when the directory is not a
-    supported checkpoint or does not split over the shard's ranks."""
+    checkpoint's projections likewise, see served_fp8; ``quantization``: a 16-bit checkpoint's quantized to
+    fp8 at load or not, see quantized_at_load). Raises ValueError when the directory is not a supported
+    checkpoint or does not split over the shard's ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if spec == "tiny":
-        config = cap_context(tiny_config(), max_model_len)
+        config = quantized_at_load(cap_context(tiny_config(), max_model_len), quantization, device)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
     config = served_experts(cap_context(read_config(spec), max_model_len), mxfp4_experts, device)
     files = safetensors_files(spec)
-    config = served_fp8(config, fp8_weights, device, shard, files)
+    config = quantized_at_load(served_fp8(config, fp8_weights, device, shard, files), quantization, device)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(
