@@ -221,6 +221,14 @@ def bench_lora(batch: int, adapters: int, model: Model, device: torch.device, ge
     return row
 
 
+def write_result(result: dict[str, Any], out: Path, markdown: str) -> None:
+    """A GPU command's result as JSON at ``out`` and its markdown report beside it (same stem, .md)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
 def gpu_slug(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (for the default --out path)."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
@@ -909,12 +917,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["summary"] = summarize(result)
     compile_check.record_loaded_kernels(result)  # registers and spills as loaded on this GPU
     result["wall_s"] = round(time.time() - started, 1)
-    out = args.out or Path("docs/benchmarks") / f"kernels-{gpu_slug(gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    report = out.with_suffix(".md")
-    report.write_text(format_markdown(result))
-    print(f"wrote {out} and {report}")
+    write_result(result, args.out or Path("docs/benchmarks") / f"kernels-{gpu_slug(gpu)}.json",
+                 format_markdown(result))  # fmt: skip
     print(format_table(result))
     return 130 if "interrupted" in result else 0
 

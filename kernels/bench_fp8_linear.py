@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -322,10 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["summary"] = summarize(result["rows"])
     result["wall_s"] = round(time.time() - started, 1)
     out = args.out or Path("docs/benchmarks") / f"fp8-linear-{bench.gpu_slug(run.gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(format_markdown(result))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    bench.write_result(result, out, format_markdown(result))
     print(format_table(result))
     return 130 if "interrupted" in result else 0
 

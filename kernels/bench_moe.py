@@ -4,26 +4,27 @@ copy bandwidth and matmul rate, in one run; JSON to --out, a markdown report bes
 table printed last.
 
 Shapes are real models' (random weights): Qwen3-30B-A3B (128 experts of 768, 8 a token, hidden 2048) and
-Mixtral-8x7B (8 of 14336, 2 a token, hidden 4096) in bf16, and gpt-oss-20b (32 of 2880, 4 a token, hidden
-2880) in MXFP4 as released (its biases and clamped activation left out: the rows time the GEMMs; beside
-the packed experts, the same experts dequantized to bf16), over batches of 1 to 4,096 tokens with the
+Mixtral-8x7B (8 of 14336, 2 a token, hidden 4096) in bf16, gpt-oss-20b (32 of 2880, 4 a token, hidden
+2880) in MXFP4 as released (its biases and clamped activation left out: the rows time the GEMMs) and
+Qwen3-30B-A3B's experts in fp8 as its FP8 release keeps them (e4m3, a float32 scale a 128 x 128 block);
+beside quantized experts, the same experts dequantized to bf16. Over batches of 1 to 4,096 tokens with the
 router's choice drawn at random (uniform logits: every expert about equally likely). For each row: the
 kernel replayed in a CUDA graph (as a decode step runs it) and called eagerly (as a prefill runs it), the
 torch loop, the bytes of the expert weights the batch touches over the copy bandwidth (the floor a
 decode step's MLP cannot beat) and its FLOPs over the matmul rate; each candidate tile configuration
-(kernels.moe.CANDIDATES) replayed too, from which the defaults' rule is set. Needs CUDA: without it, it measures
-nothing and exits 2. Numbers are never estimated.
+(kernels.moe.CANDIDATES) replayed too, from which the defaults' rule is set; the summary holds each
+quantized format's least speed-up over its experts dequantized at decode. Needs CUDA: without it, it
+measures nothing and exits 2. Numbers are never estimated.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,37 @@ import torch.nn.functional as F
 from kernels import reference, timing
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)
+DECODE_TOKENS = 64  # a batch of at most this many tokens is a decode step (the summary's rule)
+FP8_BLOCK = (128, 128)  # an fp8 expert's scale blocks (rows, columns), as Qwen3's FP8 releases have them
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A format experts are kept in, timed beside the same experts dequantized to bf16."""
+
+    speedup: str  # the row's field: the dequantized experts' replay time over the stored ones'
+    stored: str  # the report's column for the experts as stored
+    title: str  # the report's words for them
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]  # (w, scales, dtype)
+    options: dict  # fused_moe's keywords beside the scales
+
+
+FORMATS = {
+    "mxfp4": Quantized(
+        "packed_speedup", "packed", "MXFP4 experts packed (decoded in the GEMMs)",
+        reference.dequantize_mxfp4, {},
+    ),
+    "fp8": Quantized(
+        "fp8_speedup", "fp8", "fp8 experts (e4m3 in 128 x 128 blocks of scales, widened in the GEMMs)",
+        lambda w, scales, dtype: reference.dequantize_fp8_weight(w, scales, FP8_BLOCK, dtype),
+        {"fp8_block": FP8_BLOCK},
+    ),
+}  # fmt: skip
+
+
+def fp8_scale_blocks(n: int, k: int) -> tuple[int, int]:
+    """An fp8 [N, K] weight's FP8_BLOCK blocks down and across (the last of each may be partial)."""
+    return -(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +73,28 @@ class MoeShape:
     top_k: int
     hidden: int
     inter: int  # one expert's intermediate units
-    mxfp4: bool = False  # the weights as MXFP4 codes and scales (0.5 + 1/32 bytes a weight)
+    quant: str | None = None  # the experts as stored: None (x's dtype) or a FORMATS key
+
+    @property
+    def dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """One expert's w13 and w2, each [N, K]."""
+        return (2 * self.inter, self.hidden), (self.hidden, self.inter)
 
     def expert_bytes(self, elem_bytes: int = 2) -> int:
-        """One expert's weights: gate, up and down (codes and scales when mxfp4)."""
-        return (
-            3 * self.hidden * self.inter * 17 // 32
-            if self.mxfp4
-            else 3 * self.hidden * self.inter * elem_bytes
-        )
+        """One expert's weights: gate, up and down (with their scales when quantized)."""
+        weights = 3 * self.hidden * self.inter
+        if self.quant == "mxfp4":  # half a byte a code and a byte a scale of 32
+            return weights * 17 // 32
+        if self.quant == "fp8":  # a byte a weight and 4 a block's scale
+            return weights + 4 * sum(math.prod(fp8_scale_blocks(n, k)) for n, k in self.dims)
+        return weights * elem_bytes
 
 
 MODELS = {
     "qwen3-30b-a3b": MoeShape(experts=128, top_k=8, hidden=2048, inter=768),
     "mixtral-8x7b": MoeShape(experts=8, top_k=2, hidden=4096, inter=14336),
-    "gpt-oss-20b": MoeShape(experts=32, top_k=4, hidden=2880, inter=2880, mxfp4=True),
+    "gpt-oss-20b": MoeShape(experts=32, top_k=4, hidden=2880, inter=2880, quant="mxfp4"),
+    "qwen3-30b-a3b-fp8": MoeShape(experts=128, top_k=8, hidden=2048, inter=768, quant="fp8"),
 }
 
 
@@ -84,19 +123,25 @@ def inputs(
 
 
 def expert_weights(shape: MoeShape, dtype: torch.dtype, device: torch.device, seed: int) -> tuple:
-    """w13 [E, 2I, H] and w2 [E, H, I], std 1/sqrt(fan-in), generated on the device; for an mxfp4 shape
-    (w13, w2, w13_scales, w2_scales): random codes, each weight's scale giving an rms near 1/sqrt(fan-in)."""
+    """w13 [E, 2I, H] and w2 [E, H, I], std 1/sqrt(fan-in), generated on the device; for a quantized shape
+    (w13, w2, w13_scales, w2_scales): random codes, their scales giving an rms near 1/sqrt(fan-in). MXFP4:
+    uint8 codes [E, N, K/2] and uint8 scales [E, N, K/32]; fp8: e4m3 values of std 64 (of at most 448)
+    [E, N, K] and float32 scales [E, N/128, K/128] spread over a factor of 4 around 1 / (64 sqrt(K)), as
+    kernels.bench_fp8_linear's."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    if shape.mxfp4:
-        e, h, n = shape.experts, shape.hidden, shape.inter
-        codes = [
-            torch.empty(e, rows, cols // 2, device=device, dtype=torch.uint8)
-            for rows, cols in ((2 * n, h), (h, n))
-        ]
+    e, dims = shape.experts, shape.dims
+    if shape.quant == "mxfp4":
+        codes = [torch.empty(e, rows, cols // 2, device=device, dtype=torch.uint8) for rows, cols in dims]
         for c in codes:
             c.random_(0, 256, generator=gen)
         scales = [torch.full((e, rows, cols // 32), 127 + round(-math.log2(2.93 * cols**0.5)), device=device,
-                             dtype=torch.uint8) for rows, cols in ((2 * n, h), (h, n))]  # fmt: skip
+                             dtype=torch.uint8) for rows, cols in dims]  # fmt: skip
+        return (*codes, *scales)
+    if shape.quant == "fp8":
+        codes = [torch.randn(e, rows, cols, device=device, generator=gen).mul_(64).clamp_(-440, 440)
+                 .to(torch.float8_e4m3fn) for rows, cols in dims]  # fmt: skip
+        scales = [torch.rand(e, *fp8_scale_blocks(rows, cols), device=device, generator=gen).mul_(2).sub_(1)
+                  .exp2_().div_(64 * cols**0.5) for rows, cols in dims]  # fmt: skip
         return (*codes, *scales)
     w13 = torch.empty(shape.experts, 2 * shape.inter, shape.hidden, device=device, dtype=dtype)
     w2 = torch.empty(shape.experts, shape.hidden, shape.inter, device=device, dtype=dtype)
@@ -113,18 +158,19 @@ def bench_row(
     with ``candidates`` each of kernels.moe.CANDIDATES replayed too (the default's tiles are one of them)."""
     from kernels import moe
 
-    w13, w2 = weights13[:2]
-    options = {"w13_scales": weights13[2], "w2_scales": weights13[3]} if shape.mxfp4 else {}
-    dtype = torch.bfloat16 if shape.mxfp4 else w13.dtype
+    w13, w2, *scales = weights13
+    quantized = FORMATS[shape.quant] if shape.quant else None
+    options = {"w13_scales": scales[0], "w2_scales": scales[1], **quantized.options} if quantized else {}
+    dtype = torch.bfloat16 if quantized else w13.dtype
     x, weights, ids = inputs(shape, tokens, dtype, w13.device, gen)
     got, want = (
         moe.fused_moe(x, w13, w2, weights, ids, **options).float(),
         reference.fused_moe(x, w13, w2, weights, ids, **options).float(),
     )
-    # NOTE: the torch loop (and, for MXFP4, the kernel beside it) on the experts dequantized to x's dtype
+    # NOTE: the torch loop (and, for quantized experts, the kernel beside it) on the experts in x's dtype
     dense = (
-        [reference.dequantize_mxfp4(w, s, dtype) for w, s in ((w13, weights13[2]), (w2, weights13[3]))]
-        if shape.mxfp4
+        [quantized.dequantize(w, s, dtype) for w, s in zip((w13, w2), scales, strict=True)]
+        if quantized
         else [w13, w2]
     )
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -148,18 +194,29 @@ def bench_row(
     row["pct_of_copy_bw"] = 100 * row["read_floor_ms"] / best
     row["pct_of_matmul"] = 100 * row["compute_floor_ms"] / best
     row["speedup_vs_torch"] = row["torch_ms"] / row["triton_ms"]
-    if shape.mxfp4:  # NOTE: packed against dequantized: --mxfp4-experts auto's choice on CUDA
+    if quantized:  # NOTE: as stored against dequantized: --mxfp4-experts auto's (--fp8-weights auto's) choice
         row["dequantized_graph_ms"] = timing.time_replay_ms(lambda: moe.fused_moe(x, *dense, weights, ids))
-        row["packed_speedup"] = row["dequantized_graph_ms"] / row["triton_graph_ms"]
-    default = moe.default_config(tokens * shape.top_k, shape.experts, mxfp4=shape.mxfp4)
+        row[quantized.speedup] = row["dequantized_graph_ms"] / row["triton_graph_ms"]
+    default = moe.default_config(tokens * shape.top_k, shape.experts, mxfp4=shape.quant == "mxfp4")
     row["default"] = next((label for label, cfg in moe.CANDIDATES.items() if cfg == default), str(default))
-    if candidates and not shape.mxfp4:  # NOTE: the candidates' deep steps are for 16-bit weights
+    if candidates and not quantized:  # NOTE: the candidates' deep steps are for 16-bit weights
         row["candidates_graph_ms"] = {
             label: timing.time_replay_ms(lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))
             for label, cfg in moe.CANDIDATES.items()
         }
         row["best"] = min(row["candidates_graph_ms"], key=row["candidates_graph_ms"].get)
     return row
+
+
+def summarize(rows: list[dict]) -> dict[str, float | None]:
+    """Each quantized format's least speed-up over its experts dequantized to bf16 at decode (at most
+    DECODE_TOKENS tokens), e.g. packed_speedup_min_decode: where it is at least 1, keeping the experts as
+    stored on CUDA is right for decode steps. None without such rows."""
+    decode = [r for r in rows if r["tokens"] <= DECODE_TOKENS]
+    return {
+        f"{q.speedup}_min_decode": min((r[q.speedup] for r in decode if q.speedup in r), default=None)
+        for q in FORMATS.values()
+    }
 
 
 def format_markdown(result: dict) -> str:
@@ -189,13 +246,20 @@ def format_markdown(result: dict) -> str:
                 cell = f"{r['candidates_graph_ms'][label] * 1e3:.1f}" + ("*" if label == r["best"] else "")
                 cells.append(f"**{cell}**" if label == r["default"] else cell)
             lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(cells) + " |")
-    packed = [r for r in result["rows"] if "packed_speedup" in r]
-    if packed:
-        lines += ["", "MXFP4 experts packed (decoded in the GEMMs) against the same experts dequantized to bf16, "
-                  "graph replay us:", "", "| model | tokens | packed | dequantized | packed speedup |",
+    summary = summarize(result["rows"])
+    for q in FORMATS.values():
+        stored = [r for r in result["rows"] if q.speedup in r]
+        if not stored:
+            continue
+        least = summary[f"{q.speedup}_min_decode"]
+        lines += ["", f"{q.title} against the same experts dequantized to bf16, graph replay us:", "",
+                  f"| model | tokens | {q.stored} | dequantized | {q.stored} speedup |",
                   "|---|---:|---:|---:|---:|"]  # fmt: skip
         lines += [f"| {r['model']} | {r['tokens']} | {r['triton_graph_ms'] * 1e3:.1f} | "
-                  f"{r['dequantized_graph_ms'] * 1e3:.1f} | {r['packed_speedup']:.2f}x |" for r in packed]  # fmt: skip
+                  f"{r['dequantized_graph_ms'] * 1e3:.1f} | {r[q.speedup]:.2f}x |"
+                  for r in stored]  # fmt: skip
+        lines += ["", f"`{q.speedup}_min_decode`, the least at {DECODE_TOKENS} tokens or fewer: "
+                  + ("-" if least is None else f"{least:.2f}x")]  # fmt: skip
     lines += ["", f"Command: `{result['command']}`. {result['timing']}", ""]
     if "interrupted" in result:
         lines.insert(1, f"\nInterrupted {result['interrupted']}: the rows measured before are below.")
@@ -221,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import triton
 
-    from kernels.bench import gpu_slug, measure_copy_gbs, measure_matmul_tflops
+    from kernels.bench import gpu_slug, measure_copy_gbs, measure_matmul_tflops, write_result
 
     device, started = torch.device("cuda"), time.time()
     gpu = torch.cuda.get_device_name(device)
@@ -260,12 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.empty_cache()
     except KeyboardInterrupt:
         result["interrupted"] = f"during {name}"
+    result["summary"] = summarize(result["rows"])
     result["wall_s"] = round(time.time() - started, 1)
-    out = args.out or Path("docs/benchmarks") / f"moe-{gpu_slug(gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(format_markdown(result))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_result(
+        result, args.out or Path("docs/benchmarks") / f"moe-{gpu_slug(gpu)}.json", format_markdown(result)
+    )
     print(format_markdown(result))
     return 130 if "interrupted" in result else 0
 

@@ -3,12 +3,17 @@ against the reference, its report, and its refusal to measure without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kernels import bench_moe, reference, timing
+from kernels import bench_moe, bench_report, reference, timing
 
 TINY = bench_moe.MoeShape(experts=6, top_k=2, hidden=32, inter=24)
+# fp8 experts of two 128 x 128 scale blocks down each weight and two across w13 (one across w2)
+TINY_FP8 = bench_moe.MoeShape(experts=6, top_k=2, hidden=256, inter=128, quant="fp8")
+RATES = {"copy_gbs": 100.0, "matmul_tflops": 10.0}
 
 
 def test_the_torch_baseline_is_the_reference():
@@ -71,7 +76,7 @@ def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, 
     if backend.is_cuda:
         pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    shape = bench_moe.MoeShape(experts=6, top_k=2, hidden=64, inter=32, mxfp4=True)
+    shape = bench_moe.MoeShape(experts=6, top_k=2, hidden=64, inter=32, quant="mxfp4")
     w = bench_moe.expert_weights(shape, torch.bfloat16, torch.device("cpu"), seed=0)
     assert (
         [t.dtype for t in w] == [torch.uint8] * 4 and w[0].shape == (6, 64, 32) and w[3].shape == (6, 64, 1)
@@ -86,3 +91,92 @@ def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, 
     report = bench_moe.format_markdown({"device": {"name": "CPU", "copy_gbs": 100.0, "matmul_tflops": 10.0},
                                         "rows": [row], "command": "c", "timing": "t"})  # fmt: skip
     assert "| tiny-mxfp4 | 5 | 500.0 | 500.0 | 1.00x |" in report
+
+
+def test_qwen3s_fp8_experts_are_a_model_of_the_default_run(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    fp8 = bench_moe.MODELS["qwen3-30b-a3b-fp8"]
+    assert fp8 == dataclasses.replace(bench_moe.MODELS["qwen3-30b-a3b"], quant="fp8")
+    # NOTE: a byte a weight, and 4 bytes a 128 x 128 block's scale: w13 12 x 16 blocks, w2 16 x 6
+    assert fp8.expert_bytes() == 3 * 2048 * 768 + 4 * (12 * 16 + 16 * 6)
+    assert bench_moe.main(["--models", "qwen3-30b-a3b-fp8"]) == 2  # a choice --models takes (no GPU here)
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_fp8_row_times_the_fp8_experts_beside_them_dequantized(backend, monkeypatch, calls):
+    if backend.is_cuda:
+        pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    w = bench_moe.expert_weights(TINY_FP8, torch.bfloat16, torch.device("cpu"), seed=0)
+    assert [t.dtype for t in w] == [torch.float8_e4m3fn] * 2 + [torch.float32] * 2
+    assert [t.shape for t in w] == [(6, 256, 256), (6, 256, 128), (6, 2, 2), (6, 2, 1)]
+    for codes, scales in ((w[0], w[2]), (w[1], w[3])):  # the dequantized weight's std near 1/sqrt(K)
+        std = reference.dequantize_fp8_weight(codes, scales, (128, 128), torch.float32).std().item()
+        assert 0.7 < std * codes.shape[2] ** 0.5 < 1.5
+    row = bench_moe.bench_row("tiny-fp8", TINY_FP8, 5, w, RATES, torch.Generator().manual_seed(0))
+    # fp8 replay, eager, the torch loop, the dequantized replay; no candidates (deep steps are 16-bit's)
+    assert len(calls) == 4 and row["rel_err"] < 2e-2
+    torch.testing.assert_close(calls[0].float(), calls[3].float(), rtol=2e-2, atol=2e-2)  # the same experts
+    assert set(row) == {
+        "model", "tokens", "experts_touched", "bytes", "flops", "rel_err", "triton_graph_ms", "triton_ms",
+        "torch_ms", "read_floor_ms", "compute_floor_ms", "pct_of_copy_bw", "pct_of_matmul", "speedup_vs_torch",
+        "dequantized_graph_ms", "fp8_speedup", "default",
+    }  # fmt: skip
+    assert row["bytes"] == row["experts_touched"] * (3 * 256 * 128 + 4 * (2 * 2 + 2 * 1)) + 2 * 5 * 256 * 2
+    assert row["fp8_speedup"] == 1.0 and row["dequantized_graph_ms"] == 0.5
+    report = bench_moe.format_markdown({"device": {"name": "CPU", **RATES}, "rows": [row], "command": "c",
+                                        "timing": "t"})  # fmt: skip
+    assert "| model | tokens | fp8 | dequantized | fp8 speedup |" in report
+    assert "| tiny-fp8 | 5 | 500.0 | 500.0 | 1.00x |" in report and "packed" not in report
+
+
+def test_an_fp8_rows_error_compares_the_kernel_with_the_reference(backend, monkeypatch, calls):
+    """A kernel that read each expert's first scale block for all of its blocks shows in rel_err."""
+    if backend.is_cuda:
+        pytest.skip("the GPU runs the command itself (scripts/gpu-bench moe)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    moe = backend.module("moe")
+    right = moe.fused_moe
+
+    def first_block_only(*args, w13_scales=None, w2_scales=None, **kwargs):
+        if w13_scales is not None:
+            w13_scales, w2_scales = (s[:, :1, :1].expand_as(s).contiguous() for s in (w13_scales, w2_scales))
+        return right(*args, w13_scales=w13_scales, w2_scales=w2_scales, **kwargs)
+
+    monkeypatch.setattr(moe, "fused_moe", first_block_only)
+    w = bench_moe.expert_weights(TINY_FP8, torch.bfloat16, torch.device("cpu"), seed=0)
+    row = bench_moe.bench_row("tiny-fp8", TINY_FP8, 5, w, RATES, torch.Generator().manual_seed(0))
+    assert row["rel_err"] > 0.1 and bench_report.inaccurate(row["rel_err"])
+
+
+def timed_row(model: str, tokens: int, **speedup: float) -> dict:
+    """A row as bench_row makes it, with made-up times: graph replays of 100 us, the dequantized experts'
+    ``speedup`` times that."""
+    row = {"model": model, "tokens": tokens, "experts_touched": 8, "triton_graph_ms": 0.1, "triton_ms": 0.1,
+           "torch_ms": 1.0, "speedup_vs_torch": 10.0, "pct_of_copy_bw": 50.0, "pct_of_matmul": 1.0,
+           "rel_err": 1e-3}  # fmt: skip
+    for field, value in speedup.items():
+        row.update({"dequantized_graph_ms": 0.1 * value, field: value})
+    return row
+
+
+def test_the_summary_is_each_formats_least_speedup_at_decode():
+    rows = [
+        timed_row("qwen3-30b-a3b", 1),
+        timed_row("gpt-oss-20b", 16, packed_speedup=1.25),
+        timed_row("gpt-oss-20b", 256, packed_speedup=0.5),  # a prefill: not the decode rule's
+        timed_row("qwen3-30b-a3b-fp8", 1, fp8_speedup=1.5),
+        timed_row("qwen3-30b-a3b-fp8", 64, fp8_speedup=0.9),
+        timed_row("qwen3-30b-a3b-fp8", 256, fp8_speedup=0.25),
+    ]
+    assert bench_moe.summarize(rows) == {"packed_speedup_min_decode": 1.25, "fp8_speedup_min_decode": 0.9}
+    assert bench_moe.summarize(rows[:3]) == {
+        "packed_speedup_min_decode": 1.25,
+        "fp8_speedup_min_decode": None,
+    }
+    report = bench_moe.format_markdown({"device": {"name": "CPU", **RATES}, "rows": rows, "command": "c",
+                                        "timing": "t"})  # fmt: skip
+    assert "| qwen3-30b-a3b-fp8 | 64 | 100.0 | 90.0 | 0.90x |" in report
+    assert "`fp8_speedup_min_decode`, the least at 64 tokens or fewer: 0.90x" in report
+    assert "`packed_speedup_min_decode`, the least at 64 tokens or fewer: 1.25x" in report
