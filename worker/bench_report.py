@@ -154,7 +154,8 @@ def markdown_table(doc: dict) -> str:
     for r in doc["radix"]:
         if r["events"] and r["op"] in ("match_hit", "insert_new"):
             rows.append((f"radix {r['op']}, {r['tokens']} tokens", f"{r['median_us']:.1f}", "µs (median)"))
-    head = f"**{doc['model']['name']} on {m['device_name']}, {m['torch_threads']} torch threads**"
+    model = f"{doc['model']['name']} ({precision(doc['model'])})"
+    head = f"**{model} on {m['device_name']}, {m['torch_threads']} torch threads**"
     graphs = (f", CUDA graphs up to batch {p['cuda_graph_max_bs']} ({doc['decode_graph_steps']} decode steps "
               "replayed)" if doc.get("decode_graph_steps") else "")  # fmt: skip
     if doc.get("extend_graph_steps"):
@@ -163,6 +164,18 @@ def markdown_table(doc: dict) -> str:
     lines = [f"{head} (block {p['block_size']}, chunked prefill {p['chunked_prefill_tokens']}{graphs})", "",
              "| measurement | value | unit |", "|---|---:|---|"]  # fmt: skip
     return "\n".join(lines + [f"| {a} | {b} | {c} |" for a, b, c in rows])
+
+
+def precision(model: dict) -> str:
+    """The weights' and the KV pool's dtypes as a report's title names them, e.g. "bfloat16, KV float8_e4m3fn"
+    or "fp8 projections (128x128 blocks), bfloat16 elsewhere, KV bfloat16"."""
+    dtype, config = model["dtype"], model.get("config") or {}
+    weights = dtype
+    if config.get("fp8_projections"):
+        block = config.get("fp8_weight_block")
+        scales = f"{block[0]}x{block[1]} blocks" if block else "one scale a row"
+        weights = f"fp8 projections ({scales}), {dtype} elsewhere"
+    return f"{weights}, KV {model.get('kv_dtype', dtype)}"
 
 
 def write_results(doc: dict, json_path: str | None, markdown_path: str | None, table: str) -> None:

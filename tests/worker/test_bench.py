@@ -159,6 +159,23 @@ def test_markdown_table_is_printed_last(quick_run):
     assert any(line.startswith("| TTFT, 90% of 160 tokens cached (16 computed)") for line in lines)
 
 
+def test_fp8_weights_run_through_the_engine_and_the_title_says_so(quick_run, tmp_path):
+    """--fp8-weights: the projections kept in fp8 (128x128 block scales) through every measurement; the
+    JSON's config and the table's title say which weights and KV pool the numbers are for."""
+    out = tmp_path / "fp8.json"
+    proc = run_bench(*QUICK, "--fp8-weights", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    config = doc["model"]["config"]
+    assert config["fp8_projections"] and config["fp8_weight_block"] == [128, 128]
+    assert [d["batch"] for d in doc["decode"]] == [d["batch"] for d in quick_run[0]["decode"]]
+    assert all(d["tokens_per_s"] > 0 for d in doc["decode"])
+    # the weight floor counts the projections at one byte a weight
+    assert doc["decode_floor"]["weight_bytes"] < quick_run[0]["decode_floor"]["weight_bytes"] / 2
+    assert "**tiny (fp8 projections (128x128 blocks), float32 elsewhere, KV float32) on " in proc.stdout
+    assert "**tiny (float32, KV float32) on " in quick_run[1]
+
+
 def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quick_run):
     from worker.bench_report import markdown_table
 
