@@ -314,3 +314,31 @@ def test_quantization_fp8_is_refused_where_it_cannot_serve(llama_base, tmp_path,
 
 def test_two_ranks_serve_the_tiny_model_quantized_as_one(tmp_path):
     assert_two_ranks_answer_as_one("tiny", tmp_path, ["--kv-cache-tokens", "2048", "--quantization", "fp8"])
+
+
+def test_a_lora_adapter_on_kept_fp8_projections_answers_as_on_the_dequantized_ones(llama_base, tmp_path):
+    """An adapter adds its delta to a projection's output, whatever the weight's format: served over the
+    projections kept in fp8, it answers as over the same checkpoint dequantized (and changes the answers)."""
+    from tests.worker.test_lora import complete, write_adapter
+    from tests.worker.test_server import LiveServer
+    from worker.assembly import build_engine
+    from worker.config import WorkerConfig
+
+    fp8, _ = fp8_pair(llama_base, tmp_path, "fp8", "block")
+    write_adapter(llama_base, tmp_path / "ad")
+
+    def serve(fp8_weights: str) -> LiveServer:
+        return LiveServer(build_engine(WorkerConfig(
+            model=str(fp8), device="cpu", kv_cache_tokens=2048, warmup_tokens=0, fp8_weights=fp8_weights,
+            lora_adapters=[f"ad={tmp_path / 'ad'}"],
+        )))  # fmt: skip
+
+    with serve("fp8") as kept, serve("dequantized") as plain:
+        for prompt in ("The quick brown fox", "Paged attention stores keys"):
+            got, want = complete(kept.url, "ad", prompt), complete(plain.url, "ad", prompt)
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+                want["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4
+            )
+            base = complete(kept.url, fp8.name, prompt)
+            assert base["choices"][0]["text"] != got["choices"][0]["text"]
