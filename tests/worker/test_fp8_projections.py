@@ -342,3 +342,41 @@ def test_a_lora_adapter_on_kept_fp8_projections_answers_as_on_the_dequantized_on
             )
             base = complete(kept.url, fp8.name, prompt)
             assert base["choices"][0]["text"] != got["choices"][0]["text"]
+
+
+def greedy_runs(path, device: str, steps: int = 4) -> list[list[torch.Tensor]]:
+    """The checkpoint at ``path`` served with --fp8-weights fp8 and dequantized (float32) on ``device``: each
+    one's logits of a prefill and ``steps`` decode steps, both fed the first one's greedy tokens."""
+    from tests.worker.test_model import PROMPT, decode, extend, new_pool, scattered_slots
+
+    runs: list[list[torch.Tensor]] = []
+    for fp8_weights in ("fp8", "dequantized"):
+        loaded = load_model(str(path), device, torch.float32, fp8_weights=fp8_weights)
+        assert loaded.config.fp8_projections == (fp8_weights == "fp8")
+        ids = loaded.tokenizer.encode_prompt(PROMPT)
+        pool = new_pool(loaded.config, device=device)
+        [slots] = scattered_slots(pool, [len(ids) + steps])
+        logits = [extend(loaded.model, pool, [ids], [0], [slots])]
+        for step in range(steps):
+            token = int((runs[0] if runs else logits)[step][-1].argmax())
+            logits.append(decode(loaded.model, pool, [token], [len(ids) + step], [slots]))
+        runs.append(logits)
+    return runs
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("model_type", "overrides"), [("llama", {"intermediate_size": 144}), ("qwen3_moe", QWEN3_MOE)]
+)
+def test_kept_fp8_projections_decode_as_the_dequantized_model(tmp_path, device, model_type, overrides):
+    """Prefill and greedy decode steps (on CUDA: the compiled fp8 linear layer and fp8 experts, float32)
+    give the logits of the same checkpoint dequantized at load (16 x 32 block scales)."""
+    base = save_checkpoint(tmp_path / "base", model_type, **overrides)
+    fp8, _ = fp8_pair(base, tmp_path, "fp8", "block")
+    kept, dequantized = greedy_runs(fp8, device)
+    assert len(kept) == len(dequantized) == 5
+    for got, want in zip(kept, dequantized, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)
