@@ -231,6 +231,12 @@ def test_fused_moe_on_fp8_experts_matches_the_reference(
     assert_close_rel(reference.fused_moe(x.float(), *dense, weights, ids).to(dtype), want)
     with pytest.raises(ValueError, match=r"an fp8 w2 .* needs float32 scales"):
         moe.fused_moe(*args, w13_scales=s13.to(dev), w2_scales=s2[..., :1].to(dev)[:, :1], fp8_block=block)
+    # gpt-oss's experts quantized at load (--mxfp4-experts dequantized --quantization fp8): biases, clamped SwiGLU
+    b13, b2 = biases(experts, hidden, inter, dtype)
+    extra = {"b13": b13, "b2": b2, "activation": "clamped_swiglu"}
+    got = moe.fused_moe(*args, **{**options, "w13_scales": s13.to(dev), "w2_scales": s2.to(dev)},
+                        **{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in extra.items()})  # fmt: skip
+    assert_close_rel(got, reference.fused_moe(x, w13, w2, weights, ids, **options, **extra).to(dev))
 
 
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
