@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,6 +24,18 @@ from worker.engine_api import EngineDeadError
 from worker.kv_pages import kv_bytes_per_token, kv_layout
 
 SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
+
+
+def weights_info(model: Any) -> dict[str, Any]:
+    """The model's weights as /v1/cache/info reports them: their dtype, and whether its projections are in
+    fp8 (``fp8_projections``: null, or where they come from and their scales: a block's rows and columns,
+    or "row")."""
+    c = model.config
+    fp8 = None
+    if c.fp8_projections:
+        fp8 = {"source": "checkpoint" if c.fp8_weights else "quantized at load",
+               "scales": list(c.fp8_weight_block) if c.fp8_weight_block else "row"}  # fmt: skip
+    return {"weight_dtype": str(model.dtype).removeprefix("torch."), "fp8_projections": fp8}
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -106,6 +119,7 @@ class OpsAPI:
         elif getattr(e.executor, "kv_pool", None) is not None:  # NOTE: what a cached token costs here
             body["kv_dtype"] = str(kv_layout(e)[3]).removeprefix("torch.")
             body["kv_bytes_per_token"] = kv_bytes_per_token(e)
+            body |= weights_info(e.executor.model)  # type: ignore[attr-defined]
         return _json(body)
 
     def _not_admin(self, request: Request) -> Response | None:

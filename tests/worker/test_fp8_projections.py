@@ -11,6 +11,7 @@ import logging
 import re
 import shutil
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -312,6 +313,17 @@ def test_quantization_fp8_is_refused_where_it_cannot_serve(llama_base, tmp_path,
         quantized_at_load(config, "int8", torch.device("cpu"))
 
 
+def test_cache_info_says_the_tiny_model_is_quantized_at_load():
+    from tests.worker.test_server import LiveServer
+    from worker.assembly import build_engine
+    from worker.config import WorkerConfig
+
+    cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, warmup_tokens=0, quantization="fp8")
+    with LiveServer(build_engine(cfg)) as worker:
+        info = httpx.get(worker.url + "/v1/cache/info", timeout=10).json()
+    assert info["fp8_projections"] == {"source": "quantized at load", "scales": "row"}
+
+
 def test_two_ranks_serve_the_tiny_model_quantized_as_one(tmp_path):
     assert_two_ranks_answer_as_one("tiny", tmp_path, ["--kv-cache-tokens", "2048", "--quantization", "fp8"])
 
@@ -334,6 +346,13 @@ def test_a_lora_adapter_on_kept_fp8_projections_answers_as_on_the_dequantized_on
         )))  # fmt: skip
 
     with serve("fp8") as kept, serve("dequantized") as plain:
+        # /v1/cache/info says how the weights are served
+        info = [httpx.get(w.url + "/v1/cache/info", timeout=10).json() for w in (kept, plain)]
+        assert info[0]["fp8_projections"] == {"source": "checkpoint", "scales": [16, 32]}
+        assert (
+            info[1]["fp8_projections"] is None
+            and info[0]["weight_dtype"] == info[1]["weight_dtype"] == "float32"
+        )
         for prompt in ("The quick brown fox", "Paged attention stores keys"):
             got, want = complete(kept.url, "ad", prompt), complete(plain.url, "ad", prompt)
             assert got["choices"][0]["text"] == want["choices"][0]["text"]
