@@ -17,6 +17,14 @@ FP8_POOL_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 POOL_DTYPES = ATTENTION_DTYPES + FP8_POOL_DTYPES
 
 
+def e4m3_supported(device: torch.device | str) -> bool:
+    """Whether the kernels can read and write float8_e4m3fn on ``device``: Triton converts it on CUDA from
+    compute capability 8.9 (Ada, Hopper) on; elsewhere (the interpreter, the CPU's torch references) always.
+    The KV pool (--kv-cache-dtype) and fp8 weights (--fp8-weights, --quantization) ask this one question."""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def shape_of(x: torch.Tensor) -> list[int]:
     return list(x.shape)
 

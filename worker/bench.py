@@ -225,9 +225,8 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     dtype = model_dtype(cfg.dtype, device)
     model = random_llama(model_config, device, dtype)
     mc = model_config
-    pool = make_kv_pool(
-        cfg, model, device
-    )  # NOTE: the worker's own sizing (--kv-cache-dtype, --mem-fraction)
+    # NOTE: the worker's own sizing (--kv-cache-dtype, --mem-fraction)
+    pool = make_kv_pool(cfg, model, device)
     executor, tokenizer = model_executor(cfg, model, pool, device, mc.max_context), IdTokenizer(mc.vocab_size)
     # NOTE: assemble_engine is build_engine's own wiring (cache, publisher, scheduler); only the model differs
     name = cfg.served_model_name or "random"

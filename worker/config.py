@@ -260,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt(
         "--fp8-weights",
         str,
-        "an fp8 checkpoint's attention and dense MLP projections: fp8 (kept in fp8 with their scales, half "
-        "of bf16's bytes, widened tile by tile in kernels.fp8_linear), dequantized (to --dtype at load) or "
-        "auto (fp8 on CUDA from sm_89 where the checkpoint and the ranks allow, dequantized otherwise)",
+        "an fp8 checkpoint's attention, dense MLP and expert projections: fp8 (kept in fp8 with their scales, "
+        "half of bf16's bytes, widened tile by tile in kernels.fp8_linear and kernels.moe), dequantized (to "
+        "--dtype at load) or auto (fp8 on CUDA from sm_89 where the checkpoint and the ranks allow, "
+        "dequantized otherwise)",
         choices=list(FP8_WEIGHT_CHOICES),
     )
     opt(

@@ -133,18 +133,19 @@ def kv_cache_dtype(name: str, model_dtype: Any, device: Any) -> Any:
     where the device cannot: Triton converts e4m3 on CUDA from compute capability 8.9 (Ada, Hopper) only."""
     import torch
 
+    from kernels.host_checks import e4m3_supported
+
     if name == "auto":
         return model_dtype
     fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
     if name not in fp8:
         raise ValueError(f"--kv-cache-dtype {name!r}: expected auto, fp8 (fp8_e4m3), fp8_e4m3 or fp8_e5m2")
-    if fp8[name] == torch.float8_e4m3fn and torch.device(device).type == "cuda":
+    if fp8[name] == torch.float8_e4m3fn and not e4m3_supported(device):
         major, minor = torch.cuda.get_device_capability(device)
-        if major * 10 + minor < 89:
-            raise ValueError(
-                f"--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or later (this GPU is "
-                f"{major}.{minor}); fp8_e5m2 runs on it"
-            )
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or later (this GPU is {major}.{minor}); "
+            "fp8_e5m2 runs on it"
+        )
     return fp8[name]
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_checks import e4m3_supported
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
 from worker.config import FP8_WEIGHT_CHOICES, MXFP4_CHOICES, QUANTIZATION_CHOICES
 from worker.model.config import ModelConfig
@@ -84,6 +85,9 @@ def served_experts(config: ModelConfig, mxfp4_experts: str, device: torch.device
     return config
 
 
+_E4M3_REFUSAL = "fp8 (e4m3) weights need compute capability 8.9 or newer on CUDA"
+
+
 def served_fp8(
     config: ModelConfig, fp8_weights: str, device: torch.device, shard: Shard = WHOLE, files: list[str] = ()
 ) -> ModelConfig:  # fmt: skip
@@ -95,8 +99,8 @@ def served_fp8(
         raise ValueError(f"fp8_weights must be one of {', '.join(FP8_WEIGHT_CHOICES)}, got {fp8_weights!r}")
     if not config.fp8_weights or fp8_weights == "dequantized":
         return config
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        refusal = "fp8 (e4m3) weights need compute capability 8.9 or newer on CUDA"
+    if not e4m3_supported(device):
+        refusal = _E4M3_REFUSAL
     elif fp8_weights == "auto" and device.type != "cuda":
         return config  # NOTE: on the CPU the kept weights would be dequantized at every step
     else:
@@ -125,10 +129,8 @@ def quantized_at_load(config: ModelConfig, quantization: str, device: torch.devi
     if config.mxfp4_experts:
         raise ValueError("--quantization fp8: the checkpoint's experts are MXFP4; serve them with "
                          "--mxfp4-experts dequantized to quantize them to fp8")  # fmt: skip
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(
-            "--quantization fp8: fp8 (e4m3) weights need compute capability 8.9 or newer on CUDA"
-        )
+    if not e4m3_supported(device):
+        raise ValueError(f"--quantization fp8: {_E4M3_REFUSAL}")
     return dataclasses.replace(config, fp8_projections=True, fp8_weight_block=None)
 
 
