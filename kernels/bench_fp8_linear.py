@@ -1,14 +1,18 @@
 """`python -m kernels.bench_fp8_linear`: the fp8 linear layer (kernels/fp8_linear.py) on a GPU against
 cuBLAS on the same weight dequantized to bf16 (torch F.linear: what the worker runs when it dequantizes an
-fp8 checkpoint at load); JSON to --out, a markdown report beside it (same stem, .md), a table printed last.
+fp8 checkpoint at load); JSON to --out, a markdown report beside it (same stem, .md), the tables (16-bit
+then fp8 activations) printed last.
 
 Shapes are Llama-3-8B's dense projections (qkv, o, gate_up, down; the attention's from --q-heads,
 --kv-heads and --head-dim, the MLP's from --intermediate), random e4m3 weights in 128 x 128 blocks of
 float32 scales (Qwen3's and DeepSeek's fp8 releases), over calls of 1 to 2,048 rows (decode steps to a
 prefill chunk). Each row: the baseline, the kernel's default tiles, every candidate (kernels.fp8_linear.
-CANDIDATES) and the default with one scale a row (llm-compressor's FP8-dynamic), each replayed in a CUDA
-graph after the output its replay wrote was checked against kernels.reference.fp8_linear (a failed check
-marks the row). Needs CUDA: without it, it measures nothing and exits 2. Numbers are never estimated.
+CANDIDATES) and the default with one scale a row (llm-compressor's FP8-dynamic); then the same with the
+activations quantized per token group and multiplied fp8 by fp8 (W8A8, `fp8_activations`: the
+quantization kernel included in each time; the candidates on prefill rows only), beside cuBLAS's fp8 GEMM
+(torch._scaled_mm, one scale a row of each operand) on the same quantized activations. Each is replayed in
+a CUDA graph after the output its replay wrote was checked against kernels.reference.fp8_linear (a failed
+check marks the row). Needs CUDA: without it, it measures nothing and exits 2. Numbers are never estimated.
 """
 
 from __future__ import annotations
@@ -94,13 +98,24 @@ def replayed(call: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
     return got, timing.time_ms(graph.replay) * 1e3
 
 
+def cublas_fp8(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """cuBLAS's fp8 GEMM (torch._scaled_mm) on x quantized per token (kernels.fp8_linear's kernel) by the
+    weight with one scale a row: what the per-row W8A8 variant computes."""
+    codes, scales = fp8_linear.quantize_fp8_groups(x, x.shape[-1])
+    return torch._scaled_mm(codes, w.fp8.t(), scale_a=scales, scale_b=w.row_scale.reshape(1, -1),
+                            out_dtype=x.dtype)  # fmt: skip
+
+
 def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -> dict[str, Any]:
     """One (projection, rows) row: each variant's and candidate's time (us), weight GB/s and TF/s, its
     error against the reference; the variants and candidates whose check failed in row["wrong"] (never
-    the best candidate), a candidate's compile or launch failure in row["candidate_errors"]."""
+    the best candidate), a candidate's or cuBLAS fp8's compile or launch failure in row["candidate_errors"]
+    (its time None)."""
     x = torch.randn(rows, proj.k, generator=gen).to(w.fp8.device, w.dense.dtype)
     by_blocks = reference.fp8_linear(x, w.fp8, w.block_scale, BLOCK)
     by_rows = reference.fp8_linear(x, w.fp8, w.row_scale)
+    w8a8_blocks = reference.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True)
+    w8a8_rows = reference.fp8_linear(x, w.fp8, w.row_scale, fp8_activations=True)
     nk, scale_bytes = proj.n * proj.k, w.block_scale.numel() * w.block_scale.element_size()
     flops = 2 * rows * nk
     default = fp8_linear.default_config(rows)
@@ -109,77 +124,145 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
         "n": proj.n,
         "k": proj.k,
         "rows": rows,
-        "default": next(
-            (label for label, cfg in fp8_linear.CANDIDATES.items() if cfg == default), str(default)
-        ),
+        "default": _label(default),
         "flops": flops,
         "bf16_weight_bytes": nk * w.dense.element_size(),
         "fp8_weight_bytes": nk + scale_bytes,
         "fp8_per_row_weight_bytes": nk + w.row_scale.numel() * w.row_scale.element_size(),
         "rel_err": {},
         "candidates_us": {},
+        "w8a8_candidates_us": {},
         "candidate_errors": {},
     }
+    row["w8a8_weight_bytes"], row["cublas_fp8_weight_bytes"] = (
+        row["fp8_weight_bytes"],
+        row["fp8_per_row_weight_bytes"],
+    )
+    row["w8a8_per_row_weight_bytes"] = row["fp8_per_row_weight_bytes"]
     variants = {  # name: (the call, the reference output it must match)
         "bf16": (lambda: F.linear(x, w.dense), by_blocks),
         "fp8": (lambda: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK), by_blocks),
         "fp8_per_row": (lambda: fp8_linear.fp8_linear(x, w.fp8, w.row_scale), by_rows),
+        "w8a8": (
+            lambda: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True),
+            w8a8_blocks,
+        ),
+        "w8a8_per_row": (
+            lambda: fp8_linear.fp8_linear(x, w.fp8, w.row_scale, fp8_activations=True),
+            w8a8_rows,
+        ),
+        "cublas_fp8": (lambda: cublas_fp8(x, w), w8a8_rows),
     }
     for name, (call, want) in variants.items():
-        got, us = replayed(call)
+        try:
+            got, us = replayed(call)
+        except Exception as exc:  # NOTE: cuBLAS's fp8 GEMM refuses some shapes; ours must not
+            if name != "cublas_fp8":
+                raise
+            row[f"{name}_us"] = row[f"{name}_gbs"] = row[f"{name}_tflops"] = None
+            row["candidate_errors"][name] = bench.failure(exc)
+            continue
         row["rel_err"][name] = bench._rel_err(got, want)
         row[f"{name}_us"] = us
         row[f"{name}_gbs"] = row[f"{name}_weight_bytes"] / (us * 1e-6) / 1e9
         row[f"{name}_tflops"] = flops / (us * 1e-6) / 1e12
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
+    row["w8a8_speedup"] = row["bf16_us"] / row["w8a8_us"]
+    row["w8a8_vs_fp8"] = row["fp8_us"] / row["w8a8_us"]
+    w8a8_default = fp8_linear.default_config(rows, fp8_activations=True)
+    row["w8a8_default"] = _label(w8a8_default)
     for label, cfg in fp8_linear.CANDIDATES.items():
-        if cfg == default:  # NOTE: the default's own tiles: its time, not a second (noisier) one
-            row["candidates_us"][label], row["rel_err"][label] = row["fp8_us"], row["rel_err"]["fp8"]
-            continue
-        try:
-            got, row["candidates_us"][label] = replayed(
-                lambda cfg=cfg: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, config=cfg)
-            )
-            row["rel_err"][label] = bench._rel_err(got, by_blocks)
-        except Exception as exc:  # a compile, launch or capture error of the candidate: the run goes on
-            row["candidates_us"][label] = None
-            row["candidate_errors"][label] = bench.failure(exc)
+        time_candidate(
+            row,
+            "candidates_us",
+            label,
+            cfg,
+            default,
+            "fp8",
+            lambda cfg=cfg: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, config=cfg),
+            by_blocks,
+        )
+        if rows >= PREFILL_ROWS:  # NOTE: W8A8 pays where the tensor cores are the cost
+            time_candidate(row, "w8a8_candidates_us", label, cfg, w8a8_default, "w8a8",
+                           lambda cfg=cfg: fp8_linear.fp8_linear(
+                               x, w.fp8, w.block_scale, BLOCK, config=cfg, fp8_activations=True),
+                           w8a8_blocks)  # fmt: skip
     row["wrong"] = [name for name, err in row["rel_err"].items() if bench_report.inaccurate(err)]
-    usable = {
-        label: us
-        for label, us in row["candidates_us"].items()
-        if us is not None and label not in row["wrong"]
-    }
-    row["best_candidate"] = min(usable, key=usable.__getitem__, default=None)
-    row["best_speedup"] = row["fp8_us"] / usable[row["best_candidate"]] if usable else None
+    for prefix, times, base in (("", "candidates_us", "fp8_us"), ("w8a8_", "w8a8_candidates_us", "w8a8_us")):
+        usable = {
+            label: us
+            for label, us in row[times].items()
+            if us is not None and f"{prefix}{label}" not in row["wrong"]
+        }
+        best = min(usable, key=usable.__getitem__, default=None)
+        row[f"{prefix}best_candidate"] = best
+        row[f"{prefix}best_speedup"] = row[base] / usable[best] if best else None
     return row
 
 
-def regime_candidate(rows: list[dict], min_gain: float = MIN_GAIN) -> str | None:
+def _label(cfg: fp8_linear.Fp8LinearConfig) -> str:
+    """A configuration's name in fp8_linear.CANDIDATES (its fields where it has none)."""
+    return next((label for label, c in fp8_linear.CANDIDATES.items() if c == cfg), str(cfg))
+
+
+def time_candidate(
+    row: dict, times: str, label: str, cfg: fp8_linear.Fp8LinearConfig, default: fp8_linear.Fp8LinearConfig,
+    variant: str, call: Callable[[], torch.Tensor], want: torch.Tensor,
+) -> None:  # fmt: skip
+    """One candidate's time into row[times][label] and its error into row["rel_err"] (its W8A8 form's under
+    "w8a8_<label>"); the default's own tiles take ``variant``'s time, not a second (noisier) one; a compile,
+    launch or capture error is recorded and the run goes on."""
+    key = label if variant == "fp8" else f"{variant}_{label}"
+    if cfg == default:
+        row[times][label], row["rel_err"][key] = row[f"{variant}_us"], row["rel_err"][variant]
+        return
+    try:
+        got, row[times][label] = replayed(call)
+        row["rel_err"][key] = bench._rel_err(got, want)
+    except Exception as exc:
+        row[times][label] = None
+        row["candidate_errors"][key] = bench.failure(exc)
+
+
+def regime_candidate(rows: list[dict], min_gain: float = MIN_GAIN, variant: str = "fp8") -> str | None:
     """The candidate at least ``min_gain`` x as fast as the default on every one of ``rows``, its output
-    right on each; of several, the one whose least gain is largest. None without rows or such a candidate."""
+    right on each; of several, the one whose least gain is largest. None without rows or such a candidate.
+    ``variant``: "fp8" (16-bit activations) or "w8a8" (its candidates' times and errors)."""
+    times_key, prefix = ("candidates_us", "") if variant == "fp8" else ("w8a8_candidates_us", "w8a8_")
     least: dict[str, float] = {}
-    for label in rows[0]["candidates_us"] if rows else ():
-        times = [r["candidates_us"].get(label) for r in rows]
-        if all(t is not None for t in times) and not any(label in r["wrong"] for r in rows):
-            least[label] = min(r["fp8_us"] / t for r, t in zip(rows, times, strict=True))
+    for label in rows[0][times_key] if rows else ():
+        times = [r[times_key].get(label) for r in rows]
+        if all(t is not None for t in times) and not any(prefix + label in r["wrong"] for r in rows):
+            least[label] = min(r[f"{variant}_us"] / t for r, t in zip(rows, times, strict=True))
     best = max(least, key=least.__getitem__, default=None)
     return best if best is not None and least[best] >= min_gain else None
 
 
+def _geomean(values: list[float]) -> float | None:
+    return statistics.geometric_mean(values) if values else None
+
+
 def summarize(rows: list[dict]) -> dict[str, Any]:
-    """The fp8 default against bf16 cuBLAS by regime (decode: its least speed-up; prefill: the geometric
-    mean), each regime's candidate (regime_candidate), and the rows with a failed check."""
+    """The fp8 default (16-bit and fp8 activations) against bf16 cuBLAS by regime (decode: its least
+    speed-up; prefill: the geometric mean), W8A8 against the 16-bit-activation default and cuBLAS's fp8 GEMM
+    against the per-row W8A8 (its speed-up: above 1, cuBLAS is faster), each regime's candidate
+    (regime_candidate), and the rows with a failed check."""
     decode = [r for r in rows if r["rows"] <= fp8_linear.DECODE_ROWS]
     prefill = [r for r in rows if r["rows"] >= PREFILL_ROWS]
     return {
         "fp8_speedup_min_decode": min((r["fp8_speedup"] for r in decode), default=None),
-        "fp8_speedup_geomean_prefill": (
-            statistics.geometric_mean(r["fp8_speedup"] for r in prefill) if prefill else None
+        "fp8_speedup_geomean_prefill": _geomean([r["fp8_speedup"] for r in prefill]),
+        "w8a8_speedup_min_decode": min((r["w8a8_speedup"] for r in decode), default=None),
+        "w8a8_speedup_geomean_prefill": _geomean([r["w8a8_speedup"] for r in prefill]),
+        "w8a8_vs_fp8_min_decode": min((r["w8a8_vs_fp8"] for r in decode), default=None),
+        "w8a8_vs_fp8_geomean_prefill": _geomean([r["w8a8_vs_fp8"] for r in prefill]),
+        "cublas_fp8_vs_w8a8_per_row_geomean_prefill": _geomean(
+            [r["w8a8_per_row_us"] / r["cublas_fp8_us"] for r in prefill if r["cublas_fp8_us"]]
         ),
         "best_candidate_per_regime": {
             "decode": regime_candidate(decode),
             "prefill": regime_candidate(prefill),
+            "prefill_w8a8": regime_candidate(prefill, variant="w8a8"),
         },
         "inaccurate": [
             f"{r['shape']} x {r['rows']} rows: {', '.join(r['wrong'])}" for r in rows if r["wrong"]
@@ -212,15 +295,38 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def candidates_table(rows: list[dict]) -> list[str]:
-    """Markdown lines: every candidate's time on every row; none without rows."""
+def w8a8_table(result: dict) -> str:
+    """The rows with fp8 activations as a markdown table: the default block-scaled and per-row W8A8 (the
+    activations' quantization included), cuBLAS's fp8 GEMM, each against bf16 cuBLAS and the 16-bit-activation
+    default."""
+    lines = [
+        "| proj | rows | bf16 cuBLAS us | fp8 us | W8A8 us | W8A8 per-row us | cuBLAS fp8 per-row us | "
+        "W8A8 TF/s | W8A8 vs bf16 | W8A8 vs fp8 | best W8A8 candidate | its gain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['shape']} | {r['rows']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['w8a8_us']:.1f} | "
+            f"{r['w8a8_per_row_us']:.1f} | {bench_report._fmt(r['cublas_fp8_us'], '.1f')} | "
+            f"{r['w8a8_tflops']:.1f} | {_times(r['w8a8_speedup'])} | {_times(r['w8a8_vs_fp8'])} | "
+            f"{r['w8a8_best_candidate'] or '-'} | {_times(r['w8a8_best_speedup'])} |"
+        )
+    return "\n".join(lines)
+
+
+def candidates_table(rows: list[dict], variant: str = "fp8") -> list[str]:
+    """Markdown lines: every candidate's time on every row that timed them (``variant`` "w8a8": their fp8
+    activation form); none without such rows."""
+    times, prefix = ("candidates_us", "") if variant == "fp8" else ("w8a8_candidates_us", "w8a8_")
+    rows = [r for r in rows if r[times]]
     if not rows:
         return []
-    labels = list(rows[0]["candidates_us"])
+    labels = list(rows[0][times])
+    what = "16-bit activations" if variant == "fp8" else "fp8 activations, prefill rows"
     lines = [
         "",
-        "Candidate tiles (kernels.fp8_linear.CANDIDATES), us; the default's in bold, the fastest marked *, "
-        "a failed check !:",
+        f"Candidate tiles (kernels.fp8_linear.CANDIDATES), {what}, us; the default's in bold, the fastest "
+        "marked *, a failed check !:",
         "",
         "| proj | rows | " + " | ".join(labels) + " |",
         "|---|---:|" + "---:|" * len(labels),
@@ -228,9 +334,10 @@ def candidates_table(rows: list[dict]) -> list[str]:
     for r in rows:
         cells = []
         for label in labels:
-            cell = bench_report._fmt(r["candidates_us"][label], ".1f")
-            cell += ("*" if label == r["best_candidate"] else "") + ("!" if label in r["wrong"] else "")
-            cells.append(f"**{cell}**" if label == r["default"] else cell)
+            cell = bench_report._fmt(r[times][label], ".1f")
+            cell += "*" if label == r[f"{prefix}best_candidate"] else ""
+            cell += "!" if prefix + label in r["wrong"] else ""
+            cells.append(f"**{cell}**" if label == r[f"{prefix}default"] else cell)
         lines.append(f"| {r['shape']} | {r['rows']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -247,10 +354,26 @@ def format_markdown(result: dict) -> str:
         format_table(result),
         *candidates_table(result["rows"]),
         "",
+        "With fp8 activations (W8A8: each row's activations quantized per 128-column group, or per row for "
+        "the per-row weights, by kernels.fp8_linear's kernel, inside every time):",
+        "",
+        w8a8_table(result),
+        *candidates_table(result["rows"], "w8a8"),
+        "",
         f"fp8 default against bf16 cuBLAS: least {_times(s['fp8_speedup_min_decode'])} at decode "
         f"(<= {fp8_linear.DECODE_ROWS} rows), geometric mean {_times(s['fp8_speedup_geomean_prefill'])} at "
         f"prefill (>= {PREFILL_ROWS} rows). A candidate {MIN_GAIN:.2f}x as fast as the default on every row "
         f"of its regime: decode {regimes['decode'] or 'none'}, prefill {regimes['prefill'] or 'none'}.",
+        "",
+        "fp8 activations (W8A8) against bf16 cuBLAS: least "
+        f"{_times(s['w8a8_speedup_min_decode'])} at decode, geometric mean "
+        f"{_times(s['w8a8_speedup_geomean_prefill'])} at prefill; against the 16-bit-activation default: "
+        f"least {_times(s['w8a8_vs_fp8_min_decode'])} at decode, geometric mean "
+        f"{_times(s['w8a8_vs_fp8_geomean_prefill'])} at prefill. cuBLAS's fp8 GEMM against the per-row "
+        f"W8A8 at prefill: {_times(s['cublas_fp8_vs_w8a8_per_row_geomean_prefill'])} (above 1x: cuBLAS "
+        "faster). "
+        f"A W8A8 candidate {MIN_GAIN:.2f}x as fast as its default on every prefill row: "
+        f"{regimes['prefill_w8a8'] or 'none'}.",
     ]
     if s["inaccurate"]:
         lines += ["", "Failed checks (relative error past kernels.bench_report.MAX_REL_ERR): "
@@ -323,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or Path("docs/benchmarks") / f"fp8-linear-{bench.gpu_slug(run.gpu)}.json"
     bench.write_result(result, out, format_markdown(result))
     print(format_table(result))
+    print()
+    print(w8a8_table(result))
     return 130 if "interrupted" in result else 0
 
 

@@ -219,9 +219,13 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe fp8 {shape.dtype} t{tokens}", fp8=True)
           for tokens in (4, 256) if dt != torch.float32 and arch >= 89),
         # an fp8 checkpoint's projections kept in fp8 (e4m3 weights: sm_89 on), a decode step's tiles and a prefill's
-        *(fp8_linear_case(shape, rows, fp8_linear.default_config(rows), f"fp8_linear{kind} {shape.dtype} m{rows}",
-                          per_row=bool(kind))
-          for rows in (4, 256) for kind in ("", " per-row") if dt != torch.float32 and arch >= 89),
+        *(fp8_linear_case(shape, rows, fp8_linear.default_config(rows, bool(act)),
+                          f"fp8_linear{kind}{act} {shape.dtype} m{rows}", per_row=bool(kind),
+                          fp8_activations=bool(act))
+          for rows in (4, 256) for kind in ("", " per-row") for act in ("", " w8a8")
+          if dt != torch.float32 and arch >= 89),
+        *(fp8_quantize_case(shape, rows, group) for rows in (4, 256) for group in (128, shape.hidden)
+          if dt != torch.float32 and arch >= 89),
     ]  # fmt: skip
 
 
@@ -269,10 +273,13 @@ def moe_candidates(shape: Shape) -> list[Case]:
             for label, cfg in moe.CANDIDATES.items()]  # fmt: skip
 
 
-def fp8_linear_case(shape: Shape, rows: int, config: Any, label: str, per_row: bool = False) -> Case:
+def fp8_linear_case(
+    shape: Shape, rows: int, config: Any, label: str, per_row: bool = False, fp8_activations: bool = False
+) -> Case:  # fmt: skip
     """An fp8 linear layer over ``rows`` rows of the model's hidden size into 512 columns, e4m3 weights in
     128 x 128 blocks (Qwen3's and DeepSeek's fp8 releases) or with one scale a row (``per_row``:
-    llm-compressor's FP8-dynamic), in ``config``'s tiles (the rows change the grid only)."""
+    llm-compressor's FP8-dynamic), in ``config``'s tiles (the rows change the grid only); with
+    ``fp8_activations`` the product of fp8 by fp8 (its activations' quantization is fp8_quantize_case)."""
     from kernels import fp8_linear
 
     x = torch.zeros(rows, shape.hidden, dtype=DTYPES[shape.dtype])
@@ -280,15 +287,31 @@ def fp8_linear_case(shape: Shape, rows: int, config: Any, label: str, per_row: b
     scale, block = (
         (torch.zeros(512, 1), None) if per_row else (torch.zeros(4, -(-shape.hidden // 128)), (128, 128))
     )
-    return label, dataclasses.asdict(config), lambda: fp8_linear.fp8_linear(x, w, scale, block, config=config)
+    return (
+        label,
+        dataclasses.asdict(config),
+        lambda: fp8_linear.fp8_linear(x, w, scale, block, config=config, fp8_activations=fp8_activations),
+    )
+
+
+def fp8_quantize_case(shape: Shape, rows: int, group: int) -> Case:
+    """The activations' quantization to e4m3 before an fp8 by fp8 product: one scale a run of ``group``
+    columns of each of ``rows`` rows of the model's hidden size."""
+    from kernels import fp8_linear
+
+    x = torch.zeros(rows, shape.hidden, dtype=DTYPES[shape.dtype])
+    label = f"fp8 activations {shape.dtype} m{rows} group {group}"
+    return label, {"group": group}, lambda: fp8_linear.quantize_fp8_groups(x, group)
 
 
 def fp8_linear_candidates(shape: Shape) -> list[Case]:
-    """kernels.bench_fp8_linear's candidate tiles (kernels.fp8_linear.CANDIDATES)."""
+    """kernels.bench_fp8_linear's candidate tiles (kernels.fp8_linear.CANDIDATES), over 16-bit and fp8
+    activations."""
     from kernels import fp8_linear
 
-    return [fp8_linear_case(shape, 16, cfg, f"candidate fp8_linear {shape.dtype} {label}")
-            for label, cfg in fp8_linear.CANDIDATES.items()]  # fmt: skip
+    return [fp8_linear_case(shape, 16, cfg, f"candidate fp8_linear{act} {shape.dtype} {label}",
+                            fp8_activations=bool(act))
+            for label, cfg in fp8_linear.CANDIDATES.items() for act in ("", " w8a8")]  # fmt: skip
 
 
 def tune_candidates(shape: Shape, with_configs: bool = False, pool: torch.dtype | None = None) -> list:

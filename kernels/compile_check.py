@@ -48,8 +48,20 @@ ARCHS = {
     89: ArchLimits("sm_89 (L4, L40S)", smem_per_block=101376, smem_per_sm=102400, threads_per_sm=1536),
     90: ArchLimits("sm_90 (H100, H200)", smem_per_block=232448, smem_per_sm=233472),
 }
-SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL", "ACQBULK", "PREEXIT")
-_SASS_RE = re.compile(r"\b(HGMMA|HMMA|LDGSTS|UTMALDG|LDG|LDL|STL|ACQBULK|PREEXIT)(\.[A-Z0-9_.]+)?")
+SASS_OPS = (
+    "HGMMA",
+    "QGMMA",
+    "HMMA",
+    "QMMA",
+    "LDGSTS",
+    "UTMALDG",
+    "LDG.E.128",
+    "LDL",
+    "STL",
+    "ACQBULK",
+    "PREEXIT",
+)
+_SASS_RE = re.compile(r"\b(HGMMA|QGMMA|HMMA|QMMA|LDGSTS|UTMALDG|LDG|LDL|STL|ACQBULK|PREEXIT)(\.[A-Z0-9_.]+)?")
 _USAGE_RE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -347,18 +359,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     """Markdown table of the report rows."""
     head = ("| case | kernel | config | regs | spill B | smem KiB | warps | stages | blocks/SM | "
-            "HGMMA | HMMA | LDGSTS | LDG.128 | ACQBULK | PREEXIT | ok |")  # fmt: skip
+            "HGMMA | QGMMA | HMMA | QMMA | LDGSTS | LDG.128 | ACQBULK | PREEXIT | ok |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in report["rows"]:
         cfg = " ".join(f"{k}={v}" for k, v in r["config"].items())
         if r.get("kernel") is None:
-            lines.append(f"| {r['case']} | - | {cfg} | | | | | | | | | | | | | {r['error']} |")
+            lines.append(f"| {r['case']} | - | {cfg} |" + " |" * (head.count("|") - 5) + f" {r['error']} |")
             continue
         s = r["sass"]
         lines.append(
             f"| {r['case']} | {r['kernel']} | {cfg} | {r['regs']} | {r['spill_bytes']} | "
             f"{r['shared_bytes'] / 1024:.1f} | {r['num_warps']} | {r['num_stages']} | {r['blocks_per_sm']} | "
-            f"{s['HGMMA']} | {s['HMMA']} | {s['LDGSTS']} | {s['LDG.E.128']} | {s['ACQBULK']} | {s['PREEXIT']} | "
+            f"{s['HGMMA']} | {s['QGMMA']} | {s['HMMA']} | {s['QMMA']} | {s['LDGSTS']} | {s['LDG.E.128']} | "
+            f"{s['ACQBULK']} | {s['PREEXIT']} | "
             f"{'yes' if r['ok'] else 'NO'} |"
         )
     return "\n".join(lines)
@@ -381,8 +394,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"Limits: {lim['smem_per_block'] // 1024} KiB shared memory per block, {lim['regs_per_sm']} registers "
         f"and {lim['threads_per_sm']} threads per SM. Result: {verdict}.",
         "",
-        "Counts are static instructions in the SASS (not executions). HGMMA = Hopper warpgroup MMA, "
-        "HMMA = mma.sync, LDGSTS = cp.async into shared memory, LDG.128 = 128-bit global loads, "
+        "Counts are static instructions in the SASS (not executions). HGMMA = Hopper warpgroup MMA (16-bit), "
+        "QGMMA = its fp8 form, HMMA = mma.sync (16-bit), QMMA = its fp8 form (sm_89+), "
+        "LDGSTS = cp.async into shared memory, LDG.128 = 128-bit global loads, "
         "ACQBULK / PREEXIT = griddepcontrol.wait / launch_dependents (programmatic dependent launch). "
         "blocks/SM is an occupancy estimate from registers, shared memory and threads.",
         "",

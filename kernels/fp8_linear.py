@@ -10,6 +10,10 @@ is widened to x's dtype as it is loaded (exact: every fp8 value is a value of fp
 multiplied in fp32; with block scales each step's product is scaled by its blocks' multipliers (BLOCK_K
 divides ``cols``, so a step lies in one column of blocks), otherwise the sum is scaled once at the end.
 A decode step's projections read the weight's bytes once: half of a 16-bit weight's.
+With ``fp8_activations`` (W8A8, as an fp8 checkpoint's "activation_scheme": "dynamic" intends) x is first
+quantized to e4m3, one float32 scale a run of the blocks' columns of each row (a whole row without blocks;
+quantize_fp8_groups, bit for bit the reference's), and each step multiplies fp8 by fp8 (sm_90's fp8
+warpgroup MMA: twice the 16-bit rate), scaled by the weight's and the row's multipliers.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import host_checks, interpret_requested
+from kernels import host_checks, interpret_requested, reference
+from kernels.fused import to_pool
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -47,24 +52,28 @@ CANDIDATES = {
     "m32 n64 k128": Fp8LinearConfig(block_m=32, block_n=64, block_k=128),
     "m64 n128 k64": Fp8LinearConfig(block_m=64, block_n=128, block_k=64),
     "m128 n128 k64 w8": Fp8LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8),
+    "m128 n128 k128 w8": Fp8LinearConfig(block_m=128, block_n=128, block_k=128, num_warps=8),
 }
 DECODE_ROWS = 16  # default_config: up to this many rows a call is a decode step (one row tile)
 
 
-def default_config(rows: int) -> Fp8LinearConfig:
+def default_config(rows: int, fp8_activations: bool = False) -> Fp8LinearConfig:
     """Narrow tiles when the call has few rows (a decode step: the weight's reads are the cost, and more
-    programs keep more of them in flight), 128-row tiles for prefills. Not yet timed on a GPU
-    (kernels.bench_fp8_linear)."""
+    programs keep more of them in flight), 128-row tiles for prefills (128 deep with fp8 activations: both
+    operands a byte a value). Not yet timed on a GPU (kernels.bench_fp8_linear)."""
     if INTERPRETED:
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
-    return CANDIDATES["m16 n32 k128 s4" if rows <= DECODE_ROWS else "m128 n128 k64 w8"]
+    if rows <= DECODE_ROWS:
+        return CANDIDATES["m16 n32 k128 s4"]
+    return CANDIDATES["m128 n128 k128 w8" if fp8_activations else "m128 n128 k64 w8"]
 
 
 @triton.jit
 def _fp8_linear_kernel(
-    X, W, S, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om, stride_sr, stride_sc, scale_rows,
-    scale_cols,  # the block's rows and columns (BLOCKED); stride_sr: per output row otherwise
-    BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X, XS, W, S, Bias, Out, M, N, K, stride_xm, stride_xsm, stride_wn, stride_om, stride_sr, stride_sc,
+    scale_rows, scale_cols,  # the block's rows and columns (BLOCKED); stride_sr: per output row otherwise
+    BLOCKED: tl.constexpr, X_FP8: tl.constexpr,  # X_FP8: x's e4m3 codes with XS, one scale a run of it
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
 ):  # fmt: skip
@@ -76,26 +85,78 @@ def _fp8_linear_kernel(
     w_base = W + cols.to(tl.int64)[None, :] * stride_wn  # NOTE: the weight read as [K, N] tiles
     if BLOCKED:
         s_base = S + (cols // scale_rows) * stride_sr
+    xs_base = XS + rows * stride_xsm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_base + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        w = w.to(X.dtype.element_ty)
+        if not X_FP8:  # NOTE: fp8 by fp8 runs on the tensor cores as it is (e4m3 x e4m3 or e5m2)
+            w = w.to(X.dtype.element_ty)
         if DOT_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if BLOCKED:  # NOTE: the step lies in one column of blocks: one multiplier an output column
-            scale = tl.load(s_base + (k0 // scale_cols) * stride_sc, mask=col_mask, other=0.0)
-            acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32) * scale[None, :]
+            scale = tl.load(s_base + (k0 // scale_cols) * stride_sc, mask=col_mask, other=0.0)[None, :]
+            if X_FP8:  # NOTE: and in one run of x's scales: one multiplier a row
+                scale = scale * tl.load(xs_base + k0 // scale_cols, mask=row_mask, other=0.0)[:, None]
+            acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * tl.load(S + cols * stride_sr, mask=col_mask, other=0.0)[None, :]
+        if X_FP8:
+            acc = acc * tl.load(xs_base, mask=row_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dst = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(dst, acc.to(Out.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _quantize_groups_kernel(
+    X, Q, S, K, group, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr, CHUNK: tl.constexpr
+):  # fmt: skip
+    """One program a run of ``group`` columns of one row: its largest magnitude, then its codes."""
+    row, run = tl.program_id(0), tl.program_id(1)
+    start = run * group
+    end = tl.minimum(start + group, K)
+    x_row = X + row.to(tl.int64) * stride_xm
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for c0 in range(start, end, CHUNK):
+        cs = c0 + tl.arange(0, CHUNK)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + cs, mask=cs < end, other=0.0).to(tl.float32)))
+    scale = tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX)  # NOTE: rounded as the reference's division
+    scale = tl.where(scale > 0, scale, 1.0)
+    q_row = Q + row.to(tl.int64) * stride_qm
+    for c0 in range(start, end, CHUNK):
+        cs = c0 + tl.arange(0, CHUNK)
+        x = tl.load(x_row + cs, mask=cs < end, other=0.0).to(tl.float32)
+        tl.store(q_row + cs, to_pool(tl.math.div_rn(x, scale), Q.dtype.element_ty), mask=cs < end)
+    tl.store(S + row * stride_sm + run, scale)
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp16 / bf16 / fp32, last dim contiguous) as e4m3 codes [M, K] and float32 scales
+    [M, ceil(K / group)]: kernels.reference.quantize_fp8_groups, bit for bit (the divisions round to
+    nearest)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in host_checks.ATTENTION_DTYPES or group < 1:
+        raise ValueError(
+            f"x [M, K] of fp16, bf16 or fp32 with contiguous rows and a group of at least one column "
+            f"expected, got {x.dtype} {host_checks.shape_of(x)}, group {group}"
+        )
+    m, k = x.shape
+    runs = triton.cdiv(k, group)
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, runs), dtype=torch.float32, device=x.device)
+    if m and k:
+        chunk = min(triton.next_power_of_2(group), 16 if INTERPRETED else 1024)
+        _quantize_groups_kernel[(m, runs)](
+            x, codes, scales, k, group, x.stride(0), codes.stride(0), scales.stride(0),
+            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, CHUNK=chunk, enable_fp_fusion=True,
+            num_warps=1 if INTERPRETED else 4,
+        )  # fmt: skip
+    return codes, scales
 
 
 def check_fp8_linear(
@@ -151,7 +212,7 @@ def step_for(block: tuple[int, int] | None, k: int, cfg: Fp8LinearConfig) -> int
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None, config: Fp8LinearConfig | None = None,
+    bias: torch.Tensor | None = None, config: Fp8LinearConfig | None = None, fp8_activations: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """See the module docstring and kernels.reference.fp8_linear."""
     check_fp8_linear(x, weight, scale, block, bias)
@@ -165,20 +226,23 @@ def fp8_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    cfg = config or default_config(m)
+    cfg = config or default_config(m, fp8_activations)
     step = step_for(block, k, cfg)
     if block is None:  # NOTE: one scale in all is a scale a row at stride 0
         strides, block_rows, block_cols = (0 if scale.numel() == 1 else 1, 0), 1, k
         scale = scale.reshape(-1)
     else:
         strides, (block_rows, block_cols) = scale.stride(), block
+    x_scales = scale  # NOTE: unread without fp8 activations
+    if fp8_activations:
+        x2, x_scales = quantize_fp8_groups(x2, reference.activation_group(block, k))
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _fp8_linear_kernel[grid](
-        x2, weight, scale, bias if bias is not None else out, out, m, n, k, x2.stride(0), weight.stride(0),
-        out.stride(0), strides[0], strides[1], block_rows, block_cols, BLOCKED=block is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=step,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and x.dtype == torch.bfloat16, enable_fp_fusion=True, num_warps=cfg.num_warps,
+        x2, x_scales, weight, scale, bias if bias is not None else out, out, m, n, k, x2.stride(0),
+        x_scales.stride(0), weight.stride(0), out.stride(0), strides[0], strides[1], block_rows, block_cols,
+        BLOCKED=block is not None, X_FP8=fp8_activations, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and x2.dtype == torch.bfloat16, enable_fp_fusion=True, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out.reshape(*lead, n)

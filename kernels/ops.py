@@ -270,13 +270,16 @@ def fused_moe(
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, fp8_activations: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """See kernels.reference.fp8_linear (the weight widened tile by tile inside one GEMM on the GPU)."""
+    """See kernels.reference.fp8_linear (on the GPU one GEMM: the weight widened tile by tile, or with
+    ``fp8_activations`` x quantized per token group first and multiplied fp8 by fp8)."""
     mode = _triton_mode(x)
     if mode is None:
-        return reference.fp8_linear(x, weight, scale, block, bias)
-    return kernel_module("fp8_linear", mode).fp8_linear(x, weight, scale, block, bias)
+        return reference.fp8_linear(x, weight, scale, block, bias, fp8_activations)
+    return kernel_module("fp8_linear", mode).fp8_linear(
+        x, weight, scale, block, bias, fp8_activations=fp8_activations
+    )
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

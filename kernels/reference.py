@@ -247,28 +247,60 @@ def dequantize_fp8_weight(
 
 
 def quantize_fp8_rows(w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, ...]:
-    """A 16- or 32-bit weight [..., N, K] as fp8 codes of ``dtype`` and float32 scales [..., N, 1], one a row:
-    each row's largest magnitude over the format's largest value (1 for a row of zeros), the codes the row
-    over its scale rounded to nearest even (to_pool). dequantize_fp8_weight(codes, scales, None, ...) is the
-    weight each row to fp8's precision."""
-    w = w.float()
-    scale = w.abs().amax(dim=-1, keepdim=True) / torch.finfo(dtype).max
+    """A 16- or 32-bit weight [..., N, K] as fp8 codes of ``dtype`` and float32 scales [..., N, 1], one a row
+    (quantize_fp8_groups with one group a row). dequantize_fp8_weight(codes, scales, None, ...) is the weight
+    each row to fp8's precision."""
+    return quantize_fp8_groups(w, w.shape[-1], dtype)
+
+
+def quantize_fp8_groups(
+    x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] as fp8 codes of ``dtype`` [..., K] and float32 scales [..., ceil(K / group)], one a run of
+    ``group`` columns of a row (the last may be shorter): the run's largest magnitude over the format's
+    largest value (1 for a run of zeros), the codes the run over its scale rounded to nearest even
+    (to_pool). An fp8 projection's activations quantized per token group (fp8_linear's fp8_activations)."""
+    if group < 1:
+        raise ValueError(f"a quantization group needs at least one column, got {group}")
+    k = x.shape[-1]
+    runs = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, runs * group - k)).unflatten(-1, (runs, group))
+    scale = padded.abs().amax(dim=-1) / torch.finfo(dtype).max
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return to_pool(w / scale, dtype), scale
+    codes = to_pool(padded / scale.unsqueeze(-1), dtype).flatten(-2)[..., :k]
+    return codes, scale
+
+
+def dequantize_fp8_groups(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """quantize_fp8_groups' codes [..., K] times their scales [..., ceil(K / group)], in float32."""
+    k = codes.shape[-1]
+    return codes.float() * scale.float().repeat_interleave(group, dim=-1)[..., :k]
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, fp8_activations: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """x [..., K] times an fp8 weight [N, K] (float8_e4m3fn or float8_e5m2) dequantized with its scale
     (dequantize_fp8_weight: one a ``block``, else one a row or one in all), plus ``bias`` [N]: float32 math,
-    the output [..., N] in x's dtype (an fp8 checkpoint's projection kept in fp8; kernels.fp8_linear)."""
+    the output [..., N] in x's dtype (an fp8 checkpoint's projection kept in fp8; kernels.fp8_linear).
+    ``fp8_activations``: x first quantized to e4m3 per token (quantize_fp8_groups, one scale a run of the
+    blocks' columns, or a whole row without blocks) and dequantized: what a product of fp8 by fp8 computes."""
     w = dequantize_fp8_weight(weight, scale, block, torch.float32)
-    out = x.float() @ w.T
+    xf = x.float()
+    if fp8_activations:
+        group = activation_group(block, x.shape[-1])
+        xf = dequantize_fp8_groups(*quantize_fp8_groups(x, group), group)
+    out = xf @ w.T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def activation_group(block: tuple[int, int] | None, k: int) -> int:
+    """Columns of x one activation scale covers for an fp8 weight of ``block`` scales over ``k`` columns:
+    the blocks' columns (a step of the product lies in one), else the whole row."""
+    return k if block is None else min(block[1], k)
 
 
 def moe_route(

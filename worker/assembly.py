@@ -453,6 +453,7 @@ def build_engine(cfg: Any) -> Engine:
             mxfp4_experts=cfg.mxfp4_experts,
             fp8_weights=cfg.fp8_weights,
             quantization=cfg.quantization,
+            fp8_activations=cfg.fp8_activations,
         )
         load_adapters(cfg, loaded.model)  # NOTE: before the pool, which takes a share of what is left
         pool = make_kv_pool(cfg, loaded.model, device)
@@ -467,7 +468,11 @@ def build_engine(cfg: Any) -> Engine:
     if mc.fp8_weights or mc.fp8_projections:
         served = "kept in fp8" if mc.fp8_weights else "quantized to fp8 at load"
         log.info(
-            "projections %s", served if mc.fp8_projections else "of the fp8 checkpoint dequantized at load"
+            "projections %s%s",
+            served if mc.fp8_projections else "of the fp8 checkpoint dequantized at load",
+            ", their inputs quantized to fp8 per token (--fp8-activations dynamic)"
+            if mc.fp8_activations
+            else "",
         )
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)

@@ -140,6 +140,9 @@ class BenchParams:
     overlap_schedule: str = "auto"  # decode steps scheduled while the one before runs (auto: on CUDA)
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (--kv-cache-dtype: auto or an fp8 format)
     fp8_weights: bool = False  # the projections kept in fp8 with 128x128 block scales (kernels.fp8_linear)
+    fp8_activations: bool = (
+        False  # with fp8_weights: their inputs quantized per token (--fp8-activations dynamic)
+    )
 
 
 class IdTokenizer:
@@ -184,10 +187,12 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
     return model
 
 
-def fp8_projections(config: ModelConfig) -> ModelConfig:
+def fp8_projections(config: ModelConfig, fp8_activations: bool = False) -> ModelConfig:
     """``config`` with its projections kept in fp8, one scale a 128 x 128 block (Qwen3's and DeepSeek's fp8
-    releases as --fp8-weights fp8 serves them)."""
-    return replace(config, fp8_weights=True, fp8_weight_block=(128, 128), fp8_projections=True)
+    releases as --fp8-weights fp8 serves them); ``fp8_activations``: their inputs quantized per token
+    (--fp8-activations dynamic)."""
+    return replace(config, fp8_weights=True, fp8_weight_block=(128, 128), fp8_projections=True,
+                   fp8_activations=fp8_activations)  # fmt: skip
 
 
 def bench_model(name: str, device: str, dtype: str = "auto") -> Any:
@@ -458,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-weights", action="store_true",
                     help="the projections in fp8 with 128x128 block scales, as an fp8 checkpoint's served with "
                          "--fp8-weights fp8 (kernels.fp8_linear); random codes")  # fmt: skip
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="with --fp8-weights: the projections' inputs quantized to fp8 per token and "
+                         "multiplied fp8 by fp8, as --fp8-activations dynamic serves them")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -491,6 +499,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--tensor-parallel-size must be >= 1, and above 1 only with --model tiny")
     if sizes["decode_steps"] < 2:
         parser.error("--decode-steps must be at least 2 (the first token comes from prefill)")
+    if args.fp8_activations and not args.fp8_weights:
+        parser.error("--fp8-activations quantizes the inputs of fp8 projections: add --fp8-weights")
     return BenchParams(model=args.model, device=device, cpu_threads=args.cpu_threads, seed=args.seed,
                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
                        host_cache_tokens=2 * sizes["prompt_tokens"] if args.host_cache_tokens is None
@@ -498,7 +508,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        cuda_graph_max_bs=args.cuda_graph_max_bs, cuda_graph_extend_tokens=args.cuda_graph_extend_tokens,
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
                        tensor_parallel_size=args.tensor_parallel_size, overlap_schedule=args.overlap_schedule,
-                       kv_cache_dtype=args.kv_cache_dtype, fp8_weights=args.fp8_weights, **sizes)  # fmt: skip
+                       kv_cache_dtype=args.kv_cache_dtype, fp8_weights=args.fp8_weights,
+                       fp8_activations=args.fp8_activations, **sizes)  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:
@@ -518,7 +529,7 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
     if p.fp8_weights:  # NOTE: tiny too (random weights in its shape): a CPU smoke test of the fp8 path
         from worker.model.tiny import tiny_config
 
-        shape = fp8_projections(shape or tiny_config())
+        shape = fp8_projections(shape or tiny_config(), p.fp8_activations)
     engine = build_bench_engine(cfg, shape)
     engine.start()
     try:

@@ -168,12 +168,13 @@ def markdown_table(doc: dict) -> str:
 
 def precision(model: dict) -> str:
     """The weights' and the KV pool's dtypes as a report's title names them, e.g. "bfloat16, KV float8_e4m3fn"
-    or "fp8 projections (128x128 blocks), bfloat16 elsewhere, KV bfloat16"."""
+    or "fp8 projections (128x128 blocks, inputs fp8 per token), bfloat16 elsewhere, KV bfloat16"."""
     dtype, config = model["dtype"], model.get("config") or {}
     weights = dtype
     if config.get("fp8_projections"):
         block = config.get("fp8_weight_block")
         scales = f"{block[0]}x{block[1]} blocks" if block else "one scale a row"
+        scales += ", inputs fp8 per token" if config.get("fp8_activations") else ""
         weights = f"fp8 projections ({scales}), {dtype} elsewhere"
     return f"{weights}, KV {model.get('kv_dtype', dtype)}"
 

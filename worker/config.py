@@ -20,6 +20,10 @@ MXFP4_CHOICES = (
 )  # --mxfp4-experts: how a checkpoint's MXFP4 experts are served
 FP8_WEIGHT_CHOICES = ("auto", "fp8", "dequantized")  # --fp8-weights: an fp8 checkpoint's projections
 QUANTIZATION_CHOICES = ("none", "fp8")  # --quantization: a 16-bit checkpoint's projections quantized at load
+FP8_ACTIVATION_CHOICES = (
+    "none",
+    "dynamic",
+)  # --fp8-activations: the fp8 projections' inputs kept or quantized
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
@@ -47,6 +51,7 @@ class WorkerConfig:
     mxfp4_experts: str = "auto"  # MXFP4 experts (gpt-oss) kept packed or dequantized (worker.model.loader)
     fp8_weights: str = "auto"  # an fp8 checkpoint's projections kept in fp8 or dequantized (model.loader)
     quantization: str = "none"  # fp8: a 16-bit checkpoint's projections quantized to fp8 at load
+    fp8_activations: str = "none"  # dynamic: the fp8 projections' inputs quantized per token (W8A8)
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
@@ -140,6 +145,8 @@ class WorkerConfig:
             raise ValueError(f"--fp8-weights must be one of {', '.join(FP8_WEIGHT_CHOICES)}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.fp8_activations not in FP8_ACTIVATION_CHOICES:
+            raise ValueError(f"--fp8-activations must be one of {', '.join(FP8_ACTIVATION_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2 (one prompt and one output token)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -273,6 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
         "load, one scale a row, and served as --fp8-weights fp8 serves an fp8 checkpoint (half of bf16's "
         "bytes; CUDA from sm_89, or the CPU's reference path); none: as stored",
         choices=list(QUANTIZATION_CHOICES),
+    )
+    opt(
+        "--fp8-activations",
+        str,
+        "dynamic: the input of every projection served in fp8 (--fp8-weights fp8, --quantization fp8) "
+        "quantized to fp8 (e4m3) per token at each call, one scale a run of the weight blocks' columns "
+        "(128 in Qwen3's and DeepSeek's releases) or a row, and multiplied fp8 by fp8 (W8A8: Hopper's fp8 "
+        "tensor cores; what an fp8 checkpoint's activation_scheme dynamic intends; the experts' GEMMs keep "
+        "16-bit inputs); none: 16-bit inputs, the weights widened exactly",
+        choices=list(FP8_ACTIVATION_CHOICES),
     )
     opt(
         "--host-cache-tokens",

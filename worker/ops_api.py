@@ -28,14 +28,15 @@ SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are not
 
 def weights_info(model: Any) -> dict[str, Any]:
     """The model's weights as /v1/cache/info reports them: their dtype, and whether its projections are in
-    fp8 (``fp8_projections``: null, or where they come from and their scales: a block's rows and columns,
-    or "row")."""
-    c = model.config
+    fp8 (``fp8_projections``: null, or where they come from, their scales (a block's rows and columns, or
+    "row") and their inputs' precision: "fp8 per token" under --fp8-activations dynamic, else the dtype's)."""
+    c, dtype = model.config, str(model.dtype).removeprefix("torch.")
     fp8 = None
     if c.fp8_projections:
         fp8 = {"source": "checkpoint" if c.fp8_weights else "quantized at load",
-               "scales": list(c.fp8_weight_block) if c.fp8_weight_block else "row"}  # fmt: skip
-    return {"weight_dtype": str(model.dtype).removeprefix("torch."), "fp8_projections": fp8}
+               "scales": list(c.fp8_weight_block) if c.fp8_weight_block else "row",
+               "activations": "fp8 per token" if c.fp8_activations else dtype}  # fmt: skip
+    return {"weight_dtype": dtype, "fp8_projections": fp8}
 
 
 def _json(obj: object, status: int = 200) -> Response:

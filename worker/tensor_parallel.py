@@ -276,6 +276,7 @@ def load_rank(cfg: Any, shard: Shard, channel: Channel, device: torch.device) ->
         mxfp4_experts=cfg.mxfp4_experts,
         fp8_weights=cfg.fp8_weights,
         quantization=cfg.quantization,
+        fp8_activations=cfg.fp8_activations,
     )
     load_adapters(cfg, loaded.model)  # NOTE: every rank its own part, before the pool takes what is left
 
@@ -297,6 +298,7 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
         quantized_at_load,
         read_config,
         safetensors_files,
+        served_activations,
         served_experts,
         served_fp8,
     )
@@ -307,8 +309,8 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
     config = served_experts(read_config(cfg.model), cfg.mxfp4_experts, device)
     first.check(config)
     if config.fp8_weights:
-        served_fp8(config, cfg.fp8_weights, device, first, safetensors_files(cfg.model))
-    quantized_at_load(config, cfg.quantization, device)
+        config = served_fp8(config, cfg.fp8_weights, device, first, safetensors_files(cfg.model))
+    served_activations(quantized_at_load(config, cfg.quantization, device), cfg.fp8_activations)
     ranks = Ranks(cfg, device.type)
     shard, channel = init_rank(0, cfg.tensor_parallel_size, ranks.init_method, rank_device(device.type, 0))
     loaded, pool = load_rank(cfg, shard, channel, rank_device(device.type, 0))

@@ -44,6 +44,9 @@ def test_count_sass_ops_tells_load_widths_and_mma_kinds_apart():
         /*0120*/ LDG.E R9, desc[UR6][R4.64] ;
         /*0130*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
         /*0140*/ HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0148*/ QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;
+        /*014c*/ QMMA.16832.F32.E4M3.E4M3 R4, R8, R12, R4 ;
+        /*014e*/ QMMA.16832.F32.E4M3.E4M3 R4, R8, R12, R4 ;
         /*0150*/ STL.64 [R1], R10 ;
         /*0160*/ LDL R3, [R1+0x8] ;
         /*0170*/ ACQBULK ;
@@ -51,7 +54,8 @@ def test_count_sass_ops_tells_load_widths_and_mma_kinds_apart():
         /*0190*/ ACQBULK ;
         """)
     assert compile_check.count_sass_ops(sass) == {
-        "HGMMA": 1, "HMMA": 1, "LDGSTS": 1, "UTMALDG": 0, "LDG.E.128": 1, "LDL": 1, "STL": 1, "ACQBULK": 2,
+        "HGMMA": 1, "QGMMA": 1, "HMMA": 1, "QMMA": 2, "LDGSTS": 1, "UTMALDG": 0, "LDG.E.128": 1, "LDL": 1,
+        "STL": 1, "ACQBULK": 2,
         "PREEXIT": 1}  # fmt: skip
 
 
@@ -81,7 +85,8 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
                        "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
                        "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
-                       "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel"}  # fmt: skip
+                       "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel",
+                       "_quantize_groups_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -90,10 +95,15 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     # the experts' GEMMs: a prefill's 64-row blocks on warpgroup MMA, a decode step's 16-row ones on mma.sync
     assert rows[("fused_moe bf16 t256", "_grouped_gemm_kernel")]["sass"]["HGMMA"] > 0
     assert rows[("fused_moe bf16 t4", "_grouped_gemm_kernel")]["sass"]["HMMA"] > 0
-    # the fp8 linear layer likewise, over block scales and one scale a row
+    # the fp8 linear layer likewise, over block scales and one scale a row; with fp8 activations a prefill's
+    # product on the fp8 warpgroup MMA (a decode step's widened to 16 bits on sm_90's mma.sync)
     for kind in ("", " per-row"):
         assert rows[(f"fp8_linear{kind} bf16 m256", "_fp8_linear_kernel")]["sass"]["HGMMA"] > 0
         assert rows[(f"fp8_linear{kind} bf16 m4", "_fp8_linear_kernel")]["sass"]["HMMA"] > 0
+        w8a8 = rows[(f"fp8_linear{kind} w8a8 bf16 m256", "_fp8_linear_kernel")]["sass"]
+        assert w8a8["QGMMA"] > 0 and w8a8["HGMMA"] == 0
+        assert rows[(f"fp8_linear{kind} w8a8 bf16 m4", "_fp8_linear_kernel")]["sass"]["HMMA"] > 0
+    assert ("fp8 activations bf16 m256 group 128", "_quantize_groups_kernel") in rows
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     assert ("decode many-requests bf16 hd128 gqa4", "_decode_split_kernel") in rows  # MANY_REQUESTS' tiles
     assert ("decode many-requests bf16 hd64 gqa4", "_decode_split_kernel") not in rows  # the same as decode's
@@ -246,7 +256,8 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
                          "_add_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_store_kv_kernel", "_shrink_kernel",
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
                        "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
-                       "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel"}  # fmt: skip
+                       "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel",
+                       "_quantize_groups_kernel"}  # fmt: skip
     # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
     # prefix split (one compiled kernel for any split count)
     extends = sorted(

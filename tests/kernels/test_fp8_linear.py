@@ -1,6 +1,8 @@
 """The fp8 linear layer (an fp8 checkpoint's projections kept in fp8): the Triton kernel against
 kernels.reference.fp8_linear over block, per-row and per-tensor scales, both fp8 formats, every activation
-dtype, biases, ragged shapes past one tile and NaN-poisoned outputs; the reference against its definition."""
+dtype, biases, ragged shapes past one tile and NaN-poisoned outputs, with 16-bit activations and with
+activations quantized to fp8 per token group (its quantization kernel bit for bit); the reference against
+its definition."""
 
 from __future__ import annotations
 
@@ -111,3 +113,98 @@ def test_bad_arguments_are_refused(backend):
         fp8_linear.fp8_linear(x, w, scale.half(), block)
     with pytest.raises(ValueError, match="bias must be"):
         fp8_linear.fp8_linear(x, w, scale, block, torch.zeros(32, dtype=torch.float16))
+
+
+# fp8 by fp8: Hopper's fp8 MMA sums a step's products with fewer bits than fp32 before they join the fp32
+# sum, so fp32 activations get a looser bound; quantizing the activations moves the output ~2.5e-2 from the
+# 16-bit-activation product, far past the fp32 and fp16 bounds
+W8A8_REL_TOL = {torch.float32: 2e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out_f, ref_f = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(out_f).all(), "unwritten (NaN-poisoned) or non-finite output elements"
+    return ((out_f - ref_f).norm() / ref_f.norm()).item()
+
+
+def test_the_activations_reference_is_the_definition():
+    """A run's scale is its largest magnitude over 448 (1 for zeros), the last run shorter; the product
+    is the dequantized activations' by the dequantized weight."""
+    x = torch.tensor([[448.0, -896.0, 3.0, 0.0, 0.0], [1.0, 2.0, 0.5, 7.0, -14.0]])
+    codes, scales = reference.quantize_fp8_groups(x, 3)
+    assert torch.equal(scales, torch.tensor([[2.0, 1.0], [2.0 / 448, 14.0 / 448]]))
+    assert torch.equal(codes.float(), torch.tensor([[224.0, -448.0, 1.5, 0.0, 0.0],
+                                                    [224.0, 448.0, 112.0, 224.0, -448.0]]))  # fmt: skip
+    assert torch.equal(reference.dequantize_fp8_groups(codes, scales, 3), x)
+    w, scale = torch.eye(5).to(torch.float8_e4m3fn), torch.ones(5, 1)
+    y = torch.tensor([[1.0, 1.1, 0.0, 0.0, 0.0]])  # 1.1 x 448 / 1.1 = 448; 1 x 448 / 1.1 = 407.3 -> 416
+    out = reference.fp8_linear(y, w, scale, fp8_activations=True)
+    assert torch.allclose(out, torch.tensor([[416 * 1.1 / 448, 1.1, 0.0, 0.0, 0.0]]))
+    assert torch.equal(reference.fp8_linear(y, w, scale), y)  # without: the activations as they are
+    assert reference.activation_group((128, 128), 4096) == 128 and reference.activation_group(None, 96) == 96
+    assert reference.activation_group((128, 128), 64) == 64
+
+
+@pytest.mark.parametrize("group", [16, 48, 80])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_activations_quantize_as_the_reference_bit_for_bit(backend, dtype, group):
+    """Runs of 16, of 48 (the last one partial) and a whole row; a run of zeros (scale 1) and values whose
+    mantissa rounds up into the next binade (126.9 -> 128)."""
+    fp8_linear = backend.module("fp8_linear")
+    x = activations(5, 80, dtype) * 30
+    x[1, :48] = 0
+    x[2, 0], x[2, 1] = 448.0, 126.9
+    x = x.to(backend.device)
+    codes, scales = fp8_linear.quantize_fp8_groups(x, group)
+    want_codes, want_scales = reference.quantize_fp8_groups(x, group)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (5, -(-80 // group))
+    assert torch.equal(scales.cpu(), want_scales.cpu())
+    assert torch.equal(codes.view(torch.uint8).cpu(), want_codes.view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("kind", SCALES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_activations_match_the_reference(backend, shape, dtype, kind, fp8):
+    """The activations quantized per token group (the blocks' columns, or the row) and multiplied fp8 by
+    fp8; a scale read for the wrong run or row moves the output past the bound."""
+    fp8_linear = backend.module("fp8_linear")
+    rows, n, k = SHAPES[shape]
+    w, scale, block = (
+        t.to(backend.device) if isinstance(t, torch.Tensor) else t for t in fp8_weight(n, k, fp8, kind)
+    )
+    x = (activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)).to(
+        backend.device
+    )  # NOTE: rows of different magnitudes: each its own scales
+    got = fp8_linear.fp8_linear(x, w, scale, block, fp8_activations=True)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert rel_err(got, reference.fp8_linear(x, w, scale, block, fp8_activations=True)) <= W8A8_REL_TOL[dtype]
+    if dtype != torch.bfloat16:  # NOTE: the bound tells the quantized activations from unquantized ones
+        assert rel_err(got, reference.fp8_linear(x, w, scale, block)) > W8A8_REL_TOL[dtype]
+
+
+def test_fp8_activations_with_bias_leading_dims_strided_rows_and_poisoned_output(backend, monkeypatch):
+    fp8_linear = backend.module("fp8_linear")
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    w, scale, block = fp8_weight(40, 64, torch.float8_e4m3fn, "block32")
+    w, scale = w.to(backend.device), scale.to(backend.device)
+    x = activations(18, 96, torch.float16).to(backend.device)[:, :64].reshape(2, 9, 64)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(3)).half().to(backend.device)
+    got = fp8_linear.fp8_linear(x, w, scale, block, bias, fp8_activations=True)
+    assert got.shape == (2, 9, 40)
+    want = reference.fp8_linear(x, w, scale, block, bias, fp8_activations=True)
+    assert rel_err(got, want) <= W8A8_REL_TOL[torch.float16]
+
+
+def test_bad_activation_quantization_arguments_are_refused(backend):
+    fp8_linear = backend.module("fp8_linear")
+    with pytest.raises(ValueError, match="group of at least one column"):
+        fp8_linear.quantize_fp8_groups(torch.zeros(2, 8), 0)
+    with pytest.raises(ValueError, match=r"x \[M, K\]"):
+        fp8_linear.quantize_fp8_groups(torch.zeros(2, 8, 4), 4)
+    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+        fp8_linear.quantize_fp8_groups(torch.zeros(2, 8, dtype=torch.float64), 4)
+    with pytest.raises(ValueError, match="at least one column"):
+        reference.quantize_fp8_groups(torch.zeros(2, 8), 0)

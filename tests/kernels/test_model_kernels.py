@@ -139,16 +139,23 @@ FP8_ROW_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_weight_block=None)
 FP8_MOE_CONFIG = dataclasses.replace(
     MOE_CONFIG, fp8_weights=True, fp8_weight_block=(16, 32), fp8_projections=True
 )
+# and with their inputs quantized per token, 32 columns a scale (--fp8-activations dynamic)
+W8A8_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_activations=True)
 
 
 @pytest.mark.parametrize(
     "config",
     [CONFIG, MOE_CONFIG, WINDOW_CONFIG, GEMMA_CONFIG, GEMMA2_CONFIG, NOPE_CONFIG, GPT_OSS_CONFIG, MXFP4_CONFIG,
-     FP8_CONFIG, FP8_ROW_CONFIG, FP8_MOE_CONFIG],
+     FP8_CONFIG, FP8_ROW_CONFIG, FP8_MOE_CONFIG, W8A8_CONFIG],
     ids=["dense", "moe", "window", "gemma3", "gemma2", "nope", "gpt-oss", "gpt-oss-mxfp4", "fp8-blocks",
-         "fp8-rows", "fp8-moe"],
+         "fp8-rows", "fp8-moe", "fp8-w8a8"],
 )  # fmt: skip
 def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch, config):
+    if config is W8A8_CONFIG and not backend.interpret:
+        pytest.skip(
+            "bf16 inputs quantized to fp8 take other codes wherever they differ from float32's in their "
+            "last bits (this random model moves 8-11%): tests/kernels/test_fp8_linear.py checks CUDA"
+        )
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_model = random_llama(config, "cpu", torch.float32, seed=1)
@@ -170,6 +177,10 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
     got = run_steps(model, backend.device)
 
     tol = 1e-4 if backend.interpret else 3e-2
+    if config is W8A8_CONFIG:
+        # NOTE: where the kernels' inputs differ in their last bits from the reference path's, a value on a
+        # rounding boundary takes the other fp8 code: 5e-3 here, against 7-9% for unquantized inputs
+        tol = 2e-2
     assert len(got) == len(want) == 5
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape and torch.isfinite(g).all()

@@ -159,20 +159,27 @@ def test_markdown_table_is_printed_last(quick_run):
     assert any(line.startswith("| TTFT, 90% of 160 tokens cached (16 computed)") for line in lines)
 
 
-def test_fp8_weights_run_through_the_engine_and_the_title_says_so(quick_run, tmp_path):
-    """--fp8-weights: the projections kept in fp8 (128x128 block scales) through every measurement; the
-    JSON's config and the table's title say which weights and KV pool the numbers are for."""
+@pytest.mark.parametrize("activations", ["16-bit", "fp8"])
+def test_fp8_weights_run_through_the_engine_and_the_title_says_so(quick_run, tmp_path, activations):
+    """--fp8-weights: the projections kept in fp8 (128x128 block scales) through every measurement, with
+    --fp8-activations their inputs quantized per token; the JSON's config and the table's title say which
+    weights and KV pool the numbers are for."""
     out = tmp_path / "fp8.json"
-    proc = run_bench(*QUICK, "--fp8-weights", "--out", str(out), timeout=300)
+    extra = ["--fp8-activations"] if activations == "fp8" else []
+    proc = run_bench(*QUICK, "--fp8-weights", *extra, "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     config = doc["model"]["config"]
     assert config["fp8_projections"] and config["fp8_weight_block"] == [128, 128]
+    assert config["fp8_activations"] == (activations == "fp8")
     assert [d["batch"] for d in doc["decode"]] == [d["batch"] for d in quick_run[0]["decode"]]
     assert all(d["tokens_per_s"] > 0 for d in doc["decode"])
     # the weight floor counts the projections at one byte a weight
     assert doc["decode_floor"]["weight_bytes"] < quick_run[0]["decode_floor"]["weight_bytes"] / 2
-    assert "**tiny (fp8 projections (128x128 blocks), float32 elsewhere, KV float32) on " in proc.stdout
+    inputs = ", inputs fp8 per token" if extra else ""
+    assert (
+        f"**tiny (fp8 projections (128x128 blocks{inputs}), float32 elsewhere, KV float32) on " in proc.stdout
+    )
     assert "**tiny (float32, KV float32) on " in quick_run[1]
 
 
@@ -227,6 +234,11 @@ def test_model_shapes_are_refused_on_cpu(model):
 def test_bad_batches_are_a_usage_error():
     proc = run_bench("--batches", "1,x", "--device", "cpu")
     assert proc.returncode == 2 and "--batches" in proc.stderr
+
+
+def test_fp8_activations_without_fp8_weights_are_a_usage_error():
+    proc = run_bench("--fp8-activations", "--device", "cpu")
+    assert proc.returncode == 2 and "add --fp8-weights" in proc.stderr
 
 
 # gpt-oss-20b-shape's features, on the small model

@@ -321,7 +321,11 @@ def test_cache_info_says_the_tiny_model_is_quantized_at_load():
     cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, warmup_tokens=0, quantization="fp8")
     with LiveServer(build_engine(cfg)) as worker:
         info = httpx.get(worker.url + "/v1/cache/info", timeout=10).json()
-    assert info["fp8_projections"] == {"source": "quantized at load", "scales": "row"}
+    assert info["fp8_projections"] == {
+        "source": "quantized at load",
+        "scales": "row",
+        "activations": "float32",
+    }
 
 
 def test_two_ranks_serve_the_tiny_model_quantized_as_one(tmp_path):
@@ -348,7 +352,11 @@ def test_a_lora_adapter_on_kept_fp8_projections_answers_as_on_the_dequantized_on
     with serve("fp8") as kept, serve("dequantized") as plain:
         # /v1/cache/info says how the weights are served
         info = [httpx.get(w.url + "/v1/cache/info", timeout=10).json() for w in (kept, plain)]
-        assert info[0]["fp8_projections"] == {"source": "checkpoint", "scales": [16, 32]}
+        assert info[0]["fp8_projections"] == {
+            "source": "checkpoint",
+            "scales": [16, 32],
+            "activations": "float32",
+        }
         assert (
             info[1]["fp8_projections"] is None
             and info[0]["weight_dtype"] == info[1]["weight_dtype"] == "float32"

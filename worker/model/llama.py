@@ -267,11 +267,14 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None, ops: ModuleType
     ) -> torch.Tensor:
         """x times projection ``name``'s weight (qkv, o, gate_up, down), plus ``bias``: in fp8 with its
-        scales where the checkpoint's stays fp8 (kernels.fp8_linear), else a plain matmul."""
+        scales where the checkpoint's stays fp8 (kernels.fp8_linear; x quantized to fp8 first under
+        --fp8-activations dynamic), else a plain matmul."""
         weight, scale = getattr(self, f"{name}_proj"), getattr(self, f"{name}_scale")
         if scale is None:
             return F.linear(x, weight, bias)
-        return ops.fp8_linear(x, weight, scale, self.config.fp8_weight_block, bias)
+        return ops.fp8_linear(
+            x, weight, scale, self.config.fp8_weight_block, bias, self.config.fp8_activations
+        )
 
     def _mlp_out(self, down: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The MLP's output as the next norm adds it: normed first where the model says so (Gemma 3)."""

@@ -16,7 +16,7 @@ import torch
 
 from kernels.host_checks import e4m3_supported
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
-from worker.config import FP8_WEIGHT_CHOICES, MXFP4_CHOICES, QUANTIZATION_CHOICES
+from worker.config import FP8_ACTIVATION_CHOICES, FP8_WEIGHT_CHOICES, MXFP4_CHOICES, QUANTIZATION_CHOICES
 from worker.model.config import ModelConfig
 from worker.model.llama import FP8_PROJECTION, LlamaForCausalLM
 from worker.model.shard import WHOLE, Shard
@@ -134,6 +134,25 @@ def quantized_at_load(config: ModelConfig, quantization: str, device: torch.devi
     return dataclasses.replace(config, fp8_projections=True, fp8_weight_block=None)
 
 
+def served_activations(config: ModelConfig, fp8_activations: str) -> ModelConfig:
+    """``config`` as ``--fp8-activations`` serves its fp8 projections' inputs: ``dynamic``: quantized to
+    e4m3 per token group at each call (kernels.fp8_linear's fp8_activations); ``none``: as computed.
+    ValueError for ``dynamic`` where no projection is served in fp8 (after served_fp8 and
+    quantized_at_load)."""
+    if fp8_activations not in FP8_ACTIVATION_CHOICES:
+        raise ValueError(
+            f"fp8_activations must be one of {', '.join(FP8_ACTIVATION_CHOICES)}, got {fp8_activations!r}"
+        )
+    if fp8_activations == "none":
+        return config
+    if not config.fp8_projections:
+        raise ValueError(
+            "--fp8-activations dynamic: no projection is served in fp8; it needs an fp8 checkpoint served "
+            "with --fp8-weights fp8 (auto dequantizes on the CPU and below sm_89) or --quantization fp8"
+        )
+    return dataclasses.replace(config, fp8_activations=True)
+
+
 # weights that stack projections kept apart in fp8: Phi-3's q/k/v and gate/up, Granite MoE's experts
 _FUSED = (
     "self_attn.qkv_proj",
@@ -200,23 +219,25 @@ def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
 def load_model(
     spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE,
     max_model_len: int | None = None, mxfp4_experts: str = "auto", fp8_weights: str = "auto",
-    quantization: str = "none",
+    quantization: str = "none", fp8_activations: str = "none",
 ) -> LoadedModel:  # fmt: skip
     """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
     tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve;
     ``mxfp4_experts``: MXFP4 experts kept ``packed`` or ``dequantized`` to ``dtype`` at load, ``auto``:
     packed on CUDA, where kernels.moe decodes them, dequantized elsewhere; ``fp8_weights``: an fp8
     checkpoint's projections likewise, see served_fp8; ``quantization``: a 16-bit checkpoint's quantized to
-    fp8 at load or not, see quantized_at_load). Raises ValueError when the directory is not a supported
-    checkpoint or does not split over the shard's ranks."""
+    fp8 at load or not, see quantized_at_load; ``fp8_activations``: see served_activations). Raises
+    ValueError when the directory is not a supported checkpoint or does not split over the shard's ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     if spec == "tiny":
         config = quantized_at_load(cap_context(tiny_config(), max_model_len), quantization, device)
+        config = served_activations(config, fp8_activations)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
     config = served_experts(cap_context(read_config(spec), max_model_len), mxfp4_experts, device)
     files = safetensors_files(spec)
     config = quantized_at_load(served_fp8(config, fp8_weights, device, shard, files), quantization, device)
+    config = served_activations(config, fp8_activations)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(
