@@ -12,8 +12,10 @@ router's choice drawn at random (uniform logits: every expert about equally like
 kernel replayed in a CUDA graph (as a decode step runs it) and called eagerly (as a prefill runs it), the
 torch loop, the bytes of the expert weights the batch touches over the copy bandwidth (the floor a
 decode step's MLP cannot beat) and its FLOPs over the matmul rate; each candidate tile configuration
-(kernels.moe.CANDIDATES) replayed too, from which the defaults' rule is set; the summary holds each
-quantized format's least speed-up over its experts dequantized at decode. Needs CUDA: without it, it
+(kernels.moe.CANDIDATES) replayed too, from which the defaults' rule is set; fp8 experts also with fp8
+activations (each GEMM's input quantized per token group, fp8 by fp8: --fp8-activations dynamic); the
+summary holds each quantized format's least speed-up over its experts dequantized at decode, and fp8
+activations' least over 16-bit ones at decode and at prefill. Needs CUDA: without it, it
 measures nothing and exits 2. Numbers are never estimated.
 """
 
@@ -197,6 +199,13 @@ def bench_row(
     if quantized:  # NOTE: as stored against dequantized: --mxfp4-experts auto's (--fp8-weights auto's) choice
         row["dequantized_graph_ms"] = timing.time_replay_ms(lambda: moe.fused_moe(x, *dense, weights, ids))
         row[quantized.speedup] = row["dequantized_graph_ms"] / row["triton_graph_ms"]
+    if shape.quant == "fp8":  # NOTE: and with fp8 activations (--fp8-activations dynamic), checked first
+        w8a8 = {**options, "fp8_activations": True}
+        got = moe.fused_moe(x, w13, w2, weights, ids, **w8a8).float()
+        want = reference.fused_moe(x, w13, w2, weights, ids, **w8a8).float()
+        row["w8a8_rel_err"] = float((got - want).norm() / want.norm().clamp_min(1e-30))
+        row["w8a8_graph_ms"] = timing.time_replay_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids, **w8a8))
+        row["w8a8_vs_fp8"] = row["triton_graph_ms"] / row["w8a8_graph_ms"]
     default = moe.default_config(tokens * shape.top_k, shape.experts, mxfp4=shape.quant == "mxfp4")
     row["default"] = next((label for label, cfg in moe.CANDIDATES.items() if cfg == default), str(default))
     if candidates and not quantized:  # NOTE: the candidates' deep steps are for 16-bit weights
@@ -211,12 +220,20 @@ def bench_row(
 def summarize(rows: list[dict]) -> dict[str, float | None]:
     """Each quantized format's least speed-up over its experts dequantized to bf16 at decode (at most
     DECODE_TOKENS tokens), e.g. packed_speedup_min_decode: where it is at least 1, keeping the experts as
-    stored on CUDA is right for decode steps. None without such rows."""
+    stored on CUDA is right for decode steps; fp8 activations' least speed-up over 16-bit ones on fp8
+    experts, at decode and above it (w8a8_vs_fp8_min_decode / _min_prefill). None without such rows."""
     decode = [r for r in rows if r["tokens"] <= DECODE_TOKENS]
+    prefill = [r for r in rows if r["tokens"] > DECODE_TOKENS]
     return {
-        f"{q.speedup}_min_decode": min((r[q.speedup] for r in decode if q.speedup in r), default=None)
-        for q in FORMATS.values()
-    }
+        **{f"{q.speedup}_min_decode": min((r[q.speedup] for r in decode if q.speedup in r), default=None)
+           for q in FORMATS.values()},
+        "w8a8_vs_fp8_min_decode": min((r["w8a8_vs_fp8"] for r in decode if "w8a8_vs_fp8" in r), default=None),
+        "w8a8_vs_fp8_min_prefill": min((r["w8a8_vs_fp8"] for r in prefill if "w8a8_vs_fp8" in r), default=None),
+    }  # fmt: skip
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def format_markdown(result: dict) -> str:
@@ -260,6 +277,23 @@ def format_markdown(result: dict) -> str:
                   for r in stored]  # fmt: skip
         lines += ["", f"`{q.speedup}_min_decode`, the least at {DECODE_TOKENS} tokens or fewer: "
                   + ("-" if least is None else f"{least:.2f}x")]  # fmt: skip
+    w8a8 = [r for r in result["rows"] if "w8a8_vs_fp8" in r]
+    if w8a8:
+        lines += [
+            "",
+            "fp8 experts with fp8 activations (W8A8: each GEMM's input quantized per 128-column group, "
+            "the quantization included) against 16-bit activations, graph replay us:",
+            "",
+            "| model | tokens | fp8 | fp8 activations | W8A8 vs fp8 | W8A8 rel err |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['model']} | {r['tokens']} | {r['triton_graph_ms'] * 1e3:.1f} | "
+            f"{r['w8a8_graph_ms'] * 1e3:.1f} | {r['w8a8_vs_fp8']:.2f}x | {r['w8a8_rel_err']:.1e} |"
+            for r in w8a8
+        ]
+        lines += ["", f"`w8a8_vs_fp8_min_decode` {_times(summary['w8a8_vs_fp8_min_decode'])}, "
+                  f"`w8a8_vs_fp8_min_prefill` {_times(summary['w8a8_vs_fp8_min_prefill'])}"]  # fmt: skip
     lines += ["", f"Command: `{result['command']}`. {result['timing']}", ""]
     if "interrupted" in result:
         lines.insert(1, f"\nInterrupted {result['interrupted']}: the rows measured before are below.")

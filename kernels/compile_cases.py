@@ -216,8 +216,9 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8, mxfp4=True), f"fused_moe mxfp4 {shape.dtype} t{tokens}",
                    gpt_oss=True, mxfp4=True) for tokens in (4, 256) if dt != torch.float32),
         # an fp8 checkpoint's experts kept in fp8 (--fp8-weights: e4m3 from sm_89), 128 x 128 blocks of scales
-        *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe fp8 {shape.dtype} t{tokens}", fp8=True)
-          for tokens in (4, 256) if dt != torch.float32 and arch >= 89),
+        *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe fp8{act} {shape.dtype} t{tokens}",
+                   fp8=True, fp8_activations=bool(act))
+          for tokens in (4, 256) for act in ("", " w8a8") if dt != torch.float32 and arch >= 89),
         # an fp8 checkpoint's projections kept in fp8 (e4m3 weights: sm_89 on), a decode step's tiles and a prefill's
         *(fp8_linear_case(shape, rows, fp8_linear.default_config(rows, bool(act)),
                           f"fp8_linear{kind}{act} {shape.dtype} m{rows}", per_row=bool(kind),
@@ -231,12 +232,12 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
 
 def moe_case(
     shape: Shape, tokens: int, config: Any, label: str, gpt_oss: bool = False, mxfp4: bool = False,
-    fp8: bool = False,
+    fp8: bool = False, fp8_activations: bool = False,
 ) -> Case:  # fmt: skip
     """A mixture-of-experts MLP of 8 experts, 2 a token, over ``tokens`` tokens in ``config``'s tiles (sizes of
     256: what compiles depends on the dtype, the tiles and 16-byte divisibility only); ``gpt_oss``: with the
     experts' biases and the clamped SwiGLU; ``mxfp4``: the weights as MXFP4 codes and scales; ``fp8``: as e4m3
-    with one scale a 128 x 128 block."""
+    with one scale a 128 x 128 block (``fp8_activations``: each GEMM's input quantized, fp8 by fp8)."""
     from kernels import moe
 
     dt = DTYPES[shape.dtype]
@@ -257,6 +258,7 @@ def moe_case(
             "w13_scales": torch.zeros(8, 4, 2),
             "w2_scales": torch.zeros(8, 2, 2),
             "fp8_block": (128, 128),
+            "fp8_activations": fp8_activations,
         }
     return (
         label,

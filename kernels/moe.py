@@ -10,7 +10,8 @@ Shapes (T = tokens, H = hidden size, E = experts, I = one expert's intermediate 
   with uint8 scales [E, 2I, H/32] / [E, H, I/32], decoded tile by tile inside the GEMMs; or fp8 (an fp8
   checkpoint's experts, --fp8-weights): float8_e4m3fn / float8_e5m2 [E, 2I, H] / [E, H, I] with float32
   scales, one a ``fp8_block`` block of each expert's weight or one a row ([E, N, 1]), each tile widened
-  to x's dtype and each step's product times its blocks' scales (as kernels.fp8_linear does).
+  to x's dtype and each step's product times its blocks' scales (as kernels.fp8_linear does); with
+  ``fp8_activations`` each GEMM's input quantized per token group first and multiplied fp8 by fp8.
 Math in fp32; the gate/up product and its activation are rounded to x's dtype between the launches (as
 the same matmuls in x's dtype would round them), the K expert outputs are summed in fp32.
 
@@ -35,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import host_checks, interpret_requested, pointwise
-from kernels.fp8_linear import step_for
+from kernels import host_checks, interpret_requested, pointwise, reference
+from kernels.fp8_linear import quantize_fp8_groups, step_for
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -235,6 +236,7 @@ def _grouped_gemm_kernel(
     Bias=None, stride_be=0, HAS_BIAS: tl.constexpr = False,
     Scales=None, stride_se=0, stride_sn=0, MXFP4: tl.constexpr = False,
     stride_sk=0, scale_rows=1, scale_cols=1, FP8: tl.constexpr = False,
+    AScales=None, stride_as=0, A_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """C[pair, n] = A[row] . W[expert, n] (+ Bias[expert, n] when HAS_BIAS; the sum times the pair's
     weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
@@ -242,7 +244,9 @@ def _grouped_gemm_kernel(
     (kernels.reference.dequantize_mxfp4), each tile decoded to A's dtype before its dot (BLOCK_K and
     KDIM multiples of 32). FP8: W is fp8 [E, N, KDIM] with float32 Scales, one a block of scale_rows x
     scale_cols of each expert's weight (BLOCK_K divides scale_cols, or scale_cols >= KDIM: a step lies in
-    one column of blocks), each tile widened to A's dtype and each step's product times its scales."""
+    one column of blocks), each tile widened to A's dtype and each step's product times its scales.
+    A_FP8 (with FP8): A is e4m3 codes with float32 AScales, one a run of scale_cols of each row
+    (kernels.fp8_linear.quantize_fp8_groups): the product fp8 by fp8, times the row's scale too."""
     block, col_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
     pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -270,13 +274,18 @@ def _grouped_gemm_kernel(
             w = (_e2m1(codes) * tl.exp2(scale.to(tl.float32) - 127.0)).to(A.dtype.element_ty)
         else:
             w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            if FP8:  # NOTE: exact: every fp8 value is a value of A's dtype
+            if FP8 and not A_FP8:  # NOTE: exact: every fp8 value is a value of A's dtype
                 w = w.to(A.dtype.element_ty)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         if FP8:  # NOTE: the step lies in one column of blocks: one scale an output column
-            scale = tl.load(s_base + (k0 // scale_cols) * stride_sk, mask=col_mask, other=0.0)
-            acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * scale[None, :]
+            scale = tl.load(s_base + (k0 // scale_cols) * stride_sk, mask=col_mask, other=0.0)[None, :]
+            if A_FP8:  # NOTE: and in one run of A's scales: one a row
+                scale = (
+                    scale
+                    * tl.load(AScales + rows * stride_as + k0 // scale_cols, mask=valid, other=0.0)[:, None]
+                )
+            acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
         else:
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
     if HAS_BIAS:
@@ -365,13 +374,19 @@ def fused_moe(
     w13_scales: torch.Tensor | None = None,
     w2_scales: torch.Tensor | None = None,
     fp8_block: tuple[int, int] | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None.
     ``b13`` [E, 2I] / ``b2`` [E, H]: the experts' biases, ``activation`` (with ``alpha`` and ``limit``):
     the gated activation by name; ``w13_scales`` / ``w2_scales``: w13 / w2 are MXFP4 (uint8) or fp8
-    (scales one a ``fp8_block`` block, else one a row), decoded tile by tile in the GEMMs, as
-    kernels.reference.fused_moe takes them all."""
+    (scales one a ``fp8_block`` block, else one a row), decoded tile by tile in the GEMMs;
+    ``fp8_activations`` (fp8 experts only): each GEMM's input quantized per token group first
+    (kernels.fp8_linear.quantize_fp8_groups) and multiplied fp8 by fp8; as kernels.reference.fused_moe
+    takes them all."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales, fp8_block)
+    fp8_experts = w13.dtype in host_checks.FP8_POOL_DTYPES and w2.dtype in host_checks.FP8_POOL_DTYPES
+    if fp8_activations and not fp8_experts:
+        raise ValueError(f"fp8 activations need fp8 experts, got w13 {w13.dtype} and w2 {w2.dtype}")
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0 or k == 0:
         return torch.zeros_like(x)
@@ -400,17 +415,21 @@ def fused_moe(
     }
     blocks = block_experts.numel()
     gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
+    a, a_args = _inputs(x, fp8_activations, fp8_block)
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
-        x, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
-        x.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
+        a, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
+        a.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
         ROW_PER_TOKEN=True, WEIGHTED=False, **common, **_bias_args(b13), **_scale_args(w13, w13_scales, cfg, fp8_block),
+        **a_args,
     )  # fmt: skip
     act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+    a, a_args = _inputs(act, fp8_activations, fp8_block)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
-        act, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        a, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
+        a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         ROW_PER_TOKEN=False, WEIGHTED=True, **common, **_bias_args(b2), **_scale_args(w2, w2_scales, cfg, fp8_block),
+        **a_args,
     )  # fmt: skip
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
 
@@ -430,6 +449,17 @@ def _scale_args(
         raise ValueError(f"MXFP4 weights need block_k a multiple of 32, got {cfg.block_k}")
     scales = scales if scales.stride(-1) == 1 else scales.contiguous()
     return {"Scales": scales, "stride_se": scales.stride(0), "stride_sn": scales.stride(1), "MXFP4": True}
+
+
+def _inputs(
+    a: torch.Tensor, fp8_activations: bool, fp8_block: tuple[int, int] | None
+) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """A grouped GEMM's input and its arguments: ``a`` as it is, or its e4m3 codes with their scales (one
+    a run of the blocks' columns of each row, else one a row: kernels.reference.activation_group)."""
+    if not fp8_activations:
+        return a, {}
+    codes, scales = quantize_fp8_groups(a, reference.activation_group(fp8_block, a.shape[-1]))
+    return codes, {"AScales": scales, "stride_as": scales.stride(0), "A_FP8": True}
 
 
 def _bias_args(bias: torch.Tensor | None) -> dict:

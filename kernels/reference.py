@@ -332,6 +332,7 @@ def fused_moe(
     w13_scales: torch.Tensor | None = None,
     w2_scales: torch.Tensor | None = None,
     fp8_block: tuple[int, int] | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """The mixture-of-experts MLP: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H] in x's dtype: token t's sum over j of topk_weights[t, j] *
@@ -342,7 +343,16 @@ def fused_moe(
     [E, 2I, H/2] ([E, H, I/2]): its weights are dequantize_mxfp4's, in x's dtype; an fp8 one (float8_e4m3fn
     or float8_e5m2, an fp8 checkpoint's experts) has float32 scales, one a ``fp8_block`` block of each
     expert's weight ([E, ceil(N / rows), ceil(K / cols)]) or, without, one a row ([E, N, 1]): its weights
-    are dequantize_fp8_weight's, in float32."""
+    are dequantize_fp8_weight's, in float32. ``fp8_activations``: each GEMM's input (x, then the activation)
+    quantized to e4m3 per token group first and dequantized (quantize_fp8_groups, one scale a run of
+    ``fp8_block``'s columns, else a whole row): what a product of fp8 by fp8 computes."""
+
+    def inputs(a: torch.Tensor) -> torch.Tensor:
+        """A GEMM's input rows in float32, as fp8 activations round them when asked."""
+        if not fp8_activations:
+            return a.float()
+        group = activation_group(fp8_block, a.shape[-1])
+        return dequantize_fp8_groups(*quantize_fp8_groups(a, group), group)
 
     def weight(w: torch.Tensor, scales: torch.Tensor | None, e: int) -> torch.Tensor:
         """Expert e's weight in float32 (MXFP4 and fp8 ones dequantized: only the experts the batch chose)."""
@@ -352,13 +362,14 @@ def fused_moe(
 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
+    x_in = inputs(x)
     for e in torch.unique(ids).tolist():
         tokens, choice = (ids == e).nonzero(as_tuple=True)
-        gate_up = x[tokens].float() @ weight(w13, w13_scales, e).T
+        gate_up = x_in[tokens] @ weight(w13, w13_scales, e).T
         if b13 is not None:
             gate_up += b13[e].float()
         act = gated_activation(gate_up.to(x.dtype), activation, alpha, limit)
-        y = act.float() @ weight(w2, w2_scales, e).T
+        y = inputs(act) @ weight(w2, w2_scales, e).T
         if b2 is not None:
             y += b2[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, choice].float()[:, None])

@@ -287,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
         "dynamic: the input of every projection served in fp8 (--fp8-weights fp8, --quantization fp8) "
         "quantized to fp8 (e4m3) per token at each call, one scale a run of the weight blocks' columns "
         "(128 in Qwen3's and DeepSeek's releases) or a row, and multiplied fp8 by fp8 (W8A8: Hopper's fp8 "
-        "tensor cores; what an fp8 checkpoint's activation_scheme dynamic intends; the experts' GEMMs keep "
-        "16-bit inputs); none: 16-bit inputs, the weights widened exactly",
+        "tensor cores; what an fp8 checkpoint's activation_scheme dynamic intends; the experts' GEMMs "
+        "likewise); none: 16-bit inputs, the weights widened exactly",
         choices=list(FP8_ACTIVATION_CHOICES),
     )
     opt(

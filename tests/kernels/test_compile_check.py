@@ -104,6 +104,9 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         assert w8a8["QGMMA"] > 0 and w8a8["HGMMA"] == 0
         assert rows[(f"fp8_linear{kind} w8a8 bf16 m4", "_fp8_linear_kernel")]["sass"]["HMMA"] > 0
     assert ("fp8 activations bf16 m256 group 128", "_quantize_groups_kernel") in rows
+    moe_w8a8 = [r["sass"] for r in report["rows"]
+                if r["case"] == "fused_moe fp8 w8a8 bf16 t256" and r["kernel"] == "_grouped_gemm_kernel"]  # fmt: skip
+    assert len(moe_w8a8) == 2 and all(s["QGMMA"] > 0 and s["HGMMA"] == 0 for s in moe_w8a8)
     assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     assert ("decode many-requests bf16 hd128 gqa4", "_decode_split_kernel") in rows  # MANY_REQUESTS' tiles
     assert ("decode many-requests bf16 hd64 gqa4", "_decode_split_kernel") not in rows  # the same as decode's

@@ -239,6 +239,41 @@ def test_fused_moe_on_fp8_experts_matches_the_reference(
     assert_close_rel(got, reference.fused_moe(x, w13, w2, weights, ids, **options, **extra).to(dev))
 
 
+# fp8 activations: the gate/up product is rounded to x's dtype before the activation is quantized, and
+# where the kernel's and the reference's sums differ in that last bit the activation's fp8 code can take the
+# other neighbour (bf16: 0.6-1.9% in the interpreter); fp32 as kernels.fp8_linear's bound
+MOE_W8A8_REL_TOL = {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 5e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [(16, 32), (32, 48), None], ids=["block16x32", "block32x48", "per-row"])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_fused_moe_with_fp8_activations_matches_the_reference(backend, poisoned, case, block, dtype):
+    """--fp8-activations dynamic on fp8 experts: x and the activation quantized per token group (the
+    blocks' columns, or a row) before their GEMMs, multiplied fp8 by fp8; rows of different magnitudes,
+    so a scale read for the wrong row or run fails."""
+    from tests.kernels.test_fp8_linear import rel_err
+
+    moe = backend.module("moe")
+    tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 72, 40), "prefill": (40, 4, 2, 72, 40)}[case]
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    x = x * torch.exp2(torch.arange(tokens) % 5 - 2.0)[:, None].to(dtype)
+    w13, s13, w2, s2 = fp8_experts(w13, w2, block)
+    options = {"w13_scales": s13, "w2_scales": s2, "fp8_block": block}
+    dev = backend.device
+    args = [t.to(dev) for t in (x, w13, w2, weights, ids)]
+    on_dev = {**options, "w13_scales": s13.to(dev), "w2_scales": s2.to(dev)}
+    got = moe.fused_moe(*args, **on_dev, fp8_activations=True)
+    want = reference.fused_moe(x, w13, w2, weights, ids, **options, fp8_activations=True)
+    assert got.dtype == dtype and rel_err(got, want) <= MOE_W8A8_REL_TOL[dtype]
+    unquantized = rel_err(got, reference.fused_moe(x, w13, w2, weights, ids, **options))
+    if dtype != torch.bfloat16:  # NOTE: the bound tells quantized inputs from unquantized ones
+        assert unquantized > MOE_W8A8_REL_TOL[dtype]
+    _, plain13, plain2, _, _ = moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    with pytest.raises(ValueError, match="fp8 activations need fp8 experts"):
+        moe.fused_moe(args[0], plain13.to(dev), plain2.to(dev), *args[3:], fp8_activations=True)
+
+
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
     backend, assert_close_rel, poisoned
 ):

@@ -1,6 +1,6 @@
 """--fp8-activations dynamic: the input of every projection served in fp8 quantized to e4m3 per token group
-(the weight's blocks' columns, or the whole row) at each call, then multiplied fp8 by fp8 (W8A8): the model
-is the dequantized model with exactly those inputs quantized; refused where no projection is in fp8; over
+(the weight's blocks' columns, or the whole row) at each call, then multiplied fp8 by fp8 (W8A8), the
+experts' GEMMs' inputs too: the model is the dequantized model with exactly those inputs quantized; refused where no projection is in fp8; over
 two ranks splitting block-scaled projections it answers as one rank; /v1/cache/info and the start-up log
 say so."""
 
@@ -34,8 +34,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_dynamic_activations_are_the_dequantized_model_with_its_projection_inputs_quantized(
     tmp_path, monkeypatch, model_type, overrides, method, strategy, group
 ):
-    """16 x 32 blocks: each projection's input in runs of 32 columns (a row's for per-row scales); the
-    experts (Qwen3-MoE) keep their 16-bit inputs."""
+    """16 x 32 blocks: each projection's input in runs of 32 columns (a row's for per-row scales); Qwen3-MoE's
+    experts' GEMMs' inputs likewise (kernels.reference.fused_moe's fp8_activations on the dequantized
+    experts, its groups from the blocks)."""
     base = save_checkpoint(tmp_path / "base", model_type, **overrides)
     fp8, _ = fp8_pair(base, tmp_path, method, strategy)
     loaded = load_model(str(fp8), fp8_weights="fp8", fp8_activations="dynamic")
@@ -53,6 +54,9 @@ def test_dynamic_activations_are_the_dequantized_model_with_its_projection_input
         )
 
     monkeypatch.setattr(DecoderLayer, "_project", quantized_inputs)
+    fused_moe = reference.fused_moe  # NOTE: the CPU's ops (worker.attention.kernel_ops)
+    monkeypatch.setattr(reference, "fused_moe", lambda *a, **kw: fused_moe(
+        *a, **{**kw, "fp8_activations": True, "fp8_block": (16, 32) if group else None}))  # fmt: skip
     want = logits_of(fp8, fp8_weights="dequantized")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert rel(got, weight_only) > 1e-3  # NOTE: the inputs were quantized (not the weight-only model)

@@ -91,8 +91,8 @@ class ModelConfig:
     fp8_weights: bool = False
     fp8_weight_block: tuple[int, int] | None = None
     fp8_projections: bool = False
-    # with fp8_projections: their inputs quantized to e4m3 per token group at each call and multiplied fp8 by
-    # fp8 (--fp8-activations dynamic; kernels.fp8_linear's fp8_activations); the experts keep 16-bit inputs
+    # with fp8_projections: their inputs (the experts' too) quantized to e4m3 per token group at each call and
+    # multiplied fp8 by fp8 (--fp8-activations dynamic; kernels.fp8_linear's and kernels.moe's fp8_activations)
     fp8_activations: bool = False
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included

@@ -294,6 +294,7 @@ class DecoderLayer(nn.Module):
             b2=self.experts_down_bias if self.bias_here else None, activation=c.expert_activation,
             alpha=c.swiglu_alpha, limit=c.swiglu_limit, w13_scales=self.experts_gate_up_scales,
             w2_scales=self.experts_down_scales, fp8_block=c.fp8_weight_block if c.fp8_projections else None,
+            fp8_activations=c.fp8_activations,
         )  # fmt: skip
         if self.shared_gate_up is None:
             return out
