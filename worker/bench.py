@@ -140,9 +140,7 @@ class BenchParams:
     overlap_schedule: str = "auto"  # decode steps scheduled while the one before runs (auto: on CUDA)
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (--kv-cache-dtype: auto or an fp8 format)
     fp8_weights: bool = False  # the projections kept in fp8 with 128x128 block scales (kernels.fp8_linear)
-    fp8_activations: bool = (
-        False  # with fp8_weights: their inputs quantized per token (--fp8-activations dynamic)
-    )
+    fp8_activations: bool = False  # with fp8_weights: their inputs quantized per token (W8A8)
 
 
 class IdTokenizer:

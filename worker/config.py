@@ -20,10 +20,7 @@ MXFP4_CHOICES = (
 )  # --mxfp4-experts: how a checkpoint's MXFP4 experts are served
 FP8_WEIGHT_CHOICES = ("auto", "fp8", "dequantized")  # --fp8-weights: an fp8 checkpoint's projections
 QUANTIZATION_CHOICES = ("none", "fp8")  # --quantization: a 16-bit checkpoint's projections quantized at load
-FP8_ACTIVATION_CHOICES = (
-    "none",
-    "dynamic",
-)  # --fp8-activations: the fp8 projections' inputs kept or quantized
+FP8_ACTIVATION_CHOICES = ("none", "dynamic")  # --fp8-activations: fp8 projections' inputs kept or quantized
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
