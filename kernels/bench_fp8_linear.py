@@ -106,6 +106,11 @@ def cublas_fp8(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
                             out_dtype=x.dtype)  # fmt: skip
 
 
+def w8a8_call(x: torch.Tensor, w: Fp8Weight, **options: Any) -> torch.Tensor:
+    """The block-scaled fp8 linear layer with fp8 activations (``options``: fp8_linear's)."""
+    return fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True, **options)
+
+
 def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -> dict[str, Any]:
     """One (projection, rows) row: each variant's and candidate's time (us), weight GB/s and TF/s, its
     error against the reference; the variants and candidates whose check failed in row["wrong"] (never
@@ -139,6 +144,7 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
         row["fp8_per_row_weight_bytes"],
     )
     row["w8a8_per_row_weight_bytes"] = row["fp8_per_row_weight_bytes"]
+    row["w8a8_fused_weight_bytes"] = row["w8a8_separate_weight_bytes"] = row["fp8_weight_bytes"]
     variants = {  # name: (the call, the reference output it must match)
         "bf16": (lambda: F.linear(x, w.dense), by_blocks),
         "fp8": (lambda: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK), by_blocks),
@@ -152,6 +158,9 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
             w8a8_rows,
         ),
         "cublas_fp8": (lambda: cublas_fp8(x, w), w8a8_rows),
+        # x quantized inside the product (the default for decode steps) and by its own kernel first (prefills')
+        "w8a8_fused": (lambda: w8a8_call(x, w, fuse_quantization=True), w8a8_blocks),
+        "w8a8_separate": (lambda: w8a8_call(x, w, fuse_quantization=False), w8a8_blocks),
     }
     for name, (call, want) in variants.items():
         try:
@@ -296,18 +305,20 @@ def format_table(result: dict) -> str:
 
 
 def w8a8_table(result: dict) -> str:
-    """The rows with fp8 activations as a markdown table: the default block-scaled and per-row W8A8 (the
-    activations' quantization included), cuBLAS's fp8 GEMM, each against bf16 cuBLAS and the 16-bit-activation
-    default."""
+    """The rows with fp8 activations as a markdown table: the default block-scaled W8A8 (the activations'
+    quantization included; x quantized inside the product and by its own kernel first), the per-row one,
+    cuBLAS's fp8 GEMM, against bf16 cuBLAS and the 16-bit-activation default."""
     lines = [
-        "| proj | rows | bf16 cuBLAS us | fp8 us | W8A8 us | W8A8 per-row us | cuBLAS fp8 per-row us | "
-        "W8A8 TF/s | W8A8 vs bf16 | W8A8 vs fp8 | best W8A8 candidate | its gain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| proj | rows | bf16 cuBLAS us | fp8 us | W8A8 us | x quantized inside us | x quantized first us | "
+        "W8A8 per-row us | cuBLAS fp8 per-row us | W8A8 TF/s | W8A8 vs bf16 | W8A8 vs fp8 | "
+        "best W8A8 candidate | its gain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['shape']} | {r['rows']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['w8a8_us']:.1f} | "
-            f"{r['w8a8_per_row_us']:.1f} | {bench_report._fmt(r['cublas_fp8_us'], '.1f')} | "
+            f"{r['w8a8_fused_us']:.1f} | {r['w8a8_separate_us']:.1f} | {r['w8a8_per_row_us']:.1f} | "
+            f"{bench_report._fmt(r['cublas_fp8_us'], '.1f')} | "
             f"{r['w8a8_tflops']:.1f} | {_times(r['w8a8_speedup'])} | {_times(r['w8a8_vs_fp8'])} | "
             f"{r['w8a8_best_candidate'] or '-'} | {_times(r['w8a8_best_speedup'])} |"
         )

@@ -276,12 +276,14 @@ def moe_candidates(shape: Shape) -> list[Case]:
 
 
 def fp8_linear_case(
-    shape: Shape, rows: int, config: Any, label: str, per_row: bool = False, fp8_activations: bool = False
+    shape: Shape, rows: int, config: Any, label: str, per_row: bool = False, fp8_activations: bool = False,
+    fuse_quantization: bool | None = None,
 ) -> Case:  # fmt: skip
     """An fp8 linear layer over ``rows`` rows of the model's hidden size into 512 columns, e4m3 weights in
     128 x 128 blocks (Qwen3's and DeepSeek's fp8 releases) or with one scale a row (``per_row``:
-    llm-compressor's FP8-dynamic), in ``config``'s tiles (the rows change the grid only); with
-    ``fp8_activations`` the product of fp8 by fp8 (its activations' quantization is fp8_quantize_case)."""
+    llm-compressor's FP8-dynamic), in ``config``'s tiles; with ``fp8_activations`` the product of fp8 by
+    fp8, x quantized inside it (a decode step's, with block scales) or first (fp8_quantize_case; the rows
+    decide, or ``fuse_quantization``)."""
     from kernels import fp8_linear
 
     x = torch.zeros(rows, shape.hidden, dtype=DTYPES[shape.dtype])
@@ -289,10 +291,11 @@ def fp8_linear_case(
     scale, block = (
         (torch.zeros(512, 1), None) if per_row else (torch.zeros(4, -(-shape.hidden // 128)), (128, 128))
     )
+    options = {"fp8_activations": fp8_activations, "fuse_quantization": fuse_quantization}
     return (
         label,
         dataclasses.asdict(config),
-        lambda: fp8_linear.fp8_linear(x, w, scale, block, config=config, fp8_activations=fp8_activations),
+        lambda: fp8_linear.fp8_linear(x, w, scale, block, config=config, **options),
     )
 
 
@@ -311,9 +314,13 @@ def fp8_linear_candidates(shape: Shape) -> list[Case]:
     activations."""
     from kernels import fp8_linear
 
-    return [fp8_linear_case(shape, 16, cfg, f"candidate fp8_linear{act} {shape.dtype} {label}",
-                            fp8_activations=bool(act))
-            for label, cfg in fp8_linear.CANDIDATES.items() for act in ("", " w8a8")]  # fmt: skip
+    prefill = fp8_linear.default_config(256, fp8_activations=True)
+    return [*(fp8_linear_case(shape, 16, cfg, f"candidate fp8_linear{act} {shape.dtype} {label}",
+                              fp8_activations=bool(act))
+              for label, cfg in fp8_linear.CANDIDATES.items() for act in ("", " w8a8")),
+            # a prefill quantizing x inside the product (kernels.bench_fp8_linear's w8a8_fused)
+            fp8_linear_case(shape, 256, prefill, f"candidate fp8_linear w8a8 fused {shape.dtype} m256",
+                            fp8_activations=True, fuse_quantization=True)]  # fmt: skip
 
 
 def tune_candidates(shape: Shape, with_configs: bool = False, pool: torch.dtype | None = None) -> list:

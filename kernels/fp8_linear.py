@@ -12,8 +12,9 @@ divides ``cols``, so a step lies in one column of blocks), otherwise the sum is 
 A decode step's projections read the weight's bytes once: half of a 16-bit weight's.
 With ``fp8_activations`` (W8A8, as an fp8 checkpoint's "activation_scheme": "dynamic" intends) x is first
 quantized to e4m3, one float32 scale a run of the blocks' columns of each row (a whole row without blocks;
-quantize_fp8_groups, bit for bit the reference's), and each step multiplies fp8 by fp8 (sm_90's fp8
-warpgroup MMA: twice the 16-bit rate), scaled by the weight's and the row's multipliers.
+quantize_fp8_groups, bit for bit the reference's; a decode step's x is quantized inside the product
+where each step is one run), and each step multiplies fp8 by fp8 (sm_90's fp8 warpgroup MMA: twice the
+16-bit rate), scaled by the weight's and the row's multipliers.
 """
 
 from __future__ import annotations
@@ -69,13 +70,26 @@ def default_config(rows: int, fp8_activations: bool = False) -> Fp8LinearConfig:
 
 
 @triton.jit
+def quantize_rows(x, FP8_MAX: tl.constexpr):
+    """A tile x [R, C] as e4m3 codes and one float32 scale a row: the row's largest magnitude over FP8_MAX
+    (1 for a row of zeros), the codes x over it (quantize_fp8_groups' rule: divisions rounded to nearest,
+    the conversion through fused.to_pool)."""
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX)
+    scale = tl.where(scale > 0, scale, 1.0)
+    return to_pool(tl.math.div_rn(x, scale[:, None]), tl.float8e4nv), scale
+
+
+@triton.jit
 def _fp8_linear_kernel(
     X, XS, W, S, Bias, Out, M, N, K, stride_xm, stride_xsm, stride_wn, stride_om, stride_sr, stride_sc,
     scale_rows, scale_cols,  # the block's rows and columns (BLOCKED); stride_sr: per output row otherwise
     BLOCKED: tl.constexpr, X_FP8: tl.constexpr,  # X_FP8: x's e4m3 codes with XS, one scale a run of it
+    QUANTIZE_X: tl.constexpr,  # x in 16/32 bits quantized here, a step a run: fp8 by fp8 without XS
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
+    FP8_MAX: tl.constexpr = 448.0,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -92,7 +106,9 @@ def _fp8_linear_kernel(
         k_mask = ks < K
         x = tl.load(x_base + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if not X_FP8:  # NOTE: fp8 by fp8 runs on the tensor cores as it is (e4m3 x e4m3 or e5m2)
+        if QUANTIZE_X:  # NOTE: the step is one run of x: its scales and codes as quantize_fp8_groups' own
+            x, x_scale = quantize_rows(x, FP8_MAX)
+        elif not X_FP8:  # NOTE: fp8 by fp8 runs on the tensor cores as it is (e4m3 x e4m3 or e5m2)
             w = w.to(X.dtype.element_ty)
         if DOT_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
@@ -100,6 +116,8 @@ def _fp8_linear_kernel(
             scale = tl.load(s_base + (k0 // scale_cols) * stride_sc, mask=col_mask, other=0.0)[None, :]
             if X_FP8:  # NOTE: and in one run of x's scales: one multiplier a row
                 scale = scale * tl.load(xs_base + k0 // scale_cols, mask=row_mask, other=0.0)[:, None]
+            if QUANTIZE_X:
+                scale = scale * x_scale[:, None]
             acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION, out_dtype=tl.float32)
@@ -107,6 +125,8 @@ def _fp8_linear_kernel(
         acc = acc * tl.load(S + cols * stride_sr, mask=col_mask, other=0.0)[None, :]
         if X_FP8:
             acc = acc * tl.load(xs_base, mask=row_mask, other=0.0)[:, None]
+        if QUANTIZE_X:  # NOTE: one step: the whole row
+            acc = acc * x_scale[:, None]
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dst = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -213,8 +233,15 @@ def step_for(block: tuple[int, int] | None, k: int, cfg: Fp8LinearConfig) -> int
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
     bias: torch.Tensor | None = None, config: Fp8LinearConfig | None = None, fp8_activations: bool = False,
+    fuse_quantization: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """See the module docstring and kernels.reference.fp8_linear."""
+    """See the module docstring and kernels.reference.fp8_linear. ``fuse_quantization`` (with
+    ``fp8_activations``): True: where each step of the product is exactly one run of x's scales (a step as
+    wide as the blocks' columns, or one step over the whole row), x is quantized inside the product instead
+    of by quantize_fp8_groups first (the same codes and scales; one launch and x's codes' round trip saved,
+    each column tile quantizing its rows again); False: never; None: True for calls of at most DECODE_ROWS
+    rows (a decode step: a launch saved on each projection), False above (a prefill's x tiles stay a byte a
+    value in shared memory: 16-bit ones do not fit sm_89 at 128 x 128 x 128)."""
     check_fp8_linear(x, weight, scale, block, bias)
     n, k = weight.shape
     lead = x.shape[:-1]
@@ -234,15 +261,21 @@ def fp8_linear(
     else:
         strides, (block_rows, block_cols) = scale.stride(), block
     x_scales = scale  # NOTE: unread without fp8 activations
-    if fp8_activations:
-        x2, x_scales = quantize_fp8_groups(x2, reference.activation_group(block, k))
+    group = reference.activation_group(block, k)
+    if fuse_quantization is None:
+        fuse_quantization = m <= DECODE_ROWS
+    fused = fp8_activations and fuse_quantization and (step == group or step >= k == group)
+    if fp8_activations and not fused:
+        x2, x_scales = quantize_fp8_groups(x2, group)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _fp8_linear_kernel[grid](
         x2, x_scales, weight, scale, bias if bias is not None else out, out, m, n, k, x2.stride(0),
         x_scales.stride(0), weight.stride(0), out.stride(0), strides[0], strides[1], block_rows, block_cols,
-        BLOCKED=block is not None, X_FP8=fp8_activations, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCKED=block is not None, X_FP8=fp8_activations and not fused, QUANTIZE_X=fused,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and x2.dtype == torch.bfloat16, enable_fp_fusion=True, num_warps=cfg.num_warps,
+        DOT_FP32=INTERPRETED and x2.dtype == torch.bfloat16 and not fused, enable_fp_fusion=True,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out.reshape(*lead, n)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested, pointwise, reference
-from kernels.fp8_linear import quantize_fp8_groups, step_for
+from kernels.fp8_linear import DECODE_ROWS, quantize_fp8_groups, quantize_rows, step_for
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -237,6 +237,7 @@ def _grouped_gemm_kernel(
     Scales=None, stride_se=0, stride_sn=0, MXFP4: tl.constexpr = False,
     stride_sk=0, scale_rows=1, scale_cols=1, FP8: tl.constexpr = False,
     AScales=None, stride_as=0, A_FP8: tl.constexpr = False,
+    QUANTIZE_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
 ):  # fmt: skip
     """C[pair, n] = A[row] . W[expert, n] (+ Bias[expert, n] when HAS_BIAS; the sum times the pair's
     weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
@@ -246,7 +247,9 @@ def _grouped_gemm_kernel(
     scale_cols of each expert's weight (BLOCK_K divides scale_cols, or scale_cols >= KDIM: a step lies in
     one column of blocks), each tile widened to A's dtype and each step's product times its scales.
     A_FP8 (with FP8): A is e4m3 codes with float32 AScales, one a run of scale_cols of each row
-    (kernels.fp8_linear.quantize_fp8_groups): the product fp8 by fp8, times the row's scale too."""
+    (kernels.fp8_linear.quantize_fp8_groups): the product fp8 by fp8, times the row's scale too.
+    QUANTIZE_A (with FP8): A in 16/32 bits, each step one run of it, quantized here as quantize_fp8_groups
+    would (the same codes and scales), then as A_FP8."""
     block, col_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
     pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -274,8 +277,10 @@ def _grouped_gemm_kernel(
             w = (_e2m1(codes) * tl.exp2(scale.to(tl.float32) - 127.0)).to(A.dtype.element_ty)
         else:
             w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            if FP8 and not A_FP8:  # NOTE: exact: every fp8 value is a value of A's dtype
+            if FP8 and not A_FP8 and not QUANTIZE_A:  # NOTE: exact: every fp8 value is a value of A's dtype
                 w = w.to(A.dtype.element_ty)
+        if QUANTIZE_A:  # NOTE: the step is one run of each row: its scale and codes
+            a, a_scale = quantize_rows(a, FP8_MAX)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         if FP8:  # NOTE: the step lies in one column of blocks: one scale an output column
@@ -285,6 +290,8 @@ def _grouped_gemm_kernel(
                     scale
                     * tl.load(AScales + rows * stride_as + k0 // scale_cols, mask=valid, other=0.0)[:, None]
                 )
+            if QUANTIZE_A:
+                scale = scale * a_scale[:, None]
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
         else:
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
@@ -375,14 +382,16 @@ def fused_moe(
     w2_scales: torch.Tensor | None = None,
     fp8_block: tuple[int, int] | None = None,
     fp8_activations: bool = False,
+    fuse_quantization: bool | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None.
     ``b13`` [E, 2I] / ``b2`` [E, H]: the experts' biases, ``activation`` (with ``alpha`` and ``limit``):
     the gated activation by name; ``w13_scales`` / ``w2_scales``: w13 / w2 are MXFP4 (uint8) or fp8
     (scales one a ``fp8_block`` block, else one a row), decoded tile by tile in the GEMMs;
-    ``fp8_activations`` (fp8 experts only): each GEMM's input quantized per token group first
-    (kernels.fp8_linear.quantize_fp8_groups) and multiplied fp8 by fp8; as kernels.reference.fused_moe
-    takes them all."""
+    ``fp8_activations`` (fp8 experts only): each GEMM's input quantized per token group
+    (kernels.fp8_linear.quantize_fp8_groups) and multiplied fp8 by fp8, inside the GEMM where its steps are
+    the runs and ``fuse_quantization`` says so (None: at most fp8_linear.DECODE_ROWS tokens, as
+    kernels.fp8_linear decides); as kernels.reference.fused_moe takes them all."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales, fp8_block)
     fp8_experts = w13.dtype in host_checks.FP8_POOL_DTYPES and w2.dtype in host_checks.FP8_POOL_DTYPES
     if fp8_activations and not fp8_experts:
@@ -415,7 +424,9 @@ def fused_moe(
     }
     blocks = block_experts.numel()
     gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
-    a, a_args = _inputs(x, fp8_activations, fp8_block)
+    if fuse_quantization is None:
+        fuse_quantization = t <= DECODE_ROWS
+    a, a_args = _inputs(x, fp8_activations, fp8_block, fuse_quantization, cfg.block_k)
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
         a, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
         a.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
@@ -424,7 +435,7 @@ def fused_moe(
     )  # fmt: skip
     act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
-    a, a_args = _inputs(act, fp8_activations, fp8_block)
+    a, a_args = _inputs(act, fp8_activations, fp8_block, fuse_quantization, cfg.block_k)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
         a, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
@@ -452,13 +463,18 @@ def _scale_args(
 
 
 def _inputs(
-    a: torch.Tensor, fp8_activations: bool, fp8_block: tuple[int, int] | None
+    a: torch.Tensor, fp8_activations: bool, fp8_block: tuple[int, int] | None, fuse: bool, step: int
 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
-    """A grouped GEMM's input and its arguments: ``a`` as it is, or its e4m3 codes with their scales (one
-    a run of the blocks' columns of each row, else one a row: kernels.reference.activation_group)."""
+    """A grouped GEMM's input and its arguments: ``a`` as it is; with fp8 activations, ``a`` for the GEMM to
+    quantize where ``fuse`` and each ``step`` is one run, else its e4m3 codes with their scales (one a run
+    of the blocks' columns of each row, else one a row: kernels.reference.activation_group)."""
     if not fp8_activations:
         return a, {}
-    codes, scales = quantize_fp8_groups(a, reference.activation_group(fp8_block, a.shape[-1]))
+    k = a.shape[-1]
+    group = reference.activation_group(fp8_block, k)
+    if fuse and (step == group or step >= k == group):
+        return a, {"QUANTIZE_A": True}
+    codes, scales = quantize_fp8_groups(a, group)
     return codes, {"AScales": scales, "stride_as": scales.stride(0), "A_FP8": True}
 
 

@@ -15,7 +15,7 @@ from kernels.bench_fp8_linear import Projection
 
 # q 1 head, kv 1 head of 64, an MLP of 32: qkv [192, 64], o [64, 64], gate_up [64, 64], down [64, 32]
 TINY = ["--q-heads", "1", "--kv-heads", "1", "--head-dim", "64", "--intermediate", "32"]
-VARIANTS = ("bf16", "fp8", "fp8_per_row", "w8a8", "w8a8_per_row", "cublas_fp8")
+VARIANTS = ("bf16", "fp8", "fp8_per_row", "w8a8", "w8a8_per_row", "cublas_fp8", "w8a8_fused", "w8a8_separate")
 FIELDS = {
     "shape", "n", "k", "rows", "default", "flops", "rel_err", "candidates_us", "candidate_errors", "wrong",
     "best_candidate", "best_speedup", "fp8_speedup", "w8a8_default", "w8a8_candidates_us",
@@ -85,7 +85,9 @@ def test_the_command_writes_every_row_and_prints_the_table_last(
     }
     table, w8a8 = bench_fp8_linear.format_table(doc), bench_fp8_linear.w8a8_table(doc)
     assert table.count("\n") == 1 + len(doc["rows"]) and "| qkv | 192 x 64 | 1 | 1000.0 |" in table
-    assert w8a8.count("\n") == 1 + len(doc["rows"]) and "| qkv | 1 | 1000.0 | 1000.0 | 1000.0 |" in w8a8
+    assert (
+        w8a8.count("\n") == 1 + len(doc["rows"]) and "| qkv | 1 | 1000.0 | 1000.0 | 1000.0 | 1000.0 |" in w8a8
+    )
     assert capsys.readouterr().out.endswith(table + "\n\n" + w8a8 + "\n")
     report = out.with_suffix(".md").read_text()
     assert table in report and w8a8 in report and f"| proj | rows | {' | '.join(labels)} |" in report
@@ -105,8 +107,9 @@ def test_the_default_tiles_are_timed_once_when_they_are_a_candidate(backend, mon
     row = bench_fp8_linear.bench_row(
         Projection("o", 64, 64), 3, weight(64, 64), torch.Generator().manual_seed(0)
     )
-    # bf16, the default, per row, both W8A8 and cuBLAS fp8, the other candidates (W8A8's: prefill rows only)
-    assert len(timed) == 6 + len(fp8.CANDIDATES) - 1
+    # bf16, the default, per row, both W8A8, cuBLAS fp8, W8A8 with x quantized inside and first, the other
+    # candidates (W8A8's: prefill rows only)
+    assert len(timed) == 8 + len(fp8.CANDIDATES) - 1
     assert row["default"] == "m16 n32 k128 s4" and row["candidates_us"]["m16 n32 k128 s4"] == row["fp8_us"]
     doc = {"device": {"name": "CPU", "copy_gbs": 100.0}, "rows": [row], "model": {"dtype": "bf16"},
            "summary": bench_fp8_linear.summarize([row]), "command": "c", "timing": "t"}  # fmt: skip
@@ -115,7 +118,18 @@ def test_the_default_tiles_are_timed_once_when_they_are_a_candidate(backend, mon
 
 
 @pytest.mark.parametrize(
-    "wrong", ["bf16", "fp8", "fp8_per_row", "m32 n64 k128", "w8a8", "w8a8_per_row", "cublas_fp8"]
+    "wrong",
+    [
+        "bf16",
+        "fp8",
+        "fp8_per_row",
+        "m32 n64 k128",
+        "w8a8",
+        "w8a8_per_row",
+        "cublas_fp8",
+        "w8a8_fused",
+        "w8a8_separate",
+    ],
 )
 def test_a_wrong_output_is_caught_and_marked(backend, monkeypatch, gpu_command_on_cpu, wrong):
     """One variant's output 10% off, and its replay the fastest: the row says it failed its check, the
@@ -128,11 +142,14 @@ def test_a_wrong_output_is_caught_and_marked(backend, monkeypatch, gpu_command_o
         last.append(name)
         return out * 1.1 if name == wrong else out
 
-    def fp8_call(x, w, scale, block=None, bias=None, config=None, fp8_activations=False):
+    def fp8_call(
+        x, w, scale, block=None, bias=None, config=None, fp8_activations=False, fuse_quantization=None
+    ):
         name = next((label for label, cfg in fp8.CANDIDATES.items() if cfg == config), None)
         name = name or ("fp8" if block else "fp8_per_row")
         name = name.replace("fp8", "w8a8") if fp8_activations else name
-        return off(name, kernel(x, w, scale, block, bias, config, fp8_activations))
+        name += {None: "", True: "_fused", False: "_separate"}[fuse_quantization]
+        return off(name, kernel(x, w, scale, block, bias, config, fp8_activations, fuse_quantization))
 
     cublas = bench_fp8_linear.cublas_fp8
     monkeypatch.setattr(fp8, "fp8_linear", fp8_call)
@@ -159,10 +176,12 @@ def test_a_candidate_that_fails_is_recorded_and_the_row_goes_on(backend, monkeyp
     fp8 = bench_fp8_linear.fp8_linear
     kernel, broken = fp8.fp8_linear, fp8.CANDIDATES["m64 n128 k64"]
 
-    def fp8_call(x, w, scale, block=None, bias=None, config=None, fp8_activations=False):
+    def fp8_call(
+        x, w, scale, block=None, bias=None, config=None, fp8_activations=False, fuse_quantization=None
+    ):
         if config == broken:
             raise RuntimeError("out of shared memory")
-        return kernel(x, w, scale, block, bias, config, fp8_activations)
+        return kernel(x, w, scale, block, bias, config, fp8_activations, fuse_quantization)
 
     monkeypatch.setattr(fp8, "fp8_linear", fp8_call)
     row = bench_fp8_linear.bench_row(
@@ -189,7 +208,7 @@ def test_cublas_refusing_a_shape_is_recorded_and_the_row_goes_on(backend, monkey
     assert row["candidate_errors"] == {"cublas_fp8": "RuntimeError: mat1 rows must be a multiple of 16"}
     assert row["cublas_fp8_us"] is None and "cublas_fp8" not in row["rel_err"] and row["wrong"] == []
     table = bench_fp8_linear.w8a8_table({"rows": [row]})
-    assert "| o | 3 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | - |" in table
+    assert "| o | 3 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | - |" in table
     assert bench_fp8_linear.summarize([row])["cublas_fp8_vs_w8a8_per_row_geomean_prefill"] is None
 
 

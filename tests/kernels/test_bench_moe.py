@@ -115,9 +115,10 @@ def test_an_fp8_row_times_the_fp8_experts_beside_them_dequantized(backend, monke
         std = reference.dequantize_fp8_weight(codes, scales, (128, 128), torch.float32).std().item()
         assert 0.7 < std * codes.shape[2] ** 0.5 < 1.5
     row = bench_moe.bench_row("tiny-fp8", TINY_FP8, 5, w, RATES, torch.Generator().manual_seed(0))
-    # fp8 replay, eager, the torch loop, the dequantized replay, the fp8-activation replay; no candidates
-    # (deep steps are 16-bit's)
-    assert len(calls) == 5 and row["rel_err"] < 2e-2 and row["w8a8_rel_err"] < 2e-2
+    # fp8 replay, eager, the torch loop, the dequantized replay, the fp8-activation replays (the default, x
+    # quantized inside the GEMMs, first); no candidates (deep steps are 16-bit's)
+    assert len(calls) == 7 and row["rel_err"] < 2e-2 and row["w8a8_rel_err"] < 2e-2
+    assert torch.equal(calls[5], calls[6])  # the same codes and scales either way
     torch.testing.assert_close(calls[0].float(), calls[3].float(), rtol=2e-2, atol=2e-2)  # the same experts
     # the fp8-activation replay: the same experts with their inputs quantized, near but not equal
     assert 1e-3 < ((calls[4].float() - calls[0].float()).norm() / calls[0].float().norm()).item() < 0.1
@@ -125,6 +126,7 @@ def test_an_fp8_row_times_the_fp8_experts_beside_them_dequantized(backend, monke
         "model", "tokens", "experts_touched", "bytes", "flops", "rel_err", "triton_graph_ms", "triton_ms",
         "torch_ms", "read_floor_ms", "compute_floor_ms", "pct_of_copy_bw", "pct_of_matmul", "speedup_vs_torch",
         "dequantized_graph_ms", "fp8_speedup", "default", "w8a8_graph_ms", "w8a8_rel_err", "w8a8_vs_fp8",
+        "w8a8_quantized_inside_graph_ms", "w8a8_quantized_first_graph_ms",
     }  # fmt: skip
     assert row["bytes"] == row["experts_touched"] * (3 * 256 * 128 + 4 * (2 * 2 + 2 * 1)) + 2 * 5 * 256 * 2
     assert row["fp8_speedup"] == 1.0 and row["dequantized_graph_ms"] == 0.5
@@ -132,7 +134,7 @@ def test_an_fp8_row_times_the_fp8_experts_beside_them_dequantized(backend, monke
                                         "timing": "t"})  # fmt: skip
     assert "| model | tokens | fp8 | dequantized | fp8 speedup |" in report
     assert "| tiny-fp8 | 5 | 500.0 | 500.0 | 1.00x |" in report and "packed" not in report
-    assert f"| tiny-fp8 | 5 | 500.0 | 500.0 | 1.00x | {row['w8a8_rel_err']:.1e} |" in report
+    assert f"| tiny-fp8 | 5 | 500.0 | 500.0 | 500.0 | 500.0 | 1.00x | {row['w8a8_rel_err']:.1e} |" in report
     assert "`w8a8_vs_fp8_min_decode` 1.00x, `w8a8_vs_fp8_min_prefill` -" in report
 
 
@@ -163,7 +165,8 @@ def timed_row(model: str, tokens: int, **speedup: float) -> dict:
            "rel_err": 1e-3}  # fmt: skip
     for field, value in speedup.items():
         if field == "w8a8_vs_fp8":  # NOTE: fp8 activations' replay, ``value`` times as fast
-            row.update({"w8a8_graph_ms": 0.1 / value, "w8a8_rel_err": 1e-3, field: value})
+            row.update({"w8a8_graph_ms": 0.1 / value, "w8a8_rel_err": 1e-3, field: value,
+                        "w8a8_quantized_inside_graph_ms": 0.1 / value, "w8a8_quantized_first_graph_ms": 0.1})  # fmt: skip
         else:
             row.update({"dequantized_graph_ms": 0.1 * value, field: value})
     return row

@@ -198,6 +198,57 @@ def test_fp8_activations_with_bias_leading_dims_strided_rows_and_poisoned_output
     assert rel_err(got, want) <= W8A8_REL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("kind", "shape", "step"),
+    [("block32", "prefill", 32), ("block32", "ragged", 32), ("row", "ragged", 128), ("tensor", "decode", 128)],
+    ids=["blocks", "blocks-ragged", "row-one-step", "tensor-one-step"],
+)  # fmt: skip
+def test_quantizing_inside_the_product_is_the_separate_quantization(
+    backend, monkeypatch, dtype, kind, shape, step
+):
+    """Where each step is exactly one run of x's scales (32-column steps over 32-column blocks, or one step
+    over a whole row), the product can quantize x itself: quantize_fp8_groups is not called, and the output
+    is the one the separate quantization gives. By default only decode steps (at most 16 rows) do."""
+    fp8_linear = backend.module("fp8_linear")
+    rows, n, k = SHAPES[shape]
+    w, scale, block = (
+        t.to(backend.device) if isinstance(t, torch.Tensor) else t
+        for t in fp8_weight(n, k, torch.float8_e4m3fn, kind)
+    )
+    x = (activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)).to(
+        backend.device
+    )
+    cfg = fp8_linear.Fp8LinearConfig(block_m=16, block_n=32, block_k=step)
+    separate = fp8_linear.fp8_linear(
+        x, w, scale, block, config=cfg, fp8_activations=True, fuse_quantization=False
+    )
+    quantize = fp8_linear.quantize_fp8_groups
+
+    def not_called(*args):
+        raise AssertionError("x was quantized outside the product")
+
+    monkeypatch.setattr(fp8_linear, "quantize_fp8_groups", not_called)
+    fused = fp8_linear.fp8_linear(
+        x, w, scale, block, config=cfg, fp8_activations=True, fuse_quantization=True
+    )
+    if rows <= fp8_linear.DECODE_ROWS:  # NOTE: the default for a decode step
+        assert torch.equal(fp8_linear.fp8_linear(x, w, scale, block, config=cfg, fp8_activations=True), fused)
+    assert rel_err(fused, separate) <= 1e-6
+    assert (
+        rel_err(fused, reference.fp8_linear(x, w, scale, block, fp8_activations=True)) <= W8A8_REL_TOL[dtype]
+    )
+    # a step shorter than a run (16 of 32 columns): quantized outside, by the separate kernel
+    calls = []
+    monkeypatch.setattr(fp8_linear, "quantize_fp8_groups", lambda *a: calls.append(1) or quantize(*a))
+    short = fp8_linear.Fp8LinearConfig(block_m=16, block_n=32, block_k=16)
+    fp8_linear.fp8_linear(x, w, scale, block, config=short, fp8_activations=True, fuse_quantization=True)
+    assert calls == [1]
+    if rows > fp8_linear.DECODE_ROWS:  # NOTE: a prefill's by default
+        fp8_linear.fp8_linear(x, w, scale, block, config=cfg, fp8_activations=True)
+        assert calls == [1, 1]
+
+
 def test_bad_activation_quantization_arguments_are_refused(backend):
     fp8_linear = backend.module("fp8_linear")
     with pytest.raises(ValueError, match="group of at least one column"):

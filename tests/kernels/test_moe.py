@@ -274,6 +274,39 @@ def test_fused_moe_with_fp8_activations_matches_the_reference(backend, poisoned,
         moe.fused_moe(args[0], plain13.to(dev), plain2.to(dev), *args[3:], fp8_activations=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_experts_quantizing_their_inputs_inside_the_gemms_match_the_separate_quantization(
+    backend, monkeypatch, poisoned, case, dtype
+):
+    """32-column steps over 32-column blocks: each GEMM quantizes its input itself (quantize_fp8_groups not
+    called) and gives what the separate quantization gives; by default a decode step's do, a prefill's
+    not."""
+    from tests.kernels.test_fp8_linear import rel_err
+
+    moe = backend.module("moe")
+    tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 64, 64), "prefill": (40, 4, 2, 64, 64)}[case]
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    x = x * torch.exp2(torch.arange(tokens) % 5 - 2.0)[:, None].to(dtype)
+    block = (16, 32)
+    w13, s13, w2, s2 = fp8_experts(w13, w2, block)
+    dev = backend.device
+    args = [t.to(dev) for t in (x, w13, w2, weights, ids)]
+    cfg = moe.MoeConfig(block_m=16, block_n=32, block_k=32)
+    options = {"w13_scales": s13.to(dev), "w2_scales": s2.to(dev), "fp8_block": block, "config": cfg,
+               "fp8_activations": True}  # fmt: skip
+    separate = moe.fused_moe(*args, **options, fuse_quantization=False)
+    quantize, calls = moe.quantize_fp8_groups, []
+    monkeypatch.setattr(moe, "quantize_fp8_groups", lambda *a: calls.append(1) or quantize(*a))
+    fused = moe.fused_moe(*args, **options, fuse_quantization=True)
+    assert calls == [] and rel_err(fused, separate) <= 1e-6
+    want = reference.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, fp8_block=block,
+                               fp8_activations=True)  # fmt: skip
+    assert rel_err(fused, want) <= MOE_W8A8_REL_TOL[dtype]
+    moe.fused_moe(*args, **options)  # the default: inside for a decode step's 3 tokens, first for 40
+    assert calls == ([] if case == "decode" else [1, 1])
+
+
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
     backend, assert_close_rel, poisoned
 ):

@@ -112,3 +112,40 @@ def test_two_ranks_with_block_scales_answer_as_one(tmp_path):
         tmp_path,
         ["--kv-cache-tokens", "2048", "--fp8-weights", "fp8", "--fp8-activations", "dynamic"],
     )
+
+
+def steps_on(
+    path, device: str, fp8_activations: str, tokens: list[int] | None = None, steps: int = 4
+) -> tuple[list[torch.Tensor], list[int]]:  # fmt: skip
+    """The logits of a prefill and ``steps`` decode steps of the checkpoint at ``path`` kept in fp8
+    (float32) on ``device``, each step fed ``tokens`` (default: its own greedy choices), and the tokens."""
+    from tests.worker.test_model import PROMPT, decode, extend, new_pool, scattered_slots
+
+    loaded = load_model(str(path), device, torch.float32, fp8_weights="fp8", fp8_activations=fp8_activations)
+    ids = loaded.tokenizer.encode_prompt(PROMPT)
+    pool = new_pool(loaded.config, device=device)
+    [slots] = scattered_slots(pool, [len(ids) + steps])
+    logits, fed = [extend(loaded.model, pool, [ids], [0], [slots]).cpu()], []
+    for step in range(steps):
+        fed.append(tokens[step] if tokens else int(logits[step][-1].argmax()))
+        logits.append(decode(loaded.model, pool, [fed[-1]], [len(ids) + step], [slots]).cpu())
+    return logits, fed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("model_type", "overrides"), [("llama", {}), ("qwen3_moe", QWEN3_MOE)])
+def test_dynamic_activations_on_cuda_follow_the_cpu_reference(tmp_path, model_type, overrides):
+    """The compiled kernels (a decode step quantizing inside the product, a prefill first) over a prefill
+    and greedy decode steps, float32: near the CPU reference path's logits, and far nearer them than the
+    16-bit-input model's (as the interpreter's model test bounds it)."""
+    base = save_checkpoint(tmp_path / "base", model_type, **overrides)
+    fp8, _ = fp8_pair(base, tmp_path, "fp8", "block")
+    want, tokens = steps_on(fp8, "cpu", "dynamic")
+    got, _ = steps_on(fp8, "cuda", "dynamic", tokens)
+    unquantized, _ = steps_on(fp8, "cpu", "none", tokens)
+    for step, (g, w, u) in enumerate(zip(got, want, unquantized, strict=True)):
+        err, apart = rel(g, w), rel(g, u)
+        assert torch.isfinite(g).all() and err < 5e-2 and err < apart / 2, (
+            f"step {step}: {err:.2e}, {apart:.2e}"
+        )
