@@ -56,6 +56,9 @@ CANDIDATES = {
     "m128 n128 k128 w8": Fp8LinearConfig(block_m=128, block_n=128, block_k=128, num_warps=8),
 }
 DECODE_ROWS = 16  # default_config: up to this many rows a call is a decode step (one row tile)
+# quantize_fp8_groups: runs up to this many columns (rounded up to a power of two) are quantized a tile of
+# rows at a time, about this many values a program (a prefill's 128-column runs: 32 rows a program, not one)
+QUANTIZE_TILE_COLS, QUANTIZE_TILE_ELEMENTS = 1024, 4096
 
 
 def default_config(rows: int, fp8_activations: bool = False) -> Fp8LinearConfig:
@@ -134,10 +137,28 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
+def _quantize_tiles_kernel(
+    X, Q, S, M, K, group, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """One program a run of ``group`` (<= BLOCK_G) columns of BLOCK_R rows, held as one tile."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    run = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_G)
+    cols = run * group + offs
+    mask = (rows < M)[:, None] & ((offs < group) & (cols < K))[None, :]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    codes, scale = quantize_rows(x, FP8_MAX)
+    tl.store(Q + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+    tl.store(S + rows * stride_sm + run, scale, mask=rows < M)
+
+
+@triton.jit
 def _quantize_groups_kernel(
     X, Q, S, K, group, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr, CHUNK: tl.constexpr
 ):  # fmt: skip
-    """One program a run of ``group`` columns of one row: its largest magnitude, then its codes."""
+    """One program a run of ``group`` columns of one row, read in CHUNKs twice: its largest magnitude,
+    then its codes (runs too long for one tile: one scale a row of a wide layer)."""
     row, run = tl.program_id(0), tl.program_id(1)
     start = run * group
     end = tl.minimum(start + group, K)
@@ -169,12 +190,18 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     runs = triton.cdiv(k, group)
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((m, runs), dtype=torch.float32, device=x.device)
-    if m and k:
-        chunk = min(triton.next_power_of_2(group), 16 if INTERPRETED else 1024)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    width = triton.next_power_of_2(group)
+    if m and k and width <= QUANTIZE_TILE_COLS:  # NOTE: a program a tile of rows x one run
+        block_r = min(triton.next_power_of_2(m), max(1, QUANTIZE_TILE_ELEMENTS // width))
+        _quantize_tiles_kernel[(triton.cdiv(m, block_r), runs)](
+            x, codes, scales, m, k, group, x.stride(0), codes.stride(0), scales.stride(0), FP8_MAX=fp8_max,
+            BLOCK_R=block_r, BLOCK_G=width, enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
+        )  # fmt: skip
+    elif m and k:  # NOTE: a program a run of one row, read in chunks
         _quantize_groups_kernel[(m, runs)](
-            x, codes, scales, k, group, x.stride(0), codes.stride(0), scales.stride(0),
-            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, CHUNK=chunk, enable_fp_fusion=True,
-            num_warps=1 if INTERPRETED else 4,
+            x, codes, scales, k, group, x.stride(0), codes.stride(0), scales.stride(0), FP8_MAX=fp8_max,
+            CHUNK=16 if INTERPRETED else 1024, enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
         )  # fmt: skip
     return codes, scales
 

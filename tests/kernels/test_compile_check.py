@@ -86,7 +86,7 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
                        "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
                        "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel",
-                       "_quantize_groups_kernel"}  # fmt: skip
+                       "_quantize_tiles_kernel", "_quantize_groups_kernel"}  # fmt: skip
     for r in report["rows"]:
         assert r["ok"] and r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 1, r
         assert 0 < r["regs"] <= 255 and r["shared_bytes"] <= report["limits"]["smem_per_block"]
@@ -103,7 +103,9 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         w8a8 = rows[(f"fp8_linear{kind} w8a8 bf16 m256", "_fp8_linear_kernel")]["sass"]
         assert w8a8["QGMMA"] > 0 and w8a8["HGMMA"] == 0
         assert rows[(f"fp8_linear{kind} w8a8 bf16 m4", "_fp8_linear_kernel")]["sass"]["HMMA"] > 0
-    assert ("fp8 activations bf16 m256 group 128", "_quantize_groups_kernel") in rows
+    # a prefill's 128-column runs a tile of rows a program; a row's scale over 4,096 columns read in chunks
+    assert ("fp8 activations bf16 m256 group 128", "_quantize_tiles_kernel") in rows
+    assert ("fp8 activations bf16 m256 group 4096", "_quantize_groups_kernel") in rows
     moe_w8a8 = [r["sass"] for r in report["rows"]
                 if r["case"] == "fused_moe fp8 w8a8 bf16 t256" and r["kernel"] == "_grouped_gemm_kernel"]  # fmt: skip
     assert len(moe_w8a8) == 2 and all(s["QGMMA"] > 0 and s["HGMMA"] == 0 for s in moe_w8a8)
@@ -260,7 +262,7 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
                        "_expand_kernel", "_short_split_kernel", "_merge_rows_kernel",
                        "_top_p_threshold_kernel", "_grouped_gemm_kernel", "_align_kernel", "_route_kernel",
                        "_clamped_swiglu_and_mul_kernel", "_fp8_linear_kernel",
-                       "_quantize_groups_kernel"}  # fmt: skip
+                       "_quantize_tiles_kernel", "_quantize_groups_kernel"}  # fmt: skip
     # sm_90's two extend defaults: without a long prefix, and the long-prefix tiles; each also with the
     # prefix split (one compiled kernel for any split count)
     extends = sorted(

@@ -162,6 +162,22 @@ def test_the_activations_quantize_as_the_reference_bit_for_bit(backend, dtype, g
     assert torch.equal(codes.view(torch.uint8).cpu(), want_codes.view(torch.uint8).cpu())
 
 
+@pytest.mark.parametrize("group", [1050, 2100])
+def test_runs_longer_than_a_tile_quantize_as_the_reference_bit_for_bit(backend, group):
+    """Runs past kernels.fp8_linear.QUANTIZE_TILE_COLS columns (one scale a row of a wide layer) take the
+    kernel that reads a row in chunks: the same codes and scales."""
+    fp8_linear = backend.module("fp8_linear")
+    assert group > fp8_linear.QUANTIZE_TILE_COLS
+    x = (activations(3, 2100, torch.bfloat16) * 30).to(backend.device)
+    x[1, 1000] = 126.9  # NOTE: a mantissa that rounds into the next binade, once scaled by 448 / 448
+    x[1, 1001] = 448.0
+    codes, scales = fp8_linear.quantize_fp8_groups(x, group)
+    want_codes, want_scales = reference.quantize_fp8_groups(x, group)
+    assert scales.shape == (3, 2100 // group)
+    assert torch.equal(scales.cpu(), want_scales.cpu())
+    assert torch.equal(codes.view(torch.uint8).cpu(), want_codes.view(torch.uint8).cpu())
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("kind", SCALES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
