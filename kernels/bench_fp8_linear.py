@@ -106,11 +106,6 @@ def cublas_fp8(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
                             out_dtype=x.dtype)  # fmt: skip
 
 
-def w8a8_call(x: torch.Tensor, w: Fp8Weight, **options: Any) -> torch.Tensor:
-    """The block-scaled fp8 linear layer with fp8 activations (``options``: fp8_linear's)."""
-    return fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True, **options)
-
-
 def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -> dict[str, Any]:
     """One (projection, rows) row: each variant's and candidate's time (us), weight GB/s and TF/s, its
     error against the reference; the variants and candidates whose check failed in row["wrong"] (never
@@ -121,7 +116,9 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
     by_rows = reference.fp8_linear(x, w.fp8, w.row_scale)
     w8a8_blocks = reference.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True)
     w8a8_rows = reference.fp8_linear(x, w.fp8, w.row_scale, fp8_activations=True)
-    nk, scale_bytes = proj.n * proj.k, w.block_scale.numel() * w.block_scale.element_size()
+    nk = proj.n * proj.k
+    block_bytes = nk + w.block_scale.numel() * w.block_scale.element_size()
+    row_bytes = nk + w.row_scale.numel() * w.row_scale.element_size()
     flops = 2 * rows * nk
     default = fp8_linear.default_config(rows)
     row: dict[str, Any] = {
@@ -131,40 +128,33 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
         "rows": rows,
         "default": _label(default),
         "flops": flops,
-        "bf16_weight_bytes": nk * w.dense.element_size(),
-        "fp8_weight_bytes": nk + scale_bytes,
-        "fp8_per_row_weight_bytes": nk + w.row_scale.numel() * w.row_scale.element_size(),
         "rel_err": {},
         "candidates_us": {},
         "w8a8_candidates_us": {},
         "candidate_errors": {},
     }
-    row["w8a8_weight_bytes"], row["cublas_fp8_weight_bytes"] = (
-        row["fp8_weight_bytes"],
-        row["fp8_per_row_weight_bytes"],
-    )
-    row["w8a8_per_row_weight_bytes"] = row["fp8_per_row_weight_bytes"]
-    row["w8a8_fused_weight_bytes"] = row["w8a8_separate_weight_bytes"] = row["fp8_weight_bytes"]
-    variants = {  # name: (the call, the reference output it must match)
-        "bf16": (lambda: F.linear(x, w.dense), by_blocks),
-        "fp8": (lambda: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK), by_blocks),
-        "fp8_per_row": (lambda: fp8_linear.fp8_linear(x, w.fp8, w.row_scale), by_rows),
-        "w8a8": (
-            lambda: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True),
-            w8a8_blocks,
-        ),
-        "w8a8_per_row": (
-            lambda: fp8_linear.fp8_linear(x, w.fp8, w.row_scale, fp8_activations=True),
-            w8a8_rows,
-        ),
-        "cublas_fp8": (lambda: cublas_fp8(x, w), w8a8_rows),
+
+    def call(scale: torch.Tensor, block: tuple[int, int] | None = None, **options: Any) -> Callable:
+        """The fp8 linear layer over this row's x and weight (``options``: fp8_linear's)."""
+        return lambda: fp8_linear.fp8_linear(x, w.fp8, scale, block, **options)
+
+    variants = {  # name: (the call, the reference output it must match, the weight bytes it reads)
+        "bf16": (lambda: F.linear(x, w.dense), by_blocks, nk * w.dense.element_size()),
+        "fp8": (call(w.block_scale, BLOCK), by_blocks, block_bytes),
+        "fp8_per_row": (call(w.row_scale), by_rows, row_bytes),
+        "w8a8": (call(w.block_scale, BLOCK, fp8_activations=True), w8a8_blocks, block_bytes),
+        "w8a8_per_row": (call(w.row_scale, fp8_activations=True), w8a8_rows, row_bytes),
+        "cublas_fp8": (lambda: cublas_fp8(x, w), w8a8_rows, row_bytes),
         # x quantized inside the product (the default for decode steps) and by its own kernel first (prefills')
-        "w8a8_fused": (lambda: w8a8_call(x, w, fuse_quantization=True), w8a8_blocks),
-        "w8a8_separate": (lambda: w8a8_call(x, w, fuse_quantization=False), w8a8_blocks),
-    }
-    for name, (call, want) in variants.items():
+        "w8a8_fused": (call(w.block_scale, BLOCK, fp8_activations=True, fuse_quantization=True), w8a8_blocks,
+                       block_bytes),
+        "w8a8_separate": (call(w.block_scale, BLOCK, fp8_activations=True, fuse_quantization=False),
+                          w8a8_blocks, block_bytes),
+    }  # fmt: skip
+    for name, (timed, want, weight_bytes) in variants.items():
+        row[f"{name}_weight_bytes"] = weight_bytes
         try:
-            got, us = replayed(call)
+            got, us = replayed(timed)
         except Exception as exc:  # NOTE: cuBLAS's fp8 GEMM refuses some shapes; ours must not
             if name != "cublas_fp8":
                 raise
@@ -173,7 +163,7 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
             continue
         row["rel_err"][name] = bench._rel_err(got, want)
         row[f"{name}_us"] = us
-        row[f"{name}_gbs"] = row[f"{name}_weight_bytes"] / (us * 1e-6) / 1e9
+        row[f"{name}_gbs"] = weight_bytes / (us * 1e-6) / 1e9
         row[f"{name}_tflops"] = flops / (us * 1e-6) / 1e12
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
     row["w8a8_speedup"] = row["bf16_us"] / row["w8a8_us"]
@@ -181,21 +171,11 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
     w8a8_default = fp8_linear.default_config(rows, fp8_activations=True)
     row["w8a8_default"] = _label(w8a8_default)
     for label, cfg in fp8_linear.CANDIDATES.items():
-        time_candidate(
-            row,
-            "candidates_us",
-            label,
-            cfg,
-            default,
-            "fp8",
-            lambda cfg=cfg: fp8_linear.fp8_linear(x, w.fp8, w.block_scale, BLOCK, config=cfg),
-            by_blocks,
-        )
+        by_cfg = call(w.block_scale, BLOCK, config=cfg)
+        time_candidate(row, "candidates_us", label, cfg, default, "fp8", by_cfg, by_blocks)
         if rows >= PREFILL_ROWS:  # NOTE: W8A8 pays where the tensor cores are the cost
-            time_candidate(row, "w8a8_candidates_us", label, cfg, w8a8_default, "w8a8",
-                           lambda cfg=cfg: fp8_linear.fp8_linear(
-                               x, w.fp8, w.block_scale, BLOCK, config=cfg, fp8_activations=True),
-                           w8a8_blocks)  # fmt: skip
+            by_cfg = call(w.block_scale, BLOCK, config=cfg, fp8_activations=True)
+            time_candidate(row, "w8a8_candidates_us", label, cfg, w8a8_default, "w8a8", by_cfg, w8a8_blocks)
     row["wrong"] = [name for name, err in row["rel_err"].items() if bench_report.inaccurate(err)]
     for prefix, times, base in (("", "candidates_us", "fp8_us"), ("w8a8_", "w8a8_candidates_us", "w8a8_us")):
         usable = {
