@@ -257,18 +257,29 @@ def step_for(block: tuple[int, int] | None, k: int, cfg: Fp8LinearConfig) -> int
     return step
 
 
+def quantizes_inside(fuse_quantization: bool | None, rows: int, step: int, group: int, k: int) -> bool:
+    """Whether a product of fp8 activations quantizes its x tiles itself rather than taking
+    quantize_fp8_groups' codes: where asked (``fuse_quantization``; None: for a decode step's at most
+    DECODE_ROWS ``rows``), and only where each ``step`` of the ``k`` columns is exactly one run of ``group``
+    (or one step covers a run of the whole row)."""
+    if fuse_quantization is None:
+        fuse_quantization = rows <= DECODE_ROWS
+    return fuse_quantization and (step == group or step >= k == group)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
     bias: torch.Tensor | None = None, config: Fp8LinearConfig | None = None, fp8_activations: bool = False,
     fuse_quantization: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """See the module docstring and kernels.reference.fp8_linear. ``fuse_quantization`` (with
-    ``fp8_activations``): True: where each step of the product is exactly one run of x's scales (a step as
-    wide as the blocks' columns, or one step over the whole row), x is quantized inside the product instead
-    of by quantize_fp8_groups first (the same codes and scales; one launch and x's codes' round trip saved,
-    each column tile quantizing its rows again); False: never; None: True for calls of at most DECODE_ROWS
-    rows (a decode step: a launch saved on each projection), False above (a prefill's x tiles stay a byte a
-    value in shared memory: 16-bit ones do not fit sm_89 at 128 x 128 x 128)."""
+    ``fp8_activations``; quantizes_inside decides): True: where each step of the product is exactly one run
+    of x's scales (a step as wide as the blocks' columns, or one step over the whole row), x is quantized
+    inside the product instead of by quantize_fp8_groups first (the same codes and scales; one launch and
+    x's codes' round trip saved, each column tile quantizing its rows again); False: never; None: True for
+    calls of at most DECODE_ROWS rows (a decode step: a launch saved on each projection), False above (a
+    prefill's x tiles stay a byte a value in shared memory: 16-bit ones do not fit sm_89 at 128 x 128 x
+    128)."""
     check_fp8_linear(x, weight, scale, block, bias)
     n, k = weight.shape
     lead = x.shape[:-1]
@@ -289,9 +300,7 @@ def fp8_linear(
         strides, (block_rows, block_cols) = scale.stride(), block
     x_scales = scale  # NOTE: unread without fp8 activations
     group = reference.activation_group(block, k)
-    if fuse_quantization is None:
-        fuse_quantization = m <= DECODE_ROWS
-    fused = fp8_activations and fuse_quantization and (step == group or step >= k == group)
+    fused = fp8_activations and quantizes_inside(fuse_quantization, m, step, group, k)
     if fp8_activations and not fused:
         x2, x_scales = quantize_fp8_groups(x2, group)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))

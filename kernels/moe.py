@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested, pointwise, reference
-from kernels.fp8_linear import DECODE_ROWS, quantize_fp8_groups, quantize_rows, step_for
+from kernels.fp8_linear import quantize_fp8_groups, quantize_rows, quantizes_inside, step_for
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -390,8 +390,8 @@ def fused_moe(
     (scales one a ``fp8_block`` block, else one a row), decoded tile by tile in the GEMMs;
     ``fp8_activations`` (fp8 experts only): each GEMM's input quantized per token group
     (kernels.fp8_linear.quantize_fp8_groups) and multiplied fp8 by fp8, inside the GEMM where its steps are
-    the runs and ``fuse_quantization`` says so (None: at most fp8_linear.DECODE_ROWS tokens, as
-    kernels.fp8_linear decides); as kernels.reference.fused_moe takes them all."""
+    the runs and ``fuse_quantization`` says so (fp8_linear.quantizes_inside, over the call's tokens); as
+    kernels.reference.fused_moe takes them all."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales, fp8_block)
     fp8_experts = w13.dtype in host_checks.FP8_POOL_DTYPES and w2.dtype in host_checks.FP8_POOL_DTYPES
     if fp8_activations and not fp8_experts:
@@ -424,9 +424,7 @@ def fused_moe(
     }
     blocks = block_experts.numel()
     gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
-    if fuse_quantization is None:
-        fuse_quantization = t <= DECODE_ROWS
-    a, a_args = _inputs(x, fp8_activations, fp8_block, fuse_quantization, cfg.block_k)
+    a, a_args = _inputs(x, fp8_activations, fp8_block, fuse_quantization, t, cfg.block_k)
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
         a, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
         a.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
@@ -435,7 +433,7 @@ def fused_moe(
     )  # fmt: skip
     act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
-    a, a_args = _inputs(act, fp8_activations, fp8_block, fuse_quantization, cfg.block_k)
+    a, a_args = _inputs(act, fp8_activations, fp8_block, fuse_quantization, t, cfg.block_k)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
         a, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
@@ -463,16 +461,18 @@ def _scale_args(
 
 
 def _inputs(
-    a: torch.Tensor, fp8_activations: bool, fp8_block: tuple[int, int] | None, fuse: bool, step: int
+    a: torch.Tensor, fp8_activations: bool, fp8_block: tuple[int, int] | None, fuse: bool | None, tokens: int,
+    step: int,
 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """A grouped GEMM's input and its arguments: ``a`` as it is; with fp8 activations, ``a`` for the GEMM to
-    quantize where ``fuse`` and each ``step`` is one run, else its e4m3 codes with their scales (one a run
-    of the blocks' columns of each row, else one a row: kernels.reference.activation_group)."""
+    quantize itself where fp8_linear.quantizes_inside says so (``fuse`` for a call of ``tokens``), else its
+    e4m3 codes with their scales (one a run of the blocks' columns of each row, else one a row:
+    kernels.reference.activation_group)."""
     if not fp8_activations:
         return a, {}
     k = a.shape[-1]
     group = reference.activation_group(fp8_block, k)
-    if fuse and (step == group or step >= k == group):
+    if quantizes_inside(fuse, tokens, step, group, k):
         return a, {"QUANTIZE_A": True}
     codes, scales = quantize_fp8_groups(a, group)
     return codes, {"AScales": scales, "stride_as": scales.stride(0), "A_FP8": True}

@@ -287,11 +287,7 @@ def fp8_linear(
     ``fp8_activations``: x first quantized to e4m3 per token (quantize_fp8_groups, one scale a run of the
     blocks' columns, or a whole row without blocks) and dequantized: what a product of fp8 by fp8 computes."""
     w = dequantize_fp8_weight(weight, scale, block, torch.float32)
-    xf = x.float()
-    if fp8_activations:
-        group = activation_group(block, x.shape[-1])
-        xf = dequantize_fp8_groups(*quantize_fp8_groups(x, group), group)
-    out = xf @ w.T
+    out = (fp8_activation_values(x, block) if fp8_activations else x.float()) @ w.T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -301,6 +297,13 @@ def activation_group(block: tuple[int, int] | None, k: int) -> int:
     """Columns of x one activation scale covers for an fp8 weight of ``block`` scales over ``k`` columns:
     the blocks' columns (a step of the product lies in one), else the whole row."""
     return k if block is None else min(block[1], k)
+
+
+def fp8_activation_values(x: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """x [..., K] as fp8 activations for a weight of ``block`` scales give it to the product, in float32:
+    quantized per run of activation_group's columns (quantize_fp8_groups), then dequantized."""
+    group = activation_group(block, x.shape[-1])
+    return dequantize_fp8_groups(*quantize_fp8_groups(x, group), group)
 
 
 def moe_route(
@@ -349,10 +352,7 @@ def fused_moe(
 
     def inputs(a: torch.Tensor) -> torch.Tensor:
         """A GEMM's input rows in float32, as fp8 activations round them when asked."""
-        if not fp8_activations:
-            return a.float()
-        group = activation_group(fp8_block, a.shape[-1])
-        return dequantize_fp8_groups(*quantize_fp8_groups(a, group), group)
+        return fp8_activation_values(a, fp8_block) if fp8_activations else a.float()
 
     def weight(w: torch.Tensor, scales: torch.Tensor | None, e: int) -> torch.Tensor:
         """Expert e's weight in float32 (MXFP4 and fp8 ones dequantized: only the experts the batch chose)."""
