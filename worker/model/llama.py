@@ -25,7 +25,7 @@ from worker import attention
 from worker.forward_batch import ForwardBatch
 from worker.model.config import ModelConfig
 from worker.model.lora import LoraStack
-from worker.model.shard import WHOLE, Shard
+from worker.model.shard import WHOLE, Shard, rows_per_entry
 
 
 def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -164,25 +164,24 @@ class DecoderLayer(nn.Module):
         self.down_bias = _weight(c.hidden_size, **w) if c.mlp_bias and dense else None
         # a sparse layer: the router (HF's mlp.gate), the experts stacked, the shared expert and its gate
         self.router = _weight(c.num_experts, c.hidden_size, **w) if self.sparse else None
-        self.experts_gate_up = (
-            _weight(c.num_experts, 2 * self.inter, c.hidden_size, **w) if self.sparse else None
-        )
-        self.experts_down = _weight(c.num_experts, c.hidden_size, self.inter, **w) if self.sparse else None
         self.experts_gate_up_scales = self.experts_down_scales = None
-        if self.sparse and c.fp8_projections:  # NOTE: an fp8 checkpoint's experts kept in fp8 (kernels.moe)
-            fp8 = {"device": device, "dtype": torch.float8_e4m3fn}
-            h, n = c.hidden_size, self.inter
-            self.experts_gate_up = _weight(c.num_experts, 2 * n, h, **fp8)
-            self.experts_down = _weight(c.num_experts, h, n, **fp8)
-            self.experts_gate_up_scales = _fp8_scale(c, 2 * n, h, device, c.num_experts)
-            self.experts_down_scales = _fp8_scale(c, h, n, device, c.num_experts)
-        if self.sparse and c.mxfp4_experts:  # NOTE: codes two a byte, a scale a block of 32 (kernels.moe)
+        e, h, n = c.num_experts, c.hidden_size, self.inter
+        if not self.sparse:
+            self.experts_gate_up = self.experts_down = None
+        elif c.mxfp4_experts:  # NOTE: codes two a byte, a scale a block of 32 (kernels.moe)
             packed = {"device": device, "dtype": torch.uint8}
-            h, n = c.hidden_size, self.inter
-            self.experts_gate_up = _weight(c.num_experts, 2 * n, h // 2, **packed)
-            self.experts_gate_up_scales = _weight(c.num_experts, 2 * n, h // 32, **packed)
-            self.experts_down = _weight(c.num_experts, h, n // 2, **packed)
-            self.experts_down_scales = _weight(c.num_experts, h, n // 32, **packed)
+            self.experts_gate_up, self.experts_down = (
+                _weight(e, 2 * n, h // 2, **packed),
+                _weight(e, h, n // 2, **packed),
+            )
+            self.experts_gate_up_scales = _weight(e, 2 * n, h // 32, **packed)
+            self.experts_down_scales = _weight(e, h, n // 32, **packed)
+        elif c.fp8_projections:  # NOTE: an fp8 checkpoint's experts kept in fp8 (kernels.moe)
+            self.experts_gate_up, self.experts_down = _weight(e, 2 * n, h, **proj), _weight(e, h, n, **proj)
+            self.experts_gate_up_scales = _fp8_scale(c, 2 * n, h, device, e)
+            self.experts_down_scales = _fp8_scale(c, h, n, device, e)
+        else:
+            self.experts_gate_up, self.experts_down = _weight(e, 2 * n, h, **w), _weight(e, h, n, **w)
         biased = self.sparse and c.moe_bias  # gpt-oss: the router's and every expert's biases
         self.router_bias = _weight(c.num_experts, **w) if biased else None
         self.experts_gate_up_bias = _weight(c.num_experts, 2 * self.inter, **w) if biased else None
@@ -619,7 +618,7 @@ class LlamaForCausalLM(nn.Module):
             group, start, end = stacked[part]
             target = getattr(layer, f"{group}_{_STACKED_KINDS[kind]}")
             # NOTE: a kept fp8 projection's scales, one a block of rows (served_fp8: parts in whole blocks)
-            per = c.fp8_weight_block[0] if kind == "weight_scale" and c.fp8_weight_block else 1
+            per = rows_per_entry(c, kind)
             if target is not None:
                 return target[start // per : end // per]
         elif single.get((part, kind)) is not None:
@@ -647,7 +646,7 @@ class LlamaForCausalLM(nn.Module):
             if m.group(2) == "down_proj":
                 return down[e]
             # NOTE: fp8 block scales: one a block of rows (served_fp8: the gate and up parts are whole blocks)
-            per = c.fp8_weight_block[0] if kind == "weight_scale" and c.fp8_weight_block else 1
+            per = rows_per_entry(c, kind)
             start = 0 if m.group(2) == "gate_proj" else inter
             return gate_up[e, start // per : (start + inter) // per]
         if kind != "weight":
@@ -704,9 +703,8 @@ class LlamaForCausalLM(nn.Module):
         r = self.config.residual_multiplier
         if r != 1.0:  # NOTE: Granite scales each layer's output before its residual add: folded in here
             with torch.no_grad():
-                kept = (
-                    self.config.fp8_projections
-                )  # NOTE: a projection kept in fp8 is scaled through its scales
+                # NOTE: a projection kept in fp8 is scaled through its scales (a cast of fp8 would round)
+                kept = self.config.fp8_projections
                 for layer in self.layers:
                     o, down = (layer.o_scale, layer.down_scale) if kept else (layer.o_proj, layer.down_proj)
                     experts_down = layer.experts_down_scales if kept else layer.experts_down

@@ -23,6 +23,13 @@ import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
 
+
+def rows_per_entry(config: ModelConfig, kind: str) -> int:
+    """Weight rows one row of a ``kind`` tensor covers: a projection kept in fp8 with block scales
+    (``weight_scale``, --fp8-weights) one a block of rows; any other tensor one a row."""
+    return config.fp8_weight_block[0] if kind == "weight_scale" and config.fp8_weight_block else 1
+
+
 _LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks|scales|weight_scale)$")
 # HF projection -> how its weight is split: by output rows of which size, or by input columns
 _ROWS = {
@@ -110,10 +117,10 @@ class Shard:
         unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) in ("heads", "kv_heads") else 1
         # NOTE: a projection kept in fp8 (--fp8-weights): its scales one a block of rows x columns (the
         # loader keeps it only where every rank's span is whole blocks), else one a row
-        rows, cols = config.fp8_weight_block or (1, 0)
+        cols = config.fp8_weight_block[1] if config.fp8_weight_block else 0
         if part in _ROWS:
             lo, hi = self.span(config, _ROWS[part])
-            per = rows if kind == "weight_scale" else 1
+            per = rows_per_entry(config, kind)
             return tensor[lo * unit // per : hi * unit // per]
         if part in _COLUMNS and kind == "weight_scale":
             lo, hi = self.span(config, _COLUMNS[part])
