@@ -294,23 +294,15 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
     if device.type == "cuda" and torch.cuda.device_count() < cfg.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")  # fmt: skip
-    from worker.model.loader import (
-        quantized_at_load,
-        read_config,
-        safetensors_files,
-        served_activations,
-        served_experts,
-        served_fp8,
-    )
+    from worker.model.loader import read_config, safetensors_files, served_experts, served_precision
 
     # NOTE: before any rank starts; MXFP4 experts as --mxfp4-experts serves them (packed: whole blocks), an
     # fp8 checkpoint's projections as --fp8-weights does (kept: whole scale blocks on every rank)
     first = Shard(0, cfg.tensor_parallel_size)
     config = served_experts(read_config(cfg.model), cfg.mxfp4_experts, device)
     first.check(config)
-    if config.fp8_weights:
-        config = served_fp8(config, cfg.fp8_weights, device, first, safetensors_files(cfg.model))
-    served_activations(quantized_at_load(config, cfg.quantization, device), cfg.fp8_activations)
+    files = safetensors_files(cfg.model) if config.fp8_weights else []  # NOTE: the headers served_fp8 reads
+    served_precision(config, device, first, files, cfg.fp8_weights, cfg.quantization, cfg.fp8_activations)
     ranks = Ranks(cfg, device.type)
     shard, channel = init_rank(0, cfg.tensor_parallel_size, ranks.init_method, rank_device(device.type, 0))
     loaded, pool = load_rank(cfg, shard, channel, rank_device(device.type, 0))

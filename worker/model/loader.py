@@ -153,6 +153,16 @@ def served_activations(config: ModelConfig, fp8_activations: str) -> ModelConfig
     return dataclasses.replace(config, fp8_activations=True)
 
 
+def served_precision(
+    config: ModelConfig, device: torch.device, shard: Shard, files: list[str], fp8_weights: str,
+    quantization: str, fp8_activations: str,
+) -> ModelConfig:  # fmt: skip
+    """``config`` as the worker's precision flags serve it, in their order: --fp8-weights (served_fp8, over
+    the checkpoint's ``files``), --quantization (quantized_at_load), --fp8-activations (served_activations)."""
+    config = served_fp8(config, fp8_weights, device, shard, files)
+    return served_activations(quantized_at_load(config, quantization, device), fp8_activations)
+
+
 # weights that stack projections kept apart in fp8: Phi-3's q/k/v and gate/up, Granite MoE's experts
 _FUSED = (
     "self_attn.qkv_proj",
@@ -230,14 +240,13 @@ def load_model(
     ValueError when the directory is not a supported checkpoint or does not split over the shard's ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
+    precision = {"fp8_weights": fp8_weights, "quantization": quantization, "fp8_activations": fp8_activations}
     if spec == "tiny":
-        config = quantized_at_load(cap_context(tiny_config(), max_model_len), quantization, device)
-        config = served_activations(config, fp8_activations)
+        config = served_precision(cap_context(tiny_config(), max_model_len), device, shard, [], **precision)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
     config = served_experts(cap_context(read_config(spec), max_model_len), mxfp4_experts, device)
     files = safetensors_files(spec)
-    config = quantized_at_load(served_fp8(config, fp8_weights, device, shard, files), quantization, device)
-    config = served_activations(config, fp8_activations)
+    config = served_precision(config, device, shard, files, **precision)
     tokenizer = HFTokenizer(spec)
     if tokenizer.vocab_size > config.vocab_size:  # NOTE: ids past the embedding would fail a forward
         raise ValueError(
