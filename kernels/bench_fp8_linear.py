@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import bench, bench_report, fp8_linear, reference, timing
+from kernels.bench_report import times as _times
 
 ROWS = (1, 16, 64, 256, 2048)  # tokens a call: decode steps of 1 and 16 requests up to a prefill chunk
 QUICK_ROWS = (1, 16, 2048)
@@ -257,11 +258,6 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             f"{r['shape']} x {r['rows']} rows: {', '.join(r['wrong'])}" for r in rows if r["wrong"]
         ],
     }
-
-
-def _times(x: float | None) -> str:
-    """'1.23x'; '-' when not measured."""
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def format_table(result: dict) -> str:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference, timing
+from kernels.bench_report import times as _times
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 DECODE_TOKENS = 64  # a batch of at most this many tokens is a decode step (the summary's rule)
@@ -237,10 +238,6 @@ def summarize(rows: list[dict]) -> dict[str, float | None]:
         "w8a8_vs_fp8_min_decode": min((r["w8a8_vs_fp8"] for r in decode if "w8a8_vs_fp8" in r), default=None),
         "w8a8_vs_fp8_min_prefill": min((r["w8a8_vs_fp8"] for r in prefill if "w8a8_vs_fp8" in r), default=None),
     }  # fmt: skip
-
-
-def _times(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
 
 
 def format_markdown(result: dict) -> str:

@@ -190,6 +190,11 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def times(x: float | None) -> str:
+    """A speed-up or ratio as '1.23x'; '-' when not measured."""
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _us(ms: float | None) -> str:
     """A time in ms shown in us ('-' when not measured)."""
     return _fmt(None if ms is None else ms * 1e3, ".1f")
