@@ -280,7 +280,7 @@ def format_markdown(result: dict) -> str:
                   f"{r['dequantized_graph_ms'] * 1e3:.1f} | {r[q.speedup]:.2f}x |"
                   for r in stored]  # fmt: skip
         lines += ["", f"`{q.speedup}_min_decode`, the least at {DECODE_TOKENS} tokens or fewer: "
-                  + ("-" if least is None else f"{least:.2f}x")]  # fmt: skip
+                  + _times(least)]  # fmt: skip
     w8a8 = [r for r in result["rows"] if "w8a8_vs_fp8" in r]
     if w8a8:
         lines += [
