@@ -10,7 +10,8 @@ prefill chunk). Each row: the baseline, the kernel's default tiles, every candid
 CANDIDATES) and the default with one scale a row (llm-compressor's FP8-dynamic); then the same with the
 activations quantized per token group and multiplied fp8 by fp8 (W8A8, `fp8_activations`: the
 quantization kernel included in each time; the candidates on prefill rows only), beside cuBLAS's fp8 GEMM
-(torch._scaled_mm, one scale a row of each operand) on the same quantized activations. Each is replayed in
+(torch._scaled_mm, one scale a row of each operand) on the same quantized activations, and the per-row
+W8A8 with one static input scale (a checkpoint's, --fp8-activations static) quantizing x first or inside. Each is replayed in
 a CUDA graph after the output its replay wrote was checked against kernels.reference.fp8_linear (a failed
 check marks the row). Needs CUDA: without it, it measures nothing and exits 2. Numbers are never estimated.
 """
@@ -117,6 +118,8 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
     by_rows = reference.fp8_linear(x, w.fp8, w.row_scale)
     w8a8_blocks = reference.fp8_linear(x, w.fp8, w.block_scale, BLOCK, fp8_activations=True)
     w8a8_rows = reference.fp8_linear(x, w.fp8, w.row_scale, fp8_activations=True)
+    static = (x.float().abs().amax() / 448).reshape(1)  # NOTE: a calibration's scale: x's largest unclipped
+    w8a8_static = reference.fp8_linear(x, w.fp8, w.row_scale, fp8_activations=True, input_scale=static)
     nk = proj.n * proj.k
     block_bytes = nk + w.block_scale.numel() * w.block_scale.element_size()
     row_bytes = nk + w.row_scale.numel() * w.row_scale.element_size()
@@ -151,6 +154,10 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
                        block_bytes),
         "w8a8_separate": (call(w.block_scale, BLOCK, fp8_activations=True, fuse_quantization=False),
                           w8a8_blocks, block_bytes),
+        # one static input scale (per-row weights): quantized where the default puts it, and inside at any rows
+        "w8a8_static": (call(w.row_scale, fp8_activations=True, input_scale=static), w8a8_static, row_bytes),
+        "w8a8_static_fused": (call(w.row_scale, fp8_activations=True, input_scale=static, fuse_quantization=True),
+                              w8a8_static, row_bytes),
     }  # fmt: skip
     for name, (timed, want, weight_bytes) in variants.items():
         row[f"{name}_weight_bytes"] = weight_bytes
@@ -169,6 +176,7 @@ def bench_row(proj: Projection, rows: int, w: Fp8Weight, gen: torch.Generator) -
     row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
     row["w8a8_speedup"] = row["bf16_us"] / row["w8a8_us"]
     row["w8a8_vs_fp8"] = row["fp8_us"] / row["w8a8_us"]
+    row["static_vs_dynamic"] = row["w8a8_per_row_us"] / row["w8a8_static_us"]
     w8a8_default = fp8_linear.default_config(rows, fp8_activations=True)
     row["w8a8_default"] = _label(w8a8_default)
     for label, cfg in fp8_linear.CANDIDATES.items():
@@ -234,9 +242,10 @@ def _geomean(values: list[float]) -> float | None:
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
     """The fp8 default (16-bit and fp8 activations) against bf16 cuBLAS by regime (decode: its least
-    speed-up; prefill: the geometric mean), W8A8 against the 16-bit-activation default and cuBLAS's fp8 GEMM
-    against the per-row W8A8 (its speed-up: above 1, cuBLAS is faster), each regime's candidate
-    (regime_candidate), and the rows with a failed check."""
+    speed-up; prefill: the geometric mean), W8A8 against the 16-bit-activation default, the static input
+    scale against the per-row dynamic W8A8 (and on prefills quantizing inside against first: above 1, inside
+    is faster), cuBLAS's fp8 GEMM against the per-row W8A8 (its speed-up: above 1, cuBLAS is faster), each
+    regime's candidate (regime_candidate), and the rows with a failed check."""
     decode = [r for r in rows if r["rows"] <= fp8_linear.DECODE_ROWS]
     prefill = [r for r in rows if r["rows"] >= PREFILL_ROWS]
     return {
@@ -246,6 +255,11 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "w8a8_speedup_geomean_prefill": _geomean([r["w8a8_speedup"] for r in prefill]),
         "w8a8_vs_fp8_min_decode": min((r["w8a8_vs_fp8"] for r in decode), default=None),
         "w8a8_vs_fp8_geomean_prefill": _geomean([r["w8a8_vs_fp8"] for r in prefill]),
+        "static_vs_dynamic_min_decode": min((r["static_vs_dynamic"] for r in decode), default=None),
+        "static_vs_dynamic_geomean_prefill": _geomean([r["static_vs_dynamic"] for r in prefill]),
+        "static_inside_vs_first_min_prefill": min(
+            (r["w8a8_static_us"] / r["w8a8_static_fused_us"] for r in prefill), default=None
+        ),
         "cublas_fp8_vs_w8a8_per_row_geomean_prefill": _geomean(
             [r["w8a8_per_row_us"] / r["cublas_fp8_us"] for r in prefill if r["cublas_fp8_us"]]
         ),
@@ -286,14 +300,15 @@ def w8a8_table(result: dict) -> str:
     cuBLAS's fp8 GEMM, against bf16 cuBLAS and the 16-bit-activation default."""
     lines = [
         "| proj | rows | bf16 cuBLAS us | fp8 us | W8A8 us | x quantized inside us | x quantized first us | "
-        "W8A8 per-row us | cuBLAS fp8 per-row us | W8A8 TF/s | W8A8 vs bf16 | W8A8 vs fp8 | "
-        "best W8A8 candidate | its gain |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "W8A8 per-row us | W8A8 static us | static inside us | cuBLAS fp8 per-row us | W8A8 TF/s | "
+        "W8A8 vs bf16 | W8A8 vs fp8 | best W8A8 candidate | its gain |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['shape']} | {r['rows']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['w8a8_us']:.1f} | "
             f"{r['w8a8_fused_us']:.1f} | {r['w8a8_separate_us']:.1f} | {r['w8a8_per_row_us']:.1f} | "
+            f"{r['w8a8_static_us']:.1f} | {r['w8a8_static_fused_us']:.1f} | "
             f"{bench_report._fmt(r['cublas_fp8_us'], '.1f')} | "
             f"{r['w8a8_tflops']:.1f} | {_times(r['w8a8_speedup'])} | {_times(r['w8a8_vs_fp8'])} | "
             f"{r['w8a8_best_candidate'] or '-'} | {_times(r['w8a8_best_speedup'])} |"
@@ -361,6 +376,11 @@ def format_markdown(result: dict) -> str:
         "faster). "
         f"A W8A8 candidate {MIN_GAIN:.2f}x as fast as its default on every prefill row: "
         f"{regimes['prefill_w8a8'] or 'none'}.",
+        "",
+        "A static input scale against per-token scales (per-row weights): least "
+        f"{_times(s['static_vs_dynamic_min_decode'])} at decode, geometric mean "
+        f"{_times(s['static_vs_dynamic_geomean_prefill'])} at prefill; quantizing x inside the product against "
+        f"first at prefill: least {_times(s['static_inside_vs_first_min_prefill'])} (above 1x: inside faster).",
     ]
     if s["inaccurate"]:
         lines += ["", "Failed checks (relative error past kernels.bench_report.MAX_REL_ERR): "

@@ -217,27 +217,33 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                    gpt_oss=True, mxfp4=True) for tokens in (4, 256) if dt != torch.float32),
         # an fp8 checkpoint's experts kept in fp8 (--fp8-weights: e4m3 from sm_89), 128 x 128 blocks of scales
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe fp8{act} {shape.dtype} t{tokens}",
-                   fp8=True, fp8_activations=bool(act))
-          for tokens in (4, 256) for act in ("", " w8a8") if dt != torch.float32 and arch >= 89),
+                   fp8=True, fp8_activations=bool(act), static=act == " w8a8-static")
+          for tokens in (4, 256) for act in ("", " w8a8", " w8a8-static") if dt != torch.float32 and arch >= 89),
         # an fp8 checkpoint's projections kept in fp8 (e4m3 weights: sm_89 on), a decode step's tiles and a prefill's
         *(fp8_linear_case(shape, rows, fp8_linear.default_config(rows, bool(act)),
                           f"fp8_linear{kind}{act} {shape.dtype} m{rows}", per_row=bool(kind),
                           fp8_activations=bool(act))
           for rows in (4, 256) for kind in ("", " per-row") for act in ("", " w8a8")
           if dt != torch.float32 and arch >= 89),
-        *(fp8_quantize_case(shape, rows, group) for rows in (4, 256) for group in (128, shape.hidden)
+        # a static input scale (a checkpoint's, --fp8-activations static) over per-tensor weight scales
+        *(fp8_linear_case(shape, rows, fp8_linear.default_config(rows, True),
+                          f"fp8_linear per-row w8a8-static {shape.dtype} m{rows}", per_row=True,
+                          fp8_activations=True, static=True)
+          for rows in (4, 256) if dt != torch.float32 and arch >= 89),
+        *(fp8_quantize_case(shape, rows, group) for rows in (4, 256) for group in (128, shape.hidden, None)
           if dt != torch.float32 and arch >= 89),
     ]  # fmt: skip
 
 
 def moe_case(
     shape: Shape, tokens: int, config: Any, label: str, gpt_oss: bool = False, mxfp4: bool = False,
-    fp8: bool = False, fp8_activations: bool = False,
+    fp8: bool = False, fp8_activations: bool = False, static: bool = False,
 ) -> Case:  # fmt: skip
     """A mixture-of-experts MLP of 8 experts, 2 a token, over ``tokens`` tokens in ``config``'s tiles (sizes of
     256: what compiles depends on the dtype, the tiles and 16-byte divisibility only); ``gpt_oss``: with the
     experts' biases and the clamped SwiGLU; ``mxfp4``: the weights as MXFP4 codes and scales; ``fp8``: as e4m3
-    with one scale a 128 x 128 block (``fp8_activations``: each GEMM's input quantized, fp8 by fp8)."""
+    with one scale a 128 x 128 block (``fp8_activations``: each GEMM's input quantized, fp8 by fp8; by one
+    static scale each with ``static``)."""
     from kernels import moe
 
     dt = DTYPES[shape.dtype]
@@ -260,6 +266,8 @@ def moe_case(
             "fp8_block": (128, 128),
             "fp8_activations": fp8_activations,
         }
+    if static:
+        options |= {"w13_input_scale": torch.ones(1), "w2_input_scale": torch.ones(1)}
     return (
         label,
         dataclasses.asdict(config),
@@ -277,13 +285,13 @@ def moe_candidates(shape: Shape) -> list[Case]:
 
 def fp8_linear_case(
     shape: Shape, rows: int, config: Any, label: str, per_row: bool = False, fp8_activations: bool = False,
-    fuse_quantization: bool | None = None,
+    fuse_quantization: bool | None = None, static: bool = False,
 ) -> Case:  # fmt: skip
     """An fp8 linear layer over ``rows`` rows of the model's hidden size into 512 columns, e4m3 weights in
     128 x 128 blocks (Qwen3's and DeepSeek's fp8 releases) or with one scale a row (``per_row``:
     llm-compressor's FP8-dynamic), in ``config``'s tiles; with ``fp8_activations`` the product of fp8 by
     fp8, x quantized inside it (a decode step's, with block scales) or first (fp8_quantize_case; the rows
-    decide, or ``fuse_quantization``)."""
+    decide, or ``fuse_quantization``; by one static scale with ``static``: a checkpoint's input scale)."""
     from kernels import fp8_linear
 
     x = torch.zeros(rows, shape.hidden, dtype=DTYPES[shape.dtype])
@@ -291,7 +299,8 @@ def fp8_linear_case(
     scale, block = (
         (torch.zeros(512, 1), None) if per_row else (torch.zeros(4, -(-shape.hidden // 128)), (128, 128))
     )
-    options = {"fp8_activations": fp8_activations, "fuse_quantization": fuse_quantization}
+    options = {"fp8_activations": fp8_activations, "fuse_quantization": fuse_quantization,
+               "input_scale": torch.ones(1) if static else None}  # fmt: skip
     return (
         label,
         dataclasses.asdict(config),
@@ -299,12 +308,15 @@ def fp8_linear_case(
     )
 
 
-def fp8_quantize_case(shape: Shape, rows: int, group: int) -> Case:
+def fp8_quantize_case(shape: Shape, rows: int, group: int | None) -> Case:
     """The activations' quantization to e4m3 before an fp8 by fp8 product: one scale a run of ``group``
-    columns of each of ``rows`` rows of the model's hidden size."""
+    columns of each of ``rows`` rows of the model's hidden size, or (None) by one static scale."""
     from kernels import fp8_linear
 
     x = torch.zeros(rows, shape.hidden, dtype=DTYPES[shape.dtype])
+    if group is None:
+        label = f"fp8 activations {shape.dtype} m{rows} static"
+        return label, {}, lambda: fp8_linear.quantize_fp8_static(x, torch.ones(1))
     label = f"fp8 activations {shape.dtype} m{rows} group {group}"
     return label, {"group": group}, lambda: fp8_linear.quantize_fp8_groups(x, group)
 

@@ -14,7 +14,10 @@ With ``fp8_activations`` (W8A8, as an fp8 checkpoint's "activation_scheme": "dyn
 quantized to e4m3, one float32 scale a run of the blocks' columns of each row (a whole row without blocks;
 quantize_fp8_groups, bit for bit the reference's; a decode step's x is quantized inside the product
 where each step is one run), and each step multiplies fp8 by fp8 (sm_90's fp8 warpgroup MMA: twice the
-16-bit rate), scaled by the weight's and the row's multipliers.
+16-bit rate), scaled by the weight's and the row's multipliers. With an ``input_scale`` (float32, one element:
+a checkpoint's calibrated scale, "activation_scheme": "static") every value of x is quantized by that one
+scale instead (quantize_fp8_static; no reduction, so inside the product at any step), and the product is
+scaled by it once.
 """
 
 from __future__ import annotations
@@ -84,6 +87,13 @@ def quantize_rows(x, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def quantize_by(x, scale):
+    """A tile x as e4m3 codes over one float32 ``scale`` (quantize_fp8_static's rule: the division rounded to
+    nearest, the conversion through fused.to_pool)."""
+    return to_pool(tl.math.div_rn(x.to(tl.float32), scale), tl.float8e4nv)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     X, XS, W, S, Bias, Out, M, N, K, stride_xm, stride_xsm, stride_wn, stride_om, stride_sr, stride_sc,
     scale_rows, scale_cols,  # the block's rows and columns (BLOCKED); stride_sr: per output row otherwise
@@ -93,6 +103,7 @@ def _fp8_linear_kernel(
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong
     FP8_MAX: tl.constexpr = 448.0,
+    X_STATIC: tl.constexpr = False,  # with X_FP8 or QUANTIZE_X: XS is x's one scale (a static input scale)
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -103,13 +114,17 @@ def _fp8_linear_kernel(
     if BLOCKED:
         s_base = S + (cols // scale_rows) * stride_sr
     xs_base = XS + rows * stride_xsm
+    if X_STATIC:
+        x_static = tl.load(XS)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_base + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if QUANTIZE_X:  # NOTE: the step is one run of x: its scales and codes as quantize_fp8_groups' own
+        if QUANTIZE_X and X_STATIC:  # NOTE: every value by the one scale (any step)
+            x = quantize_by(x, x_static)
+        elif QUANTIZE_X:  # NOTE: the step is one run of x: its scales and codes as quantize_fp8_groups' own
             x, x_scale = quantize_rows(x, FP8_MAX)
         elif not X_FP8:  # NOTE: fp8 by fp8 runs on the tensor cores as it is (e4m3 x e4m3 or e5m2)
             w = w.to(X.dtype.element_ty)
@@ -117,19 +132,21 @@ def _fp8_linear_kernel(
             x, w = x.to(tl.float32), w.to(tl.float32)
         if BLOCKED:  # NOTE: the step lies in one column of blocks: one multiplier an output column
             scale = tl.load(s_base + (k0 // scale_cols) * stride_sc, mask=col_mask, other=0.0)[None, :]
-            if X_FP8:  # NOTE: and in one run of x's scales: one multiplier a row
+            if X_FP8 and not X_STATIC:  # NOTE: and in one run of x's scales: one multiplier a row
                 scale = scale * tl.load(xs_base + k0 // scale_cols, mask=row_mask, other=0.0)[:, None]
-            if QUANTIZE_X:
+            if QUANTIZE_X and not X_STATIC:
                 scale = scale * x_scale[:, None]
             acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION, out_dtype=tl.float32)
     if not BLOCKED:
         acc = acc * tl.load(S + cols * stride_sr, mask=col_mask, other=0.0)[None, :]
-        if X_FP8:
+        if X_FP8 and not X_STATIC:
             acc = acc * tl.load(xs_base, mask=row_mask, other=0.0)[:, None]
-        if QUANTIZE_X:  # NOTE: one step: the whole row
+        if QUANTIZE_X and not X_STATIC:  # NOTE: one step: the whole row
             acc = acc * x_scale[:, None]
+    if X_STATIC:
+        acc = acc * x_static
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dst = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -139,18 +156,23 @@ def _fp8_linear_kernel(
 @triton.jit
 def _quantize_tiles_kernel(
     X, Q, S, M, K, group, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    BLOCK_G: tl.constexpr, STATIC: tl.constexpr = False,
 ):  # fmt: skip
-    """One program a run of ``group`` (<= BLOCK_G) columns of BLOCK_R rows, held as one tile."""
+    """One program a run of ``group`` (<= BLOCK_G) columns of BLOCK_R rows, held as one tile; STATIC: S is
+    the one scale of every value, read, not written."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     run = tl.program_id(1)
     offs = tl.arange(0, BLOCK_G)
     cols = run * group + offs
     mask = (rows < M)[:, None] & ((offs < group) & (cols < K))[None, :]
     x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    codes, scale = quantize_rows(x, FP8_MAX)
+    if STATIC:
+        codes = quantize_by(x, tl.load(S))
+    else:
+        codes, scale = quantize_rows(x, FP8_MAX)
     tl.store(Q + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-    tl.store(S + rows * stride_sm + run, scale, mask=rows < M)
+    if not STATIC:
+        tl.store(S + rows * stride_sm + run, scale, mask=rows < M)
 
 
 @triton.jit
@@ -181,11 +203,7 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     """x [M, K] (fp16 / bf16 / fp32, last dim contiguous) as e4m3 codes [M, K] and float32 scales
     [M, ceil(K / group)]: kernels.reference.quantize_fp8_groups, bit for bit (the divisions round to
     nearest)."""
-    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in host_checks.ATTENTION_DTYPES or group < 1:
-        raise ValueError(
-            f"x [M, K] of fp16, bf16 or fp32 with contiguous rows and a group of at least one column "
-            f"expected, got {x.dtype} {host_checks.shape_of(x)}, group {group}"
-        )
+    _check_quantized(x, group)
     m, k = x.shape
     runs = triton.cdiv(k, group)
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -204,6 +222,43 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
             CHUNK=16 if INTERPRETED else 1024, enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
         )  # fmt: skip
     return codes, scales
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (fp16 / bf16 / fp32, last dim contiguous) as e4m3 codes [M, K] over one float32 ``scale``
+    (one element, on x's device; read there, so a CUDA graph may replay it): kernels.reference.
+    quantize_fp8_static, bit for bit. A tile of rows a program, as quantize_fp8_groups' tiles."""
+    _check_quantized(x, 1)
+    check_input_scale(scale, x.device)
+    m, k = x.shape
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if m and k:
+        width = min(triton.next_power_of_2(k), QUANTIZE_TILE_COLS)
+        block_r = min(triton.next_power_of_2(m), max(1, QUANTIZE_TILE_ELEMENTS // width))
+        _quantize_tiles_kernel[(triton.cdiv(m, block_r), triton.cdiv(k, width))](
+            x, codes, scale, m, k, width, x.stride(0), codes.stride(0), 0,
+            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, BLOCK_R=block_r, BLOCK_G=width, STATIC=True,
+            enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
+        )  # fmt: skip
+    return codes
+
+
+def _check_quantized(x: torch.Tensor, group: int) -> None:
+    """ValueError unless x is what quantize_fp8_groups / quantize_fp8_static take."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in host_checks.ATTENTION_DTYPES or group < 1:
+        raise ValueError(
+            f"x [M, K] of fp16, bf16 or fp32 with contiguous rows and a group of at least one column "
+            f"expected, got {x.dtype} {host_checks.shape_of(x)}, group {group}"
+        )
+
+
+def check_input_scale(scale: torch.Tensor, device: torch.device) -> None:
+    """ValueError unless ``scale`` is a static input scale: float32, one element, on ``device``."""
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != device:
+        raise ValueError(
+            f"an input scale is one float32 on the input's device ({device}), got {scale.dtype} "
+            f"{host_checks.shape_of(scale)} on {scale.device}"
+        )
 
 
 def check_fp8_linear(
@@ -257,22 +312,26 @@ def step_for(block: tuple[int, int] | None, k: int, cfg: Fp8LinearConfig) -> int
     return step
 
 
-def quantizes_inside(fuse_quantization: bool | None, rows: int, step: int, group: int, k: int) -> bool:
+def quantizes_inside(
+    fuse_quantization: bool | None, rows: int, step: int, group: int, k: int, static: bool = False
+) -> bool:  # fmt: skip
     """Whether a product of fp8 activations quantizes its x tiles itself rather than taking
-    quantize_fp8_groups' codes: where asked (``fuse_quantization``; None: for a decode step's at most
-    DECODE_ROWS ``rows``), and only where each ``step`` of the ``k`` columns is exactly one run of ``group``
-    (or one step covers a run of the whole row)."""
+    quantize_fp8_groups' (quantize_fp8_static's) codes: where asked (``fuse_quantization``; None: for a
+    decode step's at most DECODE_ROWS ``rows``), and only where each ``step`` of the ``k`` columns is exactly
+    one run of ``group`` (or one step covers a run of the whole row), or at any step with one ``static``
+    scale."""
     if fuse_quantization is None:
         fuse_quantization = rows <= DECODE_ROWS
-    return fuse_quantization and (step == group or step >= k == group)
+    return fuse_quantization and (static or step == group or step >= k == group)
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
     bias: torch.Tensor | None = None, config: Fp8LinearConfig | None = None, fp8_activations: bool = False,
-    fuse_quantization: bool | None = None,
+    fuse_quantization: bool | None = None, input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """See the module docstring and kernels.reference.fp8_linear. ``fuse_quantization`` (with
+    """See the module docstring and kernels.reference.fp8_linear. ``input_scale`` (with ``fp8_activations``):
+    x's one static scale, float32, one element on x's device. ``fuse_quantization`` (with
     ``fp8_activations``; quantizes_inside decides): True: where each step of the product is exactly one run
     of x's scales (a step as wide as the blocks' columns, or one step over the whole row), x is quantized
     inside the product instead of by quantize_fp8_groups first (the same codes and scales; one launch and
@@ -281,6 +340,11 @@ def fp8_linear(
     prefill's x tiles stay a byte a value in shared memory: 16-bit ones do not fit sm_89 at 128 x 128 x
     128)."""
     check_fp8_linear(x, weight, scale, block, bias)
+    if input_scale is not None:
+        if not fp8_activations:
+            raise ValueError("an input scale quantizes x: it needs fp8_activations")
+        check_input_scale(input_scale, x.device)
+        input_scale = input_scale.reshape(1)
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -298,17 +362,21 @@ def fp8_linear(
         scale = scale.reshape(-1)
     else:
         strides, (block_rows, block_cols) = scale.stride(), block
-    x_scales = scale  # NOTE: unread without fp8 activations
+    x_scales = scale if input_scale is None else input_scale  # NOTE: unread without fp8 activations
     group = reference.activation_group(block, k)
-    fused = fp8_activations and quantizes_inside(fuse_quantization, m, step, group, k)
-    if fp8_activations and not fused:
+    fused = fp8_activations and quantizes_inside(
+        fuse_quantization, m, step, group, k, input_scale is not None
+    )
+    if fp8_activations and not fused and input_scale is not None:
+        x2 = quantize_fp8_static(x2, input_scale)
+    elif fp8_activations and not fused:
         x2, x_scales = quantize_fp8_groups(x2, group)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _fp8_linear_kernel[grid](
         x2, x_scales, weight, scale, bias if bias is not None else out, out, m, n, k, x2.stride(0),
         x_scales.stride(0), weight.stride(0), out.stride(0), strides[0], strides[1], block_rows, block_cols,
         BLOCKED=block is not None, X_FP8=fp8_activations and not fused, QUANTIZE_X=fused,
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        X_STATIC=input_scale is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and x2.dtype == torch.bfloat16 and not fused, enable_fp_fusion=True,
         num_warps=cfg.num_warps,

@@ -37,7 +37,15 @@ import triton
 import triton.language as tl
 
 from kernels import host_checks, interpret_requested, pointwise, reference
-from kernels.fp8_linear import quantize_fp8_groups, quantize_rows, quantizes_inside, step_for
+from kernels.fp8_linear import (
+    check_input_scale,
+    quantize_by,
+    quantize_fp8_groups,
+    quantize_fp8_static,
+    quantize_rows,
+    quantizes_inside,
+    step_for,
+)
 
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
@@ -237,7 +245,7 @@ def _grouped_gemm_kernel(
     Scales=None, stride_se=0, stride_sn=0, MXFP4: tl.constexpr = False,
     stride_sk=0, scale_rows=1, scale_cols=1, FP8: tl.constexpr = False,
     AScales=None, stride_as=0, A_FP8: tl.constexpr = False,
-    QUANTIZE_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+    QUANTIZE_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, A_STATIC: tl.constexpr = False,
 ):  # fmt: skip
     """C[pair, n] = A[row] . W[expert, n] (+ Bias[expert, n] when HAS_BIAS; the sum times the pair's
     weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
@@ -249,7 +257,8 @@ def _grouped_gemm_kernel(
     A_FP8 (with FP8): A is e4m3 codes with float32 AScales, one a run of scale_cols of each row
     (kernels.fp8_linear.quantize_fp8_groups): the product fp8 by fp8, times the row's scale too.
     QUANTIZE_A (with FP8): A in 16/32 bits, each step one run of it, quantized here as quantize_fp8_groups
-    would (the same codes and scales), then as A_FP8."""
+    would (the same codes and scales), then as A_FP8. A_STATIC (with A_FP8 or QUANTIZE_A): AScales is A's
+    one scale (a static input scale: fp8_linear.quantize_fp8_static's codes), applied once to the sum."""
     block, col_block = tl.program_id(0), tl.program_id(1)
     expert = tl.load(BLOCK_EXPERTS + block).to(tl.int64)
     pairs = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -263,6 +272,8 @@ def _grouped_gemm_kernel(
         s_base = Scales + tl.maximum(expert, 0) * stride_se + cols[None, :] * stride_sn
     if FP8:
         s_base = Scales + tl.maximum(expert, 0) * stride_se + (cols // scale_rows) * stride_sn
+    if A_STATIC:
+        a_static = tl.load(AScales)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, tl.where(expert >= 0, KDIM, 0), BLOCK_K):  # NOTE: an unused block reads nothing
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -279,22 +290,26 @@ def _grouped_gemm_kernel(
             w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             if FP8 and not A_FP8 and not QUANTIZE_A:  # NOTE: exact: every fp8 value is a value of A's dtype
                 w = w.to(A.dtype.element_ty)
-        if QUANTIZE_A:  # NOTE: the step is one run of each row: its scale and codes
+        if QUANTIZE_A and A_STATIC:  # NOTE: every value by the one scale (any step)
+            a = quantize_by(a, a_static)
+        elif QUANTIZE_A:  # NOTE: the step is one run of each row: its scale and codes
             a, a_scale = quantize_rows(a, FP8_MAX)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         if FP8:  # NOTE: the step lies in one column of blocks: one scale an output column
             scale = tl.load(s_base + (k0 // scale_cols) * stride_sk, mask=col_mask, other=0.0)[None, :]
-            if A_FP8:  # NOTE: and in one run of A's scales: one a row
+            if A_FP8 and not A_STATIC:  # NOTE: and in one run of A's scales: one a row
                 scale = (
                     scale
                     * tl.load(AScales + rows * stride_as + k0 // scale_cols, mask=valid, other=0.0)[:, None]
                 )
-            if QUANTIZE_A:
+            if QUANTIZE_A and not A_STATIC:
                 scale = scale * a_scale[:, None]
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
         else:
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
+    if A_STATIC:
+        acc = acc * a_static
     if HAS_BIAS:
         bias = tl.load(Bias + tl.maximum(expert, 0) * stride_be + cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -383,6 +398,8 @@ def fused_moe(
     fp8_block: tuple[int, int] | None = None,
     fp8_activations: bool = False,
     fuse_quantization: bool | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype; see the module docstring. ``config``: default_config for the shape when None.
     ``b13`` [E, 2I] / ``b2`` [E, H]: the experts' biases, ``activation`` (with ``alpha`` and ``limit``):
@@ -390,12 +407,18 @@ def fused_moe(
     (scales one a ``fp8_block`` block, else one a row), decoded tile by tile in the GEMMs;
     ``fp8_activations`` (fp8 experts only): each GEMM's input quantized per token group
     (kernels.fp8_linear.quantize_fp8_groups) and multiplied fp8 by fp8, inside the GEMM where its steps are
-    the runs and ``fuse_quantization`` says so (fp8_linear.quantizes_inside, over the call's tokens); as
-    kernels.reference.fused_moe takes them all."""
+    the runs and ``fuse_quantization`` says so (fp8_linear.quantizes_inside, over the call's tokens), or by
+    one static scale each where given (``w13_input_scale`` for x, ``w2_input_scale`` for the activation:
+    float32, one element on x's device); as kernels.reference.fused_moe takes them all."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, w13_scales, w2_scales, fp8_block)
     fp8_experts = w13.dtype in host_checks.FP8_POOL_DTYPES and w2.dtype in host_checks.FP8_POOL_DTYPES
     if fp8_activations and not fp8_experts:
         raise ValueError(f"fp8 activations need fp8 experts, got w13 {w13.dtype} and w2 {w2.dtype}")
+    for given in (w13_input_scale, w2_input_scale):
+        if given is not None and not fp8_activations:
+            raise ValueError("an input scale quantizes a GEMM's input: it needs fp8_activations")
+        if given is not None:
+            check_input_scale(given, x.device)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0 or k == 0:
         return torch.zeros_like(x)
@@ -424,7 +447,7 @@ def fused_moe(
     }
     blocks = block_experts.numel()
     gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
-    a, a_args = _inputs(x, fp8_activations, fp8_block, fuse_quantization, t, cfg.block_k)
+    a, a_args = _inputs(x, fp8_activations, fp8_block, fuse_quantization, t, cfg.block_k, w13_input_scale)
     _grouped_gemm_kernel[(blocks, triton.cdiv(two_i, cfg.block_n))](
         a, w13, gate_up, sorted_pairs, block_experts, pair_weights, pairs, two_i, h,
         a.stride(0), w13.stride(0), w13.stride(1), gate_up.stride(0),
@@ -433,7 +456,7 @@ def fused_moe(
     )  # fmt: skip
     act = pointwise.gated_activation(gate_up, activation, alpha, limit)
     out = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
-    a, a_args = _inputs(act, fp8_activations, fp8_block, fuse_quantization, t, cfg.block_k)
+    a, a_args = _inputs(act, fp8_activations, fp8_block, fuse_quantization, t, cfg.block_k, w2_input_scale)
     _grouped_gemm_kernel[(blocks, triton.cdiv(h, cfg.block_n))](
         a, w2, out, sorted_pairs, block_experts, pair_weights, pairs, h, two_i // 2,
         a.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
@@ -462,18 +485,23 @@ def _scale_args(
 
 def _inputs(
     a: torch.Tensor, fp8_activations: bool, fp8_block: tuple[int, int] | None, fuse: bool | None, tokens: int,
-    step: int,
+    step: int, input_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """A grouped GEMM's input and its arguments: ``a`` as it is; with fp8 activations, ``a`` for the GEMM to
     quantize itself where fp8_linear.quantizes_inside says so (``fuse`` for a call of ``tokens``), else its
     e4m3 codes with their scales (one a run of the blocks' columns of each row, else one a row:
-    kernels.reference.activation_group)."""
+    kernels.reference.activation_group), or by its one static ``input_scale`` where given."""
     if not fp8_activations:
         return a, {}
     k = a.shape[-1]
     group = reference.activation_group(fp8_block, k)
-    if quantizes_inside(fuse, tokens, step, group, k):
-        return a, {"QUANTIZE_A": True}
+    static = input_scale is not None
+    if static:
+        input_scale = input_scale.reshape(1)
+    if quantizes_inside(fuse, tokens, step, group, k, static):
+        return a, {"QUANTIZE_A": True, **({"AScales": input_scale, "A_STATIC": True} if static else {})}
+    if static:
+        return quantize_fp8_static(a, input_scale), {"AScales": input_scale, "A_FP8": True, "A_STATIC": True}
     codes, scales = quantize_fp8_groups(a, group)
     return codes, {"AScales": scales, "stride_as": scales.stride(0), "A_FP8": True}
 

@@ -270,15 +270,16 @@ def fused_moe(
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None, fp8_activations: bool = False,
+    bias: torch.Tensor | None = None, fp8_activations: bool = False, input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """See kernels.reference.fp8_linear (on the GPU one GEMM: the weight widened tile by tile, or with
-    ``fp8_activations`` x quantized per token group first and multiplied fp8 by fp8)."""
+    ``fp8_activations`` x quantized per token group, or by its static ``input_scale``, and multiplied fp8 by
+    fp8)."""
     mode = _triton_mode(x)
     if mode is None:
-        return reference.fp8_linear(x, weight, scale, block, bias, fp8_activations)
+        return reference.fp8_linear(x, weight, scale, block, bias, fp8_activations, input_scale)
     return kernel_module("fp8_linear", mode).fp8_linear(
-        x, weight, scale, block, bias, fp8_activations=fp8_activations
+        x, weight, scale, block, bias, fp8_activations=fp8_activations, input_scale=input_scale
     )
 
 

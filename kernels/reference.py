@@ -271,6 +271,15 @@ def quantize_fp8_groups(
     return codes, scale
 
 
+def quantize_fp8_static(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> torch.Tensor:
+    """x [..., K] as fp8 codes of ``dtype`` over one float32 ``scale`` (one element: a checkpoint's
+    calibrated input scale, "activation_scheme": "static"): x over it rounded to nearest even, saturated at
+    the format's largest value (to_pool). Their values are the codes times ``scale``."""
+    return to_pool(x.float() / scale.float().reshape(()), dtype)
+
+
 def dequantize_fp8_groups(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """quantize_fp8_groups' codes [..., K] times their scales [..., ceil(K / group)], in float32."""
     k = codes.shape[-1]
@@ -279,15 +288,16 @@ def dequantize_fp8_groups(codes: torch.Tensor, scale: torch.Tensor, group: int) 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-    bias: torch.Tensor | None = None, fp8_activations: bool = False,
+    bias: torch.Tensor | None = None, fp8_activations: bool = False, input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [..., K] times an fp8 weight [N, K] (float8_e4m3fn or float8_e5m2) dequantized with its scale
     (dequantize_fp8_weight: one a ``block``, else one a row or one in all), plus ``bias`` [N]: float32 math,
     the output [..., N] in x's dtype (an fp8 checkpoint's projection kept in fp8; kernels.fp8_linear).
-    ``fp8_activations``: x first quantized to e4m3 per token (quantize_fp8_groups, one scale a run of the
-    blocks' columns, or a whole row without blocks) and dequantized: what a product of fp8 by fp8 computes."""
+    ``fp8_activations``: x first quantized to e4m3 and dequantized (what a product of fp8 by fp8 computes):
+    per token (quantize_fp8_groups, one scale a run of the blocks' columns, or a whole row without blocks),
+    or with ``input_scale`` (float32, one element) by that one scale (quantize_fp8_static)."""
     w = dequantize_fp8_weight(weight, scale, block, torch.float32)
-    out = (fp8_activation_values(x, block) if fp8_activations else x.float()) @ w.T
+    out = (fp8_activation_values(x, block, input_scale) if fp8_activations else x.float()) @ w.T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -299,9 +309,14 @@ def activation_group(block: tuple[int, int] | None, k: int) -> int:
     return k if block is None else min(block[1], k)
 
 
-def fp8_activation_values(x: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+def fp8_activation_values(
+    x: torch.Tensor, block: tuple[int, int] | None, input_scale: torch.Tensor | None = None
+) -> torch.Tensor:  # fmt: skip
     """x [..., K] as fp8 activations for a weight of ``block`` scales give it to the product, in float32:
-    quantized per run of activation_group's columns (quantize_fp8_groups), then dequantized."""
+    quantized per run of activation_group's columns (quantize_fp8_groups), or by ``input_scale`` where
+    given (quantize_fp8_static), then dequantized."""
+    if input_scale is not None:
+        return quantize_fp8_static(x, input_scale).float() * input_scale.float().reshape(())
     group = activation_group(block, x.shape[-1])
     return dequantize_fp8_groups(*quantize_fp8_groups(x, group), group)
 
@@ -336,6 +351,8 @@ def fused_moe(
     w2_scales: torch.Tensor | None = None,
     fp8_block: tuple[int, int] | None = None,
     fp8_activations: bool = False,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mixture-of-experts MLP: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H] in x's dtype: token t's sum over j of topk_weights[t, j] *
@@ -348,11 +365,13 @@ def fused_moe(
     expert's weight ([E, ceil(N / rows), ceil(K / cols)]) or, without, one a row ([E, N, 1]): its weights
     are dequantize_fp8_weight's, in float32. ``fp8_activations``: each GEMM's input (x, then the activation)
     quantized to e4m3 per token group first and dequantized (quantize_fp8_groups, one scale a run of
-    ``fp8_block``'s columns, else a whole row): what a product of fp8 by fp8 computes."""
+    ``fp8_block``'s columns, else a whole row), or by one float32 scale each (``w13_input_scale`` for x,
+    ``w2_input_scale`` for the activation: quantize_fp8_static) where given, and dequantized: what a product
+    of fp8 by fp8 computes."""
 
-    def inputs(a: torch.Tensor) -> torch.Tensor:
+    def inputs(a: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
         """A GEMM's input rows in float32, as fp8 activations round them when asked."""
-        return fp8_activation_values(a, fp8_block) if fp8_activations else a.float()
+        return fp8_activation_values(a, fp8_block, input_scale) if fp8_activations else a.float()
 
     def weight(w: torch.Tensor, scales: torch.Tensor | None, e: int) -> torch.Tensor:
         """Expert e's weight in float32 (MXFP4 and fp8 ones dequantized: only the experts the batch chose)."""
@@ -362,14 +381,14 @@ def fused_moe(
 
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
-    x_in = inputs(x)
+    x_in = inputs(x, w13_input_scale)
     for e in torch.unique(ids).tolist():
         tokens, choice = (ids == e).nonzero(as_tuple=True)
         gate_up = x_in[tokens] @ weight(w13, w13_scales, e).T
         if b13 is not None:
             gate_up += b13[e].float()
         act = gated_activation(gate_up.to(x.dtype), activation, alpha, limit)
-        y = inputs(act) @ weight(w2, w2_scales, e).T
+        y = inputs(act, w2_input_scale) @ weight(w2, w2_scales, e).T
         if b2 is not None:
             y += b2[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, choice].float()[:, None])

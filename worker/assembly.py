@@ -470,9 +470,11 @@ def build_engine(cfg: Any) -> Engine:
         log.info(
             "projections %s%s",
             served if mc.fp8_projections else "of the fp8 checkpoint dequantized at load",
-            ", their inputs quantized to fp8 per token (--fp8-activations dynamic)"
-            if mc.fp8_activations
-            else "",
+            ""
+            if not mc.fp8_activations
+            else ", their inputs quantized to fp8 by the checkpoint's input scales (--fp8-activations static)"
+            if mc.fp8_input_scales
+            else ", their inputs quantized to fp8 per token (--fp8-activations dynamic)",
         )
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)

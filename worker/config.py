@@ -20,7 +20,11 @@ MXFP4_CHOICES = (
 )  # --mxfp4-experts: how a checkpoint's MXFP4 experts are served
 FP8_WEIGHT_CHOICES = ("auto", "fp8", "dequantized")  # --fp8-weights: an fp8 checkpoint's projections
 QUANTIZATION_CHOICES = ("none", "fp8")  # --quantization: a 16-bit checkpoint's projections quantized at load
-FP8_ACTIVATION_CHOICES = ("none", "dynamic")  # --fp8-activations: fp8 projections' inputs kept or quantized
+FP8_ACTIVATION_CHOICES = (
+    "none",
+    "dynamic",
+    "static",
+)  # --fp8-activations: fp8 projections' inputs kept or quantized
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
@@ -48,7 +52,7 @@ class WorkerConfig:
     mxfp4_experts: str = "auto"  # MXFP4 experts (gpt-oss) kept packed or dequantized (worker.model.loader)
     fp8_weights: str = "auto"  # an fp8 checkpoint's projections kept in fp8 or dequantized (model.loader)
     quantization: str = "none"  # fp8: a 16-bit checkpoint's projections quantized to fp8 at load
-    fp8_activations: str = "none"  # dynamic: the fp8 projections' inputs quantized per token (W8A8)
+    fp8_activations: str = "none"  # dynamic / static: the fp8 projections' inputs quantized (W8A8)
     host_cache_tokens: int = 0  # host-memory KV tier (tokens) that evicted pages move to; 0 = none
     mem_fraction: float = (
         0.85  # of free GPU memory after loading the model (and its adapters), for the KV pool
@@ -285,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized to fp8 (e4m3) per token at each call, one scale a run of the weight blocks' columns "
         "(128 in Qwen3's and DeepSeek's releases) or a row, and multiplied fp8 by fp8 (W8A8: Hopper's fp8 "
         "tensor cores; what an fp8 checkpoint's activation_scheme dynamic intends; the experts' GEMMs "
-        "likewise); none: 16-bit inputs, the weights widened exactly",
+        "likewise); static: quantized by the checkpoint's calibrated input scales instead (activation_scheme "
+        "static: one a projection, the largest of q/k/v's and of gate/up's, of a layer's experts'); none: "
+        "16-bit inputs, the weights widened exactly",
         choices=list(FP8_ACTIVATION_CHOICES),
     )
     opt(

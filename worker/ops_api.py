@@ -29,14 +29,23 @@ SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are not
 def weights_info(model: Any) -> dict[str, Any]:
     """The model's weights as /v1/cache/info reports them: their dtype, and whether its projections are in
     fp8 (``fp8_projections``: null, or where they come from, their scales (a block's rows and columns, or
-    "row") and their inputs' precision: "fp8 per token" under --fp8-activations dynamic, else the dtype's)."""
+    "row") and their inputs' precision: "fp8 per token" under --fp8-activations dynamic, "fp8 static" under
+    static (the checkpoint's input scales), else the dtype's)."""
     c, dtype = model.config, str(model.dtype).removeprefix("torch.")
     fp8 = None
     if c.fp8_projections:
         fp8 = {"source": "checkpoint" if c.fp8_weights else "quantized at load",
                "scales": list(c.fp8_weight_block) if c.fp8_weight_block else "row",
-               "activations": "fp8 per token" if c.fp8_activations else dtype}  # fmt: skip
+               "activations": activations_served(c) or dtype}  # fmt: skip
     return {"weight_dtype": dtype, "fp8_projections": fp8}
+
+
+def activations_served(config: Any) -> str | None:
+    """How the fp8 projections' inputs are served: "fp8 per token" (--fp8-activations dynamic), "fp8 static"
+    (static: the checkpoint's input scales), or None (in the model's dtype)."""
+    if not config.fp8_activations:
+        return None
+    return "fp8 static" if config.fp8_input_scales else "fp8 per token"
 
 
 def _json(obj: object, status: int = 200) -> Response:

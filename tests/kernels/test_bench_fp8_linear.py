@@ -15,11 +15,12 @@ from kernels.bench_fp8_linear import Projection
 
 # q 1 head, kv 1 head of 64, an MLP of 32: qkv [192, 64], o [64, 64], gate_up [64, 64], down [64, 32]
 TINY = ["--q-heads", "1", "--kv-heads", "1", "--head-dim", "64", "--intermediate", "32"]
-VARIANTS = ("bf16", "fp8", "fp8_per_row", "w8a8", "w8a8_per_row", "cublas_fp8", "w8a8_fused", "w8a8_separate")
+VARIANTS = ("bf16", "fp8", "fp8_per_row", "w8a8", "w8a8_per_row", "cublas_fp8", "w8a8_fused", "w8a8_separate",
+            "w8a8_static", "w8a8_static_fused")  # fmt: skip
 FIELDS = {
     "shape", "n", "k", "rows", "default", "flops", "rel_err", "candidates_us", "candidate_errors", "wrong",
     "best_candidate", "best_speedup", "fp8_speedup", "w8a8_default", "w8a8_candidates_us",
-    "w8a8_best_candidate", "w8a8_best_speedup", "w8a8_speedup", "w8a8_vs_fp8",
+    "w8a8_best_candidate", "w8a8_best_speedup", "w8a8_speedup", "w8a8_vs_fp8", "static_vs_dynamic",
     *(f"{variant}_{what}" for variant in VARIANTS for what in ("weight_bytes", "us", "gbs", "tflops")),
 }  # fmt: skip
 
@@ -56,6 +57,11 @@ def test_the_command_writes_every_row_and_prints_the_table_last(
         assert r["fp8_per_row_weight_bytes"] == n * k + 4 * n and r["bf16_weight_bytes"] == 2 * n * k
         assert r["w8a8_weight_bytes"] == r["fp8_weight_bytes"]
         assert r["cublas_fp8_weight_bytes"] == r["w8a8_per_row_weight_bytes"] == r["fp8_per_row_weight_bytes"]
+        assert (
+            r["w8a8_static_weight_bytes"]
+            == r["w8a8_static_fused_weight_bytes"]
+            == r["fp8_per_row_weight_bytes"]
+        )
         assert r["flops"] == 2 * rows * n * k and r["fp8_us"] == r["w8a8_us"] == r["cublas_fp8_us"] == 1000.0
         assert r["fp8_gbs"] == pytest.approx(r["fp8_weight_bytes"] / 1e-3 / 1e9)
         assert r["fp8_tflops"] == pytest.approx(r["flops"] / 1e-3 / 1e12)
@@ -68,7 +74,7 @@ def test_the_command_writes_every_row_and_prints_the_table_last(
         errors = {name: e for name, e in r["rel_err"].items() if name != "cublas_fp8"}
         assert r["wrong"] == [] and all(0 < e < 2e-2 for e in errors.values()), r["rel_err"]
         assert r["rel_err"]["cublas_fp8"] < 2e-2
-        assert r["fp8_speedup"] == r["w8a8_speedup"] == r["w8a8_vs_fp8"] == 1.0
+        assert r["fp8_speedup"] == r["w8a8_speedup"] == r["w8a8_vs_fp8"] == r["static_vs_dynamic"] == 1.0
         assert r["best_speedup"] == 1.0 and r["best_candidate"] in labels
         assert (r["w8a8_best_candidate"] in labels) == (rows >= 20)
     assert doc["summary"] == {
@@ -78,6 +84,9 @@ def test_the_command_writes_every_row_and_prints_the_table_last(
         "w8a8_speedup_geomean_prefill": 1.0,
         "w8a8_vs_fp8_min_decode": 1.0,
         "w8a8_vs_fp8_geomean_prefill": 1.0,
+        "static_vs_dynamic_min_decode": 1.0,
+        "static_vs_dynamic_geomean_prefill": 1.0,
+        "static_inside_vs_first_min_prefill": 1.0,
         "cublas_fp8_vs_w8a8_per_row_geomean_prefill": 1.0,
         # none 5% faster than the default
         "best_candidate_per_regime": {"decode": None, "prefill": None, "prefill_w8a8": None},
@@ -94,6 +103,7 @@ def test_the_command_writes_every_row_and_prints_the_table_last(
     assert "Candidate tiles (kernels.fp8_linear.CANDIDATES), fp8 activations, prefill rows" in report
     assert "decode none, prefill none" in report and "on every prefill row: none" in report
     assert "cuBLAS's fp8 GEMM against the per-row W8A8 at prefill: 1.00x" in report
+    assert "quantizing x inside the product against first at prefill: least 1.00x" in report
 
 
 def test_the_default_tiles_are_timed_once_when_they_are_a_candidate(backend, monkeypatch, gpu_command_on_cpu):
@@ -107,9 +117,9 @@ def test_the_default_tiles_are_timed_once_when_they_are_a_candidate(backend, mon
     row = bench_fp8_linear.bench_row(
         Projection("o", 64, 64), 3, weight(64, 64), torch.Generator().manual_seed(0)
     )
-    # bf16, the default, per row, both W8A8, cuBLAS fp8, W8A8 with x quantized inside and first, the other
-    # candidates (W8A8's: prefill rows only)
-    assert len(timed) == 8 + len(fp8.CANDIDATES) - 1
+    # bf16, the default, per row, both W8A8, cuBLAS fp8, W8A8 with x quantized inside and first, the static
+    # W8A8 by default and inside, the other candidates (W8A8's: prefill rows only)
+    assert len(timed) == 10 + len(fp8.CANDIDATES) - 1
     assert row["default"] == "m16 n32 k128 s4" and row["candidates_us"]["m16 n32 k128 s4"] == row["fp8_us"]
     doc = {"device": {"name": "CPU", "copy_gbs": 100.0}, "rows": [row], "model": {"dtype": "bf16"},
            "summary": bench_fp8_linear.summarize([row]), "command": "c", "timing": "t"}  # fmt: skip
@@ -129,6 +139,8 @@ def test_the_default_tiles_are_timed_once_when_they_are_a_candidate(backend, mon
         "cublas_fp8",
         "w8a8_fused",
         "w8a8_separate",
+        "w8a8_static",
+        "w8a8_static_fused",
     ],
 )
 def test_a_wrong_output_is_caught_and_marked(backend, monkeypatch, gpu_command_on_cpu, wrong):
@@ -143,13 +155,15 @@ def test_a_wrong_output_is_caught_and_marked(backend, monkeypatch, gpu_command_o
         return out * 1.1 if name == wrong else out
 
     def fp8_call(
-        x, w, scale, block=None, bias=None, config=None, fp8_activations=False, fuse_quantization=None
-    ):
+        x, w, scale, block=None, bias=None, config=None, fp8_activations=False, fuse_quantization=None,
+        input_scale=None,
+    ):  # fmt: skip
         name = next((label for label, cfg in fp8.CANDIDATES.items() if cfg == config), None)
-        name = name or ("fp8" if block else "fp8_per_row")
-        name = name.replace("fp8", "w8a8") if fp8_activations else name
+        name = name or ("fp8" if block else "w8a8_static" if input_scale is not None else "fp8_per_row")
+        name = name.replace("fp8", "w8a8") if fp8_activations and input_scale is None else name
         name += {None: "", True: "_fused", False: "_separate"}[fuse_quantization]
-        return off(name, kernel(x, w, scale, block, bias, config, fp8_activations, fuse_quantization))
+        out = kernel(x, w, scale, block, bias, config, fp8_activations, fuse_quantization, input_scale)
+        return off(name, out)
 
     cublas = bench_fp8_linear.cublas_fp8
     monkeypatch.setattr(fp8, "fp8_linear", fp8_call)
@@ -177,11 +191,12 @@ def test_a_candidate_that_fails_is_recorded_and_the_row_goes_on(backend, monkeyp
     kernel, broken = fp8.fp8_linear, fp8.CANDIDATES["m64 n128 k64"]
 
     def fp8_call(
-        x, w, scale, block=None, bias=None, config=None, fp8_activations=False, fuse_quantization=None
-    ):
+        x, w, scale, block=None, bias=None, config=None, fp8_activations=False, fuse_quantization=None,
+        input_scale=None,
+    ):  # fmt: skip
         if config == broken:
             raise RuntimeError("out of shared memory")
-        return kernel(x, w, scale, block, bias, config, fp8_activations, fuse_quantization)
+        return kernel(x, w, scale, block, bias, config, fp8_activations, fuse_quantization, input_scale)
 
     monkeypatch.setattr(fp8, "fp8_linear", fp8_call)
     row = bench_fp8_linear.bench_row(
@@ -208,7 +223,7 @@ def test_cublas_refusing_a_shape_is_recorded_and_the_row_goes_on(backend, monkey
     assert row["candidate_errors"] == {"cublas_fp8": "RuntimeError: mat1 rows must be a multiple of 16"}
     assert row["cublas_fp8_us"] is None and "cublas_fp8" not in row["rel_err"] and row["wrong"] == []
     table = bench_fp8_linear.w8a8_table({"rows": [row]})
-    assert "| o | 3 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | - |" in table
+    assert "| o | 3 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | 1000.0 | - |" in table
     assert bench_fp8_linear.summarize([row])["cublas_fp8_vs_w8a8_per_row_geomean_prefill"] is None
 
 
@@ -225,6 +240,7 @@ def timed_row(
     return {"rows": rows, "fp8_us": default_us, "candidates_us": candidates_us, "wrong": list(wrong),
             "fp8_speedup": speedup, "w8a8_us": default_us / 2, "w8a8_speedup": 2 * speedup,
             "w8a8_vs_fp8": 2.0, "w8a8_per_row_us": default_us / 2, "cublas_fp8_us": default_us / 2,
+            "static_vs_dynamic": 1.25, "w8a8_static_us": default_us / 2.5, "w8a8_static_fused_us": default_us / 2,
             "w8a8_candidates_us": {label: us and us / 2 for label, us in candidates_us.items()}}  # fmt: skip
 
 
@@ -261,6 +277,8 @@ def test_the_summary_splits_the_rows_by_regime():
     assert summary["w8a8_speedup_min_decode"] == 4.0 and summary["w8a8_vs_fp8_geomean_prefill"] == 2.0
     assert summary["w8a8_speedup_geomean_prefill"] == pytest.approx(8.0)
     assert summary["cublas_fp8_vs_w8a8_per_row_geomean_prefill"] == 1.0
+    assert summary["static_vs_dynamic_min_decode"] == summary["static_vs_dynamic_geomean_prefill"] == 1.25
+    assert summary["static_inside_vs_first_min_prefill"] == pytest.approx(0.8)  # NOTE: first is faster here
 
 
 def test_the_rows_and_quick_flags():

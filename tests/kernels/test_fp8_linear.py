@@ -275,3 +275,84 @@ def test_bad_activation_quantization_arguments_are_refused(backend):
         fp8_linear.quantize_fp8_groups(torch.zeros(2, 8, dtype=torch.float64), 4)
     with pytest.raises(ValueError, match="at least one column"):
         reference.quantize_fp8_groups(torch.zeros(2, 8), 0)
+    w, scale, _ = fp8_weight(32, 64, torch.float8_e4m3fn, "row")
+    with pytest.raises(ValueError, match="it needs fp8_activations"):
+        fp8_linear.fp8_linear(torch.zeros(2, 64), w, scale, input_scale=torch.ones(1))
+    for bad in (torch.ones(2), torch.ones(1, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="an input scale is one float32"):
+            fp8_linear.fp8_linear(torch.zeros(2, 64), w, scale, fp8_activations=True, input_scale=bad)
+        with pytest.raises(ValueError, match="an input scale is one float32"):
+            fp8_linear.quantize_fp8_static(torch.zeros(2, 64), bad)
+
+
+def static_scale(x: torch.Tensor, headroom: float = 0.8) -> torch.Tensor:
+    """A static input scale as a calibration would give, but short of x's largest magnitude (x / it tops
+    448 / ``headroom``): the largest values saturate at 448, as a token past the calibration's range does."""
+    return (x.float().abs().amax() / 448 * headroom).reshape(1).to(x.device)
+
+
+def test_the_static_activations_reference_is_the_definition():
+    """One scale for every value: x over it rounded to e4m3's nearest even, saturated at +-448; the product
+    is the dequantized activations' by the dequantized weight."""
+    x = torch.tensor([[1.0, 300.0, -240.0, 0.0], [0.6, 0.53, 0.0, -0.6]])
+    codes = reference.quantize_fp8_static(x, torch.tensor([0.5]))
+    # 0.6 / 0.5 = 1.2 -> 1.25 (e4m3 steps of 0.125 there); 0.53 / 0.5 = 1.06 -> 1.0; 600 and -480 saturate
+    want = torch.tensor([[2.0, 448.0, -448.0, 0.0], [1.25, 1.0, 0.0, -1.25]])
+    assert codes.dtype == torch.float8_e4m3fn and torch.equal(codes.float(), want)
+    w, scale = torch.eye(4).to(torch.float8_e4m3fn), torch.ones(4, 1)
+    out = reference.fp8_linear(x, w, scale, fp8_activations=True, input_scale=torch.tensor(0.5))
+    assert torch.equal(out, want * 0.5)
+
+
+@pytest.mark.parametrize("shape", [(5, 80), (3, 2100)], ids=["one-tile", "three-column-tiles"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_static_activations_quantize_as_the_reference_bit_for_bit(backend, dtype, shape):
+    """A row narrower than a tile and one wider than QUANTIZE_TILE_COLS (three column tiles, the last
+    partial); values that saturate, a mantissa that rounds into the next binade (126.9 -> 128 at scale 1)."""
+    fp8_linear = backend.module("fp8_linear")
+    x = activations(*shape, dtype) * 30
+    x[1, 0], x[1, 1] = 126.9, 600.0
+    x = x.to(backend.device)
+    for scale in (torch.ones(1), static_scale(x)):
+        codes = fp8_linear.quantize_fp8_static(x, scale.to(backend.device))
+        want = reference.quantize_fp8_static(x, scale.to(backend.device))
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape
+        assert torch.equal(codes.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize("kind", SCALES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_static_fp8_activations_match_the_reference(backend, monkeypatch, shape, dtype, kind):
+    """The activations quantized by one static scale (the largest values saturating), inside the product
+    at any step (16-column steps over 32-column blocks too) or first; the sum scaled by it once. The bound
+    tells them from per-token quantization and from unquantized activations."""
+    fp8_linear = backend.module("fp8_linear")
+    rows, n, k = SHAPES[shape]
+    w, scale, block = (
+        t.to(backend.device) if isinstance(t, torch.Tensor) else t
+        for t in fp8_weight(n, k, torch.float8_e4m3fn, kind)
+    )
+    x = (activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)).to(
+        backend.device
+    )
+    s = static_scale(x)
+    want = reference.fp8_linear(x, w, scale, block, fp8_activations=True, input_scale=s)
+    separate = fp8_linear.fp8_linear(x, w, scale, block, fp8_activations=True, input_scale=s,
+                                     fuse_quantization=False)  # fmt: skip
+    assert separate.dtype == dtype and rel_err(separate, want) <= W8A8_REL_TOL[dtype]
+    quantize = fp8_linear.quantize_fp8_static
+    calls = []
+    monkeypatch.setattr(fp8_linear, "quantize_fp8_static", lambda *a: calls.append(1) or quantize(*a))
+    short = fp8_linear.Fp8LinearConfig(block_m=16, block_n=32, block_k=16)
+    fused = fp8_linear.fp8_linear(x, w, scale, block, config=short, fp8_activations=True, input_scale=s,
+                                  fuse_quantization=True)  # fmt: skip
+    assert calls == [] and rel_err(fused, want) <= W8A8_REL_TOL[dtype]
+    fp8_linear.fp8_linear(x, w, scale, block, fp8_activations=True, input_scale=s)
+    assert calls == ([] if rows <= fp8_linear.DECODE_ROWS else [1])  # NOTE: inside for a decode step only
+    if dtype != torch.bfloat16:
+        assert (
+            rel_err(fused, reference.fp8_linear(x, w, scale, block, fp8_activations=True))
+            > W8A8_REL_TOL[dtype]
+        )
+        assert rel_err(fused, reference.fp8_linear(x, w, scale, block)) > W8A8_REL_TOL[dtype]

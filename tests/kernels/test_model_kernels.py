@@ -142,6 +142,9 @@ FP8_MOE_CONFIG = dataclasses.replace(
 # and with their inputs quantized per token, 32 columns a scale (--fp8-activations dynamic), the experts' too
 W8A8_CONFIG = dataclasses.replace(FP8_CONFIG, fp8_activations=True)
 W8A8_MOE_CONFIG = dataclasses.replace(FP8_MOE_CONFIG, fp8_activations=True)
+# or by static input scales (--fp8-activations static), one a projection and one each of the experts' GEMMs
+STATIC_CONFIG = dataclasses.replace(W8A8_CONFIG, fp8_input_scales=True)
+STATIC_MOE_CONFIG = dataclasses.replace(W8A8_MOE_CONFIG, fp8_input_scales=True)
 
 
 @pytest.mark.parametrize(
@@ -180,11 +183,14 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
 
 
-@pytest.mark.parametrize("config", [W8A8_CONFIG, W8A8_MOE_CONFIG], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "config", [W8A8_CONFIG, W8A8_MOE_CONFIG, STATIC_CONFIG, STATIC_MOE_CONFIG],
+    ids=["dense", "moe", "static-dense", "static-moe"],
+)  # fmt: skip
 def test_model_with_fp8_activations_on_triton_kernels_follows_the_reference_path(
     backend, monkeypatch, config
 ):
-    """--fp8-activations dynamic on the kernels (interpreter, float32) against the reference path. Not
+    """--fp8-activations dynamic (and static) on the kernels (interpreter, float32) against the reference path. Not
     equal: where a kernel's output differs from the reference's in its last bits, a later input on a
     rounding boundary takes the other fp8 code, and this random model amplifies it (0.5-1.9% dense, up to
     1% with experts); but far nearer the reference than the model with unquantized inputs is (7-10%)."""
@@ -195,7 +201,12 @@ def test_model_with_fp8_activations_on_triton_kernels_follows_the_reference_path
     cpu_model = random_llama(config, "cpu", torch.float32, seed=1)
     want = run_steps(cpu_model, torch.device("cpu"))
     unquantized = run_steps(
-        random_llama(dataclasses.replace(config, fp8_activations=False), "cpu", torch.float32, seed=1),
+        random_llama(
+            dataclasses.replace(config, fp8_activations=False, fp8_input_scales=False),
+            "cpu",
+            torch.float32,
+            seed=1,
+        ),
         torch.device("cpu"),
     )
     forbidden = (*REFERENCE_OPS, "fused_moe", "moe_route", "decode_grouped", "fp8_linear")

@@ -307,6 +307,44 @@ def test_experts_quantizing_their_inputs_inside_the_gemms_match_the_separate_qua
     assert calls == ([] if case == "decode" else [1, 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block", [(16, 32), None], ids=["block16x32", "per-row"])
+@pytest.mark.parametrize("case", ["decode", "prefill"])
+def test_fused_moe_with_static_input_scales_matches_the_reference(backend, monkeypatch, poisoned, case, block,
+                                                                  dtype):  # fmt: skip
+    """--fp8-activations static on fp8 experts: x and the activation quantized by one scale each (a
+    checkpoint's input scales; x's short of its largest values, which saturate), inside the GEMMs at any
+    step or first, each GEMM's sum scaled by it once; the bound tells them from per-token quantization."""
+    from tests.kernels.test_fp8_linear import rel_err, static_scale
+
+    moe = backend.module("moe")
+    tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 72, 40), "prefill": (40, 4, 2, 72, 40)}[case]
+    x, w13, w2, weights, ids = moe_case(tokens, experts, top_k, hidden, inter, dtype)
+    x = x * torch.exp2(torch.arange(tokens) % 5 - 2.0)[:, None].to(dtype)
+    w13, s13, w2, s2 = fp8_experts(w13, w2, block)
+    dev = backend.device
+    scales = {"w13_input_scale": static_scale(x), "w2_input_scale": torch.tensor([0.01])}
+    options = {"w13_scales": s13, "w2_scales": s2, "fp8_block": block, "fp8_activations": True}
+    want = reference.fused_moe(x, w13, w2, weights, ids, **options, **scales)
+    args = [t.to(dev) for t in (x, w13, w2, weights, ids)]
+    on_dev = {**{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in options.items()},
+              **{k: v.to(dev) for k, v in scales.items()}}  # fmt: skip
+    quantize, calls = moe.quantize_fp8_static, []
+    monkeypatch.setattr(moe, "quantize_fp8_static", lambda *a: calls.append(1) or quantize(*a))
+    for fuse, quantized_first in ((True, []), (False, [1, 1]), (None, [] if case == "decode" else [1, 1])):
+        calls.clear()
+        got = moe.fused_moe(*args, **on_dev, fuse_quantization=fuse)
+        assert calls == quantized_first and got.dtype == dtype
+        assert rel_err(got, want) <= MOE_W8A8_REL_TOL[dtype]
+    if dtype != torch.bfloat16:
+        dynamic = reference.fused_moe(x, w13, w2, weights, ids, **options)
+        assert rel_err(got, dynamic) > MOE_W8A8_REL_TOL[dtype]
+    with pytest.raises(ValueError, match="it needs fp8_activations"):
+        moe.fused_moe(*args, **{**on_dev, "fp8_activations": False})
+    with pytest.raises(ValueError, match="an input scale is one float32"):
+        moe.fused_moe(*args, **{**on_dev, "w2_input_scale": torch.ones(2, device=dev)})
+
+
 def test_every_pair_lands_with_one_expert_taking_all_tokens_and_others_none(
     backend, assert_close_rel, poisoned
 ):

@@ -94,6 +94,13 @@ class ModelConfig:
     # with fp8_projections: their inputs (the experts' too) quantized to e4m3 per token group at each call and
     # multiplied fp8 by fp8 (--fp8-activations dynamic; kernels.fp8_linear's and kernels.moe's fp8_activations)
     fp8_activations: bool = False
+    # how the fp8 checkpoint says its projections' inputs are quantized: "dynamic" (per token, at each call),
+    # "static" (one calibrated input_scale a projection, in the checkpoint) or None (it does not say)
+    fp8_activation_scheme: str | None = None
+    # with fp8_activations: by those static input scales instead (--fp8-activations static), one a stacked
+    # projection (the largest of its parts': q/k/v, gate/up) and one a sparse layer's gate/up and down GEMMs
+    # (the largest of its experts')
+    fp8_input_scales: bool = False
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
@@ -241,7 +248,9 @@ def _quantization(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {}
     if method == "fp8" and quant.get("fmt", "e4m3") == "e4m3":
         block = quant.get("weight_block_size")
-        return {"fp8_weights": True, "fp8_weight_block": tuple(int(b) for b in block) if block else None}
+        scheme = quant.get("activation_scheme")
+        return {"fp8_weights": True, "fp8_weight_block": tuple(int(b) for b in block) if block else None,
+                "fp8_activation_scheme": scheme if scheme in ("dynamic", "static") else None}  # fmt: skip
     if method == "compressed-tensors":
         return _compressed_fp8(quant)
     raise ValueError(
@@ -268,7 +277,24 @@ def _compressed_fp8(quant: dict[str, Any]) -> dict[str, Any]:
     return {
         "fp8_weights": True,
         "fp8_weight_block": tuple(int(b) for b in block) if strategy == "block" else None,
+        "fp8_activation_scheme": _compressed_activations(quant),
     }
+
+
+def _compressed_activations(quant: dict[str, Any]) -> str | None:
+    """How a compressed-tensors config's groups quantize the layers' inputs: "static" where every group's
+    input_activations are 8-bit floats by one static scale a tensor, "dynamic" where every group's are
+    computed at each call, else None (weight-only, or groups that differ)."""
+    schemes = [g.get("input_activations") for g in (quant.get("config_groups") or {}).values()]
+    kinds = {
+        (a.get("type"), a.get("num_bits"), a.get("strategy"), bool(a.get("dynamic"))) if a else None
+        for a in schemes
+    }
+    if kinds == {("float", 8, "tensor", False)}:
+        return "static"
+    if len(kinds) == 1 and None not in kinds and all(k[:2] == ("float", 8) and k[3] for k in kinds):
+        return "dynamic"
+    return None
 
 
 def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -127,6 +127,15 @@ def _fp8_scale(
     return _weight(*((experts,) if experts else ()), *shape, device=device, dtype=torch.float32)
 
 
+def _input_scales(config: ModelConfig, *shape: int, device: torch.device) -> nn.Parameter | None:
+    """Static input scales (--fp8-activations static): float32, one a part of a stacked projection (q, k, v;
+    gate, up), or of each expert's; None when the inputs are not quantized by them. After loading, each
+    holds its largest in every place (DecoderLayer.input_scale reads the first)."""
+    if not config.fp8_input_scales:
+        return None
+    return _weight(*shape, device=device, dtype=torch.float32)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, device: torch.device, dtype: torch.dtype, index: int = 0, shard: Shard = WHOLE
@@ -182,6 +191,9 @@ class DecoderLayer(nn.Module):
             self.experts_down_scales = _fp8_scale(c, h, n, device, e)
         else:
             self.experts_gate_up, self.experts_down = _weight(e, 2 * n, h, **w), _weight(e, h, n, **w)
+        sparse_fp8 = self.sparse and not c.mxfp4_experts
+        self.experts_gate_up_input_scale = _input_scales(c, e, 2, device=device) if sparse_fp8 else None
+        self.experts_down_input_scale = _input_scales(c, e, 1, device=device) if sparse_fp8 else None
         biased = self.sparse and c.moe_bias  # gpt-oss: the router's and every expert's biases
         self.router_bias = _weight(c.num_experts, **w) if biased else None
         self.experts_gate_up_bias = _weight(c.num_experts, 2 * self.inter, **w) if biased else None
@@ -197,6 +209,10 @@ class DecoderLayer(nn.Module):
         self.o_scale = _fp8_scale(c, c.hidden_size, self.q_size, device)
         self.gate_up_scale = _fp8_scale(c, 2 * self.inter, c.hidden_size, device) if dense else None
         self.down_scale = _fp8_scale(c, c.hidden_size, self.inter, device) if dense else None
+        self.qkv_input_scale = _input_scales(c, 3, device=device)
+        self.o_input_scale = _input_scales(c, 1, device=device)
+        self.gate_up_input_scale = _input_scales(c, 2, device=device) if dense else None
+        self.down_input_scale = _input_scales(c, 1, device=device) if dense else None
         # NOTE: o_proj / down_proj outputs are summed over ranks: their biases are added by rank 0 only
         self.bias_here = shard.rank == 0
         self.config = c
@@ -267,13 +283,18 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x times projection ``name``'s weight (qkv, o, gate_up, down), plus ``bias``: in fp8 with its
         scales where the checkpoint's stays fp8 (kernels.fp8_linear; x quantized to fp8 first under
-        --fp8-activations dynamic), else a plain matmul."""
+        --fp8-activations dynamic or static), else a plain matmul."""
         weight, scale = getattr(self, f"{name}_proj"), getattr(self, f"{name}_scale")
         if scale is None:
             return F.linear(x, weight, bias)
-        return ops.fp8_linear(
-            x, weight, scale, self.config.fp8_weight_block, bias, self.config.fp8_activations
-        )
+        c, static = self.config, self.input_scale(f"{name}_input_scale")
+        return ops.fp8_linear(x, weight, scale, c.fp8_weight_block, bias, c.fp8_activations, static)
+
+    def input_scale(self, name: str) -> torch.Tensor | None:
+        """Static input scale ``name``'s one value ([1]: the largest of the parts it was loaded from), or
+        None."""
+        scales = getattr(self, name)
+        return None if scales is None else scales.view(-1)[:1]
 
     def _mlp_out(self, down: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """The MLP's output as the next norm adds it: normed first where the model says so (Gemma 3)."""
@@ -293,7 +314,8 @@ class DecoderLayer(nn.Module):
             b2=self.experts_down_bias if self.bias_here else None, activation=c.expert_activation,
             alpha=c.swiglu_alpha, limit=c.swiglu_limit, w13_scales=self.experts_gate_up_scales,
             w2_scales=self.experts_down_scales, fp8_block=c.fp8_weight_block if c.fp8_projections else None,
-            fp8_activations=c.fp8_activations,
+            fp8_activations=c.fp8_activations, w13_input_scale=self.input_scale("experts_gate_up_input_scale"),
+            w2_input_scale=self.input_scale("experts_down_input_scale"),
         )  # fmt: skip
         if self.shared_gate_up is None:
             return out
@@ -304,8 +326,10 @@ class DecoderLayer(nn.Module):
 
 
 # sinks: gpt-oss's, self_attn's; scales: MXFP4 experts' (of mlp.experts.N.gate_proj / up_proj / down_proj);
-# weight_scale: the scales of a projection kept in fp8 (--fp8-weights)
-_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales|weight_scale)$")
+# weight_scale: the scales of a projection kept in fp8 (--fp8-weights); input_scale: its input's static scale
+_LAYER_WEIGHT = re.compile(
+    r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales|weight_scale|input_scale)$"
+)
 # Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
 _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
                 "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
@@ -314,6 +338,9 @@ _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:gate|(experts\.\d+\.)(w[12
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # what a stacked projection's (q/k/v, gate/up) weight, bias or kept fp8 scales fill: the layer's <group>_<this>
 _STACKED_KINDS = {"weight": "proj", "bias": "bias", "weight_scale": "scale"}
+# the place of each part's static input scale in its stacked projection's (DecoderLayer's *_input_scale)
+_INPUT_SCALE_PLACE = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2, "mlp.gate_proj": 0,
+                      "mlp.up_proj": 1}  # fmt: skip
 
 
 # Granite 3 MoE's stacked weights: every expert's gate and up rows in one input_linear [E, 2I, H], their down
@@ -344,10 +371,10 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
 
 
 # an fp8 checkpoint's scales: weight_scale_inv (HF's fine-grained fp8) or weight_scale (compressed-tensors), a
-# weight's multiplier despite the first name; activation and KV scales (static quantization of what the model
-# computes in --dtype here) are not used
+# weight's multiplier despite the first name; a projection's input_scale (its input's calibrated scale) is
+# read under --fp8-activations static, output and KV scales are not used
 _FP8_SCALE = re.compile(r"(.+)\.weight_scale(?:_inv)?$")
-_FP8_UNUSED = re.compile(r".+\.(input_scale|output_scale|k_scale|v_scale)$")
+_FP8_UNUSED = re.compile(r"(.+)\.(input_scale|output_scale|k_scale|v_scale)$")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the projections an fp8 checkpoint keeps in fp8 under --fp8-weights fp8 (the owner of a weight and its scale):
 # every layer's attention q/k/v/o, a dense layer's MLP gate/up/down and every expert's (Mixtral's w1 / w3 / w2
@@ -360,17 +387,25 @@ FP8_PROJECTION = re.compile(
 
 def _fp8_dequantized(
     weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype,
-    keep: bool = False,
+    keep: bool = False, inputs: bool = False,
 ) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
     """``weights`` with each fp8 weight and its scale, whichever is read first, as one weight dequantized to
     ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's), or
     with ``keep`` an FP8_PROJECTION's as they are, the weight and its scales (``<owner>.weight_scale``:
-    float32, one a block, else one a row, [N, 1]); other weights (norms, embeddings, layers the checkpoint
-    left unquantized) as they are. A weight without its scale, or a scale without its weight, is a
-    ValueError naming it."""
+    float32, one a block, else one a row, [N, 1]); with ``inputs`` (and ``keep``) each FP8_PROJECTION's
+    static ``input_scale`` too (float32 [1]); other weights (norms, embeddings, layers the checkpoint left
+    unquantized) as they are. A weight without its scale, or a scale without its weight, is a ValueError
+    naming it; so is an input scale of more than one value."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        if _FP8_UNUSED.match(name):
+        unused = _FP8_UNUSED.match(name)
+        if unused is not None:
+            if inputs and keep and unused[2] == "input_scale" and FP8_PROJECTION.search(unused[1]):
+                if tensor.numel() != 1:
+                    raise ValueError(
+                        f"{name} has {tensor.numel()} values: static input scales are one a tensor"
+                    )
+                yield name, tensor.float().reshape(1)
             continue
         scale = _FP8_SCALE.match(name)
         if scale is None and not (name.endswith(".weight") and tensor.dtype in _FP8):
@@ -612,9 +647,15 @@ class LlamaForCausalLM(nn.Module):
             ("mlp.down_proj", "bias"): layer.down_bias,
             ("self_attn.o_proj", "weight_scale"): layer.o_scale,
             ("mlp.down_proj", "weight_scale"): layer.down_scale,
+            ("self_attn.o_proj", "input_scale"): layer.o_input_scale,
+            ("mlp.down_proj", "input_scale"): layer.down_input_scale,
             ("self_attn", "sinks"): layer.sinks,
         }
-        if part in stacked and kind in _STACKED_KINDS:
+        if part in stacked and kind == "input_scale":
+            target = getattr(layer, f"{stacked[part][0]}_input_scale")
+            if target is not None:
+                return target[_INPUT_SCALE_PLACE[part]].view(1)
+        elif part in stacked and kind in _STACKED_KINDS:
             group, start, end = stacked[part]
             target = getattr(layer, f"{group}_{_STACKED_KINDS[kind]}")
             # NOTE: a kept fp8 projection's scales, one a block of rows (served_fp8: parts in whole blocks)
@@ -640,11 +681,14 @@ class LlamaForCausalLM(nn.Module):
                 "bias": (layer.experts_gate_up_bias, layer.experts_down_bias),
                 "scales": scales if c.mxfp4_experts else (None, None),
                 "weight_scale": scales if c.fp8_projections else (None, None),
+                "input_scale": (layer.experts_gate_up_input_scale, layer.experts_down_input_scale),
             }[kind]
             if gate_up is None:
                 return None
             if m.group(2) == "down_proj":
                 return down[e]
+            if kind == "input_scale":  # NOTE: the gate's, then the up's
+                return gate_up[e, int(m.group(2) == "up_proj")].view(1)
             # NOTE: fp8 block scales: one a block of rows (served_fp8: the gate and up parts are whole blocks)
             per = rows_per_entry(c, kind)
             start = 0 if m.group(2) == "gate_proj" else inter
@@ -695,6 +739,11 @@ class LlamaForCausalLM(nn.Module):
             missing = [n for n in self._weight_names() if n not in seen]
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights: {shown or 'unknown'}")
+        if self.config.fp8_input_scales:  # NOTE: one scale a quantized input: the largest of its parts'
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if name.endswith("input_scale"):
+                        p.fill_(p.amax())
         if self.config.norm_offset:  # NOTE: Gemma stores each RMSNorm weight as w for a scale of 1 + w
             with torch.no_grad():
                 for name, p in self.named_parameters():
@@ -723,7 +772,9 @@ class LlamaForCausalLM(nn.Module):
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
         if c.fp8_weights:
-            weights = _fp8_dequantized(weights, c.fp8_weight_block, self.dtype, keep=c.fp8_projections)
+            weights = _fp8_dequantized(
+                weights, c.fp8_weight_block, self.dtype, keep=c.fp8_projections, inputs=c.fp8_input_scales
+            )
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
                 if not name.startswith("language_model."):
@@ -768,7 +819,7 @@ class LlamaForCausalLM(nn.Module):
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         names += [f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)]
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
-                  for k in ("weight", "bias", "scales", "weight_scale")]  # fmt: skip
+                  for k in ("weight", "bias", "scales", "weight_scale", "input_scale")]  # fmt: skip
         out = []
         for name in names:
             with contextlib.suppress(ValueError):

@@ -136,9 +136,10 @@ def quantized_at_load(config: ModelConfig, quantization: str, device: torch.devi
 
 def served_activations(config: ModelConfig, fp8_activations: str) -> ModelConfig:
     """``config`` as ``--fp8-activations`` serves its fp8 projections' inputs: ``dynamic``: quantized to
-    e4m3 per token group at each call (kernels.fp8_linear's fp8_activations); ``none``: as computed.
-    ValueError for ``dynamic`` where no projection is served in fp8 (after served_fp8 and
-    quantized_at_load)."""
+    e4m3 per token group at each call (kernels.fp8_linear's fp8_activations); ``static``: by the
+    checkpoint's calibrated input scales (its input_scale tensors, loaded beside the weights); ``none``: as
+    computed. ValueError where no projection is served in fp8 (after served_fp8 and quantized_at_load), and
+    for ``static`` unless the checkpoint declares static input scales."""
     if fp8_activations not in FP8_ACTIVATION_CHOICES:
         raise ValueError(
             f"fp8_activations must be one of {', '.join(FP8_ACTIVATION_CHOICES)}, got {fp8_activations!r}"
@@ -147,10 +148,22 @@ def served_activations(config: ModelConfig, fp8_activations: str) -> ModelConfig
         return config
     if not config.fp8_projections:
         raise ValueError(
-            "--fp8-activations dynamic: no projection is served in fp8; it needs an fp8 checkpoint served "
-            "with --fp8-weights fp8 (auto dequantizes on the CPU and below sm_89) or --quantization fp8"
+            f"--fp8-activations {fp8_activations}: no projection is served in fp8; it needs an fp8 checkpoint "
+            "served with --fp8-weights fp8 (auto dequantizes on the CPU and below sm_89)"
+            + (" or --quantization fp8" if fp8_activations == "dynamic" else "")
         )
-    return dataclasses.replace(config, fp8_activations=True)
+    if fp8_activations == "static" and (not config.fp8_weights or config.fp8_activation_scheme != "static"):
+        scheme = config.fp8_activation_scheme
+        declared = f"{scheme} activations" if scheme else "no activation scheme"
+        source = (
+            f"the checkpoint declares {declared}" if config.fp8_weights else "--quantization fp8 has none"
+        )
+        raise ValueError(
+            f"--fp8-activations static needs a checkpoint's calibrated input scales (activation_scheme static, "
+            f"or compressed-tensors' static input_activations by tensor); {source}: use --fp8-activations "
+            "dynamic"
+        )
+    return dataclasses.replace(config, fp8_activations=True, fp8_input_scales=fp8_activations == "static")
 
 
 def served_precision(
