@@ -178,6 +178,17 @@ def test_runs_longer_than_a_tile_quantize_as_the_reference_bit_for_bit(backend, 
     assert torch.equal(codes.view(torch.uint8).cpu(), want_codes.view(torch.uint8).cpu())
 
 
+def w8a8_case(backend, shape: str, dtype: torch.dtype, kind: str, fp8: torch.dtype = torch.float8_e4m3fn):
+    """SHAPES[shape]'s fp8 weight of ``kind`` scales and x whose rows differ in magnitude (2^-2 .. 2^2, so
+    that each row's scales are its own), on the backend's device."""
+    rows, n, k = SHAPES[shape]
+    w, scale, block = (
+        t.to(backend.device) if isinstance(t, torch.Tensor) else t for t in fp8_weight(n, k, fp8, kind)
+    )
+    x = activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)
+    return w, scale, block, x.to(backend.device)
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("kind", SCALES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -186,13 +197,8 @@ def test_fp8_activations_match_the_reference(backend, shape, dtype, kind, fp8):
     """The activations quantized per token group (the blocks' columns, or the row) and multiplied fp8 by
     fp8; a scale read for the wrong run or row moves the output past the bound."""
     fp8_linear = backend.module("fp8_linear")
-    rows, n, k = SHAPES[shape]
-    w, scale, block = (
-        t.to(backend.device) if isinstance(t, torch.Tensor) else t for t in fp8_weight(n, k, fp8, kind)
-    )
-    x = (activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)).to(
-        backend.device
-    )  # NOTE: rows of different magnitudes: each its own scales
+    rows, n, _ = SHAPES[shape]
+    w, scale, block, x = w8a8_case(backend, shape, dtype, kind, fp8)
     got = fp8_linear.fp8_linear(x, w, scale, block, fp8_activations=True)
     assert got.dtype == dtype and got.shape == (rows, n)
     assert rel_err(got, reference.fp8_linear(x, w, scale, block, fp8_activations=True)) <= W8A8_REL_TOL[dtype]
@@ -227,14 +233,8 @@ def test_quantizing_inside_the_product_is_the_separate_quantization(
     over a whole row), the product can quantize x itself: quantize_fp8_groups is not called, and the output
     is the one the separate quantization gives. By default only decode steps (at most 16 rows) do."""
     fp8_linear = backend.module("fp8_linear")
-    rows, n, k = SHAPES[shape]
-    w, scale, block = (
-        t.to(backend.device) if isinstance(t, torch.Tensor) else t
-        for t in fp8_weight(n, k, torch.float8_e4m3fn, kind)
-    )
-    x = (activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)).to(
-        backend.device
-    )
+    rows = SHAPES[shape][0]
+    w, scale, block, x = w8a8_case(backend, shape, dtype, kind)
     cfg = fp8_linear.Fp8LinearConfig(block_m=16, block_n=32, block_k=step)
     separate = fp8_linear.fp8_linear(
         x, w, scale, block, config=cfg, fp8_activations=True, fuse_quantization=False
@@ -328,14 +328,8 @@ def test_static_fp8_activations_match_the_reference(backend, monkeypatch, shape,
     at any step (16-column steps over 32-column blocks too) or first; the sum scaled by it once. The bound
     tells them from per-token quantization and from unquantized activations."""
     fp8_linear = backend.module("fp8_linear")
-    rows, n, k = SHAPES[shape]
-    w, scale, block = (
-        t.to(backend.device) if isinstance(t, torch.Tensor) else t
-        for t in fp8_weight(n, k, torch.float8_e4m3fn, kind)
-    )
-    x = (activations(rows, k, dtype) * torch.exp2(torch.arange(rows) % 5 - 2.0)[:, None].to(dtype)).to(
-        backend.device
-    )
+    rows = SHAPES[shape][0]
+    w, scale, block, x = w8a8_case(backend, shape, dtype, kind)
     s = static_scale(x)
     want = reference.fp8_linear(x, w, scale, block, fp8_activations=True, input_scale=s)
     separate = fp8_linear.fp8_linear(x, w, scale, block, fp8_activations=True, input_scale=s,

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import reference
-from tests.worker.conftest import QWEN3_MOE, save_checkpoint
+from tests.worker.conftest import MIXTRAL, QWEN3_MOE, save_checkpoint
 from tests.worker.test_fp8_weights import LINEAR, fp8_pair, logits_of
 from tests.worker.test_tensor_parallel import assert_two_ranks_answer_as_one
 from worker.model import load_model
@@ -168,7 +168,8 @@ def test_fp8_activations_on_cuda_follow_the_cpu_reference(tmp_path, model_type, 
 _QUANTIZED_INPUT = {"self_attn.q_proj": "qkv", "self_attn.k_proj": "qkv", "self_attn.v_proj": "qkv",
                     "self_attn.o_proj": "o", "mlp.gate_proj": "gate_up", "mlp.up_proj": "gate_up",
                     "mlp.down_proj": "down", "gate_proj": "experts_gate_up", "up_proj": "experts_gate_up",
-                    "down_proj": "experts_down"}  # fmt: skip
+                    "down_proj": "experts_down", "w1": "experts_gate_up", "w3": "experts_gate_up",
+                    "w2": "experts_down"}  # fmt: skip
 
 
 def with_input_scales(fp8, method: str) -> dict[tuple[int, str], float]:
@@ -183,7 +184,7 @@ def with_input_scales(fp8, method: str) -> dict[tuple[int, str], float]:
         # NOTE: one value, as a 0-d tensor (AutoFP8) or [1] (compressed-tensors)
         weights[name.replace(".weight", ".input_scale")] = torch.tensor(scale if method == "fp8" else [scale])
         layer, part = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name).groups()
-        key = (int(layer), _QUANTIZED_INPUT[re.sub(r"^mlp\.experts\.\d+\.", "", part)])
+        key = (int(layer), _QUANTIZED_INPUT[re.sub(r"^(mlp|block_sparse_moe)\.experts\.\d+\.", "", part)])
         served[key] = max(served.get(key, 0.0), scale)
     save_file(weights, str(fp8 / "model.safetensors"))
     config = json.loads((fp8 / "config.json").read_text())
@@ -195,15 +196,17 @@ def with_input_scales(fp8, method: str) -> dict[tuple[int, str], float]:
 
 @pytest.mark.parametrize(
     ("model_type", "overrides", "method"),
-    [("llama", {}, "fp8"), ("llama", {}, "compressed-tensors"), ("qwen3_moe", QWEN3_MOE, "compressed-tensors")],
-    ids=["autofp8", "compressed-tensors", "moe"],
+    [("llama", {}, "fp8"), ("llama", {}, "compressed-tensors"), ("qwen3_moe", QWEN3_MOE, "compressed-tensors"),
+     ("mixtral", MIXTRAL, "compressed-tensors")],
+    ids=["autofp8", "compressed-tensors", "moe", "mixtral"],
 )  # fmt: skip
 def test_static_activations_are_the_dequantized_model_with_its_inputs_quantized_by_the_checkpoints_scales(
     tmp_path, monkeypatch, model_type, overrides, method
 ):
     """Per-tensor fp8 weights (AutoFP8's and llm-compressor's FP8 releases): each projection's input by its
     layer's scale, q/k/v's and gate/up's the largest of theirs, a sparse layer's by the largest of its
-    experts' (kernels.reference.fused_moe's static input scales on the dequantized experts)."""
+    experts' (kernels.reference.fused_moe's static input scales on the dequantized experts; Mixtral's
+    w1 / w3 / w2 names too)."""
     base = save_checkpoint(tmp_path / "base", model_type, **overrides)
     fp8, _ = fp8_pair(base, tmp_path, method, "tensor")
     served = with_input_scales(fp8, method)
