@@ -261,6 +261,19 @@ def check_input_scale(scale: torch.Tensor, device: torch.device) -> None:
         )
 
 
+def static_input_scale(
+    scale: torch.Tensor | None, fp8_activations: bool, device: torch.device
+) -> torch.Tensor | None:  # fmt: skip
+    """A product's static input scale as the kernels read it ([1]), or None without one. ValueError unless it
+    comes with ``fp8_activations`` and is one float32 on ``device`` (check_input_scale)."""
+    if scale is None:
+        return None
+    if not fp8_activations:
+        raise ValueError("an input scale quantizes the product's input: it needs fp8_activations")
+    check_input_scale(scale, device)
+    return scale.reshape(1)
+
+
 def check_fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
     bias: torch.Tensor | None,
@@ -340,11 +353,7 @@ def fp8_linear(
     prefill's x tiles stay a byte a value in shared memory: 16-bit ones do not fit sm_89 at 128 x 128 x
     128)."""
     check_fp8_linear(x, weight, scale, block, bias)
-    if input_scale is not None:
-        if not fp8_activations:
-            raise ValueError("an input scale quantizes x: it needs fp8_activations")
-        check_input_scale(input_scale, x.device)
-        input_scale = input_scale.reshape(1)
+    input_scale = static_input_scale(input_scale, fp8_activations, x.device)
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)

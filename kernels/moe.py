@@ -38,12 +38,12 @@ import triton.language as tl
 
 from kernels import host_checks, interpret_requested, pointwise, reference
 from kernels.fp8_linear import (
-    check_input_scale,
     quantize_by,
     quantize_fp8_groups,
     quantize_fp8_static,
     quantize_rows,
     quantizes_inside,
+    static_input_scale,
     step_for,
 )
 
@@ -414,11 +414,9 @@ def fused_moe(
     fp8_experts = w13.dtype in host_checks.FP8_POOL_DTYPES and w2.dtype in host_checks.FP8_POOL_DTYPES
     if fp8_activations and not fp8_experts:
         raise ValueError(f"fp8 activations need fp8 experts, got w13 {w13.dtype} and w2 {w2.dtype}")
-    for given in (w13_input_scale, w2_input_scale):
-        if given is not None and not fp8_activations:
-            raise ValueError("an input scale quantizes a GEMM's input: it needs fp8_activations")
-        if given is not None:
-            check_input_scale(given, x.device)
+    w13_input_scale, w2_input_scale = (
+        static_input_scale(s, fp8_activations, x.device) for s in (w13_input_scale, w2_input_scale)
+    )
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     if t == 0 or k == 0:
         return torch.zeros_like(x)
@@ -490,14 +488,12 @@ def _inputs(
     """A grouped GEMM's input and its arguments: ``a`` as it is; with fp8 activations, ``a`` for the GEMM to
     quantize itself where fp8_linear.quantizes_inside says so (``fuse`` for a call of ``tokens``), else its
     e4m3 codes with their scales (one a run of the blocks' columns of each row, else one a row:
-    kernels.reference.activation_group), or by its one static ``input_scale`` where given."""
+    kernels.reference.activation_group), or by its one static ``input_scale`` ([1]) where given."""
     if not fp8_activations:
         return a, {}
     k = a.shape[-1]
     group = reference.activation_group(fp8_block, k)
     static = input_scale is not None
-    if static:
-        input_scale = input_scale.reshape(1)
     if quantizes_inside(fuse, tokens, step, group, k, static):
         return a, {"QUANTIZE_A": True, **({"AScales": input_scale, "A_STATIC": True} if static else {})}
     if static:
