@@ -59,9 +59,13 @@ def _tensors(
     }
 
 
+# a checkpoint's KV scales over an fp8 pool (their values do not change what compiles)
+KV_SCALES = (0.5, 2.0)
+
+
 def decode_case(
     shape: Shape, config: Any, label: str, window: int = 0, softcap: float = 0.0, sinks: bool = False,
-    pool: torch.dtype | None = None,
+    pool: torch.dtype | None = None, scaled: bool = False,
 ) -> Case:  # fmt: skip
     from kernels.decode_attention import decode_attention
 
@@ -70,14 +74,15 @@ def decode_case(
     def call() -> Any:
         return decode_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indices"],
                                 num_splits=DECODE_SPLITS, config=config, window=window, softcap=softcap,
-                                sinks=t["sinks"] if sinks else None)  # fmt: skip
+                                sinks=t["sinks"] if sinks else None,
+                                kv_scales=KV_SCALES if scaled else None)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
 
 def extend_case(
     shape: Shape, config: Any, label: str, num_splits: int | None = None, window: int = 0, softcap: float = 0.0,
-    sinks: bool = False, pool: torch.dtype | None = None,
+    sinks: bool = False, pool: torch.dtype | None = None, scaled: bool = False,
 ) -> Case:  # fmt: skip
     from kernels.extend_attention import extend_attention
 
@@ -86,12 +91,15 @@ def extend_case(
     def call() -> Any:
         return extend_attention(t["q"], t["k"], t["v"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"],
                                 t["indices"], max_extend_len=32, num_splits=num_splits, config=config,
-                                window=window, softcap=softcap, sinks=t["sinks"] if sinks else None)  # fmt: skip
+                                window=window, softcap=softcap, sinks=t["sinks"] if sinks else None,
+                                kv_scales=KV_SCALES if scaled else None)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
 
-def extend_short_case(shape: Shape, config: Any, label: str, pool: torch.dtype | None = None) -> Case:
+def extend_short_case(
+    shape: Shape, config: Any, label: str, pool: torch.dtype | None = None, scaled: bool = False
+) -> Case:  # fmt: skip
     from kernels.extend_short import extend_short_attention
 
     t = _tensors(shape, pool=pool)
@@ -99,7 +107,7 @@ def extend_short_case(shape: Shape, config: Any, label: str, pool: torch.dtype |
     def call() -> Any:
         return extend_short_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"], t["indices"],
                                       t["positions"], max_extend_len=5, num_splits=DECODE_SPLITS,
-                                      config=config)  # fmt: skip
+                                      config=config, kv_scales=KV_SCALES if scaled else None)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
@@ -186,7 +194,15 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
            extend_short_case(shape, decode_fp8, f"extend-short-fp8 {shape.label}", pool=fp8_pool(arch)),
            (f"rope_store_kv-fp8 {shape.label}", {},
             lambda: fused.rope_store_kv(fp8["q"], fp8["k"], fp8["v"], fp8["positions"], fp8["cos_sin"],
-                                        fp8["k_cache"], fp8["v_cache"], fp8["positions"]))]
+                                        fp8["k_cache"], fp8["v_cache"], fp8["positions"])),
+           # with a checkpoint's KV scales: the scores and values times them, the stores over them
+           decode_case(shape, decode_fp8, f"decode-fp8-scaled {shape.label}", pool=fp8_pool(arch), scaled=True),
+           extend_case(shape, extend_fp8, f"extend-fp8-scaled {shape.label}", pool=fp8_pool(arch), scaled=True),
+           extend_short_case(shape, decode_fp8, f"extend-short-fp8-scaled {shape.label}", pool=fp8_pool(arch),
+                             scaled=True),
+           (f"rope_store_kv-fp8-scaled {shape.label}", {},
+            lambda: fused.rope_store_kv(fp8["q"], fp8["k"], fp8["v"], fp8["positions"], fp8["cos_sin"],
+                                        fp8["k_cache"], fp8["v_cache"], fp8["positions"], kv_scales=KV_SCALES))]
           if dt != torch.float32 else []),
         *([decode_case(shape, pdl, f"decode pdl {shape.label}"), extend_short_case(shape, pdl,
            f"extend-short pdl {shape.label}")] if arch >= 90 else []),

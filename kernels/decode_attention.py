@@ -190,6 +190,9 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     Sinks=None,  # [Hq] attention sinks (SINKS, FUSED_MERGE only: otherwise the merge kernel's)
     SINKS: tl.constexpr = False,
+    k_scale=1.0,  # KV_SCALED: an fp8 pool's codes stand for code x k_scale (K), code x v_scale (V)
+    v_scale=1.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
@@ -228,6 +231,8 @@ def _decode_split_kernel(
         q = q.to(tl.float32)
 
     K_head, V_head = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
+    if KV_SCALED:  # NOTE: q . (codes x k_scale) = (q . codes) x k_scale: folded into the scores' multiplier
+        qk_scale = qk_scale * k_scale
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -260,6 +265,8 @@ def _decode_split_kernel(
             m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION,
                                         DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
 
+    if KV_SCALED:  # NOTE: every value tile was codes of V / v_scale: the sum times v_scale, once
+        acc = acc * v_scale
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
     # lse = -inf and a zero partial, so the merge gives it weight 0 (finish_split)
     part, lse = finish_split(acc, m_i, l_i)
@@ -349,13 +356,16 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
     when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). ``window`` > 0: each
     request attends its last ``window`` slots only (sliding-window attention); ``softcap`` > 0 soft-caps the
-    scores, ``sinks`` [Hq] float32 adds attention sinks (kernels.reference.decode_attention). Never syncs.
-    Raises ValueError on inconsistent shapes, dtypes or devices (from metadata)."""
+    scores, ``sinks`` [Hq] float32 adds attention sinks, ``kv_scales`` (K's, V's) scale an fp8 pool's codes
+    (kernels.reference.decode_attention). Never syncs. Raises ValueError on inconsistent shapes, dtypes or
+    devices (from metadata)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
     batch, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
@@ -418,6 +428,7 @@ def decode_attention(
         SOFTCAP=softcap > 0,
         Sinks=sinks if cfg.fused_merge else None,  # NOTE: unfused, the merge kernel adds them
         SINKS=sinks is not None and cfg.fused_merge,
+        **scaled,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -328,6 +328,9 @@ def _extend_kernel(
     SOFTCAP: tl.constexpr,
     Sinks=None,  # [Hq] attention sinks, natural-log scores of nothing (SINKS only; split: the merge's)
     SINKS: tl.constexpr = False,
+    k_scale=1.0,  # KV_SCALED: the pool's codes stand for code x k_scale (K), code x v_scale (V)
+    v_scale=1.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     if PACKED:
@@ -388,6 +391,9 @@ def _extend_kernel(
     # Stage 1: the cached prefix (this split's part of it), gathered slot by slot; every query sees every
     # prefix key. Whole tiles need no score mask; only the last, partial one does.
     K_c, V_c = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
+    qk_prefix = qk_scale
+    if KV_SCALED:  # NOTE: the prefix's keys are codes of K / k_scale: folded into its scores' multiplier
+        qk_prefix = qk_scale * k_scale
     if WINDOWED:
         # NOTE: the block's first query (position prefix_len + m_lo) sees the prefix from
         # prefix_len + m_lo - window + 1 on; every tile from there is masked per query, and a query may
@@ -401,16 +407,18 @@ def _extend_kernel(
         n = n_lo + offs_n
         slots = tl.load(kv_indices + prefix_start + n).to(tl.int64)
         m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, n < p_hi, offs_m, n, stride_kcs, stride_vcs,
-                                     offs_d, mask_d, m_i, l_i, acc, qk_scale, False, False,
+                                     offs_d, mask_d, m_i, l_i, acc, qk_prefix, False, False,
                                      PRECISION, DOT_FP32, 0, offs_m, False, softcap, SOFTCAP)  # fmt: skip
     for n_lo in range(full_end, p_hi, BLOCK_N):
         n = n_lo + offs_n
         mask_n = n < p_hi
         slots = tl.load(kv_indices + prefix_start + n, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_rows(q, K_c, V_c, slots, mask_n, offs_m, n, stride_kcs, stride_vcs,
-                                     offs_d, mask_d, m_i, l_i, acc, qk_scale, True, False,
+                                     offs_d, mask_d, m_i, l_i, acc, qk_prefix, True, False,
                                      PRECISION, DOT_FP32, window, prefix_len + offs_m, WINDOWED, softcap,
                                      SOFTCAP)  # fmt: skip
+    if KV_SCALED:  # NOTE: the prefix's values were codes of V / v_scale: its sum times v_scale, once
+        acc = acc * v_scale
 
     # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j), in the last split.
     # Whole tiles left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
@@ -475,10 +483,11 @@ def extend_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``window`` > 0: sliding-window attention (as
     kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise); ``sinks`` [Hq]
-    float32: attention sinks (likewise).
+    float32: attention sinks (likewise); ``kv_scales`` (K's, V's): an fp8 pool's codes scaled (likewise).
     ``max_extend_len`` (tokens) bounds the grid;
     when None it is read from qo_indptr, which costs one device-to-host sync. ``max_prefix_len``, with
     the new tokens in all (q's rows), picks the default tiles (``config`` overrides them) and bounds the
@@ -488,6 +497,7 @@ def extend_attention(
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
     batch = qo_indptr.numel() - 1
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
@@ -565,6 +575,7 @@ def extend_attention(
         SOFTCAP=softcap > 0,
         Sinks=None if split else sinks,  # NOTE: split, the merge adds them
         SINKS=sinks is not None and not split,
+        **scaled,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -77,6 +77,9 @@ def _short_split_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+): as decode's split kernel
+    k_scale=1.0,  # KV_SCALED: an fp8 pool's codes stand for code x k_scale (K), code x v_scale (V)
+    v_scale=1.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     if PDL:
         wait_then_release()
@@ -122,6 +125,8 @@ def _short_split_kernel(
     sees = limit > lo
 
     K_head, V_head = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
+    if KV_SCALED:  # NOTE: every key is codes of K / k_scale: folded into the scores' multiplier
+        qk_scale = qk_scale * k_scale
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -136,6 +141,8 @@ def _short_split_kernel(
         allowed = mask_n[None, :] & ((n[None, :] < limit[:, None]) | ~sees[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32)
 
+    if KV_SCALED:  # NOTE: and every value codes of V / v_scale: the sum times v_scale, once
+        acc = acc * v_scale
     live = sees & (l_i > 0.0)  # l_i is 0 for a split with no tokens (lo >= hi)
     l_safe = tl.where(live, l_i, 1.0)
     lse = tl.where(live, m_i + tl.log2(l_safe), float("-inf"))
@@ -167,6 +174,7 @@ def extend_short_attention(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """See the module docstring. Never syncs. ``num_splits`` caps splits per block of tokens (from
     choose_num_splits when None). Any max_extend_len >= the longest request's new tokens is right;
@@ -174,10 +182,12 @@ def extend_short_attention(
     picks: up to 16 new tokens here). Rows of q past the last request (a graph's padding) are left
     unwritten, as the extend kernel leaves them. Raises ValueError on inconsistent shapes, dtypes or
     devices (from metadata) and on a max_extend_len below 1. ``sinks`` [Hq] float32: attention sinks
-    (kernels.reference.extend_attention's), added in the merge."""
+    (kernels.reference.extend_attention's), added in the merge; ``kv_scales`` (K's, V's): an fp8 pool's
+    codes scaled (kernels.reference.extend_short_attention's)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     t, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
     batch = qo_indptr.numel() - 1
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)
@@ -206,7 +216,7 @@ def extend_short_attention(
         num_splits, token_blocks,
         GROUP=group, TOKENS=tokens, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         MIN_SPLIT_LEN=cfg.min_split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl,
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl, **scaled,
         enable_fp_fusion=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, tokens, cfg.min_split_len,

@@ -79,15 +79,24 @@ def to_pool(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def scaled_down(x, scale, SCALED: tl.constexpr):
+    """x as an fp8 pool with a KV scale stores it before rounding: x / scale in float32 (division rounded to
+    nearest, as the reference's); x itself without (SCALED False)."""
+    if SCALED:
+        x = tl.math.div_rn(x.to(tl.float32), scale)
+    return x
+
+
+@triton.jit
 def _store_halves(
     Out, row, stride_ot, stride_oh, first, second, mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, scale=1.0, SCALED: tl.constexpr = False,
 ):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     dst = Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, to_pool(first, Out.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, to_pool(second, Out.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(scaled_down(first, scale, SCALED), Out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, to_pool(scaled_down(second, scale, SCALED), Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -197,14 +206,16 @@ def apply_rope(
 def _copy_heads(
     Src, row, stride_st, stride_sh, Dst, dst_row, stride_dt, stride_dh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    scale=1.0, SCALED: tl.constexpr = False,
 ):  # fmt: skip
-    """Dst[dst_row] := Src[row] ([heads, dim] each), converted to Dst's dtype."""
+    """Dst[dst_row] := Src[row] ([heads, dim] each), converted to Dst's dtype (over ``scale`` first when
+    SCALED)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(Src + row * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :], mask=mask)
     dst = Dst + dst_row * stride_dt + offs_h[:, None] * stride_dh + offs_d[None, :]
-    tl.store(dst, to_pool(x, Dst.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(scaled_down(x, scale, SCALED), Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -212,13 +223,14 @@ def _store_kv_kernel(
     K, V, K_cache, V_cache, slots,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_scale=1.0, v_scale=1.0, KV_SCALED: tl.constexpr = False,  # the pool stores K / k_scale, V / v_scale
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
     _copy_heads(K, row, stride_kt, stride_kh, K_cache, slot, stride_kcs, stride_kch,
-                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, k_scale, KV_SCALED)  # fmt: skip
     _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,
-                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, v_scale, KV_SCALED)  # fmt: skip
 
 
 def _store_kv_args(
@@ -247,11 +259,14 @@ def _store_kv_args(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write k, v [T, Hkv, D] into pool rows ``slots`` [T] of k_cache, v_cache [S, Hkv, D] (in place).
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kv_scales: tuple[float, float] | None = None,
+) -> None:  # fmt: skip
+    """Write k, v [T, Hkv, D] into pool rows ``slots`` [T] of k_cache, v_cache [S, Hkv, D] (in place); an
+    fp8 pool's ``kv_scales`` (K's, V's): each value over its scale first (kernels.reference.store_kv).
     NOTE: slots must be distinct within one call (the pool allocator guarantees it)."""
     slots = _store_kv_args(k_cache, v_cache, slots, k, v)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
     t, hkv, d = k.shape
     if t == 0:
         return
@@ -260,7 +275,7 @@ def store_kv(
         k, v, k_cache, v_cache, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, **scaled,
         enable_fp_fusion=True, num_warps=warps_for(block_h * block_d),
     )  # fmt: skip
 
@@ -272,6 +287,7 @@ def _rope_store_kv_kernel(
     stride_koh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cs,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_scale=1.0, v_scale=1.0, KV_SCALED: tl.constexpr = False,  # the pool stores K / k_scale, V / v_scale
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row).to(tl.int64)
@@ -285,9 +301,10 @@ def _rope_store_kv_kernel(
     # NOTE: the pool gets the k returned, rounded to its dtype (once more, for an fp8 pool)
     first, second = first.to(K_out.dtype.element_ty), second.to(K_out.dtype.element_ty)
     _store_halves(K_out, row, stride_kot, stride_koh, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
-    _store_halves(K_cache, slot, stride_kcs, stride_kch, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
+    _store_halves(K_cache, slot, stride_kcs, stride_kch, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF,
+                  k_scale, KV_SCALED)  # fmt: skip
     _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,
-                NUM_K_HEADS, HEAD_DIM, BLOCK_HK, BLOCK_D)  # fmt: skip
+                NUM_K_HEADS, HEAD_DIM, BLOCK_HK, BLOCK_D, v_scale, KV_SCALED)  # fmt: skip
 
 
 def rope_store_kv(
@@ -302,11 +319,14 @@ def rope_store_kv(
     *,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rope then store_kv of the rotated k and v, in one kernel: returns the rotated (q, k) and
-    writes the rotated k and v into pool rows ``slots``. Same checks and contracts as the two."""
+    writes the rotated k and v into pool rows ``slots`` (``kv_scales``: store_kv's; the k returned is
+    never scaled). Same checks and contracts as the two."""
     positions, q_out, k_out = _rope_args(q, k, positions, cos_sin_cache, q_out, k_out)
     slots = _store_kv_args(k_cache, v_cache, slots, k, v)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
     t, hq, d = q.shape
     hk = k.shape[1]
     if t > 0:
@@ -318,7 +338,7 @@ def rope_store_kv(
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos_sin_cache.stride(0),
             NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HALF=half, HEAD_DIM=d, BLOCK_HQ=block_hq,
             BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_D=triton.next_power_of_2(d), **scaled,
             enable_fp_fusion=True, num_warps=warps_for(block_hq * triton.next_power_of_2(half)),
         )  # fmt: skip
     return q_out, k_out

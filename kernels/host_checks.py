@@ -7,6 +7,9 @@ waits on the device (CUDA-graph safe); what needs the data is a documented calle
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -125,3 +128,25 @@ def check_sinks(sinks: torch.Tensor | None, hq: int, device: torch.device) -> No
     if sinks.device != device:
         raise ValueError(f"sinks are on {sinks.device}, the other inputs on {device}")
     check_unit_stride(sinks=sinks)
+
+
+def kv_scales(scales: Sequence[float] | None, pool_dtype: torch.dtype) -> tuple[float, float] | None:
+    """An fp8 pool's (K, V) scales as floats, or None without: its codes stand for code x scale (a
+    checkpoint's calibrated k_scale / v_scale). ValueError unless two positive finite numbers over an fp8
+    pool."""
+    if scales is None:
+        return None
+    if pool_dtype not in FP8_POOL_DTYPES:
+        raise ValueError(f"KV scales apply to an fp8 pool, not a {pool_dtype} one")
+    if len(scales) != 2 or not all(math.isfinite(float(s)) and float(s) > 0 for s in scales):
+        raise ValueError(f"KV scales are two positive finite numbers (K's, V's), got {list(scales)}")
+    return float(scales[0]), float(scales[1])
+
+
+def kv_scale_args(scales: Sequence[float] | None, pool_dtype: torch.dtype) -> dict:
+    """The attention and KV-store kernels' arguments for an fp8 pool's (K, V) scales (kv_scales): none
+    without them, so that an unscaled launch compiles as it always has."""
+    checked = kv_scales(scales, pool_dtype)
+    if checked is None:
+        return {}
+    return {"k_scale": checked[0], "v_scale": checked[1], "KV_SCALED": True}

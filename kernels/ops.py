@@ -85,9 +85,10 @@ def extend_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix; see kernels.reference.extend_attention (``window``: sliding-window
-    attention; ``softcap``: soft-capped scores; ``sinks``: attention sinks). ``max_extend_len`` (tokens, the most rows of any
+    attention; ``softcap``: soft-capped scores; ``sinks``: attention sinks; ``kv_scales``: an fp8 pool's). ``max_extend_len`` (tokens, the most rows of any
     request) spares the Triton path a device-to-host sync; ``max_prefix_len`` (the longest cached
     prefix) picks its tiles; ``config`` (an extend_attention.ExtendConfig: an extend graph's variant)
     overrides them."""
@@ -95,12 +96,12 @@ def extend_attention(
     if mode is None:
         return reference.extend_attention(
             q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-            max_extend_len=max_extend_len, window=window, softcap=softcap, sinks=sinks,
+            max_extend_len=max_extend_len, window=window, softcap=softcap, sinks=sinks, kv_scales=kv_scales,
         )  # fmt: skip
     return kernel_module("extend_attention", mode).extend_attention(
         q, k_new, v_new, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
         max_extend_len=max_extend_len, max_prefix_len=max_prefix_len, config=config, window=window,
-        softcap=softcap, sinks=sinks,
+        softcap=softcap, sinks=sinks, kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -116,18 +117,20 @@ def extend_short_attention(
     *,
     max_extend_len: int,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Extend for few new tokens per request, their K/V already in the pool; see
     kernels.reference.extend_short_attention. ``max_extend_len``: the most new tokens of any request;
-    ``sinks``: attention sinks."""
+    ``sinks``: attention sinks; ``kv_scales``: an fp8 pool's."""
     mode = _triton_mode(q)
     if mode is None:
         return reference.extend_short_attention(
-            q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale, sinks=sinks
-        )
+            q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale, sinks=sinks,
+            kv_scales=kv_scales,
+        )  # fmt: skip
     return kernel_module("extend_short", mode).extend_short_attention(
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots, sm_scale,
-        max_extend_len=max_extend_len, sinks=sinks,
+        max_extend_len=max_extend_len, sinks=sinks, kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -142,16 +145,17 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One query token per request; see kernels.reference.decode_attention (``window``: the last slots
-    attended, 0 for all; ``softcap``: soft-capped scores; ``sinks``: attention sinks)."""
+    attended, 0 for all; ``softcap``: soft-capped scores; ``sinks``: attention sinks; ``kv_scales``: an
+    fp8 pool's)."""
     mode = _triton_mode(q)
+    options = {"window": window, "softcap": softcap, "sinks": sinks, "kv_scales": kv_scales}
     if mode is None:
-        return reference.decode_attention(
-            q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap, sinks=sinks
-        )
+        return reference.decode_attention(q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, **options)
     return kernel_module("decode_attention", mode).decode_attention(
-        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap, sinks=sinks
+        q, k_cache, v_cache, kv_indptr, kv_indices, sm_scale, **options
     )
 
 
@@ -202,14 +206,15 @@ def apply_rope(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kv_scales: tuple[float, float] | None = None,
+) -> None:  # fmt: skip
     """See kernels.reference.store_kv."""
     mode = _triton_mode(k)
     if mode is None:
-        reference.store_kv(k_cache, v_cache, slots, k, v)
+        reference.store_kv(k_cache, v_cache, slots, k, v, kv_scales)
         return
-    kernel_module("fused", mode).store_kv(k_cache, v_cache, slots, k, v)
+    kernel_module("fused", mode).store_kv(k_cache, v_cache, slots, k, v, kv_scales)
 
 
 def rope_store_kv(
@@ -221,13 +226,14 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See kernels.reference.rope_store_kv."""
     mode = _triton_mode(q)
     if mode is None:
-        return reference.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
+        return reference.rope_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots, kv_scales)
     return kernel_module("fused", mode).rope_store_kv(
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots, kv_scales=kv_scales
     )
 
 

@@ -55,6 +55,12 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def pool_values(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """KV pool rows as the values they stand for, in float32: as stored (an fp8 code widens exactly), or
+    each code times ``scale`` (an fp8 pool with a checkpoint's KV scales: store_kv stored x / scale)."""
+    return rows.float() if scale is None else rows.float() * scale
+
+
 def extend_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -70,6 +76,7 @@ def extend_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
     the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
@@ -77,8 +84,10 @@ def extend_attention(
     > 0: sliding-window attention, the token at position p sees positions p - window + 1 .. p only
     (positions count the request's prefix, then its new tokens). ``softcap`` > 0: scores soft-capped,
     softcap * tanh(score / softcap), before the softmax. ``sinks`` [Hq] float32: attention sinks, one
-    extra score per head in each softmax, attending nothing (gpt-oss)."""
+    extra score per head in each softmax, attending nothing (gpt-oss). ``kv_scales`` (K's, V's): an fp8
+    pool's rows stand for their codes times these (pool_values); the new tokens' k_new / v_new as they are."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    k_scale, v_scale = host_checks.kv_scales(kv_scales, k_cache.dtype) or (None, None)
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
     for i in range(len(qo) - 1):
@@ -86,8 +95,8 @@ def extend_attention(
         if qo[i] == qo[i + 1]:
             continue
         slots = kv_indices[kvp[i] : kvp[i + 1]].long()
-        k = torch.cat([k_cache[slots].to(k_new.dtype), k_new[rows]])
-        v = torch.cat([v_cache[slots].to(v_new.dtype), v_new[rows]])
+        k = torch.cat([pool_values(k_cache[slots], k_scale), k_new[rows].float()])
+        v = torch.cat([pool_values(v_cache[slots], v_scale), v_new[rows].float()])
         out[rows] = _attend(q[rows], k, v, len(slots), scale, window, softcap, sinks).to(q.dtype)
     return out
 
@@ -106,13 +115,17 @@ def extend_short_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """extend_attention with the new tokens' K/V read from the pool at ``out_slots`` (stored there
-    before attention, as the worker does). ``max_extend_len`` is a launch hint; ignored here."""
+    before attention, as the worker does; with ``kv_scales``, scaled as the prefix's are).
+    ``max_extend_len`` is a launch hint; ignored here."""
     slots = out_slots.long()
+    k_scale, v_scale = host_checks.kv_scales(kv_scales, k_cache.dtype) or (None, None)
     return extend_attention(
-        q, k_cache[slots], v_cache[slots], k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, sm_scale,
-        window=window, softcap=softcap, sinks=sinks,
+        q, pool_values(k_cache[slots], k_scale), pool_values(v_cache[slots], v_scale), k_cache, v_cache,
+        qo_indptr, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap, sinks=sinks,
+        kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -127,19 +140,22 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One query token per request, q [B, Hq, D], over all of its KV slots (the current token's
     K/V already stored), or the last ``window`` of them when window > 0; scores soft-capped when
-    softcap > 0, attention sinks with ``sinks`` (as extend_attention's). Returns [B, Hq, D] in q's dtype."""
+    softcap > 0, attention sinks with ``sinks``, an fp8 pool's ``kv_scales`` (as extend_attention's).
+    Returns [B, Hq, D] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    k_scale, v_scale = host_checks.kv_scales(kv_scales, k_cache.dtype) or (None, None)
     out = torch.empty_like(q)
     kvp = kv_indptr.tolist()
     for i in range(q.shape[0]):
         start = kvp[i] if window <= 0 else max(kvp[i], kvp[i + 1] - window)
         slots = kv_indices[start : kvp[i + 1]].long()
         # the single query is the last of the sequence: it sees every slot
-        o = _attend(q[i : i + 1], k_cache[slots], v_cache[slots], len(slots) - 1, scale, softcap=softcap,
-                    sinks=sinks)  # fmt: skip
+        k, v = pool_values(k_cache[slots], k_scale), pool_values(v_cache[slots], v_scale)
+        o = _attend(q[i : i + 1], k, v, len(slots) - 1, scale, softcap=softcap, sinks=sinks)
         out[i] = o[0].to(q.dtype)
     return out
 
@@ -412,9 +428,14 @@ def apply_rope(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write k, v [T, Hkv, D] into the pool rows ``slots`` [T] (in place)."""
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kv_scales: tuple[float, float] | None = None,
+) -> None:  # fmt: skip
+    """Write k, v [T, Hkv, D] into the pool rows ``slots`` [T] (in place); with an fp8 pool's ``kv_scales``
+    (K's, V's) each value over its scale (float32 division), then rounded into the pool."""
+    kv_scales = host_checks.kv_scales(kv_scales, k_cache.dtype)
+    if kv_scales is not None:
+        k, v = k.float() / kv_scales[0], v.float() / kv_scales[1]
     k_cache[slots.long()] = to_pool(k, k_cache.dtype)
     v_cache[slots.long()] = to_pool(v, v_cache.dtype)
 
@@ -437,10 +458,12 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_rope, then store_kv of the rotated k and v; returns the rotated (q, k)."""
+    """apply_rope, then store_kv of the rotated k and v (``kv_scales``: store_kv's); returns the rotated
+    (q, k)."""
     q, k = apply_rope(q, k, positions, cos_sin_cache)
-    store_kv(k_cache, v_cache, slots, k, v)
+    store_kv(k_cache, v_cache, slots, k, v, kv_scales)
     return q, k
 
 

@@ -454,6 +454,7 @@ def build_engine(cfg: Any) -> Engine:
             fp8_weights=cfg.fp8_weights,
             quantization=cfg.quantization,
             fp8_activations=cfg.fp8_activations,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         load_adapters(cfg, loaded.model)  # NOTE: before the pool, which takes a share of what is left
         pool = make_kv_pool(cfg, loaded.model, device)
@@ -476,6 +477,8 @@ def build_engine(cfg: Any) -> Engine:
             if mc.fp8_input_scales
             else ", their inputs quantized to fp8 per token (--fp8-activations dynamic)",
         )
+    if mc.kv_scales:
+        log.info("KV pool holds K and V over the checkpoint's KV scales (self_attn.k_scale / v_scale)")
     executor = model_executor(cfg, loaded.model, pool, device, mc.max_context)
     return assemble_engine(cfg, executor, pool.allocator, loaded.tokenizer, mc.max_context, name, host=host)
 

@@ -50,32 +50,38 @@ def extend(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
     (causal; with ``window`` > 0 the last ``window`` positions only; ``softcap`` > 0: soft-capped
-    scores; ``sinks`` [Hq]: attention sinks). Returns [T, Hq, D]. The new K/V must already be in the pool
-    at ``batch.out_slots``: steps of few new tokens per request (SHORT_EXTEND) read them there, unless
-    windowed or soft-capped (those take the extend path). On the CPU, soft-capped scores and sinks take
-    the reference (SDPA has neither)."""
+    scores; ``sinks`` [Hq]: attention sinks; ``kv_scales``: an fp8 pool's K and V scales). Returns
+    [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``: steps of few new tokens
+    per request (SHORT_EXTEND) read them there, unless windowed or soft-capped (those take the extend
+    path). On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
+    short steps' reading the new K/V back from the pool as the kernels do."""
     ops = kernel_ops(q.device)
     short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0 and softcap <= 0
     if ops is reference:
-        if softcap > 0 or sinks is not None:
+        if short and (sinks is not None or kv_scales is not None):  # NOTE: the new K/V read back, as on CUDA
+            return reference.extend_short_attention(q, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr,
+                                                    batch.kv_indices, batch.out_slots, sm_scale, sinks=sinks,
+                                                    kv_scales=kv_scales)  # fmt: skip
+        if softcap > 0 or sinks is not None or kv_scales is not None:
             return reference.extend_attention(q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr,
                                               batch.kv_indices, sm_scale, window=window, softcap=softcap,
-                                              sinks=sinks)  # fmt: skip
+                                              sinks=sinks, kv_scales=kv_scales)  # fmt: skip
         if batch.batch_size > 1 and short:
             return extend_short(q, k_cache, v_cache, batch, sm_scale)
         return _extend_sdpa(q, k, v, k_cache, v_cache, batch, sm_scale, window)
     if short:  # NOTE: verify steps, short cache-hit chunks: each KV head read once, split over the SMs
         return ops.extend_short_attention(
             q, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_slots, sm_scale,
-            max_extend_len=batch.max_extend_len, sinks=sinks,
+            max_extend_len=batch.max_extend_len, sinks=sinks, kv_scales=kv_scales,
         )  # fmt: skip
     return ops.extend_attention(
         q, k, v, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, sm_scale,
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
-        config=batch.extend_config, window=window, softcap=softcap, sinks=sinks,
+        config=batch.extend_config, window=window, softcap=softcap, sinks=sinks, kv_scales=kv_scales,
     )  # fmt: skip
 
 
@@ -191,18 +197,19 @@ def decode(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One token per request: q [B, Hq, D] attends all of the request's slots (its own K/V must
     already be stored), the last ``window`` with a window > 0, scores soft-capped with a softcap > 0,
-    attention sinks with ``sinks``. Returns [B, Hq, D]."""
+    attention sinks with ``sinks``, an fp8 pool's ``kv_scales``. Returns [B, Hq, D]."""
     ops = kernel_ops(q.device)
+    options = {"window": window, "softcap": softcap, "sinks": sinks, "kv_scales": kv_scales}
     if ops is reference:
-        if softcap > 0 or sinks is not None:
+        if softcap > 0 or sinks is not None or kv_scales is not None:
             return reference.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale,
-                                              window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+                                              **options)  # fmt: skip
         return decode_grouped(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window)
-    return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, window=window,
-                                softcap=softcap, sinks=sinks)  # fmt: skip
+    return ops.decode_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices, sm_scale, **options)
 
 
 def decode_grouped(

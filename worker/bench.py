@@ -169,10 +169,10 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
             if param.dtype == torch.float8_e4m3fn:  # NOTE: projections kept in fp8: codes of rms 64
                 codes = torch.empty(param.shape, device=device).normal_(0.0, 64.0, generator=gen)
                 param.copy_(codes.clamp(-448.0, 448.0))
-            elif name.endswith(
-                "input_scale"
-            ):  # NOTE: static input scales: inputs up to 7 (O(1) ones) unclipped
+            elif name.endswith("input_scale"):  # NOTE: static input scales: O(1) inputs unclipped
                 param.fill_(2.0**-6)
+            elif name.endswith("kv_scale"):  # NOTE: an fp8 pool's K and V scales (no powers of two: they
+                param.copy_(torch.tensor([0.03, 0.0125]))  # round otherwise than the unscaled values do)
             elif param.dtype == torch.float32 and name.endswith(("_scale", "_scales")):
                 # NOTE: their scales (experts' too): weights of rms 1/sqrt(fan_in), as below
                 weight = name.removesuffix("_scales") if name.endswith("_scales") else name[:-6] + "_proj"
@@ -186,6 +186,7 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
                 param.fill_(1.0)  # RMSNorm gains (Llama has no biases)
             else:  # NOTE: std 1/sqrt(fan_in) keeps activations O(1) through 32 layers in bf16
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    model.read_kv_scales()
     return model
 
 

@@ -30,14 +30,15 @@ def weights_info(model: Any) -> dict[str, Any]:
     """The model's weights as /v1/cache/info reports them: their dtype, and whether its projections are in
     fp8 (``fp8_projections``: null, or where they come from, their scales (a block's rows and columns, or
     "row") and their inputs' precision: "fp8 per token" under --fp8-activations dynamic, "fp8 static" under
-    static (the checkpoint's input scales), else the dtype's)."""
+    static (the checkpoint's input scales), else the dtype's), and whether an fp8 pool holds K and V over
+    the checkpoint's KV scales (``kv_scales``: "checkpoint", or null)."""
     c, dtype = model.config, str(model.dtype).removeprefix("torch.")
     fp8 = None
     if c.fp8_projections:
         fp8 = {"source": "checkpoint" if c.fp8_weights else "quantized at load",
                "scales": list(c.fp8_weight_block) if c.fp8_weight_block else "row",
                "activations": activations_served(c) or dtype}  # fmt: skip
-    return {"weight_dtype": dtype, "fp8_projections": fp8}
+    return {"weight_dtype": dtype, "fp8_projections": fp8, "kv_scales": "checkpoint" if c.kv_scales else None}
 
 
 def activations_served(config: Any) -> str | None:

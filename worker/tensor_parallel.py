@@ -277,6 +277,7 @@ def load_rank(cfg: Any, shard: Shard, channel: Channel, device: torch.device) ->
         fp8_weights=cfg.fp8_weights,
         quantization=cfg.quantization,
         fp8_activations=cfg.fp8_activations,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
     load_adapters(cfg, loaded.model)  # NOTE: every rank its own part, before the pool takes what is left
 
@@ -302,7 +303,8 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
     config = served_experts(read_config(cfg.model), cfg.mxfp4_experts, device)
     first.check(config)
     files = safetensors_files(cfg.model) if config.fp8_weights else []  # NOTE: the headers served_fp8 reads
-    served_precision(config, device, first, files, cfg.fp8_weights, cfg.quantization, cfg.fp8_activations)
+    served_precision(config, device, first, files, cfg.fp8_weights, cfg.quantization, cfg.fp8_activations,
+                     cfg.kv_cache_dtype)  # fmt: skip
     ranks = Ranks(cfg, device.type)
     shard, channel = init_rank(0, cfg.tensor_parallel_size, ranks.init_method, rank_device(device.type, 0))
     loaded, pool = load_rank(cfg, shard, channel, rank_device(device.type, 0))

@@ -161,3 +161,131 @@ def test_a_pool_of_mixed_or_unsupported_dtypes_is_refused(backend):
         fused.store_kv(k_cache.to(torch.int8), v_cache.to(torch.int8), two, k, k)
     with pytest.raises(ValueError, match=r"float8_e4m3fn \(K\) and torch\.float32 \(V\)"):
         fused.store_kv(fp8, v_cache, two, k, k)
+
+
+# a checkpoint's KV scales (k_scale, v_scale): the pool holds K / k_scale and V / v_scale; K's spread the
+# codes past e4m3's 448 for the largest values (they saturate), V's into its subnormals for the smallest
+KV_SCALES = (0.05, 4.0)
+
+
+def scaled_pool(cache: torch.Tensor, scale: float, pool_dtype: torch.dtype) -> torch.Tensor:
+    """A 16/32-bit pool's rows as an fp8 pool with ``scale`` stores them (reference.store_kv's rule)."""
+    return reference.to_pool(cache.float() / scale, pool_dtype)
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+def test_scaled_stores_write_the_references_bits(backend, pool_dtype):
+    """store_kv and rope_store_kv with KV scales: each value over its scale (division rounded to nearest),
+    then the pool's rounding and saturation; rope_store_kv still returns the rotated k unscaled."""
+    fused = backend.module("fused")
+    g = torch.Generator().manual_seed(9)
+    t, hq, hkv, d = 13, 8, 2, 64
+    q, k, v = (torch.randn(t, h, d, generator=g).mul(8).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    positions = torch.randint(0, 64, (t,), generator=g)
+    cos_sin = rope_cache(64, d)
+    slots = torch.randperm(t + 3, generator=g)[:t].to(torch.int32)
+    dev = [x.to(backend.device) for x in (q, k, v, positions, cos_sin)]
+    for store in ("store_kv", "rope_store_kv"):
+        k_cache = torch.full((t + 3, hkv, d), float("nan")).to(pool_dtype).to(backend.device)
+        v_cache = k_cache.clone()
+        want_k, want_v = k_cache.cpu().clone(), v_cache.cpu().clone()
+        if store == "store_kv":
+            fused.store_kv(k_cache, v_cache, slots.to(backend.device), dev[1], dev[2], kv_scales=KV_SCALES)
+            reference.store_kv(want_k, want_v, slots, k, v, KV_SCALES)
+        else:  # NOTE: the pool gets the k returned (rotated, unscaled) over its scale
+            _, k_rot = fused.rope_store_kv(
+                *dev, k_cache, v_cache, slots.to(backend.device), kv_scales=KV_SCALES
+            )
+            torch.testing.assert_close(k_rot.cpu(), reference.apply_rope(q, k, positions, cos_sin)[1])
+            reference.store_kv(want_k, want_v, slots, k_rot.cpu(), v, KV_SCALES)
+        assert bits(k_cache.cpu()).equal(bits(want_k)) and bits(v_cache.cpu()).equal(bits(want_v)), store
+    stored = want_k[slots.long()].float()
+    if pool_dtype == torch.float8_e4m3fn:  # NOTE: k / 0.05 saturates e4m3's largest values (not e5m2's)
+        assert stored.abs().max() == torch.finfo(pool_dtype).max
+    unscaled_k, unscaled_v = want_k.clone(), want_v.clone()
+    reference.store_kv(unscaled_k, unscaled_v, slots, k, v)
+    assert not bits(unscaled_v).equal(bits(want_v))
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("path", ["decode", "extend", "extend-split", "extend-packed", "short"])
+def test_attention_over_a_scaled_fp8_pool_matches_the_reference(backend, assert_close_rel, pool_dtype, path):
+    """Each attention path with KV scales: the pool's codes stand for code x scale (the prefix's in an
+    extend; its new tokens' k, v as given), GQA 4, NaN-poisoned outputs; far from the same pool read
+    unscaled."""
+    kv = tuple(KV_SCALES)
+    if path == "decode":
+        dec = backend.module("decode_attention")
+        lens = [1, 2, 17, 50, 130, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
+        q, k_cache, v_cache, kvp, slots = decode_cases.make_batch(lens, 8, 2, 64, q_dtype(backend), backend.device,
+                                                                   seed=91)  # fmt: skip
+        args = (
+            q,
+            scaled_pool(k_cache, kv[0], pool_dtype),
+            scaled_pool(v_cache, kv[1], pool_dtype),
+            kvp,
+            slots,
+        )
+        out = torch.full_like(q, float("nan"))
+        dec.decode_attention(*args, out=out, num_splits=4, kv_scales=kv)
+        want = reference.decode_attention(*(a.cpu() for a in args), kv_scales=kv)
+        unscaled = reference.decode_attention(*(a.cpu() for a in args))
+    elif path == "short":
+        short = backend.module("extend_short")
+        q, k_new, v_new, k_cache, v_cache, qo, kvp, prefix = extend_cases.make_batch(
+            [(0, 3), (40, 1), (17, 5), (130, 2)], 8, 2, 64, q_dtype(backend), backend.device, seed=93
+        )
+        k_cache, v_cache = scaled_pool(k_cache, kv[0], pool_dtype), scaled_pool(v_cache, kv[1], pool_dtype)
+        free = sorted(set(range(k_cache.shape[0])) - set(prefix.tolist()))[: q.shape[0]]
+        out_slots = torch.tensor(free, dtype=torch.int32, device=backend.device)
+        reference.store_kv(k_cache, v_cache, out_slots, k_new, v_new, kv)  # NOTE: as the worker stores them
+        out = torch.full_like(q, float("nan"))
+        short.extend_short_attention(q, k_cache, v_cache, qo, kvp, prefix, out_slots, max_extend_len=5, out=out,
+                                     num_splits=4, kv_scales=kv)  # fmt: skip
+        cpu = [a.cpu() for a in (q, k_cache, v_cache, qo, kvp, prefix, out_slots)]
+        want = reference.extend_short_attention(*cpu, kv_scales=kv)
+        unscaled = reference.extend_short_attention(*cpu)
+    else:
+        ext = backend.module("extend_attention")
+        requests = REQUESTS if not backend.is_cuda else [(p * 9, n * 9) for p, n in REQUESTS]
+        batch = list(extend_cases.make_batch(requests, 8, 2, 64, q_dtype(backend), backend.device, seed=95))
+        batch[3], batch[4] = (
+            scaled_pool(batch[3], kv[0], pool_dtype),
+            scaled_pool(batch[4], kv[1], pool_dtype),
+        )
+        cfg = ext.default_config(64, batch[0].dtype, pool_dtype=pool_dtype)
+        cfg = dataclasses.replace(cfg, split_prefix=path != "extend", packed_blocks=path == "extend-packed")
+        out = torch.full_like(batch[0], float("nan"))
+        ext.extend_attention(
+            *batch, out=out, config=cfg, num_splits=1 if path == "extend" else 4, kv_scales=kv
+        )
+        want = reference.extend_attention(*(a.cpu() for a in batch), kv_scales=kv)
+        unscaled = reference.extend_attention(*(a.cpu() for a in batch))
+    assert_close_rel(out.cpu(), want)
+    assert ((unscaled.float() - want.float()).norm() / want.float().norm()).item() > 0.1
+
+
+def test_the_scaled_reference_is_the_reference_over_the_values_the_codes_stand_for():
+    """Over codes c with scales s, every path computes what it computes over a float32 pool of c x s."""
+    q, k_cache, v_cache, kvp, slots = decode_cases.make_batch(
+        [5, 40], 8, 2, 64, torch.float32, "cpu", seed=97
+    )
+    k8, v8 = scaled_pool(k_cache, KV_SCALES[0], torch.float8_e4m3fn), scaled_pool(v_cache, KV_SCALES[1],
+                                                                                torch.float8_e4m3fn)  # fmt: skip
+    values = (k8.float() * KV_SCALES[0], v8.float() * KV_SCALES[1])
+    torch.testing.assert_close(reference.decode_attention(q, k8, v8, kvp, slots, kv_scales=KV_SCALES),
+                               reference.decode_attention(q, *values, kvp, slots), rtol=0, atol=0)  # fmt: skip
+
+
+def test_kv_scales_are_refused_over_a_16_bit_pool_or_when_not_positive(backend):
+    dec = backend.module("decode_attention")
+    fused = backend.module("fused")
+    q, k_cache, v_cache, kvp, slots = decode_cases.make_batch([3], 8, 2, 64, torch.float32, backend.device)
+    with pytest.raises(ValueError, match=r"KV scales apply to an fp8 pool, not a torch\.float32 one"):
+        dec.decode_attention(q, k_cache, v_cache, kvp, slots, kv_scales=KV_SCALES)
+    with pytest.raises(ValueError, match="KV scales apply to an fp8 pool"):
+        reference.decode_attention(q, k_cache, v_cache, kvp, slots, kv_scales=KV_SCALES)
+    k8, v8 = (reference.to_pool(c, torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    for bad in ((0.0, 1.0), (1.0, float("inf")), (-1.0, 2.0), (1.0,)):
+        with pytest.raises(ValueError, match="two positive finite numbers"):
+            fused.store_kv(k8, v8, slots[:1], k_cache[:1], v_cache[:1], kv_scales=bad)

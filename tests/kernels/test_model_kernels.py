@@ -251,6 +251,34 @@ def test_model_over_an_fp8_pool_on_triton_kernels_matches_the_reference_path(
             assert 1e-2 < moved < rounding, f"step {step}: fp8 pool moved the logits by {moved:.2e}"
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_model_over_a_scaled_fp8_pool_on_triton_kernels_matches_the_reference_path(
+    backend, monkeypatch, pool_dtype
+):
+    """An fp8 pool with a checkpoint's KV scales (K / 0.03, V / 0.0125 stored): the kernels' stores and
+    attention as the reference path's, through prefill, a cached prefix and decode; and the scales are
+    used (from the first step that reads the pool, the logits differ from the unscaled pool's)."""
+    if backend.interpret:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    scaled = dataclasses.replace(CONFIG, kv_scales=True)
+    cpu_model = random_llama(scaled, "cpu", torch.float32, seed=1)
+    assert cpu_model.layers[0].kv_scale_values == pytest.approx((0.03, 0.0125))
+    want = run_steps(cpu_model, torch.device("cpu"), pool_dtype=pool_dtype)
+    unscaled = run_steps(random_llama(CONFIG, "cpu", torch.float32, seed=1), torch.device("cpu"),
+                         pool_dtype=pool_dtype)  # fmt: skip
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"))
+    got = run_steps(model, backend.device, pool_dtype=pool_dtype)
+    tol = 1e-3 if backend.interpret else 3e-2  # NOTE: as the unscaled pool's test, for the same reason
+    for step, (g, w, u) in enumerate(zip(got, want, unscaled, strict=True)):
+        assert g.shape == w.shape and torch.isfinite(g).all()
+        err = ((g - w).norm() / w.norm()).item()
+        assert err < tol, f"step {step}: relative error {err:.2e} >= {tol:.0e}"
+        moved = ((w - u).norm() / u.norm()).item()  # NOTE: the first step reads no pool: the same logits
+        assert moved < 1e-5 if step == 0 else moved > 1e-3, (
+            f"step {step}: {moved:.2e} from the unscaled pool's"
+        )
+
+
 def test_the_worker_gives_the_extend_kernel_its_longest_prefix(backend, assert_close_rel, monkeypatch):
     """attention.extend hands the batch's longest cached prefix to the kernel's tile choice (a prefix
     of 16k tokens or more takes other tiles on sm_90), and the result is the reference's."""

@@ -72,13 +72,13 @@ def fp8_pair(base, tmp_path, method: str, strategy: str, block=(16, 32)):
         else:
             expanded = scale
         dequantized[name] = codes.float() * expanded
-        if (
-            method == "compressed-tensors"
-        ):  # NOTE: a static activation scale and a KV cache scale, unused here
-            quantized[name.replace("weight", "input_scale")] = torch.tensor(0.5)
-            owner = name.rsplit(".", 3)[0]
-            if name.endswith("self_attn.k_proj.weight"):
+        if method == "compressed-tensors":  # NOTE: a static input scale and the KV cache's scales, unread
+            quantized[name.replace("weight", "input_scale")] = torch.tensor(0.5)  # here (--fp8-activations
+            owner = name.rsplit(".", 3)[0]  # static and an fp8 pool read them: test_fp8_activations.py,
+            if name.endswith("self_attn.k_proj.weight"):  # test_kv_scales.py)
                 quantized[f"{owner}.self_attn.k_scale"] = torch.tensor(0.25)
+            if name.endswith("self_attn.v_proj.weight"):
+                quantized[f"{owner}.self_attn.v_scale"] = torch.tensor(0.125)
     save_file(quantized, str(fp8 / "model.safetensors"))
     save_file(dequantized, str(plain / "model.safetensors"))
     config = json.loads((base / "config.json").read_text())

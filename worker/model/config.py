@@ -101,6 +101,12 @@ class ModelConfig:
     # projection (the largest of its parts': q/k/v, gate/up) and one a sparse layer's gate/up and down GEMMs
     # (the largest of its experts')
     fp8_input_scales: bool = False
+    # the checkpoint carries one calibrated fp8 scale a layer for K and one for V (compressed-tensors'
+    # kv_cache_scheme: 8-bit floats by tensor; self_attn.k_scale / v_scale); with kv_scales (the loader's
+    # choice: an fp8 --kv-cache-dtype) the pool stores K / k_scale and V / v_scale and attention reads them
+    # back times the scales
+    checkpoint_kv_scales: bool = False
+    kv_scales: bool = False
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
     sliding_window: int = 0  # tokens, the query's own included
     sliding_layers: tuple[int, ...] = ()
@@ -278,7 +284,15 @@ def _compressed_fp8(quant: dict[str, Any]) -> dict[str, Any]:
         "fp8_weights": True,
         "fp8_weight_block": tuple(int(b) for b in block) if strategy == "block" else None,
         "fp8_activation_scheme": _compressed_activations(quant),
+        "checkpoint_kv_scales": _compressed_kv_scales(quant),
     }
+
+
+def _compressed_kv_scales(quant: dict[str, Any]) -> bool:
+    """Whether a compressed-tensors config's kv_cache_scheme stores K and V as 8-bit floats by one scale a
+    layer's tensor (other schemes: their scales are not read)."""
+    kv = quant.get("kv_cache_scheme") or {}
+    return (kv.get("type"), kv.get("num_bits"), kv.get("strategy")) == ("float", 8, "tensor")
 
 
 def _compressed_activations(quant: dict[str, Any]) -> str | None:

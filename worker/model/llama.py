@@ -198,6 +198,10 @@ class DecoderLayer(nn.Module):
         self.router_bias = _weight(c.num_experts, **w) if biased else None
         self.experts_gate_up_bias = _weight(c.num_experts, 2 * self.inter, **w) if biased else None
         self.experts_down_bias = _weight(c.num_experts, c.hidden_size, **w) if biased else None
+        # an fp8 pool's K and V scales (the checkpoint's k_scale, v_scale; --kv-cache-dtype fp8), read once
+        # loaded into kv_scale_values, the Python numbers the stores and attention kernels take
+        self.kv_scale = _weight(2, device=device, dtype=torch.float32) if c.kv_scales else None
+        self.kv_scale_values: tuple[float, float] | None = None
         # gpt-oss: this rank's heads' attention sinks (float32, as the kernels read them)
         self.sinks = _weight(self.heads, device=device, dtype=torch.float32) if c.attention_sinks else None
         self.shared_inter = shard.local(c, "shared_intermediate") if self.sparse else 0
@@ -248,19 +252,19 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, c.rms_norm_eps)
         # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
+        kv_scales = self.kv_scale_values
         if self.rope:
             q, k = ops.rope_store_kv(
-                q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots
+                q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots, kv_scales
             )
         else:  # NOTE: a NoPE layer (SmolLM3): positions reach it through the causal mask alone
-            ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
+            ops.store_kv(k_cache, v_cache, batch.out_slots, k, v, kv_scales)
         if batch.mode == "extend":
             out = attention.extend(q, k, v, k_cache, v_cache, batch, self.sm_scale, self.window,
-                                   c.attn_logit_softcapping, self.sinks)  # fmt: skip
+                                   c.attn_logit_softcapping, self.sinks, kv_scales)  # fmt: skip
         else:
-            out = attention.decode(
-                q, k_cache, v_cache, batch, self.sm_scale, self.window, c.attn_logit_softcapping, self.sinks
-            )
+            out = attention.decode(q, k_cache, v_cache, batch, self.sm_scale, self.window,
+                                   c.attn_logit_softcapping, self.sinks, kv_scales)  # fmt: skip
         out = out.reshape(t, self.q_size)
         o = self._project(out, "o", self.o_bias if self.bias_here else None, ops)
         o = self.shard.all_reduce(o if lora is None else lora.apply(i, "o", out, o))
@@ -328,7 +332,7 @@ class DecoderLayer(nn.Module):
 # sinks: gpt-oss's, self_attn's; scales: MXFP4 experts' (of mlp.experts.N.gate_proj / up_proj / down_proj);
 # weight_scale: the scales of a projection kept in fp8 (--fp8-weights); input_scale: its input's static scale
 _LAYER_WEIGHT = re.compile(
-    r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales|weight_scale|input_scale)$"
+    r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales|weight_scale|input_scale|k_scale|v_scale)$"
 )
 # Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
 _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
@@ -372,10 +376,13 @@ def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str,
 
 # an fp8 checkpoint's scales: weight_scale_inv (HF's fine-grained fp8) or weight_scale (compressed-tensors), a
 # weight's multiplier despite the first name; a projection's input_scale (its input's calibrated scale) is
-# read under --fp8-activations static, output and KV scales are not used
+# read under --fp8-activations static, the KV scales (self_attn.k_scale / v_scale, or k_proj / v_proj's
+# output_scale in older releases) over an fp8 pool; other output scales are not used
 _FP8_SCALE = re.compile(r"(.+)\.weight_scale(?:_inv)?$")
 _FP8_UNUSED = re.compile(r"(.+)\.(input_scale|output_scale|k_scale|v_scale)$")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# a KV scale's names: self_attn.k_scale / v_scale, or self_attn.k_proj / v_proj.output_scale
+_KV_SCALE = re.compile(r"(.+\.self_attn)\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
 # the projections an fp8 checkpoint keeps in fp8 under --fp8-weights fp8 (the owner of a weight and its scale):
 # every layer's attention q/k/v/o, a dense layer's MLP gate/up/down and every expert's (Mixtral's w1 / w3 / w2
 # names too); shared experts, routers and the LM head are dequantized
@@ -387,25 +394,24 @@ FP8_PROJECTION = re.compile(
 
 def _fp8_dequantized(
     weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype,
-    keep: bool = False, inputs: bool = False,
+    keep: bool = False, inputs: bool = False, kv: bool = False,
 ) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
     """``weights`` with each fp8 weight and its scale, whichever is read first, as one weight dequantized to
     ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's), or
     with ``keep`` an FP8_PROJECTION's as they are, the weight and its scales (``<owner>.weight_scale``:
     float32, one a block, else one a row, [N, 1]); with ``inputs`` (and ``keep``) each FP8_PROJECTION's
-    static ``input_scale`` too (float32 [1]); other weights (norms, embeddings, layers the checkpoint left
-    unquantized) as they are. A weight without its scale, or a scale without its weight, is a ValueError
-    naming it; so is an input scale of more than one value."""
+    static ``input_scale`` too (float32 [1]); with ``kv`` each layer's KV scales as ``self_attn.k_scale`` /
+    ``v_scale`` (float32 [1]); other weights (norms, embeddings, layers the checkpoint left unquantized) as
+    they are. A weight without its scale, or a scale without its weight, is a ValueError naming it; so is
+    an input or KV scale of more than one value."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        unused = _FP8_UNUSED.match(name)
+        unused, kv_scale = _FP8_UNUSED.match(name), _KV_SCALE.match(name)
         if unused is not None:
             if inputs and keep and unused[2] == "input_scale" and FP8_PROJECTION.search(unused[1]):
-                if tensor.numel() != 1:
-                    raise ValueError(
-                        f"{name} has {tensor.numel()} values: static input scales are one a tensor"
-                    )
-                yield name, tensor.float().reshape(1)
+                yield name, _one_scale(name, tensor, "static input")
+            elif kv and kv_scale is not None:
+                yield f"{kv_scale[1]}.{kv_scale[2] or kv_scale[3]}_scale", _one_scale(name, tensor, "KV")
             continue
         scale = _FP8_SCALE.match(name)
         if scale is None and not (name.endswith(".weight") and tensor.dtype in _FP8):
@@ -427,6 +433,13 @@ def _fp8_dequantized(
     for owner, pair in waiting.items():
         has, lacks = ("weight", "its scale") if "weight" in pair else ("scale", "its fp8 weight")
         raise ValueError(f"checkpoint has the fp8 {has} of {owner} without {lacks}")
+
+
+def _one_scale(name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    """A per-tensor scale as float32 [1]; ValueError naming it where it holds more than one value."""
+    if tensor.numel() != 1:
+        raise ValueError(f"{name} has {tensor.numel()} values: {kind} scales are one a tensor")
+    return tensor.float().reshape(1)
 
 
 def _quantized_at_load(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -650,7 +663,9 @@ class LlamaForCausalLM(nn.Module):
             ("self_attn.o_proj", "input_scale"): layer.o_input_scale,
             ("mlp.down_proj", "input_scale"): layer.down_input_scale,
             ("self_attn", "sinks"): layer.sinks,
-        }
+            **({("self_attn", "k_scale"): layer.kv_scale[0:1], ("self_attn", "v_scale"): layer.kv_scale[1:2]}
+               if layer.kv_scale is not None else {}),
+        }  # fmt: skip
         if part in stacked and kind == "input_scale":
             target = getattr(layer, f"{stacked[part][0]}_input_scale")
             if target is not None:
@@ -705,6 +720,14 @@ class LlamaForCausalLM(nn.Module):
             })  # fmt: skip
         return slots.get(part)
 
+    def read_kv_scales(self) -> None:
+        """Each layer's loaded KV scales as the Python numbers its stores and attention take (read once:
+        the forward never waits on the device for them)."""
+        for layer in self.layers:
+            if layer.kv_scale is not None:
+                k, v = layer.kv_scale.tolist()
+                layer.kv_scale_values = (k, v)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to this model's dtype and device). Raises ValueError on
         an unknown or repeated name, a shape mismatch, or when any parameter was left unfilled (naming
@@ -744,6 +767,7 @@ class LlamaForCausalLM(nn.Module):
                 for name, p in self.named_parameters():
                     if name.endswith("input_scale"):
                         p.fill_(p.amax())
+        self.read_kv_scales()
         if self.config.norm_offset:  # NOTE: Gemma stores each RMSNorm weight as w for a scale of 1 + w
             with torch.no_grad():
                 for name, p in self.named_parameters():
@@ -773,7 +797,12 @@ class LlamaForCausalLM(nn.Module):
         waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
         if c.fp8_weights:
             weights = _fp8_dequantized(
-                weights, c.fp8_weight_block, self.dtype, keep=c.fp8_projections, inputs=c.fp8_input_scales
+                weights,
+                c.fp8_weight_block,
+                self.dtype,
+                keep=c.fp8_projections,
+                inputs=c.fp8_input_scales,
+                kv=c.kv_scales,
             )
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
@@ -817,7 +846,8 @@ class LlamaForCausalLM(nn.Module):
                  *(f"mlp.experts.{e}.{p}" for e in range(self.config.num_experts)
                    for p in ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-        names += [f"model.layers.{i}.self_attn.sinks" for i in range(self.config.num_layers)]
+        names += [f"model.layers.{i}.self_attn.{kind}" for i in range(self.config.num_layers)
+                  for kind in ("sinks", "k_scale", "v_scale")]  # fmt: skip
         names += [f"model.layers.{i}.{p}.{k}" for i in range(self.config.num_layers) for p in parts
                   for k in ("weight", "bias", "scales", "weight_scale", "input_scale")]  # fmt: skip
         out = []

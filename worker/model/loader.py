@@ -166,14 +166,25 @@ def served_activations(config: ModelConfig, fp8_activations: str) -> ModelConfig
     return dataclasses.replace(config, fp8_activations=True, fp8_input_scales=fp8_activations == "static")
 
 
+def served_kv_scales(config: ModelConfig, kv_cache_dtype: str) -> ModelConfig:
+    """``config`` with its checkpoint's KV scales served (kv_scales) where the pool is fp8 (--kv-cache-dtype
+    fp8, fp8_e4m3 or fp8_e5m2): the pool then holds K / k_scale and V / v_scale. A 16-bit pool holds K and
+    V as computed and the scales are not read."""
+    if config.checkpoint_kv_scales and kv_cache_dtype.startswith("fp8"):
+        return dataclasses.replace(config, kv_scales=True)
+    return config
+
+
 def served_precision(
     config: ModelConfig, device: torch.device, shard: Shard, files: list[str], fp8_weights: str,
-    quantization: str, fp8_activations: str,
+    quantization: str, fp8_activations: str, kv_cache_dtype: str = "auto",
 ) -> ModelConfig:  # fmt: skip
     """``config`` as the worker's precision flags serve it, in their order: --fp8-weights (served_fp8, over
-    the checkpoint's ``files``), --quantization (quantized_at_load), --fp8-activations (served_activations)."""
+    the checkpoint's ``files``), --quantization (quantized_at_load), --fp8-activations (served_activations),
+    --kv-cache-dtype (served_kv_scales)."""
     config = served_fp8(config, fp8_weights, device, shard, files)
-    return served_activations(quantized_at_load(config, quantization, device), fp8_activations)
+    config = served_activations(quantized_at_load(config, quantization, device), fp8_activations)
+    return served_kv_scales(config, kv_cache_dtype)
 
 
 # weights that stack projections kept apart in fp8: Phi-3's q/k/v and gate/up, Granite MoE's experts
@@ -242,18 +253,21 @@ def cap_context(config: ModelConfig, max_model_len: int | None) -> ModelConfig:
 def load_model(
     spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, shard: Shard = WHOLE,
     max_model_len: int | None = None, mxfp4_experts: str = "auto", fp8_weights: str = "auto",
-    quantization: str = "none", fp8_activations: str = "none",
+    quantization: str = "none", fp8_activations: str = "none", kv_cache_dtype: str = "auto",
 ) -> LoadedModel:  # fmt: skip
     """``"tiny"`` or the path of a local HF model directory (``shard``: the part one rank of a
     tensor-parallel model holds; ``max_model_len``: a context below the model's own to serve;
     ``mxfp4_experts``: MXFP4 experts kept ``packed`` or ``dequantized`` to ``dtype`` at load, ``auto``:
     packed on CUDA, where kernels.moe decodes them, dequantized elsewhere; ``fp8_weights``: an fp8
     checkpoint's projections likewise, see served_fp8; ``quantization``: a 16-bit checkpoint's quantized to
-    fp8 at load or not, see quantized_at_load; ``fp8_activations``: see served_activations). Raises
-    ValueError when the directory is not a supported checkpoint or does not split over the shard's ranks."""
+    fp8 at load or not, see quantized_at_load; ``fp8_activations``: see served_activations;
+    ``kv_cache_dtype``: the pool's, whether the checkpoint's KV scales are served, see served_kv_scales).
+    Raises ValueError when the directory is not a supported checkpoint or does not split over the shard's
+    ranks."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
-    precision = {"fp8_weights": fp8_weights, "quantization": quantization, "fp8_activations": fp8_activations}
+    precision = {"fp8_weights": fp8_weights, "quantization": quantization, "fp8_activations": fp8_activations,
+                 "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
     if spec == "tiny":
         config = served_precision(cap_context(tiny_config(), max_model_len), device, shard, [], **precision)
         return LoadedModel(build_tiny(device, dtype, shard, config), config, ByteTokenizer(), "tiny")
