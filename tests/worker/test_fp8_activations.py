@@ -87,26 +87,35 @@ def test_dynamic_is_refused_where_no_projection_is_served_in_fp8(tmp_path):
         WorkerConfig(fp8_activations="w8a8").validate()
 
 
-def test_cache_info_and_the_log_say_the_inputs_are_quantized(caplog):
+def served(cfg, caplog) -> tuple[str, dict, httpx.Response]:
+    """Build the engine of WorkerConfig ``cfg`` and serve it: its start-up log, its /v1/cache/info and a
+    4-token completion of its model."""
     from tests.worker.test_server import LiveServer
     from worker.assembly import build_engine
+
+    with caplog.at_level(logging.INFO, logger="worker"):
+        engine = build_engine(cfg)
+    with LiveServer(engine) as worker:
+        info = httpx.get(worker.url + "/v1/cache/info", timeout=10).json()
+        [model] = httpx.get(worker.url + "/v1/models", timeout=10).json()["data"]
+        reply = httpx.post(worker.url + "/v1/completions", json={"model": model["id"], "prompt": "Hello",
+                                                                 "max_tokens": 4}, timeout=30)  # fmt: skip
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    return caplog.text, info, reply
+
+
+def test_cache_info_and_the_log_say_the_inputs_are_quantized(caplog):
     from worker.config import WorkerConfig
 
     cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=1024, warmup_tokens=0, quantization="fp8",
                        fp8_activations="dynamic")  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="worker"):
-        engine = build_engine(cfg)
-    assert "their inputs quantized to fp8 per token (--fp8-activations dynamic)" in caplog.text
-    with LiveServer(engine) as worker:
-        info = httpx.get(worker.url + "/v1/cache/info", timeout=10).json()
-        reply = httpx.post(worker.url + "/v1/completions", json={"model": "tiny", "prompt": "Hello",
-                                                                 "max_tokens": 4}, timeout=30)  # fmt: skip
+    log, info, _ = served(cfg, caplog)
+    assert "their inputs quantized to fp8 per token (--fp8-activations dynamic)" in log
     assert info["fp8_projections"] == {
         "source": "quantized at load",
         "scales": "row",
         "activations": "fp8 per token",
     }
-    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
 def test_two_ranks_with_block_scales_answer_as_one(tmp_path):
@@ -292,27 +301,15 @@ def test_the_activation_scheme_is_read_from_either_config():
 
 
 def test_cache_info_and_the_log_say_the_inputs_take_the_checkpoints_scales(tmp_path, caplog):
-    from tests.worker.test_server import LiveServer
-    from worker.assembly import build_engine
     from worker.config import WorkerConfig
 
     fp8, _ = fp8_pair(save_checkpoint(tmp_path / "base", "llama"), tmp_path, "compressed-tensors", "tensor")
     with_input_scales(fp8, "compressed-tensors")
     cfg = WorkerConfig(model=str(fp8), device="cpu", kv_cache_tokens=1024, warmup_tokens=0, fp8_weights="fp8",
                        fp8_activations="static")  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="worker"):
-        engine = build_engine(cfg)
-    assert (
-        "their inputs quantized to fp8 by the checkpoint's input scales (--fp8-activations static)"
-        in caplog.text
-    )
-    with LiveServer(engine) as worker:
-        info = httpx.get(worker.url + "/v1/cache/info", timeout=10).json()
-        [model] = httpx.get(worker.url + "/v1/models", timeout=10).json()["data"]
-        reply = httpx.post(worker.url + "/v1/completions", json={"model": model["id"], "prompt": "Hello",
-                                                                 "max_tokens": 4}, timeout=30)  # fmt: skip
+    log, info, _ = served(cfg, caplog)
+    assert "their inputs quantized to fp8 by the checkpoint's input scales (--fp8-activations static)" in log
     assert info["fp8_projections"] == {"source": "checkpoint", "scales": "row", "activations": "fp8 static"}
-    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
 def test_two_ranks_with_static_input_scales_answer_as_one(tmp_path):

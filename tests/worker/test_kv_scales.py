@@ -7,15 +7,14 @@ exactly those values; a 16-bit pool never reads the scales; a missing or per-cha
 from __future__ import annotations
 
 import json
-import logging
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import reference
 from tests.worker.conftest import save_checkpoint
+from tests.worker.test_fp8_activations import served
 from tests.worker.test_fp8_weights import fp8_pair
 from tests.worker.test_model import PROMPT, decode, extend, scattered_slots
 from tests.worker.test_tensor_parallel import assert_two_ranks_answer_as_one
@@ -131,23 +130,14 @@ def test_a_missing_or_per_channel_kv_scale_is_named(tmp_path):
 
 
 def test_cache_info_and_the_log_say_the_pool_holds_scaled_values(tmp_path, caplog):
-    from tests.worker.test_server import LiveServer
-    from worker.assembly import build_engine
     from worker.config import WorkerConfig
 
     fp8, _ = kv_checkpoint(tmp_path)
     cfg = WorkerConfig(model=str(fp8), device="cpu", kv_cache_tokens=1024, warmup_tokens=0, fp8_weights="fp8",
                        kv_cache_dtype="fp8_e4m3")  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="worker"):
-        engine = build_engine(cfg)
-    assert "KV pool holds K and V over the checkpoint's KV scales" in caplog.text
-    with LiveServer(engine) as worker:
-        info = httpx.get(worker.url + "/v1/cache/info", timeout=10).json()
-        [model] = httpx.get(worker.url + "/v1/models", timeout=10).json()["data"]
-        reply = httpx.post(worker.url + "/v1/completions", json={"model": model["id"], "prompt": "Hello",
-                                                                 "max_tokens": 4}, timeout=30)  # fmt: skip
+    log, info, _ = served(cfg, caplog)
+    assert "KV pool holds K and V over the checkpoint's KV scales" in log
     assert info["kv_scales"] == "checkpoint" and info["kv_dtype"] == "float8_e4m3fn"
-    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
 def test_two_ranks_over_scaled_fp8_pools_answer_as_one(tmp_path):
