@@ -171,7 +171,7 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
                 param.copy_(codes.clamp(-448.0, 448.0))
             elif name.endswith("input_scale"):  # NOTE: static input scales: O(1) inputs unclipped
                 param.fill_(2.0**-6)
-            elif name.endswith("kv_scale"):  # NOTE: an fp8 pool's K and V scales (no powers of two: they
+            elif name.endswith("kv_pool_scale"):  # NOTE: an fp8 pool's K and V scales (no powers of two: they
                 param.copy_(torch.tensor([0.03, 0.0125]))  # round otherwise than the unscaled values do)
             elif param.dtype == torch.float32 and name.endswith(("_scale", "_scales")):
                 # NOTE: their scales (experts' too): weights of rms 1/sqrt(fan_in), as below

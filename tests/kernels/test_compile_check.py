@@ -228,10 +228,14 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
     # the kernels over an fp8 pool (--kv-cache-dtype) are their own compiles: the default tiles of each
     fp8 = [r for r in loaded if r.get("pool") == "*fp8e4nv"]
-    # (their merges read no pool: the 16-bit pools' merge kernels serve them)
-    assert sorted(r["kernel"] for r in fp8) == ["_decode_split_kernel", "_extend_kernel", "_extend_kernel",
-                                                "_extend_kernel", "_rope_store_kv_kernel",
-                                                "_short_split_kernel"]  # fmt: skip
+    # (their merges read no pool: the 16-bit pools' merge kernels serve them), and with a checkpoint's KV
+    # scales one more of each kernel that reads or writes the pool
+    scaled = [r for r in fp8 if r["constants"].get("KV_SCALED")]
+    assert sorted(r["kernel"] for r in fp8 if r not in scaled) == [
+        "_decode_split_kernel", "_extend_kernel", "_extend_kernel", "_extend_kernel", "_rope_store_kv_kernel",
+        "_short_split_kernel"]  # fmt: skip
+    assert sorted(r["kernel"] for r in scaled) == ["_decode_split_kernel", "_extend_kernel",
+                                                   "_rope_store_kv_kernel", "_short_split_kernel"]  # fmt: skip
     loaded = [r for r in loaded if r not in fp8]
     splits = [(r["constants"]["BLOCK_N"], r["constants"]["FUSED_MERGE"], r["constants"]["PDL"],
                r["constants"]["PREFETCH"], r["constants"]["WINDOWED"], r["constants"]["SOFTCAP"])
@@ -340,8 +344,8 @@ def test_only_refuses_names_of_no_case_and_lists_the_cases(capsys):
     assert compile_check.main(["--arch", "80", "--only", "nope", "rms"]) == 2
     err = capsys.readouterr().err
     assert (
-        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-fp8, decode-sinks, "
-        "decode-softcap, decode-window," in err
+        "--only nope rms: no such kernel case (cases here: add_rms_norm, decode, decode-fp8, decode-fp8-scaled, "
+        "decode-sinks, decode-softcap, decode-window," in err
     )
 
 

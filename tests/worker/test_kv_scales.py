@@ -86,7 +86,7 @@ def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(tmp_path, monkeyp
     torch.testing.assert_close(values, torch.tensor(scales))  # NOTE: as float32 holds them
     got = steps(loaded, E4M3)
     plain = load_model(str(fp8), fp8_weights="fp8")  # NOTE: a 16-bit pool: the scales never read
-    assert not plain.config.kv_scales and all(layer.kv_scale is None for layer in plain.model.layers)
+    assert not plain.config.kv_scales and all(layer.kv_pool_scale is None for layer in plain.model.layers)
     unscaled = steps(plain, E4M3)
 
     forward, layer_of = DecoderLayer.forward, [0]

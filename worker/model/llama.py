@@ -200,7 +200,7 @@ class DecoderLayer(nn.Module):
         self.experts_down_bias = _weight(c.num_experts, c.hidden_size, **w) if biased else None
         # an fp8 pool's K and V scales (the checkpoint's k_scale, v_scale; --kv-cache-dtype fp8), read once
         # loaded into kv_scale_values, the Python numbers the stores and attention kernels take
-        self.kv_scale = _weight(2, device=device, dtype=torch.float32) if c.kv_scales else None
+        self.kv_pool_scale = _weight(2, device=device, dtype=torch.float32) if c.kv_scales else None
         self.kv_scale_values: tuple[float, float] | None = None
         # gpt-oss: this rank's heads' attention sinks (float32, as the kernels read them)
         self.sinks = _weight(self.heads, device=device, dtype=torch.float32) if c.attention_sinks else None
@@ -663,8 +663,8 @@ class LlamaForCausalLM(nn.Module):
             ("self_attn.o_proj", "input_scale"): layer.o_input_scale,
             ("mlp.down_proj", "input_scale"): layer.down_input_scale,
             ("self_attn", "sinks"): layer.sinks,
-            **({("self_attn", "k_scale"): layer.kv_scale[0:1], ("self_attn", "v_scale"): layer.kv_scale[1:2]}
-               if layer.kv_scale is not None else {}),
+            **({("self_attn", "k_scale"): layer.kv_pool_scale[0:1],
+                ("self_attn", "v_scale"): layer.kv_pool_scale[1:2]} if layer.kv_pool_scale is not None else {}),
         }  # fmt: skip
         if part in stacked and kind == "input_scale":
             target = getattr(layer, f"{stacked[part][0]}_input_scale")
@@ -724,8 +724,8 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's loaded KV scales as the Python numbers its stores and attention take (read once:
         the forward never waits on the device for them)."""
         for layer in self.layers:
-            if layer.kv_scale is not None:
-                k, v = layer.kv_scale.tolist()
+            if layer.kv_pool_scale is not None:
+                k, v = layer.kv_pool_scale.tolist()
                 layer.kv_scale_values = (k, v)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
