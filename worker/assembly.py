@@ -468,14 +468,12 @@ def build_engine(cfg: Any) -> Engine:
              pool.num_pages, cfg.block_size, str(pool.dtype).removeprefix("torch."), pool_bytes / 2**20)  # fmt: skip
     if mc.fp8_weights or mc.fp8_projections:
         served = "kept in fp8" if mc.fp8_weights else "quantized to fp8 at load"
+        mode = mc.input_quantization
+        inputs = {"dynamic": "per token", "static": "by the checkpoint's input scales"}.get(mode)
         log.info(
             "projections %s%s",
             served if mc.fp8_projections else "of the fp8 checkpoint dequantized at load",
-            ""
-            if not mc.fp8_activations
-            else ", their inputs quantized to fp8 by the checkpoint's input scales (--fp8-activations static)"
-            if mc.fp8_input_scales
-            else ", their inputs quantized to fp8 per token (--fp8-activations dynamic)",
+            f", their inputs quantized to fp8 {inputs} (--fp8-activations {mode})" if inputs else "",
         )
     if mc.kv_scales:
         log.info("KV pool holds K and V over the checkpoint's KV scales (self_attn.k_scale / v_scale)")

@@ -26,6 +26,10 @@ from worker.kv_pages import kv_bytes_per_token, kv_layout
 SSE_PING_S = 15.0  # comment line on idle event streams, so dead clients are noticed
 
 
+# /v1/cache/info's name for the fp8 projections' inputs under each --fp8-activations (none: the dtype's)
+_INPUTS = {"dynamic": "fp8 per token", "static": "fp8 static"}
+
+
 def weights_info(model: Any) -> dict[str, Any]:
     """The model's weights as /v1/cache/info reports them: their dtype, and whether its projections are in
     fp8 (``fp8_projections``: null, or where they come from, their scales (a block's rows and columns, or
@@ -37,16 +41,8 @@ def weights_info(model: Any) -> dict[str, Any]:
     if c.fp8_projections:
         fp8 = {"source": "checkpoint" if c.fp8_weights else "quantized at load",
                "scales": list(c.fp8_weight_block) if c.fp8_weight_block else "row",
-               "activations": activations_served(c) or dtype}  # fmt: skip
+               "activations": _INPUTS.get(c.input_quantization, dtype)}  # fmt: skip
     return {"weight_dtype": dtype, "fp8_projections": fp8, "kv_scales": "checkpoint" if c.kv_scales else None}
-
-
-def activations_served(config: Any) -> str | None:
-    """How the fp8 projections' inputs are served: "fp8 per token" (--fp8-activations dynamic), "fp8 static"
-    (static: the checkpoint's input scales), or None (in the model's dtype)."""
-    if not config.fp8_activations:
-        return None
-    return "fp8 static" if config.fp8_input_scales else "fp8 per token"
 
 
 def _json(obj: object, status: int = 200) -> Response:

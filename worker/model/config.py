@@ -136,6 +136,14 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def input_quantization(self) -> str:
+        """How the fp8 projections' inputs are served, as --fp8-activations names it: "none", "dynamic" (per
+        token) or "static" (the checkpoint's input scales)."""
+        if not self.fp8_activations:
+            return "none"
+        return "static" if self.fp8_input_scales else "dynamic"
+
+    @property
     def max_context(self) -> int:
         """Longest sequence (prompt + output tokens) the model serves."""
         return self.max_position_embeddings
