@@ -186,7 +186,7 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
                 param.fill_(1.0)  # RMSNorm gains (Llama has no biases)
             else:  # NOTE: std 1/sqrt(fan_in) keeps activations O(1) through 32 layers in bf16
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
-    model.read_kv_scales()
+    model.settle_scales()
     return model
 
 

@@ -129,8 +129,8 @@ def _fp8_scale(
 
 def _input_scales(config: ModelConfig, *shape: int, device: torch.device) -> nn.Parameter | None:
     """Static input scales (--fp8-activations static): float32, one a part of a stacked projection (q, k, v;
-    gate, up), or of each expert's; None when the inputs are not quantized by them. After loading, each
-    holds its largest in every place (DecoderLayer.input_scale reads the first)."""
+    gate, up), or of each expert's; None when the inputs are not quantized by them (after loading, see
+    LlamaForCausalLM.settle_scales)."""
     if not config.fp8_input_scales:
         return None
     return _weight(*shape, device=device, dtype=torch.float32)
@@ -720,9 +720,15 @@ class LlamaForCausalLM(nn.Module):
             })  # fmt: skip
         return slots.get(part)
 
-    def read_kv_scales(self) -> None:
-        """Each layer's loaded KV scales as the Python numbers its stores and attention take (read once:
-        the forward never waits on the device for them)."""
+    def settle_scales(self) -> None:
+        """What the forward reads of the loaded scales, settled once: each static input scale holds the
+        largest of its parts' in every place (DecoderLayer.input_scale reads the first), each layer's KV
+        scales become the Python numbers its stores and attention take (the forward never waits on the
+        device for them)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("input_scale"):  # NOTE: present under --fp8-activations static only
+                    p.fill_(p.amax())
         for layer in self.layers:
             if layer.kv_pool_scale is not None:
                 k, v = layer.kv_pool_scale.tolist()
@@ -762,12 +768,7 @@ class LlamaForCausalLM(nn.Module):
             missing = [n for n in self._weight_names() if n not in seen]
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights: {shown or 'unknown'}")
-        if self.config.fp8_input_scales:  # NOTE: one scale a quantized input: the largest of its parts'
-            with torch.no_grad():
-                for name, p in self.named_parameters():
-                    if name.endswith("input_scale"):
-                        p.fill_(p.amax())
-        self.read_kv_scales()
+        self.settle_scales()
         if self.config.norm_offset:  # NOTE: Gemma stores each RMSNorm weight as w for a scale of 1 + w
             with torch.no_grad():
                 for name, p in self.named_parameters():
