@@ -190,8 +190,8 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     Sinks=None,  # [Hq] attention sinks (SINKS, FUSED_MERGE only: otherwise the merge kernel's)
     SINKS: tl.constexpr = False,
-    k_scale=1.0,  # KV_SCALED: an fp8 pool's codes stand for code x k_scale (K), code x v_scale (V)
-    v_scale=1.0,
+    KScales=None,  # KV_SCALED: [Hkv] float32, an fp8 pool's codes stand for code x KScales[h] (K's of KV head h)
+    VScales=None,  # and code x VScales[h] (V's)
     KV_SCALED: tl.constexpr = False,
 ):
     if PDL:
@@ -232,7 +232,7 @@ def _decode_split_kernel(
 
     K_head, V_head = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
     if KV_SCALED:  # NOTE: q . (codes x k_scale) = (q . codes) x k_scale: folded into the scores' multiplier
-        qk_scale = qk_scale * k_scale
+        qk_scale = qk_scale * tl.load(KScales + kv_head)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -266,7 +266,7 @@ def _decode_split_kernel(
                                         DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
 
     if KV_SCALED:  # NOTE: every value tile was codes of V / v_scale: the sum times v_scale, once
-        acc = acc * v_scale
+        acc = acc * tl.load(VScales + kv_head)
     # NOTE: a split that got no tokens (lo >= hi, possible when chunk * n_splits > kv_len) writes
     # lse = -inf and a zero partial, so the merge gives it weight 0 (finish_split)
     part, lse = finish_split(acc, m_i, l_i)
@@ -356,7 +356,7 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """See the module docstring. ``num_splits`` caps splits per request (fixed value for CUDA graphs);
     when None it comes from choose_num_splits(batch, Hkv, SM count, max_kv_len). ``window`` > 0: each
@@ -365,7 +365,7 @@ def decode_attention(
     (kernels.reference.decode_attention). Never syncs. Raises ValueError on inconsistent shapes, dtypes or
     devices (from metadata)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
-    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache)
     batch, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)

@@ -328,8 +328,8 @@ def _extend_kernel(
     SOFTCAP: tl.constexpr,
     Sinks=None,  # [Hq] attention sinks, natural-log scores of nothing (SINKS only; split: the merge's)
     SINKS: tl.constexpr = False,
-    k_scale=1.0,  # KV_SCALED: the pool's codes stand for code x k_scale (K), code x v_scale (V)
-    v_scale=1.0,
+    KScales=None,  # KV_SCALED: [Hkv] float32, an fp8 pool's codes stand for code x KScales[h] (K's of KV head h)
+    VScales=None,  # and code x VScales[h] (V's)
     KV_SCALED: tl.constexpr = False,
 ):
     head = tl.program_id(0)
@@ -393,7 +393,7 @@ def _extend_kernel(
     K_c, V_c = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
     qk_prefix = qk_scale
     if KV_SCALED:  # NOTE: the prefix's keys are codes of K / k_scale: folded into its scores' multiplier
-        qk_prefix = qk_scale * k_scale
+        qk_prefix = qk_scale * tl.load(KScales + kv_head)
     if WINDOWED:
         # NOTE: the block's first query (position prefix_len + m_lo) sees the prefix from
         # prefix_len + m_lo - window + 1 on; every tile from there is masked per query, and a query may
@@ -418,7 +418,7 @@ def _extend_kernel(
                                      PRECISION, DOT_FP32, window, prefix_len + offs_m, WINDOWED, softcap,
                                      SOFTCAP)  # fmt: skip
     if KV_SCALED:  # NOTE: the prefix's values were codes of V / v_scale: its sum times v_scale, once
-        acc = acc * v_scale
+        acc = acc * tl.load(VScales + kv_head)
 
     # Stage 2: the request's own new tokens, causal (new token j sees new tokens 0..j), in the last split.
     # Whole tiles left of this block's diagonal (keys < m_lo <= every query here, all < q_len) need no mask.
@@ -483,7 +483,7 @@ def extend_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """See the module docstring (its contracts included). ``window`` > 0: sliding-window attention (as
     kernels.reference.extend_attention's); ``softcap`` > 0: soft-capped scores (likewise); ``sinks`` [Hq]
@@ -497,7 +497,7 @@ def extend_attention(
     hkv = host_checks.check_attention(q, k_cache, v_cache, k_new, v_new, out)
     t, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
-    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache)
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
     batch = qo_indptr.numel() - 1
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)

@@ -77,8 +77,8 @@ def _short_split_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+): as decode's split kernel
-    k_scale=1.0,  # KV_SCALED: an fp8 pool's codes stand for code x k_scale (K), code x v_scale (V)
-    v_scale=1.0,
+    KScales=None,  # KV_SCALED: [Hkv] float32, an fp8 pool's codes stand for code x KScales[h] (K's of KV head h)
+    VScales=None,  # and code x VScales[h] (V's)
     KV_SCALED: tl.constexpr = False,
 ):
     if PDL:
@@ -126,7 +126,7 @@ def _short_split_kernel(
 
     K_head, V_head = K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch
     if KV_SCALED:  # NOTE: every key is codes of K / k_scale: folded into the scores' multiplier
-        qk_scale = qk_scale * k_scale
+        qk_scale = qk_scale * tl.load(KScales + kv_head)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -142,7 +142,7 @@ def _short_split_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32)
 
     if KV_SCALED:  # NOTE: and every value codes of V / v_scale: the sum times v_scale, once
-        acc = acc * v_scale
+        acc = acc * tl.load(VScales + kv_head)
     live = sees & (l_i > 0.0)  # l_i is 0 for a split with no tokens (lo >= hi)
     l_safe = tl.where(live, l_i, 1.0)
     lse = tl.where(live, m_i + tl.log2(l_safe), float("-inf"))
@@ -174,7 +174,7 @@ def extend_short_attention(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """See the module docstring. Never syncs. ``num_splits`` caps splits per block of tokens (from
     choose_num_splits when None). Any max_extend_len >= the longest request's new tokens is right;
@@ -187,7 +187,7 @@ def extend_short_attention(
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     t, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
-    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache)
     batch = qo_indptr.numel() - 1
     qo_indptr = host_checks.index_tensor("qo_indptr", qo_indptr, q.device)
     kv_indptr = host_checks.index_tensor("kv_indptr", kv_indptr, q.device, numel=batch + 1)

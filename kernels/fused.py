@@ -79,24 +79,28 @@ def to_pool(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def scaled_down(x, scale, SCALED: tl.constexpr):
-    """x as an fp8 pool with a KV scale stores it before rounding: x / scale in float32 (division rounded to
-    nearest, as the reference's); x itself without (SCALED False)."""
+def scaled_down(x, Scales, offs_h, NUM_HEADS: tl.constexpr, SCALED: tl.constexpr):
+    """x [heads, dim] as an fp8 pool with KV scales stores it before rounding: head h's row over its scale
+    (Scales [NUM_HEADS] float32, offs_h the rows' heads) in float32, division rounded to nearest as the
+    reference's; x itself without (SCALED False)."""
     if SCALED:
-        x = tl.math.div_rn(x.to(tl.float32), scale)
+        scale = tl.load(Scales + offs_h, mask=offs_h < NUM_HEADS, other=1.0)
+        x = tl.math.div_rn(x.to(tl.float32), scale[:, None])
     return x
 
 
 @triton.jit
 def _store_halves(
     Out, row, stride_ot, stride_oh, first, second, mask, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, scale=1.0, SCALED: tl.constexpr = False,
+    BLOCK_HALF: tl.constexpr, Scales=None, NUM_HEADS: tl.constexpr = 0, SCALED: tl.constexpr = False,
 ):  # fmt: skip
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     dst = Out + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, to_pool(scaled_down(first, scale, SCALED), Out.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, to_pool(scaled_down(second, scale, SCALED), Out.dtype.element_ty), mask=mask)
+    first = scaled_down(first, Scales, offs_h, NUM_HEADS, SCALED)
+    second = scaled_down(second, Scales, offs_h, NUM_HEADS, SCALED)
+    tl.store(dst, to_pool(first, Out.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, to_pool(second, Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -206,16 +210,16 @@ def apply_rope(
 def _copy_heads(
     Src, row, stride_st, stride_sh, Dst, dst_row, stride_dt, stride_dh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    scale=1.0, SCALED: tl.constexpr = False,
+    Scales=None, SCALED: tl.constexpr = False,
 ):  # fmt: skip
-    """Dst[dst_row] := Src[row] ([heads, dim] each), converted to Dst's dtype (over ``scale`` first when
-    SCALED)."""
+    """Dst[dst_row] := Src[row] ([heads, dim] each), converted to Dst's dtype (each head over its Scales
+    first when SCALED)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     x = tl.load(Src + row * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :], mask=mask)
     dst = Dst + dst_row * stride_dt + offs_h[:, None] * stride_dh + offs_d[None, :]
-    tl.store(dst, to_pool(scaled_down(x, scale, SCALED), Dst.dtype.element_ty), mask=mask)
+    tl.store(dst, to_pool(scaled_down(x, Scales, offs_h, NUM_HEADS, SCALED), Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -223,14 +227,14 @@ def _store_kv_kernel(
     K, V, K_cache, V_cache, slots,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    k_scale=1.0, v_scale=1.0, KV_SCALED: tl.constexpr = False,  # the pool stores K / k_scale, V / v_scale
+    KScales=None, VScales=None, KV_SCALED: tl.constexpr = False,  # [Hkv]: the pool stores K / k_scale, V / v_scale
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row).to(tl.int64)
     _copy_heads(K, row, stride_kt, stride_kh, K_cache, slot, stride_kcs, stride_kch,
-                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, k_scale, KV_SCALED)  # fmt: skip
+                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, KScales, KV_SCALED)  # fmt: skip
     _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,
-                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, v_scale, KV_SCALED)  # fmt: skip
+                NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, VScales, KV_SCALED)  # fmt: skip
 
 
 def _store_kv_args(
@@ -260,13 +264,14 @@ def _store_kv_args(
 
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> None:  # fmt: skip
     """Write k, v [T, Hkv, D] into pool rows ``slots`` [T] of k_cache, v_cache [S, Hkv, D] (in place); an
-    fp8 pool's ``kv_scales`` (K's, V's): each value over its scale first (kernels.reference.store_kv).
+    fp8 pool's ``kv_scales`` (K's, V's; host_checks.kv_scales): each value over its KV head's scale first
+    (kernels.reference.store_kv).
     NOTE: slots must be distinct within one call (the pool allocator guarantees it)."""
     slots = _store_kv_args(k_cache, v_cache, slots, k, v)
-    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache)
     t, hkv, d = k.shape
     if t == 0:
         return
@@ -287,7 +292,7 @@ def _rope_store_kv_kernel(
     stride_koh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cs,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    k_scale=1.0, v_scale=1.0, KV_SCALED: tl.constexpr = False,  # the pool stores K / k_scale, V / v_scale
+    KScales=None, VScales=None, KV_SCALED: tl.constexpr = False,  # [Hkv]: the pool stores K / k_scale, V / v_scale
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row).to(tl.int64)
@@ -302,9 +307,9 @@ def _rope_store_kv_kernel(
     first, second = first.to(K_out.dtype.element_ty), second.to(K_out.dtype.element_ty)
     _store_halves(K_out, row, stride_kot, stride_koh, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF)
     _store_halves(K_cache, slot, stride_kcs, stride_kch, first, second, mask, HALF, BLOCK_HK, BLOCK_HALF,
-                  k_scale, KV_SCALED)  # fmt: skip
+                  KScales, NUM_K_HEADS, KV_SCALED)  # fmt: skip
     _copy_heads(V, row, stride_vt, stride_vh, V_cache, slot, stride_vcs, stride_vch,
-                NUM_K_HEADS, HEAD_DIM, BLOCK_HK, BLOCK_D, v_scale, KV_SCALED)  # fmt: skip
+                NUM_K_HEADS, HEAD_DIM, BLOCK_HK, BLOCK_D, VScales, KV_SCALED)  # fmt: skip
 
 
 def rope_store_kv(
@@ -319,14 +324,14 @@ def rope_store_kv(
     *,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rope then store_kv of the rotated k and v, in one kernel: returns the rotated (q, k) and
     writes the rotated k and v into pool rows ``slots`` (``kv_scales``: store_kv's; the k returned is
     never scaled). Same checks and contracts as the two."""
     positions, q_out, k_out = _rope_args(q, k, positions, cos_sin_cache, q_out, k_out)
     slots = _store_kv_args(k_cache, v_cache, slots, k, v)
-    scaled = host_checks.kv_scale_args(kv_scales, k_cache.dtype)
+    scaled = host_checks.kv_scale_args(kv_scales, k_cache)
     t, hq, d = q.shape
     hk = k.shape[1]
     if t > 0:

@@ -130,23 +130,56 @@ def check_sinks(sinks: torch.Tensor | None, hq: int, device: torch.device) -> No
     check_unit_stride(sinks=sinks)
 
 
-def kv_scales(scales: Sequence[float] | None, pool_dtype: torch.dtype) -> tuple[float, float] | None:
-    """An fp8 pool's (K, V) scales as floats, or None without: its codes stand for code x scale (a
-    checkpoint's calibrated k_scale / v_scale). ValueError unless two positive finite numbers over an fp8
-    pool."""
+# an fp8 pool's K and V scales as the kernels take them (kv_scales): a pair (K's, V's), each one number for
+# every KV head or a sequence of one a head, or the float32 [2, Hkv] tensor kv_scales returns
+KVScales = Sequence[float | Sequence[float]] | torch.Tensor
+
+
+def kv_scales(scales: KVScales | None, k_cache: torch.Tensor) -> torch.Tensor | None:
+    """An fp8 pool's K and V scales as float32 [2, Hkv] on the pool's device (row 0 K's, row 1 V's, one a
+    KV head: the pool's codes for head h stand for code x scale[., h]), or None without. ``scales`` is a
+    pair (K's, V's), each one number (a checkpoint's scale a tensor, for every head) or Hkv numbers (one
+    a head: compressed-tensors' attn_head), copied to the device at each call (so not while a CUDA graph
+    captures); or the [2, Hkv] tensor itself, used as it is (what the worker holds: its values checked
+    where it was loaded, as no check here reads a device's data). ValueError over a 16-bit pool, for
+    another shape, dtype or device, or for values not positive and finite (read on the host)."""
     if scales is None:
         return None
-    if pool_dtype not in FP8_POOL_DTYPES:
-        raise ValueError(f"KV scales apply to an fp8 pool, not a {pool_dtype} one")
-    if len(scales) != 2 or not all(math.isfinite(float(s)) and float(s) > 0 for s in scales):
-        raise ValueError(f"KV scales are two positive finite numbers (K's, V's), got {list(scales)}")
-    return float(scales[0]), float(scales[1])
+    if k_cache.dtype not in FP8_POOL_DTYPES:
+        raise ValueError(f"KV scales apply to an fp8 pool, not a {k_cache.dtype} one")
+    hkv = k_cache.shape[1]
+    if isinstance(scales, torch.Tensor):
+        if scales.shape != (2, hkv) or scales.dtype != torch.float32:
+            raise ValueError(f"KV scales as a tensor are float32 [2, Hkv] = [2, {hkv}] (K's, V's, one a KV "
+                             f"head), got {scales.dtype} {shape_of(scales)}")  # fmt: skip
+        if scales.device != k_cache.device:
+            raise ValueError(f"KV scales are on {scales.device}, the pool on {k_cache.device}")
+        check_unit_stride(kv_scales=scales)
+        if scales.device.type == "cpu":
+            _positive_finite(scales.flatten().tolist())
+        return scales
+    if len(scales) != 2:
+        raise ValueError(f"KV scales are a pair (K's, V's), got {len(scales)} values")
+    rows = []
+    for s in scales:
+        per_head = isinstance(s, Sequence) or (isinstance(s, torch.Tensor) and s.dim() > 0)
+        row = [float(x) for x in s] if per_head else [float(s)] * hkv
+        if len(row) != hkv:
+            raise ValueError(f"KV scales are one number or one a KV head ({hkv}) each, got {len(row)}")
+        rows.append(_positive_finite(row))
+    return torch.tensor(rows, dtype=torch.float32, device=k_cache.device)
 
 
-def kv_scale_args(scales: Sequence[float] | None, pool_dtype: torch.dtype) -> dict:
-    """The attention and KV-store kernels' arguments for an fp8 pool's (K, V) scales (kv_scales): none
+def _positive_finite(values: list[float]) -> list[float]:
+    if not all(math.isfinite(s) and s > 0 for s in values):
+        raise ValueError(f"KV scales are positive finite numbers, got {values}")
+    return values
+
+
+def kv_scale_args(scales: KVScales | None, k_cache: torch.Tensor) -> dict:
+    """The attention and KV-store kernels' arguments for an fp8 pool's K and V scales (kv_scales): none
     without them, so that an unscaled launch compiles as it always has."""
-    checked = kv_scales(scales, pool_dtype)
+    checked = kv_scales(scales, k_cache)
     if checked is None:
         return {}
-    return {"k_scale": checked[0], "v_scale": checked[1], "KV_SCALED": True}
+    return {"KScales": checked[0], "VScales": checked[1], "KV_SCALED": True}

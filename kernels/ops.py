@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernels import interpret_requested, reference
+from kernels import host_checks, interpret_requested, reference
 
 _KERNEL_MODULES = (
     "extend_attention",
@@ -85,7 +85,7 @@ def extend_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix; see kernels.reference.extend_attention (``window``: sliding-window
     attention; ``softcap``: soft-capped scores; ``sinks``: attention sinks; ``kv_scales``: an fp8 pool's). ``max_extend_len`` (tokens, the most rows of any
@@ -117,7 +117,7 @@ def extend_short_attention(
     *,
     max_extend_len: int,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """Extend for few new tokens per request, their K/V already in the pool; see
     kernels.reference.extend_short_attention. ``max_extend_len``: the most new tokens of any request;
@@ -145,7 +145,7 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """One query token per request; see kernels.reference.decode_attention (``window``: the last slots
     attended, 0 for all; ``softcap``: soft-capped scores; ``sinks``: attention sinks; ``kv_scales``: an
@@ -207,7 +207,7 @@ def apply_rope(
 
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> None:  # fmt: skip
     """See kernels.reference.store_kv."""
     mode = _triton_mode(k)
@@ -226,7 +226,7 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See kernels.reference.rope_store_kv."""
     mode = _triton_mode(q)

@@ -55,10 +55,19 @@ def _attend(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def pool_values(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """KV pool rows as the values they stand for, in float32: as stored (an fp8 code widens exactly), or
-    each code times ``scale`` (an fp8 pool with a checkpoint's KV scales: store_kv stored x / scale)."""
-    return rows.float() if scale is None else rows.float() * scale
+def pool_values(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """KV pool rows [S, Hkv, D] as the values they stand for, in float32: as stored (an fp8 code widens
+    exactly), or each head's codes times its ``scale`` [Hkv] (an fp8 pool with a checkpoint's KV scales:
+    store_kv stored x / scale)."""
+    return rows.float() if scale is None else rows.float() * scale.to(rows.device)[:, None]
+
+
+def _scales_of(
+    kv_scales: host_checks.KVScales | None, k_cache: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An fp8 pool's (K's, V's) scales, one a KV head each (host_checks.kv_scales), or (None, None)."""
+    scales = host_checks.kv_scales(kv_scales, k_cache)
+    return (None, None) if scales is None else (scales[0], scales[1])
 
 
 def extend_attention(
@@ -76,7 +85,7 @@ def extend_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """Prefill with a cached prefix. ``kv_indices`` holds each request's *prefix* slots only;
     the new tokens' own K/V come from ``k_new``/``v_new`` under a causal mask. Returns [T, Hq, D]
@@ -84,10 +93,11 @@ def extend_attention(
     > 0: sliding-window attention, the token at position p sees positions p - window + 1 .. p only
     (positions count the request's prefix, then its new tokens). ``softcap`` > 0: scores soft-capped,
     softcap * tanh(score / softcap), before the softmax. ``sinks`` [Hq] float32: attention sinks, one
-    extra score per head in each softmax, attending nothing (gpt-oss). ``kv_scales`` (K's, V's): an fp8
-    pool's rows stand for their codes times these (pool_values); the new tokens' k_new / v_new as they are."""
+    extra score per head in each softmax, attending nothing (gpt-oss). ``kv_scales`` (K's, V's, one a
+    tensor or one a KV head: host_checks.kv_scales): an fp8 pool's rows stand for their codes times their
+    head's scale (pool_values); the new tokens' k_new / v_new as they are."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    k_scale, v_scale = host_checks.kv_scales(kv_scales, k_cache.dtype) or (None, None)
+    k_scale, v_scale = _scales_of(kv_scales, k_cache)
     out = torch.empty_like(q)
     qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
     for i in range(len(qo) - 1):
@@ -115,13 +125,13 @@ def extend_short_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """extend_attention with the new tokens' K/V read from the pool at ``out_slots`` (stored there
     before attention, as the worker does; with ``kv_scales``, scaled as the prefix's are).
     ``max_extend_len`` is a launch hint; ignored here."""
     slots = out_slots.long()
-    k_scale, v_scale = host_checks.kv_scales(kv_scales, k_cache.dtype) or (None, None)
+    k_scale, v_scale = _scales_of(kv_scales, k_cache)
     return extend_attention(
         q, pool_values(k_cache[slots], k_scale), pool_values(v_cache[slots], v_scale), k_cache, v_cache,
         qo_indptr, kv_indptr, kv_indices, sm_scale, window=window, softcap=softcap, sinks=sinks,
@@ -140,14 +150,14 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """One query token per request, q [B, Hq, D], over all of its KV slots (the current token's
     K/V already stored), or the last ``window`` of them when window > 0; scores soft-capped when
     softcap > 0, attention sinks with ``sinks``, an fp8 pool's ``kv_scales`` (as extend_attention's).
     Returns [B, Hq, D] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    k_scale, v_scale = host_checks.kv_scales(kv_scales, k_cache.dtype) or (None, None)
+    k_scale, v_scale = _scales_of(kv_scales, k_cache)
     out = torch.empty_like(q)
     kvp = kv_indptr.tolist()
     for i in range(q.shape[0]):
@@ -429,13 +439,14 @@ def apply_rope(
 
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> None:  # fmt: skip
     """Write k, v [T, Hkv, D] into the pool rows ``slots`` [T] (in place); with an fp8 pool's ``kv_scales``
-    (K's, V's) each value over its scale (float32 division), then rounded into the pool."""
-    kv_scales = host_checks.kv_scales(kv_scales, k_cache.dtype)
-    if kv_scales is not None:
-        k, v = k.float() / kv_scales[0], v.float() / kv_scales[1]
+    (K's, V's; host_checks.kv_scales) each value over its KV head's scale (float32 division), then rounded
+    into the pool."""
+    scales = host_checks.kv_scales(kv_scales, k_cache)
+    if scales is not None:
+        k, v = k.float() / scales[0].to(k.device)[:, None], v.float() / scales[1].to(v.device)[:, None]
     k_cache[slots.long()] = to_pool(k, k_cache.dtype)
     v_cache[slots.long()] = to_pool(v, v_cache.dtype)
 
@@ -458,7 +469,7 @@ def rope_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rope, then store_kv of the rotated k and v (``kv_scales``: store_kv's); returns the rotated
     (q, k)."""

@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels import interpret_requested, reference
+from kernels import host_checks, interpret_requested, reference
 from worker.forward_batch import ForwardBatch
 
 _ops: ModuleType | None = None
@@ -50,7 +50,7 @@ def extend(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:
     """Prefill: q [T, Hq, D] attends each request's prefix slots plus its own new k, v [T, Hkv, D]
     (causal; with ``window`` > 0 the last ``window`` positions only; ``softcap`` > 0: soft-capped
@@ -197,7 +197,7 @@ def decode(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: host_checks.KVScales | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One token per request: q [B, Hq, D] attends all of the request's slots (its own K/V must
     already be stored), the last ``window`` with a window > 0, scores soft-capped with a softcap > 0,

@@ -141,6 +141,7 @@ class BenchParams:
     kv_cache_dtype: str = "auto"  # the KV pool's dtype (--kv-cache-dtype: auto or an fp8 format)
     fp8_weights: bool = False  # the projections kept in fp8 with 128x128 block scales (kernels.fp8_linear)
     fp8_activations: bool = False  # with fp8_weights: their inputs quantized per token (W8A8)
+    kv_scales: bool = False  # over an fp8 pool: random KV scales, each KV head's its own (a release's)
 
 
 class IdTokenizer:
@@ -171,8 +172,11 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
                 param.copy_(codes.clamp(-448.0, 448.0))
             elif name.endswith("input_scale"):  # NOTE: static input scales: O(1) inputs unclipped
                 param.fill_(2.0**-6)
-            elif name.endswith("kv_pool_scale"):  # NOTE: an fp8 pool's K and V scales (no powers of two: they
-                param.copy_(torch.tensor([0.03, 0.0125]))  # round otherwise than the unscaled values do)
+            elif name.endswith("kv_pool_scale"):  # NOTE: an fp8 pool's K and V scales, each KV head's its own
+                heads = torch.arange(param.shape[1], device=device)  # (no powers of two: they round otherwise
+                param.copy_(
+                    torch.tensor([[0.03], [0.0125]], device=device) * (1 + heads / 4)
+                )  # than unscaled)
             elif param.dtype == torch.float32 and name.endswith(("_scale", "_scales")):
                 # NOTE: their scales (experts' too): weights of rms 1/sqrt(fan_in), as below
                 weight = name.removesuffix("_scales") if name.endswith("_scales") else name[:-6] + "_proj"
@@ -469,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-activations", action="store_true",
                     help="with --fp8-weights: the projections' inputs quantized to fp8 per token and "
                          "multiplied fp8 by fp8, as --fp8-activations dynamic serves them")  # fmt: skip
+    ap.add_argument("--kv-scales", action="store_true",
+                    help="with an fp8 --kv-cache-dtype: the pool over KV scales, each layer's and KV head's "
+                         "its own, as a release's k_scale / v_scale are served (random values)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test: seconds on CPU)")
     ap.add_argument("--out", help="write the results as JSON here")
@@ -504,6 +511,8 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--decode-steps must be at least 2 (the first token comes from prefill)")
     if args.fp8_activations and not args.fp8_weights:
         parser.error("--fp8-activations quantizes the inputs of fp8 projections: add --fp8-weights")
+    if args.kv_scales and not args.kv_cache_dtype.startswith("fp8"):
+        parser.error("--kv-scales scales an fp8 KV pool: add --kv-cache-dtype fp8_e4m3 (or fp8_e5m2)")
     return BenchParams(model=args.model, device=device, cpu_threads=args.cpu_threads, seed=args.seed,
                        kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
                        host_cache_tokens=2 * sizes["prompt_tokens"] if args.host_cache_tokens is None
@@ -512,7 +521,7 @@ def resolve_params(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                        chunked_prefill_tokens=args.chunked_prefill_tokens, quick=args.quick,
                        tensor_parallel_size=args.tensor_parallel_size, overlap_schedule=args.overlap_schedule,
                        kv_cache_dtype=args.kv_cache_dtype, fp8_weights=args.fp8_weights,
-                       fp8_activations=args.fp8_activations, **sizes)  # fmt: skip
+                       fp8_activations=args.fp8_activations, kv_scales=args.kv_scales, **sizes)  # fmt: skip
 
 
 def run_benchmark(p: BenchParams, command: str) -> dict:
@@ -533,6 +542,10 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
         from worker.model.tiny import tiny_config
 
         shape = fp8_projections(shape or tiny_config(), p.fp8_activations)
+    if p.kv_scales:
+        from worker.model.tiny import tiny_config
+
+        shape = replace(shape or tiny_config(), kv_scales=True)
     engine = build_bench_engine(cfg, shape)
     engine.start()
     try:

@@ -168,7 +168,8 @@ def markdown_table(doc: dict) -> str:
 
 def precision(model: dict) -> str:
     """The weights' and the KV pool's dtypes as a report's title names them, e.g. "bfloat16, KV float8_e4m3fn"
-    or "fp8 projections (128x128 blocks, inputs fp8 per token), bfloat16 elsewhere, KV bfloat16"."""
+    or "fp8 projections (128x128 blocks, inputs fp8 per token), bfloat16 elsewhere, KV bfloat16"; an fp8
+    pool over a checkpoint's KV scales "KV float8_e4m3fn over KV scales"."""
     dtype, config = model["dtype"], model.get("config") or {}
     weights = dtype
     if config.get("fp8_projections"):
@@ -176,7 +177,8 @@ def precision(model: dict) -> str:
         scales = f"{block[0]}x{block[1]} blocks" if block else "one scale a row"
         scales += ", inputs fp8 per token" if config.get("fp8_activations") else ""
         weights = f"fp8 projections ({scales}), {dtype} elsewhere"
-    return f"{weights}, KV {model.get('kv_dtype', dtype)}"
+    kv_scales = " over KV scales" if config.get("kv_scales") else ""
+    return f"{weights}, KV {model.get('kv_dtype', dtype)}{kv_scales}"
 
 
 def write_results(doc: dict, json_path: str | None, markdown_path: str | None, table: str) -> None:

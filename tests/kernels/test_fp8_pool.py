@@ -164,20 +164,37 @@ def test_a_pool_of_mixed_or_unsupported_dtypes_is_refused(backend):
 
 
 # a checkpoint's KV scales (k_scale, v_scale): the pool holds K / k_scale and V / v_scale; K's spread the
-# codes past e4m3's 448 for the largest values (they saturate), V's into its subnormals for the smallest
+# codes past e4m3's 448 for the largest values (they saturate), V's into its subnormals for the smallest.
+# One a tensor (a pair of numbers), or one a KV head (compressed-tensors' attn_head; Hkv = 2 here: a float32
+# [2, Hkv] tensor, the worker's form, the second head's scales far from the first's)
 KV_SCALES = (0.05, 4.0)
+HEAD_SCALES = ((0.05, 0.3), (4.0, 0.7))
+SCALE_KINDS = ["tensor", "head"]
 
 
-def scaled_pool(cache: torch.Tensor, scale: float, pool_dtype: torch.dtype) -> torch.Tensor:
-    """A 16/32-bit pool's rows as an fp8 pool with ``scale`` stores them (reference.store_kv's rule)."""
-    return reference.to_pool(cache.float() / scale, pool_dtype)
+def kv_scales_of(kind: str, device) -> tuple[object, torch.Tensor]:
+    """The scales of ``kind`` as the kernels take them (on ``device``) and as float32 [2, Hkv] on the CPU
+    (what the reference and scaled_pool take)."""
+    if kind == "tensor":
+        return KV_SCALES, torch.tensor(KV_SCALES).repeat_interleave(2).reshape(2, 2)
+    table = torch.tensor(HEAD_SCALES)
+    return table.to(device), table
+
+
+def scaled_pool(cache: torch.Tensor, scale, pool_dtype: torch.dtype) -> torch.Tensor:
+    """A 16/32-bit pool's rows [S, Hkv, D] as an fp8 pool with ``scale`` (one number, or [Hkv]: one a head)
+    stores them (reference.store_kv's rule)."""
+    per_head = torch.as_tensor(scale, dtype=torch.float32).reshape(-1, 1).to(cache.device)
+    return reference.to_pool(cache.float() / per_head, pool_dtype)
 
 
 @pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
-def test_scaled_stores_write_the_references_bits(backend, pool_dtype):
-    """store_kv and rope_store_kv with KV scales: each value over its scale (division rounded to nearest),
-    then the pool's rounding and saturation; rope_store_kv still returns the rotated k unscaled."""
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_scaled_stores_write_the_references_bits(backend, pool_dtype, kind):
+    """store_kv and rope_store_kv with KV scales: each value over its KV head's scale (division rounded to
+    nearest), then the pool's rounding and saturation; rope_store_kv still returns the rotated k unscaled."""
     fused = backend.module("fused")
+    scales, table = kv_scales_of(kind, backend.device)
     g = torch.Generator().manual_seed(9)
     t, hq, hkv, d = 13, 8, 2, 64
     q, k, v = (torch.randn(t, h, d, generator=g).mul(8).to(torch.bfloat16) for h in (hq, hkv, hkv))
@@ -190,15 +207,19 @@ def test_scaled_stores_write_the_references_bits(backend, pool_dtype):
         v_cache = k_cache.clone()
         want_k, want_v = k_cache.cpu().clone(), v_cache.cpu().clone()
         if store == "store_kv":
-            fused.store_kv(k_cache, v_cache, slots.to(backend.device), dev[1], dev[2], kv_scales=KV_SCALES)
-            reference.store_kv(want_k, want_v, slots, k, v, KV_SCALES)
+            fused.store_kv(k_cache, v_cache, slots.to(backend.device), dev[1], dev[2], kv_scales=scales)
+            reference.store_kv(want_k, want_v, slots, k, v, table)
         else:  # NOTE: the pool gets the k returned (rotated, unscaled) over its scale
-            _, k_rot = fused.rope_store_kv(
-                *dev, k_cache, v_cache, slots.to(backend.device), kv_scales=KV_SCALES
-            )
+            _, k_rot = fused.rope_store_kv(*dev, k_cache, v_cache, slots.to(backend.device), kv_scales=scales)
             torch.testing.assert_close(k_rot.cpu(), reference.apply_rope(q, k, positions, cos_sin)[1])
-            reference.store_kv(want_k, want_v, slots, k_rot.cpu(), v, KV_SCALES)
+            k = k_rot.cpu()
+            reference.store_kv(want_k, want_v, slots, k, v, table)
         assert bits(k_cache.cpu()).equal(bits(want_k)) and bits(v_cache.cpu()).equal(bits(want_v)), store
+        rows = slots.long()
+        for head in range(hkv):  # NOTE: the reference's rule, head by head
+            for cache, x, row in ((want_k, k, 0), (want_v, v, 1)):
+                alone = reference.to_pool(x[:, head].float() / table[row, head].item(), pool_dtype)
+                assert bits(cache[rows, head]).equal(bits(alone)), (store, head, row)
     stored = want_k[slots.long()].float()
     if pool_dtype == torch.float8_e4m3fn:  # NOTE: k / 0.05 saturates e4m3's largest values (not e5m2's)
         assert stored.abs().max() == torch.finfo(pool_dtype).max
@@ -208,12 +229,15 @@ def test_scaled_stores_write_the_references_bits(backend, pool_dtype):
 
 
 @pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("kind", SCALE_KINDS)
 @pytest.mark.parametrize("path", ["decode", "extend", "extend-split", "extend-packed", "short"])
-def test_attention_over_a_scaled_fp8_pool_matches_the_reference(backend, assert_close_rel, pool_dtype, path):
-    """Each attention path with KV scales: the pool's codes stand for code x scale (the prefix's in an
-    extend; its new tokens' k, v as given), GQA 4, NaN-poisoned outputs; far from the same pool read
-    unscaled."""
-    kv = tuple(KV_SCALES)
+def test_attention_over_a_scaled_fp8_pool_matches_the_reference(
+    backend, assert_close_rel, pool_dtype, kind, path
+):
+    """Each attention path with KV scales, one a tensor or one a KV head: the pool's codes stand for code x
+    their head's scale (the prefix's in an extend; its new tokens' k, v as given), GQA 4, NaN-poisoned
+    outputs; far from the same pool read unscaled, and (one a head) from every head read by the first's."""
+    kv, table = kv_scales_of(kind, backend.device)
     if path == "decode":
         dec = backend.module("decode_attention")
         lens = [1, 2, 17, 50, 130, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
@@ -221,21 +245,25 @@ def test_attention_over_a_scaled_fp8_pool_matches_the_reference(backend, assert_
                                                                    seed=91)  # fmt: skip
         args = (
             q,
-            scaled_pool(k_cache, kv[0], pool_dtype),
-            scaled_pool(v_cache, kv[1], pool_dtype),
+            scaled_pool(k_cache, table[0], pool_dtype),
+            scaled_pool(v_cache, table[1], pool_dtype),
             kvp,
             slots,
         )
         out = torch.full_like(q, float("nan"))
         dec.decode_attention(*args, out=out, num_splits=4, kv_scales=kv)
-        want = reference.decode_attention(*(a.cpu() for a in args), kv_scales=kv)
-        unscaled = reference.decode_attention(*(a.cpu() for a in args))
+
+        def on_the_cpu(scales=None):
+            return reference.decode_attention(*(a.cpu() for a in args), kv_scales=scales)
     elif path == "short":
         short = backend.module("extend_short")
         q, k_new, v_new, k_cache, v_cache, qo, kvp, prefix = extend_cases.make_batch(
             [(0, 3), (40, 1), (17, 5), (130, 2)], 8, 2, 64, q_dtype(backend), backend.device, seed=93
         )
-        k_cache, v_cache = scaled_pool(k_cache, kv[0], pool_dtype), scaled_pool(v_cache, kv[1], pool_dtype)
+        k_cache, v_cache = (
+            scaled_pool(k_cache, table[0], pool_dtype),
+            scaled_pool(v_cache, table[1], pool_dtype),
+        )
         free = sorted(set(range(k_cache.shape[0])) - set(prefix.tolist()))[: q.shape[0]]
         out_slots = torch.tensor(free, dtype=torch.int32, device=backend.device)
         reference.store_kv(k_cache, v_cache, out_slots, k_new, v_new, kv)  # NOTE: as the worker stores them
@@ -243,15 +271,16 @@ def test_attention_over_a_scaled_fp8_pool_matches_the_reference(backend, assert_
         short.extend_short_attention(q, k_cache, v_cache, qo, kvp, prefix, out_slots, max_extend_len=5, out=out,
                                      num_splits=4, kv_scales=kv)  # fmt: skip
         cpu = [a.cpu() for a in (q, k_cache, v_cache, qo, kvp, prefix, out_slots)]
-        want = reference.extend_short_attention(*cpu, kv_scales=kv)
-        unscaled = reference.extend_short_attention(*cpu)
+
+        def on_the_cpu(scales=None):
+            return reference.extend_short_attention(*cpu, kv_scales=scales)
     else:
         ext = backend.module("extend_attention")
         requests = REQUESTS if not backend.is_cuda else [(p * 9, n * 9) for p, n in REQUESTS]
         batch = list(extend_cases.make_batch(requests, 8, 2, 64, q_dtype(backend), backend.device, seed=95))
         batch[3], batch[4] = (
-            scaled_pool(batch[3], kv[0], pool_dtype),
-            scaled_pool(batch[4], kv[1], pool_dtype),
+            scaled_pool(batch[3], table[0], pool_dtype),
+            scaled_pool(batch[4], table[1], pool_dtype),
         )
         cfg = ext.default_config(64, batch[0].dtype, pool_dtype=pool_dtype)
         cfg = dataclasses.replace(cfg, split_prefix=path != "extend", packed_blocks=path == "extend-packed")
@@ -259,25 +288,37 @@ def test_attention_over_a_scaled_fp8_pool_matches_the_reference(backend, assert_
         ext.extend_attention(
             *batch, out=out, config=cfg, num_splits=1 if path == "extend" else 4, kv_scales=kv
         )
-        want = reference.extend_attention(*(a.cpu() for a in batch), kv_scales=kv)
-        unscaled = reference.extend_attention(*(a.cpu() for a in batch))
+
+        def on_the_cpu(scales=None):
+            return reference.extend_attention(*(a.cpu() for a in batch), kv_scales=scales)
+
+    want = on_the_cpu(table)
     assert_close_rel(out.cpu(), want)
-    assert ((unscaled.float() - want.float()).norm() / want.float().norm()).item() > 0.1
+    others = {"unscaled": None}
+    if kind == "head":
+        others["the first head's"] = table[:, :1].expand(2, 2).contiguous()
+    for name, scales in others.items():
+        other = on_the_cpu(scales)
+        assert ((other.float() - want.float()).norm() / want.float().norm()).item() > 0.1, name
 
 
-def test_the_scaled_reference_is_the_reference_over_the_values_the_codes_stand_for():
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_the_scaled_reference_is_the_reference_over_the_values_the_codes_stand_for(kind):
     """Over codes c with scales s, every path computes what it computes over a float32 pool of c x s."""
+    _, table = kv_scales_of(kind, "cpu")
     q, k_cache, v_cache, kvp, slots = decode_cases.make_batch(
         [5, 40], 8, 2, 64, torch.float32, "cpu", seed=97
     )
-    k8, v8 = scaled_pool(k_cache, KV_SCALES[0], torch.float8_e4m3fn), scaled_pool(v_cache, KV_SCALES[1],
-                                                                                torch.float8_e4m3fn)  # fmt: skip
-    values = (k8.float() * KV_SCALES[0], v8.float() * KV_SCALES[1])
-    torch.testing.assert_close(reference.decode_attention(q, k8, v8, kvp, slots, kv_scales=KV_SCALES),
+    k8, v8 = (
+        scaled_pool(k_cache, table[0], torch.float8_e4m3fn),
+        scaled_pool(v_cache, table[1], torch.float8_e4m3fn),
+    )
+    values = (k8.float() * table[0][:, None], v8.float() * table[1][:, None])
+    torch.testing.assert_close(reference.decode_attention(q, k8, v8, kvp, slots, kv_scales=table),
                                reference.decode_attention(q, *values, kvp, slots), rtol=0, atol=0)  # fmt: skip
 
 
-def test_kv_scales_are_refused_over_a_16_bit_pool_or_when_not_positive(backend):
+def test_kv_scales_are_refused_over_a_16_bit_pool_or_when_not_positive_or_misshapen(backend):
     dec = backend.module("decode_attention")
     fused = backend.module("fused")
     q, k_cache, v_cache, kvp, slots = decode_cases.make_batch([3], 8, 2, 64, torch.float32, backend.device)
@@ -286,6 +327,20 @@ def test_kv_scales_are_refused_over_a_16_bit_pool_or_when_not_positive(backend):
     with pytest.raises(ValueError, match="KV scales apply to an fp8 pool"):
         reference.decode_attention(q, k_cache, v_cache, kvp, slots, kv_scales=KV_SCALES)
     k8, v8 = (reference.to_pool(c, torch.float8_e4m3fn) for c in (k_cache, v_cache))
-    for bad in ((0.0, 1.0), (1.0, float("inf")), (-1.0, 2.0), (1.0,)):
-        with pytest.raises(ValueError, match="two positive finite numbers"):
+    refusals = [
+        ((0.0, 1.0), "positive finite numbers"),
+        ((1.0, float("inf")), "positive finite numbers"),
+        (((1.0, -1.0), 2.0), "positive finite numbers"),
+        ((1.0,), r"a pair \(K's, V's\), got 1 values"),
+        (((1.0, 2.0, 3.0), 1.0), r"one a KV head \(2\) each, got 3"),
+        (torch.ones(2, 3, device=backend.device), r"float32 \[2, Hkv\] = \[2, 2\]"),
+        (torch.ones(2, 2, dtype=torch.float64, device=backend.device), r"float32 \[2, Hkv\]"),
+        (torch.ones(2, 4, device=backend.device)[:, ::2], "contiguous in its last dim"),
+    ]
+    if backend.is_cuda:
+        refusals.append((torch.ones(2, 2), "KV scales are on cpu"))
+    else:  # NOTE: a CPU tensor's values are read; a device's are not (no check waits on the device)
+        refusals.append((torch.tensor([[1.0, 0.0], [1.0, 1.0]]), "positive finite numbers"))
+    for bad, message in refusals:
+        with pytest.raises(ValueError, match=message):
             fused.store_kv(k8, v8, slots[:1], k_cache[:1], v_cache[:1], kv_scales=bad)

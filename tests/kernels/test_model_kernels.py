@@ -255,14 +255,17 @@ def test_model_over_an_fp8_pool_on_triton_kernels_matches_the_reference_path(
 def test_model_over_a_scaled_fp8_pool_on_triton_kernels_matches_the_reference_path(
     backend, monkeypatch, pool_dtype
 ):
-    """An fp8 pool with a checkpoint's KV scales (K / 0.03, V / 0.0125 stored): the kernels' stores and
+    """An fp8 pool with a checkpoint's KV scales, each KV head's its own (head h: K / (0.03 (1 + h / 4)) and
+    V / (0.0125 (1 + h / 4)) stored): the kernels' stores and
     attention as the reference path's, through prefill, a cached prefix and decode; and the scales are
     used (from the first step that reads the pool, the logits differ from the unscaled pool's)."""
     if backend.interpret:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scaled = dataclasses.replace(CONFIG, kv_scales=True)
     cpu_model = random_llama(scaled, "cpu", torch.float32, seed=1)
-    assert cpu_model.layers[0].kv_scale_values == pytest.approx((0.03, 0.0125))
+    heads = torch.arange(CONFIG.num_kv_heads)
+    want_scales = torch.tensor([[0.03], [0.0125]]) * (1 + heads / 4)  # NOTE: each KV head its own
+    assert CONFIG.num_kv_heads > 1 and torch.equal(cpu_model.layers[0].kv_pool_scale.detach(), want_scales)
     want = run_steps(cpu_model, torch.device("cpu"), pool_dtype=pool_dtype)
     unscaled = run_steps(random_llama(CONFIG, "cpu", torch.float32, seed=1), torch.device("cpu"),
                          pool_dtype=pool_dtype)  # fmt: skip

@@ -241,6 +241,20 @@ def test_fp8_activations_without_fp8_weights_are_a_usage_error():
     assert proc.returncode == 2 and "add --fp8-weights" in proc.stderr
 
 
+def test_kv_scales_run_an_fp8_pool_over_per_head_scales_and_the_title_says_so(tmp_path):
+    """--kv-scales: the fp8 pool over random KV scales, each layer's KV heads their own, through every
+    measurement; the JSON's config and the table's title say so. Without an fp8 pool: a usage error."""
+    out = tmp_path / "kv.json"
+    proc = run_bench(*QUICK, "--kv-cache-dtype", "fp8_e4m3", "--kv-scales", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"]["config"]["kv_scales"] and doc["model"]["kv_dtype"] == "float8_e4m3fn"
+    assert all(d["tokens_per_s"] > 0 for d in doc["decode"])
+    assert "KV float8_e4m3fn over KV scales) on " in proc.stdout
+    refused = run_bench("--kv-scales", "--device", "cpu")
+    assert refused.returncode == 2 and "add --kv-cache-dtype fp8_e4m3" in refused.stderr
+
+
 # gpt-oss-20b-shape's features, on the small model
 GPT_OSS_KIND = {"moe_bias": True, "expert_activation": "clamped_swiglu", "attention_sinks": True, "qkv_bias": True,
                 "o_bias": True, "sliding_window": 8, "sliding_layers": (0,), "mxfp4_experts": True}  # fmt: skip

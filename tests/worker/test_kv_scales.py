@@ -1,8 +1,9 @@
 """An fp8 checkpoint's KV scales (compressed-tensors' kv_cache_scheme: self_attn.k_scale / v_scale, or the
-older k_proj / v_proj.output_scale) over an fp8 pool (--kv-cache-dtype fp8_e4m3): the pool holds K / k_scale
-and V / v_scale, and attention reads code x scale back. The model is the unscaled model whose pool holds
-exactly those values; a 16-bit pool never reads the scales; a missing or per-channel scale is named;
-/v1/cache/info and the start-up log say so; two ranks answer as one."""
+older k_proj / v_proj.output_scale), one a tensor or one a KV head (strategy attn_head), over an fp8 pool
+(--kv-cache-dtype fp8_e4m3): the pool holds K / k_scale and V / v_scale, each KV head's over its own, and
+attention reads code x scale back. The model is the unscaled model whose pool holds exactly those values;
+a 16-bit pool never reads the scales; a missing scale, or one of another count, is named; /v1/cache/info
+and the start-up log say so; two ranks (one KV head each) answer as one."""
 
 from __future__ import annotations
 
@@ -25,21 +26,32 @@ from worker.model.llama import DecoderLayer
 E4M3 = torch.float8_e4m3fn
 
 
-def kv_checkpoint(tmp_path, older_names: bool = False):
-    """A two-layer Llama in compressed-tensors' per-tensor fp8 with KV scales, each layer's its own and no
-    power of two (a power of two would round as the unscaled values do); ``older_names``: as k_proj /
-    v_proj.output_scale. Returns its path and each layer's (k_scale, v_scale)."""
+def kv_checkpoint(tmp_path, older_names: bool = False, per_head: bool = False):
+    """A two-layer Llama (2 KV heads) in compressed-tensors' per-tensor fp8 with KV scales, each layer's its
+    own and no power of two (a power of two would round as the unscaled values do); ``older_names``: as
+    k_proj / v_proj.output_scale; ``per_head``: one a KV head, the second head's 1.5 times the first's,
+    stored [heads, 1, 1] under kv_cache_scheme strategy attn_head. Returns its path and each layer's
+    scales, float32 [2, KV heads] (K's, V's)."""
     fp8, _ = fp8_pair(save_checkpoint(tmp_path / "base", "llama"), tmp_path, "compressed-tensors", "tensor")
     weights = load_file(str(fp8 / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    heads = config["num_key_value_heads"]
     scales = []
-    layers = json.loads((fp8 / "config.json").read_text())["num_hidden_layers"]
-    for i in range(layers):
-        scales.append((0.03 + 0.01 * i, 0.0125 + 0.005 * i))
-        for kind, value in zip("kv", scales[-1], strict=True):
+    for i in range(config["num_hidden_layers"]):
+        table = torch.tensor([[0.03 + 0.01 * i], [0.0125 + 0.005 * i]]).expand(2, heads)
+        if per_head:
+            table = table * torch.tensor([1.0, 1.5])
+        scales.append(table)
+        for kind, row in zip("kv", table, strict=True):
             del weights[f"model.layers.{i}.self_attn.{kind}_scale"]
             name = f"self_attn.{kind}_proj.output_scale" if older_names else f"self_attn.{kind}_scale"
-            weights[f"model.layers.{i}.{name}"] = torch.tensor([value])
+            weights[f"model.layers.{i}.{name}"] = (
+                row.reshape(heads, 1, 1).clone() if per_head else row[:1].clone()
+            )
     save_file(weights, str(fp8 / "model.safetensors"))
+    if per_head:
+        config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+        (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, scales
 
 
@@ -69,21 +81,28 @@ def test_the_config_says_whether_the_checkpoint_carries_kv_scales():
         return ModelConfig.from_hf({**head, "quantization_config": quant}).checkpoint_kv_scales
 
     assert carries({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False})
+    assert carries({"num_bits": 8, "type": "float", "strategy": "attn_head", "symmetric": True})
     assert not carries(None)
     assert not carries({"num_bits": 8, "type": "float", "strategy": "channel"})  # NOTE: not read
+    assert not carries({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False})
     assert not carries({"num_bits": 8, "type": "int", "strategy": "tensor"})
 
 
-@pytest.mark.parametrize("older_names", [False, True], ids=["k_scale", "output_scale"])
-def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(tmp_path, monkeypatch, older_names):
-    """The served model (stores and attention over codes x scale) against the unscaled model over a
-    float32 pool whose stores keep exactly to_pool(x / scale) x scale: equal logits at every step; and
-    the scales matter (the unscaled fp8 pool's logits differ from the first step that reads the pool)."""
-    fp8, scales = kv_checkpoint(tmp_path, older_names)
+@pytest.mark.parametrize(
+    ("older_names", "per_head"),
+    [(False, False), (True, False), (False, True)],
+    ids=["k_scale", "output_scale", "per_head"],
+)
+def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(tmp_path, monkeypatch, older_names, per_head):
+    """The served model (stores and attention over codes x their head's scale) against the unscaled model
+    over a float32 pool whose stores keep exactly to_pool(x / scale) x scale, head by head: equal logits at
+    every step; and the scales matter (the unscaled fp8 pool's logits differ from the first step that reads
+    the pool)."""
+    fp8, scales = kv_checkpoint(tmp_path, older_names, per_head)
     loaded = load_model(str(fp8), fp8_weights="fp8", kv_cache_dtype="fp8_e4m3")
     assert loaded.config.kv_scales
-    values = torch.tensor([layer.kv_scale_values for layer in loaded.model.layers])
-    torch.testing.assert_close(values, torch.tensor(scales))  # NOTE: as float32 holds them
+    for layer, want in zip(loaded.model.layers, scales, strict=True):
+        torch.testing.assert_close(layer.kv_pool_scale.detach(), want, rtol=0, atol=0)
     got = steps(loaded, E4M3)
     plain = load_model(str(fp8), fp8_weights="fp8")  # NOTE: a 16-bit pool: the scales never read
     assert not plain.config.kv_scales and all(layer.kv_pool_scale is None for layer in plain.model.layers)
@@ -99,7 +118,7 @@ def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(tmp_path, monkeyp
 
     def stores_the_scaled_values(q, k, v, positions, cos_sin, k_cache, v_cache, slots, kv_scales=None):
         assert kv_scales is None  # NOTE: the unscaled model
-        s_k, s_v = scales[layer_of[0]]
+        s_k, s_v = scales[layer_of[0]][:, :, None]  # NOTE: [heads, 1] each
         q, k = rope_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
         k_cache[slots.long()] = reference.to_pool(k.float() / s_k, E4M3).float() * s_k
         v_cache[slots.long()] = reference.to_pool(v.float() / s_v, E4M3).float() * s_v
@@ -116,16 +135,24 @@ def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(tmp_path, monkeyp
         )
 
 
-def test_a_missing_or_per_channel_kv_scale_is_named(tmp_path):
+def test_a_missing_miscounted_or_non_positive_kv_scale_is_named(tmp_path):
     fp8, _ = kv_checkpoint(tmp_path)
     weights = load_file(str(fp8 / "model.safetensors"))
     saved = weights.pop("model.layers.1.self_attn.v_scale")
     save_file(weights, str(fp8 / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing weights: model\.layers\.1\.self_attn\.v_scale"):
         load_model(str(fp8), fp8_weights="fp8", kv_cache_dtype="fp8_e4m3")
-    weights["model.layers.1.self_attn.v_scale"] = saved.expand(2).contiguous()
+    weights["model.layers.1.self_attn.v_scale"] = saved.expand(3).contiguous()  # NOTE: 2 KV heads
     save_file(weights, str(fp8 / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"v_scale has 2 values: KV scales are one a tensor"):
+    with pytest.raises(
+        ValueError, match=r"v_scale has 3 values: KV scales are one a tensor or one a KV head \(2\)"
+    ):
+        load_model(str(fp8), fp8_weights="fp8", kv_cache_dtype="fp8_e4m3")
+    weights["model.layers.1.self_attn.v_scale"] = torch.tensor([0.5, 0.0])
+    save_file(weights, str(fp8 / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"layer 1's KV scales \(k_scale, v_scale\) must be positive and finite"
+    ):
         load_model(str(fp8), fp8_weights="fp8", kv_cache_dtype="fp8_e4m3")
 
 
@@ -140,9 +167,11 @@ def test_cache_info_and_the_log_say_the_pool_holds_scaled_values(tmp_path, caplo
     assert info["kv_scales"] == "checkpoint" and info["kv_dtype"] == "float8_e4m3fn"
 
 
-def test_two_ranks_over_scaled_fp8_pools_answer_as_one(tmp_path):
-    """Each rank reads every layer's two scales whole and stores its own KV heads over them."""
-    fp8, _ = kv_checkpoint(tmp_path)
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "per_head"])
+def test_two_ranks_over_scaled_fp8_pools_answer_as_one(tmp_path, per_head):
+    """Each rank holds its own KV head's scales (a scale a tensor: the same on both; one a head: its own)
+    and stores and reads that head over them."""
+    fp8, _ = kv_checkpoint(tmp_path, per_head=per_head)
     assert_two_ranks_answer_as_one(
         str(fp8),
         tmp_path,

@@ -101,10 +101,10 @@ class ModelConfig:
     # projection (the largest of its parts': q/k/v, gate/up) and one a sparse layer's gate/up and down GEMMs
     # (the largest of its experts')
     fp8_input_scales: bool = False
-    # the checkpoint carries one calibrated fp8 scale a layer for K and one for V (compressed-tensors'
-    # kv_cache_scheme: 8-bit floats by tensor; self_attn.k_scale / v_scale); with kv_scales (the loader's
-    # choice: an fp8 --kv-cache-dtype) the pool stores K / k_scale and V / v_scale and attention reads them
-    # back times the scales
+    # the checkpoint carries calibrated fp8 scales for each layer's K and V, one a tensor or one a KV head
+    # (compressed-tensors' kv_cache_scheme: 8-bit floats by tensor or attn_head; self_attn.k_scale / v_scale);
+    # with kv_scales (the loader's choice: an fp8 --kv-cache-dtype) the pool stores K / k_scale and
+    # V / v_scale, each head's over its own, and attention reads them back times the scales
     checkpoint_kv_scales: bool = False
     kv_scales: bool = False
     # sliding-window attention: the layers in sliding_layers attend the last sliding_window positions only
@@ -297,10 +297,19 @@ def _compressed_fp8(quant: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compressed_kv_scales(quant: dict[str, Any]) -> bool:
-    """Whether a compressed-tensors config's kv_cache_scheme stores K and V as 8-bit floats by one scale a
-    layer's tensor (other schemes: their scales are not read)."""
+    """Whether a compressed-tensors config's kv_cache_scheme stores K and V as 8-bit floats by symmetric
+    scales, one a layer's tensor ("tensor") or one a KV head ("attn_head"); other schemes' scales are not
+    read (an asymmetric one's would need its zero points too)."""
     kv = quant.get("kv_cache_scheme") or {}
-    return (kv.get("type"), kv.get("num_bits"), kv.get("strategy")) == ("float", 8, "tensor")
+    symmetric = kv.get("symmetric", True) is not False
+    return (
+        (kv.get("type"), kv.get("num_bits")) == ("float", 8)
+        and kv.get("strategy") in _KV_STRATEGIES
+        and symmetric
+    )
+
+
+_KV_STRATEGIES = ("tensor", "attn_head")
 
 
 def _compressed_activations(quant: dict[str, Any]) -> str | None:

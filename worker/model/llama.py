@@ -198,10 +198,12 @@ class DecoderLayer(nn.Module):
         self.router_bias = _weight(c.num_experts, **w) if biased else None
         self.experts_gate_up_bias = _weight(c.num_experts, 2 * self.inter, **w) if biased else None
         self.experts_down_bias = _weight(c.num_experts, c.hidden_size, **w) if biased else None
-        # an fp8 pool's K and V scales (the checkpoint's k_scale, v_scale; --kv-cache-dtype fp8), read once
-        # loaded into kv_scale_values, the Python numbers the stores and attention kernels take
-        self.kv_pool_scale = _weight(2, device=device, dtype=torch.float32) if c.kv_scales else None
-        self.kv_scale_values: tuple[float, float] | None = None
+        # an fp8 pool's K and V scales (the checkpoint's k_scale, v_scale; --kv-cache-dtype fp8): K's, then
+        # V's, one for each of this rank's KV heads (a checkpoint's scale a tensor repeated), as the stores
+        # and attention kernels take them
+        self.kv_pool_scale = (
+            _weight(2, self.kv_heads, device=device, dtype=torch.float32) if c.kv_scales else None
+        )
         # gpt-oss: this rank's heads' attention sinks (float32, as the kernels read them)
         self.sinks = _weight(self.heads, device=device, dtype=torch.float32) if c.attention_sinks else None
         self.shared_inter = shard.local(c, "shared_intermediate") if self.sparse else 0
@@ -252,7 +254,7 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, c.rms_norm_eps)
         # NOTE: decode attention reads the new token's K/V from the pool, so store first (with RoPE: one kernel)
-        kv_scales = self.kv_scale_values
+        kv_scales = self.kv_pool_scale
         if self.rope:
             q, k = ops.rope_store_kv(
                 q, k, v, batch.positions, cos_sin_cache, k_cache, v_cache, batch.out_slots, kv_scales
@@ -394,24 +396,25 @@ FP8_PROJECTION = re.compile(
 
 def _fp8_dequantized(
     weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype,
-    keep: bool = False, inputs: bool = False, kv: bool = False,
+    keep: bool = False, inputs: bool = False, kv_heads: int = 0,
 ) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
     """``weights`` with each fp8 weight and its scale, whichever is read first, as one weight dequantized to
     ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's), or
     with ``keep`` an FP8_PROJECTION's as they are, the weight and its scales (``<owner>.weight_scale``:
     float32, one a block, else one a row, [N, 1]); with ``inputs`` (and ``keep``) each FP8_PROJECTION's
-    static ``input_scale`` too (float32 [1]); with ``kv`` each layer's KV scales as ``self_attn.k_scale`` /
-    ``v_scale`` (float32 [1]); other weights (norms, embeddings, layers the checkpoint left unquantized) as
-    they are. A weight without its scale, or a scale without its weight, is a ValueError naming it; so is
-    an input or KV scale of more than one value."""
+    static ``input_scale`` too (float32 [1]); with ``kv_heads`` (the model's KV heads) each layer's KV scales
+    as ``self_attn.k_scale`` / ``v_scale`` (float32 [kv_heads], _kv_scale); other weights (norms, embeddings,
+    layers the checkpoint left unquantized) as they are. A weight without its scale, or a scale without its
+    weight, is a ValueError naming it; so is an input scale of more than one value, or a KV scale of neither
+    one nor one a KV head."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         unused, kv_scale = _FP8_UNUSED.match(name), _KV_SCALE.match(name)
         if unused is not None:
             if inputs and keep and unused[2] == "input_scale" and FP8_PROJECTION.search(unused[1]):
                 yield name, _one_scale(name, tensor, "static input")
-            elif kv and kv_scale is not None:
-                yield f"{kv_scale[1]}.{kv_scale[2] or kv_scale[3]}_scale", _one_scale(name, tensor, "KV")
+            elif kv_heads and kv_scale is not None:
+                yield f"{kv_scale[1]}.{kv_scale[2] or kv_scale[3]}_scale", _kv_scale(name, tensor, kv_heads)
             continue
         scale = _FP8_SCALE.match(name)
         if scale is None and not (name.endswith(".weight") and tensor.dtype in _FP8):
@@ -440,6 +443,16 @@ def _one_scale(name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
     if tensor.numel() != 1:
         raise ValueError(f"{name} has {tensor.numel()} values: {kind} scales are one a tensor")
     return tensor.float().reshape(1)
+
+
+def _kv_scale(name: str, tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A KV scale as float32 [kv_heads]: one a tensor repeated for every KV head, or one a head as it is
+    (compressed-tensors' attn_head, stored [heads] or [heads, 1, 1]); ValueError naming it otherwise."""
+    if tensor.numel() not in (1, kv_heads):
+        raise ValueError(
+            f"{name} has {tensor.numel()} values: KV scales are one a tensor or one a KV head ({kv_heads})"
+        )
+    return tensor.float().reshape(-1).expand(kv_heads).contiguous()
 
 
 def _quantized_at_load(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -663,8 +676,8 @@ class LlamaForCausalLM(nn.Module):
             ("self_attn.o_proj", "input_scale"): layer.o_input_scale,
             ("mlp.down_proj", "input_scale"): layer.down_input_scale,
             ("self_attn", "sinks"): layer.sinks,
-            **({("self_attn", "k_scale"): layer.kv_pool_scale[0:1],
-                ("self_attn", "v_scale"): layer.kv_pool_scale[1:2]} if layer.kv_pool_scale is not None else {}),
+            **({("self_attn", "k_scale"): layer.kv_pool_scale[0],
+                ("self_attn", "v_scale"): layer.kv_pool_scale[1]} if layer.kv_pool_scale is not None else {}),
         }  # fmt: skip
         if part in stacked and kind == "input_scale":
             target = getattr(layer, f"{stacked[part][0]}_input_scale")
@@ -722,17 +735,19 @@ class LlamaForCausalLM(nn.Module):
 
     def settle_scales(self) -> None:
         """What the forward reads of the loaded scales, settled once: each static input scale holds the
-        largest of its parts' in every place (DecoderLayer.input_scale reads the first), each layer's KV
-        scales become the Python numbers its stores and attention take (the forward never waits on the
-        device for them)."""
+        largest of its parts' in every place (DecoderLayer.input_scale reads the first); each layer's KV
+        scales are checked here, once (the kernels never read them on the host): ValueError naming a layer
+        whose scales are not all positive and finite."""
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("input_scale"):  # NOTE: present under --fp8-activations static only
                     p.fill_(p.amax())
-        for layer in self.layers:
-            if layer.kv_pool_scale is not None:
-                k, v = layer.kv_pool_scale.tolist()
-                layer.kv_scale_values = (k, v)
+        for i, layer in enumerate(self.layers):
+            scales = layer.kv_pool_scale
+            if scales is not None and not bool(torch.isfinite(scales).all() and (scales > 0).all()):
+                raise ValueError(
+                    f"layer {i}'s KV scales (k_scale, v_scale) must be positive and finite, got {scales.tolist()}"
+                )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to this model's dtype and device). Raises ValueError on
@@ -803,7 +818,7 @@ class LlamaForCausalLM(nn.Module):
                 self.dtype,
                 keep=c.fp8_projections,
                 inputs=c.fp8_input_scales,
-                kv=c.kv_scales,
+                kv_heads=c.num_kv_heads if c.kv_scales else 0,
             )
         for name, tensor in weights:
             if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)

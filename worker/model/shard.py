@@ -30,7 +30,7 @@ def rows_per_entry(config: ModelConfig, kind: str) -> int:
     return config.fp8_weight_block[0] if kind == "weight_scale" and config.fp8_weight_block else 1
 
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks|scales|weight_scale)$")
+_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(.+)\.(weight|bias|sinks|scales|weight_scale|[kv]_scale)$")
 # HF projection -> how its weight is split: by output rows of which size, or by input columns
 _ROWS = {
     "self_attn.q_proj": "heads",
@@ -113,6 +113,9 @@ class Shard:
         part, kind = _EXPERT.sub(".experts.", m.group(1)), m.group(2)
         if kind == "sinks":  # NOTE: one per query head (gpt-oss)
             lo, hi = self.span(config, "heads")
+            return tensor[lo:hi]
+        if kind in ("k_scale", "v_scale"):  # NOTE: an fp8 pool's, one per KV head (the loader's [kv_heads])
+            lo, hi = self.span(config, "kv_heads")
             return tensor[lo:hi]
         unit = config.head_dim if _ROWS.get(part, _COLUMNS.get(part)) in ("heads", "kv_heads") else 1
         # NOTE: a projection kept in fp8 (--fp8-weights): its scales one a block of rows x columns (the
