@@ -26,13 +26,16 @@ from worker.model.llama import DecoderLayer
 E4M3 = torch.float8_e4m3fn
 
 
-def kv_checkpoint(tmp_path, older_names: bool = False, per_head: bool = False):
-    """A two-layer Llama (2 KV heads) in compressed-tensors' per-tensor fp8 with KV scales, each layer's its
-    own and no power of two (a power of two would round as the unscaled values do); ``older_names``: as
-    k_proj / v_proj.output_scale; ``per_head``: one a KV head, the second head's 1.5 times the first's,
-    stored [heads, 1, 1] under kv_cache_scheme strategy attn_head. Returns its path and each layer's
-    scales, float32 [2, KV heads] (K's, V's)."""
-    fp8, _ = fp8_pair(save_checkpoint(tmp_path / "base", "llama"), tmp_path, "compressed-tensors", "tensor")
+def kv_checkpoint(
+    tmp_path, older_names: bool = False, per_head: bool = False, method: str = "compressed-tensors"
+):
+    """A two-layer Llama (2 KV heads) in per-tensor fp8 (``method``: compressed-tensors, or HF's ``fp8`` as the
+    FP8-KV releases are, its config saying "kv_cache_scheme": "static") with KV scales, each layer's its own
+    and no power of two (a power of two would round as the unscaled values do); ``older_names``: as k_proj /
+    v_proj.output_scale; ``per_head``: one a KV head, the second head's 1.5 times the first's, stored
+    [heads, 1, 1] under kv_cache_scheme strategy attn_head. Returns its path and each layer's scales,
+    float32 [2, KV heads] (K's, V's)."""
+    fp8, _ = fp8_pair(save_checkpoint(tmp_path / "base", "llama"), tmp_path, method, "tensor")
     weights = load_file(str(fp8 / "model.safetensors"))
     config = json.loads((fp8 / "config.json").read_text())
     heads = config["num_key_value_heads"]
@@ -43,7 +46,7 @@ def kv_checkpoint(tmp_path, older_names: bool = False, per_head: bool = False):
             table = table * torch.tensor([1.0, 1.5])
         scales.append(table)
         for kind, row in zip("kv", table, strict=True):
-            del weights[f"model.layers.{i}.self_attn.{kind}_scale"]
+            weights.pop(f"model.layers.{i}.self_attn.{kind}_scale", None)
             name = f"self_attn.{kind}_proj.output_scale" if older_names else f"self_attn.{kind}_scale"
             weights[f"model.layers.{i}.{name}"] = (
                 row.reshape(heads, 1, 1).clone() if per_head else row[:1].clone()
@@ -51,7 +54,9 @@ def kv_checkpoint(tmp_path, older_names: bool = False, per_head: bool = False):
     save_file(weights, str(fp8 / "model.safetensors"))
     if per_head:
         config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
-        (fp8 / "config.json").write_text(json.dumps(config))
+    if method == "fp8":
+        config["quantization_config"]["kv_cache_scheme"] = "static"
+    (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, scales
 
 
@@ -85,20 +90,28 @@ def test_the_config_says_whether_the_checkpoint_carries_kv_scales():
     assert not carries(None)
     assert not carries({"num_bits": 8, "type": "float", "strategy": "channel"})  # NOTE: not read
     assert not carries({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False})
+    fp8 = {"quant_method": "fp8", "activation_scheme": "static"}
+    assert ModelConfig.from_hf(
+        {**head, "quantization_config": {**fp8, "kv_cache_scheme": "static"}}
+    ).checkpoint_kv_scales
+    assert not ModelConfig.from_hf({**head, "quantization_config": fp8}).checkpoint_kv_scales
     assert not carries({"num_bits": 8, "type": "int", "strategy": "tensor"})
 
 
 @pytest.mark.parametrize(
-    ("older_names", "per_head"),
-    [(False, False), (True, False), (False, True)],
-    ids=["k_scale", "output_scale", "per_head"],
-)
-def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(tmp_path, monkeypatch, older_names, per_head):
+    ("older_names", "per_head", "method"),
+    [(False, False, "compressed-tensors"), (True, False, "compressed-tensors"), (False, True, "compressed-tensors"),
+     (True, False, "fp8")],
+    ids=["k_scale", "output_scale", "per_head", "fp8-kv"],
+)  # fmt: skip
+def test_an_fp8_pool_holds_k_and_v_over_the_checkpoints_scales(
+    tmp_path, monkeypatch, older_names, per_head, method
+):
     """The served model (stores and attention over codes x their head's scale) against the unscaled model
     over a float32 pool whose stores keep exactly to_pool(x / scale) x scale, head by head: equal logits at
     every step; and the scales matter (the unscaled fp8 pool's logits differ from the first step that reads
     the pool)."""
-    fp8, scales = kv_checkpoint(tmp_path, older_names, per_head)
+    fp8, scales = kv_checkpoint(tmp_path, older_names, per_head, method)
     loaded = load_model(str(fp8), fp8_weights="fp8", kv_cache_dtype="fp8_e4m3")
     assert loaded.config.kv_scales
     for layer, want in zip(loaded.model.layers, scales, strict=True):

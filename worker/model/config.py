@@ -102,7 +102,8 @@ class ModelConfig:
     # (the largest of its experts')
     fp8_input_scales: bool = False
     # the checkpoint carries calibrated fp8 scales for each layer's K and V, one a tensor or one a KV head
-    # (compressed-tensors' kv_cache_scheme: 8-bit floats by tensor or attn_head; self_attn.k_scale / v_scale);
+    # (compressed-tensors' kv_cache_scheme: 8-bit floats by tensor or attn_head; an fp8 config's
+    # "kv_cache_scheme": "static"; self_attn.k_scale / v_scale, or k_proj / v_proj.output_scale);
     # with kv_scales (the loader's choice: an fp8 --kv-cache-dtype) the pool stores K / k_scale and
     # V / v_scale, each head's over its own, and attention reads them back times the scales
     checkpoint_kv_scales: bool = False
@@ -263,8 +264,11 @@ def _quantization(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     if method == "fp8" and quant.get("fmt", "e4m3") == "e4m3":
         block = quant.get("weight_block_size")
         scheme = quant.get("activation_scheme")
+        # NOTE: "kv_cache_scheme": "static": the release carries calibrated KV scales (the FP8-KV releases'
+        # k_proj / v_proj.output_scale, or self_attn.k_scale / v_scale), one a tensor
         return {"fp8_weights": True, "fp8_weight_block": tuple(int(b) for b in block) if block else None,
-                "fp8_activation_scheme": scheme if scheme in ("dynamic", "static") else None}  # fmt: skip
+                "fp8_activation_scheme": scheme if scheme in ("dynamic", "static") else None,
+                "checkpoint_kv_scales": quant.get("kv_cache_scheme") == "static"}  # fmt: skip
     if method == "compressed-tensors":
         return _compressed_fp8(quant)
     raise ValueError(
