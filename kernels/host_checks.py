@@ -1,8 +1,9 @@
 """Argument checks the Triton host wrappers run before a launch: a bad shape, dtype or device is a
 ValueError here instead of an out-of-bounds read or write on the device.
 
-NOTE: they read tensor metadata only (shape, dtype, device, strides), never tensor data, so no check
-waits on the device (CUDA-graph safe); what needs the data is a documented caller contract instead.
+NOTE: they read tensor metadata only (shape, dtype, device, strides), never a device's tensor data, so no
+check waits on the device (CUDA-graph safe); what needs the data is a documented caller contract instead
+(of KV scales held on the CPU, the few values are read: kv_scales).
 """
 
 from __future__ import annotations

@@ -173,10 +173,9 @@ def random_llama(config: ModelConfig, device: Any, dtype: Any, seed: int = 0) ->
             elif name.endswith("input_scale"):  # NOTE: static input scales: O(1) inputs unclipped
                 param.fill_(2.0**-6)
             elif name.endswith("kv_pool_scale"):  # NOTE: an fp8 pool's K and V scales, each KV head's its own
-                heads = torch.arange(param.shape[1], device=device)  # (no powers of two: they round otherwise
-                param.copy_(
-                    torch.tensor([[0.03], [0.0125]], device=device) * (1 + heads / 4)
-                )  # than unscaled)
+                # (no powers of two: they round otherwise than the unscaled values do)
+                heads = torch.arange(param.shape[1], device=device)
+                param.copy_(torch.tensor([[0.03], [0.0125]], device=device) * (1 + heads / 4))
             elif param.dtype == torch.float32 and name.endswith(("_scale", "_scales")):
                 # NOTE: their scales (experts' too): weights of rms 1/sqrt(fan_in), as below
                 weight = name.removesuffix("_scales") if name.endswith("_scales") else name[:-6] + "_proj"
