@@ -15,7 +15,9 @@ decode step's MLP cannot beat) and its FLOPs over the matmul rate; each candidat
 (kernels.moe.CANDIDATES) replayed too, from which the defaults' rule is set; fp8 experts also with fp8
 activations (each GEMM's input quantized per token group, fp8 by fp8: --fp8-activations dynamic); the
 summary holds each quantized format's least speed-up over its experts dequantized at decode, and fp8
-activations' least over 16-bit ones at decode and at prefill. Needs CUDA: without it, it
+activations' least over 16-bit ones at decode and at prefill; MXFP4 experts are also timed at each step
+depth of MXFP4_STEPS (each checked against the reference), the summary holding each depth's least speed-up
+over the default's at decode and at prefill. Needs CUDA: without it, it
 measures nothing and exits 2. Numbers are never estimated.
 """
 
@@ -39,6 +41,9 @@ from kernels.bench_report import times as _times
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 DECODE_TOKENS = 64  # a batch of at most this many tokens is a decode step (the summary's rule)
 FP8_BLOCK = (128, 128)  # an fp8 expert's scale blocks (rows, columns), as Qwen3's FP8 releases have them
+# the step depths (block_k) MXFP4 experts are timed at, on the default's other tiles: 32 (one block of scales
+# a step, applied to its product; the default) and the deeper steps that decode each value with its scale
+MXFP4_STEPS = (32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +221,20 @@ def bench_row(
             )
     default = moe.default_config(tokens * shape.top_k, shape.experts, mxfp4=shape.quant == "mxfp4")
     row["default"] = next((label for label, cfg in moe.CANDIDATES.items() if cfg == default), str(default))
+    if shape.quant == "mxfp4":  # NOTE: each depth's output checked against the reference first
+        steps = {f"k{k}": dataclasses.replace(default, block_k=k) for k in MXFP4_STEPS}
+        errors = []
+        for cfg in steps.values():
+            out = moe.fused_moe(x, w13, w2, weights, ids, **options, config=cfg).float()
+            errors.append(float((out - want).norm() / want.norm().clamp_min(1e-30)))
+        row["mxfp4_steps_rel_err"] = max(errors)
+        row["mxfp4_steps_graph_ms"] = {
+            label: timing.time_replay_ms(
+                lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, **options, config=cfg)
+            )
+            for label, cfg in steps.items()
+        }
+        row["mxfp4_step"] = f"k{default.block_k}"
     if candidates and not quantized:  # NOTE: the candidates' deep steps are for 16-bit weights
         row["candidates_graph_ms"] = {
             label: timing.time_replay_ms(lambda cfg=cfg: moe.fused_moe(x, w13, w2, weights, ids, config=cfg))
@@ -229,7 +248,9 @@ def summarize(rows: list[dict]) -> dict[str, float | None]:
     """Each quantized format's least speed-up over its experts dequantized to bf16 at decode (at most
     DECODE_TOKENS tokens), e.g. packed_speedup_min_decode: where it is at least 1, keeping the experts as
     stored on CUDA is right for decode steps; fp8 activations' least speed-up over 16-bit ones on fp8
-    experts, at decode and above it (w8a8_vs_fp8_min_decode / _min_prefill). None without such rows."""
+    experts, at decode and above it (w8a8_vs_fp8_min_decode / _min_prefill); each MXFP4 step depth's least
+    speed-up over the default's, at decode and above (mxfp4_k64_speedup_min_decode ...). None without such
+    rows."""
     decode = [r for r in rows if r["tokens"] <= DECODE_TOKENS]
     prefill = [r for r in rows if r["tokens"] > DECODE_TOKENS]
     return {
@@ -237,7 +258,19 @@ def summarize(rows: list[dict]) -> dict[str, float | None]:
            for q in FORMATS.values()},
         "w8a8_vs_fp8_min_decode": min((r["w8a8_vs_fp8"] for r in decode if "w8a8_vs_fp8" in r), default=None),
         "w8a8_vs_fp8_min_prefill": min((r["w8a8_vs_fp8"] for r in prefill if "w8a8_vs_fp8" in r), default=None),
+        **{f"mxfp4_k{k}_speedup_min_{regime}": _least_step_speedup(part, f"k{k}")
+           for k in MXFP4_STEPS for regime, part in (("decode", decode), ("prefill", prefill))},
     }  # fmt: skip
+
+
+def _least_step_speedup(rows: list[dict], label: str) -> float | None:
+    """MXFP4 step depth ``label``'s least speed-up over the default's depth across ``rows`` (the default's
+    time over its), None without MXFP4 rows."""
+    timed = [r for r in rows if "mxfp4_steps_graph_ms" in r]
+    return min(
+        (r["mxfp4_steps_graph_ms"][r["mxfp4_step"]] / r["mxfp4_steps_graph_ms"][label] for r in timed),
+        default=None,
+    )
 
 
 def format_markdown(result: dict) -> str:
@@ -281,6 +314,25 @@ def format_markdown(result: dict) -> str:
                   for r in stored]  # fmt: skip
         lines += ["", f"`{q.speedup}_min_decode`, the least at {DECODE_TOKENS} tokens or fewer: "
                   + _times(least)]  # fmt: skip
+    steps = [r for r in result["rows"] if "mxfp4_steps_graph_ms" in r]
+    if steps:
+        labels = [f"k{k}" for k in MXFP4_STEPS]
+        lines += ["", "MXFP4 experts by step depth (block_k; k32 scales each step's product, deeper steps each "
+                  "value), graph replay us; the default's in bold:", "",
+                  "| model | tokens | " + " | ".join(labels) + " | rel err |", "|---|---:|" + "---:|" * (len(labels) + 1)]  # fmt: skip
+        for r in steps:
+            cells = [f"{r['mxfp4_steps_graph_ms'][label] * 1e3:.1f}" for label in labels]
+            cells = [
+                f"**{c}**" if label == r["mxfp4_step"] else c for c, label in zip(cells, labels, strict=True)
+            ]
+            lines.append(
+                f"| {r['model']} | {r['tokens']} | "
+                + " | ".join(cells)
+                + f" | {r['mxfp4_steps_rel_err']:.1e} |"
+            )
+        summary_steps = [f"`mxfp4_k{k}_speedup_min_{regime}` {_times(summary[f'mxfp4_k{k}_speedup_min_{regime}'])}"
+                         for k in MXFP4_STEPS for regime in ("decode", "prefill")]  # fmt: skip
+        lines += ["", "The least speed-up of each depth over the default's: " + ", ".join(summary_steps)]
     w8a8 = [r for r in result["rows"] if "w8a8_vs_fp8" in r]
     if w8a8:
         lines += [

@@ -83,12 +83,15 @@ CANDIDATES = {
 def default_config(pairs: int, experts: int, mxfp4: bool = False) -> MoeConfig:
     """Small blocks when experts see few pairs each (decode: the weights' reads are the cost, and a
     block's padding is wasted work), larger ones in a prefill. ``mxfp4``: MXFP4 weights, whose decoded
-    tile lives in registers: 64-deep steps (sm_90, bf16: the decode tiles take 241-254 registers at 128
-    deep). Not yet tuned on a GPU."""
+    tile lives in registers: 32-deep steps, one block of scales a step, applied to the step's product
+    (sm_90, bf16, kernels.compile_check: the decode tiles take 64-72 registers with Triton 3.9 and 96 with
+    3.6, against 128 and 245-250 at 64 deep, which decodes each value with its scale; the prefill tiles
+    153-159 and 187-193, against 151-182 and 255 spilling 32-48 B on 3.6). Not yet timed on a GPU
+    (kernels.bench_moe times 32, 64 and 128 deep on every MXFP4 row)."""
     if INTERPRETED:
         return MoeConfig(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1)
     cfg = CANDIDATES["m16 n64 k128" if pairs <= 2 * experts else "m64 n128 k64 w8"]
-    return dataclasses.replace(cfg, block_k=min(cfg.block_k, 64)) if mxfp4 else cfg
+    return dataclasses.replace(cfg, block_k=32) if mxfp4 else cfg
 
 
 def _aligned_size(pairs: int, experts: int, block_m: int) -> int:
@@ -284,8 +287,17 @@ def _grouped_gemm_kernel(
         if MXFP4:  # NOTE: each code byte is read for both of its values (the second read hits the cache)
             codes = tl.load(w_base + (ks // 2)[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0)
             codes = (codes >> ((ks % 2) * 4).to(tl.uint8)[:, None]) & 0x0F
-            scale = tl.load(s_base + (ks // 32)[:, None], mask=k_mask[:, None] & col_mask[None, :], other=127)
-            w = (_e2m1(codes) * tl.exp2(scale.to(tl.float32) - 127.0)).to(A.dtype.element_ty)
+            if (
+                BLOCK_K == 32
+            ):  # NOTE: one block of 32 a step: E2M1 is exact in A's dtype, the scale after the dot
+                w = _e2m1(codes).to(A.dtype.element_ty)
+                step_scale = tl.load(s_base + k0 // 32, mask=col_mask[None, :], other=127)
+                step_scale = tl.exp2(step_scale.to(tl.float32) - 127.0)
+            else:
+                scale = tl.load(
+                    s_base + (ks // 32)[:, None], mask=k_mask[:, None] & col_mask[None, :], other=127
+                )
+                w = (_e2m1(codes) * tl.exp2(scale.to(tl.float32) - 127.0)).to(A.dtype.element_ty)
         else:
             w = tl.load(w_base + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             if FP8 and not A_FP8 and not QUANTIZE_A:  # NOTE: exact: every fp8 value is a value of A's dtype
@@ -306,6 +318,8 @@ def _grouped_gemm_kernel(
             if QUANTIZE_A and not A_STATIC:
                 scale = scale * a_scale[:, None]
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
+        elif MXFP4 and BLOCK_K == 32:
+            acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32) * step_scale
         else:
             acc += tl.dot(a, w, input_precision=PRECISION, out_dtype=tl.float32)
     if A_STATIC:

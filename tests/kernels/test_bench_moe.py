@@ -83,14 +83,22 @@ def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, 
     )
     rates = {"copy_gbs": 100.0, "matmul_tflops": 10.0}
     row = bench_moe.bench_row("tiny-mxfp4", shape, 5, w, rates, torch.Generator().manual_seed(0))
-    # packed replay, eager, the torch loop, the dequantized replay; no candidates (deep steps are 16-bit's)
-    assert len(calls) == 4 and "candidates_graph_ms" not in row and row["rel_err"] < 2e-2
+    # packed replay, eager, the torch loop, the dequantized replay, then each step depth; no candidates
+    # (their deep steps are 16-bit's)
+    assert len(calls) == 4 + 3 and "candidates_graph_ms" not in row and row["rel_err"] < 2e-2
     torch.testing.assert_close(calls[0].float(), calls[3].float(), rtol=2e-2, atol=2e-2)  # the same experts
+    for step in calls[4:]:  # NOTE: 32, 64 and 128 deep: the same experts, each step's scales applied
+        torch.testing.assert_close(step.float(), calls[0].float(), rtol=2e-2, atol=2e-2)
+    assert list(row["mxfp4_steps_graph_ms"]) == ["k32", "k64", "k128"] and row["mxfp4_step"] == "k32"
+    assert row["mxfp4_steps_rel_err"] < 2e-2
     assert row["bytes"] == row["experts_touched"] * 3 * 64 * 32 * 17 // 32 + 2 * 5 * 64 * 2
     assert row["packed_speedup"] == 1.0
     report = bench_moe.format_markdown({"device": {"name": "CPU", "copy_gbs": 100.0, "matmul_tflops": 10.0},
                                         "rows": [row], "command": "c", "timing": "t"})  # fmt: skip
     assert "| tiny-mxfp4 | 5 | 500.0 | 500.0 | 1.00x |" in report
+    assert (
+        "| tiny-mxfp4 | 5 | **500.0** | 500.0 | 500.0 |" in report
+    )  # the step depths, the default's in bold
 
 
 def test_qwen3s_fp8_experts_are_a_model_of_the_default_run(capsys):
@@ -167,6 +175,9 @@ def timed_row(model: str, tokens: int, **speedup: float) -> dict:
         if field == "w8a8_vs_fp8":  # NOTE: fp8 activations' replay, ``value`` times as fast
             row.update({"w8a8_graph_ms": 0.1 / value, "w8a8_rel_err": 1e-3, field: value,
                         "w8a8_quantized_inside_graph_ms": 0.1 / value, "w8a8_quantized_first_graph_ms": 0.1})  # fmt: skip
+        elif field == "mxfp4_steps":  # NOTE: 64 and 128 deep, ``value`` (a pair) times as fast as 32
+            row.update({"mxfp4_step": "k32", "mxfp4_steps_rel_err": 1e-3,
+                        "mxfp4_steps_graph_ms": {"k32": 0.1, "k64": 0.1 / value[0], "k128": 0.1 / value[1]}})  # fmt: skip
         else:
             row.update({"dequantized_graph_ms": 0.1 * value, field: value})
     return row
@@ -175,27 +186,38 @@ def timed_row(model: str, tokens: int, **speedup: float) -> dict:
 def test_the_summary_is_each_formats_least_speedup_at_decode():
     rows = [
         timed_row("qwen3-30b-a3b", 1),
-        timed_row("gpt-oss-20b", 16, packed_speedup=1.25),
-        timed_row("gpt-oss-20b", 256, packed_speedup=0.5),  # a prefill: not the decode rule's
+        timed_row("gpt-oss-20b", 16, packed_speedup=1.25, mxfp4_steps=(1.1, 0.8)),
+        timed_row("gpt-oss-20b", 64, packed_speedup=1.5, mxfp4_steps=(1.06, 0.9)),
+        timed_row(
+            "gpt-oss-20b", 256, packed_speedup=0.5, mxfp4_steps=(0.95, 1.25)
+        ),  # a prefill: not the decode rule's
         timed_row("qwen3-30b-a3b-fp8", 1, fp8_speedup=1.5, w8a8_vs_fp8=0.8),
         timed_row("qwen3-30b-a3b-fp8", 64, fp8_speedup=0.9, w8a8_vs_fp8=0.95),
         timed_row("qwen3-30b-a3b-fp8", 256, fp8_speedup=0.25, w8a8_vs_fp8=1.6),
         timed_row("qwen3-30b-a3b-fp8", 4096, fp8_speedup=0.5, w8a8_vs_fp8=1.9),
     ]
-    assert bench_moe.summarize(rows) == {
+    steps = {"mxfp4_k32_speedup_min_decode": 1.0, "mxfp4_k32_speedup_min_prefill": 1.0,
+             "mxfp4_k64_speedup_min_decode": 1.06, "mxfp4_k64_speedup_min_prefill": 0.95,
+             "mxfp4_k128_speedup_min_decode": 0.8, "mxfp4_k128_speedup_min_prefill": 1.25}  # fmt: skip
+    summary = bench_moe.summarize(rows)
+    assert {k: round(v, 6) if v else v for k, v in summary.items()} == {
         "packed_speedup_min_decode": 1.25,
         "fp8_speedup_min_decode": 0.9,
         "w8a8_vs_fp8_min_decode": 0.8,
         "w8a8_vs_fp8_min_prefill": 1.6,
+        **steps,
     }
-    assert bench_moe.summarize(rows[:3]) == {
-        "packed_speedup_min_decode": 1.25,
+    assert bench_moe.summarize(rows[:1]) == {
+        "packed_speedup_min_decode": None,
         "fp8_speedup_min_decode": None,
         "w8a8_vs_fp8_min_decode": None,
         "w8a8_vs_fp8_min_prefill": None,
+        **dict.fromkeys(steps),
     }
     report = bench_moe.format_markdown({"device": {"name": "CPU", **RATES}, "rows": rows, "command": "c",
                                         "timing": "t"})  # fmt: skip
     assert "| qwen3-30b-a3b-fp8 | 64 | 100.0 | 90.0 | 0.90x |" in report
     assert "`fp8_speedup_min_decode`, the least at 64 tokens or fewer: 0.90x" in report
     assert "`packed_speedup_min_decode`, the least at 64 tokens or fewer: 1.25x" in report
+    assert "| gpt-oss-20b | 256 | **100.0** | 105.3 | 80.0 | 1.0e-03 |" in report
+    assert "`mxfp4_k64_speedup_min_decode` 1.06x" in report and "`mxfp4_k128_speedup_min_prefill` 1.25x" in report

@@ -170,9 +170,13 @@ def test_the_reference_dequantizes_mxfp4_codes_by_definition():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["decode", "prefill"])
-def test_fused_moe_on_mxfp4_experts_matches_the_reference(backend, assert_close_rel, poisoned, case, dtype):
+@pytest.mark.parametrize("step", ["default", "k64"])
+def test_fused_moe_on_mxfp4_experts_matches_the_reference(
+    backend, assert_close_rel, poisoned, case, dtype, step
+):
     """gpt-oss's experts as released: MXFP4 codes decoded tile by tile in both GEMMs (with the biases and
-    the clamped SwiGLU), against the reference on the dequantized weights."""
+    the clamped SwiGLU), against the reference on the dequantized weights; by default in 32-deep steps (one
+    block of scales a step, applied to its product), and in 64-deep ones (each value scaled as decoded)."""
     moe = backend.module("moe")
     tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 64, 64), "prefill": (40, 4, 2, 96, 64)}[case]
     x, _, _, weights, ids = (
@@ -181,7 +185,8 @@ def test_fused_moe_on_mxfp4_experts_matches_the_reference(backend, assert_close_
     w13, w2, s13, s2 = (t.to(backend.device) for t in mxfp4_experts(experts, hidden, inter))
     b13, b2 = (b.to(backend.device) for b in biases(experts, hidden, inter, dtype))
     options = {"b13": b13, "b2": b2, "activation": "clamped_swiglu"}
-    got = moe.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **options)
+    config = None if step == "default" else moe.MoeConfig(block_m=16, block_n=32, block_k=64)
+    got = moe.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **options, config=config)
     want = reference.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **options)
     assert_close_rel(got, want)
     dense = [reference.dequantize_mxfp4(w, s, dtype) for w, s in ((w13, s13), (w2, s2))]
