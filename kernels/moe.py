@@ -254,7 +254,8 @@ def _grouped_gemm_kernel(
     weight when WEIGHTED) for the block's pairs; row = pair // TOP_K when ROW_PER_TOKEN (A is x), else the
     pair (A is the activation). MXFP4: W is [E, N, KDIM/2] uint8 codes with Scales [E, N, KDIM/32]
     (kernels.reference.dequantize_mxfp4), each tile decoded to A's dtype before its dot (BLOCK_K and
-    KDIM multiples of 32). FP8: W is fp8 [E, N, KDIM] with float32 Scales, one a block of scale_rows x
+    KDIM multiples of 32; with BLOCK_K 32, each step's product times its one scale a column instead of
+    each value times its own). FP8: W is fp8 [E, N, KDIM] with float32 Scales, one a block of scale_rows x
     scale_cols of each expert's weight (BLOCK_K divides scale_cols, or scale_cols >= KDIM: a step lies in
     one column of blocks), each tile widened to A's dtype and each step's product times its scales.
     A_FP8 (with FP8): A is e4m3 codes with float32 AScales, one a run of scale_cols of each row
@@ -287,9 +288,9 @@ def _grouped_gemm_kernel(
         if MXFP4:  # NOTE: each code byte is read for both of its values (the second read hits the cache)
             codes = tl.load(w_base + (ks // 2)[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0)
             codes = (codes >> ((ks % 2) * 4).to(tl.uint8)[:, None]) & 0x0F
-            if (
-                BLOCK_K == 32
-            ):  # NOTE: one block of 32 a step: E2M1 is exact in A's dtype, the scale after the dot
+            # NOTE: a 32-deep step is one block of scales: the values (E2M1 is exact in A's dtype) go into the
+            # dot as decoded and the step's product takes the scale; a deeper step scales each value
+            if BLOCK_K == 32:
                 w = _e2m1(codes).to(A.dtype.element_ty)
                 step_scale = tl.load(s_base + k0 // 32, mask=col_mask[None, :], other=127)
                 step_scale = tl.exp2(step_scale.to(tl.float32) - 127.0)
