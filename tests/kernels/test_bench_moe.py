@@ -220,4 +220,7 @@ def test_the_summary_is_each_formats_least_speedup_at_decode():
     assert "`fp8_speedup_min_decode`, the least at 64 tokens or fewer: 0.90x" in report
     assert "`packed_speedup_min_decode`, the least at 64 tokens or fewer: 1.25x" in report
     assert "| gpt-oss-20b | 256 | **100.0** | 105.3 | 80.0 | 1.0e-03 |" in report
-    assert "`mxfp4_k64_speedup_min_decode` 1.06x" in report and "`mxfp4_k128_speedup_min_prefill` 1.25x" in report
+    assert (
+        "`mxfp4_k64_speedup_min_decode` 1.06x" in report
+        and "`mxfp4_k128_speedup_min_prefill` 1.25x" in report
+    )
