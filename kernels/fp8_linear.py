@@ -208,18 +208,14 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     runs = triton.cdiv(k, group)
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((m, runs), dtype=torch.float32, device=x.device)
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
     width = triton.next_power_of_2(group)
     if m and k and width <= QUANTIZE_TILE_COLS:  # NOTE: a program a tile of rows x one run
-        block_r = min(triton.next_power_of_2(m), max(1, QUANTIZE_TILE_ELEMENTS // width))
-        _quantize_tiles_kernel[(triton.cdiv(m, block_r), runs)](
-            x, codes, scales, m, k, group, x.stride(0), codes.stride(0), scales.stride(0), FP8_MAX=fp8_max,
-            BLOCK_R=block_r, BLOCK_G=width, enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
-        )  # fmt: skip
+        _quantize_tiles(x, codes, scales, group, width, runs)
     elif m and k:  # NOTE: a program a run of one row, read in chunks
         _quantize_groups_kernel[(m, runs)](
-            x, codes, scales, k, group, x.stride(0), codes.stride(0), scales.stride(0), FP8_MAX=fp8_max,
-            CHUNK=16 if INTERPRETED else 1024, enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
+            x, codes, scales, k, group, x.stride(0), codes.stride(0), scales.stride(0),
+            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, CHUNK=16 if INTERPRETED else 1024,
+            enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
         )  # fmt: skip
     return codes, scales
 
@@ -234,13 +230,24 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     if m and k:
         width = min(triton.next_power_of_2(k), QUANTIZE_TILE_COLS)
-        block_r = min(triton.next_power_of_2(m), max(1, QUANTIZE_TILE_ELEMENTS // width))
-        _quantize_tiles_kernel[(triton.cdiv(m, block_r), triton.cdiv(k, width))](
-            x, codes, scale, m, k, width, x.stride(0), codes.stride(0), 0,
-            FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, BLOCK_R=block_r, BLOCK_G=width, STATIC=True,
-            enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
-        )  # fmt: skip
+        _quantize_tiles(x, codes, scale, width, width, triton.cdiv(k, width), static=True)
     return codes
+
+
+def _quantize_tiles(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int, width: int, runs: int,
+    static: bool = False,
+) -> None:  # fmt: skip
+    """_quantize_tiles_kernel over x [M, K] (M, K > 0): runs of ``group`` columns (``width``, a power of two,
+    at least ``group``), about QUANTIZE_TILE_ELEMENTS values a program; ``static``: ``scales`` is the one
+    scale of every value (read), else one a run of each row (written)."""
+    m, k = x.shape
+    block_r = min(triton.next_power_of_2(m), max(1, QUANTIZE_TILE_ELEMENTS // width))
+    _quantize_tiles_kernel[(triton.cdiv(m, block_r), runs)](
+        x, codes, scales, m, k, group, x.stride(0), codes.stride(0), 0 if static else scales.stride(0),
+        FP8_MAX=torch.finfo(torch.float8_e4m3fn).max, BLOCK_R=block_r, BLOCK_G=width, STATIC=static,
+        enable_fp_fusion=True, num_warps=1 if INTERPRETED else 4,
+    )  # fmt: skip
 
 
 def _check_quantized(x: torch.Tensor, group: int) -> None:
