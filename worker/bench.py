@@ -537,14 +537,14 @@ def run_benchmark(p: BenchParams, command: str) -> dict:
                        max_waiting=max(1024, 2 * width))  # fmt: skip
     cfg.validate()
     shape = SHAPES.get(p.model)
-    if p.fp8_weights:  # NOTE: tiny too (random weights in its shape): a CPU smoke test of the fp8 path
+    if p.fp8_weights or p.kv_scales:  # NOTE: tiny too (random weights in its shape): a CPU smoke test
         from worker.model.tiny import tiny_config
 
-        shape = fp8_projections(shape or tiny_config(), p.fp8_activations)
+        shape = shape or tiny_config()
+    if p.fp8_weights:
+        shape = fp8_projections(shape, p.fp8_activations)
     if p.kv_scales:
-        from worker.model.tiny import tiny_config
-
-        shape = replace(shape or tiny_config(), kv_scales=True)
+        shape = replace(shape, kv_scales=True)
     engine = build_bench_engine(cfg, shape)
     engine.start()
     try:

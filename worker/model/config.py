@@ -308,12 +308,9 @@ def _compressed_kv_scales(quant: dict[str, Any]) -> bool:
     symmetric = kv.get("symmetric", True) is not False
     return (
         (kv.get("type"), kv.get("num_bits")) == ("float", 8)
-        and kv.get("strategy") in _KV_STRATEGIES
+        and kv.get("strategy") in ("tensor", "attn_head")
         and symmetric
     )
-
-
-_KV_STRATEGIES = ("tensor", "attn_head")
 
 
 def _compressed_activations(quant: dict[str, Any]) -> str | None:
