@@ -158,9 +158,11 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *([decode_case(shape, decode_many, f"decode many-requests {shape.label}")] if decode_many != decode_default
           else []),
         decode_case(shape, dataclasses.replace(decode_default, fused_merge=True), f"decode fused-merge {shape.label}"),
-        # the prefetch candidate as kernels.bench times it (16-bit only: at 4 warps fp32 needs twice the registers)
+        # the prefetch candidate as kernels.bench times it (16-bit only: at 4 warps fp32 needs twice the registers;
+        # head dims up to 128, the bench's: two 64-token tiles of BLOCK_D 256 in registers spill KiBs)
         *([decode_case(shape, dataclasses.replace(decode_default, **decode_attention.PREFETCH_TILES),
-                       f"decode prefetch {shape.label}")] if dt != torch.float32 else []),
+                       f"decode prefetch {shape.label}")] if dt != torch.float32 and shape.head_dim <= 128
+          else []),
         extend_case(shape, extend_default, f"extend {shape.label}"),
         *([extend_case(shape, long_prefix, f"extend-long-prefix {shape.label}")] if long_prefix != extend_default
           else []),

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from kernels import compile_check
+from kernels import compile_cases, compile_check
 
 
 def _python(code: str, *args: str, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
@@ -368,3 +368,14 @@ def test_defaults_above_head_dim_128_compile_without_spills(tmp_path, arch, bloc
     unsplit = {"split_prefix": False, "min_split_len": 256, "packed_blocks": False}
     assert extend["config"] == {"block_m": block_m, "block_n": 16, "num_warps": 8, "num_stages": 2} | unsplit
     assert extend["spill_bytes"] == 0 and extend["regs"] <= 255 and extend["ok"]
+
+
+def test_the_prefetch_variant_is_checked_at_the_head_dims_the_bench_times_it():
+    """DecodeConfig.prefetch holds two tiles in registers: kernels.bench and kernels.sweep time it at head dims
+    64 and 128; at 256 it would spill KiBs (3.5 KiB a thread on sm_90), a variant nothing launches there."""
+    for head_dim, dtype, expected in [(128, "bf16", True), (64, "fp16", True), (96, "bf16", True),
+                                      (256, "bf16", False), (192, "fp16", False), (128, "fp32", False)]:  # fmt: skip
+        shape = compile_cases.Shape(dtype, 8, 2, head_dim, 256)
+        labels = {case[0] for case in compile_cases.defaults(shape)}
+        assert (f"decode prefetch {shape.label}" in labels) is expected, (head_dim, dtype)
+        assert f"decode {shape.label}" in labels
