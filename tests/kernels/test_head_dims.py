@@ -1,8 +1,8 @@
-"""The attention, RoPE and store kernels at the head dims and GQA ratios of served models beyond the
+"""The attention kernels at the head dims and GQA ratios of served models beyond the
 64 / 128 and 1 / 2 / 4 / 8 of the other kernel tests: head dim 96 (Phi-3: BLOCK_D 128, masked),
 256 (Gemma 2 and 3), and query groups of 5 and 7 (Qwen2.5: 40 / 8 and 28 / 4 heads), whose padded
 rows (BLOCK_H 16) hold 3 and 2 tokens' groups in the short extend. Against kernels.reference, on
-poisoned outputs."""
+poisoned outputs (RoPE and the store at these shapes: tests/kernels/test_fused.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import reference
 from tests.kernels import test_decode_attention as decode_cases
 from tests.kernels import test_extend_attention as extend_cases
 from tests.kernels import test_extend_short as short_cases
-from tests.kernels.test_fused import rope_cache
 
 SHAPES = [  # dtype, head dim, query heads, KV heads (scaled down from the models named)
     pytest.param(torch.bfloat16, 96, 4, 4, id="phi3-hd96-gqa1"),
@@ -64,30 +62,3 @@ def test_extend_short(backend, assert_close_rel, dtype, head_dim, hq, hkv):
     out = torch.full_like(args[0], float("nan"))
     short.extend_short_attention(*args, max_extend_len=max(short_cases.NEW), num_splits=3, out=out)
     assert_close_rel(out.cpu(), short_cases.want(args))
-
-
-@pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), SHAPES)
-def test_rope_store_kv(backend, assert_close_rel, dtype, head_dim, hq, hkv):
-    fused = backend.module("fused")
-    g = torch.Generator().manual_seed(head_dim)
-    t, pool = 5, 24
-    qkv = torch.randn(t, hq + 2 * hkv, head_dim, generator=g).to(backend.device, dtype)
-    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
-    positions = torch.tensor([0, 7, 3, 31, 12]).to(backend.device)
-    slots = torch.tensor([4, 0, 23, 9, 10]).to(backend.device)
-    cache = rope_cache(32, head_dim).to(backend.device)
-    k_cache = torch.full((pool, hkv, head_dim), float("nan"), dtype=dtype, device=backend.device)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    q_out, k_out = fused.rope_store_kv(q, k, v, positions, cache, k_cache, v_cache, slots)
-    k_ref, v_ref = torch.full_like(k_cache.cpu(), float("nan")), torch.full_like(v_cache.cpu(), float("nan"))
-    q_want, k_want = reference.rope_store_kv(q.cpu(), k.cpu(), v.cpu(), positions.cpu(), cache.cpu(), k_ref, v_ref,
-                                             slots.cpu())  # fmt: skip
-    assert_close_rel(q_out.cpu(), q_want)
-    assert_close_rel(k_out.cpu(), k_want)
-    written = torch.zeros(pool, dtype=torch.bool)
-    written[slots.cpu()] = True
-    order = torch.argsort(slots.cpu())
-    assert torch.equal(k_cache.cpu()[written], k_out.cpu()[order])  # the rotated k it returns
-    assert torch.equal(v_cache.cpu()[written], v.cpu()[order])  # v as given
-    assert_close_rel(k_cache.cpu()[written], k_ref[written])
-    assert k_cache.cpu()[~written].isnan().all() and v_cache.cpu()[~written].isnan().all()
