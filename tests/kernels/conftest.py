@@ -152,6 +152,18 @@ def assert_close_rel() -> Callable[[torch.Tensor, torch.Tensor], None]:
     return check
 
 
+# (dtype, head dim, query heads, KV heads) of served models beyond head dims 64 / 128 and GQA 1 / 2 / 4 / 8,
+# scaled down: Phi-3's head dim 96 (BLOCK_D 128, masked), Gemma 2 and 3's 256, and query groups of 7 and 5
+# (Qwen2.5: 28 / 4 and 40 / 8 heads), whose padded rows (BLOCK_H 16) hold 2 and 3 tokens' groups in the
+# short extend. The attention tests add them to their own cases.
+SERVED_SHAPES = [
+    (torch.bfloat16, 96, 4, 4),
+    (torch.float16, 256, 4, 2),
+    (torch.bfloat16, 128, 14, 2),
+    (torch.float16, 64, 10, 2),
+]
+
+
 def strided(x: torch.Tensor) -> torch.Tensor:
     """The same values as a stride-2 view (a column of an [N, 2] tensor); the other column holds 0."""
     return torch.stack([x, torch.zeros_like(x)], dim=1)[:, 0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.conftest import strided
+from tests.kernels.conftest import SERVED_SHAPES, strided
 
 CASES = [
     (torch.float32, 64, 4, 4),
@@ -17,6 +17,7 @@ CASES = [
     (torch.float16, 64, 8, 1),
     (torch.bfloat16, 64, 2, 2),
     (torch.bfloat16, 128, 16, 2),
+    *SERVED_SHAPES,
 ]
 KV_LENS = [1, 2, 17, 50, 33]  # tokens per request, the current token's slot included
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.conftest import strided
+from tests.kernels.conftest import SERVED_SHAPES, strided
 
-# (dtype, head_dim, Hq, Hkv): GQA ratios 1 / 4 / 8 spread over both head dims and all three dtypes.
+# (dtype, head_dim, Hq, Hkv): GQA ratios 1 / 4 / 8 spread over both head dims and all three dtypes, then the
+# served models' other shapes (conftest.SERVED_SHAPES).
 CASES = [
     (torch.float32, 64, 2, 2),
     (torch.float32, 128, 8, 2),
@@ -18,6 +19,7 @@ CASES = [
     (torch.float16, 128, 4, 4),
     (torch.bfloat16, 128, 8, 1),
     (torch.bfloat16, 64, 4, 1),
+    *SERVED_SHAPES,
 ]
 # (prefix, new) tokens per request: empty prefix, one new token, no new tokens, tile-crossing lengths.
 REQUESTS = [(0, 19), (1, 1), (7, 0), (33, 17), (16, 32)]
@@ -80,7 +82,12 @@ SPLIT_REQUESTS = [(0, 19), (5, 3), (100, 9), (7, 0), (47, 40), (161, 1), (64, 33
 
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "hq", "hkv", "num_splits"),
-    [(torch.float32, 64, 4, 2, 2), (torch.bfloat16, 128, 8, 1, 3), (torch.float16, 64, 4, 4, 16)],
+    [
+        (torch.float32, 64, 4, 2, 2),
+        (torch.bfloat16, 128, 8, 1, 3),
+        (torch.float16, 64, 4, 4, 16),
+        *((*shape, 4) for shape in SERVED_SHAPES),
+    ],
 )
 def test_prefix_splits_match_the_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits):
     """Each request's prefix split over up to ``num_splits`` programs (each part's partial output and

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.kernels.conftest import SERVED_SHAPES
 
 CASES = [  # dtype, head dim, query heads, KV heads: GQA 1 (16 tokens a program), 4 (4), 8 (2)
     (torch.float32, 64, 4, 4),
     (torch.float16, 128, 8, 2),
     (torch.bfloat16, 64, 8, 1),
     (torch.bfloat16, 128, 16, 4),
+    *SERVED_SHAPES,
 ]
 PREFIX = [0, 1, 37, 70, 16, 5, 1]  # cached tokens per request
 NEW = [3, 1, 5, 9, 0, 2, 16]  # new tokens per request (one without: graph padding)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from tests.kernels.conftest import strided
+from tests.kernels.conftest import SERVED_SHAPES, strided
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -174,9 +174,9 @@ def test_store_kv_rejects_inconsistent_shapes(backend, change, match):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# and the served shapes of tests/kernels/test_head_dims.py: head dims 96 and 256, a query group of 7
+# and the served models' other shapes (head dims 96 and 256, query groups of 7 and 5)
 @pytest.mark.parametrize(
-    ("head_dim", "hq", "hkv"), [(64, 4, 4), (128, 8, 2), (96, 4, 4), (256, 4, 2), (128, 14, 2)]
+    ("head_dim", "hq", "hkv"), [(64, 4, 4), (128, 8, 2), *(shape[1:] for shape in SERVED_SHAPES)]
 )
 def test_rope_store_kv_rotates_and_stores_exactly_the_given_slots(backend, assert_close_rel, dtype, head_dim,
                                                                    hq, hkv):  # fmt: skip
