@@ -96,9 +96,8 @@ def test_an_mxfp4_row_times_the_packed_experts_beside_them_dequantized(backend, 
     report = bench_moe.format_markdown({"device": {"name": "CPU", "copy_gbs": 100.0, "matmul_tflops": 10.0},
                                         "rows": [row], "command": "c", "timing": "t"})  # fmt: skip
     assert "| tiny-mxfp4 | 5 | 500.0 | 500.0 | 1.00x |" in report
-    assert (
-        "| tiny-mxfp4 | 5 | **500.0** | 500.0 | 500.0 |" in report
-    )  # the step depths, the default's in bold
+    # the step depths, the default's in bold
+    assert "| tiny-mxfp4 | 5 | **500.0** | 500.0 | 500.0 |" in report
 
 
 def test_qwen3s_fp8_experts_are_a_model_of_the_default_run(capsys):
@@ -188,9 +187,8 @@ def test_the_summary_is_each_formats_least_speedup_at_decode():
         timed_row("qwen3-30b-a3b", 1),
         timed_row("gpt-oss-20b", 16, packed_speedup=1.25, mxfp4_steps=(1.1, 0.8)),
         timed_row("gpt-oss-20b", 64, packed_speedup=1.5, mxfp4_steps=(1.06, 0.9)),
-        timed_row(
-            "gpt-oss-20b", 256, packed_speedup=0.5, mxfp4_steps=(0.95, 1.25)
-        ),  # a prefill: not the decode rule's
+        # a prefill: not the decode rule's
+        timed_row("gpt-oss-20b", 256, packed_speedup=0.5, mxfp4_steps=(0.95, 1.25)),
         timed_row("qwen3-30b-a3b-fp8", 1, fp8_speedup=1.5, w8a8_vs_fp8=0.8),
         timed_row("qwen3-30b-a3b-fp8", 64, fp8_speedup=0.9, w8a8_vs_fp8=0.95),
         timed_row("qwen3-30b-a3b-fp8", 256, fp8_speedup=0.25, w8a8_vs_fp8=1.6),

@@ -72,10 +72,12 @@ def fp8_pair(base, tmp_path, method: str, strategy: str, block=(16, 32)):
         else:
             expanded = scale
         dequantized[name] = codes.float() * expanded
-        if method == "compressed-tensors":  # NOTE: a static input scale and the KV cache's scales, unread
-            quantized[name.replace("weight", "input_scale")] = torch.tensor(0.5)  # here (--fp8-activations
-            owner = name.rsplit(".", 3)[0]  # static and an fp8 pool read them: test_fp8_activations.py,
-            if name.endswith("self_attn.k_proj.weight"):  # test_kv_scales.py)
+        # NOTE: a static input scale and the KV cache's scales, unread here (--fp8-activations static and an
+        # fp8 pool read them: test_fp8_activations.py, test_kv_scales.py)
+        if method == "compressed-tensors":
+            quantized[name.replace("weight", "input_scale")] = torch.tensor(0.5)
+            owner = name.rsplit(".", 3)[0]
+            if name.endswith("self_attn.k_proj.weight"):
                 quantized[f"{owner}.self_attn.k_scale"] = torch.tensor(0.25)
             if name.endswith("self_attn.v_proj.weight"):
                 quantized[f"{owner}.self_attn.v_scale"] = torch.tensor(0.125)
