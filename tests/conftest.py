@@ -6,8 +6,7 @@ import subprocess
 
 import pytest
 
-from router.launcher import free_port
-from tests.support import Proc, start_module, start_redis
+from tests.support import Proc, free_port, start_module, start_redis
 
 
 class Launcher:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,10 +15,45 @@ from dataclasses import dataclass
 
 import httpx
 
-from router.launcher import free_port, redis_server, stop_processes
+from router.launcher import redis_server, stop_processes
 
 REDIS = shutil.which("redis-server")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PORTS_PER_PROCESS = 1000
+
+
+def _port_block() -> range:
+    """This test process's loopback ports: a block just below the kernel's ephemeral range, one
+    block per pytest-xdist worker. A port the kernel hands out (bind to port 0) lies in that range,
+    where any outgoing connection can take it between the pick and the server's own bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:
+        ephemeral_low = 32768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    top = ephemeral_low - PORTS_PER_PROCESS * int(worker.removeprefix("gw"))
+    if top - PORTS_PER_PROCESS < 1024:
+        raise RuntimeError(f"no room for {worker}'s ports below the ephemeral range ({ephemeral_low})")
+    return range(top - PORTS_PER_PROCESS, top)
+
+
+_next_ports = itertools.cycle(_port_block())
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, that no other test process is handed: the next one of
+    this process's block that binds (with SO_REUSEADDR, as the servers bind)."""
+    for _ in range(PORTS_PER_PROCESS):
+        port = next(_next_ports)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("every port of this test process's block is taken")
 
 
 def wait_until(

@@ -11,6 +11,7 @@ import pytest
 from loadtest import compare as compare_mod
 from loadtest.compare import Backend, CompareConfig, compare, main
 from loadtest.driver import LoadConfig
+from tests.support import free_port
 
 STARTED: list = []
 
@@ -27,6 +28,7 @@ class RecordingFleet(compare_mod._Fleet):
 def recording_fleet(monkeypatch):
     STARTED.clear()
     monkeypatch.setattr(compare_mod, "_Fleet", RecordingFleet)
+    monkeypatch.setattr(compare_mod, "free_port", free_port)  # this test process's own ports
     yield
     assert all(p.poll() is not None for p in STARTED), "a started process is still running"
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from router.config import RouterConfig, build_config, build_parser
-from router.launcher import free_port
+from tests.support import free_port
 
 
 def test_precedence_defaults_yaml_env_flags(tmp_path):

@@ -12,8 +12,7 @@ import orjson
 import pytest
 
 from router.kv_events import decode
-from router.launcher import free_port
-from tests.support import REDIS, wait_until
+from tests.support import REDIS, free_port, wait_until
 from tests.worker.conftest import save_checkpoint
 
 SYSTEM = "You are radixgate's test assistant. Answer in one short sentence, politely. " * 20  # ~1.5k tokens

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.http_client import ConnectFailed, ConnectionBroken, HTTPClient, ResponseTimeout
-from router.launcher import free_port
+from tests.support import free_port
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,10 +12,9 @@ import orjson
 import pytest
 
 from router.circuit_breaker import CircuitBreaker
-from router.launcher import free_port
 from router.replica_sync import ReplicaSync
 from router.workers import PendingPrefill, WorkerRegistry
-from tests.support import REDIS, wait_until
+from tests.support import REDIS, free_port, wait_until
 
 A, B = "http://a:1", "http://b:1"
 

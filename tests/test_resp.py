@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from router.launcher import free_port, redis_server
+from router.launcher import redis_server
 from router.resp import INCOMPLETE, RespConnection, RespError, command, parse
-from tests.support import REDIS
+from tests.support import REDIS, free_port
 
 MESSAGE = b"*3\r\n$7\r\nmessage\r\n$4\r\nchan\r\n$11\r\nhello\r\nbulk\r\n"
 

@@ -24,7 +24,7 @@ import torch
 from router.block_hash import block_hashes
 from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
-from router.launcher import free_port
+from tests.support import free_port
 from tests.worker.test_server import LiveServer, serve
 from worker.kv_pages import EXPORT_PATH, body_view, export_headers, read_headers
 

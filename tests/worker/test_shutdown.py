@@ -110,7 +110,7 @@ def test_a_worker_whose_engine_dies_exits_so_it_can_be_started_again(tmp_path):
     import subprocess
     import sys
 
-    from router.launcher import free_port
+    from tests.support import free_port
 
     port = free_port()
     log = tmp_path / "worker.log"
