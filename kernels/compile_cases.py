@@ -231,12 +231,10 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         # gpt-oss's experts: biased GEMMs, the clamped SwiGLU, the weights in MXFP4 (decoded tile by tile)
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe gpt-oss {shape.dtype} t{tokens}",
                    gpt_oss=True) for tokens in (4, 256)),
-        *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8, mxfp4=True), f"fused_moe mxfp4 {shape.dtype} t{tokens}",
-                   gpt_oss=True, mxfp4=True) for tokens in (4, 256) if dt != torch.float32),
-        # and in 64-deep steps, each value decoded with its scale (kernels.bench_moe's k64; the default is 32 deep)
-        *(moe_case(shape, tokens, dataclasses.replace(moe.default_config(2 * tokens, 8, mxfp4=True), block_k=64),
-                   f"fused_moe mxfp4 k64 {shape.dtype} t{tokens}", gpt_oss=True, mxfp4=True)
-          for tokens in (4, 256) if dt != torch.float32),
+        # in the default's 32-deep steps, and in 64-deep ones, each value decoded with its scale (kernels.bench_moe's k64)
+        *(moe_case(shape, tokens, dataclasses.replace(moe.default_config(2 * tokens, 8, mxfp4=True), **depth),
+                   f"fused_moe mxfp4{label} {shape.dtype} t{tokens}", gpt_oss=True, mxfp4=True)
+          for label, depth in (("", {}), (" k64", {"block_k": 64})) for tokens in (4, 256) if dt != torch.float32),
         # an fp8 checkpoint's experts kept in fp8 (--fp8-weights: e4m3 from sm_89), 128 x 128 blocks of scales
         *(moe_case(shape, tokens, moe.default_config(2 * tokens, 8), f"fused_moe fp8{act} {shape.dtype} t{tokens}",
                    fp8=True, fp8_activations=bool(act), static=act == " w8a8-static")
