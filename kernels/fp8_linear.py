@@ -14,7 +14,9 @@ With ``fp8_activations`` (W8A8, as an fp8 checkpoint's "activation_scheme": "dyn
 quantized to e4m3, one float32 scale a run of the blocks' columns of each row (a whole row without blocks;
 quantize_fp8_groups, bit for bit the reference's; a decode step's x is quantized inside the product
 where each step is one run), and each step multiplies fp8 by fp8 (sm_90's fp8 warpgroup MMA: twice the
-16-bit rate), scaled by the weight's and the row's multipliers. With an ``input_scale`` (float32, one element:
+16-bit rate), scaled by the weight's and the row's multipliers; each step's product joins the fp32 sum on
+its own (sm_90's fp8 MMAs sum in reduced precision), and a step under 32 deep (blocks of fewer columns; an fp8
+MMA takes 32) multiplies in fp16, exactly. With an ``input_scale`` (float32, one element:
 a checkpoint's calibrated scale, "activation_scheme": "static") every value of x is quantized by that one
 scale instead (quantize_fp8_static; no reduction, so inside the product at any step), and the product is
 scaled by it once.
@@ -116,6 +118,8 @@ def _fp8_linear_kernel(
     xs_base = XS + rows * stride_xsm
     if X_STATIC:
         x_static = tl.load(XS)
+    if QUANTIZE_X and not X_STATIC and not BLOCKED:
+        x_scale = tl.full([BLOCK_M], 1.0, tl.float32)  # NOTE: set by the one step, read after the loop
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -128,6 +132,8 @@ def _fp8_linear_kernel(
             x, x_scale = quantize_rows(x, FP8_MAX)
         elif not X_FP8:  # NOTE: fp8 by fp8 runs on the tensor cores as it is (e4m3 x e4m3 or e5m2)
             w = w.to(X.dtype.element_ty)
+        if (X_FP8 or QUANTIZE_X) and BLOCK_K < 32:  # NOTE: an fp8 dot takes 32-deep steps: fp16 (exact)
+            x, w = x.to(tl.float16), w.to(tl.float16)
         if DOT_FP32:
             x, w = x.to(tl.float32), w.to(tl.float32)
         if BLOCKED:  # NOTE: the step lies in one column of blocks: one multiplier an output column
@@ -137,6 +143,8 @@ def _fp8_linear_kernel(
             if QUANTIZE_X and not X_STATIC:
                 scale = scale * x_scale[:, None]
             acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32) * scale
+        elif X_FP8 or QUANTIZE_X:  # NOTE: sm_90's fp8 MMAs sum in reduced precision: added in fp32 a step
+            acc += tl.dot(x, w, input_precision=PRECISION, out_dtype=tl.float32)
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION, out_dtype=tl.float32)
     if not BLOCKED:

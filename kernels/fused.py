@@ -62,7 +62,8 @@ def _fp8_grid(
     # rounds to the nearest one, ties to even, and the subtraction is exact
     magic = SUBNORMAL_STEP * 8388608.0
     small = (tl.abs(x) + magic) - magic
-    return tl.where(tl.abs(x) < MIN_NORMAL, tl.where(bits < 0, -small, small), normal)  # NOTE: -0 stays -0
+    # NOTE: the sign by a product, so -0 stays -0 (Triton 3.6 compiles a float's unary minus as 0 - x: +0)
+    return tl.where(tl.abs(x) < MIN_NORMAL, small * tl.where(bits < 0, -1.0, 1.0), normal)
 
 
 @triton.jit

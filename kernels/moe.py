@@ -259,7 +259,8 @@ def _grouped_gemm_kernel(
     scale_cols of each expert's weight (BLOCK_K divides scale_cols, or scale_cols >= KDIM: a step lies in
     one column of blocks), each tile widened to A's dtype and each step's product times its scales.
     A_FP8 (with FP8): A is e4m3 codes with float32 AScales, one a run of scale_cols of each row
-    (kernels.fp8_linear.quantize_fp8_groups): the product fp8 by fp8, times the row's scale too.
+    (kernels.fp8_linear.quantize_fp8_groups): the product fp8 by fp8 (in fp16, exactly, at steps under 32
+    deep: an fp8 MMA takes 32), times the row's scale too.
     QUANTIZE_A (with FP8): A in 16/32 bits, each step one run of it, quantized here as quantize_fp8_groups
     would (the same codes and scales), then as A_FP8. A_STATIC (with A_FP8 or QUANTIZE_A): AScales is A's
     one scale (a static input scale: fp8_linear.quantize_fp8_static's codes), applied once to the sum."""
@@ -307,6 +308,8 @@ def _grouped_gemm_kernel(
             a = quantize_by(a, a_static)
         elif QUANTIZE_A:  # NOTE: the step is one run of each row: its scale and codes
             a, a_scale = quantize_rows(a, FP8_MAX)
+        if (A_FP8 or QUANTIZE_A) and BLOCK_K < 32:  # NOTE: an fp8 dot takes 32-deep steps: fp16 (exact)
+            a, w = a.to(tl.float16), w.to(tl.float16)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         if FP8:  # NOTE: the step lies in one column of blocks: one scale an output column

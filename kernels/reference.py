@@ -291,7 +291,10 @@ def quantize_fp8_groups(
     k = x.shape[-1]
     runs = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, runs * group - k)).unflatten(-1, (runs, group))
-    scale = padded.abs().amax(dim=-1) / torch.finfo(dtype).max
+    amax = padded.abs().amax(dim=-1)
+    # NOTE: over a tensor, not a number: CUDA torch divides by a Python number as a product with its
+    # reciprocal, which can round the other way; a tensor's division rounds to nearest on every device
+    scale = amax / torch.full_like(amax, torch.finfo(dtype).max)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = to_pool(padded / scale.unsqueeze(-1), dtype).flatten(-2)[..., :k]
     return codes, scale

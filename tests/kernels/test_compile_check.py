@@ -201,6 +201,51 @@ def test_pdl_configurations_compile_kernels_launched_as_programmatic_dependents(
     assert launched == {"False": [[n, False] for n in names], "True": [[n, True] for n in names]}
 
 
+def test_fp8_products_compile_for_sm90_at_every_step_depth_and_quantization_place():
+    """What the interpreter cannot tell: the fp8 products at the kernel tests' own shapes compile for sm_90
+    (x quantized inside a product of one step over the whole row, its scale read after the loop; fp8 by fp8
+    at 16-deep steps, below the fp8 MMA's 32, taken in fp16; a static scale at 16-deep steps; experts over
+    blocks of 48 columns): each call compiles its product's kernels."""
+    code = textwrap.dedent("""\
+        import json
+        import torch
+        from kernels import compile_check, fp8_linear, moe
+        def fp8(*shape):
+            return torch.zeros(*shape).to(torch.float8_e4m3fn)
+        x, static = torch.zeros(3, 96, dtype=torch.bfloat16), torch.ones(1)
+        short = fp8_linear.Fp8LinearConfig(block_m=16, block_n=32, block_k=16)
+        one_step = fp8_linear.Fp8LinearConfig(block_m=16, block_n=32, block_k=128)
+        tokens = torch.zeros(3, 72, dtype=torch.bfloat16)
+        ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32), torch.ones(3, 2)
+        experts = dict(w13_scales=torch.ones(4, 3, 2), w2_scales=torch.ones(4, 3, 1), fp8_block=(32, 48),
+                       fp8_activations=True)
+        calls = {
+            "row one step": lambda: fp8_linear.fp8_linear(x, fp8(64, 96), torch.ones(64, 1), None, config=one_step,
+                                                          fp8_activations=True, fuse_quantization=True),
+            "blocks of 48": lambda: fp8_linear.fp8_linear(x, fp8(64, 96), torch.ones(4, 2), (16, 48),
+                                                          fp8_activations=True),
+            "static short": lambda: fp8_linear.fp8_linear(x, fp8(64, 96), torch.ones(1), None, config=short,
+                                                          fp8_activations=True, input_scale=static),
+            "experts of 48": lambda: moe.fused_moe(tokens, fp8(4, 80, 72), fp8(4, 72, 40), weights, ids,
+                                                   **experts),
+        }
+        print(json.dumps({label: compile_check.compile_rows(call, 90) for label, call in calls.items()}))
+        """)
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for label, rows in report.items():
+        assert rows and all(r["kernel"] is not None for r in rows), (label, rows)
+    products = {label: [r["kernel"] for r in rows if r["kernel"] in ("_fp8_linear_kernel", "_grouped_gemm_kernel")]
+                for label, rows in report.items()}  # fmt: skip
+    assert products == {
+        "row one step": ["_fp8_linear_kernel"],
+        "blocks of 48": ["_fp8_linear_kernel"],
+        "static short": ["_fp8_linear_kernel"],
+        "experts of 48": ["_grouped_gemm_kernel"] * 2,
+    }
+
+
 def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     code = textwrap.dedent("""\
         import json

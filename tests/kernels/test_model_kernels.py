@@ -75,17 +75,18 @@ def no_reference(*args, **kwargs):
 
 
 def kernel_model(
-    backend, monkeypatch, cpu_model: LlamaForCausalLM, forbidden: tuple[str, ...]
+    backend, monkeypatch, cpu_model: LlamaForCausalLM, forbidden: tuple[str, ...], dtype=torch.bfloat16
 ) -> LlamaForCausalLM:
     """The model to run on the Triton kernels: ``cpu_model`` itself with the interpreter switched on,
-    or a bf16 copy of its weights on CUDA; the kernels.reference and worker.attention functions named
-    in ``forbidden`` raise when called."""
+    or a copy of its weights in ``dtype`` on CUDA (float32 where a discrete choice, an fp8 code or an
+    expert's rank, would amplify bf16's rounding past any useful bound); the kernels.reference and
+    worker.attention functions named in ``forbidden`` raise when called."""
     for name in forbidden:
         monkeypatch.setattr(reference if hasattr(reference, name) else attention, name, no_reference)
     if backend.interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         return cpu_model
-    model = LlamaForCausalLM(cpu_model.config, backend.device, torch.bfloat16)
+    model = LlamaForCausalLM(cpu_model.config, backend.device, dtype)
     model.load_state_dict(cpu_model.state_dict())
     return model
 
@@ -159,23 +160,15 @@ def test_model_on_triton_kernels_matches_the_reference_path(backend, monkeypatch
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_model = random_llama(config, "cpu", torch.float32, seed=1)
     want = run_steps(cpu_model, torch.device("cpu"))  # torch reference kernels, float32
-    model = kernel_model(
-        backend,
-        monkeypatch,
-        cpu_model,
-        (
-            *REFERENCE_OPS,
-            "fused_moe",
-            "moe_route",
-            "gelu_tanh_and_mul",
-            "clamped_swiglu_and_mul",
-            "decode_grouped",
-            "fp8_linear",
-        ),
-    )
+    # NOTE: on CUDA a mixture of experts runs in float32: in bf16 a token whose experts' router logits differ
+    # in their last bits takes another expert (fp8 experts: 5% off on an H200)
+    dtype = torch.float32 if config.num_experts else torch.bfloat16
+    forbidden = (*REFERENCE_OPS, "fused_moe", "moe_route", "gelu_tanh_and_mul", "clamped_swiglu_and_mul",
+                 "decode_grouped", "fp8_linear")  # fmt: skip
+    model = kernel_model(backend, monkeypatch, cpu_model, forbidden, dtype)
     got = run_steps(model, backend.device)
 
-    tol = 1e-4 if backend.interpret else 3e-2
+    tol = 1e-4 if backend.interpret or dtype == torch.float32 else 3e-2
     assert len(got) == len(want) == 5
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape and torch.isfinite(g).all()
@@ -233,12 +226,14 @@ def test_model_over_an_fp8_pool_on_triton_kernels_matches_the_reference_path(
     cpu_model = random_llama(CONFIG, "cpu", torch.float32, seed=1)
     exact = run_steps(cpu_model, torch.device("cpu"))
     want = run_steps(cpu_model, torch.device("cpu"), pool_dtype=pool_dtype)
-    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"))
+    # NOTE: float32 on CUDA too: bf16's K/V take the other fp8 neighbour wherever they round across a boundary
+    # (3.6-4.4% off on an H200, as much as the fp8 pool itself moves the logits)
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"), torch.float32)
     got = run_steps(model, backend.device, pool_dtype=pool_dtype)
 
     # NOTE: looser than the other models' 1e-4: where the two paths' fp32 K/V differ in their last bits, a
     # value on a rounding boundary takes the other fp8 neighbour, 6-12% away
-    tol = 1e-3 if backend.interpret else 3e-2
+    tol = 1e-3
     rounding = 2 * (2**-4 if pool_dtype == torch.float8_e4m3fn else 2**-3)
     for step, (g, w, e) in enumerate(zip(got, want, exact, strict=True)):
         assert g.shape == w.shape and torch.isfinite(g).all()
@@ -269,9 +264,9 @@ def test_model_over_a_scaled_fp8_pool_on_triton_kernels_matches_the_reference_pa
     want = run_steps(cpu_model, torch.device("cpu"), pool_dtype=pool_dtype)
     unscaled = run_steps(random_llama(CONFIG, "cpu", torch.float32, seed=1), torch.device("cpu"),
                          pool_dtype=pool_dtype)  # fmt: skip
-    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"))
+    model = kernel_model(backend, monkeypatch, cpu_model, (*REFERENCE_OPS, "decode_grouped"), torch.float32)
     got = run_steps(model, backend.device, pool_dtype=pool_dtype)
-    tol = 1e-3 if backend.interpret else 3e-2  # NOTE: as the unscaled pool's test, for the same reason
+    tol = 1e-3  # NOTE: as the unscaled pool's test (float32 on CUDA too), for the same reason
     for step, (g, w, u) in enumerate(zip(got, want, unscaled, strict=True)):
         assert g.shape == w.shape and torch.isfinite(g).all()
         err = ((g - w).norm() / w.norm()).item()

@@ -257,7 +257,7 @@ def test_fused_moe_with_fp8_activations_matches_the_reference(backend, poisoned,
     """--fp8-activations dynamic on fp8 experts: x and the activation quantized per token group (the
     blocks' columns, or a row) before their GEMMs, multiplied fp8 by fp8; rows of different magnitudes,
     so a scale read for the wrong row or run fails."""
-    from tests.kernels.test_fp8_linear import rel_err
+    from tests.kernels.test_fp8_linear import rel_err, w8a8_tol
 
     moe = backend.module("moe")
     tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 72, 40), "prefill": (40, 4, 2, 72, 40)}[case]
@@ -270,10 +270,10 @@ def test_fused_moe_with_fp8_activations_matches_the_reference(backend, poisoned,
     on_dev = {**options, "w13_scales": s13.to(dev), "w2_scales": s2.to(dev)}
     got = moe.fused_moe(*args, **on_dev, fp8_activations=True)
     want = reference.fused_moe(x, w13, w2, weights, ids, **options, fp8_activations=True)
-    assert got.dtype == dtype and rel_err(got, want) <= MOE_W8A8_REL_TOL[dtype]
+    assert got.dtype == dtype and rel_err(got, want) <= w8a8_tol(backend, dtype, MOE_W8A8_REL_TOL)
     unquantized = rel_err(got, reference.fused_moe(x, w13, w2, weights, ids, **options))
     if dtype != torch.bfloat16:  # NOTE: the bound tells quantized inputs from unquantized ones
-        assert unquantized > MOE_W8A8_REL_TOL[dtype]
+        assert unquantized > w8a8_tol(backend, dtype, MOE_W8A8_REL_TOL)
     _, plain13, plain2, _, _ = moe_case(tokens, experts, top_k, hidden, inter, dtype)
     with pytest.raises(ValueError, match="fp8 activations need fp8 experts"):
         moe.fused_moe(args[0], plain13.to(dev), plain2.to(dev), *args[3:], fp8_activations=True)
@@ -287,7 +287,7 @@ def test_experts_quantizing_their_inputs_inside_the_gemms_match_the_separate_qua
     """32-column steps over 32-column blocks: each GEMM quantizes its input itself (quantize_fp8_groups not
     called) and gives what the separate quantization gives; by default a decode step's do, a prefill's
     not."""
-    from tests.kernels.test_fp8_linear import rel_err
+    from tests.kernels.test_fp8_linear import rel_err, w8a8_tol
 
     moe = backend.module("moe")
     tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 64, 64), "prefill": (40, 4, 2, 64, 64)}[case]
@@ -307,7 +307,7 @@ def test_experts_quantizing_their_inputs_inside_the_gemms_match_the_separate_qua
     assert calls == [] and rel_err(fused, separate) <= 1e-6
     want = reference.fused_moe(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, fp8_block=block,
                                fp8_activations=True)  # fmt: skip
-    assert rel_err(fused, want) <= MOE_W8A8_REL_TOL[dtype]
+    assert rel_err(fused, want) <= w8a8_tol(backend, dtype, MOE_W8A8_REL_TOL)
     moe.fused_moe(*args, **options)  # the default: inside for a decode step's 3 tokens, first for 40
     assert calls == ([] if case == "decode" else [1, 1])
 
@@ -320,7 +320,7 @@ def test_fused_moe_with_static_input_scales_matches_the_reference(backend, monke
     """--fp8-activations static on fp8 experts: x and the activation quantized by one scale each (a
     checkpoint's input scales; x's short of its largest values, which saturate), inside the GEMMs at any
     step or first, each GEMM's sum scaled by it once; the bound tells them from per-token quantization."""
-    from tests.kernels.test_fp8_linear import rel_err, static_scale
+    from tests.kernels.test_fp8_linear import rel_err, static_scale, w8a8_tol
 
     moe = backend.module("moe")
     tokens, experts, top_k, hidden, inter = {"decode": (3, 8, 2, 72, 40), "prefill": (40, 4, 2, 72, 40)}[case]
@@ -340,10 +340,10 @@ def test_fused_moe_with_static_input_scales_matches_the_reference(backend, monke
         calls.clear()
         got = moe.fused_moe(*args, **on_dev, fuse_quantization=fuse)
         assert calls == quantized_first and got.dtype == dtype
-        assert rel_err(got, want) <= MOE_W8A8_REL_TOL[dtype]
+        assert rel_err(got, want) <= w8a8_tol(backend, dtype, MOE_W8A8_REL_TOL)
     if dtype != torch.bfloat16:
         dynamic = reference.fused_moe(x, w13, w2, weights, ids, **options)
-        assert rel_err(got, dynamic) > MOE_W8A8_REL_TOL[dtype]
+        assert rel_err(got, dynamic) > w8a8_tol(backend, dtype, MOE_W8A8_REL_TOL)
     with pytest.raises(ValueError, match="it needs fp8_activations"):
         moe.fused_moe(*args, **{**on_dev, "fp8_activations": False})
     with pytest.raises(ValueError, match="an input scale is one float32"):
