@@ -66,7 +66,19 @@ def decode(model, pool, tokens, positions, slots):
 
 
 def hf_model(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    """transformers' model of the checkpoint at ``path``, as the reference: float32, eager attention.
+    NOTE: the reference must not depend on the installed transformers' defaults. transformers 5.17 (the
+    H200 image's; 5.24 does neither) runs Gemma 2 through SDPA, which drops attn_logit_softcapping, and
+    clamps gpt-oss's experts at a fixed 7.0 (alpha 1.702) whatever the config's swiglu_limit (1.5 in
+    conftest): both references were then other models, by several logits, on any device."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    for module in hf.modules():
+        if type(module).__name__ == "GptOssExperts":  # NOTE: a no-op where transformers reads the config
+            module.limit = hf.config.swiglu_limit
+            module.alpha = getattr(hf.config, "swiglu_alpha", module.alpha)
+    return hf.eval()
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -145,6 +157,24 @@ def match_transformers(path: Path, device: str, atol: float) -> None:
         hf_last = hf_logits(hf, ids + hf_tokens)[-1:]
         our_last = decode(loaded.model, pool, [our_tokens[-1]], [len(ids) + step], [slots])
     assert our_tokens == hf_tokens
+
+
+@pytest.mark.parametrize(
+    ("fixture", "attribute", "off"),
+    [("gemma2_checkpoint", "attn_logit_softcapping", None), ("gpt_oss_checkpoint", "limit", 7.0)],
+)
+def test_the_reference_applies_gemma2s_score_cap_and_gpt_oss_clamp(fixture, attribute, off, request):
+    """The transformers reference really soft-caps Gemma 2's attention scores and clamps gpt-oss's experts
+    at the config's limit: turning either off changes its logits (neither did, on transformers 5.17's
+    defaults, so match_transformers compared against another model)."""
+    hf = hf_model(request.getfixturevalue(fixture))
+    ids = list(range(5, 60))
+    capped = hf_logits(hf, ids)
+    modules = [m for m in hf.modules() if hasattr(m, attribute)]
+    assert modules
+    for module in modules:
+        setattr(module, attribute, off)
+    assert (hf_logits(hf, ids) - capped).abs().max() > 0.1
 
 
 def test_cached_prefix_gives_the_same_logits_as_recomputing(llama):
