@@ -657,7 +657,9 @@ def measure_fp8_pool(
     """The default decode over the same K/V stored in an fp8 pool (--kv-cache-dtype: e4m3 from sm_89, e5m2
     before), replayed alone and per layer of a stack, into ``row``: its time, its GB/s over the bytes it
     reads (one a K/V value), its speed-up over the 16-bit pool's replay, and its error against SDPA over
-    the fp8 values widened back (the same attention, computed another way)."""
+    the fp8 values widened back (the same attention, computed another way). Under a bf16 q, also the
+    candidate that widens the fp8 tiles to fp16 (DecodeConfig.fp8_f16), replayed alone: its time against
+    the default's and its error."""
     from kernels import decode_attention as dec
     from kernels.compile_cases import fp8_pool
     from kernels.extend_attention import device_arch
@@ -688,7 +690,24 @@ def measure_fp8_pool(
     row["triton_fp8_stack_graph_gbs"] = nbytes / (stack_ms * 1e-3) / 1e9
     del stack_graph
     stack.clear()
-    row["rel_err_fp8_vs_sdpa"] = _rel_err(got, sdpa_decode(*decode_sdpa_args(shape, model, args)))
+    ref = sdpa_decode(*decode_sdpa_args(shape, model, args))
+    row["rel_err_fp8_vs_sdpa"] = _rel_err(got, ref)
+    if q.dtype != torch.bfloat16:  # NOTE: fp16 and fp32 queries take their own dtype already
+        return
+    config = dataclasses.replace(dec.default_config(q.shape[-1], q.dtype, device_arch(device), shape.batch, pool),
+                                 fp8_f16=True)  # fmt: skip
+    try:
+        graph = timing.capture(
+            lambda: dec.decode_attention(*args, max_kv_len=shape.context, out=out, config=config)
+        )
+        out.fill_(float("nan"))
+        graph.replay()
+        row["rel_err_fp8_f16_vs_sdpa"] = _rel_err(out.clone(), ref)
+        f16_ms = timing.time_ms(graph.replay)
+        row.update({"triton_fp8_f16_graph_ms": f16_ms, "triton_fp8_f16_graph_gbs": nbytes / (f16_ms * 1e-3) / 1e9,
+                    "fp8_f16_speedup": ms / f16_ms})  # fmt: skip
+    except Exception as exc:  # a compile, launch or capture error of the candidate: recorded, the run goes on
+        row["triton_fp8_f16_error"] = failure(exc)
 
 
 def failure(exc: BaseException) -> str:

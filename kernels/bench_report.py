@@ -144,6 +144,8 @@ def summarize(result: dict) -> dict:
                     if inaccurate(extend_error(r))]  # fmt: skip
     wrong_fp8 = [f"decode fp8 b={r['batch']} ctx={r['context']}" for r in result["decode"]
                  if "rel_err_fp8_vs_sdpa" in r and inaccurate(r["rel_err_fp8_vs_sdpa"])]  # fmt: skip
+    wrong_fp8 += [f"decode fp8 fp16-dot b={r['batch']} ctx={r['context']}" for r in result["decode"]
+                  if "rel_err_fp8_f16_vs_sdpa" in r and inaccurate(r["rel_err_fp8_f16_vs_sdpa"])]  # fmt: skip
     wrong_fp8 += [f"extend fp8 b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result["extend"]
                   if "rel_err_fp8_vs_sdpa" in r and inaccurate(r["rel_err_fp8_vs_sdpa"])]  # fmt: skip
     extend_fp8 = [r["fp8_speedup"] for r in result["extend"] if "fp8_speedup" in r]
@@ -173,6 +175,11 @@ def summarize(result: dict) -> dict:
         "decode_fp8_min_fraction_in_layer_stack_at_long_context": worst("triton_fp8_stack_graph_gbs"),
         "decode_fp8_speedup_min_at_long_context": min(
             (r["fp8_speedup"] for r in long_rows if "fp8_speedup" in r), default=None
+        ),
+        # the candidate widening the fp8 tiles to fp16 (DecodeConfig.fp8_f16): the default's time over its,
+        # the least over every row that timed it
+        "decode_fp8_f16_speedup_min": min(
+            (r["fp8_f16_speedup"] for r in result["decode"] if "fp8_f16_speedup" in r), default=None
         ),
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
@@ -513,24 +520,29 @@ def extend_fp8_table(rows: list[dict]) -> list[str]:
 
 def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
     """Decode over an fp8 pool (--kv-cache-dtype), where rows measured it: its bandwidth counts the bytes
-    it reads (one a K/V value), the speed-up is against the same row's 16-bit pool replay."""
+    it reads (one a K/V value), the speed-up is against the same row's 16-bit pool replay; the fp16-dot
+    columns time the candidate that widens the fp8 tiles to fp16 (DecodeConfig.fp8_f16) against the
+    default over the same pool."""
     rows = [r for r in rows if "triton_fp8_graph_ms" in r or "triton_fp8_error" in r]
     if not rows:
         return []
     lines = ["", f"### fp8 KV pool ({rows[0].get('fp8_pool', 'fp8')})", "",
              "The default kernels over the same K/V stored in one byte a value (`--kv-cache-dtype`), replayed"
              " alone and per layer of a stack; the error is against SDPA over the fp8 values widened back.", "",
-             "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | speed-up over the 16-bit pool | rel err |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | speed-up over the 16-bit pool | rel err "
+             "| fp16-dot GB/s | fp16-dot / default | fp16-dot rel err |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         if "triton_fp8_error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} ||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} |||||||||")
             continue
         gbs, stacked = r["triton_fp8_graph_gbs"], r["triton_fp8_stack_graph_gbs"]
+        f16 = r.get("triton_fp8_f16_error") or _fmt(r.get("triton_fp8_f16_graph_gbs"), ",.0f")
         lines.append(
             f"| {r['batch']} | {r['context']} | {gbs:,.0f} | {gbs / copy_gbs:.0%} | {stacked:,.0f} "
             f"| {stacked / copy_gbs:.0%} | {_fmt(r.get('fp8_speedup'), '.2f')}x "
-            f"| {_fmt(r.get('rel_err_fp8_vs_sdpa'), '.1e')} |"
+            f"| {_fmt(r.get('rel_err_fp8_vs_sdpa'), '.1e')} | {f16} | {times(r.get('fp8_f16_speedup'))} "
+            f"| {_fmt(r.get('rel_err_fp8_f16_vs_sdpa'), '.1e')} |"
         )
     return lines
 

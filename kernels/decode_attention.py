@@ -69,6 +69,9 @@ class DecodeConfig:
     fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
     pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
     prefetch: bool = False  # the next tile's K/V loaded before this one's dot (decode; extend_short: unused)
+    # an fp8 pool under a bf16 q: q taken to fp16 (saturated at +-65504) so the tiles widen to fp16, a pair
+    # of values an instruction, not to bf16 through fp32 (decode; extend_short: unused)
+    fp8_f16: bool = False
 
 
 # default_config's tiles over an fp8 pool on sm_90 (head dims 65-128, 16-bit q)
@@ -91,8 +94,8 @@ def default_config(
     ):
         # NOTE: widening an fp8 tile takes registers: sm_90's 16-bit tiles below compile to 176 / 205 (bf16 /
         # fp16) and 254 registers, the short extend's to 255 with a 16 B spill (fp16); 64-token tiles with
-        # 4 warps, 2 stages take 128 / 140 (python -m kernels.compile_check). Not timed yet (kernels.bench's
-        # fp8 rows).
+        # 4 warps, 2 stages take 128 / 140 (python -m kernels.compile_check). On an H200 (2026-11-29) these ran
+        # 0.63-0.96x as fast as the 16-bit pool's tiles: untuned (kernels.tune --kv-dtype fp8), and see fp8_f16.
         return FP8_TILES
     if dtype == torch.float32:  # 4 warps spill at head_dim 128 on sm_90 (python -m kernels.compile_check)
         return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
@@ -193,6 +196,7 @@ def _decode_split_kernel(
     KScales=None,  # KV_SCALED: [Hkv] float32, an fp8 pool's codes stand for code x KScales[h] (K's of KV head h)
     VScales=None,  # and code x VScales[h] (V's)
     KV_SCALED: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,  # DecodeConfig.fp8_f16 (an fp8 pool, a bf16 q)
 ):
     if PDL:
         # NOTE: past the wait, whatever the kernel before wrote (q, the pool, the indices) is visible; the
@@ -227,6 +231,8 @@ def _decode_split_kernel(
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     )
+    if F16_DOT:  # NOTE: attend_tile widens the fp8 tiles to q's dtype: now fp16
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -429,6 +435,7 @@ def decode_attention(
         Sinks=sinks if cfg.fused_merge else None,  # NOTE: unfused, the merge kernel adds them
         SINKS=sinks is not None and cfg.fused_merge,
         **scaled,
+        F16_DOT=cfg.fp8_f16 and q.dtype == torch.bfloat16 and k_cache.dtype in host_checks.FP8_POOL_DTYPES,
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

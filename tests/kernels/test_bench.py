@@ -815,3 +815,72 @@ def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit
         bench_report.format_markdown(result), "### Extend over an fp8 KV pool (float8_e4m3fn)"
     )
     assert extend_rows == [["1", "8", "8", "80.0", "0.80x", "1.0e-03"]]
+
+
+def test_the_fp8_pool_row_times_the_fp16_widening_candidate_under_a_bf16_query(backend, monkeypatch):
+    """Under a bf16 q, measure_fp8_pool also replays DecodeConfig.fp8_f16 (the fp8 tiles widened to fp16):
+    its output against SDPA, its time against the default's, the table's columns and the summary's least
+    speed-up; a candidate that fails is recorded and shown, and the row keeps the default's numbers."""
+    from kernels import decode_attention as dec
+
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.bench runs this row for real")
+    monkeypatch.setattr(
+        timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
+    )
+    times = iter([2.0, 4.0, 1.6])  # NOTE: the default alone, its stack, then the candidate
+    monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), next(times))[1])
+    configs = []
+    decode = dec.decode_attention
+    monkeypatch.setattr(
+        dec, "decode_attention", lambda *a, **k: (configs.append(k.get("config")), decode(*a, **k))[1]
+    )
+    shape, model = bench.DecodeShape(2, 40), dataclasses.replace(MODEL, dtype="bf16")
+    kernel_args, _ = bench.decode_case(shape, model, torch.device("cpu"), torch.Generator().manual_seed(4))
+    row = {"batch": 2, "context": bench_report.LONG_CONTEXT, "triton_graph_ms": 3.0, "triton_gbs": 500.0}
+    bench.measure_fp8_pool(row, shape, model, kernel_args, torch.device("cpu"))
+    assert any(c is not None and c.fp8_f16 for c in configs) and not any(c is not None for c in configs[:1])
+    assert row["fp8_f16_speedup"] == pytest.approx(2.0 / 1.6)
+    assert row["triton_fp8_f16_graph_gbs"] == pytest.approx(row["fp8_bytes"] / 1.6e-3 / 1e9)
+    assert row["rel_err_fp8_f16_vs_sdpa"] < 2e-2 and row["rel_err_fp8_vs_sdpa"] < 2e-2
+    result = synthetic_result()
+    result["decode"] = [row]
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["decode_fp8_f16_speedup_min"] == pytest.approx(1.25) and s["inaccurate"] == []
+    rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
+    assert rows[0][8:] == [
+        f"{row['triton_fp8_f16_graph_gbs']:,.0f}",
+        "1.25x",
+        f"{row['rel_err_fp8_f16_vs_sdpa']:.1e}",
+    ]
+    row["rel_err_fp8_f16_vs_sdpa"] = 0.5  # a wrong candidate is named, however fast
+    assert bench_report.summarize(result)["inaccurate"] == [
+        f"decode fp8 fp16-dot b=2 ctx={bench_report.LONG_CONTEXT}"
+    ]
+    # a candidate that fails to launch: recorded, shown in its column, the default's numbers kept
+    failing = dict(row)
+    for key in (
+        "triton_fp8_f16_graph_ms",
+        "triton_fp8_f16_graph_gbs",
+        "fp8_f16_speedup",
+        "rel_err_fp8_f16_vs_sdpa",
+    ):
+        failing.pop(key)
+    times = iter([2.0, 4.0])
+    monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), next(times))[1])
+
+    def refuse(*args, **kwargs):
+        if kwargs.get("config") is not None:
+            raise RuntimeError("no fp16 tiles")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(dec, "decode_attention", refuse)
+    again = {"batch": 2, "context": bench_report.LONG_CONTEXT, "triton_graph_ms": 3.0, "triton_gbs": 500.0}
+    bench.measure_fp8_pool(again, shape, model, kernel_args, torch.device("cpu"))
+    assert again["triton_fp8_f16_error"] == "RuntimeError: no fp16 tiles" and "fp8_f16_speedup" not in again
+    assert again["fp8_speedup"] == pytest.approx(1.5)
+    result["decode"] = [again]
+    result["summary"] = bench_report.summarize(result)
+    assert result["summary"]["decode_fp8_f16_speedup_min"] is None
+    rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
+    assert rows[0][8:10] == ["RuntimeError: no fp16 tiles", "-"]

@@ -107,6 +107,30 @@ def test_decode_over_an_fp8_pool_matches_the_reference(
 
 
 @pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (8, 1)])
+@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
+def test_decode_widening_an_fp8_pool_to_fp16_under_a_bf16_query_matches_the_reference(
+    backend, assert_close_rel, pool_dtype, hq, hkv, variant
+):
+    """DecodeConfig.fp8_f16 (kernels.bench's candidate): q in fp16, the tiles widened to fp16, as close to
+    the reference as bf16's bound; a q past fp16's range saturates (the output stays finite, where an
+    unsaturated conversion would give inf scores and NaN)."""
+    dec = backend.module("decode_attention")
+    lens = [1, 2, 17, 50, 130, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
+    args = in_fp8(decode_cases.make_batch(lens, hq, hkv, 64, torch.bfloat16, backend.device, seed=62), pool_dtype,
+                  (1, 2))  # fmt: skip
+    cfg = dec.default_config(64, torch.bfloat16, pool_dtype=pool_dtype)
+    cfg = dataclasses.replace(decode_cases.with_variant(cfg, variant), fp8_f16=True)
+    out = torch.full_like(args[0], float("nan"))
+    dec.decode_attention(*args, out=out, config=cfg, num_splits=4)
+    assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args)))
+    args[0][1, 0, 0] = 1e6  # NOTE: a bf16 value fp16 cannot hold
+    out.fill_(float("nan"))
+    dec.decode_attention(*args, out=out, config=cfg, num_splits=4)
+    assert torch.isfinite(out.cpu().float()).all()
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize(
     ("hq", "hkv", "num_splits", "packed"),
     [(*gqa, 1, False) for gqa in GQA] + [(8, 2, 4, False), (8, 2, 4, True)],
