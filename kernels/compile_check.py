@@ -196,7 +196,9 @@ def compile_rows(call: Callable[[], Any], arch: int) -> list[dict[str, Any]]:
         try:
             call()
         except Exception as exc:  # a configuration Triton refuses to compile
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            # NOTE: a CompilationError's first line is where ("at 45:18:"), its last one what went wrong
+            error = f"{type(exc).__name__}: {' ... '.join(dict.fromkeys([*lines[:1], *lines[-1:]]))[:240]}"
             rows.append({"kernel": None, "ok": False, "error": error})
     return [inspect_kernel(name, kernel, ARCHS[arch]) for name, kernel in compiled] + rows
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import interpret_requested, ops
+from kernels import compile_replay, interpret_requested, ops
 
 _KERNEL_MODULES = (
     "kernels.extend_attention",
@@ -102,6 +102,8 @@ def _prepare_interpreter() -> str | None:
 
 
 INTERPRETER_UNAVAILABLE = _prepare_interpreter()
+if os.environ.get(compile_replay.ENV) and not INTERPRETER_UNAVAILABLE and not torch.cuda.is_available():
+    compile_replay.record_launches(os.environ[compile_replay.ENV])  # python -m kernels.compile_replay
 CUDA_UNAVAILABLE = (
     "no CUDA device"
     if not torch.cuda.is_available()
