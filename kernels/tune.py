@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import bench, compile_cases, compile_check, timing
+from kernels import bench, compile_cases, compile_check, host_checks, timing
 from kernels.bench_report import MAX_REL_ERR  # the bench's accuracy bound: one for both
 
 EXTEND_SHAPES = (
@@ -242,8 +242,12 @@ def tune_decode(
             [dataclasses.replace(base, split_waves=w) for w in waves], launch, out, ref, timer=timer
         )
     # then the best with its merge in the split kernel, then the best launched as programmatic dependents
-    # (each flag flipped: off if the best had it)
-    for flag in ("fused_merge", "pdl"):
+    # (each flag flipped: off if the best had it); over an fp8 pool under a bf16 q, then the best with its
+    # tiles widened to fp16 (DecodeConfig.fp8_f16)
+    flags = ["fused_merge", "pdl"]
+    if pool in host_checks.FP8_POOL_DTYPES and kernel_args[0].dtype == torch.bfloat16:
+        flags.append("fp8_f16")
+    for flag in flags:
         best = best_row(rows)
         if best is not None:
             base = dec.DecodeConfig(**best["config"])

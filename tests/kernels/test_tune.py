@@ -195,6 +195,27 @@ def test_the_command_tunes_every_kind_and_writes_its_record(
     assert all(r["best"] is not None for r in doc["results"]), doc["results"]
 
 
+def test_decode_over_an_fp8_pool_under_a_bf16_query_also_tries_the_fp16_widening(backend, monkeypatch):
+    """Over an fp8 pool under a bf16 q the tuner's last candidate is the best with its tiles widened to fp16
+    (DecodeConfig.fp8_f16), checked against SDPA like the rest; over a 16-bit pool it is not tried."""
+    if not backend.interpret:
+        pytest.skip("the real timing runs in python -m kernels.tune")
+    monkeypatch.setattr(
+        tune, "decode_candidates", lambda *args, every=tune.decode_candidates: every(*args)[:1]
+    )
+    monkeypatch.setattr(tune, "SPLIT_LENGTHS", (64,))
+    monkeypatch.setattr(tune, "SPLIT_WAVES", (1,))
+    monkeypatch.setattr(timing, "time_replay_ms", fake_time([]))
+    model, shape = dataclasses.replace(MODEL, dtype="bf16"), bench.DecodeShape(batch=2, context=40)
+    gen = torch.Generator().manual_seed(2)
+    result = tune.tune_decode(shape, model, backend.device, gen, pool=torch.float8_e4m3fn)
+    assert result["rows"][-1]["config"]["fp8_f16"] is True
+    assert not any(r["config"]["fp8_f16"] for r in result["rows"][:-1])
+    assert all("error" not in r and r["rel_err"] < 2e-2 for r in result["rows"]), result["rows"]
+    plain = tune.tune_decode(shape, model, backend.device, gen)
+    assert not any(r["config"]["fp8_f16"] for r in plain["rows"])
+
+
 def test_candidates_over_an_fp8_pool_are_checked_against_the_widened_values(backend, monkeypatch, tmp_path,
                                                                             gpu_command_on_cpu):  # fmt: skip
     """--kv-dtype fp8: the extend prefix and the decode K/V in an fp8 pool, each candidate's output against
