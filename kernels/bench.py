@@ -692,7 +692,7 @@ def measure_fp8_pool(
     stack.clear()
     ref = sdpa_decode(*decode_sdpa_args(shape, model, args))
     row["rel_err_fp8_vs_sdpa"] = _rel_err(got, ref)
-    if q.dtype != torch.bfloat16:  # NOTE: fp16 and fp32 queries take their own dtype already
+    if not dec.widens_fp8_to_fp16(q.dtype, pool):
         return
     config = dataclasses.replace(dec.default_config(q.shape[-1], q.dtype, device_arch(device), shape.batch, pool),
                                  fp8_f16=True)  # fmt: skip

@@ -74,6 +74,12 @@ class DecodeConfig:
     fp8_f16: bool = False
 
 
+def widens_fp8_to_fp16(q_dtype: torch.dtype, pool_dtype: torch.dtype) -> bool:
+    """Whether DecodeConfig.fp8_f16 changes a call: an fp8 pool under a bf16 q (fp16 and fp32 queries widen
+    the pool's tiles to their own dtype already)."""
+    return q_dtype == torch.bfloat16 and pool_dtype in host_checks.FP8_POOL_DTYPES
+
+
 # default_config's tiles over an fp8 pool on sm_90 (head dims 65-128, 16-bit q)
 FP8_TILES = DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
 
@@ -435,7 +441,7 @@ def decode_attention(
         Sinks=sinks if cfg.fused_merge else None,  # NOTE: unfused, the merge kernel adds them
         SINKS=sinks is not None and cfg.fused_merge,
         **scaled,
-        F16_DOT=cfg.fp8_f16 and q.dtype == torch.bfloat16 and k_cache.dtype in host_checks.FP8_POOL_DTYPES,
+        F16_DOT=cfg.fp8_f16 and widens_fp8_to_fp16(q.dtype, k_cache.dtype),
         enable_fp_fusion=True,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import bench, compile_cases, compile_check, host_checks, timing
+from kernels import bench, compile_cases, compile_check, timing
 from kernels.bench_report import MAX_REL_ERR  # the bench's accuracy bound: one for both
 
 EXTEND_SHAPES = (
@@ -245,7 +245,7 @@ def tune_decode(
     # (each flag flipped: off if the best had it); over an fp8 pool under a bf16 q, then the best with its
     # tiles widened to fp16 (DecodeConfig.fp8_f16)
     flags = ["fused_merge", "pdl"]
-    if pool in host_checks.FP8_POOL_DTYPES and kernel_args[0].dtype == torch.bfloat16:
+    if dec.widens_fp8_to_fp16(kernel_args[0].dtype, kernel_args[1].dtype):
         flags.append("fp8_f16")
     for flag in flags:
         best = best_row(rows)
