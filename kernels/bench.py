@@ -474,16 +474,20 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
         row["triton_blind_tflops"] = flops / (ms * 1e-3) / 1e12
         row["config_blind"] = dataclasses.asdict(blind)
         others["blind"] = out.clone()
-    # NOTE: a grid too small for the SMs (a cache hit's few new tokens): the prefix split too (off by default)
+    # NOTE: a grid too small for the SMs (a cache hit's few new tokens): the worker's tiles with the prefix split
+    # and without, one of them the default (default_config splits eager calls over a deep prefix)
     split = dataclasses.replace(chosen, split_prefix=True)
     cap = ext.prefix_split_cap(None, shape.batch * shape.new, q.shape[1], device, split, shape.prefix)
     if cap > 1:
+        name = "unsplit" if chosen.split_prefix else "split"
+        other = dataclasses.replace(chosen, split_prefix=not chosen.split_prefix)
         out.fill_(float("nan"))  # the candidate must write every element itself
         ms = timing.time_ms(lambda: ext.extend_attention(*kernel_args, max_extend_len=shape.new,
-                                                         max_prefix_len=shape.prefix, out=out, config=split))  # fmt: skip
+                                                         max_prefix_len=shape.prefix, out=out, config=other))  # fmt: skip
         row["split_cap"] = cap
-        row["triton_split_tflops"] = flops / (ms * 1e-3) / 1e12
-        others["split"] = out.clone()
+        row[f"triton_{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+        row[f"triton_{'split' if name == 'unsplit' else 'unsplit'}_tflops"] = row["triton_tflops"]
+        others[name] = out.clone()
     if others:
         triton_call()  # NOTE: out is the chosen tiles' again for the error below
     try:
@@ -657,9 +661,8 @@ def measure_fp8_pool(
     """The default decode over the same K/V stored in an fp8 pool (--kv-cache-dtype: e4m3 from sm_89, e5m2
     before), replayed alone and per layer of a stack, into ``row``: its time, its GB/s over the bytes it
     reads (one a K/V value), its speed-up over the 16-bit pool's replay, and its error against SDPA over
-    the fp8 values widened back (the same attention, computed another way). Under a bf16 q, also the
-    candidate that widens the fp8 tiles to fp16 (DecodeConfig.fp8_f16), replayed alone: its time against
-    the default's and its error."""
+    the fp8 values widened back (the same attention, computed another way). Then fp8_candidates, each
+    replayed alone: its time, the default's speed-up over it (``fp8_default_over_<name>``) and its error."""
     from kernels import decode_attention as dec
     from kernels.compile_cases import fp8_pool
     from kernels.extend_attention import device_arch
@@ -692,22 +695,37 @@ def measure_fp8_pool(
     stack.clear()
     ref = sdpa_decode(*decode_sdpa_args(shape, model, args))
     row["rel_err_fp8_vs_sdpa"] = _rel_err(got, ref)
-    if not dec.widens_fp8_to_fp16(q.dtype, pool):
-        return
-    config = dataclasses.replace(dec.default_config(q.shape[-1], q.dtype, device_arch(device), shape.batch, pool),
-                                 fp8_f16=True)  # fmt: skip
-    try:
-        graph = timing.capture(
-            lambda: dec.decode_attention(*args, max_kv_len=shape.context, out=out, config=config)
-        )
-        out.fill_(float("nan"))
-        graph.replay()
-        row["rel_err_fp8_f16_vs_sdpa"] = _rel_err(out.clone(), ref)
-        f16_ms = timing.time_ms(graph.replay)
-        row.update({"triton_fp8_f16_graph_ms": f16_ms, "triton_fp8_f16_graph_gbs": nbytes / (f16_ms * 1e-3) / 1e9,
-                    "fp8_f16_speedup": ms / f16_ms})  # fmt: skip
-    except Exception as exc:  # a compile, launch or capture error of the candidate: recorded, the run goes on
-        row["triton_fp8_f16_error"] = failure(exc)
+    default = dec.default_config(q.shape[-1], q.dtype, device_arch(device), shape.batch, pool)
+    for name, config in fp8_candidates(default, q.shape[-1], q.dtype, device_arch(device), pool).items():
+        try:
+            graph = timing.capture(
+                lambda cfg=config: dec.decode_attention(*args, max_kv_len=shape.context, out=out, config=cfg)
+            )
+            out.fill_(float("nan"))
+            graph.replay()
+            row[f"rel_err_fp8_{name}_vs_sdpa"] = _rel_err(out.clone(), ref)
+            cand_ms = timing.time_ms(graph.replay)
+            del graph
+            row.update({f"triton_fp8_{name}_graph_ms": cand_ms, f"triton_fp8_{name}_graph_gbs": nbytes / (cand_ms * 1e-3) / 1e9,
+                        f"fp8_default_over_{name}": cand_ms / ms})  # fmt: skip
+        except Exception as exc:  # NOTE: a compile, launch or capture error: recorded, the run goes on
+            row[f"triton_fp8_{name}_error"] = failure(exc)
+
+
+def fp8_candidates(
+    default: Any, head_dim: int, q_dtype: torch.dtype, arch: int, pool: torch.dtype
+) -> dict[str, Any]:
+    """What kernels.bench replays beside the ``default`` decode config over an fp8 pool: "flip_f16", the
+    default with its widening to fp16 (DecodeConfig.fp8_f16) flipped, under a bf16 q; "short_tiles",
+    decode_attention.FP8_SHORT_TILES (the previous default) where default_config takes the fp8 pools' tiles."""
+    from kernels import decode_attention as dec
+
+    candidates = {}
+    if dec.widens_fp8_to_fp16(q_dtype, pool):
+        candidates["flip_f16"] = dataclasses.replace(default, fp8_f16=not default.fp8_f16)
+    if dec.takes_fp8_tiles(head_dim, q_dtype, arch, pool) and default != dec.FP8_SHORT_TILES:
+        candidates["short_tiles"] = dec.FP8_SHORT_TILES
+    return candidates
 
 
 def failure(exc: BaseException) -> str:

@@ -22,6 +22,8 @@ LORA_CANDIDATES = {"no_pdl": ("without PDL", {"pdl": False}), "narrow": ("128-co
                    "former": ("128-column without PDL", {"block_n": 128, "pdl": False}),
                    "batched": ("batched partials", {"batched_partials": True})}  # fmt: skip
 DECODE_CANDIDATES = ("fused", "pdl", "prefetch", "prefetch_pdl", *(f"{name}_stack" for name in STACKED))
+# decode over an fp8 pool: what kernels.bench.fp8_candidates may replay beside the default, by name
+FP8_CANDIDATES = ("flip_f16", "short_tiles")
 
 
 def decode_rates(row: dict) -> tuple[float, float | None]:
@@ -49,7 +51,9 @@ def decode_error(row: dict) -> float | None:
 def extend_error(row: dict) -> float | None:
     """The worst of the extend outputs' errors against SDPA: the worker's tiles, and the prefix-blind
     default's and the prefix split's when the row timed them."""
-    return _worst_error(row, ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa", "rel_err_split_vs_sdpa"))
+    return _worst_error(
+        row, ("rel_err_vs_sdpa", "rel_err_blind_vs_sdpa", "rel_err_split_vs_sdpa", "rel_err_unsplit_vs_sdpa")
+    )
 
 
 def lora_error(row: dict) -> float | None:
@@ -134,8 +138,11 @@ def summarize(result: dict) -> dict:
     ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
     extend_ratio = statistics.geometric_mean(ratios) if ratios else None
     # the prefix split (ExtendConfig.split_prefix) against the worker's tiles unsplit, where a row timed it
+    # (rows from before eager calls split have no triton_unsplit_tflops: their default was unsplit)
     split = [
-        r["triton_split_tflops"] / r["triton_tflops"] for r in result["extend"] if "triton_split_tflops" in r
+        r["triton_split_tflops"] / r.get("triton_unsplit_tflops", r["triton_tflops"])
+        for r in result["extend"]
+        if "triton_split_tflops" in r
     ]
     wrong = [
         f"decode b={r['batch']} ctx={r['context']}" for r in result["decode"] if inaccurate(decode_error(r))
@@ -144,8 +151,9 @@ def summarize(result: dict) -> dict:
                     if inaccurate(extend_error(r))]  # fmt: skip
     wrong_fp8 = [f"decode fp8 b={r['batch']} ctx={r['context']}" for r in result["decode"]
                  if "rel_err_fp8_vs_sdpa" in r and inaccurate(r["rel_err_fp8_vs_sdpa"])]  # fmt: skip
-    wrong_fp8 += [f"decode fp8 fp16-dot b={r['batch']} ctx={r['context']}" for r in result["decode"]
-                  if "rel_err_fp8_f16_vs_sdpa" in r and inaccurate(r["rel_err_fp8_f16_vs_sdpa"])]  # fmt: skip
+    wrong_fp8 += [f"decode fp8 {name} b={r['batch']} ctx={r['context']}" for r in result["decode"]
+                  for name in FP8_CANDIDATES
+                  if f"rel_err_fp8_{name}_vs_sdpa" in r and inaccurate(r[f"rel_err_fp8_{name}_vs_sdpa"])]  # fmt: skip
     wrong_fp8 += [f"extend fp8 b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result["extend"]
                   if "rel_err_fp8_vs_sdpa" in r and inaccurate(r["rel_err_fp8_vs_sdpa"])]  # fmt: skip
     extend_fp8 = [r["fp8_speedup"] for r in result["extend"] if "fp8_speedup" in r]
@@ -176,11 +184,15 @@ def summarize(result: dict) -> dict:
         "decode_fp8_speedup_min_at_long_context": min(
             (r["fp8_speedup"] for r in long_rows if "fp8_speedup" in r), default=None
         ),
-        # the candidate widening the fp8 tiles to fp16 (DecodeConfig.fp8_f16): the default's time over its,
-        # the least over every row that timed it
-        "decode_fp8_f16_speedup_min": min(
-            (r["fp8_f16_speedup"] for r in result["decode"] if "fp8_f16_speedup" in r), default=None
-        ),
+        # kernels.bench.fp8_candidates: the default's speed-up over each (its time over the default's), the
+        # least over every row that timed it
+        **{
+            f"decode_fp8_default_over_{name}_min": min(
+                (r[f"fp8_default_over_{name}"] for r in result["decode"] if f"fp8_default_over_{name}" in r),
+                default=None,
+            )
+            for name in FP8_CANDIDATES
+        },
         "extend_geomean_ratio_vs_sdpa_flash": extend_ratio,
         "extend_min_ratio_vs_sdpa_flash": min(ratios, default=None),
         "extend_target_met": None if extend_ratio is None else extend_ratio >= 0.80 and not wrong_extend,
@@ -301,7 +313,7 @@ def format_markdown(result: dict) -> str:
         f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context'), '.0%')}.",
         "",
         "Where the extend grid is too small for the SMs, each request's prefix split over several programs"
-        " (ExtendConfig.split_prefix, off by default) runs at "
+        " (ExtendConfig.split_prefix; the default over a prefix of 8,192 tokens or more) runs at "
         f"{_fmt(s.get('extend_split_speedup_geomean'), '.2f')}x the unsplit kernel's TF/s (geomean; min "
         f"{_fmt(s.get('extend_split_speedup_min'), '.2f')}).",
         "",
@@ -311,11 +323,12 @@ def format_markdown(result: dict) -> str:
         " kernels.extend_attention.default_config); where those differ from the tiles without the hint,"
         " the next columns time those too. Where the batch's grid is too small for the SMs (few new tokens),"
         " the last columns time the worker's tiles with each request's prefix split over several programs"
-        " and merged (ExtendConfig.split_prefix, off by default): the most parts a prefix takes, TF/s.",
+        " and merged (ExtendConfig.split_prefix; the default over a prefix of 8,192 tokens or more) and"
+        " without: the most parts a prefix takes, TF/s split and unsplit (one of the two is the default's).",
         "",
         "| batch | prefix | new | Triton TF/s | SDPA flash TF/s | Triton / SDPA | of matmul peak | rel err "
-        "| tiles | without the hint: tiles | TF/s | prefix split: parts | TF/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
+        "| tiles | without the hint: tiles | TF/s | prefix split: parts | TF/s | unsplit TF/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     refused = []
     for r in result["extend"]:
@@ -324,7 +337,8 @@ def format_markdown(result: dict) -> str:
             f"| {_fmt(r.get('sdpa_tflops'), '.1f')} | {_fmt(r.get('ratio_vs_sdpa'), '.2f')} "
             f"| {r['triton_tflops'] / mm:.0%} | {_fmt(extend_error(r), '.1e')} | {tiles(r.get('config'))} "
             f"| {tiles(r.get('config_blind'))} | {_fmt(r.get('triton_blind_tflops'), '.1f')} "
-            f"| {_fmt(r.get('split_cap'), 'd')} | {_fmt(r.get('triton_split_tflops'), '.1f')} |"
+            f"| {_fmt(r.get('split_cap'), 'd')} | {_fmt(r.get('triton_split_tflops'), '.1f')} "
+            f"| {_fmt(r.get('triton_unsplit_tflops'), '.1f')} |"
         )
         if "sdpa_error" in r:
             refused.append(f"- extend b={r['batch']} prefix={r['prefix']} new={r['new']}: {r['sdpa_error']}")
@@ -520,29 +534,35 @@ def extend_fp8_table(rows: list[dict]) -> list[str]:
 
 def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
     """Decode over an fp8 pool (--kv-cache-dtype), where rows measured it: its bandwidth counts the bytes
-    it reads (one a K/V value), the speed-up is against the same row's 16-bit pool replay; the fp16-dot
-    columns time the candidate that widens the fp8 tiles to fp16 (DecodeConfig.fp8_f16) against the
-    default over the same pool."""
+    it reads (one a K/V value), the speed-up is against the same row's 16-bit pool replay; then, for each
+    of kernels.bench.fp8_candidates over the same pool, its GB/s, the default's speed-up over it and its
+    error."""
     rows = [r for r in rows if "triton_fp8_graph_ms" in r or "triton_fp8_error" in r]
     if not rows:
         return []
     lines = ["", f"### fp8 KV pool ({rows[0].get('fp8_pool', 'fp8')})", "",
              "The default kernels over the same K/V stored in one byte a value (`--kv-cache-dtype`), replayed"
              " alone and per layer of a stack; the error is against SDPA over the fp8 values widened back.", "",
+             "Candidates: `flip_f16` is the default with its widening to fp16 (DecodeConfig.fp8_f16) flipped,"
+             " `short_tiles` decode_attention.FP8_SHORT_TILES (the fp8 default before 2026-11-29's tune); each"
+             " column pair is the candidate's GB/s and the default's speed-up over it.", "",
              "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | speed-up over the 16-bit pool | rel err "
-             "| fp16-dot GB/s | fp16-dot / default | fp16-dot rel err |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| flip_f16 GB/s | default / flip_f16 | short_tiles GB/s | default / short_tiles |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         if "triton_fp8_error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} |||||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} ||||||||||")
             continue
         gbs, stacked = r["triton_fp8_graph_gbs"], r["triton_fp8_stack_graph_gbs"]
-        f16 = r.get("triton_fp8_f16_error") or _fmt(r.get("triton_fp8_f16_graph_gbs"), ",.0f")
+        cands = "".join(
+            f"| {r.get(f'triton_fp8_{n}_error') or _fmt(r.get(f'triton_fp8_{n}_graph_gbs'), ',.0f')} "
+            f"| {times(r.get(f'fp8_default_over_{n}'))} "
+            for n in FP8_CANDIDATES
+        )
         lines.append(
             f"| {r['batch']} | {r['context']} | {gbs:,.0f} | {gbs / copy_gbs:.0%} | {stacked:,.0f} "
             f"| {stacked / copy_gbs:.0%} | {_fmt(r.get('fp8_speedup'), '.2f')}x "
-            f"| {_fmt(r.get('rel_err_fp8_vs_sdpa'), '.1e')} | {f16} | {times(r.get('fp8_f16_speedup'))} "
-            f"| {_fmt(r.get('rel_err_fp8_f16_vs_sdpa'), '.1e')} |"
+            f"| {_fmt(r.get('rel_err_fp8_vs_sdpa'), '.1e')} {cands}|"
         )
     return lines
 

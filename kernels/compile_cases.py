@@ -114,7 +114,17 @@ def extend_short_case(
 
 def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     """Every kernel the worker launches, with its default configuration for ``shape`` on ``arch``."""
-    from kernels import decode_attention, extend_attention, fp8_linear, fused, lora, moe, pointwise, sampling
+    from kernels import (
+        decode_attention,
+        extend_attention,
+        extend_short,
+        fp8_linear,
+        fused,
+        lora,
+        moe,
+        pointwise,
+        sampling,
+    )
 
     dt = DTYPES[shape.dtype]
     t = _tensors(shape)
@@ -130,6 +140,7 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
     decode_fp8_many = decode_attention.default_config(
         shape.head_dim, dt, arch, decode_attention.MANY_REQUESTS, fp8_pool(arch)
     )
+    short_fp8 = extend_short.default_config(shape.head_dim, dt, arch, fp8_pool(arch))
     extend_fp8 = extend_attention.default_config(shape.head_dim, dt, arch, pool_dtype=fp8_pool(arch))
     long_prefix_fp8 = extend_attention.default_config(
         shape.head_dim,
@@ -193,14 +204,15 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
            *([extend_case(shape, long_prefix_fp8, f"extend-fp8 long-prefix {shape.label}", pool=fp8_pool(arch))]
              if long_prefix_fp8 != extend_fp8 else []),
            extend_case(shape, extend_fp8, f"extend-fp8 split {shape.label}", num_splits=4, pool=fp8_pool(arch)),
-           extend_short_case(shape, decode_fp8, f"extend-short-fp8 {shape.label}", pool=fp8_pool(arch)),
+           extend_case(shape, extend_fp8, f"extend-fp8-window {shape.label}", window=4096, pool=fp8_pool(arch)),
+           extend_short_case(shape, short_fp8, f"extend-short-fp8 {shape.label}", pool=fp8_pool(arch)),
            (f"rope_store_kv-fp8 {shape.label}", {},
             lambda: fused.rope_store_kv(fp8["q"], fp8["k"], fp8["v"], fp8["positions"], fp8["cos_sin"],
                                         fp8["k_cache"], fp8["v_cache"], fp8["positions"])),
            # with a checkpoint's KV scales: the scores and values times them, the stores over them
            decode_case(shape, decode_fp8, f"decode-fp8-scaled {shape.label}", pool=fp8_pool(arch), scaled=True),
            extend_case(shape, extend_fp8, f"extend-fp8-scaled {shape.label}", pool=fp8_pool(arch), scaled=True),
-           extend_short_case(shape, decode_fp8, f"extend-short-fp8-scaled {shape.label}", pool=fp8_pool(arch),
+           extend_short_case(shape, short_fp8, f"extend-short-fp8-scaled {shape.label}", pool=fp8_pool(arch),
                              scaled=True),
            (f"rope_store_kv-fp8-scaled {shape.label}", {},
             lambda: fused.rope_store_kv(fp8["q"], fp8["k"], fp8["v"], fp8["positions"], fp8["cos_sin"],
@@ -357,11 +369,14 @@ def fp8_linear_candidates(shape: Shape) -> list[Case]:
 
 def tune_candidates(shape: Shape, with_configs: bool = False, pool: torch.dtype | None = None) -> list:
     """Every tile configuration kernels.tune would time, for ``shape`` (over a ``pool`` KV pool: None, the
-    model's dtype); with_configs appends each case's configuration object to its tuple."""
-    from kernels import tune
+    model's dtype; an fp8 pool under a bf16 q: each decode tile widening to fp16 and not); with_configs
+    appends each case's configuration object to its tuple."""
+    from kernels import decode_attention, tune
 
     pairs = [(extend_case(shape, c, f"candidate extend {shape.label}", pool=pool), c)
              for c in tune.extend_candidates()]  # fmt: skip
+    widens = pool is not None and decode_attention.widens_fp8_to_fp16(DTYPES[shape.dtype], pool)
     pairs += [(decode_case(shape, c, f"candidate decode {shape.label}", pool=pool), c)
-              for c in tune.decode_candidates()]  # fmt: skip
+              for f16 in ((False, True) if widens else (False,))
+              for c in tune.decode_candidates(fp8_f16=f16)]  # fmt: skip
     return [(*case, config) if with_configs else case for case, config in pairs]

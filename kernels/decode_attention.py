@@ -80,8 +80,22 @@ def widens_fp8_to_fp16(q_dtype: torch.dtype, pool_dtype: torch.dtype) -> bool:
     return q_dtype == torch.bfloat16 and pool_dtype in host_checks.FP8_POOL_DTYPES
 
 
-# default_config's tiles over an fp8 pool on sm_90 (head dims 65-128, 16-bit q)
-FP8_TILES = DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
+# default_config's tiles over an fp8 pool on sm_90 (head dims 65-128, 16-bit q), below MANY_REQUESTS and from
+# it, both widening to fp16 (fp8_f16); FP8_SHORT_TILES: the short extend's there (kernels.extend_short)
+FP8_TILES = DecodeConfig(block_n=128, min_split_len=256, num_warps=4, num_stages=3, fp8_f16=True)
+FP8_MANY_TILES = DecodeConfig(block_n=64, min_split_len=256, num_warps=2, num_stages=3, fp8_f16=True)
+FP8_SHORT_TILES = DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
+
+
+def takes_fp8_tiles(head_dim: int, dtype: torch.dtype, arch: int, pool_dtype: torch.dtype | None) -> bool:
+    """Whether default_config takes the fp8 pools' tiles (FP8_TILES, FP8_MANY_TILES) when compiled: an fp8
+    pool on sm_90 or later, head dims 65-128, a 16-bit q."""
+    return (
+        pool_dtype in host_checks.FP8_POOL_DTYPES
+        and 64 < head_dim <= 128
+        and arch >= 90
+        and dtype != torch.float32
+    )
 
 
 def default_config(
@@ -92,17 +106,16 @@ def default_config(
     tiny tiles and splits in the interpreter so tests cross every boundary."""
     if INTERPRETED:
         return DecodeConfig(block_n=16, min_split_len=16, num_warps=1, num_stages=1)
-    if (
-        pool_dtype in host_checks.FP8_POOL_DTYPES
-        and 64 < head_dim <= 128
-        and arch >= 90
-        and dtype != torch.float32
-    ):
-        # NOTE: widening an fp8 tile takes registers: sm_90's 16-bit tiles below compile to 176 / 205 (bf16 /
-        # fp16) and 254 registers, the short extend's to 255 with a 16 B spill (fp16); 64-token tiles with
-        # 4 warps, 2 stages take 128 / 140 (python -m kernels.compile_check). On an H200 (2026-11-29) these ran
-        # 0.63-0.96x as fast as the 16-bit pool's tiles: untuned (kernels.tune --kv-dtype fp8), and see fp8_f16.
-        return FP8_TILES
+    if takes_fp8_tiles(head_dim, dtype, arch, pool_dtype):
+        # NOTE: python -m kernels.tune --kind decode --kv-dtype fp8 on an H200 (bf16 q, head dim 128; docs/
+        # benchmarks/kernels-tune-fp8-decode-nvidia-h200-2026-11-29-2.json) widened each shape's fastest tile
+        # to fp16: 1.25 -> 1.44x FP8_SHORT_TILES' time (the previous default) at batch 1 x 16k (128-token
+        # tiles, 8 warps, 3 stages, PDL), 1.06 -> 1.41x at 32 x 4k (64, 2 warps, 3 stages, PDL), 1.41 ->
+        # 2.08x at 8 x 64k (128, 4 warps, 3 stages, 8 waves, fused merge). Unwidened, 128 x 4 warps x 3
+        # stages ran 1.20 / 0.97 / 1.40x there, 64 x 2 x 3 0.96 / 1.02 / 0.92x; widening FP8_SHORT_TILES
+        # itself ran 0.61-1.00x (kernels.bench). FP8_TILES and FP8_MANY_TILES are those two tiles widened,
+        # in the 16-bit pools' regimes (MANY_REQUESTS): kernels.bench times each beside FP8_SHORT_TILES.
+        return FP8_MANY_TILES if batch >= MANY_REQUESTS else FP8_TILES
     if dtype == torch.float32:  # 4 warps spill at head_dim 128 on sm_90 (python -m kernels.compile_check)
         return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
     # NOTE: on sm_90 (head_dim 128, bf16) python -m kernels.tune measured 128-token tiles 1.39x faster

@@ -27,10 +27,11 @@ tokens a split, at most ``num_splits``), the last part also takes the request's 
 each writes a partial output and its log2-sum-exp, which a merge kernel combines, as decode does
 (kernels/split_merge.py). The split cap comes from the grid (enough programs for SPLIT_WAVES waves of
 SMs) and, when known, the longest prefix; inside the kernel each request takes only the splits its
-prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Off by default
-(SPLIT_PREFIX): on the bench's eager cache hits it lost more than it won (kernels.bench, kernels.sweep,
-worker.bench_profile --split-prefix). In the worker's extend graphs it pays over long prefixes:
-graph_configs and graph_variant say which graphs take it and which steps replay them.
+prefix fills, so it needs no host sync and a CUDA graph replays over any prefix. Eager calls take it
+over a deep prefix (EAGER_SPLIT_MIN_PREFIX cached tokens, sm_90, 16-bit pools), where every eager
+measurement found it faster; over shorter prefixes they disagree, and it stays off (default_config). In
+the worker's extend graphs it pays over long prefixes: graph_configs and graph_variant say which graphs
+take it and which steps replay them.
 
 Packed blocks (ExtendConfig.packed_blocks, PACKED_BLOCKS; batches of more than one request): the grid
 is (Hq, block slots, splits) with one slot per query block that exists (split_merge.packed_blocks: at
@@ -74,9 +75,13 @@ _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
 LONG_PREFIX = 1024
 DEEP_PREFIX = 8192
 FEW_NEW_TOKENS = 1024
-# The prefix split in the default configurations: off until a GPU run says it pays. Benchmarks flip it for a
-# process (worker.bench_profile --split-prefix) to time a model step with it.
+# The prefix split in every default configuration (CUDA graphs' too): off. Benchmarks flip it for a process
+# (worker.bench_profile --split-prefix) to time a model step with it. default_config takes it for eager calls
+# over a deep prefix (EAGER_SPLIT_MIN_PREFIX) on sm_90 whatever this says.
 SPLIT_PREFIX = False
+# An eager call whose longest prefix is known and at least this long (tokens) takes the prefix split on sm_90
+# (head dims 65-128, 16-bit q and pool); the split cap (prefix_split_cap) then splits only a small grid.
+EAGER_SPLIT_MIN_PREFIX = DEEP_PREFIX
 PACKED_BLOCKS = False  # likewise the packed grid (ExtendConfig.packed_blocks)
 # An extend graph (worker.extend_graph) is captured over a prefix of unknown length, so the default tiles
 # are those of an unknown prefix (64x32 on sm_90) and its split cap comes from its tokens alone. The worker
@@ -114,6 +119,8 @@ class ExtendConfig:
 SM90_TILES = ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 LONG_PREFIX_TILES = ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 FP8_PRE_HOPPER_TILES = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)  # default_config
+# sm_90's tiles over an fp8 pool (head dims 65-128, 16-bit q) wherever a batch may have a prefix
+FP8_PREFIX_TILES = ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
 
 
 def default_config(
@@ -127,16 +134,37 @@ def default_config(
     """Defaults for compute capability ``arch`` (x10: 90 = H100) and a batch whose longest cached prefix
     is ``max_prefix_len`` tokens and whose requests have ``new_tokens`` new tokens in all (None: unknown,
     as in a CUDA graph replayed over any prefix), over a pool of ``pool_dtype`` (None: ``dtype``); small
-    tiles in the interpreter so short test sequences span many tiles. The prefix split and the packed grid
-    are on where SPLIT_PREFIX and PACKED_BLOCKS say."""
+    tiles in the interpreter so short test sequences span many tiles. The prefix split is on for eager
+    calls over a deep prefix (EAGER_SPLIT_MIN_PREFIX) and everywhere SPLIT_PREFIX says, the packed grid
+    where PACKED_BLOCKS says."""
     cfg = _default_tiles(head_dim, dtype, arch, max_prefix_len, new_tokens)
-    if pool_dtype in host_checks.FP8_POOL_DTYPES and arch < 90 and not INTERPRETED:
+    sm90_tiles = not INTERPRETED and 64 < head_dim <= 128 and arch >= 90 and dtype != torch.float32
+    fp8 = pool_dtype in host_checks.FP8_POOL_DTYPES
+    if fp8 and sm90_tiles and head_dim == 128 and max_prefix_len != 0:
+        # NOTE: python -m kernels.tune --kind extend --kv-dtype fp8 on an H200 (bf16, head dim 128; docs/
+        # benchmarks/kernels-tune-fp8-extend-nvidia-h200-2026-11-29-2.json): 128x128 with 8 warps, 2 stages
+        # ran 1.18-1.33x the default's time on all four shapes with a prefix (4,096-16,384 cached tokens,
+        # 256-1,024 new), against both 64x32 and the long-prefix tiles. Without a prefix the pool is not
+        # read (0.97x and 1.25x there): the 16-bit choice stays. At head dim 128 it compiles to 252-254
+        # registers on sm_90 (Triton 3.6); masked head dims (96) spill 88-96 B, so they keep theirs.
+        cfg = FP8_PREFIX_TILES
+    if sm90_tiles and not fp8 and max_prefix_len is not None and max_prefix_len >= EAGER_SPLIT_MIN_PREFIX:
+        # NOTE: eager calls over a deep prefix, the split where the grid leaves SMs idle: kernels.bench's split
+        # rows (1 x 16k + 1,024 new, 4 x 16k + 256) ran 1.10-1.12x the unsplit tiles on an H100 and on an
+        # H200 (twice), and kernels.sweep's eager rows from 8,192 cached tokens 1.02-3.0x (H100,
+        # docs/benchmarks/kernels-sweep-split-nvidia-h100-80gb-hbm3.json). Below, they disagree: at
+        # 4,096 the bench's 1 x 256 row ran 1.17, 1.21 and 0.68x, the sweep's 0.74x, and the sweep's split
+        # lost on 11 of its 13 rows under 8,192 (down to 0.34x at 1,024; tests/kernels/test_sweep.py).
+        cfg = dataclasses.replace(cfg, split_prefix=True)
+    if fp8 and arch < 90 and not INTERPRETED:
         # NOTE: before Hopper, widening an fp8 tile for mma.sync takes registers the 16-bit pools' tiles
         # do not have: at head dim 128 they spill 16 B (sm_80) and 8 B (sm_89); 32x16 with 4 warps spills
         # at no head dim up to 256 on either (python -m kernels.compile_check --arch 80 / 89)
         cfg = FP8_PRE_HOPPER_TILES
     if SPLIT_PREFIX or PACKED_BLOCKS:
-        cfg = dataclasses.replace(cfg, split_prefix=SPLIT_PREFIX, packed_blocks=PACKED_BLOCKS)
+        cfg = dataclasses.replace(
+            cfg, split_prefix=cfg.split_prefix or SPLIT_PREFIX, packed_blocks=PACKED_BLOCKS
+        )
     return cfg
 
 

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import host_checks, interpret_requested
-from kernels.decode_attention import DecodeConfig, default_config, split_cap
+from kernels import decode_attention, host_checks, interpret_requested
+from kernels.decode_attention import FP8_SHORT_TILES, DecodeConfig, split_cap
 from kernels.extend_attention import device_arch
 from kernels.online_softmax import attend_tile, gather_kv
 from kernels.pdl import pdl_active, pdl_launch, wait_then_release
@@ -159,6 +159,19 @@ def _short_split_kernel(
     tl.store(Mid_lse + rows * stride_lt + heads * stride_lh + split, lse, mask=mask_r)
 
 
+def default_config(
+    head_dim: int, dtype: torch.dtype, arch: int = 90, pool_dtype: torch.dtype | None = None
+) -> DecodeConfig:
+    """decode_attention.default_config for one request, except over an fp8 pool on sm_90 (head dims 65-128,
+    16-bit q): FP8_SHORT_TILES there."""
+    if not INTERPRETED and decode_attention.takes_fp8_tiles(head_dim, dtype, arch, pool_dtype):
+        # NOTE: this kernel does not widen to fp16 (DecodeConfig.fp8_f16), and widening an fp8 tile takes
+        # registers: on sm_90 its 128-token tiles compile to 255 registers with a 16 B spill (fp16 q);
+        # 64-token tiles with 4 warps, 2 stages take 128 / 140 (bf16 / fp16; python -m kernels.compile_check)
+        return FP8_SHORT_TILES
+    return decode_attention.default_config(head_dim, dtype, arch, 1, pool_dtype)
+
+
 def extend_short_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -199,7 +212,7 @@ def extend_short_attention(
         out = torch.empty_like(q)
     if batch < 1 or t == 0:
         return out
-    cfg = config or default_config(d, q.dtype, device_arch(q.device), pool_dtype=k_cache.dtype)
+    cfg = config or default_config(d, q.dtype, device_arch(q.device), k_cache.dtype)
     group = hq // hkv
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
     tokens = block_h // group

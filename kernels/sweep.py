@@ -392,7 +392,7 @@ def picks_long_prefix(row: dict, head_dim: int = 128, dtype: torch.dtype = torch
     from kernels import extend_attention as ext
 
     chosen = ext.default_config(head_dim, dtype, 90, row["prefix"], row["batch"] * row["new"])
-    return chosen == extend_tiles()["long_prefix"]
+    return dataclasses.replace(chosen, split_prefix=False) == extend_tiles()["long_prefix"]
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:

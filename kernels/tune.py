@@ -52,15 +52,17 @@ def extend_candidates() -> list[Any]:
             for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]  # fmt: skip
 
 
-def decode_candidates(min_split_len: int = 256) -> list[Any]:
+def decode_candidates(min_split_len: int = 256, fp8_f16: bool = False) -> list[Any]:
+    """The decode tiles kernels.tune times, each widening an fp8 pool to fp16 or not (``fp8_f16``)."""
     from kernels.decode_attention import DecodeConfig
 
-    pipelined = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=s)
+    pipelined = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=s, fp8_f16=fp8_f16)
                  for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)]  # fmt: skip
     # NOTE: Triton keeps one shared-memory buffer for gathered K/V whatever num_stages is, so a program
     # waits for each tile's loads before its dot; prefetch loads the next tile into registers instead
     # (num_stages 1: nothing for Triton to pipeline). At 128 x 4 warps it spills on sm_90 (compile_check).
-    prefetched = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=1, prefetch=True)
+    prefetched = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=1, prefetch=True,
+                               fp8_f16=fp8_f16)
                   for n in (32, 64, 128) for w in (4, 8)]  # fmt: skip
     return pipelined + prefetched
 
@@ -225,8 +227,9 @@ def tune_decode(
     # NOTE: timed as CUDA-graph replays, as the worker runs decode steps: eager calls would measure
     # Python's launch cost (~0.15 ms on an H200 host), as long as a whole call at short contexts.
     timer = timing.time_replay_ms
-    candidates = with_default(decode_candidates(default.min_split_len), default)
-    rows = run_candidates(candidates, launch, out, ref, rejected, timer)
+    # NOTE: the tiles widen an fp8 pool as the default does (fp8_f16); the other way is tried on the best below
+    tiles = decode_candidates(default.min_split_len, default.fp8_f16)
+    rows = run_candidates(with_default(tiles, default), launch, out, ref, rejected, timer)
     tile = best_row(rows)
     if tile is not None:  # then the split length, on the best tile
         base = dec.DecodeConfig(**tile["config"])

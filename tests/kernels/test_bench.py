@@ -162,8 +162,8 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     assert "(min 0.90)" in targets[1][0]
     extend = table_rows(md, "## Extend (prefill over a cached prefix)")
     assert extend == [
-        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03", "64x32/4w/2s", "-", "-", "-", "-"],
-        ["1", "8", "8", "70.0", "-", "-", "14%", "-", "-", "-", "-", "-", "-"],
+        ["1", "0", "8", "90.0", "100.0", "0.90", "18%", "1.2e-03", "64x32/4w/2s", "-", "-", "-", "-", "-"],
+        ["1", "8", "8", "70.0", "-", "-", "14%", "-", "-", "-", "-", "-", "-", "-"],
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
@@ -293,14 +293,26 @@ def test_extend_rows_show_the_tiles_without_the_prefix_hint_and_judge_their_outp
     md = bench_report.format_markdown(result)
     rows = table_rows(md, "## Extend (prefill over a cached prefix)")
     assert rows[-2] == ["4", "16384", "256", "200.0", "180.0", "1.11", "40%", "4.0e-03", "128x64/8w/3s",
-                        "64x32/4w/2s", "150.0", "3", "400.0"]  # fmt: skip
-    assert rows[0][-2:] == ["-", "-"]  # a row without the split
+                        "64x32/4w/2s", "150.0", "3", "400.0", "-"]  # fmt: skip
+    assert rows[0][-3:] == ["-", "-", "-"]  # a row without the split
     assert "runs at 1.00x the unsplit kernel's TF/s (geomean; min 0.50)" in md
     for name in ("blind", "split"):  # the timed alternative wrote nothing
         result["extend"][-2][f"rel_err_{name}_vs_sdpa"] = float("nan")
         result["summary"] = s = bench_report.summarize(result)
         assert s["extend_target_met"] is False and s["inaccurate"] == ["extend b=4 prefix=16384 new=256"]
         result["extend"][-2][f"rel_err_{name}_vs_sdpa"] = 1e-3
+    # a row whose default splits (an eager call over a deep prefix): the unsplit tiles are the alternative,
+    # and the speed-up is the split's (the default's) over theirs
+    result["extend"][-2].update(
+        triton_split_tflops=200.0, triton_unsplit_tflops=160.0, rel_err_unsplit_vs_sdpa=0.5
+    )
+    result["summary"] = s = bench_report.summarize(result)
+    assert s["extend_split_speedup_min"] == 0.5 and s["extend_split_speedup_geomean"] == pytest.approx(
+        (1.25 * 0.5) ** 0.5
+    )
+    assert s["inaccurate"] == ["extend b=4 prefix=16384 new=256"]  # the unsplit alternative is judged too
+    rows = table_rows(bench_report.format_markdown(result), "## Extend (prefill over a cached prefix)")
+    assert rows[-2][-3:] == ["3", "200.0", "160.0"]
 
 
 def test_an_unwritten_or_wrong_output_misses_the_target_however_fast():
@@ -496,7 +508,15 @@ def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     assert row["config"] == {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3} | unsplit
     assert row["config_blind"] == {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2} | unsplit
     assert row["triton_blind_tflops"] > 0 and row["split_cap"] == 2 and row["triton_split_tflops"] > 0
+    assert row["triton_unsplit_tflops"] == row["triton_tflops"]  # the default
     assert max(row[f"rel_err_{name}vs_sdpa"] for name in ("", "blind_", "split_")) < 2e-3
+    # with the eager split's threshold at this prefix the default splits: the unsplit tiles are timed instead
+    monkeypatch.setattr(ext, "EAGER_SPLIT_MIN_PREFIX", 300)
+    split = bench.bench_extend(bench.ExtendShape(1, 300, 20), bench.Model(4, 2, 128, "fp16"), cpu, gen)
+    assert split["config"] == row["config"] | {"split_prefix": True}
+    assert split["triton_split_tflops"] == split["triton_tflops"] and split["triton_unsplit_tflops"] > 0
+    assert split["rel_err_unsplit_vs_sdpa"] < 2e-3 and "rel_err_split_vs_sdpa" not in split
+    monkeypatch.setattr(ext, "EAGER_SPLIT_MIN_PREFIX", ext.DEEP_PREFIX)
     # the same prefix in an fp8 pool (sm_90: e4m3), against SDPA over the widened values
     assert row["fp8_pool"] == "float8_e4m3fn" and row["triton_fp8_tflops"] > 0 and row["fp8_speedup"] > 0
     assert row["rel_err_fp8_vs_sdpa"] < 2e-3
@@ -817,10 +837,11 @@ def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit
     assert extend_rows == [["1", "8", "8", "80.0", "0.80x", "1.0e-03"]]
 
 
-def test_the_fp8_pool_row_times_the_fp16_widening_candidate_under_a_bf16_query(backend, monkeypatch):
-    """Under a bf16 q, measure_fp8_pool also replays DecodeConfig.fp8_f16 (the fp8 tiles widened to fp16):
-    its output against SDPA, its time against the default's, the table's columns and the summary's least
-    speed-up; a candidate that fails is recorded and shown, and the row keeps the default's numbers."""
+def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_query(backend, monkeypatch):
+    """Under a bf16 q, measure_fp8_pool also replays fp8_candidates: the default with its widening to fp16
+    flipped, and FP8_SHORT_TILES where default_config takes the fp8 pools' tiles; each output against
+    SDPA, the default's speed-up over each, the table's columns and the summary's least; a candidate
+    that fails is recorded and shown, and the row keeps the default's numbers."""
     from kernels import decode_attention as dec
 
     if not backend.interpret:
@@ -828,8 +849,9 @@ def test_the_fp8_pool_row_times_the_fp16_widening_candidate_under_a_bf16_query(b
     monkeypatch.setattr(
         timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
     )
-    times = iter([2.0, 4.0, 1.6])  # NOTE: the default alone, its stack, then the candidate
+    times = iter([2.0, 4.0, 1.6, 2.5])  # NOTE: the default alone, its stack, then each candidate
     monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), next(times))[1])
+    monkeypatch.setattr(dec, "takes_fp8_tiles", lambda *a: True)  # the interpreter's default is its tiny tile
     configs = []
     decode = dec.decode_attention
     monkeypatch.setattr(
@@ -839,48 +861,63 @@ def test_the_fp8_pool_row_times_the_fp16_widening_candidate_under_a_bf16_query(b
     kernel_args, _ = bench.decode_case(shape, model, torch.device("cpu"), torch.Generator().manual_seed(4))
     row = {"batch": 2, "context": bench_report.LONG_CONTEXT, "triton_graph_ms": 3.0, "triton_gbs": 500.0}
     bench.measure_fp8_pool(row, shape, model, kernel_args, torch.device("cpu"))
-    assert any(c is not None and c.fp8_f16 for c in configs) and not any(c is not None for c in configs[:1])
-    assert row["fp8_f16_speedup"] == pytest.approx(2.0 / 1.6)
-    assert row["triton_fp8_f16_graph_gbs"] == pytest.approx(row["fp8_bytes"] / 1.6e-3 / 1e9)
-    assert row["rel_err_fp8_f16_vs_sdpa"] < 2e-2 and row["rel_err_fp8_vs_sdpa"] < 2e-2
+    default = dec.default_config(128, torch.bfloat16)
+    assert not default.fp8_f16 and not any(c is not None for c in configs[:1])
+    assert dataclasses.replace(default, fp8_f16=True) in configs and dec.FP8_SHORT_TILES in configs
+    assert row["fp8_default_over_flip_f16"] == pytest.approx(1.6 / 2.0)
+    assert row["fp8_default_over_short_tiles"] == pytest.approx(2.5 / 2.0)
+    assert row["triton_fp8_flip_f16_graph_gbs"] == pytest.approx(row["fp8_bytes"] / 1.6e-3 / 1e9)
+    assert max(row[f"rel_err_fp8{n}_vs_sdpa"] for n in ("", "_flip_f16", "_short_tiles")) < 2e-2
     result = synthetic_result()
     result["decode"] = [row]
     result["summary"] = s = bench_report.summarize(result)
-    assert s["decode_fp8_f16_speedup_min"] == pytest.approx(1.25) and s["inaccurate"] == []
+    assert s["decode_fp8_default_over_flip_f16_min"] == pytest.approx(0.8)
+    assert s["decode_fp8_default_over_short_tiles_min"] == pytest.approx(1.25) and s["inaccurate"] == []
     rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
     assert rows[0][8:] == [
-        f"{row['triton_fp8_f16_graph_gbs']:,.0f}",
+        f"{row['triton_fp8_flip_f16_graph_gbs']:,.0f}",
+        "0.80x",
+        f"{row['triton_fp8_short_tiles_graph_gbs']:,.0f}",
         "1.25x",
-        f"{row['rel_err_fp8_f16_vs_sdpa']:.1e}",
     ]
-    row["rel_err_fp8_f16_vs_sdpa"] = 0.5  # a wrong candidate is named, however fast
+    row["rel_err_fp8_short_tiles_vs_sdpa"] = 0.5  # a wrong candidate is named, however slow
     assert bench_report.summarize(result)["inaccurate"] == [
-        f"decode fp8 fp16-dot b=2 ctx={bench_report.LONG_CONTEXT}"
+        f"decode fp8 short_tiles b=2 ctx={bench_report.LONG_CONTEXT}"
     ]
-    # a candidate that fails to launch: recorded, shown in its column, the default's numbers kept
-    failing = dict(row)
-    for key in (
-        "triton_fp8_f16_graph_ms",
-        "triton_fp8_f16_graph_gbs",
-        "fp8_f16_speedup",
-        "rel_err_fp8_f16_vs_sdpa",
-    ):
-        failing.pop(key)
+    # candidates that fail to launch: recorded, shown in their columns, the default's numbers kept
     times = iter([2.0, 4.0])
     monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), next(times))[1])
 
     def refuse(*args, **kwargs):
         if kwargs.get("config") is not None:
-            raise RuntimeError("no fp16 tiles")
+            raise RuntimeError("no such tiles")
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(dec, "decode_attention", refuse)
     again = {"batch": 2, "context": bench_report.LONG_CONTEXT, "triton_graph_ms": 3.0, "triton_gbs": 500.0}
     bench.measure_fp8_pool(again, shape, model, kernel_args, torch.device("cpu"))
-    assert again["triton_fp8_f16_error"] == "RuntimeError: no fp16 tiles" and "fp8_f16_speedup" not in again
+    for name in bench_report.FP8_CANDIDATES:
+        assert again[f"triton_fp8_{name}_error"] == "RuntimeError: no such tiles"
+        assert f"fp8_default_over_{name}" not in again
     assert again["fp8_speedup"] == pytest.approx(1.5)
     result["decode"] = [again]
     result["summary"] = bench_report.summarize(result)
-    assert result["summary"]["decode_fp8_f16_speedup_min"] is None
+    assert result["summary"]["decode_fp8_default_over_flip_f16_min"] is None
     rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
-    assert rows[0][8:10] == ["RuntimeError: no fp16 tiles", "-"]
+    assert rows[0][8:] == ["RuntimeError: no such tiles", "-"] * 2
+
+
+def test_fp8_candidates_follow_the_default():
+    """fp8_candidates: the widening flipped under a bf16 q only, FP8_SHORT_TILES only where default_config
+    takes the fp8 pools' tiles (sm_90, head dims 65-128, 16-bit q) and they are not the default."""
+    from kernels import decode_attention as dec
+
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    assert bench.fp8_candidates(dec.FP8_TILES, 128, bf16, 90, e4m3) == {
+        "flip_f16": dataclasses.replace(dec.FP8_TILES, fp8_f16=False),
+        "short_tiles": dec.FP8_SHORT_TILES,
+    }
+    assert set(bench.fp8_candidates(dec.FP8_MANY_TILES, 128, torch.float16, 90, e4m3)) == {"short_tiles"}
+    assert set(bench.fp8_candidates(dec.FP8_SHORT_TILES, 128, bf16, 89, e4m3)) == {"flip_f16"}
+    assert bench.fp8_candidates(dec.FP8_SHORT_TILES, 64, torch.float16, 90, e4m3) == {}
+    assert set(bench.fp8_candidates(dec.FP8_TILES, 128, bf16, 90, e4m3)) <= set(bench_report.FP8_CANDIDATES)

@@ -271,14 +271,15 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    # the kernels over an fp8 pool (--kv-cache-dtype) are their own compiles: the default tiles of each
+    # the kernels over an fp8 pool (--kv-cache-dtype) are their own compiles: the default tiles of each (decode's
+    # two regimes; extend unsplit, split and windowed)
     fp8 = [r for r in loaded if r.get("pool") == "*fp8e4nv"]
     # (their merges read no pool: the 16-bit pools' merge kernels serve them), and with a checkpoint's KV
     # scales one more of each kernel that reads or writes the pool
     scaled = [r for r in fp8 if r["constants"].get("KV_SCALED")]
     assert sorted(r["kernel"] for r in fp8 if r not in scaled) == [
-        "_decode_split_kernel", "_extend_kernel", "_extend_kernel", "_extend_kernel", "_rope_store_kv_kernel",
-        "_short_split_kernel"]  # fmt: skip
+        "_decode_split_kernel", "_decode_split_kernel", "_extend_kernel", "_extend_kernel", "_extend_kernel",
+        "_rope_store_kv_kernel", "_short_split_kernel"]  # fmt: skip
     assert sorted(r["kernel"] for r in scaled) == ["_decode_split_kernel", "_extend_kernel",
                                                    "_rope_store_kv_kernel", "_short_split_kernel"]  # fmt: skip
     loaded = [r for r in loaded if r not in fp8]

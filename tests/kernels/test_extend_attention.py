@@ -196,14 +196,45 @@ def test_the_long_prefix_rule_needs_a_long_prefix_and_few_new_tokens(monkeypatch
     monkeypatch.setattr(ext, "INTERPRETED", False)  # the compiled choice (the interpreter takes tiny tiles)
     bf16, long, few, deep = torch.bfloat16, ext.LONG_PREFIX, ext.FEW_NEW_TOKENS, ext.DEEP_PREFIX
     tiles = {"small": ext.ExtendConfig(64, 32, 4, 2), "long_prefix": ext.ExtendConfig(128, 64, 8, 3)}
+
+    def tiles_of(*args):  # NOTE: over a deep prefix an eager call also splits (the next test)
+        return dataclasses.replace(ext.default_config(*args), split_prefix=False)
+
     assert ext.default_config(128, bf16, 90) == tiles["small"]
     assert ext.default_config(128, bf16, 90, long, few) == tiles["long_prefix"]
-    assert ext.default_config(128, torch.float16, 90, deep, 2 * few) == tiles["long_prefix"]
+    assert tiles_of(128, torch.float16, 90, deep, 2 * few) == tiles["long_prefix"]
     for prefix, new in [(long - 1, 1), (long, few + 1), (deep - 1, 2 * few), (deep, 2 * few + 1), (long, None),
                         (None, 1)]:  # fmt: skip
-        assert ext.default_config(128, bf16, 90, prefix, new) == tiles["small"], (prefix, new)
+        assert tiles_of(128, bf16, 90, prefix, new) == tiles["small"], (prefix, new)
     for head_dim, dtype, arch in [(128, bf16, 80), (128, bf16, 89), (64, bf16, 90), (128, torch.float32, 90)]:
         assert ext.default_config(head_dim, dtype, arch, long, 1) == ext.default_config(head_dim, dtype, arch)
+
+
+def test_sm90_defaults_split_eager_calls_over_a_deep_prefix_and_widen_fp8_pools_in_128x128_tiles(monkeypatch):
+    """sm_90, head dim 128, a 16-bit q: an eager call (its longest prefix known) over EAGER_SPLIT_MIN_PREFIX
+    cached tokens or more takes the prefix split, whatever its tiles, over a 16-bit pool; an fp8 pool takes
+    FP8_PREFIX_TILES wherever the batch may have a prefix (unknown included) and no split; other head
+    dims, dtypes and architectures keep what they took."""
+    from kernels import extend_attention as ext
+
+    monkeypatch.setattr(ext, "INTERPRETED", False)  # the compiled choice (the interpreter takes tiny tiles)
+    bf16, e4m3, deep = torch.bfloat16, torch.float8_e4m3fn, ext.EAGER_SPLIT_MIN_PREFIX
+    assert deep == ext.DEEP_PREFIX
+    for new, tiles in ((256, ext.LONG_PREFIX_TILES), (4096, ext.SM90_TILES)):
+        assert ext.default_config(128, bf16, 90, deep - 1, new) == tiles
+        assert ext.default_config(128, bf16, 90, deep, new) == dataclasses.replace(tiles, split_prefix=True)
+    assert not ext.default_config(128, bf16, 90, None, 256).split_prefix  # a graph's unknown prefix
+    for head_dim, dtype, arch in [(128, bf16, 89), (64, bf16, 90), (256, bf16, 90), (128, torch.float32, 90)]:
+        assert not ext.default_config(head_dim, dtype, arch, deep, 256).split_prefix, (head_dim, dtype, arch)
+    for prefix in (None, 1, 1024, deep):
+        assert ext.default_config(128, bf16, 90, prefix, 256, e4m3) == ext.FP8_PREFIX_TILES, prefix
+        assert (
+            ext.default_config(128, torch.float16, 90, prefix, 256, torch.float8_e5m2) == ext.FP8_PREFIX_TILES
+        )
+    assert ext.default_config(128, bf16, 90, 0, 256, e4m3) == ext.default_config(128, bf16, 90, 0, 256)
+    assert ext.default_config(96, bf16, 90, 1024, 256, e4m3) == ext.LONG_PREFIX_TILES  # 128x128 spills there
+    assert ext.default_config(128, bf16, 89, 1024, 256, e4m3) == ext.FP8_PRE_HOPPER_TILES
+    assert ext.default_config(128, torch.float32, 90, 1024, 256, e4m3) != ext.FP8_PREFIX_TILES
 
 
 def test_extend_passes_its_prefix_hint_to_the_tile_choice(backend, assert_close_rel, monkeypatch):

@@ -368,3 +368,36 @@ def test_kv_scales_are_refused_over_a_16_bit_pool_or_when_not_positive_or_missha
     for bad, message in refusals:
         with pytest.raises(ValueError, match=message):
             fused.store_kv(k8, v8, slots[:1], k_cache[:1], v_cache[:1], kv_scales=bad)
+
+
+def test_sm90_decode_over_an_fp8_pool_takes_the_tuned_tiles_and_the_short_extend_keeps_its_own(monkeypatch):
+    """Compiled for sm_90 (head dims 65-128, a 16-bit q), decode over an fp8 pool takes FP8_TILES below
+    MANY_REQUESTS and FP8_MANY_TILES from it, both widening to fp16; the short extend, which does not
+    widen, keeps FP8_SHORT_TILES there and decode's batch-1 choice elsewhere; other head dims, dtypes and
+    architectures take the 16-bit pools' tiles."""
+    from kernels import decode_attention as dec
+    from kernels import extend_short
+
+    monkeypatch.setattr(dec, "INTERPRETED", False)  # the compiled choice (the interpreter takes tiny tiles)
+    monkeypatch.setattr(extend_short, "INTERPRETED", False)
+    bf16, e4m3, many = torch.bfloat16, torch.float8_e4m3fn, dec.MANY_REQUESTS
+    assert dec.FP8_TILES.fp8_f16 and dec.FP8_MANY_TILES.fp8_f16 and not dec.FP8_SHORT_TILES.fp8_f16
+    for dtype, pool in [(bf16, e4m3), (torch.float16, e4m3), (bf16, torch.float8_e5m2)]:
+        for head_dim in (96, 128):
+            assert dec.default_config(head_dim, dtype, 90, 1, pool) == dec.FP8_TILES
+            assert dec.default_config(head_dim, dtype, 90, many - 1, pool) == dec.FP8_TILES
+            assert dec.default_config(head_dim, dtype, 90, many, pool) == dec.FP8_MANY_TILES
+            assert extend_short.default_config(head_dim, dtype, 90, pool) == dec.FP8_SHORT_TILES
+    for head_dim, dtype, arch in [(64, bf16, 90), (256, bf16, 90), (128, bf16, 89), (128, torch.float32, 90)]:
+        for batch in (1, many):
+            want = dec.default_config(head_dim, dtype, arch, batch)
+            assert dec.default_config(head_dim, dtype, arch, batch, e4m3) == want, (
+                head_dim,
+                dtype,
+                arch,
+                batch,
+            )
+        assert extend_short.default_config(head_dim, dtype, arch, e4m3) == dec.default_config(
+            head_dim, dtype, arch
+        )
+    assert extend_short.default_config(128, bf16, 90) == dec.default_config(128, bf16, 90, 1)

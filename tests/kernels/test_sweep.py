@@ -50,6 +50,31 @@ def test_the_default_extend_tiles_follow_the_h100_sweep(compiled_choice):
     assert took_long >= 10
 
 
+def test_eager_calls_split_only_where_the_h100_sweep_split_their_tiles_faster(compiled_choice):
+    """default_config takes the prefix split for eager calls over a prefix of EAGER_SPLIT_MIN_PREFIX tokens
+    or more: on every eager row of the split sweep where it does and the grid was small enough to split
+    (8 rows, 8,192-32,768 cached tokens), the split of the tiles it takes ran faster than those tiles
+    unsplit; below the threshold the split lost on 11 of its 13 rows (0.34-0.99x; 1.01x and 1.10x at 4,096)."""
+    from kernels import extend_attention as ext
+
+    rows = json.loads(SPLIT_SWEEP.read_text())["extend"]
+    faster, slower_below = 0, 0
+    for r in rows:
+        shape = f"prefix {r['prefix']}, {r['batch']} x {r['new']}"
+        cfg = ext.default_config(128, torch.bfloat16, 90, r["prefix"], r["batch"] * r["new"])
+        tiles = "long_prefix" if sweep.picks_long_prefix(r) else "small"
+        split_ms = r.get(f"{tiles}_split_ms")
+        assert cfg.split_prefix == (r["prefix"] >= ext.EAGER_SPLIT_MIN_PREFIX), shape
+        if split_ms is None:
+            continue
+        if cfg.split_prefix:
+            assert split_ms < r[f"{tiles}_ms"], shape
+            faster += 1
+        else:
+            slower_below += split_ms > r[f"{tiles}_ms"]
+    assert (faster, slower_below) == (8, 11)
+
+
 def test_extend_graphs_replay_the_configuration_the_h100_sweep_ran_fastest():
     """The worker replays an extend graph's capture by graph_variant: on every extend-graph row of the H100
     sweep that measured them all (64x32, the default for an unknown prefix; 128x64; 64x32 split) it takes

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +244,37 @@ def test_candidates_over_an_fp8_pool_are_checked_against_the_widened_values(back
     extend = tune.tune_extend(bench.ExtendShape(batch=2, prefix=21, new=9), MODEL, backend.device, gen,
                               pool=torch.float8_e5m2)  # fmt: skip
     assert all("error" not in r and r["rel_err"] < 1e-4 for r in extend["rows"]), extend["rows"]
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "docs/benchmarks"
+
+
+def test_the_sm90_fp8_pool_defaults_follow_the_h200_tune(monkeypatch):
+    """The committed H200 tunes over an fp8 pool (2026-11-29): in decode, widening to fp16 made each
+    shape's fastest tile at least 1.4x the previous default (FP8_SHORT_TILES, the tune's default then), and
+    widening paid on each of those tiles; FP8_TILES and FP8_MANY_TILES widen. In extend, FP8_PREFIX_TILES
+    ran at least 1.18x the default on every shape with a prefix, and default_config takes them there."""
+    from kernels import decode_attention as dec
+    from kernels import extend_attention as ext
+
+    decode = json.loads((BENCHMARKS / "kernels-tune-fp8-decode-nvidia-h200-2026-11-29-2.json").read_text())
+    assert decode["kv_dtype"] == "float8_e4m3fn" and len(decode["results"]) == 3
+    for r in decode["results"]:
+        assert dec.DecodeConfig(**r["default"]["config"]) == dec.FP8_SHORT_TILES
+        best = dec.DecodeConfig(**r["best"]["config"])
+        assert best.fp8_f16 and r["speedup_vs_default"] >= 1.4, r["shape"]
+        unwidened = dataclasses.replace(best, fp8_f16=False)
+        times = {dec.DecodeConfig(**row["config"]): row["ms"] for row in r["rows"] if "ms" in row}
+        assert times[unwidened] > 1.1 * times[best], r["shape"]
+    assert dec.FP8_TILES.fp8_f16 and dec.FP8_MANY_TILES.fp8_f16
+    extend = json.loads((BENCHMARKS / "kernels-tune-fp8-extend-nvidia-h200-2026-11-29-2.json").read_text())
+    monkeypatch.setattr(ext, "INTERPRETED", False)
+    with_prefix = [r for r in extend["results"] if r["shape"]["prefix"] > 0]
+    assert len(with_prefix) == 4
+    for r in with_prefix:
+        times = {ext.ExtendConfig(**row["config"]): row["ms"] for row in r["rows"] if "ms" in row}
+        assert r["default"]["ms"] / times[ext.FP8_PREFIX_TILES] >= 1.18, r["shape"]
+        shape = r["shape"]
+        chosen = ext.default_config(128, torch.bfloat16, 90, shape["prefix"], shape["batch"] * shape["new"],
+                                    torch.float8_e4m3fn)  # fmt: skip
+        assert chosen == ext.FP8_PREFIX_TILES
