@@ -401,3 +401,48 @@ def test_sm90_decode_over_an_fp8_pool_takes_the_tuned_tiles_and_the_short_extend
             head_dim, dtype, arch
         )
     assert extend_short.default_config(128, bf16, 90) == dec.default_config(128, bf16, 90, 1)
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("kind", ["decode", "decode-many", "extend", "extend-split", "short"])
+def test_the_sm90_fp8_pool_tiles_match_the_reference_at_head_dim_128(
+    backend, assert_close_rel, pool_dtype, kind
+):
+    """The tiles sm_90 takes over an fp8 pool at head dim 128 (FP8_TILES and FP8_MANY_TILES widening to fp16,
+    FP8_PREFIX_TILES unsplit and split, the short extend's FP8_SHORT_TILES), given explicitly so that the
+    interpreter runs them too, under a bf16 q with GQA 4, against the reference."""
+    dec, ext, short = (backend.module(m) for m in ("decode_attention", "extend_attention", "extend_short"))
+    if kind.startswith("decode"):
+        lens = [1, 2, 17, 50, 300, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
+        args = in_fp8(decode_cases.make_batch(lens, 8, 2, 128, torch.bfloat16, backend.device, seed=63), pool_dtype,
+                      (1, 2))  # fmt: skip
+        cfg = dec.FP8_MANY_TILES if kind == "decode-many" else dec.FP8_TILES
+        out = torch.full_like(args[0], float("nan"))
+        dec.decode_attention(*args, out=out, config=cfg, num_splits=4)
+        assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args)))
+        return
+    if (
+        kind == "short"
+    ):  # NOTE: few new tokens a request, their K/V read from the pool where the worker stored them
+        q, k_new, v_new, k_cache, v_cache, qo, kv, prefix = extend_cases.make_batch(
+            [(0, 3), (300, 1), (17, 5), (130, 2)], 8, 2, 128, torch.bfloat16, backend.device, seed=82
+        )
+        k_cache, v_cache = reference.to_pool(k_cache, pool_dtype), reference.to_pool(v_cache, pool_dtype)
+        free = sorted(set(range(k_cache.shape[0])) - set(prefix.tolist()))[: q.shape[0]]
+        out_slots = torch.tensor(free, dtype=torch.int32, device=backend.device)
+        reference.store_kv(k_cache, v_cache, out_slots, k_new, v_new)
+        out = torch.full_like(q, float("nan"))
+        short.extend_short_attention(q, k_cache, v_cache, qo, kv, prefix, out_slots, max_extend_len=5, out=out,
+                                     num_splits=4, config=dec.FP8_SHORT_TILES)  # fmt: skip
+        cpu = [a.cpu() for a in (q, k_cache, v_cache, qo, kv, prefix, out_slots)]
+        assert_close_rel(out.cpu(), reference.extend_short_attention(*cpu))
+        return
+    requests = [(300, 20), (0, 40), (130, 9), (7, 1)]
+    requests = requests if not backend.is_cuda else [(p * 9, n * 9) for p, n in requests]
+    batch = extend_cases.make_batch(requests, 8, 2, 128, torch.bfloat16, backend.device, seed=72)
+    args = in_fp8(batch, pool_dtype, (3, 4))
+    out = torch.full_like(args[0], float("nan"))
+    splits = 4 if kind == "extend-split" else 1
+    cfg = dataclasses.replace(ext.FP8_PREFIX_TILES, split_prefix=splits > 1)
+    ext.extend_attention(*args, out=out, config=cfg, num_splits=splits)
+    assert_close_rel(out.cpu(), reference.extend_attention(*(a.cpu() for a in args)))
