@@ -154,20 +154,25 @@ def test_extend_over_an_fp8_pool_matches_the_reference(
 @pytest.mark.parametrize(("hq", "hkv"), GQA)
 def test_short_extend_over_an_fp8_pool_matches_the_reference(backend, assert_close_rel, pool_dtype, hq, hkv):
     short = backend.module("extend_short")
-    requests = [(0, 3), (40, 1), (17, 5), (130, 2)]
+    args = short_case(
+        [(0, 3), (40, 1), (17, 5), (130, 2)], hq, hkv, 64, q_dtype(backend), backend, pool_dtype, 81
+    )
+    out = torch.full_like(args[0], float("nan"))
+    short.extend_short_attention(*args, max_extend_len=5, out=out, num_splits=4)
+    assert_close_rel(out.cpu(), reference.extend_short_attention(*(a.cpu() for a in args)))
+
+
+def short_case(requests, hq, hkv, head_dim, dtype, backend, pool_dtype, seed) -> tuple:
+    """extend_short_attention's (q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out_slots) over an
+    fp8 pool: the new tokens' K/V stored in free slots first, where the worker stores them before attention."""
     q, k_new, v_new, k_cache, v_cache, qo, kv, prefix = extend_cases.make_batch(
-        requests, hq, hkv, 64, q_dtype(backend), backend.device, seed=81
+        requests, hq, hkv, head_dim, dtype, backend.device, seed=seed
     )
     k_cache, v_cache = reference.to_pool(k_cache, pool_dtype), reference.to_pool(v_cache, pool_dtype)
-    # NOTE: the short extend reads the new tokens' K/V from the pool, where the worker stored them
     free = sorted(set(range(k_cache.shape[0])) - set(prefix.tolist()))[: q.shape[0]]
     out_slots = torch.tensor(free, dtype=torch.int32, device=backend.device)
     reference.store_kv(k_cache, v_cache, out_slots, k_new, v_new)
-    out = torch.full_like(q, float("nan"))
-    short.extend_short_attention(q, k_cache, v_cache, qo, kv, prefix, out_slots, max_extend_len=5, out=out,
-                                 num_splits=4)  # fmt: skip
-    cpu = [a.cpu() for a in (q, k_cache, v_cache, qo, kv, prefix, out_slots)]
-    assert_close_rel(out.cpu(), reference.extend_short_attention(*cpu))
+    return q, k_cache, v_cache, qo, kv, prefix, out_slots
 
 
 def test_a_pool_of_mixed_or_unsupported_dtypes_is_refused(backend):
@@ -421,21 +426,15 @@ def test_the_sm90_fp8_pool_tiles_match_the_reference_at_head_dim_128(
         dec.decode_attention(*args, out=out, config=cfg, num_splits=4)
         assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args)))
         return
-    if (
-        kind == "short"
-    ):  # NOTE: few new tokens a request, their K/V read from the pool where the worker stored them
-        q, k_new, v_new, k_cache, v_cache, qo, kv, prefix = extend_cases.make_batch(
-            [(0, 3), (300, 1), (17, 5), (130, 2)], 8, 2, 128, torch.bfloat16, backend.device, seed=82
+    if kind == "short":  # NOTE: few new tokens a request
+        args = short_case(
+            [(0, 3), (300, 1), (17, 5), (130, 2)], 8, 2, 128, torch.bfloat16, backend, pool_dtype, 82
         )
-        k_cache, v_cache = reference.to_pool(k_cache, pool_dtype), reference.to_pool(v_cache, pool_dtype)
-        free = sorted(set(range(k_cache.shape[0])) - set(prefix.tolist()))[: q.shape[0]]
-        out_slots = torch.tensor(free, dtype=torch.int32, device=backend.device)
-        reference.store_kv(k_cache, v_cache, out_slots, k_new, v_new)
-        out = torch.full_like(q, float("nan"))
-        short.extend_short_attention(q, k_cache, v_cache, qo, kv, prefix, out_slots, max_extend_len=5, out=out,
-                                     num_splits=4, config=dec.FP8_SHORT_TILES)  # fmt: skip
-        cpu = [a.cpu() for a in (q, k_cache, v_cache, qo, kv, prefix, out_slots)]
-        assert_close_rel(out.cpu(), reference.extend_short_attention(*cpu))
+        out = torch.full_like(args[0], float("nan"))
+        short.extend_short_attention(
+            *args, max_extend_len=5, out=out, num_splits=4, config=dec.FP8_SHORT_TILES
+        )
+        assert_close_rel(out.cpu(), reference.extend_short_attention(*(a.cpu() for a in args)))
         return
     requests = [(300, 20), (0, 40), (130, 9), (7, 1)]
     requests = requests if not backend.is_cuda else [(p * 9, n * 9) for p, n in requests]
