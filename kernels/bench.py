@@ -717,7 +717,9 @@ def fp8_candidates(
 ) -> dict[str, Any]:
     """What kernels.bench replays beside the ``default`` decode config over an fp8 pool: "flip_f16", the
     default with its widening to fp16 (DecodeConfig.fp8_f16) flipped, under a bf16 q; "short_tiles",
-    decode_attention.FP8_SHORT_TILES (the previous default) where default_config takes the fp8 pools' tiles."""
+    decode_attention.FP8_SHORT_TILES (the previous default) where default_config takes the fp8 pools' tiles;
+    "pdl", the default launched as programmatic dependents, from sm_90 (the tune's fastest rows over an fp8
+    pool had it)."""
     from kernels import decode_attention as dec
 
     candidates = {}
@@ -725,6 +727,8 @@ def fp8_candidates(
         candidates["flip_f16"] = dataclasses.replace(default, fp8_f16=not default.fp8_f16)
     if dec.takes_fp8_tiles(head_dim, q_dtype, arch, pool) and default != dec.FP8_SHORT_TILES:
         candidates["short_tiles"] = dec.FP8_SHORT_TILES
+    if arch >= 90:
+        candidates["pdl"] = dataclasses.replace(default, pdl=not default.pdl)
     return candidates
 
 

@@ -23,7 +23,7 @@ LORA_CANDIDATES = {"no_pdl": ("without PDL", {"pdl": False}), "narrow": ("128-co
                    "batched": ("batched partials", {"batched_partials": True})}  # fmt: skip
 DECODE_CANDIDATES = ("fused", "pdl", "prefetch", "prefetch_pdl", *(f"{name}_stack" for name in STACKED))
 # decode over an fp8 pool: what kernels.bench.fp8_candidates may replay beside the default, by name
-FP8_CANDIDATES = ("flip_f16", "short_tiles")
+FP8_CANDIDATES = ("flip_f16", "short_tiles", "pdl")
 
 
 def decode_rates(row: dict) -> tuple[float, float | None]:
@@ -544,14 +544,16 @@ def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
              "The default kernels over the same K/V stored in one byte a value (`--kv-cache-dtype`), replayed"
              " alone and per layer of a stack; the error is against SDPA over the fp8 values widened back.", "",
              "Candidates: `flip_f16` is the default with its widening to fp16 (DecodeConfig.fp8_f16) flipped,"
-             " `short_tiles` decode_attention.FP8_SHORT_TILES (the fp8 default before 2026-11-29's tune); each"
-             " column pair is the candidate's GB/s and the default's speed-up over it.", "",
+             " `short_tiles` decode_attention.FP8_SHORT_TILES (the fp8 default before 2026-11-29's tune), `pdl`"
+             " the default with programmatic dependent launch flipped; each column pair is the candidate's GB/s"
+             " and the default's speed-up over it.", "",
              "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | speed-up over the 16-bit pool | rel err "
-             "| flip_f16 GB/s | default / flip_f16 | short_tiles GB/s | default / short_tiles |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| flip_f16 GB/s | default / flip_f16 | short_tiles GB/s | default / short_tiles | pdl GB/s "
+             "| default / pdl |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         if "triton_fp8_error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} ||||||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} ||||||||||||")
             continue
         gbs, stacked = r["triton_fp8_graph_gbs"], r["triton_fp8_stack_graph_gbs"]
         cands = "".join(

@@ -839,7 +839,8 @@ def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit
 
 def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_query(backend, monkeypatch):
     """Under a bf16 q, measure_fp8_pool also replays fp8_candidates: the default with its widening to fp16
-    flipped, and FP8_SHORT_TILES where default_config takes the fp8 pools' tiles; each output against
+    flipped, FP8_SHORT_TILES where default_config takes the fp8 pools' tiles, and the default with PDL
+    flipped (device_arch: 90 off CUDA; the interpreter launches it plainly); each output against
     SDPA, the default's speed-up over each, the table's columns and the summary's least; a candidate
     that fails is recorded and shown, and the row keeps the default's numbers."""
     from kernels import decode_attention as dec
@@ -849,7 +850,7 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
     monkeypatch.setattr(
         timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
     )
-    times = iter([2.0, 4.0, 1.6, 2.5])  # NOTE: the default alone, its stack, then each candidate
+    times = iter([2.0, 4.0, 1.6, 2.5, 2.2])  # NOTE: the default alone, its stack, then each candidate
     monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), next(times))[1])
     monkeypatch.setattr(dec, "takes_fp8_tiles", lambda *a: True)  # the interpreter's default is its tiny tile
     configs = []
@@ -864,10 +865,12 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
     default = dec.default_config(128, torch.bfloat16)
     assert not default.fp8_f16 and not any(c is not None for c in configs[:1])
     assert dataclasses.replace(default, fp8_f16=True) in configs and dec.FP8_SHORT_TILES in configs
+    assert dataclasses.replace(default, pdl=True) in configs
     assert row["fp8_default_over_flip_f16"] == pytest.approx(1.6 / 2.0)
     assert row["fp8_default_over_short_tiles"] == pytest.approx(2.5 / 2.0)
+    assert row["fp8_default_over_pdl"] == pytest.approx(2.2 / 2.0)
     assert row["triton_fp8_flip_f16_graph_gbs"] == pytest.approx(row["fp8_bytes"] / 1.6e-3 / 1e9)
-    assert max(row[f"rel_err_fp8{n}_vs_sdpa"] for n in ("", "_flip_f16", "_short_tiles")) < 2e-2
+    assert max(row[f"rel_err_fp8{n}_vs_sdpa"] for n in ("", "_flip_f16", "_short_tiles", "_pdl")) < 2e-2
     result = synthetic_result()
     result["decode"] = [row]
     result["summary"] = s = bench_report.summarize(result)
@@ -879,6 +882,8 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
         "0.80x",
         f"{row['triton_fp8_short_tiles_graph_gbs']:,.0f}",
         "1.25x",
+        f"{row['triton_fp8_pdl_graph_gbs']:,.0f}",
+        "1.10x",
     ]
     row["rel_err_fp8_short_tiles_vs_sdpa"] = 0.5  # a wrong candidate is named, however slow
     assert bench_report.summarize(result)["inaccurate"] == [
@@ -904,20 +909,25 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
     result["summary"] = bench_report.summarize(result)
     assert result["summary"]["decode_fp8_default_over_flip_f16_min"] is None
     rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
-    assert rows[0][8:] == ["RuntimeError: no such tiles", "-"] * 2
+    assert rows[0][8:] == ["RuntimeError: no such tiles", "-"] * 3
 
 
 def test_fp8_candidates_follow_the_default():
     """fp8_candidates: the widening flipped under a bf16 q only, FP8_SHORT_TILES only where default_config
-    takes the fp8 pools' tiles (sm_90, head dims 65-128, 16-bit q) and they are not the default."""
+    takes the fp8 pools' tiles (sm_90, head dims 65-128, 16-bit q) and they are not the default, PDL
+    flipped from sm_90."""
     from kernels import decode_attention as dec
 
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
     assert bench.fp8_candidates(dec.FP8_TILES, 128, bf16, 90, e4m3) == {
         "flip_f16": dataclasses.replace(dec.FP8_TILES, fp8_f16=False),
         "short_tiles": dec.FP8_SHORT_TILES,
+        "pdl": dataclasses.replace(dec.FP8_TILES, pdl=True),
     }
-    assert set(bench.fp8_candidates(dec.FP8_MANY_TILES, 128, torch.float16, 90, e4m3)) == {"short_tiles"}
+    assert set(bench.fp8_candidates(dec.FP8_MANY_TILES, 128, torch.float16, 90, e4m3)) == {
+        "short_tiles",
+        "pdl",
+    }
     assert set(bench.fp8_candidates(dec.FP8_SHORT_TILES, 128, bf16, 89, e4m3)) == {"flip_f16"}
-    assert bench.fp8_candidates(dec.FP8_SHORT_TILES, 64, torch.float16, 90, e4m3) == {}
+    assert bench.fp8_candidates(dec.FP8_SHORT_TILES, 64, torch.float16, 89, e4m3) == {}
     assert set(bench.fp8_candidates(dec.FP8_TILES, 128, bf16, 90, e4m3)) <= set(bench_report.FP8_CANDIDATES)
