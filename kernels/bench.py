@@ -479,15 +479,13 @@ def bench_extend(shape: ExtendShape, model: Model, device: torch.device, gen: to
     split = dataclasses.replace(chosen, split_prefix=True)
     cap = ext.prefix_split_cap(None, shape.batch * shape.new, q.shape[1], device, split, shape.prefix)
     if cap > 1:
-        name = "unsplit" if chosen.split_prefix else "split"
         other = dataclasses.replace(chosen, split_prefix=not chosen.split_prefix)
         out.fill_(float("nan"))  # the candidate must write every element itself
         ms = timing.time_ms(lambda: ext.extend_attention(*kernel_args, max_extend_len=shape.new,
                                                          max_prefix_len=shape.prefix, out=out, config=other))  # fmt: skip
-        row["split_cap"] = cap
-        row[f"triton_{name}_tflops"] = flops / (ms * 1e-3) / 1e12
-        row[f"triton_{'split' if name == 'unsplit' else 'unsplit'}_tflops"] = row["triton_tflops"]
-        others[name] = out.clone()
+        tflops = {chosen.split_prefix: row["triton_tflops"], other.split_prefix: flops / (ms * 1e-3) / 1e12}
+        row.update(split_cap=cap, triton_split_tflops=tflops[True], triton_unsplit_tflops=tflops[False])
+        others["split" if other.split_prefix else "unsplit"] = out.clone()
     if others:
         triton_call()  # NOTE: out is the chosen tiles' again for the error below
     try:
@@ -667,7 +665,8 @@ def measure_fp8_pool(
     from kernels.compile_cases import fp8_pool
     from kernels.extend_attention import device_arch
 
-    pool = fp8_pool(device_arch(device))
+    arch = device_arch(device)
+    pool = fp8_pool(arch)
     args = in_pool(kernel_args, pool, (1, 2))
     q = args[0]
     nbytes = decode_bytes(shape, model, args[-1].element_size(), kv_bytes=1)
@@ -695,8 +694,8 @@ def measure_fp8_pool(
     stack.clear()
     ref = sdpa_decode(*decode_sdpa_args(shape, model, args))
     row["rel_err_fp8_vs_sdpa"] = _rel_err(got, ref)
-    default = dec.default_config(q.shape[-1], q.dtype, device_arch(device), shape.batch, pool)
-    for name, config in fp8_candidates(default, q.shape[-1], q.dtype, device_arch(device), pool).items():
+    default = dec.default_config(q.shape[-1], q.dtype, arch, shape.batch, pool)
+    for name, config in fp8_candidates(default, q.shape[-1], q.dtype, arch, pool).items():
         try:
             graph = timing.capture(
                 lambda cfg=config: dec.decode_attention(*args, max_kv_len=shape.context, out=out, config=cfg)
