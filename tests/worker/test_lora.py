@@ -284,8 +284,10 @@ def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_p
         r = post("/v1/load_lora_adapter", bad)
         assert r.status_code == status and r.json()["error"]["message"], r.text
 
-    # a request of "late" in flight: unloading waits for it
-    body = {"model": "late", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True,
+    # a request of "late" in flight: unloading waits for it. NOTE: as long as the model's context allows, so
+    # that it is still decoding when the unload arrives (40 tokens were done first on a loaded CI machine)
+    room = 256 - got["usage"]["prompt_tokens"] - 1  # the checkpoint's max_position_embeddings
+    body = {"model": "late", "prompt": PROMPT, "max_tokens": room, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
         lines = stream.iter_lines()
