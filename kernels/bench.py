@@ -555,13 +555,6 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     def timed(name: str, ms: float) -> None:
         row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / (ms * 1e-3) / 1e9
 
-    def replayed(call: Any) -> tuple[Any, torch.Tensor]:
-        """``call`` captured as a CUDA graph, and what one replay writes into the poisoned ``out``."""
-        graph = timing.capture(call)
-        out.fill_(float("nan"))  # the replay must write every element itself
-        graph.replay()
-        return graph, out.clone()
-
     out.fill_(float("nan"))  # every element must be written
     triton_call()
     eager_out = out.clone()
@@ -569,7 +562,7 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     # NOTE: the worker replays decode steps as CUDA graphs, so the kernels' own time is the replay's;
     # eager calls above also pay Python's launch cost (~0.15 ms on an H200 host), which dominates short
     # contexts.
-    graph, graph_out = replayed(triton_call)
+    graph, graph_out = replayed(triton_call, out)
     timed("triton_graph", timing.time_ms(graph.replay))
     # NOTE: also after a writing flush (triton.testing.do_bench's), which leaves L2 full of dirty lines
     # that this call then writes back: how these rows were measured before (kernels.timing).
@@ -598,12 +591,12 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
 
     def candidate(name: str, call: Any, layers: int = 1) -> None:
         try:
-            graphs[name], outs[name] = replayed(call)
+            graphs[name], outs[name] = replayed(call, out)
             timed(f"triton_{name}_graph", timing.time_ms(graphs[name].replay) / layers)
         except Exception as exc:  # a compile, launch or capture error of the candidate
             row[f"triton_{name}_error"] = failure(exc)
 
-    stack_graph, stack_out = replayed(stack_call)
+    stack_graph, stack_out = replayed(stack_call, out)
     timed("triton_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
     row["stack_layers"] = len(stack)
     del stack_graph  # NOTE: before the copies it reads are freed
@@ -672,24 +665,22 @@ def measure_fp8_pool(
     nbytes = decode_bytes(shape, model, args[-1].element_size(), kv_bytes=1)
     out = torch.full_like(q, float("nan"))
 
-    def call(fp8_args: tuple = args) -> None:
-        dec.decode_attention(*fp8_args, max_kv_len=shape.context, out=out)
+    def call(fp8_args: tuple = args, config: Any = None) -> None:
+        dec.decode_attention(*fp8_args, max_kv_len=shape.context, out=out, config=config)
 
-    graph = timing.capture(call)
-    out.fill_(float("nan"))  # the replay must write every element itself
-    graph.replay()
-    got = out.clone()
+    def timed(name: str, ms: float) -> None:
+        row[f"{name}_ms"], row[f"{name}_gbs"] = ms, nbytes / (ms * 1e-3) / 1e9
+
+    graph, got = replayed(call, out)
     ms = timing.time_ms(graph.replay)
     del graph
-    row.update({"fp8_pool": str(pool).removeprefix("torch."), "fp8_bytes": nbytes, "triton_fp8_graph_ms": ms,
-                "triton_fp8_graph_gbs": nbytes / (ms * 1e-3) / 1e9})  # fmt: skip
+    row.update({"fp8_pool": str(pool).removeprefix("torch."), "fp8_bytes": nbytes})
+    timed("triton_fp8_graph", ms)
     if "triton_graph_ms" in row:
         row["fp8_speedup"] = row["triton_graph_ms"] / ms
     stack = layer_stack(args, stack_layers(2 * args[1].numel()))
     stack_graph = timing.capture(lambda: [call(layer) for layer in stack])
-    stack_ms = timing.time_ms(stack_graph.replay) / len(stack)
-    row["triton_fp8_stack_graph_ms"] = stack_ms
-    row["triton_fp8_stack_graph_gbs"] = nbytes / (stack_ms * 1e-3) / 1e9
+    timed("triton_fp8_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
     del stack_graph
     stack.clear()
     ref = sdpa_decode(*decode_sdpa_args(shape, model, args))
@@ -697,16 +688,12 @@ def measure_fp8_pool(
     default = dec.default_config(q.shape[-1], q.dtype, arch, shape.batch, pool)
     for name, config in fp8_candidates(default, q.shape[-1], q.dtype, arch, pool).items():
         try:
-            graph = timing.capture(
-                lambda cfg=config: dec.decode_attention(*args, max_kv_len=shape.context, out=out, config=cfg)
-            )
-            out.fill_(float("nan"))
-            graph.replay()
-            row[f"rel_err_fp8_{name}_vs_sdpa"] = _rel_err(out.clone(), ref)
+            graph, cand_out = replayed(lambda cfg=config: call(config=cfg), out)
+            row[f"rel_err_fp8_{name}_vs_sdpa"] = _rel_err(cand_out, ref)
             cand_ms = timing.time_ms(graph.replay)
             del graph
-            row.update({f"triton_fp8_{name}_graph_ms": cand_ms, f"triton_fp8_{name}_graph_gbs": nbytes / (cand_ms * 1e-3) / 1e9,
-                        f"fp8_default_over_{name}": cand_ms / ms})  # fmt: skip
+            timed(f"triton_fp8_{name}_graph", cand_ms)
+            row[f"fp8_default_over_{name}"] = cand_ms / ms
         except Exception as exc:  # NOTE: a compile, launch or capture error: recorded, the run goes on
             row[f"triton_fp8_{name}_error"] = failure(exc)
 
@@ -729,6 +716,14 @@ def fp8_candidates(
     if arch >= 90:
         candidates["pdl"] = dataclasses.replace(default, pdl=not default.pdl)
     return candidates
+
+
+def replayed(call: Any, out: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """``call`` captured as a CUDA graph, and what one replay writes into ``out``, poisoned first."""
+    graph = timing.capture(call)
+    out.fill_(float("nan"))  # the replay must write every element itself
+    graph.replay()
+    return graph, out.clone()
 
 
 def failure(exc: BaseException) -> str:
