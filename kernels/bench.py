@@ -574,14 +574,20 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     # NOTE: candidates beside the default, each a failure recorded in the row rather than the end of the
     # run: the merge in the split kernel (one launch, not two), both kernels launched as programmatic
     # dependents (each may launch while the kernel before drains), the next tile's K/V loaded into
-    # registers before each tile is computed, and the last two together
+    # registers before each tile is computed, the next tile's slots loaded before each tile's K/V are waited
+    # on, and each of the last two with PDL; and the slots ahead on 3-stage tiles (K/V copies buffered twice)
     base = dec.default_config(q.shape[-1], q.dtype, device_arch(device), q.shape[0])
     variants = {
         "fused": dataclasses.replace(base, fused_merge=True),
         "pdl": dataclasses.replace(base, pdl=True),
         "prefetch": dataclasses.replace(base, **dec.PREFETCH_TILES),
         "prefetch_pdl": dataclasses.replace(base, pdl=True, **dec.PREFETCH_TILES),
+        "slots": dataclasses.replace(base, prefetch_slots=True),
+        "slots_pdl": dataclasses.replace(base, prefetch_slots=True, pdl=True),
+        "pipelined": dataclasses.replace(base, **dec.PIPELINED_TILES),
     }
+    if variants["pipelined"] == variants["slots"]:  # NOTE: from MANY_REQUESTS the default's tiles are those
+        del variants["pipelined"]
     outs: dict[str, torch.Tensor] = {}
     graphs: dict[str, Any] = {"default": graph}
 
@@ -609,7 +615,8 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
         candidate(name, lambda c=config: dec.decode_attention(*kernel_args, max_kv_len=shape.context, out=out,
                                                                config=c))  # fmt: skip
     if shape.batch == 1:  # NOTE: where a batch-1 call's time goes: the split kernel, the gap, the merge
-        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch", "prefetch_pdl", "fused")}
+        pairs = {name: graphs.get(name) for name in ("default", "pdl", "prefetch", "prefetch_pdl", "slots", "slots_pdl",
+                                                     "pipelined", "fused")}  # fmt: skip
         record_timeline(row, pairs, ("_decode_split_kernel", "_decode_merge_kernel"), device, ("fused",))
         try:  # NOTE: and what one plain reading kernel takes over the same bytes, replayed the same way
             timed("read_graph", measure_read_ms(nbytes, device))
@@ -705,7 +712,7 @@ def fp8_candidates(
     default with its widening to fp16 (DecodeConfig.fp8_f16) flipped, under a bf16 q; "short_tiles",
     decode_attention.FP8_SHORT_TILES (the previous default) where default_config takes the fp8 pools' tiles;
     "pdl", the default launched as programmatic dependents, from sm_90 (the tune's fastest rows over an fp8
-    pool had it)."""
+    pool had it); "slots", the default with DecodeConfig.prefetch_slots flipped."""
     from kernels import decode_attention as dec
 
     candidates = {}
@@ -715,6 +722,7 @@ def fp8_candidates(
         candidates["short_tiles"] = dec.FP8_SHORT_TILES
     if arch >= 90:
         candidates["pdl"] = dataclasses.replace(default, pdl=not default.pdl)
+    candidates["slots"] = dataclasses.replace(default, prefetch_slots=not default.prefetch_slots)
     return candidates
 
 

@@ -11,9 +11,10 @@ LONG_CONTEXT = 16384  # decode target (>= 70% of copy bandwidth) is judged at co
 # bf16 against SDPA in bf16 lands near 3e-3; a wrong mask, a missing tile or an unwritten output is
 # far above this (or NaN: outputs are poisoned before each run)
 MAX_REL_ERR = 2e-2
-# decode candidates kernels.bench times beside the default (DecodeConfig: fused_merge, pdl, prefetch, and
-# prefetch with pdl), each row's triton_<name>_graph_*: single replays, then these per layer of the stack
-STACKED = ("pdl", "prefetch", "prefetch_pdl")
+# decode candidates kernels.bench times beside the default (DecodeConfig: fused_merge, pdl, prefetch,
+# prefetch with pdl, prefetch_slots, prefetch_slots with pdl, decode_attention.PIPELINED_TILES), each row's
+# triton_<name>_graph_*: single replays, then these per layer of the stack
+STACKED = ("pdl", "prefetch", "prefetch_pdl", "slots", "slots_pdl", "pipelined")
 # the LoRA candidates kernels.bench times beside the default: name -> (its report column, its LoraConfig
 # change): the default (sm_90: 256-column expand blocks, programmatic dependents) launched plainly, with
 # 128-column blocks, with both (the default before Hopper), and with the expand's partials several splits
@@ -21,9 +22,9 @@ STACKED = ("pdl", "prefetch", "prefetch_pdl")
 LORA_CANDIDATES = {"no_pdl": ("without PDL", {"pdl": False}), "narrow": ("128-column", {"block_n": 128}),
                    "former": ("128-column without PDL", {"block_n": 128, "pdl": False}),
                    "batched": ("batched partials", {"batched_partials": True})}  # fmt: skip
-DECODE_CANDIDATES = ("fused", "pdl", "prefetch", "prefetch_pdl", *(f"{name}_stack" for name in STACKED))
+DECODE_CANDIDATES = ("fused", *STACKED, *(f"{name}_stack" for name in STACKED))
 # decode over an fp8 pool: what kernels.bench.fp8_candidates may replay beside the default, by name
-FP8_CANDIDATES = ("flip_f16", "short_tiles", "pdl")
+FP8_CANDIDATES = ("flip_f16", "short_tiles", "pdl", "slots")
 
 
 def decode_rates(row: dict) -> tuple[float, float | None]:
@@ -176,6 +177,19 @@ def summarize(result: dict) -> dict:
         "decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context": worst(
             "triton_prefetch_pdl_stack_graph_gbs"
         ),
+        # and with the next tile's slots loaded ahead (DecodeConfig.prefetch_slots), alone and with PDL
+        "decode_min_fraction_with_slots_at_long_context": worst("triton_slots_graph_gbs"),
+        "decode_min_fraction_in_layer_stack_with_slots_at_long_context": worst(
+            "triton_slots_stack_graph_gbs"
+        ),
+        "decode_min_fraction_with_slots_pdl_at_long_context": worst("triton_slots_pdl_graph_gbs"),
+        "decode_min_fraction_in_layer_stack_with_slots_pdl_at_long_context": worst(
+            "triton_slots_pdl_stack_graph_gbs"
+        ),
+        "decode_min_fraction_with_pipelined_at_long_context": worst("triton_pipelined_graph_gbs"),
+        "decode_min_fraction_in_layer_stack_with_pipelined_at_long_context": worst(
+            "triton_pipelined_stack_graph_gbs"
+        ),
         "decode_candidate_speedups": candidate_speedups(result["decode"]),
         # an fp8 pool (--kv-cache-dtype): its bandwidth over the bytes it reads, and its time against the
         # 16-bit pool's on the same rows (no target; an inaccurate fp8 row is listed below)
@@ -310,7 +324,15 @@ def format_markdown(result: dict) -> str:
         f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_prefetch_at_long_context'), '.0%')} per layer"
         " of a stack; with the prefetch and PDL together"
         f" {_fmt(s.get('decode_min_fraction_with_prefetch_pdl_at_long_context'), '.0%')} and"
-        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context'), '.0%')}.",
+        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context'), '.0%')}."
+        " With the next tile's slots loaded before each tile's K/V are waited on (DecodeConfig.prefetch_slots,"
+        f" off by default) {_fmt(s.get('decode_min_fraction_with_slots_at_long_context'), '.0%')} and"
+        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_slots_at_long_context'), '.0%')}; with PDL too"
+        f" {_fmt(s.get('decode_min_fraction_with_slots_pdl_at_long_context'), '.0%')} and"
+        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_slots_pdl_at_long_context'), '.0%')}; on 64-token"
+        " tiles of 3 stages, their K/V copies buffered twice (decode_attention.PIPELINED_TILES),"
+        f" {_fmt(s.get('decode_min_fraction_with_pipelined_at_long_context'), '.0%')} and"
+        f" {_fmt(s.get('decode_min_fraction_in_layer_stack_with_pipelined_at_long_context'), '.0%')}.",
         "",
         "Where the extend grid is too small for the SMs, each request's prefix split over several programs"
         " (ExtendConfig.split_prefix; the default over a prefix of 8,192 tokens or more) runs at "
@@ -357,18 +379,27 @@ def format_markdown(result: dict) -> str:
         " replay both kernels launched as programmatic dependents (DecodeConfig.pdl: each may launch while"
         " the kernel before it drains), single and stacked. The prefetch columns replay a split kernel that"
         " loads the next tile's K/V into registers before it computes each tile (DecodeConfig.prefetch,"
-        " decode_attention.PREFETCH_TILES), single and stacked, alone and with PDL.",
+        " decode_attention.PREFETCH_TILES), single and stacked, alone and with PDL. The slots columns replay"
+        " the default's tiles loading the next tile's slots before each tile's K/V are waited on"
+        " (DecodeConfig.prefetch_slots), single and stacked, alone and with PDL; the pipelined columns the same"
+        " on 64-token tiles of 3 stages (decode_attention.PIPELINED_TILES: the K/V copies buffered twice), where"
+        " those are not the default's.",
         "",
         "| batch | context | Triton GB/s | SDPA flash GB/s | Triton / SDPA | of copy bw "
         "| Triton, stacked GB/s (layers) | PDL GB/s | PDL, stacked GB/s | Triton, fused merge GB/s "
         "| prefetch GB/s | prefetch, stacked GB/s | prefetch + PDL GB/s | prefetch + PDL, stacked GB/s "
-        "| Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| slots GB/s | slots, stacked GB/s | slots + PDL GB/s | slots + PDL, stacked GB/s "
+        "| pipelined GB/s | pipelined, stacked GB/s | Triton, dirty L2 GB/s | Triton eager GB/s | SDPA eager GB/s | rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|---:|",
     ]
     for r in result["decode"]:
         triton, sdpa = decode_rates(r)
         expanded = " (K/V expanded)" if r.get("sdpa_kv_expanded") else ""
         stack_layers = f" ({r['stack_layers']})" if "stack_layers" in r else ""
+        slots = "".join(f"| {_fmt(r.get(f'triton_{name}_graph_gbs'), ',.0f')} "
+                        for name in ("slots", "slots_stack", "slots_pdl", "slots_pdl_stack", "pipelined",
+                                     "pipelined_stack"))  # fmt: skip
         lines.append(
             f"| {r['batch']} | {r['context']} | {triton:,.0f} | {_fmt(sdpa, ',.0f')}{expanded} "
             f"| {_fmt(None if sdpa is None else triton / sdpa, '.2f')} | {triton / copy:.0%} "
@@ -377,7 +408,7 @@ def format_markdown(result: dict) -> str:
             f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_prefetch_graph_gbs'), ',.0f')} "
             f"| {_fmt(r.get('triton_prefetch_stack_graph_gbs'), ',.0f')} "
             f"| {_fmt(r.get('triton_prefetch_pdl_graph_gbs'), ',.0f')} "
-            f"| {_fmt(r.get('triton_prefetch_pdl_stack_graph_gbs'), ',.0f')} "
+            f"| {_fmt(r.get('triton_prefetch_pdl_stack_graph_gbs'), ',.0f')} {slots}"
             f"| {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
         )
         if "sdpa_error" in r:
@@ -466,6 +497,9 @@ TIMED = {
     "pdl": "triton_pdl_graph_ms",
     "prefetch": "triton_prefetch_graph_ms",
     "prefetch_pdl": "triton_prefetch_pdl_graph_ms",
+    "slots": "triton_slots_graph_ms",
+    "slots_pdl": "triton_slots_pdl_graph_ms",
+    "pipelined": "triton_pipelined_graph_ms",
     "fused": "triton_fused_graph_ms",
     **{name: f"triton_{name}_graph_ms" for name in LORA_CANDIDATES},  # LoRA's
 }
@@ -545,15 +579,16 @@ def fp8_table(rows: list[dict], copy_gbs: float) -> list[str]:
              " alone and per layer of a stack; the error is against SDPA over the fp8 values widened back.", "",
              "Candidates: `flip_f16` is the default with its widening to fp16 (DecodeConfig.fp8_f16) flipped,"
              " `short_tiles` decode_attention.FP8_SHORT_TILES (the fp8 default before 2026-11-29's tune), `pdl`"
-             " the default with programmatic dependent launch flipped; each column pair is the candidate's GB/s"
-             " and the default's speed-up over it.", "",
+             " the default with programmatic dependent launch flipped, `slots` the default with its slots loaded a"
+             " tile ahead (DecodeConfig.prefetch_slots) flipped; each column pair is the candidate's GB/s and the"
+             " default's speed-up over it.", "",
              "| batch | context | GB/s | of copy bw | stacked GB/s | of copy bw | speed-up over the 16-bit pool | rel err "
              "| flip_f16 GB/s | default / flip_f16 | short_tiles GB/s | default / short_tiles | pdl GB/s "
-             "| default / pdl |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| default / pdl | slots GB/s | default / slots |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         if "triton_fp8_error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} ||||||||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | {r['triton_fp8_error']} ||||||||||||||")
             continue
         gbs, stacked = r["triton_fp8_graph_gbs"], r["triton_fp8_stack_graph_gbs"]
         cands = "".join(

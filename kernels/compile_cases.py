@@ -174,6 +174,14 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         *([decode_case(shape, dataclasses.replace(decode_default, **decode_attention.PREFETCH_TILES),
                        f"decode prefetch {shape.label}")] if dt != torch.float32 and shape.head_dim <= 128
           else []),
+        # the slots one tile ahead (DecodeConfig.prefetch_slots), as kernels.bench times it: the default's tiles,
+        # and 64-token tiles of 3 stages (PIPELINED_TILES, 16-bit and head dims up to 128 as the bench's: two K/V
+        # buffers of 256 dims outgrow sm_89's shared memory)
+        decode_case(shape, dataclasses.replace(decode_default, prefetch_slots=True),
+                    f"decode prefetch-slots {shape.label}"),
+        *([decode_case(shape, dataclasses.replace(decode_default, **decode_attention.PIPELINED_TILES),
+                       f"decode pipelined {shape.label}")] if dt != torch.float32 and shape.head_dim <= 128
+          else []),
         extend_case(shape, extend_default, f"extend {shape.label}"),
         *([extend_case(shape, long_prefix, f"extend-long-prefix {shape.label}")] if long_prefix != extend_default
           else []),

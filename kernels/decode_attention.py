@@ -29,6 +29,13 @@ gathered tile: it keeps one shared-memory buffer for K/V at any num_stages (the 
 it), so a program waits for each tile before its dot and has nothing in flight while it computes. Meant
 for num_stages 1 (nothing left for Triton to pipeline); off by default until kernels.tune / kernels.sweep
 on a GPU say it pays.
+With DecodeConfig.prefetch_slots each program loads tile i + 1's slots (4 bytes a token) before it waits on
+tile i's K/V, so the next tile's K/V copies have their addresses when tile i is done. Without it, Triton's
+pipelining (sm_90) issues the next tile's slot load after this tile's dots and the K/V copies behind it:
+two memory round trips in a row between tiles, with nothing in flight while the slots come. Same registers
+and shared memory as the default at batch 1, head dim 128 (python -m kernels.compile_check). On tiles of 3 or
+more stages it also lets Triton buffer the K/V copies twice (PIPELINED_TILES). Ignored under prefetch (which
+loads slots two tiles ahead already); off by default until kernels.bench on a GPU says it pays.
 """
 
 from __future__ import annotations
@@ -54,6 +61,11 @@ MANY_REQUESTS = 16  # default_config: from this batch on sm_90 takes smaller til
 # no Triton pipelining (sm_90, head dim 128, bf16: 209 registers, no spill, 2 blocks an SM; 128-token tiles
 # with 4 warps spill; python -m kernels.compile_check --candidates)
 PREFETCH_TILES = {"block_n": 64, "num_warps": 4, "num_stages": 1, "prefetch": True}
+# DecodeConfig.prefetch_slots on 3-stage tiles as kernels.bench tries it beside the default: with the slots a
+# tile ahead Triton's pipelining buffers the gathered K/V twice (without them, once at any num_stages), so a
+# tile's copies are in flight while the one before is computed (sm_90, head dim 128, bf16, 4 warps: 70 KiB of
+# shared memory, 3 blocks an SM, no spill; python -m kernels.compile_check)
+PIPELINED_TILES = {"block_n": 64, "num_stages": 3, "prefetch_slots": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +81,7 @@ class DecodeConfig:
     fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
     pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
     prefetch: bool = False  # the next tile's K/V loaded before this one's dot (decode; extend_short: unused)
+    prefetch_slots: bool = False  # the next tile's slots loaded before this one's K/V wait (decode only)
     # an fp8 pool under a bf16 q: q taken to fp16 (saturated at +-65504) so the tiles widen to fp16, a pair
     # of values an instruction, not to bf16 through fp32 (decode; extend_short: unused)
     fp8_f16: bool = False
@@ -208,6 +221,7 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr,  # >= any num_splits, a power of two (FUSED_MERGE only)
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+)
     PREFETCH: tl.constexpr,  # load the next tile before computing this one
+    PREFETCH_SLOTS: tl.constexpr,  # load the next tile's slots before waiting on this one's K/V
     WINDOWED: tl.constexpr,  # attend the last ``window`` slots of each request only
     SOFTCAP: tl.constexpr,
     Sinks=None,  # [Hq] attention sinks (SINKS, FUSED_MERGE only: otherwise the merge kernel's)
@@ -281,6 +295,19 @@ def _decode_split_kernel(
                                         DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
             k, v, mask_n = k_next, v_next, mask_next
             slots_next, mask_next = slots_after, mask_after
+    elif PREFETCH_SLOTS:
+        # NOTE: the slots one tile ahead (see the module docstring): tile i + 1's K/V copies, issued once
+        # tile i is computed, no longer wait on a slot load of their own
+        indices = kv_indices + kv_start
+        slots_next = tl.load(indices + lo + offs_n, mask=(lo + offs_n) < hi, other=0)
+        for n_lo in range(lo, hi, BLOCK_N):
+            n = n_lo + offs_n
+            mask_n = n < hi
+            slots = slots_next.to(tl.int64)
+            slots_next = tl.load(indices + n + BLOCK_N, mask=(n + BLOCK_N) < hi, other=0)
+            k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
+            m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION,
+                                        DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
     else:
         for n_lo in range(lo, hi, BLOCK_N):
             n = n_lo + offs_n
@@ -449,6 +476,7 @@ def decode_attention(
         BLOCK_S=MAX_SPLITS if cfg.fused_merge else 2,  # NOTE: not the split count: one kernel serves all
         PDL=pdl,
         PREFETCH=cfg.prefetch,
+        PREFETCH_SLOTS=cfg.prefetch_slots,
         WINDOWED=window > 0,
         SOFTCAP=softcap > 0,
         Sinks=sinks if cfg.fused_merge else None,  # NOTE: unfused, the merge kernel adds them

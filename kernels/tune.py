@@ -64,7 +64,12 @@ def decode_candidates(min_split_len: int = 256, fp8_f16: bool = False) -> list[A
     prefetched = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=1, prefetch=True,
                                fp8_f16=fp8_f16)
                   for n in (32, 64, 128) for w in (4, 8)]  # fmt: skip
-    return pipelined + prefetched
+    # with the slots a tile ahead (prefetch_slots) Triton buffers the K/V copies twice from 3 stages; at 2 the
+    # flag is tried on the best below
+    slots_ahead = [DecodeConfig(block_n=n, min_split_len=min_split_len, num_warps=w, num_stages=3, prefetch_slots=True,
+                                fp8_f16=fp8_f16)
+                   for n in (32, 64, 128) for w in (2, 4, 8)]  # fmt: skip
+    return pipelined + prefetched + slots_ahead
 
 
 def lora_candidates() -> list[Any]:
@@ -244,10 +249,10 @@ def tune_decode(
         rows += run_candidates(
             [dataclasses.replace(base, split_waves=w) for w in waves], launch, out, ref, timer=timer
         )
-    # then the best with its merge in the split kernel, then the best launched as programmatic dependents
-    # (each flag flipped: off if the best had it); over an fp8 pool under a bf16 q, then the best with its
-    # tiles widened to fp16 (DecodeConfig.fp8_f16)
-    flags = ["fused_merge", "pdl"]
+    # then the best with its merge in the split kernel, then the best launched as programmatic dependents,
+    # then the best with its slots a tile ahead (each flag flipped: off if the best had it); over an fp8 pool
+    # under a bf16 q, then the best with its tiles widened to fp16 (DecodeConfig.fp8_f16)
+    flags = ["fused_merge", "pdl", "prefetch_slots"]
     if dec.widens_fp8_to_fp16(kernel_args[0].dtype, kernel_args[1].dtype):
         flags.append("fp8_f16")
     for flag in flags:

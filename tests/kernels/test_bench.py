@@ -167,7 +167,7 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
     ]
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode == [
-        ["1", "1024", "100", "-", "-", "10%", "-", "-", "-", "-", "-", "-", "-", "-", "-", "100", "-", "-"],
+        ["1", "1024", "100", "-", "-", "10%", *["-"] * 15, "100", "-", "-"],
         [
             "1",
             str(bench_report.LONG_CONTEXT),
@@ -175,7 +175,7 @@ def test_markdown_report_names_the_setup_and_judges_both_targets():
             "800",
             "0.94",
             "75%",
-            *["-"] * 9,
+            *["-"] * 15,
             "750",
             "800",
             "-",
@@ -212,6 +212,12 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         triton_prefetch_stack_graph_gbs=960.0,  # recorded beside, never judged
         triton_prefetch_pdl_graph_gbs=945.0,
         triton_prefetch_pdl_stack_graph_gbs=995.0,
+        triton_slots_graph_gbs=930.0,  # the slots-ahead candidate, alone and with PDL, single and stacked:
+        triton_slots_stack_graph_gbs=985.0,  # recorded beside, never judged
+        triton_slots_pdl_graph_gbs=935.0,
+        triton_slots_pdl_stack_graph_gbs=1001.0,
+        triton_pipelined_graph_gbs=910.0,
+        triton_pipelined_stack_graph_gbs=975.0,
         sdpa_graph_gbs=600.0,
         rel_err_vs_sdpa=1e-3,
         rel_err_graph_vs_sdpa=4e-3,
@@ -221,8 +227,14 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         rel_err_pdl_stack_vs_sdpa=6e-3,
         rel_err_prefetch_vs_sdpa=2e-3,
         rel_err_prefetch_stack_vs_sdpa=2e-3,
-        rel_err_prefetch_pdl_vs_sdpa=7e-3,  # NOTE: the error column shows the worst of the ten outputs
+        rel_err_prefetch_pdl_vs_sdpa=7e-3,  # NOTE: the error column shows the worst of the sixteen outputs
         rel_err_prefetch_pdl_stack_vs_sdpa=2e-3,
+        rel_err_slots_vs_sdpa=3e-3,
+        rel_err_slots_stack_vs_sdpa=3e-3,
+        rel_err_slots_pdl_vs_sdpa=3e-3,
+        rel_err_slots_pdl_stack_vs_sdpa=3e-3,
+        rel_err_pipelined_vs_sdpa=3e-3,
+        rel_err_pipelined_stack_vs_sdpa=3e-3,
     )
     result["summary"] = s = bench_report.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.9)
@@ -233,6 +245,12 @@ def test_decode_is_judged_on_graph_replays_when_measured():
     assert s["decode_min_fraction_in_layer_stack_with_prefetch_at_long_context"] == pytest.approx(0.96)
     assert s["decode_min_fraction_with_prefetch_pdl_at_long_context"] == pytest.approx(0.945)
     assert s["decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context"] == pytest.approx(0.995)
+    assert s["decode_min_fraction_with_slots_at_long_context"] == pytest.approx(0.93)
+    assert s["decode_min_fraction_in_layer_stack_with_slots_at_long_context"] == pytest.approx(0.985)
+    assert s["decode_min_fraction_with_slots_pdl_at_long_context"] == pytest.approx(0.935)
+    assert s["decode_min_fraction_in_layer_stack_with_slots_pdl_at_long_context"] == pytest.approx(1.001)
+    assert s["decode_min_fraction_with_pipelined_at_long_context"] == pytest.approx(0.91)
+    assert s["decode_min_fraction_in_layer_stack_with_pipelined_at_long_context"] == pytest.approx(0.975)
     md = bench_report.format_markdown(result)
     decode = table_rows(md, "## Decode (one query token per request)")
     assert decode[1] == [
@@ -250,6 +268,12 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         "960",
         "945",
         "995",
+        "930",
+        "985",
+        "935",
+        "1,001",
+        "910",
+        "975",
         "700",
         "750",
         "800",
@@ -262,6 +286,8 @@ def test_decode_is_judged_on_graph_replays_when_measured():
     assert "it reaches 92% in single replays and 99% per layer of a stack" in md
     assert "(DecodeConfig.prefetch, off by default) it reaches 94% in single replays and 96% per layer" in md
     assert "with the prefetch and PDL together 94% and 100%." in md
+    assert "(DecodeConfig.prefetch_slots, off by default) 93% and 98%; with PDL too 94% and 100%;" in md
+    assert "(decode_attention.PIPELINED_TILES), 91% and 98%." in md
     assert "7.0e-03" in table[-2]
     del long_row["sdpa_graph_gbs"]  # SDPA could not be replayed: no comparison against its eager time
     result["summary"] = bench_report.summarize(result)
@@ -779,11 +805,15 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
         "pdl": None,
         "prefetch": None,
         "prefetch_pdl": None,
+        "slots": None,
+        "slots_pdl": None,
+        "pipelined": None,
         "fused": None,
     }
     assert row["read_graph_gbs"] > 0 and "read_error" not in row  # and beside one plain read of its bytes
-    assert bench_report.DECODE_CANDIDATES == ("fused", "pdl", "prefetch", "prefetch_pdl", "pdl_stack",
-                                              "prefetch_stack", "prefetch_pdl_stack")  # fmt: skip
+    assert bench_report.DECODE_CANDIDATES == ("fused", "pdl", "prefetch", "prefetch_pdl", "slots", "slots_pdl",
+                                              "pipelined", "pdl_stack", "prefetch_stack", "prefetch_pdl_stack",
+                                              "slots_stack", "slots_pdl_stack", "pipelined_stack")  # fmt: skip
     for name in bench_report.DECODE_CANDIDATES:  # NOTE: PDL falls back to plain launches here
         assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 3e-3, name
     assert bench_report.decode_error(row) < 3e-3  # fp16
@@ -840,7 +870,8 @@ def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit
 def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_query(backend, monkeypatch):
     """Under a bf16 q, measure_fp8_pool also replays fp8_candidates: the default with its widening to fp16
     flipped, FP8_SHORT_TILES where default_config takes the fp8 pools' tiles, and the default with PDL
-    flipped (device_arch: 90 off CUDA; the interpreter launches it plainly); each output against
+    flipped (device_arch: 90 off CUDA; the interpreter launches it plainly), and the default with its slots
+    loaded a tile ahead; each output against
     SDPA, the default's speed-up over each, the table's columns and the summary's least; a candidate
     that fails is recorded and shown, and the row keeps the default's numbers."""
     from kernels import decode_attention as dec
@@ -850,7 +881,7 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
     monkeypatch.setattr(
         timing, "capture", lambda fn: (fn(), type("Rerun", (), {"replay": staticmethod(fn)}))[1]
     )
-    times = iter([2.0, 4.0, 1.6, 2.5, 2.2])  # NOTE: the default alone, its stack, then each candidate
+    times = iter([2.0, 4.0, 1.6, 2.5, 2.2, 1.9])  # NOTE: the default alone, its stack, then each candidate
     monkeypatch.setattr(timing, "time_ms", lambda fn, **_: (fn(), next(times))[1])
     monkeypatch.setattr(dec, "takes_fp8_tiles", lambda *a: True)  # the interpreter's default is its tiny tile
     configs = []
@@ -866,11 +897,16 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
     assert not default.fp8_f16 and not any(c is not None for c in configs[:1])
     assert dataclasses.replace(default, fp8_f16=True) in configs and dec.FP8_SHORT_TILES in configs
     assert dataclasses.replace(default, pdl=True) in configs
+    assert dataclasses.replace(default, prefetch_slots=True) in configs
     assert row["fp8_default_over_flip_f16"] == pytest.approx(1.6 / 2.0)
     assert row["fp8_default_over_short_tiles"] == pytest.approx(2.5 / 2.0)
     assert row["fp8_default_over_pdl"] == pytest.approx(2.2 / 2.0)
+    assert row["fp8_default_over_slots"] == pytest.approx(1.9 / 2.0)
     assert row["triton_fp8_flip_f16_graph_gbs"] == pytest.approx(row["fp8_bytes"] / 1.6e-3 / 1e9)
-    assert max(row[f"rel_err_fp8{n}_vs_sdpa"] for n in ("", "_flip_f16", "_short_tiles", "_pdl")) < 2e-2
+    assert (
+        max(row[f"rel_err_fp8{n}_vs_sdpa"] for n in ("", "_flip_f16", "_short_tiles", "_pdl", "_slots"))
+        < 2e-2
+    )
     result = synthetic_result()
     result["decode"] = [row]
     result["summary"] = s = bench_report.summarize(result)
@@ -884,6 +920,8 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
         "1.25x",
         f"{row['triton_fp8_pdl_graph_gbs']:,.0f}",
         "1.10x",
+        f"{row['triton_fp8_slots_graph_gbs']:,.0f}",
+        "0.95x",
     ]
     row["rel_err_fp8_short_tiles_vs_sdpa"] = 0.5  # a wrong candidate is named, however slow
     assert bench_report.summarize(result)["inaccurate"] == [
@@ -909,13 +947,13 @@ def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_q
     result["summary"] = bench_report.summarize(result)
     assert result["summary"]["decode_fp8_default_over_flip_f16_min"] is None
     rows = table_rows(bench_report.format_markdown(result), "### fp8 KV pool (float8_e4m3fn)")
-    assert rows[0][8:] == ["RuntimeError: no such tiles", "-"] * 3
+    assert rows[0][8:] == ["RuntimeError: no such tiles", "-"] * 4
 
 
 def test_fp8_candidates_follow_the_default():
     """fp8_candidates: the widening flipped under a bf16 q only, FP8_SHORT_TILES only where default_config
     takes the fp8 pools' tiles (sm_90, head dims 65-128, 16-bit q) and they are not the default, PDL
-    flipped from sm_90."""
+    flipped from sm_90, the slots loaded a tile ahead flipped everywhere."""
     from kernels import decode_attention as dec
 
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
@@ -923,11 +961,15 @@ def test_fp8_candidates_follow_the_default():
         "flip_f16": dataclasses.replace(dec.FP8_TILES, fp8_f16=False),
         "short_tiles": dec.FP8_SHORT_TILES,
         "pdl": dataclasses.replace(dec.FP8_TILES, pdl=True),
+        "slots": dataclasses.replace(dec.FP8_TILES, prefetch_slots=True),
     }
     assert set(bench.fp8_candidates(dec.FP8_MANY_TILES, 128, torch.float16, 90, e4m3)) == {
         "short_tiles",
         "pdl",
+        "slots",
     }
-    assert set(bench.fp8_candidates(dec.FP8_SHORT_TILES, 128, bf16, 89, e4m3)) == {"flip_f16"}
-    assert bench.fp8_candidates(dec.FP8_SHORT_TILES, 64, torch.float16, 89, e4m3) == {}
+    assert set(bench.fp8_candidates(dec.FP8_SHORT_TILES, 128, bf16, 89, e4m3)) == {"flip_f16", "slots"}
+    assert bench.fp8_candidates(dec.FP8_SHORT_TILES, 64, torch.float16, 89, e4m3) == {
+        "slots": dataclasses.replace(dec.FP8_SHORT_TILES, prefetch_slots=True)
+    }
     assert set(bench.fp8_candidates(dec.FP8_TILES, 128, bf16, 90, e4m3)) <= set(bench_report.FP8_CANDIDATES)

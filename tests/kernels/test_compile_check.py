@@ -125,6 +125,16 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         # NOTE: the prefetch candidate loads K/V into registers (128-bit loads), not through cp.async
         prefetch = rows[(f"decode prefetch bf16 hd{hd} gqa4", "_decode_split_kernel")]
         assert prefetch["sass"]["LDGSTS"] == 0 and prefetch["sass"]["LDG.E.128"] > 0, prefetch
+        # NOTE: the slots one tile ahead keep the default's cp.async gathers, unspilled; at the batch-1 tiles
+        # (head dim 128) as many blocks an SM as the default
+        slots = rows[(f"decode prefetch-slots bf16 hd{hd} gqa4", "_decode_split_kernel")]
+        assert slots["ok"] and slots["sass"]["LDGSTS"] > 0, slots
+        if hd == 128:
+            assert slots["blocks_per_sm"] == decode["blocks_per_sm"], (slots, decode)
+        # NOTE: on 3 stages the slots ahead let Triton buffer the 64-token K/V copies twice: two K and two V tiles
+        pipelined = rows[(f"decode pipelined bf16 hd{hd} gqa4", "_decode_split_kernel")]
+        assert pipelined["ok"] and pipelined["sass"]["LDGSTS"] > 0, pipelined
+        assert pipelined["shared_bytes"] >= 2 * 2 * 64 * hd * 2, pipelined
         # NOTE: the PDL cases wait for the kernel before (ACQBULK) in both kernels of a pair, and the split
         # kernels let the merge launch early (PREEXIT); every other kernel does neither
         for case in (f"decode pdl bf16 hd{hd} gqa4", f"extend-short pdl bf16 hd{hd} gqa4"):
@@ -284,19 +294,22 @@ def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
                                                    "_rope_store_kv_kernel", "_short_split_kernel"]  # fmt: skip
     loaded = [r for r in loaded if r not in fp8]
     splits = [(r["constants"]["BLOCK_N"], r["constants"]["FUSED_MERGE"], r["constants"]["PDL"],
-               r["constants"]["PREFETCH"], r["constants"]["WINDOWED"], r["constants"]["SOFTCAP"])
+               r["constants"]["PREFETCH"], r["constants"]["PREFETCH_SLOTS"], r["constants"]["WINDOWED"],
+               r["constants"]["SOFTCAP"])
               for r in loaded if r["kernel"] == "_decode_split_kernel"]  # fmt: skip
     # one split kernel a tile choice (the default's and, from MANY_REQUESTS requests, 64-token tiles; and
-    # one fused, one launched as a programmatic dependent, one prefetching, one windowed and one windowed
-    # with soft-capped scores) serves every split count, window and cap
+    # one fused, one launched as a programmatic dependent, one prefetching, two loading their slots a tile
+    # ahead, one windowed and one windowed with soft-capped scores) serves every split count, window and cap
     assert sorted(splits) == [
-        (64, False, False, False, False, False),
-        (64, False, False, True, False, False),
-        (128, False, False, False, False, False),
-        (128, False, False, False, True, False),
-        (128, False, False, False, True, True),
-        (128, False, True, False, False, False),
-        (128, True, False, False, False, False),
+        (64, False, False, False, False, False, False),
+        (64, False, False, False, True, False, False),
+        (64, False, False, True, False, False, False),
+        (128, False, False, False, False, False, False),
+        (128, False, False, False, False, True, False),
+        (128, False, False, False, False, True, True),
+        (128, False, False, False, True, False, False),
+        (128, False, True, False, False, False, False),
+        (128, True, False, False, False, False, False),
     ]
     merge_blocks = sorted((r["constants"]["BLOCK_S"], r["constants"]["PDL"], r["constants"]["WINDOWED"],
                            r["constants"]["SINKS"]) for r in loaded if r["kernel"] == "_decode_merge_kernel")  # fmt: skip

@@ -43,9 +43,10 @@ def reference_on_cpu(args, sm_scale=None):
     return reference.decode_attention(*(a.cpu() for a in args), sm_scale=sm_scale)
 
 
-# the split kernel's variants: its merge in a second kernel or fused into it, and the next tile's K/V
-# loaded before each tile is computed
-VARIANTS = ("merge_kernel", "fused_merge", "prefetch")
+# the split kernel's variants: its merge in a second kernel or fused into it, the next tile's K/V loaded
+# before each tile is computed, the next tile's slots loaded before each tile's K/V are waited on, and those
+# on 3-stage tiles (compiled, Triton then buffers the K/V copies twice)
+VARIANTS = ("merge_kernel", "fused_merge", "prefetch", "prefetch_slots", "pipelined")
 
 
 def with_variant(cfg, variant: str):
@@ -55,6 +56,10 @@ def with_variant(cfg, variant: str):
         return dataclasses.replace(cfg, fused_merge=True)
     if variant == "prefetch":
         return dataclasses.replace(cfg, prefetch=True, num_stages=1, block_n=min(cfg.block_n, 64))
+    if variant == "prefetch_slots":
+        return dataclasses.replace(cfg, prefetch_slots=True)
+    if variant == "pipelined":
+        return dataclasses.replace(cfg, prefetch_slots=True, num_stages=3, block_n=min(cfg.block_n, 64))
     return cfg
 
 

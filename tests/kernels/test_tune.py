@@ -118,13 +118,16 @@ def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monk
     result = tune.tune_decode(bench.DecodeShape(batch=3, context=40), MODEL, backend.device, gen)
     # the default and every tile first; then every split length on the fastest tile, then every
     # number of waves on the fastest tile and length, then the fastest with its merge fused, then the
-    # fastest launched as programmatic dependents
+    # fastest launched as programmatic dependents, then the fastest with its slots a tile ahead
     waves = len(tune.SPLIT_WAVES) - 1
-    assert len(result["rows"]) == 1 + len(decode_tiles) + len(tune.SPLIT_LENGTHS) + waves + 2
+    assert len(result["rows"]) == 1 + len(decode_tiles) + len(tune.SPLIT_LENGTHS) + waves + 3
     assert all("error" not in r and r["rel_err"] < 1e-4 for r in result["rows"]), result["rows"]
-    lengths, wave_rows = result["rows"][-7 - waves : -2 - waves], result["rows"][-2 - waves : -2]
-    assert result["rows"][-2]["config"] == {**want, "fused_merge": True}
-    assert result["rows"][-1]["config"] == {**want, "pdl": True}
+    lengths, wave_rows = result["rows"][-8 - waves : -3 - waves], result["rows"][-3 - waves : -3]
+    assert result["rows"][-3]["config"] == {**want, "fused_merge": True}
+    assert result["rows"][-2]["config"] == {**want, "pdl": True}
+    assert result["rows"][-1]["config"] == {**want, "prefetch_slots": True}
+    # the slots-ahead tiles (3 stages) ran among the tiles
+    assert sum(r["config"]["prefetch_slots"] for r in result["rows"][: 1 + len(decode_tiles)]) == 9
     assert [r["config"]["min_split_len"] for r in lengths] == list(tune.SPLIT_LENGTHS)
     assert all(r["config"]["block_n"] == tile["block_n"] for r in lengths)
     assert [r["config"]["split_waves"] for r in wave_rows] == [w for w in tune.SPLIT_WAVES if w != 2]
