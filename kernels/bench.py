@@ -606,7 +606,8 @@ def bench_decode(shape: DecodeShape, model: Model, device: torch.device, gen: to
     timed("triton_stack_graph", timing.time_ms(stack_graph.replay) / len(stack))
     row["stack_layers"] = len(stack)
     del stack_graph  # NOTE: before the copies it reads are freed
-    for name in STACKED:  # NOTE: each graph dropped before the next, and all before the copies are freed
+    # NOTE: each graph dropped before the next, and all before the copies are freed
+    for name in [n for n in STACKED if n in variants]:
         candidate(f"{name}_stack", lambda c=variants[name]: stack_call(c), len(stack))
         graphs.pop(f"{name}_stack", None)
     stack.clear()

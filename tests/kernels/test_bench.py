@@ -229,12 +229,11 @@ def test_decode_is_judged_on_graph_replays_when_measured():
         rel_err_prefetch_stack_vs_sdpa=2e-3,
         rel_err_prefetch_pdl_vs_sdpa=7e-3,  # NOTE: the error column shows the worst of the sixteen outputs
         rel_err_prefetch_pdl_stack_vs_sdpa=2e-3,
-        rel_err_slots_vs_sdpa=3e-3,
-        rel_err_slots_stack_vs_sdpa=3e-3,
-        rel_err_slots_pdl_vs_sdpa=3e-3,
-        rel_err_slots_pdl_stack_vs_sdpa=3e-3,
-        rel_err_pipelined_vs_sdpa=3e-3,
-        rel_err_pipelined_stack_vs_sdpa=3e-3,
+        **{
+            f"rel_err_{name}{stacked}_vs_sdpa": 3e-3
+            for name in ("slots", "slots_pdl", "pipelined")
+            for stacked in ("", "_stack")
+        },
     )
     result["summary"] = s = bench_report.summarize(result)
     assert s["decode_min_fraction_of_copy_bw_at_long_context"] == pytest.approx(0.9)
@@ -820,6 +819,26 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     row = result["verify"][0]
     assert row["short_pdl_graph_ms"] > 0 and bench_report.verify_error(row) < 3e-3
     assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()
+
+
+def test_a_decode_row_whose_default_tiles_are_the_pipelined_ones_times_slots_once(
+    backend, monkeypatch, gpu_command_on_cpu
+):
+    """Where the default already has PIPELINED_TILES' tiles (sm_90 from MANY_REQUESTS requests), "pipelined"
+    would be "slots" again: the row times "slots", single and stacked, and no "pipelined" at all."""
+    from kernels import decode_attention as dec
+
+    if not backend.interpret:
+        pytest.skip("on CUDA, python -m kernels.bench runs for real")
+    tiles = dec.DecodeConfig(block_n=64, min_split_len=16, num_warps=1, num_stages=3)
+    monkeypatch.setattr(dec, "default_config", lambda *args, **kwargs: tiles)
+    monkeypatch.setattr(bench, "stack_layers", lambda kv_bytes: 2)
+    row = bench.bench_decode(
+        bench.DecodeShape(2, 40), MODEL, torch.device("cpu"), torch.Generator().manual_seed(5)
+    )
+    assert row["triton_slots_graph_gbs"] > 0 and row["triton_slots_stack_graph_gbs"] > 0
+    assert row["rel_err_slots_vs_sdpa"] < 3e-3 and row["rel_err_slots_stack_vs_sdpa"] < 3e-3
+    assert not [key for key in row if "pipelined" in key], row
 
 
 def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit_pool(backend, monkeypatch):
