@@ -701,8 +701,20 @@ def test_candidates_are_set_against_the_default_on_their_own_rows():
     assert got["prefetch_stack"]["at_batch_1_long_context"] == pytest.approx(0.0309 / 0.0300)
     assert got["prefetch_stack"]["min_elsewhere"] == pytest.approx(0.95)
     assert got["prefetch_stack"]["min_elsewhere_shape"] == f"b=32 ctx={long}"
+    # apart by the default's tile regime: below MANY_REQUESTS (the target's row apart) and from it
+    from kernels import decode_attention as dec
+
+    assert bench_report.MANY_REQUESTS == dec.MANY_REQUESTS
+    assert got["prefetch"]["min_elsewhere_below_many_requests"] == pytest.approx(0.8)
+    assert got["prefetch"]["min_from_many_requests"] == got["prefetch"]["max_from_many_requests"]
+    assert got["prefetch"]["max_from_many_requests"] == pytest.approx(0.200 / 0.190)
+    assert got["prefetch_stack"]["min_elsewhere_below_many_requests"] == pytest.approx(1.0)
+    assert got["prefetch_stack"]["min_from_many_requests"] == pytest.approx(0.95)
     only_long = bench_report.candidate_speedups(rows[:1])["prefetch"]
     assert only_long["min_elsewhere"] is None and only_long["min_elsewhere_shape"] is None
+    assert (
+        only_long["min_elsewhere_below_many_requests"] is None and only_long["max_from_many_requests"] is None
+    )
     result = synthetic_result()
     result["decode"] = rows
     for r in rows:
@@ -710,8 +722,8 @@ def test_candidates_are_set_against_the_default_on_their_own_rows():
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     assert table_rows(md, "### Decode candidates against the default") == [
-        ["prefetch", "1.083", "0.800", "b=8 ctx=1024"],
-        ["prefetch_stack", "1.030", "0.950", f"b=32 ctx={long}"],
+        ["prefetch", "1.083", "0.800", "b=8 ctx=1024", "0.800", "1.053", "1.053"],
+        ["prefetch_stack", "1.030", "0.950", f"b=32 ctx={long}", "1.000", "0.950", "0.950"],
     ]
     result["decode"] = synthetic_result()["decode"]  # no candidate timed: no such table
     result["summary"] = bench_report.summarize(result)
