@@ -1,6 +1,6 @@
 """Attention sinks (gpt-oss): each head's softmax counts one more score, its sink, that attends nothing.
 The reference against the plain definition, and every extend and decode path (unsplit, prefix-split,
-packed, short extend, decode's merge kernel, fused merge and prefetch) against the reference, with sinks
+packed, short extend, decode's merge kernel, fused merge, prefetch and slots ahead) against the reference, with sinks
 far below, near and far above the scores."""
 
 from __future__ import annotations

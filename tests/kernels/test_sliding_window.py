@@ -1,6 +1,6 @@
 """Sliding-window attention (the query at position p sees positions p - window + 1 .. p) and soft-capped
 scores (Gemma 2): the reference against the plain definition, and the extend and decode kernels (split,
-packed, fused merge, prefetch) against the reference, with windows shorter than a tile, spanning several,
+packed, fused merge, prefetch, slots ahead) against the reference, with windows shorter than a tile, spanning several,
 and longer than every request."""
 
 from __future__ import annotations
