@@ -26,6 +26,9 @@ LORA_CANDIDATES = {"no_pdl": ("without PDL", {"pdl": False}), "narrow": ("128-co
                    "former": ("128-column without PDL", {"block_n": 128, "pdl": False}),
                    "batched": ("batched partials", {"batched_partials": True})}  # fmt: skip
 DECODE_CANDIDATES = ("fused", *STACKED, *(f"{name}_stack" for name in STACKED))
+# the decode table's candidate columns (triton_<name>_graph_gbs), in its header's order
+DECODE_COLUMNS = ("pdl", "pdl_stack", "fused", "prefetch", "prefetch_stack", "prefetch_pdl", "prefetch_pdl_stack",
+                  "slots", "slots_stack", "slots_pdl", "slots_pdl_stack", "pipelined", "pipelined_stack")  # fmt: skip
 # decode over an fp8 pool: what kernels.bench.fp8_candidates may replay beside the default, by name
 FP8_CANDIDATES = ("flip_f16", "short_tiles", "pdl", "slots")
 
@@ -177,33 +180,17 @@ def summarize(result: dict) -> dict:
     return {
         "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
         "decode_target_met": None if decode_frac is None else decode_frac >= 0.70 and not wrong,
-        # NOTE: information, not the verdict: per layer when layers replay back to back in one graph, and
-        # with both kernels launched as programmatic dependents (DecodeConfig.pdl), single and stacked, and
-        # with the next tile prefetched (DecodeConfig.prefetch)
+        # NOTE: information, not the verdict: per layer when layers replay back to back in one graph, and each
+        # stacked candidate (STACKED: PDL, the prefetch, the slots a tile ahead), single and stacked
         "decode_min_fraction_in_layer_stack_at_long_context": worst("triton_stack_graph_gbs"),
-        "decode_min_fraction_with_pdl_at_long_context": worst("triton_pdl_graph_gbs"),
-        "decode_min_fraction_in_layer_stack_with_pdl_at_long_context": worst("triton_pdl_stack_graph_gbs"),
-        "decode_min_fraction_with_prefetch_at_long_context": worst("triton_prefetch_graph_gbs"),
-        "decode_min_fraction_in_layer_stack_with_prefetch_at_long_context": worst(
-            "triton_prefetch_stack_graph_gbs"
-        ),
-        "decode_min_fraction_with_prefetch_pdl_at_long_context": worst("triton_prefetch_pdl_graph_gbs"),
-        "decode_min_fraction_in_layer_stack_with_prefetch_pdl_at_long_context": worst(
-            "triton_prefetch_pdl_stack_graph_gbs"
-        ),
-        # and with the next tile's slots loaded ahead (DecodeConfig.prefetch_slots), alone and with PDL
-        "decode_min_fraction_with_slots_at_long_context": worst("triton_slots_graph_gbs"),
-        "decode_min_fraction_in_layer_stack_with_slots_at_long_context": worst(
-            "triton_slots_stack_graph_gbs"
-        ),
-        "decode_min_fraction_with_slots_pdl_at_long_context": worst("triton_slots_pdl_graph_gbs"),
-        "decode_min_fraction_in_layer_stack_with_slots_pdl_at_long_context": worst(
-            "triton_slots_pdl_stack_graph_gbs"
-        ),
-        "decode_min_fraction_with_pipelined_at_long_context": worst("triton_pipelined_graph_gbs"),
-        "decode_min_fraction_in_layer_stack_with_pipelined_at_long_context": worst(
-            "triton_pipelined_stack_graph_gbs"
-        ),
+        **{
+            key: worst(f"triton_{name}{stacked}_graph_gbs")
+            for name in STACKED
+            for stacked, key in (
+                ("", f"decode_min_fraction_with_{name}_at_long_context"),
+                ("_stack", f"decode_min_fraction_in_layer_stack_with_{name}_at_long_context"),
+            )
+        },
         "decode_candidate_speedups": candidate_speedups(result["decode"]),
         # an fp8 pool (--kv-cache-dtype): its bandwidth over the bytes it reads, and its time against the
         # 16-bit pool's on the same rows (no target; an inaccurate fp8 row is listed below)
@@ -411,18 +398,13 @@ def format_markdown(result: dict) -> str:
         triton, sdpa = decode_rates(r)
         expanded = " (K/V expanded)" if r.get("sdpa_kv_expanded") else ""
         stack_layers = f" ({r['stack_layers']})" if "stack_layers" in r else ""
-        slots = "".join(f"| {_fmt(r.get(f'triton_{name}_graph_gbs'), ',.0f')} "
-                        for name in ("slots", "slots_stack", "slots_pdl", "slots_pdl_stack", "pipelined",
-                                     "pipelined_stack"))  # fmt: skip
+        candidates = "".join(
+            f"| {_fmt(r.get(f'triton_{name}_graph_gbs'), ',.0f')} " for name in DECODE_COLUMNS
+        )
         lines.append(
             f"| {r['batch']} | {r['context']} | {triton:,.0f} | {_fmt(sdpa, ',.0f')}{expanded} "
             f"| {_fmt(None if sdpa is None else triton / sdpa, '.2f')} | {triton / copy:.0%} "
-            f"| {_fmt(r.get('triton_stack_graph_gbs'), ',.0f')}{stack_layers} "
-            f"| {_fmt(r.get('triton_pdl_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_pdl_stack_graph_gbs'), ',.0f')} "
-            f"| {_fmt(r.get('triton_fused_graph_gbs'), ',.0f')} | {_fmt(r.get('triton_prefetch_graph_gbs'), ',.0f')} "
-            f"| {_fmt(r.get('triton_prefetch_stack_graph_gbs'), ',.0f')} "
-            f"| {_fmt(r.get('triton_prefetch_pdl_graph_gbs'), ',.0f')} "
-            f"| {_fmt(r.get('triton_prefetch_pdl_stack_graph_gbs'), ',.0f')} {slots}"
+            f"| {_fmt(r.get('triton_stack_graph_gbs'), ',.0f')}{stack_layers} {candidates}"
             f"| {_fmt(r.get('triton_graph_dirty_gbs'), ',.0f')} | {r['triton_gbs']:,.0f} | {_fmt(r.get('sdpa_gbs'), ',.0f')} | {_fmt(decode_error(r), '.1e')} |"
         )
         if "sdpa_error" in r:
