@@ -58,8 +58,9 @@ PAGE_TOKENS = 16  # the pool is shuffled in pages of this many slots, as a paged
 LORA_IN, LORA_OUT, LORA_RANK = 4096, 2 * 14336, 2 * 16
 LORA_BATCHES = (1, 16, 64)  # decode rows, one per request
 LORA_ADAPTERS = (1, 4)  # distinct adapters in the step, each on an equal run of neighbouring requests
-# verify steps (speculative decoding): few new tokens per request over a long prefix, both extend kernels
-VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3))  # (batch, prefix, new)
+# verify steps (speculative decoding): few new tokens per request over a long prefix, both extend kernels;
+# (batch, prefix, new), the last the longest step the worker gives the short extend (worker.attention.SHORT_EXTEND)
+VERIFY_SHAPES = ((1, 4096, 5), (1, 16384, 5), (16, 4096, 5), (32, 4096, 3), (4, 8192, 16))
 # decode also timed as a model step runs it: one layer after another in a single CUDA graph, each over its
 # own K/V (read once per replay, so L2 holds none of it), so one graph launch is shared by the stack
 STACK_LAYERS = 8
@@ -351,7 +352,11 @@ def verify_bytes(shape: ExtendShape, model: Model) -> int:
 
 def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: torch.Generator) -> dict:
     """The short-extend kernel (kernels/extend_short.py, the new K/V read from the pool) against the
-    extend kernel on a verify step's shape, both replayed as CUDA graphs (how the worker runs them)."""
+    extend kernel on a verify step's shape, both replayed as CUDA graphs (how the worker runs them).
+    Candidates beside the default, each where its rows a program (extend_short.block_rows) differ from the
+    default's: "pdl" (launched as programmatic dependents, everywhere), "narrow" (16 rows: the KV read once
+    per 16 // group tokens) and "wide" (64 rows, on 64-token tiles: 128-token ones compile to one block an
+    SM there; see extend_short.MAX_ROWS)."""
     from kernels import extend_attention as ext
     from kernels import extend_short
 
@@ -360,13 +365,14 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     out_slots = torch.arange(k_cache.shape[0], k_pool.shape[0], device=device)
     short_out, ext_out = torch.empty_like(q), torch.empty_like(q)
     # NOTE: also launched as programmatic dependents (DecodeConfig.pdl), as decode's candidate
-    pdl = dataclasses.replace(
-        extend_short.default_config(q.shape[-1], q.dtype, ext.device_arch(device)), pdl=True
-    )
+    default = extend_short.default_config(q.shape[-1], q.dtype, ext.device_arch(device))
+    pdl = dataclasses.replace(default, pdl=True)
+    wide = dataclasses.replace(default, block_n=min(default.block_n, 64))
 
-    def short_call(config: Any = None) -> None:
+    def short_call(config: Any = None, max_rows: int | None = None) -> None:
         extend_short.extend_short_attention(q, k_pool, v_pool, qo, kvp, kv_indices, out_slots,
-                                            max_extend_len=shape.new, out=short_out, config=config)  # fmt: skip
+                                            max_extend_len=shape.new, out=short_out, config=config,
+                                            max_rows=max_rows)  # fmt: skip
 
     def extend_call() -> None:
         ext.extend_attention(q, k_new, v_new, k_cache, v_cache, qo, kvp, kv_indices, max_extend_len=shape.new,
@@ -378,12 +384,22 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
         row[f"{name}_graph_ms"] = timing.time_replay_ms(call)
         row[f"{name}_graph_gbs"] = nbytes / (row[f"{name}_graph_ms"] * 1e-3) / 1e9
     row["rel_err_vs_extend"] = _rel_err(short_out, ext_out)
-    short_out.fill_(float("nan"))  # the candidate must write every element itself
-    try:
-        row["short_pdl_graph_ms"] = timing.time_replay_ms(lambda: short_call(pdl))
-        row["rel_err_pdl_vs_extend"] = _rel_err(short_out, ext_out)
-    except Exception as exc:  # a compile, launch or capture error of the candidate
-        row["short_pdl_error"] = failure(exc)
+    group = model.num_q_heads // model.num_kv_heads
+    row["block_rows"] = extend_short.block_rows(
+        group, shape.new, extend_short.max_rows_for(q.dtype, q.shape[-1])
+    )
+    candidates = {"pdl": lambda: short_call(pdl)}
+    if extend_short.block_rows(group, shape.new, 16) != row["block_rows"]:
+        candidates["narrow"] = lambda: short_call(max_rows=16)
+    if extend_short.block_rows(group, shape.new, 64) != row["block_rows"]:
+        candidates["wide"] = lambda: short_call(wide, max_rows=64)
+    for name, call in candidates.items():
+        short_out.fill_(float("nan"))  # the candidate must write every element itself
+        try:
+            row[f"short_{name}_graph_ms"] = timing.time_replay_ms(call)
+            row[f"rel_err_{name}_vs_extend"] = _rel_err(short_out, ext_out)
+        except Exception as exc:  # a compile, launch or capture error of the candidate
+            row[f"short_{name}_error"] = failure(exc)
     return row
 
 

@@ -69,10 +69,14 @@ def lora_error(row: dict) -> float | None:
     return _worst_error(row, ("rel_err_vs_torch", *(f"rel_err_{name}_vs_torch" for name in LORA_CANDIDATES)))
 
 
+# kernels.bench.bench_verify's candidates beside the short extend's default
+VERIFY_CANDIDATES = ("pdl", "narrow", "wide")
+
+
 def verify_error(row: dict) -> float | None:
-    """The worse of the short-extend outputs' errors against the extend kernel: the default launch, and
-    the PDL candidate's."""
-    return _worst_error(row, ("rel_err_vs_extend", "rel_err_pdl_vs_extend"))
+    """The worst of the short-extend outputs' errors against the extend kernel: the default launch, and
+    the candidates' (VERIFY_CANDIDATES)."""
+    return _worst_error(row, ("rel_err_vs_extend", *(f"rel_err_{n}_vs_extend" for n in VERIFY_CANDIDATES)))
 
 
 def tiles(config: dict | None) -> str:
@@ -177,6 +181,8 @@ def summarize(result: dict) -> dict:
     extend_fp8 = [r["fp8_speedup"] for r in result["extend"] if "fp8_speedup" in r]
     wrong_verify = [f"verify b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result.get("verify", [])
                     if inaccurate(verify_error(r))]  # fmt: skip
+    rows_speedups = {name: [r[f"short_{name}_graph_ms"] / r["short_graph_ms"] for r in result.get("verify", [])
+                            if f"short_{name}_graph_ms" in r] for name in ("narrow", "wide")}  # fmt: skip
     return {
         "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
         "decode_target_met": None if decode_frac is None else decode_frac >= 0.70 and not wrong,
@@ -216,6 +222,13 @@ def summarize(result: dict) -> dict:
         # the same prefixes in an fp8 pool: the worker's extend call's speed-up over the 16-bit pool's
         "extend_fp8_speedup_geomean": statistics.geometric_mean(extend_fp8) if extend_fp8 else None,
         "extend_fp8_speedup_min": min(extend_fp8, default=None),
+        # the short extend's rows a program (extend_short.block_rows) against 16 ("narrow") and 64 ("wide"): the
+        # candidate's time over the default's, the least and the most over the verify rows that timed it
+        **{
+            f"verify_default_over_{name}_{end.__name__}": end(speedups, default=None)
+            for name, speedups in rows_speedups.items()
+            for end in (min, max)
+        },
         "inaccurate": wrong_extend + wrong + wrong_verify + wrong_fp8,
     }
 
@@ -464,18 +477,22 @@ def format_markdown(result: dict) -> str:
             "Speculative decoding's verify step (the new tokens' K/V already in the pool): kernels/extend_short.py"
             " (each KV head read once for its query heads and tokens, split over the SMs) against the extend"
             " kernel, both replayed as CUDA graphs. GB/s counts each request's K/V read once, q and the output."
-            " The PDL column replays the short extend's kernels launched as programmatic dependents.",
+            " Rows: (token, query head) rows a program takes (extend_short.block_rows), each such block of a"
+            " request's tokens reading its KV once. The PDL column replays the short extend's kernels launched"
+            " as programmatic dependents; the 16-row and 64-row columns the same kernels at 16 rows a program"
+            " and at 64 (on 64-token tiles), where those differ from the default's.",
             "",
-            "| batch | prefix | new | short-extend us | GB/s | of copy bw | extend kernel us | extend / short "
-            "| short-extend PDL us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | prefix | new | rows | short-extend us | GB/s | of copy bw | extend kernel us | extend / short "
+            "| short-extend PDL us | 16-row us | 64-row us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["verify"]:
             lines.append(
-                f"| {r['batch']} | {r['prefix']} | {r['new']} | {r['short_graph_ms'] * 1e3:.1f} "
-                f"| {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} | {r['extend_graph_ms'] * 1e3:.1f} "
-                f"| {r['extend_graph_ms'] / r['short_graph_ms']:.2f} "
-                f"| {_us(r.get('short_pdl_graph_ms'))} | {_fmt(verify_error(r), '.1e')} |"
+                f"| {r['batch']} | {r['prefix']} | {r['new']} | {r.get('block_rows', '-')} "
+                f"| {r['short_graph_ms'] * 1e3:.1f} | {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} "
+                f"| {r['extend_graph_ms'] * 1e3:.1f} | {r['extend_graph_ms'] / r['short_graph_ms']:.2f} "
+                f"| {_us(r.get('short_pdl_graph_ms'))} | {_us(r.get('short_narrow_graph_ms'))} "
+                f"| {_us(r.get('short_wide_graph_ms'))} | {_fmt(verify_error(r), '.1e')} |"
             )
     if s.get("inaccurate"):
         lines += [
@@ -678,7 +695,7 @@ COMPARED = (  # (kind, shape keys, the number compared, higher is better); a num
     ("lora", ("batch", "adapters"), "triton_graph_ms", False),
     *(("lora", ("batch", "adapters"), f"triton_{name}_graph_ms", False) for name in LORA_CANDIDATES),
     ("verify", ("batch", "prefix", "new"), "short_graph_ms", False),
-    ("verify", ("batch", "prefix", "new"), "short_pdl_graph_ms", False),
+    *(("verify", ("batch", "prefix", "new"), f"short_{name}_graph_ms", False) for name in VERIFY_CANDIDATES),
 )
 
 

@@ -98,16 +98,20 @@ def extend_case(
 
 
 def extend_short_case(
-    shape: Shape, config: Any, label: str, pool: torch.dtype | None = None, scaled: bool = False
+    shape: Shape, config: Any, label: str, pool: torch.dtype | None = None, scaled: bool = False,
+    max_extend_len: int = 16, max_rows: int | None = None,
 ) -> Case:  # fmt: skip
+    """A step of ``max_extend_len`` new tokens a request through the short extend (16 by default, the most the
+    worker gives it: the most rows a program), ``max_rows`` its rows' cap (the default's when None)."""
     from kernels.extend_short import extend_short_attention
 
     t = _tensors(shape, pool=pool)
 
     def call() -> Any:
         return extend_short_attention(t["q"], t["k_cache"], t["v_cache"], t["indptr"], t["indptr"], t["indices"],
-                                      t["positions"], max_extend_len=5, num_splits=DECODE_SPLITS,
-                                      config=config, kv_scales=KV_SCALES if scaled else None)  # fmt: skip
+                                      t["positions"], max_extend_len=max_extend_len, num_splits=DECODE_SPLITS,
+                                      config=config, kv_scales=KV_SCALES if scaled else None,
+                                      max_rows=max_rows)  # fmt: skip
 
     return label, dataclasses.asdict(config), call
 
@@ -194,6 +198,11 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         extend_case(shape, dataclasses.replace(extend_default, split_prefix=True, packed_blocks=True),
                     f"extend-packed-split {shape.label}", num_splits=DECODE_SPLITS),
         extend_short_case(shape, decode_default, f"extend-short {shape.label}"),
+        # 64 rows a program on 64-token tiles, as kernels.bench times it beside the short extend's default (sm_90,
+        # 16-bit, head dims up to 128, the bench's; on mma.sync 64 rows spill): 16 tokens under GQA 4 in one block
+        *([extend_short_case(shape, dataclasses.replace(decode_default, block_n=min(decode_default.block_n, 64)),
+                             f"extend-short wide {shape.label}", max_rows=64)]
+          if arch >= 90 and dt != torch.float32 and shape.head_dim <= 128 else []),
         # sliding-window attention (Mistral, Phi-3, windowed Qwen2 layers): both kernels with the window's masks
         extend_case(shape, extend_default, f"extend-window {shape.label}", window=4096),
         decode_case(shape, decode_default, f"decode-window {shape.label}", window=4096),

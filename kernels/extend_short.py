@@ -21,6 +21,11 @@ the KV, block of tokens): its rows are BLOCK_H // GROUP query tokens x the GROUP
 KV head, so one pass over the KV serves all of them (decode's layout, with a causal limit per row),
 and the splits spread a long prefix over the SMs. A merge kernel combines the splits, as in decode,
 and DecodeConfig.pdl launches the pair as programmatic dependents, as in decode.
+
+Each block of tokens reads its request's KV once, so a program takes as many tokens as it can
+(block_rows): every request's, up to MAX_ROWS rows. A verify step of 5 tokens under GQA 4 is then one
+block of 32 rows that reads the KV once, not two blocks of 16 that read it twice. The merge keeps 16
+rows a program.
 """
 
 from __future__ import annotations
@@ -39,6 +44,28 @@ from kernels.split_merge import block_kv_len, merge_rows, num_splits_of, split_p
 # NOTE: read at import; Triton decides interpreted vs compiled when @triton.jit runs (see kernels.ops).
 INTERPRETED = interpret_requested()
 _LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) == exp2(x * _LOG2E)
+# (token, query head) rows a program takes at most, unless one token's group needs more (block_rows). NOTE:
+# compiled for sm_90 (head dim 128, 16-bit, Triton 3.6; python -m kernels.compile_check), the 1-request
+# decode tiles (128 tokens, 4 warps, 2 stages) take 166 registers and 3 blocks an SM at 16 rows, 205 and 2
+# at 32, 255 and 1 at 64 (145 KiB of shared memory); 64-token tiles take 212 and 2 at 64 rows. kernels.bench
+# times 16 rows and 64 (on 64-token tiles) beside this. A float32 q and head dims above 128 keep 16 rows
+# (max_rows_for): at 32, fp32's tf32 dot spills 320 B at head dim 128 on sm_90 (328 on sm_89), and head dim
+# 256 spills 56-112 B on sm_80, sm_89 and sm_90 (16-bit and fp8 pools alike).
+MAX_ROWS = 32
+
+
+def max_rows_for(dtype: torch.dtype, head_dim: int) -> int:
+    """block_rows' cap by default for a q of ``dtype`` and ``head_dim``: MAX_ROWS for a 16-bit q at head dims
+    up to 128, else 16 (see MAX_ROWS)."""
+    return MAX_ROWS if dtype != torch.float32 and head_dim <= 128 else 16
+
+
+def block_rows(group: int, max_extend_len: int, max_rows: int = MAX_ROWS) -> int:
+    """Rows of a program, a power of two: every request's new tokens (at most ``max_extend_len``) times
+    the ``group`` query heads of a KV head, at most ``max_rows``; at least 16 (tl.dot's least) and at
+    least one token's group. A program takes block_rows // group tokens."""
+    one_token = max(16, triton.next_power_of_2(group))
+    return max(one_token, min(max_rows, triton.next_power_of_2(group * max_extend_len)))
 
 
 # NOTE: num_splits and token_blocks are plain arguments: one compiled kernel serves every count
@@ -188,6 +215,7 @@ def extend_short_attention(
     config: DecodeConfig | None = None,
     sinks: torch.Tensor | None = None,
     kv_scales: host_checks.KVScales | None = None,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring. Never syncs. ``num_splits`` caps splits per block of tokens (from
     choose_num_splits when None). Any max_extend_len >= the longest request's new tokens is right;
@@ -196,7 +224,9 @@ def extend_short_attention(
     unwritten, as the extend kernel leaves them. Raises ValueError on inconsistent shapes, dtypes or
     devices (from metadata) and on a max_extend_len below 1. ``sinks`` [Hq] float32: attention sinks
     (kernels.reference.extend_attention's), added in the merge; ``kv_scales`` (K's, V's): an fp8 pool's
-    codes scaled (kernels.reference.extend_short_attention's)."""
+    codes scaled (kernels.reference.extend_short_attention's). ``max_rows``: block_rows' cap, a power of
+    two >= 16 (max_rows_for q's dtype and head dim when None; lower, a request's tokens take more blocks:
+    tests cross them so)."""
     hkv = host_checks.check_attention(q, k_cache, v_cache, out=out)
     t, hq, d = q.shape
     host_checks.check_sinks(sinks, hq, q.device)
@@ -208,13 +238,16 @@ def extend_short_attention(
     out_slots = host_checks.index_tensor("out_slots", out_slots, q.device, numel=t)
     if max_extend_len < 1:
         raise ValueError(f"max_extend_len must be >= 1, got {max_extend_len}")
+    max_rows = max_rows_for(q.dtype, d) if max_rows is None else max_rows
+    if max_rows < 16 or max_rows & (max_rows - 1):
+        raise ValueError(f"max_rows must be a power of two >= 16, got {max_rows}")
     if out is None:
         out = torch.empty_like(q)
     if batch < 1 or t == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device), k_cache.dtype)
     group = hq // hkv
-    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
+    block_h = block_rows(group, max_extend_len, max_rows)
     tokens = block_h // group
     token_blocks = triton.cdiv(max_extend_len, tokens)
     num_splits = split_cap(num_splits, batch * token_blocks, hkv, q.device, cfg)
@@ -232,6 +265,10 @@ def extend_short_attention(
         DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl, **scaled,
         enable_fp_fusion=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
-    merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, tokens, cfg.min_split_len,
-               split_new_tokens=True, pdl=pdl, launch=pdl_launch(pdl), sinks=sinks)  # fmt: skip
+    # NOTE: the merge keeps 16 rows' tokens a program (each row merged is a round trip of its own), however
+    # many the split kernel's blocks take
+    merge_tokens = block_rows(group, max_extend_len, 16) // group
+    merge_rows(mid_out, mid_lse, out, qo_indptr, kv_indptr, num_splits, max_extend_len, merge_tokens,
+               cfg.min_split_len, split_new_tokens=True, pdl=pdl, launch=pdl_launch(pdl), sinks=sinks,
+               split_tokens=tokens)  # fmt: skip
     return out

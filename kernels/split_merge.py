@@ -172,6 +172,7 @@ def _merge_rows_kernel(
     num_splits,
     batch,  # requests (PACKED only)
     TOKENS: tl.constexpr,  # rows a program merges: a request's rows t0 .. t0 + TOKENS - 1
+    SPLIT_TOKENS: tl.constexpr,  # rows of a block of the split kernel (SPLIT_NEW_TOKENS only)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
@@ -196,15 +197,18 @@ def _merge_rows_kernel(
     q_start = tl.load(qo_indptr + req).to(tl.int64)
     n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
     prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    if SPLIT_NEW_TOKENS:  # the positions the block's last row sees
-        n_splits = num_splits_of(block_kv_len(prefix_len, n_new, t0, TOKENS), num_splits, MIN_SPLIT_LEN)
-    else:  # the prefix alone; one split at least, which also takes the new tokens
-        n_splits = prefix_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN)
+    # NOTE: the prefix alone (extend's prefix splits); one split at least, which also takes the new tokens
+    n_splits = prefix_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN)
     if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
         tl.extra.cuda.gdc_wait()
     for i in range(TOKENS):
-        if t0 + i < n_new:
-            merge_head(Mid_out, Mid_lse, Out, q_start + t0 + i, head, n_splits, stride_mt, stride_mh, stride_ms,
+        t = t0 + i
+        if t < n_new:
+            if SPLIT_NEW_TOKENS:  # the positions the last row of the split kernel's block of row t sees
+                first = (t // SPLIT_TOKENS) * SPLIT_TOKENS
+                n_splits = num_splits_of(block_kv_len(prefix_len, n_new, first, SPLIT_TOKENS), num_splits,
+                                         MIN_SPLIT_LEN)  # fmt: skip
+            merge_head(Mid_out, Mid_lse, Out, q_start + t, head, n_splits, stride_mt, stride_mh, stride_ms,
                        stride_lt, stride_lh, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S, "", Sinks,
                        SINKS)  # fmt: skip
 
@@ -224,11 +228,13 @@ def merge_rows(
     launch: dict | None = None,
     packed: bool = False,
     sinks: torch.Tensor | None = None,
+    split_tokens: int | None = None,
 ) -> None:
     """out[T, Hq, D] := the splits of each request's new-token rows merged, ``tokens`` rows a program.
-    A block of rows has as many splits as its split kernel gave it: one per started ``min_split_len``
-    positions its last row sees (``split_new_tokens``: the short extend), or per started
-    ``min_split_len`` prefix tokens, at least one (extend's prefix splits); at most ``num_splits``.
+    A row has as many splits as the split kernel gave its block: one per started ``min_split_len``
+    positions the block's last row sees (``split_new_tokens``: the short extend, whose blocks are
+    ``split_tokens`` rows, ``tokens`` when None), or per started ``min_split_len`` prefix tokens, at
+    least one (extend's prefix splits); at most ``num_splits``.
     ``launch``: extra launch options (PDL's). ``packed``: one program per block that exists (packed_blocks
     slots, found by locate_block) instead of one per (request, block of the longest request). ``sinks``
     [Hq] float32: attention sinks (merge_head's)."""
@@ -240,8 +246,8 @@ def merge_rows(
     _merge_rows_kernel[grid](
         mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, batch,
-        TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
+        TOKENS=tokens, SPLIT_TOKENS=split_tokens or tokens, HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
         BLOCK_R=request_lanes(batch, packed), Sinks=sinks, SINKS=sinks is not None, enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2, **(launch or {}),
     )  # fmt: skip

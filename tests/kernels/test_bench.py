@@ -470,24 +470,38 @@ def test_verify_bytes_count_each_requests_kv_once():
 def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     result = synthetic_result()
     result["verify"] = [
-        {"batch": 1, "prefix": 4096, "new": 5, "short_graph_ms": 0.02, "short_graph_gbs": 600.0,
+        {"batch": 1, "prefix": 4096, "new": 5, "block_rows": 32, "short_graph_ms": 0.02, "short_graph_gbs": 600.0,
          "extend_graph_ms": 0.1, "rel_err_vs_extend": 0.002, "short_pdl_graph_ms": 0.018,
-         "rel_err_pdl_vs_extend": 0.003},
+         "rel_err_pdl_vs_extend": 0.003, "short_narrow_graph_ms": 0.03, "rel_err_narrow_vs_extend": 0.001},
+        {"batch": 4, "prefix": 8192, "new": 16, "block_rows": 32, "short_graph_ms": 0.05, "short_graph_gbs": 900.0,
+         "extend_graph_ms": 0.3, "rel_err_vs_extend": 0.002, "short_narrow_graph_ms": 0.1,
+         "rel_err_narrow_vs_extend": 0.001, "short_wide_graph_ms": 0.04, "rel_err_wide_vs_extend": 0.001},
         {"batch": 16, "prefix": 4096, "new": 5, "short_graph_ms": 0.2, "short_graph_gbs": 900.0,
          "extend_graph_ms": 0.5, "rel_err_vs_extend": float("nan")},
         {"batch": 4, "prefix": 4096, "new": 5, "short_graph_ms": 0.1, "short_graph_gbs": 900.0,
          "extend_graph_ms": 0.3, "rel_err_vs_extend": 0.002, "short_pdl_graph_ms": 0.09,
          "rel_err_pdl_vs_extend": float("nan")},  # the candidate left its output unwritten
+        {"batch": 8, "prefix": 4096, "new": 5, "block_rows": 32, "short_graph_ms": 0.1, "short_graph_gbs": 900.0,
+         "extend_graph_ms": 0.3, "rel_err_vs_extend": 0.002, "short_narrow_graph_ms": 0.09,
+         "rel_err_narrow_vs_extend": float("nan")},  # and the 16-row candidate
     ]  # fmt: skip
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     rows = table_rows(md, "## Verify steps: few new tokens per request over a long prefix")
-    assert rows[0] == ["1", "4096", "5", "20.0", "600", "60%", "100.0", "5.00", "18.0", "3.0e-03"]
-    assert rows[1][-2:] == ["-", "nan"]
+    assert rows[0] == ["1", "4096", "5", "32", "20.0", "600", "60%", "100.0", "5.00", "18.0", "30.0", "-",
+                       "3.0e-03"]  # fmt: skip
+    assert rows[1][-3:] == ["100.0", "40.0", "2.0e-03"]
+    assert rows[2][3] == "-" and rows[2][-4:] == ["-", "-", "-", "nan"]
     assert result["summary"]["inaccurate"] == [
         "verify b=16 prefix=4096 new=5",
         "verify b=4 prefix=4096 new=5",
+        "verify b=8 prefix=4096 new=5",
     ]
+    # each candidate's time over the default's: 16 rows 0.03 / 0.02, 0.1 / 0.05 and 0.09 / 0.1; 64 rows 0.04 / 0.05
+    s = result["summary"]
+    assert s["verify_default_over_narrow_min"] == pytest.approx(0.9)
+    assert s["verify_default_over_narrow_max"] == pytest.approx(2.0)
+    assert s["verify_default_over_wide_min"] == s["verify_default_over_wide_max"] == pytest.approx(0.8)
 
 
 def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
@@ -798,7 +812,8 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     monkeypatch.setattr(bench, "LORA_IN", 64)
     monkeypatch.setattr(bench, "LORA_OUT", 48)
     monkeypatch.setattr(bench, "LORA_RANK", 8)
-    monkeypatch.setattr(bench, "VERIFY_SHAPES", ((2, 40, 3),))
+    # GQA 2 x 17 tokens: two blocks of 32 rows, so the 16-row and 64-row candidates are timed too
+    monkeypatch.setattr(bench, "VERIFY_SHAPES", ((2, 40, 17),))
     monkeypatch.setattr(bench, "TIMELINE_REPS", 1)
     monkeypatch.setattr(bench, "stack_layers", lambda kv_bytes: 2)  # NOTE: interpreter time (8 on a GPU)
     out = tmp_path / "kernels.json"
@@ -829,7 +844,10 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
         assert row[f"triton_{name}_graph_gbs"] > 0 and row[f"rel_err_{name}_vs_sdpa"] < 3e-3, name
     assert bench_report.decode_error(row) < 3e-3  # fp16
     row = result["verify"][0]
-    assert row["short_pdl_graph_ms"] > 0 and bench_report.verify_error(row) < 3e-3
+    assert row["block_rows"] == 32 and row["short_pdl_graph_ms"] > 0
+    assert row["short_narrow_graph_ms"] > 0 and row["short_wide_graph_ms"] > 0
+    assert {"rel_err_narrow_vs_extend", "rel_err_wide_vs_extend"} <= row.keys()
+    assert bench_report.verify_error(row) < 3e-3
     assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()
 
 

@@ -135,6 +135,11 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         pipelined = rows[(f"decode pipelined bf16 hd{hd} gqa4", "_decode_split_kernel")]
         assert pipelined["ok"] and pipelined["sass"]["LDGSTS"] > 0, pipelined
         assert pipelined["shared_bytes"] >= 2 * 2 * 64 * hd * 2, pipelined
+        # NOTE: the short extend's 32 rows a program, and the bench's 64 on 64-token tiles: unspilled, at least
+        # two blocks an SM
+        for case in (f"extend-short bf16 hd{hd} gqa4", f"extend-short wide bf16 hd{hd} gqa4"):
+            short = rows[(case, "_short_split_kernel")]
+            assert short["ok"] and short["blocks_per_sm"] >= 2 and short["sass"]["LDGSTS"] > 0, short
         # NOTE: the PDL cases wait for the kernel before (ACQBULK) in both kernels of a pair, and the split
         # kernels let the merge launch early (PREEXIT); every other kernel does neither
         for case in (f"decode pdl bf16 hd{hd} gqa4", f"extend-short pdl bf16 hd{hd} gqa4"):

@@ -9,7 +9,7 @@ import torch
 from kernels import reference
 from tests.kernels.conftest import SERVED_SHAPES
 
-CASES = [  # dtype, head dim, query heads, KV heads: GQA 1 (16 tokens a program), 4 (4), 8 (2)
+CASES = [  # dtype, head dim, query heads, KV heads: GQA 1, 4 and 8 (at 32 rows 16, 8 and 4 tokens a program)
     (torch.float32, 64, 4, 4),
     (torch.float16, 128, 8, 2),
     (torch.bfloat16, 64, 8, 1),
@@ -53,19 +53,38 @@ def scaled(backend, lens):
 
 
 @pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
-@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize(("num_splits", "max_rows"), [(1, 64), (5, 32), (5, 16)])
 def test_extend_short_matches_the_extend_reference(
-    backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits
+    backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, max_rows
 ):
     """The last request's 17 positions make two splits of 9 in the interpreter (16-token minimum):
     with GQA 1 its 16 new tokens are one block, and its first rows see nothing in the second split
-    (they must weigh nothing in the merge); with GQA 4 its first block of 4 tokens takes one split
-    and its last two (the merge must count each block's own)."""
+    (they must weigh nothing in the merge). With GQA 4 at 16 rows a block takes 4 tokens, at 32 rows 8:
+    its first block takes one split and its last two (the merge, 4 tokens a program, must count each
+    block's own); at 64 rows one block takes them all."""
     short = backend.module("extend_short")
     args = make_batch(scaled(backend, PREFIX), NEW, hq, hkv, head_dim, dtype, backend.device)
     out = torch.full_like(args[0], float("nan"))  # poisoned: any row or head the kernels skip fails
-    short.extend_short_attention(*args, max_extend_len=max(NEW), num_splits=num_splits, out=out)
+    short.extend_short_attention(*args, max_extend_len=max(NEW), num_splits=num_splits, max_rows=max_rows,
+                                 out=out)  # fmt: skip
     assert_close_rel(out.cpu(), want(args))
+
+
+def test_a_program_takes_every_token_it_can_up_to_max_rows():
+    """block_rows: a request's tokens times the group, as a power of two of at least 16 rows, capped at
+    max_rows unless one token's group needs more; at 16 rows, one block per 16 // group tokens."""
+    from kernels.extend_short import MAX_ROWS, block_rows, max_rows_for
+
+    assert MAX_ROWS == max_rows_for(torch.bfloat16, 128) == max_rows_for(torch.float16, 64) == 32
+    # at 32 rows fp32's tf32 dot spills at head dim 128 (sm_89, sm_90), and any dtype at head dim 256
+    assert max_rows_for(torch.float32, 64) == max_rows_for(torch.bfloat16, 256) == 16
+    assert block_rows(4, 5) == 32  # a verify step of 4 drafted tokens and one more: one block, not two
+    assert block_rows(4, 3) == 16 and block_rows(1, 1) == 16  # tl.dot's least
+    assert block_rows(8, 16) == 32 and block_rows(6, 16) == 32  # capped: 4 and 5 tokens a block
+    assert block_rows(6, 5) == 32  # 30 rows: 5 tokens of 6 heads
+    assert block_rows(8, 16, 64) == 64 and block_rows(4, 16, 64) == 64 and block_rows(4, 5, 64) == 32
+    assert block_rows(64, 2) == 64 and block_rows(128, 2, 64) == 128  # one token's group, past the cap
+    assert [block_rows(g, 16, 16) for g in (1, 4, 6, 8, 32)] == [16, 16, 16, 16, 32]
 
 
 def test_a_larger_hint_and_the_default_splits_give_the_same_result(backend, assert_close_rel):
@@ -92,6 +111,10 @@ def test_bad_inputs_raise_value_errors(backend):
                                                                      backend.device)  # fmt: skip
     with pytest.raises(ValueError, match="max_extend_len"):
         short.extend_short_attention(q, k_cache, v_cache, qo, kvp, kv_indices, out_slots, max_extend_len=0)
+    for max_rows in (8, 48):
+        with pytest.raises(ValueError, match="max_rows"):
+            short.extend_short_attention(q, k_cache, v_cache, qo, kvp, kv_indices, out_slots, max_extend_len=3,
+                                         max_rows=max_rows)  # fmt: skip
     with pytest.raises(ValueError, match="out_slots"):
         short.extend_short_attention(
             q, k_cache, v_cache, qo, kvp, kv_indices, out_slots[:-1], max_extend_len=3
