@@ -354,9 +354,9 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     """The short-extend kernel (kernels/extend_short.py, the new K/V read from the pool) against the
     extend kernel on a verify step's shape, both replayed as CUDA graphs (how the worker runs them).
     Candidates beside the default, each where its rows a program (extend_short.block_rows) differ from the
-    default's: "pdl" (launched as programmatic dependents, everywhere), "narrow" (16 rows: the KV read once
-    per 16 // group tokens) and "wide" (64 rows, on 64-token tiles: 128-token ones compile to one block an
-    SM there; see extend_short.MAX_ROWS)."""
+    default's: "pdl" (launched as programmatic dependents, everywhere), "slots" (DecodeConfig.prefetch_slots,
+    everywhere), "narrow" (16 rows: the KV read once per 16 // group tokens) and "wide" (64 rows, on 64-token
+    tiles: 128-token ones compile to one block an SM there; see extend_short.MAX_ROWS)."""
     from kernels import extend_attention as ext
     from kernels import extend_short
 
@@ -367,6 +367,7 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     # NOTE: also launched as programmatic dependents (DecodeConfig.pdl), as decode's candidate
     default = extend_short.default_config(q.shape[-1], q.dtype, ext.device_arch(device))
     pdl = dataclasses.replace(default, pdl=True)
+    slots = dataclasses.replace(default, prefetch_slots=True)
     wide = dataclasses.replace(default, block_n=min(default.block_n, 64))
 
     def short_call(config: Any = None, max_rows: int | None = None) -> None:
@@ -388,7 +389,7 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     row["block_rows"] = extend_short.block_rows(
         group, shape.new, extend_short.max_rows_for(q.dtype, q.shape[-1])
     )
-    candidates = {"pdl": lambda: short_call(pdl)}
+    candidates = {"pdl": lambda: short_call(pdl), "slots": lambda: short_call(slots)}
     if extend_short.block_rows(group, shape.new, 16) != row["block_rows"]:
         candidates["narrow"] = lambda: short_call(max_rows=16)
     if extend_short.block_rows(group, shape.new, 64) != row["block_rows"]:

@@ -70,7 +70,7 @@ def lora_error(row: dict) -> float | None:
 
 
 # kernels.bench.bench_verify's candidates beside the short extend's default
-VERIFY_CANDIDATES = ("pdl", "narrow", "wide")
+VERIFY_CANDIDATES = ("pdl", "slots", "narrow", "wide")
 
 
 def verify_error(row: dict) -> float | None:
@@ -182,7 +182,7 @@ def summarize(result: dict) -> dict:
     wrong_verify = [f"verify b={r['batch']} prefix={r['prefix']} new={r['new']}" for r in result.get("verify", [])
                     if inaccurate(verify_error(r))]  # fmt: skip
     rows_speedups = {name: [r[f"short_{name}_graph_ms"] / r["short_graph_ms"] for r in result.get("verify", [])
-                            if f"short_{name}_graph_ms" in r] for name in ("narrow", "wide")}  # fmt: skip
+                            if f"short_{name}_graph_ms" in r] for name in ("slots", "narrow", "wide")}  # fmt: skip
     return {
         "decode_min_fraction_of_copy_bw_at_long_context": decode_frac,
         "decode_target_met": None if decode_frac is None else decode_frac >= 0.70 and not wrong,
@@ -222,8 +222,9 @@ def summarize(result: dict) -> dict:
         # the same prefixes in an fp8 pool: the worker's extend call's speed-up over the 16-bit pool's
         "extend_fp8_speedup_geomean": statistics.geometric_mean(extend_fp8) if extend_fp8 else None,
         "extend_fp8_speedup_min": min(extend_fp8, default=None),
-        # the short extend's rows a program (extend_short.block_rows) against 16 ("narrow") and 64 ("wide"): the
-        # candidate's time over the default's, the least and the most over the verify rows that timed it
+        # the short extend against its slots a tile ahead ("slots") and its rows a program (extend_short.block_rows)
+        # at 16 ("narrow") and 64 ("wide"): the candidate's time over the default's, the least and the most over
+        # the verify rows that timed it
         **{
             f"verify_default_over_{name}_{end.__name__}": end(speedups, default=None)
             for name, speedups in rows_speedups.items()
@@ -479,20 +480,22 @@ def format_markdown(result: dict) -> str:
             " kernel, both replayed as CUDA graphs. GB/s counts each request's K/V read once, q and the output."
             " Rows: (token, query head) rows a program takes (extend_short.block_rows), each such block of a"
             " request's tokens reading its KV once. The PDL column replays the short extend's kernels launched"
-            " as programmatic dependents; the 16-row and 64-row columns the same kernels at 16 rows a program"
+            " as programmatic dependents, the slots column with each tile's slots loaded a tile ahead"
+            " (DecodeConfig.prefetch_slots); the 16-row and 64-row columns the same kernels at 16 rows a program"
             " and at 64 (on 64-token tiles), where those differ from the default's.",
             "",
             "| batch | prefix | new | rows | short-extend us | GB/s | of copy bw | extend kernel us | extend / short "
-            "| short-extend PDL us | 16-row us | 64-row us | rel err |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| short-extend PDL us | slots us | 16-row us | 64-row us | rel err |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["verify"]:
             lines.append(
                 f"| {r['batch']} | {r['prefix']} | {r['new']} | {r.get('block_rows', '-')} "
                 f"| {r['short_graph_ms'] * 1e3:.1f} | {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} "
                 f"| {r['extend_graph_ms'] * 1e3:.1f} | {r['extend_graph_ms'] / r['short_graph_ms']:.2f} "
-                f"| {_us(r.get('short_pdl_graph_ms'))} | {_us(r.get('short_narrow_graph_ms'))} "
-                f"| {_us(r.get('short_wide_graph_ms'))} | {_fmt(verify_error(r), '.1e')} |"
+                f"| {_us(r.get('short_pdl_graph_ms'))} | {_us(r.get('short_slots_graph_ms'))} "
+                f"| {_us(r.get('short_narrow_graph_ms'))} | {_us(r.get('short_wide_graph_ms'))} "
+                f"| {_fmt(verify_error(r), '.1e')} |"
             )
     if s.get("inaccurate"):
         lines += [

@@ -198,6 +198,10 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
         extend_case(shape, dataclasses.replace(extend_default, split_prefix=True, packed_blocks=True),
                     f"extend-packed-split {shape.label}", num_splits=DECODE_SPLITS),
         extend_short_case(shape, decode_default, f"extend-short {shape.label}"),
+        # its slots a tile ahead, as kernels.bench times it beside the default (16-bit, the bench's: float32's
+        # spills 32 B at head dim 128 under Triton 3.6)
+        *([extend_short_case(shape, dataclasses.replace(decode_default, prefetch_slots=True),
+                             f"extend-short prefetch-slots {shape.label}")] if dt != torch.float32 else []),
         # 64 rows a program on 64-token tiles, as kernels.bench times it beside the short extend's default (sm_90,
         # 16-bit, head dims up to 128, the bench's; on mma.sync 64 rows spill): 16 tokens under GQA 4 in one block
         *([extend_short_case(shape, dataclasses.replace(decode_default, block_n=min(decode_default.block_n, 64)),

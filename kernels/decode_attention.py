@@ -81,7 +81,7 @@ class DecodeConfig:
     fused_merge: bool = False  # the last split of each (request, KV head) merges: one launch, not two
     pdl: bool = False  # programmatic dependent launch on sm_90+ (compiled only; ignored elsewhere)
     prefetch: bool = False  # the next tile's K/V loaded before this one's dot (decode; extend_short: unused)
-    prefetch_slots: bool = False  # the next tile's slots loaded before this one's K/V wait (decode only)
+    prefetch_slots: bool = False  # the next tile's slots loaded a tile ahead (decode, extend_short)
     # an fp8 pool under a bf16 q: q taken to fp16 (saturated at +-65504) so the tiles widen to fp16, a pair
     # of values an instruction, not to bf16 through fp32 (decode; extend_short: unused)
     fp8_f16: bool = False

@@ -68,6 +68,17 @@ def block_rows(group: int, max_extend_len: int, max_rows: int = MAX_ROWS) -> int
     return max(one_token, min(max_rows, triton.next_power_of_2(group * max_extend_len)))
 
 
+@triton.jit
+def tile_slots(kv_indices, out_slots, kv_start, q_start, prefix_len, n, hi):
+    """Pool slots of a request's positions ``n`` [N] below ``hi``: its prefix's from kv_indices, its new
+    tokens' from out_slots (0 past ``hi``)."""
+    mask_n = n < hi
+    cached = n < prefix_len
+    from_prefix = tl.load(kv_indices + kv_start + n, mask=mask_n & cached, other=0)
+    from_new = tl.load(out_slots + q_start + (n - prefix_len), mask=mask_n & (n >= prefix_len), other=0)
+    return tl.where(cached, from_prefix.to(tl.int64), from_new.to(tl.int64))
+
+
 # NOTE: num_splits and token_blocks are plain arguments: one compiled kernel serves every count
 @triton.jit(do_not_specialize=["num_splits", "token_blocks"])
 def _short_split_kernel(
@@ -104,6 +115,7 @@ def _short_split_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong, so dot in fp32
     PDL: tl.constexpr,  # launched as a programmatic dependent (sm_90+): as decode's split kernel
+    PREFETCH_SLOTS: tl.constexpr,  # the next tile's slots loaded before this one's K/V wait: as decode's
     KScales=None,  # KV_SCALED: [Hkv] float32, an fp8 pool's codes stand for code x KScales[h] (K's of KV head h)
     VScales=None,  # and code x VScales[h] (V's)
     KV_SCALED: tl.constexpr = False,
@@ -157,13 +169,16 @@ def _short_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if PREFETCH_SLOTS:  # NOTE: tile i + 1's K/V copies then need no slot load of their own (decode's NOTE)
+        slots_next = tile_slots(kv_indices, out_slots, kv_start, q_start, prefix_len, lo + offs_n, hi)
     for n_lo in range(lo, hi, BLOCK_N):
         n = n_lo + offs_n
         mask_n = n < hi
-        cached = n < prefix_len
-        from_prefix = tl.load(kv_indices + kv_start + n, mask=mask_n & cached, other=0)
-        from_new = tl.load(out_slots + q_start + (n - prefix_len), mask=mask_n & (n >= prefix_len), other=0)
-        slots = tl.where(cached, from_prefix.to(tl.int64), from_new.to(tl.int64))
+        if PREFETCH_SLOTS:
+            slots = slots_next
+            slots_next = tile_slots(kv_indices, out_slots, kv_start, q_start, prefix_len, n + BLOCK_N, hi)
+        else:
+            slots = tile_slots(kv_indices, out_slots, kv_start, q_start, prefix_len, n, hi)
         k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
         allowed = mask_n[None, :] & ((n[None, :] < limit[:, None]) | ~sees[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, True, PRECISION, DOT_FP32)
@@ -262,7 +277,7 @@ def extend_short_attention(
         num_splits, token_blocks,
         GROUP=group, TOKENS=tokens, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         MIN_SPLIT_LEN=cfg.min_split_len, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl, **scaled,
+        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PDL=pdl, PREFETCH_SLOTS=cfg.prefetch_slots, **scaled,
         enable_fp_fusion=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     # NOTE: the merge keeps 16 rows' tokens a program (each row merged is a round trip of its own), however

@@ -472,7 +472,8 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     result["verify"] = [
         {"batch": 1, "prefix": 4096, "new": 5, "block_rows": 32, "short_graph_ms": 0.02, "short_graph_gbs": 600.0,
          "extend_graph_ms": 0.1, "rel_err_vs_extend": 0.002, "short_pdl_graph_ms": 0.018,
-         "rel_err_pdl_vs_extend": 0.003, "short_narrow_graph_ms": 0.03, "rel_err_narrow_vs_extend": 0.001},
+         "rel_err_pdl_vs_extend": 0.003, "short_narrow_graph_ms": 0.03, "rel_err_narrow_vs_extend": 0.001,
+         "short_slots_graph_ms": 0.019, "rel_err_slots_vs_extend": 0.002},
         {"batch": 4, "prefix": 8192, "new": 16, "block_rows": 32, "short_graph_ms": 0.05, "short_graph_gbs": 900.0,
          "extend_graph_ms": 0.3, "rel_err_vs_extend": 0.002, "short_narrow_graph_ms": 0.1,
          "rel_err_narrow_vs_extend": 0.001, "short_wide_graph_ms": 0.04, "rel_err_wide_vs_extend": 0.001},
@@ -488,10 +489,10 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     result["summary"] = bench_report.summarize(result)
     md = bench_report.format_markdown(result)
     rows = table_rows(md, "## Verify steps: few new tokens per request over a long prefix")
-    assert rows[0] == ["1", "4096", "5", "32", "20.0", "600", "60%", "100.0", "5.00", "18.0", "30.0", "-",
-                       "3.0e-03"]  # fmt: skip
-    assert rows[1][-3:] == ["100.0", "40.0", "2.0e-03"]
-    assert rows[2][3] == "-" and rows[2][-4:] == ["-", "-", "-", "nan"]
+    assert rows[0] == ["1", "4096", "5", "32", "20.0", "600", "60%", "100.0", "5.00", "18.0", "19.0", "30.0",
+                       "-", "3.0e-03"]  # fmt: skip
+    assert rows[1][-4:] == ["-", "100.0", "40.0", "2.0e-03"]
+    assert rows[2][3] == "-" and rows[2][-5:] == ["-", "-", "-", "-", "nan"]
     assert result["summary"]["inaccurate"] == [
         "verify b=16 prefix=4096 new=5",
         "verify b=4 prefix=4096 new=5",
@@ -502,6 +503,7 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     assert s["verify_default_over_narrow_min"] == pytest.approx(0.9)
     assert s["verify_default_over_narrow_max"] == pytest.approx(2.0)
     assert s["verify_default_over_wide_min"] == s["verify_default_over_wide_max"] == pytest.approx(0.8)
+    assert s["verify_default_over_slots_min"] == s["verify_default_over_slots_max"] == pytest.approx(0.95)
 
 
 def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
@@ -845,8 +847,8 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     assert bench_report.decode_error(row) < 3e-3  # fp16
     row = result["verify"][0]
     assert row["block_rows"] == 32 and row["short_pdl_graph_ms"] > 0
-    assert row["short_narrow_graph_ms"] > 0 and row["short_wide_graph_ms"] > 0
-    assert {"rel_err_narrow_vs_extend", "rel_err_wide_vs_extend"} <= row.keys()
+    assert all(row[f"short_{name}_graph_ms"] > 0 for name in bench_report.VERIFY_CANDIDATES)
+    assert {f"rel_err_{name}_vs_extend" for name in bench_report.VERIFY_CANDIDATES} <= row.keys()
     assert bench_report.verify_error(row) < 3e-3
     assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()
 

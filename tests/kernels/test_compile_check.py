@@ -140,6 +140,12 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
         for case in (f"extend-short bf16 hd{hd} gqa4", f"extend-short wide bf16 hd{hd} gqa4"):
             short = rows[(case, "_short_split_kernel")]
             assert short["ok"] and short["blocks_per_sm"] >= 2 and short["sass"]["LDGSTS"] > 0, short
+        # NOTE: and its slots a tile ahead as many blocks an SM as the default (head dim 128), as decode's
+        short_slots = rows[(f"extend-short prefetch-slots bf16 hd{hd} gqa4", "_short_split_kernel")]
+        assert short_slots["ok"] and short_slots["sass"]["LDGSTS"] > 0, short_slots
+        if hd == 128:
+            short = rows[(f"extend-short bf16 hd{hd} gqa4", "_short_split_kernel")]
+            assert short_slots["blocks_per_sm"] == short["blocks_per_sm"], (short_slots, short)
         # NOTE: the PDL cases wait for the kernel before (ACQBULK) in both kernels of a pair, and the split
         # kernels let the merge launch early (PREEXIT); every other kernel does neither
         for case in (f"decode pdl bf16 hd{hd} gqa4", f"extend-short pdl bf16 hd{hd} gqa4"):

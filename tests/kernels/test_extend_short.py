@@ -3,6 +3,8 @@ kernels.reference.extend_attention on paged, ragged GQA batches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,20 +55,26 @@ def scaled(backend, lens):
 
 
 @pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
-@pytest.mark.parametrize(("num_splits", "max_rows"), [(1, 64), (5, 32), (5, 16)])
+@pytest.mark.parametrize(
+    ("num_splits", "max_rows", "slots_ahead"),
+    [(1, 64, False), (5, 32, False), (5, 16, False), (5, 32, True), (1, 16, True)],
+)
 def test_extend_short_matches_the_extend_reference(
-    backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, max_rows
+    backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, max_rows, slots_ahead
 ):
     """The last request's 17 positions make two splits of 9 in the interpreter (16-token minimum):
     with GQA 1 its 16 new tokens are one block, and its first rows see nothing in the second split
     (they must weigh nothing in the merge). With GQA 4 at 16 rows a block takes 4 tokens, at 32 rows 8:
     its first block takes one split and its last two (the merge, 4 tokens a program, must count each
-    block's own); at 64 rows one block takes them all."""
+    block's own); at 64 rows one block takes them all. ``slots_ahead``: DecodeConfig.prefetch_slots, each
+    tile's slots (the prefix's and the new tokens' alike: tiles cross from one to the other) loaded a tile
+    ahead."""
     short = backend.module("extend_short")
     args = make_batch(scaled(backend, PREFIX), NEW, hq, hkv, head_dim, dtype, backend.device)
+    config = dataclasses.replace(short.default_config(head_dim, dtype), prefetch_slots=slots_ahead)
     out = torch.full_like(args[0], float("nan"))  # poisoned: any row or head the kernels skip fails
     short.extend_short_attention(*args, max_extend_len=max(NEW), num_splits=num_splits, max_rows=max_rows,
-                                 out=out)  # fmt: skip
+                                 config=config, out=out)  # fmt: skip
     assert_close_rel(out.cpu(), want(args))
 
 
