@@ -489,13 +489,12 @@ def format_markdown(result: dict) -> str:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["verify"]:
+            candidates = "".join(f"| {_us(r.get(f'short_{name}_graph_ms'))} " for name in VERIFY_CANDIDATES)
             lines.append(
                 f"| {r['batch']} | {r['prefix']} | {r['new']} | {r.get('block_rows', '-')} "
                 f"| {r['short_graph_ms'] * 1e3:.1f} | {r['short_graph_gbs']:,.0f} | {r['short_graph_gbs'] / copy:.0%} "
                 f"| {r['extend_graph_ms'] * 1e3:.1f} | {r['extend_graph_ms'] / r['short_graph_ms']:.2f} "
-                f"| {_us(r.get('short_pdl_graph_ms'))} | {_us(r.get('short_slots_graph_ms'))} "
-                f"| {_us(r.get('short_narrow_graph_ms'))} | {_us(r.get('short_wide_graph_ms'))} "
-                f"| {_fmt(verify_error(r), '.1e')} |"
+                f"{candidates}| {_fmt(verify_error(r), '.1e')} |"
             )
     if s.get("inaccurate"):
         lines += [

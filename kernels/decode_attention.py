@@ -295,24 +295,20 @@ def _decode_split_kernel(
                                         DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
             k, v, mask_n = k_next, v_next, mask_next
             slots_next, mask_next = slots_after, mask_after
-    elif PREFETCH_SLOTS:
-        # NOTE: the slots one tile ahead (see the module docstring): tile i + 1's K/V copies, issued once
-        # tile i is computed, no longer wait on a slot load of their own
-        indices = kv_indices + kv_start
-        slots_next = tl.load(indices + lo + offs_n, mask=(lo + offs_n) < hi, other=0)
-        for n_lo in range(lo, hi, BLOCK_N):
-            n = n_lo + offs_n
-            mask_n = n < hi
-            slots = slots_next.to(tl.int64)
-            slots_next = tl.load(indices + n + BLOCK_N, mask=(n + BLOCK_N) < hi, other=0)
-            k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
-            m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION,
-                                        DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip
     else:
+        # NOTE: PREFETCH_SLOTS loads the slots one tile ahead (see the module docstring): tile i + 1's K/V
+        # copies, issued once tile i is computed, no longer wait on a slot load of their own
+        indices = kv_indices + kv_start
+        if PREFETCH_SLOTS:
+            slots_next = tl.load(indices + lo + offs_n, mask=(lo + offs_n) < hi, other=0)
         for n_lo in range(lo, hi, BLOCK_N):
             n = n_lo + offs_n
             mask_n = n < hi
-            slots = tl.load(kv_indices + kv_start + n, mask=mask_n, other=0).to(tl.int64)
+            if PREFETCH_SLOTS:
+                slots = slots_next.to(tl.int64)
+                slots_next = tl.load(indices + n + BLOCK_N, mask=(n + BLOCK_N) < hi, other=0)
+            else:
+                slots = tl.load(indices + n, mask=mask_n, other=0).to(tl.int64)
             k, v = gather_kv(K_head, V_head, slots, mask_n, stride_kcs, stride_vcs, offs_d, mask_d)
             m_i, l_i, acc = attend_tile(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, True, PRECISION,
                                         DOT_FP32, False, softcap, SOFTCAP)  # fmt: skip

@@ -197,8 +197,10 @@ def _merge_rows_kernel(
     q_start = tl.load(qo_indptr + req).to(tl.int64)
     n_new = (tl.load(qo_indptr + req + 1) - q_start).to(tl.int32)
     prefix_len = (tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)).to(tl.int32)
-    # NOTE: the prefix alone (extend's prefix splits); one split at least, which also takes the new tokens
-    n_splits = prefix_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN)
+    # NOTE: extend's prefix splits: the prefix alone, one split at least (which also takes the new tokens);
+    # the short extend's are found per row below
+    if not SPLIT_NEW_TOKENS:
+        n_splits = prefix_splits_of(prefix_len, num_splits, MIN_SPLIT_LEN)
     if PDL:  # NOTE: the indptrs above were written before the split kernel began; its partials were not
         tl.extra.cuda.gdc_wait()
     for i in range(TOKENS):

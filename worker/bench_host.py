@@ -94,14 +94,12 @@ def timed_window(engine: Any, batch: int, context: int, steps: int, seed: int) -
     """decode_window's row, run again with twice the steps after one that left no window (this loop saw the
     warm tokens only after the last step: a busy host), up to WINDOW_TRIES runs; the row's ``steps_run``
     says how many steps each request decoded past its warm tokens."""
-    for attempt in range(WINDOW_TRIES):
-        try:
-            # NOTE: new prompts each try (seed + 1 is the warm-up's): nothing cached
+    # NOTE: new prompts each try (seed + 1 is the warm-up's): nothing cached
+    for attempt in range(WINDOW_TRIES - 1):
+        with contextlib.suppress(NoWindow):
             return asyncio.run(decode_window(engine, batch, context, steps << attempt, seed + 2 * attempt))
-        except NoWindow:
-            if attempt == WINDOW_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+    last = WINDOW_TRIES - 1
+    return asyncio.run(decode_window(engine, batch, context, steps << last, seed + 2 * last))
 
 
 @contextlib.contextmanager
