@@ -321,18 +321,22 @@ class Router:
                 worker.stats.kv_fetch_hints += 1
             context = worker.max_model_len.get(parsed.model or "")  # tokens, when the worker told
             # The optimistic index insert (and hashing the rest of the prompt) runs once the
-            # request is written: it does not delay it, and a worker that could not be reached
-            # records nothing; a refusal takes it back. At most what the worker's context holds.
+            # request is written to an idle connection: it does not delay it. Where a new
+            # connection must be opened first it runs before that, since the requests decided
+            # meanwhile must see it. A refusal, or a worker that could not be reached, takes it
+            # back. At most what the worker's context holds.
             insert = OptimisticInsert(self.policy, route, worker.url, predicted // route.block_size,
                                       context and context // route.block_size)  # fmt: skip
             try:
                 try:
                     resp = await self.upstream.open(
                         worker, path, body, headers if source is None else {**headers, KV_SOURCE_HEADER: source},
-                        insert, head_timeout,
+                        insert, head_timeout, insert.record,
                     )  # fmt: skip
                 except UpstreamFailure as exc:
                     failure = exc
+                    if not insert.sent:  # NOTE: nothing reached the worker
+                        insert.take_back()
                     if exc.kind == "request_timeout":  # NOTE: the request's own time ran out: no retry
                         if not parsed.stream:  # nothing came in all that time: a black hole is charged
                             self._record_failure(worker, "timeout")
@@ -347,6 +351,10 @@ class Router:
                     moved_from = worker
                     log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
                     continue
+                except asyncio.CancelledError:  # NOTE: the client left while a connection opened
+                    if not insert.sent:
+                        insert.take_back()
+                    raise
                 worker.breaker.record_success()  # any answer below 500, client errors included
                 if resp.status >= 400:
                     insert.take_back()

@@ -342,11 +342,15 @@ class HTTPClient:
         headers: dict[str, str] | None = None,
         on_sent: Callable[[], None] | None = None,
         head_timeout: float | None = None,
+        on_connect: Callable[[], None] | None = None,
     ) -> Response:
         """Send ``POST base_url + path`` and return once the response head arrived.
 
         ``on_sent`` runs once, right after the request has been handed to a connection (never
         if no connection could be opened): work that must not delay the request goes there.
+        ``on_connect`` runs when no idle connection is at hand, right before a new one is opened,
+        whether it then opens or not: opening one yields to other tasks, and what they must see
+        by then (the router's optimistic index insert) goes there.
         ``head_timeout`` replaces the read timeout for the head (a server that answers only when
         done: only the total timeout bounds it)."""
         pool, prefix = self._pool(base_url)
@@ -374,6 +378,8 @@ class HTTPClient:
             except BaseException:
                 conn.abort()
                 raise
+        elif on_connect is not None:
+            on_connect()
         conn = await pool.connect()
         try:
             return await conn.send(head, body, deadline, on_sent, head_timeout)

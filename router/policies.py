@@ -192,11 +192,14 @@ class Policy:
 
 
 class OptimisticInsert:
-    """One attempt's optimistic insert (called once the request is written) and its take-back when
-    the worker answers that it will not serve it (4xx, 429): a refused prompt is not recorded as
-    cached there. After a timeout or a 5xx it stays: the worker may well have computed it."""
+    """One attempt's optimistic insert and its take-back. Called once the request is written
+    (``sent``); ``record`` inserts earlier, before a new connection is opened for it, so that the
+    requests decided while it opens see the prefix there (a burst on a cold connection pool is
+    otherwise routed blind). Taken back when the worker answers that it will not serve the request
+    (4xx, 429) or when it was never written (no connection): such a prompt is not recorded as cached
+    there. After a timeout or a 5xx it stays: the worker may well have computed it."""
 
-    __slots__ = ("_max_blocks", "_policy", "_req", "_tick", "_url", "held_blocks")
+    __slots__ = ("_max_blocks", "_policy", "_req", "_tick", "_url", "held_blocks", "sent")
 
     def __init__(
         self, policy: Policy, req: RouteRequest, url: str, held_blocks: int, max_blocks: int | None
@@ -204,14 +207,22 @@ class OptimisticInsert:
         self._policy, self._req, self._url = policy, req, url
         self.held_blocks = held_blocks  # what the worker was predicted to hold before
         self._max_blocks = max_blocks
-        self._tick: int | None = None  # set once inserted
+        self._tick: int | None = None  # set while inserted
+        self.sent = False
 
     def __call__(self) -> None:
-        self._tick = self._policy.on_routed(self._req, self._url, self._max_blocks)
+        self.sent = True
+        self.record()
+
+    def record(self) -> None:
+        """Insert the prompt's blocks for the worker, once."""
+        if self._tick is None:
+            self._tick = self._policy.on_routed(self._req, self._url, self._max_blocks)
 
     def take_back(self) -> None:
         if self._tick is not None:
             self._policy.on_refused(self._req, self._url, self.held_blocks, self._tick, self._max_blocks)
+            self._tick = None
 
 
 class RoundRobin(Policy):

@@ -161,15 +161,17 @@ class Upstream:
         headers: dict[str, str],
         on_sent: Callable[[], None] | None = None,
         head_timeout: float | None = None,
+        on_connect: Callable[[], None] | None = None,
     ) -> Response:
         """Send the request and wait for the response head (``head_timeout``: HTTPClient.post). Raises UpstreamFailure on a worker
         fault or a 429 (the response is closed); returns the open response on any other status < 500.
-        ``on_sent`` runs once the request is on a connection (never if none could be opened).
+        ``on_sent`` runs once the request is on a connection (never if none could be opened);
+        ``on_connect`` before a new connection is opened for it (HTTPClient.post).
         With a worker key, it is the request's Authorization (never the client's)."""
         if self.authorization is not None:
             headers = {**headers, "authorization": self.authorization}
         try:
-            resp = await self.client.post(worker.url, path, body, headers, on_sent, head_timeout)
+            resp = await self.client.post(worker.url, path, body, headers, on_sent, head_timeout, on_connect)
         except ResponseTimeout as exc:
             raise _timeout(exc, f"worker {worker.url} did not answer in time") from None
         except HTTPClientError as exc:

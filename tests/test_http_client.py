@@ -293,6 +293,27 @@ async def test_on_sent_runs_once_after_the_write_and_never_without_a_connection(
     assert calls == ["sent"]
 
 
+async def test_on_connect_runs_before_a_new_connection_opens_and_not_on_an_idle_one():
+    calls: list[str] = []
+
+    def post(client: HTTPClient, url: str, name: str):
+        return client.post(url, "/echo", b"{}", on_sent=lambda: calls.append(f"{name} sent"),
+                           on_connect=lambda: calls.append(f"{name} connect"))  # fmt: skip
+
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient(idle_timeout=60)
+        for name in ("first", "second"):
+            resp = await post(client, url, name)
+            await resp.read()
+            resp.close()
+        client.close()
+    assert calls == ["first connect", "first sent", "second sent"]  # the second took the idle one
+    dead = HTTPClient(connect_timeout=1.0)
+    with pytest.raises(ConnectFailed):
+        await post(dead, f"http://127.0.0.1:{free_port()}", "dead")
+    assert calls[3:] == ["dead connect"]
+
+
 async def test_on_sent_runs_once_across_the_stale_connection_retry():
     async def once_then_drop(reader, writer):
         await _read_request(reader)

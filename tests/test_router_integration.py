@@ -947,3 +947,48 @@ def test_workers_with_different_block_sizes_are_warned_about(launch):
     wait_until(lambda: all(w["healthy"] for w in httpx.get(alike.url + "/workers", timeout=2).json()["workers"]),
                30, what="both healthy")  # fmt: skip
     assert "differs from other workers'" not in alike.log()
+
+
+def test_a_burst_on_a_cold_connection_pool_is_routed_by_the_prefix_its_first_requests_sent(launch):
+    """A fresh router holds no open connection to its workers, so each request of a first burst
+    opens one, and every request is decided while those open: the first one sent to a worker must
+    already be in the index then, or the whole burst is routed blind (no predicted prefix, spread
+    by load). At most one request a worker may be blind: the one that brought the prefix there."""
+    import json
+
+    backends = [launch.echo_backend("--name", f"b{i}") for i in range(2)]
+    router = launch.router([b.url for b in backends], "--access-log")
+    system = "A cold burst shares this long system prompt. " * 16
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as client:
+            return await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=chat(f"q{i}", system=system)) for i in range(16))
+            )
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+
+    def lines() -> list[dict]:
+        return [json.loads(line.split("radixgate.access: ", 1)[1]) for line in router.log().splitlines()
+                if "radixgate.access: " in line]  # fmt: skip
+
+    wait_until(lambda: len(lines()) == 16, 10, what="16 access lines")
+    blind = [line for line in lines() if line["predicted_cached_tokens"] < 512]
+    assert len(blind) <= 2, [
+        (line["worker"], line["predicted_cached_tokens"], line["reason"]) for line in lines()
+    ]
+
+
+def test_a_request_that_never_reached_its_worker_leaves_nothing_in_the_index(launch):
+    """The burst rule records a prompt before its connection opens; when the connection cannot be
+    opened (the worker died since its last health check) that record is taken back."""
+    backend = launch.echo_backend()
+    router = launch.router([backend.url])
+    wait_until(lambda: _worker_row(router.url)["healthy"], 10, what="the worker healthy")
+    backend.proc.kill()
+    backend.proc.wait()
+    refused = httpx.post(router.url + "/v1/chat/completions", json=chat("Anyone there?"), timeout=30)
+    assert refused.status_code >= 500
+    metrics = httpx.get(router.url + "/metrics", timeout=5).text
+    assert metric_values(metrics, "radixgate_upstream_errors_total")  # the attempt failed to connect
+    assert metric_values(metrics, "radixgate_prefix_index_entries")[""] == 0
