@@ -368,7 +368,7 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     default = extend_short.default_config(q.shape[-1], q.dtype, ext.device_arch(device))
     pdl = dataclasses.replace(default, pdl=True)
     slots = dataclasses.replace(default, prefetch_slots=True)
-    wide = dataclasses.replace(default, block_n=min(default.block_n, 64))
+    wide = extend_short.wide_tiles(default)
 
     def short_call(config: Any = None, max_rows: int | None = None) -> None:
         extend_short.extend_short_attention(q, k_pool, v_pool, qo, kvp, kv_indices, out_slots,
@@ -392,8 +392,8 @@ def bench_verify(shape: ExtendShape, model: Model, device: torch.device, gen: to
     candidates = {"pdl": lambda: short_call(pdl), "slots": lambda: short_call(slots)}
     if extend_short.block_rows(group, shape.new, 16) != row["block_rows"]:
         candidates["narrow"] = lambda: short_call(max_rows=16)
-    if extend_short.block_rows(group, shape.new, 64) != row["block_rows"]:
-        candidates["wide"] = lambda: short_call(wide, max_rows=64)
+    if extend_short.block_rows(group, shape.new, extend_short.WIDE_ROWS) != row["block_rows"]:
+        candidates["wide"] = lambda: short_call(wide, max_rows=extend_short.WIDE_ROWS)
     for name, call in candidates.items():
         short_out.fill_(float("nan"))  # the candidate must write every element itself
         try:

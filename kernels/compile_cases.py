@@ -204,8 +204,8 @@ def defaults(shape: Shape, arch: int = 90) -> list[Case]:
                              f"extend-short prefetch-slots {shape.label}")] if dt != torch.float32 else []),
         # 64 rows a program on 64-token tiles, as kernels.bench times it beside the short extend's default (sm_90,
         # 16-bit, head dims up to 128, the bench's; on mma.sync 64 rows spill): 16 tokens under GQA 4 in one block
-        *([extend_short_case(shape, dataclasses.replace(decode_default, block_n=min(decode_default.block_n, 64)),
-                             f"extend-short wide {shape.label}", max_rows=64)]
+        *([extend_short_case(shape, extend_short.wide_tiles(decode_default), f"extend-short wide {shape.label}",
+                             max_rows=extend_short.WIDE_ROWS)]
           if arch >= 90 and dt != torch.float32 and shape.head_dim <= 128 else []),
         # sliding-window attention (Mistral, Phi-3, windowed Qwen2 layers): both kernels with the window's masks
         extend_case(shape, extend_default, f"extend-window {shape.label}", window=4096),

@@ -30,6 +30,8 @@ rows a program.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -212,6 +214,16 @@ def default_config(
         # 64-token tiles with 4 warps, 2 stages take 128 / 140 (bf16 / fp16; python -m kernels.compile_check)
         return FP8_SHORT_TILES
     return decode_attention.default_config(head_dim, dtype, arch, 1, pool_dtype)
+
+
+# kernels.bench's "wide" candidate (and its compile case): WIDE_ROWS rows a program, on wide_tiles(config)
+WIDE_ROWS = 64
+
+
+def wide_tiles(config: DecodeConfig) -> DecodeConfig:
+    """``config`` on tiles of at most 64 tokens, for WIDE_ROWS rows a program: on the default's 128-token
+    tiles 64 rows compile to one block an SM (see MAX_ROWS)."""
+    return dataclasses.replace(config, block_n=min(config.block_n, 64))
 
 
 def extend_short_attention(

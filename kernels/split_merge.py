@@ -249,7 +249,8 @@ def merge_rows(
         mid_out, mid_lse, out, qo_indptr, kv_indptr, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, batch,
         TOKENS=tokens, SPLIT_TOKENS=split_tokens or tokens, HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MIN_SPLIT_LEN=min_split_len, SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), MIN_SPLIT_LEN=min_split_len,
+        SPLIT_NEW_TOKENS=split_new_tokens, PDL=pdl, PACKED=packed,
         BLOCK_R=request_lanes(batch, packed), Sinks=sinks, SINKS=sinks is not None, enable_fp_fusion=True,
         num_warps=4 if block_d >= 128 else 2, **(launch or {}),
     )  # fmt: skip
