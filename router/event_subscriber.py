@@ -56,6 +56,7 @@ class EventSubscriber:
         # worker url -> (epoch, seq) its last /health told, and the seq applied here then
         self._reported: dict[str, tuple[str, int, int | None]] = {}
         self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
+        self._first: dict[str, asyncio.Event] = {}  # worker url -> set once its first sync attempt ended
         self._redis = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -83,7 +84,31 @@ class EventSubscriber:
         if self._redis is not None:
             await self._redis.aclose()
 
+    async def first_sync(self, workers: list[Worker], timeout_s: float) -> list[str]:
+        """Wait until the first snapshot of each of ``workers`` is in the index, or its first attempt
+        failed (no snapshot, no event stream), for at most ``timeout_s``; returns the URLs still
+        waiting then. A router that serves before that routes blind to the caches its workers
+        already hold."""
+        waits = {w.url: self._first[w.url] for w in workers if w.url in self._first}
+        tasks = [asyncio.create_task(event.wait()) for event in waits.values() if not event.is_set()]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in late:
+                task.cancel()
+        return [url for url, event in waits.items() if not event.is_set()]
+
+    def synced(self, worker: Worker) -> bool:
+        """Whether the index follows ``worker``'s cache: a snapshot of it was read."""
+        cursor = self._cursors.get(worker.url)
+        return cursor is not None and cursor.epoch is not None
+
+    def _first_attempt_ended(self, worker: Worker) -> None:
+        event = self._first.get(worker.url)
+        if event is not None:
+            event.set()
+
     def _watch(self, worker: Worker) -> None:
+        self._first.setdefault(worker.url, asyncio.Event())
         if self.mode == "http":
             if worker.url not in self._tasks:
                 self._tasks[worker.url] = asyncio.get_running_loop().create_task(self._http_reader(worker))
@@ -124,6 +149,8 @@ class EventSubscriber:
             self.resync_soon(worker)
 
     def _unwatch(self, worker: Worker) -> None:
+        self._first_attempt_ended(worker)  # NOTE: nobody waits for a worker that is gone
+        self._first.pop(worker.url, None)
         self._cursors.pop(worker.url, None)
         self._reported.pop(worker.url, None)
         task = self._tasks.pop(worker.url, None)
@@ -159,6 +186,12 @@ class EventSubscriber:
 
     async def resync(self, worker: Worker) -> bool:
         """Replace what the index holds for ``worker`` by the worker's snapshot."""
+        try:
+            return await self._resync(worker)
+        finally:
+            self._first_attempt_ended(worker)
+
+    async def _resync(self, worker: Worker) -> bool:
         session = self._router.upstream.session
         assert session is not None
         try:
@@ -240,6 +273,7 @@ class EventSubscriber:
                 async with session.get(worker.url + "/v1/cache/events", timeout=timeout) as resp:
                     if resp.status == 404:
                         log.info("%s has no KV event stream: routing on predictions only", worker.url)
+                        self._first_attempt_ended(worker)
                         return
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
@@ -261,6 +295,7 @@ class EventSubscriber:
                 log.debug("event stream of %s interrupted: %r", worker.url, exc)
             except Exception:  # a bug must not end the subscription for good
                 log.exception("event stream of %s failed", worker.url)
+            self._first_attempt_ended(worker)  # NOTE: a stream that could not be read: none to wait for
             await asyncio.sleep(reconnect_delay(attempt))
             attempt += 1
 

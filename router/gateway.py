@@ -54,6 +54,7 @@ log = logging.getLogger("radixgate.router")
 WORKER_HEADER = "x-radixgate-worker"
 WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
+FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
 
 
 class Router:
@@ -118,6 +119,18 @@ class Router:
         log.info("workers: %d configured, healthy: %s", len(self.workers), ", ".join(healthy) or "none")
         self.health.start()
         await self.events.start()
+        # NOTE: before the first request: the caches the workers already hold (a router restarted
+        # or added beside others) are in the index, not learned after the first requests went blind.
+        started = time.perf_counter()
+        up = [w for w in self.workers if w.healthy]
+        late = await self.events.first_sync(up, FIRST_SYNC_WAIT_S)
+        if late:
+            log.warning("serving before the cache snapshots of %s arrived (waited %g s)", ", ".join(late),
+                        FIRST_SYNC_WAIT_S)  # fmt: skip
+        synced = sum(1 for w in up if self.events.synced(w))
+        if synced:
+            log.info("prefix index: the caches of %d of %d healthy workers read in %.0f ms", synced, len(up),
+                     (time.perf_counter() - started) * 1e3)  # fmt: skip
         if self.replica_sync is not None:
             await self.replica_sync.start()
 

@@ -390,6 +390,31 @@ def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming()
     assert asyncio.run(run()) == (False, True, False)
 
 
+def test_a_router_serves_its_first_request_knowing_the_caches_its_workers_already_hold(launch):
+    """A router started beside workers that already hold prefixes (a restart, a replica added):
+    its start-up ends once their snapshots are in the index, so no first request goes blind."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.gateway import Router
+
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    body = {"model": "sim-8b", "prompt": "held before the router started " * 40, "max_tokens": 1}
+    assert httpx.post(worker.url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+    async def run() -> tuple[int, int]:
+        router = Router(RouterConfig(workers=[worker.url], kv_events="http"))
+        await router.start()
+        try:
+            route = router.route_request(router.parse(orjson.dumps(body), "completions"))
+            return router.index.match(route.block_hashes).get(worker.url, 0), len(route.block_hashes)
+        finally:
+            await router.stop()
+
+    matched, blocks = asyncio.run(run())
+    assert blocks >= 70 and matched == blocks
+
+
 class _SlowSnapshotWorker:
     """A worker that answers its probes but never its snapshot, and publishes batches with gaps to
     the same Redis stream as a real worker (as one whose HTTP side is overloaded would)."""
@@ -451,6 +476,8 @@ def test_a_worker_whose_snapshot_hangs_delays_no_other_workers_events(launch):
     slow = _SlowSnapshotWorker(redis_url)
     try:
         router = launch.router([url, slow.url], "--kv-events", "redis", "--redis-url", redis_url)
+        # NOTE: its start-up waited for the real worker's snapshot and gave up on the slow one's
+        assert f"serving before the cache snapshots of {slow.url} arrived" in router.log()
         wait_until(lambda: metric(router.url, f'radixgate_upstream_kv_resyncs_total{{worker="{url}"}}') >= 1,
                    30, what="the real worker synced")  # fmt: skip
         body = {"model": "sim-8b", "prompt": "cached behind the router's back " * 8, "max_tokens": 1}

@@ -47,6 +47,15 @@ def fleet(launch_module):
     return router, backends
 
 
+def test_backends_without_kv_events_hold_up_no_start_up(fleet):
+    """Backends with no event stream (vLLM, SGLang, the echo backend) end their first sync attempt
+    at once: the router's start-up waits for no snapshot of theirs."""
+    router, backends = fleet
+    log = router.log()
+    assert log.count("has no KV event stream") == len(backends)
+    assert "serving before the cache snapshots" not in log
+
+
 def test_same_long_prefix_goes_to_same_worker_and_hits(fleet):
     router, _ = fleet
     with httpx.Client(base_url=router.url, timeout=30) as client:
