@@ -336,10 +336,12 @@ class Router:
             # The optimistic index insert (and hashing the rest of the prompt) runs once the
             # request is written to an idle connection: it does not delay it. Where a new
             # connection must be opened first it runs before that, since the requests decided
-            # meanwhile must see it. A refusal, or a worker that could not be reached, takes it
-            # back. At most what the worker's context holds.
+            # meanwhile must see it. A refusal, a worker that could not be reached, and an attempt
+            # that ends without its answer on a worker whose KV events the index follows (the
+            # client left, the worker failed) take it back. At most what the worker's context holds.
             insert = OptimisticInsert(self.policy, route, worker.url, predicted // route.block_size,
                                       context and context // route.block_size)  # fmt: skip
+            answered = False
             try:
                 try:
                     resp = await self.upstream.open(
@@ -348,8 +350,6 @@ class Router:
                     )  # fmt: skip
                 except UpstreamFailure as exc:
                     failure = exc
-                    if not insert.sent:  # NOTE: nothing reached the worker
-                        insert.take_back()
                     if exc.kind == "request_timeout":  # NOTE: the request's own time ran out: no retry
                         if not parsed.stream:  # nothing came in all that time: a black hole is charged
                             self._record_failure(worker, "timeout")
@@ -364,10 +364,6 @@ class Router:
                     moved_from = worker
                     log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
                     continue
-                except asyncio.CancelledError:  # NOTE: the client left while a connection opened
-                    if not insert.sent:
-                        insert.take_back()
-                    raise
                 worker.breaker.record_success()  # any answer below 500, client errors included
                 if resp.status >= 400:
                     insert.take_back()
@@ -382,10 +378,13 @@ class Router:
                         )
                     else:
                         await self._send_full(send, watch, worker, resp, started)
+                    answered = True
                 finally:
                     resp.close()
                 return resp.status
             finally:
+                if not answered:  # NOTE: refused, failed, or the client left before the answer
+                    self._forget_unconfirmed(insert, worker)
                 if probe:
                     worker.breaker.abandon_probe()  # NOTE: no verdict came (the client left): free the probe
                 worker.in_flight -= parsed.sequences
@@ -401,6 +400,14 @@ class Router:
                 failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind
             )
         raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
+
+    def _forget_unconfirmed(self, insert: OptimisticInsert, worker: Worker) -> None:
+        """An attempt that ended without its answer: its optimistic insert is taken back where
+        nothing reached the worker, and where the index follows the worker's KV events (they put
+        back whatever the worker did compute; a request cancelled in its queue computed nothing).
+        A worker without events may have computed it: the insert stays."""
+        if not insert.sent or self.events.synced(worker):
+            insert.take_back()
 
     def _record_failure(self, worker: Worker, kind: str) -> None:
         if kind == "request_timeout":

@@ -415,6 +415,39 @@ def test_a_router_serves_its_first_request_knowing_the_caches_its_workers_alread
     assert blocks >= 70 and matched == blocks
 
 
+def test_requests_whose_clients_left_them_queued_leave_no_prefix_in_the_index(launch):
+    """Clients that give up on requests still queued at the worker (streamed or not): the router takes
+    their optimistic inserts back, and the worker's KV events put back what it did compute, so
+    the index ends equal to the worker's cache instead of holding prompts never computed."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--max-running", "1")
+    router = launch.router([worker.url])
+    wait_until(lambda: metric(router.url, "radixgate_upstream_kv_resyncs_total"
+                              f'{{worker="{worker.url}"}}') >= 1, 30, what="the worker synced")  # fmt: skip
+
+    def send(i: int) -> str:
+        # NOTE: under 2,048 tokens: one prefill chunk, so a request is computed whole or not at all
+        body = {"model": "sim-8b", "prompt": f"{i:03d} queued and abandoned " * 70, "max_tokens": 2,
+                "stream": i % 2 == 0}  # fmt: skip
+        try:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=0.5) as resp:
+                resp.read()
+            return "answered"
+        except httpx.TimeoutException:
+            return "left"
+
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(send, range(16)))
+    assert outcomes.count("left") >= 8, outcomes  # ~140 ms of prefill each, one at a time
+    wait_until(lambda: idle(router.url, worker.url), 30, what="the worker idle")
+
+    def pages() -> tuple[float, float]:
+        cached = httpx.get(worker.url + "/health", timeout=5).json()["kv_pages_cached"]
+        return metric(router.url, "radixgate_prefix_index_entries"), cached
+
+    wait_until(lambda: pages()[0] == pages()[1], 10, what="the index equal to the worker's cache")
+    assert pages()[1] < 16 * 113  # not every prompt was computed (113 full blocks each)
+
+
 class _SlowSnapshotWorker:
     """A worker that answers its probes but never its snapshot, and publishes batches with gaps to
     the same Redis stream as a real worker (as one whose HTTP side is overloaded would)."""
