@@ -115,14 +115,15 @@ class Router:
         if self.discovery is not None:
             await self.discovery.start()
         await self.health.check_all()
-        healthy = [w.url for w in self.workers if w.healthy]
-        log.info("workers: %d configured, healthy: %s", len(self.workers), ", ".join(healthy) or "none")
+        up = [w for w in self.workers if w.healthy]
+        log.info(
+            "workers: %d configured, healthy: %s", len(self.workers), ", ".join(w.url for w in up) or "none"
+        )
         self.health.start()
         await self.events.start()
         # NOTE: before the first request: the caches the workers already hold (a router restarted
         # or added beside others) are in the index, not learned after the first requests went blind.
         started = time.perf_counter()
-        up = [w for w in self.workers if w.healthy]
         late = await self.events.first_sync(up, FIRST_SYNC_WAIT_S)
         if late:
             log.warning("serving before the cache snapshots of %s arrived (waited %g s)", ", ".join(late),

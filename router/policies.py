@@ -197,7 +197,9 @@ class OptimisticInsert:
     requests decided while it opens see the prefix there (a burst on a cold connection pool is
     otherwise routed blind). Taken back when the worker answers that it will not serve the request
     (4xx, 429) or when it was never written (no connection): such a prompt is not recorded as cached
-    there. After a timeout or a 5xx it stays: the worker may well have computed it."""
+    there. An attempt that reached the worker and ended without its answer (the client left, a
+    timeout, a 5xx) is taken back only where the worker's KV events put back what it did compute
+    (Router._forget_unconfirmed); elsewhere it stays, since the worker may well have computed it."""
 
     __slots__ = ("_max_blocks", "_policy", "_req", "_tick", "_url", "held_blocks", "sent")
 
