@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import orjson
 
 from router.launcher import redis_server, stop_processes
 
@@ -90,6 +91,11 @@ class Proc:
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+    def access_lines(self) -> list[dict]:
+        """The JSON records of a router's ``--access-log``, in the order written."""
+        marker = "radixgate.access: "
+        return [orjson.loads(line.split(marker, 1)[1]) for line in self.log().splitlines() if marker in line]
 
 
 def start_module(

@@ -722,12 +722,8 @@ def test_a_request_sent_away_from_its_prefix_fetches_the_kv_from_the_holder(laun
     assert metric(router.url, f'radixgate_upstream_kv_fetch_hints_total{{worker="{other}"}}') == 1
     assert metric(router.url, f'radixgate_upstream_kv_fetch_hints_total{{worker="{holder}"}}') == 0
 
-    def access() -> list[dict]:
-        return [orjson.loads(line.split("radixgate.access: ", 1)[1]) for line in router.log().splitlines()
-                if "radixgate.access: " in line]  # fmt: skip
-
-    wait_until(lambda: len(access()) == 2, 10, what="two access lines")
-    assert [a["kv_source"] for a in access()] == [None, holder]
+    wait_until(lambda: len(router.access_lines()) == 2, 10, what="two access lines")
+    assert [a["kv_source"] for a in router.access_lines()] == [None, holder]
     # the same answer as the holder computes for it
     direct = httpx.post(holder + "/v1/chat/completions", json=body, headers=auth, timeout=120).json()
     assert direct["choices"][0]["message"] == second.json()["choices"][0]["message"]

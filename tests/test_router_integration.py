@@ -711,8 +711,6 @@ def test_a_request_queued_past_the_bound_is_503_and_a_client_that_leaves_frees_i
 
 
 def test_the_access_log_explains_each_request(launch):
-    import json
-
     backend = launch.echo_backend()
     router = launch.router([backend.url], "--access-log")
     body = chat("Explain the route.")
@@ -723,12 +721,8 @@ def test_the_access_log_explains_each_request(launch):
     bad = httpx.post(router.url + "/v1/chat/completions", json={**body, "model": "gpt-nope"}, timeout=10)
     assert (first.status_code, second.status_code, bad.status_code) == (200, 200, 404)
 
-    def lines() -> list[dict]:
-        return [json.loads(line.split("radixgate.access: ", 1)[1]) for line in router.log().splitlines()
-                if "radixgate.access: " in line]  # fmt: skip
-
-    wait_until(lambda: len(lines()) == 3, 10, what="three access lines")
-    one, two, three = lines()
+    wait_until(lambda: len(router.access_lines()) == 3, 10, what="three access lines")
+    one, two, three = router.access_lines()
     assert one["request_id"] == "req-1" and one["status"] == 200 and one["worker"] == backend.url
     assert one["endpoint"] == "chat" and one["attempts"] == 1 and one["reason"]
     assert one["prompt_tokens"] > len(SYSTEM) and one["usage_prompt_tokens"] > 0 and one["ttft_ms"] > 0
@@ -963,8 +957,6 @@ def test_a_burst_on_a_cold_connection_pool_is_routed_by_the_prefix_its_first_req
     opens one, and every request is decided while those open: the first one sent to a worker must
     already be in the index then, or the whole burst is routed blind (no predicted prefix, spread
     by load). At most one request a worker may be blind: the one that brought the prefix there."""
-    import json
-
     backends = [launch.echo_backend("--name", f"b{i}") for i in range(2)]
     router = launch.router([b.url for b in backends], "--access-log")
     system = "A cold burst shares this long system prompt. " * 16
@@ -977,14 +969,10 @@ def test_a_burst_on_a_cold_connection_pool_is_routed_by_the_prefix_its_first_req
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
 
-    def lines() -> list[dict]:
-        return [json.loads(line.split("radixgate.access: ", 1)[1]) for line in router.log().splitlines()
-                if "radixgate.access: " in line]  # fmt: skip
-
-    wait_until(lambda: len(lines()) == 16, 10, what="16 access lines")
-    blind = [line for line in lines() if line["predicted_cached_tokens"] < 512]
+    wait_until(lambda: len(router.access_lines()) == 16, 10, what="16 access lines")
+    blind = [line for line in router.access_lines() if line["predicted_cached_tokens"] < 512]
     assert len(blind) <= 2, [
-        (line["worker"], line["predicted_cached_tokens"], line["reason"]) for line in lines()
+        (line["worker"], line["predicted_cached_tokens"], line["reason"]) for line in router.access_lines()
     ]
 
 
