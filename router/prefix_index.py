@@ -183,8 +183,9 @@ class PrefixIndex:
         """Undo an insert made at ``tick`` (the worker refused the request): ``worker`` loses those
         of ``block_hashes`` whose node nothing has touched since, neither another request's insert
         nor a stored event; blocks someone else relies on stay (ticks are per node, so in doubt a
-        block stays). Ticks only grow, and a node's is at least its children's, so what goes is a
-        tail: no hole is opened."""
+        block stays; a touch that ends partway into a node splits it there, so a stored event for
+        a prompt's first prefill chunk keeps just that chunk). Ticks only grow, and a node's is at
+        least its children's, so what goes is a tail: no hole is opened."""
         bit = 1 << self._slot[worker] if worker in self._slot else 0
         untouched = []
         for h in block_hashes:
@@ -308,6 +309,8 @@ class PrefixIndex:
                 node.mask |= bit
                 self._entries += k
                 self._counts[slot] += k
+            elif off + k < len(node.run):  # the chain ends (or leaves) partway: the rest stays untouched
+                node = self._split(node, off + k)[0]
             self._touch_up(node)  # NOTE: bogus chains may jump between branches
             at, end = node, off + k
             i += k

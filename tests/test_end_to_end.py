@@ -415,29 +415,26 @@ def test_a_router_serves_its_first_request_knowing_the_caches_its_workers_alread
     assert blocks >= 70 and matched == blocks
 
 
-def test_requests_whose_clients_left_them_queued_leave_no_prefix_in_the_index(launch):
-    """Clients that give up on requests still queued at the worker (streamed or not): the router takes
-    their optimistic inserts back, and the worker's KV events put back what it did compute, so
-    the index ends equal to the worker's cache instead of holding prompts never computed."""
-    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--max-running", "1")
+def _abandon(launch, worker_args: list[str], text: str, timeouts: list[float]) -> tuple[list[str], float]:
+    """Send one prompt per client timeout (half of them streamed) through a router to one sim
+    worker; once it is idle, wait for the router's index to equal the worker's cache. Returns each
+    request's outcome and the worker's cached pages."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", *worker_args)
     router = launch.router([worker.url])
     wait_until(lambda: metric(router.url, "radixgate_upstream_kv_resyncs_total"
                               f'{{worker="{worker.url}"}}') >= 1, 30, what="the worker synced")  # fmt: skip
 
     def send(i: int) -> str:
-        # NOTE: under 2,048 tokens: one prefill chunk, so a request is computed whole or not at all
-        body = {"model": "sim-8b", "prompt": f"{i:03d} queued and abandoned " * 70, "max_tokens": 2,
-                "stream": i % 2 == 0}  # fmt: skip
+        body = {"model": "sim-8b", "prompt": f"{i:03d} {text} " * 70, "max_tokens": 2, "stream": i % 2 == 0}
         try:
-            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=0.5) as resp:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=timeouts[i]) as resp:
                 resp.read()
             return "answered"
         except httpx.TimeoutException:
             return "left"
 
-    with ThreadPoolExecutor(16) as pool:
-        outcomes = list(pool.map(send, range(16)))
-    assert outcomes.count("left") >= 8, outcomes  # ~140 ms of prefill each, one at a time
+    with ThreadPoolExecutor(len(timeouts)) as pool:
+        outcomes = list(pool.map(send, range(len(timeouts))))
     wait_until(lambda: idle(router.url, worker.url), 30, what="the worker idle")
 
     def pages() -> tuple[float, float]:
@@ -445,7 +442,28 @@ def test_requests_whose_clients_left_them_queued_leave_no_prefix_in_the_index(la
         return metric(router.url, "radixgate_prefix_index_entries"), cached
 
     wait_until(lambda: pages()[0] == pages()[1], 10, what="the index equal to the worker's cache")
-    assert pages()[1] < 16 * 113  # not every prompt was computed (113 full blocks each)
+    return outcomes, pages()[1]
+
+
+def test_requests_whose_clients_left_them_queued_leave_no_prefix_in_the_index(launch):
+    """Clients that give up on requests still queued at the worker (streamed or not): the router takes
+    their optimistic inserts back, and the worker's KV events put back what it did compute, so
+    the index ends equal to the worker's cache instead of holding prompts never computed."""
+    # NOTE: ~1,820 tokens, under 2,048: one prefill chunk, so a request is computed whole or not at all
+    outcomes, cached = _abandon(launch, ["--max-running", "1"], "queued and abandoned", [0.5] * 16)
+    assert outcomes.count("left") >= 8, outcomes  # ~140 ms of prefill each, one at a time
+    assert cached < 16 * 113  # not every prompt was computed (113 full blocks each)
+
+
+def test_requests_whose_clients_left_between_prefill_chunks_leave_only_the_computed_chunks(launch):
+    """Clients that give up while their long prompts are partway through prefill: the worker's
+    stored events for the chunks it computed keep exactly those blocks in the index, and the
+    take-back removes the rest, so the index ends equal to the worker's cache."""
+    # NOTE: 8 prefill chunks of ~130 ms each; every client leaves at its own point of them
+    args = ["--max-running", "4", "--chunked-prefill-tokens", "256", "--sim-prefill-ms-per-token", "0.5"]
+    outcomes, cached = _abandon(launch, args, "left partway through", [0.3 + 0.2 * i for i in range(8)])
+    assert outcomes.count("left") >= 4, outcomes
+    assert 0 < cached < 8 * 113  # some chunks were computed, not every prompt (113 full blocks each)
 
 
 class _SlowSnapshotWorker:

@@ -270,7 +270,7 @@ def _check_invariants(index: PrefixIndex) -> None:
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["insert", "stored", "bogus", "removed", "clear"]),
+            st.sampled_from(["insert", "stored", "bogus", "removed", "clear", "take_back"]),
             st.sampled_from(WORKERS),
             st.lists(st.integers(0, 3), min_size=1, max_size=12),
             st.integers(0, 12),
@@ -281,11 +281,20 @@ def _check_invariants(index: PrefixIndex) -> None:
 )
 def test_invariants_hold_under_budget_pressure_and_bogus_events(ops: list[tuple], budget: int) -> None:
     index = PrefixIndex(max_entries=budget)
+    inserts: list[tuple[str, list[int], int]] = []
     for kind, w, tokens, cut in ops:
         hashes = chain(tokens)
         cut = min(cut, len(hashes))
-        if kind == "insert":
-            index.insert(w, hashes)
+        if kind == "take_back":  # an earlier insert refused: what goes is a tail
+            if inserts:
+                w, hashes, tick = inserts[cut % len(inserts)]
+                held = index.match(hashes).get(w, 0)
+                index.take_back(w, hashes, tick)
+                slot = index._slot[w]
+                after = [index._where.get(h) is not None and index._where[h].mask >> slot & 1 for h in hashes]
+                assert after[:held] == sorted(after[:held], reverse=True), "a take-back opened a hole"
+        elif kind == "insert":
+            inserts.append((w, hashes, index.insert(w, hashes)))
         elif kind == "stored":
             index.apply_stored(w, hashes[cut - 1] if cut else None, hashes[cut:])
         elif kind == "bogus":  # repeated hashes, a parent inside its own run, unknown parents
@@ -331,3 +340,29 @@ def test_take_back_removes_only_what_nothing_touched_since() -> None:
     index.apply_stored("w", None, c)  # the worker says it stored them: they stay
     index.take_back("w", c, c_tick)
     assert index.match(c) == {"w": 4}
+
+
+def test_take_back_keeps_the_prefill_chunks_the_worker_stored_and_drops_the_rest() -> None:
+    """A long prompt abandoned between prefill chunks: the worker stored its first chunks (their
+    events touch those blocks only), so the take-back leaves exactly them."""
+    prompt = chain(list(range(1000, 1040)))
+    index = PrefixIndex()
+    tick = index.insert("w", prompt)
+    index.apply_stored("w", None, prompt[:16])  # chunk 1
+    index.apply_stored("w", prompt[15], prompt[16:32])  # chunk 2; the client leaves during chunk 3
+    index.take_back("w", prompt, tick)
+    assert index.match(prompt) == {"w": 32}
+    assert index.num_entries == 32
+    _check_invariants(index)
+    # a second request's insert of the whole prompt, before the take-back, keeps all of it
+    tick = index.insert("w", prompt)
+    index.insert("w", prompt)
+    index.take_back("w", prompt, tick)
+    assert index.match(prompt) == {"w": 40}
+    # an insert of a shorter prompt on the same blocks touches only those: a refused longer one goes
+    other = chain(list(range(2000, 2030)))
+    tick = index.insert("v", other)
+    index.insert("v", other[:10])
+    index.take_back("v", other, tick)
+    assert index.match(other) == {"v": 10}
+    _check_invariants(index)
