@@ -183,9 +183,10 @@ class PrefixIndex:
         """Undo an insert made at ``tick`` (the worker refused the request): ``worker`` loses those
         of ``block_hashes`` whose node nothing has touched since, neither another request's insert
         nor a stored event; blocks someone else relies on stay (ticks are per node, so in doubt a
-        block stays; a touch that ends partway into a node splits it there, so a stored event for
-        a prompt's first prefill chunk keeps just that chunk). Ticks only grow, and a node's is at
-        least its children's, so what goes is a tail: no hole is opened."""
+        block stays; a touch that ends partway into a node splits it there, so another prompt that
+        shares the first blocks, or a stored event for the first prefill chunk, keeps just those).
+        Ticks only grow, and a node's is at least its children's, so what goes is a tail: no hole
+        is opened."""
         bit = 1 << self._slot[worker] if worker in self._slot else 0
         untouched = []
         for h in block_hashes:
