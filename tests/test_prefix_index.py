@@ -331,10 +331,11 @@ def test_take_back_removes_only_what_nothing_touched_since() -> None:
     a_tick = index.insert("w", chain(shared + a_tail))
     index.insert("w", chain(shared + b_tail))  # B, routed on the same prefix, sent after A
     index.take_back("w", chain(shared + a_tail), a_tick)
-    # B's blocks stay; so does A's tail here (it shared a node with the prefix B touched: ticks are
-    # per node, and in doubt a block stays)
+    # B's blocks stay, the shared prefix with them; A's own tail goes (B's touch named only the
+    # prefix, so it split A's node there)
     assert index.match(chain(shared + b_tail)) == {"w": len(shared) + len(b_tail)}
-    assert index.match(chain(shared + a_tail))["w"] >= len(shared)
+    assert index.match(chain(shared + a_tail)) == {"w": len(shared)}
+    assert index.num_entries == len(shared) + len(b_tail)
     c = chain([7, 7, 7, 7])
     c_tick = index.insert("w", c)
     index.apply_stored("w", None, c)  # the worker says it stored them: they stay
