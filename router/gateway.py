@@ -356,7 +356,7 @@ class Router:
                             self._record_failure(worker, "timeout")
                         break
                     if exc.kind == "overloaded":  # NOTE: it answered, so no fault: its queue is full
-                        insert.take_back()
+                        insert.take_back(self.events.synced(worker))
                         worker.breaker.record_success()
                         worker.stats.overloaded += 1
                     else:
@@ -367,7 +367,7 @@ class Router:
                     continue
                 worker.breaker.record_success()  # any answer below 500, client errors included
                 if resp.status >= 400:
-                    insert.take_back()
+                    insert.take_back(self.events.synced(worker))
                 else:
                     worker.stats.prompt_tokens += route.prompt_tokens + parsed.other_prompt_tokens
                     worker.stats.predicted_cached_tokens += predicted
@@ -407,8 +407,9 @@ class Router:
         nothing reached the worker, and where the index follows the worker's KV events (they put
         back whatever the worker did compute; a request cancelled in its queue computed nothing).
         A worker without events may have computed it: the insert stays."""
-        if not insert.sent or self.events.synced(worker):
-            insert.take_back()
+        followed = self.events.synced(worker)
+        if not insert.sent or followed:
+            insert.take_back(followed)
 
     def _record_failure(self, worker: Worker, kind: str) -> None:
         if kind == "request_timeout":

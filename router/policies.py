@@ -169,15 +169,25 @@ class Policy:
         )
 
     def on_refused(
-        self, req: RouteRequest, url: str, held_blocks: int, tick: int, max_blocks: int | None = None
+        self,
+        req: RouteRequest,
+        url: str,
+        held_blocks: int,
+        tick: int,
+        max_blocks: int | None = None,
+        followed: bool = False,
     ) -> None:
         """``url`` answered that it will not serve the request (4xx): take back what ``on_routed``
         recorded at ``tick`` beyond the ``held_blocks`` it was predicted to hold before, unless
-        something touched it since (PrefixIndex.take_back). KV events never would: they only tell
-        what a worker stored or removed. Only the blocks ``on_routed`` could have recorded (at most
+        something touched it since (PrefixIndex.take_back). ``followed``: the index follows the
+        worker's KV events, so what the worker holds is known apart from what was only predicted
+        there: the predicted prefix is taken back too, except the blocks its stored events named
+        (a prefix predicted only because other attempts, since ended, were sent there would stay
+        for good otherwise). Only the blocks ``on_routed`` could have recorded (at most
         ``max_blocks``) are looked at: the rest of a long prompt is never hashed for it."""
-        if len(req.block_hashes) > held_blocks:
-            self.index.take_back(url, req.block_hashes[held_blocks:max_blocks], tick)
+        start = 0 if followed else held_blocks
+        if len(req.block_hashes) > start:
+            self.index.take_back(url, req.block_hashes[start:max_blocks], tick, keep_confirmed=followed)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "params": dict(self.params)}
@@ -221,9 +231,12 @@ class OptimisticInsert:
         if self._tick is None:
             self._tick = self._policy.on_routed(self._req, self._url, self._max_blocks)
 
-    def take_back(self) -> None:
+    def take_back(self, followed: bool = False) -> None:
+        """``followed``: the index follows the worker's KV events (Policy.on_refused)."""
         if self._tick is not None:
-            self._policy.on_refused(self._req, self._url, self.held_blocks, self._tick, self._max_blocks)
+            self._policy.on_refused(
+                self._req, self._url, self.held_blocks, self._tick, self._max_blocks, followed
+            )
             self._tick = None
 
 

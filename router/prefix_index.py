@@ -5,8 +5,10 @@ global budget of (block, worker) entries. It never raises on odd events and neve
 
 Layout: a radix tree with compressed edges over chained block hashes (a hash names its prefix).
 A ``_Node`` holds a run of consecutive hashes held by the same workers (``mask``: bit i = slot i),
-children keyed by first hash, and ``tick`` (last update touching it or a descendant). ``_where[h]``
-is the node holding block ``h``, written for new blocks and on splits, never on a touch.
+children keyed by first hash, ``tick`` (last update touching it or a descendant) and
+``confirmed`` (the holders whose stored event named the run; an insert's blocks are only
+predicted, and never extend a confirmed run in place). ``_where[h]`` is the node holding block
+``h``, written for new blocks, on splits and when a stored child joins its parent's run.
 ``_roots[parent_hash]`` holds parentless nodes: None (or a namespace root hash) starts a prompt;
 other keys are parents this index does not hold (orphan runs). ``_leaves``: heap of leaves, lazy.
 
@@ -41,11 +43,14 @@ if TYPE_CHECKING:
 
 
 class _Node:
-    __slots__ = ("children", "mask", "parent", "run", "tick", "up")
+    __slots__ = ("children", "confirmed", "mask", "parent", "run", "tick", "up")
 
-    def __init__(self, run: list[int], mask: int, tick: int, parent: _Node | None, up: int | None) -> None:
+    def __init__(
+        self, run: list[int], mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0
+    ) -> None:
         self.run = run  # consecutive block hashes, oldest first; never empty while live
         self.mask = mask  # workers holding every block of the run; 0 = dropped
+        self.confirmed = confirmed  # the workers in ``mask`` whose stored event named these blocks
         self.tick = tick
         self.parent = parent
         self.children: dict[int, _Node] = {}  # first hash of the child's run -> child
@@ -175,23 +180,31 @@ class PrefixIndex:
             return self._tick
         slot = self._slot_of(worker)
         self._tick += 1
-        self._touch_up(self._hold(slot, None, 0, None, list(block_hashes[: self.max_entries])))
+        self._touch_up(self._hold(slot, None, 0, None, list(block_hashes[: self.max_entries]), False))
         self._evict_over_budget()
         return self._tick
 
-    def take_back(self, worker: str, block_hashes: Sequence[int], tick: int) -> None:
+    def take_back(
+        self, worker: str, block_hashes: Sequence[int], tick: int, keep_confirmed: bool = False
+    ) -> None:
         """Undo an insert made at ``tick`` (the worker refused the request): ``worker`` loses those
         of ``block_hashes`` whose node nothing has touched since, neither another request's insert
         nor a stored event; blocks someone else relies on stay (ticks are per node, so in doubt a
         block stays; a touch that ends partway into a node splits it there, so another prompt that
         shares the first blocks, or a stored event for the first prefill chunk, keeps just those).
         Ticks only grow, and a node's is at least its children's, so what goes is a tail: no hole
-        is opened."""
+        is opened. ``keep_confirmed``: blocks a stored event of the worker named stay whatever
+        touched them (the worker said it holds them), so ``block_hashes`` may include the prefix the
+        insert found predicted there; what goes is what follows the last block that stays."""
         bit = 1 << self._slot[worker] if worker in self._slot else 0
         untouched = []
         for h in block_hashes:
             node = self._where.get(h)
-            if node is not None and node.mask & bit and node.tick == tick:
+            if node is None or not node.mask & bit:
+                continue
+            if node.tick != tick or (keep_confirmed and node.confirmed & bit):
+                untouched.clear()  # NOTE: it stays, so nothing before it may go
+            else:
                 untouched.append(h)
         if untouched:
             self.apply_removed(worker, untouched)
@@ -211,7 +224,9 @@ class PrefixIndex:
             end = len(at.run) if at.run[-1] == parent_hash else at.run.index(parent_hash) + 1
         hashes = list(block_hashes[: self.max_entries])
         # NOTE: touching the run's ancestors keeps them more recent than its leaves.
-        self._touch_up(self._hold(slot, at, end, parent_hash, hashes))
+        last = self._hold(slot, at, end, parent_hash, hashes, True)
+        self._touch_up(last)
+        self._merge_up(last)
         self._evict_over_budget()
 
     def apply_events(
@@ -283,9 +298,12 @@ class PrefixIndex:
             counts[low.bit_length() - 1] += delta
             mask ^= low
 
-    def _hold(self, slot: int, at: _Node | None, end: int, up: int | None, hashes: list[int]) -> _Node:
+    def _hold(
+        self, slot: int, at: _Node | None, end: int, up: int | None, hashes: list[int], stored: bool
+    ) -> _Node:
         """Set ``slot``'s bit on the chain ``hashes``, which follows block ``end - 1`` of node
-        ``at`` (None: a parentless run after hash ``up``). Touches and returns the last node."""
+        ``at`` (None: a parentless run after hash ``up``), and its confirmed bit if ``stored`` (a
+        worker event). Touches and returns the last node."""
         bit, where = 1 << slot, self._where
         i, n = 0, len(hashes)
         while i < n:
@@ -293,7 +311,7 @@ class PrefixIndex:
             if node is None:  # new blocks from here: one new run (or the extension of ``at``)
                 if at is not None and end < len(at.run):
                     at = self._split(at, end)[0]
-                added = self._new_run(bit, at, up, hashes[i:])  # a copy: runs are cut in place
+                added = self._new_run(bit, at, up, hashes[i:], stored)  # a copy: runs are cut in place
                 i += added
                 at = where[hashes[i - 1]]
                 end = len(at.run)
@@ -312,18 +330,24 @@ class PrefixIndex:
                 self._counts[slot] += k
             elif off + k < len(node.run):  # the chain ends (or leaves) partway: the rest stays untouched
                 node = self._split(node, off + k)[0]
+            if stored:  # NOTE: a run that starts inside the node confirms its prefix there too
+                node.confirmed |= bit
             self._touch_up(node)  # NOTE: bogus chains may jump between branches
             at, end = node, off + k
             i += k
         return at  # type: ignore[return-value]
 
-    def _new_run(self, bit: int, at: _Node | None, up: int | None, run: list[int]) -> int:
+    def _new_run(self, bit: int, at: _Node | None, up: int | None, run: list[int], stored: bool) -> int:
         """Store blocks new to the index as one run after ``at``; returns how many were new (a
         chain that meets known blocks or repeats a hash is cut there)."""
         where, tick = self._where, self._tick
         # NOTE: a sole holder's leaf grows in place, so a long conversation stays one node.
-        extend = at is not None and not at.children and at.mask == bit
-        owner = at if at is not None and extend else _Node([], bit, tick, at, None if at else up)
+        extend = at is not None and not at.children and at.mask == bit and bool(at.confirmed) == stored
+        owner = (
+            at
+            if at is not None and extend
+            else _Node([], bit, tick, at, None if at else up, bit if stored else 0)
+        )
         before = len(where)
         deque(map(where.setdefault, run, repeat(owner)), maxlen=0)
         if len(where) - before != len(run):
@@ -357,6 +381,28 @@ class PrefixIndex:
                 del where[h]
         return run[:keep]
 
+    def _merge_up(self, node: _Node) -> None:
+        """Join ``node`` to its parent's run while nothing tells them apart any more: the parent's
+        only child, the same holders, each confirmed alike. A worker's next turn is inserted as a
+        child of its stored conversation (unconfirmed blocks must not extend a confirmed run);
+        once stored, it joins it again, so a long conversation stays one node."""
+        up = node.parent
+        while (
+            up is not None
+            and len(up.children) == 1
+            and (up.mask, up.confirmed) == (node.mask, node.confirmed)
+        ):
+            up.run.extend(node.run)
+            self._where.update(zip(node.run, repeat(up)))
+            up.children = node.children
+            for child in up.children.values():
+                child.parent = up
+            if not up.children:
+                self._push_leaf(up)
+            node.children, node.mask, node.confirmed = {}, 0, 0  # NOTE: dead: the heap skips it
+            self._nodes -= 1
+            node, up = up, up.parent
+
     def _adopt_orphans(self, run: list[int]) -> None:
         """Parentless runs waiting under a hash of ``run`` become children of its node."""
         roots, where = self._roots, self._where
@@ -388,14 +434,14 @@ class PrefixIndex:
         run = node.run
         self._nodes += 1
         if 2 * k <= len(run):
-            head = _Node(run[:k], node.mask, node.tick, node.parent, node.up)
+            head = _Node(run[:k], node.mask, node.tick, node.parent, node.up, node.confirmed)
             del run[:k]
             self._siblings(head)[head.run[0]] = head
             head.children = {run[0]: node}
             node.parent, node.up = head, None
             self._where.update(zip(head.run, repeat(head)))
             return head, node
-        tail = _Node(run[k:], node.mask, node.tick, node, None)
+        tail = _Node(run[k:], node.mask, node.tick, node, None, node.confirmed)
         del run[k:]
         tail.children, node.children = node.children, {tail.run[0]: tail}
         for child in tail.children.values():
@@ -454,6 +500,7 @@ class PrefixIndex:
             self._drop(node)
             return
         node.mask ^= 1 << slot
+        node.confirmed &= ~(1 << slot)
         self._entries -= len(node.run)
         self._counts[slot] -= len(node.run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -415,17 +416,21 @@ def test_a_router_serves_its_first_request_knowing_the_caches_its_workers_alread
     assert blocks >= 70 and matched == blocks
 
 
-def _abandon(launch, worker_args: list[str], text: str, timeouts: list[float]) -> tuple[list[str], float]:
-    """Send one prompt per client timeout (half of them streamed) through a router to one sim
-    worker; once it is idle, wait for the router's index to equal the worker's cache. Returns each
-    request's outcome and the worker's cached pages."""
+def _abandon(
+    launch, worker_args: list[str], prompt: Callable[[int], str], timeouts: list[float], first: float = 0.0
+) -> tuple[list[str], float]:
+    """Send ``prompt(i)`` with client timeout ``timeouts[i]`` (half of them streamed) through a
+    router to one sim worker, the others ``first`` s after request 0; once the worker is idle,
+    wait for the router's index to equal the worker's cache. Returns each request's outcome and
+    the worker's cached pages."""
     worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", *worker_args)
     router = launch.router([worker.url])
     wait_until(lambda: metric(router.url, "radixgate_upstream_kv_resyncs_total"
                               f'{{worker="{worker.url}"}}') >= 1, 30, what="the worker synced")  # fmt: skip
 
     def send(i: int) -> str:
-        body = {"model": "sim-8b", "prompt": f"{i:03d} {text} " * 70, "max_tokens": 2, "stream": i % 2 == 0}
+        time.sleep(first if i else 0.0)
+        body = {"model": "sim-8b", "prompt": prompt(i), "max_tokens": 2, "stream": i % 2 == 0}
         try:
             with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=timeouts[i]) as resp:
                 resp.read()
@@ -450,7 +455,9 @@ def test_requests_whose_clients_left_them_queued_leave_no_prefix_in_the_index(la
     their optimistic inserts back, and the worker's KV events put back what it did compute, so
     the index ends equal to the worker's cache instead of holding prompts never computed."""
     # NOTE: ~1,820 tokens, under 2,048: one prefill chunk, so a request is computed whole or not at all
-    outcomes, cached = _abandon(launch, ["--max-running", "1"], "queued and abandoned", [0.5] * 16)
+    outcomes, cached = _abandon(
+        launch, ["--max-running", "1"], lambda i: f"{i:03d} queued and abandoned " * 70, [0.5] * 16
+    )
     assert outcomes.count("left") >= 8, outcomes  # ~140 ms of prefill each, one at a time
     assert cached < 16 * 113  # not every prompt was computed (113 full blocks each)
 
@@ -461,9 +468,27 @@ def test_requests_whose_clients_left_between_prefill_chunks_leave_only_the_compu
     take-back removes the rest, so the index ends equal to the worker's cache."""
     # NOTE: 8 prefill chunks of ~130 ms each; every client leaves at its own point of them
     args = ["--max-running", "4", "--chunked-prefill-tokens", "256", "--sim-prefill-ms-per-token", "0.5"]
-    outcomes, cached = _abandon(launch, args, "left partway through", [0.3 + 0.2 * i for i in range(8)])
+    outcomes, cached = _abandon(
+        launch, args, lambda i: f"{i:03d} left partway through " * 70, [0.3 + 0.2 * i for i in range(8)]
+    )
     assert outcomes.count("left") >= 4, outcomes
     assert 0 < cached < 8 * 113  # some chunks were computed, not every prompt (113 full blocks each)
+
+
+def test_a_document_every_request_abandoned_in_the_queue_leaves_the_index(launch):
+    """Requests sharing a document queue behind a long one; the later ones are routed to the worker
+    because the first one's insert put the document there. All are abandoned in the queue, so the
+    document is never computed: the last take-back removes it too (no stored event named it), and
+    the index does not keep predicting it there."""
+    # NOTE: request 0 (~4,000 tokens at 1 ms a token) runs alone for ~4 s; the rest wait behind it
+    args = ["--max-running", "1", "--sim-prefill-ms-per-token", "1"]
+
+    def prompt(i: int) -> str:
+        return "the long one ahead " * 210 if i == 0 else "one shared document " * 90 + f"question {i}"
+
+    outcomes, cached = _abandon(launch, args, prompt, [15.0] + [0.5] * 8, first=0.3)
+    assert outcomes == ["answered"] + ["left"] * 8
+    assert 0 < cached < 300  # request 0's prompt only (~250 pages): the document was never computed
 
 
 class _SlowSnapshotWorker:
