@@ -187,7 +187,7 @@ class Policy:
         ``max_blocks``) are looked at: the rest of a long prompt is never hashed for it."""
         start = 0 if followed else held_blocks
         if len(req.block_hashes) > start:
-            self.index.take_back(url, req.block_hashes[start:max_blocks], tick, keep_confirmed=followed)
+            self.index.take_back(url, req.block_hashes[start:max_blocks], tick)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "params": dict(self.params)}

@@ -184,25 +184,23 @@ class PrefixIndex:
         self._evict_over_budget()
         return self._tick
 
-    def take_back(
-        self, worker: str, block_hashes: Sequence[int], tick: int, keep_confirmed: bool = False
-    ) -> None:
+    def take_back(self, worker: str, block_hashes: Sequence[int], tick: int) -> None:
         """Undo an insert made at ``tick`` (the worker refused the request): ``worker`` loses those
         of ``block_hashes`` whose node nothing has touched since, neither another request's insert
         nor a stored event; blocks someone else relies on stay (ticks are per node, so in doubt a
         block stays; a touch that ends partway into a node splits it there, so another prompt that
         shares the first blocks, or a stored event for the first prefill chunk, keeps just those).
         Ticks only grow, and a node's is at least its children's, so what goes is a tail: no hole
-        is opened. ``keep_confirmed``: blocks a stored event of the worker named stay whatever
-        touched them (the worker said it holds them), so ``block_hashes`` may include the prefix the
-        insert found predicted there; what goes is what follows the last block that stays."""
+        is opened. Blocks a stored event of the worker named stay whatever touched them (the worker
+        said it holds them), so ``block_hashes`` may include the prefix the insert found predicted
+        there; what goes is what follows the last block that stays."""
         bit = 1 << self._slot[worker] if worker in self._slot else 0
         untouched = []
         for h in block_hashes:
             node = self._where.get(h)
             if node is None or not node.mask & bit:
                 continue
-            if node.tick != tick or (keep_confirmed and node.confirmed & bit):
+            if node.tick != tick or node.confirmed & bit:
                 untouched.clear()  # NOTE: it stays, so nothing before it may go
             else:
                 untouched.append(h)

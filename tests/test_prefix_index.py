@@ -289,7 +289,7 @@ def test_invariants_hold_under_budget_pressure_and_bogus_events(ops: list[tuple]
             if inserts:
                 w, hashes, tick = inserts[cut % len(inserts)]
                 held = index.match(hashes).get(w, 0)
-                index.take_back(w, hashes, tick, keep_confirmed=cut % 2 == 0)
+                index.take_back(w, hashes, tick)
                 slot = index._slot[w]
                 after = [index._where.get(h) is not None and index._where[h].mask >> slot & 1 for h in hashes]
                 assert after[:held] == sorted(after[:held], reverse=True), "a take-back opened a hole"
@@ -370,27 +370,27 @@ def test_take_back_keeps_the_prefill_chunks_the_worker_stored_and_drops_the_rest
 
 
 def test_a_followed_take_back_removes_a_predicted_prefix_no_stored_event_named() -> None:
-    """Where the index follows the worker's events (keep_confirmed), a take-back covers the prefix
+    """Where the index follows the worker's events (Policy.on_refused), a take-back covers the prefix
     its request was predicted to find too: a document only other abandoned requests put there
     goes with the last of them, while what a stored event named stays whatever touched it."""
     doc, q1, q2 = list(range(1, 41)), [100, 101], [200, 201]
     index = PrefixIndex()
     first = index.insert("w", chain(doc + q1))  # predicted nothing there
     second = index.insert("w", chain(doc + q2))  # routed there on the first one's prediction
-    index.take_back("w", chain(doc + q1), first, keep_confirmed=True)
+    index.take_back("w", chain(doc + q1), first)
     assert index.match(chain(doc + q2)) == {"w": len(doc) + len(q2)}  # the second relies on the document
     assert index.match(chain(doc + q1)) == {"w": len(doc)}
-    index.take_back("w", chain(doc + q2), second, keep_confirmed=True)
+    index.take_back("w", chain(doc + q2), second)
     assert index.num_entries == 0
     _check_invariants(index)
     # the same with the document stored by the worker: it stays, the question goes
     index.apply_stored("w", None, chain(doc))
     tick = index.insert("w", chain(doc + q2))
-    index.take_back("w", chain(doc + q2), tick, keep_confirmed=True)
+    index.take_back("w", chain(doc + q2), tick)
     assert index.match(chain(doc + q2)) == {"w": len(doc)} and index.num_entries == len(doc)
     # a stored leaf that an insert goes on from is not extended with the unconfirmed blocks
     tick = index.insert("w", chain(doc + q1))
-    index.take_back("w", chain(doc + q1), tick, keep_confirmed=True)
+    index.take_back("w", chain(doc + q1), tick)
     assert index.match(chain(doc + q1)) == {"w": len(doc)} and index.num_entries == len(doc)
     # without the worker's events nothing tells the two apart: the predicted prefix is not looked at
     # (Policy.on_refused passes only what follows it), and the rest goes by ticks alone
