@@ -270,7 +270,7 @@ def test_quantization_fp8_serves_a_16_bit_checkpoint_as_its_rows_quantized(tmp_p
     of a checkpoint holding those quantized weights dequantized (not the checkpoint's own: it is rounded)."""
     from safetensors.torch import load_file, save_file
 
-    from worker.model.llama import FP8_PROJECTION
+    from worker.model.checkpoint import FP8_PROJECTION
 
     base = save_checkpoint(tmp_path / "base", model_type, **overrides)
     quantized = load_model(str(base), quantization="fp8")

@@ -19,7 +19,7 @@ from router.tokenization import ByteTokenizer, HFTokenizer
 from worker.forward_batch import ForwardBatch
 from worker.kv_pool import KVPool, slots_for
 from worker.model import LlamaForCausalLM, ModelConfig, load_model
-from worker.model.llama import rope_attention_factor, rope_inv_freq
+from worker.model.rope import rope_attention_factor, rope_inv_freq
 
 PAGE_SIZE = 4  # tokens
 ATOL = 2e-4

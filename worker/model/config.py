@@ -29,7 +29,7 @@ SUPPORTED_MODEL_TYPES = (
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "gpt_oss")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# the parameters each scaled RoPE type reads (worker.model.llama.rope_inv_freq)
+# the parameters each scaled RoPE type reads (worker.model.rope.rope_inv_freq)
 _ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),

@@ -10,8 +10,6 @@ layer's experts into one [E, 2I, H] and one [E, H, I] tensor (kernels.moe runs t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import re
 from collections.abc import Iterable
 from types import ModuleType
@@ -20,92 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import reference
 from worker import attention
 from worker.forward_batch import ForwardBatch
+from worker.model.checkpoint import LAYER_WEIGHT, canonical_weights, quantized_at_load
 from worker.model.config import ModelConfig
 from worker.model.lora import LoraStack
+from worker.model.rope import local_rope_config, rope_cos_sin_cache
 from worker.model.shard import WHOLE, Shard, rows_per_entry
 
 
 def _weight(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2] (float64), with linear, llama3 or YaRN scaling applied."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    if scaling["rope_type"] == "yarn":
-        return _yarn_inv_freq(inv_freq, factor, scaling, config)
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_context = float(scaling["original_max_position_embeddings"])  # tokens
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    blended = torch.where(wavelen > old_context / low, inv_freq / factor, blended)
-    return torch.where(wavelen < old_context / high, inv_freq, blended)
-
-
-def _yarn_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict, config: ModelConfig) -> torch.Tensor:
-    """YaRN (arXiv:2309.00071): a frequency that turns fewer than ``beta_slow`` times over the
-    pretraining context is divided by ``factor`` (interpolated), one that turns more than
-    ``beta_fast`` times is kept (extrapolated), and between them the two blend linearly in the
-    dimension index, the bounds rounded outwards unless ``truncate`` is false (as transformers does)."""
-    d, base = config.head_dim, config.rope_theta
-    old_context = float(scaling["original_max_position_embeddings"])  # tokens
-
-    def dim_of(turns: float) -> float:  # the dimension index whose frequency turns ``turns`` times
-        return d * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    span = high - low if high != low else 1e-3  # NOTE: as transformers guards it
-    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / span).clamp(0.0, 1.0)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
-
-
-def rope_attention_factor(config: ModelConfig) -> float:
-    """What YaRN multiplies cos and sin by (so every attention score by its square): its
-    ``attention_factor``, else 0.1 ln(factor) + 1, or that with DeepSeek's ``mscale`` /
-    ``mscale_all_dim`` weights (a ratio); 1 for the other RoPE types."""
-    scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
-
-    def mscale(weight: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
-
-    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
-    return mscale(1.0)
-
-
-def rope_cos_sin_cache(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """[max_context, D] float32: cos in [:, :D/2], sin in [:, D/2:] (kernels.reference layout), both
-    times rope_attention_factor. A config with ``local_rope_theta`` set to a base gives its sliding
-    layers' cache: default RoPE of that base (see local_rope_config)."""
-    positions = torch.arange(config.max_context, dtype=torch.float64)
-    freqs = torch.outer(positions, rope_inv_freq(config))
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(config)
-    return cos_sin.float().to(device)
-
-
-def local_rope_config(config: ModelConfig) -> ModelConfig:
-    """The config whose RoPE is that of the sliding layers (Gemma 3: default RoPE of local_rope_theta)."""
-    return dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
 
 
 def _norm_weight(size: int, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -331,17 +254,9 @@ class DecoderLayer(nn.Module):
         return out + shared * torch.sigmoid(F.linear(h, self.shared_gate))
 
 
-# sinks: gpt-oss's, self_attn's; scales: MXFP4 experts' (of mlp.experts.N.gate_proj / up_proj / down_proj);
-# weight_scale: the scales of a projection kept in fp8 (--fp8-weights); input_scale: its input's static scale
-_LAYER_WEIGHT = re.compile(
-    r"model\.layers\.(\d+)\.(.+)\.(weight|bias|sinks|scales|weight_scale|input_scale|k_scale|v_scale)$"
-)
 # Gemma's four norms a layer, as this model names their places (post_attention_layernorm: the MLP's input)
 _GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
                 "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
-# Mixtral's names for a sparse layer: block_sparse_moe.gate and block_sparse_moe.experts.N.w1 / w3 / w2
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(?:gate|(experts\.\d+\.)(w[123]))\.")
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # what a stacked projection's (q/k/v, gate/up) weight, bias or kept fp8 scales fill: the layer's <group>_<this>
 _STACKED_KINDS = {"weight": "proj", "bias": "bias", "weight_scale": "scale"}
 # the place of each part's static input scale in its stacked projection's (DecoderLayer's *_input_scale)
@@ -349,192 +264,7 @@ _INPUT_SCALE_PLACE = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v
                       "mlp.up_proj": 1}  # fmt: skip
 
 
-# Granite 3 MoE's stacked weights: every expert's gate and up rows in one input_linear [E, 2I, H], their down
-# projections in one output_linear [E, H, I], the router's as router.layer; the shared expert's likewise
-_GRANITE_MOE = re.compile(
-    r"(model\.layers\.\d+\.)(block_sparse_moe\.input_linear|block_sparse_moe\.output_linear|"
-    r"block_sparse_moe\.router\.layer|shared_mlp\.input_linear|shared_mlp\.output_linear)\.weight$"
-)
-
-
-def _granite_moe_parts(m: re.Match, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-    """A _GRANITE_MOE weight as the Qwen-MoE named weights it stacks (gate rows before up rows)."""
-    layer, part = m.group(1), m.group(2)
-    if part == "block_sparse_moe.router.layer":
-        yield f"{layer}mlp.gate.weight", tensor
-        return
-    if part.startswith("shared_mlp"):
-        owned = [(f"{layer}mlp.shared_expert.", tensor)]
-    else:  # NOTE: every expert's, stacked along the first dimension
-        owned = [(f"{layer}mlp.experts.{e}.", w) for e, w in enumerate(tensor)]
-    for owner, w in owned:
-        if part.endswith("output_linear"):
-            yield f"{owner}down_proj.weight", w
-        else:
-            gate, up = w.chunk(2)
-            yield f"{owner}gate_proj.weight", gate
-            yield f"{owner}up_proj.weight", up
-
-
-# an fp8 checkpoint's scales: weight_scale_inv (HF's fine-grained fp8) or weight_scale (compressed-tensors), a
-# weight's multiplier despite the first name; a projection's input_scale (its input's calibrated scale) is
-# read under --fp8-activations static, the KV scales (self_attn.k_scale / v_scale, or k_proj / v_proj's
-# output_scale in older releases) over an fp8 pool; other output scales are not used
-_FP8_SCALE = re.compile(r"(.+)\.weight_scale(?:_inv)?$")
-_FP8_UNUSED = re.compile(r"(.+)\.(input_scale|output_scale|k_scale|v_scale)$")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# a KV scale's names: self_attn.k_scale / v_scale, or self_attn.k_proj / v_proj.output_scale
-_KV_SCALE = re.compile(r"(.+\.self_attn)\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
-# the projections an fp8 checkpoint keeps in fp8 under --fp8-weights fp8 (the owner of a weight and its scale):
-# every layer's attention q/k/v/o, a dense layer's MLP gate/up/down and every expert's (Mixtral's w1 / w3 / w2
-# names too); shared experts, routers and the LM head are dequantized
-FP8_PROJECTION = re.compile(
-    r"(?:^|\.)model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj|"
-    r"block_sparse_moe\.experts\.\d+\.w[123])$"
-)
-
-
-def _fp8_dequantized(
-    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None, dtype: torch.dtype,
-    keep: bool = False, inputs: bool = False, kv_heads: int = 0,
-) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
-    """``weights`` with each fp8 weight and its scale, whichever is read first, as one weight dequantized to
-    ``dtype`` (kernels.reference.dequantize_fp8_weight: a scale a ``block``, else a tensor's or a row's), or
-    with ``keep`` an FP8_PROJECTION's as they are, the weight and its scales (``<owner>.weight_scale``:
-    float32, one a block, else one a row, [N, 1]); with ``inputs`` (and ``keep``) each FP8_PROJECTION's
-    static ``input_scale`` too (float32 [1]); with ``kv_heads`` (the model's KV heads) each layer's KV scales
-    as ``self_attn.k_scale`` / ``v_scale`` (float32 [kv_heads], _kv_scale); other weights (norms, embeddings,
-    layers the checkpoint left unquantized) as they are. A weight without its scale, or a scale without its
-    weight, is a ValueError naming it; so is an input scale of more than one value, or a KV scale of neither
-    one nor one a KV head."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        unused, kv_scale = _FP8_UNUSED.match(name), _KV_SCALE.match(name)
-        if unused is not None:
-            if inputs and keep and unused[2] == "input_scale" and FP8_PROJECTION.search(unused[1]):
-                yield name, _one_scale(name, tensor, "static input")
-            elif kv_heads and kv_scale is not None:
-                yield f"{kv_scale[1]}.{kv_scale[2] or kv_scale[3]}_scale", _kv_scale(name, tensor, kv_heads)
-            continue
-        scale = _FP8_SCALE.match(name)
-        if scale is None and not (name.endswith(".weight") and tensor.dtype in _FP8):
-            yield name, tensor
-            continue
-        owner = scale.group(1) if scale else name.removesuffix(".weight")
-        pair = waiting.setdefault(owner, {})
-        pair["scale" if scale else "weight"] = tensor
-        if len(pair) == 2 and keep and FP8_PROJECTION.search(owner):
-            del waiting[owner]
-            yield f"{owner}.weight", pair["weight"]
-            yield f"{owner}.weight_scale", _row_or_block_scales(pair["scale"], pair["weight"].shape[0], block)
-        elif len(pair) == 2:
-            del waiting[owner]
-            yield (
-                f"{owner}.weight",
-                reference.dequantize_fp8_weight(pair["weight"], pair["scale"], block, dtype),
-            )
-    for owner, pair in waiting.items():
-        has, lacks = ("weight", "its scale") if "weight" in pair else ("scale", "its fp8 weight")
-        raise ValueError(f"checkpoint has the fp8 {has} of {owner} without {lacks}")
-
-
-def _one_scale(name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
-    """A per-tensor scale as float32 [1]; ValueError naming it where it holds more than one value."""
-    if tensor.numel() != 1:
-        raise ValueError(f"{name} has {tensor.numel()} values: {kind} scales are one a tensor")
-    return tensor.float().reshape(1)
-
-
-def _kv_scale(name: str, tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A KV scale as float32 [kv_heads]: one a tensor repeated for every KV head, or one a head as it is
-    (compressed-tensors' attn_head, stored [heads] or [heads, 1, 1]); ValueError naming it otherwise."""
-    if tensor.numel() not in (1, kv_heads):
-        raise ValueError(
-            f"{name} has {tensor.numel()} values: KV scales are one a tensor or one a KV head ({kv_heads})"
-        )
-    return tensor.float().reshape(-1).expand(kv_heads).contiguous()
-
-
-def _quantized_at_load(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-    """``weights`` (canonical names) with each FP8_PROJECTION's 16- or 32-bit weight as e4m3 codes and
-    their scales (``<owner>.weight_scale``), one a row (kernels.reference.quantize_fp8_rows): a 16-bit
-    checkpoint served with --quantization fp8. Other weights as they are."""
-    for name, tensor in weights:
-        owner = name.removesuffix(".weight")
-        if name.endswith(".weight") and FP8_PROJECTION.search(owner) and tensor.dtype not in _FP8:
-            codes, scales = reference.quantize_fp8_rows(tensor)
-            yield name, codes
-            yield f"{owner}.weight_scale", scales
-        else:
-            yield name, tensor
-
-
-def _row_or_block_scales(scale: torch.Tensor, rows: int, block: tuple[int, int] | None) -> torch.Tensor:
-    """A kept fp8 weight's scales as the model holds them (float32): one a block as they are, else one a
-    row [rows, 1] (a tensor's one scale repeated, so that stacked q/k/v keep each their own)."""
-    if block is not None:
-        return scale.float()
-    if scale.numel() not in (1, rows):
-        raise ValueError(f"an fp8 weight of {rows} rows has scales {list(scale.shape)}: not one a row")
-    return scale.float().reshape(-1, 1).expand(rows, 1)
-
-
-# gpt-oss's sparse layer: the router as mlp.router; the experts stacked, [E, in, out] with gate and up
-# interleaved (out columns 2i and 2i + 1), their biases [E, out], or in MXFP4 as _blocks and _scales in the
-# [E, out, ...] layout of a Linear weight (kernels.reference.dequantize_mxfp4; blocks [E, out, in/32, 16])
-_GPT_OSS_MLP = re.compile(
-    r"(model\.layers\.\d+\.mlp\.)(?:router\.(weight|bias)|experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)$"
-)
-
-
-def _gpt_oss_parts(
-    m: re.Match, tensor: torch.Tensor, waiting: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype | None
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """A _GPT_OSS_MLP weight as the Qwen-MoE named weights it holds, per expert (gate rows before up rows).
-    MXFP4 codes and scales go as they are (``dtype`` None: the model keeps them), as each expert's weight
-    ([out, in/2] uint8) and scales ([out, in/32]); else the halves wait until both have been
-    read (``waiting``), then are dequantized to ``dtype`` one expert at a time."""
-    mlp, router_kind, proj, suffix = m.groups()
-    if router_kind is not None:
-        yield f"{mlp}gate.{router_kind}", tensor
-        return
-    if suffix in ("_blocks", "_scales") and dtype is None:
-        kind = "weight" if suffix == "_blocks" else "scales"
-        for e, part in enumerate(tensor):
-            yield from _gpt_oss_expert(mlp, e, proj, kind, part.flatten(-2) if kind == "weight" else part)
-        return
-    if suffix in ("_blocks", "_scales"):
-        halves = waiting.setdefault(f"{mlp}experts.{proj}", {})
-        halves[suffix] = tensor
-        if len(halves) < 2:
-            return
-        del waiting[f"{mlp}experts.{proj}"]
-        for e in range(tensor.shape[0]):
-            weight = reference.dequantize_mxfp4(halves["_blocks"][e].flatten(-2), halves["_scales"][e], dtype)
-            yield from _gpt_oss_expert(mlp, e, proj, "weight", weight)
-        return
-    kind = "bias" if suffix == "_bias" else "weight"
-    for e, part in enumerate(tensor):
-        yield from _gpt_oss_expert(mlp, e, proj, kind, part if kind == "bias" else part.T)
-
-
-def _gpt_oss_expert(
-    mlp: str, e: int, proj: str, kind: str, t: torch.Tensor
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """Expert ``e``'s weight [out, in] or bias [out] of ``proj``, gate and up de-interleaved."""
-    if proj == "down_proj":
-        yield f"{mlp}experts.{e}.down_proj.{kind}", t
-    else:
-        yield f"{mlp}experts.{e}.gate_proj.{kind}", t[0::2]
-        yield f"{mlp}experts.{e}.up_proj.{kind}", t[1::2]
-
-
 _EXPERT_PART = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")  # canonical names
-
-
-def _mixtral_to_qwen(m: re.Match) -> str:
-    """The Qwen-MoE name of a _MIXTRAL_EXPERT match: .mlp.gate. or .mlp.experts.N.gate_proj. (up, down)."""
-    return ".mlp.gate." if m.group(1) is None else f".mlp.{m.group(1)}{_MIXTRAL_PROJ[m.group(2)]}."
 
 
 class LlamaForCausalLM(nn.Module):
@@ -640,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
             return None if c.tie_word_embeddings else self.lm_head
         if name == "model.norm.weight":
             return self.norm
-        m = _LAYER_WEIGHT.match(name)
+        m = LAYER_WEIGHT.match(name)
         if m is None or int(m.group(1)) >= c.num_layers:
             raise ValueError(f"unexpected weight {name!r} in checkpoint")
         layer: DecoderLayer = self.layers[int(m.group(1))]  # type: ignore[assignment]
@@ -695,7 +425,8 @@ class LlamaForCausalLM(nn.Module):
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
 
     def _expert_slot(self, layer: DecoderLayer, part: str, kind: str) -> torch.Tensor | None:
-        """What a sparse layer's ``mlp.*`` weight or bias ``part`` fills (canonical names, see _canonical)."""
+        """What a sparse layer's ``mlp.*`` weight or bias ``part`` fills (canonical names, as
+        checkpoint.canonical_weights gives them)."""
         inter, shared = layer.inter, layer.shared_inter
         m = _EXPERT_PART.fullmatch(part)
         if m is not None:
@@ -754,9 +485,9 @@ class LlamaForCausalLM(nn.Module):
         an unknown or repeated name, a shape mismatch, or when any parameter was left unfilled (naming
         the weights missing)."""
         filled, seen = 0, set()
-        stream = self._canonical(weights)
+        stream = canonical_weights(weights, self.config, self.dtype)
         if self.config.fp8_projections and not self.config.fp8_weights:  # NOTE: --quantization fp8
-            stream = _quantized_at_load(stream)
+            stream = quantized_at_load(stream)
         for name, tensor in stream:
             target = self.weight_slot(name)
             if target is None:
@@ -800,57 +531,6 @@ class LlamaForCausalLM(nn.Module):
                     for p in (o, layer.o_bias, down, layer.down_bias, experts_down, layer.shared_down):
                         if p is not None:
                             p.mul_(r)
-
-    def _canonical(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack
-        (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
-        Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
-        tensor-parallel splits and checks see one layout; Granite 3 MoE's stacked experts likewise, per expert.
-        Of a multimodal checkpoint, the language model's weights (language_model.*) without their prefix. An
-        fp8 checkpoint's weights dequantized with their scales first."""
-        c = self.config
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
-        if c.fp8_weights:
-            weights = _fp8_dequantized(
-                weights,
-                c.fp8_weight_block,
-                self.dtype,
-                keep=c.fp8_projections,
-                inputs=c.fp8_input_scales,
-                kv_heads=c.num_kv_heads if c.kv_scales else 0,
-            )
-        for name, tensor in weights:
-            if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
-                if not name.startswith("language_model."):
-                    continue
-                name = name.removeprefix("language_model.")
-            granite = _GRANITE_MOE.match(name)
-            if granite is not None:
-                yield from _granite_moe_parts(granite, tensor)
-                continue
-            gpt_oss = _GPT_OSS_MLP.match(name) if c.model_type == "gpt_oss" else None
-            if gpt_oss is not None:
-                yield from _gpt_oss_parts(gpt_oss, tensor, waiting, None if c.mxfp4_experts else self.dtype)
-                continue
-            name = _MIXTRAL_EXPERT.sub(_mixtral_to_qwen, name)
-            m = _LAYER_WEIGHT.match(name)
-            part = m.group(2) if m else None
-            if part == "self_attn.qkv_proj" and tensor.shape[0] == q + 2 * kv:
-                head = name[: m.start(2)]  # type: ignore[union-attr]
-                for proj, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
-                    yield f"{head}self_attn.{proj}.{m.group(3)}", rows  # type: ignore[union-attr]
-            elif part == "mlp.gate_up_proj" and tensor.shape[0] == 2 * c.intermediate_size:
-                head = name[: m.start(2)]  # type: ignore[union-attr]
-                for proj, rows in zip(("gate_proj", "up_proj"), tensor.chunk(2), strict=True):
-                    yield f"{head}mlp.{proj}.{m.group(3)}", rows  # type: ignore[union-attr]
-            else:
-                yield name, tensor
-        for name, halves in waiting.items():
-            missing = "_scales" if "_blocks" in halves else "_blocks"
-            raise ValueError(
-                f"checkpoint has MXFP4 weight {name}{next(iter(halves))} without its {name}{missing}"
-            )
 
     def _weight_names(self) -> list[str]:
         """The HF names of every weight this model loads."""

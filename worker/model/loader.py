@@ -17,8 +17,9 @@ import torch
 from kernels.host_checks import e4m3_supported
 from router.tokenization import ByteTokenizer, HFTokenizer, PromptTokenizer
 from worker.config import FP8_ACTIVATION_CHOICES, FP8_WEIGHT_CHOICES, MXFP4_CHOICES, QUANTIZATION_CHOICES
+from worker.model.checkpoint import FP8_PROJECTION
 from worker.model.config import ModelConfig
-from worker.model.llama import FP8_PROJECTION, LlamaForCausalLM
+from worker.model.llama import LlamaForCausalLM
 from worker.model.shard import WHOLE, Shard
 from worker.model.tiny import build_tiny, tiny_config
 
@@ -115,7 +116,7 @@ def served_fp8(
 
 def quantized_at_load(config: ModelConfig, quantization: str, device: torch.device) -> ModelConfig:
     """``config`` as ``--quantization`` serves a 16-bit checkpoint: ``fp8``: its projections (those an fp8
-    checkpoint keeps in fp8, llama.FP8_PROJECTION) quantized to e4m3 at load, one scale a row, and
+    checkpoint keeps in fp8, checkpoint.FP8_PROJECTION) quantized to e4m3 at load, one scale a row, and
     multiplied as kept fp8 ones are; ``none``: as it is. ValueError for a checkpoint already quantized (fp8,
     or MXFP4 experts kept packed) and below compute capability 8.9 on CUDA."""
     if quantization not in QUANTIZATION_CHOICES:
