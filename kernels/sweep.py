@@ -52,8 +52,8 @@ EXTEND_SHAPES = tuple(
     + [(32768, 1, 128), (32768, 4, 256), (32768, 8, 256), (32768, 16, 256)]
 )  # fmt: skip
 # (longest cached prefix, new tokens a request, the graph's padded token count, requests): requests in a
-# graph of GRAPH_ROWS request rows (worker.assembly.EXTEND_GRAPH_REQUESTS); up to 16 new tokens a request
-# go elsewhere. Four cache hits in one step: graph_variant's rule is from one request's rows.
+# graph of GRAPH_ROWS request rows (worker.model_executor.EXTEND_GRAPH_REQUESTS); up to 16 new tokens
+# a request go elsewhere. Four cache hits in one step: graph_variant's rule is from one request's rows.
 GRAPH_SHAPES = tuple(
     [(p, new, size, 1) for p in (0, 512, 1024, 2048, 4096, 16384) for new, size in ((20, 32), (50, 64), (100, 128), (208, 256))]
     + [(p, new, size, 4) for p in (512, 2048, 4096, 16384) for new, size in ((20, 128), (50, 256))]

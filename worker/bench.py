@@ -218,15 +218,9 @@ def build_bench_engine(cfg: WorkerConfig, model_config: ModelConfig | None = Non
     """``build_engine(cfg)`` for tiny; for a shape-only config the same wiring with random weights."""
     import torch
 
-    from worker.assembly import (
-        assemble_engine,
-        build_engine,
-        host_tier,
-        make_kv_pool,
-        model_executor,
-        tune_cpu_process,
-    )
+    from worker.assembly import assemble_engine, build_engine, host_tier, make_kv_pool, tune_cpu_process
     from worker.model.loader import model_dtype
+    from worker.model_executor import model_executor
 
     if model_config is None:
         return build_engine(cfg)
