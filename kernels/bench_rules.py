@@ -2,8 +2,8 @@
 "Candidates and the rules that take them") applied to the result's numbers, and the gpu-bench step to run next
 on the same machine. Reads a result; changes no default itself (a person applies what a rule takes).
 
-`python -m kernels.bench_rules RESULT.json` prints one line a rule, then the next step's command as its last
-line, so a device call can run it while the machine is still held: `eval "$(... | tail -1)"`.
+`python -m kernels.bench_rules RESULT.json [--seconds S]` prints one line a rule, then the next step's command
+as its last line, so a device call can run it while the machine is still held: `eval "$(... | tail -1)"`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from kernels.bench_report import LONG_CONTEXT, MANY_REQUESTS, summarize
 
 DEEP_PREFIX = 8192  # extend_attention.DEEP_PREFIX: where the eager split is on (a test keeps them equal)
 FP8_REGIMES = (("below", lambda b: b < MANY_REQUESTS), ("from", lambda b: b >= MANY_REQUESTS))  # batch
-# the next step's command, by what the rules took; deadlines leave room for gpu-bench's own start
-TUNE_DECODE = "GPU_BENCH_DEADLINE=300 bash scripts/gpu-bench tune /tmp/gt -- --kind decode"
-TUNE_FP8_DECODE = "GPU_BENCH_DEADLINE=200 bash scripts/gpu-bench tune /tmp/gt -- --kind decode --kv-dtype fp8"
-TUNE_FP8_EXTEND = "GPU_BENCH_DEADLINE=200 bash scripts/gpu-bench tune /tmp/gt -- --kind extend --kv-dtype fp8"
-FP8_ENGINE = "GPU_BENCH_DEADLINE=150 bash scripts/gpu-bench worker /tmp/gw -- --kv-cache-dtype fp8_e4m3"
+# the next step, by what the rules took: (its deadline in s, the gpu-bench arguments)
+TUNE_DECODE = (300, "tune /tmp/gt -- --kind decode")
+TUNE_FP8_DECODE = (200, "tune /tmp/gt -- --kind decode --kv-dtype fp8")
+TUNE_FP8_EXTEND = (200, "tune /tmp/gt -- --kind extend --kv-dtype fp8")
+FP8_ENGINE = (150, "worker /tmp/gw -- --kv-cache-dtype fp8_e4m3")
+MARGIN_S = 20  # of the seconds a call has left, kept for what runs after the step (packing its files)
 # extend_fp8_speedup_min before the fp8 pool's extend tiles (FP8_PREFIX_TILES) were tuned: H200, 2026-11-29,
 # second run, 0.705 at 16 x (16384 + 1024)
 LAST_EXTEND_FP8_MIN = 0.705
@@ -154,38 +155,47 @@ def decide(result: dict) -> list[Decision]:
     ]
 
 
-def next_step(decisions: Sequence[Decision]) -> str:
+def next_step(decisions: Sequence[Decision], seconds: float | None = None) -> str:
     """The gpu-bench command to run next on the same machine: the decode tune when the pipelined tiles are
     taken (1(d): it picks among them), else the fp8 decode tune when a regime goes back to its old tiles
-    (11(a)), else the fp8 extend tune (11(d)), else the fp8 pool's engine rows."""
+    (11(a)), else the fp8 extend tune (11(d)), else the fp8 pool's engine rows. ``seconds``: what the call
+    has left; the step's deadline shrinks to fit (the step then writes the rows it measured in time)."""
     taken = {(d.rule, d.what) for d in decisions if d.taken}
     if any(rule == "1(a)" and "`pipelined`" in what for rule, what in taken):
-        return TUNE_DECODE
-    if any(rule == "11(a)" for rule, _ in taken):
-        return TUNE_FP8_DECODE
-    if any(rule == "11(d)" for rule, _ in taken):
-        return TUNE_FP8_EXTEND
-    return FP8_ENGINE
+        deadline, step = TUNE_DECODE
+    elif any(rule == "11(a)" for rule, _ in taken):
+        deadline, step = TUNE_FP8_DECODE
+    elif any(rule == "11(d)" for rule, _ in taken):
+        deadline, step = TUNE_FP8_EXTEND
+    else:
+        deadline, step = FP8_ENGINE
+    if seconds is not None:
+        deadline = max(1, min(deadline, int(seconds) - MARGIN_S))
+    return f"GPU_BENCH_DEADLINE={deadline} bash scripts/gpu-bench {step}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m kernels.bench_rules RESULT.json (a kernels.bench result)", file=sys.stderr)
-        return 2
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kernels.bench_rules", description=__doc__.splitlines()[0])
+    ap.add_argument("result", type=Path, help="a kernels.bench JSON")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="what the device call has left: the next step's deadline fits it")  # fmt: skip
+    args = ap.parse_args(argv)
     try:
-        result = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+        result = json.loads(args.result.read_text(encoding="utf-8"))
         decisions = decide(result)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(
-            f"kernels.bench_rules: cannot read {args[0]} as a kernels.bench result: {exc!r}", file=sys.stderr
-        )
+        print(f"kernels.bench_rules: cannot read {args.result} as a kernels.bench result: {exc!r}",
+              file=sys.stderr)  # fmt: skip
         return 2
     device = result.get("device", {}).get("name", "?")
-    print(f"# rules on {args[0]} ({device}); TAKE: the rule takes it (apply it by hand), keep: it does not")
+    print(
+        f"# rules on {args.result} ({device}); TAKE: the rule takes it (apply it by hand), keep: it does not"
+    )
     for d in decisions:
         print(f"# {d.line()}")
-    print(next_step(decisions))
+    print(next_step(decisions, args.seconds))
     return 0
 
 

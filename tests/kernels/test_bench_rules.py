@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kernels import bench_report, bench_rules, extend_attention
 from tests.kernels.test_bench import synthetic_result
 
@@ -23,6 +25,10 @@ def with_decode(rows: list[dict]) -> dict:
     return result
 
 
+def command(step: tuple[int, str]) -> str:
+    return f"GPU_BENCH_DEADLINE={step[0]} bash scripts/gpu-bench {step[1]}"
+
+
 def taken(decisions: list[bench_rules.Decision], rule: str) -> list[bool | None]:
     return [d.taken for d in decisions if d.rule == rule]
 
@@ -35,7 +41,7 @@ def test_the_slots_ahead_are_taken_below_many_requests_only_where_no_other_row_l
     first = next(d for d in decisions if d.rule == "1(a)")
     assert first.taken is True and "`slots`" in first.what
     assert taken(decisions, "1(b)") == [True]  # from 16 requests: 1.053x, the least and the most
-    assert bench_rules.next_step(decisions) == bench_rules.FP8_ENGINE
+    assert bench_rules.next_step(decisions) == command(bench_rules.FP8_ENGINE)
     rows[1]["triton_slots_graph_ms"] = 0.0103  # 0.971x at 8 x 1k: slots would cost there
     assert taken(bench_rules.decide(with_decode(rows)), "1(a)") == [False]
 
@@ -47,10 +53,12 @@ def test_the_pipelined_tiles_taken_send_the_decode_tune_next():
     first = next(d for d in decisions if d.rule == "1(a)")
     assert first.taken is True and "`pipelined`" in first.what
     assert taken(decisions, "1(b)") == [None]  # no row from 16 requests timed it
-    assert bench_rules.next_step(decisions) == bench_rules.TUNE_DECODE
+    assert bench_rules.next_step(decisions) == command(bench_rules.TUNE_DECODE)
     rows[1]["triton_pipelined_graph_ms"] = 0.0110  # the faster at 1 x 16k loses 9% at 8 x 1k: neither taken
     decisions = bench_rules.decide(with_decode(rows))
-    assert taken(decisions, "1(a)") == [False] and bench_rules.next_step(decisions) == bench_rules.FP8_ENGINE
+    assert taken(decisions, "1(a)") == [False] and bench_rules.next_step(decisions) == command(
+        bench_rules.FP8_ENGINE
+    )
 
 
 def test_pdl_joins_only_a_candidate_taken_and_only_where_it_passes_the_same_test():
@@ -77,7 +85,7 @@ def test_fp8_rules_are_read_per_regime_of_the_fp8_tiles():
     assert taken(decisions, "11(b)") == [False, True]
     assert taken(decisions, "11(c)") == [True, False]
     assert taken(decisions, "11(e)") == [False, None]
-    assert bench_rules.next_step(decisions) == bench_rules.TUNE_FP8_DECODE
+    assert bench_rules.next_step(decisions) == command(bench_rules.TUNE_FP8_DECODE)
 
 
 def test_the_eager_split_is_judged_from_the_deep_prefix_on():
@@ -114,9 +122,15 @@ def test_the_command_reads_a_committed_run_and_ends_with_the_next_step(tmp_path,
     # that run predates the candidates: they read untimed; its fp8 extend is the bound itself (not above it)
     assert any(line.startswith("# 1(a)   untimed") for line in lines)
     assert any(line.startswith("# 11(d)  TAKE") for line in lines)
-    assert lines[-1] == bench_rules.TUNE_FP8_EXTEND
+    assert lines[-1] == command(bench_rules.TUNE_FP8_EXTEND)
+    # what the device call has left bounds the step's deadline, the packing's margin kept
+    assert bench_rules.main([str(H200_RUN), "--seconds", "150"]) == 0
+    deadline = 150 - bench_rules.MARGIN_S
+    assert capsys.readouterr().out.splitlines()[-1] == command((deadline, bench_rules.TUNE_FP8_EXTEND[1]))
     bad = tmp_path / "cut.json"
     bad.write_text(H200_RUN.read_text()[:5000])
     assert bench_rules.main([str(bad)]) == 2
     assert "cannot read" in capsys.readouterr().err
-    assert bench_rules.main([]) == 2 and "usage" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        bench_rules.main([])
+    assert stop.value.code == 2 and "usage" in capsys.readouterr().err
