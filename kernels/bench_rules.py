@@ -31,7 +31,7 @@ LAST_EXTEND_FP8_MIN = 0.705
 
 @dataclass(frozen=True)
 class Decision:
-    rule: str  # the item and rule, e.g. "1(a)"
+    rule: str  # its label in docs/kernels.md's table, e.g. "1(a)"
     what: str  # what taking it changes
     taken: bool | None  # None: this result did not time it
     why: str  # the numbers the rule read
