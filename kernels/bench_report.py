@@ -147,6 +147,13 @@ def candidates_table(speedups: dict[str, dict]) -> list[str]:
     ]
 
 
+def split_speedup(row: dict) -> float:
+    """An extend row's prefix split (ExtendConfig.split_prefix) over the worker's tiles unsplit; the row
+    timed the split (``triton_split_tflops``). Rows from before eager calls split have no
+    triton_unsplit_tflops: their default was unsplit."""
+    return row["triton_split_tflops"] / row.get("triton_unsplit_tflops", row["triton_tflops"])
+
+
 def summarize(result: dict) -> dict:
     """Target checks: decode >= 70% of copy bandwidth at long contexts; extend >= 80% of flash SDPA.
     A kind with an inaccurate row (kernels.bench_report.inaccurate) misses its target, however fast."""
@@ -159,13 +166,7 @@ def summarize(result: dict) -> dict:
 
     ratios = [r["ratio_vs_sdpa"] for r in result["extend"] if "ratio_vs_sdpa" in r]
     extend_ratio = statistics.geometric_mean(ratios) if ratios else None
-    # the prefix split (ExtendConfig.split_prefix) against the worker's tiles unsplit, where a row timed it
-    # (rows from before eager calls split have no triton_unsplit_tflops: their default was unsplit)
-    split = [
-        r["triton_split_tflops"] / r.get("triton_unsplit_tflops", r["triton_tflops"])
-        for r in result["extend"]
-        if "triton_split_tflops" in r
-    ]
+    split = [split_speedup(r) for r in result["extend"] if "triton_split_tflops" in r]
     wrong = [
         f"decode b={r['batch']} ctx={r['context']}" for r in result["decode"] if inaccurate(decode_error(r))
     ]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.bench_report import LONG_CONTEXT, MANY_REQUESTS, summarize
+from kernels.bench_report import LONG_CONTEXT, MANY_REQUESTS, split_speedup, summarize
 
 DEEP_PREFIX = 8192  # extend_attention.DEEP_PREFIX: where the eager split is on (a test keeps them equal)
 FP8_REGIMES = (("below", lambda b: b < MANY_REQUESTS), ("from", lambda b: b >= MANY_REQUESTS))  # batch
@@ -35,6 +35,7 @@ class Decision:
     what: str  # what taking it changes
     taken: bool | None  # None: this result did not time it
     why: str  # the numbers the rule read
+    candidate: str | None = None  # 1(a), 1(b): the decode candidate the rule weighs
 
     def line(self) -> str:
         verdict = {True: "TAKE", False: "keep", None: "untimed"}[self.taken]
@@ -77,9 +78,11 @@ def decode_candidates(speedups: dict[str, dict]) -> list[Decision]:
     taken_many, why_many = many("slots")
     pdl_many, pdl_many_why = many("slots_pdl")
     return [
-        Decision("1(a)", f"decode below {MANY_REQUESTS} requests takes `{faster}`", taken, why),
+        Decision("1(a)", f"decode below {MANY_REQUESTS} requests takes `{faster}`", taken, why, faster),
         Decision("1(c)", "with PDL (`slots_pdl`) below", with_pdl(taken, pdl), pdl_why),
-        Decision("1(b)", f"decode from {MANY_REQUESTS} requests takes `slots`", taken_many, why_many),
+        Decision(
+            "1(b)", f"decode from {MANY_REQUESTS} requests takes `slots`", taken_many, why_many, "slots"
+        ),
         Decision("1(c)", "with PDL (`slots_pdl`) from", with_pdl(taken_many, pdl_many), pdl_many_why),
     ]
 
@@ -108,8 +111,7 @@ def fp8_decode(rows: list[dict]) -> list[Decision]:
 
 def extend_split(rows: list[dict]) -> Decision:
     """2: the eager prefix split stays on from DEEP_PREFIX cached tokens only if it is no slower there."""
-    xs = [r["triton_split_tflops"] / r.get("triton_unsplit_tflops", r["triton_tflops"])
-          for r in rows if r["prefix"] >= DEEP_PREFIX and "triton_split_tflops" in r]  # fmt: skip
+    xs = [split_speedup(r) for r in rows if r["prefix"] >= DEEP_PREFIX and "triton_split_tflops" in r]
     what = f"the eager split from {DEEP_PREFIX} cached tokens is raised or turned off"
     if not xs:
         return Decision("2", what, None, f"no split row from {DEEP_PREFIX} cached tokens")
@@ -141,7 +143,7 @@ def decide(result: dict) -> list[Decision]:
     """Every rule's decision on ``result`` (a kernels.bench JSON), in docs/kernels.md's order."""
     summary = summarize(result)  # NOTE: from the rows, so a result older than a field still reads
     decode = decode_candidates(summary["decode_candidate_speedups"])
-    takes_slots = any(d.taken and "takes `slots`" in d.what for d in decode)
+    takes_slots = any(d.taken and d.candidate == "slots" for d in decode)
     fp8_extend = summary.get("extend_fp8_speedup_min")
     rerun = None if fp8_extend is None else fp8_extend <= LAST_EXTEND_FP8_MIN
     why = f"extend_fp8_speedup_min {_fmt(fp8_extend)} (not above {LAST_EXTEND_FP8_MIN})"
@@ -160,12 +162,12 @@ def next_step(decisions: Sequence[Decision], seconds: float | None = None) -> st
     taken (1(d): it picks among them), else the fp8 decode tune when a regime goes back to its old tiles
     (11(a)), else the fp8 extend tune (11(d)), else the fp8 pool's engine rows. ``seconds``: what the call
     has left; the step's deadline shrinks to fit (the step then writes the rows it measured in time)."""
-    taken = {(d.rule, d.what) for d in decisions if d.taken}
-    if any(rule == "1(a)" and "`pipelined`" in what for rule, what in taken):
+    taken = [d for d in decisions if d.taken]
+    if any(d.rule == "1(a)" and d.candidate == "pipelined" for d in taken):
         deadline, step = TUNE_DECODE
-    elif any(rule == "11(a)" for rule, _ in taken):
+    elif any(d.rule == "11(a)" for d in taken):
         deadline, step = TUNE_FP8_DECODE
-    elif any(rule == "11(d)" for rule, _ in taken):
+    elif any(d.rule == "11(d)" for d in taken):
         deadline, step = TUNE_FP8_EXTEND
     else:
         deadline, step = FP8_ENGINE
