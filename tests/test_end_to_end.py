@@ -417,19 +417,24 @@ def test_a_router_serves_its_first_request_knowing_the_caches_its_workers_alread
 
 
 def _abandon(
-    launch, worker_args: list[str], prompt: Callable[[int], str], timeouts: list[float], first: float = 0.0
+    launch, worker_args: list[str], prompt: Callable[[int], str], timeouts: list[float], first: bool = False
 ) -> tuple[list[str], float]:
     """Send ``prompt(i)`` with client timeout ``timeouts[i]`` (half of them streamed) through a
-    router to one sim worker, the others ``first`` s after request 0; once the worker is idle,
-    wait for the router's index to equal the worker's cache. Returns each request's outcome and
-    the worker's cached pages."""
+    router to one sim worker (with ``first``, the others once the worker has request 0); once the
+    worker is idle, wait for the router's index to equal the worker's cache. Returns each request's
+    outcome and the worker's cached pages."""
     worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", *worker_args)
     router = launch.router([worker.url])
     wait_until(lambda: metric(router.url, "radixgate_upstream_kv_resyncs_total"
                               f'{{worker="{worker.url}"}}') >= 1, 30, what="the worker synced")  # fmt: skip
 
+    def has_work() -> bool:
+        health = httpx.get(worker.url + "/health", timeout=5).json()
+        return health["running"] + health["waiting"] > 0
+
     def send(i: int) -> str:
-        time.sleep(first if i else 0.0)
+        if first and i:
+            wait_until(has_work, 10, interval=0.02, what="request 0 at the worker")
         body = {"model": "sim-8b", "prompt": prompt(i), "max_tokens": 2, "stream": i % 2 == 0}
         try:
             with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=timeouts[i]) as resp:
@@ -486,7 +491,7 @@ def test_a_document_every_request_abandoned_in_the_queue_leaves_the_index(launch
     def prompt(i: int) -> str:
         return "the long one ahead " * 210 if i == 0 else "one shared document " * 90 + f"question {i}"
 
-    outcomes, cached = _abandon(launch, args, prompt, [15.0] + [0.5] * 8, first=0.3)
+    outcomes, cached = _abandon(launch, args, prompt, [15.0] + [0.5] * 8, first=True)
     assert outcomes == ["answered"] + ["left"] * 8
     assert 0 < cached < 300  # request 0's prompt only (~250 pages): the document was never computed
 
