@@ -51,7 +51,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_asgi_body(receive: Callable[[], Awaitable[dict]], declared: str | None, limit: int) -> bytes:
     """The body from raw ASGI ``receive``, refusing (413) more than ``limit`` bytes without
     reading them all. Raises ClientGone if the client disconnects mid-body."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
     chunks, size = [], 0
     while True:

@@ -235,7 +235,7 @@ def logit_bias(bias: Any, vocab_size: int) -> dict[int, Any]:
         raise APIError(400, "logit_bias must be an object mapping token ids to numbers")
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:  # NOTE: '²'.isdigit() too
             raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
         out[int(key)] = value
     return out

@@ -166,6 +166,8 @@ class ResponsesAPI:
         _check_metadata(body.get("metadata"))
         if not isinstance(body.get("reasoning"), (dict, type(None))):
             raise APIError(400, "'reasoning' must be an object such as {'effort': 'low'}")
+        if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+            raise APIError(400, "'n' and 'best_of' are not supported here: a response has one output")
         for name in ("conversation", "prompt", "background"):  # NOTE: refused, not silently dropped
             if body.get(name) not in (None, False):
                 raise APIError(400, f"'{name}' is not supported: send the input itself (previous_response_id "
@@ -213,7 +215,7 @@ class ResponsesAPI:
         try:
             while out is not None:
                 if out.error is not None:
-                    raise APIError(out.error_status or 500, out.error)
+                    raise APIError(out.error_status or 500, out.error, out.error_code)
                 turn.add(out)
                 if out.finish_reason is not None:
                     live.clear()
@@ -244,7 +246,7 @@ class ResponsesAPI:
             while out is not None:
                 if out.error is not None:
                     yield events.send(
-                        "error", code=str(out.error_status or 500), message=out.error, param=None
+                        "error", code=out.error_code or "internal_error", message=out.error, param=None
                     )
                     break
                 for event in turn.add(out):

@@ -161,6 +161,8 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "conversation": "conv_1"}, 400),  # features not served: refused, not dropped
         ({"input": "hi", "prompt": {"id": "pmpt_1"}}, 400),
         ({"input": "hi", "background": True}, 400),
+        ({"input": "hi", "n": 3}, 400),  # one output a response
+        ({"input": "hi", "best_of": 2}, 400),
         ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
         ({"input": "hi", "model": "other"}, 404),
         ({"input": "hi", "max_output_tokens": -1}, 400),

@@ -226,6 +226,7 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "top_p": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": false}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": true}}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"\\u00b2": 1}}', 400),  # a digit, not ASCII
         ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "min_p": 2}', 400),
         ("/v1/completions", b'{"prompt": "hi", "include_stop_str_in_output": "yes"}', 400),

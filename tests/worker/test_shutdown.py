@@ -39,12 +39,21 @@ def test_requests_in_flight_at_the_end_of_the_shutdown_timeout_get_a_503_not_a_c
         except httpx.HTTPError as exc:  # a cut connection
             got["whole"] = (None, repr(exc))
 
+    def responses(stream: bool) -> None:  # the Responses API's answer and its stream's error event
+        body = {"input": "a long answer", "max_output_tokens": 3000, "ignore_eos": True, "stream": stream}
+        try:
+            r = httpx.post(worker.url + "/v1/responses", json=body, timeout=60)
+            got[f"responses_{stream}"] = (r.status_code, r.text)
+        except httpx.HTTPError as exc:
+            got[f"responses_{stream}"] = (None, repr(exc))
+
     threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    threads += [threading.Thread(target=responses, args=(s,)) for s in (False, True)]
     try:
         for t in threads:
             t.start()
         assert streaming.wait(30), worker.log()[-2000:]
-        wait_until(lambda: _running(worker.url) == 2, 10, what="both requests running")
+        wait_until(lambda: _running(worker.url) == 4, 10, what="all four requests running")
         worker.proc.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
         for t in threads:
@@ -64,6 +73,12 @@ def test_requests_in_flight_at_the_end_of_the_shutdown_timeout_get_a_503_not_a_c
     assert error["code"] == "shutting_down" and "shutting down" in error["message"]
     tokens = [json.loads(x.removeprefix("data: ")) for x in lines[:-2]]
     assert tokens and all(t["choices"][0]["finish_reason"] is None for t in tokens)  # cut short, said so
+    status, text = got["responses_False"]
+    assert status == 503 and json.loads(text)["error"]["code"] == "shutting_down", (status, text)
+    status, text = got["responses_True"]
+    events = [json.loads(x.removeprefix("data: ")) for x in text.splitlines() if x.startswith("data: ")]
+    assert status == 200 and events[-1]["type"] == "error", (status, text[-500:])
+    assert events[-1]["code"] == "shutting_down" and "shutting down" in events[-1]["message"]
 
 
 def _running(url: str) -> int:
