@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import mmh3
 
+from router.http_client import worker_base_url
+
 if TYPE_CHECKING:
     from router.policies import Candidate
 
@@ -365,10 +367,10 @@ def _parse_group(index: int, raw: Any) -> AffinityGroup:
         listed = raw["workers"]
         if not isinstance(listed, list) or not listed:
             raise ValueError(f"{where}: workers: expected a non-empty list of worker URLs")
-        for url in listed:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(f"{where}: workers: {url!r} must be a URL starting with http:// or https://")
-        workers = tuple(u.rstrip("/") for u in listed)
+        try:
+            workers = tuple(worker_base_url(u) for u in listed)
+        except ValueError as exc:
+            raise ValueError(f"{where}: workers: {exc}") from None
         if len(set(workers)) != len(workers):
             raise ValueError(f"{where}: workers: a worker is listed twice")
     elif given == ["size"]:

@@ -24,6 +24,7 @@ from router.circuit_breaker import BreakerState
 from router.config import RouterConfig
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
 from router.gateway import Router
+from router.http_client import worker_base_url
 from router.proxy import UpstreamFailure, forwarded_headers
 from router.request_id import RequestId
 from router.request_parsing import read_body
@@ -143,9 +144,10 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             except (orjson.JSONDecodeError, RouterError):
                 return error_response(400, 'expected a JSON body {"url": ...} or ?url=', "invalid_request")
             url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            return error_response(400, "'url' must be an http(s) URL", "invalid_request")
-        url = url.rstrip("/")
+        try:
+            url = worker_base_url(url)
+        except ValueError as exc:
+            return error_response(400, str(exc), "invalid_request")
         if request.method == "POST":
             existed = router.workers.get(url) is not None
             worker = router.workers.add(url)
@@ -187,9 +189,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             raw = await read_body(request, config.max_body_bytes)
             body = orjson.loads(raw)
             model = body.get("model") if isinstance(body, dict) else None
+            if model is not None and not isinstance(model, str):
+                return error_response(400, "'model' must be a string", "invalid_type")
             if model is not None:
                 router.check_model(model)
-            worker = least_loaded(model if isinstance(model, str) else None)
+            worker = least_loaded(model)
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:

@@ -52,7 +52,7 @@ def call_arguments(call: dict) -> Any:
     if isinstance(args, str):
         try:
             return json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # NOTE: not JSON, nested past the stack, or digits past 4300
             return args
     return args
 

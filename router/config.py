@@ -15,6 +15,7 @@ import yaml
 
 from router.affinity import AffinityGroups
 from router.api_keys import check_limits
+from router.http_client import worker_base_url
 from router.policies import POLICY_NAMES, make_policy
 from router.prefix_index import PrefixIndex
 from router.resp import tcp_url_options
@@ -147,8 +148,7 @@ class RouterConfig:
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+            worker_base_url(url)
         AffinityGroups.from_config(self.affinity_groups)
         check_limits(self.api_keys, self.api_key_limits)
 

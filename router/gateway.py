@@ -146,10 +146,18 @@ class Router:
 
     # ---------------------------------------------------------------- parsing
     def parse(self, raw: bytes, endpoint: str) -> ParsedRequest:
-        """A request body of ``endpoint`` (chat, completions, responses), checked and tokenized."""
-        if endpoint == "responses":
-            return parse_responses_request(raw, self.tokenizer)
-        return parse_request(raw, endpoint == "chat", self.tokenizer)
+        """A request body of ``endpoint`` (chat, completions, responses), checked and tokenized.
+        Bad input is a RouterError 4xx; anything else a body meets here is a bug, logged with its
+        traceback and answered as a 500 in the API's error shape (not the server's plain text)."""
+        try:
+            if endpoint == "responses":
+                return parse_responses_request(raw, self.tokenizer)
+            return parse_request(raw, endpoint == "chat", self.tokenizer)
+        except RouterError:
+            raise
+        except Exception:
+            log.exception("%s: reading the request failed", endpoint)
+            raise RouterError(500, "internal error while reading the request", "internal_error") from None
 
     def namespace(self, model: str | None) -> str:
         """Root of the block-hash chain: the model name, as the workers use for their events."""

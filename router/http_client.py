@@ -257,6 +257,21 @@ def _expire(waiter: asyncio.Future, total: bool) -> None:
         waiter.set_exception(ResponseTimeout(message, total))
 
 
+def worker_base_url(url: object) -> str:
+    """``url`` as a worker's base URL, without a trailing slash. ValueError unless it is an http(s)
+    URL with a host, a port in range (if any), and no query, fragment or whitespace."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # NOTE: raises for a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"worker URL {url!r}: {exc}") from None
+    if not parts.hostname or parts.query or parts.fragment or any(c.isspace() for c in url):
+        raise ValueError(f"worker URL {url!r} needs a host, and takes no query, fragment or spaces")
+    return url.rstrip("/")
+
+
 class _Pool:
     """Idle connections to one origin, most recently used first."""
 
@@ -266,7 +281,8 @@ class _Pool:
         self.read_timeout = client.read_timeout
         self._client = client
         self._idle: dict[_Connection, None] = {}  # an ordered set: most recently used last
-        self.host_header = host if port in (80, 443) else f"{host}:{port}"
+        name = f"[{host}]" if ":" in host else host  # NOTE: an IPv6 address is bracketed in Host
+        self.host_header = name if port in (80, 443) else f"{name}:{port}"
         self.closed = False  # forgotten by its client: connections coming back are closed
 
     def put(self, conn: _Connection) -> None:

@@ -119,7 +119,8 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
                 )
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(output)})
         elif kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise ValueError(f"unsupported role {item.get('role')!r}")
             out.append({"role": role, "content": _text(item.get("content"))})

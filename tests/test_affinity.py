@@ -56,7 +56,11 @@ GOOD = {"name": "g", "match": {"model": "m*"}, "size": 1}
         ([{**GOOD, "size": None, "share": 1.5}], r"'g': share: expected a number in \(0, 1\]"),
         ([{**GOOD, "size": None, "share": "0.5"}], r"'g': share:"),
         ([{**GOOD, "size": None, "workers": "http://a"}], r"'g': workers: expected a non-empty list"),
-        ([{**GOOD, "size": None, "workers": ["10.0.0.1:8000"]}], r"'g': workers: '10.0.0.1:8000' must"),
+        ([{**GOOD, "size": None, "workers": ["10.0.0.1:8000"]}], r"'g': workers: .*http://.*'10.0.0.1:8000'"),
+        (
+            [{**GOOD, "size": None, "workers": ["http://a b"]}],
+            r"'g': workers: worker URL 'http://a b' needs a host",
+        ),
         (
             [{**GOOD, "size": None, "workers": ["http://a/", "http://a"]}],
             r"'g': workers: a worker is listed twice",

@@ -29,6 +29,9 @@ def test_worker_flags_both_spellings():
     "argv",
     [
         ["--workers", "a:1"],
+        ["--workers", "http://"],
+        ["--workers", "http://a:99999"],
+        ["--workers", "http://a b:1"],
         ["--block-size", "0"],
         ["--kv-events", "redis"],
         ["--policy-param", "novalue"],

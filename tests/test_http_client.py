@@ -278,6 +278,32 @@ async def test_header_injection_is_refused():
         await client.post("ftp://example", "/x", b"")
 
 
+async def test_an_ipv6_origin_gets_a_bracketed_host_header():
+    heads: list[bytes] = []
+
+    async def on_connect(reader, writer):
+        heads.append(await _read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    try:
+        server = await asyncio.start_server(on_connect, "::1", 0)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = server.sockets[0].getsockname()[1]
+    client = HTTPClient()
+    try:
+        resp = await client.post(f"http://[::1]:{port}", "/x", b"{}")
+        assert resp.status == 200
+        resp.close()
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+    assert f"\r\nhost: [::1]:{port}\r\n".encode() in heads[0].lower(), heads[0]
+
+
 async def test_on_sent_runs_once_after_the_write_and_never_without_a_connection():
     calls: list[str] = []
     async with uvicorn_server() as (url, _):

@@ -51,7 +51,8 @@ def test_instructions_come_first_then_history_then_input() -> None:
 @pytest.mark.parametrize(
     "input_",
     ["", [], None, 5, [5], [{"type": "function_call_output", "output": "1"}], [{"role": "tool", "content": "x"}],
-     [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], [{"role": "user", "content": 3}]],
+     [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], [{"role": "user", "content": 3}],
+     [{"role": ["user"], "content": "hi"}], [{"role": {"r": 1}, "content": "hi"}]],
 )  # fmt: skip
 def test_unsupported_input_is_a_value_error(input_) -> None:
     with pytest.raises(ValueError):

@@ -313,6 +313,13 @@ def test_client_errors_do_not_count_against_the_worker(launch):
         ),
         ("/v1/completions", orjson.dumps({"model": "gpt-nope", "prompt": "x"}), 404, "model_not_found"),
         (
+            "/v1/responses",
+            orjson.dumps({"model": "echo", "input": [{"role": ["user"]}]}),
+            400,
+            "invalid_request",
+        ),
+        ("/tokenize", orjson.dumps({"model": ["echo"], "prompt": "x"}), 400, "invalid_type"),
+        (
             "/v1/completions",
             b'{"model": "echo", "prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}',
             413,
@@ -363,7 +370,16 @@ def test_admin_add_and_remove_workers(fleet, launch):
         assert r.status_code == 201 and r.json()["healthy"] is True
         urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}
         assert urls == {b.url for b in backends} | {extra.url}
-        assert client.post("/workers", json={"url": "ftp://x"}, headers=auth).status_code == 400
+        for bad in (
+            "ftp://x",
+            "http://",
+            "http://[::1",
+            "http://a b",
+            "http://127.0.0.1:99999",
+            "http://a/?q",
+        ):
+            r = client.post("/workers", json={"url": bad}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)
         assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 200
         assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 404
         urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.chat_tools import call_arguments
 from router.detokenizer import IncrementalDetokenizer
 from router.tokenization import (
     ByteTokenizer,
@@ -139,6 +140,16 @@ def test_byte_chat_template_is_fixed_and_plain():
 def test_invalid_messages_raise_clear_errors(messages, message):
     with pytest.raises(ValueError, match=message):
         ByteTokenizer().encode_chat(messages)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ["not json", "[" * 100_000 + "]" * 100_000, '{"a": ' + "9" * 5000 + "}"],
+    ids=["text", "nested", "digits"],
+)  # NOTE: nested past the parser's stack; an integer past Python's 4,300 digits
+def test_tool_call_arguments_that_do_not_parse_stay_the_string_sent(arguments):
+    assert call_arguments({"function": {"name": "f", "arguments": arguments}}) == arguments
+    assert call_arguments({"function": {"name": "f", "arguments": '{"a": [1]}'}}) == {"a": [1]}
 
 
 def test_assistant_content_may_be_null():
