@@ -343,7 +343,9 @@ class HFTokenizer:
                 **self.special_tokens,
                 **(template_kwargs or {}),
             )
-        except TemplateError as exc:  # raise_exception() in the template: a bad conversation
+        except (TemplateError, TypeError, ValueError, LookupError) as exc:
+            # NOTE: raise_exception() in the template, or the request's data where the template wants
+            # other types (a chat_template_kwargs value added to a string): a bad conversation, a 400
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
         if not continue_final_message:
             return text

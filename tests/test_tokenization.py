@@ -285,6 +285,16 @@ def test_chat_template_errors_are_value_errors(hf_dir, sp_dir):
         HFTokenizer(str(sp_dir)).encode_chat([{"role": "user", "content": "hi"}])
 
 
+def test_request_data_a_template_cannot_render_is_a_value_error(hf_dir, tmp_path):
+    tok = with_template(hf_dir, tmp_path / "greeting", "{{ greeting + '!' }}{{ messages[0]['content'] }}")
+    chat = [{"role": "user", "content": "hi"}]
+    assert (
+        tok.render_chat(chat, **chat_options({"chat_template_kwargs": {"greeting": "Hello"}})) == "Hello!hi"
+    )
+    with pytest.raises(ValueError, match="chat template rejected"):  # an int added to a string
+        tok.render_chat(chat, **chat_options({"chat_template_kwargs": {"greeting": 5}}))
+
+
 def test_chat_template_file_takes_precedence(hf_dir, tmp_path):
     import shutil
 
