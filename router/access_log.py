@@ -24,7 +24,7 @@ class AccessRecord:
     model: str | None = None
     stream: bool = False
     status: int = 0
-    error: str | None = None  # the error code the client got
+    error: str | None = None  # the error code the client got (in a stream's error event after a 200)
     worker: str | None = None  # the worker that answered (or was tried last)
     attempts: int = 0  # workers tried
     reason: str | None = None  # the policy's explanation of its pick

@@ -505,6 +505,7 @@ class Router:
             # already reached the client, so no retry; the client is told in an error event.
             total = isinstance(exc, ResponseTimeout) and exc.total
             kind = "request_timeout" if total else "stream_broken"
+            access_log.note(error=kind)  # NOTE: the status stays the 200 the client already got
             self._record_failure(worker, kind)
             log.warning("stream from %s broke: %s", worker.url, exc)
             timeout = self.config.request_timeout_s

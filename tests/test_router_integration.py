@@ -129,7 +129,7 @@ def test_a_stream_whose_worker_dies_ends_with_an_error_event(launch):
     cut off (an error event, then [DONE], as a worker ends a stream whose request failed) rather
     than left with a stream that just stops."""
     victim = launch.echo_backend("--decode-ms-per-token", "50")
-    router = launch.router([victim.url])
+    router = launch.router([victim.url], "--access-log")
     body = {"model": "echo", "prompt": "stream me", "max_tokens": 400, "stream": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
         chunks = r.iter_raw()
@@ -141,6 +141,9 @@ def test_a_stream_whose_worker_dies_ends_with_an_error_event(launch):
     assert orjson.loads(error)["error"]["code"] == "stream_broken" and done == b"[DONE]"
     errors = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_upstream_errors_total")
     assert errors[f'{{kind="stream_broken",worker="{victim.url}"}}'] == 1
+    wait_until(lambda: len(router.access_lines()) == 1, 10, what="the access line")
+    (line,) = router.access_lines()
+    assert line["status"] == 200 and line["error"] == "stream_broken" and line["worker"] == victim.url
 
 
 @pytest.mark.parametrize("usage", [True, False], ids=["usage-asked", "usage-added"])
