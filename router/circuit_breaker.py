@@ -24,7 +24,8 @@ class CircuitBreaker:
     consecutive_failures: int = 0
     _open_until: float = 0.0
     _cooldown: float = 0.0
-    _probe_in_flight: bool = False
+    _probe: int = 0  # the number of the half-open probe in flight; 0: none
+    _probes: int = 0  # probes sent so far (each is numbered, so only its own outcome settles it)
 
     def allows(self, now: float) -> bool:
         """May a request be sent now? In half-open state only one probe at a time passes."""
@@ -32,33 +33,41 @@ class CircuitBreaker:
             return True
         if self.state is BreakerState.OPEN and now >= self._open_until:
             self.state = BreakerState.HALF_OPEN
-            self._probe_in_flight = False
-        return self.state is BreakerState.HALF_OPEN and not self._probe_in_flight
+            self._probe = 0
+        return self.state is BreakerState.HALF_OPEN and not self._probe
 
-    def on_send(self) -> bool:
-        """A request is being sent; True when it is the half-open probe (see ``abandon_probe``)."""
-        if self.state is BreakerState.HALF_OPEN:
-            self._probe_in_flight = True
-            return True
-        return False
+    def on_send(self) -> int:
+        """A request is being sent: the probe's number when it is the half-open probe, else 0.
+        Give it back to ``record_failure`` and ``abandon_probe``."""
+        if self.state is BreakerState.HALF_OPEN and not self._probe:
+            self._probes += 1
+            self._probe = self._probes
+            return self._probe
+        return 0
 
-    def abandon_probe(self) -> None:
-        """The probe ended with no verdict (its client left, or it ran out of the request's own
-        time): the next request may probe. Without this the breaker would stay half-open for good."""
-        if self.state is BreakerState.HALF_OPEN:
-            self._probe_in_flight = False
+    def abandon_probe(self, probe: int) -> None:
+        """Probe ``probe`` ended with no verdict (its client left, or it ran out of the request's own
+        time): the next request may probe. Without this the breaker would stay half-open for good.
+        A probe that is no longer the one in flight changes nothing."""
+        if probe and probe == self._probe:
+            self._probe = 0
 
     def record_success(self) -> None:
+        """Any request's answer: the worker answers, so the breaker closes."""
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
         self._cooldown = 0.0
-        self._probe_in_flight = False
+        self._probe = 0
 
-    def record_failure(self, now: float) -> None:
+    def record_failure(self, now: float, probe: int = 0) -> None:
+        """A worker fault of a request (``probe``: its number from ``on_send``). Half-open, only the
+        probe's own failure opens the breaker again: a request sent before it opened, failing late,
+        says nothing of the worker since."""
         self.consecutive_failures += 1
         if self.state is BreakerState.HALF_OPEN:
-            self._cooldown = min(self.max_open_seconds, max(self.open_seconds, self._cooldown * 2))
-            self._open(now)
+            if probe and probe == self._probe:
+                self._cooldown = min(self.max_open_seconds, max(self.open_seconds, self._cooldown * 2))
+                self._open(now)
         elif self.state is BreakerState.CLOSED and self.consecutive_failures >= self.failure_threshold:
             self._cooldown = self.open_seconds
             self._open(now)
@@ -70,4 +79,4 @@ class CircuitBreaker:
     def _open(self, now: float) -> None:
         self.state = BreakerState.OPEN
         self._open_until = now + self._cooldown
-        self._probe_in_flight = False
+        self._probe = 0

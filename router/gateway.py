@@ -361,14 +361,14 @@ class Router:
                     failure = exc
                     if exc.kind == "request_timeout":  # NOTE: the request's own time ran out: no retry
                         if not parsed.stream:  # nothing came in all that time: a black hole is charged
-                            self._record_failure(worker, "timeout")
+                            self._record_failure(worker, "timeout", probe)
                         break
                     if exc.kind == "overloaded":  # NOTE: it answered, so no fault: its queue is full
                         insert.take_back(self.events.synced(worker))
                         worker.breaker.record_success()
                         worker.stats.overloaded += 1
                     else:
-                        self._record_failure(worker, exc.kind)
+                        self._record_failure(worker, exc.kind, probe)
                     tried.add(worker.url)
                     moved_from = worker
                     log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
@@ -394,8 +394,7 @@ class Router:
             finally:
                 if not answered:  # NOTE: refused, failed, or the client left before the answer
                     self._forget_unconfirmed(insert, worker)
-                if probe:
-                    worker.breaker.abandon_probe()  # NOTE: no verdict came (the client left): free the probe
+                worker.breaker.abandon_probe(probe)  # NOTE: where no verdict came (the client left)
                 worker.in_flight -= parsed.sequences
                 prefill.release()
                 worker.changed()
@@ -419,11 +418,13 @@ class Router:
         if not insert.sent or followed:
             insert.take_back(followed)
 
-    def _record_failure(self, worker: Worker, kind: str) -> None:
+    def _record_failure(self, worker: Worker, kind: str, probe: int = 0) -> None:
+        """A worker fault (``probe``: the attempt's breaker probe number; 0 after its answer's head,
+        which settled the probe as a success)."""
         if kind == "request_timeout":
             return  # NOTE: the request's own time ran out (request_timeout_s): not a worker fault
         worker.stats.errors[kind] += 1
-        worker.breaker.record_failure(time.monotonic())
+        worker.breaker.record_failure(time.monotonic(), probe)
 
     def _record_usage(self, worker: Worker, usage: Usage | None) -> None:
         if usage is not None:

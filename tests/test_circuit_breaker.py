@@ -26,8 +26,7 @@ def test_failed_probe_doubles_cooldown_up_to_the_cap():
         while not b.allows(now):
             now += 0.25
         opens.append(now)
-        b.on_send()
-        b.record_failure(now)
+        b.record_failure(now, b.on_send())
     gaps = [round(b - a, 2) for a, b in itertools.pairwise(opens)]
     assert gaps == [2.0, 3.0, 3.0]
 
@@ -38,3 +37,29 @@ def test_success_resets_failure_count():
     b.record_success()
     b.record_failure(0.0)
     assert b.state is BreakerState.CLOSED
+
+
+def test_only_the_probe_in_flight_settles_the_half_open_state():
+    """One probe at a time, whatever else ends meanwhile: a request sent before the breaker opened
+    that fails late does not open it again, and a probe that is no longer the one in flight (its
+    stream ran on past its answer) frees nothing when it ends."""
+    b = CircuitBreaker(failure_threshold=1, open_seconds=2.0)
+    assert b.allows(0.0) and b.on_send() == 0  # a long stream, sent while closed
+    b.record_failure(0.0)  # another request's fault opens the breaker
+    assert b.allows(2.0)
+    first = b.on_send()
+    assert first and not b.allows(2.0)
+    b.record_failure(2.1)  # the old stream breaks: no word on the worker since it opened
+    assert b.state is BreakerState.HALF_OPEN and not b.allows(2.1)
+    b.record_failure(2.2, first)  # the probe's own failure: open again, for twice as long
+    assert b.state is BreakerState.OPEN and not b.allows(6.1) and b.allows(6.2)
+    second = b.on_send()
+    assert second and second != first
+    b.abandon_probe(first)  # the first probe's attempt ends: it is not the one in flight
+    assert not b.allows(6.2)
+    b.abandon_probe(second)  # the probe's client left: no verdict, the next request probes
+    assert b.allows(6.2)
+    third = b.on_send()
+    b.record_success()
+    b.abandon_probe(third)  # after its verdict, a no-op
+    assert b.state is BreakerState.CLOSED and b.allows(6.3) and b.on_send() == 0
