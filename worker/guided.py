@@ -55,8 +55,10 @@ class Guide:
 def json_schema_grammar(schema: Any) -> str:
     from llguidance import LLMatcher
 
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError("a JSON schema must be an object")
+    if schema is True:  # NOTE: any JSON value; llguidance applies its options to object schemas only
+        schema = {}
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be an object (or true: any JSON value)")
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except ValueError as exc:
@@ -117,6 +119,8 @@ def thinking_first(grammar: str, opened: bool = False) -> str:
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 # SGLang's: top-level ``regex``, ``json_schema`` (JSON text) and ``ebnf``
 _SGLANG_KINDS = {"regex": "regex", "json_schema": "json_schema", "ebnf": "grammar"}
+# what else structured_outputs may hold: never a fallback to free text here, so that flag is kept
+_STRUCTURED_KEYS = {*_VLLM_KINDS, "json_object", "disable_fallback"}
 
 
 def requested_grammar(body: dict) -> tuple[str, str] | None:
@@ -138,6 +142,12 @@ def requested_grammar(body: dict) -> tuple[str, str] | None:
     if structured is not None:
         if not isinstance(structured, dict):
             raise ValueError("structured_outputs must be an object")
+        unknown = sorted(
+            k for k, v in structured.items() if k not in _STRUCTURED_KEYS and v not in (None, False)
+        )
+        if unknown:
+            raise ValueError(f"structured_outputs: {', '.join(map(repr, unknown))} not supported: "
+                             f"{', '.join(sorted(_VLLM_KINDS))} or json_object are")  # fmt: skip
         asked += [(_VLLM_KINDS[k], v) for k, v in structured.items() if k in _VLLM_KINDS and v is not None]
         if structured.get("json_object"):
             asked.append(("json_object", ANY_JSON_OBJECT))
@@ -145,6 +155,10 @@ def requested_grammar(body: dict) -> tuple[str, str] | None:
         (kind, body[f"guided_{k}"]) for k, kind in _VLLM_KINDS.items() if body.get(f"guided_{k}") is not None
     ]
     asked += [(kind, body[k]) for k, kind in _SGLANG_KINDS.items() if body.get(k) is not None]
+    if body.get("guided_whitespace_pattern") is not None:
+        raise ValueError(
+            "'guided_whitespace_pattern' is not supported (JSON output takes the usual whitespace)"
+        )
     if not asked:
         return None
     if len(asked) > 1:

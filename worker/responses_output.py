@@ -112,9 +112,10 @@ class OutputItems:
 
     def close(self, status: str) -> list[bytes]:
         """Close the open item and mark every item ``status`` (completed or incomplete)."""
+        out: list[bytes] = []
         if not self.items:  # nothing was generated: still one (empty) message, as the API has
-            self.open_message()
-        out = self._close_open(status)
+            out += self.open_message()  # NOTE: its opening events too: a stream's numbers run on
+        out += self._close_open(status)
         for item in self.items:
             item["status"] = status
         return out

@@ -79,11 +79,29 @@ def test_every_spelling_names_its_kind(body, kind) -> None:
         {"guided_regex": ""},
         {"regex": "a", "guided_regex": "a"},
         {"ebnf": "root ::= (("},
+        {"guided_json": False},  # matches nothing
+        {"structured_outputs": {"structural_tag": "{}"}},  # not served: refused, not ignored
+        {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+        {"guided_regex": "a", "guided_whitespace_pattern": " "},
     ],
 )
 def test_malformed_or_ambiguous_constraints_are_refused(body) -> None:
     with pytest.raises(ValueError):
         requested_grammar(body)
+
+
+def test_a_json_schema_without_a_schema_takes_any_json_value() -> None:
+    """OpenAI's json_schema with its schema left out (or ``true``): any JSON value, as for JSON
+    Schema itself; a flag that keeps the constraint on is no change."""
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    for body in (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+        {"guided_json": True},
+        {"structured_outputs": {"json": True, "disable_fallback": True}},
+    ):
+        for text in ('[1,"a"]', '{"a":1}', "3"):
+            m = compiler.compile(*requested_grammar(body)).matcher()
+            assert all(m.consume_token(b) for b in text.encode()) and m.is_accepting(), (body, text)
 
 
 def test_free_text_has_no_grammar() -> None:

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from router.responses_input import tag_of, worker_tag
+from router.tokenization import ByteTokenizer
 from tests.worker.test_server import LiveServer, serve
 
 INSTRUCTIONS = "You are a terse assistant for the radixgate test-suite. Answer in one line. " * 4
@@ -269,6 +270,19 @@ def test_a_streamed_function_call_sends_its_arguments_and_the_same_item(client) 
     final = evs[-1][1]["response"]["output"][0]
     assert streamed == evs[-3][1]["arguments"] == final["arguments"]
     assert evs[2][1]["item"]["id"] == final["id"] and evs[2][1]["item"]["call_id"] == final["call_id"]
+
+
+def test_an_empty_answer_with_tools_still_streams_its_message_opened_and_numbered(client) -> None:
+    """With tools the message opens at its first text; an answer with none (end of text first)
+    still opens the one empty message it closes, and the stream's numbers run on."""
+    eos = ByteTokenizer.EOS
+    evs = events(client, input="2+3?", tools=[ADD], logit_bias={str(eos): 100})
+    kinds = [k for k, _ in evs]
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.completed"]  # fmt: skip
+    assert evs[-1][1]["response"]["output"][0]["content"][0]["text"] == ""
 
 
 def test_a_function_call_output_continues_the_conversation_from_the_cache(client) -> None:
