@@ -31,7 +31,6 @@ accept when the calls come back in the next turn.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import string
 import uuid
@@ -218,6 +217,8 @@ class ToolOutput:
         self.calls = 0  # calls emitted so far (stream) or found (whole)
         self._pending = ""  # text seen but not yet emitted
         self._in_call = False  # hermes stream: inside <tool_call> ... </tool_call>
+        self._end = _TagScan(_CLOSE)  # hermes stream: where the block read so far ends
+        self._before = ""  # hermes stream: whitespace before the block (content if it does not parse)
         self._decided = False  # llama3_json stream: is the answer a call (buffer) or text (stream)?
         self._json = False  # ... decided: a call
         self._array = _CallArray() if req.choice == "required" else None  # required: streamed calls
@@ -303,8 +304,8 @@ class ToolOutput:
             return self._feed("") if mode == "function" else []
         if self._array is not None:  # NOTE: a call cut short (max_tokens) stays as far as it got
             return []
-        if not rest:
-            return []
+        if not rest:  # NOTE: a stream cut right after <tool_call> shows no tag, as a whole answer
+            return [{"content": self._before}] if self._in_call and self._before and not self.calls else []
         if self._tag is not None and mode == "auto":
             content, calls = _tagged(rest, self._tag)  # NOTE: rest starts at the tag once one was read
             calls = self._allowed(calls)
@@ -315,7 +316,7 @@ class ToolOutput:
             if calls:
                 calls = self._allowed(calls)
                 return [self._delta(calls)] if calls else []
-            return [{"content": (_OPEN if self._in_call else "") + rest}]
+            return [{"content": (self._before + _OPEN if self._in_call else "") + rest}]
         return [{"content": rest}] if rest.strip() or not self.calls else []
 
     def _allowed(self, calls: list[dict]) -> list[dict]:
@@ -358,23 +359,27 @@ class ToolOutput:
         out: list[dict] = []
         while True:
             if self._in_call:
-                end = self._pending.find(_CLOSE)
+                end = self._end.find(self._pending)
                 if end < 0:
                     return out
                 block, self._pending = self._pending[:end], self._pending[end + len(_CLOSE) :]
-                self._in_call = False
+                self._in_call, before, self._before = False, self._before, ""
                 calls = _hermes_block(block)
                 if not calls:
-                    out.append({"content": _OPEN + block + _CLOSE})
+                    out.append({"content": before + _OPEN + block + _CLOSE})
                 elif calls := self._allowed(calls):
                     out.append(self._delta(calls))
                 continue
             start = self._pending.find(_OPEN)
             if start >= 0:
                 text, self._pending = self._pending[:start], self._pending[start + len(_OPEN) :]
-                self._in_call = True
-                if text.strip():  # NOTE: whitespace between calls is not content
-                    out.append({"content": text})
+                self._in_call, self._end = True, _TagScan(_CLOSE)
+                # NOTE: whitespace before a call is not content; it is held, as content only if the
+                # block does not parse (as in a whole answer)
+                body = text.rstrip()
+                if body:
+                    out.append({"content": body})
+                self._before = text[len(body) :]
                 continue
             keep = _partial_suffix(self._pending, _OPEN)
             text = self._pending[: len(self._pending) - keep]
@@ -416,7 +421,8 @@ class _CallArray:
                     self._string = False
                     if self._depth == 2:
                         self._item_string(out)
-                elif self._depth == 2:
+                    continue
+                if self._depth == 2:  # NOTE: as written, escapes too: the name is read as JSON
                     self._token += ch
                 continue
             if ch == '"':
@@ -481,20 +487,65 @@ def _hermes_block(block: str) -> list[dict] | None:
     return None if call is None else [call]
 
 
-_HERMES = re.compile(re.escape(_OPEN) + r"(.*?)(?:" + re.escape(_CLOSE) + r"|$)", re.DOTALL)
+class _TagScan:
+    """Where ``tag`` first stands outside a JSON string (a call's argument may spell it) in a text
+    that only grows (a stream's block so far), scanned once: ``find`` goes on where it stopped."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.pos = tag, 0
+        self._string = self._escape = False
+
+    def find(self, text: str) -> int:
+        i = self.pos
+        while i < len(text):
+            ch = text[i]
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._string = False
+            elif ch == '"':
+                self._string = True
+            elif ch == self.tag[0]:
+                if text.startswith(self.tag, i):
+                    self.pos = i
+                    return i
+                if self.tag.startswith(text[i:]):
+                    break  # NOTE: the tag's start at the end: wait for the rest
+            i += 1
+        self.pos = i
+        return -1
+
+
+def _split_outside_strings(text: str, tag: str) -> list[str]:
+    """``text`` split at each ``tag`` outside a JSON string."""
+    parts, scan, last = [], _TagScan(tag), 0
+    while (i := scan.find(text)) >= 0:
+        parts.append(text[last:i])
+        last = scan.pos = i + len(tag)
+    parts.append(text[last:])
+    return parts
 
 
 def _hermes(text: str) -> tuple[str, list[dict]]:
-    """(content, calls) of a hermes-format answer: every ``<tool_call>`` block that parses as a call
-    is one (an unterminated last block too); the rest is content (a last, empty block aside)."""
-    calls, content, last = [], [], 0
-    for m in _HERMES.finditer(text):
-        found = _hermes_block(m.group(1)) or []
+    """(content, calls) of a hermes-format answer: every ``<tool_call>`` block (up to the first
+    ``</tool_call>`` outside a JSON string) that parses as a call is one (an unterminated last block
+    too); the rest is content (a last, empty block aside)."""
+    calls, content, last, start = [], [], 0, 0
+    while (start := text.find(_OPEN, start)) >= 0:
+        body = start + len(_OPEN)
+        end = _TagScan(_CLOSE).find(text[body:])
+        block = text[body:] if end < 0 else text[body : body + end]
+        after = len(text) if end < 0 else body + end + len(_CLOSE)
+        found = _hermes_block(block) or []
         # NOTE: an answer cut off right after a <tool_call> shows no tag (as its stream ends)
-        if found or (m.group(0) == _OPEN and m.end() == len(text)):
-            content.append(text[last : m.start()])
+        if found or after == body == len(text):
+            content.append(text[last:start])
             calls += found
-            last = m.end()
+            last = after
+        start = after
     content.append(text[last:])
     return "".join(content), calls
 
@@ -508,7 +559,7 @@ def _tagged(text: str, tag: str) -> tuple[str, list[dict]]:
     if not found_tag:
         return text, []
     calls: list[dict] = []
-    for part in rest.split(tag):
+    for part in _split_outside_strings(rest, tag):
         found = _json_calls(part) if part.lstrip().startswith(("[", "{")) else _mistral_call(part)
         if found:
             calls += found

@@ -138,7 +138,36 @@ HERMES_TEXTS = [
     '<tool_call>{"name":"add","arguments":{"a":1}}',  # unterminated (cut by max_tokens)
     "<tool_call>not json</tool_call> tail",
     'Let me look.<tool_call>{"name":"add","arguments":{}}</tool_call> <tool_call>',  # cut off at a tag
+    'Run it.<tool_call>{"name":"add","arguments":{"s":"</tool_call>","t":"\\"</tool_call>"}}</tool_call>',
 ]
+# answers whose <tool_call> blocks do not parse: the stream is the text, whitespace and all
+NOT_CALLS = [
+    'Let me check. <tool_call>{"name":"add","argu',  # cut off by max_tokens
+    "See:\n<tool_call>not json</tool_call> ok",
+    "one \n\t<tool_call>[1]</tool_call>\n two <tool_call>{",
+    "no calls at all, just < and <tool and <tool_c",
+]
+
+
+def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call() -> None:
+    """The grammar lets an argument spell </tool_call> (or [TOOL_CALLS]); the call ends at the tag
+    outside its JSON strings."""
+    message = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(HERMES_TEXTS[-1])
+    assert message["content"] == "Run it."
+    assert calls_of(message) == [("add", {"s": "</tool_call>", "t": '"</tool_call>'})]
+    text = '[TOOL_CALLS][{"name":"add","arguments":{"s":"see [TOOL_CALLS] doc"}}]'
+    message = ToolOutput(ToolRequest(TOOLS, "auto"), "mistral").message(text)
+    assert message["content"] is None and calls_of(message) == [("add", {"s": "see [TOOL_CALLS] doc"})]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.sampled_from(NOT_CALLS), cuts=st.lists(st.integers(0, 60), max_size=12))
+def test_a_streamed_answer_without_calls_is_its_whole_text(text, cuts) -> None:
+    assert ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(text) == {
+        "role": "assistant",
+        "content": text,
+    }
+    assert streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "hermes"), cut(text, cuts)) == (text, [])
 
 
 GRANITE_TEXTS = [
@@ -214,6 +243,17 @@ def test_a_required_answer_cut_off_gives_the_calls_so_far_whole_as_streamed() ->
         assert whole.finish_reason("length") == "length" and whole.calls == stream.calls
     assert raw_calls(ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(REQUIRED_TEXT[:83])) == [
         ("add", '{"a":1,"b":2}'), ("get_weather", '{"cit')]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ['say"hi', "C:\\run", "tab\there", "ünï"])
+def test_a_required_calls_name_with_escapes_comes_back_as_the_tools_name(name) -> None:
+    text = json.dumps([{"name": name, "parameters": {"a": 1}}])
+    whole = ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(text)
+    assert calls_of(whole) == [(name, {"a": 1})]
+    assert streamed(ToolOutput(ToolRequest(TOOLS, "required"), "hermes"), list(text)) == (
+        "",
+        [(name, {"a": 1})],
+    )
 
 
 def test_a_required_call_is_sent_before_the_answer_ends() -> None:
