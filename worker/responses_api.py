@@ -298,6 +298,7 @@ class _Turn:
         self.events = Events()
         self.items = OutputItems(self.events, logprobs)
         self._logprobs: list[dict] = []  # entries of tokens whose text is not out yet
+        self._logprobs_from = 0  # the output token the first of them is for
 
     def add(self, out: RequestOutput) -> list[bytes]:
         """Account one engine output; the stream events for its text."""
@@ -312,14 +313,22 @@ class _Turn:
             self.thinking.count(len(out.token_ids))
             thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
+            # NOTE: the thinking's tokens (the first ones: it comes before the answer) are not the
+            # output text's; their entries go
+            thinking = max(0, min(len(self._logprobs), self.thinking.reasoning_tokens - self._logprobs_from))
+            del self._logprobs[:thinking]
+            self._logprobs_from += thinking
         if self.reader is None:
             deltas += [{"content": text, "logprobs": self._logprobs}] if text else []
-            self._logprobs = [] if text else self._logprobs  # NOTE: held-back text keeps its numbers
+            if text:  # NOTE: held-back text keeps its numbers
+                self._logprobs_from += len(self._logprobs)
+                self._logprobs = []
         else:
             deltas += self.reader.feed(text) + (self.reader.flush() if out.finish_reason else [])
         events = [event for d in deltas for event in self.items.delta(d)]
         if out.finish_reason is not None and self._logprobs:  # tokens of no text (a stop string's)
             self.items.add_logprobs(self._logprobs)
+            self._logprobs_from += len(self._logprobs)
             self._logprobs = []
         return events
 

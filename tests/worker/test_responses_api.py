@@ -13,6 +13,10 @@ import pytest
 from router.responses_input import tag_of, worker_tag
 from router.tokenization import ByteTokenizer
 from tests.worker.test_server import LiveServer, serve
+from worker.engine_api import RequestOutput
+from worker.reasoning import splitter
+from worker.responses_api import ResponsesAPI, _Turn
+from worker.server import WorkerAPI
 
 INSTRUCTIONS = "You are a terse assistant for the radixgate test-suite. Answer in one line. " * 4
 
@@ -313,6 +317,33 @@ def test_a_function_call_output_continues_the_conversation_from_the_cache(client
     ])  # fmt: skip
     assert parts["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
     assert client.get(f"/v1/responses/{parts['id']}").status_code == 200  # stored
+
+
+@pytest.mark.parametrize("answer", ["<think>ab</think>cd", "<think>é</think>\n\nçd", "<think></think>cd"])
+def test_output_text_logprobs_leave_out_the_thinking_tokens(live, answer) -> None:
+    """With --reasoning-parser the thinking is a reasoning item: its tokens' logprobs are not the
+    output text's. One byte a token here, sent as the engine sends them: a character's text with
+    its last byte."""
+    endpoint = ResponsesAPI(WorkerAPI(live.engine, reasoning_parser="qwen3"), 4)
+    turn = _Turn(endpoint, {"input": "x"}, "resp_x", 1, [], False, None, True, splitter("qwen3"))
+    tokens = [
+        (b, ch if k == len(ch.encode()) - 1 else "") for ch in answer for k, b in enumerate(ch.encode())
+    ]
+    streamed = []
+    for made, (token, text) in enumerate(tokens, 1):
+        out = RequestOutput(text=text, token_ids=[token], logprobs=(-0.5, [], []), completion_tokens=made,
+                            finish_reason="stop" if made == len(tokens) else None)  # fmt: skip
+        for event in turn.add(out):
+            data = orjson.loads(event.split(b"data: ", 1)[1])
+            if data["type"] == "response.output_text.delta":
+                streamed += data["logprobs"]
+    final, _ = turn.finish()
+    thinking, text = answer.removeprefix("<think>").split("</think>")
+    *thought, message = final["output"]
+    assert [t["content"][0]["text"] for t in thought] == ([thinking] if thinking else [])
+    part = message["content"][0]
+    assert part["text"] == text and b"".join(bytes(e["bytes"]) for e in part["logprobs"]) == text.encode()
+    assert streamed == part["logprobs"]
 
 
 def test_output_logprobs_when_included_match_chat_and_stream(client) -> None:
