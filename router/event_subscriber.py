@@ -53,6 +53,7 @@ class EventSubscriber:
         self._tasks: dict[str, asyncio.Task] = {}  # worker url (http) or stream key (redis) -> reader
         self._resyncs: set[asyncio.Task] = set()
         self._held: dict[str, list[KVEventBatch]] = {}  # worker url -> batches during its re-sync
+        self._resyncing: dict[str, Worker] = {}  # worker url -> the worker whose re-sync holds them
         # worker url -> (epoch, seq) its last /health told, and the seq applied here then
         self._reported: dict[str, tuple[str, int, int | None]] = {}
         self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
@@ -136,7 +137,7 @@ class EventSubscriber:
         cursor = self._cursors.get(worker.url)
         before = self._reported.get(worker.url)
         self._reported[worker.url] = (epoch, seq, None if cursor is None else cursor.seq)
-        if self.mode == "off" or before is None or cursor is None or worker.url in self._held:
+        if self.mode == "off" or before is None or cursor is None or self._holding(worker):
             return
         told_epoch, told_seq, applied_then = before
         if told_epoch == epoch == cursor.epoch and cursor.seq < told_seq and cursor.seq == applied_then:
@@ -156,6 +157,12 @@ class EventSubscriber:
         task = self._tasks.pop(worker.url, None)
         if task is not None:
             task.cancel()
+        if self._holding(worker):  # NOTE: its re-sync ends unapplied; the URL's next worker starts afresh
+            del self._resyncing[worker.url], self._held[worker.url]
+
+    def _holding(self, worker: Worker) -> bool:
+        """Does a re-sync of this very worker (not an earlier one at its URL) hold its batches?"""
+        return self._resyncing.get(worker.url) is worker
 
     # ---------------------------------------------------------------- applying
     def _worker_for(self, name: str) -> Worker | None:
@@ -189,7 +196,8 @@ class EventSubscriber:
         try:
             return await self._resync(worker)
         finally:
-            self._first_attempt_ended(worker)
+            if self._router.workers.get(worker.url) is worker:  # NOTE: not a later worker at its URL
+                self._first_attempt_ended(worker)
 
     async def _resync(self, worker: Worker) -> bool:
         session = self._router.upstream.session
@@ -217,10 +225,10 @@ class EventSubscriber:
     def resync_soon(self, worker: Worker) -> None:
         """Re-sync ``worker`` in the background (unless it is already), holding its batches that
         arrive meanwhile, then applying those the snapshot does not cover."""
-        if self.mode == "off" or worker.url in self._held:
+        if self.mode == "off" or self._holding(worker):
             return
         self._cursors.pop(worker.url, None)
-        self._held[worker.url] = []
+        self._resyncing[worker.url], self._held[worker.url] = worker, []
         task = asyncio.get_running_loop().create_task(self._resync_and_replay(worker))
         self._resyncs.add(task)
         task.add_done_callback(self._resyncs.discard)
@@ -229,7 +237,10 @@ class EventSubscriber:
         try:
             synced = await self.resync(worker)
         finally:
-            held = self._held.pop(worker.url, [])
+            held = []
+            if self._holding(worker):
+                del self._resyncing[worker.url]
+                held = self._held.pop(worker.url)
         if not synced:
             return  # NOTE: the worker's next batch asks again (a gap: no cursor)
         for batch in held:
@@ -248,7 +259,7 @@ class EventSubscriber:
         worker = expected or self._worker_for(batch.worker)
         if worker is None:
             return  # a worker this router does not route to
-        held = self._held.get(worker.url)
+        held = self._held.get(worker.url) if self._holding(worker) else None
         if held is not None:  # NOTE: its re-sync runs: applied after it, if the snapshot lacks it
             if len(held) < _HELD_BATCHES:
                 held.append(batch)

@@ -376,19 +376,95 @@ def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming()
         events.reported_seq(worker, "e1", 9)  # first report: nothing to compare with
         events._cursors[worker.url].seq = 7  # the reader applied two batches meanwhile
         events.reported_seq(worker, "e1", 12)
-        lagging = worker.url in events._held
+        lagging = events._holding(worker)
         events.reported_seq(worker, "e1", 12)  # stuck at 7 since the report of 12
-        stuck = worker.url in events._held
+        stuck = events._holding(worker)
         events._held.clear()
+        events._resyncing.clear()
         events._cursors[worker.url] = _Cursor("e1", 12)
         events.reported_seq(worker, "e1", 12)
         events.reported_seq(worker, "e1", 12)
-        caught_up = worker.url in events._held
+        caught_up = events._holding(worker)
         for task in list(events._resyncs):
             task.cancel()
         return lagging, stuck, caught_up
 
     assert asyncio.run(run()) == (False, True, False)
+
+
+@pytest.mark.redis
+def test_a_worker_removed_and_added_again_before_its_snapshot_came_is_synced(launch):
+    """DELETE and POST /workers (or a pod replaced under its name) while the first re-sync of the
+    worker at that URL still reads its snapshot: the new worker gets its own re-sync; the earlier
+    one, for a worker gone, changes nothing."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.gateway import Router
+
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url = launch.redis()
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--redis-url", redis_url)
+    body = {"model": "sim-8b", "prompt": "held before the worker came back " * 40, "max_tokens": 1}
+    assert httpx.post(worker.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    slow = _SlowSnapshotProxy(worker.url, delay_s=2.0)  # NOTE: health checks come meanwhile (1 s)
+    try:
+
+        async def run() -> tuple[bool, int, int]:
+            router = Router(RouterConfig(workers=[], kv_events="redis", redis_url=redis_url))
+            await router.start()
+            try:
+                router.workers.add(slow.url)
+                router.workers.remove(slow.url)  # NOTE: its re-sync has not read the snapshot yet
+                again = router.workers.add(slow.url)
+                for _ in range(200):
+                    if router.events.synced(again):
+                        break
+                    await asyncio.sleep(0.05)
+                route = router.route_request(router.parse(orjson.dumps(body), "completions"))
+                matched = router.index.match(route.block_hashes).get(slow.url, 0)
+                return router.events.synced(again), matched, len(route.block_hashes)
+            finally:
+                await router.stop()
+
+        synced, matched, blocks = asyncio.run(run())
+    finally:
+        slow.close()
+    assert synced and blocks >= 70 and matched == blocks
+
+
+class _SlowSnapshotProxy:
+    """A worker's GET endpoints passed through, its cache snapshot ``delay_s`` late (a large cache
+    on a busy worker)."""
+
+    def __init__(self, upstream: str, delay_s: float) -> None:
+        import asyncio
+        import socket
+        import threading
+
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        async def forward(request):
+            if request.url.path == "/v1/cache/snapshot":
+                await asyncio.sleep(delay_s)
+            async with httpx.AsyncClient() as client:
+                r = await client.get(upstream + request.url.path, timeout=30)
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+        app = Starlette(routes=[Route("/{path:path}", forward)])
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True).start()
+        wait_until(lambda: self.server.started, 10, what="the slow-snapshot proxy")
+
+    def close(self) -> None:
+        self.server.should_exit = True
 
 
 def test_a_router_serves_its_first_request_knowing_the_caches_its_workers_already_hold(launch):
