@@ -225,8 +225,8 @@ class EventSubscriber:
     def resync_soon(self, worker: Worker) -> None:
         """Re-sync ``worker`` in the background (unless it is already), holding its batches that
         arrive meanwhile, then applying those the snapshot does not cover."""
-        if self.mode == "off" or self._holding(worker):
-            return
+        if self.mode == "off" or self._holding(worker) or self._router.workers.get(worker.url) is not worker:
+            return  # NOTE: one at a time; none for a worker removed (its URL may be another's now)
         self._cursors.pop(worker.url, None)
         self._resyncing[worker.url], self._held[worker.url] = worker, []
         task = asyncio.get_running_loop().create_task(self._resync_and_replay(worker))

@@ -92,6 +92,8 @@ class HealthChecker:
             # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
             # models (a LoRA adapter loaded or unloaded): ask again
             await self._learn(worker)
+        if self._router.workers.get(worker.url) is not worker:
+            return  # NOTE: removed while it learned (maybe added again: the index is the new one's)
         if restarted:
             self._router.index.clear_worker(worker.url)
             self._router.events.resync_soon(worker)

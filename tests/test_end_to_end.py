@@ -415,9 +415,11 @@ def test_a_worker_removed_and_added_again_before_its_snapshot_came_is_synced(lau
             router = Router(RouterConfig(workers=[], kv_events="redis", redis_url=redis_url))
             await router.start()
             try:
-                router.workers.add(slow.url)
+                first = router.workers.add(slow.url)
                 router.workers.remove(slow.url)  # NOTE: its re-sync has not read the snapshot yet
                 again = router.workers.add(slow.url)
+                router.events.resync_soon(first)  # NOTE: as a late health check of the first would ask
+                assert router.events._holding(again)
                 for _ in range(200):
                     if router.events.synced(again):
                         break
