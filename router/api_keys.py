@@ -25,14 +25,21 @@ _NAMED = re.compile(r"^([A-Za-z0-9_-]+):(.+)$")
 
 def key_names(keys: list[str]) -> list[tuple[str, str]]:
     """(name, secret) of each configured key, spaces around it dropped (a header's token has none);
-    ValueError for an empty one (no client could send it: keys on, every request refused)."""
-    out = []
+    ValueError for an empty one (no client could send it: keys on, every request refused), and for
+    a name given to one key that an unnamed key has by its place (keys that share a name share its
+    counts and limit: on purpose only)."""
+    out, named, unnamed = [], set(), set()
     for i, key in enumerate(keys):
         m = _NAMED.match(key.strip())
         name, secret = (m.group(1), m.group(2).strip()) if m else (f"key-{i}", key.strip())
         if not secret:
             raise ValueError(f"API key {i} is empty")
+        (named if m else unnamed).add(name)
         out.append((name, secret))
+    if clash := sorted(named & unnamed):
+        raise ValueError(
+            f"API key name {clash[0]!r} is given to a key and is an unnamed key's too: name that one"
+        )
     return out
 
 

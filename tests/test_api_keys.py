@@ -52,6 +52,12 @@ def test_keys_may_be_named_and_checks_return_the_name():
     for empty in ([""], ["ok", " "]):
         with pytest.raises(ValueError, match="is empty"):
             APIKeys(empty)
+    # one name for two keys (a rotation: the old and the new) is one client; a name an unnamed key
+    # has by its place is a mistake (two clients counted and limited as one)
+    assert key_names(["team-a:old", "team-a:new"]) == [("team-a", "old"), ("team-a", "new")]
+    assert APIKeys(["team-a:old", "team-a:new"]).check("Bearer new") == "team-a"
+    with pytest.raises(ValueError, match="'key-1' is given to a key"):
+        key_names(["key-1:aaa", "bbb"])
 
 
 def test_a_limit_allows_a_minutes_requests_then_refills_continuously():
