@@ -279,6 +279,24 @@ def test_the_export_endpoint_refuses_bad_input_and_keeps_serving(fleet):
     assert complete(source.url, [*ids, 1])["usage"]["prompt_tokens"] == 101
 
 
+def test_a_salted_prompt_cannot_be_exported_by_its_namespaces_keys(fleet):
+    """A salted prompt is cached under its salt's namespace (the ids shifted into it): ids outside
+    the vocabulary are refused, so no caller reads another tenant's KV, or learns it is cached."""
+    from worker.cache_salt import FIRST_SALT_SPACE, SALT_SPACES
+    from worker.radix_node import ADAPTER_SHIFT
+
+    source, _, _ = fleet
+    ids = prompt(52, 100)
+    body = {"prompt": [*ids, 1], "max_tokens": 1, "cache_salt": "tenant-a"}
+    assert httpx.post(source.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    url = source.url + EXPORT_PATH
+    assert httpx.post(url, json={"token_ids": ids}, timeout=10).status_code == 404  # not under the base's
+    for space in reversed(range(FIRST_SALT_SPACE, FIRST_SALT_SPACE + SALT_SPACES)):  # the first taken first
+        keys = [t + (space << ADAPTER_SHIFT) for t in ids]
+        r = httpx.post(url, json={"token_ids": keys}, timeout=10)
+        assert r.status_code == 400 and "token ids in [0, " in r.json()["error"]["message"], (space, r.text)
+
+
 def test_an_export_body_past_its_bound_is_refused_whether_or_not_it_says_its_length(fleet):
     source, _, _ = fleet
     ids = prompt(55, 100)

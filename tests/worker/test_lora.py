@@ -326,6 +326,44 @@ def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_p
     assert complete(url, "ad")["choices"][0]["text"] == want["choices"][0]["text"]  # the others serve on
 
 
+def test_unloading_waits_for_a_request_of_the_adapter_that_waits_for_a_salt_namespace(lora_setup):
+    """A salted request waits in the engine while every salt namespace is held: it is queued too, so
+    its adapter's unload is refused (409) until it has run, not granted under it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worker.cache_salt import SaltSpaces
+
+    both, _, _, root = lora_setup
+    url, engine = both.url, both.engine
+    assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "parked", "lora_path": str(root / "ad")},
+                      timeout=60).status_code == 200  # fmt: skip
+    before = engine.salts
+    engine.post(lambda: setattr(engine, "salts", SaltSpaces(engine.cache, spaces=1))).result(10)
+    try:
+        room = (
+            256 - complete(url, None)["usage"]["prompt_tokens"] - 1
+        )  # NOTE: the holder runs as long as it may
+        hold = {"prompt": PROMPT, "max_tokens": room, "ignore_eos": True, "stream": True, "cache_salt": "x"}
+        with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/v1/completions", json=hold,
+                                                         timeout=60) as running:  # fmt: skip
+            lines = running.iter_lines()  # NOTE: kept: a dropped iterator closes the stream
+            next(lines)
+            waiting = pool.submit(complete, url, "parked", cache_salt="y")
+            wait_until(
+                lambda: httpx.get(url + "/health").json()["waiting"] == 1, 20, what="the request waits"
+            )
+            busy = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "parked"}, timeout=60)
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use", busy.text
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+        assert waiting.result(60)["choices"][0]["text"]  # it ran, with its adapter
+    finally:
+        engine.post(lambda: setattr(engine, "salts", before)).result(10)
+    assert (
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "parked"}, timeout=60).status_code
+        == 200
+    )
+
+
 def test_a_request_reaching_the_engine_after_its_adapter_was_unloaded_fails_alone(lora_setup):
     """The API checks the model, then the request waits its turn: an unload in between must give
     that request a 404, not the step it would join a failed forward."""

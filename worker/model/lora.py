@@ -321,7 +321,8 @@ def remove_adapter(engine: Any, name: str) -> int:
     removal events tell routers); returns the pages freed. Its id is never reused."""
     adapter_id = engine.adapter_names.index(name) + 1
     sched = engine.scheduler
-    busy = sum(r.adapter == adapter_id for r in sched.requests())
+    # NOTE: salted requests waiting for a cache namespace (engine._parked) are queued too
+    busy = sum(r.adapter == adapter_id for r in (*sched.requests(), *engine._parked))
     if busy:
         raise AdapterBusyError(
             f"LoRA adapter {name!r} has {busy} requests queued or running; retry when they finish"
