@@ -430,11 +430,12 @@ class RadixCache:
         """Drop everything no request holds, in both tiers; returns the (device, host) pages freed.
         If the tree ends up empty, the next drain reports ``cleared`` instead of one removal per
         block."""
-        host_before = self._host_pages
+        host_before, for_room = self._host_pages, self.host_dropped_pages
         # NOTE: dropping a device leaf drops its host-only descendants too, so host pages freed are
         # counted as the tier's change, not from _drop_host's return
         freed = self.evict(self.total_pages, offload=False)
         self._drop_host(self._host_pages)
+        self.host_dropped_pages = for_room  # NOTE: a flush's drops are not for room
         if self.total_pages == 0 and self._host_pages == 0 and self.enable_events:
             self.events.cleared()
         return freed, host_before - self._host_pages
@@ -463,7 +464,10 @@ class RadixCache:
         """Remove namespace ``space``'s subtrees (a LoRA adapter unloaded, a cache salt's space given to
         another: none of it is locked), both tiers, with their removal events; returns device pages freed."""
         doomed = [c for c in self.root.children.values() if int(c.key[0]) >> ADAPTER_SHIFT == space]
-        return sum(self._drop(node) for node in doomed)
+        for_room = self.host_dropped_pages
+        freed = sum(self._drop(node) for node in doomed)
+        self.host_dropped_pages = for_room  # NOTE: nor are a namespace's
+        return freed
 
     def add_namespace(self, name: str) -> None:
         """A LoRA adapter added at runtime: its subtrees (keys of the next adapter id) hash as ``name``."""

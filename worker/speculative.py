@@ -100,15 +100,19 @@ def commit_verify(stats: Any, batch: Any, accepted: Sequence[list[int]]) -> list
     stats.verify_requests += len(batch.requests)
     for req, draft, tokens in zip(batch.requests, batch.drafts, accepted, strict=True):
         stats.draft_tokens += len(draft)
-        stats.accepted_tokens += len(tokens) - 1
+        kept = 0
         for token in tokens:
             req.token_ids.append(int(token))
-            stats.decode_tokens += 1
+            kept += 1
             if token in req.stop_token_ids:
                 req.finish_reason = "stop"
             elif req.num_output >= req.max_tokens:
                 req.finish_reason = "length"
             if req.finish_reason is not None:
                 break
+        stats.decode_tokens += kept
+        # NOTE: the drafts the model agreed with and the request kept: the last token is the model's
+        # own unless the request ended before it
+        stats.accepted_tokens += min(kept, len(tokens) - 1)
         req.kv_len = len(req.token_ids) - 1
     return list(batch.requests)

@@ -243,8 +243,12 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
     (no_rank / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 8}))
     shutil.copytree(tmp_path / "r4", damaged)
     (damaged / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    nan = tmp_path / "nan"  # NOTE: Python's json reads NaN: the adapter would poison every answer
+    shutil.copytree(tmp_path / "r4", nan)
+    (nan / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": NaN}')
     cases = ((f"w={wrong}", "needs A"), (f"m={tmp_path / 'missing'}", "cannot read"),
-             (f"n={no_rank}", "positive integer 'r'"), (f"d={damaged}", "cannot read"))  # fmt: skip
+             (f"n={no_rank}", "positive integer 'r'"), (f"d={damaged}", "cannot read"),
+             (f"x={nan}", "finite 'lora_alpha'"))  # fmt: skip
     for spec, words in cases:
         cfg = WorkerConfig(
             model=str(llama_checkpoint), device="cpu", kv_cache_tokens=1024, lora_adapters=[spec]
@@ -324,6 +328,27 @@ def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_p
     assert complete(url, "late")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert complete(url, "late", cache_salt="t")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert complete(url, "ad")["choices"][0]["text"] == want["choices"][0]["text"]  # the others serve on
+
+
+def test_two_loads_of_one_name_at_once_serve_it_once(lora_setup):
+    """Both pass the API's check before either is added (loading runs off the engine thread): the
+    engine thread checks the name again, so the second is a 400, not a second adapter of that name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from worker.model.lora import add_adapter, load_adapter
+
+    both, _, _, root = lora_setup
+    body = {"lora_name": "twin", "lora_path": str(root / "ad")}
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: httpx.post(both.url + "/v1/load_lora_adapter", json=body, timeout=60),
+                                range(2)))  # fmt: skip
+    assert sorted(r.status_code for r in answers) == [200, 400]
+    late = load_adapter("twin", str(root / "ad"), both.engine.executor.model)  # as the second one's was
+    with pytest.raises(ValueError, match="already served"):
+        both.engine.post(lambda: add_adapter(both.engine, late)).result(30)
+    assert both.engine.served_models().count("twin") == 1
+    unload = httpx.post(both.url + "/v1/unload_lora_adapter", json={"lora_name": "twin"}, timeout=60)
+    assert unload.status_code == 200 and "twin" not in both.engine.served_models()
 
 
 def test_unloading_waits_for_a_request_of_the_adapter_that_waits_for_a_salt_namespace(lora_setup):

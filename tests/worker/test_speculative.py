@@ -107,6 +107,30 @@ def test_greedy_acceptance_keeps_the_agreed_run_then_the_models_token():
     assert accept_draft(logits, [3, 4], SamplingParams(temperature=0), None) == [3, 8]
 
 
+@pytest.mark.parametrize(
+    ("stop", "max_tokens", "kept", "accepted"),
+    [
+        (frozenset(), 10, [7, 8, 9, 10], 3),
+        (frozenset({7}), 10, [7], 1),
+        (frozenset({9}), 10, [7, 8, 9], 3),
+        (frozenset(), 2, [7, 8], 2),
+    ],
+)
+def test_a_verify_step_counts_as_accepted_only_the_drafts_a_request_kept(stop, max_tokens, kept, accepted):
+    """The model agreed with all three drafts (then gave 10): a request that ends on one (a stop id,
+    its max_tokens) keeps the tokens up to it, and only those drafts count as accepted."""
+    from types import SimpleNamespace
+
+    from worker.request import SchedulerStats
+    from worker.speculative import commit_verify
+
+    req = Request("r", [1, 2, 3], max_tokens=max_tokens, stop_token_ids=stop)
+    stats = SchedulerStats()
+    commit_verify(stats, SimpleNamespace(requests=[req], drafts=[[7, 8, 9]]), [[7, 8, 9, 10]])
+    assert req.token_ids[3:] == kept
+    assert (stats.draft_tokens, stats.accepted_tokens, stats.decode_tokens) == (3, accepted, len(kept))
+
+
 def _tv(counts: np.ndarray, p: torch.Tensor) -> float:
     return 0.5 * float(np.abs(counts / counts.sum() - p.numpy()).sum())
 

@@ -210,9 +210,10 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
     except json.JSONDecodeError as exc:
         raise ValueError(f"adapter {name!r}: adapter_config.json is not JSON ({exc})") from None
     r = config.get("r") if isinstance(config, dict) else None
-    if type(r) is not int or r <= 0 or not isinstance(config.get("lora_alpha", r), (int, float)):
-        raise ValueError(
-            f"adapter {name!r}: adapter_config.json needs a positive integer 'r' and a numeric 'lora_alpha'"
+    alpha = config.get("lora_alpha", r) if isinstance(config, dict) else None
+    if type(r) is not int or r <= 0 or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(  # NOTE: Python's json reads NaN and Infinity: they would poison every answer
+            f"adapter {name!r}: adapter_config.json needs a positive integer 'r' and a finite 'lora_alpha'"
         )
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {name!r}: only LoRA adapters are supported, not {config.get('peft_type')}")
@@ -305,6 +306,8 @@ def check_room(model: Any, adapters: int) -> None:
 def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
     """Serve a loaded adapter from the next step (engine thread): its id, cache namespace, name."""
     model = engine.executor.model
+    if adapter.name in engine.served_models():  # NOTE: again here: two loads of one name may overlap
+        raise ValueError(f"model {adapter.name!r} is already served")
     check_room(model, len(engine.adapter_names) + 1)
     model.add_lora(adapter)
     graphs = getattr(engine.executor, "decode_graphs", None)
