@@ -195,6 +195,8 @@ def _coerce(name: str, value: Any) -> Any:
                 return False
             raise ValueError("expected true or false")
         if kind == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError("expected a whole number")  # NOTE: YAML's 2.9 or yes, not truncated to 2 or 1
             return int(value)
         if kind == "float":
             return float(value)
@@ -244,11 +246,18 @@ def load_yaml(path: str) -> dict[str, Any]:
     return out
 
 
+# NOTE: set from Secrets: one set but empty (an empty Secret) would turn the guard off over YAML's
+_SECRETS = ("api_keys", "admin_token", "worker_api_key")
+
+
 def from_env(environ: dict[str, str]) -> dict[str, Any]:
     out = {}
     for name in _FIELDS:
-        value = environ.get("RADIXGATE_" + name.upper())
+        var = "RADIXGATE_" + name.upper()
+        value = environ.get(var)
         if value is not None:
+            if name in _SECRETS and not value.strip():
+                raise ValueError(f"{var} is set but empty: give it a value or unset it")
             out[name] = _coerce(name, value)
     return out
 

@@ -148,6 +148,31 @@ def test_a_tokenizer_directory_without_a_loadable_tokenizer_is_refused(tmp_path)
     assert "Traceback" not in done.stderr
 
 
+def test_a_secret_set_empty_in_the_environment_is_an_error_not_the_guard_off(tmp_path):
+    """An empty Secret behind RADIXGATE_API_KEYS or RADIXGATE_ADMIN_TOKEN would otherwise replace the
+    YAML's keys or token with none: a router open to anyone."""
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(
+        "router:\n  api_keys: [secret-key-1]\n  admin_token: admin-secret\n  workers: [http://a:1]\n"
+    )
+    assert build_config(["--config", str(cfg)], environ={}).api_keys == ["secret-key-1"]
+    for var in ("RADIXGATE_API_KEYS", "RADIXGATE_ADMIN_TOKEN", "RADIXGATE_WORKER_API_KEY"):
+        for empty in ("", "  "):
+            with pytest.raises(ValueError, match=f"{var} is set but empty"):
+                build_config(["--config", str(cfg)], environ={var: empty})
+    assert build_config(["--config", str(cfg)], environ={"RADIXGATE_ADMIN_TOKEN": "t"}).admin_token == "t"
+
+
+@pytest.mark.parametrize("value", ["2.9", "yes", "true"])
+def test_an_int_setting_takes_whole_numbers_only_in_yaml_too(tmp_path, value):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(f"max_retries: {value}\n")
+    with pytest.raises(ValueError, match="max_retries"):
+        build_config(["--config", str(cfg)], environ={})
+    cfg.write_text("max_retries: 3.0\n")  # a whole number written as a float is that number
+    assert build_config(["--config", str(cfg)], environ={}).max_retries == 3
+
+
 def test_top_level_keys_beside_a_router_section_are_errors(tmp_path):
     cfg = tmp_path / "r.yaml"
     cfg.write_text("router:\n  port: 9000\nworkers:\n  - http://a:1\n")  # workers indented wrongly
