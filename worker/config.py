@@ -112,6 +112,10 @@ class WorkerConfig:
     sim_kv_fetch_ms_per_token: float = 0.12
 
     def validate(self) -> None:
+        for name in ("api_key", "admin_token"):  # NOTE: "" (an empty Secret) would turn the guard off
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()}) is empty: "
+                                 "give it a value or leave it unset")  # fmt: skip
         if self.engine not in ("model", "sim"):
             raise ValueError("--engine must be model or sim")
         if self.device not in ("auto", "cuda", "cpu"):

@@ -89,3 +89,14 @@ def test_kv_cache_dtype_sets_the_pools_dtype_apart_from_the_models(capsys, monke
     assert kv_cache_dtype("fp8_e5m2", torch.bfloat16, "cuda") == torch.float8_e5m2
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert kv_cache_dtype("fp8_e4m3", torch.bfloat16, "cuda") == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("name", ["API_KEY", "ADMIN_TOKEN"])
+def test_a_key_set_empty_is_refused_not_the_guard_off(capsys, monkeypatch, name):
+    """An empty Secret behind RADIXGATE_WORKER_API_KEY would otherwise leave the worker open to anyone."""
+    flag = "--" + name.lower().replace("_", "-")
+    assert flag in refused(capsys, [flag, ""])
+    monkeypatch.setenv("RADIXGATE_WORKER_" + name, " ")
+    assert f"RADIXGATE_WORKER_{name}" in refused(capsys, [])
+    monkeypatch.setenv("RADIXGATE_WORKER_" + name, "s3cret")
+    assert getattr(parse_args([]), name.lower()) == "s3cret"
