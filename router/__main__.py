@@ -21,19 +21,26 @@ from router.launcher import WorkerLauncher
 class RouterServer(uvicorn.Server):
     """uvicorn's server that takes the first SIGTERM / SIGINT as a notice: it calls ``start_draining``
     (/ready answers 503), serves on for ``delay_s`` so that load balancers take it out of rotation
-    first, and then shuts down as uvicorn does, letting requests in flight finish. A second signal goes
-    straight to uvicorn's handling."""
+    first, and then shuts down as uvicorn does, letting requests in flight finish. A second signal,
+    either kind, ends it at once (uvicorn itself does so on a second SIGINT only); launched workers
+    get SIGTERM as the process ends (router.launcher)."""
 
     def __init__(self, config: uvicorn.Config, delay_s: float, start_draining: Callable[[], None]) -> None:
         super().__init__(config)
         self._delay_s = delay_s
         self._start_draining = start_draining
         self._notice: threading.Timer | None = None
+        self._signalled = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._notice is not None:  # a second signal
-            self._notice.cancel()
-        elif self._delay_s > 0:
+        if self._signalled:  # a second signal: at once
+            if self._notice is not None:
+                self._notice.cancel()
+            self._captured_signals.append(sig)  # NOTE: raised again once the server has stopped
+            self.should_exit = self.force_exit = True
+            return
+        self._signalled = True
+        if self._delay_s > 0:
             self._start_draining()
             logging.getLogger("radixgate.router").info(
                 "%s: /ready answers 503; shutting down in %.1f s", signal.Signals(sig).name, self._delay_s

@@ -1,30 +1,51 @@
 """`--launch-workers N`: start N local workers (python -m worker) as child processes.
 
 The router owns their lifetime: they get free loopback ports, and are terminated (then killed
-after a grace period) when the router exits, whatever way it exits."""
+after a grace period) when the router exits; on Linux they get SIGTERM even when the router is
+killed (SIGKILL, the OOM killer), through the kernel's parent-death signal."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("radixgate.router.launcher")
 
 CONFIG_ERROR = 2  # python -m worker's exit code for arguments or a model it cannot start with
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _dies_with(parent: int) -> Callable[[], None] | None:
+    """For ``Popen(preexec_fn=)``: the child gets SIGTERM when the thread that started it ends with
+    its process (started from the main thread, or the launcher's watch thread, which lives as long),
+    whatever ends it; None where the kernel has no such signal (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # NOTE: looked up here: the child only calls it
+
+    def child() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # NOTE: the router died before the call: no signal will come
+            os._exit(1)
+
+    return child
 
 
 def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -117,7 +138,7 @@ class WorkerLauncher:
 
     def _spawn(self, cmd: list[str]) -> subprocess.Popen:
         env = {**os.environ, "RADIXGATE_WORKER_API_KEY": self.api_key} if self.api_key else None
-        return subprocess.Popen(cmd, env=env)
+        return subprocess.Popen(cmd, env=env, preexec_fn=_dies_with(os.getpid()))
 
     def _watch(self, poll_s: float = 0.5) -> None:
         restart_at: dict[int, float] = {}  # worker index -> when to start it again

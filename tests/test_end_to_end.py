@@ -176,6 +176,15 @@ def test_a_launched_worker_that_dies_is_started_again(launch):
     assert _children(router.proc.pid) == [] and router.proc.returncode is not None
     wait_until(lambda: _pid_gone(again), 15, what="the worker stopped with the router")
 
+    # a router killed outright (SIGKILL, the OOM killer) runs no shutdown: its workers go with it anyway
+    killed = launch.module("router", "--launch-workers", "1", "--model", "sim-8b", "--worker-arg=--engine=sim",
+                           timeout=60)  # fmt: skip
+    wait_until(lambda: len(_children(killed.proc.pid)) == 1, 30, what="the worker started")
+    (orphan,) = _children(killed.proc.pid)
+    killed.proc.kill()
+    killed.proc.wait(10)
+    wait_until(lambda: _pid_gone(orphan), 15, what="the worker stopped with the killed router")
+
     refused = launch.module("router", "--launch-workers", "1", "--worker-arg=--kv-cache-tokens=-5")
     wait_until(lambda: "not starting it again" in refused.log(), 30, what="the refused worker given up")
     time.sleep(1.5)  # NOTE: longer than the first restart delay

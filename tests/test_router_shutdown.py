@@ -8,6 +8,7 @@ import signal
 import threading
 
 import httpx
+import pytest
 
 from tests.support import wait_until
 
@@ -42,3 +43,22 @@ def test_sigterm_takes_the_router_out_of_rotation_before_it_stops(launch):
     assert lines[-1] == "data: [DONE]" and len(lines) > 100  # the stream in flight finished
     assert router.proc.returncode in (0, -signal.SIGTERM)  # uvicorn raises the signal again at exit
     assert "SIGTERM: /ready answers 503; shutting down in 3.0 s" in router.log()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_stops_the_router_at_once(launch, sig):
+    """Either signal twice: the router ends without the notice's delay or the requests in flight
+    (uvicorn alone forces a shutdown on a second SIGINT only)."""
+    backend = launch.echo_backend("--decode-ms-per-token", "50")
+    router = launch.router([backend.url], "--shutdown-delay-s", "60", ready_path="/ready")
+    body = {**CHAT, "max_tokens": 2000, "stream": True}  # 100 s of tokens
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        router.proc.send_signal(sig)
+        wait_until(
+            lambda: httpx.get(router.url + "/ready", timeout=5).status_code == 503, 10, what="the notice"
+        )
+        router.proc.send_signal(sig)
+        wait_until(lambda: router.proc.poll() is not None, 20, what="the router to exit")
+    assert router.proc.returncode == -sig  # NOTE: uvicorn raises the signal again as it ends
