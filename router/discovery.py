@@ -122,6 +122,8 @@ class KubeDiscovery:
         self.rounds = self.failures = 0
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
+        # NOTE: one removed by hand is no longer discovery's: added again by POST /workers, it stays
+        router.workers.on_removed.append(lambda worker: self.found.discard(worker.url))
 
     async def start(self) -> None:
         context = ssl.create_default_context(cafile=self.target.ca_file) if self.target.ca_file else None

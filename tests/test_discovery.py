@@ -159,6 +159,15 @@ def test_the_router_follows_the_services_endpoints(launch, kube, tmp_path) -> No
         line for line in metrics.splitlines() if line.startswith("radixgate_discovery_failures_total")
     )
     assert float(failures.split()[-1]) >= 3
+    # removed and added again by hand while listings fail: b is the operator's now, not the Service's
+    kube.fail = True
+    calls = kube.calls
+    wait_until(lambda: kube.calls >= calls + 2, 10, what="failing listings")
+    assert httpx.delete(router.url + "/workers", params={"url": b.url}, timeout=5).status_code == 200
+    assert httpx.post(router.url + "/workers", json={"url": b.url}, timeout=5).status_code == 201
+    kube.ports, kube.fail, calls = [], False, kube.calls
+    wait_until(lambda: kube.calls >= calls + 3, 10, what="listings without b")
+    assert fleet(router.url)[0] == {static.url, b.url} and fleet(router.url)[1]["workers"] == []
 
 
 def test_discovery_outside_a_pod_needs_an_api_url() -> None:
