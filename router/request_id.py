@@ -20,9 +20,10 @@ class RequestId:
             await self.app(scope, receive, send)
             return
         rid = next((value for name, value in scope["headers"] if name == HEADER), None)
-        if rid is None:
+        if rid is None or not rid.strip():  # NOTE: an empty one names nothing: made here too
             rid = os.urandom(16).hex().encode()  # NOTE: 128 random bits, a quarter of uuid4()'s cost
-            scope = {**scope, "headers": [*scope["headers"], (HEADER, rid)]}
+            headers = [(name, value) for name, value in scope["headers"] if name != HEADER]
+            scope = {**scope, "headers": [*headers, (HEADER, rid)]}
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":

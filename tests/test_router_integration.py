@@ -947,6 +947,12 @@ def test_answers_carry_a_request_id_and_models_have_created_and_are_listed_one_b
     assert mine.status_code == 200 and mine.headers["x-request-id"] == "req-7"
     made = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30)
     assert made.status_code == 200 and len(made.headers["x-request-id"]) == 32
+    # an empty id names nothing: one is made, and only that one sent back
+    blank = httpx.post(
+        router.url + "/v1/chat/completions", json=body, headers={"x-request-id": ""}, timeout=30
+    )
+    assert blank.headers.get_list("x-request-id") == [blank.headers["x-request-id"]]
+    assert len(blank.headers["x-request-id"]) == 32
     refused = httpx.post(router.url + "/v1/chat/completions", json={"model": "echo"}, timeout=30)
     assert refused.status_code == 400 and refused.headers["x-request-id"]
     listed = httpx.get(router.url + "/v1/models", timeout=5).json()["data"]
