@@ -22,13 +22,17 @@ class RouterServer(uvicorn.Server):
     """uvicorn's server that takes the first SIGTERM / SIGINT as a notice: it calls ``start_draining``
     (/ready answers 503), serves on for ``delay_s`` so that load balancers take it out of rotation
     first, and then shuts down as uvicorn does, letting requests in flight finish. A second signal,
-    either kind, ends it at once (uvicorn itself does so on a second SIGINT only); launched workers
-    get SIGTERM as the process ends (router.launcher)."""
+    either kind, ends it at once (uvicorn itself does so on a second SIGINT only), after ``on_force``
+    (launched workers get SIGTERM: no shutdown hook runs on that path)."""
 
-    def __init__(self, config: uvicorn.Config, delay_s: float, start_draining: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, delay_s: float, start_draining: Callable[[], None],
+        on_force: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self._delay_s = delay_s
         self._start_draining = start_draining
+        self._on_force = on_force
         self._notice: threading.Timer | None = None
         self._signalled = False
 
@@ -36,6 +40,8 @@ class RouterServer(uvicorn.Server):
         if self._signalled:  # a second signal: at once
             if self._notice is not None:
                 self._notice.cancel()
+            if self._on_force is not None:
+                self._on_force()
             self._captured_signals.append(sig)  # NOTE: raised again once the server has stopped
             self.should_exit = self.force_exit = True
             return
@@ -95,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         def start_draining() -> None:
             app.router.draining = True
 
-        server = RouterServer(server_config, config.shutdown_delay_s, start_draining)
+        server = RouterServer(
+            server_config, config.shutdown_delay_s, start_draining, launcher.terminate if launcher else None
+        )
         server.run()
     finally:
         if launcher is not None:

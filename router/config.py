@@ -145,6 +145,9 @@ class RouterConfig:
             raise ValueError("prefill_tokens_per_load must be >= 0 (0: load counts requests only)")
         if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
             raise ValueError("max_concurrent_requests and max_queued_requests must be >= 0")
+        for name in ("admin_token", "worker_api_key"):  # NOTE: "" would mean none: the guard off
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"{name} is empty: give it a value or leave it out")
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
@@ -154,11 +157,16 @@ class RouterConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+# NOTE: set from Secrets: one given but empty would turn its guard off (over YAML's, from env)
+_SECRETS = ("api_keys", "admin_token", "worker_api_key")
 
 
 def _coerce(name: str, value: Any) -> Any:
     """Turn a YAML or env value into the field's type; raises ValueError with the field name."""
     kind = _FIELDS[name].type
+    if name in _SECRETS and isinstance(value, str) and not value.replace(",", " ").strip():
+        raise ValueError(f"{name} is given but empty (RADIXGATE_{name.upper()} from an empty Secret?): give it "
+                         "a value or leave it out")  # fmt: skip
     # NOTE: YAML 1.1 reads unquoted on/off (yes/no) as booleans; for the modes they are the words
     if name in ("kv_events", "replica_sync") and isinstance(value, bool):
         if value and name == "kv_events":
@@ -246,18 +254,11 @@ def load_yaml(path: str) -> dict[str, Any]:
     return out
 
 
-# NOTE: set from Secrets: one set but empty (an empty Secret) would turn the guard off over YAML's
-_SECRETS = ("api_keys", "admin_token", "worker_api_key")
-
-
 def from_env(environ: dict[str, str]) -> dict[str, Any]:
     out = {}
     for name in _FIELDS:
-        var = "RADIXGATE_" + name.upper()
-        value = environ.get(var)
+        value = environ.get("RADIXGATE_" + name.upper())
         if value is not None:
-            if name in _SECRETS and not value.strip():
-                raise ValueError(f"{var} is set but empty: give it a value or unset it")
             out[name] = _coerce(name, value)
     return out
 

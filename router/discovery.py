@@ -168,8 +168,7 @@ class KubeDiscovery:
         # NOTE: at once: N pods that do not answer yet cost one health timeout, not N
         await asyncio.gather(*(self._router.health.check(workers.add(url)) for url in new))
         for url in sorted(self.found - urls):
-            workers.remove(url)
-            self.found.discard(url)
+            workers.remove(url)  # NOTE: out of found too (on_removed)
             log.info("worker gone from %s: %s", self.target.service, url)
 
     async def _list(self) -> list[dict]:

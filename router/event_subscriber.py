@@ -270,7 +270,8 @@ class EventSubscriber:
             return
         if not self.apply(worker, batch):
             self.resync_soon(worker)
-            self._held[worker.url].append(batch)
+            if self._holding(worker):  # NOTE: not for a worker removed meanwhile (its URL may be another's)
+                self._held[worker.url].append(batch)
 
     # ---------------------------------------------------------------- transports
     async def _http_reader(self, worker: Worker) -> None:

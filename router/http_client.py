@@ -264,10 +264,11 @@ def worker_base_url(url: object) -> str:
         raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
     try:
         parts = urlsplit(url)
-        _ = parts.port  # NOTE: raises for a port out of range or not a number
+        if parts.port == 0:  # NOTE: .port raises for one out of range or not a number
+            raise ValueError("Port out of range 1-65535")
     except ValueError as exc:
         raise ValueError(f"worker URL {url!r}: {exc}") from None
-    if not parts.hostname or parts.query or parts.fragment or any(c.isspace() for c in url):
+    if not parts.hostname or any(c.isspace() or c in "?#" for c in url):  # NOTE: an empty query too
         raise ValueError(f"worker URL {url!r} needs a host, and takes no query, fragment or spaces")
     return url.rstrip("/")
 

@@ -38,7 +38,9 @@ def _dies_with(parent: int) -> Callable[[], None] | None:
     whatever ends it; None where the kernel has no such signal (not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # NOTE: looked up here: the child only calls it
+    # NOTE: preexec_fn runs Python in the child of a process with threads (Python's docs warn of it):
+    # kept to two system calls, through a function looked up here, before the fork; nothing imported
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def child() -> None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -166,9 +168,24 @@ class WorkerLauncher:
                     with self._lock:
                         if self._stopping.is_set():
                             return
-                        self.processes[i] = self._spawn(self._commands[i])
+                        try:
+                            self.processes[i] = self._spawn(self._commands[i])
+                        except OSError as exc:  # NOTE: no fork now (EAGAIN, ENOMEM): try again later; this
+                            # thread must live on, the parent-death signal of the workers it started is its end
+                            restart_at[i] = now + self.restart_delays_s[-1]
+                            log.error("starting worker %s again failed: %r; trying again in %.0f s",
+                                      self.urls[i], exc, self.restart_delays_s[-1])  # fmt: skip
+                            continue
                     del restart_at[i]
                     self._started_at[i] = now
+
+    def terminate(self) -> None:
+        """SIGTERM every worker now, not waiting (the router is ending at once: they end by themselves)."""
+        with self._lock:
+            self._stopping.set()
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
 
     def stop(self, grace_s: float = 10.0) -> None:
         with self._lock:

@@ -29,9 +29,9 @@ def test_worker_flags_both_spellings():
     "argv",
     [
         ["--workers", "a:1"],
-        ["--workers", "http://"],
         ["--workers", "http://a:99999"],
-        ["--workers", "http://a b:1"],
+        ["--workers", "http://a:0"],
+        ["--workers", "http://a:1?"],
         ["--block-size", "0"],
         ["--kv-events", "redis"],
         ["--policy-param", "novalue"],
@@ -156,11 +156,17 @@ def test_a_secret_set_empty_in_the_environment_is_an_error_not_the_guard_off(tmp
         "router:\n  api_keys: [secret-key-1]\n  admin_token: admin-secret\n  workers: [http://a:1]\n"
     )
     assert build_config(["--config", str(cfg)], environ={}).api_keys == ["secret-key-1"]
-    for var in ("RADIXGATE_API_KEYS", "RADIXGATE_ADMIN_TOKEN", "RADIXGATE_WORKER_API_KEY"):
-        for empty in ("", "  "):
-            with pytest.raises(ValueError, match=f"{var} is set but empty"):
-                build_config(["--config", str(cfg)], environ={var: empty})
+    for name in ("api_keys", "admin_token", "worker_api_key"):
+        for empty in ("", "  ", ","):
+            with pytest.raises(ValueError, match=f"{name} is given but empty"):
+                build_config(["--config", str(cfg)], environ={f"RADIXGATE_{name.upper()}": empty})
     assert build_config(["--config", str(cfg)], environ={"RADIXGATE_ADMIN_TOKEN": "t"}).admin_token == "t"
+    for argv in (["--admin-token", ""], ["--worker-api-key", " "], ["--api-key", ""]):  # flags, e.g. $(VAR)
+        with pytest.raises(ValueError, match="empty"):
+            build_config(argv, environ={})
+    cfg.write_text("admin_token: ''\n")
+    with pytest.raises(ValueError, match="admin_token is given but empty"):
+        build_config(["--config", str(cfg)], environ={})
 
 
 @pytest.mark.parametrize("value", ["2.9", "yes", "true"])

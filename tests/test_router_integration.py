@@ -380,6 +380,9 @@ def test_admin_add_and_remove_workers(fleet, launch):
             "http://a b",
             "http://127.0.0.1:99999",
             "http://a/?q",
+            "http://a:1?",
+            "http://a:1#",
+            "http://a:0",
         ):
             r = client.post("/workers", json={"url": bad}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)

@@ -274,6 +274,10 @@ class Engine:
             except queue.Empty:
                 return
 
+    def queued(self) -> list[Request]:
+        """Every request queued or running (engine thread), those waiting for a salt namespace too."""
+        return [*self.scheduler.requests(), *self._parked]
+
     def _spaces_in_use(self) -> set[int]:
         """The cache namespaces queued or running requests use."""
         return {r.namespace for r in self.scheduler.requests()}  # type: ignore[misc]

@@ -51,6 +51,11 @@ class Splitter:
     def flush(self) -> tuple[str, str]:
         raise NotImplementedError
 
+    def is_answer(self) -> bool | None:
+        """Is the next token counted part of the answer (content), not thinking or markers? None
+        while that is not known yet (the answer's first tokens, before it shows whether it thinks)."""
+        raise NotImplementedError
+
     def take(self, text: str, final: bool) -> tuple[str, str]:
         """``feed(text)``, and when the answer ends with it (``final``) what was held back too."""
         reasoning, content = self.feed(text)
@@ -68,6 +73,9 @@ class ReasoningSplitter(Splitter):
         self._pending = ""  # text held back: possibly the start of a tag
         self.reasoning_tokens = 0  # tokens generated while thinking, the tags' own included
         self._undecided = 0  # tokens generated before it was known whether the answer thinks
+
+    def is_answer(self) -> bool | None:
+        return None if self._state == "start" else self._state == "content"
 
     def count(self, tokens: int) -> None:
         """Attribute ``tokens`` just generated, before their text is fed: to the thinking while it
@@ -147,6 +155,9 @@ class HarmonySplitter(Splitter):
         self._seen_marker = False
         self._pending = ""  # body text held back: possibly the start of a marker
         self.reasoning_tokens = 0  # tokens generated in analysis messages (their markers included)
+
+    def is_answer(self) -> bool | None:
+        return self._state == "body" and self._channel != "analysis" and not self._recipient
 
     def count(self, tokens: int) -> None:
         if self._state == "body" and self._channel == "analysis" and not self._recipient:

@@ -297,38 +297,38 @@ class _Turn:
         self.finish_reason: str | None = None
         self.events = Events()
         self.items = OutputItems(self.events, logprobs)
-        self._logprobs: list[dict] = []  # entries of tokens whose text is not out yet
-        self._logprobs_from = 0  # the output token the first of them is for
+        self._logprobs: list[dict] = []  # entries of the answer's tokens whose text is not out yet
+        self._unsure: list[tuple[int, dict]] = []  # (output position, entry) of those not known as answer yet
 
     def add(self, out: RequestOutput) -> list[bytes]:
         """Account one engine output; the stream events for its text."""
         self.output_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
         self.finish_reason = out.finish_reason or self.finish_reason
-        if out.logprobs is not None:
-            self._logprobs.append(
-                logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
-            )
+        # NOTE: with a reasoning parser the output text's logprobs are its answer's tokens only, not
+        # the thinking's or harmony's headers (the splitter knows a token's part as it is counted)
+        answer = True if self.thinking is None else self.thinking.is_answer()
+        if out.logprobs is not None and answer is not False:
+            entry = logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
+            self._logprobs.append(entry)
+            if answer is None:
+                self._unsure.append((out.completion_tokens - len(out.token_ids), entry))
         text, deltas = out.text, []
         if self.thinking is not None:
             self.thinking.count(len(out.token_ids))
             thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
-            # NOTE: the thinking's tokens (the first ones: it comes before the answer) are not the
-            # output text's; their entries go
-            thinking = max(0, min(len(self._logprobs), self.thinking.reasoning_tokens - self._logprobs_from))
-            del self._logprobs[:thinking]
-            self._logprobs_from += thinking
+            if self._unsure and self.thinking.is_answer() is not None:  # NOTE: known now: the answer's
+                # first tokens were the thinking's if it opened with them
+                gone = {id(e) for at, e in self._unsure if at < self.thinking.reasoning_tokens}
+                self._logprobs, self._unsure = [e for e in self._logprobs if id(e) not in gone], []
         if self.reader is None:
             deltas += [{"content": text, "logprobs": self._logprobs}] if text else []
-            if text:  # NOTE: held-back text keeps its numbers
-                self._logprobs_from += len(self._logprobs)
-                self._logprobs = []
+            self._logprobs = [] if text else self._logprobs  # NOTE: held-back text keeps its numbers
         else:
             deltas += self.reader.feed(text) + (self.reader.flush() if out.finish_reason else [])
         events = [event for d in deltas for event in self.items.delta(d)]
         if out.finish_reason is not None and self._logprobs:  # tokens of no text (a stop string's)
             self.items.add_logprobs(self._logprobs)
-            self._logprobs_from += len(self._logprobs)
             self._logprobs = []
         return events
 

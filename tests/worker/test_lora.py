@@ -365,9 +365,8 @@ def test_unloading_waits_for_a_request_of_the_adapter_that_waits_for_a_salt_name
     before = engine.salts
     engine.post(lambda: setattr(engine, "salts", SaltSpaces(engine.cache, spaces=1))).result(10)
     try:
-        room = (
-            256 - complete(url, None)["usage"]["prompt_tokens"] - 1
-        )  # NOTE: the holder runs as long as it may
+        # NOTE: the holder runs as long as the context lets it
+        room = 256 - complete(url, None)["usage"]["prompt_tokens"] - 1
         hold = {"prompt": PROMPT, "max_tokens": room, "ignore_eos": True, "stream": True, "cache_salt": "x"}
         with ThreadPoolExecutor(1) as pool, httpx.stream("POST", url + "/v1/completions", json=hold,
                                                          timeout=60) as running:  # fmt: skip

@@ -319,31 +319,44 @@ def test_a_function_call_output_continues_the_conversation_from_the_cache(client
     assert client.get(f"/v1/responses/{parts['id']}").status_code == 200  # stored
 
 
-@pytest.mark.parametrize("answer", ["<think>ab</think>cd", "<think>é</think>\n\nçd", "<think></think>cd"])
-def test_output_text_logprobs_leave_out_the_thinking_tokens(live, answer) -> None:
+HARMONY = "<|channel|>analysis<|message|>ab<|end|><|start|>assistant<|channel|>final<|message|>cd<|return|>"
+
+
+@pytest.mark.parametrize(
+    ("parser", "answer", "thinking", "text", "numbered"),
+    [
+        ("qwen3", "<think>ab</think>cd", "ab", "cd", "cd"),
+        ("qwen3", "\n<think>é</think>\n\nçd", "é", "\n\nçd", "\n\nçd"),
+        ("qwen3", "<think></think>cd", "", "cd", "cd"),
+        ("qwen3", "cd", "", "cd", "cd"),
+        ("gpt_oss", HARMONY, "ab", "cd", "cd<|return|>"),  # NOTE: the end marker is the answer's last token
+    ],
+)
+def test_output_text_logprobs_leave_out_the_thinking_tokens(
+    live, parser, answer, thinking, text, numbered
+) -> None:
     """With --reasoning-parser the thinking is a reasoning item: its tokens' logprobs are not the
-    output text's. One byte a token here, sent as the engine sends them: a character's text with
-    its last byte."""
-    endpoint = ResponsesAPI(WorkerAPI(live.engine, reasoning_parser="qwen3"), 4)
-    turn = _Turn(endpoint, {"input": "x"}, "resp_x", 1, [], False, None, True, splitter("qwen3"))
+    output text's, nor are harmony's headers. One byte a token here, sent as the engine sends them:
+    a character's text with its last byte."""
+    endpoint = ResponsesAPI(WorkerAPI(live.engine, reasoning_parser=parser), 4)
+    turn = _Turn(endpoint, {"input": "x"}, "resp_x", 1, [], False, None, True, splitter(parser))
     tokens = [
         (b, ch if k == len(ch.encode()) - 1 else "") for ch in answer for k, b in enumerate(ch.encode())
     ]
     streamed = []
-    for made, (token, text) in enumerate(tokens, 1):
-        out = RequestOutput(text=text, token_ids=[token], logprobs=(-0.5, [], []), completion_tokens=made,
+    for made, (token, piece) in enumerate(tokens, 1):
+        out = RequestOutput(text=piece, token_ids=[token], logprobs=(-0.5, [], []), completion_tokens=made,
                             finish_reason="stop" if made == len(tokens) else None)  # fmt: skip
         for event in turn.add(out):
             data = orjson.loads(event.split(b"data: ", 1)[1])
             if data["type"] == "response.output_text.delta":
                 streamed += data["logprobs"]
     final, _ = turn.finish()
-    thinking, text = answer.removeprefix("<think>").split("</think>")
     *thought, message = final["output"]
     assert [t["content"][0]["text"] for t in thought] == ([thinking] if thinking else [])
     part = message["content"][0]
-    assert part["text"] == text and b"".join(bytes(e["bytes"]) for e in part["logprobs"]) == text.encode()
-    assert streamed == part["logprobs"]
+    assert part["text"] == text and b"".join(bytes(e["bytes"]) for e in part["logprobs"]) == numbered.encode()
+    assert streamed == part["logprobs"][: len(streamed)] and len(streamed) >= len(text.encode())
 
 
 def test_output_logprobs_when_included_match_chat_and_stream(client) -> None:

@@ -323,9 +323,7 @@ def remove_adapter(engine: Any, name: str) -> int:
     """Stop serving adapter ``name`` (engine thread): its weights and its cached pages go (their
     removal events tell routers); returns the pages freed. Its id is never reused."""
     adapter_id = engine.adapter_names.index(name) + 1
-    sched = engine.scheduler
-    # NOTE: salted requests waiting for a cache namespace (engine._parked) are queued too
-    busy = sum(r.adapter == adapter_id for r in (*sched.requests(), *engine._parked))
+    busy = sum(r.adapter == adapter_id for r in engine.queued())
     if busy:
         raise AdapterBusyError(
             f"LoRA adapter {name!r} has {busy} requests queued or running; retry when they finish"
