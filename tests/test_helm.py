@@ -262,6 +262,25 @@ def test_cpu_profile_requests_no_gpu(chart) -> None:
     assert (worker.device, worker.model, worker.kv_cache_tokens) == ("cpu", "tiny", 65536)
 
 
+def test_on_and_off_in_a_values_file_reach_the_programs_as_on_and_off(chart) -> None:
+    """A values file's unquoted on / off are YAML 1.1 booleans (Helm's reading, as yaml.safe_load's
+    here): they render as the words the flags take, not true / false, which both programs refuse."""
+    values = yaml.safe_load("router: {kvEvents: off}\nworker: {flags: {overlap-schedule: off, "
+                            "cuda-graph-extend-variants: on}}\n")  # fmt: skip
+    assert values["router"]["kvEvents"] is False
+    objects = render(chart, "cpu", **values)
+    router = container(one(objects, "Deployment", "router"))["args"]
+    assert flag(router, "--kv-events") == "off"
+    args = container(one(objects, "StatefulSet", "worker"))["args"]
+    assert "--overlap-schedule=off" in args and "--cuda-graph-extend-variants=on" in args
+    worker = parse_worker_args(worker_argv(one(objects, "StatefulSet", "worker"), 0))
+    assert (worker.overlap_schedule, worker.cuda_graph_extend_variants) == ("off", "on")
+    with pytest.raises(Exception, match="kvEvents: true"):
+        render(chart, "cpu", router={"kvEvents": True})
+    for workload in (one(objects, "Deployment", "router"), one(objects, "StatefulSet", "worker")):
+        assert workload["spec"]["template"]["spec"]["enableServiceLinks"] is False  # see the template
+
+
 def test_worker_flags_keep_whole_numbers_whole(chart) -> None:
     objects = render(chart, "cpu", worker={"flags": {"stream-maxlen": 1000000, "mem-fraction": 0.9}})
     args = container(one(objects, "StatefulSet", "worker"))["args"]

@@ -147,10 +147,13 @@ tiny
 
 {{/*
 A flag value as the CLI expects it. NOTE: Helm reads every YAML number as float64, so 100000
-would print as 1e+05; whole numbers are printed as integers.
+would print as 1e+05; whole numbers are printed as integers. And a values file's unquoted on / off
+are YAML 1.1 booleans: printed as on / off, the words the programs' flags take (never true / false).
 */}}
 {{- define "radixgate.flagValue" -}}
-{{- if and (kindIs "float64" .) (eq . (floor .)) -}}
+{{- if kindIs "bool" . -}}
+{{- ternary "on" "off" . -}}
+{{- else if and (kindIs "float64" .) (eq . (floor .)) -}}
 {{- int64 . -}}
 {{- else -}}
 {{- . -}}
