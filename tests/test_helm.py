@@ -226,6 +226,8 @@ def test_router_service_pdb_and_probes_target_the_router_pods(chart) -> None:
     c = container(deploy)
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    start = c["startupProbe"]  # NOTE: liveness waits for it: a slow first listing is not a dead router
+    assert start["httpGet"]["path"] == "/health" and start["periodSeconds"] * start["failureThreshold"] >= 60
     assert c["resources"]["requests"]["cpu"]
     assert {p["name"] for p in c["ports"]} == {"http"}
 
