@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-concurrent-requests",
         type=int,
-        help="requests forwarded at once by this router; the rest queue FIFO (default 0: no limit)",
+        help="requests forwarded at once by this router; the rest queue by priority, then arrival (default 0: no limit)",
     )
     p.add_argument("--max-queued-requests", type=int, help="queued requests before 429 (default 1024)")
     p.add_argument("--queue-timeout-s", type=float, help="longest wait in the queue before 503 (default 30)")

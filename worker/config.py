@@ -76,7 +76,7 @@ class WorkerConfig:
     stream_maxlen: int = 100_000  # entries kept in that stream (approximate trim)
     advertise_url: str | None = None  # how routers reach this worker; default http://host:port
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
-    admin_token: str | None = None  # required by POST /v1/cache/flush when set
+    admin_token: str | None = None  # required by the cache flush and the LoRA load / unload when set
     api_key: str | None = None  # required (Authorization: Bearer) on every endpoint but /health, /metrics
     # KV moved between workers (worker/kv_transfer.py): host memory for transfers under way (MiB),
     # 0 = off (the router's x-radixgate-kv-source hint ignored, /v1/kv/export refused)
@@ -363,7 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--stream-maxlen", int, "entries kept in the Redis Stream")
     opt("--advertise-url", str, "URL routers use for this worker (default http://host:port)")
     opt("--served-model-name", str, "model id in the API (default: the model's name)")
-    opt("--admin-token", str, "token required by POST /v1/cache/flush")
+    opt(
+        "--admin-token",
+        str,
+        "token required by POST /v1/cache/flush, /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
     opt(
         "--api-key",
         str,
