@@ -52,8 +52,8 @@ class EventSubscriber:
         self._cursors: dict[str, _Cursor] = {}
         self._tasks: dict[str, asyncio.Task] = {}  # worker url (http) or stream key (redis) -> reader
         self._resyncs: set[asyncio.Task] = set()
-        self._held: dict[str, list[KVEventBatch]] = {}  # worker url -> batches during its re-sync
-        self._resyncing: dict[str, Worker] = {}  # worker url -> the worker whose re-sync holds them
+        # worker url -> (the worker whose re-sync runs, its batches that arrive meanwhile)
+        self._held: dict[str, tuple[Worker, list[KVEventBatch]]] = {}
         # worker url -> (epoch, seq) its last /health told, and the seq applied here then
         self._reported: dict[str, tuple[str, int, int | None]] = {}
         self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
@@ -158,11 +158,16 @@ class EventSubscriber:
         if task is not None:
             task.cancel()
         if self._holding(worker):  # NOTE: its re-sync ends unapplied; the URL's next worker starts afresh
-            del self._resyncing[worker.url], self._held[worker.url]
+            del self._held[worker.url]
+
+    def _held_of(self, worker: Worker) -> list[KVEventBatch] | None:
+        """The batches a re-sync of this very worker (not an earlier one at its URL) holds; None
+        when none runs."""
+        entry = self._held.get(worker.url)
+        return entry[1] if entry is not None and entry[0] is worker else None
 
     def _holding(self, worker: Worker) -> bool:
-        """Does a re-sync of this very worker (not an earlier one at its URL) hold its batches?"""
-        return self._resyncing.get(worker.url) is worker
+        return self._held_of(worker) is not None
 
     # ---------------------------------------------------------------- applying
     def _worker_for(self, name: str) -> Worker | None:
@@ -196,7 +201,7 @@ class EventSubscriber:
         try:
             return await self._resync(worker)
         finally:
-            if self._router.workers.get(worker.url) is worker:  # NOTE: not a later worker at its URL
+            if worker in self._router.workers:  # NOTE: not a later worker at its URL
                 self._first_attempt_ended(worker)
 
     async def _resync(self, worker: Worker) -> bool:
@@ -212,7 +217,7 @@ class EventSubscriber:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EventFormatError) as exc:
             log.info("snapshot of %s unavailable: %r", worker.url, exc)
             return False
-        if self._router.workers.get(worker.url) is not worker:
+        if worker not in self._router.workers:
             return False
         self._router.index.apply_events(worker.url, snapshot.stored, [], cleared=True)
         self._cursors[worker.url] = _Cursor(snapshot.epoch, snapshot.seq)
@@ -225,10 +230,10 @@ class EventSubscriber:
     def resync_soon(self, worker: Worker) -> None:
         """Re-sync ``worker`` in the background (unless it is already), holding its batches that
         arrive meanwhile, then applying those the snapshot does not cover."""
-        if self.mode == "off" or self._holding(worker) or self._router.workers.get(worker.url) is not worker:
+        if self.mode == "off" or self._holding(worker) or worker not in self._router.workers:
             return  # NOTE: one at a time; none for a worker removed (its URL may be another's now)
         self._cursors.pop(worker.url, None)
-        self._resyncing[worker.url], self._held[worker.url] = worker, []
+        self._held[worker.url] = (worker, [])
         task = asyncio.get_running_loop().create_task(self._resync_and_replay(worker))
         self._resyncs.add(task)
         task.add_done_callback(self._resyncs.discard)
@@ -237,13 +242,12 @@ class EventSubscriber:
         try:
             synced = await self.resync(worker)
         finally:
-            held = []
-            if self._holding(worker):
-                del self._resyncing[worker.url]
-                held = self._held.pop(worker.url)
+            held = self._held_of(worker)
+            if held is not None:
+                del self._held[worker.url]
         if not synced:
             return  # NOTE: the worker's next batch asks again (a gap: no cursor)
-        for batch in held:
+        for batch in held or ():
             if not self.apply(worker, batch):  # a batch was lost meanwhile: once more
                 self.resync_soon(worker)
                 return
@@ -259,7 +263,7 @@ class EventSubscriber:
         worker = expected or self._worker_for(batch.worker)
         if worker is None:
             return  # a worker this router does not route to
-        held = self._held.get(worker.url) if self._holding(worker) else None
+        held = self._held_of(worker)
         if held is not None:  # NOTE: its re-sync runs: applied after it, if the snapshot lacks it
             if len(held) < _HELD_BATCHES:
                 held.append(batch)
@@ -270,8 +274,8 @@ class EventSubscriber:
             return
         if not self.apply(worker, batch):
             self.resync_soon(worker)
-            if self._holding(worker):  # NOTE: not for a worker removed meanwhile (its URL may be another's)
-                self._held[worker.url].append(batch)
+            if (held := self._held_of(worker)) is not None:  # NOTE: not for a worker removed meanwhile
+                held.append(batch)
 
     # ---------------------------------------------------------------- transports
     async def _http_reader(self, worker: Worker) -> None:
@@ -279,7 +283,7 @@ class EventSubscriber:
         attempt = 0
         session = self._router.upstream.session
         assert session is not None
-        while self._router.workers.get(worker.url) is worker:
+        while worker in self._router.workers:
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=None)
                 async with session.get(worker.url + "/v1/cache/events", timeout=timeout) as resp:

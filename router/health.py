@@ -72,7 +72,7 @@ class HealthChecker:
             ok = status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok, body = False, None
-        if self._router.workers.get(worker.url) is not worker:
+        if worker not in self._router.workers:
             return  # removed while we were asking
         if not ok:
             if worker.healthy:
@@ -92,7 +92,7 @@ class HealthChecker:
             # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
             # models (a LoRA adapter loaded or unloaded): ask again
             await self._learn(worker)
-        if self._router.workers.get(worker.url) is not worker:
+        if worker not in self._router.workers:
             return  # NOTE: removed while it learned (maybe added again: the index is the new one's)
         if restarted:
             self._router.index.clear_worker(worker.url)

@@ -205,6 +205,10 @@ class WorkerRegistry:
     def __iter__(self):
         return iter(list(self._workers.values()))
 
+    def __contains__(self, worker: object) -> bool:
+        """Is this very worker registered (not one since added at its URL)?"""
+        return isinstance(worker, Worker) and self._workers.get(worker.url) is worker
+
     def __len__(self) -> int:
         return len(self._workers)
 

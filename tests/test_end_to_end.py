@@ -390,7 +390,6 @@ def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming()
         events.reported_seq(worker, "e1", 12)  # stuck at 7 since the report of 12
         stuck = events._holding(worker)
         events._held.clear()
-        events._resyncing.clear()
         events._cursors[worker.url] = _Cursor("e1", 12)
         events.reported_seq(worker, "e1", 12)
         events.reported_seq(worker, "e1", 12)
