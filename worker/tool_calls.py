@@ -390,6 +390,26 @@ class ToolOutput:
             return out
 
 
+class _JsonStrings:
+    """Whether JSON text read a character at a time is inside a string (escapes followed)."""
+
+    def __init__(self) -> None:
+        self.inside = self._escape = False
+
+    def read(self, ch: str) -> bool:
+        """Read ``ch``; True when it belongs to a string, its quotes included."""
+        if not self.inside:
+            self.inside = ch == '"'
+            return self.inside
+        if self._escape:
+            self._escape = False
+        elif ch == "\\":
+            self._escape = True
+        elif ch == '"':
+            self.inside = False
+        return True
+
+
 class _CallArray:
     """A ``required`` answer streamed as it is generated. The grammar makes it a JSON array of
     ``{"name": ..., "parameters": {...}}`` objects: each call's head goes out once its name is read,
@@ -398,7 +418,7 @@ class _CallArray:
     def __init__(self) -> None:
         self.calls = 0  # heads sent
         self._depth = 0  # [ and { open at the scan position: the array is 1, an item's keys are at 2
-        self._string = self._escape = False
+        self._strings = _JsonStrings()
         self._token = ""  # the string being read at depth 2 (a key or a value)
         self._key: str | None = None  # the item's current key
         self._expect_key = True  # at depth 2: the next string is a key (else its value)
@@ -412,22 +432,16 @@ class _CallArray:
         for ch in text:
             if self._in_args:
                 args.append(ch)
-            if self._string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._string = False
-                    if self._depth == 2:
-                        self._item_string(out)
-                    continue
-                if self._depth == 2:  # NOTE: as written, escapes too: the name is read as JSON
+            opened = not self._strings.inside
+            if self._strings.read(ch):
+                if opened:
+                    self._token = ""
+                elif not self._strings.inside and self._depth == 2:  # its closing quote
+                    self._item_string(out)
+                elif self._depth == 2:  # NOTE: as written, escapes too: the name is read as JSON
                     self._token += ch
                 continue
-            if ch == '"':
-                self._string, self._token = True, ""
-            elif ch in "[{":
+            if ch in "[{":
                 if self._depth == 2 and self._key in ("parameters", "arguments"):
                     self._in_args = True
                     args.append(ch)
@@ -493,22 +507,14 @@ class _TagScan:
 
     def __init__(self, tag: str) -> None:
         self.tag, self.pos = tag, 0
-        self._string = self._escape = False
+        self._strings = _JsonStrings()
 
     def find(self, text: str) -> int:
         i = self.pos
         while i < len(text):
             ch = text[i]
-            if self._string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._string = False
-            elif ch == '"':
-                self._string = True
-            elif ch == self.tag[0]:
+            # NOTE: a character outside strings and not a quote changes no state: stopping at one is safe
+            if not self._strings.read(ch) and ch == self.tag[0]:
                 if text.startswith(self.tag, i):
                     self.pos = i
                     return i
