@@ -68,6 +68,21 @@ def wait_until(
     raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
 
 
+def serve_in_thread(app: object, what: str) -> tuple[str, object]:
+    """An ASGI app served by uvicorn on a free loopback port, in a daemon thread of this process;
+    returns (its URL, the uvicorn server: set ``should_exit`` to stop it)."""
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    wait_until(lambda: server.started, 10, what=what)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server
+
+
 def http_ok(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1.0).status_code == 200

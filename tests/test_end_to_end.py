@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from router.kv_events import decode
-from tests.support import REDIS, free_port, wait_until
+from tests.support import REDIS, free_port, serve_in_thread, wait_until
 from tests.worker.conftest import save_checkpoint
 
 SYSTEM = "You are radixgate's test assistant. Answer in one short sentence, politely. " * 20  # ~1.5k tokens
@@ -451,10 +451,7 @@ class _SlowSnapshotProxy:
 
     def __init__(self, upstream: str, delay_s: float) -> None:
         import asyncio
-        import socket
-        import threading
 
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import Response
         from starlette.routing import Route
@@ -467,12 +464,7 @@ class _SlowSnapshotProxy:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
         app = Starlette(routes=[Route("/{path:path}", forward)])
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True).start()
-        wait_until(lambda: self.server.started, 10, what="the slow-snapshot proxy")
+        self.url, self.server = serve_in_thread(app, "the slow-snapshot proxy")
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -589,11 +581,9 @@ class _SlowSnapshotWorker:
 
     def __init__(self, redis_url: str) -> None:
         import asyncio
-        import socket
         import threading
 
         import redis
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse
         from starlette.routing import Route
@@ -609,12 +599,7 @@ class _SlowSnapshotWorker:
             Route("/v1/cache/info", lambda r: JSONResponse({"block_size": 16})),
             Route("/v1/cache/snapshot", snapshot),
         ])  # fmt: skip
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True).start()
-        wait_until(lambda: self.server.started, 10, what="the slow-snapshot worker")
+        self.url, self.server = serve_in_thread(app, "the slow-snapshot worker")
         self.stop = threading.Event()
         client = redis.Redis.from_url(redis_url)
 
