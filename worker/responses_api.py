@@ -298,7 +298,7 @@ class _Turn:
         self.events = Events()
         self.items = OutputItems(self.events, logprobs)
         self._logprobs: list[dict] = []  # entries of the answer's tokens whose text is not out yet
-        self._unsure: list[tuple[int, dict]] = []  # (output position, entry) of those not known as answer yet
+        self._unsure = 0  # of those, the first ones, not known as the answer's yet (it may think first)
 
     def add(self, out: RequestOutput) -> list[bytes]:
         """Account one engine output; the stream events for its text."""
@@ -308,19 +308,20 @@ class _Turn:
         # the thinking's or harmony's headers (the splitter knows a token's part as it is counted)
         answer = True if self.thinking is None else self.thinking.is_answer()
         if out.logprobs is not None and answer is not False:
-            entry = logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
-            self._logprobs.append(entry)
-            if answer is None:
-                self._unsure.append((out.completion_tokens - len(out.token_ids), entry))
+            self._logprobs.append(
+                logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
+            )
+            self._unsure += answer is None
         text, deltas = out.text, []
         if self.thinking is not None:
             self.thinking.count(len(out.token_ids))
             thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
             if self._unsure and self.thinking.is_answer() is not None:  # NOTE: known now: the answer's
-                # first tokens were the thinking's if it opened with them
-                gone = {id(e) for at, e in self._unsure if at < self.thinking.reasoning_tokens}
-                self._logprobs, self._unsure = [e for e in self._logprobs if id(e) not in gone], []
+                # first tokens (no text came while unknown) were the thinking's if it opened with them
+                if self.thinking.reasoning_tokens:
+                    del self._logprobs[: self._unsure]
+                self._unsure = 0
         if self.reader is None:
             deltas += [{"content": text, "logprobs": self._logprobs}] if text else []
             self._logprobs = [] if text else self._logprobs  # NOTE: held-back text keeps its numbers
