@@ -21,8 +21,9 @@ class RequestId:
             return
         rid = next((value for name, value in scope["headers"] if name == HEADER), None)
         if rid is None or not rid.strip():  # NOTE: an empty one names nothing: made here too
+            # NOTE: the header list is copied without the empty one only where there is one
+            headers = scope["headers"] if rid is None else [h for h in scope["headers"] if h[0] != HEADER]
             rid = os.urandom(16).hex().encode()  # NOTE: 128 random bits, a quarter of uuid4()'s cost
-            headers = [(name, value) for name, value in scope["headers"] if name != HEADER]
             scope = {**scope, "headers": [*headers, (HEADER, rid)]}
 
         async def send_with_id(message: dict[str, Any]) -> None:
