@@ -42,8 +42,8 @@ class RouterServer(uvicorn.Server):
                 self._notice.cancel()
             if self._on_force is not None:
                 self._on_force()
-            self._captured_signals.append(sig)  # NOTE: raised again once the server has stopped
-            self.should_exit = self.force_exit = True
+            super().handle_exit(sig, frame)  # NOTE: it notes the signal, to raise it again at the end
+            self.force_exit = True
             return
         self._signalled = True
         if self._delay_s > 0:
