@@ -52,15 +52,20 @@ def _dies_with(parent: int) -> Callable[[], None] | None:
 
 def stop_processes(processes: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """SIGTERM every process still running, then SIGKILL whatever outlives ``grace_s``."""
-    for proc in processes:
-        if proc.poll() is None:
-            proc.terminate()
+    terminate_processes(processes)
     for proc in processes:
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def terminate_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, without waiting."""
+    for proc in processes:
+        if proc.poll() is None:
+            proc.terminate()
 
 
 def redis_server_command(port: int, *args: str) -> list[str]:
@@ -183,9 +188,7 @@ class WorkerLauncher:
         """SIGTERM every worker now, not waiting (the router is ending at once: they end by themselves)."""
         with self._lock:
             self._stopping.set()
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.terminate()
+        terminate_processes(self.processes)
 
     def stop(self, grace_s: float = 10.0) -> None:
         with self._lock:
