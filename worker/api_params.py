@@ -75,8 +75,9 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
     n = body.get("n")
     if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):
         raise APIError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n!r}")
-    if body.get("best_of") not in (None, n or 1):
-        raise APIError(400, "best_of other than n is not supported")
+    best_of = body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != (n or 1)):
+        raise APIError(400, f"best_of other than n is not supported, got {best_of!r}")
     if not isinstance(body.get("stream", False), (bool, type(None))):
         raise APIError(400, "'stream' must be a boolean")
     if not isinstance(body.get("echo") or False, bool):

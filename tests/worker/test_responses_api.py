@@ -168,6 +168,7 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "background": True}, 400),
         ({"input": "hi", "n": 3}, 400),  # one output a response
         ({"input": "hi", "best_of": 2}, 400),
+        ({"input": "hi", "best_of": True}, 400),
         ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
         ({"input": "hi", "model": "other"}, 404),
         ({"input": "hi", "max_output_tokens": -1}, 400),

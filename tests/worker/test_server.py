@@ -186,6 +186,8 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "n": 65}', 400),
         ("/v1/completions", b'{"prompt": "hi", "n": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "n": 2, "best_of": 3}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "best_of": true}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "n": 2, "best_of": 2.0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "suffix": "}"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logprobs": true}', 400),
