@@ -143,7 +143,7 @@ def requested_grammar(body: dict) -> tuple[str, str] | None:
         if not isinstance(structured, dict):
             raise ValueError("structured_outputs must be an object")
         unknown = sorted(
-            k for k, v in structured.items() if k not in _STRUCTURED_KEYS and v not in (None, False)
+            k for k, v in structured.items() if k not in _STRUCTURED_KEYS and v is not None and v is not False
         )
         if unknown:
             raise ValueError(f"structured_outputs: {', '.join(map(repr, unknown))} not supported: "

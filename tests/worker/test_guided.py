@@ -82,6 +82,7 @@ def test_every_spelling_names_its_kind(body, kind) -> None:
         {"guided_json": False},  # matches nothing
         {"structured_outputs": {"structural_tag": "{}"}},  # not served: refused, not ignored
         {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+        {"structured_outputs": {"structural_tag": 0}},  # 0 is a value, not False
         {"guided_regex": "a", "guided_whitespace_pattern": " "},
     ],
 )
