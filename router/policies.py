@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -52,6 +53,7 @@ import mmh3
 from router.prefix_index import PrefixIndex
 
 _MASK64 = (1 << 64) - 1
+_RINGS_KEPT = 8  # prefix_hash rings remembered, by candidate set
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,17 +306,21 @@ class PrefixHash(Policy):
             raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
         if not self._load_factor >= 1.0:  # NaN fails too
             raise ValueError("prefix_hash: load_factor must be >= 1.0")
-        self._ring_urls: tuple[str, ...] = ()
-        self._points: list[int] = []  # sorted ring positions (64-bit)
-        self._owners: list[str] = []  # url owning each point
+        # NOTE: rings by candidate set, the last few used: requests of two affinity groups, or a retry
+        # that leaves a worker out, alternate between sets (a ring is workers x vnodes hashes to build)
+        self._rings: OrderedDict[tuple[str, ...], tuple[list[int], list[str]]] = OrderedDict()
 
-    def _ring(self, urls: tuple[str, ...]) -> None:
-        if urls == self._ring_urls:
-            return
-        points = sorted((_h64(f"{url}#{i}".encode()), url) for url in urls for i in range(self._vnodes))
-        self._points = [p for p, _ in points]
-        self._owners = [u for _, u in points]
-        self._ring_urls = urls
+    def _ring(self, urls: tuple[str, ...]) -> tuple[list[int], list[str]]:
+        """(sorted ring positions, the URL owning each) for these candidates."""
+        ring = self._rings.get(urls)
+        if ring is None:
+            points = sorted((_h64(f"{url}#{i}".encode()), url) for url in urls for i in range(self._vnodes))
+            ring = self._rings[urls] = ([p for p, _ in points], [u for _, u in points])
+            if len(self._rings) > _RINGS_KEPT:
+                self._rings.popitem(last=False)
+        else:
+            self._rings.move_to_end(urls)
+        return ring
 
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         blocks = self._matched_blocks(req, candidates)
@@ -325,16 +331,16 @@ class PrefixHash(Policy):
             )
         # NOTE: hashes chain, so the hash of block k-1 identifies the whole k-block leading prefix.
         key = req.block_hashes[min(self._prefix_blocks, len(req.block_hashes)) - 1]
-        self._ring(tuple(sorted(c.url for c in candidates)))
+        points, owners = self._ring(tuple(sorted(c.url for c in candidates)))
         by_url = {c.url: c for c in candidates}
         total = sum(c.load for c in candidates)
         # NOTE: the ceiling keeps at least one worker under the bound when loads are integers.
         cap = math.ceil(self._load_factor * (total + 1) / len(candidates))
-        start = bisect_right(self._points, key)
+        start = bisect_right(points, key)
         seen: set[str] = set()
-        n_points = len(self._points)
+        n_points = len(points)
         for i in range(n_points):
-            url = self._owners[(start + i) % n_points]
+            url = owners[(start + i) % n_points]
             if url in seen:
                 continue
             seen.add(url)
