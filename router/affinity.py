@@ -27,9 +27,10 @@ Semantics:
 
 - Groups are tried in file order; the first whose conditions all hold takes the request.
 - Members (``size`` / ``share``) are picked by rendezvous hashing of (group name, worker URL) over
-  the fleet the caller passes, so every router replica picks the same members and adding or
-  removing one worker moves at most one member of each group. Health never moves members: a
-  member that is down is simply not available.
+  each model's fleet (the registered workers serving it), so every router replica picks the same
+  members and adding or removing one worker moves at most one member of each group. A group with
+  ``match.model`` is placed only in the fleets of the models it matches. Health never moves
+  members: a member that is down is simply not available.
 - ``exclusive``: requests outside the group are kept off its members while any other candidate
   is available. Exclusive members are reserved in this order: explicit ``workers`` of exclusive
   groups, then exclusive ``size`` / ``share`` groups in file order (picking among workers no
@@ -60,13 +61,16 @@ if TYPE_CHECKING:
     from router.policies import Candidate
 
 UNGROUPED, IN_GROUP, OVERFLOW = "ungrouped", "in_group", "overflow"
+NO_WORKER = "no_worker"  # the request got no worker (the router answered 503): for the metrics
 
 _GROUP_KEYS = {"name", "match", "workers", "size", "share", "exclusive", "overflow", "overflow_load"}
 _MATCH_KEYS = {"model", "header", "system_prompt"}
 _RESERVED_NAMES = ("fleet", "none")
 _MASK64 = (1 << 64) - 1
 _UNREAD = object()
-_PLACEMENT_CACHE = 16  # distinct fleets remembered (e.g. one per model); cleared when full
+_PLACEMENT_CACHE = 64  # (registry, model) pairs remembered (one per model a fleet serves); cleared when full
+# A registered worker as placement reads it: its URL and the models it serves (empty: not known, any).
+Registered = tuple[str, frozenset[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +98,13 @@ class AffinityGroup:
 
 @dataclass(frozen=True, slots=True)
 class _Placement:
-    """Members of every group for one fleet. Invariant: an exclusive member is in one group only."""
+    """Members of every group over the registered workers, seen from one model's requests.
+    Invariant: an exclusive member is in one group only."""
 
-    members: dict[str, frozenset[str]]
-    reserved: frozenset[str]  # members of exclusive groups
+    by_model: dict[tuple[str, str | None], frozenset[str]]  # (group, model) -> members serving model
+    members: dict[str, frozenset[str]]  # per group: its members for this model's requests
+    anywhere: dict[str, frozenset[str]]  # per group: its members for any model (overflow targets)
+    reserved: frozenset[str]  # members of exclusive groups, for any model
     barred: dict[str, frozenset[str]]  # per group: other groups' exclusive members
 
 
@@ -206,18 +213,24 @@ class AffinityGroups:
         return None
 
     def filter(
-        self, group: str | None, candidates: Sequence[Candidate], fleet: Sequence[str]
+        self,
+        group: str | None,
+        candidates: Sequence[Candidate],
+        registry: Sequence[Registered | str],
+        model: str | None,
     ) -> tuple[list[Candidate], str]:
         """The candidates the policy may choose from for a request of ``group``, and the outcome.
 
-        ``candidates`` are the available workers for this request; ``fleet`` the URLs of the
-        registered workers (available or not) that members are picked from. The result is
-        empty only when ``candidates`` is, or for ``overflow: none`` with no member available.
+        ``candidates`` are the available workers for this request; ``registry`` the registered
+        workers (available or not) that members are picked from, as (URL, models served) or a
+        URL alone (models not known: any); ``model`` the model the request is served as (None:
+        not known). The result is empty only when ``candidates`` is, or for ``overflow: none``
+        with no member available.
         """
         if group is None:
             if not candidates:
                 return [], UNGROUPED
-            placement = self._placement(fleet)
+            placement = self._placement(registry, model)
             if not placement.reserved:
                 return list(candidates), UNGROUPED
             kept = [c for c in candidates if c.url not in placement.reserved]
@@ -227,7 +240,7 @@ class AffinityGroups:
             raise ValueError(f"unknown affinity group {group!r}")
         if not candidates:
             return [], IN_GROUP
-        placement = self._placement(fleet)
+        placement = self._placement(registry, model)
         members = placement.members[group]
         inside = [c for c in candidates if c.url in members]
         if inside and (g.overflow_load is None or min(c.load for c in inside) < g.overflow_load):
@@ -235,20 +248,21 @@ class AffinityGroups:
         if g.overflow == "none":
             return inside, IN_GROUP
         if g.overflow != "fleet":
-            target = placement.members[g.overflow]
+            target = placement.anywhere[g.overflow]
             if any(c.url in target for c in candidates):
                 return [c for c in candidates if c.url in members or c.url in target], OVERFLOW
         barred = placement.barred[group]
         wider = [c for c in candidates if c.url not in barred]
         return (wider or list(candidates)), OVERFLOW
 
-    def members(self, group: str, fleet: Sequence[str]) -> frozenset[str]:
-        """URLs of ``group``'s members in ``fleet`` (available or not)."""
-        return self._placement(fleet).members[group]
+    def members(self, group: str, registry: Sequence[Registered | str], model: str | None) -> frozenset[str]:
+        """URLs of ``group``'s members for ``model``'s requests (available or not)."""
+        return self._placement(registry, model).members[group]
 
-    def describe(self, fleet: Sequence[str]) -> list[dict[str, Any]]:
-        """Each group as configured, with its members in ``fleet`` now (for /workers and logs)."""
-        placement = self._placement(fleet)
+    def describe(self, registry: Sequence[Registered | str]) -> list[dict[str, Any]]:
+        """Each group as configured, with its members now for each model the registered workers
+        serve (for /workers and logs)."""
+        by_model = self._placement(registry, None).by_model
         out = []
         for g in self._groups:
             if g.workers:
@@ -262,7 +276,11 @@ class AffinityGroups:
                     "name": g.name,
                     "match": g.match,
                     "sized_by": sized_by,
-                    "members": sorted(placement.members[g.name]),
+                    "members": {
+                        "" if model is None else model: sorted(urls)
+                        for (name, model), urls in sorted(by_model.items(), key=lambda kv: kv[0][1] or "")
+                        if name == g.name
+                    },
                     "exclusive": g.exclusive,
                     "overflow": g.overflow,
                     "overflow_load": g.overflow_load,
@@ -271,41 +289,62 @@ class AffinityGroups:
         return out
 
     # ------------------------------------------------------------------ placement
-    def _placement(self, fleet: Sequence[str]) -> _Placement:
-        key = fleet if isinstance(fleet, tuple) else tuple(fleet)
+    def _placement(self, registry: Sequence[Registered | str], model: str | None) -> _Placement:
+        workers = tuple(
+            (w.rstrip("/"), frozenset()) if isinstance(w, str) else (w[0].rstrip("/"), w[1]) for w in registry
+        )
+        key = (workers, model)
         placement = self._placements.get(key)
         if placement is None:
             if len(self._placements) >= _PLACEMENT_CACHE:
                 self._placements.clear()
-            placement = self._placements[key] = self._place(key)
+            placement = self._placements[key] = self._place(workers, model)
         return placement
 
-    def _place(self, fleet: tuple[str, ...]) -> _Placement:
-        """Members of every group for ``fleet``: deterministic, independent of the fleet's order."""
-        urls = sorted({u.rstrip("/") for u in fleet})
-        present = set(urls)
-        members: dict[str, frozenset[str]] = {}
+    def _place(self, workers: tuple[Registered, ...], model: str | None) -> _Placement:
+        """Members of every group, deterministic and independent of the registry's order.
+
+        A group is placed among the workers of each model it can match (that model's fleet), so its
+        requests find members among the workers that serve them. It takes no members in the fleet of
+        a model its ``match.model`` fails: none of its requests go there. Its exclusive members are
+        kept from every other request, so a worker serving several models is reserved for all."""
+        served = {m for _, ms in workers for m in ms}
+        if model is not None:
+            served.add(model)
+        models: list[str | None] = sorted(served) if served else [None]
+        fleets = {m: sorted({url for url, ms in workers if not ms or m in ms}) for m in models}
+
+        def models_of(g: AffinityGroup) -> list[str | None]:
+            return [m for m in models if g.model is None or (m is not None and g.model.match(m))]
+
+        by_model: dict[tuple[str, str | None], frozenset[str]] = {}
         reserved: set[str] = set()
-        explicit: set[str] = set()
+        explicit = {url for g in self._groups for url in g.workers}
+        registered = {url for url, _ in workers}
         for g in self._groups:
             if g.workers:
-                members[g.name] = frozenset(u for u in g.workers if u in present)
-                explicit.update(g.workers)
-                if g.exclusive:
-                    reserved |= members[g.name]
-        sized = [g for g in self._groups if not g.workers]
-        # Exclusive groups first (file order), so non-exclusive groups never pick their members.
-        for g in sorted(sized, key=lambda g: not g.exclusive):
+                for m in models_of(g):
+                    by_model[g.name, m] = frozenset(u for u in fleets[m] if u in g.workers)
+                if g.exclusive:  # NOTE: machines the operator named: kept from every other request
+                    reserved.update(u for u in g.workers if u in registered)
+        # NOTE: exclusive groups first (file order), so non-exclusive groups never pick their members;
+        # a group picks for every model before reserving, so a fleet shared by models gets one choice
+        for g in sorted((g for g in self._groups if not g.workers), key=lambda g: not g.exclusive):
+            for m in models_of(g):
+                pool = [u for u in fleets[m] if u not in reserved and not (g.exclusive and u in explicit)]
+                by_model[g.name, m] = _pick(g.name, pool, min(g.wanted(len(fleets[m])), len(pool)))
             if g.exclusive:
-                pool = [u for u in urls if u not in reserved and u not in explicit]
-            else:
-                pool = [u for u in urls if u not in reserved]
-            members[g.name] = _pick(g.name, pool, min(g.wanted(len(urls)), len(pool)))
-            if g.exclusive:
-                reserved |= members[g.name]
+                reserved.update(*(by_model[g.name, m] for m in models_of(g)))
+        none: frozenset[str] = frozenset()
+        anywhere = {g.name: none.union(*(by_model[g.name, m] for m in models_of(g))) for g in self._groups}
+        mine = (
+            {g.name: by_model.get((g.name, model), none) for g in self._groups}
+            if model is not None
+            else anywhere
+        )
         frozen = frozenset(reserved)
-        barred = {name: frozen - picked for name, picked in members.items()}
-        return _Placement(members, frozen, barred)
+        barred = {name: frozen - picked for name, picked in anywhere.items()}
+        return _Placement(by_model, mine, anywhere, frozen, barred)
 
 
 def _headers_hold(conditions: tuple[tuple[str, re.Pattern[str]], ...], headers: Mapping[str, str]) -> bool:

@@ -128,11 +128,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 403, "changing workers on a router with API keys needs --admin-token", "admin_token_required"
             )
         if request.method == "GET":
-            fleet = [w.url for w in router.workers]
+            registry = [(w.url, w.models) for w in router.workers]
             return _json(
                 {
                     "workers": router.workers.describe(),
-                    "affinity_groups": router.affinity.describe(fleet),
+                    "affinity_groups": router.affinity.describe(registry),
                     "replica_sync": router.replica_sync.describe() if router.replica_sync else None,
                     "discovery": router.discovery.describe() if router.discovery else None,
                 }
@@ -173,7 +173,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
-        return _json(explain(router, parsed, chat, request.headers))
+        # NOTE: the headers as routing reads them: a repeated header's last value
+        return _json(explain(router, parsed, chat, dict(request.headers.items())))
 
     def least_loaded(model: str | None) -> Worker:
         """The least loaded healthy worker serving ``model``; RouterError 503 when there is none."""

@@ -12,14 +12,14 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
 from router import access_log
 from router.admission import AdmissionGate
-from router.affinity import UNGROUPED, AffinityGroups
+from router.affinity import NO_WORKER, UNGROUPED, AffinityGroups
 from router.api_keys import APIKeys
 from router.block_hash import PromptHashes, SpanMemo, salted
 from router.circuit_breaker import CircuitBreaker
@@ -159,12 +159,17 @@ class Router:
             log.exception("%s: reading the request failed", endpoint)
             raise RouterError(500, "internal error while reading the request", "internal_error") from None
 
-    def namespace(self, model: str | None) -> str:
-        """Root of the block-hash chain: the model name, as the workers use for their events."""
+    def served_as(self, model: str | None) -> str | None:
+        """The model a request naming ``model`` is served as: a request without one gets its worker's
+        base model, known here when the fleet has one (its LoRA adapters aside); else None."""
         if model is not None:
             return model
-        models = self.workers.models()
-        return next(iter(models)) if len(models) == 1 else ""
+        bases = self.workers.base_models()
+        return next(iter(bases)) if len(bases) == 1 else None
+
+    def namespace(self, model: str | None) -> str:
+        """Root of the block-hash chain: the model name, as the workers use for their events."""
+        return self.served_as(model) or ""
 
     # ---------------------------------------------------------------- routing
     def route_request(self, parsed: ParsedRequest) -> RouteRequest:
@@ -173,6 +178,13 @@ class Router:
         namespace = salted(self.namespace(parsed.model), parsed.cache_salt)
         hashes = PromptHashes(tokens, self.block_size, namespace, self.hash_memo)
         return RouteRequest(hashes, len(parsed.token_ids), self.block_size)
+
+    def affinity_group(self, parsed: ParsedRequest, chat: bool, headers: Mapping[str, str]) -> str | None:
+        """The affinity group the request matches (a follow-up of a stored response goes where that
+        is, so none). ``headers``: by lower-case name, a repeated header's last value."""
+        if not self.affinity or parsed.follow_up:
+            return None
+        return self.affinity.match(parsed.affinity_body or parsed.body, chat, headers)
 
     def check_model(self, model: str | None) -> None:
         if not len(self.workers):
@@ -201,8 +213,8 @@ class Router:
         if only is not None:
             candidates = [c for c in candidates if c.url == only]
         elif self.affinity and candidates:
-            fleet = tuple(w.url for w in self.workers if model is None or not w.models or model in w.models)
-            candidates, outcome = self.affinity.filter(group, candidates, fleet)
+            registry = tuple((w.url, w.models) for w in self.workers)
+            candidates, outcome = self.affinity.filter(group, candidates, registry, self.served_as(model))
         left_out = 0
         if fit_tokens is not None and candidates and fit_tokens >= self.workers.shortest_context():
             small = {w.url for w in available if w.too_small(model, fit_tokens, self.tokenizer.name)}
@@ -246,11 +258,7 @@ class Router:
             raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
             parsed = self.parse(raw, endpoint)
             self.check_model(parsed.model)
-            group = None
-            if self.affinity and not parsed.follow_up:
-                group = self.affinity.match(
-                    parsed.affinity_body or parsed.body, endpoint != "completions", headers
-                )
+            group = self.affinity_group(parsed, endpoint != "completions", headers)
             access_log.note(request_id=headers.get("x-request-id"), model=parsed.model, stream=parsed.stream,
                             affinity_group=group)  # fmt: skip
             watch = ClientWatch(receive)
@@ -322,7 +330,9 @@ class Router:
             if attempt == 0:
                 self.metrics.decision.observe(time.perf_counter() - t0)
                 if self.affinity:
-                    self.metrics.affinity.labels(group or "", outcome).inc()
+                    self.metrics.affinity.labels(
+                        group or "", NO_WORKER if decision is None else outcome
+                    ).inc()
             if decision is None:
                 break
             if moved_from is not None:

@@ -110,7 +110,7 @@ class HealthChecker:
             status, body = await self._get_json(worker.url + "/v1/models")
             if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list):
                 served = [m for m in body["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
-                worker.models = {m["id"] for m in served}
+                worker.models = frozenset(m["id"] for m in served)
                 worker.max_model_len = {
                     m["id"]: m["max_model_len"] for m in served if type(m.get("max_model_len")) is int
                 }

@@ -308,7 +308,7 @@ class RouterMetrics:
         )
         self.affinity = Counter(
             "radixgate_affinity_requests",
-            "Routed requests by affinity group and outcome (in_group, overflow, ungrouped)",
+            "Requests by affinity group and routing outcome (in_group, overflow, ungrouped, no_worker)",
             ["group", "outcome"],
             registry=self.registry,
         )

@@ -14,7 +14,7 @@ def explain(router: Router, parsed: ParsedRequest, chat: bool, headers: Mapping[
     """What the router would do with this request and why: each candidate's predicted cached tokens
     and load (own, other replicas', the last report's rest). Reads state; sends nothing."""
     route = router.route_request(parsed)
-    group = router.affinity.match(parsed.body, chat, headers) if router.affinity else None
+    group = router.affinity_group(parsed, chat, headers)
     decision, outcome = router.decide(
         route, parsed.model, set(), group, preview=True, fit_tokens=parsed.fit_tokens
     )

@@ -51,7 +51,7 @@ class Worker:
     peer_queue: int = 0  # sum of the peers' in-flight requests here
     peer_prefill: int = 0  # sum of the peers' pending prefill tokens here
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)  # our counts moved
-    models: set[str] = field(default_factory=set)  # served model ids (empty = unknown, serves all)
+    models: frozenset[str] = frozenset()  # served model ids (empty = unknown, serves all)
     max_model_len: dict[str, int] = field(default_factory=dict)  # model id -> its /v1/models max_model_len
     parents: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> its base model's (/v1/models)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
@@ -240,6 +240,13 @@ class WorkerRegistry:
         out: set[str] = set()
         for w in self._workers.values():
             out |= w.models
+        return out
+
+    def base_models(self) -> set[str]:
+        """The models served, less LoRA adapters (what a request naming no model is served as)."""
+        out: set[str] = set()
+        for w in self._workers.values():
+            out |= w.models - w.parents.keys()
         return out
 
     def describe(self) -> list[dict]:

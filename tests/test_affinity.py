@@ -11,6 +11,9 @@ from router.config import build_config
 from router.policies import Candidate
 
 FLEET = tuple(f"http://w{i}:8000" for i in range(8))
+# A fleet whose every worker serves every model the groups below match (URLs alone: models not known)
+SHARED = tuple((url, frozenset("abcdmopsx")) for url in FLEET)
+MODEL_OF = {None: "m", "g": "m", "spare": "s", "x": "x"}  # a model each group's requests may name
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 
 
@@ -92,7 +95,7 @@ def test_empty_config_is_falsy_and_leaves_candidates_alone() -> None:
     none = AffinityGroups.from_config([])
     assert not none and not AffinityGroups.from_config(None)
     assert none.match(chat("sys"), True, {}) is None
-    assert none.filter(None, idle(FLEET), FLEET) == (idle(FLEET), UNGROUPED)
+    assert none.filter(None, idle(FLEET), FLEET, "m") == (idle(FLEET), UNGROUPED)
     assert groups(GOOD)
 
 
@@ -109,14 +112,17 @@ def test_config_validates_affinity_groups(tmp_path) -> None:
 def test_shipped_affinity_example_loads_and_places_members() -> None:
     config = build_config(["--config", os.path.join(CONFIGS, "affinity-groups.yaml")], environ={})
     affinity = AffinityGroups.from_config(config.affinity_groups)
-    described = {d["name"]: d for d in affinity.describe(config.workers)}
+    served = frozenset({"llama-3.1-70b", "qwen"})
+    described = {d["name"]: d["members"] for d in affinity.describe([(u, served) for u in config.workers])}
     assert list(described) == ["acme", "support-agent", "llama-3"]
-    assert len(described["acme"]["members"]) == 2 and described["acme"]["exclusive"]
-    assert len(described["support-agent"]["members"]) == 2  # ceil(0.25 x 8)
-    assert len(described["llama-3"]["members"]) == 3
-    reserved = set(described["acme"]["members"])
-    assert not reserved & set(described["support-agent"]["members"])
-    assert not reserved & set(described["llama-3"]["members"])
+    assert described["llama-3"].keys() == {"llama-3.1-70b"}  # its model glob fails qwen: no members there
+    for model in served:
+        acme = set(described["acme"][model])
+        assert len(acme) == 2 and len(described["support-agent"][model]) == 2  # ceil(0.25 x 8)
+        assert not acme & set(described["support-agent"][model])
+    assert len(described["llama-3"]["llama-3.1-70b"]) == 3 and not acme & set(
+        described["llama-3"]["llama-3.1-70b"]
+    )
     assert affinity.match(chat(model="llama-3.1-70b"), True, {}) == "llama-3"
     assert affinity.match(chat(model="llama-3.1-70b"), True, {"x-tenant": "acme"}) == "acme"
     body = chat("You are the support assistant for Initech.", model="qwen")
@@ -188,12 +194,14 @@ def test_system_prompt_from_content_parts_and_completions() -> None:
 def test_members_are_the_same_on_every_replica_whatever_the_fleet_order() -> None:
     raw = [{"name": "g", "match": {"model": "m"}, "size": 3}]
     a, b = AffinityGroups.from_config(raw), AffinityGroups.from_config(raw)
-    members = a.members("g", FLEET)
+    members = a.members("g", FLEET, "m")
     assert len(members) == 3 and members <= set(FLEET)
-    assert b.members("g", tuple(reversed(FLEET))) == members
-    assert b.members("g", [u + "/" for u in FLEET]) == members  # trailing slashes ignored
+    assert b.members("g", tuple(reversed(FLEET)), "m") == members
+    assert b.members("g", [u + "/" for u in FLEET], "m") == members  # trailing slashes ignored
     other = groups({"name": "h", "match": {"model": "m"}, "size": 3})
-    assert any(other.members("h", FLEET[:n]) != groups(*raw).members("g", FLEET[:n]) for n in range(3, 9))
+    assert any(
+        other.members("h", FLEET[:n], "m") != groups(*raw).members("g", FLEET[:n], "m") for n in range(3, 9)
+    )
 
 
 def test_adding_or_removing_a_worker_moves_at_most_one_member() -> None:
@@ -201,16 +209,16 @@ def test_adding_or_removing_a_worker_moves_at_most_one_member() -> None:
     fleet = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(64)]
     moved_total = 0
     for n in range(8, 64):
-        before = affinity.members("g", fleet[:n])
-        after = affinity.members("g", fleet[: n + 1])
+        before = affinity.members("g", fleet[:n], "m")
+        after = affinity.members("g", fleet[: n + 1], "m")
         assert len(before) == len(after) == 4
         moved = len(before - after)
         assert moved <= 1 and (moved == 0 or after - before == {fleet[n]})
         moved_total += moved
     assert 0 < moved_total < 56 // 2  # the new worker wins a seat about 4/n of the time
-    members = affinity.members("g", fleet)
+    members = affinity.members("g", fleet, "m")
     for gone in fleet:
-        after = affinity.members("g", [u for u in fleet if u != gone])
+        after = affinity.members("g", [u for u in fleet if u != gone], "m")
         if gone in members:
             assert len(after - members) == 1 and members - after == {gone}
         else:
@@ -224,18 +232,18 @@ def test_adding_or_removing_a_worker_moves_at_most_one_member() -> None:
 def test_share_rounds_up_with_at_least_one_member(share, fleet_size, members) -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "share": share})
     fleet = [f"http://w{i}" for i in range(fleet_size)]
-    assert len(affinity.members("g", fleet)) == members
+    assert len(affinity.members("g", fleet, "m")) == members
 
 
 def test_size_larger_than_the_fleet_takes_what_there_is() -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "size": 5})
-    assert affinity.members("g", FLEET[:2]) == set(FLEET[:2])
-    assert affinity.members("g", []) == frozenset()
+    assert affinity.members("g", FLEET[:2], "m") == set(FLEET[:2])
+    assert affinity.members("g", [], "m") == frozenset()
 
 
 def test_explicit_members_only_count_when_registered() -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "workers": [FLEET[0] + "/", "http://gone:1"]})
-    assert affinity.members("g", FLEET) == {FLEET[0]}
+    assert affinity.members("g", FLEET, "m") == {FLEET[0]}
     assert affinity.describe(FLEET)[0]["sized_by"] == {"workers": [FLEET[0], "http://gone:1"]}
 
 
@@ -243,7 +251,7 @@ def test_sized_groups_never_pick_exclusive_members() -> None:
     pinned = {"name": "pinned", "match": {"model": "p"}, "workers": list(FLEET[:6]), "exclusive": True}
     for shared in ({"size": 2}, {"share": 1.0}):
         affinity = groups(pinned, {"name": "shared", "match": {"model": "s"}, **shared})
-        assert affinity.members("shared", FLEET) == set(FLEET[6:])
+        assert affinity.members("shared", FLEET, "s") == set(FLEET[6:])
 
 
 def test_exclusive_sized_groups_do_not_overlap_any_group() -> None:
@@ -253,19 +261,39 @@ def test_exclusive_sized_groups_do_not_overlap_any_group() -> None:
         {"name": "x1", "match": {"model": "c"}, "size": 3, "exclusive": True},
         {"name": "x2", "match": {"model": "d"}, "size": 3, "exclusive": True},
     )
-    x1, x2 = affinity.members("x1", FLEET), affinity.members("x2", FLEET)
+    x1, x2 = affinity.members("x1", SHARED, "c"), affinity.members("x2", SHARED, "d")
     assert len(x1) == len(x2) == 3 and not x1 & x2
     assert not (x1 | x2) & {FLEET[0], FLEET[1]}  # explicitly listed workers are never taken
-    assert affinity.members("plain", FLEET) == set(FLEET) - x1 - x2
+    assert affinity.members("plain", SHARED, "a") == set(FLEET) - x1 - x2
+
+
+def test_a_group_takes_members_only_among_the_workers_of_the_models_it_matches() -> None:
+    """Two models on their own workers: a's exclusive group keeps a's traffic off its member, and
+    none of b's workers (no request of the group can go there)."""
+    affinity = groups({"name": "a-tenant", "match": {"model": "a"}, "size": 1, "exclusive": True})
+    split = [(u, frozenset({"a"})) for u in FLEET[:4]] + [(u, frozenset({"b"})) for u in FLEET[4:]]
+    member = affinity.members("a-tenant", split, "a")
+    assert len(member) == 1 and member <= set(FLEET[:4])
+    assert affinity.members("a-tenant", split, "b") == frozenset()
+    chosen, _ = affinity.filter(None, idle(FLEET[4:]), split, "b")
+    assert urls(chosen) == set(FLEET[4:])
+    chosen, _ = affinity.filter(None, idle(FLEET[:4]), split, "a")
+    assert urls(chosen) == set(FLEET[:4]) - member
+    # the same workers serving both models: the member is kept from b's traffic too
+    both = [(u, frozenset({"a", "b"})) for u in FLEET]
+    (member,) = affinity.members("a-tenant", both, "a")
+    chosen, _ = affinity.filter(None, idle(FLEET), both, "b")
+    assert urls(chosen) == set(FLEET) - {member}
+    assert affinity.describe(both)[0]["members"] == {"a": [member]}
 
 
 # ---------------------------------------------------------------------- filter
 def test_grouped_requests_stay_on_members() -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "size": 2})
-    members = affinity.members("g", FLEET)
-    chosen, outcome = affinity.filter("g", idle(FLEET, 5.0), FLEET)
+    members = affinity.members("g", FLEET, "m")
+    chosen, outcome = affinity.filter("g", idle(FLEET, 5.0), FLEET, "m")
     assert (urls(chosen), outcome) == (members, IN_GROUP)
-    chosen, outcome = affinity.filter(None, idle(FLEET), FLEET)  # not exclusive: others may use them
+    chosen, outcome = affinity.filter(None, idle(FLEET), FLEET, "m")  # not exclusive: others may use them
     assert (urls(chosen), outcome) == (set(FLEET), UNGROUPED)
 
 
@@ -274,40 +302,40 @@ def test_exclusive_members_are_kept_from_other_traffic_while_others_are_availabl
         {"name": "acme", "match": {"model": "a"}, "workers": list(FLEET[:2]), "exclusive": True},
         {"name": "other", "match": {"model": "o"}, "size": 1, "overflow_load": 1},
     )
-    chosen, outcome = affinity.filter(None, idle(FLEET), FLEET)
+    chosen, outcome = affinity.filter(None, idle(FLEET), SHARED, "m")
     assert (urls(chosen), outcome) == (set(FLEET[2:]), UNGROUPED)
-    chosen, outcome = affinity.filter("other", idle(FLEET, 3.0), FLEET)  # spills, but not onto acme
+    chosen, outcome = affinity.filter("other", idle(FLEET, 3.0), SHARED, "o")  # spills, but not onto acme
     assert (urls(chosen), outcome) == (set(FLEET[2:]), OVERFLOW)
-    chosen, _ = affinity.filter(None, idle(FLEET[:2]), FLEET)  # only acme's workers are up
+    chosen, _ = affinity.filter(None, idle(FLEET[:2]), SHARED, "m")  # only acme's workers are up
     assert urls(chosen) == set(FLEET[:2])
-    chosen, outcome = affinity.filter("acme", idle(FLEET), FLEET)
+    chosen, outcome = affinity.filter("acme", idle(FLEET), SHARED, "a")
     assert (urls(chosen), outcome) == (set(FLEET[:2]), IN_GROUP)
 
 
 def test_overflow_fleet_by_unavailability_and_by_load() -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "size": 2, "overflow_load": 4})
-    members = affinity.members("g", FLEET)
+    members = affinity.members("g", FLEET, "m")
     others = [u for u in FLEET if u not in members]
-    chosen, outcome = affinity.filter("g", idle(others), FLEET)  # every member is down
+    chosen, outcome = affinity.filter("g", idle(others), FLEET, "m")  # every member is down
     assert (urls(chosen), outcome) == (set(others), OVERFLOW)
     busy = [Candidate(u, 4.0 if u in members else 0.0) for u in FLEET]
-    chosen, outcome = affinity.filter("g", busy, FLEET)
+    chosen, outcome = affinity.filter("g", busy, FLEET, "m")
     assert (urls(chosen), outcome) == (set(FLEET), OVERFLOW)  # the members stay eligible
     one_free = [Candidate(u, 3.0 if u == min(members) else 9.0) for u in FLEET]
-    chosen, outcome = affinity.filter("g", one_free, FLEET)
+    chosen, outcome = affinity.filter("g", one_free, FLEET, "m")
     assert (urls(chosen), outcome) == (members, IN_GROUP)
 
 
 def test_without_overflow_load_busy_members_keep_the_traffic() -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "size": 2})
-    chosen, outcome = affinity.filter("g", idle(FLEET, 1000.0), FLEET)
-    assert (urls(chosen), outcome) == (affinity.members("g", FLEET), IN_GROUP)
+    chosen, outcome = affinity.filter("g", idle(FLEET, 1000.0), FLEET, "m")
+    assert (urls(chosen), outcome) == (affinity.members("g", FLEET, "m"), IN_GROUP)
 
 
 def test_overflow_none_stays_in_group_even_when_empty() -> None:
     affinity = groups({"name": "g", "match": {"model": "m"}, "workers": [FLEET[0]], "overflow": "none"})
-    assert affinity.filter("g", idle(FLEET[1:]), FLEET) == ([], IN_GROUP)
-    chosen, outcome = affinity.filter("g", idle(FLEET, 50.0), FLEET)
+    assert affinity.filter("g", idle(FLEET[1:]), FLEET, "m") == ([], IN_GROUP)
+    chosen, outcome = affinity.filter("g", idle(FLEET, 50.0), FLEET, "m")
     assert (urls(chosen), outcome) == ({FLEET[0]}, IN_GROUP)
 
 
@@ -322,13 +350,15 @@ def test_overflow_to_another_group_then_to_the_fleet() -> None:
         },
         {"name": "spare", "match": {"model": "s"}, "workers": list(FLEET[1:3]), "exclusive": True},
     )
-    chosen, outcome = affinity.filter("g", idle(FLEET[1:]), FLEET)  # member down: to spare, exclusive or not
+    chosen, outcome = affinity.filter(
+        "g", idle(FLEET[1:]), SHARED, "m"
+    )  # member down: to spare, exclusive or not
     assert (urls(chosen), outcome) == (set(FLEET[1:3]), OVERFLOW)
-    chosen, outcome = affinity.filter("g", idle(FLEET, 2.0), FLEET)  # member busy: member + spare
+    chosen, outcome = affinity.filter("g", idle(FLEET, 2.0), SHARED, "m")  # member busy: member + spare
     assert (urls(chosen), outcome) == (set(FLEET[:3]), OVERFLOW)
-    chosen, outcome = affinity.filter("g", idle(FLEET[3:]), FLEET)  # spare down too: the fleet
+    chosen, outcome = affinity.filter("g", idle(FLEET[3:]), SHARED, "m")  # spare down too: the fleet
     assert (urls(chosen), outcome) == (set(FLEET[3:]), OVERFLOW)
-    chosen, outcome = affinity.filter("g", idle(FLEET[1:2] + FLEET[5:]), FLEET)
+    chosen, outcome = affinity.filter("g", idle(FLEET[1:2] + FLEET[5:]), SHARED, "m")
     assert (urls(chosen), outcome) == ({FLEET[1]}, OVERFLOW)
 
 
@@ -344,22 +374,23 @@ def test_filter_never_empties_a_non_empty_candidate_list(overflow) -> None:
     for subset in subsets:
         for load in (0.0, 5.0):
             for group in (None, "g", "spare", "x"):
-                chosen, outcome = affinity.filter(group, idle(subset, load), FLEET)
+                chosen, outcome = affinity.filter(group, idle(subset, load), SHARED, MODEL_OF[group])
                 assert chosen and urls(chosen) <= set(subset), (group, subset, load)
                 assert outcome in (UNGROUPED, IN_GROUP, OVERFLOW)
     for group in (None, "g"):
-        assert affinity.filter(group, [], FLEET)[0] == []
+        assert affinity.filter(group, [], SHARED, MODEL_OF[group])[0] == []
 
 
 def test_unknown_group_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown affinity group"):
-        groups(GOOD).filter("nope", idle(FLEET), FLEET)
+        groups(GOOD).filter("nope", idle(FLEET), FLEET, "m")
 
 
 def test_describe_reports_members_now() -> None:
     affinity = groups({"name": "g", "match": {"header": {"x-tenant": "a"}}, "share": 0.5, "overflow": "none"})
-    (entry,) = affinity.describe(FLEET[:4])
+    (entry,) = affinity.describe(FLEET[:4])  # models not known: members for any model, under ""
     assert entry["name"] == "g" and entry["match"] == {"header": {"x-tenant": "a"}}
     assert entry["sized_by"] == {"share": 0.5} and entry["overflow"] == "none"
     assert entry["exclusive"] is False and entry["overflow_load"] is None
-    assert set(entry["members"]) == affinity.members("g", FLEET[:4]) and len(entry["members"]) == 2
+    assert entry["members"].keys() == {""} and len(entry["members"][""]) == 2
+    assert set(entry["members"][""]) == affinity.members("g", FLEET[:4], None)

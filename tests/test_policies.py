@@ -322,3 +322,15 @@ def test_a_bad_parameter_is_refused_by_name(name, params, words) -> None:
 def test_whole_numbers_and_numeric_text_are_parameters_still() -> None:
     policy = make_policy("prefix_hash", PrefixIndex(), {"vnodes": 4.0, "load_factor": "1.5"})
     assert policy.describe()["params"] == {"prefix_blocks": 8, "load_factor": "1.5", "vnodes": 4.0}
+
+
+def test_a_request_naming_no_model_hashes_under_the_base_model_beside_its_adapters():
+    """The worker serves a request without ``model`` as its base model and hashes its KV events under
+    that name; its LoRA adapters, also listed in /v1/models, do not make the base unknown."""
+    router = Router(RouterConfig(workers=["http://a:1", "http://b:1"]))
+    a, b = router.workers.get("http://a:1"), router.workers.get("http://b:1")
+    a.models, a.parents = frozenset({"base", "lora-1"}), {"lora-1": "base"}
+    b.models = frozenset({"base"})
+    assert (router.namespace(None), router.namespace("lora-1")) == ("base", "lora-1")
+    b.models = frozenset({"base", "other"})  # two base models: which one serves it is not known
+    assert router.namespace(None) == ""

@@ -575,7 +575,8 @@ def test_client_disconnect_releases_load_and_cancels_upstream(launch):
 
 def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
     """A tenant pinned by header to one exclusive worker: its requests all land there, other
-    traffic never does; /debug/route and the metrics say so."""
+    traffic never does; /debug/route and the metrics say so. A group whose members are all gone
+    (overflow: none) gets a 503, counted as no_worker."""
     backends = [launch.echo_backend("--name", f"b{i}") for i in range(3)]
     pinned = backends[1].url
     config = tmp_path / "router.yaml"
@@ -586,6 +587,10 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
         "      match: {header: {x-tenant: acme}}\n"
         f"      workers: [{pinned}]\n"
         "      exclusive: true\n"
+        "    - name: ghost\n"
+        "      match: {header: {x-tenant: ghost}}\n"
+        "      workers: [http://127.0.0.1:1]\n"
+        "      overflow: none\n"
     )
     router = launch.router([b.url for b in backends], "--config", str(config), "--policy", "round_robin")
     with httpx.Client(base_url=router.url, timeout=30) as client:
@@ -604,11 +609,25 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
         ).json()
         assert explained["affinity_group"] == "acme" and explained["worker"] == pinned
         assert explained["affinity_outcome"] == "in_group"
+        # a repeated header: its last value, for routing and for /debug/route alike
+        for values, group in ((["other", "acme"], "acme"), (["acme", "other"], None)):
+            headers = [("x-tenant", v) for v in values]
+            body = {"model": "echo", "prompt": "twice"}
+            sent = client.post("/v1/completions", json=body, headers=headers).headers["x-radixgate-worker"]
+            explained = client.post("/debug/route", json=body, headers=headers).json()
+            assert explained["affinity_group"] == group
+            assert (sent == pinned, explained["worker"] == pinned) == (group == "acme", group == "acme")
+        ghost = client.post(
+            "/v1/completions", json={"model": "echo", "prompt": "g"}, headers={"x-tenant": "ghost"}
+        )
+        assert ghost.status_code == 503
         groups = client.get("/workers").json()["affinity_groups"]
-        assert groups[0]["name"] == "acme" and groups[0]["members"] == [pinned]
+        assert groups[0]["name"] == "acme" and groups[0]["members"] == {"echo": [pinned]}
+        assert groups[1]["members"] == {"echo": []}
         counts = metric_values(client.get("/metrics").text, "radixgate_affinity_requests_total")
-    assert counts['{group="acme",outcome="in_group"}'] == 6
-    assert counts['{group="",outcome="ungrouped"}'] == 6
+    assert counts['{group="acme",outcome="in_group"}'] == 7
+    assert counts['{group="",outcome="ungrouped"}'] == 7
+    assert counts['{group="ghost",outcome="no_worker"}'] == 1
 
 
 @pytest.mark.parametrize("stream_usage", [True, False])
