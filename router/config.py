@@ -62,7 +62,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # whole request
     max_body_bytes: int = 16 * 1024 * 1024
     # admission (router/admission.py): requests forwarded at once by this replica, 0 = no limit; the
-    # next ones wait FIFO (at most max_queued_requests, else 429) up to queue_timeout_s (else 503)
+    # next ones wait by priority, then arrival (at most max_queued_requests, else 429) up to queue_timeout_s (else 503)
     max_concurrent_requests: int = 0
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
