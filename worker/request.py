@@ -65,6 +65,8 @@ class Request:
     finish_reason: str | None = None
     retractions: int = 0
     draft_history: Any = None  # the draft proposer's copy of token_ids
+    # the last verify step's (tokens kept, drafts counted as accepted): what a stop string's cut takes back
+    verify_counted: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if self.namespace is None:

@@ -134,8 +134,13 @@ class Scheduler:
         ``keep_tokens``: its tokens past that many are dropped first (a verify step's tokens after
         the one that finished it)."""
         if keep_tokens is not None and keep_tokens < len(req.token_ids):
+            dropped = len(req.token_ids) - keep_tokens
             del req.token_ids[keep_tokens:]
             req.kv_len = min(req.kv_len, keep_tokens)
+            # NOTE: the verify step counted them: they were not generated after all, nor drafts kept
+            kept, accepted = req.verify_counted
+            self.stats.decode_tokens -= dropped
+            self.stats.accepted_tokens -= accepted - min(kept - dropped, accepted)
         self.abort(req, reason)
 
     def _remove_active(self, req: Request) -> None:

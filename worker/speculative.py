@@ -110,9 +110,10 @@ def commit_verify(stats: Any, batch: Any, accepted: Sequence[list[int]]) -> list
                 req.finish_reason = "length"
             if req.finish_reason is not None:
                 break
-        stats.decode_tokens += kept
         # NOTE: the drafts the model agreed with and the request kept: the last token is the model's
         # own unless the request ended before it
-        stats.accepted_tokens += min(kept, len(tokens) - 1)
+        req.verify_counted = (kept, min(kept, len(tokens) - 1))
+        stats.decode_tokens += kept
+        stats.accepted_tokens += req.verify_counted[1]
         req.kv_len = len(req.token_ids) - 1
     return list(batch.requests)

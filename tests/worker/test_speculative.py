@@ -228,6 +228,9 @@ def test_verify_steps_under_pressure_keep_outputs_pages_and_kv_right(seed):
     assert_no_leak(sched)
     assert verify_steps > 0 and sched.stats.accepted_tokens > 0
     assert sched.stats.accepted_tokens < sched.stats.draft_tokens  # some drafts were rejected
+    # every output token is counted once, those a cut dropped not at all; but a prefill's: a request's
+    # first, and the one after each retraction (its prefill again)
+    assert sched.stats.decode_tokens == sum(req.num_output - 1 for req in everyone) - sched.stats.retractions
     for req in everyone:
         assert req.output_ids == reference(req.prompt_ids, req.num_output, vocab=3)
         assert req.num_output == cut.get(req.rid, req.max_tokens)
@@ -316,13 +319,15 @@ def complete(url: str, **body) -> dict:
     return r.json()
 
 
-def spec_counts(url: str) -> dict[str, float]:
+def spec_counts(url: str, prefix: str = "radixgate_worker_spec_") -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line.startswith("radixgate_worker_spec_")
-    }
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(prefix)}
+
+
+def generated(url: str) -> float:
+    return spec_counts(url, "radixgate_worker_generation_tokens_total")[
+        "radixgate_worker_generation_tokens_total"
+    ]
 
 
 def test_greedy_answers_and_logprobs_are_the_same_with_drafts(workers):
@@ -350,9 +355,11 @@ def test_greedy_answers_and_logprobs_are_the_same_with_drafts(workers):
 def test_stop_strings_and_ids_end_at_the_same_token_with_drafts(workers):
     """Stops at many places, so some end a request inside a verify step (its later tokens dropped):
     a stop string completes on a kept draft only when it is longer than the matched n-gram and
-    starts before the copied run, hence the longer ones."""
+    starts before the copied run, hence the longer ones. The tokens dropped after a stop are not
+    counted as generated."""
     plain, spec = workers
     text = complete(plain.url, max_tokens=80)["choices"][0]["text"]
+    before = generated(plain.url), generated(spec.url)
     # NOTE: on the tiny model, 7 of the 7-character stops end inside a verify step (2026-11-27)
     bodies = [{"max_tokens": 80, "stop": [text[i : i + 7]]} for i in range(10, 70, 3)]
     bodies += [{"max_tokens": 80, "stop": [text[i : i + 2]]} for i in range(10, 70, 9)]
@@ -362,6 +369,7 @@ def test_stop_strings_and_ids_end_at_the_same_token_with_drafts(workers):
         assert a["choices"][0]["text"] == b["choices"][0]["text"], body
         assert a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"] == "stop"
         assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"] < 80
+    assert generated(plain.url) - before[0] == generated(spec.url) - before[1]
 
 
 def test_a_stream_with_drafts_equals_the_whole_answer(workers):
