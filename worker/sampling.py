@@ -301,7 +301,9 @@ def _mask_without_sort(scores: torch.Tensor, keep: list[int], top_p: list[float]
         scores = scores.masked_fill(scores < cut, float("-inf"))
     if any(p < 1.0 for p in top_p):
         probs = scores.softmax(dim=-1)
-        threshold = ops.top_p_threshold(probs, on_device(top_p, scores.device, torch.float32))
+        p = on_device(top_p, scores.device, torch.float32)
+        # NOTE: a top_p of 1 keeps every token (float32 sums reach 1 before the last ones)
+        threshold = ops.top_p_threshold(probs, p).masked_fill(p >= 1.0, 0.0)
         scores = scores.masked_fill(probs < threshold.unsqueeze(1), float("-inf"))
     return scores
 

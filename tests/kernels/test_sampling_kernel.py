@@ -96,6 +96,21 @@ def test_the_worker_masks_without_a_sort_as_a_sort_would(backend, monkeypatch, t
     assert 1 < int(got.isfinite().sum()) < got.numel()  # some tokens kept, some dropped
 
 
+def test_a_top_p_of_one_keeps_every_token_beside_a_top_p_row_without_a_sort(backend, monkeypatch):
+    """On the threshold kernel's path too, a row without top-p (1.0) keeps its whole vocabulary when
+    another row has one, although a float32 sum of its mass reaches 1 before its last tokens."""
+    from worker import sampling
+
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # NOTE: so the worker picks the kernels on the CPU
+    scores = torch.randn(4, 400, generator=torch.Generator().manual_seed(7)) * 3
+    scores[:, 0] = 30.0  # one token holds nearly all the mass: the tail is below float32's resolution
+    monkeypatch.setattr(sampling, "SORT_MAX_ROWS", 3)  # these 4 rows are "many"
+    got = sampling._mask_top_k_top_p(scores.to(backend.device), [-1] * 4, [1.0, 0.5, 1.0, 0.9]).cpu()
+    assert got[[0, 2]].isfinite().all()
+    assert int(got[1].isfinite().sum()) == int(got[3].isfinite().sum()) == 1
+
+
 def test_the_worker_sorts_up_to_sort_max_rows_rows(backend, monkeypatch):
     """Up to SORT_MAX_ROWS rows the worker sorts the vocabulary even on the kernels (the sort is faster
     there); one row more takes the threshold kernel; both keep the same tokens."""
