@@ -249,20 +249,37 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
-def _find_chat_template(directory: str, config: dict) -> str | None:
-    """chat_template.jinja, chat_template.json, or tokenizer_config.json's ``chat_template``
-    (a string, or a list of named templates of which ``default`` is used)."""
+def _find_chat_templates(directory: str, config: dict) -> dict[str, str]:
+    """The model's chat templates by name, as transformers reads them: ``default`` from
+    chat_template.jinja, chat_template.json or tokenizer_config.json's ``chat_template`` (the first
+    there), which may also be a list of named templates (Hermes 2 Pro, Command-R: ``tool_use``,
+    ``rag``); then additional_chat_templates/<name>.jinja."""
+    templates: dict[str, str] = {}
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.exists(jinja_path):
         with open(jinja_path, encoding="utf-8") as f:
-            return f.read()
-    template = _read_json(os.path.join(directory, "chat_template.json")).get("chat_template")
-    if template is None:
-        template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+            templates["default"] = f.read()
+    else:
+        template = _read_json(os.path.join(directory, "chat_template.json")).get("chat_template")
+        if template is None:
+            template = config.get("chat_template")
+        if isinstance(template, str):
+            templates["default"] = template
+        elif isinstance(template, list):
+            for t in template:
+                if (
+                    isinstance(t, dict)
+                    and isinstance(t.get("name"), str)
+                    and isinstance(t.get("template"), str)
+                ):
+                    templates[t["name"]] = t["template"]
+    extra = os.path.join(directory, "additional_chat_templates")
+    if os.path.isdir(extra):
+        for name in sorted(os.listdir(extra)):
+            if name.endswith(".jinja"):
+                with open(os.path.join(extra, name), encoding="utf-8") as f:
+                    templates.setdefault(name[: -len(".jinja")], f.read())
+    return templates
 
 
 class HFTokenizer:
@@ -295,8 +312,8 @@ class HFTokenizer:
         for extra in ("generation_config.json", "config.json"):
             eos_ids += _as_id_list(_read_json(os.path.join(directory, extra)).get("eos_token_id"))
         self.eos_token_ids = list(dict.fromkeys(eos_ids))
-        self.chat_template = _find_chat_template(directory, config)
-        self._template: Any = None
+        self.chat_templates = _find_chat_templates(directory, config)
+        self._compiled_templates: dict[str, Any] = {}
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -325,7 +342,9 @@ class HFTokenizer:
                                  for c in m["tool_calls"]]} if m.get("tool_calls") else m
             for m in map(_with_thinking, normalize_messages(messages))
         ]  # fmt: skip
-        if self.chat_template is None:
+        # NOTE: as transformers picks: a request with tools takes the ``tool_use`` template where there is one
+        name = "tool_use" if tools and "tool_use" in self.chat_templates else "default"
+        if name not in self.chat_templates:
             raise ValueError("this model has no chat template; use /v1/completions")
         if continue_final_message:
             # NOTE: cut at a marker after the content, as HF does: searching for the content itself
@@ -335,7 +354,7 @@ class HFTokenizer:
         from jinja2 import TemplateError
 
         try:
-            text = self._compiled().render(
+            text = self._compiled(name).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 tools=tools,
@@ -383,10 +402,10 @@ class HFTokenizer:
         text = piece.replace("\u2581", " ")
         return None if _REPLACEMENT in text else text.encode()
 
-    def _compiled(self) -> Any:
-        if self._template is None:
-            self._template = _compile_template(self.chat_template or "")
-        return self._template
+    def _compiled(self, name: str) -> Any:
+        if name not in self._compiled_templates:
+            self._compiled_templates[name] = _compile_template(self.chat_templates[name])
+        return self._compiled_templates[name]
 
 
 @functools.cache

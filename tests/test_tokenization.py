@@ -479,3 +479,42 @@ def test_router_import_does_not_pull_in_torch():
     code = "import sys, router.tokenization; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60).returncode == 0
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOL_USE_TEMPLATE = "<tools>{{ tools | tojson }}</tools>\n" + TEMPLATE
+
+
+@pytest.mark.parametrize("layout", ["list", "files"])
+def test_a_request_with_tools_takes_the_tool_use_template_as_transformers_does(hf_dir, tmp_path, layout):
+    """Named chat templates: a list in tokenizer_config.json (Hermes 2 Pro, Command-R), or the files
+    transformers 5 saves (chat_template.jinja and additional_chat_templates/tool_use.jinja). A request
+    with tools is rendered by ``tool_use``, one without by ``default``, as transformers renders them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    directory = tmp_path / "named"
+    shutil.copytree(hf_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    if layout == "list":
+        config["chat_template"] = [
+            {"name": "default", "template": TEMPLATE},
+            {"name": "tool_use", "template": TOOL_USE_TEMPLATE},
+        ]
+    else:
+        del config["chat_template"]
+        (directory / "chat_template.jinja").write_text(TEMPLATE)
+        (directory / "additional_chat_templates").mkdir()
+        (directory / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_USE_TEMPLATE)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = HFTokenizer(str(directory)), AutoTokenizer.from_pretrained(directory)
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    with_tools = ours.render_chat(messages, TOOLS)
+    assert with_tools == theirs.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert "get_weather" in with_tools
+    plain = ours.render_chat(messages)
+    assert plain == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<tools>" not in plain
