@@ -26,7 +26,8 @@ Logprob = tuple[int, TokenLogprobs | None]  # a token and its numbers (None: a p
 
 class TokenNames:
     """Token id -> (text, UTF-8 bytes as a list of ints or None), memoised: a stream with top-20
-    logprobs names 21 tokens per generated token, mostly the same few hundred."""
+    logprobs names 21 tokens per generated token, mostly the same few hundred. The text is the
+    token's bytes where they are whole characters, else its decode alone (U+FFFD for part of one)."""
 
     def __init__(self, tokenizer: PromptTokenizer, max_entries: int = 1 << 16) -> None:
         self.tokenizer = tokenizer
@@ -39,9 +40,22 @@ class TokenNames:
             if len(self._names) >= self.max_entries:
                 self._names.clear()
             raw = self.tokenizer.token_bytes(token_id)
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[call-arg]
+            text = _utf8(raw)
+            if text is None:  # NOTE: part of a character, or bytes the vocabulary does not give: its decode
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[call-arg]
             name = self._names[token_id] = (text, None if raw is None else list(raw))
         return name
+
+
+def _utf8(raw: bytes | None) -> str | None:
+    """A token's bytes as text when they are whole UTF-8 characters: the text it adds to an answer
+    (a SentencePiece ``▁word`` piece is " word", where decoding it alone strips the space)."""
+    if raw is None:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 @dataclass

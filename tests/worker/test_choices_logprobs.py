@@ -222,3 +222,20 @@ def test_batched_prompts_answer_n_choices_each_in_order(tiny_server):
         assert [c["text"] for c in alone["choices"]] == [
             c["text"] for c in data["choices"][2 * p : 2 * p + 2]
         ]
+
+
+def test_a_token_is_named_by_the_text_it_adds_so_offsets_follow_the_answer(tmp_path):
+    """A SentencePiece ``▁word`` piece decoded alone loses its space; named by its bytes it is
+    " word", so the names put together are the answer's text (and ``text_offset`` counts it), while
+    part of a byte-fallback character stays U+FFFD."""
+    from tests.test_tokenization import sentencepiece_dir
+    from worker.openai_format import TokenNames
+
+    tok = HFTokenizer(str(sentencepiece_dir(tmp_path / "sp")))
+    names = TokenNames(tok)
+    prompt = tok.encode_prompt("in the")
+    ids = tok.encode_prompt("the hat in the cat")[1:]  # generated tokens carry no BOS
+    assert "".join(names(t)[0] for t in ids) == tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert [bytes(names(t)[1]).decode() for t in ids] == [names(t)[0] for t in ids]
+    (split,) = [t for t in tok.encode_text("é") if names(t)[1] == [0xC3]]
+    assert names(split)[0] == "\ufffd"
