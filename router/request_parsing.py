@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mmh3
 import orjson
 from starlette.requests import Request
 
@@ -127,7 +128,8 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
                 raise ValueError("missing required field 'messages'")
             # NOTE: tools are part of the prompt (the template renders them): a shared tool set is
             # a shared prefix, so it counts for routing like a shared system prompt does
-            token_ids = _encode_chat(tokenizer, body["messages"], body.get("tools"), chat_options(body))
+            messages = with_stand_ins(body["messages"], "text")
+            token_ids = _encode_chat(tokenizer, messages, body.get("tools"), chat_options(body))
         else:
             token_ids, rest = _prompt_tokens(body, tokenizer)
     except ValueError as exc:
@@ -151,7 +153,9 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
     if previous is not None and not isinstance(previous, str):
         raise RouterError(400, "'previous_response_id' must be a string", "invalid_type")
     try:
-        messages = prompt_messages(body.get("instructions"), [], body.get("input"))
+        messages = prompt_messages(
+            body.get("instructions"), [], with_stand_ins(body.get("input"), "input_text")
+        )
         tools = chat_tools(body.get("tools"))
         # NOTE: a follow-up's prompt starts with a history only its worker has: nothing to match
         token_ids: Sequence[int] = b"" if previous is not None else _encode_chat(tokenizer, messages, tools)
@@ -170,6 +174,37 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
     )
     parsed.affinity_body = {"model": model, "messages": messages}
     return parsed
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def with_stand_ins(messages: Any, text_type: str) -> Any:
+    """``messages`` (chat messages, or Responses input items) with every content part that is not
+    text (an image, audio, a file) as a text part standing in for it: ``<type digest>``, the digest of
+    the part as sent. For routing only: the body goes upstream as it came, for a backend that reads
+    the parts (a radixgate worker refuses them); two prompts with the same image share that prefix."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(_stands_in(part) for part in content):
+            parts = [
+                {"type": text_type, "text": _stand_in(part)} if _stands_in(part) else part for part in content
+            ]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def _stands_in(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] not in _TEXT_PARTS
+
+
+def _stand_in(part: dict[str, Any]) -> str:
+    digest = mmh3.hash128(orjson.dumps(part, option=orjson.OPT_SORT_KEYS), 0, False)
+    return f"<{part['type']} {digest:032x}>"
 
 
 def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:

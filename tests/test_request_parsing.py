@@ -64,3 +64,36 @@ def test_a_cache_salt_starts_its_own_hash_chain_and_a_bad_one_is_400():
         with pytest.raises(RouterError) as err:
             parse_request(orjson.dumps({**body, "cache_salt": bad}), False, tok)
         assert err.value.status == 400 and "cache_salt" in err.value.message
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+OTHER_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,R0lGODlhAQAB"}}
+
+
+def test_an_image_part_is_routed_by_a_stand_in_and_sent_as_it_came():
+    """A chat or Responses content part that is not text (an image for a vision backend) is routed by
+    a stand-in naming its digest: the same image gives the same prompt prefix, another image another;
+    the body upstream is the client's own."""
+    tok = ByteTokenizer()
+
+    def parsed(image: dict, question: str = "What is this?"):
+        content = [{"type": "text", "text": "Look:"}, image, {"type": "text", "text": question}]
+        raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+        return raw, parse_request(raw, True, tok)
+
+    raw, first = parsed(IMAGE)
+    assert first.raw == raw and first.body["messages"][0]["content"][1] == IMAGE
+    text = bytes(first.token_ids).decode()
+    assert "Look:" in text and "<image_url " in text and "What is this?" in text
+    same, other = parsed(IMAGE, "And this?")[1], parsed(OTHER_IMAGE)[1]
+    cut = text.index("What is this?")
+    assert bytes(same.token_ids).decode()[:cut] == text[:cut]
+    assert bytes(other.token_ids).decode()[:cut] != text[:cut]
+    responses = {"type": "input_image", "image_url": "https://example.com/cat.png"}
+    body = {
+        "model": "m",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}, responses]}],
+    }
+    assert "<input_image " in bytes(parse_responses_request(orjson.dumps(body), tok).token_ids).decode()
+    with pytest.raises(RouterError):  # a part that is no part at all is still the router's 400
+        parse_request(orjson.dumps({"messages": [{"role": "user", "content": [5]}]}), True, tok)

@@ -208,6 +208,11 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
             b'{"messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]}',
             400,
         ),
+        (  # text only: an image the router routed by its stand-in is refused here
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+            400,
+        ),
         ("/v1/completions", b'{"prompt": "hi", "guided_regex": "[a-"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}', 400),
         ("/v1/completions", b'{"prompt": "hi", "guided_choice": ["a"], "ignore_eos": true}', 400),
