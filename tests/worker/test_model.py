@@ -293,6 +293,33 @@ def test_yarn_frequencies_attention_factor_and_context_are_transformers(scaling)
     assert rope_attention_factor(ModelConfig.from_hf(QWEN_LIKE)) == 1.0
 
 
+def test_rope_scaling_added_to_a_transformers_5_config_wins_over_its_rope_parameters() -> None:
+    """transformers 5 writes rope_parameters (default RoPE and the base) into every config.json it saves, and
+    Qwen's model cards turn YaRN on by adding rope_scaling: transformers reads rope_scaling, and so does the
+    worker, the base kept from rope_parameters; Gemma 3's per-layer parameters take it on full attention."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    saved = {
+        **QWEN_LIKE,
+        "model_type": "qwen3",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
+    del saved["rope_theta"]
+    ours = ModelConfig.from_hf({**saved, "rope_scaling": yarn})
+    assert (ours.rope_scaling, ours.rope_theta, ours.max_context) == (yarn, 1e6, 4 * 32768)
+    theirs = transformers.Qwen3Config(**{**saved, "rope_scaling": yarn, "rope_theta": 1e6}).rope_parameters
+    assert theirs == {**yarn, "rope_theta": 1e6}
+    assert ModelConfig.from_hf({**saved, "rope_scaling": {}}).rope_scaling is None
+    linear = {"rope_type": "linear", "factor": 8.0}
+    per_layer = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    gemma = ModelConfig.from_hf(
+        {"model_type": "gemma3_text", "rope_parameters": per_layer, "rope_scaling": linear}
+    )
+    assert (gemma.rope_scaling, gemma.rope_theta, gemma.local_rope_theta) == (linear, 1e6, 1e4)
+    theirs = transformers.Gemma3TextConfig(rope_parameters=per_layer, rope_scaling=linear).rope_parameters
+    assert theirs["full_attention"] == {**linear, "rope_theta": 1e6}
+
+
 def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="neither 'tiny' nor a local directory"):
         load_model(str(tmp_path / "missing"))

@@ -176,7 +176,7 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads")
 
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope = _rope_parameters(cfg)
         local_rope_theta = None
         if "full_attention" in rope:  # NOTE: transformers 5's RoPE per layer type (Gemma 3)
             local = dict(rope.get("sliding_attention") or {})
@@ -247,6 +247,22 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters as transformers reads them: a non-empty ``rope_scaling`` wins over
+    ``rope_parameters`` (transformers 5 writes a default one into every config.json it saves, and Qwen's
+    model cards turn YaRN on by adding rope_scaling); Gemma 3's go into its full attention's parameters."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling")
+    if not scaling:
+        return rope
+    if "full_attention" in rope:
+        return {**rope, "full_attention": {**(rope["full_attention"] or {}), **scaling}}
+    # NOTE: rope_scaling seldom names the model's base, so it stays the config's (transformers 5 would fall
+    # back to 10^4 where only rope_parameters names it: another model than the one trained)
+    theta = cfg.get("rope_theta") or rope.get("rope_theta")
+    return {**({"rope_theta": theta} if theta else {}), **scaling}
 
 
 def _quantization(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
