@@ -462,6 +462,20 @@ def test_config_reads_the_experts_of_each_mixture_kind() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared"]
+)
+def test_a_mixture_whose_experts_are_not_swiglu_is_refused_by_name(model_type) -> None:
+    """transformers runs every expert under hidden_act; the experts here run SwiGLU, so a GeGLU mixture
+    is refused at load (it served other logits). gpt-oss's experts ignore hidden_act, there as here."""
+    moe = {**QWEN_LIKE, "model_type": model_type, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 64, "hidden_act": "gelu_pytorch_tanh"}  # fmt: skip
+    with pytest.raises(ValueError, match=f"'gelu_pytorch_tanh' is not supported on {model_type}'s experts"):
+        ModelConfig.from_hf(moe)
+    assert ModelConfig.from_hf({**moe, "hidden_act": "silu"}).num_experts == 8
+    assert ModelConfig.from_hf({**moe, "model_type": "gpt_oss"}).expert_activation == "clamped_swiglu"
+
+
 def test_a_mixtures_missing_or_extra_expert_is_named(mixtral_checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -169,6 +169,12 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported hidden_act {act!r}; silu (SwiGLU) and gelu_pytorch_tanh (GeGLU) are"
             )
+        if act != "silu" and model_type in MOE_MODEL_TYPES and model_type != "gpt_oss":
+            # NOTE: experts (kernels.moe) and shared experts run SwiGLU only; gpt-oss's run their clamped
+            # SwiGLU whatever hidden_act says, as transformers' do
+            raise ValueError(
+                f"hidden_act {act!r} is not supported on {model_type}'s experts; silu (SwiGLU) is"
+            )
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
