@@ -22,6 +22,8 @@ from tests.support import wait_until
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.kv_pool import PageAllocator
+from worker.model import load_model
+from worker.model.lora import load_adapter
 from worker.radix_cache import RadixCache
 from worker.radix_node import adapter_keys
 
@@ -260,6 +262,36 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
             WorkerConfig(model=str(llama_checkpoint), lora_adapters=adapters).validate()
     with pytest.raises(ValueError):
         WorkerConfig(engine="sim", lora_adapters=[f"a={tmp_path / 'r4'}"]).validate()
+
+
+def test_an_adapter_with_its_own_rank_or_alpha_per_module_is_refused(llama_checkpoint, tmp_path):
+    """PEFT's rank_pattern and alpha_pattern give the modules they name their own r and lora_alpha; served with
+    one scale, alpha_pattern's adapter answered unlike PEFT's, so either is refused as the adapter's own.
+    Patterns that repeat r and lora_alpha change nothing and load."""
+    model = load_model(str(llama_checkpoint)).model
+    ad = tmp_path / "ad"
+    write_adapter(llama_checkpoint, ad)
+    config = json.loads((ad / "adapter_config.json").read_text())
+    weights = load_file(str(ad / "adapter_model.safetensors"))
+    for key, value in weights.items():  # NOTE: v_proj of rank 2, as rank_pattern {"v_proj": 2} trains it
+        if ".v_proj." in key:
+            weights[key] = (value[:2] if key.endswith("lora_A.weight") else value[:, :2]).contiguous()
+    ranked = tmp_path / "ranked"
+    shutil.copytree(ad, ranked)
+    save_file(weights, str(ranked / "adapter_model.safetensors"))
+    (ranked / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": {"v_proj": 2}}))
+    with pytest.raises(
+        ValueError, match=r"adapter 'ranked': its rank_pattern \{'v_proj': 2\} is not supported"
+    ):
+        load_adapter("ranked", str(ranked), model)
+    (ad / "adapter_config.json").write_text(json.dumps({**config, "alpha_pattern": {"q_proj": 64}}))
+    with pytest.raises(
+        ValueError, match=r"adapter 'ad': its alpha_pattern \{'q_proj': 64\} is not supported"
+    ):
+        load_adapter("ad", str(ad), model)
+    same = {**config, "rank_pattern": {"v_proj": RANK}, "alpha_pattern": {"q_proj": ALPHA}}
+    (ad / "adapter_config.json").write_text(json.dumps(same))
+    assert load_adapter("ad", str(ad), model).scale == ALPHA / RANK
 
 
 def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_path):

@@ -221,6 +221,14 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         raise ValueError(f"adapter {name!r}: LoRA biases, fan_in_fan_out and DoRA are not supported")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    for key, default in (("rank_pattern", rank), ("alpha_pattern", alpha)):
+        # NOTE: PEFT gives the modules these name their own r or lora_alpha; one scale serves every module here
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict) or any(value != default for value in pattern.values()):
+            raise ValueError(
+                f"adapter {name!r}: its {key} {pattern!r} is not supported (one r and one lora_alpha for "
+                "every module are)"
+            )
     weights_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.exists(weights_path):
         raise ValueError(f"adapter {name!r}: no adapter_model.safetensors in {path}")
@@ -270,7 +278,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         if a.shape != (rank, inputs[proj]) or b.shape != (end - start, rank):
             raise ValueError(
                 f"adapter {name!r}: layer {layer} {target} has A {tuple(a.shape)}, B {tuple(b.shape)}; "
-                f"the base needs A ({rank}, {inputs[proj]}), B ({end - start}, {rank})"
+                f"r {rank} on this base needs A ({rank}, {inputs[proj]}), B ({end - start}, {rank})"
             )
         parts.setdefault((layer, proj), []).append((start, end, a, b))
     for key, found in parts.items():
