@@ -19,7 +19,8 @@ from tests.worker.test_model import PROMPT, extend, new_pool, scattered_slots
 from worker.model import ModelConfig, load_model
 
 FP8_MAX = 448.0
-# the linear layers an fp8 quantizer quantizes (Phi-3's fused q/k/v and gate/up, Mixtral's experts among them)
+# the linear layers an fp8 quantizer quantizes (Phi-3's fused q/k/v and gate/up, Mixtral's experts among them;
+# Gemma 3 4B+'s under language_model.)
 LINEAR = re.compile(
     r"model\.layers\.\d+\.(self_attn\.(qkv|[qkvo])_proj|mlp\.(experts\.\d+\.)?(gate_up|gate|up|down)_proj|"
     r"block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
@@ -61,7 +62,7 @@ def fp8_pair(base, tmp_path, method: str, strategy: str, block=(16, 32)):
     quantized, dequantized = {}, {}
     suffix = "weight_scale_inv" if method == "fp8" else "weight_scale"
     for name, w in weights.items():
-        if not LINEAR.match(name):
+        if not LINEAR.search(name):
             quantized[name] = dequantized[name] = w
             continue
         codes, scale = quantize(w, strategy, block)
@@ -150,6 +151,21 @@ def test_a_mixture_of_experts_fp8_checkpoint_dequantizes_every_expert(tmp_path):
         ".experts.7.down_proj.weight_scale_inv" in n for n in load_file(str(fp8 / "model.safetensors"))
     )
     torch.testing.assert_close(logits_of(fp8), logits_of(plain), rtol=0, atol=0)
+
+
+def test_a_gemma3_image_and_text_checkpoint_is_quantized_as_its_top_level_config_says(
+    gemma3_multimodal_checkpoint, tmp_path
+):
+    """llm-compressor writes a Gemma 3 4B+ checkpoint's quantization_config beside text_config, not in it: its
+    language model's fp8 weights load as the dequantized ones (their scales were unexpected weights), and
+    another quantization there is refused by name."""
+    fp8, plain = fp8_pair(gemma3_multimodal_checkpoint, tmp_path, "compressed-tensors", "channel")
+    config = json.loads((fp8 / "config.json").read_text())
+    assert "quantization_config" in config and "quantization_config" not in config["text_config"]
+    assert load_model(str(fp8)).config.fp8_weights
+    torch.testing.assert_close(logits_of(fp8), logits_of(plain), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=re.escape("quantized checkpoints (awq) are not supported")):
+        ModelConfig.from_hf({**config, "quantization_config": {"quant_method": "awq"}})
 
 
 def test_block_scales_are_laid_out_as_transformers_reads_them():

@@ -413,6 +413,29 @@ def test_config_reads_gemma_as_released() -> None:
         ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma"})
 
 
+def test_a_gemma3_image_and_text_checkpoint_is_tied_as_its_top_level_config_says(
+    gemma3_multimodal_checkpoint, tmp_path
+):
+    """transformers ties Gemma 3 4B+'s lm_head to its embeddings by the top level's tie_word_embeddings: a
+    checkpoint with an lm_head of its own and tie_word_embeddings false there answers as transformers' does
+    (its lm_head was skipped for the embeddings)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "untied"
+    shutil.copytree(gemma3_multimodal_checkpoint, path)
+    weights = load_file(str(path / "model.safetensors"))
+    embed = weights["language_model.model.embed_tokens.weight"]
+    weights["language_model.lm_head.weight"] = torch.randn(
+        embed.shape, generator=torch.Generator().manual_seed(5)
+    )
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    assert "tie_word_embeddings" not in config["text_config"]
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    assert not load_model(str(path)).config.tie_word_embeddings
+    match_transformers(path, "cpu", ATOL)
+
+
 def test_gemma_scales_embeddings_by_sqrt_hidden_rounded_to_the_weights_dtype() -> None:
     """As transformers' Gemma3TextScaledWordEmbedding (and the original): sqrt(1152) = 33.94 is 34.0 in
     bf16, and that is the scale; in float32 it is sqrt(1152) itself. Granite's multiplier is taken as given."""
