@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from router.tokenization import ByteTokenizer, HFTokenizer
+from tests.worker.conftest import QWEN2_MOE, QWEN3_MOE, save_checkpoint
 from worker.forward_batch import ForwardBatch
 from worker.kv_pool import KVPool, slots_for
 from worker.model import LlamaForCausalLM, ModelConfig, load_model
@@ -367,6 +368,37 @@ def test_sliding_windows_apply_to_the_layers_transformers_applies_them_to() -> N
     assert windowed.max_context == 32768 and [windowed.layer_window(i) for i in range(3)] == [0, 4096, 4096]
     types = {**qwen, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
     assert ModelConfig.from_hf(types).sliding_layers == (0, 2)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("bound", [0, 5, None])
+def test_qwen_windows_without_layer_types_are_the_layers_transformers_configs_list(model_type, bound) -> None:
+    """Configs without layer_types (transformers 4's): use_sliding_window windows Qwen2's and Qwen3's layers
+    from max_window_layers on, Qwen2-MoE's even layers below it, 28 where a config leaves it out."""
+    raw = {**QWEN_LIKE, "model_type": model_type, "num_hidden_layers": 32, "use_sliding_window": True,
+           "sliding_window": 4096, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}  # fmt: skip
+    if bound is not None:
+        raw["max_window_layers"] = bound
+    name = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen2_moe": "Qwen2MoeConfig"}[model_type]
+    theirs = getattr(transformers, name)(**raw).layer_types
+    sliding = ModelConfig.from_hf(raw).sliding_layers
+    assert sliding == tuple(i for i, kind in enumerate(theirs) if kind == "sliding_attention")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_mixtures_with_use_sliding_window_match_transformers(model_type, tmp_path) -> None:
+    """Qwen3-MoE's attention windows every layer (transformers writes no layer_types for it), Qwen2-MoE's
+    config the even layers below max_window_layers: both were windowed by Qwen2's rule (layers from it on)."""
+    experts = {
+        "qwen2_moe": {**QWEN2_MOE, "mlp_only_layers": []},
+        "qwen3_moe": {**QWEN3_MOE, "num_hidden_layers": 3},
+    }
+    path = save_checkpoint(tmp_path, model_type, **experts[model_type], use_sliding_window=True, sliding_window=9,
+                           max_window_layers=2)  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    config.pop("layer_types", None)  # NOTE: as transformers 4 saved Qwen2-MoE
+    (path / "config.json").write_text(json.dumps(config))
+    match_transformers(path, "cpu", ATOL)
 
 
 def test_config_reads_gemma_as_released() -> None:

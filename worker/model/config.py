@@ -409,8 +409,10 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The sliding window and the layers it applies to, as transformers reads them: the layers
     ``layer_types`` marks "sliding_attention"; without it, every layer of Mistral, Ministral, Mixtral and
-    Phi-3, Gemma's pattern, SmolLM3's NoPE layers, or with ``use_sliding_window`` the layers from
-    ``max_window_layers`` on (Qwen2's rule). SmolLM3 windows nothing without ``use_sliding_window``."""
+    Phi-3, Gemma's pattern, SmolLM3's NoPE layers, or with ``use_sliding_window`` every layer of Qwen3-MoE,
+    the even layers below ``max_window_layers`` of Qwen2-MoE, the layers from it on of the others (Qwen2's
+    rule; 28 where a config leaves it out, as transformers' Qwen configs). SmolLM3 windows nothing without
+    ``use_sliding_window``."""
     window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
     if not window:
         return {}
@@ -426,10 +428,14 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         # NOTE: transformers 4's configs: Gemma 2 alternates (even layers sliding), Gemma 3 has every 6th full
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
         sliding = [i for i in range(layers) if (i + 1) % pattern]
-    elif cfg.get("use_sliding_window"):
-        sliding = range(int(cfg.get("max_window_layers") or 0), layers)
-    else:
+    elif not cfg.get("use_sliding_window"):
         return {}
+    elif model_type == "qwen3_moe":  # NOTE: its attention windows every layer; max_window_layers is unread
+        sliding = range(layers)
+    else:
+        bound = 28 if cfg.get("max_window_layers") is None else int(cfg["max_window_layers"])
+        # NOTE: Qwen2-MoE windows the even layers below the bound, the others the layers from it on
+        sliding = range(0, min(bound, layers), 2) if model_type == "qwen2_moe" else range(bound, layers)
     return {"sliding_window": int(window), "sliding_layers": tuple(sliding)} if sliding else {}
 
 
