@@ -20,6 +20,7 @@ from tests.worker.conftest import QWEN2_MOE, QWEN3_MOE, save_checkpoint
 from worker.forward_batch import ForwardBatch
 from worker.kv_pool import KVPool, slots_for
 from worker.model import LlamaForCausalLM, ModelConfig, load_model
+from worker.model.config import SUPPORTED_MODEL_TYPES
 from worker.model.rope import rope_attention_factor, rope_inv_freq
 
 PAGE_SIZE = 4  # tokens
@@ -492,6 +493,27 @@ def test_config_reads_smollm3_nope_layers_and_windows_as_transformers_does() -> 
     windowed = ModelConfig.from_hf({**smol, "use_sliding_window": True, "sliding_window": 4096})
     assert windowed.sliding_layers == config.nope_layers and windowed.sliding_window == 4096
     assert ModelConfig.from_hf({**smol, "sliding_window": 4096}).sliding_layers == ()
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_a_config_without_tie_word_embeddings_ties_as_its_transformers_class_does(model_type) -> None:
+    """transformers 4 saves no tie_word_embeddings equal to the config class's default: where it is left out,
+    each family ties as its class does (SmolLM3 and Gemma tie, the others do not)."""
+    raw = {**QWEN_LIKE, "model_type": model_type, "num_experts": 8, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 64}  # fmt: skip
+    theirs = transformers.AutoConfig.for_model(model_type).tie_word_embeddings
+    assert ModelConfig.from_hf(raw).tie_word_embeddings == theirs
+
+
+def test_a_smollm3_checkpoint_saved_without_tie_word_embeddings_is_tied(smollm3_checkpoint, tmp_path) -> None:
+    """SmolLM3's tied checkpoints hold no lm_head, and transformers 4 leaves the key out (its default):
+    such a checkpoint loads tied and answers as transformers' (it was refused, lm_head.weight missing)."""
+    path = tmp_path / "smollm3"
+    shutil.copytree(smollm3_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    assert config.pop("tie_word_embeddings")
+    (path / "config.json").write_text(json.dumps(config))
+    match_transformers(path, "cpu", ATOL)
 
 
 def test_config_reads_the_experts_of_each_mixture_kind() -> None:

@@ -28,6 +28,9 @@ SUPPORTED_MODEL_TYPES = (
 )
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "granitemoeshared", "gpt_oss")
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+# NOTE: the model types whose transformers config class ties the lm_head to the embeddings where config.json
+# leaves tie_word_embeddings out (transformers 4 saves no key equal to its default)
+TIED_BY_DEFAULT = ("smollm3", *GEMMA_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # the parameters each scaled RoPE type reads (worker.model.rope.rope_inv_freq)
 _ROPE_KEYS = {
@@ -235,7 +238,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT)),
             # NOTE: Qwen2 always has q/k/v biases and no o_proj bias (Qwen2-MoE too, unless its config says not).
             qkv_bias=attention_bias
             or model_type == "qwen2"
@@ -447,7 +450,7 @@ def _gemma_defaults(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     defaults = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                 "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
-                "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                "bos_token_id": 2, "eos_token_id": 1, "query_pre_attn_scalar": 256,
                 "sliding_window": 4096, "rope_theta": 1_000_000.0}  # fmt: skip
     if model_type == "gemma2":
         defaults.update({"vocab_size": 256_000, "max_position_embeddings": 8192, "rope_theta": 10_000.0,
