@@ -219,11 +219,13 @@ class _Run:
         return body
 
     async def _send(self, req: Request) -> None:
-        body = self._body(req)
-        rec = RequestRecord(req.id, req.group, self._now(), len(prompt_text(body)))
+        rec = RequestRecord(req.id, req.group, self._now(), 0)
         started = self.loop.time()
         reply: list[str] = []
         try:
+            # NOTE: inside the try: a request that is never recorded would keep the run from ending
+            body = self._body(req)
+            rec.prompt_chars = len(prompt_text(body))
             rid = await self._post(self.urls[req.id % len(self.urls)], req.api, body, rec, started, reply)
             if rid is not None and req.id in self.dependents:
                 self.response_ids[req.id] = rid
@@ -239,7 +241,10 @@ class _Run:
         except aiohttp.ClientError:
             rec.error = "disconnected"
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            rec.error = "bad_response"
+            # NOTE: no status yet: the driver failed before anything came back, not the server
+            rec.error = "bad_response" if rec.status is not None else "client_error"
+        except Exception:  # a failure of the driver's own fails this request, never the whole run
+            rec.error = "client_error"
         finally:
             self.inflight -= 1
             if req.id in self.full_bodies:

@@ -97,7 +97,7 @@ def trace_requests(
         text = "".join(parts)[:n_chars]
         out_len = max(1, rec.output_length if max_tokens is None else min(rec.output_length, max_tokens))
         body: dict = {"model": model, "max_tokens": out_len, "temperature": 0.0}
-        if api == "chat":
+        if api in ("chat", "responses"):  # NOTE: the driver turns a chat body into a Responses one
             body["messages"] = [{"role": "user", "content": text}]
         else:
             body["prompt"] = text

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from loadtest import report
+from loadtest import driver, report
 from loadtest.driver import LoadConfig, run_load
 from loadtest.driver import main as driver_main
 from loadtest.workloads import prompt_text
@@ -286,6 +286,41 @@ async def test_multi_turn_over_the_responses_api_continues_stored_conversations(
         for earlier, later in itertools.pairwise(turns):
             # the previous turn's prompt (whole pages) is served from the cache
             assert later.cached_tokens >= earlier.prompt_tokens // 16 * 16 - 16
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+async def test_trace_replay_over_the_responses_api_is_answered(launch, tmp_path, mode):
+    """Against a real (simulated) worker: every trace record is sent and answered, and records that
+    share a leading hash id share a cached prefix."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 100 * i, "input_length": 1024, "output_length": 2, "hash_ids": [7, 100 + i]}
+            for i in range(4)]  # fmt: skip
+    trace.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    cfg = LoadConfig(url=worker.url, workload="trace", trace=str(trace), api="responses", mode=mode,
+                     concurrency=1, block_chars=128)  # fmt: skip
+    results = await asyncio.wait_for(run_load(cfg), 60)  # NOTE: a bound, so a hung run fails the test
+    assert results.summary()["ok"] == 4
+    assert all(r.cached_tokens >= 64 for r in results.records[1:])  # the 128 characters of block 7
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+async def test_a_request_the_driver_fails_to_build_is_an_error_and_the_run_ends(
+    server_factory, monkeypatch, mode
+):
+    """A bug of the driver's own while building a request fails that request (and skips the rest of
+    its conversation) rather than leaving the run waiting for it forever."""
+
+    def broken(*args):
+        raise RuntimeError("cannot build this turn")
+
+    monkeypatch.setattr(driver, "continue_body", broken)  # every later turn fails to build
+    server = await server_factory()
+    cfg = _config(server, workload="multi_turn", requests=9, concurrency=2, mode=mode, rate=100.0,
+                  options={"turns": 3, "think_time_s": 0.0, "system_tokens": 64, "user_tokens": 16})  # fmt: skip
+    s = (await asyncio.wait_for(run_load(cfg), 30)).summary()
+    assert s["ok"] == 3 and s["errors_by_kind"] == {"client_error": 3} and s["skipped"] == 3
+    assert server.arrivals == 3
 
 
 async def test_cli_creates_missing_output_folders(server_factory, tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from loadtest.responses_client import responses_body
 from loadtest.trace import TraceRecord, block_text, load_trace, read_trace, trace_requests
 from loadtest.workloads import prompt_text
 
@@ -52,6 +53,15 @@ def test_shared_leading_ids_are_shared_text_prefixes(trace_file):
 def test_replay_is_deterministic_and_seeded(trace_file):
     assert load_trace(trace_file, block_chars=32) == load_trace(trace_file, block_chars=32)
     assert load_trace(trace_file, block_chars=32, seed=1) != load_trace(trace_file, block_chars=32)
+
+
+def test_a_responses_replay_sends_the_chat_replay_prompts(trace_file):
+    """--api responses: the same bodies as chat, which the driver sends as a Responses input."""
+    chat = load_trace(trace_file, block_chars=32)
+    responses = load_trace(trace_file, block_chars=32, api="responses")
+    assert [r.body for r in responses] == [r.body for r in chat]
+    sent = responses_body(responses[0].body, responses[0].body, None)
+    assert sent["input"] == chat[0].body["messages"] and sent["max_output_tokens"] == 20
 
 
 def test_time_scale_limit_and_output_lengths(trace_file):
