@@ -190,8 +190,11 @@ class _Run:
             self._spawn(self._send(req))
 
     async def _release_after_think(self, req: Request) -> None:
-        if req.think_time_s > 0:
-            await asyncio.sleep(req.think_time_s)
+        await asyncio.sleep(req.think_time_s)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """A later turn is ready to go: queued for a closed-loop slot, or sent now in open loop."""
         if self.config.mode == "closed":
             heapq.heappush(self.ready, req.id)
             self.ready_event.set()
@@ -275,10 +278,14 @@ class _Run:
         self.bar.update(1)
         self._finish_one()
         for dep in self.dependents.get(req.id, []):
-            if rec.error is None:
+            if rec.error is not None:
+                self._skip(dep)
+            elif dep.think_time_s > 0:
                 self._spawn(self._release_after_think(dep))
             else:
-                self._skip(dep)
+                # NOTE: released before the slot that sent this turn takes its next request, so the
+                # smallest ready id (this conversation's next turn) goes before a new conversation
+                self._release(dep)
 
     def _skip(self, req: Request) -> None:
         self.full_bodies.pop(req.after, None)

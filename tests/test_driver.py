@@ -233,6 +233,16 @@ async def test_multi_turn_resends_history_with_actual_replies(server_factory):
         assert assistant["content"] == server.replies[json.dumps(prefix)]
 
 
+async def test_closed_loop_sends_a_conversations_next_turn_before_a_new_conversation(server_factory):
+    """Without think time, a free slot takes the finished turn's follow-up (the smallest ready id)."""
+    server = await server_factory()
+    cfg = _config(server, workload="multi_turn", requests=9, concurrency=1,
+                  options={"turns": 3, "think_time_s": 0.0, "system_tokens": 64, "user_tokens": 16})  # fmt: skip
+    assert (await run_load(cfg)).summary()["ok"] == 9
+    sent = [b["messages"][-1]["content"].split()[0] for b in server.bodies]  # "[conversation.turn]"
+    assert sent == ["[0.0]", "[0.1]", "[0.2]", "[1.0]", "[1.1]", "[1.2]", "[2.0]", "[2.1]", "[2.2]"]
+
+
 async def test_multi_turn_skips_turns_after_a_failed_turn(server_factory):
     server = await server_factory(fail_marker="[1.0]")
     cfg = _config(server, workload="multi_turn", requests=9, concurrency=2,
