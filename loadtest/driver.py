@@ -204,7 +204,9 @@ class _Run:
     def _now(self) -> float:
         return self.loop.time() - self.t0
 
-    def _body(self, req: Request) -> dict[str, Any]:
+    def _body(self, req: Request) -> tuple[dict[str, Any], int]:
+        """The body to send and its prompt's characters: the whole conversation so far, measured
+        before a Responses body replaces it with this turn's part and the previous answer's id."""
         body = req.body
         if req.after is not None:
             prev = self.full_bodies.pop(req.after)
@@ -216,10 +218,11 @@ class _Run:
             body.update(stream=True, stream_options={"include_usage": True})
         if self.config.ignore_eos:
             body["ignore_eos"] = True
+        prompt_chars = len(prompt_text(body))
         if req.api == "responses":
             previous = self.response_ids.pop(req.after) if req.after is not None else None
             body = responses_body(body, req.body, previous)
-        return body
+        return body, prompt_chars
 
     async def _send(self, req: Request) -> None:
         rec = RequestRecord(req.id, req.group, self._now(), 0)
@@ -227,8 +230,7 @@ class _Run:
         reply: list[str] = []
         try:
             # NOTE: inside the try: a request that is never recorded would keep the run from ending
-            body = self._body(req)
-            rec.prompt_chars = len(prompt_text(body))
+            body, rec.prompt_chars = self._body(req)
             rid = await self._post(self.urls[req.id % len(self.urls)], req.api, body, rec, started, reply)
             if rid is not None and req.id in self.dependents:
                 self.response_ids[req.id] = rid

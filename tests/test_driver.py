@@ -293,9 +293,23 @@ async def test_multi_turn_over_the_responses_api_continues_stored_conversations(
     for turns in by_conv.values():
         tokens = [r.prompt_tokens for r in turns]
         assert tokens == sorted(tokens) and tokens[0] < tokens[-1]  # the history grows on the server
+        chars = [r.prompt_chars for r in turns]  # the whole conversation, though a turn sends only its part
+        assert chars == sorted(chars) and chars[0] > 256
         for earlier, later in itertools.pairwise(turns):
             # the previous turn's prompt (whole pages) is served from the cache
             assert later.cached_tokens >= earlier.prompt_tokens // 16 * 16 - 16
+
+
+async def test_prompt_chars_are_the_same_over_chat_and_responses(launch):
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    chars = {}
+    for api in ("chat", "responses"):
+        cfg = LoadConfig(url=worker.url, api=api, requests=4, concurrency=2, max_tokens=2,
+                         options={"system_tokens": 200, "question_tokens": 20})  # fmt: skip
+        results = await run_load(cfg)
+        assert results.summary()["ok"] == 4
+        chars[api] = [r.prompt_chars for r in sorted(results.records, key=lambda r: r.id)]
+    assert chars["responses"] == chars["chat"] and min(chars["chat"]) > 200
 
 
 @pytest.mark.parametrize("mode", ["closed", "open"])
