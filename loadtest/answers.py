@@ -12,6 +12,15 @@ import orjson
 
 from loadtest.report import RequestRecord
 
+# NOTE: an answer's first token may be thinking or a tool call rather than text; either starts it (TTFT)
+CHAT_OUTPUT_KEYS = ("content", "reasoning", "reasoning_content", "tool_calls")
+RESPONSES_OUTPUT_DELTAS = (
+    "response.output_text.delta",
+    "response.reasoning_text.delta",
+    "response.reasoning_summary_text.delta",
+    "response.function_call_arguments.delta",
+)
+
 
 def apply_usage(rec: RequestRecord, usage: dict[str, Any] | None) -> None:
     if not usage:
@@ -49,10 +58,11 @@ async def read_completion(
             rec.error = "stream_error"
             return
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content") or choice.get("text")
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or choice.get("text")
+            if rec.ttft_s is None and (text or any(delta.get(k) for k in CHAT_OUTPUT_KEYS)):
+                rec.ttft_s = clock() - started
             if text:
-                if rec.ttft_s is None:
-                    rec.ttft_s = clock() - started
                 reply.append(text)
         apply_usage(rec, chunk.get("usage"))
     if not finished:
@@ -75,13 +85,14 @@ async def read_response(
             if not line.startswith(b"data:"):
                 continue
             try:
-                delta, final = stream_event(orjson.loads(line[5:]))
+                event = orjson.loads(line[5:])
+                delta, final = stream_event(event)
             except ValueError:
                 rec.error = "stream_error"
                 return None
+            if rec.ttft_s is None and is_output(event):
+                rec.ttft_s = clock() - started
             if delta:
-                if rec.ttft_s is None:
-                    rec.ttft_s = clock() - started
                 reply.append(delta)
             if final is not None:
                 break
@@ -111,6 +122,14 @@ def output_text(response: dict[str, Any]) -> str:
         if item.get("type") == "message"
         for part in item.get("content") or []
     )
+
+
+def is_output(event: dict[str, Any]) -> bool:
+    """Whether a Responses stream event carries generated tokens: text, thinking or a tool call."""
+    kind = event.get("type")
+    if kind == "response.output_item.added":  # a tool call's name arrives with its item
+        return (event.get("item") or {}).get("type") == "function_call"
+    return kind in RESPONSES_OUTPUT_DELTAS and bool(event.get("delta"))
 
 
 def stream_event(event: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:

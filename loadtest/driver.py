@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LoadConfig, argparse.Name
     p.add_argument("--requests", type=int, help="requests to send (default 200 without --duration)")
     p.add_argument("--duration", type=float, help="stop after this many seconds, cancelling in-flight")
     p.add_argument("--max-tokens", type=int, help="output tokens per request (default 64; trace: its own)")
-    p.add_argument("--stream", action="store_true", help="SSE streaming; TTFT = first content chunk")
+    p.add_argument("--stream", action="store_true", help="SSE streaming; TTFT = first output chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="model name (default: first of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("RADIXGATE_API_KEY"),

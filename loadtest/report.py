@@ -25,7 +25,7 @@ class RequestRecord:
     group: str  # the workload's prefix group ("tenant-3", "conv-12", ...)
     start_s: float  # send time, seconds after the run started
     prompt_chars: int  # characters of the rendered prompt (~ tokens for a bytes tokenizer)
-    ttft_s: float | None = None  # first content chunk (stream) or whole response (non-stream)
+    ttft_s: float | None = None  # first output chunk: text, thinking, tool call (stream); whole response
     latency_s: float | None = None  # whole response; None unless the request succeeded
     prompt_tokens: int | None = None  # from the server's usage
     completion_tokens: int | None = None
