@@ -100,7 +100,9 @@ def build_app(
         if req_model != model:
             return error(404, f"model {req_model!r} not found")
         hashes = block_hashes(ids, block_size, model)
-        cached = cache.match_and_insert(hashes) * block_size
+        # NOTE: a real worker computes at least the prompt's last token (its logits give the first
+        # output token), so a prompt of whole cached blocks reports its last block uncached
+        cached = min(cache.match_and_insert(hashes), (len(ids) - 1) // block_size) * block_size
         usage = {
             "prompt_tokens": len(ids),
             "completion_tokens": max_tokens,

@@ -1,5 +1,6 @@
 """The echo backend (loadtest/echo_backend.py) as a real process: a client that leaves during the
-simulated prefill ends its request there, as a real server aborts it."""
+simulated prefill ends its request there, as a real server aborts it; its cached_tokens are what a
+real worker would report."""
 
 from __future__ import annotations
 
@@ -31,3 +32,18 @@ def test_a_client_leaving_during_the_prefill_ends_its_request(launch, stream):
         assert answer.text.endswith("data: [DONE]\n\n")
     else:
         assert answer.json()["choices"][0]["text"] == "xx"
+
+
+def test_a_prompt_seen_before_still_computes_its_last_token(launch):
+    """As a real worker: a prompt of whole cached blocks reports its last block uncached (the worker
+    computes at least one token); one token more and every whole block is cached."""
+    echo = launch.echo_backend()
+
+    def cached(prompt: str) -> tuple[int, int]:
+        body = {"model": "echo", "prompt": prompt, "max_tokens": 1}
+        usage = httpx.post(echo.url + "/v1/completions", json=body, timeout=10).json()["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("x" * 64) == (64, 0)  # 4 blocks of 16 byte tokens
+    assert cached("x" * 64) == (64, 48)
+    assert cached("x" * 65) == (65, 64)

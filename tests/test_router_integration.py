@@ -880,15 +880,15 @@ def test_a_half_open_probe_whose_client_leaves_does_not_shut_the_worker_out(laun
     slow = launch.echo_backend("--prefill-us-per-token", "1000000", "--decode-ms-per-token", "100")
     router = _router_with(launch, tmp_path, [slow], first_byte_timeout_s=0.3, breaker_open_s=0.5,
                           max_retries=0, health_interval_s=60)  # fmt: skip
-    prompts = [f"prompt {i} ".ljust(32, "x") for i in range(3)]  # 2 whole blocks: cached once seen
-    for prompt in prompts:  # uncached: 32 s of prefill before the stream's head
+    prompts = [f"prompt {i} ".ljust(33, "x") for i in range(3)]  # 2 whole blocks (cached once seen) + 1
+    for prompt in prompts:  # uncached: 33 s of prefill before the stream's head
         body = {"model": "echo", "prompt": prompt, "max_tokens": 2, "stream": True}
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     opened = time.monotonic()
     assert _worker_row(router.url)["breaker"] == "open"
     wait_until(lambda: time.monotonic() > opened + 0.6, 5, what="the breaker's cool-down")
-    probe = {"model": "echo", "prompt": prompts[0], "max_tokens": 50}  # cached: 5 s of decode
+    probe = {"model": "echo", "prompt": prompts[0], "max_tokens": 50}  # cached: 1 s of prefill, 5 s of decode
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(router.url + "/v1/completions", json=probe, timeout=0.3)
     wait_until(lambda: _worker_row(router.url)["in_flight"] == 0, 10, what="the probe released")
