@@ -121,7 +121,8 @@ def build_app(
                 if gone:
                     return Response(status_code=499)
             if not body.get("stream"):
-                for _ in range(max_tokens if decode_ms_per_token else 0):
+                # NOTE: the prefill makes the first token, so max_tokens - 1 decode steps, as streamed
+                for _ in range(max_tokens - 1 if decode_ms_per_token else 0):
                     await asyncio.sleep(decode_ms_per_token / 1e3)
                     if await request.is_disconnected():  # like a real server: stop generating
                         return Response(status_code=499)

@@ -47,3 +47,12 @@ def test_a_prompt_seen_before_still_computes_its_last_token(launch):
     assert cached("x" * 64) == (64, 0)  # 4 blocks of 16 byte tokens
     assert cached("x" * 64) == (64, 48)
     assert cached("x" * 65) == (65, 64)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_one_token_answer_takes_no_decode_step(launch, stream):
+    """The prefill makes the first token, whole answers as streamed ones: max_tokens - 1 decode steps."""
+    echo = launch.echo_backend("--decode-ms-per-token", "1000000")  # 1000 s a decode step
+    body = {"model": "echo", "prompt": "one token", "max_tokens": 1, "stream": stream}
+    answer = httpx.post(echo.url + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200 and '"text":"x"' in answer.text
