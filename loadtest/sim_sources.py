@@ -21,7 +21,8 @@ def _synthetic_ids(rid: int, n: int) -> np.ndarray:
 class WorkloadSource:
     """A loadtest.workloads workload as token ids: UTF-8 bytes of the prompt rendered like the
     router's default ``bytes`` tokenizer. A multi-turn reply is seeded text of ``max_tokens``
-    characters; the worker caches prompt + reply, so the next turn can hit all of it."""
+    characters; the worker caches prompt + reply (whole pages, up to the reply's last token, which
+    has no K/V), so the next turn can hit nearly all of it."""
 
     weight = 1.0  # real tokens per simulated token
 

@@ -225,11 +225,13 @@ class SimWorker:
         job.pages = np.concatenate((match.pages, job.pages[full:]))
 
     def release(self, job: SimJob) -> None:
-        """A finished request: its sequence's full pages (prompt + output) enter the cache, the rest
-        of its pages go back to the pool, and its lock is dropped."""
+        """A finished request: the full pages of what it computed enter the cache, the rest of its
+        pages go back to the pool, and its lock is dropped."""
         ps = self.m.block_size
         seq = np.concatenate((job.ids, job.out_ids))
-        n_full = seq.size // ps
+        # NOTE: the last output token was sampled but never fed back, so it has no K/V: the worker
+        # caches its kv_len, prompt + output - 1 tokens (never fewer than the tree already holds)
+        n_full = max(job.tree_n, (seq.size - 1) // ps)
         self._insert(job, seq[: n_full * ps])
         self.alloc.free(job.pages[n_full:])
         self.cache.unlock(job.node)

@@ -101,8 +101,9 @@ def test_later_turns_hit_the_previous_turn_and_its_reply_on_one_worker():
     summary, sim = run("round_robin", source(), workers=1, model=WorkerModel(kv_tokens=65536))
     offline = source()
     lengths = [offline.prompt_ids(i).size for i in range(40)]
-    # every later turn finds the previous prompt + its 32-token reply, whole 16-token pages of it
-    floor = sum((lengths[r.after] + 32) // 16 * 16 for r in offline.reqs if r.after is not None)
+    # every later turn finds the previous prompt + its 32-token reply, whole 16-token pages of it but
+    # the reply's last token (no K/V: never fed back)
+    floor = sum((lengths[r.after] + 32 - 1) // 16 * 16 for r in offline.reqs if r.after is not None)
     assert summary["cached_tokens"] >= floor
     unique, _ = run("round_robin", WorkloadSource("unique", 40, 5.0, 32, 0, {}), workers=1)
     assert unique["hit_rate"] < 0.01  # only the chat template's first bytes can repeat
@@ -347,6 +348,49 @@ def test_admission_order_follows_the_workers_schedule_policy(policy, now, first)
     assert w.admit(now) == []
     assert [j.id for j in w.prefilling] == [0 if first == "miss" else 1]
     assert hit.uncached == 16 and miss.uncached == 64
+
+
+@pytest.mark.parametrize("output_tokens", [12, 13])
+def test_a_finished_request_leaves_cached_what_the_workers_scheduler_leaves(output_tokens):
+    """A follow-up extending prompt (20 tokens) + output finds the same tokens cached in the
+    simulator as in the worker's own scheduler: whole pages of all but the last output token, which
+    was sampled but never fed back (so 16 of 32, not 32)."""
+    import numpy as np
+
+    from loadtest.sim_worker import SimJob, SimWorker
+    from worker.kv_pool import PageAllocator
+    from worker.radix_cache import RadixCache
+    from worker.request import Request, SchedulerConfig
+    from worker.scheduler import Scheduler
+
+    prompt = np.arange(1, 21, dtype=np.int32)
+    output = np.arange(100, 100 + output_tokens, dtype=np.int32)
+    follow_up = np.concatenate((prompt, output, np.arange(200, 220, dtype=np.int32)))
+
+    alloc = PageAllocator(64)
+    sched = Scheduler(SchedulerConfig(page_size=16), alloc, RadixCache(alloc, 16, namespace="ns"))
+    sched.add(Request("first", prompt.tolist(), max_tokens=output_tokens))
+    while sched.has_work():
+        batch = sched.schedule()
+        for req in sched.commit(batch, [int(output[r.num_output]) for r in batch.requests]):
+            if req.finish_reason is not None:
+                sched.finish(req, req.finish_reason)
+    second = Request("second", follow_up.tolist(), max_tokens=1)
+    sched.add(second)
+    sched.schedule()
+
+    w = SimWorker("w", WorkerModel(kv_tokens=1024), False, "ns")
+    first = SimJob(0, prompt, output, output_tokens, start=0.0)
+    w.enqueue(first)
+    w.admit()
+    first.prefill_left = 0  # its prefill step, as loadtest.fleet_sim ends it
+    w.cache_prompt(first)
+    w.prefilling.remove(first)
+    w.release(first)
+    w.enqueue(SimJob(1, follow_up, output[:1], 1, start=1.0))
+    w.admit()
+    assert w.cached_tokens == second.cached_tokens == (20 + output_tokens - 1) // 16 * 16
+    w.cache.check_invariants()
 
 
 def test_a_request_sent_away_from_its_prefix_fetches_the_kv_and_pays_the_link_not_the_prefill(tmp_path):
