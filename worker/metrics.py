@@ -154,10 +154,13 @@ class WorkerMetrics:
     def record(self, snap: EngineSnapshot) -> None:
         """Keep ``snap`` for windowed rates (called after engine steps; at most ~4 samples/s kept)."""
         with self._lock:
-            if self._history and snap.t - self._history[-1].t < 0.25:
-                self._history[-1] = snap
+            h = self._history
+            # NOTE: the newest sample moves on only while it is within 0.25 s of the one before it, so
+            # steps closer than that still leave a sample every 0.25 s (not one that moves for ever)
+            if len(h) >= 2 and snap.t - h[-2].t < 0.25:
+                h[-1] = snap
             else:
-                self._history.append(snap)
+                h.append(snap)
             horizon = snap.t - max(self.hit_window_s, self.rate_window_s) - 1.0
             while len(self._history) > 2 and self._history[1].t < horizon:
                 self._history.popleft()
