@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import uvicorn
+from uvicorn.config import TRACE_LOG_LEVEL
 from uvicorn.main import STARTUP_FAILURE
 
 from worker.config import WorkerConfig, parse_args
@@ -82,7 +83,7 @@ class WorkerServer(uvicorn.Server):
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(
-        level=cfg.log_level.upper(),
+        level=TRACE_LOG_LEVEL if cfg.log_level == "trace" else cfg.log_level.upper(),  # NOTE: uvicorn's level
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -126,6 +126,10 @@ class WorkerConfig:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
+        if self.overlap_schedule not in ("auto", "on", "off"):  # NOTE: argparse checks flags, not env
+            raise ValueError(f"--overlap-schedule must be auto, on or off, not {self.overlap_schedule!r}")
+        if self.stream_maxlen < 1:
+            raise ValueError("--stream-maxlen must be positive")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be in 1..65535, not {self.port}")
         if self.log_level not in LOG_LEVELS:
@@ -160,12 +164,17 @@ class WorkerConfig:
             raise ValueError("--max-stored-responses must be >= 0")
         if self.host_cache_tokens < 0:
             raise ValueError("--host-cache-tokens must be >= 0")
-        if self.sim_host_copy_ms_per_token < 0 or self.sim_kv_fetch_ms_per_token < 0:
-            raise ValueError("--sim-host-copy-ms-per-token and --sim-kv-fetch-ms-per-token must be >= 0")
+        sim_costs = ("sim_prefill_ms_per_token", "sim_decode_base_ms", "sim_decode_ms_per_seq",
+                     "sim_host_copy_ms_per_token", "sim_kv_fetch_ms_per_token")  # fmt: skip
+        for name in sim_costs:
+            if not getattr(self, name) >= 0:  # NOTE: NaN fails too
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.sim_context_tokens < 2:
+            raise ValueError("--sim-context-tokens must be at least 2 (one prompt and one output token)")
         if (
             self.kv_transfer_max_mib < 0
             or not self.kv_fetch_timeout_s > 0
-            or self.kv_transfer_max_wait_ms < 0
+            or not self.kv_transfer_max_wait_ms >= 0
         ):
             raise ValueError(
                 "--kv-transfer-max-mib and --kv-transfer-max-wait-ms must be >= 0 and --kv-fetch-timeout-s > 0"
@@ -184,7 +193,7 @@ class WorkerConfig:
             raise ValueError("--stall-timeout-s must be > 0")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError("--shutdown-timeout-s must be >= 0")
-        if self.max_wait_s < 0 or self.decode_reserve_tokens < 0:
+        if not self.max_wait_s >= 0 or self.decode_reserve_tokens < 0:  # NOTE: NaN fails too
             raise ValueError("--max-wait-s and --decode-reserve-tokens must be >= 0")
         if self.speculative_tokens < 0:
             raise ValueError("--speculative-tokens must be >= 0")
@@ -220,6 +229,8 @@ class WorkerConfig:
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
         host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+        if ":" in host:  # an IPv6 literal: bracketed in a URL
+            host = f"[{host}]"
         return f"http://{host}:{self.port}"
 
 
@@ -433,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-adapter",
         dest="lora_adapters",
         action="append",
-        default=[a for a in _env("lora_adapters", "").split(",") if a],
+        default=None,  # NOTE: not the env's list: append would add the flags to it (flags replace env)
         metavar="NAME=PATH",
         help="serve a PEFT LoRA adapter directory as model NAME beside the base (repeat for more; env "
         "RADIXGATE_WORKER_LORA_ADAPTERS=NAME=PATH,...)",
@@ -467,8 +478,13 @@ def parse_args(argv: Sequence[str] | None = None) -> WorkerConfig:
     """Flags (and env defaults) -> a validated WorkerConfig; exits with usage on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.lora_adapters is None:
+        args.lora_adapters = [a for a in _env("lora_adapters", "").split(",") if a]
     cfg = WorkerConfig(**vars(args))
     cfg.log_level = cfg.log_level.lower()  # NOTE: uvicorn knows only the lower-case names
+    for name in ("api_key", "admin_token"):  # NOTE: a Secret file's newline: no header can carry it
+        if getattr(cfg, name) is not None:
+            setattr(cfg, name, getattr(cfg, name).strip())
     try:
         cfg.validate()
     except ValueError as exc:

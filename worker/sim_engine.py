@@ -163,7 +163,7 @@ def build_sim_engine(cfg: WorkerConfig) -> Engine:
         executor,
         allocator,
         ByteTokenizer(),
-        cfg.sim_context_tokens,
+        min(cfg.sim_context_tokens, cfg.max_model_len or cfg.sim_context_tokens),  # the model's, then served
         name,
         simulated=True,
         host=host_tier(cfg, None),

@@ -100,3 +100,63 @@ def test_a_key_set_empty_is_refused_not_the_guard_off(capsys, monkeypatch, name)
     assert f"RADIXGATE_WORKER_{name}" in refused(capsys, [])
     monkeypatch.setenv("RADIXGATE_WORKER_" + name, "s3cret")
     assert getattr(parse_args([]), name.lower()) == "s3cret"
+    monkeypatch.setenv(
+        "RADIXGATE_WORKER_" + name, "s3cret\n"
+    )  # a Secret file's newline: no header carries it
+    assert getattr(parse_args([]), name.lower()) == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "flag"),
+    [
+        (
+            [],
+            {"RADIXGATE_WORKER_OVERLAP_SCHEDULE": "On"},
+            "--overlap-schedule",
+        ),  # env is not argparse-checked
+        (["--stream-maxlen", "-1"], {}, "--stream-maxlen"),
+        (["--stream-maxlen", "0"], {}, "--stream-maxlen"),
+        (["--max-wait-s", "nan"], {}, "--max-wait-s"),
+        (["--kv-transfer-max-wait-ms", "nan"], {}, "--kv-transfer-max-wait-ms"),
+        (["--sim-decode-base-ms", "nan"], {}, "--sim-decode-base-ms"),
+        (["--sim-prefill-ms-per-token", "-1"], {}, "--sim-prefill-ms-per-token"),
+        (["--sim-context-tokens", "0"], {}, "--sim-context-tokens"),
+    ],
+)
+def test_settings_the_worker_cannot_run_by_are_refused_by_name(capsys, monkeypatch, argv, env, flag):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert flag in refused(capsys, argv)
+
+
+def test_lora_adapter_flags_replace_the_env_list_as_every_flag_replaces_its_env(monkeypatch):
+    monkeypatch.setenv("RADIXGATE_WORKER_LORA_ADAPTERS", "a=/x,b=/y")
+    assert parse_args([]).lora_adapters == ["a=/x", "b=/y"]
+    assert parse_args(["--lora-adapter", "a=/z"]).lora_adapters == ["a=/z"]
+
+
+def test_an_ipv6_host_is_advertised_bracketed():
+    assert parse_args(["--host", "::1", "--port", "8001"]).resolved_advertise_url() == "http://[::1]:8001"
+
+
+def test_trace_logging_gets_as_far_as_binding_the_port():
+    """``--log-level trace`` (uvicorn's name, not logging's) starts the worker: here up to its port,
+    taken, which exits 3 as uvicorn does (a crash on the level would be exit 1, as an engine death)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = [sys.executable, "-m", "worker", "--engine", "sim", "--log-level", "trace", "--port", port]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+
+
+def test_the_sim_engine_serves_max_model_len_when_it_is_shorter():
+    from worker.sim_engine import build_sim_engine
+
+    assert build_sim_engine(parse_args(["--engine", "sim", "--max-model-len", "100"])).max_total_tokens == 100
+    assert build_sim_engine(parse_args(["--engine", "sim"])).max_total_tokens == 8192
