@@ -178,6 +178,8 @@ class OpsAPI:
             freed = await self.engine.call(lambda: remove_adapter(self.engine, name))
         except AdapterBusyError as exc:
             raise APIError(409, str(exc), "adapter_in_use") from None
+        except LookupError as exc:  # NOTE: another unload of it went first, after the check above
+            raise APIError(404, str(exc), "model_not_found") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "engine_dead") from None
         return _json({"lora_name": name, "unloaded": True, "freed_tokens": freed * self.engine.page_size})

@@ -420,6 +420,32 @@ def test_unloading_waits_for_a_request_of_the_adapter_that_waits_for_a_salt_name
     )
 
 
+def test_two_unloads_of_one_adapter_at_once_give_one_unload_and_one_404(lora_setup):
+    """Both pass the API's check while the engine thread is busy (a long step): the second to reach the
+    engine finds the adapter gone, a 404 as if it came later."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    both, _, _, root = lora_setup
+    load = {"lora_name": "twice", "lora_path": str(root / "ad")}
+    assert httpx.post(both.url + "/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
+    gate = threading.Event()
+    both.engine.post(lambda: gate.wait(30))  # the engine thread is held until both unloads wait on it
+    inbox = both.engine._inbox
+    with ThreadPoolExecutor(2) as pool:
+        unloads = [
+            pool.submit(
+                httpx.post, both.url + "/v1/unload_lora_adapter", json={"lora_name": "twice"}, timeout=60
+            )
+            for _ in range(2)
+        ]
+        wait_until(lambda: inbox.qsize() >= 2, 20, what="both unloads are queued for the engine")
+        gate.set()
+        answers = sorted((f.result().status_code, f.result().json()) for f in unloads)
+    assert [status for status, _ in answers] == [200, 404], answers
+    assert answers[1][1]["error"]["code"] == "model_not_found" and "twice" not in both.engine.served_models()
+
+
 def test_a_request_reaching_the_engine_after_its_adapter_was_unloaded_fails_alone(lora_setup):
     """The API checks the model, then the request waits its turn: an unload in between must give
     that request a 404, not the step it would join a failed forward."""

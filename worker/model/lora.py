@@ -329,7 +329,10 @@ def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
 
 def remove_adapter(engine: Any, name: str) -> int:
     """Stop serving adapter ``name`` (engine thread): its weights and its cached pages go (their
-    removal events tell routers); returns the pages freed. Its id is never reused."""
+    removal events tell routers); returns the pages freed. Its id is never reused. LookupError when
+    it is not loaded (by now: another unload of it went first)."""
+    if name not in engine.adapter_names:
+        raise LookupError(f"no LoRA adapter {name!r} is loaded")
     adapter_id = engine.adapter_names.index(name) + 1
     busy = sum(r.adapter == adapter_id for r in engine.queued())
     if busy:
