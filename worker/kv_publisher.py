@@ -65,7 +65,7 @@ class KVPublisher:
         redis_url: str | None = None,
         stream: str = STREAM_PREFIX + "default",
         stream_maxlen: int = 100_000,  # entries kept in the Redis Stream (approximate trim)
-        redis_queue_size: int = 1024,  # batches waiting for Redis before new ones are dropped
+        redis_queue_size: int = 1024,  # batches waiting for Redis before the oldest are dropped
         subscriber_queue_size: int = 1024,  # batches buffered per SSE client before it is cut off
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -100,6 +100,18 @@ class KVPublisher:
             self._redis_thread = None
 
     # ------------------------------------------------------------------ publishing (engine thread)
+    def _queue_for_redis(self, data: bytes) -> None:
+        """Queue a batch for the Redis thread; full (Redis hangs), the oldest queued one is dropped
+        for it: consumers re-sync at the gap, and the newest change still reaches them."""
+        while True:
+            try:
+                self._redis_queue.put_nowait(data)
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._redis_queue.get_nowait()
+                    self.stats["redis_dropped"] += 1
+
     def publish(
         self, stored: list[StoredBlocks], removed: list[int], cleared: bool, force: bool = False
     ) -> KVEventBatch | None:
@@ -120,10 +132,7 @@ class KVPublisher:
         data = encode(batch)
         self.stats["published"] += 1
         if self.redis_url:
-            try:
-                self._redis_queue.put_nowait(data)
-            except queue.Full:
-                self.stats["redis_dropped"] += 1
+            self._queue_for_redis(data)
         with self._lock:
             subscribers = list(self._subscribers)
         for sub in subscribers:

@@ -67,6 +67,31 @@ def test_a_redis_url_redis_cannot_read_drops_and_counts_every_batch(caplog):
 
 
 @pytest.mark.redis
+def test_a_full_redis_queue_drops_its_oldest_batches_not_the_newest():
+    """Redis that hangs (XADD blocks) lets the queue fill: the newest batches are kept for it."""
+    if REDIS is None:
+        pytest.skip("redis-server binary not found")
+    port = free_port()
+    pub = KVPublisher("http://w:1", 4, redis_url=f"redis://127.0.0.1:{port}/0", stream="radixgate:kv:t",
+                      redis_queue_size=2)  # fmt: skip
+    for i in range(5):  # NOTE: the Redis thread not started yet: as if it were stuck in one XADD
+        pub.publish([run(i)], [], False)
+    assert pub.stats["redis_dropped"] == 3
+    proc = start_redis(port)
+    try:
+        import redis
+
+        pub.start()
+        client = redis.Redis(port=port)
+        poll(lambda: client.xlen("radixgate:kv:t") == 2, "the queued batches sent")
+        assert [decode(e[1][b"batch"]).seq for e in client.xrange("radixgate:kv:t")] == [3, 4]
+    finally:
+        pub.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.redis
 def test_redis_outage_keeps_the_newest_batch_and_sends_it_when_redis_is_back():
     """Batches published while Redis is down are dropped and counted, except the newest, which
     reaches Redis once it is back though nothing more is published: consumers see the gap (or the
