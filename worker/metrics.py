@@ -102,7 +102,8 @@ class WorkerMetrics:
         self.constrained = Counter(
             f"{PREFIX}_constrained_requests_total",
             "Requests generated under a grammar, by kind: json_schema, json_object, regex, choice, "
-            "grammar, tool_call (a required or named tool call).",
+            "grammar, tool_call (a required or named tool call), tool_auto (free text whose tool calls follow "
+            "their schemas: tool_choice auto).",
             ["kind"],
             registry=self.registry,
         )
