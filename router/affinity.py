@@ -26,11 +26,11 @@ completions, the ``prompt`` string or the first string of a list. Token-id promp
 Semantics:
 
 - Groups are tried in file order; the first whose conditions all hold takes the request.
-- Members (``size`` / ``share``) are picked by rendezvous hashing of (group name, worker URL) over
-  each model's fleet (the registered workers serving it), so every router replica picks the same
-  members and adding or removing one worker moves at most one member of each group. A group with
-  ``match.model`` is placed only in the fleets of the models it matches. Health never moves
-  members: a member that is down is simply not available.
+- Members (``size`` / ``share``) are picked by rendezvous hashing of (group name, worker URL) in
+  each model's fleet (the registered workers serving a base model or its LoRA adapters), so every
+  router replica picks the same members and adding or removing one worker moves at most one
+  member of each group. A group with ``match.model`` is placed only in the fleets of the models it
+  can match. Health never moves members: a member that is down is simply not available.
 - ``exclusive``: requests outside the group are kept off its members while any other candidate
   is available. Exclusive members are reserved in this order: explicit ``workers`` of exclusive
   groups, then exclusive ``size`` / ``share`` groups in file order (picking among workers no
@@ -68,9 +68,10 @@ _MATCH_KEYS = {"model", "header", "system_prompt"}
 _RESERVED_NAMES = ("fleet", "none")
 _MASK64 = (1 << 64) - 1
 _UNREAD = object()
-_PLACEMENT_CACHE = 64  # (registry, model) pairs remembered (one per model a fleet serves); cleared when full
-# A registered worker as placement reads it: its URL and the models it serves (empty: not known, any).
-Registered = tuple[str, frozenset[str]]
+_PLACEMENT_CACHE = 16  # registries remembered (workers and what they serve); cleared when full
+# A registered worker as placement reads it: its URL, the models it serves (empty: not known, any) and
+# optionally its LoRA adapters' (adapter, base model) pairs; a URL alone: models not known.
+Registered = tuple[str, frozenset[str]] | tuple[str, frozenset[str], tuple[tuple[str, str], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +99,22 @@ class AffinityGroup:
 
 @dataclass(frozen=True, slots=True)
 class _Placement:
-    """Members of every group over the registered workers, seen from one model's requests.
-    Invariant: an exclusive member is in one group only."""
+    """Members of every group over the registered workers. A model's fleet is the workers serving it
+    or one of its LoRA adapters, plus those whose models are not known; ``""`` names the fleet of the
+    latter (every worker while none has said what it serves). Invariant: an exclusive member is in
+    one group only."""
 
-    by_model: dict[tuple[str, str | None], frozenset[str]]  # (group, model) -> members serving model
-    members: dict[str, frozenset[str]]  # per group: its members for this model's requests
-    anywhere: dict[str, frozenset[str]]  # per group: its members for any model (overflow targets)
-    reserved: frozenset[str]  # members of exclusive groups, for any model
+    by_fleet: dict[tuple[str, str], frozenset[str]]  # (group, base model or "") -> its members there
+    fleet_of: dict[str, str]  # a model (base or adapter) served -> its base model
+    anywhere: dict[str, frozenset[str]]  # per group: its members in every fleet
+    reserved: frozenset[str]  # members of exclusive groups, in every fleet
     barred: dict[str, frozenset[str]]  # per group: other groups' exclusive members
+
+    def members(self, group: str, model: str | None) -> frozenset[str]:
+        """``group``'s members for a request served as ``model`` (None: not known, so all of them)."""
+        if model is None:
+            return self.anywhere[group]
+        return self.by_fleet.get((group, self.fleet_of.get(model, "")), frozenset())
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
@@ -145,12 +154,13 @@ def leading_prompt(body: Mapping[str, Any], chat: bool) -> str | None:
 
 
 class AffinityGroups:
-    """The configured groups, in file order, with member placement cached per fleet."""
+    """The configured groups, in file order, with member placement cached per registry."""
 
     def __init__(self, groups: Sequence[AffinityGroup]) -> None:
         self._groups = tuple(groups)
         self._by_name = {g.name: g for g in self._groups}
-        self._placements: dict[tuple[str, ...], _Placement] = {}
+        self._placements: dict[tuple[tuple[str, frozenset[str], tuple], ...], _Placement] = {}
+        self._last: tuple[object, _Placement | None] = (None, None)  # the registry tuple seen last
 
     @classmethod
     def from_config(cls, raw: Any) -> AffinityGroups:
@@ -222,15 +232,14 @@ class AffinityGroups:
         """The candidates the policy may choose from for a request of ``group``, and the outcome.
 
         ``candidates`` are the available workers for this request; ``registry`` the registered
-        workers (available or not) that members are picked from, as (URL, models served) or a
-        URL alone (models not known: any); ``model`` the model the request is served as (None:
-        not known). The result is empty only when ``candidates`` is, or for ``overflow: none``
-        with no member available.
+        workers (available or not) that members are picked from (``Registered``); ``model`` the
+        model the request is served as (None: not known). The result is empty only when
+        ``candidates`` is, or for ``overflow: none`` with no member available.
         """
         if group is None:
             if not candidates:
                 return [], UNGROUPED
-            placement = self._placement(registry, model)
+            placement = self._placement(registry)
             if not placement.reserved:
                 return list(candidates), UNGROUPED
             kept = [c for c in candidates if c.url not in placement.reserved]
@@ -240,8 +249,8 @@ class AffinityGroups:
             raise ValueError(f"unknown affinity group {group!r}")
         if not candidates:
             return [], IN_GROUP
-        placement = self._placement(registry, model)
-        members = placement.members[group]
+        placement = self._placement(registry)
+        members = placement.members(group, model)
         inside = [c for c in candidates if c.url in members]
         if inside and (g.overflow_load is None or min(c.load for c in inside) < g.overflow_load):
             return inside, IN_GROUP
@@ -257,12 +266,12 @@ class AffinityGroups:
 
     def members(self, group: str, registry: Sequence[Registered | str], model: str | None) -> frozenset[str]:
         """URLs of ``group``'s members for ``model``'s requests (available or not)."""
-        return self._placement(registry, model).members[group]
+        return self._placement(registry).members(group, model)
 
     def describe(self, registry: Sequence[Registered | str]) -> list[dict[str, Any]]:
-        """Each group as configured, with its members now for each model the registered workers
-        serve (for /workers and logs)."""
-        by_model = self._placement(registry, None).by_model
+        """Each group as configured, with its members now in each fleet: by base model, ``""`` for
+        the workers that have not said what they serve (for /workers and logs)."""
+        by_fleet = self._placement(registry).by_fleet
         out = []
         for g in self._groups:
             if g.workers:
@@ -277,8 +286,8 @@ class AffinityGroups:
                     "match": g.match,
                     "sized_by": sized_by,
                     "members": {
-                        "" if model is None else model: sorted(urls)
-                        for (name, model), urls in sorted(by_model.items(), key=lambda kv: kv[0][1] or "")
+                        fleet: sorted(urls)
+                        for (name, fleet), urls in sorted(by_fleet.items())
                         if name == g.name
                     },
                     "exclusive": g.exclusive,
@@ -289,62 +298,70 @@ class AffinityGroups:
         return out
 
     # ------------------------------------------------------------------ placement
-    def _placement(self, registry: Sequence[Registered | str], model: str | None) -> _Placement:
-        workers = tuple(
-            (w.rstrip("/"), frozenset()) if isinstance(w, str) else (w[0].rstrip("/"), w[1]) for w in registry
+    def _placement(self, registry: Sequence[Registered | str]) -> _Placement:
+        # NOTE: the router passes one tuple per registry state: steady routing is an identity check
+        if registry is self._last[0] and self._last[1] is not None:
+            return self._last[1]
+        key = tuple(
+            (w.rstrip("/"), frozenset(), ())
+            if isinstance(w, str)
+            else (w[0].rstrip("/"), w[1], w[2] if len(w) > 2 else ())
+            for w in registry
         )
-        key = (workers, model)
         placement = self._placements.get(key)
         if placement is None:
             if len(self._placements) >= _PLACEMENT_CACHE:
                 self._placements.clear()
-            placement = self._placements[key] = self._place(workers, model)
+            placement = self._placements[key] = self._place(key)
+        if isinstance(registry, tuple):
+            self._last = (registry, placement)
         return placement
 
-    def _place(self, workers: tuple[Registered, ...], model: str | None) -> _Placement:
-        """Members of every group, deterministic and independent of the registry's order.
+    def _place(self, workers: tuple[tuple[str, frozenset[str], tuple], ...]) -> _Placement:
+        """Members of every group in every fleet, deterministic and independent of the registry's order.
 
-        A group is placed among the workers of each model it can match (that model's fleet), so its
-        requests find members among the workers that serve them. It takes no members in the fleet of
-        a model its ``match.model`` fails: none of its requests go there. Its exclusive members are
-        kept from every other request, so a worker serving several models is reserved for all."""
-        served = {m for _, ms in workers for m in ms}
-        if model is not None:
-            served.add(model)
-        models: list[str | None] = sorted(served) if served else [None]
-        fleets = {m: sorted({url for url, ms in workers if not ms or m in ms}) for m in models}
+        A fleet is one base model's: the workers serving it or its LoRA adapters (an adapter's requests
+        run on its base model's workers), plus those whose models are not known, which also make a
+        fleet of their own, ``""``. A group is placed in the fleets of the models it can match (every
+        group in ``""``); an exclusive member is kept from every other request, whatever its model."""
+        base_of = {adapter: base for _, _, adapters in workers for adapter, base in adapters}
+        fleets: dict[str, set[str]] = {}
+        for url, models, _ in workers:
+            for model in models:
+                fleets.setdefault(base_of.get(model, model), set()).add(url)
+        unknown = {url for url, models, _ in workers if not models}
+        if unknown or not fleets:
+            fleets[""] = unknown or {url for url, _, _ in workers}
+        names = {base: {base} | {a for a, b in base_of.items() if b == base} for base in fleets}
+        ordered = {base: sorted(urls | unknown) for base, urls in sorted(fleets.items())}
 
-        def models_of(g: AffinityGroup) -> list[str | None]:
-            return [m for m in models if g.model is None or (m is not None and g.model.match(m))]
+        def fleets_of(g: AffinityGroup) -> list[str]:
+            return [f for f in ordered if not f or g.model is None or any(g.model.match(n) for n in names[f])]
 
-        by_model: dict[tuple[str, str | None], frozenset[str]] = {}
+        by_fleet: dict[tuple[str, str], frozenset[str]] = {}
         reserved: set[str] = set()
         explicit = {url for g in self._groups for url in g.workers}
-        registered = {url for url, _ in workers}
+        registered = {url for url, _, _ in workers}
         for g in self._groups:
             if g.workers:
-                for m in models_of(g):
-                    by_model[g.name, m] = frozenset(u for u in fleets[m] if u in g.workers)
+                for f in fleets_of(g):
+                    by_fleet[g.name, f] = frozenset(u for u in ordered[f] if u in g.workers)
                 if g.exclusive:  # NOTE: machines the operator named: kept from every other request
                     reserved.update(u for u in g.workers if u in registered)
         # NOTE: exclusive groups first (file order), so non-exclusive groups never pick their members;
-        # a group picks for every model before reserving, so a fleet shared by models gets one choice
+        # a group picks in every fleet before reserving, so fleets that share workers get one choice
         for g in sorted((g for g in self._groups if not g.workers), key=lambda g: not g.exclusive):
-            for m in models_of(g):
-                pool = [u for u in fleets[m] if u not in reserved and not (g.exclusive and u in explicit)]
-                by_model[g.name, m] = _pick(g.name, pool, min(g.wanted(len(fleets[m])), len(pool)))
+            for f in fleets_of(g):
+                pool = [u for u in ordered[f] if u not in reserved and not (g.exclusive and u in explicit)]
+                by_fleet[g.name, f] = _pick(g.name, pool, min(g.wanted(len(ordered[f])), len(pool)))
             if g.exclusive:
-                reserved.update(*(by_model[g.name, m] for m in models_of(g)))
+                reserved.update(*(by_fleet[g.name, f] for f in fleets_of(g)))
         none: frozenset[str] = frozenset()
-        anywhere = {g.name: none.union(*(by_model[g.name, m] for m in models_of(g))) for g in self._groups}
-        mine = (
-            {g.name: by_model.get((g.name, model), none) for g in self._groups}
-            if model is not None
-            else anywhere
-        )
+        anywhere = {g.name: none.union(*(by_fleet[g.name, f] for f in fleets_of(g))) for g in self._groups}
+        fleet_of = {n: base for base, served in names.items() for n in served}
         frozen = frozenset(reserved)
         barred = {name: frozen - picked for name, picked in anywhere.items()}
-        return _Placement(by_model, mine, anywhere, frozen, barred)
+        return _Placement(by_fleet, fleet_of, anywhere, frozen, barred)
 
 
 def _headers_hold(conditions: tuple[tuple[str, re.Pattern[str]], ...], headers: Mapping[str, str]) -> bool:

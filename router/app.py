@@ -128,11 +128,10 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 403, "changing workers on a router with API keys needs --admin-token", "admin_token_required"
             )
         if request.method == "GET":
-            registry = [(w.url, w.models) for w in router.workers]
             return _json(
                 {
                     "workers": router.workers.describe(),
-                    "affinity_groups": router.affinity.describe(registry),
+                    "affinity_groups": router.affinity.describe(router.workers.served()),
                     "replica_sync": router.replica_sync.describe() if router.replica_sync else None,
                     "discovery": router.discovery.describe() if router.discovery else None,
                 }

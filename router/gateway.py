@@ -213,8 +213,9 @@ class Router:
         if only is not None:
             candidates = [c for c in candidates if c.url == only]
         elif self.affinity and candidates:
-            registry = tuple((w.url, w.models) for w in self.workers)
-            candidates, outcome = self.affinity.filter(group, candidates, registry, self.served_as(model))
+            candidates, outcome = self.affinity.filter(
+                group, candidates, self.workers.served(), self.served_as(model)
+            )
         left_out = 0
         if fit_tokens is not None and candidates and fit_tokens >= self.workers.shortest_context():
             small = {w.url for w in available if w.too_small(model, fit_tokens, self.tokenizer.name)}

@@ -115,7 +115,7 @@ class HealthChecker:
                     m["id"]: m["max_model_len"] for m in served if type(m.get("max_model_len")) is int
                 }
                 worker.parents = {m["id"]: m["parent"] for m in served if isinstance(m.get("parent"), str)}
-                self._router.workers.context_changed()
+                self._router.workers.served_changed()
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             status, body = await self._get_json(worker.url + "/v1/cache/info")
             if status == 200 and isinstance(body, dict) and isinstance(body.get("block_size"), int):

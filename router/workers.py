@@ -161,6 +161,7 @@ class WorkerRegistry:
         self.on_added: list[Callable[[Worker], None]] = []
         self.on_removed: list[Callable[[Worker], None]] = []
         self._shortest: float | None = None  # shortest_context's memo; None: to compute
+        self._served: tuple | None = None  # served()'s memo; None: to compute
 
     def shortest_context(self) -> float:
         """The smallest ``max_model_len`` any worker reports for any model (inf: none told): a
@@ -170,9 +171,18 @@ class WorkerRegistry:
                                  default=float("inf"))  # fmt: skip
         return self._shortest
 
-    def context_changed(self) -> None:
-        """A worker told its models' contexts again (health checks)."""
-        self._shortest = None
+    def served_changed(self) -> None:
+        """A worker told again what it serves: models, adapters, contexts (health checks)."""
+        self._shortest = self._served = None
+
+    def served(self) -> tuple[tuple[str, frozenset[str], tuple[tuple[str, str], ...]], ...]:
+        """Each worker's URL, models and LoRA adapters as (adapter, base model): one tuple until a
+        worker comes, goes or tells what it serves (affinity placement is cached by it)."""
+        if self._served is None:
+            self._served = tuple(
+                (w.url, w.models, tuple(sorted(w.parents.items()))) for w in self._workers.values()
+            )
+        return self._served
 
     def add(self, url: str) -> Worker:
         url = url.rstrip("/")
@@ -180,7 +190,7 @@ class WorkerRegistry:
             return self._workers[url]
         worker = Worker(url=url, breaker=self._breaker_factory(), prefill_weight=self._prefill_weight)
         self._workers[url] = worker
-        self._shortest = None
+        self._shortest = self._served = None
         for listener in self.on_added:
             listener(worker)
         return worker
@@ -189,7 +199,7 @@ class WorkerRegistry:
         worker = self._workers.pop(url.rstrip("/"), None)
         if worker is None:
             return False
-        self._shortest = None
+        self._shortest = self._served = None
         for listener in self.on_removed:
             listener(worker)
         return True
@@ -244,10 +254,7 @@ class WorkerRegistry:
 
     def base_models(self) -> set[str]:
         """The models served, less LoRA adapters (what a request naming no model is served as)."""
-        out: set[str] = set()
-        for w in self._workers.values():
-            out |= w.models - w.parents.keys()
-        return out
+        return {m for _, models, adapters in self.served() for m in models - {a for a, _ in adapters}}
 
     def describe(self) -> list[dict]:
         return [

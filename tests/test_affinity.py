@@ -11,7 +11,7 @@ from router.config import build_config
 from router.policies import Candidate
 
 FLEET = tuple(f"http://w{i}:8000" for i in range(8))
-# A fleet whose every worker serves every model the groups below match (URLs alone: models not known)
+# A fleet whose every worker serves every model the groups below match (FLEET's URLs alone: models not known)
 SHARED = tuple((url, frozenset("abcdmopsx")) for url in FLEET)
 MODEL_OF = {None: "m", "g": "m", "spare": "s", "x": "x"}  # a model each group's requests may name
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
@@ -285,6 +285,37 @@ def test_a_group_takes_members_only_among_the_workers_of_the_models_it_matches()
     chosen, _ = affinity.filter(None, idle(FLEET), both, "b")
     assert urls(chosen) == set(FLEET) - {member}
     assert affinity.describe(both)[0]["members"] == {"a": [member]}
+
+
+def test_lora_adapters_are_placed_with_their_base_model():
+    """Each worker serves the base and one adapter of its own: one fleet, the base's, so an exclusive
+    group of size 1 keeps one worker, and an adapter's requests find it among the base's members."""
+    affinity = groups(
+        {"name": "acme", "match": {"header": {"x-tenant": "acme"}}, "size": 1, "exclusive": True}
+    )
+    served = tuple(
+        (u, frozenset({"base", f"lora-{i}"}), ((f"lora-{i}", "base"),)) for i, u in enumerate(FLEET)
+    )
+    (member,) = affinity.members("acme", served, "base")
+    assert {affinity.members("acme", served, f"lora-{i}") for i in range(8)} == {frozenset({member})}
+    chosen, _ = affinity.filter(None, idle(FLEET), served, "lora-3")
+    assert urls(chosen) == set(FLEET) - {member}
+    assert affinity.describe(served)[0]["members"] == {"base": [member]}
+
+
+def test_exclusive_members_are_kept_whatever_the_request_names_while_models_are_not_known():
+    """Before the workers say what they serve, every group is placed in one fleet of them all, as one
+    would be: a model's exclusive member is kept from other models' requests, and shown."""
+    affinity = groups({"name": "a-tenant", "match": {"model": "a"}, "size": 1, "exclusive": True})
+    (member,) = affinity.members("a-tenant", FLEET[:4], "a")
+    for model in ("b", None):
+        chosen, _ = affinity.filter(None, idle(FLEET[:4]), FLEET[:4], model)
+        assert urls(chosen) == set(FLEET[:4]) - {member}
+    assert affinity.describe(FLEET[:4])[0]["members"] == {"": [member]}
+    # some workers known, some not: the members kept do not depend on the model a request names
+    mixed = [(u, frozenset({"a"})) for u in FLEET[:4]] + list(FLEET[4:])
+    kept = {model: set(FLEET) - urls(affinity.filter(None, idle(FLEET), mixed, model)[0]) for model in "abz"}
+    assert kept["a"] == kept["b"] == kept["z"] != set()
 
 
 # ---------------------------------------------------------------------- filter

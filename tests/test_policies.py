@@ -331,6 +331,8 @@ def test_a_request_naming_no_model_hashes_under_the_base_model_beside_its_adapte
     a, b = router.workers.get("http://a:1"), router.workers.get("http://b:1")
     a.models, a.parents = frozenset({"base", "lora-1"}), {"lora-1": "base"}
     b.models = frozenset({"base"})
+    router.workers.served_changed()  # as the health checks tell it
     assert (router.namespace(None), router.namespace("lora-1")) == ("base", "lora-1")
     b.models = frozenset({"base", "other"})  # two base models: which one serves it is not known
+    router.workers.served_changed()
     assert router.namespace(None) == ""

@@ -116,7 +116,7 @@ def test_the_shortest_context_is_computed_again_after_a_change():
     a, b = registry.add("http://a:1"), registry.add("http://b:1")
     assert registry.shortest_context() == float("inf")
     a.max_model_len, b.max_model_len = {"m": 4096}, {"m": 8192, "n": 1024}
-    registry.context_changed()
+    registry.served_changed()
     assert registry.shortest_context() == 1024
     registry.remove(b.url)
     assert registry.shortest_context() == 4096
