@@ -43,8 +43,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -53,7 +52,7 @@ import mmh3
 from router.prefix_index import PrefixIndex
 
 _MASK64 = (1 << 64) - 1
-_RINGS_KEPT = 8  # prefix_hash rings remembered, by candidate set
+_RING_URLS = 4096  # workers on prefix_hash's ring, those gone included, before it is built afresh
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,21 +305,26 @@ class PrefixHash(Policy):
             raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
         if not self._load_factor >= 1.0:  # NaN fails too
             raise ValueError("prefix_hash: load_factor must be >= 1.0")
-        # NOTE: rings by candidate set, the last few used: requests of two affinity groups, or a retry
-        # that leaves a worker out, alternate between sets (a ring is workers x vnodes hashes to build)
-        self._rings: OrderedDict[tuple[str, ...], tuple[list[int], list[str]]] = OrderedDict()
+        # NOTE: one ring over every worker seen, walked past those not among a request's candidates:
+        # the pick is the ring of the candidates alone's (their points are the same), and requests of
+        # two affinity groups, or a retry that leaves a worker out, share it (a ring is workers x vnodes
+        # hashes to build)
+        self._ring_urls: set[str] = set()
+        self._points: list[int] = []  # sorted ring positions (64-bit)
+        self._owners: list[str] = []  # url owning each point
 
-    def _ring(self, urls: tuple[str, ...]) -> tuple[list[int], list[str]]:
-        """(sorted ring positions, the URL owning each) for these candidates."""
-        ring = self._rings.get(urls)
-        if ring is None:
-            points = sorted((_h64(f"{url}#{i}".encode()), url) for url in urls for i in range(self._vnodes))
-            ring = self._rings[urls] = ([p for p, _ in points], [u for _, u in points])
-            if len(self._rings) > _RINGS_KEPT:
-                self._rings.popitem(last=False)
-        else:
-            self._rings.move_to_end(urls)
-        return ring
+    def _ring(self, urls: Collection[str]) -> None:
+        """Put ``urls`` on the ring (built again when a worker comes; workers gone stay on it, passed
+        over, until there are more than _RING_URLS: then it is built of ``urls`` alone)."""
+        if self._ring_urls.issuperset(urls):
+            return
+        fresh = self._ring_urls | set(urls)
+        if len(fresh) > _RING_URLS:
+            fresh = set(urls)
+        points = sorted((_h64(f"{url}#{i}".encode()), url) for url in fresh for i in range(self._vnodes))
+        self._points = [p for p, _ in points]
+        self._owners = [u for _, u in points]
+        self._ring_urls = fresh
 
     def select(self, req: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         blocks = self._matched_blocks(req, candidates)
@@ -331,8 +335,9 @@ class PrefixHash(Policy):
             )
         # NOTE: hashes chain, so the hash of block k-1 identifies the whole k-block leading prefix.
         key = req.block_hashes[min(self._prefix_blocks, len(req.block_hashes)) - 1]
-        points, owners = self._ring(tuple(sorted(c.url for c in candidates)))
         by_url = {c.url: c for c in candidates}
+        self._ring(by_url)
+        points, owners = self._points, self._owners
         total = sum(c.load for c in candidates)
         # NOTE: the ceiling keeps at least one worker under the bound when loads are integers.
         cap = math.ceil(self._load_factor * (total + 1) / len(candidates))
@@ -341,7 +346,7 @@ class PrefixHash(Policy):
         n_points = len(points)
         for i in range(n_points):
             url = owners[(start + i) % n_points]
-            if url in seen:
+            if url in seen or url not in by_url:
                 continue
             seen.add(url)
             load = by_url[url].load

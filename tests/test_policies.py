@@ -103,6 +103,19 @@ def test_prefix_hash_moves_only_about_one_nth_of_keys_when_a_worker_joins() -> N
     assert all(b == "http://w4" for _, b in moved)  # keys only move to the newcomer
 
 
+def test_prefix_hash_picks_for_a_subset_of_workers_as_a_ring_of_that_subset_would() -> None:
+    """Requests whose candidates alternate (two affinity groups, a retry without one worker, a worker
+    gone) pick as a policy that only ever saw those candidates: their keys' owners, clockwise."""
+    fleet = [f"http://w{i}" for i in range(12)]
+    subsets = [fleet, fleet[:5], fleet[5:], fleet[1:], fleet[::3]]
+    shared = make_policy("prefix_hash", PrefixIndex(), {"prefix_blocks": 2})
+    alone = {i: make_policy("prefix_hash", PrefixIndex(), {"prefix_blocks": 2}) for i in range(len(subsets))}
+    for k in range(0, 2000, 4):
+        i = (k // 4) % len(subsets)
+        req = request([k, k + 1, k + 2, k + 3, 7, 7, 7, 7, 9])
+        assert shared.select(req, idle(subsets[i])).url == alone[i].select(req, idle(subsets[i])).url
+
+
 def test_prefix_hash_bounds_the_load_of_a_hot_prefix() -> None:
     policy = make_policy("prefix_hash", PrefixIndex(), {"load_factor": 1.25})
     req = request(list(range(64)))
