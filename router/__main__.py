@@ -13,7 +13,7 @@ import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
 from router.app import build_app
-from router.config import build_config, check_tokenizer
+from router.config import build_config, check_tokenizer, logging_level
 from router.discovery import target_from_config
 from router.launcher import WorkerLauncher
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging_level(config.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     launcher = None
     if config.launch_workers:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from uvicorn.config import TRACE_LOG_LEVEL
 
 from router.affinity import AffinityGroups
 from router.api_keys import check_limits
@@ -396,6 +397,9 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     config = RouterConfig(**settings)
     config.workers = [w.rstrip("/") for w in config.workers]
     config.log_level = config.log_level.lower()  # NOTE: uvicorn knows only the lower-case names
+    for name in ("admin_token", "worker_api_key"):  # NOTE: a Secret file's newline: no header carries it
+        if getattr(config, name) is not None:
+            setattr(config, name, getattr(config, name).strip())
     config.validate()
     return config
 
@@ -407,3 +411,9 @@ def check_tokenizer(spec: str) -> None:
         load_tokenizer(spec)
     except Exception as exc:  # NOTE: the tokenizers library raises bare Exceptions on a bad file
         raise ValueError(f"tokenizer {spec!r} does not load: {exc}") from None
+
+
+def logging_level(name: str) -> int | str:
+    """The ``logging`` level of a ``--log-level`` name: uvicorn's ``trace`` is its own level (5), which
+    ``logging`` does not know by name (router and worker alike)."""
+    return TRACE_LOG_LEVEL if name == "trace" else name.upper()

@@ -161,6 +161,10 @@ def test_a_secret_set_empty_in_the_environment_is_an_error_not_the_guard_off(tmp
             with pytest.raises(ValueError, match=f"{name} is given but empty"):
                 build_config(["--config", str(cfg)], environ={f"RADIXGATE_{name.upper()}": empty})
     assert build_config(["--config", str(cfg)], environ={"RADIXGATE_ADMIN_TOKEN": "t"}).admin_token == "t"
+    # a Secret file's newline: a header cannot carry it (nor send it to the workers)
+    secrets = {"RADIXGATE_ADMIN_TOKEN": "t\n", "RADIXGATE_WORKER_API_KEY": "w\n"}
+    read = build_config(["--config", str(cfg)], environ=secrets)
+    assert (read.admin_token, read.worker_api_key) == ("t", "w")
     for argv in (["--admin-token", ""], ["--worker-api-key", " "], ["--api-key", ""]):  # flags, e.g. $(VAR)
         with pytest.raises(ValueError, match="empty"):
             build_config(argv, environ={})
@@ -235,3 +239,20 @@ def test_the_settings_doc_names_exactly_the_fields_without_a_flag():
         settings = f.read().partition("## Settings")[2].partition("\n## ")[0]
     listed = settings.partition("No flag, YAML and env only:")[2].partition(".")[0]
     assert set(re.findall(r"`(\w+)`", listed)) == flagless
+
+
+def test_trace_logging_gets_the_router_as_far_as_binding_its_port():
+    """uvicorn's ``trace`` is no level ``logging`` knows by name: the router starts with it, here up to
+    its port, taken, which exits 3 as uvicorn does (a crash on the level would be exit 1)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = [sys.executable, "-m", "router", "--workers", "http://127.0.0.1:1", "--port", port,
+                "--log-level", "trace"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import uvicorn
-from uvicorn.config import TRACE_LOG_LEVEL
 from uvicorn.main import STARTUP_FAILURE
 
+from router.config import logging_level
 from worker.config import WorkerConfig, parse_args
 
 
@@ -83,7 +83,7 @@ class WorkerServer(uvicorn.Server):
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(
-        level=TRACE_LOG_LEVEL if cfg.log_level == "trace" else cfg.log_level.upper(),  # NOTE: uvicorn's level
+        level=logging_level(cfg.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
