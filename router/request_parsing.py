@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.responses_input import chat_tools, prompt_messages
+from router.responses_input import TEXT_PARTS, chat_tools, prompt_messages
 from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 
 
@@ -176,34 +176,31 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
     return parsed
 
 
-_TEXT_PARTS = ("text", "input_text", "output_text")
-
-
 def with_stand_ins(messages: Any, text_type: str) -> Any:
     """``messages`` (chat messages, or Responses input items) with every content part that is not
     text (an image, audio, a file) as a text part standing in for it: ``<type digest>``, the digest of
     the part as sent. For routing only: the body goes upstream as it came, for a backend that reads
-    the parts (a radixgate worker refuses them); two prompts with the same image share that prefix."""
+    the parts (a radixgate worker refuses them); two prompts with the same image share that prefix.
+    The parts are a message's ``content``, or a Responses tool result's ``output``."""
     if not isinstance(messages, list):
         return messages
     out = []
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(_stands_in(part) for part in content):
-            parts = [
-                {"type": text_type, "text": _stand_in(part)} if _stands_in(part) else part for part in content
-            ]
-            message = {**message, "content": parts}
+        for field in ("content", "output"):
+            parts = message.get(field) if isinstance(message, dict) else None
+            if isinstance(parts, list) and any(_stands_in(part) for part in parts):
+                stand_ins = [{"type": text_type, "text": _stand_in(p)} if _stands_in(p) else p for p in parts]
+                message = {**message, field: stand_ins}
         out.append(message)
     return out
 
 
 def _stands_in(part: Any) -> bool:
-    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] not in _TEXT_PARTS
+    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] not in TEXT_PARTS
 
 
 def _stand_in(part: dict[str, Any]) -> str:
-    digest = mmh3.hash128(orjson.dumps(part, option=orjson.OPT_SORT_KEYS), 0, False)
+    digest = mmh3.hash128(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))
     return f"<{part['type']} {digest:032x}>"
 
 

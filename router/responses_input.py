@@ -14,7 +14,7 @@ import mmh3
 RESPONSE_PREFIX = "resp_"
 TAG_CHARS = 10  # hex digits naming a worker in a response id (40 bits)
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def worker_tag(url: str) -> str:
@@ -43,7 +43,7 @@ def _text(content: Any) -> str:
         for part in content:
             if (
                 not isinstance(part, dict)
-                or part.get("type") not in _TEXT_PARTS
+                or part.get("type") not in TEXT_PARTS
                 or not isinstance(part.get("text"), str)
             ):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__

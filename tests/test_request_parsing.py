@@ -95,5 +95,9 @@ def test_an_image_part_is_routed_by_a_stand_in_and_sent_as_it_came():
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}, responses]}],
     }
     assert "<input_image " in bytes(parse_responses_request(orjson.dumps(body), tok).token_ids).decode()
+    result = {"type": "function_call_output", "call_id": "c1", "output": [responses]}  # a tool's screenshot
+    call = {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"}
+    body = {"model": "m", "input": [{"role": "user", "content": "Look"}, call, result]}
+    assert "<input_image " in bytes(parse_responses_request(orjson.dumps(body), tok).token_ids).decode()
     with pytest.raises(RouterError):  # a part that is no part at all is still the router's 400
         parse_request(orjson.dumps({"messages": [{"role": "user", "content": [5]}]}), True, tok)
