@@ -467,6 +467,12 @@ def test_a_gemma3_image_and_text_checkpoint_is_tied_as_its_top_level_config_says
     (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     assert not load_model(str(path)).config.tie_word_embeddings
     match_transformers(path, "cpu", ATOL)
+    # no top-level key: Gemma3Config ties, whatever text_config says
+    text_untied = {
+        "model_type": "gemma3",
+        "text_config": {**config["text_config"], "tie_word_embeddings": False},
+    }
+    assert ModelConfig.from_hf(text_untied).tie_word_embeddings
 
 
 def test_gemma_scales_embeddings_by_sqrt_hidden_rounded_to_the_weights_dtype() -> None:

@@ -159,10 +159,11 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type == "gemma3":  # NOTE: Gemma 3 4B+ (image and text): its language model is served
             # NOTE: the whole model's tokens, quantization (llm-compressor writes it beside text_config) and
-            # tying are the top level's, as transformers 5 reads them
-            whole = ("eos_token_id", "bos_token_id", "quantization_config", "tie_word_embeddings")
+            # tying are the top level's, as transformers 5 reads them (Gemma3Config ties unless told not to)
+            whole = ("eos_token_id", "bos_token_id", "quantization_config")
             text = dict(cfg.get("text_config") or {})
             cfg = {**text, "model_type": "gemma3_text", "language_model_of": "gemma3",
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
                    **{k: cfg[k] for k in whole if cfg.get(k) is not None}}  # fmt: skip
             model_type = "gemma3_text"
         if model_type not in SUPPORTED_MODEL_TYPES:
