@@ -167,18 +167,17 @@ class OpsAPI:
     async def unload_adapter(self, request: Request) -> Response:
         """POST /v1/unload_lora_adapter {"lora_name"}: stop serving it and free its weights; 409
         while requests of it are queued or running."""
-        from worker.model.lora import AdapterBusyError, remove_adapter
+        from worker.model.lora import AdapterBusyError, AdapterMissingError, remove_adapter
 
         if (denied := self._not_admin(request)) is not None:
             return denied
         name = (await _adapter_body(request, "lora_name"))["lora_name"]
-        if name not in self.engine.adapter_names:
-            raise APIError(404, f"no LoRA adapter {name!r} is loaded", "model_not_found")
         try:
+            # NOTE: checked on the engine thread: another unload of it may be queued ahead
             freed = await self.engine.call(lambda: remove_adapter(self.engine, name))
         except AdapterBusyError as exc:
             raise APIError(409, str(exc), "adapter_in_use") from None
-        except LookupError as exc:  # NOTE: another unload of it went first, after the check above
+        except AdapterMissingError as exc:
             raise APIError(404, str(exc), "model_not_found") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "engine_dead") from None

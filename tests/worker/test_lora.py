@@ -429,8 +429,9 @@ def test_two_unloads_of_one_adapter_at_once_give_one_unload_and_one_404(lora_set
     both, _, _, root = lora_setup
     load = {"lora_name": "twice", "lora_path": str(root / "ad")}
     assert httpx.post(both.url + "/v1/load_lora_adapter", json=load, timeout=60).status_code == 200
-    gate = threading.Event()
-    both.engine.post(lambda: gate.wait(30))  # the engine thread is held until both unloads wait on it
+    gate, held = threading.Event(), threading.Event()
+    both.engine.post(lambda: (held.set(), gate.wait(30)))  # the engine thread held till both unloads wait
+    assert held.wait(20)
     inbox = both.engine._inbox
     with ThreadPoolExecutor(2) as pool:
         unloads = [

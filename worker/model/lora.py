@@ -301,6 +301,10 @@ class AdapterBusyError(RuntimeError):
     """An adapter with requests queued or running cannot be unloaded."""
 
 
+class AdapterMissingError(LookupError):
+    """No adapter of that name is loaded."""
+
+
 def check_room(model: Any, adapters: int) -> None:
     """ValueError unless ``adapters`` adapters over a worker's life fit the cache's key ranges."""
     from worker.radix_node import ADAPTER_SHIFT
@@ -329,10 +333,10 @@ def add_adapter(engine: Any, adapter: LoraAdapter) -> int:
 
 def remove_adapter(engine: Any, name: str) -> int:
     """Stop serving adapter ``name`` (engine thread): its weights and its cached pages go (their
-    removal events tell routers); returns the pages freed. Its id is never reused. LookupError when
-    it is not loaded (by now: another unload of it went first)."""
+    removal events tell routers); returns the pages freed. Its id is never reused. AdapterMissingError
+    when it is not loaded (by now: another unload of it went first)."""
     if name not in engine.adapter_names:
-        raise LookupError(f"no LoRA adapter {name!r} is loaded")
+        raise AdapterMissingError(f"no LoRA adapter {name!r} is loaded")
     adapter_id = engine.adapter_names.index(name) + 1
     busy = sum(r.adapter == adapter_id for r in engine.queued())
     if busy:
