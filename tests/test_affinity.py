@@ -381,9 +381,8 @@ def test_overflow_to_another_group_then_to_the_fleet() -> None:
         },
         {"name": "spare", "match": {"model": "s"}, "workers": list(FLEET[1:3]), "exclusive": True},
     )
-    chosen, outcome = affinity.filter(
-        "g", idle(FLEET[1:]), SHARED, "m"
-    )  # member down: to spare, exclusive or not
+    # member down: to spare, exclusive or not
+    chosen, outcome = affinity.filter("g", idle(FLEET[1:]), SHARED, "m")
     assert (urls(chosen), outcome) == (set(FLEET[1:3]), OVERFLOW)
     chosen, outcome = affinity.filter("g", idle(FLEET, 2.0), SHARED, "m")  # member busy: member + spare
     assert (urls(chosen), outcome) == (set(FLEET[:3]), OVERFLOW)
