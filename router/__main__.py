@@ -13,9 +13,10 @@ import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
 from router.app import build_app
-from router.config import build_config, check_tokenizer, logging_level
+from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
 from router.launcher import WorkerLauncher
+from router.log_level import logging_level
 
 
 class RouterServer(uvicorn.Server):

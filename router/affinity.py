@@ -99,12 +99,13 @@ class AffinityGroup:
 
 @dataclass(frozen=True, slots=True)
 class _Placement:
-    """Members of every group over the registered workers. A model's fleet is the workers serving it
-    or one of its LoRA adapters, plus those whose models are not known; ``""`` names the fleet of the
-    latter (every worker while none has said what it serves). Invariant: an exclusive member is in
-    one group only."""
+    """Members of every group over the registered workers (see AffinityGroups._place). Invariant: an
+    exclusive member is in one group only."""
 
-    by_fleet: dict[tuple[str, str], frozenset[str]]  # (group, base model or "") -> its members there
+    # (group, base model) -> its members in that model's fleet; (group, adapter) -> its members among
+    # the workers serving that LoRA adapter, where not all of its base's do; (group, "") -> its members
+    # while no worker has said what it serves
+    by_fleet: dict[tuple[str, str], frozenset[str]]
     fleet_of: dict[str, str]  # a model (base or adapter) served -> its base model
     anywhere: dict[str, frozenset[str]]  # per group: its members in every fleet
     reserved: frozenset[str]  # members of exclusive groups, in every fleet
@@ -114,7 +115,10 @@ class _Placement:
         """``group``'s members for a request served as ``model`` (None: not known, so all of them)."""
         if model is None:
             return self.anywhere[group]
-        return self.by_fleet.get((group, self.fleet_of.get(model, "")), frozenset())
+        own = self.by_fleet.get((group, model))
+        return (
+            own if own is not None else self.by_fleet.get((group, self.fleet_of.get(model, "")), frozenset())
+        )
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
@@ -320,18 +324,25 @@ class AffinityGroups:
     def _place(self, workers: tuple[tuple[str, frozenset[str], tuple], ...]) -> _Placement:
         """Members of every group in every fleet, deterministic and independent of the registry's order.
 
-        A fleet is one base model's: the workers serving it or its LoRA adapters (an adapter's requests
-        run on its base model's workers), plus those whose models are not known, which also make a
-        fleet of their own, ``""``. A group is placed in the fleets of the models it can match (every
-        group in ``""``); an exclusive member is kept from every other request, whatever its model."""
-        base_of = {adapter: base for _, _, adapters in workers for adapter, base in adapters}
+        A fleet is one base model's: the workers serving it or its LoRA adapters, plus those whose
+        models are not known yet (they may serve it). While no worker has said what it serves, all of
+        them are one fleet, ``""``. A group is placed in the fleets of the models it can match, and an
+        exclusive member there is kept from every other request, whatever its model. A request naming
+        an adapter that only some of its base's workers serve takes the group's members among those:
+        its base members that serve it first (rendezvous order), then others not reserved."""
+        base_of: dict[str, str] = {}
+        for _, _, adapters in sorted(workers):  # NOTE: sorted: an adapter two bases list takes the first's
+            for adapter, base in adapters:
+                base_of.setdefault(adapter, base)
         fleets: dict[str, set[str]] = {}
+        serving: dict[str, set[str]] = {}  # model -> the workers that list it
         for url, models, _ in workers:
             for model in models:
                 fleets.setdefault(base_of.get(model, model), set()).add(url)
+                serving.setdefault(model, set()).add(url)
         unknown = {url for url, models, _ in workers if not models}
-        if unknown or not fleets:
-            fleets[""] = unknown or {url for url, _, _ in workers}
+        if not fleets:
+            fleets[""] = unknown
         names = {base: {base} | {a for a, b in base_of.items() if b == base} for base in fleets}
         ordered = {base: sorted(urls | unknown) for base, urls in sorted(fleets.items())}
 
@@ -356,10 +367,28 @@ class AffinityGroups:
                 by_fleet[g.name, f] = _pick(g.name, pool, min(g.wanted(len(ordered[f])), len(pool)))
             if g.exclusive:
                 reserved.update(*(by_fleet[g.name, f] for f in fleets_of(g)))
-        none: frozenset[str] = frozenset()
-        anywhere = {g.name: none.union(*(by_fleet[g.name, f] for f in fleets_of(g))) for g in self._groups}
-        fleet_of = {n: base for base, served in names.items() for n in served}
         frozen = frozenset(reserved)
+        for adapter, base in base_of.items():
+            within = sorted(serving.get(adapter, set()) | unknown)
+            if base not in ordered or within == ordered[base]:
+                continue
+            for g in (g for g in self._groups if base in fleets_of(g)):
+                if g.workers:
+                    by_fleet[g.name, adapter] = frozenset(u for u in within if u in g.workers)
+                    continue
+                mine = by_fleet[g.name, base]
+                pool = [
+                    u
+                    for u in within
+                    if u in mine or (u not in frozen and not (g.exclusive and u in explicit))
+                ]
+                by_fleet[g.name, adapter] = _pick(g.name, pool, min(g.wanted(len(within)), len(pool)))
+        none: frozenset[str] = frozenset()
+        anywhere = {
+            g.name: none.union(*(urls for (name, _), urls in by_fleet.items() if name == g.name))
+            for g in self._groups
+        }
+        fleet_of = {n: base for base, served in names.items() for n in served}
         barred = {name: frozen - picked for name, picked in anywhere.items()}
         return _Placement(by_fleet, fleet_of, anywhere, frozen, barred)
 

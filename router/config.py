@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-from uvicorn.config import TRACE_LOG_LEVEL
 
 from router.affinity import AffinityGroups
 from router.api_keys import check_limits
@@ -411,9 +410,3 @@ def check_tokenizer(spec: str) -> None:
         load_tokenizer(spec)
     except Exception as exc:  # NOTE: the tokenizers library raises bare Exceptions on a bad file
         raise ValueError(f"tokenizer {spec!r} does not load: {exc}") from None
-
-
-def logging_level(name: str) -> int | str:
-    """The ``logging`` level of a ``--log-level`` name: uvicorn's ``trace`` is its own level (5), which
-    ``logging`` does not know by name (router and worker alike)."""
-    return TRACE_LOG_LEVEL if name == "trace" else name.upper()

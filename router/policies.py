@@ -52,7 +52,7 @@ import mmh3
 from router.prefix_index import PrefixIndex
 
 _MASK64 = (1 << 64) - 1
-_RING_URLS = 4096  # workers on prefix_hash's ring, those gone included, before it is built afresh
+_RING_EPOCH = 10_000  # prefix_hash picks: a worker not a candidate for one or two of these leaves the ring
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,23 +305,33 @@ class PrefixHash(Policy):
             raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
         if not self._load_factor >= 1.0:  # NaN fails too
             raise ValueError("prefix_hash: load_factor must be >= 1.0")
-        # NOTE: one ring over every worker seen, walked past those not among a request's candidates:
-        # the pick is the ring of the candidates alone's (their points are the same), and requests of
-        # two affinity groups, or a retry that leaves a worker out, share it (a ring is workers x vnodes
-        # hashes to build)
+        # NOTE: one ring over the workers seen as candidates lately, walked past those not among a
+        # request's: the pick is the ring of the candidates alone's (their points are the same), and
+        # requests of two affinity groups, or a retry that leaves a worker out, share it
         self._ring_urls: set[str] = set()
         self._points: list[int] = []  # sorted ring positions (64-bit)
         self._owners: list[str] = []  # url owning each point
+        self._url_points: dict[str, list[int]] = {}  # each ring worker's vnode positions (hashed once)
+        self._seen: set[str] = set()  # candidates in this epoch of _RING_EPOCH picks
+        self._seen_before: set[str] = set()  # ... and in the one before
+        self._picks = 0
 
     def _ring(self, urls: Collection[str]) -> None:
-        """Put ``urls`` on the ring (built again when a worker comes; workers gone stay on it, passed
-        over, until there are more than _RING_URLS: then it is built of ``urls`` alone)."""
+        """Put ``urls`` on the ring. A worker not on it yet builds it again, of the workers seen as
+        candidates in the last one or two epochs: workers gone leave it then."""
+        self._picks += 1
+        if self._picks % _RING_EPOCH == 0:
+            self._seen_before, self._seen = self._seen, set()
+        self._seen.update(urls)
         if self._ring_urls.issuperset(urls):
             return
-        fresh = self._ring_urls | set(urls)
-        if len(fresh) > _RING_URLS:
-            fresh = set(urls)
-        points = sorted((_h64(f"{url}#{i}".encode()), url) for url in fresh for i in range(self._vnodes))
+        fresh = self._seen | self._seen_before
+        vnodes = self._vnodes
+        self._url_points = {
+            url: self._url_points.get(url) or [_h64(f"{url}#{i}".encode()) for i in range(vnodes)]
+            for url in fresh
+        }
+        points = sorted((p, url) for url, ps in self._url_points.items() for p in ps)
         self._points = [p for p, _ in points]
         self._owners = [u for _, u in points]
         self._ring_urls = fresh

@@ -162,6 +162,7 @@ class WorkerRegistry:
         self.on_removed: list[Callable[[Worker], None]] = []
         self._shortest: float | None = None  # shortest_context's memo; None: to compute
         self._served: tuple | None = None  # served()'s memo; None: to compute
+        self._bases: frozenset[str] | None = None  # base_models()'s memo, with it
 
     def shortest_context(self) -> float:
         """The smallest ``max_model_len`` any worker reports for any model (inf: none told): a
@@ -173,7 +174,7 @@ class WorkerRegistry:
 
     def served_changed(self) -> None:
         """A worker told again what it serves: models, adapters, contexts (health checks)."""
-        self._shortest = self._served = None
+        self._shortest = self._served = self._bases = None
 
     def served(self) -> tuple[tuple[str, frozenset[str], tuple[tuple[str, str], ...]], ...]:
         """Each worker's URL, models and LoRA adapters as (adapter, base model): one tuple until a
@@ -190,7 +191,7 @@ class WorkerRegistry:
             return self._workers[url]
         worker = Worker(url=url, breaker=self._breaker_factory(), prefill_weight=self._prefill_weight)
         self._workers[url] = worker
-        self._shortest = self._served = None
+        self._shortest = self._served = self._bases = None
         for listener in self.on_added:
             listener(worker)
         return worker
@@ -199,7 +200,7 @@ class WorkerRegistry:
         worker = self._workers.pop(url.rstrip("/"), None)
         if worker is None:
             return False
-        self._shortest = self._served = None
+        self._shortest = self._served = self._bases = None
         for listener in self.on_removed:
             listener(worker)
         return True
@@ -252,9 +253,13 @@ class WorkerRegistry:
             out |= w.models
         return out
 
-    def base_models(self) -> set[str]:
+    def base_models(self) -> frozenset[str]:
         """The models served, less LoRA adapters (what a request naming no model is served as)."""
-        return {m for _, models, adapters in self.served() for m in models - {a for a, _ in adapters}}
+        if self._bases is None:
+            self._bases = frozenset(
+                m for _, ms, adapters in self.served() for m in ms - {a for a, _ in adapters}
+            )
+        return self._bases
 
     def describe(self) -> list[dict]:
         return [

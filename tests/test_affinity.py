@@ -288,19 +288,36 @@ def test_a_group_takes_members_only_among_the_workers_of_the_models_it_matches()
 
 
 def test_lora_adapters_are_placed_with_their_base_model():
-    """Each worker serves the base and one adapter of its own: one fleet, the base's, so an exclusive
-    group of size 1 keeps one worker, and an adapter's requests find it among the base's members."""
+    """Every worker serves the base, and each one adapter of its own: one fleet, the base's, where an
+    exclusive group of size 1 keeps one worker. A request naming an adapter gets the group's member
+    among the workers serving it (those its candidates can be), not a 503."""
     affinity = groups(
-        {"name": "acme", "match": {"header": {"x-tenant": "acme"}}, "size": 1, "exclusive": True}
+        {
+            "name": "acme",
+            "match": {"header": {"x-tenant": "acme"}},
+            "size": 1,
+            "exclusive": True,
+            "overflow": "none",
+        }
     )
     served = tuple(
         (u, frozenset({"base", f"lora-{i}"}), ((f"lora-{i}", "base"),)) for i, u in enumerate(FLEET)
     )
     (member,) = affinity.members("acme", served, "base")
-    assert {affinity.members("acme", served, f"lora-{i}") for i in range(8)} == {frozenset({member})}
-    chosen, _ = affinity.filter(None, idle(FLEET), served, "lora-3")
-    assert urls(chosen) == set(FLEET) - {member}
-    assert affinity.describe(served)[0]["members"] == {"base": [member]}
+    chosen, _ = affinity.filter(None, idle(FLEET), served, "base")
+    assert urls(chosen) == set(FLEET) - {member}  # one worker kept, not one an adapter
+    for i, url in enumerate(FLEET):
+        assert affinity.filter("acme", idle([url]), served, f"lora-{i}") == (idle([url]), IN_GROUP)
+    other = FLEET.index(min(set(FLEET) - {member}))
+    described = affinity.describe(served)[0]["members"]
+    assert described["base"] == [member] and described[f"lora-{other}"] == [FLEET[other]]
+    # the adapter on the member too: the member, not another worker serving it
+    both = (
+        (member, frozenset({"base", "x"}), (("x", "base"),)),
+        (FLEET[other], frozenset({"base", "x"}), (("x", "base"),)),
+    )
+    served_x = both + tuple((u, frozenset({"base"}), ()) for u in FLEET if u not in (member, FLEET[other]))
+    assert affinity.members("acme", served_x, "x") == {member}
 
 
 def test_exclusive_members_are_kept_whatever_the_request_names_while_models_are_not_known():

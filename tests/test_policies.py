@@ -116,6 +116,30 @@ def test_prefix_hash_picks_for_a_subset_of_workers_as_a_ring_of_that_subset_woul
         assert shared.select(req, idle(subsets[i])).url == alone[i].select(req, idle(subsets[i])).url
 
 
+def test_prefix_hash_builds_its_ring_once_for_alternating_candidates_and_forgets_workers_gone(monkeypatch):
+    """Ten candidate sets in turn build no ring after the first; a fleet whose workers are replaced
+    one by one (pods restarted at new addresses) keeps on its ring only those seen lately."""
+    from router import policies
+
+    policy = make_policy("prefix_hash", PrefixIndex(), {"prefix_blocks": 2})
+    fleet = [f"http://w{i}" for i in range(12)]
+    subsets = [fleet, *(fleet[i::9] for i in range(9))]
+    req = request([1, 2, 3, 4, 7, 7, 7, 7, 9])
+    policy.select(req, idle(fleet))
+    ring = policy._points
+    for _ in range(3):
+        for subset in subsets:
+            policy.select(req, idle(subset))
+    assert policy._points is ring  # not built again
+    monkeypatch.setattr(policies, "_RING_EPOCH", 5)
+    live = list(fleet)
+    for n in range(100):
+        live = [*live[1:], f"http://new{n}"]  # one worker replaced by a newcomer
+        for _ in range(3):
+            policy.select(req, idle(live))
+    assert set(live) <= policy._ring_urls and len(policy._ring_urls) <= 2 * len(live)
+
+
 def test_prefix_hash_bounds_the_load_of_a_hot_prefix() -> None:
     policy = make_policy("prefix_hash", PrefixIndex(), {"load_factor": 1.25})
     req = request(list(range(64)))

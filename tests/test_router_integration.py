@@ -630,6 +630,30 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
     assert counts['{group="ghost",outcome="no_worker"}'] == 1
 
 
+def test_a_health_check_tells_affinity_placement_what_a_worker_serves(launch):
+    """Placement reads the registry's served() tuple, kept until something changes: a health check
+    that learns a worker's models is such a change."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.gateway import Router
+
+    backend = launch.echo_backend("--model", "m1")
+
+    async def run() -> tuple[tuple, tuple]:
+        router = Router(RouterConfig(workers=[backend.url]))
+        await router.upstream.start()
+        try:
+            before = router.workers.served()
+            await router.health.check(router.workers.get(backend.url))
+            return before, router.workers.served()
+        finally:
+            await router.upstream.close()
+
+    before, after = asyncio.run(run())
+    assert before == ((backend.url, frozenset(), ()),) and after == ((backend.url, frozenset({"m1"}), ()),)
+
+
 @pytest.mark.parametrize("stream_usage", [True, False])
 def test_stream_usage_is_read_for_the_metrics_without_reaching_a_client_that_did_not_ask(
     launch, stream_usage

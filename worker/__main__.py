@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from router.config import logging_level
+from router.log_level import logging_level
 from worker.config import WorkerConfig, parse_args
 
 

@@ -317,7 +317,7 @@ def start_ranks(cfg: Any, device: torch.device) -> tuple[Any, KVPool, HostKVPool
 
 def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leader_pid: int) -> None:
     """Rank ``rank`` (>= 1): load its part, then run what rank 0 sends until told to stop."""
-    from router.config import logging_level
+    from router.log_level import logging_level
     from worker.model.lora import load_adapter
 
     logging.basicConfig(level=logging_level(cfg.log_level), stream=sys.stderr,
