@@ -173,7 +173,8 @@ class WorkerRegistry:
         return self._shortest
 
     def served_changed(self) -> None:
-        """A worker told again what it serves: models, adapters, contexts (health checks)."""
+        """What the fleet serves changed: a worker came, went, or told again its models, adapters and
+        contexts (health checks). The memos of it are computed again when next asked."""
         self._shortest = self._served = self._bases = None
 
     def served(self) -> tuple[tuple[str, frozenset[str], tuple[tuple[str, str], ...]], ...]:
@@ -191,7 +192,7 @@ class WorkerRegistry:
             return self._workers[url]
         worker = Worker(url=url, breaker=self._breaker_factory(), prefill_weight=self._prefill_weight)
         self._workers[url] = worker
-        self._shortest = self._served = self._bases = None
+        self.served_changed()
         for listener in self.on_added:
             listener(worker)
         return worker
@@ -200,7 +201,7 @@ class WorkerRegistry:
         worker = self._workers.pop(url.rstrip("/"), None)
         if worker is None:
             return False
-        self._shortest = self._served = self._bases = None
+        self.served_changed()
         for listener in self.on_removed:
             listener(worker)
         return True
