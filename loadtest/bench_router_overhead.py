@@ -21,6 +21,7 @@ import time
 
 import aiohttp
 
+from loadtest.report import percentile
 from router.launcher import free_port, stop_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,11 +43,6 @@ def start(args: list[str], port: int) -> subprocess.Popen:
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"{args} did not start")
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> dict:
@@ -88,9 +84,9 @@ async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> d
         "errors": errors,
         "req_per_s": len(latencies) / wall,
         "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": pct(latencies, 0.99) * 1e3,
+        "p99_ms": percentile(latencies, 99) * 1e3,
         "ttft_p50_ms": statistics.median(ttfts) * 1e3,
-        "ttft_p99_ms": pct(ttfts, 0.99) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
     }
 
 

@@ -161,17 +161,20 @@ class _Fleet:
 def process_cpu_s(pid: int) -> float | None:
     """CPU seconds a running process has used so far, all its threads, from /proc; None elsewhere.
 
-    NOTE: the scheduler's nanosecond run time (schedstat), not /proc/PID/stat's clock ticks, which
-    are sampled and can read 0 for a process that ran 20 ms in short slices."""
+    NOTE: the scheduler's nanosecond run time (schedstat) of the live threads, which is exact where
+    /proc/PID/stat's clock ticks are sampled (they can read 0 for a process that ran 20 ms in short
+    slices); but the ticks also hold the threads that have ended, so the larger of the two counts."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     total_ns = 0
     for task in tasks:
         with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended in between
             total_ns += int((task / "schedstat").read_text().split()[0])
-    return total_ns / 1e9
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of proc(5))
+    return max(total_ns / 1e9, ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _cpu_s(procs: list[subprocess.Popen]) -> float | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
+import time
 
 import orjson
 import pytest
@@ -190,3 +192,23 @@ def test_a_run_with_kv_fetch_hints_has_sim_workers_fetch_prefixes_from_each_othe
     assert plain["fetched_share"] == 0 and fetch["fetched_share"] > 0.05  # each tenant's prefix, once
     assert fetch["worker_hit_rate"] > plain["worker_hit_rate"]
     assert "| KV fetched from other workers (% of prompt) | 0.0% |" in result["table"]
+
+
+def test_cpu_time_counts_threads_that_have_ended():
+    """A router's CPU time must hold threads that ran and ended (a resolver or worker thread), not
+    only the live ones."""
+    code = ("import threading, time\n"
+            "def burn():\n"
+            "    end = time.process_time() + 0.6\n"
+            "    while time.process_time() < end: pass\n"
+            "t = threading.Thread(target=burn); t.start(); t.join()\n"
+            "print('done', flush=True); time.sleep(30)\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "done"
+        time.sleep(0.05)
+        used = compare_mod.process_cpu_s(proc.pid)
+        assert used is not None and used >= 0.5, used
+    finally:
+        proc.kill()
+        proc.wait()
