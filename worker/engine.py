@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -134,8 +135,10 @@ class Engine:
         return since is not None and time.monotonic() - since > self.stall_timeout_s
 
     def snapshot(self) -> EngineSnapshot:
-        """Latest state (any thread; refreshed after every step)."""
-        return self._snap
+        """Latest state (any thread; refreshed after every step). Its ``waiting`` also counts the
+        requests submitted since, which the engine thread takes at its next step."""
+        snap, queued = self._snap, self._queued
+        return dataclasses.replace(snap, waiting=snap.waiting + queued) if queued else snap
 
     # ------------------------------------------------------------------ API for the event loop
     def submit(
@@ -289,6 +292,7 @@ class Engine:
             with self._queued_lock:
                 self._queued -= 1
             if req.adapter and self.adapter_names[req.adapter - 1] is None:  # NOTE: unloaded since its check
+                self._finished["error"] += 1
                 self._emit(req, RequestOutput(finish_reason="error", error="the LoRA adapter was unloaded",
                                               error_status=404, error_code="model_not_found"))  # fmt: skip
                 return
@@ -340,6 +344,7 @@ class Engine:
             self._requests[req.rid] = req
         except QueueFullError as exc:  # NOTE: submit's check saw a waiting count one step old
             self._requests.pop(req.rid, None)
+            self._finished["error"] += 1
             self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
                                           error_code="queue_full"))  # fmt: skip
 

@@ -463,9 +463,11 @@ def test_a_request_reaching_the_engine_after_its_adapter_was_unloaded_fails_alon
         handle = both.engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=2, adapter=adapter_id))
         return await asyncio.wait_for(handle.outputs.get(), 30)
 
+    errors = both.engine.snapshot().finished.get("error", 0)
     out = asyncio.run(submit())
     assert out.finish_reason == "error" and out.error_status == 404 and "unloaded" in out.error
     assert complete(both.url, "ad")["choices"][0]["text"] == complete(merged.url, None)["choices"][0]["text"]
+    assert both.engine.snapshot().finished.get("error", 0) == errors + 1  # requests_finished_total counts it
 
 
 def metric(url: str, name: str) -> float:

@@ -595,6 +595,32 @@ def test_queue_full_429_prompt_too_long_400_and_dead_engine_503():
         assert dead.status_code == 503 and dead.json()["error"]["message"]
 
 
+def test_requests_the_engine_thread_has_not_taken_yet_count_as_waiting(client, server):
+    """A router reads running + waiting from /health as the worker's load: requests that arrive
+    during a long step wait in the engine's inbox and must count there too."""
+    gate, held = threading.Event(), threading.Event()
+    server.engine.post(lambda: (held.set(), gate.wait(30)))  # the engine thread is on a long step
+    assert held.wait(20)
+    results: list = []
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c2:
+            results.append(c2.post("/v1/completions", json={"prompt": "in the inbox", "max_tokens": 2}))
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        poll(lambda: client.get("/health").json()["waiting"] == 3, "three requests waiting in the inbox")
+        assert metric(client, "radixgate_worker_waiting_requests") == 3
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(30)
+    assert [r.status_code for r in results] == [200] * 3
+    assert idle(client)["waiting"] == 0
+
+
 def test_more_choices_than_the_queue_holds_is_a_400_not_a_429():
     """prompts x n above --max-waiting can never be queued at once: a 400 saying so (a 429 would
     have the client retry forever), on an idle worker; as many choices as the queue holds run."""
