@@ -43,6 +43,16 @@ COMPLETION_ENDPOINTS = {
 _NOT_POST = ["GET", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
+def _endpoint_of(body: Any) -> str:
+    """The endpoint a /debug/route body is for, by its input: ``messages`` (chat), ``input``
+    without ``prompt`` (responses), else completions."""
+    if isinstance(body, dict) and "messages" in body:
+        return "chat"
+    if isinstance(body, dict) and "input" in body and "prompt" not in body:
+        return "responses"
+    return "completions"
+
+
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
@@ -165,15 +175,15 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         try:
             raw = await read_body(request, config.max_body_bytes)
             body = orjson.loads(raw) if raw else None
-            chat = isinstance(body, dict) and "messages" in body
-            parsed = router.parse(raw, "chat" if chat else "completions")
+            endpoint = _endpoint_of(body)
+            parsed = router.parse(raw, endpoint)
             router.check_model(parsed.model)
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
             return error_response(exc.status, exc.message, exc.code)
         # NOTE: the headers as routing reads them: a repeated header's last value
-        return _json(explain(router, parsed, chat, dict(request.headers.items())))
+        return _json(explain(router, parsed, endpoint, dict(request.headers.items())))
 
     def least_loaded(model: str | None) -> Worker:
         """The least loaded healthy worker serving ``model``; RouterError 503 when there is none."""

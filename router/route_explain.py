@@ -10,13 +10,18 @@ from router.gateway import Router
 from router.request_parsing import ParsedRequest
 
 
-def explain(router: Router, parsed: ParsedRequest, chat: bool, headers: Mapping[str, str]) -> dict[str, Any]:
-    """What the router would do with this request and why: each candidate's predicted cached tokens
-    and load (own, other replicas', the last report's rest). Reads state; sends nothing."""
+def explain(
+    router: Router, parsed: ParsedRequest, endpoint: str, headers: Mapping[str, str]
+) -> dict[str, Any]:
+    """What the router would do with this request of ``endpoint`` (chat, completions, responses)
+    and why: each candidate's predicted cached tokens and load (own, other replicas', the last
+    report's rest). Reads state; sends nothing."""
     route = router.route_request(parsed)
-    group = router.affinity_group(parsed, chat, headers)
+    group = router.affinity_group(parsed, endpoint != "completions", headers)
+    previous = parsed.body.get("previous_response_id")  # a follow-up goes to its conversation's worker
+    only = router.response_holder(previous) if previous is not None else None
     decision, outcome = router.decide(
-        route, parsed.model, set(), group, preview=True, fit_tokens=parsed.fit_tokens
+        route, parsed.model, set(), group, only, preview=True, fit_tokens=parsed.fit_tokens
     )
     matched = router.index.match(route.block_hashes)
     return {

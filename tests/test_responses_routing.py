@@ -33,6 +33,13 @@ def test_follow_ups_reach_the_worker_holding_the_conversation_through_any_router
     assert first.status_code == 200
     holder = first.headers["x-radixgate-worker"]
     previous = first.json()["id"]
+    # /debug/route reads a Responses body as routing does: a follow-up goes to its holder
+    follow_up = {"model": "sim-8b", "input": "Turn two.", "previous_response_id": previous}
+    explained = httpx.post(routers[1].url + "/debug/route", json=follow_up, timeout=10)
+    assert explained.status_code == 200, explained.text
+    assert explained.json()["worker"] == holder
+    fresh = {"model": "sim-8b", "instructions": INSTRUCTIONS, "input": "Another conversation."}
+    assert httpx.post(routers[1].url + "/debug/route", json=fresh, timeout=10).json()["prompt_tokens"] > 0
     for turn in range(4):  # round robin would spread these; each must land on the holder
         router = routers[turn % 2]
         r = _create(router.url, input=f"Turn {turn + 2}.", previous_response_id=previous)
