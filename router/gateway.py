@@ -397,7 +397,7 @@ class Router:
                             send, watch, worker, resp, started, prefill, strip_usage, responses
                         )
                     else:
-                        await self._send_full(send, watch, worker, resp, started)
+                        await self._send_full(send, watch, worker, resp, started, parsed.stream)
                     answered = True
                 finally:
                     resp.close()
@@ -444,17 +444,20 @@ class Router:
             access_log.note(usage_prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
 
     async def _send_full(
-        self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, started: float
-    ) -> None:
+        self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, started: float,
+        stream: bool = False,
+    ) -> None:  # fmt: skip
+        """A whole answer: a non-stream one, or a stream request's refusal (``stream``: its metrics'
+        label stays the request's)."""
         try:
             payload = await self.upstream.read_all(resp)
         except UpstreamFailure as exc:
             self._record_failure(worker, exc.kind)
             raise RouterError(exc.status, str(exc), exc.kind) from None
         elapsed = time.perf_counter() - started
-        self.metrics.ttft_of[False].observe(elapsed)
+        self.metrics.ttft_of[stream].observe(elapsed)
         access_log.note(ttft_ms=round(elapsed * 1e3, 3))
-        self.metrics.duration_of[False].observe(elapsed)
+        self.metrics.duration_of[stream].observe(elapsed)
         if resp.status == 200:
             with contextlib.suppress(orjson.JSONDecodeError):
                 self._record_usage(worker, parse_usage(orjson.loads(payload)))
@@ -478,7 +481,7 @@ class Router:
         A stream that breaks off ends with an error event (``responses``: the Responses API's)."""
         scanner = SSEUsageScanner(strip_usage)
         tail = b"\n\n"  # the last bytes sent: does the client's stream end between events?
-        numbered = b""  # Responses: the last chunk sent that numbered an event (read if the stream breaks)
+        numbers = _EventNumbers()  # Responses: the last event passed on whole (read if the stream breaks)
         error = b""  # what ends a stream that broke off
         content_type = resp.headers.get("content-type", "text/event-stream").encode("latin-1")
         await send(
@@ -510,8 +513,8 @@ class Router:
                 if out or finished:
                     await send({"type": "http.response.body", "body": out, "more_body": not finished})
                     tail = out[-2:] if len(out) >= 2 else (tail + out)[-2:]
-                    if responses and b'"sequence_number"' in out:
-                        numbered = out
+                    if responses:
+                        numbers.feed(out)
         except HTTPClientError as exc:
             # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
             # already reached the client, so no retry; the client is told in an error event.
@@ -525,8 +528,7 @@ class Router:
                        else f"the worker broke off the stream: {exc}")  # fmt: skip
             # NOTE: an event cut off mid-way is ended first (the client reads it as a bad event)
             cut = b"" if tail == b"\n\n" else b"\n\n"
-            numbers = _SEQUENCE_NUMBER.findall(numbered)
-            error = cut + stream_error_event(responses, message, kind, int(numbers[-1]) if numbers else None)
+            error = cut + stream_error_event(responses, message, kind, numbers.last)
         finally:
             self._record_usage(worker, scanner.usage)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)
@@ -536,6 +538,26 @@ class Router:
 
 
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')  # a Responses stream's event numbers
+
+
+class _EventNumbers:
+    """The ``sequence_number`` of the last whole line of a Responses stream passed on: a line cut
+    off mid-way (its number perhaps cut too: 12 read as 1) is not read."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self._partial: list[bytes] = []  # the line not ended yet, in pieces
+
+    def feed(self, out: bytes) -> None:
+        end = out.rfind(b"\n")
+        if end < 0:
+            self._partial.append(out)
+            return
+        whole = b"".join(self._partial) + out[: end + 1] if self._partial else out[: end + 1]
+        self._partial = [out[end + 1 :]] if end + 1 < len(out) else []
+        found = _SEQUENCE_NUMBER.findall(whole)
+        if found:
+            self.last = int(found[-1])
 
 
 # -------------------------------------------------------------------- HTTP layer

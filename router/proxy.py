@@ -181,7 +181,8 @@ class Upstream:
                 payload = await asyncio.wait_for(resp.read(), timeout=self._connect_timeout)
             except (asyncio.TimeoutError, HTTPClientError):
                 payload = None
-            resp.close()
+            finally:  # NOTE: a client gone mid-read cancels this: the connection must not stay open
+                resp.close()
             kind = "overloaded" if resp.status == 429 else "http_5xx"
             raise UpstreamFailure(kind, f"worker {worker.url} answered {resp.status}", resp.status, payload)
         return resp

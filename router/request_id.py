@@ -19,7 +19,10 @@ class RequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = next((value for name, value in scope["headers"] if name == HEADER), None)
+        rid = None
+        for name, value in scope["headers"]:  # NOTE: a repeated one's last value, as routing reads headers
+            if name == HEADER:
+                rid = value
         if rid is None or not rid.strip():  # NOTE: an empty one names nothing: made here too
             # NOTE: the header list is copied without the empty one only where there is one
             headers = scope["headers"] if rid is None else [h for h in scope["headers"] if h[0] != HEADER]
