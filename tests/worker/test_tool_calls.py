@@ -3,6 +3,7 @@ calls generated under a grammar by a real worker, tool turns in the prompt and i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 
@@ -879,3 +880,65 @@ def test_granite_calls_are_read_after_the_models_own_tag(tmp_path) -> None:
         assert name == "get_weather" and set(args) == {"city", "unit"}
         assert choice["logprobs"]["content"][0]["token"] == "<|tool_call|>"
         assert streamed_answer(client, body) == ("", [(name, args)], "tool_calls")
+
+
+# ---------------------------------------------------------------------- tool schemas with references
+UNIT = {"type": "function", "function": {"name": "weather", "parameters": {
+    "$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+TREE = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"v": {"type": "integer"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["v", "child"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3_json", "required"])
+def test_tool_schemas_with_references_keep_their_meaning_in_every_calls_grammar(fmt) -> None:
+    """pydantic writes `$defs` and `$ref` (and `#` for a recursive model): nested in a grammar of
+    calls, each reference must still name the tool's own schema, not the grammar's root."""
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import auto_grammar, forced_grammar, llama3_auto_grammar, tagged_auto_grammar
+
+    tok = ByteTokenizer()
+    req = ToolRequest([UNIT, TREE], "required" if fmt == "required" else "auto")
+    kind, grammar = {
+        "hermes": lambda: auto_grammar(req, trigger_is_special=False),
+        "mistral": lambda: tagged_auto_grammar(req, "[TOOL_CALLS]", None),
+        "llama3_json": lambda: llama3_auto_grammar(req, False),
+        "required": lambda: forced_grammar(req),
+    }[fmt]()
+    guide = GuideCompiler(tok, tok.vocab_size).compile(kind, grammar)
+    key = "arguments" if fmt in ("hermes", "mistral") else "parameters"
+
+    def accepts(*calls: tuple[str, dict]) -> bool:
+        body = [{"name": name, key: args} for name, args in calls]
+        dump = functools.partial(json.dumps, separators=(",", ":"))  # NOTE: the grammars' compact JSON
+        text = {
+            "hermes": "".join(f"<tool_call>{dump(c)}</tool_call>" for c in body),
+            "mistral": "[TOOL_CALLS]" + dump(body),
+            "llama3_json": "; ".join(dump(c) for c in body),
+            "required": dump(body),
+        }[fmt]
+        m = guide.matcher()
+        if not m.consume_tokens(list(text.encode())) or m.is_error():
+            return False
+        return bool(allowed_mask([m], tok.vocab_size)[0][ByteTokenizer.EOS])
+
+    assert accepts(("weather", {"city": "Oslo", "unit": "c"}))
+    assert not accepts(("weather", {"city": "Oslo", "unit": "k"}))
+    assert accepts(("tree", {"v": 1, "child": {"v": 2, "child": None}}))
+    assert not accepts(("tree", {"v": 1, "child": [{"name": "tree", key: {"v": 2, "child": None}}]}))
+    assert not accepts(("tree", {"v": 1, "child": {"v": 2, "child": {"city": "Oslo", "unit": "c"}}}))
+
+
+def test_a_tool_schemas_literals_and_property_names_are_not_taken_for_references() -> None:
+    from worker.tool_calls import _call_schema
+
+    params = {"type": "object", "properties": {"enum": {"$ref": "#/$defs/E"}, "x": {"const": {"$ref": "#"}}},
+              "$defs": {"E": {"enum": [1, 2]}}}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "t", "parameters": params}}
+    schema = _call_schema(ToolRequest([tool], "auto"), "arguments")
+    moved = schema["$defs"]["tool_0"]
+    assert moved["properties"]["enum"] == {"$ref": "#/$defs/tool_0/$defs/E"}
+    assert moved["properties"]["x"] == {"const": {"$ref": "#"}}  # a value the call must spell, unchanged
+    assert schema["anyOf"][0]["properties"]["arguments"] == {"$ref": "#/$defs/tool_0"}
