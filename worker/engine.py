@@ -241,19 +241,23 @@ class Engine:
                 self._warmup(self.warmup_tokens)
             self.ready.set()
             self.publisher.publish([], [], cleared=True, force=True)  # seq 0: a new, empty cache
+            stuck = False  # NOTE: work, but no step to run (pages held by a transfer): wait for the inbox
             while not self._stopping:
                 self.busy_since = None
                 self._drain_inbox(
-                    block=self._running is None and not self.scheduler.has_work() and not self._parked
+                    block=self._running is None
+                    and (stuck or (not self.scheduler.has_work() and not self._parked))
                 )
                 if self._stopping:
                     break
                 self._unpark()
                 if self.busy_since is None:
                     self.busy_since = time.monotonic()
+                stuck = False
                 if self._running is None:
                     batch = self.scheduler.schedule()
                     self._running = None if batch is None else self._launch(batch)
+                    stuck = batch is None and self.scheduler.has_work()
                 if self._running is not None:
                     self._advance()
                 self._publish_events()

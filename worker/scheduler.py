@@ -183,7 +183,9 @@ class Scheduler:
                 self._blocked = self._admission_state(len(self.running))
         if self.running:
             self._last_mode = "decode"
-            return self._schedule_decode()
+            batch = self._schedule_decode()
+            if batch is not None:
+                return batch
         batch = self._schedule_extend(now)
         self._last_mode = None if batch is None else "extend"
         return batch
@@ -426,16 +428,23 @@ class Scheduler:
             budget -= end - req.kv_len
 
     # ------------------------------------------------------------------ decode
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _schedule_decode(self) -> ScheduledBatch | None:
         def needs_page(r: Request) -> bool:
             return r.kv_len >= r.pages.size * self.ps
 
-        # NOTE: one request alone always fits, so retracting others until it does ends in progress
+        # NOTE: one request alone fits the pool, so retracting others until it does ends in progress;
+        # None when it does not fit now only because a KV transfer holds pages (an export's locked
+        # prefix, an import's pages): it waits with the others until they are given back
         while not self._ensure_free(sum(needs_page(r) for r in self.running)):
             victim = self._victim()
             if victim is None:
-                raise RuntimeError("KV pool cannot hold a single request; check its capacity")
+                (alone,) = self.running
+                if _pages_for(alone.kv_len + 1, self.ps) > self.allocator.num_pages:
+                    raise RuntimeError("KV pool cannot hold a single request; check its capacity")
+                victim = alone
             self._retract(victim)
+        if not self.running:
+            return None
         items = []
         for req in self.running:
             self._grow(req, req.kv_len + 1)

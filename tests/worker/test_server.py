@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 import uvicorn
@@ -619,6 +620,46 @@ def test_requests_the_engine_thread_has_not_taken_yet_count_as_waiting(client, s
             t.join(30)
     assert [r.status_code for r in results] == [200] * 3
     assert idle(client)["waiting"] == 0
+
+
+def test_a_request_short_of_pages_a_kv_export_holds_waits_for_them_and_the_worker_lives():
+    """An export held open (a slow reader, a peer on a slow link) locks its cached pages. A lone
+    request that then runs out of pages is put back to wait until they are given back; it was a
+    'KV pool cannot hold a single request' that killed the engine."""
+    import random
+
+    from worker.kv_pages import export_begin
+
+    rng = random.Random(0)
+    held, short = [rng.randrange(97, 123) for _ in range(700)], [rng.randrange(97, 123) for _ in range(300)]
+    with (
+        serve(kv_cache_tokens=1024, decode_reserve_tokens=8) as live,
+        httpx.Client(base_url=live.url, timeout=120) as c,
+    ):
+        engine = live.engine
+        assert c.post("/v1/completions", json={"prompt": held, "max_tokens": 1}).status_code == 200
+        pin = engine.post(lambda: export_begin(engine, np.array([*held, 0]), 0, 10_000)).result(30)
+        assert pin is not None  # 43 of the 64 pages locked; 21 left for the request's 700 tokens
+        result: dict = {}
+
+        def send() -> None:
+            body = {"prompt": short, "max_tokens": 400, "ignore_eos": True}
+            with httpx.Client(base_url=live.url, timeout=120) as c2:
+                result["resp"] = c2.post("/v1/completions", json=body)
+
+        t = threading.Thread(target=send)
+        t.start()
+        try:
+            poll(lambda: engine.snapshot().retractions >= 1, "the request put back for want of pages")
+            health = c.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "ok"
+            assert health.json()["waiting"] + health.json()["running"] == 1 and "resp" not in result
+        finally:
+            engine.post(lambda: engine.cache.unlock(pin.node)).result(30)  # the export ends
+            t.join(120)
+        resp = result["resp"]
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 400
+        assert idle(c)["status"] == "ok"
 
 
 def test_more_choices_than_the_queue_holds_is_a_400_not_a_429():
