@@ -323,18 +323,19 @@ class Scheduler:
     def _order_waiting(self, now: float) -> list[tuple[Request, Any]]:
         """Waiting requests in admission order, with their prefix matches (LPM) or None (FCFS).
         Lower ``priority`` goes first, except that requests older than ``max_wait_s`` come first in
-        arrival order (LPM), so nothing starves."""
+        arrival order (either policy), so nothing starves."""
         window = list(self.waiting)[: self.cfg.lpm_window]
-        if self.cfg.policy == "fcfs":
-            return [(r, None) for r in sorted(window, key=lambda r: r.priority)]  # stable: arrival order
         old = [r for r in window if now - r.arrival > self.cfg.max_wait_s]
         old_ids = {id(r) for r in old}
         young = [r for r in window if id(r) not in old_ids]
+        old.sort(key=lambda r: r.arrival)
+        if self.cfg.policy == "fcfs":
+            return [(r, None) for r in old + sorted(young, key=lambda r: r.priority)]  # stable: arrival order
         matched = [(r, self.cache.match_prefix(self._matchable(r))) for r in young]
         for r, m in matched:
             r.uncached_estimate = len(r.token_ids) - m.num_tokens
         matched.sort(key=lambda rm: (rm[0].priority, -rm[1].num_tokens, rm[0].arrival))
-        return [(r, None) for r in sorted(old, key=lambda r: r.arrival)] + matched
+        return [(r, None) for r in old] + matched
 
     def _chunk_end(self, start: int, total: int, budget: int) -> int:
         """End of a chunk from ``start``; page-aligned when it does not reach ``total``."""

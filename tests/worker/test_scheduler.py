@@ -262,8 +262,9 @@ def test_lower_priority_values_are_admitted_first(policy):
     assert_no_leak(sched)
 
 
-def test_lpm_age_bound_still_beats_priority():
-    sched, _ = make(max_running=1, max_wait_s=10.0)
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_the_age_bound_still_beats_priority(policy):
+    sched, _ = make(max_running=1, max_wait_s=10.0, policy=policy)
     old_low = Request("old", prompt(8, 20), max_tokens=1, arrival=100.0, priority=9)
     sched.add(old_low)
     sched.add(Request("new", prompt(9, 20), max_tokens=1, arrival=109.0, priority=0))
