@@ -133,10 +133,16 @@ class EventSubscriber:
         while Redis was down) shows as a gap only when the worker publishes again, and an idle
         worker may not. So a cursor behind the seq reported one health check before, that has not
         moved since (a whole interval for the batch to arrive; a reader that lags but applies
-        batches is not stuck), means a lost batch: re-sync."""
+        batches is not stuck), means a lost batch: re-sync. In Redis mode, a worker without a
+        cursor (its last re-sync failed) is re-synced again."""
         cursor = self._cursors.get(worker.url)
         before = self._reported.get(worker.url)
         self._reported[worker.url] = (epoch, seq, None if cursor is None else cursor.seq)
+        if self.mode == "redis" and cursor is None and worker.models and not self._holding(worker):
+            # NOTE: its last re-sync failed (a snapshot late behind a long step): try again, once a
+            # health check, for a worker whose batches do not reach Redis has nothing else to ask
+            self.resync_soon(worker)
+            return
         if self.mode == "off" or before is None or cursor is None or self._holding(worker):
             return
         told_epoch, told_seq, applied_then = before

@@ -853,3 +853,44 @@ def test_a_request_sent_away_from_its_prefix_fetches_the_kv_from_the_holder(laun
     assert httpx.post(router.url + "/v1/chat/completions", json=fresh, timeout=120).status_code == 200
     explained = httpx.post(router.url + "/debug/route", json=fresh, timeout=10).json()
     assert explained["kv_source"] is not None and explained["kv_source"] != explained["worker"]
+
+
+@pytest.mark.redis
+def test_a_failed_resync_of_a_worker_whose_batches_miss_redis_is_tried_again(launch):
+    """In Redis mode, a worker whose batches never reach Redis (started without --redis-url) is
+    followed by snapshots alone: one snapshot that fails (late behind a long step) must not leave
+    the index without that worker's cache for good."""
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    worker = launch.sim_worker()
+    body = {"model": "sim-8b", "prompt": "held before the router started " * 40, "max_tokens": 1}
+    assert httpx.post(worker.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    failures = {"left": 2}
+
+    async def forward(request):
+        if request.url.path == "/v1/cache/snapshot" and failures["left"] > 0:
+            failures["left"] -= 1
+            return Response(b"busy", 503)
+        async with httpx.AsyncClient() as client:
+            r = await client.get(worker.url + request.url.path, timeout=30)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    url, server = serve_in_thread(Starlette(routes=[Route("/{path:path}", forward)]), "the failing proxy")
+    try:
+        router = launch.router([url], "--kv-events", "redis", "--redis-url", launch.redis())
+
+        def matched() -> int:
+            explained = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+            return explained["candidates"][0]["matched_tokens"]
+
+        wait_until(lambda: failures["left"] == 0, 15, what="both snapshots refused")
+        wait_until(lambda: matched() > 0, 15, what="the worker's cache in the index")
+        assert (
+            matched() == httpx.post(router.url + "/debug/route", json=body).json()["prompt_tokens"] // 16 * 16
+        )
+    finally:
+        server.should_exit = True
