@@ -89,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         app = build(cfg)
-    except (ValueError, OSError) as exc:
-        logging.getLogger("worker").error("cannot start: %s", exc)
+    except (ValueError, OSError, MemoryError) as exc:  # NOTE: its arguments or model: restarting won't help
+        logging.getLogger("worker").error("cannot start: %s", exc or type(exc).__name__)
         return 2
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip

@@ -65,6 +65,10 @@ def build_engine(cfg: Any) -> Engine:
 
     if cfg.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda: no CUDA device is available to this process (or torch is a CPU build)"
+        )
     else:
         device = torch.device(cfg.device)
     if cfg.tensor_parallel_size > 1:

@@ -160,3 +160,27 @@ def test_the_sim_engine_serves_max_model_len_when_it_is_shorter():
 
     assert build_sim_engine(parse_args(["--engine", "sim", "--max-model-len", "100"])).max_total_tokens == 100
     assert build_sim_engine(parse_args(["--engine", "sim"])).max_total_tokens == 8192
+
+
+def test_start_up_errors_of_its_arguments_or_model_exit_2_with_the_reason(tmp_path, caplog):
+    """Exit 2 tells a launcher the worker cannot start as asked (it is left stopped); a traceback
+    and exit 1 had it restarted forever."""
+    import json
+    import logging
+
+    import torch
+
+    from worker.__main__ import main
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cases = [(["--model", str(bad)], "lacks 'num_attention_heads'"),
+             (["--kv-cache-tokens", str(10**13)], "allocate")]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no CUDA device"))
+    for argv, reason in cases:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="worker"):
+            assert main(["--warmup-tokens", "0", *argv]) == 2, argv
+        assert any("cannot start" in r.message and reason in r.message for r in caplog.records), caplog.text

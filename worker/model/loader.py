@@ -72,8 +72,13 @@ def read_config(spec: str) -> ModelConfig:
         return tiny_config()
     if not os.path.isdir(spec):
         raise ValueError(f"model {spec!r} is neither 'tiny' nor a local directory")
-    with open(os.path.join(spec, "config.json"), encoding="utf-8") as f:
-        return ModelConfig.from_hf(json.load(f))
+    path = os.path.join(spec, "config.json")
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    try:
+        return ModelConfig.from_hf(raw)
+    except KeyError as exc:  # NOTE: a start-up error naming the key, not a traceback
+        raise ValueError(f"{path} lacks {exc.args[0]!r}, which this model type needs") from None
 
 
 def served_experts(config: ModelConfig, mxfp4_experts: str, device: torch.device) -> ModelConfig:
