@@ -561,6 +561,11 @@ tests:
         values: '0+60x30'
       - series: 'radixgate_requests_total{{namespace="llm",endpoint="chat",status="429"}}'
         values: '0+60x30'
+      # namespace quota: every 429 is an API key over its own rate limit, no capacity problem
+      - series: 'radixgate_requests_total{{namespace="quota",endpoint="chat",status="429"}}'
+        values: '0+60x30'
+      - series: 'radixgate_api_key_requests_total{{namespace="quota",key="batch",outcome="rate_limited"}}'
+        values: '0+60x30'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w0"}}'
         values: '0.95x20'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w1"}}'
