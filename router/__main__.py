@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
+from router import access_log
 from router.app import build_app
 from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging_level(config.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if config.access_log:  # NOTE: asked for, so written whatever --log-level quiets (its lines are INFO)
+        logging.getLogger(access_log.log.name).setLevel(logging.INFO)
     launcher = None
     if config.launch_workers:
         launcher = WorkerLauncher(

@@ -796,6 +796,13 @@ def test_the_access_log_explains_each_request(launch):
     assert three["status"] == 404 and three["error"] == "model_not_found" and three["worker"] is None
 
 
+def test_the_access_log_is_written_whatever_the_log_level_quiets(launch):
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], "--access-log", "--log-level", "warning")
+    assert httpx.post(router.url + "/v1/chat/completions", json=chat("Quiet."), timeout=10).status_code == 200
+    wait_until(lambda: len(router.access_lines()) == 1, 10, what="the access line")
+
+
 def test_api_keys_guard_the_client_endpoints_and_leave_probes_open(launch):
     backend = launch.echo_backend()
     router = launch.router([backend.url], "--api-key", "k-one", "--api-key", "k-two")
