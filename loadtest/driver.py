@@ -108,7 +108,7 @@ def build_requests(config: LoadConfig) -> list[Request]:
         rate=config.rate or 10.0,
         api=config.api,
         model=model,
-        max_tokens=config.max_tokens or 64,
+        max_tokens=64 if config.max_tokens is None else config.max_tokens,
         **config.options,
     )
 
@@ -333,6 +333,13 @@ def check_config(config: LoadConfig) -> None:
     # NOTE: a rate is requests/s; 0 would send nothing (None is the default: trace timestamps, or 10)
     if config.rate is not None and config.rate <= 0:
         raise ValueError(f"rate must be > 0 requests/s, got {config.rate}")
+    for name, value, low in (("concurrency", config.concurrency, 1), ("requests", config.requests, 1),
+                             ("max_tokens", config.max_tokens, 1), ("max_inflight", config.max_inflight, 1)):  # fmt: skip
+        if value is not None and value < low:
+            raise ValueError(f"{name} must be at least {low}, got {value}")
+    for name, value in (("duration", config.duration_s), ("timeout", config.request_timeout_s)):
+        if value is not None and not value > 0:  # NOTE: NaN too
+            raise ValueError(f"{name} must be > 0 seconds, got {value}")
 
 
 async def run_load(config: LoadConfig) -> Results:

@@ -386,6 +386,13 @@ async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(ser
         (["--url", "localhost:18400"], "url must be http://HOST:PORT or https://HOST:PORT"),
         (["--url", "http://127.0.0.1:18400,127.0.0.1:18401"], "got '127.0.0.1:18401'"),
         (["compare", "/nonexistent/a.json"], "No such file"),
+        (["--max-tokens", "0"], "max_tokens must be at least 1, got 0"),
+        (["--max-tokens", "-1"], "max_tokens must be at least 1"),
+        (["--concurrency", "0"], "concurrency must be at least 1"),
+        (["--requests", "0"], "requests must be at least 1"),
+        (["--duration", "-1"], "duration must be > 0 seconds"),
+        (["--timeout", "0"], "timeout must be > 0 seconds"),
+        (["--timeout", "nan"], "timeout must be > 0 seconds"),
     ],
 )
 def test_cli_bad_settings_are_one_clear_error_line(argv, message, capsys):
