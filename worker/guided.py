@@ -59,10 +59,52 @@ def json_schema_grammar(schema: Any) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object (or true: any JSON value)")
+    _check_schema(schema)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except ValueError as exc:
         raise ValueError(f"invalid JSON schema: {exc}") from None
+
+
+_EXACT_INT = 2**53  # llguidance holds a schema's numbers as float64: integers past this change
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _inexact(value: Any) -> bool:
+    """An integer (at any depth) that float64 does not hold exactly."""
+    if isinstance(value, list):
+        return any(_inexact(v) for v in value)
+    if isinstance(value, dict):
+        return any(_inexact(v) for v in value.values())
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > _EXACT_INT
+
+
+def _lone_backslash(regex: str) -> bool:
+    """Does ``regex`` end in a backslash that escapes nothing (llguidance drops it)?"""
+    return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
+
+
+def _check_schema(node: Any) -> None:
+    """Refuse what llguidance would silently change rather than honour: an integer past 2**53 that
+    bounds or names a value (it would allow its float64 neighbour), a pattern ending in a lone
+    backslash (dropped)."""
+    if isinstance(node, list):
+        for item in node:
+            _check_schema(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if (key in _BOUNDS or key in ("const", "enum")) and _inexact(value):
+            raise ValueError(f"invalid JSON schema: {key} holds an integer beyond 2**53, which the "
+                             "constraint cannot keep exact")  # fmt: skip
+        patterns = [value] if key == "pattern" else list(value) if key == "patternProperties" else []
+        if any(isinstance(p, str) and _lone_backslash(p) for p in patterns):
+            where = "pattern" if key == "pattern" else "patternProperties name"
+            raise ValueError(f"invalid JSON schema: a {where} ends in a lone backslash")
+        if key not in _VALUES:
+            _check_schema(value)
 
 
 def regex_grammar(regex: Any) -> str:
@@ -70,6 +112,8 @@ def regex_grammar(regex: Any) -> str:
 
     if not isinstance(regex, str) or not regex:
         raise ValueError("a regex must be a non-empty string")
+    if _lone_backslash(regex):
+        raise ValueError("invalid regex: it ends in a lone backslash")
     return LLMatcher.grammar_from_regex(regex)
 
 
@@ -78,8 +122,11 @@ def choice_grammar(choices: Any) -> str:
 
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError("a choice must be a non-empty list of non-empty strings")
-    # NOTE: Lark string literals take JSON's escapes, so json.dumps quotes any string safely
-    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    # NOTE: one lexeme, a regex of the choices (a rule of alternatives stops at llguidance's 2,000
+    # items a row); each character not a letter or digit is written \x{..}, safe in Lark's /.../
+    alternatives = "|".join("".join(ch if ch.isascii() and ch.isalnum() else f"\\x{{{ord(ch):x}}}" for ch in c)
+                            for c in choices)  # fmt: skip
+    return LLMatcher.grammar_from_lark(f"start: /(?:{alternatives})/")
 
 
 def lark_grammar(text: Any) -> str:

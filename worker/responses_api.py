@@ -156,7 +156,13 @@ class ResponsesAPI:
         text = body.get("text")
         if text is not None and not isinstance(text, dict):
             raise APIError(400, "'text' must be an object such as {'format': {'type': 'json_schema', ...}}")
-        fmt = {"response_format": _chat_format((text or {}).get("format"))}
+        text_format = (text or {}).get("format")
+        if text_format is not None and (
+            not isinstance(text_format, dict)
+            or text_format.get("type") not in ("text", "json_object", "json_schema")
+        ):
+            raise APIError(400, "'text.format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+        fmt = {"response_format": _chat_format(text_format)}
         store = True if body.get("store") is None else body["store"]
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")

@@ -138,6 +138,48 @@ def test_invalid_grammars_name_the_problem() -> None:
         compiler.compile(*requested_grammar({"guided_json": {"type": "nonsense"}}))
 
 
+def walks(guide, text: str) -> bool:
+    """Does ``guide`` take ``text`` (bytes of the byte tokenizer) whole, with EOS allowed after it?"""
+    m = guide.matcher()
+    return m.consume_tokens(list(text.encode())) and ByteTokenizer.EOS in allowed_ids(m, 257)
+
+
+def test_a_choice_of_thousands_of_options_and_any_characters_is_one_of_them() -> None:
+    """A rule of alternatives stopped at llguidance's 2,000 items a row, mid-request."""
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    many = compiler.compile(*requested_grammar({"guided_choice": [f"item{i}" for i in range(3000)]}))
+    assert walks(many, "item2999") and walks(many, "item0") and not walks(many, "item3000")
+    odd = ["a/b", "x|y", "(.*)", "line\nbreak", 'quote"s', "ça\\", "a", "ab"]
+    guide = compiler.compile(*requested_grammar({"guided_choice": odd}))
+    assert all(walks(guide, c) for c in odd)
+    assert not walks(guide, "xy") and not walks(guide, "anything") and not walks(guide, "a/")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"guided_regex": "ab\\"}, "lone backslash"),
+        ({"guided_json": {"type": "string", "pattern": "a\\"}}, "lone backslash"),
+        ({"guided_json": {"type": "object", "patternProperties": {"k\\": {}}}}, "lone backslash"),
+        ({"guided_json": {"type": "integer", "minimum": 2**53 + 1}}, "beyond 2\\*\\*53"),
+        ({"guided_json": {"enum": [1, -(2**60)]}}, "beyond 2\\*\\*53"),
+        ({"guided_json": {"type": "array", "items": {"const": 2**53 + 1}}}, "beyond 2\\*\\*53"),
+    ],
+)
+def test_what_the_constraint_would_silently_change_is_refused(body, message) -> None:
+    """A trailing backslash was dropped (``ab\\`` allowed ``ab``); an integer past 2**53 allowed its
+    float64 neighbour (minimum 2**53 + 1 let 2**53 through)."""
+    with pytest.raises(ValueError, match=message):
+        GuideCompiler(ByteTokenizer(), 257).compile(*requested_grammar(body))
+
+
+def test_escaped_backslashes_and_integers_up_to_2_53_still_compile() -> None:
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    assert walks(compiler.compile(*requested_grammar({"guided_regex": "ab\\\\"})), "ab\\")
+    exact = compiler.compile(*requested_grammar({"guided_json": {"type": "integer", "minimum": 2**53}}))
+    assert walks(exact, str(2**53)) and not walks(exact, str(2**53 - 1))
+
+
 def random_walk(compiler: GuideCompiler, body: dict, vocab: int, eos: set[int], seed: int, limit: int = 400):
     """Sample uniformly among allowed tokens until EOS: the tokens of one constrained output."""
     rng = random.Random(seed)

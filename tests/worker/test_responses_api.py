@@ -186,6 +186,12 @@ def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body,
     assert create(client, input="still serving")["object"] == "response"
 
 
+def test_a_bad_text_format_is_named_as_the_client_sent_it(client) -> None:
+    r = client.post("/v1/responses", json={"input": "hi", "text": {"format": {"type": "yaml"}}})
+    assert r.status_code == 400 and "'text.format'" in r.json()["error"]["message"]
+    assert "response_format" not in r.json()["error"]["message"]
+
+
 def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(client) -> None:
     """A conversation grown past the context: its next turn is a 400 context_length_exceeded with
     truncation disabled (the default); with auto the oldest turn is dropped, the instructions kept,
