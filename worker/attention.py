@@ -228,6 +228,8 @@ def decode_grouped(
     one saves at least ``min_saved_slots`` padded slots: below that, its extra gather and attention
     call cost more than the padding (python -m worker.bench_cpu_attention). ``window`` > 0: each
     request's last ``window`` slots."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
     starts, lens = kv_indptr[:-1].long(), (kv_indptr[1:] - kv_indptr[:-1]).long()
     if window > 0:
         starts, lens = starts + (lens - window).clamp_min(0), lens.clamp_max(window)

@@ -119,6 +119,11 @@ def test_bad_inputs_raise_value_errors(backend):
                                                                      backend.device)  # fmt: skip
     with pytest.raises(ValueError, match="max_extend_len"):
         short.extend_short_attention(q, k_cache, v_cache, qo, kvp, kv_indices, out_slots, max_extend_len=0)
+    if qo.device.type == "cpu":  # NOTE: checked where it costs nothing (a sync on CUDA), as extend's
+        with pytest.raises(ValueError, match="max_extend_len=2 < 3"):
+            short.extend_short_attention(
+                q, k_cache, v_cache, qo, kvp, kv_indices, out_slots, max_extend_len=2
+            )
     for max_rows in (8, 48):
         with pytest.raises(ValueError, match="max_rows"):
             short.extend_short_attention(q, k_cache, v_cache, qo, kvp, kv_indices, out_slots, max_extend_len=3,

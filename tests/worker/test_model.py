@@ -732,6 +732,17 @@ def test_cpu_batched_decode_attention_matches_the_reference(group, window):
     torch.testing.assert_close(grouped, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_decode_of_no_requests_is_empty_as_the_references():
+    from kernels import reference
+    from worker import attention
+
+    q, cache = torch.empty(0, 4, 8), torch.randn(16, 2, 8)
+    indptr, indices = torch.zeros(1, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+    want = reference.decode_attention(q, cache, cache, indptr, indices, 0.3)
+    got = attention.decode_grouped(q, cache, cache, indptr, indices, 0.3)
+    assert got.shape == want.shape == (0, 4, 8)
+
+
 def test_length_groups_keep_each_groups_longest_within_twice_its_shortest():
     from worker.attention import length_groups
 
