@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 
+from router.http_client import worker_base_url
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from router.gateway import Router
 
@@ -103,7 +105,10 @@ def worker_urls(slices: Iterable[object], target: KubeTarget) -> set[str]:
                 host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
             else:
                 continue
-            urls.add(f"http://{host}:{port}")
+            try:
+                urls.add(worker_base_url(f"http://{host}:{port}"))
+            except ValueError as exc:  # NOTE: e.g. a --k8s-cluster-domain with an empty label
+                log.warning("endpoint skipped: %s", exc)
     return urls
 
 

@@ -270,6 +270,10 @@ def worker_base_url(url: object) -> str:
         raise ValueError(f"worker URL {url!r}: {exc}") from None
     if not parts.hostname or any(c.isspace() or c in "?#" for c in url):  # NOTE: an empty query too
         raise ValueError(f"worker URL {url!r} needs a host, and takes no query, fragment or spaces")
+    try:
+        parts.hostname.encode("idna")  # NOTE: as a connection would: an empty or over-long label fails
+    except UnicodeError:
+        raise ValueError(f"worker URL {url!r}: {parts.hostname!r} is not a host name") from None
     return url.rstrip("/")
 
 

@@ -32,6 +32,7 @@ def test_worker_flags_both_spellings():
         ["--workers", "http://a:99999"],
         ["--workers", "http://a:0"],
         ["--workers", "http://a:1?"],
+        ["--workers", "http://a..b:80"],
         ["--block-size", "0"],
         ["--kv-events", "redis"],
         ["--policy-param", "novalue"],

@@ -49,6 +49,14 @@ def test_statefulset_endpoints_become_their_stable_names() -> None:
     assert "http://rg-worker-0.rg-worker.llm.svc.k8s.example:8001" in worker_urls(slices, named)
 
 
+def test_an_endpoint_whose_name_is_no_host_name_is_skipped_not_a_crash_of_the_health_checks() -> None:
+    slices = [
+        {"ports": [{"port": 8001}], "endpoints": [endpoint("rg-worker-0"), endpoint(address="10.0.0.9")]}
+    ]
+    bad_domain = KubeTarget("rg-worker", "llm", "", "", None, cluster_domain="cluster..local")
+    assert worker_urls(slices, bad_domain) == {"http://10.0.0.9:8001"}
+
+
 def test_malformed_slices_are_skipped_and_a_dual_stack_pod_is_one_worker() -> None:
     good = {"addressType": "IPv4", "ports": [{"port": 8001}], "endpoints": [endpoint(address="10.0.0.2")]}
     odd = [None, 7, "x", {"ports": None, "endpoints": [endpoint()]}, {"ports": [None, {"port": "80"}]},

@@ -383,6 +383,7 @@ def test_admin_add_and_remove_workers(fleet, launch):
             "http://a:1?",
             "http://a:1#",
             "http://a:0",
+            "http://a..b:80",
         ):
             r = client.post("/workers", json={"url": bad}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)
