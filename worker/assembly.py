@@ -117,6 +117,8 @@ def build_engine(cfg: Any) -> Engine:
 def make_kv_pool(cfg: Any, model: Any, device: Any, agree: Any = None) -> KVPool:
     """The KV pool for ``model``'s KV heads (this rank's, when tensor parallel); ``agree`` maps the
     pages this process can hold to the pages every rank uses."""
+    import torch
+
     mc = model.config
     kv_heads = mc.num_kv_heads // model.shard.size
     dtype = kv_cache_dtype(cfg.kv_cache_dtype, model.dtype, device)
@@ -124,7 +126,14 @@ def make_kv_pool(cfg: Any, model: Any, device: Any, agree: Any = None) -> KVPool
     pages = kv_pool_pages(cfg, page_bytes, device)
     if agree is not None:
         pages = agree(pages)
-    return KVPool(pages, cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, dtype, device)
+    try:
+        return KVPool(pages, cfg.block_size, mc.num_layers, kv_heads, mc.head_dim, dtype, device)
+    except (MemoryError, RuntimeError) as exc:  # NOTE: torch's out-of-memory errors are RuntimeErrors
+        if not isinstance(exc, MemoryError | torch.OutOfMemoryError) and "allocat" not in str(exc):
+            raise
+        size = pages * page_bytes / 2**30
+        raise ValueError(f"the KV pool ({pages} pages, {size:.1f} GiB) cannot be allocated on {device}: "
+                         "lower --kv-cache-tokens (or --mem-fraction)") from None  # fmt: skip
 
 
 def load_adapters(cfg: Any, model: Any) -> None:

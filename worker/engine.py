@@ -95,7 +95,10 @@ class Engine:
         self.ready = threading.Event()  # set once the warm-up is over (at once without one)
         self.max_waiting = scheduler_config.max_waiting
         self._inbox: queue.Queue[tuple] = queue.Queue()
-        self._queued = 0  # "add" messages not yet taken by the engine thread
+        self._queued = (
+            0  # requests submitted that the snapshot does not count yet (in the inbox, or taken since)
+        )
+        self._taken = 0  # engine thread: of those, taken from the inbox since the last snapshot
         self._queued_lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # engine thread only
         self._finished: Counter[str] = Counter()
@@ -137,7 +140,8 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Latest state (any thread; refreshed after every step). Its ``waiting`` also counts the
         requests submitted since, which the engine thread takes at its next step."""
-        snap, queued = self._snap, self._queued
+        with self._queued_lock:
+            snap, queued = self._snap, self._queued
         return dataclasses.replace(snap, waiting=snap.waiting + queued) if queued else snap
 
     # ------------------------------------------------------------------ API for the event loop
@@ -293,8 +297,7 @@ class Engine:
         kind = msg[0]
         if kind == "add":
             req: Request = msg[1]
-            with self._queued_lock:
-                self._queued -= 1
+            self._taken += 1  # NOTE: counted as queued until the next snapshot counts it
             if req.adapter and self.adapter_names[req.adapter - 1] is None:  # NOTE: unloaded since its check
                 self._finished["error"] += 1
                 self._emit(req, RequestOutput(finish_reason="error", error="the LoRA adapter was unloaded",
@@ -526,7 +529,7 @@ class Engine:
 
     def _refresh(self) -> None:
         s, cache = self.scheduler.stats, self.cache
-        self._snap = EngineSnapshot(
+        snap = EngineSnapshot(
             t=time.monotonic(),
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting + len(self._parked),
@@ -555,7 +558,9 @@ class Engine:
             accepted_tokens=s.accepted_tokens,
             finished=dict(self._finished),
         )
-        self.metrics.record(self._snap)
+        with self._queued_lock:  # NOTE: together: no reader counts a request twice, or not at all
+            self._snap, self._queued, self._taken = snap, self._queued - self._taken, 0
+        self.metrics.record(snap)
 
     def _fail_everything(self, exc: BaseException) -> None:
         """The engine died: end every request and pending call so no client waits forever."""

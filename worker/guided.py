@@ -69,6 +69,9 @@ def json_schema_grammar(schema: Any) -> str:
 _EXACT_INT = 2**53  # llguidance holds a schema's numbers as float64: integers past this change
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 _VALUES = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+_NAMED = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)  # name: schema
 
 
 def _inexact(value: Any) -> bool:
@@ -96,14 +99,17 @@ def _check_schema(node: Any) -> None:
     if not isinstance(node, dict):
         return
     for key, value in node.items():
-        if (key in _BOUNDS or key in ("const", "enum")) and _inexact(value):
+        if key in _NAMED and isinstance(value, dict):  # NOTE: names, not keywords: "enum" may be a property
+            if key == "patternProperties" and any(_lone_backslash(p) for p in value):
+                raise ValueError("invalid JSON schema: a patternProperties name ends in a lone backslash")
+            for sub in value.values():
+                _check_schema(sub)
+        elif (key in _BOUNDS or key in ("const", "enum")) and _inexact(value):
             raise ValueError(f"invalid JSON schema: {key} holds an integer beyond 2**53, which the "
                              "constraint cannot keep exact")  # fmt: skip
-        patterns = [value] if key == "pattern" else list(value) if key == "patternProperties" else []
-        if any(isinstance(p, str) and _lone_backslash(p) for p in patterns):
-            where = "pattern" if key == "pattern" else "patternProperties name"
-            raise ValueError(f"invalid JSON schema: a {where} ends in a lone backslash")
-        if key not in _VALUES:
+        elif key == "pattern" and isinstance(value, str) and _lone_backslash(value):
+            raise ValueError("invalid JSON schema: a pattern ends in a lone backslash")
+        elif key not in _VALUES:
             _check_schema(value)
 
 

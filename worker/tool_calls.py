@@ -167,7 +167,7 @@ def _call_schema(req: ToolRequest, args_key: str) -> dict:
     calls = []
     for i, (name, schema) in enumerate(_params(req).items()):
         key = f"tool_{i}"
-        rebased = schema if "$id" in schema else _rebased(schema, f"#/$defs/{key}")  # NOTE: $id: its own base
+        rebased = _rebased(schema, f"#/$defs/{key}")
         if rebased != schema:
             defs[key] = rebased
             schema = {"$ref": f"#/$defs/{key}"}
@@ -181,10 +181,12 @@ _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "
 
 
 def _rebased(node: Any, base: str) -> Any:
-    """``node`` with each local reference ``#<pointer>`` made ``<base><pointer>``."""
+    """``node`` with each local JSON-pointer reference (``#``, ``#/...``) made ``<base>...``. A
+    subschema with its own ``$id`` is its references' base, and an anchor (``#name``) is found by
+    name wherever it moves: both stay as they are."""
     if isinstance(node, list):
         return [_rebased(v, base) for v in node]
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or "$id" in node:
         return node
     out: dict[str, Any] = {}
     for k, v in node.items():
@@ -192,7 +194,7 @@ def _rebased(node: Any, base: str) -> Any:
             out[k] = v
         elif k in _NAMED and isinstance(v, dict):  # NOTE: names, not keywords: "enum" may be a property
             out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
-        elif k == "$ref" and isinstance(v, str) and v.startswith("#"):
+        elif k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             out[k] = base + v[1:]
         else:
             out[k] = _rebased(v, base)

@@ -184,3 +184,21 @@ def test_start_up_errors_of_its_arguments_or_model_exit_2_with_the_reason(tmp_pa
         with caplog.at_level(logging.ERROR, logger="worker"):
             assert main(["--warmup-tokens", "0", *argv]) == 2, argv
         assert any("cannot start" in r.message and reason in r.message for r in caplog.records), caplog.text
+
+
+def test_a_kv_pool_torch_cannot_allocate_exits_2_naming_the_flag():
+    """A pool whose page list fits but whose tensors do not (torch's allocation error is a
+    RuntimeError, not a MemoryError): the process's address space is bounded to 6 GiB for it."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.support import free_port
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    argv = [sys.executable, "-m", "worker", "--device", "cpu", "--warmup-tokens", "0", "--kv-cache-tokens",
+            str(10**8), "--port", str(free_port())]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=bounded)
+    assert done.returncode == 2 and "--kv-cache-tokens" in done.stderr, done.stderr[-2000:]

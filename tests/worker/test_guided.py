@@ -164,6 +164,7 @@ def test_a_choice_of_thousands_of_options_and_any_characters_is_one_of_them() ->
         ({"guided_json": {"type": "integer", "minimum": 2**53 + 1}}, "beyond 2\\*\\*53"),
         ({"guided_json": {"enum": [1, -(2**60)]}}, "beyond 2\\*\\*53"),
         ({"guided_json": {"type": "array", "items": {"const": 2**53 + 1}}}, "beyond 2\\*\\*53"),
+        ({"guided_json": {"properties": {"default": {"type": "integer", "minimum": 2**53 + 1}}}}, "beyond"),
     ],
 )
 def test_what_the_constraint_would_silently_change_is_refused(body, message) -> None:
@@ -178,6 +179,8 @@ def test_escaped_backslashes_and_integers_up_to_2_53_still_compile() -> None:
     assert walks(compiler.compile(*requested_grammar({"guided_regex": "ab\\\\"})), "ab\\")
     exact = compiler.compile(*requested_grammar({"guided_json": {"type": "integer", "minimum": 2**53}}))
     assert walks(exact, str(2**53)) and not walks(exact, str(2**53 - 1))
+    named = {"type": "object", "properties": {"enum": {"type": "integer", "examples": [2**60]}}}  # a name
+    assert walks(compiler.compile(*requested_grammar({"guided_json": named})), '{"enum":1}')
 
 
 def random_walk(compiler: GuideCompiler, body: dict, vocab: int, eos: set[int], seed: int, limit: int = 400):

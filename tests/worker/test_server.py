@@ -596,12 +596,14 @@ def test_queue_full_429_prompt_too_long_400_and_dead_engine_503():
         assert dead.status_code == 503 and dead.json()["error"]["message"]
 
 
-def test_requests_the_engine_thread_has_not_taken_yet_count_as_waiting(client, server):
+def test_requests_the_engine_thread_has_not_counted_yet_count_as_waiting(client, server):
     """A router reads running + waiting from /health as the worker's load: requests that arrive
-    during a long step wait in the engine's inbox and must count there too."""
-    gate, held = threading.Event(), threading.Event()
-    server.engine.post(lambda: (held.set(), gate.wait(30)))  # the engine thread is on a long step
-    assert held.wait(20)
+    during a long step wait in the engine's inbox, and those it took count until its next snapshot
+    (the step after it took them may be long too: their prefill)."""
+    gates = [threading.Event(), threading.Event()]
+    held = [threading.Event(), threading.Event()]
+    server.engine.post(lambda: (held[0].set(), gates[0].wait(30)))  # the engine thread is on a long step
+    assert held[0].wait(20)
     results: list = []
 
     def send() -> None:
@@ -614,8 +616,15 @@ def test_requests_the_engine_thread_has_not_taken_yet_count_as_waiting(client, s
             t.start()
         poll(lambda: client.get("/health").json()["waiting"] == 3, "three requests waiting in the inbox")
         assert metric(client, "radixgate_worker_waiting_requests") == 3
+        # the engine takes the three, then runs a long step before its next snapshot
+        server.engine.post(lambda: (held[1].set(), gates[1].wait(30)))
+        gates[0].set()
+        assert held[1].wait(20)
+        health = client.get("/health").json()
+        assert health["waiting"] + health["running"] == 3, health
     finally:
-        gate.set()
+        for gate in gates:
+            gate.set()
         for t in threads:
             t.join(30)
     assert [r.status_code for r in results] == [200] * 3

@@ -892,6 +892,15 @@ TREE = {"type": "function", "function": {"name": "tree", "parameters": {
     "required": ["v", "child"], "additionalProperties": False}}}  # fmt: skip
 
 
+ANCHOR = {"type": "function", "function": {"name": "anchor", "parameters": {
+    "type": "object", "properties": {"u": {"$ref": "#unit"}}, "required": ["u"], "additionalProperties": False,
+    "$defs": {"U": {"$anchor": "unit", "enum": ["c", "f"]}}}}}  # fmt: skip
+NESTED_ID = {"type": "function", "function": {"name": "nested", "parameters": {
+    "type": "object", "properties": {"u": {"$id": "https://example.com/u.json", "$ref": "#/$defs/U",
+                                           "$defs": {"U": {"enum": ["c", "f"]}}}},
+    "required": ["u"], "additionalProperties": False}}}  # fmt: skip
+
+
 @pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3_json", "required"])
 def test_tool_schemas_with_references_keep_their_meaning_in_every_calls_grammar(fmt) -> None:
     """pydantic writes `$defs` and `$ref` (and `#` for a recursive model): nested in a grammar of
@@ -900,7 +909,7 @@ def test_tool_schemas_with_references_keep_their_meaning_in_every_calls_grammar(
     from worker.tool_calls import auto_grammar, forced_grammar, llama3_auto_grammar, tagged_auto_grammar
 
     tok = ByteTokenizer()
-    req = ToolRequest([UNIT, TREE], "required" if fmt == "required" else "auto")
+    req = ToolRequest([UNIT, TREE, ANCHOR, NESTED_ID], "required" if fmt == "required" else "auto")
     kind, grammar = {
         "hermes": lambda: auto_grammar(req, trigger_is_special=False),
         "mistral": lambda: tagged_auto_grammar(req, "[TOOL_CALLS]", None),
@@ -929,6 +938,8 @@ def test_tool_schemas_with_references_keep_their_meaning_in_every_calls_grammar(
     assert accepts(("tree", {"v": 1, "child": {"v": 2, "child": None}}))
     assert not accepts(("tree", {"v": 1, "child": [{"name": "tree", key: {"v": 2, "child": None}}]}))
     assert not accepts(("tree", {"v": 1, "child": {"v": 2, "child": {"city": "Oslo", "unit": "c"}}}))
+    for name in ("anchor", "nested"):  # an anchor is found by name; a subschema's $id is its own base
+        assert accepts((name, {"u": "f"})) and not accepts((name, {"u": "k"}))
 
 
 def test_a_tool_schemas_literals_and_property_names_are_not_taken_for_references() -> None:
