@@ -112,19 +112,21 @@ def tools_of(body: dict) -> ToolRequest | None:
 
 async def output_guide(
     body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None, parser: str = "hermes",
-    thinking: bool | None = None,
+    thinking: bool | None = None, auto_calls: bool = True,
 ) -> Guide | None:  # fmt: skip
     """The constraint on the output: the structured output the body asks for, the one a forced
-    tool call needs, or (``auto`` tools, nothing else asked) well-formed calls in the parser's format in
-    free text; compiled off the event loop (a large schema takes a while). None for free text. A
-    bad one is a 400 naming the problem. ``thinking`` (with --reasoning-parser; True when the prompt
-    opened the thinking): the constraint applies after the model's thinking."""
+    tool call needs, or (``auto`` tools, nothing else asked, ``auto_calls``) well-formed calls in the
+    parser's format in free text; compiled off the event loop (a large schema takes a while). None for
+    free text. A bad one is a 400 naming the problem. ``thinking`` (with --reasoning-parser; True when
+    the prompt opened the thinking): the constraint applies after the model's thinking. ``auto_calls``
+    False: a model that writes its calls in its own messages (gpt-oss's harmony), which a calls
+    grammar of text would forbid."""
     try:
         asked = requested_grammar(body)
         forced = forced_grammar(tools) if tools is not None else None
         if asked is not None and forced is not None:
             raise ValueError("a structured output format and a required tool call cannot be combined")
-        if asked is None and forced is None and tools is not None and tools.choice == "auto":
+        if asked is None and forced is None and tools is not None and tools.choice == "auto" and auto_calls:
             special, token = compiler.special_token, compiler.special_id
             if parser == "hermes":
                 forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))

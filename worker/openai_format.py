@@ -102,7 +102,7 @@ class Choice:
         """Account one engine output (its text aside; a stream's tokens counted as thinking or not
         before their text is split); True when it finishes this choice."""
         if self.reasoning is not None:
-            self.reasoning.count(len(out.token_ids))
+            self.reasoning.count(out.token_ids)
         if out.prompt_logprobs is not None and self.prompt_ids is not None:
             self.logprobs.extend(zip(self.prompt_ids, out.prompt_logprobs, strict=True))
         if out.logprobs is not None and not self.scoring_only:

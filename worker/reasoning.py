@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 
 OPEN, CLOSE = "<think>", "</think>"
 # vLLM's names; qwen3 and deepseek_r1 read the same tags, gpt_oss harmony's channels
@@ -51,6 +52,10 @@ class Splitter:
     def flush(self) -> tuple[str, str]:
         raise NotImplementedError
 
+    def count(self, token_ids: Sequence[int]) -> None:
+        """Account the tokens just generated (before their text is fed)."""
+        raise NotImplementedError
+
     def is_answer(self) -> bool | None:
         """Is the next token counted part of the answer (content), not thinking or markers? None
         while that is not known yet (the answer's first tokens, before it shows whether it thinks)."""
@@ -77,13 +82,13 @@ class ReasoningSplitter(Splitter):
     def is_answer(self) -> bool | None:
         return None if self._state == "start" else self._state == "content"
 
-    def count(self, tokens: int) -> None:
-        """Attribute ``tokens`` just generated, before their text is fed: to the thinking while it
+    def count(self, token_ids: Sequence[int]) -> None:
+        """Attribute the tokens just generated, before their text is fed: to the thinking while it
         lasts (the one that closes it included)."""
         if self._state == "reasoning":
-            self.reasoning_tokens += tokens
+            self.reasoning_tokens += len(token_ids)
         elif self._state == "start":
-            self._undecided += tokens
+            self._undecided += len(token_ids)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content that ``text`` (with what was held back) makes known."""
@@ -145,8 +150,13 @@ class HarmonySplitter(Splitter):
     (an answer that is not in the format, e.g. under a JSON grammar) is content once the answer ends
     without one."""
 
-    def __init__(self, thinking: bool = False) -> None:
+    def __init__(self, thinking: bool = False, ends: Mapping[int, str] | None = None) -> None:
+        """``ends``: the end tokens (EOS ids: gpt-oss's ``<|call|>``, ``<|return|>``) by id, with their
+        marker: the engine keeps such a token out of the text, so an answer it ends is closed by it here
+        (a call it ends is whole, not cut off)."""
         del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
+        self._ends = ends or {}
+        self._last: int | None = None  # the last token generated
         self._state = "header"  # header: reading up to <|message|>; body: a message's text
         self._channel = ""
         self._recipient = ""  # the tool a message is addressed to ("" for none)
@@ -159,9 +169,11 @@ class HarmonySplitter(Splitter):
     def is_answer(self) -> bool | None:
         return self._state == "body" and self._channel != "analysis" and not self._recipient
 
-    def count(self, tokens: int) -> None:
+    def count(self, token_ids: Sequence[int]) -> None:
         if self._state == "body" and self._channel == "analysis" and not self._recipient:
-            self.reasoning_tokens += tokens
+            self.reasoning_tokens += len(token_ids)
+        if token_ids:
+            self._last = token_ids[-1]
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self._pending = self._pending + text, ""
@@ -203,6 +215,11 @@ class HarmonySplitter(Splitter):
         return f"{_OPEN_CALL}{json.dumps(call, ensure_ascii=False)}{_CLOSE_CALL}"
 
     def flush(self) -> tuple[str, str]:
+        end = self._ends.get(self._last) if self._state == "body" else None  # type: ignore[arg-type]
+        if end is not None:  # NOTE: the answer's last token ended its message
+            reasoning, content = self.feed(end)
+            rest = self.flush()
+            return reasoning + rest[0], content + rest[1]
         text, self._pending = self._pending, ""
         if self._state == "header":  # NOTE: an answer with no message at all is plain content
             text, self._header = ("" if self._seen_marker else self._header), ""
@@ -213,6 +230,7 @@ class HarmonySplitter(Splitter):
         return (text, "") if self._channel == "analysis" else ("", text)
 
 
-def splitter(parser: str, thinking: bool = False) -> Splitter:
-    """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer."""
-    return HarmonySplitter() if parser == "gpt_oss" else ReasoningSplitter(thinking)
+def splitter(parser: str, thinking: bool = False, ends: Mapping[int, str] | None = None) -> Splitter:
+    """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer (``ends``:
+    HarmonySplitter's)."""
+    return HarmonySplitter(ends=ends) if parser == "gpt_oss" else ReasoningSplitter(thinking)

@@ -27,7 +27,7 @@ from router.responses_input import (
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
 from worker.openai_format import event_stream, logprob_entry
-from worker.reasoning import Splitter, splitter
+from worker.reasoning import Splitter
 from worker.responses_output import Events, OutputItems
 from worker.tool_calls import ToolOutput
 
@@ -198,7 +198,9 @@ class ResponsesAPI:
             )
         logprobs = _logprobs(body, tools)
         thinking = api.prompt_thinks(ids)
-        guide = await output_guide(fmt, api.engine.guides, tools, api.tool_call_parser, thinking)
+        guide = await output_guide(
+            fmt, api.engine.guides, tools, api.tool_call_parser, thinking, not api.harmony
+        )
         params = sampling_params(
             body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
         )
@@ -214,7 +216,7 @@ class ResponsesAPI:
         )
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
-                     splitter(api.reasoning_parser, bool(thinking)) if api.reasoning else None)  # fmt: skip
+                     api.splitter(thinking) if api.reasoning else None)  # fmt: skip
         if body.get("stream"):
             return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
@@ -320,7 +322,7 @@ class _Turn:
             self._unsure += answer is None
         text, deltas = out.text, []
         if self.thinking is not None:
-            self.thinking.count(len(out.token_ids))
+            self.thinking.count(out.token_ids)
             thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
             if self._unsure and self.thinking.is_answer() is not None:  # NOTE: known now: the answer's

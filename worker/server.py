@@ -90,6 +90,9 @@ class WorkerAPI:
         self.tool_call_parser = tool_call_parser  # how `auto` tool calls are read from the text
         self.reasoning = reasoning_parser != "none"  # chat answers' thinking apart (worker/reasoning.py)
         self.reasoning_parser = reasoning_parser
+        # gpt-oss: harmony's markers are special tokens, its calls its own messages (no calls grammar)
+        self.harmony = reasoning_parser in SPECIAL_TOKEN_PARSERS
+        self._ends = {i: m for m in reasoning.BODY_ENDS if (i := engine.guides.special_id(m)) is not None}
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
@@ -101,6 +104,10 @@ class WorkerAPI:
             return None  # NOTE: harmony names each message's channel; a grammar constrains the whole answer
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
+
+    def splitter(self, thinking: bool | None) -> reasoning.Splitter:
+        """A chat answer's reasoning splitter (with --reasoning-parser)."""
+        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends)
 
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
@@ -162,7 +169,9 @@ class WorkerAPI:
             raise APIError(400, "the conversation renders to an empty prompt")
         tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens
         thinking = self.prompt_thinks(ids)
-        guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser, thinking)
+        guide = await output_guide(
+            body, self.engine.guides, tools, self.tool_call_parser, thinking, not self.harmony
+        )
         params = self.for_model(self.reasoning_params(
             sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
         ), body)  # fmt: skip
@@ -190,7 +199,7 @@ class WorkerAPI:
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
         for c in choices:
             if chat and self.reasoning:
-                c.reasoning = reasoning.splitter(self.reasoning_parser, bool(thinking))
+                c.reasoning = self.splitter(thinking)
             if tools is not None and tools.choice != "none":
                 c.tools = ToolOutput(tools, self.tool_call_parser)
             if echo is not None:

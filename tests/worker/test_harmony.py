@@ -143,3 +143,91 @@ def test_a_tool_call_after_the_analysis_is_read_whole_and_streamed(worker):
     assert "".join(tc["function"].get("arguments", "") for tc in streamed) == call["function"]["arguments"]
     assert not any(d.get("content") for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_call_its_end_token_ended_is_whole_though_that_token_is_not_text():
+    """gpt-oss lists <|call|> among its EOS ids (generation_config.json): the engine keeps it out of
+    the text, so the splitter is told the answer's last token; a call it ended is a call."""
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    ended = HarmonySplitter(ends={7: "<|call|>"})
+    ended.count([5])
+    first = ended.feed(call)
+    ended.count([7])  # the end token: no text
+    rest = ended.flush()
+    assert (
+        first[1] + rest[1]
+        == '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+    )
+    cut = HarmonySplitter(ends={7: "<|call|>"})
+    cut.count([5])
+    assert cut.take(call, final=True)[1] == '{"city": "Oslo"}'  # cut off by max_tokens: content
+
+
+HARMONY_TAGS = (
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|constrain|>",
+)
+
+
+@pytest.fixture(scope="module")
+def special_harmony(tmp_path_factory):
+    """The llama checkpoint with harmony's markers as special tokens and, as gpt-oss-20b's
+    generation_config.json has them, <|return|> and <|call|> among its EOS ids."""
+    from tokenizers import Tokenizer
+
+    from tests.worker.conftest import save_tool_tag_checkpoint
+
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant{% endif %}")  # fmt: skip
+    path = save_tool_tag_checkpoint(tmp_path_factory.mktemp("harmony"), True, HARMONY_TAGS, template)
+    ids = {t: Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(t) for t in HARMONY_TAGS}
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [ids["<|return|>"], ids["<|call|>"]]})
+    )
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|return|>"}))
+    with serve(model=str(path), reasoning_parser="gpt_oss", kv_cache_tokens=4096) as live:
+        yield live, ids
+
+
+def test_with_tools_the_model_may_write_its_own_messages(special_harmony):
+    """No calls grammar of text over harmony's special tokens: it forbade every marker."""
+    live, ids = special_harmony
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "max_tokens": 1,
+            "temperature": 0, "logit_bias": {str(ids["<|channel|>"]): 100}, "return_token_ids": True}  # fmt: skip
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["token_ids"] == [ids["<|channel|>"]], choice
+
+
+def test_a_call_ended_by_the_call_token_is_a_tool_call_whole_and_streamed(special_harmony):
+    live, ids = special_harmony
+
+    def t(marker: str) -> str:
+        return f"<[{ids[marker]}]>"
+
+    grammar = (f'start: {t("<|channel|>")} "analysis" {t("<|message|>")} "plan" {t("<|end|>")} {t("<|start|>")} '
+               f'"assistant" {t("<|channel|>")} "commentary to=functions.get_weather " {t("<|constrain|>")} '
+               f'"json" {t("<|message|>")} "{{\\"city\\": \\"Oslo\\"}}"\n')  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "max_tokens": 200,
+            "temperature": 0, "structured_outputs": {"grammar": grammar},
+            "logit_bias": {str(ids["<|call|>"]): 100}}  # fmt: skip
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None, whole
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {
+        "city": "Oslo"
+    }
+    assert whole["message"]["reasoning"] == "plan"
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert "".join(tc["function"].get("arguments", "") for tc in streamed) == call["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
