@@ -79,8 +79,8 @@ def chat_tool_choice(choice: Any) -> Any:
 
 def input_messages(input_: Any) -> list[dict[str, Any]]:
     """``input`` (a string, or a list of message, ``function_call``, ``function_call_output`` and
-    ``reasoning`` items) as chat messages: consecutive function calls are one assistant message's
-    ``tool_calls``, a call's output is a ``tool`` message, and a reasoning item's text is the next
+    ``reasoning`` items) as chat messages: function calls are the ``tool_calls`` of the assistant
+    message they follow (one turn's message and calls, as a response's output has them), a call's output is a ``tool`` message, and a reasoning item's text is the next
     assistant message's ``reasoning_content`` (the name chat templates read; dropped when another
     message follows it)."""
     if isinstance(input_, str):
@@ -107,8 +107,8 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
             if not all(isinstance(v, str) and v for v in (call_id, name)) or not isinstance(args, str):
                 raise ValueError("a function_call item needs string 'call_id', 'name' and 'arguments'")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)
+            if out and out[-1]["role"] == "assistant":  # NOTE: one turn's message and calls: one message
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -124,3 +124,17 @@ def test_a_reasoning_item_goes_with_the_assistant_turn_that_follows_it() -> None
     assert input_messages([summary_only, answer])[0]["reasoning_content"] == "short"
     with pytest.raises(ValueError, match="reasoning item"):
         input_messages([{"type": "reasoning", "content": "not parts"}, answer])
+
+
+def test_a_responses_output_sent_back_as_input_is_the_turn_it_was() -> None:
+    """The usual tool loop sends a response's output items back as the next input: its thinking,
+    text and call are one assistant turn, as previous_response_id's stored conversation has it (two
+    messages rendered another prompt, and missed the cache)."""
+    from worker.responses_output import Events, OutputItems
+
+    items = OutputItems(Events())
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for delta in ({"reasoning": "need weather"}, {"content": "Let me check."}, {"tool_calls": [call]}):
+        items.delta(delta)
+    items.close("completed")
+    assert input_messages(items.items) == [items.assistant_message()]
