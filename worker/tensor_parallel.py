@@ -137,8 +137,9 @@ class LeaderModel:
             raise
 
     def add_lora(self, adapter: Any) -> int:
-        # NOTE: the other ranks read their parts from the same directory, in step order
-        self.channel.send(("lora_add", adapter.name, adapter.path))
+        # NOTE: the other ranks take their parts of what this rank read, in step order (the directory
+        # may have changed since, or be gone)
+        self.channel.send(("lora_add", adapter.name, adapter.path, adapter.files))
         return self.model.add_lora(adapter)
 
     def remove_lora(self, adapter_id: int) -> None:
@@ -345,7 +346,7 @@ def follower_main(rank: int, cfg: Any, device_type: str, init_method: str, leade
             elif msg[0] == "kv_write":
                 write_heads(pool, torch.from_numpy(msg[1]), msg[2].view(pool.dtype), msg[3], shard)
             elif msg[0] == "lora_add":
-                model.add_lora(load_adapter(msg[1], msg[2], model))
+                model.add_lora(load_adapter(msg[1], msg[2], model, msg[3]))
             elif msg[0] == "lora_remove":
                 model.remove_lora(msg[1])
             elif msg[0] == "host_save":

@@ -248,9 +248,15 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
     nan = tmp_path / "nan"  # NOTE: Python's json reads NaN: the adapter would poison every answer
     shutil.copytree(tmp_path / "r4", nan)
     (nan / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": NaN}')
+    inf = tmp_path / "inf"  # NOTE: an fp16 overflow: every answer would be NaN, and its slot's next one too
+    shutil.copytree(tmp_path / "r4", inf)
+    weights = load_file(str(inf / "adapter_model.safetensors"))
+    key = next(k for k in weights if k.endswith("lora_B.weight"))
+    weights[key][0, 0] = float("inf")
+    save_file(weights, str(inf / "adapter_model.safetensors"))
     cases = ((f"w={wrong}", "needs A"), (f"m={tmp_path / 'missing'}", "cannot read"),
              (f"n={no_rank}", "positive integer 'r'"), (f"d={damaged}", "cannot read"),
-             (f"x={nan}", "finite 'lora_alpha'"))  # fmt: skip
+             (f"x={nan}", "finite 'lora_alpha'"), (f"i={inf}", "holds inf or NaN"))  # fmt: skip
     for spec, words in cases:
         cfg = WorkerConfig(
             model=str(llama_checkpoint), device="cpu", kv_cache_tokens=1024, lora_adapters=[spec]
@@ -592,6 +598,12 @@ def test_the_stack_gives_each_request_its_own_adapters_delta_as_adapters_come_an
     stack.add(3, a3)  # NOTE: "one"'s slot, cleared: "three" has no qkv or down delta
     assert stack.slot_of == {2: 1, 3: 0} and stack.version == version
     check([3, 2, 0], {2: w2, 3: w3})
+    # a slot's B is cleared too: a zero A row times a B left non-finite is NaN, not 0
+    stack.b["qkv"][:, 0] = float("inf")
+    stack.remove(3)
+    a4, w4 = stack_adapter("four", 1, {"o": dims["o"]}, 4)
+    stack.add(4, a4)
+    check([4, 2, 0], {2: w2, 4: w4})
 
 
 def test_room_made_at_start_up_takes_adapters_without_moving_the_stack():

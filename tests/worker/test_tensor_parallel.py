@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -374,9 +377,27 @@ def test_lora_adapters_split_over_two_ranks(llama_checkpoint, tmp_path):
     one, two = serve_pair(str(llama_checkpoint), tmp_path, ["--kv-cache-tokens", "2048", "--lora-adapter",
                                                              f"ad={tmp_path / 'ad'}"])  # fmt: skip
     try:
-        r = httpx.post(
-            two.url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(tmp_path / "ad")}
-        )
+        # NOTE: its config can be read once (a pipe): the other rank must take what rank 0 read, not
+        # read the directory again (changed since, or gone: it once killed the worker after the 200)
+        late = tmp_path / "late"
+        late.mkdir()
+        shutil.copy(tmp_path / "ad" / "adapter_model.safetensors", late)
+        os.mkfifo(late / "adapter_config.json")
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(httpx.post, two.url + "/v1/load_lora_adapter",
+                                  json={"lora_name": "late", "lora_path": str(late)}, timeout=60)  # fmt: skip
+            config = (tmp_path / "ad" / "adapter_config.json").read_bytes()
+            deadline = time.monotonic() + 60
+            while True:  # NOTE: opened without blocking: ENXIO until rank 0 opens it to read
+                try:
+                    fd = os.open(late / "adapter_config.json", os.O_WRONLY | os.O_NONBLOCK)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and not loading.done(), "rank 0 never read it"
+                    time.sleep(0.05)
+            os.write(fd, config)
+            os.close(fd)
+            r = loading.result()
         assert r.status_code == 200, r.text
         body = {"prompt": PROMPTS[1], "temperature": 0, "logprobs": 2}
         want = {m: complete(one.url, model=m, **body) for m in (llama_checkpoint.name, "ad")}

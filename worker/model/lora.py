@@ -64,6 +64,9 @@ class LoraAdapter:
     # gains (x @ A^T) @ B^T. A stacked projection (qkv, gate_up) concatenates its parts' A along R
     # and places their B block-diagonally, so each part sees only its own A.
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # what was read from ``path`` (adapter_config.json, the safetensors), until the adapter is stacked:
+    # the other ranks of a tensor-parallel worker take their parts of these, not of the files again
+    files: tuple[dict, dict[str, torch.Tensor]] | None = None
 
 
 class LoraStack:
@@ -93,12 +96,14 @@ class LoraStack:
         for (_, proj), (a, _) in adapter.weights.items():
             ranks[proj] = max(ranks.get(proj, 0), a.shape[0])
         self._grow(max(self.slots, slot + 1), ranks)
-        for proj in self.a:  # NOTE: zero A rows make zero products, whatever B holds past the new rank
+        for proj in self.a:  # NOTE: both: a zero A row times a B left non-finite would still be NaN
             self.a[proj][:, slot].zero_()
+            self.b[proj][:, slot].zero_()
         for (layer, proj), (a, b) in adapter.weights.items():
             self.a[proj][layer, slot, : a.shape[0]] = a
             self.b[proj][layer, slot, :, : b.shape[1]] = b
         adapter.weights.clear()
+        adapter.files = None
         self.slot_of[adapter_id] = slot
 
     def slots_of(self, adapter_ids: Sequence[int]) -> list[int]:
@@ -196,8 +201,19 @@ def lora_batch(
     return LoraBatch(stack, slots, on_device(seg_indptr, stack.device, torch.int32), cap, list(per_request))
 
 
-def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
-    """A PEFT LoRA directory for ``model`` (its device and dtype). ValueError names what does not fit."""
+def load_adapter(
+    name: str, path: str, model: torch.nn.Module, files: tuple[dict, dict[str, torch.Tensor]] | None = None
+) -> LoraAdapter:
+    """A PEFT LoRA directory for ``model`` (its device and dtype); ``files``: what another rank read
+    from it (``LoraAdapter.files``). ValueError names what does not fit."""
+    config, tensors = read_adapter(name, path) if files is None else files
+    adapter = _adapter(name, path, model, config, tensors)
+    adapter.files = (config, tensors)
+    return adapter
+
+
+def read_adapter(name: str, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json and the LoRA tensors of a PEFT directory, as read (ValueError: what is wrong)."""
     from safetensors.torch import load_file
 
     try:
@@ -215,6 +231,23 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         raise ValueError(  # NOTE: Python's json reads NaN and Infinity: they would poison every answer
             f"adapter {name!r}: adapter_config.json needs a positive integer 'r' and a finite 'lora_alpha'"
         )
+    weights_path = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.exists(weights_path):
+        raise ValueError(f"adapter {name!r}: no adapter_model.safetensors in {path}")
+    try:
+        tensors = load_file(weights_path)
+    except Exception as exc:  # NOTE: safetensors raises its own error type for a damaged file
+        raise ValueError(f"adapter {name!r}: cannot read {weights_path}: {exc}") from None
+    bad = next(
+        (key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None
+    )
+    if bad is not None:
+        raise ValueError(f"adapter {name!r}: {bad} holds inf or NaN")
+    return config, tensors
+
+
+def _adapter(name: str, path: str, model: torch.nn.Module, config: Any, tensors: dict) -> LoraAdapter:
+    """The adapter ``config`` and ``tensors`` make for ``model`` (this rank's part)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"adapter {name!r}: only LoRA adapters are supported, not {config.get('peft_type')}")
     if config.get("bias", "none") != "none" or config.get("fan_in_fan_out") or config.get("use_dora"):
@@ -229,14 +262,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
                 f"adapter {name!r}: its {key} {pattern!r} is not supported (one r and one lora_alpha for "
                 "every module are)"
             )
-    weights_path = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.exists(weights_path):
-        raise ValueError(f"adapter {name!r}: no adapter_model.safetensors in {path}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    try:
-        tensors = load_file(weights_path)
-    except Exception as exc:  # NOTE: safetensors raises its own error type for a damaged file
-        raise ValueError(f"adapter {name!r}: cannot read {weights_path}: {exc}") from None
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in TARGETS:
@@ -293,7 +319,7 @@ def load_adapter(name: str, path: str, model: torch.nn.Module) -> LoraAdapter:
         stacked_a, stacked_b = model.shard.lora(c, key[1], stacked_a, stacked_b)  # type: ignore[attr-defined]
         adapter.weights[key] = (stacked_a.to(dev, dtype), stacked_b.to(dev, dtype))
     if not adapter.weights:
-        raise ValueError(f"adapter {name!r}: no LoRA weights in {weights_path}")
+        raise ValueError(f"adapter {name!r}: no LoRA weights in {path}/adapter_model.safetensors")
     return adapter
 
 
