@@ -37,6 +37,7 @@ from router.workers import Worker, WorkerRegistry
 log = logging.getLogger("radixgate.router.replica_sync")
 
 CHANNEL = "radixgate:router-load"
+MAX_UNSENT = 1 << 20  # bytes queued for a Redis that does not read them (frozen): the connection is dropped
 
 
 class ReplicaSync:
@@ -106,6 +107,13 @@ class ReplicaSync:
         if self._pub is None or self._pub.is_closed:
             self.stats["publish_errors"] += 1  # NOTE: Redis away: the health reports still carry the load
             return
+        if self._pub.unsent > MAX_UNSENT:  # NOTE: a Redis that holds the connection but reads nothing
+            log.warning(
+                "replica sync: Redis has not read %d bytes of announcements; reconnecting", self._pub.unsent
+            )
+            self._pub.close()
+            self.stats["publish_errors"] += 1
+            return
         message = orjson.dumps({"replica": self.replica, "full": full, "workers": workers})
         self._pub.send(command("PUBLISH", self.channel, message))
         self.stats["sent"] += 1
@@ -143,14 +151,17 @@ class ReplicaSync:
         while True:
             try:
                 conn = await RespConnection.open(self.redis_url, on_value)
+                if failures:
+                    log.info("replica sync: %s to Redis open again", what)
                 failures = 0
                 on_open(conn)
                 try:
                     await conn.closed
                 finally:
                     conn.close()
+                log.warning("replica sync: %s to Redis lost; reconnecting", what)
             except (OSError, asyncio.TimeoutError, RespError) as exc:
-                if failures in (0, 5) or failures % 50 == 0:
+                if failures <= 1 or failures == 5 or failures % 50 == 0:  # NOTE: 1: the first after a loss
                     log.warning(
                         "replica sync: %s to Redis failed (%s); retrying", what, exc or type(exc).__name__
                     )

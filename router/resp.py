@@ -146,6 +146,12 @@ class RespConnection:
         assert self._protocol.transport is not None
         self._protocol.transport.write(data)
 
+    @property
+    def unsent(self) -> int:
+        """Bytes written but not yet taken by the socket (they grow while Redis does not read)."""
+        t = self._protocol.transport
+        return 0 if t is None else t.get_write_buffer_size()
+
     def close(self) -> None:
         if self._protocol.transport is not None:
             self._protocol.transport.close()

@@ -146,3 +146,54 @@ def _heartbeat_yaml(tmp_dir: str, seconds: float) -> str:
     with open(path, "w") as f:
         f.write(f"replica_sync_heartbeat_s: {seconds}\nlog_level: warning\n")
     return path
+
+
+@pytest.mark.redis
+def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_counted_as_errors():
+    """A frozen Redis (stopped, or partitioned without a reset) keeps the connection open and reads
+    nothing: announcements must not pile up in the write buffer without bound."""
+    import asyncio
+    import os
+
+    from router import replica_sync
+    from tests.support import start_redis
+
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    port = free_port()
+    redis = start_redis(port)
+    try:
+
+        async def run() -> tuple[int, int]:
+            registry = WorkerRegistry(CircuitBreaker, 100.0)
+            workers = [registry.add(f"http://10.0.0.{i}:8000") for i in range(8)]
+            sync = ReplicaSync(registry, f"redis://127.0.0.1:{port}", heartbeat_s=60.0, expire_s=180.0)
+            await sync.start()
+            try:
+                for _ in range(200):
+                    if sync._pub is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                os.kill(redis.pid, signal.SIGSTOP)
+                most = 0
+                for i in range(60_000):  # each request moves a worker's count up and down
+                    w = workers[i % 8]
+                    w.in_flight += 1
+                    w.changed()
+                    await asyncio.sleep(0)
+                    w.in_flight -= 1
+                    w.changed()
+                    await asyncio.sleep(0)
+                    if sync._pub is not None and not sync._pub.is_closed:
+                        most = max(most, sync._pub.unsent)
+                return most, sync.stats["publish_errors"]
+            finally:
+                os.kill(redis.pid, signal.SIGCONT)
+                await sync.stop()
+
+        most, errors = asyncio.run(run())
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+        redis.terminate()
+        redis.wait(10)
+    assert most <= replica_sync.MAX_UNSENT + 4096 and errors >= 1, (most, errors)
