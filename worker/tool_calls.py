@@ -582,7 +582,8 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
         found = _hermes_block(block) or []
         # NOTE: an answer cut off right after a <tool_call> shows no tag (as its stream ends)
         if found or after == body == len(text):
-            content.append(text[last:start])
+            # NOTE: whitespace before a call is not content (as a stream leaves it out)
+            content.append(text[last:start].rstrip() if found else text[last:start])
             calls += found
             last = after
         start = after

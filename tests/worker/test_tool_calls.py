@@ -140,6 +140,7 @@ HERMES_TEXTS = [
     "<tool_call>not json</tool_call> tail",
     'Let me look.<tool_call>{"name":"add","arguments":{}}</tool_call> <tool_call>',  # cut off at a tag
     'Run it.<tool_call>{"name":"add","arguments":{"s":"</tool_call>","t":"\\"</tool_call>"}}</tool_call>',
+    'Checking.\n<tool_call>{"name":"add","arguments":{}}</tool_call>\nDone.',  # whitespace before a call
 ]
 # answers whose <tool_call> blocks do not parse: the stream is the text, whitespace and all
 NOT_CALLS = [
@@ -192,7 +193,7 @@ def test_streamed_calls_agree_with_the_whole_answer(parser_text, cuts) -> None:
     whole = ToolOutput(ToolRequest(TOOLS, "auto"), parser).message(text)
     content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), parser), pieces)
     assert calls == calls_of(whole)
-    assert content.split() == (whole["content"] or "").split()
+    assert content == (whole["content"] or "")
 
 
 REQUIRED_TEXT = (
