@@ -253,7 +253,10 @@ class Responses:
                 reasoning, text = self._split(c, text, finish_reason is not None)
                 if not (reasoning or text or finish_reason or lp or self.prompt_ids is not None):
                     return None
-            delta = {"content": text} if text or (finish_reason is None and not reasoning) else {}
+            # NOTE: with a reasoning parser, no empty content while text is held (a chunk that carries
+            # only logprobs or token ids says nothing of the answer having begun)
+            empty_ok = finish_reason is None and c.reasoning is None
+            delta = {"content": text} if text or empty_ok else {}
             if reasoning:
                 delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}

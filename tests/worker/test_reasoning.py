@@ -94,6 +94,22 @@ def test_reasoning_comes_apart_from_the_content_whole_and_streamed(worker):
         assert cut["choices"][0]["message"]["reasoning"] == message["reasoning"][:3]
 
 
+def test_a_stream_with_logprobs_sends_no_empty_content_while_tags_are_held(worker):
+    """Chunks that carry only logprobs while the thinking's tags are held back say nothing of the
+    answer: no empty ``content`` (clients take any content as the answer's start)."""
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=chat(logprobs=True, **THOUGHT)).json()["choices"][0]
+        with client.stream(
+            "POST", "/v1/chat/completions", json=chat(stream=True, logprobs=True, **THOUGHT)
+        ) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert not any("content" in d for d in deltas[1:first_content]), deltas[:first_content]
+    streamed = [t for c in chunks for t in ((c["choices"][0]["logprobs"] or {}).get("content") or [])]
+    assert [t["token"] for t in streamed] == [t["token"] for t in whole["logprobs"]["content"]]
+
+
 @pytest.mark.parametrize(
     "body",
     [{"regex": "[0-9]{3}"}, {"response_format": {"type": "json_schema", "json_schema": {"schema": {
