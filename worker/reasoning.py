@@ -61,6 +61,10 @@ class Splitter:
         while that is not known yet (the answer's first tokens, before it shows whether it thinks)."""
         raise NotImplementedError
 
+    def lead_was_answer(self) -> bool:
+        """Once ``is_answer`` is known: were the tokens counted while it was not (None) the answer's?"""
+        raise NotImplementedError
+
     def take(self, text: str, final: bool) -> tuple[str, str]:
         """``feed(text)``, and when the answer ends with it (``final``) what was held back too."""
         reasoning, content = self.feed(text)
@@ -81,6 +85,9 @@ class ReasoningSplitter(Splitter):
 
     def is_answer(self) -> bool | None:
         return None if self._state == "start" else self._state == "content"
+
+    def lead_was_answer(self) -> bool:
+        return not self.reasoning_tokens  # NOTE: they count as thinking if the answer opened with it
 
     def count(self, token_ids: Sequence[int]) -> None:
         """Attribute the tokens just generated, before their text is fed: to the thinking while it
@@ -167,7 +174,12 @@ class HarmonySplitter(Splitter):
         self.reasoning_tokens = 0  # tokens generated in analysis messages (their markers included)
 
     def is_answer(self) -> bool | None:
+        if self._state == "header" and not self._seen_marker:  # NOTE: a header, or an answer in no message
+            return None
         return self._state == "body" and self._channel != "analysis" and not self._recipient
+
+    def lead_was_answer(self) -> bool:
+        return not self._seen_marker  # NOTE: the first message's header, unless no message came
 
     def count(self, token_ids: Sequence[int]) -> None:
         if self._state == "body" and self._channel == "analysis" and not self._recipient:

@@ -326,8 +326,8 @@ class _Turn:
             thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
             if self._unsure and self.thinking.is_answer() is not None:  # NOTE: known now: the answer's
-                # first tokens (no text came while unknown) were the thinking's if it opened with them
-                if self.thinking.reasoning_tokens:
+                # first tokens (no text came while unknown) were the thinking's (or a header) if it opened with them
+                if not self.thinking.lead_was_answer():
                     del self._logprobs[: self._unsure]
                 self._unsure = 0
         if self.reader is None:

@@ -231,3 +231,24 @@ def test_a_call_ended_by_the_call_token_is_a_tool_call_whole_and_streamed(specia
     streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
     assert "".join(tc["function"].get("arguments", "") for tc in streamed) == call["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_an_answer_in_no_message_keeps_its_logprobs_in_the_responses_api(special_harmony):
+    """Under a JSON format the answer is in no harmony message: it is content, and so are its
+    tokens' logprobs (they were dropped as a header's); a message's header stays out of them."""
+    live, ids = special_harmony
+
+    def t(marker: str) -> str:
+        return f"<[{ids[marker]}]>"
+
+    final = f'start: {t("<|channel|>")} "final" {t("<|message|>")} "Four."\n'
+    asks = {"json": {"text": {"format": {"type": "json_object"}}},
+            "final": {"structured_outputs": {"grammar": final}}}  # fmt: skip
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        for name, extra in asks.items():
+            body = {"input": "Answer.", "max_output_tokens": 16, "temperature": 0,
+                    "include": ["message.output_text.logprobs"], **extra}  # fmt: skip
+            out = client.post("/v1/responses", json=body).json()
+            (part,) = [c for item in out["output"] if item["type"] == "message" for c in item["content"]]
+            tokens = "".join(lp["token"] for lp in part["logprobs"])
+            assert tokens == part["text"] and part["text"], (name, part)
