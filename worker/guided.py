@@ -59,7 +59,7 @@ def json_schema_grammar(schema: Any) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object (or true: any JSON value)")
-    _check_schema(schema)
+    check_schema(schema)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except ValueError as exc:
@@ -88,13 +88,13 @@ def _lone_backslash(regex: str) -> bool:
     return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
 
 
-def _check_schema(node: Any) -> None:
+def check_schema(node: Any) -> None:
     """Refuse what llguidance would silently change rather than honour: an integer past 2**53 that
     bounds or names a value (it would allow its float64 neighbour), a pattern ending in a lone
     backslash (dropped)."""
     if isinstance(node, list):
         for item in node:
-            _check_schema(item)
+            check_schema(item)
         return
     if not isinstance(node, dict):
         return
@@ -103,14 +103,14 @@ def _check_schema(node: Any) -> None:
             if key == "patternProperties" and any(_lone_backslash(p) for p in value):
                 raise ValueError("invalid JSON schema: a patternProperties name ends in a lone backslash")
             for sub in value.values():
-                _check_schema(sub)
+                check_schema(sub)
         elif (key in _BOUNDS or key in ("const", "enum")) and _inexact(value):
             raise ValueError(f"invalid JSON schema: {key} holds an integer beyond 2**53, which the "
                              "constraint cannot keep exact")  # fmt: skip
         elif key == "pattern" and isinstance(value, str) and _lone_backslash(value):
             raise ValueError("invalid JSON schema: a pattern ends in a lone backslash")
         elif key not in _VALUES:
-            _check_schema(value)
+            check_schema(value)
 
 
 def regex_grammar(regex: Any) -> str:

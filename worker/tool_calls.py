@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.chat_tools import compact_json, normalize_tools
-from worker.guided import JSON_DEFAULTS, grammar_of
+from worker.guided import JSON_DEFAULTS, check_schema, grammar_of
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -82,7 +82,11 @@ def tool_request(body: dict) -> ToolRequest | None:
 
 
 def _params(req: ToolRequest) -> dict[str, Any]:
-    return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in req.tools}
+    """Each tool's parameters' schema by its name, checked as a response format's is (check_schema)."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in req.tools}
+    for schema in params.values():
+        check_schema(schema)
+    return params
 
 
 def auto_grammar(

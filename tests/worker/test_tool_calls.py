@@ -139,8 +139,8 @@ HERMES_TEXTS = [
     '<tool_call>{"name":"add","arguments":{"a":1}}',  # unterminated (cut by max_tokens)
     "<tool_call>not json</tool_call> tail",
     'Let me look.<tool_call>{"name":"add","arguments":{}}</tool_call> <tool_call>',  # cut off at a tag
-    'Run it.<tool_call>{"name":"add","arguments":{"s":"</tool_call>","t":"\\"</tool_call>"}}</tool_call>',
     'Checking.\n<tool_call>{"name":"add","arguments":{}}</tool_call>\nDone.',  # whitespace before a call
+    'Run it.<tool_call>{"name":"add","arguments":{"s":"</tool_call>","t":"\\"</tool_call>"}}</tool_call>',
 ]
 # answers whose <tool_call> blocks do not parse: the stream is the text, whitespace and all
 NOT_CALLS = [
@@ -954,3 +954,14 @@ def test_a_tool_schemas_literals_and_property_names_are_not_taken_for_references
     assert moved["properties"]["enum"] == {"$ref": "#/$defs/tool_0/$defs/E"}
     assert moved["properties"]["x"] == {"const": {"$ref": "#"}}  # a value the call must spell, unchanged
     assert schema["anyOf"][0]["properties"]["arguments"] == {"$ref": "#/$defs/tool_0"}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_tool_schema_the_grammar_would_loosen_is_refused_as_a_response_formats_is(choice) -> None:
+    from worker.tool_calls import auto_grammar, forced_grammar
+
+    big = {"type": "function", "function": {"name": "big", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 2**53 + 1}}}}}  # fmt: skip
+    req = ToolRequest([WEATHER, big], choice)
+    with pytest.raises(ValueError, match="beyond 2"):
+        auto_grammar(req, trigger_is_special=False) if choice == "auto" else forced_grammar(req)
