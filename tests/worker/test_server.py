@@ -584,7 +584,11 @@ def test_queue_full_429_prompt_too_long_400_and_dead_engine_503():
             t.start()
             poll(lambda: c.get("/health").json()["waiting"] == 1, "a queued request")
             queued = len(live.engine.tokenizer.encode_prompt("queued"))  # the running one is decoding
-            assert c.get("/health").json()["prefill_backlog_tokens"] == queued
+            # NOTE: waiting counts it from its submit; the backlog once the engine thread took it
+            poll(
+                lambda: c.get("/health").json()["prefill_backlog_tokens"] == queued,
+                "its prompt in the backlog",
+            )
             assert f"radixgate_worker_prefill_backlog_tokens {float(queued)}" in c.get("/metrics").text
             full = c.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 1})
             assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
