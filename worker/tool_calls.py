@@ -165,52 +165,20 @@ def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
 
 def _call_schema(req: ToolRequest, args_key: str) -> dict:
     """One call of one of the tools: ``{"name": <the tool>, <args_key>: <its parameters' schema>}``.
-    A tool schema with local references (``#/$defs/X``, ``#``: pydantic writes them) moves to the
-    root's ``$defs`` and its references follow it, so they still name its own parts."""
-    defs: dict[str, Any] = {}
+    Each tool's schema is a resource of its own (an ``$id``, unless it has one), so its local
+    references (``#/$defs/X``, ``#``, anchors: pydantic writes them) name its own parts, not the
+    grammar's root nor another tool's."""
     calls = []
     for i, (name, schema) in enumerate(_params(req).items()):
-        key = f"tool_{i}"
-        rebased = _rebased(schema, f"#/$defs/{key}")
-        if rebased != schema:
-            defs[key] = rebased
-            schema = {"$ref": f"#/$defs/{key}"}
-        calls.append({"type": "object", "properties": {"name": {"const": name}, args_key: schema},
+        own = schema if "$id" in schema else {"$id": f"urn:radixgate:tool:{i}", **schema}
+        calls.append({"type": "object", "properties": {"name": {"const": name}, args_key: own},
                       "required": ["name", args_key], "additionalProperties": False})  # fmt: skip
-    return {"anyOf": calls, **({"$defs": defs} if defs else {})}
-
-
-_LITERALS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: never rewritten
-_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
-def _rebased(node: Any, base: str) -> Any:
-    """``node`` with each local JSON-pointer reference (``#``, ``#/...``) made ``<base>...``. A
-    subschema with its own ``$id`` is its references' base, and an anchor (``#name``) is found by
-    name wherever it moves: both stay as they are."""
-    if isinstance(node, list):
-        return [_rebased(v, base) for v in node]
-    if not isinstance(node, dict) or "$id" in node:
-        return node
-    out: dict[str, Any] = {}
-    for k, v in node.items():
-        if k in _LITERALS:
-            out[k] = v
-        elif k in _NAMED and isinstance(v, dict):  # NOTE: names, not keywords: "enum" may be a property
-            out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
-        elif k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
-            out[k] = base + v[1:]
-        else:
-            out[k] = _rebased(v, base)
-    return out
+    return {"anyOf": calls}
 
 
 def _call_list(item: dict, parallel: bool) -> dict:
-    """A JSON list of at least one ``item`` (exactly one without parallel_tool_calls); the item's
-    ``$defs`` stay at the root, where its references look for them."""
-    defs = {"$defs": item["$defs"]} if "$defs" in item else {}
-    item = {k: v for k, v in item.items() if k != "$defs"}
-    return {**defs, "type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    """A JSON list of at least one ``item`` (exactly one without parallel_tool_calls)."""
+    return {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -943,17 +943,28 @@ def test_tool_schemas_with_references_keep_their_meaning_in_every_calls_grammar(
         assert accepts((name, {"u": "f"})) and not accepts((name, {"u": "k"}))
 
 
-def test_a_tool_schemas_literals_and_property_names_are_not_taken_for_references() -> None:
-    from worker.tool_calls import _call_schema
+def test_two_tools_with_one_anchor_name_and_keyword_named_properties_keep_their_own_schemas() -> None:
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import forced_grammar
 
-    params = {"type": "object", "properties": {"enum": {"$ref": "#/$defs/E"}, "x": {"const": {"$ref": "#"}}},
-              "$defs": {"E": {"enum": [1, 2]}}}  # fmt: skip
-    tool = {"type": "function", "function": {"name": "t", "parameters": params}}
-    schema = _call_schema(ToolRequest([tool], "auto"), "arguments")
-    moved = schema["$defs"]["tool_0"]
-    assert moved["properties"]["enum"] == {"$ref": "#/$defs/tool_0/$defs/E"}
-    assert moved["properties"]["x"] == {"const": {"$ref": "#"}}  # a value the call must spell, unchanged
-    assert schema["anyOf"][0]["properties"]["arguments"] == {"$ref": "#/$defs/tool_0"}
+    def anchored(name: str, units: list[str]) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"u": {"$ref": "#unit"}, "enum": {"$ref": "#/$defs/E"}},
+            "required": ["u", "enum"], "additionalProperties": False,
+            "$defs": {"U": {"$anchor": "unit", "enum": units}, "E": {"const": {"$ref": "#"}}}}}}  # fmt: skip
+
+    tok = ByteTokenizer()
+    req = ToolRequest([anchored("a", ["c", "f"]), anchored("b", ["x", "y"])], "required")
+    guide = GuideCompiler(tok, tok.vocab_size).compile(*forced_grammar(req))
+
+    def accepts(name: str, unit: str) -> bool:
+        call = {"name": name, "parameters": {"u": unit, "enum": {"$ref": "#"}}}  # a const: spelled as is
+        m = guide.matcher()
+        text = json.dumps([call], separators=(",", ":"))
+        return m.consume_tokens(list(text.encode())) and bool(allowed_mask([m], tok.vocab_size)[0][tok.EOS])
+
+    assert accepts("a", "f") and accepts("b", "y")
+    assert not accepts("a", "y") and not accepts("b", "f")
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])
