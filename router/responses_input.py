@@ -128,8 +128,8 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
             raise ValueError(f"unsupported input item type {kind!r}: messages, function_call, "
                              "function_call_output and reasoning are")  # fmt: skip
         if thought is not None:  # NOTE: it belongs to the assistant's turn that follows it, if one does
-            if out[-1]["role"] == "assistant":
-                out[-1]["reasoning_content"] = thought
+            if out[-1]["role"] == "assistant":  # (after any thinking that turn had: a call joins it)
+                out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + thought
             thought = None
     return out
 

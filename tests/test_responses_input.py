@@ -132,9 +132,13 @@ def test_a_responses_output_sent_back_as_input_is_the_turn_it_was() -> None:
     messages rendered another prompt, and missed the cache)."""
     from worker.responses_output import Events, OutputItems
 
-    items = OutputItems(Events())
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    for delta in ({"reasoning": "need weather"}, {"content": "Let me check."}, {"tool_calls": [call]}):
-        items.delta(delta)
-    items.close("completed")
-    assert input_messages(items.items) == [items.assistant_message()]
+    for deltas in (
+        [{"reasoning": "need weather"}, {"content": "Let me check."}, {"tool_calls": [call]}],
+        [{"reasoning": "R1 "}, {"content": "Let me check."}, {"reasoning": "R2"}, {"tool_calls": [call]}],
+    ):  # NOTE: the second as gpt-oss may answer: analysis, a commentary preamble, analysis, the call
+        items = OutputItems(Events())
+        for delta in deltas:
+            items.delta(delta)
+        items.close("completed")
+        assert input_messages(items.items) == [items.assistant_message()]
