@@ -111,7 +111,7 @@ class ReplicaSync:
             log.warning(
                 "replica sync: Redis has not read %d bytes of announcements; reconnecting", self._pub.unsent
             )
-            self._pub.close()
+            self._pub.abort()
             self.stats["publish_errors"] += 1
             return
         message = orjson.dumps({"replica": self.replica, "full": full, "workers": workers})
@@ -149,17 +149,28 @@ class ReplicaSync:
         off while Redis cannot be reached."""
         failures = 0
         while True:
+            answered = False  # NOTE: a connection counts as made once Redis answers on it (a stopped
+            # one still accepts connections): until then the backoff keeps growing
+
+            def heard(value: Any, was_down: bool = failures > 0) -> None:
+                nonlocal answered
+                if not answered and was_down:
+                    log.info("replica sync: %s to Redis works again", what)
+                answered = True
+                on_value(value)
+
             try:
-                conn = await RespConnection.open(self.redis_url, on_value)
-                if failures:
-                    log.info("replica sync: %s to Redis open again", what)
-                failures = 0
+                conn = await RespConnection.open(self.redis_url, heard)
                 on_open(conn)
                 try:
                     await conn.closed
                 finally:
                     conn.close()
-                log.warning("replica sync: %s to Redis lost; reconnecting", what)
+                if answered:
+                    log.warning("replica sync: %s to Redis lost; reconnecting", what)
+                    failures = 0
+                elif failures <= 1 or failures == 5 or failures % 50 == 0:
+                    log.warning("replica sync: %s to Redis answered nothing; reconnecting", what)
             except (OSError, asyncio.TimeoutError, RespError) as exc:
                 if failures <= 1 or failures == 5 or failures % 50 == 0:  # NOTE: 1: the first after a loss
                     log.warning(

@@ -155,3 +155,8 @@ class RespConnection:
     def close(self) -> None:
         if self._protocol.transport is not None:
             self._protocol.transport.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping what is unsent (``close`` waits for a peer that may never read it)."""
+        if self._protocol.transport is not None:
+            self._protocol.transport.abort()

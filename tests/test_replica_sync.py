@@ -149,9 +149,11 @@ def _heartbeat_yaml(tmp_dir: str, seconds: float) -> str:
 
 
 @pytest.mark.redis
-def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_counted_as_errors():
+def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_the_connection_made_again():
     """A frozen Redis (stopped, or partitioned without a reset) keeps the connection open and reads
-    nothing: announcements must not pile up in the write buffer without bound."""
+    nothing: announcements must not pile up in the write buffer without bound; the connection is
+    dropped (not closed politely: that waits for Redis to read) and made again, and once Redis
+    reads again the other replicas hear this one."""
     import asyncio
     import os
 
@@ -162,18 +164,25 @@ def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_counted_as_
         pytest.skip("redis-server not installed")
     port = free_port()
     redis = start_redis(port)
+    url = f"redis://127.0.0.1:{port}"
     try:
 
-        async def run() -> tuple[int, int]:
+        async def run() -> tuple[int, int, bool, bool]:
             registry = WorkerRegistry(CircuitBreaker, 100.0)
             workers = [registry.add(f"http://10.0.0.{i}:8000") for i in range(8)]
-            sync = ReplicaSync(registry, f"redis://127.0.0.1:{port}", heartbeat_s=60.0, expire_s=180.0)
+            sync = ReplicaSync(registry, url, heartbeat_s=60.0, expire_s=180.0)
+            peer = ReplicaSync(WorkerRegistry(CircuitBreaker, 100.0), url, heartbeat_s=60.0, expire_s=180.0)
             await sync.start()
+            await peer.start()
             try:
-                for _ in range(200):
-                    if sync._pub is not None:
+                for _ in range(500):
+                    if sync._pub is not None and peer.stats["received"] == 0:
+                        workers[0].in_flight += 1
+                        workers[0].changed()
+                    if peer.stats["received"]:
                         break
                     await asyncio.sleep(0.01)
+                first = sync._pub
                 os.kill(redis.pid, signal.SIGSTOP)
                 most = 0
                 for i in range(60_000):  # each request moves a worker's count up and down
@@ -186,14 +195,29 @@ def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_counted_as_
                     await asyncio.sleep(0)
                     if sync._pub is not None and not sync._pub.is_closed:
                         most = max(most, sync._pub.unsent)
-                return most, sync.stats["publish_errors"]
+                for _ in range(500):  # NOTE: still stopped: a new connection (the kernel accepts it)
+                    if sync._pub is not first:
+                        break
+                    await asyncio.sleep(0.01)
+                made_again = sync._pub is not first
+                os.kill(redis.pid, signal.SIGCONT)
+                heard = peer.stats["received"]
+                for _ in range(1000):
+                    workers[1].in_flight += 1
+                    workers[1].changed()
+                    await asyncio.sleep(0.01)
+                    if peer.stats["received"] > heard + 1:
+                        break
+                return most, sync.stats["publish_errors"], made_again, peer.stats["received"] > heard + 1
             finally:
                 os.kill(redis.pid, signal.SIGCONT)
                 await sync.stop()
+                await peer.stop()
 
-        most, errors = asyncio.run(run())
+        most, errors, made_again, heard_again = asyncio.run(run())
     finally:
         os.kill(redis.pid, signal.SIGCONT)
         redis.terminate()
         redis.wait(10)
     assert most <= replica_sync.MAX_UNSENT + 4096 and errors >= 1, (most, errors)
+    assert made_again and heard_again
