@@ -254,6 +254,15 @@ def test_bad_adapters_are_errors_at_start(llama_checkpoint, tmp_path):
     key = next(k for k in weights if k.endswith("lora_B.weight"))
     weights[key][0, 0] = float("inf")
     save_file(weights, str(inf / "adapter_model.safetensors"))
+    f8 = tmp_path / "f8"  # an adapter stored in float8 loads (isfinite has no float8 kernel on the CPU)
+    shutil.copytree(tmp_path / "r4", f8)
+    weights = load_file(str(f8 / "adapter_model.safetensors"))
+    save_file(
+        {k: v.to(torch.float8_e4m3fn) for k, v in weights.items()}, str(f8 / "adapter_model.safetensors")
+    )
+    cfg = WorkerConfig(model=str(llama_checkpoint), device="cpu", kv_cache_tokens=1024, warmup_tokens=0,
+                       lora_adapters=[f"f8={f8}"])  # fmt: skip
+    assert build_engine(cfg).served_models()[1:] == ["f8"]
     cases = ((f"w={wrong}", "needs A"), (f"m={tmp_path / 'missing'}", "cannot read"),
              (f"n={no_rank}", "positive integer 'r'"), (f"d={damaged}", "cannot read"),
              (f"x={nan}", "finite 'lora_alpha'"), (f"i={inf}", "holds inf or NaN"))  # fmt: skip

@@ -132,6 +132,10 @@ def cut(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
+# an argument that spells the closing tag
+SPELLED_CLOSE = (
+    'Run it.<tool_call>{"name":"add","arguments":{"s":"</tool_call>","t":"\\"</tool_call>"}}</tool_call>'
+)
 HERMES_TEXTS = [
     'Sure.<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>',
     'A <tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call> B <tool_call>{"name":"x","arguments":{}}</tool_call>',
@@ -140,7 +144,7 @@ HERMES_TEXTS = [
     "<tool_call>not json</tool_call> tail",
     'Let me look.<tool_call>{"name":"add","arguments":{}}</tool_call> <tool_call>',  # cut off at a tag
     'Checking.\n<tool_call>{"name":"add","arguments":{}}</tool_call>\nDone.',  # whitespace before a call
-    'Run it.<tool_call>{"name":"add","arguments":{"s":"</tool_call>","t":"\\"</tool_call>"}}</tool_call>',
+    SPELLED_CLOSE,
 ]
 # answers whose <tool_call> blocks do not parse: the stream is the text, whitespace and all
 NOT_CALLS = [
@@ -154,7 +158,7 @@ NOT_CALLS = [
 def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call() -> None:
     """The grammar lets an argument spell </tool_call> (or [TOOL_CALLS]); the call ends at the tag
     outside its JSON strings."""
-    message = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(HERMES_TEXTS[-1])
+    message = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(SPELLED_CLOSE)
     assert message["content"] == "Run it."
     assert calls_of(message) == [("add", {"s": "</tool_call>", "t": '"</tool_call>'})]
     text = '[TOOL_CALLS][{"name":"add","arguments":{"s":"see [TOOL_CALLS] doc"}}]'

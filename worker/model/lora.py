@@ -238,8 +238,10 @@ def read_adapter(name: str, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         tensors = load_file(weights_path)
     except Exception as exc:  # NOTE: safetensors raises its own error type for a damaged file
         raise ValueError(f"adapter {name!r}: cannot read {weights_path}: {exc}") from None
+    # NOTE: through float32: isfinite has no CPU kernel for the float8 types an adapter may be stored in
     bad = next(
-        (key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None
+        (key for key, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t.float()).all()),
+        None,
     )
     if bad is not None:
         raise ValueError(f"adapter {name!r}: {bad} holds inf or NaN")
