@@ -235,20 +235,34 @@ def test_a_call_ended_by_the_call_token_is_a_tool_call_whole_and_streamed(specia
 
 def test_an_answer_in_no_message_keeps_its_logprobs_in_the_responses_api(special_harmony):
     """Under a JSON format the answer is in no harmony message: it is content, and so are its
-    tokens' logprobs (they were dropped as a header's); a message's header stays out of them."""
-    live, ids = special_harmony
-
-    def t(marker: str) -> str:
-        return f"<[{ids[marker]}]>"
-
-    final = f'start: {t("<|channel|>")} "final" {t("<|message|>")} "Four."\n'
-    asks = {"json": {"text": {"format": {"type": "json_object"}}},
-            "final": {"structured_outputs": {"grammar": final}}}  # fmt: skip
+    tokens' logprobs (they were dropped as a header's)."""
+    live, _ = special_harmony
+    body = {"input": "Answer.", "max_output_tokens": 16, "temperature": 0, "text": {"format": {"type": "json_object"}},
+            "include": ["message.output_text.logprobs"]}  # fmt: skip
     with httpx.Client(base_url=live.url, timeout=60) as client:
-        for name, extra in asks.items():
-            body = {"input": "Answer.", "max_output_tokens": 16, "temperature": 0,
-                    "include": ["message.output_text.logprobs"], **extra}  # fmt: skip
-            out = client.post("/v1/responses", json=body).json()
-            (part,) = [c for item in out["output"] if item["type"] == "message" for c in item["content"]]
-            tokens = "".join(lp["token"] for lp in part["logprobs"])
-            assert tokens == part["text"] and part["text"], (name, part)
+        out = client.post("/v1/responses", json=body).json()
+    (part,) = [c for item in out["output"] if item["type"] == "message" for c in item["content"]]
+    assert part["text"] and "".join(lp["token"] for lp in part["logprobs"]) == part["text"], part
+
+
+def test_a_messages_header_stays_out_of_the_responses_logprobs():
+    """Token by token through the Responses API's turn: the header tokens of the first message are
+    not known as the answer's until its <|message|>, then dropped."""
+    from types import SimpleNamespace
+
+    from worker.engine_api import RequestOutput
+    from worker.responses_api import _Turn
+
+    pieces = ["<|channel|>", "analysis", "<|message|>", "plan", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+              "final", "<|message|>", "Four", "."]  # fmt: skip
+    ids = {p: i for i, p in enumerate(dict.fromkeys(pieces))}
+    names = {i: p for p, i in ids.items()}
+    api = SimpleNamespace(token_names=lambda token: (names[token], []))
+    turn = _Turn(SimpleNamespace(api=api), {}, "resp_1", 3, [], False, None, True, HarmonySplitter())
+    outs = [RequestOutput(text=p, token_ids=[ids[p]], logprobs=(-1.0, [], [])) for p in pieces]
+    outs.append(RequestOutput(token_ids=[99], finish_reason="stop"))  # the end token: no text, no logprobs
+    for out in outs:
+        turn.add(out)
+    turn.items.close("completed")
+    (part,) = [c for item in turn.items.items if item["type"] == "message" for c in item["content"]]
+    assert part["text"] == "Four." and [lp["token"] for lp in part["logprobs"]] == ["Four", "."]
