@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.responses_input import TEXT_PARTS, chat_tools, prompt_messages
+from router.responses_input import TEXT_PARTS, chat_tools, prompt_messages, template_options
 from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 
 
@@ -158,7 +158,10 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
         )
         tools = chat_tools(body.get("tools"))
         # NOTE: a follow-up's prompt starts with a history only its worker has: nothing to match
-        token_ids: Sequence[int] = b"" if previous is not None else _encode_chat(tokenizer, messages, tools)
+        options = chat_options(template_options(body))
+        token_ids: Sequence[int] = (
+            b"" if previous is not None else _encode_chat(tokenizer, messages, tools, options)
+        )
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
     parsed = ParsedRequest(

@@ -134,6 +134,14 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
     return out
 
 
+def template_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat options (router.tokenization.chat_options) a Responses body asks for: its
+    ``reasoning.effort`` as chat's ``reasoning_effort``."""
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    return {} if effort is None else {"reasoning_effort": effort}
+
+
 def prompt_messages(instructions: Any, history: list[dict[str, Any]], input_: Any) -> list[dict[str, Any]]:
     """The conversation to render: ``instructions`` as a system message (they are not carried over
     from a previous response), then the earlier turns, then this request's input."""

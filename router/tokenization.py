@@ -102,10 +102,14 @@ _TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generati
                                  "bos_token", "eos_token", "unk_token", "pad_token"})  # fmt: skip
 
 
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
 def chat_options(body: dict) -> dict[str, Any]:
     """vLLM's ``add_generation_prompt`` (default true), ``continue_final_message`` (default
-    false: true makes the model continue the last, assistant, message, an "assistant prefill") and
-    ``chat_template_kwargs`` (more variables for the template, e.g. Qwen 3's ``enable_thinking``) as
+    false: true makes the model continue the last, assistant, message, an "assistant prefill"),
+    ``chat_template_kwargs`` (more variables for the template, e.g. Qwen 3's ``enable_thinking``) and
+    OpenAI's ``reasoning_effort`` (the template's ``reasoning_effort``, as gpt-oss's reads it) as
     ``encode_chat`` keyword arguments. ValueError when malformed or both true."""
     add = body.get("add_generation_prompt", True)
     cont = body.get("continue_final_message", False)
@@ -121,8 +125,13 @@ def chat_options(body: dict) -> dict[str, Any]:
         taken = sorted(_TEMPLATE_VARIABLES & extra.keys())
         if taken:
             raise ValueError(f"'chat_template_kwargs' cannot set {', '.join(taken)}: the request sets them")
-        if extra:
-            options["template_kwargs"] = extra
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # NOTE: the variable gpt-oss's template reads; chat_template_kwargs' own wins
+        if effort not in REASONING_EFFORTS:
+            raise ValueError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
+        extra = {"reasoning_effort": effort, **(extra or {})}
+    if extra:
+        options["template_kwargs"] = extra
     return options
 
 

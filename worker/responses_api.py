@@ -22,6 +22,7 @@ from router.responses_input import (
     input_messages,
     new_response_id,
     prompt_messages,
+    template_options,
     worker_tag,
 )
 from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
@@ -95,8 +96,9 @@ def _chat_format(fmt: Any) -> Any:
 
 
 async def _fitted(
-    messages: list[dict], kept: int, tokenizer: Any, tools: list[dict] | None, context: int
-) -> list[int]:
+    messages: list[dict], kept: int, tokenizer: Any, tools: list[dict] | None, context: int,
+    options: dict | None = None,
+) -> list[int]:  # fmt: skip
     """``truncation: auto``: the prompt with the fewest of the oldest messages after the first ``kept``
     (the instructions) dropped that fits the context (a tool result goes with its call); with only
     the last message left and still too long, that prompt (the engine refuses it as too long)."""
@@ -110,12 +112,12 @@ async def _fitted(
     lo, hi, best = 1, len(rest) - 1, None
     while lo <= hi:  # NOTE: each render is a tokenization: a bisection, not one per message
         mid = (lo + hi) // 2
-        ids = await chat_ids(without(mid), tokenizer, tools)
+        ids = await chat_ids(without(mid), tokenizer, tools, options)
         if len(ids) < context:
             best, hi = ids, mid - 1
         else:
             lo = mid + 1
-    return best if best is not None else await chat_ids(without(len(rest) - 1), tokenizer, tools)
+    return best if best is not None else await chat_ids(without(len(rest) - 1), tokenizer, tools, options)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -190,11 +192,12 @@ class ResponsesAPI:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         engine = api.engine
-        ids = await chat_ids(messages, engine.tokenizer, tools and tools.tools)
+        options = template_options(body)
+        ids = await chat_ids(messages, engine.tokenizer, tools and tools.tools, options)
         if truncation == "auto" and len(ids) >= engine.max_total_tokens:
             kept = 1 if body.get("instructions") else 0
             ids = await _fitted(
-                messages, kept, engine.tokenizer, tools and tools.tools, engine.max_total_tokens
+                messages, kept, engine.tokenizer, tools and tools.tools, engine.max_total_tokens, options
             )
         logprobs = _logprobs(body, tools)
         thinking = api.prompt_thinks(ids)

@@ -255,3 +255,42 @@ def test_include_reasoning_false_drops_the_thinking(worker):
     assert not any("reasoning" in d for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
     assert bad.status_code == 400 and "include_reasoning" in bad.json()["error"]["message"]
+
+
+def test_reasoning_effort_reaches_the_chat_template_in_chat_and_the_responses_api(tmp_path):
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) are the template's
+    ``reasoning_effort``, as gpt-oss's template reads it; chat_template_kwargs' own wins."""
+    from tests.worker.conftest import save_tool_tag_checkpoint
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "Reasoning: {{ reasoning_effort | default('medium') }}\n"
+                "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+    path = save_tool_tag_checkpoint(tmp_path / "effort", False, ("<x>",), template)
+    messages = [{"role": "user", "content": "Think."}]
+    with (
+        serve(model=str(path), kv_cache_tokens=4096) as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+
+        def prompt(**extra) -> str:
+            ids = c.post("/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+            return c.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+        assert "Reasoning: medium" in prompt() and "Reasoning: high" in prompt(reasoning_effort="high")
+        assert "Reasoning: low" in prompt(
+            reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
+        )
+        bad = c.post("/v1/chat/completions", json={"messages": messages, "reasoning_effort": "max"})
+        assert bad.status_code == 400 and "reasoning_effort" in bad.json()["error"]["message"]
+        lengths = {}
+        for effort in ("minimal", "low"):
+            chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                        "reasoning_effort": effort}).json()  # fmt: skip
+            resp = c.post("/v1/responses", json={"input": "Think.", "max_output_tokens": 1,
+                                                 "reasoning": {"effort": effort}}).json()  # fmt: skip
+            lengths[effort] = len(
+                c.post("/tokenize", json={"messages": messages, "reasoning_effort": effort}).json()["tokens"]
+            )
+            assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == lengths[effort]
+        default = len(c.post("/tokenize", json={"messages": messages}).json()["tokens"])
+        assert len({default, *lengths.values()}) == 3  # each effort renders a prompt of its own length
