@@ -167,10 +167,6 @@ class Engine:
                 f"the prompt has {n} tokens; this worker serves at most {self.max_total_tokens - 1} "
                 f"(context {self.max_total_tokens} tokens including at least one output token)"
             )
-        with self._queued_lock:
-            if self._queued + self._snap.waiting >= self.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
-            self._queued += 1
         max_tokens = min(params.max_tokens, self.max_total_tokens - n)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -194,7 +190,13 @@ class Engine:
         )
         if params.guide is not None:
             req.draft_check = functools.partial(check_drafts, req.payload)
-        self._inbox.put(("add", req))
+        with (
+            self._queued_lock
+        ):  # NOTE: counted as it enters the inbox, together (an error above counts nothing)
+            if self._queued + self._snap.waiting >= self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._queued += 1
+            self._inbox.put(("add", req))
         return handle
 
     def served_models(self) -> list[str]:
