@@ -536,10 +536,8 @@ def extend_attention(
         return out
     if max_extend_len is None:
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
-    elif qo_indptr.device.type == "cpu":  # NOTE: free on CPU (interpreter, tests); a sync on CUDA
-        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-        if max_extend_len < longest:
-            raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
+    else:
+        host_checks.check_max_extend_len(qo_indptr, max_extend_len)
     if max_extend_len == 0:
         return out
     cfg = config or default_config(d, q.dtype, device_arch(q.device), max_prefix_len, t, k_cache.dtype)

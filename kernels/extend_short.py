@@ -265,10 +265,7 @@ def extend_short_attention(
     out_slots = host_checks.index_tensor("out_slots", out_slots, q.device, numel=t)
     if max_extend_len < 1:
         raise ValueError(f"max_extend_len must be >= 1, got {max_extend_len}")
-    if qo_indptr.device.type == "cpu" and batch > 0:  # NOTE: free on CPU (interpreter, tests); a sync on CUDA
-        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-        if max_extend_len < longest:
-            raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
+    host_checks.check_max_extend_len(qo_indptr, max_extend_len)
     max_rows = max_rows_for(q.dtype, d) if max_rows is None else max_rows
     if max_rows < 16 or max_rows & (max_rows - 1):
         raise ValueError(f"max_rows must be a power of two >= 16, got {max_rows}")

@@ -48,6 +48,16 @@ def index_tensor(name: str, x: torch.Tensor, device: torch.device, numel: int | 
     return x.contiguous()
 
 
+def check_max_extend_len(qo_indptr: torch.Tensor, max_extend_len: int) -> None:
+    """ValueError when ``max_extend_len`` is below the longest request's new tokens (rows would go
+    unwritten). Checked only where it costs nothing: ``qo_indptr`` on the CPU (the interpreter,
+    tests); on CUDA it would be a sync."""
+    if qo_indptr.device.type == "cpu" and qo_indptr.numel() > 1:
+        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+        if max_extend_len < longest:
+            raise ValueError(f"max_extend_len={max_extend_len} < {longest}, the longest request's new tokens")
+
+
 def check_unit_stride(**tensors: torch.Tensor) -> None:
     """The kernels step through head_dim (the last dim) with stride 1."""
     for name, x in tensors.items():
