@@ -317,7 +317,7 @@ class Router:
         # NOTE: a stored conversation lives on one worker: a follow-up goes there or nowhere
         # (an id that names no registered worker is routed by load: its worker answers 404 if need be)
         previous = parsed.body.get("previous_response_id")
-        only = self.response_holder(previous) if previous is not None else None
+        only = self.response_holder(previous)
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
         moved_from: Worker | None = None  # the worker the last attempt failed on

@@ -18,8 +18,7 @@ def explain(
     report's rest). Reads state; sends nothing."""
     route = router.route_request(parsed)
     group = router.affinity_group(parsed, endpoint != "completions", headers)
-    previous = parsed.body.get("previous_response_id")  # a follow-up goes to its conversation's worker
-    only = router.response_holder(previous) if previous is not None else None
+    only = router.response_holder(parsed.body.get("previous_response_id"))  # a follow-up: its worker
     decision, outcome = router.decide(
         route, parsed.model, set(), group, only, preview=True, fit_tokens=parsed.fit_tokens
     )
