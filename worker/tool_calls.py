@@ -98,7 +98,7 @@ def auto_grammar(
     ``<tool_call>`` as a special token (matched as that token; else as text, llguidance's lazy
     trigger); ``close_is_special`` the same for ``</tool_call>`` (else written as text, which the
     model spells)."""
-    call = {**_call_schema(req, "arguments"), "x-guidance": JSON_DEFAULTS}
+    call = {**_call_schema(_params(req), "arguments"), "x-guidance": JSON_DEFAULTS}
     close = _CLOSE if close_is_special else json.dumps(_CLOSE)
     body = f"%json {json.dumps(call)} {close}"
     if trigger_is_special:
@@ -120,7 +120,7 @@ def tagged_auto_grammar(req: ToolRequest, tag: str, calls_id: int | None, args_i
     parallel_tool_calls)."""
     params = _params(req)
     if args_id is None:
-        calls = _call_list(_call_schema(req, "arguments"), req.parallel)
+        calls = _call_list(_call_schema(params, "arguments"), req.parallel)
         body = '" "? %json ' + json.dumps({**calls, "x-guidance": JSON_DEFAULTS})
     else:
         call_id = f"(<[{call_id_id}]> /[A-Za-z0-9]{{9}}/)? " if call_id_id is not None else ""
@@ -143,7 +143,7 @@ def llama3_auto_grammar(req: ToolRequest, tag_is_special: bool) -> tuple[str, st
     ``<|python_tag|>`` special token, where the tokenizer has it: ``tag_is_special``) is calls, each
     ``{"name": <a tool>, "parameters": <its schema>}``, joined by ``; `` (one call without
     parallel_tool_calls); any other answer is free text."""
-    call = {**_call_schema(req, "parameters"), "x-guidance": JSON_DEFAULTS}
+    call = {**_call_schema(_params(req), "parameters"), "x-guidance": JSON_DEFAULTS}
     more = '("; " call)*' if req.parallel else ""
     tag = f"{PYTHON_TAG}? " if tag_is_special else ""
     return "tool_auto", (
@@ -159,17 +159,18 @@ def forced_grammar(req: ToolRequest) -> tuple[str, str] | None:
         return "tool_call", grammar_of("json_schema", params[req.name])[1]
     if req.choice != "required":
         return None
-    calls = _call_list(_call_schema(req, "parameters"), req.parallel)
+    calls = _call_list(_call_schema(params, "parameters"), req.parallel)
     return "tool_call", grammar_of("json_schema", calls)[1]
 
 
-def _call_schema(req: ToolRequest, args_key: str) -> dict:
-    """One call of one of the tools: ``{"name": <the tool>, <args_key>: <its parameters' schema>}``.
+def _call_schema(params: dict[str, Any], args_key: str) -> dict:
+    """One call of one of the tools (``params``: _params'): ``{"name": <the tool>, <args_key>: <its
+    parameters' schema>}``.
     Each tool's schema is a resource of its own (an ``$id``, unless it has one), so its local
     references (``#/$defs/X``, ``#``, anchors: pydantic writes them) name its own parts, not the
     grammar's root nor another tool's."""
     calls = []
-    for i, (name, schema) in enumerate(_params(req).items()):
+    for i, (name, schema) in enumerate(params.items()):
         own = schema if "$id" in schema else {"$id": f"urn:radixgate:tool:{i}", **schema}
         calls.append({"type": "object", "properties": {"name": {"const": name}, args_key: own},
                       "required": ["name", args_key], "additionalProperties": False})  # fmt: skip
