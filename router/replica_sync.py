@@ -107,10 +107,9 @@ class ReplicaSync:
         if self._pub is None or self._pub.is_closed:
             self.stats["publish_errors"] += 1  # NOTE: Redis away: the health reports still carry the load
             return
-        if self._pub.unsent > MAX_UNSENT:  # NOTE: a Redis that holds the connection but reads nothing
-            log.warning(
-                "replica sync: Redis has not read %d bytes of announcements; reconnecting", self._pub.unsent
-            )
+        unsent = self._pub.unsent
+        if unsent > MAX_UNSENT:  # NOTE: a Redis that holds the connection but reads nothing
+            log.warning("replica sync: Redis has not read %d bytes of announcements; reconnecting", unsent)
             self._pub.abort()
             self.stats["publish_errors"] += 1
             return

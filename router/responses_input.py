@@ -80,9 +80,9 @@ def chat_tool_choice(choice: Any) -> Any:
 def input_messages(input_: Any) -> list[dict[str, Any]]:
     """``input`` (a string, or a list of message, ``function_call``, ``function_call_output`` and
     ``reasoning`` items) as chat messages: function calls are the ``tool_calls`` of the assistant
-    message they follow (one turn's message and calls, as a response's output has them), a call's output is a ``tool`` message, and a reasoning item's text is the next
-    assistant message's ``reasoning_content`` (the name chat templates read; dropped when another
-    message follows it)."""
+    message they follow (one turn's message and calls, as a response's output has them), a call's
+    output is a ``tool`` message, and a reasoning item's text is the next assistant message's
+    ``reasoning_content`` (the name chat templates read; dropped when another message follows it)."""
     if isinstance(input_, str):
         if not input_:
             raise ValueError("'input' is empty")

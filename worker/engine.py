@@ -95,9 +95,8 @@ class Engine:
         self.ready = threading.Event()  # set once the warm-up is over (at once without one)
         self.max_waiting = scheduler_config.max_waiting
         self._inbox: queue.Queue[tuple] = queue.Queue()
-        self._queued = (
-            0  # requests submitted that the snapshot does not count yet (in the inbox, or taken since)
-        )
+        # requests submitted that the snapshot does not count yet (in the inbox, or taken since)
+        self._queued = 0
         self._taken = 0  # engine thread: of those, taken from the inbox since the last snapshot
         self._queued_lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # engine thread only
@@ -190,9 +189,8 @@ class Engine:
         )
         if params.guide is not None:
             req.draft_check = functools.partial(check_drafts, req.payload)
-        with (
-            self._queued_lock
-        ):  # NOTE: counted as it enters the inbox, together (an error above counts nothing)
+        # NOTE: counted as it enters the inbox, in one step with the check (an error above counts nothing)
+        with self._queued_lock:
             if self._queued + self._snap.waiting >= self.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             self._queued += 1
@@ -351,7 +349,7 @@ class Engine:
         try:
             self.scheduler.add(req)
             self._requests[req.rid] = req
-        except QueueFullError as exc:  # NOTE: submit's check saw a waiting count one step old
+        except QueueFullError as exc:  # NOTE: retractions put requests back in the queue since submit's check
             self._requests.pop(req.rid, None)
             self._finished["error"] += 1
             self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,

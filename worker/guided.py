@@ -69,9 +69,8 @@ def json_schema_grammar(schema: Any) -> str:
 _EXACT_INT = 2**53  # llguidance holds a schema's numbers as float64: integers past this change
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 _VALUES = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
-_NAMED = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
-)  # name: schema
+# maps of names to schemas
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _inexact(value: Any) -> bool:

@@ -100,7 +100,7 @@ class WorkerAPI:
     def prompt_thinks(self, prompt: list[int]) -> bool | None:
         """With --reasoning-parser, whether the chat ``prompt`` opened the thinking (a template that
         starts it itself, as DeepSeek-R1's does); None without the parser, and with gpt_oss's."""
-        if not self.reasoning or self.reasoning_parser in SPECIAL_TOKEN_PARSERS:
+        if not self.reasoning or self.harmony:
             return None  # NOTE: harmony names each message's channel; a grammar constrains the whole answer
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
@@ -180,7 +180,7 @@ class WorkerAPI:
     def reasoning_params(self, params: SamplingParams) -> SamplingParams:
         """A chat answer's ``params`` as the reasoning parser reads it: decoded with its special tokens kept
         where they mark the reasoning (gpt-oss's harmony messages; the splitter drops them)."""
-        if self.reasoning_parser in SPECIAL_TOKEN_PARSERS:
+        if self.harmony:
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
 
