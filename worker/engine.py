@@ -472,12 +472,14 @@ class Engine:
         if failure is not None:
             finish = "error"
         logprobs, st.step_logprobs = st.step_logprobs, None
+        own = ""  # this token's text (with what the detokenizer kept back until it)
         if finish in ("stop", "error") and token in req.stop_token_ids:  # EOS / stop ids are neither text
             logprobs = None  # nor tokens of the answer
         else:
-            st.pending += st.detok.feed([token])
+            own = st.detok.feed([token])
         if finish is not None:
-            st.pending += st.detok.flush()
+            own += st.detok.flush()
+        st.pending += own
         # NOTE: the earliest stop string ends the output (at one place, the shortest: it completed first)
         found = min(((i, len(s)) for s in st.params.stop if (i := st.pending.find(s)) >= 0), default=None)
         if found is not None:
@@ -494,8 +496,8 @@ class Engine:
             self._requests.pop(req.rid, None)
             self._finished[finish] += 1
             self.metrics.e2e.observe(now - st.arrival)
-        out = RequestOutput(text=text, token_ids=[token], finish_reason=None if failure else finish,
-                            logprobs=logprobs)  # fmt: skip
+        out = RequestOutput(text=text, token_ids=[token], token_text=own,
+                            finish_reason=None if failure else finish, logprobs=logprobs)  # fmt: skip
         if first and st.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + [st.prompt_logprobs.get(p) for p in range(1, req.prompt_len)]
         # NOTE: tokens of its verify step after this one are not out yet

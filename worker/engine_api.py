@@ -26,6 +26,8 @@ class RequestOutput:
 
     text: str = ""  # new text since the previous output
     token_ids: list[int] = field(default_factory=list)  # new generated ids
+    # the text token_ids decoded to themselves, before any was held back for a stop string (None: text)
+    token_text: str | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the radix cache
@@ -37,6 +39,10 @@ class RequestOutput:
     logprobs: TokenLogprobs | None = None  # of token_ids[0], when the request asked for logprobs
     # first output of a request with prompt logprobs: one entry per prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def own_text(self) -> str:
+        """The text of ``token_ids`` alone (a token is judged by it: thinking or answer)."""
+        return self.text if self.token_text is None else self.token_text
 
 
 @dataclass

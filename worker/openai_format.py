@@ -90,7 +90,7 @@ class Choice:
     def collect(self, out: RequestOutput) -> bool:
         """A whole answer's part: keep the text of ``out`` (its thinking apart, with ``reasoning``) and
         account it (``add``); True when it finishes this choice."""
-        finished = self.add(out)  # NOTE: first: its tokens are counted before their text is split
+        finished = self.add(out)  # NOTE: first: the splitter knows the last token before it splits its text
         text = self.visible(out)
         if self.reasoning is not None:
             thought, text = self.reasoning.take(text, finished)
@@ -99,10 +99,10 @@ class Choice:
         return finished
 
     def add(self, out: RequestOutput) -> bool:
-        """Account one engine output (its text aside; a stream's tokens counted as thinking or not
-        before their text is split); True when it finishes this choice."""
+        """Account one engine output (its text aside; its tokens counted as thinking or not by their
+        own text); True when it finishes this choice."""
         if self.reasoning is not None:
-            self.reasoning.count(out.token_ids)
+            self.reasoning.count(out.token_ids, out.own_text())
         if out.prompt_logprobs is not None and self.prompt_ids is not None:
             self.logprobs.extend(zip(self.prompt_ids, out.prompt_logprobs, strict=True))
         if out.logprobs is not None and not self.scoring_only:

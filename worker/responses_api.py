@@ -316,8 +316,8 @@ class _Turn:
         self.output_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
         self.finish_reason = out.finish_reason or self.finish_reason
         # NOTE: with a reasoning parser the output text's logprobs are its answer's tokens only, not
-        # the thinking's or harmony's headers (the splitter knows a token's part as it is counted)
-        answer = True if self.thinking is None else self.thinking.is_answer()
+        # the thinking's or harmony's headers and markers (the splitter judges a token by its own text)
+        answer = True if self.thinking is None else self.thinking.count(out.token_ids, out.own_text())
         if out.logprobs is not None and answer is not False:
             self._logprobs.append(
                 logprob_entry(self.endpoint.api.token_names, (out.token_ids[0], out.logprobs))
@@ -325,7 +325,6 @@ class _Turn:
             self._unsure += answer is None
         text, deltas = out.text, []
         if self.thinking is not None:
-            self.thinking.count(out.token_ids)
             thought, text = self.thinking.take(text, out.finish_reason is not None)
             deltas = [{"reasoning": thought}] if thought else []
             if self._unsure and self.thinking.is_answer() is not None:  # NOTE: known now: the answer's

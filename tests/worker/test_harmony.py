@@ -150,16 +150,16 @@ def test_a_call_its_end_token_ended_is_whole_though_that_token_is_not_text():
     the text, so the splitter is told the answer's last token; a call it ended is a call."""
     call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
     ended = HarmonySplitter(ends={7: "<|call|>"})
-    ended.count([5])
+    ended.count([5], call)
     first = ended.feed(call)
-    ended.count([7])  # the end token: no text
+    ended.count([7], "")  # the end token: no text
     rest = ended.flush()
     assert (
         first[1] + rest[1]
         == '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
     )
     cut = HarmonySplitter(ends={7: "<|call|>"})
-    cut.count([5])
+    cut.count([5], call)
     assert cut.take(call, final=True)[1] == '{"city": "Oslo"}'  # cut off by max_tokens: content
 
 
@@ -266,3 +266,27 @@ def test_a_messages_header_stays_out_of_the_responses_logprobs():
     turn.items.close("completed")
     (part,) = [c for item in turn.items.items if item["type"] == "message" for c in item["content"]]
     assert part["text"] == "Four." and [lp["token"] for lp in part["logprobs"]] == ["Four", "."]
+
+
+def test_a_markers_token_stays_out_of_the_responses_logprobs():
+    """The <|end|> that closes a commentary message (content) is a marker, not the answer's text: with
+    the markers known by id (as the worker knows gpt-oss's), its logprob is not the output text's."""
+    from types import SimpleNamespace
+
+    from worker.engine_api import RequestOutput
+    from worker.reasoning import BODY_ENDS
+    from worker.responses_api import _Turn
+
+    pieces = ["<|channel|>", "commentary", "<|message|>", "Sure", "<|end|>", "<|start|>", "assistant",
+              "<|channel|>", "final", "<|message|>", "Four", "."]  # fmt: skip
+    ids = {p: i for i, p in enumerate(dict.fromkeys(pieces))}
+    names = {i: p for p, i in ids.items()}
+    api = SimpleNamespace(token_names=lambda token: (names[token], []))
+    ends = {ids[m]: m for m in BODY_ENDS if m in ids}
+    turn = _Turn(SimpleNamespace(api=api), {}, "resp_1", 3, [], False, None, True, HarmonySplitter(ends=ends))
+    for p in pieces:
+        turn.add(RequestOutput(text=p, token_ids=[ids[p]], logprobs=(-1.0, [], [])))
+    turn.add(RequestOutput(token_ids=[99], finish_reason="stop"))
+    turn.items.close("completed")
+    (part,) = [c for item in turn.items.items if item["type"] == "message" for c in item["content"]]
+    assert part["text"] == "SureFour." and [lp["token"] for lp in part["logprobs"]] == ["Sure", "Four", "."]

@@ -201,6 +201,21 @@ def test_usage_counts_the_thinking_tokens(worker):
     assert whole["usage"]["completion_tokens"] > THINKING_TOKENS
 
 
+def test_a_stop_string_does_not_move_tokens_into_the_thinking(worker):
+    """The engine holds back the text a stop string might take, so the text comes after its tokens;
+    each token is still counted by its own text: the answer's first tokens are not thinking."""
+    stop = {"stop": ["qqqqqqq"]}  # never met (the answer's letters run 6 and 4 at most): 6 characters held
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=chat(**stop, **THOUGHT)).json()
+        body = chat(stream=True, stream_options={"include_usage": True}, **stop, **THOUGHT)
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            streamed = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"][-1]["usage"]
+    message = whole["choices"][0]["message"]
+    assert len(message["reasoning"]) == 6 and len(message["content"]) == 4
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": THINKING_TOKENS}
+    assert streamed["completion_tokens_details"] == {"reasoning_tokens": THINKING_TOKENS}
+
+
 def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(worker):
     """A response's outputs, fed as the engine delivers them (a token at a time, tags cut anywhere):
     the thinking is a reasoning item before the message, announced by reasoning_text events."""

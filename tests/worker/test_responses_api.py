@@ -339,21 +339,27 @@ HARMONY = "<|channel|>analysis<|message|>ab<|end|><|start|>assistant<|channel|>f
         ("gpt_oss", HARMONY, "ab", "cd", "cd<|return|>"),  # NOTE: the end marker is the answer's last token
     ],
 )
+@pytest.mark.parametrize("held", [0, 5])
 def test_output_text_logprobs_leave_out_the_thinking_tokens(
-    live, parser, answer, thinking, text, numbered
+    live, parser, answer, thinking, text, numbered, held
 ) -> None:
     """With --reasoning-parser the thinking is a reasoning item: its tokens' logprobs are not the
     output text's, nor are harmony's headers. One byte a token here, sent as the engine sends them:
-    a character's text with its last byte."""
+    a character's text with its last byte; ``held``: the text comes that many characters behind its
+    tokens, as a stop string holds it back (each output says its token's own text)."""
     endpoint = ResponsesAPI(WorkerAPI(live.engine, reasoning_parser=parser), 4)
     turn = _Turn(endpoint, {"input": "x"}, "resp_x", 1, [], False, None, True, splitter(parser))
     tokens = [
         (b, ch if k == len(ch.encode()) - 1 else "") for ch in answer for k, b in enumerate(ch.encode())
     ]
-    streamed = []
+    streamed, pending = [], ""
     for made, (token, piece) in enumerate(tokens, 1):
-        out = RequestOutput(text=piece, token_ids=[token], logprobs=(-0.5, [], []), completion_tokens=made,
-                            finish_reason="stop" if made == len(tokens) else None)  # fmt: skip
+        last = made == len(tokens)
+        pending += piece
+        keep = 0 if last else min(held, len(pending))
+        shown, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+        out = RequestOutput(text=shown, token_ids=[token], token_text=piece, logprobs=(-0.5, [], []),
+                            completion_tokens=made, finish_reason="stop" if last else None)  # fmt: skip
         for event in turn.add(out):
             data = orjson.loads(event.split(b"data: ", 1)[1])
             if data["type"] == "response.output_text.delta":
