@@ -370,7 +370,8 @@ class ClusterSim:
         """At a step boundary: admit, plan the next segment, publish the cache's events."""
         m = self.m
         self._admit(w, t)
-        if w.prefilling:
+        # NOTE: as the worker's scheduler: a prefill step, then a decode step while requests decode
+        if w.prefilling and not (w.decoding and w.after_prefill):
             budget = max(1, int(m.chunked_prefill_tokens / self.weight))  # simulated tokens
             chunk = []
             for job in w.prefilling:
@@ -385,13 +386,14 @@ class ClusterSim:
             copy_ms = m.host_copy_ms_per_token * (copied - w.copied_pages) * m.block_size * self.weight
             w.copied_pages = copied
             step = (m.prefill_ms_per_token * real + copy_ms + w.extra_ms) / 1e3
-            w.seg, w.extra_ms = (t, step, 1), 0.0
+            w.seg, w.extra_ms, w.after_prefill = (t, step, 1), 0.0, True
         elif w.decoding:
+            w.after_prefill = False
             step = (m.decode_base_ms + m.decode_ms_per_seq * len(w.decoding)) / 1e3
             if w.extra_ms:  # NOTE: one step carries the copies between steps
                 w.seg, w.extra_ms = (t, step + w.extra_ms / 1e3, 1), 0.0
-            else:
-                w.seg = (t, step, min(job.steps_left for job in w.decoding))
+            else:  # NOTE: one step when a prefill waits for it
+                w.seg = (t, step, 1 if w.prefilling else min(job.steps_left for job in w.decoding))
         else:
             w.seg, w.extra_ms = None, 0.0
         if w.seg is not None:

@@ -131,6 +131,7 @@ class SimWorker:
         self.busy_s = 0.0
         self.max_waiting = 0
         self.seg: tuple[float, float, int] | None = None  # (start s, step s, steps) or idle
+        self.after_prefill = False  # the last step was a prefill step: decoding requests step next
         self.version = 0  # bumps when a planned segment end is moved
 
     def enqueue(self, job: SimJob) -> None:

@@ -171,6 +171,20 @@ def test_prefix_sharing_caches_a_prompt_before_its_request_finishes(tmp_path):
         assert summary["latency_p99_ms"] > 300  # r0 was still running when r1 arrived
 
 
+def test_a_decoding_request_steps_between_the_prefill_steps_of_a_long_prompt(tmp_path):
+    # as the worker's scheduler: while r1's prompt takes 8 prefill steps, r0 (decoding) makes a token
+    # after each of them, and finishes before r1's first token
+    src = write_trace(tmp_path / "t.jsonl", [
+        {"timestamp": 0, "input_length": 512, "output_length": 5, "hash_ids": [1]},
+        {"timestamp": 1, "input_length": 8192, "output_length": 1, "hash_ids": list(range(2, 18))},
+    ])  # fmt: skip
+    summary, sim = run("round_robin", src, workers=1, model=WorkerModel(chunked_prefill_tokens=1024))
+    assert summary["completed"] == 2 and src.weight == 16
+    first, last = sim.latency  # in finish order: r0 first
+    assert first < max(sim.ttft) and last == pytest.approx(max(sim.ttft), abs=0.001)
+    assert_fleet_consistent(sim)
+
+
 def test_pending_prefill_in_the_load_keeps_a_miss_off_a_worker_busy_prefilling(tmp_path):
     # worker X decodes r0 and r1 (one shared prefix), worker Y prefills r2's 40 ids (~1.4 s); then
     # the short miss r3 comes: by request count Y is less loaded (1 vs 2), by pending prefill X is
