@@ -66,19 +66,22 @@ async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> d
                     async for _ in resp.content.iter_any():
                         if first is None:
                             first = time.perf_counter()
-                    if resp.status != 200:
-                        errors += 1
                 end = time.perf_counter()
+                if resp.status != 200:  # NOTE: a failed answer is counted, not timed
+                    errors += 1
+                    continue
                 latencies.append(end - t0)
                 ttfts.append((first or end) - t0)
 
         await asyncio.gather(*(client(i) for i in range(concurrency)))  # warm-up round
         latencies.clear()
         ttfts.clear()
-        remaining = requests
+        remaining, errors = requests, 0
         t_start = time.perf_counter()
         await asyncio.gather(*(client(i) for i in range(concurrency)))
         wall = time.perf_counter() - t_start
+    if not latencies:
+        raise RuntimeError(f"{url}: all {errors} requests failed")
     return {
         "requests": len(latencies),
         "errors": errors,

@@ -56,3 +56,18 @@ def test_a_one_token_answer_takes_no_decode_step(launch, stream):
     body = {"model": "echo", "prompt": "one token", "max_tokens": 1, "stream": stream}
     answer = httpx.post(echo.url + "/v1/completions", json=body, timeout=30)
     assert answer.status_code == 200 and '"text":"x"' in answer.text
+
+
+def test_the_router_overhead_bench_times_answered_requests_and_counts_failed_ones(launch):
+    """bench_router_overhead.run_load: every answer a 404 (another model) is no timing, and the
+    warm-up round's errors are not the run's."""
+    import asyncio
+
+    from loadtest.bench_router_overhead import run_load
+
+    echo = launch.echo_backend()
+    point = asyncio.run(run_load(echo.url, 2, 10, False))
+    assert point["requests"] == 10 and point["errors"] == 0 and point["p99_ms"] > 0
+    other = launch.echo_backend("--model", "other")
+    with pytest.raises(RuntimeError, match="all 10 requests failed"):
+        asyncio.run(run_load(other.url, 2, 10, False))
