@@ -231,8 +231,11 @@ class Router:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome
 
-    def kv_source(self, decision: Decision) -> str | None:
-        """Where ``decision``'s pick may fetch the prompt's cached KV (router/policies.kv_fetch_source)."""
+    def kv_source(self, decision: Decision, cache_salt: str | None = None) -> str | None:
+        """Where ``decision``'s pick may fetch the prompt's cached KV (router/policies.kv_fetch_source);
+        none for a salted prompt (workers export unsalted prefixes only)."""
+        if cache_salt is not None:
+            return None
         return kv_fetch_source(decision, self.config.kv_fetch_min_tokens, self.workers.load)
 
     def admit_key(self, key: str) -> None:
@@ -341,26 +344,28 @@ class Router:
             worker = self.workers.get(decision.url)
             assert worker is not None
             worker.in_flight += parsed.sequences  # NOTE: n choices run as n sequences on the worker
-            predicted = decision.matched_tokens.get(worker.url, 0)
+            matched = decision.matched_tokens.get(worker.url, 0)
+            context = worker.max_model_len.get(parsed.model or "")  # tokens, when the worker told
+            # NOTE: a prompt its context cannot hold, the worker cuts: no prefix of it is the worker's
+            cut = parsed.cut_to_fit and context is not None and route.prompt_tokens >= context
+            predicted = 0 if cut else route.cacheable(matched)
             prefill = PendingPrefill(worker, route.prompt_tokens - predicted + parsed.other_prompt_tokens)
             probe = worker.breaker.on_send()
             worker.stats.requests += 1
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
                             prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
-            # NOTE: a salted prompt's KV is not fetched (workers export unsalted prefixes only)
-            source = None if parsed.cache_salt is not None else self.kv_source(decision)
+            source = None if cut else self.kv_source(decision, parsed.cache_salt)
             access_log.note(kv_source=source)
             if source is not None:
                 worker.stats.kv_fetch_hints += 1
-            context = worker.max_model_len.get(parsed.model or "")  # tokens, when the worker told
             # The optimistic index insert (and hashing the rest of the prompt) runs once the
             # request is written to an idle connection: it does not delay it. Where a new
             # connection must be opened first it runs before that, since the requests decided
             # meanwhile must see it. A refusal, a worker that could not be reached, and an attempt
             # that ends without its answer on a worker whose KV events the index follows (the
             # client left, the worker failed) take it back. At most what the worker's context holds.
-            insert = OptimisticInsert(self.policy, route, worker.url, predicted // route.block_size,
-                                      context and context // route.block_size)  # fmt: skip
+            insert = OptimisticInsert(self.policy, route, worker.url, matched // route.block_size,
+                                      0 if cut else context and context // route.block_size)  # fmt: skip
             answered = False
             try:
                 try:

@@ -67,6 +67,11 @@ class RouteRequest:
     prompt_tokens: int
     block_size: int  # tokens per block
 
+    def cacheable(self, matched: int) -> int:
+        """Of ``matched`` tokens a worker holds, those it serves from its cache: it computes the
+        prompt's last token at least, so a prompt of whole blocks computes its last block."""
+        return min(matched, (self.prompt_tokens - 1) // self.block_size * self.block_size)
+
 
 @dataclass(slots=True)
 class Decision:

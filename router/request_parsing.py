@@ -40,8 +40,11 @@ class ParsedRequest:
     full_prefill: bool = False
     cache_salt: str | None = None  # vLLM's: the prompt's prefixes are this salt's own (block_hash.salted)
     # tokens of the longest prompt, which a worker's context must hold; None: the worker cuts the
-    # prompt to fit (truncate_prompt_tokens, the Responses API's truncation: auto)
+    # prompt to fit (truncate_prompt_tokens -1, the Responses API's truncation: auto)
     fit_tokens: int | None = None
+    # the worker cuts the prompt when its context cannot hold it (its end, or its newest turns, kept):
+    # then none of the prompt's prefix is what that worker computes
+    cut_to_fit: bool = False
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -140,9 +143,13 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     n = body.get("n")
     n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
     full = not chat and body.get("echo") is True and body.get("logprobs") is not None
-    fit = None if body.get("truncate_prompt_tokens") is not None else max([len(token_ids), *lengths])
+    keep = body.get("truncate_prompt_tokens")  # NOTE: the worker validates it; odd values cut nothing here
+    if type(keep) is int and keep >= 1:  # the worker computes each prompt's last ``keep`` tokens
+        token_ids, lengths = token_ids[max(0, len(token_ids) - keep) :], [min(n, keep) for n in lengths]
+    cut = keep == -1 and type(keep) is int  # the most the worker's context holds: known there
+    fit = None if cut else max([len(token_ids), *lengths])
     return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), sum(lengths), full_prefill=full,
-                         cache_salt=body.get("cache_salt"), fit_tokens=fit)  # fmt: skip
+                         cache_salt=body.get("cache_salt"), fit_tokens=fit, cut_to_fit=cut)  # fmt: skip
 
 
 def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedRequest:
@@ -174,6 +181,7 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
         usage_in_stream=True,
         cache_salt=body.get("cache_salt"),
         fit_tokens=None if previous is not None or body.get("truncation") == "auto" else len(token_ids),
+        cut_to_fit=body.get("truncation") == "auto",
     )
     parsed.affinity_body = {"model": model, "messages": messages}
     return parsed

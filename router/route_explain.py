@@ -28,7 +28,7 @@ def explain(
         "reason": "no healthy worker" if decision is None else decision.reason,
         "policy": router.policy.name,
         # the worker the pick would be told to fetch the prompt's KV from (--kv-fetch-min-tokens)
-        "kv_source": None if decision is None else router.kv_source(decision),
+        "kv_source": None if decision is None else router.kv_source(decision, parsed.cache_salt),
         "affinity_group": group,
         "affinity_outcome": outcome,
         "prompt_tokens": route.prompt_tokens,

@@ -333,6 +333,7 @@ def test_the_kv_source_is_the_best_holder_when_it_holds_enough_more_than_the_pic
     assert router.kv_source(Decision("http://a:1", {**pick.matched_tokens, "http://a:1": 33}, "")) is None
     assert router.kv_source(Decision("http://c:1", pick.matched_tokens, "")) is None  # the pick holds most
     assert router.kv_source(Decision("http://a:1", {"http://a:1": 0}, "")) is None
+    assert router.kv_source(pick, cache_salt="tenant") is None  # workers export unsalted prefixes only
     router.config.kv_fetch_min_tokens = 0  # off
     assert router.kv_source(pick) is None
 

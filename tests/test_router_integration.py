@@ -1068,3 +1068,60 @@ def test_a_request_that_never_reached_its_worker_leaves_nothing_in_the_index(lau
     metrics = httpx.get(router.url + "/metrics", timeout=5).text
     assert metric_values(metrics, "radixgate_upstream_errors_total")  # the attempt failed to connect
     assert metric_values(metrics, "radixgate_prefix_index_entries")[""] == 0
+
+
+def _matched(router_url: str, body: dict) -> dict[str, int]:
+    explained = httpx.post(router_url + "/debug/route", json=body, timeout=10).json()
+    return {c["url"]: c["matched_tokens"] for c in explained["candidates"]}
+
+
+def test_a_truncated_prompt_is_recorded_as_the_worker_computes_it(launch):
+    """truncate_prompt_tokens k: the worker computes the prompt's last k tokens, so the router records
+    those (not the prompt's head, which no KV event would ever take back); -1 on a prompt the
+    worker's context cannot hold: the worker keeps its end, nothing of the prompt's head is recorded."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--sim-context-tokens", "1024")
+    router = launch.router([worker.url])
+    wait_until(lambda: _worker_row(router.url)["models"] == ["sim-8b"], 10, what="the worker's models")
+    text = "".join(f"{i:04d} radix " for i in range(60))  # 600 byte tokens, no block repeats
+    one = {"model": "sim-8b", "max_tokens": 1}
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        cut = client.post("/v1/completions", json={**one, "prompt": text, "truncate_prompt_tokens": 300})
+        assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 300
+        assert _matched(router.url, {**one, "prompt": text[:350]}) == {worker.url: 0}
+        assert _matched(router.url, {**one, "prompt": text[-300:] + "more"}) == {worker.url: 288}
+        tail = client.post("/v1/completions", json={**one, "prompt": text[-300:] + "more"}).json()
+        assert tail["usage"]["prompt_tokens_details"]["cached_tokens"] == 288  # 18 blocks of 16
+        long = "".join(f"{i:05d} kept at the end " for i in range(100))  # 2,000 tokens: past the context
+        fitted = client.post("/v1/completions", json={**one, "prompt": long, "truncate_prompt_tokens": -1})
+        assert fitted.status_code == 200 and fitted.json()["usage"]["prompt_tokens"] == 1023
+        assert _matched(router.url, {**one, "prompt": long[:1000]}) == {worker.url: 0}
+
+
+def test_a_prompt_of_whole_blocks_is_predicted_cached_but_its_last_block(launch):
+    """A worker computes a prompt's last token at least: a 64-token prompt it holds whole is served
+    48 cached tokens, and the router's prediction says the same."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    router = launch.router([worker.url])
+    body = {"model": "sim-8b", "max_tokens": 1, "prompt": "".join(f"block {i:02d} sixteen" for i in range(4))}
+    assert len(body["prompt"]) == 64
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        for _ in range(2):
+            answer = client.post("/v1/completions", json=body).json()
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        predicted = metric_values(
+            client.get("/metrics").text, "radixgate_upstream_predicted_cached_tokens_total"
+        )
+    assert list(predicted.values()) == [48.0]
+
+
+def test_debug_route_names_no_kv_source_for_a_salted_prompt(launch):
+    """Workers export unsalted prefixes only, so a salted request gets no KV fetch hint: /debug/route
+    says so, as the request itself is sent."""
+    workers = [launch.module("worker", "--engine", "sim", "--model", "sim-8b") for _ in range(2)]
+    router = launch.router([w.url for w in workers], "--policy", "round_robin", "--kv-fetch-min-tokens", "16")
+    body = {"model": "sim-8b", "max_tokens": 1, "prompt": "a salted prompt " * 8, "cache_salt": "tenant-a"}
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        first = client.post("/v1/completions", json=body)
+        explained = client.post("/debug/route", json=body).json()
+    held = first.headers["x-radixgate-worker"]
+    assert explained["worker"] != held and explained["kv_source"] is None
