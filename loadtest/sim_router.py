@@ -84,7 +84,7 @@ class SimRouter:
         else:
             decision = policy.select(route, candidates)
             url = decision.url
-            uncached = len(tokens) - decision.matched_tokens[url]
+            uncached = len(tokens) - route.cacheable(decision.matched_tokens[url])
             source = kv_fetch_source(decision, self.kv_fetch_min_tokens, self.workers.load)
         policy.on_routed(route, url)
         self.decision_ns.append(time.perf_counter_ns() - t0)
