@@ -37,19 +37,35 @@ class IncrementalDetokenizer:
         self._special: dict[int, bool] = {}  # token id -> is it special (asked only once one is shown)
         self._ids: list[int] = [int(t) for t in list(prompt_ids)[-(self._context + _MAX_STEPS_BACK) :]]
         self._start = self._prompt_start()  # the window is _ids[_start:]
-        self._emitted = len(self._decode(self._ids[self._start :]))  # chars of the window's text already out
+        self._emitted = 0  # chars of the window's text already out
+        self._unfinished = ""  # the prompt's trailing U+FFFD: a character the output may complete
+        self._prompt_out()
+
+    def _prompt_out(self) -> None:
+        """The prompt's text is out, but for a character its last ids leave unfinished (U+FFFD): if the
+        output completes it, it is the output's; if not, its U+FFFD stays the prompt's."""
+        text = self._decode(self._ids[self._start :])
+        self._emitted = len(text.rstrip(_REPLACEMENT))
+        self._unfinished = text[self._emitted :]
+
+    def _first(self, out: str) -> str:
+        """``out``, the first text after the prompt's, less the prompt's unfinished character if the
+        output did not complete it (it decodes to U+FFFD still)."""
+        if out and self._unfinished:
+            out, self._unfinished = out.removeprefix(self._unfinished), ""
+        return out
 
     def show(self, special_ids: Collection[int]) -> None:
         """Decode these special tokens as their text (other special tokens stay hidden). Called
         before the first generated id is fed."""
         self._shown = frozenset(int(t) for t in special_ids)
-        self._emitted = len(self._decode(self._ids[self._start :]))
+        self._prompt_out()
 
     def feed(self, new_ids: Sequence[int]) -> str:
         self._ids.extend(int(t) for t in new_ids)
         text = self._decode(self._ids[self._start :])
         stable = len(text.rstrip(_REPLACEMENT))
-        out = text[self._emitted : stable] if stable > self._emitted else ""
+        out = self._first(text[self._emitted : stable] if stable > self._emitted else "")
         self._emitted = max(self._emitted, stable)
         if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
             self._restart_window(text)
@@ -82,7 +98,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever is still held back (possibly U+FFFD for an unfinished character)."""
         text = self._decode(self._ids[self._start :])
-        out = text[self._emitted :]
+        out = self._first(text[self._emitted :])
         self._emitted = len(text)
         return out
 

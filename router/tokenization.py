@@ -301,8 +301,7 @@ class HFTokenizer:
         if not os.path.exists(path):
             raise ValueError(f"no tokenizer.json in {directory}")
         with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        self.name = f"hf:{digest[:16]}"
+            digest = hashlib.sha256(f.read())
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config = _read_json(os.path.join(directory, "tokenizer_config.json"))
@@ -323,6 +322,12 @@ class HFTokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_ids))
         self.chat_templates = _find_chat_templates(directory, config)
         self._compiled_templates: dict[str, Any] = {}
+        # NOTE: equal names promise equal ids for equal requests: so the settings that add BOS and
+        # the chat templates (with the tokens they read) count, beside tokenizer.json
+        digest.update(
+            json.dumps([self._add_bos, self.special_tokens, self.chat_templates], sort_keys=True).encode()
+        )
+        self.name = f"hf:{digest.hexdigest()[:16]}"
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -405,7 +410,8 @@ class HFTokenizer:
             table = _byte_level_table()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return None if _REPLACEMENT in piece else piece.encode()  # NOTE: an added token, as written
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             with contextlib.suppress(ValueError):
                 return bytes((int(piece[3:5], 16),))
         text = piece.replace("\u2581", " ")

@@ -273,6 +273,17 @@ def test_hf_identity_eos_and_loading(hf_dir, tmp_path):
     other = byte_level_dir(tmp_path / "other")
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace("<s>", "<S>"))
     assert HFTokenizer(str(other)).name != tok.name
+    # one tokenizer.json, other ids: another chat template (base against instruct), or BOS added
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((hf_dir / name).read_bytes())
+    assert HFTokenizer(str(base)).name == tok.name
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages }}"}))
+    assert HFTokenizer(str(base)).name != tok.name
+    (base / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    assert HFTokenizer(str(base)).name != tok.name
     with pytest.raises(ValueError, match="unknown tokenizer"):
         load_tokenizer(str(tmp_path / "nowhere"))
 
@@ -518,3 +529,32 @@ def test_a_request_with_tools_takes_the_tool_use_template_as_transformers_does(h
     plain = ours.render_chat(messages)
     assert plain == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "<tools>" not in plain
+
+
+def test_a_prompt_that_ends_inside_a_character_the_output_completes_streams_that_character():
+    """Token ids that continue a cut-off text: the prompt's last byte starts an emoji the output
+    finishes; the emoji is the output's text. A prompt byte the output does not complete stays the
+    prompt's (no U+FFFD in the output)."""
+    tok = ByteTokenizer()
+    emoji = "😀".encode()
+    prompt = [*tok.encode_prompt("Hi "), emoji[0], emoji[1]]
+    for chunk in (1, 2):
+        assert "".join(stream(tok, [emoji[2], emoji[3], *b" ok"], chunk, prompt)) == "😀 ok"
+        assert "".join(stream(tok, list(b"ok"), chunk, prompt)) == "ok"
+    assert "".join(stream(tok, [], 1, prompt)) == ""  # nothing generated: nothing of the prompt's
+    assert "".join(stream(tok, list(b"ok"), 1, [*prompt, 0xFF])) == "ok"
+
+
+def test_added_tokens_of_a_byte_level_tokenizer_name_their_own_bytes(tmp_path):
+    """A byte-level tokenizer's added token outside its byte alphabet (DeepSeek's end of sentence, its
+    bars full-width) is its text as written: its ``▁`` is not SentencePiece's space."""
+    from tokenizers import AddedToken, Tokenizer
+
+    directory = byte_level_dir(tmp_path)
+    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    name = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    backend.add_special_tokens([AddedToken(name)])
+    backend.save(str(directory / "tokenizer.json"))
+    tok = HFTokenizer(str(directory))
+    assert tok.token_bytes(backend.token_to_id(name)) == name.encode()
+    assert tok.token_bytes(backend.token_to_id("<|im_end|>")) == b"<|im_end|>"

@@ -393,7 +393,8 @@ class WorkerAPI:
         ids, tok = body.get("tokens"), self.engine.tokenizer
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {tok.vocab_size})")
-        return _json({"prompt": await run_in_threadpool(tok.decode, ids)})
+        # NOTE: special tokens kept: the text /tokenize counted (a chat prompt's markers)
+        return _json({"prompt": await run_in_threadpool(tok.decode, ids, skip_special_tokens=False)})
 
 
 def create_app(

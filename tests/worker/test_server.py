@@ -726,6 +726,8 @@ def test_tokenize_and_detokenize_round_trip_as_generation_tokenizes(client):
     assert tokens["tokens"] == list(text.encode()) and tokens["count"] == len(text.encode())
     assert tokens["max_model_len"] == client.get("/v1/models").json()["data"][0]["max_model_len"]
     assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    eos = client.post("/detokenize", json={"tokens": [*tokens["tokens"], 256]}).json()
+    assert eos == {"prompt": text + "<|eos|>"}  # special tokens kept: the text the model reads
     messages = [{"role": "user", "content": "hi"}]
     chat_ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
     answer = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
