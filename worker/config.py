@@ -164,6 +164,8 @@ class WorkerConfig:
             raise ValueError("--max-stored-responses must be >= 0")
         if self.host_cache_tokens < 0:
             raise ValueError("--host-cache-tokens must be >= 0")
+        if 0 < self.host_cache_tokens < self.block_size:  # NOTE: no whole page: a tier that holds nothing
+            raise ValueError("--host-cache-tokens must hold at least one block (or be 0: no host tier)")
         sim_costs = ("sim_prefill_ms_per_token", "sim_decode_base_ms", "sim_decode_ms_per_seq",
                      "sim_host_copy_ms_per_token", "sim_kv_fetch_ms_per_token")  # fmt: skip
         for name in sim_costs:

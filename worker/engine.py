@@ -545,7 +545,7 @@ class Engine:
             cached_tokens=s.cached_tokens,
             prefill_tokens=s.prefill_tokens,
             decode_tokens=s.decode_tokens,
-            evicted_pages=s.evicted_pages,
+            evicted_pages=cache.evicted_pages,  # NOTE: for room, by steps and by KV transfers alike
             retractions=s.retractions,
             host_pages_total=cache.host.num_pages if cache.host else 0,
             host_pages_cached=cache.host_pages,

@@ -67,6 +67,7 @@ class RadixCache:
         self._protected = 0  # device pages in nodes with lock_ref > 0
         self._host_pages = 0  # host pages in nodes
         self._num_nodes = 0  # excluding the root
+        self.evicted_pages = 0  # device pages evicted for room (make_room), in all
         # Lazy LRU heaps of (last_access, seq, node), one per tier; an entry is live iff the node is
         # still in the tree, an unlocked leaf of its tier, and its last_access equals the entry's.
         # A device leaf has no device child (host children are fine). Stale entries are skipped.
@@ -367,7 +368,9 @@ class RadixCache:
         """Evict (``evict``) what it takes for ``num_pages`` free device pages, as far as anything
         is evictable; returns the pages evicted. The caller checks ``allocator.num_free``."""
         short = num_pages - self.allocator.num_free
-        return self.evict(short) if short > 0 else 0
+        freed = self.evict(short) if short > 0 else 0
+        self.evicted_pages += freed
+        return freed
 
     def evict(self, num_pages: int, offload: bool = True) -> int:
         """Free up to ``num_pages`` device pages from the least recently used unlocked device

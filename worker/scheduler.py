@@ -236,7 +236,7 @@ class Scheduler:
     # ------------------------------------------------------------------ pages
     def _ensure_free(self, n: int) -> bool:
         """At least ``n`` free pages, evicting unlocked cache leaves if needed."""
-        self.stats.evicted_pages += self.cache.make_room(n)
+        self.cache.make_room(n)
         return self.allocator.num_free >= n
 
     def _pages_short(self, req: Request, end: int) -> int:

@@ -28,6 +28,7 @@ from tests.worker.test_server import LiveServer, serve
 from worker.kv_pages import Pinned, import_begin, import_end
 
 PAGE = 16
+EVICTED = "radixgate_worker_evicted_pages_total"
 
 
 def tiers(server: LiveServer, ids: list[int]) -> tuple[int, int]:
@@ -79,7 +80,10 @@ def test_a_source_sends_a_prefix_that_moved_to_its_host_tier(tiered):
     complete(source.url, [*ids, 1])
     push_to_host(source, [*ids, 1], 1000)
     exported, fetched = counter(source.url, EXPORTED), counter(receiver.url, FETCHED)
+    evicted, free = counter(source.url, EVICTED), source.engine.allocator.num_free
     hinted = complete(receiver.url, [*ids, 2], source.url)
+    # its 31 pages loaded back to a full pool: the LRU pages it evicted for them count as evicted
+    assert free < 31 and counter(source.url, EVICTED) - evicted >= 31 - free
     assert cached(hinted) == 496  # every whole page of the 500 the source held, in its host tier
     assert outcome(receiver.url, "ok") == 1 and outcome(receiver.url, "miss") == 0
     assert counter(receiver.url, FETCHED) - fetched == 496
