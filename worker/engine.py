@@ -168,6 +168,12 @@ class Engine:
             )
         max_tokens = min(params.max_tokens, self.max_total_tokens - n)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        if params.allowed_token_ids is not None:  # NOTE: a row with no token left would sample id 0
+            left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words if len(w) == 1}
+            if not left:
+                raise ValueError("bad_words bans every token allowed_token_ids allows")
+            if params.min_tokens and left <= eos | set(params.stop_token_ids):
+                raise ValueError("min_tokens bans every token allowed_token_ids allows (EOS and stop ids)")
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),

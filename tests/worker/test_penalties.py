@@ -342,3 +342,20 @@ def test_adjustments_and_logprobs_agree_on_cuda_and_cpu():
     got = token_logprobs(logits.cuda(), tokens.cuda(), [p.logprobs for p in params])
     for (c1, i1, v1), (c2, i2, v2) in zip(want, got, strict=True):
         assert c1 == pytest.approx(c2, abs=1e-5) and i1 == i2 and v1 == pytest.approx(v2, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"allowed_token_ids": [97], "bad_words": ["a"]}, "bad_words bans every token"),
+        ({"allowed_token_ids": [256], "min_tokens": 2}, "min_tokens bans every token"),  # 256: EOS
+        ({"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1}, "min_tokens bans every token"),
+    ],
+)
+def test_constraints_that_leave_no_token_to_sample_are_a_400(tiny_url, extra, words):
+    """Nothing left to sample would give token 0, which the request ruled out: refused instead."""
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0, **extra}
+    refused = httpx.post(tiny_url + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+    ok = httpx.post(tiny_url + "/v1/completions", json={**body, "allowed_token_ids": [97, 98]}, timeout=60)
+    assert ok.status_code == 200 and set(ok.json()["choices"][0]["text"]) <= {"a", "b"}
