@@ -349,7 +349,8 @@ class Router:
             # NOTE: a prompt its context cannot hold, the worker cuts: no prefix of it is the worker's
             cut = parsed.cut_to_fit and context is not None and route.prompt_tokens >= context
             predicted = 0 if cut else route.cacheable(matched)
-            prefill = PendingPrefill(worker, route.prompt_tokens - predicted + parsed.other_prompt_tokens)
+            computed = min(route.prompt_tokens, context) if cut else route.prompt_tokens - predicted
+            prefill = PendingPrefill(worker, computed + parsed.other_prompt_tokens)
             probe = worker.breaker.on_send()
             worker.stats.requests += 1
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,

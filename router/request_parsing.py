@@ -145,8 +145,8 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     full = not chat and body.get("echo") is True and body.get("logprobs") is not None
     keep = body.get("truncate_prompt_tokens")  # NOTE: the worker validates it; odd values cut nothing here
     if type(keep) is int and keep >= 1:  # the worker computes each prompt's last ``keep`` tokens
-        token_ids, lengths = token_ids[max(0, len(token_ids) - keep) :], [min(n, keep) for n in lengths]
-    cut = keep == -1 and type(keep) is int  # the most the worker's context holds: known there
+        token_ids, lengths = token_ids[max(0, len(token_ids) - keep) :], [min(size, keep) for size in lengths]
+    cut = type(keep) is int and keep == -1  # the most the worker's context holds: known there
     fit = None if cut else max([len(token_ids), *lengths])
     return ParsedRequest(body, raw, model, stream, token_ids, n * (1 + len(rest)), sum(lengths), full_prefill=full,
                          cache_salt=body.get("cache_salt"), fit_tokens=fit, cut_to_fit=cut)  # fmt: skip
