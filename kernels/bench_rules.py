@@ -88,8 +88,9 @@ def decode_candidates(speedups: dict[str, dict]) -> list[Decision]:
 
 
 def fp8_decode(rows: list[dict]) -> list[Decision]:
-    """11(a), (b), (c), (e), per regime of the fp8 pool's decode tiles: the default's time over each
-    candidate's is `fp8_default_over_<name>` (above 1: the default is slower)."""
+    """11(a), (b), (c), (e), per regime of the fp8 pool's decode tiles: the default's speed-up over each
+    candidate, the candidate's time over the default's, is `fp8_default_over_<name>` (below 1: the
+    candidate is faster)."""
     rules = (
         ("11(a)", "short_tiles", "goes back to FP8_SHORT_TILES", lambda xs: min(xs) < 0.95, "least < 0.95"),
         ("11(b)", "flip_f16", "stops widening to fp16", lambda xs: max(xs) < 1.0, "every row < 1.0"),
