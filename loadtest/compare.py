@@ -64,7 +64,8 @@ class Backend:
                     "--sim-prefill-ms-per-token", str(self.prefill_ms_per_token),
                     "--sim-decode-base-ms", str(self.decode_ms_per_token), "--log-level", "warning",
                     "--host-cache-tokens", str(self.host_cache_tokens),
-                    "--sim-kv-fetch-ms-per-token", str(self.kv_fetch_ms_per_token)]  # fmt: skip
+                    "--sim-kv-fetch-ms-per-token", str(self.kv_fetch_ms_per_token),
+                    "--kv-hints", "any"]  # fmt: skip
         return [sys.executable, "-m", "loadtest.echo_backend", "--port", str(port), "--name", name,
                 "--block-size", str(self.block_size), "--cache-blocks", str(self.cache_tokens // self.block_size),
                 "--prefill-us-per-token", str(self.prefill_ms_per_token * 1e3),

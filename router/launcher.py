@@ -126,7 +126,8 @@ class WorkerLauncher:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "worker", "--model", self.model, "--host", "127.0.0.1"]
-            cmd += ["--port", str(port), "--advertise-url", url]
+            # NOTE: on loopback, only this router's side reaches them: they take its KV hints keyed or not
+            cmd += ["--port", str(port), "--advertise-url", url, "--kv-hints", "any"]
             if not any(a.startswith("--cpu-threads") for a in self.extra_args):
                 # CPU workers sharing one machine: split the cores instead of oversubscribing them
                 cmd += ["--cpu-threads", str(max(1, (os.cpu_count() or 1) // self.count))]

@@ -794,6 +794,23 @@ def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(cha
     }
 
 
+def test_workers_take_kv_hints_unkeyed_only_behind_the_network_policy(chart) -> None:
+    """A worker takes a KV source a request names from anyone (--kv-hints any) only where the network
+    policy lets no one but routers and workers reach it; with a key it needs none (keyed)."""
+
+    def hints(**values: Any) -> str | None:
+        worker = container(one(render(chart, **values), "StatefulSet", "worker"))
+        return {e["name"]: e.get("value") for e in worker["env"]}.get("RADIXGATE_WORKER_KV_HINTS")
+
+    assert hints() is None
+    assert hints(networkPolicy={"enabled": True}) == "any"
+    keyed = {
+        "networkPolicy": {"enabled": True},
+        "workerApiKey": {"existingSecret": "keys", "secretKey": "key"},
+    }
+    assert hints(**keyed) is None
+
+
 def test_lora_adapters_reach_the_workers_as_their_variable(chart, monkeypatch) -> None:
     worker = container(one(render(chart), "StatefulSet", "worker"))
     assert "RADIXGATE_WORKER_LORA_ADAPTERS" not in {e["name"] for e in worker["env"]}

@@ -34,7 +34,7 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
         tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser, api_key=cfg.api_key,
         kv_transfer_max_mib=cfg.kv_transfer_max_mib, kv_fetch_timeout_s=cfg.kv_fetch_timeout_s,
         kv_link_ms_per_token=cfg.sim_kv_fetch_ms_per_token if cfg.engine == "sim" else 0.0,
-        kv_transfer_max_wait_ms=cfg.kv_transfer_max_wait_ms,
+        kv_transfer_max_wait_ms=cfg.kv_transfer_max_wait_ms, kv_hints=cfg.kv_hints,
     )  # fmt: skip
 
 

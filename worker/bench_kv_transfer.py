@@ -39,7 +39,7 @@ class Served:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = create_app(engine, kv_transfer_max_mib=max_mib, kv_fetch_timeout_s=120.0)
+        app = create_app(engine, kv_transfer_max_mib=max_mib, kv_fetch_timeout_s=120.0, kv_hints="any")
         self.kv = app.state.kv_transfer
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

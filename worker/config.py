@@ -28,6 +28,7 @@ FP8_ACTIVATION_CHOICES = (
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
 ENV_PREFIX = "RADIXGATE_WORKER_"
+KV_HINTS = ("keyed", "any", "off")  # --kv-hints: who may name a KV source (x-radixgate-kv-source)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
 # --kv-cache-dtype (worker.kv_pool.kv_cache_dtype); "fp8" is fp8_e4m3, as vLLM reads it
@@ -83,6 +84,8 @@ class WorkerConfig:
     kv_transfer_max_mib: int = 1024
     kv_fetch_timeout_s: float = 5.0  # a request's KV fetches from the source worker, all its prompts
     kv_transfer_max_wait_ms: float = 200.0  # a transfer queued behind more than this is refused (0: never)
+    # who may name a KV source (x-radixgate-kv-source): keyed (only on a worker with --api-key), any, off
+    kv_hints: str = "keyed"
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: TOOL_CALL_PARSERS
     reasoning_parser: str = "none"  # chat answers' thinking apart (worker.reasoning.PARSERS)
@@ -126,6 +129,8 @@ class WorkerConfig:
             raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
+        if self.kv_hints not in KV_HINTS:  # NOTE: argparse checks flags, not env
+            raise ValueError(f"--kv-hints must be one of {', '.join(KV_HINTS)}, not {self.kv_hints!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):  # NOTE: argparse checks flags, not env
             raise ValueError(f"--overlap-schedule must be auto, on or off, not {self.overlap_schedule!r}")
         if self.stream_maxlen < 1:
@@ -332,6 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
         "a KV transfer that would wait longer than this behind those under way (their bytes left at "
         "the rate transfers have come) is refused: the source answers busy, a receiver does not ask "
         "(0 = never)",
+    )
+    opt(
+        "--kv-hints",
+        str,
+        "who may name a worker to fetch a prompt's KV from (the routers' x-radixgate-kv-source): keyed "
+        "(only on a worker with --api-key, whose every request carries the fleet's key), any (any client: "
+        "for a network where only routers reach the workers), off (none). A client that names a source "
+        "of its own could fill this worker's cache with KV that is not its prompt's",
+        choices=list(KV_HINTS),
     )
     opt(
         "--kv-fetch-timeout-s",

@@ -401,13 +401,16 @@ def create_app(
     engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
     tool_call_parser: str = "hermes", api_key: str | None = None, kv_transfer_max_mib: int = 1024,
     kv_fetch_timeout_s: float = 5.0, kv_link_ms_per_token: float = 0.0, kv_transfer_max_wait_ms: float = 200.0,
-    reasoning_parser: str = "none",
+    reasoning_parser: str = "none", kv_hints: str = "keyed",
 ) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it. With
-    ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it."""
+    ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it. ``kv_hints``
+    (--kv-hints): who may name a KV source."""
     kv = KVTransfer(engine, api_key, kv_transfer_max_mib << 20, kv_fetch_timeout_s, kv_link_ms_per_token,
                     kv_transfer_max_wait_ms / 1e3)  # fmt: skip
-    api = WorkerAPI(engine, tool_call_parser, kv, reasoning_parser)
+    # NOTE: a hint names where this worker's cache gets KV from: keyed, only from holders of the fleet's key
+    hints = kv_hints == "any" or (kv_hints == "keyed" and bool(api_key))
+    api = WorkerAPI(engine, tool_call_parser, kv if hints else None, reasoning_parser)
     ops = OpsAPI(engine, admin_token)
     responses = ResponsesAPI(api, max_stored_responses)
     keys = APIKeys([api_key] if api_key else [])
@@ -420,8 +423,8 @@ def create_app(
                 return await handler(request)
             except RouterError as exc:  # the key check
                 return error_response(exc.status, exc.message, exc.code)
-            except APIError as exc:
-                log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+            except APIError as exc:  # NOTE: %r: the message may quote the request (no forged log lines)
+                log.info("%s %s -> %d: %r", request.method, request.url.path, exc.status, exc.message)
                 return error_response(exc.status, exc.message, exc.code)
             except Exception:  # a bug must not take the worker down: answer 500 and log it
                 log.exception("%s %s failed", request.method, request.url.path)

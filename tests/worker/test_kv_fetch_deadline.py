@@ -24,7 +24,7 @@ def sim(**kv: float) -> LiveServer:
     from worker.sim_engine import build_sim_engine
 
     cfg = WorkerConfig(engine="sim", kv_cache_tokens=16384, sim_decode_base_ms=1.0)
-    return LiveServer(build_sim_engine(cfg), **kv)
+    return LiveServer(build_sim_engine(cfg), kv_hints="any", **kv)
 
 
 @contextlib.contextmanager

@@ -25,10 +25,16 @@ from router.block_hash import block_hashes
 from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
 from tests.support import free_port
-from tests.worker.test_server import LiveServer, serve
+from tests.worker.test_server import LiveServer
+from tests.worker.test_server import serve as serve_worker
 from worker.kv_pages import EXPORT_PATH, body_view, export_headers, read_headers
 
 PAGE = 16
+
+
+def serve(**overrides) -> LiveServer:
+    """A worker that takes KV hints from any client (these tests name sources themselves)."""
+    return serve_worker(**{"kv_hints": "any", **overrides})
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -130,6 +136,29 @@ def test_a_hinted_worker_fetches_the_prefix_and_answers_as_if_it_computed_it(fle
     again = complete(receiver.url, ids, source.url)
     assert cached(again) == (len(ids) - 1) // PAGE * PAGE and outcome(receiver.url, "cached") >= 1
     assert_same_answer(again, reference)
+
+
+def test_a_hint_is_taken_only_from_whom_kv_hints_trusts(fleet):
+    """--kv-hints keyed (the default): a worker without --api-key ignores a source named by a client
+    (it could be any server's KV); one with a key takes it (every request carries the fleet's key);
+    off: none does."""
+    from worker.assembly import build_engine
+    from worker.config import WorkerConfig
+
+    source, _, _ = fleet
+    shared = prompt(11, 300)
+    complete(source.url, shared + prompt(12, 20))
+    ids = shared + prompt(13, 20)
+    cfg = WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=4096)
+    with serve_worker() as open_, serve_worker(kv_hints="off") as off:
+        for worker in (open_, off):
+            assert cached(complete(worker.url, ids, source.url)) == 0
+            assert counter(worker.url, FETCH, '{outcome="ok"}') == 0
+    with LiveServer(build_engine(cfg), api_key="fleet-key") as keyed:
+        answer = httpx.post(keyed.url + "/v1/completions", timeout=60, headers={
+            SOURCE_HEADER: source.url, "authorization": "Bearer fleet-key"},
+            json={"model": "tiny", "prompt": ids, "max_tokens": 1}).json()  # fmt: skip
+        assert cached(answer) == 300 // PAGE * PAGE
 
 
 def test_only_what_the_receiver_lacks_is_fetched(fleet):
@@ -431,7 +460,7 @@ def test_simulated_workers_move_placeholder_kv_and_model_the_link_and_copies():
 
     def sim() -> LiveServer:
         cfg = WorkerConfig(engine="sim", kv_cache_tokens=8192, sim_decode_base_ms=1.0)
-        return LiveServer(build_sim_engine(cfg), kv_link_ms_per_token=0.12)
+        return LiveServer(build_sim_engine(cfg), kv_hints="any", kv_link_ms_per_token=0.12)
 
     with sim() as source, sim() as receiver:
         ids = prompt(95, 1000)
@@ -452,7 +481,9 @@ def test_a_fetch_asks_for_what_the_link_brings_in_half_its_timeout():
 
     def sim() -> LiveServer:  # NOTE: a link of 1 ms a token and a 2 s timeout
         cfg = WorkerConfig(engine="sim", kv_cache_tokens=16384, sim_decode_base_ms=1.0)
-        return LiveServer(build_sim_engine(cfg), kv_link_ms_per_token=1.0, kv_fetch_timeout_s=2.0)
+        return LiveServer(
+            build_sim_engine(cfg), kv_hints="any", kv_link_ms_per_token=1.0, kv_fetch_timeout_s=2.0
+        )
 
     with sim() as source, sim() as receiver:
         kv = receiver.app.state.kv_transfer
@@ -477,7 +508,9 @@ def test_a_transfer_queued_behind_too_much_is_refused(caplog):
 
     def sim() -> LiveServer:  # NOTE: a link of 1 ms a token; transfers may wait 200 ms (the default)
         cfg = WorkerConfig(engine="sim", kv_cache_tokens=16384, sim_decode_base_ms=1.0)
-        return LiveServer(build_sim_engine(cfg), kv_link_ms_per_token=1.0, kv_fetch_timeout_s=10.0)
+        return LiveServer(
+            build_sim_engine(cfg), kv_hints="any", kv_link_ms_per_token=1.0, kv_fetch_timeout_s=10.0
+        )
 
     with sim() as source, sim() as receiver:
         for seed, n in ((100, 300), (101, 1600), (102, 600)):

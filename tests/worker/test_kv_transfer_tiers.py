@@ -24,11 +24,17 @@ from tests.worker.test_kv_transfer import (
     prompt,
 )
 from tests.worker.test_radix_cache import arr
-from tests.worker.test_server import LiveServer, serve
+from tests.worker.test_server import LiveServer
+from tests.worker.test_server import serve as serve_worker
 from worker.kv_pages import Pinned, import_begin, import_end
 
 PAGE = 16
 EVICTED = "radixgate_worker_evicted_pages_total"
+
+
+def serve(**overrides) -> LiveServer:
+    """A worker that takes KV hints from any client (these tests name sources themselves)."""
+    return serve_worker(**{"kv_hints": "any", **overrides})
 
 
 def tiers(server: LiveServer, ids: list[int]) -> tuple[int, int]:

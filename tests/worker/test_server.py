@@ -5,6 +5,7 @@ event stream agree."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -61,7 +62,7 @@ def serve(**overrides) -> LiveServer:
         build_engine(cfg), cfg.admin_token, cfg.max_stored_responses,
         kv_transfer_max_mib=cfg.kv_transfer_max_mib, kv_fetch_timeout_s=cfg.kv_fetch_timeout_s,
         kv_transfer_max_wait_ms=cfg.kv_transfer_max_wait_ms, reasoning_parser=cfg.reasoning_parser,
-        tool_call_parser=cfg.tool_call_parser,
+        tool_call_parser=cfg.tool_call_parser, kv_hints=cfg.kv_hints,
     )  # fmt: skip
 
 
@@ -822,3 +823,15 @@ def test_max_model_len_caps_the_context_served_and_its_rope_tables():
         serve(max_model_len=10**6)
     with pytest.raises(ValueError, match="--max-model-len"):
         WorkerConfig(model="tiny", max_model_len=1).validate()
+
+
+def test_a_refusal_that_quotes_the_request_is_logged_on_one_line(client, caplog):
+    """A 400's message may quote the request (a schema's type here): logged escaped, a newline in it
+    cannot write a line of its own into the worker's log."""
+    forged = "nope\n2026-11-30 22:00:00,000 INFO worker.server: POST /v1/cache/flush -> 200 (admin)"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": forged}}}}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="worker.server"):
+        assert client.post("/v1/chat/completions", json=body).status_code == 400
+    (line,) = [r.getMessage() for r in caplog.records if "-> 400" in r.getMessage()]
+    assert "\n" not in line and "nope\\n2026" in line

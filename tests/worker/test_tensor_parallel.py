@@ -34,7 +34,7 @@ from tests.worker.conftest import (
 from worker.model.config import ModelConfig
 from worker.model.shard import Shard
 
-COMMON = ["--device", "cpu", "--warmup-tokens", "0", "--cpu-threads", "1"]
+COMMON = ["--device", "cpu", "--warmup-tokens", "0", "--cpu-threads", "1", "--kv-hints", "any"]
 PROMPTS = [
     "Tensor parallel ranks must agree on every token.",
     "The quick brown fox jumps over the lazy dog, twice: the quick brown fox jumps again.",
