@@ -257,3 +257,25 @@ def test_trace_logging_gets_the_router_as_far_as_binding_its_port():
                 "--log-level", "trace"]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 3 and "address already in use" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "argv", "words"),
+    [
+        ("admin_token: 0777\n", [], "quote it"),  # YAML reads 511
+        ("api_keys: [0x1F]\n", [], "quote it"),  # YAML reads 31
+        ("worker_api_key: yes\n", [], "quote it"),  # YAML reads true
+        ("", ["--worker-api-key", "k\u20acy"], "printable ASCII"),  # no header carries it as written
+        ("", ["--admin-token", "two words"], "printable ASCII"),
+        ("api_keys: ['team:k\u00e9y']\n", [], "printable ASCII"),
+    ],
+)
+def test_a_key_no_client_could_send_as_written_is_refused_at_start(tmp_path, yaml_text, argv, words):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(yaml_text or "policy: cache_aware\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=words):
+        build_config(["--config", str(cfg), *argv], environ={})
+    quoted = tmp_path / "q.yaml"
+    quoted.write_text("admin_token: '0777'\napi_keys: ['0x1F']\n")
+    config = build_config(["--config", str(quoted)], environ={})
+    assert config.admin_token == "0777" and config.api_keys == ["0x1F"]

@@ -442,6 +442,9 @@ def test_config_reads_gemma_as_released() -> None:
         0.0,
         (),
     )  # null: none, as transformers
+    # Gemma 3's attention caps nothing whatever its config holds (transformers reads the key, uses it nowhere)
+    capped = ModelConfig.from_hf({"model_type": "gemma3_text", "attn_logit_softcapping": 1.5})
+    assert capped.attn_logit_softcapping == 0.0
     with pytest.raises(ValueError, match="unsupported model_type 'gemma'"):
         ModelConfig.from_hf({**QWEN_LIKE, "model_type": "gemma"})
 

@@ -474,7 +474,11 @@ def _gemma(
         if model_type == "gemma3_text"
         else None,
         "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
-        "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0),
+        # NOTE: Gemma 3's config keeps the key (null in every release), but its attention caps nothing
+        # (transformers reads it, and passes it to no attention): Gemma 2's only
+        "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0)
+        if model_type == "gemma2"
+        else 0.0,
         "multimodal": cfg.get("language_model_of") == "gemma3",
     }
 
