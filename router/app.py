@@ -131,6 +131,11 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(
                 401, "admin endpoints need 'Authorization: Bearer <admin token>'", "unauthorized"
             )
+        if not config.admin_token:  # NOTE: the fleet's URLs and loads are no more open than its models
+            try:
+                router.api_keys.check(request.headers.get("authorization"))
+            except RouterError as exc:
+                return error_response(exc.status, exc.message, exc.code)
         if request.method != "GET" and not config.admin_token and (config.api_keys or config.worker_api_key):
             # NOTE: a router that guards its clients or its workers with keys must not let anyone
             # register a worker: it would be sent the worker key and the clients' prompts

@@ -255,6 +255,7 @@ class Router:
         access = access_log.start(self.config.access_log, endpoint)
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            access_log.note(request_id=headers.get("x-request-id"))  # NOTE: first: a refused request's too
             key = self.api_keys.check(headers.get("authorization"))
             if key is not None:
                 access_log.note(api_key=key)
@@ -263,8 +264,7 @@ class Router:
             parsed = self.parse(raw, endpoint)
             self.check_model(parsed.model)
             group = self.affinity_group(parsed, endpoint != "completions", headers)
-            access_log.note(request_id=headers.get("x-request-id"), model=parsed.model, stream=parsed.stream,
-                            affinity_group=group)  # fmt: skip
+            access_log.note(model=parsed.model, stream=parsed.stream, affinity_group=group)
             watch = ClientWatch(receive)
             priority = parsed.body.get("priority", 0)  # NOTE: the worker validates it; odd values wait as 0
             await self.admission.acquire(priority if type(priority) is int else 0)  # routed once admitted
@@ -275,10 +275,10 @@ class Router:
         except RouterError as exc:
             status = exc.status
             access_log.note(error=exc.code)
-            if exc.status >= 500:
-                log.warning("%s: %d %s", endpoint, exc.status, exc.message)
+            if exc.status >= 500:  # NOTE: %r: a message may quote the request (no forged log lines)
+                log.warning("%s: %d %r", endpoint, exc.status, exc.message)
             else:
-                log.info("%s: rejected %d %s", endpoint, exc.status, exc.message)
+                log.info("%s: rejected %d %r", endpoint, exc.status, exc.message)
             if watch is not None:
                 watch.stop()
             body = error_body(exc.status, exc.message, exc.code)

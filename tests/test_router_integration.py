@@ -784,11 +784,13 @@ def test_the_access_log_explains_each_request(launch):
         router.url + "/v1/chat/completions", json=body, headers={"x-request-id": "req-1"}, timeout=10
     )
     second = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10)
-    bad = httpx.post(router.url + "/v1/chat/completions", json={**body, "model": "gpt-nope"}, timeout=10)
+    bad = httpx.post(router.url + "/v1/chat/completions", json={**body, "model": "gpt-nope"}, timeout=10,
+                     headers={"x-request-id": "req-3"})  # fmt: skip
     assert (first.status_code, second.status_code, bad.status_code) == (200, 200, 404)
 
     wait_until(lambda: len(router.access_lines()) == 3, 10, what="three access lines")
     one, two, three = router.access_lines()
+    assert three["request_id"] == "req-3" == bad.headers["x-request-id"]  # a refused request's too
     assert one["request_id"] == "req-1" and one["status"] == 200 and one["worker"] == backend.url
     assert one["endpoint"] == "chat" and one["attempts"] == 1 and one["reason"]
     assert one["prompt_tokens"] > len(SYSTEM) and one["usage_prompt_tokens"] > 0 and one["ttft_ms"] > 0
@@ -810,7 +812,8 @@ def test_api_keys_guard_the_client_endpoints_and_leave_probes_open(launch):
     body = chat("Who may ask?")
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "k-one"}):
         for method, path, payload in (("POST", "/v1/chat/completions", body), ("GET", "/v1/models", None),
-                                      ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/debug/route", body)):  # fmt: skip
+                                      ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/debug/route", body),
+                                      ("GET", "/workers", None)):  # fmt: skip
             r = httpx.request(method, router.url + path, json=payload, headers=headers, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
     for key in ("k-one", "k-two"):
@@ -822,6 +825,8 @@ def test_api_keys_guard_the_client_endpoints_and_leave_probes_open(launch):
         )
         assert r.status_code == 200
     assert httpx.get(router.url + "/v1/models", headers={"authorization": "Bearer k-two"}).status_code == 200
+    listed = httpx.get(router.url + "/workers", headers={"authorization": "Bearer k-one"})
+    assert listed.status_code == 200 and listed.json()["workers"][0]["url"] == backend.url
     for probe in ("/health", "/ready", "/metrics"):
         assert httpx.get(router.url + probe).status_code == 200
     counted = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_requests_total")

@@ -119,6 +119,11 @@ class WorkerConfig:
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise ValueError(f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()}) is empty: "
                                  "give it a value or leave it unset")  # fmt: skip
+            if getattr(self, name) is not None and not all(
+                " " < c <= "~" for c in getattr(self, name).strip()
+            ):
+                raise ValueError(f"--{name.replace('_', '-')} must be printable ASCII without spaces "
+                                 "(a header carries it)")  # fmt: skip
         if self.engine not in ("model", "sim"):
             raise ValueError("--engine must be model or sim")
         if self.device not in ("auto", "cuda", "cpu"):

@@ -122,6 +122,8 @@ def test_a_key_set_empty_is_refused_not_the_guard_off(capsys, monkeypatch, name)
         (["--sim-prefill-ms-per-token", "-1"], {}, "--sim-prefill-ms-per-token"),
         (["--sim-context-tokens", "0"], {}, "--sim-context-tokens"),
         (["--host-cache-tokens", "15", "--block-size", "16"], {}, "--host-cache-tokens"),  # no whole page
+        (["--api-key", "k\u20acy"], {}, "--api-key"),  # no header carries it as written
+        ([], {"RADIXGATE_WORKER_ADMIN_TOKEN": "two words"}, "--admin-token"),
     ],
 )
 def test_settings_the_worker_cannot_run_by_are_refused_by_name(capsys, monkeypatch, argv, env, flag):
