@@ -36,8 +36,10 @@ class RouterError(Exception):
 
 
 def error_payload(status: int, message: str, code: str | None = None) -> dict:
-    """{"error": {"message", "type", "code"}}: the body of an error response, or a stream's error event."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "code": code}}
+    """{"error": {"message", "type", "code"}}: the body of an error response, or a stream's error event
+    (a client error the table does not name is an invalid request, not the server's)."""
+    kind = _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "code": code}}
 
 
 def error_body(status: int, message: str, code: str | None = None) -> bytes:

@@ -135,7 +135,11 @@ def test_a_client_key_reaches_workers_that_check_it_on_every_endpoint(launch) ->
     for headers in ({}, key):
         added = httpx.post(router.url + "/workers", params={"url": "http://127.0.0.1:9"}, headers=headers)
         assert added.status_code == 403 and added.json()["error"]["code"] == "admin_token_required"
-    assert [w["url"] for w in httpx.get(router.url + "/workers").json()["workers"]] == [worker.url]
+        assert added.json()["error"]["type"] == "invalid_request_error"  # a client's error, not the server's
+    assert [w["url"] for w in httpx.get(router.url + "/workers", headers=key).json()["workers"]] == [
+        worker.url
+    ]
+    assert httpx.get(router.url + "/workers").status_code == 401  # no key: no view of the fleet
 
 
 @pytest.mark.redis
