@@ -131,7 +131,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             return error_response(
                 401, "admin endpoints need 'Authorization: Bearer <admin token>'", "unauthorized"
             )
-        if not config.admin_token:  # NOTE: the fleet's URLs and loads are no more open than its models
+        if request.method == "GET" and not config.admin_token:  # NOTE: the fleet no more open than its models
             try:
                 router.api_keys.check(request.headers.get("authorization"))
             except RouterError as exc:
