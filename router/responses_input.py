@@ -82,7 +82,9 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
     ``reasoning`` items) as chat messages: function calls are the ``tool_calls`` of the assistant
     message they follow (one turn's message and calls, as a response's output has them), a call's
     output is a ``tool`` message, and a reasoning item's text is the next assistant message's
-    ``reasoning_content`` (the name chat templates read; dropped when another message follows it)."""
+    ``reasoning_content`` (the name chat templates read); a reasoning item no assistant message or call
+    follows (an answer cut off while thinking) is an assistant turn of its own with no content, as the
+    stored conversation of that response has it."""
     if isinstance(input_, str):
         if not input_:
             raise ValueError("'input' is empty")
@@ -117,12 +119,16 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
                 raise ValueError(
                     "a function_call_output item needs string 'call_id' and 'output' (text or text parts)"
                 )
+            if thought:  # NOTE: no assistant turn took it: a turn of its own
+                out.append({"role": "assistant", "content": "", "reasoning_content": thought})
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(output)})
         elif kind == "message":
             role = item.get("role")
             role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise ValueError(f"unsupported role {item.get('role')!r}")
+            if thought and role != "assistant":  # NOTE: no assistant turn took it: a turn of its own
+                out.append({"role": "assistant", "content": "", "reasoning_content": thought})
             out.append({"role": role, "content": _text(item.get("content"))})
         else:
             raise ValueError(f"unsupported input item type {kind!r}: messages, function_call, "
@@ -131,6 +137,8 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
             if out[-1]["role"] == "assistant":  # (after any thinking that turn had: a call joins it)
                 out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + thought
             thought = None
+    if thought:
+        out.append({"role": "assistant", "content": "", "reasoning_content": thought})
     return out
 
 

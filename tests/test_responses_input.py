@@ -106,7 +106,8 @@ def test_function_calls_and_their_outputs_become_tool_turns() -> None:
 
 def test_a_reasoning_item_goes_with_the_assistant_turn_that_follows_it() -> None:
     """Output items sent back as input (a client keeping the context itself): a reasoning item's
-    text is the next assistant message's reasoning_content; with no assistant turn next, dropped."""
+    text is the next assistant message's reasoning_content; with no assistant turn next, an assistant
+    turn of its own (a response cut off while thinking, as its stored conversation has it)."""
     thought = {"type": "reasoning", "id": "rs_1", "summary": [],
                "content": [{"type": "reasoning_text", "text": "check "}, {"type": "reasoning_text", "text": "it"}]}  # fmt: skip
     answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}
@@ -116,9 +117,12 @@ def test_a_reasoning_item_goes_with_the_assistant_turn_that_follows_it() -> None
         {"role": "assistant", "content": "Done.", "reasoning_content": "check it"},
     ]
     assert input_messages([thought, call])[0]["reasoning_content"] == "check it"
-    assert input_messages([thought, {"role": "user", "content": "q"}, answer]) == [
+    assert input_messages(
+        [{"role": "user", "content": "q"}, thought, {"role": "user", "content": "and?"}]
+    ) == [
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "Done."},
+        {"role": "assistant", "content": "", "reasoning_content": "check it"},
+        {"role": "user", "content": "and?"},
     ]
     summary_only = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}
     assert input_messages([summary_only, answer])[0]["reasoning_content"] == "short"
@@ -136,6 +140,7 @@ def test_a_responses_output_sent_back_as_input_is_the_turn_it_was() -> None:
     for deltas in (
         [{"reasoning": "need weather"}, {"content": "Let me check."}, {"tool_calls": [call]}],
         [{"reasoning": "R1 "}, {"content": "Let me check."}, {"reasoning": "R2"}, {"tool_calls": [call]}],
+        [{"reasoning": "cut off while thinking"}],  # max_output_tokens reached before any answer
     ):  # NOTE: the second as gpt-oss may answer: analysis, a commentary preamble, analysis, the call
         items = OutputItems(Events())
         for delta in deltas:
