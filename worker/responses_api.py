@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @dataclass
 class StoredResponse:
-    messages: list[dict[str, Any]]  # the conversation so far, without instructions
+    messages: list[dict[str, Any]] | None  # the conversation so far, without instructions (None: in progress)
     response: dict  # the response object, as GET returns it
 
 
@@ -48,6 +48,7 @@ class ResponseStore:
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._deleted: set[str] = set()  # responses deleted while they were generated
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -60,6 +61,24 @@ class ResponseStore:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def begin(self, rid: str, response: dict) -> None:
+        """A response being generated: GET answers it ``in_progress``, a follow-up is refused."""
+        self.put(rid, StoredResponse(None, response))
+
+    def finish(self, rid: str, entry: StoredResponse) -> None:
+        """The finished response, unless it was deleted while it was generated."""
+        if rid in self._deleted:
+            self._deleted.discard(rid)
+            return
+        self.put(rid, entry)
+
+    def abandon(self, rid: str) -> None:
+        """A response that never finished (the client left, it failed): no longer in progress."""
+        entry = self._entries.get(rid)
+        if entry is not None and entry.messages is None:
+            del self._entries[rid]
+        self._deleted.discard(rid)
+
     def get(self, rid: str) -> StoredResponse | None:
         entry = self._entries.get(rid)
         if entry is not None:
@@ -67,7 +86,10 @@ class ResponseStore:
         return entry
 
     def delete(self, rid: str) -> bool:
-        return self._entries.pop(rid, None) is not None
+        entry = self._entries.pop(rid, None)
+        if entry is not None and entry.messages is None:  # NOTE: in progress: not stored when it ends
+            self._deleted.add(rid)
+        return entry is not None
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -168,6 +190,7 @@ class ResponsesAPI:
         store = True if body.get("store") is None else body["store"]
         if not isinstance(store, bool):
             raise APIError(400, "'store' must be a boolean")
+        store = store and self.store.max_entries > 0  # NOTE: --max-stored-responses 0 keeps none: said so
         truncation = body.get("truncation") or "disabled"
         if truncation not in ("disabled", "auto"):
             raise APIError(400, f"'truncation' must be 'auto' or 'disabled', got {truncation!r}")
@@ -186,6 +209,9 @@ class ResponsesAPI:
             entry = self.store.get(previous) if isinstance(previous, str) else None
             if entry is None:
                 raise _not_found(previous)
+            if entry.messages is None:
+                raise APIError(400, f"response {previous!r} is still in progress: follow it up once it is done",
+                               "response_in_progress")  # fmt: skip
             history = entry.messages
         try:
             messages = prompt_messages(body.get("instructions"), history, body.get("input"))
@@ -220,6 +246,8 @@ class ResponsesAPI:
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
                      api.splitter(thinking) if api.reasoning else None)  # fmt: skip
+        if store:
+            self.store.begin(rid, turn.response("in_progress"))
         if body.get("stream"):
             return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
@@ -235,6 +263,7 @@ class ResponsesAPI:
             return Response(status_code=499)
         finally:
             api._abort(live)
+            turn.end()
 
     async def _stream(
         self,
@@ -273,6 +302,7 @@ class ResponsesAPI:
                 out = await self.api._next(request, outputs, live)
         finally:
             self.api._abort(live)  # NOTE: client gone or failed: free the request's pages now
+            turn.end()
 
     # ------------------------------------------------------------------ retrieve, delete
     async def retrieve(self, request: Request) -> Response:
@@ -308,6 +338,7 @@ class _Turn:
         self.finish_reason: str | None = None
         self.events = Events()
         self.items = OutputItems(self.events, logprobs)
+        self.finished = False
         self._logprobs: list[dict] = []  # entries of the answer's tokens whose text is not out yet
         self._unsure = 0  # of those, the first ones, not known as the answer's yet (it may think first)
 
@@ -343,6 +374,11 @@ class _Turn:
             self._logprobs = []
         return events
 
+    def end(self) -> None:
+        """The request is over: a response that did not finish is no longer in progress."""
+        if self.store and not self.finished:
+            self.endpoint.store.abandon(self.rid)
+
     def response(self, status: str, output: list | None = None, usage: dict | None = None) -> dict:
         body = self.body
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -350,7 +386,7 @@ class _Turn:
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
             "error": None, "incomplete_details": incomplete, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "model": body.get("model") or self.endpoint.api.name,
-            "output": output or [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "output": output or [], "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"), "store": self.store,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}},
@@ -379,5 +415,6 @@ class _Turn:
             self.endpoint.api.engine.metrics.tool_calls.inc(self.reader.calls)
         if self.store:
             conversation = [*self.messages, self.items.assistant_message()]
-            self.endpoint.store.put(self.rid, StoredResponse(conversation, final))
+            self.endpoint.store.finish(self.rid, StoredResponse(conversation, final))
+        self.finished = True
         return final, closing

@@ -65,7 +65,8 @@ def tool_request(body: dict) -> ToolRequest | None:
         if choice not in (None, "none"):
             raise ValueError("'tool_choice' needs 'tools'")
         return None
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # NOTE: null is the default, as OpenAI's schema has it
     if not isinstance(parallel, bool):
         raise ValueError("'parallel_tool_calls' must be a boolean")
     if choice is None or choice in ("auto", "none", "required"):

@@ -4,6 +4,7 @@ from the cache), retrieve and delete, and honest 4xx for what is not supported."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -398,3 +399,45 @@ def test_output_logprobs_when_included_match_chat_and_stream(client) -> None:
                 {"include": ["message.output_text.logprobs"], "tools": [ADD]}):  # fmt: skip
         r = client.post("/v1/responses", json={"input": "x", **bad})
         assert r.status_code == 400, r.text
+
+
+def test_a_response_being_generated_is_in_progress_and_a_delete_then_holds(client, live) -> None:
+    """While a stored response streams: GET answers it in_progress, a follow-up of it is a 400 (it has
+    no answer yet), DELETE removes it for good (it is not stored when it ends); a stream its client
+    leaves is no longer in progress."""
+    body = {"input": "Go on.", "max_output_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=60) as other:
+        with client.stream("POST", "/v1/responses", json=body) as r:
+            lines = r.iter_lines()
+            created = next(orjson.loads(line[6:]) for line in lines if line.startswith("data: "))
+            rid = created["response"]["id"]
+            got = other.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200 and got.json()["status"] == "in_progress"
+            follow = other.post("/v1/responses", json={"input": "And?", "previous_response_id": rid})
+            assert follow.status_code == 400 and follow.json()["error"]["code"] == "response_in_progress"
+            assert other.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+            assert [
+                line for line in lines if '"response.completed"' in line or '"response.incomplete"' in line
+            ]
+        assert other.get(f"/v1/responses/{rid}").status_code == 404  # deleted: not stored at its end
+        with client.stream("POST", "/v1/responses", json=body) as r:  # the client leaves mid-stream
+            line = next(line for line in r.iter_lines() if line.startswith("data: "))
+            left = orjson.loads(line[6:])["response"]["id"]
+        deadline = time.monotonic() + 10
+        while other.get(f"/v1/responses/{left}").status_code != 404:
+            assert time.monotonic() < deadline, "the abandoned response stays in progress"
+
+
+def test_parallel_tool_calls_null_is_the_default() -> None:
+    from worker.tool_calls import tool_request
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert tool_request({"tools": tools, "parallel_tool_calls": None}).parallel is True
+    with pytest.raises(ValueError, match="parallel_tool_calls"):
+        tool_request({"tools": tools, "parallel_tool_calls": "yes"})
+
+
+def test_a_worker_that_keeps_no_responses_says_they_are_not_stored() -> None:
+    with serve(max_stored_responses=0) as none, httpx.Client(base_url=none.url, timeout=60) as c:
+        resp = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}).json()
+        assert resp["store"] is False and c.get(f"/v1/responses/{resp['id']}").status_code == 404
