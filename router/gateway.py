@@ -416,6 +416,16 @@ class Router:
                 prefill.release()
                 worker.changed()
         if only is not None and failure is None:
+            holder = self.workers.get(only)
+            if (
+                holder is not None
+                and parsed.model is not None
+                and holder.models
+                and parsed.model not in holder.models
+            ):
+                # NOTE: up and serving, not this model: the client's error (a 503 would be retried for good)
+                raise RouterError(404, f"the worker holding response {previous!r} ({only}) does not serve model "
+                                  f"{parsed.model!r}", "model_not_found")  # fmt: skip
             raise RouterError(503, f"the worker holding response {previous!r} ({only}) is not available",
                               "worker_unavailable")  # fmt: skip
         if failure is not None and failure.kind == "overloaded":

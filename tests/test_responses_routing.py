@@ -172,3 +172,15 @@ def test_kv_events_of_a_worker_known_by_another_name_reach_the_index(launch) -> 
         httpx.get(router.url + "/metrics").text, "radixgate_upstream_kv_event_batches_total"
     )
     assert batches[f'{{worker="{alias}"}}'] >= 1
+
+
+def test_a_follow_up_naming_a_model_its_holder_does_not_serve_is_404_not_503(launch) -> None:
+    """The holder is up; it serves another model than the follow-up names: the client's error (a
+    503 would be retried for good)."""
+    holder = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
+    other = launch.module("worker", "--engine", "sim", "--model", "sim-70b")
+    router = launch.router([holder.url, other.url])
+    first = _create(router.url, model="sim-8b", input="Hello.")
+    assert first.status_code == 200 and first.headers["x-radixgate-worker"] == holder.url
+    r = _create(router.url, model="sim-70b", input="And?", previous_response_id=first.json()["id"])
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
