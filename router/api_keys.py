@@ -34,6 +34,8 @@ def key_names(keys: list[str]) -> list[tuple[str, str]]:
         name, secret = (m.group(1), m.group(2).strip()) if m else (f"key-{i}", key.strip())
         if not secret:
             raise ValueError(f"API key {i} is empty")
+        if not all(" " < c <= "~" for c in secret):  # NOTE: no client could send it as written
+            raise ValueError(f"API key {i} must be printable ASCII without spaces (a header carries it)")
         (named if m else unnamed).add(name)
         out.append((name, secret))
     if clash := sorted(named & unnamed):

@@ -46,14 +46,16 @@ class IncrementalDetokenizer:
         output completes it, it is the output's; if not, its U+FFFD stays the prompt's."""
         text = self._decode(self._ids[self._start :])
         self._emitted = len(text.rstrip(_REPLACEMENT))
-        self._unfinished = text[self._emitted :]
+        self._unfinished = text if self._emitted < len(text) else ""  # the prompt's text, when it ends so
 
-    def _first(self, out: str) -> str:
-        """``out``, the first text after the prompt's, less the prompt's unfinished character if the
-        output did not complete it (it decodes to U+FFFD still)."""
-        if out and self._unfinished:
-            out, self._unfinished = out.removeprefix(self._unfinished), ""
-        return out
+    def _first(self, text: str) -> None:
+        """Before the first text after the prompt's (``text``: the window's): what of the prompt's
+        trailing U+FFFD the output left as it was is the prompt's, not the output's."""
+        if self._unfinished and len(text) > self._emitted:
+            prompt, same = self._unfinished, self._emitted
+            while same < min(len(prompt), len(text)) and prompt[same] == text[same]:
+                same += 1
+            self._emitted, self._unfinished = same, ""
 
     def show(self, special_ids: Collection[int]) -> None:
         """Decode these special tokens as their text (other special tokens stay hidden). Called
@@ -65,7 +67,9 @@ class IncrementalDetokenizer:
         self._ids.extend(int(t) for t in new_ids)
         text = self._decode(self._ids[self._start :])
         stable = len(text.rstrip(_REPLACEMENT))
-        out = self._first(text[self._emitted : stable] if stable > self._emitted else "")
+        if stable > self._emitted:
+            self._first(text)
+        out = text[self._emitted : stable] if stable > self._emitted else ""
         self._emitted = max(self._emitted, stable)
         if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
             self._restart_window(text)
@@ -98,7 +102,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever is still held back (possibly U+FFFD for an unfinished character)."""
         text = self._decode(self._ids[self._start :])
-        out = self._first(text[self._emitted :])
+        self._first(text)
+        out = text[self._emitted :]
         self._emitted = len(text)
         return out
 

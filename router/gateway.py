@@ -231,6 +231,13 @@ class Router:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome
 
+    @staticmethod
+    def cuts(parsed: ParsedRequest, route: RouteRequest, worker: Worker) -> bool:
+        """Does ``worker`` cut the prompt to fit its context (truncate_prompt_tokens -1, truncation
+        auto)? Then no prefix of it is what that worker computes: nothing predicted, recorded or fetched."""
+        context = worker.context(parsed.model)
+        return parsed.cut_to_fit and context is not None and route.prompt_tokens >= context
+
     def kv_source(self, decision: Decision, cache_salt: str | None = None) -> str | None:
         """Where ``decision``'s pick may fetch the prompt's cached KV (router/policies.kv_fetch_source);
         none for a salted prompt (workers export unsalted prefixes only)."""
@@ -345,11 +352,10 @@ class Router:
             assert worker is not None
             worker.in_flight += parsed.sequences  # NOTE: n choices run as n sequences on the worker
             matched = decision.matched_tokens.get(worker.url, 0)
-            context = worker.max_model_len.get(parsed.model or "")  # tokens, when the worker told
-            # NOTE: a prompt its context cannot hold, the worker cuts: no prefix of it is the worker's
-            cut = parsed.cut_to_fit and context is not None and route.prompt_tokens >= context
+            context = worker.context(parsed.model)  # tokens, when the worker told
+            cut = self.cuts(parsed, route, worker)
             predicted = 0 if cut else route.cacheable(matched)
-            computed = min(route.prompt_tokens, context) if cut else route.prompt_tokens - predicted
+            computed = min(route.prompt_tokens, context or 0) if cut else route.prompt_tokens - predicted
             prefill = PendingPrefill(worker, computed + parsed.other_prompt_tokens)
             probe = worker.breaker.on_send()
             worker.stats.requests += 1

@@ -70,7 +70,7 @@ class RouteRequest:
     def cacheable(self, matched: int) -> int:
         """Of ``matched`` tokens a worker holds, those it serves from its cache: it computes the
         prompt's last token at least, so a prompt of whole blocks computes its last block."""
-        return min(matched, (self.prompt_tokens - 1) // self.block_size * self.block_size)
+        return max(0, min(matched, (self.prompt_tokens - 1) // self.block_size * self.block_size))
 
 
 @dataclass(slots=True)

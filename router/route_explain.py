@@ -23,12 +23,14 @@ def explain(
         route, parsed.model, set(), group, only, preview=True, fit_tokens=parsed.fit_tokens
     )
     matched = router.index.match(route.block_hashes)
+    pick = None if decision is None else router.workers.get(decision.url)
+    cut = pick is not None and router.cuts(parsed, route, pick)  # the pick keeps the prompt's end
     return {
         "worker": None if decision is None else decision.url,
         "reason": "no healthy worker" if decision is None else decision.reason,
         "policy": router.policy.name,
         # the worker the pick would be told to fetch the prompt's KV from (--kv-fetch-min-tokens)
-        "kv_source": None if decision is None else router.kv_source(decision, parsed.cache_salt),
+        "kv_source": None if decision is None or cut else router.kv_source(decision, parsed.cache_salt),
         "affinity_group": group,
         "affinity_outcome": outcome,
         "prompt_tokens": route.prompt_tokens,

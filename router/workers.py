@@ -106,13 +106,17 @@ class Worker:
         context in /v1/models."""
         if not self.counts_like(tokenizer):
             return False
-        limits = self.max_model_len
-        if model is None:  # the worker's base model (not a LoRA adapter), when it serves one
-            bases = [n for m, n in limits.items() if m not in self.parents]
-            limit = bases[0] if len(bases) == 1 else None
-        else:
-            limit = limits.get(model)
+        limit = self.context(model)
         return limit is not None and prompt_tokens >= limit
+
+    def context(self, model: str | None) -> int | None:
+        """The context (tokens) it serves ``model`` with, None when it did not tell; no model: its
+        base model's (not a LoRA adapter's), when it serves one."""
+        limits = self.max_model_len
+        if model is None:
+            bases = [n for m, n in limits.items() if m not in self.parents]
+            return bases[0] if len(bases) == 1 else None
+        return limits.get(model)
 
     @property
     def block_size(self) -> int | None:

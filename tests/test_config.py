@@ -268,6 +268,7 @@ def test_trace_logging_gets_the_router_as_far_as_binding_its_port():
         ("", ["--worker-api-key", "k\u20acy"], "printable ASCII"),  # no header carries it as written
         ("", ["--admin-token", "two words"], "printable ASCII"),
         ("api_keys: ['team:k\u00e9y']\n", [], "printable ASCII"),
+        ("api_keys: ['team:Sup3rS3cret', 0x1F]\n", [], "^api_keys: a value is not text"),  # names no key
     ],
 )
 def test_a_key_no_client_could_send_as_written_is_refused_at_start(tmp_path, yaml_text, argv, words):
@@ -279,3 +280,7 @@ def test_a_key_no_client_could_send_as_written_is_refused_at_start(tmp_path, yam
     quoted.write_text("admin_token: '0777'\napi_keys: ['0x1F']\n")
     config = build_config(["--config", str(quoted)], environ={})
     assert config.admin_token == "0777" and config.api_keys == ["0x1F"]
+    spaced = build_config(
+        ["--api-key", "team: s3cret", "--api-key", " other "], environ={}
+    )  # as headers carry them
+    assert spaced.api_keys == ["team: s3cret", " other "]

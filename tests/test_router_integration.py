@@ -1100,6 +1100,13 @@ def test_a_truncated_prompt_is_recorded_as_the_worker_computes_it(launch):
         fitted = client.post("/v1/completions", json={**one, "prompt": long, "truncate_prompt_tokens": -1})
         assert fitted.status_code == 200 and fitted.json()["usage"]["prompt_tokens"] == 1023
         assert _matched(router.url, {**one, "prompt": long[:1000]}) == {worker.url: 0}
+        other = long.replace("kept", "held")  # no model named: the worker's own, its context the same
+        fitted = client.post(
+            "/v1/completions", json={"max_tokens": 1, "prompt": other, "truncate_prompt_tokens": -1}
+        )
+        assert fitted.status_code == 200 and _matched(router.url, {**one, "prompt": other[:1000]}) == {
+            worker.url: 0
+        }
 
 
 def test_a_prompt_of_whole_blocks_is_predicted_cached_but_its_last_block(launch):

@@ -543,6 +543,8 @@ def test_a_prompt_that_ends_inside_a_character_the_output_completes_streams_that
         assert "".join(stream(tok, list(b"ok"), chunk, prompt)) == "ok"
     assert "".join(stream(tok, [], 1, prompt)) == ""  # nothing generated: nothing of the prompt's
     assert "".join(stream(tok, list(b"ok"), 1, [*prompt, 0xFF])) == "ok"
+    literal = [*tok.encode_prompt("Hi \ufffd"), emoji[0], emoji[1]]  # the prompt's own U+FFFD before it
+    assert "".join(stream(tok, [emoji[2], emoji[3], *b" ok"], 1, literal)) == "😀 ok"
 
 
 def test_added_tokens_of_a_byte_level_tokenizer_name_their_own_bytes(tmp_path):
