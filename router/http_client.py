@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
 
+# errors of this process, not of the server it connects to (too many open files, no buffers, no memory)
+_LOCAL_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 _HIGH_WATER = 1 << 20  # pause reading a streamed body when this many bytes wait unread
 _LOW_WATER = 1 << 18
 
@@ -37,6 +40,11 @@ class HTTPClientError(Exception):
 
 class ConnectFailed(HTTPClientError):
     """The connection could not be opened (refused, unreachable, connect timeout)."""
+
+
+class OutOfResources(HTTPClientError):
+    """This process could not open a connection (out of file descriptors or memory): no fault of the
+    server it was for."""
 
 
 class ResponseTimeout(HTTPClientError):
@@ -125,8 +133,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.discard(self)  # an idle connection the server closed leaves the pool at once
-        if self._head_done and self._until_close and not self._complete:
-            self.on_message_complete()  # no length and not chunked: the body ends at close
+        if self._head_done and self._until_close and not self._complete and exc is None:
+            self.on_message_complete()  # no length and not chunked: the body ends at a clean close
         elif not self._complete:
             self._fail(ConnectionBroken(f"connection closed before the response ended ({exc or 'EOF'})"))
 
@@ -293,8 +301,12 @@ class _Pool:
     def put(self, conn: _Connection) -> None:
         if self.closed:
             conn.abort()
-        else:
-            self._idle[conn] = None
+            return
+        idle, limit = self._idle, asyncio.get_running_loop().time() - self._client.idle_timeout
+        idle[conn] = None
+        while (oldest := next(iter(idle))) is not conn and oldest.idle_since <= limit:
+            del idle[oldest]  # NOTE: idle too long: closed, not kept for a burst that is over
+            oldest.abort()
 
     def discard(self, conn: _Connection) -> None:
         self._idle.pop(conn, None)
@@ -318,6 +330,8 @@ class _Pool:
         except asyncio.TimeoutError:
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
         except (OSError, ssl.SSLError) as exc:
+            if exc.errno in _LOCAL_ERRNOS:
+                raise OutOfResources(f"cannot open a connection to {self.host}:{self.port}: {exc}") from None
             raise ConnectFailed(f"connect to {self.host}:{self.port} failed: {exc}") from None
         return conn
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from router.http_client import HTTPClient, HTTPClientError, Response, ResponseTimeout
+from router.errors import RouterError
+from router.http_client import HTTPClient, HTTPClientError, OutOfResources, Response, ResponseTimeout
 from router.workers import Worker
 
 # Headers of the client request worth passing on; hop-by-hop and length headers are recomputed.
@@ -174,6 +175,9 @@ class Upstream:
             resp = await self.client.post(worker.url, path, body, headers, on_sent, head_timeout, on_connect)
         except ResponseTimeout as exc:
             raise _timeout(exc, f"worker {worker.url} did not answer in time") from None
+        except OutOfResources as exc:  # NOTE: the router's own limit: not the worker's fault, no retry
+            raise RouterError(503, f"the router cannot open a connection now ({exc})", "router_out_of_resources",
+                              retry_after=1) from None  # fmt: skip
         except HTTPClientError as exc:
             raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc}", 502) from None
         if resp.status >= 500 or resp.status == 429:

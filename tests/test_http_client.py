@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -405,3 +408,77 @@ async def test_a_forgotten_origin_closes_its_connections_idle_and_in_use():
         await again.read()
         again.close()
         client.close()
+
+
+async def test_a_reset_before_a_body_without_length_ended_is_broken_not_the_whole_body():
+    """No length and not chunked: the body ends at a clean close; a reset in the middle of it is a
+    broken response, not half a body passed on as whole."""
+    import socket
+    import struct
+
+    async def reset(reader, writer):
+        await _read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{"half": ')
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        writer.transport.abort()
+
+    async with raw_server(reset) as (url, _):
+        client = HTTPClient()
+        resp = await client.post(url, "/x", b"{}")
+        with pytest.raises(ConnectionBroken):
+            await resp.read()
+        resp.close()
+        client.close()
+
+
+async def test_connections_idle_past_the_idle_timeout_are_closed_as_others_come_back():
+    """After a burst, the connections it opened are not kept for good: once idle past idle_timeout
+    they are closed as the traffic that goes on returns its own."""
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient(idle_timeout=0.3)
+        burst = await asyncio.gather(*(client.post(url, "/stream", b"{}") for _ in range(4)))
+        for resp in burst:
+            await resp.read()
+            resp.close()
+        pool, _ = client._pool(url)
+        assert len(pool._idle) == 4
+        for _ in range(12):  # steady traffic, one request at a time: it keeps one connection busy
+            resp = await client.post(url, "/echo", b"{}")
+            await resp.read()
+            resp.close()
+            await asyncio.sleep(0.05)
+        assert len(pool._idle) == 1 and all(not c.closed for c in pool._idle)
+        client.close()
+
+
+async def test_out_of_file_descriptors_is_the_clients_own_failure_not_a_connect_failure(tmp_path):
+    """A process out of file descriptors cannot open a connection: OutOfResources (the router's own
+    limit: no worker's fault), not ConnectFailed."""
+    script = tmp_path / "emfile.py"
+    script.write_text(
+        "import asyncio, resource, socket\n"
+        "from router.http_client import HTTPClient, OutOfResources\n"
+        "server = socket.socket(); server.bind(('127.0.0.1', 0)); server.listen()\n"
+        "url = f'http://127.0.0.1:{server.getsockname()[1]}'\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "held = []\n"
+        "async def main():\n"
+        "    client = HTTPClient()\n"
+        "    try:\n"
+        "        while True:\n"
+        "            held.append(open('/dev/null'))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    try:\n"
+        "        await client.post(url, '/x', b'{}')\n"
+        "    except OutOfResources as exc:\n"
+        "        print('out of resources', exc)\n"
+        "asyncio.run(main())\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, str(script)], capture_output=True, text=True,
+                                   timeout=60, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    assert done.stdout.startswith("out of resources"), done.stdout + done.stderr
