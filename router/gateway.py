@@ -8,14 +8,11 @@ health checks, event subscriptions); router/app.py puts it behind HTTP."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import orjson
 
 from router import access_log
 from router.admission import AdmissionGate
@@ -35,7 +32,7 @@ from router.kv_events import KV_SOURCE_HEADER
 from router.metrics import RouterMetrics
 from router.policies import Candidate, Decision, OptimisticInsert, RouteRequest, kv_fetch_source, make_policy
 from router.prefix_index import PrefixIndex
-from router.proxy import SSEUsageScanner, Upstream, UpstreamFailure, Usage, forwarded_headers, parse_usage
+from router.proxy import SSEUsageScanner, Upstream, UpstreamFailure, Usage, body_usage, forwarded_headers
 from router.replica_sync import ReplicaSync
 from router.request_parsing import (
     ClientGone,
@@ -481,8 +478,7 @@ class Router:
         access_log.note(ttft_ms=round(elapsed * 1e3, 3))
         self.metrics.duration_of[stream].observe(elapsed)
         if resp.status == 200:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                self._record_usage(worker, parse_usage(orjson.loads(payload)))
+            self._record_usage(worker, body_usage(payload))
         watch.stop()
         content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
         await _send_bytes(send, resp.status, payload, content_type, worker.url.encode("latin-1"))

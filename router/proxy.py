@@ -7,6 +7,8 @@ the worker's in-flight count exactly once and reads usage (cached tokens) from t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -70,6 +72,45 @@ def parse_usage(obj: object) -> Usage | None:
     )
 
 
+_USAGE_VALUE = re.compile(rb"\s*:\s*\{")
+_WHOLE_PARSE_MAX = 1 << 16  # bytes: a larger answer or event has its usage object read alone
+
+
+def body_usage(payload: bytes) -> Usage | None:
+    """``parse_usage`` of one JSON answer or event, parsing only its last ``"usage"`` object where the
+    answer is large (logprobs, many choices): a whole parse of megabytes would hold the event loop."""
+    if len(payload) <= _WHOLE_PARSE_MAX:
+        try:
+            return parse_usage(orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            return None
+    end = len(payload)
+    while (at := payload.rfind(b'"usage"', 0, end)) >= 0:
+        if (m := _USAGE_VALUE.match(payload, at + 7)) is not None:
+            break
+        end = at  # NOTE: a value "usage", not the key
+    else:
+        return None
+    start = depth = 0
+    quoted = escaped = False
+    for i in range(m.end() - 1, min(len(payload), m.end() + _WHOLE_PARSE_MAX)):
+        c = payload[i]
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (c == 0x5C, c != 0x22)
+        elif c == 0x22:
+            quoted = True
+        elif c == 0x7B:
+            start, depth = (i if depth == 0 else start), depth + 1
+        elif c == 0x7D:
+            depth -= 1
+            if depth == 0:
+                try:
+                    return parse_usage({"usage": orjson.loads(payload[start : i + 1])})
+                except orjson.JSONDecodeError:
+                    return None
+    return None
+
+
 class SSEUsageScanner:
     """Finds the usage object in an SSE byte stream without holding more than one partial line.
 
@@ -79,17 +120,18 @@ class SSEUsageScanner:
 
     def __init__(self, strip: bool = False) -> None:
         self.strip = strip
-        self._partial = b""
+        self._partial: list[bytes] = []  # a line's start, in the pieces it came in (joined once, at its end)
         self._drop_blank = False  # the dropped event's terminating blank line is still to come
         self.usage: Usage | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._partial + chunk if self._partial else chunk
-        end = data.rfind(b"\n")
+        end = chunk.rfind(b"\n")
         if end < 0:
-            self._partial = data
+            self._partial.append(chunk)
             return b"" if self.strip else chunk
-        self._partial = data[end + 1 :]
+        data = b"".join((*self._partial, chunk)) if self._partial else chunk
+        end += len(data) - len(chunk)
+        self._partial = [data[end + 1 :]] if end + 1 < len(data) else []
         complete = data[: end + 1]
         if b'"usage"' not in complete and not self._drop_blank:
             return complete if self.strip else chunk
@@ -99,14 +141,16 @@ class SSEUsageScanner:
                 self._drop_blank = False
                 continue
             if line.startswith(b"data:") and b'"usage"' in line:
-                try:
-                    obj = orjson.loads(line[5:])
-                except orjson.JSONDecodeError:
-                    obj = None
-                found = parse_usage(obj)
+                obj = None
+                if (
+                    len(line) <= _WHOLE_PARSE_MAX
+                ):  # NOTE: a usage chunk is small; a large event is read in part
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        obj = orjson.loads(line[5:])
+                found = parse_usage(obj) if obj is not None else body_usage(line[5:])
                 if found is not None:
                     self.usage = found
-                    if self.strip and obj.get("choices") == []:  # type: ignore[union-attr]
+                    if self.strip and isinstance(obj, dict) and obj.get("choices") == []:
                         self._drop_blank = True
                         continue
             kept.append(line)
@@ -116,7 +160,7 @@ class SSEUsageScanner:
 
     def flush(self) -> bytes:
         """The end of the stream: a held partial line (``strip`` only)."""
-        rest, self._partial = self._partial, b""
+        rest, self._partial = b"".join(self._partial), []
         return rest if self.strip else b""
 
 

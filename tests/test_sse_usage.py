@@ -74,3 +74,34 @@ def test_the_router_asks_for_usage_where_the_client_did_not(options, strip, sent
     assert orjson.loads(out) == {**body, "stream_options": sent}
     if not strip:
         assert out == raw  # sent as it came
+
+
+def _large_chat_answer(prompt: int, cached: int) -> dict:
+    """A non-stream answer of a few hundred KB (logprobs), a "usage" string in its text and tokens."""
+    entry = {"token": "usage", "logprob": -0.5, "top_logprobs": [{"token": '"usage": {', "logprob": -1.0}]}
+    return {"id": "x", "choices": [{"index": 0, "message": {"content": '{"usage": {"prompt_tokens": 1}}'},
+                                    "logprobs": {"content": [entry] * 4000}}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 4000,
+                      "prompt_tokens_details": {"cached_tokens": cached}}}  # fmt: skip
+
+
+def test_a_large_answers_usage_is_read_from_its_usage_object_alone() -> None:
+    from router.proxy import Usage, body_usage
+
+    chat = orjson.dumps(_large_chat_answer(900, 512))
+    assert len(chat) > 1 << 18 and body_usage(chat) == Usage(900, 512)
+    responses = orjson.dumps({"output": [{"content": [{"text": "x" * 300_000}]}], "status": "completed",
+                              "usage": {"input_tokens": 70, "input_tokens_details": {"cached_tokens": 64}}})  # fmt: skip
+    assert body_usage(responses) == Usage(70, 64)
+    assert body_usage(b'{"usage": {"prompt_tokens": 5}}') == Usage(5, 0)  # small: parsed whole
+    assert body_usage(chat[:-40]) is None and body_usage(b"not json") is None
+
+
+def test_a_large_event_cut_into_many_chunks_gives_its_usage_and_passes_on_whole() -> None:
+    event = {"type": "response.completed", "response": {"output": [{"text": "y" * 400_000}],
+             "usage": {"input_tokens": 33, "input_tokens_details": {"cached_tokens": 16}}}}  # fmt: skip
+    data = b"event: response.completed\ndata: " + orjson.dumps(event) + b"\n\n"
+    for strip in (False, True):
+        scanner = SSEUsageScanner(strip)
+        out = b"".join(scanner.feed(data[i : i + 4096]) for i in range(0, len(data), 4096)) + scanner.flush()
+        assert out == data and (scanner.usage.prompt_tokens, scanner.usage.cached_tokens) == (33, 16)
