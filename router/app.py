@@ -178,7 +178,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
 
     async def debug_route(request: Request) -> Response:
         try:
-            raw = await read_body(request, config.max_body_bytes)
+            raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
             body = orjson.loads(raw) if raw else None
             endpoint = _endpoint_of(body)
             parsed = router.parse(raw, endpoint)
@@ -201,7 +201,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         """/tokenize and /detokenize: answered by the least loaded healthy worker serving the body's
         model (a model's workers share its tokenizer); nothing is routed by prefix or counted."""
         try:
-            raw = await read_body(request, config.max_body_bytes)
+            raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
             body = orjson.loads(raw)
             model = body.get("model") if isinstance(body, dict) else None
             if model is not None and not isinstance(model, str):

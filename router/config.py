@@ -30,6 +30,7 @@ _POSITIVE_SECONDS = (
     "connect_timeout_s",
     "first_byte_timeout_s",
     "request_timeout_s",
+    "body_timeout_s",
     "replica_sync_heartbeat_s",
     "queue_timeout_s",
     "discovery_interval_s",
@@ -61,6 +62,7 @@ class RouterConfig:
     first_byte_timeout_s: float = 120.0  # upstream must answer (headers) within this
     request_timeout_s: float = 600.0  # whole request
     max_body_bytes: int = 16 * 1024 * 1024
+    body_timeout_s: float = 30.0  # a client's request body must have arrived within this (else 408)
     # admission (router/admission.py): requests forwarded at once by this replica, 0 = no limit; the
     # next ones wait by priority, then arrival (at most max_queued_requests, else 429) up to queue_timeout_s (else 503)
     max_concurrent_requests: int = 0

@@ -264,7 +264,9 @@ class Router:
             if key is not None:
                 access_log.note(api_key=key)
                 self.admit_key(key)
-            raw = await read_asgi_body(receive, headers.get("content-length"), self.config.max_body_bytes)
+            raw = await read_asgi_body(
+                receive, headers.get("content-length"), self.config.max_body_bytes, self.config.body_timeout_s
+            )
             parsed = self.parse(raw, endpoint)
             self.check_model(parsed.model)
             group = self.affinity_group(parsed, endpoint != "completions", headers)

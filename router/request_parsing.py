@@ -4,6 +4,7 @@ Bad input raises RouterError (an OpenAI-shaped 4xx); workers validate sampling p
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,16 +48,30 @@ class ParsedRequest:
     cut_to_fit: bool = False
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """``read_asgi_body`` for a Starlette request (the admin and debug endpoints)."""
-    return await read_asgi_body(request.receive, request.headers.get("content-length"), limit)
+    return await read_asgi_body(request.receive, request.headers.get("content-length"), limit, timeout)
 
 
-async def read_asgi_body(receive: Callable[[], Awaitable[dict]], declared: str | None, limit: int) -> bytes:
+async def read_asgi_body(
+    receive: Callable[[], Awaitable[dict]], declared: str | None, limit: int, timeout: float | None = None
+) -> bytes:
     """The body from raw ASGI ``receive``, refusing (413) more than ``limit`` bytes without
-    reading them all. Raises ClientGone if the client disconnects mid-body."""
+    reading them all, and (408) one not all arrived within ``timeout`` seconds (a client trickling
+    its body holds a connection and a file descriptor). Raises ClientGone if the client disconnects
+    mid-body."""
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise RouterError(413, f"request body exceeds {limit} bytes", "body_too_large")
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_asgi_body(receive, limit)
+    except TimeoutError:
+        raise RouterError(
+            408, f"the request body did not arrive within {timeout:g} s", "body_timeout"
+        ) from None
+
+
+async def _read_asgi_body(receive: Callable[[], Awaitable[dict]], limit: int) -> bytes:
     chunks, size = [], 0
     while True:
         message = await receive()

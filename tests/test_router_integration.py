@@ -1137,3 +1137,23 @@ def test_debug_route_names_no_kv_source_for_a_salted_prompt(launch):
         explained = client.post("/debug/route", json=body).json()
     held = first.headers["x-radixgate-worker"]
     assert explained["worker"] != held and explained["kv_source"] is None
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_connection(launch, tmp_path):
+    """A client that trickles its body (slowloris) holds a connection and a file descriptor: past
+    body_timeout_s it gets 408 body_timeout; the router goes on serving."""
+    import socket
+    import time
+
+    backend = launch.echo_backend()
+    router = _router_with(launch, tmp_path, [backend], body_timeout_s=0.5)
+    port = int(router.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n{\"prompt\": ")  # fmt: skip
+        started = time.monotonic()
+        answer = sock.recv(65536)
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer and waited < 8
+    body = {"model": "echo", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=10).status_code == 200
