@@ -43,12 +43,14 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id, least recently used dropped beyond ``max_entries``."""
+    """Stored responses by id, least recently used dropped beyond ``max_entries``; responses being
+    generated apart (they count against no bound and push no finished one out)."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._deleted: set[str] = set()  # responses deleted while they were generated
+        self._pending: dict[str, dict] = {}  # being generated: the response object GET answers
+        self._deleted: set[str] = set()  # of those, deleted meanwhile: not stored when they end
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -63,10 +65,11 @@ class ResponseStore:
 
     def begin(self, rid: str, response: dict) -> None:
         """A response being generated: GET answers it ``in_progress``, a follow-up is refused."""
-        self.put(rid, StoredResponse(None, response))
+        self._pending[rid] = response
 
     def finish(self, rid: str, entry: StoredResponse) -> None:
         """The finished response, unless it was deleted while it was generated."""
+        self._pending.pop(rid, None)
         if rid in self._deleted:
             self._deleted.discard(rid)
             return
@@ -74,22 +77,24 @@ class ResponseStore:
 
     def abandon(self, rid: str) -> None:
         """A response that never finished (the client left, it failed): no longer in progress."""
-        entry = self._entries.get(rid)
-        if entry is not None and entry.messages is None:
-            del self._entries[rid]
+        self._pending.pop(rid, None)
         self._deleted.discard(rid)
 
     def get(self, rid: str) -> StoredResponse | None:
+        """A stored response, or one being generated (``messages`` None)."""
+        pending = self._pending.get(rid)
+        if pending is not None:
+            return StoredResponse(None, pending)
         entry = self._entries.get(rid)
         if entry is not None:
             self._entries.move_to_end(rid)
         return entry
 
     def delete(self, rid: str) -> bool:
-        entry = self._entries.pop(rid, None)
-        if entry is not None and entry.messages is None:  # NOTE: in progress: not stored when it ends
+        if self._pending.pop(rid, None) is not None:  # NOTE: being generated: not stored when it ends
             self._deleted.add(rid)
-        return entry is not None
+            return True
+        return self._entries.pop(rid, None) is not None
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -441,3 +441,23 @@ def test_a_worker_that_keeps_no_responses_says_they_are_not_stored() -> None:
     with serve(max_stored_responses=0) as none, httpx.Client(base_url=none.url, timeout=60) as c:
         resp = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}).json()
         assert resp["store"] is False and c.get(f"/v1/responses/{resp['id']}").status_code == 404
+
+
+def test_responses_being_generated_push_no_stored_one_out() -> None:
+    """The store's bound is for finished responses: one being generated (then abandoned, or deleted
+    while it streams) takes no stored one's place, and a delete of it holds however full the store is."""
+    from worker.responses_api import ResponseStore, StoredResponse
+
+    store = ResponseStore(1)
+    store.put("A", StoredResponse([{"role": "user", "content": "a"}], {"id": "A"}))
+    store.begin("B", {"id": "B", "status": "in_progress"})
+    assert store.get("A") is not None and store.get("B").messages is None
+    store.abandon("B")
+    assert store.get("A") is not None and store.get("B") is None
+    store.begin("C", {"id": "C"})
+    store.begin("D", {"id": "D"})
+    store.finish("D", StoredResponse([], {"id": "D"}))  # finished: the bound of 1 holds
+    assert store.get("A") is None and store.get("D") is not None and store.get("C").messages is None
+    assert store.delete("C") and store.get("C") is None
+    store.finish("C", StoredResponse([], {"id": "C"}))
+    assert store.get("C") is None and store.get("D") is not None
