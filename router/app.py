@@ -22,7 +22,7 @@ from starlette.routing import Route
 from router.api_keys import bearer_token, token_matches
 from router.circuit_breaker import BreakerState
 from router.config import RouterConfig
-from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response
+from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_response, router_error_response
 from router.gateway import Router
 from router.http_client import worker_base_url
 from router.proxy import UpstreamFailure, forwarded_headers
@@ -74,7 +74,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             try:
                 router.api_keys.check(request.headers.get("authorization"))
             except RouterError as exc:
-                return error_response(exc.status, exc.message, exc.code)
+                return router_error_response(exc)
             return await handler(request)
 
         return endpoint
@@ -135,7 +135,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             try:
                 router.api_keys.check(request.headers.get("authorization"))
             except RouterError as exc:
-                return error_response(exc.status, exc.message, exc.code)
+                return router_error_response(exc)
         if request.method != "GET" and not config.admin_token and (config.api_keys or config.worker_api_key):
             # NOTE: a router that guards its clients or its workers with keys must not let anyone
             # register a worker: it would be sent the worker key and the clients' prompts
@@ -154,8 +154,10 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         url = request.query_params.get("url")
         if url is None:
             try:
-                body = orjson.loads(await read_body(request, 65536) or b"{}")
-            except (orjson.JSONDecodeError, RouterError):
+                body = orjson.loads(await read_body(request, 65536, config.body_timeout_s) or b"{}")
+            except RouterError as exc:  # NOTE: too large, or too slow
+                return router_error_response(exc)
+            except orjson.JSONDecodeError:
                 return error_response(400, 'expected a JSON body {"url": ...} or ?url=', "invalid_request")
             url = body.get("url") if isinstance(body, dict) else None
         try:
@@ -186,7 +188,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return router_error_response(exc)
         # NOTE: the headers as routing reads them: a repeated header's last value
         return _json(explain(router, parsed, endpoint, dict(request.headers.items())))
 
@@ -212,7 +214,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")
         except RouterError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return router_error_response(exc)
         try:
             resp = await router.upstream.open(
                 worker, request.url.path, raw, forwarded_headers(request.headers)
@@ -223,6 +225,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 resp.close()
         except UpstreamFailure as exc:
             return error_response(exc.status, str(exc), exc.kind)
+        except RouterError as exc:  # NOTE: the router's own (out of file descriptors)
+            return router_error_response(exc)
         content_type = resp.headers.get("content-type", "application/json")
         return Response(payload, resp.status, {"x-radixgate-worker": worker.url}, content_type)
 
@@ -251,7 +255,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 payload = await resp.read()
                 content_type = resp.headers.get("content-type", "application/json")
         except RouterError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return router_error_response(exc)
         except asyncio.TimeoutError:
             return error_response(504, f"worker {url} did not answer in time", "timeout")
         except aiohttp.ClientError as exc:

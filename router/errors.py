@@ -59,12 +59,25 @@ def stream_error_event(responses: bool, message: str, code: str, sequence_number
 
 
 def error_response(status: int, message: str, code: str | None = None) -> Response:
-    return Response(error_body(status, message, code), status_code=status, media_type="application/json")
+    return Response(error_body(status, message, code), status_code=status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in _headers(status, None)})  # fmt: skip
 
 
-def retry_headers(exc: RouterError) -> list[tuple[bytes, bytes]]:
-    """``Retry-After`` for an error that says when to come back, else nothing."""
-    return [] if exc.retry_after is None else [(b"retry-after", str(exc.retry_after).encode())]
+def router_error_response(exc: RouterError) -> Response:
+    """``exc`` as a response, with its headers (``error_headers``)."""
+    return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status,
+                    media_type="application/json", headers={k.decode(): v.decode() for k, v in error_headers(exc)})  # fmt: skip
+
+
+def error_headers(exc: RouterError) -> list[tuple[bytes, bytes]]:
+    """``Retry-After`` for an error that says when to come back; ``connection: close`` for a body that
+    did not arrive in time (its rest is not read: the connection is not kept for it)."""
+    return _headers(exc.status, exc.retry_after)
+
+
+def _headers(status: int, retry_after: int | None) -> list[tuple[bytes, bytes]]:
+    out = [] if retry_after is None else [(b"retry-after", str(retry_after).encode())]
+    return [*out, (b"connection", b"close")] if status == 408 else out
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

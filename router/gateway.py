@@ -23,7 +23,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
 from router.config import RouterConfig
 from router.discovery import KubeDiscovery, target_from_config
-from router.errors import RouterError, error_body, retry_headers, stream_error_event
+from router.errors import RouterError, error_body, error_headers, stream_error_event
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
 from router.http_client import HTTPClientError, ResponseTimeout
@@ -288,7 +288,7 @@ class Router:
             if watch is not None:
                 watch.stop()
             body = error_body(exc.status, exc.message, exc.code)
-            await _send_bytes(send, exc.status, body, JSON, extra=retry_headers(exc))
+            await _send_bytes(send, exc.status, body, JSON, extra=error_headers(exc))
         except ClientGone:
             status = 499  # the client closed the connection; nobody reads an answer
         except asyncio.CancelledError:

@@ -733,9 +733,12 @@ def test_workers_behind_an_api_key_serve_the_router_that_holds_it(launch):
     router = launch.module("router", "--launch-workers", "1", "--worker-api-key", key, "--api-key", "client-key",
                            timeout=120)  # fmt: skip
     wait_until(lambda: httpx.get(router.url + "/ready", timeout=2).status_code == 200, 120, what="ready")
-    [worker] = [w["url"] for w in httpx.get(router.url + "/workers").json()["workers"]]
-    body = chat("Who holds the key?")
     client = {"authorization": "Bearer client-key"}
+    assert (
+        httpx.get(router.url + "/workers").status_code == 401
+    )  # no key, no admin token: no view of the fleet
+    [worker] = [w["url"] for w in httpx.get(router.url + "/workers", headers=client).json()["workers"]]
+    body = chat("Who holds the key?")
     answer = httpx.post(router.url + "/v1/chat/completions", json=body, headers=client, timeout=120)
     assert answer.status_code == 200, answer.text
     tokens = httpx.post(router.url + "/tokenize", json={"prompt": "keyed"}, headers=client, timeout=30)
