@@ -237,8 +237,8 @@ class ToolOutput:
         mode = self.req.choice
         if mode == "none":
             return {"role": "assistant", "content": text}
-        if mode == "function":
-            calls = [_call(self.req.name or "", text)]
+        if mode == "function":  # NOTE: an answer cut off before its arguments began holds no call
+            calls = [_call(self.req.name or "", text)] if text else []
         elif mode == "required":  # NOTE: read as a stream is, so one cut off by max_tokens agrees with it
             calls, text = _CallArray().calls_in(text), ""  # the calls' JSON is not content
         elif self.parser == "llama3_json":
@@ -252,7 +252,8 @@ class ToolOutput:
         self.calls = len(calls)
         if not calls:
             return {"role": "assistant", "content": text}
-        content = None if mode in ("function", "required") else (text.strip() or None)
+        # NOTE: the whitespace the text opens with is kept, as a stream sends it; what ends it is the call's
+        content = None if mode in ("function", "required") else (text.rstrip() or None)
         return {"role": "assistant", "content": content, "tool_calls": self._ids(calls)}
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -287,14 +288,13 @@ class ToolOutput:
         if mode == "none":
             return [{"content": text}] if text else []
         if mode == "function":
+            if not text:  # NOTE: no call before its first argument text (the model may still be thinking)
+                return []
             out = []
             if not self.calls:
                 self.calls = 1
-                head = _call(self.req.name or "", "")
-                out.append({"tool_calls": [{"index": 0, **head}]})
-            if text:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return out
+                out.append({"tool_calls": [{"index": 0, **_call(self.req.name or "", "")}]})
+            return [*out, {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         if self._array is not None:
             out = self._array.feed(text)
             self.calls = self._array.calls
@@ -309,7 +309,7 @@ class ToolOutput:
     def _flush(self) -> list[dict]:
         mode, rest, self._pending = self.req.choice, self._pending, ""
         if mode in ("none", "function"):
-            return self._feed("") if mode == "function" else []
+            return []
         if self._array is not None:  # NOTE: a call cut short (max_tokens) stays as far as it got
             return []
         if not rest:  # NOTE: a stream cut right after <tool_call> shows no tag, as a whole answer

@@ -309,3 +309,25 @@ def test_reasoning_effort_reaches_the_chat_template_in_chat_and_the_responses_ap
             assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] == lengths[effort]
         default = len(c.post("/tokenize", json={"messages": messages}).json()["tokens"])
         assert len({default, *lengths.values()}) == 3  # each effort renders a prompt of its own length
+
+
+def test_a_named_call_cut_off_while_thinking_is_no_call_whole_or_streamed(worker):
+    """``tool_choice`` naming a function: the call starts with its arguments, after the thinking; an
+    answer cut off while thinking holds no call (it had no header either while it streamed)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    # "<" (byte 60) favoured: the thinking opens, then fills with it until max_tokens
+    body = chat(tools=TOOLS, tool_choice=named, logit_bias={"60": 100}, max_tokens=12)
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        done = client.post("/v1/chat/completions", json={**body, "logit_bias": {}, "max_tokens": 30}).json()
+    assert whole["message"]["reasoning"] == "<" * 5 and not whole["message"].get("tool_calls")
+    assert whole["finish_reason"] == "length" and not whole["message"]["content"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "<" * 5
+    assert (
+        not any(d.get("tool_calls") for d in deltas) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    )
+    (call,) = done["choices"][0]["message"]["tool_calls"]  # its arguments begun: the named call, as before
+    assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith("{")

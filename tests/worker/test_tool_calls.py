@@ -713,7 +713,50 @@ def test_streamed_mistral_agrees_with_the_whole_answer(text, cuts, parallel) -> 
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in heads)
     content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto", parallel=parallel), "mistral"), pieces)
     assert calls == calls_of(whole)
-    assert content == (whole["content"] or "") or content.split() == (whole["content"] or "").split()
+    assert content == (whole["content"] or "")
+
+
+SPACED_CALL = '{"name":"add","arguments":{"a":1,"b":2}}'
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [("hermes", f"\n\nOk. <tool_call>{SPACED_CALL}</tool_call>", "\n\nOk."),
+     ("hermes", f"<tool_call>{SPACED_CALL}</tool_call>\n\nThen.", "\n\nThen."),
+     ("granite", f"\n\nOk. <|tool_call|>[{SPACED_CALL}]", "\n\nOk."),
+     ("mistral", f"\n Ok. [TOOL_CALLS][{SPACED_CALL}]", "\n Ok."),
+     ("mistral", f"[TOOL_CALLS][{SPACED_CALL}] ", None)],
+)  # fmt: skip
+def test_the_whitespace_that_opens_the_content_beside_calls_is_kept_whole_as_streamed(parser, text, content):
+    whole = ToolOutput(ToolRequest(TOOLS, "auto"), parser).message(text)
+    assert whole["content"] == content and calls_of(whole) == [("add", {"a": 1, "b": 2})]
+    for pieces in ([text], list(text)):
+        assert streamed(ToolOutput(ToolRequest(TOOLS, "auto"), parser), pieces) == (
+            content or "",
+            calls_of(whole),
+        )
+
+
+def test_a_named_call_begins_with_its_arguments() -> None:
+    """A named ``tool_choice``'s call has no head before its first argument text (a stream sent one
+    while the model still thought); an answer cut off before it holds no call, whole or streamed."""
+    named = ToolRequest(TOOLS, "function", name="add")
+    out = ToolOutput(named, "hermes")
+    assert out.feed("") == [] and out.flush() == [] and out.finish_reason("length") == "length"
+    whole = ToolOutput(named, "hermes")
+    assert (
+        whole.message("") == {"role": "assistant", "content": ""}
+        and whole.finish_reason("length") == "length"
+    )
+    out = ToolOutput(named, "hermes")
+    deltas = out.feed("") + out.feed('{"a":') + out.feed("") + out.feed("1}") + out.flush()
+    assert (
+        raw_calls(deltas) == raw_calls(ToolOutput(named, "hermes").message('{"a":1}')) == [("add", '{"a":1}')]
+    )
+    assert (
+        sum("id" in c for d in deltas for c in d["tool_calls"]) == 1
+        and out.finish_reason("stop") == "tool_calls"
+    )
 
 
 def test_mistral_auto_grammar_takes_calls_in_the_tokenizers_format(tmp_path) -> None:
