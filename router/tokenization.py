@@ -305,9 +305,12 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        # NOTE: the older layout names the special tokens in special_tokens_map.json alone; where both
+        # name one, the map's wins, as transformers reads them
+        named = {**config, **_read_json(os.path.join(directory, "special_tokens_map.json"))}
         self.special_tokens: dict[str, str] = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            content = _token_content(config.get(key))
+            content = _token_content(named.get(key))
             if content is not None:
                 self.special_tokens[key] = content
         bos = self.special_tokens.get("bos_token")

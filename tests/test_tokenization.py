@@ -560,3 +560,25 @@ def test_added_tokens_of_a_byte_level_tokenizer_name_their_own_bytes(tmp_path):
     tok = HFTokenizer(str(directory))
     assert tok.token_bytes(backend.token_to_id(name)) == name.encode()
     assert tok.token_bytes(backend.token_to_id("<|im_end|>")) == b"<|im_end|>"
+
+
+def test_special_tokens_named_in_special_tokens_map_only_are_read_as_transformers_reads_them(tmp_path):
+    """The older layout: tokenizer_config.json without the special tokens, special_tokens_map.json
+    with them. The template's bos_token and the EOS stop id come from there (where both name one, the
+    map's wins, as in transformers)."""
+    transformers = pytest.importorskip("transformers")
+    directory = byte_level_dir(tmp_path / "map")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["bos_token"], config["eos_token"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>"})
+    )
+    ours, theirs = HFTokenizer(str(directory)), transformers.AutoTokenizer.from_pretrained(str(directory))
+    chat = [{"role": "user", "content": "hello there"}]
+    want = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert want.startswith("<s>") and ours.render_chat(chat) == want
+    assert ours.eos_token_ids == [theirs.eos_token_id] and ours.special_tokens["bos_token"] == "<s>"
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<s>"}))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert HFTokenizer(str(directory)).eos_token_ids == [theirs.eos_token_id] == [ours.eos_token_ids[0]]

@@ -189,8 +189,11 @@ def sampling_params(
     max_key: str,
     logprobs: Any,
     guide: Guide | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """The body's sampling fields (absent or null: the default), validated."""
+    """The body's sampling fields (absent or null: the default), validated; token ids are bounded by
+    ``vocab_size``, the model's (the tokenizer's by default)."""
+    vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
 
     def get(key: str, default: Any) -> Any:
         value = body.get(key)
@@ -216,8 +219,8 @@ def sampling_params(
         repetition_penalty=get("repetition_penalty", 1.0),
         frequency_penalty=get("frequency_penalty", 0.0),
         presence_penalty=get("presence_penalty", 0.0),
-        logit_bias=logit_bias(body.get("logit_bias"), tokenizer.vocab_size),
-        allowed_token_ids=allowed_token_ids(body.get("allowed_token_ids"), tokenizer.vocab_size),
+        logit_bias=logit_bias(body.get("logit_bias"), vocab_size),
+        allowed_token_ids=allowed_token_ids(body.get("allowed_token_ids"), vocab_size),
         bad_words=bad_words(body.get("bad_words"), tokenizer),
         min_tokens=get("min_tokens", 0),
         priority=get("priority", 0),
@@ -299,13 +302,17 @@ def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
-async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer) -> list[list[int]]:
-    """``prompt`` as token id lists: a string, a list of ids, or a batch (list) of either."""
+async def prompt_ids(
+    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int | None = None
+) -> list[list[int]]:
+    """``prompt`` as token id lists: a string, a list of ids (in [0, ``vocab_size``), the model's;
+    the tokenizer's by default), or a batch (list) of either."""
+    vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
     if _is_batch(prompt):
         if len(prompt) > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
-        return [await _one_prompt(p, tokenizer) for p in prompt]
-    return [await _one_prompt(prompt, tokenizer)]
+        return [await _one_prompt(p, tokenizer, vocab_size) for p in prompt]
+    return [await _one_prompt(prompt, tokenizer, vocab_size)]
 
 
 async def chat_ids(
@@ -320,7 +327,7 @@ async def chat_ids(
         raise APIError(400, str(exc)) from None
 
 
-async def _one_prompt(prompt: Any, tokenizer: PromptTokenizer) -> list[int]:
+async def _one_prompt(prompt: Any, tokenizer: PromptTokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "the prompt is empty")
@@ -328,7 +335,7 @@ async def _one_prompt(prompt: Any, tokenizer: PromptTokenizer) -> list[int]:
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         if not prompt:
             raise APIError(400, "the prompt is empty")
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})")
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})")
         return prompt
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of either")

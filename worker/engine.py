@@ -77,7 +77,10 @@ class Engine:
         self._parked: deque[Request] = deque()  # salted requests waiting for a namespace, in order
         self.scheduler = Scheduler(scheduler_config, allocator, cache)
         self.tokenizer = tokenizer
-        self.guides = GuideCompiler(tokenizer, getattr(executor, "vocab_size", tokenizer.vocab_size))
+        # the model's token ids (its embedding's rows, its logits' width): a checkpoint's tokenizer may
+        # name fewer (a padded embedding) or more (an added token the embedding lacks)
+        self.vocab_size: int = getattr(executor, "vocab_size", tokenizer.vocab_size)
+        self.guides = GuideCompiler(tokenizer, self.vocab_size)
         self.page_size = scheduler_config.page_size
         self.capacity_tokens = allocator.num_pages * self.page_size
         self.max_total_tokens = min(max_context, self.capacity_tokens)  # prompt + output
@@ -161,6 +164,9 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        if (bad := next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)) is not None:
+            raise ValueError(f"the prompt holds token id {bad}, which the model has no embedding for "
+                             f"(its vocabulary is [0, {self.vocab_size}))")  # fmt: skip
         if n >= self.max_total_tokens:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens; this worker serves at most {self.max_total_tokens - 1} "

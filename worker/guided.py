@@ -47,6 +47,10 @@ class Guide:
     # special tokens the grammar names (hermes' <tool_call> tags where they are special): they are
     # text of the output, so the request's detokenizer shows them (others stay hidden)
     shown: frozenset[int] = frozenset()
+    # when the tokenizer names tokens past the model's vocabulary (the embedding's rows): the matcher's
+    # token count (its masks are computed that wide, then cut to the logits') and the model's; else 0, 0
+    width: int = 0
+    vocab: int = 0
 
     def matcher(self) -> Any:
         return self.template.deep_copy()
@@ -242,6 +246,7 @@ class GuideCompiler:
     def __init__(self, tokenizer: PromptTokenizer, vocab_size: int, max_entries: int = 256) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)  # the model's logits may be wider
+        self.model_vocab = vocab_size  # ... or narrower: tokens the tokenizer adds past the embedding
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
@@ -262,7 +267,8 @@ class GuideCompiler:
         template = LLMatcher(self._tokenizer(), grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"invalid {kind.replace('_', ' ')}: {template.get_error()}")
-        guide = Guide(kind, template, self._named_specials(grammar))
+        wider = (self.vocab_size, self.model_vocab) if self.vocab_size > self.model_vocab else (0, 0)
+        guide = Guide(kind, template, self._named_specials(grammar), *wider)
         with self._lock:
             self._compiled[key] = guide
             while len(self._compiled) > self.max_entries:
@@ -407,11 +413,14 @@ def packed_masks(matchers: Sequence[Any], vocab: int) -> np.ndarray:
     return bits
 
 
-def allowed_mask(matchers: Sequence[Any], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """bool [len(matchers), vocab] on ``device``: the tokens each matcher allows next. A GPU gets the
+def allowed_mask(
+    matchers: Sequence[Any], vocab: int, device: torch.device | str = "cpu", width: int = 0
+) -> torch.Tensor:
+    """bool [len(matchers), vocab] on ``device``: the tokens each matcher allows next (computed over
+    ``width`` tokens when the matchers know more than ``vocab``, Guide.width). A GPU gets the
     packed words (1/8 of the bytes) and unpacks them itself; the CPU unpacks with numpy (the words'
     bytes in memory order are tokens 0-7, 8-15, ...: little-endian, as on x86 and ARM)."""
-    return unpack(packed_masks(matchers, vocab), vocab, device)
+    return unpack(packed_masks(matchers, max(vocab, width)), vocab, device)
 
 
 def unpack(bits: np.ndarray, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -442,7 +451,8 @@ def constrain(logits: torch.Tensor, states: Sequence[Any], rows: Sequence[int] |
         rows = [i for i, st in enumerate(states) if st.params.guide is not None]
     if not rows:
         return logits
-    blocked = ~allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1], logits.device)
+    width = max(states[i].params.guide.width for i in rows)
+    blocked = ~allowed_mask([matcher_of(states[i]) for i in rows], logits.shape[1], logits.device, width)
     if len(rows) == len(states):
         return logits.masked_fill(blocked, float("-inf"))
     index = on_device(list(rows), logits.device, torch.int64)
@@ -474,10 +484,12 @@ def check_drafts(state: Any, drafts: list[int]) -> list[int]:
     """Speculative decoding under a grammar: the tokens the grammar forces next, when it does (a
     JSON key, punctuation: right whatever the model prefers, so always kept), else the leading
     drafts it allows."""
-    m = matcher_of(state)
-    forced = m.compute_ff_tokens()
+    m, vocab = matcher_of(state), state.params.guide.vocab
+    forced = list(m.compute_ff_tokens())
+    if vocab and any(t >= vocab for t in forced):  # NOTE: a token the model has no embedding for
+        forced = []
     if forced:
-        return list(forced)
+        return forced
     return drafts[: m.validate_tokens(drafts)] if drafts else []
 
 
@@ -485,7 +497,7 @@ def draft_masks(state: Any, draft: Sequence[int], vocab: int, device: torch.devi
     """bool [len(draft) + 1, vocab]: row j allows what the grammar allows after the request's
     tokens so far plus draft[:j] (the matcher is advanced through the draft and rolled back)."""
     m = matcher_of(state)
-    words = (vocab + 31) // 32
+    words = (max(vocab, state.params.guide.width) + 31) // 32
     bits = np.zeros((len(draft) + 1, words), dtype=np.int32)
     for j in range(len(draft) + 1):
         m.unsafe_compute_mask_ptr(bits[j].ctypes.data, words * 4)

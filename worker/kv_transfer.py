@@ -198,7 +198,7 @@ class KVTransfer(KVFetch):
         cap = body.get("max_tokens", self.max_tokens)
         if body.get("model", engine.served_model_name) != engine.served_model_name:
             raise APIError(400, f"this worker serves {engine.served_model_name!r}, not {body.get('model')!r}")
-        vocab = engine.tokenizer.vocab_size  # NOTE: past it: adapters' and salts' prefix keys, not exported
+        vocab = engine.vocab_size  # NOTE: past it: adapters' and salts' prefix keys, not exported
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise APIError(400, f"'token_ids' must be a list of token ids in [0, {vocab})")
         for name, value in (("start", start), ("max_tokens", cap)):

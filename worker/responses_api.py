@@ -236,7 +236,13 @@ class ResponsesAPI:
             fmt, api.engine.guides, tools, api.tool_call_parser, thinking, not api.harmony
         )
         params = sampling_params(
-            body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs, guide
+            body,
+            engine.tokenizer,
+            engine.max_total_tokens,
+            "max_output_tokens",
+            logprobs,
+            guide,
+            engine.vocab_size,
         )
         params = api.for_model(api.reasoning_params(params), body)
         outputs: asyncio.Queue = asyncio.Queue()

@@ -140,7 +140,7 @@ class WorkerAPI:
             raise APIError(400, "'suffix' (text to insert the completion before) is not supported")
         if body.get("max_tokens") == 0 and not body.get("echo"):
             raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
-        given = await prompt_ids(body["prompt"], self.engine.tokenizer)
+        given = await prompt_ids(body["prompt"], self.engine.tokenizer, self.engine.vocab_size)
         prompts = truncate_prompts(given, body, self.engine.max_total_tokens)
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
@@ -149,7 +149,9 @@ class WorkerAPI:
         scoring = body.get("echo") is True and body.get("max_tokens") == 0
         fields = {**body, "max_tokens": 1} if scoring else body
         logprobs = body.get("logprobs")
-        params = sampling_params(fields, self.engine.tokenizer, 16, "max_tokens", logprobs, guide)
+        params = sampling_params(
+            fields, self.engine.tokenizer, 16, "max_tokens", logprobs, guide, self.engine.vocab_size
+        )
         cut = [len(a) < len(b) for a, b in zip(prompts, given, strict=True)]
         echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer, cut) if body.get("echo") else None
         if echo is not None and params.logprobs is not None:
@@ -173,7 +175,8 @@ class WorkerAPI:
             body, self.engine.guides, tools, self.tool_call_parser, thinking, not self.harmony
         )
         params = self.for_model(self.reasoning_params(
-            sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide)
+            sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide,
+                            self.engine.vocab_size)
         ), body)  # fmt: skip
         return await self._generate(request, body, [ids], params, chat=True, tools=tools, thinking=thinking)
 
@@ -391,8 +394,9 @@ class WorkerAPI:
     async def detokenize(self, request: Request) -> Response:
         body = await self._body(request)
         ids, tok = body.get("tokens"), self.engine.tokenizer
-        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < tok.vocab_size for t in ids):
-            raise APIError(400, f"'tokens' must be a list of token ids in [0, {tok.vocab_size})")
+        vocab = max(tok.vocab_size, self.engine.vocab_size)  # NOTE: a padded embedding's ids read as ""
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})")
         # NOTE: special tokens kept: the text /tokenize counted (a chat prompt's markers)
         return _json({"prompt": await run_in_threadpool(tok.decode, ids, skip_special_tokens=False)})
 

@@ -6,6 +6,7 @@ Session-scoped so every worker test can reuse them; each fixture returns the dir
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,29 @@ def gemma3_multimodal_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pa
     }
     cfg["text_config"]["sliding_window_pattern"] = 2
     (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def gemma3_multimodal_new_names_checkpoint(
+    gemma3_multimodal_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The same weights under the names transformers 4.52+ saves: model.language_model.*, lm_head.*,
+    model.vision_tower.*, model.multi_modal_projector.*."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("gemma3_mm_new")
+    shutil.copytree(gemma3_multimodal_checkpoint, directory, dirs_exist_ok=True)
+
+    def renamed(name: str) -> str:
+        if name.startswith("language_model.model."):
+            return "model.language_model." + name.removeprefix("language_model.model.")
+        return name.removeprefix("language_model.") if name.startswith("language_model.") else "model." + name
+
+    weights = load_file(str(directory / "model.safetensors"))
+    assert any(n.startswith("vision_tower.") for n in weights)
+    save_file({renamed(n): t for n, t in weights.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
     return directory
 
 

@@ -112,6 +112,7 @@ CHECKPOINTS = [
     "gemma2_checkpoint",
     "gemma3_checkpoint",
     "gemma3_multimodal_checkpoint",
+    "gemma3_multimodal_new_names_checkpoint",
     "mistral_window_checkpoint",
     "ministral_checkpoint",
     "smollm3_checkpoint",
@@ -337,12 +338,6 @@ def test_loader_rejects_what_it_cannot_run(llama_checkpoint, tmp_path):
     (broken / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"missing weights: model\.layers\.2\.self_attn\.q_proj\.weight, "):
         load_model(str(broken))
-    # a tokenizer with ids the model has no embedding for
-    small = tmp_path / "small-vocab"
-    shutil.copytree(llama_checkpoint, small)
-    (small / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2, "vocab_size": 16}))
-    with pytest.raises(ValueError, match="vocab_size is only 16"):
-        load_model(str(small))
     for rope in ({"rope_type": "linear"}, {"rope_type": "llama3", "factor": 8.0}):  # parameters missing
         with pytest.raises(ValueError, match="needs numeric"):
             ModelConfig.from_hf({**cfg, "rope_parameters": rope})
@@ -792,3 +787,48 @@ def test_extend_batches_know_their_longest_cached_prefix():
     assert ForwardBatch.from_step(step("extend", [5, 0, 7]), "cpu").max_prefix_len == 7
     assert ForwardBatch.from_step(step("verify", [9, 2]), "cpu").max_prefix_len == 9
     assert ForwardBatch.from_step(step("decode", [4, 6]), "cpu").max_prefix_len is None
+
+
+def test_token_ids_are_bounded_by_the_models_vocabulary_not_the_tokenizers(tmp_path):
+    """A tokenizer may name tokens past the embedding (Gemma 3's <image_soft_token>, Code Llama's
+    infill tokens): the checkpoint loads and only a prompt holding one is refused. An embedding may
+    be wider than the tokenizer (Qwen's padding): its ids are valid prompt ids, as the model makes them."""
+    import httpx
+    from tokenizers import Tokenizer
+
+    from tests.worker.test_server import serve
+
+    extra = save_checkpoint(tmp_path / "extra", "llama")
+    tok = Tokenizer.from_file(str(extra / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    tok.add_special_tokens(["<image_soft_token>"])
+    tok.save(str(extra / "tokenizer.json"))
+    assert load_model(str(extra)).config.vocab_size == vocab  # it was refused
+    with (
+        serve(model=str(extra), kv_cache_tokens=2048) as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        body = {"max_tokens": 4, "temperature": 0}
+        for bad in ({"prompt": "see <image_soft_token> here"}, {"prompt": [1, 5, vocab]},
+                    {"messages": [{"role": "user", "content": "<image_soft_token>"}]},
+                    {"prompt": "hi", "logit_bias": {str(vocab): 5}}):  # fmt: skip
+            path = "/v1/chat/completions" if "messages" in bad else "/v1/completions"
+            r = c.post(path, json={**body, **bad})
+            assert r.status_code == 400 and str(vocab) in r.json()["error"]["message"], r.text
+        guided = c.post("/v1/completions", json={**body, "prompt": "hi", "regex": "[a-z]+"})
+        assert guided.status_code == 200 and guided.json()["choices"][0]["text"].isalpha()
+        assert c.post("/v1/completions", json={**body, "prompt": [1, 5, vocab - 1]}).status_code == 200
+    padded = save_checkpoint(tmp_path / "padded", "llama", vocab_size=vocab + 64)
+    with (
+        serve(model=str(padded), kv_cache_tokens=2048) as live,
+        httpx.Client(base_url=live.url, timeout=60) as c,
+    ):
+        past = vocab + 30  # an id the tokenizer does not name, which the model may sample
+        made = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logit_bias": {str(past): 100},
+                                               "return_token_ids": True})  # fmt: skip
+        assert made.status_code == 200 and made.json()["choices"][0]["token_ids"] == [past, past], made.text
+        r = c.post(
+            "/v1/completions", json={"prompt": [1, 5, past], "max_tokens": 2, "allowed_token_ids": [past]}
+        )
+        assert r.status_code == 200, r.text
+        assert c.post("/detokenize", json={"tokens": [5, past]}).status_code == 200

@@ -213,12 +213,13 @@ def canonical_weights(
     weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, dtype: torch.dtype
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up weights they stack
-    (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
-    Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
-    tensor-parallel splits and checks see one layout; Granite 3 MoE's stacked experts likewise, per expert.
-    gpt-oss's too (_gpt_oss_parts). Of a multimodal checkpoint, the language model's weights
-    (language_model.*) without their prefix. An fp8 checkpoint's weights dequantized with their scales
-    first (to ``dtype``, the model's; or kept, as _fp8_dequantized says)."""
+        (rows in that order), and Mixtral's ``block_sparse_moe`` names (gate, experts.N.w1 / w3 / w2) as
+        Qwen-MoE's (mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj), so that loading,
+        tensor-parallel splits and checks see one layout; Granite 3 MoE's stacked experts likewise, per expert.
+        gpt-oss's too (_gpt_oss_parts). Of a multimodal checkpoint, the language model's weights
+        (language_model.* or, as transformers 4.52+ saves them, model.language_model.* and lm_head.*) as
+    a text model's. An fp8 checkpoint's weights dequantized with their scales
+        first (to ``dtype``, the model's; or kept, as _fp8_dequantized says)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's MXFP4 halves read without their pair
@@ -232,10 +233,13 @@ def canonical_weights(
             kv_heads=c.num_kv_heads if c.kv_scales else 0,
         )
     for name, tensor in weights:
-        if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+)
-            if not name.startswith("language_model."):
+        if c.multimodal:  # NOTE: the language model's weights only (Gemma 3 4B+), in either naming:
+            if name.startswith("language_model."):  # language_model.model.X, language_model.lm_head
+                name = name.removeprefix("language_model.")
+            elif name.startswith("model.language_model."):  # transformers 4.52+: model.language_model.X
+                name = "model." + name.removeprefix("model.language_model.")
+            elif not name.startswith("lm_head."):  # ... and lm_head; the vision tower and projector skipped
                 continue
-            name = name.removeprefix("language_model.")
         granite = _GRANITE_MOE.match(name)
         if granite is not None:
             yield from _granite_moe_parts(granite, tensor)
