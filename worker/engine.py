@@ -492,10 +492,11 @@ class Engine:
         if finish is not None:
             own += st.detok.flush()
         st.pending += own
-        # NOTE: the earliest stop string ends the output (at one place, the shortest: it completed first)
-        found = min(((i, len(s)) for s in st.params.stop if (i := st.pending.find(s)) >= 0), default=None)
+        # NOTE: the stop string that completed first ends the output: the one that ends first (at one end,
+        # the longest), however many characters this token brought (text a character at a time agrees)
+        found = min(((i + len(s), i) for s in st.params.stop if (i := st.pending.find(s)) >= 0), default=None)
         if found is not None:
-            end = found[0] + found[1] if st.params.include_stop_str_in_output else found[0]
+            end = found[0] if st.params.include_stop_str_in_output else found[1]
             text, st.pending, finish, failure = st.pending[:end], "", "stop", None
         elif finish is not None:
             text, st.pending = st.pending, ""

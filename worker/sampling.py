@@ -256,10 +256,12 @@ def _mask_min_p(scores: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 def _mask_top_k_top_p(
     scores: torch.Tensor, top_k: list[int], top_p: list[float], *, sort_max_rows: int | None = None
 ) -> torch.Tensor:
-    """Set to -inf every token outside each row's top-k and its top-p nucleus. The kept set comes from
-    ranking the row: by topk when every row has a top_k; on the kernels, when some row has none and
-    there are more than ``sort_max_rows`` rows (default SORT_MAX_ROWS), by cuts and a threshold kernel
-    instead (_mask_without_sort); else by sorting the vocabulary."""
+    """Set to -inf every token outside each row's top-k and its top-p nucleus; ties at a cut all stay
+    (the k-th score's, the nucleus' last), so a row keeps the same tokens whichever way it is ranked,
+    as it must: the ranking depends on the batch. It is ranked by topk when every row has a top_k;
+    on the kernels, when some row has none and there are more than ``sort_max_rows`` rows (default
+    SORT_MAX_ROWS), by cuts and a threshold kernel instead (_mask_without_sort); else by sorting the
+    vocabulary (topk and sort order tied scores differently: a cut by rank alone kept other tokens)."""
     if all(k == -1 for k in top_k) and all(p >= 1.0 for p in top_p):
         return scores
     vocab = scores.shape[-1]
@@ -273,18 +275,24 @@ def _mask_top_k_top_p(
         sorted_scores, order = scores.topk(width, dim=-1)
     else:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
+    del order  # NOTE: which of tied tokens ranks first is the ranking's: only the cuts' scores are used
+    k = on_device(keep, scores.device, torch.int64).unsqueeze(1)
+    kth = sorted_scores.gather(1, k - 1)  # each row's k-th score: everything at or above it stays
+    scores = scores.masked_fill(scores < kth, float("-inf"))
+    if all(p >= 1.0 for p in top_p):
+        return scores
     ranks = torch.arange(width, device=scores.device).unsqueeze(0)
-    k = on_device(keep, scores.device, torch.int64)
-    drop = ranks >= k.unsqueeze(1)
-    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-    probs = sorted_scores.softmax(dim=-1)
+    sorted_scores = sorted_scores.masked_fill(ranks >= k, float("-inf"))
+    # the mass over what top-k kept (its ties past `width` included: they are the row's lowest)
+    probs = (sorted_scores - scores.logsumexp(dim=-1, keepdim=True)).exp()
     # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
     mass_before = probs.cumsum(dim=-1) - probs
     p = on_device(top_p, scores.device, probs.dtype).unsqueeze(1)
     # NOTE: the top token is kept explicitly (a top_p that underflows float32 to 0 would drop it), and
     # a top_p of 1 keeps every token (float32 sums reach 1 before the last ones)
-    sorted_scores = sorted_scores.masked_fill((mass_before >= p) & (ranks > 0) & (p < 1.0), float("-inf"))
-    return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+    kept = (mass_before < p) | (ranks == 0) | (p >= 1.0)
+    last = sorted_scores.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)  # the nucleus' lowest
+    return scores.masked_fill(scores < last, float("-inf"))
 
 
 def _mask_without_sort(scores: torch.Tensor, keep: list[int], top_p: list[float], ops: Any) -> torch.Tensor:

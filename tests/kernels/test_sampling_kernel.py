@@ -96,6 +96,28 @@ def test_the_worker_masks_without_a_sort_as_a_sort_would(backend, monkeypatch, t
     assert 1 < int(got.isfinite().sum()) < got.numel()  # some tokens kept, some dropped
 
 
+def test_tied_scores_at_a_cut_keep_the_same_tokens_with_and_without_a_sort(backend, monkeypatch):
+    """Scores tied at a top-k or top-p cut (bf16 logits): the threshold kernel's path keeps them all,
+    and so does the sorted path, so a row keeps the same tokens in a batch of any size."""
+    from worker import sampling
+
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    scores = torch.full((4, 64), -10.0)
+    scores[:, 0] = 3.0
+    scores[:, 1:4] = 2.0  # three tokens tied below the top one
+    top_k, top_p = [2, -1, 3, -1], [1.0, 0.6, 1.0, 1.0]
+    monkeypatch.setattr(sampling, "SORT_MAX_ROWS", 3)  # these 4 rows are "many": the kernel's path
+    many = sampling._mask_top_k_top_p(scores.to(backend.device), top_k, top_p).cpu()
+    alone = [
+        sampling._mask_top_k_top_p(scores[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])[0] for i in range(3)
+    ]
+    for i in range(3):
+        assert torch.equal(many[i].isfinite(), alone[i].isfinite()), i
+        assert many[i].isfinite().nonzero()[:, 0].tolist() == [0, 1, 2, 3]  # the ties at the cut stay
+    assert many[3].isfinite().all()
+
+
 def test_a_top_p_of_one_keeps_every_token_beside_a_top_p_row_without_a_sort(backend, monkeypatch):
     """On the threshold kernel's path too, a row without top-p (1.0) keeps its whole vocabulary when
     another row has one, although a float32 sum of its mass reaches 1 before its last tokens."""

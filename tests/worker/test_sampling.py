@@ -134,6 +134,31 @@ def test_top_k_rows_take_their_candidates_from_topk_and_mask_as_a_full_sort_does
         assert torch.equal(got[row], want), row
 
 
+def test_a_row_keeps_the_same_tokens_whatever_its_batch_when_scores_tie_at_a_cut():
+    """bf16 logits tie often. A row ranked by topk (every row has a top_k) and by a sort (a row
+    without one beside it) orders tied scores differently, so a cut by rank kept other tokens and a
+    seeded answer changed with its batch: every token tied at a cut stays, on either path."""
+    from worker.sampling import _mask_top_k_top_p
+
+    torch.manual_seed(0)
+    tied = 0
+    for _ in range(20):
+        row = (torch.randn(256) * 2).to(torch.bfloat16).float()  # rounded: many equal scores
+        for k, p in ((5, 1.0), (10, 1.0), (20, 1.0), (40, 0.9), (-1, 0.5), (-1, 0.9), (8, 0.7)):
+            alone = _mask_top_k_top_p(row.unsqueeze(0), [k], [p])[0]
+            for other_k, other_p in ((-1, 1.0), (100, 1.0), (3, 0.2), (-1, 0.3)):
+                beside = _mask_top_k_top_p(torch.stack([row, row]), [k, other_k], [p, other_p])[0]
+                assert torch.equal(alone.isfinite(), beside.isfinite()), (k, p, other_k, other_p)
+                assert torch.equal(alone[alone.isfinite()], row[alone.isfinite()])
+            kept = row[alone.isfinite()]
+            cut = kept.min()
+            assert torch.equal(alone.isfinite(), row >= cut)  # everything tied with the lowest kept stays
+            if k != -1:
+                assert int(alone.isfinite().sum()) >= min(k, 1)
+                tied += int((row == cut).sum()) > 1 and int((row >= cut).sum()) > k
+    assert tied  # some rows had ties across the k-th score
+
+
 def test_top_p_one_keeps_every_token_beside_a_top_k_row():
     """A request without top-p (1.0) next to one with a top_k goes through the ranked path: it keeps
     its whole vocabulary, although float32 cumulative sums reach 1 before its last tokens."""

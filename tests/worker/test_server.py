@@ -360,6 +360,21 @@ def test_a_stop_string_is_kept_with_either_spelling(client):
         assert kept["text"] == text[: end + len(stop)], flag
 
 
+def test_the_stop_string_that_completes_first_ends_the_text_however_the_tokens_cut_it(qwen3_checkpoint):
+    """Two stop strings one token completes (" laz" is one token of this tokenizer): the one that ends
+    first ("la") ends the text, as it does when the text comes a character at a time (the tiny model's
+    bytes); the one that starts first won."""
+    text = "The quick brown fox jumps over the lazy dog\\."
+    body = {"prompt": "Q", "max_tokens": 40, "temperature": 0, "guided_regex": text, "stop": [" laz", "la"]}
+    with serve() as tiny, serve(model=str(qwen3_checkpoint), kv_cache_tokens=2048) as bpe:
+        for live in (tiny, bpe):
+            with httpx.Client(base_url=live.url, timeout=60) as c:
+                cut = c.post("/v1/completions", json=body).json()["choices"][0]
+                kept = c.post("/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+            assert cut["text"] == "The quick brown fox jumps over the " and cut["finish_reason"] == "stop"
+            assert kept["choices"][0]["text"] == "The quick brown fox jumps over the la"
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
     usage so far, the last one the whole request's; without it only the usage chunk does."""
