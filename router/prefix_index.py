@@ -5,9 +5,10 @@ global budget of (block, worker) entries. It never raises on odd events and neve
 
 Layout: a radix tree with compressed edges over chained block hashes (a hash names its prefix).
 A ``_Node`` holds a run of consecutive hashes held by the same workers (``mask``: bit i = slot i),
-children keyed by first hash, ``tick`` (last update touching it or a descendant) and
-``confirmed`` (the holders whose stored event named the run; an insert's blocks are only
-predicted, and never extend a confirmed run in place). ``_where[h]`` is the node holding block
+children keyed by first hash, ``tick`` (last update touching it or a descendant), ``ticks``
+(once a second worker holds it: each holder's last update through it) and ``confirmed`` (the
+holders whose stored event named the run; an insert's blocks are only predicted, and never
+extend a confirmed run in place). ``_where[h]`` is the node holding block
 ``h``, written for new blocks, on splits and when a stored child joins its parent's run.
 ``_roots[parent_hash]`` holds parentless nodes: None (or a namespace root hash) starts a prompt;
 other keys are parents this index does not hold (orphan runs). ``_leaves``: heap of leaves, lazy.
@@ -22,12 +23,13 @@ match. Runs stored under a parent the index does not hold are recorded (they cos
 match once the prefix above is known again; until then they age out like any leaf.
 Eviction: the least recently touched *leaf* loses tail blocks, for every worker on it, until the
 index is under budget (it may free up to workers-on-the-block - 1 entries more than needed).
-Leaves go before ancestors, so it never opens a hole. Ticks are per node, not per worker.
+Leaves go before ancestors, so it never opens a hole. Eviction reads the node's tick; a take-back
+reads its worker's (another worker's request for the same prompt does not keep it).
 
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
 ~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~200 per node; another
-worker on a node costs one bit. ``remove_worker``/``clear_worker`` visit every node.
+worker on a node costs one bit, and a node two or more workers hold keeps a small dict of their ticks. ``remove_worker``/``clear_worker`` visit every node.
 """
 
 from __future__ import annotations
@@ -43,18 +45,34 @@ if TYPE_CHECKING:
 
 
 class _Node:
-    __slots__ = ("children", "confirmed", "mask", "parent", "run", "tick", "up")
+    __slots__ = ("children", "confirmed", "mask", "parent", "run", "tick", "ticks", "up")
 
     def __init__(
-        self, run: list[int], mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0
-    ) -> None:
+        self, run: list[int], mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0,
+        ticks: dict[int, int] | None = None,
+    ) -> None:  # fmt: skip
         self.run = run  # consecutive block hashes, oldest first; never empty while live
         self.mask = mask  # workers holding every block of the run; 0 = dropped
         self.confirmed = confirmed  # the workers in ``mask`` whose stored event named these blocks
         self.tick = tick
+        # slot -> the tick of that worker's last insert / stored event through the node, kept from
+        # the moment a second worker holds it (None: ``tick`` is its sole holder's, or later)
+        self.ticks = ticks
         self.parent = parent
         self.children: dict[int, _Node] = {}  # first hash of the child's run -> child
         self.up = up  # the hash before the run, kept only while parent is None
+
+
+def _slots(mask: int) -> Iterator[int]:
+    """The bit indexes set in ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def _copy(ticks: dict[int, int] | None) -> dict[int, int] | None:
+    return None if ticks is None else dict(ticks)
 
 
 def _agree(query: Sequence[int], start: int, run: list[int], off: int) -> int:
@@ -193,14 +211,18 @@ class PrefixIndex:
         Ticks only grow, and a node's is at least its children's, so what goes is a tail: no hole
         is opened. Blocks a stored event of the worker named stay whatever touched them (the worker
         said it holds them), so ``block_hashes`` may include the prefix the insert found predicted
-        there; what goes is what follows the last block that stays."""
-        bit = 1 << self._slot[worker] if worker in self._slot else 0
+        there; what goes is what follows the last block that stays. A node another worker holds
+        too is judged by ``worker``'s own last touch (another worker's request for the same
+        prompt relies on its own bit, not this one's)."""
+        slot = self._slot.get(worker, -1)
+        bit = 1 << slot if slot >= 0 else 0
         untouched = []
         for h in block_hashes:
             node = self._where.get(h)
             if node is None or not node.mask & bit:
                 continue
-            if node.tick != tick or node.confirmed & bit:
+            own = node.tick if node.ticks is None else node.ticks.get(slot, node.tick)
+            if own != tick or node.confirmed & bit:
                 untouched.clear()  # NOTE: it stays, so nothing before it may go
             else:
                 untouched.append(h)
@@ -323,6 +345,8 @@ class PrefixIndex:
                     off = 0
                 if k < len(node.run):
                     node = self._split(node, k)[0]
+                if node.ticks is None:  # NOTE: its holders' last touch is at most its tick
+                    node.ticks = dict.fromkeys(_slots(node.mask), node.tick)
                 node.mask |= bit
                 self._entries += k
                 self._counts[slot] += k
@@ -330,6 +354,8 @@ class PrefixIndex:
                 node = self._split(node, off + k)[0]
             if stored:  # NOTE: a run that starts inside the node confirms its prefix there too
                 node.confirmed |= bit
+            if node.ticks is not None:
+                node.ticks[slot] = self._tick
             self._touch_up(node)  # NOTE: bogus chains may jump between branches
             at, end = node, off + k
             i += k
@@ -353,6 +379,8 @@ class PrefixIndex:
         if extend:
             owner.run.extend(run)
             owner.tick = tick
+            if owner.ticks is not None:
+                owner.ticks[bit.bit_length() - 1] = tick
         else:
             owner.run = run
             siblings = at.children if at is not None else self._roots.setdefault(up, {})
@@ -391,6 +419,9 @@ class PrefixIndex:
             and (up.mask, up.confirmed) == (node.mask, node.confirmed)
         ):
             up.run.extend(node.run)
+            if up.ticks is not None or node.ticks is not None:  # NOTE: the later touch of either, in doubt
+                up.ticks = {s: max((up.ticks or {}).get(s, up.tick), (node.ticks or {}).get(s, node.tick))
+                            for s in _slots(up.mask)}  # fmt: skip
             self._where.update(zip(node.run, repeat(up)))
             up.children = node.children
             for child in up.children.values():
@@ -432,14 +463,16 @@ class PrefixIndex:
         run = node.run
         self._nodes += 1
         if 2 * k <= len(run):
-            head = _Node(run[:k], node.mask, node.tick, node.parent, node.up, node.confirmed)
+            head = _Node(
+                run[:k], node.mask, node.tick, node.parent, node.up, node.confirmed, _copy(node.ticks)
+            )
             del run[:k]
             self._siblings(head)[head.run[0]] = head
             head.children = {run[0]: node}
             node.parent, node.up = head, None
             self._where.update(zip(head.run, repeat(head)))
             return head, node
-        tail = _Node(run[k:], node.mask, node.tick, node, None, node.confirmed)
+        tail = _Node(run[k:], node.mask, node.tick, node, None, node.confirmed, _copy(node.ticks))
         del run[k:]
         tail.children, node.children = node.children, {tail.run[0]: tail}
         for child in tail.children.values():
@@ -499,6 +532,8 @@ class PrefixIndex:
             return
         node.mask ^= 1 << slot
         node.confirmed &= ~(1 << slot)
+        if node.ticks is not None:
+            node.ticks.pop(slot, None)
         self._entries -= len(node.run)
         self._counts[slot] -= len(node.run)
 

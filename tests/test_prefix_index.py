@@ -262,6 +262,10 @@ def _check_invariants(index: PrefixIndex) -> None:
     assert all(index._where[h] is node for node in nodes for h in node.run)
     assert sum(len(n.run) * n.mask.bit_count() for n in nodes) == index.num_entries <= index.max_entries
     assert sum(index._counts) == index.num_entries
+    for n in nodes:  # each holder's last touch is known once a node has two, and none is after the node's
+        holders = {i for i in range(len(index._counts)) if n.mask >> i & 1}
+        assert n.ticks is not None or len(holders) == 1
+        assert n.ticks is None or (set(n.ticks) <= holders and max(n.ticks.values(), default=0) <= n.tick)
     queued = {id(n) for _, _, n in index._leaves}
     assert all(id(n) in queued for n in nodes if not n.children), "a leaf missing from the heap"
 
@@ -341,6 +345,27 @@ def test_take_back_removes_only_what_nothing_touched_since() -> None:
     index.apply_stored("w", None, c)  # the worker says it stored them: they stay
     index.take_back("w", c, c_tick)
     assert index.match(c) == {"w": 4}
+
+
+def test_take_back_is_not_kept_by_another_workers_request_for_the_same_prompt() -> None:
+    """A request to worker b, given up while queued there, is taken back though a request for the same
+    prompt went to worker a meanwhile: a's insert relies on a's bit, not b's (b's was kept for good,
+    and b was predicted a cache it never held). b's own later request still keeps it."""
+    prompt, other = chain(list(range(1, 30))), chain([*range(1, 10), 500, 501])
+    index = PrefixIndex()
+    tick = index.insert("b", prompt)
+    index.insert("a", prompt)
+    index.apply_stored("a", None, prompt)  # a computed it
+    index.take_back("b", prompt, tick)
+    assert index.match(prompt) == {"a": len(prompt)}
+    _check_invariants(index)
+    tick = index.insert("b", prompt)
+    index.insert("a", other)  # a request to a on part of it, then one to b on part of it
+    index.insert("b", other)
+    index.take_back("b", prompt, tick)
+    assert index.match(prompt) == {"a": len(prompt), "b": 9}  # b keeps what its second request relies on
+    assert index.match(other) == {"a": len(other), "b": len(other)}
+    _check_invariants(index)
 
 
 def test_take_back_keeps_the_prefill_chunks_the_worker_stored_and_drops_the_rest() -> None:
