@@ -404,11 +404,12 @@ class Router:
                 try:
                     if parsed.stream and resp.status == 200:
                         responses = path.endswith("/responses")
-                        await self._send_stream(
-                            send, watch, worker, resp, started, prefill, strip_usage, responses
-                        )
+                        await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage,
+                                                responses, counted=not parsed.follow_up)  # fmt: skip
                     else:
-                        await self._send_full(send, watch, worker, resp, started, parsed.stream)
+                        await self._send_full(
+                            send, watch, worker, resp, started, parsed.stream, counted=not parsed.follow_up
+                        )
                     answered = True
                 finally:
                     resp.close()
@@ -458,18 +459,23 @@ class Router:
         worker.stats.errors[kind] += 1
         worker.breaker.record_failure(time.monotonic(), probe)
 
-    def _record_usage(self, worker: Worker, usage: Usage | None) -> None:
+    def _record_usage(self, worker: Worker, usage: Usage | None, counted: bool = True) -> None:
+        """The worker's usage of an answer, in the access log and (``counted``) the actual hit rate's
+        counters. A Responses follow-up is not counted: the router sees none of its prompt (the worker
+        holds the conversation), so it predicted nothing of it, and the two hit rates must cover the
+        same requests."""
         if usage is not None:
-            worker.stats.usage_prompt_tokens += usage.prompt_tokens
-            worker.stats.cached_tokens += usage.cached_tokens
+            if counted:
+                worker.stats.usage_prompt_tokens += usage.prompt_tokens
+                worker.stats.cached_tokens += usage.cached_tokens
             access_log.note(usage_prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
 
     async def _send_full(
         self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, started: float,
-        stream: bool = False,
+        stream: bool = False, counted: bool = True,
     ) -> None:  # fmt: skip
         """A whole answer: a non-stream one, or a stream request's refusal (``stream``: its metrics'
-        label stays the request's)."""
+        label stays the request's; ``counted``: see _record_usage)."""
         try:
             payload = await self.upstream.read_all(resp)
         except UpstreamFailure as exc:
@@ -480,7 +486,7 @@ class Router:
         access_log.note(ttft_ms=round(elapsed * 1e3, 3))
         self.metrics.duration_of[stream].observe(elapsed)
         if resp.status == 200:
-            self._record_usage(worker, body_usage(payload))
+            self._record_usage(worker, body_usage(payload), counted)
         watch.stop()
         content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
         await _send_bytes(send, resp.status, payload, content_type, worker.url.encode("latin-1"))
@@ -495,6 +501,7 @@ class Router:
         prefill: PendingPrefill,
         strip_usage: bool = False,
         responses: bool = False,
+        counted: bool = True,
     ) -> None:
         """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering
         (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for).
@@ -550,7 +557,7 @@ class Router:
             cut = b"" if tail == b"\n\n" else b"\n\n"
             error = cut + stream_error_event(responses, message, kind, numbers.last)
         finally:
-            self._record_usage(worker, scanner.usage)
+            self._record_usage(worker, scanner.usage, counted)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)
         if not finished:
             watch.stop()

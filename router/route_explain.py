@@ -14,8 +14,9 @@ def explain(
     router: Router, parsed: ParsedRequest, endpoint: str, headers: Mapping[str, str]
 ) -> dict[str, Any]:
     """What the router would do with this request of ``endpoint`` (chat, completions, responses)
-    and why: each candidate's predicted cached tokens and load (own, other replicas', the last
-    report's rest). Reads state; sends nothing."""
+    and why: each candidate's predicted cached tokens (what the router counts: the index's match
+    less the last block of a whole-block prompt, none where the worker cuts the prompt to fit) beside
+    the index's match, and load (own, other replicas', the last report's rest). Reads state; sends nothing."""
     route = router.route_request(parsed)
     group = router.affinity_group(parsed, endpoint != "completions", headers)
     only = router.response_holder(parsed.body.get("previous_response_id"))  # a follow-up: its worker
@@ -25,8 +26,18 @@ def explain(
     matched = router.index.match(route.block_hashes)
     pick = None if decision is None else router.workers.get(decision.url)
     cut = pick is not None and router.cuts(parsed, route, pick)  # the pick keeps the prompt's end
+
+    def held(url: str) -> int:  # the index's match for ``url``, in tokens
+        if decision is not None and url in decision.matched_tokens:
+            return decision.matched_tokens[url]
+        return matched.get(url, 0) * route.block_size
+
+    def predicted(worker: Any) -> int:  # NOTE: as the gateway counts it when it sends the request
+        return 0 if router.cuts(parsed, route, worker) else route.cacheable(held(worker.url))
+
     return {
         "worker": None if decision is None else decision.url,
+        "predicted_cached_tokens": None if pick is None else predicted(pick),
         "reason": "no healthy worker" if decision is None else decision.reason,
         "policy": router.policy.name,
         # the worker the pick would be told to fetch the prompt's KV from (--kv-fetch-min-tokens)
@@ -51,11 +62,8 @@ def explain(
                 "peer_pending_prefill_tokens": w.peer_prefill,
                 "others_queue": w.others_queue,  # the last report's rest
                 "others_prefill_tokens": w.others_prefill,
-                "matched_tokens": (
-                    decision.matched_tokens.get(w.url, 0)
-                    if decision is not None and w.url in decision.matched_tokens
-                    else matched.get(w.url, 0) * route.block_size
-                ),
+                "matched_tokens": held(w.url),  # the blocks the index holds for it, in tokens
+                "predicted_cached_tokens": predicted(w),  # of them, what it would serve from cache
             }
             for w in router.workers
         ],

@@ -679,6 +679,21 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
         assert set(router_hashes) <= stored_hashes
 
 
+def test_debug_route_predicts_the_cached_tokens_the_worker_reports(launch):
+    """/debug/route's predicted_cached_tokens are the router's own count, which the worker's usage
+    confirms: a prompt of whole blocks computes its last block (the index holds all of it)."""
+    worker = _tiny_worker(launch)
+    router = launch.router([worker.url])
+    body = {"model": "tiny", "prompt": "x" * 63 + "y", "max_tokens": 1}  # 64 bytes: 4 whole blocks
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    explained = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+    (candidate,) = explained["candidates"]
+    assert candidate["matched_tokens"] == 64 and candidate["predicted_cached_tokens"] == 48
+    assert explained["predicted_cached_tokens"] == 48
+    answer = httpx.post(router.url + "/v1/completions", json=body, timeout=120).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+
 def test_a_cache_salt_keeps_its_prefixes_its_own_at_the_router_and_the_worker(launch):
     """vLLM's cache_salt: the router predicts the salted hashes the worker stores; a request with
     another salt or none matches none of them at either (no cached tokens), the same salt does."""

@@ -82,6 +82,32 @@ def test_a_new_conversation_is_routed_by_its_prompt_and_streams_report_usage(lau
     )
 
 
+def test_follow_ups_stay_out_of_both_hit_rates(launch) -> None:
+    """A follow-up's prompt is the conversation its worker holds: the router counts none of it
+    (prompt tokens, predicted), so the worker's usage of it stays out of the actual hit rate too;
+    the two rates cover the same requests (the actual one read 0.82 against 0.02 predicted)."""
+    router = launch.router([launch.sim_worker().url])
+    names = ["radixgate_upstream_prompt_tokens_total", "radixgate_upstream_predicted_cached_tokens_total",
+             "radixgate_upstream_usage_prompt_tokens_total", "radixgate_upstream_cached_tokens_total"]  # fmt: skip
+
+    def counters() -> list[float]:
+        text = httpx.get(router.url + "/metrics", timeout=10).text
+        return [sum(metric_values(text, name).values()) for name in names]
+
+    first = _create(router.url, instructions=INSTRUCTIONS, input="Turn one.")
+    assert first.status_code == 200
+    before = counters()
+    assert before[0] > len(INSTRUCTIONS) // 2 and before[2] > len(INSTRUCTIONS) // 2
+    previous = first.json()["id"]
+    for stream in (False, True):
+        r = _create(router.url, input="Next.", previous_response_id=previous, stream=stream)
+        assert r.status_code == 200
+        if not stream:
+            assert r.json()["usage"]["input_tokens"] > 0  # the worker reports its usage all the same
+            previous = r.json()["id"]
+    assert counters() == before
+
+
 BAD_BODIES = [  # (body, status, error code)
     # ids naming no registered worker go to one chosen by load, which does not hold them
     ({"input": "x", "previous_response_id": "resp_notours"}, 404, "response_not_found"),
