@@ -27,8 +27,9 @@ def key_names(keys: list[str]) -> list[tuple[str, str]]:
     """(name, secret) of each configured key, spaces around it dropped (a header's token has none);
     ValueError for an empty one (no client could send it: keys on, every request refused), and for
     a name given to one key that an unnamed key has by its place (keys that share a name share its
-    counts and limit: on purpose only)."""
-    out, named, unnamed = [], set(), set()
+    counts and limit: on purpose only), and for one secret under two names (a request would count
+    under one of them only: the other's limit would not hold)."""
+    out, named, unnamed, owner = [], set(), set(), {}
     for i, key in enumerate(keys):
         m = _NAMED.match(key.strip())
         name, secret = (m.group(1), m.group(2).strip()) if m else (f"key-{i}", key.strip())
@@ -37,6 +38,8 @@ def key_names(keys: list[str]) -> list[tuple[str, str]]:
         if not all(" " < c <= "~" for c in secret):  # NOTE: no client could send it as written
             raise ValueError(f"API key {i} must be printable ASCII without spaces (a header carries it)")
         (named if m else unnamed).add(name)
+        if owner.setdefault(secret, (i, name))[1] != name:
+            raise ValueError(f"API key {i} has the secret of key {owner[secret][0]} under another name")
         out.append((name, secret))
     if clash := sorted(named & unnamed):
         raise ValueError(

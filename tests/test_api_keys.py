@@ -58,6 +58,11 @@ def test_keys_may_be_named_and_checks_return_the_name():
     assert APIKeys(["team-a:old", "team-a:new"]).check("Bearer new") == "team-a"
     with pytest.raises(ValueError, match="'key-1' is given to a key"):
         key_names(["key-1:aaa", "bbb"])
+    # one secret under two names: its requests would count under one only (the other's limit void)
+    for keys in (["batch:sk-same", "team:sk-same"], ["batch:sk-same", "sk-same"]):
+        with pytest.raises(ValueError, match="has the secret of key 0 under another name"):
+            key_names(keys)
+    assert key_names(["team:sk-same", "team:sk-same"]) == [("team", "sk-same")] * 2  # one name: harmless
 
 
 def test_a_limit_allows_a_minutes_requests_then_refills_continuously():

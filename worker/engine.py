@@ -97,6 +97,7 @@ class Engine:
         self.busy_since: float | None = None
         self.ready = threading.Event()  # set once the warm-up is over (at once without one)
         self.max_waiting = scheduler_config.max_waiting
+        self.max_running = scheduler_config.max_running
         self._inbox: queue.Queue[tuple] = queue.Queue()
         # requests submitted that the snapshot does not count yet (in the inbox, or taken since)
         self._queued = 0
@@ -201,9 +202,11 @@ class Engine:
         )
         if params.guide is not None:
             req.draft_check = functools.partial(check_drafts, req.payload)
-        # NOTE: counted as it enters the inbox, in one step with the check (an error above counts nothing)
+        # NOTE: counted as it enters the inbox, in one step with the check (an error above counts nothing);
+        # full at max_waiting beyond the free running slots: requests those take do not wait
         with self._queued_lock:
-            if self._queued + self._snap.waiting >= self.max_waiting:
+            snap = self._snap
+            if self._queued + snap.waiting + snap.running >= self.max_waiting + self.max_running:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             self._queued += 1
             self._inbox.put(("add", req))

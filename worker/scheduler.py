@@ -6,6 +6,7 @@ never leaks a page: every page is free, in the radix tree, or held by exactly on
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import deque
@@ -105,8 +106,10 @@ class Scheduler:
         return total + sum(groups.values())
 
     def add(self, req: Request) -> None:
-        """Queue a request; raises QueueFullError at ``max_waiting``."""
-        if len(self.waiting) >= self.cfg.max_waiting:
+        """Queue a request; raises QueueFullError at ``max_waiting`` beyond the free ``max_running``
+        slots (a request that goes straight to a free slot does not wait; nor does it fill the queue)."""
+        free = max(0, self.cfg.max_running - self.num_running)
+        if len(self.waiting) >= self.cfg.max_waiting + free:
             raise QueueFullError(f"the waiting queue is full ({self.cfg.max_waiting} requests)")
         self._estimate(req)
         self.waiting.append(req)
@@ -324,8 +327,17 @@ class Scheduler:
         """Waiting requests in admission order, with their prefix matches (LPM) or None (FCFS).
         Lower ``priority`` goes first, except that requests older than ``max_wait_s`` come first in
         arrival order (either policy), so nothing starves."""
-        window = list(self.waiting)[: self.cfg.lpm_window]
-        old = [r for r in window if now - r.arrival > self.cfg.max_wait_s]
+        wait = self.cfg.max_wait_s
+
+        def turn(r: Request) -> tuple:  # admission order: the overdue by arrival, then by priority
+            return (0, r.arrival, 0) if now - r.arrival > wait else (1, r.priority, r.arrival)
+
+        # NOTE: the window is the first requests in admission order, not in the queue's: an urgent
+        # request behind more than a window of others waited for them all to drain
+        waiting = self.waiting
+        window = list(waiting) if len(waiting) <= self.cfg.lpm_window else heapq.nsmallest(
+            self.cfg.lpm_window, waiting, key=turn)  # fmt: skip
+        old = [r for r in window if now - r.arrival > wait]
         old_ids = {id(r) for r in old}
         young = [r for r in window if id(r) not in old_ids]
         old.sort(key=lambda r: r.arrival)

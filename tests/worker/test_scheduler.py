@@ -271,6 +271,23 @@ def test_the_age_bound_still_beats_priority(policy):
     assert sched.schedule(now=111.0).requests == [old_low]  # waited > max_wait_s: nothing starves
 
 
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_an_urgent_request_behind_more_than_a_window_of_others_goes_first(policy):
+    """The requests a step considers are the first in admission order (overdue, then by priority),
+    not the queue's oldest: an urgent one behind more than lpm_window others waited for them."""
+    sched, _ = make(max_running=1, max_waiting=100, max_wait_s=50.0, policy=policy, lpm_window=8)
+    for i in range(20):
+        sched.add(Request(f"low{i}", prompt(i, 8), max_tokens=1, arrival=100.0 + i, priority=10))
+    urgent = Request("urgent", prompt(50, 8), max_tokens=1, arrival=121.0, priority=-5)
+    sched.add(urgent)
+    assert sched.schedule(now=122.0).requests == [urgent]
+    overdue = Request("overdue", prompt(60, 8), max_tokens=1, arrival=60.0, priority=10)
+    sched.add(overdue)  # the age bound still comes first, from anywhere in the queue
+    sched.abort(urgent)
+    sched.running.clear()
+    assert sched.schedule(now=122.0).requests == [overdue]
+
+
 def test_pages_run_out_the_lowest_priority_request_is_preempted_even_if_older():
     sched, model = make(
         num_pages=24, decode_reserve_tokens=0, chunked_prefill_tokens=64
@@ -290,14 +307,23 @@ def test_pages_run_out_the_lowest_priority_request_is_preempted_even_if_older():
 
 
 def test_eos_finishes_and_waiting_queue_is_bounded():
-    sched, model = make(max_waiting=2)
+    """The queue takes max_waiting requests beyond the free running slots (those go straight in)."""
+    sched, model = make(max_waiting=2, max_running=2)
     p = prompt(9, 10)
     first = reference(p, 1)[0]
     r = Request("r", p, max_tokens=10, stop_token_ids=frozenset({first}))
     sched.add(r)
-    sched.add(Request("x", p, max_tokens=1))
+    for i, rid in enumerate("xyz"):  # with r: two for the free slots, two waiting
+        sched.add(Request(rid, prompt(20 + i, 10), max_tokens=1))
     with pytest.raises(QueueFullError):
-        sched.add(Request("y", p, max_tokens=1))
+        sched.add(Request("w", prompt(30, 10), max_tokens=1))
+    batch = sched.schedule()
+    assert len(batch.requests) == 2  # r and x took the slots: y and z wait, and the queue is full
+    with pytest.raises(QueueFullError):
+        sched.add(Request("v", prompt(31, 10), max_tokens=1))
+    for done in sched.commit(batch, model.forward(batch)):
+        if done.finish_reason is not None:
+            sched.finish(done, done.finish_reason)
     run(sched, model)
     assert r.finish_reason == "stop" and r.output_ids == [first]
     assert_no_leak(sched)

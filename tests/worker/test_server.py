@@ -616,6 +616,22 @@ def test_queue_full_429_prompt_too_long_400_and_dead_engine_503():
         assert dead.status_code == 503 and dead.json()["error"]["message"]
 
 
+def test_a_burst_that_fits_the_free_running_slots_is_not_refused():
+    """--max-waiting counts the requests queued beyond the free --max-running slots: a burst an idle
+    worker can run at once is served whole (requests that went straight to a slot were counted as
+    waiting, so an idle worker answered 429 to the second of two)."""
+    with serve(max_running=6, max_waiting=1) as live:
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as c:
+                body = {"prompt": "burst", "max_tokens": 2}
+                return [r.status_code for r in await asyncio.gather(
+                    *(c.post("/v1/completions", json=body) for _ in range(6)))]  # fmt: skip
+
+        for _ in range(3):
+            assert asyncio.run(burst()) == [200] * 6
+
+
 def test_requests_the_engine_thread_has_not_counted_yet_count_as_waiting(client, server):
     """A router reads running + waiting from /health as the worker's load: requests that arrive
     during a long step wait in the engine's inbox, and those it took count until its next snapshot
