@@ -25,16 +25,18 @@ class RouterServer(uvicorn.Server):
     (/ready answers 503), serves on for ``delay_s`` so that load balancers take it out of rotation
     first, and then shuts down as uvicorn does, letting requests in flight finish. A second signal,
     either kind, ends it at once (uvicorn itself does so on a second SIGINT only), after ``on_force``
-    (launched workers get SIGTERM: no shutdown hook runs on that path)."""
+    (launched workers get SIGTERM: no shutdown hook runs on that path). ``on_signal`` runs at the
+    first signal (launched workers are no longer restarted)."""
 
     def __init__(
         self, config: uvicorn.Config, delay_s: float, start_draining: Callable[[], None],
-        on_force: Callable[[], None] | None = None,
+        on_force: Callable[[], None] | None = None, on_signal: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(config)
         self._delay_s = delay_s
         self._start_draining = start_draining
         self._on_force = on_force
+        self._on_signal = on_signal
         self._notice: threading.Timer | None = None
         self._signalled = False
 
@@ -48,6 +50,8 @@ class RouterServer(uvicorn.Server):
             self.force_exit = True
             return
         self._signalled = True
+        if self._on_signal is not None:
+            self._on_signal()
         if self._delay_s > 0:
             self._start_draining()
             logging.getLogger("radixgate.router").info(
@@ -106,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             app.router.draining = True
 
         server = RouterServer(
-            server_config, config.shutdown_delay_s, start_draining, launcher.terminate if launcher else None
+            server_config,
+            config.shutdown_delay_s,
+            start_draining,
+            launcher.terminate if launcher else None,
+            launcher.shutting_down if launcher else None,
         )
         server.run()
     finally:

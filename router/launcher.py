@@ -146,7 +146,9 @@ class WorkerLauncher:
 
     def _spawn(self, cmd: list[str]) -> subprocess.Popen:
         env = {**os.environ, "RADIXGATE_WORKER_API_KEY": self.api_key} if self.api_key else None
-        return subprocess.Popen(cmd, env=env, preexec_fn=_dies_with(os.getpid()))
+        # NOTE: a process group of its own: a terminal's Ctrl-C reaches the router alone, which drains
+        # (the workers serve the requests in flight) and then stops them; the router's death ends them
+        return subprocess.Popen(cmd, env=env, preexec_fn=_dies_with(os.getpid()), process_group=0)
 
     def _watch(self, poll_s: float = 0.5) -> None:
         restart_at: dict[int, float] = {}  # worker index -> when to start it again
@@ -184,6 +186,11 @@ class WorkerLauncher:
                             continue
                     del restart_at[i]
                     self._started_at[i] = now
+
+    def shutting_down(self) -> None:
+        """The router is ending: a worker that exits now is not started again (a control group's
+        SIGTERM reaches the workers too: each drains and ends, and a restart would only be killed)."""
+        self._stopping.set()
 
     def terminate(self) -> None:
         """SIGTERM every worker now, not waiting (the router is ending at once: they end by themselves)."""

@@ -62,3 +62,98 @@ def test_a_second_signal_stops_the_router_at_once(launch, sig):
         router.proc.send_signal(sig)
         wait_until(lambda: router.proc.poll() is not None, 20, what="the router to exit")
     assert router.proc.returncode == -sig  # NOTE: uvicorn raises the signal again as it ends
+
+
+def test_ctrl_c_drains_the_launched_workers_requests_as_sigterm_does(tmp_path):
+    """`python -m router --launch-workers N` in a terminal: Ctrl-C (SIGINT to the whole foreground
+    process group) reaches the router alone, which lets the stream in flight finish; the workers
+    shared its group, got the SIGINT themselves and cut the stream (and were restarted mid-shutdown)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router", "--port", str(port), "--launch-workers", "1",
+             "--worker-arg=--engine=sim", "--worker-arg=--sim-decode-base-ms=30"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+            start_new_session=True,  # NOTE: its own group, as a terminal's foreground job
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            try:
+                return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                return False
+
+        wait_until(ready, 120, what="the router and its worker")
+        lines: list[str] = []
+        body = {"prompt": "hello", "max_tokens": 150, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 5:
+                    os.killpg(router.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        assert lines[-1] == "data: [DONE]" and len(lines) > 150, lines[-2:]
+        assert router.wait(60) in (0, -signal.SIGINT)
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(10)
+    assert "starting it again" not in (tmp_path / "router.log").read_text()  # no worker died on the way
+
+
+def test_a_signal_to_the_whole_group_stops_the_launched_workers_for_good(tmp_path):
+    """systemd's default stop (SIGTERM to every process of the unit's control group) reaches the
+    launched workers too: they end, and the router, draining, does not start them again (it did,
+    a second after, to kill them moments later)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router", "--port", str(port), "--launch-workers", "1",
+             "--worker-arg=--engine=sim", "--shutdown-delay-s", "3"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            try:
+                return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                return False
+
+        wait_until(ready, 120, what="the router and its worker")
+        worker_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == router.pid]
+        assert len(worker_pids) == 1
+        for pid in (router.pid, *worker_pids):  # NOTE: the group of each (the workers have their own)
+            os.kill(pid, signal.SIGTERM)
+        assert router.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(10)
+    text = (tmp_path / "router.log").read_text()
+    assert "exited with code" in text or "SIGTERM" in text
+    assert "starting it again" not in text, text[-2000:]
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
