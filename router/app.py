@@ -167,6 +167,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         if request.method == "POST":
             existed = router.workers.get(url) is not None
             worker = router.workers.add(url)
+            if router.discovery is not None:  # NOTE: the operator's now: discovery never removes it
+                router.discovery.found.discard(url)
             if not existed:
                 await router.health.check(worker)
                 log.info("worker added: %s (healthy=%s)", url, worker.healthy)

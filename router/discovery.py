@@ -8,8 +8,9 @@ endpoint has a hostname (StatefulSet pods: the name each worker advertises in it
 docs/deploy.md), else ``http://<address>:<port>``; the port is the slice's (the one named
 ``--k8s-worker-port-name``, else its first). Terminating endpoints are dropped; not-ready ones are
 kept (the router's own health checks decide when they get traffic, as for listed workers). Workers
-given with ``--workers`` or ``POST /workers`` are never removed by discovery; a discovered worker
-removed by hand comes back next round while the Service lists it. A failed listing keeps the fleet
+given with ``--workers`` or ``POST /workers`` are never removed by discovery (a discovered worker
+given to ``POST /workers`` becomes one of those); a discovered worker removed by hand comes back
+next round while the Service lists it. A failed listing keeps the fleet
 as it is and is retried next round.
 
 It talks to the API server over plain HTTPS with the pod's service account (token and CA under

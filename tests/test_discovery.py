@@ -176,6 +176,14 @@ def test_the_router_follows_the_services_endpoints(launch, kube, tmp_path) -> No
     kube.ports, kube.fail, calls = [], False, kube.calls
     wait_until(lambda: kube.calls >= calls + 3, 10, what="listings without b")
     assert fleet(router.url)[0] == {static.url, b.url} and fleet(router.url)[1]["workers"] == []
+    # a discovered worker given to POST /workers (already registered: a 200) is the operator's too
+    kube.ports = [port(a)]
+    wait_until(lambda: fleet(router.url)[1]["workers"] == [a.url], 10, what="a discovered again")
+    pinned = httpx.post(router.url + "/workers", json={"url": a.url}, timeout=5)
+    assert pinned.status_code == 200 and pinned.json()["added"] is False
+    kube.ports, calls = [], kube.calls
+    wait_until(lambda: kube.calls >= calls + 3, 10, what="listings without a")
+    assert fleet(router.url)[0] == {static.url, a.url, b.url} and fleet(router.url)[1]["workers"] == []
 
 
 def test_discovery_outside_a_pod_needs_an_api_url() -> None:
