@@ -150,22 +150,35 @@ class ReplicaSync:
         while True:
             answered = False  # NOTE: a connection counts as made once Redis answers on it (a stopped
             # one still accepts connections): until then the backoff keeps growing
+            refused: list[RespError] = []  # NOTE: Redis refused a command (NOAUTH, an ACL's NOPERM)
+            opened: list[RespConnection] = []
 
-            def heard(value: Any, was_down: bool = failures > 0) -> None:
+            def heard(
+                value: Any, was_down: bool = failures > 0, refused: list = refused, opened: list = opened
+            ) -> None:
                 nonlocal answered
+                on_value(value)
+                if isinstance(value, RespError):  # NOTE: it would go on refusing: reconnect, backing off
+                    refused.append(value)
+                    opened[0].close()
+                    return
                 if not answered and was_down:
                     log.info("replica sync: %s to Redis works again", what)
                 answered = True
-                on_value(value)
 
             try:
                 conn = await RespConnection.open(self.redis_url, heard)
+                opened.append(conn)
                 on_open(conn)
                 try:
                     await conn.closed
                 finally:
                     conn.close()
-                if answered:
+                if refused:
+                    if failures <= 1 or failures == 5 or failures % 50 == 0:
+                        log.warning("replica sync: Redis refused the %s's command (%s); reconnecting",
+                                    what, refused[0])  # fmt: skip
+                elif answered:
                     log.warning("replica sync: %s to Redis lost; reconnecting", what)
                     failures = 0
                 elif failures <= 1 or failures == 5 or failures % 50 == 0:

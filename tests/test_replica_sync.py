@@ -221,3 +221,58 @@ def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_the_connect
         redis.wait(10)
     assert most <= replica_sync.MAX_UNSENT + 4096 and errors >= 1, (most, errors)
     assert made_again and heard_again
+
+
+@pytest.mark.redis
+def test_a_redis_that_refuses_the_commands_is_logged_and_asked_again_with_backoff(caplog):
+    """A Redis that takes the connection but refuses SUBSCRIBE and PUBLISH (a password or an ACL the
+    URL does not meet): each connection is logged as refused and made again, backing off (the
+    refusals were dropped in silence: no line in the log, and the connection counted as working)."""
+    import asyncio
+    import logging
+    import socket
+
+    from router.launcher import redis_server
+
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    port = free_port()
+    redis = redis_server(port, "--requirepass", "sekrit")
+
+    def connections() -> int:  # the server's own count of the connections it took
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"AUTH sekrit\r\nINFO stats\r\nQUIT\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        line = next(x for x in data.decode().splitlines() if x.startswith("total_connections_received:"))
+        return int(line.split(":")[1])
+
+    try:
+
+        async def run() -> dict:
+            registry = WorkerRegistry(CircuitBreaker, 100.0)
+            worker = registry.add("http://10.0.0.1:8000")
+            sync = ReplicaSync(registry, f"redis://127.0.0.1:{port}", heartbeat_s=0.2, expire_s=5.0)
+            await sync.start()
+            try:
+                for _ in range(30):
+                    worker.in_flight += 1
+                    worker.changed()
+                    await asyncio.sleep(0.1)
+                return dict(sync.stats)
+            finally:
+                await sync.stop()
+
+        before = connections()
+        with caplog.at_level(logging.WARNING, logger="radixgate.router.replica_sync"):
+            stats = asyncio.run(run())
+        made = connections() - before - 1  # NOTE: less the count's own connection
+    finally:
+        redis.terminate()
+        redis.wait(10)
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert any("subscription" in m and "NOAUTH" in m for m in refused), caplog.text
+    assert any("publish connection" in m for m in refused), caplog.text
+    assert stats["publish_errors"] >= 1 and stats["received"] == 0
+    assert 4 <= made <= 12, made  # made again, backing off (1 s, 2 s, ...): not in a tight loop
