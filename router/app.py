@@ -185,7 +185,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
             body = orjson.loads(raw) if raw else None
             endpoint = _endpoint_of(body)
-            parsed = router.parse(raw, endpoint)
+            parsed = await router.parse_soon(raw, endpoint)
             router.check_model(parsed.model)
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")

@@ -52,6 +52,7 @@ WORKER_HEADER = "x-radixgate-worker"
 WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
 FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
+PARSE_INLINE_BYTES = 64 * 1024  # a larger body is read and tokenized in a thread, off the event loop
 
 
 class Router:
@@ -155,6 +156,13 @@ class Router:
         except Exception:
             log.exception("%s: reading the request failed", endpoint)
             raise RouterError(500, "internal error while reading the request", "internal_error") from None
+
+    async def parse_soon(self, raw: bytes, endpoint: str) -> ParsedRequest:
+        """``parse``, in a thread for a large body: tokenizing and rendering megabytes (an HF tokenizer,
+        a chat template) takes seconds, which on the event loop would stall every other request."""
+        if len(raw) <= PARSE_INLINE_BYTES:
+            return self.parse(raw, endpoint)
+        return await asyncio.to_thread(self.parse, raw, endpoint)
 
     def served_as(self, model: str | None) -> str | None:
         """The model a request naming ``model`` is served as: a request without one gets its worker's
@@ -267,7 +275,7 @@ class Router:
             raw = await read_asgi_body(
                 receive, headers.get("content-length"), self.config.max_body_bytes, self.config.body_timeout_s
             )
-            parsed = self.parse(raw, endpoint)
+            parsed = await self.parse_soon(raw, endpoint)
             self.check_model(parsed.model)
             group = self.affinity_group(parsed, endpoint != "completions", headers)
             access_log.note(model=parsed.model, stream=parsed.stream, affinity_group=group)

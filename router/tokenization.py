@@ -291,6 +291,9 @@ def _find_chat_templates(directory: str, config: dict) -> dict[str, str]:
     return templates
 
 
+_LONG_TEXT = 16_384  # characters: from here a text is encoded without holding the GIL
+
+
 class HFTokenizer:
     """A model directory's tokenizer.json (via ``tokenizers``) plus its jinja chat template."""
 
@@ -335,13 +338,21 @@ class HFTokenizer:
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
             raise ValueError("prompt must be a string")
-        ids = self._tok.encode(prompt, add_special_tokens=self._add_bos is not False).ids
+        ids = self._encode(prompt, self._add_bos is not False)
         if self._add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
 
     def encode_text(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode(text, False)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """``text``'s ids. A long text goes through ``encode_batch``, the same ids, which lets go of the
+        GIL while it runs (``encode`` holds it: seconds for megabytes, in which a caller's thread pool
+        did not keep the event loop going)."""
+        if len(text) < _LONG_TEXT:
+            return self._tok.encode(text, add_special_tokens=special).ids
+        return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
 
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
@@ -395,7 +406,7 @@ class HFTokenizer:
         self, messages: list[dict], tools: list[dict] | None = None, **options: bool
     ) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        return self._tok.encode(self.render_chat(messages, tools, **options), add_special_tokens=False).ids
+        return self._encode(self.render_chat(messages, tools, **options), False)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

@@ -1166,3 +1166,34 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_connection(lau
             assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer and waited < 8, answer
     body = {"model": "echo", "prompt": "hi", "max_tokens": 2}
     assert httpx.post(router.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def test_a_large_body_is_tokenized_off_the_event_loop(launch, tmp_path) -> None:
+    """With an HF tokenizer, tokenizing megabytes of prompt takes seconds: done on the event loop it
+    stalled every other request of the router (its /health too) until it was over."""
+    import threading
+
+    from tests.test_tokenization import byte_level_dir
+
+    router = launch.router([], "--tokenizer", str(byte_level_dir(tmp_path / "tok")))
+    words = ["routing", "prefix", "cache", "tokens", "worker", "radix", "batch", "stream"]
+    prompt = " ".join(words[i * 7 % 8] + str(i % 97) for i in range(400_000))  # ~4.5 MB of varied text
+    done = threading.Event()
+    answered: list[float] = []
+
+    def big() -> None:
+        try:
+            httpx.post(router.url + "/debug/route", json={"prompt": prompt, "model": "m"}, timeout=120)
+        finally:
+            done.set()
+
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        thread = threading.Thread(target=big)
+        thread.start()
+        done.wait(0.5)  # NOTE: the body is sent by then; its tokenizing takes seconds
+        while not done.is_set():
+            assert client.get("/health").status_code == 200
+            if not done.is_set():
+                answered.append(1.0)  # NOTE: answered while the big body was still being read
+        thread.join(120)
+    assert len(answered) >= 20, len(answered)  # one at most while the loop was held

@@ -164,9 +164,11 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
     from transformers import AutoTokenizer
 
     ours, theirs = HFTokenizer(str(hf_dir)), AutoTokenizer.from_pretrained(hf_dir)
-    for text in SAMPLE_TEXTS:
+    long = " ".join(SAMPLE_TEXTS) * (20_000 // len(" ".join(SAMPLE_TEXTS)) + 1)  # encoded as a batch of one
+    for text in [*SAMPLE_TEXTS, long]:
         assert ours.encode_prompt(text) == theirs(text).input_ids
         assert ours.encode_prompt(text)[0] == 0  # BOS from the post-processor
+    assert ours.encode_text(long) == theirs(long, add_special_tokens=False).input_ids
     flat = normalize_messages(CHAT)
     rendered = theirs.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
     assert ours.render_chat(CHAT) == rendered

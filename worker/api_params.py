@@ -18,7 +18,7 @@ from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar, thinking_first
 from worker.request import QueueFullError
-from worker.sampling import SamplingParams
+from worker.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, SamplingParams
 from worker.tool_calls import (
     GRANITE_CALLS,
     MISTRAL_ARGS,
@@ -121,31 +121,40 @@ async def output_guide(
     the prompt opened the thinking): the constraint applies after the model's thinking. ``auto_calls``
     False: a model that writes its calls in its own messages (gpt-oss's harmony), which a calls
     grammar of text would forbid."""
-    try:
-        asked = requested_grammar(body)
-        forced = forced_grammar(tools) if tools is not None else None
-        if asked is not None and forced is not None:
-            raise ValueError("a structured output format and a required tool call cannot be combined")
-        if asked is None and forced is None and tools is not None and tools.choice == "auto" and auto_calls:
-            special, token = compiler.special_token, compiler.special_id
-            if parser == "hermes":
-                forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
-            elif parser == "llama3_json":
-                forced = llama3_auto_grammar(tools, special(PYTHON_TAG))
-            elif parser == "mistral":
-                args = (token(MISTRAL_ARGS), token(MISTRAL_CALL_ID))
-                forced = tagged_auto_grammar(tools, MISTRAL_CALLS, token(MISTRAL_CALLS), *args)
-            elif parser == "granite":
-                forced = tagged_auto_grammar(tools, GRANITE_CALLS, token(GRANITE_CALLS))
-        asked = asked or forced
-        # NOTE: not around free text with calls (tool_auto), nor a constraint that spells the thinking
-        # itself (it names </think>, "<\/think>" once escaped): that one is the whole answer's
-        wrap = asked is not None and asked[0] != "tool_auto" and "/think>" not in asked[1]
-        if wrap and thinking is not None:
-            asked = (asked[0], thinking_first(asked[1], thinking))  # type: ignore[index]
+    try:  # NOTE: all of it off the event loop: a schema or tool list of megabytes takes seconds to write
+        asked = await run_in_threadpool(_grammar, body, compiler, tools, parser, thinking, auto_calls)
         return None if asked is None else await run_in_threadpool(compiler.compile, *asked)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def _grammar(
+    body: dict, compiler: GuideCompiler, tools: ToolRequest | None, parser: str, thinking: bool | None,
+    auto_calls: bool,
+) -> tuple[str, str] | None:  # fmt: skip
+    """output_guide's (kind, grammar text), not compiled."""
+    asked = requested_grammar(body)
+    forced = forced_grammar(tools) if tools is not None else None
+    if asked is not None and forced is not None:
+        raise ValueError("a structured output format and a required tool call cannot be combined")
+    if asked is None and forced is None and tools is not None and tools.choice == "auto" and auto_calls:
+        special, token = compiler.special_token, compiler.special_id
+        if parser == "hermes":
+            forced = auto_grammar(tools, special("<tool_call>"), special("</tool_call>"))
+        elif parser == "llama3_json":
+            forced = llama3_auto_grammar(tools, special(PYTHON_TAG))
+        elif parser == "mistral":
+            args = (token(MISTRAL_ARGS), token(MISTRAL_CALL_ID))
+            forced = tagged_auto_grammar(tools, MISTRAL_CALLS, token(MISTRAL_CALLS), *args)
+        elif parser == "granite":
+            forced = tagged_auto_grammar(tools, GRANITE_CALLS, token(GRANITE_CALLS))
+    asked = asked or forced
+    # NOTE: not around free text with calls (tool_auto), nor a constraint that spells the thinking
+    # itself (it names </think>, "<\/think>" once escaped): that one is the whole answer's
+    wrap = asked is not None and asked[0] != "tool_auto" and "/think>" not in asked[1]
+    if wrap and thinking is not None:
+        asked = (asked[0], thinking_first(asked[1], thinking))  # type: ignore[index]
+    return asked
 
 
 def engine_error(exc: BaseException) -> APIError | None:
@@ -266,6 +275,10 @@ def bad_words(words: Any, tokenizer: PromptTokenizer) -> list[list[int]]:
         return []
     if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
         raise APIError(400, "bad_words must be a list of non-empty strings")
+    if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+        raise APIError(
+            400, f"bad_words takes at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters"
+        )
     out: dict[tuple[int, ...], None] = {}
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):

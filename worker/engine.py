@@ -165,14 +165,14 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if (bad := next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)) is not None:
-            raise ValueError(f"the prompt holds token id {bad}, which the model has no embedding for "
-                             f"(its vocabulary is [0, {self.vocab_size}))")  # fmt: skip
-        if n >= self.max_total_tokens:
+        if n >= self.max_total_tokens:  # NOTE: first: a cheap refusal of a prompt of millions of ids
             raise PromptTooLongError(
                 f"the prompt has {n} tokens; this worker serves at most {self.max_total_tokens - 1} "
                 f"(context {self.max_total_tokens} tokens including at least one output token)"
             )
+        if (bad := next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)) is not None:
+            raise ValueError(f"the prompt holds token id {bad}, which the model has no embedding for "
+                             f"(its vocabulary is [0, {self.vocab_size}))")  # fmt: skip
         max_tokens = min(params.max_tokens, self.max_total_tokens - n)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         if params.allowed_token_ids is not None:  # NOTE: a row with no token left would sample id 0

@@ -20,6 +20,9 @@ from worker.attention import kernel_ops
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 _MIN_TEMPERATURE, _MAX_TEMPERATURE = 1e-6, 1e6  # what sampling divides by (see _divisor)
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's bound for top_logprobs)
+# per request: each output token is checked against every stop string and bad word, on the engine thread
+MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256
 
 # (sampled token's logprob, top ids, their logprobs), most likely first
 TokenLogprobs = tuple[float, list[int], list[float]]
@@ -93,12 +96,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not integer(self.priority) or not -(2**31) <= self.priority < 2**31:
             raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
+        # NOTE: bounded: each token of each choice is searched for every stop string, on the engine thread
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            integer(t) and t >= 0 for t in self.stop_token_ids
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
+        if (
+            not isinstance(self.stop_token_ids, list)
+            or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+            or not all(integer(t) and t >= 0 for t in self.stop_token_ids)
         ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise ValueError(
+                f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
@@ -131,6 +141,8 @@ class SamplingParams:
             isinstance(w, list) and w and all(integer(t) and t >= 0 for t in w) for w in self.bad_words
         ):
             raise ValueError("bad_words must be a list of token id lists")
+        if len(self.bad_words) > 2 * MAX_BAD_WORDS:  # NOTE: each word on its own and after a space
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
         if not integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

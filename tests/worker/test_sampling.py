@@ -232,6 +232,20 @@ def test_validate_names_the_bad_field(field, value, message):
         SamplingParams(**{field: value}).validate()
 
 
+def test_stop_strings_stop_ids_and_bad_words_are_bounded():
+    """Every output token of every choice is checked against each stop string and bad word on the
+    engine thread: millions of them slowed every request of the worker a thousandfold."""
+    from worker.sampling import MAX_BAD_WORDS, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
+    assert SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP).validate()
+    for params, field in ((SamplingParams(stop=["s"] * (MAX_STOP + 1)), "stop takes at most"),
+                          (SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)]), "stop takes at most"),
+                          (SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids"),
+                          (SamplingParams(bad_words=[[1]] * (2 * MAX_BAD_WORDS + 1)), "bad_words")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            params.validate()
+
+
 def test_validate_accepts_sensible_values():
     params = SamplingParams(temperature=0.0, top_p=0.9, top_k=40, seed=-5, max_tokens=1, stop=["\n"],
                             stop_token_ids=[2], ignore_eos=True)  # fmt: skip

@@ -866,3 +866,21 @@ def test_a_refusal_that_quotes_the_request_is_logged_on_one_line(client, caplog)
         assert client.post("/v1/chat/completions", json=body).status_code == 400
     (line,) = [r.getMessage() for r in caplog.records if "-> 400" in r.getMessage()]
     assert "\n" not in line and "nope\\n2026" in line
+
+
+def test_stop_strings_and_bad_words_past_their_bounds_are_a_400(client):
+    """Millions of them cost every request on the worker a step's time each token (and seconds of
+    the event loop to read): a clear 400 past the documented bounds, and the worker serves on."""
+    body = {"prompt": "bounded", "max_tokens": 2}
+    for extra, message in (({"stop": [f"s{i}" for i in range(65)]}, "stop takes at most 64"),
+                           ({"bad_words": [f"w{i}" for i in range(257)]}, "bad_words takes at most 256"),
+                           ({"bad_words": ["x" * 257]}, "bad_words takes at most 256"),
+                           ({"stop_token_ids": list(range(1025))}, "stop_token_ids")):  # fmt: skip
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert (
+        client.post(
+            "/v1/completions", json={**body, "stop": ["s"] * 64, "bad_words": ["w"] * 256}
+        ).status_code
+        == 200
+    )
