@@ -31,6 +31,7 @@ def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch o
         engine = build_engine(cfg)
     return create_app(
         engine, admin_token=cfg.admin_token, max_stored_responses=cfg.max_stored_responses,
+        max_stored_responses_mib=cfg.max_stored_responses_mib,
         tool_call_parser=cfg.tool_call_parser, reasoning_parser=cfg.reasoning_parser, api_key=cfg.api_key,
         kv_transfer_max_mib=cfg.kv_transfer_max_mib, kv_fetch_timeout_s=cfg.kv_fetch_timeout_s,
         kv_link_ms_per_token=cfg.sim_kv_fetch_ms_per_token if cfg.engine == "sim" else 0.0,

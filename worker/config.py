@@ -87,6 +87,7 @@ class WorkerConfig:
     # who may name a KV source (x-radixgate-kv-source): keyed (only on a worker with --api-key), any, off
     kv_hints: str = "keyed"
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0 = none
+    max_stored_responses_mib: int = 1024  # ... and their size in all (their JSON), MiB
     tool_call_parser: str = "hermes"  # how tool_choice=auto calls are read from text: TOOL_CALL_PARSERS
     reasoning_parser: str = "none"  # chat answers' thinking apart (worker.reasoning.PARSERS)
     log_level: str = "info"
@@ -172,6 +173,8 @@ class WorkerConfig:
             raise ValueError("--kv-cache-tokens must hold at least one block")
         if self.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be >= 0")
+        if self.max_stored_responses_mib < 1:
+            raise ValueError("--max-stored-responses-mib must be >= 1")
         if self.host_cache_tokens < 0:
             raise ValueError("--host-cache-tokens must be >= 0")
         if 0 < self.host_cache_tokens < self.block_size:  # NOTE: no whole page: a tier that holds nothing
@@ -410,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-stored-responses",
         int,
         "responses kept for previous_response_id, least recently used dropped (0 = none)",
+    )
+    opt(
+        "--max-stored-responses-mib",
+        int,
+        "the stored responses' size in all (their conversations' JSON), least recently used dropped past it",
     )
     opt(
         "--tool-call-parser",

@@ -40,14 +40,18 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 class StoredResponse:
     messages: list[dict[str, Any]] | None  # the conversation so far, without instructions (None: in progress)
     response: dict  # the response object, as GET returns it
+    size: int = 0  # bytes it stands for (its JSON's), against the store's bound
 
 
 class ResponseStore:
-    """Stored responses by id, least recently used dropped beyond ``max_entries``; responses being
-    generated apart (they count against no bound and push no finished one out)."""
+    """Stored responses by id, least recently used dropped beyond ``max_entries`` or ``max_bytes`` (their
+    sizes in all; one larger than the bound is not kept); responses being generated apart (they count
+    against no bound and push no finished one out)."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int = 1 << 30) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the stored entries' sizes, in all
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._pending: dict[str, dict] = {}  # being generated: the response object GET answers
         self._deleted: set[str] = set()  # of those, deleted meanwhile: not stored when they end
@@ -56,12 +60,13 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, rid: str, entry: StoredResponse) -> None:
-        if self.max_entries <= 0:
+        if self.max_entries <= 0 or entry.size > self.max_bytes:
             return
+        old = self._entries.pop(rid, None)
+        self.bytes += entry.size - (old.size if old else 0)
         self._entries[rid] = entry
-        self._entries.move_to_end(rid)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self.bytes -= self._entries.popitem(last=False)[1].size
 
     def begin(self, rid: str, response: dict) -> None:
         """A response being generated: GET answers it ``in_progress``, a follow-up is refused."""
@@ -94,7 +99,11 @@ class ResponseStore:
         if self._pending.pop(rid, None) is not None:  # NOTE: being generated: not stored when it ends
             self._deleted.add(rid)
             return True
-        return self._entries.pop(rid, None) is not None
+        entry = self._entries.pop(rid, None)
+        if entry is None:
+            return False
+        self.bytes -= entry.size
+        return True
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -167,9 +176,9 @@ def _not_found(rid: Any) -> APIError:
 class ResponsesAPI:
     """The endpoints, bound to one worker's API object (engine, tokenizer, disconnect polling)."""
 
-    def __init__(self, api: WorkerAPI, max_stored: int) -> None:
+    def __init__(self, api: WorkerAPI, max_stored: int, max_stored_bytes: int = 1 << 30) -> None:
         self.api = api
-        self.store = ResponseStore(max_stored)
+        self.store = ResponseStore(max_stored, max_stored_bytes)
         self.tag = worker_tag(api.engine.publisher.worker)  # NOTE: the URL routers know it by
 
     # ------------------------------------------------------------------ create
@@ -426,6 +435,8 @@ class _Turn:
             self.endpoint.api.engine.metrics.tool_calls.inc(self.reader.calls)
         if self.store:
             conversation = [*self.messages, self.items.assistant_message()]
-            self.endpoint.store.finish(self.rid, StoredResponse(conversation, final))
+            # NOTE: its JSON's size (the history a follow-up shares counts in each: bounded alike)
+            size = len(orjson.dumps(conversation)) + len(orjson.dumps(final))
+            self.endpoint.store.finish(self.rid, StoredResponse(conversation, final, size))
         self.finished = True
         return final, closing

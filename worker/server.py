@@ -405,7 +405,7 @@ def create_app(
     engine: Engine, admin_token: str | None = None, max_stored_responses: int = 1024,
     tool_call_parser: str = "hermes", api_key: str | None = None, kv_transfer_max_mib: int = 1024,
     kv_fetch_timeout_s: float = 5.0, kv_link_ms_per_token: float = 0.0, kv_transfer_max_wait_ms: float = 200.0,
-    reasoning_parser: str = "none", kv_hints: str = "keyed",
+    reasoning_parser: str = "none", kv_hints: str = "keyed", max_stored_responses_mib: int = 1024,
 ) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it. With
     ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it. ``kv_hints``
@@ -416,7 +416,7 @@ def create_app(
     hints = kv_hints == "any" or (kv_hints == "keyed" and bool(api_key))
     api = WorkerAPI(engine, tool_call_parser, kv if hints else None, reasoning_parser)
     ops = OpsAPI(engine, admin_token)
-    responses = ResponsesAPI(api, max_stored_responses)
+    responses = ResponsesAPI(api, max_stored_responses, max_stored_responses_mib << 20)
     keys = APIKeys([api_key] if api_key else [])
 
     def guarded(handler: Any, open_: bool = False) -> Any:

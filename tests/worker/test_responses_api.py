@@ -443,6 +443,33 @@ def test_a_worker_that_keeps_no_responses_says_they_are_not_stored() -> None:
         assert resp["store"] is False and c.get(f"/v1/responses/{resp['id']}").status_code == 404
 
 
+def test_the_stored_responses_are_bounded_in_bytes_too() -> None:
+    """--max-stored-responses-mib: a count alone let each entry hold a conversation of any size (one
+    client kept ~200 MiB a response, over a thousand of them): the least recently used go past the
+    bytes too, and one larger than the bound is not kept."""
+    with serve(max_stored_responses_mib=1) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        # ~300 KB of JSON a response: 100 turns, of which truncation keeps what fits the context
+        turns = [{"role": "user", "content": "word " * 600} for _ in range(100)]
+        body = {"input": turns, "max_output_tokens": 2, "truncation": "auto"}
+        ids = [c.post("/v1/responses", json=body).json()["id"] for _ in range(5)]
+        kept = [c.get(f"/v1/responses/{i}").status_code for i in ids]
+        assert kept[:2] == [404, 404] and kept[2:] == [200, 200, 200], kept  # 3 of ~0.3 MiB fit in 1 MiB
+        huge = c.post("/v1/responses", json={**body, "input": turns * 4}).json()  # ~1.2 MB: never kept
+        assert c.get(f"/v1/responses/{huge['id']}").status_code == 404
+        assert [c.get(f"/v1/responses/{i}").status_code for i in ids[2:]] == [200, 200, 200]
+        follow = c.post("/v1/responses", json={**body, "input": "on", "previous_response_id": ids[4]})
+        assert follow.status_code == 200  # its conversation holds ids[4]'s: it counts again, bounded alike
+    from worker.responses_api import ResponseStore, StoredResponse
+
+    store = ResponseStore(10, max_bytes=100)
+
+    store.put("a", StoredResponse([], {}, 60))
+    store.put("b", StoredResponse([], {}, 30))
+    assert store.bytes == 90 and store.delete("b") and store.bytes == 60
+    store.put("c", StoredResponse([], {}, 50))
+    assert store.get("a") is None and store.bytes == 50
+
+
 def test_responses_being_generated_push_no_stored_one_out() -> None:
     """The store's bound is for finished responses: one being generated (then abandoned, or deleted
     while it streams) takes no stored one's place, and a delete of it holds however full the store is."""

@@ -63,6 +63,7 @@ def serve(**overrides) -> LiveServer:
         kv_transfer_max_mib=cfg.kv_transfer_max_mib, kv_fetch_timeout_s=cfg.kv_fetch_timeout_s,
         kv_transfer_max_wait_ms=cfg.kv_transfer_max_wait_ms, reasoning_parser=cfg.reasoning_parser,
         tool_call_parser=cfg.tool_call_parser, kv_hints=cfg.kv_hints,
+        max_stored_responses_mib=cfg.max_stored_responses_mib,
     )  # fmt: skip
 
 
