@@ -290,19 +290,22 @@ def _mask_top_k_top_p(
     del order  # NOTE: which of tied tokens ranks first is the ranking's: only the cuts' scores are used
     k = on_device(keep, scores.device, torch.int64).unsqueeze(1)
     kth = sorted_scores.gather(1, k - 1)  # each row's k-th score: everything at or above it stays
-    scores = scores.masked_fill(scores < kth, float("-inf"))
     if all(p >= 1.0 for p in top_p):
-        return scores
+        return scores.masked_fill(scores < kth, float("-inf"))
     ranks = torch.arange(width, device=scores.device).unsqueeze(0)
     sorted_scores = sorted_scores.masked_fill(ranks >= k, float("-inf"))
-    # the mass over what top-k kept (its ties past `width` included: they are the row's lowest)
-    probs = (sorted_scores - scores.logsumexp(dim=-1, keepdim=True)).exp()
+    # the mass over what top-k kept, its ties past the k ranked included (they all score the k-th's)
+    past = ((scores >= kth).sum(dim=-1, keepdim=True) - k).clamp(min=0)
+    total = torch.cat([sorted_scores, kth + past.to(scores.dtype).log()], dim=-1).logsumexp(
+        dim=-1, keepdim=True
+    )
+    probs = (sorted_scores - total).exp()
     # a token stays if the tokens ranked above it hold less than top_p of the mass (the top one always)
     mass_before = probs.cumsum(dim=-1) - probs
     p = on_device(top_p, scores.device, probs.dtype).unsqueeze(1)
     # NOTE: the top token is kept explicitly (a top_p that underflows float32 to 0 would drop it), and
     # a top_p of 1 keeps every token (float32 sums reach 1 before the last ones)
-    kept = (mass_before < p) | (ranks == 0) | (p >= 1.0)
+    kept = ((mass_before < p) | (ranks == 0) | (p >= 1.0)) & (ranks < k)
     last = sorted_scores.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)  # the nucleus' lowest
     return scores.masked_fill(scores < last, float("-inf"))
 
