@@ -120,6 +120,9 @@ class WorkerLauncher:
         self._failures: list[int] = []  # exits in a row, each but the first soon after its start
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        # the router is ending: no restarts (the watch thread lives on: the workers it started get the
+        # parent-death signal when it ends)
+        self._no_restarts = threading.Event()
 
     def start(self) -> list[str]:
         for _ in range(self.count):
@@ -157,7 +160,7 @@ class WorkerLauncher:
             now = time.monotonic()
             for i, proc in enumerate(self.processes):
                 code = proc.poll()
-                if code is None or self._stopping.is_set():  # NOTE: stop() ends them: no restart
+                if code is None or self._stopping.is_set() or self._no_restarts.is_set():  # NOTE: no restart
                     continue
                 if code == CONFIG_ERROR:
                     if i not in given_up:
@@ -174,8 +177,8 @@ class WorkerLauncher:
                                 self.urls[i], code, ran, delay)  # fmt: skip
                 elif now >= restart_at[i]:
                     with self._lock:
-                        if self._stopping.is_set():
-                            return
+                        if self._stopping.is_set() or self._no_restarts.is_set():
+                            continue
                         try:
                             self.processes[i] = self._spawn(self._commands[i])
                         except OSError as exc:  # NOTE: no fork now (EAGAIN, ENOMEM): try again later; this
@@ -190,7 +193,7 @@ class WorkerLauncher:
     def shutting_down(self) -> None:
         """The router is ending: a worker that exits now is not started again (a control group's
         SIGTERM reaches the workers too: each drains and ends, and a restart would only be killed)."""
-        self._stopping.set()
+        self._no_restarts.set()
 
     def terminate(self) -> None:
         """SIGTERM every worker now, not waiting (the router is ending at once: they end by themselves)."""

@@ -246,6 +246,14 @@ class PrefixIndex:
         # NOTE: touching the run's ancestors keeps them more recent than its leaves.
         last = self._hold(slot, at, end, parent_hash, hashes, True)
         self._touch_up(last)
+        # NOTE: the worker says it holds the chain above the run too: its own touch there, as for a
+        # take-back (the parent chain stays when the run does: no hole)
+        bit = 1 << slot
+        up = None if parent_hash is None else self._where.get(parent_hash)  # NOTE: after _hold's splits
+        while up is not None:
+            if up.ticks is not None and up.mask & bit:
+                up.ticks[slot] = self._tick
+            up = up.parent
         self._merge_up(last)
         self._evict_over_budget()
 

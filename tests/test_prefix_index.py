@@ -366,6 +366,16 @@ def test_take_back_is_not_kept_by_another_workers_request_for_the_same_prompt() 
     assert index.match(prompt) == {"a": len(prompt), "b": 9}  # b keeps what its second request relies on
     assert index.match(other) == {"a": len(other), "b": len(other)}
     _check_invariants(index)
+    # a stored event of the worker under the prompt's last block says it holds the prompt: its
+    # take-back keeps it, another worker on the same blocks or not (no hole under the stored run)
+    answer = chain([*range(1, 30), 50, 51])[len(prompt) :]
+    fresh = PrefixIndex()
+    tick = fresh.insert("d", prompt)
+    fresh.insert("b", prompt)
+    fresh.apply_stored("d", prompt[-1], answer)
+    fresh.take_back("d", prompt, tick)
+    assert fresh.match(prompt + answer) == {"b": len(prompt), "d": len(prompt) + len(answer)}
+    _check_invariants(fresh)
 
 
 def test_take_back_keeps_the_prefill_chunks_the_worker_stored_and_drops_the_rest() -> None:

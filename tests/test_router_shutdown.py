@@ -158,3 +158,52 @@ def _parent(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def test_a_restarted_worker_serves_through_the_routers_drain(tmp_path):
+    """A worker the launcher started again (after a crash) came from its watch thread, and the
+    parent-death signal follows that thread: the router's first signal must not end the thread,
+    or the restarted worker dies at once and the drain has no worker (503s)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.support import ROOT, free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "router", "--port", str(port), "--launch-workers", "1",
+             "--worker-arg=--engine=sim", "--shutdown-delay-s", "4"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+
+        def healthy() -> bool:
+            try:
+                return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                return False
+
+        def worker_pids() -> list[int]:
+            return [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == router.pid]
+
+        wait_until(healthy, 120, what="the router and its worker")
+        (first,) = worker_pids()
+        os.kill(first, signal.SIGKILL)  # a crash: the launcher starts it again
+        wait_until(lambda: first not in worker_pids() and len(worker_pids()) == 1 and healthy(), 60,
+                   what="the worker started again")  # fmt: skip
+        (second,) = worker_pids()
+        router.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # NOTE: into the drain (4 s): the restarted worker must still be there
+        assert worker_pids() == [second]
+        body = {"prompt": "still served", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert router.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(10)
