@@ -263,12 +263,14 @@ class WorkerAPI:
         """Submit engine requests ``(index, prompt ids, params, prompt group)`` answering on
         ``outputs`` and wait for the first output; None if the client left. A refusal or a first
         output that is an error is an APIError, with every submitted request aborted. More choices
-        than the waiting queue holds is a 400: a 429 would have the client retry what never fits."""
-        if len(jobs) > self.engine.max_waiting:
+        than the worker ever takes at once (its running slots and its queue) is a 400: a 429 would
+        have the client retry what never fits."""
+        most = self.engine.max_waiting + self.engine.max_running
+        if len(jobs) > most:
             raise APIError(
                 400,
-                f"this request has {len(jobs)} choices (prompts x n) and this worker queues at most "
-                f"{self.engine.max_waiting} requests (--max-waiting); send fewer per request",
+                f"this request has {len(jobs)} choices (prompts x n) and this worker takes at most {most} "
+                f"requests at once (--max-running plus --max-waiting); send fewer per request",
             )
         source = request.headers.get(KV_SOURCE_HEADER)
         if source and self.kv is not None and self.kv.enabled:

@@ -708,18 +708,18 @@ def test_a_request_short_of_pages_a_kv_export_holds_waits_for_them_and_the_worke
         assert idle(c)["status"] == "ok"
 
 
-def test_more_choices_than_the_queue_holds_is_a_400_not_a_429():
-    """prompts x n above --max-waiting can never be queued at once: a 400 saying so (a 429 would
-    have the client retry forever), on an idle worker; as many choices as the queue holds run."""
-    with serve(max_waiting=2) as live, httpx.Client(base_url=live.url, timeout=60) as c:
-        for body in ({"prompt": "hi", "n": 3}, {"prompt": ["a", "b", "c"]}):
+def test_more_choices_than_the_worker_takes_at_once_is_a_400_not_a_429():
+    """prompts x n above --max-running plus --max-waiting can never be taken at once: a 400 saying so
+    (a 429 would have the client retry forever), on an idle worker; as many choices as that run."""
+    with serve(max_waiting=2, max_running=2) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        for body in ({"prompt": "hi", "n": 5}, {"prompt": ["a", "b", "c", "d", "e"]}):
             resp = c.post("/v1/completions", json={**body, "max_tokens": 2})
             assert resp.status_code == 400, resp.text
             error = resp.json()["error"]
             assert error["type"] == "invalid_request_error" and "--max-waiting" in error["message"]
-        ok = c.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
-        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
-        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2}
+        ok = c.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+        chat = {"messages": [{"role": "user", "content": "hi"}], "n": 5, "max_tokens": 2}
         assert c.post("/v1/chat/completions", json=chat).status_code == 400
         idle(c)
 
