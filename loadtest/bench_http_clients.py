@@ -127,7 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--out", default="docs/benchmarks/http-clients.json")
+    p.add_argument("--out", default="http-clients.json")  # NOTE: docs/benchmarks' file only when named
     p.add_argument("--serve", nargs=3, metavar=("CLIENT", "UPSTREAM", "PORT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         default=250_000,
         help="extra 16-worker case with this (block, worker) budget, below its working set; 0 = skip",
     )
-    parser.add_argument("--out", default="docs/benchmarks/route-decision.json")
+    parser.add_argument("--out", default="route-decision.json")  # NOTE: docs/benchmarks' only when named
     args = parser.parse_args(argv)
 
     load_at_start = os.getloadavg()[0]
