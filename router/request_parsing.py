@@ -221,8 +221,12 @@ def with_stand_ins(messages: Any, text_type: str) -> Any:
     return out
 
 
-def _stands_in(part: Any) -> bool:
-    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] not in TEXT_PARTS
+def _stands_in(part: Any) -> bool:  # NOTE: an assistant's refusal part is text (the worker renders it)
+    return (
+        isinstance(part, dict)
+        and isinstance(part.get("type"), str)
+        and part["type"] not in (*TEXT_PARTS, "refusal")
+    )
 
 
 def _stand_in(part: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ class PromptTokenizer(Protocol):
     def encode_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> list[int]: ...  # fmt: skip
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -85,11 +86,14 @@ def normalize_messages(messages: Any) -> list[dict]:
         elif isinstance(content, list):
             parts: list[str] = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
+                # NOTE: an assistant's refusal part (OpenAI's) is its text, as vLLM reads it
+                kind = part.get("type") if isinstance(part, dict) else None
+                field = "refusal" if kind == "refusal" and role == "assistant" else "text"
+                if kind != field:
                     raise ValueError(f"messages[{i}].content[{j}] must be a {{'type': 'text'}} part")
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{i}].content[{j}].text must be a string")
-                parts.append(part["text"])
+                if not isinstance(part.get(field), str):
+                    raise ValueError(f"messages[{i}].content[{j}].{field} must be a string")
+                parts.append(part[field])
             text = "\n".join(parts)
         else:
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
@@ -118,6 +122,13 @@ def chat_options(body: dict) -> dict[str, Any]:
     if add and cont and "add_generation_prompt" in body:
         raise ValueError("'continue_final_message' and 'add_generation_prompt' cannot both be true")
     options: dict[str, Any] = {"add_generation_prompt": add and not cont, "continue_final_message": cont}
+    if body.get("chat_template") is not None:  # NOTE: refused, not ignored: the model's own template is used
+        raise ValueError("a per-request 'chat_template' is not supported: the model's own is used")
+    documents = body.get("documents")
+    if documents is not None:  # vLLM's: for templates that read them (RAG: Command R, Granite)
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise ValueError("'documents' must be a list of objects")
+        options["documents"] = documents
     extra = body.get("chat_template_kwargs")
     if extra is not None:
         if not isinstance(extra, dict):
@@ -168,8 +179,10 @@ class ByteTokenizer:
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> str:  # fmt: skip
-        """The fixed plain chat template (it has no variables: ``template_kwargs`` change nothing):
+        """The fixed plain chat template (it has no variables: ``template_kwargs`` change nothing;
+        ``documents`` follow the tools as ``<|documents|>\\n{JSON list}\\n``):
         ``<|role|>\\n{content}\\n`` per message, then the generation prompt ``<|assistant|>\\n``
         (unless ``add_generation_prompt`` is false; with ``continue_final_message`` the last message
         stays open: no newline, no generation prompt). Tools come first, as
@@ -182,6 +195,8 @@ class ByteTokenizer:
         if continue_final_message:
             _final_to_continue(messages)
         parts = [f"<|tools|>\n{compact_json(tools)}\n"] if tools else []
+        if documents:
+            parts.append(f"<|documents|>\n{compact_json(documents)}\n")
         for m in messages:
             calls = "".join(
                 f"<tool_call>{compact_json({'name': c['function']['name'], 'arguments': call_arguments(c)})}</tool_call>"
@@ -193,7 +208,7 @@ class ByteTokenizer:
         return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
     def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, **options: bool
+        self, messages: list[dict], tools: list[dict] | None = None, **options: Any
     ) -> list[int]:
         return list(self.render_chat(messages, tools, **options).encode("utf-8"))
 
@@ -205,7 +220,7 @@ class ByteTokenizer:
         return prompt.encode("utf-8")
 
     def encode_chat_bytes(
-        self, messages: list[dict], tools: list[dict] | None = None, **options: bool
+        self, messages: list[dict], tools: list[dict] | None = None, **options: Any
     ) -> bytes:
         return self.render_chat(messages, tools, **options).encode("utf-8")
 
@@ -357,6 +372,7 @@ class HFTokenizer:
     def render_chat(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
         continue_final_message: bool = False, template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> str:  # fmt: skip
         """The conversation as text, rendered by the model's chat template like HF does (``tools``
         passed to it; tool call arguments as JSON data, which templates expect, as vLLM does; an
@@ -386,7 +402,7 @@ class HFTokenizer:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 tools=tools,
-                documents=None,
+                documents=documents,
                 **self.special_tokens,
                 **(template_kwargs or {}),
             )
@@ -403,7 +419,7 @@ class HFTokenizer:
         return text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
 
     def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, **options: bool
+        self, messages: list[dict], tools: list[dict] | None = None, **options: Any
     ) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
         return self._encode(self.render_chat(messages, tools, **options), False)

@@ -4,6 +4,7 @@ transformers), message validation, and streaming detokenization."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -584,3 +585,40 @@ def test_special_tokens_named_in_special_tokens_map_only_are_read_as_transformer
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<s>"}))
     theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
     assert HFTokenizer(str(directory)).eos_token_ids == [theirs.eos_token_id] == [ours.eos_token_ids[0]]
+
+
+def test_documents_reach_the_template_as_transformers_passes_them_and_a_request_template_is_refused(
+    hf_dir, tmp_path
+):
+    """vLLM's ``documents`` (RAG templates read them) were dropped without a word, and a request's own
+    ``chat_template`` was ignored: the documents reach the template as transformers passes them; a
+    per-request template is a clear error. An assistant's refusal part is its text, as vLLM reads it."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "rag"
+    shutil.copytree(hf_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if documents %}{% for d in documents %}<doc>{{ d.title }}: {{ d.text }}</doc>\n{% endfor %}{% endif %}"
+        + TEMPLATE
+    )
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = HFTokenizer(str(directory)), transformers.AutoTokenizer.from_pretrained(str(directory))
+    docs = [{"title": "radix", "text": "a tree of prefixes"}, {"title": "kv", "text": "keys and values"}]
+    body = {"messages": CHAT, "documents": docs}
+    want = theirs.apply_chat_template(normalize_messages(CHAT), documents=docs, add_generation_prompt=True,
+                                      tokenize=False)  # fmt: skip
+    assert "<doc>radix: a tree of prefixes</doc>" in want
+    assert ours.render_chat(CHAT, **chat_options(body)) == want
+    assert ours.encode_chat(CHAT, **chat_options(body)) == theirs(want, add_special_tokens=False).input_ids
+    byte = ByteTokenizer().render_chat(CHAT, **chat_options(body))
+    assert byte.startswith('<|documents|>\n[{"title":"radix"') and byte != ByteTokenizer().render_chat(CHAT)
+    for bad, message in (({"chat_template": "{{ messages }}"}, "per-request 'chat_template'"),
+                         ({"documents": "text"}, "'documents' must be a list of objects"),
+                         ({"documents": [1]}, "'documents' must be a list of objects")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            chat_options({"messages": CHAT, **bad})
+    refusal = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}]  # fmt: skip
+    assert normalize_messages(refusal)[1]["content"] == "I can't."
+    with pytest.raises(ValueError, match="must be a"):
+        normalize_messages([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])

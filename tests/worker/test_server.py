@@ -885,3 +885,21 @@ def test_stop_strings_and_bad_words_past_their_bounds_are_a_400(client):
         ).status_code
         == 200
     )
+
+
+def test_documents_refusal_parts_and_a_request_chat_template_on_the_worker(client):
+    """``documents`` reach the chat template (more prompt tokens, here the built-in template's
+    block), an assistant's ``refusal`` part is its text, and a per-request ``chat_template`` is a 400
+    (it was ignored without a word, as were the documents)."""
+    chat = {"messages": [{"role": "user", "content": "Sum up the documents."}], "max_tokens": 1}
+    plain = client.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
+    docs = [{"title": "radix", "text": "a tree of prefixes"}]
+    with_docs = client.post("/v1/chat/completions", json={**chat, "documents": docs}).json()["usage"]
+    rendered = '<|documents|>\n[{"title":"radix","text":"a tree of prefixes"}]\n'
+    assert with_docs["prompt_tokens"] == plain + len(rendered.encode())
+    refused = client.post("/v1/chat/completions", json={**chat, "chat_template": "{{ messages }}"})
+    assert refused.status_code == 400 and "chat_template" in refused.json()["error"]["message"]
+    turns = [{"role": "user", "content": "x"},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+             {"role": "user", "content": "Why?"}]  # fmt: skip
+    assert client.post("/v1/chat/completions", json={**chat, "messages": turns}).status_code == 200
