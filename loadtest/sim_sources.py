@@ -67,7 +67,10 @@ class WorkloadSource:
         return max(1, int(self.reqs[rid].body.get("max_tokens") or 1))
 
     def group(self, rid: int) -> str:
-        return self.reqs[rid].group
+        """What shares the request's prefix; a request that shares nothing is a group of its own (as the
+        trace's records without hash ids are), so ``sticky`` does not pin all of them to one worker."""
+        group = self.reqs[rid].group
+        return f"unique-{rid}" if group == "unique" else group
 
     def next_turn(self, rid: int) -> int | None:
         return self._next.get(rid)

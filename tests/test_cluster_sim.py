@@ -94,6 +94,14 @@ def test_sticky_pins_a_hot_group_to_one_worker_and_cache_aware_spreads_it():
     assert ca["hit_rate"] > 0.5
 
 
+def test_sticky_does_not_pin_requests_that_share_nothing_together():
+    """The ``unique`` requests share no prefix: each is a group of its own, so ``sticky`` spreads them
+    (it pinned all of them to one worker, as one group, and left the others idle)."""
+    summary, _ = run("sticky", WorkloadSource("unique", 400, 200.0, 16, 0, {}))
+    low, _ = summary["requests_per_worker_min_max"]
+    assert low > 0 and summary["load_spread_requests"] < 1.6, summary["requests_per_worker_min_max"]
+
+
 def test_later_turns_hit_the_previous_turn_and_its_reply_on_one_worker():
     def source() -> WorkloadSource:
         return WorkloadSource("multi_turn", 40, 5.0, 32, 0, {"turns": 4, "think_time_s": 0.5})
