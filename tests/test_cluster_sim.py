@@ -322,6 +322,9 @@ def test_router_replicas_share_the_requests_and_each_hears_every_kv_event():
             assert r.index.worker_entries(w.url) == w.cache.total_pages
     assert_fleet_consistent(sim)
     assert summary["config"]["routers"] == 3
+    # a replica applies every worker's events: its event time is over all the fleet's requests (it was
+    # divided by its own third of them)
+    assert summary["event_apply_us_per_request"] == round(sim.routers[0].event_ns / 1e3 / 300, 1) > 0
 
 
 def test_a_replica_counts_what_workers_report_beyond_its_own_requests():
