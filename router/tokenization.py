@@ -207,9 +207,7 @@ class ByteTokenizer:
             return "".join(parts)[:-1]
         return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
-    def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, **options: Any
-    ) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
         return list(self.render_chat(messages, tools, **options).encode("utf-8"))
 
     # The router's hot path: the same ids as ``bytes`` (a sequence of ints), without building a
@@ -418,9 +416,7 @@ class HFTokenizer:
         # a template that trims the content also trimmed the marker's space: trim the cut text too
         return text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
 
-    def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, **options: Any
-    ) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
         return self._encode(self.render_chat(messages, tools, **options), False)
 
