@@ -58,11 +58,12 @@ def _with_thinking(message: dict) -> dict:
     return message if thought is None else {**message, "thinking": thought}
 
 
-def normalize_messages(messages: Any) -> list[dict]:
+def normalize_messages(messages: Any, keep_parts: bool = False) -> list[dict]:
     """Validate OpenAI chat messages; returns copies whose ``content`` is a plain string.
 
     Content may be a string, a list of ``{"type": "text", "text": ...}`` parts (joined with
-    newlines), or None for an assistant message. Anything else raises ValueError.
+    newlines; with ``keep_parts``, kept as a list of such parts, as transformers hands them to a
+    template that loops over them), or None for an assistant message. Anything else raises ValueError.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of message objects")
@@ -94,7 +95,7 @@ def normalize_messages(messages: Any) -> list[dict]:
                 if not isinstance(part.get(field), str):
                     raise ValueError(f"messages[{i}].content[{j}].{field} must be a string")
                 parts.append(part[field])
-            text = "\n".join(parts)
+            text = [{"type": "text", "text": t} for t in parts] if keep_parts else "\n".join(parts)
         else:
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         out.append({**message, "content": text})
@@ -379,15 +380,19 @@ class HFTokenizer:
         ``continue_final_message`` the text ends right after the last message's content, as HF
         cuts it (no end-of-turn, no generation prompt)."""
         tools = normalize_tools(tools)
-        messages = [
-            {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
-                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m
-            for m in map(_with_thinking, normalize_messages(messages))
-        ]  # fmt: skip
         # NOTE: as transformers picks: a request with tools takes the ``tool_use`` template where there is one
         name = "tool_use" if tools and "tool_use" in self.chat_templates else "default"
         if name not in self.chat_templates:
             raise ValueError("this model has no chat template; use /v1/completions")
+        template = self._compiled(name)
+        # NOTE: text parts stay a list for a template that loops over them (Gemma 3's, Llama 4's), as
+        # transformers passes them; others get them joined, as vLLM does (a list would render as one)
+        keep = template.loops_over_content and not continue_final_message
+        messages = [
+            {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in map(_with_thinking, normalize_messages(messages, keep))
+        ]  # fmt: skip
         if continue_final_message:
             # NOTE: cut at a marker after the content, as HF does: searching for the content itself
             # finds a short prefill ("<", "im") inside the end-of-turn text the template writes after it
@@ -396,7 +401,7 @@ class HFTokenizer:
         from jinja2 import TemplateError
 
         try:
-            text = self._compiled(name).render(
+            text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 tools=tools,
@@ -502,7 +507,25 @@ def _compile_template(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    template = env.from_string(source)
+    template.loops_over_content = _loops_over_content(env.parse(source))
+    return template
+
+
+def _loops_over_content(ast: Any) -> bool:
+    """Does a template loop over a message's ``content`` (``for part in message['content']``, filtered
+    or not): then it reads content parts as a list."""
+    from jinja2 import nodes
+
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter | nodes.Test) and it.node is not None:
+            it = it.node
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
+            return True
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=8)

@@ -622,3 +622,38 @@ def test_documents_reach_the_template_as_transformers_passes_them_and_a_request_
     assert normalize_messages(refusal)[1]["content"] == "I can't."
     with pytest.raises(ValueError, match="must be a"):
         normalize_messages([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+
+
+PARTS_TEMPLATE = (  # as Gemma 3's: a string as it is, a list of parts item by item (trimmed)
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] | trim }}"
+    "{% else %}{% for item in m['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+FILTERED_TEMPLATE = (  # as Llama 4's: the text parts through a filter
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for c in m.content | selectattr('type', 'equalto', 'text') %}[{{ c.text }}]{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [PARTS_TEMPLATE, FILTERED_TEMPLATE], ids=["gemma3-like", "filtered"])
+def test_text_parts_reach_a_template_that_loops_over_them_as_a_list(hf_dir, tmp_path, template):
+    """transformers hands a message's content parts to the template as they came: a template that
+    loops over them (Gemma 3's, Llama 4's) wrote one newline more between parts than transformers
+    when radixgate joined them first; a template that does not still gets them joined."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "parts"
+    shutil.copytree(hf_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    ours, theirs = HFTokenizer(str(directory)), transformers.AutoTokenizer.from_pretrained(str(directory))
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"}]  # fmt: skip
+    want = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ("Translate:bonjour" in want or "[Translate:][bonjour]" in want) and ours.render_chat(chat) == want
+    assert ours.encode_chat(chat) == theirs(want, add_special_tokens=False).input_ids
+    plain = HFTokenizer(str(hf_dir))  # TEMPLATE writes content as a string: parts joined, as before
+    assert "Translate:\nbonjour" in plain.render_chat(chat)
