@@ -149,6 +149,21 @@ def start_module(
     return handle
 
 
+def children(pid: int) -> list[int]:
+    """PIDs of the live processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
 def start_redis(port: int) -> subprocess.Popen:
     """A throwaway redis-server on a loopback port (no persistence); returns once it accepts connections."""
     assert REDIS is not None, "redis-server not installed"

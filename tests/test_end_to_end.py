@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from router.kv_events import decode
-from tests.support import REDIS, free_port, serve_in_thread, wait_until
+from tests.support import REDIS, children, free_port, serve_in_thread, wait_until
 from tests.worker.conftest import save_checkpoint
 
 SYSTEM = "You are radixgate's test assistant. Answer in one short sentence, politely. " * 20  # ~1.5k tokens
@@ -137,21 +137,6 @@ def _tiny_worker(launch, *extra: str):
     return launch.module("worker", *args, port=port, timeout=120)
 
 
-def _children(pid: int) -> list[int]:
-    """PIDs of the processes whose parent is ``pid`` (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
-    return found
-
-
 def test_a_launched_worker_that_dies_is_started_again(launch):
     """`--launch-workers`: the router owns its workers; one killed (as by the OOM killer) is started
     again on its address and serves again; one that refuses its arguments is not (it would only
@@ -163,24 +148,24 @@ def test_a_launched_worker_that_dies_is_started_again(launch):
         return httpx.get(router.url + "/workers", timeout=2).json()["workers"][0]
 
     wait_until(lambda: row()["healthy"], 60, what="the worker healthy")
-    (child,) = _children(router.proc.pid)
+    (child,) = children(router.proc.pid)
     os.kill(child, signal.SIGKILL)
     wait_until(lambda: not row()["healthy"], 30, what="the dead worker seen")
     wait_until(lambda: row()["healthy"], 60, what="the worker started again")
-    (again,) = _children(router.proc.pid)
+    (again,) = children(router.proc.pid)
     assert again != child
     body = {"model": "sim-8b", "prompt": "served again", "max_tokens": 2}
     assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
     assert "exited with code -9" in router.log() and "starting it again in 1 s" in router.log()
     router.stop()
-    assert _children(router.proc.pid) == [] and router.proc.returncode is not None
+    assert children(router.proc.pid) == [] and router.proc.returncode is not None
     wait_until(lambda: _pid_gone(again), 15, what="the worker stopped with the router")
 
     # a router killed outright (SIGKILL, the OOM killer) runs no shutdown: its workers go with it anyway
     killed = launch.module("router", "--launch-workers", "1", "--model", "sim-8b", "--worker-arg=--engine=sim",
                            timeout=60)  # fmt: skip
-    wait_until(lambda: len(_children(killed.proc.pid)) == 1, 30, what="the worker started")
-    (orphan,) = _children(killed.proc.pid)
+    wait_until(lambda: len(children(killed.proc.pid)) == 1, 30, what="the worker started")
+    (orphan,) = children(killed.proc.pid)
     killed.proc.kill()
     killed.proc.wait(10)
     wait_until(lambda: _pid_gone(orphan), 15, what="the worker stopped with the killed router")
@@ -188,7 +173,7 @@ def test_a_launched_worker_that_dies_is_started_again(launch):
     refused = launch.module("router", "--launch-workers", "1", "--worker-arg=--kv-cache-tokens=-5")
     wait_until(lambda: "not starting it again" in refused.log(), 30, what="the refused worker given up")
     time.sleep(1.5)  # NOTE: longer than the first restart delay
-    assert _children(refused.proc.pid) == [] and refused.proc.poll() is None  # the router keeps serving
+    assert children(refused.proc.pid) == [] and refused.proc.poll() is None  # the router keeps serving
     assert httpx.get(refused.url + "/health", timeout=5).status_code == 200
 
 

@@ -4,13 +4,19 @@ requests in flight finished."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.support import wait_until
+from tests.support import ROOT, children, free_port, wait_until
 
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hello"}]}
 
@@ -64,34 +70,42 @@ def test_a_second_signal_stops_the_router_at_once(launch, sig):
     assert router.proc.returncode == -sig  # NOTE: uvicorn raises the signal again as it ends
 
 
-def test_ctrl_c_drains_the_launched_workers_requests_as_sigterm_does(tmp_path):
-    """`python -m router --launch-workers N` in a terminal: Ctrl-C (SIGINT to the whole foreground
-    process group) reaches the router alone, which lets the stream in flight finish; the workers
-    shared its group, got the SIGINT themselves and cut the stream (and were restarted mid-shutdown)."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.support import ROOT, free_port
-
+@contextlib.contextmanager
+def launched_router(tmp_path, *args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``python -m router --launch-workers 1 --worker-arg=--engine=sim ARGS`` in a session of its own,
+    as a terminal's foreground job (a signal to its group is a Ctrl-C); yields (process, URL) once its
+    worker is healthy, and kills what is left at the end. Its log is tmp_path/router.log."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "router.log", "wb") as log:
         router = subprocess.Popen(
             [sys.executable, "-m", "router", "--port", str(port), "--launch-workers", "1",
-             "--worker-arg=--engine=sim", "--worker-arg=--sim-decode-base-ms=30"],
+             "--worker-arg=--engine=sim", *args],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-            start_new_session=True,  # NOTE: its own group, as a terminal's foreground job
+            start_new_session=True,
         )  # fmt: skip
     try:
+        wait_until(lambda: healthy(url), 120, what="the router and its worker")
+        yield router, url
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait(10)
 
-        def ready() -> bool:
-            try:
-                return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                return False
 
-        wait_until(ready, 120, what="the router and its worker")
+def healthy(url: str) -> bool:
+    """Is the router's only worker healthy (False while the router does not answer)?"""
+    try:
+        return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return False
+
+
+def test_ctrl_c_drains_the_launched_workers_requests_as_sigterm_does(tmp_path):
+    """`python -m router --launch-workers N` in a terminal: Ctrl-C (SIGINT to the whole foreground
+    process group) reaches the router alone, which lets the stream in flight finish; the workers
+    shared its group, got the SIGINT themselves and cut the stream (and were restarted mid-shutdown)."""
+    with launched_router(tmp_path, "--worker-arg=--sim-decode-base-ms=30") as (router, url):
         lines: list[str] = []
         body = {"prompt": "hello", "max_tokens": 150, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -103,10 +117,6 @@ def test_ctrl_c_drains_the_launched_workers_requests_as_sigterm_does(tmp_path):
                     os.killpg(router.pid, signal.SIGINT)  # the terminal's Ctrl-C
         assert lines[-1] == "data: [DONE]" and len(lines) > 150, lines[-2:]
         assert router.wait(60) in (0, -signal.SIGINT)
-    finally:
-        if router.poll() is None:
-            os.killpg(router.pid, signal.SIGKILL)
-            router.wait(10)
     assert "starting it again" not in (tmp_path / "router.log").read_text()  # no worker died on the way
 
 
@@ -114,96 +124,30 @@ def test_a_signal_to_the_whole_group_stops_the_launched_workers_for_good(tmp_pat
     """systemd's default stop (SIGTERM to every process of the unit's control group) reaches the
     launched workers too: they end, and the router, draining, does not start them again (it did,
     a second after, to kill them moments later)."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.support import ROOT, free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "router.log", "wb") as log:
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router", "--port", str(port), "--launch-workers", "1",
-             "--worker-arg=--engine=sim", "--shutdown-delay-s", "3"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-
-        def ready() -> bool:
-            try:
-                return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                return False
-
-        wait_until(ready, 120, what="the router and its worker")
-        worker_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == router.pid]
+    with launched_router(tmp_path, "--shutdown-delay-s", "3") as (router, _):
+        worker_pids = children(router.pid)
         assert len(worker_pids) == 1
         for pid in (router.pid, *worker_pids):  # NOTE: the group of each (the workers have their own)
             os.kill(pid, signal.SIGTERM)
         assert router.wait(60) in (0, -signal.SIGTERM)
-    finally:
-        if router.poll() is None:
-            os.killpg(router.pid, signal.SIGKILL)
-            router.wait(10)
     text = (tmp_path / "router.log").read_text()
     assert "exited with code" in text or "SIGTERM" in text
     assert "starting it again" not in text, text[-2000:]
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def test_a_restarted_worker_serves_through_the_routers_drain(tmp_path):
     """A worker the launcher started again (after a crash) came from its watch thread, and the
     parent-death signal follows that thread: the router's first signal must not end the thread,
     or the restarted worker dies at once and the drain has no worker (503s)."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from tests.support import ROOT, free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "router.log", "wb") as log:
-        router = subprocess.Popen(
-            [sys.executable, "-m", "router", "--port", str(port), "--launch-workers", "1",
-             "--worker-arg=--engine=sim", "--shutdown-delay-s", "4"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-            start_new_session=True,
-        )  # fmt: skip
-    try:
-
-        def healthy() -> bool:
-            try:
-                return bool(httpx.get(url + "/workers", timeout=2).json()["workers"][0]["healthy"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                return False
-
-        def worker_pids() -> list[int]:
-            return [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == router.pid]
-
-        wait_until(healthy, 120, what="the router and its worker")
-        (first,) = worker_pids()
+    with launched_router(tmp_path, "--shutdown-delay-s", "4") as (router, url):
+        (first,) = children(router.pid)
         os.kill(first, signal.SIGKILL)  # a crash: the launcher starts it again
-        wait_until(lambda: first not in worker_pids() and len(worker_pids()) == 1 and healthy(), 60,
-                   what="the worker started again")  # fmt: skip
-        (second,) = worker_pids()
+        wait_until(lambda: first not in children(router.pid) and len(children(router.pid)) == 1
+                   and healthy(url), 60, what="the worker started again")  # fmt: skip
+        (second,) = children(router.pid)
         router.send_signal(signal.SIGTERM)
         time.sleep(1.0)  # NOTE: into the drain (4 s): the restarted worker must still be there
-        assert worker_pids() == [second]
+        assert children(router.pid) == [second]
         body = {"prompt": "still served", "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         assert router.wait(60) in (0, -signal.SIGTERM)
-    finally:
-        if router.poll() is None:
-            os.killpg(router.pid, signal.SIGKILL)
-            router.wait(10)
