@@ -186,19 +186,24 @@ async def test_timeout_between_body_chunks():
         client.close()
 
 
-async def test_connection_dropped_mid_body_is_broken():
-    async def drop(reader, writer):
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc")
-        await writer.drain()
-
-    async with raw_server(drop) as (url, _):
+async def body_is_broken(handler) -> None:
+    """The answer the raw server's ``handler`` gives has its head, and its body reads as ConnectionBroken."""
+    async with raw_server(handler) as (url, _):
         client = HTTPClient()
         resp = await client.post(url, "/x", b"{}")
         with pytest.raises(ConnectionBroken):
             await resp.read()
         resp.close()
         client.close()
+
+
+async def test_connection_dropped_mid_body_is_broken():
+    async def drop(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc")
+        await writer.drain()
+
+    await body_is_broken(drop)
 
 
 async def test_body_until_close_without_length():
@@ -425,13 +430,7 @@ async def test_a_reset_before_a_body_without_length_ended_is_broken_not_the_whol
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
         writer.transport.abort()
 
-    async with raw_server(reset) as (url, _):
-        client = HTTPClient()
-        resp = await client.post(url, "/x", b"{}")
-        with pytest.raises(ConnectionBroken):
-            await resp.read()
-        resp.close()
-        client.close()
+    await body_is_broken(reset)
 
 
 async def test_connections_idle_past_the_idle_timeout_are_closed_as_others_come_back():
