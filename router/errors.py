@@ -58,15 +58,16 @@ def stream_error_event(responses: bool, message: str, code: str, sequence_number
     return b"data: " + error_body(502, message, code) + b"\n\ndata: [DONE]\n\n"
 
 
-def error_response(status: int, message: str, code: str | None = None) -> Response:
-    return Response(error_body(status, message, code), status_code=status, media_type="application/json",
-                    headers={k.decode(): v.decode() for k, v in _headers(status, None)})  # fmt: skip
+def error_response(
+    status: int, message: str, code: str | None = None, retry_after: int | None = None
+) -> Response:
+    headers = {k.decode(): v.decode() for k, v in _headers(status, retry_after)}
+    return Response(error_body(status, message, code), status, headers, "application/json")
 
 
 def router_error_response(exc: RouterError) -> Response:
     """``exc`` as a response, with its headers (``error_headers``)."""
-    return Response(error_body(exc.status, exc.message, exc.code), status_code=exc.status,
-                    media_type="application/json", headers={k.decode(): v.decode() for k, v in error_headers(exc)})  # fmt: skip
+    return error_response(exc.status, exc.message, exc.code, exc.retry_after)
 
 
 def error_headers(exc: RouterError) -> list[tuple[bytes, bytes]]:
