@@ -198,7 +198,7 @@ class PrefixIndex:
             return self._tick
         slot = self._slot_of(worker)
         self._tick += 1
-        self._touch_up(self._hold(slot, None, 0, None, list(block_hashes[: self.max_entries]), False))
+        self._touch_up(self._hold(slot, None, 0, None, list(block_hashes[: self.max_entries]), False), slot)
         self._evict_over_budget()
         return self._tick
 
@@ -244,16 +244,9 @@ class PrefixIndex:
             end = len(at.run) if at.run[-1] == parent_hash else at.run.index(parent_hash) + 1
         hashes = list(block_hashes[: self.max_entries])
         # NOTE: touching the run's ancestors keeps them more recent than its leaves.
+        # NOTE: the chain above the run is the worker's too: its touch there keeps it from a take-back
         last = self._hold(slot, at, end, parent_hash, hashes, True)
-        self._touch_up(last)
-        # NOTE: the worker says it holds the chain above the run too: its own touch there, as for a
-        # take-back (the parent chain stays when the run does: no hole)
-        bit = 1 << slot
-        up = None if parent_hash is None else self._where.get(parent_hash)  # NOTE: after _hold's splits
-        while up is not None:
-            if up.ticks is not None and up.mask & bit:
-                up.ticks[slot] = self._tick
-            up = up.parent
+        self._touch_up(last, slot)
         self._merge_up(last)
         self._evict_over_budget()
 
@@ -362,9 +355,7 @@ class PrefixIndex:
                 node = self._split(node, off + k)[0]
             if stored:  # NOTE: a run that starts inside the node confirms its prefix there too
                 node.confirmed |= bit
-            if node.ticks is not None:
-                node.ticks[slot] = self._tick
-            self._touch_up(node)  # NOTE: bogus chains may jump between branches
+            self._touch_up(node, slot)  # NOTE: bogus chains may jump between branches
             at, end = node, off + k
             i += k
         return at  # type: ignore[return-value]
@@ -386,9 +377,6 @@ class PrefixIndex:
             run = self._keep_new(run, owner)
         if extend:
             owner.run.extend(run)
-            owner.tick = tick
-            if owner.ticks is not None:
-                owner.ticks[bit.bit_length() - 1] = tick
         else:
             owner.run = run
             siblings = at.children if at is not None else self._roots.setdefault(up, {})
@@ -397,7 +385,7 @@ class PrefixIndex:
             self._push_leaf(owner)
         self._entries += len(run)
         self._counts[bit.bit_length() - 1] += len(run)
-        self._touch_up(owner)
+        self._touch_up(owner, bit.bit_length() - 1)
         self._adopt_orphans(run)
         return len(run)
 
@@ -514,17 +502,16 @@ class PrefixIndex:
         """The dict that holds ``node``: its parent's children, or its ``_roots`` entry."""
         return node.parent.children if node.parent is not None else self._roots[node.up]
 
-    def _touch_up(self, node: _Node | None) -> None:
-        """Mark ``node`` and its ancestors as used now; stops at an ancestor already marked in
-        this operation, so touching many nodes of one path costs O(path)."""
-        if node is None:
-            return
-        tick = self._tick
-        node.tick = tick
-        node = node.parent
-        while node is not None and node.tick != tick:
+    def _touch_up(self, node: _Node | None, slot: int) -> None:
+        """Mark ``node`` and its ancestors as used now, by the worker in ``slot`` (its own tick too,
+        where a node keeps its holders' ``ticks``); stops at an ancestor already marked in this
+        operation, so touching many nodes of one path costs O(path)."""
+        tick, bit, first = self._tick, 1 << slot, True
+        while node is not None and (first or node.tick != tick):
             node.tick = tick
-            node = node.parent
+            if node.ticks is not None and node.mask & bit:
+                node.ticks[slot] = tick
+            node, first = node.parent, False
 
     def _all_nodes(self) -> Iterator[_Node]:
         stack = [node for runs in self._roots.values() for node in runs.values()]
