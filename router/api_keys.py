@@ -23,6 +23,11 @@ from router.errors import RouterError
 _NAMED = re.compile(r"^([A-Za-z0-9_-]+):(.+)$")
 
 
+def header_token_ok(value: str) -> bool:
+    """Can a client send ``value`` as written in a header (printable ASCII, no spaces)?"""
+    return all(" " < c <= "~" for c in value)
+
+
 def key_names(keys: list[str]) -> list[tuple[str, str]]:
     """(name, secret) of each configured key, spaces around it dropped (a header's token has none);
     ValueError for an empty one (no client could send it: keys on, every request refused), and for
@@ -35,7 +40,7 @@ def key_names(keys: list[str]) -> list[tuple[str, str]]:
         name, secret = (m.group(1), m.group(2).strip()) if m else (f"key-{i}", key.strip())
         if not secret:
             raise ValueError(f"API key {i} is empty")
-        if not all(" " < c <= "~" for c in secret):  # NOTE: no client could send it as written
+        if not header_token_ok(secret):  # NOTE: no client could send it as written
             raise ValueError(f"API key {i} must be printable ASCII without spaces (a header carries it)")
         (named if m else unnamed).add(name)
         if owner.setdefault(secret, (i, name))[1] != name:

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from router.affinity import AffinityGroups
-from router.api_keys import check_limits
+from router.api_keys import check_limits, header_token_ok
 from router.http_client import worker_base_url
 from router.policies import POLICY_NAMES, make_policy
 from router.prefix_index import PrefixIndex
@@ -147,12 +147,11 @@ class RouterConfig:
             raise ValueError("prefill_tokens_per_load must be >= 0 (0: load counts requests only)")
         if self.max_concurrent_requests < 0 or self.max_queued_requests < 0:
             raise ValueError("max_concurrent_requests and max_queued_requests must be >= 0")
-        for name in ("admin_token", "worker_api_key"):  # NOTE: "" would mean none: the guard off
-            if getattr(self, name) is not None and not getattr(self, name).strip():
-                raise ValueError(f"{name} is empty: give it a value or leave it out")
-        for name in ("admin_token", "worker_api_key"):  # NOTE: what a header carries (api_keys: key_names)
+        for name in ("admin_token", "worker_api_key"):
             value = getattr(self, name)
-            if value is not None and not all(" " < c <= "~" for c in value):
+            if value is not None and not value.strip():  # NOTE: "" would mean none: the guard off
+                raise ValueError(f"{name} is empty: give it a value or leave it out")
+            if value is not None and not header_token_ok(value):
                 raise ValueError(f"{name} must be printable ASCII without spaces (a header carries it)")
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")

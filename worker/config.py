@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.api_keys import header_token_ok
 from worker.reasoning import PARSERS as REASONING_PARSERS
 
 MXFP4_CHOICES = (
@@ -117,12 +118,11 @@ class WorkerConfig:
 
     def validate(self) -> None:
         for name in ("api_key", "admin_token"):  # NOTE: "" (an empty Secret) would turn the guard off
-            if getattr(self, name) is not None and not getattr(self, name).strip():
+            value = getattr(self, name)
+            if value is not None and not value.strip():
                 raise ValueError(f"--{name.replace('_', '-')} (or {ENV_PREFIX}{name.upper()}) is empty: "
                                  "give it a value or leave it unset")  # fmt: skip
-            if getattr(self, name) is not None and not all(
-                " " < c <= "~" for c in getattr(self, name).strip()
-            ):
+            if value is not None and not header_token_ok(value.strip()):
                 raise ValueError(f"--{name.replace('_', '-')} must be printable ASCII without spaces "
                                  "(a header carries it)")  # fmt: skip
         if self.engine not in ("model", "sim"):
