@@ -77,6 +77,11 @@ def chat_tool_choice(choice: Any) -> Any:
     return choice
 
 
+def _thinking_turn(thought: str) -> dict[str, Any]:
+    """An assistant turn of thinking alone (no assistant message or call took it)."""
+    return {"role": "assistant", "content": "", "reasoning_content": thought}
+
+
 def input_messages(input_: Any) -> list[dict[str, Any]]:
     """``input`` (a string, or a list of message, ``function_call``, ``function_call_output`` and
     ``reasoning`` items) as chat messages: function calls are the ``tool_calls`` of the assistant
@@ -120,7 +125,7 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
                     "a function_call_output item needs string 'call_id' and 'output' (text or text parts)"
                 )
             if thought:  # NOTE: no assistant turn took it: a turn of its own
-                out.append({"role": "assistant", "content": "", "reasoning_content": thought})
+                out.append(_thinking_turn(thought))
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(output)})
         elif kind == "message":
             role = item.get("role")
@@ -128,7 +133,7 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
             if role is None:
                 raise ValueError(f"unsupported role {item.get('role')!r}")
             if thought and role != "assistant":  # NOTE: no assistant turn took it: a turn of its own
-                out.append({"role": "assistant", "content": "", "reasoning_content": thought})
+                out.append(_thinking_turn(thought))
             out.append({"role": role, "content": _text(item.get("content"))})
         else:
             raise ValueError(f"unsupported input item type {kind!r}: messages, function_call, "
@@ -138,7 +143,7 @@ def input_messages(input_: Any) -> list[dict[str, Any]]:
                 out[-1]["reasoning_content"] = out[-1].get("reasoning_content", "") + thought
             thought = None
     if thought:
-        out.append({"role": "assistant", "content": "", "reasoning_content": thought})
+        out.append(_thinking_turn(thought))
     return out
 
 
