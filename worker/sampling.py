@@ -283,11 +283,11 @@ def _mask_top_k_top_p(
     many = scores.shape[0] > (SORT_MAX_ROWS if sort_max_rows is None else sort_max_rows)
     if width == vocab and ops is not reference and many:
         return _mask_without_sort(scores, keep, top_p, ops)
-    if width < vocab:  # NOTE: every row keeps at most `width` tokens: its candidates, in order, from topk
-        sorted_scores, order = scores.topk(width, dim=-1)
+    # NOTE: only the ranked scores are used, not which of tied tokens ranks first (the ranking's)
+    if width < vocab:  # every row keeps at most `width` tokens: its candidates, in order, from topk
+        sorted_scores = scores.topk(width, dim=-1).values
     else:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-    del order  # NOTE: which of tied tokens ranks first is the ranking's: only the cuts' scores are used
+        sorted_scores = scores.sort(dim=-1, descending=True).values
     k = on_device(keep, scores.device, torch.int64).unsqueeze(1)
     kth = sorted_scores.gather(1, k - 1)  # each row's k-th score: everything at or above it stays
     if all(p >= 1.0 for p in top_p):
