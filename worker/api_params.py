@@ -197,12 +197,11 @@ def sampling_params(
     default_max_tokens: int,
     max_key: str,
     logprobs: Any,
+    vocab_size: int,
     guide: Guide | None = None,
-    vocab_size: int | None = None,
 ) -> SamplingParams:
     """The body's sampling fields (absent or null: the default), validated; token ids are bounded by
-    ``vocab_size``, the model's (the tokenizer's by default)."""
-    vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+    ``vocab_size``, the model's."""
 
     def get(key: str, default: Any) -> Any:
         value = body.get(key)
@@ -315,12 +314,9 @@ def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
-async def prompt_ids(
-    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int | None = None
-) -> list[list[int]]:
-    """``prompt`` as token id lists: a string, a list of ids (in [0, ``vocab_size``), the model's;
-    the tokenizer's by default), or a batch (list) of either."""
-    vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer, vocab_size: int) -> list[list[int]]:
+    """``prompt`` as token id lists: a string, a list of ids (in [0, ``vocab_size``), the model's), or
+    a batch (list) of either."""
     if _is_batch(prompt):
         if len(prompt) > MAX_CHOICES:
             raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")

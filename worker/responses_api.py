@@ -244,15 +244,8 @@ class ResponsesAPI:
         guide = await output_guide(
             fmt, api.engine.guides, tools, api.tool_call_parser, thinking, not api.harmony
         )
-        params = sampling_params(
-            body,
-            engine.tokenizer,
-            engine.max_total_tokens,
-            "max_output_tokens",
-            logprobs,
-            guide,
-            engine.vocab_size,
-        )
+        params = sampling_params(body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs,
+                                 engine.vocab_size, guide)  # fmt: skip
         params = api.for_model(api.reasoning_params(params), body)
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}

@@ -150,7 +150,7 @@ class WorkerAPI:
         fields = {**body, "max_tokens": 1} if scoring else body
         logprobs = body.get("logprobs")
         params = sampling_params(
-            fields, self.engine.tokenizer, 16, "max_tokens", logprobs, guide, self.engine.vocab_size
+            fields, self.engine.tokenizer, 16, "max_tokens", logprobs, self.engine.vocab_size, guide
         )
         cut = [len(a) < len(b) for a, b in zip(prompts, given, strict=True)]
         echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer, cut) if body.get("echo") else None
@@ -175,8 +175,8 @@ class WorkerAPI:
             body, self.engine.guides, tools, self.tool_call_parser, thinking, not self.harmony
         )
         params = self.for_model(self.reasoning_params(
-            sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, guide,
-                            self.engine.vocab_size)
+            sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, self.engine.vocab_size,
+                            guide)
         ), body)  # fmt: skip
         return await self._generate(request, body, [ids], params, chat=True, tools=tools, thinking=thinking)
 
