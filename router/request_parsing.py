@@ -112,27 +112,30 @@ CACHE_SALT_ERROR = "'cache_salt' must be a non-empty string"
 STREAM_OPTIONS_ERROR = (
     "'stream_options' must be an object with a boolean 'include_usage' (and vLLM's 'continuous_usage_stats')"
 )
+STREAM_OPTIONS_NO_STREAM = "'stream_options' is only allowed when 'stream' is true"
 
 
-def stream_options_ok(body: dict[str, Any]) -> bool:
-    """``stream_options`` of a chat or completion request: null, or an object whose
-    ``include_usage`` and ``continuous_usage_stats`` are booleans, null or absent (one rule for the
-    router and the worker)."""
+def stream_options_error(body: dict[str, Any]) -> str | None:
+    """What is wrong with the ``stream_options`` of a chat or completion request, if anything: it
+    is null, or an object whose ``include_usage`` and ``continuous_usage_stats`` are booleans, null
+    or absent, sent with ``stream: true`` (OpenAI refuses it on a request that does not stream).
+    One rule for the router and the worker."""
     options = body.get("stream_options")
-    return options is None or (
-        isinstance(options, dict)
-        and all(
-            isinstance(options.get(k, False), (bool, type(None)))
-            for k in ("include_usage", "continuous_usage_stats")
-        )
-    )
+    if options is None:
+        return None
+    if not isinstance(options, dict) or not all(
+        isinstance(options.get(k, False), (bool, type(None)))
+        for k in ("include_usage", "continuous_usage_stats")
+    ):
+        return STREAM_OPTIONS_ERROR
+    return None if body.get("stream") is True else STREAM_OPTIONS_NO_STREAM
 
 
 def _check_stream_options(body: dict[str, Any]) -> None:
     """Checked here because the router rewrites ``stream_options`` for streams
     (``with_stream_usage``): a malformed one would otherwise pass."""
-    if not stream_options_ok(body):
-        raise RouterError(400, STREAM_OPTIONS_ERROR, "invalid_type")
+    if error := stream_options_error(body):
+        raise RouterError(400, error, "invalid_type" if error == STREAM_OPTIONS_ERROR else None)
 
 
 def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:

@@ -1,6 +1,6 @@
 """Request bodies as the router reads them: ``stream: null`` is no stream (as OpenAI and the worker
-read it), a malformed ``stream_options`` is the router's own 400, never silently replaced, and a
-``cache_salt`` starts its own hash chain."""
+read it), a malformed ``stream_options``, or one on a request that does not stream, is the router's
+own 400, never silently replaced, and a ``cache_salt`` starts its own hash chain."""
 
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ def test_stream_null_is_no_stream_and_bad_stream_options_are_400(launch):
             assert answer.status_code == 400, (path, options, answer.text)
             error = answer.json()["error"]
             assert error["type"] == "invalid_request_error" and "stream_options" in error["message"]
+    for stream in (False, None):  # OpenAI and vLLM refuse stream_options on a request that does not stream
+        for path, body in (("/v1/chat/completions", chat("Hi")), ("/v1/completions", completion)):
+            answer = httpx.post(
+                router.url + path,
+                json={**body, "stream": stream, "stream_options": {"include_usage": True}},
+                timeout=10,
+            )
+            assert answer.status_code == 400, (path, stream, answer.text)
+            assert "only allowed when 'stream' is true" in answer.json()["error"]["message"]
     fine = httpx.post(router.url + "/v1/chat/completions", timeout=10,
                       json=chat("Hi", stream=True, stream_options={"include_usage": None}))  # fmt: skip
     assert fine.status_code == 200 and fine.headers["content-type"].startswith("text/event-stream")

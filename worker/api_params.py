@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.request_parsing import STREAM_OPTIONS_ERROR, ClientGone, read_body, stream_options_ok
+from router.request_parsing import STREAM_OPTIONS_ERROR, ClientGone, read_body, stream_options_error
 from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar, thinking_first
@@ -85,8 +85,8 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
     for flag in ("return_token_ids", "return_tokens_as_token_ids", "include_reasoning"):
         if not isinstance(body.get(flag) or False, bool):
             raise APIError(400, f"'{flag}' must be a boolean")
-    if not stream_options_ok(body):
-        raise APIError(400, STREAM_OPTIONS_ERROR, "invalid_type")
+    if error := stream_options_error(body):
+        raise APIError(400, error, "invalid_type" if error == STREAM_OPTIONS_ERROR else None)
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
     # look like success to the client
     if body.get("functions") or body.get("function_call"):

@@ -400,6 +400,14 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
         "stream_options": {"include_usage": True, "continuous_usage_stats": 1},
     }
     assert client.post("/v1/completions", json=bad).status_code == 400
+    for stream in (False, None):  # stream_options without a stream: refused, as OpenAI and vLLM do
+        answer = client.post(
+            "/v1/completions", json={**req, "stream": stream, "stream_options": {"include_usage": True}}
+        )
+        assert (
+            answer.status_code == 400
+            and "only allowed when 'stream' is true" in answer.json()["error"]["message"]
+        )
 
 
 def test_special_tokens_are_text_only_when_asked(client):
