@@ -207,6 +207,7 @@ class Engine:
         with self._queued_lock:
             snap = self._snap
             if self._queued + snap.waiting + snap.running >= self.max_waiting + self.max_running:
+                self.metrics.queue_full.inc()
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             self._queued += 1
             self._inbox.put(("add", req))
@@ -367,6 +368,7 @@ class Engine:
         except QueueFullError as exc:  # NOTE: retractions put requests back in the queue since submit's check
             self._requests.pop(req.rid, None)
             self._finished["error"] += 1
+            self.metrics.queue_full.inc()
             self._emit(req, RequestOutput(finish_reason="error", error=str(exc), error_status=429,
                                           error_code="queue_full"))  # fmt: skip
 

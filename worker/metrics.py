@@ -107,6 +107,12 @@ class WorkerMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.queue_full = Counter(
+            f"{PREFIX}_queue_full_requests_total",
+            "Requests refused with 429 queue_full: at submit (the client's answer), or at admission when "
+            "retracted requests had filled the queue since (also a finished request with reason error).",
+            registry=self.registry,
+        )
         self.tool_calls = Counter(
             f"{PREFIX}_tool_calls_total",
             "Tool calls answered (read from the text, or generated for a required or named tool_choice).",
