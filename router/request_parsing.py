@@ -278,7 +278,7 @@ def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> tuple[Se
         first = prompt[0]  # a batch of prompts is routed by its first prompt
         if all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return list(prompt), []
-        if isinstance(first, str) and all(isinstance(p, str) for p in prompt):
+        if isinstance(first, str):  # NOTE: the others may be strings or ids, as the worker takes them
             return _encode_prompt(tokenizer, first), prompt[1:]
         if isinstance(first, list) and all(type(t) is int and 0 <= t < 2**32 for t in first):
             return list(first), prompt[1:]

@@ -86,7 +86,9 @@ def test_a_request_counts_as_the_sequences_the_worker_will_run(body, chat, seque
 @pytest.mark.parametrize(
     ("body", "others"),
     [(b'{"prompt": "abc"}', 0), (b'{"prompt": ["abc", "de", "\xc3\xa9"]}', 4), (b'{"prompt": [[1, 2], [3, 4, 5]]}', 3),
-     (b'{"prompt": [[1, 2], 7]}', 0), (b'{"prompt": [1, 2, 3]}', 0)],
+     (b'{"prompt": [[1, 2], 7]}', 0), (b'{"prompt": [1, 2, 3]}', 0),
+     # a batch mixing strings and ids, in either order (the worker serves both; a string first was a 400)
+     (b'{"prompt": ["abc", [1, 2, 3, 4]]}', 4), (b'{"prompt": [[1, 2], "abcd"]}', 4)],
 )  # fmt: skip
 def test_a_batch_counts_its_other_prompts_as_uncached_prefill(body, others):
     from router.request_parsing import parse_request
