@@ -44,9 +44,32 @@ class IncrementalDetokenizer:
     def _prompt_out(self) -> None:
         """The prompt's text is out, but for a character its last ids leave unfinished (U+FFFD): if the
         output completes it, it is the output's; if not, its U+FFFD stays the prompt's."""
-        text = self._decode(self._ids[self._start :])
+        ids = self._ids[self._start :]
+        text = self._decode(ids)
         self._emitted = len(text.rstrip(_REPLACEMENT))
+        # NOTE: SentencePiece's byte fallback makes a whole run of byte tokens U+FFFD when it ends
+        # unfinished: the whole characters before the unfinished one's first byte are the prompt's too
+        lead = self._unfinished_from(ids)
+        if 0 < lead < len(ids):
+            self._emitted = max(self._emitted, len(self._decode(ids[:lead])))
         self._unfinished = text if self._emitted < len(text) else ""  # the prompt's text, when it ends so
+
+    def _unfinished_from(self, ids: list[int]) -> int:
+        """The index in ``ids`` of the token holding the first byte of a character they leave
+        unfinished, read from the tokens' bytes; ``len(ids)`` when they end on a whole character, or
+        a token's bytes are not known (a special token, an unknown piece)."""
+        tail, owner = b"", []  # the last tokens' bytes, and which token each byte is of
+        for i in range(len(ids) - 1, max(-1, len(ids) - 2 - _MAX_STEPS_BACK), -1):
+            data = self._tok.token_bytes(ids[i])
+            if not data:
+                return len(ids)
+            tail, owner = data + tail, [i] * len(data) + owner
+            first = next((k for k in range(len(tail) - 1, -1, -1) if not 0x80 <= tail[k] < 0xC0), None)
+            if first is not None:  # the last character's first byte: is the character whole?
+                lead = tail[first]
+                width = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+                return owner[first] if len(tail) - first < width else len(ids)
+        return len(ids)
 
     def _first(self, text: str) -> None:
         """Before the first text after the prompt's (``text``: the window's): what of the prompt's

@@ -459,6 +459,30 @@ def test_byte_fallback_run_from_the_prompt_continues_into_the_output(sp_dir, pro
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
 
 
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet=MIXED, min_size=2, max_size=20), where=st.floats(0, 1), chunk=st.integers(1, 4))
+def test_a_prompt_of_ids_cut_inside_a_character_keeps_its_whole_characters(sp_dir, text, where, chunk):
+    """A token-id prompt that ends inside a byte-fallback character (an answer cut by max_tokens,
+    sent back to go on): the output is the text after the prompt's whole characters. The byte
+    fallback decodes the whole unfinished run as U+FFFD, and the characters of that run the prompt
+    had whole came out again as the output's."""
+    tok = load_tokenizer(str(sp_dir))
+    ids = tok.encode_prompt(text)
+    cut = 1 + round(where * (len(ids) - 2))  # after the BOS, before the last id
+    data = [tok.token_bytes(t) for t in ids[1:]]
+    full = tok.decode(ids)
+    skipped = len(b"".join(data).decode()) - len(full)  # the leading space the decoder strips
+    whole = b"".join(data[: cut - 1])
+    while True:  # the prompt's whole characters: its bytes up to the unfinished one
+        try:
+            prompt_text = whole.decode()
+            break
+        except UnicodeDecodeError:
+            whole = whole[:-1]
+    expected = full[max(0, len(prompt_text) - skipped) :]
+    assert "".join(stream(tok, ids[cut:], chunk, ids[:cut])) == expected
+
+
 def test_shown_special_tokens_are_text_and_the_others_stay_hidden(tmp_path):
     """A request whose tool reader needs hermes' tags, special tokens here, gets them in its text;
     every other special token stays out of it, as it does for a request that shows none."""
