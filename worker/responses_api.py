@@ -135,12 +135,18 @@ async def _fitted(
     messages: list[dict], kept: int, tokenizer: Any, tools: list[dict] | None, context: int,
     options: dict | None = None,
 ) -> list[int]:  # fmt: skip
-    """``truncation: auto``: the prompt with the fewest of the oldest messages after the first ``kept``
-    (the instructions) dropped that fits the context (a tool result goes with its call); with only
-    the last message left and still too long, that prompt (the engine refuses it as too long)."""
+    """``truncation: auto``: the prompt with the fewest of the oldest turns after the first ``kept``
+    messages (the instructions) dropped that fits the context; with only the last message left and
+    still too long, that prompt (the engine refuses it as too long). What is kept starts at a user
+    message, a turn's start (templates that check the roles alternate refuse an assistant reply
+    first), where one is left; else at a message that is not a tool result (it goes with its call)."""
     rest = messages[kept:]
+    users = [i for i, m in enumerate(rest) if m["role"] == "user"]
 
     def without(k: int) -> list[dict]:
+        turn = next((i for i in users if i >= k), None)
+        if turn is not None:
+            return messages[:kept] + rest[turn:]
         while k < len(rest) - 1 and rest[k]["role"] == "tool":
             k += 1
         return messages[:kept] + rest[k:]

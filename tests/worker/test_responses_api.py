@@ -195,8 +195,9 @@ def test_a_bad_text_format_is_named_as_the_client_sent_it(client) -> None:
 
 def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(client) -> None:
     """A conversation grown past the context: its next turn is a 400 context_length_exceeded with
-    truncation disabled (the default); with auto the oldest turn is dropped, the instructions kept,
-    and the answer is the one the kept turns give when sent as they are."""
+    truncation disabled (the default); with auto the oldest turn is dropped (its question and its
+    answer: what is kept starts at a user message), the instructions kept, and the answer is the one
+    the kept turns give when sent as they are."""
     context = client.get("/v1/models").json()["data"][0]["max_model_len"]
 
     def turn(i: int) -> str:  # ~0.4 of the context each
@@ -210,7 +211,6 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(client) -> No
     fitted = create(client, **body, truncation="auto")
     assert fitted["truncation"] == "auto" and fitted["usage"]["input_tokens"] < context
     kept = [
-        {"role": "assistant", "content": output_text(first)},
         {"role": "user", "content": turn(2)},
         {"role": "assistant", "content": output_text(second)},
         {"role": "user", "content": turn(3)},
@@ -239,9 +239,13 @@ async def test_a_dropped_call_takes_its_tool_result_with_it() -> None:
     # the call is the oldest turn: its result goes too, whatever room is left
     for context in (200, 2000):
         assert await _fitted(messages, 1, tok, None, context) == tok.encode_chat([messages[0], messages[3]])
-    # a long first question: dropping it is enough, the call and its result stay
+    # a long first question: its turn goes whole (the call and its result answered it), so what is
+    # kept starts at a user message, as templates that check the roles alternate require
     asked = [messages[0], {"role": "user", "content": "z" * 1000}, *messages[1:]]
-    assert await _fitted(asked, 1, tok, None, 1000) == tok.encode_chat(messages)
+    assert await _fitted(asked, 1, tok, None, 1000) == tok.encode_chat([messages[0], messages[3]])
+    # no user message after the cut: the call stays with its result (never a result alone)
+    tail = [messages[0], {"role": "user", "content": "z" * 1000}, *messages[1:3]]
+    assert await _fitted(tail, 1, tok, None, 1000) == tok.encode_chat([messages[0], *messages[1:3]])
 
 
 ADD = {
