@@ -94,6 +94,8 @@ def test_responses_follow_up_retrieve_delete_and_stream_events(fleet):
                                      max_output_tokens=4)  # fmt: skip
     assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert follow.usage.input_tokens_details.cached_tokens >= len(SYSTEM)  # the same worker, its cache
+    # every field OpenAI's types require (the client builds objects without checking them)
+    type(follow).model_validate(follow.model_dump(exclude_unset=True))
     assert client.responses.retrieve(follow.id).output_text == follow.output_text
     with client.responses.stream(model="tiny", input="Stream this.", max_output_tokens=4) as stream:
         events = list(stream)

@@ -389,7 +389,7 @@ class _Turn:
             deltas += self.reader.feed(text) + (self.reader.flush() if out.finish_reason else [])
         events = [event for d in deltas for event in self.items.delta(d)]
         if out.finish_reason is not None and self._logprobs:  # tokens of no text (a stop string's)
-            self.items.add_logprobs(self._logprobs)
+            events += self.items.add_logprobs(self._logprobs)
             self._logprobs = []
         return events
 
@@ -415,6 +415,12 @@ class _Turn:
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip
 
+    def _written(self) -> int:
+        """OpenAI's ``cache_write_tokens``: the prompt's tokens this request's prefill added to the
+        radix cache, its whole pages past the cached ones."""
+        page = self.endpoint.api.engine.page_size
+        return max(0, self.prompt_tokens // page * page - self.cached_tokens)
+
     def finish(self) -> tuple[dict, list[bytes]]:
         """The finished response object (stored with the conversation unless the client said not
         to) and the events that close its items."""
@@ -422,7 +428,10 @@ class _Turn:
         closing = self.items.close(status)
         usage = {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "input_tokens_details": {
+                "cached_tokens": self.cached_tokens,
+                "cache_write_tokens": self._written(),
+            },
             "output_tokens": self.output_tokens,
             "output_tokens_details": {
                 "reasoning_tokens": self.thinking.reasoning_tokens if self.thinking else 0

@@ -104,11 +104,17 @@ class OutputItems:
                                             output_index=self.items.index(item), delta=fn["arguments"]))  # fmt: skip
         return out
 
-    def add_logprobs(self, entries: list[dict]) -> None:
-        """Entries for tokens that added no text: onto the last message's part, if it has logprobs."""
+    def add_logprobs(self, entries: list[dict]) -> list[bytes]:
+        """Entries for tokens that added no text (a stop string's): onto the last message's part, if
+        it has logprobs, and in a delta of no text while that message is open, so a client that
+        gathers them from the deltas has them all, as chat's last chunk carries them."""
         parts = [i["content"][0] for i in self.items if i["type"] == "message"]
-        if parts and "logprobs" in parts[-1]:
-            parts[-1]["logprobs"] += entries
+        if not parts or "logprobs" not in parts[-1]:
+            return []
+        parts[-1]["logprobs"] += entries
+        if self._open is None or self._open["content"][0] is not parts[-1]:
+            return []
+        return [self.events.send("response.output_text.delta", **self._where(), delta="", logprobs=entries)]
 
     def close(self, status: str) -> list[bytes]:
         """Close the open item and mark every item ``status`` (completed or incomplete)."""

@@ -113,6 +113,27 @@ def test_previous_response_id_continues_the_stored_conversation_from_the_cache(c
     assert again.status_code == 404 and again.json()["error"]["code"] == "response_not_found"
 
 
+def test_cache_write_tokens_are_what_the_next_same_prompt_finds_cached(client) -> None:
+    """usage.input_tokens_details.cache_write_tokens (required by OpenAI's types): the prompt's tokens
+    the request added to the radix cache; the same prompt again finds them cached, none written."""
+    question = "A question no other test asks, to start cold"
+    while (
+        client.post("/tokenize", json={"messages": [{"role": "user", "content": question}]}).json()["count"]
+        % 16
+        == 0
+    ):
+        question += "?"  # NOTE: a prompt of whole pages leaves its last one to compute again
+    first = create(client, input=question, max_output_tokens=1, store=False)["usage"]
+    again = create(client, input=question, max_output_tokens=1, store=False)["usage"]
+    written = first["input_tokens_details"]["cache_write_tokens"]
+    assert written > 0 and written % 16 == 0
+    assert (
+        again["input_tokens_details"]["cached_tokens"]
+        == first["input_tokens_details"]["cached_tokens"] + written
+    )
+    assert again["input_tokens_details"]["cache_write_tokens"] == 0
+
+
 def test_store_false_and_the_bound_on_stored_responses(client) -> None:
     unstored = create(client, input="Do not keep this.", store=False)
     assert unstored["store"] is False and client.get(f"/v1/responses/{unstored['id']}").status_code == 404
@@ -398,6 +419,15 @@ def test_output_logprobs_when_included_match_chat_and_stream(client) -> None:
     assert [e["logprob"] for e in streamed] == pytest.approx(
         [e["logprob"] for e in part["logprobs"]], abs=1e-4
     )
+    # a stop string: its tokens add no text, and their entries come in a delta of no text
+    greedy = create(client, **{**body, "max_output_tokens": 20, "ignore_eos": False})
+    stop = output_text(greedy)[8:11]
+    evs = events(client, **{**body, "max_output_tokens": 20, "ignore_eos": False, "stop": [stop]})
+    streamed = [e for k, d in evs if k == "response.output_text.delta" for e in d["logprobs"]]
+    done = next(d for k, d in evs if k == "response.output_text.done")
+    text = output_text(greedy)
+    assert done["text"] == text[: text.index(stop)] and streamed == done["logprobs"]
+    assert len(done["logprobs"]) > len(done["text"])  # one byte a token: the stop's tokens are there
     assert "logprobs" not in create(client, input="Say something.")["output"][0]["content"][0]
     for bad in ({"include": ["reasoning.encrypted_content"]}, {"top_logprobs": 21},
                 {"include": ["message.output_text.logprobs"], "tools": [ADD]}):  # fmt: skip
