@@ -86,6 +86,29 @@ async def _read_asgi_body(receive: Callable[[], Awaitable[dict]], limit: int) ->
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# Arrays and objects nested in a request body, at most. JSON schemas, tools and content parts go
+# through code that recurses per level (schema checks, the chat template's JSON, orjson.dumps, whose
+# own bound is ~254), so a body past this is refused whole, not failed deep inside (a 500).
+MAX_JSON_DEPTH = 128
+JSON_DEPTH_ERROR = f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+
+
+def too_deep(raw: bytes, body: Any) -> bool:
+    """Does the parsed ``body`` nest arrays and objects past MAX_JSON_DEPTH levels? ``raw``, its
+    bytes, rules most bodies out at once: fewer opening brackets than the bound, not that deep."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
 def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
     """The JSON object body, its ``model`` and ``stream``, checked."""
     try:
@@ -94,6 +117,8 @@ def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
         raise RouterError(400, f"request body is not valid JSON: {exc}", "invalid_json") from None
     if not isinstance(body, dict):
         raise RouterError(400, "request body must be a JSON object", "invalid_request")
+    if too_deep(raw, body):
+        raise RouterError(400, JSON_DEPTH_ERROR, "invalid_request")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RouterError(400, "'model' must be a string", "invalid_type")

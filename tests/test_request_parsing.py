@@ -110,3 +110,41 @@ def test_an_image_part_is_routed_by_a_stand_in_and_sent_as_it_came():
     assert "<input_image " in bytes(parse_responses_request(orjson.dumps(body), tok).token_ids).decode()
     with pytest.raises(RouterError):  # a part that is no part at all is still the router's 400
         parse_request(orjson.dumps({"messages": [{"role": "user", "content": [5]}]}), True, tok)
+
+
+def _nested(depth: int) -> str:
+    """A JSON schema whose arrays nest ``depth`` levels, as text (json.dumps and orjson.dumps stop
+    short of a thousand levels)."""
+    return '{"type": "array", "items": ' * (depth - 1) + '{"type": "integer"}' + "}" * (depth - 1)
+
+
+def test_a_body_nested_past_the_bound_is_a_400_on_both_and_opens_no_breaker(launch):
+    """A body nesting arrays and objects deeper than MAX_JSON_DEPTH is refused whole, by the router and
+    the worker: it parsed (orjson reads 1,024 levels), then failed deep inside as a 500 (a schema
+    check's recursion, orjson.dumps' own bound of ~254 when the router re-wrote a stream's body),
+    and three such requests opened every worker's circuit breaker: the fleet answered 503."""
+    from router.request_parsing import JSON_DEPTH_ERROR, MAX_JSON_DEPTH
+
+    worker = launch.module("worker")
+    router = launch.router([worker.url])
+    plain = '{"prompt": "hi", "max_tokens": 1, '
+    headers = {"content-type": "application/json"}
+    for url in (worker.url, router.url):
+        for body in (
+            plain + f'"guided_json": {_nested(1000)}}}',
+            plain + f'"stream": true, "extra": {_nested(300)}}}',
+        ):
+            for _ in range(4):  # past the breaker's threshold (3)
+                answer = httpx.post(url + "/v1/completions", content=body, headers=headers, timeout=30)
+                assert answer.status_code == 400, answer.text
+                assert answer.json()["error"]["message"] == JSON_DEPTH_ERROR
+        fits = plain + f'"stream": true, "extra": {_nested(MAX_JSON_DEPTH - 1)}}}'
+        assert (
+            httpx.post(url + "/v1/completions", content=fits, headers=headers, timeout=30).status_code == 200
+        )
+        chat = ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": '
+                f'{{"type": "json_schema", "json_schema": {{"name": "n", "schema": {_nested(500)}}}}}}}')  # fmt: skip
+        answer = httpx.post(url + "/v1/chat/completions", content=chat, headers=headers, timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["message"] == JSON_DEPTH_ERROR
+    workers = httpx.get(router.url + "/workers", timeout=10).json()
+    assert all(w["breaker"] == "closed" for w in workers["workers"]), workers

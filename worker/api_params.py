@@ -13,7 +13,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from router.errors import RouterError
-from router.request_parsing import STREAM_OPTIONS_ERROR, ClientGone, read_body, stream_options_error
+from router.request_parsing import (
+    JSON_DEPTH_ERROR,
+    STREAM_OPTIONS_ERROR,
+    ClientGone,
+    read_body,
+    stream_options_error,
+    too_deep,
+)
 from router.tokenization import PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import Guide, GuideCompiler, requested_grammar, thinking_first
@@ -61,6 +68,8 @@ def json_object(raw: bytes) -> dict:
         raise APIError(400, f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if too_deep(raw, body):
+        raise APIError(400, JSON_DEPTH_ERROR)
     return body
 
 
