@@ -52,6 +52,13 @@ class CircuitBreaker:
         if probe and probe == self._probe:
             self._probe = 0
 
+    def answering(self) -> None:
+        """A stream's head came: the worker answers, so a half-open breaker closes; its faults in a
+        row are cleared only once the answer is whole (``record_success``), so a worker that breaks
+        off every stream after its head still opens it."""
+        self.state = BreakerState.CLOSED
+        self._probe = 0
+
     def record_success(self) -> None:
         """Any request's answer: the worker answers, so the breaker closes."""
         self.state = BreakerState.CLOSED

@@ -336,7 +336,8 @@ class Router:
         previous = parsed.body.get("previous_response_id")
         only = self.response_holder(previous)
         tried: set[str] = set()
-        failure: UpstreamFailure | None = None
+        failure: UpstreamFailure | None = None  # the last attempt's
+        fault: UpstreamFailure | None = None  # the last one that was not a full queue (a 429)
         moved_from: Worker | None = None  # the worker the last attempt failed on
         # NOTE: a non-stream answer's head comes when the whole answer is done: only the request's
         # own time bounds it (a stream's head comes at once, so first_byte_timeout_s bounds that)
@@ -381,14 +382,22 @@ class Router:
             insert = OptimisticInsert(self.policy, route, worker.url, matched // route.block_size,
                                       0 if cut else context and context // route.block_size)  # fmt: skip
             answered = False
+            resp: UpstreamResponse | None = None
             try:
                 try:
                     resp = await self.upstream.open(
                         worker, path, body, headers if source is None else {**headers, KV_SOURCE_HEADER: source},
                         insert, head_timeout, insert.record,
                     )  # fmt: skip
+                    # NOTE: a whole answer is read before any of it reaches the client, so one cut off
+                    # after its head goes to the next worker as a failed attempt does
+                    whole = not (parsed.stream and resp.status == 200)
+                    payload = await self.upstream.read_all(resp) if whole else b""
                 except UpstreamFailure as exc:
+                    if resp is not None:
+                        resp.close()
                     failure = exc
+                    fault = fault if exc.kind == "overloaded" else exc
                     if exc.kind == "request_timeout":  # NOTE: the request's own time ran out: no retry
                         if not parsed.stream:  # nothing came in all that time: a black hole is charged
                             self._record_failure(worker, "timeout", probe)
@@ -403,22 +412,33 @@ class Router:
                     moved_from = worker
                     log.warning("attempt %d to %s failed: %s", attempt + 1, worker.url, exc)
                     continue
-                worker.breaker.record_success()  # any answer below 500, client errors included
+                # NOTE: any whole answer below 500, client errors included, clears the worker's faults;
+                # a stream's head only closes a half-open breaker: one that breaks off is a fault
+                worker.breaker.record_success() if whole else worker.breaker.answering()
                 if resp.status >= 400:
                     insert.take_back(self.events.synced(worker))
                 else:
                     worker.stats.prompt_tokens += route.prompt_tokens + parsed.other_prompt_tokens
                     worker.stats.predicted_cached_tokens += predicted
                 try:
-                    if parsed.stream and resp.status == 200:
-                        responses = path.endswith("/responses")
-                        await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage,
-                                                responses, counted=not parsed.follow_up)  # fmt: skip
-                    else:
+                    if whole:
                         await self._send_full(
-                            send, watch, worker, resp, started, parsed.stream, counted=not parsed.follow_up
+                            send,
+                            watch,
+                            worker,
+                            resp,
+                            payload,
+                            started,
+                            parsed.stream,
+                            counted=not parsed.follow_up,
                         )
-                    answered = True
+                        answered = True
+                    else:
+                        responses = path.endswith("/responses")
+                        answered = await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage,
+                                                           responses, counted=not parsed.follow_up)  # fmt: skip
+                        if answered:
+                            worker.breaker.record_success()
                 finally:
                     resp.close()
                 return resp.status
@@ -442,12 +462,12 @@ class Router:
                                   f"{parsed.model!r}", "model_not_found")  # fmt: skip
             raise RouterError(503, f"the worker holding response {previous!r} ({only}) is not available",
                               "worker_unavailable")  # fmt: skip
-        if failure is not None and failure.kind == "overloaded":
-            raise RouterError(429, f"every worker tried has a full queue ({failure})", "overloaded")
-        if failure is not None:
+        if fault is not None:  # NOTE: a 429 only where every worker tried had a full queue
             raise RouterError(
-                failure.status if failure.status in (502, 503, 504) else 502, str(failure), failure.kind
+                fault.status if fault.status in (502, 503, 504) else 502, str(fault), fault.kind
             )
+        if failure is not None:
+            raise RouterError(429, f"every worker tried has a full queue ({failure})", "overloaded")
         raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
 
     def _forget_unconfirmed(self, insert: OptimisticInsert, worker: Worker) -> None:
@@ -479,16 +499,11 @@ class Router:
             access_log.note(usage_prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
 
     async def _send_full(
-        self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, started: float,
-        stream: bool = False, counted: bool = True,
+        self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, payload: bytes,
+        started: float, stream: bool = False, counted: bool = True,
     ) -> None:  # fmt: skip
-        """A whole answer: a non-stream one, or a stream request's refusal (``stream``: its metrics'
-        label stays the request's; ``counted``: see _record_usage)."""
-        try:
-            payload = await self.upstream.read_all(resp)
-        except UpstreamFailure as exc:
-            self._record_failure(worker, exc.kind)
-            raise RouterError(exc.status, str(exc), exc.kind) from None
+        """A whole answer (``payload``, read): a non-stream one, or a stream request's refusal
+        (``stream``: its metrics' label stays the request's; ``counted``: see _record_usage)."""
         elapsed = time.perf_counter() - started
         self.metrics.ttft_of[stream].observe(elapsed)
         access_log.note(ttft_ms=round(elapsed * 1e3, 3))
@@ -510,10 +525,11 @@ class Router:
         strip_usage: bool = False,
         responses: bool = False,
         counted: bool = True,
-    ) -> None:
+    ) -> bool:
         """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering
         (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for).
-        A stream that breaks off ends with an error event (``responses``: the Responses API's)."""
+        A stream that breaks off ends with an error event (``responses``: the Responses API's).
+        True when the worker's stream ended whole."""
         scanner = SSEUsageScanner(strip_usage)
         tail = b"\n\n"  # the last bytes sent: does the client's stream end between events?
         numbers = _EventNumbers()  # Responses: the last event passed on whole (read if the stream breaks)
@@ -570,6 +586,7 @@ class Router:
         if not finished:
             watch.stop()
             await send({"type": "http.response.body", "body": error, "more_body": False})
+        return finished
 
 
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')  # a Responses stream's event numbers

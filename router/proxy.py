@@ -241,5 +241,5 @@ class Upstream:
             return await resp.read()
         except ResponseTimeout as exc:
             raise _timeout(exc, "worker stopped sending before the response ended") from None
-        except HTTPClientError as exc:
-            raise UpstreamFailure("connect", f"worker connection lost: {exc}", 502) from None
+        except HTTPClientError as exc:  # NOTE: after the head: the body broke off
+            raise UpstreamFailure("stream_broken", f"worker connection lost: {exc}", 502) from None

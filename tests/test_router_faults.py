@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
+import uuid
 
 import httpx
 import orjson
@@ -16,18 +18,49 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from tests.support import serve_in_thread, wait_until
+from tests.test_end_to_end import matched_tokens
 from tests.test_router_integration import metric_values
 
 
 class FaultyWorker:
-    """/health and /v1/models as a worker answers them; POST paths answered by ``handlers``."""
+    """/health and /v1/models as a worker answers them; POST paths answered by ``handlers``; with
+    ``events``, a KV event stream and an empty snapshot, so the router's index follows it."""
 
-    def __init__(self, **handlers) -> None:
+    def __init__(self, events: bool = False, **handlers) -> None:
+        epoch = uuid.uuid4().hex
+        health = {
+            "status": "ok",
+            "running": 0,
+            "waiting": 0,
+            **({"epoch": epoch, "kv_event_seq": 0} if events else {}),
+        }
         routes = [
-            Route("/health", lambda r: JSONResponse({"status": "ok", "running": 0, "waiting": 0})),
+            Route("/health", lambda r: JSONResponse(health)),
             Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "faulty"}]})),
             *(Route(f"/v1/{path}", fn, methods=["POST"]) for path, fn in handlers.items()),
         ]
+        if events:
+
+            def snapshot(request: Request) -> JSONResponse:
+                return JSONResponse({"version": 1, "worker": self.url, "epoch": epoch, "seq": 0, "ts": time.time(),
+                                     "block_size": 16, "stored": [], "removed": [], "cleared": True})  # fmt: skip
+
+            async def stream(request: Request) -> StreamingResponse:
+                async def body():
+                    yield f": kv events {epoch}\n\n".encode()
+                    while True:
+                        await asyncio.sleep(0.5)
+                        yield b": ping\n\n"
+
+                return StreamingResponse(body(), media_type="text/event-stream")
+
+            info = {"block_size": 16, "namespace": "faulty", "model": "faulty", "tokenizer": "bytes", "epoch": epoch,
+                    "hash_version": 1, "event_version": 1, "redis_stream": None}  # fmt: skip
+            routes += [
+                Route("/v1/cache/info", lambda r: JSONResponse({**info, "worker": self.url})),
+                Route("/v1/cache/snapshot", snapshot),
+                Route("/v1/cache/events", stream),
+            ]
         self.url, self.server = serve_in_thread(Starlette(routes=routes), "the faulty worker")
 
     def stop(self) -> None:
@@ -38,8 +71,8 @@ class FaultyWorker:
 def faulty():
     started: list[FaultyWorker] = []
 
-    def start(**handlers) -> FaultyWorker:
-        started.append(FaultyWorker(**handlers))
+    def start(events: bool = False, **handlers) -> FaultyWorker:
+        started.append(FaultyWorker(events, **handlers))
         return started[-1]
 
     yield start
@@ -139,3 +172,100 @@ def test_event_numbers_are_read_from_whole_lines_across_chunks():
                         (b"2", 11), (b'}\n\ndata: {"sequence_number":13', 12)]:  # fmt: skip
         numbers.feed(chunk)
         assert numbers.last == last
+
+
+async def _broken_stream(request: Request) -> StreamingResponse:
+    """A stream that breaks off after its first event (the worker dies)."""
+
+    async def body():
+        yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+        raise RuntimeError("the worker dies here")
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def test_a_worker_that_breaks_off_every_stream_after_its_head_opens_its_breaker(launch, faulty):
+    """Broken streams are faults (docs/router.md): three in a row open the breaker. The head of each
+    had cleared the worker's faults in a row, so it never opened, and the worker kept its share of
+    the traffic, every one of those requests failing."""
+    worker = faulty(completions=_broken_stream)
+    router = launch.router([worker.url])
+    body = {"model": "faulty", "prompt": "x", "stream": True}
+    for _ in range(3):
+        answer = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200 and b"stream_broken" in answer.content
+    states = [w["breaker"] for w in httpx.get(router.url + "/workers", timeout=10).json()["workers"]]
+    assert states == ["open"]
+
+
+def test_a_whole_answer_cut_off_after_its_head_goes_to_the_next_worker(launch, faulty):
+    """A non-stream answer is read whole before any byte of it reaches the client: one that breaks
+    off after its head is moved to the next worker (it was a 502 "connect"), and counted as a
+    broken answer, not a connection error."""
+
+    async def cut(request: Request) -> StreamingResponse:
+        async def body():
+            yield b'{"choices": [{"index": 0, "te'
+            raise RuntimeError("the worker dies here")
+
+        return StreamingResponse(body(), media_type="application/json")
+
+    async def fine(request: Request) -> JSONResponse:
+        return JSONResponse({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    broken, good = faulty(completions=cut), faulty(completions=fine)
+    router = launch.router([broken.url, good.url], "--policy", "round_robin")
+    for i in range(2):  # round robin: one of them tries the broken worker first
+        answer = httpx.post(
+            router.url + "/v1/completions", json={"model": "faulty", "prompt": f"x{i}"}, timeout=30
+        )
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "ok", answer.text
+        assert answer.headers["x-radixgate-worker"] == good.url
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    errors = metric_values(text, "radixgate_upstream_errors_total")
+    tries = errors.get(f'{{kind="stream_broken",worker="{broken.url}"}}', 0)
+    assert tries >= 1 and sum(errors.values()) == tries, errors
+    assert metric_values(text, "radixgate_upstream_retries_total")[f'{{worker="{broken.url}"}}'] == tries
+
+
+def test_a_fault_then_a_full_queue_is_the_faults_error_not_a_429(launch, faulty):
+    """The client gets 429 only when every worker tried had a full queue; a 500 on one worker and a
+    429 on the next read "every worker tried has a full queue" in that order."""
+
+    async def error(request: Request) -> JSONResponse:
+        return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+    async def full(request: Request) -> JSONResponse:
+        return JSONResponse({"error": {"message": "full", "code": "queue_full"}}, status_code=429)
+
+    failing, busy = faulty(completions=error), faulty(completions=full)
+    router = launch.router([failing.url, busy.url], "--policy", "round_robin")
+    for i in range(2):  # round robin: the two orders
+        answer = httpx.post(
+            router.url + "/v1/completions", json={"model": "faulty", "prompt": f"x{i}"}, timeout=30
+        )
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "http_5xx", answer.text
+    busy_only = launch.router([busy.url])
+    answer = httpx.post(
+        busy_only.url + "/v1/completions", json={"model": "faulty", "prompt": "z"}, timeout=30
+    )
+    assert answer.status_code == 429 and answer.json()["error"]["code"] == "overloaded"
+
+
+def test_a_stream_the_worker_broke_off_takes_back_its_prefix_where_the_index_follows_its_events(
+    launch, faulty
+):
+    """The worker's KV events put back what it computed; the router's optimistic insert of a stream
+    that broke off stayed, predicting a prefix the worker never cached (cache_aware kept sending it
+    there)."""
+    worker = faulty(events=True, completions=_broken_stream)
+    router = launch.router([worker.url])
+    wait_until(
+        lambda: metric_values(httpx.get(router.url + "/metrics", timeout=10).text,
+                              "radixgate_upstream_kv_resyncs_total").get(f'{{worker="{worker.url}"}}', 0) >= 1,
+        30, what="the router reading the worker's snapshot",
+    )  # fmt: skip
+    body = {"model": "faulty", "prompt": "a shared prefix of some length " * 10, "stream": True}
+    answer = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200 and b"stream_broken" in answer.content
+    assert matched_tokens(router.url, body)[worker.url] == 0
