@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from router.resp import tcp_url_options
 from router.tokenization import load_tokenizer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
+# seconds at most, for any time setting: past it timers overflow (threading's, at infinity) or never fire
+MAX_SECONDS = 7 * 24 * 3600.0
 # seconds that must be > 0: at 0 a timeout fails every request, an interval spins a core
 _POSITIVE_SECONDS = (
     "health_interval_s",
@@ -126,11 +129,15 @@ class RouterConfig:
             raise ValueError("replica_sync must be auto, on or off")
         if self.replica_sync == "on" and not self.redis_url:
             raise ValueError("replica_sync=on needs redis_url")
-        if not self.shutdown_delay_s >= 0:  # NaN fails too
-            raise ValueError(f"shutdown_delay_s must be >= 0 seconds, not {self.shutdown_delay_s!r}")
+        if not 0 <= self.shutdown_delay_s <= MAX_SECONDS:  # NaN fails too
+            raise ValueError(
+                f"shutdown_delay_s must be 0 to {MAX_SECONDS:g} seconds, not {self.shutdown_delay_s!r}"
+            )
         for name in _POSITIVE_SECONDS:
-            if not getattr(self, name) > 0:  # NaN fails too
-                raise ValueError(f"{name} must be > 0 seconds, not {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) <= MAX_SECONDS:  # NaN fails too
+                raise ValueError(
+                    f"{name} must be > 0 and at most {MAX_SECONDS:g} seconds, not {getattr(self, name)!r}"
+                )
         if self.replica_sync_enabled:
             try:
                 tcp_url_options(self.redis_url)
@@ -218,6 +225,8 @@ def _coerce(name: str, value: Any) -> Any:
             return int(value)
         if kind == "float":
             return float(value)
+        if isinstance(value, (list, dict)):  # NOTE: str() would make a YAML list a setting's text
+            raise TypeError("expected text")
         if kind == "str | None":
             return None if value in (None, "") else str(value)
         return str(value)
@@ -382,17 +391,17 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> RouterConfig:
     """Merge defaults < YAML < env < flags and validate. Raises ValueError / SystemExit on bad input."""
     args = build_parser().parse_args(argv)
-    settings: dict[str, Any] = {}
-    if args.config:
-        settings.update(load_yaml(args.config))
-    settings.update(from_env(dict(os.environ) if environ is None else environ))
+    yaml_settings = load_yaml(args.config) if args.config else {}
+    env = from_env(dict(os.environ) if environ is None else environ)
     flags = {k: v for k, v in vars(args).items() if v is not None and k in _FIELDS}
     if args.workers:
         flags["workers"] = _coerce("workers", args.workers)
     if args.worker_urls:
         flags["workers"] = flags.get("workers", []) + list(args.worker_urls)
+    lower = {**yaml_settings, **env}
+    _drop_params_of_another_policy(lower, yaml_settings, env, flags.get("policy"))
     if args.policy_param:
-        params = dict(settings.get("policy_params", {}))
+        params = dict(lower.get("policy_params", {}))
         for item in args.policy_param:
             key, sep, value = item.partition("=")
             if not sep:
@@ -402,7 +411,7 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             except ValueError as exc:
                 raise ValueError(f"--policy-param {key}: {exc}") from None
         flags["policy_params"] = params
-    settings.update(flags)
+    settings = {**lower, **flags}
     config = RouterConfig(**settings)
     config.workers = [w.rstrip("/") for w in config.workers]
     config.log_level = config.log_level.lower()  # NOTE: uvicorn knows only the lower-case names
@@ -411,6 +420,28 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
             setattr(config, name, getattr(config, name).strip())
     config.validate()
     return config
+
+
+def _drop_params_of_another_policy(
+    lower: dict[str, Any], yaml_settings: dict[str, Any], env: dict[str, Any], flag_policy: str | None
+) -> None:
+    """``policy_params`` are their policy's: a policy chosen at a higher level (env, a flag) than the
+    params (the YAML's, the env's) does not take params written for another one (the example config's
+    ``cache_aware`` ones made ``RADIXGATE_POLICY=round_robin`` a start-up error): they are left out
+    of ``lower`` (the YAML and env merged), with a warning."""
+    if "policy_params" not in lower:
+        return
+    written = yaml_settings if "policy_params" not in env else {**yaml_settings, **env}
+    theirs = written.get("policy", RouterConfig.policy)
+    policy = flag_policy or lower.get("policy", RouterConfig.policy)
+    if policy != theirs:
+        logging.getLogger("radixgate.router").warning(
+            "policy_params %s were given for policy %r, not %r: left out",
+            lower["policy_params"],
+            theirs,
+            policy,
+        )
+        del lower["policy_params"]
 
 
 def check_tokenizer(spec: str) -> None:

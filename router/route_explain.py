@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from router.affinity import NO_WORKER
 from router.gateway import Router
 from router.request_parsing import ParsedRequest
 
@@ -43,7 +44,7 @@ def explain(
         # the worker the pick would be told to fetch the prompt's KV from (--kv-fetch-min-tokens)
         "kv_source": None if decision is None or cut else router.kv_source(decision, parsed.cache_salt),
         "affinity_group": group,
-        "affinity_outcome": outcome,
+        "affinity_outcome": NO_WORKER if decision is None else outcome,  # as the request is counted
         "prompt_tokens": route.prompt_tokens,
         # echo + logprobs: the worker computes the whole prompt, so nothing is matched (routed by load)
         "whole_prompt_computed": parsed.full_prefill,

@@ -20,6 +20,37 @@ def test_precedence_defaults_yaml_env_flags(tmp_path):
     assert config.health_interval_s == 1.0  # untouched default
 
 
+def test_a_policy_chosen_above_the_yaml_leaves_out_the_yamls_params_for_another_policy():
+    """The README's example (RADIXGATE_POLICY=round_robin over configs/router.yaml) was a start-up
+    error: the file's cache_aware params went with the policy the environment chose."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "router.yaml")
+    config = build_config(["--config", path], environ={"RADIXGATE_POLICY": "round_robin"})
+    assert config.policy == "round_robin" and config.policy_params == {}
+    config = build_config(
+        ["--config", path, "--policy", "prefix_hash", "--policy-param", "vnodes=64"], environ={}
+    )
+    assert config.policy == "prefix_hash" and config.policy_params == {
+        "vnodes": 64
+    }  # the flag's own are kept
+    both = build_config(["--config", path, "--policy-param", "balance_abs=5"], environ={})  # onto the file's
+    assert both.policy_params == {
+        **build_config(["--config", path], environ={}).policy_params,
+        "balance_abs": 5,
+    }
+    kept = build_config(["--config", path, "--policy", "cache_aware"], environ={})
+    assert kept.policy_params == build_config(["--config", path], environ={}).policy_params != {}
+
+
+@pytest.mark.parametrize("key", ["worker_model", "k8s_namespace", "host", "log_level"])
+def test_a_list_or_mapping_for_a_text_setting_is_an_error(tmp_path, key):
+    """A YAML list became the setting's text (``['tiny']``: the launched workers failed to start)."""
+    cfg = tmp_path / "r.yaml"
+    for value in ("[tiny]", "{a: 1}"):
+        cfg.write_text(f"{key}: {value}\n")
+        with pytest.raises(ValueError, match=f"bad value for {key}"):
+            build_config(["--config", str(cfg)], environ={})
+
+
 def test_worker_flags_both_spellings():
     config = build_config(["--workers", "http://a:1,http://b:2/", "--worker-urls", "http://c:3"], environ={})
     assert config.workers == ["http://a:1", "http://b:2", "http://c:3"]
@@ -225,6 +256,10 @@ def test_unquoted_on_and_off_are_read_as_modes(tmp_path):
         ([], {"RADIXGATE_REPLICA_SYNC_HEARTBEAT_S": "0"}, "replica_sync_heartbeat_s"),
         (["--port", "65536"], {}, "port"),
         (["--port", "0"], {}, "port"),
+        # infinity: health checks never ran again; a drain's timer thread died of an overflow
+        (["--health-interval-s", "inf"], {}, "health_interval_s"),
+        ([], {"RADIXGATE_SHUTDOWN_DELAY_S": "inf"}, "shutdown_delay_s"),
+        (["--request-timeout-s", "1e12"], {}, "request_timeout_s"),
     ],
 )
 def test_settings_that_would_break_the_router_are_refused(argv, environ, name):

@@ -623,6 +623,10 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
             "/v1/completions", json={"model": "echo", "prompt": "g"}, headers={"x-tenant": "ghost"}
         )
         assert ghost.status_code == 503
+        explained = client.post(
+            "/debug/route", json={"model": "echo", "prompt": "g"}, headers={"x-tenant": "ghost"}
+        ).json()  # as the request is counted (it said in_group)
+        assert explained["worker"] is None and explained["affinity_outcome"] == "no_worker"
         groups = client.get("/workers").json()["affinity_groups"]
         assert groups[0]["name"] == "acme" and groups[0]["members"] == {"echo": [pinned]}
         assert groups[1]["members"] == {"echo": []}
