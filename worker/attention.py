@@ -57,9 +57,13 @@ def extend(
     scores; ``sinks`` [Hq]: attention sinks; ``kv_scales``: an fp8 pool's K and V scales). Returns
     [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``: steps of few new tokens
     per request (SHORT_EXTEND) read them there, unless windowed or soft-capped (those take the extend
-    path). On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
+    path); a verify step (``return_all_logits``) over an fp8 pool attends them as stored on every path. On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
     short steps' reading the new K/V back from the pool as the kernels do."""
     ops = kernel_ops(q.device)
+    if batch.return_all_logits and k_cache.dtype in host_checks.FP8_POOL_DTYPES:
+        # NOTE: a verify step scores its tokens as decode steps would, and those read the new K/V back
+        # from the pool, rounded: so does every path here (the short ones read the pool anyway)
+        k, v = _as_stored(k_cache, v_cache, batch.out_slots, kv_scales, k.dtype)
     short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0 and softcap <= 0
     if ops is reference:
         if short and (sinks is not None or kv_scales is not None):  # NOTE: the new K/V read back, as on CUDA
@@ -83,6 +87,18 @@ def extend(
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
         config=batch.extend_config, window=window, softcap=softcap, sinks=sinks, kv_scales=kv_scales,
     )  # fmt: skip
+
+
+def _as_stored(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, kv_scales: host_checks.KVScales | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The K and V rows ``slots`` of an fp8 pool as the values they stand for, in ``dtype``."""
+    scales = host_checks.kv_scales(kv_scales, k_cache)
+    rows = slots.long()
+    k_scale, v_scale = (None, None) if scales is None else scales
+    return (reference.pool_values(k_cache[rows], k_scale).to(dtype),
+            reference.pool_values(v_cache[rows], v_scale).to(dtype))  # fmt: skip
 
 
 def _extend_sdpa(

@@ -497,6 +497,33 @@ def test_an_hf_checkpoint_answers_the_same_with_drafts_free_and_under_a_schema(l
         assert spec_counts(spec.url)["radixgate_worker_spec_verify_steps_total"] > 0
 
 
+@pytest.mark.parametrize("sliding_window", [None, 12])
+def test_over_an_fp8_pool_a_verify_step_scores_as_decode_steps_do(tmp_path, sliding_window):
+    """Decode steps read a token's K/V back from an fp8 pool, rounded; a verify step of one request
+    (on the CPU) or of a windowed model attended its new tokens as computed, so its logits moved and
+    greedy answers with drafts differed from those without (the first token off at ~50)."""
+    from .conftest import save_checkpoint
+
+    model = save_checkpoint(tmp_path / "m", "llama" if sliding_window is None else "mistral",
+                            **({} if sliding_window is None else {"sliding_window": sliding_window}))  # fmt: skip
+
+    def serve(**extra) -> LiveServer:
+        cfg = WorkerConfig(model=str(model), device="cpu", kv_cache_tokens=4096, warmup_tokens=0,
+                           kv_cache_dtype="fp8_e5m2", **extra)  # fmt: skip
+        return LiveServer(build_engine(cfg))
+
+    with serve() as plain, serve(speculative_tokens=4, speculative_ngram_min=1) as spec:
+        for bias in ({}, {"logit_bias": {"5": 8, "6": 8, "7": 8}}):  # drafts agreed with often
+            body = {"max_tokens": 80, "logprobs": 1, **bias}
+            a, b = complete(plain.url, **body), complete(spec.url, **body)
+            la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+            assert la["tokens"] == lb["tokens"]
+            # NOTE: a step of 5 tokens and one of 1 round differently in float32 (~1e-6), and now and
+            # then that moves a value across an fp8 rounding step (e5m2: 2 bits)
+            assert la["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-2)
+        assert spec_counts(spec.url)["radixgate_worker_spec_accepted_tokens_total"] > 0
+
+
 def test_speculation_needs_the_model_engine_and_sane_flags():
     for bad in ({"engine": "sim", "speculative_tokens": 2}, {"speculative_tokens": -1},
                 {"speculative_ngram_min": 3, "speculative_ngram_max": 2}, {"speculative_max_batch": 0}):  # fmt: skip
