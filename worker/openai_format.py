@@ -230,9 +230,10 @@ class Responses:
                                   prompt_token_ids=self.prompt_ids[0])  # fmt: skip
         return self._envelope(obj, choices=out, usage=usage(prompt_tokens, choices))
 
-    def role_chunk(self, index: int) -> dict:
-        """A chat stream's first chunk of a choice."""
-        delta = {"role": "assistant", "content": ""}
+    def role_chunk(self, index: int, forced_call: bool = False) -> dict:
+        """A chat stream's first chunk of a choice (``forced_call``: a ``tool_choice`` that forces
+        calls, whose answer has no content: null, as the whole answer's, as OpenAI sends it)."""
+        delta = {"role": "assistant", "content": None if forced_call else ""}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         if self.prompt_ids is not None:
             choice["token_ids"] = []

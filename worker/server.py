@@ -351,7 +351,7 @@ class WorkerAPI:
         try:
             if resp.chat:
                 for c in choices:
-                    yield send(resp.role_chunk(c.index))
+                    yield send(resp.role_chunk(c.index, c.tools is not None and c.tools.forced))
             while out is not None:
                 if out.error is not None:
                     yield _sse(

@@ -232,12 +232,18 @@ class ToolOutput:
         self._array = _CallArray() if req.choice == "required" else None  # required: streamed calls
         self._tag = CALL_TAGS.get(parser)  # mistral, granite: the tag that opens the calls
 
+    @property
+    def forced(self) -> bool:
+        """Does the request force calls (``required``, a named function)? Then its answer has no content."""
+        return self.req.choice in ("function", "required")
+
     # ------------------------------------------------------------------ whole answers
     def message(self, text: str) -> dict:
         mode = self.req.choice
         if mode == "none":
             return {"role": "assistant", "content": text}
         if mode == "function":  # NOTE: an answer cut off before its arguments began holds no call
+            text = text.lstrip()  # the grammar lets whitespace come first (after the thinking): not arguments
             calls = [_call(self.req.name or "", text)] if text else []
         elif mode == "required":  # NOTE: read as a stream is, so one cut off by max_tokens agrees with it
             calls, text = _CallArray().calls_in(text), ""  # the calls' JSON is not content
@@ -250,10 +256,16 @@ class ToolOutput:
             text, calls = _hermes(text)
         calls = self._allowed(calls)
         self.calls = len(calls)
+        if self.forced:  # NOTE: none of the text is content (cut off before a call: no call, no content)
+            return {
+                "role": "assistant",
+                "content": None,
+                **({"tool_calls": self._ids(calls)} if calls else {}),
+            }
         if not calls:
             return {"role": "assistant", "content": text}
         # NOTE: the whitespace the text opens with is kept, as a stream sends it; what ends it is the call's
-        content = None if mode in ("function", "required") else (text.rstrip() or None)
+        content = text.rstrip() or None
         return {"role": "assistant", "content": content, "tool_calls": self._ids(calls)}
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -288,6 +300,8 @@ class ToolOutput:
         if mode == "none":
             return [{"content": text}] if text else []
         if mode == "function":
+            if not self.calls:  # NOTE: whitespace the grammar lets come first is not arguments
+                text = text.lstrip()
             if not text:  # NOTE: no call before its first argument text (the model may still be thinking)
                 return []
             out = []

@@ -245,7 +245,7 @@ def test_a_required_answer_cut_off_gives_the_calls_so_far_whole_as_streamed() ->
         stream = ToolOutput(ToolRequest(TOOLS, "required"), "hermes")
         deltas = stream.feed(text) + stream.flush()
         assert raw_calls(message) == raw_calls(deltas), text
-        assert message["content"] == ("" if not deltas else None)
+        assert message["content"] is None  # a forced call's answer has no content, with calls or without
         assert whole.finish_reason("length") == "length" and whole.calls == stream.calls
     assert raw_calls(ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(REQUIRED_TEXT[:83])) == [
         ("add", '{"a":1,"b":2}'), ("get_weather", '{"cit')]  # fmt: skip
@@ -385,17 +385,21 @@ def test_streamed_named_call_equals_the_whole_answer(worker) -> None:
     body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
             "tool_choice": {"type": "function", "function": {"name": "add"}}}  # fmt: skip
     whole = worker.post("/v1/chat/completions", json=body).json()["choices"][0]
-    name, arguments, finish = "", "", None
+    name, arguments, finish, contents = "", "", None, []
     with worker.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
+                if "content" in choice["delta"]:
+                    contents.append(choice["delta"]["content"])
                 for call in choice["delta"].get("tool_calls", []):
                     assert call["index"] == 0
                     name += call.get("function", {}).get("name", "")
                     arguments += call["function"].get("arguments", "")
                 finish = choice["finish_reason"] or finish
     assert finish == whole["finish_reason"] == "tool_calls"
+    # no content, whole or streamed (the role chunk's was "": an SDK's stream put together read "")
+    assert whole["message"]["content"] is None and contents == [None]
     assert (name, arguments) == (whole["message"]["tool_calls"][0]["function"]["name"],
                                  whole["message"]["tool_calls"][0]["function"]["arguments"])  # fmt: skip
 
@@ -745,7 +749,7 @@ def test_a_named_call_begins_with_its_arguments() -> None:
     assert out.feed("") == [] and out.flush() == [] and out.finish_reason("length") == "length"
     whole = ToolOutput(named, "hermes")
     assert (
-        whole.message("") == {"role": "assistant", "content": ""}
+        whole.message("") == {"role": "assistant", "content": None}
         and whole.finish_reason("length") == "length"
     )
     out = ToolOutput(named, "hermes")
@@ -756,6 +760,19 @@ def test_a_named_call_begins_with_its_arguments() -> None:
     assert (
         sum("id" in c for d in deltas for c in d["tool_calls"]) == 1
         and out.finish_reason("stop") == "tool_calls"
+    )
+    # whitespace the grammar lets come first (after a thinking model's </think>) is not the arguments:
+    # OpenAI's SDK parses a strict tool's arguments on every delta and failed on whitespace alone
+    out = ToolOutput(named, "hermes")
+    deltas = out.feed("\n") + out.feed(" \t") + out.feed('{"a":') + out.feed(" 1}") + out.flush()
+    pieces = [
+        c["function"]["arguments"] for d in deltas for c in d["tool_calls"] if c["function"]["arguments"]
+    ]
+    assert pieces == ['{"a":', " 1}"]
+    assert raw_calls(ToolOutput(named, "hermes").message('\n \t{"a": 1}')) == [("add", '{"a": 1}')]
+    assert (
+        ToolOutput(named, "hermes").message(" \n") == {"role": "assistant", "content": None}
+        and out.calls == 1
     )
 
 
