@@ -189,13 +189,17 @@ class HarmonySplitter(Splitter):
     without one."""
 
     def __init__(
-        self, thinking: bool = False, ends: Mapping[int, str] | None = None, track: bool = True
-    ) -> None:
+        self, thinking: bool = False, ends: Mapping[int, str] | None = None, track: bool = True,
+        calls: bool = True,
+    ) -> None:  # fmt: skip
         """``ends``: harmony's end markers (``<|end|>``, ``<|call|>``, ...) by token id. gpt-oss's EOS ids
         are among them (``<|call|>``, ``<|return|>``): the engine keeps such a token out of the text, so
-        an answer it ends is closed by it here (a call it ends is whole, not cut off)."""
+        an answer it ends is closed by it here (a call it ends is whole, not cut off). ``calls``: a tool
+        call reader takes the content (tools, ``tool_choice`` not none); without one a call's text is
+        content as the model wrote it, as a call cut off is (never the hermes markup no one reads)."""
         super().__init__()
         del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
+        self._calls = calls
         self._ends = ends or {}
         self._state = "header"  # header: reading up to <|message|>; body: a message's text
         self._channel = ""
@@ -260,8 +264,8 @@ class HarmonySplitter(Splitter):
 
     def _take_call(self) -> str:
         call = {"name": self._recipient, "arguments": self._call.strip()}
-        self._call, self._recipient = "", ""
-        return f"{_OPEN_CALL}{json.dumps(call, ensure_ascii=False)}{_CLOSE_CALL}"
+        text, self._call, self._recipient = self._call, "", ""
+        return f"{_OPEN_CALL}{json.dumps(call, ensure_ascii=False)}{_CLOSE_CALL}" if self._calls else text
 
     def flush(self) -> tuple[str, str]:
         end = self._ends.get(self._last) if self._state == "body" else None  # type: ignore[arg-type]
@@ -279,7 +283,9 @@ class HarmonySplitter(Splitter):
         return (text, "") if self._channel == "analysis" else ("", text)
 
 
-def splitter(parser: str, thinking: bool = False, ends: Mapping[int, str] | None = None) -> Splitter:
-    """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer (``ends``:
-    HarmonySplitter's)."""
-    return HarmonySplitter(ends=ends) if parser == "gpt_oss" else ReasoningSplitter(thinking)
+def splitter(
+    parser: str, thinking: bool = False, ends: Mapping[int, str] | None = None, calls: bool = True
+) -> Splitter:
+    """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer (``ends``,
+    ``calls``: HarmonySplitter's)."""
+    return HarmonySplitter(ends=ends, calls=calls) if parser == "gpt_oss" else ReasoningSplitter(thinking)

@@ -264,7 +264,7 @@ class ResponsesAPI:
         )
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
-                     api.splitter(thinking) if api.reasoning else None)  # fmt: skip
+                     api.splitter(thinking, calls=reader is not None) if api.reasoning else None)  # fmt: skip
         if store:
             self.store.begin(rid, turn.response("in_progress"))
         if body.get("stream"):

@@ -105,9 +105,10 @@ class WorkerAPI:
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
 
-    def splitter(self, thinking: bool | None) -> reasoning.Splitter:
-        """A chat answer's reasoning splitter (with --reasoning-parser)."""
-        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends)
+    def splitter(self, thinking: bool | None, calls: bool = True) -> reasoning.Splitter:
+        """A chat answer's reasoning splitter (with --reasoning-parser; ``calls``: a tool call reader
+        takes its content)."""
+        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends, calls)
 
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
@@ -200,10 +201,11 @@ class WorkerAPI:
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}  # choice index -> engine request id, until it finishes
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
+        reader = tools is not None and tools.choice != "none"
         for c in choices:
             if chat and self.reasoning:
-                c.reasoning = self.splitter(thinking)
-            if tools is not None and tools.choice != "none":
+                c.reasoning = self.splitter(thinking, calls=reader)
+            if reader:
                 c.tools = ToolOutput(tools, self.tool_call_parser)
             if echo is not None:
                 c.echo, c.scoring_only = echo[c.prompt], scoring

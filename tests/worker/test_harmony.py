@@ -125,6 +125,21 @@ def test_a_message_to_a_tool_is_a_call(text, expected):
     assert split(text) == ("", expected)
 
 
+def test_without_a_tool_reader_a_call_is_the_text_the_model_wrote(worker):
+    """No tools, or tool_choice none: no reader takes a call, so its text is content as written, as
+    a call cut off is; it came back as hermes markup no one reads, its arguments a JSON string."""
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        body = {**chat(max_tokens=240, **extra), "regex": CALL}
+        with httpx.Client(base_url=worker.url, timeout=60) as client:
+            whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        assert whole["finish_reason"] == "stop" and not whole["message"].get("tool_calls")
+        assert json.loads(whole["message"]["content"]) == {"city": "Oslo"}, whole["message"]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == whole["message"]["content"]
+
+
 def test_a_tool_call_after_the_analysis_is_read_whole_and_streamed(worker):
     body = {**chat(tools=TOOLS, max_tokens=240), "regex": CALL}
     with httpx.Client(base_url=worker.url, timeout=60) as client:
