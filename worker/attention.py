@@ -57,10 +57,10 @@ def extend(
     scores; ``sinks`` [Hq]: attention sinks; ``kv_scales``: an fp8 pool's K and V scales). Returns
     [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``: steps of few new tokens
     per request (SHORT_EXTEND) read them there, unless windowed or soft-capped (those take the extend
-    path); a verify step (``return_all_logits``) over an fp8 pool attends them as stored on every path. On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
+    path); a verify step (``batch.verify``) over an fp8 pool attends them as stored on every path. On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
     short steps' reading the new K/V back from the pool as the kernels do."""
     ops = kernel_ops(q.device)
-    if batch.return_all_logits and k_cache.dtype in host_checks.FP8_POOL_DTYPES:
+    if batch.verify and k_cache.dtype in host_checks.FP8_POOL_DTYPES:
         # NOTE: a verify step scores its tokens as decode steps would, and those read the new K/V back
         # from the pool, rounded: so does every path here (the short ones read the pool anyway)
         k, v = _as_stored(k_cache, v_cache, batch.out_slots, kv_scales, k.dtype)

@@ -164,6 +164,7 @@ class ExtendGraphRunner:
             kv_indptr=view("kv_indptr", rows + 1),
             kv_indices=view("kv_indices"),
             return_all_logits=kind == "all",
+            verify=kind == "all",  # NOTE: the graphs of every logit are the verify steps
             max_extend_len=self._max_extend(size, kind),
             extend_config=config,
         )

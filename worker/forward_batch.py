@@ -29,6 +29,8 @@ class ForwardBatch:
     kv_indptr: torch.Tensor  # int32 [B+1] request i's entries of kv_indices
     kv_indices: torch.Tensor  # int32/int64 [nnz] pool slots (see the NOTE above)
     return_all_logits: bool = False  # logits of every new token instead of the last per request
+    # a speculative verify step: its new tokens are attended as the pool stores them (decode's view)
+    verify: bool = False
     logit_rows: torch.Tensor | None = None  # int64: the new tokens to give logits for (overrides both)
     # NOTE: host-side, so the extend kernel's grid needs no device-to-host sync (one per layer otherwise)
     max_extend_len: int | None = None  # most new tokens of any request; None = read from qo_indptr
@@ -63,6 +65,7 @@ class ForwardBatch:
             kv_indptr=self.kv_indptr.to(device, non_blocking=True),
             kv_indices=self.kv_indices.to(device, non_blocking=True),
             return_all_logits=self.return_all_logits,
+            verify=self.verify,
             logit_rows=None if self.logit_rows is None else self.logit_rows.to(device, non_blocking=True),
             max_extend_len=self.max_extend_len,
             max_prefix_len=self.max_prefix_len,

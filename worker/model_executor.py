@@ -257,7 +257,7 @@ class ModelExecutor:
             self.extend_graph_steps += 1
         else:
             fb = self._forward_batch(batch)
-            fb.return_all_logits = True
+            fb.return_all_logits = fb.verify = True
             logits = self.model.forward(fb, self.kv_pool)
         qo = batch.qo_indptr.tolist()
         out: list[list[int]] = [[] for _ in batch.requests]

@@ -82,7 +82,7 @@ def step_message(batch: ForwardBatch) -> tuple:
     rows = None if batch.logit_rows is None else batch.logit_rows.cpu().numpy()
     lora = None if batch.lora is None else batch.lora.adapters
     return ("step", batch.mode, arrays, batch.return_all_logits, rows, batch.max_extend_len, lora,
-            batch.max_prefix_len)  # fmt: skip
+            batch.max_prefix_len, batch.verify)  # fmt: skip
 
 
 def step_batch(msg: tuple, device: torch.device, stack: Any, group: Any = None) -> ForwardBatch:
@@ -93,7 +93,7 @@ def step_batch(msg: tuple, device: torch.device, stack: Any, group: Any = None) 
 
     from worker.model.lora import lora_batch
 
-    _, mode, arrays, all_logits, rows, max_extend, lora, max_prefix = msg
+    _, mode, arrays, all_logits, rows, max_extend, lora, max_prefix, verify = msg
     tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items() if a is not None}
     if arrays["input_ids"] is None:
         tensors["input_ids"] = torch.empty(len(arrays["positions"]), dtype=torch.int64, device=device)
@@ -102,6 +102,7 @@ def step_batch(msg: tuple, device: torch.device, stack: Any, group: Any = None) 
         mode=mode,
         **tensors,
         return_all_logits=all_logits,
+        verify=verify,
         logit_rows=None if rows is None else torch.from_numpy(rows).to(device),
         max_extend_len=max_extend,
         max_prefix_len=max_prefix,
