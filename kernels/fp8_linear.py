@@ -313,7 +313,7 @@ def check_fp8_linear(
                 f"an fp8 weight [{n}, {k}] in {rows}x{cols} blocks needs scale [{-(-n // max(rows, 1))}, "
                 f"{-(-k // max(cols, 1))}], got {host_checks.shape_of(scale)}"
             )
-    elif scale.numel() not in (1, n) or (scale.numel() == n and scale.shape not in ((n,), (n, 1))):
+    elif scale.numel() != 1 and (scale.numel() != n or scale.shape not in ((n,), (n, 1))):
         raise ValueError(
             f"an fp8 weight [{n}, {k}] without blocks needs one scale a row ([{n}] or [{n}, 1]) or one in all, "
             f"got {host_checks.shape_of(scale)}"

@@ -100,6 +100,10 @@ def check_attention(
                 f"{name} has shape {shape_of(x)}; expected [S, Hkv, D] with [Hkv, D] = {pool_row} "
                 f"(D from q {shape_of(q)}, Hkv from k_cache)"
             )
+    if v_cache.shape[0] != k_cache.shape[0]:  # NOTE: one S for both: a slot indexes each
+        raise ValueError(
+            f"v_cache has {v_cache.shape[0]} slots, k_cache {k_cache.shape[0]}: expected the same"
+        )
     new = [(name, x) for name, x in (("k_new", k_new), ("v_new", v_new)) if x is not None]
     for name, x in new:
         if list(x.shape) != [t, hkv, d]:

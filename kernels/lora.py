@@ -21,8 +21,9 @@ LoraConfig.batched_partials has the expand load the partials SPLIT_STEP splits a
 and its rows of out, instead of one split a load before them (fewer round trips in a row, more
 registers; off: slower on an H100 from 16 requests).
 CALLER CONTRACTS, NOT CHECKED ON CUDA (checking needs the index data: a device-to-host sync):
-  - seg_indptr is non-decreasing within [0, T]; no segment has more than ``max_rows`` rows (rows past
-    it get no delta);
+  - seg_indptr is non-decreasing within [0, T]; no segment has more than ``max_rows`` rows (the
+    reference gives rows past it no delta; the kernels' blocks cover ``max_rows`` rounded up to their
+    16 rows, so such rows may get one: a segment past the bound is the caller's error);
   - every slot is -1 or in [0, S).
 """
 

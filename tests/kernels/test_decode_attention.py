@@ -158,6 +158,8 @@ def _mismatched(name):
         k_cache, v_cache, match = k_cache[..., :32], v_cache[..., :32], "k_cache has shape"
     elif name == "v_pool_hkv":
         v_cache, match = v_cache[:, :1], "v_cache has shape"
+    elif name == "v_pool_slots":  # a slot past V's rows was read out of bounds (a segfault)
+        v_cache, match = v_cache[:4], "v_cache has 4 slots"
     elif name == "hq_not_multiple":
         q, match = q[:, :3], "Hq=3 is not a multiple of Hkv=2"
     elif name == "small_out":  # the merge kernel would write past its end
@@ -173,7 +175,16 @@ def _mismatched(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["head_dim", "v_pool_hkv", "hq_not_multiple", "small_out", "bf16_pool", "q_2d", "kv_indptr_length"],
+    [
+        "head_dim",
+        "v_pool_hkv",
+        "v_pool_slots",
+        "hq_not_multiple",
+        "small_out",
+        "bf16_pool",
+        "q_2d",
+        "kv_indptr_length",
+    ],
 )
 def test_decode_rejects_inconsistent_arguments_before_launch(backend, name):
     dec = backend.module("decode_attention")

@@ -105,6 +105,11 @@ def test_bad_arguments_are_refused(backend):
         fp8_linear.fp8_linear(x, w, scale[:, :1], block)
     with pytest.raises(ValueError, match="one scale a row"):
         fp8_linear.fp8_linear(x, w, torch.ones(5), None)
+    one_row = w[:1]  # one scale in all, 0-d, for a weight of one row: it was refused as a row's (N == 1)
+    want = reference.fp8_linear(x, one_row, torch.tensor(0.5), None)
+    assert torch.allclose(
+        fp8_linear.fp8_linear(x, one_row, torch.tensor(0.5), None).cpu(), want.cpu(), rtol=1e-5
+    )
     with pytest.raises(ValueError, match="weight must be float8"):
         fp8_linear.fp8_linear(x, w.float(), scale, block)
     with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and weight \[N, K\]"):

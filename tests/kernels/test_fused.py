@@ -153,7 +153,7 @@ def test_store_kv_reads_strided_slots_by_value(backend):
 @pytest.mark.parametrize(
     ("change", "match"),
     [("pool_head_dim", "k_cache has shape"), ("v_pool_hkv", "v_cache has shape"), ("v_shape", "v has shape"),
-     ("slots_length", "slots must have 4")],
+     ("slots_length", "slots must have 4"), ("v_pool_slots", "v_cache has 4 slots, k_cache 50")],
 )  # fmt: skip
 def test_store_kv_rejects_inconsistent_shapes(backend, change, match):
     fused = backend.module("fused")
@@ -165,6 +165,8 @@ def test_store_kv_rejects_inconsistent_shapes(backend, change, match):
         k_cache = k_cache[..., :32]
     elif change == "v_pool_hkv":
         v_cache = v_cache[:, :1]
+    elif change == "v_pool_slots":  # a slot past V's rows was written out of bounds (heap corruption)
+        v_cache = v_cache[:4]
     elif change == "v_shape":
         v = v[:, :1]
     elif change == "slots_length":
