@@ -65,6 +65,7 @@ class Request:
     finish_reason: str | None = None
     retractions: int = 0
     draft_history: Any = None  # the draft proposer's copy of token_ids
+    key_cache: Any = None  # (namespace, radix keys of token_ids): worker.scheduler._keys
     # the last verify step's (tokens kept, drafts counted as accepted): what a stop string's cut takes back
     verify_counted: tuple[int, int] = (0, 0)
 

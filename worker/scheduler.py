@@ -37,9 +37,14 @@ def _pages_for(tokens: int, page_size: int) -> int:
 
 
 def _keys(req: Request, n: int) -> np.ndarray:
-    """The radix-tree keys of the request's first ``n`` tokens (its LoRA adapter's own range)."""
+    """The radix-tree keys of the request's first ``n`` tokens (its LoRA adapter's own range). Kept
+    on the request while its tokens and namespace stay as they are: a waiting request's prompt is
+    matched again at every admission attempt (a 30k-token list to numpy: ~1 ms each time)."""
     space: int = req.namespace  # type: ignore[assignment]  # NOTE: set in __post_init__
-    return adapter_keys(np.asarray(req.token_ids[:n], dtype=np.int32), space)
+    kept = req.key_cache
+    if kept is None or kept[0] != space or len(kept[1]) != len(req.token_ids):
+        kept = req.key_cache = (space, adapter_keys(np.asarray(req.token_ids, dtype=np.int32), space))
+    return kept[1][:n]
 
 
 class Scheduler:
