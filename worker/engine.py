@@ -528,6 +528,7 @@ class Engine:
     def _emit(self, req: Request, out: RequestOutput, completion_tokens: int | None = None) -> None:
         out.prompt_tokens = req.prompt_len
         out.cached_tokens = max(req.cached_tokens, 0)
+        out.cache_written_tokens = req.cache_written
         out.completion_tokens = req.num_output if completion_tokens is None else completion_tokens
         out.index = req.payload.handle.index
         self._outbox.append((req.payload, out))

@@ -31,6 +31,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the radix cache
+    cache_written_tokens: int = 0  # prompt tokens whose pages the request added to the radix cache
     completion_tokens: int = 0  # generated so far
     error: str | None = None
     error_status: int = 0  # HTTP status for ``error`` (429 queue full, 500 model failure, 503 dead)

@@ -61,6 +61,7 @@ class Request:
     tree_len: int = 0  # leading tokens whose pages belong to the tree, locked via lock_node
     lock_node: Any = None
     cached_tokens: int = -1  # prompt tokens served from cache at first admission (-1: not yet)
+    cache_written: int = 0  # prompt tokens whose pages this request added to the radix cache
     uncached_estimate: int = 0  # while waiting: tokens to prefill, as the cache stood when last looked
     finish_reason: str | None = None
     retractions: int = 0

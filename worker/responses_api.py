@@ -146,6 +146,8 @@ async def _fitted(
     def without(k: int) -> list[dict]:
         turn = next((i for i in users if i >= k), None)
         if turn is not None:
+            while turn > k and rest[turn - 1]["role"] in ("system", "developer"):  # NOTE: instructions
+                turn -= 1  # given mid-conversation lead into the turn: not part of the dropped answer
             return messages[:kept] + rest[turn:]
         while k < len(rest) - 1 and rest[k]["role"] == "tool":
             k += 1
@@ -353,7 +355,7 @@ class _Turn:
         self.messages = messages  # earlier turns + this input, without instructions
         self.reader = reader  # with tools: reads calls out of the text
         self.thinking = thinking  # with --reasoning-parser: the thinking apart, as a reasoning item
-        self.output_tokens = self.cached_tokens = 0
+        self.output_tokens = self.cached_tokens = self.cache_written = 0
         self.finish_reason: str | None = None
         self.events = Events()
         self.items = OutputItems(self.events, logprobs)
@@ -364,6 +366,7 @@ class _Turn:
     def add(self, out: RequestOutput) -> list[bytes]:
         """Account one engine output; the stream events for its text."""
         self.output_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
+        self.cache_written = out.cache_written_tokens
         self.finish_reason = out.finish_reason or self.finish_reason
         # NOTE: with a reasoning parser the output text's logprobs are its answer's tokens only, not
         # the thinking's or harmony's headers and markers (the splitter judges a token by its own text)
@@ -415,12 +418,6 @@ class _Turn:
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip
 
-    def _written(self) -> int:
-        """OpenAI's ``cache_write_tokens``: the prompt's tokens this request's prefill added to the
-        radix cache, its whole pages past the cached ones."""
-        page = self.endpoint.api.engine.page_size
-        return max(0, self.prompt_tokens // page * page - self.cached_tokens)
-
     def finish(self) -> tuple[dict, list[bytes]]:
         """The finished response object (stored with the conversation unless the client said not
         to) and the events that close its items."""
@@ -430,7 +427,7 @@ class _Turn:
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {
                 "cached_tokens": self.cached_tokens,
-                "cache_write_tokens": self._written(),
+                "cache_write_tokens": self.cache_written,  # OpenAI's: what the prefill added to the cache
             },
             "output_tokens": self.output_tokens,
             "output_tokens_details": {

@@ -298,7 +298,10 @@ class Scheduler:
         n = full // self.ps
         already = self.cache.insert(tokens[:full], req.pages[:n])
         # NOTE: pages [0, tree_len) came from the tree; ours in [tree_len, already) are duplicates;
-        # pages [already, full) now belong to the tree.
+        # pages [already, full) now belong to the tree: of the prompt's, what it wrote to the cache
+        prompt = req.prompt_len // self.ps * self.ps
+        written = min(full, prompt) - min(max(already, req.tree_len), prompt)
+        req.cache_written = min(prompt, req.cache_written + max(0, written))
         dup = req.pages[req.tree_len // self.ps : already // self.ps]
         if dup.size:
             self.allocator.free(dup)

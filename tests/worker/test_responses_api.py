@@ -113,25 +113,29 @@ def test_previous_response_id_continues_the_stored_conversation_from_the_cache(c
     assert again.status_code == 404 and again.json()["error"]["code"] == "response_not_found"
 
 
-def test_cache_write_tokens_are_what_the_next_same_prompt_finds_cached(client) -> None:
+@pytest.mark.parametrize("whole_pages", [False, True])
+def test_cache_write_tokens_are_what_the_request_added_to_the_cache(client, whole_pages) -> None:
     """usage.input_tokens_details.cache_write_tokens (required by OpenAI's types): the prompt's tokens
-    the request added to the radix cache; the same prompt again finds them cached, none written."""
-    question = "A question no other test asks, to start cold"
-    while (
-        client.post("/tokenize", json={"messages": [{"role": "user", "content": question}]}).json()["count"]
-        % 16
-        == 0
-    ):
-        question += "?"  # NOTE: a prompt of whole pages leaves its last one to compute again
+    whose pages the request added to the radix cache. The same prompt again finds them cached and
+    writes none, a prompt of whole pages too: its last page is computed again (a match leaves a token
+    to compute) but was cached already (it was counted as written each time)."""
+    question = f"A question no other test asks, to start cold ({whole_pages})"
+
+    def pages_whole(text: str) -> bool:
+        count = client.post("/tokenize", json={"messages": [{"role": "user", "content": text}]}).json()[
+            "count"
+        ]
+        return count % 16 == 0
+
+    while pages_whole(question) != whole_pages:
+        question += "?"
     first = create(client, input=question, max_output_tokens=1, store=False)["usage"]
     again = create(client, input=question, max_output_tokens=1, store=False)["usage"]
-    written = first["input_tokens_details"]["cache_write_tokens"]
-    assert written > 0 and written % 16 == 0
-    assert (
-        again["input_tokens_details"]["cached_tokens"]
-        == first["input_tokens_details"]["cached_tokens"] + written
-    )
+    written, cached = (first["input_tokens_details"][k] for k in ("cache_write_tokens", "cached_tokens"))
+    assert written > 0 and written % 16 == 0 and cached + written == first["input_tokens"] // 16 * 16
     assert again["input_tokens_details"]["cache_write_tokens"] == 0
+    # a prompt of whole pages computes its last page again: a match leaves a token to compute
+    assert again["input_tokens_details"]["cached_tokens"] == cached + written - (16 if whole_pages else 0)
 
 
 def test_store_false_and_the_bound_on_stored_responses(client) -> None:
@@ -264,6 +268,11 @@ async def test_a_dropped_call_takes_its_tool_result_with_it() -> None:
     # kept starts at a user message, as templates that check the roles alternate require
     asked = [messages[0], {"role": "user", "content": "z" * 1000}, *messages[1:]]
     assert await _fitted(asked, 1, tok, None, 1000) == tok.encode_chat([messages[0], messages[3]])
+    # instructions given mid-conversation lead into the kept turn: they stay (they were dropped with
+    # the turn before them)
+    told = [messages[0], {"role": "user", "content": "z" * 1000}, {"role": "assistant", "content": "ok"},
+            {"role": "system", "content": "From now on answer in French."}, messages[3]]  # fmt: skip
+    assert await _fitted(told, 1, tok, None, 1000) == tok.encode_chat([messages[0], *told[3:]])
     # no user message after the cut: the call stays with its result (never a result alone)
     tail = [messages[0], {"role": "user", "content": "z" * 1000}, *messages[1:3]]
     assert await _fitted(tail, 1, tok, None, 1000) == tok.encode_chat([messages[0], *messages[1:3]])
