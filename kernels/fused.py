@@ -250,10 +250,7 @@ def _store_kv_args(
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dim() != 3 or x.shape[1:] != k.shape[1:]:
             raise ValueError(f"{name} has shape {list(x.shape)}, expected [S, {hkv}, {d}] (Hkv, D from k)")
-    if v_cache.shape[0] != k_cache.shape[0]:  # NOTE: one S for both: a slot indexes each
-        raise ValueError(
-            f"v_cache has {v_cache.shape[0]} slots, k_cache {k_cache.shape[0]}: expected the same"
-        )
+    host_checks.check_pool_slots(k_cache, v_cache)
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in host_checks.POOL_DTYPES:
         raise ValueError(f"the pool is {k_cache.dtype} (K) and {v_cache.dtype} (V): expected one of "
                          f"{', '.join(map(str, host_checks.POOL_DTYPES))}")  # fmt: skip

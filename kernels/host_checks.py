@@ -76,6 +76,14 @@ def check_out(name: str, out: torch.Tensor, like: torch.Tensor, like_name: str) 
         )
 
 
+def check_pool_slots(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """One S for K and V: a slot indexes each (a ValueError, not an out-of-bounds read or write)."""
+    if v_cache.shape[0] != k_cache.shape[0]:
+        raise ValueError(
+            f"v_cache has {v_cache.shape[0]} slots, k_cache {k_cache.shape[0]}: expected the same"
+        )
+
+
 def check_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -100,10 +108,7 @@ def check_attention(
                 f"{name} has shape {shape_of(x)}; expected [S, Hkv, D] with [Hkv, D] = {pool_row} "
                 f"(D from q {shape_of(q)}, Hkv from k_cache)"
             )
-    if v_cache.shape[0] != k_cache.shape[0]:  # NOTE: one S for both: a slot indexes each
-        raise ValueError(
-            f"v_cache has {v_cache.shape[0]} slots, k_cache {k_cache.shape[0]}: expected the same"
-        )
+    check_pool_slots(k_cache, v_cache)
     new = [(name, x) for name, x in (("k_new", k_new), ("v_new", v_new)) if x is not None]
     for name, x in new:
         if list(x.shape) != [t, hkv, d]:

@@ -62,6 +62,18 @@ def pool_values(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.
     return rows.float() if scale is None else rows.float() * scale.to(rows.device)[:, None]
 
 
+def stored_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    kv_scales: host_checks.KVScales | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows ``slots`` of the pool as the values they stand for (pool_values), float32."""
+    k_scale, v_scale = _scales_of(kv_scales, k_cache)
+    rows = slots.long()
+    return pool_values(k_cache[rows], k_scale), pool_values(v_cache[rows], v_scale)
+
+
 def _scales_of(
     kv_scales: host_checks.KVScales | None, k_cache: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -140,11 +140,11 @@ STREAM_OPTIONS_ERROR = (
 STREAM_OPTIONS_NO_STREAM = "'stream_options' is only allowed when 'stream' is true"
 
 
-def stream_options_error(body: dict[str, Any]) -> str | None:
-    """What is wrong with the ``stream_options`` of a chat or completion request, if anything: it
-    is null, or an object whose ``include_usage`` and ``continuous_usage_stats`` are booleans, null
-    or absent, sent with ``stream: true`` (OpenAI refuses it on a request that does not stream).
-    One rule for the router and the worker."""
+def stream_options_error(body: dict[str, Any]) -> tuple[str, str | None] | None:
+    """What is wrong with the ``stream_options`` of a chat or completion request, if anything (the
+    message, the error code): it is null, or an object whose ``include_usage`` and
+    ``continuous_usage_stats`` are booleans, null or absent, sent with ``stream: true`` (OpenAI
+    refuses it on a request that does not stream). One rule for the router and the worker."""
     options = body.get("stream_options")
     if options is None:
         return None
@@ -152,15 +152,15 @@ def stream_options_error(body: dict[str, Any]) -> str | None:
         isinstance(options.get(k, False), (bool, type(None)))
         for k in ("include_usage", "continuous_usage_stats")
     ):
-        return STREAM_OPTIONS_ERROR
-    return None if body.get("stream") is True else STREAM_OPTIONS_NO_STREAM
+        return STREAM_OPTIONS_ERROR, "invalid_type"
+    return None if body.get("stream") is True else (STREAM_OPTIONS_NO_STREAM, None)
 
 
 def _check_stream_options(body: dict[str, Any]) -> None:
     """Checked here because the router rewrites ``stream_options`` for streams
     (``with_stream_usage``): a malformed one would otherwise pass."""
     if error := stream_options_error(body):
-        raise RouterError(400, error, "invalid_type" if error == STREAM_OPTIONS_ERROR else None)
+        raise RouterError(400, *error)
 
 
 def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:

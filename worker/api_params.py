@@ -15,7 +15,6 @@ from starlette.requests import Request
 from router.errors import RouterError
 from router.request_parsing import (
     JSON_DEPTH_ERROR,
-    STREAM_OPTIONS_ERROR,
     ClientGone,
     read_body,
     stream_options_error,
@@ -95,7 +94,7 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
         if not isinstance(body.get(flag) or False, bool):
             raise APIError(400, f"'{flag}' must be a boolean")
     if error := stream_options_error(body):
-        raise APIError(400, error, "invalid_type" if error == STREAM_OPTIONS_ERROR else None)
+        raise APIError(400, *error)
     # NOTE: refused rather than ignored: an answer without the asked-for format or tool call would
     # look like success to the client
     if body.get("functions") or body.get("function_call"):

@@ -60,11 +60,14 @@ def extend(
     path); a verify step (``batch.verify``) over an fp8 pool attends them as stored on every path. On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
     short steps' reading the new K/V back from the pool as the kernels do."""
     ops = kernel_ops(q.device)
-    if batch.verify and k_cache.dtype in host_checks.FP8_POOL_DTYPES:
-        # NOTE: a verify step scores its tokens as decode steps would, and those read the new K/V back
-        # from the pool, rounded: so does every path here (the short ones read the pool anyway)
-        k, v = _as_stored(k_cache, v_cache, batch.out_slots, kv_scales, k.dtype)
     short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0 and softcap <= 0
+    reads_pool = short and (
+        ops is not reference or sinks is not None or kv_scales is not None or batch.batch_size > 1
+    )
+    if batch.verify and not reads_pool and k_cache.dtype in host_checks.FP8_POOL_DTYPES:
+        # NOTE: a verify step scores its tokens as decode steps would, and those read the new K/V back
+        # from the pool, rounded: so do the paths that take them as computed
+        k, v = (x.to(k.dtype) for x in reference.stored_kv(k_cache, v_cache, batch.out_slots, kv_scales))
     if ops is reference:
         if short and (sinks is not None or kv_scales is not None):  # NOTE: the new K/V read back, as on CUDA
             return reference.extend_short_attention(q, k_cache, v_cache, batch.qo_indptr, batch.kv_indptr,
@@ -87,18 +90,6 @@ def extend(
         max_extend_len=batch.max_extend_len, max_prefix_len=batch.max_prefix_len,
         config=batch.extend_config, window=window, softcap=softcap, sinks=sinks, kv_scales=kv_scales,
     )  # fmt: skip
-
-
-def _as_stored(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, kv_scales: host_checks.KVScales | None,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The K and V rows ``slots`` of an fp8 pool as the values they stand for, in ``dtype``."""
-    scales = host_checks.kv_scales(kv_scales, k_cache)
-    rows = slots.long()
-    k_scale, v_scale = (None, None) if scales is None else scales
-    return (reference.pool_values(k_cache[rows], k_scale).to(dtype),
-            reference.pool_values(v_cache[rows], v_scale).to(dtype))  # fmt: skip
 
 
 def _extend_sdpa(
