@@ -55,7 +55,8 @@ class CircuitBreaker:
     def answering(self) -> None:
         """A stream's head came: the worker answers, so a half-open breaker closes; its faults in a
         row are cleared only once the answer is whole (``record_success``), so a worker that breaks
-        off every stream after its head still opens it."""
+        off every stream after its head opens it again at its next fault, the cool-down doubled as
+        for a failed probe (``_cooldown`` is cleared by a whole answer only)."""
         self.state = BreakerState.CLOSED
         self._probe = 0
 
@@ -76,7 +77,10 @@ class CircuitBreaker:
                 self._cooldown = min(self.max_open_seconds, max(self.open_seconds, self._cooldown * 2))
                 self._open(now)
         elif self.state is BreakerState.CLOSED and self.consecutive_failures >= self.failure_threshold:
-            self._cooldown = self.open_seconds
+            # NOTE: a cool-down left means the breaker was closed by a stream's head alone since it opened
+            self._cooldown = (
+                min(self.max_open_seconds, self._cooldown * 2) if self._cooldown else self.open_seconds
+            )
             self._open(now)
 
     def reset(self) -> None:

@@ -392,10 +392,14 @@ class Router:
                     # NOTE: a whole answer is read before any of it reaches the client, so one cut off
                     # after its head goes to the next worker as a failed attempt does
                     whole = not (parsed.stream and resp.status == 200)
-                    payload = await self.upstream.read_all(resp) if whole else b""
-                except UpstreamFailure as exc:
-                    if resp is not None:
+                    try:
+                        payload = await self.upstream.read_all(resp) if whole else b""
+                    except (
+                        BaseException
+                    ):  # NOTE: a client gone mid-read too: the connection must not stay open
                         resp.close()
+                        raise
+                except UpstreamFailure as exc:
                     failure = exc
                     fault = fault if exc.kind == "overloaded" else exc
                     if exc.kind == "request_timeout":  # NOTE: the request's own time ran out: no retry
@@ -480,8 +484,8 @@ class Router:
             insert.take_back(followed)
 
     def _record_failure(self, worker: Worker, kind: str, probe: int = 0) -> None:
-        """A worker fault (``probe``: the attempt's breaker probe number; 0 after its answer's head,
-        which settled the probe as a success)."""
+        """A worker fault (``probe``: the attempt's breaker probe number; 0 after a stream's head,
+        which closed the breaker: CircuitBreaker.answering)."""
         if kind == "request_timeout":
             return  # NOTE: the request's own time ran out (request_timeout_s): not a worker fault
         worker.stats.errors[kind] += 1
@@ -529,7 +533,7 @@ class Router:
         """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering
         (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for).
         A stream that breaks off ends with an error event (``responses``: the Responses API's).
-        True when the worker's stream ended whole."""
+        True when the worker's stream ended whole (not broken off)."""
         scanner = SSEUsageScanner(strip_usage)
         tail = b"\n\n"  # the last bytes sent: does the client's stream end between events?
         numbers = _EventNumbers()  # Responses: the last event passed on whole (read if the stream breaks)
@@ -547,7 +551,7 @@ class Router:
                 ],
             }
         )
-        first, finished = True, False
+        first, finished, whole = True, False, False
         try:
             async for chunk in resp.chunks():
                 if first:
@@ -566,6 +570,7 @@ class Router:
                     tail = out[-2:] if len(out) >= 2 else (tail + out)[-2:]
                     if responses:
                         numbers.feed(out)
+            whole = True  # NOTE: the body ended (its last bytes may come in a read of their own)
         except HTTPClientError as exc:
             # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
             # already reached the client, so no retry; the client is told in an error event.
@@ -586,7 +591,7 @@ class Router:
         if not finished:
             watch.stop()
             await send({"type": "http.response.body", "body": error, "more_body": False})
-        return finished
+        return whole
 
 
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')  # a Responses stream's event numbers

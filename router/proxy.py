@@ -39,8 +39,9 @@ class UpstreamFailure(Exception):
 
     def __init__(self, kind: str, message: str, status: int = 502, body: bytes | None = None) -> None:
         super().__init__(message)
-        # connect | timeout | http_5xx | overloaded (429: alive, but its queue is full) | request_timeout
-        # (the request's own total time, request_timeout_s, ran out: no fault of the worker's)
+        # connect | timeout | http_5xx | overloaded (429: alive, but its queue is full) | stream_broken (a
+        # whole answer's body cut off after its head) | request_timeout (the request's own total time,
+        # request_timeout_s, ran out: no fault of the worker's)
         self.kind = kind
         self.status = status
         self.body = body

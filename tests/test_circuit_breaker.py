@@ -63,3 +63,28 @@ def test_only_the_probe_in_flight_settles_the_half_open_state():
     b.record_success()
     b.abandon_probe(third)  # after its verdict, a no-op
     assert b.state is BreakerState.CLOSED and b.allows(6.3) and b.on_send() == 0
+
+
+def test_a_probe_stream_that_breaks_after_its_head_doubles_the_cooldown_as_a_failed_probe():
+    """A stream's head closes a half-open breaker (the worker answers); its faults in a row clear only
+    when an answer is whole, so when that stream breaks the breaker opens again at once, for twice
+    as long (it reopened for the first cool-down every time: no backing off)."""
+    b = CircuitBreaker(failure_threshold=3, open_seconds=2.0, max_open_seconds=5.0)
+    for _ in range(3):
+        b.record_failure(0.0)
+    now = 2.0
+    for cooldown in (4.0, 5.0, 5.0):
+        assert b.allows(now)
+        b.on_send()  # the probe, a stream
+        b.answering()  # its head: closed, traffic resumes
+        assert b.state is BreakerState.CLOSED and b.allows(now)
+        b.record_failure(now)  # it breaks off
+        assert (
+            b.state is BreakerState.OPEN and not b.allows(now + cooldown - 0.01) and b.allows(now + cooldown)
+        )
+        now += cooldown
+    b.on_send()
+    b.answering()
+    b.record_success()  # a whole answer: every count cleared
+    b.record_failure(now)
+    assert b.state is BreakerState.CLOSED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 import uuid
@@ -80,9 +81,13 @@ def faulty():
         worker.stop()
 
 
-def test_a_client_leaving_while_the_router_reads_a_workers_error_closes_that_connection(launch, faulty):
-    """The worker's 500 body comes slowly; the client leaves meanwhile. The router must close its
-    connection to the worker (which then stops its work), not leave it open."""
+@pytest.mark.parametrize("status", [500, 200])
+def test_a_client_leaving_while_the_router_reads_a_workers_answer_closes_that_connection(
+    launch, faulty, status
+):
+    """The worker's body (an error's, or a whole answer's, read before any of it is sent on) comes
+    slowly; the client leaves meanwhile. The router must close its connection to the worker (which
+    then stops its work), not leave it open."""
     sent, closed = threading.Event(), threading.Event()
 
     async def completions(request: Request):
@@ -95,7 +100,7 @@ def test_a_client_leaving_while_the_router_reads_a_workers_error_closes_that_con
             finally:
                 closed.set()  # NOTE: uvicorn ends the body when its client (the router) disconnects
 
-        return StreamingResponse(body(), status_code=500, media_type="application/json")
+        return StreamingResponse(body(), status_code=status, media_type="application/json")
 
     worker = faulty(completions=completions)
     router = launch.router([worker.url])
@@ -269,3 +274,29 @@ def test_a_stream_the_worker_broke_off_takes_back_its_prefix_where_the_index_fol
     answer = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
     assert answer.status_code == 200 and b"stream_broken" in answer.content
     assert matched_tokens(router.url, body)[worker.url] == 0
+
+
+def test_faults_between_whole_streams_whose_last_bytes_come_apart_open_no_breaker(launch, faulty):
+    """A stream whose body ends in a read of its own (the chunked encoding's end after [DONE]) is
+    whole: it clears the worker's faults in a row. It was taken as broken off, so three 500s between
+    whole streams opened the breaker."""
+    calls = itertools.count()
+
+    async def completions(request: Request):
+        if next(calls) % 2 == 0:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+        async def body():
+            yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\ndata: [DONE]\n\n'
+            await asyncio.sleep(0.05)  # the body's end comes in a read of its own
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    worker = faulty(completions=completions)
+    router = launch.router([worker.url], "--max-retries", "0")
+    for i in range(5):
+        body = {"model": "faulty", "prompt": "x", "stream": i % 2 == 1}
+        answer = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == (200 if i % 2 else 502), answer.text
+    states = [w["breaker"] for w in httpx.get(router.url + "/workers", timeout=10).json()["workers"]]
+    assert states == ["closed"]
