@@ -492,6 +492,8 @@ class Engine:
         own = ""  # this token's text (with what the detokenizer kept back until it)
         if finish in ("stop", "error") and token in req.stop_token_ids:  # EOS / stop ids are neither text
             logprobs = None  # nor tokens of the answer
+        elif failure is not None:  # NOTE: the token the grammar refused (its row had none it allows left)
+            logprobs = None  # is not the answer's either: the text so far breaks no constraint
         else:
             own = st.detok.feed([token])
         if finish is not None:

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 
+from router.request_parsing import MAX_JSON_DEPTH, too_deep
 from router.tokenization import ByteTokenizer, PromptTokenizer
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -228,10 +230,15 @@ def grammar_of(kind: str, value: Any) -> tuple[str, str]:
     """(kind, grammar) for one constraint; a JSON schema may come as JSON text."""
     if kind in ("json_schema", "json_object"):
         if isinstance(value, str):
+            text = value.encode()
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
+                value = orjson.loads(text)  # NOTE: json.loads ran out of Python's recursion at ~1,000 levels
+            except orjson.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            if too_deep(text, value):  # NOTE: as a body's schema is bounded (its checks recurse per level)
+                raise ValueError(
+                    f"the JSON schema nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+                )
         return kind, json_schema_grammar(value)
     if kind == "regex":
         return kind, regex_grammar(value)
@@ -477,7 +484,9 @@ def constraint_failure(state: Any) -> str | None:
     if m is None or not m.is_error():
         return None
     reason = m.get_error().split("\n", 1)[0]
-    return f"the output constraint ({state.params.guide.kind.replace('_', ' ')}) failed: {reason}"
+    bans = state.params.bad_words or any(b <= -100 for b in state.params.logit_bias.values())
+    why = "; bad_words or a logit_bias of -100 may have banned every token it allowed" if bans else ""
+    return f"the output constraint ({state.params.guide.kind.replace('_', ' ')}) failed: {reason}{why}"
 
 
 def check_drafts(state: Any, drafts: list[int]) -> list[int]:

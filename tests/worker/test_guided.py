@@ -329,6 +329,32 @@ def test_truncated_output_says_length_and_the_worker_keeps_serving(tiny) -> None
     assert tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_bans_that_leave_a_grammar_no_token_end_the_request_without_the_refused_one(tiny) -> None:
+    """bad_words banning every token a grammar allows: the row samples id 0, which the grammar refuses.
+    That token was sent as the stream's text (breaking the constraint) and the error named it alone;
+    now no refused token is output, and the error names the bans."""
+    for constraint, ban in (
+        ({"guided_json": {"type": "object"}}, ["{"]),
+        ({"guided_choice": ["yes", "no"]}, ["y", "n"]),
+    ):
+        body = {"prompt": "x", "max_tokens": 8, "bad_words": ban, **constraint}
+        whole = tiny.post("/v1/completions", json=body)
+        assert whole.status_code == 400 and "bad_words" in whole.json()["error"]["message"], whole.text
+        with tiny.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "constraint_failed"
+        assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == ""
+
+
+def test_a_schema_sent_as_json_text_is_bounded_in_depth_as_a_body_is(tiny) -> None:
+    """A schema given as JSON text skipped the body's 128-level bound: ~1,000 levels ran Python's
+    json.loads out of recursion (a 500)."""
+    deep = '{"type": "array", "items": ' * 999 + '{"type": "integer"}' + "}" * 999
+    for body in ({"guided_json": deep}, {"structured_outputs": {"json": deep}}):
+        r = tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+        assert r.status_code == 400 and "deeper than 128 levels" in r.json()["error"]["message"], r.text
+
+
 def test_a_constraint_that_fails_midway_is_an_error_not_a_stop(tiny) -> None:
     """llguidance builds a regex's lexer lazily and stops at its own limits: a million repetitions
     fail at the first token (and, the lexer being shared, at the first mask of every later copy).
