@@ -220,7 +220,9 @@ def sampling_params(
     params = SamplingParams(
         temperature=get("temperature", 1.0),
         top_p=get("top_p", 1.0),
-        top_k=-1 if top_k == 0 else top_k,
+        top_k=-1
+        if type(top_k) is int and top_k == 0
+        else top_k,  # NOTE: not false or 0.0: a 400 as true and 1.0
         min_p=get("min_p", 0.0),
         seed=body.get("seed"),
         max_tokens=get(max_key, get("max_tokens", default_max_tokens)),

@@ -47,6 +47,28 @@ from worker.scheduler import Scheduler
 log = logging.getLogger("worker.engine")
 
 
+def ban_failure(st: RequestState, req: Request, token: int) -> str | None:
+    """Why ``token``, just sampled, was one the request's bans ruled out, or None. A row with no token
+    left (``allowed_token_ids`` whose every token ``bad_words`` or ``min_tokens`` banned at this step)
+    samples id 0; the request ends with this error instead, the token not output."""
+    params = st.params
+    if not (params.allowed_token_ids is not None or params.bad_words or params.min_tokens):
+        return None
+    output = req.token_ids[req.prompt_len : -1]  # NOTE: before this token
+    if params.allowed_token_ids is not None and "allowed_set" not in st.memo:
+        st.memo["allowed_set"] = frozenset(params.allowed_token_ids)
+    banned = (
+        (params.allowed_token_ids is not None and token not in st.memo["allowed_set"])
+        or (len(output) < params.min_tokens and token in req.stop_token_ids)
+        or any(w[-1] == token and output[len(output) - len(w) + 1 :] == w[:-1] for w in params.bad_words
+               if len(w) <= len(output) + 1)
+    )  # fmt: skip
+    if not banned:
+        return None
+    return ("no token was left to sample: bad_words, min_tokens or allowed_token_ids banned every token "
+            "at this step")  # fmt: skip
+
+
 class Engine:
     """Owns everything request-related on one thread; see the module docstring."""
 
@@ -485,7 +507,11 @@ class Engine:
         finish = req.finish_reason
         # NOTE: checked at a step's last token (a verify step's matcher took all of its tokens at once);
         # a matcher in error allowed EOS only, so a "stop" may be its doing
-        failure = constraint_failure(st) if finish in (None, "stop") and keep_tokens is None else None
+        failure = (
+            constraint_failure(st) or ban_failure(st, req, token)
+            if finish in (None, "stop") and keep_tokens is None
+            else None
+        )
         if failure is not None:
             finish = "error"
         logprobs, st.step_logprobs = st.step_logprobs, None

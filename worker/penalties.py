@@ -37,6 +37,9 @@ from worker.sampling import SamplingParams, on_device
 History = tuple[Sequence[int], int, frozenset[int], dict | None]
 
 
+_FINITE = torch.finfo(torch.float32).max
+
+
 def adjusts(p: SamplingParams) -> bool:
     return bool(
         p.repetition_penalty != 1.0
@@ -113,7 +116,9 @@ def adjust_logits(
         seen = torch.cat([torch.cat(prompts) + offsets, out_flat])
         rp = tensor([float(p.repetition_penalty) for p in ps], torch.float32)[seen // vocab]
         values = flat[seen]
-        flat[seen] = torch.where(values > 0, values / rp, values * rp)
+        # NOTE: clamped: an extreme penalty (1e-39, 1e39) made values inf, and an inf row NaN, which
+        # samples id 0 whatever was banned
+        flat[seen] = torch.where(values > 0, values / rp, values * rp).clamp_(-_FINITE, _FINITE)
     if (output.size or late) and any(p.frequency_penalty or p.presence_penalty for p in ps):
         f = tensor([float(p.frequency_penalty) for p in ps], torch.float32)
         pr = tensor([float(p.presence_penalty) for p in ps], torch.float32)

@@ -209,7 +209,7 @@ def sample(
     index = on_device(rows, logits.device, torch.int64)
     scores = logits.index_select(0, index).float()
     temps = on_device([_divisor(params[i].temperature) for i in rows], logits.device, scores.dtype)
-    scores = scores / temps.unsqueeze(1)
+    scores = _tempered(scores, temps.unsqueeze(1))
     scores = _mask_min_p(scores, [params[i].min_p for i in rows])
     scores = _mask_top_k_top_p(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = scores.softmax(dim=-1)
@@ -235,6 +235,13 @@ def on_device(values: Any, device: torch.device, dtype: torch.dtype) -> torch.Te
         # NOTE: torch.tensor(numpy_array, pin_memory=True) raises; pinning the built tensor works
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def _tempered(scores: torch.Tensor, divisors: torch.Tensor | float) -> torch.Tensor:
+    """Scores [rows, V] over their temperature's divisor, each row less its top score first (the same
+    distribution): a large logit over a tiny temperature passed float32's range, and +inf made the
+    row NaN, which samples id 0 whatever was banned."""
+    return (scores - scores.amax(dim=-1, keepdim=True)) / divisors
 
 
 def _divisor(temperature: float) -> float:
@@ -376,7 +383,7 @@ def accept_draft(
         raise ValueError(f"logits {tuple(logits.shape)} do not match {k} draft tokens")
     if params.greedy:
         return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
-    scores = _mask_min_p(logits.float() / _divisor(params.temperature), [params.min_p] * (k + 1))
+    scores = _mask_min_p(_tempered(logits.float(), _divisor(params.temperature)), [params.min_p] * (k + 1))
     scores = _mask_top_k_top_p(scores, [params.top_k] * (k + 1), [params.top_p] * (k + 1))
     probs = scores.softmax(dim=-1)
     noise = torch.empty_like(probs)

@@ -4,6 +4,7 @@ generates with them."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import httpx
@@ -312,6 +313,8 @@ def test_penalties_change_a_repetitive_greedy_answer(tiny_url):
         {"allowed_token_ids": [65], "guided_choice": ["A"]},
         {"bad_words": [" "]},
         {"bad_words": "abc"},
+        {"top_k": False},  # read as 0 (no limit) while true and 1.0 were a 400
+        {"top_k": 0.0},
     ],
 )
 def test_bad_adjustments_get_400_and_the_worker_keeps_serving(tiny_url, extra):
@@ -359,3 +362,35 @@ def test_constraints_that_leave_no_token_to_sample_are_a_400(tiny_url, extra, wo
     assert refused.status_code == 400 and words in refused.json()["error"]["message"]
     ok = httpx.post(tiny_url + "/v1/completions", json={**body, "allowed_token_ids": [97, 98]}, timeout=60)
     assert ok.status_code == 200 and set(ok.json()["choices"][0]["text"]) <= {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"allowed_token_ids": [97], "bad_words": ["aa"]},  # after "a", "a" completes a bad word
+        {"allowed_token_ids": [97, 98], "bad_words": ["aa", "ab", "ba", "bb"]},
+        {"allowed_token_ids": [97, 256], "bad_words": ["aa"], "min_tokens": 4},  # 256: EOS, banned until 4
+    ],
+)
+def test_bans_that_empty_a_row_midway_end_the_request_without_token_0(tiny_url, extra):
+    """Rows emptied part way through (what the up-front check cannot see) sampled id 0, a NUL byte
+    the request ruled out, answered 200: the request ends with an error, that token not output."""
+    body = {"prompt": "hi", "max_tokens": 6, "temperature": 0, "return_token_ids": True, **extra}
+    whole = httpx.post(tiny_url + "/v1/completions", json=body, timeout=60)
+    assert whole.status_code == 400 and "no token was left to sample" in whole.json()["error"]["message"]
+    with httpx.stream("POST", tiny_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "constraint_failed"
+    sent = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert sent and 0 not in sent and set(sent) <= set(extra["allowed_token_ids"])
+
+
+def test_an_extreme_repetition_penalty_samples_only_allowed_tokens(tiny_url):
+    """A penalty of 1e-39 (or 1e39) made logits inf and rows NaN, which sampled id 0 past every ban."""
+    for penalty, prompt, allowed in ((1e-39, "hihihi", [104, 105, 120]), (1e39, [1, 2, 1, 2], [1, 2])):
+        for temperature in (0, 1e-7, 1.0):
+            body = {"prompt": prompt, "max_tokens": 5, "temperature": temperature, "repetition_penalty": penalty,
+                    "allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+            answer = httpx.post(tiny_url + "/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert set(answer.json()["choices"][0]["token_ids"]) <= set(allowed), (penalty, temperature)
