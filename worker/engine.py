@@ -47,14 +47,14 @@ from worker.scheduler import Scheduler
 log = logging.getLogger("worker.engine")
 
 
-def ban_failure(st: RequestState, req: Request, token: int) -> str | None:
-    """Why ``token``, just sampled, was one the request's bans ruled out, or None. A row with no token
-    left (``allowed_token_ids`` whose every token ``bad_words`` or ``min_tokens`` banned at this step)
-    samples id 0; the request ends with this error instead, the token not output."""
+def ban_failure(st: RequestState, req: Request, token: int, at: int) -> str | None:
+    """Why ``token``, sampled at ``req.token_ids[at]``, was one the request's bans ruled out, or None. A
+    row with no token left (``allowed_token_ids`` whose every token ``bad_words`` or ``min_tokens``
+    banned at this step) samples id 0; the request ends with this error instead, the token not output."""
     params = st.params
     if not (params.allowed_token_ids is not None or params.bad_words or params.min_tokens):
         return None
-    output = req.token_ids[req.prompt_len : -1]  # NOTE: before this token
+    output = req.token_ids[req.prompt_len : at]  # NOTE: before this token
     if params.allowed_token_ids is not None and "allowed_set" not in st.memo:
         st.memo["allowed_set"] = frozenset(params.allowed_token_ids)
     banned = (
@@ -505,12 +505,16 @@ class Engine:
         st.last_token_at = now
         token = req.token_ids[-1] if token is None else token
         finish = req.finish_reason
-        # NOTE: checked at a step's last token (a verify step's matcher took all of its tokens at once);
-        # a matcher in error allowed EOS only, so a "stop" may be its doing
-        failure = (
-            constraint_failure(st) or ban_failure(st, req, token)
-            if finish in (None, "stop") and keep_tokens is None
-            else None
+        # NOTE: a token the bans ruled out (its row had none left) ends the request before it, also
+        # inside a verify step (a draft of id 0 matched the empty row's argmax) and at max_tokens
+        at = len(req.token_ids) - 1 if keep_tokens is None else keep_tokens - 1  # this token's index
+        banned = ban_failure(st, req, token, at) if finish in (None, "stop", "length") else None
+        if banned is not None and keep_tokens is not None:
+            keep_tokens = at  # the tokens from this one on are dropped
+        # NOTE: a grammar's failure is checked at a step's last token (a verify step's matcher took all of
+        # its tokens at once); a matcher in error allowed EOS only, so a "stop" may be its doing
+        failure = banned or (
+            constraint_failure(st) if finish in (None, "stop", "length") and keep_tokens is None else None
         )
         if failure is not None:
             finish = "error"

@@ -344,6 +344,11 @@ def test_bans_that_leave_a_grammar_no_token_end_the_request_without_the_refused_
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == "constraint_failed"
         assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == ""
+    # the refused token the last max_tokens allowed: the same error, not a 200 "length" holding it
+    short = tiny.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_regex": "ab", "bad_words": ["b"]}
+    )
+    assert short.status_code == 400 and "bad_words" in short.json()["error"]["message"], short.text
 
 
 def test_a_schema_sent_as_json_text_is_bounded_in_depth_as_a_body_is(tiny) -> None:

@@ -369,15 +369,19 @@ def test_constraints_that_leave_no_token_to_sample_are_a_400(tiny_url, extra, wo
     [
         {"allowed_token_ids": [97], "bad_words": ["aa"]},  # after "a", "a" completes a bad word
         {"allowed_token_ids": [97, 98], "bad_words": ["aa", "ab", "ba", "bb"]},
-        {"allowed_token_ids": [97, 256], "bad_words": ["aa"], "min_tokens": 4},  # 256: EOS, banned until 4
+        {"allowed_token_ids": [97, 256], "bad_words": ["aa"], "min_tokens": 2},  # 256: EOS, banned until 2
     ],
 )
 def test_bans_that_empty_a_row_midway_end_the_request_without_token_0(tiny_url, extra):
     """Rows emptied part way through (what the up-front check cannot see) sampled id 0, a NUL byte
-    the request ruled out, answered 200: the request ends with an error, that token not output."""
+    the request ruled out, answered 200: the request ends with an error, that token not output, also
+    where the emptied row's token was the last max_tokens allowed."""
     body = {"prompt": "hi", "max_tokens": 6, "temperature": 0, "return_token_ids": True, **extra}
-    whole = httpx.post(tiny_url + "/v1/completions", json=body, timeout=60)
-    assert whole.status_code == 400 and "no token was left to sample" in whole.json()["error"]["message"]
+    for max_tokens in (6, 2):
+        whole = httpx.post(tiny_url + "/v1/completions", json={**body, "max_tokens": max_tokens}, timeout=60)
+        assert whole.status_code == 400 and "no token was left" in whole.json()["error"]["message"], (
+            whole.text
+        )
     with httpx.stream("POST", tiny_url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["error"]["code"] == "constraint_failed"
@@ -394,3 +398,25 @@ def test_an_extreme_repetition_penalty_samples_only_allowed_tokens(tiny_url):
             answer = httpx.post(tiny_url + "/v1/completions", json=body, timeout=60)
             assert answer.status_code == 200, answer.text
             assert set(answer.json()["choices"][0]["token_ids"]) <= set(allowed), (penalty, temperature)
+
+
+def test_a_draft_of_a_banned_token_is_not_kept_where_the_bans_emptied_a_row():
+    """Speculative decoding: an emptied row's argmax is id 0, so a draft of 0 (the prompt repeats
+    "B A \\x00") was kept and output before the request ended."""
+    from tests.worker.test_server import serve as serve_tiny
+
+    with serve_tiny(speculative_tokens=4, speculative_ngram_min=1, warmup_tokens=0) as live:
+        prompt = [66, 65, 0, 66, 67, 68] * 4 + [66]
+        body = {"prompt": prompt, "allowed_token_ids": [65], "bad_words": ["AA"], "temperature": 0,
+                "return_token_ids": True, "max_tokens": 8}  # fmt: skip
+        with httpx.stream(
+            "POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "constraint_failed"
+        assert [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids") or []] == [65]
+        for max_tokens in (3, 8):
+            whole = httpx.post(
+                live.url + "/v1/completions", json={**body, "max_tokens": max_tokens}, timeout=60
+            )
+            assert whole.status_code == 400 and "no token was left" in whole.json()["error"]["message"]
