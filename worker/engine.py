@@ -54,14 +54,15 @@ def ban_failure(st: RequestState, req: Request, token: int, at: int) -> str | No
     params = st.params
     if not (params.allowed_token_ids is not None or params.bad_words or params.min_tokens):
         return None
-    output = req.token_ids[req.prompt_len : at]  # NOTE: before this token
+    ids, done = req.token_ids, at - req.prompt_len  # NOTE: done: output tokens before this one
     if params.allowed_token_ids is not None and "allowed_set" not in st.memo:
         st.memo["allowed_set"] = frozenset(params.allowed_token_ids)
+    # NOTE: each token is checked: only a word's own length of the output is looked at, never a copy of it all
     banned = (
         (params.allowed_token_ids is not None and token not in st.memo["allowed_set"])
-        or (len(output) < params.min_tokens and token in req.stop_token_ids)
-        or any(w[-1] == token and output[len(output) - len(w) + 1 :] == w[:-1] for w in params.bad_words
-               if len(w) <= len(output) + 1)
+        or (done < params.min_tokens and token in req.stop_token_ids)
+        or any(w[-1] == token and len(w) - 1 <= done and ids[at - len(w) + 1 : at] == w[:-1]
+               for w in params.bad_words)
     )  # fmt: skip
     if not banned:
         return None
