@@ -394,10 +394,8 @@ class Router:
                     whole = not (parsed.stream and resp.status == 200)
                     try:
                         payload = await self.upstream.read_all(resp) if whole else b""
-                    except (
-                        BaseException
-                    ):  # NOTE: a client gone mid-read too: the connection must not stay open
-                        resp.close()
+                    except BaseException:
+                        resp.close()  # NOTE: a client gone mid-read too: the connection must not stay open
                         raise
                 except UpstreamFailure as exc:
                     failure = exc
@@ -418,7 +416,10 @@ class Router:
                     continue
                 # NOTE: any whole answer below 500, client errors included, clears the worker's faults;
                 # a stream's head only closes a half-open breaker: one that breaks off is a fault
-                worker.breaker.record_success() if whole else worker.breaker.answering()
+                if whole:
+                    worker.breaker.record_success()
+                else:
+                    worker.breaker.answering()
                 if resp.status >= 400:
                     insert.take_back(self.events.synced(worker))
                 else:
@@ -426,16 +427,8 @@ class Router:
                     worker.stats.predicted_cached_tokens += predicted
                 try:
                     if whole:
-                        await self._send_full(
-                            send,
-                            watch,
-                            worker,
-                            resp,
-                            payload,
-                            started,
-                            parsed.stream,
-                            counted=not parsed.follow_up,
-                        )
+                        await self._send_full(send, watch, worker, resp, payload, started, parsed.stream,
+                                              counted=not parsed.follow_up)  # fmt: skip
                         answered = True
                     else:
                         responses = path.endswith("/responses")

@@ -249,12 +249,11 @@ def with_stand_ins(messages: Any, text_type: str) -> Any:
     return out
 
 
-def _stands_in(part: Any) -> bool:  # NOTE: an assistant's refusal part is text (the worker renders it)
-    return (
-        isinstance(part, dict)
-        and isinstance(part.get("type"), str)
-        and part["type"] not in (*TEXT_PARTS, "refusal")
-    )
+_TEXT_LIKE = (*TEXT_PARTS, "refusal")  # NOTE: an assistant's refusal part is text (the worker renders it)
+
+
+def _stands_in(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] not in _TEXT_LIKE
 
 
 def _stand_in(part: dict[str, Any]) -> str:

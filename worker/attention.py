@@ -57,8 +57,9 @@ def extend(
     scores; ``sinks`` [Hq]: attention sinks; ``kv_scales``: an fp8 pool's K and V scales). Returns
     [T, Hq, D]. The new K/V must already be in the pool at ``batch.out_slots``: steps of few new tokens
     per request (SHORT_EXTEND) read them there, unless windowed or soft-capped (those take the extend
-    path); a verify step (``batch.verify``) over an fp8 pool attends them as stored on every path. On the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the
-    short steps' reading the new K/V back from the pool as the kernels do."""
+    path); a verify step (``batch.verify``) over an fp8 pool attends them as stored on every path. On
+    the CPU, soft-capped scores, sinks and scaled pools take the reference (SDPA has none), the short
+    steps' reading the new K/V back from the pool as the kernels do."""
     ops = kernel_ops(q.device)
     short = 0 < (batch.max_extend_len or SHORT_EXTEND + 1) <= SHORT_EXTEND and window <= 0 and softcap <= 0
     reads_pool = short and (

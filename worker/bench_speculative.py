@@ -49,11 +49,9 @@ def step_costs(
             if k == 0:
                 return ForwardBatch.build("decode", [[1]] * b, [context] * b, [s[context : context + 1] for s in slots],
                                           [s[: context + 1] for s in slots], device)  # fmt: skip
-            verify = ForwardBatch.build("extend", [[1] * (k + 1)] * b, [context] * b,
-                                        [s[context : context + k + 1] for s in slots], [s[:context] for s in slots],
-                                        device, return_all_logits=True)  # fmt: skip
-            verify.verify = True
-            return verify
+            return ForwardBatch.build("extend", [[1] * (k + 1)] * b, [context] * b,
+                                      [s[context : context + k + 1] for s in slots], [s[:context] for s in slots],
+                                      device, return_all_logits=True, verify=True)  # fmt: skip
 
         row: dict[str, Any] = {"batch": b, "context": context, "replayed": device.type == "cuda"}
         for k in [0, *(k for k in drafts if k > 0)]:

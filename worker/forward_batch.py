@@ -100,6 +100,7 @@ class ForwardBatch:
         kv_slots: Sequence[Sequence[int]],
         device: torch.device | str = "cpu",
         return_all_logits: bool = False,
+        verify: bool = False,
     ) -> ForwardBatch:
         """From per-request lists: request i's new tokens begin at position ``start_positions[i]``,
         their K/V go to ``new_slots[i]``, and ``kv_slots[i]`` is its prefix (extend) or all of its
@@ -135,6 +136,7 @@ class ForwardBatch:
             kv_indptr=t(kv_indptr, torch.int32),
             kv_indices=t(kv, torch.int64),
             return_all_logits=return_all_logits,
+            verify=verify,
             max_extend_len=max((len(toks) for toks in new_tokens), default=0),
             max_prefix_len=max((len(prefix) for prefix in kv_slots), default=0) if mode == "extend" else None,
         )
