@@ -148,6 +148,47 @@ def measure_memory(blocks: int = 100_000) -> dict[str, float]:
     }
 
 
+def measure_gc(budget: int, seed: int = 0) -> list[dict[str, Any]]:
+    """A full garbage collection's pause over an index filled to ``budget`` entries, for two
+    shapes: long conversations (few nodes, long runs) and short prompts under shared system
+    prompts, half routed and half stored by worker events (many small nodes). The router pauses
+    for this whenever Python runs a full collection."""
+    rows = []
+    for shape in ("long runs", "short prompts"):
+        rng = random.Random(seed)
+        index = PrefixIndex(max_entries=budget)
+        workers = [f"http://worker-{i}:8000" for i in range(16)]
+        systems = [list(_text(rng, 16 * BLOCK_SIZE)) for _ in range(64)]
+        while index.num_entries < budget:
+            worker = rng.choice(workers)
+            if shape == "long runs":
+                index.insert(worker, block_hashes(list(_text(rng, 2048 * BLOCK_SIZE)), BLOCK_SIZE))
+                continue
+            head = rng.choice(systems)[: rng.randrange(1, 17) * BLOCK_SIZE]
+            hashes = block_hashes(head + list(_text(rng, rng.randrange(1, 8) * BLOCK_SIZE)), BLOCK_SIZE)
+            if rng.random() < 0.5:
+                index.insert(worker, hashes)
+            else:
+                cut = rng.randrange(len(hashes))
+                index.apply_stored(worker, hashes[cut - 1] if cut else None, hashes[cut:])
+        pauses = []
+        for _ in range(5):
+            t0 = time.perf_counter_ns()
+            gc.collect()
+            pauses.append((time.perf_counter_ns() - t0) / 1e6)
+        rows.append({
+            "shape": shape,
+            "entries": index.num_entries,
+            "blocks": index.num_nodes,
+            "nodes": index._nodes,
+            "full_gc_ms_median": round(statistics.median(pauses), 1),
+            "full_gc_ms_max": round(max(pauses), 1),
+        })  # fmt: skip
+        del index
+        gc.collect()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="16,64,256", help="comma-separated worker counts")
@@ -159,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         default=250_000,
         help="extra 16-worker case with this (block, worker) budget, below its working set; 0 = skip",
     )
+    parser.add_argument(
+        "--gc-budget",
+        type=int,
+        default=2_000_000,
+        help="time a full garbage collection over an index filled to this many entries; 0 = skip",
+    )
     parser.add_argument("--out", default="route-decision.json")  # NOTE: docs/benchmarks' only when named
     args = parser.parse_args(argv)
 
@@ -167,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [run_case(int(w), args.iterations, args.seed) for w in args.workers.split(",")]
     if args.pressure_budget:
         cases.append(run_case(16, args.iterations, args.seed, budget=args.pressure_budget))
+    gc_rows = measure_gc(args.gc_budget, args.seed) if args.gc_budget else []
     load_at_end = os.getloadavg()[0]
     header = (
         f"{'workers':>8} {'budget':>9} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'warm p99':>8} "
@@ -189,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         f"memory: {memory['bytes_per_entry_first_worker']} B/entry (first worker on a block), "
         f"{memory['bytes_per_entry_extra_worker']} B/entry (each extra worker)"
     )
+    for row in gc_rows:
+        print(
+            f"full gc over a full index ({row['shape']}: {row['entries']} entries, {row['nodes']} nodes): "
+            f"{row['full_gc_ms_median']} ms median, {row['full_gc_ms_max']} max"
+        )
     report = {
         "benchmark": "route_decision",
         "what": "one routing decision (block hashes as far as the match reads them + prefix index match "
@@ -208,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "cases": cases,
         "memory": memory,
+        "full_gc": gc_rows,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

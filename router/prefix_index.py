@@ -8,8 +8,9 @@ A ``_Node`` holds a run of consecutive hashes held by the same workers (``mask``
 children keyed by first hash, ``tick`` (last update touching it or a descendant), ``ticks``
 (once a second worker holds it: each holder's last update through it) and ``confirmed`` (the
 holders whose stored event named the run; an insert's blocks are only predicted, and never
-extend a confirmed run in place). ``_where[h]`` is the node holding block
-``h``, written for new blocks, on splits and when a stored child joins its parent's run.
+extend a confirmed run in place). ``_where[h]`` is the id of the node holding block ``h``
+(``_by_id[id]``), written for new blocks, on splits and when a stored child joins its
+parent's run.
 ``_roots[parent_hash]`` holds parentless nodes: None (or a namespace root hash) starts a prompt;
 other keys are parents this index does not hold (orphan runs). ``_leaves``: heap of leaves, lazy.
 
@@ -26,6 +27,11 @@ index is under budget (it may free up to workers-on-the-block - 1 entries more t
 Leaves go before ancestors, so it never opens a hole. Eviction reads the node's tick; a take-back
 reads its worker's (another worker's request for the same prompt does not keep it).
 
+Garbage collection: runs are ``array('Q')`` (hashes are unsigned 64-bit), ``_where`` maps hashes
+to int node ids and ``_leaves`` queues ids, so no per-block structure holds an object the collector
+tracks: a full collection walks the nodes, not the blocks (docs/benchmarks/route-decision.md:
+2M blocks in long runs, 55 -> 1.6 ms a collection).
+
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
 ~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~200 per node; another
@@ -35,6 +41,7 @@ worker on a node costs one bit, and a node two or more workers hold keeps a smal
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import count, repeat
@@ -45,13 +52,14 @@ if TYPE_CHECKING:
 
 
 class _Node:
-    __slots__ = ("children", "confirmed", "mask", "parent", "run", "tick", "ticks", "up")
+    __slots__ = ("children", "confirmed", "mask", "nid", "parent", "run", "tick", "ticks", "up")
 
     def __init__(
-        self, run: list[int], mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0,
+        self, nid: int, run: array, mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0,
         ticks: dict[int, int] | None = None,
     ) -> None:  # fmt: skip
-        self.run = run  # consecutive block hashes, oldest first; never empty while live
+        self.nid = nid  # its id in ``PrefixIndex._where`` / ``_by_id``
+        self.run = run  # consecutive block hashes ('Q'), oldest first; never empty while live
         self.mask = mask  # workers holding every block of the run; 0 = dropped
         self.confirmed = confirmed  # the workers in ``mask`` whose stored event named these blocks
         self.tick = tick
@@ -75,7 +83,7 @@ def _copy(ticks: dict[int, int] | None) -> dict[int, int] | None:
     return None if ticks is None else dict(ticks)
 
 
-def _agree(query: Sequence[int], start: int, run: list[int], off: int) -> int:
+def _agree(query: Sequence[int], start: int, run: Sequence[int], off: int) -> int:
     """Blocks of ``query[start:]`` equal to ``run[off:]``, given that the first pair is equal.
 
     Hashes chain, so agreement is monotone: gallop (1, 3, 7, ...) to bracket the first
@@ -111,9 +119,11 @@ class PrefixIndex:
         self._names: list[str | None] = []  # bit index -> worker (None = free slot)
         self._free: list[int] = []  # min-heap of free bit indexes, reused lowest first
         self._counts: list[int] = []  # bit index -> entries held by that worker
-        self._where: dict[int, _Node] = {}  # block hash -> node holding it
+        self._where: dict[int, int] = {}  # block hash -> id of its node (ints only: gc never walks it)
+        self._by_id: dict[int, _Node] = {}  # node id -> live node
+        self._ids = count(1)  # node ids, never reused (a dead node's heap entries stay stale)
         self._roots: dict[int | None, dict[int, _Node]] = {}  # parent hash -> first hash -> node
-        self._leaves: list[tuple[int, int, _Node]] = []  # heap of (tick, seq, leaf), lazy
+        self._leaves: list[tuple[int, int, int]] = []  # heap of (tick, seq, leaf's id), lazy
         self._seq = count()
         self._tick = 0  # bumped once per insert / stored event
         self._entries = 0
@@ -155,10 +165,10 @@ class PrefixIndex:
         masks so far, so it only loses bits; a worker's match ends where its bit drops out.
         """
         out: dict[str, int] = {}
-        where, n = self._where, len(block_hashes)
+        where, by_id, n = self._where, self._by_id, len(block_hashes)
         i = live = 0
         while i < n:
-            node = where.get(block_hashes[i])
+            node = by_id.get(where.get(block_hashes[i]))  # type: ignore[arg-type]
             if node is None or node.run[0] != block_hashes[i]:
                 break
             mask = node.mask & live if i else node.mask
@@ -218,7 +228,7 @@ class PrefixIndex:
         bit = 1 << slot if slot >= 0 else 0
         untouched = []
         for h in block_hashes:
-            node = self._where.get(h)
+            node = self._node_of(h)
             if node is None or not node.mask & bit:
                 continue
             own = node.tick if node.ticks is None else node.ticks.get(slot, node.tick)
@@ -238,7 +248,7 @@ class PrefixIndex:
             return
         slot = self._slot_of(worker)
         self._tick += 1
-        at = None if parent_hash is None else self._where.get(parent_hash)
+        at = None if parent_hash is None else self._node_of(parent_hash)
         end = 0
         if at is not None:
             end = len(at.run) if at.run[-1] == parent_hash else at.run.index(parent_hash) + 1
@@ -269,7 +279,7 @@ class PrefixIndex:
         bit = 1 << slot
         gone: dict[_Node, set[int]] = {}
         for h in block_hashes:
-            node = self._where.get(h)
+            node = self._node_of(h)
             if node is not None and node.mask & bit:
                 gone.setdefault(node, set()).add(h)
         for node, hashes in gone.items():
@@ -290,6 +300,25 @@ class PrefixIndex:
                 self._lose(piece, slot)
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _node_of(self, h: int) -> _Node | None:
+        """The live node holding block ``h``, if any."""
+        return self._by_id.get(self._where.get(h))  # type: ignore[arg-type]
+
+    def _new_node(
+        self, run: array, mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0,
+        ticks: dict[int, int] | None = None,
+    ) -> _Node:  # fmt: skip
+        """A node with a fresh id."""
+        node = _Node(next(self._ids), run, mask, tick, parent, up, confirmed, ticks)
+        self._by_id[node.nid] = node
+        self._nodes += 1
+        return node
+
+    def _retire(self, node: _Node) -> None:
+        """``node`` is dead (its blocks are dropped or belong to another node)."""
+        del self._by_id[node.nid]
+        self._nodes -= 1
 
     def _slot_of(self, worker: str) -> int:
         slot = self._slot.get(worker)
@@ -325,16 +354,16 @@ class PrefixIndex:
         """Set ``slot``'s bit on the chain ``hashes``, which follows block ``end - 1`` of node
         ``at`` (None: a parentless run after hash ``up``), and its confirmed bit if ``stored`` (a
         worker event). Touches and returns the last node."""
-        bit, where = 1 << slot, self._where
+        bit, where, by_id = 1 << slot, self._where, self._by_id
         i, n = 0, len(hashes)
         while i < n:
-            node = where.get(hashes[i])
+            node = by_id.get(where.get(hashes[i]))  # type: ignore[arg-type]
             if node is None:  # new blocks from here: one new run (or the extension of ``at``)
                 if at is not None and end < len(at.run):
                     at = self._split(at, end)[0]
-                added = self._new_run(bit, at, up, hashes[i:], stored)  # a copy: runs are cut in place
+                added = self._new_run(bit, at, up, hashes[i:], stored)
                 i += added
-                at = where[hashes[i - 1]]
+                at = by_id[where[hashes[i - 1]]]
                 end = len(at.run)
                 continue
             run = node.run
@@ -369,19 +398,16 @@ class PrefixIndex:
         owner = (
             at
             if at is not None and extend
-            else _Node([], bit, tick, at, None if at else up, bit if stored else 0)
+            else self._new_node(array("Q"), bit, tick, at, None if at else up, bit if stored else 0)
         )
         before = len(where)
-        deque(map(where.setdefault, run, repeat(owner)), maxlen=0)
+        deque(map(where.setdefault, run, repeat(owner.nid)), maxlen=0)
         if len(where) - before != len(run):
             run = self._keep_new(run, owner)
-        if extend:
-            owner.run.extend(run)
-        else:
-            owner.run = run
+        owner.run.extend(run)
+        if not extend:
             siblings = at.children if at is not None else self._roots.setdefault(up, {})
             siblings[run[0]] = owner
-            self._nodes += 1
             self._push_leaf(owner)
         self._entries += len(run)
         self._counts[bit.bit_length() - 1] += len(run)
@@ -391,15 +417,15 @@ class PrefixIndex:
 
     def _keep_new(self, run: list[int], owner: _Node) -> list[int]:
         """Slow path of ``_new_run``: keep the leading blocks that were really new."""
-        where, held, seen = self._where, set(owner.run), set()
+        where, held, seen, nid = self._where, set(owner.run), set(), owner.nid
         keep = 0
         for h in run:
-            if h in seen or h in held or where[h] is not owner:
+            if h in seen or h in held or where[h] != nid:
                 break
             seen.add(h)
             keep += 1
         for h in run[keep:]:
-            if h not in seen and h not in held and where.get(h) is owner:
+            if h not in seen and h not in held and where.get(h) == nid:
                 del where[h]
         return run[:keep]
 
@@ -418,14 +444,14 @@ class PrefixIndex:
             if up.ticks is not None or node.ticks is not None:  # NOTE: the later touch of either, in doubt
                 up.ticks = {s: max((up.ticks or {}).get(s, up.tick), (node.ticks or {}).get(s, node.tick))
                             for s in _slots(up.mask)}  # fmt: skip
-            self._where.update(zip(node.run, repeat(up)))
+            self._where.update(zip(node.run, repeat(up.nid)))
             up.children = node.children
             for child in up.children.values():
                 child.parent = up
             if not up.children:
                 self._push_leaf(up)
-            node.children, node.mask, node.confirmed = {}, 0, 0  # NOTE: dead: the heap skips it
-            self._nodes -= 1
+            node.children, node.mask, node.confirmed = {}, 0, 0
+            self._retire(node)  # NOTE: dead: the heap skips its id
             node, up = up, up.parent
 
     def _adopt_orphans(self, run: list[int]) -> None:
@@ -436,7 +462,7 @@ class PrefixIndex:
         else:
             ups = [h for h in run if h in roots]
         for up in ups:
-            node = where[up]
+            node = self._by_id[where[up]]
             pos = node.run.index(up) + 1
             if pos < len(node.run):
                 node = self._split(node, pos)[0]
@@ -457,23 +483,22 @@ class PrefixIndex:
         """Cut ``node``'s run before offset ``k`` (0 < k < len); returns (head, tail). The new
         object takes the shorter half, so only that half's hashes are re-pointed in ``_where``."""
         run = node.run
-        self._nodes += 1
         if 2 * k <= len(run):
-            head = _Node(
+            head = self._new_node(
                 run[:k], node.mask, node.tick, node.parent, node.up, node.confirmed, _copy(node.ticks)
             )
             del run[:k]
             self._siblings(head)[head.run[0]] = head
             head.children = {run[0]: node}
             node.parent, node.up = head, None
-            self._where.update(zip(head.run, repeat(head)))
+            self._where.update(zip(head.run, repeat(head.nid)))
             return head, node
-        tail = _Node(run[k:], node.mask, node.tick, node, None, node.confirmed, _copy(node.ticks))
+        tail = self._new_node(run[k:], node.mask, node.tick, node, None, node.confirmed, _copy(node.ticks))
         del run[k:]
         tail.children, node.children = node.children, {tail.run[0]: tail}
         for child in tail.children.values():
             child.parent = tail
-        self._where.update(zip(tail.run, repeat(tail)))
+        self._where.update(zip(tail.run, repeat(tail.nid)))
         if not tail.children:
             self._push_leaf(tail)
         return node, tail
@@ -484,7 +509,7 @@ class PrefixIndex:
         deque(map(where.pop, run), maxlen=0)
         self._entries -= len(run) * node.mask.bit_count()
         self._count(node.mask, -len(run))
-        self._nodes -= 1
+        self._retire(node)
         siblings = self._siblings(node)
         del siblings[run[0]]
         if node.parent is None and not siblings:
@@ -534,16 +559,17 @@ class PrefixIndex:
 
     def _push_leaf(self, node: _Node) -> None:
         leaves = self._leaves
-        heapq.heappush(leaves, (node.tick, next(self._seq), node))
+        heapq.heappush(leaves, (node.tick, next(self._seq), node.nid))
         if len(leaves) > 2 * self._nodes + 1024:  # mostly stale entries: rebuild, amortised O(1)
-            live = {id(n): n for _, _, n in leaves if n.mask and not n.children}
-            self._leaves = [(n.tick, next(self._seq), n) for n in live.values()]
+            live = [n for n in self._by_id.values() if not n.children]
+            self._leaves = [(n.tick, next(self._seq), n.nid) for n in live]
             heapq.heapify(self._leaves)
 
     def _evict_over_budget(self) -> None:
         while self._entries > self.max_entries and self._leaves:
-            tick, _, node = heapq.heappop(self._leaves)
-            if not node.mask or node.children:
+            tick, _, nid = heapq.heappop(self._leaves)
+            node = self._by_id.get(nid)
+            if node is None or node.children:
                 continue  # dropped, or no longer a leaf
             if tick != node.tick:
                 self._push_leaf(node)  # touched since it was queued

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ def chain(tokens: list[int], block_size: int = 1) -> list[int]:
 def _holds(index: PrefixIndex, worker: str, h: int) -> bool:
     """Whether the index holds block ``h`` for ``worker`` (a mid-chain block only matches from the root)."""
     slot = index._slot.get(worker)
-    node = index._where.get(h)
+    node = index._node_of(h)
     return slot is not None and node is not None and bool(node.mask >> slot & 1)
 
 
@@ -259,15 +260,17 @@ def _check_invariants(index: PrefixIndex) -> None:
     assert len(nodes) == index._nodes
     assert all(node.mask and node.run and node.confirmed & ~node.mask == 0 for node in nodes)
     assert sum(len(node.run) for node in nodes) == len(index._where)
-    assert all(index._where[h] is node for node in nodes for h in node.run)
+    assert all(index._by_id[index._where[h]] is node for node in nodes for h in node.run)
+    assert sorted(n.nid for n in nodes) == sorted(index._by_id)
+    assert all(index._by_id[n.nid] is n for n in nodes)
     assert sum(len(n.run) * n.mask.bit_count() for n in nodes) == index.num_entries <= index.max_entries
     assert sum(index._counts) == index.num_entries
     for n in nodes:  # each holder's last touch is known once a node has two, and none is after the node's
         holders = {i for i in range(len(index._counts)) if n.mask >> i & 1}
         assert n.ticks is not None or len(holders) == 1
         assert n.ticks is None or (set(n.ticks) <= holders and max(n.ticks.values(), default=0) <= n.tick)
-    queued = {id(n) for _, _, n in index._leaves}
-    assert all(id(n) in queued for n in nodes if not n.children), "a leaf missing from the heap"
+    queued = {nid for _, _, nid in index._leaves}
+    assert all(n.nid in queued for n in nodes if not n.children), "a leaf missing from the heap"
 
 
 @settings(max_examples=150, deadline=None)
@@ -295,7 +298,7 @@ def test_invariants_hold_under_budget_pressure_and_bogus_events(ops: list[tuple]
                 held = index.match(hashes).get(w, 0)
                 index.take_back(w, hashes, tick)
                 slot = index._slot[w]
-                after = [index._where.get(h) is not None and index._where[h].mask >> slot & 1 for h in hashes]
+                after = [(node := index._node_of(h)) is not None and node.mask >> slot & 1 for h in hashes]
                 assert after[:held] == sorted(after[:held], reverse=True), "a take-back opened a hole"
         elif kind == "insert":
             inserts.append((w, hashes, index.insert(w, hashes)))
@@ -433,4 +436,20 @@ def test_a_followed_take_back_removes_a_predicted_prefix_no_stored_event_named()
     index.insert("v", chain(doc + q2))
     index.take_back("v", chain(doc + q1)[len(doc) :], tick)
     assert index.match(chain(doc + q1)) == {"w": len(doc), "v": len(doc)}
+    _check_invariants(index)
+
+
+def test_per_block_structures_hold_nothing_the_garbage_collector_walks() -> None:
+    """A full collection's pause grows with what the collector tracks: blocks (millions at the
+    default budget) must not be among it, only nodes."""
+    index = PrefixIndex(max_entries=1000)
+    for i in range(40):
+        index.insert(f"w{i % 3}", chain([i % 4] * 10 + [i] * 20))
+        index.apply_stored(f"w{i % 5}", None, chain([i % 4] * 10 + [i] * 5))
+    gc.collect()  # tuples of untracked items are untracked by a collection
+    nodes = list(index._all_nodes())
+    assert len(nodes) > 10 and index.num_nodes > 300
+    assert not gc.is_tracked(index._where)  # ints to ints
+    assert all(len(gc.get_referents(node.run)) <= 1 for node in nodes)  # its type, not each hash
+    assert not any(gc.is_tracked(entry) for entry in index._leaves)
     _check_invariants(index)
