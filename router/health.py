@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -102,7 +101,6 @@ class HealthChecker:
         if epoch is not None:
             worker.epoch = epoch
         worker.healthy = True
-        worker.last_check_ok_at = time.monotonic()
 
     async def _learn(self, worker: Worker) -> None:
         """Served models and, for radixgate workers, cache info (block size, namespace)."""

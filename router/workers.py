@@ -56,7 +56,6 @@ class Worker:
     parents: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> its base model's (/v1/models)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
     epoch: str | None = None  # the worker's start identity, from /health or cache info
-    last_check_ok_at: float = 0.0
     stats: WorkerStats = field(default_factory=WorkerStats)
 
     @property

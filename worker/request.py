@@ -129,11 +129,6 @@ class ScheduledBatch:
         """The longest run of pool slots any request reads as context (extend: its cached prefix)."""
         return int(np.diff(self.kv_indptr).max(initial=0))
 
-    @property
-    def num_prefix_tokens(self) -> int:
-        """Tokens read from the pool as context (extend: cached prefixes)."""
-        return int(self.kv_indices.size)
-
 
 @dataclass
 class SchedulerStats:
