@@ -155,11 +155,15 @@ def lark_grammar(text: Any) -> str:
     return LLMatcher.grammar_from_lark(text)
 
 
+THINK_GAP = 8  # whitespace characters a constrained answer may start with after the thinking
+
+
 def thinking_first(grammar: str, opened: bool = False) -> str:
     """``grammar`` after a thinking block, so a thinking model (``--reasoning-parser``) thinks freely
     before its constrained answer, as its reasoning is split off: ``<think>`` free text ``</think>``
     first if the model writes it, or, when the prompt ``opened`` it, free text up to ``</think>``
-    first in any case; whitespace may follow it."""
+    first in any case; up to ``THINK_GAP`` whitespace characters may follow it (a bound: a model
+    left free to write whitespace there can spend its whole budget on it)."""
     try:
         top = json.loads(grammar)  # NOTE: llguidance's JSON form (schemas, regexes); else Lark text
     except json.JSONDecodeError:
@@ -168,7 +172,8 @@ def thinking_first(grammar: str, opened: bool = False) -> str:
     answer["name"] = answer.get("name") or "answer"
     start = f"think WS @{answer['name']}" if opened else f"(think WS)? @{answer['name']}"
     think = 'TEXT "</think>"' if opened else '"<think>" TEXT "</think>"'
-    lark = f"%llguidance {{}}\nstart: {start}\nthink[lazy]: {think}\nTEXT: /(.|\\n)*/\nWS: /[ \\t\\r\\n]*/\n"
+    lark = (f"%llguidance {{}}\nstart: {start}\nthink[lazy]: {think}\nTEXT: /(.|\\n)*/\n"
+            f"WS: /[ \\t\\r\\n]{{0,{THINK_GAP}}}/\n")  # fmt: skip
     top["grammars"] = [{"name": "thinking", "lark_grammar": lark}, *top["grammars"]]
     return json.dumps(top)
 

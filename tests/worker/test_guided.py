@@ -17,7 +17,15 @@ import torch
 
 from router.tokenization import ByteTokenizer, HFTokenizer
 from worker.config import WorkerConfig
-from worker.guided import GuideCompiler, allowed_mask, constrain, requested_grammar, unpack_on
+from worker.guided import (
+    THINK_GAP,
+    GuideCompiler,
+    allowed_mask,
+    constrain,
+    requested_grammar,
+    thinking_first,
+    unpack_on,
+)
 from worker.sampling import SamplingParams
 from worker.sim_engine import build_sim_engine
 
@@ -153,6 +161,19 @@ def test_a_choice_of_thousands_of_options_and_any_characters_is_one_of_them() ->
     guide = compiler.compile(*requested_grammar({"guided_choice": odd}))
     assert all(walks(guide, c) for c in odd)
     assert not walks(guide, "xy") and not walks(guide, "anything") and not walks(guide, "a/")
+
+
+def test_whitespace_after_the_thinking_is_bounded() -> None:
+    """A model left free to write whitespace between ``</think>`` and its constrained answer could
+    spend its whole budget there."""
+    compiler = GuideCompiler(ByteTokenizer(), 257)
+    kind, grammar = requested_grammar({"guided_regex": "ab"})
+    for opened, head in ((True, "hm</think>"), (False, "<think>hm</think>")):
+        guide = compiler.compile(kind, thinking_first(grammar, opened))
+        assert walks(guide, head + "ab") and walks(guide, head + "\n\n ab")
+        assert walks(guide, head + " \t\r\n" * (THINK_GAP // 4) + "ab")
+        assert not walks(guide, head + " " * (THINK_GAP + 1) + "ab")
+    assert walks(compiler.compile(kind, thinking_first(grammar)), "ab")  # no thinking written
 
 
 @pytest.mark.parametrize(
