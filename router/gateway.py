@@ -35,6 +35,7 @@ from router.prefix_index import PrefixIndex
 from router.proxy import SSEUsageScanner, Upstream, UpstreamFailure, Usage, body_usage, forwarded_headers
 from router.replica_sync import ReplicaSync
 from router.request_parsing import (
+    PARSE_INLINE_BYTES,
     ClientGone,
     ParsedRequest,
     parse_request,
@@ -52,7 +53,6 @@ WORKER_HEADER = "x-radixgate-worker"
 WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
 FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
-PARSE_INLINE_BYTES = 64 * 1024  # a larger body is read and tokenized in a thread, off the event loop
 
 
 class Router:

@@ -25,6 +25,7 @@ from router.api_keys import APIKeys
 from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_payload, error_response
 from router.kv_events import KV_SOURCE_HEADER
 from router.request_id import RequestId
+from router.request_parsing import PARSE_INLINE_BYTES
 from worker import reasoning
 from worker.api_params import (
     MAX_CHOICES,
@@ -116,7 +117,10 @@ class WorkerAPI:
         self.ends_at = deadline
 
     async def _body(self, request: Request) -> dict:
-        return check_body(await read_bounded(request, MAX_BODY_BYTES), self.engine.served_models())
+        raw, models = await read_bounded(request, MAX_BODY_BYTES), self.engine.served_models()
+        if len(raw) <= PARSE_INLINE_BYTES:
+            return check_body(raw, models)
+        return await run_in_threadpool(check_body, raw, models)  # NOTE: off the loop the streams share
 
     def for_model(self, params: SamplingParams, body: dict) -> SamplingParams:
         """``params`` for the body's model: the base, or one of its LoRA adapters."""

@@ -815,6 +815,30 @@ def test_a_chunked_body_past_the_bound_is_413_like_a_declared_one(server) -> Non
     )
 
 
+def test_bodies_past_the_inline_size_are_checked_as_small_ones_are(server) -> None:
+    """A body over PARSE_INLINE_BYTES is parsed and checked in a thread (off the event loop every
+    stream shares): the same answers as inline."""
+    from router.request_parsing import JSON_DEPTH_ERROR, MAX_JSON_DEPTH, PARSE_INLINE_BYTES
+
+    pad = "x" * PARSE_INLINE_BYTES
+    url = server.url + "/v1/completions"
+    ok = httpx.post(url, json={"prompt": "fine", "max_tokens": 1, "user": pad}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None, ok.text
+    deep: object = 1
+    for _ in range(MAX_JSON_DEPTH + 1):
+        deep = [deep]
+    cases = [
+        ({"prompt": "p", "max_tokens": 1, "user": pad, "extra": deep}, 400, JSON_DEPTH_ERROR),
+        ({"prompt": "p", "max_tokens": 1, "user": pad, "model": "nope"}, 404, "nope"),
+        ([pad], 400, "must be a JSON object"),
+    ]
+    for body, status, message in cases:
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    bad = httpx.post(url, content=b'{"prompt": "' + pad.encode() + b'"', timeout=30)
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"], bad.text
+
+
 def test_a_request_for_an_adapter_unloaded_after_its_check_is_404(server) -> None:
     """An adapter unloaded between the body's check and the request's submission: 404, not 500."""
     from worker.api_params import APIError
