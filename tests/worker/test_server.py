@@ -839,6 +839,31 @@ def test_bodies_past_the_inline_size_are_checked_as_small_ones_are(server) -> No
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"], bad.text
 
 
+def test_a_large_body_is_checked_off_the_event_loop(server) -> None:
+    """Parsing and checking a body of a million JSON values takes a second or more: done on the event
+    loop, it held every stream and /health until it was over."""
+    body = orjson.dumps({"prompt": "p", "max_tokens": 1, "user": "u", "extra": [{"a": 1}] * 1_500_000})
+    done = threading.Event()
+
+    def big() -> None:
+        try:
+            headers = {"content-type": "application/json"}
+            httpx.post(server.url + "/v1/completions", content=body, headers=headers, timeout=120)
+        finally:
+            done.set()
+
+    answered = 0
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        thread = threading.Thread(target=big)
+        thread.start()
+        done.wait(0.3)  # NOTE: the body is sent by then; its check takes a second or more
+        while not done.is_set():
+            assert client.get("/health").status_code == 200
+            answered += not done.is_set()  # NOTE: answered while the body was still being checked
+        thread.join(120)
+    assert answered >= 10, answered  # a few at most while the loop was held
+
+
 def test_a_request_for_an_adapter_unloaded_after_its_check_is_404(server) -> None:
     """An adapter unloaded between the body's check and the request's submission: 404, not 500."""
     from worker.api_params import APIError
