@@ -119,7 +119,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         return _json({"status": "ready", "healthy_workers": healthy})
 
     async def metrics(request: Request) -> Response:
-        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await router.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def authorized(request: Request) -> bool:
         if not config.admin_token:

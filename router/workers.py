@@ -238,13 +238,14 @@ class WorkerRegistry:
 
     def candidates(self, model: str | None, exclude: set[str] | frozenset = frozenset()) -> list[Worker]:
         """Workers that may take a request for ``model`` now: healthy, breaker allows, serve it."""
-        now = time.monotonic()
-        return [
+        now, closed = time.monotonic(), BreakerState.CLOSED
+        return [  # NOTE: Worker.available inlined: this runs over every worker on every request
             w
             for w in self._workers.values()
-            if w.url not in exclude
-            and w.available(now)
+            if w.healthy
+            and (w.breaker.state is closed or w.breaker.allows(now))
             and (model is None or not w.models or model in w.models)
+            and (not exclude or w.url not in exclude)
         ]
 
     def serves(self, model: str) -> bool:

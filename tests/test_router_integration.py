@@ -1201,3 +1201,47 @@ def test_a_large_body_is_tokenized_off_the_event_loop(launch, tmp_path) -> None:
                 answered.append(1.0)  # NOTE: answered while the big body was still being read
         thread.join(120)
     assert len(answered) >= 20, len(answered)  # one at most while the loop was held
+
+
+def test_health_checks_of_a_large_fleet_are_spread_over_the_interval(launch) -> None:
+    """Started all at once, one interval's checks of hundreds of workers ran tens of ms of CPU in one
+    burst, and every request waited behind it: they start in slices of ROUND_SLICE workers spread
+    over the interval, each worker still checked once an interval."""
+    import socket
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from router.health import ROUND_SLICE
+
+    checks: list[tuple[float, int]] = []  # (arrival, worker port)
+
+    async def health(request):
+        checks.append((time.monotonic(), request.scope["server"][1]))
+        return JSONResponse({"status": "ok"})
+
+    app = Starlette(routes=[
+        Route("/health", health),
+        Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "m"}]})),
+    ])  # fmt: skip
+    socks = [socket.socket() for _ in range(3 * ROUND_SLICE)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": socks}, daemon=True).start()
+    try:
+        wait_until(lambda: server.started, 10, what="the fleet's server")
+        ports = [s.getsockname()[1] for s in socks]
+        launch.router([f"http://127.0.0.1:{p}" for p in ports], "--health-interval-s", "0.6")
+        start = time.monotonic()
+        time.sleep(2.5)
+        window = [(t, p) for t, p in checks if t > start]  # NOTE: after the start-up check of all
+        per_port = Counter(p for _, p in window)
+        assert set(per_port) == set(ports) and min(per_port.values()) >= 3, per_port  # ~4 intervals
+        times = sorted(t for t, _ in window)
+        together = max(sum(1 for u in times if t <= u < t + 0.05) for t in times)
+        assert together <= ROUND_SLICE, together  # 48 within a few ms when started at once
+    finally:
+        server.should_exit = True
