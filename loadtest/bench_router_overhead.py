@@ -5,6 +5,10 @@ as real processes on loopback, then runs closed-loop load at several concurrenci
 non-stream, against both. Writes JSON and prints a markdown table.
 
     python -m loadtest.bench_router_overhead --out docs/benchmarks/router-overhead.json
+
+``--fleet N`` gives the router N workers (one echo backend process serving N ports, each a backend
+with its own cache): what a large fleet costs per request (candidates, policy, health checks
+running meanwhile). The router's CPU per request (its /proc times over a routed run) is reported.
 """
 
 from __future__ import annotations
@@ -93,6 +97,32 @@ async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> d
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def routed_load(url: str, pid: int, concurrency: int, requests: int, stream: bool) -> dict:
+    """``run_load`` through the router, with the router's CPU time per request."""
+    before = cpu_seconds(pid)
+    result = asyncio.run(run_load(url, concurrency, requests, stream))
+    # NOTE: the warm-up round is inside the window: its requests are counted too
+    result["router_cpu_ms_per_request"] = (
+        (cpu_seconds(pid) - before) * 1e3 / (result["requests"] + concurrency)
+    )
+    return result
+
+
+def free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
+
+
 def median_of(runs: list[dict]) -> dict:
     """Per-field median over repeated runs of the same point."""
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -104,13 +134,21 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000, help="per measurement and round")
     p.add_argument("--rounds", type=int, default=3, help="alternating direct/router runs per point")
     p.add_argument("--policy", default="cache_aware")
+    p.add_argument(
+        "--fleet", type=int, default=1, help="workers behind the router (ports of one echo backend)"
+    )
     p.add_argument("--out", default="router-overhead.json")  # NOTE: docs/benchmarks' file only when named
     args = p.parse_args()
-    backend_port, router_port = free_port(), free_port()
-    backend = start(["-m", "loadtest.echo_backend", "--port", str(backend_port)], backend_port)
+    if args.fleet < 1:
+        p.error("--fleet must be at least 1")
+    *ports, router_port = free_ports(args.fleet + 1)
+    backend_port = ports[0]
+    more = ["--more-ports", ",".join(map(str, ports[1:]))] if args.fleet > 1 else []
+    backend = start(["-m", "loadtest.echo_backend", "--port", str(backend_port), *more], ports[-1])
+    workers = ",".join(f"http://127.0.0.1:{port}" for port in ports)
     router = start(
-        ["-m", "router", "--port", str(router_port), "--workers", f"http://127.0.0.1:{backend_port}",
-         "--policy", args.policy, "--log-level", "warning"],
+        ["-m", "router", "--port", str(router_port), "--workers", workers, "--policy", args.policy,
+         "--log-level", "warning"],
         router_port,
     )  # fmt: skip
     rows = []
@@ -125,7 +163,7 @@ def main() -> None:
                         asyncio.run(run_load(f"http://127.0.0.1:{backend_port}", c, args.requests, stream))
                     )
                     routeds.append(
-                        asyncio.run(run_load(f"http://127.0.0.1:{router_port}", c, args.requests, stream))
+                        routed_load(f"http://127.0.0.1:{router_port}", router.pid, c, args.requests, stream)
                     )
                 direct, routed = median_of(directs), median_of(routeds)
                 rows.append(
@@ -146,6 +184,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (client, router and backend share them)",
         "python": platform.python_version(),
         "policy": args.policy,
+        "fleet": args.fleet,
         "requests_per_point": args.requests,
         "rounds": args.rounds,
         "prompt_bytes": len(PROMPT) + 4,
@@ -154,15 +193,17 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    print(f"fleet of {args.fleet} worker(s), policy {args.policy}")
     print("| stream | conc | direct p50 ms | router p50 ms | added p50 ms | added p99 ms | added TTFT p50 ms |"
-          " direct req/s | router req/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          " direct req/s | router req/s | router CPU ms/req |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         d, x = r["direct"], r["router"]
         print(
             f"| {'yes' if r['stream'] else 'no'} | {r['concurrency']} | {d['p50_ms']:.2f} | {x['p50_ms']:.2f} | "
             f"{x['p50_ms'] - d['p50_ms']:.2f} | {x['p99_ms'] - d['p99_ms']:.2f} | "
-            f"{x['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} | {d['req_per_s']:.0f} | {x['req_per_s']:.0f} |"
+            f"{x['ttft_p50_ms'] - d['ttft_p50_ms']:.2f} | {d['req_per_s']:.0f} | {x['req_per_s']:.0f} | "
+            f"{x['router_cpu_ms_per_request']:.3f} |"
         )
 
 

@@ -202,17 +202,35 @@ def main() -> None:
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-ms-per-token", type=float, default=0.0)
     p.add_argument("--tokens", type=int, default=4, help="completion tokens when max_tokens is absent")
-    args = p.parse_args()
-    app = build_app(
-        args.name or f"{args.host}:{args.port}",
-        args.model,
-        args.block_size,
-        args.cache_blocks,
-        args.prefill_us_per_token,
-        args.decode_ms_per_token,
-        args.tokens,
+    p.add_argument(
+        "--more-ports",
+        default="",
+        metavar="PORT,PORT,...",
+        help="serve one more backend (a cache of its own, named host:port) on each of these ports, in this "
+        "process: a large fleet for the router's benchmarks without a process per worker",
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    args = p.parse_args()
+    ports = [args.port, *(int(x) for x in args.more_ports.split(",") if x)]
+
+    def app(port: int) -> Starlette:
+        name = args.name if args.name and port == args.port else f"{args.host}:{port}"
+        return build_app(name, args.model, args.block_size, args.cache_blocks, args.prefill_us_per_token,
+                         args.decode_ms_per_token, args.tokens)  # fmt: skip
+
+    if len(ports) == 1:
+        uvicorn.run(app(args.port), host=args.host, port=args.port, log_level="warning", access_log=False)
+        return
+    servers = [
+        uvicorn.Server(
+            uvicorn.Config(app(port), host=args.host, port=port, log_level="warning", access_log=False)
+        )
+        for port in ports
+    ]
+
+    async def serve_all() -> None:
+        await asyncio.gather(*(server.serve() for server in servers))
+
+    asyncio.run(serve_all())
 
 
 if __name__ == "__main__":
