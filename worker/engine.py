@@ -178,11 +178,14 @@ class Engine:
         outputs: asyncio.Queue | None = None,
         index: int = 0,
         prompt_group: Any = None,
+        hold: bool = False,
     ) -> RequestHandle:
         """Queue a request. Raises EngineDeadError, PromptTooLongError, QueueFullError or ValueError.
         Its outputs go to ``outputs`` (a new queue by default) tagged with ``index``, so the choices
         of one n > 1 request can share one queue; their ``prompt_group`` tells the scheduler they
-        share the prompt (its prefill backlog counts it once)."""
+        share the prompt (its prefill backlog counts it once). ``hold``: a whole answer (not
+        streamed): its outputs are delivered together when it finishes (or fails), so its reader
+        wakes once, not once a step."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         n = len(prompt_ids)
@@ -205,7 +208,9 @@ class Engine:
             if params.min_tokens and left <= eos | set(params.stop_token_ids):
                 raise ValueError("min_tokens bans every token allowed_token_ids allows (EOS and stop ids)")
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        handle = RequestHandle(rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index)
+        handle = RequestHandle(
+            rid, n, max_tokens, asyncio.Queue() if outputs is None else outputs, index, hold
+        )
         req = Request(rid, prompt_ids, max_tokens, frozenset(eos | set(params.stop_token_ids)),
                       prompt_group=prompt_group, priority=params.priority,
                       full_prefill=params.prompt_logprobs is not None,
@@ -571,7 +576,15 @@ class Engine:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for st, out in self._outbox:
-            by_loop[st.loop].append((st.handle.outputs, out))
+            h = st.handle
+            if h.hold and out.finish_reason is None and out.error is None:
+                h.held.append(out)  # NOTE: a whole answer: its reader wakes once, when it finishes
+                continue
+            items = by_loop[st.loop]
+            if h.held:
+                items.extend((h.outputs, o) for o in h.held)
+                h.held = []
+            items.append((h.outputs, out))
         self._outbox = []
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more

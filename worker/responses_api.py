@@ -257,7 +257,9 @@ class ResponsesAPI:
         params = api.for_model(api.reasoning_params(params), body)
         outputs: asyncio.Queue = asyncio.Queue()
         live: dict[int, str] = {}
-        first = await api._submit(request, [(0, ids, params, None)], outputs, live)
+        first = await api._submit(
+            request, [(0, ids, params, None)], outputs, live, hold=not body.get("stream")
+        )
         if first is None:
             return Response(status_code=499)
         conversation = history + input_messages(body["input"])

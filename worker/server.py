@@ -60,6 +60,8 @@ log = logging.getLogger("worker.server")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
+_TICK = object()  # put in a waited-on output queue every _POLL_S (WorkerAPI._tick)
+_TAKEN_AT_ONCE = 256  # outputs taken without letting the event loop run other tasks, at most
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -97,6 +99,9 @@ class WorkerAPI:
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
+        self._polled: set[asyncio.Queue] = set()  # output queues being waited on (see _next)
+        self._ticker: asyncio.Task | None = None
+        self._taken = 0  # outputs _next took without waiting since the loop last ran others
 
     def prompt_thinks(self, prompt: list[int]) -> bool | None:
         """With --reasoning-parser, whether the chat ``prompt`` opened the thinking (a template that
@@ -217,7 +222,7 @@ class WorkerAPI:
         prompt_tokens = [len(ids) for ids in prompts]
         jobs = [(c.index, prompts[c.prompt], params.for_choice(c.index % n), (id(outputs), c.prompt) if n > 1 else None)
                 for c in choices]  # fmt: skip
-        first = await self._submit(request, jobs, outputs, live)
+        first = await self._submit(request, jobs, outputs, live, hold=not body.get("stream"))
         if first is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -264,13 +269,14 @@ class WorkerAPI:
 
     async def _submit(
         self, request: Request, jobs: list[tuple[int, list[int], SamplingParams, Any]], outputs: asyncio.Queue,
-        live: dict[int, str],
+        live: dict[int, str], hold: bool = False,
     ) -> RequestOutput | None:  # fmt: skip
         """Submit engine requests ``(index, prompt ids, params, prompt group)`` answering on
         ``outputs`` and wait for the first output; None if the client left. A refusal or a first
         output that is an error is an APIError, with every submitted request aborted. More choices
         than the worker ever takes at once (its running slots and its queue) is a 400: a 429 would
-        have the client retry what never fits."""
+        have the client retry what never fits. ``hold``: a whole answer (Engine.submit): its first
+        output is its last."""
         most = self.engine.max_waiting + self.engine.max_running
         if len(jobs) > most:
             raise APIError(
@@ -290,7 +296,7 @@ class WorkerAPI:
                 return None  # NOTE: the client left while its prompts' KV was fetched: nothing submitted
         try:
             for index, ids, params, group in jobs:
-                live[index] = self.engine.submit(ids, params, outputs, index, group).rid
+                live[index] = self.engine.submit(ids, params, outputs, index, group, hold).rid
             first = await self._next(request, outputs, live)
         except BaseException as exc:
             self._abort(live)
@@ -317,9 +323,26 @@ class WorkerAPI:
     ) -> RequestOutput | None:
         """The next output of any live choice; None (and the choices aborted) if the client went away."""
         while True:
+            # NOTE: an output already queued is taken at once; an empty queue is waited on without a timeout
+            # of its own (asyncio.wait_for makes a Task per call, and a stream waits once per token): the
+            # ticker puts _TICK in every queue waited on, every _POLL_S
             try:
-                out = await asyncio.wait_for(outputs.get(), _POLL_S)
-            except asyncio.TimeoutError:
+                out = outputs.get_nowait()
+            except asyncio.QueueEmpty:
+                self._polled.add(outputs)
+                if self._ticker is None:
+                    self._ticker = asyncio.get_running_loop().create_task(self._tick())
+                try:
+                    out = await outputs.get()
+                finally:
+                    self._polled.discard(outputs)
+                self._taken = 0
+            else:
+                self._taken += 1
+                if self._taken >= _TAKEN_AT_ONCE:  # NOTE: a whole answer's outputs come at once (hold)
+                    self._taken = 0
+                    await asyncio.sleep(0)  # the loop serves the others between
+            if out is _TICK:
                 out = None
             # NOTE: asked by the clock, not only when outputs stop: a decoding request has one every
             # step, and a non-streamed answer writes nothing that would fail on a closed socket
@@ -334,6 +357,18 @@ class WorkerAPI:
                 return out
             if not self.engine.alive:
                 return RequestOutput(finish_reason="error", error="engine stopped", error_status=503)
+
+    async def _tick(self) -> None:
+        """Wake every reader waiting for outputs once per _POLL_S (its checks: client gone, shutdown);
+        ends once nobody waits."""
+        try:
+            while self._polled:
+                await asyncio.sleep(_POLL_S)
+                for q in list(self._polled):
+                    if q.empty():
+                        q.put_nowait(_TICK)
+        finally:
+            self._ticker = None
 
     async def _stream(
         self,
@@ -354,36 +389,49 @@ class WorkerAPI:
                 chunk["usage"] = usage_so_far(prompt_tokens, choices)
             return _sse(chunk)
 
+        # NOTE: the events of the outputs already queued go out in one write (one body message, one
+        # syscall); a loop that keeps up still sends each token as it comes
+        buf: list[bytes] = []
         try:
             if resp.chat:
                 for c in choices:
-                    yield send(resp.role_chunk(c.index, c.tools is not None and c.tools.forced))
+                    buf.append(send(resp.role_chunk(c.index, c.tools is not None and c.tools.forced)))
             while out is not None:
                 if out.error is not None:
-                    yield _sse(
-                        error_payload(out.error_status or 500, out.error, out.error_code or "internal_error")
+                    buf.append(
+                        _sse(
+                            error_payload(
+                                out.error_status or 500, out.error, out.error_code or "internal_error"
+                            )
+                        )
                     )
-                    yield b"data: [DONE]\n\n"
+                    buf.append(b"data: [DONE]\n\n")
                     break
                 c = choices[out.index]
                 if c.add(out):
                     del live[out.index]
                 if c.tools is not None:
                     for chunk in resp.tool_chunks(c, out.text, out.finish_reason):
-                        yield send(chunk)
+                        buf.append(send(chunk))
                 elif (text := c.visible(out)) and (chunk := resp.chunk(c, text)) is not None:
-                    yield send(chunk)
+                    buf.append(send(chunk))
                 if out.finish_reason is not None:
                     if c.tools is None:
-                        yield send(resp.chunk(c, "", out.finish_reason))  # type: ignore[arg-type]
+                        buf.append(send(resp.chunk(c, "", out.finish_reason)))  # type: ignore[arg-type]
                     else:
                         self.engine.metrics.tool_calls.inc(c.tools.calls)
                     if not live:
                         if usage:
-                            yield send(resp.usage_chunk(choices, prompt_tokens))
-                        yield b"data: [DONE]\n\n"
+                            buf.append(send(resp.usage_chunk(choices, prompt_tokens)))
+                        buf.append(b"data: [DONE]\n\n")
                         break
+                if buf and outputs.empty():
+                    data = b"".join(buf)
+                    buf.clear()
+                    yield data
                 out = await self._next(request, outputs, live)
+            if buf:
+                yield b"".join(buf)
         finally:
             self._abort(live)  # NOTE: client gone, stream cancelled or a choice failed: free pages now
 

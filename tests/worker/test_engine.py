@@ -241,3 +241,21 @@ async def test_a_call_cancelled_before_it_runs_is_skipped_and_the_engine_lives_o
     assert ran == [] and cancelled.cancelled()
     _, _, out = await generate(engine, "after a cancelled call", 2)
     assert out.finish_reason == "length"
+
+
+async def test_a_held_answer_reaches_its_reader_whole_when_it_finishes(engine):
+    """A non-streamed answer (hold) wakes its reader once, when it finishes, not once a step: its
+    outputs stay with the engine until then, and are the same as a streamed twin's."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = engine.tokenizer.encode_prompt(SHARED + "held or streamed")
+    streamed, held = engine.submit(prompt, sp), engine.submit(prompt, sp, hold=True)
+    seen = []
+    while len(seen) < 3:
+        seen.append(await asyncio.wait_for(streamed.outputs.get(), 60))
+    assert seen[-1].finish_reason is None and held.outputs.empty()  # same steps: 3 outputs each by now
+    while seen[-1].finish_reason is None:
+        seen.append(await asyncio.wait_for(streamed.outputs.get(), 60))
+    whole = [await asyncio.wait_for(held.outputs.get(), 60) for _ in range(len(seen))]
+    assert [o.token_ids for o in whole] == [o.token_ids for o in seen] and whole[-1].finish_reason == "length"
+    assert held.outputs.empty()
+    await idle(engine)
