@@ -184,6 +184,9 @@ _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "gra
 _SGLANG_KINDS = {"regex": "regex", "json_schema": "json_schema", "ebnf": "grammar"}
 # what else structured_outputs may hold: never a fallback to free text here, so that flag is kept
 _STRUCTURED_KEYS = {*_VLLM_KINDS, "json_object", "disable_fallback"}
+# every body key requested_grammar reads: a body with none of them asks for free text
+CONSTRAINT_KEYS = frozenset({"response_format", "structured_outputs", "guided_whitespace_pattern",
+                             *(f"guided_{k}" for k in _VLLM_KINDS), *_SGLANG_KINDS})  # fmt: skip
 
 
 def requested_grammar(body: dict) -> tuple[str, str] | None:

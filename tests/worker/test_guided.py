@@ -18,6 +18,7 @@ import torch
 from router.tokenization import ByteTokenizer, HFTokenizer
 from worker.config import WorkerConfig
 from worker.guided import (
+    CONSTRAINT_KEYS,
     THINK_GAP,
     GuideCompiler,
     allowed_mask,
@@ -116,6 +117,29 @@ def test_a_json_schema_without_a_schema_takes_any_json_value() -> None:
 def test_free_text_has_no_grammar() -> None:
     assert requested_grammar({}) is None
     assert requested_grammar({"response_format": {"type": "text"}}) is None
+
+
+def test_a_body_without_any_constraint_key_is_free_text_without_asking() -> None:
+    """output_guide answers "free text" on the event loop for a body holding none of CONSTRAINT_KEYS:
+    those must be every key requested_grammar reads."""
+
+    class Reads(dict):
+        read: set = set()
+
+        def get(self, key, default=None):
+            self.read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            self.read.add(key)
+            return super().__contains__(key)
+
+    assert requested_grammar(Reads()) is None
+    assert Reads.read and Reads.read <= CONSTRAINT_KEYS, Reads.read - CONSTRAINT_KEYS
 
 
 # ---------------------------------------------------------------------- masks
