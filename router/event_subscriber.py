@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from router.kv_events import EventFormatError, KVEventBatch, decode
+from router.request_parsing import PARSE_INLINE_BYTES
 from router.workers import Worker
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ log = logging.getLogger("radixgate.router.events")
 
 STREAM_PREFIX = "radixgate:kv:"  # + model name: one Redis Stream per model
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+_SNAPSHOT_SLICE = 128  # stored runs of a snapshot applied between two yields to the event loop
+_READ_SLICE = 32  # Redis entries handled between two yields
 _HELD_BATCHES = 4096  # batches of one worker held while its re-sync runs; past it they are dropped
 
 
@@ -59,6 +62,7 @@ class EventSubscriber:
         self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
         self._first: dict[str, asyncio.Event] = {}  # worker url -> set once its first sync attempt ended
         self._redis = None
+        self._applying = asyncio.Lock()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -219,13 +223,35 @@ class EventSubscriber:
             ) as resp:
                 if resp.status != 200:
                     return False
-                snapshot = decode(await resp.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EventFormatError) as exc:
+                raw = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.info("snapshot of %s unavailable: %r", worker.url, exc)
+            return False
+        # NOTE: one snapshot decoded and applied at a time: many at once (a Redis stream readable again
+        # re-syncs every worker) would each take a slice per loop turn, and requests wait behind them all
+        async with self._applying:
+            return await self._apply_snapshot(worker, raw)
+
+    async def _apply_snapshot(self, worker: Worker, raw: bytes) -> bool:
+        try:  # NOTE: a large snapshot is decoded in a thread: ~100 ms of the loop for 20k blocks
+            snapshot = decode(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(decode, raw)
+        except EventFormatError as exc:
             log.info("snapshot of %s unavailable: %r", worker.url, exc)
             return False
         if worker not in self._router.workers:
             return False
-        self._router.index.apply_events(worker.url, snapshot.stored, [], cleared=True)
+        # NOTE: a snapshot is applied a slice of runs at a time, yielding between slices, so a large one
+        # does not stall routing (the worker's batches are held meanwhile, as during the fetch)
+        index = self._router.index
+        index.clear_worker(worker.url)
+        stored = snapshot.stored
+        for start in range(0, len(stored), _SNAPSHOT_SLICE):
+            if start:
+                await asyncio.sleep(0)
+                if worker not in self._router.workers:
+                    return False  # NOTE: removed meanwhile: its index entries are gone, keep it so
+            for run in stored[start : start + _SNAPSHOT_SLICE]:
+                index.apply_stored(worker.url, run.parent_hash, run.block_hashes)
         self._cursors[worker.url] = _Cursor(snapshot.epoch, snapshot.seq)
         worker.stats.kv_resyncs += 1
         log.info(
@@ -304,10 +330,15 @@ class EventSubscriber:
                     await self.resync(worker)  # after subscribing, so nothing falls between
                     # NOTE: not `async for line in resp.content`: aiohttp caps a line at 128 KiB and
                     # one batch for a long prompt (its token ids) can be larger.
-                    pending = b""
+                    # NOTE: a line longer than a chunk is gathered in a list, not by re-copying (and
+                    # re-splitting) the growing buffer at every chunk: linear, not quadratic, in its length
+                    parts: list[bytes] = []
                     async for chunk in resp.content.iter_any():
-                        pending += chunk
-                        *lines, pending = pending.split(b"\n")
+                        parts.append(chunk)
+                        if b"\n" not in chunk:
+                            continue
+                        *lines, rest = b"".join(parts).split(b"\n")
+                        parts = [rest] if rest else []
                         for line in lines:
                             if line.startswith(b"data:"):
                                 await self._handle(line[5:].strip(), worker)
@@ -354,11 +385,13 @@ class EventSubscriber:
                     last_id = newest[0][0] if newest else "0-0"
                 reply = await self._redis.xread({key: last_id}, block=5000, count=256)
                 for _stream, entries in reply or []:
-                    for entry_id, fields in entries:
+                    for i, (entry_id, fields) in enumerate(entries):
                         last_id = entry_id
                         raw = fields.get(b"batch")
                         if raw is not None:
                             await self._handle(raw)
+                        if i % _READ_SLICE == _READ_SLICE - 1:
+                            await asyncio.sleep(0)  # NOTE: 256 entries at once would stall routing
             except asyncio.CancelledError:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:

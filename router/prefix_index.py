@@ -148,7 +148,7 @@ class PrefixIndex:
     def clear_worker(self, worker: str) -> None:
         """``worker``'s cache was dropped (or is about to be re-synced): forget its entries."""
         slot = self._slot.get(worker)
-        if slot is not None:
+        if slot is not None and self._counts[slot]:  # NOTE: holding nothing (a first sync): no walk
             for node in [n for n in self._all_nodes() if n.mask >> slot & 1]:
                 self._lose(node, slot)
 
@@ -284,7 +284,16 @@ class PrefixIndex:
                 gone.setdefault(node, set()).add(h)
         for node, hashes in gone.items():
             spans: list[list[int]] = []  # [start, end) offsets of removed stretches
-            for i in [i for i, h in enumerate(node.run) if h in hashes]:
+            run, k = node.run, len(hashes)
+            # NOTE: a run's hashes are distinct, so when its last k are all removed they are the k removed
+            # (a worker evicts leaves: the common case); else the whole run is scanned
+            if hashes.issuperset(run[len(run) - k :]):
+                offsets = range(len(run) - k, len(run))
+            elif hashes.issuperset(run[:k]):
+                offsets = range(k)
+            else:
+                offsets = [i for i, h in enumerate(run) if h in hashes]
+            for i in offsets:
                 if spans and spans[-1][1] == i:
                     spans[-1][1] = i + 1
                 else:
