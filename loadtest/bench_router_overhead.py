@@ -54,16 +54,17 @@ async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> d
     body = {"model": "echo", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
     latencies: list[float] = []
     ttfts: list[float] = []
-    errors = 0
+    errors = sent = 0
     remaining = requests
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def client(i: int) -> None:
-            nonlocal remaining, errors
+            nonlocal remaining, errors, sent
             payload = json.dumps({**body, "prompt": f"{i} " + PROMPT}).encode()  # per-client prefix
             while remaining > 0:
                 remaining -= 1
+                sent += 1
                 t0 = time.perf_counter()
                 async with session.post(url + "/v1/completions", data=payload) as resp:
                     first = None
@@ -89,6 +90,7 @@ async def run_load(url: str, concurrency: int, requests: int, stream: bool) -> d
     return {
         "requests": len(latencies),
         "errors": errors,
+        "sent": sent,  # the warm-up round's too
         "req_per_s": len(latencies) / wall,
         "p50_ms": statistics.median(latencies) * 1e3,
         "p99_ms": percentile(latencies, 99) * 1e3,
@@ -108,10 +110,7 @@ def routed_load(url: str, pid: int, concurrency: int, requests: int, stream: boo
     """``run_load`` through the router, with the router's CPU time per request."""
     before = cpu_seconds(pid)
     result = asyncio.run(run_load(url, concurrency, requests, stream))
-    # NOTE: the warm-up round is inside the window: its requests are counted too
-    result["router_cpu_ms_per_request"] = (
-        (cpu_seconds(pid) - before) * 1e3 / (result["requests"] + concurrency)
-    )
+    result["router_cpu_ms_per_request"] = (cpu_seconds(pid) - before) * 1e3 / result["sent"]
     return result
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
 import time
 import uuid
 from collections import OrderedDict
@@ -228,6 +230,17 @@ def main() -> None:
     ]
 
     async def serve_all() -> None:
+        # NOTE: one handler stops them all (each server's own would replace the last one's: they
+        # stopped one after another, ~0.2 s each)
+        def stop() -> None:
+            for server in servers:
+                server.should_exit = True
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        for server in servers:
+            server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         await asyncio.gather(*(server.serve() for server in servers))
 
     asyncio.run(serve_all())

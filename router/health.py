@@ -67,6 +67,7 @@ class HealthChecker:
         finally:  # NOTE: stopped mid-round: the checks under way go too
             for checks in started:
                 checks.cancel()
+            await asyncio.gather(*started, return_exceptions=True)  # NOTE: read, or asyncio logs each
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self._router.workers))

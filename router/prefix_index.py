@@ -34,7 +34,7 @@ tracks: a full collection walks the nodes, not the blocks (docs/benchmarks/route
 
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
-~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~200 per node; another
+~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~310 per node; another
 worker on a node costs one bit, and a node two or more workers hold keeps a small dict of their ticks. ``remove_worker``/``clear_worker`` visit every node.
 """
 
