@@ -45,6 +45,9 @@ from worker.sampling import SamplingParams
 from worker.scheduler import Scheduler
 
 log = logging.getLogger("worker.engine")
+# A whole (non-streamed) answer's outputs reach its reader this many at a time (Engine.submit's hold):
+# its reader wakes once per batch, not per step, and the engine keeps no more than a batch of them
+HELD_OUTPUTS = 64
 
 
 def ban_failure(st: RequestState, req: Request, token: int, at: int) -> str | None:
@@ -184,8 +187,8 @@ class Engine:
         Its outputs go to ``outputs`` (a new queue by default) tagged with ``index``, so the choices
         of one n > 1 request can share one queue; their ``prompt_group`` tells the scheduler they
         share the prompt (its prefill backlog counts it once). ``hold``: a whole answer (not
-        streamed): its outputs are delivered together when it finishes (or fails), so its reader
-        wakes once, not once a step."""
+        streamed): its outputs are delivered ``HELD_OUTPUTS`` at a time (and when it finishes or
+        fails), so its reader wakes once per batch, not once a step."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         n = len(prompt_ids)
@@ -577,8 +580,8 @@ class Engine:
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for st, out in self._outbox:
             h = st.handle
-            if h.hold and out.finish_reason is None and out.error is None:
-                h.held.append(out)  # NOTE: a whole answer: its reader wakes once, when it finishes
+            if h.hold and out.finish_reason is None and out.error is None and len(h.held) < HELD_OUTPUTS - 1:
+                h.held.append(out)  # NOTE: a whole answer: its reader wakes once every HELD_OUTPUTS steps
                 continue
             items = by_loop[st.loop]
             if h.held:

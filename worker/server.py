@@ -72,10 +72,12 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + sse_json(obj) + b"\n\n"
 
 
-async def _client_gone(request: Request) -> bool:
-    """Has the client disconnected? Asks the server at most once per ``_POLL_S`` per request."""
+async def _client_gone(request: Request, tick: bool = False) -> bool:
+    """Has the client disconnected? Asks the server at most once per ``_POLL_S`` per request, or
+    at each ``tick`` (the ticker's wake-up, ``_POLL_S`` apart: its own clock runs a little ahead of
+    the request's, so the limit would skip every other tick)."""
     now = time.monotonic()
-    if now < getattr(request.state, "disconnect_check_at", 0.0):
+    if not tick and now < getattr(request.state, "disconnect_check_at", 0.0):
         return False
     request.state.disconnect_check_at = now + _POLL_S
     return await request.is_disconnected()
@@ -342,11 +344,12 @@ class WorkerAPI:
                 if self._taken >= _TAKEN_AT_ONCE:  # NOTE: a whole answer's outputs come at once (hold)
                     self._taken = 0
                     await asyncio.sleep(0)  # the loop serves the others between
-            if out is _TICK:
+            tick = out is _TICK
+            if tick:
                 out = None
             # NOTE: asked by the clock, not only when outputs stop: a decoding request has one every
             # step, and a non-streamed answer writes nothing that would fail on a closed socket
-            if await _client_gone(request):
+            if await _client_gone(request, tick):
                 self._abort(live)
                 return None
             if self.ends_at is not None and time.monotonic() >= self.ends_at:

@@ -11,7 +11,7 @@ import pytest
 
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
-from worker.engine import Engine
+from worker.engine import HELD_OUTPUTS, Engine
 from worker.sampling import SamplingParams
 
 SHARED = "System: you are a terse assistant that answers in one line. Context: " * 3  # ~210 tokens
@@ -258,4 +258,15 @@ async def test_a_held_answer_reaches_its_reader_whole_when_it_finishes(engine):
     whole = [await asyncio.wait_for(held.outputs.get(), 60) for _ in range(len(seen))]
     assert [o.token_ids for o in whole] == [o.token_ids for o in seen] and whole[-1].finish_reason == "length"
     assert held.outputs.empty()
+    await idle(engine)
+
+
+async def test_a_held_answer_comes_a_batch_of_outputs_at_a_time(engine):
+    """A long whole answer is not kept whole by the engine: its outputs come HELD_OUTPUTS at a time."""
+    sp = SamplingParams(temperature=0.0, max_tokens=HELD_OUTPUTS + 8, ignore_eos=True)
+    prompt = engine.tokenizer.encode_prompt(SHARED + "a long held answer")
+    streamed, held = engine.submit(prompt, sp), engine.submit(prompt, sp, hold=True)
+    for _ in range(HELD_OUTPUTS + 2):  # NOTE: the twins' outputs of a step reach their queues together
+        assert (await asyncio.wait_for(streamed.outputs.get(), 60)).finish_reason is None
+    assert held.outputs.qsize() == HELD_OUTPUTS
     await idle(engine)
