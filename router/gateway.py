@@ -53,6 +53,7 @@ WORKER_HEADER = "x-radixgate-worker"
 WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
 FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
+MODEL_TOKENIZER_INLINE_BYTES = 2048  # with a model's tokenizer, a larger body is parsed in a thread
 
 
 class Router:
@@ -160,7 +161,10 @@ class Router:
     async def parse_soon(self, raw: bytes, endpoint: str) -> ParsedRequest:
         """``parse``, in a thread for a large body: tokenizing and rendering megabytes (an HF tokenizer,
         a chat template) takes seconds, which on the event loop would stall every other request."""
-        if len(raw) <= PARSE_INLINE_BYTES:
+        # NOTE: a model's chat template can render a body many times its size (Llama 3.1 writes each tool
+        # schema with tojson(indent=4): 63 KiB of nested schemas, 2 MB of text, seconds to encode)
+        inline = PARSE_INLINE_BYTES if self.tokenizer.name == "bytes" else MODEL_TOKENIZER_INLINE_BYTES
+        if len(raw) <= inline:
             return self.parse(raw, endpoint)
         return await asyncio.to_thread(self.parse, raw, endpoint)
 

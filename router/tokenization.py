@@ -11,7 +11,10 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
@@ -308,6 +311,102 @@ def _find_chat_templates(directory: str, config: dict) -> dict[str, str]:
 _LONG_TEXT = 16_384  # characters: from here a text is encoded without holding the GIL
 
 
+class PrefixIds:
+    """Token ids of recently rendered chat prompts, by prefix, so a conversation's next turn encodes
+    only what it adds (the whole of it was encoded on every turn: ~200 ms at 100k tokens). A prompt
+    is cut only right after a special added token ``T`` (``<|eot_id|>``, ``<|im_end|>``, ...):
+    ``tokenizers`` splits a text on its added tokens before it normalizes, pre-tokenizes or merges,
+    and encodes each piece alone, so ids(A + B) == ids(A) + ids(B) when A ends with T, given (checked
+    once, else ``T`` is never a cut): T is special, not normalized, without lstrip / rstrip /
+    single_word; no other added token contains T or overlaps it (so T matches where it occurs); no
+    truncation or padding; no Metaspace that prepends to the first piece only. Keys are the exact
+    prefix texts (a hash hit compares them: never another text's ids). One entry a conversation:
+    the one a prompt extended is replaced. Bounded by ``max_bytes``; thread-safe."""
+
+    MAX_TRIES = 32  # cuts looked up, from the prompt's end, before it is encoded whole
+
+    def __init__(self, tokenizer: Any, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.cut_tokens = _exact_cut_tokens(tokenizer)
+        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def encode(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """``encode(text)``, from the longest cached prefix of ``text`` ending at a cut; the prefix up
+        to its last cut is cached for the next turn."""
+        cuts = sorted(i + len(t) for t in self.cut_tokens for i in _find_all(text, t))
+        if not cuts:
+            return encode(text)
+        start, base, found = 0, None, None
+        for cut in reversed(cuts[-self.MAX_TRIES :]):
+            with self._lock:
+                ids = self._entries.get(text[:cut])
+                if ids is not None:
+                    self._entries.move_to_end(text[:cut])
+            if ids is not None:
+                start, base, found = cut, ids, text[:cut]
+                break
+        last = cuts[-1]
+        if base is None:
+            self.misses += 1
+            head = encode(text[:last])
+        else:
+            self.hits += 1
+            head = base.tolist() if start == last else base.tolist() + encode(text[start:last])
+        tail = encode(text[last:]) if last < len(text) else []
+        if start < last:
+            self._keep(text[:last], array("I", head), found, base)
+        return head + tail
+
+    def _keep(self, key: str, ids: array, replaced: str | None, old: array | None) -> None:
+        with self._lock:
+            if replaced is not None and self._entries.pop(replaced, None) is not None:
+                self._bytes -= _entry_bytes(replaced, old)  # type: ignore[arg-type]
+            if key not in self._entries:
+                self._entries[key] = ids
+                self._bytes += _entry_bytes(key, ids)
+            while self._bytes > self.max_bytes and self._entries:
+                self._bytes -= _entry_bytes(*self._entries.popitem(last=False))
+
+
+def _find_all(text: str, token: str) -> Iterator[int]:
+    i = text.find(token)
+    while i >= 0:
+        yield i
+        i = text.find(token, i + len(token))
+
+
+def _entry_bytes(key: str, ids: array) -> int:
+    return len(key) + 4 * len(ids) + 200
+
+
+def _exact_cut_tokens(tokenizer: Any) -> list[str]:
+    """The added tokens a prompt may be cut after (PrefixIds): none where the tokenizer's settings
+    would make a cut inexact."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except (ValueError, TypeError):
+        return []
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    if spec.get("truncation") or spec.get("padding") or ("Metaspace" in pre and '"first"' in pre):
+        return []
+    added = [a for a in spec.get("added_tokens") or () if isinstance(a.get("content"), str) and a["content"]]
+    return [
+        a["content"]
+        for a in added
+        if a.get("special") and not any(a.get(k) for k in ("normalized", "lstrip", "rstrip", "single_word"))
+        and not any(_overlaps(a["content"], b["content"]) for b in added if b["content"] != a["content"])
+    ]  # fmt: skip
+
+
+def _overlaps(t: str, u: str) -> bool:
+    """Could matching ``u`` keep ``t`` from matching where it occurs, or run past its end: ``u``
+    contains ``t``, or a proper suffix of one is a proper prefix of the other."""
+    return t in u or any(u.endswith(t[:k]) or t.endswith(u[:k]) for k in range(1, min(len(t), len(u))))
+
+
 class HFTokenizer:
     """A model directory's tokenizer.json (via ``tokenizers``) plus its jinja chat template."""
 
@@ -348,6 +447,7 @@ class HFTokenizer:
             json.dumps([self._add_bos, self.special_tokens, self.chat_templates], sort_keys=True).encode()
         )
         self.name = f"hf:{digest.hexdigest()[:16]}"
+        self.prefix_ids = PrefixIds(self._tok)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -423,7 +523,7 @@ class HFTokenizer:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        return self._encode(self.render_chat(messages, tools, **options), False)
+        return self.prefix_ids.encode(self.render_chat(messages, tools, **options), self.encode_text)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

@@ -681,3 +681,68 @@ def test_text_parts_reach_a_template_that_loops_over_them_as_a_list(hf_dir, tmp_
     assert ours.encode_chat(chat) == theirs(want, add_special_tokens=False).input_ids
     plain = HFTokenizer(str(hf_dir))  # TEMPLATE writes content as a string: parts joined, as before
     assert "Translate:\nbonjour" in plain.render_chat(chat)
+
+
+def _conversation(rng, turns: int) -> list[dict]:
+    words = [
+        "route",
+        " cache",
+        "é",
+        "🙂",
+        " 東京",
+        "<|im_end|>",
+        "<|im_start|>",
+        "\n",
+        "  ",
+        "</s>",
+        "<s>",
+        "x",
+    ]
+    messages = [{"role": "system", "content": "".join(rng.choice(words) for _ in range(rng.randrange(0, 6)))}]
+    for i in range(turns):
+        role = "user" if i % 2 == 0 else "assistant"
+        messages.append(
+            {"role": role, "content": "".join(rng.choice(words) for _ in range(rng.randrange(0, 12)))}
+        )
+    return messages
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_a_growing_conversation_is_encoded_from_its_cached_prefix_with_the_same_ids(kind, tmp_path):
+    """PrefixIds: each turn encodes only what it adds, and the ids are those of the whole text encoded
+    at once (a cut only right after a special added token, where tokenizers splits anyway)."""
+    import random
+
+    directory = (
+        byte_level_dir(tmp_path / "bl") if kind == "byte_level" else sentencepiece_dir(tmp_path / "sp")
+    )
+    if kind == "sentencepiece":  # NOTE: a Prepend normalizer, byte fallback, turns ended by </s>
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config["chat_template"] = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = HFTokenizer(str(directory))
+    assert tok.prefix_ids.cut_tokens  # <|im_end|> and its kin / </s>
+    rng = random.Random(0)
+    for _ in range(6):
+        conversation = _conversation(rng, 12)
+        for turn in range(1, len(conversation) + 1):
+            messages = conversation[:turn]
+            whole = tok.encode_text(tok.render_chat(messages, add_generation_prompt=turn % 2 == 0))
+            assert tok.encode_chat(messages, add_generation_prompt=turn % 2 == 0) == whole, (kind, messages)
+    assert tok.prefix_ids.hits >= 6 * 10
+
+
+def test_an_added_token_that_overlaps_another_is_never_a_cut(tmp_path):
+    """Leftmost-longest matching may take another added token where ``<|im_end|>`` occurs: a cut after
+    it would then give other ids, so it is not one."""
+    from tokenizers import Tokenizer
+
+    directory = byte_level_dir(tmp_path / "bl")
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert "<|im_end|>" in HFTokenizer(str(directory)).prefix_ids.cut_tokens
+    tok.add_special_tokens(["d|>\n<|im"])
+    tok.save(str(directory / "tokenizer.json"))
+    text, cut = "a<|im_end|>\n<|im_start|>b", len("a<|im_end|>")
+    assert tok.encode(text).ids != tok.encode(text[:cut]).ids + tok.encode(text[cut:]).ids
+    cuts = HFTokenizer(str(directory)).prefix_ids.cut_tokens
+    assert cuts == ["<s>"]  # NOTE: the new token overlaps both <|im_end|> and <|im_start|>
