@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import threading
 from array import array
 from collections import OrderedDict
@@ -325,9 +326,9 @@ class PrefixIds:
 
     MAX_TRIES = 32  # cuts looked up, from the prompt's end, before it is encoded whole
 
-    def __init__(self, tokenizer: Any, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, tokenizer: Any, templates: Sequence[str] = (), max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self.cut_tokens = _exact_cut_tokens(tokenizer)
+        self.cut_tokens = _exact_cut_tokens(tokenizer, templates)
         self._entries: OrderedDict[str, array] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -382,9 +383,10 @@ def _entry_bytes(key: str, ids: array) -> int:
     return len(key) + 4 * len(ids) + 200
 
 
-def _exact_cut_tokens(tokenizer: Any) -> list[str]:
-    """The added tokens a prompt may be cut after (PrefixIds): none where the tokenizer's settings
-    would make a cut inexact."""
+def _exact_cut_tokens(tokenizer: Any, templates: Sequence[str]) -> list[str]:
+    """The added tokens a prompt may be cut after (PrefixIds): of those the chat ``templates`` write
+    (any subset is exact; a vocabulary may hold hundreds of reserved ones, each a scan of every
+    prompt), none where the tokenizer's settings would make a cut inexact."""
     try:
         spec = json.loads(tokenizer.to_str())
     except (ValueError, TypeError):
@@ -393,10 +395,14 @@ def _exact_cut_tokens(tokenizer: Any) -> list[str]:
     if spec.get("truncation") or spec.get("padding") or ("Metaspace" in pre and '"first"' in pre):
         return []
     added = [a for a in spec.get("added_tokens") or () if isinstance(a.get("content"), str) and a["content"]]
+    # NOTE: a single_word token's boundary is the character before it: after a cut there is none
+    words_end = any(a.get("single_word") for a in added)
     return [
         a["content"]
         for a in added
         if a.get("special") and not any(a.get(k) for k in ("normalized", "lstrip", "rstrip", "single_word"))
+        and any(a["content"] in template for template in templates)
+        and not (words_end and re.search(r"\w$", a["content"]))
         and not any(_overlaps(a["content"], b["content"]) for b in added if b["content"] != a["content"])
     ]  # fmt: skip
 
@@ -447,7 +453,7 @@ class HFTokenizer:
             json.dumps([self._add_bos, self.special_tokens, self.chat_templates], sort_keys=True).encode()
         )
         self.name = f"hf:{digest.hexdigest()[:16]}"
-        self.prefix_ids = PrefixIds(self._tok)
+        self.prefix_ids = PrefixIds(self._tok, list(self.chat_templates.values()))
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):

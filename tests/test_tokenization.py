@@ -744,5 +744,25 @@ def test_an_added_token_that_overlaps_another_is_never_a_cut(tmp_path):
     tok.save(str(directory / "tokenizer.json"))
     text, cut = "a<|im_end|>\n<|im_start|>b", len("a<|im_end|>")
     assert tok.encode(text).ids != tok.encode(text[:cut]).ids + tok.encode(text[cut:]).ids
-    cuts = HFTokenizer(str(directory)).prefix_ids.cut_tokens
-    assert cuts == ["<s>"]  # NOTE: the new token overlaps both <|im_end|> and <|im_start|>
+    assert HFTokenizer(str(directory)).prefix_ids.cut_tokens == []  # it overlaps <|im_end|> and <|im_start|>
+
+
+def test_no_cut_after_a_token_ending_a_word_where_a_single_word_token_follows(tmp_path):
+    """A single_word added token matches only at a word boundary, read from the character before it:
+    after a cut there is none, so a cut token ending in a word character would let it match where
+    the whole text does not."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz <>|:")}
+    tok = Tokenizer(models.WordLevel({**vocab, "[UNK]": len(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.add_special_tokens([AddedToken("<|end|>x", special=True, normalized=False)])
+    tok.add_tokens([AddedToken("abc", single_word=True, normalized=False)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m.role }}:{{ m.content }}<|end|>x{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    hf = HFTokenizer(str(tmp_path))
+    assert hf.prefix_ids.cut_tokens == []
+    conversation = [{"role": "user", "content": "hi"}, {"role": "abc", "content": "x"}]
+    for turn in (1, 2):  # NOTE: "abc" after "x" is no word of its own: cut there, it would be one
+        assert hf.encode_chat(conversation[:turn]) == hf.encode_text(hf.render_chat(conversation[:turn]))
