@@ -87,6 +87,7 @@ class Router:
             lambda: self.replica_sync.describe() if self.replica_sync else None,
             self.admission if config.max_concurrent_requests else None,
             lambda: self.discovery.describe() if self.discovery else None,
+            lambda: prefix.describe() if (prefix := getattr(self.tokenizer, "prefix_ids", None)) else None,
         )
         self.upstream = Upstream(
             config.connect_timeout_s,

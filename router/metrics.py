@@ -236,6 +236,23 @@ class _DiscoveryCollector(_StatsCollector):
         )
 
 
+class _PrefixIdsCollector(_StatsCollector):
+    """The model tokenizer's cache of conversation prefixes' ids (router/tokenization.py PrefixIds)."""
+
+    def families(self, s: dict) -> Iterable[Metric]:
+        lookups = CounterMetricFamily(
+            "radixgate_prompt_prefix_ids",
+            "Chat prompts whose cached prefix ids were found (hit) or not (miss), with a model's tokenizer",
+            labels=["outcome"],
+        )
+        lookups.add_metric(["hit"], s["hits"])
+        lookups.add_metric(["miss"], s["misses"])
+        yield lookups
+        yield GaugeMetricFamily(
+            "radixgate_prompt_prefix_ids_bytes", "Memory the cache of prefix ids counts", value=s["bytes"]
+        )
+
+
 class _AdmissionCollector:
     """The router's admission gate (router/admission.py)."""
 
@@ -276,12 +293,14 @@ class RouterMetrics:
         self, workers: WorkerRegistry, index_size: Callable[[], tuple[int, int]],
         sync_stats: Callable[[], dict | None] = lambda: None, admission: AdmissionGate | None = None,
         discovery_stats: Callable[[], dict | None] = lambda: None,
+        prefix_stats: Callable[[], dict | None] = lambda: None,
     ) -> None:  # fmt: skip
         self.registry = CollectorRegistry()  # NOTE: all but the workers' families (render reads those)
         self._workers = _WorkerCollector(workers, index_size)
         self.registry.register(_DiscoveryCollector(discovery_stats))
         self.registry.register(_AdmissionCollector(admission))
         self.registry.register(_SyncCollector(sync_stats))
+        self.registry.register(_PrefixIdsCollector(prefix_stats))
         self.key_requests = Counter(
             "radixgate_api_key_requests",
             "Generation requests by API key name (never the key) and outcome: admitted, rate_limited",

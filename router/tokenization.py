@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -361,6 +362,10 @@ class PrefixIds:
             self._keep(text[:last], array("I", head), found, base)
         return head + tail
 
+    def describe(self) -> dict[str, int]:
+        """Lookups that found a prefix / found none, and what the cache holds."""
+        return {"hits": self.hits, "misses": self.misses, "entries": len(self._entries), "bytes": self._bytes}
+
     def _keep(self, key: str, ids: array, replaced: str | None, old: array | None) -> None:
         with self._lock:
             if replaced is not None and self._entries.pop(replaced, None) is not None:
@@ -380,7 +385,9 @@ def _find_all(text: str, token: str) -> Iterator[int]:
 
 
 def _entry_bytes(key: str, ids: array) -> int:
-    return len(key) + 4 * len(ids) + 200
+    return (
+        sys.getsizeof(key) + ids.itemsize * len(ids) + 200
+    )  # NOTE: a str's size counts its widest character
 
 
 def _exact_cut_tokens(tokenizer: Any, templates: Sequence[str]) -> list[str]:

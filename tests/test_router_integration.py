@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 
+from router.tokenization import HFTokenizer
 from tests.support import wait_until
 from tests.test_tokenization import byte_level_dir
 
@@ -1245,3 +1246,25 @@ def test_health_checks_of_a_large_fleet_are_spread_over_the_interval(launch) -> 
         assert together <= ROUND_SLICE, together  # 48 within a few ms when started at once
     finally:
         server.should_exit = True
+
+
+def test_a_conversations_next_turn_reuses_its_cached_prefix_ids_and_says_so(launch, tmp_path) -> None:
+    """With a model's tokenizer, the next turn of a conversation encodes only what it adds; the
+    cache's hits and misses are in /metrics, and the block hashes are those of the whole prompt."""
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], "--tokenizer", str(byte_level_dir(tmp_path / "tok")))
+    messages = [{"role": "system", "content": "Héllo 🙂 " * 20}, {"role": "user", "content": "first"}]
+    second = [*messages, {"role": "assistant", "content": "answer"}, {"role": "user", "content": "second"}]
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        for turn in (messages, second):
+            assert (
+                client.post("/v1/chat/completions", json={"model": "echo", "messages": turn}).status_code
+                == 200
+            )
+        routed = client.post("/debug/route", json={"model": "echo", "messages": second}).json()
+        lookups = metric_values(client.get("/metrics").text, "radixgate_prompt_prefix_ids_total")
+    assert lookups['{outcome="hit"}'] >= 2 and lookups['{outcome="miss"}'] >= 1, lookups
+    tok = HFTokenizer(str(tmp_path / "tok"))
+    assert routed["prompt_tokens"] == len(
+        tok.encode_text(tok.render_chat(second, add_generation_prompt=True))
+    )
