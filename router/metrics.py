@@ -41,9 +41,6 @@ class _WorkerCollector:
         ]  # fmt: skip
         return rows, self._index_size(), len(self._workers)
 
-    def collect(self) -> Iterable[Metric]:
-        return self.families(self.read())
-
     def families(self, read: tuple[list[tuple], tuple[int, int], int]) -> Iterable[Metric]:
         rows, (entries, nodes), registered = read
         label = ["worker"]

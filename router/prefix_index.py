@@ -30,7 +30,7 @@ reads its worker's (another worker's request for the same prompt does not keep i
 Garbage collection: runs are ``array('Q')`` (hashes are unsigned 64-bit), ``_where`` maps hashes
 to int node ids and ``_leaves`` queues ids, so no per-block structure holds an object the collector
 tracks: a full collection walks the nodes, not the blocks (docs/benchmarks/route-decision.md:
-2M blocks in long runs, 55 -> 1.6 ms a collection).
+2M blocks in long runs, 55 -> 1.5 ms a collection).
 
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
@@ -127,7 +127,6 @@ class PrefixIndex:
         self._seq = count()
         self._tick = 0  # bumped once per insert / stored event
         self._entries = 0
-        self._nodes = 0
 
     # ---- workers ---------------------------------------------------------------------------
 
@@ -310,6 +309,11 @@ class PrefixIndex:
 
     # ---- internals -------------------------------------------------------------------------
 
+    @property
+    def _nodes(self) -> int:
+        """Live nodes."""
+        return len(self._by_id)
+
     def _node_of(self, h: int) -> _Node | None:
         """The live node holding block ``h``, if any."""
         return self._by_id.get(self._where.get(h))  # type: ignore[arg-type]
@@ -321,13 +325,11 @@ class PrefixIndex:
         """A node with a fresh id."""
         node = _Node(next(self._ids), run, mask, tick, parent, up, confirmed, ticks)
         self._by_id[node.nid] = node
-        self._nodes += 1
         return node
 
     def _retire(self, node: _Node) -> None:
         """``node`` is dead (its blocks are dropped or belong to another node)."""
         del self._by_id[node.nid]
-        self._nodes -= 1
 
     def _slot_of(self, worker: str) -> int:
         slot = self._slot.get(worker)

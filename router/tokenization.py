@@ -343,12 +343,13 @@ class PrefixIds:
             return encode(text)
         start, base, found = 0, None, None
         for cut in reversed(cuts[-self.MAX_TRIES :]):
+            key = text[:cut]
             with self._lock:
-                ids = self._entries.get(text[:cut])
+                ids = self._entries.get(key)
                 if ids is not None:
-                    self._entries.move_to_end(text[:cut])
+                    self._entries.move_to_end(key)
             if ids is not None:
-                start, base, found = cut, ids, text[:cut]
+                start, base, found = cut, ids, key
                 break
         last = cuts[-1]
         if base is None:
@@ -385,9 +386,8 @@ def _find_all(text: str, token: str) -> Iterator[int]:
 
 
 def _entry_bytes(key: str, ids: array) -> int:
-    return (
-        sys.getsizeof(key) + ids.itemsize * len(ids) + 200
-    )  # NOTE: a str's size counts its widest character
+    # NOTE: a str's size counts its widest character (1, 2 or 4 bytes each)
+    return sys.getsizeof(key) + ids.itemsize * len(ids) + 200
 
 
 def _exact_cut_tokens(tokenizer: Any, templates: Sequence[str]) -> list[str]:

@@ -53,7 +53,7 @@ class RequestHandle:
     max_tokens: int  # after clamping to the context / pool
     outputs: asyncio.Queue  # of RequestOutput (one queue may serve several choices: see .index)
     index: int = 0
-    # a whole (non-streamed) answer: its outputs are delivered together when it finishes, not one per step
+    # a whole (non-streamed) answer: its outputs are delivered HELD_OUTPUTS at a time, not one per step
     hold: bool = False
     held: list = field(default_factory=list)  # engine thread: outputs not delivered yet (``hold``)
 

@@ -401,14 +401,10 @@ class WorkerAPI:
                     buf.append(send(resp.role_chunk(c.index, c.tools is not None and c.tools.forced)))
             while out is not None:
                 if out.error is not None:
-                    buf.append(
-                        _sse(
-                            error_payload(
-                                out.error_status or 500, out.error, out.error_code or "internal_error"
-                            )
-                        )
+                    error = error_payload(
+                        out.error_status or 500, out.error, out.error_code or "internal_error"
                     )
-                    buf.append(b"data: [DONE]\n\n")
+                    buf += (_sse(error), b"data: [DONE]\n\n")
                     break
                 c = choices[out.index]
                 if c.add(out):
