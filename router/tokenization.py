@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 from array import array
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
@@ -323,7 +324,10 @@ class PrefixIds:
     single_word; no other added token contains T or overlaps it (so T matches where it occurs); no
     truncation or padding; no Metaspace that prepends to the first piece only. Keys are the exact
     prefix texts (a hash hit compares them: never another text's ids). One entry a conversation:
-    the one a prompt extended is replaced. Bounded by ``max_bytes``; thread-safe."""
+    the one a prompt extended is replaced. A prompt that found no entry of its conversation also
+    keeps its shared head, the prefix before its last user message (system prompt, tools, examples),
+    as an entry no conversation replaces: the next new conversation on that head encodes only its
+    own part. Bounded by ``max_bytes``; thread-safe."""
 
     MAX_TRIES = 32  # cuts looked up, from the prompt's end, before it is encoded whole
 
@@ -331,13 +335,16 @@ class PrefixIds:
         self.max_bytes = max_bytes
         self.cut_tokens = _exact_cut_tokens(tokenizer, templates)
         self._entries: OrderedDict[str, array] = OrderedDict()
+        self._shared: set[str] = set()  # heads: entries a conversation's next turn does not replace
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def encode(self, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+    def encode(self, text: str, encode: Callable[[str], list[int]], shared_end: int = -1) -> list[int]:
         """``encode(text)``, from the longest cached prefix of ``text`` ending at a cut; the prefix up
-        to its last cut is cached for the next turn."""
+        to its last cut is cached for the next turn. ``shared_end``: where the text stops being
+        shared with other conversations (its last user message; -1: unknown); the prefix up to the
+        last cut before it is kept as a head when the prompt found no entry, or only a head."""
         cuts = sorted(i + len(t) for t in self.cut_tokens for i in _find_all(text, t))
         if not cuts:
             return encode(text)
@@ -354,28 +361,52 @@ class PrefixIds:
         last = cuts[-1]
         if base is None:
             self.misses += 1
-            head = encode(text[:last])
         else:
             self.hits += 1
-            head = base.tolist() if start == last else base.tolist() + encode(text[start:last])
-        tail = encode(text[last:]) if last < len(text) else []
+        head = base.tolist() if base is not None else []
+        shared = cuts[bisect_right(cuts, shared_end) - 1] if shared_end >= cuts[0] else 0
+        if start < shared < last and (found is None or found in self._shared):
+            head += encode(text[start:shared])
+            self._keep(text[:shared], array("I", head), None, None, shared=True)
+            start = shared
         if start < last:
+            head += encode(text[start:last])
             self._keep(text[:last], array("I", head), found, base)
+        tail = encode(text[last:]) if last < len(text) else []
         return head + tail
 
     def describe(self) -> dict[str, int]:
         """Lookups that found a prefix / found none, and what the cache holds."""
         return {"hits": self.hits, "misses": self.misses, "entries": len(self._entries), "bytes": self._bytes}
 
-    def _keep(self, key: str, ids: array, replaced: str | None, old: array | None) -> None:
+    def _keep(
+        self, key: str, ids: array, replaced: str | None, old: array | None, shared: bool = False
+    ) -> None:
         with self._lock:
-            if replaced is not None and self._entries.pop(replaced, None) is not None:
+            if replaced is not None and replaced not in self._shared and replaced in self._entries:
+                del self._entries[replaced]
                 self._bytes -= _entry_bytes(replaced, old)  # type: ignore[arg-type]
             if key not in self._entries:
                 self._entries[key] = ids
                 self._bytes += _entry_bytes(key, ids)
+            if shared:
+                self._shared.add(key)
             while self._bytes > self.max_bytes and self._entries:
-                self._bytes -= _entry_bytes(*self._entries.popitem(last=False))
+                gone, gone_ids = self._entries.popitem(last=False)
+                self._shared.discard(gone)
+                self._bytes -= _entry_bytes(gone, gone_ids)
+
+
+def _last_user_text(messages: list[dict]) -> str:
+    """The text the last user message starts with, as a template writes it (trimmed: many trim it),
+    or "" where there is none."""
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):  # NOTE: the first text part, joined to the others or not
+                content = next((p.get("text") for p in content if isinstance(p, dict) and "text" in p), "")
+            return content.strip() if isinstance(content, str) else ""
+    return ""
 
 
 def _find_all(text: str, token: str) -> Iterator[int]:
@@ -536,7 +567,9 @@ class HFTokenizer:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        return self.prefix_ids.encode(self.render_chat(messages, tools, **options), self.encode_text)
+        text = self.render_chat(messages, tools, **options)
+        asked = _last_user_text(messages)
+        return self.prefix_ids.encode(text, self.encode_text, text.rfind(asked) if asked else -1)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

@@ -766,3 +766,39 @@ def test_no_cut_after_a_token_ending_a_word_where_a_single_word_token_follows(tm
     conversation = [{"role": "user", "content": "hi"}, {"role": "abc", "content": "x"}]
     for turn in (1, 2):  # NOTE: "abc" after "x" is no word of its own: cut there, it would be one
         assert hf.encode_chat(conversation[:turn]) == hf.encode_text(hf.render_chat(conversation[:turn]))
+
+
+def test_new_conversations_on_one_head_encode_only_their_own_part(tmp_path):
+    """PrefixIds keeps a first request's head (all before its last user message: system prompt,
+    examples) apart from its conversation: each next new conversation on it encodes only its own
+    part, with the ids of its whole text, and a conversation grown from the head leaves it in place."""
+    tok = HFTokenizer(str(byte_level_dir(tmp_path / "bl")))
+    head = [
+        {"role": "system", "content": "You route requests. " * 100},
+        {"role": "user", "content": "an example"},
+        {"role": "assistant", "content": "its answer"},
+    ]
+    encoded: list[str] = []
+    whole = tok.encode_text
+    tok.encode_text = lambda text: encoded.append(text) or whole(text)  # type: ignore[method-assign]
+    for i in range(4):
+        asked = [*head, {"role": "user", "content": f" question {i} 東京 "}]
+        encoded.clear()
+        assert tok.encode_chat(asked) == whole(tok.render_chat(asked))
+        if i:  # the head was found: its text is not encoded again
+            assert sum(map(len, encoded)) < 60, encoded
+        grown = [*asked, {"role": "assistant", "content": "sure"}, {"role": "user", "content": "and then?"}]
+        assert tok.encode_chat(grown) == whole(tok.render_chat(grown))
+    assert tok.prefix_ids.describe()["entries"] == 1 + 4  # the head, and each conversation's last turn
+
+
+def test_tokenizer_bench_runs_both_workloads_with_the_whole_texts_ids(tmp_path):
+    from loadtest import bench_tokenizer
+
+    out = tmp_path / "bench.json"
+    argv = ["--tokenizer", str(byte_level_dir(tmp_path / "bl")), "--conversations", "4", "--turns", "3"]
+    assert bench_tokenizer.main([*argv, "--out", str(out)]) == 0
+    rows = {(r["workload"], r["prefix_ids"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4 and all(r["mismatches"] == 0 for r in rows.values())
+    assert rows["new conversations", True]["cache"]["hits"] == 3  # the head, found by the next three
+    assert rows["new conversations", False]["cache"]["hits"] == 0
