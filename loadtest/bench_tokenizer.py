@@ -159,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'workload':22} {'prefix ids':>10} {'requests':>8} {'tokens':>7} {'median ms':>9} {'p90 ms':>7} {'last ms':>8} {'total ms':>9} {'wrong':>5}")  # fmt: skip
+    print(f"{'workload':22} {'prefix ids':>10} {'requests':>8} {'tokens':>7} {'median ms':>9} {'p90 ms':>7} {'last ms':>8} {'total ms':>9} {'held KiB':>8} {'wrong':>5}")  # fmt: skip
     for r in rows:
         print(
             f"{r['workload']:22} {'on' if r['prefix_ids'] else 'off':>10} {r['requests']:>8} {r['last_prompt_tokens']:>7}"
-            f" {r['median_ms']:>9} {r['p90_ms']:>7} {r['last_ms']:>8} {r['total_ms']:>9} {r['mismatches']:>5}"
+            f" {r['median_ms']:>9} {r['p90_ms']:>7} {r['last_ms']:>8} {r['total_ms']:>9}"
+            f" {r['cache']['bytes'] >> 10:>8} {r['mismatches']:>5}"
         )
     return 1 if any(r["mismatches"] for r in rows) else 0
 

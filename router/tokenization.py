@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import os
 import re
 import sys
 import threading
 from array import array
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
@@ -315,98 +315,131 @@ _LONG_TEXT = 16_384  # characters: from here a text is encoded without holding t
 
 
 class PrefixIds:
-    """Token ids of recently rendered chat prompts, by prefix, so a conversation's next turn encodes
-    only what it adds (the whole of it was encoded on every turn: ~200 ms at 100k tokens). A prompt
-    is cut only right after a special added token ``T`` (``<|eot_id|>``, ``<|im_end|>``, ...):
-    ``tokenizers`` splits a text on its added tokens before it normalizes, pre-tokenizes or merges,
-    and encodes each piece alone, so ids(A + B) == ids(A) + ids(B) when A ends with T, given (checked
-    once, else ``T`` is never a cut): T is special, not normalized, without lstrip / rstrip /
-    single_word; no other added token contains T or overlaps it (so T matches where it occurs); no
-    truncation or padding; no Metaspace that prepends to the first piece only. Keys are the exact
-    prefix texts (a hash hit compares them: never another text's ids). One entry a conversation:
-    the one a prompt extended is replaced. A prompt that found no entry of its conversation also
-    keeps its shared head, the prefix before its last user message (system prompt, tools, examples),
-    as an entry no conversation replaces: the next new conversation on that head encodes only its
-    own part. Bounded by ``max_bytes``; thread-safe."""
+    """Token ids of recently rendered chat prompts, by prefix, so a request encodes only the text it
+    does not share with one seen before: a conversation's next turn, a new conversation on a known
+    system prompt and tools, few-shot examples, a conversation branched at an earlier message (each
+    was encoded whole: ~200 ms at 100k tokens). A prompt is cut only right after a special added
+    token ``T`` (``<|eot_id|>``, ``<|im_end|>``, ...): ``tokenizers`` splits a text on its added
+    tokens before it normalizes, pre-tokenizes or merges, and encodes each piece alone, so
+    ids(A + B) == ids(A) + ids(B) when A ends with T, given (checked once, else ``T`` is never a
+    cut): T is special, not normalized, without lstrip / rstrip / single_word; no other added token
+    contains T or overlaps it (so T matches where it occurs); no truncation or padding; no Metaspace
+    that prepends to the first piece only.
 
-    MAX_TRIES = 32  # cuts looked up, from the prompt's end, before it is encoded whole
+    Layout: a tree of pieces. A cut ``PIECE_CHARS`` or more past the last boundary is a boundary
+    (read from the text before it alone, so prompts sharing a prefix share its boundaries). A piece
+    runs from a boundary (or the start) to a later cut: a piece ends at each boundary, and at each
+    prompt's last cut. It holds its own ids and its parent's key (the piece ending where it starts;
+    the root: b""). Its key, a 128-bit BLAKE2b digest chained over the text (the parent's key, then
+    the piece's text), names the whole prefix: a shared prefix is held once, and no text is kept.
+    LRU over pieces; a prompt touches its chain from its last piece to the root, so a piece goes
+    before its ancestors. Bounded by ``max_bytes``; thread-safe."""
+
+    PIECE_CHARS = 1024  # the shortest piece a boundary ends (a piece costs ~300 bytes beside its ids)
 
     def __init__(self, tokenizer: Any, templates: Sequence[str] = (), max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
         self.cut_tokens = _exact_cut_tokens(tokenizer, templates)
-        self._entries: OrderedDict[str, array] = OrderedDict()
-        self._shared: set[str] = set()  # heads: entries a conversation's next turn does not replace
+        self._pieces: OrderedDict[bytes, tuple[bytes, array]] = OrderedDict()  # key -> (parent, ids)
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def encode(self, text: str, encode: Callable[[str], list[int]], shared_end: int = -1) -> list[int]:
-        """``encode(text)``, from the longest cached prefix of ``text`` ending at a cut; the prefix up
-        to its last cut is cached for the next turn. ``shared_end``: where the text stops being
-        shared with other conversations (its last user message; -1: unknown); the prefix up to the
-        last cut before it is kept as a head when the prompt found no entry, or only a head."""
-        cuts = sorted(i + len(t) for t in self.cut_tokens for i in _find_all(text, t))
+    def encode(self, text: str, encode: Callable[[list[str]], list[list[int]]]) -> list[int]:
+        """The ids of ``text`` (``encode``: texts -> their ids), from its longest known prefix ending
+        at a cut; the pieces it adds up to its last cut are kept."""
+        cuts = sorted({i + len(t) for t in self.cut_tokens for i in _find_all(text, t)})
         if not cuts:
-            return encode(text)
-        start, base, found = 0, None, None
-        for cut in reversed(cuts[-self.MAX_TRIES :]):
-            key = text[:cut]
-            with self._lock:
-                ids = self._entries.get(key)
-                if ids is not None:
-                    self._entries.move_to_end(key)
-            if ids is not None:
-                start, base, found = cut, ids, key
-                break
-        last = cuts[-1]
-        if base is None:
+            return encode([text])[0]
+        pieces = _pieces_of(text, cuts, self.PIECE_CHARS)
+        found, ids, own = -1, [], 0  # the last cut whose prefix is held, its ids, its piece's own
+        with self._lock:
+            for k in range(len(cuts) - 1, -1, -1):
+                chain = self._chain(pieces[k][0])
+                if chain is not None:
+                    found, own = k, len(chain[0])
+                    for held in reversed(chain):
+                        ids.extend(held)
+                    break
+        if found < 0:
             self.misses += 1
         else:
             self.hits += 1
-        head = base.tolist() if base is not None else []
-        shared = cuts[bisect_right(cuts, shared_end) - 1] if shared_end >= cuts[0] else 0
-        if start < shared < last and (found is None or found in self._shared):
-            head += encode(text[start:shared])
-            self._keep(text[:shared], array("I", head), None, None, shared=True)
-            start = shared
-        if start < last:
-            head += encode(text[start:last])
-            self._keep(text[:last], array("I", head), found, base)
-        tail = encode(text[last:]) if last < len(text) else []
-        return head + tail
+        before = {0: 0}  # where a piece starts -> the count of ids before it
+        if found >= 0:
+            before[pieces[found][2]] = len(ids) - own
+            before[cuts[found]] = len(ids)
+        # NOTE: a piece ends at each boundary past the cut found, and at the last cut
+        ends = [k for k in range(found + 1, len(cuts)) if pieces[k][3] or k == len(cuts) - 1]
+        bounds = [cuts[found] if found >= 0 else 0, *(cuts[k] for k in ends)]
+        texts = [text[a:b] for a, b in itertools.pairwise(bounds)]
+        if cuts[-1] < len(text):
+            texts.append(text[cuts[-1] :])
+        parts = iter(encode(texts) if texts else ())
+        new = []
+        for k in ends:
+            ids.extend(next(parts))
+            key, parent, start, _ = pieces[k]
+            new.append((key, parent, array("I", ids[before[start] :])))
+            before[cuts[k]] = len(ids)
+        ids.extend(next(parts, ()))  # the text after the last cut
+        # NOTE: a piece found that ends at no boundary is a parent of none: the new ones cover it
+        replaced = pieces[found][0] if new and found >= 0 and not pieces[found][3] else None
+        self._keep(new, new[-1][0] if new else pieces[found][0], replaced)
+        return ids
 
     def describe(self) -> dict[str, int]:
         """Lookups that found a prefix / found none, and what the cache holds."""
-        return {"hits": self.hits, "misses": self.misses, "entries": len(self._entries), "bytes": self._bytes}
+        return {"hits": self.hits, "misses": self.misses, "entries": len(self._pieces), "bytes": self._bytes}
 
-    def _keep(
-        self, key: str, ids: array, replaced: str | None, old: array | None, shared: bool = False
-    ) -> None:
+    def _chain(self, key: bytes) -> list[array] | None:
+        """The ids of the pieces from ``key``'s to the root; None if one is no longer held."""
+        chain = []
+        while key:
+            held = self._pieces.get(key)
+            if held is None:
+                return None
+            key, ids = held
+            chain.append(ids)
+        return chain
+
+    def _keep(self, new: list[tuple[bytes, bytes, array]], last: bytes, replaced: bytes | None) -> None:
+        """Add the ``new`` pieces in place of ``replaced``, touch the chain from ``last`` to the root
+        (a piece goes before its ancestors), and evict the least recently used over the budget."""
         with self._lock:
-            if replaced is not None and replaced not in self._shared and replaced in self._entries:
-                del self._entries[replaced]
-                self._bytes -= _entry_bytes(replaced, old)  # type: ignore[arg-type]
-            if key not in self._entries:
-                self._entries[key] = ids
-                self._bytes += _entry_bytes(key, ids)
-            if shared:
-                self._shared.add(key)
-            while self._bytes > self.max_bytes and self._entries:
-                gone, gone_ids = self._entries.popitem(last=False)
-                self._shared.discard(gone)
-                self._bytes -= _entry_bytes(gone, gone_ids)
+            if replaced is not None and (gone := self._pieces.pop(replaced, None)) is not None:
+                self._bytes -= _PIECE_BYTES + gone[1].itemsize * len(gone[1])
+            for key, parent, ids in new:
+                if key not in self._pieces:
+                    self._pieces[key] = (parent, ids)
+                    self._bytes += _PIECE_BYTES + ids.itemsize * len(ids)
+            key = last
+            while key in self._pieces:
+                self._pieces.move_to_end(key)
+                key = self._pieces[key][0]
+            while self._bytes > self.max_bytes and self._pieces:
+                _, (_, ids) = self._pieces.popitem(last=False)
+                self._bytes -= _PIECE_BYTES + ids.itemsize * len(ids)
 
 
-def _last_user_text(messages: list[dict]) -> str:
-    """The text the last user message starts with, as a template writes it (trimmed: many trim it),
-    or "" where there is none."""
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, list):  # NOTE: the first text part, joined to the others or not
-                content = next((p.get("text") for p in content if isinstance(p, dict) and "text" in p), "")
-            return content.strip() if isinstance(content, str) else ""
-    return ""
+_PIECE_BYTES = 320  # a piece's memory beside its ids: key, tuple, array header, its slot in the dict
+
+
+def _pieces_of(text: str, cuts: list[int], piece_chars: int) -> list[tuple[bytes, bytes, int, int]]:
+    """For each cut: the key of the prefix it ends, its piece's parent key, where the piece starts,
+    whether the cut is a boundary (PrefixIds)."""
+    out = []
+    parent, start, at = b"", 0, 0
+    digest = hashlib.blake2b(digest_size=16)
+    for cut in cuts:
+        digest.update(text[at:cut].encode("utf-8", "surrogatepass"))
+        at, key = cut, digest.digest()
+        boundary = cut - start >= piece_chars
+        out.append((key, parent, start, boundary))
+        if boundary:
+            parent, start = key, cut
+            digest = hashlib.blake2b(key, digest_size=16)
+    return out
 
 
 def _find_all(text: str, token: str) -> Iterator[int]:
@@ -504,6 +537,13 @@ class HFTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return self._encode(text, False)
 
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids, no special tokens: several at once through ``encode_batch`` (one call,
+        in parallel, without the GIL)."""
+        if len(texts) == 1:
+            return [self._encode(texts[0], False)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def _encode(self, text: str, special: bool) -> list[int]:
         """``text``'s ids. A long text goes through ``encode_batch``, the same ids, which lets go of the
         GIL while it runs (``encode`` holds it: seconds for megabytes, in which a caller's thread pool
@@ -567,9 +607,7 @@ class HFTokenizer:
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        text = self.render_chat(messages, tools, **options)
-        asked = _last_user_text(messages)
-        return self.prefix_ids.encode(text, self.encode_text, text.rfind(asked) if asked else -1)
+        return self.prefix_ids.encode(self.render_chat(messages, tools, **options), self._encode_texts)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -768,10 +769,28 @@ def test_no_cut_after_a_token_ending_a_word_where_a_single_word_token_follows(tm
         assert hf.encode_chat(conversation[:turn]) == hf.encode_text(hf.render_chat(conversation[:turn]))
 
 
-def test_new_conversations_on_one_head_encode_only_their_own_part(tmp_path):
-    """PrefixIds keeps a first request's head (all before its last user message: system prompt,
-    examples) apart from its conversation: each next new conversation on it encodes only its own
-    part, with the ids of its whole text, and a conversation grown from the head leaves it in place."""
+class _Recording:
+    """A ``tokenizers.Tokenizer`` that records the texts it is asked to encode."""
+
+    def __init__(self, tok: Any, seen: list[str]) -> None:
+        self._tok, self._seen = tok, seen
+
+    def encode(self, text: str, **options: Any) -> Any:
+        self._seen.append(text)
+        return self._tok.encode(text, **options)
+
+    def encode_batch(self, texts: list[str], **options: Any) -> Any:
+        self._seen.extend(texts)
+        return self._tok.encode_batch(texts, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+def test_prompts_sharing_a_prefix_encode_only_their_own_part_and_hold_it_once(tmp_path):
+    """PrefixIds: new conversations on one system prompt and examples, and a conversation branched
+    at an earlier message, encode only what follows the prefix they share with a prompt seen before,
+    with the ids of their whole text; the shared prefix is held once."""
     tok = HFTokenizer(str(byte_level_dir(tmp_path / "bl")))
     head = [
         {"role": "system", "content": "You route requests. " * 100},
@@ -779,24 +798,56 @@ def test_new_conversations_on_one_head_encode_only_their_own_part(tmp_path):
         {"role": "assistant", "content": "its answer"},
     ]
     encoded: list[str] = []
-    whole = tok.encode_text
-    tok.encode_text = lambda text: encoded.append(text) or whole(text)  # type: ignore[method-assign]
-    for i in range(4):
-        asked = [*head, {"role": "user", "content": f" question {i} 東京 "}]
+    tok._tok = _Recording(tok._tok, encoded)  # type: ignore[assignment]
+
+    def encode_chat(messages: list[dict]) -> int:
+        """The characters encoding ``messages`` took; its ids checked against the whole text's."""
         encoded.clear()
-        assert tok.encode_chat(asked) == whole(tok.render_chat(asked))
+        ids = tok.encode_chat(messages)
+        took = sum(map(len, encoded))
+        assert ids == tok.encode_text(tok.render_chat(messages))
+        return took
+
+    for i in range(4):
+        asked = [*head, {"role": "user", "content": f" question {i} 東京 " * (i + 1)}]
+        took = encode_chat(asked)
         if i:  # the head was found: its text is not encoded again
-            assert sum(map(len, encoded)) < 60, encoded
-        grown = [*asked, {"role": "assistant", "content": "sure"}, {"role": "user", "content": "and then?"}]
-        assert tok.encode_chat(grown) == whole(tok.render_chat(grown))
-    assert tok.prefix_ids.describe()["entries"] == 1 + 4  # the head, and each conversation's last turn
+            assert 0 < took < 300, encoded  # of ~2,200 characters
+        grown = [
+            *asked,
+            {"role": "assistant", "content": "sure " * 300},
+            {"role": "user", "content": "then?"},
+        ]
+        encode_chat(grown)
+        branched = [
+            *asked,
+            {"role": "assistant", "content": "sure " * 300},
+            {"role": "user", "content": "no"},
+        ]
+        assert 0 < encode_chat(branched) < 60, encoded
+    apart = HFTokenizer(str(tmp_path / "bl"))  # NOTE: the same conversations on four system prompts
+    for i in range(4):
+        system = {"role": "system", "content": f"{i} You route requests. " * 100}
+        asked = [system, *head[1:], {"role": "user", "content": f" question {i} 東京 " * (i + 1)}]
+        grown = [
+            *asked,
+            {"role": "assistant", "content": "sure " * 300},
+            {"role": "user", "content": "then?"},
+        ]
+        apart.encode_chat(asked), apart.encode_chat(grown)
+    held, held_apart = tok.prefix_ids.describe()["bytes"], apart.prefix_ids.describe()["bytes"]
+    assert held < 0.75 * held_apart, (held, held_apart)  # the shared head is held once
 
 
 def test_tokenizer_bench_runs_both_workloads_with_the_whole_texts_ids(tmp_path):
     from loadtest import bench_tokenizer
 
     out = tmp_path / "bench.json"
-    argv = ["--tokenizer", str(byte_level_dir(tmp_path / "bl")), "--conversations", "4", "--turns", "3"]
+    directory = byte_level_dir(tmp_path / "bl")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = bench_tokenizer.CHATML_TOOLS  # NOTE: it writes the tools: a long head
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    argv = ["--tokenizer", str(directory), "--conversations", "4", "--turns", "3"]
     assert bench_tokenizer.main([*argv, "--out", str(out)]) == 0
     rows = {(r["workload"], r["prefix_ids"]): r for r in json.loads(out.read_text())["rows"]}
     assert len(rows) == 4 and all(r["mismatches"] == 0 for r in rows.values())
