@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import re
-import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -330,10 +329,11 @@ class PrefixIds:
     (read from the text before it alone, so prompts sharing a prefix share its boundaries). A piece
     runs from a boundary (or the start) to a later cut: a piece ends at each boundary, and at each
     prompt's last cut. It holds its own ids and its parent's key (the piece ending where it starts;
-    the root: b""). Its key, a 128-bit BLAKE2b digest chained over the text (the parent's key, then
-    the piece's text), names the whole prefix: a shared prefix is held once, and no text is kept.
-    LRU over pieces; a prompt touches its chain from its last piece to the root, so a piece goes
-    before its ancestors. Bounded by ``max_bytes``; thread-safe."""
+    the root: b""). Its key, the 128-bit BLAKE2b of the piece's text keyed by the parent's key (a
+    chain: keyed, so no text can pass for another prefix's piece), names the whole prefix: a shared
+    prefix is held once, and no text is kept. LRU over pieces; a prompt touches its chain from its
+    last piece to the root, so a piece is evicted before its ancestors. A head shorter than
+    PIECE_CHARS is not shared. Bounded by ``max_bytes`` between calls; thread-safe."""
 
     PIECE_CHARS = 1024  # the shortest piece a boundary ends (a piece costs ~300 bytes beside its ids)
 
@@ -353,14 +353,14 @@ class PrefixIds:
             return encode([text])[0]
         pieces = _pieces_of(text, cuts, self.PIECE_CHARS)
         found, ids, own = -1, [], 0  # the last cut whose prefix is held, its ids, its piece's own
-        with self._lock:
-            for k in range(len(cuts) - 1, -1, -1):
-                chain = self._chain(pieces[k][0])
-                if chain is not None:
-                    found, own = k, len(chain[0])
-                    for held in reversed(chain):
-                        ids.extend(held)
-                    break
+        for k in range(len(cuts) - 1, -1, -1):  # NOTE: a key is hashed only when it is looked up
+            with self._lock:
+                chain = self._chain(_key_of(text, cuts, pieces, k))
+            if chain is not None:
+                found, own = k, len(chain[0])
+                for held in reversed(chain):
+                    ids.extend(held)
+                break
         if found < 0:
             self.misses += 1
         else:
@@ -379,8 +379,8 @@ class PrefixIds:
         new = []
         for k in ends:
             ids.extend(next(parts))
-            key, parent, start, _ = pieces[k]
-            new.append((key, parent, array("I", ids[before[start] :])))
+            _, parent, start, _ = pieces[k]
+            new.append((_key_of(text, cuts, pieces, k), parent, array("I", ids[before[start] :])))
             before[cuts[k]] = len(ids)
         ids.extend(next(parts, ()))  # the text after the last cut
         # NOTE: a piece found that ends at no boundary is a parent of none: the new ones cover it
@@ -425,21 +425,33 @@ class PrefixIds:
 _PIECE_BYTES = 320  # a piece's memory beside its ids: key, tuple, array header, its slot in the dict
 
 
-def _pieces_of(text: str, cuts: list[int], piece_chars: int) -> list[tuple[bytes, bytes, int, int]]:
-    """For each cut: the key of the prefix it ends, its piece's parent key, where the piece starts,
-    whether the cut is a boundary (PrefixIds)."""
-    out = []
-    parent, start, at = b"", 0, 0
-    digest = hashlib.blake2b(digest_size=16)
+def _pieces_of(text: str, cuts: list[int], piece_chars: int) -> list[list]:
+    """For each cut: the key of the prefix it ends (a boundary's; None until ``_key_of`` hashes
+    another's), its piece's parent key, where the piece starts, whether the cut is a boundary
+    (PrefixIds). One hash a piece: a cut's own key is needed only where it is looked up."""
+    out: list[list] = []
+    parent, start = b"", 0
     for cut in cuts:
-        digest.update(text[at:cut].encode("utf-8", "surrogatepass"))
-        at, key = cut, digest.digest()
         boundary = cut - start >= piece_chars
-        out.append((key, parent, start, boundary))
+        key = _digest(text, start, cut, parent) if boundary else None
+        out.append([key, parent, start, boundary])
         if boundary:
             parent, start = key, cut
-            digest = hashlib.blake2b(key, digest_size=16)
     return out
+
+
+def _key_of(text: str, cuts: list[int], pieces: list[list], k: int) -> bytes:
+    """The key of the prefix ending at cut ``k`` (``_pieces_of``), hashed once."""
+    piece = pieces[k]
+    if piece[0] is None:
+        piece[0] = _digest(text, piece[2], cuts[k], piece[1])
+    return piece[0]
+
+
+def _digest(text: str, start: int, cut: int, parent: bytes) -> bytes:
+    """BLAKE2b-128 of ``text[start:cut]`` keyed by the parent piece's key (the root's: b"")."""
+    data = text[start:cut].encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, key=parent, digest_size=16).digest()
 
 
 def _find_all(text: str, token: str) -> Iterator[int]:
@@ -447,11 +459,6 @@ def _find_all(text: str, token: str) -> Iterator[int]:
     while i >= 0:
         yield i
         i = text.find(token, i + len(token))
-
-
-def _entry_bytes(key: str, ids: array) -> int:
-    # NOTE: a str's size counts its widest character (1, 2 or 4 bytes each)
-    return sys.getsizeof(key) + ids.itemsize * len(ids) + 200
 
 
 def _exact_cut_tokens(tokenizer: Any, templates: Sequence[str]) -> list[str]:
