@@ -351,41 +351,40 @@ class PrefixIds:
         cuts = sorted({i + len(t) for t in self.cut_tokens for i in _find_all(text, t)})
         if not cuts:
             return encode([text])[0]
-        pieces = _pieces_of(text, cuts, self.PIECE_CHARS)
-        found, ids, own = -1, [], 0  # the last cut whose prefix is held, its ids, its piece's own
-        for k in range(len(cuts) - 1, -1, -1):  # NOTE: a key is hashed only when it is looked up
+        marks = _cuts_of(text, cuts, self.PIECE_CHARS)
+        found, ids, own, rest = None, [], 0, marks  # the cut found, its prefix's ids, its piece's own
+        for i in range(len(marks) - 1, -1, -1):  # NOTE: a key is hashed only when it is looked up
             with self._lock:
-                chain = self._chain(_key_of(text, cuts, pieces, k))
+                chain = self._chain(marks[i].key_in(text))
             if chain is not None:
-                found, own = k, len(chain[0])
+                found, own, rest = marks[i], len(chain[0]), marks[i + 1 :]
                 for held in reversed(chain):
                     ids.extend(held)
                 break
-        if found < 0:
+        if found is None:
             self.misses += 1
         else:
             self.hits += 1
         before = {0: 0}  # where a piece starts -> the count of ids before it
-        if found >= 0:
-            before[pieces[found][2]] = len(ids) - own
-            before[cuts[found]] = len(ids)
+        if found is not None:
+            before[found.start] = len(ids) - own
+            before[found.at] = len(ids)
         # NOTE: a piece ends at each boundary past the cut found, and at the last cut
-        ends = [k for k in range(found + 1, len(cuts)) if pieces[k][3] or k == len(cuts) - 1]
-        bounds = [cuts[found] if found >= 0 else 0, *(cuts[k] for k in ends)]
+        ends = [m for m in rest if m.boundary or m is marks[-1]]
+        bounds = [found.at if found is not None else 0, *(m.at for m in ends)]
         texts = [text[a:b] for a, b in itertools.pairwise(bounds)]
         if cuts[-1] < len(text):
             texts.append(text[cuts[-1] :])
         parts = iter(encode(texts) if texts else ())
         new = []
-        for k in ends:
+        for mark in ends:
             ids.extend(next(parts))
-            _, parent, start, _ = pieces[k]
-            new.append((_key_of(text, cuts, pieces, k), parent, array("I", ids[before[start] :])))
-            before[cuts[k]] = len(ids)
+            new.append((mark.key_in(text), mark.parent, array("I", ids[before[mark.start] :])))
+            before[mark.at] = len(ids)
         ids.extend(next(parts, ()))  # the text after the last cut
         # NOTE: a piece found that ends at no boundary is a parent of none: the new ones cover it
-        replaced = pieces[found][0] if new and found >= 0 and not pieces[found][3] else None
-        self._keep(new, new[-1][0] if new else pieces[found][0], replaced)
+        replaced = found.key_in(text) if new and found is not None and not found.boundary else None
+        self._keep(new, new[-1][0] if new else found.key_in(text), replaced)  # type: ignore[union-attr]
         return ids
 
     def describe(self) -> dict[str, int]:
@@ -405,47 +404,57 @@ class PrefixIds:
 
     def _keep(self, new: list[tuple[bytes, bytes, array]], last: bytes, replaced: bytes | None) -> None:
         """Add the ``new`` pieces in place of ``replaced``, touch the chain from ``last`` to the root
-        (a piece goes before its ancestors), and evict the least recently used over the budget."""
+        (a piece is evicted before its ancestors), and evict the least recently used over the budget."""
         with self._lock:
             if replaced is not None and (gone := self._pieces.pop(replaced, None)) is not None:
-                self._bytes -= _PIECE_BYTES + gone[1].itemsize * len(gone[1])
+                self._bytes -= _piece_bytes(gone[1])
             for key, parent, ids in new:
                 if key not in self._pieces:
                     self._pieces[key] = (parent, ids)
-                    self._bytes += _PIECE_BYTES + ids.itemsize * len(ids)
+                    self._bytes += _piece_bytes(ids)
             key = last
             while key in self._pieces:
                 self._pieces.move_to_end(key)
                 key = self._pieces[key][0]
             while self._bytes > self.max_bytes and self._pieces:
-                _, (_, ids) = self._pieces.popitem(last=False)
-                self._bytes -= _PIECE_BYTES + ids.itemsize * len(ids)
+                self._bytes -= _piece_bytes(self._pieces.popitem(last=False)[1][1])
 
 
 _PIECE_BYTES = 320  # a piece's memory beside its ids: key, tuple, array header, its slot in the dict
 
 
-def _pieces_of(text: str, cuts: list[int], piece_chars: int) -> list[list]:
-    """For each cut: the key of the prefix it ends (a boundary's; None until ``_key_of`` hashes
-    another's), its piece's parent key, where the piece starts, whether the cut is a boundary
-    (PrefixIds). One hash a piece: a cut's own key is needed only where it is looked up."""
-    out: list[list] = []
+def _piece_bytes(ids: array) -> int:
+    return _PIECE_BYTES + ids.itemsize * len(ids)
+
+
+class _Cut:
+    """A cut of a prompt (PrefixIds): the piece ending there."""
+
+    __slots__ = ("_key", "at", "boundary", "parent", "start")
+
+    def __init__(self, at: int, start: int, parent: bytes, boundary: bool, key: bytes | None) -> None:
+        self.at, self.start, self.parent, self.boundary = at, start, parent, boundary
+        self._key = key  # None until looked up (a boundary's is hashed at once)
+
+    def key_in(self, text: str) -> bytes:
+        """The key of the prefix ending here, hashed once."""
+        if self._key is None:
+            self._key = _digest(text, self.start, self.at, self.parent)
+        return self._key
+
+
+def _cuts_of(text: str, cuts: list[int], piece_chars: int) -> list[_Cut]:
+    """Each cut with its piece: a cut ``piece_chars`` or more past the last boundary is one
+    (PrefixIds). One hash a piece: another cut's key is hashed only where it is looked up."""
+    out = []
     parent, start = b"", 0
-    for cut in cuts:
-        boundary = cut - start >= piece_chars
-        key = _digest(text, start, cut, parent) if boundary else None
-        out.append([key, parent, start, boundary])
+    for at in cuts:
+        boundary = at - start >= piece_chars
+        key = _digest(text, start, at, parent) if boundary else None
+        out.append(_Cut(at, start, parent, boundary, key))
         if boundary:
-            parent, start = key, cut
+            parent, start = key, at  # type: ignore[assignment]
     return out
-
-
-def _key_of(text: str, cuts: list[int], pieces: list[list], k: int) -> bytes:
-    """The key of the prefix ending at cut ``k`` (``_pieces_of``), hashed once."""
-    piece = pieces[k]
-    if piece[0] is None:
-        piece[0] = _digest(text, piece[2], cuts[k], piece[1])
-    return piece[0]
 
 
 def _digest(text: str, start: int, cut: int, parent: bytes) -> bytes:
