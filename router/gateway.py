@@ -427,18 +427,19 @@ class Router:
                     worker.breaker.answering()
                 if resp.status >= 400:
                     insert.take_back(self.events.synced(worker))
-                else:
-                    worker.stats.prompt_tokens += route.prompt_tokens + parsed.other_prompt_tokens
-                    worker.stats.predicted_cached_tokens += predicted
+                # NOTE: the predicted hit rate's tokens are counted with the worker's usage, so both hit
+                # rates cover the same answers (a stream cut off before its usage counts in neither)
+                routed = route.prompt_tokens + parsed.other_prompt_tokens
+                tally = None if parsed.follow_up else (routed, predicted)
                 try:
                     if whole:
-                        await self._send_full(send, watch, worker, resp, payload, started, parsed.stream,
-                                              counted=not parsed.follow_up)  # fmt: skip
+                        stream = parsed.stream
+                        await self._send_full(send, watch, worker, resp, payload, started, stream, tally)
                         answered = True
                     else:
                         responses = path.endswith("/responses")
                         answered = await self._send_stream(send, watch, worker, resp, started, prefill, strip_usage,
-                                                           responses, counted=not parsed.follow_up)  # fmt: skip
+                                                           responses, tally)  # fmt: skip
                         if answered:
                             worker.breaker.record_success()
                 finally:
@@ -489,29 +490,33 @@ class Router:
         worker.stats.errors[kind] += 1
         worker.breaker.record_failure(time.monotonic(), probe)
 
-    def _record_usage(self, worker: Worker, usage: Usage | None, counted: bool = True) -> None:
-        """The worker's usage of an answer, in the access log and (``counted``) the actual hit rate's
-        counters. A Responses follow-up is not counted: the router sees none of its prompt (the worker
-        holds the conversation), so it predicted nothing of it, and the two hit rates must cover the
-        same requests."""
-        if usage is not None:
-            if counted:
-                worker.stats.usage_prompt_tokens += usage.prompt_tokens
-                worker.stats.cached_tokens += usage.cached_tokens
-            access_log.note(usage_prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
+    def _record_usage(self, worker: Worker, usage: Usage | None, tally: tuple[int, int] | None) -> None:
+        """The worker's usage of an answer, in the access log, and in the hit rates' counters with
+        ``tally`` (the router's prompt tokens and predicted cached tokens of it): the two hit rates
+        count the same answers, those that reported their usage. A Responses follow-up has no tally
+        (None): the router sees none of its prompt (the worker holds the conversation)."""
+        if usage is None:
+            return
+        if tally is not None:
+            stats = worker.stats
+            stats.prompt_tokens += tally[0]
+            stats.predicted_cached_tokens += tally[1]
+            stats.usage_prompt_tokens += usage.prompt_tokens
+            stats.cached_tokens += usage.cached_tokens
+        access_log.note(usage_prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens)
 
     async def _send_full(
         self, send: Callable, watch: ClientWatch, worker: Worker, resp: UpstreamResponse, payload: bytes,
-        started: float, stream: bool = False, counted: bool = True,
+        started: float, stream: bool, tally: tuple[int, int] | None,
     ) -> None:  # fmt: skip
         """A whole answer (``payload``, read): a non-stream one, or a stream request's refusal
-        (``stream``: its metrics' label stays the request's; ``counted``: see _record_usage)."""
+        (``stream``: its metrics' label stays the request's; ``tally``: see _record_usage)."""
         elapsed = time.perf_counter() - started
         self.metrics.ttft_of[stream].observe(elapsed)
         access_log.note(ttft_ms=round(elapsed * 1e3, 3))
         self.metrics.duration_of[stream].observe(elapsed)
         if resp.status == 200:
-            self._record_usage(worker, body_usage(payload), counted)
+            self._record_usage(worker, body_usage(payload), tally)
         watch.stop()
         content_type = resp.headers.get("content-type", "application/json").encode("latin-1")
         await _send_bytes(send, resp.status, payload, content_type, worker.url.encode("latin-1"))
@@ -526,7 +531,7 @@ class Router:
         prefill: PendingPrefill,
         strip_usage: bool = False,
         responses: bool = False,
-        counted: bool = True,
+        tally: tuple[int, int] | None = None,
     ) -> bool:
         """Pass the SSE body through chunk by chunk as it arrives: no re-framing, no buffering
         (with ``strip_usage``, whole lines, without the usage chunk the client did not ask for).
@@ -584,7 +589,7 @@ class Router:
             cut = b"" if tail == b"\n\n" else b"\n\n"
             error = cut + stream_error_event(responses, message, kind, numbers.last)
         finally:
-            self._record_usage(worker, scanner.usage, counted)
+            self._record_usage(worker, scanner.usage, tally)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)
         if not finished:
             watch.stop()

@@ -126,6 +126,35 @@ def sse_data(body: bytes) -> list[bytes]:
     return [line[5:].strip() for line in body.split(b"\n") if line.startswith(b"data:")]
 
 
+def test_the_two_hit_rates_count_the_same_answers_a_broken_stream_in_neither(launch):
+    """The predicted hit rate's tokens are counted with the worker's usage: a stream cut off
+    before its usage chunk counts in neither rate, or predicted and actual would drift apart."""
+    victim = launch.echo_backend("--decode-ms-per-token", "20")
+    router = launch.router([victim.url])
+    names = ["radixgate_upstream_prompt_tokens_total", "radixgate_upstream_predicted_cached_tokens_total",
+             "radixgate_upstream_usage_prompt_tokens_total", "radixgate_upstream_cached_tokens_total"]  # fmt: skip
+    label = f'{{worker="{victim.url}"}}'
+
+    def counters() -> list[float]:
+        text = httpx.get(router.url + "/metrics").text
+        return [metric_values(text, name)[label] for name in names]
+
+    prompt = "a shared head, " * 20
+    for tail in ("one", "two"):  # the second is predicted to hit what the first left
+        body = {"model": "echo", "prompt": prompt + tail, "max_tokens": 2, "stream": True}
+        assert httpx.post(router.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    whole = counters()
+    assert whole[0] > 0 and whole[1] > 0 and whole[2] > 0 and whole[3] > 0
+    body = {"model": "echo", "prompt": prompt + "three", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = r.iter_raw()
+        received = next(chunks)
+        victim.proc.kill()
+        received += b"".join(chunks)
+    assert b"stream_broken" in received
+    assert counters() == whole
+
+
 def test_a_stream_whose_worker_dies_ends_with_an_error_event(launch):
     """Tokens already reached the client, so nothing is retried; the client is told the answer is
     cut off (an error event, then [DONE], as a worker ends a stream whose request failed) rather
