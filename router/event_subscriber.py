@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,8 @@ class EventSubscriber:
         self._reported: dict[str, tuple[str, int, int | None]] = {}
         self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
         self._first: dict[str, asyncio.Event] = {}  # worker url -> set once its first sync attempt ended
+        self._syncing: Counter[str] = Counter()  # worker url -> its snapshot re-syncs under way
+        self._streaming: set[str] = set()  # http: workers whose event stream is open
         self._redis = None
         self._applying = asyncio.Lock()
 
@@ -206,11 +209,28 @@ class EventSubscriber:
         self._router.index.apply_events(worker.url, batch.stored, batch.removed, batch.cleared)
         worker.stats.kv_event_batches += 1
 
+    def restarted(self, worker: Worker, epoch: str) -> None:
+        """A health check found ``worker`` restarted (a new ``epoch``): what the index holds of its
+        old cache is gone. Re-synced once, whichever notices first: nothing to do where a snapshot
+        of the new life was read or is being read; in http mode, a stream not open yet re-syncs
+        when it opens (a restart closes it)."""
+        cursor = self._cursors.get(worker.url)
+        if (cursor is not None and cursor.epoch == epoch) or self._syncing[worker.url]:
+            return  # NOTE: clearing now would also cut a snapshot being applied short
+        self._router.index.clear_worker(worker.url)
+        self._cursors.pop(worker.url, None)
+        if self.mode != "http" or worker.url in self._streaming:
+            self.resync_soon(worker)
+
     async def resync(self, worker: Worker) -> bool:
         """Replace what the index holds for ``worker`` by the worker's snapshot."""
+        self._syncing[worker.url] += 1
         try:
             return await self._resync(worker)
         finally:
+            self._syncing[worker.url] -= 1
+            if not self._syncing[worker.url]:
+                del self._syncing[worker.url]
             if worker in self._router.workers:  # NOTE: not a later worker at its URL
                 self._first_attempt_ended(worker)
 
@@ -327,6 +347,7 @@ class EventSubscriber:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                     attempt = 0
                     self._cursors.pop(worker.url, None)
+                    self._streaming.add(worker.url)
                     await self.resync(worker)  # after subscribing, so nothing falls between
                     # NOTE: not `async for line in resp.content`: aiohttp caps a line at 128 KiB and
                     # one batch for a long prompt (its token ids) can be larger.
@@ -348,6 +369,8 @@ class EventSubscriber:
                 log.debug("event stream of %s interrupted: %r", worker.url, exc)
             except Exception:  # a bug must not end the subscription for good
                 log.exception("event stream of %s failed", worker.url)
+            finally:
+                self._streaming.discard(worker.url)
             self._first_attempt_ended(worker)  # NOTE: a stream that could not be read: none to wait for
             await asyncio.sleep(reconnect_delay(attempt))
             attempt += 1

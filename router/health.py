@@ -111,8 +111,7 @@ class HealthChecker:
         if worker not in self._router.workers:
             return  # NOTE: removed while it learned (maybe added again: the index is the new one's)
         if restarted:
-            self._router.index.clear_worker(worker.url)
-            self._router.events.resync_soon(worker)
+            self._router.events.restarted(worker, epoch)
         elif epoch is not None and type(report.get("kv_event_seq")) is int:
             self._router.events.reported_seq(worker, epoch, report["kv_event_seq"])
         if epoch is not None:

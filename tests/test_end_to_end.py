@@ -897,3 +897,33 @@ def test_a_failed_resync_of_a_worker_whose_batches_miss_redis_is_tried_again(lau
         )
     finally:
         server.should_exit = True
+
+
+@pytest.mark.parametrize("mode", ["http", pytest.param("redis", marks=pytest.mark.redis)])
+def test_a_restarted_worker_is_re_synced_once(launch, mode):
+    """A restart is seen twice (its event stream closes and reopens; its health reports a new
+    epoch): the worker is re-synced from its snapshot once, whichever comes first."""
+    if mode == "redis" and REDIS is None:
+        pytest.skip("redis-server not installed")
+    extra = ["--redis-url", launch.redis()] if mode == "redis" else []
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["worker", "--engine", "sim", "--model", "sim-8b", "--advertise-url", url, *extra]
+    worker = launch.module(*args, port=port)
+    router = launch.router([url], "--kv-events", mode, "--health-interval-s", "0.2", *extra)
+    resyncs = f'radixgate_upstream_kv_resyncs_total{{worker="{url}"}}'
+    wait_until(lambda: metric(router.url, resyncs) >= 1, 30, what="the first sync")
+    worker.proc.kill()
+    worker.proc.wait()
+    epoch = httpx.get(launch.module(*args, port=port).url + "/health", timeout=5).json()["epoch"]
+
+    def seen() -> bool:
+        (view,) = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+        return view["epoch"] == epoch and metric(router.url, resyncs) >= 2
+
+    wait_until(seen, 30, what="the restart seen and re-synced")
+    time.sleep(1.0)  # NOTE: five health checks more, and the event stream's reconnection, come and go
+    assert metric(router.url, resyncs) == 2
+    body = {"model": "sim-8b", "prompt": "after the restart " * 8, "max_tokens": 1}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+    wait_until(lambda: matched_tokens(router.url, body)[url] >= 128, 8, what="the new life's events")
