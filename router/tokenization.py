@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from router.chat_tools import call_arguments, check_tool_calls, compact_json, normalize_tools
+from router.token_bounds import hf_max_token_bytes
 
 _REPLACEMENT = "\ufffd"
 # HF's marker for ``continue_final_message``: appended to the last message's content, and the
@@ -35,6 +36,8 @@ class PromptTokenizer(Protocol):
     name: str  # identity: equal names promise equal token ids for equal requests
     vocab_size: int
     eos_token_ids: list[int]
+    # the most bytes of text one token stands for (router.token_bounds); None: no such bound holds
+    max_token_bytes: int | None
 
     def encode_prompt(self, prompt: str) -> list[int]: ...
 
@@ -45,6 +48,15 @@ class PromptTokenizer(Protocol):
         continue_final_message: bool = False, template_kwargs: dict | None = None,
         documents: list[dict] | None = None,
     ) -> list[int]: ...  # fmt: skip
+
+    # encode_chat in two steps: the conversation as text, then that text's ids
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
+    ) -> str: ...  # fmt: skip
+
+    def encode_chat_text(self, text: str) -> list[int]: ...  # render_chat's text as encode_chat encodes it
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
@@ -173,6 +185,7 @@ class ByteTokenizer:
         self.name = "bytes"
         self.vocab_size = 256 + len(self.SPECIALS)
         self.eos_token_ids = [self.EOS]
+        self.max_token_bytes: int | None = 1  # NOTE: encoding gives one id per byte (never a special token)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -214,7 +227,10 @@ class ByteTokenizer:
         return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
-        return list(self.render_chat(messages, tools, **options).encode("utf-8"))
+        return self.encode_chat_text(self.render_chat(messages, tools, **options))
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     # The router's hot path: the same ids as ``bytes`` (a sequence of ints), without building a
     # list of one Python int per byte (~5 us per KiB of prompt).
@@ -541,6 +557,7 @@ class HFTokenizer:
         )
         self.name = f"hf:{digest.hexdigest()[:16]}"
         self.prefix_ids = PrefixIds(self._tok, list(self.chat_templates.values()))
+        self.max_token_bytes = hf_max_token_bytes(self._tok)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -622,8 +639,11 @@ class HFTokenizer:
         return text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **options: Any) -> list[int]:
+        return self.encode_chat_text(self.render_chat(messages, tools, **options))
+
+    def encode_chat_text(self, text: str) -> list[int]:
         # NOTE: the template writes BOS itself when the model wants one, so no special tokens here.
-        return self.prefix_ids.encode(self.render_chat(messages, tools, **options), self._encode_texts)
+        return self.prefix_ids.encode(text, self._encode_texts)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)

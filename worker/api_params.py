@@ -20,7 +20,8 @@ from router.request_parsing import (
     stream_options_error,
     too_deep,
 )
-from router.tokenization import PromptTokenizer, chat_options
+from router.token_bounds import fewest_tokens
+from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import CONSTRAINT_KEYS, Guide, GuideCompiler, requested_grammar, thinking_first
 from worker.request import QueueFullError
@@ -40,6 +41,9 @@ from worker.tool_calls import (
 )
 
 MAX_CHOICES = 64  # prompts x n per request (each choice is one engine request; a prompt's share pages)
+# truncate_prompt_tokens cuts a text prompt of at most this many contexts (bound: router.token_bounds);
+# one surely longer is refused before it is tokenized whole (the bytes tokenizer cuts any: its tail)
+TRUNCATE_CONTEXTS = 16
 
 
 class APIError(Exception):
@@ -310,53 +314,102 @@ def echo_texts(
     ]
 
 
-def truncate_prompts(prompts: list[list[int]], body: dict, context: int) -> list[list[int]]:
-    """vLLM's ``truncate_prompt_tokens``: k >= 1 keeps each prompt's last k tokens; -1 the most this
-    worker serves (its context less one output token)."""
+def truncation_keep(body: dict, context: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens`` as how many last tokens each prompt keeps: k >= 1 keeps k;
+    -1 the most this worker serves (its context less one output token); None: prompts are not cut."""
     k = body.get("truncate_prompt_tokens")
     if k is None:
-        return prompts
+        return None
     if type(k) is not int or not (k >= 1 or k == -1):
         raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
-    keep = context - 1 if k == -1 else k
-    return [ids[len(ids) - keep :] if len(ids) > keep else ids for ids in prompts]
+    return context - 1 if k == -1 else k
+
+
+def _fitting_ids(
+    text: str, tokenizer: PromptTokenizer, context: int, keep: int | None, encode: Any
+) -> tuple[list[int], bool]:
+    """``encode(text)``'s ids cut to their last ``keep`` (None: not cut), and whether they were cut.
+    NOTE: a text that surely has more tokens than the context serves (router.token_bounds) is refused
+    before it is encoded: its list of ids would take 10-40x its size in memory, for a 400 anyway."""
+    fewest = fewest_tokens(text, tokenizer.max_token_bytes)
+    if (least := fewest if keep is None else min(fewest, keep)) >= context:
+        raise APIError(
+            400,
+            f"the prompt has at least {least} tokens; this worker serves at most {context - 1} "
+            f"(context {context} tokens including at least one output token)",
+            "context_length_exceeded",
+        )
+    if keep is not None and fewest > keep:
+        if isinstance(tokenizer, ByteTokenizer):  # NOTE: its ids are the text's bytes: the last keep of them
+            return list(text.encode("utf-8")[-keep:]), True
+        if fewest > TRUNCATE_CONTEXTS * context:
+            raise APIError(
+                400,
+                f"the prompt has at least {fewest} tokens, too long even to truncate: truncate_prompt_tokens "
+                f"cuts prompts of at most {TRUNCATE_CONTEXTS * context} tokens ({TRUNCATE_CONTEXTS} x the "
+                "context)",
+                "context_length_exceeded",
+            )
+    ids = encode(text)
+    if keep is not None and len(ids) > keep:
+        return ids[len(ids) - keep :], True
+    return ids, False
 
 
 def _is_batch(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
-async def prompt_ids(prompt: Any, tokenizer: PromptTokenizer, vocab_size: int) -> list[list[int]]:
+async def prompt_ids(
+    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int, context: int, keep: int | None = None
+) -> tuple[list[list[int]], list[bool]]:
     """``prompt`` as token id lists: a string, a list of ids (in [0, ``vocab_size``), the model's), or
-    a batch (list) of either."""
-    if _is_batch(prompt):
-        if len(prompt) > MAX_CHOICES:
-            raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}")
-        return [await _one_prompt(p, tokenizer, vocab_size) for p in prompt]
-    return [await _one_prompt(prompt, tokenizer, vocab_size)]
+    a batch (list) of either; each cut to its last ``keep`` tokens (``truncation_keep``), with which
+    were cut. A text surely past the ``context`` (tokens) is refused untokenized (``_fitting_ids``)."""
+    given = prompt if _is_batch(prompt) else [prompt]
+    if len(given) > MAX_CHOICES:
+        raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(given)}")
+    out = [await _one_prompt(p, tokenizer, vocab_size, context, keep) for p in given]
+    return [ids for ids, _ in out], [cut for _, cut in out]
 
 
 async def chat_ids(
-    messages: Any, tokenizer: PromptTokenizer, tools: list[dict] | None = None, body: dict | None = None
-) -> list[int]:
+    messages: Any, tokenizer: PromptTokenizer, tools: list[dict] | None = None, body: dict | None = None,
+    context: int | None = None, keep: int | None = None,
+) -> list[int]:  # fmt: skip
     """``messages`` (and ``tools``) rendered by the chat template and tokenized, with the body's
-    ``add_generation_prompt`` / ``continue_final_message`` (a bad conversation: 400)."""
+    ``add_generation_prompt`` / ``continue_final_message`` (a bad conversation: 400); cut to the last
+    ``keep`` tokens. With ``context`` (tokens), a rendered prompt surely past it is refused untokenized."""
     try:
         options = chat_options(body or {})
-        return await run_in_threadpool(functools.partial(tokenizer.encode_chat, messages, tools, **options))
+        if context is None:
+            return await run_in_threadpool(
+                functools.partial(tokenizer.encode_chat, messages, tools, **options)
+            )
+        text = await run_in_threadpool(functools.partial(tokenizer.render_chat, messages, tools, **options))
+        ids, _ = await run_in_threadpool(
+            _fitting_ids, text, tokenizer, context, keep, tokenizer.encode_chat_text
+        )
+        return ids
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 
 
-async def _one_prompt(prompt: Any, tokenizer: PromptTokenizer, vocab_size: int) -> list[int]:
+async def _one_prompt(
+    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int, context: int, keep: int | None
+) -> tuple[list[int], bool]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "the prompt is empty")
-        return await run_in_threadpool(tokenizer.encode_prompt, prompt)
+        return await run_in_threadpool(
+            _fitting_ids, prompt, tokenizer, context, keep, tokenizer.encode_prompt
+        )
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         if not prompt:
             raise APIError(400, "the prompt is empty")
         if any(not 0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})")
-        return prompt
+        if keep is not None and len(prompt) > keep:
+            return prompt[len(prompt) - keep :], True
+        return prompt, False
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of either")

@@ -241,7 +241,9 @@ class ResponsesAPI:
             raise APIError(400, str(exc)) from None
         engine = api.engine
         options = template_options(body)
-        ids = await chat_ids(messages, engine.tokenizer, tools and tools.tools, options)
+        # NOTE: without truncation a conversation surely past the context is refused before it is tokenized
+        context = engine.max_total_tokens if truncation == "disabled" else None
+        ids = await chat_ids(messages, engine.tokenizer, tools and tools.tools, options, context)
         if truncation == "auto" and len(ids) >= engine.max_total_tokens:
             kept = 1 if body.get("instructions") else 0
             ids = await _fitted(

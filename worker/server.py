@@ -42,7 +42,7 @@ from worker.api_params import (
     read_bounded,
     sampling_params,
     tools_of,
-    truncate_prompts,
+    truncation_keep,
 )
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
@@ -152,8 +152,11 @@ class WorkerAPI:
             raise APIError(400, "'suffix' (text to insert the completion before) is not supported")
         if body.get("max_tokens") == 0 and not body.get("echo"):
             raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
-        given = await prompt_ids(body["prompt"], self.engine.tokenizer, self.engine.vocab_size)
-        prompts = truncate_prompts(given, body, self.engine.max_total_tokens)
+        context = self.engine.max_total_tokens
+        keep = truncation_keep(body, context)
+        prompts, cut = await prompt_ids(
+            body["prompt"], self.engine.tokenizer, self.engine.vocab_size, context, keep
+        )
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
         guide = await output_guide(body, self.engine.guides)
@@ -164,7 +167,6 @@ class WorkerAPI:
         params = sampling_params(
             fields, self.engine.tokenizer, 16, "max_tokens", logprobs, self.engine.vocab_size, guide
         )
-        cut = [len(a) < len(b) for a, b in zip(prompts, given, strict=True)]
         echo = echo_texts(body["prompt"], prompts, self.engine.tokenizer, cut) if body.get("echo") else None
         if echo is not None and params.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
@@ -177,8 +179,11 @@ class WorkerAPI:
             raise APIError(400, "'echo' applies to /v1/completions")
         logprobs = chat_logprobs(body)
         tools = tools_of(body)
-        ids = await chat_ids(body.get("messages"), self.engine.tokenizer, tools and tools.tools, body)
-        [ids] = truncate_prompts([ids], body, self.engine.max_total_tokens)
+        context = self.engine.max_total_tokens
+        keep = truncation_keep(body, context)
+        ids = await chat_ids(
+            body.get("messages"), self.engine.tokenizer, tools and tools.tools, body, context, keep
+        )
         if not ids:
             raise APIError(400, "the conversation renders to an empty prompt")
         tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens

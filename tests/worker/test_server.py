@@ -17,6 +17,9 @@ import orjson
 import pytest
 import uvicorn
 
+from router.tokenization import HFTokenizer
+from tests.worker.conftest import write_tokenizer
+from worker.api_params import TRUNCATE_CONTEXTS, APIError, prompt_ids
 from worker.assembly import build_engine
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -448,6 +451,94 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client):
     assert client.post("/v1/completions", json=long).status_code == 400
     served = client.post("/v1/completions", json={**long, "truncate_prompt_tokens": -1}).json()
     assert served["usage"]["prompt_tokens"] == context - 1 and served["usage"]["completion_tokens"] == 1
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(server, client, monkeypatch):
+    """A prompt of megabytes (a string, one of a batch, one kept whole by truncation, chat messages, a
+    Responses input) is a 400 context_length_exceeded without its text being tokenized (its list of ids
+    would take 10-40x its size in memory), and the worker serves the requests after it."""
+    tok, encoded = server.engine.tokenizer, []
+
+    def spy(real):
+        def encode(*args, **kwargs):
+            ids = real(*args, **kwargs)
+            encoded.append(len(ids))
+            return ids
+
+        return encode
+
+    for name in ("encode_prompt", "encode_chat", "encode_chat_text"):
+        if hasattr(tok, name):
+            monkeypatch.setattr(tok, name, spy(getattr(tok, name)))
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    huge = "lorem ipsum " * 400_000  # 4.8 MB
+    asks = [
+        ("/v1/completions", {"prompt": huge}),
+        ("/v1/completions", {"prompt": ["hi", huge]}),
+        ("/v1/completions", {"prompt": huge, "truncate_prompt_tokens": 10 * context}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": huge}]},
+        ),
+        ("/v1/responses", {"input": huge}),
+    ]
+    for path, body in asks:
+        r = client.post(path, json={**body, "max_tokens": 1})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded", (path, r.text[:300])
+        assert (
+            error["message"].startswith("the prompt has at least")
+            and f"at most {context - 1}" in error["message"]
+        )
+    assert max(encoded, default=0) < context  # NOTE: "hi" only
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_truncating_a_prompt_of_megabytes_keeps_exactly_its_last_tokens(client):
+    """The bytes tokenizer's ids are the text's UTF-8 bytes: a prompt far past the context cut by
+    truncate_prompt_tokens keeps its last bytes' ids (a character cut in two too), chat's rendered prompt too."""
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    huge = "naïve café 東京 " * 200_000 + "the end"
+    body = {
+        "prompt": huge,
+        "max_tokens": 1,
+        "truncate_prompt_tokens": -1,
+        "return_token_ids": True,
+        "echo": True,
+    }
+    r = client.post("/v1/completions", json=body).json()
+    assert r["choices"][0]["prompt_token_ids"] == list(huge.encode()[-(context - 1) :])
+    assert r["usage"]["prompt_tokens"] == context - 1 and r["choices"][0]["text"].startswith(
+        huge.encode()[-(context - 1) :].decode(errors="replace")
+    )
+    chat = {"messages": [{"role": "user", "content": huge}], "max_tokens": 1, "truncate_prompt_tokens": 100}
+    r = client.post("/v1/chat/completions", json={**chat, "return_token_ids": True}).json()
+    assert r["prompt_token_ids"] == list(f"<|user|>\n{huge}\n<|assistant|>\n".encode()[-100:])
+
+
+async def test_an_hf_prompt_is_tokenized_whole_unless_it_surely_cannot_fit(tmp_path):
+    """With a byte-level BPE: a prompt that may fit, or that truncation may cut, gets exactly the ids of the
+    whole text (its last k); one surely past the context (or past what truncation cuts) is a 400 first."""
+    write_tokenizer(tmp_path)
+    tok = HFTokenizer(str(tmp_path))
+    context, vocab = 64, tok.vocab_size
+    fits = "The quick brown fox. " * 3
+    assert await prompt_ids(fits, tok, vocab, context) == ([tok.encode_prompt(fits)], [False])
+    near = "The quick brown fox jumps over the lazy dog. " * 30  # past the context, though not surely
+    assert await prompt_ids(near, tok, vocab, context, keep=40) == ([tok.encode_prompt(near)[-40:]], [True])
+    with pytest.raises(APIError) as refused:
+        await prompt_ids(near * 3, tok, vocab, context)
+    assert refused.value.code == "context_length_exceeded" and "at least" in refused.value.message
+    far = "x" * (TRUNCATE_CONTEXTS * context * tok.max_token_bytes + 1)
+    with pytest.raises(APIError) as refused:
+        await prompt_ids(far, tok, vocab, context, keep=40)
+    assert (
+        refused.value.code == "context_length_exceeded"
+        and "too long even to truncate" in refused.value.message
+    )
 
 
 async def test_a_huge_integer_temperature_is_served_beside_other_requests(server):
