@@ -3,6 +3,8 @@ transformers), message validation, and streaming detokenization."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import shutil
 import subprocess
@@ -853,3 +855,23 @@ def test_tokenizer_bench_runs_both_workloads_with_the_whole_texts_ids(tmp_path):
     assert len(rows) == 4 and all(r["mismatches"] == 0 for r in rows.values())
     assert rows["new conversations", True]["cache"]["hits"] == 3  # the head, found by the next three
     assert rows["new conversations", False]["cache"]["hits"] == 0
+
+
+def test_a_prompt_spelling_another_prefixs_key_gets_its_own_ids(tmp_path):
+    """PrefixIds: a piece's key is keyed by its parent's, so no text can pass for a prefix it is not.
+    Chaining the parent's key into the hashed text instead gives a root piece that starts with the
+    bytes of another prompt's first key, followed by that prompt's second piece, the same key as
+    that second piece, and the other prompt's ids."""
+    tok = HFTokenizer(str(byte_level_dir(tmp_path / "bl")))
+    end = "<|im_end|>"
+    assert end in tok.prefix_ids.cut_tokens
+    for i in itertools.count():  # NOTE: one text in ~65,000 has a first key of ASCII bytes alone
+        first = f"{i} " + "the first piece " * 70 + end
+        key = hashlib.blake2b(first.encode(), digest_size=16).digest()
+        if key.isascii():
+            break
+    second = "the second piece " * 70 + end
+    theirs = tok.prefix_ids.encode(first + second, tok._encode_texts)
+    assert theirs == tok.encode_text(first + second)
+    crafted = key.decode("ascii") + second
+    assert tok.prefix_ids.encode(crafted, tok._encode_texts) == tok.encode_text(crafted) != theirs
