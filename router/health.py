@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radixgate.router.health")
 ROUND_SLICE = 16  # workers whose health checks start together (HealthChecker._round)
+# checks in a row that got no answer in time before a worker's requests still waiting for their
+# response head are given up on and retried elsewhere: a hung worker (a stuck GPU, a stopped
+# process) would hold them until first_byte_timeout_s (request_timeout_s for a non-stream request)
+STALLED_CHECKS = 3
 
 
 def _number(value: object) -> float:
@@ -35,6 +39,7 @@ class HealthChecker:
         self._interval = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task | None = None
+        self._unanswered: dict[str, int] = {}  # worker url -> its checks in a row that timed out
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -83,13 +88,21 @@ class HealthChecker:
                 return resp.status, None
 
     async def check(self, worker: Worker) -> None:
+        timed_out = False
         try:
             status, body = await self._get_json(worker.url + "/health")
             ok = status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except asyncio.TimeoutError:
+            ok, body, timed_out = False, None, True
+        except (aiohttp.ClientError, OSError):
             ok, body = False, None
         if worker not in self._router.workers:
+            self._unanswered.pop(worker.url, None)
             return  # removed while we were asking
+        if timed_out:
+            self._stalled(worker)
+        else:
+            self._unanswered.pop(worker.url, None)
         if not ok:
             if worker.healthy:
                 log.warning("worker %s failed its health check: not routable", worker.url)
@@ -117,6 +130,21 @@ class HealthChecker:
         if epoch is not None:
             worker.epoch = epoch
         worker.healthy = True
+
+    def _stalled(self, worker: Worker) -> None:
+        """Another check of ``worker`` got no answer in time: from STALLED_CHECKS in a row on, its
+        requests still waiting for their response head go to other workers (nothing of them reached
+        a client yet). Only a silent worker: one that answers, even 503 while it drains, keeps its
+        requests, as one that refuses connections does (they fail at once on their own)."""
+        count = self._unanswered[worker.url] = self._unanswered.get(worker.url, 0) + 1
+        if count >= STALLED_CHECKS:
+            moved = self._router.upstream.client.abandon_heads(
+                worker.url, f"{count} health checks in a row got no answer"
+            )
+            if moved:
+                log.warning(
+                    "worker %s stopped answering: %d requests waiting on it go elsewhere", worker.url, moved
+                )
 
     async def _learn(self, worker: Worker) -> None:
         """Served models and, for radixgate workers, cache info (block size, namespace)."""

@@ -60,6 +60,10 @@ class ConnectionBroken(HTTPClientError):
     """The connection closed or sent something unparseable before the response ended."""
 
 
+class Abandoned(HTTPClientError):
+    """The caller gave up waiting for the response head (HTTPClient.abandon_heads)."""
+
+
 class Response:
     """One response. Read it with ``read()`` or ``chunks()``, then ``close()`` (always; it returns
     the connection to the pool when the body was fully read, else closes it)."""
@@ -209,8 +213,13 @@ class _Connection(asyncio.Protocol):
             self._transport.write(body)
         if on_sent is not None:
             on_sent()
-        while not self._head_done:
-            await self._wait(deadline, self._pool.read_timeout if head_timeout is None else head_timeout)
+        heads = self._pool.heads
+        heads.add(self)
+        try:
+            while not self._head_done:
+                await self._wait(deadline, self._pool.read_timeout if head_timeout is None else head_timeout)
+        finally:
+            heads.discard(self)
         status = self._parser.get_status_code()
         return Response(self, status, self._headers)
 
@@ -294,6 +303,7 @@ class _Pool:
         self.read_timeout = client.read_timeout
         self._client = client
         self._idle: dict[_Connection, None] = {}  # an ordered set: most recently used last
+        self.heads: set[_Connection] = set()  # connections whose request waits for its response head
         name = f"[{host}]" if ":" in host else host  # NOTE: an IPv6 address is bracketed in Host
         self.host_header = name if port in (80, 443) else f"{name}:{port}"
         self.closed = False  # forgotten by its client: connections coming back are closed
@@ -428,6 +438,16 @@ class HTTPClient:
         found = self._pools.pop(base_url, None)
         if found is not None:
             found[0].close()
+
+    def abandon_heads(self, base_url: str, why: str) -> int:
+        """Give up on every request to ``base_url`` still waiting for its response head (a server
+        that stopped answering): each raises Abandoned(``why``) and its connection is closed.
+        Returns how many there were."""
+        found = self._pools.get(base_url)
+        waiting = list(found[0].heads) if found is not None else []
+        for conn in waiting:
+            conn._fail(Abandoned(why))
+        return len(waiting)
 
     def close(self) -> None:
         for pool, _ in self._pools.values():

@@ -16,7 +16,14 @@ import aiohttp
 import orjson
 
 from router.errors import RouterError
-from router.http_client import HTTPClient, HTTPClientError, OutOfResources, Response, ResponseTimeout
+from router.http_client import (
+    Abandoned,
+    HTTPClient,
+    HTTPClientError,
+    OutOfResources,
+    Response,
+    ResponseTimeout,
+)
 from router.workers import Worker
 
 # Headers of the client request worth passing on; hop-by-hop and length headers are recomputed.
@@ -223,6 +230,10 @@ class Upstream:
         except OutOfResources as exc:  # NOTE: the router's own limit: not the worker's fault, no retry
             raise RouterError(503, f"the router cannot open a connection now ({exc})", "router_out_of_resources",
                               retry_after=1) from None  # fmt: skip
+        except Abandoned as exc:  # NOTE: its health checks stopped answering (HealthChecker)
+            raise UpstreamFailure(
+                "unresponsive", f"worker {worker.url} stopped answering: {exc}", 504
+            ) from None
         except HTTPClientError as exc:
             raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc}", 502) from None
         if resp.status >= 500 or resp.status == 429:

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
@@ -313,6 +314,37 @@ def test_frozen_worker_is_routed_around_and_gets_traffic_after_it_resumes(launch
         return r.headers.get("x-radixgate-worker") == frozen.url
 
     wait_until(traffic_returns, timeout=15, interval=0.2, what="traffic back to the resumed worker")
+
+
+def test_requests_waiting_on_a_hung_worker_go_elsewhere_once_its_health_checks_go_unanswered(
+    launch, tmp_path
+):
+    """A stopped worker takes connections and answers nothing: its requests still waiting for their
+    head (a stream's, and a non-stream answer's, which comes last) move to the other worker after
+    three unanswered health checks, not after first_byte_timeout_s / request_timeout_s (60 s)."""
+    backends = [launch.echo_backend() for _ in range(2)]
+    router = _router_with(launch, tmp_path, backends, policy="round_robin", health_interval_s=0.3,
+                          health_timeout_s=0.3, first_byte_timeout_s=60, request_timeout_s=60)  # fmt: skip
+    hung, survivor = backends
+    wait_until(lambda: all(w["healthy"] for w in httpx.get(router.url + "/workers").json()["workers"]), 10,
+               what="both workers healthy")  # fmt: skip
+
+    def ask(i: int) -> tuple[int, str, bytes]:
+        body = {"model": "echo", "prompt": f"waiting {i}", "max_tokens": 2, "stream": i % 2 == 0}
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+        return r.status_code, r.headers.get("x-radixgate-worker", ""), r.content
+
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    assert [(status, worker) for status, worker, _ in answers] == [(200, survivor.url)] * 4
+    errors = metric_values(httpx.get(router.url + "/metrics").text, "radixgate_upstream_errors_total")
+    assert errors[f'{{kind="unresponsive",worker="{hung.url}"}}'] >= 1
+    for w in httpx.get(router.url + "/workers").json()["workers"]:  # the attempts gave their load back
+        assert (w["in_flight"], w["pending_prefill_tokens"]) == (0, 0)
 
 
 def test_client_errors_do_not_count_against_the_worker(launch):
