@@ -30,7 +30,7 @@ log = logging.getLogger("radixgate.router.events")
 
 STREAM_PREFIX = "radixgate:kv:"  # + model name: one Redis Stream per model
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
-_SNAPSHOT_SLICE = 128  # stored runs of a snapshot applied between two yields to the event loop
+_SNAPSHOT_SLICE = 128  # stored runs of a snapshot read or applied between two yields to the event loop
 _READ_SLICE = 32  # Redis entries handled between two yields
 _HELD_BATCHES = 4096  # batches of one worker held while its re-sync runs; past it they are dropped
 
@@ -261,17 +261,12 @@ class EventSubscriber:
         if worker not in self._router.workers:
             return False
         # NOTE: a snapshot is applied a slice of runs at a time, yielding between slices, so a large one
-        # does not stall routing (the worker's batches are held meanwhile, as during the fetch)
-        index = self._router.index
-        index.clear_worker(worker.url)
-        stored = snapshot.stored
-        for start in range(0, len(stored), _SNAPSHOT_SLICE):
-            if start:
-                await asyncio.sleep(0)
-                if worker not in self._router.workers:
-                    return False  # NOTE: removed meanwhile: its index entries are gone, keep it so
-            for run in stored[start : start + _SNAPSHOT_SLICE]:
-                index.apply_stored(worker.url, run.parent_hash, run.block_hashes)
+        # does not stall routing (the worker's batches are held meanwhile, as during the fetch). By
+        # difference: what it still names stays (and matches throughout), the rest goes in one step
+        for _ in self._router.index.resync_steps(worker.url, snapshot.stored, _SNAPSHOT_SLICE):
+            await asyncio.sleep(0)
+            if worker not in self._router.workers:
+                return False  # NOTE: removed meanwhile: its index entries are gone, keep it so
         self._cursors[worker.url] = _Cursor(snapshot.epoch, snapshot.seq)
         worker.stats.kv_resyncs += 1
         log.info(

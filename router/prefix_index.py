@@ -10,14 +10,16 @@ children keyed by first hash, ``tick`` (last update touching it or a descendant)
 holders whose stored event named the run; an insert's blocks are only predicted, and never
 extend a confirmed run in place). ``_where[h]`` is the id of the node holding block ``h``
 (``_by_id[id]``), written for new blocks, on splits and when a stored child joins its
-parent's run.
+parent's run. ``_held[slot]`` holds the ids of the live nodes whose mask has that slot's bit,
+so a worker's nodes are found without walking the others'.
 ``_roots[parent_hash]`` holds parentless nodes: None (or a namespace root hash) starts a prompt;
 other keys are parents this index does not hold (orphan runs). ``_leaves``: heap of leaves, lazy.
 
 NOTE: invariants after every public call — each held hash lies in exactly one live node, mapped
-by ``_where``; live masks are non-zero; no ``_roots`` key is in ``_where`` (orphans are adopted
-when their parent block is inserted, unless inconsistent chains would make a cycle); every live
-leaf is in ``_leaves``; a node's tick >= its children's; ``num_entries`` <= ``max_entries``.
+by ``_where``; live masks are non-zero; ``_held[slot]`` holds exactly the live nodes with that
+bit; no ``_roots`` key is in ``_where`` (orphans are adopted when their parent block is inserted,
+unless inconsistent chains would make a cycle); every live leaf is in ``_leaves``; a node's tick
+>= its children's; ``num_entries`` <= ``max_entries``.
 
 Match: a worker matches the leading blocks it holds *contiguously* from block 0; a hole ends its
 match. Runs stored under a parent the index does not hold are recorded (they cost budget) and
@@ -35,7 +37,11 @@ tracks: a full collection walks the nodes, not the blocks (docs/benchmarks/route
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
 ~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~310 per node; another
-worker on a node costs one bit, and a node two or more workers hold keeps a small dict of their ticks. ``remove_worker``/``clear_worker`` visit every node.
+worker on a node costs one bit and one id in its ``_held``, and a node two or more workers hold keeps a
+small dict of their ticks. ``remove_worker``/``clear_worker`` visit that worker's nodes only.
+Re-sync: ``resync_steps`` (in slices; ``resync_worker`` in one go) ends as ``clear_worker`` then
+``apply_stored`` of every run would (same entries, same matches), but drops only the blocks the
+snapshot no longer names and applies only the runs that add or confirm blocks.
 """
 
 from __future__ import annotations
@@ -119,6 +125,8 @@ class PrefixIndex:
         self._names: list[str | None] = []  # bit index -> worker (None = free slot)
         self._free: list[int] = []  # min-heap of free bit indexes, reused lowest first
         self._counts: list[int] = []  # bit index -> entries held by that worker
+        # bit index -> ids of the live nodes with that bit (dict of ints to None: gc never walks it)
+        self._held: list[dict[int, None]] = []
         self._where: dict[int, int] = {}  # block hash -> id of its node (ints only: gc never walks it)
         self._by_id: dict[int, _Node] = {}  # node id -> live node
         self._ids = count(1)  # node ids, never reused (a dead node's heap entries stay stale)
@@ -148,8 +156,47 @@ class PrefixIndex:
         """``worker``'s cache was dropped (or is about to be re-synced): forget its entries."""
         slot = self._slot.get(worker)
         if slot is not None and self._counts[slot]:  # NOTE: holding nothing (a first sync): no walk
-            for node in [n for n in self._all_nodes() if n.mask >> slot & 1]:
-                self._lose(node, slot)
+            by_id = self._by_id
+            for nid in list(self._held[slot]):  # NOTE: losing one node never splits or merges another
+                self._lose(by_id[nid], slot)
+
+    def resync_steps(
+        self, worker: str, stored: Sequence[StoredBlocks], slice_runs: int = 128
+    ) -> Iterator[None]:
+        """Replace what the index holds for ``worker`` by its snapshot's runs ``stored``, by
+        difference, yielding after every ``slice_runs`` runs read or applied (the caller runs other
+        work there; it stops iterating if the worker is removed meanwhile). The blocks no run names
+        go in one step (O(the worker's blocks); other workers' nodes are not visited), the others
+        stay, and only the runs that add or confirm a block are applied. Run to the end without
+        other updates between steps, it leaves what ``clear_worker`` followed by ``apply_stored``
+        of every run would (eviction aside): the same blocks per worker, confirmed alike, the same
+        ``match`` answers. The node layout may differ, and what stayed is not touched: it keeps its
+        last use, where clear and apply would make all of it the newest (a re-sync is not a use).
+        Updates between steps land as they would between clear and apply: what the worker gains
+        meanwhile stays."""
+        slot = self._slot.get(worker)
+        missing: set[int] | None = None  # None: apply every run (the worker held nothing)
+        if slot is not None and self._counts[slot]:
+            cap = self.max_entries  # NOTE: apply_stored keeps only a run's first max_entries blocks
+            named: set[int] = set()
+            for start in range(0, len(stored), slice_runs):
+                if start:
+                    yield
+                for run in stored[start : start + slice_runs]:
+                    named.update(run.block_hashes if len(run.block_hashes) <= cap else run.block_hashes[:cap])
+            yield
+            missing = self._drop_unnamed(worker, named)
+        for start in range(0, len(stored), slice_runs):
+            if start:
+                yield
+            # NOTE: a run naming no missing block would change nothing
+            for run in stored[start : start + slice_runs]:
+                if missing is None or not missing.isdisjoint(run.block_hashes):
+                    self.apply_stored(worker, run.parent_hash, run.block_hashes)
+
+    def resync_worker(self, worker: str, stored: Sequence[StoredBlocks]) -> None:
+        """``resync_steps`` in one go."""
+        deque(self.resync_steps(worker, stored), maxlen=0)
 
     @property
     def workers(self) -> list[str]:
@@ -325,11 +372,41 @@ class PrefixIndex:
         """A node with a fresh id."""
         node = _Node(next(self._ids), run, mask, tick, parent, up, confirmed, ticks)
         self._by_id[node.nid] = node
+        held = self._held
+        for slot in _slots(mask):
+            held[slot][node.nid] = None
         return node
 
     def _retire(self, node: _Node) -> None:
-        """``node`` is dead (its blocks are dropped or belong to another node)."""
+        """``node`` is dead (its blocks are dropped or belong to another node); call it while
+        ``node.mask`` still names its holders."""
         del self._by_id[node.nid]
+        held = self._held
+        for slot in _slots(node.mask):
+            del held[slot][node.nid]
+
+    def _drop_unnamed(self, worker: str, named: set[int]) -> set[int] | None:
+        """``worker`` loses its blocks not in ``named``; returns the blocks of ``named`` it does not
+        hold as stored (a stored event named them), or None if it holds nothing."""
+        slot = self._slot.get(worker)
+        if slot is None or not self._counts[slot]:
+            return None
+        bit, by_id = 1 << slot, self._by_id
+        missing = set(named)
+        unnamed: list[int] = []
+        for nid in self._held[slot]:
+            run = by_id[nid].run
+            if by_id[nid].confirmed & bit:
+                before = len(missing)
+                missing.difference_update(run)
+                if before - len(missing) == len(run):  # NOTE: a block lies in one node: all of it is named
+                    continue
+            unnamed.extend(h for h in run if h not in named)
+        if len(unnamed) == self._counts[slot]:
+            self.clear_worker(worker)  # NOTE: nothing stays (a new epoch): no per-block removal
+        elif unnamed:
+            self.apply_removed(worker, unnamed)
+        return missing
 
     def _slot_of(self, worker: str) -> int:
         slot = self._slot.get(worker)
@@ -341,6 +418,7 @@ class PrefixIndex:
                 slot = len(self._names)
                 self._names.append(worker)
                 self._counts.append(0)
+                self._held.append({})
             self._slot[worker] = slot
         return slot
 
@@ -389,6 +467,7 @@ class PrefixIndex:
                 if node.ticks is None:  # NOTE: its holders' last touch is at most its tick
                     node.ticks = dict.fromkeys(_slots(node.mask), node.tick)
                 node.mask |= bit
+                self._held[slot][node.nid] = None
                 self._entries += k
                 self._counts[slot] += k
             elif off + k < len(node.run):  # the chain ends (or leaves) partway: the rest stays untouched
@@ -461,8 +540,8 @@ class PrefixIndex:
                 child.parent = up
             if not up.children:
                 self._push_leaf(up)
-            node.children, node.mask, node.confirmed = {}, 0, 0
             self._retire(node)  # NOTE: dead: the heap skips its id
+            node.children, node.mask, node.confirmed = {}, 0, 0
             node, up = up, up.parent
 
     def _adopt_orphans(self, run: list[int]) -> None:
@@ -549,19 +628,13 @@ class PrefixIndex:
                 node.ticks[slot] = tick
             node, first = node.parent, False
 
-    def _all_nodes(self) -> Iterator[_Node]:
-        stack = [node for runs in self._roots.values() for node in runs.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
     def _lose(self, node: _Node, slot: int) -> None:
         """The worker in ``slot`` no longer holds ``node``'s blocks."""
         if node.mask == 1 << slot:
             self._drop(node)
             return
         node.mask ^= 1 << slot
+        del self._held[slot][node.nid]
         node.confirmed &= ~(1 << slot)
         if node.ticks is not None:
             node.ticks.pop(slot, None)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import gc
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.block_hash import block_hashes
+from router.kv_events import StoredBlocks
 from router.prefix_index import PrefixIndex
 
 
@@ -271,6 +273,8 @@ def _check_invariants(index: PrefixIndex) -> None:
         assert n.ticks is None or (set(n.ticks) <= holders and max(n.ticks.values(), default=0) <= n.tick)
     queued = {nid for _, _, nid in index._leaves}
     assert all(n.nid in queued for n in nodes if not n.children), "a leaf missing from the heap"
+    for slot, held in enumerate(index._held):  # each worker's node ids, against a scan of every node
+        assert set(held) == {n.nid for n in nodes if n.mask >> slot & 1}, f"slot {slot}'s node ids"
 
 
 @settings(max_examples=150, deadline=None)
@@ -447,9 +451,134 @@ def test_per_block_structures_hold_nothing_the_garbage_collector_walks() -> None
         index.insert(f"w{i % 3}", chain([i % 4] * 10 + [i] * 20))
         index.apply_stored(f"w{i % 5}", None, chain([i % 4] * 10 + [i] * 5))
     gc.collect()  # tuples of untracked items are untracked by a collection
-    nodes = list(index._all_nodes())
+    nodes = list(index._by_id.values())
     assert len(nodes) > 10 and index.num_nodes > 300
     assert not gc.is_tracked(index._where)  # ints to ints
+    assert not any(gc.is_tracked(ids) for ids in index._held)  # each worker's node ids: ints to None
     assert all(len(gc.get_referents(node.run)) <= 1 for node in nodes)  # its type, not each hash
     assert not any(gc.is_tracked(entry) for entry in index._leaves)
     _check_invariants(index)
+
+
+def _held_runs(index: PrefixIndex, worker: str) -> list[StoredBlocks]:
+    """What ``worker`` holds, as a snapshot's runs (one per node, its parent's last hash before it)."""
+    slot = index._slot[worker]
+    runs = []
+    for nid in index._held[slot]:
+        node = index._by_id[nid]
+        parent = node.parent.run[-1] if node.parent is not None else node.up
+        runs.append(StoredBlocks(list(node.run), parent, []))  # type: ignore[arg-type]
+    return runs
+
+
+def _state(index: PrefixIndex, hashes: set[int]) -> dict[int, tuple[int, int]]:
+    """Block -> (its holders, those confirmed by a stored event), by worker name (not bit)."""
+
+    def names(mask: int) -> frozenset[str]:
+        return frozenset(index._names[i] for i in range(len(index._names)) if mask >> i & 1)  # type: ignore[misc]
+
+    out = {}
+    for h in hashes:
+        node = index._node_of(h)
+        if node is not None:
+            out[h] = (names(node.mask), names(node.confirmed))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_resync_by_difference_ends_as_clear_and_apply(seed: int) -> None:
+    """Re-syncing a worker from its snapshot by difference (drop what the snapshot does not name,
+    apply only the runs that add or confirm blocks) leaves the index as clearing the worker and applying
+    every run would: the same blocks per worker, confirmed alike, the same matches, and later
+    events land alike."""
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    for _ in range(24):  # prompts sharing prefixes, so nodes are split and shared between workers
+        base = rng.choice(prompts) if prompts and rng.random() < 0.7 else []
+        cut = rng.randrange(len(base) + 1)
+        prompts.append(base[:cut] + [rng.randrange(5) for _ in range(rng.randrange(1, 10))])
+    chains = [chain(p) for p in prompts]
+    every = {h for c in chains for h in c}
+
+    def span() -> tuple[list[int], int, int]:
+        hashes = rng.choice(chains)
+        lo, hi = sorted(rng.sample(range(len(hashes) + 1), 2))
+        return hashes, lo, hi
+
+    def random_ops(n: int, kinds: list[str]) -> list[tuple]:
+        ops = []
+        for _ in range(n):
+            kind = rng.choice(kinds)
+            w = rng.choice(WORKERS)
+            hashes, lo, hi = span()
+            if kind == "insert" or kind == "take_back":
+                ops.append((kind, w, hashes[:hi]))
+            elif kind == "stored":
+                ops.append((kind, w, hashes[lo - 1] if lo else None, hashes[lo:hi]))
+            elif kind == "removed":
+                ops.append((kind, w, hashes[lo:hi]))
+            elif rng.random() < 0.2:
+                ops.append((kind, w))
+        return ops
+
+    def snapshot(index: PrefixIndex, w: str) -> list[StoredBlocks]:
+        """The worker's current runs, some dropped or cut short, plus new runs (some under a parent
+        nobody holds): a snapshot that differs from what the index believes."""
+        runs = []
+        for run in _held_runs(index, w) if rng.random() < 0.8 else []:
+            if rng.random() < 0.15:
+                continue
+            cut = len(run.block_hashes) if rng.random() < 0.8 else rng.randrange(1, len(run.block_hashes) + 1)
+            runs.append(StoredBlocks(run.block_hashes[:cut], run.parent_hash, []))
+        for _ in range(rng.randrange(0, 6)):
+            hashes, lo, hi = span()
+            runs.append(StoredBlocks(hashes[lo:hi], hashes[lo - 1] if lo else None, []))  # type: ignore[arg-type]
+        rng.shuffle(runs)
+        return runs
+
+    def replay(index: PrefixIndex, ops: list[tuple], ticks: list[int]) -> None:
+        for op in ops:
+            kind, w = op[0], op[1]
+            if kind == "insert":
+                ticks.append(index.insert(w, op[2]))
+            elif kind == "take_back" and ticks:
+                index.take_back(w, op[2], ticks[len(op[2]) % len(ticks)])
+            elif kind == "stored":
+                index.apply_stored(w, op[2], op[3])
+            elif kind == "removed":
+                index.apply_removed(w, op[2])
+            elif kind == "clear":
+                index.clear_worker(w)
+
+    cleared, diffed = PrefixIndex(max_entries=100_000), PrefixIndex(max_entries=100_000)  # no eviction
+    ticks_c: list[int] = []
+    ticks_d: list[int] = []
+    kinds = ["insert", "stored", "stored", "removed", "take_back", "clear"]
+    for _ in range(6):
+        ops = random_ops(rng.randrange(5, 40), kinds)
+        replay(cleared, ops, ticks_c)
+        replay(diffed, ops, ticks_d)
+        w = rng.choice(WORKERS)
+        if w not in diffed._slot:
+            continue
+        # NOTE: blocks a re-sync keeps are not touched (clear and apply makes them the newest), and a
+        # take-back reads touches: from here on the two are compared on what does not read them
+        kinds = [k for k in kinds if k != "take_back"]
+        runs = snapshot(diffed, w)
+        cleared.clear_worker(w)
+        for run in runs:
+            cleared.apply_stored(w, run.parent_hash, run.block_hashes)
+        if rng.random() < 0.5:
+            diffed.resync_worker(w, runs)
+        else:  # as the event subscriber does: a slice at a time
+            for _ in diffed.resync_steps(w, runs, slice_runs=2):
+                _check_invariants(diffed)
+        for index in (cleared, diffed):
+            _check_invariants(index)
+        assert _state(diffed, every) == _state(cleared, every)
+        assert all(diffed.worker_entries(x) == cleared.worker_entries(x) for x in WORKERS)
+        assert diffed.num_entries == cleared.num_entries
+        for hashes in chains:
+            assert diffed.match(hashes) == cleared.match(hashes)
+            for k in range(1, len(hashes)):
+                assert diffed.match(hashes[:k]) == cleared.match(hashes[:k])
