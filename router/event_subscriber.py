@@ -33,6 +33,11 @@ _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 _SNAPSHOT_SLICE = 128  # stored runs of a snapshot read or applied between two yields to the event loop
 _READ_SLICE = 32  # Redis entries handled between two yields
 _HELD_BATCHES = 4096  # batches of one worker held while its re-sync runs; past it they are dropped
+# NOTE: a worker whose batches stop arriving (Redis down, a worker publishing nowhere) is re-synced
+# from the seq its health reports; each such re-sync with no batch applied since the last doubles
+# the wait before the next, from 2 s to 30 s: every health interval, each router would pull every
+# worker's whole snapshot (for as long as Redis is down), and each worker would write one for each
+_LOST_RESYNC_S = (2.0, 30.0)
 
 
 def reconnect_delay(attempt: int) -> float:
@@ -63,6 +68,8 @@ class EventSubscriber:
         self._silent: set[str] = set()  # workers warned about: none of their batches came from Redis
         self._first: dict[str, asyncio.Event] = {}  # worker url -> set once its first sync attempt ended
         self._syncing: Counter[str] = Counter()  # worker url -> its snapshot re-syncs under way
+        # worker url -> (when the next re-sync for batches lost may start, the wait before it)
+        self._lost_wait: dict[str, tuple[float, float]] = {}
         self._streaming: set[str] = set()  # http: workers whose event stream is open
         self._redis = None
         self._applying = asyncio.Lock()
@@ -154,6 +161,12 @@ class EventSubscriber:
             return
         told_epoch, told_seq, applied_then = before
         if told_epoch == epoch == cursor.epoch and cursor.seq < told_seq and cursor.seq == applied_then:
+            now = time.monotonic()
+            not_before, wait = self._lost_wait.get(worker.url, (0.0, 0.0))
+            if now < not_before:
+                return  # NOTE: re-synced for lost batches a moment ago, and none arrived since
+            wait = min(_LOST_RESYNC_S[1], max(_LOST_RESYNC_S[0], 2 * wait))
+            self._lost_wait[worker.url] = (now + wait, wait)
             log.info("%s: KV event batches up to seq %d never arrived (the last applied is %d): re-syncing",
                      worker.url, told_seq, cursor.seq)  # fmt: skip
             if self.mode == "redis" and worker.stats.kv_event_batches == 0 and worker.url not in self._silent:
@@ -167,6 +180,7 @@ class EventSubscriber:
         self._first.pop(worker.url, None)
         self._cursors.pop(worker.url, None)
         self._reported.pop(worker.url, None)
+        self._lost_wait.pop(worker.url, None)
         task = self._tasks.pop(worker.url, None)
         if task is not None:
             task.cancel()
@@ -202,6 +216,8 @@ class EventSubscriber:
             return False
         self._apply_batch(worker, batch)
         cursor.seq = batch.seq
+        if self._lost_wait:  # NOTE: its batches arrive again: a later loss is re-synced at once
+            self._lost_wait.pop(worker.url, None)
         self._router.metrics.event_lag.observe(max(0.0, time.time() - batch.ts))
         return True
 

@@ -386,6 +386,50 @@ def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming()
     assert asyncio.run(run()) == (False, True, False)
 
 
+def test_re_syncs_for_lost_batches_back_off_while_none_arrive():
+    """Redis down, or a worker publishing nowhere: each health report shows its seq ahead of the
+    cursor. One re-sync, then none for 2 s, then waits doubling (to 30 s) while no batch arrives;
+    a batch applied again ends the back-off."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.event_subscriber import _Cursor
+    from router.gateway import Router
+    from router.kv_events import KVEventBatch
+
+    async def run() -> list:
+        router = Router(RouterConfig(workers=["http://w:1"], kv_events="http"))
+        events, worker = router.events, router.workers.get("http://w:1")
+        started = []
+
+        def reports(n: int) -> int:
+            """``n`` health reports, each a batch further ahead; how many re-syncs they started."""
+            count = 0
+            for _ in range(n):
+                cursor = events._cursors.setdefault(worker.url, _Cursor("e1", 5))
+                told = events._reported.get(worker.url, ("e1", 5, 5))[1]
+                events.reported_seq(worker, "e1", told + 1)
+                if events._holding(worker):  # NOTE: a re-sync started; say it ended, the cursor where it was
+                    count += 1
+                    events._held.clear()
+                    events._cursors[worker.url] = cursor
+            return count
+
+        started.append(reports(10))
+        started.append(events._lost_wait[worker.url][1])
+        events._lost_wait[worker.url] = (0.0, events._lost_wait[worker.url][1])  # NOTE: its wait is over
+        started.append(reports(10))
+        started.append(events._lost_wait[worker.url][1])
+        seq = events._cursors[worker.url].seq
+        assert events.apply(worker, KVEventBatch(worker.url, "e1", seq + 1, 0.0, 16))
+        started.append(worker.url in events._lost_wait)
+        for task in list(events._resyncs):
+            task.cancel()
+        return started
+
+    assert asyncio.run(run()) == [1, 2.0, 1, 4.0, False]
+
+
 @pytest.mark.redis
 def test_a_worker_removed_and_added_again_before_its_snapshot_came_is_synced(launch):
     """DELETE and POST /workers (or a pod replaced under its name) while the first re-sync of the
