@@ -160,6 +160,12 @@ class EventSubscriber:
         if self.mode == "off" or before is None or cursor is None or self._holding(worker):
             return
         told_epoch, told_seq, applied_then = before
+        if cursor.epoch is not None and told_epoch == epoch != cursor.epoch:
+            # NOTE: a snapshot of its last life, read before it restarted, was applied after its health
+            # told the new epoch (restarted() waited for it); an idle new life shows no gap. Two
+            # reports in a row, so a check answered just before the restart does not count
+            self.restarted(worker, epoch)
+            return
         if told_epoch == epoch == cursor.epoch and cursor.seq < told_seq and cursor.seq == applied_then:
             now = time.monotonic()
             not_before, wait = self._lost_wait.get(worker.url, (0.0, 0.0))

@@ -116,3 +116,52 @@ async def test_a_resync_keeps_what_the_snapshot_still_names_matchable_while_it_r
     )
     assert router.events.synced(worker) and router.events._cursors[url].seq == 41
     assert worker.stats.kv_resyncs == 1
+
+
+async def test_a_snapshot_of_the_last_life_applied_after_the_new_epoch_was_seen_is_re_synced(monkeypatch):
+    """A worker restarts while a re-sync of it fetched its last life's snapshot: its health tells
+    the new epoch while that snapshot waits to be applied (so no second re-sync starts), then it is
+    applied. An idle worker publishes nothing (nor does one whose batches miss Redis), so no gap
+    shows: its health reports, still telling the new epoch, re-sync it, and the blocks of the last
+    life stop matching."""
+    from router.block_hash import block_hashes, root_hash
+    from router.config import RouterConfig
+    from router.gateway import Router
+
+    url = "http://127.0.0.1:42801"
+    router = Router(RouterConfig(workers=[url], kv_events="redis", redis_url="redis://127.0.0.1:42802"))
+    events, worker = router.events, router.workers.get(url)
+    old = block_hashes(list(range(16)), 4)
+    root = root_hash("")
+    old_life = encode(KVEventBatch(worker=url, epoch="e1", seq=9, ts=0.0, block_size=4,
+                                   stored=[StoredBlocks(old, root, list(range(16)))]))  # fmt: skip
+    new_life = encode(KVEventBatch(worker=url, epoch="e2", seq=0, ts=0.0, block_size=4, stored=[]))
+    snapshots = [old_life, new_life]
+    release = asyncio.Event()
+
+    async def fetch_and_apply(w):  # the snapshot fetch, without a worker to ask
+        raw = snapshots.pop(0)
+        if raw is old_life:
+            await release.wait()  # read before the restart, applied after it
+        return await events._apply_snapshot(w, raw)
+
+    monkeypatch.setattr(events, "_resync", fetch_and_apply)
+    worker.epoch = "e1"
+    events.resync_soon(worker)
+    await asyncio.sleep(0)
+    events.restarted(worker, "e2")  # the health check's new epoch, while that re-sync runs
+    worker.epoch = "e2"
+    release.set()
+    for _ in range(50):
+        if not events._resyncs:
+            break
+        await asyncio.sleep(0)
+    assert router.index.match(old) == {url: 4}  # the last life's cache, as the snapshot said
+    for _ in range(3):  # health checks: the idle new life publishes nothing (seq 0)
+        events.reported_seq(worker, "e2", 0)
+        for _ in range(50):
+            if not events._resyncs:
+                break
+            await asyncio.sleep(0)
+    assert router.index.match(old) == {}, "the index still holds the last life's cache"
+    assert events._cursors[url].epoch == "e2"
