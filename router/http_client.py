@@ -442,9 +442,10 @@ class HTTPClient:
     def abandon_heads(self, base_url: str, why: str) -> int:
         """Give up on every request to ``base_url`` still waiting for its response head (a server
         that stopped answering): each raises Abandoned(``why``) and its connection is closed.
-        Returns how many there were."""
+        Returns how many there were. NOTE: a head that arrived in this loop turn (its request's
+        task not yet resumed) is kept: the server answered that one."""
         found = self._pools.get(base_url)
-        waiting = list(found[0].heads) if found is not None else []
+        waiting = [c for c in found[0].heads if not c._head_done] if found is not None else []
         for conn in waiting:
             conn._fail(Abandoned(why))
         return len(waiting)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from router.http_client import ConnectFailed, ConnectionBroken, HTTPClient, ResponseTimeout
+from router.http_client import Abandoned, ConnectFailed, ConnectionBroken, HTTPClient, ResponseTimeout
 from tests.support import free_port
 
 pytestmark = pytest.mark.asyncio
@@ -481,3 +481,36 @@ async def test_out_of_file_descriptors_is_the_clients_own_failure_not_a_connect_
     done = await asyncio.to_thread(subprocess.run, [sys.executable, str(script)], capture_output=True, text=True,
                                    timeout=60, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": root})  # fmt: skip
     assert done.stdout.startswith("out of resources"), done.stdout + done.stderr
+
+
+async def test_abandoning_heads_gives_up_on_silent_requests_and_keeps_a_head_already_arrived():
+    """abandon_heads fails the requests still without a response head (their connections closed,
+    never pooled again), but a request whose head arrived in the same loop turn (its task not yet
+    resumed) keeps its answer: the server did answer it."""
+    answered = asyncio.Event()
+
+    async def silent(reader, writer):
+        await _read_request(reader)
+        await answered.wait()
+
+    async with raw_server(silent) as (url, _):
+        client = HTTPClient(read_timeout=30, total_timeout=30)
+        try:
+            waiting = [asyncio.create_task(client.post(url, "/x", b"{}")) for _ in range(2)]
+            pool = client._pool(url)[0]
+            while len(pool.heads) < 2:
+                await asyncio.sleep(0.01)
+            done, hung = list(pool.heads)
+            # the answer's bytes arrive, and the health check gives up, in the same loop turn
+            done.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            assert client.abandon_heads(url, "no answer") == 1
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            (resp,) = [r for r in results if not isinstance(r, Exception)]
+            (error,) = [r for r in results if isinstance(r, Exception)]
+            assert (resp.status, await resp.read()) == (200, b"ok")
+            resp.close()
+            assert isinstance(error, Abandoned) and hung.closed
+            assert not pool.heads
+        finally:
+            answered.set()
+            client.close()
