@@ -40,6 +40,7 @@ class HealthChecker:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task | None = None
         self._unanswered: dict[str, int] = {}  # worker url -> its checks in a row that timed out
+        router.workers.on_removed.append(lambda worker: self._unanswered.pop(worker.url, None))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
