@@ -28,17 +28,25 @@ def fewest_tokens(text: str, max_token_bytes: int | None) -> int:
     return -(-size // max_token_bytes)
 
 
-def hf_max_token_bytes(tokenizer: Any) -> int | None:
+def tokenizer_spec(tokenizer: Any) -> dict | None:
+    """A ``tokenizers.Tokenizer``'s settings as its tokenizer.json holds them (None: unreadable)."""
+    try:
+        spec = json.loads(tokenizer.to_str())
+    except (ValueError, TypeError):
+        return None
+    return spec if isinstance(spec, dict) else None
+
+
+def hf_max_token_bytes(tokenizer: Any, spec: dict | None = None) -> int | None:
     """The most bytes of text one token of a ``tokenizers.Tokenizer`` stands for: its longest piece
     (added tokens too) in UTF-8, which is at least the bytes it covers (a byte-level piece's character
     is one byte of text, "▁" one space, "<0x41>" one byte). None unless every byte of the text ends up
     in some token: no normalizer or pre-tokenizer that can drop or shorten text, a BPE or Unigram
     model that spells any text (byte-level alphabet or byte fallback: no unknown token that may
     stand for a run of any length), no added token that swallows the spaces beside it, and no
-    truncation."""
-    try:
-        spec = json.loads(tokenizer.to_str())
-    except (ValueError, TypeError):
+    truncation. ``spec``: its ``tokenizer_spec``, where already read."""
+    spec = spec if spec is not None else tokenizer_spec(tokenizer)
+    if spec is None:
         return None
     added = spec.get("added_tokens") or []
     if spec.get("truncation") or any(a.get("lstrip") or a.get("rstrip") for a in added):

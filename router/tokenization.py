@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from router.chat_tools import call_arguments, check_tool_calls, compact_json, normalize_tools
-from router.token_bounds import hf_max_token_bytes
+from router.token_bounds import hf_max_token_bytes, tokenizer_spec
 
 _REPLACEMENT = "\ufffd"
 # HF's marker for ``continue_final_message``: appended to the last message's content, and the
@@ -353,9 +353,16 @@ class PrefixIds:
 
     PIECE_CHARS = 1024  # the shortest piece a boundary ends (a piece costs ~300 bytes beside its ids)
 
-    def __init__(self, tokenizer: Any, templates: Sequence[str] = (), max_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        templates: Sequence[str] = (),
+        max_bytes: int = 64 << 20,
+        spec: dict | None = None,
+    ) -> None:
+        """``spec``: the tokenizer's ``tokenizer_spec``, where already read."""
         self.max_bytes = max_bytes
-        self.cut_tokens = _exact_cut_tokens(tokenizer, templates)
+        self.cut_tokens = _exact_cut_tokens(tokenizer, templates, spec)
         self._pieces: OrderedDict[bytes, tuple[bytes, array]] = OrderedDict()  # key -> (parent, ids)
         self._bytes = 0
         self._lock = threading.Lock()
@@ -486,13 +493,12 @@ def _find_all(text: str, token: str) -> Iterator[int]:
         i = text.find(token, i + len(token))
 
 
-def _exact_cut_tokens(tokenizer: Any, templates: Sequence[str]) -> list[str]:
+def _exact_cut_tokens(tokenizer: Any, templates: Sequence[str], spec: dict | None = None) -> list[str]:
     """The added tokens a prompt may be cut after (PrefixIds): of those the chat ``templates`` write
     (any subset is exact; a vocabulary may hold hundreds of reserved ones, each a scan of every
     prompt), none where the tokenizer's settings would make a cut inexact."""
-    try:
-        spec = json.loads(tokenizer.to_str())
-    except (ValueError, TypeError):
+    spec = spec if spec is not None else tokenizer_spec(tokenizer)
+    if spec is None:
         return []
     pre = json.dumps(spec.get("pre_tokenizer"))
     if spec.get("truncation") or spec.get("padding") or ("Metaspace" in pre and '"first"' in pre):
@@ -556,8 +562,9 @@ class HFTokenizer:
             json.dumps([self._add_bos, self.special_tokens, self.chat_templates], sort_keys=True).encode()
         )
         self.name = f"hf:{digest.hexdigest()[:16]}"
-        self.prefix_ids = PrefixIds(self._tok, list(self.chat_templates.values()))
-        self.max_token_bytes = hf_max_token_bytes(self._tok)
+        spec = tokenizer_spec(self._tok)  # NOTE: serialized and parsed once, for both
+        self.prefix_ids = PrefixIds(self._tok, list(self.chat_templates.values()), spec=spec)
+        self.max_token_bytes = hf_max_token_bytes(self._tok, spec)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
