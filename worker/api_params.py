@@ -4,7 +4,6 @@ here touches the engine."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -350,7 +349,11 @@ def _fitting_ids(
                 "context)",
                 "context_length_exceeded",
             )
-    ids = encode(text)
+    return _keep_last(encode(text), keep)
+
+
+def _keep_last(ids: list[int], keep: int | None) -> tuple[list[int], bool]:
+    """``ids`` cut to their last ``keep`` (None: not cut), and whether they were cut."""
     if keep is not None and len(ids) > keep:
         return ids[len(ids) - keep :], True
     return ids, False
@@ -380,17 +383,16 @@ async def chat_ids(
     """``messages`` (and ``tools``) rendered by the chat template and tokenized, with the body's
     ``add_generation_prompt`` / ``continue_final_message`` (a bad conversation: 400); cut to the last
     ``keep`` tokens. With ``context`` (tokens), a rendered prompt surely past it is refused untokenized."""
+
+    def encode() -> list[int]:
+        text = tokenizer.render_chat(messages, tools, **options)
+        if context is None:
+            return tokenizer.encode_chat_text(text)
+        return _fitting_ids(text, tokenizer, context, keep, tokenizer.encode_chat_text)[0]
+
     try:
         options = chat_options(body or {})
-        if context is None:
-            return await run_in_threadpool(
-                functools.partial(tokenizer.encode_chat, messages, tools, **options)
-            )
-        text = await run_in_threadpool(functools.partial(tokenizer.render_chat, messages, tools, **options))
-        ids, _ = await run_in_threadpool(
-            _fitting_ids, text, tokenizer, context, keep, tokenizer.encode_chat_text
-        )
-        return ids
+        return await run_in_threadpool(encode)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 
@@ -409,7 +411,5 @@ async def _one_prompt(
             raise APIError(400, "the prompt is empty")
         if any(not 0 <= t < vocab_size for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab_size})")
-        if keep is not None and len(prompt) > keep:
-            return prompt[len(prompt) - keep :], True
-        return prompt, False
+        return _keep_last(prompt, keep)
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a list of either")
