@@ -98,8 +98,7 @@ class HealthChecker:
         except (aiohttp.ClientError, OSError):
             ok, body = False, None
         if worker not in self._router.workers:
-            self._unanswered.pop(worker.url, None)
-            return  # removed while we were asking
+            return  # removed while we were asking (its count went with it)
         if timed_out:
             self._stalled(worker)
         else:
