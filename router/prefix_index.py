@@ -39,7 +39,7 @@ else bisect. ``insert`` touches the same nodes plus one dict write per *new* blo
 ~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~310 per node; another
 worker on a node costs one bit and one id in its ``_held``, and a node two or more workers hold keeps a
 small dict of their ticks. ``remove_worker``/``clear_worker`` visit that worker's nodes only.
-Re-sync: ``resync_steps`` (in slices; ``resync_worker`` in one go) ends as ``clear_worker`` then
+Re-sync: ``resync_steps`` (in slices) ends as ``clear_worker`` then
 ``apply_stored`` of every run would (same entries, same matches), but drops only the blocks the
 snapshot no longer names and applies only the runs that add or confirm blocks.
 """
@@ -172,8 +172,10 @@ class PrefixIndex:
         of every run would (eviction aside): the same blocks per worker, confirmed alike, the same
         ``match`` answers. The node layout may differ, and what stayed is not touched: it keeps its
         last use, where clear and apply would make all of it the newest (a re-sync is not a use).
-        Updates between steps land as they would between clear and apply: what the worker gains
-        meanwhile stays."""
+        Updates between the apply steps land as they would between clear and apply: what the
+        worker gains meanwhile stays. Blocks an insert gives it while the snapshot is still being
+        read (before the drop) go with the drop unless a run names them (the worker's stored event,
+        replayed after the re-sync, brings them back)."""
         slot = self._slot.get(worker)
         missing: set[int] | None = None  # None: apply every run (the worker held nothing)
         if slot is not None and self._counts[slot]:
@@ -193,10 +195,6 @@ class PrefixIndex:
             for run in stored[start : start + slice_runs]:
                 if missing is None or not missing.isdisjoint(run.block_hashes):
                     self.apply_stored(worker, run.parent_hash, run.block_hashes)
-
-    def resync_worker(self, worker: str, stored: Sequence[StoredBlocks]) -> None:
-        """``resync_steps`` in one go."""
-        deque(self.resync_steps(worker, stored), maxlen=0)
 
     @property
     def workers(self) -> list[str]:
