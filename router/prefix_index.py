@@ -4,14 +4,15 @@ One walk over a prompt's block hashes matches every worker at once; memory is bo
 global budget of (block, worker) entries. It never raises on odd events and never does I/O.
 
 Layout: a radix tree with compressed edges over chained block hashes (a hash names its prefix).
-A ``_Node`` holds a run of consecutive hashes held by the same workers (``mask``: bit i = slot i),
-children keyed by first hash, ``tick`` (last update touching it or a descendant), ``ticks``
-(once a second worker holds it: each holder's last update through it) and ``confirmed`` (the
-holders whose stored event named the run; an insert's blocks are only predicted, and never
-extend a confirmed run in place). ``_where[h]`` is the id of the node holding block ``h``
-(``_by_id[id]``), written for new blocks, on splits and when a stored child joins its
-parent's run. ``_held[slot]`` holds the ids of the live nodes whose mask has that slot's bit,
-so a worker's nodes are found without walking the others'.
+A node is an int id; its fields live in dicts keyed by the ids of live nodes: ``_run`` (a tuple
+of consecutive hashes held by the same workers), ``_mask`` (bit i = slot i), ``_kids`` (children
+keyed by first hash), ``_parent`` (or ``_up``, the hash before a parentless run), ``_touched``
+(the tick of the last update touching it or a descendant), ``_ticks`` (once a second worker holds
+it: each holder's last update through it) and ``_confirmed`` (the holders whose stored event named
+the run; an insert's blocks are only predicted, and never extend a confirmed run in place).
+``_where[h]`` is the id of the node holding block ``h``, written for new blocks, on splits and
+when a stored child joins its parent's run. ``_held[slot]`` holds the ids of the live nodes whose
+mask has that slot's bit, so a worker's nodes are found without walking the others'.
 ``_roots[parent_hash]`` holds parentless nodes: None (or a namespace root hash) starts a prompt;
 other keys are parents this index does not hold (orphan runs). ``_leaves``: heap of leaves, lazy.
 
@@ -29,14 +30,14 @@ index is under budget (it may free up to workers-on-the-block - 1 entries more t
 Leaves go before ancestors, so it never opens a hole. Eviction reads the node's tick; a take-back
 reads its worker's (another worker's request for the same prompt does not keep it).
 
-Garbage collection: runs are ``array('Q')`` (hashes are unsigned 64-bit), ``_where`` maps hashes
-to int node ids and ``_leaves`` queues ids, so no per-block structure holds an object the collector
-tracks: a full collection walks the nodes, not the blocks (docs/benchmarks/route-decision.md:
-2M blocks in long runs, 55 -> 1.5 ms a collection).
+Garbage collection: nodes are ids, not objects, and runs are tuples of ints, which the collector
+stops tracking once a young collection has seen them, so a full collection walks neither blocks nor
+nodes, only a few dicts and the leaf heap (docs/benchmarks/route-decision.md).
 
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
-~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~310 per node; another
+~0.3 us each on large indexes); a run that grows, splits or loses its tail is copied (tuples are
+immutable: O(run), ~1 us per 1,000 blocks). Memory: ~60 bytes per distinct block plus ~310 per node; another
 worker on a node costs one bit and one id in its ``_held``, and a node two or more workers hold keeps a
 small dict of their ticks. ``remove_worker``/``clear_worker`` visit that worker's nodes only.
 Re-sync: ``resync_steps`` (in slices) ends as ``clear_worker`` then
@@ -47,7 +48,6 @@ snapshot no longer names and applies only the runs that add or confirm blocks.
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import count, repeat
@@ -55,26 +55,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from router.kv_events import StoredBlocks
-
-
-class _Node:
-    __slots__ = ("children", "confirmed", "mask", "nid", "parent", "run", "tick", "ticks", "up")
-
-    def __init__(
-        self, nid: int, run: array, mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0,
-        ticks: dict[int, int] | None = None,
-    ) -> None:  # fmt: skip
-        self.nid = nid  # its id in ``PrefixIndex._where`` / ``_by_id``
-        self.run = run  # consecutive block hashes ('Q'), oldest first; never empty while live
-        self.mask = mask  # workers holding every block of the run; 0 = dropped
-        self.confirmed = confirmed  # the workers in ``mask`` whose stored event named these blocks
-        self.tick = tick
-        # slot -> the tick of that worker's last insert / stored event through the node, kept from
-        # the moment a second worker holds it (None: ``tick`` is its sole holder's, or later)
-        self.ticks = ticks
-        self.parent = parent
-        self.children: dict[int, _Node] = {}  # first hash of the child's run -> child
-        self.up = up  # the hash before the run, kept only while parent is None
 
 
 def _slots(mask: int) -> Iterator[int]:
@@ -125,12 +105,21 @@ class PrefixIndex:
         self._names: list[str | None] = []  # bit index -> worker (None = free slot)
         self._free: list[int] = []  # min-heap of free bit indexes, reused lowest first
         self._counts: list[int] = []  # bit index -> entries held by that worker
-        # bit index -> ids of the live nodes with that bit (dict of ints to None: gc never walks it)
-        self._held: list[dict[int, None]] = []
-        self._where: dict[int, int] = {}  # block hash -> id of its node (ints only: gc never walks it)
-        self._by_id: dict[int, _Node] = {}  # node id -> live node
+        self._held: list[dict[int, None]] = []  # bit index -> ids of the live nodes with that bit
+        self._where: dict[int, int] = {}  # block hash -> id of its node
+        # A node is its id; its fields live in these maps, keyed by the ids of live nodes.
+        self._run: dict[int, tuple[int, ...]] = {}  # consecutive block hashes, oldest first; never empty
+        self._mask: dict[int, int] = {}  # workers holding every block of the run (non-zero)
+        self._confirmed: dict[int, int] = {}  # the workers in the mask whose stored event named the run
+        self._touched: dict[int, int] = {}  # the node's tick
+        # from the moment a second worker holds a node: slot -> the tick of that worker's last
+        # insert / stored event through it (absent: the tick is its sole holder's, or later)
+        self._ticks: dict[int, dict[int, int]] = {}
+        self._parent: dict[int, int] = {}  # child -> parent, for nodes that have one
+        self._up: dict[int, int | None] = {}  # parentless node -> the hash before its run
+        self._kids: dict[int, dict[int, int]] = {}  # node -> first hash of a child's run -> child
         self._ids = count(1)  # node ids, never reused (a dead node's heap entries stay stale)
-        self._roots: dict[int | None, dict[int, _Node]] = {}  # parent hash -> first hash -> node
+        self._roots: dict[int | None, dict[int, int]] = {}  # parent hash -> first hash -> node
         self._leaves: list[tuple[int, int, int]] = []  # heap of (tick, seq, leaf's id), lazy
         self._seq = count()
         self._tick = 0  # bumped once per insert / stored event
@@ -156,9 +145,8 @@ class PrefixIndex:
         """``worker``'s cache was dropped (or is about to be re-synced): forget its entries."""
         slot = self._slot.get(worker)
         if slot is not None and self._counts[slot]:  # NOTE: holding nothing (a first sync): no walk
-            by_id = self._by_id
             for nid in list(self._held[slot]):  # NOTE: losing one node never splits or merges another
-                self._lose(by_id[nid], slot)
+                self._lose(nid, slot)
 
     def resync_steps(
         self, worker: str, stored: Sequence[StoredBlocks], slice_runs: int = 128
@@ -209,20 +197,20 @@ class PrefixIndex:
         masks so far, so it only loses bits; a worker's match ends where its bit drops out.
         """
         out: dict[str, int] = {}
-        where, by_id, n = self._where, self._by_id, len(block_hashes)
+        where, runs, masks, n = self._where, self._run, self._mask, len(block_hashes)
         i = live = 0
         while i < n:
-            node = by_id.get(where.get(block_hashes[i]))  # type: ignore[arg-type]
-            if node is None or node.run[0] != block_hashes[i]:
+            nid = where.get(block_hashes[i])
+            if nid is None or (run := runs[nid])[0] != block_hashes[i]:
                 break
-            mask = node.mask & live if i else node.mask
+            mask = masks[nid] & live if i else masks[nid]
             if mask != live and i:
                 self._name_bits(out, live & ~mask, i)
             if not (live := mask):
                 break
-            k = _agree(block_hashes, i, node.run, 0)
+            k = _agree(block_hashes, i, run, 0)
             i += k
-            if k < len(node.run):
+            if k < len(run):
                 break  # the query leaves this run partway: nothing below it can match
         if i and live:
             self._name_bits(out, live, i)
@@ -272,11 +260,12 @@ class PrefixIndex:
         bit = 1 << slot if slot >= 0 else 0
         untouched = []
         for h in block_hashes:
-            node = self._node_of(h)
-            if node is None or not node.mask & bit:
+            nid = self._where.get(h)
+            if nid is None or not self._mask[nid] & bit:
                 continue
-            own = node.tick if node.ticks is None else node.ticks.get(slot, node.tick)
-            if own != tick or node.confirmed & bit:
+            ticks = self._ticks.get(nid)
+            own = self._touched[nid] if ticks is None else ticks.get(slot, self._touched[nid])
+            if own != tick or self._confirmed[nid] & bit:
                 untouched.clear()  # NOTE: it stays, so nothing before it may go
             else:
                 untouched.append(h)
@@ -292,10 +281,11 @@ class PrefixIndex:
             return
         slot = self._slot_of(worker)
         self._tick += 1
-        at = None if parent_hash is None else self._node_of(parent_hash)
+        at = None if parent_hash is None else self._where.get(parent_hash)
         end = 0
         if at is not None:
-            end = len(at.run) if at.run[-1] == parent_hash else at.run.index(parent_hash) + 1
+            run = self._run[at]
+            end = len(run) if run[-1] == parent_hash else run.index(parent_hash) + 1
         hashes = list(block_hashes[: self.max_entries])
         # NOTE: touching the run's ancestors keeps them more recent than its leaves.
         # NOTE: the chain above the run is the worker's too: its touch there keeps it from a take-back
@@ -321,14 +311,14 @@ class PrefixIndex:
         if slot is None:
             return
         bit = 1 << slot
-        gone: dict[_Node, set[int]] = {}
+        gone: dict[int, set[int]] = {}
         for h in block_hashes:
-            node = self._node_of(h)
-            if node is not None and node.mask & bit:
-                gone.setdefault(node, set()).add(h)
-        for node, hashes in gone.items():
+            nid = self._where.get(h)
+            if nid is not None and self._mask[nid] & bit:
+                gone.setdefault(nid, set()).add(h)
+        for nid, hashes in gone.items():
             spans: list[list[int]] = []  # [start, end) offsets of removed stretches
-            run, k = node.run, len(hashes)
+            run, k = self._run[nid], len(hashes)
             # NOTE: a run's hashes are distinct, so when its last k are all removed they are the k removed
             # (a worker evicts leaves: the common case); else the whole run is scanned
             if hashes.issuperset(run[len(run) - k :]):
@@ -342,9 +332,9 @@ class PrefixIndex:
                     spans[-1][1] = i + 1
                 else:
                     spans.append([i, i + 1])
-            cur: _Node = node
+            cur = nid
             for start, end in reversed(spans):  # right to left: earlier offsets stay valid
-                if end < len(cur.run):
+                if end < len(self._run[cur]):
                     cur = self._split(cur, end)[0]
                 if start:
                     cur, piece = self._split(cur, start)
@@ -357,31 +347,36 @@ class PrefixIndex:
     @property
     def _nodes(self) -> int:
         """Live nodes."""
-        return len(self._by_id)
-
-    def _node_of(self, h: int) -> _Node | None:
-        """The live node holding block ``h``, if any."""
-        return self._by_id.get(self._where.get(h))  # type: ignore[arg-type]
+        return len(self._run)
 
     def _new_node(
-        self, run: array, mask: int, tick: int, parent: _Node | None, up: int | None, confirmed: int = 0,
+        self, run: tuple[int, ...], mask: int, tick: int, parent: int | None, up: int | None, confirmed: int = 0,
         ticks: dict[int, int] | None = None,
-    ) -> _Node:  # fmt: skip
-        """A node with a fresh id."""
-        node = _Node(next(self._ids), run, mask, tick, parent, up, confirmed, ticks)
-        self._by_id[node.nid] = node
+    ) -> int:  # fmt: skip
+        """A live node with a fresh id (no children yet; the caller links it to its siblings)."""
+        nid = next(self._ids)
+        self._run[nid], self._mask[nid], self._confirmed[nid], self._touched[nid] = run, mask, confirmed, tick
+        self._kids[nid] = {}
+        if ticks is not None:
+            self._ticks[nid] = ticks
+        if parent is not None:
+            self._parent[nid] = parent
+        else:
+            self._up[nid] = up
         held = self._held
         for slot in _slots(mask):
-            held[slot][node.nid] = None
-        return node
+            held[slot][nid] = None
+        return nid
 
-    def _retire(self, node: _Node) -> None:
-        """``node`` is dead (its blocks are dropped or belong to another node); call it while
-        ``node.mask`` still names its holders."""
-        del self._by_id[node.nid]
+    def _retire(self, nid: int) -> None:
+        """``nid`` is dead (its blocks are dropped or belong to another node): its fields go."""
         held = self._held
-        for slot in _slots(node.mask):
-            del held[slot][node.nid]
+        for slot in _slots(self._mask.pop(nid)):
+            del held[slot][nid]
+        del self._run[nid], self._confirmed[nid], self._touched[nid], self._kids[nid]
+        self._ticks.pop(nid, None)
+        self._parent.pop(nid, None)
+        self._up.pop(nid, None)
 
     def _drop_unnamed(self, worker: str, named: set[int]) -> set[int] | None:
         """``worker`` loses its blocks not in ``named``; returns the blocks of ``named`` it does not
@@ -389,12 +384,12 @@ class PrefixIndex:
         slot = self._slot.get(worker)
         if slot is None or not self._counts[slot]:
             return None
-        bit, by_id = 1 << slot, self._by_id
+        bit, runs, confirmed = 1 << slot, self._run, self._confirmed
         missing = set(named)
         unnamed: list[int] = []
         for nid in self._held[slot]:
-            run = by_id[nid].run
-            if by_id[nid].confirmed & bit:
+            run = runs[nid]
+            if confirmed[nid] & bit:
                 before = len(missing)
                 missing.difference_update(run)
                 if before - len(missing) == len(run):  # NOTE: a block lies in one node: all of it is named
@@ -436,65 +431,69 @@ class PrefixIndex:
             mask ^= low
 
     def _hold(
-        self, slot: int, at: _Node | None, end: int, up: int | None, hashes: list[int], stored: bool
-    ) -> _Node:
+        self, slot: int, at: int | None, end: int, up: int | None, hashes: list[int], stored: bool
+    ) -> int:
         """Set ``slot``'s bit on the chain ``hashes``, which follows block ``end - 1`` of node
         ``at`` (None: a parentless run after hash ``up``), and its confirmed bit if ``stored`` (a
         worker event). Touches and returns the last node."""
-        bit, where, by_id = 1 << slot, self._where, self._by_id
+        bit, where, runs, masks = 1 << slot, self._where, self._run, self._mask
         i, n = 0, len(hashes)
         while i < n:
-            node = by_id.get(where.get(hashes[i]))  # type: ignore[arg-type]
-            if node is None:  # new blocks from here: one new run (or the extension of ``at``)
-                if at is not None and end < len(at.run):
+            nid = where.get(hashes[i])
+            if nid is None:  # new blocks from here: one new run (or the extension of ``at``)
+                if at is not None and end < len(runs[at]):
                     at = self._split(at, end)[0]
-                added = self._new_run(bit, at, up, hashes[i:], stored)
-                i += added
-                at = by_id[where[hashes[i - 1]]]
-                end = len(at.run)
+                i += self._new_run(bit, at, up, hashes[i:], stored)
+                at = where[hashes[i - 1]]
+                end = len(runs[at])
                 continue
-            run = node.run
+            run = runs[nid]
             off = 0 if run[0] == hashes[i] else run.index(hashes[i])
             k = _agree(hashes, i, run, off)
-            if not node.mask & bit:  # the worker gains these k blocks: they get their own node
+            if not masks[nid] & bit:  # the worker gains these k blocks: they get their own node
                 if off:
-                    node = self._split(node, off)[1]
+                    nid = self._split(nid, off)[1]
                     off = 0
-                if k < len(node.run):
-                    node = self._split(node, k)[0]
-                if node.ticks is None:  # NOTE: its holders' last touch is at most its tick
-                    node.ticks = dict.fromkeys(_slots(node.mask), node.tick)
-                node.mask |= bit
-                self._held[slot][node.nid] = None
+                if k < len(runs[nid]):
+                    nid = self._split(nid, k)[0]
+                if nid not in self._ticks:  # NOTE: its holders' last touch is at most its tick
+                    self._ticks[nid] = dict.fromkeys(_slots(masks[nid]), self._touched[nid])
+                masks[nid] |= bit
+                self._held[slot][nid] = None
                 self._entries += k
                 self._counts[slot] += k
-            elif off + k < len(node.run):  # the chain ends (or leaves) partway: the rest stays untouched
-                node = self._split(node, off + k)[0]
+            elif off + k < len(run):  # the chain ends (or leaves) partway: the rest stays untouched
+                nid = self._split(nid, off + k)[0]
             if stored:  # NOTE: a run that starts inside the node confirms its prefix there too
-                node.confirmed |= bit
-            self._touch_up(node, slot)  # NOTE: bogus chains may jump between branches
-            at, end = node, off + k
+                self._confirmed[nid] |= bit
+            self._touch_up(nid, slot)  # NOTE: bogus chains may jump between branches
+            at, end = nid, off + k
             i += k
         return at  # type: ignore[return-value]
 
-    def _new_run(self, bit: int, at: _Node | None, up: int | None, run: list[int], stored: bool) -> int:
+    def _new_run(self, bit: int, at: int | None, up: int | None, run: list[int], stored: bool) -> int:
         """Store blocks new to the index as one run after ``at``; returns how many were new (a
         chain that meets known blocks or repeats a hash is cut there)."""
         where, tick = self._where, self._tick
-        # NOTE: a sole holder's leaf grows in place, so a long conversation stays one node.
-        extend = at is not None and not at.children and at.mask == bit and bool(at.confirmed) == stored
+        # NOTE: a sole holder's leaf grows (a longer tuple), so a long conversation stays one node.
+        extend = (
+            at is not None
+            and not self._kids[at]
+            and self._mask[at] == bit
+            and bool(self._confirmed[at]) == stored
+        )
         owner = (
             at
             if at is not None and extend
-            else self._new_node(array("Q"), bit, tick, at, None if at else up, bit if stored else 0)
+            else self._new_node((), bit, tick, at, None if at is not None else up, bit if stored else 0)
         )
         before = len(where)
-        deque(map(where.setdefault, run, repeat(owner.nid)), maxlen=0)
+        deque(map(where.setdefault, run, repeat(owner)), maxlen=0)
         if len(where) - before != len(run):
             run = self._keep_new(run, owner)
-        owner.run.extend(run)
+        self._run[owner] += tuple(run)
         if not extend:
-            siblings = at.children if at is not None else self._roots.setdefault(up, {})
+            siblings = self._kids[at] if at is not None else self._roots.setdefault(up, {})
             siblings[run[0]] = owner
             self._push_leaf(owner)
         self._entries += len(run)
@@ -503,44 +502,48 @@ class PrefixIndex:
         self._adopt_orphans(run)
         return len(run)
 
-    def _keep_new(self, run: list[int], owner: _Node) -> list[int]:
+    def _keep_new(self, run: list[int], owner: int) -> list[int]:
         """Slow path of ``_new_run``: keep the leading blocks that were really new."""
-        where, held, seen, nid = self._where, set(owner.run), set(), owner.nid
+        where, held, seen = self._where, set(self._run[owner]), set()
         keep = 0
         for h in run:
-            if h in seen or h in held or where[h] != nid:
+            if h in seen or h in held or where[h] != owner:
                 break
             seen.add(h)
             keep += 1
         for h in run[keep:]:
-            if h not in seen and h not in held and where.get(h) == nid:
+            if h not in seen and h not in held and where.get(h) == owner:
                 del where[h]
         return run[:keep]
 
-    def _merge_up(self, node: _Node) -> None:
-        """Join ``node`` to its parent's run while nothing tells them apart any more: the parent's
+    def _merge_up(self, nid: int) -> None:
+        """Join ``nid`` to its parent's run while nothing tells them apart any more: the parent's
         only child, the same holders, each confirmed alike. A worker's next turn is inserted as a
         child of its stored conversation (unconfirmed blocks must not extend a confirmed run);
         once stored, it joins it again, so a long conversation stays one node."""
-        up = node.parent
+        masks, confirmed, kids = self._mask, self._confirmed, self._kids
+        up = self._parent.get(nid)
         while (
             up is not None
-            and len(up.children) == 1
-            and (up.mask, up.confirmed) == (node.mask, node.confirmed)
+            and len(kids[up]) == 1
+            and (masks[up], confirmed[up]) == (masks[nid], confirmed[nid])
         ):
-            up.run.extend(node.run)
-            if up.ticks is not None or node.ticks is not None:  # NOTE: the later touch of either, in doubt
-                up.ticks = {s: max((up.ticks or {}).get(s, up.tick), (node.ticks or {}).get(s, node.tick))
-                            for s in _slots(up.mask)}  # fmt: skip
-            self._where.update(zip(node.run, repeat(up.nid)))
-            up.children = node.children
-            for child in up.children.values():
-                child.parent = up
-            if not up.children:
+            run = self._run[nid]
+            self._run[up] += run
+            above, below = self._ticks.get(up), self._ticks.get(nid)
+            if above is not None or below is not None:  # NOTE: the later touch of either, in doubt
+                self._ticks[up] = {
+                    s: max((above or {}).get(s, self._touched[up]), (below or {}).get(s, self._touched[nid]))
+                    for s in _slots(masks[up])
+                }
+            self._where.update(zip(run, repeat(up)))
+            kids[up] = kids[nid]
+            for child in kids[up]:
+                self._parent[kids[up][child]] = up
+            if not kids[up]:
                 self._push_leaf(up)
-            self._retire(node)  # NOTE: dead: the heap skips its id
-            node.children, node.mask, node.confirmed = {}, 0, 0
-            node, up = up, up.parent
+            self._retire(nid)  # NOTE: dead: the heap skips its id
+            nid, up = up, self._parent.get(up)
 
     def _adopt_orphans(self, run: list[int]) -> None:
         """Parentless runs waiting under a hash of ``run`` become children of its node."""
@@ -550,120 +553,128 @@ class PrefixIndex:
         else:
             ups = [h for h in run if h in roots]
         for up in ups:
-            node = self._by_id[where[up]]
-            pos = node.run.index(up) + 1
-            if pos < len(node.run):
-                node = self._split(node, pos)[0]
-            top = node
-            while top.parent is not None:
-                top = top.parent
+            nid = where[up]
+            pos = self._run[nid].index(up) + 1
+            if pos < len(self._run[nid]):
+                nid = self._split(nid, pos)[0]
+            top = nid
+            while top in self._parent:
+                top = self._parent[top]
             waiting = roots.pop(up)
             for first, orphan in list(waiting.items()):
-                if orphan is top:  # inconsistent chains: adopting would make a cycle
+                if orphan == top:  # inconsistent chains: adopting would make a cycle
                     continue
-                del waiting[first]
-                orphan.parent, orphan.up = node, None
-                node.children[first] = orphan
+                del waiting[first], self._up[orphan]
+                self._parent[orphan] = nid
+                self._kids[nid][first] = orphan
             if waiting:
                 roots[up] = waiting
 
-    def _split(self, node: _Node, k: int) -> tuple[_Node, _Node]:
-        """Cut ``node``'s run before offset ``k`` (0 < k < len); returns (head, tail). The new
-        object takes the shorter half, so only that half's hashes are re-pointed in ``_where``."""
-        run = node.run
+    def _split(self, nid: int, k: int) -> tuple[int, int]:
+        """Cut ``nid``'s run before offset ``k`` (0 < k < len); returns (head, tail). The new node
+        takes the shorter half, so only that half's hashes are re-pointed in ``_where``."""
+        run, mask, tick, confirmed = self._run[nid], self._mask[nid], self._touched[nid], self._confirmed[nid]
+        ticks = self._ticks.get(nid)
         if 2 * k <= len(run):
             head = self._new_node(
-                run[:k], node.mask, node.tick, node.parent, node.up, node.confirmed, _copy(node.ticks)
+                run[:k], mask, tick, self._parent.get(nid), self._up.get(nid), confirmed, _copy(ticks)
             )
-            del run[:k]
-            self._siblings(head)[head.run[0]] = head
-            head.children = {run[0]: node}
-            node.parent, node.up = head, None
-            self._where.update(zip(head.run, repeat(head.nid)))
-            return head, node
-        tail = self._new_node(run[k:], node.mask, node.tick, node, None, node.confirmed, _copy(node.ticks))
-        del run[k:]
-        tail.children, node.children = node.children, {tail.run[0]: tail}
-        for child in tail.children.values():
-            child.parent = tail
-        self._where.update(zip(tail.run, repeat(tail.nid)))
-        if not tail.children:
+            self._run[nid] = run[k:]
+            self._siblings(head)[run[0]] = head
+            self._kids[head] = {run[k]: nid}
+            self._parent[nid] = head
+            self._up.pop(nid, None)
+            self._where.update(zip(self._run[head], repeat(head)))
+            return head, nid
+        tail = self._new_node(run[k:], mask, tick, nid, None, confirmed, _copy(ticks))
+        self._run[nid] = run[:k]
+        self._kids[tail], self._kids[nid] = self._kids[nid], {self._run[tail][0]: tail}
+        for child in self._kids[tail].values():
+            self._parent[child] = tail
+        self._where.update(zip(self._run[tail], repeat(tail)))
+        if not self._kids[tail]:
             self._push_leaf(tail)
-        return node, tail
+        return nid, tail
 
-    def _drop(self, node: _Node) -> None:
+    def _drop(self, nid: int) -> None:
         """Remove a live node for every worker; its children become orphans under its last hash."""
-        run, where = node.run, self._where
+        run, mask, kids, where = self._run[nid], self._mask[nid], self._kids[nid], self._where
         deque(map(where.pop, run), maxlen=0)
-        self._entries -= len(run) * node.mask.bit_count()
-        self._count(node.mask, -len(run))
-        self._retire(node)
-        siblings = self._siblings(node)
+        self._entries -= len(run) * mask.bit_count()
+        self._count(mask, -len(run))
+        siblings, parent, up = self._siblings(nid), self._parent.get(nid), self._up.get(nid)
+        self._retire(nid)
         del siblings[run[0]]
-        if node.parent is None and not siblings:
-            del self._roots[node.up]
-        elif node.parent is not None and not siblings:
-            self._push_leaf(node.parent)
-        if node.children:
+        if parent is None and not siblings:
+            del self._roots[up]
+        elif parent is not None and not siblings:
+            self._push_leaf(parent)
+        if kids:
             orphans = self._roots.setdefault(run[-1], {})
-            for first, child in node.children.items():
-                child.parent, child.up = None, run[-1]
+            for first, child in kids.items():
+                del self._parent[child]
+                self._up[child] = run[-1]
                 orphans[first] = child
-        node.children, node.mask = {}, 0
 
-    def _siblings(self, node: _Node) -> dict[int, _Node]:
-        """The dict that holds ``node``: its parent's children, or its ``_roots`` entry."""
-        return node.parent.children if node.parent is not None else self._roots[node.up]
+    def _siblings(self, nid: int) -> dict[int, int]:
+        """The dict that holds ``nid``: its parent's children, or its ``_roots`` entry."""
+        parent = self._parent.get(nid)
+        return self._kids[parent] if parent is not None else self._roots[self._up[nid]]
 
-    def _touch_up(self, node: _Node | None, slot: int) -> None:
-        """Mark ``node`` and its ancestors as used now, by the worker in ``slot`` (its own tick too,
+    def _touch_up(self, nid: int | None, slot: int) -> None:
+        """Mark ``nid`` and its ancestors as used now, by the worker in ``slot`` (its own tick too,
         where a node keeps its holders' ``ticks``); stops at an ancestor already marked in this
         operation, so touching many nodes of one path costs O(path)."""
         tick, bit, first = self._tick, 1 << slot, True
-        while node is not None and (first or node.tick != tick):
-            node.tick = tick
-            if node.ticks is not None and node.mask & bit:
-                node.ticks[slot] = tick
-            node, first = node.parent, False
+        touched, parents, all_ticks = self._touched, self._parent, self._ticks
+        while nid is not None and (first or touched[nid] != tick):
+            touched[nid] = tick
+            ticks = all_ticks.get(nid)
+            if ticks is not None and self._mask[nid] & bit:
+                ticks[slot] = tick
+            nid, first = parents.get(nid), False
 
-    def _lose(self, node: _Node, slot: int) -> None:
-        """The worker in ``slot`` no longer holds ``node``'s blocks."""
-        if node.mask == 1 << slot:
-            self._drop(node)
+    def _lose(self, nid: int, slot: int) -> None:
+        """The worker in ``slot`` no longer holds ``nid``'s blocks."""
+        bit = 1 << slot
+        if self._mask[nid] == bit:
+            self._drop(nid)
             return
-        node.mask ^= 1 << slot
-        del self._held[slot][node.nid]
-        node.confirmed &= ~(1 << slot)
-        if node.ticks is not None:
-            node.ticks.pop(slot, None)
-        self._entries -= len(node.run)
-        self._counts[slot] -= len(node.run)
+        self._mask[nid] ^= bit
+        del self._held[slot][nid]
+        self._confirmed[nid] &= ~bit
+        ticks = self._ticks.get(nid)
+        if ticks is not None:
+            ticks.pop(slot, None)
+        self._entries -= len(self._run[nid])
+        self._counts[slot] -= len(self._run[nid])
 
-    def _push_leaf(self, node: _Node) -> None:
+    def _push_leaf(self, nid: int) -> None:
         leaves = self._leaves
-        heapq.heappush(leaves, (node.tick, next(self._seq), node.nid))
+        heapq.heappush(leaves, (self._touched[nid], next(self._seq), nid))
         if len(leaves) > 2 * self._nodes + 1024:  # mostly stale entries: rebuild, amortised O(1)
-            live = [n for n in self._by_id.values() if not n.children]
-            self._leaves = [(n.tick, next(self._seq), n.nid) for n in live]
+            touched = self._touched
+            self._leaves = [(touched[n], next(self._seq), n) for n, kids in self._kids.items() if not kids]
             heapq.heapify(self._leaves)
 
     def _evict_over_budget(self) -> None:
         while self._entries > self.max_entries and self._leaves:
             tick, _, nid = heapq.heappop(self._leaves)
-            node = self._by_id.get(nid)
-            if node is None or node.children:
+            kids = self._kids.get(nid)
+            if kids is None or kids:
                 continue  # dropped, or no longer a leaf
-            if tick != node.tick:
-                self._push_leaf(node)  # touched since it was queued
+            if tick != self._touched[nid]:
+                self._push_leaf(nid)  # touched since it was queued
                 continue
-            holders = node.mask.bit_count()
+            run, mask = self._run[nid], self._mask[nid]
+            holders = mask.bit_count()
             blocks = -(-(self._entries - self.max_entries) // holders)
-            if blocks >= len(node.run):
-                self._drop(node)
+            if blocks >= len(run):
+                self._drop(nid)
                 continue
-            tail = node.run[-blocks:]
-            del node.run[-blocks:]
+            tail = run[-blocks:]
+            self._run[nid] = run[:-blocks]
             deque(map(self._where.pop, tail), maxlen=0)
             self._entries -= blocks * holders
-            self._count(node.mask, -blocks)
-            self._push_leaf(node)
+            self._count(mask, -blocks)
+            self._push_leaf(nid)

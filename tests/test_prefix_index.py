@@ -21,8 +21,8 @@ def chain(tokens: list[int], block_size: int = 1) -> list[int]:
 def _holds(index: PrefixIndex, worker: str, h: int) -> bool:
     """Whether the index holds block ``h`` for ``worker`` (a mid-chain block only matches from the root)."""
     slot = index._slot.get(worker)
-    node = index._node_of(h)
-    return slot is not None and node is not None and bool(node.mask >> slot & 1)
+    nid = index._where.get(h)
+    return slot is not None and nid is not None and bool(index._mask[nid] >> slot & 1)
 
 
 def test_one_match_reports_every_worker_prefix_length() -> None:
@@ -250,31 +250,36 @@ def test_eviction_under_steady_churn_keeps_budget_and_no_holes() -> None:
 
 def _check_invariants(index: PrefixIndex) -> None:
     """The module's stated invariants, from the outside of its public interface."""
+    run, mask, confirmed = index._run, index._mask, index._confirmed
+    touched, ticks = index._touched, index._ticks
     nodes = []
     stack = [n for runs in index._roots.values() for n in runs.values()]
     while stack:
         node = stack.pop()
         nodes.append(node)
         assert len(nodes) <= len(index._where) + 1, "a cycle in the tree"
-        for first, child in node.children.items():
-            assert child.parent is node and child.run[0] == first and child.tick <= node.tick
+        assert (node in index._parent) != (node in index._up), "a node with a parent and a parent hash"
+        for first, child in index._kids[node].items():
+            assert index._parent[child] == node and run[child][0] == first and touched[child] <= touched[node]
             stack.append(child)
-    assert len(nodes) == index._nodes
-    assert all(node.mask and node.run and node.confirmed & ~node.mask == 0 for node in nodes)
-    assert sum(len(node.run) for node in nodes) == len(index._where)
-    assert all(index._by_id[index._where[h]] is node for node in nodes for h in node.run)
-    assert sorted(n.nid for n in nodes) == sorted(index._by_id)
-    assert all(index._by_id[n.nid] is n for n in nodes)
-    assert sum(len(n.run) * n.mask.bit_count() for n in nodes) == index.num_entries <= index.max_entries
+    assert len(nodes) == len(set(nodes)) == index._nodes
+    for fields in (run, mask, confirmed, touched, index._kids):  # a dead node's fields go with it
+        assert set(fields) == set(nodes)
+    assert set(index._parent) | set(index._up) == set(nodes) and set(ticks) <= set(nodes)
+    assert all(mask[n] and run[n] and confirmed[n] & ~mask[n] == 0 for n in nodes)
+    assert sum(len(run[n]) for n in nodes) == len(index._where)
+    assert all(index._where[h] == n for n in nodes for h in run[n])
+    assert sum(len(run[n]) * mask[n].bit_count() for n in nodes) == index.num_entries <= index.max_entries
     assert sum(index._counts) == index.num_entries
     for n in nodes:  # each holder's last touch is known once a node has two, and none is after the node's
-        holders = {i for i in range(len(index._counts)) if n.mask >> i & 1}
-        assert n.ticks is not None or len(holders) == 1
-        assert n.ticks is None or (set(n.ticks) <= holders and max(n.ticks.values(), default=0) <= n.tick)
+        holders = {i for i in range(len(index._counts)) if mask[n] >> i & 1}
+        assert n in ticks or len(holders) == 1
+        assert n not in ticks or set(ticks[n]) <= holders
+        assert max(ticks.get(n, {}).values(), default=0) <= touched[n]
     queued = {nid for _, _, nid in index._leaves}
-    assert all(n.nid in queued for n in nodes if not n.children), "a leaf missing from the heap"
+    assert all(n in queued for n in nodes if not index._kids[n]), "a leaf missing from the heap"
     for slot, held in enumerate(index._held):  # each worker's node ids, against a scan of every node
-        assert set(held) == {n.nid for n in nodes if n.mask >> slot & 1}, f"slot {slot}'s node ids"
+        assert set(held) == {n for n in nodes if mask[n] >> slot & 1}, f"slot {slot}'s node ids"
 
 
 @settings(max_examples=150, deadline=None)
@@ -301,8 +306,7 @@ def test_invariants_hold_under_budget_pressure_and_bogus_events(ops: list[tuple]
                 w, hashes, tick = inserts[cut % len(inserts)]
                 held = index.match(hashes).get(w, 0)
                 index.take_back(w, hashes, tick)
-                slot = index._slot[w]
-                after = [(node := index._node_of(h)) is not None and node.mask >> slot & 1 for h in hashes]
+                after = [_holds(index, w, h) for h in hashes]
                 assert after[:held] == sorted(after[:held], reverse=True), "a take-back opened a hole"
         elif kind == "insert":
             inserts.append((w, hashes, index.insert(w, hashes)))
@@ -443,20 +447,24 @@ def test_a_followed_take_back_removes_a_predicted_prefix_no_stored_event_named()
     _check_invariants(index)
 
 
-def test_per_block_structures_hold_nothing_the_garbage_collector_walks() -> None:
-    """A full collection's pause grows with what the collector tracks: blocks (millions at the
-    default budget) must not be among it, only nodes."""
-    index = PrefixIndex(max_entries=1000)
-    for i in range(40):
-        index.insert(f"w{i % 3}", chain([i % 4] * 10 + [i] * 20))
-        index.apply_stored(f"w{i % 5}", None, chain([i % 4] * 10 + [i] * 5))
-    gc.collect()  # tuples of untracked items are untracked by a collection
-    nodes = list(index._by_id.values())
-    assert len(nodes) > 10 and index.num_nodes > 300
+def test_the_garbage_collector_tracks_neither_blocks_nor_nodes() -> None:
+    """A full collection's pause grows with what the collector tracks: neither blocks (millions at
+    the default budget) nor nodes (hundreds of thousands for short prompts) may be among it."""
+    prompts = [(chain([i % 4] * 10 + [i] * 20), chain([i % 4] * 10 + [i] * 5)) for i in range(200)]
+    index = PrefixIndex(max_entries=5000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, (routed, stored) in enumerate(prompts):
+        index.insert(f"w{i % 3}", routed)
+        index.apply_stored(f"w{i % 5}", None, stored)
+        if i % 7 == 0:
+            index.apply_removed(f"w{i % 3}", routed[-3:])  # splits and drops too
+    gc.collect()  # a collection stops tracking tuples of ints (the runs, the heap's entries)
+    assert index._nodes > 300 and index.num_nodes > 3000
+    assert len(gc.get_objects()) - before < 40  # a few dicts per index, none per node or block
+    assert not any(map(gc.is_tracked, index._run.values()))
     assert not gc.is_tracked(index._where)  # ints to ints
     assert not any(gc.is_tracked(ids) for ids in index._held)  # each worker's node ids: ints to None
-    assert all(len(gc.get_referents(node.run)) <= 1 for node in nodes)  # its type, not each hash
-    assert not any(gc.is_tracked(entry) for entry in index._leaves)
     _check_invariants(index)
 
 
@@ -465,9 +473,8 @@ def _held_runs(index: PrefixIndex, worker: str) -> list[StoredBlocks]:
     slot = index._slot[worker]
     runs = []
     for nid in index._held[slot]:
-        node = index._by_id[nid]
-        parent = node.parent.run[-1] if node.parent is not None else node.up
-        runs.append(StoredBlocks(list(node.run), parent, []))  # type: ignore[arg-type]
+        parent = index._run[index._parent[nid]][-1] if nid in index._parent else index._up[nid]
+        runs.append(StoredBlocks(list(index._run[nid]), parent, []))  # type: ignore[arg-type]
     return runs
 
 
@@ -479,9 +486,9 @@ def _state(index: PrefixIndex, hashes: set[int]) -> dict[int, tuple[int, int]]:
 
     out = {}
     for h in hashes:
-        node = index._node_of(h)
-        if node is not None:
-            out[h] = (names(node.mask), names(node.confirmed))
+        nid = index._where.get(h)
+        if nid is not None:
+            out[h] = (names(index._mask[nid]), names(index._confirmed[nid]))
     return out
 
 
