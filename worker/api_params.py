@@ -80,6 +80,8 @@ def check_body(raw: bytes, served_models: Sequence[str]) -> dict:
     is one of ``served_models`` (the base model, then its LoRA adapters)."""
     body = json_object(raw)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):  # NOTE: bad input, as the router answers it
+        raise APIError(400, "'model' must be a string", "invalid_type")
     if model is not None and model not in served_models:
         served = ", ".join(repr(m) for m in served_models)
         raise APIError(404, f"model {model!r} not found; this worker serves {served}", "model_not_found")

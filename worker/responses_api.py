@@ -227,8 +227,10 @@ class ResponsesAPI:
                                "chains a conversation)")  # fmt: skip
         history: list[dict[str, str]] = []
         previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):  # NOTE: bad input, as the router says
+            raise APIError(400, "'previous_response_id' must be a string", "invalid_type")
         if previous is not None:
-            entry = self.store.get(previous) if isinstance(previous, str) else None
+            entry = self.store.get(previous)
             if entry is None:
                 raise _not_found(previous)
             if entry.messages is None:

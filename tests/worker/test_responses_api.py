@@ -196,6 +196,8 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "best_of": 2}, 400),
         ({"input": "hi", "best_of": True}, 400),
         ({"input": "hi", "previous_response_id": "resp_nope"}, 404),
+        ({"input": "hi", "previous_response_id": 5}, 400),  # bad input, not an unknown response
+        ({"input": "hi", "model": 5}, 400),
         ({"input": "hi", "model": "other"}, 404),
         ({"input": "hi", "max_output_tokens": -1}, 400),
         ({"input": "hi", "truncation": "middle"}, 400),

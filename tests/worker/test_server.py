@@ -249,6 +249,8 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404),
+        ("/v1/completions", b'{"prompt": "hi", "model": 5}', 400),  # bad input, not an unknown model
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "model": ["tiny"]}', 400),
         ("/v1/completions", b'{"prompt": "' + b"z" * 9000 + b'"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "use_beam_search": true}', 400),
         ("/v1/completions", b'{"prompt": "hi", "return_token_ids": "yes"}', 400),
