@@ -150,7 +150,9 @@ class WorkerAPI:
             raise APIError(400, "'tools' apply to /v1/chat/completions")
         if body.get("suffix"):  # NOTE: refused, not ignored: the client asked for an insertion
             raise APIError(400, "'suffix' (text to insert the completion before) is not supported")
-        if body.get("max_tokens") == 0 and not body.get("echo"):
+        # NOTE: the integer 0 only: false and 0.0 equal it, and are refused as any other non-integer
+        zero_tokens = type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+        if zero_tokens and not body.get("echo"):
             raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
         context = self.engine.max_total_tokens
         keep = truncation_keep(body, context)
@@ -161,7 +163,7 @@ class WorkerAPI:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
         guide = await output_guide(body, self.engine.guides)
         # NOTE: echo with max_tokens 0 scores the prompt: one token is generated and not answered
-        scoring = body.get("echo") is True and body.get("max_tokens") == 0
+        scoring = body.get("echo") is True and zero_tokens
         fields = {**body, "max_tokens": 1} if scoring else body
         logprobs = body.get("logprobs")
         params = sampling_params(

@@ -244,6 +244,9 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "min_p": 2}', 400),
         ("/v1/completions", b'{"prompt": "hi", "include_stop_str_in_output": "yes"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400),
+        # not the integer 0, though Python's == says so: no prompt scoring
+        ("/v1/completions", b'{"prompt": "hi", "echo": true, "max_tokens": false}', 400),
+        ("/v1/completions", b'{"prompt": "hi", "echo": true, "max_tokens": 0.0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "priority": "high"}', 400),
         ("/v1/completions", b'{"prompt": "hi", "priority": 1e40}', 400),
         ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400),
