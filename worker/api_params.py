@@ -224,6 +224,12 @@ def sampling_params(
 
     stop = get("stop", [])
     top_k = get("top_k", -1)
+    # NOTE: the output bound as the client named it (chat's max_completion_tokens, the Responses API's
+    # max_output_tokens, or max_tokens), so a refusal names the field that was sent
+    max_name = max_key if body.get(max_key) is not None else "max_tokens"
+    max_tokens = get(max_name, default_max_tokens)
+    if type(max_tokens) is not int or max_tokens < 1:
+        raise APIError(400, f"{max_name} must be an integer >= 1, got {max_tokens!r}")
     params = SamplingParams(
         temperature=get("temperature", 1.0),
         top_p=get("top_p", 1.0),
@@ -232,7 +238,7 @@ def sampling_params(
         else top_k,  # NOTE: not false or 0.0: a 400 as true and 1.0
         min_p=get("min_p", 0.0),
         seed=body.get("seed"),
-        max_tokens=get(max_key, get("max_tokens", default_max_tokens)),
+        max_tokens=max_tokens,
         stop=[stop] if isinstance(stop, str) else stop,
         stop_token_ids=get("stop_token_ids", []),
         ignore_eos=get("ignore_eos", False),

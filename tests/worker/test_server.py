@@ -1057,3 +1057,15 @@ def test_documents_refusal_parts_and_a_request_chat_template_on_the_worker(clien
              {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
              {"role": "user", "content": "Why?"}]  # fmt: skip
     assert client.post("/v1/chat/completions", json={**chat, "messages": turns}).status_code == 200
+
+
+def test_a_bad_output_bound_is_refused_by_the_name_it_was_sent_as(client):
+    """Chat's max_completion_tokens and the Responses API's max_output_tokens are refused as such,
+    not as max_tokens, a field the client did not send."""
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    for path, body, name in (("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens"),
+                             ("/v1/chat/completions", {**chat, "max_tokens": 0}, "max_tokens"),
+                             ("/v1/responses", {"input": "a", "max_output_tokens": 0}, "max_output_tokens"),
+                             ("/v1/completions", {"prompt": "a", "max_tokens": "2"}, "max_tokens")):  # fmt: skip
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{name} must be"), r.text
