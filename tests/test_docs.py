@@ -1,0 +1,62 @@
+"""What the README and docs/ promise about the code itself: the usage blocks' flags and the defaults
+they show. A renamed flag or a changed default fails here, not in a reader's shell."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from router.config import RouterConfig
+from router.config import build_parser as router_parser
+from worker.config import WorkerConfig
+from worker.config import build_parser as worker_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def usage_block(doc: str, program: str) -> str:
+    """A doc's ``python -m <program> ...`` block, continuation lines included."""
+    block = re.search(rf"```\n(python -m {program} .*?)```", (ROOT / doc).read_text(), re.S)
+    assert block, f"{doc} has no usage block for python -m {program}"
+    return block.group(1)
+
+
+def shown_options(block: str) -> list[tuple[str, str]]:
+    """Each ``[--flag VALUE]`` (``--flag=VALUE``, ``| --flag VALUE``) of a usage block, as (flag, VALUE or "")."""
+    return re.findall(r"(?:\[|\| )(--[a-z0-9-]+)(?:[ =]([^\s\[\]]+))?", block)
+
+
+ROUTER = (router_parser, {f.name: f.default for f in dataclasses.fields(RouterConfig)})
+WORKER = (worker_parser, {f.name: f.default for f in dataclasses.fields(WorkerConfig)})
+
+
+@pytest.mark.parametrize(
+    ("doc", "program", "parser", "defaults"),
+    [
+        ("README.md", "router", *ROUTER),
+        ("README.md", "worker", *WORKER),
+        ("docs/worker.md", "worker", *WORKER),
+    ],
+    ids=["README-router", "README-worker", "worker.md"],
+)
+def test_usage_blocks_show_real_flags_and_their_defaults(doc, program, parser, defaults) -> None:
+    """A value shown in the usage is the default: a number or address as is, of ``a|b|c`` the first."""
+    actions = {o: a for a in parser()._actions for o in a.option_strings}
+    shown = shown_options(usage_block(doc, program))
+    assert len(shown) > 10
+    for flag, value in shown:
+        assert flag in actions, f"{doc} shows {flag}, which python -m {program} does not take"
+        action = actions[flag]
+        if "|" in value:
+            default, *others = value.split("|")
+        elif re.fullmatch(r"[0-9.]+", value):
+            default, others = value, []
+        else:
+            continue  # a placeholder (N, URL, KEY) or an example (router.yaml, redis://...)
+        real = defaults[action.dest]
+        assert str(real) == default, f"{doc} shows {flag} {default}; its default is {real}"
+        if action.choices:
+            assert {default, *(v for v in others if not v.isupper())} <= set(action.choices), flag
