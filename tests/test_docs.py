@@ -1,5 +1,6 @@
 """What the README and docs/ promise about the code itself: the usage blocks' flags and the defaults
-they show. A renamed flag or a changed default fails here, not in a reader's shell."""
+they show, and a code map that names every module. A renamed flag, a changed default or a new
+module fails here, not in a reader's shell."""
 
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def test_usage_blocks_show_real_flags_and_their_defaults(doc, program, parser, d
         assert str(real) == default, f"{doc} shows {flag} {default}; its default is {real}"
         if action.choices:
             assert {default, *(v for v in others if not v.isupper())} <= set(action.choices), flag
+
+
+def test_the_code_map_names_every_module_and_only_modules_that_exist() -> None:
+    """docs/structure.md maps the code: each module by its path, or a folder's by its file name on
+    the folder's row (``worker/model/``)."""
+    rows = [
+        line for line in (ROOT / "docs" / "structure.md").read_text().splitlines() if line.startswith("| `")
+    ]
+    named = {p for row in rows for p in re.findall(r"`([\w/.-]+\.py)`", row.split(" | ")[0])}
+    missing = sorted(p for p in named if "/" in p and not (ROOT / p).is_file())
+    assert missing == [], f"docs/structure.md names modules that do not exist: {missing}"
+    unmapped = []
+    for package in ("router", "worker", "kernels", "loadtest"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if rel.name == "__init__.py" or str(rel) in named:
+                continue
+            folder_rows = [row for row in rows if f"`{rel.parent}/`" in row.split(" | ")[0]]
+            if not any(f"`{rel.name}`" in row for row in folder_rows):
+                unmapped.append(str(rel))
+    assert unmapped == [], f"docs/structure.md does not map {unmapped}"
