@@ -1,6 +1,6 @@
 """What the README and docs/ promise about the code itself: the usage blocks' flags and the defaults
-they show, and a code map that names every module. A renamed flag, a changed default or a new
-module fails here, not in a reader's shell."""
+they show, a code map that names every module, and the fields of a real worker's health. A renamed
+flag, a changed default, a new module or an undocumented field fails here, not in a reader's shell."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 from router.config import RouterConfig
@@ -82,3 +83,14 @@ def test_the_code_map_names_every_module_and_only_modules_that_exist() -> None:
             if not any(f"`{rel.name}`" in row for row in folder_rows):
                 unmapped.append(str(rel))
     assert unmapped == [], f"docs/structure.md does not map {unmapped}"
+
+
+def test_worker_health_and_cache_info_fields_are_documented(launch) -> None:
+    """Each field of a worker's /health and /v1/cache/info (a host tier on) is named in its row of
+    docs/worker.md's endpoint table (``simulated`` is the sim's, documented with it)."""
+    worker = launch.sim_worker("--host-cache-tokens", "4096")
+    rows = (ROOT / "docs" / "worker.md").read_text().splitlines()
+    for path in ("/health", "/v1/cache/info"):
+        (row,) = [r for r in rows if r.startswith(f"| `GET {path}` |")]
+        fields = set(httpx.get(worker.url + path, timeout=10).json()) - {"simulated"}
+        assert sorted(f for f in fields if not re.search(rf"\b{f}\b", row)) == [], path
