@@ -1,6 +1,7 @@
 """What the README and docs/ promise about the code itself: the usage blocks' flags and the defaults
-they show, a code map that names every module, and the fields of a real worker's health. A renamed
-flag, a changed default, a new module or an undocumented field fails here, not in a reader's shell."""
+they show, a code map that names every module, and the metrics and health fields a real router and
+worker export. A renamed flag, a changed default, a new module or an undocumented metric fails
+here, not in a reader's shell or an operator's query."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from router.config import RouterConfig
 from router.config import build_parser as router_parser
+from tests.support import REDIS
+from tests.test_tokenization import byte_level_dir
 from worker.config import WorkerConfig
 from worker.config import build_parser as worker_parser
 
@@ -83,6 +86,92 @@ def test_the_code_map_names_every_module_and_only_modules_that_exist() -> None:
             if not any(f"`{rel.name}`" in row for row in folder_rows):
                 unmapped.append(str(rel))
     assert unmapped == [], f"docs/structure.md does not map {unmapped}"
+
+
+# NOTE: exported only with --k8s-worker-service, against an API server (tests/test_discovery.py)
+DISCOVERY_ONLY = {
+    "radixgate_discovered_workers",
+    "radixgate_discovery_rounds",
+    "radixgate_discovery_failures",
+}
+
+
+def documented_metrics(doc: str, section: str) -> dict[str, tuple[str, set[str]]]:
+    """A metrics table's rows as {family: (type, labels)}: a family is the name less a counter's
+    ``_total``; labels from a ``labels`` column, or written ``name{label}``."""
+    text = (ROOT / "docs" / doc).read_text()
+    table = text.split(section, 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for row in table.splitlines():
+        if not row.startswith("| `radixgate_"):
+            continue
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        kind, label_cell = cells[1], cells[2] if doc == "metrics.md" else ""
+        for name, braced in re.findall(r"`(radixgate_[a-z0-9_]+)(?:\{([a-z_]+)\})?`", cells[0]):
+            labels = {w.strip() for w in label_cell.split(",") if w.strip()} | ({braced} if braced else set())
+            out[name.removesuffix("_total") if kind == "counter" else name] = (kind, labels)
+    return out
+
+
+def exported_metrics(text: str) -> dict[str, tuple[str, list[set[str]]]]:
+    """A Prometheus text exposition's families as {family: (type, each sample's label names)}."""
+    kinds, samples = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            kinds[name.removesuffix("_total") if kind == "counter" else name] = kind
+        elif line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels = set(re.findall(r'([a-z_]+)="', rest.split("}")[0])) - {"le"} if rest else set()
+            samples.setdefault(name.split(" ")[0], []).append(labels)
+    out = {}
+    for family, kind in kinds.items():
+        if family.endswith("_created"):
+            continue  # prometheus_client's creation time of a counter or histogram
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}.get(kind, ("",))
+        out[family] = (kind, [labels for s in suffixes for labels in samples.get(family + s, [])])
+    return out
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
+def test_metrics_docs_match_what_a_router_and_a_worker_export(launch, tmp_path) -> None:
+    """Every family docs/metrics.md and docs/worker.md list is exported with that type and those
+    labels, and every family exported is listed. Switched on: Redis (replica sync), admission, API
+    keys, affinity groups, a model tokenizer (prefix ids) and a worker's host tier."""
+    redis_url = launch.redis()
+    worker = launch.sim_worker("--host-cache-tokens", "4096", "--redis-url", redis_url)
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "api_keys: [team:k1]\naffinity_groups: [{name: g, match: {header: {x-tenant: a}}, size: 1}]\n"
+    )
+    router = launch.router(
+        [worker.url], "--config", str(config), "--redis-url", redis_url, "--max-concurrent-requests", "4",
+        "--tokenizer", str(byte_level_dir(tmp_path / "tok")),
+    )  # fmt: skip
+    with httpx.Client(timeout=30, headers={"authorization": "Bearer k1", "x-tenant": "a"}) as client:
+        body = {"model": "sim-8b", "messages": [{"role": "user", "content": "metrics"}], "max_tokens": 2}
+        for stream in (False, True):
+            assert (
+                client.post(router.url + "/v1/chat/completions", json={**body, "stream": stream}).status_code
+                == 200
+            )
+        router_text, worker_text = (client.get(url + "/metrics").text for url in (router.url, worker.url))
+    for doc, section, text in (
+        ("metrics.md", "| metric |", router_text),
+        ("worker.md", "## Metrics (`/metrics`)", worker_text),
+    ):
+        documented, exported = documented_metrics(doc, section), exported_metrics(text)
+        assert len(documented) > 20
+        assert sorted(set(exported) - set(documented)) == [], f"exported but not in docs/{doc}"
+        assert sorted(set(documented) - set(exported) - DISCOVERY_ONLY) == [], f"in docs/{doc}, not exported"
+        for family, (kind, label_sets) in exported.items():
+            assert kind == documented[family][0], (
+                f"{family} is a {kind}; docs/{doc} says {documented[family][0]}"
+            )
+            for labels in label_sets:
+                assert labels == documented[family][1], (
+                    f"{family}: labels {labels}, documented {documented[family][1]}"
+                )
 
 
 def test_worker_health_and_cache_info_fields_are_documented(launch) -> None:
