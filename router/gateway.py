@@ -235,6 +235,8 @@ class Router:
         if not candidates:
             return None, outcome
         decision = (self.policy.preview if preview else self.policy.select)(route, candidates)
+        if only is not None:  # NOTE: the policy had no choice: say why, not its rule over one candidate
+            decision.reason = "holds the conversation of previous_response_id"
         if left_out:
             decision.reason = f"{left_out} worker(s) whose context is too short left out; {decision.reason}"
         if group is not None:

@@ -38,6 +38,7 @@ def test_follow_ups_reach_the_worker_holding_the_conversation_through_any_router
     explained = httpx.post(routers[1].url + "/debug/route", json=follow_up, timeout=10)
     assert explained.status_code == 200, explained.text
     assert explained.json()["worker"] == holder
+    assert explained.json()["reason"] == "holds the conversation of previous_response_id"
     fresh = {"model": "sim-8b", "instructions": INSTRUCTIONS, "input": "Another conversation."}
     assert httpx.post(routers[1].url + "/debug/route", json=fresh, timeout=10).json()["prompt_tokens"] > 0
     for turn in range(4):  # round robin would spread these; each must land on the holder
