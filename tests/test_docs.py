@@ -156,6 +156,8 @@ def test_metrics_docs_match_what_a_router_and_a_worker_export(launch, tmp_path) 
                 == 200
             )
         router_text, worker_text = (client.get(url + "/metrics").text for url in (router.url, worker.url))
+    # NOTE: one Prometheus holds both (the chart's ServiceMonitors): a family in both would mix them
+    assert set(exported_metrics(router_text)) & set(exported_metrics(worker_text)) == set()
     for doc, section, text in (
         ("metrics.md", "| metric |", router_text),
         ("worker.md", "## Metrics (`/metrics`)", worker_text),
