@@ -137,7 +137,10 @@ class OpsAPI:
             # NOTE: both compared (no short cut), in constant time: timing says nothing of the token
             ok = token_matches(bearer, self.admin_token) | token_matches(header, self.admin_token)
             if not ok:
-                return error_response(401, "admin token required (Authorization: Bearer <token>)")
+                # NOTE: behind --api-key the Authorization header carries the API key: this one is the way
+                return error_response(
+                    401, "admin token required (Authorization: Bearer <token>, or X-Admin-Token: <token>)"
+                )
         return None
 
     async def load_adapter(self, request: Request) -> Response:

@@ -639,6 +639,17 @@ def test_flush_needs_the_admin_token(client):
     assert client.get("/health").json()["kv_pages_cached"] == 0
 
 
+def test_behind_an_api_key_the_refused_flush_names_the_header_the_admin_token_goes_in() -> None:
+    """The API key takes the Authorization header; following a 401 that named only that header for
+    the admin token led to another 401 (invalid_api_key)."""
+    engine = build_engine(WorkerConfig(model="tiny", device="cpu", kv_cache_tokens=8192))
+    with LiveServer(engine, ADMIN, api_key="fleet-key") as live, httpx.Client(base_url=live.url) as client:
+        denied = client.post("/v1/cache/flush", headers={"authorization": "Bearer fleet-key"})
+        assert denied.status_code == 401 and "X-Admin-Token: <token>" in denied.json()["error"]["message"]
+        both = {"authorization": "Bearer fleet-key", "x-admin-token": ADMIN}
+        assert client.post("/v1/cache/flush", headers=both).status_code == 200
+
+
 def apply_batch(blocks: set[int], batch: dict) -> None:
     if batch["cleared"]:
         blocks.clear()
