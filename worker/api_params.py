@@ -24,7 +24,7 @@ from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import CONSTRAINT_KEYS, Guide, GuideCompiler, requested_grammar, thinking_first
 from worker.request import QueueFullError
-from worker.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, SamplingParams
+from worker.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from worker.tool_calls import (
     GRANITE_CALLS,
     MISTRAL_ARGS,
@@ -203,6 +203,9 @@ def chat_logprobs(body: dict) -> int | None:
         raise APIError(400, "'logprobs' must be a boolean")
     if top is not None and not want:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_LOGPROBS):
+        # NOTE: checked here, by its own name: SamplingParams would name the field it becomes, logprobs
+        raise APIError(400, f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
     return (0 if top is None else top) if want else None
 
 

@@ -624,6 +624,18 @@ def test_models_and_cache_info(client):
     assert info["epoch"] == client.get("/health").json()["epoch"]
 
 
+def test_a_chat_top_logprobs_out_of_bounds_is_a_400_that_names_it(client) -> None:
+    """Chat's top_logprobs becomes the sampler's logprobs: its 400 named that field, which the
+    request had set to true."""
+    for top in (21, -1, 2.5, True):
+        body = {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": top}
+        resp = client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert resp.status_code == 400 and "'top_logprobs'" in resp.json()["error"]["message"], (
+            top,
+            resp.text,
+        )
+
+
 def test_flush_needs_the_admin_token(client):
     client.post("/v1/completions", json={"prompt": SYSTEM, "max_tokens": 1}).raise_for_status()
     assert client.post("/v1/cache/flush").status_code == 401
