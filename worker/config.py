@@ -273,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", *DTYPES],
     )
     opt("--block-size", int, "tokens per KV page (the advertised block size)")
-    opt("--kv-cache-tokens", int, "KV pool size in tokens (default: --mem-fraction on CUDA, 64k on CPU)")
+    opt(
+        "--kv-cache-tokens",
+        int,
+        "KV pool size in tokens (default: --mem-fraction on CUDA, 64k capped at 4 GiB on CPU, 400k with --engine sim)",
+    )
     opt(
         "--max-model-len",
         int,
@@ -434,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(harmony's analysis channel)",
         choices=list(REASONING_PARSERS),
     )
-    opt("--log-level", str, "debug | info | warning | error")
+    opt("--log-level", str, " | ".join(LOG_LEVELS))
     opt("--cpu-threads", int, "torch threads on CPU (0 = all cores; give each of N local workers cores/N)")
     opt(
         "--warmup-tokens",
