@@ -153,12 +153,14 @@ async def _fitted(
             k += 1
         return messages[:kept] + rest[k:]
 
-    lo, hi, best = 1, len(rest) - 1, None
-    while lo <= hi:  # NOTE: each render is a tokenization: a bisection, not one per message
-        mid = (lo + hi) // 2
+    lo, hi, best, step = 1, len(rest) - 1, None, 1
+    while lo <= hi:  # NOTE: each render is a tokenization: O(log n) of them, not one per message
+        # NOTE: galloping back from the newest message (1, 3, 7, ... kept) until a render does not fit,
+        # then a bisection: renders about the context's size, however long the conversation
+        mid = max(lo, hi + 1 - step) if lo == 1 else (lo + hi) // 2
         ids = await chat_ids(without(mid), tokenizer, tools, options)
         if len(ids) < context:
-            best, hi = ids, mid - 1
+            best, hi, step = ids, mid - 1, 2 * step
         else:
             lo = mid + 1
     return best if best is not None else await chat_ids(without(len(rest) - 1), tokenizer, tools, options)

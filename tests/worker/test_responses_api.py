@@ -280,6 +280,47 @@ async def test_a_dropped_call_takes_its_tool_result_with_it() -> None:
     assert await _fitted(tail, 1, tok, None, 1000) == tok.encode_chat([messages[0], *messages[1:3]])
 
 
+async def test_truncation_auto_keeps_the_most_turns_that_fit_rendering_about_the_context_only() -> None:
+    """The kept turns are the most that fit (a brute force over every turn start agrees), and the
+    search renders prompts about the context's size, not halves of a conversation of thousands of
+    messages."""
+    import random
+
+    from router.tokenization import ByteTokenizer
+    from worker.responses_api import _fitted
+
+    rendered: list[int] = []
+
+    class Counting(ByteTokenizer):
+        def render_chat(self, messages, tools=None, **options):  # type: ignore[no-untyped-def]
+            text = super().render_chat(messages, tools, **options)
+            rendered.append(len(text))
+            return text
+
+    tok, rng = Counting(), random.Random(0)
+    for trial in range(40):
+        turns = rng.randrange(1, 30)
+        rest = [m for i in range(turns) for m in (
+            {"role": "user", "content": "q" * rng.randrange(1, 200) + str(i)},
+            {"role": "assistant", "content": "a" * rng.randrange(1, 200)},
+        )][: 2 * turns - rng.randrange(2)]  # fmt: skip
+        messages = [{"role": "system", "content": "Be brief."}, *rest]
+        context = rng.randrange(40, 3000)
+        fits = [u for u in range(0, len(rest), 2) if len(tok.encode_chat(messages[:1] + rest[u:])) < context]
+        expected = tok.encode_chat(messages[:1] + rest[fits[0] if fits else len(rest) - 1 :])
+        if fits and fits[0] == 0:
+            continue  # fits whole: no truncation
+        assert await _fitted(messages, 1, tok, None, context) == expected, trial
+    long = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " + "x" * 90}
+        for i in range(4001)
+    ]
+    rendered.clear()
+    ids = await _fitted([{"role": "system", "content": "Be brief."}, *long], 1, tok, None, 2000)
+    assert 1000 < len(ids) < 2000
+    assert len(rendered) <= 2 * 12 + 2 and max(rendered) < 4 * 2000, rendered
+
+
 ADD = {
     "type": "function",
     "name": "add",
