@@ -35,6 +35,7 @@ _POSITIVE_SECONDS = (
     "request_timeout_s",
     "body_timeout_s",
     "replica_sync_heartbeat_s",
+    "event_stream_timeout_s",
     "queue_timeout_s",
     "discovery_interval_s",
 )
@@ -79,6 +80,9 @@ class RouterConfig:
     worker_api_key: str | None = None  # sent to workers as Authorization: Bearer (their --api-key)
     kv_events: str = "auto"  # auto | redis | http | off
     redis_url: str | None = None
+    # a worker's HTTP event stream silent this long is opened again: the workers send a ping every 15 s
+    # when idle, so it was dropped on the way (a NAT or firewall forgot it) with no end seen here
+    event_stream_timeout_s: float = 45.0
     # router replicas announce their per-worker load to each other over Redis (router/replica_sync.py):
     # auto = on when redis_url is set
     replica_sync: str = "auto"  # auto | on | off

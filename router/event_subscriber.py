@@ -354,7 +354,8 @@ class EventSubscriber:
         assert session is not None
         while worker in self._router.workers:
             try:
-                timeout = aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=None)
+                silence = self._router.config.event_stream_timeout_s
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=silence)
                 async with session.get(worker.url + "/v1/cache/events", timeout=timeout) as resp:
                     if resp.status == 404:
                         log.info("%s has no KV event stream: routing on predictions only", worker.url)

@@ -20,9 +20,11 @@ class Launcher:
         self.procs.append(proc)
         return proc
 
-    def router(self, workers: list[str], *args: str, ready_path: str = "/health") -> Proc:
+    def router(
+        self, workers: list[str], *args: str, ready_path: str = "/health", env: dict[str, str] | None = None
+    ) -> Proc:
         worker_args = ["--workers", ",".join(workers)] if workers else []
-        proc = start_module("router", [*worker_args, *args], self.tmp_dir, ready_path=ready_path)
+        proc = start_module("router", [*worker_args, *args], self.tmp_dir, ready_path=ready_path, env=env)
         self.procs.append(proc)
         return proc
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,3 +170,42 @@ def start_redis(port: int) -> subprocess.Popen:
     """A throwaway redis-server on a loopback port (no persistence); returns once it accepts connections."""
     assert REDIS is not None, "redis-server not installed"
     return redis_server(port)
+
+
+class SilencingProxy:
+    """A TCP proxy from a loopback port to ``target_port``, served in a daemon thread. ``silence()``:
+    the connections open then pass no more bytes either way and stay open, as a connection a NAT or
+    a firewall forgot does (neither end sees it end); connections made later pass as before."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._open: list[list] = []  # [silenced, its two writers] per connection: kept open while silent
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(asyncio.start_server(self._relay, sock=sock), self._loop).result(10)
+
+    def silence(self) -> None:
+        async def now() -> None:
+            for connection in self._open:
+                connection[0] = True
+
+        asyncio.run_coroutine_threadsafe(now(), self._loop).result(10)
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        connection = [False, client_writer, upstream_writer]
+        self._open.append(connection)
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                if not connection[0]:
+                    writer.write(data)
+                    await writer.drain()
+            if not connection[0]:
+                writer.close()
+
+        await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer),
+                             return_exceptions=True)  # fmt: skip

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from router.kv_events import decode
-from tests.support import REDIS, children, free_port, serve_in_thread, wait_until
+from tests.support import REDIS, SilencingProxy, children, free_port, serve_in_thread, wait_until
 from tests.worker.conftest import save_checkpoint
 
 SYSTEM = "You are radixgate's test assistant. Answer in one short sentence, politely. " * 20  # ~1.5k tokens
@@ -353,6 +353,31 @@ def test_a_worker_whose_events_never_reach_redis_is_warned_about_and_followed_by
         lambda: matched_tokens(router.url, body)[worker.url] == 0, 15, what="the flush from a snapshot"
     )
     assert router.log().count("none has arrived from Redis") == 1
+
+
+def test_an_event_stream_dropped_on_the_way_is_opened_again(launch):
+    """A connection a NAT or a firewall forgot ends at neither side: the router's HTTP event stream over
+    it goes silent (not even the worker's pings come). Silent past event_stream_timeout_s it is opened
+    again, and the worker's batches are followed again, not only its snapshots after a lost batch."""
+    worker = launch.sim_worker()
+    proxy = SilencingProxy(int(worker.url.rsplit(":", 1)[1]))
+    router = launch.router([proxy.url], "--kv-events", "http", env={"RADIXGATE_EVENT_STREAM_TIMEOUT_S": "1"})
+    batches = f'radixgate_upstream_kv_event_batches_total{{worker="{proxy.url}"}}'
+    resyncs = f'radixgate_upstream_kv_resyncs_total{{worker="{proxy.url}"}}'
+    sent = iter(range(1000))
+
+    def a_batch_applied(before: float) -> bool:
+        body = {"model": "sim-8b", "prompt": f"{next(sent)} " + SYSTEM, "max_tokens": 2}
+        assert httpx.post(worker.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        return metric(router.url, batches) > before
+
+    wait_until(lambda: metric(router.url, resyncs) >= 1, 30, what="the first snapshot")
+    wait_until(lambda: a_batch_applied(0), 30, interval=0.5, what="a batch over the stream")
+    proxy.silence()
+    before = metric(router.url, resyncs)
+    wait_until(lambda: metric(router.url, resyncs) > before, 30, what="the stream opened again")
+    applied = metric(router.url, batches)
+    wait_until(lambda: a_batch_applied(applied), 30, interval=0.5, what="a batch over the new stream")
 
 
 def test_a_router_behind_a_worker_re_syncs_it_only_when_its_events_stop_coming():
