@@ -56,7 +56,12 @@ class ReplicaSync:
         self._flush_soon = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pub: RespConnection | None = None
+        self._sub: RespConnection | None = None
         self._heard: dict[str, float] = {}  # replica -> monotonic time of its last message
+        # when our own announcement last came back on the subscription (or a connection was made), and
+        # whether one came back since the connections were last made again for want of it
+        self._echoed = time.monotonic()
+        self._echo_heard = False
         self._tasks: list[asyncio.Task] = []
         self.stats = {"sent": 0, "received": 0, "malformed": 0, "publish_errors": 0, "expired": 0}
 
@@ -126,6 +131,7 @@ class ReplicaSync:
 
         def opened(conn: RespConnection) -> None:
             self._pub = conn
+            self._echoed = time.monotonic()
 
         await self._keep_connected("publish connection", self._publish_reply, opened)
 
@@ -134,12 +140,33 @@ class ReplicaSync:
             await asyncio.sleep(self.heartbeat_s)
             self._send(_own_counts(self.registry), full=True)
             self.expire(time.monotonic())
+            self._check_round_trip(time.monotonic())
 
     # ---------------------------------------------------------------- receiving
     async def _subscriber(self) -> None:
-        await self._keep_connected(
-            "subscription", self._on_message, lambda conn: conn.send(command("SUBSCRIBE", self.channel))
-        )
+        def opened(conn: RespConnection) -> None:
+            self._sub = conn
+            self._echoed = time.monotonic()
+            conn.send(command("SUBSCRIBE", self.channel))
+
+        await self._keep_connected("subscription", self._on_message, opened)
+
+    def _check_round_trip(self, now: float) -> None:
+        """Our own announcements come back on the subscription. None for ``expire_s`` while both
+        connections are open: Redis went away without either seeing an end (its host lost, or an
+        address moved to another one), so both are made again.
+        NOTE: nothing else ends a subscription, which only reads (this replica would hear no peer again
+        for good); the publishing connection would wait out TCP's retries (~15 min)."""
+        sub, pub = self._sub, self._pub
+        closed = sub is None or pub is None or sub.is_closed or pub.is_closed
+        if closed or now - self._echoed <= self.expire_s:
+            return
+        if self._echo_heard:  # NOTE: once: while Redis stays away, _keep_connected logs its tries
+            log.warning("replica sync: none of our announcements came back from Redis for %.1fs; "
+                        "connecting again", now - self._echoed)  # fmt: skip
+        self._echoed, self._echo_heard = now, False
+        sub.abort()
+        pub.abort()
 
     async def _keep_connected(
         self, what: str, on_value: Callable[[Any], None], on_open: Callable[[RespConnection], None]
@@ -207,6 +234,7 @@ class ReplicaSync:
             self.stats["malformed"] += 1
             return
         if replica == self.replica:
+            self._echoed, self._echo_heard = now, True
             return
         self.stats["received"] += 1
         if full and not counts:

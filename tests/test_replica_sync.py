@@ -223,6 +223,57 @@ def test_announcements_to_a_redis_that_reads_nothing_are_bounded_and_the_connect
     assert made_again and heard_again
 
 
+def test_a_redis_gone_without_a_word_is_connected_to_again():
+    """Redis lost on the way (its host gone, an address moved to another one: no end reaches either
+    connection): the subscription only reads, so nothing ended it, and this replica heard no peer
+    again for good. Its own announcements stop coming back: both connections are made again."""
+    import asyncio
+
+    from tests.support import SilencingProxy, start_redis
+
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    port = free_port()
+    redis = start_redis(port)
+    proxy = SilencingProxy(port)
+    try:
+
+        def registry_of(*urls: str) -> WorkerRegistry:
+            registry = WorkerRegistry(CircuitBreaker, 100.0)
+            for url in urls:
+                registry.add(url)
+            return registry
+
+        async def wait_for(condition, what: str) -> None:
+            for _ in range(1000):
+                if condition():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        async def run() -> None:
+            registry = registry_of(A)
+            through_proxy = proxy.url.replace("http", "redis", 1)
+            sync = ReplicaSync(registry, through_proxy, heartbeat_s=0.2, expire_s=0.6)
+            peer = ReplicaSync(registry_of(), f"redis://127.0.0.1:{port}", heartbeat_s=0.2, expire_s=0.6)
+            await sync.start()
+            await peer.start()
+            try:
+                await wait_for(lambda: sync.stats["received"] and peer.stats["received"], "each other")
+                proxy.silence()
+                heard, told = sync.stats["received"], peer.stats["received"]
+                await wait_for(lambda: sync.stats["received"] > heard + 2, "the peer heard again")
+                await wait_for(lambda: peer.stats["received"] > told + 2, "this replica heard again")
+            finally:
+                await sync.stop()
+                await peer.stop()
+
+        asyncio.run(run())
+    finally:
+        redis.terminate()
+        redis.wait(10)
+
+
 @pytest.mark.redis
 def test_a_redis_that_refuses_the_commands_is_logged_and_asked_again_with_backoff(caplog):
     """A Redis that takes the connection but refuses SUBSCRIBE and PUBLISH (a password or an ACL the
