@@ -436,7 +436,8 @@ class EventSubscriber:
             except asyncio.CancelledError:
                 raise
             except (redis.exceptions.RedisError, OSError) as exc:
-                log.warning("redis stream %s: %r", key, exc)
+                if attempt == 5 or attempt % 50 == 0:  # NOTE: 1st, 6th, every 50th: a try every 5 s
+                    log.warning("redis stream %s: %r", key, exc)
                 await asyncio.sleep(reconnect_delay(attempt))
                 attempt += 1
             except Exception:  # NOTE: a bug must not end the model's stream for good

@@ -1329,3 +1329,32 @@ def test_a_conversations_next_turn_reuses_its_cached_prefix_ids_and_says_so(laun
     assert routed["prompt_tokens"] == len(
         tok.encode_text(tok.render_chat(second, add_generation_prompt=True))
     )
+
+
+def test_a_redis_that_stays_away_is_logged_once_not_at_every_reconnection(launch):
+    """Redis down (here: a port that takes each connection and closes it): the KV event stream's
+    reader tries again every 5 s at most, for as long as it takes; each try was a warning in the
+    router's log (720 an hour per model), where the replica sync and the workers log the first."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    tries = []
+
+    def refuse_all() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                tries.append(conn)
+                conn.close()
+
+    threading.Thread(target=refuse_all, daemon=True).start()
+    backend = launch.echo_backend()
+    redis_url = f"redis://127.0.0.1:{server.getsockname()[1]}"
+    router = launch.router([backend.url], "--redis-url", redis_url, "--replica-sync", "off")
+    try:
+        wait_until(lambda: len(tries) >= 8, 60, what="the reader trying again and again")
+    finally:
+        server.close()
+    assert router.log().count("redis stream radixgate:kv:echo:") <= 2
