@@ -4,12 +4,13 @@ One walk over a prompt's block hashes matches every worker at once; memory is bo
 global budget of (block, worker) entries. It never raises on odd events and never does I/O.
 
 Layout: a radix tree with compressed edges over chained block hashes (a hash names its prefix).
-A node is an int id; its fields live in dicts keyed by the ids of live nodes: ``_run`` (a tuple
-of consecutive hashes held by the same workers), ``_mask`` (bit i = slot i), ``_kids`` (children
-keyed by first hash), ``_parent`` (or ``_up``, the hash before a parentless run), ``_touched``
-(the tick of the last update touching it or a descendant), ``_ticks`` (once a second worker holds
-it: each holder's last update through it) and ``_confirmed`` (the holders whose stored event named
-the run; an insert's blocks are only predicted, and never extend a confirmed run in place).
+A node is an int id; its fields live in dicts keyed by the ids of live nodes: ``_run`` (an
+``array('Q')`` of consecutive hashes held by the same workers), ``_mask`` (bit i = slot i),
+``_kids`` (children keyed by first hash), ``_parent`` (or ``_up``, the hash before a parentless
+run), ``_touched`` (the tick of the last update touching it or a descendant), ``_ticks`` (once a
+second worker holds it: each holder's last update through it) and ``_confirmed`` (the holders
+whose stored event named the run; an insert's blocks are only predicted, and never extend a
+confirmed run in place).
 ``_where[h]`` is the id of the node holding block ``h``, written for new blocks, on splits and
 when a stored child joins its parent's run. ``_held[slot]`` holds the ids of the live nodes whose
 mask has that slot's bit, so a worker's nodes are found without walking the others'.
@@ -30,14 +31,15 @@ index is under budget (it may free up to workers-on-the-block - 1 entries more t
 Leaves go before ancestors, so it never opens a hole. Eviction reads the node's tick; a take-back
 reads its worker's (another worker's request for the same prompt does not keep it).
 
-Garbage collection: nodes are ids, not objects, and runs are tuples of ints, which the collector
-stops tracking once a young collection has seen them, so a full collection walks neither blocks nor
-nodes, only a few dicts and the leaf heap (docs/benchmarks/route-decision.md).
+Garbage collection: nodes are ids, not objects; ``_where`` maps hashes to ids (ints only) and
+``_leaves`` queues ids, so a full collection walks no block and one object per node, its run's
+array (which holds no references), plus a few dicts (docs/benchmarks/route-decision.md). Runs are
+arrays, not tuples of ints (untracked once a collection has seen them): every new or grown tuple
+would be scanned item by item by the next young collection, ms-long pauses inside route decisions.
 
 Cost: ``match`` is O(nodes on the path + log(run)): equal last hashes mean a whole run agrees,
 else bisect. ``insert`` touches the same nodes plus one dict write per *new* block (memory-bound,
-~0.3 us each on large indexes); a run that grows, splits or loses its tail is copied (tuples are
-immutable: O(run), ~1 us per 1,000 blocks). Memory: ~60 bytes per distinct block plus ~310 per node; another
+~0.3 us each on large indexes). Memory: ~60 bytes per distinct block plus ~310 per node; another
 worker on a node costs one bit and one id in its ``_held``, and a node two or more workers hold keeps a
 small dict of their ticks. ``remove_worker``/``clear_worker`` visit that worker's nodes only.
 Re-sync: ``resync_steps`` (in slices) ends as ``clear_worker`` then
@@ -48,6 +50,7 @@ snapshot no longer names and applies only the runs that add or confirm blocks.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import count, repeat
@@ -108,7 +111,7 @@ class PrefixIndex:
         self._held: list[dict[int, None]] = []  # bit index -> ids of the live nodes with that bit
         self._where: dict[int, int] = {}  # block hash -> id of its node
         # A node is its id; its fields live in these maps, keyed by the ids of live nodes.
-        self._run: dict[int, tuple[int, ...]] = {}  # consecutive block hashes, oldest first; never empty
+        self._run: dict[int, array] = {}  # consecutive block hashes, oldest first; never empty
         self._mask: dict[int, int] = {}  # workers holding every block of the run (non-zero)
         self._confirmed: dict[int, int] = {}  # the workers in the mask whose stored event named the run
         self._touched: dict[int, int] = {}  # the node's tick
@@ -350,7 +353,7 @@ class PrefixIndex:
         return len(self._run)
 
     def _new_node(
-        self, run: tuple[int, ...], mask: int, tick: int, parent: int | None, up: int | None, confirmed: int = 0,
+        self, run: array, mask: int, tick: int, parent: int | None, up: int | None, confirmed: int = 0,
         ticks: dict[int, int] | None = None,
     ) -> int:  # fmt: skip
         """A live node with a fresh id (no children yet; the caller links it to its siblings)."""
@@ -475,7 +478,7 @@ class PrefixIndex:
         """Store blocks new to the index as one run after ``at``; returns how many were new (a
         chain that meets known blocks or repeats a hash is cut there)."""
         where, tick = self._where, self._tick
-        # NOTE: a sole holder's leaf grows (a longer tuple), so a long conversation stays one node.
+        # NOTE: a sole holder's leaf grows in place, so a long conversation stays one node.
         extend = (
             at is not None
             and not self._kids[at]
@@ -485,13 +488,15 @@ class PrefixIndex:
         owner = (
             at
             if at is not None and extend
-            else self._new_node((), bit, tick, at, None if at is not None else up, bit if stored else 0)
+            else self._new_node(
+                array("Q"), bit, tick, at, None if at is not None else up, bit if stored else 0
+            )
         )
         before = len(where)
         deque(map(where.setdefault, run, repeat(owner)), maxlen=0)
         if len(where) - before != len(run):
             run = self._keep_new(run, owner)
-        self._run[owner] += tuple(run)
+        self._run[owner].extend(run)
         if not extend:
             siblings = self._kids[at] if at is not None else self._roots.setdefault(up, {})
             siblings[run[0]] = owner
@@ -529,7 +534,7 @@ class PrefixIndex:
             and (masks[up], confirmed[up]) == (masks[nid], confirmed[nid])
         ):
             run = self._run[nid]
-            self._run[up] += run
+            self._run[up].extend(run)
             above, below = self._ticks.get(up), self._ticks.get(nid)
             if above is not None or below is not None:  # NOTE: the later touch of either, in doubt
                 self._ticks[up] = {
@@ -579,15 +584,15 @@ class PrefixIndex:
             head = self._new_node(
                 run[:k], mask, tick, self._parent.get(nid), self._up.get(nid), confirmed, _copy(ticks)
             )
-            self._run[nid] = run[k:]
-            self._siblings(head)[run[0]] = head
-            self._kids[head] = {run[k]: nid}
+            del run[:k]
+            self._siblings(head)[self._run[head][0]] = head
+            self._kids[head] = {run[0]: nid}
             self._parent[nid] = head
             self._up.pop(nid, None)
             self._where.update(zip(self._run[head], repeat(head)))
             return head, nid
         tail = self._new_node(run[k:], mask, tick, nid, None, confirmed, _copy(ticks))
-        self._run[nid] = run[:k]
+        del run[k:]
         self._kids[tail], self._kids[nid] = self._kids[nid], {self._run[tail][0]: tail}
         for child in self._kids[tail].values():
             self._parent[child] = tail
@@ -673,7 +678,7 @@ class PrefixIndex:
                 self._drop(nid)
                 continue
             tail = run[-blocks:]
-            self._run[nid] = run[:-blocks]
+            del run[-blocks:]
             deque(map(self._where.pop, tail), maxlen=0)
             self._entries -= blocks * holders
             self._count(mask, -blocks)
