@@ -6,7 +6,7 @@ global budget of (block, worker) entries. It never raises on odd events and neve
 Layout: a radix tree with compressed edges over chained block hashes (a hash names its prefix).
 A node is an int id; its fields live in dicts keyed by the ids of live nodes: ``_run`` (an
 ``array('Q')`` of consecutive hashes held by the same workers), ``_mask`` (bit i = slot i),
-``_kids`` (children keyed by first hash), ``_parent`` (or ``_up``, the hash before a parentless
+``_kids`` (children keyed by first hash, for nodes that have any), ``_parent`` (or ``_up``, the hash before a parentless
 run), ``_touched`` (the tick of the last update touching it or a descendant), ``_ticks`` (once a
 second worker holds it: each holder's last update through it) and ``_confirmed`` (the holders
 whose stored event named the run; an insert's blocks are only predicted, and never extend a
@@ -120,7 +120,8 @@ class PrefixIndex:
         self._ticks: dict[int, dict[int, int]] = {}
         self._parent: dict[int, int] = {}  # child -> parent, for nodes that have one
         self._up: dict[int, int | None] = {}  # parentless node -> the hash before its run
-        self._kids: dict[int, dict[int, int]] = {}  # node -> first hash of a child's run -> child
+        # node -> first hash of a child's run -> child; only nodes with children (most are leaves)
+        self._kids: dict[int, dict[int, int]] = {}
         self._ids = count(1)  # node ids, never reused (a dead node's heap entries stay stale)
         self._roots: dict[int | None, dict[int, int]] = {}  # parent hash -> first hash -> node
         self._leaves: list[tuple[int, int, int]] = []  # heap of (tick, seq, leaf's id), lazy
@@ -359,7 +360,6 @@ class PrefixIndex:
         """A live node with a fresh id (no children yet; the caller links it to its siblings)."""
         nid = next(self._ids)
         self._run[nid], self._mask[nid], self._confirmed[nid], self._touched[nid] = run, mask, confirmed, tick
-        self._kids[nid] = {}
         if ticks is not None:
             self._ticks[nid] = ticks
         if parent is not None:
@@ -376,7 +376,8 @@ class PrefixIndex:
         held = self._held
         for slot in _slots(self._mask.pop(nid)):
             del held[slot][nid]
-        del self._run[nid], self._confirmed[nid], self._touched[nid], self._kids[nid]
+        del self._run[nid], self._confirmed[nid], self._touched[nid]
+        self._kids.pop(nid, None)
         self._ticks.pop(nid, None)
         self._parent.pop(nid, None)
         self._up.pop(nid, None)
@@ -481,7 +482,7 @@ class PrefixIndex:
         # NOTE: a sole holder's leaf grows in place, so a long conversation stays one node.
         extend = (
             at is not None
-            and not self._kids[at]
+            and at not in self._kids
             and self._mask[at] == bit
             and bool(self._confirmed[at]) == stored
         )
@@ -498,7 +499,7 @@ class PrefixIndex:
             run = self._keep_new(run, owner)
         self._run[owner].extend(run)
         if not extend:
-            siblings = self._kids[at] if at is not None else self._roots.setdefault(up, {})
+            siblings = self._kids.setdefault(at, {}) if at is not None else self._roots.setdefault(up, {})
             siblings[run[0]] = owner
             self._push_leaf(owner)
         self._entries += len(run)
@@ -542,10 +543,13 @@ class PrefixIndex:
                     for s in _slots(masks[up])
                 }
             self._where.update(zip(run, repeat(up)))
-            kids[up] = kids[nid]
-            for child in kids[up]:
-                self._parent[kids[up][child]] = up
-            if not kids[up]:
+            below_kids = kids.pop(nid, None)
+            if below_kids:
+                kids[up] = below_kids
+                for child in below_kids.values():
+                    self._parent[child] = up
+            else:
+                del kids[up]
                 self._push_leaf(up)
             self._retire(nid)  # NOTE: dead: the heap skips its id
             nid, up = up, self._parent.get(up)
@@ -571,7 +575,7 @@ class PrefixIndex:
                     continue
                 del waiting[first], self._up[orphan]
                 self._parent[orphan] = nid
-                self._kids[nid][first] = orphan
+                self._kids.setdefault(nid, {})[first] = orphan
             if waiting:
                 roots[up] = waiting
 
@@ -593,17 +597,20 @@ class PrefixIndex:
             return head, nid
         tail = self._new_node(run[k:], mask, tick, nid, None, confirmed, _copy(ticks))
         del run[k:]
-        self._kids[tail], self._kids[nid] = self._kids[nid], {self._run[tail][0]: tail}
-        for child in self._kids[tail].values():
-            self._parent[child] = tail
+        below_kids = self._kids.get(nid)
+        if below_kids:
+            self._kids[tail] = below_kids
+            for child in below_kids.values():
+                self._parent[child] = tail
+        self._kids[nid] = {self._run[tail][0]: tail}
         self._where.update(zip(self._run[tail], repeat(tail)))
-        if not self._kids[tail]:
+        if tail not in self._kids:
             self._push_leaf(tail)
         return nid, tail
 
     def _drop(self, nid: int) -> None:
         """Remove a live node for every worker; its children become orphans under its last hash."""
-        run, mask, kids, where = self._run[nid], self._mask[nid], self._kids[nid], self._where
+        run, mask, kids, where = self._run[nid], self._mask[nid], self._kids.get(nid), self._where
         deque(map(where.pop, run), maxlen=0)
         self._entries -= len(run) * mask.bit_count()
         self._count(mask, -len(run))
@@ -613,6 +620,7 @@ class PrefixIndex:
         if parent is None and not siblings:
             del self._roots[up]
         elif parent is not None and not siblings:
+            del self._kids[parent]
             self._push_leaf(parent)
         if kids:
             orphans = self._roots.setdefault(run[-1], {})
@@ -659,14 +667,13 @@ class PrefixIndex:
         heapq.heappush(leaves, (self._touched[nid], next(self._seq), nid))
         if len(leaves) > 2 * self._nodes + 1024:  # mostly stale entries: rebuild, amortised O(1)
             touched = self._touched
-            self._leaves = [(touched[n], next(self._seq), n) for n, kids in self._kids.items() if not kids]
+            self._leaves = [(touched[n], next(self._seq), n) for n in touched if n not in self._kids]
             heapq.heapify(self._leaves)
 
     def _evict_over_budget(self) -> None:
         while self._entries > self.max_entries and self._leaves:
             tick, _, nid = heapq.heappop(self._leaves)
-            kids = self._kids.get(nid)
-            if kids is None or kids:
+            if nid not in self._run or nid in self._kids:
                 continue  # dropped, or no longer a leaf
             if tick != self._touched[nid]:
                 self._push_leaf(nid)  # touched since it was queued

@@ -259,12 +259,13 @@ def _check_invariants(index: PrefixIndex) -> None:
         nodes.append(node)
         assert len(nodes) <= len(index._where) + 1, "a cycle in the tree"
         assert (node in index._parent) != (node in index._up), "a node with a parent and a parent hash"
-        for first, child in index._kids[node].items():
+        for first, child in index._kids.get(node, {}).items():
             assert index._parent[child] == node and run[child][0] == first and touched[child] <= touched[node]
             stack.append(child)
     assert len(nodes) == len(set(nodes)) == index._nodes
-    for fields in (run, mask, confirmed, touched, index._kids):  # a dead node's fields go with it
+    for fields in (run, mask, confirmed, touched):  # a dead node's fields go with it
         assert set(fields) == set(nodes)
+    assert set(index._kids) <= set(nodes) and all(index._kids.values()), "children kept for nodes with none"
     assert set(index._parent) | set(index._up) == set(nodes) and set(ticks) <= set(nodes)
     assert all(mask[n] and run[n] and confirmed[n] & ~mask[n] == 0 for n in nodes)
     assert sum(len(run[n]) for n in nodes) == len(index._where)
@@ -277,7 +278,7 @@ def _check_invariants(index: PrefixIndex) -> None:
         assert n not in ticks or set(ticks[n]) <= holders
         assert max(ticks.get(n, {}).values(), default=0) <= touched[n]
     queued = {nid for _, _, nid in index._leaves}
-    assert all(n in queued for n in nodes if not index._kids[n]), "a leaf missing from the heap"
+    assert all(n in queued for n in nodes if n not in index._kids), "a leaf missing from the heap"
     for slot, held in enumerate(index._held):  # each worker's node ids, against a scan of every node
         assert set(held) == {n for n in nodes if mask[n] >> slot & 1}, f"slot {slot}'s node ids"
 
