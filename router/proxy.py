@@ -18,6 +18,7 @@ import orjson
 from router.errors import RouterError
 from router.http_client import (
     Abandoned,
+    ConnectionBroken,
     HTTPClient,
     HTTPClientError,
     OutOfResources,
@@ -233,6 +234,10 @@ class Upstream:
         except Abandoned as exc:  # NOTE: its health checks stopped answering (HealthChecker)
             raise UpstreamFailure(
                 "unresponsive", f"worker {worker.url} stopped answering: {exc}", 504
+            ) from None
+        except ConnectionBroken as exc:  # NOTE: it was reached: it closed (died?) or garbled before its head
+            raise UpstreamFailure(
+                "closed", f"worker {worker.url} broke off before answering: {exc}", 502
             ) from None
         except HTTPClientError as exc:
             raise UpstreamFailure("connect", f"worker {worker.url} unreachable: {exc}", 502) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 import threading
 import time
 import uuid
@@ -231,6 +232,72 @@ def test_a_whole_answer_cut_off_after_its_head_goes_to_the_next_worker(launch, f
     tries = errors.get(f'{{kind="stream_broken",worker="{broken.url}"}}', 0)
     assert tries >= 1 and sum(errors.values()) == tries, errors
     assert metric_values(text, "radixgate_upstream_retries_total")[f'{{worker="{broken.url}"}}'] == tries
+
+
+class HangingUpWorker:
+    """Answers GET /health and /v1/models as a worker does (any other GET: 404); a POST is read
+    whole, then its connection closed with no response head, as a worker that dies mid-request."""
+
+    def __init__(self) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        start = asyncio.start_server(self._serve, sock=sock)
+        self._server = asyncio.run_coroutine_threadsafe(start, self._loop).result(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answers = {
+            "/health": {"status": "ok", "running": 0, "waiting": 0},
+            "/v1/models": {"data": [{"id": "faulty"}]},
+        }
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ")
+                sizes = [
+                    int(v)
+                    for k, _, v in (line.partition(":") for line in lines[1:])
+                    if k.lower() == "content-length"
+                ]
+                await reader.readexactly(sizes[0] if sizes else 0)
+                if method == "POST":
+                    break
+                body = orjson.dumps(answers.get(path, {"error": "not found"}))
+                status = b"200 OK" if path in answers else b"404 Not Found"
+                writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, len(body), body))  # fmt: skip
+                await writer.drain()
+        writer.close()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+
+
+def test_a_worker_that_hangs_up_before_its_answers_head_is_charged_as_closed_not_unreachable(launch, faulty):
+    """A worker that takes a request and closes the connection before any response head (it died
+    mid-request) was reached: its fault is counted as `closed`, not as a connection error, and the
+    request goes to the next worker."""
+
+    async def fine(request: Request) -> JSONResponse:
+        return JSONResponse({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    hanging, good = HangingUpWorker(), faulty(completions=fine)
+    try:
+        router = launch.router([hanging.url, good.url], "--policy", "round_robin")
+        for i in range(2):  # round robin: one of them tries the hanging worker first
+            answer = httpx.post(
+                router.url + "/v1/completions", json={"model": "faulty", "prompt": f"x{i}"}, timeout=30
+            )
+            assert answer.status_code == 200 and answer.headers["x-radixgate-worker"] == good.url, answer.text
+        errors = metric_values(
+            httpx.get(router.url + "/metrics", timeout=10).text, "radixgate_upstream_errors_total"
+        )
+        tries = errors.get(f'{{kind="closed",worker="{hanging.url}"}}', 0)
+        assert tries >= 1 and sum(errors.values()) == tries, errors
+    finally:
+        hanging.stop()
 
 
 def test_a_fault_then_a_full_queue_is_the_faults_error_not_a_429(launch, faulty):
