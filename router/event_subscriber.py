@@ -187,6 +187,7 @@ class EventSubscriber:
         self._cursors.pop(worker.url, None)
         self._reported.pop(worker.url, None)
         self._lost_wait.pop(worker.url, None)
+        self._silent.discard(worker.url)  # NOTE: a worker added again at this URL is warned about afresh
         task = self._tasks.pop(worker.url, None)
         if task is not None:
             task.cancel()

@@ -353,6 +353,11 @@ def test_a_worker_whose_events_never_reach_redis_is_warned_about_and_followed_by
         lambda: matched_tokens(router.url, body)[worker.url] == 0, 15, what="the flush from a snapshot"
     )
     assert router.log().count("none has arrived from Redis") == 1
+    # removed and added again at its URL: a worker of its own, warned about afresh
+    assert httpx.delete(router.url + "/workers", params={"url": worker.url}, timeout=5).status_code == 200
+    assert httpx.post(router.url + "/workers", json={"url": worker.url}, timeout=5).status_code == 201
+    assert httpx.post(worker.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    wait_until(lambda: router.log().count("none has arrived from Redis") == 2, 15, what="the warning again")
 
 
 def test_an_event_stream_dropped_on_the_way_is_opened_again(launch):
