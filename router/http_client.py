@@ -276,7 +276,7 @@ def _expire(waiter: asyncio.Future, total: bool) -> None:
 
 def worker_base_url(url: object) -> str:
     """``url`` as a worker's base URL, without a trailing slash. ValueError unless it is an http(s)
-    URL with a host, a port in range (if any), and no query, fragment or whitespace."""
+    URL with a host, a port in range (if any), and no credentials, query, fragment or whitespace."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
     try:
@@ -287,6 +287,10 @@ def worker_base_url(url: object) -> str:
         raise ValueError(f"worker URL {url!r}: {exc}") from None
     if not parts.hostname or any(c.isspace() or c in "?#" for c in url):  # NOTE: an empty query too
         raise ValueError(f"worker URL {url!r} needs a host, and takes no query, fragment or spaces")
+    if "@" in parts.netloc:
+        # NOTE: never sent (the router's key for workers is --worker-api-key), yet a worker's URL is
+        # shown on the open /metrics and in every answer's x-radixgate-worker header
+        raise ValueError(f"worker URL {parts.hostname!r} takes no user or password: use --worker-api-key")
     try:
         parts.hostname.encode("idna")  # NOTE: as a connection would: an empty or over-long label fails
     except UnicodeError:

@@ -447,6 +447,8 @@ def test_admin_add_and_remove_workers(fleet, launch):
             "http://a:1#",
             "http://a:0",
             "http://a..b:80",
+            "http://user:pw@a:1",
+            "http://a:1\\@b",
         ):
             r = client.post("/workers", json={"url": bad}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)
