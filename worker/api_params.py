@@ -53,9 +53,10 @@ class APIError(Exception):
 
 async def read_bounded(request: Request, limit: int) -> bytes:
     """The request's body; 413 past ``limit`` bytes, counted as they arrive (a chunked body
-    declares no length), without reading the rest."""
+    declares no length), without reading the rest; 408 when it has not all arrived within the app's
+    ``body_timeout_s`` (server.create_app): a client trickling it holds a connection for good."""
     try:
-        return await read_body(request, limit)
+        return await read_body(request, limit, request.app.state.body_timeout_s)
     except RouterError as exc:
         raise APIError(exc.status, exc.message, exc.code) from None
     except ClientGone:

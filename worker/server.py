@@ -468,10 +468,12 @@ def create_app(
     tool_call_parser: str = "hermes", api_key: str | None = None, kv_transfer_max_mib: int = 1024,
     kv_fetch_timeout_s: float = 5.0, kv_link_ms_per_token: float = 0.0, kv_transfer_max_wait_ms: float = 200.0,
     reasoning_parser: str = "none", kv_hints: str = "keyed", max_stored_responses_mib: int = 1024,
+    body_timeout_s: float = 30.0,
 ) -> Starlette:  # fmt: skip
     """The worker app; its lifespan starts the engine (if not started) and stops it. With
     ``api_key`` every endpoint but /health and /metrics (probes, scrapers) needs it. ``kv_hints``
-    (--kv-hints): who may name a KV source."""
+    (--kv-hints): who may name a KV source. ``body_timeout_s``: a request's body must have arrived
+    within it (else 408), as the router's own setting of that name."""
     kv = KVTransfer(engine, api_key, kv_transfer_max_mib << 20, kv_fetch_timeout_s, kv_link_ms_per_token,
                     kv_transfer_max_wait_ms / 1e3)  # fmt: skip
     # NOTE: a hint names where this worker's cache gets KV from: keyed, only from holders of the fleet's key
@@ -535,6 +537,7 @@ def create_app(
         middleware=[Middleware(RequestId)],
     )
     app.state.kv_transfer = kv
+    app.state.body_timeout_s = body_timeout_s  # NOTE: read by api_params.read_bounded
     app.state.api = api  # NOTE: python -m worker ends requests in flight as its shutdown timeout ends
     app.state.kv_publisher = engine.publisher  # NOTE: python -m worker ends its event streams at shutdown
     return app

@@ -934,6 +934,30 @@ def test_a_chunked_body_past_the_bound_is_413_like_a_declared_one(server) -> Non
     )
 
 
+def test_a_body_that_does_not_arrive_in_time_is_408_and_the_worker_serves_on() -> None:
+    """A client trickling its body (one byte a second: it never goes silent) gets 408 body_timeout
+    once body_timeout_s is over, on every endpoint that reads a body."""
+    from worker.sim_engine import build_sim_engine
+
+    cfg = WorkerConfig(engine="sim", model="sim-8b", kv_cache_tokens=4096)
+    with LiveServer(build_sim_engine(cfg), ADMIN, body_timeout_s=0.5) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        for path in (b"/v1/completions", b"/v1/load_lora_adapter"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: w\r\nauthorization: Bearer " + ADMIN.encode()
+                             + b"\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{")  # fmt: skip
+                sock.settimeout(1.0)
+                answer, deadline = b"", time.monotonic() + 20
+                while not answer and time.monotonic() < deadline:
+                    try:
+                        answer = sock.recv(65536)
+                    except TimeoutError:
+                        sock.sendall(b" ")
+            assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer, (path, answer)
+        body = {"model": "sim-8b", "prompt": "fine", "max_tokens": 1}
+        assert httpx.post(live.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
 def test_bodies_past_the_inline_size_are_checked_as_small_ones_are(server) -> None:
     """A body over PARSE_INLINE_BYTES is parsed and checked in a thread (off the event loop every
     stream shares): the same answers as inline."""
