@@ -276,9 +276,13 @@ def _expire(waiter: asyncio.Future, total: bool) -> None:
 
 def worker_base_url(url: object) -> str:
     """``url`` as a worker's base URL, without a trailing slash. ValueError unless it is an http(s)
-    URL with a host, a port in range (if any), and no credentials, query, fragment or whitespace."""
+    URL in ASCII with a host, a port in range (if any), and no credentials, query, fragment or
+    whitespace."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+    if not url.isascii():
+        # NOTE: requests to it are written as its text is (the Host header, the request line)
+        raise ValueError(f"worker URL {url!r} must be ASCII: a host in its IDNA form, a path percent-encoded")
     try:
         parts = urlsplit(url)
         if parts.port == 0:  # NOTE: .port raises for one out of range or not a number

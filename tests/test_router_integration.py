@@ -449,6 +449,8 @@ def test_admin_add_and_remove_workers(fleet, launch):
             "http://a..b:80",
             "http://user:pw@a:1",
             "http://a:1\\@b",
+            "http://bücher.example:1",
+            "http://a:1/é",
         ):
             r = client.post("/workers", json={"url": bad}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)
