@@ -10,9 +10,11 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
+import yarl
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -252,7 +254,10 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             headers = forwarded_headers(request.headers)
             if router.upstream.authorization is not None:  # NOTE: the session sends the worker key
                 headers.pop("authorization", None)
-            async with session.request(request.method, url + request.url.path, timeout=timeout,
+            # NOTE: the id percent-encoded whole: sent decoded, an id of '..' named GET /v1/ and one
+            # of '%41' the id 'A'
+            target = yarl.URL(f"{url}/v1/responses/{quote(rid, safe='')}", encoded=True)
+            async with session.request(request.method, target, timeout=timeout,
                                        headers=headers) as resp:  # fmt: skip
                 payload = await resp.read()
                 content_type = resp.headers.get("content-type", "application/json")

@@ -211,3 +211,15 @@ def test_a_follow_up_naming_a_model_its_holder_does_not_serve_is_404_not_503(lau
     assert first.status_code == 200 and first.headers["x-radixgate-worker"] == holder.url
     r = _create(router.url, model="sim-70b", input="And?", previous_response_id=first.json()["id"])
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+def test_a_stored_response_is_asked_for_by_the_id_the_client_sent(launch) -> None:
+    """Retrieve and delete pass the id on as it is: an id of '..' or one with a '%' in it names
+    that id at the worker (404 response_not_found), not another path or another id."""
+    worker = launch.sim_worker()
+    router = launch.router([worker.url])
+    for sent, named in (("%2e%2e", ".."), ("resp_%2541", "resp_%41"), ("resp_a%3Fb", "resp_a?b")):
+        for method in ("GET", "DELETE"):
+            r = httpx.request(method, f"{router.url}/v1/responses/{sent}", timeout=10)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", (sent, r.text)
+            assert repr(named) in r.json()["error"]["message"], (sent, r.text)
