@@ -330,9 +330,10 @@ def check_config(config: LoadConfig) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"url must be http://HOST:PORT or https://HOST:PORT, got {url!r}")
-    # NOTE: a rate is requests/s; 0 would send nothing (None is the default: trace timestamps, or 10)
-    if config.rate is not None and config.rate <= 0:
-        raise ValueError(f"rate must be > 0 requests/s, got {config.rate}")
+    # NOTE: a rate is requests/s; 0 would send nothing, NaN or infinity every request at once
+    # (None is the default: trace timestamps, or 10)
+    if config.rate is not None and not 0 < config.rate < math.inf:
+        raise ValueError(f"rate must be > 0 requests/s and finite, got {config.rate}")
     for name, value, low in (("concurrency", config.concurrency, 1), ("requests", config.requests, 1),
                              ("max_tokens", config.max_tokens, 1), ("max_inflight", config.max_inflight, 1)):  # fmt: skip
         if value is not None and value < low:

@@ -112,8 +112,8 @@ class _Builder:
     def __init__(self, name: str, seed: int, rate: float, api: str, model: str, max_tokens: int):
         if api not in API_PATHS:
             raise ValueError(f"api must be one of {sorted(API_PATHS)}, got {api!r}")
-        if rate <= 0:
-            raise ValueError(f"rate must be positive (requests/s), got {rate}")
+        if not 0 < rate < math.inf:  # NOTE: NaN arrivals would never come due in a simulation
+            raise ValueError(f"rate must be positive and finite (requests/s), got {rate}")
         # NOTE: text and arrivals use separate streams, so changing the rate keeps every prompt.
         self.rng = random.Random(f"{name}:{seed}")
         self._arrival_rng = random.Random(f"{name}:{seed}:arrivals")

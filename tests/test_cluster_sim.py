@@ -282,6 +282,7 @@ def test_cli_rejects_unknown_policies_and_options(capsys):
         (["--workers", "0"], "workers must be >= 1, got 0"),
         (["--block-size", "0"], "block_size must be >= 1, got 0"),
         (["--index-entries", "0"], "index_entries must be >= 1, got 0"),
+        (["--rate", "nan"], "rate must be positive and finite (requests/s), got nan"),
         (["--run", "x=cache_aware:bogus=1"], "unknown parameter(s) ['bogus']"),
         (["--run", "x=cache_aware:balance_abs=abc"], "balance_abs"),
         (["--option", "foo"], "--option expects KEY=VALUE, got 'foo'"),

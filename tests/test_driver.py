@@ -383,6 +383,8 @@ async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(ser
         (["--option", "num_tenants=abc"], "option num_tenants must be a whole number, got 'abc'"),
         (["--mode", "open", "--rate", "0"], "rate must be > 0"),
         (["--mode", "open", "--rate", "-5"], "rate must be > 0"),
+        (["--mode", "open", "--rate", "nan"], "rate must be > 0 requests/s and finite, got nan"),
+        (["--mode", "open", "--rate", "inf", "--duration", "5"], "rate must be > 0 requests/s and finite"),
         (["--url", "localhost:18400"], "url must be http://HOST:PORT or https://HOST:PORT"),
         (["--url", "http://127.0.0.1:18400,127.0.0.1:18401"], "got '127.0.0.1:18401'"),
         (["compare", "/nonexistent/a.json"], "No such file"),

@@ -148,6 +148,9 @@ def test_bad_arguments_are_rejected():
         generate("tenants", 1, doc_tokens=5)
     with pytest.raises(ValueError, match="api"):
         generate("tenants", 1, api="embeddings")
+    for rate in (0.0, float("nan"), float("inf")):  # NOTE: NaN or infinite gaps are no arrival times
+        with pytest.raises(ValueError, match="rate must be positive and finite"):
+            generate("tenants", 1, rate=rate)
 
 
 @pytest.mark.parametrize(
