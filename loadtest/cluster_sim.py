@@ -154,12 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = [parse_run(x) for x in filter(None, a.policies.split(","))] + [parse_run(x) for x in a.run]
         replicas = [int(x) for x in a.routers.split(",")]
         fetches = [int(x) for x in a.kv_fetch_min_tokens.split(",")]
-        if min(replicas) < 1 or a.health_interval_s < 0 or min(fetches) < 0:
+        if min(replicas) < 1 or not a.health_interval_s >= 0 or min(fetches) < 0:
             raise ValueError("--routers must be >= 1, --health-interval-s and --kv-fetch-min-tokens >= 0")
         for flag, value, least in (("--max-tokens", a.max_tokens, 1), ("--time-scale", a.time_scale, 0),
                                    ("--event-delay-ms", a.event_delay_ms, 0),
                                    ("--replica-sync-ms", a.replica_sync_ms or 0.0, 0)):  # fmt: skip
-            if value < least:
+            if not value >= least:  # NOTE: NaN too
                 raise ValueError(f"{flag} must be >= {least}, got {value}")
         options = dict(parse_option(x) for x in a.option)
         for path in (a.md, a.json):  # NOTE: before the runs, not after them

@@ -69,9 +69,9 @@ def check_config(config: SimConfig) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(c, name)}")
     for name in ("join_workers", "join_at_s", "event_delay_s", "prefill_tokens_per_load",
                  "health_interval_s", "kv_fetch_min_tokens"):  # fmt: skip
-        if getattr(c, name) < 0:
+        if not getattr(c, name) >= 0:  # NOTE: NaN too: no simulated time compares with it
             raise ValueError(f"{name} must be >= 0, got {getattr(c, name)}")
-    if c.replica_sync_delay_s is not None and c.replica_sync_delay_s < 0:
+    if c.replica_sync_delay_s is not None and not c.replica_sync_delay_s >= 0:
         raise ValueError(f"replica_sync_delay_s must be >= 0, got {c.replica_sync_delay_s}")
     c.model.check()
     if c.policy not in SIM_POLICIES:

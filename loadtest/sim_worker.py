@@ -89,7 +89,8 @@ class WorkerModel:
         >= 0 and the schedule policy is known."""
         for name, value in asdict(self).items():
             least = 1 if name in ("max_running", "block_size", "admit_window", "kv_layers") else 0
-            if isinstance(value, int | float) and not isinstance(value, bool) and value < least:
+            # NOTE: NaN too: a NaN cost or wait compares false with every time and loses requests
+            if isinstance(value, int | float) and not isinstance(value, bool) and not value >= least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")

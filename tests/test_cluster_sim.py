@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import orjson
 import pytest
 
@@ -283,6 +285,11 @@ def test_cli_rejects_unknown_policies_and_options(capsys):
         (["--block-size", "0"], "block_size must be >= 1, got 0"),
         (["--index-entries", "0"], "index_entries must be >= 1, got 0"),
         (["--rate", "nan"], "rate must be positive and finite (requests/s), got nan"),
+        (["--max-wait-s", "nan", "--schedule-policy", "lpm"], "max_wait_s must be >= 0, got nan"),
+        (["--prefill-ms-per-token", "nan"], "prefill_ms_per_token must be >= 0, got nan"),
+        (["--join-workers", "1", "--join-at", "nan"], "join_at_s must be >= 0, got nan"),
+        (["--event-delay-ms", "nan"], "--event-delay-ms must be >= 0, got nan"),
+        (["--health-interval-s", "nan"], "--health-interval-s"),
         (["--run", "x=cache_aware:bogus=1"], "unknown parameter(s) ['bogus']"),
         (["--run", "x=cache_aware:balance_abs=abc"], "balance_abs"),
         (["--option", "foo"], "--option expects KEY=VALUE, got 'foo'"),
@@ -303,6 +310,9 @@ def test_cli_refuses_settings_it_cannot_run_before_any_run(argv, message, tmp_pa
 def test_a_sim_config_that_could_never_finish_is_refused_in_process():
     with pytest.raises(ValueError, match="max_running must be >= 1"):
         ClusterSim(SimConfig(2, "round_robin", model=WorkerModel(max_running=0)), tenants(10))
+    # NOTE: a NaN wait dropped the requests LPM reordered: they were neither old nor young
+    with pytest.raises(ValueError, match="max_wait_s must be >= 0, got nan"):
+        ClusterSim(SimConfig(2, "round_robin", model=WorkerModel(max_wait_s=math.nan)), tenants(10))
 
 
 def test_cli_creates_the_output_folders(tmp_path, capsys):
