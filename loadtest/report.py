@@ -81,6 +81,8 @@ def summarize(results: Results) -> dict[str, Any]:
     # NOTE: hit rate is None (unknown), not 0, when the server never reported cached tokens.
     reported = any(r.cached_tokens is not None for r in with_usage)
     hit_rate = cached_total / prompt_total if reported and prompt_total else None
+    # NOTE: so is the output rate when no answer reported its completion tokens (a stream without usage)
+    completions = [r.completion_tokens for r in ok if r.completion_tokens is not None]
     per_worker = Counter(r.worker or "direct" for r in ok)
     mean_load = sum(per_worker.values()) / len(per_worker) if per_worker else 0.0
     return {
@@ -98,7 +100,7 @@ def summarize(results: Results) -> dict[str, Any]:
         "latency_p50_ms": _ms(percentile(lats, 50)),
         "latency_p99_ms": _ms(percentile(lats, 99)),
         "throughput_rps": round(len(ok) / duration, 3),
-        "output_tokens_per_s": round(sum(r.completion_tokens or 0 for r in ok) / duration, 2),
+        "output_tokens_per_s": round(sum(completions) / duration, 2) if completions else None,
         "prompt_tokens": prompt_total,
         "cached_tokens": cached_total,
         "hit_rate": None if hit_rate is None else round(hit_rate, 4),

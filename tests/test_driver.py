@@ -23,15 +23,17 @@ class FakeOpenAI:
 
     Request n (1-based arrival order) fails with the first status whose divisor divides n.
     ``hang_after``: later requests wait until shutdown. ``barrier``: each request waits until
-    that many are in flight at once (503 after ``barrier_timeout_s``).
+    that many are in flight at once (503 after ``barrier_timeout_s``). ``stream_usage``: False
+    answers a stream without its usage chunk, as servers that ignore ``include_usage`` do.
     """
 
     def __init__(self, *, fail_every=None, workers=("w0", "w1", "w2"), hang_after=None, barrier=None,
-                 barrier_timeout_s=5.0, fail_marker=None):  # fmt: skip
+                 barrier_timeout_s=5.0, fail_marker=None, stream_usage=True):  # fmt: skip
         self.fail_every = fail_every or {}
         self.workers = workers
         self.hang_after, self.barrier, self.barrier_timeout_s = hang_after, barrier, barrier_timeout_s
         self.fail_marker = fail_marker
+        self.stream_usage = stream_usage
         self.arrivals = 0
         self.inflight = 0
         self.max_inflight = 0
@@ -119,7 +121,7 @@ class FakeOpenAI:
         for piece in pieces:
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if self.stream_usage and (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -172,6 +174,15 @@ async def test_closed_loop_stream_counts_errors_workers_and_hit_rate(server_fact
     ok = [r for r in results.records if r.ok]
     assert all(r.ttft_s is not None and r.ttft_s <= r.latency_s for r in ok)
     assert all(r.completion_tokens == 3 for r in ok)
+
+
+async def test_a_stream_without_usage_gives_no_output_rate_or_hit_rate_rather_than_zero(server_factory):
+    server = await server_factory(stream_usage=False)
+    results = await run_load(_config(server, requests=6, concurrency=2, stream=True))
+    s = results.summary()
+    assert s["ok"] == 6 and all(r.ttft_s is not None for r in results.records)  # text did stream
+    assert s["output_tokens_per_s"] is None and s["hit_rate"] is None
+    assert "| output tokens/s | n/a |" in report.markdown_table([s])
 
 
 async def test_non_stream_completions_without_worker_header_is_direct(server_factory):
