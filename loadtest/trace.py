@@ -71,7 +71,7 @@ def trace_requests(
     - ``block_chars`` (default ``block_tokens``): characters of text per block; smaller values
       shrink every prompt by ``block_chars / block_tokens`` (a CPU-sized replay), keeping the
       block sharing structure.
-    - ``time_scale``: multiplies arrival times (0.1 = ten times faster); arrivals start at 0.
+    - ``time_scale``: multiplies arrival times (0.1 = ten times faster); the earliest arrives at 0.
     - ``max_input_tokens``: prompts are cut to this many trace tokens before scaling.
     - ``max_tokens``: caps each request's ``output_length``.
     """
@@ -79,7 +79,8 @@ def trace_requests(
     if block_tokens <= 0 or block_chars <= 0 or time_scale < 0:
         raise ValueError("block_tokens and block_chars must be positive, time_scale >= 0")
     cache: dict[int, str] = {}
-    t0 = records[0].timestamp_ms if records else 0.0
+    # NOTE: the earliest, not the first line: an arrival before 0 would be sent at once, not in its gap
+    t0 = min((rec.timestamp_ms for rec in records), default=0.0)
     out: list[Request] = []
     for i, rec in enumerate(records):
         n_tokens = rec.input_length if max_input_tokens is None else min(rec.input_length, max_input_tokens)

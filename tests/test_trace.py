@@ -71,6 +71,11 @@ def test_time_scale_limit_and_output_lengths(trace_file):
     assert [r.body["max_tokens"] for r in reqs] == [20, 100, 5]
 
 
+def test_a_trace_out_of_time_order_keeps_its_gaps():
+    records = [TraceRecord(t, 512, 4, [k]) for k, t in enumerate((5000.0, 3000.0, 7000.0))]
+    assert [r.arrival_s for r in trace_requests(records, time_scale=0.5)] == [1.0, 0.0, 2.0]
+
+
 def test_max_input_tokens_truncates_and_keeps_prefix(trace_file):
     full = load_trace(trace_file, block_chars=64, api="completions")
     cut = load_trace(trace_file, block_chars=64, api="completions", max_input_tokens=700)
