@@ -6,6 +6,7 @@ ids share an exact text prefix. Never invents sharing the trace does not have.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +77,11 @@ def trace_requests(
     - ``max_tokens``: caps each request's ``output_length``.
     """
     block_chars = block_tokens if block_chars is None else block_chars
-    if block_tokens <= 0 or block_chars <= 0 or time_scale < 0:
-        raise ValueError("block_tokens and block_chars must be positive, time_scale >= 0")
+    # NOTE: a NaN or infinite scale makes NaN arrivals, and every request is sent at once
+    if block_tokens <= 0 or block_chars <= 0 or not 0 <= time_scale < math.inf:
+        raise ValueError(
+            f"block_tokens and block_chars must be positive, time_scale >= 0 and finite (got {time_scale})"
+        )
     cache: dict[int, str] = {}
     # NOTE: the earliest, not the first line: an arrival before 0 would be sent at once, not in its gap
     t0 = min((rec.timestamp_ms for rec in records), default=0.0)

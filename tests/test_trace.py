@@ -76,6 +76,12 @@ def test_a_trace_out_of_time_order_keeps_its_gaps():
     assert [r.arrival_s for r in trace_requests(records, time_scale=0.5)] == [1.0, 0.0, 2.0]
 
 
+@pytest.mark.parametrize("scale", [-1.0, float("nan"), float("inf")])
+def test_a_time_scale_that_gives_no_arrival_times_is_refused(trace_file, scale):
+    with pytest.raises(ValueError, match="time_scale >= 0 and finite"):
+        load_trace(trace_file, time_scale=scale)
+
+
 def test_max_input_tokens_truncates_and_keeps_prefix(trace_file):
     full = load_trace(trace_file, block_chars=64, api="completions")
     cut = load_trace(trace_file, block_chars=64, api="completions", max_input_tokens=700)
