@@ -280,6 +280,8 @@ class _Run:
         self.bar.update(1)
         self._finish_one()
         for dep in self.dependents.get(req.id, []):
+            if rec.error == "cancelled":  # NOTE: the deadline, not a failure: later turns just go unsent
+                continue
             if rec.error is not None:
                 self._skip(dep)
             elif dep.think_time_s > 0:

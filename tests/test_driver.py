@@ -262,6 +262,15 @@ async def test_multi_turn_skips_turns_after_a_failed_turn(server_factory):
     assert s["ok"] == 6 and s["errors_by_kind"] == {"http_500": 1} and s["skipped"] == 2
 
 
+async def test_turns_cut_off_by_the_deadline_are_cancelled_and_their_later_turns_not_skipped(server_factory):
+    server = await server_factory(hang_after=2)  # both conversations' first turns, then every turn hangs
+    cfg = _config(server, workload="multi_turn", requests=8, concurrency=2, duration_s=1.0,
+                  options={"turns": 4, "think_time_s": 0.0, "system_tokens": 64, "user_tokens": 16})  # fmt: skip
+    s = (await run_load(cfg)).summary()
+    assert (s["ok"], s["cancelled"], s["errors"]) == (2, 2, 0)
+    assert s["skipped"] == 0  # nothing failed: skipped counts turns after a failed one
+
+
 async def test_cli_writes_json_markdown_plot_and_compare(server_factory, tmp_path):
     server = await server_factory()
     outs = []
