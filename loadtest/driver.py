@@ -337,7 +337,8 @@ def check_config(config: LoadConfig) -> None:
     if config.rate is not None and not 0 < config.rate < math.inf:
         raise ValueError(f"rate must be > 0 requests/s and finite, got {config.rate}")
     for name, value, low in (("concurrency", config.concurrency, 1), ("requests", config.requests, 1),
-                             ("max_tokens", config.max_tokens, 1), ("max_inflight", config.max_inflight, 1)):  # fmt: skip
+                             ("max_tokens", config.max_tokens, 1), ("max_inflight", config.max_inflight, 1),
+                             ("max_input_tokens", config.max_input_tokens, 1)):  # fmt: skip
         if value is not None and value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
     for name, value in (("duration", config.duration_s), ("timeout", config.request_timeout_s)):

@@ -412,6 +412,7 @@ async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(ser
         (["--max-tokens", "-1"], "max_tokens must be at least 1"),
         (["--concurrency", "0"], "concurrency must be at least 1"),
         (["--requests", "0"], "requests must be at least 1"),
+        (["--max-input-tokens", "0"], "max_input_tokens must be at least 1, got 0"),
         (["--duration", "-1"], "duration must be > 0 seconds"),
         (["--timeout", "0"], "timeout must be > 0 seconds"),
         (["--timeout", "nan"], "timeout must be > 0 seconds"),
