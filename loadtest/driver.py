@@ -342,8 +342,9 @@ def check_config(config: LoadConfig) -> None:
         if value is not None and value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
     for name, value in (("duration", config.duration_s), ("timeout", config.request_timeout_s)):
-        if value is not None and not value > 0:  # NOTE: NaN too
-            raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        # NOTE: NaN too; an infinite timeout failed every request, an infinite duration sized no run
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError(f"{name} must be > 0 seconds and finite, got {value}")
 
 
 async def run_load(config: LoadConfig) -> Results:

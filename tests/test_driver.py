@@ -416,6 +416,8 @@ async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(ser
         (["--duration", "-1"], "duration must be > 0 seconds"),
         (["--timeout", "0"], "timeout must be > 0 seconds"),
         (["--timeout", "nan"], "timeout must be > 0 seconds"),
+        (["--timeout", "inf"], "timeout must be > 0 seconds and finite, got inf"),
+        (["--mode", "open", "--rate", "10", "--duration", "inf"], "duration must be > 0 seconds and finite"),
     ],
 )
 def test_cli_bad_settings_are_one_clear_error_line(argv, message, capsys):
