@@ -334,8 +334,9 @@ def _check_knob(workload: str, key: str, value: Any, default: int | float) -> No
         kind = "a whole number" if isinstance(default, int) else "a number"
         raise ValueError(f"workload {workload!r}: option {key} must be {kind}, got {value!r}")
     least = 1 if key in _COUNT_KNOBS else 0
-    if not value >= least or (key == "hot_fraction" and value > 1):
-        bound = "between 0 and 1" if key == "hot_fraction" else f">= {least}"
+    # NOTE: finite too: an infinite mean think time has no exponential to draw from
+    if not least <= value < math.inf or (key == "hot_fraction" and value > 1):
+        bound = "between 0 and 1" if key == "hot_fraction" else f">= {least} and finite"
         raise ValueError(f"workload {workload!r}: option {key} must be {bound}, got {value!r}")
 
 

@@ -163,6 +163,7 @@ def test_bad_arguments_are_rejected():
         ("multi_turn", "turns", 0, "turns must be >= 1"),
         ("rag", "doc_tokens", -5, "doc_tokens must be >= 0"),
         ("seed", "hot_fraction", 1.5, "hot_fraction must be between 0 and 1"),
+        ("multi_turn", "think_time_s", float("inf"), "think_time_s must be >= 0 and finite, got inf"),
     ],
 )
 def test_knobs_of_the_wrong_type_or_out_of_range_are_refused_by_name(name, knob, value, message):
