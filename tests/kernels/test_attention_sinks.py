@@ -52,9 +52,18 @@ def test_the_reference_adds_each_heads_sink_to_its_softmax_by_definition():
     torch.testing.assert_close(decoded, as_extend, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("window", [0, 33])
-@pytest.mark.parametrize("num_splits", [1, 4], ids=["unsplit", "split"])
-@pytest.mark.parametrize("packed", [False, True], ids=["grid", "packed"])
+# NOTE: every window with and without splits; the grid alternates between them, so each pair of window, splits and
+# grid is tested (the grid only places the query blocks), in half the cases of the whole product
+@pytest.mark.parametrize(
+    ("window", "num_splits", "packed"),
+    [
+        pytest.param(
+            w, s, (i + j) % 2 == 1, id=f"{['grid', 'packed'][(i + j) % 2]}-{['unsplit', 'split'][j]}-{w}"
+        )
+        for i, w in enumerate([0, 33])
+        for j, s in enumerate([1, 4])
+    ],
+)
 def test_extend_sinks_match_the_reference(backend, assert_close_rel, window, num_splits, packed):
     ext = backend.module("extend_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32

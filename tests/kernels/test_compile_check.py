@@ -1,7 +1,11 @@
 """kernels.compile_check: the kernels compile for sm_90 on a machine without a GPU, the report reads the
 real cubin (registers, spills, shared memory, instructions), and a configuration that spills fails it.
 
-Compilation runs in child processes: this test process has the kernels imported interpreted."""
+Compilation runs in child processes: this test process has the kernels imported interpreted. Every child
+compiles with Triton's default FMA contraction off (its default from Triton 3.10), so the kernels' own
+enable_fp_fusion is what is checked; and as the setting is part of Triton's cache key, one setting for all
+lets a later test find the kernels an earlier one compiled. The file's tests share one pytest-xdist process,
+in file order: the sm_90 defaults first, whose compiles most of the rest reuse."""
 
 from __future__ import annotations
 
@@ -15,9 +19,12 @@ import pytest
 
 from kernels import compile_cases, compile_check
 
+pytestmark = pytest.mark.xdist_group("compile_check")
+
 
 def _python(code: str, *args: str, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env_vars
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "0"}
+    env |= env_vars
     return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
@@ -75,7 +82,7 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     Three processes compile the cases: each row is its own case's (the case and kernel pairs below)."""
     out = tmp_path / "sm90.json"
     proc = _python("", "-m", "kernels.compile_check", "--arch", "90", "--dtypes", "bf16", "--head-dims", "128",
-                   "64", "--jobs", "3", "--out", str(out), TRITON_DEFAULT_FP_FUSION="0")  # fmt: skip
+                   "64", "--jobs", "3", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["arch"] == 90 and report["defaults_ok"] is True

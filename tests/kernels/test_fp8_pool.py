@@ -21,6 +21,14 @@ FP8_IDS = ["e4m3", "e5m2"]
 GQA = [(8, 8), (8, 2), (8, 1)]  # (Hq, Hkv): groups of 1, 4, 8
 
 
+def with_both_formats(xs: list, ys: list) -> list:
+    """pytest params (x, y, fp8 format) for every x of ``xs`` and y of ``ys``, the format alternating with
+    their positions: each x and each y meets both formats, so every pair of the three is tested in half
+    the cases of the whole product (the format changes how the pool's codes widen, nothing else)."""
+    return [pytest.param(x, y, FP8[(i + j) % 2], id=f"{x}-{y}-{FP8_IDS[(i + j) % 2]}".replace(", ", "/"))
+            for i, x in enumerate(xs) for j, y in enumerate(ys)]  # fmt: skip
+
+
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
 
@@ -90,12 +98,9 @@ def test_rope_store_kv_stores_the_rotated_k_it_returns_rounded_into_the_pool(bac
     assert torch.isnan(k_cache.cpu().float()).sum() == 5 * hkv * d  # nothing else written
 
 
-@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize(("hq", "hkv"), GQA)
-@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
-def test_decode_over_an_fp8_pool_matches_the_reference(
-    backend, assert_close_rel, pool_dtype, hq, hkv, variant
-):
+@pytest.mark.parametrize(("variant", "gqa", "pool_dtype"), with_both_formats(decode_cases.VARIANTS, GQA))
+def test_decode_over_an_fp8_pool_matches_the_reference(backend, assert_close_rel, variant, gqa, pool_dtype):
+    hq, hkv = gqa
     dec = backend.module("decode_attention")
     lens = [1, 2, 17, 50, 130, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
     args = in_fp8(decode_cases.make_batch(lens, hq, hkv, 64, q_dtype(backend), backend.device, seed=61), pool_dtype,
@@ -106,15 +111,14 @@ def test_decode_over_an_fp8_pool_matches_the_reference(
     assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args)))
 
 
-@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (8, 1)])
-@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
+@pytest.mark.parametrize(("variant", "gqa", "pool_dtype"), with_both_formats(decode_cases.VARIANTS, GQA[1:]))
 def test_decode_widening_an_fp8_pool_to_fp16_under_a_bf16_query_matches_the_reference(
-    backend, assert_close_rel, pool_dtype, hq, hkv, variant
+    backend, assert_close_rel, variant, gqa, pool_dtype
 ):
     """DecodeConfig.fp8_f16 (kernels.bench's candidate): q in fp16, the tiles widened to fp16, as close to
     the reference as bf16's bound; a q past fp16's range saturates (the output stays finite, where an
     unsaturated conversion would give inf scores and NaN)."""
+    hq, hkv = gqa
     dec = backend.module("decode_attention")
     lens = [1, 2, 17, 50, 130, 33] if not backend.is_cuda else [1, 2, 1700, 5000, 13000, 3300]
     args = in_fp8(decode_cases.make_batch(lens, hq, hkv, 64, torch.bfloat16, backend.device, seed=62), pool_dtype,
@@ -257,11 +261,12 @@ def test_scaled_stores_write_the_references_bits(backend, pool_dtype, kind):
     assert not bits(unscaled_v).equal(bits(want_v))
 
 
-@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("kind", SCALE_KINDS)
-@pytest.mark.parametrize("path", ["decode", "extend", "extend-split", "extend-packed", "short"])
+@pytest.mark.parametrize(
+    ("path", "kind", "pool_dtype"),
+    with_both_formats(["decode", "extend", "extend-split", "extend-packed", "short"], SCALE_KINDS),
+)
 def test_attention_over_a_scaled_fp8_pool_matches_the_reference(
-    backend, assert_close_rel, pool_dtype, kind, path
+    backend, assert_close_rel, path, kind, pool_dtype
 ):
     """Each attention path with KV scales, one a tensor or one a KV head: the pool's codes stand for code x
     their head's scale (the prefix's in an extend; its new tokens' k, v as given), GQA 4, NaN-poisoned
