@@ -16,6 +16,7 @@ from router import access_log
 from router.app import build_app
 from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
+from router.http_server import LimitedHttpToolsProtocol
 from router.launcher import WorkerLauncher
 from router.log_level import logging_level
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             access_log=False,
             timeout_keep_alive=30,
             proxy_headers=False,  # the router never reads client addresses; skip the middleware
+            http=LimitedHttpToolsProtocol,  # limits on a request's head (size and time)
         )
 
         def start_draining() -> None:

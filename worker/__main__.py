@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
+from router.http_server import LimitedHttpToolsProtocol
 from router.log_level import logging_level
 from worker.config import WorkerConfig, parse_args
 
@@ -94,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("worker").error("cannot start: %s", exc or type(exc).__name__)
         return 2
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout_s)  # fmt: skip
+                            timeout_graceful_shutdown=cfg.shutdown_timeout_s,
+                            http=LimitedHttpToolsProtocol)  # fmt: skip
     engine = app.state.api.engine  # NOTE: python -m worker exits when its engine thread dies
     server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at,
                           lambda: engine.dead is not None)  # fmt: skip

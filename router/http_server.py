@@ -1,0 +1,140 @@
+"""The HTTP/1.1 server protocol of the router and the worker: uvicorn's httptools protocol with limits on
+a request's head (its request line and headers), which uvicorn sets none of.
+
+- Size: a head over ``max_head_bytes`` (64 KiB; URL and header names and values, 4 bytes a header for
+  ": " and CRLF) is answered 431 and its connection closed. httptools holds a header until it ends, so
+  the bytes of a head not yet complete are counted as they arrive: one that never ends is cut off
+  after at most ``max_head_bytes`` plus one read.
+- Time: a head must be complete within ``head_timeout_s`` (30 s) of its first byte, and a new
+  connection must send one within as long: otherwise 408 (no answer to a connection that sent
+  nothing, as a client may have opened it ahead of need) and the connection is closed. Between
+  requests uvicorn's keep-alive timeout applies, and a response still being sent is never cut off.
+
+The rest (request parsing, pipelining, flow control, shutdown) is uvicorn's; ``uvicorn.Config(http=...)``
+takes the class."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("radixgate.http")
+
+MAX_HEAD_BYTES = 64 * 1024
+HEAD_TIMEOUT_S = 30.0
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the parser stops, and uvicorn answers with send_400_response."""
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    max_head_bytes = MAX_HEAD_BYTES
+    head_timeout_s = HEAD_TIMEOUT_S
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._in_head = True  # from the connection's start, and from each request's first byte to its body
+        self._head_bytes = (
+            0  # of the head being read: its parts, or the bytes received while it is unfinished
+        )
+        self._head_started = False  # a byte of the head arrived (a silent connection gets no answer)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[HTTPStatus, str] | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refusal is not None or self.transport.is_closing():
+            return  # NOTE: refused: nothing after the head is read
+        if self._in_head:
+            self._head_started = True
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)  # an unfinished head past the limit
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_started, self._head_bytes = True, True, 0
+        if self._head_timer is None:
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._refusal is None:
+            super().send_400_response(msg)
+        else:  # NOTE: the parser stopped at _HeadTooLarge: answer what it was
+            self._send_refusal()
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.max_head_bytes:
+            self._refusal = (HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, self._too_large())
+            raise _HeadTooLarge
+
+    def _too_large(self) -> str:
+        return f"request head over {self.max_head_bytes} bytes (request line and headers)"
+
+    def _arm(self) -> None:
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._arm()  # NOTE: a pipelined head behind a response still being sent: that response first
+            return
+        if not self._head_started:
+            self.transport.close()  # a connection that never sent a byte
+            return
+        self._refuse(HTTPStatus.REQUEST_TIMEOUT)
+
+    def _refuse(self, status: HTTPStatus) -> None:
+        message = (
+            self._too_large()
+            if status is HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
+            else f"request head not complete within {self.head_timeout_s:g} s"
+        )
+        self._refusal = (status, message)
+        self._send_refusal()
+
+    def _send_refusal(self) -> None:
+        status, message = self._refusal or (HTTPStatus.BAD_REQUEST, "bad request")
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.warning("%s: %d %s", client, status.value, message)
+        body = message.encode()
+        head = (
+            f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+        self._disarm()
