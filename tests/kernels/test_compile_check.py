@@ -5,7 +5,8 @@ Compilation runs in child processes: this test process has the kernels imported 
 compiles with Triton's default FMA contraction off (its default from Triton 3.10), so the kernels' own
 enable_fp_fusion is what is checked; and as the setting is part of Triton's cache key, one setting for all
 lets a later test find the kernels an earlier one compiled. The file's tests share one pytest-xdist process,
-in file order: the sm_90 defaults first, whose compiles most of the rest reuse."""
+in file order: the sm_90 defaults first, whose compiles most of the rest reuse. A compile takes minutes
+on a busy 2-core machine (the sm_90 defaults 150-240 s there): the children may run 10 minutes."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import pytest
 
 from kernels import compile_cases, compile_check
 
-pytestmark = pytest.mark.xdist_group("compile_check")
+pytestmark = [pytest.mark.xdist_group("compile_check"), pytest.mark.timeout(900)]
 
 
-def _python(code: str, *args: str, timeout: float = 240, **env_vars: str) -> subprocess.CompletedProcess:
+def _python(code: str, *args: str, timeout: float = 600, **env_vars: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "0"}
     env |= env_vars
     return subprocess.run([sys.executable, *(["-c", code] if code else []), *args], env=env,
