@@ -38,9 +38,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._in_head = True  # from the connection's start, and from each request's first byte to its body
-        self._head_bytes = (
-            0  # of the head being read: its parts, or the bytes received while it is unfinished
-        )
+        self._head_bytes = 0  # the head's parts parsed so far (URL, header names and values)
+        self._head_received = 0  # bytes received while the head is unfinished (after the read it began in)
         self._head_started = False  # a byte of the head arrived (a silent connection gets no answer)
         self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[HTTPStatus, str] | None = None
@@ -58,14 +57,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return  # NOTE: refused: nothing after the head is read
         if self._in_head:
             self._head_started = True
-            self._head_bytes += len(data)
+            self._head_received += len(data)
         super().data_received(data)
-        if self._in_head and self._head_bytes > self.max_head_bytes and not self.transport.is_closing():
+        if self._in_head and self._head_received > self.max_head_bytes and not self.transport.is_closing():
             self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)  # an unfinished head past the limit
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_started, self._head_bytes = True, True, 0
+        self._in_head, self._head_started, self._head_bytes, self._head_received = True, True, 0, 0
         if self._head_timer is None:
             self._arm()
 

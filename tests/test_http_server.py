@@ -130,6 +130,20 @@ def server():
         s.close()
 
 
+def test_a_head_under_the_limit_sent_in_many_pieces_is_served(server):
+    """Counted once: its parts as parsed, not again as the bytes that carried them."""
+    head = _get("/", *(f"x-h{i}: {'d' * 90}" for i in range(400)))  # ~40 KiB
+    assert MAX_HEAD_BYTES // 2 < len(head) < MAX_HEAD_BYTES
+    with _connect(server().port) as sock:
+        for start in range(0, len(head), 2048):
+            sock.sendall(head[start : start + 2048])
+            time.sleep(0.005)  # NOTE: each piece its own read
+        answer = b""
+        while not answer.endswith(b"x" * 1000):
+            answer += sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
 def test_a_head_not_finished_in_time_is_408_and_a_silent_connection_is_closed(server):
     port = server().port
     with _connect(port) as sock:
