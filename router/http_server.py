@@ -53,18 +53,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None or self.transport.is_closing():
+        if self._refusal is not None:
             return  # NOTE: refused: nothing after the head is read
         if self._in_head:
             self._head_started = True
             self._head_received += len(data)
         super().data_received(data)
         if self._in_head and self._head_received > self.max_head_bytes and not self.transport.is_closing():
-            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)  # an unfinished head past the limit
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, self._too_large())  # an unfinished head
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_started, self._head_bytes, self._head_received = True, True, 0, 0
+        self._in_head, self._head_bytes, self._head_received = True, 0, 0
         if self._head_timer is None:
             self._arm()
 
@@ -114,19 +114,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self._head_started:
             self.transport.close()  # a connection that never sent a byte
             return
-        self._refuse(HTTPStatus.REQUEST_TIMEOUT)
-
-    def _refuse(self, status: HTTPStatus) -> None:
-        message = (
-            self._too_large()
-            if status is HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE
-            else f"request head not complete within {self.head_timeout_s:g} s"
+        self._refuse(
+            HTTPStatus.REQUEST_TIMEOUT, f"request head not complete within {self.head_timeout_s:g} s"
         )
+
+    def _refuse(self, status: HTTPStatus, message: str) -> None:
         self._refusal = (status, message)
         self._send_refusal()
 
     def _send_refusal(self) -> None:
-        status, message = self._refusal or (HTTPStatus.BAD_REQUEST, "bad request")
+        status, message = self._refusal
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         log.warning("%s: %d %s", client, status.value, message)
         body = message.encode()
