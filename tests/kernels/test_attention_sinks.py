@@ -13,7 +13,7 @@ import torch
 from kernels import reference
 from tests.kernels import test_decode_attention as decode_cases
 from tests.kernels import test_extend_attention as extend_cases
-from tests.kernels.test_sliding_window import REQUESTS
+from tests.kernels.test_sliding_window import REQUESTS, extend_grid_cases
 
 # per query head: no weight to the sink, about as much as a key, most of it, all but nothing
 SINKS = [-30.0, 0.0, 2.5, 40.0, -1.0, 1.0, 5.0, -5.0]
@@ -52,18 +52,7 @@ def test_the_reference_adds_each_heads_sink_to_its_softmax_by_definition():
     torch.testing.assert_close(decoded, as_extend, rtol=1e-5, atol=1e-6)
 
 
-# NOTE: every window with and without splits; the grid alternates between them, so each pair of window, splits and
-# grid is tested (the grid only places the query blocks), in half the cases of the whole product
-@pytest.mark.parametrize(
-    ("window", "num_splits", "packed"),
-    [
-        pytest.param(
-            w, s, (i + j) % 2 == 1, id=f"{['grid', 'packed'][(i + j) % 2]}-{['unsplit', 'split'][j]}-{w}"
-        )
-        for i, w in enumerate([0, 33])
-        for j, s in enumerate([1, 4])
-    ],
-)
+@pytest.mark.parametrize(("window", "num_splits", "packed"), extend_grid_cases([0, 33]))
 def test_extend_sinks_match_the_reference(backend, assert_close_rel, window, num_splits, packed):
     ext = backend.module("extend_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32

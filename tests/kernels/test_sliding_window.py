@@ -56,18 +56,20 @@ def test_the_reference_windows_extend_and_decode_by_definition():
     torch.testing.assert_close(reference.decode_attention(dq, dk, dv, dkvp, dslots, window=400), whole)
 
 
-# NOTE: every window with and without splits; the grid alternates between them, so each pair of window, splits and
-# grid is tested (the grid only places the query blocks), in half the cases of the whole product
-@pytest.mark.parametrize(
-    ("window", "num_splits", "packed"),
-    [
+def extend_grid_cases(windows: list[int]) -> list:
+    """pytest params (window, num_splits, packed): every window with and without splits, the grid (packed
+    or not) alternating between them, so each pair of window, splits and grid is tested (the grid only
+    places the query blocks) in half the cases of the whole product."""
+    return [
         pytest.param(
             w, s, (i + j) % 2 == 1, id=f"{['grid', 'packed'][(i + j) % 2]}-{['unsplit', 'split'][j]}-{w}"
         )
-        for i, w in enumerate(WINDOWS)
+        for i, w in enumerate(windows)
         for j, s in enumerate([1, 4])
-    ],
-)
+    ]
+
+
+@pytest.mark.parametrize(("window", "num_splits", "packed"), extend_grid_cases(WINDOWS))
 def test_extend_windows_match_the_reference(backend, assert_close_rel, window, num_splits, packed):
     ext = backend.module("extend_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32
