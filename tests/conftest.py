@@ -1,12 +1,46 @@
-"""Shared fixtures: real processes on loopback, stopped by PID at teardown."""
+"""Shared fixtures: real processes on loopback, stopped by PID at teardown; and the test tiers."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from tests.support import Proc, free_port, start_module, start_redis
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="also run the tests marked slow (the full tier; RADIXGATE_FULL_TESTS=1 does the same)")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The default tier leaves out the tests marked slow (the rest of a cross product whose every value
+    the default tier runs, the whole-architecture compile sweeps: README; docs/kernels.md, Tests), but
+    not a test named on the command line (``file::test`` or ``file::test[case]``)."""
+    if config.getoption("--full") or os.environ.get("RADIXGATE_FULL_TESTS") == "1":
+        return
+    named = set()
+    for arg in config.args:
+        path, sep, name = arg.partition("::")
+        with contextlib.suppress(ValueError):  # a path outside the checkout names nothing here
+            if sep:
+                named.add(f"{Path(os.path.abspath(path)).relative_to(config.rootpath).as_posix()}::{name}")
+
+    def left_out(item: pytest.Item) -> bool:
+        return (
+            bool(item.get_closest_marker("slow"))
+            and item.nodeid not in named
+            and (item.nodeid.partition("[")[0] not in named)
+        )
+
+    slow = [item for item in items if left_out(item)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not left_out(item)]
 
 
 class Launcher:

@@ -12,11 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from router.launcher import redis_server, stop_processes
 
@@ -57,6 +59,50 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("every port of this test process's block is taken")
+
+
+SLOW = pytest.mark.slow  # the full tier only (pytest --full; scripts/test --full)
+
+
+def each_value_once(*axes: Sequence[Any]) -> list[Any]:
+    """Parametrize values for the cross product of ``axes``; an axis's value is one parameter, or a
+    tuple of several (a shape: spliced into the case, counted as one value). Every value of every axis
+    runs in the default tier, in as few cases as a greedy cover finds: again and again the case that
+    brings the most values not run yet, of those the one that brings the most pairs of values not run
+    together yet, then the one whose values ran least (max(n1, n2, ...) of n1 x n2 x ... cases). The
+    other cases are marked slow (the full tier). Values are told apart by repr; an id joins their str."""
+    cases = list(itertools.product(*axes))
+    keys = [[(i, repr(value)) for i, value in enumerate(case)] for case in cases]
+    runs: dict[tuple[int, str], int] = {}  # how many default cases run each value
+    pairs: set[tuple] = set()  # the pairs of values some default case runs together
+    default: set[int] = set()
+
+    def score(i: int) -> tuple:
+        k = keys[i]
+        new_pairs = {p for p in itertools.combinations(k, 2)} - pairs
+        return (sum(v not in runs for v in k), len(new_pairs), -sum(runs.get(v, 0) for v in k), -i)
+
+    while cases:
+        best = max(range(len(cases)), key=score)
+        if not any(v not in runs for v in keys[best]):
+            break
+        default.add(best)
+        pairs.update(itertools.combinations(keys[best], 2))
+        for v in keys[best]:
+            runs[v] = runs.get(v, 0) + 1
+    params = []
+    for i, case in enumerate(cases):
+        values = [x for value in case for x in (value if isinstance(value, tuple) else (value,))]
+        marks = () if i in default else SLOW
+        params.append(pytest.param(*values, marks=marks, id="-".join(map(_label, case))))
+    return params
+
+
+def _label(value: Any) -> str:
+    """A case's id part: a tuple's values joined by "/", a dtype without its module."""
+    if isinstance(value, tuple):
+        return "/".join(map(_label, value))
+    return str(value).removeprefix("torch.")
 
 
 def wait_until(

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import SLOW
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT, WHEELS = ROOT / "scripts" / "gpu-bench", ROOT / "scripts" / "gpu-wheels"
 
@@ -27,7 +29,9 @@ def run_script(*args: str, site: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("step", ["kernels", "features", "moe", "fp8"])
+@pytest.mark.parametrize(
+    "step", ["kernels", *(pytest.param(s, marks=SLOW) for s in ("features", "moe", "fp8"))]
+)
 def test_a_step_without_cuda_fails_clearly_and_changes_nothing(tmp_path, step):
     out, site = tmp_path / "out", tmp_path / "site"
     proc = run_script(step, str(out), site=site)
@@ -191,7 +195,7 @@ def kill_session(sid: int) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("jobs", [None, "1"], ids=["default_jobs", "one_process"])
+@pytest.mark.parametrize("jobs", [None, pytest.param("1", marks=SLOW)], ids=["default_jobs", "one_process"])
 def test_a_gpu_test_that_hangs_ends_its_folder_and_the_next_one_runs(tmp_path, jobs):
     """A gpu test stuck where no signal reaches it (a C call, as a CUDA call that never returns) ends
     its pytest process at GPU_BENCH_TEST_TIMEOUT, not at pytest's 300 s or the run's deadline, with its

@@ -13,7 +13,8 @@ import torch
 from kernels import reference
 from tests.kernels import test_decode_attention as decode_cases
 from tests.kernels import test_extend_attention as extend_cases
-from tests.kernels.test_sliding_window import REQUESTS, extend_grid_cases
+from tests.kernels.test_sliding_window import REQUESTS
+from tests.support import each_value_once
 
 # per query head: no weight to the sink, about as much as a key, most of it, all but nothing
 SINKS = [-30.0, 0.0, 2.5, 40.0, -1.0, 1.0, 5.0, -5.0]
@@ -52,7 +53,7 @@ def test_the_reference_adds_each_heads_sink_to_its_softmax_by_definition():
     torch.testing.assert_close(decoded, as_extend, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("window", "num_splits", "packed"), extend_grid_cases([0, 33]))
+@pytest.mark.parametrize(("window", "num_splits", "packed"), each_value_once([0, 33], [1, 4], [False, True]))
 def test_extend_sinks_match_the_reference(backend, assert_close_rel, window, num_splits, packed):
     ext = backend.module("extend_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32
@@ -86,8 +87,7 @@ def test_short_extend_sinks_match_the_reference(backend, assert_close_rel):
     assert_close_rel(out.cpu(), want)
 
 
-@pytest.mark.parametrize("window", [0, 33])
-@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
+@pytest.mark.parametrize(("window", "variant"), each_value_once([0, 33], decode_cases.VARIANTS))
 def test_decode_sinks_match_the_reference(backend, assert_close_rel, window, variant):
     dec = backend.module("decode_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32

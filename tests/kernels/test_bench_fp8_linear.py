@@ -12,6 +12,7 @@ import torch
 
 from kernels import bench_fp8_linear, timing
 from kernels.bench_fp8_linear import Projection
+from tests.support import SLOW
 
 # q 1 head, kv 1 head of 64, an MLP of 32: qkv [192, 64], o [64, 64], gate_up [64, 64], down [64, 32]
 TINY = ["--q-heads", "1", "--kv-heads", "1", "--head-dim", "64", "--intermediate", "32"]
@@ -127,20 +128,16 @@ def test_the_default_tiles_are_timed_once_when_they_are_a_candidate(backend, mon
     assert "| o | 3 | **1000.0*** |" in report  # the default in bold, the fastest marked *
 
 
+# NOTE: the default tier: one variant of 16-bit activations, a tile candidate, one of fp8 activations
 @pytest.mark.parametrize(
     "wrong",
     [
-        "bf16",
-        "fp8",
+        *(pytest.param(v, marks=SLOW) for v in ("bf16", "fp8")),
         "fp8_per_row",
         "m32 n64 k128",
-        "w8a8",
-        "w8a8_per_row",
-        "cublas_fp8",
-        "w8a8_fused",
+        *(pytest.param(v, marks=SLOW) for v in ("w8a8", "w8a8_per_row", "cublas_fp8", "w8a8_fused")),
         "w8a8_separate",
-        "w8a8_static",
-        "w8a8_static_fused",
+        *(pytest.param(v, marks=SLOW) for v in ("w8a8_static", "w8a8_static_fused")),
     ],
 )
 def test_a_wrong_output_is_caught_and_marked(backend, monkeypatch, gpu_command_on_cpu, wrong):

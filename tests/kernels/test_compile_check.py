@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from kernels import compile_cases, compile_check
+from tests.support import SLOW
 
 pytestmark = [pytest.mark.xdist_group("compile_check"), pytest.mark.timeout(900)]
 
@@ -78,12 +79,16 @@ def test_blocks_per_sm_is_bounded_by_registers_shared_memory_and_threads():
     assert compile_check.blocks_per_sm(a100, regs=32, shared=200 * 1024, num_warps=4) == 0
 
 
-def test_default_configurations_compile_for_h100_without_spills(tmp_path):
+@pytest.mark.parametrize(
+    "head_dims", [(128,), pytest.param((128, 64), marks=SLOW)], ids=["hd128", "hd128-hd64"]
+)
+def test_default_configurations_compile_for_h100_without_spills(tmp_path, head_dims):
     """Every kernel compiles with FMA contraction even where Triton's default is off (as from 3.10).
-    Three processes compile the cases: each row is its own case's (the case and kernel pairs below)."""
+    Three processes compile the cases: each row is its own case's (the case and kernel pairs below). The
+    default tier compiles head dim 128 (the later tests here reuse those compiles), the full tier 64 too."""
     out = tmp_path / "sm90.json"
-    proc = _python("", "-m", "kernels.compile_check", "--arch", "90", "--dtypes", "bf16", "--head-dims", "128",
-                   "64", "--jobs", "3", "--out", str(out))  # fmt: skip
+    proc = _python("", "-m", "kernels.compile_check", "--arch", "90", "--dtypes", "bf16", "--head-dims",
+                   *map(str, head_dims), "--jobs", "3", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["arch"] == 90 and report["defaults_ok"] is True
@@ -117,14 +122,18 @@ def test_default_configurations_compile_for_h100_without_spills(tmp_path):
     moe_w8a8 = [r["sass"] for r in report["rows"]
                 if r["case"] == "fused_moe fp8 w8a8 bf16 t256" and r["kernel"] == "_grouped_gemm_kernel"]  # fmt: skip
     assert len(moe_w8a8) == 2 and all(s["QGMMA"] > 0 and s["HGMMA"] == 0 for s in moe_w8a8)
-    assert ("extend-long-prefix bf16 hd64 gqa4", "_extend_kernel") not in rows  # the same tiles as extend's
     assert ("decode many-requests bf16 hd128 gqa4", "_decode_split_kernel") in rows  # MANY_REQUESTS' tiles
-    assert ("decode many-requests bf16 hd64 gqa4", "_decode_split_kernel") not in rows  # the same as decode's
+    if 64 in head_dims:
+        assert (
+            "extend-long-prefix bf16 hd64 gqa4",
+            "_extend_kernel",
+        ) not in rows  # the same tiles as extend's
+        assert ("decode many-requests bf16 hd64 gqa4", "_decode_split_kernel") not in rows  # as decode's
     # the prefix split of both tile choices (off by default): the split kernel and its merge
     for case in ("extend-prefix-split bf16 hd128 gqa4", "extend-long-prefix-split bf16 hd128 gqa4",
                  "extend-packed-split bf16 hd128 gqa4"):  # fmt: skip
         assert {(case, "_extend_kernel"), (case, "_merge_rows_kernel")} <= set(rows)
-    for hd in (128, 64):
+    for hd in head_dims:
         extend = rows[(f"extend bf16 hd{hd} gqa4", "_extend_kernel")]
         decode = rows[(f"decode bf16 hd{hd} gqa4", "_decode_split_kernel")]
         assert extend["sass"]["HGMMA"] > 0, "extend should use Hopper warpgroup MMA on sm_90"
@@ -384,6 +393,7 @@ def test_record_loaded_kernels_records_a_failure_instead_of_raising(monkeypatch)
                    "attribute 'device_caches'"}  # fmt: skip
 
 
+@SLOW
 def test_defaults_before_hopper_fit_without_spills_on_mma_sync(tmp_path):
     """sm_80 (A100) has no wgmma: the head_dim-128 extend default is 128x32 there, which does not spill
     (128x64, the H100 choice, spills on sm_80 and sm_89)."""
@@ -427,6 +437,7 @@ def test_only_refuses_names_of_no_case_and_lists_the_cases(capsys):
     )
 
 
+@SLOW
 @pytest.mark.parametrize(("arch", "block_m"), [(90, 64), (80, 32)])
 def test_defaults_above_head_dim_128_compile_without_spills(tmp_path, arch, block_m):
     """The former head_dim-256 extend default (64x32, 4 warps) spilled 120-128 B per thread at 255

@@ -12,7 +12,7 @@ import pytest
 
 from kernels import compile_replay
 
-TEST = "tests/kernels/test_fp8_linear.py::test_the_kernel_matches_the_reference[interpret-decode-torch.float16-row-e4m3]"
+TEST = "tests/kernels/test_fp8_linear.py::test_the_kernel_matches_the_reference[interpret-decode-float16-row-float8_e4m3fn]"
 
 
 def _run(*args: str, **env_vars: str) -> subprocess.CompletedProcess:

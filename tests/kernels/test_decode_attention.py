@@ -9,6 +9,7 @@ import torch
 
 from kernels import reference
 from tests.kernels.conftest import SERVED_SHAPES, strided
+from tests.support import each_value_once
 
 CASES = [
     (torch.float32, 64, 4, 4),
@@ -69,9 +70,9 @@ def config_of(dec, args, variant: str):
     return with_variant(dec.default_config(q.shape[-1], q.dtype), variant)
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
-@pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "hq", "hkv", "num_splits", "variant"), each_value_once(CASES, [1, 4], VARIANTS)
+)
 def test_decode_matches_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, variant):
     dec = backend.module("decode_attention")
     lens = KV_LENS if not backend.is_cuda else [n * 97 for n in KV_LENS]

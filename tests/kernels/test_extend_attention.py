@@ -9,6 +9,7 @@ import torch
 
 from kernels import reference
 from tests.kernels.conftest import SERVED_SHAPES, strided
+from tests.support import SLOW
 
 # (dtype, head_dim, Hq, Hkv): GQA ratios 1 / 4 / 8 spread over both head dims and all three dtypes, then the
 # served models' other shapes (conftest.SERVED_SHAPES).
@@ -86,7 +87,7 @@ SPLIT_REQUESTS = [(0, 19), (5, 3), (100, 9), (7, 0), (47, 40), (161, 1), (64, 33
         (torch.float32, 64, 4, 2, 2),
         (torch.bfloat16, 128, 8, 1, 3),
         (torch.float16, 64, 4, 4, 16),
-        *((*shape, 4) for shape in SERVED_SHAPES),
+        *(pytest.param(*shape, 4, marks=() if shape[1] in (96, 256) else SLOW) for shape in SERVED_SHAPES),
     ],
 )
 def test_prefix_splits_match_the_reference(backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits):

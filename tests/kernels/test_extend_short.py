@@ -10,6 +10,7 @@ import torch
 
 from kernels import reference
 from tests.kernels.conftest import SERVED_SHAPES
+from tests.support import each_value_once
 
 CASES = [  # dtype, head dim, query heads, KV heads: GQA 1, 4 and 8 (at 32 rows 16, 8 and 4 tokens a program)
     (torch.float32, 64, 4, 4),
@@ -54,10 +55,11 @@ def scaled(backend, lens):
     return lens if not backend.is_cuda else [n * 53 for n in lens]
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "hq", "hkv"), CASES)
 @pytest.mark.parametrize(
-    ("num_splits", "max_rows", "slots_ahead"),
-    [(1, 64, False), (5, 32, False), (5, 16, False), (5, 32, True), (1, 16, True)],
+    ("dtype", "head_dim", "hq", "hkv", "num_splits", "max_rows", "slots_ahead"),
+    # NOTE: the default tier pairs the i-th shape with the i-th option: GQA 1 at 16 rows over 5 splits,
+    # GQA 4 at 32 rows over 5 splits, GQA 8 at 64 rows in one, ...
+    each_value_once(CASES, [(5, 16, False), (5, 32, False), (1, 64, False), (5, 32, True), (1, 16, True)]),
 )
 def test_extend_short_matches_the_extend_reference(
     backend, assert_close_rel, dtype, head_dim, hq, hkv, num_splits, max_rows, slots_ahead

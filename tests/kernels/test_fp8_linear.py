@@ -11,9 +11,9 @@ import torch
 
 from kernels import reference
 from tests.kernels.test_moe import DTYPES
+from tests.support import each_value_once
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-FP8_IDS = ["e4m3", "e5m2"]
 # rows, N, K: a decode step, a prefill past one row tile, sizes that are no multiple of any tile
 SHAPES = {"decode": (3, 64, 96), "prefill": (40, 48, 64), "ragged": (17, 72, 80)}
 # the scales: one a block (square, partial at the ends; rows and columns unequal), one a row, one in all
@@ -53,10 +53,7 @@ def test_the_reference_is_the_definition():
     assert half.dtype == torch.bfloat16 and torch.equal(half.float(), x @ w.float().T)
 
 
-@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("kind", SCALES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("shape", "dtype", "kind", "fp8"), each_value_once(SHAPES, DTYPES, SCALES, FP8))
 def test_the_kernel_matches_the_reference(backend, assert_close_rel, shape, dtype, kind, fp8):
     fp8_linear = backend.module("fp8_linear")
     rows, n, k = SHAPES[shape]
@@ -200,10 +197,7 @@ def w8a8_case(backend, shape: str, dtype: torch.dtype, kind: str, fp8: torch.dty
     return w, scale, block, x.to(backend.device)
 
 
-@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("kind", SCALES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("shape", "dtype", "kind", "fp8"), each_value_once(SHAPES, DTYPES, SCALES, FP8))
 def test_fp8_activations_match_the_reference(backend, shape, dtype, kind, fp8):
     """The activations quantized per token group (the blocks' columns, or the row) and multiplied fp8 by
     fp8; a scale read for the wrong run or row moves the output past the bound."""
@@ -331,9 +325,7 @@ def test_static_activations_quantize_as_the_reference_bit_for_bit(backend, dtype
         assert torch.equal(codes.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
 
 
-@pytest.mark.parametrize("kind", SCALES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("shape", "dtype", "kind"), each_value_once(SHAPES, DTYPES, SCALES))
 def test_static_fp8_activations_match_the_reference(backend, monkeypatch, shape, dtype, kind):
     """The activations quantized by one static scale (the largest values saturating), inside the product
     at any step (16-column steps over 32-column blocks too) or first; the sum scaled by it once. The bound

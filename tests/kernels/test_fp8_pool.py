@@ -15,18 +15,12 @@ from tests.kernels import test_decode_attention as decode_cases
 from tests.kernels import test_extend_attention as extend_cases
 from tests.kernels.test_fused import rope_cache
 from tests.kernels.test_sliding_window import REQUESTS
+from tests.support import each_value_once
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FP8_IDS = ["e4m3", "e5m2"]
 GQA = [(8, 8), (8, 2), (8, 1)]  # (Hq, Hkv): groups of 1, 4, 8
-
-
-def with_both_formats(xs: list, ys: list) -> list:
-    """pytest params (x, y, fp8 format) for every x of ``xs`` and y of ``ys``, the format alternating with
-    their positions: each x and each y meets both formats, so every pair of the three is tested in half
-    the cases of the whole product (the format changes how the pool's codes widen, nothing else)."""
-    return [pytest.param(x, y, FP8[(i + j) % 2], id=f"{x}-{y}-{FP8_IDS[(i + j) % 2]}".replace(", ", "/"))
-            for i, x in enumerate(xs) for j, y in enumerate(ys)]  # fmt: skip
+GQA_PAIRS = [(gqa,) for gqa in GQA]  # each_value_once's values: one parameter, the pair
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +92,9 @@ def test_rope_store_kv_stores_the_rotated_k_it_returns_rounded_into_the_pool(bac
     assert torch.isnan(k_cache.cpu().float()).sum() == 5 * hkv * d  # nothing else written
 
 
-@pytest.mark.parametrize(("variant", "gqa", "pool_dtype"), with_both_formats(decode_cases.VARIANTS, GQA))
+@pytest.mark.parametrize(
+    ("variant", "gqa", "pool_dtype"), each_value_once(decode_cases.VARIANTS, GQA_PAIRS, FP8)
+)
 def test_decode_over_an_fp8_pool_matches_the_reference(backend, assert_close_rel, variant, gqa, pool_dtype):
     hq, hkv = gqa
     dec = backend.module("decode_attention")
@@ -111,7 +107,9 @@ def test_decode_over_an_fp8_pool_matches_the_reference(backend, assert_close_rel
     assert_close_rel(out.cpu(), reference.decode_attention(*(a.cpu() for a in args)))
 
 
-@pytest.mark.parametrize(("variant", "gqa", "pool_dtype"), with_both_formats(decode_cases.VARIANTS, GQA[1:]))
+@pytest.mark.parametrize(
+    ("variant", "gqa", "pool_dtype"), each_value_once(decode_cases.VARIANTS, GQA_PAIRS[1:], FP8)
+)
 def test_decode_widening_an_fp8_pool_to_fp16_under_a_bf16_query_matches_the_reference(
     backend, assert_close_rel, variant, gqa, pool_dtype
 ):
@@ -134,11 +132,9 @@ def test_decode_widening_an_fp8_pool_to_fp16_under_a_bf16_query_matches_the_refe
     assert torch.isfinite(out.cpu().float()).all()
 
 
-@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize(
-    ("hq", "hkv", "num_splits", "packed"),
-    [(*gqa, 1, False) for gqa in GQA] + [(8, 2, 4, False), (8, 2, 4, True)],
-    ids=["unsplit-gqa1", "unsplit-gqa4", "unsplit-gqa8", "split", "packed"],
+    ("hq", "hkv", "num_splits", "packed", "pool_dtype"),
+    each_value_once([(*gqa, 1, False) for gqa in GQA] + [(8, 2, 4, False), (8, 2, 4, True)], FP8),
 )
 def test_extend_over_an_fp8_pool_matches_the_reference(
     backend, assert_close_rel, pool_dtype, hq, hkv, num_splits, packed
@@ -263,7 +259,7 @@ def test_scaled_stores_write_the_references_bits(backend, pool_dtype, kind):
 
 @pytest.mark.parametrize(
     ("path", "kind", "pool_dtype"),
-    with_both_formats(["decode", "extend", "extend-split", "extend-packed", "short"], SCALE_KINDS),
+    each_value_once(["decode", "extend", "extend-split", "extend-packed", "short"], SCALE_KINDS, FP8),
 )
 def test_attention_over_a_scaled_fp8_pool_matches_the_reference(
     backend, assert_close_rel, path, kind, pool_dtype
@@ -413,8 +409,9 @@ def test_sm90_decode_over_an_fp8_pool_takes_the_tuned_tiles_and_the_short_extend
     assert extend_short.default_config(128, bf16, 90) == dec.default_config(128, bf16, 90, 1)
 
 
-@pytest.mark.parametrize("pool_dtype", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("kind", ["decode", "decode-many", "extend", "extend-split", "short"])
+@pytest.mark.parametrize(
+    ("kind", "pool_dtype"), each_value_once(["decode", "decode-many", "extend", "extend-split", "short"], FP8)
+)
 def test_the_sm90_fp8_pool_tiles_match_the_reference_at_head_dim_128(
     backend, assert_close_rel, pool_dtype, kind
 ):

@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from tests.support import each_value_once
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCKS = [((16, 32),), ((32, 48),), (None,)]  # the fp8 experts' scale blocks (rows x columns), or one a row
 
 
 def moe_case(
@@ -168,9 +170,9 @@ def test_the_reference_dequantizes_mxfp4_codes_by_definition():
     assert half.dtype == torch.bfloat16 and half[:2].tolist() == [-3.0, 0.5]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ["decode", "prefill"])
-@pytest.mark.parametrize("step", ["default", "k64"])
+@pytest.mark.parametrize(
+    ("dtype", "case", "step"), each_value_once(DTYPES, ["decode", "prefill"], ["default", "k64"])
+)
 def test_fused_moe_on_mxfp4_experts_matches_the_reference(
     backend, assert_close_rel, poisoned, case, dtype, step
 ):
@@ -213,9 +215,7 @@ def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | No
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block", [(16, 32), (32, 48), None], ids=["block16x32", "block32x48", "per-row"])
-@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize(("dtype", "block", "case"), each_value_once(DTYPES, BLOCKS, ["decode", "prefill"]))
 def test_fused_moe_on_fp8_experts_matches_the_reference(
     backend, assert_close_rel, poisoned, case, block, dtype
 ):
@@ -250,9 +250,7 @@ def test_fused_moe_on_fp8_experts_matches_the_reference(
 MOE_W8A8_REL_TOL = {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 5e-2}
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block", [(16, 32), (32, 48), None], ids=["block16x32", "block32x48", "per-row"])
-@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize(("dtype", "block", "case"), each_value_once(DTYPES, BLOCKS, ["decode", "prefill"]))
 def test_fused_moe_with_fp8_activations_matches_the_reference(backend, poisoned, case, block, dtype):
     """--fp8-activations dynamic on fp8 experts: x and the activation quantized per token group (the
     blocks' columns, or a row) before their GEMMs, multiplied fp8 by fp8; rows of different magnitudes,
@@ -279,8 +277,7 @@ def test_fused_moe_with_fp8_activations_matches_the_reference(backend, poisoned,
         moe.fused_moe(args[0], plain13.to(dev), plain2.to(dev), *args[3:], fp8_activations=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize(("dtype", "case"), each_value_once(DTYPES, ["decode", "prefill"]))
 def test_experts_quantizing_their_inputs_inside_the_gemms_match_the_separate_quantization(
     backend, monkeypatch, poisoned, case, dtype
 ):
@@ -312,9 +309,9 @@ def test_experts_quantizing_their_inputs_inside_the_gemms_match_the_separate_qua
     assert calls == ([] if case == "decode" else [1, 1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block", [(16, 32), None], ids=["block16x32", "per-row"])
-@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize(
+    ("dtype", "block", "case"), each_value_once(DTYPES, BLOCKS[::2], ["decode", "prefill"])
+)
 def test_fused_moe_with_static_input_scales_matches_the_reference(backend, monkeypatch, poisoned, case, block,
                                                                   dtype):  # fmt: skip
     """--fp8-activations static on fp8 experts: x and the activation quantized by one scale each (a

@@ -13,6 +13,7 @@ import torch
 from kernels import reference
 from tests.kernels import test_decode_attention as decode_cases
 from tests.kernels import test_extend_attention as extend_cases
+from tests.support import each_value_once
 
 # (prefix, new) tokens per request: no prefix, a window inside the new tokens, a prefix mostly outside it,
 # one new token past a long prefix, no new tokens, several query blocks across the window's edge
@@ -56,20 +57,7 @@ def test_the_reference_windows_extend_and_decode_by_definition():
     torch.testing.assert_close(reference.decode_attention(dq, dk, dv, dkvp, dslots, window=400), whole)
 
 
-def extend_grid_cases(windows: list[int]) -> list:
-    """pytest params (window, num_splits, packed): every window with and without splits, the grid (packed
-    or not) alternating between them, so each pair of window, splits and grid is tested (the grid only
-    places the query blocks) in half the cases of the whole product."""
-    return [
-        pytest.param(
-            w, s, (i + j) % 2 == 1, id=f"{['grid', 'packed'][(i + j) % 2]}-{['unsplit', 'split'][j]}-{w}"
-        )
-        for i, w in enumerate(windows)
-        for j, s in enumerate([1, 4])
-    ]
-
-
-@pytest.mark.parametrize(("window", "num_splits", "packed"), extend_grid_cases(WINDOWS))
+@pytest.mark.parametrize(("window", "num_splits", "packed"), each_value_once(WINDOWS, [1, 4], [False, True]))
 def test_extend_windows_match_the_reference(backend, assert_close_rel, window, num_splits, packed):
     ext = backend.module("extend_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32
@@ -80,9 +68,9 @@ def test_extend_windows_match_the_reference(backend, assert_close_rel, window, n
     assert_close_rel(out.cpu(), reference.extend_attention(*(a.cpu() for a in args), window=window))
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("variant", decode_cases.VARIANTS)
+@pytest.mark.parametrize(
+    ("window", "num_splits", "variant"), each_value_once(WINDOWS, [1, 4], decode_cases.VARIANTS)
+)
 def test_decode_windows_match_the_reference(backend, assert_close_rel, window, num_splits, variant):
     dec = backend.module("decode_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32
@@ -111,8 +99,7 @@ def test_the_reference_soft_caps_scores_by_definition():
     assert not torch.allclose(want, reference.extend_attention(*args), atol=1e-3)
 
 
-@pytest.mark.parametrize("window", [0, 33])
-@pytest.mark.parametrize("num_splits", [1, 4], ids=["unsplit", "split"])
+@pytest.mark.parametrize(("window", "num_splits"), each_value_once([0, 33], [1, 4]))
 def test_extend_soft_caps_match_the_reference(backend, assert_close_rel, window, num_splits):
     ext = backend.module("extend_attention")
     dtype = torch.float16 if backend.is_cuda else torch.float32

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import reference
+from tests.support import SLOW
 from tests.worker.conftest import save_checkpoint
 from tests.worker.test_fp8_activations import served
 from tests.worker.test_fp8_weights import fp8_pair
@@ -180,7 +181,7 @@ def test_cache_info_and_the_log_say_the_pool_holds_scaled_values(tmp_path, caplo
     assert info["kv_scales"] == "checkpoint" and info["kv_dtype"] == "float8_e4m3fn"
 
 
-@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "per_head"])
+@pytest.mark.parametrize("per_head", [pytest.param(False, marks=SLOW), True], ids=["tensor", "per_head"])
 def test_two_ranks_over_scaled_fp8_pools_answer_as_one(tmp_path, per_head):
     """Each rank holds its own KV head's scales (a scale a tensor: the same on both; one a head: its own)
     and stores and reads that head over them."""

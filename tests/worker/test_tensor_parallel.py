@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from tests.support import ROOT, start_module, wait_until
+from tests.support import ROOT, SLOW, start_module, wait_until
 from tests.worker.conftest import (
     GEMMA2,
     GEMMA3,
@@ -190,29 +190,31 @@ def randomize_biases(ckpt: Path) -> None:
     save_file(weights, str(path), metadata={"format": "pt"})
 
 
+# NOTE: each family splits in its own way; the default tier runs four (three processes a case, ~30 s): a dense
+# model with biases, experts with a shared one, Gemma 3's norms and windows, gpt-oss's sinks and biased experts
 @pytest.mark.parametrize(
     "model_type,overrides",
     [
         # q/k/v biases and tied embeddings (the lm_head is a slice of the embedding on each rank)
-        ("qwen2", {"tie_word_embeddings": True}),
+        pytest.param("qwen2", {"tie_word_embeddings": True}, marks=SLOW),
         # q/k RMSNorm per head (whole on each rank) and head_dim x heads != hidden size
-        ("qwen3", {"head_dim": 32}),
+        pytest.param("qwen3", {"head_dim": 32}, marks=SLOW),
         # o_proj and MLP biases (added once, after the sum) and an odd vocabulary (unequal lm_head parts)
         ("llama", {"attention_bias": True, "mlp_bias": True, "vocab_size": 401}),
         # q/k/v and gate/up stored fused: each rank takes its heads of each, its rows of each
-        ("phi3", {}),
+        pytest.param("phi3", {}, marks=SLOW),
         # Granite's multipliers (the residual one folded into each rank's o_proj / down_proj part)
-        ("granite", GRANITE),
+        pytest.param("granite", GRANITE, marks=SLOW),
         # every expert split by its intermediate units (Mixtral's w1 / w3 / w2 names), the router whole
-        ("mixtral", MIXTRAL),
+        pytest.param("mixtral", MIXTRAL, marks=SLOW),
         # the shared expert split as well, its sigmoid gate whole; a dense layer between sparse ones
         ("qwen2_moe", QWEN2_MOE),
         # Gemma 3: norms on each sublayer's summed output, whole on each rank; sliding layers
         ("gemma3_text", GEMMA3),
         # Gemma 2: soft-capped scores in each rank's heads, soft-capped logits
-        ("gemma2", GEMMA2),
+        pytest.param("gemma2", GEMMA2, marks=SLOW),
         # Granite 3 MoE: the stacked experts split per expert, the ungated shared expert too
-        ("granitemoeshared", {**GRANITE_MOE, "shared_intermediate_size": 40}),
+        pytest.param("granitemoeshared", {**GRANITE_MOE, "shared_intermediate_size": 40}, marks=SLOW),
         # gpt-oss: each rank's heads' sinks, the experts' gate/up biases split with them, their down biases and
         # o_proj's added once, the router's bias whole
         ("gpt_oss", GPT_OSS),
@@ -240,7 +242,9 @@ def assert_two_ranks_answer_as_one(model: str, tmp: Path, extra: list[str]) -> N
         one.stop()
 
 
-@pytest.mark.parametrize("units", [64, 96], ids=["a-block-each", "two-blocks-and-one"])
+@pytest.mark.parametrize(
+    "units", [64, pytest.param(96, marks=SLOW)], ids=["a-block-each", "two-blocks-and-one"]
+)
 def test_packed_mxfp4_experts_split_over_two_ranks(tmp_path, units):
     """gpt-oss's MXFP4 experts kept packed on each rank: the gate/up codes and scales split by rows, the down
     ones by columns, in whole 32-unit blocks (one each; or 64 and 32 units of 96, unequal parts), against
