@@ -26,21 +26,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     named = set()
     for arg in config.args:
         path, sep, name = arg.partition("::")
-        with contextlib.suppress(ValueError):  # a path outside the checkout names nothing here
-            if sep:
+        if sep:
+            with contextlib.suppress(ValueError):  # a path outside the checkout names nothing here
                 named.add(f"{Path(os.path.abspath(path)).relative_to(config.rootpath).as_posix()}::{name}")
-
-    def left_out(item: pytest.Item) -> bool:
-        return (
-            bool(item.get_closest_marker("slow"))
-            and item.nodeid not in named
-            and (item.nodeid.partition("[")[0] not in named)
-        )
-
-    slow = [item for item in items if left_out(item)]
+    kept, slow = [], []
+    for item in items:
+        named_here = item.nodeid in named or item.nodeid.partition("[")[0] in named
+        (slow if item.get_closest_marker("slow") and not named_here else kept).append(item)
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not left_out(item)]
+        items[:] = kept
 
 
 class Launcher:

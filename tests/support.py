@@ -79,12 +79,12 @@ def each_value_once(*axes: Sequence[Any]) -> list[Any]:
 
     def score(i: int) -> tuple:
         k = keys[i]
-        new_pairs = {p for p in itertools.combinations(k, 2)} - pairs
+        new_pairs = set(itertools.combinations(k, 2)) - pairs
         return (sum(v not in runs for v in k), len(new_pairs), -sum(runs.get(v, 0) for v in k), -i)
 
     while cases:
         best = max(range(len(cases)), key=score)
-        if not any(v not in runs for v in keys[best]):
+        if score(best)[0] == 0:  # every value runs
             break
         default.add(best)
         pairs.update(itertools.combinations(keys[best], 2))
