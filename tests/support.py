@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
 import shutil
@@ -142,7 +143,7 @@ def http_ok(url: str) -> bool:
 class Proc:
     """A child process serving HTTP at ``url``."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     url: str
     log_path: str
 
@@ -161,6 +162,100 @@ class Proc:
         return [orjson.loads(line.split(marker, 1)[1]) for line in self.log().splitlines() if marker in line]
 
 
+class ForkedProcess:
+    """A child of the fork server (tests.forkserver), with the part of ``subprocess.Popen``'s API the tests
+    use. Its exit status comes from the file the fork server writes as it reaps it."""
+
+    def __init__(self, pid: int, args: list[str], status_path: str) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._status_path = status_path
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                with open(self._status_path) as f:
+                    self.returncode = int(f.read())
+            except FileNotFoundError:
+                pass
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """This test process's tests.forkserver, started with ``env``: it starts the modules a test runs under
+    that same environment but for the variables pytest changes from test to test (any other runs a plain
+    subprocess: modules read some settings as they are imported, before the fork)."""
+
+    PER_TEST = ("PYTEST_CURRENT_TEST",)
+
+    def __init__(self, env: dict[str, str]) -> None:
+        import tempfile
+
+        self.env = env
+        self._status_dir = tempfile.mkdtemp(prefix="radixgate-forks-")
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", self._status_dir],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env)  # fmt: skip
+        self._lock = threading.Lock()
+        if self._proc.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"tests.forkserver did not start (exit status {self._proc.wait()})")
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a module started under ``env`` sees the settings it would see started on its own."""
+        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return differ <= set(self.PER_TEST)
+
+    def start(self, module: str, args: list[str], log_path: str, env: dict[str, str]) -> ForkedProcess:
+        with self._lock:
+            request = {"module": module, "args": args, "log": log_path, "env": env}
+            self._proc.stdin.write(orjson.dumps(request) + b"\n")
+            self._proc.stdin.flush()
+            pid = int(self._proc.stdout.readline())
+        argv = [sys.executable, "-m", module, *args]
+        return ForkedProcess(pid, argv, os.path.join(self._status_dir, str(pid)))
+
+    def close(self) -> None:
+        """Ends the fork server (not the children still running) and removes its status files."""
+        self._proc.stdin.close()
+        self._proc.wait(timeout=10)
+        shutil.rmtree(self._status_dir, ignore_errors=True)
+
+
+_fork_server: ForkServer | None = None
+_fork_server_lock = threading.Lock()
+
+
+def _forked_start(env: dict[str, str]) -> ForkServer | None:
+    """The fork server to start a module under ``env`` with, or None for a plain subprocess (another
+    environment, or RADIXGATE_TEST_FORK=0)."""
+    global _fork_server
+    if os.environ.get("RADIXGATE_TEST_FORK", "1") == "0":
+        return None
+    with _fork_server_lock:
+        if _fork_server is None:
+            _fork_server = ForkServer(env)
+            atexit.register(_fork_server.close)
+    return _fork_server if _fork_server.serves(env) else None
+
+
 def start_module(
     module: str,
     args: list[str],
@@ -170,18 +265,19 @@ def start_module(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> Proc:
-    """Run ``python -m module --port P args`` and wait until GET ready_path answers 200."""
+    """Run ``python -m module --port P args`` (forked from the fork server where the environment allows)
+    and wait until GET ready_path answers 200."""
     port = port or free_port()
     log_path = os.path.join(tmp_dir, f"{module.replace('.', '_')}-{port}.log")
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    argv = ["--port", str(port), *args]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=full_env,
-        )
+        server = _forked_start(full_env)
+        if server is not None:
+            proc = server.start(module, argv, log_path, full_env)
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=ROOT, env=full_env)  # fmt: skip
     handle = Proc(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_until(

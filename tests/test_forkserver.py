@@ -1,0 +1,52 @@
+"""tests.forkserver, through start_module: the children it forks run as ``python -m`` would run them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from tests.support import ForkedProcess, start_module
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+@pytest.mark.skipif(
+    os.environ.get("RADIXGATE_TEST_FORK") == "0", reason="RADIXGATE_TEST_FORK=0: no fork server"
+)
+def test_a_forked_server_sees_this_tests_environment_and_reports_the_signal_that_ends_it(tmp_path):
+    backend = start_module("loadtest.echo_backend", [], str(tmp_path))
+    try:
+        assert isinstance(backend.proc, ForkedProcess)
+        env = _environ(backend.proc.pid)
+        assert env["PYTEST_CURRENT_TEST"] == os.environ["PYTEST_CURRENT_TEST"]  # this test's, not the first's
+        assert backend.proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            backend.proc.wait(0.05)
+        backend.proc.kill()
+        assert backend.proc.wait(10) == -signal.SIGKILL
+    finally:
+        backend.stop()
+
+
+def test_a_forked_module_exits_with_its_status_and_writes_its_output_to_the_log(tmp_path):
+    with pytest.raises(AssertionError, match="router exited with 2") as failed:
+        start_module("router", ["--no-such-flag"], str(tmp_path))
+    assert "unrecognized arguments: --no-such-flag" in str(failed.value)
+    (log,) = tmp_path.glob("router-*.log")
+    assert "usage:" in log.read_text()
+
+
+def test_a_start_under_another_environment_runs_a_fresh_interpreter(tmp_path):
+    backend = start_module("loadtest.echo_backend", [], str(tmp_path), env={"RADIXGATE_TEST_MARK": "1"})
+    try:
+        assert isinstance(backend.proc, subprocess.Popen)
+        assert _environ(backend.proc.pid)["RADIXGATE_TEST_MARK"] == "1"
+    finally:
+        backend.stop()
