@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import bench, bench_report, reference, timing
+from tests.support import SLOW
 
 MODEL = bench.Model(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="fp32")
 
@@ -506,6 +507,9 @@ def test_markdown_report_has_the_verify_table_and_flags_a_wrong_row():
     assert s["verify_default_over_slots_min"] == s["verify_default_over_slots_max"] == pytest.approx(0.95)
 
 
+# NOTE: full tier: the command's test below runs a row of every kind, extend and LoRA among them; this one the
+# extend rows' tile choices, the prefix split and the fp8 pool, and every LoRA candidate's output
+@SLOW
 def test_the_gpu_rows_run_end_to_end_on_the_interpreter(backend, monkeypatch):
     """bench_extend and bench_lora (GPU-only in the command) on the interpreter: the CUDA graphs re-run
     their calls and the host clock times them. The numbers mean nothing; every output is checked
@@ -853,6 +857,8 @@ def test_the_command_runs_every_kind_and_writes_its_reports(
     assert "# Attention kernels on CPU stand-in" in out.with_suffix(".md").read_text()
 
 
+# NOTE: full tier: a decode row's candidates run in the command's test; this is one tile choice's rule
+@SLOW
 def test_a_decode_row_whose_default_tiles_are_the_pipelined_ones_times_slots_once(
     backend, monkeypatch, gpu_command_on_cpu
 ):
@@ -918,6 +924,8 @@ def test_the_fp8_pool_row_runs_on_the_interpreter_and_reports_against_the_16_bit
     assert extend_rows == [["1", "8", "8", "80.0", "0.80x", "1.0e-03"]]
 
 
+# NOTE: full tier: the fp8 pool row runs in the default tier (the test above); this one its candidates
+@SLOW
 def test_the_fp8_pool_row_times_the_candidates_beside_the_default_under_a_bf16_query(backend, monkeypatch):
     """Under a bf16 q, measure_fp8_pool also replays fp8_candidates: the default with its widening to fp16
     flipped, FP8_SHORT_TILES where default_config takes the fp8 pools' tiles, and the default with PDL

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import bench_moe, bench_report, reference, timing
+from tests.support import SLOW
 
 TINY = bench_moe.MoeShape(experts=6, top_k=2, hidden=32, inter=24)
 # fp8 experts of two 128 x 128 scale blocks down each weight and two across w13 (one across w2)
@@ -145,6 +146,8 @@ def test_an_fp8_row_times_the_fp8_experts_beside_them_dequantized(backend, monke
     assert "`w8a8_vs_fp8_min_decode` 1.00x, `w8a8_vs_fp8_min_prefill` -" in report
 
 
+# NOTE: full tier: the fp8 row runs in the default tier (the test above); this one its error on a wrong kernel
+@SLOW
 def test_an_fp8_rows_error_compares_the_kernel_with_the_reference(backend, monkeypatch, calls):
     """A kernel that read each expert's first scale block for all of its blocks shows in rel_err."""
     if backend.is_cuda:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels import bench, sweep, timing
+from tests.support import SLOW
 
 SWEEP = Path(__file__).resolve().parents[2] / "docs/benchmarks/kernels-sweep-nvidia-h100-80gb-hbm3.json"
 # the run that measured the prefix split (extend graphs included)
@@ -206,6 +207,8 @@ def test_the_command_refuses_without_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+# NOTE: full tier: every sweep's rows run in the command's test below; this one each split count and variant
+@SLOW
 def test_the_sweep_rows_run_on_the_interpreter(backend, monkeypatch):
     """sweep_extend, sweep_extend_graph and sweep_decode with the host clock in place of CUDA timing:
     both tiles' outputs agree, each split count and decode variant (PDL, prefetch) makes its row."""

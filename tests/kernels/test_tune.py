@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels import bench, timing, tune
+from tests.support import SLOW
 
 MODEL = bench.Model(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="fp32")
 
@@ -72,6 +73,9 @@ def test_run_candidates_records_statically_rejected_configs_without_launching(mo
     assert tune.best_row(rows)["config"] == dataclasses.asdict(fine)
 
 
+# NOTE: full tier: the spill verdict it reads is kernels.compile_check.compile_rows', whose spilling case runs in
+# test_compile_check.py (the command's test here skips the static check)
+@SLOW
 def test_static_check_rejects_a_spilling_candidate_and_keeps_the_default():
     """Compiles for sm_90 in a child process (this one has the kernels imported interpreted)."""
     code = textwrap.dedent("""\
@@ -137,6 +141,8 @@ def test_extend_and_decode_candidates_all_run_and_the_fastest_wins(backend, monk
     assert table.splitlines()[1].startswith("decode batch=3 context=40")
 
 
+# NOTE: full tier: the command's test tunes every kind, LoRA among them
+@SLOW
 def test_lora_candidates_all_run_on_the_workers_segments_and_the_fastest_wins(backend, monkeypatch):
     if not backend.interpret:
         pytest.skip("the real timing runs in python -m kernels.tune")
