@@ -243,7 +243,7 @@ _fork_server: ForkServer | None = None
 _fork_server_lock = threading.Lock()
 
 
-def _forked_start(env: dict[str, str]) -> ForkServer | None:
+def fork_server_for(env: dict[str, str]) -> ForkServer | None:
     """The fork server to start a module under ``env`` with, or None for a plain subprocess (another
     environment, or RADIXGATE_TEST_FORK=0)."""
     global _fork_server
@@ -272,7 +272,7 @@ def start_module(
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     argv = ["--port", str(port), *args]
     with open(log_path, "wb") as log:
-        server = _forked_start(full_env)
+        server = fork_server_for(full_env)
         if server is not None:
             proc = server.start(module, argv, log_path, full_env)
         else:

@@ -2,30 +2,42 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 
 import pytest
 
-from tests.support import ForkedProcess, start_module
+from tests.support import ROOT, ForkedProcess, fork_server_for, start_module
 
 
-def _environ(pid: int) -> dict[str, str]:
+def _exec_environ(pid: int) -> dict[str, str]:
+    """The environment a process was exec'd with (a fresh interpreter's; not a forked child's changes)."""
     with open(f"/proc/{pid}/environ", "rb") as f:
         pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if item]
     return {k.decode(): v.decode() for k, v in pairs}
 
 
+def _printed_env(tmp_path, *names: str) -> dict:
+    """What a forked ``python -m tests.print_env`` sees of ``names``."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    server = fork_server_for(env)
+    assert server is not None
+    log = tmp_path / "print_env.log"
+    assert server.start("tests.print_env", list(names), str(log), env).wait(30) == 0
+    return json.loads(log.read_text())
+
+
 @pytest.mark.skipif(
     os.environ.get("RADIXGATE_TEST_FORK") == "0", reason="RADIXGATE_TEST_FORK=0: no fork server"
 )
-def test_a_forked_server_sees_this_tests_environment_and_reports_the_signal_that_ends_it(tmp_path):
-    backend = start_module("loadtest.echo_backend", [], str(tmp_path))
+def test_a_forked_child_sees_this_tests_environment_and_reports_the_signal_that_ends_it(
+    tmp_path, monkeypatch
+):
+    backend = start_module("loadtest.echo_backend", [], str(tmp_path))  # the fork server may start here
     try:
         assert isinstance(backend.proc, ForkedProcess)
-        env = _environ(backend.proc.pid)
-        assert env["PYTEST_CURRENT_TEST"] == os.environ["PYTEST_CURRENT_TEST"]  # this test's, not the first's
         assert backend.proc.poll() is None
         with pytest.raises(subprocess.TimeoutExpired):
             backend.proc.wait(0.05)
@@ -33,6 +45,12 @@ def test_a_forked_server_sees_this_tests_environment_and_reports_the_signal_that
         assert backend.proc.wait(10) == -signal.SIGKILL
     finally:
         backend.stop()
+    # pytest changes PYTEST_CURRENT_TEST from phase to phase: the child sees this one's, not the server's first
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "a later test (call)")
+    assert _printed_env(tmp_path, "PYTEST_CURRENT_TEST", "PYTHONPATH") == {
+        "PYTEST_CURRENT_TEST": "a later test (call)",
+        "PYTHONPATH": ROOT,
+    }
 
 
 def test_a_forked_module_exits_with_its_status_and_writes_its_output_to_the_log(tmp_path):
@@ -47,6 +65,6 @@ def test_a_start_under_another_environment_runs_a_fresh_interpreter(tmp_path):
     backend = start_module("loadtest.echo_backend", [], str(tmp_path), env={"RADIXGATE_TEST_MARK": "1"})
     try:
         assert isinstance(backend.proc, subprocess.Popen)
-        assert _environ(backend.proc.pid)["RADIXGATE_TEST_MARK"] == "1"
+        assert _exec_environ(backend.proc.pid)["RADIXGATE_TEST_MARK"] == "1"
     finally:
         backend.stop()

@@ -322,10 +322,11 @@ def test_requests_waiting_on_a_hung_worker_go_elsewhere_once_its_health_checks_g
     """A stopped worker takes connections and answers nothing: its requests still waiting for their
     head (a stream's, and a non-stream answer's, which comes last) move to the other worker after
     three unanswered health checks, not after first_byte_timeout_s / request_timeout_s (60 s)."""
-    backends = [launch.echo_backend() for _ in range(2)]
-    router = _router_with(launch, tmp_path, backends, policy="round_robin", health_interval_s=0.3,
+    # NOTE: the worker to hang is slow (seconds a prompt), so that its requests are surely waiting on it when it
+    # stops: stopped first, it could be found unhealthy before they were routed, and none would wait on it
+    hung, survivor = launch.echo_backend("--prefill-us-per-token", "1000000"), launch.echo_backend()
+    router = _router_with(launch, tmp_path, [hung, survivor], policy="round_robin", health_interval_s=0.3,
                           health_timeout_s=0.3, first_byte_timeout_s=60, request_timeout_s=60)  # fmt: skip
-    hung, survivor = backends
     wait_until(lambda: all(w["healthy"] for w in httpx.get(router.url + "/workers").json()["workers"]), 10,
                what="both workers healthy")  # fmt: skip
 
@@ -334,10 +335,16 @@ def test_requests_waiting_on_a_hung_worker_go_elsewhere_once_its_health_checks_g
         r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
         return r.status_code, r.headers.get("x-radixgate-worker", ""), r.content
 
-    hung.proc.send_signal(signal.SIGSTOP)
+    def waiting_on_hung() -> int:
+        rows = httpx.get(router.url + "/workers").json()["workers"]
+        return next(w["in_flight"] for w in rows if w["url"] == hung.url)
+
     try:
         with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(ask, range(4)))
+            asked = pool.map(ask, range(4))
+            wait_until(lambda: waiting_on_hung() == 2, 10, what="two requests waiting on the slow worker")
+            hung.proc.send_signal(signal.SIGSTOP)
+            answers = list(asked)
     finally:
         hung.proc.send_signal(signal.SIGCONT)
     assert [(status, worker) for status, worker, _ in answers] == [(200, survivor.url)] * 4
