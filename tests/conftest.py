@@ -11,12 +11,6 @@ import pytest
 
 from tests.support import Proc, free_port, start_module, start_redis
 
-# NOTE: the suite runs in several processes (pytest-xdist), each starting servers of its own: torch's default of
-# a compute thread a core oversubscribes the cores (worker/test_speculative, test_bench and test_model in two
-# processes on 2 cores: 149 -> 90 s with one thread each). Set before torch is imported here or in a server
-# this process starts; OMP_NUM_THREADS chooses otherwise.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true",

@@ -26,6 +26,14 @@ from router.launcher import redis_server, stop_processes
 REDIS = shutil.which("redis-server")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PORTS_PER_PROCESS = 1000
+# NOTE: the suite runs in several processes (pytest-xdist), each starting servers of its own: torch's default of
+# a compute thread a core oversubscribes the cores (worker/test_speculative, test_bench and test_model in two
+# processes on 2 cores: 149 -> 90 s with one thread each). Set before torch is imported in this process or in a
+# server it starts; OMP_NUM_THREADS chooses otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the environment the fork server imports under: this process's as the session starts, not as the test that
+# happens to start the first server has changed it
+_SESSION_ENV = {**os.environ, "PYTHONPATH": ROOT}
 
 
 def _port_block() -> range:
@@ -251,7 +259,7 @@ def fork_server_for(env: dict[str, str]) -> ForkServer | None:
         return None
     with _fork_server_lock:
         if _fork_server is None:
-            _fork_server = ForkServer(env)
+            _fork_server = ForkServer(_SESSION_ENV)
             atexit.register(_fork_server.close)
     return _fork_server if _fork_server.serves(env) else None
 

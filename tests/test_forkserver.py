@@ -68,3 +68,17 @@ def test_a_start_under_another_environment_runs_a_fresh_interpreter(tmp_path):
         assert _exec_environ(backend.proc.pid)["RADIXGATE_TEST_MARK"] == "1"
     finally:
         backend.stop()
+
+
+@pytest.mark.skipif(
+    os.environ.get("RADIXGATE_TEST_FORK") == "0", reason="RADIXGATE_TEST_FORK=0: no fork server"
+)
+def test_a_first_start_under_a_changed_environment_leaves_the_server_the_sessions(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXGATE_TEST_MARK", "changed")
+    changed = start_module("loadtest.echo_backend", [], str(tmp_path))
+    changed.stop()
+    assert isinstance(changed.proc, subprocess.Popen)
+    monkeypatch.undo()
+    again = start_module("loadtest.echo_backend", [], str(tmp_path))
+    again.stop()
+    assert isinstance(again.proc, ForkedProcess)
