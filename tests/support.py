@@ -213,7 +213,11 @@ class ForkServer:
     that same environment but for the variables pytest changes from test to test (any other runs a plain
     subprocess: modules read some settings as they are imported, before the fork)."""
 
-    PER_TEST = ("PYTEST_CURRENT_TEST",)
+    # NOTE: variables that may differ from the server's without a module seeing other settings: pytest
+    # changes PYTEST_CURRENT_TEST from test to test, and importing torch._dynamo (transformers does) sets
+    # TORCHINDUCTOR_CACHE_DIR to the default a fresh interpreter computes the same way. The child is given
+    # the test's environment whole either way.
+    NEUTRAL = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 
     def __init__(self, env: dict[str, str]) -> None:
         import tempfile
@@ -229,7 +233,7 @@ class ForkServer:
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a module started under ``env`` sees the settings it would see started on its own."""
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return differ <= set(self.PER_TEST)
+        return differ <= set(self.NEUTRAL)
 
     def start(self, module: str, args: list[str], log_path: str, env: dict[str, str]) -> ForkedProcess:
         with self._lock:

@@ -82,3 +82,21 @@ def test_a_first_start_under_a_changed_environment_leaves_the_server_the_session
     again = start_module("loadtest.echo_backend", [], str(tmp_path))
     again.stop()
     assert isinstance(again.proc, ForkedProcess)
+
+
+@pytest.mark.skipif(
+    os.environ.get("RADIXGATE_TEST_FORK") == "0", reason="RADIXGATE_TEST_FORK=0: no fork server"
+)
+def test_a_start_after_a_library_set_its_default_cache_dir_is_still_forked(tmp_path):
+    # importing torch._dynamo (as transformers' generation utilities do) puts TORCHINDUCTOR_CACHE_DIR into
+    # os.environ for the rest of the process: every later start must not fall back to a fresh interpreter
+    import torch._dynamo  # noqa: F401
+
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    backend = start_module("loadtest.echo_backend", [], str(tmp_path))
+    backend.stop()
+    assert isinstance(backend.proc, ForkedProcess)
+    # and the child still sees the test's environment whole, that variable included
+    assert _printed_env(tmp_path, "TORCHINDUCTOR_CACHE_DIR") == {
+        "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    }
