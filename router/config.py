@@ -417,7 +417,7 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         flags["policy_params"] = params
     settings = {**lower, **flags}
     config = RouterConfig(**settings)
-    config.workers = [w.rstrip("/") for w in config.workers]
+    config.workers = list(dict.fromkeys(worker_base_url(w) for w in config.workers))
     config.log_level = config.log_level.lower()  # NOTE: uvicorn knows only the lower-case names
     for name in ("admin_token", "worker_api_key"):  # NOTE: a Secret file's newline: no header carries it
         if getattr(config, name) is not None:

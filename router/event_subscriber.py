@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from router.http_client import worker_base_url
 from router.kv_events import EventFormatError, KVEventBatch, decode
 from router.request_parsing import PARSE_INLINE_BYTES
 from router.workers import Worker
@@ -206,7 +207,10 @@ class EventSubscriber:
     # ---------------------------------------------------------------- applying
     def _worker_for(self, name: str) -> Worker | None:
         """Map a batch's ``worker`` field (the worker's advertised URL) to a registered worker."""
-        worker = self._router.workers.get(name.rstrip("/"))
+        try:
+            worker = self._router.workers.get(worker_base_url(name))
+        except ValueError:  # NOTE: not a URL (a worker may advertise any name): matched below, as given
+            worker = None
         if worker is not None:
             return worker
         for w in self._router.workers:

@@ -274,8 +274,13 @@ def _expire(waiter: asyncio.Future, total: bool) -> None:
         waiter.set_exception(ResponseTimeout(message, total))
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def worker_base_url(url: object) -> str:
-    """``url`` as a worker's base URL, without a trailing slash. ValueError unless it is an http(s)
+    """``url`` as a worker's base URL in one spelling per worker: the host in lower case, the
+    port as a plain number and left out where it is the scheme's default, no trailing slash (so
+    ``http://W1:08000/`` and ``http://w1:8000`` name one worker). ValueError unless it is an http(s)
     URL in ASCII with a host, a port in range (if any), and no credentials, query, fragment or
     whitespace."""
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -299,7 +304,9 @@ def worker_base_url(url: object) -> str:
         parts.hostname.encode("idna")  # NOTE: as a connection would: an empty or over-long label fails
     except UnicodeError:
         raise ValueError(f"worker URL {url!r}: {parts.hostname!r} is not a host name") from None
-    return url.rstrip("/")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # NOTE: .hostname is lower case
+    port = "" if parts.port in (None, _DEFAULT_PORTS[parts.scheme]) else f":{parts.port}"
+    return f"{parts.scheme}://{host}{port}{parts.path}".rstrip("/")
 
 
 class _Pool:

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from router.config import RouterConfig, build_config, build_parser
+from router.http_client import worker_base_url
 from tests.support import free_port
 
 
@@ -54,6 +55,29 @@ def test_a_list_or_mapping_for_a_text_setting_is_an_error(tmp_path, key):
 def test_worker_flags_both_spellings():
     config = build_config(["--workers", "http://a:1,http://b:2/", "--worker-urls", "http://c:3"], environ={})
     assert config.workers == ["http://a:1", "http://b:2", "http://c:3"]
+
+
+def test_a_worker_listed_under_two_spellings_is_one_worker():
+    config = build_config(
+        ["--workers", "http://A:1,http://a:01/,http://b:80", "--worker-urls", "http://b"], environ={}
+    )
+    assert config.workers == ["http://a:1", "http://b"]
+
+
+@pytest.mark.parametrize(
+    "given, base",
+    [
+        ("http://W1.Example:08000/", "http://w1.example:8000"),
+        ("http://w1.example:8000", "http://w1.example:8000"),
+        ("http://h:80/", "http://h"),
+        ("https://h:443/v1/", "https://h/v1"),
+        ("https://h:80", "https://h:80"),
+        ("http://[::1]:09000", "http://[::1]:9000"),
+        ("http://h:/", "http://h"),
+    ],
+)
+def test_a_worker_url_has_one_spelling(given, base):
+    assert worker_base_url(given) == base
 
 
 @pytest.mark.parametrize(

@@ -165,3 +165,15 @@ async def test_a_snapshot_of_the_last_life_applied_after_the_new_epoch_was_seen_
             await asyncio.sleep(0)
     assert router.index.match(old) == {}, "the index still holds the last life's cache"
     assert events._cursors[url].epoch == "e2"
+
+
+def test_a_batch_names_its_worker_in_any_spelling_of_the_url_it_is_registered_under():
+    from router.config import RouterConfig
+    from router.gateway import Router
+
+    router = Router(RouterConfig(workers=["http://127.0.0.1:42001"], kv_events="off"))
+    worker = router.workers.get("http://127.0.0.1:42001")
+    for name in ("http://127.0.0.1:42001", "http://127.0.0.1:042001/"):
+        assert router.events._worker_for(name) is worker
+    for name in ("http://127.0.0.1:42002", "not a url"):
+        assert router.events._worker_for(name) is None

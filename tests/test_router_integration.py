@@ -443,6 +443,11 @@ def test_admin_add_and_remove_workers(fleet, launch):
         assert r.status_code == 201 and r.json()["healthy"] is True
         urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}
         assert urls == {b.url for b in backends} | {extra.url}
+        # another spelling of the same URL (a zero-padded port, a trailing slash) names the same worker
+        respelled = extra.url.replace("127.0.0.1:", "127.0.0.1:0") + "/"
+        r = client.post("/workers", json={"url": respelled}, headers=auth)
+        assert r.status_code == 200 and r.json()["added"] is False and r.json()["worker"] == extra.url
+        assert len(client.get("/workers", headers=auth).json()["workers"]) == len(backends) + 1
         for bad in (
             "ftp://x",
             "http://",
@@ -461,7 +466,7 @@ def test_admin_add_and_remove_workers(fleet, launch):
         ):
             r = client.post("/workers", json={"url": bad}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)
-        assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 200
+        assert client.delete("/workers", params={"url": respelled}, headers=auth).status_code == 200
         assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 404
         urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}
         assert urls == {b.url for b in backends}
