@@ -13,9 +13,11 @@ a message missed is corrected by the next one):
 
 ``workers`` maps a worker URL to the sender's absolute [in-flight requests, pending prefill tokens]
 there. A replica publishes the workers whose counts changed, coalesced per event-loop turn, and every
-``heartbeat_s`` all its workers with ``full: true`` (a worker not listed in a full message is 0).
+``heartbeat_s`` all its workers with ``full: true`` (a worker not listed in a full message is 0),
+a worker removed from it (``DELETE /workers``) among them until its requests there end.
 A replica not heard from for ``expire_s`` is forgotten: its counts leave every worker's load.
-Workers are matched by URL, so replicas must be given the same worker URLs.
+Workers are matched by URL (in its one spelling, router.http_client.worker_base_url), so replicas
+must be given the same workers.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ class ReplicaSync:
         self.heartbeat_s = heartbeat_s
         self.expire_s = expire_s
         self.replica = uuid.uuid4().hex[:12]
-        self._dirty: dict[str, Worker] = {}
+        self._dirty: set[str] = set()  # URLs whose counts moved since the last announcement
+        # workers removed from the registry while our requests there still run (by id: a worker may be
+        # added again at its URL meanwhile): announced until those end, not zeroed in the peers' view
+        self._leaving: dict[int, Worker] = {}
         self._flush_soon = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pub: RespConnection | None = None
@@ -92,21 +97,26 @@ class ReplicaSync:
         worker.on_change = self._changed
 
     def _removed(self, worker: Worker) -> None:
-        worker.on_change = None
-        self._dirty.pop(worker.url, None)
+        if worker.in_flight or worker.pending_prefill:
+            self._leaving[id(worker)] = worker
+        else:
+            worker.on_change = None
+        self._changed(worker)
 
     # ---------------------------------------------------------------- publishing
     def _changed(self, worker: Worker) -> None:
         """Our counts on ``worker`` moved: announce them at the end of this event-loop turn."""
-        self._dirty[worker.url] = worker
+        if not (worker.in_flight or worker.pending_prefill) and self._leaving.pop(id(worker), None):
+            worker.on_change = None  # NOTE: the last of our requests on a removed worker ended
+        self._dirty.add(worker.url)
         if not self._flush_soon and self._loop is not None:
             self._flush_soon = True
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_soon = False
-        dirty, self._dirty = self._dirty, {}
-        self._send(_own_counts(dirty.values()), full=False)
+        dirty, self._dirty = self._dirty, set()
+        self._send(self.own_counts(dirty), full=False)
 
     def _send(self, workers: dict[str, list[int]], full: bool) -> None:
         if self._pub is None or self._pub.is_closed:
@@ -138,7 +148,7 @@ class ReplicaSync:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            self._send(_own_counts(self.registry), full=True)
+            self._send(self.own_counts(), full=True)
             self.expire(time.monotonic())
             self._check_round_trip(time.monotonic())
 
@@ -264,15 +274,25 @@ class ReplicaSync:
         for worker in self.registry:
             worker.set_peer(replica, 0, 0)
 
+    def own_counts(self, urls: Iterable[str] | None = None) -> dict[str, list[int]]:
+        """This replica's [in-flight, pending prefill] per worker URL (of ``urls``, else all), as
+        announced: the registry's workers and those removed while our requests there still run."""
+        if urls is None:
+            urls = [w.url for w in self.registry] + [w.url for w in self._leaving.values()]
+        counts: dict[str, list[int]] = {}
+        for url in urls:
+            worker = self.registry.get(url)
+            counts[url] = [0, 0] if worker is None else [worker.in_flight, worker.pending_prefill]
+        for worker in self._leaving.values():
+            if worker.url in counts:
+                counts[worker.url][0] += worker.in_flight
+                counts[worker.url][1] += worker.pending_prefill
+        return counts
+
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
         peers = {r: round(now - t, 3) for r, t in self._heard.items()}
         return {"replica": self.replica, "channel": self.channel, "peers_last_heard_s": peers, **self.stats}
-
-
-def _own_counts(workers: Iterable[Worker]) -> dict[str, list[int]]:
-    """This replica's [in-flight, pending prefill] per worker, as announced."""
-    return {w.url: [w.in_flight, w.pending_prefill] for w in workers}
 
 
 def _counts(value: Any) -> tuple[int, int]:

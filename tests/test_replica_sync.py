@@ -90,6 +90,32 @@ def test_our_own_changes_are_marked_for_announcement():
     assert list(sync._dirty) == [A]
 
 
+def test_a_worker_removed_while_our_requests_there_run_is_announced_until_they_end():
+    sync = sync_over(A, B)
+    sync.registry.on_added.append(sync._added)
+    sync.registry.on_removed.append(sync._removed)
+    for w in sync.registry:
+        w.on_change = sync._changed
+    old = sync.registry.get(A)
+    old.in_flight = 2
+    pending = PendingPrefill(old, 30)
+    sync.registry.remove(A)  # DELETE /workers while two requests there still run
+    assert sync.own_counts() == {B: [0, 0], A: [2, 30]}  # a full heartbeat: not zeroed in the peers' view
+    again = sync.registry.add(A)  # and added again meanwhile: both objects' requests count at its URL
+    again.in_flight = 1
+    assert sync.own_counts() == {B: [0, 0], A: [3, 30]}
+    pending.release()
+    old.in_flight = 0
+    sync._dirty.clear()
+    old.changed()  # the last of them ended
+    assert list(sync._dirty) == [A] and sync.own_counts(sync._dirty) == {A: [1, 0]}
+    assert sync.own_counts() == {A: [1, 0], B: [0, 0]} and old.on_change is None
+    again.in_flight = 0
+    sync.registry.remove(A)  # removed idle: announced once more, as 0
+    assert A in sync._dirty
+    assert sync.own_counts([A]) == {A: [0, 0]} and sync.own_counts() == {B: [0, 0]}
+
+
 @pytest.mark.redis
 @pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
 def test_two_router_processes_see_each_others_requests_at_once(launch):
