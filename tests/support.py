@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,10 +231,10 @@ class ForkServer:
         if self._proc.stdout.readline() != b"ready\n":
             raise RuntimeError(f"tests.forkserver did not start (exit status {self._proc.wait()})")
 
-    def serves(self, env: dict[str, str]) -> bool:
-        """Whether a module started under ``env`` sees the settings it would see started on its own."""
-        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return differ <= set(self.NEUTRAL)
+    def differ(self, env: dict[str, str]) -> set[str]:
+        """The variables of ``env`` a module would see set otherwise forked from this server (none:
+        it sees the settings it would see started on its own)."""
+        return {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)} - set(self.NEUTRAL)
 
     def start(self, module: str, args: list[str], log_path: str, env: dict[str, str]) -> ForkedProcess:
         with self._lock:
@@ -265,7 +266,7 @@ def fork_server_for(env: dict[str, str]) -> ForkServer | None:
         if _fork_server is None:
             _fork_server = ForkServer(_SESSION_ENV)
             atexit.register(_fork_server.close)
-    return _fork_server if _fork_server.serves(env) else None
+    return None if _fork_server.differ(env) else _fork_server
 
 
 def start_module(
@@ -285,6 +286,15 @@ def start_module(
     argv = ["--port", str(port), *args]
     with open(log_path, "wb") as log:
         server = fork_server_for(full_env)
+        if (
+            server is None
+            and _fork_server is not None
+            and (changed := _fork_server.differ(full_env) - set(env or ()))
+        ):
+            # NOTE: not asked for by ``env``: a test's monkeypatch, or a library that wrote os.environ (it
+            # then costs every later start of this process a fresh interpreter: add it to NEUTRAL if harmless)
+            warnings.warn(f"{module} starts in a fresh interpreter: os.environ differs from the session's in "
+                          f"{sorted(changed)}", stacklevel=2)  # fmt: skip
         if server is not None:
             proc = server.start(module, argv, log_path, full_env)
         else:

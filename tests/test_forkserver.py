@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import warnings
 
 import pytest
 
@@ -75,7 +76,10 @@ def test_a_start_under_another_environment_runs_a_fresh_interpreter(tmp_path):
 )
 def test_a_first_start_under_a_changed_environment_leaves_the_server_the_sessions(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXGATE_TEST_MARK", "changed")
-    changed = start_module("loadtest.echo_backend", [], str(tmp_path))
+    with pytest.warns(
+        UserWarning, match=r"fresh interpreter: os.environ differs .* \['RADIXGATE_TEST_MARK'\]"
+    ):
+        changed = start_module("loadtest.echo_backend", [], str(tmp_path))
     changed.stop()
     assert isinstance(changed.proc, subprocess.Popen)
     monkeypatch.undo()
@@ -93,7 +97,9 @@ def test_a_start_after_a_library_set_its_default_cache_dir_is_still_forked(tmp_p
     import torch._dynamo  # noqa: F401
 
     assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
-    backend = start_module("loadtest.echo_backend", [], str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no word of a fresh interpreter either
+        backend = start_module("loadtest.echo_backend", [], str(tmp_path))
     backend.stop()
     assert isinstance(backend.proc, ForkedProcess)
     # and the child still sees the test's environment whole, that variable included
