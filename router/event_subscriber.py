@@ -207,10 +207,10 @@ class EventSubscriber:
     # ---------------------------------------------------------------- applying
     def _worker_for(self, name: str) -> Worker | None:
         """Map a batch's ``worker`` field (the worker's advertised URL) to a registered worker."""
-        try:
-            worker = self._router.workers.get(worker_base_url(name))
-        except ValueError:  # NOTE: not a URL (a worker may advertise any name): matched below, as given
-            worker = None
+        worker = self._router.workers.get(name)  # NOTE: the spelling registered: no parse on every batch
+        if worker is None:
+            with contextlib.suppress(ValueError):  # NOTE: not a URL (a worker may advertise any name): below
+                worker = self._router.workers.get(worker_base_url(name))
         if worker is not None:
             return worker
         for w in self._router.workers:

@@ -256,9 +256,11 @@ _fork_server: ForkServer | None = None
 _fork_server_lock = threading.Lock()
 
 
-def fork_server_for(env: dict[str, str]) -> ForkServer | None:
-    """The fork server to start a module under ``env`` with, or None for a plain subprocess (another
-    environment, or RADIXGATE_TEST_FORK=0)."""
+def fork_server_for(
+    env: dict[str, str], module: str = "a module", asked: Sequence[str] = ()
+) -> ForkServer | None:
+    """The fork server to start ``module`` under ``env`` with, or None for a plain subprocess (another
+    environment, or RADIXGATE_TEST_FORK=0). Warns when variables other than ``asked`` make the difference."""
     global _fork_server
     if os.environ.get("RADIXGATE_TEST_FORK", "1") == "0":
         return None
@@ -266,7 +268,13 @@ def fork_server_for(env: dict[str, str]) -> ForkServer | None:
         if _fork_server is None:
             _fork_server = ForkServer(_SESSION_ENV)
             atexit.register(_fork_server.close)
-    return None if _fork_server.differ(env) else _fork_server
+    changed = _fork_server.differ(env)
+    if unasked := changed - set(asked):
+        # NOTE: a test's monkeypatch, or a library that wrote os.environ (it then costs every later start of
+        # this process a fresh interpreter: add it to NEUTRAL if harmless)
+        warnings.warn(f"{module} starts in a fresh interpreter: os.environ differs from the session's in "
+                      f"{sorted(unasked)}", stacklevel=3)  # fmt: skip
+    return None if changed else _fork_server
 
 
 def start_module(
@@ -285,16 +293,7 @@ def start_module(
     full_env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     argv = ["--port", str(port), *args]
     with open(log_path, "wb") as log:
-        server = fork_server_for(full_env)
-        if (
-            server is None
-            and _fork_server is not None
-            and (changed := _fork_server.differ(full_env) - set(env or ()))
-        ):
-            # NOTE: not asked for by ``env``: a test's monkeypatch, or a library that wrote os.environ (it
-            # then costs every later start of this process a fresh interpreter: add it to NEUTRAL if harmless)
-            warnings.warn(f"{module} starts in a fresh interpreter: os.environ differs from the session's in "
-                          f"{sorted(changed)}", stacklevel=2)  # fmt: skip
+        server = fork_server_for(full_env, module, asked=list(env or ()))
         if server is not None:
             proc = server.start(module, argv, log_path, full_env)
         else:
