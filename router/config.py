@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -277,6 +278,19 @@ def load_yaml(path: str) -> dict[str, Any]:
     return out
 
 
+# NOTE: RADIXGATE_ names that are not the router's: the worker's settings, the test suite's switches
+_OTHERS_ENV = ("RADIXGATE_WORKER_", "RADIXGATE_TEST_", "RADIXGATE_FULL_TESTS")
+
+
+def unknown_env(environ: dict[str, str]) -> list[str]:
+    """``RADIXGATE_`` names in ``environ`` that no router setting has (a typo is not an error, since
+    others use the prefix too, but it must not pass unseen: a misspelt key would leave a guard off)."""
+    known = {"RADIXGATE_" + name.upper() for name in _FIELDS}
+    return sorted(
+        k for k in environ if k.startswith("RADIXGATE_") and k not in known and not k.startswith(_OTHERS_ENV)
+    )
+
+
 def from_env(environ: dict[str, str]) -> dict[str, Any]:
     out = {}
     for name in _FIELDS:
@@ -396,7 +410,13 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     """Merge defaults < YAML < env < flags and validate. Raises ValueError / SystemExit on bad input."""
     args = build_parser().parse_args(argv)
     yaml_settings = load_yaml(args.config) if args.config else {}
-    env = from_env(dict(os.environ) if environ is None else environ)
+    environ = dict(os.environ) if environ is None else environ
+    env = from_env(environ)
+    for name in unknown_env(environ):
+        near = difflib.get_close_matches(name, ["RADIXGATE_" + f.upper() for f in _FIELDS], 1)
+        logging.getLogger("radixgate.router").warning(
+            "env %s is not a router setting: ignored%s", name, f" (did you mean {near[0]}?)" if near else ""
+        )
     flags = {k: v for k, v in vars(args).items() if v is not None and k in _FIELDS}
     if args.workers:
         flags["workers"] = _coerce("workers", args.workers)

@@ -46,16 +46,19 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
     return orjson.dumps(error_payload(status, message, code))
 
 
-def stream_error_event(responses: bool, message: str, code: str, sequence_number: int | None) -> bytes:
-    """The event that ends a stream the router cannot finish (its worker broke off, or the request
-    ran out of time): chat and completions streams get the error object and ``[DONE]``, as a
-    radixgate worker ends a stream whose request failed; a Responses stream gets its ``error``
-    event, numbered after the last event passed on."""
+def stream_error_event(
+    responses: bool, status: int, message: str, code: str, sequence_number: int | None
+) -> bytes:
+    """The event that ends a stream the router cannot finish (its worker broke off: 502, or the
+    request ran out of time: 504): chat and completions streams get the error object the same
+    failure gets without a stream (``status`` picks its type) and ``[DONE]``, as a radixgate worker
+    ends a stream whose request failed; a Responses stream gets its ``error`` event, numbered after
+    the last event passed on."""
     if responses:
         seq = 0 if sequence_number is None else sequence_number + 1
         event = {"type": "error", "sequence_number": seq, "code": code, "message": message, "param": None}
         return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
-    return b"data: " + error_body(502, message, code) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(status, message, code) + b"\n\ndata: [DONE]\n\n"
 
 
 def error_response(

@@ -335,6 +335,8 @@ class Router:
         Returns the status sent; raises RouterError when no worker could answer."""
         t0 = time.perf_counter()
         route = self.route_request(parsed)
+        # NOTE: a batch's every prompt, as its usage counts them (and a request no worker takes has it too)
+        access_log.note(prompt_tokens=route.prompt_tokens + parsed.other_prompt_tokens)
         headers = forwarded_headers(client_headers)
         inject = parsed.stream and self.config.stream_usage and not parsed.usage_in_stream
         body, strip_usage = with_stream_usage(parsed) if inject else (parsed.raw, False)
@@ -375,7 +377,7 @@ class Router:
             probe = worker.breaker.on_send()
             worker.stats.requests += 1
             access_log.note(worker=worker.url, attempts=attempt + 1, reason=decision.reason,
-                            prompt_tokens=route.prompt_tokens, predicted_cached_tokens=predicted)  # fmt: skip
+                            predicted_cached_tokens=predicted)  # fmt: skip
             source = None if cut else self.kv_source(decision, parsed.cache_salt)
             access_log.note(kv_source=source)
             if source is not None:
@@ -473,6 +475,10 @@ class Router:
             )
         if failure is not None:
             raise RouterError(429, f"every worker tried has a full queue ({failure})", "overloaded")
+        if group is not None and self.workers.candidates(parsed.model):
+            # NOTE: workers are up, but the group's overflow (none) keeps this request off them
+            raise RouterError(503, f"no worker of affinity group {group!r} is available (its overflow is none)",
+                              "affinity_group_unavailable")  # fmt: skip
         raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
 
     def _forget_unconfirmed(self, insert: OptimisticInsert, worker: Worker) -> None:
@@ -589,7 +595,7 @@ class Router:
                        else f"the worker broke off the stream: {exc}")  # fmt: skip
             # NOTE: an event cut off mid-way is ended first (the client reads it as a bad event)
             cut = b"" if tail == b"\n\n" else b"\n\n"
-            error = cut + stream_error_event(responses, message, kind, numbers.last)
+            error = cut + stream_error_event(responses, 504 if total else 502, message, kind, numbers.last)
         finally:
             self._record_usage(worker, scanner.usage, tally)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)

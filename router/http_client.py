@@ -280,20 +280,21 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 def worker_base_url(url: object) -> str:
     """``url`` as a worker's base URL in one spelling per worker: the host in lower case, the
     port as a plain number and left out where it is the scheme's default, no trailing slash (so
-    ``http://W1:08000/`` and ``http://w1:8000`` name one worker). ValueError unless it is an http(s)
+    ``HTTP://W1:08000/`` and ``http://w1:8000`` name one worker). ValueError unless it is an http(s)
     URL in ASCII with a host, a port in range (if any), and no credentials, query, fragment or
     whitespace."""
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+    if not isinstance(url, str) or not url[:8].lower().startswith(("http://", "https://")):
         raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
     if not url.isascii():
         # NOTE: requests to it are written as its text is (the Host header, the request line)
         raise ValueError(f"worker URL {url!r} must be ASCII: a host in its IDNA form, a path percent-encoded")
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(url)  # NOTE: the scheme comes back in lower case
         if parts.port == 0:  # NOTE: .port raises for one out of range or not a number
-            raise ValueError("Port out of range 1-65535")
+            raise ValueError("out of range")
     except ValueError as exc:
-        raise ValueError(f"worker URL {url!r}: {exc}") from None
+        why = "its port is out of range 1-65535" if "out of range" in str(exc) else exc
+        raise ValueError(f"worker URL {url!r}: {why}") from None
     if not parts.hostname or any(c.isspace() or c in "?#" for c in url):  # NOTE: an empty query too
         raise ValueError(f"worker URL {url!r} needs a host, and takes no query, fragment or spaces")
     if "@" in parts.netloc:

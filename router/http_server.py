@@ -10,16 +10,21 @@ a request's head (its request line and headers), which uvicorn sets none of.
   nothing, as a client may have opened it ahead of need) and the connection is closed. Between
   requests uvicorn's keep-alive timeout applies, and a response still being sent is never cut off.
 
-The rest (request parsing, pipelining, flow control, shutdown) is uvicorn's; ``uvicorn.Config(http=...)``
-takes the class."""
+These refusals, and a request the parser cannot read (400 ``invalid_http_request``, uvicorn's plain text
+otherwise), are answered in OpenAI's error shape with an ``x-request-id`` made for them, as every other
+answer. The rest (request parsing, pipelining, flow control, shutdown) is uvicorn's;
+``uvicorn.Config(http=...)`` takes the class."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.errors import error_body
 
 log = logging.getLogger("radixgate.http")
 
@@ -42,7 +47,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_received = 0  # bytes received while the head is unfinished (after the read it began in)
         self._head_started = False  # a byte of the head arrived (a silent connection gets no answer)
         self._head_timer: asyncio.TimerHandle | None = None
-        self._refusal: tuple[HTTPStatus, str] | None = None
+        self._refusal: tuple[HTTPStatus, str, str] | None = None  # status, message, error code
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -60,7 +65,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._head_received += len(data)
         super().data_received(data)
         if self._in_head and self._head_received > self.max_head_bytes and not self.transport.is_closing():
-            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, self._too_large())  # an unfinished head
+            self._refuse(*self._too_large())  # an unfinished head
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -82,19 +87,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request the parser could not read (and where it stopped at _HeadTooLarge)."""
         if self._refusal is None:
-            super().send_400_response(msg)
-        else:  # NOTE: the parser stopped at _HeadTooLarge: answer what it was
-            self._send_refusal()
+            message = "invalid HTTP request: its request line or headers could not be parsed"
+            self._refusal = (HTTPStatus.BAD_REQUEST, message, "invalid_http_request")
+        self._send_refusal()
 
     def _count(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self.max_head_bytes:
-            self._refusal = (HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, self._too_large())
+            self._refusal = self._too_large()
             raise _HeadTooLarge
 
-    def _too_large(self) -> str:
-        return f"request head over {self.max_head_bytes} bytes (request line and headers)"
+    def _too_large(self) -> tuple[HTTPStatus, str, str]:
+        message = f"request head over {self.max_head_bytes} bytes (request line and headers)"
+        return HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, message, "request_head_too_large"
 
     def _arm(self) -> None:
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
@@ -114,23 +121,25 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self._head_started:
             self.transport.close()  # a connection that never sent a byte
             return
-        self._refuse(
-            HTTPStatus.REQUEST_TIMEOUT, f"request head not complete within {self.head_timeout_s:g} s"
-        )
+        message = f"request head not complete within {self.head_timeout_s:g} s"
+        self._refuse(HTTPStatus.REQUEST_TIMEOUT, message, "request_head_timeout")
 
-    def _refuse(self, status: HTTPStatus, message: str) -> None:
-        self._refusal = (status, message)
+    def _refuse(self, status: HTTPStatus, message: str, code: str) -> None:
+        self._refusal = (status, message, code)
         self._send_refusal()
 
     def _send_refusal(self) -> None:
-        status, message = self._refusal
+        status, message, code = self._refusal
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         log.warning("%s: %d %s", client, status.value, message)
-        body = message.encode()
-        head = (
-            f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        body = error_body(status.value, message, code)
+        head = [f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()]
+        for name, value in self.server_state.default_headers:  # NOTE: server and date, as uvicorn sends
+            head += (name, b": ", value, b"\r\n")
+        head.append(
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"x-request-id: {os.urandom(16).hex()}\r\nconnection: close\r\n\r\n".encode()
         )
-        self.transport.write(head.encode() + body)
+        self.transport.write(b"".join(head) + body)
         self.transport.close()
         self._disarm()

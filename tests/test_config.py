@@ -1,4 +1,5 @@
 import dataclasses
+import logging
 import os
 import re
 import subprocess
@@ -19,6 +20,20 @@ def test_precedence_defaults_yaml_env_flags(tmp_path):
     config = build_config(["--config", str(cfg), "--port", "9200", "--policy-param", "seed=5"], environ={})
     assert config.port == 9200 and config.policy_params == {"seed": 5}
     assert config.health_interval_s == 1.0  # untouched default
+
+
+def test_an_env_name_no_setting_has_is_named_in_a_warning(caplog):
+    """A typo such as RADIXGATE_API_KEY (the setting is RADIXGATE_API_KEYS) would leave the key check off
+    unseen; the worker's and the test suite's names are not the router's to judge."""
+    environ = {"RADIXGATE_API_KEY": "k", "RADIXGATE_PORTT": "1", "RADIXGATE_WORKER_PORT": "2",
+               "RADIXGATE_TEST_FORK": "0", "RADIXGATE_FULL_TESTS": "1", "RADIXGATE_PORT": "9100"}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="radixgate.router"):
+        config = build_config([], environ=environ)
+    assert config.port == 9100 and config.api_keys == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "env RADIXGATE_API_KEY is not a router setting: ignored (did you mean RADIXGATE_API_KEYS?)",
+        "env RADIXGATE_PORTT is not a router setting: ignored (did you mean RADIXGATE_PORT?)",
+    ]
 
 
 def test_a_policy_chosen_above_the_yaml_leaves_out_the_yamls_params_for_another_policy():
@@ -68,6 +83,7 @@ def test_a_worker_listed_under_two_spellings_is_one_worker():
     "given, base",
     [
         ("http://W1.Example:08000/", "http://w1.example:8000"),
+        ("HTTPS://H:443", "https://h"),  # a scheme is case-insensitive too
         ("http://w1.example:8000", "http://w1.example:8000"),
         ("http://h:80/", "http://h"),
         ("https://h:443/v1/", "https://h/v1"),
@@ -78,6 +94,12 @@ def test_a_worker_listed_under_two_spellings_is_one_worker():
 )
 def test_a_worker_url_has_one_spelling(given, base):
     assert worker_base_url(given) == base
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_a_port_out_of_range_is_named_so_whichever_end(port):
+    with pytest.raises(ValueError, match=r"port is out of range 1-65535$"):
+        worker_base_url(f"http://h:{port}")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import orjson
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -49,6 +50,15 @@ def _send_head_and_read(port: int, head: bytes) -> bytes:
         return _read_all(sock)
 
 
+def _error_of(answer: bytes) -> dict:
+    """The error object of a refusal: OpenAI's shape, JSON, with an x-request-id as every answer has."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    assert fields[b"content-type"] == b"application/json" and len(fields[b"x-request-id"]) == 32, head
+    assert int(fields[b"content-length"]) == len(body) and fields[b"connection"] == b"close"
+    return orjson.loads(body)["error"]
+
+
 def _first_response(port: int, head: bytes) -> bytes:
     with _connect(port) as sock:
         sock.sendall(head)
@@ -67,7 +77,9 @@ def test_a_head_over_the_limit_is_431_and_the_server_keeps_serving(launch, kind)
     # one header over the limit, complete
     over = _send_head_and_read(port, _get("/health", "x-pad: " + "a" * (MAX_HEAD_BYTES + 1)))
     assert over.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), over[:200]
-    assert f"request head over {MAX_HEAD_BYTES} bytes".encode() in over
+    error = _error_of(over)
+    assert error["code"] == "request_head_too_large" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"request head over {MAX_HEAD_BYTES} bytes")
     # many headers, each small, over the limit together
     many = _send_head_and_read(port, _get("/health", *(f"x-h{i}: {'b' * 100}" for i in range(1000))))
     assert many.startswith(b"HTTP/1.1 431"), many[:200]
@@ -84,6 +96,10 @@ def test_a_head_over_the_limit_is_431_and_the_server_keeps_serving(launch, kind)
         answer = _read_all(sock)
     assert refused or answer.startswith(b"HTTP/1.1 431"), answer[:200]
     assert sent < 64 * MAX_HEAD_BYTES
+    # a request line the parser cannot read: uvicorn's 400, in the same shape
+    garbled = _send_head_and_read(port, b"GARBAGE\r\n\r\n")
+    assert garbled.startswith(b"HTTP/1.1 400 Bad Request\r\n"), garbled[:200]
+    assert _error_of(garbled)["code"] == "invalid_http_request"
     again = _first_response(port, _get("/health"))
     assert again.startswith(b"HTTP/1.1 200"), again[:200]
     assert "431" in proc.log()
@@ -152,7 +168,8 @@ def test_a_head_not_finished_in_time_is_408_and_a_silent_connection_is_closed(se
         answer = _read_all(sock)
         waited = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
-    assert b"request head not complete within 0.5 s" in answer
+    assert _error_of(answer) == {"message": "request head not complete within 0.5 s",
+                                 "type": "invalid_request_error", "code": "request_head_timeout"}  # fmt: skip
     assert waited < 5
     with _connect(port) as sock:  # nothing sent: closed without an answer
         assert _read_all(sock) == b""

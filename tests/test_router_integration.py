@@ -700,7 +700,8 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
         ghost = client.post(
             "/v1/completions", json={"model": "echo", "prompt": "g"}, headers={"x-tenant": "ghost"}
         )
-        assert ghost.status_code == 503
+        assert ghost.status_code == 503  # workers are up: the group's own error, naming it
+        assert ghost.json()["error"]["code"] == "affinity_group_unavailable" and "'ghost'" in ghost.text
         explained = client.post(
             "/debug/route", json={"model": "echo", "prompt": "g"}, headers={"x-tenant": "ghost"}
         ).json()  # as the request is counted (it said in_group)
@@ -869,10 +870,13 @@ def test_the_access_log_explains_each_request(launch):
     second = httpx.post(router.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10)
     bad = httpx.post(router.url + "/v1/chat/completions", json={**body, "model": "gpt-nope"}, timeout=10,
                      headers={"x-request-id": "req-3"})  # fmt: skip
-    assert (first.status_code, second.status_code, bad.status_code) == (200, 200, 404)
+    batch = {"model": "echo", "prompt": ["abc", "defgh"]}  # the echo backend refuses batches: a 400
+    batch = httpx.post(router.url + "/v1/completions", json=batch, timeout=10)
+    assert (first.status_code, second.status_code, bad.status_code, batch.status_code) == (200, 200, 404, 400)
 
-    wait_until(lambda: len(router.access_lines()) == 3, 10, what="three access lines")
-    one, two, three = router.access_lines()
+    wait_until(lambda: len(router.access_lines()) == 4, 10, what="four access lines")
+    one, two, three, four = router.access_lines()
+    assert four["prompt_tokens"] == 8  # a batch's every prompt, as a worker's usage counts them (one a byte)
     assert three["request_id"] == "req-3" == bad.headers["x-request-id"]  # a refused request's too
     assert one["request_id"] == "req-1" and one["status"] == 200 and one["worker"] == backend.url
     assert one["endpoint"] == "chat" and one["attempts"] == 1 and one["reason"]
@@ -1036,7 +1040,9 @@ def test_a_long_non_stream_answer_is_not_cut_off_by_the_first_byte_timeout(launc
         text = b"".join(stream.iter_raw())
     assert stream.status_code == 200 and b'"text":"x"' in text  # cut off, and told so:
     *_, error, done = sse_data(text)
-    assert orjson.loads(error)["error"]["code"] == "request_timeout" and done == b"[DONE]"
+    told, kind = orjson.loads(error)["error"], refused.json()["error"]  # typed as the non-stream one is
+    assert (told["type"], told["code"]) == (kind["type"], kind["code"]) == ("timeout", "request_timeout")
+    assert done == b"[DONE]"
     metrics = httpx.get(router.url + "/metrics").text
     errors = metric_values(metrics, "radixgate_upstream_errors_total")
     charged = {k.split('kind="')[1].split('"')[0]: v for k, v in errors.items() if v}
