@@ -570,11 +570,14 @@ tests:
         values: '0.95x20'
       - series: 'radixgate_worker_kv_usage{{namespace="llm",instance="w1"}}'
         values: '0.5x20'
-      # namespace llm: 10 KV fetches a minute ok, 20 busy, 5 error (71% wasted); ns ok: 1 busy in 10
+      # namespace llm: 10 KV fetches a minute ok, 5 busy, 15 wasted, 5 error (71% for nothing; 29%
+      # without the wasted ones); ns ok: 1 busy in 10
       - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w0",outcome="ok"}}'
         values: '0+10x40'
       - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w0",outcome="busy"}}'
-        values: '0+20x40'
+        values: '0+5x40'
+      - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w0",outcome="wasted"}}'
+        values: '0+15x40'
       - series: 'radixgate_worker_kv_fetch_total{{namespace="llm",instance="w1",outcome="error"}}'
         values: '0+5x40'
       - series: 'radixgate_worker_kv_fetch_total{{namespace="ok",instance="w2",outcome="ok"}}'
