@@ -124,6 +124,17 @@ def tools_of(body: dict) -> ToolRequest | None:
         raise APIError(400, str(exc)) from None
 
 
+def call_reader(tools: ToolRequest | None, guide: Guide | None) -> ToolRequest | None:
+    """The tools whose calls are read out of the answer: none without tools or with ``tool_choice``
+    none, nor where an explicit structured output took the place of ``auto``'s calls grammar (the
+    answer is that format's: a JSON object with a "name" is the client's data, not a call)."""
+    if tools is None or tools.choice == "none":
+        return None
+    if tools.choice == "auto" and guide is not None and guide.kind != "tool_auto":
+        return None
+    return tools
+
+
 async def output_guide(
     body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None, parser: str = "hermes",
     thinking: bool | None = None, auto_calls: bool = True,

@@ -492,8 +492,9 @@ def constraint_failure(state: Any) -> str | None:
     if m is None or not m.is_error():
         return None
     reason = m.get_error().split("\n", 1)[0]
-    bans = state.params.bad_words or any(b <= -100 for b in state.params.logit_bias.values())
-    why = "; bad_words or a logit_bias of -100 may have banned every token it allowed" if bans else ""
+    # NOTE: bad_words only: a logit_bias is added to the logits, so a token the grammar allows still beats
+    # the -inf of those it does not, however low its bias
+    why = "; bad_words may have banned every token it allowed" if state.params.bad_words else ""
     return f"the output constraint ({state.params.guide.kind.replace('_', ' ')}) failed: {reason}{why}"
 
 

@@ -25,8 +25,9 @@ from router.responses_input import (
     template_options,
     worker_tag,
 )
-from worker.api_params import APIError, chat_ids, output_guide, sampling_params, tools_of
+from worker.api_params import APIError, call_reader, chat_ids, output_guide, sampling_params, tools_of
 from worker.engine_api import RequestOutput
+from worker.guided import CONSTRAINT_KEYS
 from worker.openai_format import event_stream, logprob_entry
 from worker.reasoning import Splitter
 from worker.responses_output import Events, OutputItems
@@ -210,6 +211,10 @@ class ResponsesAPI:
             or text_format.get("type") not in ("text", "json_object", "json_schema")
         ):
             raise APIError(400, "'text.format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+        stray = sorted(k for k in CONSTRAINT_KEYS if body.get(k) is not None)
+        if stray:  # NOTE: chat's spellings, refused rather than ignored (OpenAI: an unknown parameter)
+            raise APIError(400, f"{stray[0]!r} does not apply to /v1/responses: an output's format is "
+                           "'text': {'format': {'type': 'json_schema', ...}}", "unknown_parameter")  # fmt: skip
         fmt = {"response_format": _chat_format(text_format)}
         store = True if body.get("store") is None else body["store"]
         if not isinstance(store, bool):
@@ -269,9 +274,8 @@ class ResponsesAPI:
         if first is None:
             return Response(status_code=499)
         conversation = history + input_messages(body["input"])
-        reader = (
-            ToolOutput(tools, api.tool_call_parser) if tools is not None and tools.choice != "none" else None
-        )
+        reads = call_reader(tools, guide)
+        reader = ToolOutput(reads, api.tool_call_parser) if reads is not None else None
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
                      api.splitter(thinking, calls=reader is not None) if api.reasoning else None)  # fmt: skip

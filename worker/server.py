@@ -30,6 +30,7 @@ from worker import reasoning
 from worker.api_params import (
     MAX_CHOICES,
     APIError,
+    call_reader,
     chat_ids,
     chat_logprobs,
     check_body,
@@ -197,7 +198,9 @@ class WorkerAPI:
             sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, self.engine.vocab_size,
                             guide)
         ), body)  # fmt: skip
-        return await self._generate(request, body, [ids], params, chat=True, tools=tools, thinking=thinking)
+        return await self._generate(
+            request, body, [ids], params, chat=True, tools=call_reader(tools, guide), thinking=thinking
+        )
 
     def reasoning_params(self, params: SamplingParams) -> SamplingParams:
         """A chat answer's ``params`` as the reasoning parser reads it: decoded with its special tokens kept

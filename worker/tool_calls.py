@@ -251,9 +251,9 @@ class ToolOutput:
             calls = _json_calls(text.removeprefix(PYTHON_TAG)) or []
             text = "" if calls else text  # all of it is the calls
         elif self._tag is not None:
-            text, calls = _tagged(text, self._tag)
+            text, calls = _tagged(text, self._tag, not self.req.parallel)
         else:
-            text, calls = _hermes(text)
+            text, calls = _hermes(text, not self.req.parallel)
         calls = self._allowed(calls)
         self.calls = len(calls)
         if self.forced:  # NOTE: none of the text is content (cut off before a call: no call, no content)
@@ -329,8 +329,10 @@ class ToolOutput:
         if not rest:  # NOTE: a stream cut right after <tool_call> shows no tag, as a whole answer
             return [{"content": self._before}] if self._in_call and self._before and not self.calls else []
         if self._tag is not None and mode == "auto":
-            content, calls = _tagged(rest, self._tag)  # NOTE: rest starts at the tag once one was read
+            # NOTE: rest starts at the tag once one was read (and the whitespace held before it)
+            content, calls = _tagged(rest, self._tag, not self.req.parallel)
             calls = self._allowed(calls)
+            content = content.rstrip() if calls else content  # NOTE: as a whole answer's content ends
             out = [{"content": content}] if content.strip() or (not calls and not self.calls) else []
             return out + ([self._delta(calls)] if calls else [])
         if mode == "required" or self.parser == "llama3_json" or self._in_call:
@@ -343,7 +345,8 @@ class ToolOutput:
 
     def _allowed(self, calls: list[dict]) -> list[dict]:
         """``calls`` as far as the request allows: with ``parallel_tool_calls`` false one call in all
-        (the grammar allows one; text tags the model spells in its free text after it are dropped)."""
+        (the grammar allows one; the readers leave a tag the model spells in its free text after it
+        as text, content)."""
         return calls if self.req.parallel else calls[: max(0, 1 - self.calls)]
 
     def _delta(self, calls: list[dict]) -> dict:
@@ -392,7 +395,8 @@ class ToolOutput:
                 elif calls := self._allowed(calls):
                     out.append(self._delta(calls))
                 continue
-            start = self._pending.find(_OPEN)
+            # NOTE: parallel_tool_calls false: after its one call a tag is text (as in a whole answer)
+            start = self._pending.find(_OPEN) if self.req.parallel or not self.calls else -1
             if start >= 0:
                 text, self._pending = self._pending[:start], self._pending[start + len(_OPEN) :]
                 self._in_call, self._end = True, _TagScan(_CLOSE)
@@ -557,12 +561,13 @@ def _split_outside_strings(text: str, tag: str) -> list[str]:
     return parts
 
 
-def _hermes(text: str) -> tuple[str, list[dict]]:
+def _hermes(text: str, single: bool = False) -> tuple[str, list[dict]]:
     """(content, calls) of a hermes-format answer: every ``<tool_call>`` block (up to the first
     ``</tool_call>`` outside a JSON string) that parses as a call is one (an unterminated last block
-    too); the rest is content (a last, empty block aside)."""
+    too); the rest is content (a last, empty block aside). ``single``: the first call is the only
+    one, the text after it content whatever it spells."""
     calls, content, last, start = [], [], 0, 0
-    while (start := text.find(_OPEN, start)) >= 0:
+    while not (single and calls) and (start := text.find(_OPEN, start)) >= 0:
         body = start + len(_OPEN)
         end = _TagScan(_CLOSE).find(text[body:])
         block = text[body:] if end < 0 else text[body : body + end]
@@ -579,41 +584,63 @@ def _hermes(text: str) -> tuple[str, list[dict]]:
     return "".join(content), calls
 
 
-def _tagged(text: str, tag: str) -> tuple[str, list[dict]]:
+def _tagged(text: str, tag: str, single: bool = False) -> tuple[str, list[dict]]:
     """(content, calls) of a mistral- or granite-format answer: each ``tag`` followed by a JSON list
     (or object) of calls or (mistral) by ``name[ARGS]{...}`` (``name[CALL_ID]id[ARGS]{...}``) gives
-    calls; the text before the first, and any part that does not parse (a call cut off by
-    max_tokens), with its tag, is content."""
+    calls, and text the model wrote after them is content (the grammar lets it); the text before the
+    first, and any part that does not open with calls (a call cut off by max_tokens), with its tag,
+    is content. ``single``: the first calls found are the only ones, later tags text."""
     content, found_tag, rest = text.partition(tag)
     if not found_tag:
         return text, []
     calls: list[dict] = []
     for part in _split_outside_strings(rest, tag):
-        found = _json_calls(part) if part.lstrip().startswith(("[", "{")) else _mistral_call(part)
+        found = None if single and calls else _tagged_calls(part)
         if found:
-            calls += found
+            # NOTE: whitespace before a call is not content (a stream holds it with the tag)
+            content = content.rstrip() + found[1]
+            calls += found[0]
         else:
             content += tag + part
     return content, calls
 
 
-def _mistral_call(part: str) -> list[dict] | None:
-    """``name[ARGS]{...}`` or ``name[CALL_ID]id[ARGS]{...}`` as a call (its id kept); None if not one."""
+def _tagged_calls(part: str) -> tuple[list[dict], str] | None:
+    """The calls the text after a tag opens with, and the text after them; None if it opens with none."""
+    if not part.lstrip().startswith(("[", "{")):
+        return _mistral_call(part)
+    whole = _json_calls(part)
+    if whole:
+        return whole, ""
+    try:
+        value, end = json.JSONDecoder().raw_decode(part.lstrip())
+    except json.JSONDecodeError:
+        return None
+    calls = [_as_call(item) for item in (value if isinstance(value, list) else [value])]
+    if not calls or None in calls:
+        return None
+    return calls, part.lstrip()[end:]  # type: ignore[return-value]
+
+
+def _mistral_call(part: str) -> tuple[list[dict], str] | None:
+    """``name[ARGS]{...}`` or ``name[CALL_ID]id[ARGS]{...}`` as a call (its id kept), and the text
+    after it; None if it is not one."""
     head, tag, args = part.partition(MISTRAL_ARGS)
     name, _, call_id = head.partition(MISTRAL_CALL_ID)
     name = name.strip()
     if not tag or not name:
         return None
+    args = args.lstrip()
     try:
-        value, end = json.JSONDecoder().raw_decode(args.strip())
+        value, end = json.JSONDecoder().raw_decode(args)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or args.strip()[end:].strip():
+    if not isinstance(value, dict):
         return None
     call = _call(name, compact_json(value))
     if call_id.strip():
         call["id"] = call_id.strip()
-    return [call]
+    return [call], args[end:]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -206,12 +206,22 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
         ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400),
         ({"input": "hi", "metadata": {"k" * 65: "v"}}, 400),
         ({"input": "hi", "reasoning": "low"}, 400),
+        # chat's spellings of an output format: refused, pointing at text.format (not ignored)
+        ({"input": "hi", "response_format": {"type": "json_object"}}, 400),
+        ({"input": "hi", "guided_regex": "abc"}, 400),
+        ({"input": "hi", "structured_outputs": {"regex": "abc"}}, 400),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body, status) -> None:
     r = client.post("/v1/responses", json=body)
     assert r.status_code == status and r.json()["error"]["message"]
     assert create(client, input="still serving")["object"] == "response"
+
+
+def test_a_chat_spelling_of_the_format_is_refused_naming_the_responses_one(client) -> None:
+    r = client.post("/v1/responses", json={"input": "hi", "guided_regex": "abc"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+    assert "'guided_regex'" in r.json()["error"]["message"] and "'text'" in r.json()["error"]["message"]
 
 
 def test_a_bad_text_format_is_named_as_the_client_sent_it(client) -> None:

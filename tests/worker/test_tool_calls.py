@@ -92,6 +92,17 @@ def test_hermes_calls_and_the_text_around_them() -> None:
     assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
 
 
+def test_without_parallel_calls_a_second_hermes_block_is_content_not_dropped() -> None:
+    text = ('<tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>\n'
+            '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}</tool_call>')  # fmt: skip
+    request = ToolRequest(TOOLS, "auto", parallel=False)
+    whole = ToolOutput(request, "hermes").message(text)
+    assert calls_of(whole) == [("add", {"a": 1, "b": 2})]
+    assert whole["content"] == text[text.index("\n") :]  # the second block as the model wrote it
+    for pieces in ([text], list(text)):
+        assert streamed(ToolOutput(request, "hermes"), pieces) == (whole["content"], calls_of(whole))
+
+
 def test_text_that_is_not_a_call_stays_content() -> None:
     out = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes")
     text = "<tool_call>{broken</tool_call> and more"
@@ -676,8 +687,11 @@ MISTRAL_TEXTS = [
     "a tag and then text: [TOOL_CALLS] not a call",
     '[TOOL_CALLS]add{"a":1}',  # no [ARGS]
     '[TOOL_CALLS]add[ARGS]{"a":1',  # cut off by max_tokens
-    '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}] trailing',  # text after the list
     'A[TOOL_CALLS]add[ARGS]{"a":1,"b":2}[TOOL_CALLS]add[ARGS]{"a":3',  # the calls made, the last cut off
+    # text after the calls (the grammar lets the model write it): the calls, and it as content
+    'Ok [TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}] and then some text ',
+    'pre [TOOL_CALLS]add[ARGS]{"a":1,"b":2} mid [TOOL_CALLS]add[ARGS]{"a":3,"b":4} done.',
+    'pre [TOOL_CALLS][{"name":"add","arguments":{"a":1,"b":2}}] mid [TOOL_CALLS][{"name":"add","arguments":{"a":3,"b":4}}]',
 ]
 
 
@@ -697,10 +711,18 @@ def test_mistral_calls_in_both_formats_and_text_that_is_not_one() -> None:
     for message_ in (first, second):
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message_["tool_calls"])
     assert calls_of(message(MISTRAL_TEXTS[0], parallel=False)) == [("add", {"a": 1, "b": 2})]
-    for text in MISTRAL_TEXTS[3:-1]:  # nothing the model wrote is dropped when it is not a call
+    for text in MISTRAL_TEXTS[3:-4]:  # nothing the model wrote is dropped when it is not a call
         assert message(text) == {"role": "assistant", "content": text}
-    cut = message(MISTRAL_TEXTS[-1])  # a call cut off by max_tokens stays content, with its tag
+    cut = message(MISTRAL_TEXTS[-4])  # a call cut off by max_tokens stays content, with its tag
     assert calls_of(cut) == [("add", {"a": 1, "b": 2})] and cut["content"] == 'A[TOOL_CALLS]add[ARGS]{"a":3'
+    after, between, listed = (message(text) for text in MISTRAL_TEXTS[-3:])
+    assert calls_of(after) == [("add", {"a": 1, "b": 2})] and after["content"] == "Ok and then some text"
+    for both in (between, listed):
+        assert calls_of(both) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    assert between["content"] == "pre mid done." and listed["content"] == "pre mid"
+    one = message(MISTRAL_TEXTS[-2], parallel=False)  # one call: a tag after it is text
+    assert calls_of(one) == [("add", {"a": 1, "b": 2})]
+    assert one["content"] == 'pre mid [TOOL_CALLS]add[ARGS]{"a":3,"b":4} done.'
     hermes_ids = ToolOutput(ToolRequest(TOOLS, "required"), "hermes").message(REQUIRED_TEXT)["tool_calls"]
     assert all(c["id"].startswith("call_") for c in hermes_ids)  # other parsers keep OpenAI's form
 
@@ -914,6 +936,27 @@ def test_llama3_json_auto_calls_parse_whole_and_streamed(llama3_worker) -> None:
     params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
     assert set(args) == set(params["required"])
     assert streamed_answer(llama3_worker, body) == ("", [(name, args)], "tool_calls")
+
+
+def test_a_structured_output_beside_auto_tools_is_the_answer_not_a_call(llama3_worker) -> None:
+    """response_format takes the place of auto's calls grammar, and so of its reader: a JSON object with
+    a "name" (here forced to one no tool has) is the client's data, whole, streamed, and as a Responses
+    answer, not a call."""
+    person = {"type": "object", "properties": {"name": {"const": "Alice"}, "age": {"const": 30}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+            "response_format": response_format}  # fmt: skip
+    choice = llama3_worker.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"], choice
+    assert json.loads(choice["message"]["content"]) == {"name": "Alice", "age": 30}
+    assert streamed_answer(llama3_worker, body) == (choice["message"]["content"], [], "stop")
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    answer = llama3_worker.post("/v1/responses", json={
+        "input": "Who?", "tools": tools, "max_output_tokens": 60, "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "person", "schema": person}}}).json()  # fmt: skip
+    assert [item["type"] for item in answer["output"]] == ["message"], answer
+    assert json.loads(answer["output"][0]["content"][0]["text"]) == {"name": "Alice", "age": 30}
 
 
 # ---------------------------------------------------------------------- the granite format
