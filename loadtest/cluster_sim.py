@@ -183,13 +183,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {cfg.label}: simulated in {summaries[-1]['wall_s']} s wall", file=sys.stderr)
     table = markdown_table(summaries)
     sys.stdout.write(table)
-    if a.md:
-        with open(a.md, "w") as f:
-            f.write(table)
-    if a.json:
-        with open(a.json, "wb") as f:
-            f.write(orjson.dumps({"simulated": True, "argv": sys.argv[1:] if argv is None else argv,
-                                  "runs": summaries}, option=orjson.OPT_INDENT_2))  # fmt: skip
+    try:  # NOTE: checked before the runs, but a disk may fill or a folder go meanwhile
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(table)
+        if a.json:
+            with open(a.json, "wb") as f:
+                f.write(orjson.dumps({"simulated": True, "argv": sys.argv[1:] if argv is None else argv,
+                                      "runs": summaries}, option=orjson.OPT_INDENT_2))  # fmt: skip
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

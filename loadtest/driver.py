@@ -440,12 +440,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = report.markdown_table([results.summary()])
     sys.stdout.write(table)
-    if args.out:
-        report.write_json(results, args.out)
-    if args.md:
-        report.prepare_output(args.md).write_text(table)
-    if args.plot:
-        report.plot([results], args.plot)
+    try:  # NOTE: checked before the run, but a disk may fill or a folder go meanwhile
+        if args.out:
+            report.write_json(results, args.out)
+        if args.md:
+            report.prepare_output(args.md).write_text(table)
+        if args.plot:
+            report.plot([results], args.plot)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -7,7 +7,6 @@ a.json b.json --md out.md --plot out.png` sets several runs side by side.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -132,8 +131,16 @@ def prepare_output(path: str | Path) -> Path:
         raise OSError(f"cannot write {out}: cannot create its folder ({exc.strerror or exc})") from None
     if out.is_dir():
         raise IsADirectoryError(f"cannot write {out}: it is a folder")
-    if not os.access(out if out.exists() else out.parent, os.W_OK):
-        raise PermissionError(f"cannot write {out}: permission denied")
+    # NOTE: opened, not asked (os.access says yes to root everywhere, /proc included); appended to, so
+    # an existing file is left as it is, and one made here is removed again: the run writes it
+    existed = out.exists()
+    try:
+        with open(out, "ab"):
+            pass
+    except OSError as exc:
+        raise OSError(f"cannot write {out}: {exc.strerror or exc}") from None
+    if not existed:
+        out.unlink(missing_ok=True)
     return out
 
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 import orjson
 import pytest
@@ -384,11 +385,13 @@ async def test_cli_creates_missing_output_folders(server_factory, tmp_path):
     assert (tmp_path / "plots" / "x.png").read_bytes()[:4] == b"\x89PNG"
 
 
-async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(server_factory, tmp_path):
+@pytest.mark.parametrize("flag", ["--out", "--md"])
+async def test_cli_refuses_an_output_it_cannot_write_before_sending_anything(server_factory, tmp_path, flag):
     server = await server_factory()
     (tmp_path / "taken").write_text("a file where a folder should be")
-    out = tmp_path / "taken" / "x.json"
-    args = ["--url", server.url, "--requests", "4", "--no-progress", "--out", str(out)]
+    # a file under a file; one in /proc (no file can be made there, though os.access tells root it can)
+    out = tmp_path / "taken" / "x.json" if flag == "--out" else Path("/proc/radixgate-test.md")
+    args = ["--url", server.url, "--requests", "4", "--no-progress", flag, str(out)]
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest.driver", *args,
                                                 stderr=asyncio.subprocess.PIPE)  # fmt: skip
     _, stderr = await asyncio.wait_for(proc.communicate(), 60)
