@@ -65,6 +65,10 @@ def chat_tools(tools: Any) -> list[dict] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise ValueError(f"tools[{i}]: only function tools are supported, got {kind!r}")
+        if "function" in tool and "name" not in tool:  # NOTE: chat's shape: told in this API's terms
+            raise ValueError(f"tools[{i}]: a Responses API function tool has 'name', 'description' and "
+                             "'parameters' at its top level ({'type': 'function', 'name': ...}), not under "
+                             "'function'")  # fmt: skip
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
@@ -73,7 +77,11 @@ def chat_tools(tools: Any) -> list[dict] | None:
 def chat_tool_choice(choice: Any) -> Any:
     """The Responses API's ``tool_choice`` (``{"type": "function", "name": N}`` for one tool) in chat's shape."""
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise ValueError(
+                "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}"
+            )
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
 

@@ -218,6 +218,17 @@ def test_bad_input_gets_a_clear_error_and_the_worker_keeps_serving(client, body,
     assert create(client, input="still serving")["object"] == "response"
 
 
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "at its top level"),
+     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+      "{'type': 'function', 'name': ...}")],
+)  # fmt: skip
+def test_tool_errors_name_the_responses_shapes_not_chats(client, body, words) -> None:
+    r = client.post("/v1/responses", json={"input": "hi", **body})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 def test_a_chat_spelling_of_the_format_is_refused_naming_the_responses_one(client) -> None:
     r = client.post("/v1/responses", json={"input": "hi", "guided_regex": "abc"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
