@@ -607,19 +607,20 @@ def _tagged(text: str, tag: str, single: bool = False) -> tuple[str, list[dict]]
 
 def _tagged_calls(part: str) -> tuple[list[dict], str] | None:
     """The calls the text after a tag opens with, and the text after them; None if it opens with none."""
-    if not part.lstrip().startswith(("[", "{")):
+    text = part.lstrip()
+    if not text.startswith(("[", "{")):
         return _mistral_call(part)
-    whole = _json_calls(part)
+    whole = _json_calls(text)  # NOTE: objects joined by ";" too
     if whole:
         return whole, ""
     try:
-        value, end = json.JSONDecoder().raw_decode(part.lstrip())
+        value, end = json.JSONDecoder().raw_decode(text)
     except json.JSONDecodeError:
         return None
     calls = [_as_call(item) for item in (value if isinstance(value, list) else [value])]
     if not calls or None in calls:
         return None
-    return calls, part.lstrip()[end:]  # type: ignore[return-value]
+    return calls, text[end:]  # type: ignore[return-value]
 
 
 def _mistral_call(part: str) -> tuple[list[dict], str] | None:
