@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import sys
 import threading
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(access_log.log.name).setLevel(logging.INFO)
     launcher = None
     if config.launch_workers:
+        if config.worker_api_key is None:
+            # NOTE: loopback is every local user's: a key made here keeps the workers, and whose KV
+            # hints they take (--kv-hints keyed), to this router
+            config.worker_api_key = secrets.token_urlsafe(32)
         launcher = WorkerLauncher(
             config.launch_workers,
             config.worker_model,

@@ -37,6 +37,17 @@ def root_hash(namespace: str) -> int:
     return _h(namespace.encode("utf-8"))
 
 
+# NOTE: a salt is held as long as its namespace is in use (the root cache above, the worker's namespaces):
+# unbounded, 256 salts of megabytes each would pin gigabytes in every router and worker
+MAX_CACHE_SALT_CHARS = 1024
+CACHE_SALT_ERROR = f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+
+
+def valid_cache_salt(salt: object) -> bool:
+    """Is ``salt`` a cache_salt the router and the worker take (None: no salt, also valid)?"""
+    return salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS)
+
+
 def salted(namespace: str, cache_salt: str | None) -> str:
     """The chain namespace of a request with vLLM's ``cache_salt``: its prefixes are its salt's own,
     so a request with another salt, or none, never matches them (nor learns from timing that they

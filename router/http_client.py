@@ -315,7 +315,7 @@ class _Pool:
 
     def __init__(self, client: HTTPClient, host: str, port: int, tls: bool) -> None:
         self.host, self.port = host, port
-        self.ssl = ssl.create_default_context() if tls else None
+        self.ssl = client.tls_context() if tls else None
         self.read_timeout = client.read_timeout
         self._client = client
         self._idle: dict[_Connection, None] = {}  # an ordered set: most recently used last
@@ -369,7 +369,11 @@ class _Pool:
 
 
 class HTTPClient:
-    """Pooled keep-alive connections to any number of origins (one pool per scheme/host/port)."""
+    """Pooled keep-alive connections to any number of origins (one pool per scheme/host/port), at most
+    ``max_pools`` at once: a worker that fetches KV from sources its clients may name (``--kv-hints
+    any``) meets any number of them, and each pool is held until forgotten."""
+
+    max_pools = 4096
 
     def __init__(
         self,
@@ -383,6 +387,13 @@ class HTTPClient:
         self.total_timeout = total_timeout
         self.idle_timeout = idle_timeout  # below uvicorn's default keep-alive of 5 s
         self._pools: dict[str, tuple[_Pool, bytes]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def tls_context(self) -> ssl.SSLContext:
+        """One for every https pool (a context holds the CA store: ~0.8 MiB each)."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
 
     def _pool(self, base_url: str) -> tuple[_Pool, bytes]:
         found = self._pools.get(base_url)
@@ -390,6 +401,8 @@ class HTTPClient:
             parts = urlsplit(base_url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"not an http(s) URL: {base_url!r}")
+            if len(self._pools) >= self.max_pools:
+                self.forget(next(iter(self._pools)))  # NOTE: the oldest; its exchanges under way still end
             tls = parts.scheme == "https"
             pool = _Pool(self, parts.hostname, parts.port or (443 if tls else 80), tls)
             found = self._pools[base_url] = (pool, parts.path.rstrip("/").encode("latin-1"))

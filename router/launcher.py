@@ -111,8 +111,8 @@ class WorkerLauncher:
         self.count = count
         self.model = model
         self.extra_args = extra_args
-        self.redis_url = redis_url
-        self.api_key = api_key  # the workers' --api-key, passed in their environment (not argv)
+        self.api_key = api_key  # the workers' --api-key, passed in their environment (not argv), as the
+        self.redis_url = redis_url  # Redis URL is (a password in it would show in process listings and logs)
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self._commands: list[list[str]] = []
@@ -129,14 +129,11 @@ class WorkerLauncher:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "worker", "--model", self.model, "--host", "127.0.0.1"]
-            # NOTE: on loopback, only this router's side reaches them: they take its KV hints keyed or not
-            cmd += ["--port", str(port), "--advertise-url", url, "--kv-hints", "any"]
+            cmd += ["--port", str(port), "--advertise-url", url]
             if not any(a.startswith("--cpu-threads") for a in self.extra_args):
                 # CPU workers sharing one machine: split the cores instead of oversubscribing them
                 cmd += ["--cpu-threads", str(max(1, (os.cpu_count() or 1) // self.count))]
             cmd += self.extra_args
-            if self.redis_url:
-                cmd += ["--redis-url", self.redis_url]
             log.info("starting worker: %s", " ".join(cmd))
             self._commands.append(cmd)
             self._started_at.append(time.monotonic())
@@ -148,7 +145,9 @@ class WorkerLauncher:
         return self.urls
 
     def _spawn(self, cmd: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "RADIXGATE_WORKER_API_KEY": self.api_key} if self.api_key else None
+        hidden = {"RADIXGATE_WORKER_API_KEY": self.api_key, "RADIXGATE_WORKER_REDIS_URL": self.redis_url}
+        given = {name: value for name, value in hidden.items() if value}
+        env = {**os.environ, **given} if given else None
         # NOTE: a process group of its own: a terminal's Ctrl-C reaches the router alone, which drains
         # (the workers serve the requests in flight) and then stops them; the router's death ends them
         return subprocess.Popen(cmd, env=env, preexec_fn=_dies_with(os.getpid()), process_group=0)

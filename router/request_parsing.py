@@ -13,6 +13,7 @@ import mmh3
 import orjson
 from starlette.requests import Request
 
+from router.block_hash import CACHE_SALT_ERROR, valid_cache_salt
 from router.errors import RouterError
 from router.responses_input import TEXT_PARTS, chat_tools, prompt_messages, template_options
 from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
@@ -132,13 +133,9 @@ def _common_fields(raw: bytes) -> tuple[dict[str, Any], str | None, bool]:
     stream = body.get("stream")  # NOTE: null is no stream, as OpenAI and the worker read it
     if stream is not None and not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", "invalid_type")
-    salt = body.get("cache_salt")
-    if salt is not None and not (isinstance(salt, str) and salt):
+    if not valid_cache_salt(body.get("cache_salt")):
         raise RouterError(400, CACHE_SALT_ERROR, "invalid_type")
     return body, model, bool(stream)
-
-
-CACHE_SALT_ERROR = "'cache_salt' must be a non-empty string"
 
 
 STREAM_OPTIONS_ERROR = (

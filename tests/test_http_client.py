@@ -415,6 +415,29 @@ async def test_a_forgotten_origin_closes_its_connections_idle_and_in_use():
         client.close()
 
 
+async def test_origins_past_the_bound_forget_the_oldest_and_https_ones_share_one_tls_context():
+    """A worker fetching KV from sources its clients name meets any number of origins: the client
+    keeps at most max_pools (the oldest forgotten first, a request to it opens a new pool), and its
+    https pools share one context (each context holds the CA store)."""
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient(connect_timeout=2)
+        client.max_pools = 3
+        kept = await client.post(url, "/echo", b"{}")
+        await kept.read()
+        kept.close()
+        for port in (1, 2, 3):  # never connected to: only their pools are made
+            client._pool(f"https://127.0.0.1:{port}")
+        assert list(client._pools) == [f"https://127.0.0.1:{p}" for p in (1, 2, 3)]
+        assert kept._conn.closed  # the oldest origin's idle connection went with its pool
+        contexts = {id(pool.ssl) for pool, _ in client._pools.values()}
+        assert len(contexts) == 1 and None not in {pool.ssl for pool, _ in client._pools.values()}
+        again = await client.post(url, "/echo", b"{}")
+        assert again.status == 200 and len(client._pools) == 3 and url in client._pools
+        await again.read()
+        again.close()
+        client.close()
+
+
 async def test_a_reset_before_a_body_without_length_ended_is_broken_not_the_whole_body():
     """No length and not chunked: the body ends at a clean close; a reset in the middle of it is a
     broken response, not half a body passed on as whole."""

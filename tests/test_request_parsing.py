@@ -69,10 +69,13 @@ def test_a_cache_salt_starts_its_own_hash_chain_and_a_bad_one_is_400():
     assert (
         PromptHashes(salty.token_ids, 16, salted("m", "t1"))[0] != PromptHashes(plain.token_ids, 16, "m")[0]
     )
-    for bad in ("", 3, ["t"]):
+    for bad in ("", 3, ["t"], "s" * 1025):  # the last: each salt in use is held (a bound on what clients pin)
         with pytest.raises(RouterError) as err:
             parse_request(orjson.dumps({**body, "cache_salt": bad}), False, tok)
         assert err.value.status == 400 and "cache_salt" in err.value.message
+    assert (
+        parse_request(orjson.dumps({**body, "cache_salt": "s" * 1024}), False, tok).cache_salt == "s" * 1024
+    )
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}

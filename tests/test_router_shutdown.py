@@ -151,3 +151,22 @@ def test_a_restarted_worker_serves_through_the_routers_drain(tmp_path):
         body = {"prompt": "still served", "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         assert router.wait(60) in (0, -signal.SIGTERM)
+
+
+def test_launched_workers_get_the_redis_url_and_their_key_in_their_environment_not_argv(tmp_path):
+    """A password in the Redis URL, and the key made for the workers, show in no process listing and
+    no log line: they reach the workers through their environment."""
+    secret_url = "redis://:s3cret-pw@127.0.0.1:1/0"  # nothing listens: the workers drop their events
+    with launched_router(tmp_path, "--redis-url", secret_url) as (router, url):
+        (worker,) = children(router.pid)
+        with open(f"/proc/{worker}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{worker}/environ", "rb") as f:
+            environ = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        assert environ[b"RADIXGATE_WORKER_REDIS_URL"] == secret_url.encode()
+        key = environ[b"RADIXGATE_WORKER_API_KEY"]
+        assert len(key) >= 32 and not any(b"s3cret" in a or key in a for a in argv), argv
+        assert b"--kv-hints" not in argv  # keyed, the default: the router's hints only
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    log = (tmp_path / "router.log").read_bytes()
+    assert b"starting worker" in log and b"s3cret" not in log and key not in log

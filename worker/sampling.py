@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kernels import reference
+from router.block_hash import CACHE_SALT_ERROR, valid_cache_salt
 from worker.attention import kernel_ops
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -160,8 +161,8 @@ class SamplingParams:
         if self.guide is not None and (self.ignore_eos or self.min_tokens):
             # NOTE: a finished grammar allows EOS only, which both of these forbid
             raise ValueError("ignore_eos and min_tokens cannot be combined with structured outputs")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
-            raise ValueError("'cache_salt' must be a non-empty string")
+        if not valid_cache_salt(self.cache_salt):
+            raise ValueError(CACHE_SALT_ERROR)
         if self.guide is not None and self.allowed_token_ids is not None:
             # NOTE: the grammar's tokens and these need not meet: no token would be left to sample
             raise ValueError("allowed_token_ids cannot be combined with structured outputs or tools")

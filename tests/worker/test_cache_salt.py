@@ -61,7 +61,7 @@ def test_a_salt_shares_cached_prefixes_only_with_its_own_requests(client) -> Non
     assert want <= roots
 
 
-@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+@pytest.mark.parametrize("salt", ["", 7, ["a"], "s" * 1025])  # the last: a salt is held while in use
 def test_a_bad_salt_is_a_400(client, salt) -> None:
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": salt})
     assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]
