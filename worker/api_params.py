@@ -126,11 +126,12 @@ def tools_of(body: dict) -> ToolRequest | None:
 
 def call_reader(tools: ToolRequest | None, guide: Guide | None) -> ToolRequest | None:
     """The tools whose calls are read out of the answer: none without tools or with ``tool_choice``
-    none, nor where an explicit structured output took the place of ``auto``'s calls grammar (the
-    answer is that format's: a JSON object with a "name" is the client's data, not a call)."""
+    none, nor where a JSON format the request asked for took the place of ``auto``'s calls grammar
+    (its answer is the client's data: a JSON object with a "name" is not a call). A regex or grammar
+    may spell calls in the parser's format: those are read."""
     if tools is None or tools.choice == "none":
         return None
-    if tools.choice == "auto" and guide is not None and guide.kind != "tool_auto":
+    if tools.choice == "auto" and guide is not None and guide.kind in ("json_schema", "json_object"):
         return None
     return tools
 
