@@ -174,6 +174,7 @@ class RouterConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(RouterConfig)}
+_ENV_NAMES = {"RADIXGATE_" + name.upper(): name for name in _FIELDS}  # env name -> field
 # NOTE: set from Secrets: one given but empty would turn its guard off (over YAML's, from env)
 _SECRETS = ("api_keys", "admin_token", "worker_api_key")
 
@@ -285,16 +286,17 @@ _OTHERS_ENV = ("RADIXGATE_WORKER_", "RADIXGATE_TEST_", "RADIXGATE_FULL_TESTS")
 def unknown_env(environ: dict[str, str]) -> list[str]:
     """``RADIXGATE_`` names in ``environ`` that no router setting has (a typo is not an error, since
     others use the prefix too, but it must not pass unseen: a misspelt key would leave a guard off)."""
-    known = {"RADIXGATE_" + name.upper() for name in _FIELDS}
     return sorted(
-        k for k in environ if k.startswith("RADIXGATE_") and k not in known and not k.startswith(_OTHERS_ENV)
+        k
+        for k in environ
+        if k.startswith("RADIXGATE_") and k not in _ENV_NAMES and not k.startswith(_OTHERS_ENV)
     )
 
 
 def from_env(environ: dict[str, str]) -> dict[str, Any]:
     out = {}
-    for name in _FIELDS:
-        value = environ.get("RADIXGATE_" + name.upper())
+    for env_name, name in _ENV_NAMES.items():
+        value = environ.get(env_name)
         if value is not None:
             out[name] = _coerce(name, value)
     return out
@@ -413,7 +415,7 @@ def build_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     environ = dict(os.environ) if environ is None else environ
     env = from_env(environ)
     for name in unknown_env(environ):
-        near = difflib.get_close_matches(name, ["RADIXGATE_" + f.upper() for f in _FIELDS], 1)
+        near = difflib.get_close_matches(name, list(_ENV_NAMES), 1)
         logging.getLogger("radixgate.router").warning(
             "env %s is not a router setting: ignored%s", name, f" (did you mean {near[0]}?)" if near else ""
         )

@@ -111,8 +111,10 @@ class WorkerLauncher:
         self.count = count
         self.model = model
         self.extra_args = extra_args
-        self.api_key = api_key  # the workers' --api-key, passed in their environment (not argv), as the
-        self.redis_url = redis_url  # Redis URL is (a password in it would show in process listings and logs)
+        # NOTE: both reach the workers in their environment, not argv: a key, or a password in the URL,
+        # would show in process listings and in the "starting worker" log line
+        self.api_key = api_key  # the workers' --api-key
+        self.redis_url = redis_url
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self._commands: list[list[str]] = []
