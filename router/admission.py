@@ -13,7 +13,7 @@ import heapq
 import itertools
 import time
 
-from router.errors import RouterError
+from router.errors import QUEUE_FULL_RETRY_AFTER_S, RouterError
 
 
 class _QueueTimeout(Exception):
@@ -57,7 +57,7 @@ class AdmissionGate:
             self.rejected += 1
             raise RouterError(
                 429, f"the router is at {self.max_concurrent} concurrent requests and "
-                f"{self.max_queued} queued; try again later", "router_queue_full",
+                f"{self.max_queued} queued; try again later", "router_queue_full", QUEUE_FULL_RETRY_AFTER_S,
             )  # fmt: skip
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()

@@ -22,6 +22,11 @@ _TYPES = {
 }
 
 
+# s: the Retry-After of a 429 for a full queue (the router's or every worker's): queues drain in about a
+# request's time, so a client that waits a second finds room or the same answer, not a storm of retries
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+
 class RouterError(Exception):
     """Raised anywhere below the app; the app turns it into an OpenAI error response."""
 
@@ -32,7 +37,7 @@ class RouterError(Exception):
         self.status = status
         self.message = message
         self.code = code
-        self.retry_after = retry_after  # s: sent as Retry-After (a rate limit)
+        self.retry_after = retry_after  # s: sent as Retry-After (a rate limit, a full queue)
 
 
 def error_payload(status: int, message: str, code: str | None = None) -> dict:

@@ -23,7 +23,7 @@ from router.circuit_breaker import CircuitBreaker
 from router.client_watch import ClientWatch
 from router.config import RouterConfig
 from router.discovery import KubeDiscovery, target_from_config
-from router.errors import RouterError, error_body, error_headers, stream_error_event
+from router.errors import QUEUE_FULL_RETRY_AFTER_S, RouterError, error_body, error_headers, stream_error_event
 from router.event_subscriber import EventSubscriber
 from router.health import HealthChecker
 from router.http_client import HTTPClientError, ResponseTimeout
@@ -474,7 +474,12 @@ class Router:
                 fault.status if fault.status in (502, 503, 504) else 502, str(fault), fault.kind
             )
         if failure is not None:
-            raise RouterError(429, f"every worker tried has a full queue ({failure})", "overloaded")
+            raise RouterError(
+                429,
+                f"every worker tried has a full queue ({failure})",
+                "overloaded",
+                QUEUE_FULL_RETRY_AFTER_S,
+            )
         if group is not None and self.workers.candidates(parsed.model):
             # NOTE: workers are up, but the group's overflow (none) keeps this request off them
             raise RouterError(503, f"no worker of affinity group {group!r} is available (its overflow is none)",

@@ -32,6 +32,7 @@ async def test_waiters_are_admitted_in_arrival_order_and_a_full_queue_is_429() -
     with pytest.raises(RouterError) as full:
         await gate.acquire()
     assert full.value.status == 429 and full.value.code == "router_queue_full" and gate.rejected == 1
+    assert full.value.retry_after == 1  # a full queue says when to come back (Retry-After)
     gate.release()
     await _settle()
     assert order == ["a"] and (gate.active, gate.queued) == (2, 1)  # the slot moved, not freed

@@ -322,6 +322,7 @@ def test_a_fault_then_a_full_queue_is_the_faults_error_not_a_429(launch, faulty)
         busy_only.url + "/v1/completions", json={"model": "faulty", "prompt": "z"}, timeout=30
     )
     assert answer.status_code == 429 and answer.json()["error"]["code"] == "overloaded"
+    assert answer.headers["retry-after"] == "1"  # OpenAI's clients wait that long before their retry
 
 
 def test_a_stream_the_worker_broke_off_takes_back_its_prefix_where_the_index_follows_its_events(

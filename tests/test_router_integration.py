@@ -826,6 +826,7 @@ def test_the_router_admits_a_bounded_number_queues_the_next_and_refuses_the_rest
     codes = Counter(r.status_code for r in responses)
     assert codes == {200: 4, 429: 2}
     assert all(r.json()["error"]["code"] == "router_queue_full" for r in responses if r.status_code == 429)
+    assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
     text = httpx.get(router.url + "/metrics").text
     assert metric_values(text, "radixgate_router_queue_refused_total")['{reason="full"}'] == 2
     assert metric_values(text, "radixgate_router_queue_admitted_after_wait_total")[""] == 2

@@ -22,7 +22,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api_keys import APIKeys
-from router.errors import HTTP_ERROR_HANDLERS, RouterError, error_payload, error_response
+from router.errors import (
+    HTTP_ERROR_HANDLERS,
+    QUEUE_FULL_RETRY_AFTER_S,
+    RouterError,
+    error_payload,
+    error_response,
+)
 from router.kv_events import KV_SOURCE_HEADER
 from router.request_id import RequestId
 from router.request_parsing import PARSE_INLINE_BYTES
@@ -496,7 +502,8 @@ def create_app(
                 return error_response(exc.status, exc.message, exc.code)
             except APIError as exc:  # NOTE: %r: the message may quote the request (no forged log lines)
                 log.info("%s %s -> %d: %r", request.method, request.url.path, exc.status, exc.message)
-                return error_response(exc.status, exc.message, exc.code)
+                retry = QUEUE_FULL_RETRY_AFTER_S if exc.code == "queue_full" else None
+                return error_response(exc.status, exc.message, exc.code, retry)
             except Exception:  # a bug must not take the worker down: answer 500 and log it
                 log.exception("%s %s failed", request.method, request.url.path)
                 return error_response(500, "internal error", "internal_error")

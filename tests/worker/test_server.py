@@ -736,6 +736,7 @@ def test_queue_full_429_prompt_too_long_400_and_dead_engine_503():
             assert f"radixgate_worker_prefill_backlog_tokens {float(queued)}" in c.get("/metrics").text
             full = c.post("/v1/completions", json={"prompt": "one too many", "max_tokens": 1})
             assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+            assert full.json()["error"]["code"] == "queue_full" and full.headers["retry-after"] == "1"
             assert "radixgate_worker_queue_full_requests_total 1.0" in c.get("/metrics").text
         t.join(30)
         assert waiting_result["resp"].status_code == 200  # the queued one ran once the first left
