@@ -64,15 +64,19 @@ class PromptTokenizer(Protocol):
 
 
 def _with_thinking(message: dict) -> dict:
-    """An assistant message's reasoning under each name chat templates read it by: ``reasoning_content``
-    (Qwen3's, DeepSeek's) or ``reasoning`` (what this API returns beside it) also as ``thinking`` (gpt-oss's),
-    where the client did not send that one."""
-    if message.get("role") != "assistant" or "thinking" in message:
-        return message
+    """A message's reasoning under each name chat templates read it by, as transformers aliases them: the
+    first of ``reasoning_content`` (Qwen3's, DeepSeek's), ``thinking`` (gpt-oss's) and ``reasoning`` (what
+    this API returns beside the first) the message has is its ``reasoning_content``, and its ``thinking``
+    where it has none."""
     thought = next(
-        (message[k] for k in ("reasoning_content", "reasoning") if isinstance(message.get(k), str)), None
+        (
+            message[k]
+            for k in ("reasoning_content", "thinking", "reasoning")
+            if isinstance(message.get(k), str)
+        ),
+        None,
     )
-    return message if thought is None else {**message, "thinking": thought}
+    return message if thought is None else {"thinking": thought, **message, "reasoning_content": thought}
 
 
 def normalize_messages(messages: Any, keep_parts: bool = False) -> list[dict]:
@@ -80,7 +84,9 @@ def normalize_messages(messages: Any, keep_parts: bool = False) -> list[dict]:
 
     Content may be a string, a list of ``{"type": "text", "text": ...}`` parts (joined with
     newlines; with ``keep_parts``, kept as a list of such parts, as transformers hands them to a
-    template that loops over them), or None for an assistant message. Anything else raises ValueError.
+    template that loops over them), or None for an assistant message (then ""). Anything else raises
+    ValueError. Other keys whose value is null are left out, as transformers leaves them out (a history
+    of OpenAI's message objects carries ``"tool_calls": null``, which templates take for calls).
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of message objects")
@@ -115,7 +121,7 @@ def normalize_messages(messages: Any, keep_parts: bool = False) -> list[dict]:
             text = [{"type": "text", "text": t} for t in parts] if keep_parts else "\n".join(parts)
         else:
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({**message, "content": text})
+        out.append({**{k: v for k, v in message.items() if v is not None}, "content": text})
     return out
 
 
@@ -165,11 +171,23 @@ def chat_options(body: dict) -> dict[str, Any]:
 
 
 def _final_to_continue(messages: list[dict]) -> str:
-    """The content a ``continue_final_message`` prompt ends with (checked)."""
+    """The content a ``continue_final_message`` prompt ends with (checked; its text parts' texts, joined)."""
     final = messages[-1]
-    if final["role"] != "assistant" or not final["content"]:
+    content = final["content"]
+    text = content if isinstance(content, str) else "".join(part["text"] for part in content)
+    if final["role"] != "assistant" or not text:
         raise ValueError("continue_final_message needs a last message from the assistant with content")
-    return final["content"]
+    return text
+
+
+def _tagged_final(message: dict) -> dict:
+    """The message a ``continue_final_message`` prompt ends with, ``_CONTINUE_TAG`` after its content (its
+    last text part's, where the content is a list of parts, as transformers tags it)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    last = content[-1]
+    return {**message, "content": [*content[:-1], {**last, "text": last["text"] + _CONTINUE_TAG}]}
 
 
 class ByteTokenizer:
@@ -598,9 +616,9 @@ class HFTokenizer:
         documents: list[dict] | None = None,
     ) -> str:  # fmt: skip
         """The conversation as text, rendered by the model's chat template like HF does (``tools``
-        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does; an
-        assistant message's ``reasoning_content`` or ``reasoning`` also as ``thinking``, the name
-        gpt-oss's template reads it by; the request's ``template_kwargs`` as more variables). With
+        passed to it; tool call arguments as JSON data, which templates expect, as vLLM does; a
+        message's reasoning under each name templates read it by, ``_with_thinking``; the request's
+        ``template_kwargs`` as more variables). With
         ``continue_final_message`` the text ends right after the last message's content, as HF
         cuts it (no end-of-turn, no generation prompt)."""
         tools = normalize_tools(tools)
@@ -611,17 +629,16 @@ class HFTokenizer:
         template = self._compiled(name)
         # NOTE: text parts stay a list for a template that loops over them (Gemma 3's, Llama 4's), as
         # transformers passes them; others get them joined, as vLLM does (a list would render as one)
-        keep = template.loops_over_content and not continue_final_message
         messages = [
             {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": call_arguments(c)}}
                                  for c in m["tool_calls"]]} if m.get("tool_calls") else m
-            for m in map(_with_thinking, normalize_messages(messages, keep))
+            for m in map(_with_thinking, normalize_messages(messages, template.loops_over_content))
         ]  # fmt: skip
         if continue_final_message:
             # NOTE: cut at a marker after the content, as HF does: searching for the content itself
             # finds a short prefill ("<", "im") inside the end-of-turn text the template writes after it
-            final = _final_to_continue(messages)
-            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+            _final_to_continue(messages)
+            messages = [*messages[:-1], _tagged_final(messages[-1])]
         from jinja2 import TemplateError
 
         try:

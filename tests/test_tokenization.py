@@ -161,6 +161,25 @@ def test_assistant_content_may_be_null():
     assert out[1]["content"] == ""
 
 
+def test_keys_sent_as_null_are_left_out_as_transformers_leaves_them_out(hf_dir, tmp_path):
+    """A history of OpenAI's message objects carries ``"tool_calls": null`` (and ``name``, ``refusal``...):
+    templates that test ``'tool_calls' in message`` or its length took it for calls (Llama 3.1's raised a
+    400, Mistral's "roles must alternate")."""
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{% if m.tool_calls is defined %}{{ m.tool_calls | length }} calls"
+        "{% else %}{{ m.content }}{% endif %}{% if m.name is defined %} ({{ m.name }}){% endif %}{% endfor %}"
+    )
+    tok = with_template(hf_dir, tmp_path / "nulls", template)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "nulls"))
+    chat = [{"role": "user", "content": "Hi", "name": None},
+            {"role": "assistant", "content": "Hello.", "tool_calls": None, "refusal": None},
+            {"role": "user", "content": "Again"}]  # fmt: skip
+    assert normalize_messages(chat)[1] == {"role": "assistant", "content": "Hello."}
+    want = theirs.apply_chat_template(chat, tokenize=False)
+    assert want == "<user>Hi<assistant>Hello.<user>Again" and tok.render_chat(chat) == want
+
+
 # ---- HF tokenizer.json + chat template ---------------------------------------------------------
 
 
@@ -321,12 +340,17 @@ def test_chat_template_file_takes_precedence(hf_dir, tmp_path):
     assert HFTokenizer(str(directory)).render_chat([{"role": "user", "content": "x"}]) == "[x]"
 
 
-def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it_as_thinking(hf_dir, tmp_path):
-    """gpt-oss's template renders the analysis before a tool call from ``thinking``; clients send back the
-    ``reasoning_content`` / ``reasoning`` this API returned."""
-    tok = with_template(
-        hf_dir, tmp_path / "thinking", "{% for m in messages %}[{{ m.role }}:{{ m.thinking }}]{% endfor %}"
-    )
+@pytest.mark.parametrize("name", ["thinking", "reasoning_content"])
+def test_a_messages_reasoning_reaches_the_template_under_each_name_as_transformers_aliases_it(
+    hf_dir, tmp_path, name
+):
+    """gpt-oss's template renders the analysis before a tool call from ``thinking``, Qwen3's and DeepSeek's
+    from ``reasoning_content``; clients send back whichever name they keep (this API returns ``reasoning``
+    and ``reasoning_content``): a Qwen3 template lost the text sent as ``reasoning`` or ``thinking``."""
+    transformers = pytest.importorskip("transformers")
+    template = "{% for m in messages %}[{{ m.role }}:{{ m." + name + " }}]{% endfor %}"
+    tok = with_template(hf_dir, tmp_path / name, template)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / name))
     call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     for key in ("reasoning_content", "reasoning", "thinking"):
         conversation = [
@@ -335,10 +359,12 @@ def test_an_assistant_messages_reasoning_reaches_a_template_that_reads_it_as_thi
         ]
         assert tok.render_chat(conversation) == "[user:][assistant:plan]"
     both = {"role": "assistant", "content": "a", "thinking": "mine", "reasoning_content": "other"}
-    assert tok.render_chat([both]) == "[assistant:mine]"  # the client's own thinking wins
-    assert (
-        tok.render_chat([{"role": "user", "content": "q", "reasoning": "x"}]) == "[user:]"
-    )  # assistants only
+    user = {"role": "user", "content": "q", "reasoning": "x"}
+    for conversation in ([both], [user], [user, both]):
+        want = theirs.apply_chat_template(conversation, tokenize=False)
+        assert tok.render_chat(conversation) == want, conversation
+    # the client's own of each name wins
+    assert tok.render_chat([both]) == ("[assistant:mine]" if name == "thinking" else "[assistant:other]")
 
 
 def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(hf_dir, tmp_path):
@@ -684,6 +710,13 @@ def test_text_parts_reach_a_template_that_loops_over_them_as_a_list(hf_dir, tmp_
     assert ours.encode_chat(chat) == theirs(want, add_special_tokens=False).input_ids
     plain = HFTokenizer(str(hf_dir))  # TEMPLATE writes content as a string: parts joined, as before
     assert "Translate:\nbonjour" in plain.render_chat(chat)
+    # an assistant prefill leaves the history's parts as they are (it joined every message's), and may be
+    # parts itself: the last one's text is where the prompt ends, as transformers cuts it
+    for final in ("The answer", [{"type": "text", "text": "The "}, {"type": "text", "text": "answer"}]):
+        prefill = [*chat, {"role": "assistant", "content": final}]
+        want = theirs.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
+        assert ours.render_chat(prefill, **chat_options({"continue_final_message": True})) == want, final
+        assert want.endswith("answer") and ("Translate:bonjour" in want or "[Translate:][bonjour]" in want)
 
 
 def _conversation(rng, turns: int) -> list[dict]:

@@ -288,8 +288,10 @@ def logit_bias(bias: Any, vocab_size: int) -> dict[int, Any]:
         raise APIError(400, "logit_bias must be an object mapping token ids to numbers")
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:  # NOTE: '²'.isdigit() too
-            raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
+        # NOTE: '²'.isdigit() too; int() refuses more than 4,300 digits (a ValueError, not an answer)
+        if not (key.isascii() and key.isdigit()) or len(key) > 20 or int(key) >= vocab_size:
+            shown = key if len(key) <= 40 else key[:40] + "..."
+            raise APIError(400, f"logit_bias key {shown!r} is not a token id in [0, {vocab_size})")
         out[int(key)] = value
     return out
 

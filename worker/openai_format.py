@@ -312,7 +312,9 @@ class Responses:
 
     def _completion_logprobs(self, c: Choice, entries: list[Logprob]) -> dict:
         """The legacy shape: parallel lists; each ``top_logprobs`` dict holds the top tokens and
-        the sampled one (so up to k + 1 keys); ``text_offset`` counts characters of token text."""
+        the sampled one (so up to k + 1 keys; tokens spelt alike, as the pieces of one UTF-8 character that
+        each read "\ufffd", share a key holding the likeliest's logprob); ``text_offset`` counts
+        characters of token text."""
         tokens, lps, tops, offsets = [], [], [], []
         for token, numbers in entries:
             text = self.names(token)[0]
@@ -322,7 +324,9 @@ class Responses:
                 tops.append(None)
             else:
                 logprob, top_ids, top_lps = numbers
-                top = {self.names(tid)[0]: lp for tid, lp in zip(top_ids, top_lps, strict=True)}
+                top: dict[str, float] = {}
+                for tid, lp in zip(top_ids, top_lps, strict=True):  # most likely first: it keeps a shared key
+                    top.setdefault(self.names(tid)[0], lp)
                 top.setdefault(text, logprob)
                 lps.append(logprob)
                 tops.append(top)

@@ -239,3 +239,17 @@ def test_a_token_is_named_by_the_text_it_adds_so_offsets_follow_the_answer(tmp_p
     assert [bytes(names(t)[1]).decode() for t in ids] == [names(t)[0] for t in ids]
     (split,) = [t for t in tok.encode_text("é") if names(t)[1] == [0xC3]]
     assert names(split)[0] == "\ufffd"
+
+
+def test_tokens_spelt_alike_share_one_top_logprobs_key_holding_the_likeliest():
+    """The legacy shape keys top_logprobs by token text: the pieces of a UTF-8 character each read U+FFFD, and
+    the last of them (the least likely) overwrote the others' key, the sampled one's too."""
+    from worker.openai_format import Choice, Responses, TokenNames
+
+    names = TokenNames(ByteTokenizer())
+    assert names(169)[0] == names(195)[0] == names(0xE4)[0] == "\ufffd"
+    out = Responses(
+        "x", "tiny", chat=False, names=names, logprobs=True, simulated=False
+    )._completion_logprobs(Choice(0, prompt=0), [(169, (-5.0, [111, 195, 0xE4], [-1.0, -2.0, -4.0]))])
+    assert out["tokens"] == ["\ufffd"] and out["token_logprobs"] == [-5.0]
+    assert out["top_logprobs"] == [{"o": -1.0, "\ufffd": -2.0}]

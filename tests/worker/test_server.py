@@ -240,6 +240,19 @@ def test_shared_prefix_reports_cached_tokens_in_usage_and_metrics(client):
         ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": false}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": true}}', 400),
         ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"\\u00b2": 1}}', 400),  # a digit, not ASCII
+        # more digits than int() takes (4,300): a ValueError inside the check was a 500
+        pytest.param(
+            "/v1/completions",
+            b'{"prompt": "hi", "logit_bias": {"' + b"9" * 4301 + b'": 1}}',
+            400,
+            id="bias-4301-digits",
+        ),
+        pytest.param(
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a"}], "logit_bias": {"' + b"0" * 5000 + b'1": 1}}',
+            400,
+            id="chat-bias-5001-digits",
+        ),
         ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400),
         ("/v1/completions", b'{"prompt": "hi", "min_p": 2}', 400),
         ("/v1/completions", b'{"prompt": "hi", "include_stop_str_in_output": "yes"}', 400),
