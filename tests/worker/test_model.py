@@ -381,6 +381,50 @@ def test_qwen_windows_without_layer_types_are_the_layers_transformers_configs_li
     assert sliding == tuple(i for i, kind in enumerate(theirs) if kind == "sliding_attention")
 
 
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2", "mistral"])
+def test_windows_without_layer_types_are_the_layers_transformers_configs_list(model_type) -> None:
+    """A config without layer_types (hand-written, or saved before transformers wrote them): gpt-oss's even
+    layers slide, as its config class fills them in (it loaded with no window at all, its logits wrong past
+    the window)."""
+    raw = {**QWEN_LIKE, "model_type": model_type, "num_hidden_layers": 5, "sliding_window": 128,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 128}  # fmt: skip
+    name = {"gpt_oss": "GptOssConfig", "gemma2": "Gemma2Config", "mistral": "MistralConfig"}[model_type]
+    config = getattr(transformers, name)(**raw)
+    theirs = getattr(config, "layer_types", None) or ["sliding_attention"] * 5  # Mistral: every layer
+    ours = ModelConfig.from_hf(raw)
+    assert ours.sliding_layers == tuple(i for i, kind in enumerate(theirs) if kind == "sliding_attention")
+    assert ours.sliding_layers and ours.sliding_window == 128
+
+
+@pytest.mark.parametrize("rope_type", ["llama3", "yarn"])
+@pytest.mark.parametrize("place", ["none", "top_level", "both"])
+def test_the_pretraining_context_of_scaled_rope_is_read_where_transformers_reads_it(rope_type, place) -> None:
+    """llama3's original_max_position_embeddings was refused where the parameters leave it out (transformers
+    takes max_position_embeddings), and a top-level one (Phi-3's place) wins over the parameters', as in
+    transformers 5."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": rope_type, "factor": 8.0}
+    if rope_type == "llama3":
+        scaling.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    if place == "both":
+        scaling["original_max_position_embeddings"] = 2048
+    raw = {**QWEN_LIKE, "model_type": "llama", "max_position_embeddings": 8192, "rope_scaling": scaling}
+    if place != "none":
+        raw["original_max_position_embeddings"] = 1024
+    ours = ModelConfig.from_hf(raw)
+    theirs = transformers.LlamaConfig(**raw)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](theirs, torch.device("cpu"))
+    torch.testing.assert_close(rope_inv_freq(ours).float(), inv_freq.float(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(ours) == pytest.approx(attention_factor, rel=1e-9)
+    assert ours.rope_scaling["original_max_position_embeddings"] == (8192 if place == "none" else 1024)
+
+
+def test_swish_is_silu() -> None:
+    """transformers' ``swish`` is SiLU: such a config was refused as an unsupported activation."""
+    assert ModelConfig.from_hf({**QWEN_LIKE, "hidden_act": "swish"}).mlp_activation == "silu"
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
 def test_qwen_mixtures_with_use_sliding_window_match_transformers(model_type, tmp_path) -> None:
     """Qwen3-MoE's attention windows every layer (transformers writes no layer_types for it), Qwen2-MoE's

@@ -172,6 +172,7 @@ class ModelConfig:
             cfg = _gemma_defaults(cfg, model_type)
         fp8 = _quantization(cfg, model_type)
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        act = "silu" if act == "swish" else act  # NOTE: transformers' name for the same function
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
                 f"unsupported hidden_act {act!r}; silu (SwiGLU) and gelu_pytorch_tanh (GeGLU) are"
@@ -211,11 +212,12 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
         max_positions = int(cfg.get("max_position_embeddings", 4096))
-        if rope_type == "yarn":  # NOTE: as transformers reads it, the pretraining context by default
-            rope.setdefault(
-                "original_max_position_embeddings",
-                cfg.get("original_max_position_embeddings") or max_positions,
-            )
+        if rope_type in ("llama3", "yarn"):
+            # NOTE: as transformers 5 reads it: a top-level original_max_position_embeddings (Phi-3's place)
+            # wins, else the parameters' own, else max_position_embeddings (the pretraining context)
+            if cfg.get("original_max_position_embeddings") is not None:
+                rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+            rope.setdefault("original_max_position_embeddings", max_positions)
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         missing = [k for k in _ROPE_KEYS.get(rope_type, ()) if not isinstance(rope.get(k), (int, float))]
         if missing:
@@ -413,7 +415,7 @@ def _experts(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The sliding window and the layers it applies to, as transformers reads them: the layers
     ``layer_types`` marks "sliding_attention"; without it, every layer of Mistral, Ministral, Mixtral and
-    Phi-3, Gemma's pattern, SmolLM3's NoPE layers, or with ``use_sliding_window`` every layer of Qwen3-MoE,
+    Phi-3, gpt-oss's even layers, Gemma's pattern, SmolLM3's NoPE layers, or with ``use_sliding_window`` every layer of Qwen3-MoE,
     the even layers below ``max_window_layers`` of Qwen2-MoE, the layers from it on of the others (Qwen2's
     rule; 28 where a config leaves it out, as transformers' Qwen configs). SmolLM3 windows nothing without
     ``use_sliding_window``."""
@@ -428,6 +430,8 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         sliding = list(_nope_layers(cfg)["nope_layers"])
     elif model_type in ("mistral", "ministral", "mixtral", "phi3"):
         sliding = range(layers)
+    elif model_type == "gpt_oss":  # NOTE: its config's default layer_types: the even layers slide
+        sliding = range(0, layers, 2)
     elif model_type in GEMMA_MODEL_TYPES:
         # NOTE: transformers 4's configs: Gemma 2 alternates (even layers sliding), Gemma 3 has every 6th full
         pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
