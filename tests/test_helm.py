@@ -786,10 +786,11 @@ def test_network_policy_lets_only_routers_workers_and_scrapers_reach_workers(cha
         target = one(objects, "StatefulSet" if component == "worker" else "Deployment", component)
         pod_labels = target["spec"]["template"]["metadata"]["labels"]
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
-        (rule,) = policy["spec"]["ingress"]
-        allowed = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in rule["from"]
-                   if "podSelector" in peer]  # fmt: skip
-        assert allowed == ["router", "worker"] and scraper in rule["from"]
+        # the scrapers reach the workers (/metrics is on the API's port), not Redis (it has no metrics)
+        rule, *scrapers = policy["spec"]["ingress"]
+        allowed = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for peer in rule["from"]]
+        assert allowed == ["router", "worker"]
+        assert scrapers == ([{"from": [scraper]}] if component == "worker" else [])
     assert "redis" not in {
         o["metadata"]["labels"]["app.kubernetes.io/component"]
         for o in render(chart, networkPolicy={"enabled": True}, redis={"enabled": False})
@@ -812,6 +813,64 @@ def test_workers_take_kv_hints_unkeyed_only_behind_the_network_policy(chart) -> 
         "workerApiKey": {"existingSecret": "keys", "secretKey": "key"},
     }
     assert hints(**keyed) is None
+    # scrapers let in reach the workers' whole API (/metrics shares its port): hints then need the key
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert hints(networkPolicy={"enabled": True, "metricsFrom": [scraper]}) is None
+
+
+@pytest.mark.parametrize("tag", [2, 20240101, "1.0", "v0.4.1"])
+def test_an_image_tag_yaml_reads_as_a_number_is_its_digits(chart, tag) -> None:
+    """``--set image.tag=20240101`` or ``tag: 2`` in a values file is a number to YAML, a float to Helm: the
+    image read radixgate:%!s(float64=2.0240101e+07)."""
+    objects = render(chart, image={"tag": tag}, redis={"image": {"tag": tag}})
+    assert container(one(objects, "Deployment", "router"))["image"] == f"radixgate:{tag}"
+    assert container(one(objects, "StatefulSet", "worker"))["image"] == f"radixgate:{tag}"
+    assert container(one(objects, "Deployment", "redis"))["image"] == f"redis:{tag}"
+
+
+def test_a_new_admin_token_rolls_the_pods_that_read_it(chart) -> None:
+    """The processes read the token from their environment at start: a changed Secret alone left the old
+    token in effect until something else rolled them."""
+
+    def checksums(**values: Any) -> list[str | None]:
+        objects = render(chart, **values)
+        return [one(objects, kind, component)["spec"]["template"]["metadata"].get("annotations", {})
+                .get("checksum/secret") for kind, component in (("Deployment", "router"), ("StatefulSet", "worker"))]  # fmt: skip
+
+    assert checksums() == [None, None]
+    old, new = checksums(adminToken={"value": "old"}), checksums(adminToken={"value": "new"})
+    assert old[0] == old[1] and new[0] == new[1] and old[0] != new[0] and None not in old
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"router": {"kvEvents": "redis"}, "redis": {"enabled": False}},
+            "router.kvEvents: redis needs a Redis",
+        ),
+        (
+            {"router": {"config": {"log_level": "debug", "kv_events": "http", "health_interval_s": 2}}},
+            "use the values named instead: kv_events (router.kvEvents), log_level (router.logLevel)",
+        ),
+        ({"router": {"config": {"workers": ["http://w:8001"]}}}, "workers (worker.replicas)"),
+        (
+            {"router": {"config": {"admin_token": "x"}}, "adminToken": {"value": "t"}},
+            "admin_token (adminToken)",
+        ),
+    ],
+    ids=["redis-events-without-redis", "config-keys-the-flags-set", "config-workers", "config-admin-token"],
+)
+def test_settings_the_router_would_refuse_or_ignore_fail_to_render(chart, values: dict, message: str) -> None:
+    """kvEvents redis without a Redis rendered, and the router then stopped at start; a router.config key
+    the chart also passes as a flag or variable was ignored without a word (flags win)."""
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(chart, **values)
+    assert render(
+        chart,
+        router={"config": {"admin_token": "x", "redis_url": "redis://r:6379/0"}},
+        redis={"enabled": False},
+    )
 
 
 def test_lora_adapters_reach_the_workers_as_their_variable(chart, monkeypatch) -> None:

@@ -36,8 +36,26 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* checksum/secret: the chart's own Secret (adminToken.value) as a pod annotation, so that a new value
+     rolls the pods (the processes read it from their environment at start); empty without one. */}}
+{{- define "radixgate.secretChecksum" -}}
+{{- with include (print .Template.BasePath "/secret.yaml") . | trim -}}
+checksum/secret: {{ sha256sum . | quote }}
+{{- end -}}
+{{- end -}}
+
 {{- define "radixgate.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- printf "%s:%s" .Values.image.repository (include "radixgate.tag" (default .Chart.AppVersion .Values.image.tag)) -}}
+{{- end -}}
+
+{{/* An image tag as text. YAML reads an unquoted 2 or 20240101 as a number, which Helm holds as a float
+     (printed %!s(float64=2) by printf, 2.0240101e+07 by toString): a whole number is its digits. */}}
+{{- define "radixgate.tag" -}}
+{{- if and (kindIs "float64" .) (eq . (floor .)) -}}
+{{- printf "%.0f" . -}}
+{{- else -}}
+{{- toString . -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The StatefulSet and its headless Service share this name. */}}
