@@ -1356,8 +1356,9 @@ def test_a_conversations_next_turn_reuses_its_cached_prefix_ids_and_says_so(laun
 
 def test_a_redis_that_stays_away_is_logged_once_not_at_every_reconnection(launch):
     """Redis down (here: a port that takes each connection and closes it): the KV event stream's
-    reader tries again every 5 s at most, for as long as it takes; each try was a warning in the
-    router's log (720 an hour per model), where the replica sync and the workers log the first."""
+    reader tries again every 5 s at most, for as long as it takes (6 tries: 0.2 s to 5 s apart, ~9 s);
+    each try was a warning in the router's log (720 an hour per model), where the replica sync and the
+    workers log the first."""
     import socket
 
     server = socket.socket()
@@ -1377,7 +1378,7 @@ def test_a_redis_that_stays_away_is_logged_once_not_at_every_reconnection(launch
     redis_url = f"redis://127.0.0.1:{server.getsockname()[1]}"
     router = launch.router([backend.url], "--redis-url", redis_url, "--replica-sync", "off")
     try:
-        wait_until(lambda: len(tries) >= 8, 60, what="the reader trying again and again")
+        wait_until(lambda: len(tries) >= 6, 60, what="the reader trying again and again")
     finally:
         server.close()
     assert router.log().count("redis stream radixgate:kv:echo:") <= 2
