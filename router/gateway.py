@@ -432,9 +432,10 @@ class Router:
                 if resp.status >= 400:
                     insert.take_back(self.events.synced(worker))
                 # NOTE: the predicted hit rate's tokens are counted with the worker's usage, so both hit
-                # rates cover the same answers (a stream cut off before its usage counts in neither)
-                routed = route.prompt_tokens + parsed.other_prompt_tokens
-                tally = None if parsed.follow_up else (routed, predicted)
+                # rates cover the same answers (a stream cut off before its usage counts in neither); of a
+                # batch, the prompt it was routed by, the one the index predicted (the others counted as
+                # uncached tokens made [P] * 4 read a quarter of what the workers served from cache)
+                tally = None if parsed.follow_up else (route.prompt_tokens, predicted)
                 try:
                     if whole:
                         stream = parsed.stream
