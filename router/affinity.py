@@ -65,6 +65,7 @@ NO_WORKER = "no_worker"  # the request got no worker (the router answered 503): 
 
 _GROUP_KEYS = {"name", "match", "workers", "size", "share", "exclusive", "overflow", "overflow_load"}
 _MATCH_KEYS = {"model", "header", "system_prompt"}
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token
 _RESERVED_NAMES = ("fleet", "none")
 _MASK64 = (1 << 64) - 1
 _UNREAD = object()
@@ -436,6 +437,10 @@ def _parse_group(index: int, raw: Any) -> AffinityGroup:
                 raise ValueError(
                     f"{where}: match.header: {key!r}: expected a header name and a glob string "
                     '(quote numbers: "1")'
+                )
+            if not _HEADER_NAME.fullmatch(key):  # NOTE: no request carries such a name: it would never match
+                raise ValueError(
+                    f"{where}: match.header: {key!r} is not an HTTP header name (RFC 9110 token)"
                 )
             headers.append((key.lower(), _glob(glob)))
     system_prompt = match.get("system_prompt")

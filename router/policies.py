@@ -367,8 +367,10 @@ class PrefixHash(Policy):
             load = by_url[url].load
             if load + 1 <= cap:
                 skipped = len(seen) - 1
-                why = "ring owner" if not skipped else f"ring successor #{skipped} (earlier ones over bound)"
-                reason = f"consistent hash of leading prefix: {why}, load {load:g} <= bound {cap:g}"
+                why = (
+                    "ring owner" if not skipped else f"ring successor #{skipped} (earlier ones at the bound)"
+                )
+                reason = f"consistent hash of leading prefix: {why}, load {load:g} + 1 <= bound {cap:g}"
                 return Decision(url, self._tokens(blocks, req), reason)
             if len(seen) == len(by_url):
                 break

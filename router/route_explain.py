@@ -36,10 +36,15 @@ def explain(
     def predicted(worker: Any) -> int:  # NOTE: as the gateway counts it when it sends the request
         return 0 if router.cuts(parsed, route, worker) else route.cacheable(held(worker.url))
 
+    # NOTE: as the gateway answers it: the group's overflow (none) keeps the request off the workers up
+    if group is not None and router.workers.candidates(parsed.model):
+        unavailable = f"no worker of affinity group {group!r} is available (its overflow is none)"
+    else:
+        unavailable = "no healthy worker"
     return {
         "worker": None if decision is None else decision.url,
         "predicted_cached_tokens": None if pick is None else predicted(pick),
-        "reason": "no healthy worker" if decision is None else decision.reason,
+        "reason": decision.reason if decision is not None else unavailable,
         "policy": router.policy.name,
         # the worker the pick would be told to fetch the prompt's KV from (--kv-fetch-min-tokens)
         "kv_source": None if decision is None or cut else router.kv_source(decision, parsed.cache_salt),

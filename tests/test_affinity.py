@@ -74,6 +74,14 @@ GOOD = {"name": "g", "match": {"model": "m*"}, "size": 1}
         ([{**GOOD, "match": {"model": 3}}], r"'g': match.model"),
         ([{**GOOD, "match": {"header": {"x-tier": 1}}}], r"'g': match.header: 'x-tier'"),
         ([{**GOOD, "match": {"header": "x-tier"}}], r"'g': match.header: expected a mapping"),
+        (
+            [{**GOOD, "match": {"header": {"x tier": "a"}}}],
+            r"'g': match.header: 'x tier' is not an HTTP header",
+        ),
+        (
+            [{**GOOD, "match": {"header": {"x-tier:": "a"}}}],
+            r"'g': match.header: 'x-tier:' is not an HTTP header",
+        ),
         ([{**GOOD, "match": {"system_prompt": ""}}], r"'g': match.system_prompt"),
         (["g"], r"affinity_groups\[0\]: expected a mapping"),
         ({"name": "g"}, r"affinity_groups must be a list"),

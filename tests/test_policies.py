@@ -152,6 +152,18 @@ def test_prefix_hash_bounds_the_load_of_a_hot_prefix() -> None:
     assert policy.select(request(list(range(64))), idle(URLS)).url == policy.select(req, idle(URLS)).url
 
 
+def test_prefix_hash_passes_on_where_the_request_would_take_the_owner_past_the_bound() -> None:
+    """The bound counts the request being placed (docs/router.md): idle, the owner takes it (0 + 1 <= 1);
+    one request on it, the next goes clockwise (1 + 1 > ceil(1.25 x 2 / n)), and the reason says so."""
+    policy = make_policy("prefix_hash", PrefixIndex(), {"load_factor": 1.25})
+    req = request(list(range(64)))
+    first = policy.select(req, idle(URLS))
+    assert "ring owner, load 0 + 1 <= bound 1" in first.reason
+    busy = [Candidate(u, 1.0 if u == first.url else 0.0) for u in URLS]
+    second = policy.select(req, busy)
+    assert second.url != first.url and "ring successor #1 (earlier ones at the bound)" in second.reason
+
+
 # ---- cache_aware: the load window grows with the predicted saving ----------------------------------
 
 

@@ -730,6 +730,7 @@ def test_affinity_group_pins_a_tenant_and_keeps_others_off(launch, tmp_path):
             "/debug/route", json={"model": "echo", "prompt": "g"}, headers={"x-tenant": "ghost"}
         ).json()  # as the request is counted (it said in_group)
         assert explained["worker"] is None and explained["affinity_outcome"] == "no_worker"
+        assert "'ghost'" in explained["reason"] and "overflow is none" in explained["reason"]  # as answered
         groups = client.get("/workers").json()["affinity_groups"]
         assert groups[0]["name"] == "acme" and groups[0]["members"] == {"echo": [pinned]}
         assert groups[1]["members"] == {"echo": []}
