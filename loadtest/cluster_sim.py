@@ -87,6 +87,10 @@ def _number(value: str) -> Any:
     return None if value == "None" else value
 
 
+# the policies that draw at random (their ``seed`` parameter; a router leaves it unseeded)
+SEEDED_POLICIES = ("random", "least_load")
+
+
 def run_configs(
     a: argparse.Namespace, runs: list[tuple[str, str, dict[str, Any]]], replicas: list[int],
     fetches: list[int], model: WorkerModel,
@@ -94,6 +98,8 @@ def run_configs(
     """One SimConfig per run, router count and fetch setting; each checked (ValueError) before any runs."""
     configs = []
     for n, fetch, (label, policy, params) in itertools.product(replicas, fetches, runs):
+        if policy in SEEDED_POLICIES and "seed" not in params:  # NOTE: --seed makes every run repeatable
+            params = {**params, "seed": a.seed}
         label = label if len(replicas) == 1 else f"{label} x{n}"
         label = label if len(fetches) == 1 else f"{label} fetch>={fetch}" if fetch else f"{label} no fetch"
         cfg = SimConfig(a.workers, policy, params, label, model, not a.no_events, a.event_delay_ms / 1e3,

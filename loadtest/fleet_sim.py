@@ -89,9 +89,12 @@ class ClusterSim:
         sync = config.replica_sync_delay_s is not None and config.routers > 1
         # NOTE: the router sees simulated tokens
         fetch_min = math.ceil(config.kv_fetch_min_tokens / self.weight)
+        # NOTE: a seeded policy's replicas draw apart (the same seed would have them pick alike)
+        seeded = config.params.get("seed")
         self.routers = [
-            SimRouter(config.policy, config.params, config.index_entries, config.prefill_tokens_per_load,
-                      config.namespace, partial(self._announce, i) if sync else None, fetch_min)
+            SimRouter(config.policy, config.params if seeded is None else {**config.params, "seed": seeded + i},
+                      config.index_entries, config.prefill_tokens_per_load, config.namespace,
+                      partial(self._announce, i) if sync else None, fetch_min)
             for i in range(config.routers)
         ]  # fmt: skip
         self.now = 0.0  # simulated time of the event being handled

@@ -568,3 +568,22 @@ def test_a_fetch_asks_for_what_its_link_brings_in_half_the_timeout(tmp_path):
     summary, sim = on_three([rows[1], rows[3], rows[5]])
     assert summary["kv_fetches"]["error"] == 1 and summary["kv_fetched_tokens"] == 0
     assert_fleet_consistent(sim)
+
+
+def test_the_cli_repeats_its_random_policies_runs_for_a_seed(tmp_path):
+    """random and least_load draw from their own generator, which the router leaves unseeded: two runs of the
+    same command differed by more than the published differences between policies (TTFT p99 94.6 against
+    135.1 ms). The CLI seeds them with --seed (the run's own seed wins); two routers draw apart."""
+
+    def runs(name: str, *extra: str) -> list[dict]:
+        out = tmp_path / f"{name}.json"
+        argv = ["--workload", "tenants", "--requests", "300", "--rate", "60", "--workers", "3", "--routers", "2",
+                "--policies", "random,least_load", "--json", str(out), *extra]  # fmt: skip
+        assert main(argv) == 0
+        return [
+            {k: r[k] for k in ("label", "ttft_p50_ms", "ttft_p99_ms", "requests_per_worker_min_max")}
+            for r in orjson.loads(out.read_bytes())["runs"]
+        ]
+
+    first, again, other = runs("a"), runs("b"), runs("c", "--seed", "5")
+    assert first == again and first != other
