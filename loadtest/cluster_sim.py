@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         fetches = [int(x) for x in a.kv_fetch_min_tokens.split(",")]
         if min(replicas) < 1 or not a.health_interval_s >= 0 or min(fetches) < 0:
             raise ValueError("--routers must be >= 1, --health-interval-s and --kv-fetch-min-tokens >= 0")
-        for flag, value, least in (("--max-tokens", a.max_tokens, 1), ("--time-scale", a.time_scale, 0),
+        for flag, value, least in (("--max-tokens", a.max_tokens, 1), ("--requests", a.requests, 1),
+                                   ("--time-scale", a.time_scale, 0),
                                    ("--event-delay-ms", a.event_delay_ms, 0),
                                    ("--replica-sync-ms", a.replica_sync_ms or 0.0, 0)):  # fmt: skip
             if not value >= least:  # NOTE: NaN too

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import math
 import os
 import shlex
 import subprocess
@@ -51,6 +52,20 @@ class Backend:
     decode_ms_per_token: float = 7.0  # echo: per output token; sim: decode step at batch 1
     host_cache_tokens: int = 0  # sim: each worker's host-memory KV tier, tokens (0: none)
     kv_fetch_ms_per_token: float = 0.12  # sim: a KV fetch's link time per token (a run's kv_fetch_min_tokens)
+
+    def check(self) -> None:
+        """ValueError for costs or sizes no backend can run with (a cache of no block crashed every
+        request, a NaN cost broke every stream: the table came out all the same)."""
+        if self.cache_tokens < self.block_size:
+            raise ValueError(
+                f"--cache-tokens must hold a block ({self.block_size} tokens) at least, got {self.cache_tokens}"
+            )
+        if self.host_cache_tokens < 0:
+            raise ValueError(f"--host-cache-tokens must be >= 0, got {self.host_cache_tokens}")
+        for name in ("prefill_ms_per_token", "decode_ms_per_token", "kv_fetch_ms_per_token"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
 
     def resolved(self) -> str:
         if self.kind != "auto":
@@ -356,6 +371,7 @@ def compare(config: CompareConfig) -> dict[str, Any]:
             raise ValueError(f"run {label!r}: kv_fetch_min_tokens must be a whole number >= 0, got {fetch!r}")
         make_policy(policy, PrefixIndex(1), {k: v for k, v in params.items() if k != "kv_fetch_min_tokens"})
     check_config(config.load)
+    config.backend.check()
     build_requests(replace(config.load, requests=1))  # the workload's name and knobs, a trace's file
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -451,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.stdout.write(result["table"])
     print(f"\nresults: {a.out_dir}/compare.json, compare.md, compare.png", file=sys.stderr)
+    failed = [run["label"] for run in result["runs"] if run["summary"]["sent"] and not run["summary"]["ok"]]
+    if failed:  # NOTE: a fleet that answered nothing is no measurement (the driver exits 1 so too)
+        print(f"error: no request of {', '.join(failed)} succeeded (see the errors)", file=sys.stderr)
+        return 1
     return 0
 
 

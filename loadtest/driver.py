@@ -264,7 +264,8 @@ class _Run:
         headers = {"content-type": "application/json"}
         async with self.session.post(url + API_PATHS[api], data=data, headers=headers) as resp:
             rec.status = resp.status
-            rec.worker = resp.headers.get(WORKER_HEADER, "direct")
+            # NOTE: no router header: the URL itself answered; several are told apart by URL
+            rec.worker = resp.headers.get(WORKER_HEADER) or ("direct" if len(self.urls) == 1 else url)
             if resp.status >= 400:
                 await resp.read()
                 rec.error = f"http_{resp.status}"
@@ -450,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if results.records and not any(r.ok for r in results.records):  # NOTE: a dead target is no measurement
+        print(
+            f"error: none of the {len(results.records)} requests succeeded (see the errors)", file=sys.stderr
+        )
+        return 1
     return 0
 
 

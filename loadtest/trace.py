@@ -80,7 +80,8 @@ def trace_requests(
     # NOTE: a NaN or infinite scale makes NaN arrivals, and every request is sent at once
     if block_tokens <= 0 or block_chars <= 0 or not 0 <= time_scale < math.inf:
         raise ValueError(
-            f"block_tokens and block_chars must be positive, time_scale >= 0 and finite (got {time_scale})"
+            "block_tokens and block_chars must be positive, time_scale >= 0 and finite (got block_tokens "
+            f"{block_tokens}, block_chars {block_chars}, time_scale {time_scale})"
         )
     cache: dict[int, str] = {}
     # NOTE: the earliest, not the first line: an arrival before 0 would be sent at once, not in its gap

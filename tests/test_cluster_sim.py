@@ -271,6 +271,7 @@ def test_cli_prints_a_simulated_table_and_writes_json(tmp_path, capsys):
 def test_cli_rejects_unknown_policies_and_options(capsys):
     assert main(["--policies", "fastest"]) == 2
     assert main(["--routers", "0"]) == 2
+    assert main(["--requests", "0"]) == 2  # a table of n/a, exit 0 (the driver refuses it too)
     assert main(["--workload", "tenants", "--option", "bogus=1"]) == 2
     assert "error" in capsys.readouterr().err
 

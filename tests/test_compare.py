@@ -61,6 +61,18 @@ def test_side_by_side_table_json_and_plot_for_each_policy(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_a_run_none_of_whose_requests_succeeded_exits_1_after_the_table(tmp_path, capsys):
+    """The echo backend has no Responses API: every request fails, as against a broken fleet; the table and
+    the JSON are written, and the exit status says it was no measurement (it was 0)."""
+    argv = ["--backend", "echo", "--requests", "3", "--api", "responses", "--policies", "round_robin",
+            "--workers", "1", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "| ok / sent | 0 / 3 |" in captured.out
+    assert captured.err.strip().endswith("error: no request of round_robin succeeded (see the errors)")
+    assert (tmp_path / "compare.json").exists()
+
+
 def test_several_router_processes_per_run_share_the_requests(tmp_path):
     backend = Backend("echo", cache_tokens=10240, decode_ms_per_token=1.0)
     config = CompareConfig([("ca", "cache_aware", {})], rag_load(), 2, backend, str(tmp_path), routers=2)
@@ -110,6 +122,10 @@ def test_a_router_that_cannot_start_stops_the_workers_and_reports(tmp_path, caps
         (["--option", "foo"], "--option expects KEY=VALUE, got 'foo'"),
         (["--workload", "rag", "--option", "num_docs=abc"], "num_docs must be a whole number"),
         (["--mode", "open", "--rate", "0"], "rate must be > 0"),
+        # a cache of no block crashed every request, a NaN cost broke every stream: all tabled, exit 0
+        (["--cache-tokens", "-5"], "--cache-tokens must hold a block (16 tokens) at least, got -5"),
+        (["--decode-ms-per-token", "nan"], "--decode-ms-per-token must be a finite number >= 0, got nan"),
+        (["--prefill-ms-per-token", "-1"], "--prefill-ms-per-token must be a finite number >= 0"),
     ],
 )
 def test_bad_runs_and_settings_are_refused_before_anything_starts(argv, message, tmp_path, capsys):

@@ -191,6 +191,13 @@ async def test_non_stream_completions_without_worker_header_is_direct(server_fac
     results = await run_load(_config(server, api="completions", requests=6, concurrency=2, model="m"))
     s = results.summary()
     assert s["ok"] == 6 and s["per_worker"] == {"direct": 6}
+    # two URLs with no router header: two workers, each its URL (both were "direct", one worker used)
+    other = await server_factory(workers=())
+    both = f"{server.url},{other.url}"
+    s = (
+        await run_load(_config(server, api="completions", requests=6, concurrency=2, model="m", url=both))
+    ).summary()
+    assert s["per_worker"] == {server.url: 3, other.url: 3}
     assert all("prompt" in b and b["model"] == "m" and "stream" not in b for b in server.bodies)
     assert all(r.ttft_s is not None and r.ttft_s <= r.latency_s for r in results.records)
 
@@ -445,3 +452,17 @@ def test_compare_refuses_a_file_that_is_not_a_results_file(tmp_path, capsys, con
     assert report.main(["compare", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count(f"error: {path}: {message}") == 2 and "Traceback" not in err
+
+
+def test_a_run_none_of_whose_requests_succeeded_exits_1_after_its_table(tmp_path, capsys):
+    """An unreachable endpoint gave a "0 / 3" table and exit 0: a script could not tell it from a measurement."""
+    from router.launcher import free_port
+
+    out = tmp_path / "dead.json"
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    argv = ["--url", url, "--requests", "3", "--model", "m", "--no-progress", "--out", str(out)]
+    assert driver_main(argv) == 1
+    captured = capsys.readouterr()
+    assert "0 / 3" in captured.out  # the table first (ok / requests)
+    assert captured.err.strip() == "error: none of the 3 requests succeeded (see the errors)"
+    assert json.loads(out.read_text())["summary"]["ok"] == 0  # the outputs are written all the same
