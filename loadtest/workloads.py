@@ -259,8 +259,9 @@ def _agents(
     question_tokens: int = 64,
     zipf_s: float = 1.1,
 ) -> list[Request]:
-    """Agent apps: each sends its own tool set (``tools_per_agent`` function schemas of about
-    ``tool_tokens`` each) with a short instruction and a user task. The shared prefix is the tools,
+    """Agent apps: each sends its own tool set (``tools_per_agent`` function schemas, each a
+    description of ``tool_tokens`` - 100 characters in ~190 of JSON: ~253 byte tokens at the default 160)
+    with a short instruction and a user task. The shared prefix is the tools,
     which the chat template renders into the prompt."""
     agents = []
     for k in range(num_agents):
@@ -279,13 +280,14 @@ def _agents(
     for i in range(n):
         k = pick()
         tools, system = agents[k]
-        body = b.body([_msg("system", system), _msg("user", b.text(question_tokens))])
+        question = b.text(
+            question_tokens
+        )  # NOTE: one draw whatever the API: every API gets the same requests
         if b.api == "chat":
+            body = b.body([_msg("system", system), _msg("user", question)])
             body["tools"] = tools
         else:  # NOTE: completions and Responses carry no tools here: the schemas go into the text
-            body = b.body(
-                [_msg("system", json.dumps(tools) + "\n" + system), _msg("user", b.text(question_tokens))]
-            )
+            body = b.body([_msg("system", json.dumps(tools) + "\n" + system), _msg("user", question)])
         out.append(Request(i, b.next_arrival(), b.api, body, f"agent-{k}"))
     return out
 

@@ -127,6 +127,16 @@ def test_agents_share_their_tool_set_and_its_rendered_prefix():
     assert all(_common_prefix(a, b) < 200 for i, a in enumerate(firsts) for b in firsts[i + 1 :])
 
 
+@pytest.mark.parametrize("api", ["completions", "responses"])
+def test_every_api_gets_the_agents_and_tasks_chat_gets(api):
+    """Completions and Responses drew each task twice (once for a chat body they threw away): 160 of 200
+    requests went to another agent than under chat, so the APIs' runs were not of the same requests."""
+    chat, other = (generate("agents", 60, seed=5, api=a, **SMALL["agents"]) for a in ("chat", api))
+    assert [r.group for r in chat] == [r.group for r in other]
+    for c, o in zip(chat, other, strict=True):
+        assert c.body["messages"][1]["content"] in str(o.body)  # the same task, in that API's shape
+
+
 def test_seed_workload_puts_about_80_percent_on_one_system_prompt():
     reqs = generate("seed", 500, seed=4, **SMALL["seed"])
     hot = [r for r in reqs if r.group == "hot"]
