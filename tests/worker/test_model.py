@@ -420,6 +420,12 @@ def test_the_pretraining_context_of_scaled_rope_is_read_where_transformers_reads
     assert ours.rope_scaling["original_max_position_embeddings"] == (8192 if place == "none" else 1024)
 
 
+def test_a_layer_type_other_than_full_or_sliding_attention_is_refused() -> None:
+    """A linear-attention layer loaded as full attention, silently wrong."""
+    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\] are not supported"):
+        ModelConfig.from_hf({**QWEN_LIKE, "layer_types": ["full_attention", "linear_attention"]})
+
+
 def test_swish_is_silu() -> None:
     """transformers' ``swish`` is SiLU: such a config was refused as an unsupported activation."""
     assert ModelConfig.from_hf({**QWEN_LIKE, "hidden_act": "swish"}).mlp_activation == "silu"

@@ -420,6 +420,9 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     rule; 28 where a config leaves it out, as transformers' Qwen configs). SmolLM3 windows nothing without
     ``use_sliding_window``."""
     window, layers = cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    other = sorted(set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"})
+    if other:  # NOTE: e.g. linear attention: computed as full attention it would be silently wrong
+        raise ValueError(f"layer_types {other} are not supported (full_attention and sliding_attention are)")
     if not window:
         return {}
     if model_type == "smollm3" and not cfg.get("use_sliding_window"):  # NOTE: its attention checks both
