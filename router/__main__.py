@@ -18,7 +18,7 @@ from router.app import build_app
 from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
 from router.http_server import LimitedHttpToolsProtocol
-from router.launcher import WorkerLauncher
+from router.launcher import WorkerLauncher, check_worker_args
 from router.log_level import logging_level
 
 
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         check_tokenizer(config.tokenizer)  # NOTE: a bad one fails here, clearly (the app reuses it)
         if config.k8s_worker_service:
             target_from_config(config)  # NOTE: fail here, with a clear message, not in the app
+        if config.launch_workers:
+            check_worker_args(config.worker_model, config.worker_args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -166,6 +166,9 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             url = worker_base_url(url)
         except ValueError as exc:
             return error_response(400, str(exc), "invalid_request")
+        if request.method == "POST" and config.names_this_router(url):
+            return error_response(400, f"{url} is this router's own address: it would route to itself",
+                                  "invalid_request")  # fmt: skip
         if request.method == "POST":
             existed = router.workers.get(url) is not None
             worker = router.workers.add(url)

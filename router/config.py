@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -20,7 +21,7 @@ from router.api_keys import check_limits, header_token_ok
 from router.http_client import worker_base_url
 from router.policies import POLICY_NAMES, make_policy
 from router.prefix_index import PrefixIndex
-from router.resp import tcp_url_options
+from router.resp import redis_url_error, tcp_url_options
 from router.tokenization import load_tokenizer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
@@ -115,6 +116,13 @@ class RouterConfig:
         """``replica_sync`` resolved: on unless off, and only with a Redis URL (``on`` demands one)."""
         return bool(self.redis_url) and self.replica_sync != "off"
 
+    def names_this_router(self, url: str) -> bool:
+        """Whether worker URL ``url`` (``worker_base_url``'s spelling) is this router's own listening
+        address on this machine: requests sent there come back in, each forwarding itself again."""
+        parts = urlsplit(url)
+        local = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", self.host.strip("[]").lower()}
+        return parts.port == self.port and (parts.hostname or "") in local
+
     def validate(self) -> None:
         """ValueError naming the first setting that is malformed or would break the router. Only
         what needs no filesystem: the tokenizer is loaded by ``check_tokenizer`` at start-up."""
@@ -143,6 +151,12 @@ class RouterConfig:
                 raise ValueError(
                     f"{name} must be > 0 and at most {MAX_SECONDS:g} seconds, not {getattr(self, name)!r}"
                 )
+        if self.redis_url and (error := redis_url_error(self.redis_url)):  # NOTE: what the event reader reads
+            raise ValueError(f"redis_url {error}")
+        if not self.host.strip():  # NOTE: uvicorn would listen on every interface, IPv4 and IPv6
+            raise ValueError(
+                "host must not be empty (0.0.0.0 listens on every interface, 127.0.0.1 here only)"
+            )
         if self.replica_sync_enabled:
             try:
                 tcp_url_options(self.redis_url)
@@ -168,7 +182,8 @@ class RouterConfig:
         if self.max_retries < 0 or self.launch_workers < 0:
             raise ValueError("max_retries and launch_workers must be >= 0")
         for url in self.workers:
-            worker_base_url(url)
+            if self.names_this_router(worker_base_url(url)):
+                raise ValueError(f"worker URL {url!r} is this router's own address: it would route to itself")
         AffinityGroups.from_config(self.affinity_groups)
         check_limits(self.api_keys, self.api_key_limits)
 
@@ -230,9 +245,15 @@ def _coerce(name: str, value: Any) -> Any:
                 raise TypeError("expected a whole number")  # NOTE: YAML's 2.9 or yes, not truncated to 2 or 1
             return int(value)
         if kind == "float":
+            if isinstance(value, bool):  # NOTE: YAML's unquoted on / no, not 1.0 / 0.0
+                raise TypeError("expected a number")
             return float(value)
         if isinstance(value, (list, dict)):  # NOTE: str() would make a YAML list a setting's text
             raise TypeError("expected text")
+        if isinstance(value, bool):  # NOTE: YAML reads unquoted on / off / yes / no as true / false
+            raise TypeError(
+                "expected text: quote it (YAML reads unquoted on, off, yes and no as true or false)"
+            )
         if kind == "str | None":
             return None if value in (None, "") else str(value)
         return str(value)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import re
 import ssl
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -277,6 +278,11 @@ def _expire(waiter: asyncio.Future, total: bool) -> None:
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
+def without_credentials(url: str) -> str:
+    """``url`` as it may be shown (errors, logs): a user and password before the host as ``***``."""
+    return re.sub(r"(//)[^/@]*@", r"\1***@", url, count=1)
+
+
 def worker_base_url(url: object) -> str:
     """``url`` as a worker's base URL in one spelling per worker: the host in lower case, the
     port as a plain number and left out where it is the scheme's default, no trailing slash (so
@@ -294,9 +300,11 @@ def worker_base_url(url: object) -> str:
             raise ValueError("out of range")
     except ValueError as exc:
         why = "its port is out of range 1-65535" if "out of range" in str(exc) else exc
-        raise ValueError(f"worker URL {url!r}: {why}") from None
+        raise ValueError(f"worker URL {without_credentials(url)!r}: {why}") from None
     if not parts.hostname or any(c.isspace() or c in "?#" for c in url):  # NOTE: an empty query too
-        raise ValueError(f"worker URL {url!r} needs a host, and takes no query, fragment or spaces")
+        raise ValueError(
+            f"worker URL {without_credentials(url)!r} needs a host, and takes no query, fragment or spaces"
+        )
     if "@" in parts.netloc:
         # NOTE: never sent (the router's key for workers is --worker-api-key), yet a worker's URL is
         # shown on the open /metrics and in every answer's x-radixgate-worker header

@@ -96,6 +96,38 @@ def redis_server(port: int, *args: str, stdout=subprocess.DEVNULL) -> subprocess
     return proc
 
 
+# the worker settings the launcher makes itself: a --worker-arg naming one is refused (dest: why)
+LAUNCHER_SETS = {
+    "model": "--model (the router's --model)",
+    "host": "--host (127.0.0.1)",
+    "port": "--port (a free port the router polls)",
+    "advertise_url": "--advertise-url (its loopback URL)",
+    "api_key": "--api-key (the router's --worker-api-key)",
+    "redis_url": "--redis-url (the router's --redis-url)",
+}
+
+
+def check_worker_args(model: str, args: list[str]) -> None:
+    """ValueError for ``--worker-arg`` flags the workers would refuse (they would exit at once, and the
+    router serve 503 for good) or that set what the launcher sets: a port the router never polls, a key
+    it does not hold (every request 401, and the key in the "starting worker" log line)."""
+    import argparse
+
+    from worker.config import build_parser, parse_args
+
+    given = build_parser()
+    for action in given._actions:  # NOTE: no defaults: what the flags name is all it returns
+        action.default = argparse.SUPPRESS
+    try:
+        named = vars(given.parse_known_args(args)[0])  # NOTE: the flags spelled out, abbreviations too
+        parse_args(["--model", model, *args])  # every flag and value, as a launched worker reads them
+    except SystemExit:  # argparse told what (on stderr)
+        raise ValueError("--worker-arg: the workers refuse these flags (see above)") from None
+    taken = [why for dest, why in LAUNCHER_SETS.items() if dest in named]
+    if taken:
+        raise ValueError(f"--worker-arg sets what the launcher sets for its workers: {', '.join(taken)}")
+
+
 class WorkerLauncher:
     """Starts the workers and keeps them running: a worker that exits (a crash, an OOM kill) is
     started again on its own port, after a pause that grows while it keeps failing soon after its

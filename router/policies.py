@@ -297,6 +297,9 @@ class LeastLoad(Policy):
         return Decision(pick.url, self._tokens(blocks, req), reason)
 
 
+MAX_VNODES = 10_000  # ring points a worker at most (the default is 100)
+
+
 class PrefixHash(Policy):
     name = "prefix_hash"
     defaults = {"prefix_blocks": 8, "load_factor": 1.25, "vnodes": 100}
@@ -308,6 +311,8 @@ class PrefixHash(Policy):
         self._load_factor = self._number("load_factor")
         if self._prefix_blocks < 1 or self._vnodes < 1:
             raise ValueError("prefix_hash: prefix_blocks and vnodes must be >= 1")
+        if self._vnodes > MAX_VNODES:  # NOTE: the ring is built at a request: 1e6 a worker took 8 s, 318 MiB
+            raise ValueError(f"prefix_hash: vnodes must be at most {MAX_VNODES:,}, not {self._vnodes:,}")
         if not self._load_factor >= 1.0:  # NaN fails too
             raise ValueError("prefix_hash: load_factor must be >= 1.0")
         # NOTE: one ring over the workers seen as candidates lately, walked past those not among a

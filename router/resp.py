@@ -19,6 +19,8 @@ from typing import Any
 
 from redis.connection import SSLConnection, parse_url
 
+from router.http_client import without_credentials
+
 INCOMPLETE = object()  # parse(): the buffer ends inside a value
 
 
@@ -66,11 +68,23 @@ def parse(buf: bytes | bytearray, pos: int = 0) -> tuple[Any, int]:
     raise ValueError(f"not RESP: {bytes(buf[pos : pos + 16])!r}")
 
 
+def redis_url_error(url: str) -> str | None:
+    """Why redis-py cannot read ``url`` (as the KV event reader and publisher connect with it), with no
+    credentials in it; None when it can."""
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        return f"{without_credentials(url)!r}: {exc}"
+    return None
+
+
 def tcp_url_options(url: str) -> dict[str, Any]:
     """redis-py's reading of a Redis URL; ValueError unless it names a TCP server."""
     opts = parse_url(url)
     if "path" in opts:
-        raise ValueError(f"a TCP Redis URL is needed (redis:// or rediss://), not {url!r}")
+        raise ValueError(
+            f"a TCP Redis URL is needed (redis:// or rediss://), not {without_credentials(url)!r}"
+        )
     return opts
 
 

@@ -365,3 +365,60 @@ def test_a_key_no_client_could_send_as_written_is_refused_at_start(tmp_path, yam
         ["--api-key", "team: s3cret", "--api-key", " other "], environ={}
     )  # as headers carry them
     assert spaced.api_keys == ["team: s3cret", " other "]
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "words"),
+    [
+        # uvicorn listened on every interface, IPv4 and IPv6
+        (["--host", ""], {}, "host must not be empty"),
+        ([], {"RADIXGATE_HOST": " "}, "host must not be empty"),
+        # read only by the event reader with replica sync off: a traceback at start, exit 3, the password shown
+        ([], {"RADIXGATE_KV_EVENTS": "redis", "RADIXGATE_REPLICA_SYNC": "off",
+              "RADIXGATE_REDIS_URL": "http://:hunter2@localhost:6379/0"}, "redis_url 'http://***@localhost:6379/0'"),
+        (["--redis-url", "unix://:hunter2@/tmp/r.sock", "--replica-sync", "on"], {}, "unix://***@/tmp/r.sock"),
+        (["--workers", "http://u:hunter2@w:99999"], {}, "'http://***@w:99999': its port is out of range"),
+        # a request sent there came back in, forwarding itself again: 12,203 descriptors, then 504
+        (["--port", "18500", "--workers", "http://127.0.0.1:18500"], {}, "is this router's own address"),
+        (["--port", "18500", "--workers", "http://localhost:18500/"], {}, "is this router's own address"),
+    ],
+)  # fmt: skip
+def test_an_open_or_self_routing_address_is_refused_and_no_password_is_shown(argv, environ, words):
+    with pytest.raises(ValueError) as caught:
+        build_config(argv, environ=environ)
+    assert words in str(caught.value) and "hunter2" not in str(caught.value)
+    assert build_config(["--port", "18500", "--workers", "http://127.0.0.1:18501"], environ={}).workers
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "words"),
+    [
+        ("shutdown_delay_s: on", "shutdown_delay_s: True (expected a number)"),  # was 1.0
+        ("prefill_tokens_per_load: no", "prefill_tokens_per_load: False (expected a number)"),  # was 0.0
+        ("log_level: off", "expected text: quote it"),  # was "not 'false'"
+    ],
+)
+def test_yaml_booleans_are_not_numbers_or_text(tmp_path, yaml_text, words):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("router:\n  " + yaml_text + "\n")
+    with pytest.raises(ValueError, match=re.escape(words)):
+        build_config(["--config", str(cfg)], environ={})
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--api-key=K"], "--api-key (the router's --worker-api-key)"),  # every request 401, the key logged
+        (["--api=K"], "--api-key (the router's --worker-api-key)"),  # argparse takes the abbreviation
+        (["--port=18299"], "--port (a free port the router polls)"),
+        (["--redis-url", "redis://h:6379/0"], "--redis-url (the router's --redis-url)"),
+        (["--max-running=0"], "the workers refuse these flags"),  # the worker exited 2: 503 for good
+        (["--max-running 4"], "the workers refuse these flags"),  # one argument, not two
+    ],
+)
+def test_worker_args_a_launched_worker_would_refuse_or_that_the_launcher_sets_are_refused(args, words):
+    from router.launcher import check_worker_args
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check_worker_args("tiny", args)
+    check_worker_args("tiny", ["--engine=sim", "--max-running", "4"])  # the rest pass

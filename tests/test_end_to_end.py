@@ -173,7 +173,9 @@ def test_a_launched_worker_that_dies_is_started_again(launch):
     killed.proc.wait(10)
     wait_until(lambda: _pid_gone(orphan), 15, what="the worker stopped with the killed router")
 
-    refused = launch.module("router", "--launch-workers", "1", "--worker-arg=--kv-cache-tokens=-5")
+    # a worker that refuses its model exits 2: not started again (flags it would refuse the router refuses
+    # itself, before it starts: test_config)
+    refused = launch.module("router", "--launch-workers", "1", "--model", "/nonexistent/model")
     wait_until(lambda: "not starting it again" in refused.log(), 30, what="the refused worker given up")
     time.sleep(1.5)  # NOTE: longer than the first restart delay
     assert children(refused.proc.pid) == [] and refused.proc.poll() is None  # the router keeps serving

@@ -490,6 +490,11 @@ def test_admin_add_and_remove_workers(fleet, launch):
         ):
             r = client.post("/workers", json={"url": bad}, headers=auth)
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (bad, r.text)
+        # the router itself: each request would forward itself again (12,203 descriptors, then 504)
+        port = router.url.rsplit(":", 1)[1]
+        for own in (router.url, f"http://localhost:{port}"):
+            r = client.post("/workers", json={"url": own}, headers=auth)
+            assert r.status_code == 400 and "this router's own address" in r.text, r.text
         assert client.delete("/workers", params={"url": respelled}, headers=auth).status_code == 200
         assert client.delete("/workers", params={"url": extra.url}, headers=auth).status_code == 404
         urls = {w["url"] for w in client.get("/workers", headers=auth).json()["workers"]}

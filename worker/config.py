@@ -146,12 +146,14 @@ class WorkerConfig:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         if self.redis_url:
-            from redis.connection import parse_url  # NOTE: here, not at import: only with --redis-url
+            from router.resp import redis_url_error  # NOTE: here, not at import: only with --redis-url
 
-            try:
-                parse_url(self.redis_url)  # the reading the KV publisher's client makes of it
-            except ValueError as exc:
-                raise ValueError(f"--redis-url {self.redis_url!r}: {exc}") from None
+            if error := redis_url_error(self.redis_url):  # the reading the KV publisher's client makes of it
+                raise ValueError(f"--redis-url {error}")
+        if not self.host.strip():  # NOTE: uvicorn would listen on every interface, IPv4 and IPv6
+            raise ValueError(
+                "--host must not be empty (0.0.0.0 listens on every interface, 127.0.0.1 here only)"
+            )
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_running", "chunked_prefill_tokens", "max_waiting"):

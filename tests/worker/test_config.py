@@ -30,6 +30,16 @@ def test_a_redis_url_redis_cannot_use_is_refused(capsys, url):
     assert "--redis-url" in refused(capsys, ["--redis-url", url])
 
 
+def test_a_refused_redis_url_is_shown_without_its_password(capsys):
+    message = refused(capsys, ["--redis-url", "redis://:hunter2@h:notaport/0"])
+    assert "redis://***@h:notaport/0" in message and "hunter2" not in message
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused_not_every_interface(capsys, host):
+    assert "--host must not be empty" in refused(capsys, ["--host", host])
+
+
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://cache:6380", "unix:///tmp/redis.sock"])
 def test_redis_urls_of_each_scheme_are_accepted(url):
     assert parse_args(["--redis-url", url]).redis_url == url
