@@ -10,6 +10,10 @@ _REPLACEMENT = "\ufffd"
 # A UTF-8 character is a lead byte and at most 3 continuation bytes, so a detokenizer window that
 # starts inside a character is at most 3 tokens past the character's first one.
 _MAX_STEPS_BACK = 3
+# ids a window may grow to while its text still ends inside a character: past it, what is held goes out
+# (bytes no later byte completes, e.g. continuation bytes with no first byte), or every feed would
+# decode the whole answer again
+_MAX_WINDOW = 64
 
 
 class IncrementalDetokenizer:
@@ -94,21 +98,29 @@ class IncrementalDetokenizer:
             self._first(text)
         out = text[self._emitted : stable] if stable > self._emitted else ""
         self._emitted = max(self._emitted, stable)
-        if stable == len(text) and len(self._ids) - self._start > 2 * self._context:
-            self._restart_window(text)
+        size = len(self._ids) - self._start
+        # NOTE: a window held past _MAX_WINDOW ids with no start to restart at: it cannot complete
+        if size > 2 * self._context and not self._restart_window(text) and size > _MAX_WINDOW:
+            out += text[self._emitted :]
+            self._start = len(self._ids) - self._context
+            self._emitted = len(self._decode(self._ids[self._start :]))
         return out
 
-    def _restart_window(self, text: str) -> None:
-        """Everything in ``text`` (the window's text) is out: restart the window a few ids back, at
-        the first start (stepping back) whose text is the end of ``text``, so the next decodes go on
-        from the same characters. None within reach (bytes that are not UTF-8): keep the window,
-        which grows until a later feed finds one."""
+    def _restart_window(self, text: str) -> bool:
+        """Restart the window (``text`` its text) a few ids back, at the first start (stepping back)
+        whose text is the end of ``text``, so the next decodes go on from the same characters; what is
+        not out yet (a character the text ends inside) stays not out. A start inside a character
+        decodes its first bytes as U+FFFD, which are out already. False where no start within reach
+        will do (bytes that are not UTF-8): the window grows until a later feed finds one."""
+        held = len(text) - self._emitted
         newest = len(self._ids) - self._context
         for start in range(newest, max(self._start, newest - _MAX_STEPS_BACK - 1), -1):
             window = self._decode(self._ids[start:])
-            if text.endswith(window):
-                self._start, self._emitted = start, len(window)
-                return
+            rest = window.lstrip(_REPLACEMENT) if held else window
+            if text.endswith(rest) and len(rest) >= held:
+                self._start, self._emitted = start, len(window) - held
+                return True
+        return False
 
     def _prompt_start(self) -> int:
         """Where the window starts in the prompt's last ids: ``context`` ids back, or up to

@@ -908,3 +908,57 @@ def test_a_prompt_spelling_another_prefixs_key_gets_its_own_ids(tmp_path):
     assert theirs == tok.encode_text(first + second)
     crafted = key.decode("ascii") + second
     assert tok.prefix_ids.encode(crafted, tok._encode_texts) == tok.encode_text(crafted) != theirs
+
+
+def _decoded_lengths(tok: Any) -> list[int]:
+    """Record the number of ids of each decode ``tok`` makes from now on."""
+    lengths: list[int] = []
+    decode = tok.decode
+
+    def recording(ids: Any, *args: Any, **kwargs: Any) -> str:
+        lengths.append(len(ids))
+        return decode(ids, *args, **kwargs)
+
+    tok.decode = recording
+    return lengths
+
+
+def test_a_stream_whose_every_token_ends_inside_a_character_decodes_a_bounded_window(tmp_path):
+    """Byte-level tokens that cross characters ("E4", "B8 AD E6", "96 87 E4": 中文中文...) never end on a
+    whole character, and the window restarted only then: every token decoded the whole answer so far
+    (4,001 tokens: 2.8 s on the engine thread). It restarts where the held character's bytes stay in it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from router.tokenization import _byte_level_table
+
+    symbol = {byte: char for char, byte in _byte_level_table().items()}
+    vocab = {symbol[b]: b for b in range(256)}
+    crossing = [bytes([0xB8, 0xAD, 0xE6]), bytes([0x96, 0x87, 0xE4])]
+    for piece in crossing:
+        vocab["".join(symbol[b] for b in piece)] = len(vocab)
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    model.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    tok = HFTokenizer(str(tmp_path))
+    ids = [0xE4] + [256, 257] * 300  # 中文 x 300, the last 中 unfinished
+    detok = IncrementalDetokenizer(tok, tok.encode_prompt("hi"))
+    lengths = _decoded_lengths(tok)
+    streamed = [detok.feed([i]) for i in ids]
+    assert "".join(streamed) == "中文" * 300 and "\ufffd" not in "".join(streamed)
+    assert sum(1 for s in streamed if s) >= 599  # each character as its last byte comes
+    assert max(lengths) <= 16, max(lengths)  # the window, not the answer
+    assert detok.flush() == "\ufffd"  # the unfinished one, at the end
+
+
+def test_bytes_no_later_byte_completes_go_out_and_the_window_stays_bounded():
+    """Continuation bytes with no first byte can never complete: they were held (nothing streamed before
+    flush) and every feed decoded them all again."""
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, tok.encode_prompt("hi"))
+    lengths = _decoded_lengths(tok)
+    streamed = "".join(detok.feed([0x80]) for _ in range(500))
+    assert len(streamed) >= 500 - 70 and set(streamed) == {"\ufffd"}
+    assert streamed + detok.flush() == "\ufffd" * 500
+    assert max(lengths) <= 70, max(lengths)
