@@ -20,7 +20,8 @@ class IncrementalDetokenizer:
     """Streams text from generated ids: ``feed`` returns only newly completed text.
 
     NOTE: trailing U+FFFD (half a UTF-8 character, or an unfinished byte-fallback sequence) is held
-    back until the character completes or ``flush`` is called. Text is decoded over a short window
+    back until the character completes or ``flush`` is called (or, bytes no later byte completes, until
+    the window has grown to ``_MAX_WINDOW`` ids). Text is decoded over a short window
     of ids (re-anchored at clean boundaries) that starts with a few earlier ids, so tokenizers that
     strip a leading space at the start of a decode (SentencePiece) still space words correctly.
     The window never starts inside a character: SentencePiece's byte fallback decodes a whole run
