@@ -5,6 +5,7 @@ Only wiring: every behaviour lives in config, engine, server and the modules the
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import time
@@ -15,7 +16,7 @@ from uvicorn.main import STARTUP_FAILURE
 
 from router.http_server import LimitedHttpToolsProtocol
 from router.log_level import logging_level
-from worker.config import WorkerConfig, parse_args
+from worker.config import WorkerConfig, parse_args, unknown_env
 
 
 def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch out of import time
@@ -89,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name, near in unknown_env(os.environ):  # NOTE: a warning: the name may be another tool's
+        logging.getLogger("worker").warning(
+            "env %s is not a worker setting: ignored%s", name, f" (did you mean {near}?)" if near else ""
+        )
     try:
         app = build(cfg)
     except (ValueError, OSError, MemoryError) as exc:  # NOTE: its arguments or model: restarting won't help

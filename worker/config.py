@@ -5,9 +5,10 @@ Defaults work on a laptop (CPU, the tiny model). Malformed values are errors at 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +250,18 @@ class WorkerConfig:
         if ":" in host:  # an IPv6 literal: bracketed in a URL
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``RADIXGATE_WORKER_`` names in ``environ`` that no flag has, each with the likeliest one meant (a
+    misspelt RADIXGATE_WORKER_API_KEY would leave the key guard off without a trace)."""
+    known = sorted(a.dest.upper() for a in build_parser()._actions if a.dest != "help")
+    out = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX) :] not in known:
+            near = difflib.get_close_matches(name[len(ENV_PREFIX) :], known, 1)  # NOTE: not the shared prefix
+            out.append((name, ENV_PREFIX + near[0] if near else None))
+    return out
 
 
 def _env(name: str, default: Any) -> Any:

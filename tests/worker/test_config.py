@@ -4,6 +4,8 @@ a usage error naming the flag, instead of a worker that advertises a wrong URL o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from worker.config import parse_args
@@ -164,8 +166,11 @@ def test_trace_logging_gets_as_far_as_binding_the_port():
         taken.listen()
         port = str(taken.getsockname()[1])
         argv = [sys.executable, "-m", "worker", "--engine", "sim", "--log-level", "trace", "--port", port]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        env = {**os.environ, "RADIXGATE_WORKER_API_KYE": "k"}  # misspelt: the key guard would stay off unseen
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 3 and "address already in use" in done.stderr, done.stderr[-2000:]
+    warning = "env RADIXGATE_WORKER_API_KYE is not a worker setting: ignored (did you mean RADIXGATE_WORKER_API_KEY?)"
+    assert warning in done.stderr
 
 
 def test_the_sim_engine_serves_max_model_len_when_it_is_shorter():
@@ -215,3 +220,16 @@ def test_a_kv_pool_torch_cannot_allocate_exits_2_naming_the_flag():
             str(10**8), "--port", str(free_port())]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, preexec_fn=bounded)
     assert done.returncode == 2 and "--kv-cache-tokens" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_env_name_no_flag_has_is_named_with_the_likeliest_one_meant():
+    from worker.config import unknown_env
+
+    environ = {
+        "RADIXGATE_WORKER_API_KYE": "k",
+        "RADIXGATE_WORKER_PORT": "1",
+        "RADIXGATE_WORKER_ZZZ": "",
+        "HOME": "/",
+    }
+    assert unknown_env(environ) == [("RADIXGATE_WORKER_API_KYE", "RADIXGATE_WORKER_API_KEY"),
+                                    ("RADIXGATE_WORKER_ZZZ", None)]  # fmt: skip
