@@ -280,9 +280,8 @@ def _agents(
     for i in range(n):
         k = pick()
         tools, system = agents[k]
-        question = b.text(
-            question_tokens
-        )  # NOTE: one draw whatever the API: every API gets the same requests
+        # NOTE: one draw whatever the API: every API gets the same requests
+        question = b.text(question_tokens)
         if b.api == "chat":
             body = b.body([_msg("system", system), _msg("user", question)])
             body["tools"] = tools

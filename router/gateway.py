@@ -481,11 +481,17 @@ class Router:
                 "overloaded",
                 QUEUE_FULL_RETRY_AFTER_S,
             )
-        if group is not None and self.workers.candidates(parsed.model):
-            # NOTE: workers are up, but the group's overflow (none) keeps this request off them
-            raise RouterError(503, f"no worker of affinity group {group!r} is available (its overflow is none)",
-                              "affinity_group_unavailable")  # fmt: skip
-        raise RouterError(503, "no healthy worker is available", "no_healthy_worker")
+        raise self.group_unavailable(group, parsed.model) or RouterError(
+            503, "no healthy worker is available", "no_healthy_worker"
+        )
+
+    def group_unavailable(self, group: str | None, model: str) -> RouterError | None:
+        """The error of a request no worker took where workers are up but its affinity group's overflow
+        (none) keeps it off them; None otherwise (/debug/route explains it in the same words)."""
+        if group is None or not self.workers.candidates(model):
+            return None
+        return RouterError(503, f"no worker of affinity group {group!r} is available (its overflow is none)",
+                           "affinity_group_unavailable")  # fmt: skip
 
     def _forget_unconfirmed(self, insert: OptimisticInsert, worker: Worker) -> None:
         """An attempt that ended without its answer: its optimistic insert is taken back where

@@ -6,6 +6,7 @@ killed (SIGKILL, the OOM killer), through the kernel's parent-death signal."""
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import ctypes
@@ -111,9 +112,7 @@ def check_worker_args(model: str, args: list[str]) -> None:
     """ValueError for ``--worker-arg`` flags the workers would refuse (they would exit at once, and the
     router serve 503 for good) or that set what the launcher sets: a port the router never polls, a key
     it does not hold (every request 401, and the key in the "starting worker" log line)."""
-    import argparse
-
-    from worker.config import build_parser, parse_args
+    from worker.config import build_parser, parse_args  # NOTE: here: the router imports no worker module
 
     given = build_parser()
     for action in given._actions:  # NOTE: no defaults: what the flags name is all it returns

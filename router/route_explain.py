@@ -36,11 +36,8 @@ def explain(
     def predicted(worker: Any) -> int:  # NOTE: as the gateway counts it when it sends the request
         return 0 if router.cuts(parsed, route, worker) else route.cacheable(held(worker.url))
 
-    # NOTE: as the gateway answers it: the group's overflow (none) keeps the request off the workers up
-    if group is not None and router.workers.candidates(parsed.model):
-        unavailable = f"no worker of affinity group {group!r} is available (its overflow is none)"
-    else:
-        unavailable = "no healthy worker"
+    refused = router.group_unavailable(group, parsed.model)  # NOTE: as the gateway answers it
+    unavailable = "no healthy worker" if refused is None else refused.message
     return {
         "worker": None if decision is None else decision.url,
         "predicted_cached_tokens": None if pick is None else predicted(pick),
