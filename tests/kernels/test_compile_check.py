@@ -282,6 +282,10 @@ def test_fp8_products_compile_for_sm90_at_every_step_depth_and_quantization_plac
     }
 
 
+# NOTE: full tier (as the defaults sweep above): it compiles every default kernel for sm_90, ~120 s of CPU on a
+# 2-core machine, the longest test of the default tier, and what it lists depends on kernels/ and the pinned
+# Triton alone (a change to either runs the full tier)
+@SLOW
 def test_loaded_kernels_lists_every_compiled_kernel_with_its_constexprs():
     code = textwrap.dedent("""\
         import json
