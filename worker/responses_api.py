@@ -211,6 +211,21 @@ class ResponsesAPI:
             or text_format.get("type") not in ("text", "json_object", "json_schema")
         ):
             raise APIError(400, "'text.format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+        if (
+            text_format is not None and text_format["type"] == "json_schema"
+        ):  # NOTE: both required, as OpenAI's
+            if not isinstance(text_format.get("name"), str) or not text_format["name"]:
+                raise APIError(
+                    400,
+                    "'text.format.name' is required: the schema's name (a string)",
+                    "missing_required_parameter",
+                )
+            if not isinstance(text_format.get("schema"), dict):
+                raise APIError(
+                    400,
+                    "'text.format.schema' is required: a JSON Schema object",
+                    "missing_required_parameter",
+                )
         stray = sorted(k for k in CONSTRAINT_KEYS if body.get(k) is not None)
         if stray:  # NOTE: chat's spellings, refused rather than ignored (OpenAI: an unknown parameter)
             raise APIError(400, f"{stray[0]!r} does not apply to /v1/responses: an output's format is "
@@ -243,6 +258,9 @@ class ResponsesAPI:
             if entry.messages is None:
                 raise APIError(400, f"response {previous!r} is still in progress: follow it up once it is done",
                                "response_in_progress")  # fmt: skip
+            if entry.response["status"] == "failed":
+                raise APIError(400, f"response {previous!r} failed: follow up the one before it, or send the "
+                               "conversation again", "response_failed")  # fmt: skip
             history = entry.messages
         try:
             messages = prompt_messages(body.get("instructions"), history, body.get("input"))
@@ -317,10 +335,9 @@ class ResponsesAPI:
                 for event in turn.items.open_message():
                     yield event
             while out is not None:
-                if out.error is not None:
-                    yield events.send(
-                        "error", code=out.error_code or "internal_error", message=out.error, param=None
-                    )
+                if out.error is not None:  # NOTE: as OpenAI's: the open item closed, then response.failed
+                    for event in turn.fail(out.error_status or 500, out.error_code, out.error):
+                        yield event
                     break
                 for event in turn.add(out):
                     yield event
@@ -413,12 +430,14 @@ class _Turn:
         if self.store and not self.finished:
             self.endpoint.store.abandon(self.rid)
 
-    def response(self, status: str, output: list | None = None, usage: dict | None = None) -> dict:
+    def response(
+        self, status: str, output: list | None = None, usage: dict | None = None, error: dict | None = None
+    ) -> dict:
         body = self.body
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
-            "error": None, "incomplete_details": incomplete, "instructions": body.get("instructions"),
+            "error": error, "incomplete_details": incomplete, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "model": body.get("model") or self.endpoint.api.name,
             "output": output or [], "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"), "store": self.store,
@@ -426,16 +445,26 @@ class _Turn:
             "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "truncation": body.get("truncation") or "disabled", "usage": usage,
-            "metadata": body.get("metadata") or {},
+            "metadata": body.get("metadata") or {}, "reasoning": body.get("reasoning"),
             **({"simulated": True} if self.endpoint.api.engine.simulated else {}),
         }  # fmt: skip
 
-    def finish(self) -> tuple[dict, list[bytes]]:
-        """The finished response object (stored with the conversation unless the client said not
-        to) and the events that close its items."""
-        status = "incomplete" if self.finish_reason == "length" else "completed"
-        closing = self.items.close(status)
-        usage = {
+    def fail(self, status: int, code: str | None, message: str) -> list[bytes]:
+        """A stream's generation failed after its head: the open item closed ``incomplete`` and
+        ``response.failed`` (its ``error`` one of OpenAI's codes, ours its ``type``); GET then answers
+        the failed response (stored unless the client said not to), which no follow-up continues."""
+        closing = self.items.close("incomplete", empty_message=False)
+        error = {"code": "server_error" if status >= 500 else "invalid_prompt", "message": message,
+                 "type": code or ("server_error" if status >= 500 else "invalid_request_error"), "param": None}  # fmt: skip
+        final = self.response("failed", self.items.items, self._usage(), error)
+        if self.store:
+            size = len(orjson.dumps(self.messages)) + len(orjson.dumps(final))
+            self.endpoint.store.finish(self.rid, StoredResponse(self.messages, final, size))
+        self.finished = True
+        return [*closing, self.events.send("response.failed", response=final)]
+
+    def _usage(self) -> dict:
+        return {
             "input_tokens": self.prompt_tokens,
             "input_tokens_details": {
                 "cached_tokens": self.cached_tokens,
@@ -447,7 +476,13 @@ class _Turn:
             },
             "total_tokens": self.prompt_tokens + self.output_tokens,
         }
-        final = self.response(status, self.items.items, usage)
+
+    def finish(self) -> tuple[dict, list[bytes]]:
+        """The finished response object (stored with the conversation unless the client said not
+        to) and the events that close its items."""
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        closing = self.items.close(status)
+        final = self.response(status, self.items.items, self._usage())
         if self.reader is not None:
             self.endpoint.api.engine.metrics.tool_calls.inc(self.reader.calls)
         if self.store:

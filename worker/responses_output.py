@@ -116,10 +116,12 @@ class OutputItems:
             return []
         return [self.events.send("response.output_text.delta", **self._where(), delta="", logprobs=entries)]
 
-    def close(self, status: str) -> list[bytes]:
+    def close(self, status: str, empty_message: bool = True) -> list[bytes]:
         """Close the open item and mark every item ``status`` (completed or incomplete)."""
         out: list[bytes] = []
-        if not self.items:  # nothing was generated: still one (empty) message, as the API has
+        if (
+            not self.items and empty_message
+        ):  # nothing was generated: still one (empty) message, as the API has
             out += self.open_message()  # NOTE: its opening events too: a stream's numbers run on
         out += self._close_open(status)
         for item in self.items:

@@ -186,7 +186,13 @@ def test_the_stream_sends_the_event_sequence_and_the_same_text(client) -> None:
             400,
         ),
         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, 400),
-        ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}}, 400),
+        (
+            {
+                "input": "hi",
+                "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "nope"}}},
+            },
+            400,
+        ),
         ({"input": "hi", "text": "plain"}, 400),
         ({"input": "hi", "store": "yes"}, 400),
         ({"input": "hi", "conversation": "conv_1"}, 400),  # features not served: refused, not dropped
@@ -233,6 +239,50 @@ def test_a_chat_spelling_of_the_format_is_refused_naming_the_responses_one(clien
     r = client.post("/v1/responses", json={"input": "hi", "guided_regex": "abc"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
     assert "'guided_regex'" in r.json()["error"]["message"] and "'text'" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "missing"),
+    [({"type": "json_schema"}, "'text.format.name'"),
+     ({"type": "json_schema", "name": "n"}, "'text.format.schema'"),
+     ({"type": "json_schema", "name": "", "schema": {}}, "'text.format.name'"),
+     ({"type": "json_schema", "name": "n", "schema": True}, "'text.format.schema'")],
+)  # fmt: skip
+def test_a_json_schema_format_needs_its_name_and_schema(client, fmt, missing) -> None:
+    """Both required, as OpenAI's: without them a json_schema format took any JSON value, and its echo
+    failed clients' parsing of the response (their type requires both)."""
+    r = client.post("/v1/responses", json={"input": "hi", "text": {"format": fmt}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "missing_required_parameter", r.text
+    assert missing in r.json()["error"]["message"]
+
+
+def test_the_reasoning_configuration_is_echoed(client) -> None:
+    assert create(client, input="hi", reasoning={"effort": "low"})["reasoning"] == {"effort": "low"}
+    assert create(client, input="hi")["reasoning"] is None
+
+
+def test_a_stream_that_fails_closes_its_item_and_ends_with_response_failed(client) -> None:
+    """A generation that fails after the stream's head (a token the request bans is all the constraint
+    allows): the open message closed incomplete, then response.failed with an error of OpenAI's codes; GET
+    answers the failed response, and no follow-up continues it."""
+    body = {"input": "x", "allowed_token_ids": [97], "bad_words": ["aa"], "max_output_tokens": 10}
+    evs = events(client, **body)
+    kinds = [k for k, _ in evs]
+    assert kinds[0] == "response.created" and "error" not in kinds
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.failed"]  # fmt: skip
+    assert [d["sequence_number"] for _, d in evs] == list(range(len(evs)))
+    item = evs[-2][1]["item"]
+    failed = evs[-1][1]["response"]
+    assert item["status"] == "incomplete" and failed["output"] == [item]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_prompt"
+    assert failed["error"]["type"] == "constraint_failed" and failed["error"]["message"]
+    assert failed["usage"]["output_tokens"] >= 1
+    got = client.get(f"/v1/responses/{failed['id']}")
+    assert got.status_code == 200 and got.json() == failed
+    follow = client.post("/v1/responses", json={"input": "y", "previous_response_id": failed["id"]})
+    assert follow.status_code == 400 and follow.json()["error"]["code"] == "response_failed"
+    assert create(client, input="still serving")["status"] in ("completed", "incomplete")
 
 
 def test_a_bad_text_format_is_named_as_the_client_sent_it(client) -> None:
