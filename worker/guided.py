@@ -144,13 +144,17 @@ def lark_grammar(text: Any) -> str:
     """A Lark grammar, or a GBNF / EBNF one (``root ::= ...``, as llama.cpp, xgrammar and SGLang's
     ``ebnf`` write them), converted by llguidance."""
     from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+    from llguidance.gbnf_to_lark import any_to_lark
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError("a grammar must be a non-empty Lark or GBNF grammar string")
     try:
         text = any_to_lark(text)
-    except GbnfToLarkError as exc:
+    except RecursionError:
+        raise ValueError("the GBNF grammar is nested too deeply to convert") from None
+    except (
+        Exception
+    ) as exc:  # NOTE: the converter's own error, or a plain Exception (a rule not found, no root)
         raise ValueError(f"the GBNF grammar does not parse: {exc}") from None
     return LLMatcher.grammar_from_lark(text)
 

@@ -405,6 +405,26 @@ def test_a_schema_sent_as_json_text_is_bounded_in_depth_as_a_body_is(tiny) -> No
         assert r.status_code == 400 and "deeper than 128 levels" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize(
+    ("grammar", "words"),
+    [("root ::= undefined_rule", "Rule 'undefined_rule' not found"),
+     ('a ::= "x"', "No 'root' rule found"),
+     ("root ::= " + "(" * 500 + '"a"' + ")" * 500, "nested too deeply")],
+)  # fmt: skip
+def test_a_gbnf_grammar_the_converter_refuses_is_a_400(tiny, grammar, words) -> None:
+    """llguidance's GBNF converter also raises plain exceptions (a rule not found, no root) and runs
+    out of recursion on deep nesting: each was a 500, which routers count against the worker (three
+    took it out of rotation)."""
+    for body in (
+        {"ebnf": grammar},
+        {"guided_grammar": grammar},
+        {"structured_outputs": {"grammar": grammar}},
+    ):
+        r = tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def test_a_constraint_that_fails_midway_is_an_error_not_a_stop(tiny) -> None:
     """llguidance builds a regex's lexer lazily and stops at its own limits: a million repetitions
     fail at the first token (and, the lexer being shared, at the first mask of every later copy).
