@@ -309,6 +309,42 @@ def test_an_adapter_with_its_own_rank_or_alpha_per_module_is_refused(llama_check
     assert load_adapter("ad", str(ad), model).scale == ALPHA / RANK
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("alora_invocation_tokens", [141, 344]), ("use_bdlora", {"lora_a_is_blockdiagonal": True}),
+     ("layer_replication", [[0, 2], [1, 2]]), ("lora_bias", True), ("modules_to_save", ["lm_head"]),
+     ("trainable_token_indices", [3, 5]), ("target_parameters", ["mlp.experts.gate_up_proj"]),
+     ("arrow_config", {"top_k": 2}), ("kasa_config", {"k": 1}), ("monteclora_config", {"n": 2})],
+)  # fmt: skip
+def test_a_setting_that_changes_what_peft_computes_is_refused_by_name(llama_checkpoint, tmp_path, key, value):
+    """Served as a plain LoRA, an activated LoRA applied to every token (4 nats from PEFT's logprobs): each
+    PEFT setting beyond LoRA's own product is refused, naming it; its default values load."""
+    model = load_model(str(llama_checkpoint)).model
+    ad = tmp_path / "ad"
+    write_adapter(llama_checkpoint, ad)
+    config = json.loads((ad / "adapter_config.json").read_text())
+    (ad / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=rf"adapter 'ad': {key} \(.+\) is not supported"):
+        load_adapter("ad", str(ad), model)
+    default = False if key == "lora_bias" else None  # PEFT's LoraConfig defaults
+    (ad / "adapter_config.json").write_text(json.dumps({**config, key: default}))
+    assert load_adapter("ad", str(ad), model).scale == ALPHA / RANK
+
+
+def test_a_config_without_lora_alpha_scales_by_pefts_default(llama_checkpoint, tmp_path):
+    """PEFT's LoraConfig reads a missing lora_alpha as 8 (scale 8 / r); taken as r, the adapter's delta was
+    half PEFT's at r 4 (1.9 nats from its logprobs)."""
+    model = load_model(str(llama_checkpoint)).model
+    ad = tmp_path / "ad"
+    write_adapter(llama_checkpoint, ad, rank=2)
+    config = json.loads((ad / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (ad / "adapter_config.json").write_text(json.dumps(config))
+    assert load_adapter("ad", str(ad), model).scale == 8 / 2
+    (ad / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
+    assert load_adapter("ad", str(ad), model).scale == pytest.approx(8 / 2**0.5)
+
+
 def test_adapters_load_and_unload_at_runtime(lora_setup, llama_checkpoint, tmp_path):
     """POST /v1/load_lora_adapter serves a new adapter between steps (answers as merged); unload
     refuses while it has requests in flight, then stops serving it; bad input is an error and

@@ -212,6 +212,23 @@ def load_adapter(
     return adapter
 
 
+PEFT_DEFAULT_ALPHA = 8  # PEFT's LoraConfig.lora_alpha where a config leaves it out
+# PEFT's settings that change what an adapter computes at inference, beyond LoRA's own product: served as a plain
+# LoRA they would answer wrong, so an adapter that sets one is refused, naming it
+UNSERVED_SETTINGS = {
+    "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter applies from its invocation tokens on)",
+    "use_bdlora": "block-diagonal LoRA (BD-LoRA)",
+    "layer_replication": "layer replication",
+    "lora_bias": "a bias on lora_B",
+    "modules_to_save": "whole modules saved beside the adapter",
+    "trainable_token_indices": "trained embedding rows",
+    "target_parameters": "LoRA on parameters (as MoE experts' stacked weights)",
+    "arrow_config": "Arrow routing among adapters",
+    "kasa_config": "KaSA's singular-value adaptation",
+    "monteclora_config": "MonteCLoRA",
+}
+
+
 def read_adapter(name: str, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """adapter_config.json and the LoRA tensors of a PEFT directory, as read (ValueError: what is wrong)."""
     from safetensors.torch import load_file
@@ -226,7 +243,7 @@ def read_adapter(name: str, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"adapter {name!r}: adapter_config.json is not JSON ({exc})") from None
     r = config.get("r") if isinstance(config, dict) else None
-    alpha = config.get("lora_alpha", r) if isinstance(config, dict) else None
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA) if isinstance(config, dict) else None
     if type(r) is not int or r <= 0 or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(  # NOTE: Python's json reads NaN and Infinity: they would poison every answer
             f"adapter {name!r}: adapter_config.json needs a positive integer 'r' and a finite 'lora_alpha'"
@@ -254,7 +271,10 @@ def _adapter(name: str, path: str, model: torch.nn.Module, config: Any, tensors:
         raise ValueError(f"adapter {name!r}: only LoRA adapters are supported, not {config.get('peft_type')}")
     if config.get("bias", "none") != "none" or config.get("fan_in_fan_out") or config.get("use_dora"):
         raise ValueError(f"adapter {name!r}: LoRA biases, fan_in_fan_out and DoRA are not supported")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    for key, what in UNSERVED_SETTINGS.items():
+        if config.get(key) not in (None, False, {}, []):
+            raise ValueError(f"adapter {name!r}: {key} ({what}) is not supported")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     for key, default in (("rank_pattern", rank), ("alpha_pattern", alpha)):
         # NOTE: PEFT gives the modules these name their own r or lora_alpha; one scale serves every module here
