@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("worker.kv_transfer")
 
 
+def _finite(slabs: Any) -> bool:
+    """No inf or NaN in received KV: a source's bytes cannot be checked against the prompt, but these no
+    pool computes, and cached they would answer every later request of the prefix (tokens of no
+    logprob) and be published to routers as this worker's."""
+    import torch
+
+    if slabs.element_size() == 1:  # NOTE: float8: isfinite has no CPU kernel for it
+        slabs = slabs.float()
+    return bool(torch.isfinite(slabs).all())
+
+
 class KVBusy(Exception):
     """A transfer that would take this worker (or the source) past its KV transfer memory bound."""
 
@@ -294,6 +305,8 @@ class KVFetch:
                 if writing is not None and isinstance(done := await asyncio.wrap_future(writing), str):
                     return done
                 slabs = torch.from_numpy(buf).view(dtype).view(m, n, heads, dim)
+                if not await asyncio.to_thread(_finite, slabs):  # NOTE: off the loop (torch frees the GIL)
+                    raise ValueError("the KV sent holds inf or NaN, which no pool computes")
                 writing = engine.post(functools.partial(write, slabs, lo))
             last = writing
             return last

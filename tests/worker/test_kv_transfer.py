@@ -346,8 +346,8 @@ def test_an_export_body_past_its_bound_is_refused_whether_or_not_it_says_its_len
 
 class _BadPeer(BaseHTTPRequestHandler):
     """A peer whose exports are wrong: too slow (/slow), more tokens than asked for (/big), more
-    bytes than announced (/long), fewer (/short); or busy (/busy, 503). It announces the tokens
-    asked for (a page more for /big)."""
+    bytes than announced (/long), fewer (/short), NaN values (/nan) or an inf in the last layer's V
+    (/inf); or busy (/busy, 503). It announces the tokens asked for (a page more for /big)."""
 
     sending = threading.Event()  # set once a slow answer's body has begun
 
@@ -362,7 +362,10 @@ class _BadPeer(BaseHTTPRequestHandler):
             self.wfile.write(body)
             return
         shape = (2, 4, asked["max_tokens"] + (PAGE if mode == "big" else 0), 2, 32)
-        body = body_view(torch.zeros(shape)).tobytes()
+        kv = torch.full(shape, float("nan")) if mode == "nan" else torch.zeros(shape)
+        if mode == "inf":
+            kv[1, -1, -1, -1, -1] = float("inf")
+        body = body_view(kv).tobytes()
         body = body + b"x" if mode == "long" else body[:-1] if mode == "short" else body
         self.send_response(200)
         headers = export_headers(shape, torch.float32, asked["start"], PAGE)
@@ -410,6 +413,23 @@ def test_a_slow_or_oversized_answer_is_cut_off(fleet, bad_peer, caplog):
             assert_same_answer(answer, complete(plain.url, ids))
         assert outcome(receiver.url, "error") == 4
         assert_nothing_held(receiver)  # NOTE: the pages taken for each were given back
+
+
+def test_kv_holding_nan_or_inf_is_refused_and_nothing_of_it_is_cached(fleet, bad_peer, caplog):
+    """Such KV was cached as fetched (outcome ok, 400 tokens cached) and answered the prompt, and every later
+    one of its prefix, with token 0 of no logprob: a faulty peer holding the fleet's key broke the prefix
+    for everyone. Refused now, whether in the first group of slabs or the last (after others were written)."""
+    _, _, plain = fleet
+    with serve(kv_transfer_max_mib=1) as receiver:
+        for path in ("/nan", "/inf"):
+            ids = prompt(90 + ord(path[1]), 400)
+            with caplog.at_level("WARNING", logger="worker.kv_transfer"):
+                answer = complete(receiver.url, ids, bad_peer + path)
+            assert cached(answer) == 0 and "holds inf or NaN" in caplog.text, path
+            assert_same_answer(answer, complete(plain.url, ids))
+            assert_same_answer(complete(receiver.url, [*ids[:-1], 7]), complete(plain.url, [*ids[:-1], 7]))
+        assert outcome(receiver.url, "error") == 2 and outcome(receiver.url, "ok") == 0
+        assert_nothing_held(receiver)
 
 
 def test_transfers_under_way_bound_the_kv_a_worker_holds_and_give_it_back(fleet, bad_peer):
