@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.support import Proc, free_port, start_module, start_redis
+
+# NOTE: a suite started as a non-interactive shell's background job (`bash scripts/test &`) inherits SIGINT
+# ignored, and so would every process it starts (an ignored signal stays ignored across exec): the servers
+# under test take SIGINT as a terminal's foreground job has it
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -39,7 +39,7 @@ def test_requests_in_flight_at_the_end_of_the_shutdown_timeout_get_a_503_not_a_c
         except httpx.HTTPError as exc:  # a cut connection
             got["whole"] = (None, repr(exc))
 
-    def responses(stream: bool) -> None:  # the Responses API's answer and its stream's error event
+    def responses(stream: bool) -> None:  # the Responses API's answer and its stream's response.failed
         body = {"input": "a long answer", "max_output_tokens": 3000, "ignore_eos": True, "stream": stream}
         try:
             r = httpx.post(worker.url + "/v1/responses", json=body, timeout=60)
@@ -77,8 +77,10 @@ def test_requests_in_flight_at_the_end_of_the_shutdown_timeout_get_a_503_not_a_c
     assert status == 503 and json.loads(text)["error"]["code"] == "shutting_down", (status, text)
     status, text = got["responses_True"]
     events = [json.loads(x.removeprefix("data: ")) for x in text.splitlines() if x.startswith("data: ")]
-    assert status == 200 and events[-1]["type"] == "error", (status, text[-500:])
-    assert events[-1]["code"] == "shutting_down" and "shutting down" in events[-1]["message"]
+    assert status == 200 and events[-1]["type"] == "response.failed", (status, text[-500:])
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["error"]["type"] == "shutting_down" and "shutting down" in failed["error"]["message"]
 
 
 def _running(url: str) -> int:
