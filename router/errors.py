@@ -52,15 +52,23 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
 
 
 def stream_error_event(
-    responses: bool, status: int, message: str, code: str, sequence_number: int | None
-) -> bytes:
+    responses: bool, status: int, message: str, code: str, sequence_number: int | None,
+    response: dict | None = None,
+) -> bytes:  # fmt: skip
     """The event that ends a stream the router cannot finish (its worker broke off: 502, or the
     request ran out of time: 504): chat and completions streams get the error object the same
     failure gets without a stream (``status`` picks its type) and ``[DONE]``, as a radixgate worker
-    ends a stream whose request failed; a Responses stream gets its ``error`` event, numbered after
-    the last event passed on."""
+    ends a stream whose request failed; a Responses stream gets ``response.failed`` (``response``, the
+    object its ``response.created`` event carried, failed with OpenAI's ``server_error``, ``code`` its
+    type), as a worker ends one whose generation failed, or its ``error`` event where the stream broke
+    before that; numbered after the last event passed on."""
     if responses:
         seq = 0 if sequence_number is None else sequence_number + 1
+        if response is not None:
+            error = {"code": "server_error", "message": message, "type": code, "param": None}
+            failed = {**response, "status": "failed", "error": error}
+            event = {"type": "response.failed", "sequence_number": seq, "response": failed}
+            return b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n"
         event = {"type": "error", "sequence_number": seq, "code": code, "message": message, "param": None}
         return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
     return b"data: " + error_body(status, message, code) + b"\n\ndata: [DONE]\n\n"

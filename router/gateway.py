@@ -8,11 +8,14 @@ health checks, event subscriptions); router/app.py puts it behind HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import orjson
 
 from router import access_log
 from router.admission import AdmissionGate
@@ -607,7 +610,9 @@ class Router:
                        else f"the worker broke off the stream: {exc}")  # fmt: skip
             # NOTE: an event cut off mid-way is ended first (the client reads it as a bad event)
             cut = b"" if tail == b"\n\n" else b"\n\n"
-            error = cut + stream_error_event(responses, 504 if total else 502, message, kind, numbers.last)
+            error = cut + stream_error_event(
+                responses, 504 if total else 502, message, kind, numbers.last, numbers.response
+            )
         finally:
             self._record_usage(worker, scanner.usage, tally)
             self.metrics.duration_of[True].observe(time.perf_counter() - started)
@@ -622,10 +627,12 @@ _SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')  # a Responses str
 
 class _EventNumbers:
     """The ``sequence_number`` of the last whole line of a Responses stream passed on: a line cut
-    off mid-way (its number perhaps cut too: 12 read as 1) is not read."""
+    off mid-way (its number perhaps cut too: 12 read as 1) is not read; and the response object of
+    its ``response.created`` event (what a ``response.failed`` the router sends fails)."""
 
     def __init__(self) -> None:
         self.last: int | None = None
+        self.response: dict | None = None
         self._partial: list[bytes] = []  # the line not ended yet, in pieces
 
     def feed(self, out: bytes) -> None:
@@ -638,6 +645,14 @@ class _EventNumbers:
         found = _SEQUENCE_NUMBER.findall(whole)
         if found:
             self.last = int(found[-1])
+        if self.response is None and b'"response.created"' in whole:  # NOTE: the stream's first event
+            for line in whole.split(b"\n"):
+                if line.startswith(b"data:") and b'"response.created"' in line:
+                    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                        event = orjson.loads(line[5:])
+                        if isinstance(event.get("response"), dict):
+                            self.response = event["response"]
+                    break
 
 
 # -------------------------------------------------------------------- HTTP layer

@@ -137,6 +137,42 @@ def test_a_responses_stream_cut_inside_an_events_number_is_numbered_from_the_las
     assert numbers == list(range(13)), numbers
 
 
+def test_a_responses_stream_the_worker_breaks_off_ends_with_response_failed(launch, faulty):
+    """As a worker ends a Responses stream whose generation failed: ``response.failed`` failing the object
+    ``response.created`` carried, numbered after the last event, instead of a bare ``error`` event that
+    leaves clients without a final response."""
+    created = {"id": "resp_x", "object": "response", "status": "in_progress", "output": [], "error": None}
+
+    async def responses(request: Request):
+        async def body():
+            yield (
+                b"event: response.created\ndata: "
+                + orjson.dumps({"type": "response.created", "sequence_number": 0, "response": created})
+                + b"\n\n"
+            )
+            yield b'data: {"type":"response.output_text.delta","sequence_number":1,"delta":"x"}\n\n'
+            raise RuntimeError("the worker dies here")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    worker = faulty(responses=responses)
+    router = launch.router([worker.url])
+    body = {"model": "faulty", "input": "cut me off", "stream": True}
+    with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=30) as r:
+        received = b"".join(r.iter_raw())
+    events = [orjson.loads(line[6:]) for line in received.splitlines() if line.startswith(b"data: ")]
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.output_text.delta",
+        "response.failed",
+    ]
+    failed = events[-1]
+    assert failed["sequence_number"] == 2 and received.count(b"event: response.failed\n") == 1
+    assert failed["response"]["id"] == "resp_x" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert failed["response"]["error"]["type"] == "stream_broken" and failed["response"]["error"]["message"]
+
+
 def test_a_stream_request_the_worker_refuses_is_timed_as_a_stream_request(launch, faulty):
     async def completions(request: Request):
         return JSONResponse({"error": {"message": "no", "code": "bad"}}, status_code=400)
