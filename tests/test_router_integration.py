@@ -251,7 +251,7 @@ def test_a_stream_cut_off_inside_an_event_ends_that_event_before_the_error(launc
         server.should_exit = True
 
 
-def test_a_responses_stream_whose_worker_dies_ends_with_the_apis_error_event(launch):
+def test_a_responses_stream_whose_worker_dies_ends_with_response_failed(launch):
     victim = launch.sim_worker()
     router = launch.router([victim.url])
     body = {"model": "sim-8b", "input": "Write at length.", "max_output_tokens": 4000, "stream": True}
@@ -266,7 +266,12 @@ def test_a_responses_stream_whose_worker_dies_ends_with_the_apis_error_event(lau
     *answered, error = events
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert answered[-1]["type"] == "response.output_text.delta"
-    assert error["type"] == "error" and error["code"] == "stream_broken" and error["param"] is None
+    assert error["type"] == "response.failed" and error["response"]["status"] == "failed"
+    assert error["response"]["id"] == events[0]["response"]["id"]
+    assert (
+        error["response"]["error"]["type"] == "stream_broken"
+        and error["response"]["error"]["code"] == "server_error"
+    )
     assert received.endswith(b"\n\n") and b"[DONE]" not in received  # the Responses API has none
 
 
