@@ -238,8 +238,8 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         return Response(payload, resp.status, {"x-radixgate-worker": worker.url}, content_type)
 
     async def stored_response(request: Request) -> Response:
-        """GET / DELETE /v1/responses/{id}: answered by the worker the id names (another backend's
-        id: by the least loaded healthy worker)."""
+        """GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items (its query passed on):
+        answered by the worker the id names (another backend's id: by the least loaded healthy worker)."""
         rid = request.path_params["response_id"]
         try:
             url = router.response_holder(rid)
@@ -259,7 +259,10 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 headers.pop("authorization", None)
             # NOTE: the id percent-encoded whole: sent decoded, an id of '..' named GET /v1/ and one
             # of '%41' the id 'A'
-            target = yarl.URL(f"{url}/v1/responses/{quote(rid, safe='')}", encoded=True)
+            suffix = "/input_items" if request.url.path.endswith("/input_items") else ""
+            target = yarl.URL(f"{url}/v1/responses/{quote(rid, safe='')}{suffix}", encoded=True)
+            if request.query_params:
+                target = target.with_query(list(request.query_params.multi_items()))
             async with session.request(request.method, target, timeout=timeout,
                                        headers=headers) as resp:  # fmt: skip
                 payload = await resp.read()
@@ -289,6 +292,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             Route("/v1/completions", _method_not_allowed, methods=_NOT_POST),
             Route("/v1/responses", _method_not_allowed, methods=_NOT_POST),
             Route("/v1/responses/{response_id}", keyed(stored_response), methods=["GET", "DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", keyed(stored_response), methods=["GET"]),
             Route("/v1/models", keyed(models), methods=["GET"]),
             Route("/v1/models/{model:path}", keyed(model), methods=["GET"]),
             Route("/health", health, methods=["GET"]),

@@ -54,6 +54,11 @@ def test_follow_ups_reach_the_worker_holding_the_conversation_through_any_router
         and got.json()["id"] == previous
         and got.headers["x-radixgate-worker"] == holder
     )
+    # its input items too, the query passed on
+    items = httpx.get(f"{routers[0].url}/v1/responses/{previous}/input_items?limit=1&order=asc", timeout=10)
+    assert items.status_code == 200 and items.headers["x-radixgate-worker"] == holder, items.text
+    (item,) = items.json()["data"]
+    assert item["role"] == "user" and item["content"] == [{"type": "input_text", "text": "Turn 5."}]
     assert httpx.delete(f"{routers[0].url}/v1/responses/{previous}", timeout=10).json()["deleted"] is True
     gone = _create(routers[0].url, input="More.", previous_response_id=previous)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -42,6 +43,9 @@ class StoredResponse:
     messages: list[dict[str, Any]] | None  # the conversation so far, without instructions (None: in progress)
     response: dict  # the response object, as GET returns it
     size: int = 0  # bytes it stands for (its JSON's), against the store's bound
+    input_items: list[dict] = field(
+        default_factory=list
+    )  # this turn's input, as GET .../input_items lists it
 
 
 class ResponseStore:
@@ -54,7 +58,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0  # the stored entries' sizes, in all
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._pending: dict[str, dict] = {}  # being generated: the response object GET answers
+        self._pending: dict[str, StoredResponse] = {}  # being generated: what GET answers (messages None)
         self._deleted: set[str] = set()  # of those, deleted meanwhile: not stored when they end
 
     def __len__(self) -> int:
@@ -69,9 +73,9 @@ class ResponseStore:
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self.bytes -= self._entries.popitem(last=False)[1].size
 
-    def begin(self, rid: str, response: dict) -> None:
+    def begin(self, rid: str, response: dict, input_items: list[dict] | None = None) -> None:
         """A response being generated: GET answers it ``in_progress``, a follow-up is refused."""
-        self._pending[rid] = response
+        self._pending[rid] = StoredResponse(None, response, 0, input_items or [])
 
     def finish(self, rid: str, entry: StoredResponse) -> None:
         """The finished response, unless it was deleted while it was generated."""
@@ -90,7 +94,7 @@ class ResponseStore:
         """A stored response, or one being generated (``messages`` None)."""
         pending = self._pending.get(rid)
         if pending is not None:
-            return StoredResponse(None, pending)
+            return pending
         entry = self._entries.get(rid)
         if entry is not None:
             self._entries.move_to_end(rid)
@@ -178,6 +182,41 @@ def _check_metadata(metadata: Any) -> None:
         if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
             raise APIError(400, f"'metadata' entry {key[:64]!r}: keys up to 64 characters, "
                            "values strings up to 512")  # fmt: skip
+
+
+_ITEM_ID_PREFIXES = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "reasoning": "rs_",
+}
+
+
+def listed_input_items(input_: Any) -> list[dict]:
+    """``input`` (checked already) as GET .../input_items lists it: a string as one user message, each
+    item with its type, its id (the client's, or one made here) and a status; a message's text as parts
+    (``input_text``, or ``output_text`` with its annotations for the assistant's), a reasoning item with
+    its summary."""
+    if isinstance(input_, str):
+        input_ = [{"role": "user", "content": input_}]
+    items = []
+    for item in input_:
+        kind = item.get("type", "message")
+        out = {**item, "type": kind}
+        if not isinstance(out.get("id"), str) or not out["id"]:
+            out["id"] = _ITEM_ID_PREFIXES[kind] + uuid.uuid4().hex
+        if out.get("status") not in ("in_progress", "completed", "incomplete"):
+            out["status"] = "completed"
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = out.get("content")
+            parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+            out["content"] = [{**p, "annotations": p.get("annotations", [])} if p.get("type") == "output_text" else p
+                              for p in parts]  # fmt: skip
+        elif kind == "reasoning":
+            out.setdefault("summary", [])
+        items.append(out)
+    return items
 
 
 def _not_found(rid: Any) -> APIError:
@@ -298,7 +337,7 @@ class ResponsesAPI:
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
                      api.splitter(thinking, calls=reader is not None) if api.reasoning else None)  # fmt: skip
         if store:
-            self.store.begin(rid, turn.response("in_progress"))
+            self.store.begin(rid, turn.response("in_progress"), turn.input_items)
         if body.get("stream"):
             return event_stream(self._stream(request, outputs, live, first, turn))
         out: RequestOutput | None = first
@@ -362,6 +401,40 @@ class ResponsesAPI:
             raise _not_found(rid)
         return Response(orjson.dumps(entry.response), media_type="application/json")
 
+    async def input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{id}/input_items: the input items of that response (this turn's, as OpenAI
+        lists them), a page at a time: ``limit`` (1-100, default 20), ``order`` (``desc``, the default, or
+        ``asc``), ``after`` (an item id: the items that follow it in that order)."""
+        rid = request.path_params["response_id"]
+        entry = self.store.get(rid)
+        if entry is None:
+            raise _not_found(rid)
+        query = request.query_params
+        unknown = sorted(set(query) - {"limit", "order", "after", "include"})
+        if unknown:
+            raise APIError(
+                400, f"unknown query parameter {unknown[0]!r}: limit, order and after are supported"
+            )
+        if query.getlist("include"):  # NOTE: images' URLs and the like: this worker's input is text
+            raise APIError(400, "'include' is not supported here: the input items are text, listed whole")
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise APIError(400, f"'limit' must be an integer in [1, 100], got {limit!r}")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"'order' must be 'asc' or 'desc', got {order!r}")
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        after = query.get("after")
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise APIError(400, f"response {rid!r} has no input item {after!r}")
+            items = items[at + 1 :]
+        page = items[: int(limit)]
+        body = {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}  # fmt: skip
+        return Response(orjson.dumps(body), media_type="application/json")
+
     async def delete(self, request: Request) -> Response:
         rid = request.path_params["response_id"]
         if not self.store.delete(rid):
@@ -382,6 +455,7 @@ class _Turn:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.messages = messages  # earlier turns + this input, without instructions
+        self.input_items = listed_input_items(body["input"])
         self.reader = reader  # with tools: reads calls out of the text
         self.thinking = thinking  # with --reasoning-parser: the thinking apart, as a reasoning item
         self.output_tokens = self.cached_tokens = self.cache_written = 0
@@ -458,8 +532,8 @@ class _Turn:
                  "type": code or ("server_error" if status >= 500 else "invalid_request_error"), "param": None}  # fmt: skip
         final = self.response("failed", self.items.items, self._usage(), error)
         if self.store:
-            size = len(orjson.dumps(self.messages)) + len(orjson.dumps(final))
-            self.endpoint.store.finish(self.rid, StoredResponse(self.messages, final, size))
+            size = sum(len(orjson.dumps(x)) for x in (self.messages, final, self.input_items))
+            self.endpoint.store.finish(self.rid, StoredResponse(self.messages, final, size, self.input_items))
         self.finished = True
         return [*closing, self.events.send("response.failed", response=final)]
 
@@ -488,7 +562,7 @@ class _Turn:
         if self.store:
             conversation = [*self.messages, self.items.assistant_message()]
             # NOTE: its JSON's size (the history a follow-up shares counts in each: bounded alike)
-            size = len(orjson.dumps(conversation)) + len(orjson.dumps(final))
-            self.endpoint.store.finish(self.rid, StoredResponse(conversation, final, size))
+            size = sum(len(orjson.dumps(x)) for x in (conversation, final, self.input_items))
+            self.endpoint.store.finish(self.rid, StoredResponse(conversation, final, size, self.input_items))
         self.finished = True
         return final, closing

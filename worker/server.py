@@ -525,6 +525,7 @@ def create_app(
         Route("/v1/chat/completions", guarded(api.chat), methods=["POST"]),
         Route("/v1/responses", guarded(responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", guarded(responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}/input_items", guarded(responses.input_items), methods=["GET"]),
         Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
         Route("/v1/models", guarded(ops.models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded(ops.model), methods=["GET"]),

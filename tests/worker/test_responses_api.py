@@ -285,6 +285,44 @@ def test_a_stream_that_fails_closes_its_item_and_ends_with_response_failed(clien
     assert create(client, input="still serving")["status"] in ("completed", "incomplete")
 
 
+def test_the_input_items_of_a_response_are_listed_a_page_at_a_time(client) -> None:
+    """GET /v1/responses/{id}/input_items, as OpenAI's clients list them (their types parse each page)."""
+    from openai.types.responses import ResponseItemList
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    sent = [{"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "message", "role": "assistant", "content": "Hello", "id": "msg_mine"},
+            {"role": "user", "content": "Again"}, call,
+            {"type": "function_call_output", "call_id": "c1", "output": "42"}]  # fmt: skip
+    rid = create(client, input=sent)["id"]
+    whole = client.get(f"/v1/responses/{rid}/input_items")
+    assert whole.status_code == 200, whole.text
+    page = ResponseItemList.model_validate(whole.json())
+    assert [i.type for i in page.data] == ["function_call_output", "function_call", "message", "message",
+                                           "message", "message"]  # fmt: skip
+    assert page.has_more is False and page.first_id == page.data[0].id and page.last_id == page.data[-1].id
+    asc = client.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [i["role"] for i in asc["data"]] == ["developer", "user"] and asc["has_more"] is True
+    assert asc["data"][0]["content"] == [{"type": "input_text", "text": "Be brief."}]
+    rest = client.get(
+        f"/v1/responses/{rid}/input_items", params={"order": "asc", "after": asc["last_id"]}
+    ).json()
+    assert rest["has_more"] is False and rest["data"][0]["id"] == "msg_mine"
+    assert rest["data"][0]["content"] == [{"type": "output_text", "text": "Hello", "annotations": []}]
+    assert len({i["id"] for i in asc["data"] + rest["data"]}) == len(sent)
+    one = client.get(f"/v1/responses/{create(client, input='Plain')['id']}/input_items").json()
+    assert [(i["type"], i["role"], i["content"]) for i in one["data"]] == [
+        ("message", "user", [{"type": "input_text", "text": "Plain"}])
+    ]
+    for params in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"order": "up"}, {"after": "msg_nope"},
+                   {"include": "message.input_image.image_url"}, {"page": 2}):  # fmt: skip
+        r = client.get(f"/v1/responses/{rid}/input_items", params=params)
+        assert r.status_code == 400 and r.json()["error"]["message"], (params, r.text)
+    r = client.get("/v1/responses/resp_nope/input_items")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+
+
 def test_a_bad_text_format_is_named_as_the_client_sent_it(client) -> None:
     r = client.post("/v1/responses", json={"input": "hi", "text": {"format": {"type": "yaml"}}})
     assert r.status_code == 400 and "'text.format'" in r.json()["error"]["message"]
@@ -605,8 +643,9 @@ def test_the_stored_responses_are_bounded_in_bytes_too() -> None:
     client kept ~200 MiB a response, over a thousand of them): the least recently used go past the
     bytes too, and one larger than the bound is not kept."""
     with serve(max_stored_responses_mib=1) as live, httpx.Client(base_url=live.url, timeout=60) as c:
-        # ~300 KB of JSON a response: 100 turns, of which truncation keeps what fits the context
-        turns = [{"role": "user", "content": "word " * 600} for _ in range(100)]
+        # ~300 KB of JSON a response (its conversation and its input items, ~150 KB each): 100 turns, of
+        # which truncation keeps what fits the context
+        turns = [{"role": "user", "content": "word " * 300} for _ in range(100)]
         body = {"input": turns, "max_output_tokens": 2, "truncation": "auto"}
         ids = [c.post("/v1/responses", json=body).json()["id"] for _ in range(5)]
         kept = [c.get(f"/v1/responses/{i}").status_code for i in ids]
