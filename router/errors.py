@@ -88,13 +88,15 @@ def router_error_response(exc: RouterError) -> Response:
 
 def error_headers(exc: RouterError) -> list[tuple[bytes, bytes]]:
     """``Retry-After`` for an error that says when to come back; ``connection: close`` for a body that
-    did not arrive in time (its rest is not read: the connection is not kept for it)."""
+    did not arrive in time or was too large (its rest is not read: the connection is not kept for it)."""
     return _headers(exc.status, exc.retry_after)
 
 
 def _headers(status: int, retry_after: int | None) -> list[tuple[bytes, bytes]]:
     out = [] if retry_after is None else [(b"retry-after", str(retry_after).encode())]
-    return [*out, (b"connection", b"close")] if status == 408 else out
+    # NOTE: 408 and 413 answer a body not read (whole): the connection is not kept for its rest (a client
+    # that held the body back after `Expect: 100-continue` would have its next request read as that body)
+    return [*out, (b"connection", b"close")] if status in (408, 413) else out
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -597,6 +597,8 @@ class Router:
                     if responses:
                         numbers.feed(out)
             whole = True  # NOTE: the body ended (its last bytes may come in a read of their own)
+            if not finished:  # NOTE: its end came in a read of its own: a last line held back goes out
+                error = scanner.flush()
         except HTTPClientError as exc:
             # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
             # already reached the client, so no retry; the client is told in an error event.

@@ -121,6 +121,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._until_close = False
         self._keep_alive = False
+        self._interim = False  # parsing a 1xx response (100 Continue, 103 Early Hints): not the answer
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -132,6 +133,11 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(ConnectionBroken("the server tried to switch protocols"))
+        except httptools.HttpParserCallbackError as exc:
+            if self._complete:  # NOTE: on_message_begin: a response after the answer, which stands; the
+                self.abort()  # connection is out of step with its requests: never reused
+            else:
+                self._fail(ConnectionBroken(str(exc.__context__ or exc)))
         except httptools.HttpParserError as exc:
             self._fail(ConnectionBroken(f"malformed response: {exc}"))
 
@@ -144,13 +150,24 @@ class _Connection(asyncio.Protocol):
             self._fail(ConnectionBroken(f"connection closed before the response ended ({exc or 'EOF'})"))
 
     # ------------------------------------------------------------ httptools callbacks
+    def on_message_begin(self) -> None:
+        # NOTE: after the answer ended (or on an idle connection): a response nobody asked for; the parser
+        # stops there (data_received)
+        if self._complete:
+            raise ConnectionError("the server sent a response after the answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        if 100 <= self._parser.get_status_code() < 200:  # NOTE: an interim response: the answer follows
+            self._interim = True  # (101 raises HttpParserUpgrade instead)
+            self._headers = {}
+            return
         headers = self._headers
-        self._until_close = "content-length" not in headers and "chunked" not in headers.get(
-            "transfer-encoding", ""
+        # NOTE: a transfer coding's name is case-insensitive (RFC 9112 7): "Chunked" is chunked
+        self._until_close = (
+            "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower()
         )
         self._head_done = True
         self._wake()
@@ -164,6 +181,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self._complete = True
         self._keep_alive = self._parser.should_keep_alive()  # only valid inside the callback
         self._wake()

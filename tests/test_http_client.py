@@ -537,3 +537,93 @@ async def test_abandoning_heads_gives_up_on_silent_requests_and_keeps_a_head_alr
         finally:
             answered.set()
             client.close()
+
+
+@pytest.mark.parametrize(
+    "interim", [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"]
+)
+@pytest.mark.parametrize("apart", [False, True])
+async def test_an_interim_response_is_skipped_for_the_answer_after_it(interim, apart):
+    """A 1xx before the answer (RFC 9110 15.2), in the same read or in one of its own: taken for the answer, it
+    reached clients as a 100 of no body (which they wait past for good) or an empty 103, and the answer was lost."""
+
+    async def hints_first(reader, writer):
+        await _read_request(reader)
+        writer.write(interim)
+        if apart:
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\nanswer!")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with raw_server(hints_first) as (url, _):
+        client = HTTPClient(read_timeout=5)
+        resp = await client.post(url, "/x", b"{}")
+        assert resp.status == 200 and "link" not in resp.headers
+        assert await resp.read() == b"answer!"
+        resp.close()
+        client.close()
+
+
+async def test_a_chunked_body_is_chunked_however_its_coding_is_spelt():
+    """ "Chunked" was read as no length (a body ending at close): a body cut before its last chunk then ended
+    cleanly, and every such connection was closed instead of pooled."""
+    answers = 0
+
+    async def capital(reader, writer):
+        nonlocal answers
+        while True:
+            await _read_request(reader)
+            answers += 1
+            if answers == 2:  # the second answer is cut before its last chunk
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n3\r\nabc\r\n")
+                await writer.drain()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+            await writer.drain()
+
+    async with raw_server(capital) as (url, conns):
+        client = HTTPClient(read_timeout=5)
+        resp = await client.post(url, "/x", b"{}")
+        assert await resp.read() == b"abc"
+        resp.close()
+        resp = await client.post(url, "/x", b"{}")
+        with pytest.raises(ConnectionBroken):
+            await resp.read()
+        resp.close()
+        assert len(conns) == 1  # the first answer's connection was pooled and carried the second request
+        client.close()
+
+
+@pytest.mark.parametrize("later", [False, True])
+async def test_a_response_after_the_answer_is_neither_its_body_nor_the_next_requests_answer(later):
+    """A server that sends a second response (in the answer's read, or later on the idle connection): its
+    body was joined to the answer's, or handed to the next request on the connection as its answer."""
+    if True:
+
+        async def two_answers(reader, writer):
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nmine")
+            if later:
+                await writer.drain()
+                await asyncio.sleep(0.2)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+            await writer.drain()
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await _read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond")
+                await writer.drain()
+            await asyncio.sleep(1)
+
+        async with raw_server(two_answers) as (url, conns):
+            client = HTTPClient(read_timeout=5)
+            resp = await client.post(url, "/x", b"{}")
+            assert await resp.read() == b"mine", later
+            resp.close()
+            await asyncio.sleep(0.4)
+            resp = await client.post(url, "/x", b"{}")
+            assert await resp.read() != b"stray", later  # a new connection's answer, not the stray one
+            resp.close()
+            assert len(conns) == 2, later  # the connection that sent it was not reused
+            client.close()

@@ -173,6 +173,28 @@ def test_a_responses_stream_the_worker_breaks_off_ends_with_response_failed(laun
     assert failed["response"]["error"]["type"] == "stream_broken" and failed["response"]["error"]["message"]
 
 
+def test_a_last_line_without_its_newline_reaches_the_client_when_the_body_ends_in_a_read_of_its_own(
+    launch, faulty
+):
+    """With the usage line stripped (a client that did not ask for usage), the scanner holds back a line not
+    ended yet: when the body's end came in a read after it, that line was dropped."""
+
+    async def completions(request: Request):
+        async def body():
+            yield b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+            yield b"data: [DONE]"
+            await asyncio.sleep(0.2)  # NOTE: the chunked body's end, in a write of its own
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    worker = faulty(completions=completions)
+    router = launch.router([worker.url])
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=30,
+                      json={"model": "faulty", "prompt": "x", "stream": True}) as r:  # fmt: skip
+        received = b"".join(r.iter_raw())
+    assert received == b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]'
+
+
 def test_a_stream_request_the_worker_refuses_is_timed_as_a_stream_request(launch, faulty):
     async def completions(request: Request):
         return JSONResponse({"error": {"message": "no", "code": "bad"}}, status_code=400)

@@ -433,6 +433,8 @@ def test_bad_input_gets_openai_error_and_router_keeps_serving(fleet, path, body,
     router, _ = fleet
     r = httpx.post(router.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status
+    # NOTE: a body refused unread: the connection is not kept for its rest (read as the next request)
+    assert (r.headers.get("connection") == "close") == (status == 413)
     err = r.json()["error"]
     assert err["code"] == code and err["message"] and err["type"]
     ok = httpx.post(
