@@ -58,4 +58,11 @@ def call_arguments(call: dict) -> Any:
 
 
 def compact_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """``value`` as JSON text without spaces, its characters as they are; but escaped (``\\uXXXX``) where a
+    string holds a lone surrogate (JSON text may write one, ``"\\ud800"``, which no UTF-8 encodes)."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":"))
+    return text

@@ -95,13 +95,15 @@ def auto_grammar(
 ) -> tuple[str, str]:
     """``auto`` with the hermes format: the text is free, but from each ``<tool_call>`` on the
     output must be one call ``{"name": <a tool>, "arguments": <its schema>}`` and ``</tool_call>``,
-    so every call the model starts parses. ``trigger_is_special``: the tokenizer has
+    so every call the model starts parses; a newline may come before and after the call's JSON (the
+    layout Qwen's and Hermes' templates write and teach). ``trigger_is_special``: the tokenizer has
     ``<tool_call>`` as a special token (matched as that token; else as text, llguidance's lazy
     trigger); ``close_is_special`` the same for ``</tool_call>`` (else written as text, which the
     model spells)."""
     call = {**_call_schema(_params(req), "arguments"), "x-guidance": JSON_DEFAULTS}
     close = _CLOSE if close_is_special else json.dumps(_CLOSE)
-    body = f"%json {json.dumps(call)} {close}"
+    newline = json.dumps("\n") + "?"
+    body = f"{newline} %json {json.dumps(call)} {newline} {close}"
     if trigger_is_special:
         rules = f"call: TEXT {_OPEN} {body}"
     else:
@@ -147,9 +149,11 @@ def llama3_auto_grammar(req: ToolRequest, tag_is_special: bool) -> tuple[str, st
     call = {**_call_schema(_params(req), "parameters"), "x-guidance": JSON_DEFAULTS}
     more = '("; " call)*' if req.parallel else ""
     tag = f"{PYTHON_TAG}? " if tag_is_special else ""
+    # NOTE: free text may open with whitespace, not with whitespace and then "{" (a call the reader would
+    # read, unchecked by the grammar), and may be whitespace alone
     return "tool_auto", (
         f"%llguidance {{}}\nstart: {tag}call {more} | FREE?\ncall: %json {json.dumps(call)}\n"
-        "FREE: /[^{](.|\\n)*/\n"
+        "FREE: /\\s*[^{\\s](.|\\n)*|\\s+/\n"
     )
 
 
@@ -188,9 +192,19 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}  # fmt: skip
 
 
+def _utf8(text: str) -> bool:
+    """No lone surrogate (JSON's ``"\\ud800"`` decodes to one): the text can be sent."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _as_call(obj: Any) -> dict | None:
-    """``{"name": ..., "arguments" | "parameters": {...}}`` as a tool call; None if it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """``{"name": ..., "arguments" | "parameters": {...}}`` as a tool call; None if it is not one (a name of
+    a lone surrogate neither: no tool has one)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _utf8(obj["name"]):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return _call(obj["name"], args if isinstance(args, str) else compact_json(args))
@@ -504,6 +518,7 @@ class _CallArray:
             return
         if self._key == "name" and not self._sent_head:
             name = json.loads(f'"{self._token}"')
+            name = name if _utf8(name) else self._token  # NOTE: a lone surrogate: as the model escaped it
             out.append({"tool_calls": [{"index": self.calls, **_call(name, "")}]})
             self.calls += 1
             self._sent_head = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import re
 
 import httpx
 import pytest
@@ -498,8 +499,10 @@ def test_auto_calls_in_free_text_always_parse() -> None:
     calls_seen = 0
     for seed in range(6):
         rng, m, out = random.Random(seed), guide.matcher(), b""
-        while len(out) < 400:
+        while len(out) < 3000:
             allowed = set(np.flatnonzero(allowed_mask([m], 257)[0].numpy()).tolist())
+            if len(out) >= 400 and ByteTokenizer.EOS in allowed:  # NOTE: ended where a call is not open
+                break
             want = b"<tool_call>"[len(out) - out.rfind(b"<") :] if b"<" in out[-11:] else b"<"
             nxt = (
                 want[0] if want and want[0] in allowed and rng.random() < 0.9 else rng.choice(sorted(allowed))
@@ -517,6 +520,42 @@ def test_auto_calls_in_free_text_always_parse() -> None:
                 assert set(args) == set(params["required"])
             calls_seen += len(message["tool_calls"])
     assert calls_seen >= 3
+
+
+def test_auto_calls_may_have_the_newlines_qwens_template_puts_around_their_json() -> None:
+    """<tool_call>\n{...}\n</tool_call>, as Qwen's and Hermes' templates write calls and ask for them: the
+    grammar refused the newlines, pushing such models off their own format at every call."""
+    from worker.guided import GuideCompiler, allowed_mask
+    from worker.tool_calls import auto_grammar
+
+    req = ToolRequest(TOOLS, "auto")
+    guide = GuideCompiler(ByteTokenizer(), 257).compile(*auto_grammar(req, trigger_is_special=False))
+    call = '{"name":"add","arguments":{"a":1,"b":2}}'
+    for text in (f"<tool_call>\n{call}\n</tool_call>", f"<tool_call>{call}</tool_call>",
+                 f"Sure.<tool_call>\n{call}</tool_call>"):  # fmt: skip
+        m = guide.matcher()
+        assert m.consume_tokens(list(text.encode())) and allowed_mask([m], 257)[0][ByteTokenizer.EOS], text
+        assert calls_of(ToolOutput(req, "hermes").message(text)) == [("add", {"a": 1, "b": 2})]
+    m = guide.matcher()
+    assert not m.consume_tokens(list(f"<tool_call>\n\n{call}".encode()))  # one newline, not any whitespace
+
+
+def test_a_call_whose_arguments_escape_a_lone_surrogate_is_answered_not_a_500(worker) -> None:
+    """JSON text may write "\\ud800", which decodes to no character UTF-8 has: the call's arguments were
+    re-encoded with it raw and the answer failed to encode (a 500; a stream cut off). They keep the escape."""
+    text = '<tool_call>{"name": "add", "arguments": {"a": "\\ud800", "b": 2}}</tool_call>'
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 80, "guided_regex": re.escape(text)}
+    r = worker.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    [call] = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a":"\\ud800","b":2}'}
+    assert json.loads(call["function"]["arguments"]) == {"a": "\ud800", "b": 2}
+    assert streamed_answer(worker, body)[1] == [("add", {"a": "\ud800", "b": 2})]
+    named = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(
+        '<tool_call>{"name": "a\\udc00", "arguments": {}}</tool_call>'
+    )
+    assert "tool_calls" not in named  # no tool has such a name: the text stays content, as written
+    assert named["content"] == '<tool_call>{"name": "a\\udc00", "arguments": {}}</tool_call>'
 
 
 def test_a_special_tool_call_token_is_matched_as_that_token(tmp_path) -> None:
@@ -600,7 +639,7 @@ def test_auto_calls_are_read_when_the_tags_are_added_tokens(tagged) -> None:
     assert choice["message"]["content"] is None
     [(name, args)] = calls_of(choice["message"])
     written = bytes(b for entry in choice["logprobs"]["content"] for b in entry["bytes"]).decode()
-    assert written.startswith("<tool_call>{")
+    assert written.startswith(("<tool_call>{", "<tool_call>\n{"))
     assert json.loads(written.removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
         "name": name, "arguments": args}  # fmt: skip
     assert name == "get_weather" and set(args) == {"city", "unit"}
@@ -666,14 +705,19 @@ def test_auto_grammar_allows_the_models_own_tag_tokens(tagged) -> None:
         cases.append((auto_grammar(req, True, close_is_special=True), True))
     for grammar, close_is_the_token in cases:
         m = compiler.compile(*grammar).matcher()
-        for _ in range(2):  # a second call after the first
+        close: list[int] = []
+        for newline in (True, False):  # a second call after the first, its JSON without the newlines
             assert allowed_mask([m], tok.vocab_size)[0][open_id]
             assert m.consume_token(open_id)
             body = '{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}}'
+            if newline:
+                body = "\n" + body + "\n"
             assert m.consume_tokens(tok._tok.encode(body, add_special_tokens=False).ids)
-            close = m.compute_ff_tokens()  # forced
-            assert tok.decode(close, skip_special_tokens=False) == "</tool_call>"
-            assert (close == [close_id]) == close_is_the_token
+            if newline:  # then the close is forced
+                close = m.compute_ff_tokens()
+                assert tok.decode(close, skip_special_tokens=False) == "</tool_call>"
+                assert (close == [close_id]) == close_is_the_token
+            assert allowed_mask([m], tok.vocab_size)[0][close[0]]
             assert m.consume_tokens(close) and not m.is_error()
             assert allowed_mask([m], tok.vocab_size)[0][tok.eos_token_ids].all()
 
@@ -914,6 +958,10 @@ def test_llama3_json_auto_grammar_makes_an_answer_that_opens_with_a_brace_calls(
 
         assert complete("It is sunny in Oslo.") and complete("") and complete(one)
         assert complete(two) == parallel
+        # free text may open with whitespace, but not with whitespace and then "{": the reader would take
+        # that for calls the grammar never checked (an unknown tool's, arguments off the schema)
+        assert complete(" It is sunny.") and complete("\n\nSunny.") and complete("  ")
+        assert not complete(" " + one) and not complete('\n{"name":"nope","parameters":{}}')
         assert not complete('{"answer": 42}') and not complete('{"name":"get_time","parameters":{}}')
         assert not complete('{"name":"add","parameters":{"a":"one","b":2}}')
 
