@@ -2,10 +2,13 @@
 
 Every router replica reads every event (no consumer groups). Per worker it tracks (epoch, seq); on
 subscribe, on a gap and on a new epoch it re-syncs from the worker's snapshot, so a router that
-joins mid-stream still learns what was cached before it joined. Malformed batches are dropped and
-trigger a re-sync; they never stop the subscriber. A re-sync runs beside the readers, one at a
+joins mid-stream still learns what was cached before it joined. Malformed batches are dropped (and
+logged); they never stop the subscriber. On a worker's own HTTP stream one re-syncs that worker; on a
+Redis stream its worker cannot be told, so the gap its loss leaves (or, at the stream's end, the seq
+the worker's health reports) re-syncs it. A re-sync runs beside the readers, one at a
 time per worker, holding that worker's batches meanwhile: a worker whose snapshot is slow delays
-only its own events, never those of the workers sharing its stream."""
+only its own events, never those of the workers sharing its stream. Batches of a worker's earlier
+life (an epoch before the one its last snapshot read), read late, are dropped."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +42,7 @@ _HELD_BATCHES = 4096  # batches of one worker held while its re-sync runs; past 
 # the wait before the next, from 2 s to 30 s: every health interval, each router would pull every
 # worker's whole snapshot (for as long as Redis is down), and each worker would write one for each
 _LOST_RESYNC_S = (2.0, 30.0)
+_PAST_EPOCHS = 8  # a worker's earlier lives remembered: their batches, read late, are dropped
 
 
 def reconnect_delay(attempt: int) -> float:
@@ -72,6 +76,9 @@ class EventSubscriber:
         # worker url -> (when the next re-sync for batches lost may start, the wait before it)
         self._lost_wait: dict[str, tuple[float, float]] = {}
         self._streaming: set[str] = set()  # http: workers whose event stream is open
+        # worker url -> the epoch of its last snapshot read, and the epochs before it (lives that ended)
+        self._epoch: dict[str, str] = {}
+        self._past: dict[str, deque[str]] = {}
         self._redis = None
         self._applying = asyncio.Lock()
 
@@ -188,6 +195,8 @@ class EventSubscriber:
         self._cursors.pop(worker.url, None)
         self._reported.pop(worker.url, None)
         self._lost_wait.pop(worker.url, None)
+        self._epoch.pop(worker.url, None)
+        self._past.pop(worker.url, None)
         self._silent.discard(worker.url)  # NOTE: a worker added again at this URL is warned about afresh
         task = self._tasks.pop(worker.url, None)
         if task is not None:
@@ -223,6 +232,10 @@ class EventSubscriber:
         cursor = self._cursors.setdefault(worker.url, _Cursor())
         if batch.epoch == cursor.epoch and batch.seq <= cursor.seq:
             return True  # already covered by the snapshot we synced from
+        if batch.epoch != cursor.epoch and batch.epoch in self._past.get(worker.url, ()):
+            # NOTE: a life that ended (a snapshot of a later one was read): its batches, read late (Redis
+            # back, a router paused), say nothing of the cache; each re-synced all over again
+            return True
         if batch.epoch != cursor.epoch or batch.seq != cursor.seq + 1:
             return False
         self._apply_batch(worker, batch)
@@ -295,6 +308,10 @@ class EventSubscriber:
             if worker not in self._router.workers:
                 return False  # NOTE: removed meanwhile: its index entries are gone, keep it so
         self._cursors[worker.url] = _Cursor(snapshot.epoch, snapshot.seq)
+        before = self._epoch.get(worker.url)
+        if before is not None and before != snapshot.epoch:
+            self._past.setdefault(worker.url, deque(maxlen=_PAST_EPOCHS)).append(before)
+        self._epoch[worker.url] = snapshot.epoch
         worker.stats.kv_resyncs += 1
         log.info(
             "re-synced %s from its snapshot (epoch %s, seq %d)", worker.url, snapshot.epoch, snapshot.seq

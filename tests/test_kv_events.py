@@ -167,6 +167,38 @@ async def test_a_snapshot_of_the_last_life_applied_after_the_new_epoch_was_seen_
     assert events._cursors[url].epoch == "e2"
 
 
+async def test_batches_of_a_life_that_ended_read_late_are_dropped_not_re_synced_from(monkeypatch):
+    """A router cut off from Redis while a worker restarted re-syncs from the new life's snapshot (its health
+    tells the new epoch); the old life's batches, read when Redis is back, each set off another snapshot
+    fetch of the same cache (9 in 76 ms; 15 with 1,300 left over). They are dropped now."""
+    from router.block_hash import block_hashes, root_hash
+    from router.config import RouterConfig
+    from router.gateway import Router
+
+    url = "http://127.0.0.1:42811"
+    router = Router(RouterConfig(workers=[url], kv_events="redis", redis_url="redis://127.0.0.1:42812"))
+    events, worker = router.events, router.workers.get(url)
+    root, chain = root_hash(""), block_hashes(list(range(8)), 4)
+    for epoch in ("e1", "e2"):  # the old life's snapshot, then the new life's
+        snapshot = KVEventBatch(worker=url, epoch=epoch, seq=3, ts=0.0, block_size=4, stored=[])
+        assert await events._apply_snapshot(worker, encode(snapshot))
+    fetched = []
+    monkeypatch.setattr(events, "resync_soon", fetched.append)
+    for seq in range(4, 10):  # the old life's batches, read late
+        stale = KVEventBatch(worker=url, epoch="e1", seq=seq, ts=0.0, block_size=4,
+                             stored=[StoredBlocks(chain, root, list(range(8)))])  # fmt: skip
+        await events._handle(encode(stale))
+    assert fetched == [] and router.index.match(chain) == {}
+    assert events._cursors[url].epoch == "e2" and events._cursors[url].seq == 3
+    fresh = KVEventBatch(worker=url, epoch="e2", seq=4, ts=0.0, block_size=4,
+                         stored=[StoredBlocks(chain, root, list(range(8)))])  # fmt: skip
+    await events._handle(encode(fresh))
+    assert router.index.match(chain) == {url: 2}  # the new life's batches apply as before
+    unknown = KVEventBatch(worker=url, epoch="e3", seq=0, ts=0.0, block_size=4, stored=[])
+    await events._handle(encode(unknown))  # a life not seen yet: re-synced from, as before
+    assert fetched == [worker]
+
+
 def test_a_batch_names_its_worker_in_any_spelling_of_the_url_it_is_registered_under():
     from router.config import RouterConfig
     from router.gateway import Router
