@@ -108,7 +108,9 @@ class ReasoningSplitter(Splitter):
 
     def __init__(self, thinking: bool = False, track: bool = True) -> None:
         super().__init__()
-        self._state = "reasoning" if thinking else "start"  # start: not yet known whether it thinks
+        # start: not yet known whether it thinks; lead: thinking the prompt opened, before its first text (a
+        # <think> the model writes again there is a tag: in neither part, as vLLM's parsers strip it)
+        self._state = "lead" if thinking else "start"
         self._pending = ""  # text held back: possibly the start of a tag
         self._undecided = 0  # tokens generated before it was known whether the answer thinks
         if track:
@@ -122,7 +124,7 @@ class ReasoningSplitter(Splitter):
 
     def _judge(self, token_ids: Sequence[int]) -> bool | None:
         """To the thinking while it lasts (the token that closes it included)."""
-        if self._state == "reasoning":
+        if self._state in ("reasoning", "lead"):
             self._thinking += len(token_ids)
         elif self._state == "start":
             self._undecided += len(token_ids)
@@ -143,6 +145,15 @@ class ReasoningSplitter(Splitter):
                     return reasoning, content
                 else:
                     self._state, self._undecided = "content", 0
+            elif self._state == "lead":
+                lead = text.lstrip()
+                if lead.startswith(OPEN):
+                    text, self._state = lead[len(OPEN) :], "reasoning"
+                elif OPEN.startswith(lead):  # whitespace, or a part of the tag: not known yet
+                    self._pending = text
+                    return reasoning, content
+                else:
+                    self._state = "reasoning"
             elif self._state == "reasoning":
                 at = text.find(CLOSE)
                 if at >= 0:
@@ -161,7 +172,7 @@ class ReasoningSplitter(Splitter):
     def flush(self) -> tuple[str, str]:
         """The end of the answer: what was held back, as what it turned out to be."""
         text, self._pending = self._pending, ""
-        if self._state == "reasoning":
+        if self._state in ("reasoning", "lead"):
             return text, ""
         return "", text
 

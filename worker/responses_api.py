@@ -455,7 +455,7 @@ class _Turn:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.messages = messages  # earlier turns + this input, without instructions
-        self.input_items = listed_input_items(body["input"])
+        self.input_items = listed_input_items(body.get("input") or [])
         self.reader = reader  # with tools: reads calls out of the text
         self.thinking = thinking  # with --reasoning-parser: the thinking apart, as a reasoning item
         self.output_tokens = self.cached_tokens = self.cache_written = 0

@@ -26,6 +26,11 @@ from worker.reasoning import ReasoningSplitter, prompt_opens_thinking, split
         ("<think>cut off while thinking", False, ("cut off while thinking", "")),
         ("<thi", False, ("", "<thi")),  # the start of a tag that never came is content
         ("plan</think>answer", True, ("plan", "answer")),  # the prompt opened the thinking
+        # ... and the model opened it again: the tag is in neither part (it stayed in the reasoning)
+        ("<think>\nplan\n</think>\n\nanswer", True, ("\nplan\n", "\n\nanswer")),
+        ("\n<think>plan</think>answer", True, ("plan", "answer")),
+        (" <thinking aloud</think>answer", True, (" <thinking aloud", "answer")),  # no tag: the text
+        ("<thi", True, ("<thi", "")),  # the start of a tag that never came: thinking cut off
         ("still thinking </thi", True, ("still thinking </thi", "")),
         ("<think>a</think>b</think>c", False, ("a", "b</think>c")),  # only the first close ends it
         ("", False, ("", "")),
