@@ -332,7 +332,7 @@ class ResponsesAPI:
             return Response(status_code=499)
         conversation = history + input_messages(body["input"])
         reads = call_reader(tools, guide)
-        reader = ToolOutput(reads, api.tool_call_parser) if reads is not None else None
+        reader = ToolOutput(reads, api.call_parser) if reads is not None else None
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
                      api.splitter(thinking, calls=reader is not None) if api.reasoning else None)  # fmt: skip

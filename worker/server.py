@@ -104,6 +104,8 @@ class WorkerAPI:
         self.reasoning_parser = reasoning_parser
         # gpt-oss: harmony's markers are special tokens, its calls its own messages (no calls grammar)
         self.harmony = reasoning_parser in SPECIAL_TOKEN_PARSERS
+        # NOTE: the harmony splitter hands a call on as hermes' markup, whatever --tool-call-parser says
+        self.call_parser = "hermes" if self.harmony else tool_call_parser
         self._ends = {i: m for m in reasoning.BODY_ENDS if (i := engine.guides.special_id(m)) is not None}
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
@@ -233,7 +235,7 @@ class WorkerAPI:
             if chat and self.reasoning:
                 c.reasoning = self.splitter(thinking, calls=reader)
             if reader:
-                c.tools = ToolOutput(tools, self.tool_call_parser)
+                c.tools = ToolOutput(tools, self.call_parser)
             if echo is not None:
                 c.echo, c.scoring_only = echo[c.prompt], scoring
                 c.prompt_ids = prompts[c.prompt] if params.prompt_logprobs is not None else None

@@ -160,6 +160,21 @@ def test_a_tool_call_after_the_analysis_is_read_whole_and_streamed(worker):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_a_harmony_call_is_a_call_whatever_the_tool_call_parser(parser):
+    """The harmony splitter hands a call on as hermes' markup: read by another --tool-call-parser, the
+    answer was that markup as content (which the model never wrote), and no call."""
+    body = {**chat(tools=TOOLS, max_tokens=240), "regex": CALL}
+    with (
+        serve(reasoning_parser="gpt_oss", tool_call_parser=parser) as live,
+        httpx.Client(base_url=live.url, timeout=60) as client,
+    ):
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and whole["message"]["content"] is None
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
 def test_a_call_its_end_token_ended_is_whole_though_that_token_is_not_text():
     """gpt-oss lists <|call|> among its EOS ids (generation_config.json): the engine keeps it out of
     the text, so the splitter is told the answer's last token; a call it ended is a call."""
