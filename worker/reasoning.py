@@ -216,7 +216,8 @@ class HarmonySplitter(Splitter):
         self._channel = ""
         self._recipient = ""  # the tool a message is addressed to ("" for none)
         self._call = ""  # the text of a message to a tool, so far
-        self._header = ""  # the current header's text so far
+        self._header: list[str] = []  # the current header's text so far, in pieces (joined once it ends)
+        self._tail = ""  # its last characters: where a marker split over pieces begins
         self._seen_marker = False
         self._pending = ""  # body text held back: possibly the start of a marker
         if track:
@@ -244,12 +245,19 @@ class HarmonySplitter(Splitter):
         reasoning = content = ""
         while text:
             if self._state == "header":
-                text, self._header = self._header + text, ""
-                at = text.find(MESSAGE)
+                # NOTE: only the new text and the marker's length before it are searched (an answer in no
+                # message, e.g. under a grammar, is header till its end: rescanned whole, 400k characters
+                # took 8 s of the loop)
+                tail = self._tail
+                at = (tail + text).find(MESSAGE)
                 if at < 0:
-                    self._header = text
+                    self._header.append(text)
+                    self._tail = (tail + text)[-(len(MESSAGE) - 1) :]
                     break
-                header, text = text[:at], text[at + len(MESSAGE) :]
+                whole = "".join(self._header) + text
+                at += len(whole) - len(text) - len(tail)
+                self._header, self._tail = [], ""
+                header, text = whole[:at], whole[at + len(MESSAGE) :]
                 self._seen_marker, self._state = True, "body"
                 channel, recipient = _CHANNEL_NAME.search(header), _RECIPIENT.search(header)
                 self._channel = channel.group(1) if channel else ""
@@ -286,7 +294,7 @@ class HarmonySplitter(Splitter):
             return reasoning + rest[0], content + rest[1]
         text, self._pending = self._pending, ""
         if self._state == "header":  # NOTE: an answer with no message at all is plain content
-            text, self._header = ("" if self._seen_marker else self._header), ""
+            text, self._header, self._tail = ("" if self._seen_marker else "".join(self._header)), [], ""
             return "", text
         if self._recipient:  # NOTE: a call cut off: its text is content, as a hermes call cut off is
             text, self._call, self._recipient = self._call + text, "", ""

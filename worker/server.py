@@ -90,6 +90,10 @@ async def _client_gone(request: Request, tick: bool = False) -> bool:
     return await request.is_disconnected()
 
 
+# guide kinds whose whole answer is JSON: under gpt_oss's parser no harmony message, so nothing to split
+WHOLE_JSON = frozenset({"json_schema", "json_object", "tool_call"})
+
+
 class WorkerAPI:
     """Routes bound to one engine."""
 
@@ -122,9 +126,15 @@ class WorkerAPI:
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
 
-    def splitter(self, thinking: bool | None, calls: bool = True) -> reasoning.Splitter:
+    def splitter(
+        self, thinking: bool | None, calls: bool = True, guide: Any = None
+    ) -> reasoning.Splitter | None:
         """A chat answer's reasoning splitter (with --reasoning-parser; ``calls``: a tool call reader
-        takes its content)."""
+        takes its content); None where there is nothing to split: without the parser, and with gpt_oss's
+        under a JSON constraint (a forced call, a JSON format), whose answer is in no harmony message (it
+        streams as content, not held to its end for a marker that cannot come)."""
+        if not self.reasoning or (self.harmony and guide is not None and guide.kind in WHOLE_JSON):
+            return None
         return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends, calls)
 
     def end_requests_at(self, deadline: float) -> None:
@@ -232,8 +242,8 @@ class WorkerAPI:
         choices = [Choice(p * n + i, prompt=p) for p in range(len(prompts)) for i in range(n)]
         reader = tools is not None and tools.choice != "none"
         for c in choices:
-            if chat and self.reasoning:
-                c.reasoning = self.splitter(thinking, calls=reader)
+            if chat:
+                c.reasoning = self.splitter(thinking, reader, params.guide)
             if reader:
                 c.tools = ToolOutput(tools, self.call_parser)
             if echo is not None:

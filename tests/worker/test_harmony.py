@@ -160,6 +160,38 @@ def test_a_tool_call_after_the_analysis_is_read_whole_and_streamed(worker):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_a_forced_call_and_a_json_answer_stream_as_they_are_generated(worker):
+    """Under a JSON constraint (a named or required call, a JSON format) the answer is in no harmony message:
+    it was held to its end for a marker that could not come (the call's header and arguments, the JSON,
+    all in the last chunk); now it streams as the answer does without the parser, whole and streamed alike."""
+    named = {"messages": [{"role": "user", "content": "Oslo?"}], "tools": TOOLS, "max_tokens": 40, "temperature": 0,
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}},
+        "required": ["name"],
+    }
+    formatted = {"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 40, "temperature": 0,
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}}  # fmt: skip
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=named).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**named, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        args = [tc["function"].get("arguments", "") for c in chunks if c["choices"]
+                for tc in c["choices"][0]["delta"].get("tool_calls", [])]  # fmt: skip
+        assert len([a for a in args if a]) > 1, (
+            args
+        )  # the arguments as they came, not in one piece at the end
+        assert "".join(args) == whole["message"]["tool_calls"][0]["function"]["arguments"]
+        answer = client.post("/v1/chat/completions", json=formatted).json()["choices"][0]["message"][
+            "content"
+        ]
+        with client.stream("POST", "/v1/chat/completions", json={**formatted, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        texts = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        assert len([t for t in texts if t]) > 1 and "".join(texts) == answer and "name" in json.loads(answer)
+
+
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
 def test_a_harmony_call_is_a_call_whatever_the_tool_call_parser(parser):
     """The harmony splitter hands a call on as hermes' markup: read by another --tool-call-parser, the
