@@ -325,8 +325,13 @@ class ToolOutput:
             return [*out, {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         if self._array is not None:
             out = self._array.feed(text)
-            self.calls = self._array.calls
-            return out
+            if self.req.parallel:
+                self.calls = self._array.calls
+                return out
+            # NOTE: one call in all, as the whole answer keeps (the grammar lets the model write one)
+            self.calls = min(1, self._array.calls)
+            kept = [[tc for tc in d["tool_calls"] if tc["index"] == 0] for d in out]
+            return [{"tool_calls": tcs} for tcs in kept if tcs]
         self._pending += text
         if self.parser == "llama3_json":
             return self._feed_json()

@@ -231,6 +231,13 @@ def test_streamed_required_calls_come_as_generated_and_agree_with_the_whole_answ
         ("get_weather", {"city": 'O"s}l[o', "unit": "c"}),
     ]
     assert out.finish_reason("stop") == "tool_calls"
+    # without parallel calls, one call in all, streamed as whole (the stream sent every call the text held)
+    single = ToolOutput(ToolRequest(TOOLS, "required", parallel=False), parser)
+    content, calls = streamed(single, pieces)
+    assert content == "" and calls == calls_of(
+        single_whole := ToolOutput(ToolRequest(TOOLS, "required", parallel=False), parser).message(text)
+    )
+    assert calls == [("add", {"a": 1, "b": 2})] and len(single_whole["tool_calls"]) == 1 and single.calls == 1
 
 
 def raw_calls(message_or_deltas: dict | list[dict]) -> list[tuple[str, str]]:
