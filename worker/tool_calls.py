@@ -540,6 +540,9 @@ class _CallArray:
 
 
 def _hermes_block(block: str) -> list[dict] | None:
+    # NOTE: a block cut off (max_tokens) inside its spelled-out close tag is the call before it, as one cut
+    # a token earlier is
+    block = block[: len(block) - _partial_suffix(block, _CLOSE)]
     try:
         call = _as_call(json.loads(block))
     except json.JSONDecodeError:

@@ -167,6 +167,18 @@ NOT_CALLS = [
 ]
 
 
+@pytest.mark.parametrize("tail", ["", "<", "</tool_ca", "</tool_call"])
+def test_a_call_cut_off_inside_its_close_tag_is_the_call(tail) -> None:
+    """max_tokens cutting a spelled-out </tool_call>: the call was content (its markup), while a cut a token
+    earlier kept it a call; whole and streamed alike."""
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}' + tail
+    whole = ToolOutput(ToolRequest(TOOLS, "auto"), "hermes").message(text)
+    assert calls_of(whole) == [("add", {"a": 1, "b": 2})] and not whole.get("content"), whole
+    for cuts in ([], [5], [len(text) - 2], list(range(0, len(text), 3))):
+        content, calls = streamed(ToolOutput(ToolRequest(TOOLS, "auto"), "hermes"), cut(text, cuts))
+        assert (content, calls) == ("", [("add", {"a": 1, "b": 2})]), cuts
+
+
 def test_a_closing_tag_inside_an_argument_string_does_not_end_the_call() -> None:
     """The grammar lets an argument spell </tool_call> (or [TOOL_CALLS]); the call ends at the tag
     outside its JSON strings."""
