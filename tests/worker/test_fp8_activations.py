@@ -273,6 +273,22 @@ def test_static_needs_the_checkpoints_declared_input_scales(tmp_path):
         load_model(str(fp8), fp8_weights="fp8", fp8_activations="static")
     # weight-only (the input scales unread), or per token (dynamic) on the same checkpoint
     assert not load_model(str(fp8), fp8_weights="fp8").config.fp8_activations
+    # an input scale of zero, inf or NaN loaded, and every answer was inf or NaN (or far off): refused by name
+    for bad in (0.0, float("inf"), float("nan"), -1.0):
+        weights["model.layers.1.self_attn.v_proj.input_scale"] = torch.tensor([bad])
+        save_file(weights, str(fp8 / "model.safetensors"))
+        with pytest.raises(
+            ValueError, match=r"v_proj\.input_scale is .+: static input scales must be positive and finite"
+        ):
+            load_model(str(fp8), fp8_weights="fp8", fp8_activations="static")
+    # a weight's scale of NaN: every answer NaN, whether kept in fp8 or dequantized
+    weights["model.layers.1.self_attn.v_proj.input_scale"] = saved
+    key = next(k for k in weights if k.startswith("model.layers.0.mlp.down_proj.weight_scale"))
+    weights[key] = torch.full_like(weights[key], float("nan"))
+    save_file(weights, str(fp8 / "model.safetensors"))
+    for kept in ("fp8", "dequantized"):
+        with pytest.raises(ValueError, match=r"down_proj\.weight_scale(_inv)? holds inf or NaN"):
+            load_model(str(fp8), fp8_weights=kept)
 
 
 def test_the_activation_scheme_is_read_from_either_config():

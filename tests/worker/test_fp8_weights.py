@@ -213,7 +213,10 @@ def test_an_fp8_weight_without_its_scale_is_named(llama_base, tmp_path):
             },
             "compressed-tensors: int 4-bit by group",
         ),
-        ({"quant_method": "fp8", "fmt": "e5m2"}, "quantized checkpoints (fp8) are not supported"),
+        (
+            {"quant_method": "fp8", "fmt": "e5m2"},
+            "fp8 checkpoints of format 'e5m2' are not supported (e4m3 weights are)",
+        ),
         ({"quant_method": "awq"}, "quantized checkpoints (awq) are not supported"),
     ],
     ids=["w4a16", "fp8-e5m2", "awq"],

@@ -96,6 +96,8 @@ def _fp8_dequantized(
             yield name, tensor
             continue
         owner = scale.group(1) if scale else name.removesuffix(".weight")
+        if scale is not None and not torch.isfinite(tensor.float()).all():  # NOTE: every answer would be NaN
+            raise ValueError(f"{name} holds inf or NaN: a weight's scales must be finite")
         pair = waiting.setdefault(owner, {})
         pair["scale" if scale else "weight"] = tensor
         if len(pair) == 2 and keep and FP8_PROJECTION.search(owner):
@@ -114,10 +116,14 @@ def _fp8_dequantized(
 
 
 def _one_scale(name: str, tensor: torch.Tensor, kind: str) -> torch.Tensor:
-    """A per-tensor scale as float32 [1]; ValueError naming it where it holds more than one value."""
+    """A per-tensor scale as float32 [1]; ValueError naming it where it holds more than one value, or one
+    that is not positive and finite (the input is divided by it: every answer would be inf or NaN)."""
     if tensor.numel() != 1:
         raise ValueError(f"{name} has {tensor.numel()} values: {kind} scales are one a tensor")
-    return tensor.float().reshape(1)
+    value = tensor.float().reshape(1)
+    if not (torch.isfinite(value).all() and value.item() > 0):
+        raise ValueError(f"{name} is {value.item()}: {kind} scales must be positive and finite")
+    return value
 
 
 def _kv_scale(name: str, tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:

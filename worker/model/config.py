@@ -302,6 +302,10 @@ def _quantization(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
                 "checkpoint_kv_scales": quant.get("kv_cache_scheme") == "static"}  # fmt: skip
     if method == "compressed-tensors":
         return _compressed_fp8(quant)
+    if method == "fp8":  # NOTE: e5m2 weights ("fmt": "e5m2"): the kernels and the dequantizer read e4m3 codes
+        raise ValueError(
+            f"fp8 checkpoints of format {quant.get('fmt')!r} are not supported (e4m3 weights are)"
+        )
     raise ValueError(
         f"quantized checkpoints ({method}) are not supported, except fp8 weights (dequantized at load) and "
         "gpt-oss's MXFP4 experts; serve the unquantized weights"
