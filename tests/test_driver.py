@@ -346,7 +346,9 @@ async def test_trace_replay_over_the_responses_api_is_answered(launch, tmp_path,
     share a leading hash id share a cached prefix."""
     worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b")
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 100 * i, "input_length": 1024, "output_length": 2, "hash_ids": [7, 100 + i]}
+    # NOTE: 400 ms apart, so that in open mode each is sent after the one before was cached even on a busy
+    # machine (at 100 ms a loaded CI run sent one while the first still prefilled: no hit)
+    rows = [{"timestamp": 400 * i, "input_length": 1024, "output_length": 2, "hash_ids": [7, 100 + i]}
             for i in range(4)]  # fmt: skip
     trace.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
     cfg = LoadConfig(url=worker.url, workload="trace", trace=str(trace), api="responses", mode=mode,
