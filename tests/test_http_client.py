@@ -600,30 +600,33 @@ async def test_a_chunked_body_is_chunked_however_its_coding_is_spelt():
 async def test_a_response_after_the_answer_is_neither_its_body_nor_the_next_requests_answer(later):
     """A server that sends a second response (in the answer's read, or later on the idle connection): its
     body was joined to the answer's, or handed to the next request on the connection as its answer."""
-    if True:
 
-        async def two_answers(reader, writer):
-            await _read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nmine")
-            if later:
-                await writer.drain()
-                await asyncio.sleep(0.2)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+    stray_sent = asyncio.Event()
+
+    async def two_answers(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nmine")
+        if later:
             await writer.drain()
-            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-                await _read_request(reader)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond")
-                await writer.drain()
-            await asyncio.sleep(1)
+            await asyncio.sleep(0.2)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+        await writer.drain()
+        stray_sent.set()
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await _read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsecond")
+            await writer.drain()
+        await asyncio.sleep(1)
 
-        async with raw_server(two_answers) as (url, conns):
-            client = HTTPClient(read_timeout=5)
-            resp = await client.post(url, "/x", b"{}")
-            assert await resp.read() == b"mine", later
-            resp.close()
-            await asyncio.sleep(0.4)
-            resp = await client.post(url, "/x", b"{}")
-            assert await resp.read() != b"stray", later  # a new connection's answer, not the stray one
-            resp.close()
-            assert len(conns) == 2, later  # the connection that sent it was not reused
-            client.close()
+    async with raw_server(two_answers) as (url, conns):
+        client = HTTPClient(read_timeout=5)
+        resp = await client.post(url, "/x", b"{}")
+        assert await resp.read() == b"mine", later
+        resp.close()
+        await stray_sent.wait()  # NOTE: sent after the next request, it could only be taken for its answer
+        await asyncio.sleep(0.2)
+        resp = await client.post(url, "/x", b"{}")
+        assert await resp.read() != b"stray", later  # a new connection's answer, not the stray one
+        resp.close()
+        assert len(conns) == 2, later  # the connection that sent it was not reused
+        client.close()

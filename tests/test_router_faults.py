@@ -111,24 +111,32 @@ def test_a_client_leaving_while_the_router_reads_a_workers_answer_closes_that_co
     wait_until(closed.is_set, 10, what="the router closing its connection to the worker")
 
 
-def test_a_responses_stream_cut_inside_an_events_number_is_numbered_from_the_last_whole_event(launch, faulty):
-    """The stream breaks off after ``"sequence_number": 1`` of event 12: the error event is 12,
-    following the 12 whole events (0..11) the client could read, not 2."""
+def _responses_stream_cut_after(launch, faulty, chunks: list[bytes]) -> bytes:
+    """What a client of the router receives of a Responses stream whose worker sends ``chunks`` and dies."""
 
     async def responses(request: Request):
         async def body():
-            for n in range(12):
-                yield f'data: {{"type":"response.output_text.delta","sequence_number":{n},"delta":"x"}}\n\n'.encode()
-            yield b'data: {"type":"response.output_text.delta","sequence_number":1'
+            for chunk in chunks:
+                yield chunk
             raise RuntimeError("the worker dies here")
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    worker = faulty(responses=responses)
-    router = launch.router([worker.url])
+    router = launch.router([faulty(responses=responses).url])
     body = {"model": "faulty", "input": "cut me off", "stream": True}
     with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=30) as r:
-        received = b"".join(r.iter_raw())
+        return b"".join(r.iter_raw())
+
+
+def test_a_responses_stream_cut_inside_an_events_number_is_numbered_from_the_last_whole_event(launch, faulty):
+    """The stream breaks off after ``"sequence_number": 1`` of event 12: the error event is 12,
+    following the 12 whole events (0..11) the client could read, not 2."""
+
+    deltas = [f'data: {{"type":"response.output_text.delta","sequence_number":{n},"delta":"x"}}\n\n'.encode()
+              for n in range(12)]  # fmt: skip
+    received = _responses_stream_cut_after(
+        launch, faulty, [*deltas, b'data: {"type":"response.output_text.delta","sequence_number":1']
+    )
     numbers = []
     for line in received.splitlines():
         if line.startswith(b"data: "):
@@ -143,23 +151,11 @@ def test_a_responses_stream_the_worker_breaks_off_ends_with_response_failed(laun
     leaves clients without a final response."""
     created = {"id": "resp_x", "object": "response", "status": "in_progress", "output": [], "error": None}
 
-    async def responses(request: Request):
-        async def body():
-            yield (
-                b"event: response.created\ndata: "
-                + orjson.dumps({"type": "response.created", "sequence_number": 0, "response": created})
-                + b"\n\n"
-            )
-            yield b'data: {"type":"response.output_text.delta","sequence_number":1,"delta":"x"}\n\n'
-            raise RuntimeError("the worker dies here")
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    worker = faulty(responses=responses)
-    router = launch.router([worker.url])
-    body = {"model": "faulty", "input": "cut me off", "stream": True}
-    with httpx.stream("POST", router.url + "/v1/responses", json=body, timeout=30) as r:
-        received = b"".join(r.iter_raw())
+    head = orjson.dumps({"type": "response.created", "sequence_number": 0, "response": created})
+    received = _responses_stream_cut_after(
+        launch, faulty, [b"event: response.created\ndata: " + head + b"\n\n",
+                         b'data: {"type":"response.output_text.delta","sequence_number":1,"delta":"x"}\n\n'],
+    )  # fmt: skip
     events = [orjson.loads(line[6:]) for line in received.splitlines() if line.startswith(b"data: ")]
     assert [e["type"] for e in events] == [
         "response.created",
