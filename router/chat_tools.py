@@ -57,12 +57,17 @@ def call_arguments(call: dict) -> Any:
     return args
 
 
-def compact_json(value: Any) -> str:
-    """``value`` as JSON text without spaces, its characters as they are; but escaped (``\\uXXXX``) where a
-    string holds a lone surrogate (JSON text may write one, ``"\\ud800"``, which no UTF-8 encodes)."""
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def encodable(text: str) -> bool:
+    """No lone surrogate (JSON text may write one, ``"\\ud800"``, which no UTF-8 encodes): it can be sent."""
     try:
         text.encode()
     except UnicodeEncodeError:
-        return json.dumps(value, separators=(",", ":"))
-    return text
+        return False
+    return True
+
+
+def compact_json(value: Any) -> str:
+    """``value`` as JSON text without spaces, its characters as they are; but escaped (``\\uXXXX``) where a
+    string holds a lone surrogate."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text if encodable(text) else json.dumps(value, separators=(",", ":"))

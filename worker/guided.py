@@ -152,9 +152,8 @@ def lark_grammar(text: Any) -> str:
         text = any_to_lark(text)
     except RecursionError:
         raise ValueError("the GBNF grammar is nested too deeply to convert") from None
-    except (
-        Exception
-    ) as exc:  # NOTE: the converter's own error, or a plain Exception (a rule not found, no root)
+    # NOTE: the converter's own error, or a plain Exception (a rule not found, no root rule)
+    except Exception as exc:
         raise ValueError(f"the GBNF grammar does not parse: {exc}") from None
     return LLMatcher.grammar_from_lark(text)
 

@@ -43,9 +43,8 @@ class StoredResponse:
     messages: list[dict[str, Any]] | None  # the conversation so far, without instructions (None: in progress)
     response: dict  # the response object, as GET returns it
     size: int = 0  # bytes it stands for (its JSON's), against the store's bound
-    input_items: list[dict] = field(
-        default_factory=list
-    )  # this turn's input, as GET .../input_items lists it
+    # this turn's input, as GET .../input_items lists it
+    input_items: list[dict] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -250,21 +249,14 @@ class ResponsesAPI:
             or text_format.get("type") not in ("text", "json_object", "json_schema")
         ):
             raise APIError(400, "'text.format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
-        if (
-            text_format is not None and text_format["type"] == "json_schema"
-        ):  # NOTE: both required, as OpenAI's
+        # NOTE: a json_schema format needs its name and its schema, as OpenAI's
+        if text_format is not None and text_format["type"] == "json_schema":
             if not isinstance(text_format.get("name"), str) or not text_format["name"]:
-                raise APIError(
-                    400,
-                    "'text.format.name' is required: the schema's name (a string)",
-                    "missing_required_parameter",
-                )
+                raise APIError(400, "'text.format.name' is required: the schema's name (a string)",
+                               "missing_required_parameter")  # fmt: skip
             if not isinstance(text_format.get("schema"), dict):
-                raise APIError(
-                    400,
-                    "'text.format.schema' is required: a JSON Schema object",
-                    "missing_required_parameter",
-                )
+                raise APIError(400, "'text.format.schema' is required: a JSON Schema object",
+                               "missing_required_parameter")  # fmt: skip
         stray = sorted(k for k in CONSTRAINT_KEYS if body.get(k) is not None)
         if stray:  # NOTE: chat's spellings, refused rather than ignored (OpenAI: an unknown parameter)
             raise APIError(400, f"{stray[0]!r} does not apply to /v1/responses: an output's format is "
@@ -418,7 +410,7 @@ class ResponsesAPI:
         if query.getlist("include"):  # NOTE: images' URLs and the like: this worker's input is text
             raise APIError(400, "'include' is not supported here: the input items are text, listed whole")
         limit = query.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
             raise APIError(400, f"'limit' must be an integer in [1, 100], got {limit!r}")
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):

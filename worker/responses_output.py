@@ -119,9 +119,8 @@ class OutputItems:
     def close(self, status: str, empty_message: bool = True) -> list[bytes]:
         """Close the open item and mark every item ``status`` (completed or incomplete)."""
         out: list[bytes] = []
-        if (
-            not self.items and empty_message
-        ):  # nothing was generated: still one (empty) message, as the API has
+        # NOTE: nothing was generated: still one (empty) message, as the API has (not for a failure's close)
+        if not self.items and empty_message:
             out += self.open_message()  # NOTE: its opening events too: a stream's numbers run on
         out += self._close_open(status)
         for item in self.items:

@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from router.chat_tools import compact_json, normalize_tools
+from router.chat_tools import compact_json, encodable, normalize_tools
 from worker.guided import JSON_DEFAULTS, check_schema, grammar_of
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -192,19 +192,10 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}  # fmt: skip
 
 
-def _utf8(text: str) -> bool:
-    """No lone surrogate (JSON's ``"\\ud800"`` decodes to one): the text can be sent."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _as_call(obj: Any) -> dict | None:
     """``{"name": ..., "arguments" | "parameters": {...}}`` as a tool call; None if it is not one (a name of
     a lone surrogate neither: no tool has one)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _utf8(obj["name"]):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not encodable(obj["name"]):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return _call(obj["name"], args if isinstance(args, str) else compact_json(args))
@@ -523,7 +514,7 @@ class _CallArray:
             return
         if self._key == "name" and not self._sent_head:
             name = json.loads(f'"{self._token}"')
-            name = name if _utf8(name) else self._token  # NOTE: a lone surrogate: as the model escaped it
+            name = name if encodable(name) else self._token  # NOTE: a lone surrogate: as the model escaped it
             out.append({"tool_calls": [{"index": self.calls, **_call(name, "")}]})
             self.calls += 1
             self._sent_head = True

@@ -322,7 +322,8 @@ def test_the_input_items_of_a_response_are_listed_a_page_at_a_time(client) -> No
     assert [(i["type"], i["role"], i["content"]) for i in one["data"]] == [
         ("message", "user", [{"type": "input_text", "text": "Plain"}])
     ]
-    for params in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"order": "up"}, {"after": "msg_nope"},
+    for params in ({"limit": 0}, {"limit": 101}, {"limit": "x"}, {"limit": "²"}, {"limit": "9" * 5000},
+                   {"order": "up"}, {"after": "msg_nope"},
                    {"include": "message.input_image.image_url"}, {"page": 2}):  # fmt: skip
         r = client.get(f"/v1/responses/{rid}/input_items", params=params)
         assert r.status_code == 400 and r.json()["error"]["message"], (params, r.text)
