@@ -22,7 +22,7 @@ from router.request_parsing import (
 from router.token_bounds import fewest_tokens
 from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
-from worker.guided import CONSTRAINT_KEYS, Guide, GuideCompiler, requested_grammar, thinking_first
+from worker.guided import CONSTRAINT_KEYS, JSON_KINDS, Guide, GuideCompiler, requested_grammar, thinking_first
 from worker.request import QueueFullError
 from worker.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from worker.tool_calls import (
@@ -131,7 +131,7 @@ def call_reader(tools: ToolRequest | None, guide: Guide | None) -> ToolRequest |
     may spell calls in the parser's format: those are read."""
     if tools is None or tools.choice == "none":
         return None
-    if tools.choice == "auto" and guide is not None and guide.kind in ("json_schema", "json_object"):
+    if tools.choice == "auto" and guide is not None and guide.kind in JSON_KINDS:
         return None
     return tools
 

@@ -182,6 +182,7 @@ def thinking_first(grammar: str, opened: bool = False) -> str:
 
 
 # vLLM's spellings: ``structured_outputs: {kind: value}`` and the older top-level ``guided_<kind>``
+JSON_KINDS = ("json_schema", "json_object")  # the constraints whose answer is one JSON value
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 # SGLang's: top-level ``regex``, ``json_schema`` (JSON text) and ``ebnf``
 _SGLANG_KINDS = {"regex": "regex", "json_schema": "json_schema", "ebnf": "grammar"}
@@ -239,7 +240,7 @@ def requested_grammar(body: dict) -> tuple[str, str] | None:
 
 def grammar_of(kind: str, value: Any) -> tuple[str, str]:
     """(kind, grammar) for one constraint; a JSON schema may come as JSON text."""
-    if kind in ("json_schema", "json_object"):
+    if kind in JSON_KINDS:
         if isinstance(value, str):
             text = value.encode()
             try:

@@ -135,25 +135,18 @@ class ReasoningSplitter(Splitter):
         text, self._pending = self._pending + text, ""
         reasoning = content = ""
         while text:
-            if self._state == "start":
+            if self._state in ("start", "lead"):  # NOTE: does the text open with the tag? (lead: again)
                 lead = text.lstrip()
-                if lead.startswith(OPEN):
-                    text, self._state = lead[len(OPEN) :], "reasoning"
-                    self._thinking, self._undecided = self._thinking + self._undecided, 0
-                elif OPEN.startswith(lead):  # whitespace, or a part of the tag: not known yet
+                opened = lead.startswith(OPEN)
+                if not opened and OPEN.startswith(lead):  # whitespace, or a part of the tag: not known yet
                     self._pending = text
                     return reasoning, content
-                else:
-                    self._state, self._undecided = "content", 0
-            elif self._state == "lead":
-                lead = text.lstrip()
-                if lead.startswith(OPEN):
-                    text, self._state = lead[len(OPEN) :], "reasoning"
-                elif OPEN.startswith(lead):  # whitespace, or a part of the tag: not known yet
-                    self._pending = text
-                    return reasoning, content
-                else:
-                    self._state = "reasoning"
+                if opened:
+                    text = lead[len(OPEN) :]
+                # NOTE: the tokens counted before it was known (none in lead) are the thinking's if it opened
+                thinks = opened or self._state == "lead"
+                self._thinking += self._undecided if thinks else 0
+                self._state, self._undecided = ("reasoning" if thinks else "content"), 0
             elif self._state == "reasoning":
                 at = text.find(CLOSE)
                 if at >= 0:

@@ -53,6 +53,7 @@ from worker.api_params import (
 )
 from worker.engine import Engine
 from worker.engine_api import RequestOutput
+from worker.guided import JSON_KINDS
 from worker.kv_pages import EXPORT_PATH
 from worker.kv_transfer import KVTransfer
 from worker.openai_format import Choice, Responses, TokenNames, event_stream, sse_json
@@ -90,8 +91,9 @@ async def _client_gone(request: Request, tick: bool = False) -> bool:
     return await request.is_disconnected()
 
 
-# guide kinds whose whole answer is JSON: under gpt_oss's parser no harmony message, so nothing to split
-WHOLE_JSON = frozenset({"json_schema", "json_object", "tool_call"})
+# guide kinds whose whole answer is JSON (a format's, a forced call's): under gpt_oss's parser no harmony
+# message, so nothing to split
+WHOLE_JSON = frozenset({*JSON_KINDS, "tool_call"})
 
 
 class WorkerAPI:
