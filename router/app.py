@@ -241,9 +241,9 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
         """GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items (its query passed on):
         answered by the worker the id names (another backend's id: by the least loaded healthy worker)."""
         rid = request.path_params["response_id"]
+        url = router.response_holder(rid)
+        holder = None if url is None else router.workers.get(url)
         try:
-            url = router.response_holder(rid)
-            holder = None if url is None else router.workers.get(url)
             # NOTE: not available(): that may turn an open breaker half-open with no probe sent
             if holder is not None and (not holder.healthy or holder.breaker.state is BreakerState.OPEN):
                 raise RouterError(503, f"the worker holding response {rid!r} ({url}) is not available",
@@ -269,10 +269,16 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
                 content_type = resp.headers.get("content-type", "application/json")
         except RouterError as exc:
             return router_error_response(exc)
-        except asyncio.TimeoutError:
-            return error_response(504, f"worker {url} did not answer in time", "timeout")
-        except aiohttp.ClientError as exc:
-            return error_response(502, f"worker {url} unreachable: {exc}", "connect")
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            failed = (
+                "did not answer in time" if isinstance(exc, asyncio.TimeoutError) else f"unreachable: {exc}"
+            )
+            if holder is not None:  # NOTE: down before a health check told: as after one
+                return error_response(503, f"the worker holding response {rid!r} ({url}) is not available: "
+                                      f"{failed}", "worker_unavailable")  # fmt: skip
+            if isinstance(exc, asyncio.TimeoutError):
+                return error_response(504, f"worker {url} {failed}", "timeout")
+            return error_response(502, f"worker {url} {failed}", "connect")
         return Response(payload, resp.status, {"x-radixgate-worker": url}, content_type)
 
     @contextlib.asynccontextmanager

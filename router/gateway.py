@@ -57,6 +57,8 @@ WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
 FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
 MODEL_TOKENIZER_INLINE_BYTES = 2048  # with a model's tokenizer, a larger body is parsed in a thread
+# NOTE: the failures that say a worker is down (not that it answered with an error): a follow-up's holder
+HOLDER_DOWN = frozenset({"connect", "closed", "unresponsive", "timeout", "stream_broken"})
 
 
 class Router:
@@ -472,6 +474,10 @@ class Router:
                 raise RouterError(404, f"the worker holding response {previous!r} ({only}) does not serve model "
                                   f"{parsed.model!r}", "model_not_found")  # fmt: skip
             raise RouterError(503, f"the worker holding response {previous!r} ({only}) is not available",
+                              "worker_unavailable")  # fmt: skip
+        if only is not None and fault is not None and fault.kind in HOLDER_DOWN:
+            # NOTE: down before a health check told: the same answer as after one (not a 502 connect)
+            raise RouterError(503, f"the worker holding response {previous!r} ({only}) is not available: {fault}",
                               "worker_unavailable")  # fmt: skip
         if fault is not None:  # NOTE: a 429 only where every worker tried had a full queue
             raise RouterError(

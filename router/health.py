@@ -115,7 +115,11 @@ class HealthChecker:
         restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
         if not worker.healthy or restarted:
             await self._learn(worker)
-            worker.breaker.reset()
+            # NOTE: a new process (a new epoch; or one that tells none, whose restart cannot be told from
+            # a flap) starts with a closed breaker; the same process back from failed checks keeps its
+            # breaker as it was: passing checks say nothing of its answers
+            if epoch is None or epoch != worker.epoch:
+                worker.breaker.reset()
             log.info("worker %s is healthy%s", worker.url, " (restarted: new epoch)" if restarted else "")
         elif not worker.models or _models_changed(report, worker):
             # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other

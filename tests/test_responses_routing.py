@@ -148,6 +148,23 @@ def test_a_follow_up_whose_worker_is_down_is_503_not_sent_elsewhere(launch) -> N
         assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable", r.text
 
 
+def test_a_follow_up_whose_worker_just_died_is_503_before_a_health_check_tells(launch) -> None:
+    """The holder stopped; no health check has run since (one a minute). The follow-up, and the
+    stored response's GET / DELETE, fail to reach it: the same 503 as once a check has told (they
+    were 502 connect, and 504 unresponsive for a hung holder, by when the client asked)."""
+    a, b = launch.sim_worker(), launch.sim_worker()
+    router = launch.router([a.url, b.url], "--policy", "round_robin", "--health-interval-s", "60")
+    first = _create(router.url, input="Hello.")
+    holder = a if first.headers["x-radixgate-worker"] == a.url else b
+    holder.stop()
+    r = _create(router.url, input="Still there?", previous_response_id=first.json()["id"])
+    assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable", r.text
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{router.url}/v1/responses/{first.json()['id']}", timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable", r.text
+    assert _create(router.url, input="A new conversation.").status_code == 200
+
+
 def test_a_client_key_reaches_workers_that_check_it_on_every_endpoint(launch) -> None:
     """No --worker-api-key: the client's key is passed on (as to vLLM's --api-key), also on
     retrieve / delete and /tokenize, which go to one worker without being routed."""

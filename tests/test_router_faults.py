@@ -36,8 +36,9 @@ class FaultyWorker:
             "waiting": 0,
             **({"epoch": epoch, "kv_event_seq": 0} if events else {}),
         }
+        self.health_status = 200  # what /health answers with: a test may fail its checks
         routes = [
-            Route("/health", lambda r: JSONResponse(health)),
+            Route("/health", lambda r: JSONResponse(health, self.health_status)),
             Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "faulty"}]})),
             *(Route(f"/v1/{path}", fn, methods=["POST"]) for path, fn in handlers.items()),
         ]
@@ -422,3 +423,36 @@ def test_faults_between_whole_streams_whose_last_bytes_come_apart_open_no_breake
         assert answer.status_code == (200 if i % 2 else 502), answer.text
     states = [w["breaker"] for w in httpx.get(router.url + "/workers", timeout=10).json()["workers"]]
     assert states == ["closed"]
+
+
+def test_an_open_breaker_stays_open_when_its_worker_comes_back_from_failed_health_checks(
+    launch, faulty, tmp_path
+):
+    """A worker that fails every answer opens its breaker; its health checks then fail for a while
+    and pass again, the same process (its epoch unchanged). Passing checks say nothing of its answers:
+    the breaker stays open for its cool-down (it was closed at once, and each flap of /health let
+    three more requests fail on it)."""
+
+    async def failing(request: Request) -> JSONResponse:
+        return JSONResponse({"error": {"message": "broken"}}, 500)
+
+    worker = faulty(events=True, completions=failing)
+    config = tmp_path / "router.yaml"
+    config.write_text("health_interval_s: 0.2\nbreaker_open_s: 60\nmax_retries: 0\n")
+    router = launch.router([worker.url], "--config", str(config))
+
+    def row() -> dict:
+        return httpx.get(router.url + "/workers", timeout=5).json()["workers"][0]
+
+    wait_until(lambda: row()["healthy"], 10, what="the worker healthy")
+    for _ in range(3):
+        answer = httpx.post(
+            router.url + "/v1/completions", json={"model": "faulty", "prompt": "x"}, timeout=30
+        )
+        assert answer.status_code == 502, answer.text
+    assert row()["breaker"] == "open"
+    worker.health_status = 503
+    wait_until(lambda: not row()["healthy"], 10, what="the worker's checks failing")
+    worker.health_status = 200
+    wait_until(lambda: row()["healthy"], 10, what="the worker healthy again")
+    assert row()["breaker"] == "open"
