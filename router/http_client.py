@@ -12,9 +12,10 @@ Health checks and event streams (not per request) keep using aiohttp.
 Timeouts: ``connect_timeout`` for opening a connection; ``read_timeout`` for the response head and
 for every gap between body chunks (a stuck worker); ``total_timeout`` for the whole exchange.
 
-A request that fails on a *reused* keep-alive connection before any response byte arrived (the
-server closed an idle connection as we wrote) is sent once more on a new connection; any other
-failure raises, and the caller decides about retrying on another worker.
+A request that fails on a *reused* keep-alive connection before any response byte arrived and
+within ``IDLE_RACE_S`` of its write (the server closed an idle connection as we wrote) is sent once
+more on a new connection; any other failure raises (a server that held the request longer before
+closing may have run it), and the caller decides about retrying on another worker.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.sent_at = 0.0  # when the last request was written
         self._reset()
 
     def _reset(self) -> None:
@@ -232,6 +234,7 @@ class _Connection(asyncio.Protocol):
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
+        self.sent_at = self._loop.time()
         if on_sent is not None:
             on_sent()
         heads = self._pool.heads
@@ -287,6 +290,9 @@ class _Connection(asyncio.Protocol):
 
 
 _TOTAL_RAN_OUT = "the request's total timeout ran out"
+# NOTE: a server's close of an idle connection that crossed our request ends it within a round trip of
+# the write; a close later than this came with the request in hand
+IDLE_RACE_S = 0.25
 
 
 def _expire(waiter: asyncio.Future, total: bool) -> None:
@@ -473,7 +479,7 @@ class HTTPClient:
                 return await conn.send(head, body, deadline, on_sent, head_timeout)
             except ConnectionBroken:
                 conn.abort()
-                if conn.received:
+                if conn.received or asyncio.get_running_loop().time() - conn.sent_at > IDLE_RACE_S:
                     raise
                 # The server closed this idle connection as we wrote: once more on a new one.
                 on_sent = None  # it already ran

@@ -278,6 +278,33 @@ async def test_stale_connection_that_dies_as_we_write_is_retried_once():
         client.close()
 
 
+async def test_a_request_a_reused_connection_held_before_closing_is_not_sent_again():
+    """The server reads the second request on a kept-alive connection, holds it (working on it),
+    then closes without an answer: not the idle-close race, so it is not sent once more (it was,
+    invisibly: the server ran it twice and the client waited twice as long); the caller is told."""
+    requests = 0
+
+    async def answer_then_hold_and_close(reader, writer):
+        nonlocal requests
+        await _read_request(reader)
+        requests += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await _read_request(reader)
+        requests += 1
+        await asyncio.sleep(1.0)  # working on it; then it fails without an answer
+
+    async with raw_server(answer_then_hold_and_close) as (url, conns):
+        client = HTTPClient(idle_timeout=60)
+        resp = await client.post(url, "/x", b"{}")
+        assert await resp.read() == b"ok"
+        resp.close()
+        with pytest.raises(ConnectionBroken):
+            await client.post(url, "/x", b"{}")
+        assert requests == 2 and len(conns) == 1
+        client.close()
+
+
 async def test_header_injection_is_refused():
     client = HTTPClient()
     with pytest.raises(ValueError):
