@@ -186,7 +186,12 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     whole life so that its token stream, not just its first token, is reproducible."""
     if params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    seed = params.seed % 2**64
+    if torch.device(device).type == "cpu":
+        # NOTE: the CPU generator (a Mersenne twister) keeps a seed's low 32 bits: seeds 2**32 apart drew
+        # the same tokens. Its high half is folded in (a seed below 2**32 is unchanged); CUDA's keeps 64
+        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def sample(

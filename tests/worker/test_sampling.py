@@ -312,3 +312,12 @@ def test_on_device_copies_the_callers_values():
     got = on_device(values, torch.device("cpu"), torch.int64)
     values[0] = 9
     assert got.tolist() == [1, 2, 3]
+
+
+def test_seeds_apart_by_a_multiple_of_two_to_the_32_draw_differently_on_the_cpu():
+    """The CPU generator keeps 32 bits of a seed: 7, 7 + 2**32 and 7 + 2**40 drew the same tokens.
+    A seed below 2**32 seeds as it did (answers seeded so stay what they were)."""
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in (7, 7 + 2**32, 7 + 2**40, -(2**63))]
+    draws = [tuple(torch.rand(8, generator=make_generator(p, "cpu")).tolist()) for p in params]
+    assert len(set(draws)) == len(draws)
+    assert draws[0] == tuple(torch.rand(8, generator=torch.Generator().manual_seed(7)).tolist())
