@@ -583,7 +583,7 @@ class Router:
                 ],
             }
         )
-        first, finished, whole = True, False, False
+        first, finished, whole, delivered = True, False, False, False
         try:
             async for chunk in resp.chunks():
                 if first:
@@ -599,9 +599,14 @@ class Router:
                     watch.stop()
                 if out or finished:
                     await send({"type": "http.response.body", "body": out, "more_body": not finished})
-                    tail = out[-2:] if len(out) >= 2 else (tail + out)[-2:]
                     if responses:
                         numbers.feed(out)
+                    # NOTE: the answer's last event has reached the client (the worker's end may come in a
+                    # read of its own): a client that closes now got all of it, and must not cancel this
+                    if not delivered and (numbers.ended if responses else b"\ndata: [DONE]\n" in tail + out):
+                        delivered = True
+                        watch.stop()
+                    tail = out[-2:] if len(out) >= 2 else (tail + out)[-2:]
             whole = True  # NOTE: the body ended (its last bytes may come in a read of their own)
             if not finished:  # NOTE: its end came in a read of its own: a last line held back goes out
                 error = scanner.flush()
@@ -631,6 +636,8 @@ class Router:
 
 
 _SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')  # a Responses stream's event numbers
+# a Responses stream's last event's name line
+_FINAL_EVENT = re.compile(rb"event: ?response\.(?:completed|incomplete|failed)\r?")
 
 
 class _EventNumbers:
@@ -641,6 +648,8 @@ class _EventNumbers:
     def __init__(self) -> None:
         self.last: int | None = None
         self.response: dict | None = None
+        self.ended = False  # the data line of the stream's last event (completed, incomplete, failed) passed
+        self._final = False  # the last whole line was a last event's name: its data line is next
         self._partial: list[bytes] = []  # the line not ended yet, in pieces
 
     def feed(self, out: bytes) -> None:
@@ -653,6 +662,12 @@ class _EventNumbers:
         found = _SEQUENCE_NUMBER.findall(whole)
         if found:
             self.last = int(found[-1])
+        if not self.ended and (self._final or _FINAL_EVENT.search(whole)):
+            for line in whole[:-1].split(b"\n"):
+                if self._final and line.startswith(b"data:"):
+                    self.ended = True
+                    break
+                self._final = _FINAL_EVENT.fullmatch(line) is not None
         if self.response is None and b'"response.created"' in whole:  # NOTE: the stream's first event
             for line in whole.split(b"\n"):
                 if line.startswith(b"data:") and b'"response.created"' in line:

@@ -456,3 +456,42 @@ def test_an_open_breaker_stays_open_when_its_worker_comes_back_from_failed_healt
     worker.health_status = 200
     wait_until(lambda: row()["healthy"], 10, what="the worker healthy again")
     assert row()["breaker"] == "open"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "responses"])
+def test_a_client_that_leaves_after_the_streams_last_event_got_its_answer(launch, faulty, endpoint):
+    """The worker sends a stream's last event ([DONE]; a Responses stream's response.completed) and
+    ends its body a moment later. A client that read the last event and closed got the whole answer:
+    a 200, the worker's success, not a 499 with its prefix taken back (1 in 25 such streams was)."""
+    last = (b"data: [DONE]\n\n" if endpoint == "completions"
+            else b'event: response.completed\ndata: {"type":"response.completed","sequence_number":1}\n\n')  # fmt: skip
+
+    async def stream(request: Request) -> StreamingResponse:
+        async def body():
+            yield b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n' + last
+            await asyncio.sleep(1.0)  # the body's end comes in a read of its own
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    worker = faulty(**{endpoint: stream})
+    router = launch.router([worker.url])
+    body = orjson.dumps(
+        {"model": "faulty", "input" if endpoint == "responses" else "prompt": "x", "stream": True}
+    )
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/%s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                     % (endpoint.encode(), len(body)) + body)  # fmt: skip
+        got = b""
+        while last not in got:
+            got += sock.recv(65536) or pytest.fail(f"the stream ended without its last event: {got!r}")
+    # closed: the answer read to its end
+
+    def counted() -> dict:
+        text = httpx.get(router.url + "/metrics", timeout=10).text
+        return {k: v for k, v in metric_values(text, "radixgate_requests_total").items() if v}
+
+    wait_until(lambda: counted(), 10, what="the request counted")
+    time.sleep(1.5)  # the worker's body ended meanwhile
+    (labels,) = counted()
+    assert 'status="200"' in labels, counted()
