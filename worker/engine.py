@@ -540,10 +540,13 @@ class Engine:
         st.pending += own
         # NOTE: the stop string that completed first ends the output: the one that ends first (at one end,
         # the longest), however many characters this token brought (text a character at a time agrees)
-        found = min(((i + len(s), i) for s in st.params.stop if (i := st.pending.find(s)) >= 0), default=None)
+        found = min(
+            ((i + len(s), i, s) for s in st.params.stop if (i := st.pending.find(s)) >= 0), default=None
+        )
+        stop_reason: str | int | None = None
         if found is not None:
             end = found[0] if st.params.include_stop_str_in_output else found[1]
-            text, st.pending, finish, failure = st.pending[:end], "", "stop", None
+            text, st.pending, finish, failure, stop_reason = st.pending[:end], "", "stop", None, found[2]
         elif finish is not None:
             text, st.pending = st.pending, ""
         else:
@@ -555,7 +558,10 @@ class Engine:
             self._requests.pop(req.rid, None)
             self._finished[finish] += 1
             self.metrics.e2e.observe(now - st.arrival)
-        out = RequestOutput(text=text, token_ids=[token], token_text=own,
+        if finish == "stop" and stop_reason is None and token in st.params.stop_token_ids:
+            # NOTE: as vLLM's: EOS is no stop reason, even where stop_token_ids names it too
+            stop_reason = token if st.params.ignore_eos or token not in self.tokenizer.eos_token_ids else None
+        out = RequestOutput(text=text, token_ids=[token], token_text=own, stop_reason=stop_reason,
                             finish_reason=None if failure else finish, logprobs=logprobs)  # fmt: skip
         if first and st.params.prompt_logprobs is not None:
             out.prompt_logprobs = [None] + [st.prompt_logprobs.get(p) for p in range(1, req.prompt_len)]

@@ -29,6 +29,8 @@ class RequestOutput:
     # the text token_ids decoded to themselves, before any was held back for a stop string (None: text)
     token_text: str | None = None
     finish_reason: str | None = None  # stop | length | abort | error
+    # vLLM's: the stop string, or the stop_token_ids id, that ended it (None: EOS, a length, an error)
+    stop_reason: str | int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the radix cache
     cache_written_tokens: int = 0  # prompt tokens whose pages the request added to the radix cache

@@ -68,6 +68,7 @@ class Choice:
     logprobs: list[Logprob] = field(default_factory=list)  # not yet sent (stream) or all of them
     text_offset: int = 0  # completions shape: characters of token text before the next token
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it
     completion_tokens: int = 0
     cached_tokens: int = 0
     tools: ToolOutput | None = None  # chat with tools: the text becomes content and tool calls
@@ -116,6 +117,7 @@ class Choice:
             self.finish_reason = (
                 "length" if self.scoring_only and out.finish_reason != "error" else out.finish_reason
             )
+            self.stop_reason = None if self.scoring_only else out.stop_reason
         return out.finish_reason is not None
 
 
@@ -220,9 +222,11 @@ class Responses:
                         message["reasoning"] = message["reasoning_content"] = (
                             "".join(c.reasoning_text) or None
                         )
-                choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                          "stop_reason": c.stop_reason}  # fmt: skip
             else:
-                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+                choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}  # fmt: skip
             out.append(self._ids(c, choice, True))
         obj = "chat.completion" if self.chat else "text_completion"
         if self.chat and self.prompt_ids is not None:
@@ -261,8 +265,12 @@ class Responses:
             if reasoning:
                 delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = c.stop_reason
             return self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)])
         choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = c.stop_reason
         first, c.prompt_sent = not c.prompt_sent, True
         return self._envelope("text_completion", choices=[self._ids(c, choice, first)])
 
@@ -283,7 +291,7 @@ class Responses:
         if finish_reason is not None:
             lp = self._take_logprobs(c) if c.logprobs else None
             choice = {"index": c.index, "delta": {}, "logprobs": lp,
-                      "finish_reason": c.tools.finish_reason(finish_reason)}  # fmt: skip
+                      "finish_reason": c.tools.finish_reason(finish_reason), "stop_reason": c.stop_reason}  # fmt: skip
             out.append(self._envelope("chat.completion.chunk", choices=[self._ids(c, choice, False)]))
         return out
 

@@ -368,7 +368,13 @@ def test_regex_choice_and_grammar_constraints(tiny) -> None:
 
 def test_truncated_output_says_length_and_the_worker_keeps_serving(tiny) -> None:
     r = tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "guided_regex": "a{10}"})
-    assert r.json()["choices"][0] == {"index": 0, "text": "aaa", "logprobs": None, "finish_reason": "length"}
+    assert r.json()["choices"][0] == {
+        "index": 0,
+        "text": "aaa",
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
     bad = tiny.post("/v1/completions", json={"prompt": "x", "guided_json": {"type": "nope"}})
     assert bad.status_code == 400 and "invalid json schema" in bad.json()["error"]["message"]
     assert tiny.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

@@ -382,6 +382,37 @@ def test_a_stop_string_is_kept_with_either_spelling(client):
         assert kept["text"] == text[: end + len(stop)], flag
 
 
+def test_stop_reason_names_the_stop_string_or_stop_id_that_ended_a_choice(client):
+    """vLLM's stop_reason: the stop string, or the stop_token_ids id, that ended the choice; null
+    for EOS (also where stop_token_ids names it) and for a length; streams carry it on the finish chunk."""
+    eos = {"logit_bias": {"256": 100}, "ignore_eos": False}  # the tiny model's EOS
+    for path, req in (
+        ("/v1/completions", {"prompt": "Stop here"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Stop here"}]}),
+    ):
+        req = {**req, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        choice = client.post(path, json=req).json()["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert choice["stop_reason"] is None and len(text) == 16
+        stop, stop_id = text[4:6], ord(text[2])
+        for extra, reason in (
+            ({"stop": ["zzz", stop]}, stop),
+            ({"stop_token_ids": [stop_id]}, stop_id),
+            (eos, None),
+            ({**eos, "stop_token_ids": [256]}, None),
+        ):
+            choice = client.post(path, json={**req, **extra}).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reason), (path, extra)
+            with client.stream("POST", path, json={**req, **extra, "stream": True}) as r:
+                chunks = [
+                    e["choices"][0] for e in sse_events(r.iter_lines()) if e != "[DONE]" and e["choices"]
+                ]
+            assert [(c["finish_reason"], c["stop_reason"]) for c in chunks if c["finish_reason"]] == [
+                ("stop", reason)
+            ], (path, extra)
+            assert all("stop_reason" not in c for c in chunks if c["finish_reason"] is None)
+
+
 def test_the_stop_string_that_completes_first_ends_the_text_however_the_tokens_cut_it(qwen3_checkpoint):
     """Two stop strings one token completes (" laz" is one token of this tokenizer): the one that ends
     first ("la") ends the text, as it does when the text comes a character at a time (the tiny model's
