@@ -52,13 +52,16 @@ class CircuitBreaker:
         if probe and probe == self._probe:
             self._probe = 0
 
-    def answering(self) -> None:
-        """A stream's head came: the worker answers, so a half-open breaker closes; its faults in a
-        row are cleared only once the answer is whole (``record_success``), so a worker that breaks
-        off every stream after its head opens it again at its next fault, the cool-down doubled as
-        for a failed probe (``_cooldown`` is cleared by a whole answer only)."""
-        self.state = BreakerState.CLOSED
-        self._probe = 0
+    def answering(self, probe: int) -> None:
+        """A stream's head came (``probe``: its number from ``on_send``): the probe's closes a half-open
+        breaker, the worker answers; a head of a request sent before the breaker opened changes nothing
+        (it says nothing of the worker since, as its failure would not). Faults in a row are cleared
+        only once the answer is whole (``record_success``), so a worker that breaks off every stream
+        after its head opens it again at its next fault, the cool-down doubled as for a failed probe
+        (``_cooldown`` is cleared by a whole answer only)."""
+        if self.state is BreakerState.HALF_OPEN and probe and probe == self._probe:
+            self.state = BreakerState.CLOSED
+            self._probe = 0
 
     def record_success(self) -> None:
         """Any request's answer: the worker answers, so the breaker closes."""

@@ -433,7 +433,7 @@ class Router:
                 if whole:
                     worker.breaker.record_success()
                 else:
-                    worker.breaker.answering()
+                    worker.breaker.answering(probe)
                 if resp.status >= 400:
                     insert.take_back(self.events.synced(worker))
                 # NOTE: the predicted hit rate's tokens are counted with the worker's usage, so both hit

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ class HealthChecker:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task | None = None
         self._unanswered: dict[str, int] = {}  # worker url -> its checks in a row that timed out
+        self._checking: dict[int, asyncio.Task] = {}  # id(worker) -> its check under way
         router.workers.on_removed.append(lambda worker: self._unanswered.pop(worker.url, None))
 
     def start(self) -> None:
@@ -50,6 +52,10 @@ class HealthChecker:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        checks = list(self._checking.values())  # NOTE: stopped: the checks under way go too
+        for check in checks:
+            check.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:
@@ -61,19 +67,23 @@ class HealthChecker:
     async def _round(self) -> None:
         """One interval's checks, started in slices of ``ROUND_SLICE`` workers spread over the
         interval (each worker still checked once an interval): started all at once, hundreds of
-        checks took tens of ms of CPU in one burst (~0.1 ms each), and every request waited."""
+        checks took tens of ms of CPU in one burst (~0.1 ms each), and every request waited.
+        Nothing waits for a check to end: a worker whose last check is still under way (a silent
+        one, up to ``health_timeout_s``) is skipped this round; the others keep their cadence (a
+        round that waited for its slowest check checked every worker once per interval + timeout)."""
         workers = list(self._router.workers)
         slices = max(1, -(-len(workers) // ROUND_SLICE))
-        started: list[asyncio.Future] = []
-        try:
-            for i in range(slices):
-                await asyncio.sleep(self._interval / slices)
-                started.append(asyncio.gather(*(self.check(w) for w in workers[i::slices])))
-            await asyncio.gather(*started)
-        finally:  # NOTE: stopped mid-round: the checks under way go too
-            for checks in started:
-                checks.cancel()
-            await asyncio.gather(*started, return_exceptions=True)  # NOTE: read, or asyncio logs each
+        for i in range(slices):
+            await asyncio.sleep(self._interval / slices)
+            for worker in workers[i::slices]:
+                if id(worker) not in self._checking:
+                    task = self._checking[id(worker)] = asyncio.create_task(self.check(worker))
+                    task.add_done_callback(functools.partial(self._checked, id(worker)))
+
+    def _checked(self, key: int, task: asyncio.Task) -> None:
+        self._checking.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:  # a bug here must not go unseen
+            log.error("health check failed", exc_info=task.exception())
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self._router.workers))

@@ -75,16 +75,33 @@ def test_a_probe_stream_that_breaks_after_its_head_doubles_the_cooldown_as_a_fai
     now = 2.0
     for cooldown in (4.0, 5.0, 5.0):
         assert b.allows(now)
-        b.on_send()  # the probe, a stream
-        b.answering()  # its head: closed, traffic resumes
+        probe = b.on_send()  # the probe, a stream
+        b.answering(probe)  # its head: closed, traffic resumes
         assert b.state is BreakerState.CLOSED and b.allows(now)
         b.record_failure(now)  # it breaks off
         assert (
             b.state is BreakerState.OPEN and not b.allows(now + cooldown - 0.01) and b.allows(now + cooldown)
         )
         now += cooldown
-    b.on_send()
-    b.answering()
+    b.answering(b.on_send())
     b.record_success()  # a whole answer: every count cleared
     b.record_failure(now)
     assert b.state is BreakerState.CLOSED
+
+
+def test_a_stream_head_of_a_request_sent_before_the_breaker_opened_leaves_it_open():
+    """A slow stream sent while closed gets its head after the breaker opened (or while its probe is
+    in flight): that says nothing of the worker since, as its failure would not. It closed the
+    breaker before its cool-down ended, no probe sent."""
+    b = CircuitBreaker(failure_threshold=3, open_seconds=2.0)
+    old = b.on_send()  # sent while closed: 0
+    for _ in range(3):
+        b.record_failure(0.3)
+    b.answering(old)
+    assert b.state is BreakerState.OPEN and not b.allows(1.5)
+    assert b.allows(2.3)
+    probe = b.on_send()
+    b.answering(old)  # half-open: still not the probe's
+    assert b.state is BreakerState.HALF_OPEN and not b.allows(2.4)
+    b.answering(probe)
+    assert b.state is BreakerState.CLOSED and b.allows(2.5)

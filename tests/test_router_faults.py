@@ -37,8 +37,14 @@ class FaultyWorker:
             **({"epoch": epoch, "kv_event_seq": 0} if events else {}),
         }
         self.health_status = 200  # what /health answers with: a test may fail its checks
+        self.health_checks = 0
+
+        def answer_health(request: Request) -> JSONResponse:
+            self.health_checks += 1
+            return JSONResponse(health, self.health_status)
+
         routes = [
-            Route("/health", lambda r: JSONResponse(health, self.health_status)),
+            Route("/health", answer_health),
             Route("/v1/models", lambda r: JSONResponse({"data": [{"id": "faulty"}]})),
             *(Route(f"/v1/{path}", fn, methods=["POST"]) for path, fn in handlers.items()),
         ]
@@ -495,3 +501,28 @@ def test_a_client_that_leaves_after_the_streams_last_event_got_its_answer(launch
     time.sleep(1.5)  # the worker's body ended meanwhile
     (labels,) = counted()
     assert 'status="200"' in labels, counted()
+
+
+def test_a_silent_worker_does_not_slow_the_other_workers_health_checks(launch, faulty, tmp_path):
+    """A worker that takes connections and never answers: each of its checks waits health_timeout_s.
+    The other worker is still checked once an interval (every round waited for its slowest check, so
+    one silent worker checked the whole fleet once per interval + timeout)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # NOTE: never accepted: connections open, nothing answers
+    try:
+        worker = faulty()
+        config = tmp_path / "router.yaml"
+        config.write_text("health_interval_s: 0.2\nhealth_timeout_s: 3\n")
+        router = launch.router(
+            [worker.url, f"http://127.0.0.1:{silent.getsockname()[1]}"], "--config", str(config)
+        )
+        time.sleep(1.0)  # past the start-up checks
+        before = worker.health_checks
+        time.sleep(3.0)
+        # NOTE: once per 0.2 s: ~15; rounds waiting on the silent worker's 3 s checks: at most 2
+        assert worker.health_checks - before >= 6, worker.health_checks - before
+        rows = httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+        assert [w["healthy"] for w in rows] == [True, False]
+    finally:
+        silent.close()
