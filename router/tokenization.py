@@ -17,7 +17,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Protocol, runtime_checkable
 
 from router.chat_tools import call_arguments, check_tool_calls, compact_json, normalize_tools
@@ -743,7 +743,9 @@ def _compile_template(source: str) -> Any:
                           sort_keys=sort_keys)  # fmt: skip
 
     def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
+        # NOTE: UTC on both sides (transformers uses the local time): a router and its workers in
+        # other time zones, a day apart, rendered one prompt two ways (Llama 3.1 writes the date)
+        return datetime.now(timezone.utc).strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation]

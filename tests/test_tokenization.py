@@ -962,3 +962,26 @@ def test_bytes_no_later_byte_completes_go_out_and_the_window_stays_bounded():
     assert len(streamed) >= 500 - 70 and set(streamed) == {"\ufffd"}
     assert streamed + detok.flush() == "\ufffd" * 500
     assert max(lengths) <= 70, max(lengths)
+
+
+def test_a_templates_date_is_utc_whatever_the_machines_time_zone(monkeypatch):
+    """Llama 3.1's template writes today's date with strftime_now: on the machine's local time, a
+    router and workers in time zones a day apart rendered one prompt two ways (and its prefix
+    predictions missed). Both sides render UTC."""
+    import time
+    from datetime import datetime, timezone
+
+    from router.tokenization import _compile_template
+
+    template = _compile_template("{{ strftime_now('%Y-%m-%d %H') }}")
+    try:
+        for zone in ("Etc/GMT-14", "Etc/GMT+12"):  # UTC+14, UTC-12: a day apart, wherever UTC is
+            monkeypatch.setenv("TZ", zone)
+            time.tzset()
+            before = datetime.now(timezone.utc).strftime("%Y-%m-%d %H")
+            rendered = template.render()
+            after = datetime.now(timezone.utc).strftime("%Y-%m-%d %H")
+            assert rendered in (before, after), zone
+    finally:
+        monkeypatch.undo()
+        time.tzset()
