@@ -344,7 +344,8 @@ def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
     if backend is None:
         raise ValueError(f"structured outputs are not available for tokenizer {tokenizer.name!r}")
     eos = list(tokenizer.eos_token_ids)
-    whole = LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+    config = json.loads(backend.to_str())
+    whole = LLTokenizer(json.dumps(_readable_decoder(config)), n_vocab=vocab_size, eos_token=eos or None)
     # NOTE: two departures from llguidance's reading of a tokenizer.json. It takes every added token
     # for a special one, which no text of a grammar can contain, but Qwen's <tool_call>, </tool_call>
     # and <think> are added tokens that are not special (the model writes them inside text); and it
@@ -368,6 +369,23 @@ def _ll_tokenizer(tokenizer: PromptTokenizer, vocab_size: int) -> Any:
             ).ids
 
     return LLTokenizer(TokenizerWrapper(_Vocab()), n_vocab=vocab_size, eos_token=eos or None)
+
+
+def _readable_decoder(config: dict) -> dict:
+    """A tokenizer.json whose ``Metaspace`` decoder (transformers' generic SentencePiece conversion)
+    is spelt as the decoder sequence Llama's conversion writes ("▁" as a space, the first space
+    stripped), which llguidance reads: it refuses a ``Metaspace`` one ("can't determine decoder
+    type"), and every structured output and tool call of such a tokenizer was a 400. (The sequence
+    also reads byte-fallback pieces as their bytes, which a Metaspace decoder does not; transformers
+    writes one for models without byte fallback, which have no such pieces.)"""
+    decoder = config.get("decoder")
+    if not isinstance(decoder, dict) or decoder.get("type") != "Metaspace":
+        return config
+    space = decoder.get("replacement", "\u2581")
+    strip = decoder.get("prepend_scheme", "always") != "never" and decoder.get("add_prefix_space", True)
+    steps = [{"type": "Replace", "pattern": {"String": space}, "content": " "}, {"type": "ByteFallback"},
+             {"type": "Fuse"}, *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if strip else [])]  # fmt: skip
+    return {**config, "decoder": {"type": "Sequence", "decoders": steps}}
 
 
 def _without_prefix_space(config: dict) -> dict:

@@ -521,17 +521,20 @@ def sentencepiece_worker(sentencepiece_checkpoint):
 
 def prefix_space_tokenizer(style: str, sentencepiece: Path, byte_level: Path, directory: Path) -> HFTokenizer:
     """A tokenizer that starts every encode with a space: the SentencePiece checkpoint's
-    (``Prepend("▁")`` normalizer), it with a ``Metaspace`` pre-tokenizer instead (Mistral v0.3), or
-    the byte-level one with ``add_prefix_space``."""
-    from tokenizers import Tokenizer, pre_tokenizers
+    (``Prepend("▁")`` normalizer), it with a ``Metaspace`` pre-tokenizer instead (Mistral v0.3), and
+    a ``Metaspace`` decoder too (newer conversions), or the byte-level one with ``add_prefix_space``."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
 
     if style == "prepend":
         return HFTokenizer(str(sentencepiece))
-    source = sentencepiece if style == "metaspace" else byte_level
+    source = sentencepiece if style.startswith("metaspace") else byte_level
     backend = Tokenizer.from_file(str(source / "tokenizer.json"))
-    if style == "metaspace":
+    if style.startswith("metaspace"):
         backend.normalizer = None
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        # NOTE: newer conversions decode with Metaspace too (llguidance refused it)
+        if style == "metaspace-decoder":
+            backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     else:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     directory.mkdir()
@@ -540,7 +543,7 @@ def prefix_space_tokenizer(style: str, sentencepiece: Path, byte_level: Path, di
     return HFTokenizer(str(directory))
 
 
-@pytest.mark.parametrize("style", ["prepend", "metaspace", "byte-level"])
+@pytest.mark.parametrize("style", ["prepend", "metaspace", "metaspace-decoder", "byte-level"])
 def test_forced_text_is_tokenized_without_the_leading_space_marker(
     style, sentencepiece_checkpoint, llama_checkpoint, tmp_path
 ) -> None:
@@ -549,7 +552,10 @@ def test_forced_text_is_tokenized_without_the_leading_space_marker(
     tok = prefix_space_tokenizer(style, sentencepiece_checkpoint, llama_checkpoint, tmp_path / "tok")
     assert tok.token_bytes(tok._tok.encode("Hello", add_special_tokens=False).ids[0]).startswith(b" ")
     compiler = GuideCompiler(tok, tok.vocab_size)
-    for text in ("Hello there", '{"a": 1}', "Привет мир"):
+    # NOTE: a Metaspace decoder reads no byte-fallback piece as its byte (its models have none; this
+    # one has): text only such pieces spell cannot be written
+    texts = ("Hello there",) if style == "metaspace-decoder" else ("Hello there", '{"a": 1}', "Привет мир")
+    for text in texts:
         m = compiler.compile(*requested_grammar({"guided_choice": [text]})).matcher()
         forced = m.compute_ff_tokens()
         assert tok.decode(forced) == text and not m.is_error()
