@@ -185,8 +185,9 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
     # NOTE: an entry of the wrong type counts 0 here; the worker refuses the request
-    lengths = [len(_encode_prompt(tokenizer, p)) if isinstance(p, str) else len(p) if isinstance(p, list) else 0
-               for p in rest]  # fmt: skip
+    special = body.get("add_special_tokens") is not False
+    lengths = [len(_encode_prompt(tokenizer, p, special)) if isinstance(p, str) else len(p) if isinstance(p, list)
+               else 0 for p in rest]  # fmt: skip
     n = body.get("n")
     n = n if type(n) is int and 1 <= n <= 1024 else 1  # the worker validates it; odd values count 1 here
     full = not chat and body.get("echo") is True and body.get("logprobs") is not None
@@ -281,10 +282,10 @@ def with_stream_usage(parsed: ParsedRequest) -> tuple[bytes, bool]:
 
 
 # The bytes tokenizer hands over ``bytes`` (a sequence of ids): no list of one int per byte.
-def _encode_prompt(tokenizer: PromptTokenizer, text: str) -> Sequence[int]:
+def _encode_prompt(tokenizer: PromptTokenizer, text: str, special: bool = True) -> Sequence[int]:
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode_prompt_bytes(text)
-    return tokenizer.encode_prompt(text)
+    return tokenizer.encode_prompt(text) if special else tokenizer.encode_text(text)
 
 
 def _encode_chat(
@@ -300,14 +301,15 @@ def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> tuple[Se
     if "prompt" not in body:
         raise ValueError("missing required field 'prompt'")
     prompt = body["prompt"]
+    special = body.get("add_special_tokens") is not False  # NOTE: the worker refuses one not a boolean
     if isinstance(prompt, str):
-        return _encode_prompt(tokenizer, prompt), []
+        return _encode_prompt(tokenizer, prompt, special), []
     if isinstance(prompt, list) and prompt:
         first = prompt[0]  # a batch of prompts is routed by its first prompt
         if all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return list(prompt), []
         if isinstance(first, str):  # NOTE: the others may be strings or ids, as the worker takes them
-            return _encode_prompt(tokenizer, first), prompt[1:]
+            return _encode_prompt(tokenizer, first, special), prompt[1:]
         if isinstance(first, list) and all(type(t) is int and 0 <= t < 2**32 for t in first):
             return list(first), prompt[1:]
     raise ValueError("'prompt' must be a string, a list of strings, or a list of token ids (0 <= id < 2**32)")

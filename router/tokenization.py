@@ -133,6 +133,16 @@ _TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generati
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 
 
+def prompt_special_tokens(body: dict) -> bool:
+    """vLLM's ``add_special_tokens`` of a completions prompt (default true: the tokenizer's BOS and
+    the like, as encode_prompt adds them; false: the text's own tokens alone, encode_text).
+    ValueError when not a boolean."""
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise ValueError(f"'add_special_tokens' must be a boolean, got {special!r}")
+    return special
+
+
 def chat_options(body: dict) -> dict[str, Any]:
     """vLLM's ``add_generation_prompt`` (default true), ``continue_final_message`` (default
     false: true makes the model continue the last, assistant, message, an "assistant prefill"),
@@ -145,6 +155,10 @@ def chat_options(body: dict) -> dict[str, Any]:
         raise ValueError("'add_generation_prompt' and 'continue_final_message' must be booleans")
     if add and cont and "add_generation_prompt" in body:
         raise ValueError("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    if body.get("add_special_tokens", False) is not False:  # NOTE: vLLM's; refused, not ignored
+        raise ValueError(
+            "'add_special_tokens' must be false for chat: the chat template writes the special tokens"
+        )
     options: dict[str, Any] = {"add_generation_prompt": add and not cont, "continue_final_message": cont}
     if body.get("chat_template") is not None:  # NOTE: refused, not ignored: the model's own template is used
         raise ValueError("a per-request 'chat_template' is not supported: the model's own is used")

@@ -390,15 +390,18 @@ def _is_batch(prompt: Any) -> bool:
 
 
 async def prompt_ids(
-    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int, context: int, keep: int | None = None
-) -> tuple[list[list[int]], list[bool]]:
+    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int, context: int, keep: int | None = None,
+    special: bool = True,
+) -> tuple[list[list[int]], list[bool]]:  # fmt: skip
     """``prompt`` as token id lists: a string, a list of ids (in [0, ``vocab_size``), the model's), or
     a batch (list) of either; each cut to its last ``keep`` tokens (``truncation_keep``), with which
-    were cut. A text surely past the ``context`` (tokens) is refused untokenized (``_fitting_ids``)."""
+    were cut. A text surely past the ``context`` (tokens) is refused untokenized (``_fitting_ids``).
+    ``special``: a text gets the tokenizer's special tokens (BOS), as vLLM's ``add_special_tokens``."""
     given = prompt if _is_batch(prompt) else [prompt]
     if len(given) > MAX_CHOICES:
         raise APIError(400, f"at most {MAX_CHOICES} prompts per request, got {len(given)}")
-    out = [await _one_prompt(p, tokenizer, vocab_size, context, keep) for p in given]
+    encode = tokenizer.encode_prompt if special else tokenizer.encode_text
+    out = [await _one_prompt(p, tokenizer, vocab_size, context, keep, encode) for p in given]
     return [ids for ids, _ in out], [cut for _, cut in out]
 
 
@@ -424,14 +427,12 @@ async def chat_ids(
 
 
 async def _one_prompt(
-    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int, context: int, keep: int | None
+    prompt: Any, tokenizer: PromptTokenizer, vocab_size: int, context: int, keep: int | None, encode: Any
 ) -> tuple[list[int], bool]:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "the prompt is empty")
-        return await run_in_threadpool(
-            _fitting_ids, prompt, tokenizer, context, keep, tokenizer.encode_prompt
-        )
+        return await run_in_threadpool(_fitting_ids, prompt, tokenizer, context, keep, encode)
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
         if not prompt:
             raise APIError(400, "the prompt is empty")

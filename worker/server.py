@@ -32,6 +32,7 @@ from router.errors import (
 from router.kv_events import KV_SOURCE_HEADER
 from router.request_id import RequestId
 from router.request_parsing import PARSE_INLINE_BYTES
+from router.tokenization import prompt_special_tokens
 from worker import reasoning
 from worker.api_params import (
     MAX_CHOICES,
@@ -177,8 +178,12 @@ class WorkerAPI:
             raise APIError(400, "max_tokens 0 needs echo (it scores the prompt and generates nothing)")
         context = self.engine.max_total_tokens
         keep = truncation_keep(body, context)
+        try:
+            special = prompt_special_tokens(body)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
         prompts, cut = await prompt_ids(
-            body["prompt"], self.engine.tokenizer, self.engine.vocab_size, context, keep
+            body["prompt"], self.engine.tokenizer, self.engine.vocab_size, context, keep, special
         )
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
@@ -471,7 +476,11 @@ class WorkerAPI:
         if "messages" in body:
             ids = await chat_ids(body["messages"], tok, body.get("tools"), body)
         elif isinstance(body.get("prompt"), str):
-            ids = await run_in_threadpool(tok.encode_prompt, body["prompt"])
+            try:
+                encode = tok.encode_prompt if prompt_special_tokens(body) else tok.encode_text
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+            ids = await run_in_threadpool(encode, body["prompt"])
         else:
             raise APIError(400, "'prompt' (a string) or 'messages' is required")
         return _json({"count": len(ids), "max_model_len": self.engine.max_total_tokens, "tokens": ids})

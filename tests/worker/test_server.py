@@ -413,6 +413,34 @@ def test_stop_reason_names_the_stop_string_or_stop_id_that_ended_a_choice(client
             assert all("stop_reason" not in c for c in chunks if c["finish_reason"] is None)
 
 
+def test_add_special_tokens_false_gives_a_completions_prompt_no_bos_on_router_and_worker(llama_checkpoint):
+    """vLLM's add_special_tokens: false tokenizes a completions prompt without the tokenizer's BOS
+    (a prompt that carries its own: one, not two), on the worker and in the router's count of it;
+    it was ignored. Not a boolean: 400. Chat: its template writes the special tokens: only false."""
+    from router.request_parsing import parse_request
+    from router.tokenization import HFTokenizer
+
+    router_tok = HFTokenizer(str(llama_checkpoint))
+    with serve(model=str(llama_checkpoint)) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        bos = c.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+        bare = c.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False}).json()["tokens"]
+        assert bos[0] == 1 and bare == bos[1:]
+        body = {"prompt": "<s>Hello", "max_tokens": 1, "return_token_ids": True}
+        doubled = c.post("/v1/completions", json=body).json()["choices"][0]["prompt_token_ids"]
+        assert doubled[:2] == [1, 1]  # as vLLM's default: the text's own BOS after the tokenizer's
+        for sent in (body, {**body, "add_special_tokens": False}):
+            answer = c.post("/v1/completions", json=sent).json()
+            ids = answer["choices"][0]["prompt_token_ids"]
+            routed = parse_request(orjson.dumps(sent), False, router_tok).token_ids
+            assert list(routed) == ids and answer["usage"]["prompt_tokens"] == len(ids)
+        assert ids[:2] == [1, bare[0]]
+        refused = c.post("/v1/completions", json={**body, "add_special_tokens": "no"})
+        assert refused.status_code == 400 and "add_special_tokens" in refused.json()["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        assert c.post("/v1/chat/completions", json={**chat, "add_special_tokens": False}).status_code == 200
+        assert c.post("/v1/chat/completions", json={**chat, "add_special_tokens": True}).status_code == 400
+
+
 def test_the_stop_string_that_completes_first_ends_the_text_however_the_tokens_cut_it(qwen3_checkpoint):
     """Two stop strings one token completes (" laz" is one token of this tokenizer): the one that ends
     first ("la") ends the text, as it does when the text comes a character at a time (the tiny model's
