@@ -228,13 +228,18 @@ class _Connection(asyncio.Protocol):
         on_sent: Callable[[], None] | None,
         head_timeout: float | None = None,
     ) -> Response:
+        self.sent_at = self._loop.time()
+        assert self._transport is not None
+        # NOTE: a connection the server closed before anything was written (a new one it accepted and
+        # closed at once): written to, it raised an uncaught RuntimeError under uvloop (a bare 500, no
+        # retry) and under asyncio waited out the read timeout
+        if self.closed or self._transport.is_closing():
+            raise ConnectionBroken("the server closed the connection before the request was sent")
         self._reset()
         self._deadline = deadline
-        assert self._transport is not None
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
-        self.sent_at = self._loop.time()
         if on_sent is not None:
             on_sent()
         heads = self._pool.heads

@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -303,6 +305,34 @@ async def test_a_request_a_reused_connection_held_before_closing_is_not_sent_aga
             await client.post(url, "/x", b"{}")
         assert requests == 2 and len(conns) == 1
         client.close()
+
+
+async def test_a_connection_the_server_closes_at_once_is_broken_not_written_to():
+    """The server accepts each connection and closes it unread. A request finds it closed before its
+    write (a write to it raised an uncaught RuntimeError under uvloop, a bare 500 with no retry, and
+    waited out the read timeout under asyncio) or closed after: either way ConnectionBroken, at once."""
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def close_at_once() -> None:  # NOTE: a thread of its own: it closes while the client's loop runs on
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                listener.accept()[0].close()
+
+    threading.Thread(target=close_at_once, daemon=True).start()
+    client = HTTPClient(read_timeout=5.0)
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(20):
+            started = loop.time()
+            with pytest.raises(ConnectionBroken):
+                await client.post(f"http://127.0.0.1:{listener.getsockname()[1]}", "/x", b"{}")
+            assert loop.time() - started < 2.5  # NOTE: not the read timeout (5 s)
+    finally:
+        stop.set()
+        client.close()
+        listener.close()
 
 
 async def test_header_injection_is_refused():
