@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
+import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -118,10 +121,24 @@ class RouterConfig:
 
     def names_this_router(self, url: str) -> bool:
         """Whether worker URL ``url`` (``worker_base_url``'s spelling) is this router's own listening
-        address on this machine: requests sent there come back in, each forwarding itself again."""
+        address on this machine: requests sent there come back in, each forwarding itself again.
+        Any spelling of a loopback or unspecified address (``127.1``, ``[::ffff:127.0.0.1]``, ``0``)
+        is this machine, and so, where the router listens on every address, are the addresses this
+        machine's name resolves to (a pod's IP, as a Service lists it to discovery)."""
         parts = urlsplit(url)
-        local = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", self.host.strip("[]").lower()}
-        return parts.port == self.port and (parts.hostname or "") in local
+        host = (parts.hostname or "").lower()
+        if parts.port != self.port:
+            return False
+        own = self.host.strip("[]").lower()
+        if host in ("localhost", own):
+            return True
+        address = _ip_address(host)
+        if address is None:
+            return False
+        if address.is_loopback or address.is_unspecified or address == _ip_address(own):
+            return True
+        listening = _ip_address(own)
+        return listening is not None and listening.is_unspecified and address in _machine_addresses()
 
     def validate(self) -> None:
         """ValueError naming the first setting that is malformed or would break the router. Only
@@ -498,3 +515,27 @@ def check_tokenizer(spec: str) -> None:
         load_tokenizer(spec)
     except Exception as exc:  # NOTE: the tokenizers library raises bare Exceptions on a bad file
         raise ValueError(f"tokenizer {spec!r} does not load: {exc}") from None
+
+
+def _ip_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as an IP address, in each spelling a connect takes (``127.1``, ``0``, an IPv4-mapped
+    IPv6 address as its IPv4 one); None for a name."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            address = ipaddress.ip_address(socket.inet_aton(host))  # NOTE: the C library's short forms
+        except (OSError, ValueError):
+            return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
+
+
+@functools.cache
+def _machine_addresses() -> frozenset:
+    """The addresses this machine's name resolves to (a pod's IP); empty where it resolves to none."""
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None)
+    except OSError:
+        return frozenset()
+    return frozenset(a for info in found if (a := _ip_address(str(info[4][0]).split("%")[0])) is not None)

@@ -122,6 +122,7 @@ class KubeDiscovery:
 
     def __init__(self, router: Router, target: KubeTarget, interval_s: float = 5.0) -> None:
         self._router = router
+        self._own: set[str] = set()  # listed addresses that are this router's (warned about once)
         self.target = target
         self.interval_s = interval_s
         self.found: set[str] = set()  # workers this discovery registered
@@ -165,6 +166,11 @@ class KubeDiscovery:
             log.warning("listing %s/%s endpoints failed: %r", self.target.namespace, self.target.service, exc)
             return
         workers = self._router.workers
+        own = {url for url in urls if self._router.config.names_this_router(url)}
+        if own - self._own:  # NOTE: the Service lists this router: every request would forward itself again
+            log.warning("%s lists this router's own address, not taken as a worker: %s", self.target.service,
+                        ", ".join(sorted(own - self._own)))  # fmt: skip
+        self._own, urls = own, urls - own
         new = [
             url for url in sorted(urls) if workers.get(url) is None
         ]  # or removed by hand: the Service rules

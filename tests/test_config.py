@@ -381,6 +381,11 @@ def test_a_key_no_client_could_send_as_written_is_refused_at_start(tmp_path, yam
         # a request sent there came back in, forwarding itself again: 12,203 descriptors, then 504
         (["--port", "18500", "--workers", "http://127.0.0.1:18500"], {}, "is this router's own address"),
         (["--port", "18500", "--workers", "http://localhost:18500/"], {}, "is this router's own address"),
+        # other spellings of a loopback or unspecified address reach it too
+        (["--port", "18500", "--workers", "http://127.1:18500"], {}, "is this router's own address"),
+        (["--port", "18500", "--workers", "http://[::ffff:127.0.0.1]:18500"], {}, "is this router's own address"),
+        (["--port", "18500", "--workers", "http://0:18500"], {}, "is this router's own address"),
+        (["--port", "18500", "--workers", "http://127.8.9.10:18500"], {}, "is this router's own address"),
     ],
 )  # fmt: skip
 def test_an_open_or_self_routing_address_is_refused_and_no_password_is_shown(argv, environ, words):

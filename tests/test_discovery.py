@@ -186,6 +186,25 @@ def test_the_router_follows_the_services_endpoints(launch, kube, tmp_path) -> No
     assert fleet(router.url)[0] == {static.url, a.url, b.url} and fleet(router.url)[1]["workers"] == []
 
 
+def test_a_service_that_lists_the_router_itself_gives_it_no_worker_of_its_own_address(launch, kube, tmp_path):
+    """The Service's endpoints include the router's own address (a selector that matches its pods):
+    not taken as a worker (one request forwarded itself ~10,000 times in 11 s, then a 502)."""
+    a = launch.echo_backend("--name", "a")
+    token = tmp_path / "token"
+    token.write_text(FakeKubeAPI.TOKEN + "\n")
+    router = launch.router(
+        [], "--k8s-worker-service", "workers", "--k8s-namespace", "ns", "--k8s-api-url", kube.url,
+        "--k8s-token-file", str(token), "--discovery-interval-s", "0.1",
+    )  # fmt: skip
+    kube.ports = [int(a.url.rsplit(":", 1)[1]), int(router.url.rsplit(":", 1)[1])]
+    wait_until(lambda: fleet(router.url)[0] == {a.url}, 10, what="a discovered")
+    calls = kube.calls
+    wait_until(lambda: kube.calls >= calls + 3, 10, what="more listings")
+    assert fleet(router.url)[0] == {a.url}
+    body = {"model": "echo", "prompt": "hello", "max_tokens": 1}
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=10).status_code == 200
+
+
 def test_discovery_outside_a_pod_needs_an_api_url() -> None:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT}  # NOTE: no KUBERNETES_SERVICE_HOST
     proc = subprocess.run([sys.executable, "-m", "router", "--k8s-worker-service", "w", "--k8s-namespace", "ns"],
