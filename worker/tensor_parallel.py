@@ -19,6 +19,7 @@ when rank 0 is gone.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing
 import os
@@ -243,6 +244,9 @@ def _exit(status: int) -> None:
     os._exit(status)
 
 
+CONTROL_TIMEOUT = datetime.timedelta(days=365)  # the control group's: no idle time ends a worker
+
+
 def init_rank(rank: int, size: int, init_method: str, device: torch.device) -> tuple[Shard, Channel]:
     """Join the ranks' process group: this rank's Shard (data collectives) and the control Channel."""
     import torch.distributed as dist
@@ -251,7 +255,10 @@ def init_rank(rank: int, size: int, init_method: str, device: torch.device) -> t
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    control = dist.new_group(backend="gloo")
+    # NOTE: the other ranks wait on the control group for rank 0's next message however long the worker
+    # idles: with torch's default timeout (30 min) an idle worker's ranks gave up, and it died. A rank
+    # that dies, or hangs in a step, is told otherwise (its watch, --stall-timeout-s)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return Shard(rank, size, dist.group.WORLD), Channel(control)
 
 

@@ -346,6 +346,35 @@ def _gone(pid: int) -> bool:
         return True
 
 
+SHORT_DEFAULT_TIMEOUT = """\
+# torch.distributed's default process-group timeout (30 min) made 4 s: what an idle worker outlives shows in seconds
+import datetime
+
+import torch.distributed as dist
+
+_short, _init, _new = datetime.timedelta(seconds=4), dist.init_process_group, dist.new_group
+dist.init_process_group = lambda *a, **k: _init(*a, **{"timeout": _short, **k})
+dist.new_group = lambda *a, **k: _new(*a, **{"timeout": _short, **k})
+"""
+
+
+def test_an_idle_worker_outlives_the_process_groups_default_timeout(tmp_path):
+    """The ranks wait for rank 0's next message however long the worker idles: with torch's default
+    timeout (30 min; here made 4 s) the ranks gave up waiting on an idle worker, and it died."""
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "sitecustomize.py").write_text(SHORT_DEFAULT_TIMEOUT)
+    env = {"PYTHONPATH": f"{tmp_path / 'short'}{os.pathsep}{ROOT}"}
+    worker = start_module("worker", ["--model", "tiny", *COMMON, "--tensor-parallel-size", "2"], str(tmp_path),
+                          env=env)  # fmt: skip
+    try:
+        first = complete(worker.url, prompt=PROMPTS[0], temperature=0)
+        time.sleep(8)  # idle, twice the (shortened) default timeout
+        assert worker.proc.poll() is None, worker.log()[-2000:]
+        assert complete(worker.url, prompt=PROMPTS[0], temperature=0)["choices"] == first["choices"]
+    finally:
+        worker.stop()
+
+
 def test_a_rank_dying_stops_the_worker_and_rank_0_dying_stops_the_ranks(tmp_path):
     worker = start_module(
         "worker", ["--model", "tiny", *COMMON, "--tensor-parallel-size", "2"], str(tmp_path)
