@@ -296,6 +296,13 @@ def test_sizes_that_do_not_split_the_model_are_errors_at_start():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Shard(0, 4).check(ModelConfig(vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1,
                                       num_heads=8, num_kv_heads=2, head_dim=8))  # fmt: skip
+    # NOTE: a dense MLP's width counts only where some layer has one: an all-sparse MoE's (Qwen3-MoE's
+    # intermediate_size) was refused though no rank splits it
+    moe = dict(vocab_size=10, hidden_size=64, intermediate_size=91, num_layers=2, num_heads=8, num_kv_heads=2,
+               head_dim=8, num_experts=4, moe_intermediate_size=32)  # fmt: skip
+    Shard(0, 2).check(ModelConfig(**moe))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        Shard(0, 2).check(ModelConfig(**moe, dense_layers=(1,)))
 
 
 def test_weight_parts_tile_each_weight():

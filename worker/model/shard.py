@@ -60,10 +60,12 @@ class Shard:
         """ValueError unless ``config`` splits evenly over ``size`` ranks (MXFP4 experts: at least a
         32-unit block each)."""
         blocks = config.moe_intermediate_size // 32
+        # NOTE: a dense MLP's width only where some layer has one (an all-sparse MoE's is unused)
+        dense = any(not config.is_sparse(i) for i in range(config.num_layers))
         for what, n in (
             ("num_attention_heads", config.num_heads),
             ("num_key_value_heads", config.num_kv_heads),
-            ("intermediate_size", config.intermediate_size),
+            ("intermediate_size", config.intermediate_size if dense else 0),
             ("moe_intermediate_size", 0 if config.mxfp4_experts else config.moe_intermediate_size),
             ("shared_expert_intermediate_size", config.shared_expert_intermediate_size),
         ):
