@@ -31,10 +31,22 @@ from router.workers import Worker
 FORWARDED_HEADERS = ("authorization", "x-request-id", "openai-organization", "openai-project")
 
 
+HOPS_HEADER = "x-radixgate-hops"  # routers a request has passed through
+MAX_HOPS = 8
+
+
 def forwarded_headers(client: Mapping[str, str]) -> dict[str, str]:
     """The headers a request to a worker carries: JSON, and the client's own worth passing on
-    (its Authorization is replaced by the worker key where the router has one: ``Upstream``)."""
-    headers = {"content-type": "application/json"}
+    (its Authorization is replaced by the worker key where the router has one: ``Upstream``), and the
+    routers it has passed through, this one included: a request that has passed ``MAX_HOPS`` is in
+    a loop (a router among its own workers, two among each other's: each request forwarded itself
+    until something ran out) and is refused, 508."""
+    hops = client.get(HOPS_HEADER, "0")
+    passed = int(hops) if hops.isascii() and hops.isdigit() and len(hops) < 4 else 0
+    if passed >= MAX_HOPS:
+        raise RouterError(508, f"the request has passed {passed} routers: they route in a loop (a router "
+                          "listed among its own workers?)", "loop_detected")  # fmt: skip
+    headers = {"content-type": "application/json", HOPS_HEADER: str(passed + 1)}
     for name in FORWARDED_HEADERS:
         value = client.get(name)
         if value is not None:

@@ -526,3 +526,27 @@ def test_a_silent_worker_does_not_slow_the_other_workers_health_checks(launch, f
         assert [w["healthy"] for w in rows] == [True, False]
     finally:
         silent.close()
+
+
+def test_a_request_that_has_passed_too_many_routers_is_a_loop_refused(launch, faulty):
+    """Each router counts itself in x-radixgate-hops; one that finds 8 already refuses the request,
+    508 loop_detected: routers among each other's workers forwarded each request until something ran
+    out (~10,000 times in 11 s for a router that discovered itself)."""
+    seen: list[str | None] = []
+
+    async def completions(request: Request) -> JSONResponse:
+        seen.append(request.headers.get("x-radixgate-hops"))
+        return JSONResponse({"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    worker = faulty(completions=completions)
+    router = launch.router([worker.url])
+    body = {"model": "faulty", "prompt": "x"}
+    for sent, passed in ((None, "1"), ("3", "4"), ("7", "8"), ("junk", "1")):
+        headers = {} if sent is None else {"x-radixgate-hops": sent}
+        answer = httpx.post(router.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert answer.status_code == 200 and seen[-1] == passed, (sent, answer.text)
+    refused = httpx.post(
+        router.url + "/v1/completions", json=body, headers={"x-radixgate-hops": "8"}, timeout=30
+    )
+    assert refused.status_code == 508 and refused.json()["error"]["code"] == "loop_detected"
+    assert len(seen) == 4
