@@ -1,11 +1,13 @@
 """What the README and docs/ promise about the code itself: the usage blocks' flags and the defaults
 they show, a code map that names every module, and the metrics and health fields a real router and
-worker export. A renamed flag, a changed default, a new module or an undocumented metric fails
-here, not in a reader's shell or an operator's query."""
+worker export, and benchmark pages whose tables quote their JSON. A renamed flag, a changed
+default, a new module, an undocumented metric or a re-run whose page was left behind fails here, not
+in a reader's shell or an operator's query."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -185,3 +187,51 @@ def test_worker_health_and_cache_info_fields_are_documented(launch) -> None:
         (row,) = [r for r in rows if r.startswith(f"| `GET {path}` |")]
         fields = set(httpx.get(worker.url + path, timeout=10).json()) - {"simulated"}
         assert sorted(f for f in fields if not re.search(rf"\b{f}\b", row)) == [], path
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table whose header row starts with ``header``, bold marks dropped."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().replace("**", "") for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_route_decision_page_quotes_its_json() -> None:
+    """docs/benchmarks/route-decision.md's tables and headline p99s are route-decision.json's run,
+    cell by cell: a re-run that writes the JSON without the page fails here."""
+    page = (ROOT / "docs/benchmarks/route-decision.md").read_text()
+    run = json.loads((ROOT / "docs/benchmarks/route-decision.json").read_text())
+
+    def pair(case: dict, key: str) -> str:
+        return f"{case[key + '_p50_ms']:.2f} / {case[key + '_p99_ms']:.2f}"
+
+    expected = [
+        [
+            str(case["workers"]),
+            f"{case['budget_entries']:,}",
+            f"{case['p50_ms']:.2f}",
+            f"{case['p99_ms']:.2f}",
+            pair(case, "warm"),
+            pair(case, "cold"),
+            pair(case, "after_send"),
+            pair(case, "cpu_total"),
+            f"{case['max_ms']:.1f}",
+        ]
+        for case in run["cases"]
+    ]
+    assert table_rows(page, "| workers | budget") == expected
+    gc_rows = table_rows(page, "| index shape | blocks | nodes")
+    assert [row[-1] for row in gc_rows] == [f"{gc['full_gc_ms_median']} ms" for gc in run["full_gc"]]
+    assert [row[1:3] for row in gc_rows] == [
+        [f"{gc['blocks']:,}", f"{gc['nodes']:,}"] for gc in run["full_gc"]
+    ]
+    first, widest = run["cases"][0], max(run["cases"], key=lambda case: case["workers"])
+    assert f"**met**,\n  {first['p99_ms']:.2f} ms" in page
+    assert f"At {widest['workers']} workers the p99 is {widest['p99_ms']:.2f} ms" in page
+    machine = run["machine"]
+    assert f"load average {machine['load_average_1m_at_start']} at start" in page
