@@ -433,8 +433,10 @@ class ClusterSim:
 
     def _summary(self, wall_s: float, t_first: float) -> dict[str, Any]:
         n_done = len(self.latency)
-        prompt = sum(w.prompt_tokens for w in self.workers)
-        cached = sum(w.cached_tokens for w in self.workers)
+        # NOTE: the summary's token counts are real tokens (simulated ones x the trace's weight)
+        prompt = round(sum(w.prompt_tokens for w in self.workers) * self.weight)
+        cached = round(sum(w.cached_tokens for w in self.workers) * self.weight)
+        host_loaded = round(sum(w.cache.loaded_pages for w in self.workers) * self.m.block_size * self.weight)
         span = max(self.last_finish - t_first, 1e-9)
         reqs = [w.requests for w in self.workers]
         busy = [w.busy_s for w in self.workers]
@@ -462,12 +464,13 @@ class ClusterSim:
             "rejected": self.rejected,
             "skipped": self.skipped,
             "hit_rate": round(cached / prompt, 4) if prompt else None,
+            "token_weight": self.weight,  # real tokens per simulated token
             "prompt_tokens": prompt,
             "cached_tokens": cached,
-            "host_loaded_tokens": sum(w.cache.loaded_pages for w in self.workers) * self.m.block_size,
+            "host_loaded_tokens": host_loaded,
             "kv_fetches": dict(self.kv_fetches),
-            "kv_fetched_tokens": self.kv_fetched_tokens,
-            "kv_fetched_share": round(self.kv_fetched_tokens / prompt / self.weight, 4) if prompt else None,
+            "kv_fetched_tokens": round(self.kv_fetched_tokens),
+            "kv_fetched_share": round(self.kv_fetched_tokens / prompt, 4) if prompt else None,
             "kv_fetch_p50_ms": ms(self.kv_fetch_s, 50),
             "ttft_p50_ms": ms(self.ttft, 50),
             "ttft_p99_ms": ms(self.ttft, 99),

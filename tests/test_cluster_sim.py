@@ -144,7 +144,9 @@ def test_trace_ids_become_shared_token_prefixes_and_costs_scale_back(tmp_path):
     assert block_hashes(c.tolist(), 16)[0] != block_hashes(a.tolist(), 16)[0]
     assert [t for t, _ in src.first_turns()] == [0.0, 0.5, 0.9]
     summary, _ = run("cache_aware", src, workers=2)
-    assert summary["completed"] == 3 and summary["cached_tokens"] == 64  # b reuses a's two ids
+    # the summary counts real tokens: b reuses a's two ids, 64 simulated tokens = 1,024 real
+    assert summary["completed"] == 3 and summary["cached_tokens"] == 1024 and summary["token_weight"] == 16
+    assert summary["prompt_tokens"] == (64 + 93 + 32) * 16 and summary["hit_rate"] == round(64 / 189, 4)
 
 
 def write_trace(path, rows) -> TraceSource:
@@ -166,7 +168,7 @@ def test_a_prefix_in_prefill_is_shared_only_with_prefix_sharing(tmp_path, sharin
     )
     assert summary["completed"] == 3
     # sharing: r2 waits one step for r1's pages and reuses them; without it both compute them
-    assert summary["cached_tokens"] == (64 if sharing else 0)
+    assert summary["cached_tokens"] == (1024 if sharing else 0)
     assert_fleet_consistent(sim)
 
 
@@ -174,7 +176,7 @@ def test_prefix_sharing_caches_a_prompt_before_its_request_finishes(tmp_path):
     # r1 arrives while r0 (same prompt start, 200 output tokens) is decoding
     rows = [{"timestamp": 0, "input_length": 1024, "output_length": 200, "hash_ids": [7, 8]},
             {"timestamp": 300, "input_length": 1536, "output_length": 4, "hash_ids": [7, 8, 9]}]  # fmt: skip
-    for sharing, cached in ((True, 64), (False, 0)):
+    for sharing, cached in ((True, 1024), (False, 0)):
         src = write_trace(tmp_path / "t.jsonl", rows)
         summary, _ = run("round_robin", src, workers=1, model=WorkerModel(prefix_sharing=sharing))
         assert summary["cached_tokens"] == cached
@@ -440,7 +442,9 @@ def test_a_request_sent_away_from_its_prefix_fetches_the_kv_and_pays_the_link_no
     summary, sim = run("round_robin", write_trace(tmp_path / "t.jsonl", rows), workers=2, model=m,
                        kv_fetch_min_tokens=256)  # fmt: skip
     assert summary["kv_fetches"] == {"ok": 1, "cached": 0, "miss": 0, "busy": 0, "error": 0}
-    assert summary["kv_fetched_tokens"] == 1024 and summary["cached_tokens"] == 64
+    # fetched tokens count as cached, both in real tokens; r0 and r1 are 1,024 + 1,536 real
+    assert summary["kv_fetched_tokens"] == summary["cached_tokens"] == 1024
+    assert summary["prompt_tokens"] == 2560 and summary["kv_fetched_share"] == 0.4
     # export copy + link, then the import's copy and the 512 uncached tokens in r1's prefill step
     fetch_ms = 0.003 * 1024 + 3.0 + 0.12 * 1024
     assert summary["kv_fetch_p50_ms"] == pytest.approx(fetch_ms, abs=0.01)
