@@ -25,6 +25,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from loadtest.report import percentile
 from router.block_hash import PromptHashes, SpanMemo, block_hashes
 from router.policies import Candidate, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex
@@ -43,9 +44,10 @@ def _text(rng: random.Random, n: int) -> bytes:
     return rng.randbytes(n).translate(_PRINTABLE)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _ms(values_ns: list[int], q: float) -> float | None:
+    """The q-th percentile (0..100, loadtest.report's) of timings in ns, in ms; None for none."""
+    value = percentile(values_ns, q)
+    return None if value is None else round(value / 1e6, 4)
 
 
 def run_case(workers: int, iterations: int, seed: int, budget: int = 2_000_000) -> dict[str, Any]:
@@ -102,25 +104,22 @@ def run_case(workers: int, iterations: int, seed: int, budget: int = 2_000_000) 
         hashed_share.append(hashed / blocks)
         by_kind[kind].append(d)
 
-    def ms(values: list[int], q: float) -> float:
-        return round(_percentile(values, q) / 1e6, 4)
-
     return {
         "workers": workers,
         "budget_entries": budget,
         "iterations": iterations,
-        "p50_ms": ms(decision_ns, 0.50),  # what a request waits for before it is sent
-        "p99_ms": ms(decision_ns, 0.99),
+        "p50_ms": _ms(decision_ns, 50),  # what a request waits for before it is sent
+        "p99_ms": _ms(decision_ns, 99),
         "mean_ms": round(statistics.fmean(decision_ns) / 1e6, 4),
         "max_ms": round(max(decision_ns) / 1e6, 4),
-        "warm_p50_ms": ms(by_kind["warm"], 0.50),  # conversation turn: prefix held, 32 new blocks
-        "warm_p99_ms": ms(by_kind["warm"], 0.99),
-        "cold_p50_ms": ms(by_kind["cold"], 0.50),  # brand-new prompt
-        "cold_p99_ms": ms(by_kind["cold"], 0.99),
-        "after_send_p50_ms": ms(after_ns, 0.50),  # rest of the hashing + insert + eviction
-        "after_send_p99_ms": ms(after_ns, 0.99),
-        "cpu_total_p50_ms": ms(total_ns, 0.50),  # decision + after-send: router CPU per request
-        "cpu_total_p99_ms": ms(total_ns, 0.99),
+        "warm_p50_ms": _ms(by_kind["warm"], 50),  # conversation turn: prefix held, 32 new blocks
+        "warm_p99_ms": _ms(by_kind["warm"], 99),
+        "cold_p50_ms": _ms(by_kind["cold"], 50),  # brand-new prompt
+        "cold_p99_ms": _ms(by_kind["cold"], 99),
+        "after_send_p50_ms": _ms(after_ns, 50),  # rest of the hashing + insert + eviction
+        "after_send_p99_ms": _ms(after_ns, 99),
+        "cpu_total_p50_ms": _ms(total_ns, 50),  # decision + after-send: router CPU per request
+        "cpu_total_p99_ms": _ms(total_ns, 99),
         "blocks_hashed_before_decision_mean": round(statistics.fmean(hashed_share), 3),
         "memo_spans": len(memo),
         "memo_hits": memo.hits,

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loadtest.report import percentile
 from router.tokenization import HFTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +120,7 @@ def run(tok: HFTokenizer, requests: list[tuple[list[dict], list[dict] | None]]) 
         "last_prompt_tokens": tokens,
         "total_ms": round(sum(times_ms), 1),
         "median_ms": round(statistics.median(times_ms), 2),
-        "p90_ms": round(times_ms[int(0.9 * (len(times_ms) - 1))], 2),
+        "p90_ms": round(percentile(times_ms, 90) or 0.0, 2),
         "last_ms": round(times[-1] * 1e3, 2),
     }
 
