@@ -35,7 +35,7 @@ _ROWS = [  # (title, key, format)
     ("router CPU/decision p50 (us, measured)", "decision_us_p50", "{:.0f}"),
     ("router CPU/decision p99 (us, measured)", "decision_us_p99", "{:.0f}"),
     ("index entries", "index_entries", "{:,}"),
-    ("index memory (MB, est.)", "index_mem_mb_est", "{:.1f}"),
+    ("index memory (MiB, est.)", "index_mem_mb_est", "{:.1f}"),
 ]
 
 

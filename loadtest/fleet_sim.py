@@ -489,6 +489,7 @@ class ClusterSim:
             "event_apply_us_per_request": round(first.event_ns / 1e3 / max(1, len(dec_us)), 1),
             "index_entries": entries,
             "index_nodes": nodes,
+            # NOTE: MiB (2**20 bytes); the name is the committed JSON's
             "index_mem_mb_est": round(
                 (nodes * _BYTES_FIRST_ENTRY + (entries - nodes) * _BYTES_EXTRA_ENTRY) / 2**20, 1
             ),

@@ -262,6 +262,9 @@ def test_cli_prints_a_simulated_table_and_writes_json(tmp_path, capsys):
     table = capsys.readouterr().out
     assert table.startswith("| simulated | round_robin x1 | wide x1 | round_robin x2 | wide x2 |")
     doc = orjson.loads(out.read_bytes())
+    # the index memory estimate is in MiB, and its row says so
+    mib = round(doc["runs"][0]["index_nodes"] * 96 / 2**20, 1)
+    assert f"\n| index memory (MiB, est.) | {mib} |" in table
     assert doc["simulated"] is True
     assert [r["config"]["routers"] for r in doc["runs"]] == [1, 1, 2, 2]
     assert doc["runs"][1]["params"]["balance_abs"] == 6
