@@ -133,8 +133,11 @@ def markdown_table(doc: dict) -> str:
             where += ", prefill replayed as a CUDA graph" + "".join(f" ({v})" for v in variants)
         where += ", default graphs only" if t.get("prefix_variants") is False else ""
         length = t.get("prompt_tokens", p["prompt_tokens"])
+        # NOTE: labelled by the share the hit reached: whole pages only, so 90% of 256 tokens is 224
         what = (f"follow-up turn, {t['cached_tokens']:,} of {length:,} tokens cached" if t.get("follow_up")
-                else f"{t['cached_fraction']:.0%} of {length} tokens cached")  # fmt: skip
+                else f"{t['cached_tokens'] / length:.0%} of {length} tokens cached")  # fmt: skip
+        if t["cached_tokens"] < t.get("warmed_pages_tokens", 0):
+            where += f", **hit short of the {t['warmed_pages_tokens']:,} tokens warmed**"
         rows.append((f"TTFT, {what}{where} ({t['computed_tokens']} computed)", f"{t['ttft_ms_median']:.2f}",
                      f"ms (median of {p['reps']})"))  # fmt: skip
     copies = doc.get("host_copies")

@@ -78,6 +78,9 @@ def test_cached_prefix_means_fewer_computed_tokens(quick_run):
     # a long conversation's next turn: all but its last 100 tokens were sent before (25 full pages hit)
     assert follow_up["follow_up"] and follow_up["prompt_tokens"] == doc["params"]["follow_up_context"] == 512
     assert follow_up["cached_tokens"] == 400 and follow_up["computed_tokens"] == 112
+    # what each hit reached, beside the whole pages of the prefix warmed before it
+    reached = [(t["cached_fraction_reached"], t["warmed_pages_tokens"]) for t in doc["ttft"]]
+    assert reached == [(0.0, 0), (0.5, 80), (0.9, 144), (0.9, 144), (0.7812, 400)]
     # the copies alone, for the hit's 144 tokens (9 pages), timed on the host tier after the run
     copies, c = doc["host_copies"], doc["model"]["config"]
     assert copies["tokens"] == 144
@@ -208,6 +211,25 @@ def test_ttft_rows_say_whether_the_prefill_was_replayed_or_launched_eagerly(quic
     assert ttft[3].startswith("| TTFT, follow-up turn, 400 of 512 tokens cached, prefill replayed as a CUDA "
                               "graph, default graphs only (112 computed)")  # fmt: skip
     assert "extend graphs" not in markdown_table(doc).splitlines()[0]
+
+
+def test_ttft_rows_say_the_share_cached_and_flag_a_hit_short_of_the_warmed_pages(quick_run):
+    """90% of a 256-token prompt warms 230 tokens, 14 whole pages: 224 tokens (88%) can hit. A row
+    whose hit fell short of the warmed pages says so; the share asked for stays in the JSON."""
+    from worker.bench_report import markdown_table
+
+    doc, _ = quick_run
+    warm = next(t for t in doc["ttft"] if t["cached_fraction"] == 0.9 and t["from"] == "device")
+    reached = {**warm, "prompt_tokens": 256, "cached_tokens": 224, "computed_tokens": 32,
+               "warmed_pages_tokens": 224}  # fmt: skip
+    missed = {**reached, "cached_tokens": 0, "computed_tokens": 256}
+    ttft = [
+        line for line in markdown_table({**doc, "ttft": [reached, missed]}).splitlines() if "TTFT" in line
+    ]
+    assert ttft[0].startswith("| TTFT, 88% of 256 tokens cached (32 computed) |")
+    assert ttft[1].startswith(
+        "| TTFT, 0% of 256 tokens cached, **hit short of the 224 tokens warmed** (256 computed) |"
+    )
 
 
 def test_with_overlap_the_smallest_batch_is_also_timed_one_step_at_a_time(tmp_path):
