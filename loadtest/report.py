@@ -71,7 +71,10 @@ def summarize(results: Results) -> dict[str, Any]:
     recs = results.records
     ok = [r for r in recs if r.ok]
     failed = [r for r in recs if not r.ok and r.error != "cancelled"]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    # NOTE: a run that did not stream has no first token: its ttft_s is the whole response, reported
+    # as latency only (a results file without the setting is taken as it comes)
+    streamed = results.config.get("stream") is not False
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None] if streamed else []
     lats = [r.latency_s for r in ok if r.latency_s is not None]
     duration = max(results.duration_s, 1e-9)
     with_usage = [r for r in ok if r.prompt_tokens is not None]

@@ -202,6 +202,21 @@ async def test_non_stream_completions_without_worker_header_is_direct(server_fac
     assert all(r.ttft_s is not None and r.ttft_s <= r.latency_s for r in results.records)
 
 
+def test_a_run_that_did_not_stream_reports_no_ttft_only_latency():
+    """Without --stream a request's first byte is its whole response: the summary's TTFT is null and
+    the table says n/a, so a page cannot quote a whole-response time as TTFT."""
+    records = [report.RequestRecord(i, "g", 0.0, 10, ttft_s=0.1 * i, latency_s=0.1 * i) for i in range(1, 6)]
+
+    def summary(stream: bool | None) -> dict:
+        config = {} if stream is None else {"stream": stream}
+        return report.Results("x", config, 0.0, 1.0, records).summary()
+
+    plain, streamed, unknown = summary(False), summary(True), summary(None)
+    assert plain["ttft_p50_ms"] is plain["ttft_p90_ms"] is plain["ttft_p99_ms"] is None
+    assert plain["latency_p50_ms"] == streamed["ttft_p50_ms"] == unknown["ttft_p50_ms"] == 300.0
+    assert "| TTFT p50 (ms) | n/a |" in report.markdown_table([plain])
+
+
 async def test_several_urls_take_the_requests_in_turn(server_factory):
     a, b = await server_factory(), await server_factory()
     results = await run_load(_config(a, url=f"{a.url},{b.url}/", requests=10, concurrency=3))
