@@ -108,7 +108,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
-        self.sent_at = 0.0  # when the last request was written
+        self.sent_at = 0.0  # when the request was written
         self._reset()
 
     def _reset(self) -> None:
@@ -120,6 +120,7 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._error: HTTPClientError | None = None
         self.received = False
+        self.wrote = False  # the request is written (else the connection was found closed first)
         self._paused = False
         self._until_close = False
         self._keep_alive = False
@@ -228,18 +229,18 @@ class _Connection(asyncio.Protocol):
         on_sent: Callable[[], None] | None,
         head_timeout: float | None = None,
     ) -> Response:
-        self.sent_at = self._loop.time()
+        self._reset()
         assert self._transport is not None
         # NOTE: a connection the server closed before anything was written (a new one it accepted and
         # closed at once): written to, it raised an uncaught RuntimeError under uvloop (a bare 500, no
         # retry) and under asyncio waited out the read timeout
         if self.closed or self._transport.is_closing():
             raise ConnectionBroken("the server closed the connection before the request was sent")
-        self._reset()
         self._deadline = deadline
         self._transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self._transport.write(body)
+        self.wrote, self.sent_at = True, self._loop.time()
         if on_sent is not None:
             on_sent()
         heads = self._pool.heads
@@ -484,10 +485,13 @@ class HTTPClient:
                 return await conn.send(head, body, deadline, on_sent, head_timeout)
             except ConnectionBroken:
                 conn.abort()
-                if conn.received or asyncio.get_running_loop().time() - conn.sent_at > IDLE_RACE_S:
+                if conn.received or (
+                    conn.wrote and asyncio.get_running_loop().time() - conn.sent_at > IDLE_RACE_S
+                ):
                     raise
-                # The server closed this idle connection as we wrote: once more on a new one.
-                on_sent = None  # it already ran
+                # The server closed this idle connection as (or before) we wrote: once more on a new one.
+                if conn.wrote:
+                    on_sent = None  # it already ran
             except BaseException:
                 conn.abort()
                 raise

@@ -335,6 +335,24 @@ async def test_a_connection_the_server_closes_at_once_is_broken_not_written_to()
         listener.close()
 
 
+async def test_an_idle_connection_found_closing_is_replaced_and_its_request_sent_once():
+    """A pooled connection whose close has begun but not ended (taken in that window) is not written to:
+    the request goes on a new connection, and on_sent runs once, there."""
+    calls: list[str] = []
+    async with uvicorn_server() as (url, _):
+        client = HTTPClient(idle_timeout=60)
+        resp = await client.post(url, "/echo", b"{}")
+        await resp.read()
+        resp.close()
+        (idle,) = client._pools[url][0]._idle
+        idle._transport.close()  # NOTE: closing: connection_lost has not run yet, so it is not `closed`
+        resp = await client.post(url, "/echo", b"{}", on_sent=lambda: calls.append("sent"))
+        assert resp.status == 200 and resp._conn is not idle and calls == ["sent"]
+        await resp.read()
+        resp.close()
+        client.close()
+
+
 async def test_header_injection_is_refused():
     client = HTTPClient()
     with pytest.raises(ValueError):
