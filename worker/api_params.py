@@ -22,7 +22,15 @@ from router.request_parsing import (
 from router.token_bounds import fewest_tokens
 from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
-from worker.guided import CONSTRAINT_KEYS, JSON_KINDS, Guide, GuideCompiler, requested_grammar, thinking_first
+from worker.guided import (
+    COMPILES,
+    CONSTRAINT_KEYS,
+    JSON_KINDS,
+    Guide,
+    GuideCompiler,
+    requested_grammar,
+    thinking_first,
+)
 from worker.request import QueueFullError
 from worker.sampling import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGPROBS, SamplingParams
 from worker.tool_calls import (
@@ -151,7 +159,7 @@ async def output_guide(
         return None  # NOTE: free text, most requests: no thread hop (~30 us of the event loop's time)
     try:  # NOTE: all of it off the event loop: a schema or tool list of megabytes takes seconds to write
         asked = await run_in_threadpool(_grammar, body, compiler, tools, parser, thinking, auto_calls)
-        return None if asked is None else await run_in_threadpool(compiler.compile, *asked)
+        return None if asked is None else await COMPILES.run(compiler.compile, *asked)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 

@@ -20,7 +20,10 @@ budget on it.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import queue
 import re
 import threading
 from collections import OrderedDict
@@ -140,14 +143,23 @@ def choice_grammar(choices: Any) -> str:
     return LLMatcher.grammar_from_lark(f"start: /(?:{alternatives})/")
 
 
+MAX_GRAMMAR_RULES = 2000  # rules (and terminals) a request's own grammar may define
+# a rule's or terminal's definition at a line's start: Lark's ``name:`` / ``?name.2:`` / ``NAME:``, GBNF's ``name ::=``
+_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::(?!:)|::=)", re.MULTILINE)
+
+
 def lark_grammar(text: Any) -> str:
     """A Lark grammar, or a GBNF / EBNF one (``root ::= ...``, as llama.cpp, xgrammar and SGLang's
-    ``ebnf`` write them), converted by llguidance."""
+    ``ebnf`` write them), converted by llguidance; at most ``MAX_GRAMMAR_RULES`` rules. NOTE: llguidance
+    compiles along chains of rules recursively (a chain of 100,000 overflowed even the compile threads'
+    deep stack: COMPILE_STACK_BYTES), and the GBNF conversion takes time quadratic in them (3,000: 5.7 s)."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError("a grammar must be a non-empty Lark or GBNF grammar string")
+    if (rules := len(_RULE_DEFINITION.findall(text))) > MAX_GRAMMAR_RULES:
+        raise ValueError(f"the grammar defines {rules} rules; at most {MAX_GRAMMAR_RULES} are served")
     try:
         text = any_to_lark(text)
     except RecursionError:
@@ -257,6 +269,56 @@ def grammar_of(kind: str, value: Any) -> tuple[str, str]:
     if kind == "choice":
         return kind, choice_grammar(value)
     return kind, lark_grammar(value)
+
+
+COMPILE_STACK_BYTES = 256 * 2**20
+COMPILE_THREADS = 4
+
+
+class _DeepStackThreads:
+    """Threads with a deep stack (``COMPILE_STACK_BYTES``, address space: only what is used is memory)
+    for llguidance's compiles, which recurse along a grammar's chains of rules, ~8 KiB a link: on a
+    thread's default 8 MiB a JSON schema of 1,000 chained ``$ref`` (70 KB) overflowed it, a SIGSEGV that
+    took the worker down with every request in it. On 256 MiB, schemas meet llguidance's own size
+    refusals first (a 400), and grammars ``MAX_GRAMMAR_RULES`` (a chain of 30,000 rules compiles)."""
+
+    def __init__(self, count: int, stack_bytes: int) -> None:
+        self._count, self._stack = count, stack_bytes
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            # NOTE: the stack size is the process's setting for threads started from now on: set, then put back
+            before = threading.stack_size(self._stack)
+            try:
+                for i in range(self._count):
+                    threading.Thread(target=self._work, name=f"guide-compile-{i}", daemon=True).start()
+            finally:
+                threading.stack_size(before)
+            self._started = True
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on one of the threads, awaited."""
+        self._start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return await asyncio.wrap_future(future)
+
+
+COMPILES = _DeepStackThreads(COMPILE_THREADS, COMPILE_STACK_BYTES)
 
 
 class GuideCompiler:

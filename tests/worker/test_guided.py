@@ -605,3 +605,35 @@ def test_sentencepiece_required_tool_choice_gives_a_call(sentencepiece_worker) -
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
+
+
+def test_a_schema_of_chained_refs_compiles_and_a_grammar_of_too_many_rules_is_refused(tmp_path) -> None:
+    """llguidance compiles along chains of references recursively: a schema of 1,000 chained $ref
+    (70 KB) overflowed a thread's default stack, a SIGSEGV that killed the worker and every request in
+    it. Compiles run on deep-stack threads; a grammar past MAX_GRAMMAR_RULES is a 400. (A worker
+    process of its own: a crash must not take the test process with it.)"""
+    from tests.support import start_module
+    from worker.guided import MAX_GRAMMAR_RULES
+
+    worker = start_module("worker", ["--model", "tiny", "--device", "cpu", "--warmup-tokens", "0",
+                                     "--cpu-threads", "1"], str(tmp_path))  # fmt: skip
+    try:
+        defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}},
+                          "required": ["x"]} for i in range(1000)}  # fmt: skip
+        schema = {"$defs": {**defs, "d1000": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+        body = {"prompt": "x", "max_tokens": 8, "guided_json": schema}
+        r = httpx.post(worker.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith('{"x":'), r.text
+        n = MAX_GRAMMAR_RULES + 1
+        chain = "start: r0\n" + "".join(f'r{i}: "t" r{i + 1}\n' for i in range(n - 2)) + f'r{n - 2}: "end"\n'
+        r = httpx.post(
+            worker.url + "/v1/completions", json={"prompt": "x", "guided_grammar": chain}, timeout=120
+        )
+        assert r.status_code == 400 and f"at most {MAX_GRAMMAR_RULES}" in r.json()["error"]["message"]
+        shorter = chain.replace(f'r{n - 3}: "t" r{n - 2}\nr{n - 2}: "end"\n', f'r{n - 3}: "end"\n')
+        r = httpx.post(worker.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "guided_grammar": shorter},
+                       timeout=120)  # fmt: skip
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "tttt", r.text
+        assert httpx.get(worker.url + "/health", timeout=10).status_code == 200
+    finally:
+        worker.stop()
