@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.report import percentile
+from loadtest.stats import percentile
 from router.event_subscriber import _SNAPSHOT_SLICE
 from router.kv_events import KVEventBatch, StoredBlocks, decode, encode
 from router.policies import Candidate, RouteRequest, make_policy

@@ -25,7 +25,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from loadtest.report import percentile
+from loadtest.stats import percentile
 from router.block_hash import PromptHashes, SpanMemo, block_hashes
 from router.policies import Candidate, RouteRequest, make_policy
 from router.prefix_index import PrefixIndex

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loadtest.report import percentile
+from loadtest.stats import percentile
 from router.tokenization import HFTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from loadtest.stats import percentile
+
 RESULTS_FORMAT = 1
 
 
@@ -49,17 +51,6 @@ class Results:
 
     def summary(self) -> dict[str, Any]:
         return summarize(self)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """q-th percentile (0..100) with linear interpolation between order statistics."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _ms(x: float | None) -> float | None:
