@@ -637,3 +637,22 @@ def test_a_schema_of_chained_refs_compiles_and_a_grammar_of_too_many_rules_is_re
         assert httpx.get(worker.url + "/health", timeout=10).status_code == 200
     finally:
         worker.stop()
+
+
+def test_the_compiled_grammars_kept_are_bounded_by_their_text_too() -> None:
+    """Kept by count (256) and by the characters of their grammars: a compiled grammar holds ~45x its
+    text (a 20,000-option choice kept ~9 MB, and 256 such pinned GBs). One past the bound is compiled
+    for its request and not kept; the oldest go first."""
+
+    def choice(tag: str, n: int):
+        return requested_grammar({"guided_choice": [f"{tag}{i}" for i in range(n)]})
+
+    a, b, c = choice("a", 100), choice("b", 100), choice("c", 100)
+    bound = len(a[1]) + len(b[1]) + len(c[1]) - 1  # two fit, not three
+    compiler = GuideCompiler(ByteTokenizer(), ByteTokenizer().vocab_size, max_text_chars=bound)
+    big = choice("big", 1000)
+    assert len(big[1]) > bound and compiler.compile(*big) is not compiler.compile(*big)
+    first_a, first_b = compiler.compile(*a), compiler.compile(*b)
+    assert compiler.compile(*a) is first_a and compiler.compile(*b) is first_b  # both kept
+    compiler.compile(*c)  # past the bound: the oldest (a) goes
+    assert compiler.compile(*b) is first_b and compiler.compile(*a) is not first_a
