@@ -132,12 +132,11 @@ class RouterConfig:
         own = self.host.strip("[]").lower()
         if host in ("localhost", own):
             return True
-        address = _ip_address(host)
+        address, listening = _ip_address(host), _ip_address(own)
         if address is None:
             return False
-        if address.is_loopback or address.is_unspecified or address == _ip_address(own):
+        if address.is_loopback or address.is_unspecified or address == listening:
             return True
-        listening = _ip_address(own)
         return listening is not None and listening.is_unspecified and address in _machine_addresses()
 
     def validate(self) -> None:

@@ -172,6 +172,7 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
     body, model, stream = _common_fields(raw)
     _check_stream_options(body)
     rest: list = []  # a batch's prompts after the first
+    special = body.get("add_special_tokens") is not False  # NOTE: the worker refuses one not a boolean
     try:
         if chat:
             if "messages" not in body:
@@ -181,11 +182,10 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
             messages = with_stand_ins(body["messages"], "text")
             token_ids = _encode_chat(tokenizer, messages, body.get("tools"), chat_options(body))
         else:
-            token_ids, rest = _prompt_tokens(body, tokenizer)
+            token_ids, rest = _prompt_tokens(body, tokenizer, special)
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
     # NOTE: an entry of the wrong type counts 0 here; the worker refuses the request
-    special = body.get("add_special_tokens") is not False
     lengths = [len(_encode_prompt(tokenizer, p, special)) if isinstance(p, str) else len(p) if isinstance(p, list)
                else 0 for p in rest]  # fmt: skip
     n = body.get("n")
@@ -296,12 +296,13 @@ def _encode_chat(
     return tokenizer.encode_chat(messages, tools, **(options or {}))
 
 
-def _prompt_tokens(body: dict[str, Any], tokenizer: PromptTokenizer) -> tuple[Sequence[int], list]:
+def _prompt_tokens(
+    body: dict[str, Any], tokenizer: PromptTokenizer, special: bool = True
+) -> tuple[Sequence[int], list]:
     """The ids of the prompt to route by (a batch's first) and the batch's other prompts."""
     if "prompt" not in body:
         raise ValueError("missing required field 'prompt'")
     prompt = body["prompt"]
-    special = body.get("add_special_tokens") is not False  # NOTE: the worker refuses one not a boolean
     if isinstance(prompt, str):
         return _encode_prompt(tokenizer, prompt, special), []
     if isinstance(prompt, list) and prompt:
