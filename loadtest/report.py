@@ -57,15 +57,21 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000.0, 2)
 
 
+def first_token_times(results: Results) -> list[float]:
+    """The answered requests' times to first token in seconds; none for a run that did not stream."""
+    # NOTE: a run that did not stream has no first token: its ttft_s is the whole response, reported
+    # as latency only (a results file without the setting is taken as it comes)
+    if results.config.get("stream") is False:
+        return []
+    return [r.ttft_s for r in results.records if r.ok and r.ttft_s is not None]
+
+
 def summarize(results: Results) -> dict[str, Any]:
     """The numbers a run is judged by (times in ms, rates per second, hit rate as a fraction)."""
     recs = results.records
     ok = [r for r in recs if r.ok]
     failed = [r for r in recs if not r.ok and r.error != "cancelled"]
-    # NOTE: a run that did not stream has no first token: its ttft_s is the whole response, reported
-    # as latency only (a results file without the setting is taken as it comes)
-    streamed = results.config.get("stream") is not False
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None] if streamed else []
+    ttfts = first_token_times(results)
     lats = [r.latency_s for r in ok if r.latency_s is not None]
     duration = max(results.duration_s, 1e-9)
     with_usage = [r for r in ok if r.prompt_tokens is not None]
@@ -216,8 +222,8 @@ def hit_rate_over_time(results: Results, bins: int = 20) -> list[tuple[float, fl
     return [((b + 1) * width, cached[b] / prompt[b]) for b in range(bins) if prompt[b]]
 
 
-def plot(runs: list[Results], path: str | Path) -> None:
-    """One PNG, two panels: TTFT CDF per run, fleet hit rate over time per run."""
+def figure(runs: list[Results]) -> Any:
+    """A matplotlib figure, two panels: TTFT CDF per streamed run, fleet hit rate over time per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,7 +232,7 @@ def plot(runs: list[Results], path: str | Path) -> None:
     fig, (ax_cdf, ax_hit) = plt.subplots(1, 2, figsize=(11, 4))
     for i, res in enumerate(runs):
         label = res.label or f"run {i + 1}"
-        ttfts = sorted(r.ttft_s * 1000.0 for r in res.records if r.ok and r.ttft_s is not None)
+        ttfts = sorted(t * 1000.0 for t in first_token_times(res))
         if ttfts:
             ax_cdf.plot(ttfts, [(k + 1) / len(ttfts) for k in range(len(ttfts))], label=label)
         series = hit_rate_over_time(res)
@@ -239,6 +245,14 @@ def plot(runs: list[Results], path: str | Path) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(runs: list[Results], path: str | Path) -> None:
+    """One PNG of `figure(runs)`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(runs)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -217,6 +217,19 @@ def test_a_run_that_did_not_stream_reports_no_ttft_only_latency():
     assert "| TTFT p50 (ms) | n/a |" in report.markdown_table([plain])
 
 
+def test_the_ttft_chart_draws_only_the_runs_that_streamed():
+    """The chart follows the summary: a non-streamed run's whole-response times are no TTFT curve."""
+    records = [report.RequestRecord(i, "g", 0.0, 10, ttft_s=0.1 * i, latency_s=0.1 * i) for i in range(1, 6)]
+    runs = [
+        report.Results(label, {"stream": stream}, 0.0, 1.0, records)
+        for label, stream in (("s", True), ("p", False))
+    ]
+    fig = report.figure(runs)
+    ax_cdf = fig.axes[0]
+    assert [line.get_label() for line in ax_cdf.get_lines()] == ["s"]
+    assert list(ax_cdf.get_lines()[0].get_xdata()) == pytest.approx([100.0, 200.0, 300.0, 400.0, 500.0])
+
+
 async def test_several_urls_take_the_requests_in_turn(server_factory):
     a, b = await server_factory(), await server_factory()
     results = await run_load(_config(a, url=f"{a.url},{b.url}/", requests=10, concurrency=3))
