@@ -109,10 +109,18 @@ LAUNCHER_SETS = {
 
 
 def check_worker_args(model: str, args: list[str]) -> None:
-    """ValueError for ``--worker-arg`` flags the workers would refuse (they would exit at once, and the
-    router serve 503 for good) or that set what the launcher sets: a port the router never polls, a key
-    it does not hold (every request 401, and the key in the "starting worker" log line)."""
-    from worker.config import build_parser, parse_args  # NOTE: here: the router imports no worker module
+    """ValueError where this Python lacks the worker's dependencies or for ``--worker-arg`` flags the
+    workers would refuse (they would exit at once, and the router serve 503 for good), or for flags that
+    set what the launcher sets: a port the router never polls, a key it does not hold (every request
+    401, and the key in the "starting worker" log line)."""
+    # NOTE: imported here: the router imports no worker module
+    from worker.config import INSTALL_HINT, build_parser, missing_modules, parse_args
+
+    missing = missing_modules()
+    if missing:  # NOTE: a router-only install (pip install radixgate)
+        raise ValueError(
+            f"--launch-workers: the workers need {', '.join(missing)}, not installed: {INSTALL_HINT}"
+        )
 
     given = build_parser()
     for action in given._actions:  # NOTE: no defaults: what the flags name is all it returns

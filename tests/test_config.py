@@ -427,3 +427,23 @@ def test_worker_args_a_launched_worker_would_refuse_or_that_the_launcher_sets_ar
     with pytest.raises(ValueError, match=re.escape(words)):
         check_worker_args("tiny", args)
     check_worker_args("tiny", ["--engine=sim", "--max-running", "4"])  # the rest pass
+
+
+@pytest.mark.parametrize("missing", [("numpy",), ("torch", "llguidance")])
+def test_a_python_without_the_worker_extra_launches_no_workers_and_says_what_to_install(
+    monkeypatch, caplog, missing
+):
+    """A router-only install (`pip install radixgate`): a launched worker would die on its first import, be
+    started again forever, and the router serve 503 for good; the router refuses at start instead, and
+    `python -m worker` exits 2 (no restart) naming what to install."""
+    from router.launcher import check_worker_args
+    from worker.__main__ import main as worker_main
+
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: find_spec finds nothing
+    with pytest.raises(
+        ValueError, match=re.escape(f'{", ".join(missing)}, not installed: pip install "radixgate[worker]"')
+    ):
+        check_worker_args("tiny", [])
+    assert worker_main(["--port", "1"]) == 2
+    assert f"cannot start: {', '.join(missing)} not installed" in caplog.text

@@ -16,7 +16,7 @@ from uvicorn.main import STARTUP_FAILURE
 
 from router.http_server import LimitedHttpToolsProtocol
 from router.log_level import logging_level
-from worker.config import WorkerConfig, parse_args, unknown_env
+from worker.config import INSTALL_HINT, WorkerConfig, missing_modules, parse_args, unknown_env
 
 
 def build(cfg: WorkerConfig):  # -> starlette app; typed loosely to keep torch out of import time
@@ -94,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("worker").warning(
             "env %s is not a worker setting: ignored%s", name, f" (did you mean {near}?)" if near else ""
         )
+    missing = missing_modules()
+    if missing:  # NOTE: 2, as for a bad argument: a supervisor starting it again cannot help
+        logging.getLogger("worker").error(
+            "cannot start: %s not installed (%s)", ", ".join(missing), INSTALL_HINT
+        )
+        return 2
     try:
         app = build(cfg)
     except (ValueError, OSError, MemoryError) as exc:  # NOTE: its arguments or model: restarting won't help

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -29,12 +30,20 @@ FP8_ACTIVATION_CHOICES = (
 )  # --fp8-activations: fp8 projections' inputs kept or quantized
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "granite")  # worker.tool_calls reads each
 
+# The worker extra's modules a worker cannot start without; the router's own install lacks them
+WORKER_MODULES = ("numpy", "torch", "safetensors", "llguidance")
+INSTALL_HINT = 'pip install "radixgate[worker]"'
 ENV_PREFIX = "RADIXGATE_WORKER_"
 KV_HINTS = ("keyed", "any", "off")  # --kv-hints: who may name a KV source (x-radixgate-kv-source)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype besides "auto"
 # --kv-cache-dtype (worker.kv_pool.kv_cache_dtype); "fp8" is fp8_e4m3, as vLLM reads it
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def missing_modules() -> list[str]:
+    """The worker's dependencies this Python cannot import (looked up, not imported)."""
+    return [name for name in WORKER_MODULES if importlib.util.find_spec(name) is None]
 
 
 @dataclass
