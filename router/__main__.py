@@ -17,7 +17,7 @@ from router import access_log
 from router.app import build_app
 from router.config import build_config, check_tokenizer
 from router.discovery import target_from_config
-from router.http_server import LimitedHttpToolsProtocol
+from router.http_server import LimitedHttpToolsProtocol, exit_by_sigint, run_server
 from router.launcher import WorkerLauncher, check_worker_args
 from router.log_level import logging_level
 
@@ -125,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             launcher.terminate if launcher else None,
             launcher.shutting_down if launcher else None,
         )
-        server.run()
+        interrupted = run_server(server)
     finally:
         if launcher is not None:
             launcher.stop()
+    if interrupted:
+        exit_by_sigint()
     return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits (e.g. its port taken)
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from http import HTTPStatus
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.errors import error_body
@@ -143,3 +145,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(head) + body)
         self.transport.close()
         self._disarm()
+
+
+def run_server(server: uvicorn.Server) -> bool:
+    """``server.run()``; True where a Ctrl-C ended it. uvicorn raises the signal it shut down on again as
+    it ends, which asyncio's runner turns into a KeyboardInterrupt for SIGINT: ``uvicorn.run`` swallows it
+    (exit status 0), a bare ``run()`` ends in its traceback. The caller cleans up, then ends by
+    ``exit_by_sigint``: quietly, with the status a Ctrl-C gives (130)."""
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def exit_by_sigint() -> None:
+    """End this process by SIGINT, its default action (no handler, no traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGINT)

@@ -116,8 +116,10 @@ def test_ctrl_c_drains_the_launched_workers_requests_as_sigterm_does(tmp_path):
                 if len(lines) == 5:  # NOTE: once: a second signal ends the router at once
                     os.killpg(router.pid, signal.SIGINT)  # the terminal's Ctrl-C
         assert lines[-1] == "data: [DONE]" and len(lines) > 150, lines[-2:]
-        assert router.wait(60) in (0, -signal.SIGINT)
-    assert "starting it again" not in (tmp_path / "router.log").read_text()  # no worker died on the way
+        assert router.wait(60) == -signal.SIGINT  # NOTE: 130 in a shell, as Ctrl-C ends a program
+    log = (tmp_path / "router.log").read_text()
+    assert "starting it again" not in log  # no worker died on the way
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]  # a quiet end
 
 
 def test_a_signal_to_the_whole_group_stops_the_launched_workers_for_good(tmp_path):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
 
-from router.http_server import LimitedHttpToolsProtocol
+from router.http_server import LimitedHttpToolsProtocol, exit_by_sigint, run_server
 from router.log_level import logging_level
 from worker.config import INSTALL_HINT, WorkerConfig, missing_modules, parse_args, unknown_env
 
@@ -111,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = app.state.api.engine  # NOTE: python -m worker exits when its engine thread dies
     server = WorkerServer(config, app.state.kv_publisher.end_streams, app.state.api.end_requests_at,
                           lambda: engine.dead is not None)  # fmt: skip
-    server.run()
+    if run_server(server):
+        exit_by_sigint()
     if engine.dead is not None:
         return ENGINE_DIED
     return 0 if server.started else STARTUP_FAILURE  # as uvicorn.run exits (e.g. its port taken)

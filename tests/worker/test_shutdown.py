@@ -148,3 +148,29 @@ def test_a_worker_whose_engine_dies_exits_so_it_can_be_started_again(tmp_path):
             proc.wait()
     text = log.read_text()
     assert "engine thread died" in text and "the engine thread died: shutting the worker down" in text
+
+
+def test_ctrl_c_ends_the_worker_quietly_with_the_status_of_a_ctrl_c(tmp_path):
+    """SIGINT (a terminal's Ctrl-C) drains as SIGTERM does and ends the process by the signal (130 in a
+    shell), with no KeyboardInterrupt traceback in its log."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT, free_port
+
+    port = free_port()
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "--engine", "sim", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+    try:
+        wait_until(lambda: _running(f"http://127.0.0.1:{port}") == 0, 60, what="the worker up")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == -signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Finished server process" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-2000:]
