@@ -432,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         return report.main(argv)
     config, args = parse_args(argv)
     try:
+        if args.plot:
+            report.check_plotting()
         for path in (args.out, args.md, args.plot):  # NOTE: before the run, not after it
             if path:
                 report.prepare_output(path)

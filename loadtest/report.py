@@ -7,6 +7,7 @@ a.json b.json --md out.md --plot out.png` sets several runs side by side.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -119,6 +120,12 @@ def to_dict(results: Results) -> dict[str, Any]:
         "summary": summarize(results),
         "records": [asdict(r) for r in results.records],
     }
+
+
+def check_plotting() -> None:
+    """ValueError where matplotlib, which draws the PNG, is not installed (said before a run, not after)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError('--plot needs matplotlib: pip install "radixgate[loadtest]"')
 
 
 def prepare_output(path: str | Path) -> Path:
@@ -259,6 +266,8 @@ def plot(runs: list[Results], path: str | Path) -> None:
 
 def compare(paths: list[str | Path], md: str | Path | None = None, png: str | Path | None = None) -> str:
     """Side-by-side markdown table of several result JSONs (optionally written, and plotted)."""
+    if png:
+        check_plotting()
     runs = [read_json(p) for p in paths]
     for out in (md, png):
         if out:

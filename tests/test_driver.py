@@ -17,6 +17,7 @@ from loadtest import driver, report
 from loadtest.driver import LoadConfig, run_load
 from loadtest.driver import main as driver_main
 from loadtest.workloads import prompt_text
+from tests.support import free_port
 
 
 class FakeOpenAI:
@@ -330,6 +331,19 @@ async def test_cli_writes_json_markdown_plot_and_compare(server_factory, tmp_pat
     table = report.compare(outs, md=tmp_path / "cmp.md")
     assert table.splitlines()[0] == "| metric | a | b |"
     assert "| ok / sent | 10 / 10 | 10 / 10 |" in table
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    """matplotlib is the loadtest extra's, not the router's install: a run asked for a PNG it cannot draw
+    is refused before it starts (it ran the whole load, then died on the import)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: a run would be all errors
+    args = ["--url", url, "--requests", "2", "--no-progress", "--out", str(tmp_path / "r.json")]
+    assert driver.main([*args, "--plot", str(tmp_path / "r.png")]) == 2
+    assert 'error: --plot needs matplotlib: pip install "radixgate[loadtest]"' in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()  # no run
+    assert report.main(["compare", str(tmp_path / "r.json"), "--plot", str(tmp_path / "c.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stream", [False, True])
