@@ -323,6 +323,29 @@ def test_bundled_redis_is_used_by_routers_and_workers(chart) -> None:
     assert flag(container(one(objects, "StatefulSet", "worker"))["args"], "--redis-url") == url
 
 
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (2Gi) or a Redis one (1536mb) in bytes."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+    for unit, scale in units.items():
+        if quantity.endswith(unit):
+            return int(quantity[: -len(unit)]) * scale
+    return int(quantity)
+
+
+@pytest.mark.parametrize("profile", ["default", "cpu"])
+def test_bundled_redis_holds_the_workers_streams_within_its_memory_limit(chart, profile: str) -> None:
+    """The workers' streams (--stream-maxlen entries of ~30 KiB: a batch caching a 4,000-token prompt of a
+    128k vocabulary) fit Redis' maxmemory, and that stays below the container's limit: past it Redis evicts
+    a stream (a gap routers re-sync from) instead of being OOM-killed (100,000 entries: ~2.9 GiB)."""
+    objects = render(chart, profile)
+    redis = container(one(objects, "Deployment", "redis"))
+    maxmemory = _bytes(flag(redis["args"], "--maxmemory"))
+    assert flag(redis["args"], "--maxmemory-policy") == "allkeys-lru"
+    assert maxmemory <= 0.8 * _bytes(redis["resources"]["limits"]["memory"])
+    worker = parse_worker_args(worker_argv(one(objects, "StatefulSet", "worker"), 0))
+    assert worker.stream_maxlen * 30 * 2**10 <= maxmemory
+
+
 def test_disabling_bundled_redis_drops_it_and_uses_the_external_url(chart) -> None:
     external = "redis://redis.shared.svc:6379/3"
     objects = render(chart, "cpu", redis={"enabled": False, "externalUrl": external})

@@ -85,7 +85,7 @@ class WorkerConfig:
     decode_reserve_tokens: int = 256  # decode tokens per request kept free when admitting
     max_waiting: int = 1024  # queued requests before HTTP 429
     redis_url: str | None = None  # KV events to the Redis Stream radixgate:kv:<served name>
-    stream_maxlen: int = 100_000  # entries kept in that stream (approximate trim)
+    stream_maxlen: int = 10_000  # entries kept in that stream (approximate trim)
     advertise_url: str | None = None  # how routers reach this worker; default http://host:port
     served_model_name: str | None = None  # default: the model's name ("tiny" or the directory name)
     admin_token: str | None = None  # required by the cache flush and the LoRA load / unload when set
