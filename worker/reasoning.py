@@ -177,10 +177,14 @@ def split(text: str, thinking: bool = False) -> tuple[str, str]:
 
 # harmony's markers (gpt-oss): a message's header ends at MESSAGE, its text at one of BODY_ENDS
 CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
+# the markers a header holds before its MESSAGE: text with one is a header, never an answer in no message
+HEADER_MARKERS = (CHANNEL, "<|constrain|>", "<|start|>")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"([^\s<]*)")  # a header's channel: up to a space or a marker
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # a message's tool: to=functions.NAME, before or after the channel
 _OPEN_CALL, _CLOSE_CALL = "<tool_call>", "</tool_call>"  # how a call reaches worker.tool_calls (hermes)
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
+# how many characters a header keeps of its last piece: the start of a marker split over pieces
+_TAIL = max(len(m) for m in (MESSAGE, *HEADER_MARKERS)) - 1
 
 
 class HarmonySplitter(Splitter):
@@ -190,7 +194,7 @@ class HarmonySplitter(Splitter):
     to the content whole, once it ends, as the hermes call ``<tool_call>{"name": NAME, "arguments": TEXT}
     </tool_call>`` that worker.tool_calls reads (the default --tool-call-parser). Text before any marker
     (an answer that is not in the format, e.g. under a JSON grammar) is content once the answer ends
-    without one."""
+    without one; a first header cut off is in neither."""
 
     def __init__(
         self, thinking: bool = False, ends: Mapping[int, str] | None = None, track: bool = True,
@@ -211,7 +215,7 @@ class HarmonySplitter(Splitter):
         self._call = ""  # the text of a message to a tool, so far
         self._header: list[str] = []  # the current header's text so far, in pieces (joined once it ends)
         self._tail = ""  # its last characters: where a marker split over pieces begins
-        self._seen_marker = False
+        self._seen_marker = False  # a header's marker came: the answer is in harmony messages
         self._pending = ""  # body text held back: possibly the start of a marker
         if track:
             self._track = HarmonySplitter(ends=ends, track=False)
@@ -245,7 +249,9 @@ class HarmonySplitter(Splitter):
                 at = (tail + text).find(MESSAGE)
                 if at < 0:
                     self._header.append(text)
-                    self._tail = (tail + text)[-(len(MESSAGE) - 1) :]
+                    self._tail = (tail + text)[-_TAIL:]
+                    # NOTE: a header's marker says the answer is harmony's before its <|message|> comes
+                    self._seen_marker = self._seen_marker or any(m in tail + text for m in HEADER_MARKERS)
                     break
                 whole = "".join(self._header) + text
                 at += len(whole) - len(text) - len(tail)

@@ -43,6 +43,24 @@ def test_split(text, expected):
     assert split(text) == expected
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<|channel|>",
+        "<|channel|>analysis",
+        "<|channel|>commentary to=functions.get_weather",
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json",
+        " to=functions.get_weather<|channel|>commentary json",  # the recipient before the channel
+    ],
+)
+def test_an_answer_cut_off_in_its_first_header_is_in_neither_part(text):
+    """A header is markup, though no <|message|> came to end it: it came back as the content."""
+    assert split(text) == ("", "")
+    whole = HarmonySplitter()
+    whole.count([1], text)
+    assert whole.is_answer() is False and not whole.lead_was_answer()  # its tokens are no answer's text
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.sampled_from(["<|channel|>", "analysis", "final", "<|message|>", "<|end|>", "<|start|>",
