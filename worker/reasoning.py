@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 OPEN, CLOSE = "<think>", "</think>"
 # vLLM's names; qwen3 and deepseek_r1 read the same tags, gpt_oss harmony's channels
@@ -180,7 +180,8 @@ CHANNEL, MESSAGE = "<|channel|>", "<|message|>"
 # the markers a header holds before its MESSAGE: text with one is a header, never an answer in no message
 HEADER_MARKERS = (CHANNEL, "<|constrain|>", "<|start|>")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"([^\s<]*)")  # a header's channel: up to a space or a marker
-_RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # a message's tool: to=functions.NAME, before or after the channel
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # a message's recipient, before or after the channel
+_FUNCTIONS = "functions."  # the recipients that are the request's tools (to=functions.NAME)
 _OPEN_CALL, _CLOSE_CALL = "<tool_call>", "</tool_call>"  # how a call reaches worker.tool_calls (hermes)
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 # how many characters a header keeps of its last piece: the start of a marker split over pieces
@@ -190,35 +191,39 @@ _TAIL = max(len(m) for m in (MESSAGE, *HEADER_MARKERS)) - 1
 class HarmonySplitter(Splitter):
     """ReasoningSplitter's interface over gpt-oss's harmony messages: the ``analysis`` channel's text is
     reasoning, every other channel's content; headers (``<|start|>assistant<|channel|>final``) and markers
-    are in neither. A message addressed to a tool (``to=functions.NAME`` in its header) is a call: it goes
-    to the content whole, once it ends, as the hermes call ``<tool_call>{"name": NAME, "arguments": TEXT}
-    </tool_call>`` that worker.tool_calls reads (the default --tool-call-parser). Text before any marker
+    are in neither. A message addressed to one of the request's tools (``to=functions.NAME`` in its
+    header, NAME declared) is a call: it goes to the content whole, once it ends, as the hermes call
+    ``<tool_call>{"name": NAME, "arguments": TEXT}</tool_call>`` that worker.tool_calls reads (the default
+    --tool-call-parser); a message to any other recipient (a built-in tool's, ``to=python``, or a function
+    not declared) is its channel's text. Text before any marker
     (an answer that is not in the format, e.g. under a JSON grammar) is content once the answer ends
     without one; a first header cut off is in neither."""
 
     def __init__(
         self, thinking: bool = False, ends: Mapping[int, str] | None = None, track: bool = True,
-        calls: bool = True,
+        calls: bool = True, tools: Collection[str] = (),
     ) -> None:  # fmt: skip
         """``ends``: harmony's end markers (``<|end|>``, ``<|call|>``, ...) by token id. gpt-oss's EOS ids
         are among them (``<|call|>``, ``<|return|>``): the engine keeps such a token out of the text, so
         an answer it ends is closed by it here (a call it ends is whole, not cut off). ``calls``: a tool
         call reader takes the content (tools, ``tool_choice`` not none); without one a call's text is
-        content as the model wrote it, as a call cut off is (never the hermes markup no one reads)."""
+        content as the model wrote it, as a call cut off is (never the hermes markup no one reads).
+        ``tools``: the names of the request's functions."""
         super().__init__()
         del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
         self._calls = calls
+        self._tools = frozenset(tools)
         self._ends = ends or {}
         self._state = "header"  # header: reading up to <|message|>; body: a message's text
         self._channel = ""
-        self._recipient = ""  # the tool a message is addressed to ("" for none)
+        self._recipient = ""  # the declared function a message is addressed to ("" for none)
         self._call = ""  # the text of a message to a tool, so far
         self._header: list[str] = []  # the current header's text so far, in pieces (joined once it ends)
         self._tail = ""  # its last characters: where a marker split over pieces begins
         self._seen_marker = False  # a header's marker came: the answer is in harmony messages
         self._pending = ""  # body text held back: possibly the start of a marker
         if track:
-            self._track = HarmonySplitter(ends=ends, track=False)
+            self._track = HarmonySplitter(ends=ends, track=False, tools=tools)
 
     def _state_is_answer(self) -> bool | None:
         if self._state == "header" and not self._seen_marker:  # NOTE: a header, or an answer in no message
@@ -257,10 +262,7 @@ class HarmonySplitter(Splitter):
                 at += len(whole) - len(text) - len(tail)
                 self._header, self._tail = [], ""
                 header, text = whole[:at], whole[at + len(MESSAGE) :]
-                self._seen_marker, self._state = True, "body"
-                channel, recipient = _CHANNEL_NAME.search(header), _RECIPIENT.search(header)
-                self._channel = channel.group(1) if channel else ""
-                self._recipient = recipient.group(1).removeprefix("functions.") if recipient else ""
+                self._open(header)
                 continue
             ends = [(at, end) for end in BODY_ENDS if (at := text.find(end)) >= 0]
             if ends:
@@ -279,6 +281,17 @@ class HarmonySplitter(Splitter):
             else:
                 content += body
         return reasoning, content
+
+    def _open(self, header: str) -> None:
+        """A message's ``header`` ended (at its <|message|>): its text comes next."""
+        self._seen_marker, self._state = True, "body"
+        channel, recipient = _CHANNEL_NAME.search(header), _RECIPIENT.search(header)
+        self._channel = channel.group(1) if channel else ""
+        # NOTE: only a declared function is a call (harmony's built-in tools, browser.* and python, are not
+        # the client's; nor is a function it did not declare): the others' text is their channel's
+        name = recipient.group(1) if recipient else ""
+        name = name[len(_FUNCTIONS) :] if name.startswith(_FUNCTIONS) else ""
+        self._recipient = name if name in self._tools else ""
 
     def _take_call(self) -> str:
         call = {"name": self._recipient, "arguments": self._call.strip()}
@@ -302,8 +315,11 @@ class HarmonySplitter(Splitter):
 
 
 def splitter(
-    parser: str, thinking: bool = False, ends: Mapping[int, str] | None = None, calls: bool = True
-) -> Splitter:
+    parser: str, thinking: bool = False, ends: Mapping[int, str] | None = None, calls: bool = True,
+    tools: Collection[str] = (),
+) -> Splitter:  # fmt: skip
     """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer (``ends``,
-    ``calls``: HarmonySplitter's)."""
-    return HarmonySplitter(ends=ends, calls=calls) if parser == "gpt_oss" else ReasoningSplitter(thinking)
+    ``calls``, ``tools``: HarmonySplitter's)."""
+    if parser == "gpt_oss":
+        return HarmonySplitter(ends=ends, calls=calls, tools=tools)
+    return ReasoningSplitter(thinking)

@@ -130,15 +130,16 @@ class WorkerAPI:
         return prompt_opens_thinking(tail)
 
     def splitter(
-        self, thinking: bool | None, calls: bool = True, guide: Any = None
+        self, thinking: bool | None, calls: bool = True, guide: Any = None, tools: ToolRequest | None = None
     ) -> reasoning.Splitter | None:
         """A chat answer's reasoning splitter (with --reasoning-parser; ``calls``: a tool call reader
-        takes its content); None where there is nothing to split: without the parser, and with gpt_oss's
-        under a JSON constraint (a forced call, a JSON format), whose answer is in no harmony message (it
-        streams as content, not held to its end for a marker that cannot come)."""
+        takes its content; ``tools``: the request's); None where there is nothing to split: without the
+        parser, and with gpt_oss's under a JSON constraint (a forced call, a JSON format), whose answer is
+        in no harmony message (it streams as content, not held to its end for a marker that cannot come)."""
         if not self.reasoning or (self.harmony and guide is not None and guide.kind in WHOLE_JSON):
             return None
-        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends, calls)
+        names = [t["function"]["name"] for t in tools.tools] if tools is not None else []
+        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends, calls, names)
 
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
@@ -250,7 +251,7 @@ class WorkerAPI:
         reader = tools is not None and tools.choice != "none"
         for c in choices:
             if chat:
-                c.reasoning = self.splitter(thinking, reader, params.guide)
+                c.reasoning = self.splitter(thinking, reader, params.guide, tools)
             if reader:
                 c.tools = ToolOutput(tools, self.call_parser)
             if echo is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import httpx
 import pytest
@@ -18,8 +19,8 @@ from worker.reasoning import HarmonySplitter
 ANSWER = "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>final<|message|>Four."
 
 
-def split(text: str) -> tuple[str, str]:
-    return HarmonySplitter().take(text, final=True)
+def split(text: str, **splitter) -> tuple[str, str]:
+    return HarmonySplitter(**splitter).take(text, final=True)
 
 
 @pytest.mark.parametrize(
@@ -132,15 +133,46 @@ CALL = (r"<\|channel\|>analysis<\|message\|>[a-z]{4}<\|end\|><\|start\|>assistan
     [
         ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
          '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'),
-        # the recipient may come before the channel; a builtin tool keeps its namespace
-        ("<|start|>assistant to=browser.search<|channel|>analysis<|message|>{}<|call|>",
-         '<tool_call>{"name": "browser.search", "arguments": "{}"}</tool_call>'),
+        # the recipient may come before the channel
+        ("<|start|>assistant to=functions.get_weather<|channel|>analysis<|message|>{}<|call|>",
+         '<tool_call>{"name": "get_weather", "arguments": "{}"}</tool_call>'),
         # a call cut off by max_tokens: its text is content, not a call
-        ('<|channel|>commentary to=functions.f<|message|>{"a": ', '{"a": '),
+        ('<|channel|>commentary to=functions.get_weather<|message|>{"a": ', '{"a": '),
     ],
 )  # fmt: skip
 def test_a_message_to_a_tool_is_a_call(text, expected):
-    assert split(text) == ("", expected)
+    assert split(text, tools=["get_weather"]) == ("", expected)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        # gpt-oss's built-in tools are not the client's functions: their text is their channel's
+        ("<|channel|>analysis to=python code<|message|>print(1)<|call|>", ("print(1)", "")),
+        ("<|start|>assistant to=browser.search<|channel|>analysis<|message|>{}<|call|>", ("{}", "")),
+        # a function the request did not declare
+        ('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"q": "x"}<|call|>',
+         ("", '{"q": "x"}')),
+    ],
+)  # fmt: skip
+def test_a_message_to_no_declared_function_is_no_call(text, expected):
+    """Only ``to=functions.NAME`` with NAME among the request's tools is a call: the others came back
+    as calls to functions the client never declared (``python``, ``browser.search``, ``search``)."""
+    assert split(text, tools=["get_weather"]) == expected
+
+
+def test_a_call_to_a_function_not_declared_is_content_whole_and_streamed(worker):
+    undeclared = '<|channel|>commentary to=functions.search<|message|>{"q": "x"}<|call|>'
+    body = {**chat(tools=TOOLS, max_tokens=240), "regex": re.escape(undeclared)}
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert whole["finish_reason"] == "stop" and not whole["message"].get("tool_calls"), whole
+    assert whole["message"]["content"] == '{"q": "x"}'
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == '{"q": "x"}'
 
 
 def test_without_a_tool_reader_a_call_is_the_text_the_model_wrote(worker):
@@ -229,7 +261,7 @@ def test_a_call_its_end_token_ended_is_whole_though_that_token_is_not_text():
     """gpt-oss lists <|call|> among its EOS ids (generation_config.json): the engine keeps it out of
     the text, so the splitter is told the answer's last token; a call it ended is a call."""
     call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
-    ended = HarmonySplitter(ends={7: "<|call|>"})
+    ended = HarmonySplitter(ends={7: "<|call|>"}, tools=["get_weather"])
     ended.count([5], call)
     first = ended.feed(call)
     ended.count([7], "")  # the end token: no text
@@ -238,7 +270,7 @@ def test_a_call_its_end_token_ended_is_whole_though_that_token_is_not_text():
         first[1] + rest[1]
         == '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
     )
-    cut = HarmonySplitter(ends={7: "<|call|>"})
+    cut = HarmonySplitter(ends={7: "<|call|>"}, tools=["get_weather"])
     cut.count([5], call)
     assert cut.take(call, final=True)[1] == '{"city": "Oslo"}'  # cut off by max_tokens: content
 
