@@ -182,7 +182,9 @@ HEADER_MARKERS = (CHANNEL, "<|constrain|>", "<|start|>")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"([^\s<]*)")  # a header's channel: up to a space or a marker
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # a message's recipient, before or after the channel
 _FUNCTIONS = "functions."  # the recipients that are the request's tools (to=functions.NAME)
-_OPEN_CALL, _CLOSE_CALL = "<tool_call>", "</tool_call>"  # how a call reaches worker.tool_calls (hermes)
+# how a call reaches worker.tool_calls (its "harmony" reader): its JSON between two lone surrogates. NOTE:
+# decoded text is valid UTF-8, which holds no lone surrogate, so no message's text can spell a call
+CALL_OPEN, CALL_CLOSE = "\udb80", "\udb81"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
 # how many characters a header keeps of its last piece: the start of a marker split over pieces
 _TAIL = max(len(m) for m in (MESSAGE, *HEADER_MARKERS)) - 1
@@ -192,12 +194,12 @@ class HarmonySplitter(Splitter):
     """ReasoningSplitter's interface over gpt-oss's harmony messages: the ``analysis`` channel's text is
     reasoning, every other channel's content; headers (``<|start|>assistant<|channel|>final``) and markers
     are in neither. A message addressed to one of the request's tools (``to=functions.NAME`` in its
-    header, NAME declared) is a call: it goes to the content whole, once it ends, as the hermes call
-    ``<tool_call>{"name": NAME, "arguments": TEXT}</tool_call>`` that worker.tool_calls reads (the default
-    --tool-call-parser); a message to any other recipient (a built-in tool's, ``to=python``, or a function
-    not declared) is its channel's text. Text before any marker
-    (an answer that is not in the format, e.g. under a JSON grammar) is content once the answer ends
-    without one; a first header cut off is in neither."""
+    header, NAME declared) is a call: it goes to the content whole, once it ends, as ``CALL_OPEN{"name":
+    NAME, "arguments": TEXT}CALL_CLOSE``, which worker.tool_calls' harmony reader alone reads (no text the
+    model writes can spell it); a message to any other recipient (a built-in tool's, ``to=python``, or a
+    function not declared) is its channel's text. Text before any marker (an answer that is not in the
+    format, e.g. under a JSON grammar) is content once the answer ends without one; a first header cut
+    off is in neither."""
 
     def __init__(
         self, thinking: bool = False, ends: Mapping[int, str] | None = None, track: bool = True,
@@ -207,8 +209,8 @@ class HarmonySplitter(Splitter):
         are among them (``<|call|>``, ``<|return|>``): the engine keeps such a token out of the text, so
         an answer it ends is closed by it here (a call it ends is whole, not cut off). ``calls``: a tool
         call reader takes the content (tools, ``tool_choice`` not none); without one a call's text is
-        content as the model wrote it, as a call cut off is (never the hermes markup no one reads).
-        ``tools``: the names of the request's functions."""
+        content as the model wrote it, as a call cut off is (never markup no one reads). ``tools``: the
+        names of the request's functions."""
         super().__init__()
         del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
         self._calls = calls
@@ -296,7 +298,7 @@ class HarmonySplitter(Splitter):
     def _take_call(self) -> str:
         call = {"name": self._recipient, "arguments": self._call.strip()}
         text, self._call, self._recipient = self._call, "", ""
-        return f"{_OPEN_CALL}{json.dumps(call, ensure_ascii=False)}{_CLOSE_CALL}" if self._calls else text
+        return f"{CALL_OPEN}{json.dumps(call, ensure_ascii=False)}{CALL_CLOSE}" if self._calls else text
 
     def flush(self) -> tuple[str, str]:
         end = self._ends.get(self._last) if self._state == "body" else None  # type: ignore[arg-type]

@@ -111,8 +111,8 @@ class WorkerAPI:
         self.reasoning_parser = reasoning_parser
         # gpt-oss: harmony's markers are special tokens, its calls its own messages (no calls grammar)
         self.harmony = reasoning_parser in SPECIAL_TOKEN_PARSERS
-        # NOTE: the harmony splitter hands a call on as hermes' markup, whatever --tool-call-parser says
-        self.call_parser = "hermes" if self.harmony else tool_call_parser
+        # NOTE: the harmony splitter hands a call on marked for the harmony reader, whatever --tool-call-parser says
+        self.call_parser = "harmony" if self.harmony else tool_call_parser
         self._ends = {i: m for m in reasoning.BODY_ENDS if (i := engine.guides.special_id(m)) is not None}
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)

@@ -39,6 +39,7 @@ from typing import Any
 
 from router.chat_tools import compact_json, encodable, normalize_tools
 from worker.guided import JSON_DEFAULTS, check_schema, grammar_of
+from worker.reasoning import CALL_CLOSE, CALL_OPEN
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -223,14 +224,21 @@ def _json_calls(text: str) -> list[dict] | None:
 
 class ToolOutput:
     """One choice's text as content and tool calls: ``message`` for a whole answer, ``feed`` and
-    ``flush`` for a stream (each returns chat ``delta`` objects)."""
+    ``flush`` for a stream (each returns chat ``delta`` objects). ``parser``: a --tool-call-parser, or
+    ``harmony``: the calls the harmony splitter marked (worker.reasoning), read as hermes' are."""
 
     def __init__(self, req: ToolRequest, parser: str) -> None:
         self.req, self.parser = req, parser
         self.calls = 0  # calls emitted so far (stream) or found (whole)
         self._pending = ""  # text seen but not yet emitted
         self._in_call = False  # hermes stream: inside <tool_call> ... </tool_call>
-        self._end = _TagScan(_CLOSE)  # hermes stream: where the block read so far ends
+        # hermes' tags, or the marks around the calls the harmony splitter (worker.reasoning) reads off
+        # gpt-oss's messages: no text the model writes spells them, so every one is a call
+        harmony = parser == "harmony"
+        self._open, self._close = (CALL_OPEN, CALL_CLOSE) if harmony else (_OPEN, _CLOSE)
+        # NOTE: parallel_tool_calls false: after its one call a tag is text; a harmony call past it is dropped
+        self._single = not req.parallel and not harmony
+        self._end = _TagScan(self._close)  # hermes stream: where the block read so far ends
         self._before = ""  # hermes stream: whitespace before the block (content if it does not parse)
         self._decided = False  # llama3_json stream: is the answer a call (buffer) or text (stream)?
         self._json = False  # ... decided: a call
@@ -258,7 +266,7 @@ class ToolOutput:
         elif self._tag is not None:
             text, calls = _tagged(text, self._tag, not self.req.parallel)
         else:
-            text, calls = _hermes(text, not self.req.parallel)
+            text, calls = _hermes(text, self._single, self._open, self._close)
         calls = self._allowed(calls)
         self.calls = len(calls)
         if self.forced:  # NOTE: none of the text is content (cut off before a call: no call, no content)
@@ -350,7 +358,7 @@ class ToolOutput:
             if calls:
                 calls = self._allowed(calls)
                 return [self._delta(calls)] if calls else []
-            return [{"content": (self._before + _OPEN if self._in_call else "") + rest}]
+            return [{"content": (self._before + self._open if self._in_call else "") + rest}]
         return [{"content": rest}] if rest.strip() or not self.calls else []
 
     def _allowed(self, calls: list[dict]) -> list[dict]:
@@ -397,19 +405,19 @@ class ToolOutput:
                 end = self._end.find(self._pending)
                 if end < 0:
                     return out
-                block, self._pending = self._pending[:end], self._pending[end + len(_CLOSE) :]
+                block, self._pending = self._pending[:end], self._pending[end + len(self._close) :]
                 self._in_call, before, self._before = False, self._before, ""
-                calls = _hermes_block(block)
+                calls = _hermes_block(block, self._close)
                 if not calls:
-                    out.append({"content": before + _OPEN + block + _CLOSE})
+                    out.append({"content": before + self._open + block + self._close})
                 elif calls := self._allowed(calls):
                     out.append(self._delta(calls))
                 continue
             # NOTE: parallel_tool_calls false: after its one call a tag is text (as in a whole answer)
-            start = self._pending.find(_OPEN) if self.req.parallel or not self.calls else -1
+            start = self._pending.find(self._open) if not (self._single and self.calls) else -1
             if start >= 0:
-                text, self._pending = self._pending[:start], self._pending[start + len(_OPEN) :]
-                self._in_call, self._end = True, _TagScan(_CLOSE)
+                text, self._pending = self._pending[:start], self._pending[start + len(self._open) :]
+                self._in_call, self._end = True, _TagScan(self._close)
                 # NOTE: whitespace before a call is not content; it is held, as content only if the
                 # block does not parse (as in a whole answer)
                 body = text.rstrip()
@@ -417,7 +425,7 @@ class ToolOutput:
                     out.append({"content": body})
                 self._before = text[len(body) :]
                 continue
-            keep = _partial_suffix(self._pending, _OPEN)
+            keep = _partial_suffix(self._pending, self._open)
             text = self._pending[: len(self._pending) - keep]
             body = text.rstrip()  # hold trailing whitespace: it may precede a call
             if body:
@@ -530,10 +538,10 @@ class _CallArray:
         out.append({"tool_calls": [{"index": self.calls - 1, "function": {"arguments": "".join(chars)}}]})
 
 
-def _hermes_block(block: str) -> list[dict] | None:
+def _hermes_block(block: str, close: str = _CLOSE) -> list[dict] | None:
     # NOTE: a block cut off (max_tokens) inside its spelled-out close tag is the call before it, as one cut
     # a token earlier is
-    block = block[: len(block) - _partial_suffix(block, _CLOSE)]
+    block = block[: len(block) - _partial_suffix(block, close)]
     try:
         call = _as_call(json.loads(block))
     except json.JSONDecodeError:
@@ -575,18 +583,21 @@ def _split_outside_strings(text: str, tag: str) -> list[str]:
     return parts
 
 
-def _hermes(text: str, single: bool = False) -> tuple[str, list[dict]]:
+def _hermes(
+    text: str, single: bool = False, open_tag: str = _OPEN, close: str = _CLOSE
+) -> tuple[str, list[dict]]:
     """(content, calls) of a hermes-format answer: every ``<tool_call>`` block (up to the first
     ``</tool_call>`` outside a JSON string) that parses as a call is one (an unterminated last block
     too); the rest is content (a last, empty block aside). ``single``: the first call is the only
-    one, the text after it content whatever it spells."""
+    one, the text after it content whatever it spells. ``open_tag``, ``close``: the tags (the harmony
+    reader's marks instead)."""
     calls, content, last, start = [], [], 0, 0
-    while not (single and calls) and (start := text.find(_OPEN, start)) >= 0:
-        body = start + len(_OPEN)
-        end = _TagScan(_CLOSE).find(text[body:])
+    while not (single and calls) and (start := text.find(open_tag, start)) >= 0:
+        body = start + len(open_tag)
+        end = _TagScan(close).find(text[body:])
         block = text[body:] if end < 0 else text[body : body + end]
-        after = len(text) if end < 0 else body + end + len(_CLOSE)
-        found = _hermes_block(block) or []
+        after = len(text) if end < 0 else body + end + len(close)
+        found = _hermes_block(block, close) or []
         # NOTE: an answer cut off right after a <tool_call> shows no tag (as its stream ends)
         if found or after == body == len(text):
             # NOTE: whitespace before a call is not content (as a stream leaves it out)

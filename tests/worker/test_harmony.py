@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.test_server import serve, sse_events
-from worker.reasoning import HarmonySplitter
+from worker.reasoning import CALL_CLOSE, CALL_OPEN, HarmonySplitter
+from worker.tool_calls import ToolOutput, ToolRequest
 
 ANSWER = "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>final<|message|>Four."
 
@@ -132,10 +133,10 @@ CALL = (r"<\|channel\|>analysis<\|message\|>[a-z]{4}<\|end\|><\|start\|>assistan
     "text,expected",
     [
         ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>',
-         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'),
+         CALL_OPEN + '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}' + CALL_CLOSE),
         # the recipient may come before the channel
         ("<|start|>assistant to=functions.get_weather<|channel|>analysis<|message|>{}<|call|>",
-         '<tool_call>{"name": "get_weather", "arguments": "{}"}</tool_call>'),
+         CALL_OPEN + '{"name": "get_weather", "arguments": "{}"}' + CALL_CLOSE),
         # a call cut off by max_tokens: its text is content, not a call
         ('<|channel|>commentary to=functions.get_weather<|message|>{"a": ', '{"a": '),
     ],
@@ -159,6 +160,43 @@ def test_a_message_to_no_declared_function_is_no_call(text, expected):
     """Only ``to=functions.NAME`` with NAME among the request's tools is a call: the others came back
     as calls to functions the client never declared (``python``, ``browser.search``, ``search``)."""
     assert split(text, tools=["get_weather"]) == expected
+
+
+def test_a_call_the_model_writes_in_a_messages_text_is_that_text():
+    """hermes markup in a final message's text is the answer's text: the splitter's calls reach the
+    reader apart from it. It became a call (the text around it the content), which the model never
+    addressed to a tool."""
+    said = 'Hermes writes <tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call> so.'
+    call = (
+        '<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"city": "Oslo"}<|call|>'
+    )
+    request = ToolRequest(TOOLS, "auto")
+    for text, calls in (
+        (f"<|channel|>final<|message|>{said}", 0),
+        (f"<|channel|>final<|message|>{said}<|end|>{call}", 1),
+    ):
+        _, content = split(text, tools=["get_weather"])
+        message = ToolOutput(request, "harmony").message(content)
+        assert message["content"] == said and len(message.get("tool_calls", [])) == calls, message
+        stream = ToolOutput(request, "harmony")
+        deltas = [d for ch in content for d in stream.feed(ch)] + stream.flush()
+        assert "".join(d.get("content") or "" for d in deltas) == said
+        assert len([tc for d in deltas for tc in d.get("tool_calls", [])]) == calls
+
+
+def test_hermes_markup_in_a_final_messages_text_is_content_whole_and_streamed(worker):
+    said = 'Hermes writes <tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call> so.'
+    body = {**chat(tools=TOOLS, max_tokens=240), "regex": re.escape("<|channel|>final<|message|>" + said)}
+    with httpx.Client(base_url=worker.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert whole["finish_reason"] == "stop" and not whole["message"].get("tool_calls"), whole
+    assert whole["message"]["content"] == said
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == said
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_call_to_a_function_not_declared_is_content_whole_and_streamed(worker):
@@ -244,8 +282,8 @@ def test_a_forced_call_and_a_json_answer_stream_as_they_are_generated(worker):
 
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
 def test_a_harmony_call_is_a_call_whatever_the_tool_call_parser(parser):
-    """The harmony splitter hands a call on as hermes' markup: read by another --tool-call-parser, the
-    answer was that markup as content (which the model never wrote), and no call."""
+    """The harmony splitter hands a call on to its own reader, whatever --tool-call-parser says: read by
+    another, the answer was call markup as content (which the model never wrote), and no call."""
     body = {**chat(tools=TOOLS, max_tokens=240), "regex": CALL}
     with (
         serve(reasoning_parser="gpt_oss", tool_call_parser=parser) as live,
@@ -268,7 +306,7 @@ def test_a_call_its_end_token_ended_is_whole_though_that_token_is_not_text():
     rest = ended.flush()
     assert (
         first[1] + rest[1]
-        == '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+        == CALL_OPEN + '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}' + CALL_CLOSE
     )
     cut = HarmonySplitter(ends={7: "<|call|>"}, tools=["get_weather"])
     cut.count([5], call)
