@@ -203,16 +203,17 @@ class HarmonySplitter(Splitter):
 
     def __init__(
         self, thinking: bool = False, ends: Mapping[int, str] | None = None, track: bool = True,
-        calls: bool = True, tools: Collection[str] = (),
+        calls: bool = True, tools: Collection[str] = (), opened: str | None = None,
     ) -> None:  # fmt: skip
         """``ends``: harmony's end markers (``<|end|>``, ``<|call|>``, ...) by token id. gpt-oss's EOS ids
         are among them (``<|call|>``, ``<|return|>``): the engine keeps such a token out of the text, so
         an answer it ends is closed by it here (a call it ends is whole, not cut off). ``calls``: a tool
         call reader takes the content (tools, ``tool_choice`` not none); without one a call's text is
         content as the model wrote it, as a call cut off is (never markup no one reads). ``tools``: the
-        names of the request's functions."""
+        names of the request's functions. ``opened``: the header of the message the prompt ends inside (an
+        assistant prefill, ``continue_final_message``): the answer starts as that message's text."""
         super().__init__()
-        del thinking  # NOTE: harmony names each message's channel; nothing is inferred from the prompt
+        del thinking  # NOTE: harmony names each message's channel; no <think> is read off the prompt
         self._calls = calls
         self._tools = frozenset(tools)
         self._ends = ends or {}
@@ -224,8 +225,10 @@ class HarmonySplitter(Splitter):
         self._tail = ""  # its last characters: where a marker split over pieces begins
         self._seen_marker = False  # a header's marker came: the answer is in harmony messages
         self._pending = ""  # body text held back: possibly the start of a marker
+        if opened is not None:
+            self._open(opened)
         if track:
-            self._track = HarmonySplitter(ends=ends, track=False, tools=tools)
+            self._track = HarmonySplitter(ends=ends, track=False, tools=tools, opened=opened)
 
     def _state_is_answer(self) -> bool | None:
         if self._state == "header" and not self._seen_marker:  # NOTE: a header, or an answer in no message
@@ -318,10 +321,10 @@ class HarmonySplitter(Splitter):
 
 def splitter(
     parser: str, thinking: bool = False, ends: Mapping[int, str] | None = None, calls: bool = True,
-    tools: Collection[str] = (),
+    tools: Collection[str] = (), opened: str | None = None,
 ) -> Splitter:  # fmt: skip
     """The splitter of ``--reasoning-parser`` ``parser`` (not "none") for one answer (``ends``,
-    ``calls``, ``tools``: HarmonySplitter's)."""
+    ``calls``, ``tools``, ``opened``: HarmonySplitter's)."""
     if parser == "gpt_oss":
-        return HarmonySplitter(ends=ends, calls=calls, tools=tools)
+        return HarmonySplitter(ends=ends, calls=calls, tools=tools, opened=opened)
     return ReasoningSplitter(thinking)

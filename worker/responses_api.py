@@ -327,7 +327,7 @@ class ResponsesAPI:
         reader = ToolOutput(reads, api.call_parser) if reads is not None else None
         rid = new_response_id(self.tag)
         turn = _Turn(self, body, rid, len(ids), conversation, store, reader, logprobs is not None,
-                     api.splitter(thinking, reader is not None, params.guide, tools))  # fmt: skip
+                     api.splitter(thinking, reader is not None, params.guide, tools, ids))  # fmt: skip
         if store:
             self.store.begin(rid, turn.response("in_progress"), turn.input_items)
         if body.get("stream"):

@@ -114,6 +114,12 @@ class WorkerAPI:
         # NOTE: the harmony splitter hands a call on marked for the harmony reader, whatever --tool-call-parser says
         self.call_parser = "harmony" if self.harmony else tool_call_parser
         self._ends = {i: m for m in reasoning.BODY_ENDS if (i := engine.guides.special_id(m)) is not None}
+        # harmony's markers by id (those the tokenizer has as special tokens): where a prompt's last message opens
+        self._markers = {
+            i: m
+            for m in (*reasoning.BODY_ENDS, reasoning.MESSAGE)
+            if (i := engine.guides.special_id(m)) is not None
+        }
         self.name = engine.served_model_name
         self.token_names = TokenNames(engine.tokenizer)
         self.ends_at: float | None = None  # time.monotonic() at which requests in flight end (shutdown)
@@ -129,17 +135,33 @@ class WorkerAPI:
         tail = self.engine.tokenizer.decode(prompt[-16:], skip_special_tokens=False)  # type: ignore[call-arg]
         return prompt_opens_thinking(tail)
 
+    def open_header(self, prompt: list[int]) -> str | None:
+        """gpt-oss: the header of the message a chat ``prompt`` ends inside (its last marker is a
+        <|message|>: an assistant prefill, ``continue_final_message``), from its <|start|> on; else None."""
+        for at in range(len(prompt) - 1, -1, -1) if self._markers else ():
+            marker = self._markers.get(prompt[at])
+            if marker is None:
+                continue
+            if marker != reasoning.MESSAGE:
+                return None
+            start = next((i for i in range(at - 1, -1, -1) if self._markers.get(prompt[i]) == "<|start|>"), 0)
+            return self.engine.tokenizer.decode(prompt[start:at], skip_special_tokens=False)  # type: ignore[call-arg]
+        return None
+
     def splitter(
-        self, thinking: bool | None, calls: bool = True, guide: Any = None, tools: ToolRequest | None = None
-    ) -> reasoning.Splitter | None:
+        self, thinking: bool | None, calls: bool = True, guide: Any = None, tools: ToolRequest | None = None,
+        prompt: list[int] | None = None,
+    ) -> reasoning.Splitter | None:  # fmt: skip
         """A chat answer's reasoning splitter (with --reasoning-parser; ``calls``: a tool call reader
-        takes its content; ``tools``: the request's); None where there is nothing to split: without the
-        parser, and with gpt_oss's under a JSON constraint (a forced call, a JSON format), whose answer is
-        in no harmony message (it streams as content, not held to its end for a marker that cannot come)."""
+        takes its content; ``tools``: the request's; ``prompt``: its ids); None where there is nothing to
+        split: without the parser, and with gpt_oss's under a JSON constraint (a forced call, a JSON
+        format), whose answer is in no harmony message (it streams as content, not held to its end for a
+        marker that cannot come)."""
         if not self.reasoning or (self.harmony and guide is not None and guide.kind in WHOLE_JSON):
             return None
         names = [t["function"]["name"] for t in tools.tools] if tools is not None else []
-        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends, calls, names)
+        opened = self.open_header(prompt) if self.harmony and prompt else None
+        return reasoning.splitter(self.reasoning_parser, bool(thinking), self._ends, calls, names, opened)
 
     def end_requests_at(self, deadline: float) -> None:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
@@ -251,7 +273,7 @@ class WorkerAPI:
         reader = tools is not None and tools.choice != "none"
         for c in choices:
             if chat:
-                c.reasoning = self.splitter(thinking, reader, params.guide, tools)
+                c.reasoning = self.splitter(thinking, reader, params.guide, tools, prompts[c.prompt])
             if reader:
                 c.tools = ToolOutput(tools, self.call_parser)
             if echo is not None:

@@ -213,6 +213,20 @@ def test_a_call_to_a_function_not_declared_is_content_whole_and_streamed(worker)
     assert "".join(d.get("content") or "" for d in deltas) == '{"q": "x"}'
 
 
+@pytest.mark.parametrize(
+    "opened,expected,alone",
+    [
+        ("<|start|>assistant<|channel|>final", ("", " 4.Done."), ("", " 4.")),
+        ("<|start|>assistant<|channel|>analysis", (" 4.", "Done."), (" 4.", "")),
+    ],
+)
+def test_an_answer_to_a_prefill_starts_as_the_text_of_the_message_it_continues(opened, expected, alone):
+    """The prompt ended inside a message (``continue_final_message``): its continuation is that
+    message's text. It was read as a header (dropped, or with its <|end|> kept as the content)."""
+    assert split(" 4.<|end|><|start|>assistant<|channel|>final<|message|>Done.", opened=opened) == expected
+    assert split(" 4.<|end|>", opened=opened) == alone
+
+
 def test_without_a_tool_reader_a_call_is_the_text_the_model_wrote(worker):
     """No tools, or tool_choice none: no reader takes a call, so its text is content as written, as
     a call cut off is; it came back as hermes markup no one reads, its arguments a JSON string."""
@@ -440,3 +454,25 @@ def test_a_markers_token_stays_out_of_the_responses_logprobs():
     turn.items.close("completed")
     (part,) = [c for item in turn.items.items if item["type"] == "message" for c in item["content"]]
     assert part["text"] == "SureFour." and [lp["token"] for lp in part["logprobs"]] == ["Sure", "Four", "."]
+
+
+def test_an_assistant_prefill_is_continued_as_its_messages_text(special_harmony):
+    """``continue_final_message``: the prompt ends inside the assistant's open message, so the answer's
+    first text is that message's, up to its <|end|>, and the next message's text follows."""
+    live, ids = special_harmony
+
+    def t(marker: str) -> str:
+        return f"<[{ids[marker]}]>"
+
+    grammar = (f'start: " 4." {t("<|end|>")} {t("<|start|>")} "assistant" {t("<|channel|>")} "final" '
+               f'{t("<|message|>")} "Done."\n')  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is"}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 40, "temperature": 0,
+            "structured_outputs": {"grammar": grammar}}  # fmt: skip
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert whole["message"]["content"] == " 4.Done.", whole
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == " 4.Done."
