@@ -121,9 +121,23 @@ class EventSubscriber:
         return [url for url, event in waits.items() if not event.is_set()]
 
     def synced(self, worker: Worker) -> bool:
-        """Whether the index follows ``worker``'s cache: a snapshot of it was read."""
+        """Whether the index follows ``worker``'s cache: a snapshot of it was read, and its events
+        name the router's blocks (``matches``)."""
         cursor = self._cursors.get(worker.url)
-        return cursor is not None and cursor.epoch is not None
+        return cursor is not None and cursor.epoch is not None and self.matches(worker)
+
+    def matches(self, worker: Worker) -> bool:
+        """Whether ``worker``'s KV events name the blocks the router hashes: it counts tokens as the
+        router does and cuts them into blocks of the router's size. The block hashes of a worker that
+        counts otherwise (another model's tokenizer, another block size) never match a prompt's."""
+        router = self._router
+        return worker.counts_like(router.tokenizer.name) and worker.block_size == router.block_size
+
+    def _unmatched(self, worker: Worker) -> bool:
+        """Known not to match (its cache info read): its stored and removed blocks are not applied,
+        so the index keeps the router's own predictions for it, as for a worker without events.
+        NOTE: a worker whose cache info is not read yet (just added) is applied meanwhile"""
+        return worker.cache_info is not None and not self.matches(worker)
 
     def _first_attempt_ended(self, worker: Worker) -> None:
         event = self._first.get(worker.url)
@@ -246,7 +260,10 @@ class EventSubscriber:
         return True
 
     def _apply_batch(self, worker: Worker, batch: KVEventBatch) -> None:
-        self._router.index.apply_events(worker.url, batch.stored, batch.removed, batch.cleared)
+        if self._unmatched(worker):  # NOTE: a cleared cache is one whatever the hashes: its predictions go
+            self._router.index.apply_events(worker.url, (), (), batch.cleared)
+        else:
+            self._router.index.apply_events(worker.url, batch.stored, batch.removed, batch.cleared)
         worker.stats.kv_event_batches += 1
 
     def restarted(self, worker: Worker, epoch: str) -> None:
@@ -303,7 +320,13 @@ class EventSubscriber:
         # NOTE: a snapshot is applied a slice of runs at a time, yielding between slices, so a large one
         # does not stall routing (the worker's batches are held meanwhile, as during the fetch). By
         # difference: what it still names stays (and matches throughout), the rest goes in one step
-        for _ in self._router.index.resync_steps(worker.url, snapshot.stored, _SNAPSHOT_SLICE):
+        # NOTE: the snapshot of a worker the index cannot match leaves its predictions as they are
+        runs = (
+            ()
+            if self._unmatched(worker)
+            else self._router.index.resync_steps(worker.url, snapshot.stored, _SNAPSHOT_SLICE)
+        )
+        for _ in runs:
             await asyncio.sleep(0)
             if worker not in self._router.workers:
                 return False  # NOTE: removed meanwhile: its index entries are gone, keep it so

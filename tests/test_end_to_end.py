@@ -743,6 +743,29 @@ def test_router_predicts_the_block_hashes_the_worker_stores(launch, tmp_path, to
         assert set(router_hashes) <= stored_hashes
 
 
+def _hf_worker(launch, tmp_path, **overrides):
+    """A worker of a tiny HF checkpoint (its own BPE tokenizer): a router counting bytes counts its
+    prompts otherwise. Returns the worker and its model's name."""
+    model_dir = save_checkpoint(tmp_path / "ckpt", "llama", **{"max_position_embeddings": 4096, **overrides})
+    worker = launch.module("worker", "--model", str(model_dir), "--cpu-threads", "1", timeout=120)
+    return worker, model_dir.name
+
+
+def test_a_refusal_keeps_the_prefix_predicted_where_the_index_cannot_match_the_events(launch, tmp_path):
+    """A worker with its own tokenizer behind a bytes router: its KV events name blocks the router
+    never hashes, so the index keeps the router's own predictions for it, as for a worker without
+    events. A refused request takes back its own tail, not the prefix an earlier answer put there."""
+    worker, model = _hf_worker(launch, tmp_path)
+    router = launch.router([worker.url])
+    body = {"model": model, "prompt": "a document the worker keeps in its cache " * 6, "max_tokens": 1}
+    assert httpx.post(router.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    held = matched_tokens(router.url, body)[worker.url]
+    assert held >= 224
+    refused = {**body, "prompt": body["prompt"] + "and more", "max_tokens": "many"}
+    assert httpx.post(router.url + "/v1/completions", json=refused, timeout=120).status_code == 400
+    assert matched_tokens(router.url, body)[worker.url] == held
+
+
 def test_debug_route_predicts_the_cached_tokens_the_worker_reports(launch):
     """/debug/route's predicted_cached_tokens are the router's own count, which the worker's usage
     confirms: a prompt of whole blocks computes its last block (the index holds all of it)."""

@@ -76,6 +76,7 @@ async def test_a_resync_keeps_what_the_snapshot_still_names_matchable_while_it_r
     url, other = "http://127.0.0.1:42001", "http://127.0.0.1:42002"
     router = Router(RouterConfig(workers=[url, other], kv_events="off"))
     worker = router.workers.get(url)
+    worker.cache_info = {"tokenizer": router.tokenizer.name, "block_size": router.block_size}  # counts alike
     prompts = [[i] * 3 + list(range(100 * i, 100 * i + 6)) for i in range(16)]
     chains = [block_hashes(p, 1) for p in prompts]
     for c in chains[:10]:
