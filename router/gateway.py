@@ -58,6 +58,9 @@ JSON = b"application/json"
 FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
 MODEL_TOKENIZER_INLINE_BYTES = 2048  # with a model's tokenizer, a larger body is parsed in a thread
 # NOTE: the failures that say a worker is down (not that it answered with an error): a follow-up's holder
+# NOTE: router tokens taken to make one token of a worker that counts otherwise, for the most of a prompt
+# the index records there: bytes per token of BPE vocabularies are ~4 for English text, more for code
+OTHER_COUNT_TOKENS = 8
 HOLDER_DOWN = frozenset({"connect", "closed", "unresponsive", "timeout", "stream_broken"})
 
 
@@ -248,12 +251,26 @@ class Router:
             decision.reason = f"affinity group {group!r} ({outcome}); {decision.reason}"
         return decision, outcome
 
-    @staticmethod
-    def cuts(parsed: ParsedRequest, route: RouteRequest, worker: Worker) -> bool:
+    def cuts(self, parsed: ParsedRequest, route: RouteRequest, worker: Worker) -> bool:
         """Does ``worker`` cut the prompt to fit its context (truncate_prompt_tokens -1, truncation
-        auto)? Then no prefix of it is what that worker computes: nothing predicted, recorded or fetched."""
+        auto)? Then no prefix of it is what that worker computes: nothing predicted, recorded or fetched.
+        NOTE: only known of a worker that counts tokens as the router does (Worker.counts_like); one that
+        counts otherwise is taken to keep the prompt whole (its context is in other units)"""
+        if not parsed.cut_to_fit or not worker.counts_like(self.tokenizer.name):
+            return False
         context = worker.context(parsed.model)
-        return parsed.cut_to_fit and context is not None and route.prompt_tokens >= context
+        return context is not None and route.prompt_tokens >= context
+
+    def recorded_blocks(self, parsed: ParsedRequest, route: RouteRequest, worker: Worker) -> int | None:
+        """The most blocks of the prompt the index records for ``worker``: what its context holds
+        (None: it did not tell), in the router's tokens; for a worker that counts tokens otherwise,
+        OTHER_COUNT_TOKENS router tokens a token of its context."""
+        context = worker.context(parsed.model)
+        if context is None:
+            return None
+        if not worker.counts_like(self.tokenizer.name):
+            context *= OTHER_COUNT_TOKENS
+        return context // route.block_size
 
     def kv_source(self, decision: Decision, cache_salt: str | None = None) -> str | None:
         """Where ``decision``'s pick may fetch the prompt's cached KV (router/policies.kv_fetch_source);
@@ -394,7 +411,7 @@ class Router:
             # that ends without its answer on a worker whose KV events the index follows (the
             # client left, the worker failed) take it back. At most what the worker's context holds.
             insert = OptimisticInsert(self.policy, route, worker.url, matched // route.block_size,
-                                      0 if cut else context and context // route.block_size)  # fmt: skip
+                                      0 if cut else self.recorded_blocks(parsed, route, worker))  # fmt: skip
             answered = False
             resp: UpstreamResponse | None = None
             try:

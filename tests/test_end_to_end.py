@@ -766,6 +766,35 @@ def test_a_refusal_keeps_the_prefix_predicted_where_the_index_cannot_match_the_e
     assert matched_tokens(router.url, body)[worker.url] == held
 
 
+def test_bytes_past_the_context_of_a_worker_counting_otherwise_are_recorded(launch, tmp_path):
+    """A bytes router in front of a worker with its own tokenizer (512 of its tokens of context): a
+    prompt of more bytes than that is still well inside the context, so the index records all of it
+    (two documents after a long shared system prompt stay told apart), and one sent with
+    truncate_prompt_tokens -1 is not taken as cut to fit."""
+    worker, model = _hf_worker(launch, tmp_path, max_position_embeddings=512)
+    router = launch.router([worker.url])
+    listed = httpx.get(worker.url + "/v1/models", timeout=5).json()["data"]
+    assert listed[0]["max_model_len"] == 512
+    system = "Cache-aware routing sends shared prefixes to the worker that already holds them. " * 8  # 648 B
+    one = {"model": model, "max_tokens": 1}
+    sent = {**one, "prompt": system + "The quick brown fox jumps over the lazy dog. " * 3}
+    never = {
+        **one,
+        "prompt": system + "Paged attention stores keys and values in fixed-size pages of tokens. " * 2,
+    }
+    answer = httpx.post(router.url + "/v1/completions", json=sent, timeout=120).json()
+    assert answer["usage"]["prompt_tokens"] < 512 < len(sent["prompt"])
+    assert matched_tokens(router.url, sent)[worker.url] > matched_tokens(router.url, never)[worker.url] >= 640
+    whole = {
+        **one,
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 14,
+        "truncate_prompt_tokens": -1,
+    }
+    answer = httpx.post(router.url + "/v1/completions", json=whole, timeout=120).json()
+    assert answer["usage"]["prompt_tokens"] < 512 < len(whole["prompt"])  # the worker kept it whole
+    assert matched_tokens(router.url, whole)[worker.url] >= 608
+
+
 def test_debug_route_predicts_the_cached_tokens_the_worker_reports(launch):
     """/debug/route's predicted_cached_tokens are the router's own count, which the worker's usage
     confirms: a prompt of whole blocks computes its last block (the index holds all of it)."""
