@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +16,8 @@ def explain(
     """What the router would do with this request of ``endpoint`` (chat, completions, responses)
     and why: each candidate's predicted cached tokens (what the router counts: the index's match
     less the last block of a whole-block prompt, none where the worker cuts the prompt to fit) beside
-    the index's match, and load (own, other replicas', the last report's rest). Reads state; sends nothing."""
+    the index's match, and load (own, other replicas', the last report's rest); a worker that does not
+    serve the request's model is listed, not available. Reads state; sends nothing."""
     route = router.route_request(parsed)
     group = router.affinity_group(parsed, endpoint != "completions", headers)
     only = router.response_holder(parsed.body.get("previous_response_id"))  # a follow-up: its worker
@@ -36,6 +36,9 @@ def explain(
     def predicted(worker: Any) -> int:  # NOTE: as the gateway counts it when it sends the request
         return 0 if router.cuts(parsed, route, worker) else route.cacheable(held(worker.url))
 
+    # NOTE: the workers the decision chose among, before the affinity group and the prompt's length
+    # narrowed them (the reason says so)
+    available = {w.url for w in router.workers.candidates(parsed.model)}
     refused = router.group_unavailable(group, parsed.model)  # NOTE: as the gateway answers it
     unavailable = "no healthy worker" if refused is None else refused.message
     return {
@@ -57,7 +60,7 @@ def explain(
             {
                 "url": w.url,
                 "healthy": w.healthy,
-                "available": w.available(time.monotonic()),
+                "available": w.url in available,  # healthy, its breaker allowing, serving the model
                 "load": w.load,
                 "in_flight": w.in_flight,
                 "pending_prefill_tokens": w.pending_prefill,

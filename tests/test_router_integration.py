@@ -550,6 +550,18 @@ def test_debug_route_explains_without_sending(fleet):
     assert all(v == 0 for url, v in matched.items() if url != served)
 
 
+def test_debug_route_lists_the_workers_of_other_models_as_not_available(launch):
+    one, other = launch.echo_backend("--model", "m1"), launch.echo_backend("--model", "m2")
+    router = launch.router([one.url, other.url])
+    wait_until(lambda: len(httpx.get(router.url + "/v1/models", timeout=5).json()["data"]) == 2, 10,
+               what="both models learned")  # fmt: skip
+    body = {**chat("whose?"), "model": "m2"}
+    explained = httpx.post(router.url + "/debug/route", json=body, timeout=10).json()
+    assert explained["worker"] == other.url
+    available = {c["url"]: (c["healthy"], c["available"]) for c in explained["candidates"]}
+    assert available == {one.url: (True, False), other.url: (True, True)}
+
+
 def test_prompt_scoring_is_routed_by_load_with_the_whole_prompt_as_prefill(fleet):
     """echo + logprobs: the worker computes the whole prompt whatever it caches, so the router
     matches nothing for it (and counts all of it as pending prefill)."""
