@@ -627,6 +627,8 @@ class Router:
             whole = True  # NOTE: the body ended (its last bytes may come in a read of their own)
             if not finished:  # NOTE: its end came in a read of its own: a last line held back goes out
                 error = scanner.flush()
+            if scanner.error is not None:  # NOTE: the worker ended it with an error event, after its 200
+                access_log.note(error=scanner.error)
         except HTTPClientError as exc:
             # The worker broke mid-stream (or the request ran past request_timeout_s): bytes
             # already reached the client, so no retry; the client is told in an error event.

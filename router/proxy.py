@@ -144,6 +144,7 @@ class SSEUsageScanner:
         self._partial: list[bytes] = []  # a line's start, in the pieces it came in (joined once, at its end)
         self._drop_blank = False  # the dropped event's terminating blank line is still to come
         self.usage: Usage | None = None
+        self.error: str | None = None  # the code of an error event the stream ended with (stream_error_code)
 
     def feed(self, chunk: bytes) -> bytes:
         end = chunk.rfind(b"\n")
@@ -154,13 +155,19 @@ class SSEUsageScanner:
         end += len(data) - len(chunk)
         self._partial = [data[end + 1 :]] if end + 1 < len(data) else []
         complete = data[: end + 1]
-        if b'"usage"' not in complete and not self._drop_blank:
+        if b'"usage"' not in complete and b'"error"' not in complete and not self._drop_blank:
             return complete if self.strip else chunk
         kept = []
         for line in complete[:-1].split(b"\n"):
             if self._drop_blank and line in (b"", b"\r"):
                 self._drop_blank = False
                 continue
+            if (
+                line.startswith(b"data:")
+                and b'"error"' in line
+                and (code := stream_error_code(line)) is not None
+            ):
+                self.error = code
             if line.startswith(b"data:") and b'"usage"' in line:
                 obj = None
                 if (
@@ -183,6 +190,32 @@ class SSEUsageScanner:
         """The end of the stream: a held partial line (``strip`` only)."""
         rest, self._partial = b"".join(self._partial), []
         return rest if self.strip else b""
+
+
+def stream_error_code(line: bytes) -> str | None:
+    """The code of the error a stream's ``data:`` line ends it with: a chat or completions error
+    chunk's (``{"error": {..., "code"}}``), a Responses ``error`` event's, or a ``response.failed``
+    event's (ours is its error's ``type``: its ``code`` is one of OpenAI's); None for any other line.
+    NOTE: every Responses event carrying its response has ``"error": null``: one over _WHOLE_PARSE_MAX
+    is parsed only if it is a ``response.failed`` (an error chunk is small)"""
+    if len(line) > _WHOLE_PARSE_MAX and b'"response.failed"' not in line[:64]:
+        return None
+    try:
+        event = orjson.loads(line[5:])
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(event, dict):
+        return None
+    if event.get("type") == "error":
+        code = event.get("code")
+    elif event.get("type") == "response.failed":
+        error = event["response"].get("error") if isinstance(event.get("response"), dict) else None
+        code = (error.get("type") or error.get("code")) if isinstance(error, dict) else "response_failed"
+    elif isinstance(error := event.get("error"), dict):
+        code = error.get("code") or error.get("type")
+    else:
+        return None
+    return code if isinstance(code, str) else "error"
 
 
 def _timeout(exc: ResponseTimeout, message: str) -> UpstreamFailure:

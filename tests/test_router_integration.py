@@ -936,6 +936,23 @@ def test_the_access_log_explains_each_request(launch):
     assert three["status"] == 404 and three["error"] == "model_not_found" and three["worker"] is None
 
 
+def test_the_access_log_names_the_error_event_a_worker_ended_a_stream_with(launch):
+    """A worker that shuts down mid-stream ends it with its error event after the 200: the access
+    log says so (status 200, error its code)."""
+    worker = launch.sim_worker("--shutdown-timeout-s", "1", "--sim-decode-base-ms", "5")
+    router = launch.router([worker.url], "--access-log")
+    body = {"model": "sim-8b", "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as answer:
+        chunks = answer.iter_bytes()
+        received = next(chunks)
+        worker.proc.send_signal(signal.SIGTERM)
+        received += b"".join(chunks)
+    assert answer.status_code == 200 and b'"shutting_down"' in received
+    wait_until(lambda: len(router.access_lines()) == 1, 10, what="the access line")
+    (line,) = router.access_lines()
+    assert (line["status"], line["error"]) == (200, "shutting_down")
+
+
 def test_the_access_log_is_written_whatever_the_log_level_quiets(launch):
     backend = launch.echo_backend()
     router = launch.router([backend.url], "--access-log", "--log-level", "warning")

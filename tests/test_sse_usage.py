@@ -105,3 +105,27 @@ def test_a_large_event_cut_into_many_chunks_gives_its_usage_and_passes_on_whole(
         scanner = SSEUsageScanner(strip)
         out = b"".join(scanner.feed(data[i : i + 4096]) for i in range(0, len(data), 4096)) + scanner.flush()
         assert out == data and (scanner.usage.prompt_tokens, scanner.usage.cached_tokens) == (33, 16)
+
+
+@pytest.mark.parametrize(
+    "event, code",
+    [
+        (
+            {"error": {"message": "draining", "type": "service_unavailable", "code": "shutting_down"}},
+            "shutting_down",
+        ),
+        ({"type": "error", "sequence_number": 4, "code": "stream_broken", "message": "cut"}, "stream_broken"),
+        (
+            {"type": "response.failed", "response": {"error": {"code": "server_error", "type": "engine"}}},
+            "engine",
+        ),
+        ({"type": "response.completed", "response": {"status": "completed", "error": None}}, None),
+    ],
+)
+def test_the_error_event_that_ends_a_stream_is_noted(event, code):
+    """Chat and completions error chunks, a Responses stream's error and response.failed events:
+    their code is what the access log names; a response's ``"error": null`` is none."""
+    scanner = SSEUsageScanner()
+    line = b"data: " + orjson.dumps(event) + b"\n\n"
+    run(scanner, [CHUNK, line[:20], line[20:], DONE])
+    assert scanner.error == code
