@@ -215,6 +215,8 @@ class EventSubscriber:
         task = self._tasks.pop(worker.url, None)
         if task is not None:
             task.cancel()
+        if self._redis is not None:  # NOTE: the last worker of a model: its stream's reader stops
+            self._ensure_redis_readers()
         if self._holding(worker):  # NOTE: its re-sync ends unapplied; the URL's next worker starts afresh
             del self._held[worker.url]
 
@@ -439,12 +441,15 @@ class EventSubscriber:
             attempt += 1
 
     def _ensure_redis_readers(self) -> None:
-        """One reader per model some worker serves; none before the health checker learns one (a
-        worker publishes to its served model's stream, so there is nothing else to read)."""
-        for model in self._router.workers.models():
-            key = STREAM_PREFIX + model
-            if key not in self._tasks:
-                self._tasks[key] = asyncio.get_running_loop().create_task(self._redis_reader(key))
+        """One reader per base model some worker serves, and none for another name: a worker publishes
+        to its served model's stream (its LoRA adapters' events too), so there is nothing else to read.
+        None before the health checker learns a model; a model no worker serves any more (its last
+        worker removed, or restarted serving another) has its reader stopped."""
+        streams = {STREAM_PREFIX + model for model in self._router.workers.base_models()}
+        for key in [k for k in self._tasks if k.startswith(STREAM_PREFIX) and k not in streams]:
+            self._tasks.pop(key).cancel()
+        for key in streams - self._tasks.keys():
+            self._tasks[key] = asyncio.get_running_loop().create_task(self._redis_reader(key))
 
     async def _redis_reader(self, key: str) -> None:
         """Read one model's stream from its current end; every worker was re-synced on watch, and

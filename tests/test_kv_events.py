@@ -210,3 +210,55 @@ def test_a_batch_names_its_worker_in_any_spelling_of_the_url_it_is_registered_un
         assert router.events._worker_for(name) is worker
     for name in ("http://127.0.0.1:42002", "not a url"):
         assert router.events._worker_for(name) is None
+
+
+@pytest.mark.redis
+async def test_redis_streams_are_read_for_the_base_models_workers_serve_and_no_others(launch):
+    """A worker publishes its LoRA adapters' events on its served model's stream: one reader (one
+    blocking XREAD connection) per base model, none for an adapter, and a model no worker serves any
+    more (its worker restarted with another, or removed) has its reader stopped."""
+    import redis.asyncio as aioredis
+
+    from router.config import RouterConfig
+    from router.gateway import Router
+    from tests.support import REDIS, free_port
+
+    if REDIS is None:
+        pytest.skip("redis-server not installed")
+    redis_url = launch.redis()
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: its snapshots fail, as a worker down would
+    router = Router(RouterConfig(workers=[url], kv_events="redis", redis_url=redis_url))
+    probe = aioredis.from_url(redis_url)
+
+    async def readers(expected: int) -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            clients = await probe.client_list()
+            reading = sum(1 for c in clients if c["cmd"] == "xread")
+            if reading == expected:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"{reading} XREAD clients, not {expected}"
+            await asyncio.sleep(0.05)
+
+    def serves(worker, models: dict[str, str | None]) -> None:  # model -> its base (an adapter) or None
+        worker.models = frozenset(models)
+        worker.parents = {m: base for m, base in models.items() if base is not None}
+        router.workers.served_changed()
+        router.events.models_learned(worker)
+
+    await router.upstream.start()
+    await router.events.start()
+    try:
+        worker = router.workers.get(url)
+        serves(worker, {"base": None, "lora_a": "base", "lora_b": "base"})
+        await readers(1)
+        serves(worker, {"base": None})  # its adapters unloaded
+        await readers(1)
+        serves(worker, {"other": None})  # restarted serving another model
+        await readers(1)
+        router.workers.remove(url)
+        await readers(0)
+    finally:
+        await router.events.stop()
+        await router.upstream.close()
+        await probe.aclose()
