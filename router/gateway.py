@@ -57,10 +57,10 @@ WORKER_HEADER_B = WORKER_HEADER.encode()
 JSON = b"application/json"
 FIRST_SYNC_WAIT_S = 5.0  # at start-up, the longest wait for the workers' cache snapshots
 MODEL_TOKENIZER_INLINE_BYTES = 2048  # with a model's tokenizer, a larger body is parsed in a thread
-# NOTE: the failures that say a worker is down (not that it answered with an error): a follow-up's holder
 # NOTE: router tokens taken to make one token of a worker that counts otherwise, for the most of a prompt
 # the index records there: bytes per token of BPE vocabularies are ~4 for English text, more for code
 OTHER_COUNT_TOKENS = 8
+# NOTE: the failures that say a worker is down (not that it answered with an error): a follow-up's holder
 HOLDER_DOWN = frozenset({"connect", "closed", "unresponsive", "timeout", "stream_broken"})
 
 
