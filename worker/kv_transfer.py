@@ -236,8 +236,6 @@ class KVTransfer(KVFetch):
             self._unpin(pin)
             counted("busy").inc()
             raise busy
-        counted("ok").inc()
-        engine.metrics.kv_exported_tokens.inc(n)
         layers, heads, dim, dtype = self.layout
         headers = export_headers((2, layers, n, heads, dim), dtype, start, engine.page_size)
         size = n * 2 * layers * self.slab_token_bytes
@@ -273,8 +271,11 @@ class KVTransfer(KVFetch):
     async def _export_body(self, slots: Any, group: int, kv: Any, size: int) -> Any:
         """The slabs of pool ``slots``, a group at a time from the first (``kv``, already read):
         each next read between the engine's steps while the one before is sent; ``size`` bytes in
-        all, counted in ``link_out`` (what is left while it is sent, its rate once it is)."""
+        all, counted in ``link_out`` (what is left while it is sent, its rate once it is). The export
+        is counted once its outcome is known: ok (and its tokens exported) once the last bytes are
+        sent, cut when the receiver left before."""
         engine, total, link = self.engine, 2 * self.layout[0], self.link_out
+        metrics, sent = engine.metrics, False
 
         def read(lo: int) -> Any:
             return asyncio.wrap_future(
@@ -297,7 +298,12 @@ class KVTransfer(KVFetch):
             await send_time(kv)
             yield body_view(kv)  # NOTE: resumed once it is sent
             link.seen(size, asyncio.get_running_loop().time() - t0)
+            sent = True
+            metrics.kv_export.labels("ok").inc()
+            metrics.kv_exported_tokens.inc(slots.numel())
         finally:
+            if not sent:
+                metrics.kv_export.labels("cut").inc()
             link.left -= left
             if pending is not None:
                 pending.cancel()  # NOTE: the client is gone; a read not begun is skipped

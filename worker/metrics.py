@@ -145,9 +145,9 @@ class WorkerMetrics:
         )
         self.kv_export = Counter(
             f"{PREFIX}_kv_export_total",
-            "KV exports asked of this worker by others (POST /v1/kv/export), by outcome: ok, not_cached "
-            "(nothing cached beyond 'start'), busy (transfers under way at the memory bound, or queued past "
-            "--kv-transfer-max-wait-ms).",
+            "KV exports asked of this worker by others (POST /v1/kv/export), by outcome: ok (sent whole), "
+            "not_cached (nothing cached beyond 'start'), busy (transfers under way at the memory bound, or "
+            "queued past --kv-transfer-max-wait-ms), cut (the receiver left before the whole body was sent).",
             ["outcome"],
             registry=self.registry,
         )

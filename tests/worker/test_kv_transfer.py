@@ -25,7 +25,7 @@ from router.block_hash import block_hashes
 from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
 from router.kv_events import decode
 from tests.support import free_port
-from tests.worker.test_server import LiveServer
+from tests.worker.test_server import LiveServer, poll
 from tests.worker.test_server import serve as serve_worker
 from worker.kv_pages import EXPORT_PATH, body_view, export_headers, read_headers
 
@@ -495,6 +495,28 @@ def test_simulated_workers_move_placeholder_kv_and_model_the_link_and_copies():
         assert total >= 0.9 * 992 * 0.12e-3  # NOTE: the modelled link's wait is part of the fetch
 
 
+def test_an_export_whose_receiver_leaves_is_counted_cut_not_sent():
+    from worker.config import WorkerConfig
+    from worker.sim_engine import build_sim_engine
+
+    cfg = WorkerConfig(engine="sim", kv_cache_tokens=8192, sim_decode_base_ms=1.0)
+    # NOTE: a link of 1 ms a token: 2,000 tokens take 2 s to send
+    with LiveServer(build_sim_engine(cfg), kv_hints="any", kv_link_ms_per_token=1.0) as source:
+        ids = prompt(97, 2000)
+        complete(source.url, [*ids, 1])
+        exported = counter(source.url, EXPORTED)
+        body = {"token_ids": [*ids, 1], "start": 0, "max_tokens": 1984}
+        with httpx.stream("POST", source.url + EXPORT_PATH, json=body, timeout=10) as r:
+            assert r.status_code == 200  # NOTE: the receiver leaves right after the head
+        poll(lambda: exports(source.url, "cut") == 1, "the export to be counted cut")
+        assert exports(source.url, "ok") == 0 and counter(source.url, EXPORTED) == exported
+        assert_nothing_held(source)
+        # one read whole is counted sent, with its tokens
+        r = httpx.post(source.url + EXPORT_PATH, json={**body, "max_tokens": 64}, timeout=10)
+        assert r.status_code == 200 and exports(source.url, "ok") == 1
+        assert counter(source.url, EXPORTED) == exported + 64
+
+
 def test_a_fetch_asks_for_what_the_link_brings_in_half_its_timeout():
     from worker.config import WorkerConfig
     from worker.sim_engine import build_sim_engine
@@ -547,9 +569,10 @@ def test_a_transfer_queued_behind_too_much_is_refused(caplog):
         assert "fetches under way would hold it up" in caplog.text  # NOTE: not asked for
         r = httpx.post(source.url + EXPORT_PATH, json={"token_ids": [*prompt(102, 600), 1]}, timeout=10)
         assert r.status_code == 503 and "would hold this one up" in r.json()["error"]["message"]
-        assert exports(source.url, "busy") == 1 and exports(source.url, "ok") == 2
+        # NOTE: an export is counted once sent whole: the long one is still under way
+        assert exports(source.url, "busy") == 1 and exports(source.url, "ok") == 1
         long.join(30)
-        assert outcome(receiver.url, "ok") == 2
+        assert outcome(receiver.url, "ok") == 2 and exports(source.url, "ok") == 2
         assert cached(complete(receiver.url, [*prompt(102, 600), 3], source.url)) == 592
         assert_nothing_held(receiver)
         assert_nothing_held(source)
