@@ -3,7 +3,7 @@ KV of what it caches beyond this worker's own prefix, write it into this pool a 
 time as it streams in, and cache it. worker/kv_transfer.py has the exchange's overview, the bounds
 both sides share and the export side; worker/kv_pages.py the page side.
 
-Nothing here can fail a request: every outcome (ok, cached, miss, busy, wasted, error) is counted
+Nothing here can fail a request: every outcome (ok, cached, miss, busy, wasted, error, cut) is counted
 and the request computes what was not fetched.
 """
 
@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,33 +95,27 @@ class KVFetch:
     _drop: Callable[[int], None]
     chunking: Callable[[int], tuple[int, int]]  # (slabs per group, host bytes) of an n-token transfer
 
-    async def pull(
-        self, source: str, prompts: Sequence[list[int]], client_gone: Callable[[], Awaitable[bool]]
-    ) -> bool:
+    async def pull(self, source: str, prompts: Sequence[list[int]]) -> None:
         """Fetch what ``source`` caches of each of a request's ``prompts`` beyond this worker's own
         cached prefix and cache it here: one prompt after another, all of them within one
         ``timeout_s`` (each asks for what the link brings in half the time left). Once the source
-        has failed one (error, busy) or the time is up, the rest are not asked: they compute. False
-        when the client has left (asked before each prompt; the rest not asked).
+        has failed one (error, busy) or the time is up, the rest are not asked: they compute. Cancelled
+        (the client left: ``WorkerAPI.while_there``), the fetch under way stops and gives its pages back.
 
         A fetch's last write, which caches the pages, may still be queued on the engine when this
         returns: it runs before anything submitted after (engine calls and requests are handled in
         order), so the request finds the pages without waiting another step. Each prompt's outcome
         is counted once known (``radixgate_worker_kv_fetch_total``): ok, cached (nothing to fetch),
         miss, busy (either side at its memory or queueing bound), wasted (the KV came but this
-        worker's prefix left its cache meanwhile or no pages could be freed), error."""
+        worker's prefix left its cache meanwhile or no pages could be freed), error, cut (cancelled)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s  # NOTE: the request's fetches, not each exchange
         for ids in prompts:
-            if await client_gone():
-                log.info("KV fetches from %s stopped: the client left", source)
-                return False
             if loop.time() >= deadline:
                 log.info("KV fetch from %s: the request's --kv-fetch-timeout-s is spent", source)
                 break
             if await self._pull_counted(source, ids, deadline) in ("error", "busy"):
                 break  # NOTE: the next prompt would wait for the same failure
-        return True
 
     async def _pull_counted(self, source: str, ids: list[int], deadline: float) -> str:
         """One prompt's fetch, its outcome counted once known; returns it ("ok" once the last write is
@@ -131,6 +125,10 @@ class KVFetch:
             outcome = await self._pull(source, ids, deadline)
         except EngineDeadError:
             outcome = "error"  # NOTE: the submit that follows answers 503
+        except asyncio.CancelledError:
+            log.info("KV fetches from %s stopped: the client left", source)
+            self._counted("cut", 0, t0)
+            raise
         except Exception:  # NOTE: a bug or a device error here must not fail the request: it computes
             log.exception("KV fetch from %s failed", source)
             outcome = "error"

@@ -123,7 +123,8 @@ class WorkerMetrics:
             "KV fetches from another worker before a request a router hinted (x-radixgate-kv-source), by "
             "outcome: ok, cached (nothing to fetch), miss (the source had nothing more), busy (this worker's or "
             "the source's transfers at their memory bound, or queued past --kv-transfer-max-wait-ms), wasted "
-            "(the KV came but this worker's prefix left its cache meanwhile, or no pages could be freed), error.",
+            "(the KV came but this worker's prefix left its cache meanwhile, or no pages could be freed), error, "
+            "cut (the client left while it was fetched).",
             ["outcome"],
             registry=self.registry,
         )

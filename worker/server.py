@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -66,6 +66,7 @@ from worker.sampling import SamplingParams
 from worker.tool_calls import ToolOutput, ToolRequest
 
 log = logging.getLogger("worker.server")
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _POLL_S = 0.5  # while waiting for tokens: how often to check for a gone client or a dead engine
@@ -167,6 +168,22 @@ class WorkerAPI:
         """From ``deadline`` (time.monotonic()) on, every request still in flight is aborted and answered
         with a 503 (an error event in a stream): the process is about to stop serving it."""
         self.ends_at = deadline
+
+    async def while_there(self, request: Request, work: Awaitable[T]) -> T:
+        """``work`` (a KV fetch) awaited while the client is there: cancelled
+        once it has left (asked every ``_POLL_S``), an APIError 499 then. NOTE: a request waiting on
+        it is not in ``_next``, and a non-streamed handler is not cancelled when its client goes."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not (await asyncio.wait([task], timeout=_POLL_S))[0]:
+                if await _client_gone(request, tick=True):
+                    task.cancel()
+                    await asyncio.wait([task])  # NOTE: its own cleanup (a fetch's pages) done first
+                    if task.cancelled():
+                        raise APIError(499, "the client disconnected while its request was prepared")
+            return task.result()
+        finally:
+            task.cancel()  # NOTE: nothing once it is done; else the handler itself was cancelled
 
     async def _body(self, request: Request) -> dict:
         raw, models = await read_bounded(request, MAX_BODY_BYTES), self.engine.served_models()
@@ -333,7 +350,8 @@ class WorkerAPI:
     ) -> RequestOutput | None:  # fmt: skip
         """Submit engine requests ``(index, prompt ids, params, prompt group)`` answering on
         ``outputs`` and wait for the first output; None if the client left. A refusal or a first
-        output that is an error is an APIError, with every submitted request aborted. More choices
+        output that is an error is an APIError, with every submitted request aborted; so is a client
+        that leaves while its prompts' KV is fetched (the fetch stopped, nothing submitted). More choices
         than the worker ever takes at once (its running slots and its queue) is a 400: a 429 would
         have the client retry what never fits. ``hold``: a whole answer (Engine.submit): its first
         output is its last."""
@@ -352,8 +370,10 @@ class WorkerAPI:
             prompts = {id(ids): ids for _, ids, params, _ in jobs
                        if params.adapter == 0 and params.prompt_logprobs is None
                        and params.cache_salt is None}  # fmt: skip
-            if not await self.kv.pull(source, list(prompts.values()), lambda: _client_gone(request)):
-                return None  # NOTE: the client left while its prompts' KV was fetched: nothing submitted
+            await self.while_there(request, self.kv.pull(source, list(prompts.values())))
+        # NOTE: a client that left while its KV came, since it was last asked
+        if await _client_gone(request, tick=True):
+            return None
         try:
             for index, ids, params, group in jobs:
                 live[index] = self.engine.submit(ids, params, outputs, index, group, hold).rid

@@ -12,10 +12,20 @@ import httpx
 import pytest
 
 from router.kv_events import KV_SOURCE_HEADER as SOURCE_HEADER
-from tests.worker.test_kv_transfer import FETCHED, cached, complete, counter, exports, outcome, prompt
+from tests.worker.test_kv_transfer import (
+    FETCHED,
+    assert_nothing_held,
+    cached,
+    complete,
+    counter,
+    exports,
+    outcome,
+    prompt,
+)
 from tests.worker.test_server import LiveServer, poll
 
-OUTCOMES = ("ok", "cached", "miss", "busy", "wasted", "error")
+OUTCOMES = ("ok", "cached", "miss", "busy", "wasted", "error", "cut")
+ADMITTED = "radixgate_worker_prompt_tokens_total"
 
 
 def sim(**kv: float) -> LiveServer:
@@ -86,4 +96,29 @@ def test_a_client_that_leaves_stops_its_requests_fetches(caplog):
                 complete_all(receiver.url, [[*ids, 2] for ids in prompts], source.url, timeout=0.3)
             poll(lambda: "stopped: the client left" in caplog.text, "the receiver to stop fetching")
         assert exports(source.url, "ok") <= 3  # the fetch under way when it left, and one more at most
-        assert exports(source.url, "ok") == sum(outcome(receiver.url, name) for name in OUTCOMES)
+        # NOTE: each export counted once the source knows its end: sent whole, or its receiver gone
+        poll(
+            lambda: (
+                exports(source.url, "ok") + exports(source.url, "cut")
+                == sum(outcome(receiver.url, name) for name in OUTCOMES)
+            ),
+            "every export counted",
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_its_fetch_stops_it_and_nothing_is_submitted(stream):
+    # NOTE: a link of 1 ms a token: the prompt's 3,984 tokens take 4 s to come
+    with sim(kv_link_ms_per_token=1.0) as source, sim(kv_fetch_timeout_s=30.0) as receiver:
+        ids = prompt(700, 4000)
+        complete(source.url, [*ids, 1])
+        admitted = counter(receiver.url, ADMITTED)
+        body = {"model": "tiny", "prompt": [*ids, 2], "max_tokens": 64, "stream": stream}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(receiver.url + "/v1/completions", json=body, headers={SOURCE_HEADER: source.url},
+                       timeout=0.5)  # fmt: skip
+        poll(lambda: exports(source.url, "cut") == 1, "the fetch to stop (its source sees it leave)")
+        assert outcome(receiver.url, "cut") == 1
+        assert outcome(receiver.url, "ok") == 0 and exports(source.url, "ok") == 0
+        assert counter(receiver.url, ADMITTED) == admitted  # the request was not submitted
+        assert_nothing_held(receiver)
