@@ -23,7 +23,6 @@ from router.token_bounds import fewest_tokens
 from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
 from worker.engine_api import EngineDeadError, PromptTooLongError
 from worker.guided import (
-    COMPILES,
     CONSTRAINT_KEYS,
     JSON_KINDS,
     Guide,
@@ -159,7 +158,7 @@ async def output_guide(
         return None  # NOTE: free text, most requests: no thread hop (~30 us of the event loop's time)
     try:  # NOTE: all of it off the event loop: a schema or tool list of megabytes takes seconds to write
         asked = await run_in_threadpool(_grammar, body, compiler, tools, parser, thinking, auto_calls)
-        return None if asked is None else await COMPILES.run(compiler.compile, *asked)
+        return None if asked is None else await compiler.compiled(*asked)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 
@@ -190,6 +189,8 @@ def _grammar(
     wrap = asked is not None and asked[0] != "tool_auto" and "/think>" not in asked[1]
     if wrap and thinking is not None:
         asked = (asked[0], thinking_first(asked[1], thinking))  # type: ignore[index]
+    if asked is not None:
+        hash(asked[1])  # NOTE: here, off the event loop: a str keeps its hash for the compiler's lookups
     return asked
 
 

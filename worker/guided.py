@@ -8,7 +8,7 @@ a prefix of the grammar's language (a bitmask), and EOS only once the output is 
 
 - ``GuideCompiler`` (one per engine, any thread): grammar text -> ``Guide``; compiling a schema can
   take 100s of ms, so the API compiles on its thread pool and keeps the last few hundred (tool
-  schemas repeat) while the engine thread only copies a compiled matcher.
+  schemas repeat; a kept one never waits for the pool) while the engine thread only copies a compiled matcher.
 - ``constrain`` / ``advance`` (engine thread): mask a step's logits for its guided rows and feed
   each row's sampled token to its matcher. A request's matcher lives in its ``memo``; special
   tokens its grammar names (hermes' tool call tags) are text of its output (``Guide.shown``).
@@ -310,12 +310,13 @@ class _DeepStackThreads:
                 except BaseException as exc:
                     future.set_exception(exc)
 
-    async def run(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on one of the threads, awaited."""
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        """``fn(*args)`` queued for one of the threads; cancelling its future before a thread takes
+        it skips it."""
         self._start()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((future, fn, args))
-        return await asyncio.wrap_future(future)
+        return future
 
 
 COMPILES = _DeepStackThreads(COMPILE_THREADS, COMPILE_STACK_BYTES)
@@ -343,6 +344,17 @@ class GuideCompiler:
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], Guide] = OrderedDict()
         self._specials = _special_tokens(tokenizer)  # text -> id; the vocabulary does not change
+
+    async def compiled(self, kind: str, grammar: str) -> Guide:
+        """``compile`` for a request on the event loop: a kept grammar at once, without queueing
+        behind other requests' compiles; else compiled on COMPILES."""
+        key = (kind, grammar)
+        with self._lock:
+            guide = self._compiled.get(key)
+            if guide is not None:
+                self._compiled.move_to_end(key)
+                return guide
+        return await asyncio.wrap_future(COMPILES.submit(self.compile, kind, grammar))
 
     def compile(self, kind: str, grammar: str) -> Guide:
         """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""

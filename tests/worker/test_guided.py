@@ -4,10 +4,14 @@ engine) whose outputs follow the asked-for schema, regex or choice whatever they
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import random
 import re
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,8 +20,11 @@ import pytest
 import torch
 
 from router.tokenization import ByteTokenizer, HFTokenizer
+from worker.api_params import output_guide
 from worker.config import WorkerConfig
 from worker.guided import (
+    COMPILE_THREADS,
+    COMPILES,
     CONSTRAINT_KEYS,
     THINK_GAP,
     GuideCompiler,
@@ -30,7 +37,7 @@ from worker.guided import (
 from worker.sampling import SamplingParams
 from worker.sim_engine import build_sim_engine
 
-from .test_server import LiveServer, serve
+from .test_server import LiveServer, poll, serve
 
 PERSON = {
     "type": "object",
@@ -656,3 +663,27 @@ def test_the_compiled_grammars_kept_are_bounded_by_their_text_too() -> None:
     assert compiler.compile(*a) is first_a and compiler.compile(*b) is first_b  # both kept
     compiler.compile(*c)  # past the bound: the oldest (a) goes
     assert compiler.compile(*b) is first_b and compiler.compile(*a) is not first_a
+
+
+@contextlib.contextmanager
+def compile_threads_held() -> Iterator[None]:
+    """Every compile thread busy (as with other requests' large schemas) until the block ends."""
+    gate = threading.Event()
+    held = [COMPILES.submit(gate.wait) for _ in range(COMPILE_THREADS)]
+    try:
+        poll(lambda: all(f.running() for f in held), "the compile threads to be held")
+        yield
+    finally:
+        gate.set()
+
+
+def test_a_kept_grammar_does_not_wait_behind_other_requests_compiles() -> None:
+    compiler = GuideCompiler(ByteTokenizer(), ByteTokenizer().vocab_size)
+    body = {"guided_regex": "ab|cd"}
+
+    async def main() -> None:
+        kept = await output_guide(body, compiler)
+        with compile_threads_held():
+            assert await asyncio.wait_for(output_guide(body, compiler), 10) is kept
+
+    asyncio.run(main())
