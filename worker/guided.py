@@ -7,8 +7,9 @@ walks the tokenizer's vocabulary and says, before every sampled token, which tok
 a prefix of the grammar's language (a bitmask), and EOS only once the output is complete.
 
 - ``GuideCompiler`` (one per engine, any thread): grammar text -> ``Guide``; compiling a schema can
-  take 100s of ms, so the API compiles on its thread pool and keeps the last few hundred (tool
-  schemas repeat; a kept one never waits for the pool) while the engine thread only copies a compiled matcher.
+  take 100s of ms, so the API compiles on its thread pool (once for all the requests that ask for a
+  grammar meanwhile) and keeps the last few hundred (tool schemas repeat; a kept one never waits
+  for the pool) while the engine thread only copies a compiled matcher.
 - ``constrain`` / ``advance`` (engine thread): mask a step's logits for its guided rows and feed
   each row's sampled token to its matcher. A request's matcher lives in its ``memo``; special
   tokens its grammar names (hermes' tool call tags) are text of its output (``Guide.shown``).
@@ -322,6 +323,14 @@ class _DeepStackThreads:
 COMPILES = _DeepStackThreads(COMPILE_THREADS, COMPILE_STACK_BYTES)
 
 
+@dataclass(eq=False)
+class _Compiling:
+    """A grammar's compile queued or under way on COMPILES, and how many requests await it."""
+
+    future: concurrent.futures.Future
+    waiting: int = 0
+
+
 class GuideCompiler:
     """Grammars compiled against one tokenizer, the last ``max_entries`` kept by (kind, grammar text),
     at most ``max_text_chars`` characters of grammar text among them (a compiled grammar holds ~45x its text: a
@@ -343,18 +352,34 @@ class GuideCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], Guide] = OrderedDict()
+        self._compiling: dict[tuple[str, str], _Compiling] = {}  # NOTE: event loop and compile threads
         self._specials = _special_tokens(tokenizer)  # text -> id; the vocabulary does not change
 
     async def compiled(self, kind: str, grammar: str) -> Guide:
         """``compile`` for a request on the event loop: a kept grammar at once, without queueing
-        behind other requests' compiles; else compiled on COMPILES."""
+        behind other requests' compiles; else compiled on COMPILES, once for all the requests that
+        ask for it meanwhile. A request cancelled while it waits leaves; the last to leave cancels
+        the compile (one not begun is skipped)."""
         key = (kind, grammar)
         with self._lock:
             guide = self._compiled.get(key)
             if guide is not None:
                 self._compiled.move_to_end(key)
                 return guide
-        return await asyncio.wrap_future(COMPILES.submit(self.compile, kind, grammar))
+            job = self._compiling.get(key)
+            if job is None:
+                job = self._compiling[key] = _Compiling(COMPILES.submit(self.compile, kind, grammar))
+            job.waiting += 1
+        try:
+            # NOTE: shielded: one waiter's cancellation must not cancel the compile the others await
+            return await asyncio.shield(asyncio.wrap_future(job.future))
+        finally:
+            with self._lock:
+                job.waiting -= 1
+                if not job.waiting:
+                    job.future.cancel()  # NOTE: nothing once it has run (its guide is kept)
+                    if self._compiling.get(key) is job:
+                        del self._compiling[key]
 
     def compile(self, kind: str, grammar: str) -> Guide:
         """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""

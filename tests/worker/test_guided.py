@@ -687,3 +687,15 @@ def test_a_kept_grammar_does_not_wait_behind_other_requests_compiles() -> None:
             assert await asyncio.wait_for(output_guide(body, compiler), 10) is kept
 
     asyncio.run(main())
+
+
+def test_requests_asking_for_one_new_grammar_together_share_one_compile() -> None:
+    compiler = GuideCompiler(ByteTokenizer(), ByteTokenizer().vocab_size)
+    body = {"guided_choice": [f"option {i}" for i in range(20000)]}  # NOTE: ~0.2 s to compile
+
+    async def main() -> list:
+        return await asyncio.gather(*(output_guide(body, compiler) for _ in range(8)))
+
+    guides = asyncio.run(main())
+    # one compile (each compile makes its own Guide), not one per free compile thread
+    assert all(guide is guides[0] for guide in guides)
