@@ -4,7 +4,7 @@ here touches the engine."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -146,6 +146,7 @@ def call_reader(tools: ToolRequest | None, guide: Guide | None) -> ToolRequest |
 async def output_guide(
     body: dict, compiler: GuideCompiler, tools: ToolRequest | None = None, parser: str = "hermes",
     thinking: bool | None = None, auto_calls: bool = True,
+    while_there: Callable[[Awaitable[Guide]], Awaitable[Guide]] | None = None,
 ) -> Guide | None:  # fmt: skip
     """The constraint on the output: the structured output the body asks for, the one a forced
     tool call needs, or (``auto`` tools, nothing else asked, ``auto_calls``) well-formed calls in the
@@ -153,12 +154,16 @@ async def output_guide(
     free text. A bad one is a 400 naming the problem. ``thinking`` (with --reasoning-parser; True when
     the prompt opened the thinking): the constraint applies after the model's thinking. ``auto_calls``
     False: a model that writes its calls in its own messages (gpt-oss's harmony), which a calls
-    grammar of text would forbid."""
+    grammar of text would forbid. ``while_there``: the wait for a compile, given up (an APIError)
+    if the client leaves meanwhile (the server's ``WorkerAPI.while_there``)."""
     if tools is None and CONSTRAINT_KEYS.isdisjoint(body):
         return None  # NOTE: free text, most requests: no thread hop (~30 us of the event loop's time)
     try:  # NOTE: all of it off the event loop: a schema or tool list of megabytes takes seconds to write
         asked = await run_in_threadpool(_grammar, body, compiler, tools, parser, thinking, auto_calls)
-        return None if asked is None else await compiler.compiled(*asked)
+        if asked is None:
+            return None
+        compiling = compiler.compiled(*asked)
+        return await (compiling if while_there is None else while_there(compiling))
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 

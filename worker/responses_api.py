@@ -6,6 +6,7 @@ where both the conversation and its KV cache are. Never blocks the engine; bad i
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections import OrderedDict
@@ -309,9 +310,8 @@ class ResponsesAPI:
             )
         logprobs = _logprobs(body, tools)
         thinking = api.prompt_thinks(ids)
-        guide = await output_guide(
-            fmt, api.engine.guides, tools, api.tool_call_parser, thinking, not api.harmony
-        )
+        guide = await output_guide(fmt, api.engine.guides, tools, api.tool_call_parser, thinking,
+                                   not api.harmony, functools.partial(api.while_there, request))  # fmt: skip
         params = sampling_params(body, engine.tokenizer, engine.max_total_tokens, "max_output_tokens", logprobs,
                                  engine.vocab_size, guide)  # fmt: skip
         params = api.for_model(api.reasoning_params(params), body)

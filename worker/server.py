@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -170,7 +171,7 @@ class WorkerAPI:
         self.ends_at = deadline
 
     async def while_there(self, request: Request, work: Awaitable[T]) -> T:
-        """``work`` (a KV fetch) awaited while the client is there: cancelled
+        """``work`` (a grammar's compile, a KV fetch) awaited while the client is there: cancelled
         once it has left (asked every ``_POLL_S``), an APIError 499 then. NOTE: a request waiting on
         it is not in ``_next``, and a non-streamed handler is not cancelled when its client goes."""
         task = asyncio.ensure_future(work)
@@ -227,7 +228,9 @@ class WorkerAPI:
         )
         if len(prompts) * (body.get("n") or 1) > MAX_CHOICES:
             raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}")
-        guide = await output_guide(body, self.engine.guides)
+        guide = await output_guide(
+            body, self.engine.guides, while_there=functools.partial(self.while_there, request)
+        )
         # NOTE: echo with max_tokens 0 scores the prompt: one token is generated and not answered
         scoring = body.get("echo") is True and zero_tokens
         fields = {**body, "max_tokens": 1} if scoring else body
@@ -256,9 +259,8 @@ class WorkerAPI:
             raise APIError(400, "the conversation renders to an empty prompt")
         tok, max_tokens = self.engine.tokenizer, self.engine.max_total_tokens
         thinking = self.prompt_thinks(ids)
-        guide = await output_guide(
-            body, self.engine.guides, tools, self.tool_call_parser, thinking, not self.harmony
-        )
+        guide = await output_guide(body, self.engine.guides, tools, self.tool_call_parser, thinking,
+                                   not self.harmony, functools.partial(self.while_there, request))  # fmt: skip
         params = self.for_model(self.reasoning_params(
             sampling_params(body, tok, max_tokens, "max_completion_tokens", logprobs, self.engine.vocab_size,
                             guide)
@@ -371,7 +373,7 @@ class WorkerAPI:
                        if params.adapter == 0 and params.prompt_logprobs is None
                        and params.cache_salt is None}  # fmt: skip
             await self.while_there(request, self.kv.pull(source, list(prompts.values())))
-        # NOTE: a client that left while its KV came, since it was last asked
+        # NOTE: a client that left while its grammar compiled or its KV came, since it was last asked
         if await _client_gone(request, tick=True):
             return None
         try:

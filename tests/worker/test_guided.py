@@ -37,6 +37,7 @@ from worker.guided import (
 from worker.sampling import SamplingParams
 from worker.sim_engine import build_sim_engine
 
+from .test_kv_transfer import counter
 from .test_server import LiveServer, poll, serve
 
 PERSON = {
@@ -699,3 +700,18 @@ def test_requests_asking_for_one_new_grammar_together_share_one_compile() -> Non
     guides = asyncio.run(main())
     # one compile (each compile makes its own Guide), not one per free compile thread
     assert all(guide is guides[0] for guide in guides)
+
+
+def test_a_client_that_leaves_while_its_grammar_waits_to_compile_is_not_served(caplog) -> None:
+    metric = ("radixgate_worker_constrained_requests_total", '{kind="choice"}')
+    body = {"prompt": "a", "max_tokens": 8, "guided_choice": ["left", "right", "up"]}  # a new grammar
+    with serve() as live, caplog.at_level("INFO", logger="worker.server"):
+        with compile_threads_held():
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(live.url + "/v1/completions", json=body, timeout=1.0)
+            # given up while the compile threads are still busy, not compiled and generated later
+            poll(lambda: "-> 499" in caplog.text, "the worker to give the request up")
+        assert counter(live.url, *metric) == 0
+        r = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("left", "right", "up"), r.text
+        assert counter(live.url, *metric) == 1
