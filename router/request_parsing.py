@@ -240,11 +240,16 @@ def with_stand_ins(messages: Any, text_type: str) -> Any:
     text (an image, audio, a file) as a text part standing in for it: ``<type digest>``, the digest of
     the part as sent. For routing only: the body goes upstream as it came, for a backend that reads
     the parts (a radixgate worker refuses them); two prompts with the same image share that prefix.
-    The parts are a message's ``content``, or a Responses tool result's ``output``."""
+    The parts are a message's ``content``, or a Responses tool result's ``output``; a Responses
+    reasoning item's parts are its text (``reasoning_text``, ``summary_text``), rendered as the next
+    assistant turn's reasoning as the worker renders them."""
     if not isinstance(messages, list):
         return messages
     out = []
     for message in messages:
+        if isinstance(message, dict) and message.get("type") == "reasoning":
+            out.append(message)
+            continue
         for field in ("content", "output"):
             parts = message.get(field) if isinstance(message, dict) else None
             if isinstance(parts, list) and any(_stands_in(part) for part in parts):

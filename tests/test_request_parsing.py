@@ -115,6 +115,27 @@ def test_an_image_part_is_routed_by_a_stand_in_and_sent_as_it_came():
         parse_request(orjson.dumps({"messages": [{"role": "user", "content": [5]}]}), True, tok)
 
 
+def test_a_reasoning_item_is_routed_by_its_text_as_the_worker_renders_it(tmp_path):
+    """A Responses reasoning item sent back (a stateless tool loop) is text, not a part to stand in
+    for: the router's prompt is the one the worker renders (router.responses_input), its thought
+    included (gpt-oss's template renders it before a tool call), so predictions and counts follow
+    the worker's."""
+    from router.responses_input import prompt_messages
+
+    from .test_tokenization import byte_level_dir, with_template
+
+    template = "{% for m in messages %}[{{ m.role }}:{{ m.reasoning_content }}:{{ m.content }}]{% endfor %}"
+    tok = with_template(byte_level_dir(tmp_path / "base"), tmp_path / "thinking", template)
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "need weather"}]}  # fmt: skip
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    items = [{"role": "user", "content": "Weather?"}, thought, call, result]
+    routed = parse_responses_request(orjson.dumps({"model": "m", "input": items}), tok).token_ids
+    assert "need weather" in tok.decode(routed)
+    assert list(routed) == list(tok.encode_chat(prompt_messages(None, [], items)))
+
+
 def _nested(depth: int) -> str:
     """A JSON schema whose arrays nest ``depth`` levels, as text (json.dumps and orjson.dumps stop
     short of a thousand levels)."""
