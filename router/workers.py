@@ -249,8 +249,12 @@ class WorkerRegistry:
         ]
 
     def serves(self, model: str) -> bool:
-        """Does any known worker serve this model (or not say what it serves)?"""
-        return any(not w.models or model in w.models for w in self._workers.values())
+        """Does a worker serve this model: one that told it does, or one that may (it answers health
+        checks, its models not known yet)? While no worker has told its models, any may."""
+        told = self.models()
+        if model in told:
+            return True
+        return any(not w.models and (w.healthy or not told) for w in self._workers.values())
 
     def models(self) -> set[str]:
         out: set[str] = set()

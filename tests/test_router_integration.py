@@ -1448,3 +1448,29 @@ def test_a_redis_that_stays_away_is_logged_once_not_at_every_reconnection(launch
     finally:
         server.close()
     assert router.log().count("redis stream radixgate:kv:echo:") <= 2
+
+
+def test_a_worker_that_never_answered_does_not_turn_an_unknown_model_into_a_503(launch):
+    """A registered worker that has not answered yet (a pod still starting, one --workers entry down)
+    may serve any model once it answers, not while it is down: a name no worker serves is a 404, as
+    without it, and its own model still routes. With no worker's models known, a model is a 503."""
+    import socket
+
+    echo = launch.echo_backend()
+    # NOTE: bound, never listening: connections to it are refused, and no other server takes it
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    down = f"http://127.0.0.1:{held.getsockname()[1]}"
+    router = launch.router([echo.url, down])
+    for path in ("/v1/completions", "/tokenize"):
+        refused = httpx.post(router.url + path, json={"model": "gpt-4o", "prompt": "x"}, timeout=10)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["code"] == "model_not_found"
+    ok = httpx.post(
+        router.url + "/v1/completions", json={"model": "echo", "prompt": "x", "max_tokens": 1}, timeout=10
+    )
+    assert ok.status_code == 200
+    alone = launch.router([down])
+    waiting = httpx.post(alone.url + "/v1/completions", json={"model": "gpt-4o", "prompt": "x"}, timeout=10)
+    assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "no_healthy_worker"
+    held.close()
