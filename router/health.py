@@ -42,7 +42,12 @@ class HealthChecker:
         self._task: asyncio.Task | None = None
         self._unanswered: dict[str, int] = {}  # worker url -> its checks in a row that timed out
         self._checking: dict[int, asyncio.Task] = {}  # id(worker) -> its check under way
-        router.workers.on_removed.append(lambda worker: self._unanswered.pop(worker.url, None))
+        self._unlearned: set[str] = set()  # worker urls whose last /v1/models got no answer
+        router.workers.on_removed.append(self._forget)
+
+    def _forget(self, worker: Worker) -> None:
+        self._unanswered.pop(worker.url, None)
+        self._unlearned.discard(worker.url)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -123,18 +128,19 @@ class HealthChecker:
         worker.apply_report(sum(queue), _number(report.get("prefill_backlog_tokens")))
         epoch = report.get("epoch") if isinstance(report.get("epoch"), str) else None
         restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
+        listed = _listed_models(report)
         if not worker.healthy or restarted:
-            await self._learn(worker)
+            await self._learn(worker, listed)
             # NOTE: a new process (a new epoch; or one that tells none, whose restart cannot be told from
             # a flap) starts with a closed breaker; the same process back from failed checks keeps its
             # breaker as it was: passing checks say nothing of its answers
             if epoch is None or epoch != worker.epoch:
                 worker.breaker.reset()
             log.info("worker %s is healthy%s", worker.url, " (restarted: new epoch)" if restarted else "")
-        elif not worker.models or _models_changed(report, worker):
+        elif not worker.models or worker.url in self._unlearned or _models_changed(report, worker):
             # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
             # models (a LoRA adapter loaded or unloaded): ask again
-            await self._learn(worker)
+            await self._learn(worker, listed)
         if worker not in self._router.workers:
             return  # NOTE: removed while it learned (maybe added again: the index is the new one's)
         if restarted:
@@ -160,8 +166,11 @@ class HealthChecker:
                     "worker %s stopped answering: %d requests waiting on it go elsewhere", worker.url, moved
                 )
 
-    async def _learn(self, worker: Worker) -> None:
-        """Served models and, for radixgate workers, cache info (block size, namespace)."""
+    async def _learn(self, worker: Worker, listed: frozenset[str] | None = None) -> None:
+        """Served models and, for radixgate workers, cache info (block size, namespace). ``listed``:
+        the models its health report lists, which stand in while its /v1/models does not answer (the
+        contexts and adapters' parents it tells are read at a later check)."""
+        learned = False
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             status, body = await self._get_json(worker.url + "/v1/models")
             if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list):
@@ -171,6 +180,18 @@ class HealthChecker:
                     m["id"]: m["max_model_len"] for m in served if type(m.get("max_model_len")) is int
                 }
                 worker.parents = {m["id"]: m["parent"] for m in served if isinstance(m.get("parent"), str)}
+                self._router.workers.served_changed()
+                learned = True
+        if learned:
+            self._unlearned.discard(worker.url)
+        else:
+            self._unlearned.add(worker.url)
+            if listed and listed != worker.models:
+                # NOTE: a worker of unknown models takes requests for any model no other worker tells it
+                # serves, and a restarted one's last models may be another process's
+                worker.models = listed
+                worker.max_model_len = {m: n for m, n in worker.max_model_len.items() if m in listed}
+                worker.parents = {m: p for m, p in worker.parents.items() if m in listed}
                 self._router.workers.served_changed()
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             status, body = await self._get_json(worker.url + "/v1/cache/info")
@@ -193,8 +214,14 @@ class HealthChecker:
         self._router.events.models_learned(worker)
 
 
+def _listed_models(report: dict) -> frozenset[str] | None:
+    """The models a radixgate worker's /health lists (None: it lists none, as other backends)."""
+    listed = report.get("models")
+    return frozenset(m for m in listed if isinstance(m, str)) if isinstance(listed, list) else None
+
+
 def _models_changed(report: dict, worker: Worker) -> bool:
     """A radixgate worker's /health lists the models it serves; True when they are not the ones
     the router learned."""
-    listed = report.get("models")
-    return isinstance(listed, list) and {m for m in listed if isinstance(m, str)} != worker.models
+    listed = _listed_models(report)
+    return listed is not None and listed != worker.models

@@ -51,7 +51,8 @@ class Worker:
     peer_queue: int = 0  # sum of the peers' in-flight requests here
     peer_prefill: int = 0  # sum of the peers' pending prefill tokens here
     on_change: Callable[[Worker], None] | None = field(default=None, repr=False)  # our counts moved
-    models: frozenset[str] = frozenset()  # served model ids (empty = unknown, serves all)
+    # served model ids (empty = unknown: a candidate for any model no worker of known models serves)
+    models: frozenset[str] = frozenset()
     max_model_len: dict[str, int] = field(default_factory=dict)  # model id -> its /v1/models max_model_len
     parents: dict[str, str] = field(default_factory=dict)  # LoRA adapter id -> its base model's (/v1/models)
     cache_info: dict | None = None  # /v1/cache/info of a radixgate worker, None for other backends
@@ -166,6 +167,7 @@ class WorkerRegistry:
         self._shortest: float | None = None  # shortest_context's memo; None: to compute
         self._served: tuple | None = None  # served()'s memo; None: to compute
         self._bases: frozenset[str] | None = None  # base_models()'s memo, with it
+        self._models: frozenset[str] | None = None  # models()'s memo, with it
 
     def shortest_context(self) -> float:
         """The smallest ``max_model_len`` any worker reports for any model (inf: none told): a
@@ -178,7 +180,7 @@ class WorkerRegistry:
     def served_changed(self) -> None:
         """What the fleet serves changed: a worker came, went, or told again its models, adapters and
         contexts (health checks). The memos of it are computed again when next asked."""
-        self._shortest = self._served = self._bases = None
+        self._shortest = self._served = self._bases = self._models = None
 
     def served(self) -> tuple[tuple[str, frozenset[str], tuple[tuple[str, str], ...]], ...]:
         """Each worker's URL, models and LoRA adapters as (adapter, base model): one tuple until a
@@ -237,14 +239,17 @@ class WorkerRegistry:
         return None
 
     def candidates(self, model: str | None, exclude: set[str] | frozenset = frozenset()) -> list[Worker]:
-        """Workers that may take a request for ``model`` now: healthy, breaker allows, serve it."""
+        """Workers that may take a request for ``model`` now: healthy, breaker allows, serve it.
+        NOTE: a worker whose models are not known yet (its /v1/models did not answer) is no candidate
+        for a model other workers told they serve: it would answer the request with its own 404."""
         now, closed = time.monotonic(), BreakerState.CLOSED
+        told = model is not None and model in self.models()
         return [  # NOTE: Worker.available inlined: this runs over every worker on every request
             w
             for w in self._workers.values()
             if w.healthy
             and (w.breaker.state is closed or w.breaker.allows(now))
-            and (model is None or not w.models or model in w.models)
+            and (model is None or model in w.models or (not w.models and not told))
             and (not exclude or w.url not in exclude)
         ]
 
@@ -256,11 +261,11 @@ class WorkerRegistry:
             return True
         return any(not w.models and (w.healthy or not told) for w in self._workers.values())
 
-    def models(self) -> set[str]:
-        out: set[str] = set()
-        for w in self._workers.values():
-            out |= w.models
-        return out
+    def models(self) -> frozenset[str]:
+        """Every model some worker told it serves, LoRA adapters included."""
+        if self._models is None:
+            self._models = frozenset(m for w in self._workers.values() for m in w.models)
+        return self._models
 
     def base_models(self) -> frozenset[str]:
         """The models served, less LoRA adapters (what a request naming no model is served as)."""

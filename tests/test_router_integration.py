@@ -1474,3 +1474,51 @@ def test_a_worker_that_never_answered_does_not_turn_an_unknown_model_into_a_503(
     waiting = httpx.post(alone.url + "/v1/completions", json={"model": "gpt-4o", "prompt": "x"}, timeout=10)
     assert waiting.status_code == 503 and waiting.json()["error"]["code"] == "no_healthy_worker"
     held.close()
+
+
+def test_a_worker_whose_models_list_does_not_answer_takes_no_other_workers_models(launch):
+    """A worker whose /v1/models does not answer (slow, or failing for a while) is not taken for a
+    worker of every model: a radixgate worker's health report lists what it serves, and one that
+    tells nothing (another backend) gets no request for a model other workers told they serve, so
+    those stay with their own workers instead of getting its 404."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from tests.support import serve_in_thread
+
+    def without_models_list(upstream: str) -> tuple[str, object]:
+        async def forward(request):
+            if request.url.path == "/v1/models":
+                return Response(b"busy", 503)
+            async with httpx.AsyncClient() as client:
+                r = await client.request(request.method, upstream + request.url.path, content=await request.body(),
+                                         headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+        routes = [Route("/{path:path}", forward, methods=["GET", "POST"])]
+        return serve_in_thread(Starlette(routes=routes), "a worker whose /v1/models fails")
+
+    alpha = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--served-model-name", "alpha")
+    beta = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--served-model-name", "beta")
+    beta_url, beta_proxy = without_models_list(beta.url)
+    other_url, other_proxy = without_models_list(launch.echo_backend("--model", "other").url)
+    try:
+        router = launch.router([alpha.url, beta_url, other_url])
+
+        def rows() -> dict[str, dict]:
+            return {
+                row["url"]: row for row in httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+            }
+
+        wait_until(lambda: all(row["healthy"] for row in rows().values()), 15, what="every worker healthy")
+        assert (rows()[beta_url]["models"], rows()[other_url]["models"]) == (["beta"], [])
+        answered = Counter()
+        for i in range(8):
+            for model in ("alpha", "beta"):
+                body = {"model": model, "prompt": f"question {i} " * 8, "max_tokens": 1}
+                r = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
+                answered[model, r.status_code, r.headers.get("x-radixgate-worker")] += 1
+        assert answered == {("alpha", 200, alpha.url): 8, ("beta", 200, beta_url): 8}
+    finally:
+        beta_proxy.should_exit = other_proxy.should_exit = True
