@@ -205,8 +205,17 @@ class Router:
         return self.affinity.match(parsed.affinity_body or parsed.body, chat, headers)
 
     def check_model(self, model: str | None) -> None:
+        """404 for a model no worker serves; 400 for a request naming none in a fleet of several base
+        models (which one would answer it is the policy's pick: OpenAI and vLLM require it then)."""
         if not len(self.workers):
             raise RouterError(503, "no workers are registered", "no_workers")
+        if model is None and len(self.workers.base_models()) > 1:
+            served = ", ".join(sorted(self.workers.base_models()))
+            raise RouterError(
+                400,
+                f"'model' is required: the workers serve several models ({served})",
+                "missing_required_parameter",
+            )
         if model is not None and not self.workers.serves(model):
             raise RouterError(404, f"model {model!r} is not served by any worker", "model_not_found")
 

@@ -1522,3 +1522,23 @@ def test_a_worker_whose_models_list_does_not_answer_takes_no_other_workers_model
         assert answered == {("alpha", 200, alpha.url): 8, ("beta", 200, beta_url): 8}
     finally:
         beta_proxy.should_exit = other_proxy.should_exit = True
+
+
+def test_a_request_naming_no_model_is_refused_where_the_fleet_serves_several(launch):
+    """Without ``model`` a request is served as the fleet's one base model; in a fleet of several, which
+    one answered would be the policy's pick from one request to the next: a 400, as OpenAI and vLLM
+    answer it, before any worker sees it."""
+    a, b = launch.echo_backend("--model", "alpha"), launch.echo_backend("--model", "beta")
+    router = launch.router([a.url, b.url])
+    wait_until(lambda: len(httpx.get(router.url + "/v1/models", timeout=5).json()["data"]) == 2, 10,
+               what="both models listed")  # fmt: skip
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat("x"))):
+        body.pop("model", None)
+        refused = httpx.post(router.url + path, json=body, timeout=10)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "missing_required_parameter"
+        named = httpx.post(router.url + path, json={**body, "model": "beta", "max_tokens": 1}, timeout=10)
+        assert named.status_code == 200 and named.headers["x-radixgate-worker"] == b.url
+    alone = launch.router([a.url])
+    served = httpx.post(alone.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=10)
+    assert served.status_code == 200 and served.json()["model"] == "alpha"
