@@ -159,8 +159,8 @@ class Router:
         traceback and answered as a 500 in the API's error shape (not the server's plain text)."""
         try:
             if endpoint == "responses":
-                return parse_responses_request(raw, self.tokenizer)
-            return parse_request(raw, endpoint == "chat", self.tokenizer)
+                return parse_responses_request(raw, self.tokenizer, self.template_decides)
+            return parse_request(raw, endpoint == "chat", self.tokenizer, self.template_decides)
         except RouterError:
             raise
         except Exception:
@@ -176,6 +176,11 @@ class Router:
         if len(raw) <= inline:
             return self.parse(raw, endpoint)
         return await asyncio.to_thread(self.parse, raw, endpoint)
+
+    def template_decides(self, model: str | None) -> bool:
+        """Is the router's chat template the one ``model``'s workers render with: does one of them count
+        tokens as the router does? Only then is the template's refusal the router's 400."""
+        return self.workers.count_like(self.served_as(model), self.tokenizer.name)
 
     def served_as(self, model: str | None) -> str | None:
         """The model a request naming ``model`` is served as: a request without one gets its worker's

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from router.block_hash import CACHE_SALT_ERROR, valid_cache_salt
 from router.errors import RouterError
 from router.responses_input import TEXT_PARTS, chat_tools, prompt_messages, template_options
-from router.tokenization import ByteTokenizer, PromptTokenizer, chat_options
+from router.tokenization import ByteTokenizer, ChatTemplateError, PromptTokenizer, chat_options
 
 
 class ClientGone(Exception):
@@ -167,8 +167,11 @@ def _check_stream_options(body: dict[str, Any]) -> None:
         raise RouterError(400, *error)
 
 
-def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedRequest:
-    """Validate what the router needs of an OpenAI request and tokenize its prompt."""
+def parse_request(
+    raw: bytes, chat: bool, tokenizer: PromptTokenizer, template_decides: TemplateDecides | None = None
+) -> ParsedRequest:
+    """Validate what the router needs of an OpenAI request and tokenize its prompt. ``template_decides``:
+    is the tokenizer's chat template the one a model's workers render with (None: always)?"""
     body, model, stream = _common_fields(raw)
     _check_stream_options(body)
     rest: list = []  # a batch's prompts after the first
@@ -180,7 +183,8 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
             # NOTE: tools are part of the prompt (the template renders them): a shared tool set is
             # a shared prefix, so it counts for routing like a shared system prompt does
             messages = with_stand_ins(body["messages"], "text")
-            token_ids = _encode_chat(tokenizer, messages, body.get("tools"), chat_options(body))
+            token_ids = _encode_chat_of(model, template_decides, tokenizer, messages, body.get("tools"),
+                                        chat_options(body))  # fmt: skip
         else:
             token_ids, rest = _prompt_tokens(body, tokenizer, special)
     except ValueError as exc:
@@ -200,7 +204,9 @@ def parse_request(raw: bytes, chat: bool, tokenizer: PromptTokenizer) -> ParsedR
                          cache_salt=body.get("cache_salt"), fit_tokens=fit, cut_to_fit=cut)  # fmt: skip
 
 
-def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedRequest:
+def parse_responses_request(
+    raw: bytes, tokenizer: PromptTokenizer, template_decides: TemplateDecides | None = None
+) -> ParsedRequest:
     """A /v1/responses request: routed by ``instructions`` + ``input`` rendered as chat, or, with
     ``previous_response_id``, pinned to the worker that holds that conversation (router.responses_input)."""
     body, model, stream = _common_fields(raw)
@@ -215,7 +221,9 @@ def parse_responses_request(raw: bytes, tokenizer: PromptTokenizer) -> ParsedReq
         # NOTE: a follow-up's prompt starts with a history only its worker has: nothing to match
         options = chat_options(template_options(body))
         token_ids: Sequence[int] = (
-            b"" if previous is not None else _encode_chat(tokenizer, messages, tools, options)
+            b""
+            if previous is not None
+            else _encode_chat_of(model, template_decides, tokenizer, messages, tools, options)
         )
     except ValueError as exc:
         raise RouterError(400, str(exc), "invalid_request") from None
@@ -299,6 +307,25 @@ def _encode_chat(
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode_chat_bytes(messages, tools, **(options or {}))
     return tokenizer.encode_chat(messages, tools, **(options or {}))
+
+
+# Does the router's chat template decide for this request's ``model`` (its workers render with it)?
+TemplateDecides = Callable[[str | None], bool]
+
+
+def _encode_chat_of(
+    model: str | None, template_decides: TemplateDecides | None, tokenizer: PromptTokenizer, messages: Any,
+    tools: Any = None, options: dict[str, bool] | None = None,
+) -> Sequence[int]:  # fmt: skip
+    """``_encode_chat``, but a refusal of the chat template is the router's 400 only for a model whose
+    workers render with that template: another model's workers judge the conversation with their own,
+    and the router routes it by its ``bytes`` rendering, an estimate as their counts are anyway."""
+    try:
+        return _encode_chat(tokenizer, messages, tools, options)
+    except ChatTemplateError:
+        if template_decides is None or template_decides(model):
+            raise
+    return ByteTokenizer().encode_chat(messages, tools, **(options or {}))
 
 
 def _prompt_tokens(

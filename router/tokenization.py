@@ -63,6 +63,11 @@ class PromptTokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes | None: ...
 
 
+class ChatTemplateError(ValueError):
+    """A model's chat template refused a conversation (its ``raise_exception``, request data of types it
+    cannot render, no template at all): that model's verdict, not a malformed request's."""
+
+
 def _with_thinking(message: dict) -> dict:
     """A message's reasoning under each name chat templates read it by, as transformers aliases them: the
     first of ``reasoning_content`` (Qwen3's, DeepSeek's), ``thinking`` (gpt-oss's) and ``reasoning`` (what
@@ -639,7 +644,7 @@ class HFTokenizer:
         # NOTE: as transformers picks: a request with tools takes the ``tool_use`` template where there is one
         name = "tool_use" if tools and "tool_use" in self.chat_templates else "default"
         if name not in self.chat_templates:
-            raise ValueError("this model has no chat template; use /v1/completions")
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
         template = self._compiled(name)
         # NOTE: text parts stay a list for a template that loops over them (Gemma 3's, Llama 4's), as
         # transformers passes them; others get them joined, as vLLM does (a list would render as one)
@@ -667,12 +672,14 @@ class HFTokenizer:
         except (TemplateError, TypeError, ValueError, LookupError) as exc:
             # NOTE: raise_exception() in the template, or the request's data where the template wants
             # other types (a chat_template_kwargs value added to a string): a bad conversation, a 400
-            raise ValueError(f"chat template rejected the messages: {exc}") from exc
+            raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
         if not continue_final_message:
             return text
         end = text.rfind(_CONTINUE_TAG.strip())
         if end < 0:
-            raise ValueError("continue_final_message: the chat template does not write the last message")
+            raise ChatTemplateError(
+                "continue_final_message: the chat template does not write the last message"
+            )
         # a template that trims the content also trimmed the marker's space: trim the cut text too
         return text[:end] if text.startswith(_CONTINUE_TAG, end) else text[:end].rstrip()
 

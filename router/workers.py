@@ -261,6 +261,15 @@ class WorkerRegistry:
             return True
         return any(not w.models and (w.healthy or not told) for w in self._workers.values())
 
+    def count_like(self, model: str | None, tokenizer: str) -> bool:
+        """Does a worker serving ``model`` (None: any worker) count tokens as ``tokenizer`` does
+        (Worker.counts_like)?"""
+        return any(
+            w.counts_like(tokenizer)
+            for w in list(self._workers.values())
+            if model is None or model in w.models
+        )
+
     def models(self) -> frozenset[str]:
         """Every model some worker told it serves, LoRA adapters included."""
         if self._models is None:

@@ -172,3 +172,32 @@ def test_a_body_nested_past_the_bound_is_a_400_on_both_and_opens_no_breaker(laun
         assert answer.status_code == 400 and answer.json()["error"]["message"] == JSON_DEPTH_ERROR
     workers = httpx.get(router.url + "/workers", timeout=10).json()
     assert all(w["breaker"] == "closed" for w in workers["workers"]), workers
+
+
+def test_a_chat_template_refusal_is_a_400_only_for_the_models_that_render_with_that_template(tmp_path):
+    """The router has one chat template; a model whose workers render with another judges its
+    conversations itself: one the router's template refuses is routed by its bytes rendering."""
+    from router.tokenization import HFTokenizer
+
+    from .test_tokenization import byte_level_dir
+
+    tok = HFTokenizer(str(byte_level_dir(tmp_path / "tok")))  # its template: the first turn is a user's
+    messages = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "hi"}]
+
+    def parsed(model: str, endpoint: str):
+        if endpoint == "chat":
+            return parse_request(
+                orjson.dumps({"model": model, "messages": messages}), True, tok, lambda m: m == "mine"
+            )
+        body = {"model": model, "input": messages}
+        return parse_responses_request(orjson.dumps(body), tok, lambda m: m == "mine")
+
+    for endpoint in ("chat", "responses"):
+        with pytest.raises(RouterError, match="must start with a user") as refused:
+            parsed("mine", endpoint)
+        assert refused.value.status == 400
+        assert list(parsed("theirs", endpoint).token_ids) == ByteTokenizer().encode_chat(messages)
+    with pytest.raises(RouterError):  # a request no template reads is the router's 400 whatever its model
+        parse_request(
+            orjson.dumps({"model": "theirs", "messages": [{"role": "user"}]}), True, tok, lambda m: False
+        )

@@ -1542,3 +1542,19 @@ def test_a_request_naming_no_model_is_refused_where_the_fleet_serves_several(lau
     alone = launch.router([a.url])
     served = httpx.post(alone.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=10)
     assert served.status_code == 200 and served.json()["model"] == "alpha"
+
+
+def test_a_model_whose_workers_render_with_another_template_is_not_refused_by_the_routers(launch, tmp_path):
+    """With ``--tokenizer DIR`` the router renders chat with that model's template; a worker that does
+    not count tokens as the router does (here one of the bytes tokenizer) renders with its own, so a
+    conversation the router's template refuses goes to it and is answered there."""
+    backend = launch.echo_backend()
+    router = launch.router([backend.url], "--tokenizer", str(byte_level_dir(tmp_path / "tok")))
+    messages = [
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "hi"},
+    ]  # not user first
+    r = httpx.post(
+        router.url + "/v1/chat/completions", json={"model": "echo", "messages": messages}, timeout=10
+    )
+    assert r.status_code == 200, r.text
