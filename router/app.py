@@ -215,8 +215,7 @@ def build_app(config: RouterConfig, on_shutdown: list[Callable[[], None]] | None
             model = body.get("model") if isinstance(body, dict) else None
             if model is not None and not isinstance(model, str):
                 return error_response(400, "'model' must be a string", "invalid_type")
-            if model is not None:
-                router.check_model(model)
+            router.check_model(model)  # NOTE: none named in a fleet of several models: a 400, as for the API
             worker = least_loaded(model)
         except orjson.JSONDecodeError:
             return error_response(400, "request body is not valid JSON", "invalid_json")

@@ -1539,6 +1539,12 @@ def test_a_request_naming_no_model_is_refused_where_the_fleet_serves_several(lau
         assert refused.json()["error"]["code"] == "missing_required_parameter"
         named = httpx.post(router.url + path, json={**body, "model": "beta", "max_tokens": 1}, timeout=10)
         assert named.status_code == 200 and named.headers["x-radixgate-worker"] == b.url
+    for path, body in (
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [120]}),
+    ):  # whose tokenizer?
+        refused = httpx.post(router.url + path, json=body, timeout=10)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "missing_required_parameter"
     alone = launch.router([a.url])
     served = httpx.post(alone.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=10)
     assert served.status_code == 200 and served.json()["model"] == "alpha"
