@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -42,7 +43,10 @@ class HealthChecker:
         self._task: asyncio.Task | None = None
         self._unanswered: dict[str, int] = {}  # worker url -> its checks in a row that timed out
         self._checking: dict[int, asyncio.Task] = {}  # id(worker) -> its check under way
-        self._unlearned: set[str] = set()  # worker urls whose last /v1/models got no answer
+        self._unlearned: set[str] = set()  # worker urls whose last /v1/models or cache info got no answer
+        self._other_sizes: dict[
+            str, int
+        ] = {}  # the workers of other block sizes than the router's, as logged
         router.workers.on_removed.append(self._forget)
 
     def _forget(self, worker: Worker) -> None:
@@ -130,7 +134,7 @@ class HealthChecker:
         restarted = epoch is not None and worker.epoch is not None and epoch != worker.epoch
         listed = _listed_models(report)
         if not worker.healthy or restarted:
-            await self._learn(worker, listed)
+            await self._learn(worker, listed, fresh=epoch is None or epoch != worker.epoch)
             # NOTE: a new process (a new epoch; or one that tells none, whose restart cannot be told from
             # a flap) starts with a closed breaker; the same process back from failed checks keeps its
             # breaker as it was: passing checks say nothing of its answers
@@ -138,8 +142,8 @@ class HealthChecker:
                 worker.breaker.reset()
             log.info("worker %s is healthy%s", worker.url, " (restarted: new epoch)" if restarted else "")
         elif not worker.models or worker.url in self._unlearned or _models_changed(report, worker):
-            # NOTE: the last try to learn them failed (a slow answer), or the worker now serves other
-            # models (a LoRA adapter loaded or unloaded): ask again
+            # NOTE: the last try to learn its models or cache info failed (a slow answer), or the worker
+            # now serves other models (a LoRA adapter loaded or unloaded): ask again
             await self._learn(worker, listed)
         if worker not in self._router.workers:
             return  # NOTE: removed while it learned (maybe added again: the index is the new one's)
@@ -166,11 +170,12 @@ class HealthChecker:
                     "worker %s stopped answering: %d requests waiting on it go elsewhere", worker.url, moved
                 )
 
-    async def _learn(self, worker: Worker, listed: frozenset[str] | None = None) -> None:
-        """Served models and, for radixgate workers, cache info (block size, namespace). ``listed``:
-        the models its health report lists, which stand in while its /v1/models does not answer (the
-        contexts and adapters' parents it tells are read at a later check)."""
-        learned = False
+    async def _learn(self, worker: Worker, listed: frozenset[str] | None = None, fresh: bool = False) -> None:
+        """Served models and, for radixgate workers, cache info (block size, namespace); what does not
+        answer is asked again at the next check. ``listed``: the models its health report lists, which
+        stand in while its /v1/models does not answer (the contexts and adapters' parents it tells are
+        read at a later check). ``fresh``: a new process, whose contexts are not its last life's."""
+        learned = info_read = False
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             status, body = await self._get_json(worker.url + "/v1/models")
             if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list):
@@ -182,10 +187,11 @@ class HealthChecker:
                 worker.parents = {m["id"]: m["parent"] for m in served if isinstance(m.get("parent"), str)}
                 self._router.workers.served_changed()
                 learned = True
-        if learned:
-            self._unlearned.discard(worker.url)
-        else:
-            self._unlearned.add(worker.url)
+        if not learned:
+            if fresh and (worker.max_model_len or worker.parents):
+                # NOTE: a restarted worker may serve its model with another context (not its last life's)
+                worker.max_model_len, worker.parents = {}, {}
+                self._router.workers.served_changed()
             if listed and listed != worker.models:
                 # NOTE: a worker of unknown models takes requests for any model no other worker tells it
                 # serves, and a restarted one's last models may be another process's
@@ -195,23 +201,35 @@ class HealthChecker:
                 self._router.workers.served_changed()
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             status, body = await self._get_json(worker.url + "/v1/cache/info")
+            info_read = status < 500  # NOTE: a 404 is another backend's (none to read); a 5xx is asked again
             if status == 200 and isinstance(body, dict) and isinstance(body.get("block_size"), int):
                 worker.cache_info = body
-                if body["block_size"] != self._router.block_size:
-                    others = {
-                        w.url: w.block_size for w in self._router.workers if w is not worker and w.block_size
-                    }
-                    if any(size != body["block_size"] for size in others.values()):
-                        # NOTE: one block size hashes every prompt: the other workers' prefixes stop matching
-                        log.warning("block size %d advertised by %s differs from other workers' (%s): prefix "
-                                    "matching follows %s only; give every worker the same --block-size",
-                                    body["block_size"], worker.url, others, worker.url)  # fmt: skip
-                    else:
-                        log.info("block size %d advertised by %s", body["block_size"], worker.url)
-                    self._router.block_size = body["block_size"]
+                self._adopt_block_size()
                 if isinstance(body.get("epoch"), str) and worker.epoch is None:
                     worker.epoch = body["epoch"]
+        if learned and info_read:
+            self._unlearned.discard(worker.url)
+        else:
+            self._unlearned.add(worker.url)
         self._router.events.models_learned(worker)
+
+    def _adopt_block_size(self) -> None:
+        """One block size hashes every prompt: the one most workers advertise (a tie: the smallest), so
+        which one a fleet mixing sizes is routed by does not hang on which worker was learned last, and
+        one worker of another size restarting does not switch it. The others' prefixes stop matching."""
+        sizes = Counter(w.block_size for w in self._router.workers if w.block_size)
+        if not sizes:
+            return
+        size = max(sizes, key=lambda s: (sizes[s], -s))
+        others = {w.url: w.block_size for w in self._router.workers if w.block_size and w.block_size != size}
+        if others and others != self._other_sizes:
+            log.warning("workers advertise block sizes %s: prefix matching follows %d (most workers'); the "
+                        "prefixes of %s stop matching: give every worker the same --block-size",
+                        dict(sizes), size, others)  # fmt: skip
+        self._other_sizes = others
+        if not others and size != self._router.block_size:
+            log.info("block size %d advertised by the workers", size)
+        self._router.block_size = size
 
 
 def _listed_models(report: dict) -> frozenset[str] | None:

@@ -1564,3 +1564,98 @@ def test_a_model_whose_workers_render_with_another_template_is_not_refused_by_th
         router.url + "/v1/chat/completions", json={"model": "echo", "messages": messages}, timeout=10
     )
     assert r.status_code == 200, r.text
+
+
+def _proxy_failing(upstream: str, path: str, failures: int) -> tuple[str, object]:
+    """A pass-through proxy to ``upstream`` whose ``path`` answers 503 its first ``failures`` times."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from tests.support import serve_in_thread
+
+    left, to = [failures], [upstream]
+
+    async def forward(request):
+        if request.url.path == path and left[0] > 0:
+            left[0] -= 1
+            return Response(b"busy", 503)
+        async with httpx.AsyncClient() as client:
+            r = await client.request(request.method, to[0] + request.url.path, content=await request.body(),
+                                     headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    url, server = serve_in_thread(
+        Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])]), path
+    )
+    server.fail, server.to = (
+        left,
+        to,
+    )  # NOTE: a test may fail more calls, or stand another process behind the URL
+    return url, server
+
+
+def test_a_worker_whose_cache_info_failed_once_is_asked_again(launch):
+    """A radixgate worker's /v1/cache/info (block size, tokenizer) that failed when the router first
+    learned the worker is asked again at the next checks: one failure left it unknown for good (no
+    block size, no context filtering, its KV events not followed)."""
+    worker = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "32")
+    url, proxy = _proxy_failing(worker.url, "/v1/cache/info", 2)
+    try:
+        router = launch.router([url])
+
+        def block_size() -> int | None:
+            return httpx.get(router.url + "/workers", timeout=5).json()["workers"][0]["block_size"]
+
+        wait_until(lambda: block_size() == 32, 15, what="the cache info read again")
+    finally:
+        proxy.should_exit = True
+
+
+def test_the_block_size_most_workers_advertise_is_the_fleets(launch):
+    """In a fleet mixing --block-size values the router hashes prompts by the size most workers advertise
+    (it took the last one learned: a race at start-up, and one worker of another size added or restarted
+    switched it, so every other worker's cached prefixes stopped matching)."""
+    workers = [
+        launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "16")
+        for _ in range(2)
+    ]
+    odd = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "8")
+    router = launch.router([w.url for w in workers])
+    prompt = {"model": "sim-8b", "prompt": "a shared system prompt " * 20, "max_tokens": 1}
+
+    def route() -> dict:
+        return httpx.post(router.url + "/debug/route", json=prompt, timeout=5).json()
+
+    wait_until(lambda: route()["block_size"] == 16, 15, what="the workers' block size")
+    added = httpx.post(router.url + "/workers", json={"url": odd.url}, timeout=5)
+    assert added.status_code in (200, 201), added.text
+    wait_until(
+        lambda: [
+            w["block_size"] for w in httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+        ].count(8),
+        15,
+        what="the odd worker learned",
+    )
+    assert route()["block_size"] == 16
+    assert "prefix matching follows 16" in router.log()
+
+
+def test_a_restarted_worker_whose_models_list_fails_keeps_no_context_of_its_last_life(launch):
+    """A worker restarted (a new epoch) with a smaller --max-model-len while its /v1/models does not answer:
+    the router forgot its last life's context rather than keep routing long prompts there by it."""
+    before = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--max-model-len", "2048")
+    after = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--max-model-len", "256")
+    url, proxy = _proxy_failing(before.url, "/v1/models", 0)
+    try:
+        router = launch.router([url])
+
+        def context() -> int | None:
+            return httpx.get(router.url + "/v1/models", timeout=5).json()["data"][0].get("max_model_len")
+
+        wait_until(lambda: context() == 2048, 15, what="the first life's context")
+        proxy.fail[0], proxy.to[0] = 10**6, after.url  # the restart: another epoch, its models list failing
+        wait_until(lambda: context() != 2048, 15, what="the last life's context forgotten")
+        assert context() is None
+    finally:
+        proxy.should_exit = True
