@@ -52,6 +52,7 @@ class HealthChecker:
     def _forget(self, worker: Worker) -> None:
         self._unanswered.pop(worker.url, None)
         self._unlearned.discard(worker.url)
+        self._adopt_block_size()  # NOTE: the size it advertised may have been the fleet's
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -214,22 +215,27 @@ class HealthChecker:
         self._router.events.models_learned(worker)
 
     def _adopt_block_size(self) -> None:
-        """One block size hashes every prompt: the one most workers advertise (a tie: the smallest), so
-        which one a fleet mixing sizes is routed by does not hang on which worker was learned last, and
-        one worker of another size restarting does not switch it. The others' prefixes stop matching."""
+        """One block size hashes every prompt: the one most workers advertise (a tie: the first registered
+        worker's), so which one a fleet mixing sizes is routed by does not hang on which worker was learned
+        last, and one worker of another size restarting does not switch it; asked again as workers are
+        learned and removed. The others' prefixes stop matching. A change re-hashes the index: what it
+        holds of every worker is in blocks of the old size (EventSubscriber.rehash)."""
         sizes = Counter(w.block_size for w in self._router.workers if w.block_size)
         if not sizes:
             return
-        size = max(sizes, key=lambda s: (sizes[s], -s))
+        size = max(sizes, key=sizes.__getitem__)  # NOTE: the first of equal counts: Counter keeps their order
         others = {w.url: w.block_size for w in self._router.workers if w.block_size and w.block_size != size}
         if others and others != self._other_sizes:
             log.warning("workers advertise block sizes %s: prefix matching follows %d (most workers'); the "
                         "prefixes of %s stop matching: give every worker the same --block-size",
                         dict(sizes), size, others)  # fmt: skip
         self._other_sizes = others
-        if not others and size != self._router.block_size:
+        if size == self._router.block_size:
+            return
+        if not others:
             log.info("block size %d advertised by the workers", size)
         self._router.block_size = size
+        self._router.events.rehash()
 
 
 def _listed_models(report: dict) -> frozenset[str] | None:

@@ -341,7 +341,7 @@ def test_bundled_redis_holds_the_workers_streams_within_its_memory_limit(chart, 
     redis = container(one(objects, "Deployment", "redis"))
     maxmemory = _bytes(flag(redis["args"], "--maxmemory"))
     assert flag(redis["args"], "--maxmemory-policy") == "allkeys-lru"
-    assert maxmemory <= 0.8 * _bytes(redis["resources"]["limits"]["memory"])
+    assert maxmemory <= 0.65 * _bytes(redis["resources"]["limits"]["memory"])  # NOTE: RSS ~1.3x used memory
     worker = parse_worker_args(worker_argv(one(objects, "StatefulSet", "worker"), 0))
     assert worker.stream_maxlen * 30 * 2**10 <= maxmemory
 

@@ -1183,13 +1183,14 @@ def test_workers_with_different_block_sizes_are_warned_about(launch):
     a = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "16")
     b = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "32")
     router = launch.router([a.url, b.url])
-    wait_until(lambda: "differs from other workers'" in router.log(), 30, what="the warning")
+    wait_until(lambda: "workers advertise block sizes" in router.log(), 30, what="the warning")
     assert "give every worker the same --block-size" in router.log()
+    assert "prefix matching follows 16" in router.log()  # NOTE: a tie: the smaller
     c = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "16")
     alike = launch.router([a.url, c.url])
     wait_until(lambda: all(w["healthy"] for w in httpx.get(alike.url + "/workers", timeout=2).json()["workers"]),
                30, what="both healthy")  # fmt: skip
-    assert "differs from other workers'" not in alike.log()
+    assert "workers advertise block sizes" not in alike.log()
 
 
 def test_a_burst_on_a_cold_connection_pool_is_routed_by_the_prefix_its_first_requests_sent(launch):
@@ -1613,32 +1614,39 @@ def test_a_worker_whose_cache_info_failed_once_is_asked_again(launch):
 
 
 def test_the_block_size_most_workers_advertise_is_the_fleets(launch):
-    """In a fleet mixing --block-size values the router hashes prompts by the size most workers advertise
-    (it took the last one learned: a race at start-up, and one worker of another size added or restarted
-    switched it, so every other worker's cached prefixes stopped matching)."""
-    workers = [
-        launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "16")
-        for _ in range(2)
-    ]
-    odd = launch.module("worker", "--engine", "sim", "--model", "sim-8b", "--block-size", "8")
+    """In a fleet mixing --block-size values the router hashes prompts by the size most workers advertise,
+    as workers are learned and removed (it took the last one learned: a race at start-up, one worker of
+    another size added or restarted switched it, and its removal did not switch it back)."""
+    sim = ("worker", "--engine", "sim", "--model", "sim-8b", "--block-size")
+    workers = [launch.module(*sim, "16") for _ in range(2)]
+    odd, more = launch.module(*sim, "8"), launch.module(*sim, "8")
     router = launch.router([w.url for w in workers])
     prompt = {"model": "sim-8b", "prompt": "a shared system prompt " * 20, "max_tokens": 1}
 
     def route() -> dict:
         return httpx.post(router.url + "/debug/route", json=prompt, timeout=5).json()
 
-    wait_until(lambda: route()["block_size"] == 16, 15, what="the workers' block size")
-    added = httpx.post(router.url + "/workers", json={"url": odd.url}, timeout=5)
-    assert added.status_code in (200, 201), added.text
-    wait_until(
-        lambda: [
+    def eights() -> int:
+        return [
             w["block_size"] for w in httpx.get(router.url + "/workers", timeout=5).json()["workers"]
-        ].count(8),
-        15,
-        what="the odd worker learned",
-    )
+        ].count(8)
+
+    def workers_call(method: str, url: str) -> int:
+        return httpx.request(method, router.url + "/workers", json={"url": url}, timeout=5).status_code
+
+    wait_until(lambda: route()["block_size"] == 16, 15, what="the workers' block size")
+    assert workers_call("POST", odd.url) in (200, 201)
+    wait_until(lambda: eights() == 1, 15, what="the odd worker learned")
     assert route()["block_size"] == 16
     assert "prefix matching follows 16" in router.log()
+    assert workers_call("POST", more.url) in (200, 201)
+    wait_until(lambda: eights() == 2, 15, what="both learned")
+    assert route()["block_size"] == 16  # NOTE: 2 and 2: the first registered worker's
+    assert workers_call("DELETE", workers[0].url) == 200  # NOTE: a removed worker's size counts no more
+    assert route()["block_size"] == 8
+    for w in (odd, more):
+        assert workers_call("DELETE", w.url) == 200
+    assert route()["block_size"] == 16
 
 
 def test_a_restarted_worker_whose_models_list_fails_keeps_no_context_of_its_last_life(launch):
