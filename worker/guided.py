@@ -362,9 +362,8 @@ class GuideCompiler:
         the compile (one not begun is skipped)."""
         key = (kind, grammar)
         with self._lock:
-            guide = self._compiled.get(key)
+            guide = self._kept(key)
             if guide is not None:
-                self._compiled.move_to_end(key)
                 return guide
             job = self._compiling.get(key)
             if job is None:
@@ -381,13 +380,19 @@ class GuideCompiler:
                     if self._compiling.get(key) is job:
                         del self._compiling[key]
 
+    def _kept(self, key: tuple[str, str]) -> Guide | None:
+        """The kept Guide of ``key`` (now the most recently used), or None; under ``_lock``."""
+        guide = self._compiled.get(key)
+        if guide is not None:
+            self._compiled.move_to_end(key)
+        return guide
+
     def compile(self, kind: str, grammar: str) -> Guide:
         """A Guide for llguidance ``grammar`` text; ValueError naming the problem if it is invalid."""
         key = (kind, grammar)
         with self._lock:
-            guide = self._compiled.get(key)
+            guide = self._kept(key)
             if guide is not None:
-                self._compiled.move_to_end(key)
                 return guide
         from llguidance import LLMatcher
 
