@@ -283,13 +283,16 @@ class EventSubscriber:
 
     def rehash(self) -> None:
         """The router's block size changed: what the index holds of each worker is hashed in blocks of
-        the old size, never matched again. It goes; each worker whose events were followed and now name
-        the router's blocks is re-synced from its snapshot (one not synced yet is at its first)."""
+        the old size, never matched again. It goes; each watched worker whose events name the router's
+        blocks now is re-synced from its snapshot (in http mode once its stream is open, as after a
+        restart), so what it holds is predicted again without waiting for its next batch."""
         for worker in list(self._router.workers):
             if self._syncing[worker.url]:
                 continue  # NOTE: its snapshot, being applied, is read under the new size's rule
             self._router.index.clear_worker(worker.url)
-            if self._cursors.pop(worker.url, None) is not None and self.matches(worker):
+            self._cursors.pop(worker.url, None)
+            watched = worker.url in self._first and (self.mode != "http" or worker.url in self._streaming)
+            if watched and self.matches(worker):
                 self.resync_soon(worker)
 
     async def resync(self, worker: Worker) -> bool:

@@ -1620,11 +1620,16 @@ def test_the_block_size_most_workers_advertise_is_the_fleets(launch):
     sim = ("worker", "--engine", "sim", "--model", "sim-8b", "--block-size")
     workers = [launch.module(*sim, "16") for _ in range(2)]
     odd, more = launch.module(*sim, "8"), launch.module(*sim, "8")
-    router = launch.router([w.url for w in workers])
     prompt = {"model": "sim-8b", "prompt": "a shared system prompt " * 20, "max_tokens": 1}
+    held = httpx.post(workers[1].url + "/v1/completions", json=prompt, timeout=30)  # NOTE: cached there
+    assert held.status_code == 200
+    router = launch.router([w.url for w in workers])
 
     def route() -> dict:
         return httpx.post(router.url + "/debug/route", json=prompt, timeout=5).json()
+
+    def predicted(url: str) -> int:
+        return next(c["predicted_cached_tokens"] for c in route()["candidates"] if c["url"] == url)
 
     def eights() -> int:
         return [
@@ -1647,6 +1652,11 @@ def test_the_block_size_most_workers_advertise_is_the_fleets(launch):
     for w in (odd, more):
         assert workers_call("DELETE", w.url) == 200
     assert route()["block_size"] == 16
+    # NOTE: the index was hashed in 8s meanwhile: what the worker of 16 holds is read again from its snapshot
+    again = httpx.post(workers[1].url + "/v1/completions", json=prompt, timeout=30).json()["usage"]
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    wait_until(lambda: predicted(workers[1].url) == cached, 10, what="the worker's prefix predicted again")
 
 
 def test_a_restarted_worker_whose_models_list_fails_keeps_no_context_of_its_last_life(launch):
