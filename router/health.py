@@ -215,15 +215,15 @@ class HealthChecker:
         self._router.events.models_learned(worker)
 
     def _adopt_block_size(self) -> None:
-        """One block size hashes every prompt: the one most workers advertise (a tie: the first registered
-        worker's), so which one a fleet mixing sizes is routed by does not hang on which worker was learned
-        last, and one worker of another size restarting does not switch it; asked again as workers are
-        learned and removed. The others' prefixes stop matching. A change re-hashes the index: what it
+        """One block size hashes every prompt: the one most workers advertise (a tie: the smallest), so
+        which one a fleet mixing sizes is routed by does not hang on which worker was learned last (router
+        replicas agree, whatever order they learned the workers in), and one worker of another size
+        restarting does not switch it; asked again as workers are learned and removed. The others' prefixes stop matching. A change re-hashes the index: what it
         holds of every worker is in blocks of the old size (EventSubscriber.rehash)."""
         sizes = Counter(w.block_size for w in self._router.workers if w.block_size)
         if not sizes:
             return
-        size = max(sizes, key=sizes.__getitem__)  # NOTE: the first of equal counts: Counter keeps their order
+        size = max(sizes, key=lambda s: (sizes[s], -s))
         others = {w.url: w.block_size for w in self._router.workers if w.block_size and w.block_size != size}
         if others and others != self._other_sizes:
             log.warning("workers advertise block sizes %s: prefix matching follows %d (most workers'); the "
